@@ -1,0 +1,236 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The device value type ("cpu" or "cuda:N"), the number of visible CUDA devices, the current device and an RAII
+/// guard that switches it for a scope. Nothing here creates a CUDA context on a device the user did not name.
+
+#include <gpukit/error.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <iosfwd>
+#include <iterator>
+#include <string>
+#include <string_view>
+
+namespace gpukit {
+
+/// Names where memory lives and work runs: the host CPU, or a CUDA device by its ordinal among the visible devices
+/// (after CUDA_VISIBLE_DEVICES). A plain value: cheap to copy, comparable, hashable, printable as "cpu"/"cuda:N".
+class device {
+ public:
+  enum class kind : unsigned char { cpu, cuda };
+
+  /// The CPU.
+  constexpr device() noexcept = default;
+
+  /// The CPU device.
+  static constexpr device cpu() noexcept { return device{}; }
+
+  /// The CUDA device with this ordinal. Throws invalid_argument_error for a negative ordinal. Whether the ordinal
+  /// exists is checked when the device is used (so a value can be built before CUDA is initialised).
+  static device cuda(int ordinal) {
+    if (ordinal < 0) {
+      throw invalid_argument_error("gpukit::device::cuda(" + std::to_string(ordinal) +
+                                   "): a CUDA ordinal must be non-negative");
+    }
+    return device(kind::cuda, ordinal);
+  }
+
+  /// Parses "cpu", "cuda" (meaning cuda:0) or "cuda:N"; surrounding whitespace is ignored, nothing else is
+  /// accepted. Throws invalid_argument_error naming the text otherwise.
+  static device parse(std::string_view text) {
+    const std::string_view original = text;
+    while (!text.empty() && (text.front() == ' ' || text.front() == '\t')) text.remove_prefix(1);
+    while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.remove_suffix(1);
+    if (text == "cpu") return cpu();
+    if (text == "cuda") return cuda(0);
+    constexpr std::string_view prefix = "cuda:";
+    if (text.size() > prefix.size() && text.substr(0, prefix.size()) == prefix) {
+      long long ordinal = 0;
+      bool digits_only = true;
+      for (char c : text.substr(prefix.size())) {
+        if (c < '0' || c > '9') {
+          digits_only = false;
+          break;
+        }
+        ordinal = ordinal * 10 + (c - '0');
+        if (ordinal > 1'000'000) break;  // far beyond any real ordinal; avoids overflow
+      }
+      if (digits_only && ordinal <= 1'000'000) return cuda(static_cast<int>(ordinal));
+    }
+    throw invalid_argument_error("invalid device \"" + std::string(original) +
+                                 "\": expected \"cpu\", \"cuda\" or \"cuda:N\" with N a non-negative integer");
+  }
+
+  constexpr kind type() const noexcept { return kind_; }
+  constexpr bool is_cpu() const noexcept { return kind_ == kind::cpu; }
+  constexpr bool is_cuda() const noexcept { return kind_ == kind::cuda; }
+  /// The CUDA ordinal, or -1 for the CPU.
+  constexpr int ordinal() const noexcept { return ordinal_; }
+
+  /// "cpu" or "cuda:N"; device::parse(d.to_string()) == d.
+  std::string to_string() const { return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(ordinal_); }
+
+  friend constexpr bool operator==(device a, device b) noexcept {
+    return a.kind_ == b.kind_ && a.ordinal_ == b.ordinal_;
+  }
+  friend constexpr bool operator!=(device a, device b) noexcept { return !(a == b); }
+  /// The CPU orders first, then CUDA devices by ordinal.
+  friend constexpr bool operator<(device a, device b) noexcept { return a.ordinal_ < b.ordinal_; }
+
+  template <class CharT, class Traits>
+  friend std::basic_ostream<CharT, Traits>& operator<<(std::basic_ostream<CharT, Traits>& out, device d) {
+    return out << d.to_string().c_str();
+  }
+
+ private:
+  constexpr device(kind k, int ordinal) noexcept : kind_(k), ordinal_(ordinal) {}
+  kind kind_ = kind::cpu;
+  int ordinal_ = -1;
+};
+
+namespace detail {
+
+/// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
+/// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
+struct cuda_environment_snapshot {
+  bool set = false;
+  std::string value;
+};
+
+inline const cuda_environment_snapshot& cuda_environment_at_init() {
+  static const cuda_environment_snapshot snapshot = [] {
+    cuda_environment_snapshot s;
+    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
+      s.set = true;
+      s.value = value;
+    }
+    return s;
+  }();
+  return snapshot;
+}
+
+/// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
+/// own initialisation triggered by gpukit.
+inline void note_cuda_use() { (void)cuda_environment_at_init(); }
+
+}  // namespace detail
+
+/// The number of CUDA devices visible to this process. Never throws: 0 without a driver (cudaErrorInsufficientDriver),
+/// with only the stub library (cudaErrorStubLibrary), or with no GPU (cudaErrorNoDevice).
+inline int device_count() noexcept {
+  try {
+    detail::note_cuda_use();
+  } catch (...) {
+  }
+  int count = 0;  // not written by CUDA on error
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+/// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU.
+inline device current_device() {
+  detail::note_cuda_use();
+  int ordinal = 0;
+  GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
+  return device::cuda(ordinal);
+}
+
+/// Makes `d` the calling thread's current CUDA device (cudaSetDevice). Does nothing for the CPU.
+/// Throws invalid_argument_error for an ordinal that is not visible, naming the visible count.
+inline void set_current_device(device d) {
+  if (!d.is_cuda()) return;
+  detail::note_cuda_use();
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaSetDevice(d.ordinal()), "cudaSetDevice(" + std::to_string(d.ordinal()) + ")",
+                            d.ordinal());
+}
+
+/// RAII: makes a device current for the calling thread and restores the previous current device when the scope ends.
+/// For the CPU it changes nothing. It calls cudaSetDevice only when the device differs from the current one, so
+/// nesting is cheap. Not copyable or movable (it restores state of the thread that created it).
+class device_guard {
+ public:
+  explicit device_guard(device d) {
+    if (!d.is_cuda()) return;
+    detail::note_cuda_use();
+    GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
+    if (previous_ != d.ordinal()) {
+      set_current_device(d);
+      changed_ = true;
+    }
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() {
+    if (changed_) {
+      detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)",
+                                  previous_);
+    }
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+/// A range over the visible CUDA devices, cuda:0 ... cuda:(device_count()-1), taken when the range is created.
+/// Enumerating creates no CUDA context.
+class device_range {
+ public:
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using value_type = device;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const device*;
+    using reference = device;
+
+    constexpr iterator() noexcept = default;
+    constexpr explicit iterator(int ordinal) noexcept : ordinal_(ordinal) {}
+    device operator*() const { return device::cuda(ordinal_); }
+    iterator& operator++() noexcept {
+      ++ordinal_;
+      return *this;
+    }
+    iterator operator++(int) noexcept {
+      iterator old = *this;
+      ++ordinal_;
+      return old;
+    }
+    friend constexpr bool operator==(iterator a, iterator b) noexcept { return a.ordinal_ == b.ordinal_; }
+    friend constexpr bool operator!=(iterator a, iterator b) noexcept { return a.ordinal_ != b.ordinal_; }
+
+   private:
+    int ordinal_ = 0;
+  };
+
+  explicit device_range(int count) noexcept : count_(count < 0 ? 0 : count) {}
+  iterator begin() const noexcept { return iterator(0); }
+  iterator end() const noexcept { return iterator(count_); }
+  std::size_t size() const noexcept { return static_cast<std::size_t>(count_); }
+  bool empty() const noexcept { return count_ == 0; }
+
+ private:
+  int count_;
+};
+
+/// The visible CUDA devices: `for (gpukit::device d : gpukit::cuda_devices()) ...`. Empty without a GPU.
+inline device_range cuda_devices() noexcept { return device_range(device_count()); }
+
+}  // namespace gpukit
+
+namespace std {
+template <>
+struct hash<gpukit::device> {
+  std::size_t operator()(gpukit::device d) const noexcept { return std::hash<int>()(d.ordinal()); }
+};
+}  // namespace std

@@ -1,0 +1,374 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Device auto-selection, so the same program runs on a laptop, in CI and on a GPU node. Precedence:
+///  1. GPUKIT_DEVICE in the environment ("cpu", "cuda", "cuda:N" or a GPU UUID / unique UUID prefix): always wins;
+///  2. the launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID, first set
+///     wins), mapped onto the visible devices as rank % device_count, so every rank of a node gets a distinct GPU
+///     when there are enough; the mapped device must satisfy the policy's requirements or selection fails;
+///  3. the policy: devices meeting its requirements (minimum compute capability, minimum free memory), ranked by its
+///     preference (first, most free memory, least utilised);
+///  4. the CPU — unless the policy requires a GPU, then no_device_error listing every device and why it was rejected.
+/// Free memory and utilisation come from NVML, which creates no CUDA context. Without NVML, free memory is unknown:
+/// min_free_bytes and most_free_memory use total memory instead (said in the reason), unless
+/// allow_context_probe is set, which permits cudaMemGetInfo on each candidate (creating its context, ~300 MB each);
+/// least_utilized falls back to the first eligible device.
+
+#include <gpukit/detail/format.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/device/nvml.hpp>
+#include <gpukit/device/properties.hpp>
+#include <gpukit/device/visible_devices.hpp>
+#include <gpukit/error.hpp>
+
+#include <cstddef>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gpukit {
+
+/// How to rank the devices that meet the requirements.
+enum class device_preference {
+  first,             ///< the lowest ordinal
+  most_free_memory,  ///< the most free memory (NVML; see the file comment for the fallback)
+  least_utilized,    ///< the lowest NVML GPU utilisation
+};
+
+/// What select_device looks for.
+struct selection_policy {
+  device_preference prefer = device_preference::first;
+  std::size_t min_free_bytes = 0;    ///< reject devices with less free memory than this
+  int min_compute_capability = 0;    ///< reject devices below this, as major*10+minor (80 = sm_80)
+  bool require_gpu = false;          ///< fail instead of falling back to the CPU
+  bool use_environment = true;       ///< honour GPUKIT_DEVICE and the launcher's local rank
+  bool allow_context_probe = false;  ///< without NVML, read free memory with cudaMemGetInfo (creates contexts)
+};
+
+/// One visible CUDA device, as the selection sees it.
+struct gpu_snapshot {
+  gpukit::device device;
+  std::string name;
+  std::string uuid;
+  std::size_t total_memory = 0;
+  int compute_capability = 0;  ///< major*10+minor
+  std::optional<std::size_t> free_memory;
+  std::string free_memory_source;  ///< "NVML", "cudaMemGetInfo" or empty
+  std::optional<unsigned> utilization_percent;
+};
+
+/// Everything selection depends on, gathered once. take_system_snapshot() reads it from the machine; tests and
+/// simulations build one by hand.
+struct system_snapshot {
+  std::vector<gpu_snapshot> gpus;            ///< the visible CUDA devices, by ordinal
+  std::string no_gpu_reason;                 ///< when gpus is empty: why, in one plain sentence
+  std::string telemetry;                     ///< where free memory / utilisation came from, or why not
+  std::optional<std::string> gpukit_device;  ///< GPUKIT_DEVICE, if set
+  std::string local_rank_variable;           ///< the launcher variable that was set, if any
+  std::optional<std::string> local_rank;     ///< its value
+};
+
+/// The verdict on one candidate device.
+struct candidate_verdict {
+  gpukit::device device;
+  std::string name;
+  bool eligible = false;
+  std::string note;  ///< why it was rejected, or what was assumed about it
+};
+
+/// The outcome of select_device: the device, what decided it, and why.
+struct device_selection {
+  enum class decided_by { environment_override, local_rank, policy, cpu_fallback };
+  gpukit::device device;
+  decided_by source = decided_by::cpu_fallback;
+  std::string reason;                       ///< one sentence
+  std::vector<candidate_verdict> candidates;
+
+  /// A multi-line report: the reason, then each candidate with its verdict.
+  std::string report() const {
+    std::string text = "selected " + device.to_string() + ": " + reason + "\n";
+    for (const auto& c : candidates) {
+      text += "  " + c.device.to_string() + " (" + c.name + "): " + (c.eligible ? "eligible" : "rejected");
+      if (!c.note.empty()) text += " - " + c.note;
+      text += "\n";
+    }
+    return text;
+  }
+};
+
+namespace detail {
+
+inline std::string capability_text(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+
+/// Memory the policy may count on: free memory when known, else total memory.
+inline std::size_t usable_memory(const gpu_snapshot& g) { return g.free_memory ? *g.free_memory : g.total_memory; }
+
+/// Empty when `g` meets the policy's requirements, else the reasons it does not.
+inline std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
+  std::string why;
+  if (g.compute_capability < policy.min_compute_capability) {
+    why = "compute capability " + capability_text(g.compute_capability) + " is below the required " +
+          capability_text(policy.min_compute_capability);
+  }
+  if (policy.min_free_bytes > 0 && usable_memory(g) < policy.min_free_bytes) {
+    if (!why.empty()) why += "; ";
+    why += (g.free_memory ? "free memory " : "total memory (free unknown) ") + format_bytes(usable_memory(g)) +
+           " is below the required " + format_bytes(policy.min_free_bytes);
+  }
+  return why;
+}
+
+inline std::string describe_gpu_list(const system_snapshot& system) {
+  return std::to_string(system.gpus.size()) + (system.gpus.size() == 1 ? " device visible" : " devices visible");
+}
+
+/// GPUKIT_DEVICE: "cpu", "cuda", "cuda:N" or a GPU UUID (or unique prefix) among the visible devices.
+inline device resolve_override(const std::string& raw, const system_snapshot& system) {
+  const std::string text(trim_whitespace(raw));
+  const std::string what = "GPUKIT_DEVICE=\"" + raw + "\"";
+  if (starts_with(text, "GPU-")) {
+    std::vector<device> matches;
+    for (const auto& g : system.gpus) {
+      if (starts_with(g.uuid, text)) matches.push_back(g.device);
+    }
+    if (matches.size() == 1) return matches.front();
+    std::string listing;
+    for (const auto& g : system.gpus) listing += (listing.empty() ? "" : ", ") + g.device.to_string() + " " + g.uuid;
+    if (matches.empty()) {
+      throw invalid_argument_error(what + " matches no visible device (" + describe_gpu_list(system) +
+                                   (listing.empty() ? "" : ": " + listing) + ")");
+    }
+    throw invalid_argument_error(what + " is ambiguous: it is a prefix of " + std::to_string(matches.size()) +
+                                 " visible devices' UUIDs (" + listing + "); give more of the UUID");
+  }
+  device d;
+  try {
+    d = device::parse(text);
+  } catch (const invalid_argument_error&) {
+    throw invalid_argument_error(what +
+                                 " is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
+  }
+  if (d.is_cuda() && d.ordinal() >= static_cast<int>(system.gpus.size())) {
+    if (system.gpus.empty()) {
+      throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
+    }
+    throw invalid_argument_error(what + " names " + d.to_string() + ", but only " + describe_gpu_list(system) +
+                                 " (" + describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
+  }
+  return d;
+}
+
+inline int parse_local_rank(const system_snapshot& system) {
+  const std::string text(trim_whitespace(*system.local_rank));
+  long long value = 0;
+  bool ok = !text.empty() && text.size() <= 9;
+  for (char c : text) {
+    ok = ok && c >= '0' && c <= '9';
+    if (ok) value = value * 10 + (c - '0');
+  }
+  if (!ok) {
+    throw invalid_argument_error(system.local_rank_variable + "=\"" + *system.local_rank +
+                                 "\" is not a local rank (a non-negative integer)");
+  }
+  return static_cast<int>(value);
+}
+
+}  // namespace detail
+
+/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
+/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, or an
+/// override naming no visible device; no_device_error when a GPU is required and none qualifies.
+inline device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
+  device_selection selection;
+  for (const auto& g : system.gpus) {
+    candidate_verdict v{g.device, g.name, false, detail::rejection_reason(g, policy)};
+    v.eligible = v.note.empty();
+    if (v.eligible && policy.min_free_bytes > 0 && !g.free_memory) {
+      v.note = "free memory unknown; compared total memory";
+    }
+    selection.candidates.push_back(std::move(v));
+  }
+
+  // 1. Explicit override.
+  if (policy.use_environment && system.gpukit_device && !detail::trim_whitespace(*system.gpukit_device).empty()) {
+    const device d = detail::resolve_override(*system.gpukit_device, system);
+    if (d.is_cpu() && policy.require_gpu) {
+      throw no_device_error("GPUKIT_DEVICE=\"" + *system.gpukit_device +
+                            "\" selects the CPU, but the policy requires a GPU");
+    }
+    selection.device = d;
+    selection.source = device_selection::decided_by::environment_override;
+    selection.reason = "GPUKIT_DEVICE=\"" + *system.gpukit_device + "\" overrides the policy";
+    if (d.is_cuda()) {
+      const auto& verdict = selection.candidates[static_cast<std::size_t>(d.ordinal())];
+      if (!verdict.eligible) selection.reason += " (although " + verdict.note + ")";
+    }
+    return selection;
+  }
+
+  // 2. The launcher's local rank.
+  if (policy.use_environment && system.local_rank && !system.gpus.empty()) {
+    const int rank = detail::parse_local_rank(system);
+    const int count = static_cast<int>(system.gpus.size());
+    const int ordinal = rank % count;
+    const auto& verdict = selection.candidates[static_cast<std::size_t>(ordinal)];
+    const std::string mapping = system.local_rank_variable + "=" + std::to_string(rank) + " maps to cuda:" +
+                                std::to_string(ordinal) + " (rank % " + std::to_string(count) + " visible)";
+    if (!verdict.eligible) {
+      throw no_device_error(mapping + ", which does not satisfy the policy: " + verdict.note +
+                            "; each rank must use its own device, so no other device is chosen");
+    }
+    selection.device = device::cuda(ordinal);
+    selection.source = device_selection::decided_by::local_rank;
+    selection.reason = mapping;
+    if (rank >= count) selection.reason += "; more ranks than devices, so ranks share devices";
+    return selection;
+  }
+
+  // 3. The policy.
+  const gpu_snapshot* best = nullptr;
+  std::string ranking_note;
+  for (std::size_t i = 0; i < system.gpus.size(); ++i) {
+    if (!selection.candidates[i].eligible) continue;
+    const gpu_snapshot& g = system.gpus[i];
+    if (best == nullptr) {
+      best = &g;
+      continue;
+    }
+    switch (policy.prefer) {
+      case device_preference::first:
+        break;
+      case device_preference::most_free_memory:
+        if (detail::usable_memory(g) > detail::usable_memory(*best)) best = &g;
+        break;
+      case device_preference::least_utilized:
+        if (g.utilization_percent &&
+            (!best->utilization_percent || *g.utilization_percent < *best->utilization_percent)) {
+          best = &g;
+        }
+        break;
+    }
+  }
+  if (best != nullptr) {
+    selection.device = best->device;
+    selection.source = device_selection::decided_by::policy;
+    switch (policy.prefer) {
+      case device_preference::first:
+        selection.reason = "the first visible device that meets the policy";
+        break;
+      case device_preference::most_free_memory:
+        selection.reason = best->free_memory
+                               ? "the most free memory (" + detail::format_bytes(*best->free_memory) + ", from " +
+                                     best->free_memory_source + ")"
+                               : "the most total memory (" + detail::format_bytes(best->total_memory) +
+                                     "; free memory unknown: " + system.telemetry + ")";
+        break;
+      case device_preference::least_utilized:
+        selection.reason = best->utilization_percent
+                               ? "the least utilised (" + std::to_string(*best->utilization_percent) + "% busy)"
+                               : "the first eligible device (utilisation unknown: " + system.telemetry + ")";
+        break;
+    }
+    return selection;
+  }
+
+  // 4. The CPU, or an error listing every rejection.
+  std::string why;
+  if (system.gpus.empty()) {
+    why = system.no_gpu_reason.empty() ? std::string("no CUDA device is visible") : system.no_gpu_reason;
+  } else {
+    why = "no visible device meets the policy:";
+    for (const auto& c : selection.candidates) why += " " + c.device.to_string() + " (" + c.name + "): " + c.note + ";";
+    why.pop_back();
+  }
+  if (policy.require_gpu) throw no_device_error("select_device: a GPU is required, but " + why);
+  selection.device = device::cpu();
+  selection.source = device_selection::decided_by::cpu_fallback;
+  selection.reason = why + "; using the CPU";
+  return selection;
+}
+
+/// One plain sentence saying why no CUDA device is usable (for device_count() == 0).
+inline std::string describe_no_gpu() {
+  int count = 0;
+  const cudaError_t result = cudaGetDeviceCount(&count);
+  (void)cudaGetLastError();
+  switch (result) {
+    case cudaErrorInsufficientDriver:
+      return "no NVIDIA driver is loaded (cudaGetDeviceCount returned cudaErrorInsufficientDriver), so no CUDA "
+             "device is usable";
+    case cudaErrorStubLibrary:
+      return "only the toolkit's stub libcuda.so was found, not the driver (cudaErrorStubLibrary)";
+    case cudaErrorNoDevice: {
+      const auto visible = visible_devices_in_effect();
+      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
+      return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
+    }
+    case cudaSuccess:
+      return count == 0 ? "no CUDA device is visible" : "";
+    default:
+      return std::string("CUDA could not be initialised: ") + cudaGetErrorString(result) + " (" +
+             cudaGetErrorName(result) + ")";
+  }
+}
+
+/// Reads what selection needs from the machine and the environment. Free memory and utilisation are read only when
+/// the policy needs them, from NVML (or cudaMemGetInfo if allowed).
+inline system_snapshot take_system_snapshot(const selection_policy& policy = {}) {
+  check_visible_devices_unchanged();
+  system_snapshot system;
+  if (const char* value = std::getenv("GPUKIT_DEVICE")) system.gpukit_device = value;
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
+    if (const char* value = std::getenv(name)) {
+      system.local_rank_variable = name;
+      system.local_rank = value;
+      break;
+    }
+  }
+  const int count = device_count();
+  if (count == 0) {
+    system.no_gpu_reason = describe_no_gpu();
+    return system;
+  }
+  const bool need_free = policy.min_free_bytes > 0 || policy.prefer == device_preference::most_free_memory;
+  const bool need_utilization = policy.prefer == device_preference::least_utilized;
+  const nvml::library* nvml_library = nullptr;
+  if (need_free || need_utilization) {
+    nvml_library = &nvml::instance();
+    system.telemetry = nvml_library->status();
+    if (!nvml_library->available()) nvml_library = nullptr;
+  }
+  for (device d : cuda_devices()) {
+    const device_properties& p = properties(d);
+    gpu_snapshot g;
+    g.device = d;
+    g.name = p.name;
+    g.uuid = p.uuid;
+    g.total_memory = p.total_memory;
+    g.compute_capability = p.compute_capability_major * 10 + p.compute_capability_minor;
+    if (need_free && nvml_library != nullptr) {
+      if (auto m = nvml_library->memory(p)) {
+        g.free_memory = static_cast<std::size_t>(m->free);
+        g.free_memory_source = "NVML";
+      }
+    }
+    if (need_free && !g.free_memory && policy.allow_context_probe) {
+      g.free_memory = query_memory_info(d).free_bytes;
+      g.free_memory_source = "cudaMemGetInfo";
+    }
+    if (need_utilization && nvml_library != nullptr) g.utilization_percent = nvml_library->utilization_percent(p);
+    system.gpus.push_back(std::move(g));
+  }
+  return system;
+}
+
+/// Selects a device for this process: take_system_snapshot(policy), then select_device(policy, snapshot).
+/// Typical use: `gpukit::device d = gpukit::select_device().device;`
+inline device_selection select_device(const selection_policy& policy = {}) {
+  return select_device(policy, take_system_snapshot(policy));
+}
+
+}  // namespace gpukit

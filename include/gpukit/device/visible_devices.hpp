@@ -1,0 +1,293 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Says which devices the CUDA runtime makes visible for a value of CUDA_VISIBLE_DEVICES, following the runtime's
+/// rules (see docs in README, "CUDA_VISIBLE_DEVICES"):
+/// - unset: every installed device; empty: none;
+/// - a comma-separated list; the first entry decides its form: integers, `GPU-<uuid>` (full or a unique prefix) or
+///   MIG (`MIG-<uuid>` or `MIG-GPU-<uuid>/<gi>/<ci>`, of which CUDA enumerates only the first);
+/// - integers are read like strtoul after trimming whitespace (`1gpu2` is 1); an entry that is not a non-negative
+///   integer (`-1`, `NoDevFiles`, `abc`, an empty entry) ends the list; so does an index beyond the installed count;
+/// - a UUID list ends at its first entry that is not a UUID, that matches no device, or whose prefix is ambiguous;
+/// - a repeated device empties the whole set;
+/// - the order of the list defines the ordinals: `2,1` makes physical device 2 `cuda:0`.
+/// The parser itself is pure (no CUDA call); pass what is installed (from NVML) to apply the range and UUID checks.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+
+#include <cstddef>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace gpukit {
+
+/// The physical GPUs installed, regardless of CUDA_VISIBLE_DEVICES, where known (NVML reports them).
+struct installed_gpus {
+  int count = -1;                  ///< number of installed GPUs, or -1 when unknown
+  std::vector<std::string> uuids;  ///< their full UUIDs ("GPU-..."), or empty when unknown
+};
+
+/// One device the runtime will make visible, in CUDA ordinal order.
+struct visible_device_entry {
+  std::string entry;  ///< the list entry as written, whitespace trimmed
+  int index = -1;     ///< integer lists: the index of the installed device (CUDA enumeration order); else -1
+  std::string uuid;   ///< UUID lists: the full UUID it resolved to, when the installed UUIDs are known
+};
+
+/// The outcome of interpreting CUDA_VISIBLE_DEVICES.
+struct visible_devices {
+  enum class list_form { unset, empty, ordinals, gpu_uuids, mig };
+
+  list_form form = list_form::unset;
+  std::string value;                          ///< the variable's value ("" when unset)
+  std::vector<visible_device_entry> devices;  ///< devices[i] becomes cuda:i (meaningless when form is unset)
+  std::string note;      ///< why entries were dropped or the set emptied; empty when every entry counted
+  bool verified = false; ///< the installed GPUs were known, so range and UUID checks were applied
+  int installed = -1;    ///< installed GPU count when known
+
+  /// Every installed device is visible (the variable is unset).
+  bool all_visible() const noexcept { return form == list_form::unset; }
+
+  /// How many devices CUDA will report, or nullopt when the variable is unset and the installed count is unknown.
+  std::optional<int> count() const {
+    if (form == list_form::unset) {
+      if (installed < 0) return std::nullopt;
+      return installed;
+    }
+    return static_cast<int>(devices.size());
+  }
+
+  /// One or two plain sentences, e.g.
+  /// `CUDA_VISIBLE_DEVICES="0,2,-1,1": 2 devices visible: index 0 as cuda:0, index 2 as cuda:1. Entry 3 ("-1") is
+  /// not a non-negative integer, so the list ends before it.`
+  std::string describe() const {
+    std::string text;
+    if (form == list_form::unset) {
+      text = "CUDA_VISIBLE_DEVICES is unset: every installed device is visible";
+      if (installed >= 0) text += " (" + std::to_string(installed) + " installed)";
+      return text + ".";
+    }
+    text = "CUDA_VISIBLE_DEVICES=\"" + value + "\": ";
+    const std::size_t n = devices.size();
+    text += n == 0 ? "no device visible" : std::to_string(n) + (n == 1 ? " device visible: " : " devices visible: ");
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i) text += ", ";
+      const auto& d = devices[i];
+      if (form == list_form::ordinals) {
+        text += "index " + std::to_string(d.index);
+      } else {
+        text += d.uuid.empty() ? d.entry : d.uuid;
+      }
+      text += " as cuda:" + std::to_string(i);
+    }
+    text += ".";
+    if (!note.empty()) text += " " + note;
+    if (!verified && form != list_form::empty && n > 0) {
+      text += " (Installed GPUs unknown: ranges and UUIDs not checked.)";
+    }
+    return text;
+  }
+};
+
+namespace detail {
+
+inline std::string_view trim_whitespace(std::string_view s) {
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+inline std::vector<std::string_view> split_commas(std::string_view s) {
+  std::vector<std::string_view> parts;
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t comma = s.find(',', start);
+    parts.push_back(s.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return parts;
+}
+
+/// Reads an entry the way strtoul does: an optional sign, then decimal digits; anything after the digits is
+/// ignored. Returns -1 for "no digits" or a negative value, a huge value (never a valid index) on overflow.
+inline long long read_ordinal_like_strtoul(std::string_view entry) {
+  std::size_t i = 0;
+  bool negative = false;
+  if (i < entry.size() && (entry[i] == '+' || entry[i] == '-')) {
+    negative = entry[i] == '-';
+    ++i;
+  }
+  const std::size_t first_digit = i;
+  long long value = 0;
+  while (i < entry.size() && entry[i] >= '0' && entry[i] <= '9') {
+    if (value < (1LL << 40)) value = value * 10 + (entry[i] - '0');
+    ++i;
+  }
+  if (i == first_digit) return -1;
+  if (negative) return value == 0 ? 0 : -1;
+  return value;
+}
+
+inline bool starts_with(std::string_view s, std::string_view prefix) {
+  return s.size() >= prefix.size() && s.substr(0, prefix.size()) == prefix;
+}
+
+inline std::string quoted_entry(std::size_t position, std::string_view entry) {
+  return "Entry " + std::to_string(position + 1) + " (\"" + std::string(entry) + "\")";
+}
+
+}  // namespace detail
+
+/// Interprets a CUDA_VISIBLE_DEVICES value (nullptr: unset) the way the CUDA runtime does. `installed` enables the
+/// checks that need to know the machine (index range, UUID prefixes); without it those entries are taken as valid
+/// and the result says it was not verified. Pure: no CUDA call, no environment access.
+inline visible_devices parse_visible_devices(const char* value, const installed_gpus& installed = {}) {
+  visible_devices result;
+  result.installed = installed.count;
+  result.verified = installed.count >= 0;
+  if (value == nullptr) return result;  // unset: all devices
+  result.value = value;
+  const std::string_view text(result.value);
+  if (detail::trim_whitespace(text).empty()) {
+    result.form = visible_devices::list_form::empty;
+    result.note = "An empty value hides every device.";
+    return result;
+  }
+
+  const std::vector<std::string_view> raw_entries = detail::split_commas(text);
+  std::vector<std::string_view> entries;
+  for (auto e : raw_entries) entries.push_back(detail::trim_whitespace(e));
+
+  auto empty_set = [&](std::size_t position, std::string_view entry, const char* what) {
+    result.devices.clear();
+    result.note = detail::quoted_entry(position, entry) + " repeats " + what +
+                  " already listed, and a repeated device makes CUDA hide every device.";
+    return result;
+  };
+
+  if (detail::starts_with(entries.front(), "MIG-")) {
+    result.form = visible_devices::list_form::mig;
+    result.devices.push_back({std::string(entries.front()), -1, {}});
+    if (entries.size() > 1) {
+      result.note = "CUDA enumerates only one MIG instance, so the entries after the first are ignored.";
+    }
+    result.verified = false;  // MIG instances are not in the installed list; nothing to check against
+    return result;
+  }
+
+  if (detail::starts_with(entries.front(), "GPU-")) {
+    result.form = visible_devices::list_form::gpu_uuids;
+    // First pass, as written: the list ends at the first entry that is not a UUID; a repeat empties the set.
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::string_view entry = entries[i];
+      if (!detail::starts_with(entry, "GPU-")) {
+        result.note = detail::quoted_entry(i, entry) +
+                      " is not a GPU UUID; a list that starts with UUIDs ends at its first other entry.";
+        break;
+      }
+      for (const auto& d : result.devices) {
+        if (d.entry == entry) return empty_set(i, entry, "a UUID");
+      }
+      result.devices.push_back({std::string(entry), -1, {}});
+    }
+    result.verified = !installed.uuids.empty();
+    if (!result.verified) return result;
+    // Second pass, against the installed GPUs: a prefix must match exactly one; the list ends at the first that
+    // does not, and two entries naming the same GPU empty the set.
+    for (std::size_t i = 0; i < result.devices.size(); ++i) {
+      auto& d = result.devices[i];
+      int matches = 0;
+      for (const auto& uuid : installed.uuids) {
+        if (detail::starts_with(uuid, d.entry)) {
+          ++matches;
+          d.uuid = uuid;
+        }
+      }
+      if (matches != 1) {
+        std::string why = detail::quoted_entry(i, d.entry) +
+                          (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
+                          ", so the list ends before it.";
+        result.note = result.note.empty() ? why : why + " " + result.note;
+        result.devices.resize(i);
+        break;
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        if (result.devices[j].uuid == d.uuid) {
+          const std::string entry = d.entry;
+          return empty_set(i, entry, "a GPU");
+        }
+      }
+    }
+    return result;
+  }
+
+  // Integers. First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
+  result.form = visible_devices::list_form::ordinals;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const long long index = detail::read_ordinal_like_strtoul(entries[i]);
+    if (index < 0) {
+      result.note = detail::quoted_entry(i, entries[i]) + " is not a non-negative integer, so the list ends before it.";
+      break;
+    }
+    for (const auto& d : result.devices) {
+      if (d.index == index) return empty_set(i, entries[i], "an index");
+    }
+    result.devices.push_back({std::string(entries[i]), static_cast<int>(index < (1LL << 30) ? index : (1LL << 30)), {}});
+  }
+  // Second pass: an index beyond the installed devices ends the list there.
+  if (installed.count >= 0) {
+    for (std::size_t i = 0; i < result.devices.size(); ++i) {
+      if (result.devices[i].index >= installed.count) {
+        std::string why = detail::quoted_entry(i, result.devices[i].entry) + " is beyond the " +
+                          std::to_string(installed.count) + " installed GPU" + (installed.count == 1 ? "" : "s") +
+                          ", so the list ends before it.";
+        result.note = result.note.empty() ? why : why + " " + result.note;
+        result.devices.resize(i);
+        break;
+      }
+    }
+  }
+  return result;
+}
+
+/// The warning text when CUDA_VISIBLE_DEVICES now differs from its value when CUDA was initialised, else empty.
+inline std::string visible_devices_changed_message() {
+  const auto& at_init = detail::cuda_environment_at_init();
+  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
+  const bool same = (now == nullptr) ? !at_init.set : (at_init.set && at_init.value == now);
+  if (same) return {};
+  auto show = [](bool set, const std::string& v) { return set ? "\"" + v + "\"" : std::string("unset"); };
+  return "CUDA_VISIBLE_DEVICES is now " + show(now != nullptr, now ? now : "") +
+         " but was " + show(at_init.set, at_init.value) +
+         " when CUDA was initialised in this process; CUDA reads it only once, so the earlier value is in effect. "
+         "Set it before the process starts (or before the first CUDA call).";
+}
+
+/// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
+/// Returns true if the variable is unchanged.
+inline bool check_visible_devices_unchanged() {
+  const std::string message = visible_devices_changed_message();
+  if (message.empty()) return true;
+  static std::once_flag warned;
+  std::call_once(warned, [&] { warn(message); });
+  return false;
+}
+
+/// Interprets the CUDA_VISIBLE_DEVICES that CUDA uses in this process (the value at initialisation), checked
+/// against `installed` when given.
+inline visible_devices visible_devices_in_effect(const installed_gpus& installed = {}) {
+  check_visible_devices_unchanged();
+  const auto& at_init = detail::cuda_environment_at_init();
+  return parse_visible_devices(at_init.set ? at_init.value.c_str() : nullptr, installed);
+}
+
+}  // namespace gpukit

@@ -1,0 +1,192 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The CPU device's streams: an in-order asynchronous queue served by one worker thread, and markers that complete
+/// when the work enqueued before them has completed. They give CPU streams and events the semantics of CUDA's, so
+/// the ordering logic built on streams (the allocator's stream-ordered reuse, the transfer ring) is exercised by
+/// tests on machines without a GPU. Users reach them through gpukit::stream and gpukit::event.
+
+#include <gpukit/error.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+namespace gpukit {
+namespace detail {
+
+/// A move-only `void()` callable (std::function requires copyable targets; tasks often own buffers).
+class host_task {
+ public:
+  host_task() noexcept = default;
+  template <class F, class = std::enable_if_t<!std::is_same<std::decay_t<F>, host_task>::value>>
+  host_task(F&& f) : callable_(std::make_unique<model<std::decay_t<F>>>(std::forward<F>(f))) {}  // NOLINT: implicit
+  void operator()() { callable_->call(); }
+  explicit operator bool() const noexcept { return static_cast<bool>(callable_); }
+
+ private:
+  struct concept_base {
+    virtual ~concept_base() = default;
+    virtual void call() = 0;
+  };
+  template <class F>
+  struct model final : concept_base {
+    explicit model(F&& f) : function(std::move(f)) {}
+    explicit model(const F& f) : function(f) {}
+    void call() override { function(); }
+    F function;
+  };
+  std::unique_ptr<concept_base> callable_;
+};
+
+/// Runs a host function, turning an escaping exception into a warning: a stream cannot deliver it to anyone (CUDA
+/// host functions cannot either), and the queue must go on.
+template <class F>
+void run_host_function(F& function) noexcept {
+  try {
+    function();
+  } catch (const std::exception& e) {
+    warn(std::string("a host function enqueued on a stream threw, and was abandoned: ") + e.what());
+  } catch (...) {
+    warn("a host function enqueued on a stream threw a non-standard exception, and was abandoned");
+  }
+}
+
+/// Completion of one recorded point in a CPU queue: done once every task enqueued before it has finished.
+class cpu_marker {
+ public:
+  /// Marks completion and wakes waiters; records the completion time for event timing.
+  void complete() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      completed_at_ = std::chrono::steady_clock::now();
+      done_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+  bool done() const noexcept { return done_.load(std::memory_order_acquire); }
+  /// Blocks the calling thread until the marker completes.
+  void wait() const {
+    if (done()) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return done(); });
+  }
+  /// When the marker completed; meaningful once done().
+  std::chrono::steady_clock::time_point completed_at() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return completed_at_;
+  }
+  /// A marker that is already complete (work recorded on the CPU's synchronous default stream).
+  static std::shared_ptr<cpu_marker> completed() {
+    auto marker = std::make_shared<cpu_marker>();
+    marker->complete();
+    return marker;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  std::chrono::steady_clock::time_point completed_at_{};
+};
+
+/// An in-order queue of host tasks run by one worker thread. Thread-safe: any number of threads may enqueue.
+class cpu_queue {
+ public:
+  cpu_queue() : worker_([this] { serve(); }) {}
+
+  /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
+  /// waits for that work.
+  ~cpu_queue() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_one();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  cpu_queue(const cpu_queue&) = delete;
+  cpu_queue& operator=(const cpu_queue&) = delete;
+
+  /// Appends a task; it runs after every task enqueued before it.
+  void enqueue(host_task task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back(std::move(task));
+      ++enqueued_;
+    }
+    work_cv_.notify_one();
+  }
+
+  /// Appends a marker that completes when the tasks enqueued so far have finished.
+  std::shared_ptr<cpu_marker> record() {
+    auto marker = std::make_shared<cpu_marker>();
+    enqueue([marker] { marker->complete(); });
+    return marker;
+  }
+
+  /// Blocks until every task enqueued before the call has finished. Calling it from one of this queue's own tasks
+  /// would wait forever, so that throws invalid_argument_error.
+  void synchronize() {
+    if (std::this_thread::get_id() == worker_.get_id()) {
+      throw invalid_argument_error(
+          "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    const std::uint64_t target = enqueued_;
+    idle_cv_.wait(lock, [&] { return finished_ >= target; });
+  }
+
+  /// True when every enqueued task has finished.
+  bool idle() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return finished_ == enqueued_;
+  }
+
+  /// Tasks enqueued but not finished.
+  std::uint64_t pending() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return enqueued_ - finished_;
+  }
+
+ private:
+  void serve() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      work_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and drained
+      host_task task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      run_host_function(task);
+      task = host_task();  // release what the task owns before it counts as finished
+      lock.lock();
+      ++finished_;
+      idle_cv_.notify_all();
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable idle_cv_;
+  std::deque<host_task> tasks_;
+  std::uint64_t enqueued_ = 0;
+  std::uint64_t finished_ = 0;
+  bool stopping_ = false;
+  std::thread worker_;  // last: started after every other member is initialised
+};
+
+}  // namespace detail
+}  // namespace gpukit

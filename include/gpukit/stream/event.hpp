@@ -1,0 +1,271 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Events: a point in a stream's work that can be queried, waited for on the host, waited for by another stream,
+/// and timed. An event belongs to a device and is recorded on streams of that device. On the CPU device an event
+/// completes when the work enqueued before its record has completed, exactly like a CUDA event.
+///
+/// Like CUDA events, the state that query/synchronize/wait observe is that of the most recent record(); an event
+/// never recorded counts as complete.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/stream/cpu_queue.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace gpukit {
+
+/// How to create an event.
+struct event_options {
+  bool timing = false;         ///< record timestamps (needed by elapsed_time); off makes record/query cheaper
+  bool blocking_sync = false;  ///< synchronize() sleeps instead of spinning (cudaEventBlockingSync)
+  bool interprocess = false;   ///< shareable with other processes (cudaEventInterprocess; CUDA only, no timing)
+};
+
+/// Milliseconds, as CUDA reports elapsed time between events.
+using milliseconds = std::chrono::duration<float, std::milli>;
+
+/// An owning, move-only event. A moved-from event throws invalid_argument_error on use.
+class event {
+ public:
+  /// Creates an event on `d`. Throws invalid_argument_error for interprocess events with timing or on the CPU.
+  explicit event(gpukit::device d, event_options options = {}) : device_(d), options_(options), valid_(true) {
+    if (options.interprocess && options.timing) {
+      throw invalid_argument_error("gpukit::event: an interprocess event cannot record timing (CUDA requires "
+                                   "cudaEventDisableTiming with cudaEventInterprocess)");
+    }
+    if (d.is_cpu()) {
+      if (options.interprocess) {
+        throw invalid_argument_error("gpukit::event: interprocess events exist only on CUDA devices");
+      }
+      cpu_ = std::make_unique<cpu_state>();
+      return;
+    }
+    device_guard guard(d);
+    unsigned flags = cudaEventDefault;
+    if (!options.timing) flags |= cudaEventDisableTiming;
+    if (options.blocking_sync) flags |= cudaEventBlockingSync;
+    if (options.interprocess) flags |= cudaEventInterprocess;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&cuda_, flags),
+                              "cudaEventCreateWithFlags(" + std::to_string(flags) + ")", d.ordinal());
+  }
+
+  event(event&& other) noexcept { take(other); }
+  event& operator=(event&& other) noexcept {
+    if (this != &other) {
+      destroy();
+      take(other);
+    }
+    return *this;
+  }
+  event(const event&) = delete;
+  event& operator=(const event&) = delete;
+  ~event() { destroy(); }
+
+  /// Captures the work enqueued on `s` so far. `s` must belong to this event's device (invalid_argument_error
+  /// otherwise, naming both devices).
+  void record(stream_view s) {
+    check_valid("record");
+    const gpukit::device stream_device = s.device();
+    if (stream_device != device_) {
+      throw invalid_argument_error("gpukit::event::record: the event belongs to " + device_.to_string() +
+                                   " but the stream to " + stream_device.to_string());
+    }
+    if (cpu_) {
+      auto marker = s.cpu_queue() ? s.cpu_queue()->record() : detail::cpu_marker::completed();
+      std::lock_guard<std::mutex> lock(cpu_->mutex);
+      cpu_->last = std::move(marker);
+      return;
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(cuda_, s.native_handle()), "cudaEventRecord", device_.ordinal());
+  }
+
+  /// True when the work captured by the most recent record() has completed (or the event was never recorded).
+  bool ready() const {
+    check_valid("ready");
+    if (cpu_) {
+      auto marker = cpu_->latest();
+      return !marker || marker->done();
+    }
+    const cudaError_t result = cudaEventQuery(cuda_);
+    if (result == cudaSuccess) return true;
+    if (result == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    detail::throw_cuda_error(result, "cudaEventQuery", device_.ordinal(), __FILE__, __LINE__);
+  }
+
+  /// Blocks the calling thread until the captured work has completed.
+  void synchronize() const {
+    check_valid("synchronize");
+    if (cpu_) {
+      if (auto marker = cpu_->latest()) marker->wait();
+      return;
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(cuda_), "cudaEventSynchronize", device_.ordinal());
+  }
+
+  /// Makes all work enqueued on `s` after this call wait until the captured work has completed, without blocking
+  /// the host (cudaStreamWaitEvent). `s` may belong to another CUDA device; a CPU event can only be waited for by
+  /// CPU streams (and a CUDA event only by CUDA streams).
+  void wait(stream_view s) const {
+    check_valid("wait");
+    if (cpu_) {
+      if (!s.is_cpu()) {
+        throw invalid_argument_error("gpukit::event::wait: a CUDA stream cannot wait for an event of the CPU");
+      }
+      auto marker = cpu_->latest();
+      if (!marker || marker->done()) return;
+      if (s.cpu_queue() != nullptr) {
+        s.cpu_queue()->enqueue([marker] { marker->wait(); });
+      } else {
+        marker->wait();  // the CPU's default stream runs on the calling thread
+      }
+      return;
+    }
+    if (s.is_cpu()) {
+      throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
+                                   device_.to_string() + "; synchronize() the event instead");
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.native_handle(), cuda_, 0), "cudaStreamWaitEvent",
+                              device_.ordinal());
+  }
+
+  gpukit::device device() const {
+    check_valid("device");
+    return device_;
+  }
+  const event_options& options() const noexcept { return options_; }
+  bool valid() const noexcept { return valid_; }
+
+  /// The CUDA handle. Throws invalid_argument_error for a CPU event.
+  cudaEvent_t cuda_handle() const {
+    check_valid("cuda_handle");
+    if (cpu_) throw invalid_argument_error("gpukit::event::cuda_handle: this is an event of the CPU");
+    return cuda_;
+  }
+
+  /// A handle another process can open with cudaIpcOpenEventHandle (interprocess events only).
+  cudaIpcEventHandle_t ipc_handle() const {
+    if (!options_.interprocess) {
+      throw invalid_argument_error("gpukit::event::ipc_handle: the event was not created with interprocess = true");
+    }
+    cudaIpcEventHandle_t handle{};
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaIpcGetEventHandle(&handle, cuda_handle()), "cudaIpcGetEventHandle",
+                              device_.ordinal());
+    return handle;
+  }
+
+  /// Time between the completion of `start`'s and `end`'s most recent records. Waits for both to complete. Both
+  /// must have been created with timing, recorded, and belong to the same device (invalid_argument_error otherwise).
+  friend milliseconds elapsed_time(const event& start, const event& end) {
+    start.check_valid("elapsed_time");
+    end.check_valid("elapsed_time");
+    if (!start.options_.timing || !end.options_.timing) {
+      throw invalid_argument_error("gpukit::elapsed_time: both events must be created with event_options::timing");
+    }
+    if (start.device_ != end.device_) {
+      throw invalid_argument_error("gpukit::elapsed_time: the events belong to different devices (" +
+                                   start.device_.to_string() + ", " + end.device_.to_string() + ")");
+    }
+    start.synchronize();
+    end.synchronize();
+    if (start.cpu_) {
+      auto first = start.cpu_->latest();
+      auto second = end.cpu_->latest();
+      if (!first || !second) {
+        throw invalid_argument_error("gpukit::elapsed_time: both events must have been recorded");
+      }
+      return std::chrono::duration_cast<milliseconds>(second->completed_at() - first->completed_at());
+    }
+    float ms = 0.0f;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventElapsedTime(&ms, start.cuda_, end.cuda_), "cudaEventElapsedTime",
+                              start.device_.ordinal());
+    return milliseconds(ms);
+  }
+
+ private:
+  struct cpu_state {
+    std::mutex mutex;
+    std::shared_ptr<detail::cpu_marker> last;  // null until first recorded
+    std::shared_ptr<detail::cpu_marker> latest() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return last;
+    }
+  };
+
+  void check_valid(const char* what) const {
+    if (!valid_) throw invalid_argument_error(std::string("gpukit::event::") + what + ": use of a moved-from event");
+  }
+
+  void take(event& other) noexcept {
+    device_ = other.device_;
+    options_ = other.options_;
+    cuda_ = std::exchange(other.cuda_, nullptr);
+    cpu_ = std::move(other.cpu_);
+    valid_ = std::exchange(other.valid_, false);
+  }
+
+  void destroy() noexcept {
+    if (cuda_ != nullptr) {
+      detail::report_cuda_failure(cudaEventDestroy(cuda_), "cudaEventDestroy (in ~event)", device_.ordinal());
+      cuda_ = nullptr;
+    }
+    cpu_.reset();
+  }
+
+  gpukit::device device_{};
+  event_options options_{};
+  cudaEvent_t cuda_ = nullptr;
+  std::unique_ptr<cpu_state> cpu_;
+  bool valid_ = false;
+};
+
+/// Time between two events' most recent records (see event's friend of the same name; declared here so that
+/// `gpukit::elapsed_time(a, b)` finds it).
+milliseconds elapsed_time(const event& start, const event& end);
+
+/// Times a region of work on a stream: records a start event when constructed and an end event at stop().
+/// `elapsed()` waits for the end and returns the time between them (the stream's time, not the host's).
+///
+///     gpukit::stream_timer timer(s);
+///     launch_work(s);
+///     std::printf("%.3f ms\n", timer.elapsed().count());
+class stream_timer {
+ public:
+  explicit stream_timer(stream_view s)
+      : stream_(s), start_(s.device(), event_options{true, false, false}), end_(s.device(), event_options{true, false, false}) {
+    start_.record(stream_);
+  }
+
+  /// Marks the end of the region (again, if called twice: the later call wins).
+  void stop() {
+    end_.record(stream_);
+    stopped_ = true;
+  }
+
+  /// Stops the timer if needed, waits for the region to finish, and returns its duration.
+  milliseconds elapsed() {
+    if (!stopped_) stop();
+    return elapsed_time(start_, end_);
+  }
+
+ private:
+  stream_view stream_;
+  event start_;
+  event end_;
+  bool stopped_ = false;
+};
+
+}  // namespace gpukit

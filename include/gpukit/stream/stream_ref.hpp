@@ -1,0 +1,26 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Interoperability with CCCL's cuda::stream_ref (from the toolkit: add include/cccl to the include path, e.g. by
+/// linking CMake's CCCL::CCCL; nvcc adds it itself). After including this header, stream_view converts to and from
+/// cuda::stream_ref implicitly:
+///
+///     cuda::stream_ref ref = gpukit_stream.view();
+///     gpukit::stream_view view = ref;
+
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda/stream_ref>
+
+namespace gpukit {
+namespace detail {
+template <>
+struct is_cuda_stream_ref<::cuda::stream_ref> : std::true_type {};
+}  // namespace detail
+
+/// The cuda::stream_ref of a CUDA stream. Throws invalid_argument_error for a CPU stream.
+inline ::cuda::stream_ref to_stream_ref(stream_view s) { return ::cuda::stream_ref(s.cuda_handle()); }
+
+}  // namespace gpukit

@@ -1,0 +1,387 @@
+// Streams and events of the CPU device: a real in-order asynchronous queue, events that complete when the work
+// before them has, cross-stream waits, timing, pools, the current-stream guard and misuse.
+#include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+#include <gpukit/stream/stream_pool.hpp>
+
+#include "support.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+
+namespace {
+const gpukit::device cpu = gpukit::device::cpu();
+
+/// A gate that host tasks can wait on, to hold a stream's work back while a test looks at its state.
+class gate {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+}  // namespace
+
+TEST_CASE("a CPU stream runs work asynchronously, in order") {
+  gpukit::stream s(cpu);
+  CHECK(s.device() == cpu);
+  CHECK(s.ready());
+  gate g;
+  std::vector<int> order;
+  s.enqueue_host([&] { g.wait(); });
+  for (int i = 0; i < 100; ++i) s.enqueue_host([&order, i] { order.push_back(i); });
+  CHECK_FALSE(s.ready());  // held back by the gate: the enqueue did not run the work
+  CHECK(order.empty());
+  g.open();
+  s.synchronize();
+  CHECK(s.ready());
+  REQUIRE(order.size() == 100);
+  for (int i = 0; i < 100; ++i) CHECK(order[static_cast<std::size_t>(i)] == i);
+}
+
+TEST_CASE("each producer thread's work keeps its order on a shared CPU stream") {
+  gpukit::stream s(cpu);
+  constexpr int producers = 4;
+  constexpr int per_producer = 2000;
+  std::vector<std::vector<int>> seen(producers);
+  std::vector<std::thread> threads;
+  for (int p = 0; p < producers; ++p) {
+    threads.emplace_back([&, p] {
+      for (int i = 0; i < per_producer; ++i) s.enqueue_host([&seen, p, i] { seen[static_cast<std::size_t>(p)].push_back(i); });
+    });
+  }
+  for (auto& t : threads) t.join();
+  s.synchronize();
+  for (int p = 0; p < producers; ++p) {
+    const auto& v = seen[static_cast<std::size_t>(p)];
+    REQUIRE(v.size() == per_producer);
+    bool in_order = true;
+    for (int i = 0; i < per_producer; ++i) in_order = in_order && v[static_cast<std::size_t>(i)] == i;
+    CHECK(in_order);
+  }
+}
+
+TEST_CASE("an event completes exactly when the work before its record has completed") {
+  gpukit::stream s(cpu);
+  gpukit::event e(cpu);
+  CHECK(e.ready());  // never recorded: complete, as in CUDA
+  gate g;
+  std::atomic<bool> before{false};
+  std::atomic<bool> after_started{false};
+  s.enqueue_host([&] {
+    g.wait();
+    before = true;
+  });
+  e.record(s);
+  gate hold_after;
+  s.enqueue_host([&] {
+    after_started = true;
+    hold_after.wait();
+  });
+  CHECK_FALSE(e.ready());
+  g.open();
+  e.synchronize();
+  CHECK(before.load());
+  CHECK(e.ready());  // complete although later work is still held back
+  hold_after.open();
+  s.synchronize();
+  CHECK(after_started.load());
+}
+
+TEST_CASE("re-recording an event tracks the most recent record") {
+  gpukit::stream a(cpu);
+  gpukit::stream b(cpu);
+  gpukit::event e(cpu);
+  gate g;
+  b.enqueue_host([&] { g.wait(); });
+  e.record(a);
+  a.synchronize();
+  CHECK(e.ready());
+  e.record(b);  // now captures b's blocked work
+  CHECK_FALSE(e.ready());
+  g.open();
+  e.synchronize();
+  CHECK(e.ready());
+}
+
+TEST_CASE("a stream waiting on an event does not run later work before the event completes") {
+  gpukit::stream producer(cpu);
+  gpukit::stream consumer(cpu);
+  gpukit::event produced(cpu);
+  gate g;
+  std::atomic<int> value{0};
+  std::atomic<int> observed{-1};
+  producer.enqueue_host([&] {
+    g.wait();
+    value = 42;
+  });
+  produced.record(producer);
+  produced.wait(consumer);
+  consumer.enqueue_host([&] { observed = value.load(); });
+  std::this_thread::sleep_for(20ms);
+  CHECK(observed.load() == -1);  // the consumer is held back by the event, not by the host
+  g.open();
+  consumer.synchronize();
+  CHECK(observed.load() == 42);
+}
+
+TEST_CASE("a wait captures the record at the time of the call") {
+  gpukit::stream producer(cpu);
+  gpukit::stream consumer(cpu);
+  gpukit::event e(cpu);
+  e.record(producer);
+  producer.synchronize();
+  e.wait(consumer);  // the event is complete now: the wait is a no-op
+  gate g;
+  producer.enqueue_host([&] { g.wait(); });
+  e.record(producer);  // a later record must not hold back the earlier wait
+  std::atomic<bool> ran{false};
+  consumer.enqueue_host([&] { ran = true; });
+  consumer.synchronize();
+  CHECK(ran.load());
+  g.open();
+}
+
+TEST_CASE("the CPU default stream runs work synchronously on the calling thread") {
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  CHECK(s.is_cpu());
+  CHECK(s.is_default());
+  std::thread::id ran_on;
+  s.enqueue_host([&] { ran_on = std::this_thread::get_id(); });
+  CHECK((ran_on == std::this_thread::get_id()));
+  gpukit::event e(cpu);
+  e.record(s);
+  CHECK(e.ready());
+  gpukit::stream other(cpu);
+  gate g;
+  other.enqueue_host([&] { g.wait(); });
+  e.record(other);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(10ms);
+    g.open();
+  });
+  e.wait(s);  // blocks the calling thread, which is the default stream
+  CHECK(e.ready());
+  opener.join();
+  s.synchronize();
+  CHECK(s.ready());
+}
+
+TEST_CASE("event timing measures the stream's time") {
+  gpukit::stream s(cpu);
+  gpukit::event start(cpu, {true, false, false});
+  gpukit::event end(cpu, {true, false, false});
+  start.record(s);
+  s.enqueue_host([] { std::this_thread::sleep_for(30ms); });
+  end.record(s);
+  const auto ms = gpukit::elapsed_time(start, end);
+  CHECK(ms.count() >= 29.0f);
+  CHECK(ms.count() < 5000.0f);
+  gpukit::stream_timer timer(s);
+  s.enqueue_host([] { std::this_thread::sleep_for(10ms); });
+  CHECK(timer.elapsed().count() >= 9.0f);
+}
+
+TEST_CASE("event timing misuse is reported") {
+  gpukit::event untimed(cpu);
+  gpukit::event timed(cpu, {true, false, false});
+  gpukit::event timed2(cpu, {true, false, false});
+  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(untimed, timed), doctest::Contains("event_options::timing"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(timed, timed2), doctest::Contains("must have been recorded"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::event(cpu, {false, false, true}), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::event(cpu, {true, false, true}), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("an event from another device is rejected") {
+  gpukit::event e(cpu);
+  const gpukit::stream_view cuda_stream(gpukit::device::cuda(0), nullptr);  // no CUDA call until used
+  CHECK_THROWS_WITH_AS(e.record(cuda_stream),
+                       "gpukit::event::record: the event belongs to cpu but the stream to cuda:0",
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(e.wait(cuda_stream), doctest::Contains("a CUDA stream cannot wait for an event of the CPU"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::stream_view(cpu, reinterpret_cast<cudaStream_t>(0x1)), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("moved-from streams and events throw on use") {
+  gpukit::stream a(cpu);
+  gpukit::stream b(std::move(a));
+  CHECK_FALSE(a.valid());  // NOLINT(bugprone-use-after-move): testing exactly that
+  CHECK(b.valid());
+  CHECK_THROWS_WITH_AS(a.synchronize(), "gpukit::stream::view: use of a moved-from stream",
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(a.device(), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS((void)static_cast<gpukit::stream_view>(a), gpukit::invalid_argument_error);
+  b.synchronize();
+  gpukit::event e(cpu);
+  gpukit::event f = std::move(e);
+  CHECK_THROWS_WITH_AS(e.record(b), "gpukit::event::record: use of a moved-from event",  // NOLINT
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(e.ready(), gpukit::invalid_argument_error);  // NOLINT
+  CHECK_NOTHROW(f.record(b));
+  gpukit::stream c(cpu);
+  c = std::move(b);  // move-assign over a live stream destroys the old one cleanly
+  CHECK(c.valid());
+}
+
+TEST_CASE("destroying a CPU stream with pending work waits for that work") {
+  std::atomic<int> done{0};
+  {
+    gpukit::stream s(cpu);
+    for (int i = 0; i < 10; ++i) {
+      s.enqueue_host([&] {
+        std::this_thread::sleep_for(1ms);
+        ++done;
+      });
+    }
+  }
+  CHECK(done.load() == 10);
+}
+
+TEST_CASE("an exception escaping a host function becomes a warning and the stream goes on") {
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream s(cpu);
+  std::atomic<bool> later{false};
+  s.enqueue_host([] { throw std::runtime_error("boom"); });
+  s.enqueue_host([&] { later = true; });
+  s.synchronize();
+  CHECK(later.load());
+  CHECK(warnings.contains("host function enqueued on a stream threw, and was abandoned: boom"));
+}
+
+TEST_CASE("synchronizing a CPU stream from its own host function is refused instead of deadlocking") {
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream s(cpu);
+  const gpukit::stream_view v = s;
+  s.enqueue_host([v] { v.synchronize(); });
+  s.synchronize();
+  CHECK(warnings.contains("would wait forever"));
+}
+
+TEST_CASE("host functions may own move-only state") {
+  gpukit::stream s(cpu);
+  auto owned = std::make_unique<int>(7);
+  std::atomic<int> seen{0};
+  s.enqueue_host([p = std::move(owned), &seen] { seen = *p; });
+  s.synchronize();
+  CHECK(seen.load() == 7);
+}
+
+TEST_CASE("stream views compare by identity") {
+  gpukit::stream a(cpu);
+  gpukit::stream b(cpu);
+  CHECK(a.view() == a.view());
+  CHECK(a.view() != b.view());
+  CHECK(gpukit::stream_view::default_stream(cpu) == gpukit::stream_view::default_stream(cpu));
+  CHECK(gpukit::stream_view::default_stream(cpu) != gpukit::stream_view::default_stream(gpukit::device::cuda(0)));
+  CHECK(gpukit::stream_view::default_stream(gpukit::device::cuda(0)) !=
+        gpukit::stream_view::default_stream(gpukit::device::cuda(1)));
+  CHECK_THROWS_AS(a.view().cuda_handle(), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("a stream pool hands out streams round-robin, created lazily, aliasing after size() requests") {
+  gpukit::stream_pool pool(cpu, 4);
+  CHECK(pool.created() == 0);
+  std::vector<gpukit::stream_view> got;
+  for (int i = 0; i < 9; ++i) got.push_back(pool.next());
+  CHECK(pool.created() == 4);
+  CHECK(got[0] == got[4]);
+  CHECK(got[0] == got[8]);
+  CHECK(got[1] == got[5]);
+  for (int i = 0; i < 4; ++i) {
+    for (int j = i + 1; j < 4; ++j) CHECK(got[static_cast<std::size_t>(i)] != got[static_cast<std::size_t>(j)]);
+  }
+  CHECK_THROWS_AS(gpukit::stream_pool(cpu, 0), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("exclusive leases are never shared and are recycled") {
+  gpukit::stream_pool pool(cpu, 2);
+  gpukit::stream_view first;
+  {
+    auto a = pool.acquire_exclusive();
+    auto b = pool.acquire_exclusive();
+    CHECK(a.view() != b.view());
+    CHECK(a.view() != pool.next());
+    first = a.view();
+    auto moved = std::move(a);
+    CHECK_THROWS_AS(a.view(), gpukit::invalid_argument_error);  // NOLINT(bugprone-use-after-move)
+    CHECK(moved.view() == first);
+  }
+  CHECK(pool.exclusive_available() == 2);
+  auto again = pool.acquire_exclusive();
+  CHECK(pool.exclusive_available() == 1);
+}
+
+TEST_CASE("the process-wide pool of a device is one object") {
+  auto& p1 = gpukit::default_stream_pool(cpu);
+  auto& p2 = gpukit::default_stream_pool(cpu);
+  auto& high = gpukit::default_stream_pool(cpu, gpukit::stream_priority::high);
+  CHECK(&p1 == &p2);
+  CHECK(&p1 != &high);
+  CHECK(p1.size() == gpukit::stream_pool::default_size);
+  CHECK(p1.next().is_cpu());
+}
+
+TEST_CASE("the current stream is per thread and the guard restores it") {
+  const auto default_cpu = gpukit::stream_view::default_stream(cpu);
+  CHECK(gpukit::current_stream(cpu) == default_cpu);
+  gpukit::stream s(cpu);
+  gpukit::stream t(cpu);
+  {
+    gpukit::stream_guard guard(s);
+    CHECK(gpukit::current_stream(cpu) == s.view());
+    {
+      gpukit::stream_guard inner(t);
+      CHECK(gpukit::current_stream(cpu) == t.view());
+    }
+    CHECK(gpukit::current_stream(cpu) == s.view());
+    auto other_thread = std::async(std::launch::async, [] { return gpukit::current_stream(cpu); });
+    CHECK(other_thread.get() == default_cpu);  // another thread is unaffected
+  }
+  CHECK(gpukit::current_stream(cpu) == default_cpu);
+  gpukit::set_current_stream(t);
+  CHECK(gpukit::current_stream(cpu) == t.view());
+  gpukit::set_current_stream(default_cpu);
+}
+
+TEST_CASE("events and streams used from many threads stay consistent") {
+  gpukit::stream a(cpu);
+  gpukit::stream b(cpu);
+  std::atomic<int> counter{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) {
+        gpukit::event e(cpu);
+        a.enqueue_host([&] { counter.fetch_add(1); });
+        e.record(a);
+        e.wait(b);
+        b.enqueue_host([&] { counter.fetch_add(1); });
+        if (i % 50 == 0) e.synchronize();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  a.synchronize();
+  b.synchronize();
+  CHECK(counter.load() == 4 * 200 * 2);
+}

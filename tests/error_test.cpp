@@ -1,0 +1,120 @@
+// The error model: exception types, messages a user can act on, warnings.
+#include <gpukit/error.hpp>
+
+#include "support.hpp"
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+static_assert(std::is_base_of<std::runtime_error, gpukit::error>::value, "rooted in std::runtime_error");
+static_assert(std::is_nothrow_copy_constructible<gpukit::error>::value, "exceptions copy without throwing");
+static_assert(std::is_nothrow_copy_constructible<gpukit::cuda_error>::value, "exceptions copy without throwing");
+
+namespace {
+template <class Expected>
+Expected thrown_by(cudaError_t result, const char* call, int device) {
+  try {
+    gpukit::detail::throw_cuda_error(result, call, device, "file.cpp", 42);
+  } catch (const Expected& e) {
+    return e;
+  }
+  FAIL("no exception of the expected type");
+  throw std::logic_error("unreachable");
+}
+}  // namespace
+
+TEST_CASE("CUDA results map to distinct exception types") {
+  CHECK(thrown_by<gpukit::no_device_error>(cudaErrorInsufficientDriver, "cudaGetDeviceCount", -1).code() ==
+        gpukit::errc::no_device);
+  CHECK(thrown_by<gpukit::no_device_error>(cudaErrorStubLibrary, "x", -1).code() == gpukit::errc::no_device);
+  CHECK(thrown_by<gpukit::no_device_error>(cudaErrorNoDevice, "x", -1).code() == gpukit::errc::no_device);
+  CHECK(thrown_by<gpukit::out_of_memory_error>(cudaErrorMemoryAllocation, "cudaMalloc", 0).code() ==
+        gpukit::errc::out_of_memory);
+  CHECK(thrown_by<gpukit::invalid_argument_error>(cudaErrorInvalidValue, "x", 0).code() ==
+        gpukit::errc::invalid_argument);
+  CHECK(thrown_by<gpukit::invalid_argument_error>(cudaErrorInvalidDevice, "x", 0).code() ==
+        gpukit::errc::invalid_argument);
+  CHECK(thrown_by<gpukit::cuda_error>(cudaErrorLaunchFailure, "x", 0).code() == gpukit::errc::cuda);
+}
+
+TEST_CASE("a CUDA error carries the call, result, device and location") {
+  const auto e = thrown_by<gpukit::error>(cudaErrorLaunchFailure, "cudaStreamSynchronize", 2);
+  CHECK(e.cuda_result() == cudaErrorLaunchFailure);
+  CHECK(std::string(e.cuda_error_name()) == "cudaErrorLaunchFailure");
+  CHECK(e.call() == "cudaStreamSynchronize");
+  CHECK(e.device() == 2);
+  CHECK(std::string(e.file()) == "file.cpp");
+  CHECK(e.line() == 42);
+  const std::string what = e.what();
+  CHECK(what.find("cudaStreamSynchronize failed on cuda:2: ") == 0);
+  CHECK(what.find("(cudaErrorLaunchFailure)") != std::string::npos);
+}
+
+TEST_CASE("the message names the call, the error, the visible devices and CUDA_VISIBLE_DEVICES") {
+  gpukit_test::scoped_env env("CUDA_VISIBLE_DEVICES", std::string("1"));
+  int visible = 0;
+  if (cudaGetDeviceCount(&visible) != cudaSuccess) visible = 0;
+  (void)cudaGetLastError();
+  const auto e = thrown_by<gpukit::invalid_argument_error>(cudaErrorInvalidDevice, "cudaSetDevice(3)", -1);
+  const std::string expected_start = "cudaSetDevice(3) failed: invalid device ordinal (cudaErrorInvalidDevice); " +
+                                     std::to_string(visible) + (visible == 1 ? " device" : " devices") +
+                                     " visible; CUDA_VISIBLE_DEVICES=\"1\"";
+  CHECK(std::string(e.what()).find(expected_start) == 0);
+}
+
+TEST_CASE("no-driver errors say what is wrong in words") {
+  gpukit_test::scoped_env env("CUDA_VISIBLE_DEVICES", std::nullopt);
+  const auto e = thrown_by<gpukit::no_device_error>(cudaErrorInsufficientDriver, "cudaMalloc(1024)", 0);
+  const std::string what = e.what();
+  CHECK(what.find("cudaErrorInsufficientDriver") != std::string::npos);
+  CHECK(what.find("CUDA_VISIBLE_DEVICES unset") != std::string::npos);
+  CHECK(what.find("no NVIDIA driver is loaded") != std::string::npos);
+}
+
+TEST_CASE("GPUKIT_CUDA_TRY throws on failure and evaluates the description only then") {
+  int described = 0;
+  auto describe = [&] {
+    ++described;
+    return std::string("described call");
+  };
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaSuccess, describe(), -1);
+  CHECK(described == 0);
+  CHECK_THROWS_AS(GPUKIT_CUDA_TRY_DESCRIBED(cudaErrorInvalidValue, describe(), 1), gpukit::invalid_argument_error);
+  CHECK(described == 1);
+  try {
+    GPUKIT_CUDA_TRY(cudaErrorInvalidValue);
+  } catch (const gpukit::error& e) {
+    CHECK(e.call() == "cudaErrorInvalidValue");
+    CHECK(e.line() > 0);
+  }
+}
+
+TEST_CASE("errors without a CUDA cause report cudaSuccess") {
+  const gpukit::invalid_argument_error e("bad input");
+  CHECK(e.cuda_result() == cudaSuccess);
+  CHECK(e.call().empty());
+  CHECK(e.device() == -1);
+  CHECK(std::string(e.what()) == "bad input");
+}
+
+TEST_CASE("warnings go to the handler; a throwing handler is ignored") {
+  {
+    gpukit_test::captured_warnings warnings;
+    gpukit::warn("first");
+    CHECK(warnings.messages() == std::vector<std::string>{"first"});
+  }
+  auto previous = gpukit::set_warning_handler([](std::string_view) { throw std::runtime_error("handler failed"); });
+  CHECK_NOTHROW(gpukit::warn("ignored"));
+  gpukit::set_warning_handler(previous);
+}
+
+TEST_CASE("failures in destructors are reported, except while the runtime unloads") {
+  gpukit_test::captured_warnings warnings;
+  gpukit::detail::report_cuda_failure(cudaErrorCudartUnloading, "cudaStreamDestroy", 0);
+  gpukit::detail::report_cuda_failure(cudaSuccess, "cudaStreamDestroy", 0);
+  CHECK(warnings.messages().empty());
+  gpukit::detail::report_cuda_failure(cudaErrorInvalidResourceHandle, "cudaEventDestroy (in ~event)", 1);
+  REQUIRE(warnings.messages().size() == 1);
+  CHECK(warnings.contains("cudaEventDestroy (in ~event) failed on cuda:1"));
+}

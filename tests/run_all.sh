@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (see README, "Testing"). Builds and tests gpukit in several configurations
+# that together cover both compilers, both standards and the sanitizers:
+#   gcc-cxx17      g++     C++17  Debug   tests + examples + benchmarks (smoke run) + packaging consumers
+#   clang-cxx20    clang++ C++20  Debug   tests + examples, AddressSanitizer + UndefinedBehaviorSanitizer
+#   gcc-cxx20-tsan g++     C++20  Debug   tests, ThreadSanitizer
+#   clang-cxx17    clang++ C++17  Release tests + examples
+# GPU tests are compiled everywhere and reported by ctest as Skipped on machines without a GPU.
+# Environment: GPUKIT_CONFIGS="gcc-cxx17 clang-cxx20" runs a subset; GPUKIT_BUILD_ROOT (default build-ci) holds
+# the build trees; GPUKIT_JOBS sets parallelism (default: number of cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+build_root="${GPUKIT_BUILD_ROOT:-$root/build-ci}"
+jobs="${GPUKIT_JOBS:-$(nproc)}"
+configs="${GPUKIT_CONFIGS:-gcc-cxx17 clang-cxx20 gcc-cxx20-tsan clang-cxx17}"
+export CUDAToolkit_ROOT="${CUDAToolkit_ROOT:-/usr/local/cuda}"
+export PATH="$CUDAToolkit_ROOT/bin:$PATH"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+
+run_config() {
+  local name="$1" cxx="$2" std="$3" type="$4" sanitize="$5" extra_ctest="$6"
+  local dir="$build_root/$name"
+  echo "::: [$name] configure ($cxx, C++$std, $type${sanitize:+, sanitize=$sanitize})"
+  cmake -S "$root" -B "$dir" "${generator[@]}" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CXX_STANDARD="$std" \
+    -DCMAKE_CXX_STANDARD_REQUIRED=ON -DCMAKE_BUILD_TYPE="$type" -DGPUKIT_SANITIZE="$sanitize" \
+    -DGPUKIT_BUILD_BENCHMARKS="$([ "$name" = gcc-cxx17 ] && echo ON || echo OFF)" \
+    -DGPUKIT_TEST_PACKAGING="$([ "$name" = gcc-cxx17 ] && echo ON || echo OFF)" >/dev/null
+  echo "::: [$name] build"
+  cmake --build "$dir" -j "$jobs"
+  echo "::: [$name] test"
+  # shellcheck disable=SC2086
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" $extra_ctest)
+}
+
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:suppressions=$root/tests/sanitizers/asan.supp"
+export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
+
+for config in $configs; do
+  case "$config" in
+    gcc-cxx17)      run_config gcc-cxx17 g++ 17 Debug "" "" ;;
+    clang-cxx20)    run_config clang-cxx20 clang++ 20 Debug "address;undefined" "-LE packaging" ;;
+    gcc-cxx20-tsan) run_config gcc-cxx20-tsan g++ 20 Debug "thread" "-LE packaging|example" ;;
+    clang-cxx17)    run_config clang-cxx17 clang++ 17 Release "" "-LE packaging" ;;
+    *) echo "unknown configuration: $config" >&2; exit 2 ;;
+  esac
+done
+
+if [[ " $configs " == *" gcc-cxx17 "* ]] && [ -d "$build_root/gcc-cxx17/bench" ]; then
+  echo "::: benchmarks (smoke run: each benchmark briefly, to prove they run and print their figures)"
+  for b in "$build_root"/gcc-cxx17/bench/bench_*; do
+    [ -x "$b" ] || continue
+    echo "--- $(basename "$b")"
+    "$b" --benchmark_min_time=0.01 ${GPUKIT_BENCH_ARGS:-}
+  done
+fi
+echo "::: all configurations passed: $configs"

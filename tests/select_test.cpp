@@ -1,0 +1,232 @@
+// Device auto-selection: precedence, policies, fallbacks and errors, on synthetic systems and on this machine.
+#include <gpukit/device/select.hpp>
+
+#include "support.hpp"
+
+#include <string>
+
+namespace {
+
+constexpr std::size_t GiB = std::size_t{1} << 30;
+
+gpukit::gpu_snapshot gpu(int ordinal, const char* uuid, int cc, std::size_t total_gib,
+                         std::optional<std::size_t> free_gib = std::nullopt,
+                         std::optional<unsigned> busy = std::nullopt) {
+  gpukit::gpu_snapshot g;
+  g.device = gpukit::device::cuda(ordinal);
+  g.name = "Test GPU " + std::to_string(ordinal);
+  g.uuid = uuid;
+  g.compute_capability = cc;
+  g.total_memory = total_gib * GiB;
+  if (free_gib) {
+    g.free_memory = *free_gib * GiB;
+    g.free_memory_source = "NVML";
+  }
+  g.utilization_percent = busy;
+  return g;
+}
+
+gpukit::system_snapshot three_gpus() {
+  gpukit::system_snapshot s;
+  s.gpus.push_back(gpu(0, "GPU-aaaa0000-0000-0000-0000-000000000000", 80, 40, 2, 90));
+  s.gpus.push_back(gpu(1, "GPU-bbbb0000-0000-0000-0000-000000000000", 90, 80, 70, 10));
+  s.gpus.push_back(gpu(2, "GPU-bbbc0000-0000-0000-0000-000000000000", 90, 80, 30, 50));
+  s.telemetry = "NVML loaded from test";
+  return s;
+}
+
+gpukit::system_snapshot no_gpus() {
+  gpukit::system_snapshot s;
+  s.no_gpu_reason = "no NVIDIA driver is loaded";
+  return s;
+}
+
+using decided_by = gpukit::device_selection::decided_by;
+
+}  // namespace
+
+TEST_CASE("policy preferences") {
+  gpukit::selection_policy policy;
+  auto s = three_gpus();
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(0));
+  CHECK(gpukit::select_device(policy, s).source == decided_by::policy);
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  const auto by_memory = gpukit::select_device(policy, s);
+  CHECK(by_memory.device == gpukit::device::cuda(1));
+  CHECK(by_memory.reason.find("most free memory (70.00 GiB, from NVML)") != std::string::npos);
+  policy.prefer = gpukit::device_preference::least_utilized;
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(1));
+  s.gpus[1].utilization_percent = 95;
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(2));
+}
+
+TEST_CASE("requirements reject devices and say why") {
+  gpukit::selection_policy policy;
+  policy.min_compute_capability = 90;
+  policy.min_free_bytes = 20 * GiB;
+  const auto selection = gpukit::select_device(policy, three_gpus());
+  CHECK(selection.device == gpukit::device::cuda(1));
+  REQUIRE(selection.candidates.size() == 3);
+  CHECK_FALSE(selection.candidates[0].eligible);
+  CHECK(selection.candidates[0].note.find("compute capability 8.0 is below the required 9.0") != std::string::npos);
+  CHECK(selection.candidates[0].note.find("free memory 2.00 GiB is below the required 20.00 GiB") !=
+        std::string::npos);
+  CHECK(selection.candidates[2].eligible);
+  CHECK(selection.report().find("cuda:0 (Test GPU 0): rejected") != std::string::npos);
+}
+
+TEST_CASE("no eligible device: CPU fallback, or an error listing every rejection") {
+  gpukit::selection_policy policy;
+  policy.min_compute_capability = 100;
+  const auto fallback = gpukit::select_device(policy, three_gpus());
+  CHECK(fallback.device == gpukit::device::cpu());
+  CHECK(fallback.source == decided_by::cpu_fallback);
+  CHECK(fallback.reason.find("using the CPU") != std::string::npos);
+  policy.require_gpu = true;
+  try {
+    (void)gpukit::select_device(policy, three_gpus());
+    FAIL("no error");
+  } catch (const gpukit::no_device_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("select_device: a GPU is required, but no visible device meets the policy") == 0);
+    CHECK(what.find("cuda:0 (Test GPU 0): compute capability 8.0 is below the required 10.0") != std::string::npos);
+    CHECK(what.find("cuda:2 (Test GPU 2): compute capability 9.0") != std::string::npos);
+  }
+}
+
+TEST_CASE("without free-memory telemetry, total memory stands in and the reason says so") {
+  auto s = three_gpus();
+  for (auto& g : s.gpus) g.free_memory.reset();
+  s.gpus[2].total_memory = 141 * GiB;
+  s.telemetry = "NVML not loaded: libnvidia-ml.so.1: cannot open shared object file";
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  policy.min_free_bytes = 50 * GiB;
+  const auto selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(2));
+  CHECK(selection.reason.find("free memory unknown") != std::string::npos);
+  CHECK(selection.candidates[0].note.find("total memory (free unknown) 40.00 GiB") != std::string::npos);
+  CHECK(selection.candidates[1].note == "free memory unknown; compared total memory");
+}
+
+TEST_CASE("GPUKIT_DEVICE overrides everything") {
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  auto s = three_gpus();
+  s.local_rank_variable = "LOCAL_RANK";
+  s.local_rank = "1";
+  s.gpukit_device = "cuda:2";
+  auto selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(2));
+  CHECK(selection.source == decided_by::environment_override);
+  s.gpukit_device = "cpu";
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cpu());
+  s.gpukit_device = " GPU-bbbc ";
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(2));
+  s.gpukit_device = "GPU-aaaa0000-0000-0000-0000-000000000000";
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(0));
+  s.gpukit_device = "cuda";
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(0));
+  SUBCASE("an override of a device that fails the policy still wins, and says so") {
+    policy.min_compute_capability = 90;
+    s.gpukit_device = "cuda:0";
+    selection = gpukit::select_device(policy, s);
+    CHECK(selection.device == gpukit::device::cuda(0));
+    CHECK(selection.reason.find("although compute capability 8.0") != std::string::npos);
+  }
+  SUBCASE("an empty GPUKIT_DEVICE is ignored") {
+    s.gpukit_device = "  ";
+    CHECK(gpukit::select_device(policy, s).source == decided_by::local_rank);
+  }
+  SUBCASE("use_environment = false ignores it") {
+    policy.use_environment = false;
+    CHECK(gpukit::select_device(policy, s).source == decided_by::policy);
+  }
+}
+
+TEST_CASE("bad GPUKIT_DEVICE values throw clear errors") {
+  gpukit::selection_policy policy;
+  auto s = three_gpus();
+  auto message_for = [&](const char* value) -> std::string {
+    s.gpukit_device = value;
+    try {
+      (void)gpukit::select_device(policy, s);
+    } catch (const gpukit::error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  CHECK(message_for("gpu0") ==
+        "GPUKIT_DEVICE=\"gpu0\" is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
+  CHECK(message_for("cuda:3").find("GPUKIT_DEVICE=\"cuda:3\" names cuda:3, but only 3 devices visible") == 0);
+  CHECK(message_for("GPU-cccc").find("GPUKIT_DEVICE=\"GPU-cccc\" matches no visible device (3 devices visible: "
+                                     "cuda:0 GPU-aaaa0000") == 0);
+  CHECK(message_for("GPU-bbb").find("is ambiguous: it is a prefix of 2 visible devices' UUIDs") !=
+        std::string::npos);
+  s = no_gpus();
+  CHECK(message_for("cuda:0") == "GPUKIT_DEVICE=\"cuda:0\" asks for a GPU, but none is usable: no NVIDIA driver is loaded");
+  policy.require_gpu = true;
+  s = three_gpus();
+  CHECK(message_for("cpu") == "GPUKIT_DEVICE=\"cpu\" selects the CPU, but the policy requires a GPU");
+}
+
+TEST_CASE("the launcher's local rank maps onto the visible devices") {
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;  // ignored: the rank decides
+  auto s = three_gpus();
+  s.local_rank_variable = "SLURM_LOCALID";
+  s.local_rank = "2";
+  auto selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(2));
+  CHECK(selection.source == decided_by::local_rank);
+  CHECK(selection.reason == "SLURM_LOCALID=2 maps to cuda:2 (rank % 3 visible)");
+  s.local_rank = "4";
+  selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(1));
+  CHECK(selection.reason.find("more ranks than devices") != std::string::npos);
+  SUBCASE("a rank whose device fails the policy is an error, not a silent change of device") {
+    policy.min_compute_capability = 90;
+    s.local_rank = "0";
+    CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s),
+                         doctest::Contains("SLURM_LOCALID=0 maps to cuda:0 (rank % 3 visible), which does not"),
+                         gpukit::no_device_error);
+  }
+  SUBCASE("malformed ranks are errors") {
+    for (const char* bad : {"", "-1", "one", "1.5", "99999999999"}) {
+      s.local_rank = bad;
+      CHECK_THROWS_AS(gpukit::select_device(policy, s), gpukit::invalid_argument_error);
+    }
+  }
+  SUBCASE("without GPUs a rank is ignored and the CPU is used") {
+    auto none = no_gpus();
+    none.local_rank_variable = "LOCAL_RANK";
+    none.local_rank = "3";
+    CHECK(gpukit::select_device(policy, none).device == gpukit::device::cpu());
+  }
+}
+
+TEST_CASE("on this machine without a driver: the CPU, or an error that says why") {
+  if (gpukit::device_count() != 0) {
+    std::printf("GPUKIT_TEST_SKIPPED: this test checks behaviour without a GPU\n");
+    return;
+  }
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank1("LOCAL_RANK", std::nullopt);
+  gpukit_test::scoped_env no_rank2("OMPI_COMM_WORLD_LOCAL_RANK", std::nullopt);
+  gpukit_test::scoped_env no_rank3("SLURM_LOCALID", std::nullopt);
+  gpukit_test::scoped_env no_rank4("MPI_LOCALRANKID", std::nullopt);
+  const auto selection = gpukit::select_device();
+  CHECK(selection.device == gpukit::device::cpu());
+  CHECK(selection.source == decided_by::cpu_fallback);
+  CHECK(selection.reason ==
+        "no NVIDIA driver is loaded (cudaGetDeviceCount returned cudaErrorInsufficientDriver), so no CUDA device "
+        "is usable; using the CPU");
+  gpukit::selection_policy require;
+  require.require_gpu = true;
+  CHECK_THROWS_WITH_AS(gpukit::select_device(require),
+                       "select_device: a GPU is required, but no NVIDIA driver is loaded (cudaGetDeviceCount "
+                       "returned cudaErrorInsufficientDriver), so no CUDA device is usable",
+                       gpukit::no_device_error);
+  gpukit_test::scoped_env override_cpu("GPUKIT_DEVICE", std::string("cpu"));
+  CHECK(gpukit::select_device().source == decided_by::environment_override);
+}

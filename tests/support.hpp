@@ -1,0 +1,83 @@
+// Helpers shared by gpukit's tests.
+#pragma once
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+/// In a GPU test: when no CUDA device is usable, print the marker that ctest maps to "Skipped" and return.
+#define GPUKIT_REQUIRE_GPU()                                                                   \
+  do {                                                                                         \
+    if (::gpukit::device_count() == 0) {                                                       \
+      std::printf("GPUKIT_TEST_SKIPPED: no CUDA device is usable on this machine\n");          \
+      std::fflush(stdout);                                                                     \
+      return;                                                                                  \
+    }                                                                                          \
+  } while (false)
+
+namespace gpukit_test {
+
+/// Sets (or, with nullopt, unsets) an environment variable for a scope, restoring the previous value.
+class scoped_env {
+ public:
+  scoped_env(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) previous_ = std::string(old);
+    apply(value);
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+  ~scoped_env() { apply(previous_); }
+
+ private:
+  void apply(const std::optional<std::string>& value) {
+    if (value) {
+      setenv(name_, value->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  const char* name_;
+  std::optional<std::string> previous_;
+};
+
+/// Captures gpukit warnings for a scope (the handler is process-wide: do not nest across threads).
+class captured_warnings {
+ public:
+  captured_warnings() {
+    previous_ = gpukit::set_warning_handler([this](std::string_view message) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      messages_.emplace_back(message);
+    });
+  }
+  captured_warnings(const captured_warnings&) = delete;
+  captured_warnings& operator=(const captured_warnings&) = delete;
+  ~captured_warnings() { gpukit::set_warning_handler(previous_); }
+
+  std::vector<std::string> messages() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return messages_;
+  }
+  /// True if some warning contains `text`.
+  bool contains(std::string_view text) const {
+    for (const auto& m : messages()) {
+      if (m.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> messages_;
+  gpukit::warning_handler previous_;
+};
+
+}  // namespace gpukit_test
