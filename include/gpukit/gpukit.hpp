@@ -9,6 +9,7 @@
 #include <gpukit/version.hpp>
 
 #include <gpukit/error.hpp>
+#include <gpukit/span.hpp>
 
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/nvml.hpp>
@@ -21,3 +22,9 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/stream/stream_pool.hpp>
+
+// memory (caching allocator, device buffers, pinned memory)
+// GPUKIT-MEMORY-INCLUDES
+
+// transfer (copies, staging, prefetcher)
+// GPUKIT-TRANSFER-INCLUDES

@@ -1,0 +1,65 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// gpukit::span<T>: a pointer and a count, for C++17 (which has no std::span). It is a contiguous, sized range with
+/// pointer iterators, so under C++20 a std::span can be built from it directly. It says nothing about where the
+/// memory lives: device_buffer<T>::span() points to device memory.
+
+#include <cstddef>
+#include <type_traits>
+
+namespace gpukit {
+
+template <class T>
+class span {
+ public:
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+  using size_type = std::size_t;
+  using pointer = T*;
+  using reference = T&;
+  using iterator = T*;
+
+  constexpr span() noexcept = default;
+  constexpr span(T* data, std::size_t size) noexcept : data_(data), size_(size) {}
+  /// From a const-compatible span (span<int> → span<const int>).
+  template <class U, class = std::enable_if_t<std::is_convertible<U (*)[], T (*)[]>::value>>
+  constexpr span(const span<U>& other) noexcept : data_(other.data()), size_(other.size()) {}  // NOLINT
+  /// From a contiguous container with data() and size() (std::vector, std::array, std::string, std::span ...).
+  template <class Container,
+            class = std::enable_if_t<!std::is_same<std::remove_cv_t<std::remove_reference_t<Container>>, span>::value &&
+                                     std::is_convertible<decltype(std::declval<Container&>().data()), T*>::value>,
+            class = decltype(std::declval<Container&>().size())>
+  constexpr span(Container&& c) noexcept : data_(c.data()), size_(c.size()) {}  // NOLINT(google-explicit-constructor)
+  /// From a C array.
+  template <std::size_t N>
+  constexpr span(T (&array)[N]) noexcept : data_(array), size_(N) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr T* data() const noexcept { return data_; }
+  constexpr std::size_t size() const noexcept { return size_; }
+  constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  constexpr bool empty() const noexcept { return size_ == 0; }
+  constexpr T* begin() const noexcept { return data_; }
+  constexpr T* end() const noexcept { return data_ + size_; }
+  /// Unchecked, like std::span.
+  constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+  constexpr span first(std::size_t count) const noexcept { return span(data_, count); }
+  constexpr span last(std::size_t count) const noexcept { return span(data_ + (size_ - count), count); }
+  constexpr span subspan(std::size_t offset, std::size_t count) const noexcept { return span(data_ + offset, count); }
+  constexpr span subspan(std::size_t offset) const noexcept { return span(data_ + offset, size_ - offset); }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+/// The bytes of a span, read-only.
+template <class T>
+span<const unsigned char> as_bytes(span<T> s) noexcept {
+  return {reinterpret_cast<const unsigned char*>(s.data()), s.size_bytes()};
+}
+
+}  // namespace gpukit
