@@ -1,5 +1,7 @@
 // A stand-in for libnvidia-ml.so.1 with two GPUs, so gpukit's NVML loader and its UUID / PCI-bus-id mapping are
 // tested on machines without a driver. Only the entry points gpukit declares are provided.
+#include <gpukit/device/nvml.hpp>  // for gpukit::nvml::gpu_memory: signatures must match gpukit's declarations
+
 #include <cstring>
 
 namespace {
@@ -79,18 +81,19 @@ int nvmlDeviceGetUUID(void* device, char* text, unsigned length) {
   std::strncpy(text, static_cast<fake_gpu*>(device)->uuid, length);
   return 0;
 }
-int nvmlDeviceGetMemoryInfo(void* device, unsigned long long* memory) {
+int nvmlDeviceGetMemoryInfo(void* device, gpukit::nvml::gpu_memory* memory) {
   const auto* g = static_cast<fake_gpu*>(device);
-  memory[0] = g->total;
-  memory[1] = g->free;
-  memory[2] = g->used;
+  memory->total = g->total;
+  memory->free = g->free;
+  memory->used = g->used;
   return 0;
 }
-int nvmlDeviceGetUtilizationRates(void* device, unsigned* rates) {
+int nvmlDeviceGetUtilizationRates(void* device, void* rates) {
   const auto* g = static_cast<fake_gpu*>(device);
   if (g->utilization < 0) return 3;  // NVML_ERROR_NOT_SUPPORTED
-  rates[0] = static_cast<unsigned>(g->utilization);
-  rates[1] = 5;
+  unsigned* gpu_and_memory = static_cast<unsigned*>(rates);
+  gpu_and_memory[0] = static_cast<unsigned>(g->utilization);
+  gpu_and_memory[1] = 5;
   return 0;
 }
 }

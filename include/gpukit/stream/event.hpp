@@ -87,6 +87,8 @@ class event {
       cpu_->last = std::move(marker);
       return;
     }
+    // The legacy default stream (handle 0) means "of the current device": make ours current for it.
+    device_guard guard(s.is_default() ? device_ : gpukit::device::cpu());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(cuda_, s.native_handle()), "cudaEventRecord", device_.ordinal());
   }
 
@@ -138,6 +140,7 @@ class event {
       throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
                                    device_.to_string() + "; synchronize() the event instead");
     }
+    device_guard guard(s.is_default() ? s.device() : gpukit::device::cpu());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.native_handle(), cuda_, 0), "cudaStreamWaitEvent",
                               device_.ordinal());
   }
