@@ -1,0 +1,112 @@
+# Install rules for gpukit: the headers, the target gpukit::gpukit with a relocatable CMake package
+# (gpukitConfig.cmake, gpukitConfigVersion.cmake), a pkg-config file and the license.
+#
+# The top-level CMakeLists.txt includes this file when GPUKIT_INSTALL is ON, which is the default only when gpukit is
+# the top-level project. A parent project that adds gpukit with add_subdirectory or FetchContent and installs or
+# exports a target linking gpukit::gpukit needs these rules as well (otherwise CMake stops with "install(EXPORT ...)
+# includes target ... which requires target "gpukit" that is not in any export set"). It turns them on before adding
+# gpukit; gpukit then installs itself alongside the parent, and the parent's package config does
+# find_dependency(gpukit):
+#
+#   set(GPUKIT_INSTALL ON)                  # or set(GPUKIT_INSTALL ON CACHE BOOL "") or -DGPUKIT_INSTALL=ON
+#   add_subdirectory(third_party/gpukit)    # or FetchContent_MakeAvailable(gpukit)
+#
+# Installed layout, relative to the install prefix (each directory can be changed with the cache variable named):
+#   include/gpukit/...                     the headers                                   CMAKE_INSTALL_INCLUDEDIR
+#   share/cmake/gpukit/gpukit*.cmake       CMake package (architecture-independent)      GPUKIT_INSTALL_CMAKEDIR
+#   lib/pkgconfig/gpukit.pc                pkg-config file                               GPUKIT_INSTALL_PKGCONFIGDIR
+#   share/doc/gpukit/LICENSE
+#
+# Every rule belongs to the install component `gpukit` (cmake --install <build> --component gpukit).
+include(CMakePackageConfigHelpers)
+
+set(GPUKIT_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/gpukit" CACHE STRING
+    "Where gpukit's CMake package files are installed (relative to the prefix, or absolute)")
+set(GPUKIT_INSTALL_PKGCONFIGDIR "${CMAKE_INSTALL_LIBDIR}/pkgconfig" CACHE STRING
+    "Where gpukit.pc is installed (relative to the prefix, or absolute)")
+mark_as_advanced(GPUKIT_INSTALL_CMAKEDIR GPUKIT_INSTALL_PKGCONFIGDIR)
+
+set(gpukit_package_dir "${PROJECT_BINARY_DIR}/gpukit-package")
+
+# --- headers ---------------------------------------------------------------------------------------------------
+# File by file rather than install(DIRECTORY): that would also create directories that hold no header yet, which
+# package managers reject (vcpkg's "empty directories" check). CONFIGURE_DEPENDS re-globs on every build.
+file(GLOB_RECURSE gpukit_public_files RELATIVE "${PROJECT_SOURCE_DIR}/include" CONFIGURE_DEPENDS
+     "${PROJECT_SOURCE_DIR}/include/gpukit/*.hpp" "${PROJECT_SOURCE_DIR}/include/gpukit/*.h"
+     "${PROJECT_SOURCE_DIR}/include/gpukit/*.cuh" "${PROJECT_SOURCE_DIR}/include/gpukit/*.inl")
+foreach(gpukit_file IN LISTS gpukit_public_files)
+  get_filename_component(gpukit_file_dir "${gpukit_file}" DIRECTORY)
+  install(FILES "${PROJECT_SOURCE_DIR}/include/${gpukit_file}"
+    DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/${gpukit_file_dir}"
+    COMPONENT gpukit)
+endforeach()
+
+# --- CMake package ---------------------------------------------------------------------------------------------
+# The exported gpukit::gpukit carries its include directory relative to the prefix, cxx_std_17, and the link items
+# CUDA::cudart, Threads::Threads and ${CMAKE_DL_LIBS} by name: no path of this machine is recorded. gpukitConfig.cmake
+# creates CUDA::cudart and Threads::Threads on the consumer's machine (find_dependency) before it loads the targets.
+install(TARGETS gpukit EXPORT gpukitTargets COMPONENT gpukit)
+install(EXPORT gpukitTargets
+  NAMESPACE gpukit::
+  FILE gpukitTargets.cmake
+  DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}"
+  COMPONENT gpukit)
+
+configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/gpukitConfig.cmake.in"
+  "${gpukit_package_dir}/gpukitConfig.cmake"
+  INSTALL_DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}")
+# Header-only: one package serves every architecture (ARCH_INDEPENDENT skips the pointer-size check). While the major
+# version is 0, SameMajorVersion accepts any installed 0.y with y >= the requested minor.
+write_basic_package_version_file("${gpukit_package_dir}/gpukitConfigVersion.cmake"
+  VERSION "${gpukit_VERSION}"
+  COMPATIBILITY SameMajorVersion
+  ARCH_INDEPENDENT)
+install(FILES "${gpukit_package_dir}/gpukitConfig.cmake" "${gpukit_package_dir}/gpukitConfigVersion.cmake"
+  DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}"
+  COMPONENT gpukit)
+
+# --- pkg-config --------------------------------------------------------------------------------------------------
+# prefix is found from the .pc file's own location (${pcfiledir}), so the installed tree can be moved. pkg-config has
+# no way to look for the CUDA toolkit, so the toolkit found when gpukit was configured is recorded: its include
+# directory (CUDAToolkit_INCLUDE_DIRS) and library directory (CUDAToolkit_LIBRARY_DIR) become the variables
+# cuda_includedir and cuda_libdir, which a user of another toolkit overrides with
+# `pkg-config --define-variable=cuda_libdir=... --define-variable=cuda_includedir=...`.
+if(IS_ABSOLUTE "${GPUKIT_INSTALL_PKGCONFIGDIR}")
+  set(gpukit_pc_prefix "${CMAKE_INSTALL_PREFIX}")
+else()
+  file(RELATIVE_PATH gpukit_pc_up "/gpukit-prefix/${GPUKIT_INSTALL_PKGCONFIGDIR}" "/gpukit-prefix")
+  string(REGEX REPLACE "/$" "" gpukit_pc_up "${gpukit_pc_up}")
+  set(gpukit_pc_prefix "\${pcfiledir}/${gpukit_pc_up}")
+endif()
+if(IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
+  set(gpukit_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
+else()
+  set(gpukit_pc_includedir "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
+endif()
+set(gpukit_pc_cuda_includedir "")
+set(gpukit_pc_cflags_extra "")
+foreach(gpukit_dir IN LISTS CUDAToolkit_INCLUDE_DIRS)
+  if(gpukit_pc_cuda_includedir STREQUAL "")
+    set(gpukit_pc_cuda_includedir "${gpukit_dir}")
+  else()
+    string(APPEND gpukit_pc_cflags_extra " -I${gpukit_dir}")
+  endif()
+endforeach()
+set(gpukit_pc_cuda_libdir "${CUDAToolkit_LIBRARY_DIR}")
+set(gpukit_pc_system_libs "")
+if(UNIX)
+  string(APPEND gpukit_pc_system_libs " -lpthread")
+endif()
+foreach(gpukit_lib IN LISTS CMAKE_DL_LIBS)
+  string(APPEND gpukit_pc_system_libs " -l${gpukit_lib}")
+endforeach()
+configure_file("${CMAKE_CURRENT_LIST_DIR}/gpukit.pc.in" "${gpukit_package_dir}/gpukit.pc" @ONLY)
+install(FILES "${gpukit_package_dir}/gpukit.pc"
+  DESTINATION "${GPUKIT_INSTALL_PKGCONFIGDIR}"
+  COMPONENT gpukit)
+
+# --- license -------------------------------------------------------------------------------------------------------
+# Not CMAKE_INSTALL_DOCDIR: inside a parent project that is share/doc/<parent>, and two LICENSE files would collide.
+install(FILES "${PROJECT_SOURCE_DIR}/LICENSE"
+  DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/gpukit"
+  COMPONENT gpukit)

@@ -1,0 +1,97 @@
+# Conan 2 recipe for gpukit, kept in the gpukit repository (packaging/conan/). It reuses gpukit's own CMake install:
+# consumers load gpukit's gpukitConfig.cmake, so gpukit::gpukit carries CUDA::cudart, Threads::Threads and C++17
+# exactly as with a plain `cmake --install`.
+#
+#   conan profile detect --exist-ok
+#   conan create packaging/conan          # from the repository root; builds and runs test_package/
+#
+# The CUDA toolkit is not a Conan package: gpukitConfig.cmake finds it on the consumer's machine with
+# find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
+import os
+import re
+
+from conan import ConanFile
+from conan.errors import ConanInvalidConfiguration
+from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
+from conan.tools.files import copy, load, rmdir
+
+required_conan_version = ">=2.0"
+
+# The recipe lives two directories below the repository root.
+_ROOT = os.path.join("..", "..")
+# Where gpukit's install puts its CMake package (cmake/gpukitInstall.cmake, GPUKIT_INSTALL_CMAKEDIR).
+_CMAKE_DIR = os.path.join("share", "cmake", "gpukit")
+
+
+class GpukitConan(ConanFile):
+    name = "gpukit"
+    description = "Header-only C++17 CUDA device and memory management: caching allocator, streams, transfers"
+    license = "Apache-2.0"
+    url = "https://github.com/gpukit/gpukit"
+    homepage = "https://github.com/gpukit/gpukit"
+    topics = ("cuda", "gpu", "memory", "allocator", "header-only")
+    package_type = "header-library"
+    settings = "os", "arch", "compiler", "build_type"
+    no_copy_source = True
+
+    def set_version(self):
+        # include/gpukit/version.hpp is the single source of the version.
+        header = load(self, os.path.join(self.recipe_folder, _ROOT, "include", "gpukit", "version.hpp"))
+        parts = [re.search(r"#define GPUKIT_VERSION_%s (\d+)" % part, header).group(1)
+                 for part in ("MAJOR", "MINOR", "PATCH")]
+        self.version = self.version or ".".join(parts)
+
+    def export_sources(self):
+        root = os.path.join(self.recipe_folder, _ROOT)
+        for pattern in ("CMakeLists.txt", "LICENSE", "cmake/*", "include/*"):
+            copy(self, pattern, src=root, dst=self.export_sources_folder)
+
+    def validate(self):
+        if self.settings.os not in ("Linux", "FreeBSD"):
+            raise ConanInvalidConfiguration("gpukit supports Linux only (it loads NVML with dlopen)")
+
+    def layout(self):
+        cmake_layout(self)
+
+    def generate(self):
+        tc = CMakeToolchain(self)
+        tc.cache_variables["GPUKIT_BUILD_TESTS"] = False
+        tc.cache_variables["GPUKIT_BUILD_EXAMPLES"] = False
+        tc.cache_variables["GPUKIT_BUILD_BENCHMARKS"] = False
+        tc.cache_variables["GPUKIT_INSTALL"] = True
+        tc.cache_variables["GPUKIT_INSTALL_CMAKEDIR"] = _CMAKE_DIR.replace("\\", "/")
+        tc.generate()
+
+    def build(self):
+        cmake = CMake(self)
+        cmake.configure()
+
+    def package(self):
+        cmake = CMake(self)
+        cmake.install()
+        copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
+        # gpukit.pc records the CUDA paths of the machine that built the package; Conan consumers use CMake (or
+        # PkgConfigDeps, from package_info), so it is left out, as is the second copy of the license.
+        rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
+        rmdir(self, os.path.join(self.package_folder, "lib"))
+        rmdir(self, os.path.join(self.package_folder, "share", "doc"))
+        rmdir(self, os.path.join(self.package_folder, "res"))
+
+    def package_id(self):
+        # Header-only: one package for every configuration.
+        self.info.clear()
+
+    def package_info(self):
+        # CMake consumers load gpukit's own gpukitConfig.cmake (found through builddirs, which CMakeToolchain adds
+        # to CMAKE_PREFIX_PATH); CMakeDeps generates nothing for gpukit. That config finds the CUDA toolkit and
+        # threads and defines gpukit::gpukit with CUDA::cudart in its link interface.
+        self.cpp_info.set_property("cmake_find_mode", "none")
+        self.cpp_info.set_property("cmake_file_name", "gpukit")
+        self.cpp_info.set_property("cmake_target_name", "gpukit::gpukit")
+        self.cpp_info.builddirs = [_CMAKE_DIR]
+        self.cpp_info.bindirs = []
+        self.cpp_info.libdirs = []
+        # For other generators (PkgConfigDeps, ...): the include directory and the system libraries. CUDA's include
+        # directory and -lcudart are the consumer's to add there.
+        self.cpp_info.set_property("pkg_config_name", "gpukit")
+        self.cpp_info.system_libs = ["pthread", "dl"]

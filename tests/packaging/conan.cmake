@@ -1,0 +1,50 @@
+# packaging.conan: `conan create packaging/conan` builds the Conan 2 package from this checkout, then builds and runs
+# its test_package. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and nothing is
+# fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is copied
+# into the build tree first so that Conan writes nothing into the source tree.
+include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
+packaging_fresh_dir("${WORK_DIR}")
+
+if(DEFINED ENV{GPUKIT_CONAN_EXECUTABLE} AND NOT "$ENV{GPUKIT_CONAN_EXECUTABLE}" STREQUAL "")
+  set(conan "$ENV{GPUKIT_CONAN_EXECUTABLE}")
+else()
+  find_program(conan NAMES conan HINTS /usr/local/bin "$ENV{HOME}/.local/bin" NO_CACHE)
+endif()
+if(NOT conan OR NOT EXISTS "${conan}")
+  packaging_fail("Conan 2 was not found, so the Conan package cannot be tested. Install it with "
+                 "`bash .ci/install-deps` (or `python3 -m pip install 'conan>=2,<3'`), or point "
+                 "GPUKIT_CONAN_EXECUTABLE at it; or configure with -DGPUKIT_TEST_PACKAGING=OFF.")
+endif()
+packaging_run("conan --version" SHOW_OUTPUT OUTPUT_VARIABLE conan_version COMMAND "${conan}" --version)
+if(NOT conan_version MATCHES "version 2\\.")
+  packaging_fail("${conan} is not Conan 2: ${conan_version}")
+endif()
+
+set(ENV{CONAN_HOME} "${WORK_DIR}/conan-home")
+packaging_run("conan profile detect --exist-ok (CONAN_HOME=${WORK_DIR}/conan-home)"
+  COMMAND "${conan}" profile detect --exist-ok)
+
+file(COPY "${SOURCE_DIR}/packaging/conan/test_package" DESTINATION "${WORK_DIR}")
+set(conf -c tools.build:jobs=2)
+if(GENERATOR STREQUAL "Ninja")
+  list(APPEND conf -c tools.cmake.cmaketoolchain:generator=Ninja)
+endif()
+packaging_run("conan create packaging/conan (builds the package, then builds and runs test_package)" SHOW_OUTPUT
+  OUTPUT_VARIABLE out
+  COMMAND "${conan}" create "${SOURCE_DIR}/packaging/conan" --test-folder "${WORK_DIR}/test_package" --no-remote
+          ${conf})
+packaging_expect_match("conan create" "${out}" "gpukit/${VERSION}" "gpukit ${VERSION} from Conan: .*stream work done")
+
+# The package is the same for every configuration, and holds gpukit's own CMake package.
+packaging_run("conan list gpukit/${VERSION}:*" OUTPUT_VARIABLE listing COMMAND "${conan}" list "gpukit/${VERSION}:*")
+packaging_expect_match("conan list" "${listing}" "da39a3ee5e6b4b0d3255bfef95601890afd80709")
+packaging_run("conan cache path of the package" OUTPUT_VARIABLE package_folder
+  COMMAND "${conan}" cache path "gpukit/${VERSION}:da39a3ee5e6b4b0d3255bfef95601890afd80709")
+string(STRIP "${package_folder}" package_folder)
+foreach(file include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake share/cmake/gpukit/gpukitTargets.cmake
+             licenses/LICENSE)
+  if(NOT EXISTS "${package_folder}/${file}")
+    packaging_fail("the Conan package (${package_folder}) lacks ${file}")
+  endif()
+endforeach()
+message(STATUS "the Conan package holds gpukit's headers, its CMake package and the license")

@@ -1,0 +1,34 @@
+# packaging.find_package: a separate project finds the installed gpukit with find_package(gpukit CONFIG REQUIRED),
+# builds and runs. The install tree is first copied elsewhere (relocatable), the consumer asks for C++14 (gpukit must
+# raise it to C++17) and mentions neither CUDA nor threads (gpukit's package must bring them). Then the version
+# file: a compatible request succeeds, incompatible ones fail.
+include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
+packaging_fresh_dir("${WORK_DIR}")
+set(prefix "${WORK_DIR}/moved-prefix")
+packaging_copy_prefix("${prefix}")
+set(consumer "${PACKAGING_DIR}/find_package_consumer")
+set(build "${WORK_DIR}/build")
+
+packaging_configure("configure the consumer: find_package(gpukit ${VERSION_MAJOR}.${VERSION_MINOR} CONFIG REQUIRED)"
+  "${consumer}" "${build}"
+  ARGS "-DCMAKE_PREFIX_PATH=${prefix}" "-DGPUKIT_CONSUMER_VERSION=${VERSION_MAJOR}.${VERSION_MINOR}"
+       -DCMAKE_CXX_STANDARD=14 "-DCMAKE_RUNTIME_OUTPUT_DIRECTORY=${WORK_DIR}/bin")
+file(STRINGS "${build}/CMakeCache.txt" found REGEX "^gpukit_DIR:")
+if(NOT found STREQUAL "gpukit_DIR:PATH=${prefix}/share/cmake/gpukit")
+  packaging_fail("the consumer found another gpukit than the one installed by this test: ${found}")
+endif()
+packaging_build("build the consumer" "${build}")
+packaging_executable(program "${WORK_DIR}/bin" consumer)
+packaging_run_consumer("run the consumer" "${program}")
+
+# The version file (SameMajorVersion): a newer minor or another major than the installed one must be refused.
+math(EXPR next_major "${VERSION_MAJOR} + 1")
+math(EXPR next_minor "${VERSION_MINOR} + 1")
+foreach(requested "${next_major}.0" "${VERSION_MAJOR}.${next_minor}")
+  packaging_configure("find_package(gpukit ${requested} CONFIG REQUIRED) is refused (gpukit ${VERSION} installed)"
+    "${consumer}" "${WORK_DIR}/build-${requested}" EXPECT_FAILURE OUTPUT_VARIABLE out
+    ARGS "-DCMAKE_PREFIX_PATH=${prefix}" "-DGPUKIT_CONSUMER_VERSION=${requested}")
+  packaging_expect_match("the refusal names the installed version" "${out}"
+    "compatible[ \n]+with[ \n]+requested[ \n]+version[ \n]+\"${requested}\""
+    "considered but not accepted:[ \n]+[^\n]*/gpukitConfig\\.cmake, version: ${VERSION}")
+endforeach()
