@@ -98,7 +98,7 @@ TEST_CASE("errors without a CUDA cause report cudaSuccess") {
   CHECK(std::string(e.what()) == "bad input");
 }
 
-TEST_CASE("warnings go to the handler; a throwing handler is ignored") {
+TEST_CASE("warnings go to the handler, and a throwing handler is ignored") {
   {
     gpukit_test::captured_warnings warnings;
     gpukit::warn("first");

@@ -1,0 +1,21 @@
+# Fails when a doctest test case name would be mangled by ctest: a ';' splits the name into several ctest tests
+# that each match no test case, so they "pass" having run nothing. Run as:
+#   cmake -DEXECUTABLES=<exe;exe...> -P check_test_names.cmake   (the list is passed with '|' separators)
+string(REPLACE "|" ";" executables "${EXECUTABLES}")
+set(bad "")
+foreach(exe IN LISTS executables)
+  execute_process(COMMAND "${exe}" --list-test-cases --no-version OUTPUT_VARIABLE listing RESULT_VARIABLE result)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "${exe} --list-test-cases failed (${result})")
+  endif()
+  # Work on raw text: a list() over the output would itself split at ';'.
+  string(REGEX MATCHALL "[^\n]*;[^\n]*" offending "${listing}")
+  if(offending)
+    string(APPEND bad "\n  ${exe}: ${offending}")
+  endif()
+endforeach()
+if(bad)
+  message(FATAL_ERROR "test case names must not contain ';' (ctest would split them and run nothing):${bad}")
+endif()
+list(LENGTH executables count)
+message(STATUS "checked the test case names of ${count} test executables")
