@@ -1,0 +1,384 @@
+// Hot path of the caching allocator: one allocation + free pair on a cache hit, for 256 B, 64 KiB and 8 MiB, on 1
+// thread and on 2, 4 and 8 threads with a stream each. Measured on the CPU side with the host upstream (what the
+// allocator itself costs; on a GPU the pair does no CUDA call on a cache hit), beside baselines in the same run:
+// malloc/free and a PyTorch-style allocator (one mutex, std::set best fit, unordered_map of live blocks). After
+// the run a table gives the ratios.
+//
+// GPU comparisons (cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync on the default pool with its release
+// threshold raised, cub::CachingDeviceAllocator, gpukit over cudaMalloc) are compiled in every build and run only
+// when a CUDA device is usable; otherwise a line says they were skipped.
+#include "alloc_baselines.hpp"
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <benchmark/benchmark.h>
+
+#if defined(GPUKIT_BENCH_HAVE_CUB)
+#include <cub/util_allocator.cuh>
+#endif
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+const gpukit::device cpu = gpukit::device::cpu();
+constexpr std::size_t sizes[] = {256, 64 << 10, 8 << 20};
+constexpr int thread_counts[] = {1, 2, 4, 8};
+constexpr int pairs_per_round = 4096;  // per thread and timed round
+
+using host_engine = gpukit::basic_caching_allocator<gpukit::host_upstream>;
+
+/// A realistic cache for the "populated" runs: per stream, 1000 blocks of 512 B..64 KiB are allocated and every
+/// other one freed, so the free lists hold ~500 fragments and the pointer map ~500 live blocks per stream.
+template <class Allocate, class Free>
+void populate(Allocate&& allocate, Free&& free, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 1;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 1000; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    blocks.push_back(allocate(512 + static_cast<std::size_t>(x % (64 * 1024))));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) free(blocks[i]);
+}
+
+/// Threads that run rounds of work together: each round starts all of them at once and ends when the last
+/// finishes; the round's wall time is what is reported. One thread runs on the caller, without hand-offs.
+class team {
+ public:
+  team(int threads, std::function<void(int)> body) : body_(std::move(body)) {
+    for (int t = 1; t < threads; ++t) workers_.emplace_back([this, t] { serve(t); });
+  }
+  team(const team&) = delete;
+  team& operator=(const team&) = delete;
+  ~team() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      ++generation_;
+    }
+    start_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  /// Runs body(t) on every thread once; returns the wall time in seconds.
+  double round() {
+    const auto begin = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    start_.notify_all();
+    body_(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return running_ == 0; });
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  }
+
+ private:
+  void serve(int t) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stopping_) return;
+      }
+      body_(t);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  std::function<void(int)> body_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable start_;
+  std::condition_variable done_;
+  std::uint64_t generation_ = 0;
+  int running_ = 0;
+  bool stopping_ = false;
+};
+
+/// Runs rounds of `pairs_per_round` pairs on each of `threads` threads; reports per round the wall time (manual
+/// time) and the aggregate throughput, from which the summary computes ns per pair (wall / all pairs).
+void run_rounds(benchmark::State& state, int threads, const std::function<void(int)>& one_pair) {
+  team t(threads, [&one_pair](int thread) {
+    for (int i = 0; i < pairs_per_round; ++i) one_pair(thread);
+  });
+  (void)t.round();  // warm: every thread's pairs are cache hits from here on
+  for (auto _ : state) state.SetIterationTime(t.round());
+  const double pairs = static_cast<double>(state.iterations()) * threads * pairs_per_round;
+  state.SetItemsProcessed(static_cast<std::int64_t>(pairs));
+  state.counters["ns_per_pair"] =
+      benchmark::Counter(pairs, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["threads"] = threads;
+}
+
+/// gpukit's engine over host memory. One thread uses the CPU's default stream; several use a CPU stream each
+/// (asynchronous queues, as device streams are).
+void BM_gpukit(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  const int threads = static_cast<int>(state.range(1));
+  const bool populated = state.range(2) != 0;
+  host_engine a(cpu);
+  std::vector<std::unique_ptr<gpukit::stream>> owned;
+  std::vector<gpukit::stream_view> streams;
+  for (int t = 0; t < threads; ++t) {
+    if (threads == 1) {
+      streams.push_back(gpukit::stream_view::default_stream(cpu));
+    } else {
+      owned.push_back(std::make_unique<gpukit::stream>(cpu));
+      streams.push_back(owned.back()->view());
+    }
+  }
+  if (populated) {
+    for (int t = 0; t < threads; ++t) {
+      const gpukit::stream_view s = streams[static_cast<std::size_t>(t)];
+      populate([&](std::size_t n) { return a.allocate(n, s); }, [&](void* p) { a.deallocate(p); },
+               static_cast<std::uint64_t>(t));
+    }
+  }
+  run_rounds(state, threads, [&](int t) {
+    void* p = a.allocate(bytes, streams[static_cast<std::size_t>(t)]);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
+
+/// Like BM_gpukit with one thread, on a CPU queue stream: each free asks the queue whether it is idle.
+void BM_gpukit_cpu_queue(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  host_engine a(cpu);
+  gpukit::stream s(cpu);
+  const gpukit::stream_view v = s.view();
+  run_rounds(state, 1, [&](int) {
+    void* p = a.allocate(bytes, v);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
+
+/// The user-facing path: a device_buffer from a device_allocator (virtual calls, the buffer object).
+void BM_gpukit_device_buffer(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  gpukit::caching_allocator a(cpu);
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  run_rounds(state, 1, [&](int) {
+    gpukit::device_buffer<unsigned char> b(bytes, s, a);
+    benchmark::DoNotOptimize(b.data());
+  });
+}
+
+void BM_malloc(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  run_rounds(state, static_cast<int>(state.range(1)), [bytes](int) {
+    void* p = std::malloc(bytes);
+    benchmark::DoNotOptimize(p);
+    std::free(p);
+  });
+}
+
+void BM_set_best_fit(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  const int threads = static_cast<int>(state.range(1));
+  gpukit_bench::set_best_fit_allocator a;
+  if (state.range(2) != 0) {
+    for (int t = 0; t < threads; ++t) {
+      const auto stream = static_cast<std::uintptr_t>(t) + 1;
+      populate([&](std::size_t n) { return a.allocate(n, stream); }, [&](void* p) { a.deallocate(p); },
+               static_cast<std::uint64_t>(t));
+    }
+  }
+  run_rounds(state, static_cast<int>(state.range(1)), [&](int t) {
+    void* p = a.allocate(bytes, static_cast<std::uintptr_t>(t) + 1);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
+
+/// Arguments: size, threads, populated (0: the cache holds only the block being reused; 1: see populate()).
+template <class Benchmark>
+Benchmark* threaded(Benchmark* b, bool with_populated) {
+  for (int populated = 0; populated <= (with_populated ? 1 : 0); ++populated) {
+    for (std::size_t size : sizes) {
+      for (int threads : thread_counts) b->Args({static_cast<std::int64_t>(size), threads, populated});
+    }
+  }
+  return b->UseManualTime();
+}
+
+template <class Benchmark>
+Benchmark* single(Benchmark* b) {
+  for (std::size_t size : sizes) b->Args({static_cast<std::int64_t>(size), 1, 0});
+  return b->UseManualTime();
+}
+
+// --- GPU comparisons (registered only when a CUDA device is usable) ---
+
+void BM_cuda_malloc(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  for (auto _ : state) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) state.SkipWithError("cudaMalloc failed");
+    cudaFree(p);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+void BM_cuda_malloc_async(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  cudaMemPool_t pool = nullptr;
+  cudaDeviceGetDefaultMemPool(&pool, 0);
+  std::uint64_t threshold = ~std::uint64_t{0};  // keep freed memory in the pool (default 0 returns it at syncs)
+  cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+  gpukit::stream s(gpukit::device::cuda(0));
+  for (auto _ : state) {
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, s.cuda_handle()) != cudaSuccess) state.SkipWithError("cudaMallocAsync failed");
+    cudaFreeAsync(p, s.cuda_handle());
+  }
+  s.synchronize();
+  state.SetItemsProcessed(state.iterations());
+}
+
+#if defined(GPUKIT_BENCH_HAVE_CUB)
+void BM_cub(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  static cub::CachingDeviceAllocator* allocator = new cub::CachingDeviceAllocator();
+  gpukit::stream s(gpukit::device::cuda(0));
+  void* warm = nullptr;
+  allocator->DeviceAllocate(&warm, bytes, s.cuda_handle());
+  allocator->DeviceFree(warm);
+  for (auto _ : state) {
+    void* p = nullptr;
+    if (allocator->DeviceAllocate(&p, bytes, s.cuda_handle()) != cudaSuccess) state.SkipWithError("cub failed");
+    allocator->DeviceFree(p);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+#endif
+
+void BM_gpukit_cuda(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  gpukit::device_allocator& a = gpukit::default_allocator(gpukit::device::cuda(0));
+  gpukit::stream s(gpukit::device::cuda(0));
+  a.deallocate(a.allocate(bytes, s));
+  for (auto _ : state) {
+    void* p = a.allocate(bytes, s);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// --- the ratio table ---
+
+/// Forwards to the console and keeps each run's ns per pair (the median of the repetitions when repeated).
+class collecting_reporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      if (run.error_occurred) continue;
+      const auto it = run.counters.find("ns_per_pair");
+      if (it == run.counters.end()) continue;
+      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      if (run.run_type == Run::RT_Iteration || median) {
+        const std::string key = run.run_name.str();
+        if (median || values_.count(key) == 0 || !has_median_.count(key)) values_[key] = it->second.value * 1e9;
+        if (median) has_median_.insert(key);
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  double ns(const std::string& name) const {
+    const auto it = values_.find(name);
+    return it == values_.end() ? 0.0 : it->second;
+  }
+
+ private:
+  std::map<std::string, double> values_;
+  std::set<std::string> has_median_;
+};
+
+void print_ratios(const collecting_reporter& r) {
+  std::printf("\nHot path: ns per allocation+free pair on a cache hit (all threads together: wall time / pairs),\n"
+              "and the baselines' time divided by gpukit's (above 1: gpukit is faster)\n");
+  std::printf("%-9s %7s | %8s %8s %8s %8s %9s | %10s %10s | %8s %9s %10s\n", "size", "threads", "gpukit", "gpukit+q",
+              "buffer", "malloc", "set+mutex", "set/gpukit", "malloc/gpu", "gpukit-P", "set-P", "set/gpu-P");
+  for (std::size_t size : sizes) {
+    for (int threads : thread_counts) {
+      auto name = [&](const char* bm, int populated) {
+        return std::string(bm) + "/" + std::to_string(size) + "/" + std::to_string(threads) + "/" +
+               std::to_string(populated) + "/manual_time";
+      };
+      const double g = r.ns(name("BM_gpukit", 0));
+      const double q = threads == 1 ? r.ns(name("BM_gpukit_cpu_queue", 0)) : 0.0;
+      const double b = threads == 1 ? r.ns(name("BM_gpukit_device_buffer", 0)) : 0.0;
+      const double m = r.ns(name("BM_malloc", 0));
+      const double s = r.ns(name("BM_set_best_fit", 0));
+      const double gp = r.ns(name("BM_gpukit", 1));
+      const double sp = r.ns(name("BM_set_best_fit", 1));
+      if (g == 0) continue;
+      std::printf("%-9s %7d | %8.1f %8.1f %8.1f %8.1f %9.1f | %10.2f %10.2f | %8.1f %9.1f %10.2f\n",
+                  gpukit::detail::format_bytes(size).c_str(), threads, g, q, b, m, s, s / g, m / g, gp, sp,
+                  gp > 0 ? sp / gp : 0.0);
+    }
+  }
+  std::printf("gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
+              "gpukit+q: 1 thread on a CPU stream | buffer: device_buffer through device_allocator | set+mutex: "
+              "PyTorch's design (alloc_baselines.hpp) | -P: with a populated cache (500 live + 500 cached blocks "
+              "per stream) | %d hardware threads\n",
+              static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  threaded(benchmark::RegisterBenchmark("BM_gpukit", BM_gpukit), true);
+  single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
+  single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
+  threaded(benchmark::RegisterBenchmark("BM_malloc", BM_malloc), false);
+  threaded(benchmark::RegisterBenchmark("BM_set_best_fit", BM_set_best_fit), true);
+  if (gpukit::device_count() > 0) {
+    for (std::size_t size : sizes) {
+      const auto arg = static_cast<std::int64_t>(size);
+      benchmark::RegisterBenchmark("BM_gpu_cudaMalloc_cudaFree", BM_cuda_malloc)->Arg(arg);
+      benchmark::RegisterBenchmark("BM_gpu_cudaMallocAsync_pool", BM_cuda_malloc_async)->Arg(arg);
+#if defined(GPUKIT_BENCH_HAVE_CUB)
+      benchmark::RegisterBenchmark("BM_gpu_cub_CachingDeviceAllocator", BM_cub)->Arg(arg);
+#endif
+      benchmark::RegisterBenchmark("BM_gpu_gpukit_caching_allocator", BM_gpukit_cuda)->Arg(arg);
+    }
+  } else {
+    std::printf("GPU comparisons (cudaMalloc, cudaMallocAsync pool, cub::CachingDeviceAllocator, gpukit over "
+                "cudaMalloc) skipped: no CUDA device is usable on this machine\n");
+  }
+  collecting_reporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  print_ratios(reporter);
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,2 @@
+# Example of the caching device allocator (included by examples/CMakeLists.txt).
+gpukit_add_example(memory_stats "${CMAKE_CURRENT_LIST_DIR}/memory_stats.cpp")

@@ -1,0 +1,52 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A snapshot of a caching allocator's segments and blocks (like torch.cuda.memory_snapshot()), taken atomically
+/// under the allocator's lock together with its statistics. It is what a user inspects to understand where reserved
+/// memory went, and what gpukit's tests check the allocator's invariants against.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace gpukit {
+
+/// What a block is doing.
+enum class block_state : unsigned char {
+  free,       ///< cached, reusable on its stream (or, with cross-stream reuse, on any)
+  allocated,  ///< handed out to a user
+  pending,    ///< freed, but waits for work of other streams (record_stream) before it can be reused
+};
+
+/// One block of a segment.
+struct block_info {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;       ///< bytes the block spans (rounded)
+  std::size_t requested = 0;  ///< bytes the user asked for; 0 unless allocated
+  block_state state = block_state::free;
+  std::uintptr_t stream = 0;  ///< the stream the block belongs to (the stream ops' key)
+  std::uint32_t pending_events = 0;  ///< events still awaited (pending blocks)
+};
+
+/// One segment obtained from the upstream, with its blocks in address order (they tile the segment exactly).
+struct segment_info {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  bool small_pool = false;
+  std::vector<block_info> blocks;
+};
+
+/// Every segment (in address order) and the statistics, taken together.
+struct allocator_snapshot {
+  gpukit::device device{};
+  std::vector<segment_info> segments;
+  allocator_stats stats;
+  std::size_t pointer_map_entries = 0;  ///< allocations the pointer map knows (equals allocated blocks when quiet)
+};
+
+}  // namespace gpukit

@@ -1,0 +1,243 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The caching allocator's statistics, in PyTorch's vocabulary (torch.cuda.memory_stats) so its users can read them
+/// at once, plus what PyTorch does not tell: the largest free block and how fragmented the cache is. Also the
+/// text report memory_summary() prints.
+///
+/// Vocabulary (all per pool: all / small / large; small blocks come from small segments, see allocator_options):
+/// - allocated: blocks handed out to users and not freed (bytes rounded as the allocator stores them);
+/// - requested: the bytes users asked for (before rounding);
+/// - active: allocated, plus freed blocks that wait for other streams' work (record_stream) before reuse;
+/// - reserved: segments obtained from the upstream (cudaMalloc), i.e. what other processes cannot use;
+/// - inactive_split: free blocks that are pieces of a split segment (cached, but not releasable on their own);
+/// - segment / allocation counts; each with current, peak, total allocated, total freed.
+
+#include <gpukit/detail/format.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <string_view>
+
+namespace gpukit {
+
+/// One statistic: its current value, its peak since the last reset_peak_stats(), and the totals added and removed
+/// since the last reset_accumulated_stats().
+struct stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t freed = 0;
+};
+
+/// Which pool a statistic covers.
+enum class stat_pool : std::size_t { all = 0, small = 1, large = 2 };
+
+/// A statistic for each pool, indexed by stat_pool.
+struct pool_stats {
+  std::array<stat, 3> pools{};
+  stat& operator[](stat_pool p) noexcept { return pools[static_cast<std::size_t>(p)]; }
+  const stat& operator[](stat_pool p) const noexcept { return pools[static_cast<std::size_t>(p)]; }
+  const stat& all() const noexcept { return pools[0]; }
+  const stat& small() const noexcept { return pools[1]; }
+  const stat& large() const noexcept { return pools[2]; }
+};
+
+/// A copy of every statistic of one allocator (see the file comment for the vocabulary).
+struct allocator_stats {
+  pool_stats allocation;            ///< number of allocated blocks
+  pool_stats segment;               ///< number of segments obtained from the upstream
+  pool_stats active;                ///< number of active blocks
+  pool_stats inactive_split;        ///< number of free blocks that are pieces of split segments
+  pool_stats allocated_bytes;       ///< bytes of allocated blocks
+  pool_stats reserved_bytes;        ///< bytes of segments
+  pool_stats active_bytes;          ///< bytes of active blocks
+  pool_stats inactive_split_bytes;  ///< bytes of free pieces of split segments
+  pool_stats requested_bytes;       ///< bytes requested by users for the allocated blocks
+
+  std::int64_t num_alloc_retries = 0;     ///< upstream failures (or limit hits) answered by freeing cache and retrying
+  std::int64_t num_ooms = 0;              ///< out_of_memory_error thrown
+  std::int64_t num_sync_all_streams = 0;  ///< waits on the host for all pending stream work (release paths only)
+  std::int64_t num_device_alloc = 0;      ///< upstream allocations (cudaMalloc calls that succeeded)
+  std::int64_t num_device_free = 0;       ///< upstream frees (cudaFree calls)
+
+  /// The limit on reserved bytes (std::numeric_limits<std::size_t>::max() when none).
+  std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();
+};
+
+/// How the cached free memory is laid out: what a request can get without asking the upstream. Computed on demand
+/// (it walks the free lists), unlike the statistics.
+struct free_space_info {
+  std::size_t free_bytes = 0;          ///< reserved bytes in free blocks (reusable now or after pending work)
+  std::size_t largest_free_block = 0;  ///< the largest request the cache can serve without the upstream
+  std::size_t free_blocks = 0;         ///< number of free blocks
+
+  /// External fragmentation of the cache: 1 − largest_free_block / free_bytes. 0 when the free memory is one
+  /// block (or there is none); close to 1 when it is scattered in many small pieces, so that a large request needs
+  /// new memory although much is cached.
+  double fragmentation() const noexcept {
+    if (free_bytes == 0) return 0.0;
+    return 1.0 - static_cast<double>(largest_free_block) / static_cast<double>(free_bytes);
+  }
+};
+
+namespace detail {
+
+/// A statistic updated under the allocator's lock and read without it. Writers hold the lock, so updates are a
+/// load and a store (no read-modify-write instructions on the hot path); readers see each value whole.
+struct atomic_stat {
+  std::atomic<std::int64_t> current{0};
+  std::atomic<std::int64_t> peak{0};
+  std::atomic<std::int64_t> allocated{0};
+  std::atomic<std::int64_t> freed{0};
+
+  /// Adds `delta` (may be negative). Caller holds the allocator's lock.
+  void add(std::int64_t delta) noexcept {
+    const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
+    current.store(value, std::memory_order_relaxed);
+    if (delta >= 0) {
+      allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+      if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
+    } else {
+      freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_relaxed);
+    }
+  }
+  stat load() const noexcept {
+    stat s;
+    s.current = current.load(std::memory_order_relaxed);
+    s.peak = peak.load(std::memory_order_relaxed);
+    s.allocated = allocated.load(std::memory_order_relaxed);
+    s.freed = freed.load(std::memory_order_relaxed);
+    return s;
+  }
+  void reset_peak() noexcept { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+  void reset_accumulated() noexcept {
+    allocated.store(0, std::memory_order_relaxed);
+    freed.store(0, std::memory_order_relaxed);
+  }
+};
+
+/// A statistic for all, small and large pools, updated together.
+struct atomic_pool_stats {
+  std::array<atomic_stat, 3> pools;
+  /// Adds `delta` to the `all` pool and to the block's own pool (small or large).
+  void add(bool small, std::int64_t delta) noexcept {
+    pools[0].add(delta);
+    pools[small ? 1 : 2].add(delta);
+  }
+  pool_stats load() const noexcept {
+    pool_stats s;
+    for (std::size_t i = 0; i < 3; ++i) s.pools[i] = pools[i].load();
+    return s;
+  }
+  void reset_peak() noexcept {
+    for (auto& p : pools) p.reset_peak();
+  }
+  void reset_accumulated() noexcept {
+    for (auto& p : pools) p.reset_accumulated();
+  }
+};
+
+/// A counter with the same single-writer discipline as atomic_stat.
+struct atomic_counter {
+  std::atomic<std::int64_t> value{0};
+  void increment() noexcept { value.store(value.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
+  std::int64_t load() const noexcept { return value.load(std::memory_order_relaxed); }
+  void reset() noexcept { value.store(0, std::memory_order_relaxed); }
+};
+
+inline std::string summary_bytes(std::int64_t bytes) {
+  if (bytes < 0) return "-" + format_bytes(static_cast<std::size_t>(-bytes));
+  return format_bytes(static_cast<std::size_t>(bytes));
+}
+
+inline void summary_line(std::string& out, const char* text) {
+  out += text;
+  out += '\n';
+}
+
+inline void summary_row(std::string& out, const char* name, const stat& s, bool bytes) {
+  auto cell = [bytes](std::int64_t v) { return bytes ? summary_bytes(v) : std::to_string(v); };
+  char line[160];
+  std::snprintf(line, sizeof line, "| %-25s | %12s | %12s | %12s | %12s |", name, cell(s.current).c_str(),
+                cell(s.peak).c_str(), cell(s.allocated).c_str(), cell(s.freed).c_str());
+  summary_line(out, line);
+}
+
+inline void summary_group(std::string& out, const char* name, const pool_stats& s, bool bytes) {
+  summary_row(out, name, s.all(), bytes);
+  summary_row(out, "      from large pool", s.large(), bytes);
+  summary_row(out, "      from small pool", s.small(), bytes);
+  summary_line(out, "|---------------------------------------------------------------------------------------|");
+}
+
+}  // namespace detail
+
+/// The human-readable table of memory_summary(): current / peak / total allocated / total freed of each statistic,
+/// split by pool like torch.cuda.memory_summary(), followed by the free-space layout and the counters.
+inline std::string format_memory_summary(std::string_view title, const allocator_stats& s, const free_space_info& f) {
+  std::string out;
+  const char* rule = "|=======================================================================================|";
+  detail::summary_line(out, rule);
+  char line[200];
+  std::snprintf(line, sizeof line, "| %-85.*s |", static_cast<int>(title.size()), title.data());
+  detail::summary_line(out, line);
+  detail::summary_line(out, "|---------------------------------------------------------------------------------------|");
+  std::snprintf(line, sizeof line, "| %-30s %-20s %-32s |",
+                ("out-of-memory errors: " + std::to_string(s.num_ooms)).c_str(),
+                ("retries: " + std::to_string(s.num_alloc_retries)).c_str(),
+                ("host waits for all streams: " + std::to_string(s.num_sync_all_streams)).c_str());
+  detail::summary_line(out, line);
+  detail::summary_line(out, rule);
+  detail::summary_line(out, "| Metric                    |  Cur Usage   |  Peak Usage  |  Tot Alloc   |  Tot Freed   |");
+  detail::summary_line(out, "|---------------------------------------------------------------------------------------|");
+  detail::summary_group(out, "Allocated memory", s.allocated_bytes, true);
+  detail::summary_group(out, "Active memory", s.active_bytes, true);
+  detail::summary_group(out, "Requested memory", s.requested_bytes, true);
+  detail::summary_group(out, "Reserved memory", s.reserved_bytes, true);
+  detail::summary_group(out, "Non-releasable memory", s.inactive_split_bytes, true);
+  detail::summary_group(out, "Allocations", s.allocation, false);
+  detail::summary_group(out, "Active allocs", s.active, false);
+  detail::summary_group(out, "Reserved segments", s.segment, false);
+  detail::summary_group(out, "Non-releasable allocs", s.inactive_split, false);
+  const std::int64_t reserved = s.reserved_bytes.all().current;
+  const std::int64_t allocated = s.allocated_bytes.all().current;
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Cached (reserved - allocated):",
+                detail::summary_bytes(reserved - allocated).c_str());
+  detail::summary_line(out, line);
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Largest free block:",
+                (detail::format_bytes(f.largest_free_block) + " of " + detail::format_bytes(f.free_bytes) + " free in " +
+                 std::to_string(f.free_blocks) + " blocks")
+                    .c_str());
+  detail::summary_line(out, line);
+  char ratio[64];
+  std::snprintf(ratio, sizeof ratio, "%.3f (1 - largest free / free)", f.fragmentation());
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Fragmentation:", ratio);
+  detail::summary_line(out, line);
+  if (allocated > 0) {
+    std::snprintf(ratio, sizeof ratio, "%.3f", static_cast<double>(reserved) / static_cast<double>(allocated));
+  } else {
+    std::snprintf(ratio, sizeof ratio, "-");
+  }
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Reserved / allocated:", ratio);
+  detail::summary_line(out, line);
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Reserved limit:",
+                s.reserved_limit == std::numeric_limits<std::size_t>::max()
+                    ? "none"
+                    : detail::format_bytes(s.reserved_limit).c_str());
+  detail::summary_line(out, line);
+  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Upstream allocs / frees:",
+                (std::to_string(s.num_device_alloc) + " / " + std::to_string(s.num_device_free)).c_str());
+  detail::summary_line(out, line);
+  detail::summary_line(out, rule);
+  return out;
+}
+
+}  // namespace gpukit

@@ -1,0 +1,130 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The per-device default allocators and the PyTorch-style free functions that act on them:
+///
+///     gpukit::memory_allocated(d); gpukit::memory_reserved(d); gpukit::max_memory_allocated(d);
+///     gpukit::empty_cache(d); std::puts(gpukit::memory_summary(d).c_str());
+///
+/// A default allocator is created on first use (never during static initialisation, and without any CUDA call
+/// until it allocates), lives until the process exits (so buffers in static storage can still free into it), and
+/// can be replaced with set_default_allocator().
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace gpukit {
+
+namespace detail {
+
+struct default_allocator_registry {
+  static constexpr int fast_slots = 65;  // cpu, cuda:0 .. cuda:63 without a lock
+  std::mutex mutex;
+  std::array<std::atomic<device_allocator*>, fast_slots> fast{};
+  std::map<device, std::shared_ptr<device_allocator>> owners;
+  std::map<device, allocator_options> options;
+};
+
+/// Never destroyed: allocators must outlive every buffer, including those destroyed during static destruction.
+inline default_allocator_registry& default_allocators() {
+  static default_allocator_registry* registry = new default_allocator_registry();
+  return *registry;
+}
+
+inline int default_allocator_slot(device d) noexcept { return d.is_cpu() ? 0 : d.ordinal() + 1; }
+
+}  // namespace detail
+
+/// The default allocator of `d` (a caching_allocator unless replaced), created on first use.
+inline device_allocator& default_allocator(device d) {
+  auto& registry = detail::default_allocators();
+  const int slot = detail::default_allocator_slot(d);
+  if (slot < detail::default_allocator_registry::fast_slots) {
+    if (device_allocator* a = registry.fast[static_cast<std::size_t>(slot)].load(std::memory_order_acquire)) return *a;
+  }
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& owner = registry.owners[d];
+  if (!owner) {
+    const auto configured = registry.options.find(d);
+    owner = std::make_shared<caching_allocator>(d, configured != registry.options.end() ? configured->second
+                                                                                         : allocator_options{});
+  }
+  if (slot < detail::default_allocator_registry::fast_slots) {
+    registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
+  }
+  return *owner;
+}
+
+/// Makes `allocator` the default of `d` and returns the previous one (nullptr if none was created yet). Buffers
+/// allocated from the previous allocator still free into it, so keep it alive until they are gone. Passing nullptr
+/// makes the next use create a fresh caching_allocator. Throws invalid_argument_error if `allocator` serves another
+/// device.
+inline std::shared_ptr<device_allocator> set_default_allocator(device d, std::shared_ptr<device_allocator> allocator) {
+  if (allocator && allocator->device() != d) {
+    throw invalid_argument_error("gpukit::set_default_allocator: the allocator serves " +
+                                 allocator->device().to_string() + ", not " + d.to_string());
+  }
+  auto& registry = detail::default_allocators();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& owner = registry.owners[d];
+  std::swap(owner, allocator);
+  const int slot = detail::default_allocator_slot(d);
+  if (slot < detail::default_allocator_registry::fast_slots) {
+    registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
+  }
+  return allocator;
+}
+
+/// Sets the options the default allocator of `d` is created with (e.g. from a configuration file). Takes effect
+/// only if that allocator has not been created yet; returns whether it did.
+inline bool set_default_allocator_options(device d, const allocator_options& options) {
+  options.validate();
+  auto& registry = detail::default_allocators();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.options[d] = options;
+  const auto existing = registry.owners.find(d);
+  return existing == registry.owners.end() || !existing->second;
+}
+
+/// Bytes handed out by the default allocator of `d` (torch.cuda.memory_allocated).
+inline std::size_t memory_allocated(device d) { return default_allocator(d).memory_allocated(); }
+/// Bytes the default allocator of `d` holds from the device (torch.cuda.memory_reserved).
+inline std::size_t memory_reserved(device d) { return default_allocator(d).memory_reserved(); }
+/// Peak of memory_allocated(d) since the last reset_peak_memory_stats(d).
+inline std::size_t max_memory_allocated(device d) { return default_allocator(d).max_memory_allocated(); }
+/// Peak of memory_reserved(d) since the last reset_peak_memory_stats(d).
+inline std::size_t max_memory_reserved(device d) { return default_allocator(d).max_memory_reserved(); }
+/// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
+inline allocator_stats memory_stats(device d) { return default_allocator(d).stats(); }
+/// Segments and blocks of the default allocator of `d` (torch.cuda.memory_snapshot).
+inline allocator_snapshot memory_snapshot(device d) { return default_allocator(d).snapshot(); }
+/// The statistics table of the default allocator of `d` (torch.cuda.memory_summary), with fragmentation.
+inline std::string memory_summary(device d) { return default_allocator(d).memory_summary(); }
+/// Returns the free cached memory of `d`'s default allocator to the device (torch.cuda.empty_cache).
+inline void empty_cache(device d) { default_allocator(d).empty_cache(); }
+/// Starts new peaks for `d`'s default allocator.
+inline void reset_peak_memory_stats(device d) { default_allocator(d).reset_peak_stats(); }
+/// Zeroes the cumulative totals and counters of `d`'s default allocator.
+inline void reset_accumulated_memory_stats(device d) { default_allocator(d).reset_accumulated_stats(); }
+/// Caps the memory `d`'s default allocator may reserve, as a fraction of the device's total memory.
+inline void set_per_device_memory_fraction(double fraction, device d) {
+  default_allocator(d).set_memory_fraction(fraction);
+}
+/// Caps the memory `d`'s default allocator may reserve, in bytes.
+inline void set_reserved_memory_limit(std::size_t bytes, device d) { default_allocator(d).set_reserved_limit(bytes); }
+
+}  // namespace gpukit

@@ -1,0 +1,122 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// device_allocator: the interface through which buffers and the per-device default allocators use an allocator,
+/// whatever its upstream; and caching_device_allocator<Upstream>, the caching engine behind that interface.
+/// `gpukit::caching_allocator` (cudaMalloc for CUDA devices, host memory for the CPU) is what the default
+/// allocators are.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+namespace gpukit {
+
+/// Stream-ordered device memory with statistics. Implementations are thread-safe.
+class device_allocator {
+ public:
+  virtual ~device_allocator() = default;
+
+  /// The device whose memory this allocator hands out.
+  virtual gpukit::device device() const noexcept = 0;
+
+  /// `bytes` usable on `stream` at once; nullptr for 0 bytes. Throws out_of_memory_error, or invalid_argument_error
+  /// for a stream of another device.
+  virtual void* allocate(std::size_t bytes, stream_view stream) = 0;
+  /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
+  /// allocator does not own (including a double free); nullptr is ignored.
+  virtual void deallocate(void* p) = 0;
+  /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
+  virtual void deallocate(void* p, stream_view stream) = 0;
+  /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
+  virtual void record_stream(void* p, stream_view stream) = 0;
+  /// True when `p` is the start of a live allocation of this allocator.
+  virtual bool owns(const void* p) const noexcept = 0;
+
+  /// Statistics, read without locking.
+  virtual allocator_stats stats() const = 0;
+  /// The cached free memory's layout (largest free block, fragmentation).
+  virtual free_space_info free_space() const = 0;
+  /// Segments and blocks with consistent statistics (for debugging and tests).
+  virtual allocator_snapshot snapshot() const = 0;
+  /// A torch.cuda.memory_summary()-style table.
+  virtual std::string memory_summary() const = 0;
+
+  /// Returns completely free segments to the device after pending work completes.
+  virtual void empty_cache() = 0;
+  /// Releases free segments, largest first, until at most `target_reserved` bytes are reserved; returns reserved.
+  virtual std::size_t trim(std::size_t target_reserved) = 0;
+  virtual void reset_peak_stats() = 0;
+  virtual void reset_accumulated_stats() = 0;
+  /// Caps reserved memory; allocations beyond it free cache, retry, then throw out_of_memory_error.
+  virtual void set_reserved_limit(std::size_t bytes) = 0;
+  /// Caps reserved memory at a fraction of the device's total memory.
+  virtual void set_memory_fraction(double fraction) = 0;
+
+  /// Bytes handed out to users, like torch.cuda.memory_allocated().
+  virtual std::size_t memory_allocated() const noexcept = 0;
+  /// Bytes held from the device, like torch.cuda.memory_reserved().
+  virtual std::size_t memory_reserved() const noexcept = 0;
+  virtual std::size_t max_memory_allocated() const noexcept = 0;
+  virtual std::size_t max_memory_reserved() const noexcept = 0;
+
+ protected:
+  device_allocator() = default;
+  device_allocator(const device_allocator&) = default;
+  device_allocator& operator=(const device_allocator&) = default;
+};
+
+/// The caching engine (basic_caching_allocator) over `Upstream`, with gpukit's streams and events, as a
+/// device_allocator. engine() gives the full engine API (options, upstream, rounded sizes).
+template <class Upstream>
+class caching_device_allocator final : public device_allocator {
+ public:
+  using engine_type = basic_caching_allocator<Upstream, stream_ops>;
+
+  /// An allocator of device `d`; the upstream is built from `upstream_args`. Makes no CUDA call.
+  template <class... UpstreamArgs>
+  explicit caching_device_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args)
+      : engine_(d, options, std::forward<UpstreamArgs>(upstream_args)...) {}
+
+  gpukit::device device() const noexcept override { return engine_.device(); }
+  void* allocate(std::size_t bytes, stream_view stream) override { return engine_.allocate(bytes, stream); }
+  void deallocate(void* p) override { engine_.deallocate(p); }
+  void deallocate(void* p, stream_view stream) override { engine_.deallocate(p, stream); }
+  void record_stream(void* p, stream_view stream) override { engine_.record_stream(p, stream); }
+  bool owns(const void* p) const noexcept override { return engine_.owns(p); }
+  allocator_stats stats() const override { return engine_.stats(); }
+  free_space_info free_space() const override { return engine_.free_space(); }
+  allocator_snapshot snapshot() const override { return engine_.snapshot(); }
+  std::string memory_summary() const override { return engine_.memory_summary(); }
+  void empty_cache() override { engine_.empty_cache(); }
+  std::size_t trim(std::size_t target_reserved) override { return engine_.trim(target_reserved); }
+  void reset_peak_stats() override { engine_.reset_peak_stats(); }
+  void reset_accumulated_stats() override { engine_.reset_accumulated_stats(); }
+  void set_reserved_limit(std::size_t bytes) override { engine_.set_reserved_limit(bytes); }
+  void set_memory_fraction(double fraction) override { engine_.set_memory_fraction(fraction); }
+  std::size_t memory_allocated() const noexcept override { return engine_.memory_allocated(); }
+  std::size_t memory_reserved() const noexcept override { return engine_.memory_reserved(); }
+  std::size_t max_memory_allocated() const noexcept override { return engine_.max_memory_allocated(); }
+  std::size_t max_memory_reserved() const noexcept override { return engine_.max_memory_reserved(); }
+
+  engine_type& engine() noexcept { return engine_; }
+  const engine_type& engine() const noexcept { return engine_; }
+
+ private:
+  engine_type engine_;
+};
+
+/// The default allocators' type: cudaMalloc-backed for cuda:N, host-memory-backed for the CPU.
+using caching_allocator = caching_device_allocator<device_upstream>;
+
+}  // namespace gpukit

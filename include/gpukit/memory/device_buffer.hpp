@@ -1,0 +1,215 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Owning handles to stream-ordered device memory:
+/// - device_buffer<T>: `count` uninitialised elements of a trivially copyable T (device memory cannot run
+///   constructors), typed, move-only, with span();
+/// - device_allocation: raw bytes, unique_ptr-style (get(), explicit operator bool).
+/// Both come from an allocator (the default allocator of the stream's device unless one is given) and are freed
+/// in the order of the stream they were allocated on when destroyed or release()d. They work for the CPU device
+/// too (host memory, CPU streams). A buffer must be released before its stream is destroyed, and before its
+/// allocator is (default allocators live until the process exits).
+///
+///     gpukit::stream s(gpukit::device::cuda(0));
+///     gpukit::device_buffer<float> x(1 << 20, s);     // from cuda:0's caching allocator, usable on s
+///     kernel<<<grid, block, 0, s.cuda_handle()>>>(x.data(), x.size());
+///     // ~device_buffer: freed in s's order: the memory is reused by later work on s, never during the kernel
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/span.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cstddef>
+#include <exception>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace gpukit {
+
+namespace detail {
+/// Frees memory from a destructor: an error cannot be thrown there, so it is reported through gpukit::warn.
+inline void deallocate_quietly(device_allocator* allocator, void* p, const char* owner) noexcept {
+  try {
+    allocator->deallocate(p);
+  } catch (const std::exception& e) {
+    warn(std::string("gpukit: freeing a ") + owner + " failed: " + e.what());
+  } catch (...) {
+    warn(std::string("gpukit: freeing a ") + owner + " failed");
+  }
+}
+}  // namespace detail
+
+/// Raw bytes of stream-ordered device memory, owned (move-only). An empty allocation (0 bytes, default
+/// constructed or moved from) has get() == nullptr.
+class device_allocation {
+ public:
+  /// Empty; belongs to no device (device() is the CPU).
+  device_allocation() noexcept = default;
+
+  /// `bytes` from the default allocator of `stream`'s device, usable on `stream` at once.
+  device_allocation(std::size_t bytes, stream_view stream)
+      : device_allocation(bytes, stream, default_allocator(stream.device())) {}
+
+  /// `bytes` from `allocator`, which must outlive this allocation.
+  device_allocation(std::size_t bytes, stream_view stream, device_allocator& allocator)
+      : allocator_(&allocator), stream_(stream), size_(bytes) {
+    pointer_ = allocator.allocate(bytes, stream);
+  }
+
+  device_allocation(device_allocation&& other) noexcept
+      : allocator_(std::exchange(other.allocator_, nullptr)),
+        stream_(other.stream_),
+        pointer_(std::exchange(other.pointer_, nullptr)),
+        size_(std::exchange(other.size_, 0)) {}
+  device_allocation& operator=(device_allocation&& other) noexcept {
+    if (this != &other) {
+      free_quietly();
+      allocator_ = std::exchange(other.allocator_, nullptr);
+      stream_ = other.stream_;
+      pointer_ = std::exchange(other.pointer_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  device_allocation(const device_allocation&) = delete;
+  device_allocation& operator=(const device_allocation&) = delete;
+  ~device_allocation() { free_quietly(); }
+
+  void* get() const noexcept { return pointer_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return pointer_ == nullptr; }
+  explicit operator bool() const noexcept { return pointer_ != nullptr; }
+  /// The device the memory is on (the CPU for an empty allocation).
+  gpukit::device device() const noexcept { return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu(); }
+  /// The stream the memory was allocated on and is freed on.
+  stream_view stream() const noexcept { return stream_; }
+  /// The allocator it came from, or nullptr when empty.
+  device_allocator* allocator() const noexcept { return allocator_; }
+
+  /// Frees the memory now (in the stream's order) and leaves the allocation empty, also when the free throws (a
+  /// misuse such as freeing the pointer behind the handle's back is reported once, not again by the destructor).
+  void release() {
+    void* p = std::exchange(pointer_, nullptr);
+    size_ = 0;
+    if (p != nullptr) allocator_->deallocate(p);
+  }
+
+  /// `s` also uses this memory: when freed, it is reused only after s's work up to then (record_stream).
+  void record_stream(stream_view s) {
+    if (pointer_ != nullptr) allocator_->record_stream(pointer_, s);
+  }
+
+ private:
+  void free_quietly() noexcept {
+    if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, "device_allocation");
+    pointer_ = nullptr;
+    size_ = 0;
+  }
+
+  device_allocator* allocator_ = nullptr;
+  stream_view stream_{};
+  void* pointer_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+/// `size()` elements of T in stream-ordered device memory, uninitialised, owned (move-only).
+template <class T>
+class device_buffer {
+  static_assert(std::is_trivially_copyable<T>::value,
+                "gpukit::device_buffer<T>: T must be trivially copyable (device memory runs no constructors)");
+  static_assert(alignof(T) <= 256, "gpukit::device_buffer<T>: allocations are aligned to 256 bytes");
+  static_assert(!std::is_const<T>::value, "gpukit::device_buffer<T>: T must not be const");
+
+ public:
+  using value_type = T;
+  using size_type = std::size_t;
+  using pointer = T*;
+  using const_pointer = const T*;
+
+  /// Empty (no memory, CPU device).
+  device_buffer() noexcept = default;
+
+  /// `count` elements from the default allocator of `stream`'s device, usable on `stream` at once.
+  device_buffer(std::size_t count, stream_view stream)
+      : device_buffer(count, stream, default_allocator(stream.device())) {}
+
+  /// `count` elements from `allocator` (which must outlive the buffer), usable on `stream` at once. Throws
+  /// invalid_argument_error if count * sizeof(T) overflows, out_of_memory_error if memory cannot be had.
+  device_buffer(std::size_t count, stream_view stream, device_allocator& allocator)
+      : allocator_(&allocator), stream_(stream), size_(count) {
+    if (count > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
+      throw invalid_argument_error("gpukit::device_buffer: " + std::to_string(count) + " elements of " +
+                                   std::to_string(sizeof(T)) + " bytes overflow std::size_t");
+    }
+    data_ = static_cast<T*>(allocator.allocate(count * sizeof(T), stream));
+  }
+
+  device_buffer(device_buffer&& other) noexcept
+      : allocator_(std::exchange(other.allocator_, nullptr)),
+        stream_(other.stream_),
+        data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)) {}
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    if (this != &other) {
+      free_quietly();
+      allocator_ = std::exchange(other.allocator_, nullptr);
+      stream_ = other.stream_;
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() { free_quietly(); }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  /// Number of elements.
+  std::size_t size() const noexcept { return size_; }
+  std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  bool empty() const noexcept { return size_ == 0; }
+  /// The elements as a span (device memory: dereference only in device code, or on the host for the CPU device).
+  gpukit::span<T> span() noexcept { return {data_, size_}; }
+  gpukit::span<const T> span() const noexcept { return {data_, size_}; }
+  /// The device the memory is on (the CPU for a default-constructed or moved-from buffer).
+  gpukit::device device() const noexcept { return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu(); }
+  /// The stream the memory was allocated on and is freed on.
+  stream_view stream() const noexcept { return stream_; }
+  /// The allocator the memory came from, or nullptr for a default-constructed or moved-from buffer.
+  device_allocator* allocator() const noexcept { return allocator_; }
+
+  /// Frees the memory now (in the stream's order) and leaves the buffer empty, also when the free throws. Errors are
+  /// thrown (the destructor reports them through gpukit::warn instead).
+  void release() {
+    T* p = std::exchange(data_, nullptr);
+    size_ = 0;
+    if (p != nullptr) allocator_->deallocate(p);
+  }
+
+  /// `s` also uses this memory: when freed, it is reused only after s's work up to then (record_stream).
+  void record_stream(stream_view s) {
+    if (data_ != nullptr) allocator_->record_stream(data_, s);
+  }
+
+ private:
+  void free_quietly() noexcept {
+    if (data_ != nullptr) detail::deallocate_quietly(allocator_, data_, "device_buffer");
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  device_allocator* allocator_ = nullptr;
+  stream_view stream_{};
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace gpukit

@@ -1,0 +1,328 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Upstreams: where the caching allocator gets its segments from. An upstream is any type with
+///
+///     void* allocate(std::size_t bytes);                 // nullptr when out of memory; throws for other failures
+///     void deallocate(void* p, std::size_t bytes) noexcept;
+///     upstream_memory_info memory_info() const;          // free and total, for limits and OOM messages
+///     bool synchronizes_on_free() const noexcept;        // deallocate waits for all work of the device
+///
+/// Upstreams are called without the allocator's lock held, so they must be thread-safe. gpukit provides:
+/// - cuda_upstream: cudaMalloc / cudaFree on one CUDA device (cudaFree synchronizes the device);
+/// - host_upstream: aligned host memory, optionally capacity-limited (the CPU device's memory);
+/// - address_space_upstream: hands out address ranges of a capacity-limited fake address space without touching
+///   any memory (for simulations, trace replays and tests of out-of-memory handling);
+/// - device_upstream: cuda_upstream or host_upstream, chosen by a gpukit::device at run time.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
+namespace gpukit {
+
+/// Free and total memory as an upstream sees it. `known` is false when the upstream cannot tell (then both are 0).
+struct upstream_memory_info {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  bool known = false;
+};
+
+/// Segments are at least this aligned by every gpukit upstream (cudaMalloc guarantees 256 bytes).
+inline constexpr std::size_t upstream_alignment = 256;
+
+/// Host memory (the CPU device's "device memory"), aligned to upstream_alignment. An optional capacity makes it
+/// fail like a full GPU would, so out-of-memory handling can be tested with memory that can be written.
+class host_upstream {
+ public:
+  /// \param capacity bytes that may be outstanding at once (default: unlimited, i.e. until the host runs out)
+  explicit host_upstream(std::size_t capacity = std::numeric_limits<std::size_t>::max()) noexcept
+      : capacity_(capacity) {}
+
+  /// Memory for a segment, or nullptr when the capacity or the host is exhausted (the allocator then frees its
+  /// cache and retries, and reports out of memory if that does not help).
+  void* allocate(std::size_t bytes) {
+    std::size_t used = used_.load(std::memory_order_relaxed);
+    do {
+      if (bytes > capacity_ || used > capacity_ - bytes) return nullptr;
+    } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+    void* p = ::operator new(bytes, std::align_val_t{upstream_alignment}, std::nothrow);
+    if (p == nullptr) used_.fetch_sub(bytes, std::memory_order_relaxed);
+    return p;
+  }
+
+  /// Returns a segment; `bytes` must be the size it was allocated with.
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    ::operator delete(p, std::align_val_t{upstream_alignment});
+    used_.fetch_sub(bytes, std::memory_order_relaxed);
+  }
+
+  /// The capacity (or the machine's physical memory when unlimited) and what remains of it.
+  upstream_memory_info memory_info() const noexcept {
+    std::size_t total = capacity_;
+    if (total == std::numeric_limits<std::size_t>::max()) total = physical_memory();
+    const std::size_t used = used_.load(std::memory_order_relaxed);
+    upstream_memory_info info;
+    info.total_bytes = total;
+    info.free_bytes = used < total ? total - used : 0;
+    info.known = total != 0;
+    return info;
+  }
+
+  /// Host memory is freed at once, whatever CPU streams still do with it: the allocator must wait for them first.
+  bool synchronizes_on_free() const noexcept { return false; }
+
+  /// Bytes currently handed out.
+  std::size_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
+
+ private:
+  static std::size_t physical_memory() noexcept {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long page_size = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page_size > 0) return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page_size);
+#endif
+    return 0;
+  }
+
+  std::size_t capacity_;
+  std::atomic<std::size_t> used_{0};
+};
+
+/// A capacity-limited fake address space: allocate() returns distinct, aligned addresses that must never be
+/// dereferenced. It lets the allocator be driven through allocation traces far larger than this machine's memory
+/// (fragmentation benchmarks) and lets tests exhaust "device memory" exactly (capacity, set_capacity). Freed ranges
+/// are reused (first fit), as a driver would reuse virtual addresses.
+class address_space_upstream {
+ public:
+  /// \param capacity  bytes that may be outstanding at once
+  /// \param alignment alignment of returned addresses (a power of two, at least upstream_alignment)
+  explicit address_space_upstream(std::size_t capacity, std::size_t alignment = upstream_alignment)
+      : capacity_(capacity), alignment_(alignment) {
+    if (alignment < upstream_alignment || (alignment & (alignment - 1)) != 0) {
+      throw invalid_argument_error("gpukit::address_space_upstream: the alignment must be a power of two of at "
+                                   "least " + std::to_string(upstream_alignment) + " bytes");
+    }
+    free_ranges_.emplace(base_address, address_space_size);
+  }
+
+  address_space_upstream(const address_space_upstream&) = delete;
+  address_space_upstream& operator=(const address_space_upstream&) = delete;
+
+  /// A fresh address range of `bytes`, or nullptr when the capacity would be exceeded (or after fail_next()).
+  void* allocate(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (forced_failures_ > 0) {
+      --forced_failures_;
+      return nullptr;
+    }
+    if (bytes == 0 || bytes > capacity_ || used_ > capacity_ - bytes) return nullptr;
+    const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
+    if (size < bytes) return nullptr;
+    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+      const std::uintptr_t start = (it->first + alignment_ - 1) & ~(static_cast<std::uintptr_t>(alignment_) - 1);
+      const std::uintptr_t end = it->first + it->second;
+      if (start > end || end - start < size) continue;
+      const std::uintptr_t range_start = it->first;
+      const std::size_t range_size = it->second;
+      free_ranges_.erase(it);
+      if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
+      if (start + size < range_start + range_size) free_ranges_.emplace(start + size, range_start + range_size - start - size);
+      used_ += bytes;
+      if (used_ > peak_) peak_ = used_;
+      ++allocations_;
+      sizes_.emplace(start, size);
+      return reinterpret_cast<void*>(start);
+    }
+    return nullptr;
+  }
+
+  /// Returns a range; `bytes` must be the size it was allocated with. An unknown address is reported through
+  /// gpukit::warn (this upstream is used by tests, which should see such a bug).
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto start = reinterpret_cast<std::uintptr_t>(p);
+    const auto found = sizes_.find(start);
+    if (found == sizes_.end()) {
+      warn("gpukit::address_space_upstream: deallocate of an address it did not hand out");
+      return;
+    }
+    std::size_t size = found->second;
+    sizes_.erase(found);
+    used_ -= bytes;
+    std::uintptr_t begin = start;
+    auto next = free_ranges_.lower_bound(start);
+    if (next != free_ranges_.end() && next->first == start + size) {
+      size += next->second;
+      next = free_ranges_.erase(next);
+    }
+    if (next != free_ranges_.begin()) {
+      auto previous = std::prev(next);
+      if (previous->first + previous->second == begin) {
+        begin = previous->first;
+        size += previous->second;
+        free_ranges_.erase(previous);
+      }
+    }
+    free_ranges_.emplace(begin, size);
+  }
+
+  /// The capacity and what remains of it.
+  upstream_memory_info memory_info() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    upstream_memory_info info;
+    info.total_bytes = capacity_;
+    info.free_bytes = capacity_ - (used_ < capacity_ ? used_ : capacity_);
+    info.known = true;
+    return info;
+  }
+
+  /// No memory is touched, so nothing can still be using it.
+  bool synchronizes_on_free() const noexcept { return true; }
+
+  /// Changes the capacity, e.g. to simulate another process taking memory. Ranges already out stay valid.
+  void set_capacity(std::size_t capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    capacity_ = capacity;
+  }
+  /// Makes the next `count` calls of allocate() fail whatever the capacity (failure injection for tests).
+  void fail_next(int count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forced_failures_ = count;
+  }
+  std::size_t capacity() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return capacity_;
+  }
+  /// Bytes outstanding now, and the most ever outstanding (a trace replay's peak reserved memory).
+  std::size_t used() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return used_;
+  }
+  std::size_t peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+  /// Number of successful allocate() calls so far.
+  std::size_t allocations() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return allocations_;
+  }
+
+  /// Where the fake address space starts (far from any real mapping, so a stray dereference faults).
+  static constexpr std::uintptr_t base_address = std::uintptr_t{1} << 44;
+  static constexpr std::size_t address_space_size = std::size_t{1} << 46;
+
+ private:
+  mutable std::mutex mutex_;
+  std::size_t capacity_;
+  std::size_t alignment_;
+  std::size_t used_ = 0;
+  std::size_t peak_ = 0;
+  std::size_t allocations_ = 0;
+  int forced_failures_ = 0;
+  std::map<std::uintptr_t, std::size_t> free_ranges_;  // start -> size, coalesced
+  std::map<std::uintptr_t, std::size_t> sizes_;        // start -> aligned size of each range handed out
+};
+
+/// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.
+class cuda_upstream {
+ public:
+  /// No CUDA call is made until the first allocation.
+  explicit cuda_upstream(gpukit::device d) : device_(d) {
+    if (!d.is_cuda()) throw invalid_argument_error("gpukit::cuda_upstream: " + d.to_string() + " is not a CUDA device");
+  }
+
+  /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
+  /// failure (no driver, invalid device) throws the matching gpukit exception.
+  void* allocate(std::size_t bytes) {
+    device_guard guard(device_);
+    void* p = nullptr;
+    const cudaError_t result = cudaMalloc(&p, bytes);
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMalloc(" + std::to_string(bytes) + ")", device_.ordinal());
+    return p;
+  }
+
+  /// cudaFree, which waits for all work of the device; a failure is reported through gpukit::warn.
+  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
+    try {
+      device_guard guard(device_);
+      detail::report_cuda_failure(cudaFree(p), "cudaFree (returning a cached segment)", device_.ordinal());
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
+    }
+  }
+
+  /// cudaMemGetInfo (the device's context exists by then: the allocator only asks after allocating on it).
+  upstream_memory_info memory_info() const {
+    upstream_memory_info info;
+    try {
+      device_guard guard(device_);
+      std::size_t free_bytes = 0;
+      std::size_t total_bytes = 0;
+      if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+        info.free_bytes = free_bytes;
+        info.total_bytes = total_bytes;
+        info.known = true;
+      } else {
+        (void)cudaGetLastError();
+      }
+    } catch (const error&) {
+    }
+    return info;
+  }
+
+  bool synchronizes_on_free() const noexcept { return true; }
+  gpukit::device device() const noexcept { return device_; }
+
+ private:
+  gpukit::device device_;
+};
+
+/// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
+class device_upstream {
+ public:
+  explicit device_upstream(gpukit::device d) : device_(d), cuda_(d.is_cuda() ? d : gpukit::device::cuda(0)) {}
+
+  void* allocate(std::size_t bytes) { return device_.is_cuda() ? cuda_.allocate(bytes) : host_.allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    if (device_.is_cuda()) {
+      cuda_.deallocate(p, bytes);
+    } else {
+      host_.deallocate(p, bytes);
+    }
+  }
+  upstream_memory_info memory_info() const {
+    return device_.is_cuda() ? cuda_.memory_info() : host_.memory_info();
+  }
+  bool synchronizes_on_free() const noexcept { return device_.is_cuda(); }
+  gpukit::device device() const noexcept { return device_; }
+
+ private:
+  gpukit::device device_;
+  cuda_upstream cuda_;
+  host_upstream host_;
+};
+
+}  // namespace gpukit

@@ -1,0 +1,485 @@
+// Edge cases of the caching allocator engine: zero and overflowing sizes, rounding and pool boundaries, splitting
+// and coalescing, best fit, per-stream pools, statistics resets, misuse (double free, foreign and interior
+// pointers, wrong device), option validation, empty_cache/trim and the summary.
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/detail/size_classes.hpp>
+#include <gpukit/memory/upstream.hpp>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+
+/// An allocator over 4 GiB of fake address space with two fake CPU streams and one fake stream of cuda:1. Most
+/// cases test the mechanics with PyTorch's constants (whose boundaries are the familiar ones); the cases named
+/// "gpukit defaults" test what gpukit's defaults add.
+struct fixture {
+  explicit fixture(gpukit::allocator_options options = gpukit::allocator_options::pytorch())
+      : a(gpukit::device::cpu(), options, 4 * GiB) {
+    a.stream_operations().world = &world;
+    s0 = fake_stream{world.add_stream()};
+    s1 = fake_stream{world.add_stream()};
+    other_device = fake_stream{world.add_stream(gpukit::device::cuda(1))};
+  }
+  ~fixture() {
+    for (const auto& l : live) a.deallocate(reinterpret_cast<void*>(l.address));
+  }
+  fixture(const fixture&) = delete;
+  fixture& operator=(const fixture&) = delete;
+  std::uintptr_t alloc(std::size_t bytes, fake_stream s) {
+    void* p = a.allocate(bytes, s);
+    live.push_back({reinterpret_cast<std::uintptr_t>(p), bytes});
+    return reinterpret_cast<std::uintptr_t>(p);
+  }
+  std::uintptr_t alloc(std::size_t bytes) { return alloc(bytes, s0); }
+  void free(std::uintptr_t p) {
+    a.deallocate(reinterpret_cast<void*>(p));
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      if (live[i].address == p) {
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  }
+  std::string invariants() { return check_invariants(a.snapshot(), live, a.options().rounding); }
+  const gpukit::segment_info& segment_of(std::uintptr_t p) {
+    snapshot = a.snapshot();
+    for (const auto& seg : snapshot.segments) {
+      if (p >= seg.address && p < seg.address + seg.size) return seg;
+    }
+    FAIL("no segment holds the pointer");
+    return snapshot.segments.front();
+  }
+
+  fake_world world;
+  fake_allocator a;
+  fake_stream s0, s1, other_device;
+  std::vector<live_allocation> live;
+  gpukit::allocator_snapshot snapshot;
+};
+
+}  // namespace
+
+TEST_CASE("zero-size requests return nullptr and change nothing, and deallocate(nullptr) is a no-op") {
+  fixture f;
+  CHECK(f.a.allocate(0, f.s0) == nullptr);
+  f.a.deallocate(nullptr);
+  f.a.deallocate(nullptr, f.s1);
+  const auto s = f.a.stats();
+  CHECK(s.allocation.all().allocated == 0);
+  CHECK(s.segment.all().current == 0);
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().allocations() == 0);
+  CHECK_FALSE(f.a.owns(nullptr));
+}
+
+TEST_CASE("sizes that overflow when rounded are rejected with invalid_argument_error") {
+  fixture f;
+  const std::size_t max = std::numeric_limits<std::size_t>::max();
+  for (std::size_t bytes : {max, max - 1, max - 510, max - (std::size_t{2} << 20) + 2}) {
+    CHECK_THROWS_AS(f.a.allocate(bytes, f.s0), gpukit::invalid_argument_error);
+  }
+  try {
+    f.a.allocate(max, f.s0);
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(std::string(e.what()).find("overflows when rounded") != std::string::npos);
+    CHECK(e.code() == gpukit::errc::invalid_argument);
+  }
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.a.memory_reserved() == 0);
+  // A huge size that does not overflow is an out-of-memory condition, not a misuse.
+  CHECK_THROWS_AS(f.a.allocate(max / 2, f.s0), gpukit::out_of_memory_error);
+  CHECK(f.a.stats().num_ooms == 1);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("requests are rounded to the rounding and routed by the pool boundaries") {
+  fixture f;  // PyTorch's constants: 512 B rounding, small <= 1 MiB from 2 MiB segments, < 10 MiB from 20 MiB
+  const auto& o = f.a.options();
+  CHECK(f.a.rounded_size(1) == 512);
+  CHECK(f.a.rounded_size(512) == 512);
+  CHECK(f.a.rounded_size(513) == 1024);
+  CHECK(f.a.rounded_size(o.small_size) == o.small_size);
+  CHECK(f.a.segment_size_for(o.small_size) == o.small_segment_size);
+  CHECK(f.a.segment_size_for(o.small_size + 512) == o.medium_segment_size);
+  CHECK(f.a.segment_size_for(o.medium_size - 512) == o.medium_segment_size);
+  CHECK(f.a.segment_size_for(o.medium_size) == o.medium_size);  // 10 MiB is a multiple of 2 MiB
+  CHECK(f.a.segment_size_for(o.medium_size + 512) == o.medium_size + 2 * MiB);
+
+  const auto one = f.alloc(1);
+  CHECK(f.segment_of(one).small_pool);
+  CHECK(f.segment_of(one).size == o.small_segment_size);
+  const auto at_small = f.alloc(o.small_size);
+  CHECK(f.segment_of(at_small).small_pool);
+  const auto above_small = f.alloc(o.small_size + 1);
+  CHECK_FALSE(f.segment_of(above_small).small_pool);
+  CHECK(f.segment_of(above_small).size == o.medium_segment_size);
+  const auto s = f.a.stats();
+  CHECK(s.requested_bytes.all().current == static_cast<std::int64_t>(1 + o.small_size + o.small_size + 1));
+  CHECK(s.allocated_bytes.small().current == static_cast<std::int64_t>(512 + o.small_size));
+  CHECK(f.a.allocation_size(reinterpret_cast<void*>(above_small)) == o.small_size + 1);
+  CHECK(f.invariants() == "");
+
+  fixture g;  // requests of medium_size or more get their own segment, rounded to 2 MiB
+  const auto at_medium = g.alloc(o.medium_size);
+  CHECK(g.segment_of(at_medium).size == o.medium_size);
+  const auto big = g.alloc(o.medium_size + 1);
+  CHECK(g.segment_of(big).size == o.medium_size + 2 * MiB);
+  CHECK(g.invariants() == "");
+}
+
+TEST_CASE("custom rounding is honoured and blocks stay aligned to it") {
+  gpukit::allocator_options o;  // gpukit defaults
+  o.rounding = 4096;
+  fixture f(o);
+  const auto a = f.alloc(1);
+  const auto b = f.alloc(4097);
+  const auto c = f.alloc(100);
+  CHECK(a % 4096 == 0);
+  CHECK(b == a + 4096);
+  CHECK(c == b + 8192);
+  CHECK(f.a.stats().allocated_bytes.all().current == 4096 + 8192 + 4096);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("a small segment is split for each request and coalesces back into one block") {
+  fixture f;
+  const auto a = f.alloc(1000);
+  const auto b = f.alloc(3000);
+  const auto c = f.alloc(700);
+  CHECK(b == a + 1024);
+  CHECK(c == b + 3072);
+  CHECK(f.segment_of(a).blocks.size() == 4);  // a, b, c and the free remainder
+  CHECK(f.a.stats().inactive_split.all().current == 1);
+  f.free(b);  // a hole between two allocated blocks
+  CHECK(f.a.stats().inactive_split.all().current == 2);
+  CHECK(f.a.stats().inactive_split_bytes.all().current == static_cast<std::int64_t>(2 * MiB - 1024 - 3072 - 1024 + 3072));
+  CHECK(f.invariants() == "");
+  f.free(a);  // merges with the hole after it
+  CHECK(f.segment_of(a).blocks.size() == 3);
+  CHECK(f.segment_of(a).blocks[0].size == 1024 + 3072);
+  CHECK(f.invariants() == "");
+  f.free(c);  // merges with both neighbours: the whole segment is one free block again
+  CHECK(f.segment_of(a).blocks.size() == 1);
+  CHECK(f.segment_of(a).blocks[0].size == 2 * MiB);
+  CHECK(f.a.stats().inactive_split.all().current == 0);
+  CHECK(f.a.stats().inactive_split_bytes.all().current == 0);
+  // The coalesced block is reused from its start.
+  CHECK(f.alloc(MiB) == a);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("large blocks are split only when the remainder exceeds the threshold") {
+  fixture f;  // large_split_threshold = 1 MiB, medium segments of 20 MiB
+  const auto whole = f.alloc(19 * MiB);  // remainder 1 MiB: not more than the threshold, so not split
+  CHECK(f.segment_of(whole).blocks.size() == 1);
+  CHECK(f.a.stats().allocated_bytes.large().current == static_cast<std::int64_t>(20 * MiB));
+  CHECK(f.a.stats().requested_bytes.large().current == static_cast<std::int64_t>(19 * MiB));
+  f.free(whole);
+  const auto split = f.alloc(19 * MiB - 512);  // remainder 1 MiB + 512: split
+  CHECK(split == whole);
+  CHECK(f.segment_of(split).blocks.size() == 2);
+  CHECK(f.segment_of(split).blocks[1].size == MiB + 512);
+  CHECK(f.a.stats().allocated_bytes.large().current == static_cast<std::int64_t>(19 * MiB - 512));
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("the remainder of a large block serves a later large request") {
+  fixture f;
+  const auto a = f.alloc(2 * MiB);
+  const auto b = f.alloc(3 * MiB);
+  CHECK(b == a + 2 * MiB);  // same 20 MiB segment
+  CHECK(f.a.upstream().allocations() == 1);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("best fit: the smallest sufficient free block is chosen") {
+  fixture f;
+  std::vector<std::uintptr_t> p;
+  for (std::size_t kib : {3, 1, 8, 1, 5, 1, 16, 1}) p.push_back(f.alloc(kib * KiB));
+  f.free(p[0]);  // free blocks of 3, 8, 5 and 16 KiB separated by allocated 1 KiB blocks
+  f.free(p[2]);
+  f.free(p[4]);
+  f.free(p[6]);
+  CHECK(f.alloc(4 * KiB) == p[4]);
+  CHECK(f.alloc(3 * KiB) == p[0]);
+  CHECK(f.alloc(6 * KiB) == p[2]);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("best fit inside one size class prefers the smaller of several candidates") {
+  fixture f;
+  // 100 KiB and 101 KiB share a size class (classes are 1/32 of an octave: 2 KiB wide at 64-128 KiB).
+  using index = gpukit::detail::size_class_index<gpukit::block_info>;
+  REQUIRE(index::class_of(100 * KiB) == index::class_of(101 * KiB));
+  const auto big = f.alloc(101 * KiB);
+  const auto sep1 = f.alloc(512);
+  const auto small = f.alloc(100 * KiB);
+  const auto sep2 = f.alloc(512);
+  f.free(small);
+  f.free(big);  // the most recently freed block is the head of the class
+  CHECK(f.alloc(100 * KiB) == small);
+  CHECK(f.alloc(101 * KiB) == big);
+  (void)sep1;
+  (void)sep2;
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("max_split_size: huge blocks are not split and smaller requests do not take them") {
+  auto o = gpukit::allocator_options::pytorch();
+  o.max_split_size = 32 * MiB;
+  o.max_oversize_waste = 4 * MiB;
+  fixture f(o);
+  const auto huge = f.alloc(40 * MiB);
+  f.free(huge);
+  const auto medium = f.alloc(12 * MiB);  // below max_split_size: may not take the 40 MiB block
+  CHECK(medium != huge);
+  const auto fits = f.alloc(37 * MiB);  // 3 MiB of waste is within max_oversize_waste: reuses it whole
+  CHECK(fits == huge);
+  CHECK(f.segment_of(fits).blocks.size() == 1);
+  f.free(fits);
+  const auto too_small = f.alloc(34 * MiB);  // 6 MiB of waste is too much: new segment
+  CHECK(too_small != huge);
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("blocks are reused at once on their own stream and never on another one") {
+  fixture f;
+  const auto p = f.alloc(4096, f.s0);
+  f.free(p);
+  const auto q = f.alloc(4096, f.s1);
+  CHECK(q != p);
+  CHECK(f.a.stats().segment.all().current == 2);  // s1 got its own segment
+  const auto r = f.alloc(4096, f.s0);
+  CHECK(r == p);
+  CHECK(f.world.waits.empty());
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("statistics: peaks, totals and their resets") {
+  fixture f;
+  const auto a = f.alloc(100 * KiB);
+  const auto b = f.alloc(3 * MiB);
+  f.free(a);
+  auto s = f.a.stats();
+  CHECK(s.allocated_bytes.all().current == static_cast<std::int64_t>(3 * MiB));
+  CHECK(s.allocated_bytes.all().peak == static_cast<std::int64_t>(3 * MiB + 100 * KiB));
+  CHECK(s.allocated_bytes.all().allocated == static_cast<std::int64_t>(3 * MiB + 100 * KiB));
+  CHECK(s.allocated_bytes.all().freed == static_cast<std::int64_t>(100 * KiB));
+  CHECK(s.allocation.small().peak == 1);
+  CHECK(s.allocation.large().current == 1);
+  CHECK(f.a.max_memory_allocated() == 3 * MiB + 100 * KiB);
+  CHECK(f.a.max_memory_reserved() == 22 * MiB);
+  CHECK(s.num_device_alloc == 2);
+  f.a.reset_peak_stats();
+  CHECK(f.a.max_memory_allocated() == 3 * MiB);
+  CHECK(f.a.stats().allocation.small().peak == 0);
+  f.a.reset_accumulated_stats();
+  s = f.a.stats();
+  CHECK(s.allocated_bytes.all().allocated == 0);
+  CHECK(s.allocated_bytes.all().freed == 0);
+  CHECK(s.allocated_bytes.all().current == static_cast<std::int64_t>(3 * MiB));  // current values stay
+  CHECK(s.num_device_alloc == 0);
+  f.free(b);
+  CHECK(f.a.stats().allocated_bytes.all().freed == static_cast<std::int64_t>(3 * MiB));
+  CHECK(f.invariants() == "");
+}
+
+TEST_CASE("misuse: double free, foreign and interior pointers, wrong device") {
+  fixture f;
+  const auto p = f.alloc(10000);
+  const auto keep = f.alloc(512);
+  f.free(p);
+  auto message_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const gpukit::invalid_argument_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  CHECK(message_of([&] { f.a.deallocate(reinterpret_cast<void*>(p)); }).find("double free") != std::string::npos);
+  CHECK(message_of([&] { f.a.deallocate(reinterpret_cast<void*>(keep + 8)); }).find("8 bytes into a block of 512") !=
+        std::string::npos);
+  int on_the_stack = 0;
+  CHECK(message_of([&] { f.a.deallocate(&on_the_stack); }).find("not allocated by this allocator") !=
+        std::string::npos);
+  CHECK(message_of([&] { f.a.record_stream(reinterpret_cast<void*>(p), f.s1); }).find("double free") !=
+        std::string::npos);
+  CHECK(message_of([&] { (void)f.a.allocation_size(&on_the_stack); }).find("not allocated") != std::string::npos);
+  const std::string wrong = message_of([&] { (void)f.a.allocate(100, f.other_device); });
+  CHECK(wrong.find("wrong device") != std::string::npos);
+  CHECK(wrong.find("cuda:1") != std::string::npos);
+  CHECK(message_of([&] { f.a.deallocate(reinterpret_cast<void*>(keep), f.other_device); }).find("wrong device") !=
+        std::string::npos);
+  CHECK(f.a.owns(reinterpret_cast<void*>(keep)));  // the failed free on the wrong device changed nothing
+  CHECK(message_of([&] { f.a.record_stream(reinterpret_cast<void*>(keep), f.other_device); }).find("wrong device") !=
+        std::string::npos);
+  CHECK(f.invariants() == "");
+  f.free(keep);
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 0);
+  // After the segment is gone, a stale pointer is simply not owned.
+  CHECK(message_of([&] { f.a.deallocate(reinterpret_cast<void*>(keep)); }).find("not allocated by this allocator") !=
+        std::string::npos);
+}
+
+TEST_CASE("inconsistent options are rejected") {
+  auto rejected = [](auto change) {
+    gpukit::allocator_options o;
+    change(o);
+    try {
+      gpukit::basic_caching_allocator<gpukit::address_space_upstream> a(gpukit::device::cpu(), o, GiB);
+    } catch (const gpukit::invalid_argument_error&) {
+      return true;
+    }
+    return false;
+  };
+  CHECK(rejected([](gpukit::allocator_options& o) { o.rounding = 500; }));
+  CHECK(rejected([](gpukit::allocator_options& o) { o.rounding = 8; }));
+  CHECK(rejected([](gpukit::allocator_options& o) { o.small_size = 4 * MiB; }));
+  CHECK(rejected([](gpukit::allocator_options& o) {
+    o = gpukit::allocator_options::pytorch();
+    o.medium_segment_size = 5 * MiB;  // below medium_size without growth: a medium request might not fit
+  }));
+  CHECK(rejected([](gpukit::allocator_options& o) { o.large_segment_rounding = 3 * MiB; }));
+  CHECK(rejected([](gpukit::allocator_options& o) { o.small_segment_size = 2 * MiB + 100; }));
+  CHECK(rejected([](gpukit::allocator_options& o) { o.max_split_size = 1; }));
+  CHECK_FALSE(rejected([](gpukit::allocator_options&) {}));
+  CHECK_FALSE(rejected([](gpukit::allocator_options& o) { o = gpukit::allocator_options::pytorch(); }));
+}
+
+TEST_CASE("empty_cache releases only completely free segments, and trim releases the largest first") {
+  fixture f;
+  const auto small = f.alloc(1000);      // small segment, stays in use
+  const auto medium = f.alloc(5 * MiB);   // 20 MiB segment
+  const auto big = f.alloc(30 * MiB);     // 30 MiB segment
+  const auto bigger = f.alloc(40 * MiB);  // 40 MiB segment
+  f.free(medium);
+  f.free(big);
+  f.free(bigger);
+  CHECK(f.a.memory_reserved() == 2 * MiB + 90 * MiB);
+  CHECK(f.a.trim(60 * MiB) == 2 * MiB + 50 * MiB);  // the 40 MiB segment is enough to get to the target
+  CHECK(f.a.stats().num_device_free == 1);
+  CHECK(f.invariants() == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 2 * MiB);  // the small segment still has an allocation
+  CHECK(f.a.stats().segment.all().current == 1);
+  CHECK(f.invariants() == "");
+  f.free(small);
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().used() == 0);
+  CHECK(f.a.stats().num_device_free == 4);
+  CHECK(f.a.stats().num_sync_all_streams == 3);
+}
+
+TEST_CASE("memory_summary shows every statistic with the largest free block and fragmentation") {
+  fixture f;
+  const auto a = f.alloc(4 * MiB);
+  const auto b = f.alloc(4 * MiB);
+  const auto c = f.alloc(4 * MiB);
+  f.free(b);
+  const std::string summary = f.a.memory_summary();
+  for (const char* row : {"Allocated memory", "Active memory", "Requested memory", "Reserved memory",
+                          "Non-releasable memory", "Allocations", "Active allocs", "Reserved segments",
+                          "Non-releasable allocs", "from large pool", "from small pool", "Largest free block",
+                          "Fragmentation", "out-of-memory errors: 0", "Cur Usage", "Peak Usage", "Tot Alloc",
+                          "Tot Freed"}) {
+    CHECK_MESSAGE(summary.find(row) != std::string::npos, row);
+  }
+  // 20 MiB segment: three 4 MiB allocations, b freed: free pieces of 4 MiB and 8 MiB.
+  CHECK(summary.find("8.00 MiB of 12.00 MiB free in 2 blocks") != std::string::npos);
+  CHECK(summary.find("0.333") != std::string::npos);  // 1 - 8/12
+  const auto free_space = f.a.free_space();
+  CHECK(free_space.largest_free_block == 8 * MiB);
+  CHECK(free_space.free_bytes == 12 * MiB);
+  CHECK(free_space.fragmentation() == doctest::Approx(1.0 / 3.0));
+  (void)a;
+  (void)c;
+}
+
+TEST_CASE("gpukit defaults: a cached segment the request cannot use is released before the footprint grows") {
+  fixture g(gpukit::allocator_options{});
+  const auto a = g.alloc(100 * MiB);  // a segment of its own (>= medium_size)
+  g.free(a);
+  const auto b = g.alloc(120 * MiB);  // cannot use the 100 MiB block: it is released first
+  CHECK(g.a.stats().num_device_free == 1);
+  CHECK(g.a.memory_reserved() == 120 * MiB);
+  CHECK(g.a.max_memory_reserved() == 120 * MiB);  // not 220 MiB
+  g.free(b);
+  const auto c = g.alloc(110 * MiB);  // fits in the cached 120 MiB block: no upstream call
+  CHECK(c == b);
+  CHECK(g.a.stats().num_device_alloc == 2);
+  // Growth below the high-water mark keeps the cache.
+  g.free(c);
+  const auto d = g.alloc(5 * MiB);  // 120 + 20 > 120: but the only free segment can serve it
+  CHECK(d == c);
+  CHECK(g.a.stats().num_device_free == 1);
+  CHECK(g.invariants() == "");
+
+  fixture p;  // PyTorch keeps the unusable block cached: the footprint grows
+  p.free(p.alloc(100 * MiB));
+  (void)p.alloc(120 * MiB);
+  CHECK(p.a.max_memory_reserved() == 220 * MiB);
+  CHECK(p.a.stats().num_device_free == 0);
+}
+
+TEST_CASE("gpukit defaults: release before growth frees the smallest cached segment that covers the growth") {
+  fixture g(gpukit::allocator_options{});
+  const auto a = g.alloc(300 * MiB);
+  const auto b = g.alloc(100 * MiB);
+  const auto c = g.alloc(150 * MiB);
+  g.free(a);
+  g.free(b);
+  g.free(c);  // high water 550 MiB
+  CHECK(g.a.trim(250 * MiB) == 250 * MiB);  // the 300 MiB segment goes
+  (void)g.alloc(320 * MiB);  // fits nothing cached; 250 + 320 exceeds the high water by 20: the 100 MiB one goes
+  CHECK(g.a.stats().num_device_free == 2);
+  CHECK(g.a.memory_reserved() == 150 * MiB + 320 * MiB);
+  CHECK(g.invariants() == "");
+  const auto d = g.alloc(400 * MiB);  // exceeds it by 400 - 80: no single segment covers it, so the largest go
+  CHECK(g.a.stats().num_device_free == 3);
+  CHECK(g.a.memory_reserved() == 320 * MiB + 400 * MiB);
+  (void)d;
+  CHECK(g.invariants() == "");
+}
+
+TEST_CASE("gpukit defaults: mid-size requests share segments that grow with the footprint") {
+  fixture g(gpukit::allocator_options{});
+  const auto first = g.alloc(5 * MiB);
+  CHECK(g.segment_of(first).size == 20 * MiB);  // a small footprint keeps small segments
+  (void)g.alloc(1 * GiB);                       // a segment of its own
+  const auto second = g.alloc(30 * MiB);       // no room in the 20 MiB segment
+  CHECK(g.segment_of(second).size == 132 * MiB);  // (20 MiB + 1 GiB) / 8, rounded up to 2 MiB
+  const auto third = g.alloc(40 * MiB);  // shares it: no upstream call
+  CHECK(third == second + 30 * MiB);
+  CHECK(g.a.stats().num_device_alloc == 3);
+  (void)g.alloc(2 * GiB);
+  const auto capped = g.alloc(63 * MiB);
+  CHECK(g.segment_of(capped).size == 256 * MiB);  // at most 4 × medium_size
+  CHECK(g.invariants() == "");
+}
+
+TEST_CASE("gpukit defaults: huge blocks stay whole for huge requests") {
+  fixture g(gpukit::allocator_options{});
+  const auto huge = g.alloc(300 * MiB);
+  g.free(huge);
+  const auto again = g.alloc(290 * MiB);  // >= max_split_size and only 10 MiB smaller: takes the block whole
+  CHECK(again == huge);
+  CHECK(g.segment_of(again).blocks.size() == 1);
+  CHECK(g.a.memory_allocated() == 300 * MiB);
+  g.free(again);
+  const auto mid = g.alloc(100 * MiB);  // below max_split_size: may not carve the huge block...
+  CHECK(g.segment_of(mid).size == 100 * MiB);
+  CHECK(g.a.stats().num_device_free == 1);  // ...which, unusable, was released before growing
+  CHECK(g.a.memory_reserved() == 100 * MiB);
+  CHECK(g.invariants() == "");
+}

@@ -1,0 +1,268 @@
+// Out of memory through capacity-limited upstreams: the allocator releases its cache and retries; a final failure
+// throws out_of_memory_error whose message has the right numbers; num_ooms counts; nothing leaks and the allocator
+// stays usable. Also the reserved limit (bytes or fraction), which works on its own.
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+
+/// PyTorch's constants unless given: the retry sequence is easiest to follow without release-before-growth.
+struct fixture {
+  explicit fixture(std::size_t capacity, gpukit::allocator_options options = gpukit::allocator_options::pytorch())
+      : a(gpukit::device::cpu(), options, capacity) {
+    a.stream_operations().world = &world;
+    s0 = fake_stream{world.add_stream()};
+    s1 = fake_stream{world.add_stream()};
+  }
+  void* alloc(std::size_t bytes, fake_stream s) { return a.allocate(bytes, s); }
+  void* alloc(std::size_t bytes) { return alloc(bytes, s0); }
+
+  fake_world world;
+  fake_allocator a;
+  fake_stream s0, s1;
+};
+
+std::string oom_message(fixture& f, std::size_t bytes) {
+  try {
+    (void)f.alloc(bytes);
+  } catch (const gpukit::out_of_memory_error& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("an upstream failure is answered by releasing the cache and retrying") {
+  fixture f(64 * MiB);
+  void* a = f.alloc(5 * MiB);   // 20 MiB segment
+  void* b = f.alloc(30 * MiB);  // 30 MiB segment: 50 MiB reserved
+  f.a.deallocate(a);            // the 20 MiB segment is cached, completely free
+  void* c = f.alloc(25 * MiB);  // needs 26 MiB: 76 > 64, so the cache must go first
+  REQUIRE(c != nullptr);
+  const auto s = f.a.stats();
+  CHECK(s.num_alloc_retries == 1);
+  CHECK(s.num_ooms == 0);
+  CHECK(s.num_sync_all_streams == 0);  // giving back free segments needed no host wait for streams
+  CHECK(s.num_device_free == 1);
+  CHECK(s.num_device_alloc == 3);
+  CHECK(f.a.memory_reserved() == 56 * MiB);
+  CHECK(f.a.upstream().used() == 56 * MiB);
+  f.a.deallocate(b);
+  f.a.deallocate(c);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("a final failure throws out_of_memory_error with the request, the rounding and the memory picture") {
+  fixture f(64 * MiB);
+  void* a = f.alloc(40 * MiB);
+  void* small = f.alloc(1000);  // a 2 MiB small segment, mostly free
+  const std::size_t request = 30 * MiB + 1;
+  const std::string m = oom_message(f, request);
+  INFO(m);
+  CHECK(contains(m, "out of memory on cpu"));
+  CHECK(contains(m, "tried to allocate 30.00 MiB (31457281 bytes)"));
+  CHECK(contains(m, "rounded to 30.00 MiB (31457792 bytes)"));
+  CHECK(contains(m, "new segment of 32.00 MiB"));
+  CHECK(contains(m, "Device: 64.00 MiB total, 22.00 MiB free"));
+  CHECK(contains(m, "40.00 MiB allocated"));  // 40 MiB + 1024 B, shown to two decimals
+  CHECK(contains(m, "2.00 MiB reserved but unallocated"));
+  CHECK(contains(m, "largest free block 2.00 MiB"));  // 2 MiB - 1 KiB
+  CHECK(contains(m, "fragmentation 0.00"));
+  CHECK(contains(m, "reserved limit none"));
+  const auto s = f.a.stats();
+  CHECK(s.num_ooms == 1);
+  CHECK(s.num_alloc_retries == 1);  // nothing to release, but the last retry is always made
+  CHECK(s.num_sync_all_streams == 1);
+  // The allocator is fully usable afterwards, and nothing leaked.
+  f.a.deallocate(a);
+  void* again = f.alloc(request);
+  CHECK(again == a);  // the 40 MiB segment is reused
+  f.a.deallocate(again);
+  f.a.deallocate(small);
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().used() == 0);
+  CHECK(check_invariants(f.a.snapshot(), {}, 512) == "");
+}
+
+TEST_CASE("the OOM message explains fragmentation: enough is cached, but in pieces") {
+  fixture f(60 * MiB);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 3; ++i) {  // three 20 MiB segments, each split into 4 MiB pieces
+    for (int j = 0; j < 5; ++j) blocks.push_back(f.alloc(4 * MiB));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) f.a.deallocate(blocks[i]);  // every other piece
+  const std::string m = oom_message(f, 8 * MiB);
+  INFO(m);
+  CHECK(contains(m, "28.00 MiB allocated"));
+  CHECK(contains(m, "32.00 MiB reserved but unallocated"));
+  CHECK(contains(m, "largest free block 4.00 MiB"));
+  CHECK(contains(m, "fragmentation 0.88"));  // 1 - 4/32
+  CHECK(contains(m, "in pieces smaller than the request"));
+  CHECK(f.a.stats().num_ooms == 1);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) f.a.deallocate(blocks[i]);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("the reserved limit is enforced on its own, releasing cache before failing") {
+  auto o = gpukit::allocator_options::pytorch();
+  o.reserved_limit = 50 * MiB;
+  fixture f(GiB, o);
+  void* a = f.alloc(5 * MiB);  // 20 MiB segment
+  f.a.deallocate(a);
+  void* b = f.alloc(40 * MiB);  // 20 + 40 > 50: the free segment is released, then it fits
+  CHECK(f.a.stats().num_alloc_retries == 1);
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.a.memory_reserved() == 40 * MiB);
+  const std::string m = oom_message(f, 12 * MiB);  // 40 + 12 > 50 and nothing is free
+  INFO(m);
+  CHECK(contains(m, "reserved limit 50.00 MiB"));
+  CHECK(contains(m, "The reserved limit would be exceeded"));
+  CHECK(f.a.stats().num_ooms == 1);
+  CHECK(f.a.upstream().used() == 40 * MiB);  // the upstream had room: the limit alone refused
+  CHECK(f.a.max_memory_reserved() <= 50 * MiB);
+  try {
+    (void)f.alloc(12 * MiB);
+  } catch (const gpukit::out_of_memory_error& e) {
+    CHECK(e.cuda_result() == cudaSuccess);  // not a CUDA failure
+  }
+  f.a.deallocate(b);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("lowering the limit below the cache releases free segments at once, and the limit can be lifted") {
+  fixture f(GiB);
+  void* keep = f.alloc(30 * MiB);
+  void* a = f.alloc(5 * MiB);
+  f.a.deallocate(a);
+  CHECK(f.a.memory_reserved() == 50 * MiB);
+  f.a.set_reserved_limit(40 * MiB);
+  CHECK(f.a.memory_reserved() == 30 * MiB);
+  CHECK(f.a.reserved_limit() == 40 * MiB);
+  CHECK(f.a.stats().reserved_limit == 40 * MiB);
+  CHECK_THROWS_AS(f.alloc(20 * MiB), gpukit::out_of_memory_error);
+  f.a.set_reserved_limit(gpukit::allocator_options::unlimited);
+  void* b = f.alloc(20 * MiB);
+  f.a.deallocate(b);
+  f.a.deallocate(keep);
+}
+
+TEST_CASE("a limit as a fraction of the upstream's total memory") {
+  fixture f(GiB);
+  f.a.set_memory_fraction(0.25);
+  CHECK(f.a.reserved_limit() == 256 * MiB);
+  CHECK_THROWS_AS(f.alloc(300 * MiB), gpukit::out_of_memory_error);
+  void* p = f.alloc(200 * MiB);
+  f.a.deallocate(p);
+  CHECK_THROWS_AS(f.a.set_memory_fraction(0.0), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(f.a.set_memory_fraction(1.5), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(f.a.set_memory_fraction(-0.5), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("blocks held back by another stream are waited for on the second retry") {
+  fixture f(40 * MiB);
+  void* x = f.alloc(30 * MiB, f.s0);
+  f.world.enqueue(f.s1.id);  // s1 is busy using x
+  f.a.record_stream(x, f.s1);
+  f.a.deallocate(x);
+  CHECK(f.a.stats().active.all().current == 1);  // pending: not reusable yet
+  void* y = f.alloc(30 * MiB, f.s0);             // upstream: 30 + 30 > 40; retry 1 frees nothing; retry 2 waits
+  CHECK(y == x);
+  const auto s = f.a.stats();
+  CHECK(s.num_sync_all_streams == 1);
+  CHECK(s.num_alloc_retries == 1);
+  CHECK(s.num_ooms == 0);
+  CHECK(f.world.synchronizations == 1);  // the one pending event, waited for on the last retry
+  f.a.deallocate(y);
+}
+
+TEST_CASE("host memory with a capacity: retry after release, then a clean out_of_memory_error") {
+  gpukit::basic_caching_allocator<gpukit::host_upstream> a(gpukit::device::cpu(), gpukit::allocator_options::pytorch(),
+                                                           std::size_t{48} * MiB);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  void* p = a.allocate(5 * MiB, s);  // 20 MiB
+  std::memset(p, 1, 5 * MiB);
+  a.deallocate(p);
+  void* q = a.allocate(40 * MiB, s);  // 20 + 40 > 48: release, retry
+  std::memset(q, 2, 40 * MiB);
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK_THROWS_AS(a.allocate(10 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(a.stats().num_ooms == 1);
+  a.deallocate(q);
+  void* r = a.allocate(10 * MiB, s);  // usable afterwards
+  std::memset(r, 3, 10 * MiB);
+  a.deallocate(r);
+  a.empty_cache();
+  CHECK(a.upstream().used() == 0);
+}
+
+namespace {
+/// An upstream whose allocations fail with an error other than out-of-memory.
+struct throwing_upstream {
+  void* allocate(std::size_t) { throw gpukit::no_device_error("no device for this test"); }
+  void deallocate(void*, std::size_t) noexcept {}
+  gpukit::upstream_memory_info memory_info() const { return {}; }
+  bool synchronizes_on_free() const noexcept { return true; }
+};
+}  // namespace
+
+TEST_CASE("other upstream errors propagate unchanged and leave the allocator consistent") {
+  auto o = gpukit::allocator_options::pytorch();
+  o.reserved_limit = 30 * MiB;
+  gpukit::basic_caching_allocator<throwing_upstream> a(gpukit::device::cpu(), o);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  for (int i = 0; i < 3; ++i) CHECK_THROWS_AS(a.allocate(20 * MiB, s), gpukit::no_device_error);
+  CHECK(a.stats().num_ooms == 0);
+  CHECK(a.memory_reserved() == 0);
+  // The bytes in flight were given back: the limit still admits a 20 MiB segment (else this would be an OOM).
+  CHECK_THROWS_AS(a.allocate(20 * MiB, s), gpukit::no_device_error);
+  CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+}
+
+TEST_CASE("injected upstream failures: retried, counted, recovered") {
+  fixture f(GiB);
+  void* cached = f.alloc(3 * MiB);
+  f.a.deallocate(cached);
+  f.a.upstream().fail_next(1);  // the next cudaMalloc fails once, e.g. another process was briefly using memory
+  void* p = f.alloc(25 * MiB);   // the cache cannot serve it; the upstream fails; the cache is released; retry
+  CHECK(p != nullptr);
+  CHECK(f.a.stats().num_alloc_retries == 1);
+  CHECK(f.a.stats().num_ooms == 0);
+  f.a.upstream().fail_next(5);
+  CHECK_THROWS_AS(f.alloc(25 * MiB), gpukit::out_of_memory_error);
+  CHECK(f.a.stats().num_ooms == 1);
+  f.a.upstream().fail_next(0);
+  f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("gpukit defaults: a transient upstream failure after release-before-growth is retried") {
+  fixture f(GiB, gpukit::allocator_options{});
+  f.a.deallocate(f.alloc(100 * MiB));
+  f.a.upstream().fail_next(1);
+  void* p = f.alloc(120 * MiB);  // releases the cached 100 MiB first, the upstream fails once, the retry succeeds
+  CHECK(p != nullptr);
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.a.stats().num_alloc_retries == 1);
+  CHECK(f.a.max_memory_reserved() == 120 * MiB);
+  f.a.deallocate(p);
+}

@@ -1,0 +1,172 @@
+// Randomized operation sequences through the caching allocator engine (fixed seeds, thousands of operations), with
+// every invariant checked after every step: blocks tile their segments, no two live allocations overlap, every
+// live allocation is an allocated block inside a reserved segment, free neighbours of one stream are coalesced, the
+// statistics equal the sums recomputed from the blocks, reserved memory respects the limit; and after everything
+// is freed and the cache emptied, nothing is reserved.
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+
+struct scenario {
+  std::string name;
+  gpukit::allocator_options options;
+  std::size_t capacity;
+};
+
+std::vector<scenario> scenarios() {
+  std::vector<scenario> list;
+  list.push_back({"default", gpukit::allocator_options{}, 768 * MiB});
+  list.push_back({"pytorch", gpukit::allocator_options::pytorch(), 768 * MiB});
+  gpukit::allocator_options cross;
+  cross.cross_stream_reuse = true;
+  list.push_back({"cross-stream reuse", cross, 768 * MiB});
+  gpukit::allocator_options tight;
+  tight.rounding = 256;
+  tight.max_split_size = 16 * MiB;
+  tight.max_oversize_waste = 4 * MiB;
+  tight.reserved_limit = 200 * MiB;
+  list.push_back({"rounding 256, max_split 16 MiB, limit 200 MiB", tight, 400 * MiB});
+  gpukit::allocator_options small_segments;
+  small_segments.small_size = 64 * KiB;
+  small_segments.small_segment_size = 256 * KiB;
+  small_segments.medium_size = 4 * MiB;
+  small_segments.medium_segment_size = 8 * MiB;
+  small_segments.large_split_threshold = 64 * KiB;
+  list.push_back({"small segments", small_segments, 256 * MiB});
+  return list;
+}
+
+std::size_t random_size(std::mt19937_64& rng, const gpukit::allocator_options& o) {
+  std::uniform_int_distribution<int> kind(0, 99);
+  const int k = kind(rng);
+  auto uniform = [&rng](std::size_t lo, std::size_t hi) {
+    return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+  };
+  if (k < 35) return uniform(1, 4 * KiB);
+  if (k < 60) return uniform(4 * KiB, o.small_size);
+  if (k < 70) {  // rounding and pool boundaries
+    const std::size_t anchors[] = {o.rounding, o.small_size, o.medium_size, o.small_segment_size};
+    const std::size_t a = anchors[uniform(0, 3)];
+    return a - 1 + uniform(0, 2);
+  }
+  if (k < 90) return uniform(o.small_size, 12 * MiB);
+  return uniform(12 * MiB, 48 * MiB);
+}
+
+void run(const scenario& sc, std::uint64_t seed, int steps) {
+  fake_world world;
+  const int streams = 3;
+  for (int i = 0; i < streams; ++i) world.add_stream();
+  fake_allocator a(gpukit::device::cpu(), sc.options, sc.capacity);
+  a.stream_operations().world = &world;
+  std::mt19937_64 rng(seed);
+  std::vector<live_allocation> live;
+  std::vector<int> live_stream;
+  int ooms = 0;
+  std::size_t previous_reserved = 0;
+  auto pick = [&rng](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
+  for (int step = 0; step < steps; ++step) {
+    const int op = std::uniform_int_distribution<int>(0, 999)(rng);
+    const fake_stream s{static_cast<int>(pick(streams))};
+    if (op < 480) {
+      const std::size_t bytes = random_size(rng, sc.options);
+      try {
+        void* p = a.allocate(bytes, s);
+        live.push_back({reinterpret_cast<std::uintptr_t>(p), bytes});
+        live_stream.push_back(s.id);
+      } catch (const gpukit::out_of_memory_error&) {
+        ++ooms;
+      }
+    } else if (op < 830) {
+      if (!live.empty()) {
+        const std::size_t i = pick(live.size());
+        void* p = reinterpret_cast<void*>(live[i].address);
+        if (op < 780) {
+          a.deallocate(p);
+        } else {
+          a.deallocate(p, s);  // last used on s
+        }
+        live[i] = live.back();
+        live.pop_back();
+        live_stream[i] = live_stream.back();
+        live_stream.pop_back();
+      }
+    } else if (op < 880) {
+      if (!live.empty()) a.record_stream(reinterpret_cast<void*>(live[pick(live.size())].address), s);
+    } else if (op < 940) {
+      world.enqueue(s.id, 1 + pick(3));
+    } else if (op < 985) {
+      world.complete(s.id);
+    } else if (op < 990) {
+      a.empty_cache();
+    } else if (op < 994) {
+      (void)a.trim(pick(256) * MiB);
+    } else if (op < 997) {
+      if (sc.options.reserved_limit == gpukit::allocator_options::unlimited) {
+        a.set_reserved_limit(pick(2) == 0 ? gpukit::allocator_options::unlimited : (128 + pick(512)) * MiB);
+      }
+    } else {
+      a.reset_peak_stats();
+    }
+    // A limit lowered below memory in use cannot be met at once; the allocator must then only shrink.
+    const gpukit::allocator_snapshot snapshot = a.snapshot();
+    const auto reserved = static_cast<std::size_t>(snapshot.stats.reserved_bytes.all().current);
+    std::string problem = check_invariants(snapshot, live, sc.options.rounding, true, false);
+    if (problem.empty() && reserved > snapshot.stats.reserved_limit && reserved > previous_reserved) {
+      problem = "reserved memory grew beyond the limit";
+    }
+    previous_reserved = reserved;
+    if (!problem.empty()) {
+      FAIL_CHECK(sc.name << ", seed " << seed << ", step " << step << " (operation " << op << "): " << problem);
+      return;
+    }
+    const auto stats = a.stats();
+    for (const auto* st : {&stats.allocation, &stats.allocated_bytes, &stats.segment, &stats.reserved_bytes}) {
+      if (st->all().allocated - st->all().freed != st->all().current) {
+        FAIL_CHECK(sc.name << ", seed " << seed << ", step " << step << ": cumulative totals disagree with current");
+        return;
+      }
+    }
+  }
+  INFO(sc.name << ", seed " << seed);
+  const auto before = a.stats();
+  CHECK(before.num_ooms == ooms);
+  for (const auto& l : live) a.deallocate(reinterpret_cast<void*>(l.address));
+  live.clear();
+  a.empty_cache();  // waits for the events of streams that still "run"
+  const auto snapshot = a.snapshot();
+  CHECK(check_invariants(snapshot, live, sc.options.rounding) == "");
+  CHECK(snapshot.segments.empty());
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.stats().active.all().current == 0);
+  CHECK(a.upstream().used() == 0);
+  CHECK(a.stats().num_device_alloc == a.stats().num_device_free);
+  std::printf("%-48s seed %llu: %d steps, %lld upstream allocations, %d OOMs, peak reserved %zu MiB\n", sc.name.c_str(),
+              static_cast<unsigned long long>(seed), steps, static_cast<long long>(before.num_device_alloc), ooms,
+              a.max_memory_reserved() >> 20);
+}
+
+}  // namespace
+
+TEST_CASE("randomized operation sequences keep every invariant after every step") {
+  for (const auto& sc : scenarios()) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) run(sc, seed, 3000);
+  }
+}
+
+TEST_CASE("a long randomized sequence keeps every invariant") {
+  run(scenarios()[0], 12345, 20000);
+}

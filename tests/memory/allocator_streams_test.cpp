@@ -1,0 +1,305 @@
+// Stream-ordered reuse, with real CPU streams (asynchronous queues held back by gates) and with the deterministic
+// fake: a block freed while another stream still uses it is not handed out before that stream's work completes;
+// cross-stream reuse makes the new stream wait on the device, not the host; host memory is not returned to the
+// upstream while a CPU stream may still use it; events are pooled and polled, never waited for on the hot path.
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace gpukit_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+const gpukit::device cpu = gpukit::device::cpu();
+using host_allocator = gpukit::basic_caching_allocator<gpukit::host_upstream>;
+
+class event_log {
+ public:
+  void add(std::string entry) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.push_back(std::move(entry));
+  }
+  std::vector<std::string> entries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> entries_;
+};
+
+}  // namespace
+
+TEST_CASE("a block freed while another CPU stream still uses it is not reused before that work completes") {
+  host_allocator a(cpu);
+  gpukit::stream owner(cpu);
+  gpukit::stream user(cpu);
+  gate g;
+  std::atomic<bool> user_done{false};
+  constexpr std::size_t n = 64 * KiB;
+  auto* x = static_cast<unsigned char*>(a.allocate(n, owner));
+  user.enqueue_host([&] {
+    g.wait();
+    std::memset(x, 7, n);  // the other stream writes the block long after the host freed it
+    user_done = true;
+  });
+  a.record_stream(x, user);
+  a.deallocate(x);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.stats().active.all().current == 1);  // freed, but pending on `user`
+  auto* y = static_cast<unsigned char*>(a.allocate(n, owner));
+  CHECK(y != x);  // not handed out while `user` is held back by the gate
+  a.deallocate(y);
+  for (int i = 0; i < 100; ++i) {  // polling at allocation never hands it out early, and never blocks
+    void* z = a.allocate(n, owner);
+    CHECK(z != x);
+    a.deallocate(z);
+  }
+  CHECK_FALSE(user_done.load());
+  g.open();
+  user.synchronize();
+  auto* z = static_cast<unsigned char*>(a.allocate(n, owner));
+  CHECK(z == x);  // reused once the work completed
+  CHECK(z[0] == 7);
+  CHECK(z[n - 1] == 7);
+  CHECK(a.stats().num_sync_all_streams == 0);
+  a.deallocate(z);
+}
+
+TEST_CASE("without record_stream a freed block is reused at once on its own stream (stream order makes it safe)") {
+  host_allocator a(cpu);
+  gpukit::stream owner(cpu);
+  gate g;
+  void* x = a.allocate(4096, owner);
+  owner.enqueue_host([&] { g.wait(); });
+  a.deallocate(x);
+  void* y = a.allocate(4096, owner);
+  CHECK(y == x);  // later work on `owner` runs after the earlier work that used x
+  g.open();
+  owner.synchronize();
+  a.deallocate(y);
+}
+
+TEST_CASE("deallocate(p, stream) orders the free after that stream's work too") {
+  host_allocator a(cpu);
+  gpukit::stream owner(cpu);
+  gpukit::stream last_user(cpu);
+  gate g;
+  void* x = a.allocate(4096, owner);
+  last_user.enqueue_host([&] { g.wait(); });
+  a.deallocate(x, last_user);
+  void* y = a.allocate(4096, owner);
+  CHECK(y != x);
+  g.open();
+  last_user.synchronize();
+  void* z = a.allocate(4096, owner);
+  CHECK(z == x);
+  a.deallocate(y);
+  a.deallocate(z);
+}
+
+TEST_CASE("cross-stream reuse: the new stream waits for the old stream's work, the host does not") {
+  gpukit::allocator_options o;
+  o.cross_stream_reuse = true;
+  host_allocator a(cpu, o);
+  gpukit::stream first(cpu);
+  gpukit::stream second(cpu);
+  gate g;
+  event_log log;
+  auto* x = static_cast<int*>(a.allocate(4096, first));
+  first.enqueue_host([&] {
+    g.wait();
+    x[0] = 42;
+    log.add("first wrote");
+  });
+  a.deallocate(x);
+  const auto start = std::chrono::steady_clock::now();
+  auto* y = static_cast<int*>(a.allocate(4096, second));
+  CHECK(std::chrono::steady_clock::now() - start < 2s);  // no host wait for `first`
+  CHECK(y == x);
+  second.enqueue_host([&] { log.add("second read " + std::to_string(y[0])); });
+  std::this_thread::sleep_for(50ms);
+  CHECK(log.entries().empty());  // `second` is held back until `first`'s work is done
+  g.open();
+  second.synchronize();
+  first.synchronize();
+  CHECK(log.entries() == std::vector<std::string>{"first wrote", "second read 42"});
+  a.deallocate(y);
+}
+
+TEST_CASE("without cross-stream reuse a block cached for another stream is not taken") {
+  host_allocator a(cpu, gpukit::allocator_options::pytorch());  // keeps the other stream's cache (no release)
+  gpukit::stream first(cpu);
+  gpukit::stream second(cpu);
+  void* x = a.allocate(4096, first);
+  a.deallocate(x);
+  void* y = a.allocate(4096, second);
+  CHECK(y != x);
+  CHECK(a.stats().segment.all().current == 2);
+  a.deallocate(y);
+}
+
+namespace {
+/// Host memory that notes whether a segment was returned while a stream's work on it was still outstanding.
+struct observed_upstream {
+  explicit observed_upstream(std::atomic<bool>* work_done) : done(work_done) {}
+  void* allocate(std::size_t bytes) { return host.allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    if (!done->load()) early_frees.fetch_add(1);
+    host.deallocate(p, bytes);
+  }
+  gpukit::upstream_memory_info memory_info() const { return host.memory_info(); }
+  bool synchronizes_on_free() const noexcept { return false; }
+  gpukit::host_upstream host;
+  std::atomic<bool>* done;
+  std::atomic<int> early_frees{0};
+};
+}  // namespace
+
+TEST_CASE("host memory is not returned while a CPU stream still uses it: empty_cache waits for the work") {
+  std::atomic<bool> done{false};
+  gpukit::basic_caching_allocator<observed_upstream> a(cpu, gpukit::allocator_options{}, &done);
+  gpukit::stream s(cpu);
+  gate g;
+  constexpr std::size_t n = 256 * KiB;
+  auto* x = static_cast<unsigned char*>(a.allocate(n, s));
+  s.enqueue_host([&] {
+    g.wait();
+    std::memset(x, 1, n);  // would be a use after free (ASan) if the segment were returned early
+    done = true;
+  });
+  a.deallocate(x);  // stream-ordered: legal while the work is pending
+  auto emptied = std::async(std::launch::async, [&] { a.empty_cache(); });
+  CHECK(emptied.wait_for(100ms) == std::future_status::timeout);  // blocked on the stream's work
+  CHECK(a.upstream().early_frees.load() == 0);
+  g.open();
+  emptied.get();
+  CHECK(a.upstream().early_frees.load() == 0);
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.upstream().host.used() == 0);
+}
+
+TEST_CASE("a fence event is recorded only when the freeing stream may still be busy, and is pooled") {
+  struct unsynchronized_space : gpukit::address_space_upstream {
+    using gpukit::address_space_upstream::address_space_upstream;
+    bool synchronizes_on_free() const noexcept { return false; }
+  };
+  fake_world world;
+  const fake_stream s{world.add_stream()};
+  gpukit::basic_caching_allocator<unsynchronized_space, fake_stream_ops> a(cpu, gpukit::allocator_options{}, GiB);
+  a.stream_operations().world = &world;
+  void* p = a.allocate(1000, s);
+  a.deallocate(p);  // the stream is idle: nothing can still use the block
+  CHECK(world.events_created == 0);
+  for (int i = 0; i < 500; ++i) {
+    p = a.allocate(1000, s);
+    world.enqueue(s.id);  // work on the block
+    a.deallocate(p);      // the stream may still be using it: fence
+  }
+  CHECK(world.events_created <= 2);  // pooled: two events circulate (the remainder keeps the older fence)
+  CHECK(world.synchronizations == 0);
+  a.empty_cache();  // waits for the fence before returning the memory
+  CHECK(world.synchronizations == 1);
+  CHECK(world.streams[0].completed == world.streams[0].enqueued);
+  CHECK(a.memory_reserved() == 0);
+}
+
+TEST_CASE("record_stream events are pooled and polled at allocation, never waited for on the host") {
+  fake_world world;
+  const fake_stream s0{world.add_stream()};
+  const fake_stream s1{world.add_stream()};
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, gpukit::allocator_options{},
+                                                                                    GiB);
+  a.stream_operations().world = &world;
+  void* first = nullptr;
+  for (int i = 0; i < 1000; ++i) {
+    void* p = a.allocate(8192, s0);
+    if (i == 0) first = p;
+    world.enqueue(s1.id);
+    a.record_stream(p, s1);
+    a.deallocate(p);
+    if (i % 2 == 1) world.complete(s1.id);  // every other round the user stream catches up
+  }
+  CHECK(world.events_created <= 2);
+  CHECK(world.synchronizations == 0);
+  CHECK(a.stats().num_sync_all_streams == 0);
+  world.complete(s1.id);
+  CHECK(a.allocate(8192, s0) == first);  // everything came back and coalesced
+  CHECK(check_invariants(a.snapshot(), {{reinterpret_cast<std::uintptr_t>(first), 8192}}, 512) == "");
+  a.deallocate(first);
+}
+
+TEST_CASE("record_stream with several streams: the block returns only when all of them complete") {
+  fake_world world;
+  const fake_stream s0{world.add_stream()};
+  const fake_stream s1{world.add_stream()};
+  const fake_stream s2{world.add_stream()};
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, gpukit::allocator_options{},
+                                                                                    GiB);
+  a.stream_operations().world = &world;
+  void* x = a.allocate(4096, s0);
+  world.enqueue(s1.id);
+  world.enqueue(s2.id);
+  a.record_stream(x, s1);
+  a.record_stream(x, s2);
+  a.record_stream(x, s1);  // recorded once
+  a.record_stream(x, s0);  // its own stream: nothing to do
+  a.deallocate(x);
+  auto snapshot = a.snapshot();
+  REQUIRE(snapshot.segments.size() == 1);
+  CHECK(snapshot.segments[0].blocks[0].state == gpukit::block_state::pending);
+  CHECK(snapshot.segments[0].blocks[0].pending_events == 2);
+  world.complete(s1.id);
+  void* y = a.allocate(4096, s0);
+  CHECK(y != x);
+  a.deallocate(y);
+  world.complete(s2.id);
+  void* z = a.allocate(4096, s0);
+  CHECK(z == x);
+  a.deallocate(z);
+}
+
+TEST_CASE("cross-stream reuse with the fake: the taker waits for the fence, the remainder stays with its stream") {
+  gpukit::allocator_options o;
+  o.cross_stream_reuse = true;
+  fake_world world;
+  const fake_stream s0{world.add_stream()};
+  const fake_stream s1{world.add_stream()};
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, o, GiB);
+  a.stream_operations().world = &world;
+  void* x = a.allocate(4096, s0);
+  world.enqueue(s0.id, 3);
+  a.deallocate(x);  // s0 busy: fence at point 3
+  void* y = a.allocate(1024, s1);
+  CHECK(y == x);
+  REQUIRE(world.waits.size() == 1);
+  CHECK(world.waits[0].waiting_stream == s1.id);
+  CHECK(world.waits[0].event_stream == s0.id);
+  CHECK(world.waits[0].point == 3);
+  const auto snapshot = a.snapshot();
+  REQUIRE(snapshot.segments.size() == 1);
+  const auto& blocks = snapshot.segments[0].blocks;
+  REQUIRE(blocks.size() == 2);
+  CHECK(blocks[0].stream == a.stream_operations().key(s1));
+  CHECK(blocks[1].stream == a.stream_operations().key(s0));  // the rest of the segment is still s0's
+  a.deallocate(y);  // its free neighbour belongs to s0: no merge across streams
+  CHECK(a.snapshot().segments[0].blocks.size() == 2);
+  void* z = a.allocate(1024, s0);  // s0 prefers its own cache: the remainder
+  CHECK(z != y);
+  CHECK(world.waits.size() == 1);
+  a.deallocate(z);
+  CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+}

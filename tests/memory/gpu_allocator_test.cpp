@@ -1,0 +1,127 @@
+// GPU tests of the caching allocator over cudaMalloc (label gpu): skipped with GPUKIT_TEST_SKIPPED without a GPU.
+#include "allocator_support.hpp"
+#include "support.hpp"
+
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+TEST_CASE("gpu: cuda_upstream allocates device memory and reports the device's memory") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::cuda_upstream up(gpukit::device::cuda(0));
+  void* p = up.allocate(MiB);
+  REQUIRE(p != nullptr);
+  cudaPointerAttributes attributes{};
+  REQUIRE(cudaPointerGetAttributes(&attributes, p) == cudaSuccess);
+  CHECK(attributes.type == cudaMemoryTypeDevice);
+  CHECK(attributes.device == 0);
+  const auto info = up.memory_info();
+  CHECK(info.known);
+  CHECK(info.total_bytes > GiB);
+  CHECK(info.free_bytes <= info.total_bytes);
+  up.deallocate(p, MiB);
+  CHECK(up.allocate(std::size_t{1} << 50) == nullptr);  // out of memory is nullptr, not an exception
+}
+
+TEST_CASE("gpu: device buffers from the default allocator of cuda:0, copied to and from the host") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  const std::size_t before = gpukit::memory_allocated(d);
+  std::vector<int> host(1 << 20);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<int>(i);
+  {
+    gpukit::device_buffer<int> b(host.size(), s);
+    CHECK(b.device() == d);
+    CHECK(gpukit::memory_allocated(d) == before + b.size_bytes());
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(b.data(), host.data(), b.size_bytes(), cudaMemcpyHostToDevice, s.cuda_handle()));
+    std::vector<int> back(host.size());
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+    s.synchronize();
+    CHECK(back == host);
+  }
+  CHECK(gpukit::memory_allocated(d) == before);
+  std::puts(gpukit::memory_summary(d).c_str());
+}
+
+TEST_CASE("gpu: a cache hit makes no cudaMalloc and empty_cache returns memory to the device") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::caching_allocator a(gpukit::device::cuda(0));
+  gpukit::stream s(gpukit::device::cuda(0));
+  void* p = a.allocate(5 * MiB, s);
+  a.deallocate(p);
+  for (int i = 0; i < 100; ++i) a.deallocate(a.allocate(5 * MiB, s));
+  CHECK(a.stats().num_device_alloc == 1);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.stats().num_device_free == 1);
+}
+
+TEST_CASE("gpu: record_stream holds a block until the other CUDA stream's work is done") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator a(d);
+  gpukit::stream owner(d);
+  gpukit::stream user(d);
+  gate g;
+  void* x = a.allocate(64 * KiB, owner);
+  user.enqueue_host([&g] { g.wait(); });  // holds `user` back
+  a.record_stream(x, user);
+  a.deallocate(x);
+  void* y = a.allocate(64 * KiB, owner);
+  CHECK(y != x);
+  g.open();
+  user.synchronize();
+  void* z = a.allocate(64 * KiB, owner);
+  CHECK(z == x);
+  a.deallocate(y);
+  a.deallocate(z);
+}
+
+TEST_CASE("gpu: cross-stream reuse makes the new CUDA stream wait on the device") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::allocator_options o;
+  o.cross_stream_reuse = true;
+  gpukit::caching_allocator a(d, o);
+  gpukit::stream first(d);
+  gpukit::stream second(d);
+  gate g;
+  void* x = a.allocate(4096, first);
+  first.enqueue_host([&g] { g.wait(); });
+  a.deallocate(x);
+  void* y = a.allocate(4096, second);
+  CHECK(y == x);
+  CHECK_FALSE(second.ready());  // `second` waits for `first`'s held-back work (cudaStreamWaitEvent)
+  g.open();
+  second.synchronize();
+  a.deallocate(y);
+}
+
+TEST_CASE("gpu: an impossible request throws out_of_memory_error with the numbers and counts it") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::caching_allocator a(gpukit::device::cuda(0));
+  gpukit::stream s(gpukit::device::cuda(0));
+  try {
+    (void)a.allocate(std::size_t{1} << 50, s);
+    FAIL("expected out_of_memory_error");
+  } catch (const gpukit::out_of_memory_error& e) {
+    const std::string m = e.what();
+    CHECK(m.find("tried to allocate 1.00 PiB") != std::string::npos);
+    CHECK(m.find("total") != std::string::npos);
+    CHECK(e.cuda_result() == cudaErrorMemoryAllocation);
+  }
+  CHECK(a.stats().num_ooms == 1);
+  void* p = a.allocate(MiB, s);  // still usable
+  a.deallocate(p);
+}

@@ -1,0 +1,9 @@
+# Tests of the caching device allocator (include/gpukit/memory), included by tests/CMakeLists.txt.
+set(gpukit_memory_tests "${CMAKE_CURRENT_LIST_DIR}")
+gpukit_add_test(test_allocator_random SOURCES "${gpukit_memory_tests}/allocator_random_test.cpp")
+gpukit_add_test(test_allocator_edge SOURCES "${gpukit_memory_tests}/allocator_edge_test.cpp")
+gpukit_add_test(test_allocator_oom SOURCES "${gpukit_memory_tests}/allocator_oom_test.cpp")
+gpukit_add_test(test_allocator_streams SOURCES "${gpukit_memory_tests}/allocator_streams_test.cpp")
+gpukit_add_test(test_allocator_concurrency SOURCES "${gpukit_memory_tests}/allocator_concurrency_test.cpp")
+gpukit_add_test(test_device_buffer SOURCES "${gpukit_memory_tests}/device_buffer_test.cpp")
+gpukit_add_test(test_gpu_allocator SOURCES "${gpukit_memory_tests}/gpu_allocator_test.cpp" GPU)
