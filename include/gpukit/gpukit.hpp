@@ -24,7 +24,25 @@
 #include <gpukit/stream/stream_pool.hpp>
 
 // memory (caching allocator, device buffers, pinned memory)
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/memory/upstream.hpp>
 // GPUKIT-MEMORY-INCLUDES
 
 // transfer (copies, staging, prefetcher)
+#include <gpukit/memory/pinned_buffer.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/pinned_registration.hpp>
+#include <gpukit/transfer/copy.hpp>
+#include <gpukit/transfer/parallel_copy.hpp>
+#include <gpukit/transfer/pointer_query.hpp>
+#include <gpukit/transfer/prefetcher.hpp>
+#include <gpukit/transfer/spans.hpp>
+#include <gpukit/transfer/staging.hpp>
+#include <gpukit/transfer/to_device.hpp>
 // GPUKIT-TRANSFER-INCLUDES

@@ -1,0 +1,694 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A caching allocator of pinned host memory. Pinning is slow (cudaHostAlloc: about 1 ms per MiB, and a
+/// synchronisation point between streams), so freed blocks are kept and served again; after warm-up no pinning
+/// happens on the hot path (stats().upstream_allocations stops growing).
+///
+/// - Stream-ordered reuse, record_stream-style: a block used by copies on streams is reused only after events
+///   recorded on those streams *at free* have completed. Call record_stream(p, s) for each stream that uses the
+///   block (or deallocate(p, s)); no event is recorded per copy. allocate() never waits for an event: a block whose
+///   events are pending is simply not served yet.
+/// - Size classes: requests are rounded to one of `classes_per_doubling` (default 8) sizes per power of two, so a
+///   large request wastes less than 12.5% (PyTorch's pinned allocator rounds to a power of two: 129.5 MiB costs
+///   256 MiB; here it costs 144 MiB). Requests up to 4 KiB round to a power of two (minimum 512 B). Blocks are
+///   never split: a request is served by a cached block of exactly its class.
+/// - A cap on cached bytes (free and pending blocks): above it, the oldest free blocks go back to the upstream.
+/// - Statistics (allocated / reserved current and peak, counts, time spent pinning) and empty_cache().
+///
+/// The engine, basic_pinned_pool<Upstream, Sync>, knows nothing of CUDA: the upstream supplies memory (cudaHostAlloc
+/// for CUDA, page-aligned host memory for the CPU device and tests) and Sync records and polls stream events.
+/// pinned_pool is the engine with gpukit's upstream and events; default_pinned_pool(device) gives the process-wide
+/// pool of a device kind (one for every CUDA device, since its memory is portable, and one for the CPU).
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/detail/format.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/pinned_buffer.hpp>
+#include <gpukit/span.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace gpukit {
+
+/// The size a pinned pool reserves for a request of `bytes`: a power of two (at least 512 B) up to 4 KiB, above that
+/// the next of `classes_per_doubling` evenly spaced sizes per power of two (1 gives power-of-two rounding). Lets
+/// callers plan memory; the waste is below 1/classes_per_doubling of the class for requests above 4 KiB. Returns 0
+/// for 0 and SIZE_MAX when the class would not fit in size_t. `classes_per_doubling` must be a power of two.
+inline std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_doubling = 8) noexcept {
+  constexpr std::size_t min_class = 512;
+  constexpr std::size_t fine_from = 4096;
+  if (bytes == 0) return 0;
+  if (bytes <= min_class) return min_class;
+  int log2 = 0;  // floor(log2(bytes))
+  for (std::size_t v = bytes; v > 1; v >>= 1) ++log2;
+  const std::size_t power = std::size_t{1} << log2;
+  if (bytes <= fine_from || classes_per_doubling <= 1) {
+    if (bytes == power) return bytes;
+    return log2 + 1 >= std::numeric_limits<std::size_t>::digits ? std::numeric_limits<std::size_t>::max()
+                                                                 : power << 1;
+  }
+  std::size_t step = power / classes_per_doubling;
+  if (step == 0) step = 1;
+  const std::size_t remainder = bytes % step;
+  if (remainder == 0) return bytes;
+  if (bytes > std::numeric_limits<std::size_t>::max() - (step - remainder)) {
+    return std::numeric_limits<std::size_t>::max();
+  }
+  return bytes + (step - remainder);
+}
+
+/// How a pinned pool behaves.
+struct pinned_pool_options {
+  /// Free and pending blocks kept above this are released to the upstream, oldest first. Pinned memory cannot be
+  /// paged out, so an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a prefetcher's
+  /// batches. SIZE_MAX disables the cap.
+  std::size_t max_cached_bytes = std::size_t{2} << 30;
+  /// Size classes per power of two above 4 KiB (a power of two; 1 = PyTorch-style power-of-two rounding).
+  std::size_t classes_per_doubling = 8;
+};
+
+/// A pool's counters. Byte figures are size-class bytes unless named "requested".
+struct pinned_pool_stats {
+  std::size_t allocated_bytes = 0;       ///< in blocks handed out and not yet deallocated
+  std::size_t allocated_bytes_peak = 0;  ///< highest allocated_bytes since creation or reset_peak_stats()
+  std::size_t requested_bytes = 0;       ///< what the callers of those blocks asked for (allocated - waste)
+  std::size_t reserved_bytes = 0;        ///< obtained from the upstream and not released (allocated + cached)
+  std::size_t reserved_bytes_peak = 0;   ///< highest reserved_bytes
+  std::size_t cached_bytes = 0;          ///< reserved, not allocated and not lost: free plus pending blocks
+  std::size_t pending_bytes = 0;         ///< cached blocks still waiting for their events
+  std::size_t active_blocks = 0;         ///< blocks handed out
+  std::size_t free_blocks = 0;           ///< blocks ready to serve a request
+  std::size_t pending_blocks = 0;        ///< freed blocks whose events have not completed
+  std::size_t lost_blocks = 0;           ///< blocks taken out of use because an event could not be recorded
+  std::uint64_t allocations = 0;         ///< successful allocate() calls with a non-zero size
+  std::uint64_t cache_hits = 0;          ///< of those, served from a cached block (no pinning)
+  std::uint64_t upstream_allocations = 0;  ///< blocks obtained from the upstream (pinnings)
+  std::uint64_t upstream_frees = 0;        ///< blocks given back to the upstream
+  std::uint64_t cap_releases = 0;          ///< of those, released because the cache exceeded max_cached_bytes
+  std::uint64_t oom_retries = 0;           ///< upstream failures retried after emptying the cache
+  std::uint64_t events_recorded = 0;       ///< events recorded at deallocation (one per stream that used a block)
+  std::chrono::nanoseconds pinning_time{0};    ///< total time in the upstream's allocate (cudaHostAlloc)
+  std::chrono::nanoseconds unpinning_time{0};  ///< total time in the upstream's deallocate (cudaFreeHost)
+};
+
+namespace detail {
+
+/// A process-wide cache of events per device, so recording "this block is free once s gets here" does not create
+/// and destroy a CUDA event each time. Thread-safe. Leaked on purpose: pools and staging engines that outlive
+/// static destruction (host callbacks at exit) may still return events to it.
+class recycled_event_cache {
+ public:
+  /// An event of `d` (timing disabled), recycled when available.
+  event acquire(device d) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(d);
+      if (it != free_.end() && !it->second.empty()) {
+        event e = std::move(it->second.back());
+        it->second.pop_back();
+        return e;
+      }
+    }
+    return event(d);
+  }
+  /// Gives an event back for reuse; the cache keeps at most 1024 per device and destroys the rest.
+  void release(event&& e) noexcept {
+    if (!e.valid()) return;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& list = free_[e.device()];
+      if (list.size() < 1024) list.push_back(std::move(e));
+    } catch (...) {
+      // Out of memory growing the list: the event is destroyed instead.
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<device, std::vector<event>> free_;
+};
+
+inline recycled_event_cache& shared_recycled_events() {
+  static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see the class comment
+  return *cache;
+}
+
+}  // namespace detail
+
+/// The Sync policy of pinned_pool: gpukit events (CUDA or CPU), recycled through a process-wide cache.
+///
+/// A Sync policy provides: `marker` (movable); `marker record(stream_view)` — completes when the stream's work so far
+/// has; `bool ready(const marker&)` — never blocks; `void wait(const marker&)` — blocks (used only when a pool is
+/// destroyed); `void recycle(marker&&) noexcept`.
+struct pinned_pool_sync {
+  using marker = event;
+  /// An event recorded on `s` now.
+  marker record(stream_view s) {
+    event e = detail::shared_recycled_events().acquire(s.device());
+    e.record(s);
+    return e;
+  }
+  /// Whether the work it captured has completed.
+  bool ready(const marker& m) { return m.ready(); }
+  /// Blocks until it has.
+  void wait(const marker& m) { m.synchronize(); }
+  /// Returns the event to the cache.
+  void recycle(marker&& m) noexcept { detail::shared_recycled_events().release(std::move(m)); }
+};
+
+/// The upstream of pinned_pool: cudaHostAlloc (portable by default) for CUDA, page-aligned host memory for the CPU.
+///
+/// An Upstream provides: `void* allocate(std::size_t)` — throws out_of_memory_error when exhausted;
+/// `void deallocate(void*, std::size_t) noexcept`; `bool page_locked() const noexcept`.
+class pinned_upstream {
+ public:
+  /// Memory for devices of `kind`; `flags` apply to CUDA.
+  explicit pinned_upstream(device::kind kind = device::kind::cpu, pinned_flags flags = {}) noexcept
+      : kind_(kind), flags_(flags) {}
+
+  /// Pins `bytes` (cudaHostAlloc) or allocates page-aligned host memory.
+  void* allocate(std::size_t bytes) {
+    if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
+    detail::note_cuda_use();
+    return detail::cuda_host_alloc(bytes, flags_, -1);
+  }
+  /// Unpins and frees (cudaFreeHost; failures are reported through gpukit::warn).
+  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
+    if (kind_ == device::kind::cpu) {
+      detail::free_host_pages(p);
+    } else {
+      detail::report_cuda_failure(cudaFreeHost(p), "cudaFreeHost (pinned_pool)", -1);
+    }
+  }
+  /// True for CUDA (the memory is page-locked).
+  bool page_locked() const noexcept { return kind_ == device::kind::cuda; }
+  device::kind kind() const noexcept { return kind_; }
+
+ private:
+  device::kind kind_;
+  pinned_flags flags_;
+};
+
+/// The caching pinned-memory engine (see the file comment). Thread-safe: one mutex; the upstream is called without
+/// holding it, so a slow cudaHostAlloc does not stall other threads' cache hits.
+template <class Upstream, class Sync = pinned_pool_sync>
+class basic_pinned_pool {
+ public:
+  using marker = typename Sync::marker;
+
+  explicit basic_pinned_pool(Upstream upstream = Upstream(), pinned_pool_options options = {}, Sync sync = Sync())
+      : upstream_(std::move(upstream)), sync_(std::move(sync)), options_(options) {
+    const std::size_t c = options_.classes_per_doubling;
+    if (c == 0 || (c & (c - 1)) != 0) {
+      throw invalid_argument_error("gpukit::pinned_pool: classes_per_doubling must be a power of two, not " +
+                                   std::to_string(c));
+    }
+  }
+
+  basic_pinned_pool(const basic_pinned_pool&) = delete;
+  basic_pinned_pool& operator=(const basic_pinned_pool&) = delete;
+
+  /// Waits for the events of pending blocks, then releases every cached block. Blocks still allocated are leaked
+  /// (their owners may still use them) and reported through gpukit::warn.
+  ~basic_pinned_pool() {
+    std::size_t leaked = 0;
+    std::size_t leaked_bytes = 0;
+    for (auto& entry : blocks_) {
+      block& b = entry.second;
+      if (b.state == block_state::active || b.state == block_state::lost) {
+        ++leaked;
+        leaked_bytes += b.size;
+        continue;
+      }
+      for (auto& m : b.markers) {
+        try {
+          sync_.wait(m);
+        } catch (...) {
+          // The stream failed; the memory is released anyway, as CUDA would on context teardown.
+        }
+        sync_.recycle(std::move(m));
+      }
+      upstream_.deallocate(entry.first, b.size);
+    }
+    if (leaked != 0) {
+      warn("gpukit::pinned_pool destroyed with " + std::to_string(leaked) + " block(s) (" +
+           detail::format_bytes(leaked_bytes) + ") still allocated; they are not freed");
+    }
+  }
+
+  /// A block of at least `bytes` (its size class), served from the cache when a block of that class is free, else
+  /// from the upstream. Returns nullptr for 0. If the upstream is out of memory the cache is emptied and the request
+  /// retried once before out_of_memory_error is thrown.
+  void* allocate(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = pinned_size_class(bytes, options_.classes_per_doubling);
+    if (size == std::numeric_limits<std::size_t>::max()) {
+      throw out_of_memory_error("gpukit::pinned_pool: a request of " + std::to_string(bytes) +
+                                " bytes cannot be rounded to a size class");
+    }
+    std::vector<std::pair<void*, std::size_t>> to_release;
+    void* hit = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      process_pending_locked(to_release);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        hit = it->second.back();
+        it->second.pop_back();
+        block& b = blocks_.at(hit);
+        b.state = block_state::active;
+        b.requested = bytes;
+        b.streams.clear();
+        --free_count_;
+        ++stats_.cache_hits;
+        on_activate_locked(b);
+      }
+    }
+    release_all(to_release);
+    if (hit != nullptr) return hit;
+    void* p = upstream_allocate_with_retry(size, bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      block b;
+      b.size = size;
+      b.requested = bytes;
+      b.state = block_state::active;
+      auto inserted = blocks_.emplace(p, std::move(b));
+      stats_.reserved_bytes += size;
+      if (stats_.reserved_bytes > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = stats_.reserved_bytes;
+      on_activate_locked(inserted.first->second);
+    } catch (...) {
+      upstream_.deallocate(p, size);
+      throw;
+    }
+    return p;
+  }
+
+  /// Declares that work on `s` uses block `p`: when it is deallocated, an event is recorded on `s` and the block is
+  /// reused only after it completes. Call it for every stream a copy from or to the block was issued on; `s` must
+  /// still exist when the block is deallocated. Throws invalid_argument_error for a pointer this pool did not hand
+  /// out (or one already freed).
+  void record_stream(const void* p, stream_view s) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    block& b = active_block_locked(p, "record_stream");
+    for (const auto& known : b.streams) {
+      if (known == s) return;
+    }
+    b.streams.push_back(s);
+  }
+
+  /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each
+  /// recorded stream now and the block waits for them. Null does nothing. Throws invalid_argument_error for a pointer
+  /// not handed out by this pool, or freed twice. If recording an event fails, the block is taken out of use (it
+  /// may still be read by the device) and the error is rethrown.
+  void deallocate(void* p) {
+    if (p == nullptr) return;
+    std::vector<std::pair<void*, std::size_t>> to_release;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      block& b = active_block_locked(p, "deallocate");
+      stats_.allocated_bytes -= b.size;
+      stats_.requested_bytes -= b.requested;
+      --active_count_;
+      if (b.streams.empty()) {
+        make_free_locked(p, b);
+      } else {
+        try {
+          for (const auto& s : b.streams) {
+            b.markers.push_back(sync_.record(s));
+            ++stats_.events_recorded;
+          }
+        } catch (...) {
+          b.state = block_state::lost;
+          ++lost_count_;
+          lost_bytes_ += b.size;
+          throw;
+        }
+        b.streams.clear();
+        b.state = block_state::pending;
+        pending_.push_back(p);
+        pending_bytes_ += b.size;
+      }
+      enforce_cap_locked(to_release);
+    }
+    release_all(to_release);
+  }
+
+  /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses.
+  void deallocate(void* p, stream_view s) {
+    if (p == nullptr) return;
+    record_stream(p, s);
+    deallocate(p);
+  }
+
+  /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
+  /// call). Returns the bytes released. Use it before handing pinned memory back to the system.
+  std::size_t empty_cache() {
+    std::vector<std::pair<void*, std::size_t>> to_release;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      process_pending_locked(to_release);
+      for (auto& entry : free_) {
+        for (void* p : entry.second) to_release.emplace_back(p, entry.first);
+        entry.second.clear();
+      }
+      for (const auto& r : to_release) forget_locked(r.first, r.second);
+      free_count_ = 0;
+    }
+    std::size_t bytes = 0;
+    for (const auto& r : to_release) bytes += r.second;
+    release_all(to_release);
+    return bytes;
+  }
+
+  /// The counters, after promoting pending blocks whose events have completed.
+  pinned_pool_stats stats() {
+    std::vector<std::pair<void*, std::size_t>> to_release;
+    pinned_pool_stats copy;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      process_pending_locked(to_release);
+      copy = stats_;
+      copy.cached_bytes = stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_;
+      copy.pending_bytes = pending_bytes_;
+      copy.active_blocks = active_count_;
+      copy.free_blocks = free_count_;
+      copy.pending_blocks = pending_.size();
+      copy.lost_blocks = lost_count_;
+    }
+    release_all(to_release);  // promoted blocks above the cap
+    if (!to_release.empty()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      copy.upstream_frees = stats_.upstream_frees;
+      copy.unpinning_time = stats_.unpinning_time;
+    }
+    return copy;
+  }
+
+  /// Resets the peaks to the current values (to measure one phase of a program).
+  void reset_peak_stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.allocated_bytes_peak = stats_.allocated_bytes;
+    stats_.reserved_bytes_peak = stats_.reserved_bytes;
+  }
+
+  /// The usable size of a block handed out by this pool (its size class). Throws invalid_argument_error otherwise.
+  std::size_t block_size(const void* p) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return active_block_locked(p, "block_size").size;
+  }
+
+  /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones).
+  void set_max_cached_bytes(std::size_t bytes) {
+    std::vector<std::pair<void*, std::size_t>> to_release;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      options_.max_cached_bytes = bytes;
+      process_pending_locked(to_release);
+      enforce_cap_locked(to_release);
+    }
+    release_all(to_release);
+  }
+
+  const pinned_pool_options& options() const noexcept { return options_; }
+  /// Whether the memory is really page-locked (false for the CPU device's upstream).
+  bool page_locked() const noexcept { return upstream_.page_locked(); }
+  Upstream& upstream() noexcept { return upstream_; }
+
+ private:
+  enum class block_state : unsigned char { active, pending, free, lost };
+  struct block {
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    block_state state = block_state::active;
+    std::uint64_t freed_at = 0;           // when it last became free, to release the oldest first
+    std::vector<stream_view> streams;     // streams recorded while active
+    std::vector<marker> markers;          // events recorded at deallocation
+  };
+
+  block& active_block_locked(const void* p, const char* who) {
+    auto it = blocks_.find(const_cast<void*>(p));
+    if (it == blocks_.end() || it->second.state != block_state::active) {
+      throw invalid_argument_error(std::string("gpukit::pinned_pool::") + who + ": " +
+                                   (it == blocks_.end() ? "the pointer was not allocated by this pool"
+                                                        : "the block was already deallocated (double free)"));
+    }
+    return it->second;
+  }
+
+  void on_activate_locked(block& b) {
+    stats_.allocated_bytes += b.size;
+    stats_.requested_bytes += b.requested;
+    ++stats_.allocations;
+    ++active_count_;
+    if (stats_.allocated_bytes > stats_.allocated_bytes_peak) stats_.allocated_bytes_peak = stats_.allocated_bytes;
+  }
+
+  void make_free_locked(void* p, block& b) {
+    b.state = block_state::free;
+    b.freed_at = ++tick_;
+    free_[b.size].push_back(p);
+    ++free_count_;
+  }
+
+  // Promotes pending blocks whose events have all completed. A Sync that throws leaves the block pending.
+  void process_pending_locked(std::vector<std::pair<void*, std::size_t>>& to_release) {
+    if (pending_.empty()) return;
+    std::size_t kept = 0;
+    bool promoted = false;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      void* p = pending_[i];
+      block& b = blocks_.at(p);
+      bool done = true;
+      for (const auto& m : b.markers) {
+        if (!sync_.ready(m)) {
+          done = false;
+          break;
+        }
+      }
+      if (!done) {
+        pending_[kept++] = p;
+        continue;
+      }
+      for (auto& m : b.markers) sync_.recycle(std::move(m));
+      b.markers.clear();
+      pending_bytes_ -= b.size;
+      make_free_locked(p, b);
+      promoted = true;
+    }
+    pending_.resize(kept);
+    if (promoted) enforce_cap_locked(to_release);
+  }
+
+  // Releases the oldest free blocks until the cached bytes fit the cap.
+  void enforce_cap_locked(std::vector<std::pair<void*, std::size_t>>& to_release) {
+    while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes &&
+           free_count_ > 0) {
+      void* oldest = nullptr;
+      std::uint64_t oldest_tick = std::numeric_limits<std::uint64_t>::max();
+      std::size_t oldest_size = 0;
+      for (const auto& entry : free_) {
+        for (void* p : entry.second) {
+          const block& b = blocks_.at(p);
+          if (b.freed_at < oldest_tick) {
+            oldest_tick = b.freed_at;
+            oldest = p;
+            oldest_size = b.size;
+          }
+        }
+      }
+      auto& list = free_[oldest_size];
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        if (list[i] == oldest) {
+          list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
+      }
+      --free_count_;
+      ++stats_.cap_releases;
+      forget_locked(oldest, oldest_size);
+      to_release.emplace_back(oldest, oldest_size);
+    }
+  }
+
+  void forget_locked(void* p, std::size_t size) {
+    blocks_.erase(p);
+    stats_.reserved_bytes -= size;
+  }
+
+  void release_all(const std::vector<std::pair<void*, std::size_t>>& blocks) noexcept {
+    if (blocks.empty()) return;
+    const auto start = std::chrono::steady_clock::now();
+    for (const auto& r : blocks) upstream_.deallocate(r.first, r.second);
+    const auto spent = std::chrono::steady_clock::now() - start;
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.unpinning_time += std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
+    stats_.upstream_frees += blocks.size();
+  }
+
+  void* upstream_allocate_timed(std::size_t size) {
+    const auto start = std::chrono::steady_clock::now();
+    void* p = nullptr;
+    try {
+      p = upstream_.allocate(size);
+    } catch (...) {
+      add_pinning_time(std::chrono::steady_clock::now() - start, false);
+      throw;
+    }
+    add_pinning_time(std::chrono::steady_clock::now() - start, true);
+    return p;
+  }
+
+  void add_pinning_time(std::chrono::steady_clock::duration spent, bool succeeded) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.pinning_time += std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
+    if (succeeded) ++stats_.upstream_allocations;
+  }
+
+  void* upstream_allocate_with_retry(std::size_t size, std::size_t requested) {
+    try {
+      return upstream_allocate_timed(size);
+    } catch (const out_of_memory_error&) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.oom_retries;
+      }
+      empty_cache();
+    }
+    try {
+      return upstream_allocate_timed(size);
+    } catch (const out_of_memory_error& e) {
+      const pinned_pool_stats s = stats();
+      throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
+                                " (size class " + detail::format_bytes_exact(size) +
+                                ") even after emptying the cache; " +
+                                detail::format_bytes(s.allocated_bytes) + " allocated, " +
+                                detail::format_bytes(s.pending_bytes) + " waiting for streams; upstream: " + e.what());
+    }
+  }
+
+  Upstream upstream_;
+  Sync sync_;
+  pinned_pool_options options_;
+  std::mutex mutex_;
+  std::unordered_map<void*, block> blocks_;                    // every reserved block
+  std::unordered_map<std::size_t, std::vector<void*>> free_;   // free blocks by size class (LIFO: warm memory)
+  std::vector<void*> pending_;                                 // freed, waiting for events
+  std::size_t pending_bytes_ = 0;
+  std::size_t free_count_ = 0;
+  std::size_t active_count_ = 0;
+  std::size_t lost_count_ = 0;
+  std::size_t lost_bytes_ = 0;
+  std::uint64_t tick_ = 0;
+  pinned_pool_stats stats_;
+};
+
+/// The pinned pool gpukit uses: gpukit's upstream (cudaHostAlloc or host pages) and gpukit events.
+using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
+
+/// The process-wide pinned pool for a device kind: one for all CUDA devices (its memory is portable: pinned for every
+/// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
+/// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
+/// process.
+inline pinned_pool& default_pinned_pool(device d) {
+  if (d.is_cpu()) {
+    static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
+    return *cpu_pool;
+  }
+  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda));
+  return *cuda_pool;
+}
+
+/// A typed, move-only block from a pinned pool: the pool's counterpart of pinned_buffer, cheap to create after
+/// warm-up. Its destructor gives the block back stream-ordered: call record_stream(s) for every stream whose copies
+/// use it, and the block is reused only after that work completes (so it may be destroyed right after enqueueing).
+template <class T>
+class pooled_pinned_buffer {
+  static_assert(std::is_trivially_copyable<T>::value && std::is_trivially_destructible<T>::value,
+                "gpukit::pooled_pinned_buffer<T>: T must be trivially copyable and destructible");
+
+ public:
+  using value_type = T;
+
+  pooled_pinned_buffer() noexcept = default;
+  /// `count` uninitialised elements from `pool`.
+  pooled_pinned_buffer(std::size_t count, pinned_pool& pool)
+      : pool_(&pool),
+        data_(static_cast<T*>(pool.allocate(detail::checked_bytes(count, sizeof(T), "gpukit::pooled_pinned_buffer")))),
+        size_(count) {}
+  /// `count` uninitialised elements from the default pool of `d`'s kind.
+  pooled_pinned_buffer(std::size_t count, device d) : pooled_pinned_buffer(count, default_pinned_pool(d)) {}
+
+  pooled_pinned_buffer(pooled_pinned_buffer&& other) noexcept
+      : pool_(std::exchange(other.pool_, nullptr)),
+        data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)) {}
+  pooled_pinned_buffer& operator=(pooled_pinned_buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      pool_ = std::exchange(other.pool_, nullptr);
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  pooled_pinned_buffer(const pooled_pinned_buffer&) = delete;
+  pooled_pinned_buffer& operator=(const pooled_pinned_buffer&) = delete;
+  ~pooled_pinned_buffer() { reset(); }
+
+  /// Copies on `s` use this buffer: its block is reused only after `s`'s work up to the buffer's release completes.
+  void record_stream(stream_view s) {
+    if (data_ != nullptr) pool_->record_stream(data_, s);
+  }
+
+  /// Gives the block back now (stream-ordered, as in the destructor). Errors are reported through gpukit::warn.
+  void reset() noexcept {
+    if (data_ != nullptr) {
+      try {
+        pool_->deallocate(data_);
+      } catch (const std::exception& e) {
+        warn(std::string("gpukit::pooled_pinned_buffer: returning the block failed: ") + e.what());
+      }
+    }
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  bool empty() const noexcept { return size_ == 0; }
+  T* begin() noexcept { return data_; }
+  T* end() noexcept { return data_ + size_; }
+  const T* begin() const noexcept { return data_; }
+  const T* end() const noexcept { return data_ + size_; }
+  T& operator[](std::size_t i) noexcept { return data_[i]; }
+  const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  gpukit::span<T> span() noexcept { return {data_, size_}; }
+  gpukit::span<const T> span() const noexcept { return {data_, size_}; }
+  /// True when the memory is page-locked (a CUDA pool).
+  bool page_locked() const noexcept { return pool_ != nullptr && pool_->page_locked(); }
+  pinned_pool* pool() const noexcept { return pool_; }
+
+ private:
+  pinned_pool* pool_ = nullptr;
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace gpukit

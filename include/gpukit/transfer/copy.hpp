@@ -1,0 +1,217 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// copy_async(dst, src, stream): host to device, device to host and device to device, over located spans
+/// (<gpukit/transfer/spans.hpp>), std::vector / std::array (host memory), pinned buffers and device buffers.
+///
+/// | source → destination   | how                                     | source reusable / destination ready     |
+/// |------------------------|-----------------------------------------|-----------------------------------------|
+/// | pinned host → device   | one DMA (cudaMemcpyAsync)               | source: once the stream passed the copy |
+/// | pageable host → device | staged through the stream's pinned ring | source: **when copy_async returns**     |
+/// | device → pinned host   | one DMA                                 | destination: once the stream passed it  |
+/// | device → pageable host | staged, host copies in stream order     | destination: once the stream passed it  |
+/// | device → device        | one DMA (peer copy across devices)      | both: once the stream passed it         |
+///
+/// "The stream passed the copy" means: after stream.synchronize(), or once an event recorded on the stream after
+/// the call has completed; later work on the same stream sees the data. Device memory must stay valid until then in
+/// every case. On the CPU device the same table holds: "device" memory is host memory, copies are memcpy enqueued on
+/// the CPU stream (asynchronous and ordered like on a GPU), and pageable memory is staged the same way.
+///
+/// Checks, before anything is enqueued (each throws invalid_argument_error; nothing is left in a ring):
+/// - sizes differ (element counts; element types must match at compile time);
+/// - a null pointer with a non-zero size;
+/// - overlapping source and destination ranges;
+/// - a device span of another device than the stream's (device to device: one side must be the stream's device,
+///   and CPU and CUDA memory never mix);
+/// - a device pointer where host memory is expected, or host memory where device memory is expected, as
+///   cudaPointerGetAttributes reports. Without a usable CUDA device no pointer can be device memory, so this check
+///   accepts every pointer (see <gpukit/transfer/pointer_query.hpp>).
+/// A size of zero is a no-op: nothing is checked or enqueued.
+
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/pointer_query.hpp>
+#include <gpukit/transfer/spans.hpp>
+#include <gpukit/transfer/staging.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace gpukit {
+namespace detail {
+
+/// One side of a copy, type-erased.
+struct copy_side {
+  const void* data = nullptr;
+  std::size_t count = 0;
+  memory_location location = memory_location::host;
+  gpukit::device dev{};  // for device memory
+};
+
+inline std::string describe_side(const char* role, const copy_side& side, std::size_t element_size) {
+  std::string text = role;
+  text += " (";
+  switch (side.location) {
+    case memory_location::host:
+      text += "host memory";
+      break;
+    case memory_location::pinned:
+      text += "pinned host memory";
+      break;
+    case memory_location::device:
+      text += "memory of " + side.dev.to_string();
+      break;
+  }
+  text += ", " + std::to_string(side.count) + " elements of " + std::to_string(element_size) + " bytes)";
+  return text;
+}
+
+[[noreturn]] inline void copy_misuse(const std::string& what) {
+  throw invalid_argument_error("gpukit::copy_async: " + what);
+}
+
+/// The runtime checks of copy_async (see the file comment); returns whether host memory on the host side is
+/// page-locked (so one DMA suffices).
+inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd) {
+  const std::size_t bytes = dst.count * element_size;
+  if (dst.data == nullptr) copy_misuse(describe_side("the destination", dst, element_size) + " is a null pointer");
+  if (src.data == nullptr) copy_misuse(describe_side("the source", src, element_size) + " is a null pointer");
+  const auto d0 = reinterpret_cast<std::uintptr_t>(dst.data);
+  const auto s0 = reinterpret_cast<std::uintptr_t>(src.data);
+  if (d0 < s0 + bytes && s0 < d0 + bytes) {
+    copy_misuse("the source and destination ranges overlap (" + std::to_string(bytes) + " bytes at " +
+                std::to_string(s0) + " and " + std::to_string(d0) + ")");
+  }
+  const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
+  for (const copy_side* side : {&dst, &src}) {
+    if (side->location != memory_location::device) continue;
+    const char* role = side == &dst ? "the destination" : "the source";
+    if (side->dev.is_cpu() != sd.is_cpu()) {
+      copy_misuse(describe_side(role, *side, element_size) + " cannot be copied on a stream of " + sd.to_string());
+    }
+    if (!d2d && side->dev != sd) {
+      copy_misuse(describe_side(role, *side, element_size) + " belongs to another device than the stream (" +
+                  sd.to_string() + ")");
+    }
+  }
+  if (d2d && dst.dev != sd && src.dev != sd) {
+    copy_misuse("neither side of a device-to-device copy (" + dst.dev.to_string() + ", " + src.dev.to_string() +
+                ") is on the stream's device " + sd.to_string());
+  }
+  bool host_pinned = false;
+  for (const copy_side* side : {&dst, &src}) {
+    const char* role = side == &dst ? "the destination" : "the source";
+    const pointer_info info = query_pointer(side->data);
+    if (side->location == memory_location::device) {
+      if (info.kind == pointer_kind::device) {
+        if (side->dev.is_cpu()) {
+          copy_misuse(describe_side(role, *side, element_size) + " is CUDA device memory of cuda:" +
+                      std::to_string(info.device) + ", not host memory");
+        }
+        if (info.device != side->dev.ordinal()) {
+          copy_misuse(describe_side(role, *side, element_size) + " is really memory of cuda:" +
+                      std::to_string(info.device));
+        }
+      } else if (sd.is_cuda() && (info.kind == pointer_kind::pageable || info.kind == pointer_kind::pinned)) {
+        copy_misuse(describe_side(role, *side, element_size) + " is host memory where device memory is expected");
+      }
+    } else {
+      if (info.kind == pointer_kind::device) {
+        copy_misuse(describe_side(role, *side, element_size) + " is device memory of cuda:" +
+                    std::to_string(info.device) + " where host memory is expected");
+      }
+      host_pinned = side->location == memory_location::pinned || info.kind == pointer_kind::pinned ||
+                    info.kind == pointer_kind::managed;
+    }
+  }
+  return host_pinned;
+}
+
+/// Picks the staging engine once the stream's device is known: a fixed one, or the default of the device's kind.
+template <class Engine>
+struct fixed_engine {
+  Engine* engine;
+  Engine& operator()(gpukit::device) const noexcept { return *engine; }
+};
+struct default_engine {
+  staging_engine& operator()(gpukit::device d) const { return default_staging_engine(d); }
+};
+
+/// Checks and dispatches a copy (see the file comment).
+template <class EngineFor>
+void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
+                EngineFor engine_for) {
+  if (dst.count != src.count) {
+    copy_misuse("size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
+                describe_side("the source", src, element_size) + " differ");
+  }
+  if (dst.count == 0) return;
+  const gpukit::device sd = s.device();
+  const bool host_pinned = check_copy(dst, src, element_size, sd);
+  const std::size_t bytes = dst.count * element_size;
+  void* out = const_cast<void*>(dst.data);
+  auto& engine = engine_for(sd);
+  if (dst.location == memory_location::device && src.location == memory_location::device) {
+    engine.copier()(out, src.data, bytes, copy_direction::device_to_device, s);
+  } else if (dst.location == memory_location::device) {
+    if (host_pinned) {
+      engine.copier()(out, src.data, bytes, copy_direction::host_to_device, s);
+    } else {
+      engine.to_device(out, src.data, bytes, s);
+    }
+  } else {
+    if (host_pinned) {
+      engine.copier()(out, src.data, bytes, copy_direction::device_to_host, s);
+    } else {
+      engine.to_host(out, src.data, bytes, s);
+    }
+  }
+}
+
+template <class Dst, class Src, class EngineFor>
+void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_for) {
+  auto dst = located_view(dst_arg);
+  auto src = located_view(src_arg);
+  using dst_type = decltype(dst);
+  using src_type = decltype(src);
+  using dst_element = typename dst_type::element_type;
+  using src_element = typename src_type::element_type;
+  static_assert(!std::is_const<dst_element>::value, "gpukit::copy_async: the destination is read-only");
+  static_assert(std::is_same<std::remove_cv_t<dst_element>, std::remove_cv_t<src_element>>::value,
+                "gpukit::copy_async: the source and destination element types differ");
+  static_assert(std::is_trivially_copyable<dst_element>::value,
+                "gpukit::copy_async: elements must be trivially copyable (they are copied as bytes)");
+  static_assert(dst_type::location == memory_location::device || src_type::location == memory_location::device,
+                "gpukit::copy_async: both sides are host memory; use std::copy");
+  copy_side d{dst.data(), dst.size(), dst_type::location, {}};
+  copy_side r{src.data(), src.size(), src_type::location, {}};
+  if constexpr (dst_type::location == memory_location::device) d.dev = dst.device();
+  if constexpr (src_type::location == memory_location::device) r.dev = src.device();
+  copy_bytes(d, r, sizeof(dst_element), s, engine_for);
+}
+
+}  // namespace detail
+
+/// Copies `src` to `dst` in the order of stream `s`: host to device, device to host or device to device (see the
+/// file comment for which memory may be reused when, and for the checks). Each side is a located span, a
+/// std::vector / std::array (host), a pinned_buffer / pooled_pinned_buffer (pinned) or a device buffer. Pageable
+/// host memory goes through default_staging_engine(stream's device).
+template <class Dst, class Src>
+void copy_async(Dst&& dst, Src&& src, stream_view s) {
+  detail::copy_located(dst, src, s, detail::default_engine{});
+}
+
+/// As copy_async(dst, src, s), with an engine of your own (other tuning, or an instrumented device copy step, which
+/// then performs every copy, staged or direct).
+template <class Dst, class Src, class Copier>
+void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier>& engine) {
+  detail::copy_located(dst, src, s, detail::fixed_engine<basic_staging_engine<Copier>>{&engine});
+}
+
+}  // namespace gpukit

@@ -1,0 +1,78 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Conveniences over copy_async: to_device(host data, stream) returns a new device_buffer holding a copy;
+/// to_host(device data, stream) returns a std::vector once the copy has completed.
+///
+///     gpukit::device_buffer<float> x = gpukit::to_device(weights, s);   // weights may be reused at once
+///     std::vector<float> y = gpukit::to_host(x, s);                     // waits for the copy (and the work before it)
+
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/span.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/copy.hpp>
+#include <gpukit/transfer/spans.hpp>
+
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+namespace gpukit {
+
+/// A new buffer on `s`'s device (from its default allocator, usable on `s`) holding a copy of `src`. The copy is
+/// stream-ordered: work enqueued on `s` afterwards sees the data. Pageable `src` may be reused as soon as this
+/// returns; pinned `src` must stay valid until `s` has passed the copy.
+template <class T>
+device_buffer<std::remove_const_t<T>> to_device(host_span<T> src, stream_view s) {
+  device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
+  copy_async(buffer, host_span<const T>(src), s);
+  return buffer;
+}
+
+/// to_device of a plain span, which to_device reads as host memory (the direction is in the name).
+template <class T>
+device_buffer<std::remove_const_t<T>> to_device(gpukit::span<T> src, stream_view s) {
+  return to_device(host_span<T>(src), s);
+}
+
+/// to_device of a vector (a temporary is fine: it is read before the call returns).
+template <class T, class A>
+device_buffer<T> to_device(const std::vector<T, A>& src, stream_view s) {
+  return to_device(host_span<const T>(src), s);
+}
+
+/// to_device of pinned memory: one DMA; `src` must stay valid until `s` has passed the copy.
+template <class T>
+device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view s) {
+  device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
+  copy_async(buffer, pinned_span<const T>(src), s);
+  return buffer;
+}
+
+/// The contents of device memory as a vector. Blocks until the copy has completed: it is enqueued on `s` after the
+/// work already there, and an event recorded after it is waited for.
+template <class T>
+std::vector<std::remove_const_t<T>> to_host(device_span<T> src, stream_view s) {
+  std::vector<std::remove_const_t<T>> out(src.size());
+  if (out.empty()) return out;
+  copy_async(out, device_span<const T>(src), s);
+  event done(s.device());
+  done.record(s);
+  done.synchronize();
+  return out;
+}
+
+/// to_host of a device buffer, on stream `s` (the buffer's own stream by default).
+template <class T>
+std::vector<T> to_host(const device_buffer<T>& src, stream_view s) {
+  return to_host(device_span<const T>(src.data(), src.size(), src.device()), s);
+}
+template <class T>
+std::vector<T> to_host(const device_buffer<T>& src) {
+  return to_host(src, src.stream());
+}
+
+}  // namespace gpukit

@@ -1,0 +1,163 @@
+// GPU tests of pinned memory and transfers: run on a machine with a CUDA device, reported as Skipped elsewhere.
+#include <gpukit/gpukit.hpp>
+
+#include "support.hpp"
+#include "transfer/transfer_support.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+
+namespace {
+constexpr std::size_t MiB = 1024 * 1024;
+
+std::vector<std::uint32_t> iota(std::size_t n, std::uint32_t start) {
+  std::vector<std::uint32_t> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+double gb_per_s(std::size_t bytes, std::chrono::steady_clock::duration d) {
+  return static_cast<double>(bytes) / std::chrono::duration<double>(d).count() / 1e9;
+}
+}  // namespace
+
+TEST_CASE("gpu: pinned buffers, mapped memory and registrations are page-locked, and the pointer query says so") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_buffer<float> b(1000, d);
+  CHECK(b.page_locked());
+  CHECK(gpukit::detail::query_pointer(b.data()).kind == gpukit::detail::pointer_kind::pinned);
+  CHECK_THROWS_AS((void)b.device_pointer(), gpukit::invalid_argument_error);
+  gpukit::pinned_flags mapped;
+  mapped.mapped = true;
+  gpukit::pinned_buffer<float> m(1000, d, mapped);
+  CHECK(m.device_pointer() != nullptr);
+  std::vector<char> pageable(1 << 20);
+  CHECK(gpukit::detail::query_pointer(pageable.data()).kind == gpukit::detail::pointer_kind::pageable);
+  {
+    gpukit::host_registration r(pageable.data(), pageable.size(), d);
+    CHECK(r.registered());
+    CHECK(gpukit::detail::query_pointer(pageable.data()).kind == gpukit::detail::pointer_kind::pinned);
+  }
+  CHECK(gpukit::detail::query_pointer(pageable.data()).kind == gpukit::detail::pointer_kind::pageable);
+  gpukit::stream s(d);
+  gpukit::device_buffer<float> dev(10, s);
+  const auto info = gpukit::detail::query_pointer(dev.data());
+  CHECK(info.kind == gpukit::detail::pointer_kind::device);
+  CHECK(info.device == 0);
+}
+
+TEST_CASE("gpu: round trips of every size, pageable and pinned, at unaligned offsets") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::stream s(gpukit::device::cuda(0));
+  const std::size_t chunk = gpukit::default_staging_engine(gpukit::device::cuda(0)).options().chunk_bytes / 4;
+  for (std::size_t n : {std::size_t{1}, chunk - 1, chunk, chunk + 1, 10 * chunk + 3}) {
+    CAPTURE(n);
+    const auto host = iota(n + 1, static_cast<std::uint32_t>(n));
+    gpukit::device_buffer<std::uint32_t> a(n + 1, s);
+    gpukit::device_buffer<std::uint32_t> b(n + 1, s);
+    gpukit::device_span<std::uint32_t> da(a);
+    gpukit::copy_async(da.subspan(1, n), gpukit::host_span<const std::uint32_t>(host).subspan(1, n), s);
+    gpukit::copy_async(gpukit::device_span<std::uint32_t>(b).subspan(0, n), da.subspan(1, n), s);
+    std::vector<std::uint32_t> back(n);
+    gpukit::copy_async(back, gpukit::device_span<std::uint32_t>(b).subspan(0, n), s);
+    gpukit::pinned_buffer<std::uint32_t> pinned(n, gpukit::device::cuda(0));
+    gpukit::copy_async(pinned, gpukit::device_span<std::uint32_t>(b).subspan(0, n), s);
+    s.synchronize();
+    CHECK(std::equal(back.begin(), back.end(), host.begin() + 1));
+    CHECK(std::equal(pinned.begin(), pinned.end(), host.begin() + 1));
+  }
+}
+
+TEST_CASE("gpu: real device and host pointers in the wrong place are rejected") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> dev(100, s);
+  std::vector<int> host(100);
+  CHECK_THROWS_AS(gpukit::copy_async(gpukit::device_span<int>(host.data(), 100, d), host, s),
+                  gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::copy_async(dev, gpukit::host_span<const int>(dev.data(), 100), s),
+                  gpukit::invalid_argument_error);
+  gpukit::stream cpu_stream(gpukit::device::cpu());
+  CHECK_THROWS_AS(gpukit::copy_async(gpukit::device_span<int>(host.data(), 100, gpukit::device::cpu()),
+                                     gpukit::host_span<const int>(dev.data(), 100), cpu_stream),
+                  gpukit::invalid_argument_error);
+}
+
+TEST_CASE("gpu: a pageable transfer larger than the ring on a stream held by a host function does not deadlock") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit_test::gate g;
+  g.hold(s);
+  const auto host = iota(64 * MiB / 4, 3);  // 8 chunks of 8 MiB, 4 slots
+  gpukit::device_buffer<std::uint32_t> dev(host.size(), s);
+  gpukit::copy_async(dev, host, s);  // returns after the patience, staging the rest in one pool block
+  g.open();
+  CHECK(gpukit::to_host(dev, s) == host);
+}
+
+TEST_CASE("gpu: the pinned pool pins once, then serves from the cache after the stream's events") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  CHECK(pool.page_locked());
+  gpukit::stream s(gpukit::device::cuda(0));
+  for (int i = 0; i < 10; ++i) {
+    void* p = pool.allocate(4 * MiB);
+    pool.deallocate(p, s);
+    s.synchronize();
+  }
+  const auto st = pool.stats();
+  CHECK(st.upstream_allocations == 1);
+  CHECK(st.cache_hits == 9);
+  CHECK(st.pinning_time.count() > 0);
+}
+
+TEST_CASE("gpu: bandwidth sanity: pinned H2D beats 5 GB/s and staged pageable reaches half of pinned") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  const std::size_t bytes = 256 * MiB;
+  gpukit::device_buffer<char> dev(bytes, s);
+  gpukit::pinned_buffer<char> pinned(bytes, d);
+  std::vector<char> pageable(bytes, 1);
+  std::memset(pinned.data(), 1, bytes);
+  auto time = [&](auto&& copy) {
+    copy();  // warm-up (ring slots, pool blocks)
+    s.synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 3; ++i) copy();
+    s.synchronize();
+    return gb_per_s(3 * bytes, std::chrono::steady_clock::now() - start);
+  };
+  const double pinned_rate = time([&] { gpukit::copy_async(dev, pinned, s); });
+  const double pageable_rate = time([&] { gpukit::copy_async(dev, pageable, s); });
+  MESSAGE("H2D pinned " << pinned_rate << " GB/s, pageable staged " << pageable_rate << " GB/s");
+  CHECK(pinned_rate > 5.0);
+  CHECK(pageable_rate > 0.5 * pinned_rate);
+}
+
+TEST_CASE("gpu: the prefetcher feeds a CUDA stream") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::stream s(gpukit::device::cuda(0));
+  gpukit::prefetcher<std::uint32_t> loader(s, 1 << 20, [](std::size_t i, gpukit::span<std::uint32_t> out) {
+    if (i == 8) return std::size_t{0};
+    for (std::size_t k = 0; k < out.size(); ++k) out[k] = static_cast<std::uint32_t>(i + k);
+    return out.size();
+  });
+  std::size_t n = 0;
+  while (auto batch = loader.next()) {
+    std::vector<std::uint32_t> back = gpukit::to_host(batch->data(), s);
+    CHECK(back[0] == batch->index());
+    CHECK(back.back() == batch->index() + back.size() - 1);
+    ++n;
+  }
+  CHECK(n == 8);
+}

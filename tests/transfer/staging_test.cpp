@@ -1,0 +1,338 @@
+// The staging engine on CPU streams: round trips of every interesting size, slot recycling order, slots reused only
+// after their copies completed (a slow copy step would expose early reuse), the source being free when to_device
+// returns, the no-deadlock rule with a gated stream, to_host never waiting, failures leaving no partial state, ring
+// bookkeeping, and concurrency.
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/staging.hpp>
+
+#include "support.hpp"
+#include "transfer/transfer_support.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+using gpukit_test::gate;
+using gpukit_test::patterned;
+using gpukit_test::recording_copier;
+
+namespace {
+const gpukit::device cpu = gpukit::device::cpu();
+constexpr std::size_t KiB = 1024;
+
+using engine_type = gpukit::basic_staging_engine<recording_copier>;
+
+gpukit::pinned_pool make_pool() { return gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu)); }
+
+/// Small chunks so tests cover many chunks quickly; 256 KiB chunks with 2 threads exercise the parallel host copy.
+gpukit::staging_options small_options(std::size_t chunk = 64 * KiB, std::size_t slots = 3) {
+  gpukit::staging_options o;
+  o.chunk_bytes = chunk;
+  o.min_chunk_bytes = chunk / 4;
+  o.slots = slots;
+  o.threads = 2;
+  o.bytes_per_thread = 64 * KiB;
+  o.patience = 5s;  // generous: tests of the no-deadlock rule set their own
+  return o;
+}
+
+void round_trip(engine_type& engine, gpukit::stream_view s, std::size_t bytes, std::size_t src_offset,
+                std::size_t dst_offset, unsigned seed) {
+  const auto host = patterned(bytes + src_offset, seed);
+  std::vector<unsigned char> device(bytes + dst_offset + 7, 0xEE);  // the CPU device's "device memory"
+  std::vector<unsigned char> back(bytes + src_offset, 0);
+  engine.to_device(device.data() + dst_offset, host.data() + src_offset, bytes, s);
+  engine.to_host(back.data() + src_offset, device.data() + dst_offset, bytes, s);
+  s.synchronize();
+  CHECK(std::equal(host.begin() + src_offset, host.end(), device.begin() + dst_offset));
+  CHECK(std::equal(host.begin() + src_offset, host.end(), back.begin() + src_offset));
+  for (std::size_t i = 0; i < dst_offset; ++i) CHECK(device[i] == 0xEE);  // nothing written outside
+  for (std::size_t i = dst_offset + bytes; i < device.size(); ++i) CHECK(device[i] == 0xEE);
+}
+}  // namespace
+
+TEST_CASE("chunking: one chunk up to min_chunk_bytes, then at least `slots` chunks, at most chunk_bytes each") {
+  auto pool = make_pool();
+  gpukit::staging_engine engine(pool);  // defaults: 8 MiB chunks, 1 MiB minimum, 4 slots
+  constexpr std::size_t MiB = 1024 * 1024;
+  CHECK(engine.chunk_for(1) == 1);
+  CHECK(engine.chunk_for(MiB) == MiB);
+  CHECK(engine.chunk_for(MiB + 1) == MiB);
+  CHECK(engine.chunk_for(16 * MiB) == 4 * MiB);
+  CHECK(engine.chunk_for(32 * MiB) == 8 * MiB);
+  CHECK(engine.chunk_for(1024 * MiB) == 8 * MiB);
+  CHECK_THROWS_AS(gpukit::staging_engine(pool, gpukit::staging_options{0, 0, 4, 0, 1, 1ms, 1}),
+                  gpukit::invalid_argument_error);
+}
+
+TEST_CASE("round trips on a CPU stream: 0, 1, chunk-1, chunk, chunk+1, many chunks, unaligned offsets") {
+  auto pool = make_pool();
+  for (std::size_t chunk : {64 * KiB, 256 * KiB}) {
+    engine_type engine(pool, small_options(chunk));
+    gpukit::stream s(cpu);
+    unsigned seed = 1;
+    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, chunk - 1, chunk, chunk + 1, 10 * chunk + 123,
+                              3 * chunk / 2}) {
+      for (std::size_t src_offset : {0, 3}) {
+        for (std::size_t dst_offset : {0, 5}) {
+          CAPTURE(chunk);
+          CAPTURE(bytes);
+          CAPTURE(src_offset);
+          CAPTURE(dst_offset);
+          round_trip(engine, s, bytes, src_offset, dst_offset, seed++);
+        }
+      }
+    }
+    CHECK(engine.stats().overflows == 0);
+  }
+  CHECK(pool.stats().allocated_bytes == 0);  // the engines returned their slots when destroyed
+}
+
+TEST_CASE("round trips on the CPU's synchronous default stream complete when the call returns") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options());
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  const auto host = patterned(500 * KiB, 9);
+  std::vector<unsigned char> device(host.size());
+  std::vector<unsigned char> back(host.size());
+  engine.to_device(device.data(), host.data(), host.size(), s);
+  CHECK(device == host);
+  engine.to_host(back.data(), device.data(), device.size(), s);
+  CHECK(back == host);
+}
+
+TEST_CASE("slots are recycled in ring order, each only after its copy completed") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 3));
+  engine.copier().shared->delay = 2ms;  // every device copy is slow: the host is always ahead
+  gpukit::stream s(cpu);
+  const std::size_t chunk = 64 * KiB;
+  const auto host = patterned(9 * chunk, 3);
+  std::vector<unsigned char> device(host.size());
+  engine.to_device(device.data(), host.data(), host.size(), s);
+  s.synchronize();
+  CHECK(device == host);  // a slot refilled before its copy ran would have corrupted a chunk
+  const auto calls = engine.copier().calls();
+  REQUIRE(calls.size() == 9);
+  std::set<const void*> distinct;
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    CHECK(calls[k].direction == gpukit::copy_direction::host_to_device);
+    CHECK(calls[k].dst == device.data() + k * chunk);  // chunks in order
+    CHECK(calls[k].bytes == chunk);
+    CHECK(calls[k].src == calls[k % 3].src);  // slot k mod 3
+    distinct.insert(calls[k].src);
+  }
+  CHECK(distinct.size() == 3);
+  const auto st = engine.stats();
+  CHECK(st.chunks == 9);
+  CHECK(st.overflows == 0);
+}
+
+TEST_CASE("the host waits for a slot while the stream holds its copy, and goes on once it completes") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 3));  // patience 5 s
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  const auto host = patterned(9 * 64 * KiB, 30);
+  std::vector<unsigned char> device(host.size());
+  std::thread caller([&] { engine.to_device(device.data(), host.data(), host.size(), s); });
+  for (int i = 0; i < 2000 && engine.copier().calls().size() < 3; ++i) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(30ms);
+  CHECK(engine.copier().calls().size() == 3);  // three slots filled; the fourth chunk waits for slot 0's copy
+  g.open();
+  caller.join();
+  s.synchronize();
+  CHECK(device == host);
+  const auto st = engine.stats();
+  CHECK(st.slot_waits >= 1);
+  CHECK(st.overflows == 0);
+  CHECK(engine.copier().calls().size() == 9);
+}
+
+TEST_CASE("the source may be reused as soon as to_device returns, even before the stream ran") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 4));
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  auto source = std::make_unique<std::vector<unsigned char>>(patterned(3 * 64 * KiB, 4));  // fits the ring
+  const auto expected = *source;
+  std::vector<unsigned char> device(expected.size(), 0);
+  engine.to_device(device.data(), source->data(), source->size(), s);
+  std::memset(source->data(), 0, source->size());  // overwrite, then free the source
+  source.reset();
+  CHECK(std::all_of(device.begin(), device.end(), [](unsigned char c) { return c == 0; }));  // not yet written
+  g.open();
+  s.synchronize();
+  CHECK(device == expected);
+}
+
+TEST_CASE("no deadlock: a transfer larger than the ring on a stream held by a later host action returns") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.patience = 50ms;
+  engine_type engine(pool, options);
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);  // only opened after copy_async returns: waiting for a slot would wait forever
+  auto source = std::make_unique<std::vector<unsigned char>>(patterned(10 * 64 * KiB + 17, 5));
+  const auto expected = *source;
+  std::vector<unsigned char> device(expected.size(), 0);
+  const auto start = std::chrono::steady_clock::now();
+  engine.to_device(device.data(), source->data(), source->size(), s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took >= 50ms);   // it did give the stream its patience
+  CHECK(took < 2000ms);  // and then went on
+  source.reset();        // and the source is still free to go
+  const auto st = engine.stats();
+  CHECK(st.overflows == 1);
+  CHECK(st.overflow_bytes == expected.size() - 2 * 64 * KiB);  // everything after the two slots
+  g.open();
+  s.synchronize();
+  CHECK(device == expected);
+  CHECK(pool.stats().pending_blocks == 0);
+  // The overflow block went back to the pool stream-ordered; the ring is intact and works again.
+  round_trip(engine, s, 5 * 64 * KiB, 1, 2, 6);
+}
+
+TEST_CASE("to_host never waits on the host, and the stream's later work sees the destination") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 2));
+  gpukit::stream s(cpu);
+  const auto data = patterned(7 * 64 * KiB + 3, 7);  // more chunks than slots
+  std::vector<unsigned char> device(data);
+  std::vector<unsigned char> host(data.size(), 0);
+  gate g;
+  g.hold(s);
+  const auto start = std::chrono::steady_clock::now();
+  engine.to_host(host.data(), device.data(), device.size(), s);
+  CHECK(std::chrono::steady_clock::now() - start < 1000ms);  // returned with the stream held
+  std::atomic<bool> later_work_saw_data{false};
+  s.enqueue_host([&] { later_work_saw_data = std::memcmp(host.data(), data.data(), data.size()) == 0; });
+  std::this_thread::sleep_for(10ms);
+  CHECK(std::all_of(host.begin(), host.end(), [](unsigned char c) { return c == 0; }));
+  g.open();
+  s.synchronize();
+  CHECK(later_work_saw_data.load());
+  CHECK(host == data);
+  CHECK(engine.stats().to_host_calls == 1);
+}
+
+TEST_CASE("to_host: slots are reused in order and only after the host copy out of them") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 2));
+  engine.copier().shared->delay = 1ms;
+  gpukit::stream s(cpu);
+  const auto data = patterned(8 * 64 * KiB, 8);
+  std::vector<unsigned char> host(data.size(), 0);
+  engine.to_host(host.data(), data.data(), data.size(), s);
+  s.synchronize();
+  CHECK(host == data);
+  const auto calls = engine.copier().calls();
+  REQUIRE(calls.size() == 8);
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    CHECK(calls[k].direction == gpukit::copy_direction::device_to_host);
+    CHECK(calls[k].dst == calls[k % 2].dst);  // the slot
+    CHECK(calls[k].src == data.data() + k * 64 * KiB);
+  }
+}
+
+TEST_CASE("a failing copy step leaves no partial state: the ring works afterwards and nothing leaks") {
+  auto pool = make_pool();
+  {
+    engine_type engine(pool, small_options(64 * KiB, 3));
+    gpukit::stream s(cpu);
+    const auto data = patterned(8 * 64 * KiB, 10);
+    std::vector<unsigned char> device(data.size());
+    engine.copier().shared->fail_at = 4;
+    CHECK_THROWS_AS(engine.to_device(device.data(), data.data(), data.size(), s), std::runtime_error);
+    engine.copier().shared->fail_at = static_cast<long>(engine.copier().calls().size()) + 2;
+    std::vector<unsigned char> back(data.size());
+    CHECK_THROWS_AS(engine.to_host(back.data(), data.data(), data.size(), s), std::runtime_error);
+    s.synchronize();
+    round_trip(engine, s, data.size(), 0, 0, 11);
+    round_trip(engine, s, 1000, 1, 1, 12);
+    CHECK(engine.release_idle() == 1);
+    const auto ps = pool.stats();
+    CHECK(ps.allocated_bytes == 0);  // the ring's slots were all returned: none was lost by the failures
+    CHECK(ps.lost_blocks == 0);
+  }
+}
+
+TEST_CASE("rings are per stream: a held stream does not delay another stream's copies") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.patience = 10s;  // if stream b depended on a's slots, this test would take 10 s and fail the time check
+  engine_type engine(pool, options);
+  gpukit::stream a(cpu);
+  gpukit::stream b(cpu);
+  gate g;
+  g.hold(a);
+  const auto data = patterned(2 * 64 * KiB, 13);  // fills a's ring
+  std::vector<unsigned char> da(data.size());
+  engine.to_device(da.data(), data.data(), data.size(), a);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 5; ++i) round_trip(engine, b, 6 * 64 * KiB, 0, 0, 14);
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  CHECK(engine.stats().rings == 2);
+  g.open();
+  a.synchronize();
+  CHECK(da == data);
+}
+
+TEST_CASE("idle rings beyond max_rings are released, least recently used first") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.max_rings = 3;
+  engine_type engine(pool, options);
+  std::vector<std::unique_ptr<gpukit::stream>> streams;  // alive together: eight distinct streams
+  for (int i = 0; i < 8; ++i) {
+    streams.push_back(std::make_unique<gpukit::stream>(cpu));
+    round_trip(engine, *streams.back(), 3 * 64 * KiB, 0, 0, static_cast<unsigned>(20 + i));
+  }
+  auto st = engine.stats();
+  CHECK(st.rings <= 3);
+  CHECK(st.rings_created == 8);
+  CHECK(st.rings_released >= 5);
+  CHECK(engine.release_idle() == st.rings);
+  CHECK(engine.stats().rings == 0);
+  CHECK(pool.stats().allocated_bytes == 0);
+}
+
+TEST_CASE("concurrency: threads with their own streams and threads sharing one, round trips stay exact") {
+  auto pool = make_pool();
+  engine_type engine(pool, small_options(64 * KiB, 3));
+  gpukit::stream shared(cpu);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      gpukit::stream own(cpu);
+      std::mt19937 rng(static_cast<unsigned>(t));
+      for (int i = 0; i < 25; ++i) {
+        const gpukit::stream_view s = (t % 2 == 0) ? own.view() : shared.view();
+        const std::size_t bytes = 1 + rng() % (5 * 64 * KiB);
+        const auto data = patterned(bytes, static_cast<unsigned>(t * 100 + i));
+        std::vector<unsigned char> device(bytes);
+        std::vector<unsigned char> back(bytes);
+        engine.to_device(device.data(), data.data(), bytes, s);
+        engine.to_host(back.data(), device.data(), bytes, s);
+        s.synchronize();
+        if (back != data) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(failures.load() == 0);
+  CHECK(engine.stats().to_device_calls == 100);
+}
