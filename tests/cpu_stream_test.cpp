@@ -19,24 +19,7 @@ using namespace std::chrono_literals;
 namespace {
 const gpukit::device cpu = gpukit::device::cpu();
 
-/// A gate that host tasks can wait on, to hold a stream's work back while a test looks at its state.
-class gate {
- public:
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+using gpukit_test::gate;
 }  // namespace
 
 TEST_CASE("a CPU stream runs work asynchronously, in order") {

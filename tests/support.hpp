@@ -3,9 +3,11 @@
 
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/stream/stream.hpp>
 
 #include <doctest/doctest.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -47,6 +49,29 @@ class scoped_env {
   }
   const char* name_;
   std::optional<std::string> previous_;
+};
+
+/// A gate host tasks wait on, to hold a stream's work back while a test looks at the state in between.
+class gate {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+  /// Enqueues a wait for this gate on `s`: everything enqueued after it is held until open().
+  void hold(gpukit::stream_view s) {
+    s.enqueue_host([this] { wait(); });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
 };
 
 /// Captures gpukit warnings for a scope (the handler is process-wide: do not nest across threads).

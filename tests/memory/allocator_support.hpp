@@ -7,6 +7,8 @@
 
 #include <doctest/doctest.h>
 
+#include "support.hpp"  // gate, captured_warnings
+
 #include <algorithm>
 #include <array>
 #include <condition_variable>
@@ -217,24 +219,6 @@ inline std::string check_invariants(const gpukit::allocator_snapshot& s, const s
   return problem;
 }
 
-/// A gate host tasks wait on, to hold a CPU stream back while a test looks at the allocator.
-class gate {
- public:
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
 
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;

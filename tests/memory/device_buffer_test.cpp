@@ -62,7 +62,7 @@ TEST_CASE("a device_buffer on the CPU: typed, sized, writable through span(), fr
   CHECK(own.a.memory_reserved() == 2 * MiB);  // cached
 }
 
-TEST_CASE("device_buffer moves, release() and empty buffers") {
+TEST_CASE("device_buffer moves, reset() and empty buffers") {
   own_allocator own;
   gpukit::stream s(cpu);
   gpukit::device_buffer<int> a(100, s, own.a);
@@ -78,11 +78,11 @@ TEST_CASE("device_buffer moves, release() and empty buffers") {
   c = std::move(b);  // frees c's memory, takes b's
   CHECK(c.data() == data);
   CHECK(own.a.stats().allocation.all().current == 1);
-  c.release();
+  c.reset();
   CHECK(c.empty());
   CHECK(c.data() == nullptr);
   CHECK(own.a.memory_allocated() == 0);
-  c.release();  // releasing an empty buffer is fine
+  c.reset();  // resetting an empty buffer is fine
   gpukit::device_buffer<int> zero(0, s, own.a);
   CHECK(zero.empty());
   CHECK(zero.data() == nullptr);
@@ -115,12 +115,12 @@ TEST_CASE("a buffer whose free fails in its destructor reports through gpukit::w
   CHECK(check_invariants(own.a.snapshot(), {}, 512) == "");
 }
 
-TEST_CASE("device_buffer::release() reports misuse by throwing") {
+TEST_CASE("device_buffer::reset() reports misuse by throwing") {
   own_allocator own;
   gpukit::stream s(cpu);
   gpukit::device_buffer<char> b(100, s, own.a);
   own.a.deallocate(b.data());
-  CHECK_THROWS_AS(b.release(), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(b.reset(), gpukit::invalid_argument_error);
 }
 
 TEST_CASE("device_buffer::record_stream keeps the memory from reuse until the other stream is done") {
@@ -157,7 +157,7 @@ TEST_CASE("device_allocation: raw bytes, unique_ptr-style") {
   CHECK_FALSE(a);  // NOLINT
   CHECK(b.get() == p);
   b.record_stream(s);
-  b.release();
+  b.reset();
   CHECK(b.empty());
   CHECK(own.a.memory_allocated() == 0);
   gpukit::device_allocation zero(0, s, own.a);

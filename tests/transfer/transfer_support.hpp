@@ -6,6 +6,8 @@
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/staging.hpp>
 
+#include "support.hpp"  // gate, captured_warnings
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,28 +22,6 @@
 
 namespace gpukit_test {
 
-/// A gate host tasks wait on, to hold a CPU stream's work back while a test looks at the state.
-class gate {
- public:
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-  /// Enqueues a wait for this gate on `s`: everything enqueued after it is held until open().
-  void hold(gpukit::stream_view s) {
-    s.enqueue_host([this] { wait(); });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
 
 /// One call of the device copy step.
 struct copy_call {

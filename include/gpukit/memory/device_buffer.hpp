@@ -8,8 +8,8 @@
 ///   constructors), typed, move-only, with span();
 /// - device_allocation: raw bytes, unique_ptr-style (get(), explicit operator bool).
 /// Both come from an allocator (the default allocator of the stream's device unless one is given) and are freed
-/// in the order of the stream they were allocated on when destroyed or release()d. They work for the CPU device
-/// too (host memory, CPU streams). A buffer must be released before its stream is destroyed, and before its
+/// in the order of the stream they were allocated on when destroyed or reset(). They work for the CPU device
+/// too (host memory, CPU streams). A buffer must be reset or destroyed before its stream is destroyed, and before its
 /// allocator is (default allocators live until the process exits).
 ///
 ///     gpukit::stream s(gpukit::device::cuda(0));
@@ -95,7 +95,7 @@ class device_allocation {
 
   /// Frees the memory now (in the stream's order) and leaves the allocation empty, also when the free throws (a
   /// misuse such as freeing the pointer behind the handle's back is reported once, not again by the destructor).
-  void release() {
+  void reset() {
     void* p = std::exchange(pointer_, nullptr);
     size_ = 0;
     if (p != nullptr) allocator_->deallocate(p);
@@ -188,7 +188,7 @@ class device_buffer {
 
   /// Frees the memory now (in the stream's order) and leaves the buffer empty, also when the free throws. Errors are
   /// thrown (the destructor reports them through gpukit::warn instead).
-  void release() {
+  void reset() {
     T* p = std::exchange(data_, nullptr);
     size_ = 0;
     if (p != nullptr) allocator_->deallocate(p);
