@@ -48,9 +48,10 @@ constexpr int pairs_per_round = 4096;  // per thread and timed round
 using host_engine = gpukit::basic_caching_allocator<gpukit::host_upstream>;
 
 /// A realistic cache for the "populated" runs: per stream, 1000 blocks of 512 B..64 KiB are allocated and every
-/// other one freed, so the free lists hold ~500 fragments and the pointer map ~500 live blocks per stream.
+/// other one freed, so the free lists hold ~500 fragments and the pointer map ~500 live blocks per stream. Returns the
+/// live blocks, for the benchmark to free when it ends.
 template <class Allocate, class Free>
-void populate(Allocate&& allocate, Free&& free, std::uint64_t seed) {
+std::vector<void*> populate(Allocate&& allocate, Free&& free, std::uint64_t seed) {
   std::uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 1;
   std::vector<void*> blocks;
   for (int i = 0; i < 1000; ++i) {
@@ -59,7 +60,15 @@ void populate(Allocate&& allocate, Free&& free, std::uint64_t seed) {
     x ^= x << 17;
     blocks.push_back(allocate(512 + static_cast<std::size_t>(x % (64 * 1024))));
   }
-  for (std::size_t i = 0; i < blocks.size(); i += 2) free(blocks[i]);
+  std::vector<void*> live;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (i % 2 == 0) {
+      free(blocks[i]);
+    } else {
+      live.push_back(blocks[i]);
+    }
+  }
+  return live;
 }
 
 /// Threads that run rounds of work together: each round starts all of them at once and ends when the last
@@ -153,11 +162,14 @@ void BM_gpukit(benchmark::State& state) {
       streams.push_back(owned.back()->view());
     }
   }
+  std::vector<void*> live;
   if (populated) {
     for (int t = 0; t < threads; ++t) {
       const gpukit::stream_view s = streams[static_cast<std::size_t>(t)];
-      populate([&](std::size_t n) { return a.allocate(n, s); }, [&](void* p) { a.deallocate(p); },
-               static_cast<std::uint64_t>(t));
+      for (void* p : populate([&](std::size_t n) { return a.allocate(n, s); }, [&](void* p) { a.deallocate(p); },
+                              static_cast<std::uint64_t>(t))) {
+        live.push_back(p);
+      }
     }
   }
   run_rounds(state, threads, [&](int t) {
@@ -165,6 +177,7 @@ void BM_gpukit(benchmark::State& state) {
     benchmark::DoNotOptimize(p);
     a.deallocate(p);
   });
+  for (void* p : live) a.deallocate(p);
 }
 
 /// Like BM_gpukit with one thread, on a CPU queue stream: each free asks the queue whether it is idle.
@@ -204,11 +217,14 @@ void BM_set_best_fit(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   const int threads = static_cast<int>(state.range(1));
   gpukit_bench::set_best_fit_allocator a;
+  std::vector<void*> live;
   if (state.range(2) != 0) {
     for (int t = 0; t < threads; ++t) {
       const auto stream = static_cast<std::uintptr_t>(t) + 1;
-      populate([&](std::size_t n) { return a.allocate(n, stream); }, [&](void* p) { a.deallocate(p); },
-               static_cast<std::uint64_t>(t));
+      for (void* p : populate([&](std::size_t n) { return a.allocate(n, stream); },
+                              [&](void* p) { a.deallocate(p); }, static_cast<std::uint64_t>(t))) {
+        live.push_back(p);
+      }
     }
   }
   run_rounds(state, static_cast<int>(state.range(1)), [&](int t) {
@@ -216,6 +232,7 @@ void BM_set_best_fit(benchmark::State& state) {
     benchmark::DoNotOptimize(p);
     a.deallocate(p);
   });
+  for (void* p : live) a.deallocate(p);
 }
 
 /// Arguments: size, threads, populated (0: the cache holds only the block being reused; 1: see populate()).
@@ -341,9 +358,20 @@ void print_ratios(const collecting_reporter& r) {
       const double gp = r.ns(name("BM_gpukit", 1));
       const double sp = r.ns(name("BM_set_best_fit", 1));
       if (g == 0) continue;
-      std::printf("%-9s %7d | %8.1f %8.1f %8.1f %8.1f %9.1f | %10.2f %10.2f | %8.1f %9.1f %10.2f\n",
-                  gpukit::detail::format_bytes(size).c_str(), threads, g, q, b, m, s, s / g, m / g, gp, sp,
-                  gp > 0 ? sp / gp : 0.0);
+      // A figure that was not measured (filtered out, or not run for this thread count) prints as "-".
+      auto cell = [](double value, int width, int decimals) {
+        char text[32];
+        if (value > 0) {
+          std::snprintf(text, sizeof text, "%*.*f", width, decimals, value);
+        } else {
+          std::snprintf(text, sizeof text, "%*s", width, "-");
+        }
+        return std::string(text);
+      };
+      std::printf("%-9s %7d | %s %s %s %s %s | %s %s | %s %s %s\n", gpukit::detail::format_bytes(size).c_str(),
+                  threads, cell(g, 8, 1).c_str(), cell(q, 8, 1).c_str(), cell(b, 8, 1).c_str(), cell(m, 8, 1).c_str(),
+                  cell(s, 9, 1).c_str(), cell(s > 0 ? s / g : 0, 10, 2).c_str(), cell(m > 0 ? m / g : 0, 10, 2).c_str(),
+                  cell(gp, 8, 1).c_str(), cell(sp, 9, 1).c_str(), cell(gp > 0 && sp > 0 ? sp / gp : 0, 10, 2).c_str());
     }
   }
   std::printf("gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "

@@ -125,7 +125,7 @@ class cpu_queue {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       tasks_.push_back(std::move(task));
-      ++enqueued_;
+      enqueued_.fetch_add(1, std::memory_order_release);
     }
     work_cv_.notify_one();
   }
@@ -145,20 +145,21 @@ class cpu_queue {
           "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
     }
     std::unique_lock<std::mutex> lock(mutex_);
-    const std::uint64_t target = enqueued_;
-    idle_cv_.wait(lock, [&] { return finished_ >= target; });
+    const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
+    idle_cv_.wait(lock, [&] { return finished_.load(std::memory_order_relaxed) >= target; });
   }
 
-  /// True when every enqueued task has finished.
-  bool idle() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return finished_ == enqueued_;
+  /// True when every enqueued task has finished. Lock-free (allocators ask on every free): reading `finished_`
+  /// before `enqueued_` makes a true answer exact, because finished_ only grows.
+  bool idle() const noexcept {
+    const std::uint64_t finished = finished_.load(std::memory_order_acquire);
+    return finished == enqueued_.load(std::memory_order_acquire);
   }
 
   /// Tasks enqueued but not finished.
   std::uint64_t pending() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return enqueued_ - finished_;
+    return enqueued_.load(std::memory_order_relaxed) - finished_.load(std::memory_order_relaxed);
   }
 
  private:
@@ -173,7 +174,7 @@ class cpu_queue {
       run_host_function(task);
       task = host_task();  // release what the task owns before it counts as finished
       lock.lock();
-      ++finished_;
+      finished_.fetch_add(1, std::memory_order_release);
       idle_cv_.notify_all();
     }
   }
@@ -182,8 +183,9 @@ class cpu_queue {
   std::condition_variable work_cv_;
   std::condition_variable idle_cv_;
   std::deque<host_task> tasks_;
-  std::uint64_t enqueued_ = 0;
-  std::uint64_t finished_ = 0;
+  // Written under mutex_; atomic so idle() can read them without it.
+  std::atomic<std::uint64_t> enqueued_{0};
+  std::atomic<std::uint64_t> finished_{0};
   bool stopping_ = false;
   std::thread worker_;  // last: started after every other member is initialised
 };
