@@ -66,7 +66,7 @@ struct pinned_flags {
 namespace detail {
 
 /// Alignment of host memory standing in for pinned memory on the CPU device: a page, like cudaHostAlloc.
-constexpr std::size_t host_page_alignment = 4096;
+inline constexpr std::size_t host_page_alignment = 4096;
 
 /// count * size, or invalid_argument_error when it does not fit in size_t (a count that large is always a bug).
 inline std::size_t checked_bytes(std::size_t count, std::size_t element_size, const char* who) {
