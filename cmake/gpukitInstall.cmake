@@ -45,7 +45,7 @@ endforeach()
 # The exported gpukit::gpukit carries its include directory relative to the prefix, cxx_std_17, and the link items
 # CUDA::cudart, Threads::Threads and ${CMAKE_DL_LIBS} by name: no path of this machine is recorded. gpukitConfig.cmake
 # creates CUDA::cudart and Threads::Threads on the consumer's machine (find_dependency) before it loads the targets.
-install(TARGETS gpukit EXPORT gpukitTargets COMPONENT gpukit)
+install(TARGETS gpukit gpukit_headers EXPORT gpukitTargets COMPONENT gpukit)
 install(EXPORT gpukitTargets
   NAMESPACE gpukit::
   FILE gpukitTargets.cmake

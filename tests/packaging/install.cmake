@@ -60,10 +60,12 @@ foreach(file gpukitConfig.cmake gpukitConfigVersion.cmake gpukitTargets.cmake)
   endforeach()
 endforeach()
 file(READ "${PREFIX}/${cmakedir}/gpukitTargets.cmake" targets)
-packaging_expect_match("gpukitTargets.cmake: usage requirements of gpukit::gpukit" "${targets}"
+# gpukit::gpukit is gpukit::headers (include directory, C++17, CUDA's headers, threads, dl) plus the CUDA runtime.
+packaging_expect_match("gpukitTargets.cmake: usage requirements of gpukit::gpukit and gpukit::headers" "${targets}"
   "INTERFACE_COMPILE_FEATURES \"cxx_std_17\""
   "INTERFACE_INCLUDE_DIRECTORIES \"\\\${_IMPORT_PREFIX}/include\""
-  "INTERFACE_LINK_LIBRARIES \"CUDA::cudart;Threads::Threads")
+  "INTERFACE_LINK_LIBRARIES \"gpukit::headers;CUDA::cudart\""
+  "INTERFACE_LINK_LIBRARIES \"CUDA::toolkit;Threads::Threads")
 if(targets MATCHES "INTERFACE_[A-Z_]+ \"/")
   packaging_fail("gpukitTargets.cmake has an absolute path in a usage requirement:\n${targets}")
 endif()

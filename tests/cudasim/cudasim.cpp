@@ -1,0 +1,1879 @@
+// cudasim — a strict simulated CUDA runtime (see cudasim.hpp and README.md beside this file).
+//
+// Compiled against the toolkit's cuda_runtime_api.h, so every exported function has the runtime's exact signature.
+// One mutex guards the whole machine; each device has an engine thread (copies, memsets, event records, waits) and
+// one host-function thread shared by all its streams (CUDA may serialize host functions across streams).
+#include "cudasim.hpp"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+// ------------------------------------------------------------------------------------------------------------------
+// The machine's state
+// ------------------------------------------------------------------------------------------------------------------
+
+struct op_state {
+  bool done = false;
+  clock_type::time_point completed_at{};
+};
+using state_ptr = std::shared_ptr<op_state>;
+
+enum class op_kind { engine, host };
+
+struct op {
+  op_kind kind = op_kind::engine;
+  state_ptr state = std::make_shared<op_state>();
+  std::vector<state_ptr> deps;             // must complete before this op starts (event waits, legacy barriers)
+  std::function<bool()> precheck;          // under the lock, just before running: false = illegal access
+  std::function<void()> work;              // runs without the lock
+  std::string what;
+};
+
+struct capture_state;
+
+enum class stream_kind { created, legacy, per_thread };
+
+struct stream_obj {
+  unsigned long long id = 0;
+  int device = 0;
+  unsigned flags = 0;
+  int priority = 0;
+  stream_kind kind = stream_kind::created;
+  std::uintptr_t handle = 0;
+  std::deque<std::shared_ptr<op>> queue;
+  state_ptr tail;
+  bool running = false;
+  bool destroyed = false;
+  std::shared_ptr<capture_state> capture;
+  bool blocking() const { return kind != stream_kind::legacy && (flags & cudaStreamNonBlocking) == 0; }
+};
+using stream_ptr = std::shared_ptr<stream_obj>;
+
+struct captured_op {
+  op_kind kind = op_kind::engine;
+  std::function<void()> work;
+  std::string what;
+};
+
+struct capture_state {
+  unsigned long long id = 0;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;
+  bool invalidated = false;
+  bool active = true;
+  stream_ptr origin;
+  std::vector<captured_op> ops;
+};
+
+struct event_obj {
+  int device = 0;
+  unsigned flags = 0;
+  state_ptr last;  // null: never recorded
+  std::shared_ptr<capture_state> capture;  // recorded inside this capture (until recorded again outside)
+};
+
+struct graph_obj {
+  std::vector<captured_op> ops;
+};
+
+enum class region_kind { device, pinned, registered };
+
+struct region {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  region_kind kind = region_kind::device;
+  int device = 0;
+  unsigned flags = 0;
+};
+
+struct device_state {
+  cudasim::device_config config;
+  int physical = 0;
+  bool context = false;
+  int creations = 0;
+  std::size_t used = 0;
+  stream_ptr legacy;
+  std::vector<stream_ptr> streams;  // every stream with work or a live handle, legacy and per-thread ones included
+  bool workers = false;
+};
+
+/// Handles as the runtime hands them out: a destroyed handle's value is given to the next object created (LIFO).
+template <class T>
+struct handle_table {
+  explicit handle_table(std::uintptr_t b) : base(b) {}
+  std::uintptr_t base;
+  std::vector<std::shared_ptr<T>> slots;
+  std::vector<std::size_t> free_slots;
+  std::set<std::uintptr_t> issued;
+
+  std::uintptr_t add(std::shared_ptr<T> object) {
+    std::size_t index;
+    if (!free_slots.empty()) {
+      index = free_slots.back();
+      free_slots.pop_back();
+      slots[index] = std::move(object);
+    } else {
+      index = slots.size();
+      slots.push_back(std::move(object));
+    }
+    const std::uintptr_t h = base + index * 64;
+    issued.insert(h);
+    return h;
+  }
+  std::shared_ptr<T> find(std::uintptr_t h) const {
+    if (h < base || (h - base) % 64 != 0) return nullptr;
+    const std::size_t index = (h - base) / 64;
+    return index < slots.size() ? slots[index] : nullptr;
+  }
+  bool was_issued(std::uintptr_t h) const { return issued.count(h) != 0; }
+  void remove(std::uintptr_t h) {
+    const std::size_t index = (h - base) / 64;
+    slots[index].reset();
+    free_slots.push_back(index);
+  }
+};
+
+struct simulator {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool initialized = false;
+  bool configured = false;
+  cudasim::machine_config machine;
+  std::vector<device_state> devices;  // visible ordinals
+  handle_table<stream_obj> streams{0x5100000000};
+  handle_table<event_obj> events{0x5200000000};
+  handle_table<graph_obj> graphs{0x5300000000};
+  handle_table<graph_obj> execs{0x5400000000};
+  std::map<std::uintptr_t, region> regions;  // by base address
+  std::vector<cudasim::violation> violations;
+  std::vector<int> allowed_contexts;
+  std::map<std::string, std::vector<std::pair<int, cudaError_t>>> faults;
+  std::map<std::string, std::size_t> call_counts;
+  cudaError_t sticky = cudaSuccess;
+  cudaError_t unloaded = cudaSuccess;  // cudasim::unload: every call returns it
+  unsigned long long next_stream_id = 1;
+  unsigned long long next_capture_id = 1;
+  std::map<std::pair<std::thread::id, int>, stream_ptr> per_thread;
+  std::vector<std::shared_ptr<capture_state>> captures;  // active ones
+};
+
+// Never destroyed: worker threads, host functions and static destructors of the program may call in at exit.
+simulator& sim() {
+  static simulator* s = new simulator();
+  return *s;
+}
+
+thread_local int t_current = -1;  // -1: the thread never chose a device (cudaGetDevice says 0)
+thread_local bool t_in_host_function = false;
+thread_local cudaError_t t_last_error = cudaSuccess;
+thread_local cudaStreamCaptureMode t_capture_mode = cudaStreamCaptureModeGlobal;
+
+bool is_sticky(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string hex(std::uintptr_t v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%#llx", static_cast<unsigned long long>(v));
+  return text;
+}
+
+void record_violation(simulator& s, const std::string& call, cudaError_t error, const std::string& message) {
+  s.violations.push_back({call, error, message});
+  std::fprintf(stderr, "cudasim violation: %s: %s (returns %d)\n", call.c_str(), message.c_str(),
+               static_cast<int>(error));
+}
+
+std::string format_uuid(const unsigned char (&b)[16]) {
+  char text[64];
+  std::snprintf(text, sizeof text, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  return text;
+}
+
+void initialize_locked(simulator& s) {
+  if (s.initialized) return;
+  s.initialized = true;
+  if (!s.configured) {
+    int count = 2;
+    if (const char* n = std::getenv("CUDASIM_DEVICES")) count = std::max(0, std::min(8, std::atoi(n)));
+    s.machine = cudasim::default_machine(count);
+  }
+  const auto visible = cudasim::visible_physical_devices(std::getenv("CUDA_VISIBLE_DEVICES"), s.machine);
+  for (int physical : visible) {
+    device_state d;
+    d.config = s.machine.devices[static_cast<std::size_t>(physical)];
+    d.physical = physical;
+    s.devices.push_back(std::move(d));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Every API call goes through a `call`: it takes the lock, counts the call, and applies the rules that hold for every
+// call (none from a host function, a sticky error stays, injected failures).
+// ------------------------------------------------------------------------------------------------------------------
+
+struct call {
+  explicit call(const char* name) : s(sim()), lock(s.mutex), function(name) {
+    initialize_locked(s);
+    ++s.call_counts[function];
+    if (t_in_host_function) {
+      record_violation(s, function, cudaErrorNotPermitted, "CUDA call from inside a host function");
+      early = cudaErrorNotPermitted;
+      return;
+    }
+    if (s.unloaded != cudaSuccess) {
+      early = s.unloaded;
+      return;
+    }
+    if (s.sticky != cudaSuccess) {
+      early = s.sticky;
+      return;
+    }
+    auto it = s.faults.find(function);
+    if (it != s.faults.end()) {
+      for (auto f = it->second.begin(); f != it->second.end(); ++f) {
+        if (--f->first == 0) {
+          early = f->second;
+          it->second.erase(f);
+          if (is_sticky(early)) s.sticky = early;
+          break;
+        }
+      }
+    }
+  }
+  /// The result of the call: failures become the thread's last error (cudaErrorNotReady is a status, not an error).
+  cudaError_t result(cudaError_t e) {
+    if (e != cudaSuccess && e != cudaErrorNotReady) t_last_error = e;
+    return e;
+  }
+  cudaError_t violation(cudaError_t e, const std::string& message) {
+    record_violation(s, function, e, message);
+    return result(e);
+  }
+
+  simulator& s;
+  std::unique_lock<std::mutex> lock;
+  std::string function;
+  cudaError_t early = cudaSuccess;
+};
+
+#define CUDASIM_ENTER(name)             \
+  call c(name);                         \
+  if (c.early != cudaSuccess) return c.result(c.early)
+
+bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
+
+/// Creates the primary context of `d` if it does not exist (as cudaSetDevice, allocations, stream and event creation,
+/// cudaMemGetInfo ... do on a real driver).
+void ensure_context(call& c, int d) {
+  device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
+  if (dev.context) return;
+  dev.context = true;
+  ++dev.creations;
+  dev.used += c.s.machine.context_bytes;
+  const auto& allowed = c.s.allowed_contexts;
+  if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), d) == allowed.end()) {
+    record_violation(c.s, c.function, cudaSuccess,
+                     "created the primary context of cuda:" + std::to_string(d) +
+                         ", a device the program never named (the test allows contexts only on its own devices)");
+  }
+}
+
+/// The device a context-needing call works on: the thread's current device, device 0 if it never chose one (the
+/// runtime then initialises device 0 and makes it current).
+int context_device(call& c) {
+  if (t_current < 0) t_current = 0;
+  ensure_context(c, t_current);
+  return t_current;
+}
+
+int current_ordinal() { return t_current < 0 ? 0 : t_current; }
+
+/// Calls that enqueue work on an explicit stream still run in the runtime's current context: on a thread that never
+/// chose a device (no context current) the runtime first initialises device 0 and makes it current, whichever device
+/// the stream belongs to.
+void require_current_context(call& c) {
+  if (t_current < 0) context_device(c);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Streams and work
+// ------------------------------------------------------------------------------------------------------------------
+
+void worker_loop(int device, op_kind kind);
+
+void start_workers(simulator& s, int d) {
+  device_state& dev = s.devices[static_cast<std::size_t>(d)];
+  if (dev.workers) return;
+  dev.workers = true;
+  std::thread(worker_loop, d, op_kind::engine).detach();
+  std::thread(worker_loop, d, op_kind::host).detach();
+}
+
+stream_ptr make_stream(simulator& s, int d, stream_kind kind, unsigned flags, int priority) {
+  auto st = std::make_shared<stream_obj>();
+  st->id = s.next_stream_id++;
+  st->device = d;
+  st->kind = kind;
+  st->flags = flags;
+  st->priority = priority;
+  s.devices[static_cast<std::size_t>(d)].streams.push_back(st);
+  return st;
+}
+
+stream_ptr legacy_stream(simulator& s, int d) {
+  device_state& dev = s.devices[static_cast<std::size_t>(d)];
+  if (!dev.legacy) {
+    dev.legacy = make_stream(s, d, stream_kind::legacy, 0, 0);
+    dev.legacy->handle = reinterpret_cast<std::uintptr_t>(cudaStreamLegacy);
+  }
+  return dev.legacy;
+}
+
+/// A thread's per-thread default streams end with the thread (a later thread with the same id gets new ones).
+struct per_thread_streams_owner {
+  ~per_thread_streams_owner() {
+    simulator& s = sim();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    for (auto it = s.per_thread.begin(); it != s.per_thread.end();) {
+      if (it->first.first == std::this_thread::get_id()) {
+        it->second->destroyed = true;
+        it = s.per_thread.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+};
+
+stream_ptr per_thread_stream(simulator& s, int d) {
+  thread_local per_thread_streams_owner owner;
+  (void)owner;
+  auto& st = s.per_thread[{std::this_thread::get_id(), d}];
+  if (!st) {
+    st = make_stream(s, d, stream_kind::per_thread, 0, 0);
+    st->handle = reinterpret_cast<std::uintptr_t>(cudaStreamPerThread);
+  }
+  return st;
+}
+
+/// The stream a handle names: 0 is the legacy stream (the per-thread stream in _ptsz entry points), cudaStreamLegacy
+/// and cudaStreamPerThread belong to the current device. A destroyed or unknown handle is a violation.
+cudaError_t resolve_stream(call& c, cudaStream_t handle, bool ptsz, stream_ptr& out, bool needs_context = true) {
+  const auto h = reinterpret_cast<std::uintptr_t>(handle);
+  if (h == 0 || h == 1 || h == 2) {
+    const int d = needs_context ? context_device(c) : current_ordinal();
+    if (!valid_device(c.s, d)) return c.result(cudaErrorNoDevice);
+    const bool per_thread = h == 2 || (h == 0 && ptsz);
+    out = per_thread ? per_thread_stream(c.s, d) : legacy_stream(c.s, d);
+    return cudaSuccess;
+  }
+  out = c.s.streams.find(h);
+  if (out) return cudaSuccess;
+  if (c.s.streams.was_issued(h)) return c.violation(cudaErrorInvalidResourceHandle, "use of a destroyed stream " + hex(h));
+  return c.violation(cudaErrorInvalidResourceHandle, "use of an invalid stream handle " + hex(h));
+}
+
+/// A blocking stream of the device is being captured: the legacy stream would join it implicitly (illegal).
+std::shared_ptr<capture_state> capture_on_device(simulator& s, int d) {
+  for (const auto& st : s.devices[static_cast<std::size_t>(d)].streams) {
+    if (st->capture && st->blocking()) return st->capture;
+  }
+  return nullptr;
+}
+
+/// Appends work to a stream: while the stream is captured the work is recorded into the capture instead of run.
+cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
+  simulator& s = c.s;
+  if (st->capture) {
+    if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+    st->capture->ops.push_back({o->kind, o->work, o->what});
+    return cudaSuccess;
+  }
+  device_state& dev = s.devices[static_cast<std::size_t>(st->device)];
+  if (st->kind == stream_kind::legacy) {
+    if (auto cap = capture_on_device(s, st->device)) {
+      cap->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureImplicit,
+                         "work on the legacy default stream while a blocking stream of its device is captured");
+    }
+    for (const auto& other : dev.streams) {
+      if (other != st && other->blocking() && other->tail && !other->tail->done) o->deps.push_back(other->tail);
+    }
+  } else if (st->blocking() && dev.legacy && dev.legacy->tail && !dev.legacy->tail->done) {
+    o->deps.push_back(dev.legacy->tail);
+  }
+  st->tail = o->state;
+  st->queue.push_back(std::move(o));
+  start_workers(s, st->device);
+  s.changed.notify_all();
+  return cudaSuccess;
+}
+
+bool deps_done(const op& o) {
+  for (const auto& d : o.deps) {
+    if (!d->done) return false;
+  }
+  return true;
+}
+
+void worker_loop(int device, op_kind kind) {
+  simulator& s = sim();
+  std::unique_lock<std::mutex> lock(s.mutex);
+  for (;;) {
+    stream_ptr st;
+    std::shared_ptr<op> o;
+    s.changed.wait(lock, [&] {
+      for (const auto& candidate : s.devices[static_cast<std::size_t>(device)].streams) {
+        if (candidate->running || candidate->queue.empty()) continue;
+        const auto& head = candidate->queue.front();
+        if (head->kind != kind || !deps_done(*head)) continue;
+        st = candidate;
+        o = head;
+        return true;
+      }
+      return false;
+    });
+    st->queue.pop_front();
+    st->running = true;
+    const bool legal = !o->precheck || o->precheck();
+    lock.unlock();
+    if (legal && o->work) {
+      t_in_host_function = kind == op_kind::host;
+      o->work();
+      t_in_host_function = false;
+    }
+    lock.lock();
+    o->state->done = true;
+    o->state->completed_at = clock_type::now();
+    st->running = false;
+    auto& list = s.devices[static_cast<std::size_t>(device)].streams;
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [](const stream_ptr& x) { return x->destroyed && x->queue.empty() && !x->running; }),
+               list.end());
+    s.changed.notify_all();
+  }
+}
+
+/// Waits (releasing the lock) until every state in `states` is done.
+void wait_for(call& c, const std::vector<state_ptr>& states) {
+  c.s.changed.wait(c.lock, [&] {
+    for (const auto& st : states) {
+      if (st && !st->done) return false;
+    }
+    return true;
+  });
+}
+
+std::vector<state_ptr> device_tails(simulator& s, int d) {
+  std::vector<state_ptr> tails;
+  for (const auto& st : s.devices[static_cast<std::size_t>(d)].streams) {
+    if (st->tail) tails.push_back(st->tail);
+  }
+  return tails;
+}
+
+bool stream_idle(const simulator& s, const stream_obj& st) {
+  (void)s;
+  return !st.tail || st.tail->done;
+}
+
+/// Potentially unsafe calls (allocation, freeing, device-wide synchronization) are prohibited while a capture in global
+/// mode is underway in any thread, or one in thread-local mode in this thread, unless this thread relaxed its mode.
+std::shared_ptr<capture_state> prohibiting_capture(simulator& s) {
+  if (t_capture_mode == cudaStreamCaptureModeRelaxed) return nullptr;
+  for (const auto& cap : s.captures) {
+    if (cap->mode == cudaStreamCaptureModeGlobal) return cap;
+    if (cap->mode == cudaStreamCaptureModeThreadLocal && cap->thread == std::this_thread::get_id()) return cap;
+  }
+  return nullptr;
+}
+
+cudaError_t unsafe_during_capture(call& c) {
+  if (auto cap = prohibiting_capture(c.s)) {
+    cap->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureUnsupported,
+                       c.function + " is not permitted while a stream capture is underway (capture " +
+                           std::to_string(cap->id) + " is invalidated)");
+  }
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Memory
+// ------------------------------------------------------------------------------------------------------------------
+
+const region* find_region(const simulator& s, const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  auto it = s.regions.upper_bound(a);
+  if (it == s.regions.begin()) return nullptr;
+  --it;
+  if (a >= it->first && a < it->first + std::max<std::size_t>(it->second.size, 1)) return &it->second;
+  return nullptr;
+}
+
+enum class location { device, host };
+
+location locate(const simulator& s, const void* p) {
+  const region* r = find_region(s, p);
+  return r != nullptr && r->kind == region_kind::device ? location::device : location::host;
+}
+
+std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+void* allocate_host_memory(std::size_t bytes) {
+  return std::aligned_alloc(4096, round_up(std::max<std::size_t>(bytes, 1), 4096));
+}
+
+/// Checks a copy's pointers against its kind and the allocations they fall in.
+cudaError_t check_copy(call& c, void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {
+  const location d = locate(c.s, dst);
+  const location sl = locate(c.s, src);
+  bool ok = true;
+  switch (kind) {
+    case cudaMemcpyHostToDevice: ok = d == location::device && sl == location::host; break;
+    case cudaMemcpyDeviceToHost: ok = d == location::host && sl == location::device; break;
+    case cudaMemcpyDeviceToDevice: ok = d == location::device && sl == location::device; break;
+    case cudaMemcpyHostToHost: ok = d == location::host && sl == location::host; break;
+    case cudaMemcpyDefault: break;
+    default: return c.violation(cudaErrorInvalidMemcpyDirection, "unknown cudaMemcpyKind");
+  }
+  if (!ok) {
+    return c.violation(cudaErrorInvalidValue, "the copy's kind (" + std::to_string(static_cast<int>(kind)) +
+                                                  ") contradicts its pointers (destination " +
+                                                  (d == location::device ? "device" : "host") + ", source " +
+                                                  (sl == location::device ? "device" : "host") + ")");
+  }
+  for (const void* p : {static_cast<const void*>(dst), src}) {
+    const region* r = find_region(c.s, p);
+    if (r != nullptr && r->kind != region_kind::registered &&
+        reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size) {
+      return c.violation(cudaErrorInvalidValue, "a copy of " + std::to_string(n) + " bytes at " +
+                                                    hex(reinterpret_cast<std::uintptr_t>(p)) +
+                                                    " overruns its allocation of " + std::to_string(r->size) +
+                                                    " bytes");
+    }
+  }
+  return cudaSuccess;
+}
+
+/// At execution: device memory a copy touches must still be allocated (else: an illegal address, which is sticky).
+std::function<bool()> alive_check(void* dst, const void* src, std::size_t n, std::string what) {
+  const bool dst_device = locate(sim(), dst) == location::device;
+  const bool src_device = src != nullptr && locate(sim(), src) == location::device;
+  return [dst, src, n, dst_device, src_device, what] {
+    simulator& s = sim();
+    auto dead = [&](const void* p) {
+      const region* r = find_region(s, p);
+      return r == nullptr || r->kind != region_kind::device ||
+             reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size;
+    };
+    if ((dst_device && dead(dst)) || (src_device && dead(src))) {
+      record_violation(s, what, cudaErrorIllegalAddress, "the work ran after device memory it uses was freed");
+      s.sticky = cudaErrorIllegalAddress;
+      return false;
+    }
+    return true;
+  };
+}
+
+cudaError_t memcpy_async(call& c, void* dst, const void* src, std::size_t n, cudaMemcpyKind kind, cudaStream_t h,
+                         bool ptsz, bool synchronous) {
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  require_current_context(c);
+  ensure_context(c, st->device);
+  if (n == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return c.violation(cudaErrorInvalidValue, "null pointer in a copy");
+  if (cudaError_t e = check_copy(c, dst, src, n, kind); e != cudaSuccess) return e;
+  const region* src_region = find_region(c.s, src);
+  const region* dst_region = find_region(c.s, dst);
+  const bool pageable_source = src_region == nullptr && locate(c.s, dst) == location::device;
+  const bool pageable_destination = dst_region == nullptr && locate(c.s, src) == location::device;
+  auto o = std::make_shared<op>();
+  o->what = c.function;
+  o->precheck = alive_check(dst, src, n, c.function);
+  if (pageable_source && !st->capture) {
+    // The runtime stages pageable memory before returning: the caller may reuse the source at once.
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + n);
+    o->work = [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); };
+  } else {
+    o->work = [dst, src, n] { std::memmove(dst, src, n); };
+  }
+  const state_ptr done = o->state;
+  if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+  if ((synchronous || pageable_destination) && !st->capture) {
+    // A copy into pageable memory returns when it has completed (as the runtime's does).
+    wait_for(c, {done});
+  }
+  return cudaSuccess;
+}
+
+cudaError_t memset_async(call& c, void* p, int value, std::size_t n, cudaStream_t h, bool ptsz, bool synchronous) {
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  require_current_context(c);
+  ensure_context(c, st->device);
+  if (n == 0) return cudaSuccess;
+  const region* r = find_region(c.s, p);
+  if (r == nullptr || r->kind != region_kind::device) {
+    return c.violation(cudaErrorInvalidValue, "cudaMemset on memory that is not device memory");
+  }
+  if (reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size) {
+    return c.violation(cudaErrorInvalidValue, "a memset overruns its allocation");
+  }
+  auto o = std::make_shared<op>();
+  o->what = c.function;
+  o->precheck = alive_check(p, nullptr, n, c.function);
+  o->work = [p, value, n] { std::memset(p, value, n); };
+  const state_ptr done = o->state;
+  if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+  if (synchronous && !st->capture) wait_for(c, {done});
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Driver entry points (cudaGetDriverEntryPoint)
+// ------------------------------------------------------------------------------------------------------------------
+
+CUcontext context_handle(int d) { return reinterpret_cast<CUcontext>(std::uintptr_t{0xC0000000} + 0x1000u * static_cast<unsigned>(d)); }
+
+CUresult CUDAAPI sim_cuCtxGetCurrent(CUcontext* ctx) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  ++sim().call_counts["cuCtxGetCurrent"];
+  *ctx = t_current >= 0 ? context_handle(t_current) : nullptr;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuCtxGetDevice(CUdevice* device) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  ++sim().call_counts["cuCtxGetDevice"];
+  if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  *device = t_current;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuDeviceGet(CUdevice* device, int ordinal) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  initialize_locked(s);
+  if (!valid_device(s, ordinal)) return CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  initialize_locked(s);
+  ++s.call_counts["cuDevicePrimaryCtxGetState"];
+  if (!valid_device(s, dev)) return CUDA_ERROR_INVALID_DEVICE;
+  *flags = 0;
+  *active = s.devices[static_cast<std::size_t>(dev)].context ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+void* driver_function(const char* symbol) {
+  const std::string name(symbol);
+  if (name == "cuCtxGetCurrent") return reinterpret_cast<void*>(&sim_cuCtxGetCurrent);
+  if (name == "cuCtxGetDevice") return reinterpret_cast<void*>(&sim_cuCtxGetDevice);
+  if (name == "cuDeviceGet") return reinterpret_cast<void*>(&sim_cuDeviceGet);
+  if (name == "cuDevicePrimaryCtxGetState") return reinterpret_cast<void*>(&sim_cuDevicePrimaryCtxGetState);
+  return nullptr;
+}
+
+cudaError_t get_entry_point(const char* symbol, void** function, cudaDriverEntryPointQueryResult* status) {
+  CUDASIM_ENTER("cudaGetDriverEntryPoint");
+  if (symbol == nullptr || function == nullptr) return c.result(cudaErrorInvalidValue);
+  *function = driver_function(symbol);
+  if (status != nullptr) *status = *function ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Implementations shared by the legacy and per-thread (_ptsz) entry points
+// ------------------------------------------------------------------------------------------------------------------
+
+cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  if (st->capture) {
+    st->capture->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureUnsupported, "synchronizing a stream that is being captured");
+  }
+  std::vector<state_ptr> wait{st->tail};
+  if (st->kind == stream_kind::legacy) {
+    if (capture_on_device(c.s, st->device)) {
+      capture_on_device(c.s, st->device)->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureImplicit, "synchronizing the legacy stream during a capture");
+    }
+    for (const auto& other : c.s.devices[static_cast<std::size_t>(st->device)].streams) {
+      if (other->blocking()) wait.push_back(other->tail);
+    }
+  }
+  wait_for(c, wait);
+  return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
+}
+
+cudaError_t stream_query(cudaStream_t h, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  if (st->capture) {
+    st->capture->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureUnsupported, "querying a stream that is being captured");
+  }
+  return stream_idle(c.s, *st) ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t launch_host_func(cudaStream_t h, cudaHostFn_t fn, void* data, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  if (fn == nullptr) return c.result(cudaErrorInvalidValue);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  require_current_context(c);
+  auto o = std::make_shared<op>();
+  o->kind = op_kind::host;
+  o->what = name;
+  o->work = [fn, data] { fn(data); };
+  return enqueue(c, st, std::move(o));
+}
+
+cudaError_t event_record(cudaEvent_t e, cudaStream_t h, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(e));
+  if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "record of a destroyed or invalid event");
+  stream_ptr st;
+  if (cudaError_t r = resolve_stream(c, h, ptsz, st); r != cudaSuccess) return r;
+  require_current_context(c);
+  if (st->device != ev->device) {
+    return c.violation(cudaErrorInvalidResourceHandle, "an event of cuda:" + std::to_string(ev->device) +
+                                                           " recorded on a stream of cuda:" +
+                                                           std::to_string(st->device));
+  }
+  if (st->capture) {
+    if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+    ev->capture = st->capture;
+    ev->last.reset();
+    return cudaSuccess;
+  }
+  auto o = std::make_shared<op>();
+  o->what = name;
+  const state_ptr marker = o->state;
+  if (cudaError_t r = enqueue(c, st, std::move(o)); r != cudaSuccess) return r;
+  ev->capture.reset();
+  ev->last = marker;
+  return cudaSuccess;
+}
+
+cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(e));
+  if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "wait for a destroyed or invalid event");
+  stream_ptr st;
+  if (cudaError_t r = resolve_stream(c, h, ptsz, st); r != cudaSuccess) return r;
+  require_current_context(c);
+  if (ev->capture) {
+    if (!ev->capture->active) return c.violation(cudaErrorStreamCaptureIsolation, "wait for an event of an ended capture");
+    if (!st->capture) st->capture = ev->capture;  // the stream joins the capture (fork)
+    return cudaSuccess;
+  }
+  if (st->capture) {
+    st->capture->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureIsolation,
+                       "a captured stream waits for an event recorded outside the capture");
+  }
+  if (!ev->last || ev->last->done) return cudaSuccess;
+  auto o = std::make_shared<op>();
+  o->what = name;
+  o->deps.push_back(ev->last);
+  return enqueue(c, st, std::move(o));
+}
+
+cudaError_t stream_begin_capture(cudaStream_t h, cudaStreamCaptureMode mode, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  if (st->kind == stream_kind::legacy) {
+    return c.violation(cudaErrorStreamCaptureUnsupported, "the legacy default stream cannot be captured");
+  }
+  if (st->capture) return c.violation(cudaErrorIllegalState, "the stream is already being captured");
+  auto cap = std::make_shared<capture_state>();
+  cap->id = c.s.next_capture_id++;
+  cap->mode = mode;
+  cap->thread = std::this_thread::get_id();
+  cap->origin = st;
+  st->capture = cap;
+  c.s.captures.push_back(cap);
+  return cudaSuccess;
+}
+
+cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  if (graph == nullptr) return c.result(cudaErrorInvalidValue);
+  *graph = nullptr;
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  auto cap = st->capture;
+  if (!cap) return c.violation(cudaErrorIllegalState, "cudaStreamEndCapture on a stream that is not capturing");
+  if (cap->origin != st) return c.violation(cudaErrorStreamCaptureUnmatched, "the capture began on another stream");
+  for (auto& dev : c.s.devices) {
+    for (auto& other : dev.streams) {
+      if (other->capture == cap) other->capture.reset();
+    }
+  }
+  cap->active = false;
+  auto& list = c.s.captures;
+  list.erase(std::remove(list.begin(), list.end(), cap), list.end());
+  if (cap->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+  auto g = std::make_shared<graph_obj>();
+  g->ops = cap->ops;
+  *graph = reinterpret_cast<cudaGraph_t>(c.s.graphs.add(g));
+  return cudaSuccess;
+}
+
+cudaError_t stream_is_capturing(cudaStream_t h, cudaStreamCaptureStatus* status, unsigned long long* id, bool ptsz,
+                                const char* name) {
+  CUDASIM_ENTER(name);
+  if (status == nullptr) return c.result(cudaErrorInvalidValue);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st, false); e != cudaSuccess) return e;
+  if (st->kind == stream_kind::legacy && capture_on_device(c.s, st->device)) {
+    return c.violation(cudaErrorStreamCaptureImplicit,
+                       "asked about the legacy stream while a blocking stream of its device is captured");
+  }
+  *status = !st->capture ? cudaStreamCaptureStatusNone
+                         : (st->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive);
+  if (id != nullptr && st->capture) *id = st->capture->id;
+  return cudaSuccess;
+}
+
+cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const char* name) {
+  CUDASIM_ENTER(name);
+  auto g = c.s.execs.find(reinterpret_cast<std::uintptr_t>(exec));
+  if (!g) return c.violation(cudaErrorInvalidResourceHandle, "launch of a destroyed or invalid graph executable");
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  for (const auto& captured : g->ops) {
+    auto o = std::make_shared<op>();
+    o->kind = captured.kind;
+    o->work = captured.work;
+    o->what = captured.what + " (graph)";
+    if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+/// cudaStreamGetId/GetDevice/GetPriority/GetFlags: one field of the stream a handle names (no context is needed).
+template <class T, class Field>
+cudaError_t stream_field(cudaStream_t h, T* out, bool ptsz, const char* name, Field field) {
+  CUDASIM_ENTER(name);
+  if (out == nullptr) return c.result(cudaErrorInvalidValue);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, ptsz, st, false); e != cudaSuccess) return e;
+  *out = static_cast<T>(field(*st));
+  return cudaSuccess;
+}
+
+unsigned long long id_of(const stream_obj& st) { return st.id; }
+int device_of(const stream_obj& st) { return st.device; }
+int priority_of(const stream_obj& st) { return st.priority; }
+unsigned flags_of(const stream_obj& st) { return st.flags; }
+
+const char* error_name(cudaError_t e) {
+  switch (e) {
+#define CUDASIM_NAME(x) \
+  case x:               \
+    return #x;
+    CUDASIM_NAME(cudaSuccess)
+    CUDASIM_NAME(cudaErrorInvalidValue)
+    CUDASIM_NAME(cudaErrorMemoryAllocation)
+    CUDASIM_NAME(cudaErrorInitializationError)
+    CUDASIM_NAME(cudaErrorCudartUnloading)
+    CUDASIM_NAME(cudaErrorInvalidMemcpyDirection)
+    CUDASIM_NAME(cudaErrorStubLibrary)
+    CUDASIM_NAME(cudaErrorInsufficientDriver)
+    CUDASIM_NAME(cudaErrorDevicesUnavailable)
+    CUDASIM_NAME(cudaErrorNoDevice)
+    CUDASIM_NAME(cudaErrorInvalidDevice)
+    CUDASIM_NAME(cudaErrorInvalidResourceHandle)
+    CUDASIM_NAME(cudaErrorIllegalState)
+    CUDASIM_NAME(cudaErrorNotReady)
+    CUDASIM_NAME(cudaErrorIllegalAddress)
+    CUDASIM_NAME(cudaErrorLaunchFailure)
+    CUDASIM_NAME(cudaErrorContextIsDestroyed)
+    CUDASIM_NAME(cudaErrorHostMemoryAlreadyRegistered)
+    CUDASIM_NAME(cudaErrorHostMemoryNotRegistered)
+    CUDASIM_NAME(cudaErrorNotPermitted)
+    CUDASIM_NAME(cudaErrorNotSupported)
+    CUDASIM_NAME(cudaErrorStreamCaptureUnsupported)
+    CUDASIM_NAME(cudaErrorStreamCaptureInvalidated)
+    CUDASIM_NAME(cudaErrorStreamCaptureUnmatched)
+    CUDASIM_NAME(cudaErrorStreamCaptureIsolation)
+    CUDASIM_NAME(cudaErrorStreamCaptureImplicit)
+    CUDASIM_NAME(cudaErrorCapturedEvent)
+    CUDASIM_NAME(cudaErrorStreamCaptureWrongThread)
+    CUDASIM_NAME(cudaErrorSymbolNotFound)
+    CUDASIM_NAME(cudaErrorUnknown)
+#undef CUDASIM_NAME
+    default:
+      return "cudaErrorUnknown";
+  }
+}
+
+const char* error_string(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorNotPermitted: return "operation not permitted";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
+    default: return error_name(e);
+  }
+}
+
+}  // namespace
+
+// ==================================================================================================================
+// Control interface
+// ==================================================================================================================
+
+namespace cudasim {
+
+device_config default_device(int index) {
+  device_config d;
+  for (int i = 0; i < 16; ++i) d.uuid[i] = static_cast<unsigned char>(0x10 * (i % 16) + index);
+  d.uuid[0] = 0xc0;
+  d.uuid[1] = 0xda;
+  d.uuid[2] = static_cast<unsigned char>(0x51 + index);
+  d.pci_bus = 0x18 + 0x10 * index;
+  return d;
+}
+
+machine_config default_machine(int count) {
+  machine_config m;
+  for (int i = 0; i < count; ++i) m.devices.push_back(default_device(i));
+  return m;
+}
+
+void configure(const machine_config& machine) {
+  simulator& s = sim();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.initialized) throw std::logic_error("cudasim::configure: the runtime is already initialised");
+  s.machine = machine;
+  s.configured = true;
+}
+
+std::vector<int> visible_physical_devices(const char* value, const machine_config& machine) {
+  const int installed = static_cast<int>(machine.devices.size());
+  std::vector<int> out;
+  if (value == nullptr) {
+    for (int i = 0; i < installed; ++i) out.push_back(i);
+    return out;
+  }
+  std::string text(value);
+  bool uuid_list = false;
+  std::size_t start = 0;
+  for (int entry = 0; start <= text.size(); ++entry) {
+    std::size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(start, end - start);
+    start = end + 1;
+    const auto first = item.find_first_not_of(" \t\n\r\f\v");
+    if (first == std::string::npos) break;
+    item = item.substr(first, item.find_last_not_of(" \t\n\r\f\v") - first + 1);
+    int index = -1;
+    if (item.rfind("GPU-", 0) == 0) {
+      if (entry == 0) uuid_list = true;
+      int matches = 0;
+      for (int i = 0; i < installed; ++i) {
+        if (format_uuid(machine.devices[static_cast<std::size_t>(i)].uuid).rfind(item, 0) == 0) {
+          ++matches;
+          index = i;
+        }
+      }
+      if (matches != 1) break;
+    } else if (item.rfind("MIG-", 0) == 0 || uuid_list) {
+      break;  // no MIG instances are simulated; a UUID list ends at its first other entry
+    } else {
+      if (item[0] < '0' || item[0] > '9') break;
+      unsigned long long v = 0;
+      for (char ch : item) {
+        if (ch < '0' || ch > '9') break;
+        v = v * 10 + static_cast<unsigned long long>(ch - '0');
+        if (v > 1000000) break;
+      }
+      if (v >= static_cast<unsigned long long>(installed)) break;
+      index = static_cast<int>(v);
+    }
+    if (std::find(out.begin(), out.end(), index) != out.end()) return {};
+    out.push_back(index);
+    if (end == text.size()) break;
+  }
+  return out;
+}
+
+std::vector<violation> violations() {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  return sim().violations;
+}
+
+std::vector<violation> take_violations() {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  return std::exchange(sim().violations, {});
+}
+
+int context_creations(int device) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  initialize_locked(sim());
+  return valid_device(sim(), device) ? sim().devices[static_cast<std::size_t>(device)].creations : 0;
+}
+
+bool context_active(int device) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  initialize_locked(sim());
+  return valid_device(sim(), device) && sim().devices[static_cast<std::size_t>(device)].context;
+}
+
+void allow_contexts_only_on(const std::vector<int>& devices) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().allowed_contexts = devices;
+}
+
+void fail_call(const std::string& function, int nth, cudaError_t error) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().faults[function].emplace_back(nth, error);
+}
+
+void clear_faults() {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().faults.clear();
+  sim().sticky = cudaSuccess;
+  sim().unloaded = cudaSuccess;
+}
+
+void unload(cudaError_t result) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().unloaded = result;
+}
+
+std::size_t calls(const std::string& function) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  const auto it = sim().call_counts.find(function);
+  return it == sim().call_counts.end() ? 0 : it->second;
+}
+
+std::size_t device_memory_used(int device) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  initialize_locked(sim());
+  return valid_device(sim(), device) ? sim().devices[static_cast<std::size_t>(device)].used : 0;
+}
+
+int live_streams(int device) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  initialize_locked(sim());
+  int n = 0;
+  for (const auto& st : sim().streams.slots) n += st && st->device == device ? 1 : 0;
+  return n;
+}
+
+void drain_all() {
+  simulator& s = sim();
+  std::unique_lock<std::mutex> lock(s.mutex);
+  s.changed.wait(lock, [&] {
+    for (const auto& dev : s.devices) {
+      for (const auto& st : dev.streams) {
+        if (st->tail && !st->tail->done) return false;
+      }
+    }
+    return true;
+  });
+}
+
+}  // namespace cudasim
+
+// ==================================================================================================================
+// The CUDA Runtime API
+// ==================================================================================================================
+
+extern "C" {
+
+// The per-thread default stream entry points (declared by cuda_runtime_api.h only in that mode).
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync_ptsz(void*, const void*, size_t, enum cudaMemcpyKind, cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync_ptsz(void*, int, size_t, cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy_ptds(void*, const void*, size_t, enum cudaMemcpyKind);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamQuery_ptsz(cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamSynchronize_ptsz(cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice_ptsz(cudaStream_t, int*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetId_ptsz(cudaStream_t, unsigned long long*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority_ptsz(cudaStream_t, int*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags_ptsz(cudaStream_t, unsigned int*);
+CUDASIM_API cudaError_t CUDARTAPI cudaEventRecord_ptsz(cudaEvent_t, cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent_ptsz(cudaStream_t, cudaEvent_t, unsigned int);
+CUDASIM_API cudaError_t CUDARTAPI cudaLaunchHostFunc_ptsz(cudaStream_t, cudaHostFn_t, void*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t, enum cudaStreamCaptureMode);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t, cudaGraph_t*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamIsCapturing_ptsz(cudaStream_t, enum cudaStreamCaptureStatus*);
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo_ptsz(cudaStream_t, enum cudaStreamCaptureStatus*,
+                                                                unsigned long long*, cudaGraph_t*,
+                                                                const cudaGraphNode_t**, const cudaGraphEdgeData**,
+                                                                size_t*);
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch_ptsz(cudaGraphExec_t, cudaStream_t);
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(const char*, void**, unsigned int,
+                                                                        unsigned long long,
+                                                                        enum cudaDriverEntryPointQueryResult*);
+
+// --- errors ---
+
+CUDASIM_API const char* CUDARTAPI cudaGetErrorName(cudaError_t error) { return error_name(error); }
+CUDASIM_API const char* CUDARTAPI cudaGetErrorString(cudaError_t error) { return error_string(error); }
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetLastError(void) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  ++sim().call_counts["cudaGetLastError"];
+  if (sim().unloaded != cudaSuccess) return sim().unloaded;
+  if (sim().sticky != cudaSuccess) return sim().sticky;
+  return std::exchange(t_last_error, cudaSuccess);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaPeekAtLastError(void) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  ++sim().call_counts["cudaPeekAtLastError"];
+  if (sim().unloaded != cudaSuccess) return sim().unloaded;
+  return sim().sticky != cudaSuccess ? sim().sticky : t_last_error;
+}
+
+// --- versions and entry points ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDriverGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaRuntimeGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPoint(const char* symbol, void** function, unsigned long long,
+                                                          enum cudaDriverEntryPointQueryResult* status) {
+  return get_entry_point(symbol, function, status);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int,
+                                                                   unsigned long long,
+                                                                   enum cudaDriverEntryPointQueryResult* status) {
+  return get_entry_point(symbol, function, status);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(const char* symbol, void** function,
+                                                                        unsigned int, unsigned long long,
+                                                                        enum cudaDriverEntryPointQueryResult* status) {
+  return get_entry_point(symbol, function, status);
+}
+
+// --- devices ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceCount(int* count) {
+  CUDASIM_ENTER("cudaGetDeviceCount");
+  if (count == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  *count = static_cast<int>(c.s.devices.size());
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDevice(int* device) {
+  CUDASIM_ENTER("cudaGetDevice");
+  if (device == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  *device = current_ordinal();
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaSetDevice(int device) {
+  CUDASIM_ENTER("cudaSetDevice");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
+  // CUDA 12+: "will also immediately initialize the runtime state on the primary context".
+  ensure_context(c, device);
+  t_current = device;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
+  CUDASIM_ENTER("cudaGetDeviceProperties");
+  if (prop == nullptr) return c.result(cudaErrorInvalidValue);
+  if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
+  const cudasim::device_config& d = c.s.devices[static_cast<std::size_t>(device)].config;
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof prop->name, "%s", d.name.c_str());
+  std::memcpy(prop->uuid.bytes, d.uuid, 16);
+  prop->totalGlobalMem = d.total_memory;
+  prop->major = d.major;
+  prop->minor = d.minor;
+  prop->multiProcessorCount = d.multiprocessors;
+  prop->asyncEngineCount = d.copy_engines;
+  prop->pciDomainID = d.pci_domain;
+  prop->pciBusID = d.pci_bus;
+  prop->pciDeviceID = d.pci_device;
+  prop->memoryBusWidth = d.memory_bus_width_bits;
+  prop->l2CacheSize = 50 << 20;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->maxThreadsPerMultiProcessor = 2048;
+  prop->sharedMemPerBlock = 48 << 10;
+  prop->sharedMemPerMultiprocessor = 228 << 10;
+  prop->ECCEnabled = 1;
+  prop->unifiedAddressing = 1;
+  prop->managedMemory = 1;
+  prop->concurrentManagedAccess = 1;
+  prop->canMapHostMemory = 1;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  CUDASIM_ENTER("cudaDeviceGetAttribute");
+  if (value == nullptr) return c.result(cudaErrorInvalidValue);
+  if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
+  const cudasim::device_config& d = c.s.devices[static_cast<std::size_t>(device)].config;
+  switch (attr) {
+    case cudaDevAttrClockRate: *value = d.clock_rate_khz; break;
+    case cudaDevAttrMemoryClockRate: *value = d.memory_clock_rate_khz; break;
+    case cudaDevAttrComputeMode: *value = cudaComputeModeDefault; break;
+    case cudaDevAttrMemoryPoolsSupported: *value = 1; break;
+    case cudaDevAttrMultiProcessorCount: *value = d.multiprocessors; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = d.major; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = d.minor; break;
+    case cudaDevAttrAsyncEngineCount: *value = d.copy_engines; break;
+    case cudaDevAttrUnifiedAddressing: *value = 1; break;
+    case cudaDevAttrCanMapHostMemory: *value = 1; break;
+    case cudaDevAttrPciBusId: *value = d.pci_bus; break;
+    case cudaDevAttrPciDeviceId: *value = d.pci_device; break;
+    case cudaDevAttrPciDomainId: *value = d.pci_domain; break;
+    case cudaDevAttrIntegrated: *value = 0; break;
+    case cudaDevAttrWarpSize: *value = 32; break;
+    case cudaDevAttrCanUseHostPointerForRegisteredMem: *value = 1; break;
+    case cudaDevAttrPageableMemoryAccess: *value = 0; break;
+    case cudaDevAttrConcurrentManagedAccess: *value = 1; break;
+    default:
+      return c.violation(cudaErrorNotSupported, "device attribute " + std::to_string(static_cast<int>(attr)) +
+                                                    " is not simulated");
+  }
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  CUDASIM_ENTER("cudaDeviceGetStreamPriorityRange");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  // The *current* device's range, and its context is initialised.
+  const int d = context_device(c);
+  const cudasim::device_config& config = c.s.devices[static_cast<std::size_t>(d)].config;
+  if (least != nullptr) *least = config.priority_least;
+  if (greatest != nullptr) *greatest = config.priority_greatest;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  CUDASIM_ENTER("cudaMemGetInfo");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  const int d = context_device(c);
+  const device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
+  if (free_bytes != nullptr) *free_bytes = dev.config.total_memory - std::min(dev.used, dev.config.total_memory);
+  if (total_bytes != nullptr) *total_bytes = dev.config.total_memory;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
+  CUDASIM_ENTER("cudaDeviceSynchronize");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  const int d = context_device(c);
+  wait_for(c, device_tails(c.s, d));
+  return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
+}
+
+// --- device memory ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
+  CUDASIM_ENTER("cudaMalloc");
+  if (p == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  const int d = context_device(c);
+  device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
+  if (size == 0) {
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  const std::size_t rounded = round_up(size, 512);
+  if (rounded < size || rounded > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
+    return c.result(cudaErrorMemoryAllocation);
+  }
+  void* memory = allocate_host_memory(rounded);
+  if (memory == nullptr) return c.result(cudaErrorMemoryAllocation);
+  region r;
+  r.base = reinterpret_cast<std::uintptr_t>(memory);
+  r.size = size;
+  r.kind = region_kind::device;
+  r.device = d;
+  c.s.regions[r.base] = r;
+  dev.used += rounded;
+  *p = memory;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
+  CUDASIM_ENTER("cudaFree");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  if (p == nullptr) {
+    context_device(c);  // cudaFree(0) is the classic way to initialise a context
+    return cudaSuccess;
+  }
+  const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == c.s.regions.end() || it->second.kind != region_kind::device) {
+    return c.violation(cudaErrorInvalidValue, "cudaFree of " + hex(reinterpret_cast<std::uintptr_t>(p)) +
+                                                  ", which cudaMalloc did not return (or was freed already)");
+  }
+  const int d = it->second.device;
+  // cudaFree waits for the device's work: memory still in use by queued work is not freed under it.
+  wait_for(c, device_tails(c.s, d));
+  const auto again = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+  if (again == c.s.regions.end()) return c.violation(cudaErrorInvalidValue, "double cudaFree");
+  c.s.devices[static_cast<std::size_t>(d)].used -= round_up(again->second.size, 512);
+  c.s.regions.erase(again);
+  std::free(p);
+  return cudaSuccess;
+}
+
+// --- stream-ordered allocation (cudaMallocAsync): the default pool of each device, no release threshold model ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
+  CUDASIM_ENTER("cudaDeviceGetDefaultMemPool");
+  if (pool == nullptr) return c.result(cudaErrorInvalidValue);
+  if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
+  *pool = reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(device));
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr, void* value) {
+  CUDASIM_ENTER("cudaMemPoolSetAttribute");
+  if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMallocAsync");
+  if (p == nullptr) return c.result(cudaErrorInvalidValue);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
+  device_state& dev = c.s.devices[static_cast<std::size_t>(st->device)];
+  ensure_context(c, st->device);
+  if (size == 0) {
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  const std::size_t rounded = round_up(size, 512);
+  if (rounded < size || rounded > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
+    return c.result(cudaErrorMemoryAllocation);
+  }
+  void* memory = allocate_host_memory(rounded);
+  if (memory == nullptr) return c.result(cudaErrorMemoryAllocation);
+  region r;
+  r.base = reinterpret_cast<std::uintptr_t>(memory);
+  r.size = size;
+  r.kind = region_kind::device;
+  r.device = st->device;
+  c.s.regions[r.base] = r;
+  dev.used += rounded;
+  *p = memory;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaFreeAsync");
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
+  if (p == nullptr) return cudaSuccess;
+  const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == c.s.regions.end() || it->second.kind != region_kind::device) {
+    return c.violation(cudaErrorInvalidValue, "cudaFreeAsync of a pointer that is not a live device allocation");
+  }
+  // Freed when the stream reaches this point (the precheck runs under the machine's lock).
+  auto o = std::make_shared<op>();
+  o->what = c.function;
+  o->precheck = [p] {
+    simulator& s = sim();
+    const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+    if (found == s.regions.end()) return false;
+    s.devices[static_cast<std::size_t>(found->second.device)].used -= round_up(found->second.size, 512);
+    s.regions.erase(found);
+    return true;
+  };
+  o->work = [p] { std::free(p); };
+  return enqueue(c, st, std::move(o));
+}
+
+// --- host memory ---
+
+static cudaError_t host_alloc(call& c, void** p, std::size_t size, unsigned flags) {
+  if (p == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  const int d = context_device(c);  // pinned memory belongs to the current device's context
+  if (size == 0) {
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  void* memory = allocate_host_memory(size);
+  if (memory == nullptr) return c.result(cudaErrorMemoryAllocation);
+  region r;
+  r.base = reinterpret_cast<std::uintptr_t>(memory);
+  r.size = size;
+  r.kind = region_kind::pinned;
+  r.device = d;
+  r.flags = flags;
+  c.s.regions[r.base] = r;
+  *p = memory;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaHostAlloc(void** p, size_t size, unsigned int flags) {
+  CUDASIM_ENTER("cudaHostAlloc");
+  return host_alloc(c, p, size, flags);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t size) {
+  CUDASIM_ENTER("cudaMallocHost");
+  return host_alloc(c, p, size, 0);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaFreeHost(void* p) {
+  CUDASIM_ENTER("cudaFreeHost");
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  if (p == nullptr) return cudaSuccess;
+  const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == c.s.regions.end() || it->second.kind != region_kind::pinned) {
+    return c.violation(cudaErrorInvalidValue, "cudaFreeHost of " + hex(reinterpret_cast<std::uintptr_t>(p)) +
+                                                  ", which cudaHostAlloc did not return (or was freed already)");
+  }
+  std::vector<state_ptr> tails;
+  for (int d = 0; d < static_cast<int>(c.s.devices.size()); ++d) {
+    auto more = device_tails(c.s, d);
+    tails.insert(tails.end(), more.begin(), more.end());
+  }
+  wait_for(c, tails);
+  c.s.regions.erase(reinterpret_cast<std::uintptr_t>(p));
+  std::free(p);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigned int flags) {
+  CUDASIM_ENTER("cudaHostRegister");
+  if (p == nullptr || size == 0) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  const int d = context_device(c);
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  for (const auto& entry : c.s.regions) {
+    const region& r = entry.second;
+    if (a < r.base + r.size && r.base < a + size) {
+      return c.result(r.kind == region_kind::device ? cudaErrorInvalidValue : cudaErrorHostMemoryAlreadyRegistered);
+    }
+  }
+  region r;
+  r.base = a;
+  r.size = size;
+  r.kind = region_kind::registered;
+  r.device = d;
+  r.flags = flags;
+  c.s.regions[a] = r;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaHostUnregister(void* p) {
+  CUDASIM_ENTER("cudaHostUnregister");
+  const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == c.s.regions.end() || it->second.kind != region_kind::registered) {
+    return c.result(cudaErrorHostMemoryNotRegistered);
+  }
+  c.s.regions.erase(it);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaHostGetDevicePointer(void** device_pointer, void* host, unsigned int flags) {
+  CUDASIM_ENTER("cudaHostGetDevicePointer");
+  if (device_pointer == nullptr || flags != 0) return c.result(cudaErrorInvalidValue);
+  const region* r = find_region(c.s, host);
+  if (r == nullptr || r->kind == region_kind::device) return c.result(cudaErrorInvalidValue);
+  // Under unified addressing every page-locked allocation is mapped, at its host address.
+  *device_pointer = host;
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, const void* p) {
+  CUDASIM_ENTER("cudaPointerGetAttributes");
+  if (attributes == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  context_device(c);  // answered by the current device's context
+  *attributes = cudaPointerAttributes{};
+  const region* r = find_region(c.s, p);
+  if (r == nullptr) {
+    attributes->type = cudaMemoryTypeUnregistered;
+    attributes->device = cudaInvalidDeviceId;
+    return cudaSuccess;
+  }
+  attributes->device = r->device;
+  attributes->devicePointer = const_cast<void*>(p);
+  if (r->kind == region_kind::device) {
+    attributes->type = cudaMemoryTypeDevice;
+  } else {
+    attributes->type = cudaMemoryTypeHost;
+    attributes->hostPointer = const_cast<void*>(p);
+  }
+  return cudaSuccess;
+}
+
+// --- copies ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind,
+                                                  cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMemcpyAsync");
+  return memcpy_async(c, dst, src, n, kind, stream, false, false);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n,
+                                                       enum cudaMemcpyKind kind, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMemcpyAsync_ptsz");
+  return memcpy_async(c, dst, src, n, kind, stream, true, false);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+  CUDASIM_ENTER("cudaMemcpy");
+  return memcpy_async(c, dst, src, n, kind, nullptr, false, true);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy_ptds(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+  CUDASIM_ENTER("cudaMemcpy_ptds");
+  return memcpy_async(c, dst, src, n, kind, nullptr, true, true);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMemsetAsync");
+  return memset_async(c, p, value, n, stream, false, false);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync_ptsz(void* p, int value, size_t n, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMemsetAsync_ptsz");
+  return memset_async(c, p, value, n, stream, true, false);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemset(void* p, int value, size_t n) {
+  CUDASIM_ENTER("cudaMemset");
+  return memset_async(c, p, value, n, nullptr, false, true);
+}
+
+// --- streams ---
+
+static cudaError_t stream_create(call& c, cudaStream_t* out, unsigned flags, int priority) {
+  if (out == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  const int d = context_device(c);
+  const cudasim::device_config& config = c.s.devices[static_cast<std::size_t>(d)].config;
+  priority = std::min(std::max(priority, config.priority_greatest), config.priority_least);
+  stream_ptr st = make_stream(c.s, d, stream_kind::created, flags, priority);
+  st->handle = c.s.streams.add(st);
+  *out = reinterpret_cast<cudaStream_t>(st->handle);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreate(cudaStream_t* out) {
+  CUDASIM_ENTER("cudaStreamCreate");
+  return stream_create(c, out, cudaStreamDefault, 0);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t* out, unsigned int flags) {
+  CUDASIM_ENTER("cudaStreamCreateWithFlags");
+  return stream_create(c, out, flags, 0);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreateWithPriority(cudaStream_t* out, unsigned int flags, int priority) {
+  CUDASIM_ENTER("cudaStreamCreateWithPriority");
+  return stream_create(c, out, flags, priority);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
+  CUDASIM_ENTER("cudaStreamDestroy");
+  const auto h = reinterpret_cast<std::uintptr_t>(stream);
+  if (h <= 2) return c.violation(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of a default stream");
+  stream_ptr st = c.s.streams.find(h);
+  if (!st) {
+    return c.violation(cudaErrorInvalidResourceHandle, c.s.streams.was_issued(h) ? "double cudaStreamDestroy of " + hex(h)
+                                                                                : "cudaStreamDestroy of an invalid handle");
+  }
+  // Returns at once; queued work still completes. The handle is free for the next cudaStreamCreate.
+  st->destroyed = true;
+  c.s.streams.remove(h);
+  auto& list = c.s.devices[static_cast<std::size_t>(st->device)].streams;
+  if (st->queue.empty() && !st->running) list.erase(std::remove(list.begin(), list.end(), st), list.end());
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream) {
+  return stream_synchronize(stream, false, "cudaStreamSynchronize");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamSynchronize_ptsz(cudaStream_t stream) {
+  return stream_synchronize(stream, true, "cudaStreamSynchronize_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamQuery(cudaStream_t stream) {
+  return stream_query(stream, false, "cudaStreamQuery");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamQuery_ptsz(cudaStream_t stream) {
+  return stream_query(stream, true, "cudaStreamQuery_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
+  return launch_host_func(stream, fn, data, false, "cudaLaunchHostFunc");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaLaunchHostFunc_ptsz(cudaStream_t stream, cudaHostFn_t fn, void* data) {
+  return launch_host_func(stream, fn, data, true, "cudaLaunchHostFunc_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetId(cudaStream_t stream, unsigned long long* id) {
+  return stream_field(stream, id, false, "cudaStreamGetId", id_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetId_ptsz(cudaStream_t stream, unsigned long long* id) {
+  return stream_field(stream, id, true, "cudaStreamGetId_ptsz", id_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice(cudaStream_t stream, int* device) {
+  return stream_field(stream, device, false, "cudaStreamGetDevice", device_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice_ptsz(cudaStream_t stream, int* device) {
+  return stream_field(stream, device, true, "cudaStreamGetDevice_ptsz", device_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority(cudaStream_t stream, int* priority) {
+  return stream_field(stream, priority, false, "cudaStreamGetPriority", priority_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority_ptsz(cudaStream_t stream, int* priority) {
+  return stream_field(stream, priority, true, "cudaStreamGetPriority_ptsz", priority_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags(cudaStream_t stream, unsigned int* flags) {
+  return stream_field(stream, flags, false, "cudaStreamGetFlags", flags_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags_ptsz(cudaStream_t stream, unsigned int* flags) {
+  return stream_field(stream, flags, true, "cudaStreamGetFlags_ptsz", flags_of);
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  return stream_wait_event(stream, event, false, "cudaStreamWaitEvent");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  return stream_wait_event(stream, event, true, "cudaStreamWaitEvent_ptsz");
+}
+
+// --- capture and graphs ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  return stream_begin_capture(stream, mode, false, "cudaStreamBeginCapture");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  return stream_begin_capture(stream, mode, true, "cudaStreamBeginCapture_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  return stream_end_capture(stream, graph, false, "cudaStreamEndCapture");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t* graph) {
+  return stream_end_capture(stream, graph, true, "cudaStreamEndCapture_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+  return stream_is_capturing(stream, status, nullptr, false, "cudaStreamIsCapturing");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamIsCapturing_ptsz(cudaStream_t stream,
+                                                             enum cudaStreamCaptureStatus* status) {
+  return stream_is_capturing(stream, status, nullptr, true, "cudaStreamIsCapturing_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo(cudaStream_t stream, enum cudaStreamCaptureStatus* status,
+                                                           unsigned long long* id, cudaGraph_t* graph,
+                                                           const cudaGraphNode_t** dependencies,
+                                                           const cudaGraphEdgeData** edges, size_t* count) {
+  if (graph != nullptr) *graph = nullptr;
+  if (dependencies != nullptr) *dependencies = nullptr;
+  if (edges != nullptr) *edges = nullptr;
+  if (count != nullptr) *count = 0;
+  return stream_is_capturing(stream, status, id, false, "cudaStreamGetCaptureInfo");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo_ptsz(cudaStream_t stream,
+                                                                enum cudaStreamCaptureStatus* status,
+                                                                unsigned long long* id, cudaGraph_t* graph,
+                                                                const cudaGraphNode_t** dependencies,
+                                                                const cudaGraphEdgeData** edges, size_t* count) {
+  if (graph != nullptr) *graph = nullptr;
+  if (dependencies != nullptr) *dependencies = nullptr;
+  if (edges != nullptr) *edges = nullptr;
+  if (count != nullptr) *count = 0;
+  return stream_is_capturing(stream, status, id, true, "cudaStreamGetCaptureInfo_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* mode) {
+  CUDASIM_ENTER("cudaThreadExchangeStreamCaptureMode");
+  if (mode == nullptr) return c.result(cudaErrorInvalidValue);
+  std::swap(*mode, t_capture_mode);
+  return cudaSuccess;
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  CUDASIM_ENTER("cudaGraphInstantiate");
+  auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
+  if (exec == nullptr || !g) return c.violation(cudaErrorInvalidValue, "instantiate of an invalid graph");
+  *exec = reinterpret_cast<cudaGraphExec_t>(c.s.execs.add(std::make_shared<graph_obj>(*g)));
+  return cudaSuccess;
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  return graph_launch(exec, stream, false, "cudaGraphLaunch");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch_ptsz(cudaGraphExec_t exec, cudaStream_t stream) {
+  return graph_launch(exec, stream, true, "cudaGraphLaunch_ptsz");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphDestroy(cudaGraph_t graph) {
+  CUDASIM_ENTER("cudaGraphDestroy");
+  const auto h = reinterpret_cast<std::uintptr_t>(graph);
+  if (!c.s.graphs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph");
+  c.s.graphs.remove(h);
+  return cudaSuccess;
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  CUDASIM_ENTER("cudaGraphExecDestroy");
+  const auto h = reinterpret_cast<std::uintptr_t>(exec);
+  if (!c.s.execs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph executable");
+  c.s.execs.remove(h);
+  return cudaSuccess;
+}
+
+// --- events ---
+
+static cudaError_t event_create(call& c, cudaEvent_t* out, unsigned flags) {
+  if (out == nullptr) return c.result(cudaErrorInvalidValue);
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if ((flags & cudaEventInterprocess) != 0 && (flags & cudaEventDisableTiming) == 0) {
+    return c.result(cudaErrorInvalidValue);
+  }
+  auto ev = std::make_shared<event_obj>();
+  ev->device = context_device(c);
+  ev->flags = flags;
+  *out = reinterpret_cast<cudaEvent_t>(c.s.events.add(ev));
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventCreate(cudaEvent_t* out) {
+  CUDASIM_ENTER("cudaEventCreate");
+  return event_create(c, out, cudaEventDefault);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t* out, unsigned int flags) {
+  CUDASIM_ENTER("cudaEventCreateWithFlags");
+  return event_create(c, out, flags);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
+  CUDASIM_ENTER("cudaEventDestroy");
+  const auto h = reinterpret_cast<std::uintptr_t>(event);
+  if (!c.s.events.find(h)) {
+    return c.violation(cudaErrorInvalidResourceHandle,
+                       c.s.events.was_issued(h) ? "double cudaEventDestroy of " + hex(h) : "cudaEventDestroy of an invalid handle");
+  }
+  c.s.events.remove(h);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  return event_record(event, stream, false, "cudaEventRecord");
+}
+CUDASIM_API cudaError_t CUDARTAPI cudaEventRecord_ptsz(cudaEvent_t event, cudaStream_t stream) {
+  return event_record(event, stream, true, "cudaEventRecord_ptsz");
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
+  CUDASIM_ENTER("cudaEventQuery");
+  auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
+  if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "query of a destroyed or invalid event");
+  if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventQuery of an event recorded in a capture");
+  return !ev->last || ev->last->done ? cudaSuccess : cudaErrorNotReady;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
+  CUDASIM_ENTER("cudaEventSynchronize");
+  auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
+  if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "synchronize of a destroyed or invalid event");
+  if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventSynchronize of an event recorded in a capture");
+  wait_for(c, {ev->last});
+  return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  CUDASIM_ENTER("cudaEventElapsedTime");
+  auto a = c.s.events.find(reinterpret_cast<std::uintptr_t>(start));
+  auto b = c.s.events.find(reinterpret_cast<std::uintptr_t>(end));
+  if (ms == nullptr || !a || !b) return c.violation(cudaErrorInvalidResourceHandle, "elapsed time of invalid events");
+  if ((a->flags & cudaEventDisableTiming) != 0 || (b->flags & cudaEventDisableTiming) != 0 || !a->last || !b->last) {
+    return c.result(cudaErrorInvalidResourceHandle);
+  }
+  if (!a->last->done || !b->last->done) return c.result(cudaErrorNotReady);
+  *ms = std::chrono::duration<float, std::milli>(b->last->completed_at - a->last->completed_at).count();
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t event) {
+  CUDASIM_ENTER("cudaIpcGetEventHandle");
+  auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
+  if (handle == nullptr || !ev) return c.violation(cudaErrorInvalidResourceHandle, "IPC handle of an invalid event");
+  if ((ev->flags & cudaEventInterprocess) == 0) return c.result(cudaErrorInvalidResourceHandle);
+  *handle = cudaIpcEventHandle_t{};
+  const auto h = reinterpret_cast<std::uintptr_t>(event);
+  std::memcpy(handle->reserved, &h, sizeof h);
+  return cudaSuccess;
+}
+
+}  // extern "C"

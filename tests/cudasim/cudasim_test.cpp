@@ -1,0 +1,491 @@
+// The simulator's own semantics, with raw CUDA calls: each rule gpukit depends on, and each rule violation it reports.
+#include "cudasim.hpp"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+// The per-thread entry point that code compiled with --default-stream per-thread calls for cudaStreamGetId.
+extern "C" cudaError_t CUDARTAPI cudaStreamGetId_ptsz(cudaStream_t, unsigned long long*);
+
+namespace {
+
+/// A host function that blocks its stream (and, CUDA allowing, every host function of the device) until opened.
+struct gate {
+  std::atomic<bool> open{false};
+  static void CUDART_CB wait(void* self) {
+    while (!static_cast<gate*>(self)->open.load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+};
+
+void CUDART_CB set_flag(void* flag) { static_cast<std::atomic<int>*>(flag)->fetch_add(1); }
+
+bool has_violation(const std::vector<cudasim::violation>& v, cudaError_t error) {
+  for (const auto& x : v) {
+    if (x.error == error) return true;
+  }
+  return false;
+}
+
+template <class F>
+F driver(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  REQUIRE(cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &status) == cudaSuccess);
+  REQUIRE(status == cudaDriverEntryPointSuccess);
+  return reinterpret_cast<F>(f);
+}
+
+}  // namespace
+
+TEST_CASE("cudasim: enumeration and properties create no context, cudaSetDevice and allocation do") {
+  int n = 0;
+  REQUIRE(cudaGetDeviceCount(&n) == cudaSuccess);
+  CHECK(n == 2);
+  cudaDeviceProp p{};
+  REQUIRE(cudaGetDeviceProperties(&p, 1) == cudaSuccess);
+  CHECK(std::string(p.name).find("cudasim") != std::string::npos);
+  CHECK(p.pciBusID == 0x28);
+  int value = 0;
+  REQUIRE(cudaDeviceGetAttribute(&value, cudaDevAttrClockRate, 0) == cudaSuccess);
+  CHECK(value > 0);
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  CHECK(cudasim::context_creations(1) == 1);
+  CHECK(cudasim::context_creations(0) == 0);
+  void* p1 = nullptr;
+  REQUIRE(cudaMalloc(&p1, 1024) == cudaSuccess);
+  CHECK(cudasim::context_creations(0) == 0);
+  // A new thread's current device is 0: its first allocation initialises cuda:0.
+  std::thread([] {
+    void* p0 = nullptr;
+    REQUIRE(cudaMalloc(&p0, 1024) == cudaSuccess);
+    cudaPointerAttributes a{};
+    REQUIRE(cudaPointerGetAttributes(&a, p0) == cudaSuccess);
+    CHECK(a.device == 0);
+    CHECK(cudaFree(p0) == cudaSuccess);
+  }).join();
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudaFree(p1) == cudaSuccess);
+  CHECK(cudaSetDevice(2) == cudaErrorInvalidDevice);
+  CHECK(cudaGetLastError() == cudaErrorInvalidDevice);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("cudasim: the priority range is the current device's, and asking initialises its context") {
+  cudasim::allow_contexts_only_on({1});
+  int least = 1;
+  int greatest = 1;
+  REQUIRE(cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess);  // current: 0, never chosen
+  CHECK(greatest == -5);
+  const auto v = cudasim::take_violations();
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].message.find("cuda:0") != std::string::npos);
+  CHECK(cudasim::context_active(0));
+}
+
+TEST_CASE("cudasim: the driver's context queries through cudaGetDriverEntryPoint") {
+  using get_current = CUresult(CUDAAPI*)(CUcontext*);
+  using get_state = CUresult(CUDAAPI*)(CUdevice, unsigned*, int*);
+  auto cu_ctx_get_current = driver<get_current>("cuCtxGetCurrent");
+  auto cu_primary_state = driver<get_state>("cuDevicePrimaryCtxGetState");
+  CUcontext ctx = reinterpret_cast<CUcontext>(1);
+  REQUIRE(cu_ctx_get_current(&ctx) == CUDA_SUCCESS);
+  CHECK(ctx == nullptr);
+  unsigned flags = 0;
+  int active = 1;
+  REQUIRE(cu_primary_state(1, &flags, &active) == CUDA_SUCCESS);
+  CHECK(active == 0);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  REQUIRE(cu_ctx_get_current(&ctx) == CUDA_SUCCESS);
+  CHECK(ctx != nullptr);
+  REQUIRE(cu_primary_state(1, &flags, &active) == CUDA_SUCCESS);
+  CHECK(active == 1);
+  void* missing = reinterpret_cast<void*>(1);
+  cudaDriverEntryPointQueryResult status{};
+  CHECK(cudaGetDriverEntryPointByVersion("cuNoSuchFunction", &missing, 12000, 0, &status) == cudaSuccess);
+  CHECK(missing == nullptr);
+  CHECK(status == cudaDriverEntryPointSymbolNotFound);
+}
+
+TEST_CASE("cudasim: a destroyed stream's handle is handed out again, with a new id, and the old one is a violation") {
+  cudaStream_t a = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+  unsigned long long id_a = 0;
+  REQUIRE(cudaStreamGetId(a, &id_a) == cudaSuccess);
+  gate g;
+  REQUIRE(cudaLaunchHostFunc(a, gate::wait, &g) == cudaSuccess);
+  std::atomic<int> ran{0};
+  REQUIRE(cudaLaunchHostFunc(a, set_flag, &ran) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(a) == cudaSuccess);  // returns at once; the work still completes
+  cudaStream_t b = nullptr;
+  REQUIRE(cudaStreamCreate(&b) == cudaSuccess);
+  CHECK(b == a);
+  unsigned long long id_b = 0;
+  REQUIRE(cudaStreamGetId(b, &id_b) == cudaSuccess);
+  CHECK(id_b != id_a);
+  CHECK(cudaStreamQuery(b) == cudaSuccess);  // the new stream has none of the old one's work
+  g.open = true;
+  cudasim::drain_all();
+  CHECK(ran.load() == 1);
+  REQUIRE(cudaStreamDestroy(b) == cudaSuccess);
+  CHECK(cudaStreamDestroy(b) == cudaErrorInvalidResourceHandle);
+  CHECK(cudaStreamSynchronize(b) == cudaErrorInvalidResourceHandle);
+  const auto v = cudasim::take_violations();
+  CHECK(v.size() == 2);
+  CHECK(v[0].message.find("double cudaStreamDestroy") != std::string::npos);
+}
+
+TEST_CASE("cudasim: streams are in order, events complete with the work before them, and time it") {
+  cudaStream_t s = nullptr;
+  cudaStream_t t = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t start = nullptr;
+  cudaEvent_t end = nullptr;
+  REQUIRE(cudaEventCreate(&start) == cudaSuccess);
+  REQUIRE(cudaEventCreate(&end) == cudaSuccess);
+  CHECK(cudaEventQuery(end) == cudaSuccess);  // never recorded: complete
+  gate g;
+  REQUIRE(cudaEventRecord(start, s) == cudaSuccess);
+  // Between the records: at least 5 ms of work, whatever the scheduling (the records complete in stream order).
+  REQUIRE(cudaLaunchHostFunc(
+              s, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(5)); }, nullptr) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(s, gate::wait, &g) == cudaSuccess);
+  REQUIRE(cudaEventRecord(end, s) == cudaSuccess);
+  CHECK(cudaEventQuery(end) == cudaErrorNotReady);
+  CHECK(cudaGetLastError() == cudaSuccess);  // "not ready" is a status, not an error
+  std::atomic<int> after{0};
+  REQUIRE(cudaStreamWaitEvent(t, end, 0) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(t, set_flag, &after) == cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(after.load() == 0);
+  g.open = true;
+  REQUIRE(cudaStreamSynchronize(t) == cudaSuccess);
+  CHECK(after.load() == 1);
+  float ms = -1;
+  REQUIRE(cudaEventElapsedTime(&ms, start, end) == cudaSuccess);
+  CHECK(ms >= 5.0f);
+  cudaEvent_t untimed = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&untimed, cudaEventDisableTiming) == cudaSuccess);
+  REQUIRE(cudaEventRecord(untimed, s) == cudaSuccess);
+  REQUIRE(cudaEventSynchronize(untimed) == cudaSuccess);
+  CHECK(cudaEventElapsedTime(&ms, start, untimed) == cudaErrorInvalidResourceHandle);
+  (void)cudaGetLastError();
+  CHECK(cudaEventDestroy(untimed) == cudaSuccess);
+  CHECK(cudaEventDestroy(start) == cudaSuccess);
+  CHECK(cudaEventDestroy(end) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudaStreamDestroy(t) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: the legacy stream waits for blocking streams, not for non-blocking ones") {
+  cudaStream_t blocking = nullptr;
+  cudaStream_t non_blocking = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&blocking, cudaStreamDefault) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&non_blocking, cudaStreamNonBlocking) == cudaSuccess);
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 64) == cudaSuccess);
+  std::vector<char> host(64, 7);
+  gate g;
+  cudaEvent_t e = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  // Held back on the non-blocking stream: legacy work runs past it.
+  REQUIRE(cudaStreamWaitEvent(non_blocking, e, 0) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(non_blocking, gate::wait, &g) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d, 1, 64, nullptr) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);  // not held by the non-blocking stream
+  // Held back on a blocking stream: legacy work waits.
+  gate h;
+  REQUIRE(cudaLaunchHostFunc(blocking, gate::wait, &h) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d, 2, 64, cudaStreamLegacy) == cudaSuccess);
+  REQUIRE(cudaEventRecord(e, cudaStreamLegacy) == cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(cudaEventQuery(e) == cudaErrorNotReady);
+  g.open = true;
+  h.open = true;
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaMemcpy(host.data(), d, 64, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host[0] == 2);
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaEventDestroy(e) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+  CHECK(cudaStreamDestroy(non_blocking) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: host functions of a device share one thread, and a CUDA call inside one is refused") {
+  cudaStream_t a = nullptr;
+  cudaStream_t b = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking) == cudaSuccess);
+  gate g;
+  std::atomic<int> ran{0};
+  REQUIRE(cudaLaunchHostFunc(a, gate::wait, &g) == cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  REQUIRE(cudaLaunchHostFunc(b, set_flag, &ran) == cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(ran.load() == 0);  // serialized behind the blocked host function of another stream
+  g.open = true;
+  REQUIRE(cudaStreamSynchronize(b) == cudaSuccess);
+  CHECK(ran.load() == 1);
+  static std::atomic<int> inner{0};
+  REQUIRE(cudaLaunchHostFunc(
+              a, [](void*) { inner = static_cast<int>(cudaStreamSynchronize(nullptr)); }, nullptr) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(a) == cudaSuccess);
+  CHECK(inner.load() == cudaErrorNotPermitted);
+  CHECK(has_violation(cudasim::take_violations(), cudaErrorNotPermitted));
+  CHECK(cudaStreamDestroy(a) == cudaSuccess);
+  CHECK(cudaStreamDestroy(b) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: cudaStreamPerThread is a different stream in each thread") {
+  unsigned long long mine = 0;
+  unsigned long long again = 0;
+  unsigned long long other = 0;
+  REQUIRE(cudaStreamGetId(cudaStreamPerThread, &mine) == cudaSuccess);
+  REQUIRE(cudaStreamGetId(cudaStreamPerThread, &again) == cudaSuccess);
+  std::thread([&] { REQUIRE(cudaStreamGetId(cudaStreamPerThread, &other) == cudaSuccess); }).join();
+  CHECK(mine == again);
+  CHECK(mine != other);
+  unsigned long long legacy = 0;
+  REQUIRE(cudaStreamGetId(nullptr, &legacy) == cudaSuccess);
+  CHECK(legacy != mine);
+  unsigned long long ptsz_zero = 0;
+  REQUIRE(cudaStreamGetId_ptsz(nullptr, &ptsz_zero) == cudaSuccess);  // 0 in per-thread mode: the thread's stream
+  CHECK(ptsz_zero == mine);
+}
+
+TEST_CASE("cudasim: capture records work instead of running it, and enforces the capture rules") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 16) == cudaSuccess);
+  std::atomic<int> ran{0};
+  cudaEvent_t e = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  cudaStreamCaptureStatus status{};
+  unsigned long long id = 0;
+  REQUIRE(cudaStreamGetCaptureInfo(s, &status, &id) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusActive);
+  CHECK(id != 0);
+  REQUIRE(cudaLaunchHostFunc(s, set_flag, &ran) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d, 3, 16, s) == cudaSuccess);
+  REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
+  CHECK(cudaEventQuery(e) == cudaErrorCapturedEvent);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(ran.load() == 0);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(ran.load() == 2);
+  char back[16] = {};
+  REQUIRE(cudaMemcpy(back, d, 16, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(back[15] == 3);
+  CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  auto v = cudasim::take_violations();
+  CHECK(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorCapturedEvent));
+
+  // Unsafe calls invalidate the capture.
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  void* more = nullptr;
+  CHECK(cudaMalloc(&more, 16) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusInvalidated);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(graph == nullptr);
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(s) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureInvalidated);
+  // A relaxed thread may allocate during another's capture.
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  REQUIRE(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess);
+  CHECK(cudaMalloc(&more, 16) == cudaSuccess);
+  REQUIRE(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaFree(more) == cudaSuccess);
+  v = cudasim::take_violations();
+  CHECK(v.size() == 2);
+  (void)cudaGetLastError();
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaEventDestroy(e) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: pointers are classified, copies are checked against them, and freed memory faults") {
+  void* d = nullptr;
+  void* pinned = nullptr;
+  REQUIRE(cudaMalloc(&d, 4096) == cudaSuccess);
+  REQUIRE(cudaHostAlloc(&pinned, 4096, cudaHostAllocDefault) == cudaSuccess);
+  std::vector<char> pageable(4096);
+  cudaPointerAttributes a{};
+  REQUIRE(cudaPointerGetAttributes(&a, static_cast<char*>(d) + 100) == cudaSuccess);
+  CHECK(a.type == cudaMemoryTypeDevice);
+  REQUIRE(cudaPointerGetAttributes(&a, pinned) == cudaSuccess);
+  CHECK(a.type == cudaMemoryTypeHost);
+  REQUIRE(cudaPointerGetAttributes(&a, pageable.data()) == cudaSuccess);
+  CHECK(a.type == cudaMemoryTypeUnregistered);
+  REQUIRE(cudaHostRegister(pageable.data(), pageable.size(), cudaHostRegisterDefault) == cudaSuccess);
+  REQUIRE(cudaPointerGetAttributes(&a, pageable.data()) == cudaSuccess);
+  CHECK(a.type == cudaMemoryTypeHost);
+  CHECK(cudaHostRegister(pageable.data(), 16, 0) == cudaErrorHostMemoryAlreadyRegistered);
+  REQUIRE(cudaHostUnregister(pageable.data()) == cudaSuccess);
+  CHECK(cudaHostUnregister(pageable.data()) == cudaErrorHostMemoryNotRegistered);
+  (void)cudaGetLastError();
+
+  CHECK(cudaMemcpyAsync(pageable.data(), d, 16, cudaMemcpyHostToDevice, nullptr) == cudaErrorInvalidValue);
+  CHECK(cudaMemcpyAsync(d, pageable.data(), 8192, cudaMemcpyHostToDevice, nullptr) == cudaErrorInvalidValue);
+  CHECK(cudaFree(pinned) == cudaErrorInvalidValue);
+  CHECK(cudasim::take_violations().size() == 3);
+  (void)cudaGetLastError();
+
+  // A copy that runs after its memory was freed is an illegal address, and the error is sticky.
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  gate g;
+  REQUIRE(cudaLaunchHostFunc(s, gate::wait, &g) == cudaSuccess);
+  REQUIRE(cudaMemcpyAsync(d, pinned, 16, cudaMemcpyHostToDevice, s) == cudaSuccess);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    g.open = true;
+  });
+  REQUIRE(cudaFree(d) == cudaSuccess);  // waits for the device's work: the copy ran before the memory went
+  opener.join();
+  CHECK(cudasim::violations().empty());
+  REQUIRE(cudaMalloc(&d, 4096) == cudaSuccess);
+  void* doomed = nullptr;
+  REQUIRE(cudaMalloc(&doomed, 64) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(cudaFreeHost(pinned) == cudaSuccess);
+  CHECK(cudaFree(doomed) == cudaSuccess);
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: injected failures, and a sticky error stays until cleared") {
+  cudasim::fail_call("cudaMalloc", 2, cudaErrorMemoryAllocation);
+  void* a = nullptr;
+  void* b = nullptr;
+  REQUIRE(cudaMalloc(&a, 64) == cudaSuccess);
+  CHECK(cudaMalloc(&b, 64) == cudaErrorMemoryAllocation);
+  CHECK(cudaGetLastError() == cudaErrorMemoryAllocation);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  REQUIRE(cudaMalloc(&b, 64) == cudaSuccess);
+  cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorIllegalAddress);
+  CHECK(cudaStreamSynchronize(nullptr) == cudaErrorIllegalAddress);
+  CHECK(cudaFree(a) == cudaErrorIllegalAddress);
+  CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+  CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+  cudasim::clear_faults();
+  CHECK(cudaFree(a) == cudaSuccess);
+  CHECK(cudaFree(b) == cudaSuccess);
+  CHECK(cudasim::calls("cudaMalloc") == 3);
+}
+
+TEST_CASE("cudasim: after unload every call returns the teardown result without effect, until cleared") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 64) == cudaSuccess);
+  for (const cudaError_t result : {cudaErrorCudartUnloading, cudaErrorContextIsDestroyed}) {
+    cudasim::unload(result);
+    CHECK(cudaStreamDestroy(s) == result);
+    CHECK(cudaFree(d) == result);
+    int n = 0;
+    CHECK(cudaGetDeviceCount(&n) == result);
+    CHECK(cudaGetLastError() == result);
+    CHECK(cudasim::live_streams(0) == 1);  // nothing happened
+    cudasim::clear_faults();
+    (void)cudaGetLastError();
+  }
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("cudasim: device memory is limited and contexts take their share") {
+  std::size_t free_bytes = 0;
+  std::size_t total = 0;
+  REQUIRE(cudaMemGetInfo(&free_bytes, &total) == cudaSuccess);
+  CHECK(total == (std::size_t{80} << 30));
+  CHECK(free_bytes == total - (std::size_t{300} << 20));
+  void* p = nullptr;
+  CHECK(cudaMalloc(&p, total) == cudaErrorMemoryAllocation);
+  (void)cudaGetLastError();
+}
+
+TEST_CASE("cudasim: CUDA_VISIBLE_DEVICES follows the runtime's rules") {
+  const auto m = cudasim::default_machine(4);
+  struct row {
+    const char* value;
+    std::vector<int> visible;
+  };
+  const std::vector<row> table = {
+      {nullptr, {0, 1, 2, 3}},
+      {"", {}},
+      {"2,1", {2, 1}},
+      {"0,2,-1,1", {0, 2}},
+      {"-1", {}},
+      {"NoDevFiles", {}},
+      {"1,abc,0", {1}},
+      {"16", {}},
+      {"0,0", {}},
+      {"1gpu2,2ampere", {1, 2}},
+      {" 3 , 0 ", {3, 0}},
+      {"0,5000000000,1073741824", {0}},
+      {"GPU-c0da53", {2}},
+      {"GPU-c0da53,0", {2}},
+      {"GPU-c0da5", {}},  // ambiguous prefix
+      {"GPU-ffff", {}},
+      {"MIG-GPU-c0da51/1/0", {}},
+  };
+  for (const auto& r : table) {
+    CAPTURE(r.value == nullptr ? "(unset)" : r.value);
+    CHECK(cudasim::visible_physical_devices(r.value, m) == r.visible);
+  }
+}
+
+TEST_CASE("cudasim: work enqueued from a thread without a context initialises cuda:0's, whatever the stream's device") {
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  cudaStream_t s1 = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
+  void* d1 = nullptr;
+  REQUIRE(cudaMalloc(&d1, 64) == cudaSuccess);
+  std::vector<char> host(64);
+  // A thread that chose cuda:1 first creates nothing more.
+  std::thread([&] {
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaMemcpyAsync(d1, host.data(), 64, cudaMemcpyHostToDevice, s1) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s1) == cudaSuccess);
+  }).join();
+  CHECK(cudasim::context_creations(0) == 0);
+  // A new thread's current device is 0 without a context: the runtime initialises it before enqueueing.
+  std::thread([&] {
+    CHECK(cudaMemcpyAsync(d1, host.data(), 64, cudaMemcpyHostToDevice, s1) == cudaSuccess);
+    int current = -1;
+    CHECK(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == 0);
+  }).join();
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudaStreamSynchronize(s1) == cudaSuccess);
+  CHECK(cudaFree(d1) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s1) == cudaSuccess);
+}

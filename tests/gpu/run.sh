@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# GPU truth in one command. On a machine with an NVIDIA GPU and driver: builds gpukit against the real CUDA runtime
+# (Release), runs every GPU test (ctest -L gpu: none may be Skipped), every example, and the allocator, pinned-pool
+# and transfer benchmarks, and writes a report (device, driver, commands, results) to bench/results/.
+#
+#   bash tests/gpu/run.sh                      # on the GPU machine
+#   GPUKIT_GPU_RUNTIME=sim bash tests/gpu/run.sh   # the same steps on the simulated runtime (no GPU needed): a dry run
+#
+# Dependencies: CUDA toolkit, CMake, a C++17 compiler, doctest and Google Benchmark. Where no package registry is
+# reachable, stage the last two here with tests/gpu/stage_deps.sh and carry .gpudeps along (found automatically).
+# Environment: GPUKIT_GPU_BUILD (build directory, default build-gpu), GPUKIT_GPU_REPORT (report path),
+# GPUKIT_GPU_BENCH_MIN_TIME (seconds per benchmark, default 0.2), GPUKIT_JOBS.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$(pwd)
+runtime="${GPUKIT_GPU_RUNTIME:-real}"
+build="${GPUKIT_GPU_BUILD:-$root/build-gpu}"
+jobs="${GPUKIT_JOBS:-$(nproc)}"
+min_time="${GPUKIT_GPU_BENCH_MIN_TIME:-0.2}"
+stamp=$(date -u +%Y%m%d-%H%M%S)
+export CUDAToolkit_ROOT="${CUDAToolkit_ROOT:-/usr/local/cuda}"
+export PATH="$CUDAToolkit_ROOT/bin:$PATH"
+prefix_path=()
+if [ -d "$root/.gpudeps/usr" ]; then
+  prefix_path=(-DCMAKE_PREFIX_PATH="$root/.gpudeps/usr")
+  export LD_LIBRARY_PATH="$root/.gpudeps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+
+if [ "$runtime" = sim ]; then
+  suffix=_sim
+  label=cudasim
+  report="${GPUKIT_GPU_REPORT:-$build/gpu-report-simulated-$stamp.md}"
+else
+  suffix=
+  label=gpu
+  if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "tests/gpu/run.sh: no NVIDIA GPU or driver here (nvidia-smi failed); GPUKIT_GPU_RUNTIME=sim runs the same steps on the simulator" >&2
+    exit 2
+  fi
+  gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr ' ' '-' | tr -cd 'A-Za-z0-9_.-')
+  report="${GPUKIT_GPU_REPORT:-$root/bench/results/gpu-$stamp-$gpu_name.md}"
+fi
+mkdir -p "$(dirname "$report")"
+log="$build/gpu-run.log"
+mkdir -p "$build"
+: >"$log"
+status=0
+last_output=
+
+section() { printf '\n## %s\n\n' "$1" >>"$report"; }
+# run <title> <command...>: runs a step, appends its command and output (in a code block) to the report.
+run() {
+  local title="$1"; shift
+  echo "::: $title" | tee -a "$log"
+  section "$title"
+  printf '```text\n$ %s\n' "$*" >>"$report"
+  local rc
+  last_output=$("$@" 2>&1); rc=$?
+  printf '%s\n' "$last_output" | tee -a "$log" >>"$report"
+  printf '(exit %d)\n```\n' "$rc" >>"$report"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+{
+  echo "# gpukit GPU run ($runtime runtime), $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "- host: $(uname -srm), $(nproc) cores"
+  echo "- CUDA toolkit: $("$CUDAToolkit_ROOT/bin/nvcc" --version 2>/dev/null | tail -n1)"
+  echo "- command: GPUKIT_GPU_RUNTIME=$runtime bash tests/gpu/run.sh"
+} >"$report"
+if [ "$runtime" = real ]; then
+  run "Device and driver" nvidia-smi --query-gpu=name,uuid,pci.bus_id,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+fi
+
+run "Configure (Release, real CUDA runtime for the gpu label)" cmake -S "$root" -B "$build" -G Ninja \
+  -DCMAKE_BUILD_TYPE=Release -DGPUKIT_BUILD_BENCHMARKS=ON -DGPUKIT_TEST_PACKAGING=OFF "${prefix_path[@]}" || exit 1
+run "Build" cmake --build "$build" -j "$jobs" || exit 1
+
+run "GPU tests (ctest -L $label)" ctest --test-dir "$build" -L "$label" --output-on-failure -j 1
+if grep -q "Skipped\|Not Run" <<<"$last_output"; then
+  echo "tests/gpu/run.sh: some GPU tests did not run (Skipped): the GPU is not usable" | tee -a "$log" "$report"
+  status=1
+fi
+
+for example in device_query memory_stats bandwidth_test prefetch_pipeline; do
+  [ -x "$build/examples/$example$suffix" ] && run "Example $example" "$build/examples/$example$suffix"
+done
+for bench in bench_allocator bench_pinned_pool bench_transfer; do
+  [ -x "$build/bench/$bench$suffix" ] && run "Benchmark $bench" "$build/bench/$bench$suffix" --benchmark_min_time="$min_time"
+done
+
+section "Summary"
+echo "status: $([ "$status" -eq 0 ] && echo 'every step passed' || echo 'SOME STEPS FAILED (see above)')" >>"$report"
+echo "report: $report"
+exit "$status"
