@@ -80,7 +80,7 @@ void BM_staging_to_ring(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }
 
-// (null device copy) → pinned ring → pageable, the host copies in stream order on the side stream.
+// (null device copy) → pinned ring → pageable: the calling thread copies each slot out once its event completed.
 void BM_staging_from_ring(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   auto& engine = engine_with_threads(static_cast<unsigned>(state.range(1)));
@@ -88,7 +88,7 @@ void BM_staging_from_ring(benchmark::State& state) {
   const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
   engine.to_host(b.dst.data(), b.src.data(), bytes, s);
   for (auto _ : state) {
-    engine.to_host(b.dst.data(), b.src.data(), bytes, s);  // returns once the host copies are done (default stream)
+    engine.to_host(b.dst.data(), b.src.data(), bytes, s);  // returns once the host copies are done
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }

@@ -7,10 +7,12 @@
 
 #include "support.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -126,13 +128,13 @@ TEST_CASE("a stream waiting on an event does not run later work before the event
 }
 
 TEST_CASE("a wait captures the record at the time of the call") {
+  gate g;  // outlives the streams: the producer's worker may still be leaving g.wait() when the test ends
   gpukit::stream producer(cpu);
   gpukit::stream consumer(cpu);
   gpukit::event e(cpu);
   e.record(producer);
   producer.synchronize();
   e.wait(consumer);  // the event is complete now: the wait is a no-op
-  gate g;
   producer.enqueue_host([&] { g.wait(); });
   e.record(producer);  // a later record must not hold back the earlier wait
   std::atomic<bool> ran{false};
@@ -314,6 +316,107 @@ TEST_CASE("exclusive leases are never shared and are recycled") {
   CHECK(pool.exclusive_available() == 1);
 }
 
+TEST_CASE("exclusive leases are bounded by the pool's exclusive capacity") {
+  gpukit::stream_pool pool(cpu, 2);
+  CHECK(pool.exclusive_capacity() == 2);  // by default the pool's size
+  CHECK(pool.exclusive_in_use() == 0);
+  auto a = pool.acquire_exclusive();
+  auto b = pool.try_acquire_exclusive();
+  REQUIRE(b.has_value());
+  CHECK(pool.exclusive_in_use() == 2);
+  CHECK(a.view() != b->view());
+  // All leased: no third stream, and the message says whose pool, how many and what to do.
+  CHECK_FALSE(pool.try_acquire_exclusive().has_value());
+  try {
+    (void)pool.acquire_exclusive();
+    FAIL("acquire_exclusive() beyond the exclusive capacity did not throw");
+  } catch (const gpukit::invalid_argument_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("cpu") != std::string::npos);
+    CHECK(what.find("2 leases out") != std::string::npos);
+    CHECK(what.find("exclusive capacity 2") != std::string::npos);
+    CHECK(what.find("try_acquire_exclusive") != std::string::npos);
+  }
+  CHECK(pool.exclusive_in_use() == 2);  // failed attempts leave the count alone
+  // Ending a lease makes its stream available again, and only that one.
+  const gpukit::stream_view b_stream = b->view();
+  b.reset();
+  CHECK(pool.exclusive_in_use() == 1);
+  CHECK(pool.exclusive_available() == 1);
+  auto c = pool.try_acquire_exclusive();
+  REQUIRE(c.has_value());
+  CHECK(c->view() == b_stream);  // recycled, not a new stream
+  CHECK_FALSE(pool.try_acquire_exclusive().has_value());
+  // A moved lease still counts once; a moved-from one gives nothing back.
+  auto moved = std::move(a);
+  CHECK(pool.exclusive_in_use() == 2);
+  { auto sink = std::move(moved); }
+  CHECK(pool.exclusive_in_use() == 1);
+  CHECK(pool.try_acquire_exclusive().has_value());  // acquired and ended at once
+  CHECK(pool.exclusive_in_use() == 1);
+}
+
+TEST_CASE("a pool's exclusive capacity is set independently of its size, and can be zero") {
+  gpukit::stream_pool wide(cpu, 1, {}, 3);
+  CHECK(wide.size() == 1);
+  CHECK(wide.exclusive_capacity() == 3);
+  std::vector<gpukit::stream_pool::lease> leases;
+  for (int i = 0; i < 3; ++i) leases.push_back(wide.acquire_exclusive());
+  CHECK(wide.exclusive_in_use() == 3);
+  CHECK(wide.created() == 0);  // exclusive streams are not the round-robin ones
+  CHECK_THROWS_AS(wide.acquire_exclusive(), gpukit::invalid_argument_error);
+  leases.clear();
+  CHECK(wide.exclusive_in_use() == 0);
+  CHECK(wide.exclusive_available() == 3);
+
+  gpukit::stream_pool shared_only(cpu, 4, {}, 0);
+  CHECK(shared_only.exclusive_capacity() == 0);
+  CHECK_FALSE(shared_only.try_acquire_exclusive().has_value());
+  CHECK_THROWS_AS(shared_only.acquire_exclusive(), gpukit::invalid_argument_error);
+  CHECK(shared_only.next().is_cpu());
+
+  CHECK(gpukit::default_stream_pool(cpu).exclusive_capacity() == gpukit::stream_pool::default_size);
+}
+
+TEST_CASE("exclusive leases from many threads never exceed the capacity nor share a stream") {
+  gpukit::stream_pool pool(cpu, 1, {}, 3);
+  std::mutex mutex;
+  std::vector<gpukit::stream_view> held;
+  std::atomic<int> granted{0};
+  std::atomic<int> refused{0};
+  std::atomic<bool> violation{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) {
+        auto lease = pool.try_acquire_exclusive();
+        if (!lease) {
+          refused.fetch_add(1);
+          continue;
+        }
+        granted.fetch_add(1);
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          for (const auto& s : held) {
+            if (s == lease->view()) violation = true;
+          }
+          held.push_back(lease->view());
+          if (held.size() > 3) violation = true;
+        }
+        std::this_thread::yield();
+        std::lock_guard<std::mutex> lock(mutex);
+        held.erase(std::find(held.begin(), held.end(), lease->view()));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK_FALSE(violation.load());
+  CHECK(granted.load() + refused.load() == 6 * 200);
+  CHECK(granted.load() > 0);
+  CHECK(pool.exclusive_in_use() == 0);
+  CHECK(pool.exclusive_available() <= 3);
+}
+
 TEST_CASE("the process-wide pool of a device is one object") {
   auto& p1 = gpukit::default_stream_pool(cpu);
   auto& p2 = gpukit::default_stream_pool(cpu);
@@ -367,4 +470,26 @@ TEST_CASE("events and streams used from many threads stay consistent") {
   a.synchronize();
   b.synchronize();
   CHECK(counter.load() == 4 * 200 * 2);
+}
+
+TEST_CASE("stream ids: unique per stream, carried by its views and moves, and a record of its destruction") {
+  gpukit::stream a(cpu);
+  gpukit::stream b(cpu);
+  CHECK(a.view().id() != b.view().id());
+  CHECK(a.view().id() == a.view().id());
+  CHECK(gpukit::stream_view::default_stream(cpu).id() != a.view().id());
+  const unsigned long long id = a.view().id();
+  gpukit::stream moved(std::move(a));
+  CHECK(moved.view().id() == id);
+  auto life = moved.view().lifetime();
+  REQUIRE(static_cast<bool>(life));
+  CHECK_FALSE(life->expired());
+  CHECK_FALSE(static_cast<bool>(gpukit::stream_view::default_stream(cpu).lifetime()));  // nothing to track
+  {
+    gpukit::stream gone(std::move(moved));
+  }
+  CHECK(life->expired());
+  CHECK(life->finished());  // a CPU stream's destructor waits for its work
+  gpukit::stream c(cpu);
+  CHECK(c.view().id() != id);  // ids are never reused, even if the queue's address is
 }

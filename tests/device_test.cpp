@@ -96,6 +96,17 @@ TEST_CASE("without a driver: count 0 and clear errors from calls that need a GPU
   }
   CHECK_THROWS_AS(gpukit::properties(gpukit::device::cuda(0)), gpukit::no_device_error);
   CHECK_THROWS_AS(gpukit::query_memory_info(gpukit::device::cuda(0)), gpukit::no_device_error);
+  CHECK_THROWS_AS(gpukit::stream_priority_range(gpukit::device::cuda(0)), gpukit::no_device_error);
+}
+
+TEST_CASE("without a driver: no driver entry points, so whether contexts exist is unknown") {
+  GPUKIT_REQUIRE_NO_GPU();
+  const auto& api = gpukit::detail::driver();
+  CHECK(!api.ctx_get_current);
+  CHECK(!api.primary_ctx_get_state);
+  CHECK(&api == &gpukit::detail::driver());  // looked up once
+  CHECK(gpukit::detail::thread_context_state() == -1);
+  CHECK(gpukit::detail::primary_context_state(0) == -1);
 }
 
 TEST_CASE("the CPU has no CUDA state") {
@@ -103,4 +114,6 @@ TEST_CASE("the CPU has no CUDA state") {
   gpukit::set_current_device(gpukit::device::cpu());
   CHECK_THROWS_AS(gpukit::properties(gpukit::device::cpu()), gpukit::invalid_argument_error);
   CHECK_THROWS_AS(gpukit::query_memory_info(gpukit::device::cpu()), gpukit::invalid_argument_error);
+  CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).least == 0);
+  CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).greatest == 0);
 }

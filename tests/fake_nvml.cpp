@@ -1,5 +1,6 @@
-// A stand-in for libnvidia-ml.so.1 with two GPUs, so gpukit's NVML loader and its UUID / PCI-bus-id mapping are
-// tested on machines without a driver. Only the entry points gpukit declares are provided.
+// A stand-in for libnvidia-ml.so.1 with two GPUs (and a MIG instance of the first), so gpukit's NVML loader and its
+// UUID / PCI-bus-id mapping are tested on machines without a driver. Only the entry points gpukit declares are
+// provided.
 #include <gpukit/device/nvml.hpp>  // for gpukit::nvml::gpu_memory: signatures must match gpukit's declarations
 
 #include <cstring>
@@ -14,6 +15,11 @@ struct fake_gpu {
 fake_gpu gpus[2] = {
     {"GPU-11111111-2222-3333-4444-555555555555", "00000000:1A:00.0", 80ull << 30, 60ull << 30, 20ull << 30, 35},
     {"GPU-99999999-8888-7777-6666-555555555555", "00000000:3B:00.0", 40ull << 30, 1ull << 30, 39ull << 30, -1},
+};
+// A MIG instance of the first GPU: NVML finds it only by its MIG UUID (not counted, not found by PCI bus id, which
+// names the parent GPU); CUDA reports the same 16 bytes as the device's UUID.
+fake_gpu migs[1] = {
+    {"MIG-abcdef01-2345-5678-9abc-def012345678", "00000000:1A:00.0", 10ull << 30, 9ull << 30, 1ull << 30, -1},
 };
 int initialised = 0;
 
@@ -63,6 +69,12 @@ int nvmlDeviceGetHandleByUUID(const char* uuid, void** device) {
   for (auto& g : gpus) {
     if (std::strcmp(g.uuid, uuid) == 0) {
       *device = &g;
+      return 0;
+    }
+  }
+  for (auto& m : migs) {
+    if (std::strcmp(m.uuid, uuid) == 0) {
+      *device = &m;
       return 0;
     }
   }

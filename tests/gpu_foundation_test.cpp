@@ -25,7 +25,8 @@ TEST_CASE("gpu: properties are sane and cached") {
     CHECK(p.warp_size == 32);
     CHECK(p.clock_rate_khz > 0);
     CHECK(p.memory_clock_rate_khz > 0);
-    CHECK(p.stream_priority_greatest <= p.stream_priority_least);
+    const gpukit::priority_range priorities = gpukit::stream_priority_range(d);
+    CHECK(priorities.greatest <= priorities.least);
     const auto info = gpukit::query_memory_info(d);
     CHECK(info.total_bytes == p.total_memory);
     CHECK(info.free_bytes <= info.total_bytes);
@@ -47,8 +48,8 @@ TEST_CASE("gpu: the device guard restores the current device") {
     gpukit::set_current_device(gpukit::device::cuda(count));
     FAIL("an invalid ordinal was accepted");
   } catch (const gpukit::invalid_argument_error& e) {
-    CHECK(std::string(e.what()).find("cudaSetDevice(" + std::to_string(count) +
-                                     ") failed: invalid device ordinal (cudaErrorInvalidDevice)") == 0);
+    CHECK(std::string(e.what()).find("cudaSetDevice(" + std::to_string(count) + ") failed on cuda:" +
+                                     std::to_string(count) + ": invalid device ordinal (cudaErrorInvalidDevice)") == 0);
   }
   CHECK(gpukit::current_device() == gpukit::device::cuda(0));
 }
@@ -70,7 +71,7 @@ TEST_CASE("gpu: streams run host functions in order, and query/synchronize work"
   REQUIRE(order.size() == 50);
   for (int i = 0; i < 50; ++i) CHECK(order[static_cast<std::size_t>(i)] == i);
   gpukit::stream high(gpukit::device::cuda(0), {true, -1000});
-  CHECK(high.priority() == gpukit::properties(gpukit::device::cuda(0)).stream_priority_greatest);
+  CHECK(high.priority() == gpukit::stream_priority_range(gpukit::device::cuda(0)).greatest);
 }
 
 TEST_CASE("gpu: events order streams and time work") {
@@ -126,6 +127,28 @@ TEST_CASE("gpu: the pool round-robins CUDA streams and a raw handle knows its de
   CHECK(wrapped.view() == s1);
 }
 
+TEST_CASE("gpu: wrapping a stream as another device's is rejected, naming both devices") {
+  GPUKIT_REQUIRE_GPU();
+  if (gpukit::device_count() < 2) {
+    std::printf("GPUKIT_TEST_SKIPPED: needs two CUDA devices\n");
+    return;
+  }
+  gpukit::stream s1(gpukit::device::cuda(1));
+  for (bool take_ownership : {false, true}) {
+    try {
+      (void)gpukit::stream::wrap(s1.cuda_handle(), gpukit::device::cuda(0), take_ownership);
+      FAIL("a stream of cuda:1 was wrapped as cuda:0");
+    } catch (const gpukit::invalid_argument_error& e) {
+      const std::string what = e.what();
+      CHECK(what.find("cuda:0") != std::string::npos);
+      CHECK(what.find("cuda:1") != std::string::npos);
+    }
+  }
+  gpukit::stream wrapped = gpukit::stream::wrap(s1.cuda_handle(), gpukit::device::cuda(1), false);
+  CHECK(wrapped.view() == s1.view());
+  CHECK(wrapped.device() == gpukit::device::cuda(1));
+}
+
 TEST_CASE("gpu: auto-selection picks a GPU") {
   GPUKIT_REQUIRE_GPU();
   gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
@@ -136,4 +159,24 @@ TEST_CASE("gpu: auto-selection picks a GPU") {
   const auto selection = gpukit::select_device(policy);
   CHECK(selection.device.is_cuda());
   std::printf("%s", selection.report().c_str());
+}
+
+TEST_CASE("gpu: polling a stream or an event that is not ready keeps the program's pending CUDA error") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::event e(d);
+  gpukit_test::gate g;
+  g.hold(s);
+  e.record(s);
+  (void)cudaGetLastError();
+  REQUIRE(cudaSetDevice(gpukit::device_count() + 98) == cudaErrorInvalidDevice);  // the program's own error
+  CHECK_FALSE(s.ready());
+  CHECK_FALSE(e.ready());
+  CHECK_FALSE(s.view().ready());
+  // cudaErrorNotReady is a status, not an error: polling must not clear (or replace) the pending error.
+  CHECK(cudaGetLastError() == cudaErrorInvalidDevice);
+  g.open();
+  s.synchronize();
+  CHECK(e.ready());
 }

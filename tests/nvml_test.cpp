@@ -36,6 +36,19 @@ TEST_CASE("NVML falls back to the PCI bus id, compared numerically (CUDA writes 
   CHECK_FALSE(nvml.memory(described("GPU-unknown", "0000:99:00.0")).has_value());
 }
 
+TEST_CASE("a MIG instance is found by its MIG UUID, not as its parent GPU by PCI bus id") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  // What properties() says about a MIG instance: its UUID's bytes (formatted GPU-...) and its parent's PCI bus id.
+  const auto memory = nvml.memory(described("GPU-abcdef01-2345-5678-9abc-def012345678", "0000:1a:00.0"));
+  REQUIRE(memory);
+  CHECK(memory->total == (10ull << 30));
+  CHECK(memory->free == (9ull << 30));
+  CHECK_FALSE(nvml.utilization_percent(described("GPU-abcdef01-2345-5678-9abc-def012345678", "0000:1a:00.0")));
+  const auto by_mig = nvml.memory(described("MIG-abcdef01-2345-5678-9abc-def012345678", ""));
+  REQUIRE(by_mig);
+  CHECK(by_mig->total == (10ull << 30));
+}
+
 TEST_CASE("unsupported NVML queries are unknown, not errors") {
   const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
   CHECK_FALSE(nvml.utilization_percent(described("GPU-99999999-8888-7777-6666-555555555555", "")).has_value());

@@ -28,6 +28,14 @@
 
 namespace gpukit_test {
 
+/// True when the CUDA runtime is the simulated one (tests/cudasim): its devices say so in their names. Performance
+/// checks, which only a real GPU can answer, are skipped there.
+inline bool on_simulator() {
+  cudaDeviceProp p{};
+  return gpukit::device_count() > 0 && cudaGetDeviceProperties(&p, 0) == cudaSuccess &&
+         std::string(p.name).find("(cudasim)") != std::string::npos;
+}
+
 /// Sets (or, with nullopt, unsets) an environment variable for a scope, restoring the previous value.
 class scoped_env {
  public:

@@ -14,6 +14,8 @@
 /// | cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)  | invalid_argument_error |
 /// | anything else                                            | cuda_error             |
 
+#include <gpukit/detail/config.hpp>
+
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -27,7 +29,7 @@
 #include <string_view>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// What kind of failure an error reports; every gpukit exception has exactly one.
 enum class errc : int {
@@ -124,9 +126,11 @@ struct warning_state {
   std::mutex mutex;
   warning_handler handler;  // empty: print to stderr
 };
-inline warning_state& warnings() {
-  static warning_state state;  // function-local: constructed on first use, never at static-initialisation time
-  return state;
+// Constructed on first use (never at static initialisation) and never destroyed: destructors that run after main
+// returns (objects at namespace scope, singletons) may still warn, after a destroyed static would be gone.
+GPUKIT_EXPORT inline warning_state& warnings() {
+  static warning_state* state = new warning_state();
+  return *state;
 }
 }  // namespace detail
 
@@ -229,10 +233,22 @@ inline std::string cuda_failure_message(cudaError_t result, std::string_view cal
   }
 }
 
-/// For destructors and other places that must not throw: reports a failed CUDA call as a warning. Results that only
-/// mean "the process is exiting and the runtime is already unloaded" are not reported.
+/// True for the results of a CUDA runtime or driver that is already torn down, as at process exit:
+/// cudaErrorCudartUnloading (the runtime is unloading; also what the driver's CUDA_ERROR_DEINITIALIZED, the same
+/// value 4, becomes; the runtime has no cudaErrorDeinitialized) and cudaErrorContextIsDestroyed (the primary context
+/// is gone). The resources of the process went with them: there is nothing left to release or report.
+constexpr bool is_teardown_result(cudaError_t result) noexcept {
+  return result == cudaErrorCudartUnloading || result == cudaErrorContextIsDestroyed;
+}
+
+/// For destructors and other places that must not throw: reports a failed CUDA call as a warning. Teardown results
+/// (is_teardown_result: destructors running after main returned) are not reported.
 inline void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept {
-  if (result == cudaSuccess || result == cudaErrorCudartUnloading) return;
+  if (result == cudaSuccess) return;
+  if (is_teardown_result(result)) {
+    (void)cudaGetLastError();
+    return;
+  }
   try {
     (void)cudaGetLastError();
     warn(cuda_failure_message(result, call, device));
@@ -241,7 +257,7 @@ inline void report_cuda_failure(cudaError_t result, std::string_view call, int d
 }
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE
 
 /// Evaluates a CUDA runtime call and throws the matching gpukit exception if it fails. The message names the call as
 /// written, e.g. `GPUKIT_CUDA_TRY(cudaDeviceSynchronize());`.

@@ -7,10 +7,12 @@
 /// pointer iterators, so under C++20 a std::span can be built from it directly. It says nothing about where the
 /// memory lives: device_buffer<T>::span() points to device memory.
 
+#include <gpukit/detail/config.hpp>
+
 #include <cstddef>
 #include <type_traits>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 template <class T>
 class span {
@@ -62,4 +64,4 @@ span<const unsigned char> as_bytes(span<T> s) noexcept {
   return {reinterpret_cast<const unsigned char*>(s.data()), s.size_bytes()};
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

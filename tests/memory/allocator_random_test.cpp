@@ -170,3 +170,104 @@ TEST_CASE("randomized operation sequences keep every invariant after every step"
 TEST_CASE("a long randomized sequence keeps every invariant") {
   run(scenarios()[0], 12345, 20000);
 }
+
+namespace {
+
+/// Like run(), with streams destroyed and replaced as a server does: blocks of destroyed streams must wait for their
+/// work, then serve any stream; frees of allocations that outlived their stream are reported; the allocator's
+/// stream registry stays bounded; no event is ever recorded on a destroyed stream (the fake throws).
+void run_with_stream_churn(const scenario& sc, std::uint64_t seed, int steps) {
+  fake_world world;
+  std::vector<int> current;  // the 3 live streams' ids
+  for (int i = 0; i < 3; ++i) current.push_back(world.add_stream());
+  fake_allocator a(gpukit::device::cpu(), sc.options, sc.capacity);
+  a.stream_operations().world = &world;
+  std::mt19937_64 rng(seed);
+  std::vector<live_allocation> live;
+  captured_warnings warnings;
+  std::size_t outlived = 0;  // frees of allocations whose stream had been destroyed
+  std::vector<int> live_stream;
+  auto pick = [&rng](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
+  auto remove_live = [&](std::size_t i) {
+    if (world.streams[static_cast<std::size_t>(live_stream[i])].destroyed) ++outlived;
+    live[i] = live.back();
+    live.pop_back();
+    live_stream[i] = live_stream.back();
+    live_stream.pop_back();
+  };
+  for (int step = 0; step < steps; ++step) {
+    const int op = std::uniform_int_distribution<int>(0, 999)(rng);
+    const int slot = static_cast<int>(pick(current.size()));
+    const fake_stream s{current[static_cast<std::size_t>(slot)]};
+    try {
+      if (op < 450) {
+        void* p = a.allocate(random_size(rng, sc.options), s);
+        live.push_back({reinterpret_cast<std::uintptr_t>(p), a.allocation_size(p)});
+        live_stream.push_back(s.id);
+      } else if (op < 800) {
+        if (!live.empty()) {
+          const std::size_t i = pick(live.size());
+          if (op < 760) {
+            a.deallocate(reinterpret_cast<void*>(live[i].address));
+          } else {
+            a.deallocate(reinterpret_cast<void*>(live[i].address), s);
+          }
+          remove_live(i);
+        }
+      } else if (op < 850) {
+        if (!live.empty()) a.record_stream(reinterpret_cast<void*>(live[pick(live.size())].address), s);
+      } else if (op < 910) {
+        world.enqueue(s.id, 1 + pick(3));
+      } else if (op < 950) {
+        world.complete(static_cast<int>(pick(world.streams.size())));  // destroyed streams' work completes too
+      } else if (op < 985) {
+        world.destroy(s.id);  // with work pending, cached blocks and live allocations, as it may be
+        current[static_cast<std::size_t>(slot)] = world.add_stream();
+      } else if (op < 990) {
+        a.empty_cache();
+      } else {
+        (void)a.trim(pick(256) * MiB);
+      }
+    } catch (const gpukit::out_of_memory_error&) {
+    }
+    const std::string problem = check_invariants(a.snapshot(), live, sc.options.rounding, true, false);
+    if (!problem.empty()) {
+      FAIL_CHECK(sc.name << " with stream churn, seed " << seed << ", step " << step << " (operation " << op
+                         << "): " << problem);
+      return;
+    }
+    if (a.stream_count() > 128 + 3) {
+      FAIL_CHECK(sc.name << " with stream churn, seed " << seed << ", step " << step << ": " << a.stream_count()
+                         << " stream states kept for " << world.streams.size() << " streams created");
+      return;
+    }
+  }
+  INFO(sc.name << " with stream churn, seed " << seed);
+  while (!live.empty()) {
+    a.deallocate(reinterpret_cast<void*>(live.back().address));
+    remove_live(live.size() - 1);
+  }
+  std::size_t reported = 0;
+  for (const auto& m : warnings.messages()) {
+    if (m.find("was destroyed while the allocation was live") != std::string::npos) ++reported;
+  }
+  CHECK(reported == outlived);
+  a.empty_cache();  // waits for pending events and for destroyed streams' last work
+  const auto snapshot = a.snapshot();
+  CHECK(check_invariants(snapshot, live, sc.options.rounding) == "");
+  CHECK(snapshot.segments.empty());
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.upstream().used() == 0);
+  std::printf("%-48s seed %llu with stream churn: %zu streams created, %zu frees after their stream was destroyed, "
+              "%zu stream states kept\n",
+              sc.name.c_str(), static_cast<unsigned long long>(seed), world.streams.size(), outlived,
+              a.stream_count());
+}
+
+}  // namespace
+
+TEST_CASE("randomized sequences with streams destroyed and replaced keep every invariant") {
+  for (const auto& sc : scenarios()) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) run_with_stream_churn(sc, seed, 3000);
+  }
+}

@@ -303,3 +303,44 @@ TEST_CASE("cross-stream reuse with the fake: the taker waits for the fence, the 
   a.deallocate(z);
   CHECK(check_invariants(a.snapshot(), {}, 512) == "");
 }
+
+TEST_CASE("a destroyed CPU stream's cached blocks go to no stream, and the allocator forgets the stream") {
+  host_allocator a(cpu);
+  void* x = nullptr;
+  {
+    gpukit::stream s(cpu);
+    x = a.allocate(64 * KiB, s);
+    a.deallocate(x);  // cached for s
+    CHECK(a.stream_count() == 1);
+  }  // a CPU stream waits for its work when destroyed: the block is unused from now on
+  {
+    gpukit::stream t(cpu);
+    void* y = a.allocate(64 * KiB, t);
+    CHECK(y == x);  // no new segment: the block belongs to no stream any more
+    const auto snapshot = a.snapshot();
+    CHECK(check_invariants(snapshot, {{reinterpret_cast<std::uintptr_t>(y), 64 * KiB}}, a.options().rounding) == "");
+    a.deallocate(y);
+  }
+  CHECK(a.stats().num_device_alloc == 1);
+  for (int i = 0; i < 1000; ++i) {
+    gpukit::stream u(cpu);
+    a.deallocate(a.allocate(64 * KiB, u));
+  }
+  CHECK(a.stream_count() <= 128);
+  CHECK(a.stats().num_device_alloc == 1);  // every stream reused the first segment
+}
+
+TEST_CASE("freeing a CPU buffer after its stream was destroyed is reported, naming the allocation and the stream") {
+  host_allocator a(cpu);
+  void* x = nullptr;
+  {
+    gpukit::stream s(cpu);
+    x = a.allocate(1000, s);
+  }
+  captured_warnings warnings;
+  a.deallocate(x);
+  CHECK(warnings.contains("1000 bytes"));
+  CHECK(warnings.contains("a CPU stream (id "));
+  CHECK(warnings.contains("was destroyed while the allocation was live"));
+  CHECK(a.memory_allocated() == 0);
+}

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@ struct fake_world {
     std::uint64_t enqueued = 0;
     std::uint64_t completed = 0;
     gpukit::device device = gpukit::device::cpu();
+    bool destroyed = false;  // its pending work still completes (CUDA semantics); no new work or events
   };
   std::vector<stream_state> streams;
   struct wait_record {
@@ -38,6 +40,7 @@ struct fake_world {
   std::vector<wait_record> waits;  // every event.wait(stream), in order
   int events_created = 0;
   int synchronizations = 0;
+  std::uint64_t destructions = 0;
 
   int add_stream(gpukit::device d = gpukit::device::cpu()) {
     streams.push_back(stream_state{0, 0, d});
@@ -47,6 +50,11 @@ struct fake_world {
   void complete(int s) { streams[static_cast<std::size_t>(s)].completed = streams[static_cast<std::size_t>(s)].enqueued; }
   void complete_all() {
     for (auto& s : streams) s.completed = s.enqueued;
+  }
+  /// Destroys stream `s`, as ~gpukit::stream does: ids are never reused, so a "new" stream is add_stream().
+  void destroy(int s) {
+    streams[static_cast<std::size_t>(s)].destroyed = true;
+    ++destructions;
   }
 };
 
@@ -72,6 +80,9 @@ struct fake_stream_ops {
     return fake_event{};
   }
   void record(fake_event& e, const fake_stream& s) const {
+    if (world->streams[static_cast<std::size_t>(s.id)].destroyed) {
+      throw std::logic_error("fake_stream_ops: an event recorded on destroyed stream " + std::to_string(s.id));
+    }
     e.stream = s.id;
     e.point = world->streams[static_cast<std::size_t>(s.id)].enqueued;
   }
@@ -91,6 +102,20 @@ struct fake_stream_ops {
     const auto& st = world->streams[static_cast<std::size_t>(s.id)];
     return st.completed < st.enqueued;
   }
+
+  // Lifetimes: every fake stream is tracked, like a gpukit::stream (world.destroy).
+  using tracker_type = int;
+  int track(const fake_stream& s) const { return s.id; }
+  bool expired(int s) const noexcept { return world->streams[static_cast<std::size_t>(s)].destroyed; }
+  bool finished(int s) const {
+    const auto& st = world->streams[static_cast<std::size_t>(s)];
+    return st.destroyed && st.completed >= st.enqueued;
+  }
+  void wait_finished(int s) const {
+    ++world->synchronizations;
+    world->complete(s);
+  }
+  std::uint64_t expirations() const noexcept { return world->destructions; }
 };
 
 /// Sums recomputed from a snapshot, per pool (0 all, 1 small, 2 large).

@@ -13,10 +13,12 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 using gpukit_test::gate;
@@ -167,11 +169,30 @@ TEST_CASE("a pageable copy's source may be freed when copy_async returns, a pinn
     auto temporary = iota(4000, 11);
     gpukit::copy_async(d, temporary, s);
   }  // freed before the stream ran the copy
-  std::vector<std::uint32_t> back(4000);
-  gpukit::copy_async(back, d, s);
   g.open();
-  s.synchronize();
+  std::vector<std::uint32_t> back(4000);
+  gpukit::copy_async(back, d, s);  // into pageable memory: returns with the data
   CHECK(back == iota(4000, 11));
+}
+
+TEST_CASE("a copy into pageable memory returns once the data has arrived, after the stream's earlier work") {
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  const auto data = iota(50000, 3);  // several chunks
+  gpukit::device_buffer<std::uint32_t> d(data.size(), s);
+  gpukit::copy_async(d, data, s);
+  std::vector<std::uint32_t> back(data.size(), 0);
+  std::atomic<bool> returned{false};
+  std::thread caller([&] {
+    gpukit::copy_async(back, d, s);
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(returned.load());  // held with the stream
+  g.open();
+  caller.join();
+  CHECK(back == data);  // no synchronize: the destination is complete when copy_async returns
 }
 
 TEST_CASE("stream order: a later copy on the same stream sees an earlier one's result") {
@@ -180,7 +201,7 @@ TEST_CASE("stream order: a later copy on the same stream sees an earlier one's r
   g.hold(s);
   gpukit::device_buffer<std::uint32_t> d(30000, s);
   gpukit::device_buffer<std::uint32_t> e(30000, s);
-  std::vector<std::uint32_t> back(30000);
+  gpukit::pinned_buffer<std::uint32_t> back(30000, cpu);  // pinned: this copy too is enqueued behind the gate
   const auto first = iota(30000, 100);
   const auto second = iota(30000, 200);
   gpukit::copy_async(d, first, s);
@@ -189,7 +210,10 @@ TEST_CASE("stream order: a later copy on the same stream sees an earlier one's r
   gpukit::copy_async(back, e, s);
   g.open();
   s.synchronize();
-  CHECK(back == first);
+  CHECK(std::equal(back.begin(), back.end(), first.begin()));
+  std::vector<std::uint32_t> pageable(30000);
+  gpukit::copy_async(pageable, d, s);
+  CHECK(pageable == second);
 }
 
 TEST_CASE("zero elements are a no-op: nothing is checked or enqueued") {

@@ -1,7 +1,7 @@
 // The staging engine on CPU streams: round trips of every interesting size, slot recycling order, slots reused only
 // after their copies completed (a slow copy step would expose early reuse), the source being free when to_device
-// returns, the no-deadlock rule with a gated stream, to_host never waiting, failures leaving no partial state, ring
-// bookkeeping, and concurrency.
+// returns, the no-deadlock rule with a gated stream (the rest staged in the background, pinned memory bounded, call
+// order kept), to_host returning with the data, failures leaving no partial state, ring bookkeeping, and concurrency.
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -197,15 +197,19 @@ TEST_CASE("no deadlock: a transfer larger than the ring on a stream held by a la
   const auto st = engine.stats();
   CHECK(st.overflows == 1);
   CHECK(st.overflow_bytes == expected.size() - 2 * 64 * KiB);  // everything after the two slots
+  // The rest waits in ordinary memory, not pinned: staging holds its two slots and nothing more.
+  CHECK(pool.stats().allocated_bytes_peak <= 2 * 64 * KiB);
+  CHECK(pool.stats().reserved_bytes_peak <= 2 * 64 * KiB);
   g.open();
   s.synchronize();
   CHECK(device == expected);
   CHECK(pool.stats().pending_blocks == 0);
-  // The overflow block went back to the pool stream-ordered; the ring is intact and works again.
+  CHECK(pool.stats().reserved_bytes_peak <= 2 * 64 * KiB);
+  // The ring is intact and works again.
   round_trip(engine, s, 5 * 64 * KiB, 1, 2, 6);
 }
 
-TEST_CASE("to_host never waits on the host, and the stream's later work sees the destination") {
+TEST_CASE("to_host returns once the destination is complete, after the stream's earlier work, like CUDA's") {
   auto pool = make_pool();
   engine_type engine(pool, small_options(64 * KiB, 2));
   gpukit::stream s(cpu);
@@ -214,18 +218,125 @@ TEST_CASE("to_host never waits on the host, and the stream's later work sees the
   std::vector<unsigned char> host(data.size(), 0);
   gate g;
   g.hold(s);
+  std::atomic<bool> returned{false};
+  std::thread caller([&] {
+    engine.to_host(host.data(), device.data(), device.size(), s);
+    returned = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(returned.load());  // the stream's earlier work (the gate) has not run: neither has the copy
+  g.open();
+  caller.join();
+  CHECK(host == data);  // complete when to_host returned: no synchronize needed
+  CHECK(engine.stats().to_host_calls == 1);
+  CHECK(engine.stats().chunks == 8);
+}
+
+TEST_CASE("behind a held stream, later transfers queue behind the first one's rest, in order, without pinning more") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.patience = 20ms;
+  engine_type engine(pool, options);
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  const auto first = patterned(6 * 64 * KiB, 40);
+  const auto second = patterned(6 * 64 * KiB, 41);
+  const auto third = patterned(64 * KiB + 5, 42);
+  std::vector<unsigned char> device(first.size(), 0);
+  std::vector<unsigned char> other(third.size(), 0);
   const auto start = std::chrono::steady_clock::now();
-  engine.to_host(host.data(), device.data(), device.size(), s);
-  CHECK(std::chrono::steady_clock::now() - start < 1000ms);  // returned with the stream held
+  engine.to_device(device.data(), first.data(), first.size(), s);  // fills the ring, then hands the rest over
+  engine.to_device(device.data(), second.data(), second.size(), s);  // overwrites the first, in stream order
+  engine.to_device(other.data(), third.data(), third.size(), s);
+  CHECK(std::chrono::steady_clock::now() - start < 2000ms);  // none of them waited for the gate
   std::atomic<bool> later_work_saw_data{false};
-  s.enqueue_host([&] { later_work_saw_data = std::memcmp(host.data(), data.data(), data.size()) == 0; });
-  std::this_thread::sleep_for(10ms);
-  CHECK(std::all_of(host.begin(), host.end(), [](unsigned char c) { return c == 0; }));
+  s.enqueue_host([&] { later_work_saw_data = device == second && other == third; });
+  CHECK(pool.stats().reserved_bytes_peak <= 2 * 64 * KiB);
   g.open();
   s.synchronize();
   CHECK(later_work_saw_data.load());
-  CHECK(host == data);
-  CHECK(engine.stats().to_host_calls == 1);
+  CHECK(device == second);
+  CHECK(other == third);
+  CHECK(pool.stats().reserved_bytes_peak <= 2 * 64 * KiB);
+  const auto st = engine.stats();
+  CHECK(st.overflows == 3);
+  CHECK(st.overflow_bytes == first.size() - 2 * 64 * KiB + second.size() + third.size());
+  CHECK(st.bytes == first.size() + second.size() + third.size());
+  round_trip(engine, s, 5 * 64 * KiB, 0, 3, 43);  // the stream is free again: the ring is used directly
+  CHECK(engine.stats().overflows == 3);
+}
+
+TEST_CASE("behind a held stream, to_host waits for the transfers queued before it and returns their data") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.patience = 10ms;
+  engine_type engine(pool, options);
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  const auto data = patterned(9 * 64 * KiB + 1, 44);
+  std::vector<unsigned char> device(data.size(), 0);
+  engine.to_device(device.data(), data.data(), data.size(), s);
+  CHECK(engine.stats().overflows == 1);
+  std::vector<unsigned char> back(data.size(), 0);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(30ms);
+    g.open();
+  });
+  engine.to_host(back.data(), device.data(), device.size(), s);
+  opener.join();
+  CHECK(back == data);
+}
+
+TEST_CASE("an engine destroyed with transfers still queued behind a held stream waits for them") {
+  auto pool = make_pool();
+  const auto data = patterned(8 * 64 * KiB, 45);
+  std::vector<unsigned char> device(data.size(), 0);
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  std::thread opener;
+  {
+    auto options = small_options(64 * KiB, 2);
+    options.patience = 10ms;
+    engine_type engine(pool, options);
+    engine.to_device(device.data(), data.data(), data.size(), s);
+    CHECK(engine.stats().overflows == 1);
+    opener = std::thread([&] {
+      std::this_thread::sleep_for(30ms);
+      g.open();
+    });
+  }  // waits until the stream ran the copies
+  opener.join();
+  s.synchronize();
+  CHECK(device == data);
+  CHECK(pool.stats().allocated_bytes == 0);
+}
+
+TEST_CASE("a failure while staging the rest of a transfer in the background is reported, and the ring recovers") {
+  auto pool = make_pool();
+  auto options = small_options(64 * KiB, 2);
+  options.patience = 10ms;
+  engine_type engine(pool, options);
+  gpukit::stream s(cpu);
+  gpukit_test::captured_warnings warnings;
+  gate g;
+  g.hold(s);
+  const auto data = patterned(6 * 64 * KiB, 46);
+  std::vector<unsigned char> device(data.size(), 0);
+  engine.to_device(device.data(), data.data(), data.size(), s);
+  REQUIRE(engine.copier().calls().size() == 2);  // the ring's two slots
+  engine.copier().shared->fail_at = 3;           // the second chunk staged in the background
+  g.open();
+  s.synchronize();  // the stream is released even though the rest could not be staged
+  CHECK(warnings.contains("gpukit::staging_engine"));
+  CHECK(warnings.contains("injected failure"));
+  CHECK(engine.stats().background_failures == 1);
+  round_trip(engine, s, 5 * 64 * KiB, 1, 0, 47);
+  CHECK(engine.release_idle() == 1);
+  CHECK(pool.stats().allocated_bytes == 0);
+  CHECK(pool.stats().lost_blocks == 0);
 }
 
 TEST_CASE("to_host: slots are reused in order and only after the host copy out of them") {

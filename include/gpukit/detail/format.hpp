@@ -5,11 +5,13 @@
 /// \file
 /// Small text helpers shared by messages and reports.
 
+#include <gpukit/detail/config.hpp>
+
 #include <cstddef>
 #include <cstdio>
 #include <string>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// Human-readable bytes with binary units: "512 B", "1.50 KiB", "16.69 GiB". Exact below 1 KiB.
@@ -34,4 +36,4 @@ inline std::string format_bytes_exact(std::size_t bytes) {
 }
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

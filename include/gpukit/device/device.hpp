@@ -6,6 +6,8 @@
 /// The device value type ("cpu" or "cuda:N"), the number of visible CUDA devices, the current device and an RAII
 /// guard that switches it for a scope. Nothing here creates a CUDA context on a device the user did not name.
 
+#include <gpukit/detail/config.hpp>
+#include <gpukit/detail/driver_api.hpp>
 #include <gpukit/error.hpp>
 
 #include <cuda_runtime_api.h>
@@ -15,10 +17,11 @@
 #include <functional>
 #include <iosfwd>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <string_view>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// Names where memory lives and work runs: the host CPU, or a CUDA device by its ordinal among the visible devices
 /// (after CUDA_VISIBLE_DEVICES). A plain value: cheap to copy, comparable, hashable, printable as "cpu"/"cuda:N".
@@ -104,7 +107,7 @@ struct cuda_environment_snapshot {
   std::string value;
 };
 
-inline const cuda_environment_snapshot& cuda_environment_at_init() {
+GPUKIT_EXPORT inline const cuda_environment_snapshot& cuda_environment_at_init() {
   static const cuda_environment_snapshot snapshot = [] {
     cuda_environment_snapshot s;
     if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
@@ -157,12 +160,22 @@ inline void set_current_device(device d) {
 /// RAII: makes a device current for the calling thread and restores the previous current device when the scope ends.
 /// For the CPU it changes nothing. It calls cudaSetDevice only when the device differs from the current one, so
 /// nesting is cheap. Not copyable or movable (it restores state of the thread that created it).
+///
+/// It never creates a context to restore: cudaSetDevice initialises the device's primary context, and cudaGetDevice
+/// says 0 on a thread that never chose a device, so restoring "the previous device" blindly would create cuda:0's
+/// context in every process that uses only another GPU. A thread that had no context current keeps `d` current
+/// afterwards, and nothing is restored onto a device whose primary context is no longer active (as PyTorch's
+/// MaybeSetDevice). The driver is asked through cudaGetDriverEntryPointByVersion (detail/driver_api.hpp).
 class device_guard {
  public:
+  /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
+  /// driver.
   explicit device_guard(device d) {
     if (!d.is_cuda()) return;
     detail::note_cuda_use();
     GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
+    // 0: no context is current, so cudaGetDevice's answer is a default, not a device to go back to.
+    if (detail::thread_context_state() == 0) previous_ = no_previous;
     if (previous_ != d.ordinal()) {
       set_current_device(d);
       changed_ = true;
@@ -170,17 +183,61 @@ class device_guard {
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
+  /// Restores the previous device (see the class comment); failures are reported through gpukit::warn.
   ~device_guard() {
-    if (changed_) {
-      detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)",
-                                  previous_);
-    }
+    if (!changed_ || previous_ == no_previous) return;
+    if (detail::primary_context_state(previous_) == 0) return;  // reset meanwhile: restoring would recreate it
+    detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)", previous_);
   }
 
  private:
-  int previous_ = 0;
+  static constexpr int no_previous = -1;
+  int previous_ = no_previous;
   bool changed_ = false;
 };
+
+namespace detail {
+
+/// device_with_context's answer when the current context serves: one is current on the thread, or the driver entry
+/// points are missing (then the runtime alone cannot tell, and the call runs as it would without gpukit).
+inline constexpr int keep_current_context = -2;
+/// device_with_context's answer when no device has a context and none may be created.
+inline constexpr int no_context_anywhere = -1;
+
+/// The device on which to make a call that any context can serve but that needs one (cudaHostAlloc and
+/// cudaHostRegister of portable memory, cudaPointerGetAttributes, cudaHostGetDevicePointer under unified
+/// addressing): such calls run in the current context, and on a thread with none the runtime would create cuda:0's.
+/// In order: keep_current_context if a context is current; `preferred` if its primary context is active; the first
+/// device whose primary context is active; else `preferred` when `allow_new` (the caller named it, so a context there
+/// is expected), else no_context_anywhere. Creates nothing itself; never throws.
+inline int device_with_context(int preferred, bool allow_new = true) noexcept {
+  if (thread_context_state() != 0) return keep_current_context;
+  if (preferred >= 0 && primary_context_state(preferred) == 1) return preferred;
+  const int count = device_count();
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    if (ordinal != preferred && primary_context_state(ordinal) == 1) return ordinal;
+  }
+  return allow_new && preferred >= 0 ? preferred : no_context_anywhere;
+}
+
+/// RAII for a call that needs a context: with `any_context` (the call is served by any context, e.g. portable pinned
+/// memory) makes device_with_context(ordinal) current, else `ordinal` itself (device_guard). Nothing changes when
+/// the current context serves. See device_guard for what is restored.
+class context_scope {
+ public:
+  explicit context_scope(int ordinal, bool any_context = true)
+      : ordinal_(any_context ? device_with_context(ordinal) : ordinal) {
+    if (ordinal_ >= 0) guard_.emplace(device::cuda(ordinal_));
+  }
+  /// The device made current, or keep_current_context / no_context_anywhere (see device_with_context).
+  int ordinal() const noexcept { return ordinal_; }
+
+ private:
+  int ordinal_;
+  std::optional<device_guard> guard_;
+};
+
+}  // namespace detail
 
 /// A range over the visible CUDA devices, cuda:0 ... cuda:(device_count()-1), taken when the range is created.
 /// Enumerating creates no CUDA context.
@@ -226,7 +283,7 @@ class device_range {
 /// The visible CUDA devices: `for (gpukit::device d : gpukit::cuda_devices()) ...`. Empty without a GPU.
 inline device_range cuda_devices() noexcept { return device_range(device_count()); }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE
 
 namespace std {
 template <>

@@ -6,21 +6,24 @@
 /// Optional NVML access, loaded at run time with dlopen("libnvidia-ml.so.1") through gpukit's own minimal
 /// declarations (the toolkit ships no nvml.h, and linking NVML would make it a hard dependency). NVML reads free
 /// memory and utilisation without creating a CUDA context. NVML ignores CUDA_VISIBLE_DEVICES and its indices are
-/// not CUDA ordinals, so gpukit maps a CUDA device to NVML by its full UUID, then by PCI bus id; never by index.
+/// not CUDA ordinals, so gpukit maps a CUDA device to NVML by its full UUID (as GPU-<uuid>, then, for a MIG instance,
+/// as MIG-<uuid>), then by PCI bus id; never by index.
 ///
 /// The environment variable GPUKIT_NVML_LIBRARY overrides the library path (tests load a fake NVML this way).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/device/visible_devices.hpp>
 
 #include <dlfcn.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace nvml {
 
 /// Free, used and total memory of a GPU as NVML reports it (bytes).
@@ -133,6 +136,13 @@ class library {
     if (!initialised_) return nullptr;
     void* dev = nullptr;
     if (!p.uuid.empty() && by_uuid_(p.uuid.c_str(), &dev) == 0) return dev;
+    // A MIG instance: CUDA reports its MIG UUID's bytes (properties() prints them as GPU-...), NVML knows it as
+    // MIG-<uuid>. Tried before the PCI bus id, which names the parent GPU (its memory is not the instance's).
+    constexpr std::size_t prefix = 4;  // "GPU-" / "MIG-"
+    if (p.uuid.size() > prefix && p.uuid.compare(0, prefix, "GPU-") == 0) {
+      const std::string mig = "MIG-" + p.uuid.substr(prefix);
+      if (by_uuid_(mig.c_str(), &dev) == 0) return dev;
+    }
     // NVML writes an 8-digit domain, CUDA a 4-digit one; NVML parses the text numerically, so both forms work.
     if (!p.pci_bus_id.empty() && by_pci_(p.pci_bus_id.c_str(), &dev) == 0) return dev;
     return nullptr;
@@ -157,7 +167,7 @@ class library {
 
 /// The process-wide NVML, loaded on first use (never at static-initialisation time) from GPUKIT_NVML_LIBRARY or
 /// "libnvidia-ml.so.1".
-inline const library& instance() {
+GPUKIT_EXPORT inline const library& instance() {
   static const library nvml_library([] {
     const char* override_path = std::getenv("GPUKIT_NVML_LIBRARY");
     return (override_path != nullptr && *override_path != '\0') ? override_path : "libnvidia-ml.so.1";
@@ -166,4 +176,4 @@ inline const library& instance() {
 }
 
 }  // namespace nvml
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

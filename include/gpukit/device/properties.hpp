@@ -8,6 +8,7 @@
 /// cudaDeviceProp fields), neither of which creates a context. Free memory is read only on request
 /// (memory_info), because cudaMemGetInfo creates the device's primary context (~300 MB of device memory).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -17,10 +18,11 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// Static properties of one CUDA device. Obtained with properties(device); constant for the life of the process.
 struct device_properties {
@@ -46,8 +48,6 @@ struct device_properties {
   std::size_t shared_memory_per_block = 0;
   std::size_t shared_memory_per_multiprocessor = 0;
   int compute_mode = 0;                       ///< a cudaComputeMode value (0: default, 2: prohibited, 3: exclusive)
-  int stream_priority_least = 0;              ///< numerically greatest priority value (lowest priority)
-  int stream_priority_greatest = 0;           ///< numerically lowest priority value (highest priority)
   bool integrated = false;                    ///< shares memory with the host (Jetson, Grace-integrated parts)
   bool ecc_enabled = false;
   bool unified_addressing = false;
@@ -133,10 +133,19 @@ inline device_properties query_properties(device d) {
   p.compute_mode = device_attribute(cudaDevAttrComputeMode, ordinal, "cudaDevAttrComputeMode");
   p.memory_pools_supported =
       device_attribute(cudaDevAttrMemoryPoolsSupported, ordinal, "cudaDevAttrMemoryPoolsSupported") != 0;
-  GPUKIT_CUDA_TRY_DESCRIBED(
-      cudaDeviceGetStreamPriorityRange(&p.stream_priority_least, &p.stream_priority_greatest),
-      "cudaDeviceGetStreamPriorityRange", ordinal);
+  // No stream priority range here: cudaDeviceGetStreamPriorityRange answers for the current device and creates its
+  // context (see stream_priority_range()).
   return p;
+}
+
+/// The process-wide cache of properties(), indexed by ordinal.
+struct properties_cache {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<const device_properties>> entries;
+};
+GPUKIT_EXPORT inline properties_cache& device_properties_cache() {
+  static properties_cache cache;
+  return cache;
 }
 
 }  // namespace detail
@@ -148,20 +157,68 @@ inline const device_properties& properties(device d) {
     throw invalid_argument_error("gpukit::properties(" + d.to_string() + "): only CUDA devices have properties");
   }
   detail::note_cuda_use();
-  static std::mutex mutex;
-  static std::vector<std::unique_ptr<const device_properties>> cache;  // indexed by ordinal
+  auto& cache = detail::device_properties_cache();
   {
-    std::lock_guard<std::mutex> lock(mutex);
+    std::lock_guard<std::mutex> lock(cache.mutex);
     const auto index = static_cast<std::size_t>(d.ordinal());
-    if (index < cache.size() && cache[index]) return *cache[index];
+    if (index < cache.entries.size() && cache.entries[index]) return *cache.entries[index];
   }
   // Queried outside the lock: it can take milliseconds. Two threads may both query; the first stored wins.
   auto fresh = std::make_unique<const device_properties>(detail::query_properties(d));
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(cache.mutex);
   const auto index = static_cast<std::size_t>(d.ordinal());
-  if (cache.size() <= index) cache.resize(index + 1);
-  if (!cache[index]) cache[index] = std::move(fresh);
-  return *cache[index];
+  if (cache.entries.size() <= index) cache.entries.resize(index + 1);
+  if (!cache.entries[index]) cache.entries[index] = std::move(fresh);
+  return *cache.entries[index];
+}
+
+/// The stream priorities a device supports. Lower numbers run first, so `greatest` <= `least` (e.g. -5 and 0).
+struct priority_range {
+  int least = 0;     ///< numerically greatest value: the lowest priority (also the default, 0)
+  int greatest = 0;  ///< numerically lowest value: the highest priority
+  /// `priority` clamped into [greatest, least].
+  constexpr int clamp(int priority) const noexcept {
+    return priority < greatest ? greatest : (priority > least ? least : priority);
+  }
+};
+
+namespace detail {
+
+/// The process-wide cache of stream_priority_range(), indexed by ordinal.
+struct priority_range_cache {
+  std::mutex mutex;
+  std::vector<std::optional<priority_range>> entries;
+};
+GPUKIT_EXPORT inline priority_range_cache& stream_priority_ranges() {
+  static priority_range_cache cache;
+  return cache;
+}
+
+}  // namespace detail
+
+/// The stream priority range of device `d`, read once per device and cached (thread-safe). For the CPU, {0, 0}.
+/// cudaDeviceGetStreamPriorityRange answers for the *current* device and creates its context, so this makes `d`
+/// current for the call (device_guard): ask only about a device you are about to create streams on. properties()
+/// and select_device() never ask. Throws invalid_argument_error for an ordinal that is not visible, no_device_error
+/// without a driver.
+inline priority_range stream_priority_range(device d) {
+  if (!d.is_cuda()) return {};
+  auto& cache = detail::stream_priority_ranges();
+  const auto index = static_cast<std::size_t>(d.ordinal());
+  {
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    if (index < cache.entries.size() && cache.entries[index]) return *cache.entries[index];
+  }
+  priority_range range;
+  {
+    device_guard guard(d);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetStreamPriorityRange(&range.least, &range.greatest),
+                              "cudaDeviceGetStreamPriorityRange", d.ordinal());
+  }
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  if (cache.entries.size() <= index) cache.entries.resize(index + 1);
+  cache.entries[index] = range;
+  return range;
 }
 
 /// Free and total device memory in bytes, as cudaMemGetInfo reports it.
@@ -183,4 +240,4 @@ inline memory_info query_memory_info(device d) {
   return info;
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -16,6 +16,7 @@
 /// allow_context_probe is set, which permits cudaMemGetInfo on each candidate (creating its context, ~300 MB each);
 /// least_utilized falls back to the first eligible device.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/nvml.hpp>
@@ -29,7 +30,7 @@
 #include <string>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// How to rank the devices that meet the requirements.
 enum class device_preference {
@@ -371,4 +372,4 @@ inline device_selection select_device(const selection_policy& policy = {}) {
   return select_device(policy, take_system_snapshot(policy));
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

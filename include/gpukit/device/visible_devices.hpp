@@ -15,6 +15,7 @@
 /// - the order of the list defines the ordinals: `2,1` makes physical device 2 `cuda:0`.
 /// The parser itself is pure (no CUDA call); pass what is installed (from NVML) to apply the range and UUID checks.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -26,7 +27,7 @@
 #include <string_view>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// The physical GPUs installed, regardless of CUDA_VISIBLE_DEVICES, where known (NVML reports them).
 struct installed_gpus {
@@ -272,13 +273,20 @@ inline std::string visible_devices_changed_message() {
          "Set it before the process starts (or before the first CUDA call).";
 }
 
+namespace detail {
+/// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library.
+GPUKIT_EXPORT inline std::once_flag& visible_devices_warned() {
+  static std::once_flag warned;
+  return warned;
+}
+}  // namespace detail
+
 /// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
 /// Returns true if the variable is unchanged.
 inline bool check_visible_devices_unchanged() {
   const std::string message = visible_devices_changed_message();
   if (message.empty()) return true;
-  static std::once_flag warned;
-  std::call_once(warned, [&] { warn(message); });
+  std::call_once(detail::visible_devices_warned(), [&] { warn(message); });
   return false;
 }
 
@@ -290,4 +298,4 @@ inline visible_devices visible_devices_in_effect(const installed_gpus& installed
   return parse_visible_devices(at_init.set ? at_init.value.c_str() : nullptr, installed);
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -7,6 +7,7 @@
 /// under the allocator's lock together with its statistics. It is what a user inspects to understand where reserved
 /// memory went, and what gpukit's tests check the allocator's invariants against.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 
@@ -14,7 +15,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// What a block is doing.
 enum class block_state : unsigned char {
@@ -49,4 +50,4 @@ struct allocator_snapshot {
   std::size_t pointer_map_entries = 0;  ///< allocations the pointer map knows (equals allocated blocks when quiet)
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

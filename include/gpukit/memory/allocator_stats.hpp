@@ -15,6 +15,7 @@
 /// - inactive_split: free blocks that are pieces of a split segment (cached, but not releasable on their own);
 /// - segment / allocation counts; each with current, peak, total allocated, total freed.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
 
 #include <array>
@@ -26,7 +27,7 @@
 #include <string>
 #include <string_view>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// One statistic: its current value, its peak since the last reset_peak_stats(), and the totals added and removed
 /// since the last reset_accumulated_stats().
@@ -240,4 +241,4 @@ inline std::string format_memory_summary(std::string_view title, const allocator
   return out;
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

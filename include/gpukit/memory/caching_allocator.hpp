@@ -31,9 +31,31 @@
 ///   numbers needed to understand why.
 /// - Statistics are atomics written under the lock and read without it.
 ///
-/// Zero-size requests return nullptr (no statistic changes); deallocate(nullptr) does nothing. A stream passed to
-/// allocate, deallocate or record_stream must outlive the blocks it is used with, as with RMM and CUDA.
+/// - Stream identity: streams are keyed by the stream ops' key, for CUDA cudaStreamGetId (cached in views of
+///   gpukit::stream and, per thread, for default streams), never by handle: CUDA gives a destroyed stream's handle to
+///   the next stream created, which must not inherit blocks the old stream's work still uses (RMM #649).
+///   cudaStreamPerThread is keyed per thread; an event for another thread's per-thread stream is recorded on the
+///   legacy default stream (stream_ops.hpp). The state of a stream that holds nothing (nothing cached, allocated,
+///   recorded or pending) is dropped in sweeps amortized over registrations, so creating and destroying streams
+///   does not grow the allocator.
+/// - Streams of other devices: record_stream (and deallocate(p, s)) accept streams of other CUDA devices, as for
+///   peer copies; their events are that device's, recorded with it current.
+/// - Destroyed streams (gpukit::stream only; the stream ops track them): such a stream gets no more events (its
+///   handle may be another stream's). Its cached blocks wait until the work it had enqueued completes (an event its
+///   destructor records), then belong to no stream, so any stream takes them. Freeing an allocation whose stream was
+///   destroyed is a bug of the program (the buffer outlived its stream): it is reported through gpukit::warn, naming
+///   the allocation and the stream, and the memory waits the same way, so nothing is reused too early and no stream
+///   is made to wait. A stream recorded with record_stream may be destroyed before the free: the block then waits
+///   for its last work. A raw cudaStream_t is not tracked: it must outlive the blocks it is used with (as with RMM).
+///
+/// Zero-size requests return nullptr (no statistic changes); deallocate(nullptr) does nothing.
+///
+/// CUDA graph capture: graph-private pools are not supported yet, so allocate, deallocate and record_stream on a
+/// stream being captured (and empty_cache/trim while a stream with live allocations is) throw invalid_argument_error
+/// before anything changes (stream_ops.hpp says why). Upstream calls made for streams that are not captured relax
+/// the thread's capture mode, so they work while another thread captures in global mode.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
@@ -62,7 +84,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// How a caching allocator rounds, pools, splits and limits. The defaults are gpukit's choice, measured with
 /// bench_fragmentation (README, "Caching device allocator"): PyTorch's rounding, small pool and split threshold,
@@ -145,6 +167,39 @@ struct allocator_options {
   }
 };
 
+namespace detail {
+/// Whether a StreamOps policy tracks stream lifetimes (tracker_type, track, expired, finished, wait_finished,
+/// expirations: all or none; see stream_ops.hpp).
+template <class Ops, class = void>
+struct tracks_stream_lifetimes : std::false_type {};
+template <class Ops>
+struct tracks_stream_lifetimes<Ops, std::void_t<typename Ops::tracker_type>> : std::true_type {};
+
+/// What a stream's state keeps to learn of its destruction: the policy's tracker, or nothing.
+template <class Ops, bool = tracks_stream_lifetimes<Ops>::value>
+struct stream_tracker {
+  struct type {};
+};
+template <class Ops>
+struct stream_tracker<Ops, true> {
+  using type = typename Ops::tracker_type;
+};
+
+/// Whether a StreamOps policy resolves a stream into the copy the allocator keeps (`resolve`).
+template <class Ops, class = void>
+struct has_stream_resolve : std::false_type {};
+template <class Ops>
+struct has_stream_resolve<Ops, std::void_t<decltype(std::declval<const Ops&>().resolve(
+                                   std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+
+/// Whether a StreamOps policy describes streams for messages (`describe`).
+template <class Ops, class = void>
+struct has_stream_describe : std::false_type {};
+template <class Ops>
+struct has_stream_describe<Ops, std::void_t<decltype(std::declval<const Ops&>().describe(
+                                    std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+}  // namespace detail
+
 template <class Upstream, class StreamOps = stream_ops>
 class basic_caching_allocator {
  public:
@@ -159,6 +214,8 @@ class basic_caching_allocator {
   explicit basic_caching_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args)
       : device_(d), options_(options), upstream_(make_upstream(d, std::forward<UpstreamArgs>(upstream_args)...)) {
     options_.validate();
+    unowned_ = std::make_unique<stream_state>(no_stream_key, stream_type{}, d, tracker_type{});
+    for (auto& pool : unowned_->pools) pool = std::make_unique<index_type>();  // retire() must not fail midway
     limit_ = options_.reserved_limit;
     needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
   }
@@ -179,8 +236,17 @@ class basic_caching_allocator {
            "); their memory is released now, so any later use of it is invalid");
     }
     for (auto& st : streams_) {
-      for (auto& record : st->pending) synchronize_quietly(*record.event);
+      for (auto& record : st->pending) {
+        if (record.event) {
+          synchronize_quietly(*record.event);
+        } else {
+          wait_finished_quietly(st->tracker);
+        }
+      }
       st->pending.clear();
+    }
+    if (!upstream_.synchronizes_on_free()) {
+      for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
     }
     for (segment* seg = segments_; seg != nullptr;) {
       for (block* b = seg->first; b != nullptr; b = b->next) {
@@ -199,10 +265,11 @@ class basic_caching_allocator {
 
   /// `bytes` of memory usable on `stream` at once (stream-ordered), aligned to at least min(rounding, 256) bytes.
   /// Zero bytes gives nullptr. Throws out_of_memory_error when the upstream (or the reserved limit) cannot supply it
-  /// even after the cache is released; invalid_argument_error for a stream of another device or a size that
-  /// overflows when rounded.
+  /// even after the cache is released; invalid_argument_error for a stream of another device, a size that
+  /// overflows when rounded, or a stream being captured into a CUDA graph.
   void* allocate(std::size_t bytes, const stream_type& stream) {
     if (bytes == 0) return nullptr;
+    refuse_if_captured(stream, "allocate");
     const std::size_t size = round_request(bytes);
     const bool small = size <= options_.small_size;
     block* b;
@@ -210,8 +277,17 @@ class basic_caching_allocator {
       std::unique_lock<detail::spin_mutex> lock(mutex_);
       stream_state& st = stream_for(stream);
       if (pending_total_ != 0) process_events();
+      if constexpr (tracks_lifetimes) {
+        if (ops_.expirations() != seen_expirations_) note_expirations();  // one relaxed load when nothing changed
+        if (!dead_streams_.empty()) retire_finished();
+      }
       b = find_free(st, size, small);
-      if (b == nullptr) b = allocate_slow(lock, st, bytes, size, small);
+      if (b == nullptr) {
+        // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
+        // nor invalidate a capture in global mode that another thread has underway.
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = allocate_slow(lock, st, bytes, size, small);
+      }
       take(b, st, size, bytes);
     }
     try {
@@ -227,35 +303,52 @@ class basic_caching_allocator {
   /// Frees `p` in the order of the stream it was allocated on: the block can be reused on that stream at once, and
   /// on other streams once the work recorded with record_stream completes. nullptr is ignored. Throws
   /// invalid_argument_error for a pointer this allocator does not own (never allocated here, already freed, or
-  /// pointing inside an allocation).
+  /// pointing inside an allocation), and, leaving it allocated, while its stream or a stream recorded for it is
+  /// being captured into a CUDA graph.
   void deallocate(void* p) {
     if (p == nullptr) return;
     block* b = map_.erase(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned(p, "deallocate");
     // The block is ours alone now: its owner (set under the lock when it was allocated) cannot change.
+    refuse_free_if_captured(b);
     const bool busy = owner_may_be_busy(b);
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
-    free_allocated(b, busy);
+    const std::string report = owner_expired(b) ? expired_owner_message(b) : std::string();
+    {
+      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      free_allocated(b, busy);
+    }
+    if (!report.empty()) warn(report);
   }
 
   /// Frees `p` after the work enqueued so far on `stream` as well (as if record_stream(p, stream) had been called),
-  /// for memory last used on a stream other than its own. The stream must belong to this allocator's device.
+  /// for memory last used on a stream other than its own. The stream may belong to another CUDA device (a peer copy
+  /// read it), as with record_stream.
   void deallocate(void* p, const stream_type& stream) {
     if (p == nullptr) return;
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
-    stream_state& st = stream_for(stream);  // checks the device before anything changes
-    block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (b == nullptr) throw_not_owned_locked(p, "deallocate");
-    note_stream_use(b, st);  // may throw (memory): the block is still allocated then
-    if (map_.erase(reinterpret_cast<std::uintptr_t>(p)) != b) throw_not_owned_locked(p, "deallocate");
-    free_allocated(b, owner_may_be_busy(b));
+    refuse_if_captured(stream, "deallocate");
+    std::string report;
+    {
+      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      stream_state& st = stream_for(stream, true);  // checks the device before anything changes
+      block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (b == nullptr) throw_not_owned_locked(p, "deallocate");
+      refuse_if_captured(b->owner->stream, "deallocate");
+      note_stream_use(b, st);  // may throw (memory): the block is still allocated then
+      if (map_.erase(reinterpret_cast<std::uintptr_t>(p)) != b) throw_not_owned_locked(p, "deallocate");
+      if (owner_expired(b)) report = expired_owner_message(b);
+      free_allocated(b, owner_may_be_busy(b));
+    }
+    if (!report.empty()) warn(report);
   }
 
   /// Notes that `stream` uses the allocation at `p` (like torch's Tensor.record_stream): when `p` is freed, its
-  /// block is reused only after the work enqueued on `stream` until then has completed.
+  /// block is reused only after the work enqueued on `stream` until then has completed. `stream` may belong to
+  /// another CUDA device (a peer copy): the event is then one of that device, recorded with it current. It may be
+  /// destroyed before the free: the block then waits for its last work.
   void record_stream(void* p, const stream_type& stream) {
+    refuse_if_captured(stream, "record_stream");
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    stream_state& st = stream_for(stream);
+    stream_state& st = stream_for(stream, true);
     block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned_locked(p, "record_stream");
     note_stream_use(b, st);
@@ -378,14 +471,18 @@ class basic_caching_allocator {
   /// Waits for pending events, then returns every completely free segment to the upstream. Memory still allocated
   /// (or in a segment with an allocated block) stays: memory_summary() shows it as non-releasable.
   void empty_cache() {
+    detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
     std::unique_lock<detail::spin_mutex> lock(mutex_);
+    refuse_release_if_captured("empty_cache");
     release_cached(lock, true, 0);
   }
 
   /// Like empty_cache(), but stops once reserved memory is at most `target_reserved` bytes, releasing the largest
   /// free segments first. Returns the reserved bytes afterwards (more than the target if too little is free).
   std::size_t trim(std::size_t target_reserved) {
+    detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
     std::unique_lock<detail::spin_mutex> lock(mutex_);
+    refuse_release_if_captured("trim");
     release_cached(lock, true, target_reserved);
     return current(stats_.reserved_bytes);
   }
@@ -393,6 +490,7 @@ class basic_caching_allocator {
   /// Caps reserved memory at `bytes` (allocator_options::unlimited for none), releasing free segments at once if
   /// the cache is above it. Allocations that would exceed it free cache and retry, then throw out_of_memory_error.
   void set_reserved_limit(std::size_t bytes) {
+    detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
     std::unique_lock<detail::spin_mutex> lock(mutex_);
     limit_ = bytes;
     limit_atomic_.store(bytes, std::memory_order_relaxed);
@@ -419,6 +517,11 @@ class basic_caching_allocator {
   Upstream& upstream() noexcept { return upstream_; }
   const Upstream& upstream() const noexcept { return upstream_; }
   StreamOps& stream_operations() noexcept { return ops_; }
+  /// How many streams the allocator keeps state for (diagnostics and tests).
+  std::size_t stream_count() const {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    return streams_.size();
+  }
 
   /// The rounded size a request of `bytes` is served with (throws invalid_argument_error on overflow).
   std::size_t rounded_size(std::size_t bytes) const { return round_request(bytes); }
@@ -428,6 +531,11 @@ class basic_caching_allocator {
  private:
   struct stream_state;
   struct segment;
+
+  static constexpr bool tracks_lifetimes = detail::tracks_stream_lifetimes<StreamOps>::value;
+  using tracker_type = typename detail::stream_tracker<StreamOps>::type;
+  /// The key snapshots show for blocks that belong to no stream (stream ids never reach it).
+  static constexpr std::uintptr_t no_stream_key = ~std::uintptr_t{0};
 
   template <class... Args>
   static Upstream make_upstream(gpukit::device d, Args&&... args) {
@@ -475,11 +583,17 @@ class basic_caching_allocator {
   using index_type = detail::size_class_index<block>;
 
   struct stream_state {
-    stream_state(std::uintptr_t k, const stream_type& s) : key(k), stream(s) {}
+    stream_state(std::uintptr_t k, const stream_type& s, gpukit::device d, tracker_type t)
+        : key(k), stream(s), device(d), tracker(std::move(t)) {}
     std::uintptr_t key;
-    stream_type stream;
+    stream_type stream;      // resolved: means this stream from any thread
+    gpukit::device device;   // this allocator's, or another CUDA device's (record_stream)
+    tracker_type tracker;    // says when a tracked stream (gpukit::stream) is destroyed
     std::unique_ptr<index_type> pools[2];  // [1]: small, [0]: large; created on first use
-    std::deque<pending_record> pending;    // events recorded on this stream, in order
+    std::deque<pending_record> pending;    // events recorded on this stream, in order (null: its final work)
+    std::size_t in_use = 0;  // allocated or pending blocks it owns, and blocks that recorded it
+    bool dead = false;       // destroyed: its free blocks wait for its last work (nobody else may take them)
+    bool retired = false;    // ... which has completed: its blocks belong to no stream from now on
   };
 
   struct all_stats_t {
@@ -547,47 +661,219 @@ class basic_caching_allocator {
 
   /// The state of a stream, registered (and its device checked) on first use. The keys sit in one contiguous
   /// vector that a lookup only reads, so threads using different streams do not write shared cache lines here.
-  stream_state& stream_for(const stream_type& s) {
+  /// Streams of other CUDA devices are accepted only where `other_devices` (record_stream, deallocate(p, s)).
+  stream_state& stream_for(const stream_type& s, bool other_devices = false) {
     const std::uintptr_t key = ops_.key(s);
+    stream_state* found = nullptr;
     if (stream_index_.empty()) {
       for (const auto& entry : stream_keys_) {
-        if (entry.first == key) return *entry.second;
+        if (entry.first == key) {
+          found = entry.second;
+          break;
+        }
       }
     } else {
       const auto it = stream_index_.find(key);
-      if (it != stream_index_.end()) return *it->second;
+      if (it != stream_index_.end()) found = it->second;
     }
-    return *register_stream(s, key);
+    if (found == nullptr) return *register_stream(s, key, other_devices);
+    if (!other_devices && found->device != device_) throw_wrong_device(found->device);
+    return *found;
   }
 
-  stream_state* register_stream(const stream_type& s, std::uintptr_t key) {
+  [[noreturn]] void throw_wrong_device(gpukit::device d) const {
+    throw invalid_argument_error("gpukit: a stream of " + d.to_string() + " was passed to the caching allocator of " +
+                                 device_.to_string() + " (wrong device)");
+  }
+
+  stream_state* register_stream(const stream_type& s, std::uintptr_t key, bool other_devices) {
     const gpukit::device d = ops_.device_of(s);
-    if (d != device_) {
-      throw invalid_argument_error("gpukit: a stream of " + d.to_string() + " was passed to the caching allocator of " +
-                                   device_.to_string() + " (wrong device)");
-    }
-    streams_.push_back(std::make_unique<stream_state>(key, s));
+    if (d != device_ && !(other_devices && d.is_cuda() && device_.is_cuda())) throw_wrong_device(d);
+    // A server that creates and destroys streams must not grow this registry forever: states with nothing cached,
+    // pending or allocated go, in sweeps whose cost is amortized over the registrations since the last one.
+    if (streams_.size() >= prune_at_) prune_streams();
+    stream_type kept = s;
+    if constexpr (detail::has_stream_resolve<StreamOps>::value) kept = ops_.resolve(s);
+    tracker_type tracker{};
+    if constexpr (tracks_lifetimes) tracker = ops_.track(s);
+    streams_.push_back(std::make_unique<stream_state>(key, kept, d, std::move(tracker)));
     stream_state* st = streams_.back().get();
-    stream_keys_.emplace_back(key, st);
-    if (!stream_index_.empty() || stream_keys_.size() > linear_stream_lookup) {
-      for (const auto& entry : stream_keys_) stream_index_.emplace(entry.first, entry.second);
+    try {
+      stream_keys_.emplace_back(key, st);
+      if (!stream_index_.empty()) {
+        stream_index_.emplace(key, st);
+      } else if (stream_keys_.size() > linear_stream_lookup) {
+        for (const auto& entry : stream_keys_) stream_index_.emplace(entry.first, entry.second);
+      }
+    } catch (...) {
+      if (!stream_keys_.empty() && stream_keys_.back().second == st) stream_keys_.pop_back();
+      stream_index_.erase(key);
+      streams_.pop_back();
+      throw;
     }
     return st;
   }
 
-  std::unique_ptr<event_type> acquire_event() {
-    if (!event_pool_.empty()) {
-      std::unique_ptr<event_type> e = std::move(event_pool_.back());
-      event_pool_.pop_back();
-      return e;
+  /// Removes the states of streams that hold nothing: no cached, allocated or pending block, no event, and not a
+  /// destroyed stream whose work is still running. They are made again if the stream comes back.
+  void prune_streams() {
+    if constexpr (tracks_lifetimes) {
+      note_expirations();
+      if (!dead_streams_.empty()) retire_finished();
     }
-    return std::make_unique<event_type>(ops_.create_event(device_));
+    auto idle = [](const std::unique_ptr<stream_state>& st) {
+      return st->in_use == 0 && st->pending.empty() && (!st->dead || st->retired) &&
+             (!st->pools[0] || st->pools[0]->empty()) && (!st->pools[1] || st->pools[1]->empty());
+    };
+    streams_.erase(std::remove_if(streams_.begin(), streams_.end(), idle), streams_.end());
+    stream_keys_.clear();
+    stream_index_.clear();
+    for (const auto& st : streams_) stream_keys_.emplace_back(st->key, st.get());  // within the old capacity
+    if (stream_keys_.size() > linear_stream_lookup) {
+      try {
+        for (const auto& entry : stream_keys_) stream_index_.emplace(entry.first, entry.second);
+      } catch (...) {
+        stream_index_.clear();  // lookups scan stream_keys_ until the index is built again
+      }
+    }
+    prune_at_ = std::max(min_prune_at, 2 * streams_.size());
   }
 
-  void release_event(std::unique_ptr<event_type> e) noexcept {
+  // --- stream lifetimes (stream_ops.hpp: gpukit streams are tracked, raw handles are not) ---
+
+  bool expired(const stream_state& st) const noexcept {
+    if constexpr (tracks_lifetimes) {
+      return ops_.expired(st.tracker);
+    } else {
+      (void)st;
+      return false;
+    }
+  }
+  bool owner_expired(const block* b) const noexcept { return expired(*b->owner); }
+  bool finished(const stream_state& st) const {
+    if constexpr (tracks_lifetimes) {
+      return ops_.finished(st.tracker);
+    } else {
+      (void)st;
+      return true;
+    }
+  }
+
+  /// Marks the states of streams destroyed since the last look (an O(streams) scan, once per destruction).
+  void note_expirations() {
+    if constexpr (tracks_lifetimes) {
+      seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
+      for (const auto& st : streams_) {
+        if (st->dead || !ops_.expired(st->tracker)) continue;
+        dead_streams_.push_back(st.get());
+        st->dead = true;
+      }
+    }
+  }
+
+  /// Retires the destroyed streams whose last work has completed (polled, never waited for).
+  void retire_finished() {
+    for (std::size_t i = 0; i < dead_streams_.size();) {
+      stream_state* st = dead_streams_[i];
+      if (!finished(*st)) {
+        ++i;
+        continue;
+      }
+      dead_streams_[i] = dead_streams_.back();
+      dead_streams_.pop_back();
+      retire(st);
+    }
+  }
+
+  /// A destroyed stream's work has completed: its free blocks go to no stream, so any stream may take them at once.
+  void retire(stream_state* st) {
+    st->retired = true;
+    for (auto& index : st->pools) {
+      if (!index) continue;
+      while (block* b = index->find(1, [](const block*) { return true; })) {
+        unindex_free(b);
+        release_event(std::move(b->fence), device_);  // its work is done, fenced work included
+        b->owner = unowned_.get();
+        insert_free(b);
+      }
+    }
+  }
+
+  void wait_finished_quietly(const tracker_type& tracker) noexcept {
+    if constexpr (tracks_lifetimes) {
+      try {
+        ops_.wait_finished(tracker);
+      } catch (const std::exception& ex) {
+        warn(std::string("gpukit: waiting for the work of a destroyed stream failed: ") + ex.what());
+      } catch (...) {
+        warn("gpukit: waiting for the work of a destroyed stream failed");
+      }
+    } else {
+      (void)tracker;
+    }
+  }
+
+  /// Waits (lock released) until the work of every destroyed stream has completed, and retires them.
+  void wait_for_dead_streams(std::unique_lock<detail::spin_mutex>& lock) {
+    if constexpr (tracks_lifetimes) {
+      note_expirations();
+      if (dead_streams_.empty()) return;
+      std::vector<tracker_type> trackers;
+      for (const stream_state* st : dead_streams_) trackers.push_back(st->tracker);
+      lock.unlock();
+      for (const auto& t : trackers) wait_finished_quietly(t);
+      lock.lock();
+      retire_finished();
+    } else {
+      (void)lock;
+    }
+  }
+
+  std::string describe(const stream_state& st) const {
+    if constexpr (detail::has_stream_describe<StreamOps>::value) {
+      try {
+        return ops_.describe(st.stream);
+      } catch (...) {
+      }
+    }
+    return "stream " + std::to_string(st.key);
+  }
+
+  /// The warning for freeing `b` after its stream was destroyed (a stream must outlive its allocations).
+  std::string expired_owner_message(const block* b) const {
+    char address[32];
+    std::snprintf(address, sizeof address, "%p", reinterpret_cast<const void*>(b->address));
+    return std::string("gpukit: freeing ") + address + " (" + std::to_string(b->requested) +
+           " bytes) on the caching allocator of " + device_.to_string() + ": the stream it was allocated on, " +
+           describe(*b->owner) +
+           ", was destroyed while the allocation was live (a buffer must be freed before its stream is destroyed); "
+           "the memory is reused only after the work that stream had enqueued has completed";
+  }
+
+  /// The pooled events of device `d`: an event can be recorded only on streams of its own device.
+  std::vector<std::unique_ptr<event_type>>& event_pool_of(gpukit::device d) {
+    if (d == device_) return event_pool_;
+    for (auto& entry : other_event_pools_) {
+      if (entry.first == d) return entry.second;
+    }
+    other_event_pools_.emplace_back(d, std::vector<std::unique_ptr<event_type>>{});
+    return other_event_pools_.back().second;
+  }
+
+  std::unique_ptr<event_type> acquire_event(gpukit::device d) {
+    auto& pool = event_pool_of(d);
+    if (!pool.empty()) {
+      std::unique_ptr<event_type> e = std::move(pool.back());
+      pool.pop_back();
+      return e;
+    }
+    return std::make_unique<event_type>(ops_.create_event(d));
+  }
+
+  void release_event(std::unique_ptr<event_type> e, gpukit::device d) noexcept {
     if (!e) return;
     try {
-      event_pool_.push_back(std::move(e));
+      event_pool_of(d).push_back(std::move(e));
     } catch (...) {
       // the event is destroyed instead of pooled
     }
@@ -605,7 +891,20 @@ class basic_caching_allocator {
 
   void note_stream_use(block* b, stream_state& st) {
     if (&st == b->owner) return;
-    if (std::find(b->recorded.begin(), b->recorded.end(), &st) == b->recorded.end()) b->recorded.push_back(&st);
+    if (std::find(b->recorded.begin(), b->recorded.end(), &st) != b->recorded.end()) return;
+    b->recorded.push_back(&st);
+    ++st.in_use;
+  }
+
+  /// Forgets the streams recorded for `b` (their events, if any, are pending by now).
+  void clear_recorded(block* b) noexcept {
+    for (stream_state* user : b->recorded) --user->in_use;
+    b->recorded.clear();
+  }
+
+  /// A null event stands for the last work of a stream destroyed before the free.
+  bool record_complete(const stream_state& st, const pending_record& record) const {
+    return record.event ? ops_.ready(*record.event) : finished(st);
   }
 
   /// Moves blocks whose events have completed back to their pools. Events recorded on one stream complete in
@@ -613,10 +912,10 @@ class basic_caching_allocator {
   void process_events() {
     for (std::size_t i = 0; i < pending_streams_.size();) {
       stream_state* st = pending_streams_[i];
-      while (!st->pending.empty() && ops_.ready(*st->pending.front().event)) {
+      while (!st->pending.empty() && record_complete(*st, st->pending.front())) {
         pending_record record = std::move(st->pending.front());
         st->pending.pop_front();
-        release_event(std::move(record.event));
+        release_event(std::move(record.event), st->device);
         complete_pending(record.b);
       }
       if (st->pending.empty()) {
@@ -701,26 +1000,43 @@ class basic_caching_allocator {
       std::swap(into->fence, from->fence);
       into->fence_sequence = from->fence_sequence;
     }
-    release_event(std::move(from->fence));
+    release_event(std::move(from->fence), device_);
   }
 
-  /// A freed block (no longer allocated or pending) joins its free neighbours of the same stream and its pool.
+  /// A freed block (no longer allocated or pending) joins its pool. Its stream's, unless that stream was destroyed
+  /// and its work has completed: then no stream's.
   void return_to_pool(block* b) {
     b->state = block_state::free;
     b->requested = 0;
-    b->recorded.clear();
-    block* p = b->prev;
-    if (p != nullptr && p->state == block_state::free && p->owner == b->owner) {
+    clear_recorded(b);
+    --b->owner->in_use;
+    if (b->owner->retired) {
+      release_event(std::move(b->fence), device_);
+      b->owner = unowned_.get();
+    }
+    insert_free(b);
+  }
+
+  /// Free neighbour `n` can join a free block of `owner`: it is that stream's too, or no stream's (unused by all).
+  bool joinable(const block* n, const stream_state* owner) const noexcept {
+    return n != nullptr && n->state == block_state::free && (n->owner == owner || n->owner == unowned_.get());
+  }
+
+  /// Indexes free block `b` in its stream's pool, joined with its joinable free neighbours. A neighbour of no stream
+  /// may itself border a free block of b's stream, hence the loops (two steps at most each way).
+  void insert_free(block* b) {
+    stream_state* const owner = b->owner;
+    for (block* p = b->prev; joinable(p, owner); p = b->prev) {
       unindex_free(p);
       p->size += b->size;
       p->next = b->next;
       if (b->next != nullptr) b->next->prev = p;
+      p->owner = owner;
       absorb_fence(p, b);
       recycle(b);
       b = p;
     }
-    block* n = b->next;
-    if (n != nullptr && n->state == block_state::free && n->owner == b->owner) {
+    for (block* n = b->next; joinable(n, owner); n = b->next) {
       unindex_free(n);
       b->size += n->size;
       b->next = n->next;
@@ -743,9 +1059,13 @@ class basic_caching_allocator {
     if (const auto& index = st.pools[pool]; index && !index->empty()) {
       if (block* b = index->find(size, accept)) return b;
     }
+    // Blocks of destroyed streams whose work has completed: no stream can still be using them.
+    if (const auto& index = unowned_->pools[pool]; index && !index->empty()) {
+      if (block* b = index->find(size, accept)) return b;
+    }
     if (!options_.cross_stream_reuse) return nullptr;
     for (const auto& other : streams_) {
-      if (other.get() == &st) continue;
+      if (other.get() == &st || other->dead) continue;  // a destroyed stream's blocks wait for its last work
       if (const auto& index = other->pools[pool]; index && !index->empty()) {
         if (block* b = index->find(size, accept)) return b;
       }
@@ -786,9 +1106,10 @@ class basic_caching_allocator {
       rest->fence_sequence = b->fence_sequence;
       index_free(rest);
     } else {
-      release_event(std::move(fence));
+      release_event(std::move(fence), device_);
     }
     b->owner = &st;
+    ++st.in_use;
     b->state = block_state::allocated;
     b->requested = requested;
     stats_.allocation.add(b->small, 1);
@@ -800,8 +1121,10 @@ class basic_caching_allocator {
 
   /// Frees an allocated block that is no longer in the pointer map. Events are recorded before any state changes,
   /// so if recording throws the block is put back as it was and the exception propagates.
+  /// A destroyed stream gets no more events (its handle may be another stream's by now): its blocks wait for its
+  /// final work instead (retire).
   bool owner_may_be_busy(const block* b) const {
-    return needs_fence_ && ops_.may_have_pending_work(b->owner->stream);
+    return needs_fence_ && !owner_expired(b) && ops_.may_have_pending_work(b->owner->stream);
   }
 
   /// `owner_busy` says whether the owner stream may still have work using the block (asked before the lock is
@@ -811,17 +1134,27 @@ class basic_caching_allocator {
     std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;
     try {
       if (owner_busy) {
-        fence = acquire_event();
+        fence = acquire_event(device_);
         ops_.record(*fence, b->owner->stream);
       }
       for (stream_state* user : b->recorded) {
-        uses.emplace_back(user, acquire_event());
-        ops_.record(*uses.back().second, user->stream);
+        if (expired(*user)) {
+          // Destroyed since: no event can be recorded on it; its last work is waited for instead (null event).
+          if (!finished(*user)) uses.emplace_back(user, nullptr);
+          continue;
+        }
+        uses.emplace_back(user, acquire_event(user->device));
+        if (user->device == device_) {
+          ops_.record(*uses.back().second, user->stream);
+        } else {
+          device_guard guard(user->device);  // a peer device's event, recorded with that device current
+          ops_.record(*uses.back().second, user->stream);
+        }
       }
       if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
     } catch (...) {
-      release_event(std::move(fence));
-      for (auto& use : uses) release_event(std::move(use.second));
+      release_event(std::move(fence), device_);
+      for (auto& use : uses) release_event(std::move(use.second), use.first->device);
       map_.insert(b->address, b);  // still allocated; the map had room for it a moment ago
       throw;
     }
@@ -832,6 +1165,7 @@ class basic_caching_allocator {
     stats_.allocation.add(b->small, -1);
     stats_.allocated_bytes.add(b->small, -as_delta(b->size));
     stats_.requested_bytes.add(b->small, -as_delta(b->requested));
+    clear_recorded(b);  // the users' pending events (below) keep their states alive
     if (uses.empty()) {
       stats_.active.add(b->small, -1);
       stats_.active_bytes.add(b->small, -as_delta(b->size));
@@ -840,7 +1174,6 @@ class basic_caching_allocator {
     }
     b->state = block_state::pending;
     b->requested = 0;
-    b->recorded.clear();
     b->pending_events = static_cast<std::uint32_t>(uses.size());
     pending_total_ += uses.size();
     for (auto& use : uses) {
@@ -950,7 +1283,10 @@ class basic_caching_allocator {
   /// is 0). With `wait_pending`, first waits on the host for every pending event, so blocks held back by other
   /// streams become free too. Returns the bytes released. The lock is released while waiting and freeing.
   std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target) {
-    if (wait_pending) wait_for_pending_events(lock);
+    if (wait_pending) {
+      wait_for_pending_events(lock);
+      wait_for_dead_streams(lock);
+    }
     std::vector<segment*> victims = free_segments();
     if (target != 0) {
       std::sort(victims.begin(), victims.end(), [](const segment* a, const segment* b) { return a->size > b->size; });
@@ -986,28 +1322,47 @@ class basic_caching_allocator {
   /// Waits (lock released) for every pending event and returns the blocks they held back to their pools.
   void wait_for_pending_events(std::unique_lock<detail::spin_mutex>& lock) {
     stats_.num_sync_all_streams.increment();
-    std::vector<pending_record> records;
+    struct waiting {
+      pending_record record;
+      gpukit::device device;
+      tracker_type tracker;  // for a null event: the destroyed stream whose last work is awaited
+    };
+    std::vector<waiting> records;
     for (stream_state* st : pending_streams_) {
-      for (auto& record : st->pending) records.push_back(std::move(record));
+      for (auto& record : st->pending) {
+        tracker_type tracker{};
+        if (!record.event) tracker = st->tracker;
+        records.push_back(waiting{std::move(record), st->device, std::move(tracker)});
+      }
       st->pending.clear();
     }
     pending_streams_.clear();
     if (records.empty()) return;
     lock.unlock();
-    for (auto& record : records) synchronize_quietly(*record.event);
+    for (auto& w : records) {
+      if (w.record.event) {
+        synchronize_quietly(*w.record.event);
+      } else {
+        wait_finished_quietly(w.tracker);
+      }
+    }
     lock.lock();
-    for (auto& record : records) {
-      release_event(std::move(record.event));
-      complete_pending(record.b);
+    for (auto& w : records) {
+      release_event(std::move(w.record.event), w.device);
+      complete_pending(w.record.b);
     }
   }
 
-  /// Segments whose blocks are all free.
+  /// Segments whose blocks are all free. A block of a destroyed stream whose work may still run has no fence to
+  /// wait for: its segment is released only to an upstream whose free synchronizes (cudaFree).
   std::vector<segment*> free_segments() const {
+    const bool quarantine = !upstream_.synchronizes_on_free();
     std::vector<segment*> result;
     for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
       bool all_free = true;
-      for (const block* b = seg->first; b != nullptr && all_free; b = b->next) all_free = b->state == block_state::free;
+      for (const block* b = seg->first; b != nullptr && all_free; b = b->next) {
+        all_free = b->state == block_state::free && !(quarantine && b->owner->dead);
+      }
       if (all_free) result.push_back(seg);
     }
     return result;
@@ -1044,7 +1399,7 @@ class basic_caching_allocator {
       delete seg;
     }
     lock.lock();
-    for (auto& fence : fences) release_event(std::move(fence));
+    for (auto& fence : fences) release_event(std::move(fence), device_);
     for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free.increment();
     return released;
   }
@@ -1060,6 +1415,51 @@ class basic_caching_allocator {
       }
     }
     return f;
+  }
+
+  // --- graph capture (stream_ops.hpp says why these operations are refused while a stream is captured) ---
+
+  void refuse_if_captured(const stream_type& s, const char* operation) const {
+    if constexpr (detail::has_capture_query<StreamOps>::value) {
+      if (ops_.capturing(s)) throw_stream_captured(s, operation);
+    }
+  }
+
+  /// Before freeing `b` (taken out of the pointer map, so ours alone): puts it back and throws if its stream is
+  /// captured, since the graph's launches may use it after the free.
+  void refuse_free_if_captured(block* b) {
+    if constexpr (detail::has_capture_query<StreamOps>::value) {
+      if (!ops_.capturing(b->owner->stream)) return;
+      map_.insert(b->address, b);  // still allocated; the map had room for it a moment ago
+      throw_stream_captured(b->owner->stream, "deallocate");
+    }
+  }
+
+  /// empty_cache and trim (lock held): refused while a stream of a live allocation is captured. Only those streams
+  /// are asked, since a stream must outlive the memory allocated on it, and only while allocated.
+  void refuse_release_if_captured(const char* operation) const {
+    if constexpr (detail::has_capture_query<StreamOps>::value) {
+      std::vector<const stream_state*> asked;
+      for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+        for (const block* b = seg->first; b != nullptr; b = b->next) {
+          if (b->state != block_state::allocated || std::find(asked.begin(), asked.end(), b->owner) != asked.end()) {
+            continue;
+          }
+          asked.push_back(b->owner);
+          if (ops_.capturing(b->owner->stream)) throw_stream_captured(b->owner->stream, operation);
+        }
+      }
+    }
+  }
+
+  [[noreturn]] void throw_stream_captured(const stream_type& s, const char* operation) const {
+    std::string text;
+    if constexpr (std::is_same<stream_type, stream_view>::value) {
+      text = detail::describe_stream(s.native_handle(), device_);
+    } else {
+      text = "stream " + std::to_string(ops_.key(s)) + " of " + device_.to_string();
+    }
+    detail::throw_captured(operation, text, device_, detail::capture_advice_allocator);
   }
 
   // --- errors ---
@@ -1158,17 +1558,24 @@ class basic_caching_allocator {
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
 
+  static constexpr std::size_t min_prune_at = 64;
+
   std::vector<std::unique_ptr<stream_state>> streams_;
   std::vector<std::pair<std::uintptr_t, stream_state*>> stream_keys_;
   std::unordered_map<std::uintptr_t, stream_state*> stream_index_;  // used once there are many streams
+  std::size_t prune_at_ = min_prune_at;         // registrations sweep idle states when there are this many
+  std::unique_ptr<stream_state> unowned_;       // free blocks no stream can still be using (not registered)
+  std::vector<stream_state*> dead_streams_;     // destroyed streams whose last work may still run
+  std::uint64_t seen_expirations_ = 0;          // the stream ops' expiration count when last looked at
   std::vector<stream_state*> pending_streams_;  // streams with pending events
   std::size_t pending_total_ = 0;               // events not yet seen complete
   std::uint64_t fence_counter_ = 0;
-  std::vector<std::unique_ptr<event_type>> event_pool_;
+  std::vector<std::unique_ptr<event_type>> event_pool_;  // this device's
+  std::vector<std::pair<gpukit::device, std::vector<std::unique_ptr<event_type>>>> other_event_pools_;
 
   segment* segments_ = nullptr;
   std::vector<std::unique_ptr<block[]>> block_chunks_;
   block* spare_blocks_ = nullptr;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -12,6 +12,7 @@
 /// until it allocates), lives until the process exits (so buffers in static storage can still free into it), and
 /// can be replaced with set_default_allocator().
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
@@ -27,7 +28,7 @@
 #include <string>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 
@@ -40,7 +41,7 @@ struct default_allocator_registry {
 };
 
 /// Never destroyed: allocators must outlive every buffer, including those destroyed during static destruction.
-inline default_allocator_registry& default_allocators() {
+GPUKIT_EXPORT inline default_allocator_registry& default_allocators() {
   static default_allocator_registry* registry = new default_allocator_registry();
   return *registry;
 }
@@ -127,4 +128,4 @@ inline void set_per_device_memory_fraction(double fraction, device d) {
 /// Caps the memory `d`'s default allocator may reserve, in bytes.
 inline void set_reserved_memory_limit(std::size_t bytes, device d) { default_allocator(d).set_reserved_limit(bytes); }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -8,6 +8,7 @@
 /// `gpukit::caching_allocator` (cudaMalloc for CUDA devices, host memory for the CPU) is what the default
 /// allocators are.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
@@ -20,7 +21,7 @@
 #include <string>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// Stream-ordered device memory with statistics. Implementations are thread-safe.
 class device_allocator {
@@ -119,4 +120,4 @@ class caching_device_allocator final : public device_allocator {
 /// The default allocators' type: cudaMalloc-backed for cuda:N, host-memory-backed for the CPU.
 using caching_allocator = caching_device_allocator<device_upstream>;
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

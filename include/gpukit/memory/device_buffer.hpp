@@ -9,14 +9,17 @@
 /// - device_allocation: raw bytes, unique_ptr-style (get(), explicit operator bool).
 /// Both come from an allocator (the default allocator of the stream's device unless one is given) and are freed
 /// in the order of the stream they were allocated on when destroyed or reset(). They work for the CPU device
-/// too (host memory, CPU streams). A buffer must be reset or destroyed before its stream is destroyed, and before its
-/// allocator is (default allocators live until the process exits).
+/// too (host memory, CPU streams). A buffer must be reset or destroyed before its stream is destroyed (if a
+/// gpukit::stream is destroyed first, the free is reported through gpukit::warn and the memory is reused only after
+/// the stream's last work; a raw cudaStream_t is not checked), and before its allocator is (default allocators live
+/// until the process exits).
 ///
 ///     gpukit::stream s(gpukit::device::cuda(0));
 ///     gpukit::device_buffer<float> x(1 << 20, s);     // from cuda:0's caching allocator, usable on s
 ///     kernel<<<grid, block, 0, s.cuda_handle()>>>(x.data(), x.size());
 ///     // ~device_buffer: freed in s's order: the memory is reused by later work on s, never during the kernel
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/default_allocator.hpp>
@@ -31,7 +34,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 /// Frees memory from a destructor: an error cannot be thrown there, so it is reported through gpukit::warn.
@@ -212,4 +215,4 @@ class device_buffer {
   std::size_t size_ = 0;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

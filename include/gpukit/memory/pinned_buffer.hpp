@@ -15,6 +15,7 @@
 /// Allocating pinned memory is slow (about 1 ms per MiB) and an implicit synchronisation point between streams: keep
 /// pinned buffers for the life of a loop, or take them from a pinned_pool (<gpukit/memory/pinned_pool.hpp>).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/span.hpp>
@@ -28,7 +29,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// cudaHostAlloc's flags. Ignored for the CPU device.
 struct pinned_flags {
@@ -114,10 +115,15 @@ class pinned_buffer {
   /// An empty buffer (no memory).
   pinned_buffer() noexcept = default;
 
-  /// `count` uninitialised elements for transfers with device `d`: cudaHostAlloc'd with `flags` for a CUDA device
-  /// (made current during the call when mapped, so the memory gets its device alias), plain page-aligned host
-  /// memory for the CPU. A count of 0 allocates nothing. Throws out_of_memory_error, or no_device_error for a
-  /// CUDA device without a driver.
+  /// `count` uninitialised elements for transfers with device `d`: cudaHostAlloc'd with `flags` for a CUDA device,
+  /// plain page-aligned host memory for the CPU. A count of 0 allocates nothing. Throws out_of_memory_error, or
+  /// no_device_error for a CUDA device without a driver.
+  ///
+  /// Page-locked memory belongs to the context current during cudaHostAlloc, and a thread that never chose a device
+  /// would get a new context on cuda:0. Portable memory is pinned (and, under unified addressing, mapped) for every
+  /// context, so it is allocated in a context that already exists: the current one, else `d`'s, else any device's,
+  /// else `d` (detail::device_with_context). Without pinned_flags::portable only `d`'s context sees it, so `d` is
+  /// made current.
   pinned_buffer(std::size_t count, gpukit::device d, pinned_flags flags = {})
       : size_(count), device_(d), flags_(flags) {
     const std::size_t bytes = detail::checked_bytes(count, sizeof(T), "gpukit::pinned_buffer");
@@ -127,12 +133,8 @@ class pinned_buffer {
       return;
     }
     detail::note_cuda_use();
-    if (flags.mapped) {
-      device_guard guard(d);  // mapped memory gets its device alias in the current device's context
-      data_ = static_cast<T*>(detail::cuda_host_alloc(bytes, flags, d.ordinal()));
-    } else {
-      data_ = static_cast<T*>(detail::cuda_host_alloc(bytes, flags, d.ordinal()));
-    }
+    detail::context_scope scope(d.ordinal(), flags.portable);
+    data_ = static_cast<T*>(detail::cuda_host_alloc(bytes, flags, d.ordinal()));
     page_locked_ = true;
   }
 
@@ -174,16 +176,26 @@ class pinned_buffer {
   /// The flags it was allocated with (meaningful for CUDA devices).
   pinned_flags flags() const noexcept { return flags_; }
 
-  /// The address kernels use to read mapped memory (cudaHostGetDevicePointer). For the CPU device, where "device"
-  /// code runs on the host, it is data(). Throws invalid_argument_error for a CUDA buffer allocated without
-  /// pinned_flags::mapped.
+  /// The address kernels use to read the memory (cudaHostGetDevicePointer). Under unified addressing (every 64-bit
+  /// platform CUDA supports: properties(d).unified_addressing) every page-locked allocation is mapped, at its host
+  /// address, whatever the flags; otherwise only memory allocated with pinned_flags::mapped is. For the CPU device,
+  /// where "device" code runs on the host, it is data(). Throws invalid_argument_error for a CUDA buffer the device
+  /// cannot address (not mapped, no unified addressing).
   T* device_pointer() const {
     if (data_ == nullptr || !page_locked_) return data_;
     if (!flags_.mapped) {
-      throw invalid_argument_error("gpukit::pinned_buffer::device_pointer: the buffer was allocated without "
-                                   "pinned_flags::mapped, so the device cannot address it");
+      int unified = 0;
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_.ordinal()),
+                                "cudaDeviceGetAttribute(cudaDevAttrUnifiedAddressing, " +
+                                    std::to_string(device_.ordinal()) + ")",
+                                device_.ordinal());
+      if (unified == 0) {
+        throw invalid_argument_error("gpukit::pinned_buffer::device_pointer: the buffer was allocated without "
+                                     "pinned_flags::mapped and " + device_.to_string() +
+                                     " has no unified addressing, so the device cannot address it");
+      }
     }
-    device_guard guard(device_);
+    detail::context_scope scope(device_.ordinal(), flags_.portable);  // as in the constructor
     void* p = nullptr;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaHostGetDevicePointer(&p, data_, 0), "cudaHostGetDevicePointer", device_.ordinal());
     return static_cast<T*>(p);
@@ -216,4 +228,4 @@ class pinned_buffer {
   bool page_locked_ = false;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -10,7 +10,9 @@
 /// - Stream-ordered reuse, record_stream-style: a block used by copies on streams is reused only after events
 ///   recorded on those streams *at free* have completed. Call record_stream(p, s) for each stream that uses the
 ///   block (or deallocate(p, s)); no event is recorded per copy. allocate() never waits for an event: a block whose
-///   events are pending is simply not served yet.
+///   events are pending is simply not served yet. Streams are told apart by id (stream_view::id), not by handle,
+///   which CUDA gives to the next stream created once one is destroyed; a gpukit::stream recorded for a block may be
+///   destroyed before the block is freed: it gets no event then, and the block waits for its last work instead.
 /// - Size classes: requests are rounded to one of `classes_per_doubling` (default 8) sizes per power of two, so a
 ///   large request wastes less than 12.5% (PyTorch's pinned allocator rounds to a power of two: 129.5 MiB costs
 ///   256 MiB; here it costs 144 MiB). Requests up to 4 KiB round to a power of two (minimum 512 B). Blocks are
@@ -23,10 +25,12 @@
 /// pinned_pool is the engine with gpukit's upstream and events; default_pinned_pool(device) gives the process-wide
 /// pool of a device kind (one for every CUDA device, since its memory is portable, and one for the CPU).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/pinned_buffer.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/span.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -35,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -42,7 +47,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// The size a pinned pool reserves for a request of `bytes`: a power of two (at least 512 B) up to 4 KiB, above that
 /// the next of `classes_per_doubling` evenly spaced sizes per power of two (1 gives power-of-two rounding). Lets
@@ -142,7 +147,7 @@ class recycled_event_cache {
   std::unordered_map<device, std::vector<event>> free_;
 };
 
-inline recycled_event_cache& shared_recycled_events() {
+GPUKIT_EXPORT inline recycled_event_cache& shared_recycled_events() {
   static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see the class comment
   return *cache;
 }
@@ -176,21 +181,28 @@ struct pinned_pool_sync {
 /// `void deallocate(void*, std::size_t) noexcept`; `bool page_locked() const noexcept`.
 class pinned_upstream {
  public:
-  /// Memory for devices of `kind`; `flags` apply to CUDA.
-  explicit pinned_upstream(device::kind kind = device::kind::cpu, pinned_flags flags = {}) noexcept
-      : kind_(kind), flags_(flags) {}
+  /// Memory for devices of `kind`; `flags` apply to CUDA. `context_device`: the CUDA ordinal whose context pins the
+  /// memory when no device has a context yet (-1: the current device); see allocate().
+  explicit pinned_upstream(device::kind kind = device::kind::cpu, pinned_flags flags = {},
+                           int context_device = -1) noexcept
+      : kind_(kind), flags_(flags), context_device_(context_device) {}
 
-  /// Pins `bytes` (cudaHostAlloc) or allocates page-aligned host memory.
+  /// Pins `bytes` (cudaHostAlloc) or allocates page-aligned host memory. Pinned memory belongs to the context current
+  /// during the call, and a thread that never chose a device (the prefetcher's, a staging caller's) would create
+  /// cuda:0's: portable memory serves every context, so one that exists is used (detail::device_with_context).
   void* allocate(std::size_t bytes) {
     if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
     detail::note_cuda_use();
-    return detail::cuda_host_alloc(bytes, flags_, -1);
+    detail::context_scope scope(context_device_, flags_.portable);
+    detail::relaxed_capture_mode relaxed;  // not refused by, and not invalidating, another thread's capture
+    return detail::cuda_host_alloc(bytes, flags_, scope.ordinal() >= 0 ? scope.ordinal() : -1);
   }
   /// Unpins and frees (cudaFreeHost; failures are reported through gpukit::warn).
   void deallocate(void* p, std::size_t /*bytes*/) noexcept {
     if (kind_ == device::kind::cpu) {
       detail::free_host_pages(p);
     } else {
+      detail::relaxed_capture_mode relaxed;  // as in allocate()
       detail::report_cuda_failure(cudaFreeHost(p), "cudaFreeHost (pinned_pool)", -1);
     }
   }
@@ -201,6 +213,7 @@ class pinned_upstream {
  private:
   device::kind kind_;
   pinned_flags flags_;
+  int context_device_;
 };
 
 /// The caching pinned-memory engine (see the file comment). Thread-safe: one mutex; the upstream is called without
@@ -242,6 +255,13 @@ class basic_pinned_pool {
         }
         sync_.recycle(std::move(m));
       }
+      for (const auto& f : b.finals) {
+        try {
+          f->wait_finished();
+        } catch (...) {
+          // As above.
+        }
+      }
       upstream_.deallocate(entry.first, b.size);
     }
     if (leaked != 0) {
@@ -273,6 +293,7 @@ class basic_pinned_pool {
         b.state = block_state::active;
         b.requested = bytes;
         b.streams.clear();
+        b.lives.clear();
         --free_count_;
         ++stats_.cache_hits;
         on_activate_locked(b);
@@ -299,32 +320,44 @@ class basic_pinned_pool {
   }
 
   /// Declares that work on `s` uses block `p`: when it is deallocated, an event is recorded on `s` and the block is
-  /// reused only after it completes. Call it for every stream a copy from or to the block was issued on; `s` must
-  /// still exist when the block is deallocated. Throws invalid_argument_error for a pointer this pool did not hand
-  /// out (or one already freed).
+  /// reused only after it completes. Call it for every stream a copy from or to the block was issued on. A raw
+  /// cudaStream_t must still exist when the block is deallocated; a gpukit::stream may be destroyed before (the block
+  /// then waits for its last work). Throws invalid_argument_error for a pointer this pool did not hand out (or one
+  /// already freed).
   void record_stream(const void* p, stream_view s) {
+    refuse_if_captured(s, "record_stream");
     std::lock_guard<std::mutex> lock(mutex_);
     block& b = active_block_locked(p, "record_stream");
     for (const auto& known : b.streams) {
-      if (known == s) return;
+      if (known == s) return;  // by id where known: a destroyed stream's handle may be this one's now
     }
+    auto life = s.lifetime();
     b.streams.push_back(s);
+    try {
+      b.lives.push_back(std::move(life));
+    } catch (...) {
+      b.streams.pop_back();
+      throw;
+    }
   }
 
   /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each
   /// recorded stream now and the block waits for them. Null does nothing. Throws invalid_argument_error for a pointer
-  /// not handed out by this pool, or freed twice. If recording an event fails, the block is taken out of use (it
-  /// may still be read by the device) and the error is rethrown.
+  /// not handed out by this pool, or freed twice, and, changing nothing, while a recorded stream is being captured
+  /// into a CUDA graph. If recording an event fails, the block is taken out of use (it may still be read by the
+  /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
   void deallocate(void* p) {
     if (p == nullptr) return;
     std::vector<std::pair<void*, std::size_t>> to_release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       block& b = active_block_locked(p, "deallocate");
+      forget_destroyed_streams_locked(b);
+      for (const auto& s : b.streams) refuse_if_captured(s, "deallocate");
       stats_.allocated_bytes -= b.size;
       stats_.requested_bytes -= b.requested;
       --active_count_;
-      if (b.streams.empty()) {
+      if (b.streams.empty() && b.finals.empty()) {
         make_free_locked(p, b);
       } else {
         try {
@@ -332,13 +365,16 @@ class basic_pinned_pool {
             b.markers.push_back(sync_.record(s));
             ++stats_.events_recorded;
           }
+        } catch (const error& e) {
+          lose_locked(b);
+          if (!detail::is_teardown_result(e.cuda_result())) throw;
+          return;
         } catch (...) {
-          b.state = block_state::lost;
-          ++lost_count_;
-          lost_bytes_ += b.size;
+          lose_locked(b);
           throw;
         }
         b.streams.clear();
+        b.lives.clear();
         b.state = block_state::pending;
         pending_.push_back(p);
         pending_bytes_ += b.size;
@@ -351,6 +387,7 @@ class basic_pinned_pool {
   /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses.
   void deallocate(void* p, stream_view s) {
     if (p == nullptr) return;
+    refuse_if_captured(s, "deallocate");
     record_stream(p, s);
     deallocate(p);
   }
@@ -437,8 +474,39 @@ class basic_pinned_pool {
     block_state state = block_state::active;
     std::uint64_t freed_at = 0;           // when it last became free, to release the oldest first
     std::vector<stream_view> streams;     // streams recorded while active
+    std::vector<std::shared_ptr<const detail::stream_life>> lives;   // theirs (null: a raw handle, not tracked)
     std::vector<marker> markers;          // events recorded at deallocation
+    std::vector<std::shared_ptr<const detail::stream_life>> finals;  // destroyed recorded streams still working
   };
+
+  // A recorded gpukit::stream destroyed since gets no event (its handle may belong to another stream by now, or to
+  // none): the block waits for its last work instead (detail::stream_life).
+  static void forget_destroyed_streams_locked(block& b) {
+    for (std::size_t i = 0; i < b.streams.size();) {
+      if (!b.lives[i] || !b.lives[i]->expired()) {
+        ++i;
+        continue;
+      }
+      if (!b.lives[i]->finished()) b.finals.push_back(b.lives[i]);
+      b.streams.erase(b.streams.begin() + static_cast<std::ptrdiff_t>(i));
+      b.lives.erase(b.lives.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
+  // A block used on a stream that is being captured would be reused while the graph's launches still use it, and
+  // its event would belong to the graph (stream_ops.hpp): refused before anything changes.
+  static void refuse_if_captured(stream_view s, const char* who) {
+    if (detail::capture_status(s) == cudaStreamCaptureStatusNone) return;
+    detail::throw_captured(std::string("gpukit::pinned_pool::") + who,
+                           detail::describe_stream(s.native_handle(), s.device()), s.device(),
+                           detail::capture_advice_allocator);
+  }
+
+  void lose_locked(block& b) noexcept {
+    b.state = block_state::lost;
+    ++lost_count_;
+    lost_bytes_ += b.size;
+  }
 
   block& active_block_locked(const void* p, const char* who) {
     auto it = blocks_.find(const_cast<void*>(p));
@@ -480,12 +548,14 @@ class basic_pinned_pool {
           break;
         }
       }
+      for (std::size_t f = 0; done && f < b.finals.size(); ++f) done = b.finals[f]->finished();
       if (!done) {
         pending_[kept++] = p;
         continue;
       }
       for (auto& m : b.markers) sync_.recycle(std::move(m));
       b.markers.clear();
+      b.finals.clear();
       pending_bytes_ -= b.size;
       make_free_locked(p, b);
       promoted = true;
@@ -604,12 +674,13 @@ using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
 /// process.
-inline pinned_pool& default_pinned_pool(device d) {
+GPUKIT_EXPORT inline pinned_pool& default_pinned_pool(device d) {
   if (d.is_cpu()) {
     static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
     return *cpu_pool;
   }
-  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda));
+  // Pinned in a context that exists; the device first asked for if none does yet.
+  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
   return *cuda_pool;
 }
 
@@ -691,4 +762,4 @@ class pooled_pinned_buffer {
   std::size_t size_ = 0;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -12,6 +12,7 @@
 /// pin, and the same code runs without a GPU. While registered, gpukit's copies detect the memory as pinned and use
 /// one DMA instead of staging it.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/span.hpp>
@@ -22,7 +23,7 @@
 #include <string>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// cudaHostRegister's flags. Ignored for the CPU device.
 struct registration_flags {
@@ -51,9 +52,14 @@ class host_registration {
   /// Registers nothing.
   host_registration() noexcept = default;
 
-  /// Page-locks [data, data + bytes) for device `d` (made current during the call). For the CPU device nothing is
-  /// done. Zero bytes registers nothing (CUDA rejects an empty range). Throws invalid_argument_error for a null
-  /// pointer with a non-zero size; CUDA failures map as usual (cudaErrorHostMemoryAlreadyRegistered is a cuda_error).
+  /// Page-locks [data, data + bytes) for device `d`. For the CPU device nothing is done. Zero bytes registers nothing
+  /// (CUDA rejects an empty range). Throws invalid_argument_error for a null pointer with a non-zero size; CUDA
+  /// failures map as usual (cudaErrorHostMemoryAlreadyRegistered is a cuda_error).
+  ///
+  /// The registration belongs to the context current during cudaHostRegister. Portable registrations serve every
+  /// context, so they are made in one that already exists (the current one, else `d`'s, else any device's, else
+  /// `d`: detail::device_with_context) rather than in a new context of cuda:0 on a thread that never chose a device.
+  /// Without registration_flags::portable, `d` is made current.
   host_registration(void* data, std::size_t bytes, gpukit::device d, registration_flags flags = {})
       : data_(data), bytes_(bytes), device_(d) {
     if (data == nullptr && bytes != 0) {
@@ -62,7 +68,7 @@ class host_registration {
     }
     if (bytes == 0 || d.is_cpu()) return;
     detail::note_cuda_use();
-    device_guard guard(d);
+    detail::context_scope scope(d.ordinal(), flags.portable);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaHostRegister(data, bytes, flags.cuda_flags()),
                               "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " +
                                   std::to_string(flags.cuda_flags()) + ")",
@@ -121,4 +127,4 @@ class host_registration {
   bool registered_ = false;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -9,40 +9,227 @@
 ///
 ///     using stream_type = ...;   // copyable handle; the allocator keeps a copy per stream it has seen
 ///     using event_type = ...;    // movable; the allocator pools them
-///     std::uintptr_t key(const stream_type&) const noexcept;     // identity of a stream (equal views, equal keys)
+///     std::uintptr_t key(const stream_type&) const;              // identity: no other stream, live or destroyed,
+///                                                                // of any device, has the same key
 ///     gpukit::device device_of(const stream_type&) const;        // checked once per stream, on first use
-///     event_type create_event(gpukit::device) const;
+///                                                                // (record_stream accepts other CUDA devices)
+///     event_type create_event(gpukit::device) const;             // with that device current
 ///     void record(event_type&, const stream_type&) const;        // captures the work enqueued so far
 ///     bool ready(const event_type&) const;                       // polled at allocation
 ///     void synchronize(const event_type&) const;                 // host wait (release paths only)
 ///     void wait(const event_type&, const stream_type&) const;    // stream wait, no host wait (cross-stream reuse)
 ///     bool may_have_pending_work(const stream_type&) const;      // false lets the allocator skip an event
+///
+/// Optional (a fake without it is never captured):
+///
+///     bool capturing(const stream_type&) const;                  // being captured into a CUDA graph
+///
+/// Optional, all or none (without them every stream is assumed to outlive the memory it is used with):
+///
+///     using tracker_type = ...;                                  // copyable; kept while the allocator knows a stream
+///     tracker_type track(const stream_type&) const;              // at registration (may be empty: not tracked)
+///     bool expired(const tracker_type&) const noexcept;          // the stream was destroyed
+///     bool finished(const tracker_type&) const;                  // ... and its work has completed (polled)
+///     void wait_finished(const tracker_type&) const;             // host wait for that (release paths only)
+///     std::uint64_t expirations() const noexcept;                // changes whenever some stream may have expired
+///
+/// Optional: `stream_type resolve(const stream_type&) const` (the copy the allocator keeps) and
+/// `std::string describe(const stream_type&) const` (for messages).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
-#include <cstdint>
+#include <cuda_runtime_api.h>
 
-namespace gpukit {
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+GPUKIT_BEGIN_NAMESPACE
+
+// ---------------------------------------------------------------------------------------------------------------
+// CUDA graph capture. Memory handed out, freed or recorded on a stream that is being captured would belong to the
+// graph (its launches reuse the addresses long after the allocator has given them to others), cudaMalloc/cudaFree
+// are prohibited during a capture (and invalidate it), and an event recorded in a capture cannot be queried later
+// (cudaErrorCapturedEvent). Until graph-private memory pools exist, gpukit refuses such operations before changing
+// anything.
+// ---------------------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// The capture status of `s` (cudaStreamIsCapturing; an invalidated capture is not None). CPU streams are never
+/// captured and cost no CUDA call. Neither is the legacy default stream asked: it cannot be captured, and asking
+/// about it while a blocking stream of its device is captured fails (cudaErrorStreamCaptureImplicit). A runtime that
+/// is torn down (process exit) captures nothing. Other failures throw the matching gpukit exception.
+inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
+  if (s.is_cpu()) return cudaStreamCaptureStatusNone;
+  const cudaStream_t handle = s.native_handle();
+  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) {
+    return cudaStreamCaptureStatusNone;
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t result;
+  if (handle == nullptr || handle == cudaStreamPerThread) {
+    // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
+    if (s.id() != default_stream_id(s.device().ordinal(), true)) return cudaStreamCaptureStatusNone;
+    device_guard guard(s.device());  // a per-thread default stream is the current device's
+    result = cudaStreamIsCapturing(handle, &status);
+  } else {
+    result = cudaStreamIsCapturing(handle, &status);
+  }
+  if (result == cudaSuccess) return status;
+  (void)cudaGetLastError();
+  if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
+  if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
+  throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
+}
+
+/// "stream 0x7f3a5c000b20 of cuda:0", for messages.
+inline std::string describe_stream(const void* handle, gpukit::device d) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%p", handle);
+  return std::string("stream ") + text + " of " + d.to_string();
+}
+
+/// Throws the invalid_argument_error for `operation` on `stream` (described) while it is captured.
+[[noreturn]] inline void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,
+                                        std::string_view advice) {
+  std::string message = "gpukit: ";
+  message += operation;
+  message += " on ";
+  message += stream;
+  message += ": the stream is being captured into a CUDA graph, and graph-private memory pools are not supported yet; ";
+  message += advice;
+  throw invalid_argument_error(message, cudaSuccess, std::string(operation), d.is_cuda() ? d.ordinal() : -1);
+}
+
+/// What to do instead, for the allocators.
+inline constexpr std::string_view capture_advice_allocator =
+    "allocate the memory a graph uses before cudaStreamBeginCapture and free it after the graph's last launch "
+    "(nothing was allocated, freed or recorded, and the capture is intact)";
+
+/// Whether a StreamOps policy can tell that a stream is being captured (the member is optional: a fake without it
+/// is never captured).
+template <class Ops, class = void>
+struct has_capture_query : std::false_type {};
+template <class Ops>
+struct has_capture_query<Ops, std::void_t<decltype(std::declval<const Ops&>().capturing(
+                                  std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+
+/// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
+/// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured: in global mode they
+/// are refused while any thread captures, and they invalidate that capture. Best effort: without a usable runtime
+/// nothing changes.
+class relaxed_capture_mode {
+ public:
+  /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
+  explicit relaxed_capture_mode(bool active = true) noexcept {
+    if (!active) return;
+    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
+      exchanged_ = true;
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
+  /// Restores the thread's previous mode.
+  ~relaxed_capture_mode() {
+    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+  }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool exchanged_ = false;
+};
+
+}  // namespace detail
 
 /// gpukit's streams and events (CUDA and CPU).
 struct stream_ops {
   using stream_type = stream_view;
   using event_type = event;
 
-  /// A CUDA stream is identified by its handle, a CPU stream by its queue; default streams have key 0 (an
-  /// allocator serves one device, so that is unambiguous).
-  std::uintptr_t key(const stream_view& s) const noexcept {
-    if (s.cpu_queue() != nullptr) return reinterpret_cast<std::uintptr_t>(s.cpu_queue());
-    return reinterpret_cast<std::uintptr_t>(s.native_handle());
+  /// What the allocator keeps of a gpukit::stream to learn of its destruction (empty for other streams).
+  using tracker_type = std::shared_ptr<const detail::stream_life>;
+
+  /// stream_view::id(): cudaStreamGetId, never the handle, which CUDA gives to the next stream created once a stream
+  /// is destroyed (RMM #649). Views of gpukit streams carry it and default streams' ids are cached per thread: no CUDA
+  /// call then; a raw cudaStream_t costs one cudaStreamGetId. For cudaStreamPerThread, the calling thread's stream.
+  std::uintptr_t key(const stream_view& s) const {
+    static_assert(sizeof(std::uintptr_t) >= sizeof(unsigned long long), "stream ids are 64-bit");
+    return static_cast<std::uintptr_t>(s.id());
   }
   gpukit::device device_of(const stream_view& s) const { return s.device(); }
+  /// The view with its device and id bound (stream_view::resolved()): the allocator uses it later from any thread.
+  stream_view resolve(const stream_view& s) const { return s.resolved(); }
+  /// "stream 0x7f3a5c000b20 (id 42) of cuda:0", for messages.
+  std::string describe(const stream_view& s) const {
+    std::string text;
+    if (s.is_cpu()) {
+      text = s.cpu_queue() != nullptr ? "a CPU stream" : "the CPU's default stream";
+    } else {
+      text = detail::describe_stream(s.native_handle(), s.device());
+    }
+    return text + " (id " + std::to_string(s.id() & ~detail::cpu_stream_id_bit) + ")";
+  }
+
+  /// Streams of gpukit::stream are tracked: the allocator learns when one is destroyed and when its last work has
+  /// completed (detail::stream_life). Raw handles are not: they must outlive the memory they are used with.
+  tracker_type track(const stream_view& s) const { return s.lifetime(); }
+  /// The stream was destroyed.
+  bool expired(const tracker_type& t) const noexcept { return t && t->expired(); }
+  /// ... and the work it had enqueued has completed (one cudaEventQuery while it has not).
+  bool finished(const tracker_type& t) const { return t && t->finished(); }
+  /// Waits on the host for that work (release paths only).
+  void wait_finished(const tracker_type& t) const {
+    if (t) t->wait_finished();
+  }
+  /// Changes whenever a tracked stream is destroyed: one relaxed load per allocation tells whether to look.
+  std::uint64_t expirations() const noexcept { return detail::stream_expirations().load(std::memory_order_relaxed); }
   /// Without timing: cheaper to record and query.
   event create_event(gpukit::device d) const { return event(d, event_options{}); }
-  void record(event& e, const stream_view& s) const { e.record(s); }
-  bool ready(const event& e) const { return e.ready(); }
-  void synchronize(const event& e) const { e.synchronize(); }
+  /// Refuses a stream that is being captured (the allocator records only when freeing): the event would be part of
+  /// the graph, and querying it later fails with cudaErrorCapturedEvent.
+  ///
+  /// Another thread's per-thread default stream cannot be named from this thread (cudaStreamPerThread is the caller's
+  /// own): the event is recorded on the device's legacy default stream instead, whose work waits for all earlier work
+  /// of the blocking streams, per-thread ones included.
+  void record(event& e, const stream_view& s) const {
+    if (capturing(s)) {
+      detail::throw_captured("deallocate (an event on a stream that uses the block)",
+                             detail::describe_stream(s.native_handle(), e.device()), e.device(),
+                             detail::capture_advice_allocator);
+    }
+    if (s.is_per_thread() && s.id() != detail::default_stream_id(e.device().ordinal(), true)) {
+      e.record(stream_view(e.device(), cudaStreamLegacy));
+      return;
+    }
+    e.record(s);
+  }
+  /// A torn-down runtime (process exit) has no work left: its events count as complete.
+  bool ready(const event& e) const {
+    try {
+      return e.ready();
+    } catch (const error& ex) {
+      if (detail::is_teardown_result(ex.cuda_result())) return true;
+      throw;
+    }
+  }
+  /// As ready(): nothing to wait for once the runtime is torn down.
+  void synchronize(const event& e) const {
+    try {
+      e.synchronize();
+    } catch (const error& ex) {
+      if (!detail::is_teardown_result(ex.cuda_result())) throw;
+    }
+  }
   void wait(const event& e, const stream_view& s) const { e.wait(s); }
   /// The CPU's default stream runs work synchronously and an idle CPU queue has none left, so memory freed on them
   /// is unused at once; a CUDA stream cannot be asked cheaply, so it is assumed busy.
@@ -50,6 +237,12 @@ struct stream_ops {
     if (s.is_cpu()) return s.cpu_queue() != nullptr && !s.cpu_queue()->idle();
     return true;
   }
+  /// Whether `s` is being captured into a CUDA graph (see detail::capture_status): the allocator then refuses to
+  /// allocate, free or record on it. No CUDA call for CPU streams; one cudaStreamIsCapturing for CUDA streams.
+  /// A destroyed stream (which the allocator still remembers) captures nothing and must not be asked.
+  bool capturing(const stream_view& s) const {
+    return !s.destroyed() && detail::capture_status(s) != cudaStreamCaptureStatusNone;
+  }
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -17,6 +17,7 @@
 ///   any memory (for simulations, trace replays and tests of out-of-memory handling);
 /// - device_upstream: cuda_upstream or host_upstream, chosen by a gpukit::device at run time.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -36,7 +37,7 @@
 #include <unistd.h>
 #endif
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// Free and total memory as an upstream sees it. `known` is false when the upstream cannot tell (then both are 0).
 struct upstream_memory_info {
@@ -269,6 +270,9 @@ class cuda_upstream {
     try {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaFree(p), "cudaFree (returning a cached segment)", device_.ordinal());
+    } catch (const error& e) {
+      if (detail::is_teardown_result(e.cuda_result())) return;  // process exit: the segment went with the runtime
+      warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
     } catch (const std::exception& e) {
       warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
     }
@@ -325,4 +329,4 @@ class device_upstream {
   host_upstream host_;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -8,6 +8,7 @@
 /// the ordering logic built on streams (the allocator's stream-ordered reuse, the transfer ring) is exercised by
 /// tests on machines without a GPU. Users reach them through gpukit::stream and gpukit::event.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
 
 #include <atomic>
@@ -23,7 +24,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// A move-only `void()` callable (std::function requires copyable targets; tasks often own buffers).
@@ -191,4 +192,4 @@ class cpu_queue {
 };
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -7,13 +7,14 @@
 /// one. Until set, it is the device's default stream. stream_guard sets it for a scope together with the current
 /// device, and restores both.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 struct current_stream_entry {
@@ -21,7 +22,7 @@ struct current_stream_entry {
   stream_view stream;
 };
 /// This thread's current streams, one entry per device that has one set (a handful at most).
-inline std::vector<current_stream_entry>& current_streams() {
+GPUKIT_EXPORT inline std::vector<current_stream_entry>& current_streams() {
   thread_local std::vector<current_stream_entry> streams;
   return streams;
 }
@@ -70,4 +71,4 @@ class stream_guard {
   stream_view previous_;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

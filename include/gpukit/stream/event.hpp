@@ -10,6 +10,7 @@
 /// Like CUDA events, the state that query/synchronize/wait observe is that of the most recent record(); an event
 /// never recorded counts as complete.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/stream/cpu_queue.hpp>
@@ -23,7 +24,7 @@
 #include <string>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// How to create an event.
 struct event_options {
@@ -70,6 +71,8 @@ class event {
   }
   event(const event&) = delete;
   event& operator=(const event&) = delete;
+  /// Never throws: a failure goes to gpukit::warn, except the results of a runtime torn down at process exit
+  /// (detail::is_teardown_result), which are expected.
   ~event() { destroy(); }
 
   /// Captures the work enqueued on `s` so far. `s` must belong to this event's device (invalid_argument_error
@@ -87,12 +90,13 @@ class event {
       cpu_->last = std::move(marker);
       return;
     }
-    // The legacy default stream (handle 0) means "of the current device": make ours current for it.
+    // The default streams (0, cudaStreamLegacy, cudaStreamPerThread) mean "of the current device": make ours current.
     device_guard guard(s.is_default() ? device_ : gpukit::device::cpu());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(cuda_, s.native_handle()), "cudaEventRecord", device_.ordinal());
   }
 
-  /// True when the work captured by the most recent record() has completed (or the event was never recorded).
+  /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
+  /// pending CUDA error of the program stays pending: cudaErrorNotReady is a status, not an error.
   bool ready() const {
     check_valid("ready");
     if (cpu_) {
@@ -101,10 +105,7 @@ class event {
     }
     const cudaError_t result = cudaEventQuery(cuda_);
     if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
+    if (result == cudaErrorNotReady) return false;
     detail::throw_cuda_error(result, "cudaEventQuery", device_.ordinal(), __FILE__, __LINE__);
   }
 
@@ -271,4 +272,4 @@ class stream_timer {
   bool stopped_ = false;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -11,6 +11,7 @@
 /// Destroying a stream with pending work is defined: a CUDA stream's destructor returns at once and the work still
 /// completes (cudaStreamDestroy semantics); a CPU stream's destructor waits for its work to finish.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/stream/cpu_queue.hpp>
@@ -18,12 +19,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 class stream;
 
@@ -32,15 +36,134 @@ namespace detail {
 /// trait rather than a direct mention keeps this header free of CCCL and identical in every translation unit.
 template <class T>
 struct is_cuda_stream_ref : std::false_type {};
+
+/// Counts gpukit streams destroyed in this process, so an allocator notices with one relaxed load that some stream it
+/// knows may be gone.
+GPUKIT_EXPORT inline std::atomic<std::uint64_t>& stream_expirations() noexcept {
+  static std::atomic<std::uint64_t> count{0};
+  return count;
+}
+
+/// CPU streams have no CUDA id: they get numbers with the top bit set (CUDA's ids count up from small numbers), so no
+/// CPU stream is ever mistaken for a CUDA stream. The CPU's default stream is the first of them.
+constexpr unsigned long long cpu_stream_id_bit = 1ull << 63;
+GPUKIT_EXPORT inline unsigned long long next_cpu_stream_id() noexcept {
+  static std::atomic<unsigned long long> next{1};
+  return cpu_stream_id_bit | next.fetch_add(1, std::memory_order_relaxed);
+}
+
+/// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread default stream
+/// of that device, looked up once per thread and device (the ids never change) with the device current.
+GPUKIT_EXPORT inline unsigned long long default_stream_id(int ordinal, bool per_thread) {
+  thread_local std::vector<unsigned long long> cache;  // [2 * ordinal + per_thread]; 0: not looked up yet
+  const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
+  if (slot < cache.size() && cache[slot] != 0) return cache[slot];
+  unsigned long long id = 0;
+  {
+    device_guard guard(device::cuda(ordinal));
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
+                              per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
+                              ordinal);
+  }
+  if (slot >= cache.size()) cache.resize(slot + 1, 0);
+  cache[slot] = id;
+  return id;
+}
+
+/// What outlives a gpukit::stream for those that remember it (allocators, pinned pools): its id, whether it was
+/// destroyed, and whether the work enqueued before that has completed. A CUDA stream destroyed while remembered
+/// records a final event first (cudaStreamDestroy returns while work is pending, and the handle goes to the next
+/// stream created, so afterwards nothing else can tell); a CPU stream waits for its work when destroyed.
+class stream_life : public std::enable_shared_from_this<stream_life> {
+ public:
+  stream_life(unsigned long long id, int ordinal) noexcept : id_(id), ordinal_(ordinal) {}
+  stream_life(const stream_life&) = delete;
+  stream_life& operator=(const stream_life&) = delete;
+  ~stream_life() {
+    if (final_ != nullptr) {
+      report_cuda_failure(cudaEventDestroy(final_), "cudaEventDestroy (a destroyed stream's final event)", ordinal_);
+    }
+  }
+
+  /// cudaStreamGetId, or a CPU stream's number (with cpu_stream_id_bit).
+  unsigned long long id() const noexcept { return id_; }
+  /// The CUDA ordinal, or -1 for the CPU.
+  int ordinal() const noexcept { return ordinal_; }
+  /// True once the stream was destroyed.
+  bool expired() const noexcept { return expired_.load(std::memory_order_acquire); }
+
+  /// After expired(): true once the work enqueued before the destruction has completed (cudaEventQuery of the final
+  /// event; never blocks). Without a final event (its creation failed) the answer stays false.
+  bool finished() const noexcept {
+    if (!expired()) return false;
+    if (ordinal_ < 0) return true;
+    return final_ != nullptr && cudaEventQuery(final_) == cudaSuccess;  // cudaErrorNotReady is not a sticky error
+  }
+
+  /// After expired(): blocks until that work has completed (the whole device's, without a final event).
+  void wait_finished() const {
+    if (!expired() || ordinal_ < 0) return;
+    if (final_ != nullptr) {
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(final_), "cudaEventSynchronize (a destroyed stream's final event)",
+                                ordinal_);
+      return;
+    }
+    device_guard guard(device::cuda(ordinal_));
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (a destroyed stream's work)", ordinal_);
+  }
+
+  /// Called by ~stream just before cudaStreamDestroy of `handle` (nullptr for a CPU stream, whose work is done).
+  /// `remembered`: someone else holds this record, so a final event is worth recording and the destruction worth
+  /// announcing (stream_expirations). Never throws.
+  void expire(cudaStream_t handle, bool remembered) noexcept {
+    if (handle != nullptr && remembered) {
+      try {
+        device_guard guard(device::cuda(ordinal_));  // events belong to the current device
+        cudaEvent_t e = nullptr;
+        cudaError_t result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+        if (result == cudaSuccess) {
+          result = cudaEventRecord(e, handle);
+          if (result == cudaSuccess) {
+            final_ = e;
+          } else {
+            (void)cudaEventDestroy(e);
+          }
+        }
+        // Without it, memory the stream used is reused only after the device was synchronized (wait_finished) or
+        // released to it (cudaFree synchronizes).
+        report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
+      } catch (const error& ex) {
+        if (!is_teardown_result(ex.cuda_result())) {
+          warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+        }
+      } catch (const std::exception& ex) {
+        warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+      }
+    }
+    expired_.store(true, std::memory_order_release);
+    if (remembered) stream_expirations().fetch_add(1, std::memory_order_relaxed);  // else no one has to look
+  }
+
+ private:
+  unsigned long long id_;
+  int ordinal_;
+  cudaEvent_t final_ = nullptr;  // written before expired_ is set, read after it is seen
+  std::atomic<bool> expired_{false};
+};
 }  // namespace detail
 
 /// A non-owning reference to a stream of some device. It must not outlive the stream it refers to.
 ///
 /// A default-constructed view, or one converted from a raw cudaStream_t, refers to a CUDA stream whose device is
-/// looked up when needed (cudaStreamGetDevice; for the null handle, the current device).
+/// looked up when needed (cudaStreamGetDevice; for the default streams, the current device).
+///
+/// Special handles: 0 is CUDA's default stream, the legacy one (cudaStreamLegacy), or in code built with per-thread
+/// default streams (nvcc --default-stream per-thread, CUDA_API_PER_THREAD_DEFAULT_STREAM) the calling thread's own
+/// (cudaStreamPerThread). Both belong to the current device: a view of a known device makes that device current
+/// around each use. cudaStreamPerThread is a different stream in each host thread.
 class stream_view {
  public:
-  /// CUDA's legacy default stream (handle 0) of the calling thread's current device.
+  /// CUDA's default stream (handle 0) of the calling thread's current device.
   constexpr stream_view() noexcept = default;
 
   /// A raw CUDA stream handle; implicit so that APIs taking a stream_view accept cudaStream_t.
@@ -56,15 +179,15 @@ class stream_view {
     return StreamRef(cuda_handle());
   }
 
-  /// A raw CUDA stream handle of a known device.
+  /// A raw CUDA stream handle of a known device (for cudaStreamLegacy and cudaStreamPerThread: that device's).
   stream_view(gpukit::device d, cudaStream_t handle) : device_(d), device_known_(true), cuda_(handle) {
     if (d.is_cpu() && handle != nullptr) {
       throw invalid_argument_error("gpukit::stream_view: a CUDA stream handle cannot belong to the CPU device");
     }
   }
 
-  /// The default stream of a device: CUDA's legacy default stream, or for the CPU a stream that runs each task
-  /// synchronously on the calling thread.
+  /// The default stream of a device: CUDA's default stream (handle 0: legacy, or per-thread in code built that way),
+  /// or for the CPU a stream that runs each task synchronously on the calling thread.
   static stream_view default_stream(gpukit::device d) noexcept {
     stream_view view;
     view.device_ = d;
@@ -72,11 +195,12 @@ class stream_view {
     return view;
   }
 
-  /// The device the stream belongs to. For a view made from a raw handle this asks CUDA (cudaStreamGetDevice).
+  /// The device the stream belongs to. For a view made from a raw handle this asks CUDA (cudaStreamGetDevice; for a
+  /// default stream, cudaGetDevice).
   gpukit::device device() const {
     if (device_known_) return device_;
     int ordinal = 0;
-    if (cuda_ == nullptr) {
+    if (is_special(cuda_)) {
       GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
     } else {
       GPUKIT_CUDA_TRY(cudaStreamGetDevice(cuda_, &ordinal));
@@ -86,8 +210,13 @@ class stream_view {
 
   /// True for streams of the CPU device.
   bool is_cpu() const noexcept { return device_known_ && device_.is_cpu(); }
-  /// True for a device's default stream (CUDA's legacy stream, or the CPU's synchronous one).
-  bool is_default() const noexcept { return cuda_ == nullptr && cpu_ == nullptr; }
+  /// True for a device's default stream: CUDA's legacy one (0, cudaStreamLegacy), its per-thread one
+  /// (cudaStreamPerThread, or 0 in code built with per-thread default streams), or the CPU's synchronous one.
+  bool is_default() const noexcept { return cpu_ == nullptr && is_special(cuda_); }
+  /// True for CUDA's per-thread default stream, which is a different stream in each host thread.
+  bool is_per_thread() const noexcept {
+    return !is_cpu() && cpu_ == nullptr && canonical(cuda_) == cudaStreamPerThread;
+  }
 
   /// The CUDA handle. Throws invalid_argument_error for a CPU stream.
   cudaStream_t cuda_handle() const {
@@ -99,6 +228,43 @@ class stream_view {
   /// The CPU queue, or nullptr (CUDA streams and the CPU's synchronous default stream).
   detail::cpu_queue* cpu_queue() const noexcept { return cpu_; }
 
+  /// A number no other stream has, even after this one is destroyed (its handle may be reused at once):
+  /// cudaStreamGetId for CUDA streams, a number of gpukit's for CPU streams. Views of a gpukit::stream carry it, and
+  /// default streams' ids are cached per thread, so those cost no CUDA call; a raw handle costs one cudaStreamGetId.
+  /// For cudaStreamPerThread, the calling thread's stream's id (or the id recorded by resolved()).
+  unsigned long long id() const {
+    if (id_ != 0) return id_;
+    if (is_cpu()) return detail::cpu_stream_id_bit;  // the CPU's default stream (CPU queues always carry an id)
+    if (is_special(cuda_)) return detail::default_stream_id(device().ordinal(), is_per_thread());
+    unsigned long long id = 0;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", known_ordinal());
+    return id;
+  }
+
+  /// This view with its device and id looked up now, so that later uses need no lookup and mean the same stream
+  /// when made from another thread or with another device current (for cudaStreamPerThread: the calling thread's
+  /// stream, whose work other threads can then only order after through the legacy default stream).
+  stream_view resolved() const {
+    stream_view view = *this;
+    if (!view.device_known_) {
+      view.device_ = device();
+      view.device_known_ = true;
+    }
+    view.id_ = view.id();
+    return view;
+  }
+
+  /// The record of the gpukit::stream this view was made from, which outlives it: whether it was destroyed and
+  /// whether its last work completed (nullptr for raw handles, wrapped handles and default streams). Call it while
+  /// the stream exists, like every use of a view.
+  std::shared_ptr<const detail::stream_life> lifetime() const {
+    return life_ != nullptr ? life_->shared_from_this() : nullptr;
+  }
+
+  /// True when the view was made from a gpukit::stream that has been destroyed since. Only for views whose
+  /// lifetime() someone holds (allocators do); otherwise a view must not outlive its stream at all.
+  bool destroyed() const noexcept { return life_ != nullptr && life_->expired(); }
+
   /// Blocks until all work enqueued on the stream has completed.
   void synchronize() const {
     if (is_cpu()) {
@@ -109,16 +275,14 @@ class stream_view {
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(cuda_), "cudaStreamSynchronize", known_ordinal());
   }
 
-  /// True when all work enqueued on the stream has completed (cudaStreamQuery).
+  /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
+  /// program stays pending: cudaErrorNotReady is a status, not an error, so nothing is cleared.
   bool ready() const {
     if (is_cpu()) return cpu_ == nullptr || cpu_->idle();
     device_guard guard(guard_device());
     const cudaError_t result = cudaStreamQuery(cuda_);
     if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
+    if (result == cudaErrorNotReady) return false;
     detail::throw_cuda_error(result, "cudaStreamQuery", known_ordinal(), __FILE__, __LINE__);
   }
 
@@ -148,9 +312,13 @@ class stream_view {
     (void)owned.release();  // now owned by the trampoline
   }
 
-  /// Views are equal when they refer to the same stream; default streams compare by device.
+  /// Views are equal when they refer to the same stream: by id when both know it (a handle may have belonged to a
+  /// destroyed stream), else by handle (0 and cudaStreamLegacy, or 0 and cudaStreamPerThread in per-thread code,
+  /// are the same); default streams compare by device.
   friend bool operator==(const stream_view& a, const stream_view& b) noexcept {
-    if (a.cuda_ != b.cuda_ || a.cpu_ != b.cpu_) return false;
+    if (a.cpu_ != b.cpu_) return false;
+    if (a.id_ != 0 && b.id_ != 0) return a.id_ == b.id_;
+    if (canonical(a.cuda_) != canonical(b.cuda_)) return false;
     if (!a.is_default()) return true;
     return a.device_known_ == b.device_known_ && a.device_ == b.device_;
   }
@@ -158,12 +326,27 @@ class stream_view {
 
  private:
   friend class stream;
-  stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue) noexcept
-      : device_(d), device_known_(true), cuda_(handle), cpu_(queue) {}
+  stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue, detail::stream_life* life) noexcept
+      : device_(d),
+        device_known_(true),
+        cuda_(handle),
+        cpu_(queue),
+        id_(life != nullptr ? life->id() : 0),
+        life_(life) {}
 
-  // The legacy default stream is per device: operations on it must run with its device current.
+  // 0, cudaStreamLegacy and cudaStreamPerThread: streams of whatever device is current.
+  static bool is_special(cudaStream_t h) noexcept {
+    return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+  }
+  // What handle 0 means in this translation unit's default-stream mode.
+  static cudaStream_t canonical(cudaStream_t h) noexcept {
+    if (h != nullptr) return h;
+    return detail::per_thread_default_stream_mode() ? cudaStreamPerThread : cudaStreamLegacy;
+  }
+
+  // The default streams are per device: operations on them must run with their device current.
   gpukit::device guard_device() const noexcept {
-    return (device_known_ && cuda_ == nullptr) ? device_ : gpukit::device::cpu();
+    return (device_known_ && is_special(cuda_) && cpu_ == nullptr) ? device_ : gpukit::device::cpu();
   }
   int known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
 
@@ -171,6 +354,8 @@ class stream_view {
   bool device_known_ = false;
   cudaStream_t cuda_ = nullptr;
   detail::cpu_queue* cpu_ = nullptr;
+  unsigned long long id_ = 0;           // 0: not known (raw handles and default streams look it up)
+  detail::stream_life* life_ = nullptr;  // the gpukit::stream's, which owns it
 };
 
 /// How to create a stream.
@@ -189,6 +374,7 @@ class stream {
   /// Creates a stream on `d` (a CUDA stream, or a CPU queue with its worker thread).
   explicit stream(gpukit::device d, stream_options options = {}) : device_(d), owns_(true), valid_(true) {
     if (d.is_cpu()) {
+      life_ = std::make_shared<detail::stream_life>(detail::next_cpu_stream_id(), -1);
       cpu_ = std::make_unique<detail::cpu_queue>();
       return;
     }
@@ -204,16 +390,34 @@ class stream {
                                   (options.non_blocking ? "cudaStreamNonBlocking" : "cudaStreamDefault") + ", " +
                                   std::to_string(priority_) + ")",
                               d.ordinal());
+    // The id (unique for the life of the program, unlike the handle) is looked up once, so views carry it.
+    try {
+      unsigned long long id = 0;
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", d.ordinal());
+      life_ = std::make_shared<detail::stream_life>(id, d.ordinal());
+    } catch (...) {
+      (void)cudaStreamDestroy(std::exchange(cuda_, nullptr));
+      throw;
+    }
   }
 
-  /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it.
+  /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it. Throws
+  /// invalid_argument_error, naming both devices, when the handle belongs to another device (cudaStreamGetDevice),
+  /// and for an owned default stream; nothing is taken over then.
   static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership) {
     if (!d.is_cuda()) throw invalid_argument_error("gpukit::stream::wrap: a CUDA handle needs a CUDA device");
     if (handle == nullptr && take_ownership) {
       throw invalid_argument_error("gpukit::stream::wrap: the default stream cannot be owned");
     }
     int priority = 0;
-    if (handle != nullptr) {
+    // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
+    if (handle != nullptr && handle != cudaStreamLegacy && handle != cudaStreamPerThread) {
+      int ordinal = -1;
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", d.ordinal());
+      if (ordinal != d.ordinal()) {
+        throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
+                                     " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
+      }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", d.ordinal());
     }
     return stream(d, handle, take_ownership, priority);
@@ -229,12 +433,14 @@ class stream {
   }
   stream(const stream&) = delete;
   stream& operator=(const stream&) = delete;
+  /// Destroys an owned stream (see the file comment for pending work). Never throws: a failure goes to gpukit::warn,
+  /// except the results of a runtime torn down at process exit (detail::is_teardown_result), which are expected.
   ~stream() { destroy(); }
 
   /// A non-owning view. Throws invalid_argument_error if this stream was moved from.
   stream_view view() const {
     check_valid("view");
-    return stream_view(device_, cuda_, cpu_.get());
+    return stream_view(device_, cuda_, cpu_.get(), life_.get());
   }
   operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
 
@@ -256,7 +462,8 @@ class stream {
     view().enqueue_host(std::forward<F>(function));
   }
 
-  /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from.
+  /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
+  /// the stream then treat it like a raw handle: it must outlive the memory allocated on it.
   cudaStream_t release() {
     check_valid("release");
     if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
@@ -281,26 +488,35 @@ class stream {
     device_ = other.device_;
     cuda_ = std::exchange(other.cuda_, nullptr);
     cpu_ = std::move(other.cpu_);
+    life_ = std::move(other.life_);
     priority_ = other.priority_;
     owns_ = std::exchange(other.owns_, false);
     valid_ = std::exchange(other.valid_, false);
   }
 
+  // Those that remember the stream (use_count > 1: allocators, pinned pools) learn that it is gone, and when its
+  // last work completes, from life_; after a release() or for a borrowed handle the stream lives on elsewhere.
   void destroy() noexcept {
     if (owns_ && cuda_ != nullptr) {
+      if (life_) life_->expire(cuda_, life_.use_count() > 1);
       detail::report_cuda_failure(cudaStreamDestroy(cuda_), "cudaStreamDestroy (in ~stream)", device_.ordinal());
     }
     cuda_ = nullptr;
-    cpu_.reset();  // waits for the queue's pending work, then joins its worker
+    if (cpu_) {
+      cpu_.reset();  // waits for the queue's pending work, then joins its worker
+      if (life_) life_->expire(nullptr, life_.use_count() > 1);
+    }
+    life_.reset();
     owns_ = false;
   }
 
   gpukit::device device_{};
   cudaStream_t cuda_ = nullptr;
   std::unique_ptr<detail::cpu_queue> cpu_;
+  std::shared_ptr<detail::stream_life> life_;  // null for wrapped handles
   int priority_ = 0;
   bool owns_ = false;
   bool valid_ = false;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -8,12 +8,16 @@
 /// - next(): round-robin over `size()` streams created lazily, one per slot on first use. The pool is shared:
 ///   the (size+1)-th call returns the first stream again, so two users may get the same stream (aliasing). That is
 ///   always correct, only less concurrent; with the default 32 streams it matches PyTorch's pool.
-/// - acquire_exclusive(): a stream nobody else gets from this pool until its lease ends; leases are recycled, and
-///   new streams are created when none is free. The stream may still have work in flight when the lease ends; the
-///   next holder's work is simply ordered after it.
+/// - acquire_exclusive(): a stream nobody else gets from this pool until its lease ends. Exclusive streams are
+///   separate from the shared ones, created lazily up to the pool's exclusive capacity (a constructor argument,
+///   by default the pool's size) and recycled when leases end. With all of them leased, acquire_exclusive() throws
+///   invalid_argument_error and try_acquire_exclusive() returns std::nullopt: a pool never hands out more streams
+///   than it was sized for. The stream may still have work in flight when the lease ends; the next holder's work is
+///   simply ordered after it.
 ///
 /// default_stream_pool(device, priority) gives the process-wide pools, created on first use.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -24,19 +28,29 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// A pool of streams of one device (see the file comment for round-robin and exclusive use).
 class stream_pool {
  public:
   static constexpr std::size_t default_size = 32;
+  /// The default exclusive capacity: as many exclusive streams as shared ones (`size`).
+  static constexpr std::size_t same_as_size = static_cast<std::size_t>(-1);
 
-  /// A pool of `size` shared streams of `d`, created with `options` (priority, non-blocking) when first used.
-  explicit stream_pool(gpukit::device d, std::size_t size = default_size, stream_options options = {})
-      : device_(d), options_(options), slots_(size) {
+  /// A pool of `size` shared streams of `d`, created with `options` (priority, non-blocking) when first used, and
+  /// of up to `exclusive_capacity` streams for exclusive leases (same_as_size: `size`; 0: none), also created when
+  /// first leased.
+  explicit stream_pool(gpukit::device d, std::size_t size = default_size, stream_options options = {},
+                       std::size_t exclusive_capacity = same_as_size)
+      : device_(d),
+        options_(options),
+        slots_(size),
+        exclusive_capacity_(exclusive_capacity == same_as_size ? size : exclusive_capacity) {
     if (size == 0) throw invalid_argument_error("gpukit::stream_pool: the size must be at least 1");
   }
 
@@ -87,18 +101,26 @@ class stream_pool {
     std::unique_ptr<stream> stream_;
   };
 
-  /// A stream for exclusive use; recycled from ended leases, or created. The pool must outlive the lease.
+  /// A stream for exclusive use: recycled from ended leases, or created while fewer than exclusive_capacity()
+  /// exist. Throws invalid_argument_error, naming the device, the capacity and the leases out, when all are leased
+  /// (see try_acquire_exclusive). The pool must outlive the lease.
   lease acquire_exclusive() {
-    std::unique_ptr<stream> s;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!exclusive_free_.empty()) {
-        s = std::move(exclusive_free_.back());
-        exclusive_free_.pop_back();
-      }
-    }
-    if (!s) s = std::make_unique<stream>(device_, options_);
-    return lease(this, std::move(s));
+    std::size_t in_use = 0;
+    if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+    throw invalid_argument_error(
+        "gpukit::stream_pool::acquire_exclusive: all exclusive streams of the " + device_.to_string() +
+            " pool are leased (" + std::to_string(in_use) + " leases out, exclusive capacity " +
+            std::to_string(exclusive_capacity_) +
+            "); end a lease first, use try_acquire_exclusive(), or give the pool a larger exclusive capacity",
+        cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+  }
+
+  /// Like acquire_exclusive(), but std::nullopt when all exclusive streams are leased. Still throws if creating a
+  /// stream fails.
+  std::optional<lease> try_acquire_exclusive() {
+    std::size_t in_use = 0;
+    if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+    return std::nullopt;
   }
 
   gpukit::device device() const noexcept { return device_; }
@@ -111,19 +133,53 @@ class stream_pool {
     for (const auto& slot : slots_) n += slot ? 1 : 0;
     return n;
   }
-  /// Streams waiting in the exclusive reserve.
+  /// The most exclusive streams leased at once.
+  std::size_t exclusive_capacity() const noexcept { return exclusive_capacity_; }
+  /// Exclusive leases currently out.
+  std::size_t exclusive_in_use() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return exclusive_in_use_;
+  }
+  /// Created exclusive streams waiting in the reserve for the next lease (streams not yet created are not counted:
+  /// up to exclusive_capacity() - exclusive_in_use() leases can be acquired).
   std::size_t exclusive_available() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return exclusive_free_.size();
   }
 
  private:
-  void return_exclusive(std::unique_ptr<stream> s) noexcept {
-    try {
+  // A recycled or new exclusive stream, counted as leased; nullptr (with the leases out) at capacity.
+  std::unique_ptr<stream> take_exclusive(std::size_t& in_use) {
+    {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (!exclusive_free_.empty()) {
+        std::unique_ptr<stream> s = std::move(exclusive_free_.back());
+        exclusive_free_.pop_back();
+        ++exclusive_in_use_;
+        return s;
+      }
+      if (exclusive_in_use_ >= exclusive_capacity_) {
+        in_use = exclusive_in_use_;
+        return nullptr;
+      }
+      ++exclusive_in_use_;  // reserves the slot; the stream is created outside the lock
+    }
+    try {
+      return std::make_unique<stream>(device_, options_);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --exclusive_in_use_;
+      throw;
+    }
+  }
+
+  void return_exclusive(std::unique_ptr<stream> s) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --exclusive_in_use_;
+    try {
       exclusive_free_.push_back(std::move(s));
     } catch (...) {
-      // Out of memory growing the reserve: the stream is destroyed instead of recycled.
+      // Out of memory growing the reserve: the stream is destroyed instead of recycled (created again when needed).
     }
   }
 
@@ -132,19 +188,33 @@ class stream_pool {
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<stream>> slots_;
   std::vector<std::unique_ptr<stream>> exclusive_free_;
+  std::size_t exclusive_capacity_;
+  std::size_t exclusive_in_use_ = 0;  // leases out; exclusive streams created = this + exclusive_free_.size()
   std::atomic<std::size_t> counter_{0};
 };
 
 /// Priority classes of the process-wide pools.
 enum class stream_priority { normal, high };
 
+namespace detail {
+/// The process-wide pools of default_stream_pool, by (ordinal, priority).
+struct default_stream_pool_registry {
+  std::mutex mutex;
+  std::map<std::pair<int, int>, std::unique_ptr<stream_pool>> pools;
+};
+GPUKIT_EXPORT inline default_stream_pool_registry& default_stream_pools() {
+  static default_stream_pool_registry registry;
+  return registry;
+}
+}  // namespace detail
+
 /// The process-wide pool of `d` for a priority class, created on first use with stream_pool::default_size
-/// non-blocking streams (high: the device's greatest priority). Thread-safe; lives until the process exits.
+/// non-blocking streams (high: the device's greatest priority) and as many exclusive ones. Thread-safe; lives until
+/// the process exits.
 inline stream_pool& default_stream_pool(gpukit::device d, stream_priority priority = stream_priority::normal) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, std::unique_ptr<stream_pool>> pools;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& pool = pools[{d.ordinal(), static_cast<int>(priority)}];
+  auto& registry = detail::default_stream_pools();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& pool = registry.pools[{d.ordinal(), static_cast<int>(priority)}];
   if (!pool) {
     stream_options options;
     options.priority = priority == stream_priority::high ? INT_MIN : 0;  // clamped to the device's greatest
@@ -153,4 +223,4 @@ inline stream_pool& default_stream_pool(gpukit::device d, stream_priority priori
   return *pool;
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

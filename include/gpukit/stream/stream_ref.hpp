@@ -10,11 +10,12 @@
 ///     cuda::stream_ref ref = gpukit_stream.view();
 ///     gpukit::stream_view view = ref;
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda/stream_ref>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 template <>
 struct is_cuda_stream_ref<::cuda::stream_ref> : std::true_type {};
@@ -23,4 +24,4 @@ struct is_cuda_stream_ref<::cuda::stream_ref> : std::true_type {};
 /// The cuda::stream_ref of a CUDA stream. Throws invalid_argument_error for a CPU stream.
 inline ::cuda::stream_ref to_stream_ref(stream_view s) { return ::cuda::stream_ref(s.cuda_handle()); }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -6,18 +6,20 @@
 /// copy_async(dst, src, stream): host to device, device to host and device to device, over located spans
 /// (<gpukit/transfer/spans.hpp>), std::vector / std::array (host memory), pinned buffers and device buffers.
 ///
-/// | source → destination   | how                                     | source reusable / destination ready     |
-/// |------------------------|-----------------------------------------|-----------------------------------------|
-/// | pinned host → device   | one DMA (cudaMemcpyAsync)               | source: once the stream passed the copy |
-/// | pageable host → device | staged through the stream's pinned ring | source: **when copy_async returns**     |
-/// | device → pinned host   | one DMA                                 | destination: once the stream passed it  |
-/// | device → pageable host | staged, host copies in stream order     | destination: once the stream passed it  |
-/// | device → device        | one DMA (peer copy across devices)      | both: once the stream passed it         |
+/// | source → destination   | how                                     | source reusable / destination ready      |
+/// |------------------------|-----------------------------------------|------------------------------------------|
+/// | pinned host → device   | one DMA (cudaMemcpyAsync)               | source: once the stream passed the copy  |
+/// | pageable host → device | staged through the stream's pinned ring | source: **when copy_async returns**      |
+/// | device → pinned host   | one DMA                                 | destination: once the stream passed it   |
+/// | device → pageable host | staged; the calling thread copies out   | destination: **when copy_async returns** |
+/// | device → device        | one DMA (peer copy across devices)      | both: once the stream passed it          |
 ///
 /// "The stream passed the copy" means: after stream.synchronize(), or once an event recorded on the stream after
 /// the call has completed; later work on the same stream sees the data. Device memory must stay valid until then in
-/// every case. On the CPU device the same table holds: "device" memory is host memory, copies are memcpy enqueued on
-/// the CPU stream (asynchronous and ordered like on a GPU), and pageable memory is staged the same way.
+/// every case. A copy into pageable memory waits for the stream's earlier work and returns with the data, as CUDA's
+/// own cudaMemcpyAsync into pageable memory does (see <gpukit/transfer/staging.hpp>). On the CPU device the same
+/// table holds: "device" memory is host memory, copies are memcpy enqueued on the CPU stream (asynchronous and
+/// ordered like on a GPU), and pageable memory is staged the same way.
 ///
 /// Checks, before anything is enqueued (each throws invalid_argument_error; nothing is left in a ring):
 /// - sizes differ (element counts; element types must match at compile time);
@@ -28,10 +30,14 @@
 /// - a device pointer where host memory is expected, or host memory where device memory is expected, as
 ///   cudaPointerGetAttributes reports. Without a usable CUDA device no pointer can be device memory, so this check
 ///   accepts every pointer (see <gpukit/transfer/pointer_query.hpp>).
+/// - the stream is being captured into a CUDA graph and the copy would be staged (pageable host memory): pinned and
+///   device memory copies are one cudaMemcpyAsync each, which a capture records as a copy node.
 /// A size of zero is a no-op: nothing is checked or enqueued.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/pointer_query.hpp>
 #include <gpukit/transfer/spans.hpp>
@@ -40,10 +46,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// One side of a copy, type-erased.
@@ -133,6 +140,19 @@ inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t e
   return host_pinned;
 }
 
+/// Throws invalid_argument_error naming `operation` when `s` (of device `sd`) is being captured into a CUDA graph
+/// (stream_ops.hpp): staging uses pinned slots, events and host functions that a graph cannot replay.
+inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation, std::string_view advice) {
+  if (capture_status(s) == cudaStreamCaptureStatusNone) return;
+  throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
+}
+
+/// What to do instead of staging in a capture.
+inline constexpr std::string_view capture_advice_staging =
+    "pageable host memory is staged through pinned slots and events, which a graph cannot replay; during a capture "
+    "copy between pinned memory (pinned_buffer) and device memory, which is captured as one copy node (nothing was "
+    "enqueued)";
+
 /// Picks the staging engine once the stream's device is known: a fixed one, or the default of the device's kind.
 template <class Engine>
 struct fixed_engine {
@@ -154,10 +174,12 @@ void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   if (dst.count == 0) return;
   const gpukit::device sd = s.device();
   const bool host_pinned = check_copy(dst, src, element_size, sd);
+  const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
+  if (!d2d && !host_pinned) refuse_capture(s, sd, "gpukit::copy_async", capture_advice_staging);
   const std::size_t bytes = dst.count * element_size;
   void* out = const_cast<void*>(dst.data);
   auto& engine = engine_for(sd);
-  if (dst.location == memory_location::device && src.location == memory_location::device) {
+  if (d2d) {
     engine.copier()(out, src.data, bytes, copy_direction::device_to_device, s);
   } else if (dst.location == memory_location::device) {
     if (host_pinned) {
@@ -214,4 +236,4 @@ void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier
   detail::copy_located(dst, src, s, detail::fixed_engine<basic_staging_engine<Copier>>{&engine});
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -8,6 +8,8 @@
 /// a part itself and helper threads from a small process-wide pool take the rest; parts nobody has started are
 /// taken by the caller, so a copy never waits for a busy helper.
 
+#include <gpukit/detail/config.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -19,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// The helper threads of parallel_copy. Created lazily (never at static-initialisation time), grown on demand up to
@@ -29,7 +31,7 @@ class copy_workers {
  public:
   static constexpr unsigned max_helpers = 15;
 
-  static copy_workers& instance() {
+  GPUKIT_EXPORT static copy_workers& instance() {
     static copy_workers* workers = new copy_workers();  // leaked on purpose: see the class comment
     return *workers;
   }
@@ -132,4 +134,4 @@ inline void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigne
   detail::copy_workers::instance().copy(dst, src, bytes, threads);
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

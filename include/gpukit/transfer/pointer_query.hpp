@@ -9,16 +9,19 @@
 ///
 /// Without a usable CUDA device (no driver, or no GPU) no pointer in the process can be device or pinned memory, so
 /// the answer is `unknown` and the checks that depend on it accept the pointer: that is sound, not a guess. gpukit
-/// does not call cudaPointerGetAttributes at all then (device_count() is asked once per process). With a GPU, asking
-/// initialises the CUDA runtime like any CUDA call.
+/// does not call cudaPointerGetAttributes at all then (device_count() is asked once per process). With a GPU, it
+/// asks in a context that exists (detail::device_with_context), never creating one: with no context in the process
+/// no pointer can be CUDA memory, so the answer is `pageable` without asking.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <optional>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// The kinds of memory copies distinguish.
@@ -38,13 +41,13 @@ struct pointer_info {
 using pointer_query_function = pointer_info (*)(const void*);
 
 /// Tests replace the query to exercise the checks without a GPU; nullptr restores CUDA's.
-inline std::atomic<pointer_query_function>& pointer_query_override() {
+GPUKIT_EXPORT inline std::atomic<pointer_query_function>& pointer_query_override() {
   static std::atomic<pointer_query_function> function{nullptr};
   return function;
 }
 
 /// True when some CUDA device is usable, so CUDA pointers can exist. Asked once per process.
-inline bool cuda_pointers_possible() {
+GPUKIT_EXPORT inline bool cuda_pointers_possible() {
   static const bool possible = device_count() > 0;
   return possible;
 }
@@ -52,14 +55,20 @@ inline bool cuda_pointers_possible() {
 /// Classifies `p` (see the file comment). Never throws.
 inline pointer_info query_pointer(const void* p) noexcept {
   if (pointer_query_function f = pointer_query_override().load(std::memory_order_acquire)) return f(p);
+  cudaPointerAttributes attributes{};
   try {
     if (!cuda_pointers_possible()) return {};
+    // CUDA answers in the current context, and on a thread without one it would create cuda:0's: ask in a context
+    // that exists. With none in the process, no CUDA allocation or registration can exist either.
+    std::optional<device_guard> guard;
+    const int ordinal = device_with_context(-1, false);
+    if (ordinal == no_context_anywhere) return {pointer_kind::pageable, -1};
+    if (ordinal >= 0) guard.emplace(device::cuda(ordinal));
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return {};
+    }
   } catch (...) {
-    return {};
-  }
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-    (void)cudaGetLastError();
     return {};
   }
   switch (attributes.type) {
@@ -77,4 +86,4 @@ inline pointer_info query_pointer(const void* p) noexcept {
 }
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

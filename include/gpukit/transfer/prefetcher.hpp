@@ -26,6 +26,7 @@
 /// batch is still held. Batches come in index order. An exception thrown by the callback is rethrown by next() once
 /// the batches before it have been handed out. Works unchanged on the CPU device.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/device_buffer.hpp>
@@ -48,7 +49,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// How a prefetcher buffers.
 struct prefetch_options {
@@ -226,6 +227,14 @@ class prefetcher {
 
  private:
   static void run(state& st) {
+    // A new thread's current device is cuda:0, without a context: work on the consumer's device, whose context the
+    // constructor's allocations created, so this thread's CUDA calls never create cuda:0's.
+    try {
+      set_current_device(st.dev);
+    } catch (...) {
+      finish(st, std::current_exception());
+      return;
+    }
     for (std::size_t index = 0;; ++index) {
       slot& sl = *st.slots[index % st.slots.size()];
       {
@@ -278,4 +287,4 @@ class prefetcher {
   std::thread worker_;
 };
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

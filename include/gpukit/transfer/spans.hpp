@@ -15,6 +15,7 @@
 /// converts only explicitly: `gpukit::host_span<float>(s)` or `gpukit::device_span<float>(s, d)`. A pinned_span made
 /// from a raw pointer is a promise that the memory is page-locked (e.g. registered with host_registration).
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/pinned_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
@@ -26,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// Where a located span's memory is.
 enum class memory_location : unsigned char {
@@ -240,4 +241,4 @@ auto located_view(X& x) {
 }
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

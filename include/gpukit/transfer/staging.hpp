@@ -3,34 +3,47 @@
 #pragma once
 
 /// \file
-/// The staging engine: copies between pageable host memory and a device through a small ring of pinned slots, so
+/// The staging engine: copies between pageable host memory and a device through small rings of pinned slots, so
 /// pageable transfers run at close to the pinned rate instead of the 18–31% the driver's own staging reaches.
 ///
-/// Host to device (to_device): the calling thread copies a chunk of the source into a free slot (with several threads
-/// for large chunks), enqueues the DMA from the slot on the stream, records the slot's event, and goes on with the
-/// next slot; a slot is refilled once its event has completed. The source is read entirely during the call: **when
-/// to_device returns, the source may be reused or freed.** The destination is written in stream order.
+/// Host to device (to_device): the calling thread copies a chunk of the source into a free slot of the stream's
+/// upload ring (with several threads for large chunks), enqueues the DMA from the slot on the stream, records the
+/// slot's event, and goes on with the next slot; a slot is refilled once its event has completed. **When to_device
+/// returns, the source may be reused or freed.** The destination is written in stream order.
 ///
-/// Device to host (to_host), the mirror: the DMA of each chunk into a slot is enqueued on the stream, and a host
-/// function on a side stream (one per stream, created on first use) copies the slot to the destination once the DMA
-/// has completed; the stream's later work waits for those host functions. Slot reuse is ordered on the streams
-/// themselves, so the call never waits on the host. **The destination is written in stream order: it may be read,
-/// reused or freed once the stream has passed the copy** (stream.synchronize(), or an event recorded after it), as
-/// for a copy into pinned memory. The source (device memory) likewise must stay valid until then.
+/// Device to host (to_host), like CUDA's own cudaMemcpyAsync into pageable memory: **it returns once the destination
+/// holds the data**, so it waits for the stream's earlier work. The DMAs of the chunks into the slots of the stream's
+/// download ring are enqueued on the stream, and the calling thread waits for each one's event and copies the slot
+/// out itself while the DMAs of the next chunks run. No host function is involved: CUDA may run the host functions of
+/// all streams of a device one at a time, so a copy that needed one could wait behind any other stream's.
 ///
-/// Never a deadlock: to_device waits for a slot only while the stream makes progress. Each call gives the stream
-/// `patience` (20 ms by default) in total; if a slot is still busy after that — the stream may be held by work that
-/// only a later host action releases (a host function waiting on a gate, an event not yet recorded) — the rest of
-/// the transfer is copied into one block from the pinned pool at once (freed stream-ordered), and the call returns.
-/// So in the worst case staging pins as much memory as it transfers; it never waits forever. to_host never waits.
+/// **Never a deadlock.** to_device waits for its stream's slots at most `patience` (20 ms by default) per call. If the
+/// stream has not released a slot by then — it may be held by work that only a later host action releases (a host
+/// function waiting on a gate, an event not yet recorded) — the rest of the transfer is copied into ordinary heap
+/// memory and the call returns. A gpukit thread (one per such stream, while it has such work) then stages the rest
+/// through the same ring, on a side stream that starts after the stream's earlier work (an event), as the slots come
+/// free; one host function on the stream holds the stream's later work until those copies have completed. Later
+/// to_device calls on the stream queue behind it while it has work, so the data lands in call order. The thread waits
+/// only for the stream's own earlier work and for its copies; the host function exists only for transfers that
+/// outlasted their patience and, like any host function, may start only after host functions of other streams.
 ///
-/// Rings are per stream: a stream's copies recycle only their own slots, so a stream held back never delays another.
-/// Slots come from a pinned_pool (chunk-sized blocks, cached after warm-up) and grow on demand to the chunk size.
+/// **Pinned memory.** Staging holds at most `(slots + download_slots) × chunk_bytes` (each slot rounded up to the
+/// pool's size class) per stream that stages — its two rings, 48 MiB by default — whatever the size of the transfers
+/// and however far behind the stream is (max_pinned_bytes_per_stream()). The rest of a transfer that could not wait
+/// is held in pageable heap memory, as many bytes as that rest, until it has been staged.
+///
+/// Rings are per stream, told apart by cudaStreamGetId (never by the handle, which CUDA may give to the next stream
+/// created once a stream is destroyed) or by the CPU stream's queue: a stream's copies recycle only their own slots,
+/// so a stream held back never delays another. When a ring is created while `max_rings` exist, idle ones (those of
+/// destroyed streams among them) are released, least recently used first. Slots come from a pinned_pool (chunk-sized
+/// blocks, cached after warm-up) and grow on demand to the chunk size.
 ///
 /// The engine knows nothing of CUDA beyond gpukit's streams and events: the "device copy" step is a template
 /// parameter (device_copier: cudaMemcpyAsync, or a memcpy enqueued on a CPU stream), so tests on CPU streams
 /// exercise slot recycling, ordering and the no-deadlock rule for real, under threads.
 
+#include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
@@ -42,17 +55,21 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 
 /// The direction of a copy, for the device copy step (and for instrumented steps in tests).
 enum class copy_direction : unsigned char { host_to_device, device_to_host, device_to_device };
@@ -75,25 +92,28 @@ struct device_copier {
   }
 };
 
-/// Tuning of a staging engine. The defaults keep 4 × 8 MiB = 32 MiB pinned per stream that stages.
+/// Tuning of a staging engine. The defaults keep at most (4 + 2) × 8 MiB = 48 MiB pinned per stream that stages.
 struct staging_options {
   /// Largest slot. 8 MiB DMAs amortise the per-copy launch cost (a few µs) to under 5% at 55 GB/s.
   std::size_t chunk_bytes = std::size_t{8} << 20;
   /// Transfers up to this size are one chunk; larger ones are split into at least `slots` chunks of at least this
   /// size, so even a few-MiB transfer overlaps its CPU copy with its DMA.
   std::size_t min_chunk_bytes = std::size_t{1} << 20;
-  /// Slots per stream's ring: 4 leaves two DMAs queued while the CPU fills the next slot.
+  /// Slots of a stream's upload ring (to_device): 4 leave two DMAs queued while the CPU fills the next slot.
   std::size_t slots = 4;
   /// Threads that copy one chunk on the host (0: min(4, hardware threads)).
   unsigned threads = 0;
   /// A chunk gets one thread per this many bytes, up to `threads`: waking a helper costs ~10 µs, copying 2 MiB
   /// ~100–200 µs.
   std::size_t bytes_per_thread = std::size_t{2} << 20;
-  /// How long to_device waits, in total per call, for slots the stream has not released before staging the rest in
-  /// one pool block (see the file comment).
+  /// How long to_device waits, in total per call, for slots the stream has not released before handing the rest of
+  /// the transfer to the stream's background thread (see the file comment).
   std::chrono::microseconds patience{20000};
-  /// Rings kept for distinct streams; idle rings beyond this are released (least recently used first).
+  /// Rings kept for distinct streams: when a ring is created while this many exist, idle ones are released (least
+  /// recently used first).
   std::size_t max_rings = 16;
+  /// Slots of a stream's download ring (to_host): 2 let the DMA of one chunk run while the host copies the other out.
+  std::size_t download_slots = 2;
 };
 
 /// Counters of a staging engine.
@@ -101,10 +121,11 @@ struct staging_stats {
   std::uint64_t to_device_calls = 0;   ///< staged host-to-device copies (non-empty)
   std::uint64_t to_host_calls = 0;     ///< staged device-to-host copies (non-empty)
   std::uint64_t chunks = 0;            ///< chunks moved through slots
-  std::uint64_t bytes = 0;             ///< bytes moved through slots or overflow blocks
+  std::uint64_t bytes = 0;             ///< bytes staged, either way
   std::uint64_t slot_waits = 0;        ///< times to_device found its next slot busy and waited
-  std::uint64_t overflows = 0;         ///< calls that ran out of patience and staged the rest in one block
-  std::uint64_t overflow_bytes = 0;    ///< bytes staged that way
+  std::uint64_t overflows = 0;         ///< to_device calls that handed (the rest of) their transfer to the background
+  std::uint64_t overflow_bytes = 0;    ///< bytes handed over that way (held in heap memory until staged)
+  std::uint64_t background_failures = 0;  ///< handed-over transfers that failed (reported through gpukit::warn)
   std::uint64_t rings_created = 0;
   std::uint64_t rings_released = 0;
   std::size_t rings = 0;               ///< rings alive
@@ -112,16 +133,16 @@ struct staging_stats {
   std::chrono::nanoseconds host_copy_time{0};  ///< time to_device spent copying into slots
 };
 
-/// The staging engine (see the file comment). Thread-safe; calls on the same stream are serialised (they would be by
-/// the stream anyway), calls on different streams run concurrently.
+/// The staging engine (see the file comment). Thread-safe; calls in one direction on the same stream are serialised
+/// (they would be by the stream anyway), other calls run concurrently.
 template <class Copier = device_copier>
 class basic_staging_engine {
  public:
   /// An engine taking its slots from `pool` (which must outlive it).
   explicit basic_staging_engine(pinned_pool& pool, staging_options options = {}, Copier copier = Copier())
       : pool_(&pool), options_(options), copier_(std::move(copier)) {
-    if (options_.chunk_bytes == 0 || options_.slots == 0) {
-      throw invalid_argument_error("gpukit::staging_engine: chunk_bytes and slots must be positive");
+    if (options_.chunk_bytes == 0 || options_.slots == 0 || options_.download_slots == 0) {
+      throw invalid_argument_error("gpukit::staging_engine: chunk_bytes, slots and download_slots must be positive");
     }
     if (options_.min_chunk_bytes == 0 || options_.min_chunk_bytes > options_.chunk_bytes) {
       options_.min_chunk_bytes = options_.chunk_bytes;
@@ -137,55 +158,61 @@ class basic_staging_engine {
   basic_staging_engine(const basic_staging_engine&) = delete;
   basic_staging_engine& operator=(const basic_staging_engine&) = delete;
 
-  /// Waits for every ring's work (the slots' events), then returns the slots to the pool. Destroy an engine only
-  /// when its streams can finish their work.
+  /// Waits for the transfers still queued for background threads and for every ring's work (the slots' events), then
+  /// returns the slots to the pool. Destroy an engine only when its streams can finish their work.
   ~basic_staging_engine() {
     for (auto& r : rings_) {
-      std::lock_guard<std::mutex> lock(r->mutex);
+      finish_background(*r);
+      std::lock_guard<std::mutex> up(r->up.mutex);
+      std::lock_guard<std::mutex> down(r->down.mutex);
       drain_and_free_locked(*r);
     }
   }
 
   /// Copies `bytes` of pageable host memory at `src` to device memory at `dst`, in the order of stream `s`. When it
-  /// returns the source has been read in full (reuse it at once); the destination is written in stream order. If it
-  /// throws, the chunks already enqueued may still be written to the destination in stream order.
+  /// returns the source has been read in full (reuse it at once); the destination is written in stream order. Waits
+  /// for the stream's slots at most `patience`, then hands the rest over (see the file comment). If it throws, the
+  /// chunks already enqueued may still be written to the destination in stream order.
   void to_device(void* dst, const void* src, std::size_t bytes, stream_view s) {
     if (bytes == 0) return;
-    ring_lease lease = acquire_ring(s);
+    lane_lease lease = acquire(s, &ring::up);
     ring& r = *lease.r;
+    lane& ln = r.up;
     const std::size_t chunk = chunk_for(bytes);
-    const auto deadline = std::chrono::steady_clock::now() + options_.patience;
     std::chrono::steady_clock::duration waited{};
     std::chrono::steady_clock::duration copying{};
     std::uint64_t waits = 0;
     std::uint64_t chunks = 0;
     std::size_t offset = 0;
-    bool overflowed = false;
     auto* out = static_cast<char*>(dst);
     const auto* in = static_cast<const char*>(src);
-    while (offset < bytes) {
-      const std::size_t length = std::min(chunk, bytes - offset);
-      slot& sl = r.slots[r.next];
-      if (sl.used && !sl.done.ready()) {
-        ++waits;
-        const auto start = std::chrono::steady_clock::now();
-        const bool freed = wait_until(sl.done, deadline);
-        waited += std::chrono::steady_clock::now() - start;
-        if (!freed) {
-          overflow_to_device(out + offset, in + offset, bytes - offset, s);
-          overflowed = true;
-          break;
+    if (!background_idle(r)) {
+      hand_over(r, s, out, in, bytes, chunk);  // behind the rest of an earlier transfer: the data lands in call order
+    } else {
+      const auto deadline = std::chrono::steady_clock::now() + options_.patience;
+      while (offset < bytes) {
+        const std::size_t length = std::min(chunk, bytes - offset);
+        slot& sl = ln.slots[ln.next];
+        if (sl.used && !sl.done.ready()) {
+          ++waits;
+          const auto start = std::chrono::steady_clock::now();
+          const bool freed = wait_until(sl.done, deadline);
+          waited += std::chrono::steady_clock::now() - start;
+          if (!freed) {
+            hand_over(r, s, out + offset, in + offset, bytes - offset, chunk);
+            break;
+          }
         }
+        grow_idle_slot(sl, chunk);
+        const auto copy_start = std::chrono::steady_clock::now();
+        parallel_copy(sl.ptr, in + offset, length, threads_for(length));
+        copying += std::chrono::steady_clock::now() - copy_start;
+        copier_(out + offset, sl.ptr, length, copy_direction::host_to_device, s);
+        record_done(sl, s);
+        ln.next = (ln.next + 1) % ln.slots.size();
+        offset += length;
+        ++chunks;
       }
-      grow_idle_slot(sl, chunk);
-      const auto copy_start = std::chrono::steady_clock::now();
-      parallel_copy(sl.ptr, in + offset, length, threads_for(length));
-      copying += std::chrono::steady_clock::now() - copy_start;
-      copier_(out + offset, sl.ptr, length, copy_direction::host_to_device, s);
-      record_done(sl, s);
-      r.next = (r.next + 1) % r.slots.size();
-      offset += length;
-      ++chunks;
     }
     std::lock_guard<std::mutex> lock(stats_mutex_);
     ++stats_.to_device_calls;
@@ -194,61 +221,48 @@ class basic_staging_engine {
     stats_.slot_waits += waits;
     stats_.wait_time += std::chrono::duration_cast<std::chrono::nanoseconds>(waited);
     stats_.host_copy_time += std::chrono::duration_cast<std::chrono::nanoseconds>(copying);
-    if (overflowed) {
+    if (offset < bytes) {
       ++stats_.overflows;
       stats_.overflow_bytes += bytes - offset;
     }
   }
 
-  /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, without
-  /// waiting on the host. The destination is complete once `s` has passed the copy (synchronize `s`, or wait for an
-  /// event recorded on it after the call); until then neither `dst` nor `src` may be freed. If it throws, the
-  /// chunks already enqueued may still be written to the destination until `s` passes them.
+  /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, and
+  /// returns once `dst` holds the data: it waits for the stream's earlier work, as CUDA's cudaMemcpyAsync into
+  /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be.
   void to_host(void* dst, const void* src, std::size_t bytes, stream_view s) {
     if (bytes == 0) return;
-    ring_lease lease = acquire_ring(s);
-    ring& r = *lease.r;
-    if (!r.side) r.side = std::make_unique<stream>(r.dev);
-    const stream_view side = r.side->view();
+    lane_lease lease = acquire(s, &ring::down);
+    lane& ln = lease.r->down;
     const std::size_t chunk = chunk_for(bytes);
+    const std::size_t count = (bytes + chunk - 1) / chunk;
+    const std::size_t depth = ln.slots.size();
+    const std::size_t first = ln.next;
     auto* out = static_cast<char*>(dst);
     const auto* in = static_cast<const char*>(src);
-    std::size_t offset = 0;
-    std::uint64_t chunks = 0;
-    bool enqueued_any = false;
-    slot* in_flight = nullptr;  // a slot whose DMA is enqueued but whose `done` does not capture it yet
-    try {
-      while (offset < bytes) {
-        const std::size_t length = std::min(chunk, bytes - offset);
-        slot& sl = r.slots[r.next];
-        if (sl.used) sl.done.wait(s);  // the stream, not the host, waits for the slot's previous use
-        grow_slot_stream_ordered(sl, chunk, s, side);
-        copier_(sl.ptr, in + offset, length, copy_direction::device_to_host, s);
-        enqueued_any = true;
-        in_flight = &sl;
-        sl.filled.record(s);
-        sl.filled.wait(side);
-        side.enqueue_host([to = out + offset, from = sl.ptr, length, parts = threads_for(length)] {
-          parallel_copy(to, from, length, parts);
-        });
-        sl.done.record(side);
-        sl.used = true;
-        in_flight = nullptr;
-        r.next = (r.next + 1) % r.slots.size();
-        offset += length;
-        ++chunks;
-      }
-    } catch (...) {
-      if (in_flight != nullptr) abandon_slot(*in_flight, s, &side);
-      if (enqueued_any) join_side_noexcept(r, s);
-      throw;
+    // Chunk k goes through slot (first + k) % depth; the DMAs of up to `depth` chunks run ahead of the host copies.
+    // A slot's previous use was this stream's DMA into it and this thread's copy out of it, so stream order suffices.
+    auto enqueue = [&](std::size_t k) {
+      slot& sl = ln.slots[(first + k) % depth];
+      const std::size_t offset = k * chunk;
+      grow_slot_stream_ordered(sl, chunk, s);
+      copier_(sl.ptr, in + offset, std::min(chunk, bytes - offset), copy_direction::device_to_host, s);
+      record_done(sl, s);
+    };
+    std::size_t enqueued = 0;
+    for (; enqueued < std::min(depth, count); ++enqueued) enqueue(enqueued);
+    for (std::size_t k = 0; k < count; ++k) {
+      slot& sl = ln.slots[(first + k) % depth];
+      const std::size_t offset = k * chunk;
+      const std::size_t length = std::min(chunk, bytes - offset);
+      sl.done.synchronize();
+      parallel_copy(out + offset, sl.ptr, length, threads_for(length));
+      if (enqueued < count) enqueue(enqueued++);
     }
-    // The stream's later work runs after the host copies, so "the stream has passed the copy" means dst is complete.
-    r.tail.record(side);
-    r.tail.wait(s);
+    ln.next = (first + count) % depth;
     std::lock_guard<std::mutex> lock(stats_mutex_);
     ++stats_.to_host_calls;
-    stats_.chunks += chunks;
+    stats_.chunks += count;
     stats_.bytes += bytes;
   }
 
@@ -281,6 +295,13 @@ class basic_staging_engine {
     return std::min(options_.chunk_bytes, std::max(options_.min_chunk_bytes, chunk));
   }
 
+  /// The most pinned memory the engine holds for one stream, whatever the transfers and the stream's backlog: its
+  /// upload and download rings, (slots + download_slots) blocks of chunk_bytes rounded up to the pool's size class.
+  std::size_t max_pinned_bytes_per_stream() const noexcept {
+    return (options_.slots + options_.download_slots) *
+           pinned_size_class(options_.chunk_bytes, pool_->options().classes_per_doubling);
+  }
+
   /// A copy of the counters.
   staging_stats stats() const {
     staging_stats copy;
@@ -299,31 +320,98 @@ class basic_staging_engine {
 
  private:
   struct slot {
-    explicit slot(device d) : done(d), filled(d) {}
+    explicit slot(device d) : done(d) {}
     void* ptr = nullptr;
     std::size_t capacity = 0;
     bool used = false;  // `done` has been recorded
-    event done;         // completes when the slot's last use has (the DMA out of it, or the host copy out of it)
-    event filled;       // to_host: completes when the DMA into the slot has
+    event done;         // completes when the slot's last DMA (out of it, or into it) has
   };
 
-  struct ring {
-    ring(stream_view s, device d, std::size_t count) : key(s), dev(d), tail(d) {
+  // One direction's slots. Its mutex is held by a call for its whole length: one call per stream and direction.
+  struct lane {
+    lane(device d, std::size_t count) {
       slots.reserve(count);
       for (std::size_t i = 0; i < count; ++i) slots.emplace_back(d);
     }
-    stream_view key;
-    device dev;
-    std::mutex mutex;  // held for a whole call: one call per stream at a time
+    std::mutex mutex;
     std::vector<slot> slots;
     std::size_t next = 0;
-    std::unique_ptr<stream> side;  // to_host's host copies
-    event tail;                    // to_host: the side stream's last host copy
-    std::uint64_t last_used = 0;
-    bool retired = false;
   };
 
-  struct ring_lease {
+  // Set by a background thread once a handed-over transfer has landed; the stream's host function waits for it.
+  // Apart from what a host function may touch (no CUDA), so the host function never destroys an event.
+  struct completion {
+    void set() noexcept {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        done = true;
+      }
+      cv.notify_all();
+    }
+    void wait() {
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait(lock, [this] { return done; });
+    }
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+
+  // The rest of a transfer, in heap memory, waiting for a background thread.
+  struct job {
+    job(device d, char* destination, std::size_t n, std::size_t chunk_size)
+        : dst(destination),
+          data(new (std::nothrow) char[n]),
+          bytes(n),
+          chunk(chunk_size),
+          after(detail::shared_recycled_events().acquire(d)),
+          done(std::make_shared<completion>()) {
+      if (!data) {
+        throw out_of_memory_error("gpukit::staging_engine::to_device: cannot allocate " +
+                                  detail::format_bytes_exact(n) + " of host memory for the rest of a transfer to " +
+                                  d.to_string() + " that its stream did not take within the patience");
+      }
+    }
+    job(const job&) = delete;
+    job& operator=(const job&) = delete;
+    ~job() { detail::shared_recycled_events().release(std::move(after)); }
+
+    char* dst;
+    std::unique_ptr<char[]> data;
+    std::size_t bytes;
+    std::size_t chunk;
+    event after;  // the stream's work before the hand-over; then the end of the side stream's copies
+    std::shared_ptr<completion> done;
+  };
+
+  // Identifies a stream: the CUDA stream id (handles are reused once a stream is destroyed), or the CPU queue (a CPU
+  // stream's destructor waits for its work, so a queue address used again never inherits pending work).
+  struct stream_key {
+    device dev;
+    unsigned long long id = 0;
+    const void* queue = nullptr;
+    friend bool operator==(const stream_key& a, const stream_key& b) noexcept {
+      return a.dev == b.dev && a.id == b.id && a.queue == b.queue;
+    }
+  };
+
+  struct ring {
+    ring(const stream_key& k, std::size_t up_slots, std::size_t down_slots)
+        : key(k), dev(k.dev), up(k.dev, up_slots), down(k.dev, down_slots) {}
+    stream_key key;
+    device dev;
+    lane up;    // to_device, and the background thread while it owns it
+    lane down;  // to_host
+    std::mutex jobs_mutex;  // jobs, background_owns_up
+    std::condition_variable jobs_changed;
+    std::deque<std::shared_ptr<job>> jobs;
+    bool background_owns_up = false;  // a background thread, not the lane's mutex holder, uses `up`
+    std::unique_ptr<stream> side;  // the background thread's copies
+    std::uint64_t last_used = 0;
+    bool retired = false;  // written with both lanes locked
+  };
+
+  struct lane_lease {
     std::shared_ptr<ring> r;
     std::unique_lock<std::mutex> lock;
   };
@@ -333,10 +421,21 @@ class basic_staging_engine {
     return static_cast<unsigned>(std::min<std::size_t>(options_.threads, by_size));
   }
 
-  // The ring of stream `s`, locked. Creates it on first use, first releasing idle rings (least recently used first)
-  // while there are max_rings or more.
-  ring_lease acquire_ring(stream_view s) {
-    const device d = s.device();
+  static stream_key key_of(stream_view s, device d) {
+    if (d.is_cpu()) return stream_key{d, 0, s.cpu_queue()};
+    // 0, cudaStreamLegacy and cudaStreamPerThread name a stream of the current device.
+    const cudaStream_t h = s.native_handle();
+    const bool of_current_device = h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+    device_guard guard(of_current_device ? d : device::cpu());
+    unsigned long long id = 0;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(h, &id), "cudaStreamGetId", d.ordinal());
+    return stream_key{d, id, nullptr};
+  }
+
+  // One lane of stream `s`'s ring, locked. Creates the ring on first use, first releasing idle rings (least recently
+  // used first) while there are max_rings or more.
+  lane_lease acquire(stream_view s, lane ring::*which) {
+    const stream_key key = key_of(s, s.device());
     for (;;) {
       std::shared_ptr<ring> r;
       std::size_t retired = 0;
@@ -344,7 +443,7 @@ class basic_staging_engine {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         for (auto& candidate : rings_) {
-          if (candidate->key == s && candidate->dev == d) {
+          if (candidate->key == key) {
             r = candidate;
             break;
           }
@@ -364,7 +463,7 @@ class basic_staging_engine {
                                         [](const std::shared_ptr<ring>& x) { return x->retired; }),
                          rings_.end());
           }
-          r = std::make_shared<ring>(s, d, options_.slots);
+          r = std::make_shared<ring>(key, options_.slots, options_.download_slots);
           rings_.push_back(r);
           created = true;
         }
@@ -375,26 +474,35 @@ class basic_staging_engine {
         stats_.rings_created += created ? 1 : 0;
         stats_.rings_released += retired;
       }
-      std::unique_lock<std::mutex> ring_lock(r->mutex);
+      std::unique_lock<std::mutex> lane_lock(((*r).*which).mutex);
       if (r->retired) continue;  // released between the lookup and the lock: look again
-      return ring_lease{std::move(r), std::move(ring_lock)};
+      return lane_lease{std::move(r), std::move(lane_lock)};
     }
   }
 
-  // Under mutex_: retires the ring if no call holds it and all its work has completed, returning its slots to the
-  // pool.
+  // Under mutex_: retires the ring if no call holds it, no transfer waits for its background thread and all its
+  // work has completed, returning its slots to the pool.
   bool try_retire_locked(ring& r) {
-    std::unique_lock<std::mutex> lock(r.mutex, std::try_to_lock);
-    if (!lock.owns_lock()) return false;
+    std::unique_lock<std::mutex> up(r.up.mutex, std::try_to_lock);
+    if (!up.owns_lock()) return false;
+    std::unique_lock<std::mutex> down(r.down.mutex, std::try_to_lock);
+    if (!down.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> jobs(r.jobs_mutex);
+      if (r.background_owns_up) return false;
+    }
     try {
-      for (auto& sl : r.slots) {
-        if (sl.used && !sl.done.ready()) return false;
+      for (lane* ln : {&r.up, &r.down}) {
+        for (auto& sl : ln->slots) {
+          if (sl.used && !sl.done.ready()) return false;
+        }
       }
-      if (!r.tail.ready()) return false;
-      for (auto& sl : r.slots) {
-        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
-        sl.ptr = nullptr;
-        sl.capacity = 0;
+      for (lane* ln : {&r.up, &r.down}) {
+        for (auto& sl : ln->slots) {
+          if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
+          sl.ptr = nullptr;
+          sl.capacity = 0;
+        }
       }
       r.side.reset();
       r.retired = true;
@@ -405,17 +513,19 @@ class basic_staging_engine {
   }
 
   void drain_and_free_locked(ring& r) noexcept {
-    for (auto& sl : r.slots) {
-      try {
-        if (sl.used) sl.done.synchronize();
-      } catch (...) {
+    for (lane* ln : {&r.up, &r.down}) {
+      for (auto& sl : ln->slots) {
+        try {
+          if (sl.used) sl.done.synchronize();
+        } catch (...) {
+        }
+        try {
+          if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
+        } catch (...) {
+        }
+        sl.ptr = nullptr;
+        sl.capacity = 0;
       }
-      try {
-        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
-      } catch (...) {
-      }
-      sl.ptr = nullptr;
-      sl.capacity = 0;
     }
     r.side.reset();
   }
@@ -435,33 +545,43 @@ class basic_staging_engine {
     }
   }
 
-  // A slot whose previous use has completed: replace its block with a bigger one if needed.
+  // The background thread's wait: polling with sleeps, since a CUDA event's synchronize spins a core for as long as
+  // the stream is held.
+  static void poll_until_ready(const event& e) {
+    for (unsigned spin = 0; !e.ready(); spin = std::min(spin + 1, 4096u)) {
+      if (spin < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(spin < 2048 ? 50 : 500));
+      }
+    }
+  }
+
+  // A slot whose previous use has completed: replace its block with a bigger one if needed. The old block goes first,
+  // so the slots never hold more than their bound.
   void grow_idle_slot(slot& sl, std::size_t bytes) {
     if (sl.capacity >= bytes) return;
-    void* p = pool_->allocate(bytes);
-    if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
-    sl.ptr = p;
+    if (sl.ptr != nullptr) pool_->deallocate(std::exchange(sl.ptr, nullptr));
+    sl.capacity = 0;
+    sl.ptr = pool_->allocate(bytes);
     sl.capacity = bytes;
   }
 
-  // to_host: a slot whose previous use may still be in flight on `s` or `side`: the old block goes back to the pool
-  // with events on both streams, so it is reused only after that use.
-  void grow_slot_stream_ordered(slot& sl, std::size_t bytes, stream_view s, stream_view side) {
+  // to_host: a slot whose previous DMA may still be in flight on `s`: the old block goes back to the pool with an
+  // event on `s`, so the pool reuses it only after that DMA.
+  void grow_slot_stream_ordered(slot& sl, std::size_t bytes, stream_view s) {
     if (sl.capacity >= bytes) return;
-    void* p = pool_->allocate(bytes);
     if (sl.ptr != nullptr) {
-      try {
-        if (sl.used) {
-          pool_->record_stream(sl.ptr, s);
-          pool_->record_stream(sl.ptr, side);
-        }
-        pool_->deallocate(sl.ptr);
-      } catch (...) {
-        pool_->deallocate(p);
-        throw;
+      void* old = std::exchange(sl.ptr, nullptr);
+      sl.capacity = 0;
+      if (sl.used) {
+        sl.used = false;
+        pool_->deallocate(old, s);
+      } else {
+        pool_->deallocate(old);
       }
     }
-    sl.ptr = p;
+    sl.ptr = pool_->allocate(bytes);
     sl.capacity = bytes;
   }
 
@@ -472,46 +592,144 @@ class basic_staging_engine {
       sl.done.record(s);
       sl.used = true;
     } catch (...) {
-      abandon_slot(sl, s, nullptr);
+      abandon_slot(sl, s);
       throw;
     }
   }
 
-  // Takes a slot whose block may be in use by work its events do not capture out of the ring: the block goes back
-  // to the pool with events recorded now on `s` (and `side`), which do capture it; if even that fails, the pool
-  // keeps the block out of use for good. The slot is empty afterwards and gets a new block when next used.
-  void abandon_slot(slot& sl, stream_view s, const stream_view* side) noexcept {
+  // Takes a slot whose block may be in use by work its event does not capture out of the ring: the block goes back
+  // to the pool with an event recorded now on `s`, which does capture it; if even that fails, the pool keeps the
+  // block out of use for good. The slot is empty afterwards and gets a new block when next used.
+  void abandon_slot(slot& sl, stream_view s) noexcept {
     void* p = std::exchange(sl.ptr, nullptr);
     sl.capacity = 0;
     sl.used = false;
     if (p == nullptr) return;
     try {
-      pool_->record_stream(p, s);
-      if (side != nullptr) pool_->record_stream(p, *side);
-      pool_->deallocate(p);
+      pool_->deallocate(p, s);
     } catch (...) {
-      // The pool marks the block lost when it cannot record its events.
+      // The pool marks the block lost when it cannot record its event.
     }
   }
 
-  // to_device out of patience: the rest goes through one pool block, freed stream-ordered.
-  void overflow_to_device(char* dst, const char* src, std::size_t bytes, stream_view s) {
-    void* block = pool_->allocate(bytes);
+  bool background_idle(ring& r) {
+    std::lock_guard<std::mutex> lock(r.jobs_mutex);
+    return !r.background_owns_up;
+  }
+
+  // to_device out of patience (or queued behind such a transfer), with the upload lane locked: the rest goes into
+  // heap memory and to the ring's background thread; one host function holds the stream's later work until it has
+  // landed.
+  void hand_over(ring& r, stream_view s, char* dst, const char* src, std::size_t bytes, std::size_t chunk) {
+    auto j = std::make_shared<job>(r.dev, dst, bytes, chunk);
+    parallel_copy(j->data.get(), src, bytes, threads_for(bytes));
+    if (!r.side) r.side = std::make_unique<stream>(r.dev);
+    j->after.record(s);
+    s.enqueue_host([done = j->done] { done->wait(); });
+    // The stream now waits for the job: it must run, or be marked done.
     try {
-      parallel_copy(block, src, bytes, threads_for(bytes));
-      copier_(dst, block, bytes, copy_direction::host_to_device, s);
+      start_background(r, j);
     } catch (...) {
-      pool_->deallocate(block);
+      j->done->set();
       throw;
     }
-    pool_->deallocate(block, s);
   }
 
-  // After a failure in to_host: order the stream's later work after the host copies already enqueued.
-  void join_side_noexcept(ring& r, stream_view s) noexcept {
+  void start_background(ring& r, std::shared_ptr<job> j) {
+    std::unique_lock<std::mutex> lock(r.jobs_mutex);
+    r.jobs.push_back(std::move(j));
+    if (r.background_owns_up) return;  // the running thread takes it
+    r.background_owns_up = true;
+    lock.unlock();
     try {
-      r.tail.record(r.side->view());
-      r.tail.wait(s);
+      // Detached: once it has given the lane back it touches neither the ring nor the engine, which may then go.
+      std::thread([this, &r] { run_background(r); }).detach();
+    } catch (...) {
+      lock.lock();
+      r.jobs.pop_back();
+      r.background_owns_up = false;
+      r.jobs_changed.notify_all();
+      throw;
+    }
+  }
+
+  // The background thread of a ring: stages the queued jobs in order, then gives the upload lane back and ends. The
+  // lane is given back before the last job's stream goes on, so the stream's next to_device finds it free.
+  void run_background(ring& r) noexcept {
+    try {
+      if (r.dev.is_cuda()) set_current_device(r.dev);  // so that device guards in this thread change nothing
+    } catch (...) {
+      // The copies below report their own failures.
+    }
+    for (bool last = false; !last;) {
+      std::shared_ptr<job> j;
+      {
+        std::lock_guard<std::mutex> lock(r.jobs_mutex);
+        j = r.jobs.front();  // never empty here: the thread starts with a job and ends when none is left
+      }
+      stage_in_background(r, *j);
+      {
+        std::lock_guard<std::mutex> lock(r.jobs_mutex);
+        r.jobs.pop_front();
+        if (r.jobs.empty()) {
+          r.background_owns_up = false;
+          r.jobs_changed.notify_all();
+          last = true;
+        }
+      }
+      j->done->set();  // from here on the ring and the engine may be gone: touch only the job
+    }
+  }
+
+  void stage_in_background(ring& r, job& j) noexcept {
+    lane& ln = r.up;
+    std::uint64_t chunks = 0;
+    std::string failure;
+    try {
+      const stream_view side = r.side->view();
+      j.after.wait(side);  // after the stream's work before the hand-over
+      for (std::size_t offset = 0; offset < j.bytes;) {
+        const std::size_t length = std::min(j.chunk, j.bytes - offset);
+        slot& sl = ln.slots[ln.next];
+        if (sl.used) poll_until_ready(sl.done);
+        grow_idle_slot(sl, j.chunk);
+        parallel_copy(sl.ptr, j.data.get() + offset, length, threads_for(length));
+        copier_(j.dst + offset, sl.ptr, length, copy_direction::host_to_device, side);
+        record_done(sl, side);
+        ln.next = (ln.next + 1) % ln.slots.size();
+        offset += length;
+        ++chunks;
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    } catch (...) {
+      failure = "an unknown exception";
+    }
+    try {
+      // The stream's later work goes on once the copies enqueued so far have completed.
+      j.after.record(r.side->view());
+      poll_until_ready(j.after);
+    } catch (const std::exception& e) {
+      if (failure.empty()) failure = e.what();
+    }
+    j.data.reset();
+    {
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.chunks += chunks;
+      if (!failure.empty()) ++stats_.background_failures;
+    }
+    if (!failure.empty()) {
+      warn("gpukit::staging_engine: staging the last " + detail::format_bytes_exact(j.bytes) + " of a transfer to " +
+           r.dev.to_string() + " in the background (its stream did not free a slot within the patience) failed after " +
+           std::to_string(chunks) + " chunk(s): " + failure + "; the destination is incomplete");
+    }
+  }
+
+  // Waits until the ring's background thread has emptied its queue (and so no longer touches the ring).
+  static void finish_background(ring& r) noexcept {
+    try {
+      std::unique_lock<std::mutex> lock(r.jobs_mutex);
+      r.jobs_changed.wait(lock, [&r] { return !r.background_owns_up; });
     } catch (...) {
     }
   }
@@ -532,7 +750,7 @@ using staging_engine = basic_staging_engine<device_copier>;
 /// The process-wide staging engine for a device kind, using default_pinned_pool(d): one for all CUDA devices (rings
 /// are per stream, hence per device) and one for the CPU device. Created on first use; never destroyed (see
 /// default_pinned_pool).
-inline staging_engine& default_staging_engine(device d) {
+GPUKIT_EXPORT inline staging_engine& default_staging_engine(device d) {
   if (d.is_cpu()) {
     static staging_engine* cpu_engine = new staging_engine(default_pinned_pool(device::cpu()));
     return *cpu_engine;
@@ -541,4 +759,4 @@ inline staging_engine& default_staging_engine(device d) {
   return *cuda_engine;
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

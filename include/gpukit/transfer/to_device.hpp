@@ -9,6 +9,7 @@
 ///     gpukit::device_buffer<float> x = gpukit::to_device(weights, s);   // weights may be reused at once
 ///     std::vector<float> y = gpukit::to_host(x, s);                     // waits for the copy (and the work before it)
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/span.hpp>
 #include <gpukit/stream/event.hpp>
@@ -17,16 +18,25 @@
 #include <gpukit/transfer/spans.hpp>
 
 #include <cstddef>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+/// Why to_device cannot run in a capture, and what to do instead.
+inline constexpr std::string_view capture_advice_to_device =
+    "it allocates a device buffer, and the caching allocator cannot hand memory to a graph; allocate before "
+    "cudaStreamBeginCapture and copy_async from pinned memory during the capture (nothing was allocated or enqueued)";
+}  // namespace detail
 
 /// A new buffer on `s`'s device (from its default allocator, usable on `s`) holding a copy of `src`. The copy is
 /// stream-ordered: work enqueued on `s` afterwards sees the data. Pageable `src` may be reused as soon as this
 /// returns; pinned `src` must stay valid until `s` has passed the copy.
 template <class T>
 device_buffer<std::remove_const_t<T>> to_device(host_span<T> src, stream_view s) {
+  detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
   device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
   copy_async(buffer, host_span<const T>(src), s);
   return buffer;
@@ -47,6 +57,7 @@ device_buffer<T> to_device(const std::vector<T, A>& src, stream_view s) {
 /// to_device of pinned memory: one DMA; `src` must stay valid until `s` has passed the copy.
 template <class T>
 device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view s) {
+  detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
   device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
   copy_async(buffer, pinned_span<const T>(src), s);
   return buffer;
@@ -58,6 +69,9 @@ template <class T>
 std::vector<std::remove_const_t<T>> to_host(device_span<T> src, stream_view s) {
   std::vector<std::remove_const_t<T>> out(src.size());
   if (out.empty()) return out;
+  detail::refuse_capture(s, s.device(), "gpukit::to_host",
+                         "it waits on the host for the copy, which a capture does not run; call it after "
+                         "cudaStreamEndCapture (nothing was enqueued)");
   copy_async(out, device_span<const T>(src), s);
   event done(s.device());
   done.record(s);
@@ -75,4 +89,4 @@ std::vector<T> to_host(const device_buffer<T>& src) {
   return to_host(src, src.stream());
 }
 
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

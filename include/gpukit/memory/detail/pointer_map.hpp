@@ -8,6 +8,7 @@
 /// rarely meet on a shard, and a lookup never allocates, so the map adds a few nanoseconds to each allocation and
 /// free instead of a node allocation and a global lock.
 
+#include <gpukit/detail/config.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 
 #include <cstddef>
@@ -15,7 +16,7 @@
 #include <mutex>
 #include <vector>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 template <class Value>
@@ -129,4 +130,4 @@ class sharded_pointer_map {
 };
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

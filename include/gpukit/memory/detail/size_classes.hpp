@@ -15,11 +15,13 @@
 ///
 /// Block must have members `std::size_t size`, `std::uintptr_t address`, `Block* free_prev`, `Block* free_next`.
 
+#include <gpukit/detail/config.hpp>
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 inline int floor_log2(std::uint64_t x) noexcept { return 63 - __builtin_clzll(x); }
@@ -140,4 +142,4 @@ class size_class_index {
 };
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -9,12 +9,14 @@
 /// with 2 threads on 2 cores), while a long hold (an event query, a snapshot of a big cache) does not keep
 /// waiters burning a core.
 
+#include <gpukit/detail/config.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
 
-namespace gpukit {
+GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 class spin_mutex {
@@ -53,4 +55,4 @@ class spin_mutex {
 };
 
 }  // namespace detail
-}  // namespace gpukit
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,57 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Configuration every gpukit header includes first.
+///
+/// GPUKIT_EXPORT marks the inline functions that own process-wide state (the warning handler, the default
+/// allocators, pools and engines, caches). A function-local static of a header-only library is one object per
+/// shared library when libraries are built with -fvisibility=hidden (and -fvisibility-inlines-hidden): each .so
+/// would get its own "process-wide" default allocator. Exported, the dynamic linker binds every library to one copy.
+/// The attribute overrides both options, on free and member functions alike.
+///
+/// GPUKIT_BEGIN_NAMESPACE / GPUKIT_END_NAMESPACE open and close `namespace gpukit` with an inline namespace chosen
+/// by the translation unit's default-stream mode. CUDA's per-thread default stream (nvcc --default-stream
+/// per-thread, which defines CUDA_API_PER_THREAD_DEFAULT_STREAM, or that macro defined before cuda_runtime_api.h)
+/// maps the stream API to `_ptds`/`_ptsz` symbols per translation unit, so an inline gpukit function compiled in
+/// both modes would be two different functions with one name (an ODR violation: the linker keeps one of them).
+/// With a namespace per mode (gpukit::abi_v0 or gpukit::abi_v0_ptds) each mode has its own symbols, and so its own
+/// copy of gpukit, including its own process-wide singletons (default allocators, pools). Code names `gpukit::x`
+/// either way; forward-declaring gpukit types in `namespace gpukit { ... }` is not supported.
+///
+/// The mode is the one cuda_runtime_api.h chose for this translation unit (its __CUDART_API_PER_THREAD_DEFAULT_STREAM),
+/// so it is right whichever of gpukit and CUDA is included first.
+
+#include <cuda_runtime_api.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define GPUKIT_EXPORT __attribute__((visibility("default")))
+#else
+#define GPUKIT_EXPORT
+#endif
+
+#if defined(__CUDART_API_PER_THREAD_DEFAULT_STREAM)
+#define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 1
+#define GPUKIT_ABI_NAMESPACE abi_v0_ptds
+#else
+#define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 0
+#define GPUKIT_ABI_NAMESPACE abi_v0
+#endif
+
+#define GPUKIT_BEGIN_NAMESPACE \
+  namespace gpukit {           \
+  inline namespace GPUKIT_ABI_NAMESPACE {
+#define GPUKIT_END_NAMESPACE \
+  }                          \
+  }
+
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+/// Whether this translation unit uses CUDA's per-thread default stream (see the file comment). Each mode has its
+/// own copy of this function, as of every gpukit function.
+constexpr bool per_thread_default_stream_mode() noexcept { return GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM != 0; }
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,97 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The few CUDA driver functions gpukit needs, obtained at run time with cudaGetDriverEntryPointByVersion, so gpukit
+/// never links libcuda (a program built with it must start on a machine without a driver). The runtime can say which
+/// device is current but not whether a context is current on the thread (cudaGetDevice says 0 on a thread that never
+/// chose a device), nor whether a device has a primary context; both are needed so that gpukit never creates a
+/// context (hundreds of MB of device memory) on a device the program did not use.
+///
+/// Loaded once per process, on first use (thread-safe; never at static initialisation). Without a driver, or with a
+/// driver that lacks an entry point, the functions are null and the queries below answer "unknown": callers then
+/// behave as with the runtime alone.
+
+#include <gpukit/detail/config.hpp>
+
+#include <cuda.h>  // the driver's types only: no function of it is linked
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+/// The driver entry points gpukit uses, or null where unavailable. Declared with cuda.h's exact types: calling
+/// through a pointer of another function type is undefined (UBSan's -fsanitize=function reports it).
+struct driver_api {
+  /// cuCtxGetCurrent: the calling thread's current context, or null.
+  CUresult(CUDAAPI* ctx_get_current)(CUcontext* context) = nullptr;
+  /// cuDeviceGet: the driver's handle of a (visible) ordinal.
+  CUresult(CUDAAPI* device_get)(CUdevice* device, int ordinal) = nullptr;
+  /// cuDevicePrimaryCtxGetState: whether the device's primary context is active.
+  CUresult(CUDAAPI* primary_ctx_get_state)(CUdevice device, unsigned* flags, int* active) = nullptr;
+};
+
+/// The ABI version requested from the driver: these functions have not changed since CUDA 7, and a driver that runs
+/// this runtime provides CUDA 12.0's.
+inline constexpr unsigned driver_api_version = 12000;
+
+/// Looks up the entry points (see driver()). Never throws.
+inline driver_api load_driver_api() noexcept {
+  driver_api api;
+  // Initialises the runtime and the driver (cuInit), which cuDeviceGet needs; creates no context.
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return api;
+  }
+  auto load = [](const char* symbol, auto& function) {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion(symbol, &address, driver_api_version, cudaEnableDefault, &status) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (status != cudaDriverEntryPointSuccess || address == nullptr) return;
+    static_assert(sizeof(function) == sizeof(address), "function and object pointers differ in size");
+    std::memcpy(&function, &address, sizeof address);  // POSIX guarantees this round trip
+  };
+  load("cuCtxGetCurrent", api.ctx_get_current);
+  load("cuDeviceGet", api.device_get);
+  load("cuDevicePrimaryCtxGetState", api.primary_ctx_get_state);
+  return api;
+}
+
+/// The process-wide driver entry points, looked up on first use.
+GPUKIT_EXPORT inline const driver_api& driver() noexcept {
+  static const driver_api api = load_driver_api();
+  return api;
+}
+
+/// Whether a CUDA context is current on the calling thread: 1 yes, 0 no (the thread never chose a device, so
+/// cudaGetDevice's 0 is only a default), -1 unknown (no driver entry point). Never throws; creates nothing.
+inline int thread_context_state() noexcept {
+  const driver_api& api = driver();
+  CUcontext context = nullptr;
+  if (api.ctx_get_current == nullptr || api.ctx_get_current(&context) != CUDA_SUCCESS) return -1;
+  return context != nullptr ? 1 : 0;
+}
+
+/// Whether the primary context of visible device `ordinal` is active (exists): 1 yes, 0 no, -1 unknown. Never
+/// throws; creates nothing.
+inline int primary_context_state(int ordinal) noexcept {
+  const driver_api& api = driver();
+  if (api.device_get == nullptr || api.primary_ctx_get_state == nullptr || ordinal < 0) return -1;
+  CUdevice device = 0;
+  if (api.device_get(&device, ordinal) != CUDA_SUCCESS) return -1;
+  unsigned flags = 0;
+  int active = 0;
+  if (api.primary_ctx_get_state(device, &flags, &active) != CUDA_SUCCESS) return -1;
+  return active != 0 ? 1 : 0;
+}
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,366 @@
+// CUDA graph capture and gpukit's memory: while a stream is being captured (cudaStreamBeginCapture), the caching
+// allocator must not hand the graph memory that later returns to the general pool, must not call cudaMalloc/cudaFree
+// (prohibited, and the capture is invalidated), and must not record its events in the capture (cudaEventQuery of
+// such an event fails with cudaErrorCapturedEvent). Until graph-private pools exist, each such operation throws
+// invalid_argument_error before anything changes: the capture still ends successfully, the allocator's state is
+// unchanged, and the simulator records no rule violation (the sim test main fails a test that leaves one).
+// Work on streams that are not captured goes on, also in other threads while a capture in global mode is underway.
+#include <gpukit/gpukit.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+const gpukit::device cuda0 = gpukit::device::cuda(0);
+
+/// Begins a capture on `s` (raw CUDA, as a user or a library would), and ends it on destruction unless end() ran.
+class capture {
+ public:
+  explicit capture(gpukit::stream_view s, cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal)
+      : stream_(s.cuda_handle()) {
+    REQUIRE(cudaStreamBeginCapture(stream_, mode) == cudaSuccess);
+  }
+  capture(const capture&) = delete;
+  capture& operator=(const capture&) = delete;
+  ~capture() {
+    if (!ended_) (void)end();
+  }
+  /// Ends the capture; the result says whether the capture stayed valid.
+  cudaError_t end() {
+    ended_ = true;
+    cudaGraph_t graph = nullptr;
+    const cudaError_t result = cudaStreamEndCapture(stream_, &graph);
+    if (graph != nullptr) graph_ = graph;
+    return result;
+  }
+  /// The captured graph (after a successful end()); the caller destroys it.
+  cudaGraph_t graph() const { return graph_; }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  bool ended_ = false;
+};
+
+/// The message of the exception `f` throws, which must be an invalid_argument_error.
+template <class F>
+std::string invalid_argument_message(F&& f) {
+  try {
+    f();
+  } catch (const gpukit::invalid_argument_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    FAIL("threw another exception: " << std::string(e.what()));
+    return {};
+  }
+  FAIL("did not throw");
+  return {};
+}
+
+/// The message names the operation, the stream being captured, and that graph-private pools do not exist yet.
+void check_capture_message(const std::string& message, const std::string& operation, gpukit::stream_view s) {
+  INFO(message);
+  CHECK(message.find(operation) != std::string::npos);
+  CHECK(message.find("captured into a CUDA graph") != std::string::npos);
+  CHECK(message.find("graph-private memory pools are not supported yet") != std::string::npos);
+  char handle[32];
+  std::snprintf(handle, sizeof handle, "%p", static_cast<void*>(s.native_handle()));
+  CHECK(message.find(handle) != std::string::npos);
+  CHECK(message.find("cuda:0") != std::string::npos);
+}
+
+/// The allocator's counters that any allocation, free or release would change.
+struct allocator_state {
+  std::size_t allocated;
+  std::size_t reserved;
+  std::int64_t allocations;
+  std::int64_t device_allocs;
+  std::int64_t device_frees;
+  std::size_t malloc_calls;
+  std::size_t free_calls;
+  std::size_t record_calls;
+  bool operator==(const allocator_state& o) const {
+    return allocated == o.allocated && reserved == o.reserved && allocations == o.allocations &&
+           device_allocs == o.device_allocs && device_frees == o.device_frees && malloc_calls == o.malloc_calls &&
+           free_calls == o.free_calls && record_calls == o.record_calls;
+  }
+};
+
+allocator_state state_of(const gpukit::device_allocator& a) {
+  const gpukit::allocator_stats s = a.stats();
+  return {a.memory_allocated(),
+          a.memory_reserved(),
+          s.allocation.all().allocated,
+          s.num_device_alloc,
+          s.num_device_free,
+          cudasim::calls("cudaMalloc"),
+          cudasim::calls("cudaFree"),
+          cudasim::calls("cudaEventRecord")};
+}
+
+}  // namespace
+
+TEST_CASE("capture: allocating on a capturing stream throws, for a cache hit and a miss, and changes nothing") {
+  gpukit::caching_allocator allocator(cuda0);
+  gpukit::stream s(cuda0);
+  allocator.deallocate(allocator.allocate(4096, s));  // a cached block: the next small request on s is a hit
+  const allocator_state before = state_of(allocator);
+  {
+    capture c(s);
+    // A hit would hand the graph an address that returns to the general pool when freed.
+    check_capture_message(invalid_argument_message([&] { (void)allocator.allocate(4096, s); }), "allocate", s);
+    // A miss would call cudaMalloc inside the capture (prohibited: it invalidates the capture).
+    check_capture_message(invalid_argument_message([&] { (void)allocator.allocate(std::size_t{64} << 20, s); }),
+                          "allocate", s);
+    // Through a buffer of the default allocator.
+    check_capture_message(invalid_argument_message([&] { gpukit::device_buffer<float> x(1000, s); }), "allocate", s);
+    CHECK(state_of(allocator) == before);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+  // After the capture the stream is served as before.
+  void* p = allocator.allocate(4096, s);
+  CHECK(p != nullptr);
+  allocator.deallocate(p);
+}
+
+TEST_CASE("capture: freeing a block whose stream is capturing throws and the block stays allocated") {
+  gpukit::caching_allocator allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  void* p = allocator.allocate(4096, s);
+  void* q = allocator.allocate(4096, t);
+  const allocator_state before = state_of(allocator);
+  {
+    capture c(s);
+    // Freed during the capture, the block would be reused while the graph's launches still use it.
+    check_capture_message(invalid_argument_message([&] { allocator.deallocate(p); }), "deallocate", s);
+    // Freeing t's block after s's (capturing) work would record an event inside the capture.
+    check_capture_message(invalid_argument_message([&] { allocator.deallocate(q, s); }), "deallocate", s);
+    CHECK(allocator.owns(p));
+    CHECK(allocator.owns(q));
+    CHECK(state_of(allocator) == before);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  allocator.deallocate(p);
+  allocator.deallocate(q, s);
+  CHECK(allocator.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a buffer destroyed during a capture of its stream is reported and kept, not reused") {
+  gpukit::stream s(cuda0);
+  gpukit::device_allocator& allocator = gpukit::default_allocator(cuda0);
+  const std::size_t allocated = allocator.memory_allocated();
+  gpukit_test::captured_warnings warnings;
+  {
+    auto x = std::make_unique<gpukit::device_buffer<float>>(1000, s);
+    capture c(s);
+    x.reset();  // ~device_buffer cannot throw: it warns, and the memory stays allocated (a leak, never a reuse)
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(warnings.contains("captured into a CUDA graph"));
+  CHECK(allocator.memory_allocated() > allocated);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: record_stream on a capturing stream throws, and a free never records an event in a capture") {
+  gpukit::caching_allocator allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  void* p = allocator.allocate(4096, t);
+  void* q = allocator.allocate(4096, t);
+  allocator.record_stream(q, s);  // before the capture: fine
+  const allocator_state before = state_of(allocator);
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { allocator.record_stream(p, s); }), "record_stream", s);
+    // q's free would record an event on s, inside the capture (a later cudaEventQuery of it: 907).
+    check_capture_message(invalid_argument_message([&] { allocator.deallocate(q); }), "deallocate", s);
+    CHECK(allocator.owns(q));
+    CHECK(state_of(allocator) == before);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  allocator.deallocate(p);
+  allocator.deallocate(q);
+  // The allocator polls its events at the next allocation: none of them may be a captured one.
+  s.synchronize();
+  allocator.deallocate(allocator.allocate(4096, t));
+  allocator.empty_cache();
+  CHECK(allocator.memory_reserved() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: empty_cache and trim throw while a stream with live allocations is capturing") {
+  gpukit::caching_allocator allocator(cuda0);
+  gpukit::stream s(cuda0);
+  void* live = allocator.allocate(4096, s);
+  allocator.deallocate(allocator.allocate(std::size_t{64} << 20, s));  // a completely free segment to release
+  const allocator_state before = state_of(allocator);
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { allocator.empty_cache(); }), "empty_cache", s);
+    check_capture_message(invalid_argument_message([&] { (void)allocator.trim(0); }), "trim", s);
+    CHECK(state_of(allocator) == before);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  allocator.empty_cache();
+  CHECK(allocator.memory_reserved() == allocator.engine().segment_size_for(4096));
+  allocator.deallocate(live);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: staged copies, to_device and to_host throw on a capturing stream, direct copies are captured") {
+  gpukit::stream s(cuda0);
+  std::vector<float> host(1000);
+  std::iota(host.begin(), host.end(), 1.0f);
+  gpukit::device_buffer<float> x(host.size(), s);
+  gpukit::pinned_buffer<float> pinned(host.size(), cuda0);
+  std::copy(host.begin(), host.end(), pinned.data());
+  gpukit::device_buffer<float> y(host.size(), s);
+  std::vector<float> back(host.size());
+  const std::size_t host_allocs = cudasim::calls("cudaHostAlloc");
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { gpukit::copy_async(x, host, s); }), "copy_async", s);
+    check_capture_message(invalid_argument_message([&] { gpukit::copy_async(back, x, s); }), "copy_async", s);
+    check_capture_message(invalid_argument_message([&] { (void)gpukit::to_device(host, s); }), "to_device", s);
+    check_capture_message(invalid_argument_message([&] { (void)gpukit::to_host(x, s); }), "to_host", s);
+    CHECK(cudasim::calls("cudaHostAlloc") == host_allocs);
+    CHECK(cudasim::calls("cudaEventRecord") == records);
+    // One cudaMemcpyAsync each: legal in a capture, they become the graph's copy nodes.
+    gpukit::copy_async(x, pinned, s);
+    gpukit::copy_async(y, x, s);
+    REQUIRE(c.end() == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, c.graph(), 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, s.cuda_handle()) == cudaSuccess);
+    CHECK(gpukit::to_host(y, s) == host);
+    CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: the pinned pool refuses to record a capturing stream, and keeps the block") {
+  gpukit::pinned_pool& pool = gpukit::default_pinned_pool(cuda0);
+  gpukit::stream s(cuda0);
+  void* p = pool.allocate(1 << 16);
+  void* q = pool.allocate(1 << 16);
+  pool.record_stream(q, s);
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { pool.record_stream(p, s); }), "record_stream", s);
+    check_capture_message(invalid_argument_message([&] { pool.deallocate(p, s); }), "deallocate", s);
+    check_capture_message(invalid_argument_message([&] { pool.deallocate(q); }), "deallocate", s);
+    CHECK(pool.block_size(p) >= (1u << 16));  // both still allocated
+    CHECK(pool.block_size(q) >= (1u << 16));
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  pool.deallocate(p);
+  pool.deallocate(q);
+  s.synchronize();
+  (void)pool.stats();  // polls q's event: it must be an ordinary one
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: another thread allocates, frees and empties caches on its own stream during a global capture") {
+  gpukit::stream s(cuda0);
+  gpukit::caching_allocator allocator(cuda0);
+  std::atomic<bool> ok{false};
+  std::string failure;
+  {
+    capture c(s, cudaStreamCaptureModeGlobal);
+    std::thread other([&] {
+      try {
+        gpukit::stream t(cuda0);
+        // Misses: cudaMalloc and cudaHostAlloc, prohibited in every thread while a global capture is underway unless
+        // the thread relaxes its mode, which gpukit does for memory of streams that are not captured.
+        void* a = allocator.allocate(std::size_t{32} << 20, t);
+        void* h = gpukit::default_pinned_pool(cuda0).allocate(std::size_t{3} << 20);
+        gpukit::device_buffer<int> b(1000, t);
+        gpukit::copy_async(b, std::vector<int>(1000, 7), t);
+        const std::vector<int> back = gpukit::to_host(b, t);
+        allocator.deallocate(a);
+        allocator.empty_cache();  // cudaFree
+        gpukit::default_pinned_pool(cuda0).deallocate(h);
+        (void)gpukit::default_pinned_pool(cuda0).empty_cache();  // cudaFreeHost
+        ok = back == std::vector<int>(1000, 7) && allocator.memory_reserved() == 0;
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    });
+    other.join();
+    CHECK(failure == "");
+    CHECK(ok);
+    // The capturing thread itself, on a stream that is not captured.
+    gpukit::stream u(cuda0);
+    allocator.deallocate(allocator.allocate(std::size_t{32} << 20, u));
+    allocator.empty_cache();
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: the legacy default stream is never asked while a blocking stream of its device captures") {
+  gpukit::caching_allocator allocator(cuda0);
+  gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  {
+    capture c(blocking);
+    // cudaStreamIsCapturing(legacy) would fail with cudaErrorStreamCaptureImplicit; the legacy stream cannot be
+    // captured, so gpukit does not ask.
+    void* p = allocator.allocate(4096, legacy);
+    CHECK(p != nullptr);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+    allocator.deallocate(p);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: CPU streams never ask CUDA") {
+  gpukit::caching_allocator allocator(gpukit::device::cpu());
+  gpukit::stream s(gpukit::device::cpu());
+  const std::size_t queries = cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
+  for (int i = 0; i < 100; ++i) allocator.deallocate(allocator.allocate(4096, s));
+  allocator.empty_cache();
+  CHECK(cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo") == queries);
+}
+
+TEST_CASE("capture: a per-thread default stream is asked with its own device current") {
+  gpukit::caching_allocator allocator(cuda0);
+  const gpukit::stream_view per_thread(cuda0, cudaStreamPerThread);
+  gpukit::set_current_device(cuda0);
+  {
+    capture c(per_thread);  // this thread's per-thread stream of cuda:0
+    gpukit::set_current_device(gpukit::device::cuda(1));
+    check_capture_message(invalid_argument_message([&] { (void)allocator.allocate(4096, per_thread); }), "allocate",
+                          per_thread);
+    int current = -1;
+    CHECK(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == 1);  // restored
+    gpukit::set_current_device(cuda0);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}

@@ -1,0 +1,296 @@
+// Which devices gpukit creates CUDA contexts on (a primary context costs hundreds of MB of device memory): a program
+// that uses one device must leave every other device untouched, on every thread, and enumerating or selecting
+// devices must create no context at all. Simulator-only: cudasim counts contexts per device and, with
+// allow_contexts_only_on, records a context on any other device as a violation (which fails the test).
+#include <gpukit/gpukit.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::vector<float> iota(std::size_t n) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), 1.0f);
+  return v;
+}
+
+/// Everything a program does with one device: streams, events, allocation, copies of every kind, pinned memory,
+/// registration, stream pools, a prefetcher; then frees it all.
+void use_only(gpukit::device d) {
+  {
+    gpukit::device_guard guard(d);
+    CHECK(gpukit::current_device() == d);
+  }
+  gpukit::stream s(d);
+  gpukit::stream t(d);
+  gpukit::event done(d);
+  const std::vector<float> host = iota(100000);
+  {
+    gpukit::device_buffer<float> x(host.size(), s);
+    gpukit::copy_async(x, host, s);  // pageable -> device, staged through the pinned pool
+    done.record(s);
+    done.wait(t);
+    std::vector<float> back(host.size());
+    gpukit::copy_async(back, gpukit::device_span<const float>(x.data(), x.size(), d), t);  // device -> pageable
+    t.synchronize();
+    done.synchronize();
+    CHECK(done.ready());
+    CHECK(back == host);
+
+    gpukit::pinned_buffer<float> pinned(host.size(), d);
+    std::copy(host.begin(), host.end(), pinned.begin());
+    gpukit::device_buffer<float> y(host.size(), s);
+    gpukit::copy_async(y, pinned, s);  // pinned -> device: one DMA
+    gpukit::pinned_buffer<float> pinned_back(host.size(), d);
+    gpukit::copy_async(pinned_back, y, s);  // device -> pinned
+    s.synchronize();
+    CHECK(std::equal(pinned_back.begin(), pinned_back.end(), host.begin()));
+
+    gpukit::pinned_flags mapped_flags;
+    mapped_flags.mapped = true;
+    gpukit::pinned_buffer<float> mapped(16, d, mapped_flags);
+    CHECK(mapped.device_pointer() != nullptr);
+
+    auto z = gpukit::to_device(host, s);
+    CHECK(gpukit::to_host(z) == host);
+
+    std::vector<float> mine = iota(4096);
+    {
+      gpukit::host_registration registration(mine.data(), mine.size() * sizeof(float), d);
+      CHECK(registration.registered());
+      CHECK(gpukit::detail::query_pointer(mine.data()).kind == gpukit::detail::pointer_kind::pinned);
+      gpukit::device_buffer<float> w(mine.size(), s);
+      gpukit::copy_async(w, gpukit::host_span<const float>(mine), s);
+      s.synchronize();
+    }
+    CHECK(gpukit::detail::query_pointer(x.data()).device == d.ordinal());
+
+    gpukit::stream_pool& pool = gpukit::default_stream_pool(d);
+    gpukit::stream_view shared = pool.next();
+    shared.synchronize();
+    {
+      auto lease = pool.acquire_exclusive();
+      lease.view().synchronize();
+    }
+    gpukit::default_stream_pool(d, gpukit::stream_priority::high).next().synchronize();
+
+    std::size_t batches = 0;
+    {
+      gpukit::prefetcher<float> loader(s, 1000, [](std::size_t i, gpukit::span<float> out) -> std::size_t {
+        if (i == 3) return 0;
+        std::fill(out.begin(), out.end(), static_cast<float>(i));
+        return out.size();
+      });
+      while (auto batch = loader.next()) ++batches;
+      s.synchronize();
+    }
+    CHECK(batches == 3);
+    s.synchronize();
+    t.synchronize();
+  }
+  gpukit::empty_cache(d);
+  gpukit::default_pinned_pool(d).empty_cache();
+}
+
+}  // namespace
+
+TEST_CASE("contexts: a program that uses only cuda:1 creates no context on cuda:0") {
+  cudasim::allow_contexts_only_on({1});
+  gpukit_test::scoped_env select("GPUKIT_DEVICE", std::string("cuda:1"));
+  const gpukit::device d = gpukit::select_device().device;
+  REQUIRE(d == gpukit::device::cuda(1));
+  use_only(d);
+  std::thread([d] { use_only(d); }).join();  // and another thread of the program, whose current device is 0
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+}
+
+TEST_CASE("contexts: a thread that uses only cuda:1, in a process without contexts, creates none on cuda:0") {
+  cudasim::allow_contexts_only_on({1});
+  std::thread([] { use_only(gpukit::device::cuda(1)); }).join();
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+}
+
+TEST_CASE("contexts: a device guard on a thread that never chose a device does not restore onto cuda:0") {
+  cudasim::allow_contexts_only_on({1});
+  {
+    gpukit::device_guard guard(gpukit::device::cuda(1));
+    CHECK(gpukit::current_device() == gpukit::device::cuda(1));
+  }
+  CHECK(cudasim::context_creations(0) == 0);
+  // The thread had no context to go back to: it stays on cuda:1 (cudaSetDevice(0) would create cuda:0's context).
+  CHECK(gpukit::current_device() == gpukit::device::cuda(1));
+}
+
+namespace {
+/// Runs `f` as the first CUDA work of a new thread (whose current device is 0, without a context), while cuda:1 is
+/// the only device with a context; then checks that none was created on cuda:0.
+template <class F>
+void on_fresh_thread_while_cuda1_is_used(F f) {
+  cudasim::allow_contexts_only_on({1});
+  const auto d = gpukit::device::cuda(1);
+  gpukit::stream s(d);
+  gpukit::device_buffer<float> x(1000, s);
+  std::thread([&] { f(d, x.data()); }).join();
+  CHECK(cudasim::context_creations(0) == 0);
+}
+}  // namespace
+
+TEST_CASE("contexts: a pinned buffer made on a fresh thread is pinned in a context that exists") {
+  on_fresh_thread_while_cuda1_is_used([](gpukit::device d, float*) {
+    gpukit::pinned_buffer<float> p(1000, d);
+    CHECK(p.page_locked());
+  });
+}
+
+TEST_CASE("contexts: a mapped pinned buffer made on a fresh thread, and its device pointer") {
+  on_fresh_thread_while_cuda1_is_used([](gpukit::device d, float*) {
+    gpukit::pinned_flags flags;
+    flags.mapped = true;
+    gpukit::pinned_buffer<float> p(1000, d, flags);
+    CHECK(p.device_pointer() == p.data());  // unified addressing: mapped at its host address
+  });
+}
+
+TEST_CASE("contexts: a host registration made on a fresh thread") {
+  on_fresh_thread_while_cuda1_is_used([](gpukit::device d, float*) {
+    std::vector<float> mine(4096);
+    gpukit::host_registration r(mine.data(), mine.size() * sizeof(float), d);
+    CHECK(r.registered());
+  });
+}
+
+TEST_CASE("contexts: a pointer query on a fresh thread") {
+  on_fresh_thread_while_cuda1_is_used([](gpukit::device, float* x) {
+    const auto info = gpukit::detail::query_pointer(x);
+    CHECK(info.kind == gpukit::detail::pointer_kind::device);
+    CHECK(info.device == 1);
+    std::vector<float> pageable(16);
+    CHECK(gpukit::detail::query_pointer(pageable.data()).kind == gpukit::detail::pointer_kind::pageable);
+  });
+}
+
+TEST_CASE("contexts: the pinned pool's upstream on a fresh thread") {
+  on_fresh_thread_while_cuda1_is_used([](gpukit::device d, float*) {
+    gpukit::pooled_pinned_buffer<float> p(1000, d);
+    CHECK(gpukit::default_pinned_pool(d).stats().upstream_allocations == 1);
+  });
+}
+
+TEST_CASE("contexts: portable pinned memory for another device is pinned in the context in use") {
+  // Portable page-locked memory serves every device, so naming cuda:1 must not create cuda:1's context when the
+  // program works on cuda:0.
+  cudasim::allow_contexts_only_on({0});
+  gpukit::stream s(gpukit::device::cuda(0));
+  const auto other = gpukit::device::cuda(1);
+  std::vector<float> mine(4096);
+  {
+    gpukit::host_registration r(mine.data(), mine.size() * sizeof(float), other);
+    CHECK(r.registered());
+  }
+  {
+    gpukit::pinned_flags flags;
+    flags.mapped = true;
+    gpukit::pinned_buffer<float> mapped(1000, other, flags);
+    CHECK(mapped.device_pointer() == mapped.data());
+    gpukit::pinned_buffer<float> plain(1000, other);
+    CHECK(plain.device_pointer() == plain.data());
+  }
+  CHECK(cudasim::context_creations(1) == 0);
+  CHECK(gpukit::current_device() == gpukit::device::cuda(0));
+}
+
+TEST_CASE("contexts: a pointer query with no context anywhere creates none") {
+  cudasim::allow_contexts_only_on({-1});
+  REQUIRE(gpukit::device_count() == 2);
+  std::vector<float> pageable(16);
+  CHECK(gpukit::detail::query_pointer(pageable.data()).kind == gpukit::detail::pointer_kind::pageable);
+  CHECK(cudasim::context_creations(0) == 0);
+}
+
+TEST_CASE("contexts: pinned memory as a program's first CUDA work goes to the device it names") {
+  cudasim::allow_contexts_only_on({1});
+  { gpukit::pinned_buffer<float> p(1000, gpukit::device::cuda(1)); }
+  { gpukit::pooled_pinned_buffer<float> p(1000, gpukit::device::cuda(1)); }
+  std::vector<float> mine(4096);
+  { gpukit::host_registration r(mine.data(), mine.size() * sizeof(float), gpukit::device::cuda(1)); }
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+}
+
+TEST_CASE("contexts: the prefetcher's thread works on the consumer's device") {
+  cudasim::allow_contexts_only_on({1});
+  gpukit::stream s(gpukit::device::cuda(1));
+  // Warm the pinned pool, so the worker's first CUDA call is a stream wait, not a (context-choosing) pinning.
+  { gpukit::pooled_pinned_buffer<float> warm(1000, gpukit::device::cuda(1)); }
+  std::size_t batches = 0;
+  {
+    gpukit::prefetcher<float> loader(s, 1000, [](std::size_t i, gpukit::span<float> out) -> std::size_t {
+      return i < 4 ? out.size() : 0;
+    });
+    while (auto batch = loader.next()) ++batches;
+    s.synchronize();
+  }
+  CHECK(batches == 4);
+  CHECK(cudasim::context_creations(0) == 0);
+}
+
+TEST_CASE("contexts: enumerating devices, reading properties and selecting create no context") {
+  cudasim::allow_contexts_only_on({-1});  // no device at all
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  for (gpukit::device d : gpukit::cuda_devices()) (void)gpukit::properties(d);
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  policy.min_compute_capability = 80;
+  CHECK(gpukit::select_device(policy).device.is_cuda());
+  CHECK(gpukit::select_device().device == gpukit::device::cuda(0));
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+}
+
+TEST_CASE("contexts: stream priority ranges are per device") {
+  cudasim::machine_config machine = cudasim::default_machine(2);
+  machine.devices[1].priority_greatest = -3;
+  try {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  cudasim::allow_contexts_only_on({1});
+  const auto d0 = gpukit::device::cuda(0);
+  const auto d1 = gpukit::device::cuda(1);
+  (void)gpukit::properties(d0);
+  (void)gpukit::properties(d1);
+  CHECK(cudasim::context_creations(1) == 0);
+  const gpukit::priority_range range1 = gpukit::stream_priority_range(d1);  // creates cuda:1's context, no other
+  CHECK(range1.least == 0);
+  CHECK(range1.greatest == -3);
+  CHECK(range1.clamp(-1000) == -3);
+  CHECK(range1.clamp(7) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+  gpukit::stream high(d1, {true, -1000});
+  CHECK(high.priority() == -3);
+  int actual = 0;
+  REQUIRE(cudaStreamGetPriority(gpukit::default_stream_pool(d1, gpukit::stream_priority::high).next().cuda_handle(),
+                                &actual) == cudaSuccess);
+  CHECK(actual == -3);
+  CHECK(cudasim::context_creations(0) == 0);
+  cudasim::allow_contexts_only_on({0, 1});
+  CHECK(gpukit::stream_priority_range(d0).greatest == -5);  // asked with cuda:1 current: still cuda:0's own range
+  gpukit::stream high0(d0, {true, -1000});
+  CHECK(high0.priority() == -5);
+  CHECK(gpukit::stream_priority_range(d1).greatest == -3);
+  CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).greatest == 0);
+}

@@ -1,0 +1,178 @@
+// CUDA calls at process exit. gpukit objects may be destroyed after main returns (objects at namespace scope, or
+// owned by never-destroyed singletons), when the runtime may already be unloading (cudaErrorCudartUnloading, which is
+// also the value of the driver's CUDA_ERROR_DEINITIALIZED) or the primary context already torn down
+// (cudaErrorContextIsDestroyed). Their destructors must treat those results as "nothing left to release": no warning,
+// no crash, and no use of function-local statics that static destruction may already have destroyed. Other failures
+// are still reported. The at-exit checks run this executable again as a child process and read its stderr.
+#include <gpukit/gpukit.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+const gpukit::device cuda0 = gpukit::device::cuda(0);
+
+/// The results that mean the CUDA runtime or driver is gone (process exit).
+constexpr std::array<cudaError_t, 2> teardown_results{cudaErrorCudartUnloading, cudaErrorContextIsDestroyed};
+
+}  // namespace
+
+// Objects at namespace scope, destroyed after main returns. Built without any CUDA call (none may happen during static
+// initialisation); the child test case below moves real CUDA objects into them. Declaration order = construction
+// order: the stream is destroyed last, after the buffers that use it.
+gpukit::stream g_stream = gpukit::stream::wrap(nullptr, gpukit::device::cuda(0), false);
+gpukit::caching_allocator g_allocator{gpukit::device::cuda(0)};
+gpukit::event g_event{gpukit::device::cpu()};
+gpukit::device_buffer<float> g_buffer;
+gpukit::device_buffer<float> g_own_buffer;
+gpukit::device_buffer<float> g_default_stream_buffer;  // on the legacy default stream
+gpukit::pinned_buffer<float> g_pinned;
+gpukit::pooled_pinned_buffer<float> g_pooled;
+
+TEST_CASE("errors: a destructor meeting an unloaded runtime or a destroyed context warns nothing") {
+  for (const cudaError_t result : teardown_results) {
+    CAPTURE(cudaGetErrorName(result));
+    gpukit_test::captured_warnings warnings;
+    {
+      gpukit::stream s(cuda0);
+      cudasim::fail_call("cudaStreamDestroy", 1, result);
+    }
+    {
+      gpukit::event e(cuda0);
+      cudasim::fail_call("cudaEventDestroy", 1, result);
+    }
+    {
+      gpukit::pinned_buffer<float> p(100, cuda0);
+      cudasim::fail_call("cudaFreeHost", 1, result);
+    }
+    {
+      gpukit::caching_allocator allocator(cuda0);
+      allocator.deallocate(allocator.allocate(4096, gpukit::stream_view::default_stream(cuda0)));
+      cudasim::fail_call("cudaFree", 1, result);
+    }
+    CHECK(warnings.messages().empty());
+    for (const auto& m : warnings.messages()) MESSAGE(m);
+  }
+}
+
+TEST_CASE("errors: other failures in destructors are still reported") {
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit::stream s(cuda0);
+    cudasim::fail_call("cudaStreamDestroy", 1, cudaErrorInvalidResourceHandle);
+  }
+  {
+    gpukit::event e(cuda0);
+    cudasim::fail_call("cudaEventDestroy", 1, cudaErrorLaunchFailure);
+  }
+  cudasim::clear_faults();  // the launch failure is sticky
+  const auto messages = warnings.messages();
+  REQUIRE(messages.size() == 2);
+  CHECK(messages[0].find("cudaStreamDestroy") != std::string::npos);
+  CHECK(messages[0].find("cudaErrorInvalidResourceHandle") != std::string::npos);
+  CHECK(messages[1].find("cudaEventDestroy") != std::string::npos);
+  CHECK(messages[1].find("cudaErrorLaunchFailure") != std::string::npos);
+}
+
+TEST_CASE("errors: device memory freed after the runtime unloaded is neither reported nor acted on") {
+  gpukit::stream s(cuda0);
+  gpukit_test::captured_warnings warnings;
+  for (const cudaError_t result : teardown_results) {
+    CAPTURE(cudaGetErrorName(result));
+    auto x = std::make_unique<gpukit::device_buffer<float>>(1000, s);
+    auto p = std::make_unique<gpukit::pooled_pinned_buffer<float>>(1000, cuda0);
+    p->record_stream(s);
+    cudasim::unload(result);  // every runtime call now fails with `result`, as at process exit
+    x.reset();
+    p.reset();
+    cudasim::clear_faults();
+    CHECK(warnings.messages().empty());
+    for (const auto& m : warnings.messages()) MESSAGE(m);
+  }
+}
+
+// Run only as the child of the test below (GPUKIT_AT_EXIT_SCENARIO set): fills the objects at namespace scope, which
+// are then destroyed after main returns.
+TEST_CASE("errors: at-exit child") {
+  const char* scenario = std::getenv("GPUKIT_AT_EXIT_SCENARIO");
+  if (scenario == nullptr) return;
+  const std::string which = scenario;
+  g_stream = gpukit::stream(cuda0);
+  g_buffer = gpukit::device_buffer<float>(1000, g_stream);
+  g_own_buffer = gpukit::device_buffer<float>(1000, g_stream, g_allocator);
+  g_default_stream_buffer = gpukit::device_buffer<float>(1000, gpukit::stream_view::default_stream(cuda0));
+  g_allocator.deallocate(g_allocator.allocate(std::size_t{64} << 20, g_stream));  // a cached segment: cudaFree at exit
+  g_event = gpukit::event(cuda0);
+  g_event.record(g_stream);
+  g_pinned = gpukit::pinned_buffer<float>(1000, cuda0);
+  g_pooled = gpukit::pooled_pinned_buffer<float>(1000, cuda0);
+  g_pooled.record_stream(g_stream);
+  if (which == "unloading") cudasim::unload(cudaErrorCudartUnloading);
+  if (which == "context_destroyed") cudasim::unload(cudaErrorContextIsDestroyed);
+  if (which == "warns") {
+    // The handler state is first used here, after the objects above were constructed: a function-local static
+    // would be destroyed before them. The handler owns heap memory, so using it after destruction is visible to ASan.
+    gpukit::set_warning_handler([prefix = std::string(64, '>')](std::string_view message) {
+      std::fprintf(stderr, "%s %.*s\n", prefix.c_str(), static_cast<int>(message.size()), message.data());
+    });
+    cudasim::fail_call("cudaStreamDestroy", 1, cudaErrorInvalidResourceHandle);
+  }
+}
+
+namespace {
+
+struct child_result {
+  int status = -1;
+  std::string stderr_text;
+};
+
+/// Runs this executable's "errors: at-exit child" test case with GPUKIT_AT_EXIT_SCENARIO=`scenario`; returns its exit
+/// status and what it wrote to stderr.
+child_result run_at_exit_child(const std::string& scenario) {
+  std::vector<char> self(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  REQUIRE(n > 0);
+  const std::string command = "GPUKIT_AT_EXIT_SCENARIO=" + scenario + " '" + std::string(self.data()) +
+                              "' '--test-case=errors: at-exit child' 2>&1 >/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  child_result result;
+  char chunk[512];
+  while (const std::size_t got = std::fread(chunk, 1, sizeof chunk, pipe)) result.stderr_text.append(chunk, got);
+  const int status = pclose(pipe);
+  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("errors: objects at namespace scope destroyed after main returns neither crash nor warn") {
+  for (const char* scenario : {"alive", "unloading", "context_destroyed"}) {
+    CAPTURE(scenario);
+    const child_result child = run_at_exit_child(scenario);
+    CHECK(child.status == 0);
+    CHECK(child.stderr_text.empty());
+    if (!child.stderr_text.empty()) MESSAGE(child.stderr_text);
+  }
+}
+
+TEST_CASE("errors: a warning during static destruction reaches the handler set in main") {
+  const child_result child = run_at_exit_child("warns");
+  CHECK(child.status == 0);
+  INFO(child.stderr_text);
+  const std::string expected = std::string(64, '>') + " cudaStreamDestroy (in ~stream) failed on cuda:0";
+  CHECK(child.stderr_text.rfind(expected, 0) == 0);
+  CHECK(child.stderr_text.find('\n') == child.stderr_text.size() - 1);  // that one line, nothing else
+}

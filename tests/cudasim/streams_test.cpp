@@ -1,0 +1,370 @@
+// Stream identity, lifetime and special streams in gpukit's CUDA layer, on the simulator (which reuses a destroyed
+// stream's handle at the next cudaStreamCreate, gives each host thread its own cudaStreamPerThread, and keeps the
+// per-thread last error as CUDA does).
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <initializer_list>
+#include <string>
+#include <thread>
+#include <vector>
+
+using gpukit_test::captured_warnings;
+using gpukit_test::gate;
+
+namespace {
+
+const gpukit::device cuda0 = gpukit::device::cuda(0);
+const gpukit::device cuda1 = gpukit::device::cuda(1);
+constexpr std::size_t block_bytes = 4096;
+
+cudaStream_t create_raw_stream(gpukit::device d) {
+  gpukit::device_guard guard(d);
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  return s;
+}
+
+void destroy_raw_stream(cudaStream_t s) { REQUIRE(cudaStreamDestroy(s) == cudaSuccess); }
+
+bool stream_idle(cudaStream_t s) { return cudaStreamQuery(s) == cudaSuccess; }
+
+/// Opens a gate when the test case ends, however it ends, and waits for the work it held: a failed check must not
+/// leave work blocked (an allocator's cudaFree at teardown would wait for it forever). Declare the gate before the
+/// streams and allocators, and this after them.
+class open_at_exit {
+ public:
+  explicit open_at_exit(std::initializer_list<gate*> gates) : gates_(gates) {}
+  open_at_exit(const open_at_exit&) = delete;
+  open_at_exit& operator=(const open_at_exit&) = delete;
+  ~open_at_exit() {
+    for (gate* g : gates_) g->open();
+    cudasim::drain_all();
+  }
+
+ private:
+  std::vector<gate*> gates_;
+};
+
+/// Options that never release cached segments on the allocation path: cudaFree waits for the device's work, and the
+/// tests hold that work back with a gate.
+gpukit::allocator_options keep_segments() {
+  gpukit::allocator_options o;
+  o.release_before_grow = false;
+  return o;
+}
+
+}  // namespace
+
+// --- (1) stream identity: a destroyed stream's handle is given to the next stream ---
+
+TEST_CASE("streams: a new raw stream that receives a destroyed stream's handle does not get the blocks its work uses") {
+  gate g;
+  gpukit::caching_allocator a(cuda0, keep_segments());
+  const cudaStream_t first = create_raw_stream(cuda0);
+  const gpukit::stream_view A(cuda0, first);
+  open_at_exit release{&g};
+  g.hold(A);  // A's work (which could still read p) waits for the gate
+  void* p = a.allocate(block_bytes, A);
+  a.deallocate(p);  // in A's order: reusable on A at once, on no other stream
+  destroy_raw_stream(first);
+  const cudaStream_t second = create_raw_stream(cuda0);
+  REQUIRE(second == first);  // the handle is reused
+  const gpukit::stream_view B(cuda0, second);
+  void* q = a.allocate(block_bytes, B);
+  CHECK(q != p);
+  g.open();
+  cudasim::drain_all();
+  a.deallocate(q);
+  destroy_raw_stream(second);
+}
+
+TEST_CASE("streams: a gpukit stream with a destroyed stream's handle does not get its blocks before its work is done") {
+  gate g;
+  gpukit::caching_allocator a(cuda0, keep_segments());
+  open_at_exit release{&g};
+  void* p = nullptr;
+  cudaStream_t old_handle = nullptr;
+  {
+    gpukit::stream A(cuda0);
+    old_handle = A.cuda_handle();
+    g.hold(A);
+    p = a.allocate(block_bytes, A);
+    a.deallocate(p);
+  }
+  gpukit::stream B(cuda0);
+  REQUIRE(B.cuda_handle() == old_handle);
+  void* q = a.allocate(block_bytes, B);
+  CHECK(q != p);
+  CHECK(stream_idle(B.cuda_handle()));  // nor was B made to wait for A's work
+  g.open();
+  cudasim::drain_all();
+  // A's work is done: what A cached is free for any stream now (B still prefers its own cache).
+  gpukit::stream C(cuda0);
+  void* r = a.allocate(block_bytes, C);
+  CHECK(r == p);
+  a.deallocate(r);
+  a.deallocate(q);
+}
+
+TEST_CASE("streams: creating and destroying thousands of streams keeps the allocator's stream count bounded") {
+  gpukit::caching_allocator a(cuda0);
+  for (int i = 0; i < 3000; ++i) {
+    gpukit::stream s(cuda0);
+    a.deallocate(a.allocate(block_bytes, s));
+  }
+  CHECK(a.engine().stream_count() <= 128);
+  CHECK(a.memory_reserved() <= 2 * a.engine().segment_size_for(block_bytes));
+  for (int i = 0; i < 3000; ++i) {
+    const cudaStream_t raw = create_raw_stream(cuda0);
+    a.deallocate(a.allocate(block_bytes, gpukit::stream_view(cuda0, raw)));
+    destroy_raw_stream(raw);
+  }
+  CHECK(a.engine().stream_count() <= 128);
+  CHECK(a.memory_reserved() <= 2 * a.engine().segment_size_for(block_bytes));
+}
+
+TEST_CASE("streams: stream identity costs no CUDA call per allocation for gpukit streams and default streams") {
+  gpukit::caching_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  void* keep_s = a.allocate(block_bytes, s);  // registration and the first lookups; keeps the segments cached
+  void* keep_legacy = a.allocate(block_bytes, legacy);
+  const std::size_t ids = cudasim::calls("cudaStreamGetId");
+  const std::size_t devices = cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaGetDevice");
+  for (int i = 0; i < 1000; ++i) {
+    a.deallocate(a.allocate(block_bytes, s));
+    a.deallocate(a.allocate(block_bytes, legacy));
+  }
+  CHECK(cudasim::calls("cudaStreamGetId") == ids);
+  CHECK(cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaGetDevice") == devices);
+  // A raw handle is looked up on each call (cudaStreamGetId): a gpukit::stream avoids that.
+  const gpukit::stream_view raw(cuda0, s.cuda_handle());
+  a.deallocate(a.allocate(block_bytes, raw));
+  CHECK(cudasim::calls("cudaStreamGetId") == ids + 1);
+  a.deallocate(keep_s);
+  a.deallocate(keep_legacy);
+}
+
+// --- (11) a buffer that outlives its stream ---
+
+TEST_CASE("streams: freeing a buffer whose stream was destroyed warns, and the memory waits for that stream's work") {
+  for (bool cross_stream_reuse : {false, true}) {
+    CAPTURE(cross_stream_reuse);
+    gpukit::allocator_options o = keep_segments();
+    o.cross_stream_reuse = cross_stream_reuse;
+    gate g;
+    gpukit::caching_allocator a(cuda0, o);
+    gpukit::device_buffer<char> buffer;
+    open_at_exit release{&g};
+    cudaStream_t old_handle = nullptr;
+    {
+      gpukit::stream A(cuda0);
+      old_handle = A.cuda_handle();
+      g.hold(A);
+      buffer = gpukit::device_buffer<char>(block_bytes, A, a);
+    }  // A is destroyed while `buffer` is live: a bug in the program, which gpukit must not make worse
+    void* const p = buffer.data();
+    gpukit::stream B(cuda0);
+    REQUIRE(B.cuda_handle() == old_handle);
+    {
+      captured_warnings warnings;
+      buffer.reset();
+      CHECK(warnings.contains("was destroyed"));
+      char text[32];
+      std::snprintf(text, sizeof text, "%p", p);
+      CHECK(warnings.contains(text));
+      CHECK(warnings.contains("4096 bytes"));
+    }
+    void* q = a.allocate(block_bytes, B);
+    CHECK(q != p);
+    CHECK(stream_idle(B.cuda_handle()));  // and B was not made to wait for A's held-back work
+    g.open();
+    cudasim::drain_all();
+    gpukit::stream C(cuda0);
+    void* r = a.allocate(block_bytes, C);
+    CHECK(r == p);
+    a.deallocate(r);
+    a.deallocate(q);
+  }
+}
+
+// --- (9) record_stream with a stream of another device ---
+
+TEST_CASE("streams: record_stream with a stream of another device holds the block until that stream's work is done") {
+  gate g;
+  gate g2;
+  gpukit::caching_allocator a(cuda0, keep_segments());
+  gpukit::stream owner(cuda0);
+  gpukit::stream peer(cuda1);
+  open_at_exit release{&g, &g2};
+  void* p = a.allocate(block_bytes, owner);
+  g.hold(peer);  // a peer copy reading p would run on `peer` after the gate
+  a.record_stream(p, peer);
+  a.deallocate(p);
+  void* q = a.allocate(block_bytes, owner);
+  CHECK(q != p);
+  g.open();
+  peer.synchronize();
+  void* r = a.allocate(block_bytes, owner);
+  CHECK(r == p);
+  // deallocate(p, stream) of another device works the same way.
+  g2.hold(peer);
+  a.deallocate(r, peer);
+  void* s = a.allocate(block_bytes, owner);
+  CHECK(s != p);
+  g2.open();
+  peer.synchronize();
+  void* t = a.allocate(block_bytes, owner);
+  CHECK(t == p);
+  for (void* x : {q, s, t}) a.deallocate(x);
+}
+
+// --- (5) per-thread default streams and the special handles ---
+
+TEST_CASE("streams: cudaStreamPerThread is a different stream in each thread, for the allocator too") {
+  gate g;
+  gpukit::caching_allocator a(cuda0, keep_segments());
+  const gpukit::stream_view per_thread(cudaStreamPerThread);
+  open_at_exit release{&g};
+  void* keep = nullptr;
+  void* p = nullptr;
+  std::thread([&] {
+    g.hold(per_thread);  // this thread's per-thread stream
+    keep = a.allocate(block_bytes, per_thread);
+    p = a.allocate(block_bytes, per_thread);
+    a.deallocate(p);
+  }).join();
+  void* q = nullptr;
+  std::thread([&] { q = a.allocate(block_bytes, per_thread); }).join();
+  CHECK(q != p);
+  g.open();
+  cudasim::drain_all();
+  a.deallocate(q);
+  a.deallocate(keep);
+}
+
+TEST_CASE("streams: a per-thread stream's block freed on another thread is fenced after the first thread's work") {
+  gpukit::allocator_options o = keep_segments();
+  o.cross_stream_reuse = true;  // frees record a fence on the block's stream
+  gate g;
+  gpukit::caching_allocator a(cuda0, o);
+  const gpukit::stream_view per_thread(cudaStreamPerThread);
+  open_at_exit release{&g};
+  void* keep = nullptr;
+  void* p = nullptr;
+  std::thread([&] {
+    keep = a.allocate(block_bytes, per_thread);
+    p = a.allocate(block_bytes, per_thread);
+    g.hold(per_thread);  // work of that thread that still uses p
+  }).join();
+  a.deallocate(p);  // on this thread: its cudaStreamPerThread is another stream
+  REQUIRE(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);  // this thread's own work is done
+  gpukit::stream other(cuda0);
+  void* q = a.allocate(block_bytes, other);
+  REQUIRE(q == p);  // taken across streams: `other` must wait for the first thread's work
+  CHECK_FALSE(stream_idle(other.cuda_handle()));
+  g.open();
+  cudasim::drain_all();
+  CHECK(stream_idle(other.cuda_handle()));
+  a.deallocate(q);
+  a.deallocate(keep);
+}
+
+TEST_CASE("streams: cudaStreamPerThread and cudaStreamLegacy of a device are used with that device current") {
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  for (cudaStream_t special : {cudaStreamPerThread, cudaStreamLegacy}) {
+    CAPTURE(special == cudaStreamPerThread);
+    const gpukit::stream_view on1(cuda1, special);
+    gate g;
+    open_at_exit release{&g};
+    g.hold(on1);
+    CHECK_FALSE(on1.ready());
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaStreamQuery(special) == cudaErrorNotReady);  // the work went to cuda:1's stream
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    CHECK(cudaStreamQuery(special) == cudaSuccess);  // not to cuda:0's
+    gpukit::event e(cuda1);
+    e.record(on1);
+    CHECK_FALSE(e.ready());
+    g.open();
+    on1.synchronize();
+    CHECK(e.ready());
+    int current = -1;
+    REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == 0);  // restored
+  }
+}
+
+TEST_CASE("streams: cudaStreamLegacy is the legacy default stream, cudaStreamPerThread is not") {
+  const gpukit::stream_view legacy(cudaStreamLegacy);
+  const gpukit::stream_view per_thread(cudaStreamPerThread);
+  CHECK(legacy.is_default());
+  CHECK(legacy == gpukit::stream_view());
+  CHECK(gpukit::stream_view(cuda1, cudaStreamLegacy) == gpukit::stream_view::default_stream(cuda1));
+  CHECK(per_thread.is_per_thread());
+  CHECK_FALSE(legacy.is_per_thread());
+  CHECK(per_thread != legacy);
+  CHECK(legacy.device() == gpukit::current_device());
+}
+
+// --- (1, pinned pool) identity of recorded streams ---
+
+TEST_CASE("streams: the pinned pool waits for a destroyed recorded stream's work and tells streams apart by id") {
+  gate g;
+  gate g2;
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::stream B(cuda0);
+  open_at_exit release{&g, &g2};
+  // A recorded stream destroyed before the free (its handle not reused): no event can be recorded on it.
+  void* p = pool.allocate(block_bytes);
+  {
+    gpukit::stream A(cuda0);
+    g.hold(A);  // a copy on A that reads p waits for the gate
+    pool.record_stream(p, A);
+  }  // A is destroyed: its queued work still runs (cudaStreamDestroy semantics)
+  pool.record_stream(p, B);
+  pool.deallocate(p);
+  CHECK(pool.stats().events_recorded == 1);  // on B
+  B.synchronize();
+  void* q = pool.allocate(block_bytes);
+  CHECK(q != p);  // p waits for A's work
+  g.open();
+  cudasim::drain_all();
+  void* r = pool.allocate(block_bytes);
+  CHECK(r == p);
+  pool.deallocate(q);
+  // The same, when the next stream created receives the destroyed stream's handle: it is another stream.
+  cudaStream_t old_handle = nullptr;
+  {
+    gpukit::stream A(cuda0);
+    old_handle = A.cuda_handle();
+    g2.hold(A);
+    pool.record_stream(r, A);
+  }
+  gpukit::stream C(cuda0);
+  REQUIRE(C.cuda_handle() == old_handle);
+  pool.record_stream(r, C);
+  pool.deallocate(r);
+  CHECK(pool.stats().events_recorded == 2);  // on C; none on the destroyed A
+  C.synchronize();
+  void* s = pool.allocate(block_bytes);
+  CHECK(s != r);  // r waits for A's work, not only for C's
+  g2.open();
+  cudasim::drain_all();
+  void* t = pool.allocate(block_bytes);
+  CHECK(t == r);
+  pool.deallocate(s);
+  pool.deallocate(t);
+  pool.empty_cache();
+}

@@ -1,0 +1,15 @@
+// The per-thread default-stream translation unit of odr_mode_test.cpp, compiled with
+// CUDA_API_PER_THREAD_DEFAULT_STREAM defined (tests.cmake), as nvcc --default-stream per-thread does.
+#include <gpukit/gpukit.hpp>
+
+#include <string>
+
+#ifndef CUDA_API_PER_THREAD_DEFAULT_STREAM
+#error "tests.cmake must compile this file with CUDA_API_PER_THREAD_DEFAULT_STREAM defined"
+#endif
+static_assert(gpukit::detail::per_thread_default_stream_mode(), "this translation unit is in the per-thread mode");
+
+using mode_function = bool (*)() noexcept;
+mode_function odr_mode_per_thread_tu_mode_function() { return &gpukit::detail::per_thread_default_stream_mode; }
+const void* odr_mode_per_thread_tu_default_allocators() { return &gpukit::detail::default_allocators(); }
+std::string odr_mode_per_thread_tu_device_text() { return gpukit::device::parse("cuda:2").to_string(); }

@@ -1,0 +1,59 @@
+// The process-wide objects of gpukit that tests/visibility compares between two shared libraries and the executable.
+// Only objects that need no GPU: each is created on first use, here through its accessor.
+#pragma once
+
+#include <gpukit/gpukit.hpp>
+
+#include <cstddef>
+
+namespace gpukit_visibility {
+
+inline constexpr const char* singleton_names[] = {
+    "detail::warnings()",
+    "detail::cuda_environment_at_init()",
+    "detail::visible_devices_warned()",
+    "detail::device_properties_cache()",
+    "nvml::instance()",
+    "detail::current_streams() (this thread's)",
+    "detail::default_stream_pools()",
+    "default_stream_pool(cpu)",
+    "detail::default_allocators()",
+    "default_allocator(cpu)",
+    "detail::shared_recycled_events()",
+    "default_pinned_pool(cpu)",
+    "default_staging_engine(cpu)",
+    "detail::copy_workers::instance()",
+    "detail::pointer_query_override()",
+};
+inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
+
+struct singleton_addresses {
+  const void* at[singleton_count];
+};
+
+namespace {
+// Internal linkage: the executable and each library run their own copy, so the addresses are the ones that module's
+// inline gpukit functions return.
+singleton_addresses collect_singleton_addresses() {
+  const auto cpu = gpukit::device::cpu();
+  return singleton_addresses{{
+      &gpukit::detail::warnings(),
+      &gpukit::detail::cuda_environment_at_init(),
+      &gpukit::detail::visible_devices_warned(),
+      &gpukit::detail::device_properties_cache(),
+      &gpukit::nvml::instance(),
+      &gpukit::detail::current_streams(),
+      &gpukit::detail::default_stream_pools(),
+      &gpukit::default_stream_pool(cpu),
+      &gpukit::detail::default_allocators(),
+      &gpukit::default_allocator(cpu),
+      &gpukit::detail::shared_recycled_events(),
+      &gpukit::default_pinned_pool(cpu),
+      &gpukit::default_staging_engine(cpu),
+      &gpukit::detail::copy_workers::instance(),
+      &gpukit::detail::pointer_query_override(),
+  }};
+}
+}  // namespace
+
+}  // namespace gpukit_visibility
