@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -130,6 +131,25 @@ TEST_CASE("contexts: a device guard on a thread that never chose a device does n
   CHECK(cudasim::context_creations(0) == 0);
   // The thread had no context to go back to: it stays on cuda:1 (cudaSetDevice(0) would create cuda:0's context).
   CHECK(gpukit::current_device() == gpukit::device::cuda(1));
+}
+
+TEST_CASE("contexts: a device guard on a thread that never chose a device restores cuda:0 when its context exists") {
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);  // cuda:0's primary context is active
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  std::thread([] {
+    {
+      gpukit::device_guard guard(gpukit::device::cuda(1));
+      CHECK(gpukit::current_device() == gpukit::device::cuda(1));
+    }
+    // Going back to cudaGetDevice's 0 creates nothing, and leaves the thread as it found it.
+    CHECK(gpukit::current_device() == gpukit::device::cuda(0));
+    {
+      gpukit::device_guard guard(gpukit::device::cuda(0));  // no context current, cudaGetDevice says 0 already
+      CHECK(gpukit::current_device() == gpukit::device::cuda(0));
+    }
+  }).join();
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudasim::context_creations(1) == 1);
 }
 
 namespace {
@@ -293,4 +313,90 @@ TEST_CASE("contexts: stream priority ranges are per device") {
   CHECK(high0.priority() == -5);
   CHECK(gpukit::stream_priority_range(d1).greatest == -3);
   CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).greatest == 0);
+}
+
+// --- the first gpukit call of a fresh thread, on streams, events and memory of cuda:1 made by the main thread ---
+// cudaEventRecord, cudaStreamWaitEvent, cudaLaunchHostFunc, cudaStreamQuery and cudaStreamSynchronize run in the
+// thread's current context: on a thread with none, the runtime would first create cuda:0's, whatever device the
+// stream or event belongs to.
+
+namespace {
+struct cuda1_objects {
+  gpukit::stream s{gpukit::device::cuda(1)};
+  gpukit::stream t{gpukit::device::cuda(1)};
+  gpukit::event e{gpukit::device::cuda(1)};
+};
+
+/// Runs `f` as the first gpukit call of a new thread, in a process where only cuda:1 was used (by this thread).
+template <class F>
+void first_call_on_fresh_thread(F f) {
+  cudasim::allow_contexts_only_on({1});
+  cuda1_objects o;
+  o.e.record(o.s);
+  std::thread([&] { f(o); }).join();
+  o.s.synchronize();
+  o.t.synchronize();
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+}
+}  // namespace
+
+TEST_CASE("contexts: stream_view::ready as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) { (void)o.s.view().ready(); });
+}
+
+TEST_CASE("contexts: stream_view::synchronize as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) { o.s.view().synchronize(); });
+}
+
+TEST_CASE("contexts: stream_view::enqueue_host as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) { o.s.view().enqueue_host([] {}); });
+}
+
+TEST_CASE("contexts: event::record as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) { o.e.record(o.t); });
+}
+
+TEST_CASE("contexts: event::wait as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) { o.e.wait(o.t); });
+}
+
+TEST_CASE("contexts: event::ready and synchronize as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) {
+    (void)o.e.ready();
+    o.e.synchronize();
+  });
+}
+
+TEST_CASE("contexts: freeing a device_buffer recorded on another stream as a fresh thread's first call") {
+  first_call_on_fresh_thread([](cuda1_objects& o) {
+    std::optional<gpukit::device_buffer<float>> x;
+    std::thread([&] {  // made and recorded elsewhere (the caller of this lambda is the fresh thread)
+      gpukit::device_guard guard(gpukit::device::cuda(1));
+      {
+        gpukit::device_buffer<float> warm(1000, o.s);  // leaves a pooled event: the free below creates none
+        warm.record_stream(o.t);
+      }
+      o.t.synchronize();
+      x.emplace(1000, o.s);  // polls the event back into the pool
+      x->record_stream(o.t);
+    }).join();
+    x.reset();  // records a pooled event on t
+  });
+}
+
+TEST_CASE("contexts: the caching allocator's deallocate that records an event, as a fresh thread's first call") {
+  cudasim::allow_contexts_only_on({1});
+  gpukit::caching_allocator a(gpukit::device::cuda(1));
+  cuda1_objects o;
+  a.deallocate(a.allocate(4096, o.s), o.t);  // creates an event
+  o.t.synchronize();
+  void* p = a.allocate(4096, o.s);  // polls it back into the event pool
+  void* q = a.allocate(4096, o.s);
+  a.record_stream(p, o.t);
+  std::thread([&] { a.deallocate(p); }).join();     // records the pooled event on t
+  std::thread([&] { a.deallocate(q, o.t); }).join();  // creates one (with cuda:1 current) and records it
+  o.s.synchronize();
+  o.t.synchronize();
+  CHECK(cudasim::context_creations(0) == 0);
 }

@@ -325,9 +325,9 @@ int context_device(call& c) {
 
 int current_ordinal() { return t_current < 0 ? 0 : t_current; }
 
-/// Calls that enqueue work on an explicit stream still run in the runtime's current context: on a thread that never
-/// chose a device (no context current) the runtime first initialises device 0 and makes it current, whichever device
-/// the stream belongs to.
+/// Calls that enqueue work on an explicit stream, query it or synchronize it still run in the runtime's current
+/// context: on a thread that never chose a device (no context current) the runtime first initialises device 0 and
+/// makes it current, whichever device the stream belongs to.
 void require_current_context(call& c) {
   if (t_current < 0) context_device(c);
 }
@@ -734,6 +734,7 @@ cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
   CUDASIM_ENTER(name);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  require_current_context(c);  // as PyTorch's CUDAStream::synchronize guards its device: the runtime needs one
   if (st->capture) {
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported, "synchronizing a stream that is being captured");
@@ -756,6 +757,7 @@ cudaError_t stream_query(cudaStream_t h, bool ptsz, const char* name) {
   CUDASIM_ENTER(name);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  require_current_context(c);  // as PyTorch's CUDAStream::query guards its device
   if (st->capture) {
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported, "querying a stream that is being captured");

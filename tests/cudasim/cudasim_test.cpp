@@ -489,3 +489,18 @@ TEST_CASE("cudasim: work enqueued from a thread without a context initialises cu
   CHECK(cudaFree(d1) == cudaSuccess);
   CHECK(cudaStreamDestroy(s1) == cudaSuccess);
 }
+
+TEST_CASE("cudasim: querying or synchronizing a stream from a thread without a context initialises cuda:0's") {
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  cudaStream_t s1 = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
+  std::thread([&] {
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaStreamQuery(s1) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s1) == cudaSuccess);
+  }).join();
+  CHECK(cudasim::context_creations(0) == 0);
+  std::thread([&] { CHECK(cudaStreamQuery(s1) == cudaSuccess); }).join();
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudaStreamDestroy(s1) == cudaSuccess);
+}

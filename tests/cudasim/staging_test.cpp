@@ -8,9 +8,13 @@
 #include "support.hpp"
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -33,6 +37,52 @@ struct device_memory {
   device_memory& operator=(const device_memory&) = delete;
   ~device_memory() { (void)cudaFree(p); }
   void* p = nullptr;
+};
+
+/// Makes a deadlock fail instead of hanging CI: unless finish() is called within `limit`, opens the gate (should a
+/// call wait for the held stream) and, if finish() still does not come within `limit` more, ends the process.
+class watchdog {
+ public:
+  watchdog(gpukit_test::gate& g, std::chrono::seconds limit) : thread_([this, &g, limit] { watch(g, limit); }) {}
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+  ~watchdog() {
+    finish();
+    thread_.join();
+  }
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_ = true;
+    }
+    cv_.notify_all();
+  }
+  /// Whether the watchdog had to open the gate (a call waited for the held stream).
+  bool opened_gate() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return opened_gate_;
+  }
+
+ private:
+  void watch(gpukit_test::gate& g, std::chrono::seconds limit) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (cv_.wait_for(lock, limit, [&] { return finished_; })) return;
+    opened_gate_ = true;
+    lock.unlock();
+    g.open();
+    lock.lock();
+    if (cv_.wait_for(lock, limit, [&] { return finished_; })) return;
+    std::fprintf(stderr, "FAILED: deadlock: the handed-over transfer has not landed long after the stream was let go "
+                         "(the staging background thread waits for the host function that waits for it)\n");
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  bool opened_gate_ = false;
+  std::thread thread_;
 };
 
 gpukit::staging_options small_options() {
@@ -166,4 +216,83 @@ TEST_CASE("sim staging: the rest of a transfer staged in the background on cuda:
     CHECK(cudaFree(dev) == cudaSuccess);
   }
   cudasim::allow_contexts_only_on({});
+}
+
+TEST_CASE("sim staging: the background thread makes no pinned-pool call, so it never waits for its own host function") {
+  // The host function H that holds the stream's later work waits for the background thread. cudaFreeHost (and so any
+  // pinned-pool call, which may release cached blocks) waits for the device's work, H included: were the background
+  // thread to grow its slots through the pool, it would wait for H, which waits for it. A cap of 0 makes every freed
+  // block go back to cudaFreeHost at once.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  pool.set_max_cached_bytes(0);
+  auto options = small_options();
+  options.patience = 10ms;
+  gpukit::staging_engine engine(pool, options);
+  const auto small = pattern(1 * MiB, 6);      // 4 chunks of 256 KiB: fills the ring with 256 KiB slots
+  const auto large = pattern(12 * MiB + 7, 7);  // 1 MiB chunks: past the patience, staged in the background
+  device_memory for_small(small.size());
+  device_memory for_large(large.size());
+  gpukit::stream s(d);
+  gpukit_test::gate g;
+
+  watchdog dog(g, 10s);  // a regression fails instead of hanging
+  g.hold(s);
+  engine.to_device(for_small.p, small.data(), small.size(), s);
+  engine.to_device(for_large.p, large.data(), large.size(), s);  // slot 0 held by the gate: all of it handed over
+  {
+    const auto st = engine.stats();
+    CHECK(st.overflows == 1);
+    CHECK(st.overflow_bytes == large.size());
+  }
+  g.open();
+  s.synchronize();  // the copies, then H
+  dog.finish();
+  CHECK_FALSE(dog.opened_gate());  // to_device returned while the stream was held
+  CHECK(engine.stats().background_failures == 0);
+  CHECK(pool.stats().allocated_bytes_peak <= engine.max_pinned_bytes_per_stream());
+  std::vector<unsigned char> back_small(small.size(), 0);
+  std::vector<unsigned char> back_large(large.size(), 0);
+  engine.to_host(back_small.data(), for_small.p, back_small.size(), s);
+  engine.to_host(back_large.data(), for_large.p, back_large.size(), s);
+  CHECK(back_small == small);
+  CHECK(back_large == large);
+}
+
+TEST_CASE("sim staging: a transfer queued behind a busy background thread is staged at the size the slots have") {
+  // The second hand-over finds the background thread owning the slots (256 KiB) while its transfer wants 1 MiB
+  // chunks: neither the caller (whose lane it is not) nor the background thread (which would wait for its own host
+  // functions) may grow them, so the rest goes through them at their size.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  pool.set_max_cached_bytes(0);
+  auto options = small_options();
+  options.patience = 10ms;
+  gpukit::staging_engine engine(pool, options);
+  const auto first = pattern(1 * MiB, 8);       // 256 KiB chunks: the ring's slots
+  const auto second = pattern(1 * MiB, 9);       // 256 KiB chunks too: past the patience, handed over
+  const auto third = pattern(12 * MiB + 3, 10);  // 1 MiB chunks, queued behind the background thread
+  device_memory dev_first(first.size());
+  device_memory dev_second(second.size());
+  device_memory dev_third(third.size());
+  gpukit::stream s(d);
+  gpukit_test::gate g;
+  watchdog dog(g, 10s);
+  g.hold(s);
+  engine.to_device(dev_first.p, first.data(), first.size(), s);
+  engine.to_device(dev_second.p, second.data(), second.size(), s);
+  engine.to_device(dev_third.p, third.data(), third.size(), s);
+  CHECK(engine.stats().overflows == 2);
+  g.open();
+  s.synchronize();
+  dog.finish();
+  CHECK_FALSE(dog.opened_gate());
+  CHECK(engine.stats().background_failures == 0);
+  CHECK(pool.stats().allocated_bytes_peak <= 4 * 256 * 1024);  // the background thread never grew a slot
+  for (const auto* t : {&first, &second, &third}) {
+    const void* src = t == &first ? dev_first.p : t == &second ? dev_second.p : dev_third.p;
+    std::vector<unsigned char> back(t->size(), 0);
+    engine.to_host(back.data(), src, back.size(), s);
+    CHECK(back == *t);
+  }
 }

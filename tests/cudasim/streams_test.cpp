@@ -6,6 +6,7 @@
 
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/device/properties.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -15,6 +16,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -367,4 +369,51 @@ TEST_CASE("streams: the pinned pool waits for a destroyed recorded stream's work
   pool.deallocate(s);
   pool.deallocate(t);
   pool.empty_cache();
+}
+
+TEST_CASE("streams: the pinned pool fences a block recorded on a per-thread stream after that thread's work") {
+  gate g;
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  open_at_exit release{&g};
+  const gpukit::stream_view per_thread(cuda0, cudaStreamPerThread);
+  void* p = pool.allocate(block_bytes);
+  g.hold(per_thread);  // a copy on this thread's per-thread stream that reads p waits for the gate
+  pool.record_stream(p, per_thread);
+  std::thread([&] { pool.deallocate(p); }).join();  // that thread's cudaStreamPerThread is another stream
+  CHECK(pool.stats().pending_blocks == 1);  // still used by this thread's per-thread stream
+  g.open();
+  cudasim::drain_all();
+  CHECK(pool.stats().pending_blocks == 0);
+  pool.empty_cache();
+}
+
+TEST_CASE("streams: wrap refuses to own any default stream, and an owned wrapped stream is tracked") {
+  for (cudaStream_t special : {static_cast<cudaStream_t>(nullptr), cudaStreamLegacy, cudaStreamPerThread}) {
+    CHECK_THROWS_AS(gpukit::stream::wrap(special, cuda0, true), gpukit::invalid_argument_error);
+    CHECK_NOTHROW(gpukit::stream::wrap(special, cuda0, false));
+  }
+  std::shared_ptr<const gpukit::detail::stream_life> life;
+  {
+    gpukit::stream owned = gpukit::stream::wrap(create_raw_stream(cuda0), cuda0, true);
+    life = owned.view().lifetime();
+    REQUIRE(life.get() != nullptr);
+    unsigned long long id = 0;
+    REQUIRE(cudaStreamGetId(owned.cuda_handle(), &id) == cudaSuccess);
+    CHECK(owned.view().id() == id);
+    CHECK_FALSE(life->expired());
+  }
+  CHECK(life->expired());
+  cudaStream_t raw = create_raw_stream(cuda0);
+  CHECK(gpukit::stream::wrap(raw, cuda0, false).view().lifetime().get() == nullptr);  // borrowed: lives on elsewhere
+  destroy_raw_stream(raw);
+}
+
+TEST_CASE("streams: creating streams asks the device's priority range once") {
+  gpukit::stream first(cuda1);
+  const std::size_t before = cudasim::calls("cudaDeviceGetStreamPriorityRange");
+  for (int i = 0; i < 3; ++i) {
+    gpukit::stream s(cuda1, {true, -1000});
+    CHECK(s.priority() == gpukit::stream_priority_range(cuda1).greatest);
+  }
+  CHECK(cudasim::calls("cudaDeviceGetStreamPriorityRange") == before);
 }

@@ -163,9 +163,10 @@ inline void set_current_device(device d) {
 ///
 /// It never creates a context to restore: cudaSetDevice initialises the device's primary context, and cudaGetDevice
 /// says 0 on a thread that never chose a device, so restoring "the previous device" blindly would create cuda:0's
-/// context in every process that uses only another GPU. A thread that had no context current keeps `d` current
-/// afterwards, and nothing is restored onto a device whose primary context is no longer active (as PyTorch's
-/// MaybeSetDevice). The driver is asked through cudaGetDriverEntryPointByVersion (detail/driver_api.hpp).
+/// context in every process that uses only another GPU. A thread that had no context current gets cudaGetDevice's
+/// device back only if that device's primary context is active (else it keeps `d` current), and nothing is restored
+/// onto a device whose primary context is no longer active. The driver is asked through
+/// cudaGetDriverEntryPointByVersion (detail/driver_api.hpp).
 class device_guard {
  public:
   /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
@@ -174,25 +175,27 @@ class device_guard {
     if (!d.is_cuda()) return;
     detail::note_cuda_use();
     GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
-    // 0: no context is current, so cudaGetDevice's answer is a default, not a device to go back to.
-    if (detail::thread_context_state() == 0) previous_ = no_previous;
-    if (previous_ != d.ordinal()) {
+    // 0: no context is current, so cudaGetDevice's answer is a default, which the runtime would initialise.
+    had_context_ = detail::thread_context_state() != 0;
+    if (previous_ != d.ordinal() || !had_context_) {
       set_current_device(d);
-      changed_ = true;
+      changed_ = previous_ != d.ordinal();
     }
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
   /// Restores the previous device (see the class comment); failures are reported through gpukit::warn.
   ~device_guard() {
-    if (!changed_ || previous_ == no_previous) return;
-    if (detail::primary_context_state(previous_) == 0) return;  // reset meanwhile: restoring would recreate it
+    if (!changed_) return;
+    // Not active (reset meanwhile, or never created for a thread that had no context): restoring would create it.
+    const int state = detail::primary_context_state(previous_);
+    if (state == 0 || (!had_context_ && state != 1)) return;
     detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)", previous_);
   }
 
  private:
-  static constexpr int no_previous = -1;
-  int previous_ = no_previous;
+  int previous_ = 0;
+  bool had_context_ = true;
   bool changed_ = false;
 };
 

@@ -1133,6 +1133,15 @@ class basic_caching_allocator {
     std::unique_ptr<event_type> fence;
     std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;
     try {
+      if constexpr (tracks_lifetimes) {
+        // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other
+        // stream may take its blocks before its last work completes.
+        stream_state* owner = b->owner;
+        if (!owner->dead && expired(*owner)) {
+          dead_streams_.push_back(owner);
+          owner->dead = true;
+        }
+      }
       if (owner_busy) {
         fence = acquire_event(device_);
         ops_.record(*fence, b->owner->stream);

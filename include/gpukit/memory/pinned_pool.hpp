@@ -161,10 +161,10 @@ GPUKIT_EXPORT inline recycled_event_cache& shared_recycled_events() {
 /// destroyed); `void recycle(marker&&) noexcept`.
 struct pinned_pool_sync {
   using marker = event;
-  /// An event recorded on `s` now.
+  /// An event recorded on `s` now (from any thread: detail::record_from_any_thread).
   marker record(stream_view s) {
     event e = detail::shared_recycled_events().acquire(s.device());
-    e.record(s);
+    detail::record_from_any_thread(e, s);
     return e;
   }
   /// Whether the work it captured has completed.
@@ -326,6 +326,8 @@ class basic_pinned_pool {
   /// already freed).
   void record_stream(const void* p, stream_view s) {
     refuse_if_captured(s, "record_stream");
+    // Bound now (device and id): cudaStreamPerThread, or a view of the current device, means this thread's stream.
+    s = s.resolved();
     std::lock_guard<std::mutex> lock(mutex_);
     block& b = active_block_locked(p, "record_stream");
     for (const auto& known : b.streams) {
@@ -352,8 +354,11 @@ class basic_pinned_pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       block& b = active_block_locked(p, "deallocate");
+      // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
+      for (std::size_t i = 0; i < b.streams.size(); ++i) {
+        if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
+      }
       forget_destroyed_streams_locked(b);
-      for (const auto& s : b.streams) refuse_if_captured(s, "deallocate");
       stats_.allocated_bytes -= b.size;
       stats_.requested_bytes -= b.requested;
       --active_count_;
@@ -473,7 +478,7 @@ class basic_pinned_pool {
     std::size_t requested = 0;
     block_state state = block_state::active;
     std::uint64_t freed_at = 0;           // when it last became free, to release the oldest first
-    std::vector<stream_view> streams;     // streams recorded while active
+    std::vector<stream_view> streams;     // streams recorded while active (resolved)
     std::vector<std::shared_ptr<const detail::stream_life>> lives;   // theirs (null: a raw handle, not tracked)
     std::vector<marker> markers;          // events recorded at deallocation
     std::vector<std::shared_ptr<const detail::stream_life>> finals;  // destroyed recorded streams still working

@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -81,6 +82,8 @@ inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
     device_guard guard(s.device());  // a per-thread default stream is the current device's
     result = cudaStreamIsCapturing(handle, &status);
   } else {
+    std::optional<device_guard> guard;  // only on a thread without a context (stream_view::enter_context)
+    s.enter_context(guard);
     result = cudaStreamIsCapturing(handle, &status);
   }
   if (result == cudaSuccess) return status;
@@ -88,6 +91,18 @@ inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
   if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
   if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
+}
+
+/// Records `e` (of the stream's device) on `s`, from any thread. Another thread's per-thread default stream cannot be
+/// named from this one (cudaStreamPerThread is the caller's own; a view resolved there carries that thread's id): the
+/// event is recorded on the device's legacy default stream instead, whose work waits for all earlier work of the
+/// blocking streams, per-thread ones included.
+inline void record_from_any_thread(event& e, const stream_view& s) {
+  if (s.is_per_thread() && s.id() != default_stream_id(e.device().ordinal(), true)) {
+    e.record(stream_view(e.device(), cudaStreamLegacy));
+    return;
+  }
+  e.record(s);
 }
 
 /// "stream 0x7f3a5c000b20 of cuda:0", for messages.
@@ -198,20 +213,15 @@ struct stream_ops {
   /// Refuses a stream that is being captured (the allocator records only when freeing): the event would be part of
   /// the graph, and querying it later fails with cudaErrorCapturedEvent.
   ///
-  /// Another thread's per-thread default stream cannot be named from this thread (cudaStreamPerThread is the caller's
-  /// own): the event is recorded on the device's legacy default stream instead, whose work waits for all earlier work
-  /// of the blocking streams, per-thread ones included.
+  /// Another thread's per-thread default stream is recorded through the legacy default stream
+  /// (detail::record_from_any_thread).
   void record(event& e, const stream_view& s) const {
     if (capturing(s)) {
       detail::throw_captured("deallocate (an event on a stream that uses the block)",
                              detail::describe_stream(s.native_handle(), e.device()), e.device(),
                              detail::capture_advice_allocator);
     }
-    if (s.is_per_thread() && s.id() != detail::default_stream_id(e.device().ordinal(), true)) {
-      e.record(stream_view(e.device(), cudaStreamLegacy));
-      return;
-    }
-    e.record(s);
+    detail::record_from_any_thread(e, s);
   }
   /// A torn-down runtime (process exit) has no work left: its events count as complete.
   bool ready(const event& e) const {

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -91,12 +92,15 @@ class event {
       return;
     }
     // The default streams (0, cudaStreamLegacy, cudaStreamPerThread) mean "of the current device": make ours current.
-    device_guard guard(s.is_default() ? device_ : gpukit::device::cpu());
+    // Any context serves another stream, but on a thread with none the runtime would create cuda:0's first.
+    std::optional<device_guard> guard;
+    if (s.is_default() || detail::thread_context_state() == 0) guard.emplace(device_);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(cuda_, s.native_handle()), "cudaEventRecord", device_.ordinal());
   }
 
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
-  /// pending CUDA error of the program stays pending: cudaErrorNotReady is a status, not an error.
+  /// pending CUDA error of the program stays pending: cudaErrorNotReady is a status, not an error, and is cleared
+  /// only if the runtime recorded it as the last error (detail::forget_not_ready).
   bool ready() const {
     check_valid("ready");
     if (cpu_) {
@@ -105,7 +109,10 @@ class event {
     }
     const cudaError_t result = cudaEventQuery(cuda_);
     if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) return false;
+    if (result == cudaErrorNotReady) {
+      detail::forget_not_ready();
+      return false;
+    }
     detail::throw_cuda_error(result, "cudaEventQuery", device_.ordinal(), __FILE__, __LINE__);
   }
 
@@ -141,7 +148,9 @@ class event {
       throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
                                    device_.to_string() + "; synchronize() the event instead");
     }
-    device_guard guard(s.is_default() ? s.device() : gpukit::device::cpu());
+    // As in record(): a default stream's device, or on a thread without a context the stream's device, is made current.
+    std::optional<device_guard> guard;
+    s.enter_context(guard);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.native_handle(), cuda_, 0), "cudaStreamWaitEvent",
                               device_.ordinal());
   }

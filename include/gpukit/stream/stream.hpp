@@ -13,6 +13,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
+#include <gpukit/device/properties.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/stream/cpu_queue.hpp>
 
@@ -22,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -42,6 +44,12 @@ struct is_cuda_stream_ref : std::false_type {};
 GPUKIT_EXPORT inline std::atomic<std::uint64_t>& stream_expirations() noexcept {
   static std::atomic<std::uint64_t> count{0};
   return count;
+}
+
+/// After a query answered cudaErrorNotReady (a status, not an error): clears the thread's last error only if the
+/// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
+inline void forget_not_ready() noexcept {
+  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
 }
 
 /// CPU streams have no CUDA id: they get numbers with the top bit set (CUDA's ids count up from small numbers), so no
@@ -97,7 +105,10 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   bool finished() const noexcept {
     if (!expired()) return false;
     if (ordinal_ < 0) return true;
-    return final_ != nullptr && cudaEventQuery(final_) == cudaSuccess;  // cudaErrorNotReady is not a sticky error
+    if (final_ == nullptr) return false;
+    const cudaError_t result = cudaEventQuery(final_);
+    if (result == cudaErrorNotReady) forget_not_ready();
+    return result == cudaSuccess;
   }
 
   /// After expired(): blocks until that work has completed (the whole device's, without a final event).
@@ -140,8 +151,10 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
         warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
       }
     }
-    expired_.store(true, std::memory_order_release);
+    // The count first: an allocator that sees expired() may have read the count before it changed, and then learns
+    // of the destruction only through expired() on its free path (it marks the stream dead there).
     if (remembered) stream_expirations().fetch_add(1, std::memory_order_relaxed);  // else no one has to look
+    expired_.store(true, std::memory_order_release);
   }
 
  private:
@@ -255,8 +268,8 @@ class stream_view {
   }
 
   /// The record of the gpukit::stream this view was made from, which outlives it: whether it was destroyed and
-  /// whether its last work completed (nullptr for raw handles, wrapped handles and default streams). Call it while
-  /// the stream exists, like every use of a view.
+  /// whether its last work completed (nullptr for raw handles, borrowed wrapped handles and default streams). Call it
+  /// while the stream exists, like every use of a view.
   std::shared_ptr<const detail::stream_life> lifetime() const {
     return life_ != nullptr ? life_->shared_from_this() : nullptr;
   }
@@ -271,18 +284,24 @@ class stream_view {
       if (cpu_ != nullptr) cpu_->synchronize();
       return;
     }
-    device_guard guard(guard_device());
+    std::optional<device_guard> guard;
+    enter_context(guard);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(cuda_), "cudaStreamSynchronize", known_ordinal());
   }
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
-  /// program stays pending: cudaErrorNotReady is a status, not an error, so nothing is cleared.
+  /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
+  /// it as the last error (detail::forget_not_ready).
   bool ready() const {
     if (is_cpu()) return cpu_ == nullptr || cpu_->idle();
-    device_guard guard(guard_device());
+    std::optional<device_guard> guard;
+    enter_context(guard);
     const cudaError_t result = cudaStreamQuery(cuda_);
     if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) return false;
+    if (result == cudaErrorNotReady) {
+      detail::forget_not_ready();
+      return false;
+    }
     detail::throw_cuda_error(result, "cudaStreamQuery", known_ordinal(), __FILE__, __LINE__);
   }
 
@@ -306,10 +325,25 @@ class stream_view {
       std::unique_ptr<callable> f(static_cast<callable*>(data));
       detail::run_host_function(*f);
     };
-    device_guard guard(guard_device());
+    std::optional<device_guard> guard;
+    enter_context(guard);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(cuda_, trampoline, owned.get()), "cudaLaunchHostFunc",
                               known_ordinal());
     (void)owned.release();  // now owned by the trampoline
+  }
+
+  /// Makes, in `guard`, the device current that a CUDA call on this (CUDA) stream needs. The default streams are the
+  /// current device's: for a view of a known device, that device, always. Any context serves a call on another
+  /// stream, but the call runs in the thread's current one, and on a thread with none the runtime would first create
+  /// cuda:0's: only then is the stream's device made current. With a context current this costs one cuCtxGetCurrent
+  /// (detail::thread_context_state) and no runtime call.
+  void enter_context(std::optional<device_guard>& guard) const {
+    if (is_special(cuda_)) {
+      if (device_known_ && device_.is_cuda()) guard.emplace(device_);
+      return;
+    }
+    if (detail::thread_context_state() != 0) return;
+    guard.emplace(device_known_ ? device_ : device());
   }
 
   /// Views are equal when they refer to the same stream: by id when both know it (a handle may have belonged to a
@@ -344,10 +378,6 @@ class stream_view {
     return detail::per_thread_default_stream_mode() ? cudaStreamPerThread : cudaStreamLegacy;
   }
 
-  // The default streams are per device: operations on them must run with their device current.
-  gpukit::device guard_device() const noexcept {
-    return (device_known_ && is_special(cuda_) && cpu_ == nullptr) ? device_ : gpukit::device::cpu();
-  }
   int known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
 
   gpukit::device device_{};
@@ -362,8 +392,8 @@ class stream_view {
 struct stream_options {
   /// Do not synchronize with CUDA's legacy default stream (cudaStreamNonBlocking). Ignored on the CPU.
   bool non_blocking = true;
-  /// CUDA priority: lower numbers run first. Clamped to the device's range (cudaDeviceGetStreamPriorityRange,
-  /// typically [-5, 0]); pass a very negative value for "highest". Ignored on the CPU.
+  /// CUDA priority: lower numbers run first. Clamped to the device's range (stream_priority_range, typically
+  /// [-5, 0]); pass a very negative value for "highest". Ignored on the CPU.
   int priority = 0;
 };
 
@@ -378,12 +408,8 @@ class stream {
       cpu_ = std::make_unique<detail::cpu_queue>();
       return;
     }
+    priority_ = stream_priority_range(d).clamp(options.priority);  // asked once per device
     device_guard guard(d);
-    int least = 0;
-    int greatest = 0;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetStreamPriorityRange(&least, &greatest),
-                              "cudaDeviceGetStreamPriorityRange", d.ordinal());
-    priority_ = std::min(std::max(options.priority, greatest), least);
     const unsigned flags = options.non_blocking ? cudaStreamNonBlocking : cudaStreamDefault;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithPriority(&cuda_, flags, priority_),
                               std::string("cudaStreamCreateWithPriority(") +
@@ -401,17 +427,21 @@ class stream {
     }
   }
 
-  /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it. Throws
-  /// invalid_argument_error, naming both devices, when the handle belongs to another device (cudaStreamGetDevice),
-  /// and for an owned default stream; nothing is taken over then.
+  /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it, and allocators
+  /// that remember it learn of its destruction as for a stream created here. Throws invalid_argument_error, naming
+  /// both devices, when the handle belongs to another device (cudaStreamGetDevice), and for an owned default stream
+  /// (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed); nothing is taken over then.
   static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership) {
     if (!d.is_cuda()) throw invalid_argument_error("gpukit::stream::wrap: a CUDA handle needs a CUDA device");
-    if (handle == nullptr && take_ownership) {
-      throw invalid_argument_error("gpukit::stream::wrap: the default stream cannot be owned");
+    // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
+    const bool special = stream_view::is_special(handle);
+    if (special && take_ownership) {
+      throw invalid_argument_error("gpukit::stream::wrap: a default stream (0, cudaStreamLegacy or "
+                                   "cudaStreamPerThread) cannot be owned");
     }
     int priority = 0;
-    // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
-    if (handle != nullptr && handle != cudaStreamLegacy && handle != cudaStreamPerThread) {
+    std::shared_ptr<detail::stream_life> life;
+    if (!special) {
       int ordinal = -1;
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", d.ordinal());
       if (ordinal != d.ordinal()) {
@@ -419,8 +449,15 @@ class stream {
                                      " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", d.ordinal());
+      if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
+        unsigned long long id = 0;
+        GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(handle, &id), "cudaStreamGetId", d.ordinal());
+        life = std::make_shared<detail::stream_life>(id, d.ordinal());
+      }
     }
-    return stream(d, handle, take_ownership, priority);
+    stream wrapped(d, handle, take_ownership, priority);
+    wrapped.life_ = std::move(life);
+    return wrapped;
   }
 
   stream(stream&& other) noexcept { take(other); }
@@ -513,7 +550,7 @@ class stream {
   gpukit::device device_{};
   cudaStream_t cuda_ = nullptr;
   std::unique_ptr<detail::cpu_queue> cpu_;
-  std::shared_ptr<detail::stream_life> life_;  // null for wrapped handles
+  std::shared_ptr<detail::stream_life> life_;  // null for borrowed (wrapped, not owned) handles
   int priority_ = 0;
   bool owns_ = false;
   bool valid_ = false;

@@ -25,7 +25,11 @@
 /// free; one host function on the stream holds the stream's later work until those copies have completed. Later
 /// to_device calls on the stream queue behind it while it has work, so the data lands in call order. The thread waits
 /// only for the stream's own earlier work and for its copies; the host function exists only for transfers that
-/// outlasted their patience and, like any host function, may start only after host functions of other streams.
+/// outlasted their patience and, like any host function, may start only after host functions of other streams. The
+/// thread never calls into the pinned pool: cudaFreeHost (which the pool calls to release cached blocks) waits for the
+/// device's work, the host function included, which waits for the thread. The calling thread gives the slots their
+/// size before it hands over; the thread itself makes only calls that wait for nothing (cudaMemcpyAsync from pinned
+/// memory and cudaStreamWaitEvent on its side stream, cudaEventRecord, cudaEventQuery; see stage_in_background).
 ///
 /// **Pinned memory.** Staging holds at most `(slots + download_slots) × chunk_bytes` (each slot rounded up to the
 /// pool's size class) per stream that stages — its two rings, 48 MiB by default — whatever the size of the transfers
@@ -36,7 +40,7 @@
 /// created once a stream is destroyed) or by the CPU stream's queue: a stream's copies recycle only their own slots,
 /// so a stream held back never delays another. When a ring is created while `max_rings` exist, idle ones (those of
 /// destroyed streams among them) are released, least recently used first. Slots come from a pinned_pool (chunk-sized
-/// blocks, cached after warm-up) and grow on demand to the chunk size.
+/// blocks, cached after warm-up) and grow on demand to the chunk size, always on a calling thread.
 ///
 /// The engine knows nothing of CUDA beyond gpukit's streams and events: the "device copy" step is a template
 /// parameter (device_copier: cudaMemcpyAsync, or a memcpy enqueued on a CPU stream), so tests on CPU streams
@@ -189,6 +193,7 @@ class basic_staging_engine {
     if (!background_idle(r)) {
       hand_over(r, s, out, in, bytes, chunk);  // behind the rest of an earlier transfer: the data lands in call order
     } else {
+      dispose_orphans(r);
       const auto deadline = std::chrono::steady_clock::now() + options_.patience;
       while (offset < bytes) {
         const std::size_t length = std::min(chunk, bytes - offset);
@@ -397,7 +402,9 @@ class basic_staging_engine {
 
   struct ring {
     ring(const stream_key& k, std::size_t up_slots, std::size_t down_slots)
-        : key(k), dev(k.dev), up(k.dev, up_slots), down(k.dev, down_slots) {}
+        : key(k), dev(k.dev), up(k.dev, up_slots), down(k.dev, down_slots) {
+      orphans.reserve(up_slots);  // so that the background thread never allocates to orphan a slot's block
+    }
     stream_key key;
     device dev;
     lane up;    // to_device, and the background thread while it owns it
@@ -407,6 +414,10 @@ class basic_staging_engine {
     std::deque<std::shared_ptr<job>> jobs;
     bool background_owns_up = false;  // a background thread, not the lane's mutex holder, uses `up`
     std::unique_ptr<stream> side;  // the background thread's copies
+    // Upload blocks the background thread took out of their slots (their event could not be recorded, so a copy on
+    // `side` may still read them), kept for a caller to give back to the pool: the background thread never calls into
+    // the pool. Owned like `up`; at most one per slot, since a caller that refills a slot disposes of them first.
+    std::vector<void*> orphans;
     std::uint64_t last_used = 0;
     bool retired = false;  // written with both lanes locked
   };
@@ -497,6 +508,7 @@ class basic_staging_engine {
           if (sl.used && !sl.done.ready()) return false;
         }
       }
+      dispose_orphans(r);
       for (lane* ln : {&r.up, &r.down}) {
         for (auto& sl : ln->slots) {
           if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
@@ -513,6 +525,7 @@ class basic_staging_engine {
   }
 
   void drain_and_free_locked(ring& r) noexcept {
+    dispose_orphans(r);
     for (lane* ln : {&r.up, &r.down}) {
       for (auto& sl : ln->slots) {
         try {
@@ -558,7 +571,7 @@ class basic_staging_engine {
   }
 
   // A slot whose previous use has completed: replace its block with a bigger one if needed. The old block goes first,
-  // so the slots never hold more than their bound.
+  // so the slots never hold more than their bound. Calling threads only (never the background thread).
   void grow_idle_slot(slot& sl, std::size_t bytes) {
     if (sl.capacity >= bytes) return;
     if (sl.ptr != nullptr) pool_->deallocate(std::exchange(sl.ptr, nullptr));
@@ -612,6 +625,41 @@ class basic_staging_engine {
     }
   }
 
+  // hand_over, with the upload lane locked and the background idle: gives every upload slot at least `bytes` (the
+  // old block goes first, so the bound holds). A slot's last DMA may still be pending, on `s` or (after a failed
+  // background run) on the side stream: its old block goes back in the order of `s`, behind the slot's event. So does
+  // the block of an idle slot: given back at once it could go to cudaFreeHost (the pool's cap), which waits for the
+  // device's work, that of `s` included, which this call must not wait for.
+  void grow_upload_slots(ring& r, stream_view s, std::size_t bytes) {
+    dispose_orphans(r);
+    for (slot& sl : r.up.slots) {
+      if (sl.capacity >= bytes) continue;
+      if (sl.ptr != nullptr) {
+        if (sl.used && !sl.done.ready()) sl.done.wait(s);
+        void* old = std::exchange(sl.ptr, nullptr);
+        sl.capacity = 0;
+        sl.used = false;
+        pool_->deallocate(old, s);
+      }
+      sl.ptr = pool_->allocate(bytes);
+      sl.capacity = bytes;
+    }
+  }
+
+  // Gives the blocks the background thread orphaned back to the pool, each with an event on the side stream (which
+  // captures the copy that may still read it; if recording fails, the pool keeps the block out of use for good). For a
+  // caller holding the upload lane while the background is idle.
+  void dispose_orphans(ring& r) noexcept {
+    for (void* p : r.orphans) {
+      try {
+        pool_->deallocate(p, r.side->view());
+      } catch (...) {
+        // The pool marks the block lost when it cannot record its event.
+      }
+    }
+    r.orphans.clear();
+  }
+
   bool background_idle(ring& r) {
     std::lock_guard<std::mutex> lock(r.jobs_mutex);
     return !r.background_owns_up;
@@ -621,6 +669,9 @@ class basic_staging_engine {
   // heap memory and to the ring's background thread; one host function holds the stream's later work until it has
   // landed.
   void hand_over(ring& r, stream_view s, char* dst, const char* src, std::size_t bytes, std::size_t chunk) {
+    // Every pool call happens here, before the host function exists: the background thread makes none. A busy
+    // background thread owns the slots; it stages this transfer through them at the size they have.
+    if (background_idle(r)) grow_upload_slots(r, s, chunk);
     auto j = std::make_shared<job>(r.dev, dst, bytes, chunk);
     parallel_copy(j->data.get(), src, bytes, threads_for(bytes));
     if (!r.side) r.side = std::make_unique<stream>(r.dev);
@@ -681,6 +732,14 @@ class basic_staging_engine {
     }
   }
 
+  // Stages a job through the upload slots. The stream's host function waits for this, and anything that waits for the
+  // device's work (cudaFreeHost, cudaFree, cudaDeviceSynchronize, cudaStreamSynchronize of the stream, and so any
+  // pinned-pool call, which may free cached blocks or retry an allocation after emptying its cache) would wait for that
+  // host function: a deadlock. So the CUDA calls made on this thread are only device guards' (cudaGetDevice,
+  // cudaSetDevice, context queries), cudaStreamWaitEvent and cudaMemcpyAsync from pinned memory on the side stream,
+  // cudaEventRecord on it, cudaEventQuery and, when the job's event leaves the full recycled-event cache,
+  // cudaEventDestroy: none of them waits for other work. The rest is host memcpy. The slots were sized by hand_over
+  // on the calling thread; a slot whose event cannot be recorded goes to `orphans`, not to the pool.
   void stage_in_background(ring& r, job& j) noexcept {
     lane& ln = r.up;
     std::uint64_t chunks = 0;
@@ -688,14 +747,21 @@ class basic_staging_engine {
     try {
       const stream_view side = r.side->view();
       j.after.wait(side);  // after the stream's work before the hand-over
-      for (std::size_t offset = 0; offset < j.bytes;) {
-        const std::size_t length = std::min(j.chunk, j.bytes - offset);
+      for (std::size_t offset = 0, empty = 0; offset < j.bytes;) {
         slot& sl = ln.slots[ln.next];
+        if (sl.capacity == 0) {  // orphaned by an earlier failure: only a caller may give it a block again
+          ln.next = (ln.next + 1) % ln.slots.size();
+          if (++empty == ln.slots.size()) {
+            throw error(errc::cuda, "every upload slot lost its block to an earlier failure");
+          }
+          continue;
+        }
+        empty = 0;
         if (sl.used) poll_until_ready(sl.done);
-        grow_idle_slot(sl, j.chunk);
+        const std::size_t length = std::min({j.chunk, sl.capacity, j.bytes - offset});
         parallel_copy(sl.ptr, j.data.get() + offset, length, threads_for(length));
         copier_(j.dst + offset, sl.ptr, length, copy_direction::host_to_device, side);
-        record_done(sl, side);
+        record_done_in_background(r, sl, side);
         ln.next = (ln.next + 1) % ln.slots.size();
         offset += length;
         ++chunks;
@@ -722,6 +788,20 @@ class basic_staging_engine {
       warn("gpukit::staging_engine: staging the last " + detail::format_bytes_exact(j.bytes) + " of a transfer to " +
            r.dev.to_string() + " in the background (its stream did not free a slot within the patience) failed after " +
            std::to_string(chunks) + " chunk(s): " + failure + "; the destination is incomplete");
+    }
+  }
+
+  // The background thread's record_done: a slot whose event cannot be recorded may still be read by the copy just
+  // enqueued, so its block leaves the ring; it waits in `orphans` (room reserved) for a caller, not for the pool.
+  static void record_done_in_background(ring& r, slot& sl, stream_view side) {
+    try {
+      sl.done.record(side);
+      sl.used = true;
+    } catch (...) {
+      r.orphans.push_back(std::exchange(sl.ptr, nullptr));
+      sl.capacity = 0;
+      sl.used = false;
+      throw;
     }
   }
 
