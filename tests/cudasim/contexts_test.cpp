@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <numeric>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -370,7 +370,7 @@ TEST_CASE("contexts: event::ready and synchronize as a fresh thread's first call
 
 TEST_CASE("contexts: freeing a device_buffer recorded on another stream as a fresh thread's first call") {
   first_call_on_fresh_thread([](cuda1_objects& o) {
-    std::optional<gpukit::device_buffer<float>> x;
+    std::unique_ptr<gpukit::device_buffer<float>> x;  // (std::optional here trips g++ -O3's maybe-uninitialized)
     std::thread([&] {  // made and recorded elsewhere (the caller of this lambda is the fresh thread)
       gpukit::device_guard guard(gpukit::device::cuda(1));
       {
@@ -378,7 +378,7 @@ TEST_CASE("contexts: freeing a device_buffer recorded on another stream as a fre
         warm.record_stream(o.t);
       }
       o.t.synchronize();
-      x.emplace(1000, o.s);  // polls the event back into the pool
+      x = std::make_unique<gpukit::device_buffer<float>>(1000, o.s);  // polls the event back into the pool
       x->record_stream(o.t);
     }).join();
     x.reset();  // records a pooled event on t
