@@ -471,3 +471,132 @@ TEST_CASE("every block goes back to the upstream: through the cap, empty_cache, 
   CHECK(up.shared->outstanding.load() == 0);
   CHECK(up.shared->allocations.load() == up.shared->frees.load());
 }
+
+namespace {
+// An event layer under the test's control: markers are numbers, complete once the test says so; a query of one
+// chosen marker throws once (a failing cudaEventQuery).
+struct scripted_sync {
+  struct state {
+    std::set<int> completed;
+    int next = 0;
+    int fail_query_of = -1;
+  };
+  std::shared_ptr<state> shared = std::make_shared<state>();
+
+  using marker = int;
+  marker record(gpukit::stream_view) { return shared->next++; }
+  bool ready(const marker& m) {
+    if (m == shared->fail_query_of) {
+      shared->fail_query_of = -1;
+      throw gpukit::cuda_error("scripted_sync: injected query failure", cudaErrorLaunchFailure, "cudaEventQuery");
+    }
+    return shared->completed.count(m) != 0;
+  }
+  void wait(const marker& m) { shared->completed.insert(m); }
+  void recycle(marker&&) noexcept {}
+};
+using scripted_pool = gpukit::basic_pinned_pool<gpukit_test::limited_upstream, scripted_sync>;
+}  // namespace
+
+TEST_CASE("issue 12 defect 1: empty_cache after a promotion above the cap releases the block once") {
+  gpukit_test::limited_upstream up;
+  gpukit::pinned_pool_options options;
+  options.max_cached_bytes = MiB;
+  {
+    test_pool pool(up, options);
+    gpukit::stream s(cpu);
+    gate g;
+    g.hold(s);
+    void* p = pool.allocate(4 * MiB);
+    pool.record_stream(p, s);
+    pool.deallocate(p);  // pending: above the cap, but nothing can be released yet
+    g.open();
+    s.synchronize();
+    CHECK(pool.empty_cache() == 4 * MiB);  // promoted (and released by the cap) inside this call
+    auto st = pool.stats();
+    CHECK(st.reserved_bytes == 0);
+    CHECK(st.cached_bytes == 0);
+    CHECK(st.cap_releases == 1);
+    CHECK(st.upstream_frees == 1);
+    CHECK(up.shared->frees.load() == 1);
+    CHECK(up.shared->outstanding.load() == 0);
+    // Caching still works: a block below the cap is kept and served again.
+    void* q = pool.allocate(512 * KiB);
+    pool.deallocate(q);
+    CHECK(pool.stats().free_blocks == 1);
+    void* r = pool.allocate(512 * KiB);
+    CHECK(r == q);
+    st = pool.stats();
+    CHECK(st.cache_hits == 1);
+    CHECK(st.reserved_bytes == 512 * KiB);
+    pool.deallocate(r);
+  }
+  CHECK(up.shared->allocations.load() == up.shared->frees.load());
+}
+
+TEST_CASE("issue 12 defect 3: an event query that throws leaves the pending list and its counters intact") {
+  gpukit_test::limited_upstream up;
+  scripted_sync sync;
+  const std::size_t size = gpukit::pinned_size_class(64 * KiB);
+  {
+    scripted_pool pool(up, {}, sync);
+    const auto stream = gpukit::stream_view::default_stream(cpu);
+    std::set<void*> blocks;
+    for (int i = 0; i < 3; ++i) blocks.insert(pool.allocate(64 * KiB));
+    for (void* p : blocks) pool.deallocate(p, stream);  // markers 0, 1, 2
+    CHECK(pool.stats().pending_blocks == 3);
+    sync.shared->completed = {0, 1};
+    sync.shared->fail_query_of = 2;  // the first two are promoted, then the third's query throws
+    CHECK_THROWS_AS((void)pool.allocate(64 * KiB), gpukit::cuda_error);
+    auto st = pool.stats();  // marker 2 is still incomplete: its block stays pending
+    CHECK(st.pending_blocks == 1);
+    CHECK(st.pending_bytes == size);
+    CHECK(st.free_blocks == 2);
+    CHECK(st.cached_bytes == 3 * size);
+    CHECK(st.allocated_bytes == 0);
+    sync.shared->completed.insert(2);
+    std::set<void*> served;
+    for (int i = 0; i < 3; ++i) served.insert(pool.allocate(64 * KiB));
+    CHECK(served == blocks);  // each block once: none handed out twice
+    void* fresh = pool.allocate(64 * KiB);
+    CHECK(blocks.count(fresh) == 0);
+    st = pool.stats();
+    CHECK(st.pending_bytes == 0);
+    CHECK(st.pending_blocks == 0);
+    CHECK(st.free_blocks == 0);
+    CHECK(st.active_blocks == 4);
+    CHECK(st.reserved_bytes == 4 * size);
+    CHECK(up.shared->outstanding.load() == 4 * size);
+    for (void* p : served) pool.deallocate(p);
+    pool.deallocate(fresh);
+  }
+  CHECK(up.shared->allocations.load() == up.shared->frees.load());
+}
+
+TEST_CASE("issue 12 defect 3: set_max_cached_bytes applies the new cap even when an event query throws") {
+  gpukit_test::limited_upstream up;
+  scripted_sync sync;
+  const std::size_t size = gpukit::pinned_size_class(MiB);
+  {
+    scripted_pool pool(up, {}, sync);
+    void* a = pool.allocate(MiB);
+    void* b = pool.allocate(MiB);
+    pool.deallocate(a);                                             // free
+    pool.deallocate(b, gpukit::stream_view::default_stream(cpu));  // pending on marker 0
+    sync.shared->fail_query_of = 0;
+    CHECK_THROWS_AS(pool.set_max_cached_bytes(0), gpukit::cuda_error);
+    CHECK(pool.options().max_cached_bytes == 0);
+    auto st = pool.stats();
+    CHECK(st.free_blocks == 0);  // the free block went: the cap is in force
+    CHECK(st.pending_blocks == 1);
+    CHECK(st.reserved_bytes == size);
+    CHECK(up.shared->outstanding.load() == size);
+    sync.shared->completed.insert(0);
+    st = pool.stats();  // promoted, and released by the cap
+    CHECK(st.pending_blocks == 0);
+    CHECK(st.reserved_bytes == 0);
+    CHECK(st.upstream_frees == 2);
+  }
+  CHECK(up.shared->outstanding.load() == 0);
+  CHECK(up.shared->allocations.load() == up.shared->frees.load());
+}

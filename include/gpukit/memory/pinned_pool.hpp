@@ -35,9 +35,11 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -218,6 +220,19 @@ class pinned_upstream {
 
 /// The caching pinned-memory engine (see the file comment). Thread-safe: one mutex; the upstream is called without
 /// holding it, so a slow cudaHostAlloc does not stall other threads' cache hits.
+///
+/// Exceptions. Every call leaves the pool consistent (its statistics equal a recount of its blocks, no block is
+/// listed twice, every block taken off the books goes back to the upstream) whichever call of the upstream or of
+/// Sync throws, or std::bad_alloc:
+/// - allocate, record_stream, block_size and a deallocate refused (foreign pointer, double free, captured stream):
+///   strong guarantee for the caller's block (nothing is allocated, recorded or freed).
+/// - deallocate when recording an event fails: the block is lost (kept out of use for good, lost_blocks) and the
+///   error is rethrown; nothing else changes.
+/// - Sync::ready throwing (a failed cudaEventQuery) while a call polls the pending blocks: the blocks promoted before
+///   stay promoted and capped, the failed one and those after it stay pending (polled again by the next call), and
+///   the error propagates. allocate and stats then do nothing more; empty_cache still releases every free block and
+///   set_max_cached_bytes still applies its cap to them before rethrowing.
+/// - std::bad_alloc while trimming to the cap stops the trimming (the next call resumes it); it is not reported.
 template <class Upstream, class Sync = pinned_pool_sync>
 class basic_pinned_pool {
  public:
@@ -236,7 +251,7 @@ class basic_pinned_pool {
   basic_pinned_pool& operator=(const basic_pinned_pool&) = delete;
 
   /// Waits for the events of pending blocks, then releases every cached block. Blocks still allocated are leaked
-  /// (their owners may still use them) and reported through gpukit::warn.
+  /// (their owners may still use them) and reported through gpukit::warn; so are lost blocks (see deallocate).
   ~basic_pinned_pool() {
     std::size_t leaked = 0;
     std::size_t leaked_bytes = 0;
@@ -280,11 +295,11 @@ class basic_pinned_pool {
       throw out_of_memory_error("gpukit::pinned_pool: a request of " + std::to_string(bytes) +
                                 " bytes cannot be rounded to a size class");
     }
-    std::vector<std::pair<void*, std::size_t>> to_release;
     void* hit = nullptr;
     {
+      release_list releases(*this);  // declared first: releases after the lock is dropped
       std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(to_release);
+      process_pending_locked(releases.blocks);
       auto it = free_.find(size);
       if (it != free_.end() && !it->second.empty()) {
         hit = it->second.back();
@@ -299,7 +314,6 @@ class basic_pinned_pool {
         on_activate_locked(b);
       }
     }
-    release_all(to_release);
     if (hit != nullptr) return hit;
     void* p = upstream_allocate_with_retry(size, bytes);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -314,6 +328,7 @@ class basic_pinned_pool {
       on_activate_locked(inserted.first->second);
     } catch (...) {
       upstream_.deallocate(p, size);
+      ++stats_.upstream_frees;  // its allocation was counted
       throw;
     }
     return p;
@@ -350,43 +365,44 @@ class basic_pinned_pool {
   /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
   void deallocate(void* p) {
     if (p == nullptr) return;
-    std::vector<std::pair<void*, std::size_t>> to_release;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      block& b = active_block_locked(p, "deallocate");
-      // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
-      for (std::size_t i = 0; i < b.streams.size(); ++i) {
-        if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
-      }
-      forget_destroyed_streams_locked(b);
-      stats_.allocated_bytes -= b.size;
-      stats_.requested_bytes -= b.requested;
-      --active_count_;
-      if (b.streams.empty() && b.finals.empty()) {
-        make_free_locked(p, b);
-      } else {
-        try {
-          for (const auto& s : b.streams) {
-            b.markers.push_back(sync_.record(s));
-            ++stats_.events_recorded;
-          }
-        } catch (const error& e) {
-          lose_locked(b);
-          if (!detail::is_teardown_result(e.cuda_result())) throw;
-          return;
-        } catch (...) {
-          lose_locked(b);
-          throw;
-        }
-        b.streams.clear();
-        b.lives.clear();
-        b.state = block_state::pending;
-        pending_.push_back(p);
-        pending_bytes_ += b.size;
-      }
-      enforce_cap_locked(to_release);
+    release_list releases(*this);  // declared first: releases after the lock is dropped
+    std::lock_guard<std::mutex> lock(mutex_);
+    block& b = active_block_locked(p, "deallocate");
+    // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
+    for (std::size_t i = 0; i < b.streams.size(); ++i) {
+      if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
     }
-    release_all(to_release);
+    forget_destroyed_streams_locked(b);
+    if (b.streams.empty() && b.finals.empty()) {
+      make_free_locked(p, b);  // strong: the only step that can throw comes first
+      on_deactivate_locked(b);
+    } else {
+      // Room first, so that nothing can fail once the events are recorded.
+      if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
+      b.markers.reserve(b.markers.size() + b.streams.size());
+      try {
+        for (const auto& s : b.streams) {
+          b.markers.push_back(sync_.record(s));
+          ++stats_.events_recorded;
+        }
+      } catch (const error& e) {
+        on_deactivate_locked(b);
+        lose_locked(b);
+        if (!detail::is_teardown_result(e.cuda_result())) throw;
+        return;
+      } catch (...) {
+        on_deactivate_locked(b);
+        lose_locked(b);
+        throw;
+      }
+      b.streams.clear();
+      b.lives.clear();
+      b.state = block_state::pending;
+      pending_.push_back(p);  // capacity reserved above
+      pending_bytes_ += b.size;
+      on_deactivate_locked(b);
+    }
+    enforce_cap_locked(releases.blocks);
   }
 
   /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses.
@@ -398,32 +414,39 @@ class basic_pinned_pool {
   }
 
   /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
-  /// call). Returns the bytes released. Use it before handing pinned memory back to the system.
+  /// call). Returns the bytes released, those of pending blocks promoted and trimmed to the cap by this call
+  /// included. Use it before handing pinned memory back to the system. If polling a pending block's event throws,
+  /// the free blocks are released all the same and then the error is rethrown.
   std::size_t empty_cache() {
-    std::vector<std::pair<void*, std::size_t>> to_release;
+    release_list releases(*this);  // declared first: releases after the lock is dropped
+    std::size_t bytes = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(to_release);
-      for (auto& entry : free_) {
-        for (void* p : entry.second) to_release.emplace_back(p, entry.first);
-        entry.second.clear();
+      std::exception_ptr poll_failure;
+      try {
+        process_pending_locked(releases.blocks);
+      } catch (...) {
+        poll_failure = std::current_exception();
       }
-      for (const auto& r : to_release) forget_locked(r.first, r.second);
-      free_count_ = 0;
+      for (auto& entry : free_) {
+        while (!entry.second.empty()) {
+          release_free_block_locked(entry.second, entry.second.size() - 1, releases.blocks);
+        }
+      }
+      if (poll_failure) std::rethrow_exception(poll_failure);
+      for (const auto& r : releases.blocks) bytes += r.second;
     }
-    std::size_t bytes = 0;
-    for (const auto& r : to_release) bytes += r.second;
-    release_all(to_release);
     return bytes;
   }
 
-  /// The counters, after promoting pending blocks whose events have completed.
+  /// The counters, after promoting pending blocks whose events have completed (a failed event query propagates).
   pinned_pool_stats stats() {
-    std::vector<std::pair<void*, std::size_t>> to_release;
     pinned_pool_stats copy;
+    bool released = false;
     {
+      release_list releases(*this);  // declared first: releases after the lock is dropped
       std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(to_release);
+      process_pending_locked(releases.blocks);
       copy = stats_;
       copy.cached_bytes = stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_;
       copy.pending_bytes = pending_bytes_;
@@ -431,9 +454,9 @@ class basic_pinned_pool {
       copy.free_blocks = free_count_;
       copy.pending_blocks = pending_.size();
       copy.lost_blocks = lost_count_;
+      released = !releases.blocks.empty();
     }
-    release_all(to_release);  // promoted blocks above the cap
-    if (!to_release.empty()) {
+    if (released) {  // promoted blocks above the cap went back to the upstream after the copy was taken
       std::lock_guard<std::mutex> lock(mutex_);
       copy.upstream_frees = stats_.upstream_frees;
       copy.unpinning_time = stats_.unpinning_time;
@@ -454,16 +477,15 @@ class basic_pinned_pool {
     return active_block_locked(p, "block_size").size;
   }
 
-  /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones).
+  /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones). If
+  /// polling a pending block's event throws, the new cap is in force and applied to the free blocks all the same,
+  /// and the error is rethrown.
   void set_max_cached_bytes(std::size_t bytes) {
-    std::vector<std::pair<void*, std::size_t>> to_release;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      options_.max_cached_bytes = bytes;
-      process_pending_locked(to_release);
-      enforce_cap_locked(to_release);
-    }
-    release_all(to_release);
+    release_list releases(*this);  // declared first: releases after the lock is dropped
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.max_cached_bytes = bytes;
+    enforce_cap_locked(releases.blocks);      // the free blocks, whatever the polling below does
+    process_pending_locked(releases.blocks);  // trims what it promotes
   }
 
   const pinned_pool_options& options() const noexcept { return options_; }
@@ -484,8 +506,25 @@ class basic_pinned_pool {
     std::vector<std::shared_ptr<const detail::stream_life>> finals;  // destroyed recorded streams still working
   };
 
+  using block_list = std::vector<std::pair<void*, std::size_t>>;
+
+  // Blocks already taken off the books under the lock, handed to the upstream when this goes out of scope, after the
+  // lock (declared after it) is released, and also when the call throws: a block taken off the books is never lost.
+  class release_list {
+   public:
+    explicit release_list(basic_pinned_pool& pool) noexcept : pool_(pool) {}
+    release_list(const release_list&) = delete;
+    release_list& operator=(const release_list&) = delete;
+    ~release_list() { pool_.release_all(blocks); }
+    block_list blocks;
+
+   private:
+    basic_pinned_pool& pool_;
+  };
+
   // A recorded gpukit::stream destroyed since gets no event (its handle may belong to another stream by now, or to
-  // none): the block waits for its last work instead (detail::stream_life).
+  // none): the block waits for its last work instead (detail::stream_life). Basic guarantee: a stream is erased only
+  // after its life is in `finals`.
   static void forget_destroyed_streams_locked(block& b) {
     for (std::size_t i = 0; i < b.streams.size();) {
       if (!b.lives[i] || !b.lives[i]->expired()) {
@@ -523,7 +562,7 @@ class basic_pinned_pool {
     return it->second;
   }
 
-  void on_activate_locked(block& b) {
+  void on_activate_locked(block& b) noexcept {
     stats_.allocated_bytes += b.size;
     stats_.requested_bytes += b.requested;
     ++stats_.allocations;
@@ -531,81 +570,107 @@ class basic_pinned_pool {
     if (stats_.allocated_bytes > stats_.allocated_bytes_peak) stats_.allocated_bytes_peak = stats_.allocated_bytes;
   }
 
+  void on_deactivate_locked(const block& b) noexcept {
+    stats_.allocated_bytes -= b.size;
+    stats_.requested_bytes -= b.requested;
+    --active_count_;
+  }
+
+  // Puts a block on its free list. Strong guarantee: growing the list is the only step that can throw, and it comes
+  // first; the caller adjusts the counters of the state the block leaves.
   void make_free_locked(void* p, block& b) {
+    free_[b.size].push_back(p);
     b.state = block_state::free;
     b.freed_at = ++tick_;
-    free_[b.size].push_back(p);
     ++free_count_;
   }
 
-  // Promotes pending blocks whose events have all completed. A Sync that throws leaves the block pending.
-  void process_pending_locked(std::vector<std::pair<void*, std::size_t>>& to_release) {
+  bool events_completed(const block& b) {
+    for (const auto& m : b.markers) {
+      if (!sync_.ready(m)) return false;  // may throw (a failed event query)
+    }
+    for (const auto& f : b.finals) {
+      if (!f->finished()) return false;
+    }
+    return true;
+  }
+
+  // Promotes pending blocks whose events have all completed, then trims to the cap. If Sync::ready throws, the
+  // blocks promoted before stay promoted (and trimmed), the failed block and those after it stay pending, in order
+  // and once each, and the error propagates: the list is compacted on every path.
+  void process_pending_locked(block_list& releases) {
     if (pending_.empty()) return;
     std::size_t kept = 0;
+    std::size_t i = 0;
     bool promoted = false;
-    for (std::size_t i = 0; i < pending_.size(); ++i) {
-      void* p = pending_[i];
-      block& b = blocks_.at(p);
-      bool done = true;
-      for (const auto& m : b.markers) {
-        if (!sync_.ready(m)) {
-          done = false;
-          break;
+    try {
+      for (; i < pending_.size(); ++i) {
+        void* p = pending_[i];
+        block& b = blocks_.at(p);
+        if (!events_completed(b)) {
+          pending_[kept++] = p;
+          continue;
         }
+        make_free_locked(p, b);  // before anything else changes: the block is still pending if it throws
+        for (auto& m : b.markers) sync_.recycle(std::move(m));
+        b.markers.clear();
+        b.finals.clear();
+        pending_bytes_ -= b.size;
+        promoted = true;
       }
-      for (std::size_t f = 0; done && f < b.finals.size(); ++f) done = b.finals[f]->finished();
-      if (!done) {
-        pending_[kept++] = p;
-        continue;
-      }
-      for (auto& m : b.markers) sync_.recycle(std::move(m));
-      b.markers.clear();
-      b.finals.clear();
-      pending_bytes_ -= b.size;
-      make_free_locked(p, b);
-      promoted = true;
+    } catch (...) {
+      for (; i < pending_.size(); ++i) pending_[kept++] = pending_[i];
+      pending_.resize(kept);
+      if (promoted) enforce_cap_locked(releases);
+      throw;
     }
     pending_.resize(kept);
-    if (promoted) enforce_cap_locked(to_release);
+    if (promoted) enforce_cap_locked(releases);
   }
 
-  // Releases the oldest free blocks until the cached bytes fit the cap.
-  void enforce_cap_locked(std::vector<std::pair<void*, std::size_t>>& to_release) {
-    while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes &&
-           free_count_ > 0) {
-      void* oldest = nullptr;
-      std::uint64_t oldest_tick = std::numeric_limits<std::uint64_t>::max();
-      std::size_t oldest_size = 0;
-      for (const auto& entry : free_) {
-        for (void* p : entry.second) {
-          const block& b = blocks_.at(p);
-          if (b.freed_at < oldest_tick) {
-            oldest_tick = b.freed_at;
-            oldest = p;
-            oldest_size = b.size;
-          }
-        }
-      }
-      auto& list = free_[oldest_size];
-      for (std::size_t i = 0; i < list.size(); ++i) {
-        if (list[i] == oldest) {
-          list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
-          break;
-        }
-      }
-      --free_count_;
-      ++stats_.cap_releases;
-      forget_locked(oldest, oldest_size);
-      to_release.emplace_back(oldest, oldest_size);
-    }
-  }
-
-  void forget_locked(void* p, std::size_t size) {
-    blocks_.erase(p);
+  // Takes free block list[index] out of the pool: off its free list and the books, onto `releases` for the upstream.
+  // The one place a cached block leaves the pool, so no path counts a block out twice. Strong guarantee: the append,
+  // the only step that can throw, comes first.
+  void release_free_block_locked(std::vector<void*>& list, std::size_t index, block_list& releases) {
+    void* p = list[index];
+    auto it = blocks_.find(p);
+    const std::size_t size = it->second.size;
+    releases.emplace_back(p, size);
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(index));
+    --free_count_;
+    blocks_.erase(it);
     stats_.reserved_bytes -= size;
   }
 
-  void release_all(const std::vector<std::pair<void*, std::size_t>>& blocks) noexcept {
+  // Releases the oldest free blocks until the cached bytes fit the cap. Pending blocks count as cached but cannot be
+  // released: they are trimmed when promoted. Out of memory for the release list stops the trimming (a later call
+  // resumes it); nothing is half done.
+  void enforce_cap_locked(block_list& releases) noexcept {
+    while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes &&
+           free_count_ > 0) {
+      std::vector<void*>* oldest_list = nullptr;
+      std::size_t oldest_index = 0;
+      std::uint64_t oldest_tick = std::numeric_limits<std::uint64_t>::max();
+      for (auto& entry : free_) {
+        for (std::size_t i = 0; i < entry.second.size(); ++i) {
+          const std::uint64_t freed_at = blocks_.find(entry.second[i])->second.freed_at;
+          if (freed_at < oldest_tick) {
+            oldest_tick = freed_at;
+            oldest_list = &entry.second;
+            oldest_index = i;
+          }
+        }
+      }
+      try {
+        release_free_block_locked(*oldest_list, oldest_index, releases);
+      } catch (...) {
+        return;
+      }
+      ++stats_.cap_releases;
+    }
+  }
+
+  void release_all(const block_list& blocks) noexcept {
     if (blocks.empty()) return;
     const auto start = std::chrono::steady_clock::now();
     for (const auto& r : blocks) upstream_.deallocate(r.first, r.second);
@@ -647,12 +712,19 @@ class basic_pinned_pool {
     try {
       return upstream_allocate_timed(size);
     } catch (const out_of_memory_error& e) {
-      const pinned_pool_stats s = stats();
+      std::size_t allocated = 0;
+      std::size_t pending = 0;
+      {
+        // The counters as they are: polling events here could replace this error with another.
+        std::lock_guard<std::mutex> lock(mutex_);
+        allocated = stats_.allocated_bytes;
+        pending = pending_bytes_;
+      }
       throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
                                 " (size class " + detail::format_bytes_exact(size) +
-                                ") even after emptying the cache; " +
-                                detail::format_bytes(s.allocated_bytes) + " allocated, " +
-                                detail::format_bytes(s.pending_bytes) + " waiting for streams; upstream: " + e.what());
+                                ") even after emptying the cache; " + detail::format_bytes(allocated) +
+                                " allocated, " + detail::format_bytes(pending) + " waiting for streams; upstream: " +
+                                e.what());
     }
   }
 
