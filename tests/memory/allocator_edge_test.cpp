@@ -8,6 +8,7 @@
 #include <gpukit/memory/upstream.hpp>
 
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -482,4 +483,92 @@ TEST_CASE("gpukit defaults: huge blocks stay whole for huge requests") {
   CHECK(g.a.stats().num_device_free == 1);  // ...which, unusable, was released before growing
   CHECK(g.a.memory_reserved() == 100 * MiB);
   CHECK(g.invariants() == "");
+}
+
+// Issue 12, defect 4: keys are the stream ops' business. A stream of another device whose key equals a known
+// stream's (as the CPU's default stream and CUDA's legacy default stream once did) must not pass for it.
+TEST_CASE("a stream of another device is refused even when its key is that of a known stream") {
+  fixture f;
+  const fake_stream cuda_default{f.world.add_stream(gpukit::device::cuda(0))};
+  f.world.streams[static_cast<std::size_t>(cuda_default.id)].key = 1;  // s0's key
+  const auto p = f.alloc(1000);                                        // registers s0 under key 1
+  auto message_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const gpukit::invalid_argument_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  const std::string on_free = message_of([&] { f.a.deallocate(reinterpret_cast<void*>(p), cuda_default); });
+  INFO(on_free);
+  CHECK(on_free.find("cuda:0") != std::string::npos);
+  CHECK(on_free.find("caching allocator of cpu") != std::string::npos);
+  CHECK(f.a.owns(reinterpret_cast<void*>(p)));  // refused before anything changed
+  CHECK(message_of([&] { f.a.record_stream(reinterpret_cast<void*>(p), cuda_default); }).find("cuda:0") !=
+        std::string::npos);
+  CHECK(message_of([&] { (void)f.a.allocate(100, cuda_default); }).find("cuda:0") != std::string::npos);
+  CHECK(f.invariants() == "");
+}
+
+// Issue 12, defect 11: medium_size bounds rounded requests and segment sizes, so it must be a multiple of the
+// rounding; the growth cap (4 x medium_size) is rounded to large_segment_rounding and cannot wrap.
+TEST_CASE("medium_size must be a multiple of the rounding, and the segment growth cap is rounded") {
+  gpukit::allocator_options o;
+  o.medium_size = 3146728;  // 3 MiB + 1000: the 4x cap made segments of 12,586,912 bytes
+  std::string message = "accepted";
+  try {
+    o.validate();
+  } catch (const gpukit::invalid_argument_error& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("medium_size must be a multiple of the rounding (512 bytes): 3146728") != std::string::npos);
+  CHECK(message.find("use 3146240 or 3146752") != std::string::npos);
+
+  gpukit::allocator_options aligned;
+  aligned.medium_size = 3 * MiB + 512;  // a multiple of the rounding, not of large_segment_rounding (2 MiB)
+  aligned.medium_segment_size = 4 * MiB;
+  fixture f(aligned);
+  (void)f.alloc(200 * MiB);  // reserved / 8 = 25 MiB is above the cap
+  CHECK(f.a.segment_size_for(2 * MiB) == 12 * MiB);
+  CHECK(f.a.segment_size_for(2 * MiB) % aligned.large_segment_rounding == 0);
+
+  gpukit::allocator_options huge;
+  huge.medium_size = (std::size_t{1} << 62) + 512;  // 4x wraps to 2048 bytes
+  fixture g(huge);
+  (void)g.alloc(200 * MiB);
+  CHECK(g.a.segment_size_for(2 * MiB) == 26 * MiB);  // grows with the footprint: not capped by a wrapped product
+}
+
+namespace {
+/// Fake stream ops whose capture query (cudaStreamIsCapturing) fails while `failing` is set.
+struct failing_capture_query_ops : fake_stream_ops {
+  const bool* failing = nullptr;
+  bool capturing(const fake_stream&) const {
+    if (failing != nullptr && *failing) throw std::runtime_error("cudaStreamIsCapturing failed");
+    return false;
+  }
+};
+}  // namespace
+
+// Found by the CUDA fault injection (tests/hardening/cuda_faults_test.cpp): deallocate(p) took the block out of the
+// pointer map before asking whether its stream is captured; when the question failed, the allocation was lost for
+// good (neither live nor freeable: "being freed by another thread at the same time").
+TEST_CASE("a free whose capture query fails leaves the allocation live and freeable") {
+  fake_world world;
+  bool failing = false;
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, failing_capture_query_ops> a(
+      gpukit::device::cpu(), gpukit::allocator_options::pytorch(), GiB);
+  a.stream_operations().world = &world;
+  a.stream_operations().failing = &failing;
+  const fake_stream s{world.add_stream()};
+  void* p = a.allocate(1000, s);
+  failing = true;
+  CHECK_THROWS_AS(a.deallocate(p), std::runtime_error);
+  failing = false;
+  CHECK(a.owns(p));
+  CHECK(check_invariants(a.snapshot(), {{reinterpret_cast<std::uintptr_t>(p), 1000}}, 512) == "");
+  CHECK_NOTHROW(a.deallocate(p));
+  CHECK(a.memory_allocated() == 0);
 }

@@ -266,3 +266,82 @@ TEST_CASE("gpukit defaults: a transient upstream failure after release-before-gr
   CHECK(f.a.max_memory_reserved() == 120 * MiB);
   f.a.deallocate(p);
 }
+
+// Issue 12, defect 2: a shared segment sized for the footprint (reserved / 8, here 120 MiB) does not fit where the
+// request does; the allocator must fall back to the smallest segment that holds the request, not report out of memory.
+TEST_CASE("gpukit defaults: a mid-size request beside a huge block gets the smallest segment that fits, no false OOM") {
+  fixture f(GiB, gpukit::allocator_options{});
+  void* huge = f.alloc(950 * MiB);
+  CHECK(f.a.segment_size_for(2 * MiB) == 120 * MiB);  // what the footprint asks for, 74 MiB being free
+  void* p = nullptr;
+  try {
+    p = f.alloc(2 * MiB);
+  } catch (const gpukit::out_of_memory_error& e) {
+    FAIL_CHECK("false out of memory: " << std::string(e.what()));
+  }
+  CHECK(p != nullptr);
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.a.memory_reserved() == 952 * MiB);  // a 2 MiB segment
+  // Every size from 1 to 64 MiB that fits in what is left is served the same way.
+  void* q = nullptr;
+  CHECK_NOTHROW(q = f.alloc(60 * MiB));  // 72 MiB free: 60 MiB fits, 120 MiB would not
+  CHECK(f.a.memory_reserved() == 1012 * MiB);
+  // Once the request itself does not fit, the error names the smallest segment, not the footprint's.
+  const std::string m = oom_message(f, 14 * MiB);  // 12 MiB left
+  INFO(m);
+  CHECK(contains(m, "needs a new segment of 14.00 MiB"));
+  CHECK(f.a.stats().num_ooms == 1);
+  CHECK(check_invariants(f.a.snapshot(), {}, 512, true, true, false) == "");
+  f.a.deallocate(q);
+  f.a.deallocate(p);
+  f.a.deallocate(huge);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+// Issue 12, defect 2 (the limit): a new shared segment is sized to the room left under the reserved limit.
+TEST_CASE("a shared segment larger than the room under the reserved limit is sized to fit the limit") {
+  gpukit::allocator_options o;
+  o.medium_segment_size = 24 * MiB;
+  o.reserved_limit = 64 * MiB;
+  fixture f(GiB, o);
+  void* a = f.alloc(44 * MiB);  // a shared segment of exactly 44 MiB (the request rounded): 20 MiB left under the limit
+  REQUIRE(f.a.memory_reserved() == 44 * MiB);
+  CHECK(f.a.segment_size_for(3 * MiB) == 24 * MiB);
+  void* b = nullptr;
+  CHECK_NOTHROW(b = f.alloc(3 * MiB));  // 24 MiB would exceed the limit: a 20 MiB segment instead
+  CHECK(f.a.memory_reserved() == 64 * MiB);
+  CHECK(f.a.stats().num_ooms == 0);
+  const auto snapshot = f.a.snapshot();
+  REQUIRE(snapshot.segments.size() == 2);
+  CHECK((snapshot.segments[0].size == 20 * MiB || snapshot.segments[1].size == 20 * MiB));
+  void* c = nullptr;
+  CHECK_NOTHROW(c = f.alloc(10 * MiB));  // from the rest of that segment: no upstream call
+  CHECK(f.a.stats().num_device_alloc == 2);
+  CHECK(check_invariants(f.a.snapshot(), {}, 512, true, true, false) == "");
+  f.a.deallocate(c);
+  f.a.deallocate(b);
+  f.a.deallocate(a);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+// Issue 12, defect 5: a limit given in the options is enforced and must be reported like one set later.
+TEST_CASE("allocator_options::reserved_limit is reported by reserved_limit, stats, memory_summary and OOM messages") {
+  auto o = gpukit::allocator_options::pytorch();
+  o.reserved_limit = 100 * MiB;
+  fixture f(GiB, o);
+  CHECK(f.a.reserved_limit() == 100 * MiB);
+  CHECK(f.a.stats().reserved_limit == 100 * MiB);
+  CHECK(f.a.snapshot().stats.reserved_limit == 100 * MiB);
+  const std::string summary = f.a.memory_summary();
+  INFO(summary);
+  CHECK_FALSE(contains(summary, "none"));
+  CHECK(contains(summary, "100.00 MiB"));
+  const std::string m = oom_message(f, 101 * MiB);
+  CHECK(contains(m, "reserved limit 100.00 MiB"));
+  CHECK(f.a.upstream().used() == 0);  // enforced: the upstream was never asked
+  f.a.set_reserved_limit(gpukit::allocator_options::unlimited);
+  CHECK(f.a.reserved_limit() == gpukit::allocator_options::unlimited);
+  CHECK(contains(f.a.memory_summary(), "none"));
+}

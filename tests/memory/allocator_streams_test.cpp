@@ -344,3 +344,32 @@ TEST_CASE("freeing a CPU buffer after its stream was destroyed is reported, nami
   CHECK(warnings.contains("was destroyed while the allocation was live"));
   CHECK(a.memory_allocated() == 0);
 }
+
+// Issue 12, defect 4: CUDA's default stream is not the CPU's. A CPU allocator refuses it as a stream of another
+// device, naming both, before asking CUDA anything (so also on a machine without a driver), and changes nothing.
+TEST_CASE("a CPU allocator refuses CUDA's default stream as a stream of another device") {
+  host_allocator a(cpu);
+  const auto cpu_default = gpukit::stream_view::default_stream(cpu);
+  const auto cuda_default = gpukit::stream_view::default_stream(gpukit::device::cuda(0));
+  void* p = a.allocate(1000, cpu_default);
+  auto message_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const gpukit::invalid_argument_error& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("wrong exception type: ") + e.what();
+    }
+    return std::string("no exception");
+  };
+  for (const std::string& m : {message_of([&] { a.deallocate(p, cuda_default); }),
+                               message_of([&] { a.record_stream(p, cuda_default); }),
+                               message_of([&] { (void)a.allocate(1000, cuda_default); })}) {
+    INFO(m);
+    CHECK(m.find("a stream of cuda:0 was passed to the caching allocator of cpu") != std::string::npos);
+  }
+  CHECK(a.owns(p));
+  CHECK(a.memory_allocated() == 1024);
+  a.deallocate(p, cpu_default);
+  CHECK(a.memory_allocated() == 0);
+}

@@ -30,6 +30,7 @@ struct fake_world {
     std::uint64_t completed = 0;
     gpukit::device device = gpukit::device::cpu();
     bool destroyed = false;  // its pending work still completes (CUDA semantics); no new work or events
+    std::uintptr_t key = 0;  // the stream ops' key; 0: derived from the index (unique)
   };
   std::vector<stream_state> streams;
   struct wait_record {
@@ -73,7 +74,10 @@ struct fake_stream_ops {
   using event_type = fake_event;
   fake_world* world = nullptr;
 
-  std::uintptr_t key(const fake_stream& s) const noexcept { return static_cast<std::uintptr_t>(s.id) + 1; }
+  std::uintptr_t key(const fake_stream& s) const noexcept {
+    const std::uintptr_t forced = world->streams[static_cast<std::size_t>(s.id)].key;
+    return forced != 0 ? forced : static_cast<std::uintptr_t>(s.id) + 1;
+  }
   gpukit::device device_of(const fake_stream& s) const { return world->streams[static_cast<std::size_t>(s.id)].device; }
   fake_event create_event(gpukit::device) const {
     ++world->events_created;

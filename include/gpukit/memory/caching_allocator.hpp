@@ -27,8 +27,9 @@
 ///   memory above its high-water mark, completely free segments the request cannot use are returned first; requests
 ///   up to medium_size share segments that grow with the footprint; huge blocks are kept whole (max_split_size).
 /// - Out of memory: the allocator releases its free segments and retries; then waits for pending events, releases
-///   again and retries once more (always: a failure may be transient); then throws out_of_memory_error with the
-///   numbers needed to understand why.
+///   again and retries once more (always: a failure may be transient); a shared segment sized for the footprint is
+///   then replaced by the smallest one that holds the request; then it throws out_of_memory_error with the numbers
+///   needed to understand why. Under a reserved limit, a new shared segment is sized to the room left below it.
 /// - Statistics are atomics written under the lock and read without it.
 ///
 /// - Stream identity: streams are keyed by the stream ops' key, for CUDA cudaStreamGetId (cached in views of
@@ -160,6 +161,13 @@ struct allocator_options {
       fail("segment sizes must be multiples of the rounding");
     }
     if (medium_size < small_size) fail("medium_size must be at least small_size");
+    if (medium_size % rounding != 0) {
+      // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
+      const std::size_t below = medium_size / rounding * rounding;
+      fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) + " bytes): " +
+           std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
+           std::to_string(below + rounding));
+    }
     if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
       fail("medium_segment_size must be at least medium_size (or set medium_segment_growth)");
     }
@@ -217,6 +225,7 @@ class basic_caching_allocator {
     unowned_ = std::make_unique<stream_state>(no_stream_key, stream_type{}, d, tracker_type{});
     for (auto& pool : unowned_->pools) pool = std::make_unique<index_type>();  // retire() must not fail midway
     limit_ = options_.reserved_limit;
+    limit_atomic_.store(limit_, std::memory_order_relaxed);  // reported by reserved_limit(), stats(), memory_summary
     needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
   }
 
@@ -310,9 +319,18 @@ class basic_caching_allocator {
     block* b = map_.erase(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned(p, "deallocate");
     // The block is ours alone now: its owner (set under the lock when it was allocated) cannot change.
-    refuse_free_if_captured(b);
-    const bool busy = owner_may_be_busy(b);
-    const std::string report = owner_expired(b) ? expired_owner_message(b) : std::string();
+    bool busy = false;
+    std::string report;
+    try {
+      refuse_free_if_captured(b);
+      busy = owner_may_be_busy(b);
+      if (owner_expired(b)) report = expired_owner_message(b);
+    } catch (...) {
+      // Captured, or asking the stream failed (cudaStreamIsCapturing on a broken context), or the message could not
+      // be made: the allocation stays live, so the program can still free it.
+      map_.insert(b->address, b);  // the map had room for it a moment ago
+      throw;
+    }
     {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
       free_allocated(b, busy);
@@ -334,9 +352,10 @@ class basic_caching_allocator {
       if (b == nullptr) throw_not_owned_locked(p, "deallocate");
       refuse_if_captured(b->owner->stream, "deallocate");
       note_stream_use(b, st);  // may throw (memory): the block is still allocated then
+      const bool busy = owner_may_be_busy(b);
+      if (owner_expired(b)) report = expired_owner_message(b);  // may throw (memory): still allocated, still mapped
       if (map_.erase(reinterpret_cast<std::uintptr_t>(p)) != b) throw_not_owned_locked(p, "deallocate");
-      if (owner_expired(b)) report = expired_owner_message(b);
-      free_allocated(b, owner_may_be_busy(b));
+      free_allocated(b, busy);  // puts the block back in the map if it throws
     }
     if (!report.empty()) warn(report);
   }
@@ -634,6 +653,8 @@ class basic_caching_allocator {
     return size;
   }
 
+  /// The segment a rounded request gets on a cache miss, sized for the footprint (see minimal_segment_size and
+  /// fitted_segment_size for the sizes tried when memory is short).
   std::size_t segment_size(std::size_t size, bool small) const noexcept {
     if (small) return options_.small_segment_size;
     if (size < options_.medium_size) {
@@ -641,13 +662,43 @@ class basic_caching_allocator {
       if (options_.medium_segment_growth != 0) {
         const std::size_t g = options_.large_segment_rounding;
         const std::size_t scaled = (current(stats_.reserved_bytes) / options_.medium_segment_growth + g - 1) / g * g;
-        seg = std::max(seg, std::min(scaled, 4 * options_.medium_size));
+        seg = std::max(seg, std::min(scaled, medium_segment_cap()));
         seg = std::max(seg, (size + g - 1) / g * g);  // the request always fits
       }
       return seg;
     }
     const std::size_t g = options_.large_segment_rounding;
     return (size + g - 1) / g * g;
+  }
+
+  /// The largest shared segment growth makes: 4 x medium_size, rounded down to large_segment_rounding (so segments
+  /// stay multiples of it) and saturated instead of wrapping.
+  std::size_t medium_segment_cap() const noexcept {
+    const std::size_t g = options_.large_segment_rounding;
+    const std::size_t medium = options_.medium_size;
+    constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+    const std::size_t cap = medium > max / 4 ? max : 4 * medium;
+    return cap / g * g;
+  }
+
+  /// The smallest segment that holds a rounded request: a small segment, or for a shared (medium) one the request
+  /// rounded to large_segment_rounding. Tried when the segment sized for the footprint cannot be had.
+  std::size_t minimal_segment_size(std::size_t size, bool small) const noexcept {
+    if (small) return options_.small_segment_size;
+    const std::size_t g = options_.large_segment_rounding;
+    return std::max(size, (size + g - 1) / g * g);  // the request itself if rounding up overflows (never in practice)
+  }
+
+  /// segment_size(), shrunk to the room left under the reserved limit when it would exceed it (never below
+  /// minimal_segment_size: a request that does not fit even then hits the limit).
+  std::size_t fitted_segment_size(std::size_t size, bool small) const noexcept {
+    const std::size_t preferred = segment_size(size, small);
+    if (small || size >= options_.medium_size || limit_ == allocator_options::unlimited) return preferred;
+    const std::size_t reserved = current(stats_.reserved_bytes) + in_flight_;
+    const std::size_t room = limit_ > reserved ? limit_ - reserved : 0;
+    if (preferred <= room) return preferred;
+    const std::size_t g = options_.large_segment_rounding;
+    return std::max(minimal_segment_size(size, small), room / g * g);
   }
 
   bool should_split(const block* b, std::size_t size, std::size_t remainder) const noexcept {
@@ -662,7 +713,18 @@ class basic_caching_allocator {
   /// The state of a stream, registered (and its device checked) on first use. The keys sit in one contiguous
   /// vector that a lookup only reads, so threads using different streams do not write shared cache lines here.
   /// Streams of other CUDA devices are accepted only where `other_devices` (record_stream, deallocate(p, s)).
+  ///
+  /// The device is checked before the key is looked up, on every call: a stream of another device is refused even
+  /// when its key equals that of a stream seen before (keys are the stream ops' business; a CUDA default stream must
+  /// not pass for the CPU's), and naming the wrong device needs no CUDA call (a CPU allocator on a machine without
+  /// a driver still says "wrong device").
+  /// The state of stream `s`, registered on first use. The device is checked first, on every call: computing the key
+  /// may need the stream's device (a CUDA default stream's id), and a stream of another device must be refused with
+  /// that reason, not with the error its key would raise. For a view that knows its device (every gpukit stream and
+  /// default_stream(d)) this costs nothing; a raw cudaStream_t costs one cudaStreamGetDevice.
   stream_state& stream_for(const stream_type& s, bool other_devices = false) {
+    const gpukit::device d = ops_.device_of(s);
+    if (d != device_ && !(other_devices && d.is_cuda() && device_.is_cuda())) throw_wrong_device(d);
     const std::uintptr_t key = ops_.key(s);
     stream_state* found = nullptr;
     if (stream_index_.empty()) {
@@ -676,19 +738,33 @@ class basic_caching_allocator {
       const auto it = stream_index_.find(key);
       if (it != stream_index_.end()) found = it->second;
     }
-    if (found == nullptr) return *register_stream(s, key, other_devices);
-    if (!other_devices && found->device != device_) throw_wrong_device(found->device);
+    if (found == nullptr) return *register_stream(s, key, d);
+    if (found->device != d) throw_key_collision(found->device, d, key);
     return *found;
   }
 
   [[noreturn]] void throw_wrong_device(gpukit::device d) const {
     throw invalid_argument_error("gpukit: a stream of " + d.to_string() + " was passed to the caching allocator of " +
-                                 device_.to_string() + " (wrong device)");
+                                     device_.to_string() + " (wrong device)",
+                                 cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
   }
 
-  stream_state* register_stream(const stream_type& s, std::uintptr_t key, bool other_devices) {
-    const gpukit::device d = ops_.device_of(s);
-    if (d != device_ && !(other_devices && d.is_cuda() && device_.is_cuda())) throw_wrong_device(d);
+  /// Two streams of different devices with one key: the stream ops broke their contract (keys are unique across
+  /// devices), and the allocator would take one stream for the other.
+  [[noreturn]] void throw_key_collision(gpukit::device known, gpukit::device passed, std::uintptr_t key) const {
+    throw invalid_argument_error("gpukit: a stream of " + passed.to_string() +
+                                     " was passed to the caching allocator of " + device_.to_string() +
+                                     ", but its key " + std::to_string(key) + " is that of a stream of " +
+                                     known.to_string() +
+                                     " the allocator already knows; stream keys must be unique across devices",
+                                 cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
+  }
+
+  /// The CUDA ordinal for exceptions (-1 for the CPU).
+  int device_ordinal() const noexcept { return device_.is_cuda() ? device_.ordinal() : -1; }
+
+  /// Registers stream `s` of device `d` (checked by stream_for) under `key`.
+  stream_state* register_stream(const stream_type& s, std::uintptr_t key, gpukit::device d) {
     // A server that creates and destroys streams must not grow this registry forever: states with nothing cached,
     // pending or allocated go, in sweeps whose cost is amortized over the registrations since the last one.
     if (streams_.size() >= prune_at_) prune_streams();
@@ -1210,6 +1286,7 @@ class basic_caching_allocator {
       limit_hit = true;
       return nullptr;
     }
+    limit_hit = false;  // the last refusal, if any, is the upstream's
     in_flight_ += segment_bytes;
     lock.unlock();
     void* p = nullptr;
@@ -1223,7 +1300,6 @@ class basic_caching_allocator {
     lock.lock();
     in_flight_ -= segment_bytes;
     if (p == nullptr) return nullptr;
-    limit_hit = false;
     std::unique_ptr<segment> seg;
     block* b = nullptr;
     try {
@@ -1261,7 +1337,7 @@ class basic_caching_allocator {
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size,
                        bool small) {
-    const std::size_t segment_bytes = segment_size(size, small);
+    std::size_t segment_bytes = fitted_segment_size(size, small);
     bool limit_hit = false;
     if (options_.release_before_grow) {
       const std::size_t reserved = current(stats_.reserved_bytes) + in_flight_;
@@ -1273,10 +1349,12 @@ class basic_caching_allocator {
     if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
     // The upstream (or the limit) refused. Other threads may have freed memory while the lock was released.
     if (block* b = find_free(st, size, small)) return b;
-    // First retry: give back the free segments (waiting only for fences of work that may still use them).
+    // First retry: give back the free segments (waiting only for fences of work that may still use them). The
+    // segment is sized again: it grows with reserved memory, which just shrank.
     if (release_cached(lock, false, 0) > 0) {
       stats_.num_alloc_retries.increment();
       if (block* b = find_free(st, size, small)) return b;
+      segment_bytes = fitted_segment_size(size, small);
       if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
     }
     // Last retry, always made (the failure may have been transient): wait for blocks that other streams still
@@ -1284,7 +1362,14 @@ class basic_caching_allocator {
     release_cached(lock, true, 0);
     stats_.num_alloc_retries.increment();
     if (block* b = find_free(st, size, small)) return b;
+    segment_bytes = fitted_segment_size(size, small);
     if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    // A shared segment sized for the footprint may not fit where the request does: the smallest one that holds it.
+    const std::size_t minimal = minimal_segment_size(size, small);
+    if (minimal < segment_bytes) {
+      segment_bytes = minimal;
+      if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    }
     throw_out_of_memory(lock, requested, size, segment_bytes, limit_hit);
   }
 
@@ -1434,13 +1519,13 @@ class basic_caching_allocator {
     }
   }
 
-  /// Before freeing `b` (taken out of the pointer map, so ours alone): puts it back and throws if its stream is
-  /// captured, since the graph's launches may use it after the free.
-  void refuse_free_if_captured(block* b) {
+  /// Before freeing `b` (taken out of the pointer map, so ours alone; the caller puts it back when this throws):
+  /// throws if its stream is captured, since the graph's launches may use it after the free.
+  void refuse_free_if_captured(const block* b) const {
     if constexpr (detail::has_capture_query<StreamOps>::value) {
-      if (!ops_.capturing(b->owner->stream)) return;
-      map_.insert(b->address, b);  // still allocated; the map had room for it a moment ago
-      throw_stream_captured(b->owner->stream, "deallocate");
+      if (ops_.capturing(b->owner->stream)) throw_stream_captured(b->owner->stream, "deallocate");
+    } else {
+      (void)b;
     }
   }
 

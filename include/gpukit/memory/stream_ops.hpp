@@ -11,7 +11,7 @@
 ///     using event_type = ...;    // movable; the allocator pools them
 ///     std::uintptr_t key(const stream_type&) const;              // identity: no other stream, live or destroyed,
 ///                                                                // of any device, has the same key
-///     gpukit::device device_of(const stream_type&) const;        // checked once per stream, on first use
+///     gpukit::device device_of(const stream_type&) const;        // checked on every call, before key()
 ///                                                                // (record_stream accepts other CUDA devices)
 ///     event_type create_event(gpukit::device) const;             // with that device current
 ///     void record(event_type&, const stream_type&) const;        // captures the work enqueued so far
