@@ -493,3 +493,61 @@ TEST_CASE("stream ids: unique per stream, carried by its views and moves, and a 
   gpukit::stream c(cpu);
   CHECK(c.view().id() != id);  // ids are never reused, even if the queue's address is
 }
+
+namespace {
+/// A host function that enqueues the next link of the chain on the CPU default stream from inside itself.
+struct nested_chain {
+  std::size_t* ran;
+  std::size_t remaining;
+  void operator()() const {
+    ++*ran;
+    if (remaining > 0) {
+      gpukit::stream_view::default_stream(gpukit::device::cpu()).enqueue_host(nested_chain{ran, remaining - 1});
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("host functions enqueued 200000 deep from inside each other on the CPU default stream run iteratively") {
+  std::size_t ran = 0;
+  gpukit::stream_view::default_stream(cpu).enqueue_host(nested_chain{&ran, 200000});
+  CHECK(ran == 200001);  // all of them, by the time the outermost enqueue_host returns, without exhausting the stack
+}
+
+TEST_CASE("a host function enqueued from inside one on the CPU default stream runs after the enclosing one returns") {
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  std::vector<std::string> order;
+  s.enqueue_host([&] {
+    order.push_back("outer begins");
+    s.enqueue_host([&] {
+      order.push_back("inner");
+      s.enqueue_host([&] { order.push_back("innermost"); });
+      order.push_back("inner ends");
+    });
+    s.enqueue_host([&] { order.push_back("second inner"); });
+    order.push_back("outer ends");
+  });
+  CHECK(order == std::vector<std::string>{"outer begins", "outer ends", "inner", "inner ends", "second inner",
+                                          "innermost"});
+  // An exception escaping a deferred one is reported like any other and the rest still run.
+  gpukit_test::captured_warnings warnings;
+  bool last_ran = false;
+  s.enqueue_host([&] {
+    s.enqueue_host([] { throw std::runtime_error("nested boom"); });
+    s.enqueue_host([&] { last_ran = true; });
+  });
+  CHECK(last_ran);
+  CHECK(warnings.contains("nested boom"));
+}
+
+TEST_CASE("inside a CPU stream's host function, the CPU default stream still runs work at once") {
+  gpukit::stream s(cpu);
+  std::atomic<bool> ran_before_return{false};
+  s.enqueue_host([&] {
+    bool ran = false;
+    gpukit::stream_view::default_stream(gpukit::device::cpu()).enqueue_host([&] { ran = true; });
+    ran_before_return = ran;
+  });
+  s.synchronize();
+  CHECK(ran_before_return.load());
+}

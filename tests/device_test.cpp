@@ -117,3 +117,17 @@ TEST_CASE("the CPU has no CUDA state") {
   CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).least == 0);
   CHECK(gpukit::stream_priority_range(gpukit::device::cpu()).greatest == 0);
 }
+
+TEST_CASE("device::parse ignores any surrounding whitespace and reads every int ordinal") {
+  CHECK(gpukit::device::parse("cuda:1\n") == gpukit::device::cuda(1));
+  CHECK(gpukit::device::parse("\r\n\v\fcpu\r\n") == gpukit::device::cpu());
+  CHECK(gpukit::device::parse(" cuda \n") == gpukit::device::cuda(0));
+  CHECK(gpukit::device::parse("cuda:0007") == gpukit::device::cuda(7));
+  // Every ordinal device::cuda accepts round-trips through to_string.
+  CHECK(gpukit::device::parse("cuda:2147483647") == gpukit::device::cuda(2147483647));
+  CHECK(gpukit::device::parse(gpukit::device::cuda(1234567).to_string()) == gpukit::device::cuda(1234567));
+  for (const char* text : {"cuda:2147483648", "cuda:18446744073709551616", "cuda:1\n2", "\n"}) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(gpukit::device::parse(text), doctest::Contains("cuda:N"), gpukit::invalid_argument_error);
+  }
+}

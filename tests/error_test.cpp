@@ -3,8 +3,10 @@
 
 #include "support.hpp"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 static_assert(std::is_base_of<std::runtime_error, gpukit::error>::value, "rooted in std::runtime_error");
@@ -117,4 +119,58 @@ TEST_CASE("failures in destructors are reported, except while the runtime unload
   gpukit::detail::report_cuda_failure(cudaErrorInvalidResourceHandle, "cudaEventDestroy (in ~event)", 1);
   REQUIRE(warnings.messages().size() == 1);
   CHECK(warnings.contains("cudaEventDestroy (in ~event) failed on cuda:1"));
+}
+
+TEST_CASE("a warning handler that warns again is not re-entered and does not deadlock") {
+  std::vector<std::string> received;
+  auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    received.emplace_back(message);
+    gpukit::warn("from inside the handler");  // goes to the default sink (stderr), not back here
+  });
+  gpukit::warn("outer");
+  gpukit::warn("second");
+  gpukit::set_warning_handler(previous);
+  CHECK(received == std::vector<std::string>{"outer", "second"});
+}
+
+TEST_CASE("a warning handler that replaces itself does not deadlock and the new handler takes over") {
+  std::vector<std::string> first_saw;
+  std::vector<std::string> second_saw;
+  gpukit::warning_handler second = [&](std::string_view message) { second_saw.emplace_back(message); };
+  gpukit::warning_handler replaced_by_first;
+  auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    first_saw.emplace_back(message);
+    // The handler running now is kept alive until it returns, although set_warning_handler hands it back.
+    replaced_by_first = gpukit::set_warning_handler(second);
+    first_saw.emplace_back("still running");
+  });
+  gpukit::warn("one");
+  gpukit::warn("two");
+  gpukit::set_warning_handler(previous);
+  CHECK(first_saw == std::vector<std::string>{"one", "still running"});
+  CHECK(second_saw == std::vector<std::string>{"two"});
+  CHECK(static_cast<bool>(replaced_by_first));
+}
+
+TEST_CASE("set_warning_handler returns only once other threads' calls of the old handler have finished") {
+  gpukit_test::gate release_handler;
+  gpukit_test::gate handler_entered;
+  std::atomic<bool> old_handler_finished{false};
+  auto previous = gpukit::set_warning_handler([&](std::string_view) {
+    handler_entered.open();
+    release_handler.wait();
+    old_handler_finished = true;
+  });
+  std::thread warner([] { gpukit::warn("held in the handler"); });
+  handler_entered.wait();
+  bool finished_when_replaced = false;
+  std::thread replacer([&] {
+    gpukit::set_warning_handler([](std::string_view) {});
+    finished_when_replaced = old_handler_finished.load();  // what the old handler refers to may now be destroyed
+  });
+  release_handler.open();
+  replacer.join();
+  warner.join();
+  gpukit::set_warning_handler(previous);
+  CHECK(finished_when_replaced);
 }

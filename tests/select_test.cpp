@@ -230,3 +230,104 @@ TEST_CASE("on this machine without a driver: the CPU, or an error that says why"
   gpukit_test::scoped_env override_cpu("GPUKIT_DEVICE", std::string("cpu"));
   CHECK(gpukit::select_device().source == decided_by::environment_override);
 }
+
+TEST_CASE("a hand-made snapshot whose gpus are not cuda:0, cuda:1, ... in order is rejected clearly") {
+  gpukit::selection_policy policy;
+  auto expect_rejected = [&](const gpukit::system_snapshot& s, const char* expected) {
+    CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s), doctest::Contains(expected),
+                         gpukit::invalid_argument_error);
+  };
+  auto swapped = three_gpus();
+  std::swap(swapped.gpus[0], swapped.gpus[1]);
+  expect_rejected(swapped, "select_device: system_snapshot::gpus[0] is cuda:1; gpus[i] must be cuda:i");
+  auto cpu_entry = three_gpus();
+  cpu_entry.gpus[2].device = gpukit::device::cpu();
+  expect_rejected(cpu_entry, "gpus[2] is cpu");
+  // Before the check, this one read past the end of the candidate list.
+  gpukit::system_snapshot gap;
+  gap.gpus.push_back(gpu(5, "GPU-eeee0000-0000-0000-0000-000000000000", 90, 80, 70, 10));
+  gap.gpukit_device = "GPU-eeee";
+  expect_rejected(gap, "gpus[0] is cuda:5");
+  gap.gpukit_device.reset();
+  gap.local_rank_variable = "LOCAL_RANK";
+  gap.local_rank = "0";
+  expect_rejected(gap, "gpus[0] is cuda:5");
+}
+
+TEST_CASE("local ranks of any length within int are read, leading zeros included") {
+  gpukit::selection_policy policy;
+  auto s = three_gpus();
+  s.local_rank_variable = "LOCAL_RANK";
+  s.local_rank = "1234567890";  // 1234567890 % 3 == 0
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(0));
+  s.local_rank = "0000000001";
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(1));
+  s.local_rank = " 2147483647\n";  // 2147483647 % 3 == 1
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(1));
+  for (const char* too_big : {"2147483648", "99999999999", "000000000000000000000099999999999999999999"}) {
+    s.local_rank = too_big;
+    CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s),
+                         doctest::Contains(("LOCAL_RANK=\"" + std::string(too_big) + "\" is not a local rank").c_str()),
+                         gpukit::invalid_argument_error);
+  }
+}
+
+TEST_CASE("a malformed local rank is an error with or without GPUs, a valid one without GPUs is ignored") {
+  gpukit::selection_policy policy;
+  for (auto s : {three_gpus(), no_gpus()}) {
+    CAPTURE(s.gpus.size());
+    s.local_rank_variable = "OMPI_COMM_WORLD_LOCAL_RANK";
+    for (const char* bad : {"", " ", "-1", "one", "1.5", "1 2"}) {
+      CAPTURE(bad);
+      s.local_rank = bad;
+      CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s),
+                           doctest::Contains(("OMPI_COMM_WORLD_LOCAL_RANK=\"" + std::string(bad) + "\"").c_str()),
+                           gpukit::invalid_argument_error);
+    }
+  }
+  auto none = no_gpus();
+  none.local_rank_variable = "LOCAL_RANK";
+  none.local_rank = "7";
+  CHECK(gpukit::select_device(policy, none).device == gpukit::device::cpu());
+  SUBCASE("GPUKIT_DEVICE wins, so the rank is not read") {
+    auto s = three_gpus();
+    s.local_rank_variable = "LOCAL_RANK";
+    s.local_rank = "bad";
+    s.gpukit_device = "cuda:1";
+    CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(1));
+  }
+}
+
+TEST_CASE("GPUKIT_DEVICE edge values each have one documented outcome") {
+  gpukit::selection_policy policy;
+  auto s = three_gpus();
+  auto outcome = [&](const char* value) -> std::string {
+    s.gpukit_device = value;
+    try {
+      return gpukit::select_device(policy, s).device.to_string();
+    } catch (const gpukit::invalid_argument_error& e) {
+      return std::string("invalid_argument_error: ") + e.what();
+    }
+  };
+  CHECK(outcome("cuda:1\n") == "cuda:1");
+  CHECK(outcome("\tcpu\r\n") == "cpu");
+  CHECK(outcome("") == "cuda:0");    // empty: ignored, the policy decides
+  CHECK(outcome(" \n") == "cuda:0");  // whitespace only: ignored too
+  CHECK(outcome("cuda:-1") ==
+        "invalid_argument_error: GPUKIT_DEVICE=\"cuda:-1\" is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or "
+        "a GPU UUID (GPU-...)");
+  CHECK(outcome("cuda:99999999999").find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:99999999999\" names an "
+                                         "ordinal beyond every device, but only 3 devices visible") == 0);
+  CHECK(outcome("cuda:2147483647").find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:2147483647\" names "
+                                        "cuda:2147483647, but only 3 devices visible") == 0);
+  CHECK(outcome("cuda:3").find("names cuda:3, but only 3 devices visible") != std::string::npos);
+}
+
+TEST_CASE("a negative minimum compute capability means no requirement") {
+  gpukit::selection_policy policy;
+  policy.min_compute_capability = -1;
+  policy.require_gpu = true;
+  const auto selection = gpukit::select_device(policy, three_gpus());
+  CHECK(selection.device == gpukit::device::cuda(0));
+  for (const auto& c : selection.candidates) CHECK(c.eligible);
+}

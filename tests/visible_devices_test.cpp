@@ -22,7 +22,7 @@ struct visibility_case {
   const char* name;
   std::optional<std::string> value;  // nullopt: unset
   form expected_form;
-  std::vector<int> expected_indices;      // ordinal lists: physical indices in ordinal order
+  std::vector<long long> expected_indices;  // ordinal lists: physical indices in ordinal order
   std::vector<std::string> expected_uuids;  // UUID lists: resolved UUIDs in ordinal order
   std::optional<int> expected_count;
   const char* note_contains;  // "" when the note must be empty
@@ -51,6 +51,10 @@ const std::vector<visibility_case> cases = {
     {"empty entry truncates", std::string("0,,1"), form::ordinals, {0}, {}, 1, "Entry 2 (\"\")"},
     {"trailing comma truncates nothing valid", std::string("4,"), form::ordinals, {4}, {}, 1, "Entry 2"},
     {"huge number is out of range", std::string("99999999999999999999999"), form::ordinals, {}, {}, 0, "beyond"},
+    {"huge indices are not clamped into repeats", std::string("0,5000000000,1073741824"), form::ordinals, {0}, {}, 1,
+     "Entry 2 (\"5000000000\") is beyond"},
+    {"indices past 2^32 stay distinct", std::string("1,4294967297,4294967296"), form::ordinals, {1}, {}, 1,
+     "Entry 2 (\"4294967297\") is beyond"},
     {"uuid after ordinal truncates", std::string("0,GPU-7f000000"), form::ordinals, {0}, {}, 1, "Entry 2"},
     {"full uuid", std::string("GPU-7f000000-aaaa-bbbb-cccc-ddddeeeeffff"), form::gpu_uuids, {},
      {"GPU-7f000000-aaaa-bbbb-cccc-ddddeeeeffff"}, 1, ""},
@@ -81,7 +85,7 @@ TEST_CASE("CUDA_VISIBLE_DEVICES rules table") {
     CHECK(v.form == c.expected_form);
     CHECK(v.count() == c.expected_count);
     if (c.expected_form == form::ordinals) {
-      std::vector<int> indices;
+      std::vector<long long> indices;
       for (const auto& d : v.devices) indices.push_back(d.index);
       CHECK(indices == c.expected_indices);
     }
@@ -149,4 +153,18 @@ TEST_CASE("a changed CUDA_VISIBLE_DEVICES is reported once, and the value at ini
   CHECK(warnings.contains("CUDA reads it only once"));
   const auto in_effect = gpukit::visible_devices_in_effect();
   CHECK(in_effect.value == (at_init.set ? at_init.value : std::string()));
+}
+
+TEST_CASE("CUDA_VISIBLE_DEVICES indices are read without clamping and described as written") {
+  const auto v = gpukit::parse_visible_devices("0,5000000000,1073741824");
+  CHECK_FALSE(v.verified);
+  REQUIRE(v.devices.size() == 3);
+  CHECK(v.devices[1].index == 5000000000LL);
+  CHECK(v.devices[2].index == 1073741824LL);
+  CHECK(v.describe().find("index 0 as cuda:0, index 5000000000 as cuda:1, index 1073741824 as cuda:2.") !=
+        std::string::npos);
+  // Beyond 64 bits the value saturates (strtoul does too); the description shows the entry as written.
+  const auto huge = gpukit::parse_visible_devices("99999999999999999999999");
+  REQUIRE(huge.devices.size() == 1);
+  CHECK(huge.describe().find("index 99999999999999999999999 as cuda:0") != std::string::npos);
 }

@@ -10,9 +10,21 @@
 #include <gpukit/detail/config.hpp>
 
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 
 GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+/// count x sizeof(T), or SIZE_MAX when that overflows: a span that large describes no real memory, and SIZE_MAX
+/// fails every later size check instead of passing a wrapped, small byte count on (copy_async rejects such spans
+/// with a message naming the count and element size).
+template <class T>
+constexpr std::size_t saturating_bytes(std::size_t count) noexcept {
+  return count > std::numeric_limits<std::size_t>::max() / sizeof(T) ? std::numeric_limits<std::size_t>::max()
+                                                                     : count * sizeof(T);
+}
+}  // namespace detail
 
 template <class T>
 class span {
@@ -41,7 +53,7 @@ class span {
 
   constexpr T* data() const noexcept { return data_; }
   constexpr std::size_t size() const noexcept { return size_; }
-  constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
   constexpr bool empty() const noexcept { return size_ == 0; }
   constexpr T* begin() const noexcept { return data_; }
   constexpr T* end() const noexcept { return data_ + size_; }

@@ -395,3 +395,42 @@ TEST_CASE("to_device and to_host: a buffer holding a copy, and a vector once the
         std::vector<std::uint32_t>{4, 5, 6});
   CHECK(gpukit::to_host(gpukit::to_device(std::vector<std::uint32_t>{}, s)).empty());
 }
+
+TEST_CASE("bad input: an element count whose byte size overflows size_t") {
+  auto pool = gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu));
+  engine_type engine(pool, small_options());
+  gpukit::stream s(cpu);
+  std::vector<std::uint32_t> source(4, 7);
+  std::vector<std::uint32_t> destination(4, 0);
+  // 2^62 + 1 elements of 4 bytes: 2^64 + 4 bytes, which wraps to 4 in size_t.
+  const std::size_t count = (std::size_t{1} << 62) + 1;
+  const std::string message = invalid_argument_message([&] {
+    gpukit::copy_async(gpukit::device_span<std::uint32_t>(destination.data(), count, cpu),
+                       gpukit::host_span<const std::uint32_t>(source.data(), count), s, engine);
+  });
+  CHECK(message.find("gpukit::copy_async: " + std::to_string(count) + " elements of 4 bytes") == 0);
+  CHECK(message.find("overflows") != std::string::npos);
+  s.synchronize();
+  CHECK(engine.copier().calls().empty());
+  CHECK(destination == std::vector<std::uint32_t>(4, 0));
+  // The located spans' byte sizes saturate instead of wrapping to 4.
+  CHECK(gpukit::host_span<std::uint32_t>(nullptr, count).size_bytes() == SIZE_MAX);
+  CHECK(gpukit::pinned_span<std::uint32_t>(nullptr, count).size_bytes() == SIZE_MAX);
+  CHECK(gpukit::device_span<std::uint32_t>(nullptr, count, cpu).size_bytes() == SIZE_MAX);
+  CHECK(gpukit::device_span<std::uint32_t>(nullptr, 3, cpu).size_bytes() == 12);
+}
+
+TEST_CASE("bad input: a range that runs past the end of the address space") {
+  gpukit::stream s(cpu);
+  std::vector<std::uint32_t> source(4, 7);
+  std::vector<std::uint32_t> destination(4, 0);
+  // (2^64 - 4) bytes: representable, but no range of that size fits above a real address.
+  const std::size_t count = (std::size_t{1} << 62) - 1;
+  const std::string message = invalid_argument_message([&] {
+    gpukit::copy_async(gpukit::device_span<std::uint32_t>(destination.data(), count, cpu),
+                       gpukit::pinned_span<const std::uint32_t>(source.data(), count), s);
+  });
+  CHECK(message.find("runs past the end of the address space") != std::string::npos);
+  s.synchronize();
+  CHECK(destination == std::vector<std::uint32_t>(4, 0));
+}

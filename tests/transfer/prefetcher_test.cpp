@@ -228,3 +228,19 @@ TEST_CASE("the consumer stream waits for the batch's copy on the device, not the
   batch.reset();
   loader.reset();
 }
+
+TEST_CASE("a producer that calls next() gets an error instead of a deadlock, rethrown by the consumer's next()") {
+  gpukit::stream s(cpu);
+  gate loader_built;
+  gpukit::prefetcher<std::uint32_t>* self = nullptr;
+  gpukit::prefetcher<std::uint32_t> loader(s, 3000, [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+    loader_built.wait();  // `self` is set before the gate opens
+    if (i == 0) (void)self->next();  // waits for the batch this very call should produce
+    return fill(i, out, 10);
+  });
+  self = &loader;
+  loader_built.open();
+  CHECK_THROWS_WITH_AS(loader.next(),
+                       doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
+                       gpukit::invalid_argument_error);
+}

@@ -10,11 +10,13 @@ namespace gpukit_visibility {
 
 inline constexpr const char* singleton_names[] = {
     "detail::warnings()",
+    "detail::warning_handler_running_on_this_thread() (this thread's)",
     "detail::cuda_environment_at_init()",
     "detail::visible_devices_warned()",
     "detail::device_properties_cache()",
     "nvml::instance()",
     "detail::current_streams() (this thread's)",
+    "detail::inline_host_functions_of_this_thread() (this thread's)",
     "detail::default_stream_pools()",
     "default_stream_pool(cpu)",
     "detail::default_allocators()",
@@ -38,11 +40,13 @@ singleton_addresses collect_singleton_addresses() {
   const auto cpu = gpukit::device::cpu();
   return singleton_addresses{{
       &gpukit::detail::warnings(),
+      &gpukit::detail::warning_handler_running_on_this_thread(),
       &gpukit::detail::cuda_environment_at_init(),
       &gpukit::detail::visible_devices_warned(),
       &gpukit::detail::device_properties_cache(),
       &gpukit::nvml::instance(),
       &gpukit::detail::current_streams(),
+      &gpukit::detail::inline_host_functions_of_this_thread(),
       &gpukit::detail::default_stream_pools(),
       &gpukit::default_stream_pool(cpu),
       &gpukit::detail::default_allocators(),

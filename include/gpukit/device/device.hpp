@@ -17,11 +17,38 @@
 #include <functional>
 #include <iosfwd>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
 
 GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// `s` without the whitespace around it (what isspace accepts in the C locale).
+inline std::string_view trim_whitespace(std::string_view s) noexcept {
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+/// The value of a non-empty string of decimal digits, saturated at ULLONG_MAX (so "too big" stays too big for any
+/// range check, whatever its length); nullopt if `digits` is empty or holds anything but 0-9.
+inline std::optional<unsigned long long> parse_decimal_saturating(std::string_view digits) noexcept {
+  if (digits.empty()) return std::nullopt;
+  constexpr unsigned long long max = std::numeric_limits<unsigned long long>::max();
+  unsigned long long value = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return std::nullopt;
+    const auto digit = static_cast<unsigned long long>(c - '0');
+    value = value > (max - digit) / 10 ? max : value * 10 + digit;
+  }
+  return value;
+}
+
+}  // namespace detail
 
 /// Names where memory lives and work runs: the host CPU, or a CUDA device by its ordinal among the visible devices
 /// (after CUDA_VISIBLE_DEVICES). A plain value: cheap to copy, comparable, hashable, printable as "cpu"/"cuda:N".
@@ -45,30 +72,25 @@ class device {
     return device(kind::cuda, ordinal);
   }
 
-  /// Parses "cpu", "cuda" (meaning cuda:0) or "cuda:N"; surrounding whitespace is ignored, nothing else is
-  /// accepted. Throws invalid_argument_error naming the text otherwise.
+  /// Parses "cpu", "cuda" (meaning cuda:0) or "cuda:N" with N a decimal ordinal up to INT_MAX (leading zeros
+  /// allowed); surrounding whitespace (spaces, tabs, newlines, \r, \f, \v) is ignored, nothing else is accepted.
+  /// Throws invalid_argument_error naming the text otherwise, including for an ordinal beyond INT_MAX.
   static device parse(std::string_view text) {
     const std::string_view original = text;
-    while (!text.empty() && (text.front() == ' ' || text.front() == '\t')) text.remove_prefix(1);
-    while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.remove_suffix(1);
+    text = detail::trim_whitespace(text);
     if (text == "cpu") return cpu();
     if (text == "cuda") return cuda(0);
     constexpr std::string_view prefix = "cuda:";
+    const char* why = "expected \"cpu\", \"cuda\" or \"cuda:N\" with N a non-negative integer";
     if (text.size() > prefix.size() && text.substr(0, prefix.size()) == prefix) {
-      long long ordinal = 0;
-      bool digits_only = true;
-      for (char c : text.substr(prefix.size())) {
-        if (c < '0' || c > '9') {
-          digits_only = false;
-          break;
+      if (const auto ordinal = detail::parse_decimal_saturating(text.substr(prefix.size()))) {
+        if (*ordinal <= static_cast<unsigned long long>(std::numeric_limits<int>::max())) {
+          return cuda(static_cast<int>(*ordinal));
         }
-        ordinal = ordinal * 10 + (c - '0');
-        if (ordinal > 1'000'000) break;  // far beyond any real ordinal; avoids overflow
+        why = "the ordinal is beyond any device (cuda:N takes N up to 2147483647)";
       }
-      if (digits_only && ordinal <= 1'000'000) return cuda(static_cast<int>(ordinal));
     }
-    throw invalid_argument_error("invalid device \"" + std::string(original) +
-                                 "\": expected \"cpu\", \"cuda\" or \"cuda:N\" with N a non-negative integer");
+    throw invalid_argument_error("invalid device \"" + std::string(original) + "\": " + why);
   }
 
   constexpr kind type() const noexcept { return kind_; }

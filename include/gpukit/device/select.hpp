@@ -4,10 +4,17 @@
 
 /// \file
 /// Device auto-selection, so the same program runs on a laptop, in CI and on a GPU node. Precedence:
-///  1. GPUKIT_DEVICE in the environment ("cpu", "cuda", "cuda:N" or a GPU UUID / unique UUID prefix): always wins;
+///  1. GPUKIT_DEVICE in the environment ("cpu", "cuda", "cuda:N" or a GPU UUID / unique UUID prefix): always wins.
+///     Surrounding whitespace is ignored; an empty or all-whitespace value counts as unset. Anything else that is
+///     not one of those forms ("cuda:-1", "gpu0"), or that names no visible device ("cuda:99999999999"), is an
+///     invalid_argument_error naming the value (a CUDA device asked for where there is no GPU: no_device_error);
 ///  2. the launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID, first set
 ///     wins), mapped onto the visible devices as rank % device_count, so every rank of a node gets a distinct GPU
-///     when there are enough; the mapped device must satisfy the policy's requirements or selection fails;
+///     when there are enough; the mapped device must satisfy the policy's requirements or selection fails. The
+///     value must be a decimal integer in [0, 2147483647] (leading zeros and surrounding whitespace allowed), else
+///     select_device throws invalid_argument_error naming the variable and value — with or without a GPU, so a bad
+///     value shows on a laptop too. Without a GPU a valid rank is ignored (the CPU is used). Not read when
+///     GPUKIT_DEVICE decides, nor with use_environment = false;
 ///  3. the policy: devices meeting its requirements (minimum compute capability, minimum free memory), ranked by its
 ///     preference (first, most free memory, least utilised);
 ///  4. the CPU — unless the policy requires a GPU, then no_device_error listing every device and why it was rejected.
@@ -26,6 +33,7 @@
 
 #include <cstddef>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,7 +51,7 @@ enum class device_preference {
 struct selection_policy {
   device_preference prefer = device_preference::first;
   std::size_t min_free_bytes = 0;    ///< reject devices with less free memory than this
-  int min_compute_capability = 0;    ///< reject devices below this, as major*10+minor (80 = sm_80)
+  int min_compute_capability = 0;    ///< reject devices below this, as major*10+minor (80 = sm_80); 0 or less: none
   bool require_gpu = false;          ///< fail instead of falling back to the CPU
   bool use_environment = true;       ///< honour GPUKIT_DEVICE and the launcher's local rank
   bool allow_context_probe = false;  ///< without NVML, read free memory with cudaMemGetInfo (creates contexts)
@@ -62,7 +70,8 @@ struct gpu_snapshot {
 };
 
 /// Everything selection depends on, gathered once. take_system_snapshot() reads it from the machine; tests and
-/// simulations build one by hand.
+/// simulations build one by hand: gpus[i].device must be cuda:i (select_device checks, and throws
+/// invalid_argument_error otherwise).
 struct system_snapshot {
   std::vector<gpu_snapshot> gpus;            ///< the visible CUDA devices, by ordinal
   std::string no_gpu_reason;                 ///< when gpus is empty: why, in one plain sentence
@@ -149,6 +158,15 @@ inline device resolve_override(const std::string& raw, const system_snapshot& sy
   try {
     d = device::parse(text);
   } catch (const invalid_argument_error&) {
+    // "cuda:" and digits that do not fit an int: a well-formed request for a device that cannot exist.
+    if (starts_with(text, "cuda:") && parse_decimal_saturating(std::string_view(text).substr(5))) {
+      if (system.gpus.empty()) {
+        throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
+      }
+      throw invalid_argument_error(what + " names an ordinal beyond every device, but only " +
+                                   describe_gpu_list(system) + " (" +
+                                   describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
+    }
     throw invalid_argument_error(what +
                                  " is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
   }
@@ -162,27 +180,35 @@ inline device resolve_override(const std::string& raw, const system_snapshot& sy
   return d;
 }
 
+/// The launcher's local rank: decimal digits (any number of them, leading zeros included) for a value in
+/// [0, INT_MAX], whitespace around ignored. Throws invalid_argument_error naming the variable and value otherwise.
 inline int parse_local_rank(const system_snapshot& system) {
-  const std::string text(trim_whitespace(*system.local_rank));
-  long long value = 0;
-  bool ok = !text.empty() && text.size() <= 9;
-  for (char c : text) {
-    ok = ok && c >= '0' && c <= '9';
-    if (ok) value = value * 10 + (c - '0');
-  }
-  if (!ok) {
+  const auto value = parse_decimal_saturating(trim_whitespace(*system.local_rank));
+  if (!value || *value > static_cast<unsigned long long>(std::numeric_limits<int>::max())) {
     throw invalid_argument_error(system.local_rank_variable + "=\"" + *system.local_rank +
-                                 "\" is not a local rank (a non-negative integer)");
+                                 "\" is not a local rank (a non-negative integer up to 2147483647)");
   }
-  return static_cast<int>(value);
+  return static_cast<int>(*value);
+}
+
+/// Throws invalid_argument_error unless gpus[i].device is cuda:i for every i (selection indexes by ordinal).
+inline void check_snapshot(const system_snapshot& system) {
+  for (std::size_t i = 0; i < system.gpus.size(); ++i) {
+    const device d = system.gpus[i].device;
+    if (d.is_cuda() && static_cast<std::size_t>(d.ordinal()) == i) continue;
+    throw invalid_argument_error("select_device: system_snapshot::gpus[" + std::to_string(i) + "] is " +
+                                 d.to_string() + "; gpus[i] must be cuda:i (the visible devices in ordinal order)");
+  }
 }
 
 }  // namespace detail
 
 /// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
-/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, or an
-/// override naming no visible device; no_device_error when a GPU is required and none qualifies.
+/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
+/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
+/// required and none qualifies.
 inline device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
+  detail::check_snapshot(system);
   device_selection selection;
   for (const auto& g : system.gpus) {
     candidate_verdict v{g.device, g.name, false, detail::rejection_reason(g, policy)};
@@ -210,13 +236,14 @@ inline device_selection select_device(const selection_policy& policy, const syst
     return selection;
   }
 
-  // 2. The launcher's local rank.
-  if (policy.use_environment && system.local_rank && !system.gpus.empty()) {
-    const int rank = detail::parse_local_rank(system);
+  // 2. The launcher's local rank: validated with or without GPUs, used only with them.
+  const std::optional<int> rank =
+      policy.use_environment && system.local_rank ? std::optional<int>(detail::parse_local_rank(system)) : std::nullopt;
+  if (rank && !system.gpus.empty()) {
     const int count = static_cast<int>(system.gpus.size());
-    const int ordinal = rank % count;
+    const int ordinal = *rank % count;
     const auto& verdict = selection.candidates[static_cast<std::size_t>(ordinal)];
-    const std::string mapping = system.local_rank_variable + "=" + std::to_string(rank) + " maps to cuda:" +
+    const std::string mapping = system.local_rank_variable + "=" + std::to_string(*rank) + " maps to cuda:" +
                                 std::to_string(ordinal) + " (rank % " + std::to_string(count) + " visible)";
     if (!verdict.eligible) {
       throw no_device_error(mapping + ", which does not satisfy the policy: " + verdict.note +
@@ -225,7 +252,7 @@ inline device_selection select_device(const selection_policy& policy, const syst
     selection.device = device::cuda(ordinal);
     selection.source = device_selection::decided_by::local_rank;
     selection.reason = mapping;
-    if (rank >= count) selection.reason += "; more ranks than devices, so ranks share devices";
+    if (*rank >= count) selection.reason += "; more ranks than devices, so ranks share devices";
     return selection;
   }
 

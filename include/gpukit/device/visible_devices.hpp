@@ -8,8 +8,10 @@
 /// - unset: every installed device; empty: none;
 /// - a comma-separated list; the first entry decides its form: integers, `GPU-<uuid>` (full or a unique prefix) or
 ///   MIG (`MIG-<uuid>` or `MIG-GPU-<uuid>/<gi>/<ci>`, of which CUDA enumerates only the first);
-/// - integers are read like strtoul after trimming whitespace (`1gpu2` is 1); an entry that is not a non-negative
-///   integer (`-1`, `NoDevFiles`, `abc`, an empty entry) ends the list; so does an index beyond the installed count;
+/// - integers are read like strtoul after trimming whitespace (`1gpu2` is 1), at any size (never clamped, so
+///   `0,5000000000,1073741824` is three distinct indices and the list ends at the second); an entry that is not a
+///   non-negative integer (`-1`, `NoDevFiles`, `abc`, an empty entry) ends the list; so does an index beyond the
+///   installed count;
 /// - a UUID list ends at its first entry that is not a UUID, that matches no device, or whose prefix is ambiguous;
 /// - a repeated device empties the whole set;
 /// - the order of the list defines the ordinals: `2,1` makes physical device 2 `cuda:0`.
@@ -21,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -37,9 +40,10 @@ struct installed_gpus {
 
 /// One device the runtime will make visible, in CUDA ordinal order.
 struct visible_device_entry {
-  std::string entry;  ///< the list entry as written, whitespace trimmed
-  int index = -1;     ///< integer lists: the index of the installed device (CUDA enumeration order); else -1
-  std::string uuid;   ///< UUID lists: the full UUID it resolved to, when the installed UUIDs are known
+  std::string entry;     ///< the list entry as written, whitespace trimmed
+  long long index = -1;  ///< integer lists: the index of the installed device (CUDA enumeration order), never
+                         ///< clamped (LLONG_MAX for larger values; describe() shows those as written); else -1
+  std::string uuid;      ///< UUID lists: the full UUID it resolved to, when the installed UUIDs are known
 };
 
 /// The outcome of interpreting CUDA_VISIBLE_DEVICES.
@@ -82,7 +86,8 @@ struct visible_devices {
       if (i) text += ", ";
       const auto& d = devices[i];
       if (form == list_form::ordinals) {
-        text += "index " + std::to_string(d.index);
+        // A saturated index is shown as written, not as the saturated number.
+        text += "index " + (d.index == std::numeric_limits<long long>::max() ? d.entry : std::to_string(d.index));
       } else {
         text += d.uuid.empty() ? d.entry : d.uuid;
       }
@@ -99,13 +104,6 @@ struct visible_devices {
 
 namespace detail {
 
-inline std::string_view trim_whitespace(std::string_view s) {
-  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
-  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
-  return s;
-}
-
 inline std::vector<std::string_view> split_commas(std::string_view s) {
   std::vector<std::string_view> parts;
   std::size_t start = 0;
@@ -118,9 +116,10 @@ inline std::vector<std::string_view> split_commas(std::string_view s) {
   return parts;
 }
 
-/// Reads an entry the way strtoul does: an optional sign, then decimal digits; anything after the digits is
-/// ignored. Returns -1 for "no digits" or a negative value, a huge value (never a valid index) on overflow.
-inline long long read_ordinal_like_strtoul(std::string_view entry) {
+/// Reads an entry the way strtoul does (64-bit unsigned long): an optional sign, then decimal digits; anything after
+/// the digits is ignored; a value beyond ULLONG_MAX saturates there, as strtoul's does. Returns nullopt for "no
+/// digits" or a negative value. Never clamped to a smaller bound, so distinct large indices stay distinct.
+inline std::optional<unsigned long long> read_ordinal_like_strtoul(std::string_view entry) {
   std::size_t i = 0;
   bool negative = false;
   if (i < entry.size() && (entry[i] == '+' || entry[i] == '-')) {
@@ -128,14 +127,17 @@ inline long long read_ordinal_like_strtoul(std::string_view entry) {
     ++i;
   }
   const std::size_t first_digit = i;
-  long long value = 0;
-  while (i < entry.size() && entry[i] >= '0' && entry[i] <= '9') {
-    if (value < (1LL << 40)) value = value * 10 + (entry[i] - '0');
-    ++i;
-  }
-  if (i == first_digit) return -1;
-  if (negative) return value == 0 ? 0 : -1;
+  while (i < entry.size() && entry[i] >= '0' && entry[i] <= '9') ++i;
+  const auto value = parse_decimal_saturating(entry.substr(first_digit, i - first_digit));
+  if (!value || (negative && *value != 0)) return std::nullopt;
   return value;
+}
+
+/// A device index for visible_device_entry::index: the value, or LLONG_MAX beyond it (describe() then shows the
+/// entry as written).
+inline long long index_for_entry(unsigned long long value) noexcept {
+  constexpr auto max = static_cast<unsigned long long>(std::numeric_limits<long long>::max());
+  return static_cast<long long>(value < max ? value : max);
 }
 
 inline bool starts_with(std::string_view s, std::string_view prefix) {
@@ -233,16 +235,18 @@ inline visible_devices parse_visible_devices(const char* value, const installed_
 
   // Integers. First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
   result.form = visible_devices::list_form::ordinals;
+  std::vector<unsigned long long> values;  // as strtoul read them: repeats compare these
   for (std::size_t i = 0; i < entries.size(); ++i) {
-    const long long index = detail::read_ordinal_like_strtoul(entries[i]);
-    if (index < 0) {
+    const auto index = detail::read_ordinal_like_strtoul(entries[i]);
+    if (!index) {
       result.note = detail::quoted_entry(i, entries[i]) + " is not a non-negative integer, so the list ends before it.";
       break;
     }
-    for (const auto& d : result.devices) {
-      if (d.index == index) return empty_set(i, entries[i], "an index");
+    for (unsigned long long earlier : values) {
+      if (earlier == *index) return empty_set(i, entries[i], "an index");
     }
-    result.devices.push_back({std::string(entries[i]), static_cast<int>(index < (1LL << 30) ? index : (1LL << 30)), {}});
+    values.push_back(*index);
+    result.devices.push_back({std::string(entries[i]), detail::index_for_entry(*index), {}});
   }
   // Second pass: an index beyond the installed devices ends the list there.
   if (installed.count >= 0) {

@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -76,10 +77,11 @@ class host_registration {
     registered_ = true;
   }
 
-  /// Registers the memory of a span of trivially copyable elements.
+  /// Registers the memory of a span of trivially copyable elements. A count whose byte size overflows throws
+  /// invalid_argument_error.
   template <class T>
   host_registration(gpukit::span<T> s, gpukit::device d, registration_flags flags = {})
-      : host_registration(const_cast<void*>(static_cast<const void*>(s.data())), s.size_bytes(), d, flags) {}
+      : host_registration(const_cast<void*>(static_cast<const void*>(s.data())), span_bytes(s), d, flags) {}
 
   host_registration(host_registration&& other) noexcept { take(other); }
   host_registration& operator=(host_registration&& other) noexcept {
@@ -108,6 +110,15 @@ class host_registration {
   }
 
  private:
+  template <class T>
+  static std::size_t span_bytes(gpukit::span<T> s) {
+    if (s.size() > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
+      throw invalid_argument_error("gpukit::host_registration: " + std::to_string(s.size()) + " elements of " +
+                                   std::to_string(sizeof(T)) + " bytes overflow size_t");
+    }
+    return s.size_bytes();
+  }
+
   void take(host_registration& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);

@@ -51,10 +51,10 @@ class host_task {
   std::unique_ptr<concept_base> callable_;
 };
 
-/// Runs a host function, turning an escaping exception into a warning: a stream cannot deliver it to anyone (CUDA
+/// Calls a host function, turning an escaping exception into a warning: a stream cannot deliver it to anyone (CUDA
 /// host functions cannot either), and the queue must go on.
 template <class F>
-void run_host_function(F& function) noexcept {
+void call_reporting_exceptions(F& function) noexcept {
   try {
     function();
   } catch (const std::exception& e) {
@@ -62,6 +62,50 @@ void run_host_function(F& function) noexcept {
   } catch (...) {
     warn("a host function enqueued on a stream threw a non-standard exception, and was abandoned");
   }
+}
+
+/// Per thread: whether a host function runs inline on it now (the CPU default stream's, or a CUDA host function's
+/// trampoline), and the host functions enqueued inline from inside it, which run after it returns.
+struct inline_host_functions {
+  bool running = false;
+  std::deque<host_task> deferred;
+};
+GPUKIT_EXPORT inline inline_host_functions& inline_host_functions_of_this_thread() {
+  thread_local inline_host_functions state;
+  return state;
+}
+
+/// Runs a host function inline, on the calling thread (the CPU default stream, CUDA host-function trampolines),
+/// reporting an escaping exception through gpukit::warn.
+///
+/// One enqueued from inside another one running inline on this thread does not run nested: it runs after the
+/// enclosing one returns, in enqueue order, before the outermost call returns. That is the stream order (work
+/// enqueued by a host function comes after it), and it runs a chain of host functions that enqueue each other, any
+/// number deep, iteratively instead of exhausting the stack. (A task of a CPU stream's worker is not inline: the CPU
+/// default stream still runs work at once inside it.)
+template <class F>
+void run_host_function(F& function) noexcept {
+  inline_host_functions& state = inline_host_functions_of_this_thread();
+  if (state.running) {
+    if constexpr (std::is_move_constructible<F>::value) {
+      try {
+        state.deferred.emplace_back(host_task(std::move(function)));
+        return;
+      } catch (...) {
+        // Out of memory for the deferred task: run it nested, as before (it is not lost).
+      }
+    }
+    call_reporting_exceptions(function);
+    return;
+  }
+  state.running = true;
+  call_reporting_exceptions(function);
+  while (!state.deferred.empty()) {
+    host_task next = std::move(state.deferred.front());
+    state.deferred.pop_front();
+    call_reporting_exceptions(next);
+  }
+  state.running = false;
 }
 
 /// Completion of one recorded point in a CPU queue: done once every task enqueued before it has finished.
@@ -172,7 +216,7 @@ class cpu_queue {
       host_task task = std::move(tasks_.front());
       tasks_.pop_front();
       lock.unlock();
-      run_host_function(task);
+      call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
       task = host_task();  // release what the task owns before it counts as finished
       lock.lock();
       finished_.fetch_add(1, std::memory_order_release);

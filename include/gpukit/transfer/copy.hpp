@@ -23,6 +23,8 @@
 ///
 /// Checks, before anything is enqueued (each throws invalid_argument_error; nothing is left in a ring):
 /// - sizes differ (element counts; element types must match at compile time);
+/// - the byte count (elements x element size) overflows size_t, or a range runs past the end of the address space
+///   (a span is only a pointer and a count; the message names the count and the element size);
 /// - a null pointer with a non-zero size;
 /// - overlapping source and destination ranges;
 /// - a device span of another device than the stream's (device to device: one side must be the stream's device,
@@ -45,6 +47,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -86,9 +89,23 @@ inline std::string describe_side(const char* role, const copy_side& side, std::s
 /// The runtime checks of copy_async (see the file comment); returns whether host memory on the host side is
 /// page-locked (so one DMA suffices).
 inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd) {
+  // A span is only a pointer and a count: a count whose byte size does not fit size_t would wrap to a small copy.
+  if (dst.count > std::numeric_limits<std::size_t>::max() / element_size) {
+    copy_misuse(std::to_string(dst.count) + " elements of " + std::to_string(element_size) +
+                " bytes: the byte count overflows size_t (at most " +
+                std::to_string(std::numeric_limits<std::size_t>::max() / element_size) + " elements)");
+  }
   const std::size_t bytes = dst.count * element_size;
   if (dst.data == nullptr) copy_misuse(describe_side("the destination", dst, element_size) + " is a null pointer");
   if (src.data == nullptr) copy_misuse(describe_side("the source", src, element_size) + " is a null pointer");
+  for (const copy_side* side : {&dst, &src}) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(side->data);
+    if (bytes - 1 > std::numeric_limits<std::uintptr_t>::max() - begin) {
+      copy_misuse(describe_side(side == &dst ? "the destination" : "the source", *side, element_size) +
+                  " runs past the end of the address space (" + std::to_string(bytes) + " bytes at " +
+                  std::to_string(begin) + ")");
+    }
+  }
   const auto d0 = reinterpret_cast<std::uintptr_t>(dst.data);
   const auto s0 = reinterpret_cast<std::uintptr_t>(src.data);
   if (d0 < s0 + bytes && s0 < d0 + bytes) {

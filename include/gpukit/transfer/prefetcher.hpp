@@ -24,7 +24,9 @@
 /// With `depth` device buffers, batches are prepared while earlier ones are in use: batch N uses buffer N % depth,
 /// so it can be prepared once batch N − depth has been released. next() throws instead of deadlocking when that
 /// batch is still held. Batches come in index order. An exception thrown by the callback is rethrown by next() once
-/// the batches before it have been handed out. Works unchanged on the CPU device.
+/// the batches before it have been handed out. The callback must not call next() on its own prefetcher: that call
+/// throws invalid_argument_error (it would wait for itself), which reaches the consumer the same way. Works unchanged
+/// on the CPU device.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
@@ -109,6 +111,7 @@ class prefetcher {
     bool finished = false;  // the producer returned 0 (or failed) after `produced` batches
     bool stopping = false;
     std::exception_ptr failure;
+    std::thread::id producer_thread;  // set by the worker before it calls the producer
   };
 
  public:
@@ -191,9 +194,16 @@ class prefetcher {
   /// The next batch in index order, or nullopt at the end of the data. Blocks the host only until the batch has
   /// been produced and its copy enqueued; the consumer stream waits for the copy on the device. Rethrows the
   /// producer's exception at the point where it happened. Throws invalid_argument_error if batch index − depth,
-  /// whose buffer the next batch needs, is still held.
+  /// whose buffer the next batch needs, is still held, and if called from the producer callback (it would wait for
+  /// the batch that very callback is producing): unless the producer catches it, that error ends the data and the
+  /// consumer's next() rethrows it, like any producer exception.
   std::optional<batch> next() {
     std::unique_lock<std::mutex> lock(state_->mutex);
+    if (std::this_thread::get_id() == state_->producer_thread) {
+      throw invalid_argument_error(
+          "gpukit::prefetcher::next: called from the producer callback, on the prefetcher's own thread; it would wait "
+          "forever for the batch being produced (batch " + std::to_string(state_->produced) + ")");
+    }
     const std::size_t index = state_->next_to_hand;
     const std::size_t depth = state_->slots.size();
     slot& sl = *state_->slots[index % depth];
@@ -227,6 +237,10 @@ class prefetcher {
 
  private:
   static void run(state& st) {
+    {
+      std::lock_guard<std::mutex> lock(st.mutex);
+      st.producer_thread = std::this_thread::get_id();
+    }
     // A new thread's current device is cuda:0, without a context: work on the consumer's device, whose context the
     // constructor's allocations created, so this thread's CUDA calls never create cuda:0's.
     try {

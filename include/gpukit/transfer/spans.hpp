@@ -23,6 +23,7 @@
 
 #include <array>
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -37,6 +38,7 @@ enum class memory_location : unsigned char {
 };
 
 namespace detail {
+
 template <class From, class To>
 using is_element_convertible = std::is_convertible<From (*)[], To (*)[]>;
 
@@ -79,7 +81,7 @@ class host_span {
 
   constexpr T* data() const noexcept { return data_; }
   constexpr std::size_t size() const noexcept { return size_; }
-  constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
   constexpr bool empty() const noexcept { return size_ == 0; }
   constexpr T* begin() const noexcept { return data_; }
   constexpr T* end() const noexcept { return data_ + size_; }
@@ -128,7 +130,7 @@ class pinned_span {
 
   constexpr T* data() const noexcept { return data_; }
   constexpr std::size_t size() const noexcept { return size_; }
-  constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
   constexpr bool empty() const noexcept { return size_ == 0; }
   constexpr T* begin() const noexcept { return data_; }
   constexpr T* end() const noexcept { return data_ + size_; }
@@ -170,7 +172,7 @@ class device_span {
 
   T* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
-  std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
   bool empty() const noexcept { return size_ == 0; }
   gpukit::device device() const noexcept { return device_; }
   device_span subspan(std::size_t offset, std::size_t count) const noexcept {
