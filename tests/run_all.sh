@@ -34,10 +34,12 @@ run_config() {
   (cd "$dir" && ctest --output-on-failure -j "$jobs" $extra_ctest)
 }
 
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:suppressions=$root/tests/sanitizers/asan.supp"
+# allocator_may_return_null=1: the host out-of-memory tests ask for 1 PiB; without it the sanitizers' allocators abort
+# instead of failing the allocation, so gpukit's out_of_memory_error path would never run under them (issue 12).
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:allocator_may_return_null=1:suppressions=$root/tests/sanitizers/asan.supp"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$root/tests/sanitizers/tsan.supp"
 
 for config in $configs; do
   case "$config" in

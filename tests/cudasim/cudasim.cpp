@@ -267,12 +267,20 @@ struct call {
     }
     auto it = s.faults.find(function);
     if (it != s.faults.end()) {
-      for (auto f = it->second.begin(); f != it->second.end(); ++f) {
-        if (--f->first == 0) {
+      // Every queued fault counts this call; the first that comes due fires, one due at the same call waits for
+      // the next.
+      bool fired = false;
+      for (auto f = it->second.begin(); f != it->second.end();) {
+        if (--f->first > 0) {
+          ++f;
+        } else if (fired) {
+          f->first = 1;
+          ++f;
+        } else {
+          fired = true;
           early = f->second;
-          it->second.erase(f);
+          f = it->second.erase(f);
           if (is_sticky(early)) s.sticky = early;
-          break;
         }
       }
     }

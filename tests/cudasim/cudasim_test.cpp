@@ -380,6 +380,23 @@ TEST_CASE("cudasim: pointers are classified, copies are checked against them, an
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: queued failures of one function each fire at their own call") {
+  cudasim::fail_call("cudaMalloc", 3, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMalloc", 1, cudaErrorInvalidValue);
+  cudasim::fail_call("cudaMalloc", 1, cudaErrorUnknown);  // due at the same call as the one before: fires next
+  std::vector<cudaError_t> results;
+  std::vector<void*> allocated;
+  for (int i = 0; i < 4; ++i) {
+    void* p = nullptr;
+    results.push_back(cudaMalloc(&p, 64));
+    if (p != nullptr) allocated.push_back(p);
+    (void)cudaGetLastError();
+  }
+  CHECK(results == std::vector<cudaError_t>{cudaErrorInvalidValue, cudaErrorUnknown, cudaErrorMemoryAllocation,
+                                            cudaSuccess});
+  for (void* p : allocated) CHECK(cudaFree(p) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: injected failures, and a sticky error stays until cleared") {
   cudasim::fail_call("cudaMalloc", 2, cudaErrorMemoryAllocation);
   void* a = nullptr;

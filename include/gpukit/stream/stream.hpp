@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,15 @@
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+/// Callables that can be empty (a null function pointer, an empty std::function): enqueueing one is refused at once
+/// rather than failing later on the stream's thread.
+template <class F>
+struct may_be_empty : std::is_pointer<F> {};
+template <class Signature>
+struct may_be_empty<std::function<Signature>> : std::true_type {};
+}  // namespace detail
 
 class stream;
 
@@ -307,10 +317,15 @@ class stream_view {
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
   /// (cudaLaunchHostFunc on CUDA). It must not call CUDA or synchronize this stream. An exception escaping it is
-  /// reported through gpukit::warn. The callable is moved to the heap until it runs.
+  /// reported through gpukit::warn. The callable is moved to the heap until it runs. An empty callable (a null
+  /// function pointer, an empty std::function) throws invalid_argument_error at once. On the CPU default stream,
+  /// which runs work at once, a host function enqueued from inside a running one runs after it returns.
   template <class F>
   void enqueue_host(F&& function) const {
     using callable = std::decay_t<F>;
+    if constexpr (detail::may_be_empty<callable>::value) {
+      if (!function) throw invalid_argument_error("gpukit::stream_view::enqueue_host: the function is empty");
+    }
     if (is_cpu()) {
       if (cpu_ != nullptr) {
         cpu_->enqueue(detail::host_task(std::forward<F>(function)));
