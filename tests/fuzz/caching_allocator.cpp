@@ -1,0 +1,324 @@
+// Fuzz target: the caching allocator engine (include/gpukit/memory/caching_allocator.hpp) over the address-space
+// upstream, driven by operation sequences on real CPU streams held back by gates. After EVERY operation: segments
+// and blocks tile, no two live allocations overlap, the statistics equal a recomputation from the snapshot, the
+// upstream's outstanding bytes equal reserved bytes, memory recorded for a busy stream is not handed out before that
+// stream's work completes, and out of memory is gpukit::out_of_memory_error with the allocator still usable.
+//
+// The allocator waits on the host for pending events in empty_cache, trim, limits and on its out-of-memory path; a
+// gated stream would never finish, so the stream ops open every gate before such a wait (the work "completes").
+#define DOCTEST_CONFIG_DISABLE  // the shared invariant checker includes doctest; no test runner here
+#include "memory/allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include "fuzz_support.hpp"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr int stream_count = 3;
+
+/// Three CPU streams for the whole run, each either idle or held back by a gate.
+struct streams_world {
+  std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
+  std::array<std::unique_ptr<gpukit_test::gate>, stream_count> gates;  // non-null while the stream is held
+  std::array<std::uint64_t, stream_count> epoch{};                      // completions so far
+  int forced_releases = 0;
+
+  streams_world() {
+    for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
+  }
+  void hold(int i) {
+    if (gates[i]) return;
+    gates[i] = std::make_unique<gpukit_test::gate>();
+    gates[i]->hold(*streams[i]);
+  }
+  void complete(int i) {
+    if (!gates[i]) return;
+    gates[i]->open();
+    streams[i]->synchronize();
+    gates[i].reset();
+    ++epoch[i];
+  }
+  void complete_all() {
+    for (int i = 0; i < stream_count; ++i) complete(i);
+  }
+  /// Lets the streams not held finish what they have (events just recorded on them), so that whether a freed block
+  /// is still pending never depends on thread timing: every input replays the same way.
+  void settle() {
+    for (int i = 0; i < stream_count; ++i) {
+      if (!gates[i]) streams[i]->synchronize();
+    }
+  }
+  int index_of(const gpukit::stream_view& s) const {
+    for (int i = 0; i < stream_count; ++i) {
+      if (streams[i]->view().id() == s.id()) return i;
+    }
+    return -1;
+  }
+};
+
+streams_world& world() {
+  static streams_world* w = new streams_world();  // never destroyed: its threads outlive every input
+  return *w;
+}
+
+/// gpukit's stream ops, except that a host wait first lets every held stream finish.
+struct gated_stream_ops : gpukit::stream_ops {
+  void synchronize(const gpukit::event& e) const {
+    if (world().gates[0] || world().gates[1] || world().gates[2]) ++world().forced_releases;
+    world().complete_all();
+    gpukit::stream_ops::synchronize(e);
+  }
+  void wait_finished(const tracker_type& t) const {
+    world().complete_all();
+    gpukit::stream_ops::wait_finished(t);
+  }
+};
+
+using allocator_type = gpukit::basic_caching_allocator<gpukit::address_space_upstream, gated_stream_ops>;
+
+struct live_block {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  int stream = 0;
+  std::array<bool, stream_count> recorded{};
+};
+
+/// Memory freed while a recorded stream was busy: not to be handed out before that stream's epoch passes.
+struct fence {
+  std::uintptr_t begin = 0, end = 0;
+  int stream = 0;
+  std::uint64_t epoch = 0;
+};
+
+std::size_t pick_size(gpukit_fuzz::input& in, std::size_t capacity) {
+  switch (in.byte() % 8) {
+    case 0: return static_cast<std::size_t>(in.in_range(0, 4096));
+    case 1:
+    case 2: return static_cast<std::size_t>(in.in_range(1, MiB));
+    case 3:
+    case 4: return static_cast<std::size_t>(in.in_range(MiB, 64 * MiB));
+    case 5: return static_cast<std::size_t>(in.in_range(1, capacity + capacity / 2));
+    case 6: return static_cast<std::size_t>(in.in_range(1, 16)) * MiB;
+    default: return std::numeric_limits<std::size_t>::max() - static_cast<std::size_t>(in.in_range(0, 1 << 20));
+  }
+}
+
+std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  gpukit_fuzz::input in(data, size);
+  streams_world& w = world();
+  gpukit_test::captured_warnings warnings;
+
+  const std::uint8_t setup = in.byte();
+  gpukit::allocator_options options = (setup & 1) ? gpukit::allocator_options::pytorch() : gpukit::allocator_options{};
+  if (setup & 2) options.release_before_grow = !options.release_before_grow;
+  if (setup & 4) options.reserved_limit = static_cast<std::size_t>(in.in_range(1, 512)) * MiB;
+  const std::size_t capacities[] = {8 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB};
+  std::size_t capacity = capacities[(setup >> 3) % 4];
+  std::size_t limit = options.reserved_limit;
+
+  std::vector<live_block> live;
+  std::vector<fence> fences;
+  std::vector<std::uintptr_t> freed;  // addresses freed and not live again (double-free probes)
+  {
+    allocator_type a(gpukit::device::cpu(), options, capacity);
+    int injected_failures = 0;  // upstream failures still armed (fail_next)
+    for (int step = 0; !in.empty() && step < 256; ++step) {
+      const std::uint8_t op = in.byte();
+      const std::size_t reserved_before = a.memory_reserved();
+      std::string what = "step " + std::to_string(step) + " op " + std::to_string(op % 16);
+      switch (op % 16) {
+        case 0:
+        case 1:
+        case 2: {  // allocate
+          const int s = static_cast<int>(in.byte() % stream_count);
+          const std::size_t bytes = pick_size(in, capacity);
+          what += " allocate " + std::to_string(bytes) + " on stream " + std::to_string(s);
+          try {
+            void* p = a.allocate(bytes, *w.streams[s]);
+            if (bytes == 0) {
+              GPUKIT_FUZZ_CHECK(p == nullptr, what);
+              break;
+            }
+            GPUKIT_FUZZ_CHECK(p != nullptr, what);
+            const auto begin = reinterpret_cast<std::uintptr_t>(p);
+            for (const auto& f : fences) {
+              if (w.epoch[f.stream] > f.epoch) continue;
+              GPUKIT_FUZZ_CHECK(begin + bytes <= f.begin || f.end <= begin,
+                                what + ": handed out memory a busy recorded stream may still use");
+            }
+            GPUKIT_FUZZ_CHECK(a.memory_reserved() <= reserved_before || a.memory_reserved() <= limit,
+                              what + ": grew reserved memory above the limit");
+            live.push_back({p, bytes, s, {}});
+            for (std::size_t i = 0; i < freed.size(); ++i) {
+              if (freed[i] == begin) freed.erase(freed.begin() + static_cast<std::ptrdiff_t>(i--));
+            }
+          } catch (const gpukit::out_of_memory_error& e) {
+            what += std::string(": ") + e.what();
+            if (GPUKIT_FUZZ_FIXED_DEFECT_2 && injected_failures == 0 && bytes < capacity) {
+              // No false out of memory: what is left must not fit the smallest segment the request could use.
+              w.complete_all();
+              const std::size_t rounded = a.rounded_size(bytes);
+              const std::size_t smallest = rounded <= options.small_size
+                                               ? options.small_segment_size
+                                               : round_up(rounded, options.large_segment_rounding);
+              const std::size_t ceiling = std::min(capacity, limit);
+              a.empty_cache();
+              GPUKIT_FUZZ_CHECK(a.memory_reserved() + smallest > ceiling, what + ": false out of memory");
+            }
+          } catch (const gpukit::invalid_argument_error& e) {
+            GPUKIT_FUZZ_CHECK(bytes > std::numeric_limits<std::size_t>::max() / 2, what + ": " + e.what());
+          }
+          // An injected failure counts for this request only: disarm one the allocator did not reach (a limit
+          // refused first), so a later out of memory is never blamed on it.
+          a.upstream().fail_next(0);
+          injected_failures = 0;
+          break;
+        }
+        case 3:
+        case 4: {  // deallocate, maybe on another stream
+          if (live.empty()) break;
+          const std::size_t i = in.byte() % live.size();
+          const bool on_stream = (op % 16) == 4;
+          const int s = static_cast<int>(in.byte() % stream_count);
+          live_block b = live[i];
+          if (on_stream && s != b.stream) b.recorded[s] = true;
+          what += " deallocate block " + std::to_string(i) + (on_stream ? " on stream " + std::to_string(s) : "");
+          if (on_stream) {
+            a.deallocate(b.p, *w.streams[s]);
+          } else {
+            a.deallocate(b.p);
+          }
+          const auto begin = reinterpret_cast<std::uintptr_t>(b.p);
+          for (int k = 0; k < stream_count; ++k) {
+            if (b.recorded[k] && w.gates[k]) fences.push_back({begin, begin + b.bytes, k, w.epoch[k]});
+          }
+          freed.push_back(begin);
+          live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
+        case 5: {  // record_stream
+          if (live.empty()) break;
+          const std::size_t i = in.byte() % live.size();
+          const int s = static_cast<int>(in.byte() % stream_count);
+          what += " record_stream block " + std::to_string(i) + " stream " + std::to_string(s);
+          a.record_stream(live[i].p, *w.streams[s]);
+          if (s != live[i].stream) live[i].recorded[s] = true;
+          break;
+        }
+        case 6:
+        case 7:  // hold a stream back (work that uses its memory is in flight)
+          w.hold(static_cast<int>(in.byte() % stream_count));
+          break;
+        case 8:  // its work completes
+          w.complete(static_cast<int>(in.byte() % stream_count));
+          break;
+        case 9:
+          what += " empty_cache";
+          a.empty_cache();
+          break;
+        case 10: {
+          const std::size_t target = static_cast<std::size_t>(in.in_range(0, capacity));
+          what += " trim " + std::to_string(target);
+          const std::size_t after = a.trim(target);
+          GPUKIT_FUZZ_CHECK(after == a.memory_reserved(), what);
+          break;
+        }
+        case 11: {  // limits, below usage too
+          const std::uint8_t kind = in.byte();
+          const std::size_t reported_before = a.reserved_limit();
+          bool changed = true;
+          if (kind & 1) {
+            limit = (kind & 2) ? gpukit::allocator_options::unlimited
+                               : static_cast<std::size_t>(in.in_range(0, capacity));
+            what += " set_reserved_limit " + std::to_string(limit);
+            a.set_reserved_limit(limit);
+          } else {
+            static const double fractions[] = {0.0, -0.5, 1.5, std::nan(""), 1.0, 0.5, 0.125, 1e-9};
+            const double f = fractions[(kind >> 1) % 8];
+            what += " set_memory_fraction " + std::to_string(f);
+            try {
+              a.set_memory_fraction(f);
+              GPUKIT_FUZZ_CHECK(f > 0.0 && f <= 1.0, what);
+              limit = a.reserved_limit();
+            } catch (const gpukit::invalid_argument_error&) {
+              GPUKIT_FUZZ_CHECK(!(f > 0.0 && f <= 1.0), what);
+              changed = false;
+            }
+          }
+          GPUKIT_FUZZ_CHECK(a.reserved_limit() == (changed ? limit : reported_before), what);
+          break;
+        }
+        case 12: {  // another process takes (or gives back) device memory
+          capacity = capacities[in.byte() % 4];
+          a.upstream().set_capacity(capacity);
+          break;
+        }
+        case 13:
+          a.upstream().fail_next(1);
+          injected_failures = 1;
+          break;
+        case 14: {  // misuse: a double free or an interior pointer changes nothing
+          std::uintptr_t bogus = 0;
+          if (!freed.empty() && in.flag()) {
+            bogus = freed[in.byte() % freed.size()];
+          } else if (!live.empty()) {
+            const auto& b = live[in.byte() % live.size()];
+            bogus = reinterpret_cast<std::uintptr_t>(b.p) + 1 + in.byte() % b.bytes;
+          }
+          if (bogus == 0) break;
+          bool live_start = false;
+          for (const auto& b : live) live_start = live_start || reinterpret_cast<std::uintptr_t>(b.p) == bogus;
+          if (live_start) break;
+          what += " deallocate a pointer it does not own";
+          bool refused = false;
+          try {
+            a.deallocate(reinterpret_cast<void*>(bogus));
+          } catch (const gpukit::invalid_argument_error&) {
+            refused = true;
+          }
+          GPUKIT_FUZZ_CHECK(refused, what);
+          break;
+        }
+        default:
+          a.reset_peak_stats();
+          break;
+      }
+
+      gpukit_fuzz::trace(what);
+      w.settle();
+      std::vector<gpukit_test::live_allocation> expected;
+      for (const auto& b : live) expected.push_back({reinterpret_cast<std::uintptr_t>(b.p), b.bytes});
+      const std::string problem =
+          gpukit_test::check_invariants(a.snapshot(), expected, options.rounding, true, false, true);
+      GPUKIT_FUZZ_CHECK(problem.empty(), what + ": " + problem);
+      GPUKIT_FUZZ_CHECK(a.upstream().used() == a.memory_reserved(), what + ": upstream and reserved bytes differ");
+      if (GPUKIT_FUZZ_FIXED_DEFECT_5) {
+        GPUKIT_FUZZ_CHECK(a.reserved_limit() == limit && a.stats().reserved_limit == limit, what);
+      }
+    }
+    for (const auto& b : live) a.deallocate(b.p);
+    w.complete_all();
+    w.settle();
+    a.empty_cache();
+    GPUKIT_FUZZ_CHECK(a.memory_reserved() == 0 && a.upstream().used() == 0, "everything freed, nothing reserved");
+  }
+  GPUKIT_FUZZ_CHECK(warnings.messages().empty(), "unexpected warning: " + warnings.messages().front());
+  w.complete_all();
+  return 0;
+}
