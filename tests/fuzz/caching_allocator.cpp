@@ -14,6 +14,7 @@
 #include <gpukit/stream/stream.hpp>
 
 #include "fuzz_support.hpp"
+#include "gated_streams.hpp"
 
 #include <array>
 #include <cmath>
@@ -26,57 +27,13 @@
 namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
-constexpr int stream_count = 3;
 
-/// Three CPU streams for the whole run, each either idle or held back by a gate.
-struct streams_world {
-  std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
-  std::array<std::unique_ptr<gpukit_test::gate>, stream_count> gates;  // non-null while the stream is held
-  std::array<std::uint64_t, stream_count> epoch{};                      // completions so far
-  int forced_releases = 0;
-
-  streams_world() {
-    for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
-  }
-  void hold(int i) {
-    if (gates[i]) return;
-    gates[i] = std::make_unique<gpukit_test::gate>();
-    gates[i]->hold(*streams[i]);
-  }
-  void complete(int i) {
-    if (!gates[i]) return;
-    gates[i]->open();
-    streams[i]->synchronize();
-    gates[i].reset();
-    ++epoch[i];
-  }
-  void complete_all() {
-    for (int i = 0; i < stream_count; ++i) complete(i);
-  }
-  /// Lets the streams not held finish what they have (events just recorded on them), so that whether a freed block
-  /// is still pending never depends on thread timing: every input replays the same way.
-  void settle() {
-    for (int i = 0; i < stream_count; ++i) {
-      if (!gates[i]) streams[i]->synchronize();
-    }
-  }
-  int index_of(const gpukit::stream_view& s) const {
-    for (int i = 0; i < stream_count; ++i) {
-      if (streams[i]->view().id() == s.id()) return i;
-    }
-    return -1;
-  }
-};
-
-streams_world& world() {
-  static streams_world* w = new streams_world();  // never destroyed: its threads outlive every input
-  return *w;
-}
+using gpukit_fuzz::stream_count;
+using gpukit_fuzz::world;
 
 /// gpukit's stream ops, except that a host wait first lets every held stream finish.
 struct gated_stream_ops : gpukit::stream_ops {
   void synchronize(const gpukit::event& e) const {
-    if (world().gates[0] || world().gates[1] || world().gates[2]) ++world().forced_releases;
     world().complete_all();
     gpukit::stream_ops::synchronize(e);
   }
@@ -121,7 +78,7 @@ std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to *
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   gpukit_fuzz::input in(data, size);
-  streams_world& w = world();
+  gpukit_fuzz::gated_streams& w = world();
   gpukit_test::captured_warnings warnings;
 
   const std::uint8_t setup = in.byte();

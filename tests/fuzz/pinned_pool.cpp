@@ -4,17 +4,17 @@
 // a recomputation from the live set and the upstream's books, the cap holds, memory recorded for a busy stream is
 // not handed out before that stream's work completes, and out of memory is gpukit::out_of_memory_error with the
 // pool still usable.
+#define DOCTEST_CONFIG_DISABLE  // the shared test helpers include doctest; no test runner here
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include "fuzz_support.hpp"
+#include "gated_streams.hpp"
 
 #include <array>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,63 +23,8 @@ namespace {
 
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
-constexpr int stream_count = 3;
-
-class gate {
- public:
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-/// Three CPU streams for the whole run, each either idle or held back by a gate.
-struct streams_world {
-  std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
-  std::array<std::shared_ptr<gate>, stream_count> gates;  // non-null while the stream is held
-  std::array<std::uint64_t, stream_count> epoch{};
-
-  streams_world() {
-    for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
-  }
-  void hold(int i) {
-    if (gates[i]) return;
-    gates[i] = std::make_shared<gate>();
-    streams[i]->enqueue_host([g = gates[i]] { g->wait(); });
-  }
-  void complete(int i) {
-    if (!gates[i]) return;
-    gates[i]->open();
-    streams[i]->synchronize();
-    gates[i].reset();
-    ++epoch[i];
-  }
-  void complete_all() {
-    for (int i = 0; i < stream_count; ++i) complete(i);
-  }
-  /// Lets the streams not held finish what they have (events just recorded on them), so that whether a freed block
-  /// is still pending never depends on thread timing: every input replays the same way.
-  void settle() {
-    for (int i = 0; i < stream_count; ++i) {
-      if (!gates[i]) streams[i]->synchronize();
-    }
-  }
-};
-
-streams_world& world() {
-  static streams_world* w = new streams_world();  // never destroyed: its threads outlive every input
-  return *w;
-}
+using gpukit_fuzz::stream_count;
+using gpukit_fuzz::world;
 
 /// Host pages with a capacity; keeps the books of what is out, so a double or unknown release is caught.
 struct upstream_books {
@@ -162,7 +107,7 @@ struct fence {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   gpukit_fuzz::input in(data, size);
-  streams_world& w = world();
+  gpukit_fuzz::gated_streams& w = world();
   auto books = std::make_shared<upstream_books>();
   auto faults = std::make_shared<event_faults>();
   const std::uint8_t setup = in.byte();
