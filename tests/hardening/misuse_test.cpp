@@ -25,33 +25,7 @@ namespace {
 using gpukit::device;
 using gpukit::stream_view;
 
-/// Collects gpukit::warn messages for the scope of one case.
-class captured_warnings {
- public:
-  captured_warnings() {
-    gpukit::set_warning_handler([this](std::string_view m) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      messages_.emplace_back(m);
-    });
-  }
-  captured_warnings(const captured_warnings&) = delete;
-  captured_warnings& operator=(const captured_warnings&) = delete;
-  ~captured_warnings() { gpukit::set_warning_handler(nullptr); }
-  std::vector<std::string> messages() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return messages_;
-  }
-  bool any_contains(const std::string& text) const {
-    for (const std::string& m : messages()) {
-      if (m.find(text) != std::string::npos) return true;
-    }
-    return false;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<std::string> messages_;
-};
+using gpukit_test::captured_warnings;
 
 /// The message of the gpukit exception `f` throws, failing the case when it throws none or another type.
 template <class Exception, class F>
@@ -233,7 +207,7 @@ TEST_CASE("misuse 16: a device_buffer outliving its allocator's stream is report
     p = a.allocate(4096, s);
   }
   a.deallocate(p);
-  CHECK(warnings.any_contains("destroyed"));
+  CHECK(warnings.contains("destroyed"));
   CHECK(a.memory_allocated() == 0);
 }
 
@@ -263,7 +237,7 @@ TEST_CASE("misuse 19: a host function that throws is reported by warn and the st
   s.enqueue_host([&] { after = 1; });
   s.synchronize();
   CHECK(after == 1);
-  CHECK(warnings.any_contains("boom from a host function"));
+  CHECK(warnings.contains("boom from a host function"));
 }
 
 TEST_CASE("misuse 20: an empty host function throws invalid_argument_error") {
@@ -436,7 +410,7 @@ TEST_CASE("misuse 38: an allocator destroyed with live allocations warns with th
     (void)a.allocate(3000, cpu_default());
     (void)a.allocate(5000, cpu_default());
   }  // LeakSanitizer (ASan configuration) fails the case if the memory were not released
-  CHECK(warnings.any_contains("destroyed with 2 live allocation(s)"));
+  CHECK(warnings.contains("destroyed with 2 live allocation(s)"));
 }
 
 TEST_CASE("misuse 39: trim above reserved and empty_cache with live allocations are defined and keep live memory") {

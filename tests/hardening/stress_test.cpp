@@ -51,17 +51,6 @@ struct tagged {
   std::uint64_t tag = 0;
 };
 
-void write_tag(const tagged& t) {
-  std::memcpy(t.p, &t.tag, 8);
-  std::memcpy(t.p + t.bytes - 8, &t.tag, 8);
-}
-bool tag_intact(const tagged& t) {
-  std::uint64_t head = 0;
-  std::uint64_t tail = 0;
-  std::memcpy(&head, t.p, 8);
-  std::memcpy(&tail, t.p + t.bytes - 8, 8);
-  return head == t.tag && tail == t.tag;
-}
 
 std::size_t pick(std::mt19937_64& rng, std::size_t n) {
   return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);

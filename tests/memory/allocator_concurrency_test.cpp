@@ -30,17 +30,6 @@ struct tagged {
   int stream = 0;  // index of the stream it was allocated on
 };
 
-void write_tag(const tagged& t) {
-  std::memcpy(t.p, &t.tag, 8);
-  std::memcpy(t.p + t.bytes - 8, &t.tag, 8);
-}
-bool tag_intact(const tagged& t) {
-  std::uint64_t head = 0;
-  std::uint64_t tail = 0;
-  std::memcpy(&head, t.p, 8);
-  std::memcpy(&tail, t.p + t.bytes - 8, 8);
-  return head == t.tag && tail == t.tag;
-}
 
 struct shared_state {
   explicit shared_state(int n) {

@@ -13,6 +13,7 @@
 #include <array>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -157,6 +158,22 @@ inline recomputed recompute(const gpukit::allocator_snapshot& s) {
 }
 
 /// A live allocation as the test sees it.
+/// Writes `t.tag` into the first and last 8 bytes of block `t` (members p, bytes >= 8, tag), so a block handed out
+/// twice, or reused while another thread still uses it, shows as a changed tag.
+template <class Tagged>
+void write_tag(const Tagged& t) {
+  std::memcpy(t.p, &t.tag, 8);
+  std::memcpy(t.p + t.bytes - 8, &t.tag, 8);
+}
+template <class Tagged>
+bool tag_intact(const Tagged& t) {
+  std::uint64_t head = 0;
+  std::uint64_t tail = 0;
+  std::memcpy(&head, t.p, 8);
+  std::memcpy(&tail, t.p + t.bytes - 8, 8);
+  return head == t.tag && tail == t.tag;
+}
+
 struct live_allocation {
   std::uintptr_t address = 0;
   std::size_t bytes = 0;
