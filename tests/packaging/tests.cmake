@@ -6,7 +6,10 @@
 #   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit
 #   packaging.fetchcontent       FetchContent of this checkout
 #   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME
-#   packaging.vcpkg_files        the vcpkg port's files parse and agree with the install layout (vcpkg is not run)
+#   packaging.vcpkg_files        the vcpkg ports' files parse, agree with the install layout, and leave the expected
+#                                package when run with stand-ins for vcpkg's functions (vcpkg is not run)
+#   packaging.vcpkg_release      packaging/release.sh --check: the registry port's SHA512 is that of its release
+#   packaging.release            packaging/release.sh cuts a release in a scratch repository and refuses bad ones
 # They take a while and need pkg-config and Conan 2 (.ci/install-deps installs both), so they are registered only
 # with -DGPUKIT_TEST_PACKAGING=ON (tests/run_all.sh turns it on in its gcc-cxx17 configuration). A missing tool makes
 # its test fail, never pass. The drivers are the cmake -P scripts in tests/packaging/; all their files go under
@@ -56,3 +59,7 @@ gpukit_add_packaging_test(add_subdirectory)
 gpukit_add_packaging_test(fetchcontent)
 gpukit_add_packaging_test(conan TIMEOUT 600)
 gpukit_add_packaging_test(vcpkg_files FIXTURES_REQUIRED gpukit_installed)
+gpukit_add_packaging_test(release)
+# Exit status 77: a shallow clone, which lacks the release commit to build the archive from.
+add_test(NAME packaging.vcpkg_release COMMAND bash "${PROJECT_SOURCE_DIR}/packaging/release.sh" --check)
+set_tests_properties(packaging.vcpkg_release PROPERTIES LABELS packaging TIMEOUT 120 SKIP_RETURN_CODE 77)

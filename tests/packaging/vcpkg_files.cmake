@@ -1,32 +1,48 @@
 # packaging.vcpkg_files: vcpkg is not available here, so this checks what can be checked without it:
-#  - every JSON file of the port and of the manifest-mode consumer parses (python3 -m json.tool), the port's version
-#    is gpukit's, its dependencies are cuda plus the host ports vcpkg-cmake and vcpkg-cmake-config;
-#  - the portfile's CONFIG_PATH is where gpukit's install puts its CMake package (checked on the fixture's install
-#    tree), and gpukit.pc is where vcpkg_fixup_pkgconfig looks;
-#  - the portfile's own logic, run with vcpkg's helper functions replaced by recorders (vcpkg_portfile_mock.cmake):
-#    inside the checkout it builds the checkout, copied elsewhere (a registry) it downloads tag v<version> from
-#    GitHub, and it refuses a checkout whose version differs from the port's.
+#  - the JSON files parse; the registry port (ports/gpukit) and the development port (dev-ports/gpukit) have the same
+#    manifest but for the version: the development port's is the checkout's, the registry port's a release not newer;
+#    dependencies are cuda and the host ports vcpkg-cmake, vcpkg-cmake-config; "supports" is no wider than the cuda
+#    port's;
+#  - the registry portfile is plain, as registry reviewers want it: no self-location, no branches, no comment block;
+#  - both portfiles run with vcpkg's helper functions replaced by stand-ins (vcpkg_portfile_mock.cmake): the registry
+#    port downloads tag v<version>, the development port builds the checkout (and refuses one of another version);
+#    both pass the toolkit the cuda port found, and the package they leave (the fixture's install run through the
+#    portfile's own fix-ups) holds the headers and the CMake package in share/gpukit, and no path of this machine.
 # It does not prove that vcpkg builds the port.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
 set(vcpkg_dir "${SOURCE_DIR}/packaging/vcpkg")
 set(port "${vcpkg_dir}/ports/gpukit")
+set(dev_port "${vcpkg_dir}/dev-ports/gpukit")
+# ports/cuda/vcpkg.json in microsoft/vcpkg.
+set(cuda_port_supports "(windows & x64 & !uwp) | (linux & x64) | (linux & arm64)")
 
 find_program(python NAMES python3 python NO_CACHE)
 if(NOT python)
   packaging_fail("python3 was not found (needed to validate the JSON files)")
 endif()
-foreach(json "${port}/vcpkg.json" "${vcpkg_dir}/test/vcpkg.json" "${vcpkg_dir}/test/vcpkg-configuration.json")
+foreach(json "${port}/vcpkg.json" "${dev_port}/vcpkg.json" "${vcpkg_dir}/test/vcpkg.json"
+             "${vcpkg_dir}/test/vcpkg-configuration.json")
   packaging_run("python3 -m json.tool ${json}" COMMAND "${python}" -m json.tool "${json}")
 endforeach()
 
-# --- port manifest ---
+# --- the manifests ---
 file(READ "${port}/vcpkg.json" manifest)
+file(READ "${dev_port}/vcpkg.json" dev_manifest)
 string(JSON name GET "${manifest}" name)
-string(JSON port_version GET "${manifest}" version)
-if(NOT name STREQUAL "gpukit" OR NOT port_version STREQUAL VERSION)
-  packaging_fail("ports/gpukit/vcpkg.json says ${name} ${port_version}; gpukit is at ${VERSION} "
+string(JSON registry_version GET "${manifest}" version)
+string(JSON dev_version GET "${dev_manifest}" version)
+if(NOT name STREQUAL "gpukit" OR NOT dev_version STREQUAL VERSION)
+  packaging_fail("dev-ports/gpukit/vcpkg.json says ${name} ${dev_version}; the checkout is at ${VERSION} "
                  "(include/gpukit/version.hpp): update \"version\"")
+endif()
+if(registry_version VERSION_GREATER VERSION)
+  packaging_fail("ports/gpukit/vcpkg.json is at ${registry_version}, newer than the checkout's ${VERSION}")
+endif()
+string(JSON dev_manifest SET "${dev_manifest}" version "\"${registry_version}\"")
+string(JSON same EQUAL "${manifest}" "${dev_manifest}")
+if(NOT same)
+  packaging_fail("ports/gpukit/vcpkg.json and dev-ports/gpukit/vcpkg.json differ in more than the version")
 endif()
 set(deps "")
 string(JSON n LENGTH "${manifest}" dependencies)
@@ -49,71 +65,112 @@ if(NOT deps STREQUAL "cuda;vcpkg-cmake(host);vcpkg-cmake-config(host)")
   packaging_fail("ports/gpukit/vcpkg.json dependencies should be cuda and the host ports vcpkg-cmake, "
                  "vcpkg-cmake-config; they are: ${deps}")
 endif()
-message(STATUS "port manifest: gpukit ${port_version}, dependencies ${deps}")
+string(JSON supports GET "${manifest}" supports)
+packaging_run("\"supports\": \"${supports}\" allows nothing the cuda port's \"${cuda_port_supports}\" excludes"
+  SHOW_OUTPUT COMMAND "${python}" "${PACKAGING_DIR}/vcpkg_supports.py" "${supports}" "${cuda_port_supports}")
+message(STATUS "manifests: registry port ${registry_version}, development port ${dev_version}, dependencies ${deps}")
 
-# --- manifest-mode consumer ---
+# --- manifest-mode consumer and usage ---
 file(READ "${vcpkg_dir}/test/vcpkg.json" consumer)
 string(JSON dep0 GET "${consumer}" dependencies 0)
 file(READ "${vcpkg_dir}/test/vcpkg-configuration.json" configuration)
 string(JSON overlay GET "${configuration}" overlay-ports 0)
 get_filename_component(overlay "${vcpkg_dir}/test/${overlay}" ABSOLUTE)
-if(NOT dep0 STREQUAL "gpukit" OR NOT EXISTS "${overlay}/gpukit/portfile.cmake")
-  packaging_fail("packaging/vcpkg/test must depend on gpukit and overlay ${vcpkg_dir}/ports "
+if(NOT dep0 STREQUAL "gpukit" OR NOT overlay STREQUAL "${vcpkg_dir}/dev-ports")
+  packaging_fail("packaging/vcpkg/test must depend on gpukit and overlay ${vcpkg_dir}/dev-ports "
                  "(dependency: ${dep0}, overlay: ${overlay})")
 endif()
-
-# --- usage ---
 file(READ "${port}/usage" usage)
+file(READ "${dev_port}/usage" dev_usage)
 packaging_expect_match("ports/gpukit/usage" "${usage}" "find_package\\(gpukit CONFIG REQUIRED\\)" "gpukit::gpukit")
+if(NOT usage STREQUAL dev_usage)
+  packaging_fail("ports/gpukit/usage and dev-ports/gpukit/usage differ")
+endif()
 
-# --- the portfile's paths agree with gpukit's install ---
+# --- the registry portfile is plain ---
+file(STRINGS "${port}/portfile.cmake" lines)
+set(comment_run 0)
+foreach(line IN LISTS lines)
+  if(line MATCHES "^[ ]*#")
+    math(EXPR comment_run "${comment_run} + 1")
+    if(comment_run GREATER 2)
+      packaging_fail("ports/gpukit/portfile.cmake has a comment block of more than 2 lines: registry ports keep "
+                     "comments short (explanations belong in the README)")
+    endif()
+  else()
+    set(comment_run 0)
+  endif()
+  if(line MATCHES "(^|[^_a-z])(if|get_filename_component)\\(|CMAKE_CURRENT_LIST_FILE|\\.\\./")
+    packaging_fail("ports/gpukit/portfile.cmake must be a plain registry portfile (no branches, no "
+                   "self-location), but has: ${line}")
+  endif()
+endforeach()
 file(READ "${port}/portfile.cmake" portfile)
-packaging_expect_match("portfile.cmake" "${portfile}" "set\\(VCPKG_BUILD_TYPE release\\)"
-  "vcpkg_cmake_config_fixup\\(CONFIG_PATH ([^ )]+)\\)")
+packaging_expect_match("ports/gpukit/portfile.cmake" "${portfile}" "set\\(VCPKG_BUILD_TYPE release\\)"
+  "vcpkg_cmake_config_fixup\\(CONFIG_PATH ([^ )]+)\\)" "vcpkg_from_github\\(")
 string(REGEX MATCH "vcpkg_cmake_config_fixup\\(CONFIG_PATH ([^ )]+)\\)" _ "${portfile}")
 set(config_path "${CMAKE_MATCH_1}")
+string(REGEX MATCH "\n *SHA512 ([0-9A-Za-z]+)\n" _ "${portfile}")
+set(sha512 "${CMAKE_MATCH_1}")
 if(NOT EXISTS "${PREFIX}/${config_path}/gpukitConfig.cmake")
   packaging_fail("the portfile fixes up CONFIG_PATH ${config_path}, but gpukit's install has no "
                  "${config_path}/gpukitConfig.cmake (see ${PREFIX})")
 endif()
-if(NOT EXISTS "${PREFIX}/lib/pkgconfig/gpukit.pc")
-  packaging_fail("gpukit's install has no lib/pkgconfig/gpukit.pc for vcpkg_fixup_pkgconfig")
-endif()
-message(STATUS "CONFIG_PATH ${config_path} is where gpukit installs gpukitConfig.cmake")
 
-# --- the portfile's logic, with vcpkg's functions recorded instead of run ---
+# --- both portfiles, with vcpkg's functions replaced by stand-ins ---
+string(REPLACE "|" ";" CUDA_INCLUDE_DIRS "${CUDA_INCLUDE_DIRS}")  # tests.cmake joins the list with |
+set(found_cuda "/cuda-found-by-the-cuda-port")
 function(run_portfile what port_dir version log)
   packaging_run("${what}" ${ARGN} OUTPUT_VARIABLE out
     COMMAND "${CMAKE_COMMAND}" "-DPORTFILE=${port_dir}/portfile.cmake" "-DCURRENT_PORT_DIR=${port_dir}"
             "-DVERSION=${version}" "-DCURRENT_PACKAGES_DIR=${WORK_DIR}/packages" "-DLOG=${log}"
-            -P "${PACKAGING_DIR}/vcpkg_portfile_mock.cmake")
+            "-DINSTALL_TREE=${PREFIX}" "-DCUDA_ROOT=${found_cuda}" -P "${PACKAGING_DIR}/vcpkg_portfile_mock.cmake")
   set(out "${out}" PARENT_SCOPE)
 endfunction()
+function(expect_package what log source)
+  file(READ "${log}" text)
+  packaging_expect_match("${what}" "${text}"
+    "(^|\n)vcpkg_find_cuda\nvcpkg_cmake_configure SOURCE_PATH=${source} OPTIONS=[^\n]*-DGPUKIT_BUILD_TESTS=OFF"
+    "-DGPUKIT_BUILD_EXAMPLES=OFF" "-DGPUKIT_BUILD_BENCHMARKS=OFF" "-DCUDAToolkit_ROOT=${found_cuda}[;\n]"
+    "\nvcpkg_cmake_install\n" "\nvcpkg_cmake_config_fixup CONFIG_PATH=${config_path} "
+    "\nvcpkg_install_copyright FILE_LIST=${source}/LICENSE\n" "\nVCPKG_BUILD_TYPE=release\n")
+  set(package "${WORK_DIR}/packages")
+  file(GLOB_RECURSE files LIST_DIRECTORIES false RELATIVE "${package}" "${package}/*")
+  foreach(file IN LISTS files)
+    if(NOT file MATCHES "^include/gpukit/|^share/gpukit/(gpukitConfig|gpukitConfigVersion|gpukitTargets)\\.cmake$|^share/gpukit/(usage|copyright)$")
+      packaging_fail("${what}: the package holds ${file}, which belongs to no vcpkg package of gpukit (a "
+                     "pkg-config file would record this machine's CUDA paths, which vcpkg's package hash ignores)")
+    endif()
+    file(READ "${package}/${file}" content)
+    foreach(path "${SOURCE_DIR}" "${PREFIX}" ${CUDA_INCLUDE_DIRS} "${CUDA_LIBRARY_DIR}")
+      string(FIND "${content}" "${path}" at)
+      if(NOT at EQUAL -1)
+        packaging_fail("${what}: ${file} contains the path ${path} of the machine that built the package")
+      endif()
+    endforeach()
+  endforeach()
+  foreach(file include/gpukit/gpukit.hpp share/gpukit/gpukitConfig.cmake share/gpukit/usage share/gpukit/copyright)
+    if(NOT EXISTS "${package}/${file}")
+      packaging_fail("${what}: the package lacks ${file}")
+    endif()
+  endforeach()
+  message(STATUS "${what}: the package holds the headers and share/gpukit, and no path of this machine")
+endfunction()
 
-run_portfile("portfile from the checkout (mocked vcpkg functions)" "${port}" "${VERSION}" "${WORK_DIR}/checkout.log")
-file(READ "${WORK_DIR}/checkout.log" log)
-packaging_expect_match("portfile from the checkout" "${log}"
-  "vcpkg_cmake_configure SOURCE_PATH=${SOURCE_DIR} OPTIONS=[^\n]*-DGPUKIT_BUILD_TESTS=OFF"
-  "-DGPUKIT_BUILD_EXAMPLES=OFF" "-DGPUKIT_BUILD_BENCHMARKS=OFF" "\nvcpkg_cmake_install\n"
-  "\nvcpkg_cmake_config_fixup CONFIG_PATH=${config_path} " "\nvcpkg_fixup_pkgconfig\n"
-  "\nvcpkg_install_copyright FILE_LIST=${SOURCE_DIR}/LICENSE\n" "\nVCPKG_BUILD_TYPE=release\n")
-if(log MATCHES "vcpkg_from_github")
-  packaging_fail("inside the checkout the portfile should build the checkout, not download:\n${log}")
-endif()
-if(NOT EXISTS "${WORK_DIR}/packages/share/gpukit/usage")
-  packaging_fail("the portfile did not install usage into share/gpukit")
-endif()
-
-set(registry_port "${WORK_DIR}/registry/ports/gpukit")
-file(COPY "${port}/" DESTINATION "${registry_port}")
-run_portfile("portfile copied into a registry (mocked vcpkg functions)" "${registry_port}" "${VERSION}"
-  "${WORK_DIR}/registry.log")
+run_portfile("registry port (stand-ins for vcpkg's functions)" "${port}" "${registry_version}" "${WORK_DIR}/registry.log")
 file(READ "${WORK_DIR}/registry.log" log)
-packaging_expect_match("portfile in a registry" "${log}"
-  "^vcpkg_from_github REPO=gpukit/gpukit REF=v${VERSION} "
-  "\nvcpkg_cmake_configure SOURCE_PATH=${WORK_DIR}/packages/../buildtrees/src/downloaded ")
+packaging_expect_match("registry port" "${log}"
+  "^vcpkg_from_github REPO=gpukit/gpukit REF=v${registry_version} SHA512=${sha512} HEAD_REF=main\n")
+expect_package("registry port" "${WORK_DIR}/registry.log" "${WORK_DIR}/packages/../buildtrees/src/downloaded")
 
-run_portfile("portfile from a checkout whose version is not the port's is refused" "${port}" "999.0.0"
+run_portfile("development port (stand-ins for vcpkg's functions)" "${dev_port}" "${VERSION}" "${WORK_DIR}/dev.log")
+file(READ "${WORK_DIR}/dev.log" log)
+if(log MATCHES "vcpkg_from_github")
+  packaging_fail("the development port should build the checkout, not download:\n${log}")
+endif()
+expect_package("development port" "${WORK_DIR}/dev.log" "${SOURCE_DIR}")
+
+run_portfile("the development port refuses a checkout of another version" "${dev_port}" "999.0.0"
   "${WORK_DIR}/mismatch.log" EXPECT_FAILURE)
 packaging_expect_match("the refusal" "${out}" "update \"version\"")
 message(STATUS "vcpkg port files: ok (vcpkg itself was not run)")

@@ -1,10 +1,14 @@
-# Runs the vcpkg portfile given as -DPORTFILE=... with vcpkg's helper functions replaced by recorders that append
-# one line per call to -DLOG=...; used by vcpkg_files.cmake to exercise the port's own logic (which source it picks,
-# the options and paths it passes) where vcpkg itself is not available. This is not vcpkg: it builds nothing.
-# Also takes -DCURRENT_PORT_DIR, -DVERSION, -DCURRENT_PACKAGES_DIR, like vcpkg sets them.
+# Runs the vcpkg portfile given as -DPORTFILE=... with vcpkg's helper functions replaced by stand-ins that append one
+# line per call to -DLOG=...; used by vcpkg_files.cmake to exercise the port's own logic (which source it takes, the
+# options and paths it passes, what it leaves in the package) where vcpkg itself is not available. This is not vcpkg.
+# Takes -DCURRENT_PORT_DIR, -DVERSION, -DCURRENT_PACKAGES_DIR, like vcpkg sets them, -DINSTALL_TREE (a real gpukit
+# install, which the stand-in for vcpkg_cmake_install copies into the package) and -DCUDA_ROOT (what the stand-in for
+# the cuda port's vcpkg_find_cuda reports).
 cmake_minimum_required(VERSION 3.18)
 set(PORT gpukit)
 set(CURRENT_BUILDTREES_DIR "${CURRENT_PACKAGES_DIR}/../buildtrees")
+set(CURRENT_INSTALLED_DIR "${CURRENT_PACKAGES_DIR}/../installed")
+file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}" "${CURRENT_INSTALLED_DIR}")
 file(WRITE "${LOG}" "")
 
 function(mock_log)
@@ -16,16 +20,28 @@ function(vcpkg_from_github)
   mock_log("vcpkg_from_github REPO=${arg_REPO} REF=${arg_REF} SHA512=${arg_SHA512} HEAD_REF=${arg_HEAD_REF}")
   set(${arg_OUT_SOURCE_PATH} "${CURRENT_BUILDTREES_DIR}/src/downloaded" PARENT_SCOPE)
 endfunction()
+# The cuda port installs share/cuda/vcpkg_find_cuda.cmake; ports include it from the installed tree.
+file(WRITE "${CURRENT_INSTALLED_DIR}/share/cuda/vcpkg_find_cuda.cmake" "
+function(vcpkg_find_cuda)
+  cmake_parse_arguments(PARSE_ARGV 0 arg \"\" \"OUT_CUDA_TOOLKIT_ROOT;OUT_CUDA_VERSION\" \"\")
+  mock_log(\"vcpkg_find_cuda\")
+  set(\${arg_OUT_CUDA_TOOLKIT_ROOT} \"${CUDA_ROOT}\" PARENT_SCOPE)
+endfunction()
+")
 function(vcpkg_cmake_configure)
   cmake_parse_arguments(arg "" "SOURCE_PATH" "OPTIONS" ${ARGN})
   mock_log("vcpkg_cmake_configure SOURCE_PATH=${arg_SOURCE_PATH} OPTIONS=${arg_OPTIONS}")
 endfunction()
 function(vcpkg_cmake_install)
   mock_log("vcpkg_cmake_install")
+  file(COPY "${INSTALL_TREE}/" DESTINATION "${CURRENT_PACKAGES_DIR}")
 endfunction()
 function(vcpkg_cmake_config_fixup)
   cmake_parse_arguments(arg "" "CONFIG_PATH;PACKAGE_NAME" "" ${ARGN})
   mock_log("vcpkg_cmake_config_fixup CONFIG_PATH=${arg_CONFIG_PATH} PACKAGE_NAME=${arg_PACKAGE_NAME}")
+  file(GLOB config_files "${CURRENT_PACKAGES_DIR}/${arg_CONFIG_PATH}/*")
+  file(COPY ${config_files} DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
+  file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/${arg_CONFIG_PATH}")
 endfunction()
 function(vcpkg_fixup_pkgconfig)
   mock_log("vcpkg_fixup_pkgconfig")
@@ -33,6 +49,7 @@ endfunction()
 function(vcpkg_install_copyright)
   cmake_parse_arguments(arg "" "" "FILE_LIST" ${ARGN})
   mock_log("vcpkg_install_copyright FILE_LIST=${arg_FILE_LIST}")
+  file(WRITE "${CURRENT_PACKAGES_DIR}/share/${PORT}/copyright" "")
 endfunction()
 
 include("${PORTFILE}")
