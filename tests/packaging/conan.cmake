@@ -1,9 +1,29 @@
-# packaging.conan: `conan create packaging/conan` builds the Conan 2 package from this checkout, then builds and runs
-# its test_package. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and nothing is
-# fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is copied
-# into the build tree first so that Conan writes nothing into the source tree.
+# packaging.conan: the recipe files hold no Conan 1 attribute; `conan create packaging/conan` builds the Conan 2
+# package from this checkout, then builds and runs its test_package. CONAN_HOME is a directory of this test (the
+# user's ~/.conan2 is never touched) and nothing is fetched: gpukit has no Conan requirements, and --no-remote keeps
+# Conan off the network. test_package/ is copied into the build tree first so that Conan writes nothing into the
+# source tree.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
+
+# Conan 2 ignores Conan-1-only attributes silently (test_type) or fails only on the path that uses them, so the
+# recipe files are searched for them.
+file(GLOB_RECURSE recipes "${SOURCE_DIR}/packaging/conan/*.py")
+list(LENGTH recipes n)
+if(n LESS 2)
+  packaging_fail("expected the recipe and test_package/conanfile.py under packaging/conan, found: ${recipes}")
+endif()
+foreach(recipe IN LISTS recipes)
+  file(READ "${recipe}" text)
+  foreach(conan1 "test_type" "self.copy(" "from conans " "from conans." "import conans" "cpp_info.names"
+                 "cpp_info.filenames" "build_requires =" "self.build_requires(")
+    string(FIND "${text}" "${conan1}" at)
+    if(NOT at EQUAL -1)
+      packaging_fail("${recipe} uses the Conan 1 attribute \"${conan1}\"")
+    endif()
+  endforeach()
+endforeach()
+message(STATUS "no Conan 1 attribute in the ${n} recipe files")
 
 if(DEFINED ENV{GPUKIT_CONAN_EXECUTABLE} AND NOT "$ENV{GPUKIT_CONAN_EXECUTABLE}" STREQUAL "")
   set(conan "$ENV{GPUKIT_CONAN_EXECUTABLE}")
