@@ -47,8 +47,13 @@ class GpukitConan(ConanFile):
             copy(self, pattern, src=root, dst=self.export_sources_folder)
 
     def validate(self):
-        if self.settings.os not in ("Linux", "FreeBSD"):
-            raise ConanInvalidConfiguration("gpukit supports Linux only (it loads NVML with dlopen)")
+        # self.settings, not self.info (cleared in package_id): the consumer's configuration. CUDA's Linux toolkit
+        # exists for x86_64 and arm64 only, and gpukit loads NVML with dlopen.
+        os_, arch = self.settings.os, self.settings.arch
+        if os_ != "Linux" or arch not in ("x86_64", "armv8"):
+            raise ConanInvalidConfiguration(
+                f"gpukit supports Linux on x86_64 or armv8 only (the platforms of CUDA's Linux toolkit): "
+                f"not {os_} on {arch}")
 
     def layout(self):
         cmake_layout(self)

@@ -1,8 +1,8 @@
 # packaging.conan: the recipe files hold no Conan 1 attribute; `conan create packaging/conan` builds the Conan 2
-# package from this checkout, then builds and runs its test_package. CONAN_HOME is a directory of this test (the
-# user's ~/.conan2 is never touched) and nothing is fetched: gpukit has no Conan requirements, and --no-remote keeps
-# Conan off the network. test_package/ is copied into the build tree first so that Conan writes nothing into the
-# source tree.
+# package from this checkout, then builds and runs its test_package; unsupported consumer configurations are refused
+# with a message that says why. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and
+# nothing is fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is
+# copied into the build tree first so that Conan writes nothing into the source tree.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
 
@@ -68,3 +68,22 @@ foreach(file include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake sha
   endif()
 endforeach()
 message(STATUS "the Conan package holds gpukit's headers, its CMake package and the license")
+
+# Who may use the package is decided in validate() with the consumer's settings (package_id() clears them for the
+# package id, not for validate()). A refused configuration must say why.
+function(conan_expect_refused what regex)
+  string(JOIN " " shown ${ARGN})
+  packaging_run("conan install --requires=gpukit/${VERSION} ${shown} is refused" EXPECT_FAILURE OUTPUT_VARIABLE out
+    COMMAND "${conan}" install "--requires=gpukit/${VERSION}" ${ARGN} --no-remote
+            --output-folder "${WORK_DIR}/refused")
+  packaging_expect_match("the refusal of ${what}" "${out}" "gpukit/${VERSION}: Invalid: [^\n]*${regex}")
+endfunction()
+
+# CUDA's platforms only: Linux on x86_64 or armv8. The message names the platform that was asked for.
+set(platforms "gpukit supports Linux on x86_64 or armv8 only")
+conan_expect_refused("Windows" "${platforms}[^\n]*: not Windows on x86_64" -s os=Windows)
+conan_expect_refused("FreeBSD" "${platforms}[^\n]*: not FreeBSD on x86_64" -s os=FreeBSD)
+conan_expect_refused("32-bit x86" "${platforms}[^\n]*: not Linux on x86\n" -s arch=x86)
+packaging_run("conan install --requires=gpukit/${VERSION} -s arch=armv8 is accepted"
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -s arch=armv8 --no-remote
+          --output-folder "${WORK_DIR}/armv8")
