@@ -12,6 +12,7 @@ import re
 
 from conan import ConanFile
 from conan.errors import ConanInvalidConfiguration
+from conan.tools.build import check_min_cppstd
 from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
 from conan.tools.files import copy, load, rmdir
 
@@ -48,12 +49,13 @@ class GpukitConan(ConanFile):
 
     def validate(self):
         # self.settings, not self.info (cleared in package_id): the consumer's configuration. CUDA's Linux toolkit
-        # exists for x86_64 and arm64 only, and gpukit loads NVML with dlopen.
+        # exists for x86_64 and arm64 only, gpukit loads NVML with dlopen, and its headers need C++17.
         os_, arch = self.settings.os, self.settings.arch
         if os_ != "Linux" or arch not in ("x86_64", "armv8"):
             raise ConanInvalidConfiguration(
                 f"gpukit supports Linux on x86_64 or armv8 only (the platforms of CUDA's Linux toolkit): "
                 f"not {os_} on {arch}")
+        check_min_cppstd(self, 17)
 
     def layout(self):
         cmake_layout(self)

@@ -87,3 +87,8 @@ conan_expect_refused("32-bit x86" "${platforms}[^\n]*: not Linux on x86\n" -s ar
 packaging_run("conan install --requires=gpukit/${VERSION} -s arch=armv8 is accepted"
   COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -s arch=armv8 --no-remote
           --output-folder "${WORK_DIR}/armv8")
+
+# gpukit is C++17: a consumer profile with an older standard is refused (conan create above used the detected
+# profile's standard, gnu17 for gcc 12).
+conan_expect_refused("C++14" "Current cppstd \\(14\\) is lower than the required C\\+\\+ standard \\(17\\)"
+  -s compiler.cppstd=14)
