@@ -5,8 +5,8 @@
 #   conan profile detect --exist-ok
 #   conan create packaging/conan          # from the repository root; builds and runs test_package/
 #
-# The CUDA toolkit is not a Conan package: gpukitConfig.cmake finds it on the consumer's machine with
-# find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
+# The CUDA toolkit is not a Conan package, and creating gpukit's package needs none: gpukitConfig.cmake finds it on the
+# consumer's machine with find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
 import os
 import re
 
@@ -67,6 +67,9 @@ class GpukitConan(ConanFile):
         tc.cache_variables["GPUKIT_BUILD_BENCHMARKS"] = False
         tc.cache_variables["GPUKIT_INSTALL"] = True
         tc.cache_variables["GPUKIT_INSTALL_CMAKEDIR"] = _CMAKE_DIR.replace("\\", "/")
+        # Nothing is compiled, so the package needs no CUDA toolkit: hiding it proves that (and leaves out gpukit.pc,
+        # which would record this machine's toolkit).
+        tc.cache_variables["CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit"] = True
         tc.generate()
 
     def build(self):
@@ -77,11 +80,7 @@ class GpukitConan(ConanFile):
         cmake = CMake(self)
         cmake.install()
         copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
-        # gpukit.pc records the CUDA paths of the machine that built the package; Conan consumers use CMake (or
-        # PkgConfigDeps, from package_info), so it is left out, as is the second copy of the license.
-        rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
-        rmdir(self, os.path.join(self.package_folder, "lib"))
-        rmdir(self, os.path.join(self.package_folder, "share", "doc"))
+        rmdir(self, os.path.join(self.package_folder, "share", "doc"))  # the second copy of the license
         rmdir(self, os.path.join(self.package_folder, "res"))
 
     def package_id(self):

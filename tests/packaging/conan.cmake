@@ -54,6 +54,9 @@ packaging_run("conan create packaging/conan (builds the package, then builds and
   COMMAND "${conan}" create "${SOURCE_DIR}/packaging/conan" --test-folder "${WORK_DIR}/test_package" --no-remote
           ${conf})
 packaging_expect_match("conan create" "${out}" "gpukit/${VERSION}" "gpukit ${VERSION} from Conan: .*stream work done")
+# The recipe hides the CUDA toolkit from gpukit's configure: creating the package needs none.
+packaging_expect_match("conan create configures gpukit without CUDA" "${out}"
+  "gpukit: no CUDA toolkit found: gpukit\\.pc is not installed")
 
 # The package is the same for every configuration, and holds gpukit's own CMake package.
 packaging_run("conan list gpukit/${VERSION}:*" OUTPUT_VARIABLE listing COMMAND "${conan}" list "gpukit/${VERSION}:*")
@@ -67,6 +70,9 @@ foreach(file include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake sha
     packaging_fail("the Conan package (${package_folder}) lacks ${file}")
   endif()
 endforeach()
+if(EXISTS "${package_folder}/lib")
+  packaging_fail("the Conan package (${package_folder}) has a lib/ directory (gpukit.pc?)")
+endif()
 message(STATUS "the Conan package holds gpukit's headers, its CMake package and the license")
 
 # Who may use the package is decided in validate() with the consumer's settings (package_id() clears them for the

@@ -1,6 +1,7 @@
 # Packaging tests (ctest label `packaging`): every route by which users consume gpukit is proven by configuring,
 # building and running a separate consumer project:
-#   packaging.install            cmake --install into a prefix, and checks of the installed tree (fixture)
+#   packaging.install            cmake --install into a prefix, and checks of the installed tree (fixture); the same
+#                                install without a CUDA toolkit gives the same CMake package
 #   packaging.find_package       find_package(gpukit CONFIG REQUIRED) on a moved copy of that prefix; version checks
 #   packaging.pkg_config         pkg-config --cflags --libs gpukit, on a moved copy of that prefix
 #   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit
