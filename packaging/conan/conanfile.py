@@ -96,8 +96,25 @@ class GpukitConan(ConanFile):
         self.cpp_info.set_property("cmake_target_name", "gpukit::gpukit")
         self.cpp_info.builddirs = [_CMAKE_DIR]
         self.cpp_info.bindirs = []
-        self.cpp_info.libdirs = []
-        # For other generators (PkgConfigDeps, ...): the include directory and the system libraries. CUDA's include
-        # directory and -lcudart are the consumer's to add there.
+        # For other generators (PkgConfigDeps, ...): gpukit's include directory, CUDA's include and library
+        # directories (absolute: outside the package, which has no lib/) and what gpukitConfig.cmake links.
+        # CMakeToolchain puts these directories on CMAKE_INCLUDE_PATH and CMAKE_LIBRARY_PATH too, which FindCUDAToolkit
+        # searches for CUDA::cudart before the toolkit it found, unless CUDAToolkit_ROOT is set: a CMake consumer
+        # that picks another toolkit by PATH alone sets CUDAToolkit_ROOT or this conf to it.
         self.cpp_info.set_property("pkg_config_name", "gpukit")
-        self.cpp_info.system_libs = ["pthread", "dl"]
+        cuda = self._cuda_root()
+        if not os.path.isfile(os.path.join(cuda, "include", "cuda_runtime_api.h")):
+            self.output.warning(f"no CUDA toolkit in {cuda} (user.gpukit:cuda_root, else CUDA_PATH, CUDA_HOME, "
+                                "/usr/local/cuda): generators other than CMake's need -c user.gpukit:cuda_root=<root>")
+        cuda_lib = os.path.join(cuda, "lib64")
+        if not os.path.isdir(cuda_lib):
+            cuda_lib = os.path.join(cuda, "lib")
+        self.cpp_info.includedirs = ["include", os.path.join(cuda, "include")]
+        self.cpp_info.libdirs = [cuda_lib]
+        self.cpp_info.system_libs = ["cudart", "pthread", "dl"]
+
+    def _cuda_root(self):
+        # package_info() runs wherever the package is used, so the conf and environment are the consumer's.
+        root = (self.conf.get("user.gpukit:cuda_root", check_type=str) or os.environ.get("CUDA_PATH")
+                or os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+        return os.path.abspath(root)

@@ -1,8 +1,9 @@
 # packaging.conan: the recipe files hold no Conan 1 attribute; `conan create packaging/conan` builds the Conan 2
-# package from this checkout, then builds and runs its test_package; unsupported consumer configurations are refused
-# with a message that says why. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and
-# nothing is fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is
-# copied into the build tree first so that Conan writes nothing into the source tree.
+# package from this checkout without a CUDA toolkit, then builds and runs its test_package; unsupported consumer
+# configurations are refused with a message that says why; a program built with only the gpukit.pc that PkgConfigDeps
+# generates runs. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and nothing is
+# fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is copied
+# into the build tree first so that Conan writes nothing into the source tree.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
 
@@ -98,3 +99,76 @@ packaging_run("conan install --requires=gpukit/${VERSION} -s arch=armv8 is accep
 # profile's standard, gnu17 for gcc 12).
 conan_expect_refused("C++14" "Current cppstd \\(14\\) is lower than the required C\\+\\+ standard \\(17\\)"
   -s compiler.cppstd=14)
+
+# --- PkgConfigDeps: a consumer that is not CMake gets CUDA from package_info ---
+# The CUDA root is the consumer's: the conf user.gpukit:cuda_root at install time, else CUDA_PATH, CUDA_HOME,
+# /usr/local/cuda. CUDA_PATH names a directory that holds no toolkit, so the program below builds only if the conf
+# wins; then, without the conf, CUDA_PATH must.
+if(NOT CUDA_ROOT OR NOT EXISTS "${CUDA_ROOT}/include")
+  packaging_fail("-DCUDA_ROOT=<the CUDA toolkit the outer build found> is missing or wrong: \"${CUDA_ROOT}\"")
+endif()
+find_program(pkg_config NAMES pkg-config pkgconf)
+if(NOT pkg_config)
+  packaging_fail("pkg-config was not found (Debian: apt-get install pkg-config; or run .ci/install-deps)")
+endif()
+set(ENV{CUDA_PATH} "${WORK_DIR}/not-a-cuda-toolkit")
+set(pc_dir "${WORK_DIR}/pkgconfigdeps")
+packaging_run("conan install --requires=gpukit/${VERSION} -g PkgConfigDeps -c user.gpukit:cuda_root=${CUDA_ROOT}"
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -g PkgConfigDeps -c "user.gpukit:cuda_root=${CUDA_ROOT}"
+          --no-remote --output-folder "${pc_dir}")
+if(NOT EXISTS "${pc_dir}/gpukit.pc")
+  packaging_fail("PkgConfigDeps wrote no gpukit.pc into ${pc_dir}")
+endif()
+file(READ "${pc_dir}/gpukit.pc" pc)
+foreach(expected "${CUDA_ROOT}/include" "-lcudart" "-lpthread" "-ldl")
+  string(FIND "${pc}" "${expected}" at)
+  if(at EQUAL -1)
+    packaging_fail("gpukit.pc from PkgConfigDeps does not name ${expected}:\n${pc}")
+  endif()
+endforeach()
+
+# Only the generated gpukit.pc counts: no other pkg-config directory, no compiler search path from the environment.
+set(ENV{PKG_CONFIG_PATH} "${pc_dir}")
+set(ENV{PKG_CONFIG_LIBDIR} "${pc_dir}")
+foreach(var CPATH C_INCLUDE_PATH CPLUS_INCLUDE_PATH LIBRARY_PATH)
+  unset(ENV{${var}})
+endforeach()
+packaging_run("pkg-config --cflags --libs gpukit (PkgConfigDeps)" SHOW_OUTPUT OUTPUT_VARIABLE flags
+  COMMAND "${pkg_config}" --cflags --libs gpukit)
+separate_arguments(flags UNIX_COMMAND "${flags}")
+set(found_header "")
+set(found_library "")
+foreach(flag IN LISTS flags)
+  if(flag MATCHES "^-I(.+)$")
+    if(EXISTS "${CMAKE_MATCH_1}/cuda_runtime_api.h")
+      set(found_header "${CMAKE_MATCH_1}")
+    endif()
+  elseif(flag MATCHES "^-L(.+)$")
+    file(GLOB cudart "${CMAKE_MATCH_1}/libcudart.so*")
+    if(cudart)
+      set(found_library "${CMAKE_MATCH_1}")
+    endif()
+  endif()
+endforeach()
+if(NOT found_header OR NOT found_library OR NOT "-lcudart" IN_LIST flags)
+  packaging_fail("pkg-config's flags must name CUDA's include directory (-I, with cuda_runtime_api.h: "
+                 "\"${found_header}\"), its library directory (-L, with libcudart: \"${found_library}\") and -lcudart")
+endif()
+set(program "${WORK_DIR}/pkgconfigdeps-consumer")
+packaging_run("compile and link: ${CXX_COMPILER} -std=c++17 consumer_main.cpp $(pkg-config --cflags --libs gpukit)"
+  COMMAND "${CXX_COMPILER}" -std=c++17 "-DGPUKIT_EXPECTED_VERSION=\"${VERSION}\"" "${PACKAGING_DIR}/consumer_main.cpp"
+          ${flags} "-Wl,-rpath,${found_library}" -o "${program}")
+packaging_run_consumer("run the PkgConfigDeps consumer" "${program}")
+
+packaging_run("conan install -g PkgConfigDeps without the conf: CUDA_PATH is the CUDA root" OUTPUT_VARIABLE out
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -g PkgConfigDeps --no-remote
+          --output-folder "${WORK_DIR}/pkgconfigdeps-cuda-path")
+file(READ "${WORK_DIR}/pkgconfigdeps-cuda-path/gpukit.pc" pc)
+string(FIND "${pc}" "$ENV{CUDA_PATH}/include" at)
+if(at EQUAL -1)
+  packaging_fail("without user.gpukit:cuda_root, gpukit.pc from PkgConfigDeps should name $ENV{CUDA_PATH}/include:\n"
+                 "${pc}")
+endif()
+packaging_expect_match("conan install warns about a CUDA root without a toolkit" "${out}"
+  "gpukit/${VERSION}: WARN: [^\n]*no CUDA toolkit in [^\n]*not-a-cuda-toolkit")
+message(STATUS "PkgConfigDeps: gpukit.pc names the consumer's CUDA root")

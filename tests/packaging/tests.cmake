@@ -6,7 +6,8 @@
 #   packaging.pkg_config         pkg-config --cflags --libs gpukit, on a moved copy of that prefix
 #   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit
 #   packaging.fetchcontent       FetchContent of this checkout
-#   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME
+#   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME; refused
+#                                configurations; a PkgConfigDeps consumer
 #   packaging.vcpkg_files        the vcpkg port's files parse and agree with the install layout (vcpkg is not run)
 # They take a while and need pkg-config and Conan 2 (.ci/install-deps installs both), so they are registered only
 # with -DGPUKIT_TEST_PACKAGING=ON (tests/run_all.sh turns it on in its gcc-cxx17 configuration). A missing tool makes
@@ -20,6 +21,7 @@ endif()
 set(gpukit_packaging_drivers "${CMAKE_CURRENT_LIST_DIR}")
 set(gpukit_packaging_work "${CMAKE_CURRENT_BINARY_DIR}/packaging")
 string(REPLACE ";" "|" gpukit_packaging_cuda_includes "${CUDAToolkit_INCLUDE_DIRS}")
+get_filename_component(gpukit_packaging_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
 set(gpukit_packaging_args
   "-DSOURCE_DIR=${PROJECT_SOURCE_DIR}"
   "-DPREFIX=${gpukit_packaging_work}/install/prefix"
@@ -29,7 +31,8 @@ set(gpukit_packaging_args
   "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
   "-DCTEST_COMMAND=${CMAKE_CTEST_COMMAND}"
   "-DCUDA_INCLUDE_DIRS=${gpukit_packaging_cuda_includes}"
-  "-DCUDA_LIBRARY_DIR=${CUDAToolkit_LIBRARY_DIR}")
+  "-DCUDA_LIBRARY_DIR=${CUDAToolkit_LIBRARY_DIR}"
+  "-DCUDA_ROOT=${gpukit_packaging_cuda_root}")
 
 # gpukit_add_packaging_test(<name> [TIMEOUT <s>] [FIXTURES_SETUP <f>] [FIXTURES_REQUIRED <f>])
 # runs tests/packaging/<name>.cmake. Each test builds with -j2 and claims 2 processors from ctest -j.
