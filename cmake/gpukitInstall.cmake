@@ -14,7 +14,7 @@
 # Installed layout, relative to the install prefix (each directory can be changed with the cache variable named):
 #   include/gpukit/...                     the headers                                   CMAKE_INSTALL_INCLUDEDIR
 #   share/cmake/gpukit/gpukit*.cmake       CMake package (architecture-independent)      GPUKIT_INSTALL_CMAKEDIR
-#   lib/pkgconfig/gpukit.pc                pkg-config file                               GPUKIT_INSTALL_PKGCONFIGDIR
+#   lib/pkgconfig/gpukit.pc                pkg-config file (only if CUDA was found)      GPUKIT_INSTALL_PKGCONFIGDIR
 #   share/doc/gpukit/LICENSE
 #
 # Every rule belongs to the install component `gpukit` (cmake --install <build> --component gpukit).
@@ -71,39 +71,47 @@ install(FILES "${gpukit_package_dir}/gpukitConfig.cmake" "${gpukit_package_dir}/
 # directory (CUDAToolkit_INCLUDE_DIRS) and library directory (CUDAToolkit_LIBRARY_DIR) become the variables
 # cuda_includedir and cuda_libdir, which a user of another toolkit overrides with
 # `pkg-config --define-variable=cuda_libdir=... --define-variable=cuda_includedir=...`.
-if(IS_ABSOLUTE "${GPUKIT_INSTALL_PKGCONFIGDIR}")
-  set(gpukit_pc_prefix "${CMAKE_INSTALL_PREFIX}")
-else()
-  file(RELATIVE_PATH gpukit_pc_up "/gpukit-prefix/${GPUKIT_INSTALL_PKGCONFIGDIR}" "/gpukit-prefix")
-  string(REGEX REPLACE "/$" "" gpukit_pc_up "${gpukit_pc_up}")
-  set(gpukit_pc_prefix "\${pcfiledir}/${gpukit_pc_up}")
-endif()
-if(IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
-  set(gpukit_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
-else()
-  set(gpukit_pc_includedir "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
-endif()
-set(gpukit_pc_cuda_includedir "")
-set(gpukit_pc_cflags_extra "")
-foreach(gpukit_dir IN LISTS CUDAToolkit_INCLUDE_DIRS)
-  if(gpukit_pc_cuda_includedir STREQUAL "")
-    set(gpukit_pc_cuda_includedir "${gpukit_dir}")
+# Without a toolkit (a top-level configure that builds nothing and found none, e.g. with
+# -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON as the Conan recipe does) there are no paths to record, so gpukit.pc
+# is not installed; the CMake package is the same either way.
+if(CUDAToolkit_FOUND)
+  if(IS_ABSOLUTE "${GPUKIT_INSTALL_PKGCONFIGDIR}")
+    set(gpukit_pc_prefix "${CMAKE_INSTALL_PREFIX}")
   else()
-    string(APPEND gpukit_pc_cflags_extra " -I${gpukit_dir}")
+    file(RELATIVE_PATH gpukit_pc_up "/gpukit-prefix/${GPUKIT_INSTALL_PKGCONFIGDIR}" "/gpukit-prefix")
+    string(REGEX REPLACE "/$" "" gpukit_pc_up "${gpukit_pc_up}")
+    set(gpukit_pc_prefix "\${pcfiledir}/${gpukit_pc_up}")
   endif()
-endforeach()
-set(gpukit_pc_cuda_libdir "${CUDAToolkit_LIBRARY_DIR}")
-set(gpukit_pc_system_libs "")
-if(UNIX)
-  string(APPEND gpukit_pc_system_libs " -lpthread")
+  if(IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
+    set(gpukit_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
+  else()
+    set(gpukit_pc_includedir "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
+  endif()
+  set(gpukit_pc_cuda_includedir "")
+  set(gpukit_pc_cflags_extra "")
+  foreach(gpukit_dir IN LISTS CUDAToolkit_INCLUDE_DIRS)
+    if(gpukit_pc_cuda_includedir STREQUAL "")
+      set(gpukit_pc_cuda_includedir "${gpukit_dir}")
+    else()
+      string(APPEND gpukit_pc_cflags_extra " -I${gpukit_dir}")
+    endif()
+  endforeach()
+  set(gpukit_pc_cuda_libdir "${CUDAToolkit_LIBRARY_DIR}")
+  set(gpukit_pc_system_libs "")
+  if(UNIX)
+    string(APPEND gpukit_pc_system_libs " -lpthread")
+  endif()
+  foreach(gpukit_lib IN LISTS CMAKE_DL_LIBS)
+    string(APPEND gpukit_pc_system_libs " -l${gpukit_lib}")
+  endforeach()
+  configure_file("${CMAKE_CURRENT_LIST_DIR}/gpukit.pc.in" "${gpukit_package_dir}/gpukit.pc" @ONLY)
+  install(FILES "${gpukit_package_dir}/gpukit.pc"
+    DESTINATION "${GPUKIT_INSTALL_PKGCONFIGDIR}"
+    COMPONENT gpukit)
+else()
+  message(STATUS "gpukit: no CUDA toolkit found: gpukit.pc is not installed (it records the toolkit's paths); the "
+                 "CMake package does not need them")
 endif()
-foreach(gpukit_lib IN LISTS CMAKE_DL_LIBS)
-  string(APPEND gpukit_pc_system_libs " -l${gpukit_lib}")
-endforeach()
-configure_file("${CMAKE_CURRENT_LIST_DIR}/gpukit.pc.in" "${gpukit_package_dir}/gpukit.pc" @ONLY)
-install(FILES "${gpukit_package_dir}/gpukit.pc"
-  DESTINATION "${GPUKIT_INSTALL_PKGCONFIGDIR}"
-  COMPONENT gpukit)
 
 # --- license -------------------------------------------------------------------------------------------------------
 # Not CMAKE_INSTALL_DOCDIR: inside a parent project that is share/doc/<parent>, and two LICENSE files would collide.

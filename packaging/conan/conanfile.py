@@ -5,13 +5,14 @@
 #   conan profile detect --exist-ok
 #   conan create packaging/conan          # from the repository root; builds and runs test_package/
 #
-# The CUDA toolkit is not a Conan package: gpukitConfig.cmake finds it on the consumer's machine with
-# find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
+# The CUDA toolkit is not a Conan package, and creating gpukit's package needs none: gpukitConfig.cmake finds it on the
+# consumer's machine with find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
 import os
 import re
 
 from conan import ConanFile
 from conan.errors import ConanInvalidConfiguration
+from conan.tools.build import check_min_cppstd
 from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
 from conan.tools.files import copy, load, rmdir
 
@@ -47,8 +48,14 @@ class GpukitConan(ConanFile):
             copy(self, pattern, src=root, dst=self.export_sources_folder)
 
     def validate(self):
-        if self.settings.os not in ("Linux", "FreeBSD"):
-            raise ConanInvalidConfiguration("gpukit supports Linux only (it loads NVML with dlopen)")
+        # self.settings, not self.info (cleared in package_id): the consumer's configuration. CUDA's Linux toolkit
+        # exists for x86_64 and arm64 only, gpukit loads NVML with dlopen, and its headers need C++17.
+        os_, arch = self.settings.os, self.settings.arch
+        if os_ != "Linux" or arch not in ("x86_64", "armv8"):
+            raise ConanInvalidConfiguration(
+                f"gpukit supports Linux on x86_64 or armv8 only (the platforms of CUDA's Linux toolkit): "
+                f"not {os_} on {arch}")
+        check_min_cppstd(self, 17)
 
     def layout(self):
         cmake_layout(self)
@@ -60,6 +67,9 @@ class GpukitConan(ConanFile):
         tc.cache_variables["GPUKIT_BUILD_BENCHMARKS"] = False
         tc.cache_variables["GPUKIT_INSTALL"] = True
         tc.cache_variables["GPUKIT_INSTALL_CMAKEDIR"] = _CMAKE_DIR.replace("\\", "/")
+        # Nothing is compiled, so the package needs no CUDA toolkit: hiding it proves that (and leaves out gpukit.pc,
+        # which would record this machine's toolkit).
+        tc.cache_variables["CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit"] = True
         tc.generate()
 
     def build(self):
@@ -70,11 +80,7 @@ class GpukitConan(ConanFile):
         cmake = CMake(self)
         cmake.install()
         copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
-        # gpukit.pc records the CUDA paths of the machine that built the package; Conan consumers use CMake (or
-        # PkgConfigDeps, from package_info), so it is left out, as is the second copy of the license.
-        rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
-        rmdir(self, os.path.join(self.package_folder, "lib"))
-        rmdir(self, os.path.join(self.package_folder, "share", "doc"))
+        rmdir(self, os.path.join(self.package_folder, "share", "doc"))  # the second copy of the license
         rmdir(self, os.path.join(self.package_folder, "res"))
 
     def package_id(self):
@@ -90,8 +96,25 @@ class GpukitConan(ConanFile):
         self.cpp_info.set_property("cmake_target_name", "gpukit::gpukit")
         self.cpp_info.builddirs = [_CMAKE_DIR]
         self.cpp_info.bindirs = []
-        self.cpp_info.libdirs = []
-        # For other generators (PkgConfigDeps, ...): the include directory and the system libraries. CUDA's include
-        # directory and -lcudart are the consumer's to add there.
+        # For other generators (PkgConfigDeps, ...): gpukit's include directory, CUDA's include and library
+        # directories (absolute: outside the package, which has no lib/) and what gpukitConfig.cmake links.
+        # CMakeToolchain puts these directories on CMAKE_INCLUDE_PATH and CMAKE_LIBRARY_PATH too, which FindCUDAToolkit
+        # searches for CUDA::cudart before the toolkit it found, unless CUDAToolkit_ROOT is set: a CMake consumer
+        # that picks another toolkit by PATH alone sets CUDAToolkit_ROOT or this conf to it.
         self.cpp_info.set_property("pkg_config_name", "gpukit")
-        self.cpp_info.system_libs = ["pthread", "dl"]
+        cuda = self._cuda_root()
+        if not os.path.isfile(os.path.join(cuda, "include", "cuda_runtime_api.h")):
+            self.output.warning(f"no CUDA toolkit in {cuda} (user.gpukit:cuda_root, else CUDA_PATH, CUDA_HOME, "
+                                "/usr/local/cuda): generators other than CMake's need -c user.gpukit:cuda_root=<root>")
+        cuda_lib = os.path.join(cuda, "lib64")
+        if not os.path.isdir(cuda_lib):
+            cuda_lib = os.path.join(cuda, "lib")
+        self.cpp_info.includedirs = ["include", os.path.join(cuda, "include")]
+        self.cpp_info.libdirs = [cuda_lib]
+        self.cpp_info.system_libs = ["cudart", "pthread", "dl"]
+
+    def _cuda_root(self):
+        # package_info() runs wherever the package is used, so the conf and environment are the consumer's.
+        root = (self.conf.get("user.gpukit:cuda_root", check_type=str) or os.environ.get("CUDA_PATH")
+                or os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+        return os.path.abspath(root)

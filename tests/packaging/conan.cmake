@@ -1,9 +1,30 @@
-# packaging.conan: `conan create packaging/conan` builds the Conan 2 package from this checkout, then builds and runs
-# its test_package. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and nothing is
+# packaging.conan: the recipe files hold no Conan 1 attribute; `conan create packaging/conan` builds the Conan 2
+# package from this checkout without a CUDA toolkit, then builds and runs its test_package; unsupported consumer
+# configurations are refused with a message that says why; a program built with only the gpukit.pc that PkgConfigDeps
+# generates runs. CONAN_HOME is a directory of this test (the user's ~/.conan2 is never touched) and nothing is
 # fetched: gpukit has no Conan requirements, and --no-remote keeps Conan off the network. test_package/ is copied
 # into the build tree first so that Conan writes nothing into the source tree.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
+
+# Conan 2 ignores Conan-1-only attributes silently (test_type) or fails only on the path that uses them, so the
+# recipe files are searched for them.
+file(GLOB_RECURSE recipes "${SOURCE_DIR}/packaging/conan/*.py")
+list(LENGTH recipes n)
+if(n LESS 2)
+  packaging_fail("expected the recipe and test_package/conanfile.py under packaging/conan, found: ${recipes}")
+endif()
+foreach(recipe IN LISTS recipes)
+  file(READ "${recipe}" text)
+  foreach(conan1 "test_type" "self.copy(" "from conans " "from conans." "import conans" "cpp_info.names"
+                 "cpp_info.filenames" "build_requires =" "self.build_requires(")
+    string(FIND "${text}" "${conan1}" at)
+    if(NOT at EQUAL -1)
+      packaging_fail("${recipe} uses the Conan 1 attribute \"${conan1}\"")
+    endif()
+  endforeach()
+endforeach()
+message(STATUS "no Conan 1 attribute in the ${n} recipe files")
 
 if(DEFINED ENV{GPUKIT_CONAN_EXECUTABLE} AND NOT "$ENV{GPUKIT_CONAN_EXECUTABLE}" STREQUAL "")
   set(conan "$ENV{GPUKIT_CONAN_EXECUTABLE}")
@@ -34,6 +55,9 @@ packaging_run("conan create packaging/conan (builds the package, then builds and
   COMMAND "${conan}" create "${SOURCE_DIR}/packaging/conan" --test-folder "${WORK_DIR}/test_package" --no-remote
           ${conf})
 packaging_expect_match("conan create" "${out}" "gpukit/${VERSION}" "gpukit ${VERSION} from Conan: .*stream work done")
+# The recipe hides the CUDA toolkit from gpukit's configure: creating the package needs none.
+packaging_expect_match("conan create configures gpukit without CUDA" "${out}"
+  "gpukit: no CUDA toolkit found: gpukit\\.pc is not installed")
 
 # The package is the same for every configuration, and holds gpukit's own CMake package.
 packaging_run("conan list gpukit/${VERSION}:*" OUTPUT_VARIABLE listing COMMAND "${conan}" list "gpukit/${VERSION}:*")
@@ -47,4 +71,104 @@ foreach(file include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake sha
     packaging_fail("the Conan package (${package_folder}) lacks ${file}")
   endif()
 endforeach()
+if(EXISTS "${package_folder}/lib")
+  packaging_fail("the Conan package (${package_folder}) has a lib/ directory (gpukit.pc?)")
+endif()
 message(STATUS "the Conan package holds gpukit's headers, its CMake package and the license")
+
+# Who may use the package is decided in validate() with the consumer's settings (package_id() clears them for the
+# package id, not for validate()). A refused configuration must say why.
+function(conan_expect_refused what regex)
+  string(JOIN " " shown ${ARGN})
+  packaging_run("conan install --requires=gpukit/${VERSION} ${shown} is refused" EXPECT_FAILURE OUTPUT_VARIABLE out
+    COMMAND "${conan}" install "--requires=gpukit/${VERSION}" ${ARGN} --no-remote
+            --output-folder "${WORK_DIR}/refused")
+  packaging_expect_match("the refusal of ${what}" "${out}" "gpukit/${VERSION}: Invalid: [^\n]*${regex}")
+endfunction()
+
+# CUDA's platforms only: Linux on x86_64 or armv8. The message names the platform that was asked for.
+set(platforms "gpukit supports Linux on x86_64 or armv8 only")
+conan_expect_refused("Windows" "${platforms}[^\n]*: not Windows on x86_64" -s os=Windows)
+conan_expect_refused("FreeBSD" "${platforms}[^\n]*: not FreeBSD on x86_64" -s os=FreeBSD)
+conan_expect_refused("32-bit x86" "${platforms}[^\n]*: not Linux on x86\n" -s arch=x86)
+packaging_run("conan install --requires=gpukit/${VERSION} -s arch=armv8 is accepted"
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -s arch=armv8 --no-remote
+          --output-folder "${WORK_DIR}/armv8")
+
+# gpukit is C++17: a consumer profile with an older standard is refused (conan create above used the detected
+# profile's standard, gnu17 for gcc 12).
+conan_expect_refused("C++14" "Current cppstd \\(14\\) is lower than the required C\\+\\+ standard \\(17\\)"
+  -s compiler.cppstd=14)
+
+# --- PkgConfigDeps: a consumer that is not CMake gets CUDA from package_info ---
+# The CUDA root is the consumer's: the conf user.gpukit:cuda_root at install time, else CUDA_PATH, CUDA_HOME,
+# /usr/local/cuda. CUDA_PATH names a directory that holds no toolkit, so the program below builds only if the conf
+# wins; then, without the conf, CUDA_PATH must.
+if(NOT CUDA_ROOT OR NOT EXISTS "${CUDA_ROOT}/include")
+  packaging_fail("-DCUDA_ROOT=<the CUDA toolkit the outer build found> is missing or wrong: \"${CUDA_ROOT}\"")
+endif()
+find_program(pkg_config NAMES pkg-config pkgconf)
+if(NOT pkg_config)
+  packaging_fail("pkg-config was not found (Debian: apt-get install pkg-config; or run .ci/install-deps)")
+endif()
+set(ENV{CUDA_PATH} "${WORK_DIR}/not-a-cuda-toolkit")
+set(pc_dir "${WORK_DIR}/pkgconfigdeps")
+packaging_run("conan install --requires=gpukit/${VERSION} -g PkgConfigDeps -c user.gpukit:cuda_root=${CUDA_ROOT}"
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -g PkgConfigDeps -c "user.gpukit:cuda_root=${CUDA_ROOT}"
+          --no-remote --output-folder "${pc_dir}")
+if(NOT EXISTS "${pc_dir}/gpukit.pc")
+  packaging_fail("PkgConfigDeps wrote no gpukit.pc into ${pc_dir}")
+endif()
+file(READ "${pc_dir}/gpukit.pc" pc)
+foreach(expected "${CUDA_ROOT}/include" "-lcudart" "-lpthread" "-ldl")
+  string(FIND "${pc}" "${expected}" at)
+  if(at EQUAL -1)
+    packaging_fail("gpukit.pc from PkgConfigDeps does not name ${expected}:\n${pc}")
+  endif()
+endforeach()
+
+# Only the generated gpukit.pc counts: no other pkg-config directory, no compiler search path from the environment.
+set(ENV{PKG_CONFIG_PATH} "${pc_dir}")
+set(ENV{PKG_CONFIG_LIBDIR} "${pc_dir}")
+foreach(var CPATH C_INCLUDE_PATH CPLUS_INCLUDE_PATH LIBRARY_PATH)
+  unset(ENV{${var}})
+endforeach()
+packaging_run("pkg-config --cflags --libs gpukit (PkgConfigDeps)" SHOW_OUTPUT OUTPUT_VARIABLE flags
+  COMMAND "${pkg_config}" --cflags --libs gpukit)
+separate_arguments(flags UNIX_COMMAND "${flags}")
+set(found_header "")
+set(found_library "")
+foreach(flag IN LISTS flags)
+  if(flag MATCHES "^-I(.+)$")
+    if(EXISTS "${CMAKE_MATCH_1}/cuda_runtime_api.h")
+      set(found_header "${CMAKE_MATCH_1}")
+    endif()
+  elseif(flag MATCHES "^-L(.+)$")
+    file(GLOB cudart "${CMAKE_MATCH_1}/libcudart.so*")
+    if(cudart)
+      set(found_library "${CMAKE_MATCH_1}")
+    endif()
+  endif()
+endforeach()
+if(NOT found_header OR NOT found_library OR NOT "-lcudart" IN_LIST flags)
+  packaging_fail("pkg-config's flags must name CUDA's include directory (-I, with cuda_runtime_api.h: "
+                 "\"${found_header}\"), its library directory (-L, with libcudart: \"${found_library}\") and -lcudart")
+endif()
+set(program "${WORK_DIR}/pkgconfigdeps-consumer")
+packaging_run("compile and link: ${CXX_COMPILER} -std=c++17 consumer_main.cpp $(pkg-config --cflags --libs gpukit)"
+  COMMAND "${CXX_COMPILER}" -std=c++17 "-DGPUKIT_EXPECTED_VERSION=\"${VERSION}\"" "${PACKAGING_DIR}/consumer_main.cpp"
+          ${flags} "-Wl,-rpath,${found_library}" -o "${program}")
+packaging_run_consumer("run the PkgConfigDeps consumer" "${program}")
+
+packaging_run("conan install -g PkgConfigDeps without the conf: CUDA_PATH is the CUDA root" OUTPUT_VARIABLE out
+  COMMAND "${conan}" install "--requires=gpukit/${VERSION}" -g PkgConfigDeps --no-remote
+          --output-folder "${WORK_DIR}/pkgconfigdeps-cuda-path")
+file(READ "${WORK_DIR}/pkgconfigdeps-cuda-path/gpukit.pc" pc)
+string(FIND "${pc}" "$ENV{CUDA_PATH}/include" at)
+if(at EQUAL -1)
+  packaging_fail("without user.gpukit:cuda_root, gpukit.pc from PkgConfigDeps should name $ENV{CUDA_PATH}/include:\n"
+                 "${pc}")
+endif()
+packaging_expect_match("conan install warns about a CUDA root without a toolkit" "${out}"
+  "gpukit/${VERSION}: WARN: [^\n]*no CUDA toolkit in [^\n]*not-a-cuda-toolkit")
+message(STATUS "PkgConfigDeps: gpukit.pc names the consumer's CUDA root")

@@ -1,6 +1,7 @@
 # packaging.install (fixture for the tests that consume an installed gpukit): configure the source tree afresh with
 # tests, examples and benchmarks off, install it into PREFIX, and check the installed tree: exactly the expected
-# files, and no path of this machine in the CMake package.
+# files, and no path of this machine in the CMake package. Then the same install with the CUDA toolkit hidden must
+# give the same CMake package, which a find_package consumer uses.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 packaging_fresh_dir("${WORK_DIR}")
 file(REMOVE_RECURSE "${PREFIX}")
@@ -86,3 +87,48 @@ file(READ "${PREFIX}/lib/pkgconfig/gpukit.pc" pc)
 packaging_expect_match("gpukit.pc" "${pc}" "\nprefix=\\\${pcfiledir}/\\.\\./\\.\\.\n" "\nVersion: ${VERSION}\n"
   "\nLibs: [^\n]*-lcudart")
 message(STATUS "install tree of gpukit ${VERSION} in ${PREFIX}: ok")
+
+# --- no CUDA toolkit is needed to install ---
+# Package managers install gpukit where there may be no toolkit (the Conan recipe disables the search to prove it).
+# Nothing is compiled then, so CUDA is not looked for: the installed files must be the same, byte for byte, except
+# gpukit.pc, which records the toolkit's paths and is left out with a message. gpukitConfig.cmake still finds CUDA
+# on the consumer's machine, as the find_package consumer below shows.
+set(build "${WORK_DIR}/build-no-cuda")
+set(no_cuda_prefix "${WORK_DIR}/prefix-no-cuda")
+packaging_configure("configure gpukit with -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON (nothing to compile)"
+  "${SOURCE_DIR}" "${build}" OUTPUT_VARIABLE out
+  ARGS "-DCMAKE_INSTALL_PREFIX=${configured_prefix}" -DGPUKIT_BUILD_TESTS=OFF -DGPUKIT_BUILD_EXAMPLES=OFF
+       -DGPUKIT_BUILD_BENCHMARKS=OFF -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON)
+packaging_expect_match("the configure without CUDA" "${out}" "no CUDA toolkit found: gpukit\\.pc is not installed")
+packaging_build("build without CUDA (nothing to compile)" "${build}")
+packaging_run("cmake --install into ${no_cuda_prefix}"
+  COMMAND "${CMAKE_COMMAND}" --install "${build}" --prefix "${no_cuda_prefix}")
+file(GLOB_RECURSE installed_no_cuda LIST_DIRECTORIES false RELATIVE "${no_cuda_prefix}" "${no_cuda_prefix}/*")
+set(expected_no_cuda ${expected})
+list(REMOVE_ITEM expected_no_cuda "lib/pkgconfig/gpukit.pc")
+list(SORT installed_no_cuda)
+list(SORT expected_no_cuda)
+if(NOT installed_no_cuda STREQUAL expected_no_cuda)
+  string(REPLACE ";" "\n  " installed_no_cuda "${installed_no_cuda}")
+  packaging_fail("installed without CUDA, the files are not those of the normal install less gpukit.pc:\n  "
+                 "${installed_no_cuda}")
+endif()
+foreach(file IN LISTS expected_no_cuda)
+  file(READ "${PREFIX}/${file}" normal)
+  file(READ "${no_cuda_prefix}/${file}" no_cuda)
+  if(NOT no_cuda STREQUAL normal)
+    packaging_fail("${file} installed without CUDA differs from the normal install's.\nnormal:\n${normal}\n"
+                   "without CUDA:\n${no_cuda}")
+  endif()
+endforeach()
+list(LENGTH expected_no_cuda n)
+message(STATUS "installed without CUDA: the same ${n} files, gpukit.pc left out")
+
+set(build "${WORK_DIR}/consumer-no-cuda")
+packaging_configure("configure the find_package consumer of the install without CUDA"
+  "${PACKAGING_DIR}/find_package_consumer" "${build}"
+  ARGS "-DCMAKE_PREFIX_PATH=${no_cuda_prefix}" "-DCMAKE_RUNTIME_OUTPUT_DIRECTORY=${WORK_DIR}/bin")
+packaging_build("build the consumer" "${build}")
+packaging_executable(program "${WORK_DIR}/bin" consumer)
+packaging_run_consumer("run the consumer" "${program}")
+message(STATUS "install tree of gpukit ${VERSION} without CUDA at configure time: ok")

@@ -1,11 +1,13 @@
 # Packaging tests (ctest label `packaging`): every route by which users consume gpukit is proven by configuring,
 # building and running a separate consumer project:
-#   packaging.install            cmake --install into a prefix, and checks of the installed tree (fixture)
+#   packaging.install            cmake --install into a prefix, and checks of the installed tree (fixture); the same
+#                                install without a CUDA toolkit gives the same CMake package
 #   packaging.find_package       find_package(gpukit CONFIG REQUIRED) on a moved copy of that prefix; version checks
 #   packaging.pkg_config         pkg-config --cflags --libs gpukit, on a moved copy of that prefix
 #   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit
 #   packaging.fetchcontent       FetchContent of this checkout
-#   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME
+#   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME; refused
+#                                configurations; a PkgConfigDeps consumer
 #   packaging.vcpkg_files        the vcpkg ports' files parse, agree with the install layout, and leave the expected
 #                                package when run with stand-ins for vcpkg's functions (vcpkg is not run)
 #   packaging.vcpkg_release      packaging/release.sh --check: the registry port's SHA512 is that of its release
@@ -22,6 +24,7 @@ endif()
 set(gpukit_packaging_drivers "${CMAKE_CURRENT_LIST_DIR}")
 set(gpukit_packaging_work "${CMAKE_CURRENT_BINARY_DIR}/packaging")
 string(REPLACE ";" "|" gpukit_packaging_cuda_includes "${CUDAToolkit_INCLUDE_DIRS}")
+get_filename_component(gpukit_packaging_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
 set(gpukit_packaging_args
   "-DSOURCE_DIR=${PROJECT_SOURCE_DIR}"
   "-DPREFIX=${gpukit_packaging_work}/install/prefix"
@@ -31,7 +34,8 @@ set(gpukit_packaging_args
   "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
   "-DCTEST_COMMAND=${CMAKE_CTEST_COMMAND}"
   "-DCUDA_INCLUDE_DIRS=${gpukit_packaging_cuda_includes}"
-  "-DCUDA_LIBRARY_DIR=${CUDAToolkit_LIBRARY_DIR}")
+  "-DCUDA_LIBRARY_DIR=${CUDAToolkit_LIBRARY_DIR}"
+  "-DCUDA_ROOT=${gpukit_packaging_cuda_root}")
 
 # gpukit_add_packaging_test(<name> [TIMEOUT <s>] [FIXTURES_SETUP <f>] [FIXTURES_REQUIRED <f>])
 # runs tests/packaging/<name>.cmake. Each test builds with -j2 and claims 2 processors from ctest -j.
