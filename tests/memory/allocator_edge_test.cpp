@@ -407,12 +407,39 @@ TEST_CASE("memory_summary shows every statistic with the largest free block and 
   (void)c;
 }
 
-TEST_CASE("gpukit defaults: a cached segment the request cannot use is released before the footprint grows") {
+gpukit::allocator_options releasing_before_growth() {
+  gpukit::allocator_options o;
+  o.release_before_grow = true;
+  return o;
+}
+
+TEST_CASE("gpukit defaults: a cached segment the request cannot use stays cached until memory runs short") {
   fixture g(gpukit::allocator_options{});
+  g.free(g.alloc(100 * MiB));         // a segment of its own (>= medium_size)
+  const auto b = g.alloc(120 * MiB);  // cannot use the 100 MiB block: no upstream free while memory is available
+  CHECK(g.a.stats().num_device_free == 0);
+  CHECK(g.a.memory_reserved() == 220 * MiB);
+  g.free(b);
+  const auto c = g.alloc(110 * MiB);  // fits in the cached 120 MiB block: no upstream call
+  CHECK(c == b);
+  CHECK(g.a.stats().num_device_alloc == 2);
+  // Under pressure (the upstream holds 4 GiB) the cache goes: a forced free, a retry, no unforced free.
+  const auto huge = g.alloc(3900 * MiB);
+  CHECK(g.a.stats().num_device_free == 1);
+  CHECK(g.a.stats().num_alloc_retries == 1);
+  CHECK(g.a.stats().num_device_free_unforced == 0);
+  CHECK(g.a.memory_reserved() == 120 * MiB + 3900 * MiB);
+  (void)huge;
+  CHECK(g.invariants() == "");
+}
+
+TEST_CASE("release_before_grow: a cached segment the request cannot use is released before the footprint grows") {
+  fixture g(releasing_before_growth());
   const auto a = g.alloc(100 * MiB);  // a segment of its own (>= medium_size)
   g.free(a);
   const auto b = g.alloc(120 * MiB);  // cannot use the 100 MiB block: it is released first
   CHECK(g.a.stats().num_device_free == 1);
+  CHECK(g.a.stats().num_device_free_unforced == 1);  // memory was available: the allocator chose to free
   CHECK(g.a.memory_reserved() == 120 * MiB);
   CHECK(g.a.max_memory_reserved() == 120 * MiB);  // not 220 MiB
   g.free(b);
@@ -425,6 +452,8 @@ TEST_CASE("gpukit defaults: a cached segment the request cannot use is released 
   CHECK(d == c);
   CHECK(g.a.stats().num_device_free == 1);
   CHECK(g.invariants() == "");
+  CHECK(gpukit::format_memory_summary("test", g.a.stats(), g.a.free_space()).find("2 / 1 (1 unforced)") !=
+        std::string::npos);
 
   fixture p;  // PyTorch keeps the unusable block cached: the footprint grows
   p.free(p.alloc(100 * MiB));
@@ -433,8 +462,8 @@ TEST_CASE("gpukit defaults: a cached segment the request cannot use is released 
   CHECK(p.a.stats().num_device_free == 0);
 }
 
-TEST_CASE("gpukit defaults: release before growth frees the smallest cached segment that covers the growth") {
-  fixture g(gpukit::allocator_options{});
+TEST_CASE("release_before_grow: frees the smallest cached segment that covers the growth") {
+  fixture g(releasing_before_growth());
   const auto a = g.alloc(300 * MiB);
   const auto b = g.alloc(100 * MiB);
   const auto c = g.alloc(150 * MiB);
@@ -456,16 +485,20 @@ TEST_CASE("gpukit defaults: release before growth frees the smallest cached segm
 TEST_CASE("gpukit defaults: mid-size requests share segments that grow with the footprint") {
   fixture g(gpukit::allocator_options{});
   const auto first = g.alloc(5 * MiB);
-  CHECK(g.segment_of(first).size == 20 * MiB);  // a small footprint keeps small segments
+  CHECK(g.segment_of(first).size == 20 * MiB);  // a small footprint keeps small segments (4 x 5 MiB)
+  const auto odd = g.alloc(16 * MiB);  // 15 MiB left there; a 20 MiB segment would waste 4 MiB: one of 16 MiB
+  CHECK(g.segment_of(odd).size == 16 * MiB);
+  g.free(odd);
   (void)g.alloc(1 * GiB);                       // a segment of its own
   const auto second = g.alloc(30 * MiB);       // no room in the 20 MiB segment
-  CHECK(g.segment_of(second).size == 132 * MiB);  // (20 MiB + 1 GiB) / 8, rounded up to 2 MiB
+  // (20 MiB + 1 GiB) / 8 = 132.5 MiB, trimmed to a whole number of 30 MiB requests: 4 x 30 MiB.
+  CHECK(g.segment_of(second).size == 120 * MiB);
   const auto third = g.alloc(40 * MiB);  // shares it: no upstream call
   CHECK(third == second + 30 * MiB);
-  CHECK(g.a.stats().num_device_alloc == 3);
+  CHECK(g.a.stats().num_device_alloc == 4);
   (void)g.alloc(2 * GiB);
   const auto capped = g.alloc(63 * MiB);
-  CHECK(g.segment_of(capped).size == 256 * MiB);  // at most 4 × medium_size
+  CHECK(g.segment_of(capped).size == 252 * MiB);  // at most 4 × medium_size (256 MiB), trimmed to 4 x 63 MiB
   CHECK(g.invariants() == "");
 }
 
@@ -480,8 +513,8 @@ TEST_CASE("gpukit defaults: huge blocks stay whole for huge requests") {
   g.free(again);
   const auto mid = g.alloc(100 * MiB);  // below max_split_size: may not carve the huge block...
   CHECK(g.segment_of(mid).size == 100 * MiB);
-  CHECK(g.a.stats().num_device_free == 1);  // ...which, unusable, was released before growing
-  CHECK(g.a.memory_reserved() == 100 * MiB);
+  CHECK(g.a.stats().num_device_free == 0);  // ...which stays cached for huge requests
+  CHECK(g.a.memory_reserved() == 400 * MiB);
   CHECK(g.invariants() == "");
 }
 

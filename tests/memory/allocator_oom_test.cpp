@@ -345,3 +345,57 @@ TEST_CASE("allocator_options::reserved_limit is reported by reserved_limit, stat
   CHECK(f.a.reserved_limit() == gpukit::allocator_options::unlimited);
   CHECK(contains(f.a.memory_summary(), "none"));
 }
+
+TEST_CASE("out-of-memory observers are called with the numbers before the error, outside the lock") {
+  fixture f(64 * MiB);
+  void* a = f.alloc(40 * MiB);
+  std::vector<gpukit::out_of_memory_info> seen;
+  std::size_t reserved_inside = 0;
+  const auto id = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info& info) {
+    seen.push_back(info);
+    reserved_inside = f.a.memory_reserved();  // the allocator is usable from an observer (no lock held)
+    (void)f.a.snapshot();
+  });
+  const std::string message = oom_message(f, 30 * MiB + 1);
+  REQUIRE(seen.size() == 1);
+  const gpukit::out_of_memory_info& info = seen.front();
+  CHECK(info.device == -1);
+  CHECK(info.requested == 30 * MiB + 1);
+  CHECK(info.rounded == 30 * MiB + 512);
+  CHECK(info.segment_bytes == 32 * MiB);
+  CHECK(info.allocated == 40 * MiB);
+  CHECK(info.reserved == 40 * MiB);
+  CHECK(reserved_inside == 40 * MiB);
+  CHECK_FALSE(info.limit_hit);
+  CHECK(info.device_memory_known);
+  CHECK(info.device_total == 64 * MiB);
+  CHECK(info.device_free == 24 * MiB);
+  CHECK(info.message == message);
+  CHECK(f.a.stats().num_ooms == 1);
+
+  // Removed: not called again. A second observer that throws is reported, and the error still comes.
+  CHECK(f.a.remove_out_of_memory_observer(id));
+  CHECK_FALSE(f.a.remove_out_of_memory_observer(id));
+  captured_warnings warnings;
+  f.a.add_out_of_memory_observer([](const gpukit::out_of_memory_info&) { throw std::runtime_error("observer bug"); });
+  CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);
+  CHECK(seen.size() == 1);
+  REQUIRE(warnings.messages().size() == 1);
+  CHECK(contains(warnings.messages().front(), "observer bug"));
+  CHECK_THROWS_AS(f.a.add_out_of_memory_observer(nullptr), gpukit::invalid_argument_error);
+  f.a.deallocate(a);
+}
+
+TEST_CASE("an out-of-memory observer sees the reserved limit when the limit refused") {
+  fixture f(1 * GiB);
+  f.a.set_reserved_limit(32 * MiB);
+  bool limit_hit = false;
+  std::size_t limit = 0;
+  f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info& info) {
+    limit_hit = info.limit_hit;
+    limit = info.reserved_limit;
+  });
+  CHECK_THROWS_AS(f.alloc(40 * MiB), gpukit::out_of_memory_error);
+  CHECK(limit_hit);
+  CHECK(limit == 32 * MiB);
+}

@@ -2,6 +2,8 @@
 set(gpukit_memory_tests "${CMAKE_CURRENT_LIST_DIR}")
 gpukit_add_test(test_allocator_random SOURCES "${gpukit_memory_tests}/allocator_random_test.cpp")
 gpukit_add_test(test_allocator_edge SOURCES "${gpukit_memory_tests}/allocator_edge_test.cpp")
+gpukit_add_test(test_allocator_steady_state SOURCES "${gpukit_memory_tests}/allocator_steady_state_test.cpp")
+gpukit_add_test(test_allocator_config SOURCES "${gpukit_memory_tests}/allocator_config_test.cpp")
 gpukit_add_test(test_allocator_oom SOURCES "${gpukit_memory_tests}/allocator_oom_test.cpp")
 gpukit_add_test(test_allocator_streams SOURCES "${gpukit_memory_tests}/allocator_streams_test.cpp")
 gpukit_add_test(test_allocator_concurrency SOURCES "${gpukit_memory_tests}/allocator_concurrency_test.cpp")

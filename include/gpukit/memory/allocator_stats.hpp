@@ -68,9 +68,31 @@ struct allocator_stats {
   std::int64_t num_sync_all_streams = 0;  ///< waits on the host for all pending stream work (release paths only)
   std::int64_t num_device_alloc = 0;      ///< upstream allocations (cudaMalloc calls that succeeded)
   std::int64_t num_device_free = 0;       ///< upstream frees (cudaFree calls)
+  /// Upstream frees the allocator chose to make while memory was available: neither under pressure (a refused
+  /// upstream allocation, the reserved limit) nor asked for (empty_cache, trim, a lower limit). Each drains the
+  /// device on CUDA; with the default options (release_before_grow off) it stays 0.
+  std::int64_t num_device_free_unforced = 0;
 
   /// The limit on reserved bytes (std::numeric_limits<std::size_t>::max() when none).
   std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();
+};
+
+/// What an out-of-memory observer is told, just before an allocator throws out_of_memory_error.
+struct out_of_memory_info {
+  int device = -1;                 ///< the CUDA ordinal, or -1 for the CPU
+  std::size_t requested = 0;       ///< the bytes asked for
+  std::size_t rounded = 0;         ///< the request rounded as the allocator serves it
+  std::size_t segment_bytes = 0;   ///< the last segment size asked of the upstream for it
+  std::size_t allocated = 0;       ///< bytes allocated by this allocator
+  std::size_t reserved = 0;        ///< bytes this allocator holds from the upstream
+  std::size_t free_cached = 0;     ///< reserved bytes in free blocks (after releasing what could be released)
+  std::size_t largest_free_block = 0;
+  std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();  ///< max() when none
+  bool limit_hit = false;          ///< the reserved limit refused, not the upstream
+  bool device_memory_known = false;
+  std::size_t device_total = 0;    ///< the upstream's (device's) total memory, where known
+  std::size_t device_free = 0;     ///< its free memory when the error was raised, where known
+  std::string message;             ///< the text of the error about to be thrown
 };
 
 /// How the cached free memory is laid out: what a request can get without asking the upstream. Computed on demand
@@ -235,7 +257,9 @@ inline std::string format_memory_summary(std::string_view title, const allocator
                     : detail::format_bytes(s.reserved_limit).c_str());
   detail::summary_line(out, line);
   std::snprintf(line, sizeof line, "| %-36s %-48s |", "Upstream allocs / frees:",
-                (std::to_string(s.num_device_alloc) + " / " + std::to_string(s.num_device_free)).c_str());
+                (std::to_string(s.num_device_alloc) + " / " + std::to_string(s.num_device_free) + " (" +
+                 std::to_string(s.num_device_free_unforced) + " unforced)")
+                    .c_str());
   detail::summary_line(out, line);
   detail::summary_line(out, rule);
   return out;

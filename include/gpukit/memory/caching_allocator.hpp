@@ -76,6 +76,7 @@
 #include <cstdio>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -123,7 +124,7 @@ struct allocator_options {
   /// to the upstream first (the smallest that covers the growth): the request could not use them, and keeping
   /// them would grow the footprint when request sizes drift (variable sequence lengths). Costs upstream frees on
   /// such misses only.
-  bool release_before_grow = true;
+  bool release_before_grow = false;
   /// When non-zero, segments shared by requests in (small_size, medium_size) grow with the footprint: they are
   /// max(medium_segment_size, reserved / medium_segment_growth) (rounded to large_segment_rounding, at most
   /// 4 × medium_size), so big programs make few upstream calls while small ones keep small segments.
@@ -407,6 +408,7 @@ class basic_caching_allocator {
     s.num_sync_all_streams = stats_.num_sync_all_streams.load();
     s.num_device_alloc = stats_.num_device_alloc.load();
     s.num_device_free = stats_.num_device_free.load();
+    s.num_device_free_unforced = stats_.num_device_free_unforced.load();
     s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
     return s;
   }
@@ -434,6 +436,7 @@ class basic_caching_allocator {
     stats_.num_sync_all_streams.reset();
     stats_.num_device_alloc.reset();
     stats_.num_device_free.reset();
+    stats_.num_device_free_unforced.reset();
   }
 
   /// The cached free memory's layout (walks the segments under the lock: for reports, not hot paths).
@@ -530,6 +533,26 @@ class basic_caching_allocator {
     set_reserved_limit(static_cast<std::size_t>(fraction * static_cast<double>(info.total_bytes)));
   }
 
+  /// Calls `observer` with the numbers of every out-of-memory error, just before it is thrown: from the allocating
+  /// thread, outside the allocator's lock, so it may use the allocator (snapshot, memory_summary, free buffers to
+  /// shed load; the failed request is not retried). One that throws is reported through gpukit::warn and the error
+  /// is thrown all the same. Returns an id for remove_out_of_memory_observer.
+  std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) {
+    if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    observers_.emplace_back(++last_observer_id_,
+                            std::make_shared<const std::function<void(const out_of_memory_info&)>>(std::move(observer)));
+    return last_observer_id_;
+  }
+  /// Removes an observer; returns false when no observer has that id. A call already under way finishes.
+  bool remove_out_of_memory_observer(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
+    if (it == observers_.end()) return false;
+    observers_.erase(it);
+    return true;
+  }
+
   std::size_t reserved_limit() const noexcept { return limit_atomic_.load(std::memory_order_relaxed); }
   const allocator_options& options() const noexcept { return options_; }
   gpukit::device device() const noexcept { return device_; }
@@ -618,7 +641,8 @@ class basic_caching_allocator {
   struct all_stats_t {
     detail::atomic_pool_stats allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes,
         active_bytes, inactive_split_bytes, requested_bytes;
-    detail::atomic_counter num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free;
+    detail::atomic_counter num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free,
+        num_device_free_unforced;
   };
 
   std::array<detail::atomic_pool_stats*, 9> all_stats() noexcept {
@@ -663,7 +687,11 @@ class basic_caching_allocator {
         const std::size_t g = options_.large_segment_rounding;
         const std::size_t scaled = (current(stats_.reserved_bytes) / options_.medium_segment_growth + g - 1) / g * g;
         seg = std::max(seg, std::min(scaled, medium_segment_cap()));
-        seg = std::max(seg, (size + g - 1) / g * g);  // the request always fits
+        // A whole number of such requests, so a run of equal sizes (the common case) leaves no unusable tail; one
+        // fewer when that makes the rounding to g exact (5 MiB requests: 20 MiB segments, not 26).
+        std::size_t count = std::max<std::size_t>(seg / size, 1);
+        if (count > 1 && (count * size) % g != 0 && ((count - 1) * size) % g == 0) --count;
+        seg = (count * size + g - 1) / g * g;
       }
       return seg;
     }
@@ -1410,7 +1438,9 @@ class basic_caching_allocator {
         covered += (*it)->size;
       }
     }
-    return release_segments(lock, victims);
+    const std::size_t released = release_segments(lock, victims);
+    for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free_unforced.increment();
+    return released;
   }
 
   /// Waits (lock released) for every pending event and returns the blocks they held back to their pools.
@@ -1596,9 +1626,32 @@ class basic_caching_allocator {
     } else if (info.known && allocated < info.total_bytes / 2 && reserved < info.total_bytes / 2) {
       m += " Most of the device is used outside this allocator (other processes or libraries).";
     }
+    notify_out_of_memory(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
+                                            f.free_bytes, f.largest_free_block, limit, limit_hit, info.known,
+                                            info.total_bytes, info.free_bytes, m});
     const cudaError_t result = device_.is_cuda() && !limit_hit ? cudaErrorMemoryAllocation : cudaSuccess;
     throw out_of_memory_error(m, result, "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
                               device_.ordinal());
+  }
+
+  /// Calls the out-of-memory observers (no allocator lock held).
+  void notify_out_of_memory(const out_of_memory_info& info) noexcept {
+    std::vector<std::shared_ptr<const std::function<void(const out_of_memory_info&)>>> observers;
+    try {
+      std::lock_guard<std::mutex> lock(observers_mutex_);
+      for (const auto& o : observers_) observers.push_back(o.second);
+    } catch (...) {
+      return;  // no memory to copy the list: the error itself is about to say why
+    }
+    for (const auto& observer : observers) {
+      try {
+        (*observer)(info);
+      } catch (const std::exception& e) {
+        warn(std::string("gpukit: an out-of-memory observer of ") + device_.to_string() + " threw: " + e.what());
+      } catch (...) {
+        warn("gpukit: an out-of-memory observer of " + device_.to_string() + " threw a non-standard exception");
+      }
+    }
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
@@ -1651,6 +1704,9 @@ class basic_caching_allocator {
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
+  std::mutex observers_mutex_;  // guards observers_ (never taken with mutex_ held)
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<const std::function<void(const out_of_memory_info&)>>>> observers_;
+  std::uint64_t last_observer_id_ = 0;
 
   static constexpr std::size_t min_prune_at = 64;
 

@@ -15,6 +15,7 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_config.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -22,6 +23,8 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -61,8 +64,9 @@ inline device_allocator& default_allocator(device d) {
   auto& owner = registry.owners[d];
   if (!owner) {
     const auto configured = registry.options.find(d);
-    owner = std::make_shared<caching_allocator>(d, configured != registry.options.end() ? configured->second
-                                                                                         : allocator_options{});
+    owner = std::make_shared<caching_allocator>(d, configured != registry.options.end()
+                                                       ? configured->second
+                                                       : allocator_options_from_environment());
   }
   if (slot < detail::default_allocator_registry::fast_slots) {
     registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
@@ -90,8 +94,9 @@ inline std::shared_ptr<device_allocator> set_default_allocator(device d, std::sh
   return allocator;
 }
 
-/// Sets the options the default allocator of `d` is created with (e.g. from a configuration file). Takes effect
-/// only if that allocator has not been created yet; returns whether it did.
+/// Sets the options the default allocator of `d` is created with (e.g. from a configuration file), in place of
+/// those of GPUKIT_ALLOC_CONF (which the others are created with; see allocator_config.hpp). Takes effect only if
+/// that allocator has not been created yet; returns whether it did.
 inline bool set_default_allocator_options(device d, const allocator_options& options) {
   options.validate();
   auto& registry = detail::default_allocators();
@@ -124,6 +129,15 @@ inline void reset_accumulated_memory_stats(device d) { default_allocator(d).rese
 /// Caps the memory `d`'s default allocator may reserve, as a fraction of the device's total memory.
 inline void set_per_device_memory_fraction(double fraction, device d) {
   default_allocator(d).set_memory_fraction(fraction);
+}
+/// Calls `observer` before every out-of-memory error of `d`'s default allocator (see
+/// basic_caching_allocator::add_out_of_memory_observer); returns an id for remove_out_of_memory_observer.
+inline std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer, device d) {
+  return default_allocator(d).add_out_of_memory_observer(std::move(observer));
+}
+/// Removes an observer of `d`'s default allocator; false when none has that id.
+inline bool remove_out_of_memory_observer(std::uint64_t id, device d) {
+  return default_allocator(d).remove_out_of_memory_observer(id);
 }
 /// Caps the memory `d`'s default allocator may reserve, in bytes.
 inline void set_reserved_memory_limit(std::size_t bytes, device d) { default_allocator(d).set_reserved_limit(bytes); }

@@ -10,6 +10,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
@@ -18,6 +19,8 @@
 #include <gpukit/stream/stream.hpp>
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -64,6 +67,20 @@ class device_allocator {
   /// Caps reserved memory at a fraction of the device's total memory.
   virtual void set_memory_fraction(double fraction) = 0;
 
+  /// Calls `observer` with the numbers of every out-of-memory error of this allocator just before it is thrown
+  /// (outside the allocator's lock); returns an id for remove_out_of_memory_observer. Allocators that cannot
+  /// report them throw invalid_argument_error.
+  virtual std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) {
+    (void)observer;
+    throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
+                                 " does not support out-of-memory observers");
+  }
+  /// Removes an observer; false when none has that id.
+  virtual bool remove_out_of_memory_observer(std::uint64_t id) {
+    (void)id;
+    return false;
+  }
+
   /// Bytes handed out to users, like torch.cuda.memory_allocated().
   virtual std::size_t memory_allocated() const noexcept = 0;
   /// Bytes held from the device, like torch.cuda.memory_reserved().
@@ -105,6 +122,10 @@ class caching_device_allocator final : public device_allocator {
   void reset_accumulated_stats() override { engine_.reset_accumulated_stats(); }
   void set_reserved_limit(std::size_t bytes) override { engine_.set_reserved_limit(bytes); }
   void set_memory_fraction(double fraction) override { engine_.set_memory_fraction(fraction); }
+  std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) override {
+    return engine_.add_out_of_memory_observer(std::move(observer));
+  }
+  bool remove_out_of_memory_observer(std::uint64_t id) override { return engine_.remove_out_of_memory_observer(id); }
   std::size_t memory_allocated() const noexcept override { return engine_.memory_allocated(); }
   std::size_t memory_reserved() const noexcept override { return engine_.memory_reserved(); }
   std::size_t max_memory_allocated() const noexcept override { return engine_.max_memory_allocated(); }

@@ -1,0 +1,198 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// allocator_options from text, as PyTorch reads PYTORCH_CUDA_ALLOC_CONF: the environment variable
+/// GPUKIT_ALLOC_CONF configures the default allocators, e.g.
+///
+///     GPUKIT_ALLOC_CONF="reserved_limit:40GiB,max_split_size_mb:256,release_before_grow:true"
+///
+/// Entries are `key:value`, separated by commas; spaces around keys and values are ignored. Sizes are a whole
+/// number with an optional unit (B, KiB, MiB, GiB, TiB; KB/MB/GB/TB are read as the binary units too), or `none`
+/// where a limit may be absent. Booleans are true/false (or 1/0). Parsing is strict: an unknown key, a repeated
+/// key, a malformed value or an inconsistent result throws invalid_argument_error naming the entry.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+
+#include <cstddef>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+
+inline std::string_view trim_spaces(std::string_view s) noexcept {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+/// A size in bytes: digits, then an optional unit. Returns false for anything else, or on overflow.
+inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
+  std::size_t digits = 0;
+  std::size_t value = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') {
+    const auto d = static_cast<std::size_t>(text[digits] - '0');
+    if (value > (std::numeric_limits<std::size_t>::max() - d) / 10) return false;
+    value = value * 10 + d;
+    ++digits;
+  }
+  if (digits == 0) return false;
+  const std::string_view unit = trim_spaces(text.substr(digits));
+  struct named_unit {
+    const char* name;
+    unsigned shift;
+  };
+  static constexpr named_unit units[] = {{"", 0},     {"B", 0},     {"KiB", 10}, {"KB", 10}, {"MiB", 20},
+                                         {"MB", 20},  {"GiB", 30},  {"GB", 30},  {"TiB", 40}, {"TB", 40}};
+  for (const named_unit& u : units) {
+    if (unit != u.name) continue;
+    if (u.shift != 0 && value > (std::numeric_limits<std::size_t>::max() >> u.shift)) return false;
+    bytes = value << u.shift;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace detail
+
+/// `base` with the settings of `config` applied (see the file comment for the syntax). Keys:
+/// - `preset`: `gpukit` (allocator_options{}) or `pytorch` (allocator_options::pytorch()), applied before the others
+///   wherever it appears;
+/// - sizes: `rounding`, `small_size`, `small_segment_size`, `medium_size`, `medium_segment_size`,
+///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
+///   `max_oversize_waste`; `reserved_limit` (or `none`);
+/// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB); booleans `release_before_grow`, `cross_stream_reuse`;
+/// - `expandable_segments`: only `false` (virtual-memory segments are not implemented yet).
+/// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
+inline allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
+                                                std::string_view source = "allocator configuration") {
+  auto fail = [&](std::string_view entry, const std::string& why) -> void {
+    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + std::string(config) + "\": entry \"" +
+                                 std::string(entry) + "\": " + why);
+  };
+  struct entry_text {
+    std::string_view text, key, value;
+  };
+  std::vector<entry_text> entries;
+  if (!detail::trim_spaces(config).empty()) {
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t comma = config.find(',', start);
+      const std::string_view text =
+          detail::trim_spaces(config.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+      const std::size_t colon = text.find(':');
+      if (text.empty()) fail(text, "empty entry (a stray comma?)");
+      if (colon == std::string_view::npos) fail(text, "expected key:value");
+      const entry_text e{text, detail::trim_spaces(text.substr(0, colon)), detail::trim_spaces(text.substr(colon + 1))};
+      if (e.value.empty()) fail(text, "no value");
+      for (const entry_text& earlier : entries) {
+        if (earlier.key == e.key) fail(text, "\"" + std::string(e.key) + "\" is set twice");
+      }
+      entries.push_back(e);
+      if (comma == std::string_view::npos) break;
+      start = comma + 1;
+    }
+  }
+
+  allocator_options o = base;
+  for (const entry_text& e : entries) {
+    if (e.key != "preset") continue;
+    if (e.value == "gpukit") {
+      o = allocator_options{};
+    } else if (e.value == "pytorch") {
+      o = allocator_options::pytorch();
+    } else {
+      fail(e.text, "preset must be gpukit or pytorch");
+    }
+  }
+  struct size_key {
+    const char* name;
+    std::size_t allocator_options::*member;
+  };
+  static constexpr size_key sizes[] = {
+      {"rounding", &allocator_options::rounding},
+      {"small_size", &allocator_options::small_size},
+      {"small_segment_size", &allocator_options::small_segment_size},
+      {"medium_size", &allocator_options::medium_size},
+      {"medium_segment_size", &allocator_options::medium_segment_size},
+      {"large_segment_rounding", &allocator_options::large_segment_rounding},
+      {"small_split_threshold", &allocator_options::small_split_threshold},
+      {"large_split_threshold", &allocator_options::large_split_threshold},
+      {"max_split_size", &allocator_options::max_split_size},
+      {"max_oversize_waste", &allocator_options::max_oversize_waste}};
+  auto parse_bool = [&](const entry_text& e) {
+    if (e.value == "true" || e.value == "1") return true;
+    if (e.value == "false" || e.value == "0") return false;
+    fail(e.text, "expected true or false");
+    return false;
+  };
+  auto parse_count = [&](const entry_text& e) {
+    std::size_t n = 0;
+    if (e.value.find_first_not_of("0123456789") != std::string_view::npos || !detail::parse_config_size(e.value, n)) {
+      fail(e.text, "expected a whole number");
+    }
+    return n;
+  };
+  for (const entry_text& e : entries) {
+    if (e.key == "preset") continue;
+    bool known = false;
+    for (const size_key& k : sizes) {
+      if (e.key != k.name) continue;
+      known = true;
+      std::size_t bytes = 0;
+      if (!detail::parse_config_size(e.value, bytes)) fail(e.text, "expected a size such as 512, 64MiB or 2GiB");
+      o.*k.member = bytes;
+    }
+    if (known) continue;
+    if (e.key == "reserved_limit") {
+      std::size_t bytes = 0;
+      if (e.value == "none") {
+        o.reserved_limit = allocator_options::unlimited;
+      } else if (detail::parse_config_size(e.value, bytes)) {
+        o.reserved_limit = bytes;
+      } else {
+        fail(e.text, "expected a size such as 40GiB, or none");
+      }
+    } else if (e.key == "max_split_size_mb") {
+      const std::size_t mib = parse_count(e);
+      if (mib > (std::numeric_limits<std::size_t>::max() >> 20)) fail(e.text, "too large");
+      o.max_split_size = mib << 20;
+    } else if (e.key == "medium_segment_growth") {
+      o.medium_segment_growth = parse_count(e);
+    } else if (e.key == "release_before_grow") {
+      o.release_before_grow = parse_bool(e);
+    } else if (e.key == "cross_stream_reuse") {
+      o.cross_stream_reuse = parse_bool(e);
+    } else if (e.key == "expandable_segments") {
+      if (parse_bool(e)) fail(e.text, "expandable (virtual-memory) segments are not implemented in this version");
+    } else {
+      fail(e.text, "unknown key \"" + std::string(e.key) +
+                       "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
+                       "cross_stream_reuse, expandable_segments, and the size options of allocator_options)");
+    }
+  }
+  try {
+    o.validate();
+  } catch (const invalid_argument_error& e) {
+    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + std::string(config) +
+                                 "\" gives inconsistent options: " + e.what());
+  }
+  return o;
+}
+
+/// The options the environment asks for: GPUKIT_ALLOC_CONF parsed over `base` (`base` when it is unset).
+inline allocator_options allocator_options_from_environment(allocator_options base = {}) {
+  const char* config = std::getenv("GPUKIT_ALLOC_CONF");
+  if (config == nullptr) return base;
+  return parse_allocator_config(config, base, "GPUKIT_ALLOC_CONF");
+}
+
+GPUKIT_END_NAMESPACE

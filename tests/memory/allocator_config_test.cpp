@@ -1,0 +1,101 @@
+// allocator_options from text and GPUKIT_ALLOC_CONF (issue 9): normal use, every key, edge cases and bad input,
+// each refusal naming the entry; the default allocators are created with the environment's options.
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/allocator_config.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+
+#include <cstdlib>
+#include <string>
+
+using namespace gpukit_test;
+
+namespace {
+
+std::string refusal(const char* config) {
+  try {
+    (void)gpukit::parse_allocator_config(config);
+  } catch (const gpukit::invalid_argument_error& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("allocator configuration: keys, units, spaces and presets") {
+  const gpukit::allocator_options o = gpukit::parse_allocator_config(
+      " reserved_limit : 40GiB , max_split_size_mb:256,release_before_grow:true, cross_stream_reuse:1,"
+      "medium_size:32MiB, medium_segment_growth:4, rounding:1KiB, max_oversize_waste:0, expandable_segments:false");
+  CHECK(o.reserved_limit == std::size_t{40} << 30);
+  CHECK(o.max_split_size == 256 * MiB);
+  CHECK(o.release_before_grow);
+  CHECK(o.cross_stream_reuse);
+  CHECK(o.medium_size == 32 * MiB);
+  CHECK(o.medium_segment_growth == 4);
+  CHECK(o.rounding == 1024);
+  CHECK(o.max_oversize_waste == 0);
+  CHECK(gpukit::parse_allocator_config("large_split_threshold:2MB").large_split_threshold == 2 * MiB);
+  CHECK(gpukit::parse_allocator_config("reserved_limit:512 B").reserved_limit == 512);
+
+  // The empty text changes nothing; a preset applies first wherever it stands; other keys apply over the base.
+  const gpukit::allocator_options defaults;
+  CHECK(gpukit::parse_allocator_config("").medium_size == defaults.medium_size);
+  CHECK(gpukit::parse_allocator_config("  ").medium_size == defaults.medium_size);
+  const auto pytorch = gpukit::parse_allocator_config("reserved_limit:1GiB,preset:pytorch");
+  CHECK(pytorch.medium_size == gpukit::allocator_options::pytorch().medium_size);
+  CHECK(pytorch.max_split_size == gpukit::allocator_options::unlimited);
+  CHECK(pytorch.reserved_limit == GiB);
+  CHECK(gpukit::parse_allocator_config("reserved_limit:none", pytorch).reserved_limit == gpukit::allocator_options::unlimited);
+  CHECK(gpukit::parse_allocator_config("release_before_grow:false", o).reserved_limit == o.reserved_limit);
+}
+
+TEST_CASE("allocator configuration: bad input is refused naming the entry, before anything is used") {
+  CHECK(contains(refusal("max_split_size_mb:abc"), "entry \"max_split_size_mb:abc\": expected a whole number"));
+  CHECK(contains(refusal("max_split_size_mb:256MiB"), "expected a whole number"));
+  CHECK(contains(refusal("reserved_limit:40 GiBs"), "expected a size such as 40GiB, or none"));
+  CHECK(contains(refusal("reserved_limit:-1"), "expected a size"));
+  CHECK(contains(refusal("reserved_limit:99999999999999999999"), "expected a size"));  // overflows
+  CHECK(contains(refusal("reserved_limit:20000000TiB"), "expected a size"));           // overflows with its unit
+  CHECK(contains(refusal("rounding:1.5KiB"), "expected a size"));
+  CHECK(contains(refusal("garbage_collection_threshold:0.6"), "unknown key \"garbage_collection_threshold\""));
+  CHECK(contains(refusal("release_before_grow:yes"), "expected true or false"));
+  CHECK(contains(refusal("reserved_limit"), "expected key:value"));
+  CHECK(contains(refusal("reserved_limit:"), "no value"));
+  CHECK(contains(refusal("rounding:512,,medium_size:64MiB"), "empty entry"));
+  CHECK(contains(refusal("rounding:512,"), "empty entry"));
+  CHECK(contains(refusal("rounding:512,rounding:1024"), "\"rounding\" is set twice"));
+  CHECK(contains(refusal("preset:tensorflow"), "preset must be gpukit or pytorch"));
+  CHECK(contains(refusal("expandable_segments:true"), "not implemented"));
+  // Well-formed but inconsistent: allocator_options::validate's reason.
+  CHECK(contains(refusal("rounding:1000"), "inconsistent options"));
+  CHECK(contains(refusal("rounding:1000"), "rounding must be a power of two"));
+  CHECK(contains(refusal("medium_size:2000000"), "medium_size must be a multiple of the rounding"));
+}
+
+TEST_CASE("GPUKIT_ALLOC_CONF configures the default allocators, code-set options win, bad text is a clear error") {
+  const gpukit::device cpu = gpukit::device::cpu();
+  ::setenv("GPUKIT_ALLOC_CONF", "reserved_limit:96MiB,release_before_grow:true", 1);
+  (void)gpukit::set_default_allocator(cpu, nullptr);  // the next use creates a fresh one
+  CHECK(gpukit::memory_stats(cpu).reserved_limit == 96 * MiB);
+  auto& engine = dynamic_cast<gpukit::caching_allocator&>(gpukit::default_allocator(cpu)).engine();
+  CHECK(engine.options().release_before_grow);
+
+  ::setenv("GPUKIT_ALLOC_CONF", "reserved_limit:lots", 1);
+  (void)gpukit::set_default_allocator(cpu, nullptr);
+  try {
+    (void)gpukit::default_allocator(cpu);
+    FAIL("a malformed GPUKIT_ALLOC_CONF was accepted");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(contains(e.what(), "GPUKIT_ALLOC_CONF \"reserved_limit:lots\": entry \"reserved_limit:lots\""));
+  }
+  CHECK_THROWS_AS(gpukit::memory_allocated(cpu), gpukit::invalid_argument_error);  // every use, until it is fixed
+
+  gpukit::allocator_options code;
+  code.reserved_limit = 8 * MiB;
+  CHECK(gpukit::set_default_allocator_options(cpu, code));  // options set in code replace the environment's
+  CHECK(gpukit::memory_stats(cpu).reserved_limit == 8 * MiB);
+  ::unsetenv("GPUKIT_ALLOC_CONF");
+}
