@@ -6,15 +6,25 @@
 //   sequence length each step (variable-length batches);
 // - random_allocations(): RMM's random benchmark: 73 % allocations / 27 % frees of a random live block, sizes
 //   uniform in [1, max_size];
+// - churn(): one stream, a few MiB live, random sizes, the oldest freed first (the footprint never grows, so every
+//   upstream call after the first few is churn);
+// - inference_server(): requests on several streams, each allocating a few buffers of varied sizes on its stream
+//   and freeing them when the stream's next request comes (trace_op::stream says which stream);
 // - replay(): through any allocator with allocate(bytes) / deallocate(p); reports peak reserved / peak requested;
 // - bin_allocator_model: a geometric-bin cache like cub::CachingDeviceAllocator (power-of-two bins, or CUB's
-//   defaults: growth 8, bins 512 B..2 MiB, at most 6 MB cached, larger blocks uncached).
+//   defaults: growth 8, bins 512 B..2 MiB, at most 6 MB cached, larger blocks uncached), optionally
+//   capacity-limited.
+// Each trace marks where its warm-up ends (warmup_ops): the end of the first training step, the first 10 % of the
+// random operations; upstream frees after it are the ones a steady workload should not make.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
+#include <deque>
 #include <random>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -26,6 +36,7 @@ constexpr std::size_t GiB = std::size_t{1} << 30;
 
 struct trace_op {
   bool allocate = true;
+  std::uint8_t stream = 0;  // for multi-stream traces (inference_server); 0 elsewhere
   std::uint32_t id = 0;
   std::size_t bytes = 0;
 };
@@ -36,24 +47,30 @@ struct trace {
   std::size_t ids = 0;
   std::size_t peak_requested = 0;  // most bytes live at once, as requested
   std::size_t allocations = 0;
+  std::size_t warmup_ops = 0;  // ops[0, warmup_ops) are the warm-up (the first training step)
+  int streams = 1;
 };
 
 class trace_builder {
  public:
   explicit trace_builder(std::string name) { t_.name = std::move(name); }
-  std::uint32_t alloc(std::size_t bytes) {
+  std::uint32_t alloc(std::size_t bytes, std::uint8_t stream = 0) {
     const auto id = static_cast<std::uint32_t>(sizes_.size());
     sizes_.push_back(bytes);
-    t_.ops.push_back({true, id, bytes});
+    streams_.push_back(stream);
+    if (stream >= t_.streams) t_.streams = stream + 1;
+    t_.ops.push_back({true, stream, id, bytes});
     live_ += bytes;
     t_.peak_requested = std::max(t_.peak_requested, live_);
     ++t_.allocations;
     return id;
   }
   void free(std::uint32_t id) {
-    t_.ops.push_back({false, id, sizes_[id]});
+    t_.ops.push_back({false, streams_[id], id, sizes_[id]});
     live_ -= sizes_[id];
   }
+  /// The warm-up ends here.
+  void end_warmup() { t_.warmup_ops = t_.ops.size(); }
   trace finish() {
     t_.ids = sizes_.size();
     return std::move(t_);
@@ -62,6 +79,7 @@ class trace_builder {
  private:
   trace t_;
   std::vector<std::size_t> sizes_;
+  std::vector<std::uint8_t> streams_;
   std::size_t live_ = 0;
 };
 
@@ -290,6 +308,7 @@ inline trace transformer_training(const transformer_shape& t) {
       if (p.grad != none) b.free(p.grad);
       p.grad = none;
     }
+    if (step == 0) b.end_warmup();
   }
   return b.finish();
 }
@@ -301,6 +320,7 @@ inline trace random_allocations(std::size_t operations, std::size_t max_size, st
   std::mt19937_64 rng(seed);
   std::vector<std::uint32_t> live;
   for (std::size_t i = 0; i < operations; ++i) {
+    if (i == operations / 10) b.end_warmup();
     if (live.empty() || std::uniform_int_distribution<int>(0, 99)(rng) < 73) {
       live.push_back(b.alloc(std::uniform_int_distribution<std::size_t>(1, max_size)(rng)));
     } else {
@@ -308,6 +328,52 @@ inline trace random_allocations(std::size_t operations, std::size_t max_size, st
       b.free(live[k]);
       live[k] = live.back();
       live.pop_back();
+    }
+  }
+  return b.finish();
+}
+
+/// One stream, at most `max_live` bytes live: `allocations` sizes uniform in [min_size, max_size], the oldest live
+/// allocations freed first until the new one fits. The first 10 % of the allocations are the warm-up.
+inline trace churn(std::size_t allocations, std::size_t max_live, std::size_t min_size, std::size_t max_size,
+                   std::uint64_t seed) {
+  trace_builder b("churn, <= " + std::to_string(max_live >> 20) + " MiB live");
+  std::mt19937_64 rng(seed);
+  std::deque<std::pair<std::uint32_t, std::size_t>> live;
+  std::size_t live_bytes = 0;
+  for (std::size_t i = 0; i < allocations; ++i) {
+    if (i == allocations / 10) b.end_warmup();
+    const std::size_t bytes = std::uniform_int_distribution<std::size_t>(min_size, max_size)(rng);
+    while (!live.empty() && live_bytes + bytes > max_live) {
+      b.free(live.front().first);
+      live_bytes -= live.front().second;
+      live.pop_front();
+    }
+    live.emplace_back(b.alloc(bytes), bytes);
+    live_bytes += bytes;
+  }
+  return b.finish();
+}
+
+/// An inference server: `requests` requests, round robin over `streams` streams; each allocates 2 to 5 buffers on
+/// its stream, sizes log-uniform in [min_size, max_size] (multiples of 256 B), and they are freed when that stream's
+/// next request starts (one request live per stream). The first 10 % of the requests are the warm-up.
+inline trace inference_server(std::size_t requests, int streams, std::size_t min_size, std::size_t max_size,
+                              std::uint64_t seed) {
+  trace_builder b("inference server, " + std::to_string(streams) + " streams");
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(min_size)),
+                                                  std::log(static_cast<double>(max_size)));
+  std::vector<std::vector<std::uint32_t>> live(static_cast<std::size_t>(streams));
+  for (std::size_t r = 0; r < requests; ++r) {
+    if (r == requests / 10) b.end_warmup();
+    const auto s = static_cast<std::uint8_t>(r % static_cast<std::size_t>(streams));
+    for (std::uint32_t id : live[s]) b.free(id);
+    live[s].clear();
+    const int buffers = std::uniform_int_distribution<int>(2, 5)(rng);
+    for (int i = 0; i < buffers; ++i) {
+      const auto bytes = static_cast<std::size_t>(std::exp(log_size(rng)));
+      live[s].push_back(b.alloc(std::max<std::size_t>(256, bytes & ~std::size_t{255}), s));
     }
   }
   return b.finish();
@@ -330,12 +396,13 @@ void replay(const trace& t, Allocator& a, std::vector<void*>& pointers) {
 /// A model of a geometric-bin caching allocator (cub::CachingDeviceAllocator): requests are rounded up to the next
 /// bin (growth^k bytes), freed blocks are cached per bin and reused only for requests of that bin. Requests above
 /// the largest bin are exact and never cached; blocks beyond max_cached bytes are freed instead of cached.
-/// It counts bytes only (no memory), so any trace can be replayed.
+/// It counts bytes only (no memory), so any trace can be replayed. With a capacity, an allocation that would exceed
+/// it frees every cached block and retries (as CUB does when cudaMalloc fails), then returns nullptr.
 class bin_allocator_model {
  public:
   bin_allocator_model(std::size_t growth, std::size_t min_bin_bytes, std::size_t max_bin_bytes,
-                      std::size_t max_cached_bytes)
-      : growth_(growth), min_(min_bin_bytes), max_(max_bin_bytes), max_cached_(max_cached_bytes) {}
+                      std::size_t max_cached_bytes, std::size_t capacity = ~std::size_t{0})
+      : growth_(growth), min_(min_bin_bytes), max_(max_bin_bytes), max_cached_(max_cached_bytes), capacity_(capacity) {}
 
   void* allocate(std::size_t bytes) {
     const std::size_t size = bin_size(bytes);
@@ -347,9 +414,16 @@ class bin_allocator_model {
         return &tokens_;
       }
     }
+    if (!fits(size)) {
+      for (auto& e : cached_.entries) upstream_frees_ += e.second;
+      reserved_ -= cached_bytes_;
+      cached_bytes_ = 0;
+      cached_.entries.clear();
+      if (!fits(size)) return nullptr;
+    }
     reserved_ += size;
     peak_reserved_ = std::max(peak_reserved_, reserved_);
-    ++upstream_calls_;
+    ++upstream_allocs_;
     return &tokens_;
   }
   void deallocate(void*, std::size_t bytes) {
@@ -359,25 +433,29 @@ class bin_allocator_model {
       cached_bytes_ += size;
     } else {
       reserved_ -= size;
-      ++upstream_calls_;
+      ++upstream_frees_;
     }
   }
   std::size_t peak_reserved() const noexcept { return peak_reserved_; }
   /// cudaMalloc + cudaFree calls: allocations the cache could not serve, frees it did not keep.
-  std::size_t upstream_calls() const noexcept { return upstream_calls_; }
+  std::size_t upstream_calls() const noexcept { return upstream_allocs_ + upstream_frees_; }
+  std::size_t upstream_allocs() const noexcept { return upstream_allocs_; }
+  std::size_t upstream_frees() const noexcept { return upstream_frees_; }
 
  private:
+  bool fits(std::size_t size) const { return size <= capacity_ && reserved_ <= capacity_ - size; }
   std::size_t bin_size(std::size_t bytes) const {
     if (bytes > max_) return bytes;
     std::size_t size = min_;
     while (size < bytes) size *= growth_;
     return size;
   }
-  std::size_t growth_, min_, max_, max_cached_;
+  std::size_t growth_, min_, max_, max_cached_, capacity_;
   std::size_t reserved_ = 0;
   std::size_t peak_reserved_ = 0;
   std::size_t cached_bytes_ = 0;
-  std::size_t upstream_calls_ = 0;
+  std::size_t upstream_allocs_ = 0;
+  std::size_t upstream_frees_ = 0;
   struct counts {
     std::vector<std::pair<std::size_t, std::size_t>> entries;
     std::size_t& operator[](std::size_t size) {

@@ -1,12 +1,21 @@
 // Fragmentation: allocation traces replayed through the caching allocator over the address-space upstream (no
-// memory is touched, so traces of tens of GiB run anywhere), reporting peak reserved / peak requested — the
-// overhead a user pays in device memory. Baselines in the same run: PyTorch's constants as a configuration of the
-// same engine, a power-of-two bin cache and cub::CachingDeviceAllocator's default bins.
+// memory is touched, so traces of tens of GiB run anywhere). Baselines in the same run: PyTorch's constants as a
+// configuration of the same engine (allocator_options::pytorch()), an independent model of PyTorch's algorithm
+// (pytorch_allocator_model.hpp), a power-of-two bin cache and cub::CachingDeviceAllocator's default bins.
 //
-// A plain run prints the table first (each trace family with 5 seeds: mean and worst ratio), then runs one
-// benchmark per (family's first trace, allocator) whose counters repeat the figures. `--explore` prints the table
-// of candidate constants from which gpukit's defaults were chosen.
+// A plain run prints, before one benchmark per (family's first trace, allocator) whose counters repeat the figures:
+// 1. peak reserved / peak requested (the overhead a user pays in device memory) with unlimited capacity, and the
+//    number of upstream calls, mean and worst over each family's seeds;
+// 2. the smallest capacity on which the whole trace runs without out-of-memory, / peak requested (binary search to
+//    2 MiB or 0.5 % of peak requested), and the upstream frees after the warm-up (the first training step, the
+//    first 10 % of random operations), which a steady workload should not make;
+// 3. upstream calls per 1000 allocations for churn (one stream, little memory live) and an inference server on
+//    three CPU streams.
+// `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
+// (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
+// `--no-tables` skips to the benchmarks. The tables take about 1 s in Release and 6 s in Debug (CI's smoke run).
 #include "alloc_traces.hpp"
+#include "pytorch_allocator_model.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
@@ -15,8 +24,11 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -28,61 +40,168 @@ namespace {
 
 using engine = gpukit::basic_caching_allocator<gpukit::address_space_upstream>;
 
-/// The engine with the allocate(bytes)/deallocate(p, bytes) interface replay() uses, on the CPU default stream.
+/// Capacity of the "unlimited" runs: far above any trace's footprint.
+constexpr std::size_t unlimited_capacity = std::size_t{1} << 45;
+
+/// The engine with the allocate(bytes)/deallocate(p, bytes) interface the replays use, on the CPU default stream;
+/// allocate returns nullptr when the engine reports out of memory.
 class engine_adapter {
  public:
-  explicit engine_adapter(const gpukit::allocator_options& o) : a_(gpukit::device::cpu(), o, std::size_t{1} << 45) {}
-  void* allocate(std::size_t bytes) { return a_.allocate(bytes, stream_); }
+  engine_adapter(const gpukit::allocator_options& o, std::size_t capacity) : a_(gpukit::device::cpu(), o, capacity) {}
+  void* allocate(std::size_t bytes) {
+    try {
+      return a_.allocate(bytes, stream_);
+    } catch (const gpukit::out_of_memory_error&) {
+      return nullptr;
+    }
+  }
   void deallocate(void* p, std::size_t) { a_.deallocate(p); }
   std::size_t peak_reserved() const { return a_.max_memory_reserved(); }
-  std::size_t upstream_calls() const {
-    const auto s = a_.stats();
-    return static_cast<std::size_t>(s.num_device_alloc + s.num_device_free);
-  }
+  std::size_t upstream_allocs() const { return static_cast<std::size_t>(a_.stats().num_device_alloc); }
+  std::size_t upstream_frees() const { return static_cast<std::size_t>(a_.stats().num_device_free); }
 
  private:
   engine a_;
   gpukit::stream_view stream_ = gpukit::stream_view::default_stream(gpukit::device::cpu());
 };
 
-struct result {
+/// What one replay measured.
+struct run_result {
+  bool completed = true;  // false: an allocation failed (out of memory) and the replay stopped there
   std::size_t peak_reserved = 0;
-  std::size_t upstream_calls = 0;
-  double ratio = 0;
+  std::size_t upstream_allocs = 0;
+  std::size_t upstream_frees = 0;
+  std::size_t frees_after_warmup = 0;  // upstream frees from t.warmup_ops on
+  std::size_t upstream_calls() const { return upstream_allocs + upstream_frees; }
 };
 
-result run_engine(const trace& t, const gpukit::allocator_options& o) {
-  engine_adapter a(o);
-  std::vector<void*> pointers;
-  replay(t, a, pointers);
-  for (void* p : pointers) {
-    if (p != nullptr) a.deallocate(p, 0);
+/// Replays a single-stream trace through `a` (allocate(bytes) gives nullptr when out of memory), stopping at the
+/// first failure; what is still live is freed afterwards, outside the measurement.
+template <class Allocator>
+run_result replay_measured(const trace& t, Allocator& a) {
+  std::vector<void*> pointers(t.ids, nullptr);
+  std::vector<std::size_t> sizes(t.ids, 0);
+  run_result r;
+  std::size_t frees_at_warmup = 0;
+  for (std::size_t i = 0; i < t.ops.size(); ++i) {
+    if (i == t.warmup_ops) frees_at_warmup = a.upstream_frees();
+    const trace_op& op = t.ops[i];
+    if (op.allocate) {
+      void* p = a.allocate(op.bytes);
+      if (p == nullptr) {
+        r.completed = false;
+        break;
+      }
+      pointers[op.id] = p;
+      sizes[op.id] = op.bytes;
+    } else {
+      a.deallocate(pointers[op.id], op.bytes);
+      pointers[op.id] = nullptr;
+    }
   }
-  result r;
+  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = a.upstream_frees();
   r.peak_reserved = a.peak_reserved();
-  r.upstream_calls = a.upstream_calls();
-  r.ratio = static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_requested);
+  r.upstream_allocs = a.upstream_allocs();
+  r.upstream_frees = a.upstream_frees();
+  r.frees_after_warmup = r.upstream_frees - frees_at_warmup;
+  for (std::size_t id = 0; id < t.ids; ++id) {
+    if (pointers[id] != nullptr) a.deallocate(pointers[id], sizes[id]);
+  }
   return r;
 }
 
-result run_bins(const trace& t, std::size_t growth, std::size_t min_bin, std::size_t max_bin, std::size_t max_cached) {
-  bin_allocator_model a(growth, min_bin, max_bin, max_cached);
-  std::vector<void*> pointers;
-  replay(t, a, pointers);
-  result r;
-  r.peak_reserved = a.peak_reserved();
-  r.upstream_calls = a.upstream_calls();
-  r.ratio = static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_requested);
-  return r;
+/// An allocator under test: replays a trace on an upstream of `capacity` bytes.
+struct variant {
+  std::string name;
+  std::function<run_result(const trace&, std::size_t capacity)> run;
+  std::string label = name;  // short name for narrow columns
+};
+
+variant engine_variant(std::string name, gpukit::allocator_options o) {
+  return {std::move(name), [o](const trace& t, std::size_t capacity) {
+            engine_adapter a(o, capacity);
+            return replay_measured(t, a);
+          }};
 }
 
-/// Trace families with several seeds each: single traces swing either way with small changes (where exactly the
-/// peak falls is chaotic), so candidates are compared on the mean and the worst case of each family.
+variant model_variant(std::string name, std::size_t max_split_size = pytorch_allocator_model::unlimited) {
+  return {std::move(name), [max_split_size](const trace& t, std::size_t capacity) {
+            pytorch_allocator_model a(capacity, max_split_size);
+            return replay_measured(t, a);
+          }};
+}
+
+variant bins_variant(std::string name, std::size_t growth, std::size_t min_bin, std::size_t max_bin,
+                     std::size_t max_cached) {
+  return {std::move(name), [=](const trace& t, std::size_t capacity) {
+            bin_allocator_model a(growth, min_bin, max_bin, max_cached, capacity);
+            return replay_measured(t, a);
+          }};
+}
+
+/// The smallest capacity on which the whole trace runs, to max(2 MiB, 0.5 % of peak requested): a binary search
+/// between peak requested (where it must fail: the bytes live at the peak do not fit) and the peak reserved of
+/// the unlimited run (where it must run, nothing differing until an upstream allocation fails; checked). Success
+/// need not be monotonic in the capacity: the result runs, and one a resolution step below it did not.
+std::size_t min_capacity(const trace& t, const variant& v, std::size_t unlimited_peak) {
+  const std::size_t resolution = std::max<std::size_t>(2 * MiB, t.peak_requested / 200);
+  std::size_t fails = t.peak_requested - 1;
+  std::size_t runs = std::max(unlimited_peak, t.peak_requested);
+  while (!v.run(t, runs).completed) {
+    fails = runs;
+    runs += runs / 2;
+  }
+  while (runs - fails > resolution) {
+    const std::size_t mid = fails + (runs - fails) / 2;
+    if (v.run(t, mid).completed) {
+      runs = mid;
+    } else {
+      fails = mid;
+    }
+  }
+  return runs;
+}
+
+/// One allocator's figures on one trace family: mean and worst over its seeds.
+struct family_figures {
+  double peak_ratio = 0, peak_ratio_worst = 0;          // peak reserved / peak requested, unlimited capacity
+  double calls = 0;                                     // mean upstream allocations + frees, unlimited capacity
+  double min_capacity = 0, min_capacity_worst = 0;      // min capacity / peak requested (0: not measured)
+  double frees_after_warmup = 0;                        // mean, unlimited capacity
+  std::size_t frees_after_warmup_worst = 0;
+};
+
 struct family {
   std::string name;
   std::vector<trace> traces;
 };
 
+family_figures measure(const family& f, const variant& v, bool with_min_capacity) {
+  family_figures x;
+  for (const trace& t : f.traces) {
+    const run_result r = v.run(t, unlimited_capacity);
+    const double ratio = static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_requested);
+    x.peak_ratio += ratio;
+    x.peak_ratio_worst = std::max(x.peak_ratio_worst, ratio);
+    x.calls += static_cast<double>(r.upstream_calls());
+    x.frees_after_warmup += static_cast<double>(r.frees_after_warmup);
+    x.frees_after_warmup_worst = std::max(x.frees_after_warmup_worst, r.frees_after_warmup);
+    if (with_min_capacity) {
+      const double c = static_cast<double>(min_capacity(t, v, r.peak_reserved)) / static_cast<double>(t.peak_requested);
+      x.min_capacity += c;
+      x.min_capacity_worst = std::max(x.min_capacity_worst, c);
+    }
+  }
+  const double n = static_cast<double>(f.traces.size());
+  x.peak_ratio /= n;
+  x.calls /= n;
+  x.frees_after_warmup /= n;
+  x.min_capacity /= n;
+  return x;
+}
+
+/// Trace families with several seeds each: single traces swing either way with small changes (where exactly the
+/// peak falls is chaotic), so candidates are compared on the mean and the worst case of each family.
 std::vector<family> families(int seeds) {
   std::vector<family> list;
   auto shapes = [seeds](transformer_shape base) {
@@ -135,35 +254,43 @@ std::vector<family> families(int seeds) {
   return list;
 }
 
-struct variant {
-  std::string name;
-  std::function<result(const trace&)> run;
-};
-
-variant engine_variant(std::string name, gpukit::allocator_options o) {
-  return {std::move(name), [o](const trace& t) { return run_engine(t, o); }};
+/// Any allocator_options on every family: peak reserved, minimum capacity and frees after warm-up (for choosing
+/// defaults; --explore prints these for candidates()).
+std::vector<family_figures> evaluate(const gpukit::allocator_options& o, const std::vector<family>& fs) {
+  std::vector<family_figures> result;
+  const variant v = engine_variant("", o);
+  for (const family& f : fs) result.push_back(measure(f, v, true));
+  return result;
 }
 
-/// gpukit's defaults and the baselines: PyTorch's constants in the same engine, a power-of-two bin cache (all
-/// sizes cached), and cub::CachingDeviceAllocator's defaults (growth 8, bins 512 B..2 MiB, 6 MB cache cap).
-std::vector<variant> allocators() {
-  std::vector<variant> list;
-  list.push_back(engine_variant("gpukit defaults", gpukit::allocator_options{}));
-  list.push_back(engine_variant("PyTorch constants", gpukit::allocator_options::pytorch()));
-  list.push_back({"power-of-two bins", [](const trace& t) { return run_bins(t, 2, 512, ~std::size_t{0}, ~std::size_t{0}); }});
-  list.push_back({"CUB default bins", [](const trace& t) { return run_bins(t, 8, 512, 2 * MiB, 6 * MiB - 1); }});
+/// gpukit's defaults and the baselines: PyTorch's constants in the same engine, the model of PyTorch's algorithm,
+/// a power-of-two bin cache (all sizes cached), and cub::CachingDeviceAllocator's defaults (growth 8, bins
+/// 512 B..2 MiB, 6 MB cache cap). `min_capacity` says which get a minimum-capacity search.
+struct allocator_entry {
+  variant v;
+  bool min_capacity;
+};
+std::vector<allocator_entry> allocators() {
+  std::vector<allocator_entry> list = {
+      {engine_variant("gpukit defaults", gpukit::allocator_options{}), true},
+      {engine_variant("PyTorch constants", gpukit::allocator_options::pytorch()), true},
+      {model_variant("PyTorch model"), true},
+      {bins_variant("power-of-two bins", 2, 512, ~std::size_t{0}, ~std::size_t{0}), true},
+      {bins_variant("CUB default bins", 8, 512, 2 * MiB, 6 * MiB - 1), false}};
+  const char* labels[] = {"gpukit", "pytorch()", "PT model", "pow2", "CUB"};
+  for (std::size_t i = 0; i < list.size(); ++i) list[i].v.label = labels[i];
   return list;
 }
 
 /// How the defaults were chosen: PyTorch's constants, each of gpukit's changes alone, and combinations.
-std::vector<variant> candidates() {
+std::vector<std::pair<std::string, gpukit::allocator_options>> candidates() {
   const auto pt = gpukit::allocator_options::pytorch();
-  std::vector<variant> list;
-  list.push_back(engine_variant("PyTorch", pt));
+  std::vector<std::pair<std::string, gpukit::allocator_options>> list;
+  list.emplace_back("PyTorch", pt);
   auto with = [&](std::string name, auto change) {
     auto o = pt;
     change(o);
-    list.push_back(engine_variant(std::move(name), o));
+    list.emplace_back(std::move(name), o);
   };
   with("split always", [](gpukit::allocator_options& o) { o.large_split_threshold = 0; });
   with("rounding 256", [](gpukit::allocator_options& o) { o.rounding = 256; });
@@ -195,73 +322,243 @@ std::vector<variant> candidates() {
     o.medium_segment_growth = 16;
     o.max_split_size = 256 * MiB;
   });
-  list.push_back(engine_variant("gpukit", gpukit::allocator_options{}));
+  list.emplace_back("gpukit", gpukit::allocator_options{});
   return list;
 }
 
-void print_table(const std::vector<family>& fs, const std::vector<variant>& vs) {
+using figure_table = std::vector<std::vector<family_figures>>;  // [family][variant]
+
+figure_table measure_all(const std::vector<family>& fs, const std::vector<variant>& vs,
+                         const std::vector<bool>& with_min_capacity) {
+  figure_table table(fs.size());
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    for (std::size_t j = 0; j < vs.size(); ++j) table[i].push_back(measure(fs[i], vs[j], with_min_capacity[j]));
+  }
+  return table;
+}
+
+std::size_t seeds_of(const std::vector<family>& fs) { return fs.empty() ? 0 : fs.front().traces.size(); }
+
+void print_peak_table(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x) {
   std::printf("\nFragmentation: peak reserved / peak requested (1.000 = no overhead), mean and worst over %zu seeds,\n"
               "and the mean number of upstream calls (cudaMalloc + cudaFree; a bin cache that does not cache a size calls\n"
               "the upstream for every allocation and free of it)\n%-34s",
-              fs.empty() ? std::size_t{0} : fs.front().traces.size(), "trace family");
+              seeds_of(fs), "trace family");
   for (const auto& v : vs) std::printf(" | %17.17s", v.name.c_str());
   std::printf("\n");
-  for (const auto& f : fs) {
-    std::printf("%-34.34s", f.name.c_str());
-    for (const auto& v : vs) {
-      double sum = 0;
-      double worst = 0;
-      double calls = 0;
-      for (const auto& t : f.traces) {
-        const result r = v.run(t);
-        sum += r.ratio;
-        worst = std::max(worst, r.ratio);
-        calls += static_cast<double>(r.upstream_calls);
-      }
-      const double n = static_cast<double>(f.traces.size());
-      if (calls > 0) {
-        std::printf(" | %5.3f %5.3f %5.0f", sum / n, worst, calls / n);
-      } else {
-        std::printf(" | %5.3f %5.3f      ", sum / n, worst);
-      }
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    std::printf("%-34.34s", fs[i].name.c_str());
+    for (const family_figures& f : x[i]) std::printf(" | %5.3f %5.3f %5.0f", f.peak_ratio, f.peak_ratio_worst, f.calls);
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
+/// Minimum capacity of the variants in `capacity` (mean, worst), peak reserved of those in `peak` (mean) and
+/// upstream frees after warm-up of those in `frees` (mean), all indices into vs.
+void print_capacity_table(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x,
+                          const std::vector<std::size_t>& capacity, const std::vector<std::size_t>& peak,
+                          const std::vector<std::size_t>& frees) {
+  std::printf("\nMinimum capacity: the smallest upstream capacity on which the whole trace runs without out-of-memory,\n"
+              "/ peak requested (to 2 MiB or 0.5 %%), mean and worst over %zu seeds; peak reserved / peak requested with\n"
+              "unlimited capacity (mean); upstream frees after the warm-up (first training step, first 10 %% of random\n"
+              "operations; mean over seeds, unlimited capacity)\n%-34s",
+              seeds_of(fs), "");
+  auto group = [&](const char* title, std::size_t n, int width) {
+    const int w = static_cast<int>(n) * (width + 3) - 3;
+    std::printf(" || %-*.*s", w, w, title);
+  };
+  group("min capacity / peak requested", capacity.size(), 11);
+  group("peak reserved", peak.size(), 9);
+  group("frees after warm-up", frees.size(), 9);
+  std::printf("\n%-34s", "trace family");
+  auto names = [&](const std::vector<std::size_t>& list, int width) {
+    for (std::size_t k = 0; k < list.size(); ++k) {
+      std::printf(k == 0 ? " || %*.*s" : " | %*.*s", width, width, vs[list[k]].label.c_str());
+    }
+  };
+  names(capacity, 11);
+  names(peak, 9);
+  names(frees, 9);
+  std::printf("\n");
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    std::printf("%-34.34s", fs[i].name.c_str());
+    for (std::size_t k = 0; k < capacity.size(); ++k) {
+      const family_figures& f = x[i][capacity[k]];
+      std::printf(k == 0 ? " || %5.3f %5.3f" : " | %5.3f %5.3f", f.min_capacity, f.min_capacity_worst);
+    }
+    for (std::size_t k = 0; k < peak.size(); ++k) std::printf(k == 0 ? " || %9.3f" : " | %9.3f", x[i][peak[k]].peak_ratio);
+    for (std::size_t k = 0; k < frees.size(); ++k) {
+      std::printf(k == 0 ? " || %9.1f" : " | %9.1f", x[i][frees[k]].frees_after_warmup);
     }
     std::printf("\n");
   }
+  std::fflush(stdout);
+}
+
+/// For --explore: each candidate's minimum capacity (mean, worst) and mean upstream frees after warm-up.
+void print_candidate_capacity(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x) {
+  std::printf("\nMinimum capacity / peak requested (mean, worst over %zu seeds) and mean upstream frees after warm-up\n%-34s",
+              seeds_of(fs), "trace family");
+  for (const auto& v : vs) std::printf(" | %17.17s", v.name.c_str());
   std::printf("\n");
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    std::printf("%-34.34s", fs[i].name.c_str());
+    for (const family_figures& f : x[i]) {
+      std::printf(" | %5.3f %5.3f %5.0f", f.min_capacity, f.min_capacity_worst, f.frees_after_warmup);
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
+// --- churn and the inference server (section 3) ---
+
+struct call_counts {
+  std::size_t allocs = 0, frees = 0, frees_after_warmup = 0;
+};
+
+/// The engine on one gpukit CPU stream per stream of the trace (blocks cached for one stream serve only it).
+call_counts streams_engine(const trace& t, const gpukit::allocator_options& o) {
+  const gpukit::device cpu = gpukit::device::cpu();
+  engine a(cpu, o, unlimited_capacity);
+  std::deque<gpukit::stream> streams;
+  for (int s = 0; s < t.streams; ++s) streams.emplace_back(cpu);
+  std::vector<void*> pointers(t.ids, nullptr);
+  call_counts c;
+  for (std::size_t i = 0; i < t.ops.size(); ++i) {
+    if (i == t.warmup_ops) c.frees_after_warmup = static_cast<std::size_t>(a.stats().num_device_free);
+    const trace_op& op = t.ops[i];
+    if (op.allocate) {
+      pointers[op.id] = a.allocate(op.bytes, streams[op.stream]);
+    } else {
+      a.deallocate(pointers[op.id]);
+      pointers[op.id] = nullptr;
+    }
+  }
+  c.allocs = static_cast<std::size_t>(a.stats().num_device_alloc);
+  c.frees = static_cast<std::size_t>(a.stats().num_device_free);
+  c.frees_after_warmup = c.frees - c.frees_after_warmup;
+  for (void* p : pointers) a.deallocate(p);
+  return c;
+}
+
+/// The PyTorch model, one instance per stream: PyTorch keys free blocks by stream and releases nothing unless
+/// cudaMalloc fails, so with unlimited capacity its streams are independent caches (without record_stream).
+call_counts streams_model(const trace& t) {
+  std::deque<pytorch_allocator_model> models(static_cast<std::size_t>(t.streams));
+  std::vector<void*> pointers(t.ids, nullptr);
+  auto frees = [&] {
+    std::size_t n = 0;
+    for (const auto& m : models) n += m.upstream_frees();
+    return n;
+  };
+  call_counts c;
+  for (std::size_t i = 0; i < t.ops.size(); ++i) {
+    if (i == t.warmup_ops) c.frees_after_warmup = frees();
+    const trace_op& op = t.ops[i];
+    if (op.allocate) {
+      pointers[op.id] = models[op.stream].allocate(op.bytes);
+    } else {
+      models[op.stream].deallocate(pointers[op.id]);
+    }
+  }
+  for (const auto& m : models) c.allocs += m.upstream_allocs();
+  c.frees = frees();
+  c.frees_after_warmup = c.frees - c.frees_after_warmup;
+  return c;
+}
+
+void print_churn_table() {
+  // Churn as asked in issue 9 (at most 4 MiB live), and with 2 MiB live, where the footprint sits at its high-water
+  // mark; the server: 3000 requests on 3 CPU streams, 2-5 buffers of 4 KiB..64 MiB each.
+  const trace cases[] = {churn(4000, 4 * MiB, 1 * KiB, 2 * MiB, 1), churn(4000, 2 * MiB, 1 * KiB, 2 * MiB, 1),
+                         inference_server(3000, 3, 4 * KiB, 64 * MiB, 1)};
+  std::printf("\nUpstream calls: cudaMalloc / cudaFree per 1000 allocations [counts: mallocs, frees, frees after the "
+              "first 10 %%]\n(the PyTorch model: one instance per stream)\n%-48s | %-30s | %-30s | %-30s\n",
+              "case", "gpukit defaults", "PyTorch constants", "PyTorch model");
+  for (const trace& t : cases) {
+    const call_counts counts[] = {streams_engine(t, gpukit::allocator_options{}),
+                                  streams_engine(t, gpukit::allocator_options::pytorch()), streams_model(t)};
+    char name[64];
+    std::snprintf(name, sizeof name, "%s (%zu allocations)", t.name.c_str(), t.allocations);
+    std::printf("%-48s", name);
+    const double per = 1000.0 / static_cast<double>(t.allocations);
+    for (const call_counts& c : counts) {
+      char cell[64];
+      std::snprintf(cell, sizeof cell, "%5.1f / %5.1f [%zu, %zu, %zu]", static_cast<double>(c.allocs) * per,
+                    static_cast<double>(c.frees) * per, c.allocs, c.frees, c.frees_after_warmup);
+      std::printf(" | %-30s", cell);
+    }
+    std::printf("\n");
+  }
   std::fflush(stdout);
 }
 
 void BM_fragmentation(benchmark::State& state, const trace* t, variant v) {
-  result r;
-  for (auto _ : state) r = v.run(*t);
-  state.counters["ratio"] = r.ratio;
+  run_result r;
+  for (auto _ : state) r = v.run(*t, unlimited_capacity);
+  state.counters["ratio"] = static_cast<double>(r.peak_reserved) / static_cast<double>(t->peak_requested);
   state.counters["peak_reserved_GiB"] = static_cast<double>(r.peak_reserved) / static_cast<double>(GiB);
   state.counters["peak_requested_GiB"] = static_cast<double>(t->peak_requested) / static_cast<double>(GiB);
-  if (r.upstream_calls != 0) state.counters["upstream_calls"] = static_cast<double>(r.upstream_calls);
+  if (r.upstream_calls() != 0) state.counters["upstream_calls"] = static_cast<double>(r.upstream_calls());
   state.counters["ops"] = static_cast<double>(t->ops.size());
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool exploring = false;
+  bool tables = true;
+  int seeds = 5;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--explore") == 0) {
       exploring = true;
+    } else if (std::strcmp(argv[i], "--no-tables") == 0) {
+      tables = false;
+    } else if (std::strcmp(argv[i], "--seeds") == 0 && i + 1 < argc) {
+      seeds = std::max(1, std::atoi(argv[++i]));
     } else {
       args.push_back(argv[i]);
     }
   }
   int count = static_cast<int>(args.size());
   benchmark::Initialize(&count, args.data());
-  static const std::vector<family> fs = families(5);
+  static const std::vector<family> fs = families(seeds);
+  const auto start = std::chrono::steady_clock::now();
   if (exploring) {
-    print_table(fs, candidates());
+    std::vector<variant> vs;
+    figure_table x(fs.size());
+    for (const auto& [name, options] : candidates()) {
+      vs.push_back(engine_variant(name, options));
+      const std::vector<family_figures> figures = evaluate(options, fs);
+      for (std::size_t i = 0; i < fs.size(); ++i) x[i].push_back(figures[i]);
+    }
+    print_peak_table(fs, vs, x);
+    print_candidate_capacity(fs, vs, x);
+    std::printf("\n(tables: %.1f s)\n", seconds_since(start));
     return 0;
   }
-  const auto vs = allocators();
-  print_table(fs, vs);
+  const auto entries = allocators();
+  std::vector<variant> vs;
+  std::vector<bool> with_min_capacity;
+  for (const auto& e : entries) {
+    vs.push_back(e.v);
+    with_min_capacity.push_back(e.min_capacity);
+  }
+  if (tables) {
+    const figure_table x = measure_all(fs, vs, with_min_capacity);
+    print_peak_table(fs, vs, x);
+    // gpukit defaults, PyTorch constants, PyTorch model, power-of-two bins (indices into allocators()).
+    print_capacity_table(fs, vs, x, {0, 1, 2, 3}, {0, 2}, {0, 1, 2});
+    print_churn_table();
+    std::printf("\n(tables: %.1f s)\n\n", seconds_since(start));
+  }
   for (const auto& f : fs) {
     for (const auto& v : vs) {
       benchmark::RegisterBenchmark(("fragmentation/" + f.name + "/" + v.name).c_str(), BM_fragmentation,
