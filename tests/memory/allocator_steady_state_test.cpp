@@ -113,3 +113,25 @@ TEST_CASE("steady state: release_before_grow trades upstream frees for footprint
   CHECK(releasing.unforced > 0);
   CHECK(releasing.frees == releasing.unforced);
 }
+
+TEST_CASE("steady state: under stream churn, the cache of abandoned streams is released before the footprint grows") {
+  // Streams the allocator cannot see destroyed (raw handles; fake streams here): each of 1000 allocates once.
+  fake_world world;
+  fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
+  a.stream_operations().world = &world;
+  const fake_stream busy{world.add_stream()};  // allocates all along: never abandoned
+  void* kept = a.allocate(MiB, busy);
+  for (int i = 0; i < 1000; ++i) {
+    const fake_stream s{world.add_stream()};
+    a.deallocate(a.allocate(64 * KiB, s));
+    a.deallocate(a.allocate(64 * KiB, busy));
+  }
+  CHECK(a.stream_count() <= 128);
+  CHECK(a.memory_reserved() <= 128 * 2 * MiB);  // at most two sweep periods of small segments
+  const auto s = a.stats();
+  CHECK(s.num_device_free > 0);
+  CHECK(s.num_device_free == s.num_device_free_unforced);
+  CHECK(a.owns(kept));  // the busy stream's memory was never touched
+  a.deallocate(kept);
+  CHECK(check_invariants(a.snapshot(), {}, a.options().rounding) == "");
+}

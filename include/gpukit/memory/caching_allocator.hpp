@@ -23,9 +23,10 @@
 /// - Before host memory is returned to its upstream, the allocator waits for work that may still use it (CUDA's
 ///   cudaFree synchronizes the device by itself). For that it records a "fence" event when a block is freed on a
 ///   stream that may still have work pending (a CUDA stream under cross-stream reuse, or a busy CPU queue).
-/// - Footprint (gpukit's defaults, measured in bench_fragmentation): before a new segment would raise reserved
-///   memory above its high-water mark, completely free segments the request cannot use are returned first; requests
-///   up to medium_size share segments that grow with the footprint; huge blocks are kept whole (max_split_size).
+/// - Footprint (gpukit's defaults, measured in bench_fragmentation): requests up to medium_size share segments that
+///   grow with the footprint, each a whole number of the request that makes it; huge blocks are kept whole
+///   (max_split_size). Nothing is returned to the upstream while memory is available (every cudaFree drains the
+///   device): only under pressure (below), when asked (empty_cache, trim, a lower limit) or with release_before_grow.
 /// - Out of memory: the allocator releases its free segments and retries; then waits for pending events, releases
 ///   again and retries once more (always: a failure may be transient); a shared segment sized for the footprint is
 ///   then replaced by the smallest one that holds the request; then it throws out_of_memory_error with the numbers
@@ -90,10 +91,9 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// How a caching allocator rounds, pools, splits and limits. The defaults are gpukit's choice, measured with
 /// bench_fragmentation (README, "Caching device allocator"): PyTorch's rounding, small pool and split threshold,
-/// plus three changes that cut the footprint of variable-shape workloads and the number of cudaMalloc/cudaFree
-/// calls: requests up to 64 MiB share segments that grow with the footprint, huge blocks are kept whole
-/// (max_split_size), and cached segments a request cannot use are released before the footprint grows.
-/// pytorch() gives PyTorch's constants for comparison.
+/// plus two changes that cut the memory variable-shape workloads need and the number of cudaMalloc calls: requests
+/// up to 64 MiB share segments that grow with the footprint, and huge blocks are kept whole (max_split_size). Like
+/// PyTorch, nothing is freed to the upstream while memory is available. pytorch() gives PyTorch's constants.
 struct allocator_options {
   static constexpr std::size_t KiB = std::size_t{1} << 10;
   static constexpr std::size_t MiB = std::size_t{1} << 20;
@@ -121,13 +121,15 @@ struct allocator_options {
   /// asking the upstream. Costs an event record per free on CUDA streams.
   bool cross_stream_reuse = false;
   /// Before a new segment would raise reserved memory above its high-water mark, return completely free segments
-  /// to the upstream first (the smallest that covers the growth): the request could not use them, and keeping
-  /// them would grow the footprint when request sizes drift (variable sequence lengths). Costs upstream frees on
-  /// such misses only.
+  /// to the upstream first (the smallest that covers the growth): keeps peak reserved memory low when request
+  /// sizes drift, at the price of upstream frees (each cudaFree drains the device) while memory is available,
+  /// counted in num_device_free_unforced. Off: under a capacity it brings no gain, because the out-of-memory path
+  /// releases such segments anyway (bench_fragmentation's minimum capacity).
   bool release_before_grow = false;
   /// When non-zero, segments shared by requests in (small_size, medium_size) grow with the footprint: they are
-  /// max(medium_segment_size, reserved / medium_segment_growth) (rounded to large_segment_rounding, at most
-  /// 4 × medium_size), so big programs make few upstream calls while small ones keep small segments.
+  /// max(medium_segment_size, reserved / medium_segment_growth) (at most 4 × medium_size), trimmed to a whole
+  /// number of the request that makes them and rounded to large_segment_rounding, so big programs make few upstream
+  /// calls, small ones keep small segments, and a run of equal requests leaves no unusable tail.
   std::size_t medium_segment_growth = 8;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
@@ -286,6 +288,7 @@ class basic_caching_allocator {
     {
       std::unique_lock<detail::spin_mutex> lock(mutex_);
       stream_state& st = stream_for(stream);
+      st.last_sweep = sweeps_;
       if (pending_total_ != 0) process_events();
       if constexpr (tracks_lifetimes) {
         if (ops_.expirations() != seen_expirations_) note_expirations();  // one relaxed load when nothing changed
@@ -636,6 +639,7 @@ class basic_caching_allocator {
     std::size_t in_use = 0;  // allocated or pending blocks it owns, and blocks that recorded it
     bool dead = false;       // destroyed: its free blocks wait for its last work (nobody else may take them)
     bool retired = false;    // ... which has completed: its blocks belong to no stream from now on
+    std::uint64_t last_sweep = 0;  // the stream-registry sweep during which it last allocated (abandoned_state)
   };
 
   struct all_stats_t {
@@ -840,7 +844,40 @@ class basic_caching_allocator {
         stream_index_.clear();  // lookups scan stream_keys_ until the index is built again
       }
     }
-    prune_at_ = std::max(min_prune_at, 2 * streams_.size());
+    ++sweeps_;
+    // Abandoned states go at the next sweep (their cache is released before the footprint grows): the next sweep
+    // comes after as many registrations again as there are streams still in use.
+    std::size_t abandoned = 0;
+    for (const auto& st : streams_) abandoned += abandoned_state(*st) ? 1 : 0;
+    may_have_abandoned_ = abandoned != 0;
+    prune_at_ = std::max(min_prune_at, 2 * (streams_.size() - abandoned));
+  }
+
+  /// A stream abandoned while others keep being created (a server making a stream per request, raw handles above
+  /// all, whose destruction the allocator cannot see): it holds only cached memory and allocated nothing since the
+  /// last sweep, i.e. while at least min_prune_at other streams were registered. A fixed set of streams makes no
+  /// sweeps, so no stream of it is ever abandoned.
+  bool abandoned_state(const stream_state& st) const noexcept {
+    return st.last_sweep < sweeps_ && st.in_use == 0 && st.pending.empty() && !st.dead;
+  }
+
+  /// Before the footprint grows under stream churn: returns the completely free segments whose blocks all belong to
+  /// abandoned streams to the upstream, so memory cached for streams that are gone does not pile up
+  /// until the device runs short. Counted as unforced frees; the states, then empty, go at the next sweep.
+  std::size_t release_abandoned(std::unique_lock<detail::spin_mutex>& lock) {
+    if (!may_have_abandoned_) return 0;
+    may_have_abandoned_ = false;
+    std::vector<segment*> victims;
+    for (segment* seg : free_segments()) {
+      bool abandoned = true;
+      for (const block* b = seg->first; b != nullptr && abandoned; b = b->next) {
+        abandoned = b->owner != unowned_.get() && abandoned_state(*b->owner);  // unowned blocks serve any stream
+      }
+      if (abandoned) victims.push_back(seg);
+    }
+    const std::size_t released = release_segments(lock, victims);
+    for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free_unforced.increment();
+    return released;
   }
 
   // --- stream lifetimes (stream_ops.hpp: gpukit streams are tracked, raw handles are not) ---
@@ -1374,6 +1411,9 @@ class basic_caching_allocator {
         if (block* b = find_free(st, size, small)) return b;  // freed by another thread meanwhile
       }
     }
+    if (release_abandoned(lock) > 0) {
+      if (block* b = find_free(st, size, small)) return b;
+    }
     if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
     // The upstream (or the limit) refused. Other threads may have freed memory while the lock was released.
     if (block* b = find_free(st, size, small)) return b;
@@ -1714,6 +1754,8 @@ class basic_caching_allocator {
   std::vector<std::pair<std::uintptr_t, stream_state*>> stream_keys_;
   std::unordered_map<std::uintptr_t, stream_state*> stream_index_;  // used once there are many streams
   std::size_t prune_at_ = min_prune_at;         // registrations sweep idle states when there are this many
+  std::uint64_t sweeps_ = 0;                     // sweeps of the stream registry so far
+  bool may_have_abandoned_ = false;              // a sweep happened since release_abandoned last looked
   std::unique_ptr<stream_state> unowned_;       // free blocks no stream can still be using (not registered)
   std::vector<stream_state*> dead_streams_;     // destroyed streams whose last work may still run
   std::uint64_t seen_expirations_ = 0;          // the stream ops' expiration count when last looked at
