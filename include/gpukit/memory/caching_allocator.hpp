@@ -721,6 +721,17 @@ class basic_caching_allocator {
     return std::max(size, (size + g - 1) / g * g);  // the request itself if rounding up overflows (never in practice)
   }
 
+  /// For a shared (medium) segment: the fewest such requests, up to 4, whose total is a multiple of
+  /// large_segment_rounding, so that none of the segment is lost to rounding; minimal_segment_size otherwise.
+  std::size_t unrounded_segment_size(std::size_t size, bool small) const noexcept {
+    if (small || size >= options_.medium_size) return minimal_segment_size(size, small);
+    const std::size_t g = options_.large_segment_rounding;
+    for (std::size_t count = 1; count <= 4; ++count) {
+      if (size <= std::numeric_limits<std::size_t>::max() / count && (count * size) % g == 0) return count * size;
+    }
+    return minimal_segment_size(size, small);
+  }
+
   /// segment_size(), shrunk to the room left under the reserved limit when it would exceed it (never below
   /// minimal_segment_size: a request that does not fit even then hits the limit).
   std::size_t fitted_segment_size(std::size_t size, bool small) const noexcept {
@@ -1432,10 +1443,11 @@ class basic_caching_allocator {
     if (block* b = find_free(st, size, small)) return b;
     segment_bytes = fitted_segment_size(size, small);
     if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
-    // A shared segment sized for the footprint may not fit where the request does: the smallest one that holds it.
-    const std::size_t minimal = minimal_segment_size(size, small);
-    if (minimal < segment_bytes) {
-      segment_bytes = minimal;
+    // A shared segment sized for the footprint may not fit where the request does: the smallest ones that hold it,
+    // first a few such requests with nothing lost to rounding (two of 5 MiB: 10 MiB), then the request alone.
+    for (const std::size_t smaller : {unrounded_segment_size(size, small), minimal_segment_size(size, small)}) {
+      if (smaller >= segment_bytes) continue;
+      segment_bytes = smaller;
       if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
     }
     throw_out_of_memory(lock, requested, size, segment_bytes, limit_hit);
