@@ -469,7 +469,8 @@ call_counts streams_model(const trace& t) {
   return c;
 }
 
-void print_churn_table() {
+/// Prints the churn and server cases; returns gpukit's upstream frees after warm-up over all of them.
+std::size_t print_churn_table() {
   // Churn as asked in issue 9 (at most 4 MiB live), and with 2 MiB live, where the footprint sits at its high-water
   // mark; the server: 3000 requests on 3 CPU streams, 2-5 buffers of 4 KiB..64 MiB each.
   const trace cases[] = {churn(4000, 4 * MiB, 1 * KiB, 2 * MiB, 1), churn(4000, 2 * MiB, 1 * KiB, 2 * MiB, 1),
@@ -477,6 +478,7 @@ void print_churn_table() {
   std::printf("\nUpstream calls: cudaMalloc / cudaFree per 1000 allocations [counts: mallocs, frees, frees after the "
               "first 10 %%]\n(the PyTorch model: one instance per stream)\n%-48s | %-30s | %-30s | %-30s\n",
               "case", "gpukit defaults", "PyTorch constants", "PyTorch model");
+  std::size_t gpukit_frees = 0;
   for (const trace& t : cases) {
     const call_counts counts[] = {streams_engine(t, gpukit::allocator_options{}),
                                   streams_engine(t, gpukit::allocator_options::pytorch()), streams_model(t)};
@@ -484,6 +486,7 @@ void print_churn_table() {
     std::snprintf(name, sizeof name, "%s (%zu allocations)", t.name.c_str(), t.allocations);
     std::printf("%-48s", name);
     const double per = 1000.0 / static_cast<double>(t.allocations);
+    gpukit_frees += counts[0].frees_after_warmup;
     for (const call_counts& c : counts) {
       char cell[64];
       std::snprintf(cell, sizeof cell, "%5.1f / %5.1f [%zu, %zu, %zu]", static_cast<double>(c.allocs) * per,
@@ -492,6 +495,34 @@ void print_churn_table() {
     }
     std::printf("\n");
   }
+  std::fflush(stdout);
+  return gpukit_frees;
+}
+
+/// Issue 9's targets, each beside what was measured above: variant `gpukit` against the reference model `model`.
+void print_targets(const std::vector<family>& fs, const figure_table& x, std::size_t gpukit, std::size_t model,
+                   std::size_t churn_frees) {
+  std::size_t capacity_met = 0, frees_met = 0;
+  std::string misses;
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    const family_figures& g = x[i][gpukit];
+    const family_figures& m = x[i][model];
+    if (g.min_capacity <= m.min_capacity && g.min_capacity_worst <= m.min_capacity_worst) {
+      ++capacity_met;
+    } else {
+      char miss[160];
+      std::snprintf(miss, sizeof miss, "%s%s: %.3f %.3f against %.3f %.3f", misses.empty() ? "" : "; ",
+                    fs[i].name.c_str(), g.min_capacity, g.min_capacity_worst, m.min_capacity, m.min_capacity_worst);
+      misses += miss;
+    }
+    if (g.frees_after_warmup == 0) ++frees_met;
+  }
+  std::printf("\nTargets (issue 9), gpukit defaults against the PyTorch model in this run:\n"
+              "  minimum capacity <= the model's, mean and worst, on every family: %zu of %zu families%s%s%s\n"
+              "  no upstream free after warm-up on every family: %zu of %zu families\n"
+              "  no upstream free after warm-up in the churn and server cases: %s (%zu frees)\n",
+              capacity_met, fs.size(), misses.empty() ? "" : " (missed: ", misses.c_str(), misses.empty() ? "" : ")",
+              frees_met, fs.size(), churn_frees == 0 ? "met" : "NOT met", churn_frees);
   std::fflush(stdout);
 }
 
@@ -556,7 +587,8 @@ int main(int argc, char** argv) {
     print_peak_table(fs, vs, x);
     // gpukit defaults, PyTorch constants, PyTorch model, power-of-two bins (indices into allocators()).
     print_capacity_table(fs, vs, x, {0, 1, 2, 3}, {0, 2}, {0, 1, 2});
-    print_churn_table();
+    const std::size_t churn_frees = print_churn_table();
+    print_targets(fs, x, 0, 2, churn_frees);
     std::printf("\n(tables: %.1f s)\n\n", seconds_since(start));
   }
   for (const auto& f : fs) {
