@@ -169,3 +169,38 @@ function(packaging_expect_no_development_targets build gpukit_binary_dir)
   endif()
   message(STATUS "gpukit added no tests, examples or benchmarks to the parent")
 endfunction()
+
+# packaging_compile_with_pkg_config(<what> <pkg-config> <program>): compiles and links consumer_main.cpp with the
+# flags of `pkg-config --cflags --libs gpukit` alone (the caller sets PKG_CONFIG_PATH; the compiler's search paths
+# from the environment are unset). The flags themselves must lead to CUDA, since a machine may also have CUDA's
+# headers or libraries on default paths, which would hide a missing flag: one -I directory holds
+# cuda_runtime_api.h, one -L directory holds libcudart (it becomes the program's rpath), and -lcudart is there.
+function(packaging_compile_with_pkg_config what pkg_config program)
+  packaging_run("pkg-config --cflags --libs gpukit (${what})" SHOW_OUTPUT OUTPUT_VARIABLE flags
+    COMMAND "${pkg_config}" --cflags --libs gpukit)
+  separate_arguments(flags UNIX_COMMAND "${flags}")
+  set(found_header "")
+  set(found_library "")
+  foreach(flag IN LISTS flags)
+    if(flag MATCHES "^-I(.+)$")
+      if(EXISTS "${CMAKE_MATCH_1}/cuda_runtime_api.h")
+        set(found_header "${CMAKE_MATCH_1}")
+      endif()
+    elseif(flag MATCHES "^-L(.+)$")
+      file(GLOB cudart "${CMAKE_MATCH_1}/libcudart.so*" "${CMAKE_MATCH_1}/libcudart.a")
+      if(cudart)
+        set(found_library "${CMAKE_MATCH_1}")
+      endif()
+    endif()
+  endforeach()
+  if(NOT found_header OR NOT found_library OR NOT "-lcudart" IN_LIST flags)
+    packaging_fail("${what}: pkg-config's flags must name CUDA's include directory (-I, with cuda_runtime_api.h: "
+                   "\"${found_header}\"), its library directory (-L, with libcudart: \"${found_library}\") and -lcudart")
+  endif()
+  foreach(var CPATH C_INCLUDE_PATH CPLUS_INCLUDE_PATH LIBRARY_PATH)
+    unset(ENV{${var}})
+  endforeach()
+  packaging_run("compile and link (${what}): ${CXX_COMPILER} -std=c++17 consumer_main.cpp $(pkg-config --cflags --libs gpukit)"
+    COMMAND "${CXX_COMPILER}" -std=c++17 "-DGPUKIT_EXPECTED_VERSION=\"${VERSION}\"" "${PACKAGING_DIR}/consumer_main.cpp"
+            ${flags} "-Wl,-rpath,${found_library}" -o "${program}")
+endfunction()

@@ -130,34 +130,8 @@ endforeach()
 # Only the generated gpukit.pc counts: no other pkg-config directory, no compiler search path from the environment.
 set(ENV{PKG_CONFIG_PATH} "${pc_dir}")
 set(ENV{PKG_CONFIG_LIBDIR} "${pc_dir}")
-foreach(var CPATH C_INCLUDE_PATH CPLUS_INCLUDE_PATH LIBRARY_PATH)
-  unset(ENV{${var}})
-endforeach()
-packaging_run("pkg-config --cflags --libs gpukit (PkgConfigDeps)" SHOW_OUTPUT OUTPUT_VARIABLE flags
-  COMMAND "${pkg_config}" --cflags --libs gpukit)
-separate_arguments(flags UNIX_COMMAND "${flags}")
-set(found_header "")
-set(found_library "")
-foreach(flag IN LISTS flags)
-  if(flag MATCHES "^-I(.+)$")
-    if(EXISTS "${CMAKE_MATCH_1}/cuda_runtime_api.h")
-      set(found_header "${CMAKE_MATCH_1}")
-    endif()
-  elseif(flag MATCHES "^-L(.+)$")
-    file(GLOB cudart "${CMAKE_MATCH_1}/libcudart.so*")
-    if(cudart)
-      set(found_library "${CMAKE_MATCH_1}")
-    endif()
-  endif()
-endforeach()
-if(NOT found_header OR NOT found_library OR NOT "-lcudart" IN_LIST flags)
-  packaging_fail("pkg-config's flags must name CUDA's include directory (-I, with cuda_runtime_api.h: "
-                 "\"${found_header}\"), its library directory (-L, with libcudart: \"${found_library}\") and -lcudart")
-endif()
 set(program "${WORK_DIR}/pkgconfigdeps-consumer")
-packaging_run("compile and link: ${CXX_COMPILER} -std=c++17 consumer_main.cpp $(pkg-config --cflags --libs gpukit)"
-  COMMAND "${CXX_COMPILER}" -std=c++17 "-DGPUKIT_EXPECTED_VERSION=\"${VERSION}\"" "${PACKAGING_DIR}/consumer_main.cpp"
-          ${flags} "-Wl,-rpath,${found_library}" -o "${program}")
+packaging_compile_with_pkg_config("PkgConfigDeps" "${pkg_config}" "${program}")
 packaging_run_consumer("run the PkgConfigDeps consumer" "${program}")
 
 packaging_run("conan install -g PkgConfigDeps without the conf: CUDA_PATH is the CUDA root" OUTPUT_VARIABLE out
