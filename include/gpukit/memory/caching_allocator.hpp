@@ -123,8 +123,8 @@ struct allocator_options {
   /// Before a new segment would raise reserved memory above its high-water mark, return completely free segments
   /// to the upstream first (the smallest that covers the growth): keeps peak reserved memory low when request
   /// sizes drift, at the price of upstream frees (each cudaFree drains the device) while memory is available,
-  /// counted in num_device_free_unforced. Off: under a capacity it brings no gain, because the out-of-memory path
-  /// releases such segments anyway (bench_fragmentation's minimum capacity).
+  /// counted in num_device_free_unforced. Off: it brings no measured gain in the memory a job needs (minimum
+  /// capacity in bench_fragmentation), because the out-of-memory path releases such segments anyway.
   bool release_before_grow = false;
   /// When non-zero, segments shared by requests in (small_size, medium_size) grow with the footprint: they are
   /// max(medium_segment_size, reserved / medium_segment_growth) (at most 4 × medium_size), trimmed to a whole
@@ -886,9 +886,7 @@ class basic_caching_allocator {
       }
       if (abandoned) victims.push_back(seg);
     }
-    const std::size_t released = release_segments(lock, victims);
-    for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free_unforced.increment();
-    return released;
+    return release_segments(lock, victims, true);
   }
 
   // --- stream lifetimes (stream_ops.hpp: gpukit streams are tracked, raw handles are not) ---
@@ -1490,9 +1488,7 @@ class basic_caching_allocator {
         covered += (*it)->size;
       }
     }
-    const std::size_t released = release_segments(lock, victims);
-    for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free_unforced.increment();
-    return released;
+    return release_segments(lock, victims, true);
   }
 
   /// Waits (lock released) for every pending event and returns the blocks they held back to their pools.
@@ -1545,8 +1541,10 @@ class basic_caching_allocator {
   }
 
   /// Unlinks completely free segments and returns them to the upstream, after waiting for their fences (lock
-  /// released meanwhile). Returns the bytes released.
-  std::size_t release_segments(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims) {
+  /// released meanwhile). `unforced`: memory was available (counted in num_device_free_unforced). Returns the bytes
+  /// released.
+  std::size_t release_segments(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims,
+                               bool unforced = false) {
     if (victims.empty()) return 0;
     std::vector<std::unique_ptr<event_type>> fences;
     std::size_t released = 0;
@@ -1576,7 +1574,10 @@ class basic_caching_allocator {
     }
     lock.lock();
     for (auto& fence : fences) release_event(std::move(fence), device_);
-    for (std::size_t i = 0; i < victims.size(); ++i) stats_.num_device_free.increment();
+    for (std::size_t i = 0; i < victims.size(); ++i) {
+      stats_.num_device_free.increment();
+      if (unforced) stats_.num_device_free_unforced.increment();
+    }
     return released;
   }
 
