@@ -2,7 +2,7 @@ vcpkg_from_github(
     OUT_SOURCE_PATH SOURCE_PATH
     REPO gpukit/gpukit
     REF "v${VERSION}"
-    SHA512 0
+    SHA512 4c132eff7e36ddc439d042b01ded7b5a4f0e9e0503d6712b6e83fc3f41b0404e80727d9b3aec070cba4de8c2b7a763260ff619bb77ddf221995b7b30598e39f4
     HEAD_REF main
 )
 
