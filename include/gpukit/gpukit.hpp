@@ -24,12 +24,15 @@
 #include <gpukit/stream/stream_pool.hpp>
 
 // memory (caching allocator, device buffers, pinned memory)
+#include <gpukit/memory/allocator_config.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
 // GPUKIT-MEMORY-INCLUDES

@@ -107,6 +107,7 @@ struct region {
   region_kind kind = region_kind::device;
   int device = 0;
   unsigned flags = 0;
+  bool pooled = false;  // from cudaMallocAsync
 };
 
 struct device_state {
@@ -115,6 +116,8 @@ struct device_state {
   bool context = false;
   int creations = 0;
   std::size_t used = 0;
+  std::size_t pool_used = 0;  // of that, cudaMallocAsync's (the default pool holds exactly what is live)
+  std::size_t pool_high = 0;
   stream_ptr legacy;
   std::vector<stream_ptr> streams;  // every stream with work or a live handle, legacy and per-thread ones included
   bool workers = false;
@@ -1399,6 +1402,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
   const auto again = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (again == c.s.regions.end()) return c.violation(cudaErrorInvalidValue, "double cudaFree");
   c.s.devices[static_cast<std::size_t>(d)].used -= round_up(again->second.size, 512);
+  if (again->second.pooled) c.s.devices[static_cast<std::size_t>(d)].pool_used -= round_up(again->second.size, 512);
   c.s.regions.erase(again);
   std::free(p);
   return cudaSuccess;
@@ -1414,10 +1418,47 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* poo
   return cudaSuccess;
 }
 
-CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr, void* value) {
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
   CUDASIM_ENTER("cudaMemPoolSetAttribute");
   if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
+  if (attr == cudaMemPoolAttrReservedMemHigh || attr == cudaMemPoolAttrUsedMemHigh) {
+    if (*static_cast<cuuint64_t*>(value) != 0) {
+      return c.violation(cudaErrorInvalidValue, "a pool's high-water mark can only be reset (to 0)");
+    }
+    const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
+    if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+    device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
+    dev.pool_high = dev.pool_used;
+  }
   return cudaSuccess;
+}
+
+/// The default pool keeps nothing beyond what is live (as with a release threshold reached at every step), so its
+/// reserved and used memory are the live cudaMallocAsync bytes; the high-water marks can be reset to 0.
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
+  CUDASIM_ENTER("cudaMemPoolGetAttribute");
+  if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
+  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
+  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  const device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
+  switch (attr) {
+    case cudaMemPoolAttrReservedMemCurrent:
+    case cudaMemPoolAttrUsedMemCurrent:
+      *static_cast<cuuint64_t*>(value) = dev.pool_used;
+      return cudaSuccess;
+    case cudaMemPoolAttrReservedMemHigh:
+    case cudaMemPoolAttrUsedMemHigh:
+      *static_cast<cuuint64_t*>(value) = dev.pool_high;
+      return cudaSuccess;
+    default:
+      return c.violation(cudaErrorNotSupported, "cudasim models only the pool's reserved and used memory");
+  }
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t) {
+  CUDASIM_ENTER("cudaMemPoolTrimTo");
+  if (pool == nullptr) return c.result(cudaErrorInvalidValue);
+  return cudaSuccess;  // the default pool keeps nothing to trim
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
@@ -1442,8 +1483,11 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStr
   r.size = size;
   r.kind = region_kind::device;
   r.device = st->device;
+  r.pooled = true;
   c.s.regions[r.base] = r;
   dev.used += rounded;
+  dev.pool_used += rounded;
+  dev.pool_high = std::max(dev.pool_high, dev.pool_used);
   *p = memory;
   return cudaSuccess;
 }
@@ -1464,7 +1508,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
     simulator& s = sim();
     const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
     if (found == s.regions.end()) return false;
-    s.devices[static_cast<std::size_t>(found->second.device)].used -= round_up(found->second.size, 512);
+    device_state& dev = s.devices[static_cast<std::size_t>(found->second.device)];
+    dev.used -= round_up(found->second.size, 512);
+    if (found->second.pooled) dev.pool_used -= round_up(found->second.size, 512);
     s.regions.erase(found);
     return true;
   };

@@ -4,6 +4,7 @@
 #include "cudasim.hpp"
 #include "support.hpp"
 
+#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/device/properties.hpp>
@@ -424,4 +425,25 @@ TEST_CASE("streams: creating streams asks the device's priority range once") {
     CHECK(s.priority() == gpukit::stream_priority_range(cuda1).greatest);
   }
   CHECK(cudasim::calls("cudaDeviceGetStreamPriorityRange") == before);
+}
+
+TEST_CASE("streams: async_allocator frees after the work of recorded streams, waiting on the device") {
+  gate g;
+  open_at_exit at_exit{&g};
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  void* p = a.allocate(block_bytes, s);
+  const std::size_t held = a.memory_reserved();
+  CHECK(held >= block_bytes);
+  g.hold(other);  // work on `other` that could still read p waits for the gate
+  a.record_stream(p, other);
+  a.deallocate(p);  // cudaFreeAsync on s, which first waits for other's work: not the host
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.memory_reserved() == held);  // the pool still holds it: the free has not run
+  CHECK_FALSE(stream_idle(s.cuda_handle()));
+  g.open();
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);  // the simulator's pool keeps nothing once freed
+  CHECK(a.max_memory_reserved() == held);
 }

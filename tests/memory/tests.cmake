@@ -9,6 +9,7 @@ gpukit_add_test(test_allocator_streams SOURCES "${gpukit_memory_tests}/allocator
 gpukit_add_test(test_allocator_concurrency SOURCES "${gpukit_memory_tests}/allocator_concurrency_test.cpp")
 gpukit_add_test(test_device_buffer SOURCES "${gpukit_memory_tests}/device_buffer_test.cpp")
 gpukit_add_test(test_gpu_allocator SOURCES "${gpukit_memory_tests}/gpu_allocator_test.cpp" GPU)
+gpukit_add_test(test_gpu_async_allocator SOURCES "${gpukit_memory_tests}/gpu_async_allocator_test.cpp" GPU)
 # The model of PyTorch's allocator that bench_fragmentation uses as a baseline (bench/pytorch_allocator_model.hpp).
 gpukit_add_test(test_pytorch_allocator_model SOURCES "${gpukit_memory_tests}/pytorch_model_test.cpp")
 target_include_directories(test_pytorch_allocator_model PRIVATE "${gpukit_memory_tests}/../../bench")

@@ -66,6 +66,7 @@
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
 
@@ -77,7 +78,6 @@
 #include <cstdio>
 #include <deque>
 #include <exception>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -540,21 +540,9 @@ class basic_caching_allocator {
   /// thread, outside the allocator's lock, so it may use the allocator (snapshot, memory_summary, free buffers to
   /// shed load; the failed request is not retried). One that throws is reported through gpukit::warn and the error
   /// is thrown all the same. Returns an id for remove_out_of_memory_observer.
-  std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) {
-    if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
-    std::lock_guard<std::mutex> lock(observers_mutex_);
-    observers_.emplace_back(++last_observer_id_,
-                            std::make_shared<const std::function<void(const out_of_memory_info&)>>(std::move(observer)));
-    return last_observer_id_;
-  }
+  std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) { return observers_.add(std::move(observer)); }
   /// Removes an observer; returns false when no observer has that id. A call already under way finishes.
-  bool remove_out_of_memory_observer(std::uint64_t id) {
-    std::lock_guard<std::mutex> lock(observers_mutex_);
-    const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
-    if (it == observers_.end()) return false;
-    observers_.erase(it);
-    return true;
-  }
+  bool remove_out_of_memory_observer(std::uint64_t id) { return observers_.remove(id); }
 
   std::size_t reserved_limit() const noexcept { return limit_atomic_.load(std::memory_order_relaxed); }
   const allocator_options& options() const noexcept { return options_; }
@@ -1679,32 +1667,13 @@ class basic_caching_allocator {
     } else if (info.known && allocated < info.total_bytes / 2 && reserved < info.total_bytes / 2) {
       m += " Most of the device is used outside this allocator (other processes or libraries).";
     }
-    notify_out_of_memory(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
-                                            f.free_bytes, f.largest_free_block, limit, limit_hit, info.known,
-                                            info.total_bytes, info.free_bytes, m});
+    observers_.notify(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
+                                         f.free_bytes, f.largest_free_block, limit, limit_hit, info.known,
+                                         info.total_bytes, info.free_bytes, m},
+                      device_.to_string());
     const cudaError_t result = device_.is_cuda() && !limit_hit ? cudaErrorMemoryAllocation : cudaSuccess;
     throw out_of_memory_error(m, result, "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
                               device_.ordinal());
-  }
-
-  /// Calls the out-of-memory observers (no allocator lock held).
-  void notify_out_of_memory(const out_of_memory_info& info) noexcept {
-    std::vector<std::shared_ptr<const std::function<void(const out_of_memory_info&)>>> observers;
-    try {
-      std::lock_guard<std::mutex> lock(observers_mutex_);
-      for (const auto& o : observers_) observers.push_back(o.second);
-    } catch (...) {
-      return;  // no memory to copy the list: the error itself is about to say why
-    }
-    for (const auto& observer : observers) {
-      try {
-        (*observer)(info);
-      } catch (const std::exception& e) {
-        warn(std::string("gpukit: an out-of-memory observer of ") + device_.to_string() + " threw: " + e.what());
-      } catch (...) {
-        warn("gpukit: an out-of-memory observer of " + device_.to_string() + " threw a non-standard exception");
-      }
-    }
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
@@ -1757,9 +1726,7 @@ class basic_caching_allocator {
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
-  std::mutex observers_mutex_;  // guards observers_ (never taken with mutex_ held)
-  std::vector<std::pair<std::uint64_t, std::shared_ptr<const std::function<void(const out_of_memory_info&)>>>> observers_;
-  std::uint64_t last_observer_id_ = 0;
+  detail::out_of_memory_observers observers_;
 
   static constexpr std::size_t min_prune_at = 64;
 

@@ -19,12 +19,12 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
 
 #include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -132,7 +132,7 @@ inline void set_per_device_memory_fraction(double fraction, device d) {
 }
 /// Calls `observer` before every out-of-memory error of `d`'s default allocator (see
 /// basic_caching_allocator::add_out_of_memory_observer); returns an id for remove_out_of_memory_observer.
-inline std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer, device d) {
+inline std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer, device d) {
   return default_allocator(d).add_out_of_memory_observer(std::move(observer));
 }
 /// Removes an observer of `d`'s default allocator; false when none has that id.

@@ -14,13 +14,13 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <utility>
 
@@ -70,7 +70,7 @@ class device_allocator {
   /// Calls `observer` with the numbers of every out-of-memory error of this allocator just before it is thrown
   /// (outside the allocator's lock); returns an id for remove_out_of_memory_observer. Allocators that cannot
   /// report them throw invalid_argument_error.
-  virtual std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) {
+  virtual std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) {
     (void)observer;
     throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
                                  " does not support out-of-memory observers");
@@ -122,7 +122,7 @@ class caching_device_allocator final : public device_allocator {
   void reset_accumulated_stats() override { engine_.reset_accumulated_stats(); }
   void set_reserved_limit(std::size_t bytes) override { engine_.set_reserved_limit(bytes); }
   void set_memory_fraction(double fraction) override { engine_.set_memory_fraction(fraction); }
-  std::uint64_t add_out_of_memory_observer(std::function<void(const out_of_memory_info&)> observer) override {
+  std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) override {
     return engine_.add_out_of_memory_observer(std::move(observer));
   }
   bool remove_out_of_memory_observer(std::uint64_t id) override { return engine_.remove_out_of_memory_observer(id); }

@@ -1,0 +1,409 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// async_allocator: a device_allocator over CUDA's stream-ordered allocator (cudaMallocAsync / cudaFreeAsync from
+/// the device's default memory pool), for programs that prefer the driver's pool to gpukit's caching engine: the
+/// pool is shared with every other library of the process that uses it, and allocations are legal inside CUDA graph
+/// capture (they become graph memory nodes). With the same statistics, record_stream, out-of-memory handling and
+/// observers as the caching allocator:
+///
+///     gpukit::async_allocator a(gpukit::device::cuda(0), 1ull << 30);  // keep up to 1 GiB in the pool at syncs
+///     void* p = a.allocate(bytes, s);                                    // cudaMallocAsync on s
+///     a.deallocate(p);                                                   // cudaFreeAsync on s
+///
+/// The pool's release threshold (cudaMemPoolAttrReleaseThreshold) is how much freed memory the pool keeps at a
+/// synchronization point; CUDA's default, 0, returns it all, which makes every step after a synchronization pay for
+/// new memory (300-400 ms stalls re-allocating 16 GB were reported). The constructor sets it on the device's default
+/// pool, which other users of that pool then share.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// cudaMallocAsync / cudaFreeAsync behind device_allocator (see the file comment). Thread-safe.
+class async_allocator final : public device_allocator {
+ public:
+  /// An allocator of CUDA device `d` over its default memory pool, whose release threshold becomes
+  /// `release_threshold` bytes (std::numeric_limits<std::size_t>::max(): keep everything, as gpukit's cache does).
+  /// Throws invalid_argument_error for the CPU, cuda_error where the device has no memory pools.
+  explicit async_allocator(gpukit::device d, std::size_t release_threshold = std::numeric_limits<std::size_t>::max())
+      : device_(d) {
+    if (!d.is_cuda()) {
+      throw invalid_argument_error("gpukit::async_allocator: " + d.to_string() +
+                                   " is not a CUDA device (cudaMallocAsync needs one)");
+    }
+    device_guard guard(d);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetDefaultMemPool(&pool_, d.ordinal()), "cudaDeviceGetDefaultMemPool",
+                              d.ordinal());
+    cuuint64_t threshold = release_threshold;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
+                              "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", d.ordinal());
+  }
+  async_allocator(const async_allocator&) = delete;
+  async_allocator& operator=(const async_allocator&) = delete;
+
+  /// Live allocations are freed (each on its stream) and reported through gpukit::warn.
+  ~async_allocator() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (live_.empty()) return;
+    warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " +
+         std::to_string(live_.size()) + " live allocation(s); they are freed now, so any later use of them is invalid");
+    for (auto& [address, a] : live_) free_on_streams(reinterpret_cast<void*>(address), a, a.stream);
+  }
+
+  gpukit::device device() const noexcept override { return device_; }
+
+  /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it). On
+  /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
+  /// and retried once more, then out_of_memory_error (after the observers) with the numbers.
+  void* allocate(std::size_t bytes, stream_view stream) override {
+    if (bytes == 0) return nullptr;
+    check_device(stream, "allocate");
+    const cudaStream_t handle = stream.cuda_handle();
+    bool over_limit = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
+    }
+    if (over_limit) throw_out_of_memory(bytes, true);
+    device_guard guard(device_);
+    void* p = nullptr;
+    cudaError_t result = cudaMallocAsync(&p, bytes, handle);
+    for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
+      (void)cudaGetLastError();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++retries_;
+      }
+      if (retry == 1) {
+        GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
+      }
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
+      result = cudaMallocAsync(&p, bytes, handle);
+    }
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      throw_out_of_memory(bytes, false);
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, stream, {}});
+    add(allocations_, 1);
+    add(allocated_bytes_, static_cast<std::int64_t>(bytes));
+    ++device_allocs_;
+    return p;
+  }
+
+  /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
+  /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
+  /// does not own; nullptr is ignored.
+  void deallocate(void* p) override { deallocate_on(p, nullptr); }
+  /// The same, in the order of `stream` (memory last used there).
+  void deallocate(void* p, stream_view stream) override {
+    check_device(stream, "deallocate");
+    deallocate_on(p, &stream);
+  }
+
+  /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then.
+  void record_stream(void* p, stream_view stream) override {
+    check_device(stream, "record_stream");
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == live_.end()) throw_not_owned(p, "record_stream");
+    it->second.users.push_back(stream);
+  }
+
+  bool owns(const void* p) const noexcept override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
+  }
+
+  /// Allocation counts and bytes as gpukit keeps them; reserved bytes as the pool reports them (current and high
+  /// water mark; the pool's memory, shared with its other users).
+  allocator_stats stats() const override {
+    allocator_stats s;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (pool_stats* p : {&s.allocation, &s.active}) p->pools[0] = allocations_;
+    for (pool_stats* p : {&s.allocated_bytes, &s.active_bytes, &s.requested_bytes}) p->pools[0] = allocated_bytes_;
+    const std::int64_t reserved = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent));
+    s.reserved_bytes.pools[0].current = reserved;
+    s.reserved_bytes.pools[0].peak = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemHigh));
+    s.num_alloc_retries = retries_;
+    s.num_ooms = ooms_;
+    s.num_device_alloc = device_allocs_;
+    s.num_device_free = device_frees_;
+    s.reserved_limit = limit_;
+    return s;
+  }
+  /// The pool's free memory is not visible: reported as reserved minus allocated, in one block.
+  free_space_info free_space() const override {
+    const allocator_stats s = stats();
+    free_space_info f;
+    const std::int64_t free_bytes = s.reserved_bytes.all().current - s.allocated_bytes.all().current;
+    f.free_bytes = free_bytes > 0 ? static_cast<std::size_t>(free_bytes) : 0;
+    f.free_blocks = f.free_bytes > 0 ? 1 : 0;
+    f.largest_free_block = f.free_bytes;
+    return f;
+  }
+  /// One segment per live allocation (the pool's layout is the driver's).
+  allocator_snapshot snapshot() const override {
+    allocator_snapshot snap;
+    snap.device = device_;
+    snap.stats = stats();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [address, a] : live_) {
+      segment_info seg;
+      seg.address = address;
+      seg.size = a.bytes;
+      seg.blocks.push_back(block_info{address, a.bytes, a.bytes, block_state::allocated,
+                                      reinterpret_cast<std::uintptr_t>(a.stream.native_handle()), 0});
+      snap.segments.push_back(std::move(seg));
+    }
+    snap.pointer_map_entries = live_.size();
+    return snap;
+  }
+  std::string memory_summary() const override {
+    return format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(), stats(),
+                                 free_space());
+  }
+
+  /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)).
+  void empty_cache() override { trim(0); }
+  /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
+  std::size_t trim(std::size_t target_reserved) override {
+    device_guard guard(device_);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trim)", device_.ordinal());
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
+  }
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    allocations_.peak = allocations_.current;
+    allocated_bytes_.peak = allocated_bytes_.current;
+    device_guard guard(device_);
+    cuuint64_t zero = 0;
+    detail::report_cuda_failure(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero),
+                                "cudaMemPoolSetAttribute(cudaMemPoolAttrReservedMemHigh)", device_.ordinal());
+  }
+  void reset_accumulated_stats() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (stat* s : {&allocations_, &allocated_bytes_}) s->allocated = s->freed = 0;
+    retries_ = ooms_ = device_allocs_ = device_frees_ = 0;
+  }
+  /// Caps the bytes allocated through this allocator (the pool's reserve is the driver's): a request beyond it
+  /// throws out_of_memory_error.
+  void set_reserved_limit(std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_ = bytes;
+  }
+  void set_memory_fraction(double fraction) override {
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      throw invalid_argument_error("gpukit: a memory fraction must be in (0, 1], not " + std::to_string(fraction));
+    }
+    device_guard guard(device_);
+    std::size_t free_bytes = 0, total_bytes = 0;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo", device_.ordinal());
+    set_reserved_limit(static_cast<std::size_t>(fraction * static_cast<double>(total_bytes)));
+  }
+
+  std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) override {
+    return observers_.add(std::move(observer));
+  }
+  bool remove_out_of_memory_observer(std::uint64_t id) override { return observers_.remove(id); }
+
+  std::size_t memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::current)); }
+  std::size_t memory_reserved() const noexcept override {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
+    } catch (...) {
+      return 0;
+    }
+  }
+  std::size_t max_memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::peak)); }
+  std::size_t max_memory_reserved() const noexcept override {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return pool_attribute(cudaMemPoolAttrReservedMemHigh);
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  /// The memory pool (the device's default pool).
+  cudaMemPool_t pool() const noexcept { return pool_; }
+
+ private:
+  struct allocation {
+    std::size_t bytes;
+    stream_view stream;              // allocated on (and by default freed on) this stream
+    std::vector<stream_view> users;  // record_stream
+  };
+
+  static void add(stat& s, std::int64_t delta) noexcept {
+    s.current += delta;
+    if (delta > 0) {
+      s.allocated += delta;
+      s.peak = std::max(s.peak, s.current);
+    } else {
+      s.freed -= delta;
+    }
+  }
+  std::int64_t guarded(std::int64_t stat::*member) const noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return allocated_bytes_.*member;
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  /// A pool attribute in bytes; 0 where the driver cannot say. Called with mutex_ held.
+  std::size_t pool_attribute(cudaMemPoolAttr attribute) const noexcept {
+    try {
+      device_guard guard(device_);
+      cuuint64_t value = 0;
+      if (cudaMemPoolGetAttribute(pool_, attribute, &value) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+      }
+      return static_cast<std::size_t>(value);
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  void check_device(const stream_view& stream, const char* operation) const {
+    if (stream.is_cpu() || stream.device() != device_) {
+      throw invalid_argument_error(std::string("gpukit::async_allocator::") + operation + ": a stream of " +
+                                       (stream.is_cpu() ? std::string("cpu") : stream.device().to_string()) +
+                                       " was passed to the allocator of " + device_.to_string() + " (wrong device)",
+                                   cudaSuccess, "gpukit::async_allocator", device_.ordinal());
+    }
+  }
+
+  void deallocate_on(void* p, const stream_view* stream) {
+    if (p == nullptr) return;
+    allocation a;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it == live_.end()) throw_not_owned(p, "deallocate");
+      a = std::move(it->second);
+      live_.erase(it);
+      add(allocations_, -1);
+      add(allocated_bytes_, -static_cast<std::int64_t>(a.bytes));
+      ++device_frees_;
+    }
+    if (stream != nullptr) a.users.push_back(a.stream);  // the allocation stream's work too, when freed elsewhere
+    free_on_streams(p, a, stream != nullptr ? *stream : a.stream);
+  }
+
+  /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits).
+  void free_on_streams(void* p, const allocation& a, const stream_view& on) noexcept {
+    try {
+      device_guard guard(device_);
+      const cudaStream_t free_stream = on.cuda_handle();
+      for (const stream_view& user : a.users) {
+        if (user.native_handle() == free_stream) continue;
+        cudaEvent_t e = nullptr;
+        GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
+                                  device_.ordinal());
+        const cudaError_t recorded = cudaEventRecord(e, user.cuda_handle());
+        const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(free_stream, e, 0) : recorded;
+        (void)cudaEventDestroy(e);  // released once the wait is done
+        GPUKIT_CUDA_TRY_DESCRIBED(waited, "ordering a free after a recorded stream", device_.ordinal());
+      }
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaFreeAsync(p, free_stream), "cudaFreeAsync", device_.ordinal());
+    } catch (const std::exception& e) {
+      if (const auto* ge = dynamic_cast<const error*>(&e); ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
+        return;
+      }
+      warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) + " failed: " + e.what());
+    }
+  }
+
+  [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    throw invalid_argument_error(std::string("gpukit: ") + operation + "(" + text + ") on the async allocator of " +
+                                     device_.to_string() + ": not a live allocation of this allocator (a double free, "
+                                     "a foreign pointer or one into the middle of an allocation)",
+                                 cudaSuccess, "gpukit::async_allocator", device_.ordinal());
+  }
+
+  [[noreturn]] void throw_out_of_memory(std::size_t bytes, bool limit_hit) {
+    out_of_memory_info info;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++ooms_;
+      info.device = device_.ordinal();
+      info.requested = info.rounded = info.segment_bytes = bytes;
+      info.allocated = static_cast<std::size_t>(allocated_bytes_.current);
+      info.reserved = pool_attribute(cudaMemPoolAttrReservedMemCurrent);
+      info.reserved_limit = limit_;
+      info.limit_hit = limit_hit;
+    }
+    try {
+      device_guard guard(device_);
+      std::size_t free_bytes = 0, total_bytes = 0;
+      if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+        info.device_memory_known = true;
+        info.device_free = free_bytes;
+        info.device_total = total_bytes;
+      } else {
+        (void)cudaGetLastError();
+      }
+    } catch (...) {
+    }
+    using detail::format_bytes;
+    info.message = "gpukit: out of memory on " + device_.to_string() + ": cudaMallocAsync of " +
+                   detail::format_bytes_exact(bytes) + " failed" +
+                   (limit_hit ? " (the limit of " + format_bytes(info.reserved_limit) + " would be exceeded)" : "") +
+                   ". Device: " +
+                   (info.device_memory_known ? format_bytes(info.device_total) + " total, " +
+                                                   format_bytes(info.device_free) + " free"
+                                             : std::string("total and free memory unknown")) +
+                   ". This allocator: " + format_bytes(info.allocated) + " allocated; the pool holds " +
+                   format_bytes(info.reserved) + ".";
+    observers_.notify(info, device_.to_string());
+    throw out_of_memory_error(info.message, limit_hit ? cudaSuccess : cudaErrorMemoryAllocation,
+                              "gpukit::async_allocator::allocate(" + std::to_string(bytes) + ")", device_.ordinal());
+  }
+
+  gpukit::device device_;
+  cudaMemPool_t pool_ = nullptr;
+  mutable std::mutex mutex_;
+  std::map<std::uintptr_t, allocation> live_;
+  stat allocations_, allocated_bytes_;
+  std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;
+  std::size_t limit_ = std::numeric_limits<std::size_t>::max();
+  detail::out_of_memory_observers observers_;
+};
+
+GPUKIT_END_NAMESPACE

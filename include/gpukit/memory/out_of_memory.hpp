@@ -1,0 +1,94 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Out-of-memory observers: what an allocator tells them (out_of_memory_info) just before it throws
+/// out_of_memory_error, and the registry the allocators keep them in.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/error.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// What an out-of-memory observer is told, just before an allocator throws out_of_memory_error.
+struct out_of_memory_info {
+  int device = -1;                 ///< the CUDA ordinal, or -1 for the CPU
+  std::size_t requested = 0;       ///< the bytes asked for
+  std::size_t rounded = 0;         ///< the request rounded as the allocator serves it
+  std::size_t segment_bytes = 0;   ///< the last segment size asked of the upstream for it
+  std::size_t allocated = 0;       ///< bytes allocated by this allocator
+  std::size_t reserved = 0;        ///< bytes this allocator holds from the upstream
+  std::size_t free_cached = 0;     ///< reserved bytes in free blocks (after releasing what could be released)
+  std::size_t largest_free_block = 0;
+  std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();  ///< max() when none
+  bool limit_hit = false;          ///< the reserved limit refused, not the upstream
+  bool device_memory_known = false;
+  std::size_t device_total = 0;    ///< the upstream's (device's) total memory, where known
+  std::size_t device_free = 0;     ///< its free memory when the error was raised, where known
+  std::string message;             ///< the text of the error about to be thrown
+};
+
+/// Called with the numbers of an out-of-memory error just before it is thrown.
+using out_of_memory_observer = std::function<void(const out_of_memory_info&)>;
+
+namespace detail {
+
+/// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
+/// use the allocator and add or remove observers.
+class out_of_memory_observers {
+ public:
+  std::uint64_t add(out_of_memory_observer observer) {
+    if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
+    std::lock_guard<std::mutex> lock(mutex_);
+    observers_.emplace_back(++last_id_, std::make_shared<const out_of_memory_observer>(std::move(observer)));
+    return last_id_;
+  }
+  bool remove(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
+    if (it == observers_.end()) return false;
+    observers_.erase(it);
+    return true;
+  }
+  /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`.
+  void notify(const out_of_memory_info& info, const std::string& device) const noexcept {
+    std::vector<std::shared_ptr<const out_of_memory_observer>> observers;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& o : observers_) observers.push_back(o.second);
+    } catch (...) {
+      return;  // no memory to copy the list: the error about to be thrown says why
+    }
+    for (const auto& observer : observers) {
+      try {
+        (*observer)(info);
+      } catch (const std::exception& e) {
+        warn("gpukit: an out-of-memory observer of " + device + " threw: " + e.what());
+      } catch (...) {
+        warn("gpukit: an out-of-memory observer of " + device + " threw a non-standard exception");
+      }
+    }
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<const out_of_memory_observer>>> observers_;
+  std::uint64_t last_id_ = 0;
+};
+
+}  // namespace detail
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,131 @@
+// GPU tests of async_allocator, cudaMallocAsync behind device_allocator (label gpu; on the simulator as *_sim):
+// normal use with data through the memory, statistics, record_stream ordering, out of memory with observers, bad
+// input. Skipped with GPUKIT_TEST_SKIPPED without a GPU.
+#include "allocator_support.hpp"
+#include "support.hpp"
+
+#include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+}  // namespace
+
+TEST_CASE("gpu: async_allocator allocates on a stream, data round-trips, statistics count it") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  std::vector<int> host(1 << 18);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<int>(i * 3);
+  void* p = a.allocate(host.size() * sizeof(int), s);
+  REQUIRE(p != nullptr);
+  CHECK(a.owns(p));
+  CHECK(a.memory_allocated() == host.size() * sizeof(int));
+  CHECK(a.memory_reserved() >= a.memory_allocated());
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(p, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice, s.cuda_handle()));
+  std::vector<int> back(host.size());
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), p, host.size() * sizeof(int), cudaMemcpyDeviceToHost, s.cuda_handle()));
+  s.synchronize();
+  CHECK(back == host);
+  const auto stats = a.stats();
+  CHECK(stats.allocation.all().current == 1);
+  CHECK(stats.allocated_bytes.all().peak == static_cast<std::int64_t>(host.size() * sizeof(int)));
+  CHECK(stats.num_device_alloc == 1);
+  a.deallocate(p);
+  CHECK_FALSE(a.owns(p));
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.max_memory_allocated() == host.size() * sizeof(int));
+  CHECK(a.allocate(0, s) == nullptr);
+  a.deallocate(nullptr);
+  CHECK(a.snapshot().segments.empty());
+  CHECK(contains(a.memory_summary(), "gpukit async allocator (cudaMallocAsync), cuda:0"));
+  a.empty_cache();
+  s.synchronize();
+}
+
+TEST_CASE("gpu: async_allocator serves device_buffer and orders a free after recorded streams") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d), other(d);
+  {
+    gpukit::device_buffer<float> b(1000, s, a);
+    CHECK(b.device() == d);
+    CHECK(a.memory_allocated() == 1000 * sizeof(float));
+    a.record_stream(b.data(), other);  // freed on s after other's work so far
+  }
+  CHECK(a.memory_allocated() == 0);
+  void* p = a.allocate(4096, s);
+  a.deallocate(p, other);  // freed in other's order, after s's work
+  s.synchronize();
+  other.synchronize();
+  CHECK(a.stats().num_device_free == 2);
+}
+
+TEST_CASE("gpu: async_allocator out of memory and its limit: observers, the numbers, and a usable allocator") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  std::vector<gpukit::out_of_memory_info> seen;
+  const auto id = a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info& oom) { seen.push_back(oom); });
+  try {
+    (void)a.allocate(std::size_t{1} << 50, s);
+    FAIL("a 1 PiB cudaMallocAsync succeeded");
+  } catch (const gpukit::out_of_memory_error& e) {
+    CHECK(contains(e.what(), "cudaMallocAsync of"));
+    CHECK(e.cuda_result() == cudaErrorMemoryAllocation);
+  }
+  REQUIRE(seen.size() == 1);
+  CHECK(seen.front().requested == std::size_t{1} << 50);
+  CHECK_FALSE(seen.front().limit_hit);
+  CHECK(a.stats().num_ooms == 1);
+  CHECK(a.stats().num_alloc_retries == 2);
+  a.set_reserved_limit(MiB);
+  void* p = a.allocate(MiB / 2, s);
+  CHECK_THROWS_AS(a.allocate(MiB, s), gpukit::out_of_memory_error);
+  REQUIRE(seen.size() == 2);
+  CHECK(seen.back().limit_hit);
+  CHECK(seen.back().reserved_limit == MiB);
+  CHECK(a.remove_out_of_memory_observer(id));
+  a.deallocate(p);
+  void* q = a.allocate(MiB, s);  // usable afterwards
+  a.deallocate(q);
+  s.synchronize();
+}
+
+TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and pointers it does not own") {
+  GPUKIT_REQUIRE_GPU();
+  CHECK_THROWS_AS(gpukit::async_allocator(gpukit::device::cpu()), gpukit::invalid_argument_error);
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  CHECK_THROWS_AS(a.allocate(16, gpukit::stream_view::default_stream(gpukit::device::cpu())),
+                  gpukit::invalid_argument_error);
+  int local = 0;
+  CHECK_THROWS_AS(a.deallocate(&local), gpukit::invalid_argument_error);
+  void* p = a.allocate(256, s);
+  a.deallocate(p);
+  try {
+    a.deallocate(p);
+    FAIL("a double free was accepted");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(contains(e.what(), "not a live allocation of this allocator"));
+  }
+  CHECK_THROWS_AS(a.record_stream(p, s), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(a.add_out_of_memory_observer(nullptr), gpukit::invalid_argument_error);
+  if (gpukit::device_count() > 1) {
+    gpukit::stream elsewhere(gpukit::device::cuda(1));
+    CHECK_THROWS_AS(a.allocate(16, elsewhere), gpukit::invalid_argument_error);
+  }
+  s.synchronize();
+}
