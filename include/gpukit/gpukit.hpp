@@ -48,4 +48,5 @@
 #include <gpukit/transfer/spans.hpp>
 #include <gpukit/transfer/staging.hpp>
 #include <gpukit/transfer/to_device.hpp>
+#include <gpukit/graph/graph.hpp>
 // GPUKIT-TRANSFER-INCLUDES

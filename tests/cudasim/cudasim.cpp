@@ -958,6 +958,7 @@ const char* error_name(cudaError_t e) {
     CUDASIM_NAME(cudaErrorNotSupported)
     CUDASIM_NAME(cudaErrorStreamCaptureUnsupported)
     CUDASIM_NAME(cudaErrorStreamCaptureInvalidated)
+    CUDASIM_NAME(cudaErrorGraphExecUpdateFailure)
     CUDASIM_NAME(cudaErrorStreamCaptureUnmatched)
     CUDASIM_NAME(cudaErrorStreamCaptureIsolation)
     CUDASIM_NAME(cudaErrorStreamCaptureImplicit)
@@ -1838,6 +1839,25 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphDestroy(cudaGraph_t graph) {
   const auto h = reinterpret_cast<std::uintptr_t>(graph);
   if (!c.s.graphs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph");
   c.s.graphs.remove(h);
+  return cudaSuccess;
+}
+/// The executable takes the graph's work when it has as many operations of the same kinds (its "topology"); the
+/// runtime's finer rules (node types and parameters that may change) are not modelled.
+CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph,
+                                                      cudaGraphExecUpdateResultInfo* info) {
+  CUDASIM_ENTER("cudaGraphExecUpdate");
+  auto e = c.s.execs.find(reinterpret_cast<std::uintptr_t>(exec));
+  auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
+  if (!e || !g || info == nullptr) return c.violation(cudaErrorInvalidValue, "update with an invalid graph or executable");
+  *info = cudaGraphExecUpdateResultInfo{};
+  bool same = e->ops.size() == g->ops.size();
+  for (std::size_t i = 0; same && i < e->ops.size(); ++i) same = e->ops[i].kind == g->ops[i].kind;
+  if (!same) {
+    info->result = cudaGraphExecUpdateErrorTopologyChanged;
+    return c.result(cudaErrorGraphExecUpdateFailure);
+  }
+  e->ops = g->ops;
+  info->result = cudaGraphExecUpdateSuccess;
   return cudaSuccess;
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t exec) {

@@ -52,9 +52,10 @@
 ///
 /// Zero-size requests return nullptr (no statistic changes); deallocate(nullptr) does nothing.
 ///
-/// CUDA graph capture: graph-private pools are not supported yet, so allocate, deallocate and record_stream on a
-/// stream being captured (and empty_cache/trim while a stream with live allocations is) throw invalid_argument_error
-/// before anything changes (stream_ops.hpp says why). Upstream calls made for streams that are not captured relax
+/// CUDA graph capture: the engine serves no captured stream, so allocate, deallocate and record_stream on a stream
+/// being captured (and empty_cache/trim while a stream with live allocations is) throw invalid_argument_error
+/// before anything changes (stream_ops.hpp says why). Captures with a graph pool (graph/graph.hpp) are served by the
+/// pool: caching_device_allocator routes their allocations and frees there before the engine sees them. Upstream calls made for streams that are not captured relax
 /// the thread's capture mode, so they work while another thread captures in global mode.
 
 #include <gpukit/detail/config.hpp>

@@ -14,6 +14,7 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/detail/capture_pools.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
@@ -21,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -107,10 +109,26 @@ class caching_device_allocator final : public device_allocator {
       : engine_(d, options, std::forward<UpstreamArgs>(upstream_args)...) {}
 
   gpukit::device device() const noexcept override { return engine_.device(); }
-  void* allocate(std::size_t bytes, stream_view stream) override { return engine_.allocate(bytes, stream); }
-  void deallocate(void* p) override { engine_.deallocate(p); }
-  void deallocate(void* p, stream_view stream) override { engine_.deallocate(p, stream); }
-  void record_stream(void* p, stream_view stream) override { engine_.record_stream(p, stream); }
+  /// While a graph pool exists (graph_pool.hpp), allocations for a capture it serves come from it.
+  void* allocate(std::size_t bytes, stream_view stream) override {
+    if (detail::any_capture_pool() && bytes != 0) {
+      if (device_allocator* pool = detail::pool_for_capture(stream)) return pool->allocate(bytes, stream);
+    }
+    return engine_.allocate(bytes, stream);
+  }
+  /// Memory of a graph pool goes back to it.
+  void deallocate(void* p) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p);
+    engine_.deallocate(p);
+  }
+  void deallocate(void* p, stream_view stream) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p, stream);
+    engine_.deallocate(p, stream);
+  }
+  void record_stream(void* p, stream_view stream) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->record_stream(p, stream);
+    engine_.record_stream(p, stream);
+  }
   bool owns(const void* p) const noexcept override { return engine_.owns(p); }
   allocator_stats stats() const override { return engine_.stats(); }
   free_space_info free_space() const override { return engine_.free_space(); }
@@ -135,6 +153,18 @@ class caching_device_allocator final : public device_allocator {
   const engine_type& engine() const noexcept { return engine_; }
 
  private:
+  /// The graph pool that handed `p` out, when graph pools exist. Asked before the engine: a pool's first block
+  /// starts where its reserve, an allocation of the engine, does.
+  static device_allocator* graph_pool_owning(const void* p) {
+    if (p == nullptr || !detail::any_capture_pool()) return nullptr;
+    auto& registry = detail::capture_pools();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    for (device_allocator* pool : registry.live) {
+      if (pool->owns(p)) return pool;
+    }
+    return nullptr;
+  }
+
   engine_type engine_;
 };
 

@@ -119,15 +119,16 @@ inline std::string describe_stream(const void* handle, gpukit::device d) {
   message += operation;
   message += " on ";
   message += stream;
-  message += ": the stream is being captured into a CUDA graph, and graph-private memory pools are not supported yet; ";
+  message += ": the stream is being captured into a CUDA graph; ";
   message += advice;
   throw invalid_argument_error(message, cudaSuccess, std::string(operation), d.is_cuda() ? d.ordinal() : -1);
 }
 
 /// What to do instead, for the allocators.
 inline constexpr std::string_view capture_advice_allocator =
-    "allocate the memory a graph uses before cudaStreamBeginCapture and free it after the graph's last launch "
-    "(nothing was allocated, freed or recorded, and the capture is intact)";
+    "capture with gpukit::capture(stream, work, graph_pool) to allocate from a graph pool, or allocate the memory a "
+    "graph uses before cudaStreamBeginCapture and free it after the graph's last launch (nothing was allocated, "
+    "freed or recorded, and the capture is intact)";
 
 /// Whether a StreamOps policy can tell that a stream is being captured (the member is optional: a fake without it
 /// is never captured).

@@ -1,0 +1,205 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// CUDA graphs: capture the work a function enqueues on a stream, instantiate it, launch it again and again.
+///
+///     auto pool = gpukit::graph_pool::create(d, 64 << 20);        // the graph's memory, reserved now
+///     gpukit::graph step = gpukit::capture(s, [&] {
+///       gpukit::device_buffer<float> tmp(n, s);                    // from the pool: no cudaMalloc in the capture
+///       kernel<<<blocks, threads, 0, s.cuda_handle()>>>(tmp.data(), out.data());
+///     }, pool);
+///     for (int i = 0; i < steps; ++i) step.launch(s);
+///
+/// A capture without a pool refuses gpukit allocations on the captured streams (caching_allocator.hpp says why).
+/// The capture mode is the calling thread's business: capture_mode::thread_local_ (the default) lets other threads
+/// make unsafe calls (cudaMalloc) meanwhile, capture_mode::global forbids them everywhere, as CUDA defines.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/detail/capture_pools.hpp>
+#include <gpukit/memory/graph_pool.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// How a capture treats unsafe calls (cudaMalloc, synchronization) from other threads (cudaStreamCaptureMode).
+enum class capture_mode {
+  global = cudaStreamCaptureModeGlobal,             ///< refused in every thread that has not relaxed its mode
+  thread_local_ = cudaStreamCaptureModeThreadLocal,  ///< refused in the capturing thread only
+  relaxed = cudaStreamCaptureModeRelaxed,           ///< not refused (the caller takes care)
+};
+
+/// An instantiated CUDA graph (cudaGraph_t and cudaGraphExec_t), move-only, with the pool its memory came from.
+class graph {
+ public:
+  graph() noexcept = default;
+  graph(graph&& other) noexcept
+      : device_(other.device_),
+        graph_(std::exchange(other.graph_, nullptr)),
+        exec_(std::exchange(other.exec_, nullptr)),
+        pool_(std::move(other.pool_)) {}
+  graph& operator=(graph&& other) noexcept {
+    if (this != &other) {
+      destroy();
+      device_ = other.device_;
+      graph_ = std::exchange(other.graph_, nullptr);
+      exec_ = std::exchange(other.exec_, nullptr);
+      pool_ = std::move(other.pool_);
+    }
+    return *this;
+  }
+  graph(const graph&) = delete;
+  graph& operator=(const graph&) = delete;
+  /// Destroys the executable graph (work already launched completes). The pool lives on while other graphs or
+  /// allocations use it.
+  ~graph() { destroy(); }
+
+  /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph or a
+  /// stream of another device, cuda_error if the launch fails.
+  void launch(stream_view s) const {
+    if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
+    if (s.is_cpu() || s.device() != device_) {
+      throw invalid_argument_error("gpukit::graph::launch: a stream of " +
+                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
+                                   " for a graph of " + device_.to_string());
+    }
+    device_guard guard(device_);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
+    if (pool_) pool_->note_launch(s);
+  }
+
+  /// Replaces this graph's work by `recaptured`'s where CUDA can update the executable graph in place
+  /// (cudaGraphExecUpdate: same topology, new parameters); returns false, changing nothing, where it cannot.
+  /// `recaptured` is left empty on success.
+  bool update(graph& recaptured) {
+    if (exec_ == nullptr || recaptured.graph_ == nullptr) {
+      throw invalid_argument_error("gpukit::graph::update: an empty graph (moved from?)");
+    }
+    if (recaptured.device_ != device_) {
+      throw invalid_argument_error("gpukit::graph::update: a graph of " + recaptured.device_.to_string() +
+                                   " for a graph of " + device_.to_string());
+    }
+    device_guard guard(device_);
+    cudaGraphExecUpdateResultInfo info{};
+    const cudaError_t result = cudaGraphExecUpdate(exec_, recaptured.graph_, &info);
+    if (result == cudaErrorGraphExecUpdateFailure) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaGraphExecUpdate", device_.ordinal());
+    std::swap(graph_, recaptured.graph_);  // the old topology goes with `recaptured`
+    std::swap(pool_, recaptured.pool_);    // ...and so does its pool's share, once `recaptured` is destroyed
+    recaptured.destroy();
+    return true;
+  }
+
+  /// Adopts handles made elsewhere (destroyed with the graph); `pool` is kept alive as long as the graph.
+  graph(gpukit::device d, cudaGraph_t g, cudaGraphExec_t e, std::shared_ptr<graph_pool> pool = nullptr) noexcept
+      : device_(d), graph_(g), exec_(e), pool_(std::move(pool)) {}
+
+  explicit operator bool() const noexcept { return exec_ != nullptr; }
+  gpukit::device device() const noexcept { return device_; }
+  cudaGraph_t native_graph() const noexcept { return graph_; }
+  cudaGraphExec_t native_exec() const noexcept { return exec_; }
+  /// The pool the graph's allocations came from (nullptr: captured without one).
+  const std::shared_ptr<graph_pool>& pool() const noexcept { return pool_; }
+
+ private:
+  void destroy() noexcept {
+    if (exec_ == nullptr && graph_ == nullptr) return;
+    try {
+      device_guard guard(device_);
+      if (exec_ != nullptr) detail::report_cuda_failure(cudaGraphExecDestroy(exec_), "cudaGraphExecDestroy", device_.ordinal());
+      if (graph_ != nullptr) detail::report_cuda_failure(cudaGraphDestroy(graph_), "cudaGraphDestroy", device_.ordinal());
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
+    }
+    exec_ = nullptr;
+    graph_ = nullptr;
+    pool_.reset();
+  }
+
+  gpukit::device device_ = gpukit::device::cpu();
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  std::shared_ptr<graph_pool> pool_;
+};
+
+/// Captures the work `work()` enqueues on `s` (and on streams it forks into the capture) into a graph and
+/// instantiates it. While it runs, gpukit's caching allocators serve allocations on the captured streams from
+/// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
+/// through. Throws invalid_argument_error for a CPU or legacy default stream, or a pool of another device;
+/// cuda_error when CUDA refuses the capture (for instance one invalidated by an unsafe call).
+template <class F>
+graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
+              capture_mode mode = capture_mode::thread_local_) {
+  if (s.is_cpu() || s.native_handle() == nullptr || s.native_handle() == cudaStreamLegacy) {
+    throw invalid_argument_error("gpukit::capture: only a created CUDA stream can be captured, not " +
+                                 std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
+  }
+  const gpukit::device d = s.device();
+  if (pool && pool->device() != d) {
+    throw invalid_argument_error("gpukit::capture: a graph pool of " + pool->device().to_string() +
+                                 " for a stream of " + d.to_string());
+  }
+  device_guard guard(d);
+  const cudaStream_t handle = s.cuda_handle();
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
+                            "cudaStreamBeginCapture", d.ordinal());
+  const unsigned long long id = detail::capture_id(s);
+  // Ends the capture however `work` ends; the graph it yields is destroyed unless kept.
+  struct capture_scope {
+    cudaStream_t stream;
+    graph_pool* pool;
+    unsigned long long id;
+    int ordinal;
+    cudaGraph_t end() noexcept {
+      cudaGraph_t g = nullptr;
+      const cudaError_t result = cudaStreamEndCapture(stream, &g);
+      if (pool != nullptr) pool->end_capture(id);
+      stream = nullptr;
+      if (result != cudaSuccess) {
+        last_error = result;
+        (void)cudaGetLastError();
+        return nullptr;
+      }
+      return g;
+    }
+    ~capture_scope() {
+      if (stream == nullptr) return;
+      if (cudaGraph_t g = end()) (void)cudaGraphDestroy(g);
+    }
+    cudaError_t last_error = cudaSuccess;
+  } scope{handle, nullptr, id, d.ordinal()};
+  if (pool) {
+    pool->begin_capture(id);
+    scope.pool = pool.get();
+  }
+  std::forward<F>(work)();
+  cudaGraph_t g = scope.end();
+  if (g == nullptr) {
+    GPUKIT_CUDA_TRY_DESCRIBED(scope.last_error == cudaSuccess ? cudaErrorStreamCaptureInvalidated : scope.last_error,
+                              "cudaStreamEndCapture (the capture was invalidated, e.g. by an unsafe call "
+                              "while it ran)",
+                              d.ordinal());
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, g, 0);
+  if (instantiated != cudaSuccess) {
+    (void)cudaGraphDestroy(g);
+    GPUKIT_CUDA_TRY_DESCRIBED(instantiated, "cudaGraphInstantiate", d.ordinal());
+  }
+  return graph(d, g, exec, std::move(pool));
+}
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,69 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The process-wide registry of graph-private pools (graph_pool.hpp): which pool serves the allocations of which
+/// stream capture, and which pools are alive (their memory may be freed through any device_allocator). The
+/// caching allocators consult it only while such a pool exists: one relaxed atomic load otherwise.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+class device_allocator;
+
+namespace detail {
+
+struct capture_pool_registry {
+  std::mutex mutex;
+  std::map<unsigned long long, device_allocator*> capturing;  // capture id -> the pool serving it
+  std::vector<device_allocator*> live;                        // every graph_pool that holds memory
+  std::atomic<int> live_count{0};
+};
+
+/// Never destroyed: pools may outlive static destruction order.
+GPUKIT_EXPORT inline capture_pool_registry& capture_pools() {
+  static capture_pool_registry* registry = new capture_pool_registry();
+  return *registry;
+}
+
+/// True while any graph pool exists (the caching allocators then look further).
+inline bool any_capture_pool() noexcept { return capture_pools().live_count.load(std::memory_order_relaxed) != 0; }
+
+/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream).
+inline unsigned long long capture_id(const stream_view& s) {
+  if (s.is_cpu() || s.native_handle() == nullptr || s.native_handle() == cudaStreamLegacy) return 0;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  device_guard guard(s.device());
+  GPUKIT_CUDA_TRY_DESCRIBED(
+      cudaStreamGetCaptureInfo(s.native_handle(), &status, &id, nullptr, nullptr, nullptr, nullptr),
+      "cudaStreamGetCaptureInfo", s.device().ordinal());
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+
+/// The pool serving the capture `s` takes part in, or nullptr.
+inline device_allocator* pool_for_capture(const stream_view& s) {
+  const unsigned long long id = capture_id(s);
+  if (id == 0) return nullptr;
+  auto& registry = capture_pools();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto it = registry.capturing.find(id);
+  return it == registry.capturing.end() ? nullptr : it->second;
+}
+
+}  // namespace detail
+
+GPUKIT_END_NAMESPACE

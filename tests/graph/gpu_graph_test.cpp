@@ -1,0 +1,175 @@
+// CUDA graphs with graph-private pools (issue 9): capture, instantiate, replay; allocations inside the capture come
+// from the pool with no cudaMalloc; frees inside the capture are reused by the same capture; outputs keep the pool
+// alive; the reserve goes back once graphs and outputs are gone; misuse is a clear error and leaves the capture and
+// the allocators usable. GPU tests: skipped with GPUKIT_TEST_SKIPPED without a GPU, run on the simulator as
+// test_gpu_graph_sim.
+#include "support.hpp"
+
+#include <gpukit/graph/graph.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/graph_pool.hpp>
+#include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::vector<int> read(const gpukit::device_buffer<int>& b, gpukit::stream& s) {
+  std::vector<int> host(b.size());
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(host.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+  s.synchronize();
+  return host;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: a captured step with temporaries from a graph pool replays, with no cudaMalloc in the capture") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(1024, s);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 0, out.size_bytes(), s.cuda_handle()));
+  auto pool = gpukit::graph_pool::create(d, 4 * MiB);
+  const auto device_allocs = gpukit::memory_stats(d).num_device_alloc;
+  void* first_tmp = nullptr;
+  gpukit::graph step = gpukit::capture(s, [&] {
+    {
+      gpukit::device_buffer<int> tmp(1024, s);  // the default allocator, served by the pool during the capture
+      first_tmp = tmp.data();
+      CHECK(pool->owns(tmp.data()));
+      GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 1, tmp.size_bytes(), s.cuda_handle()));
+      GPUKIT_CUDA_TRY(
+          cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+    }  // tmp is freed inside the capture: the next allocation of the same capture reuses it
+    gpukit::device_buffer<int> again(1024, s);
+    CHECK(static_cast<void*>(again.data()) == first_tmp);
+  }, pool);
+  CHECK(gpukit::memory_stats(d).num_device_alloc == device_allocs);  // nothing allocated from the device meanwhile
+  CHECK(pool->memory_allocated() == 0);
+  CHECK(step.pool().get() == pool.get());
+  CHECK(read(out, s) == std::vector<int>(1024, 0));  // captured, not run
+  step.launch(s);
+  CHECK(read(out, s) == std::vector<int>(1024, 0x01010101));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 0, out.size_bytes(), s.cuda_handle()));
+  step.launch(s);
+  step.launch(s);
+  CHECK(read(out, s) == std::vector<int>(1024, 0x01010101));
+}
+
+TEST_CASE("gpu: an output allocated in the capture stays in the pool, which lives until graphs and outputs are gone") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  const std::size_t reserved_before = gpukit::memory_allocated(d);
+  std::unique_ptr<gpukit::device_buffer<int>> output;
+  {
+    auto pool = gpukit::graph_pool::create(d, 2 * MiB);
+    CHECK(gpukit::memory_allocated(d) == reserved_before + 2 * MiB);  // the reserve, from the default allocator
+    gpukit::graph g = gpukit::capture(s, [&] {
+      output = std::make_unique<gpukit::device_buffer<int>>(256, s);
+      GPUKIT_CUDA_TRY(cudaMemsetAsync(output->data(), 2, output->size_bytes(), s.cuda_handle()));
+    }, pool);
+    g.launch(s);
+    CHECK(read(*output, s) == std::vector<int>(256, 0x02020202));
+    CHECK(pool->memory_allocated() == 256 * sizeof(int));
+    // graph and pool handle go here; the output keeps the pool (and its reserve) alive
+  }
+  CHECK(gpukit::memory_allocated(d) == reserved_before + 2 * MiB);
+  CHECK(read(*output, s) == std::vector<int>(256, 0x02020202));
+  output.reset();  // the pool's last allocation: the reserve goes back to the default allocator
+  CHECK(gpukit::memory_allocated(d) == reserved_before);
+  s.synchronize();
+}
+
+TEST_CASE("gpu: several graphs share a pool, and a graph is updated in place from a recapture") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(64, s);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  auto fill = [&](int byte) {
+    return gpukit::capture(s, [&] {
+      gpukit::device_buffer<int> tmp(64, s);
+      GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), byte, tmp.size_bytes(), s.cuda_handle()));
+      GPUKIT_CUDA_TRY(cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+    }, pool);
+  };
+  gpukit::graph a = fill(3);
+  gpukit::graph b = fill(4);
+  a.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x03030303));
+  b.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x04040404));
+  gpukit::graph recaptured = fill(5);
+  CHECK(a.update(recaptured));  // same topology: updated in place
+  CHECK_FALSE(recaptured);
+  a.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x05050505));
+  gpukit::graph different = gpukit::capture(s, [&] {
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 6, out.size_bytes(), s.cuda_handle()));
+  });
+  CHECK_FALSE(a.update(different));  // another topology: refused, nothing changed
+  CHECK(different);
+  a.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x05050505));
+}
+
+TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool and the allocators usable") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+
+  // A request the reserve cannot hold: out of memory, naming the remedy; the capture ends cleanly.
+  try {
+    (void)gpukit::capture(s, [&] { gpukit::device_buffer<char> big(2 * MiB, s); }, pool);
+    FAIL("a request beyond the reserve was served");
+  } catch (const gpukit::out_of_memory_error& e) {
+    CHECK(contains(e.what(), "reserve more before it (graph_pool::reserve)"));
+  }
+  CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
+
+  // Reserving during the capture is refused (it would allocate device memory inside it).
+  CHECK_THROWS_AS(gpukit::capture(s, [&] { pool->reserve(MiB); }, pool), gpukit::invalid_argument_error);
+  // Without a pool, gpukit allocations in a capture are refused, as before.
+  CHECK_THROWS_AS(gpukit::capture(s, [&] { gpukit::device_buffer<int> x(16, s); }), gpukit::invalid_argument_error);
+  // An exception from the work ends the capture and passes through.
+  CHECK_THROWS_AS(gpukit::capture(s, [] { throw std::runtime_error("user code failed"); }, pool), std::runtime_error);
+  CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
+
+  // Streams that cannot be captured, a pool of another device, empty graphs.
+  CHECK_THROWS_AS(gpukit::capture(gpukit::stream_view::default_stream(d), [] {}), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::capture(gpukit::stream_view::default_stream(gpukit::device::cpu()), [] {}),
+                  gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::graph_pool::create(gpukit::device::cpu(), MiB), gpukit::invalid_argument_error);
+  gpukit::graph empty;
+  CHECK_THROWS_AS(empty.launch(s), gpukit::invalid_argument_error);
+  if (gpukit::device_count() > 1) {
+    gpukit::stream other(gpukit::device::cuda(1));
+    CHECK_THROWS_AS(gpukit::capture(other, [] {}, pool), gpukit::invalid_argument_error);
+  }
+  int local = 0;
+  CHECK_THROWS_AS(pool->deallocate(&local), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(pool->set_reserved_limit(MiB), gpukit::invalid_argument_error);
+
+  // Everything still works: the pool serves a capture, the default allocator serves the stream.
+  gpukit::graph g = gpukit::capture(s, [&] { gpukit::device_buffer<int> x(16, s); }, pool);
+  g.launch(s);
+  gpukit::device_buffer<int> y(16, s);
+  CHECK_FALSE(pool->owns(y.data()));
+  s.synchronize();
+}
