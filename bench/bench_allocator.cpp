@@ -10,6 +10,7 @@
 #include "alloc_baselines.hpp"
 
 #include <gpukit/device/device.hpp>
+#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -280,6 +281,16 @@ void BM_cuda_malloc_async(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 
+/// gpukit::async_allocator: the same driver pool behind device_allocator (its bookkeeping's cost over the above).
+void BM_gpukit_async(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  static gpukit::async_allocator* allocator = new gpukit::async_allocator(gpukit::device::cuda(0));
+  gpukit::stream s(gpukit::device::cuda(0));
+  for (auto _ : state) allocator->deallocate(allocator->allocate(bytes, s));
+  s.synchronize();
+  state.SetItemsProcessed(state.iterations());
+}
+
 #if defined(GPUKIT_BENCH_HAVE_CUB)
 void BM_cub(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
@@ -395,6 +406,7 @@ int main(int argc, char** argv) {
       const auto arg = static_cast<std::int64_t>(size);
       benchmark::RegisterBenchmark("BM_gpu_cudaMalloc_cudaFree", BM_cuda_malloc)->Arg(arg);
       benchmark::RegisterBenchmark("BM_gpu_cudaMallocAsync_pool", BM_cuda_malloc_async)->Arg(arg);
+      benchmark::RegisterBenchmark("BM_gpu_gpukit_async_allocator", BM_gpukit_async)->Arg(arg);
 #if defined(GPUKIT_BENCH_HAVE_CUB)
       benchmark::RegisterBenchmark("BM_gpu_cub_CachingDeviceAllocator", BM_cub)->Arg(arg);
 #endif
