@@ -156,13 +156,11 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   const cudaStream_t handle = s.cuda_handle();
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
                             "cudaStreamBeginCapture", d.ordinal());
-  const unsigned long long id = detail::capture_id(s);
-  // Ends the capture however `work` ends; the graph it yields is destroyed unless kept.
+  // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
   struct capture_scope {
     cudaStream_t stream;
     graph_pool* pool;
     unsigned long long id;
-    int ordinal;
     cudaGraph_t end() noexcept {
       cudaGraph_t g = nullptr;
       const cudaError_t result = cudaStreamEndCapture(stream, &g);
@@ -180,9 +178,10 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       if (cudaGraph_t g = end()) (void)cudaGraphDestroy(g);
     }
     cudaError_t last_error = cudaSuccess;
-  } scope{handle, nullptr, id, d.ordinal()};
+  } scope{handle, nullptr, 0};
   if (pool) {
-    pool->begin_capture(id);
+    scope.id = detail::capture_id(s);
+    pool->begin_capture(scope.id);
     scope.pool = pool.get();
   }
   std::forward<F>(work)();
