@@ -198,7 +198,6 @@ class async_allocator final : public device_allocator {
     device_guard guard(device_);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trim)", device_.ordinal());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
-    std::lock_guard<std::mutex> lock(mutex_);
     return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
   }
   void reset_peak_stats() override {
@@ -237,23 +236,9 @@ class async_allocator final : public device_allocator {
   bool remove_out_of_memory_observer(std::uint64_t id) override { return observers_.remove(id); }
 
   std::size_t memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::current)); }
-  std::size_t memory_reserved() const noexcept override {
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
-    } catch (...) {
-      return 0;
-    }
-  }
+  std::size_t memory_reserved() const noexcept override { return pool_attribute(cudaMemPoolAttrReservedMemCurrent); }
   std::size_t max_memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::peak)); }
-  std::size_t max_memory_reserved() const noexcept override {
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      return pool_attribute(cudaMemPoolAttrReservedMemHigh);
-    } catch (...) {
-      return 0;
-    }
-  }
+  std::size_t max_memory_reserved() const noexcept override { return pool_attribute(cudaMemPoolAttrReservedMemHigh); }
 
   /// The memory pool (the device's default pool).
   cudaMemPool_t pool() const noexcept { return pool_; }
@@ -283,7 +268,7 @@ class async_allocator final : public device_allocator {
     }
   }
 
-  /// A pool attribute in bytes; 0 where the driver cannot say. Called with mutex_ held.
+  /// A pool attribute in bytes; 0 where the driver cannot say.
   std::size_t pool_attribute(cudaMemPoolAttr attribute) const noexcept {
     try {
       device_guard guard(device_);
@@ -299,12 +284,7 @@ class async_allocator final : public device_allocator {
   }
 
   void check_device(const stream_view& stream, const char* operation) const {
-    if (stream.is_cpu() || stream.device() != device_) {
-      throw invalid_argument_error(std::string("gpukit::async_allocator::") + operation + ": a stream of " +
-                                       (stream.is_cpu() ? std::string("cpu") : stream.device().to_string()) +
-                                       " was passed to the allocator of " + device_.to_string() + " (wrong device)",
-                                   cudaSuccess, "gpukit::async_allocator", device_.ordinal());
-    }
+    detail::require_stream_of(stream, device_, "gpukit::async_allocator", operation);
   }
 
   void deallocate_on(void* p, const stream_view* stream) {

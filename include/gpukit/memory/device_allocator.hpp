@@ -28,6 +28,17 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
+namespace detail {
+/// Throws invalid_argument_error unless `s` is a stream of CUDA device `d` (`who`::`operation` names the call).
+inline void require_stream_of(const stream_view& s, gpukit::device d, const char* who, const char* operation) {
+  if (!s.is_cpu() && s.device() == d) return;
+  throw invalid_argument_error(std::string(who) + "::" + operation + ": a stream of " +
+                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
+                                   " was passed to the allocator of " + d.to_string() + " (wrong device)",
+                               cudaSuccess, who, d.ordinal());
+}
+}  // namespace detail
+
 /// Stream-ordered device memory with statistics. Implementations are thread-safe.
 class device_allocator {
  public:

@@ -315,11 +315,7 @@ class graph_pool final : public device_allocator {
   }
 
   void check_stream(const stream_view& s, const char* operation) const {
-    if (s.is_cpu() || s.device() != device_) {
-      throw invalid_argument_error(std::string("gpukit::graph_pool::") + operation + ": a stream of " +
-                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
-                                   " was passed to the graph pool of " + device_.to_string() + " (wrong device)");
-    }
+    detail::require_stream_of(s, device_, "gpukit::graph_pool", operation);
   }
 
   void insert_free(std::uintptr_t address, std::size_t size, std::size_t chunk) {
