@@ -105,7 +105,7 @@ TEST_CASE("gpu: async_allocator out of memory and its limit: observers, the numb
 
 TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and pointers it does not own") {
   GPUKIT_REQUIRE_GPU();
-  CHECK_THROWS_AS(gpukit::async_allocator(gpukit::device::cpu()), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::async_allocator{gpukit::device::cpu()}, gpukit::invalid_argument_error);
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::async_allocator a(d);
   gpukit::stream s(d);
