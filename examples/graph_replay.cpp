@@ -3,6 +3,7 @@
 // costs nothing at replay and the device's memory is never touched by the capture itself. Without a GPU it says
 // so and exits 0.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/graph/graph.hpp>  // opt-in: gpukit.hpp leaves it out
 
 #include <cuda_runtime_api.h>
 

@@ -3,8 +3,10 @@
 #pragma once
 
 /// \file
-/// Everything in gpukit. Each header below also compiles on its own; include only what you use to save compile
-/// time. Layers, from the bottom: error → device → stream/event → memory → transfer.
+/// Everything in gpukit but two opt-in headers. Each header below also compiles on its own; include only what you use
+/// to save compile time. Layers, from the bottom: error → device → stream/event → memory → transfer → graph.
+/// Opt-in (about 0.5 s of parsing together, g++ -O0): <gpukit/graph/graph.hpp> (CUDA graphs and graph pools) and
+/// <gpukit/memory/async_allocator.hpp> (cudaMallocAsync); also <gpukit/stream/stream_ref.hpp> (CCCL interop).
 
 #include <gpukit/version.hpp>
 
@@ -27,7 +29,6 @@
 #include <gpukit/memory/allocator_config.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
-#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -48,5 +49,4 @@
 #include <gpukit/transfer/spans.hpp>
 #include <gpukit/transfer/staging.hpp>
 #include <gpukit/transfer/to_device.hpp>
-#include <gpukit/graph/graph.hpp>
 // GPUKIT-TRANSFER-INCLUDES
