@@ -349,18 +349,10 @@ class async_allocator final : public device_allocator {
       info.reserved_limit = limit_;
       info.limit_hit = limit_hit;
     }
-    try {
-      device_guard guard(device_);
-      std::size_t free_bytes = 0, total_bytes = 0;
-      if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
-        info.device_memory_known = true;
-        info.device_free = free_bytes;
-        info.device_total = total_bytes;
-      } else {
-        (void)cudaGetLastError();
-      }
-    } catch (...) {
-    }
+    const upstream_memory_info device_memory = cuda_upstream(device_).memory_info();  // never throws
+    info.device_memory_known = device_memory.known;
+    info.device_free = device_memory.free_bytes;
+    info.device_total = device_memory.total_bytes;
     using detail::format_bytes;
     info.message = "gpukit: out of memory on " + device_.to_string() + ": cudaMallocAsync of " +
                    detail::format_bytes_exact(bytes) + " failed" +
