@@ -28,11 +28,14 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   const gpukit::allocator_options o = gpukit::parse_allocator_config(
       " reserved_limit : 40GiB , max_split_size_mb:256,release_before_grow:true, cross_stream_reuse:1,"
-      "medium_size:32MiB, medium_segment_growth:4, rounding:1KiB, max_oversize_waste:0, expandable_segments:false");
+      "medium_size:32MiB, medium_segment_growth:4, rounding:1KiB, max_oversize_waste:0, expandable_segments:false,"
+      "front_cache:false");
   CHECK(o.reserved_limit == std::size_t{40} << 30);
   CHECK(o.max_split_size == 256 * MiB);
   CHECK(o.release_before_grow);
   CHECK(o.cross_stream_reuse);
+  CHECK_FALSE(o.front_cache);
+  CHECK(gpukit::parse_allocator_config("front_cache:true").front_cache);
   CHECK(o.medium_size == 32 * MiB);
   CHECK(o.medium_segment_growth == 4);
   CHECK(o.rounding == 1024);

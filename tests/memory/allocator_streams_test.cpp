@@ -44,7 +44,9 @@ class event_log {
 }  // namespace
 
 TEST_CASE("a block freed while another CPU stream still uses it is not reused before that work completes") {
-  host_allocator a(cpu);
+  gpukit::allocator_options heap_only;
+  heap_only.front_cache = false;  // y, freed on `owner`, would be kept in front for the last request
+  host_allocator a(cpu, heap_only);
   gpukit::stream owner(cpu);
   gpukit::stream user(cpu);
   gate g;
@@ -247,8 +249,9 @@ TEST_CASE("record_stream with several streams: the block returns only when all o
   const fake_stream s0{world.add_stream()};
   const fake_stream s1{world.add_stream()};
   const fake_stream s2{world.add_stream()};
-  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, gpukit::allocator_options{},
-                                                                                    GiB);
+  gpukit::allocator_options heap_only;
+  heap_only.front_cache = false;  // y, freed on s0, would be kept in front for the last request
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, heap_only, GiB);
   a.stream_operations().world = &world;
   void* x = a.allocate(4096, s0);
   world.enqueue(s1.id);

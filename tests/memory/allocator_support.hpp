@@ -144,7 +144,7 @@ inline recomputed recompute(const gpukit::allocator_snapshot& s) {
           r.allocated_bytes[p] += size;
           r.requested_bytes[p] += static_cast<std::int64_t>(b.requested);
         }
-        if (b.state != gpukit::block_state::free) {
+        if (b.state == gpukit::block_state::allocated || b.state == gpukit::block_state::pending) {
           r.active[p] += 1;
           r.active_bytes[p] += size;
         } else if (split) {

@@ -31,6 +31,13 @@
 #define GPUKIT_EXPORT
 #endif
 
+// Inlines everything a hot function calls (the allocator's front cache), where the compiler supports it.
+#if defined(__GNUC__) || defined(__clang__)
+#define GPUKIT_DETAIL_FLATTEN __attribute__((flatten))
+#else
+#define GPUKIT_DETAIL_FLATTEN
+#endif
+
 #if defined(__CUDART_API_PER_THREAD_DEFAULT_STREAM)
 #define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 1
 #define GPUKIT_ABI_NAMESPACE abi_v0_ptds

@@ -22,6 +22,8 @@ enum class block_state : unsigned char {
   free,       ///< cached, reusable on its stream (or, with cross-stream reuse, on any)
   allocated,  ///< handed out to a user
   pending,    ///< freed, but waits for work of other streams (record_stream) before it can be reused
+  cached,     ///< freed on its own stream and kept for that stream's next request of its size (front cache);
+              ///< the heap takes it back (coalescing it) before it grows or releases memory
 };
 
 /// One block of a segment.

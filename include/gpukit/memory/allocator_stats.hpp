@@ -114,6 +114,15 @@ struct atomic_stat {
       freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_relaxed);
     }
   }
+  /// Like add, leaving the peak to the caller (the caching allocator's front caches make it a sum).
+  void add_current(std::int64_t delta) noexcept {
+    current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+    auto& total = delta >= 0 ? allocated : freed;
+    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_relaxed);
+  }
+  void raise_peak(std::int64_t value) noexcept {
+    if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
+  }
   stat load() const noexcept {
     stat s;
     s.current = current.load(std::memory_order_relaxed);

@@ -1,0 +1,241 @@
+// The caching allocator's front caches (detail/front_cache.hpp): a small block freed on its own stream is kept for
+// that stream's next request of its size, outside the device lock. What users see must not change: the statistics
+// (current, peak and totals) equal those of the same sequence with the front cache off, snapshots show the blocks
+// as cached, the heap takes them back before it grows or releases memory, and misuse is still detected.
+#include "allocator_support.hpp"
+
+#include <gpukit/error.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+using host_allocator = gpukit::basic_caching_allocator<gpukit::host_upstream>;
+
+gpukit::allocator_options with_front(bool on, gpukit::allocator_options o = {}) {
+  o.front_cache = on;
+  return o;
+}
+
+struct setup {
+  explicit setup(gpukit::allocator_options o, std::size_t capacity = 4 * GiB) : a(gpukit::device::cpu(), o, capacity) {
+    a.stream_operations().world = &world;
+    for (int i = 0; i < 3; ++i) streams.push_back(fake_stream{world.add_stream()});
+  }
+  fake_world world;
+  fake_allocator a;
+  std::vector<fake_stream> streams;
+};
+
+gpukit::block_state state_of(const fake_allocator& a, const void* p) {
+  for (const auto& seg : a.snapshot().segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.address == reinterpret_cast<std::uintptr_t>(p)) return b.state;
+    }
+  }
+  FAIL("no block at the address");
+  return gpukit::block_state::free;
+}
+
+/// The statistics a user reads, for comparing two allocators (segments and reserved bytes depend on placement,
+/// which the front cache may change; inactive-split counts depend on coalescing, which it delays).
+std::vector<std::int64_t> user_view(const gpukit::allocator_stats& s) {
+  std::vector<std::int64_t> v;
+  for (const gpukit::pool_stats* p : {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes, &s.requested_bytes}) {
+    for (const gpukit::stat& x : p->pools) {
+      v.insert(v.end(), {x.current, x.peak, x.allocated, x.freed});
+    }
+  }
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("front cache: a small block freed on its stream is cached, then reused for its size on that stream") {
+  setup f(with_front(true));
+  const fake_stream s0 = f.streams[0];
+  const fake_stream s1 = f.streams[1];
+  void* p = f.a.allocate(3000, s0);
+  f.a.deallocate(p);
+  CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(f.a.stats().allocation.all().current == 0);
+  CHECK(f.a.stats().active.all().current == 0);
+  CHECK(f.a.stats().inactive_split.all().current == 2);  // the cached block and the segment's free remainder
+  CHECK_FALSE(f.a.owns(p));
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  void* other_size = f.a.allocate(5000, s0);  // not its size: from the heap
+  CHECK(other_size != p);
+  void* other_stream = f.a.allocate(3000, s1);  // not its stream: never handed to another stream
+  CHECK(other_stream != p);
+  void* again = f.a.allocate(2900, s0);  // same rounded size, same stream
+  CHECK(again == p);
+  CHECK(f.a.allocation_size(again) == 2900);
+  CHECK(f.a.stats().requested_bytes.all().current == 2900 + 5000 + 3000);
+  for (void* q : {again, other_size, other_stream}) f.a.deallocate(q);
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(f.a.stats().allocation.all().allocated == 4);
+  CHECK(f.a.stats().allocation.all().freed == 4);
+}
+
+TEST_CASE("front cache: blocks of segments of their own, record_stream and destroyed streams go to the heap") {
+  setup f(with_front(true));
+  const fake_stream s0 = f.streams[0];
+  void* large = f.a.allocate(8 * MiB, s0);
+  f.a.deallocate(large);
+  CHECK(state_of(f.a, large) == gpukit::block_state::free);  // large blocks coalesce in the heap at once
+  void* recorded = f.a.allocate(4096, s0);
+  f.world.enqueue(f.streams[1].id);
+  f.a.record_stream(recorded, f.streams[1]);
+  f.a.deallocate(recorded);
+  CHECK(state_of(f.a, recorded) == gpukit::block_state::pending);
+  f.world.complete_all();
+  const fake_stream doomed{f.world.add_stream()};
+  void* orphan = f.a.allocate(4096, doomed);
+  f.world.destroy(doomed.id);
+  f.a.deallocate(orphan);  // its stream is gone: the heap waits for its last work
+  CHECK(state_of(f.a, orphan) != gpukit::block_state::cached);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+}
+
+TEST_CASE("front cache: statistics, peaks and totals equal those with the front cache off, over random sequences") {
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    CAPTURE(seed);
+    setup on(with_front(true));
+    setup off(with_front(false));
+    std::mt19937_64 rng(seed);
+    struct live {
+      void* on;
+      void* off;
+    };
+    std::vector<live> held;
+    // Few distinct sizes, so that blocks come back from the front caches; a large one now and then, so the heap
+    // grows and takes the cached blocks back; three streams, so claims move between slots.
+    const std::size_t sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 1 * MiB, 3 * MiB};
+    for (int step = 0; step < 4000; ++step) {
+      const bool allocate = held.empty() || (held.size() < 200 && rng() % 100 < 55);
+      if (allocate) {
+        const std::size_t bytes = sizes[rng() % 7] - (rng() % 2 == 0 ? 0 : 100);
+        const std::size_t s = rng() % 3;
+        held.push_back({on.a.allocate(bytes, on.streams[s]), off.a.allocate(bytes, off.streams[s])});
+      } else {
+        const std::size_t i = rng() % held.size();
+        on.a.deallocate(held[i].on);
+        off.a.deallocate(held[i].off);
+        held[i] = held.back();
+        held.pop_back();
+      }
+      if (step % 97 == 0) {
+        REQUIRE(user_view(on.a.stats()) == user_view(off.a.stats()));
+        std::vector<live_allocation> alive;
+        for (const live& l : held) {
+          alive.push_back({reinterpret_cast<std::uintptr_t>(l.on), on.a.allocation_size(l.on)});
+        }
+        REQUIRE(check_invariants(on.a.snapshot(), alive, on.a.options().rounding) == "");
+      }
+      if (step == 2000) {
+        on.a.reset_peak_stats();
+        off.a.reset_peak_stats();
+        on.a.reset_accumulated_stats();
+        off.a.reset_accumulated_stats();
+        CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+      }
+    }
+    CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+    CHECK(on.a.max_memory_allocated() == off.a.max_memory_allocated());
+    for (const live& l : held) {
+      on.a.deallocate(l.on);
+      off.a.deallocate(l.off);
+    }
+    on.a.empty_cache();
+    CHECK(on.a.memory_reserved() == 0);  // cached blocks were taken back and released
+    CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+  }
+}
+
+TEST_CASE("front cache: the heap takes cached blocks back before it grows") {
+  setup f(with_front(true), 2 * MiB);  // one small segment fits, nothing more
+  const fake_stream s0 = f.streams[0];
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(f.a.allocate(512 * KiB, s0));
+  for (void* p : blocks) f.a.deallocate(p);
+  CHECK(f.a.stats().num_device_alloc == 1);
+  void* whole = f.a.allocate(1 * MiB, s0);  // a size nothing is cached for: served from the coalesced blocks
+  CHECK(whole == blocks.front());
+  CHECK(f.a.stats().num_device_alloc == 1);
+  CHECK(f.a.stats().num_ooms == 0);
+  f.a.deallocate(whole);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+}
+
+TEST_CASE("front cache: freeing a cached pointer again is a double free, and the allocator stays usable") {
+  setup f(with_front(true));
+  const fake_stream s0 = f.streams[0];
+  void* p = f.a.allocate(4096, s0);
+  f.a.deallocate(p);
+  try {
+    f.a.deallocate(p);
+    FAIL("a double free was accepted");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(std::string(e.what()).find("double free") != std::string::npos);
+  }
+  CHECK_THROWS_AS(f.a.record_stream(p, f.streams[1]), gpukit::invalid_argument_error);
+  CHECK(f.a.allocate(4096, s0) == p);
+  f.a.deallocate(p);
+  CHECK(f.a.memory_allocated() == 0);
+}
+
+TEST_CASE("front cache: threads on their own streams keep exact current values and totals") {
+  host_allocator a(gpukit::device::cpu());
+  constexpr int threads = 4;
+  constexpr int rounds = 3000;
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+  std::atomic<std::int64_t> max_seen{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
+      const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
+      std::vector<void*> mine;
+      for (int i = 0; i < rounds; ++i) {
+        if (mine.size() < 8 && rng() % 2 == 0) {
+          mine.push_back(a.allocate(512 * (1 + rng() % 4), s));
+        } else if (!mine.empty()) {
+          a.deallocate(mine.back());
+          mine.pop_back();
+        }
+        const auto now = static_cast<std::int64_t>(a.memory_allocated());
+        std::int64_t seen = max_seen.load();
+        while (now > seen && !max_seen.compare_exchange_weak(seen, now)) {
+        }
+      }
+      for (void* p : mine) a.deallocate(p);
+    });
+  }
+  for (auto& w : workers) w.join();
+  const gpukit::allocator_stats s = a.stats();
+  CHECK(s.allocation.all().current == 0);
+  CHECK(s.allocated_bytes.all().current == 0);
+  CHECK(s.requested_bytes.all().current == 0);
+  CHECK(s.allocation.all().allocated == s.allocation.all().freed);
+  CHECK(s.allocated_bytes.all().allocated == s.allocated_bytes.all().freed);
+  // The peak is at least every value a thread saw, and at most all threads at their largest at once.
+  CHECK(s.allocated_bytes.all().peak >= max_seen.load());
+  CHECK(s.allocated_bytes.all().peak <= threads * 8 * 2048);
+  CHECK(a.snapshot().stats.allocation.all().current == 0);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+}
