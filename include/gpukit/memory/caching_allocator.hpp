@@ -1294,14 +1294,28 @@ class basic_caching_allocator {
         lock.unlock();
         return front_take_slow(key, size, requested);
       }
-      map_.insert(b->address, b);  // may throw (memory): nothing has changed
-      slot.pop(*bin);
-      apply_front_changes(slot, b, requested, -1, false);
-      b->requested = requested;
-      b->in_front.store(false, std::memory_order_relaxed);
-      return b;
+      return take_cached(slot, *bin, requested, false);
     }
     return nullptr;
+  }
+
+  /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
+  block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow) {
+    block* b = bin.top;
+    map_.insert(b->address, b);  // may throw (memory): nothing has changed
+    slot.pop(bin);
+    apply_front_changes(slot, b, requested, -1, slow);
+    b->requested = requested;
+    b->in_front.store(false, std::memory_order_relaxed);
+    return b;
+  }
+
+  /// Caches `b` in `bin` (the slot's lock held; every lock when `slow`).
+  void give_cached(front_slot_type& slot, typename front_slot_type::bin& bin, block* b, bool slow) noexcept {
+    apply_front_changes(slot, b, b->requested, 1, slow);
+    slot.key = b->owner->key;
+    slot.push(bin, b);
+    b->in_front.store(true, std::memory_order_relaxed);
   }
 
   block* front_take_slow(std::uintptr_t key, std::size_t size, std::size_t requested) {
@@ -1311,14 +1325,7 @@ class basic_caching_allocator {
       front_slot_type& slot = front_slot_at(key, probe);
       if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
       auto* bin = slot.find(size);
-      if (bin == nullptr) continue;
-      block* b = bin->top;
-      map_.insert(b->address, b);
-      slot.pop(*bin);
-      apply_front_changes(slot, b, requested, -1, true);
-      b->requested = requested;
-      b->in_front.store(false, std::memory_order_relaxed);
-      return b;
+      if (bin != nullptr) return take_cached(slot, *bin, requested, true);
     }
     return nullptr;
   }
@@ -1337,10 +1344,7 @@ class basic_caching_allocator {
         lock.unlock();
         return front_give_slow(b);
       }
-      apply_front_changes(slot, b, b->requested, 1, false);
-      slot.key = key;
-      slot.push(*bin, b);
-      b->in_front.store(true, std::memory_order_relaxed);
+      give_cached(slot, *bin, b, false);
       return true;
     }
     return false;
@@ -1360,10 +1364,7 @@ class basic_caching_allocator {
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       auto* bin = slot.room_for(b->size);
       if (bin == nullptr) return false;
-      apply_front_changes(slot, b, b->requested, 1, true);
-      slot.key = key;
-      slot.push(*bin, b);
-      b->in_front.store(true, std::memory_order_relaxed);
+      give_cached(slot, *bin, b, true);
       return true;
     }
     return false;
