@@ -71,7 +71,8 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:512,"), "empty entry"));
   CHECK(contains(refusal("rounding:512,rounding:1024"), "\"rounding\" is set twice"));
   CHECK(contains(refusal("preset:tensorflow"), "preset must be gpukit or pytorch"));
-  CHECK(contains(refusal("expandable_segments:true"), "not implemented"));
+  CHECK(gpukit::parse_allocator_config("expandable_segments:true").expandable_segments);
+  CHECK(contains(refusal("expandable_segments:maybe"), "expandable_segments"));
   // Well-formed but inconsistent: allocator_options::validate's reason.
   CHECK(contains(refusal("rounding:1000"), "inconsistent options"));
   CHECK(contains(refusal("rounding:1000"), "rounding must be a power of two"));

@@ -45,6 +45,12 @@ std::vector<scenario> scenarios() {
   small_segments.medium_segment_size = 8 * MiB;
   small_segments.large_split_threshold = 64 * KiB;
   list.push_back({"small segments", small_segments, 256 * MiB});
+  gpukit::allocator_options expandable;
+  expandable.expandable_segments = true;
+  list.push_back({"expandable segments", expandable, 768 * MiB});
+  gpukit::allocator_options expandable_limited = expandable;
+  expandable_limited.reserved_limit = 200 * MiB;
+  list.push_back({"expandable segments, limit 200 MiB", expandable_limited, 400 * MiB});
   return list;
 }
 

@@ -136,7 +136,7 @@ inline recomputed recompute(const gpukit::allocator_snapshot& s) {
     const bool split = seg.blocks.size() > 1;
     for (std::size_t p : pools) {
       r.segment[p] += 1;
-      r.reserved_bytes[p] += static_cast<std::int64_t>(seg.size);
+      r.reserved_bytes[p] += static_cast<std::int64_t>(seg.mapped);
       for (const auto& b : seg.blocks) {
         const auto size = static_cast<std::int64_t>(b.size);
         if (b.state == gpukit::block_state::allocated) {

@@ -39,7 +39,9 @@ struct block_info {
 /// One segment obtained from the upstream, with its blocks in address order (they tile the segment exactly).
 struct segment_info {
   std::uintptr_t address = 0;
-  std::size_t size = 0;
+  std::size_t size = 0;    ///< bytes of address space (of an expandable segment: its reserved virtual range)
+  std::size_t mapped = 0;  ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
+  bool expandable = false;  ///< a virtual range whose pages are mapped as blocks need them (expandable_segments)
   bool small_pool = false;
   std::vector<block_info> blocks;
 };

@@ -179,6 +179,7 @@ class async_allocator final : public device_allocator {
       segment_info seg;
       seg.address = address;
       seg.size = a.bytes;
+      seg.mapped = a.bytes;
       seg.blocks.push_back(block_info{address, a.bytes, a.bytes, block_state::allocated,
                                       reinterpret_cast<std::uintptr_t>(a.stream.native_handle()), 0});
       snap.segments.push_back(std::move(seg));

@@ -139,6 +139,12 @@ struct allocator_options {
   /// The heap takes the blocks back before it grows or releases memory, so the footprint is unchanged. Snapshots
   /// show such blocks as block_state::cached. Not used with cross_stream_reuse (blocks move between streams there).
   bool front_cache = true;
+  /// Back each stream's small and large pools with one reserved virtual address range, into which the upstream's
+  /// pages (2 MiB on current GPUs) are mapped as blocks are taken and unmapped when memory is released (PyTorch's
+  /// expandable_segments): free space never fragments across segments, so a job needs less memory. Needs an upstream
+  /// with virtual memory (address_space_upstream models it); with another, a warning says so and ordinary segments
+  /// are used. Off by default until measured on a GPU.
+  bool expandable_segments = false;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
   static allocator_options pytorch() {
@@ -212,6 +218,16 @@ struct has_stream_resolve<Ops, std::void_t<decltype(std::declval<const Ops&>().r
                                    std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
 
 /// Whether a StreamOps policy describes streams for messages (`describe`).
+/// Upstreams with virtual memory (reserve / map / unmap / unreserve whole pages): expandable segments.
+template <class U, class = void>
+struct has_virtual_memory : std::false_type {};
+template <class U>
+struct has_virtual_memory<U, std::void_t<decltype(std::declval<U&>().reserve(std::size_t{})),
+                                         decltype(std::declval<U&>().map(nullptr, std::size_t{})),
+                                         decltype(std::declval<U&>().unmap(nullptr, std::size_t{})),
+                                         decltype(std::declval<U&>().unreserve(nullptr, std::size_t{})),
+                                         decltype(std::declval<const U&>().page_size())>> : std::true_type {};
+
 template <class Ops, class = void>
 struct has_stream_describe : std::false_type {};
 template <class Ops>
@@ -240,6 +256,10 @@ class basic_caching_allocator {
     needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
     // Blocks cached in front are reused by their own stream only: cross-stream reuse wants them in the heap.
     front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
+    if (options_.expandable_segments && !has_vm) {
+      warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
+           ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
+    }
   }
 
   basic_caching_allocator(const basic_caching_allocator&) = delete;
@@ -272,7 +292,7 @@ class basic_caching_allocator {
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (b->fence) synchronize_quietly(*b->fence);
       }
-      upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+      return_segment(seg);
       segment* next = seg->next_segment;
       delete seg;
       seg = next;
@@ -315,6 +335,10 @@ class basic_caching_allocator {
         // nor invalidate a capture in global mode that another thread has underway.
         detail::relaxed_capture_mode relaxed(device_.is_cuda());
         b = allocate_slow(lock, st, bytes, size, small);
+      }
+      if (b->seg->expandable) {
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = back_with_pages(lock, st, b, bytes, size, small);
       }
       take(b, st, size, bytes);
     }
@@ -494,6 +518,8 @@ class basic_caching_allocator {
       segment_info info;
       info.address = seg->address;
       info.size = seg->size;
+      info.mapped = seg->mapped;
+      info.expandable = seg->expandable;
       info.small_pool = seg->small;
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         block_info bi;
@@ -604,6 +630,7 @@ class basic_caching_allocator {
   struct segment;
 
   static constexpr bool tracks_lifetimes = detail::tracks_stream_lifetimes<StreamOps>::value;
+  static constexpr bool has_vm = detail::has_virtual_memory<Upstream>::value;
   using tracker_type = typename detail::stream_tracker<StreamOps>::type;
   /// The key snapshots show for blocks that belong to no stream (stream ids never reach it).
   static constexpr std::uintptr_t no_stream_key = ~std::uintptr_t{0};
@@ -641,9 +668,12 @@ class basic_caching_allocator {
 
   struct segment {
     std::uintptr_t address = 0;
-    std::size_t size = 0;
+    std::size_t size = 0;    // for an expandable segment, the reserved virtual range
     bool small = false;
     bool dedicated = false;  // made for one request of medium_size or more (not shared by design)
+    bool expandable = false;  // a virtual range whose pages are mapped on demand (expandable_segments)
+    std::vector<bool> pages;  // expandable: which pages are mapped
+    std::size_t mapped = 0;   // bytes backed by memory: size, or the mapped pages of an expandable segment
     block* first = nullptr;
     segment* prev_segment = nullptr;
     segment* next_segment = nullptr;
@@ -669,6 +699,7 @@ class basic_caching_allocator {
     bool dead = false;       // destroyed: its free blocks wait for its last work (nobody else may take them)
     bool retired = false;    // ... which has completed: its blocks belong to no stream from now on
     std::uint64_t last_sweep = 0;  // the stream-registry sweep during which it last allocated (abandoned_state)
+    segment* expandable[2] = {nullptr, nullptr};  // its expandable segments: [1] small, [0] large
   };
 
   struct all_stats_t {
@@ -1718,6 +1749,7 @@ class basic_caching_allocator {
     }
     seg->address = reinterpret_cast<std::uintptr_t>(p);
     seg->size = segment_bytes;
+    seg->mapped = segment_bytes;
     seg->small = small;
     seg->dedicated = !small && size >= options_.medium_size;
     seg->first = b;
@@ -1736,8 +1768,189 @@ class basic_caching_allocator {
     return b;
   }
 
+  // --- expandable segments (virtual memory) ---
+
+  /// With expandable segments, the free block of `st`'s expandable segment of the pool that holds `size` bytes,
+  /// reserving that segment first if `st` has none (no memory yet: pages are mapped when a block is taken). Null
+  /// when expandable segments are off, the address space is exhausted, or the request exceeds the range.
+  block* grow_expandable(stream_state& st, std::size_t size, bool small) {
+    if constexpr (has_vm) {
+      if (!options_.expandable_segments || st.expandable[small ? 1 : 0] != nullptr) return nullptr;
+      const std::size_t page = upstream_.page_size();
+      upstream_memory_info info;
+      try {
+        info = upstream_.memory_info();
+      } catch (...) {
+      }
+      if (!info.known || info.total_bytes == 0 || page == 0) return nullptr;
+      // Four times the device's memory (at most 4 TiB): holes left by freed blocks use address space too, and
+      // address space is plentiful (2^47 bytes and more on GPUs).
+      const std::size_t limit = std::size_t{1} << 42;
+      const std::size_t total = std::min(info.total_bytes, limit / 4);
+      const std::size_t range = (4 * total + page - 1) / page * page;
+      if (range < size) return nullptr;
+      auto seg = std::make_unique<segment>();
+      block* b = new_block();
+      b->owner = &st;
+      b->small = small;
+      try {
+        seg->pages.assign(range / page, false);
+        (void)index_of(b);
+      } catch (...) {
+        recycle(b);
+        throw;
+      }
+      void* p = upstream_.reserve(range);
+      if (p == nullptr) {
+        recycle(b);
+        return nullptr;
+      }
+      seg->address = reinterpret_cast<std::uintptr_t>(p);
+      seg->size = range;
+      seg->small = small;
+      seg->expandable = true;
+      seg->first = b;
+      seg->next_segment = segments_;
+      if (segments_ != nullptr) segments_->prev_segment = seg.get();
+      segments_ = seg.release();
+      b->address = segments_->address;
+      b->size = range;
+      b->seg = segments_;
+      b->state = block_state::free;
+      index_free(b);
+      st.expandable[small ? 1 : 0] = segments_;
+      count(st_segment, small, 1);
+      return find_free(st, size, small);
+    } else {
+      (void)st;
+      (void)size;
+      (void)small;
+      return nullptr;
+    }
+  }
+
+  /// Maps the unmapped pages under the first `size` bytes of free block `b` of an expandable segment. False when
+  /// the reserved limit (`limit_hit`) or the upstream refuses a page; the pages mapped so far stay (cached memory).
+  bool map_pages(block* b, std::size_t size, bool& limit_hit) {
+    if constexpr (has_vm) {
+      segment* seg = b->seg;
+      const std::size_t page = upstream_.page_size();
+      const std::size_t first = (b->address - seg->address) / page;
+      const std::size_t last = (b->address + size - 1 - seg->address) / page;
+      for (std::size_t i = first; i <= last; ++i) {
+        if (seg->pages[i]) continue;
+        if (!within_limit(page)) {
+          limit_hit = true;
+          return false;
+        }
+        limit_hit = false;
+        if (!upstream_.map(reinterpret_cast<void*>(seg->address + i * page), page)) return false;
+        seg->pages[i] = true;
+        seg->mapped += page;
+        count(st_reserved_bytes, seg->small, as_delta(page));
+        stats_.num_device_alloc.increment();
+        high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
+      }
+      return true;
+    } else {
+      (void)b;
+      (void)size;
+      (void)limit_hit;
+      return true;
+    }
+  }
+
+  /// Makes free block `b` of an expandable segment usable for `size` bytes: maps its pages, and under pressure
+  /// releases cached memory (free pages included) and looks again, like allocate_slow. Returns the block to take.
+  block* back_with_pages(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, block* b, std::size_t requested,
+                         std::size_t size, bool small) {
+    bool limit_hit = false;
+    if (map_pages(b, size, limit_hit)) return b;
+    for (const bool wait_pending : {false, true}) {
+      release_cached(lock, wait_pending, 0);
+      stats_.num_alloc_retries.increment();
+      b = find_free(st, size, small);
+      if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
+      if (!b->seg->expandable || map_pages(b, size, limit_hit)) return b;
+    }
+    throw_out_of_memory(lock, requested, size, page_bytes(), limit_hit, true);
+  }
+
+  std::size_t page_bytes() const noexcept {
+    if constexpr (has_vm) {
+      return upstream_.page_size();
+    } else {
+      return 0;
+    }
+  }
+
+  /// Unmaps the pages of expandable segments that lie wholly in free blocks (device lock held throughout, so no
+  /// thread maps them meanwhile), until reserved memory is at most `target` (0: all). Waits for the fences of those
+  /// blocks first: work enqueued before their free may still use them. Returns the bytes unmapped.
+  std::size_t unmap_free_pages(std::size_t target) {
+    if constexpr (has_vm) {
+      if (!options_.expandable_segments) return 0;
+      const bool quarantine = !upstream_.synchronizes_on_free();
+      const std::size_t page = upstream_.page_size();
+      std::size_t unmapped = 0;
+      for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+        if (!seg->expandable || seg->mapped == 0) continue;
+        for (block* b = seg->first; b != nullptr; b = b->next) {
+          if (target != 0 && current(stats_.reserved_bytes) <= target) return unmapped;
+          if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
+          const std::size_t first = (b->address - seg->address + page - 1) / page;
+          const std::size_t end = (b->address + b->size - seg->address) / page;
+          for (std::size_t i = first; i < end; ++i) {
+            if (!seg->pages[i]) continue;
+            if (b->fence) {
+              synchronize_quietly(*b->fence);
+              release_event(std::move(b->fence), device_);
+            }
+            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), page);
+            seg->pages[i] = false;
+            seg->mapped -= page;
+            unmapped += page;
+            count(st_reserved_bytes, seg->small, -as_delta(page));
+            stats_.num_device_free.increment();
+          }
+        }
+      }
+      return unmapped;
+    } else {
+      (void)target;
+      return 0;
+    }
+  }
+
+  /// An expandable segment is going: its stream reserves a new one when it needs it.
+  void forget_expandable(const segment* seg) noexcept {
+    auto forget = [seg](stream_state& st) {
+      for (segment*& e : st.expandable) {
+        if (e == seg) e = nullptr;
+      }
+    };
+    for (auto& st : streams_) forget(*st);
+    forget(*unowned_);
+  }
+
+  /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
+  void return_segment(segment* seg) noexcept {
+    if constexpr (has_vm) {
+      if (seg->expandable) {
+        const std::size_t page = upstream_.page_size();
+        for (std::size_t i = 0; i < seg->pages.size(); ++i) {
+          if (seg->pages[i]) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), page);
+        }
+        upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
+        return;
+      }
+    }
+    upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+  }
+
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size,
                        bool small) {
+    if (block* b = grow_expandable(st, size, small)) return b;
     std::size_t segment_bytes = fitted_segment_size(size, small);
     bool limit_hit = false;
     if (options_.release_before_grow) {
@@ -1789,13 +2002,15 @@ class basic_caching_allocator {
     }
     std::vector<segment*> victims = free_segments();
     if (target != 0) {
-      std::sort(victims.begin(), victims.end(), [](const segment* a, const segment* b) { return a->size > b->size; });
+      std::sort(victims.begin(), victims.end(),
+                [](const segment* a, const segment* b) { return a->mapped > b->mapped; });
       std::size_t reserved = current(stats_.reserved_bytes);
       std::size_t keep = 0;
-      while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->size;
+      while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped;
       victims.resize(keep);
     }
-    return release_segments(lock, victims);
+    const std::size_t released = release_segments(lock, victims);
+    return released + unmap_free_pages(target);
   }
 
   /// For release_before_grow: frees at least `deficit` bytes of completely free segments, disturbing the cache as
@@ -1803,9 +2018,10 @@ class basic_caching_allocator {
   std::size_t release_for_growth(std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit) {
     std::vector<segment*> candidates = free_segments();
     if (candidates.empty()) return 0;
-    std::sort(candidates.begin(), candidates.end(), [](const segment* a, const segment* b) { return a->size < b->size; });
+    std::sort(candidates.begin(), candidates.end(),
+              [](const segment* a, const segment* b) { return a->mapped < b->mapped; });
     const auto covering = std::find_if(candidates.begin(), candidates.end(),
-                                       [deficit](const segment* seg) { return seg->size >= deficit; });
+                                       [deficit](const segment* seg) { return seg->mapped >= deficit; });
     std::vector<segment*> victims;
     if (covering != candidates.end()) {
       victims.push_back(*covering);
@@ -1813,7 +2029,7 @@ class basic_caching_allocator {
       std::size_t covered = 0;
       for (auto it = candidates.rbegin(); it != candidates.rend() && covered < deficit; ++it) {
         victims.push_back(*it);
-        covered += (*it)->size;
+        covered += (*it)->mapped;
       }
     }
     return release_segments(lock, victims, true);
@@ -1876,6 +2092,7 @@ class basic_caching_allocator {
     if (victims.empty()) return 0;
     std::vector<std::unique_ptr<event_type>> fences;
     std::size_t released = 0;
+    std::size_t frees = 0;
     for (segment* seg : victims) {
       for (block* b = seg->first; b != nullptr;) {
         block* next = b->next;
@@ -1890,23 +2107,41 @@ class basic_caching_allocator {
         segments_ = seg->next_segment;
       }
       if (seg->next_segment != nullptr) seg->next_segment->prev_segment = seg->prev_segment;
+      if (seg->expandable) forget_expandable(seg);
+      frees += seg->expandable ? seg->mapped / page_bytes() : 1;  // an unmap per page, or a cudaFree
       count(st_segment, seg->small, -1);
-      count(st_reserved_bytes, seg->small, -as_delta(seg->size));
-      released += seg->size;
+      count(st_reserved_bytes, seg->small, -as_delta(seg->mapped));
+      released += seg->mapped;
     }
     lock.unlock();
     for (const auto& fence : fences) synchronize_quietly(*fence);
     for (segment* seg : victims) {
-      upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+      return_segment(seg);
       delete seg;
     }
     lock.lock();
     for (auto& fence : fences) release_event(std::move(fence), device_);
-    for (std::size_t i = 0; i < victims.size(); ++i) {
+    for (std::size_t i = 0; i < frees; ++i) {
       stats_.num_device_free.increment();
       if (unforced) stats_.num_device_free_unforced.increment();
     }
     return released;
+  }
+
+  /// The bytes of block `b` (of an expandable segment) that lie on mapped pages.
+  std::size_t mapped_bytes_of(const block* b) const noexcept {
+    const segment* seg = b->seg;
+    const std::size_t page = page_bytes();
+    if (page == 0 || seg->mapped == 0) return 0;
+    std::size_t bytes = 0;
+    const std::uintptr_t end = b->address + b->size;
+    for (std::size_t i = (b->address - seg->address) / page; i < seg->pages.size(); ++i) {
+      const std::uintptr_t page_start = seg->address + i * page;
+      if (page_start >= end) break;
+      if (!seg->pages[i]) continue;
+      bytes += std::min<std::uintptr_t>(end, page_start + page) - std::max<std::uintptr_t>(b->address, page_start);
+    }
+    return bytes;
   }
 
   free_space_info free_space_locked() const noexcept {
@@ -1915,9 +2150,11 @@ class basic_caching_allocator {
     for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state != block_state::free && !b->in_front.load(std::memory_order_relaxed)) continue;
-        f.free_bytes += b->size;
+        const std::size_t backed = seg->expandable ? mapped_bytes_of(b) : b->size;  // unmapped space is no memory
+        if (backed == 0) continue;
+        f.free_bytes += backed;
         ++f.free_blocks;
-        f.largest_free_block = std::max(f.largest_free_block, b->size);
+        f.largest_free_block = std::max(f.largest_free_block, backed);
       }
     }
     return f;
@@ -1971,7 +2208,7 @@ class basic_caching_allocator {
   // --- errors ---
 
   [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size,
-                                        std::size_t segment_bytes, bool limit_hit) {
+                                        std::size_t segment_bytes, bool limit_hit, bool pages = false) {
     stats_.num_ooms.increment();
     const free_space_info f = free_space_locked();
     const std::size_t allocated = user_current(st_allocated_bytes);
@@ -1986,8 +2223,10 @@ class basic_caching_allocator {
     using detail::format_bytes;
     using detail::format_bytes_exact;
     std::string m = "gpukit: out of memory on " + device_.to_string() + ": tried to allocate " +
-                    format_bytes_exact(requested) + ", rounded to " + format_bytes_exact(size) +
-                    ", which needs a new segment of " + format_bytes(segment_bytes) + ". ";
+                    format_bytes_exact(requested) + ", rounded to " + format_bytes_exact(size) + ", which needs " +
+                    (pages ? "more pages of " + format_bytes(segment_bytes) + " mapped into its expandable segment"
+                           : "a new segment of " + format_bytes(segment_bytes)) +
+                    ". ";
     if (info.known) {
       m += "Device: " + format_bytes(info.total_bytes) + " total, " + format_bytes(info.free_bytes) + " free. ";
     } else {
@@ -1997,7 +2236,7 @@ class basic_caching_allocator {
     std::snprintf(fragmentation, sizeof fragmentation, "%.2f", f.fragmentation());
     m += "This allocator: " + format_bytes(allocated) + " allocated, " +
          format_bytes(reserved > allocated ? reserved - allocated : 0) +
-         " reserved but unallocated (largest free block " + format_bytes(f.largest_free_block) +
+         (pages ? " mapped" : " reserved") + " but unallocated (largest free block " + format_bytes(f.largest_free_block) +
          ", fragmentation " + fragmentation + " = 1 - largest free block / free), reserved limit " +
          (limit == allocator_options::unlimited ? std::string("none") : format_bytes(limit)) + ".";
     if (limit_hit) {

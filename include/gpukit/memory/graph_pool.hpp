@@ -200,6 +200,7 @@ class graph_pool final : public device_allocator {
       segment_info seg;
       seg.address = c.address;
       seg.size = c.size;
+      seg.mapped = c.size;
       for (auto it = live_.lower_bound(c.address); it != live_.end() && it->first < c.address + c.size; ++it) {
         seg.blocks.push_back(block_info{it->first, it->second.size, it->second.requested, block_state::allocated, 0, 0});
       }

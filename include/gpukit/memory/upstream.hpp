@@ -31,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <set>
 #include <string>
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -137,22 +138,13 @@ class address_space_upstream {
     if (bytes == 0 || bytes > capacity_ || used_ > capacity_ - bytes) return nullptr;
     const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
     if (size < bytes) return nullptr;
-    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
-      const std::uintptr_t start = (it->first + alignment_ - 1) & ~(static_cast<std::uintptr_t>(alignment_) - 1);
-      const std::uintptr_t end = it->first + it->second;
-      if (start > end || end - start < size) continue;
-      const std::uintptr_t range_start = it->first;
-      const std::size_t range_size = it->second;
-      free_ranges_.erase(it);
-      if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
-      if (start + size < range_start + range_size) free_ranges_.emplace(start + size, range_start + range_size - start - size);
-      used_ += bytes;
-      if (used_ > peak_) peak_ = used_;
-      ++allocations_;
-      sizes_.emplace(start, size);
-      return reinterpret_cast<void*>(start);
-    }
-    return nullptr;
+    const std::uintptr_t start = take_range(size, alignment_);
+    if (start == 0) return nullptr;
+    used_ += bytes;
+    if (used_ > peak_) peak_ = used_;
+    ++allocations_;
+    sizes_.emplace(start, size);
+    return reinterpret_cast<void*>(start);
   }
 
   /// Returns a range; `bytes` must be the size it was allocated with. An unknown address is reported through
@@ -165,24 +157,10 @@ class address_space_upstream {
       warn("gpukit::address_space_upstream: deallocate of an address it did not hand out");
       return;
     }
-    std::size_t size = found->second;
+    const std::size_t size = found->second;
     sizes_.erase(found);
     used_ -= bytes;
-    std::uintptr_t begin = start;
-    auto next = free_ranges_.lower_bound(start);
-    if (next != free_ranges_.end() && next->first == start + size) {
-      size += next->second;
-      next = free_ranges_.erase(next);
-    }
-    if (next != free_ranges_.begin()) {
-      auto previous = std::prev(next);
-      if (previous->first + previous->second == begin) {
-        begin = previous->first;
-        size += previous->second;
-        free_ranges_.erase(previous);
-      }
-    }
-    free_ranges_.emplace(begin, size);
+    give_range(start, size);
   }
 
   /// The capacity and what remains of it.
@@ -197,6 +175,89 @@ class address_space_upstream {
 
   /// No memory is touched, so nothing can still be using it.
   bool synchronizes_on_free() const noexcept { return true; }
+
+  // --- virtual memory, as the driver's cuMemAddressReserve / cuMemCreate + cuMemMap model it (expandable segments) ---
+
+  /// The mapping granularity (2 MiB, as cuMemGetAllocationGranularity says on current GPUs).
+  std::size_t page_size() const noexcept { return page_size_; }
+  /// Reserves an address range of `bytes` (a multiple of page_size()) that costs no capacity; nullptr when the
+  /// address space is exhausted.
+  void* reserve(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::uintptr_t start = take_range(bytes, page_size_);
+    if (start == 0) return nullptr;
+    reservations_.emplace(start, bytes);
+    return reinterpret_cast<void*>(start);
+  }
+  /// Backs [address, address + bytes) of a reservation with capacity, page by page; false (nothing mapped) when the
+  /// capacity would be exceeded (or after fail_next()). Throws invalid_argument_error for a range outside a
+  /// reservation, not page-aligned, or with a page already mapped (a bug of the caller).
+  bool map(void* address, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto start = check_pages(address, bytes, "map");
+    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
+      if (mapped_.count(at) != 0) throw invalid_argument_error("gpukit::address_space_upstream: map of a mapped page");
+    }
+    if (forced_failures_ > 0) {
+      --forced_failures_;
+      return false;
+    }
+    if (bytes > capacity_ || used_ > capacity_ - bytes) return false;
+    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) mapped_.insert(at);
+    used_ += bytes;
+    if (used_ > peak_) peak_ = used_;
+    ++allocations_;
+    return true;
+  }
+  /// Returns the capacity of mapped pages in [address, address + bytes); every page must be mapped (else warns).
+  void unmap(void* address, std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::uintptr_t start = 0;
+    try {
+      start = check_pages(address, bytes, "unmap");
+    } catch (const std::exception& e) {
+      warn(e.what());
+      return;
+    }
+    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
+      if (mapped_.erase(at) == 0) {
+        warn("gpukit::address_space_upstream: unmap of a page that is not mapped");
+        continue;
+      }
+      used_ -= page_size_;
+    }
+  }
+  /// Gives a reservation back; its pages must have been unmapped (else warns, and unmaps them).
+  void unreserve(void* address, std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto start = reinterpret_cast<std::uintptr_t>(address);
+    const auto found = reservations_.find(start);
+    if (found == reservations_.end() || found->second != bytes) {
+      warn("gpukit::address_space_upstream: unreserve of a range it did not reserve");
+      return;
+    }
+    for (auto it = mapped_.lower_bound(start); it != mapped_.end() && *it < start + bytes;) {
+      warn("gpukit::address_space_upstream: a reservation is given back with pages still mapped");
+      used_ -= page_size_;
+      it = mapped_.erase(it);
+    }
+    reservations_.erase(found);
+    give_range(start, bytes);
+  }
+  /// Bytes of mapped pages (part of used()).
+  std::size_t mapped() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return mapped_.size() * page_size_;
+  }
+  /// The granularity of map() (a power of two, at least the alignment); for tests of other page sizes.
+  void set_page_size(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes < alignment_ || (bytes & (bytes - 1)) != 0 || !reservations_.empty()) {
+      throw invalid_argument_error("gpukit::address_space_upstream: a page size must be a power of two of at least "
+                                   "the alignment, set before anything is reserved");
+    }
+    page_size_ = bytes;
+  }
 
   /// Changes the capacity, e.g. to simulate another process taking memory. Ranges already out stay valid.
   void set_capacity(std::size_t capacity) {
@@ -241,6 +302,56 @@ class address_space_upstream {
   int forced_failures_ = 0;
   std::map<std::uintptr_t, std::size_t> free_ranges_;  // start -> size, coalesced
   std::map<std::uintptr_t, std::size_t> sizes_;        // start -> aligned size of each range handed out
+  std::size_t page_size_ = std::size_t{2} << 20;
+  std::map<std::uintptr_t, std::size_t> reservations_;  // start -> size of each reserved range
+  std::set<std::uintptr_t> mapped_;                     // mapped pages
+
+  /// A free address range of `bytes` aligned to `alignment` (0 when none), taken out of free_ranges_.
+  std::uintptr_t take_range(std::size_t bytes, std::size_t alignment) {
+    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+      const std::uintptr_t start = (it->first + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1);
+      const std::uintptr_t end = it->first + it->second;
+      if (start > end || end - start < bytes) continue;
+      const std::uintptr_t range_start = it->first;
+      const std::size_t range_size = it->second;
+      free_ranges_.erase(it);
+      if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
+      if (start + bytes < range_start + range_size) {
+        free_ranges_.emplace(start + bytes, range_start + range_size - start - bytes);
+      }
+      return start;
+    }
+    return 0;
+  }
+  /// Puts [start, start + size) back into free_ranges_, joined with its free neighbours.
+  void give_range(std::uintptr_t start, std::size_t size) {
+    std::uintptr_t begin = start;
+    auto next = free_ranges_.lower_bound(start);
+    if (next != free_ranges_.end() && next->first == start + size) {
+      size += next->second;
+      next = free_ranges_.erase(next);
+    }
+    if (next != free_ranges_.begin()) {
+      auto previous = std::prev(next);
+      if (previous->first + previous->second == begin) {
+        begin = previous->first;
+        size += previous->second;
+        free_ranges_.erase(previous);
+      }
+    }
+    free_ranges_.emplace(begin, size);
+  }
+  std::uintptr_t check_pages(void* address, std::size_t bytes, const char* operation) const {
+    const auto start = reinterpret_cast<std::uintptr_t>(address);
+    auto r = reservations_.upper_bound(start);
+    const bool inside = r != reservations_.begin() && bytes != 0 &&
+                        (--r, start >= r->first && start - r->first <= r->second && bytes <= r->second - (start - r->first));
+    if (!inside || start % page_size_ != 0 || bytes % page_size_ != 0) {
+      throw invalid_argument_error(std::string("gpukit::address_space_upstream: ") + operation +
+                                   " of a range that is not whole pages of a reservation");
+    }
+    return start;
+  }
 };
 
 /// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.

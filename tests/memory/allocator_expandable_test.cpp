@@ -1,0 +1,175 @@
+// Expandable segments (allocator_options::expandable_segments) over address_space_upstream's model of the driver's
+// virtual memory: one reserved range per stream and pool, pages mapped as blocks are taken and unmapped when memory
+// is released; reserved memory, limits, snapshots, summaries and out-of-memory errors count mapped pages.
+#include "allocator_support.hpp"
+
+#include <gpukit/error.hpp>
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+constexpr std::size_t page = 2 * MiB;
+
+gpukit::allocator_options expandable(gpukit::allocator_options o = {}) {
+  o.expandable_segments = true;
+  return o;
+}
+
+struct setup {
+  explicit setup(gpukit::allocator_options o = expandable(), std::size_t capacity = 1 * GiB)
+      : a(gpukit::device::cpu(), o, capacity) {
+    a.stream_operations().world = &world;
+    s0 = fake_stream{world.add_stream()};
+    s1 = fake_stream{world.add_stream()};
+  }
+  std::string invariants(const std::vector<void*>& live = {}) {
+    std::vector<live_allocation> l;
+    for (void* p : live) l.push_back({reinterpret_cast<std::uintptr_t>(p), a.allocation_size(p)});
+    return check_invariants(a.snapshot(), l, a.options().rounding);
+  }
+  fake_world world;
+  fake_allocator a;
+  fake_stream s0, s1;
+};
+
+}  // namespace
+
+TEST_CASE("expandable segments: pages are mapped as blocks need them, in one range per stream and pool") {
+  setup f;
+  void* a = f.a.allocate(5 * MiB, f.s0);  // large pool: 3 pages
+  CHECK(f.a.memory_reserved() == 3 * page);
+  CHECK(f.a.upstream().mapped() == 3 * page);
+  CHECK(f.a.stats().num_device_alloc == 3);
+  void* b = f.a.allocate(5 * MiB, f.s0);  // right after a: shares a's last page, maps 2 more
+  CHECK(reinterpret_cast<std::uintptr_t>(b) == reinterpret_cast<std::uintptr_t>(a) + 5 * MiB);
+  CHECK(f.a.memory_reserved() == 5 * page);
+  void* small = f.a.allocate(1000, f.s0);  // the small pool's own range
+  CHECK(f.a.memory_reserved() == 6 * page);
+  void* other = f.a.allocate(1 * MiB + 512, f.s1);  // another stream: its own range
+  CHECK(f.a.memory_reserved() == 7 * page);
+  const auto snapshot = f.a.snapshot();
+  REQUIRE(snapshot.segments.size() == 3);
+  for (const auto& seg : snapshot.segments) {
+    CHECK(seg.expandable);
+    CHECK(seg.size == 4 * GiB);  // four times the address space the upstream has memory
+    CHECK(seg.mapped < seg.size);
+  }
+  CHECK(f.invariants({a, b, small, other}) == "");
+  const gpukit::free_space_info free = f.a.free_space();
+  CHECK(free.free_bytes == 7 * page - (10 * MiB + 1024 + 1 * MiB + 512));  // mapped but unallocated, not the ranges
+  for (void* p : {a, b, small, other}) f.a.deallocate(p);
+  CHECK(f.a.memory_reserved() == 7 * page);  // cached, mapped
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().mapped() == 0);
+  CHECK(f.a.upstream().used() == 0);
+  CHECK(f.a.snapshot().segments.empty());  // completely free ranges are given back
+  CHECK(f.a.stats().num_device_free == f.a.stats().num_device_alloc);  // one unmap per mapped page
+}
+
+TEST_CASE("expandable segments: under pressure, the pages of a freed hole are unmapped for a larger request") {
+  setup f(expandable(), 30 * MiB);
+  void* a = f.a.allocate(8 * MiB, f.s0);
+  void* b = f.a.allocate(8 * MiB, f.s0);
+  void* c = f.a.allocate(6 * MiB, f.s0);
+  f.a.deallocate(a);
+  // 16 MiB do not fit in a's 8 MiB hole; they go after c, on 8 new pages. b and c hold 7 pages (14 MiB), the hole
+  // 4 more: mapping 8 more exceeds the 30 MiB, so the hole's pages are unmapped first, and the request fits.
+  void* d = f.a.allocate(16 * MiB, f.s0);
+  CHECK(f.a.memory_reserved() == 30 * MiB);
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.a.stats().num_alloc_retries >= 1);
+  CHECK(f.invariants({b, c, d}) == "");
+  for (void* p : {b, c, d}) f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out of memory says so") {
+  gpukit::allocator_options o = expandable();
+  o.reserved_limit = 10 * MiB;
+  setup f(o);
+  void* a = f.a.allocate(9 * MiB, f.s0);  // 5 pages
+  CHECK(f.a.memory_reserved() == 10 * MiB);
+  std::string message;
+  try {
+    (void)f.a.allocate(3 * MiB, f.s0);
+    FAIL("the limit was exceeded");
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("pages of 2.00 MiB mapped into its expandable segment") != std::string::npos);
+  CHECK(message.find("reserved limit would be exceeded") != std::string::npos);
+  CHECK(f.a.memory_reserved() <= 10 * MiB);
+  CHECK(f.invariants({a}) == "");
+  f.a.deallocate(a);
+  void* again = f.a.allocate(3 * MiB, f.s0);  // usable after the error
+  f.a.deallocate(again);
+}
+
+TEST_CASE("expandable segments: the upstream refusing a page is out of memory, and nothing leaks") {
+  setup f(expandable(), 8 * MiB);
+  void* a = f.a.allocate(4 * MiB, f.s0);
+  CHECK_THROWS_AS((void)f.a.allocate(6 * MiB, f.s0), gpukit::out_of_memory_error);
+  CHECK(f.invariants({a}) == "");
+  f.a.upstream().fail_next(1);  // a transient refusal: the retry after releasing the cache succeeds
+  void* b = f.a.allocate(2 * MiB, f.s0);
+  CHECK(f.invariants({a, b}) == "");
+  for (void* p : {a, b}) f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: pages of a block another stream still uses are unmapped only after its work") {
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  setup f(o);
+  void* a = f.a.allocate(4 * MiB, f.s0);
+  f.world.enqueue(f.s1.id);
+  f.a.record_stream(a, f.s1);  // s1 reads a
+  f.a.deallocate(a);
+  f.a.trim(0);
+  // Pending on s1: its pages stay mapped until the release waits for s1.
+  CHECK(f.world.streams[static_cast<std::size_t>(f.s1.id)].completed == f.world.streams[static_cast<std::size_t>(f.s1.id)].enqueued);
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().mapped() == 0);
+}
+
+TEST_CASE("expandable segments: an upstream without virtual memory falls back to ordinary segments, with a warning") {
+  std::vector<std::string> warnings;
+  const auto previous = gpukit::set_warning_handler([&](std::string_view m) { warnings.emplace_back(m); });
+  {
+    gpukit::basic_caching_allocator<gpukit::host_upstream> a(gpukit::device::cpu(), expandable());
+    void* p = a.allocate(4096, gpukit::stream_view::default_stream(gpukit::device::cpu()));
+    CHECK_FALSE(a.snapshot().segments.front().expandable);
+    a.deallocate(p);
+  }
+  gpukit::set_warning_handler(previous);
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings.front().find("no virtual memory") != std::string::npos);
+}
+
+TEST_CASE("address_space_upstream: virtual memory misuse is refused clearly") {
+  gpukit::address_space_upstream u(64 * MiB);
+  void* r = u.reserve(8 * MiB);
+  REQUIRE(r != nullptr);
+  auto at = [r](std::size_t offset) { return static_cast<void*>(static_cast<char*>(r) + offset); };
+  CHECK(u.map(at(0), page));
+  CHECK_THROWS_AS(u.map(at(0), page), gpukit::invalid_argument_error);           // mapped twice
+  CHECK_THROWS_AS(u.map(at(1024), page), gpukit::invalid_argument_error);        // not page-aligned
+  CHECK_THROWS_AS(u.map(at(6 * MiB), 4 * MiB), gpukit::invalid_argument_error);  // beyond the reservation
+  CHECK(u.used() == page);
+  u.unmap(at(0), page);
+  CHECK(u.used() == 0);
+  u.set_capacity(page);
+  CHECK_FALSE(u.map(at(0), 2 * page));  // over capacity: nothing mapped
+  CHECK(u.mapped() == 0);
+  u.unreserve(r, 8 * MiB);
+}
