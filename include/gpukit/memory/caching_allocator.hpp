@@ -1747,25 +1747,30 @@ class basic_caching_allocator {
       lock.lock();
       throw;
     }
-    seg->address = reinterpret_cast<std::uintptr_t>(p);
-    seg->size = segment_bytes;
     seg->mapped = segment_bytes;
-    seg->small = small;
     seg->dedicated = !small && size >= options_.medium_size;
-    seg->first = b;
-    seg->next_segment = segments_;
-    if (segments_ != nullptr) segments_->prev_segment = seg.get();
-    segments_ = seg.release();
-    b->address = segments_->address;
-    b->size = segment_bytes;
-    b->seg = segments_;
-    b->state = block_state::free;
-    index_free(b);
-    count(st_segment, small, 1);
+    link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), segment_bytes, small);
     count(st_reserved_bytes, small, as_delta(segment_bytes));
     stats_.num_device_alloc.increment();
     high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
     return b;
+  }
+
+  /// Adds a new segment of `bytes` at `address` to the list, as one free block `b` (whose pool index exists).
+  void link_segment(std::unique_ptr<segment> seg, block* b, std::uintptr_t address, std::size_t bytes, bool small) {
+    seg->address = address;
+    seg->size = bytes;
+    seg->small = small;
+    seg->first = b;
+    seg->next_segment = segments_;
+    if (segments_ != nullptr) segments_->prev_segment = seg.get();
+    segments_ = seg.release();
+    b->address = address;
+    b->size = bytes;
+    b->seg = segments_;
+    b->state = block_state::free;
+    index_free(b);
+    count(st_segment, small, 1);
   }
 
   // --- expandable segments (virtual memory) ---
@@ -1805,21 +1810,9 @@ class basic_caching_allocator {
         recycle(b);
         return nullptr;
       }
-      seg->address = reinterpret_cast<std::uintptr_t>(p);
-      seg->size = range;
-      seg->small = small;
       seg->expandable = true;
-      seg->first = b;
-      seg->next_segment = segments_;
-      if (segments_ != nullptr) segments_->prev_segment = seg.get();
-      segments_ = seg.release();
-      b->address = segments_->address;
-      b->size = range;
-      b->seg = segments_;
-      b->state = block_state::free;
-      index_free(b);
+      link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), range, small);
       st.expandable[small ? 1 : 0] = segments_;
-      count(st_segment, small, 1);
       return find_free(st, size, small);
     } else {
       (void)st;
