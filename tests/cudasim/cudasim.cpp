@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include <sys/mman.h>
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -108,6 +110,21 @@ struct region {
   int device = 0;
   unsigned flags = 0;
   bool pooled = false;  // from cudaMallocAsync
+  bool virtual_range = false;  // cuMemAddressReserve: device memory only where pages are mapped with access
+};
+
+/// A physical allocation of cuMemCreate.
+struct vmm_allocation {
+  int device = 0;
+  std::size_t size = 0;
+  bool released = false;  // cuMemRelease: the memory goes with its last mapping
+  int mappings = 0;
+};
+
+/// A page of a reserved range mapped with cuMemMap.
+struct vmm_page {
+  unsigned long long handle = 0;
+  bool access = false;  // cuMemSetAccess granted read/write
 };
 
 struct device_state {
@@ -171,6 +188,9 @@ struct simulator {
   handle_table<graph_obj> graphs{0x5300000000};
   handle_table<graph_obj> execs{0x5400000000};
   std::map<std::uintptr_t, region> regions;  // by base address
+  std::map<unsigned long long, vmm_allocation> vmm_allocations;
+  unsigned long long next_vmm_handle = 0x5600000000;
+  std::map<std::uintptr_t, vmm_page> vmm_pages;  // by address, one granule each
   std::vector<cudasim::violation> violations;
   std::vector<int> allowed_contexts;
   std::map<std::string, std::vector<std::pair<int, cudaError_t>>> faults;
@@ -559,6 +579,18 @@ const region* find_region(const simulator& s, const void* p) {
   return nullptr;
 }
 
+constexpr std::size_t vmm_granularity = std::size_t{2} << 20;
+
+/// Whether [p, p + n) of a reserved range lies on mapped pages with access granted.
+bool pages_accessible(const simulator& s, std::uintptr_t p, std::size_t n) {
+  for (std::uintptr_t page = p / vmm_granularity * vmm_granularity; page < p + std::max<std::size_t>(n, 1);
+       page += vmm_granularity) {
+    const auto it = s.vmm_pages.find(page);
+    if (it == s.vmm_pages.end() || !it->second.access) return false;
+  }
+  return true;
+}
+
 enum class location { device, host };
 
 location locate(const simulator& s, const void* p) {
@@ -593,6 +625,12 @@ cudaError_t check_copy(call& c, void* dst, const void* src, std::size_t n, cudaM
   }
   for (const void* p : {static_cast<const void*>(dst), src}) {
     const region* r = find_region(c.s, p);
+    if (r != nullptr && r->virtual_range && !pages_accessible(c.s, reinterpret_cast<std::uintptr_t>(p), n)) {
+      return c.violation(cudaErrorIllegalAddress, "a copy of " + std::to_string(n) + " bytes at " +
+                                                      hex(reinterpret_cast<std::uintptr_t>(p)) +
+                                                      " touches pages of a reserved range that are not mapped with "
+                                                      "access (cuMemMap, cuMemSetAccess)");
+    }
     if (r != nullptr && r->kind != region_kind::registered &&
         reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size) {
       return c.violation(cudaErrorInvalidValue, "a copy of " + std::to_string(n) + " bytes at " +
@@ -613,7 +651,8 @@ std::function<bool()> alive_check(void* dst, const void* src, std::size_t n, std
     auto dead = [&](const void* p) {
       const region* r = find_region(s, p);
       return r == nullptr || r->kind != region_kind::device ||
-             reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size;
+             reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size ||
+             (r->virtual_range && !pages_accessible(s, reinterpret_cast<std::uintptr_t>(p), n));
     };
     if ((dst_device && dead(dst)) || (src_device && dead(src))) {
       record_violation(s, what, cudaErrorIllegalAddress, "the work ran after device memory it uses was freed");
@@ -720,12 +759,216 @@ CUresult CUDAAPI sim_cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flag
   return CUDA_SUCCESS;
 }
 
+// Virtual memory management: a reservation is host address space without access (PROT_NONE); cuMemMap +
+// cuMemSetAccess make a granule readable and writable; cuMemUnmap discards its contents and takes the access back.
+// Physical allocations count against the device's memory like cudaMalloc's.
+
+CUresult vmm_check_prop(simulator& s, const CUmemAllocationProp* prop) {
+  if (prop == nullptr || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_device(s, prop->location.id)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!s.devices[static_cast<std::size_t>(prop->location.id)].config.virtual_memory) return CUDA_ERROR_NOT_SUPPORTED;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice dev) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  initialize_locked(s);
+  ++s.call_counts["cuDeviceGetAttribute"];
+  if (value == nullptr || !valid_device(s, dev)) return CUDA_ERROR_INVALID_VALUE;
+  if (attribute != CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) {
+    record_violation(s, "cuDeviceGetAttribute", cudaErrorNotSupported, "device attribute " +
+                                                                          std::to_string(static_cast<int>(attribute)) +
+                                                                          " is not simulated");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  *value = s.devices[static_cast<std::size_t>(dev)].config.virtual_memory ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                                   CUmemAllocationGranularity_flags) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  initialize_locked(s);
+  ++s.call_counts["cuMemGetAllocationGranularity"];
+  if (granularity == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = vmm_check_prop(s, prop); r != CUDA_SUCCESS) return r;
+  *granularity = vmm_granularity;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                         unsigned long long flags) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemAddressReserve"];
+  if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (ptr == nullptr || size == 0 || size % vmm_granularity != 0 || addr != 0 || flags != 0 ||
+      (alignment != 0 && alignment % vmm_granularity != 0)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  const std::size_t align = std::max(alignment, vmm_granularity);
+  void* raw = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  const auto base = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = round_up(base, align);
+  if (start > base) munmap(raw, start - base);
+  if (start + size < base + size + align) munmap(reinterpret_cast<void*>(start + size), base + align - start);
+  region r;
+  r.base = start;
+  r.size = size;
+  r.kind = region_kind::device;
+  r.device = t_current;
+  r.virtual_range = true;
+  s.regions[start] = r;
+  *ptr = static_cast<CUdeviceptr>(start);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemAddressFree"];
+  const auto it = s.regions.find(static_cast<std::uintptr_t>(ptr));
+  if (it == s.regions.end() || !it->second.virtual_range || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
+  const auto mapped = s.vmm_pages.lower_bound(static_cast<std::uintptr_t>(ptr));
+  if (mapped != s.vmm_pages.end() && mapped->first < ptr + size) {
+    record_violation(s, "cuMemAddressFree", cudaErrorInvalidValue, "a reserved range is freed with pages mapped");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  munmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), size);
+  s.regions.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                                 unsigned long long flags) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemCreate"];
+  if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (handle == nullptr || size == 0 || size % vmm_granularity != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = vmm_check_prop(s, prop); r != CUDA_SUCCESS) return r;
+  device_state& dev = s.devices[static_cast<std::size_t>(prop->location.id)];
+  if (size > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) return CUDA_ERROR_OUT_OF_MEMORY;
+  dev.used += size;
+  const unsigned long long h = s.next_vmm_handle++;
+  s.vmm_allocations[h] = vmm_allocation{prop->location.id, size, false, 0};
+  *handle = h;
+  return CUDA_SUCCESS;
+}
+
+/// Frees a physical allocation once it is released and mapped nowhere.
+void vmm_collect(simulator& s, unsigned long long h) {
+  const auto it = s.vmm_allocations.find(h);
+  if (it == s.vmm_allocations.end() || !it->second.released || it->second.mappings != 0) return;
+  s.devices[static_cast<std::size_t>(it->second.device)].used -= it->second.size;
+  s.vmm_allocations.erase(it);
+}
+
+CUresult CUDAAPI sim_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemRelease"];
+  const auto it = s.vmm_allocations.find(handle);
+  if (it == s.vmm_allocations.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
+  it->second.released = true;
+  vmm_collect(s, handle);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                              unsigned long long flags) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemMap"];
+  const auto a = s.vmm_allocations.find(handle);
+  const region* r = find_region(s, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(ptr)));
+  if (a == s.vmm_allocations.end() || a->second.released || offset != 0 || flags != 0 || size != a->second.size ||
+      ptr % vmm_granularity != 0 || r == nullptr || !r->virtual_range || ptr + size > r->base + r->size) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) != 0) {
+      record_violation(s, "cuMemMap", cudaErrorInvalidValue, "cuMemMap over a mapped page");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    s.vmm_pages[static_cast<std::uintptr_t>(page)] = vmm_page{handle, false};
+  }
+  ++a->second.mappings;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemSetAccess"];
+  if (desc == nullptr || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+      !valid_device(s, desc->location.id) || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE ||
+      ptr % vmm_granularity != 0 || size % vmm_granularity != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) == 0) return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (mprotect(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), size, PROT_READ | PROT_WRITE) != 0) {
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    s.vmm_pages[static_cast<std::uintptr_t>(page)].access = true;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuMemUnmap"];
+  if (ptr % vmm_granularity != 0 || size == 0 || size % vmm_granularity != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) == 0) {
+      record_violation(s, "cuMemUnmap", cudaErrorInvalidValue, "cuMemUnmap of a page that is not mapped");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  void* at = reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
+  madvise(at, size, MADV_DONTNEED);  // the contents go with the mapping
+  mprotect(at, size, PROT_NONE);
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    const auto it = s.vmm_pages.find(static_cast<std::uintptr_t>(page));
+    const unsigned long long h = it->second.handle;
+    s.vmm_pages.erase(it);
+    auto a = s.vmm_allocations.find(h);
+    // One mapping per allocation here (cuMemMap maps a whole allocation): its last page ends the mapping.
+    if (a != s.vmm_allocations.end() && s.vmm_pages.end() == std::find_if(s.vmm_pages.begin(), s.vmm_pages.end(),
+                                                                            [h](const auto& p) { return p.second.handle == h; })) {
+      --a->second.mappings;
+      vmm_collect(s, h);
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
 void* driver_function(const char* symbol) {
   const std::string name(symbol);
   if (name == "cuCtxGetCurrent") return reinterpret_cast<void*>(&sim_cuCtxGetCurrent);
   if (name == "cuCtxGetDevice") return reinterpret_cast<void*>(&sim_cuCtxGetDevice);
   if (name == "cuDeviceGet") return reinterpret_cast<void*>(&sim_cuDeviceGet);
   if (name == "cuDevicePrimaryCtxGetState") return reinterpret_cast<void*>(&sim_cuDevicePrimaryCtxGetState);
+  if (name == "cuDeviceGetAttribute") return reinterpret_cast<void*>(&sim_cuDeviceGetAttribute);
+  if (name == "cuMemGetAllocationGranularity") return reinterpret_cast<void*>(&sim_cuMemGetAllocationGranularity);
+  if (name == "cuMemAddressReserve") return reinterpret_cast<void*>(&sim_cuMemAddressReserve);
+  if (name == "cuMemAddressFree") return reinterpret_cast<void*>(&sim_cuMemAddressFree);
+  if (name == "cuMemCreate") return reinterpret_cast<void*>(&sim_cuMemCreate);
+  if (name == "cuMemRelease") return reinterpret_cast<void*>(&sim_cuMemRelease);
+  if (name == "cuMemMap") return reinterpret_cast<void*>(&sim_cuMemMap);
+  if (name == "cuMemUnmap") return reinterpret_cast<void*>(&sim_cuMemUnmap);
+  if (name == "cuMemSetAccess") return reinterpret_cast<void*>(&sim_cuMemSetAccess);
   return nullptr;
 }
 

@@ -37,6 +37,7 @@ struct device_config {
   int clock_rate_khz = 1980000;
   int memory_clock_rate_khz = 2619000;
   int memory_bus_width_bits = 5120;
+  bool virtual_memory = true;  ///< cudaDevAttrVirtualMemoryManagementSupported (cuMemCreate and friends)
 };
 
 /// The simulated machine. Default: two devices; environment CUDASIM_DEVICES=N (0..8) changes the count.

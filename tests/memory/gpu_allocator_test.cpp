@@ -125,3 +125,31 @@ TEST_CASE("gpu: an impossible request throws out_of_memory_error with the number
   void* p = a.allocate(MiB, s);  // still usable
   a.deallocate(p);
 }
+
+TEST_CASE("gpu: expandable segments back buffers with mapped pages and give them back on empty_cache") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::allocator_options o;
+  o.expandable_segments = true;
+  gpukit::caching_allocator a(d, o);
+  gpukit::stream s(d);
+  std::vector<int> host(5 << 20);  // 20 MiB
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<int>(i * 7);
+  {
+    gpukit::device_buffer<int> b(host.size(), s, a);
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(b.data(), host.data(), b.size_bytes(), cudaMemcpyHostToDevice, s.cuda_handle()));
+    std::vector<int> back(host.size());
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+    s.synchronize();
+    CHECK(back == host);
+    const auto snapshot = a.snapshot();
+    REQUIRE_FALSE(snapshot.segments.empty());
+    // Virtual memory on this device (every GPU since Pascal on Linux): one range, pages of the driver's granularity.
+    CHECK(snapshot.segments.front().expandable);
+    CHECK(a.memory_reserved() >= b.size_bytes());
+    CHECK(a.memory_reserved() < b.size_bytes() + 4 * MiB);
+  }
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.snapshot().segments.empty());
+}

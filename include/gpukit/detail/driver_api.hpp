@@ -32,6 +32,30 @@ struct driver_api {
   CUresult(CUDAAPI* device_get)(CUdevice* device, int ordinal) = nullptr;
   /// cuDevicePrimaryCtxGetState: whether the device's primary context is active.
   CUresult(CUDAAPI* primary_ctx_get_state)(CUdevice device, unsigned* flags, int* active) = nullptr;
+
+  /// cuDeviceGetAttribute (for CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, which the runtime lacks).
+  CUresult(CUDAAPI* device_get_attribute)(int* value, CUdevice_attribute attribute, CUdevice device) = nullptr;
+
+  // Virtual memory management (expandable segments): reserve an address range, back its pages with physical
+  // allocations, give them back.
+  CUresult(CUDAAPI* mem_get_allocation_granularity)(size_t* granularity, const CUmemAllocationProp* prop,
+                                                    CUmemAllocationGranularity_flags option) = nullptr;
+  CUresult(CUDAAPI* mem_address_reserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                         unsigned long long flags) = nullptr;
+  CUresult(CUDAAPI* mem_address_free)(CUdeviceptr ptr, size_t size) = nullptr;
+  CUresult(CUDAAPI* mem_create)(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                                unsigned long long flags) = nullptr;
+  CUresult(CUDAAPI* mem_release)(CUmemGenericAllocationHandle handle) = nullptr;
+  CUresult(CUDAAPI* mem_map)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                             unsigned long long flags) = nullptr;
+  CUresult(CUDAAPI* mem_unmap)(CUdeviceptr ptr, size_t size) = nullptr;
+  CUresult(CUDAAPI* mem_set_access)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) = nullptr;
+
+  bool has_virtual_memory() const noexcept {
+    return device_get != nullptr && device_get_attribute != nullptr && mem_get_allocation_granularity != nullptr && mem_address_reserve != nullptr &&
+           mem_address_free != nullptr && mem_create != nullptr && mem_release != nullptr && mem_map != nullptr &&
+           mem_unmap != nullptr && mem_set_access != nullptr;
+  }
 };
 
 /// The ABI version requested from the driver: these functions have not changed since CUDA 7, and a driver that runs
@@ -62,6 +86,15 @@ inline driver_api load_driver_api() noexcept {
   load("cuCtxGetCurrent", api.ctx_get_current);
   load("cuDeviceGet", api.device_get);
   load("cuDevicePrimaryCtxGetState", api.primary_ctx_get_state);
+  load("cuDeviceGetAttribute", api.device_get_attribute);
+  load("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
+  load("cuMemAddressReserve", api.mem_address_reserve);
+  load("cuMemAddressFree", api.mem_address_free);
+  load("cuMemCreate", api.mem_create);
+  load("cuMemRelease", api.mem_release);
+  load("cuMemMap", api.mem_map);
+  load("cuMemUnmap", api.mem_unmap);
+  load("cuMemSetAccess", api.mem_set_access);
   return api;
 }
 

@@ -228,6 +228,13 @@ struct has_virtual_memory<U, std::void_t<decltype(std::declval<U&>().reserve(std
                                          decltype(std::declval<U&>().unreserve(nullptr, std::size_t{})),
                                          decltype(std::declval<const U&>().page_size())>> : std::true_type {};
 
+/// ... which may say at run time that the device has none (device_upstream: the CPU, or an old driver or GPU).
+template <class U, class = void>
+struct has_virtual_memory_query : std::false_type {};
+template <class U>
+struct has_virtual_memory_query<U, std::void_t<decltype(std::declval<const U&>().virtual_memory_supported())>>
+    : std::true_type {};
+
 template <class Ops, class = void>
 struct has_stream_describe : std::false_type {};
 template <class Ops>
@@ -1780,7 +1787,15 @@ class basic_caching_allocator {
   /// when expandable segments are off, the address space is exhausted, or the request exceeds the range.
   block* grow_expandable(stream_state& st, std::size_t size, bool small) {
     if constexpr (has_vm) {
-      if (!options_.expandable_segments || st.expandable[small ? 1 : 0] != nullptr) return nullptr;
+      if (!options_.expandable_segments || st.expandable[small ? 1 : 0] != nullptr || vm_refused_) return nullptr;
+      if constexpr (detail::has_virtual_memory_query<Upstream>::value) {
+        if (!upstream_.virtual_memory_supported()) {
+          vm_refused_ = true;
+          warn("gpukit: expandable segments were asked for the caching allocator of " + device_.to_string() +
+               ", but the device (or its driver) has no virtual memory management: ordinary segments are used");
+          return nullptr;
+        }
+      }
       const std::size_t page = upstream_.page_size();
       upstream_memory_info info;
       try {
@@ -1810,6 +1825,7 @@ class basic_caching_allocator {
         recycle(b);
         return nullptr;
       }
+      vm_page_ = page;
       seg->expandable = true;
       link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), range, small);
       st.expandable[small ? 1 : 0] = segments_;
@@ -1827,7 +1843,7 @@ class basic_caching_allocator {
   bool map_pages(block* b, std::size_t size, bool& limit_hit) {
     if constexpr (has_vm) {
       segment* seg = b->seg;
-      const std::size_t page = upstream_.page_size();
+      const std::size_t page = vm_page_;
       const std::size_t first = (b->address - seg->address) / page;
       const std::size_t last = (b->address + size - 1 - seg->address) / page;
       for (std::size_t i = first; i <= last; ++i) {
@@ -1869,13 +1885,7 @@ class basic_caching_allocator {
     throw_out_of_memory(lock, requested, size, page_bytes(), limit_hit, true);
   }
 
-  std::size_t page_bytes() const noexcept {
-    if constexpr (has_vm) {
-      return upstream_.page_size();
-    } else {
-      return 0;
-    }
-  }
+  std::size_t page_bytes() const noexcept { return vm_page_; }
 
   /// Unmaps the pages of expandable segments that lie wholly in free blocks (device lock held throughout, so no
   /// thread maps them meanwhile), until reserved memory is at most `target` (0: all). Waits for the fences of those
@@ -1884,7 +1894,7 @@ class basic_caching_allocator {
     if constexpr (has_vm) {
       if (!options_.expandable_segments) return 0;
       const bool quarantine = !upstream_.synchronizes_on_free();
-      const std::size_t page = upstream_.page_size();
+      const std::size_t page = vm_page_;
       std::size_t unmapped = 0;
       for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
         if (!seg->expandable || seg->mapped == 0) continue;
@@ -1930,7 +1940,7 @@ class basic_caching_allocator {
   void return_segment(segment* seg) noexcept {
     if constexpr (has_vm) {
       if (seg->expandable) {
-        const std::size_t page = upstream_.page_size();
+        const std::size_t page = vm_page_;
         for (std::size_t i = 0; i < seg->pages.size(); ++i) {
           if (seg->pages[i]) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), page);
         }
@@ -2294,6 +2304,8 @@ class basic_caching_allocator {
   StreamOps ops_{};
   bool needs_fence_ = false;
   bool front_cache_ = false;
+  std::size_t vm_page_ = 0;   // the upstream's page size, once an expandable segment exists (device lock)
+  bool vm_refused_ = false;   // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
   detail::sharded_pointer_map<block> map_;

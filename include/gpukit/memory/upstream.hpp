@@ -411,8 +411,110 @@ class cuda_upstream {
   bool synchronizes_on_free() const noexcept { return true; }
   gpukit::device device() const noexcept { return device_; }
 
+  // --- virtual memory (expandable segments): the driver's cuMem* functions, from cudaGetDriverEntryPoint ---
+
+  /// Whether the driver provides the virtual memory functions and the device supports them
+  /// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED). Asked once (callers serialize); never throws.
+  bool virtual_memory_supported() const noexcept {
+    if (vm_state_ == 0) {
+      const detail::driver_api& api = detail::driver();
+      int supported = 0;
+      CUdevice device = 0;
+      bool ok = api.has_virtual_memory() && api.device_get(&device, device_.ordinal()) == CUDA_SUCCESS &&
+                api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                         device) == CUDA_SUCCESS &&
+                supported != 0;
+      std::size_t granularity = 0;
+      const CUmemAllocationProp prop = allocation_properties();
+      ok = ok && detail::driver().mem_get_allocation_granularity(&granularity, &prop,
+                                                                 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS;
+      page_size_ = ok ? granularity : 0;
+      vm_state_ = ok && granularity != 0 ? 1 : 2;
+    }
+    return vm_state_ == 1;
+  }
+  /// The mapping granularity (2 MiB on current GPUs); 0 when virtual memory is unsupported.
+  std::size_t page_size() const noexcept { return virtual_memory_supported() ? page_size_ : 0; }
+  /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when refused.
+  void* reserve(std::size_t bytes) {
+    if (!virtual_memory_supported()) return nullptr;
+    device_guard guard(device_);
+    CUdeviceptr address = 0;
+    if (detail::driver().mem_address_reserve(&address, bytes, page_size_, 0, 0) != CUDA_SUCCESS) return nullptr;
+    return reinterpret_cast<void*>(address);
+  }
+  /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device) per
+  /// page; each handle is released at once, so the memory goes when its page is unmapped. False when the device is
+  /// out of memory (the pages mapped so far stay); throws gpukit::cuda_error for any other failure.
+  bool map(void* address, std::size_t bytes) {
+    device_guard guard(device_);
+    const detail::driver_api& api = detail::driver();
+    const CUmemAllocationProp prop = allocation_properties();
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_.ordinal();
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const auto start = reinterpret_cast<CUdeviceptr>(address);
+    for (CUdeviceptr page = start; page < start + bytes; page += page_size_) {
+      CUmemGenericAllocationHandle handle{};
+      CUresult r = api.mem_create(&handle, page_size_, &prop, 0);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      if (r != CUDA_SUCCESS) throw_driver_failure("cuMemCreate", r);
+      r = api.mem_map(page, page_size_, 0, handle, 0);
+      (void)api.mem_release(handle);  // the mapping keeps the memory
+      if (r != CUDA_SUCCESS) throw_driver_failure("cuMemMap", r);
+      r = api.mem_set_access(page, page_size_, &access, 1);
+      if (r != CUDA_SUCCESS) {
+        (void)api.mem_unmap(page, page_size_);
+        throw_driver_failure("cuMemSetAccess", r);
+      }
+    }
+    return true;
+  }
+  /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
+  /// page. Failures are reported through gpukit::warn.
+  void unmap(void* address, std::size_t bytes) noexcept {
+    try {
+      device_guard guard(device_);
+      detail::report_cuda_failure(cudaDeviceSynchronize(), "cudaDeviceSynchronize (before unmapping pages)",
+                                  device_.ordinal());
+      const auto start = reinterpret_cast<CUdeviceptr>(address);
+      for (CUdeviceptr page = start; page < start + bytes; page += page_size_) {
+        const CUresult r = detail::driver().mem_unmap(page, page_size_);
+        if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
+      }
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+    }
+  }
+  /// cuMemAddressFree; failures are reported through gpukit::warn.
+  void unreserve(void* address, std::size_t bytes) noexcept {
+    try {
+      device_guard guard(device_);
+      const CUresult r = detail::driver().mem_address_free(reinterpret_cast<CUdeviceptr>(address), bytes);
+      if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
+    }
+  }
+
  private:
+  CUmemAllocationProp allocation_properties() const noexcept {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device_.ordinal();
+    return prop;
+  }
+  [[noreturn]] void throw_driver_failure(const char* call, CUresult r) const {
+    throw cuda_error("gpukit: " + std::string(call) + " failed on " + device_.to_string() + " (CUresult " +
+                         std::to_string(r) + ") while mapping pages of an expandable segment",
+                     cudaErrorUnknown, call, device_.ordinal());
+  }
+
   gpukit::device device_;
+  mutable int vm_state_ = 0;  // 0 not asked, 1 supported, 2 not
+  mutable std::size_t page_size_ = 0;
 };
 
 /// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
@@ -433,6 +535,14 @@ class device_upstream {
   }
   bool synchronizes_on_free() const noexcept { return device_.is_cuda(); }
   gpukit::device device() const noexcept { return device_; }
+
+  /// Virtual memory on CUDA devices that support it (cuda_upstream); never for the CPU.
+  bool virtual_memory_supported() const noexcept { return device_.is_cuda() && cuda_.virtual_memory_supported(); }
+  std::size_t page_size() const noexcept { return device_.is_cuda() ? cuda_.page_size() : 0; }
+  void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_.reserve(bytes) : nullptr; }
+  bool map(void* address, std::size_t bytes) { return cuda_.map(address, bytes); }
+  void unmap(void* address, std::size_t bytes) noexcept { cuda_.unmap(address, bytes); }
+  void unreserve(void* address, std::size_t bytes) noexcept { cuda_.unreserve(address, bytes); }
 
  private:
   gpukit::device device_;

@@ -1,0 +1,162 @@
+// Expandable segments on the simulator: the caching allocator's pages through the driver's virtual memory functions
+// (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree), which
+// gpukit gets from cudaGetDriverEntryPoint. The simulator enforces their rules: access only to mapped pages with
+// access granted, no double mapping, no range freed with pages mapped, physical memory counted against the device.
+#include <gpukit/gpukit.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <cuda.h>
+
+#include <cstdio>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+gpukit::allocator_options expandable() {
+  gpukit::allocator_options o;
+  o.expandable_segments = true;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("vmm: a caching allocator with expandable segments maps device pages on demand and unmaps them") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  std::vector<int> host(3 << 20);  // 12 MiB
+  std::iota(host.begin(), host.end(), 0);
+  {
+    gpukit::device_buffer<int> b(host.size(), s, a);
+    CHECK(cudasim::calls("cuMemAddressReserve") == 1);
+    CHECK(cudasim::calls("cuMemMap") == 6);  // 12 MiB in pages of 2 MiB
+    CHECK(cudasim::device_memory_used(0) == used_before + 12 * MiB);
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(b.data(), host.data(), b.size_bytes(), cudaMemcpyHostToDevice, s.cuda_handle()));
+    std::vector<int> back(host.size());
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+    s.synchronize();
+    CHECK(back == host);
+    const gpukit::allocator_snapshot snapshot = a.snapshot();
+    REQUIRE(snapshot.segments.size() == 1);
+    CHECK(snapshot.segments[0].expandable);
+    CHECK(snapshot.segments[0].mapped == 12 * MiB);
+    CHECK(snapshot.segments[0].size >= 80 * (std::size_t{1} << 30));  // address space, not memory
+  }
+  CHECK(a.memory_reserved() == 12 * MiB);  // cached: still mapped
+  gpukit::device_buffer<int> again(host.size(), s, a);  // reuses the mapped pages
+  CHECK(cudasim::calls("cuMemMap") == 6);
+  again = gpukit::device_buffer<int>();
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::calls("cuMemUnmap") == 6);
+  CHECK(cudasim::calls("cuMemAddressFree") == 1);
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::calls("cudaMalloc") == 0);
+}
+
+TEST_CASE("vmm: out of device memory while mapping pages is an out_of_memory_error, and nothing leaks") {
+  cudasim::machine_config machine = cudasim::default_machine(1);
+  machine.devices[0].total_memory = 64 * MiB;
+  machine.context_bytes = 16 * MiB;
+  try {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  {
+    gpukit::caching_allocator a(d, expandable());
+    const std::size_t used_before = cudasim::device_memory_used(0);
+    void* p = a.allocate(16 * MiB, s);
+    std::string message;
+    try {
+      (void)a.allocate(64 * MiB, s);
+      FAIL("64 MiB more fit in a 64 MiB device");
+    } catch (const gpukit::out_of_memory_error& e) {
+      message = e.what();
+    }
+    CHECK(message.find("mapped into its expandable segment") != std::string::npos);
+    CHECK(message.find("cuda:0") != std::string::npos);
+    void* q = a.allocate(8 * MiB, s);  // usable afterwards
+    a.deallocate(q);
+    a.deallocate(p);
+    a.empty_cache();
+    CHECK(cudasim::device_memory_used(0) == used_before);
+  }
+}
+
+TEST_CASE("vmm: a device without virtual memory management falls back to cudaMalloc segments, with a warning") {
+  cudasim::machine_config machine = cudasim::default_machine(1);
+  machine.devices[0].virtual_memory = false;
+  try {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  std::vector<std::string> warnings;
+  const auto previous = gpukit::set_warning_handler([&](std::string_view m) { warnings.emplace_back(m); });
+  {
+    const gpukit::device d = gpukit::device::cuda(0);
+    gpukit::stream s(d);
+    gpukit::caching_allocator a(d, expandable());
+    void* p = a.allocate(4 * MiB, s);
+    void* q = a.allocate(40 * MiB, s);
+    CHECK_FALSE(a.snapshot().segments.front().expandable);
+    CHECK(cudasim::calls("cuMemAddressReserve") == 0);
+    CHECK(cudasim::calls("cudaMalloc") >= 1);
+    a.deallocate(p);
+    a.deallocate(q);
+  }
+  gpukit::set_warning_handler(previous);
+  REQUIRE(warnings.size() == 1);  // once, not per allocation
+  CHECK(warnings.front().find("no virtual memory management") != std::string::npos);
+}
+
+TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges freed with pages mapped") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::device_guard guard(d);
+  GPUKIT_CUDA_TRY(cudaFree(nullptr));  // a context
+  const gpukit::detail::driver_api& api = gpukit::detail::driver();
+  REQUIRE(api.has_virtual_memory());
+  CUdeviceptr range = 0;
+  REQUIRE(api.mem_address_reserve(&range, 8 * MiB, 0, 0, 0) == CUDA_SUCCESS);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  CUmemGenericAllocationHandle handle{};
+  REQUIRE(api.mem_create(&handle, 2 * MiB, &prop, 0) == CUDA_SUCCESS);
+  REQUIRE(api.mem_map(range, 2 * MiB, 0, handle, 0) == CUDA_SUCCESS);
+  CHECK(api.mem_map(range, 2 * MiB, 0, handle, 0) == CUDA_ERROR_INVALID_VALUE);  // mapped twice
+  std::vector<char> host(4096, 1);
+  auto* page0 = reinterpret_cast<void*>(static_cast<std::uintptr_t>(range));
+  CHECK(cudaMemcpy(page0, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaErrorIllegalAddress);  // no access
+  (void)cudaGetLastError();
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = 0;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  REQUIRE(api.mem_set_access(range, 2 * MiB, &access, 1) == CUDA_SUCCESS);
+  CHECK(cudaMemcpy(page0, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+  auto* page1 = reinterpret_cast<void*>(static_cast<std::uintptr_t>(range + 2 * MiB));
+  CHECK(cudaMemcpy(page1, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaErrorIllegalAddress);
+  (void)cudaGetLastError();
+  CHECK(api.mem_address_free(range, 8 * MiB) == CUDA_ERROR_INVALID_VALUE);  // a page is still mapped
+  CHECK(api.mem_release(handle) == CUDA_SUCCESS);
+  CHECK(api.mem_unmap(range, 2 * MiB) == CUDA_SUCCESS);
+  CHECK(api.mem_unmap(range, 2 * MiB) == CUDA_ERROR_INVALID_VALUE);  // unmapped twice
+  CHECK(api.mem_address_free(range, 8 * MiB) == CUDA_SUCCESS);
+  // The refusals above were recorded as rule violations; this test meant them.
+  CHECK(cudasim::take_violations().size() == 5);
+}
