@@ -239,3 +239,32 @@ TEST_CASE("front cache: threads on their own streams keep exact current values a
   a.empty_cache();
   CHECK(a.memory_reserved() == 0);
 }
+
+TEST_CASE("front cache: a block whose stream still has work is fenced in the heap, and a destroyed stream's cache is released") {
+  host_allocator a(gpukit::device::cpu());
+  auto s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
+  std::atomic<bool> open{false};
+  void* busy = a.allocate(4096, s->view());
+  void* idle = a.allocate(8192, s->view());
+  s->enqueue_host([&] {
+    while (!open.load()) std::this_thread::yield();
+  });
+  a.deallocate(busy);  // the stream's queued work may use it: the heap records a fence, it is not cached
+  auto state = [&](void* p) {
+    for (const auto& seg : a.snapshot().segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.address == reinterpret_cast<std::uintptr_t>(p)) return b.state;
+      }
+    }
+    return gpukit::block_state::allocated;
+  };
+  CHECK(state(busy) != gpukit::block_state::cached);
+  open = true;
+  s->synchronize();
+  a.deallocate(idle);  // nothing queued: cached, and the stream is never asked about it again
+  CHECK(state(idle) == gpukit::block_state::cached);
+  s.reset();  // destroyed while its block is cached
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.memory_allocated() == 0);
+}

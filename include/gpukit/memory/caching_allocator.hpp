@@ -374,9 +374,11 @@ class basic_caching_allocator {
     try {
       refuse_free_if_captured(b);
       const bool expired_owner = owner_expired(b);
-      // Reusable at once on its own stream: cached in front for the next request of its size there.
-      if (front_cache_ && b->small && !expired_owner && b->recorded.empty() && front_give(b)) return;
       busy = owner_may_be_busy(b);
+      // Reusable at once on its own stream: a small block is cached in front for the next request of its size
+      // there. Only when it needs no fence: the stream may be destroyed while the block is cached, and must not be
+      // asked (or recorded on) later.
+      if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty() && front_give(b)) return;
       if (expired_owner) report = expired_owner_message(b);
     } catch (...) {
       // Captured, or asking the stream failed (cudaStreamIsCapturing on a broken context), or the message could not
@@ -1432,7 +1434,7 @@ class basic_caching_allocator {
           // The user's free was counted when the block entered the cache; the heap's free below counts it again.
           front_changes(b, b->requested, 1, [&](std::size_t k, std::int64_t d) { slot.unwind(k, d); });
           try {
-            free_allocated(b, owner_may_be_busy(b));
+            free_allocated(b, false);  // cached only when it needed no fence (deallocate)
           } catch (...) {
             map_.erase(b->address);  // free_allocated put it back as allocated: it is cached again instead
             front_changes(b, b->requested, 1, [&](std::size_t k, std::int64_t d) { slot.unwind(k, d, true); });
