@@ -26,6 +26,8 @@ inline constexpr const char* singleton_names[] = {
     "default_staging_engine(cpu)",
     "detail::copy_workers::instance()",
     "detail::pointer_query_override()",
+    "detail::capture_pools()",
+    "detail::driver()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -56,6 +58,8 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::default_staging_engine(cpu),
       &gpukit::detail::copy_workers::instance(),
       &gpukit::detail::pointer_query_override(),
+      &gpukit::detail::capture_pools(),
+      &gpukit::detail::driver(),
   }};
 }
 }  // namespace
