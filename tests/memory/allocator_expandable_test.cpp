@@ -62,6 +62,8 @@ TEST_CASE("expandable segments: pages are mapped as blocks need them, in one ran
     CHECK(seg.mapped < seg.size);
   }
   CHECK(f.invariants({a, b, small, other}) == "");
+  CHECK(f.a.stats().expandable_address_space == 3 * 4 * GiB);
+  CHECK(f.a.memory_summary().find("14.00 MiB mapped in 12.00 GiB of address space") != std::string::npos);
   const gpukit::free_space_info free = f.a.free_space();
   CHECK(free.free_bytes == 7 * page - (10 * MiB + 1024 + 1 * MiB + 512));  // mapped but unallocated, not the ranges
   for (void* p : {a, b, small, other}) f.a.deallocate(p);
@@ -71,6 +73,7 @@ TEST_CASE("expandable segments: pages are mapped as blocks need them, in one ran
   CHECK(f.a.upstream().mapped() == 0);
   CHECK(f.a.upstream().used() == 0);
   CHECK(f.a.snapshot().segments.empty());  // completely free ranges are given back
+  CHECK(f.a.stats().expandable_address_space == 0);
   CHECK(f.a.stats().num_device_free == f.a.stats().num_device_alloc);  // one unmap per mapped page
 }
 

@@ -72,6 +72,8 @@ struct allocator_stats {
   /// upstream allocation, the reserved limit) nor asked for (empty_cache, trim, a lower limit). Each drains the
   /// device on CUDA; with the default options (release_before_grow off) it stays 0.
   std::int64_t num_device_free_unforced = 0;
+  /// Address space reserved by expandable segments (not memory: reserved_bytes counts their mapped pages).
+  std::size_t expandable_address_space = 0;
 
   /// The limit on reserved bytes (std::numeric_limits<std::size_t>::max() when none).
   std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();
@@ -252,6 +254,13 @@ inline std::string format_memory_summary(std::string_view title, const allocator
                  std::to_string(s.num_device_free_unforced) + " unforced)")
                     .c_str());
   detail::summary_line(out, line);
+  if (s.expandable_address_space != 0) {
+    std::snprintf(line, sizeof line, "| %-36s %-48s |", "Expandable segments:",
+                  (detail::format_bytes(static_cast<std::size_t>(s.reserved_bytes.all().current)) + " mapped in " +
+                   detail::format_bytes(s.expandable_address_space) + " of address space")
+                      .c_str());
+    detail::summary_line(out, line);
+  }
   detail::summary_line(out, rule);
   return out;
 }

@@ -464,6 +464,7 @@ class basic_caching_allocator {
     s.num_device_free = stats_.num_device_free.load();
     s.num_device_free_unforced = stats_.num_device_free_unforced.load();
     s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
+    s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
     return s;
   }
 
@@ -1830,6 +1831,7 @@ class basic_caching_allocator {
       vm_page_ = page;
       seg->expandable = true;
       link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), range, small);
+      address_space_.store(address_space_.load(std::memory_order_relaxed) + range, std::memory_order_relaxed);
       st.expandable[small ? 1 : 0] = segments_;
       return find_free(st, size, small);
     } else {
@@ -2112,7 +2114,10 @@ class basic_caching_allocator {
         segments_ = seg->next_segment;
       }
       if (seg->next_segment != nullptr) seg->next_segment->prev_segment = seg->prev_segment;
-      if (seg->expandable) forget_expandable(seg);
+      if (seg->expandable) {
+        forget_expandable(seg);
+        address_space_.store(address_space_.load(std::memory_order_relaxed) - seg->size, std::memory_order_relaxed);
+      }
       frees += seg->expandable ? seg->mapped / page_bytes() : 1;  // an unmap per page, or a cudaFree
       count(st_segment, seg->small, -1);
       count(st_reserved_bytes, seg->small, -as_delta(seg->mapped));
@@ -2314,6 +2319,7 @@ class basic_caching_allocator {
   all_stats_t stats_;
   std::size_t limit_ = allocator_options::unlimited;  // guarded by mutex_
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};
+  std::atomic<std::size_t> address_space_{0};  // reserved by expandable segments (written under mutex_)
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
   detail::out_of_memory_observers observers_;
