@@ -271,6 +271,37 @@ void initialize_locked(simulator& s) {
 // call (none from a host function, a sticky error stays, injected failures).
 // ------------------------------------------------------------------------------------------------------------------
 
+/// The injected failure of this call of `function` (cudaSuccess when none comes due): every queued fault counts the
+/// call; the first that comes due fires, one due at the same call waits for the next.
+cudaError_t due_fault(simulator& s, const std::string& function) {
+  cudaError_t due = cudaSuccess;
+  auto it = s.faults.find(function);
+  if (it == s.faults.end()) return due;
+  bool fired = false;
+  for (auto f = it->second.begin(); f != it->second.end();) {
+    if (--f->first > 0) {
+      ++f;
+    } else if (fired) {
+      f->first = 1;
+      ++f;
+    } else {
+      fired = true;
+      due = f->second;
+      f = it->second.erase(f);
+      if (is_sticky(due)) s.sticky = due;
+    }
+  }
+  return due;
+}
+
+/// A driver function's injected failure: out of memory for cudaErrorMemoryAllocation, else an unknown error.
+CUresult due_driver_fault(simulator& s, const char* function) {
+  ++s.call_counts[function];
+  const cudaError_t e = due_fault(s, function);
+  if (e == cudaSuccess) return CUDA_SUCCESS;
+  return e == cudaErrorMemoryAllocation ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
+}
+
 struct call {
   explicit call(const char* name) : s(sim()), lock(s.mutex), function(name) {
     initialize_locked(s);
@@ -288,25 +319,7 @@ struct call {
       early = s.sticky;
       return;
     }
-    auto it = s.faults.find(function);
-    if (it != s.faults.end()) {
-      // Every queued fault counts this call; the first that comes due fires, one due at the same call waits for
-      // the next.
-      bool fired = false;
-      for (auto f = it->second.begin(); f != it->second.end();) {
-        if (--f->first > 0) {
-          ++f;
-        } else if (fired) {
-          f->first = 1;
-          ++f;
-        } else {
-          fired = true;
-          early = f->second;
-          f = it->second.erase(f);
-          if (is_sticky(early)) s.sticky = early;
-        }
-      }
-    }
+    early = due_fault(s, function);
   }
   /// The result of the call: failures become the thread's last error (cudaErrorNotReady is a status, not an error).
   cudaError_t result(cudaError_t e) {
@@ -804,7 +817,7 @@ CUresult CUDAAPI sim_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t a
                                          unsigned long long flags) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemAddressReserve"];
+  if (CUresult fault = due_driver_fault(s, "cuMemAddressReserve"); fault != CUDA_SUCCESS) return fault;
   if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
   if (ptr == nullptr || size == 0 || size % vmm_granularity != 0 || addr != 0 || flags != 0 ||
       (alignment != 0 && alignment % vmm_granularity != 0)) {
@@ -848,7 +861,7 @@ CUresult CUDAAPI sim_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t si
                                  unsigned long long flags) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemCreate"];
+  if (CUresult fault = due_driver_fault(s, "cuMemCreate"); fault != CUDA_SUCCESS) return fault;
   if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
   if (handle == nullptr || size == 0 || size % vmm_granularity != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
   if (CUresult r = vmm_check_prop(s, prop); r != CUDA_SUCCESS) return r;
@@ -884,7 +897,7 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
                               unsigned long long flags) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemMap"];
+  if (CUresult fault = due_driver_fault(s, "cuMemMap"); fault != CUDA_SUCCESS) return fault;
   const auto a = s.vmm_allocations.find(handle);
   const region* r = find_region(s, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(ptr)));
   if (a == s.vmm_allocations.end() || a->second.released || offset != 0 || flags != 0 || size != a->second.size ||
@@ -907,7 +920,7 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
 CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemSetAccess"];
+  if (CUresult fault = due_driver_fault(s, "cuMemSetAccess"); fault != CUDA_SUCCESS) return fault;
   if (desc == nullptr || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
       !valid_device(s, desc->location.id) || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE ||
       ptr % vmm_granularity != 0 || size % vmm_granularity != 0) {
@@ -928,7 +941,7 @@ CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcc
 CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemUnmap"];
+  if (CUresult fault = due_driver_fault(s, "cuMemUnmap"); fault != CUDA_SUCCESS) return fault;
   if (ptr % vmm_granularity != 0 || size == 0 || size % vmm_granularity != 0) return CUDA_ERROR_INVALID_VALUE;
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
     if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) == 0) {

@@ -160,3 +160,39 @@ TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges free
   // The refusals above were recorded as rule violations; this test meant them.
   CHECK(cudasim::take_violations().size() == 5);
 }
+
+TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, and the allocator stays usable") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  // A transient out of memory in cuMemCreate: released cache, retried, served.
+  cudasim::fail_call("cuMemCreate", 1, cudaErrorMemoryAllocation);
+  void* p = a.allocate(4 * MiB, s);
+  CHECK(a.stats().num_alloc_retries >= 1);
+  // Any other failure is an error naming the driver call and the device.
+  for (const char* call : {"cuMemMap", "cuMemSetAccess", "cuMemCreate"}) {
+    CAPTURE(std::string(call));
+    a.empty_cache();  // unmaps the free pages, so the next request maps again
+    cudasim::fail_call(call, 1, cudaErrorUnknown);
+    try {
+      (void)a.allocate(6 * MiB, s);
+      FAIL("the failure was not reported");
+    } catch (const gpukit::cuda_error& e) {
+      CHECK(std::string(e.what()).find(call) != std::string::npos);
+      CHECK(e.device() == 0);
+    }
+    void* q = a.allocate(6 * MiB, s);  // usable afterwards
+    a.deallocate(q);
+  }
+  // A refused reservation: ordinary segments serve the request.
+  a.deallocate(p);
+  a.empty_cache();
+  cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorUnknown);
+  void* r = a.allocate(4 * MiB, s);
+  CHECK_FALSE(a.snapshot().segments.front().expandable);
+  a.deallocate(r);
+  a.empty_cache();
+  CHECK(cudasim::device_memory_used(0) == used_before);  // no page, handle or segment leaked
+  CHECK(a.memory_reserved() == 0);
+}
