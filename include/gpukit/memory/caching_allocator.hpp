@@ -1907,18 +1907,19 @@ class basic_caching_allocator {
           if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
           const std::size_t first = (b->address - seg->address + page - 1) / page;
           const std::size_t end = (b->address + b->size - seg->address) / page;
-          for (std::size_t i = first; i < end; ++i) {
-            if (!seg->pages[i]) continue;
+          for (std::size_t i = first; i < end;) {
+            if (!seg->pages[i]) {
+              ++i;
+              continue;
+            }
             if (b->fence) {
               synchronize_quietly(*b->fence);
               release_event(std::move(b->fence), device_);
             }
-            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), page);
-            seg->pages[i] = false;
-            seg->mapped -= page;
-            unmapped += page;
-            count(st_reserved_bytes, seg->small, -as_delta(page));
-            stats_.num_device_free.increment();
+            const std::size_t run = unmap_run(seg, i, end);
+            unmapped += run * page;
+            count(st_reserved_bytes, seg->small, -as_delta(run * page));
+            i += run;
           }
         }
       }
@@ -1927,6 +1928,20 @@ class basic_caching_allocator {
       (void)target;
       return 0;
     }
+  }
+
+  /// Unmaps the run of mapped pages of `seg` that starts at page `i` (and ends at `end` at most) in one upstream call
+  /// (on CUDA, one device synchronization); counts one upstream free per page. Returns the pages unmapped.
+  std::size_t unmap_run(segment* seg, std::size_t i, std::size_t end) noexcept {
+    std::size_t n = 0;
+    while (i + n < end && seg->pages[i + n]) {
+      seg->pages[i + n] = false;
+      ++n;
+    }
+    if constexpr (has_vm) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * vm_page_), n * vm_page_);
+    seg->mapped -= n * vm_page_;
+    for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
+    return n;
   }
 
   /// An expandable segment is going: its stream reserves a new one when it needs it.
@@ -1945,8 +1960,11 @@ class basic_caching_allocator {
     if constexpr (has_vm) {
       if (seg->expandable) {
         const std::size_t page = vm_page_;
-        for (std::size_t i = 0; i < seg->pages.size(); ++i) {
-          if (seg->pages[i]) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), page);
+        for (std::size_t i = 0; i < seg->pages.size();) {
+          std::size_t n = 0;
+          while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
+          if (n != 0) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
+          i += n + 1;
         }
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
         return;
