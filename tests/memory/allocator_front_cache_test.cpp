@@ -197,6 +197,33 @@ TEST_CASE("front cache: freeing a cached pointer again is a double free, and the
   CHECK(f.a.memory_allocated() == 0);
 }
 
+TEST_CASE("front cache: a cached block stays in the pointer map, marked: every call refuses its pointer") {
+  setup f(with_front(true));
+  const fake_stream s0 = f.streams[0];
+  void* live = f.a.allocate(1024, s0);
+  void* p = f.a.allocate(4096, s0);
+  f.a.deallocate(p);
+  REQUIRE(state_of(f.a, p) == gpukit::block_state::cached);
+  CHECK_FALSE(f.a.owns(p));
+  CHECK_THROWS_AS(f.a.allocation_size(p), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(f.a.deallocate(p, f.streams[1]), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(f.a.record_stream(p, s0), gpukit::invalid_argument_error);
+  // Snapshots count live allocations only, not the cached entries.
+  CHECK(f.a.snapshot().pointer_map_entries == 1);
+  // The heap takes the block back (and out of the map): still not owned, and reusable for any size.
+  f.a.empty_cache();
+  CHECK_FALSE(f.a.owns(p));
+  CHECK_THROWS_AS(f.a.deallocate(p), gpukit::invalid_argument_error);
+  CHECK(f.a.snapshot().pointer_map_entries == 1);
+  void* q = f.a.allocate(4096, s0);
+  CHECK(f.a.owns(q));
+  CHECK(f.a.allocation_size(q) == 4096);
+  f.a.deallocate(q);
+  f.a.deallocate(live);
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+}
+
 TEST_CASE("front cache: threads on their own streams keep exact current values and totals") {
   host_allocator a(gpukit::device::cpu());
   constexpr int threads = 4;

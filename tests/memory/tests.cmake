@@ -4,6 +4,7 @@ gpukit_add_test(test_allocator_random SOURCES "${gpukit_memory_tests}/allocator_
 gpukit_add_test(test_allocator_edge SOURCES "${gpukit_memory_tests}/allocator_edge_test.cpp")
 gpukit_add_test(test_allocator_steady_state SOURCES "${gpukit_memory_tests}/allocator_steady_state_test.cpp")
 gpukit_add_test(test_allocator_front_cache SOURCES "${gpukit_memory_tests}/allocator_front_cache_test.cpp")
+gpukit_add_test(test_pointer_map SOURCES "${gpukit_memory_tests}/pointer_map_test.cpp")
 gpukit_add_test(test_allocator_expandable SOURCES "${gpukit_memory_tests}/allocator_expandable_test.cpp")
 gpukit_add_test(test_allocator_config SOURCES "${gpukit_memory_tests}/allocator_config_test.cpp")
 gpukit_add_test(test_allocator_oom SOURCES "${gpukit_memory_tests}/allocator_oom_test.cpp")

@@ -364,29 +364,32 @@ class basic_caching_allocator {
   /// on other streams once the work recorded with record_stream completes. nullptr is ignored. Throws
   /// invalid_argument_error for a pointer this allocator does not own (never allocated here, already freed, or
   /// pointing inside an allocation), and, leaving it allocated, while its stream or a stream recorded for it is
-  /// being captured into a CUDA graph.
+  /// being captured into a CUDA graph. A second free of a pointer is detected when it is ordered after the first
+  /// (the same thread, or synchronized); two frees of one pointer racing on two threads are a data race in the
+  /// program, as they are with malloc.
   void deallocate(void* p) {
     if (p == nullptr) return;
-    block* b = map_.erase(reinterpret_cast<std::uintptr_t>(p));
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    block* b = live_block(address);
     if (b == nullptr) throw_not_owned(p, "deallocate");
-    // The block is ours alone now: its owner (set under the lock when it was allocated) cannot change.
-    bool busy = false;
-    std::string report;
-    try {
-      refuse_free_if_captured(b);
-      const bool expired_owner = owner_expired(b);
-      busy = owner_may_be_busy(b);
-      // Reusable at once on its own stream: a small block is cached in front for the next request of its size
-      // there. Only when it needs no fence: the stream may be destroyed while the block is cached, and must not be
-      // asked (or recorded on) later.
-      if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty() && front_give(b)) return;
-      if (expired_owner) report = expired_owner_message(b);
-    } catch (...) {
-      // Captured, or asking the stream failed (cudaStreamIsCapturing on a broken context), or the message could not
-      // be made: the allocation stays live, so the program can still free it.
-      map_.insert(b->address, b);  // the map had room for it a moment ago
-      throw;
+    // Until the block leaves the map (or enters a front cache) nothing else changes it: its owner (set under the
+    // lock when it was allocated) is fixed. If anything below throws (captured, asking the stream failed on a
+    // broken context, no memory for the message), the allocation stays live and the program can still free it.
+    refuse_free_if_captured(b);
+    const bool expired_owner = owner_expired(b);
+    const bool busy = owner_may_be_busy(b);
+    // Reusable at once on its own stream: a small block is cached in front for the next request of its size there
+    // (it stays in the map, marked). Only when it needs no fence: the stream may be destroyed while the block is
+    // cached, and must not be asked (or recorded on) later.
+    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty()) {
+      const front_result r = front_give(b);
+      if (r == front_result::cached) return;
+      if (r == front_result::already_free) throw_not_owned(p, "deallocate");
     }
+    std::string report;
+    if (expired_owner) report = expired_owner_message(b);
+    // Two frees of one pointer: the first to take it out of the map frees it.
+    if (map_.erase(address) != b) throw_not_owned(p, "deallocate");
     {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
       free_allocated(b, busy);
@@ -404,7 +407,7 @@ class basic_caching_allocator {
     {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
       stream_state& st = stream_for(stream, true);  // checks the device before anything changes
-      block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
+      block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
       if (b == nullptr) throw_not_owned_locked(p, "deallocate");
       refuse_if_captured(b->owner->stream, "deallocate");
       note_stream_use(b, st);  // may throw (memory): the block is still allocated then
@@ -424,20 +427,20 @@ class basic_caching_allocator {
     refuse_if_captured(stream, "record_stream");
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     stream_state& st = stream_for(stream, true);
-    block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
+    block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned_locked(p, "record_stream");
     note_stream_use(b, st);
   }
 
   /// True when `p` is the start of a live allocation of this allocator.
   bool owns(const void* p) const noexcept {
-    return p != nullptr && map_.find(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+    return p != nullptr && live_block(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
   }
 
   /// The bytes `p` was allocated with (as requested, before rounding). Throws for pointers not owned.
   std::size_t allocation_size(const void* p) const {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    const block* b = map_.find(reinterpret_cast<std::uintptr_t>(p));
+    const block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned_locked(p, "allocation_size");
     return b->requested;
   }
@@ -484,14 +487,14 @@ class basic_caching_allocator {
     fronts_lock all(fronts_);
     for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_peak();
     for (front_slot_type& slot : fronts_) {
-      for (std::size_t k = 0; k < detail::front_counter_count; ++k) slot.claim[k] = slot.value(k);
+      for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
     }
     if (fronts_active_) {
-      for (std::size_t k = 0; k < detail::front_counter_count; ++k) {
+      for (std::size_t k = 0; k < counter_count; ++k) {
         if (!fronted(k / 3)) continue;
         detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
         std::int64_t value = g.current.load(std::memory_order_relaxed);
-        for (const front_slot_type& slot : fronts_) value += slot.value(k);
+        for (const front_slot_type& slot : fronts_) value += front_value(slot, k);
         g.peak.store(value, std::memory_order_relaxed);
         slack_[k] = 0;
       }
@@ -548,7 +551,9 @@ class basic_caching_allocator {
     std::sort(s.segments.begin(), s.segments.end(),
               [](const segment_info& a, const segment_info& b) { return a.address < b.address; });
     s.stats = stats();
-    s.pointer_map_entries = map_.size();
+    std::size_t cached = 0;  // blocks in front caches stay in the map, marked
+    for (const front_slot_type& slot : fronts_) cached += slot.blocks.load(std::memory_order_relaxed);
+    s.pointer_map_entries = map_.size() - cached;
     return s;
   }
 
@@ -674,7 +679,9 @@ class basic_caching_allocator {
     block_state state = block_state::free;
     bool small = false;
     bool taken_split = false;  // a piece of a split segment when allocated (cannot change until it is free)
-    std::atomic<bool> in_front{false};  // in a front cache: allocated to the heap, free to the user
+    // In a front cache: allocated to the heap (and in the pointer map), free to the user. Written under the slot's
+    // lock; read without it by a free, which is ordered after the allocation that cleared it.
+    std::atomic<bool> in_front{false};
   };
 
   struct segment {
@@ -734,6 +741,28 @@ class basic_caching_allocator {
   };
   /// Segments are never in a front cache: their counters need no claims.
   static constexpr bool fronted(std::size_t id) noexcept { return id != st_segment && id != st_reserved_bytes; }
+  static constexpr std::size_t counter_count = 27;  // 9 statistics x (all, small, large)
+  /// The front-cache quantity (detail/front_cache.hpp) that counter k follows, or front_quantity_count for a
+  /// counter cached blocks never change (segments, and the large pool: only small blocks are cached).
+  static constexpr std::size_t quantity_of(std::size_t k) noexcept {
+    if (k % 3 == 2) return detail::front_quantity_count;
+    switch (k / 3) {
+      case st_allocation:
+      case st_active:
+        return detail::fq_blocks;
+      case st_allocated_bytes:
+      case st_active_bytes:
+        return detail::fq_bytes;
+      case st_requested_bytes:
+        return detail::fq_requested;
+      case st_inactive_split:
+        return detail::fq_split_blocks;
+      case st_inactive_split_bytes:
+        return detail::fq_split_bytes;
+      default:
+        return detail::front_quantity_count;
+    }
+  }
 
   static constexpr std::size_t stat_count = 9;
   static constexpr detail::atomic_pool_stats all_stats_t::*stat_members[stat_count] = {
@@ -749,17 +778,18 @@ class basic_caching_allocator {
     if (!fronted(id)) return p;
     for (const front_slot_type& slot : fronts_) {
       for (std::size_t pool = 0; pool < 3; ++pool) {
-        const std::size_t k = id * 3 + pool;
-        p.pools[pool].current += slot.value(k);
-        p.pools[pool].allocated += slot.added[k].load(std::memory_order_relaxed);
-        p.pools[pool].freed += slot.removed(k);
+        const std::size_t q = quantity_of(id * 3 + pool);
+        if (q == detail::front_quantity_count) continue;
+        p.pools[pool].current += slot.value(q);
+        p.pools[pool].allocated += slot.raised_total(q);
+        p.pools[pool].freed += slot.lowered_total(q);
       }
     }
     return p;
   }
   std::size_t user_current(std::size_t id) const noexcept {
     std::int64_t v = stat_ref(id).pools[0].current.load(std::memory_order_relaxed);
-    for (const front_slot_type& slot : fronts_) v += slot.value(id * 3);
+    for (const front_slot_type& slot : fronts_) v += front_value(slot, id * 3);
     return v > 0 ? static_cast<std::size_t>(v) : 0;
   }
 
@@ -1197,6 +1227,11 @@ class basic_caching_allocator {
 
   using front_slot_type = detail::front_slot<block>;
   static constexpr std::size_t front_slot_count = 16;
+  /// Slot's part of counter k (the users' view minus the heap's).
+  static std::int64_t front_value(const front_slot_type& slot, std::size_t k) noexcept {
+    const std::size_t q = quantity_of(k);
+    return q < detail::front_quantity_count ? slot.value(q) : 0;
+  }
 
   /// Holds every front slot's lock (in index order; the device lock, when needed, is taken first).
   class fronts_lock {
@@ -1242,14 +1277,22 @@ class basic_caching_allocator {
 
   /// With the device lock and every slot lock held: records the true value of counter `k` in its peak, lets every
   /// slot keep its current value, and takes back claims (others' before `acting`'s) until peak >= heap + claims.
+  /// Counters that follow one quantity share the slots' claims for it; taking a claim back for one counter only
+  /// leaves more room under the others' peaks.
   void rebalance(std::size_t k, const front_slot_type* acting) noexcept {
     detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
+    const std::size_t q = quantity_of(k);
     std::int64_t claimed = g.current.load(std::memory_order_relaxed);
     std::int64_t value = claimed;
+    if (q == detail::front_quantity_count) {
+      g.raise_peak(value);
+      slack_[k] = g.peak.load(std::memory_order_relaxed) - value;
+      return;
+    }
     for (front_slot_type& slot : fronts_) {
-      value += slot.value(k);
-      slot.claim[k] = std::max(slot.claim[k], slot.value(k));
-      claimed += slot.claim[k];
+      value += slot.value(q);
+      slot.claim[q] = std::max(slot.claim[q], slot.value(q));
+      claimed += slot.claim[q];
     }
     g.raise_peak(value);
     const std::int64_t peak = g.peak.load(std::memory_order_relaxed);
@@ -1257,8 +1300,8 @@ class basic_caching_allocator {
     for (int round = 0; round < 2 && excess > 0; ++round) {
       for (front_slot_type& slot : fronts_) {
         if ((&slot == acting) == (round == 0)) continue;
-        const std::int64_t spare = std::min(excess, slot.claim[k] - slot.value(k));
-        slot.claim[k] -= spare;
+        const std::int64_t spare = std::min(excess, slot.claim[q] - slot.value(q));
+        slot.claim[q] -= spare;
         excess -= spare;
       }
     }
@@ -1266,46 +1309,20 @@ class basic_caching_allocator {
   }
 
   void rebalance_all() noexcept {
-    for (std::size_t k = 0; k < detail::front_counter_count; ++k) {
+    for (std::size_t k = 0; k < counter_count; ++k) {
       if (fronted(k / 3)) rebalance(k, nullptr);
     }
   }
 
-  /// Calls f(counter, change) for what a block entering (sign 1) or leaving (sign -1) a front cache changes in the
-  /// users' view: it is freed (or allocated again with `requested` bytes), and a piece of a split segment is counted
-  /// as inactive-split while it is free.
-  template <class F>
-  static void front_changes(const block* b, std::size_t requested, std::int64_t sign, F&& f) {
-    const std::int64_t size = as_delta(b->size);
-    const std::size_t own = b->small ? 1 : 2;
-    auto both = [&](std::size_t id, std::int64_t d) {
-      f(id * 3, d);
-      f(id * 3 + own, d);
-    };
-    both(st_allocation, -sign);
-    both(st_allocated_bytes, -sign * size);
-    both(st_active, -sign);
-    both(st_active_bytes, -sign * size);
-    both(st_requested_bytes, -sign * as_delta(requested));
-    if (b->taken_split) {
-      both(st_inactive_split, sign);
-      both(st_inactive_split_bytes, sign * size);
+  /// With every lock held, after slot's quantities rose: records the peaks of the counters that rose and resets the
+  /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose).
+  void rebalance_risen(const front_slot_type& slot, bool left) noexcept {
+    for (std::size_t k = 0; k < counter_count; ++k) {
+      const std::size_t q = quantity_of(k);
+      if (q == detail::front_quantity_count) continue;
+      const bool split = q == detail::fq_split_blocks || q == detail::fq_split_bytes;
+      if (split != left) rebalance(k, &slot);
     }
-  }
-  static bool within_claims(const front_slot_type& slot, const block* b, std::size_t requested, std::int64_t sign) {
-    bool ok = true;
-    front_changes(b, requested, sign, [&](std::size_t k, std::int64_t d) {
-      if (d > 0 && slot.value(k) + d > slot.claim[k]) ok = false;
-    });
-    return ok;
-  }
-  /// Applies the changes to `slot`; with `acting` (slow path, every lock held) records peaks and claims too.
-  void apply_front_changes(front_slot_type& slot, const block* b, std::size_t requested, std::int64_t sign,
-                           bool slow) noexcept {
-    front_changes(b, requested, sign, [&](std::size_t k, std::int64_t d) {
-      slot.add(k, d);
-      if (slow && d > 0) rebalance(k, &slot);
-    });
   }
 
   front_slot_type& front_slot_at(std::uintptr_t key, std::size_t probe) noexcept {
@@ -1324,7 +1341,7 @@ class basic_caching_allocator {
       auto* bin = slot.find(size);
       if (bin == nullptr) continue;
       block* b = bin->top;
-      if (!within_claims(slot, b, requested, -1)) {
+      if (!slot.may_leave(*b, requested)) {
         lock.unlock();
         return front_take_slow(key, size, requested);
       }
@@ -1335,10 +1352,10 @@ class basic_caching_allocator {
 
   /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow) {
-    block* b = bin.top;
-    map_.insert(b->address, b);  // may throw (memory): nothing has changed
+    block* b = bin.top;  // still in the pointer map
     slot.pop(bin);
-    apply_front_changes(slot, b, requested, -1, slow);
+    slot.leave(*b, requested);
+    if (slow) rebalance_risen(slot, true);
     b->requested = requested;
     b->in_front.store(false, std::memory_order_relaxed);
     return b;
@@ -1346,7 +1363,8 @@ class basic_caching_allocator {
 
   /// Caches `b` in `bin` (the slot's lock held; every lock when `slow`).
   void give_cached(front_slot_type& slot, typename front_slot_type::bin& bin, block* b, bool slow) noexcept {
-    apply_front_changes(slot, b, b->requested, 1, slow);
+    slot.enter(*b);
+    if (slow) rebalance_risen(slot, false);
     slot.key = b->owner->key;
     slot.push(bin, b);
     b->in_front.store(true, std::memory_order_relaxed);
@@ -1364,29 +1382,34 @@ class basic_caching_allocator {
     return nullptr;
   }
 
-  /// Caches block `b` (out of the pointer map, freed on its own live stream, recorded by no other) in its stream's
-  /// front slot; false when the slot is taken by another stream or full (the heap then takes the block).
-  GPUKIT_DETAIL_FLATTEN bool front_give(block* b) noexcept {
+  enum class front_result { cached, no_room, already_free };
+
+  /// Caches block `b` (freed by the user on its own live stream, recorded by no other) in its stream's front slot.
+  /// no_room when the slot is taken by another stream or full (the heap then takes the block); already_free when
+  /// another free of the same pointer cached it first.
+  GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) noexcept {
     const std::uintptr_t key = b->owner->key;
     for (std::size_t probe = 0; probe < 2; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe);
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
+      if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
       auto* bin = slot.room_for(b->size);
-      if (bin == nullptr) return false;
-      if (!fronts_active_ || !within_claims(slot, b, b->requested, 1)) {
+      if (bin == nullptr) return front_result::no_room;
+      if (!fronts_active_ || !slot.may_enter(*b)) {
         lock.unlock();
         return front_give_slow(b);
       }
       give_cached(slot, *bin, b, false);
-      return true;
+      return front_result::cached;
     }
-    return false;
+    return front_result::no_room;
   }
 
-  bool front_give_slow(block* b) noexcept {
+  front_result front_give_slow(block* b) noexcept {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(fronts_);
+    if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
     if (!fronts_active_) {
       // From now on the heap's counters alone no longer give the peaks: start the claims at zero.
       fronts_active_ = true;
@@ -1397,11 +1420,11 @@ class basic_caching_allocator {
       front_slot_type& slot = front_slot_at(key, probe);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       auto* bin = slot.room_for(b->size);
-      if (bin == nullptr) return false;
+      if (bin == nullptr) return front_result::no_room;
       give_cached(slot, *bin, b, true);
-      return true;
+      return front_result::cached;
     }
-    return false;
+    return front_result::no_room;
   }
 
   /// Takes every cached block back into the heap (device lock held), so it can coalesce, serve other sizes and be
@@ -1424,14 +1447,15 @@ class basic_caching_allocator {
       for (auto& bin : slot.bins) {
         while (bin.count != 0) {
           block* b = slot.pop(bin);
+          map_.erase(b->address);  // a cached block stays in the map (marked) until the heap takes it
           b->in_front.store(false, std::memory_order_relaxed);
           // The user's free was counted when the block entered the cache; the heap's free below counts it again.
-          front_changes(b, b->requested, 1, [&](std::size_t k, std::int64_t d) { slot.unwind(k, d); });
+          slot.unwind(*b);
           try {
             free_allocated(b, false);  // cached only when it needed no fence (deallocate)
           } catch (...) {
-            map_.erase(b->address);  // free_allocated put it back as allocated: it is cached again instead
-            front_changes(b, b->requested, 1, [&](std::size_t k, std::int64_t d) { slot.unwind(k, d, true); });
+            // free_allocated put it back in the map as allocated: it is cached again instead.
+            slot.enter(*b);
             slot.push(bin, b);
             b->in_front.store(true, std::memory_order_relaxed);
             throw;
@@ -1444,6 +1468,13 @@ class basic_caching_allocator {
   }
 
   // --- blocks ---
+
+  /// The block of the live allocation at `address`, or nullptr (never allocated, freed, or cached in front: a
+  /// cached block stays in the map, marked, so that its next allocation and free skip the map). No lock taken.
+  block* live_block(std::uintptr_t address) const noexcept {
+    block* b = map_.find(address);
+    return b != nullptr && !b->in_front.load(std::memory_order_relaxed) ? b : nullptr;
+  }
 
   block* new_block() {
     if (spare_blocks_ == nullptr) {
@@ -2359,7 +2390,7 @@ class basic_caching_allocator {
   std::array<front_slot_type, front_slot_count> fronts_{};
   bool fronts_active_ = false;   // a block was ever cached in front (written with every lock held)
   bool peaks_deferred_ = false;  // flush_fronts is moving blocks: peaks are settled when it ends
-  std::array<std::int64_t, detail::front_counter_count> slack_{};  // peak - heap - claims (device lock)
+  std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
 };
 
 GPUKIT_END_NAMESPACE

@@ -252,6 +252,7 @@ struct stream_ops {
   /// allocate, free or record on it. No CUDA call for CPU streams; one cudaStreamIsCapturing for CUDA streams.
   /// A destroyed stream (which the allocator still remembers) captures nothing and must not be asked.
   bool capturing(const stream_view& s) const {
+    if (s.is_cpu()) return false;  // inline: the CPU's cache-hit path makes no call for it
     return !s.destroyed() && detail::capture_status(s) != cudaStreamCaptureStatusNone;
   }
 };

@@ -4,15 +4,21 @@
 
 /// \file
 /// The allocator's pointer → block map: open addressing (linear probing, backward-shift deletion, no tombstones)
-/// split into shards by a hash of the address, each with its own spin lock. Threads freeing different pointers
-/// rarely meet on a shard, and a lookup never allocates, so the map adds a few nanoseconds to each allocation and
-/// free instead of a node allocation and a global lock.
+/// split into shards by a hash of the address. Writers (insert, erase) take their shard's spin lock; a lookup
+/// takes no lock: it reads the shard under a sequence count (a seqlock) and retries if a writer was at work. A free
+/// that finds its block this way pays no locked instruction for the map (issue 9: the cache-hit pair).
+///
+/// A table that a shard outgrows is kept until the map is destroyed, since a lookup may still be reading it; the
+/// tables double, so the old ones take less memory than the current one.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -29,11 +35,13 @@ class sharded_pointer_map {
     const std::uint64_t h = hash(key);
     shard& s = shards_[h >> 58];
     std::lock_guard<spin_mutex> lock(s.mutex);
-    if ((s.count + 1) * 2 > s.slots.size()) s.grow();
-    const std::size_t mask = s.slots.size() - 1;
+    table* t = s.current.load(std::memory_order_relaxed);
+    if (t == nullptr || (s.count + 1) * 2 > t->size) t = s.grow();  // may throw: nothing has changed
+    writing w(s);
+    const std::size_t mask = t->size - 1;
     std::size_t i = static_cast<std::size_t>(h) & mask;
-    while (s.slots[i].key != 0) i = (i + 1) & mask;
-    s.slots[i] = entry{key, value};
+    while (t->entries[i].key.load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
+    t->entries[i].set(key, value);
     ++s.count;
   }
 
@@ -42,44 +50,51 @@ class sharded_pointer_map {
     const std::uint64_t h = hash(key);
     shard& s = shards_[h >> 58];
     std::lock_guard<spin_mutex> lock(s.mutex);
-    if (s.slots.empty()) return nullptr;
-    const std::size_t mask = s.slots.size() - 1;
+    table* t = s.current.load(std::memory_order_relaxed);
+    if (t == nullptr) return nullptr;
+    const std::size_t mask = t->size - 1;
+    entry* e = t->entries.get();
     std::size_t i = static_cast<std::size_t>(h) & mask;
     for (;;) {
-      if (s.slots[i].key == 0) return nullptr;
-      if (s.slots[i].key == key) break;
+      const std::uintptr_t k = e[i].key.load(std::memory_order_relaxed);
+      if (k == 0) return nullptr;
+      if (k == key) break;
       i = (i + 1) & mask;
     }
-    Value* value = s.slots[i].value;
+    Value* value = e[i].value.load(std::memory_order_relaxed);
+    writing w(s);
     // Backward-shift deletion: move later entries of the probe run into the hole when their home allows it.
     std::size_t hole = i;
     std::size_t j = i;
     for (;;) {
       j = (j + 1) & mask;
-      if (s.slots[j].key == 0) break;
-      const std::size_t home = static_cast<std::size_t>(hash(s.slots[j].key)) & mask;
+      const std::uintptr_t k = e[j].key.load(std::memory_order_relaxed);
+      if (k == 0) break;
+      const std::size_t home = static_cast<std::size_t>(hash(k)) & mask;
       // The entry at j may fill the hole when its home is not cyclically within (hole, j].
       const bool movable = hole <= j ? (home <= hole || home > j) : (home <= hole && home > j);
       if (movable) {
-        s.slots[hole] = s.slots[j];
+        e[hole].set(k, e[j].value.load(std::memory_order_relaxed));
         hole = j;
       }
     }
-    s.slots[hole] = entry{};
+    e[hole].set(0, nullptr);
     --s.count;
     return value;
   }
 
-  /// The value of the key, or nullptr.
+  /// The value of the key, or nullptr. Takes no lock (see the file comment); a key inserted or erased by another
+  /// thread concurrently is seen or not, as the two happen to be ordered.
   Value* find(std::uintptr_t key) const noexcept {
     const std::uint64_t h = hash(key);
     const shard& s = shards_[h >> 58];
-    std::lock_guard<spin_mutex> lock(s.mutex);
-    if (s.slots.empty()) return nullptr;
-    const std::size_t mask = s.slots.size() - 1;
-    for (std::size_t i = static_cast<std::size_t>(h) & mask;; i = (i + 1) & mask) {
-      if (s.slots[i].key == key) return s.slots[i].value;
-      if (s.slots[i].key == 0) return nullptr;
+    for (;;) {
+      const std::uint32_t before = s.sequence.load(std::memory_order_acquire);
+      if ((before & 1U) == 0) {
+        Value* found = probe(s.current.load(std::memory_order_acquire), h, key);
+        if (s.sequence.load(std::memory_order_relaxed) == before) return found;
+      }
+      spin_mutex::pause();
     }
   }
 
@@ -94,26 +109,74 @@ class sharded_pointer_map {
   }
 
  private:
+  // Atomic so that lookups may read while a writer changes them. A writer stores with release, a lookup loads with
+  // acquire: a lookup that sees a value a writer stored also sees the odd sequence count stored before it, and its
+  // last look at the count cannot move before its loads (plain moves on x86; no fences, which TSan cannot check).
   struct entry {
-    std::uintptr_t key = 0;
-    Value* value = nullptr;
-  };
-  struct alignas(64) shard {
-    mutable spin_mutex mutex;
-    std::size_t count = 0;
-    std::vector<entry> slots;
-    void grow() {
-      std::vector<entry> old(slots.size() < 16 ? 32 : slots.size() * 2);
-      old.swap(slots);
-      const std::size_t mask = slots.size() - 1;
-      for (const entry& e : old) {
-        if (e.key == 0) continue;
-        std::size_t i = static_cast<std::size_t>(hash(e.key)) & mask;
-        while (slots[i].key != 0) i = (i + 1) & mask;
-        slots[i] = e;
-      }
+    std::atomic<std::uintptr_t> key{0};
+    std::atomic<Value*> value{nullptr};
+    void set(std::uintptr_t k, Value* v) noexcept {
+      key.store(k, std::memory_order_release);
+      value.store(v, std::memory_order_release);
     }
   };
+  struct table {
+    explicit table(std::size_t n) : size(n), entries(new entry[n]) {}
+    std::size_t size;
+    std::unique_ptr<entry[]> entries;
+  };
+  struct alignas(64) shard {
+    mutable spin_mutex mutex;                 // held by writers
+    std::atomic<std::uint32_t> sequence{0};   // odd while a writer changes the current table
+    std::atomic<table*> current{nullptr};
+    std::size_t count = 0;
+    std::vector<std::unique_ptr<table>> tables;  // every table the shard had; the current one last
+
+    /// A table twice the size holding the same entries, made current (the lock held).
+    table* grow() {
+      table* old = current.load(std::memory_order_relaxed);
+      tables.reserve(tables.size() + 1);
+      auto bigger = std::make_unique<table>(old == nullptr ? 32 : old->size * 2);
+      const std::size_t mask = bigger->size - 1;
+      if (old != nullptr) {
+        for (std::size_t n = 0; n < old->size; ++n) {
+          const std::uintptr_t k = old->entries[n].key.load(std::memory_order_relaxed);
+          if (k == 0) continue;
+          std::size_t i = static_cast<std::size_t>(hash(k)) & mask;
+          while (bigger->entries[i].key.load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
+          bigger->entries[i].set(k, old->entries[n].value.load(std::memory_order_relaxed));
+        }
+      }
+      table* t = bigger.get();
+      tables.push_back(std::move(bigger));
+      current.store(t, std::memory_order_release);  // lookups see it whole (its entries were written before)
+      return t;
+    }
+  };
+  /// Marks a shard's table as changing for as long as it lives (the shard's lock held): seqlock writer.
+  class writing {
+   public:
+    explicit writing(shard& s) noexcept : s_(s) {
+      s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    }
+    writing(const writing&) = delete;
+    writing& operator=(const writing&) = delete;
+    ~writing() { s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+
+   private:
+    shard& s_;
+  };
+
+  static Value* probe(const table* t, std::uint64_t h, std::uintptr_t key) noexcept {
+    if (t == nullptr) return nullptr;
+    const std::size_t mask = t->size - 1;
+    for (std::size_t i = static_cast<std::size_t>(h) & mask, n = 0; n < t->size; i = (i + 1) & mask, ++n) {
+      const std::uintptr_t k = t->entries[i].key.load(std::memory_order_acquire);
+      if (k == key) return t->entries[i].value.load(std::memory_order_acquire);
+      if (k == 0) return nullptr;
+    }
+    return nullptr;  // a torn view (the caller retries): every slot was taken
+  }
 
   /// A 64-bit mix (the MurmurHash3 finalizer): block addresses share their low bits, so they must be mixed.
   static std::uint64_t hash(std::uintptr_t key) noexcept {
@@ -126,7 +189,7 @@ class sharded_pointer_map {
     return h;
   }
 
-  shard shards_[shard_count];
+  std::array<shard, shard_count> shards_;
 };
 
 }  // namespace detail

@@ -45,12 +45,14 @@ class spin_mutex {
   }
   void unlock() noexcept { locked_.store(false, std::memory_order_release); }
 
- private:
+  /// The processor's spin-wait hint.
   static void pause() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
   }
+
+ private:
   std::atomic<bool> locked_{false};
 };
 
