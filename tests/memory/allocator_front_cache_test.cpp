@@ -111,7 +111,7 @@ TEST_CASE("front cache: blocks of segments of their own, record_stream and destr
 }
 
 TEST_CASE("front cache: statistics, peaks and totals equal those with the front cache off, over random sequences") {
-  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
     CAPTURE(seed);
     setup on(with_front(true));
     setup off(with_front(false));
@@ -123,10 +123,13 @@ TEST_CASE("front cache: statistics, peaks and totals equal those with the front 
     std::vector<live> held;
     // Few distinct sizes, so that blocks come back from the front caches; a large one now and then, so the heap
     // grows and takes the cached blocks back; three streams, so claims move between slots.
-    const std::size_t sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 1 * MiB, 3 * MiB};
+    // Seeds 5 and 6 change to other small sizes halfway, so that stale bins give way to new sizes.
+    const std::size_t first_sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 1 * MiB, 3 * MiB};
+    const std::size_t later_sizes[] = {1536, 2560, 8192, 20 * KiB, 90 * KiB, 600 * KiB, 3 * MiB};
     for (int step = 0; step < 4000; ++step) {
       const bool allocate = held.empty() || (held.size() < 200 && rng() % 100 < 55);
       if (allocate) {
+        const std::size_t* sizes = seed >= 5 && step >= 2000 ? later_sizes : first_sizes;
         const std::size_t bytes = sizes[rng() % 7] - (rng() % 2 == 0 ? 0 : 100);
         const std::size_t s = rng() % 3;
         held.push_back({on.a.allocate(bytes, on.streams[s]), off.a.allocate(bytes, off.streams[s])});
@@ -163,6 +166,43 @@ TEST_CASE("front cache: statistics, peaks and totals equal those with the front 
     CHECK(on.a.memory_reserved() == 0);  // cached blocks were taken back and released
     CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
   }
+}
+
+TEST_CASE("front cache: a bin of sizes no longer used gives way to a new size, and sizes in use keep theirs") {
+  setup f(with_front(true));
+  const fake_stream s0 = f.streams[0];
+  constexpr std::size_t bins = 8;  // front_slot::bin_count
+  std::vector<void*> first;
+  for (std::size_t i = 0; i < bins; ++i) first.push_back(f.a.allocate((i + 1) * 1024, s0));
+  for (void* p : first) f.a.deallocate(p);  // one cached block of each of 8 sizes: the slot is full
+  for (void* p : first) CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  // A ninth size goes to the heap while the others are recent...
+  void* p = f.a.allocate(20 * 1024, s0);
+  f.a.deallocate(p);
+  CHECK(state_of(f.a, p) == gpukit::block_state::free);
+  // ...and takes the least recently used bin once that has gone unused for 256 of the slot's operations.
+  int pairs = 0;
+  while (state_of(f.a, p) != gpukit::block_state::cached && pairs < 1000) {
+    p = f.a.allocate(20 * 1024, s0);
+    f.a.deallocate(p);
+    ++pairs;
+  }
+  CHECK(pairs >= 100);  // two operations a pair: about 128 pairs
+  CHECK(pairs <= 130);
+  CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  CHECK(state_of(f.a, first[0]) == gpukit::block_state::free);  // the first size's block went back to the heap
+  for (std::size_t i = 1; i < bins; ++i) CHECK(state_of(f.a, first[i]) == gpukit::block_state::cached);
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(f.a.stats().allocation.all().allocated == f.a.stats().allocation.all().freed);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  // Sizes used in turn keep their bins: nine sizes alternating never evict one another.
+  const std::size_t before = f.a.stats().num_alloc_retries;
+  for (int round = 0; round < 400; ++round) {
+    void* q = f.a.allocate((1 + round % 9) * 1024 + 20 * 1024 * (round % 9 == 8), s0);
+    f.a.deallocate(q);
+  }
+  CHECK(f.a.stats().num_alloc_retries == before);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
 }
 
 TEST_CASE("front cache: the heap takes cached blocks back before it grows") {
@@ -265,6 +305,56 @@ TEST_CASE("front cache: threads on their own streams keep exact current values a
   CHECK(a.snapshot().stats.allocation.all().current == 0);
   a.empty_cache();
   CHECK(a.memory_reserved() == 0);
+}
+
+TEST_CASE("front cache: a reader polling the statistics never sees a value the allocator never had") {
+  // Blocks move between the front caches and the heap all the time here (small ones cached, large ones not), so
+  // reading the heap's part and the slots' parts at different moments would count some twice.
+  host_allocator a(gpukit::device::cpu());
+  constexpr int threads = 2;
+  constexpr std::size_t small = 512;
+  constexpr std::size_t large = 2 * MiB;
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+  std::atomic<bool> done{false};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
+      for (int i = 0; i < 100000; ++i) {
+        void* p = a.allocate(small, s);
+        void* q = a.allocate(i % 2 == 0 ? large : small * 2, s);
+        a.deallocate(p);
+        a.deallocate(q);
+      }
+    });
+  }
+  long above_peak = 0;
+  long above_bound = 0;
+  long stats_above_peak = 0;
+  long stats_above_bound = 0;
+  long reads = 0;
+  std::thread reader([&] {
+    while (!done.load()) {
+      const std::size_t now = a.memory_allocated();
+      const gpukit::allocator_stats s = a.stats();
+      if (now > a.max_memory_allocated()) ++above_peak;  // peaks only grow: read after, they bound the value
+      if (now > threads * (small + large)) ++above_bound;
+      if (s.allocated_bytes.all().current > s.allocated_bytes.all().peak) ++stats_above_peak;
+      if (s.allocation.all().current > 2 * threads) ++stats_above_bound;
+      ++reads;
+    }
+  });
+  for (auto& w : workers) w.join();
+  done = true;
+  reader.join();
+  CHECK(reads > 0);
+  CHECK(above_peak == 0);
+  CHECK(above_bound == 0);
+  CHECK(stats_above_peak == 0);
+  CHECK(stats_above_bound == 0);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.max_memory_allocated() <= threads * (small + large));
 }
 
 TEST_CASE("front cache: a block whose stream still has work is fenced in the heap, and a destroyed stream's cache is released") {

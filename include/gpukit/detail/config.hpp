@@ -31,11 +31,14 @@
 #define GPUKIT_EXPORT
 #endif
 
-// Inlines everything a hot function calls (the allocator's front cache), where the compiler supports it.
+// Inlines everything a hot function calls (the allocator's front cache), where the compiler supports it; its slow
+// paths are marked NOINLINE, so that flattening stops there (else the whole block heap is inlined into it).
 #if defined(__GNUC__) || defined(__clang__)
 #define GPUKIT_DETAIL_FLATTEN __attribute__((flatten))
+#define GPUKIT_DETAIL_NOINLINE __attribute__((noinline))
 #else
 #define GPUKIT_DETAIL_FLATTEN
+#define GPUKIT_DETAIL_NOINLINE
 #endif
 
 #if defined(__CUDART_API_PER_THREAD_DEFAULT_STREAM)

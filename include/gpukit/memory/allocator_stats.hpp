@@ -105,32 +105,35 @@ struct atomic_stat {
   std::atomic<std::int64_t> allocated{0};
   std::atomic<std::int64_t> freed{0};
 
-  /// Adds `delta` (may be negative). Caller holds the allocator's lock.
+  /// Adds `delta` (may be negative). Caller holds the allocator's lock. The peak is raised before the value is
+  /// stored (with release), so a reader never sees a value above the peak.
   void add(std::int64_t delta) noexcept {
     const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
-    current.store(value, std::memory_order_relaxed);
+    if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
+    current.store(value, std::memory_order_release);
     if (delta >= 0) {
       allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
-      if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
     } else {
       freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_relaxed);
     }
   }
   /// Like add, leaving the peak to the caller (the caching allocator's front caches make it a sum).
   void add_current(std::int64_t delta) noexcept {
-    current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+    current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
     auto& total = delta >= 0 ? allocated : freed;
     total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_relaxed);
   }
   void raise_peak(std::int64_t value) noexcept {
     if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
   }
+  /// Acquire loads: a reader that checks sequence counts afterwards (the caching allocator's consistent reads)
+  /// needs them to stay before that check (plain loads on x86).
   stat load() const noexcept {
     stat s;
-    s.current = current.load(std::memory_order_relaxed);
-    s.peak = peak.load(std::memory_order_relaxed);
-    s.allocated = allocated.load(std::memory_order_relaxed);
-    s.freed = freed.load(std::memory_order_relaxed);
+    s.current = current.load(std::memory_order_acquire);
+    s.peak = peak.load(std::memory_order_acquire);
+    s.allocated = allocated.load(std::memory_order_acquire);
+    s.freed = freed.load(std::memory_order_acquire);
     return s;
   }
   void reset_peak() noexcept { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }

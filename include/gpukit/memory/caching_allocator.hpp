@@ -83,6 +83,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -446,34 +447,19 @@ class basic_caching_allocator {
   }
 
   // ---------------------------------------------------------------------------------------------------------------
-  // Statistics (lock-free reads)
+  // Statistics
   // ---------------------------------------------------------------------------------------------------------------
 
-  /// Every statistic (each value read atomically; take snapshot() for a mutually consistent set).
+  /// Every statistic. Each value is one the statistic had (read without a lock; see consistent_read); take
+  /// snapshot() for a set consistent across statistics.
   allocator_stats stats() const noexcept {
-    allocator_stats s;
-    s.allocation = load_stat(st_allocation);
-    s.segment = load_stat(st_segment);
-    s.active = load_stat(st_active);
-    s.inactive_split = load_stat(st_inactive_split);
-    s.allocated_bytes = load_stat(st_allocated_bytes);
-    s.reserved_bytes = load_stat(st_reserved_bytes);
-    s.active_bytes = load_stat(st_active_bytes);
-    s.inactive_split_bytes = load_stat(st_inactive_split_bytes);
-    s.requested_bytes = load_stat(st_requested_bytes);
-    s.num_alloc_retries = stats_.num_alloc_retries.load();
-    s.num_ooms = stats_.num_ooms.load();
-    s.num_sync_all_streams = stats_.num_sync_all_streams.load();
-    s.num_device_alloc = stats_.num_device_alloc.load();
-    s.num_device_free = stats_.num_device_free.load();
-    s.num_device_free_unforced = stats_.num_device_free_unforced.load();
-    s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
-    s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
-    return s;
+    return consistent_read([this] { return read_stats(); });
   }
 
   /// Bytes handed out to users (rounded), like torch.cuda.memory_allocated().
-  std::size_t memory_allocated() const noexcept { return user_current(st_allocated_bytes); }
+  std::size_t memory_allocated() const noexcept {
+    return consistent_read([this] { return user_current(st_allocated_bytes); });
+  }
   /// Bytes held from the upstream, like torch.cuda.memory_reserved().
   std::size_t memory_reserved() const noexcept { return current(stats_.reserved_bytes); }
   /// Peak of memory_allocated() since the last reset_peak_stats().
@@ -485,6 +471,7 @@ class basic_caching_allocator {
   void reset_peak_stats() noexcept {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     fronts_lock all(fronts_);
+    all_changing changes(fronts_);
     for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_peak();
     for (front_slot_type& slot : fronts_) {
       for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
@@ -504,6 +491,7 @@ class basic_caching_allocator {
   void reset_accumulated_stats() noexcept {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     fronts_lock all(fronts_);
+    all_changing changes(fronts_);
     for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_accumulated();
     for (front_slot_type& slot : fronts_) {
       slot.reset_totals();
@@ -550,7 +538,7 @@ class basic_caching_allocator {
     }
     std::sort(s.segments.begin(), s.segments.end(),
               [](const segment_info& a, const segment_info& b) { return a.address < b.address; });
-    s.stats = stats();
+    s.stats = read_stats();
     std::size_t cached = 0;  // blocks in front caches stay in the map, marked
     for (const front_slot_type& slot : fronts_) cached += slot.blocks.load(std::memory_order_relaxed);
     s.pointer_map_entries = map_.size() - cached;
@@ -563,7 +551,10 @@ class basic_caching_allocator {
     free_space_info f;
     {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
-      s = stats();
+      {
+        fronts_lock all(fronts_);
+        s = read_stats();
+      }
       f = free_space_locked();
     }
     return format_memory_summary("gpukit caching allocator, " + device_.to_string(), s, f);
@@ -772,6 +763,64 @@ class basic_caching_allocator {
   detail::atomic_pool_stats& stat_ref(std::size_t id) noexcept { return stats_.*stat_members[id]; }
   const detail::atomic_pool_stats& stat_ref(std::size_t id) const noexcept { return stats_.*stat_members[id]; }
 
+  /// Runs `read` (loads of the heap's counters and the front slots' counts) so that it sees them at one moment.
+  /// A value is the heap's part plus the slots' parts: read one after the other while a block moves between a front
+  /// cache and the heap, or two threads free and allocate, it would count blocks twice or not at all (a current
+  /// value above its peak was seen). No slot changing between the first and the last look at the slots' sequence
+  /// counts means the heap's counters were read at a moment the slots had those counts. After a few tries under
+  /// heavy traffic, takes the locks (a reader that always locked slowed 2 allocating threads 10x).
+  template <class Read>
+  auto consistent_read(const Read& read) const noexcept {
+    if (front_cache_) {
+      for (int attempt = 0; attempt < 16; ++attempt) {
+        std::array<std::uint32_t, front_slot_count> before{};
+        bool changing = false;
+        for (std::size_t i = 0; i < front_slot_count; ++i) {
+          before[i] = fronts_[i].sequence.load(std::memory_order_acquire);
+          changing = changing || (before[i] & 1U) != 0;
+        }
+        if (changing) {
+          detail::spin_mutex::pause();
+          continue;
+        }
+        auto result = read();
+        bool same = true;
+        for (std::size_t i = 0; i < front_slot_count; ++i) {
+          same = same && fronts_[i].sequence.load(std::memory_order_relaxed) == before[i];
+        }
+        if (same) return result;
+      }
+      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      fronts_lock all(fronts_);
+      return read();
+    }
+    return read();
+  }
+
+  /// The statistics, each value read atomically: consistent with each other when the caller holds the device lock
+  /// and every slot lock, or when there are no front caches.
+  allocator_stats read_stats() const noexcept {
+    allocator_stats s;
+    s.allocation = load_stat(st_allocation);
+    s.segment = load_stat(st_segment);
+    s.active = load_stat(st_active);
+    s.inactive_split = load_stat(st_inactive_split);
+    s.allocated_bytes = load_stat(st_allocated_bytes);
+    s.reserved_bytes = load_stat(st_reserved_bytes);
+    s.active_bytes = load_stat(st_active_bytes);
+    s.inactive_split_bytes = load_stat(st_inactive_split_bytes);
+    s.requested_bytes = load_stat(st_requested_bytes);
+    s.num_alloc_retries = stats_.num_alloc_retries.load();
+    s.num_ooms = stats_.num_ooms.load();
+    s.num_sync_all_streams = stats_.num_sync_all_streams.load();
+    s.num_device_alloc = stats_.num_device_alloc.load();
+    s.num_device_free = stats_.num_device_free.load();
+    s.num_device_free_unforced = stats_.num_device_free_unforced.load();
+    s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
+    s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
+    return s;
+  }
+
   /// Statistic `id` as users see it: the heap's counters plus the front caches' differences.
   pool_stats load_stat(std::size_t id) const noexcept {
     pool_stats p = stat_ref(id).load();
@@ -788,7 +837,7 @@ class basic_caching_allocator {
     return p;
   }
   std::size_t user_current(std::size_t id) const noexcept {
-    std::int64_t v = stat_ref(id).pools[0].current.load(std::memory_order_relaxed);
+    std::int64_t v = stat_ref(id).pools[0].current.load(std::memory_order_acquire);
     for (const front_slot_type& slot : fronts_) v += front_value(slot, id * 3);
     return v > 0 ? static_cast<std::size_t>(v) : 0;
   }
@@ -1233,6 +1282,18 @@ class basic_caching_allocator {
     return q < detail::front_quantity_count ? slot.value(q) : 0;
   }
 
+  /// Marks every slot as changing (every slot lock held): lock-free readers of the statistics retry meanwhile, for
+  /// changes that move values between the heap and the slots or reset peaks.
+  class all_changing {
+   public:
+    explicit all_changing(std::array<front_slot_type, front_slot_count>& slots) noexcept {
+      for (std::size_t i = 0; i < front_slot_count; ++i) changes_[i].emplace(slots[i]);
+    }
+
+   private:
+    std::array<std::optional<typename front_slot_type::changing>, front_slot_count> changes_;
+  };
+
   /// Holds every front slot's lock (in index order; the device lock, when needed, is taken first).
   class fronts_lock {
    public:
@@ -1261,8 +1322,8 @@ class basic_caching_allocator {
   }
 
   /// The heap's part of counter `k` changes while front caches hold blocks: the peak is that of the sum.
+  /// An increase is covered by the peak before it is stored, so lock-free readers never see a value above it.
   void count_with_fronts(detail::atomic_pool_stats& s, std::size_t k, std::int64_t d) noexcept {
-    s.pools[k % 3].add_current(d);
     if (d < 0) {
       slack_[k] += -d;
     } else if (!peaks_deferred_) {
@@ -1270,19 +1331,21 @@ class basic_caching_allocator {
         slack_[k] -= d;
       } else {
         fronts_lock all(fronts_);
-        rebalance(k, nullptr);
+        rebalance(k, nullptr, d);
       }
     }
+    s.pools[k % 3].add_current(d);
   }
 
   /// With the device lock and every slot lock held: records the true value of counter `k` in its peak, lets every
   /// slot keep its current value, and takes back claims (others' before `acting`'s) until peak >= heap + claims.
   /// Counters that follow one quantity share the slots' claims for it; taking a claim back for one counter only
   /// leaves more room under the others' peaks.
-  void rebalance(std::size_t k, const front_slot_type* acting) noexcept {
+  /// `pending`: an increase of the heap's part about to be stored, counted as if it were.
+  void rebalance(std::size_t k, const front_slot_type* acting, std::int64_t pending = 0) noexcept {
     detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
     const std::size_t q = quantity_of(k);
-    std::int64_t claimed = g.current.load(std::memory_order_relaxed);
+    std::int64_t claimed = g.current.load(std::memory_order_relaxed) + pending;
     std::int64_t value = claimed;
     if (q == detail::front_quantity_count) {
       g.raise_peak(value);
@@ -1338,6 +1401,7 @@ class basic_caching_allocator {
       if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;  // a hint: a miss only costs the heap's path
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
       if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
+      ++slot.tick;
       auto* bin = slot.find(size);
       if (bin == nullptr) continue;
       block* b = bin->top;
@@ -1354,6 +1418,7 @@ class basic_caching_allocator {
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow) {
     block* b = bin.top;  // still in the pointer map
     slot.pop(bin);
+    typename front_slot_type::changing change(slot);  // readers see the counts with the peaks that cover them
     slot.leave(*b, requested);
     if (slow) rebalance_risen(slot, true);
     b->requested = requested;
@@ -1363,6 +1428,7 @@ class basic_caching_allocator {
 
   /// Caches `b` in `bin` (the slot's lock held; every lock when `slow`).
   void give_cached(front_slot_type& slot, typename front_slot_type::bin& bin, block* b, bool slow) noexcept {
+    typename front_slot_type::changing change(slot);
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
     slot.key = b->owner->key;
@@ -1370,7 +1436,7 @@ class basic_caching_allocator {
     b->in_front.store(true, std::memory_order_relaxed);
   }
 
-  block* front_take_slow(std::uintptr_t key, std::size_t size, std::size_t requested) {
+  GPUKIT_DETAIL_NOINLINE block* front_take_slow(std::uintptr_t key, std::size_t size, std::size_t requested) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(fronts_);
     for (std::size_t probe = 0; probe < 2; ++probe) {
@@ -1385,17 +1451,23 @@ class basic_caching_allocator {
   enum class front_result { cached, no_room, already_free };
 
   /// Caches block `b` (freed by the user on its own live stream, recorded by no other) in its stream's front slot.
-  /// no_room when the slot is taken by another stream or full (the heap then takes the block); already_free when
-  /// another free of the same pointer cached it first.
-  GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) noexcept {
+  /// no_room when the slot is taken by another stream, or full and nothing in it is stale (the heap then takes the
+  /// block); already_free when another free of the same pointer cached it first. Throws only when a stale bin's
+  /// blocks cannot go back to the heap (see flush_bin): `b` is still allocated then.
+  GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) {
     const std::uintptr_t key = b->owner->key;
     for (std::size_t probe = 0; probe < 2; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe);
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+      ++slot.tick;
       auto* bin = slot.room_for(b->size);
-      if (bin == nullptr) return front_result::no_room;
+      if (bin == nullptr) {
+        if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
+        lock.unlock();
+        return front_give_slow(b);  // a bin of sizes no longer used gives way
+      }
       if (!fronts_active_ || !slot.may_enter(*b)) {
         lock.unlock();
         return front_give_slow(b);
@@ -1406,7 +1478,7 @@ class basic_caching_allocator {
     return front_result::no_room;
   }
 
-  front_result front_give_slow(block* b) noexcept {
+  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(fronts_);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
@@ -1420,11 +1492,57 @@ class basic_caching_allocator {
       front_slot_type& slot = front_slot_at(key, probe);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       auto* bin = slot.room_for(b->size);
-      if (bin == nullptr) return front_result::no_room;
+      if (bin == nullptr) {
+        bin = slot.stale_bin(b->size);
+        if (bin == nullptr) return front_result::no_room;
+        deferred_peaks deferred(*this);
+        flush_bin(slot, *bin);
+      }
       give_cached(slot, *bin, b, true);
       return front_result::cached;
     }
     return front_result::no_room;
+  }
+
+  /// While it lives, the heap's counters fall as the slots' rise (blocks move from the front caches to the heap):
+  /// only the end result is a value, so peaks are recorded once, at the end (every lock held).
+  /// Lock-free readers (consistent_read) wait meanwhile: every slot's sequence is odd.
+  class deferred_peaks {
+   public:
+    explicit deferred_peaks(basic_caching_allocator& a) noexcept : a_(a), changes_(a.fronts_) {
+      a_.peaks_deferred_ = true;
+    }
+    deferred_peaks(const deferred_peaks&) = delete;
+    deferred_peaks& operator=(const deferred_peaks&) = delete;
+    ~deferred_peaks() {
+      a_.peaks_deferred_ = false;
+      a_.rebalance_all();
+    }
+
+   private:
+    basic_caching_allocator& a_;
+    all_changing changes_;
+  };
+
+  /// Takes the blocks of one bin back into the heap (the device lock and every slot lock held, peaks deferred).
+  /// Throws only when freeing a block does (an event could not be recorded): that block stays cached.
+  void flush_bin(front_slot_type& slot, typename front_slot_type::bin& bin) {
+    while (bin.count != 0) {
+      block* b = slot.pop(bin);
+      map_.erase(b->address);  // a cached block stays in the map (marked) until the heap takes it
+      b->in_front.store(false, std::memory_order_relaxed);
+      // The user's free was counted when the block entered the cache; the heap's free below counts it again.
+      slot.unwind(*b);
+      try {
+        free_allocated(b, false);  // cached only when it needed no fence (deallocate)
+      } catch (...) {
+        // free_allocated put it back in the map as allocated: it is cached again instead.
+        slot.enter(*b);
+        slot.push(bin, b);
+        b->in_front.store(true, std::memory_order_relaxed);
+        throw;
+      }
+    }
   }
 
   /// Takes every cached block back into the heap (device lock held), so it can coalesce, serve other sizes and be
@@ -1434,34 +1552,12 @@ class basic_caching_allocator {
     if (!fronts_active_) return false;
     bool any = false;
     fronts_lock all(fronts_);
-    peaks_deferred_ = true;  // the heap's counters fall as the slots' rise: only the end result is a value
-    struct finish {
-      basic_caching_allocator& self;
-      ~finish() {
-        self.peaks_deferred_ = false;
-        self.rebalance_all();
-      }
-    } finally{*this};
+    deferred_peaks deferred(*this);
     for (front_slot_type& slot : fronts_) {
       if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;
       for (auto& bin : slot.bins) {
-        while (bin.count != 0) {
-          block* b = slot.pop(bin);
-          map_.erase(b->address);  // a cached block stays in the map (marked) until the heap takes it
-          b->in_front.store(false, std::memory_order_relaxed);
-          // The user's free was counted when the block entered the cache; the heap's free below counts it again.
-          slot.unwind(*b);
-          try {
-            free_allocated(b, false);  // cached only when it needed no fence (deallocate)
-          } catch (...) {
-            // free_allocated put it back in the map as allocated: it is cached again instead.
-            slot.enter(*b);
-            slot.push(bin, b);
-            b->in_front.store(true, std::memory_order_relaxed);
-            throw;
-          }
-          any = true;
-        }
+        any = any || bin.count != 0;
+        flush_bin(slot, bin);
       }
     }
     return any;
@@ -2263,7 +2359,11 @@ class basic_caching_allocator {
                                         std::size_t segment_bytes, bool limit_hit, bool pages = false) {
     stats_.num_ooms.increment();
     const free_space_info f = free_space_locked();
-    const std::size_t allocated = user_current(st_allocated_bytes);
+    std::size_t allocated = 0;
+    {
+      fronts_lock all(fronts_);  // the heap's part and the slots' together
+      allocated = user_current(st_allocated_bytes);
+    }
     const std::size_t reserved = current(stats_.reserved_bytes);
     const std::size_t limit = limit_;
     lock.unlock();

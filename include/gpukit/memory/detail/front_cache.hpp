@@ -54,18 +54,26 @@ template <class Block>
 struct alignas(64) front_slot {
   static constexpr std::size_t bin_count = 8;       // distinct sizes cached per stream
   static constexpr std::uint32_t bin_depth = 8;     // blocks cached per size
+  // A bin unused for this many of the slot's operations (takes and frees, hits or not) is stale: a new size may
+  // have it (its blocks go back to the heap). Sizes in use never lose their bin to one another.
+  static constexpr std::uint64_t stale_age = 256;
   using counts = std::array<std::atomic<std::int64_t>, front_quantity_count>;
 
   struct bin {
     std::size_t size = 0;  // 0: unused
     Block* top = nullptr;
     std::uint32_t count = 0;
+    std::uint64_t last_use = 0;  // the slot's tick when a block last entered or left
   };
 
   mutable spin_mutex mutex;
   std::uintptr_t key = 0;                 // the stream whose blocks are cached, while blocks != 0
   std::atomic<std::uint32_t> blocks{0};   // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
+  std::uint64_t tick = 0;  // operations on the slot (under its lock)
+  // Odd while the counts below change: readers of the statistics check it around their reads (a seqlock), so they
+  // see the heap's counters and every slot's at one moment without taking the locks.
+  std::atomic<std::uint32_t> sequence{0};
   counts held{};    // the quantities (users' view minus the heap's)
   counts raised{};  // increases of the users' counters made here (their totals allocated)
   counts freed_base{};  // set by reset_totals: the totals freed are raised - value - freed_base
@@ -89,7 +97,18 @@ struct alignas(64) front_slot {
     }
     return spare;
   }
+  /// The least recently used bin when it is stale and no bin holds `size`, else nullptr (call when room_for found
+  /// none: the slot is full of other sizes).
+  bin* stale_bin(std::size_t size) noexcept {
+    bin* oldest = nullptr;
+    for (bin& b : bins) {
+      if (b.count == 0 || b.size == size) return nullptr;
+      if (oldest == nullptr || b.last_use < oldest->last_use) oldest = &b;
+    }
+    return oldest != nullptr && tick - oldest->last_use >= stale_age ? oldest : nullptr;
+  }
   void push(bin& b, Block* block) noexcept {
+    b.last_use = tick;
     b.size = block->size;
     block->free_next = b.top;
     b.top = block;
@@ -97,6 +116,7 @@ struct alignas(64) front_slot {
     blocks.store(blocks.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   }
   Block* pop(bin& b) noexcept {
+    b.last_use = tick;
     Block* block = b.top;
     b.top = block->free_next;
     block->free_next = nullptr;
@@ -105,11 +125,11 @@ struct alignas(64) front_slot {
     return block;
   }
 
-  /// Counter value of quantity q: the users' view minus the heap's.
-  std::int64_t value(std::size_t q) const noexcept { return front_sign(q) * held[q].load(std::memory_order_relaxed); }
-  std::int64_t raised_total(std::size_t q) const noexcept { return raised[q].load(std::memory_order_relaxed); }
+  /// Counter value of quantity q: the users' view minus the heap's. Loads acquire, for readers under `sequence`.
+  std::int64_t value(std::size_t q) const noexcept { return front_sign(q) * held[q].load(std::memory_order_acquire); }
+  std::int64_t raised_total(std::size_t q) const noexcept { return raised[q].load(std::memory_order_acquire); }
   std::int64_t lowered_total(std::size_t q) const noexcept {
-    return raised_total(q) - value(q) - freed_base[q].load(std::memory_order_relaxed);
+    return raised_total(q) - value(q) - freed_base[q].load(std::memory_order_acquire);
   }
 
   /// Whether block `b` may enter (the user freed it) without a counter passing its claim: only the inactive-split
@@ -173,10 +193,26 @@ struct alignas(64) front_slot {
     }
   }
 
+  /// Makes `sequence` odd for as long as it lives (the slot's lock held). Every change of the counts (enter, leave,
+  /// unwind, reset_totals) happens inside one, with the peaks the allocator records for it; they do not nest. Counts
+  /// are stored with release, so a reader that sees a new count also sees the odd sequence stored before it.
+  class changing {
+   public:
+    explicit changing(front_slot& s) noexcept : s_(s) {
+      s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    }
+    changing(const changing&) = delete;
+    changing& operator=(const changing&) = delete;
+    ~changing() { s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+
+   private:
+    front_slot& s_;
+  };
+
  private:
   static std::int64_t to_signed(std::size_t v) noexcept { return static_cast<std::int64_t>(v); }
   static void bump(counts& c, std::size_t q, std::int64_t d) noexcept {
-    c[q].store(c[q].load(std::memory_order_relaxed) + d, std::memory_order_relaxed);
+    c[q].store(c[q].load(std::memory_order_relaxed) + d, std::memory_order_release);
   }
 };
 
