@@ -98,7 +98,9 @@ struct free_space_info {
 namespace detail {
 
 /// A statistic updated under the allocator's lock and read without it. Writers hold the lock, so updates are a
-/// load and a store (no read-modify-write instructions on the hot path); readers see each value whole.
+/// load and a store (no read-modify-write instructions on the hot path); readers see each value whole. Stores are
+/// release (plain on x86): a reader that sees a value stored inside a front slot's change (the caching allocator's
+/// consistent reads) then also sees the slot's odd sequence count stored before it.
 struct atomic_stat {
   std::atomic<std::int64_t> current{0};
   std::atomic<std::int64_t> peak{0};
@@ -109,22 +111,22 @@ struct atomic_stat {
   /// stored (with release), so a reader never sees a value above the peak.
   void add(std::int64_t delta) noexcept {
     const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
-    if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
+    if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
     current.store(value, std::memory_order_release);
     if (delta >= 0) {
-      allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+      allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_release);
     } else {
-      freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_relaxed);
+      freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_release);
     }
   }
   /// Like add, leaving the peak to the caller (the caching allocator's front caches make it a sum).
   void add_current(std::int64_t delta) noexcept {
     current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
     auto& total = delta >= 0 ? allocated : freed;
-    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_relaxed);
+    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
   }
   void raise_peak(std::int64_t value) noexcept {
-    if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_relaxed);
+    if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
   }
   /// Acquire loads: a reader that checks sequence counts afterwards (the caching allocator's consistent reads)
   /// needs them to stay before that check (plain loads on x86).
@@ -136,10 +138,10 @@ struct atomic_stat {
     s.freed = freed.load(std::memory_order_acquire);
     return s;
   }
-  void reset_peak() noexcept { peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+  void reset_peak() noexcept { peak.store(current.load(std::memory_order_relaxed), std::memory_order_release); }
   void reset_accumulated() noexcept {
-    allocated.store(0, std::memory_order_relaxed);
-    freed.store(0, std::memory_order_relaxed);
+    allocated.store(0, std::memory_order_release);
+    freed.store(0, std::memory_order_release);
   }
 };
 

@@ -472,19 +472,18 @@ class basic_caching_allocator {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     fronts_lock all(fronts_);
     all_changing changes(fronts_);
-    for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_peak();
     for (front_slot_type& slot : fronts_) {
       for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
     }
-    if (fronts_active_) {
-      for (std::size_t k = 0; k < counter_count; ++k) {
-        if (!fronted(k / 3)) continue;
-        detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
-        std::int64_t value = g.current.load(std::memory_order_relaxed);
+    // Each peak is stored once, as the users' value (never the heap's part alone, which readers could see).
+    for (std::size_t k = 0; k < counter_count; ++k) {
+      detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
+      std::int64_t value = g.current.load(std::memory_order_relaxed);
+      if (fronts_active_ && fronted(k / 3)) {
         for (const front_slot_type& slot : fronts_) value += front_value(slot, k);
-        g.peak.store(value, std::memory_order_relaxed);
         slack_[k] = 0;
       }
+      g.peak.store(value, std::memory_order_release);
     }
   }
   /// Zeroes the totals allocated/freed and the counters (retries, OOMs, upstream calls, ...).
@@ -1530,7 +1529,7 @@ class basic_caching_allocator {
     while (bin.count != 0) {
       block* b = slot.pop(bin);
       map_.erase(b->address);  // a cached block stays in the map (marked) until the heap takes it
-      b->in_front.store(false, std::memory_order_relaxed);
+      b->in_front.store(false, std::memory_order_release);  // after the erase: see live_block
       // The user's free was counted when the block entered the cache; the heap's free below counts it again.
       slot.unwind(*b);
       try {
@@ -1567,9 +1566,16 @@ class basic_caching_allocator {
 
   /// The block of the live allocation at `address`, or nullptr (never allocated, freed, or cached in front: a
   /// cached block stays in the map, marked, so that its next allocation and free skip the map). No lock taken.
+  /// A flush (another thread) may take a cached block to the heap between the lookup and the look at its mark: it
+  /// erases the block from the map before clearing the mark (release), so a cleared mark seen here (acquire) with
+  /// the shard changed since the lookup sends us to the map again. Without that, a second free ordered after the
+  /// first could cache a block the heap holds (found by review; test "a double free racing with a flush").
   block* live_block(std::uintptr_t address) const noexcept {
-    block* b = map_.find(address);
-    return b != nullptr && !b->in_front.load(std::memory_order_relaxed) ? b : nullptr;
+    typename map_type::version_type version = 0;
+    block* b = map_.find(address, version);
+    if (b == nullptr || b->in_front.load(std::memory_order_acquire)) return nullptr;
+    if (!map_.unchanged(address, version) && map_.find(address) != b) return nullptr;
+    return b;
   }
 
   block* new_block() {
@@ -1802,7 +1808,7 @@ class basic_caching_allocator {
     } catch (...) {
       release_event(std::move(fence), device_);
       for (auto& use : uses) release_event(std::move(use.second), use.first->device);
-      map_.insert(b->address, b);  // still allocated; the map had room for it a moment ago
+      map_.restore(b->address, b);  // still allocated (cannot throw: no growth)
       throw;
     }
     if (fence) {
@@ -2457,7 +2463,8 @@ class basic_caching_allocator {
   bool vm_refused_ = false;   // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
-  detail::sharded_pointer_map<block> map_;
+  using map_type = detail::sharded_pointer_map<block>;
+  map_type map_;
   all_stats_t stats_;
   std::size_t limit_ = allocator_options::unlimited;  // guarded by mutex_
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};

@@ -190,8 +190,8 @@ struct alignas(64) front_slot {
   /// Zeroes the totals (the caller holds the lock).
   void reset_totals() noexcept {
     for (std::size_t q = 0; q < front_quantity_count; ++q) {
-      raised[q].store(0, std::memory_order_relaxed);
-      freed_base[q].store(-value(q), std::memory_order_relaxed);
+      raised[q].store(0, std::memory_order_release);
+      freed_base[q].store(-value(q), std::memory_order_release);
     }
   }
 

@@ -45,6 +45,21 @@ class sharded_pointer_map {
     ++s.count;
   }
 
+  /// Puts back a key erased a moment ago (an error path): never grows the shard, so it cannot throw. Other keys
+  /// inserted meanwhile may have passed the load factor, never the table's size.
+  void restore(std::uintptr_t key, Value* value) noexcept {
+    const std::uint64_t h = hash(key);
+    shard& s = shards_[h >> 58];
+    std::lock_guard<spin_mutex> lock(s.mutex);
+    table* t = s.current.load(std::memory_order_relaxed);  // it held the key: it exists
+    writing w(s);
+    const std::size_t mask = t->size - 1;
+    std::size_t i = static_cast<std::size_t>(h) & mask;
+    while (t->entries[i].key.load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
+    t->entries[i].set(key, value);
+    ++s.count;
+  }
+
   /// Removes the key and returns its value, or nullptr when it is absent.
   Value* erase(std::uintptr_t key) noexcept {
     const std::uint64_t h = hash(key);
@@ -86,16 +101,29 @@ class sharded_pointer_map {
   /// The value of the key, or nullptr. Takes no lock (see the file comment); a key inserted or erased by another
   /// thread concurrently is seen or not, as the two happen to be ordered.
   Value* find(std::uintptr_t key) const noexcept {
+    version_type version = 0;
+    return find(key, version);
+  }
+  /// find(), also giving the key's shard's version at the lookup, for unchanged().
+  using version_type = std::uint32_t;
+  Value* find(std::uintptr_t key, version_type& version) const noexcept {
     const std::uint64_t h = hash(key);
     const shard& s = shards_[h >> 58];
     for (;;) {
       const std::uint32_t before = s.sequence.load(std::memory_order_acquire);
       if ((before & 1U) == 0) {
         Value* found = probe(s.current.load(std::memory_order_acquire), h, key);
-        if (s.sequence.load(std::memory_order_relaxed) == before) return found;
+        if (s.sequence.load(std::memory_order_relaxed) == before) {
+          version = before;
+          return found;
+        }
       }
       spin_mutex::pause();
     }
+  }
+  /// Whether nothing was inserted into or erased from the key's shard since a find() gave `version` (one load).
+  bool unchanged(std::uintptr_t key, version_type version) const noexcept {
+    return shards_[hash(key) >> 58].sequence.load(std::memory_order_acquire) == version;
   }
 
   /// Number of entries (adds up the shards; for tests and reports).
