@@ -138,7 +138,6 @@ struct atomic_stat {
     s.freed = freed.load(std::memory_order_acquire);
     return s;
   }
-  void reset_peak() noexcept { peak.store(current.load(std::memory_order_relaxed), std::memory_order_release); }
   void reset_accumulated() noexcept {
     allocated.store(0, std::memory_order_release);
     freed.store(0, std::memory_order_release);
@@ -157,9 +156,6 @@ struct atomic_pool_stats {
     pool_stats s;
     for (std::size_t i = 0; i < 3; ++i) s.pools[i] = pools[i].load();
     return s;
-  }
-  void reset_peak() noexcept {
-    for (auto& p : pools) p.reset_peak();
   }
   void reset_accumulated() noexcept {
     for (auto& p : pools) p.reset_accumulated();

@@ -23,6 +23,7 @@
 /// for them to drain).
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/memory/detail/sequence_write.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 
 #include <array>
@@ -73,8 +74,10 @@ struct alignas(64) front_slot {
   std::atomic<std::uint32_t> blocks{0};   // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
   std::uint64_t tick = 0;  // operations on the slot (under its lock)
-  // Odd while the counts below change: readers of the statistics check it around their reads (a seqlock), so they
-  // see the heap's counters and every slot's at one moment without taking the locks.
+  // Odd while the counts below change (sequence_write.hpp): readers of the statistics check it around their reads,
+  // so they see the heap's counters and every slot's at one moment without taking the locks. Every change of the
+  // counts (enter, leave, unwind, reset_totals) happens inside one sequence_write, with the peaks the allocator
+  // records for it.
   std::atomic<std::uint32_t> sequence{0};
   counts held{};    // the quantities (users' view minus the heap's)
   counts raised{};  // increases of the users' counters made here (their totals allocated)
@@ -194,22 +197,6 @@ struct alignas(64) front_slot {
       freed_base[q].store(-value(q), std::memory_order_release);
     }
   }
-
-  /// Makes `sequence` odd for as long as it lives (the slot's lock held). Every change of the counts (enter, leave,
-  /// unwind, reset_totals) happens inside one, with the peaks the allocator records for it; they do not nest. Counts
-  /// are stored with release, so a reader that sees a new count also sees the odd sequence stored before it.
-  class changing {
-   public:
-    explicit changing(front_slot& s) noexcept : s_(s) {
-      s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    }
-    changing(const changing&) = delete;
-    changing& operator=(const changing&) = delete;
-    ~changing() { s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
-
-   private:
-    front_slot& s_;
-  };
 
  private:
   static std::int64_t to_signed(std::size_t v) noexcept { return static_cast<std::int64_t>(v); }

@@ -12,6 +12,7 @@
 /// tables double, so the old ones take less memory than the current one.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/memory/detail/sequence_write.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 
 #include <array>
@@ -37,7 +38,7 @@ class sharded_pointer_map {
     std::lock_guard<spin_mutex> lock(s.mutex);
     table* t = s.current.load(std::memory_order_relaxed);
     if (t == nullptr || (s.count + 1) * 2 > t->size) t = s.grow();  // may throw: nothing has changed
-    writing w(s);
+    sequence_write w(s.sequence);
     const std::size_t mask = t->size - 1;
     std::size_t i = static_cast<std::size_t>(h) & mask;
     while (t->entries[i].key.load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
@@ -52,7 +53,7 @@ class sharded_pointer_map {
     shard& s = shards_[h >> 58];
     std::lock_guard<spin_mutex> lock(s.mutex);
     table* t = s.current.load(std::memory_order_relaxed);  // it held the key: it exists
-    writing w(s);
+    sequence_write w(s.sequence);
     const std::size_t mask = t->size - 1;
     std::size_t i = static_cast<std::size_t>(h) & mask;
     while (t->entries[i].key.load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
@@ -77,7 +78,7 @@ class sharded_pointer_map {
       i = (i + 1) & mask;
     }
     Value* value = e[i].value.load(std::memory_order_relaxed);
-    writing w(s);
+    sequence_write w(s.sequence);
     // Backward-shift deletion: move later entries of the probe run into the hole when their home allows it.
     std::size_t hole = i;
     std::size_t j = i;
@@ -137,9 +138,8 @@ class sharded_pointer_map {
   }
 
  private:
-  // Atomic so that lookups may read while a writer changes them. A writer stores with release, a lookup loads with
-  // acquire: a lookup that sees a value a writer stored also sees the odd sequence count stored before it, and its
-  // last look at the count cannot move before its loads (plain moves on x86; no fences, which TSan cannot check).
+  // Atomic so that lookups may read while a writer changes them: stored with release, loaded with acquire, under
+  // the shard's sequence count (sequence_write.hpp says why that suffices).
   struct entry {
     std::atomic<std::uintptr_t> key{0};
     std::atomic<Value*> value{nullptr};
@@ -180,19 +180,6 @@ class sharded_pointer_map {
       current.store(t, std::memory_order_release);  // lookups see it whole (its entries were written before)
       return t;
     }
-  };
-  /// Marks a shard's table as changing for as long as it lives (the shard's lock held): seqlock writer.
-  class writing {
-   public:
-    explicit writing(shard& s) noexcept : s_(s) {
-      s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    }
-    writing(const writing&) = delete;
-    writing& operator=(const writing&) = delete;
-    ~writing() { s_.sequence.store(s_.sequence.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
-
-   private:
-    shard& s_;
   };
 
   static Value* probe(const table* t, std::uint64_t h, std::uintptr_t key) noexcept {
