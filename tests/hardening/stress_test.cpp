@@ -531,6 +531,7 @@ TEST_CASE("stress: several prefetchers at once share the default pinned pool and
     {
       gpukit::prefetch_options options;
       options.depth = 2 + static_cast<std::size_t>(id % 2);
+      options.producer_threads = 1 + static_cast<std::size_t>(id);  // 1 to 3 threads calling the producer
       gpukit::prefetcher<std::uint32_t> loader(
           consumer, capacity,
           [&value](std::size_t index, gpukit::span<std::uint32_t> out) -> std::size_t {

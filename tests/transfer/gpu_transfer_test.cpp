@@ -227,3 +227,40 @@ TEST_CASE("gpu: the prefetcher feeds a CUDA stream") {
   }
   CHECK(n == 8);
 }
+
+TEST_CASE("gpu: a bounded prefetcher with 2 producer threads: batches in order, intact, within its pinned budget") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  constexpr std::size_t batches = 32;
+  gpukit::prefetch_options options;
+  options.producer_threads = 2;
+  gpukit::prefetcher<std::uint32_t> loader(
+      s, 1 << 18,
+      [](std::size_t i, gpukit::span<std::uint32_t> out) {
+        if (i == batches) return std::size_t{0};
+        const std::size_t n = out.size() - i;
+        for (std::size_t k = 0; k < n; ++k) out[k] = static_cast<std::uint32_t>(i * 1000003 + k);
+        return n;
+      },
+      options);
+  gpukit::pinned_buffer<std::uint32_t> probe(2 * batches, d);  // each batch's first and last element, copied back
+  std::size_t n = 0;
+  while (auto batch = loader.next()) {
+    CHECK(batch->index() == n);
+    gpukit::copy_async(gpukit::pinned_span<std::uint32_t>(probe.data() + 2 * n, 1), batch->data().first(1), s);
+    gpukit::copy_async(gpukit::pinned_span<std::uint32_t>(probe.data() + 2 * n + 1, 1), batch->data().last(1), s);
+    ++n;
+  }
+  s.synchronize();
+  REQUIRE(n == batches);
+  for (std::size_t i = 0; i < batches; ++i) {
+    const std::size_t count = (std::size_t{1} << 18) - i;
+    CHECK(probe.data()[2 * i] == static_cast<std::uint32_t>(i * 1000003));
+    CHECK(probe.data()[2 * i + 1] == static_cast<std::uint32_t>(i * 1000003 + count - 1));
+  }
+  const gpukit::prefetch_stats stats = loader.stats();
+  MESSAGE("prefetcher: " << stats.to_string());
+  CHECK(stats.pinned_buffers <= 4);  // prefetch_factor 2 × 2 threads
+  CHECK(stats.batches_in_flight == 0);
+}

@@ -39,6 +39,23 @@ bool batch_is_right(const std::uint32_t* data, std::size_t n, std::size_t index)
   }
   return true;
 }
+
+/// Takes every batch, checks each on the consumer stream `s` (after its copy), and waits for the checks. Returns
+/// the number of batches; counts batches out of order or with wrong contents in `wrong`.
+std::size_t consume_all(gpukit::prefetcher<std::uint32_t>& loader, gpukit::stream& s, std::atomic<int>& wrong) {
+  std::size_t n = 0;
+  while (auto batch = loader.next()) {
+    if (batch->index() != n) ++wrong;
+    const auto span = batch->data();
+    const std::size_t index = batch->index();
+    s.enqueue_host([&wrong, span, index] {
+      if (!batch_is_right(span.data(), span.size(), index)) ++wrong;
+    });
+    ++n;
+  }
+  s.synchronize();
+  return n;
+}
 }  // namespace
 
 TEST_CASE("batches arrive in order with their contents, then the end of the data") {
@@ -77,22 +94,32 @@ TEST_CASE("the next batch is prepared while the consumer holds the current one")
   });
   auto first = loader.next();
   REQUIRE(first);
-  for (int i = 0; i < 5000 && produced.load() < 2; ++i) std::this_thread::sleep_for(1ms);
-  CHECK(produced.load() == 2);  // batch 1 is ready before batch 0 is released (double buffering)
+  for (int i = 0; i < 5000 && produced.load() < 3; ++i) std::this_thread::sleep_for(1ms);
+  // Batch 1 is on the device before batch 0 is released (double buffering), and batch 2 in pinned memory.
+  CHECK(produced.load() == 3);
   std::this_thread::sleep_for(20ms);
-  CHECK(produced.load() == 2);  // and no further: batch 2 needs batch 0's buffer
+  CHECK(produced.load() == 3);  // and no further: batch 2 waits for batch 0's device buffer, holding the one thread
+  // Batch 2, once the copy stream has run the copy of batch 1.
+  for (int i = 0; i < 5000 && loader.stats().batches_in_flight != 1; ++i) std::this_thread::sleep_for(1ms);
+  const gpukit::prefetch_stats stats = loader.stats();
+  CHECK(stats.batches_produced == 3);
+  CHECK(stats.batches_handed_out == 1);
+  CHECK(stats.batches_in_flight == 1);
   first->release();
   auto second = loader.next();
   REQUIRE(second);
   CHECK(second->index() == 1);
 }
 
-TEST_CASE("a gated consumer stream does not stop the loader, and a buffer is refilled only after its batch ran") {
+TEST_CASE("unbounded: a gated consumer stream does not stop the loader, and a buffer is refilled only after its batch "
+          "ran") {
   gpukit::stream s(cpu);
   gate g;
   g.hold(s);  // the consumer's stream is held until all batches have been handed out
+  gpukit::prefetch_options unbounded;
+  unbounded.prefetch_factor = 0;
   gpukit::prefetcher<std::uint32_t> loader(
-      s, 3000, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 12); });
+      s, 3000, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 12); }, unbounded);
   std::atomic<int> wrong{0};
   std::atomic<int> checked{0};
   std::size_t handed = 0;
@@ -108,6 +135,13 @@ TEST_CASE("a gated consumer stream does not stop the loader, and a buffer is ref
   }
   CHECK(handed == 12);  // all handed out while the consumer stream had run nothing
   CHECK(checked.load() == 0);
+  // The price: the copies of batches 2..11 wait for the held stream, each from its own pinned buffer (those of 0
+  // and 1 complete once the copy stream has run them).
+  for (int i = 0; i < 5000 && loader.stats().batches_in_flight != 10; ++i) std::this_thread::sleep_for(1ms);
+  const gpukit::prefetch_stats stats = loader.stats();
+  CHECK(stats.batches_in_flight == 10);
+  CHECK(stats.pinned_buffers >= 10);
+  CHECK(stats.pinned_bytes == stats.pinned_buffers * 3000 * sizeof(std::uint32_t));
   g.open();
   s.synchronize();
   CHECK(checked.load() == 12);
@@ -140,6 +174,16 @@ TEST_CASE("misuse: bad options, and asking for a batch whose buffer is still hel
                   gpukit::invalid_argument_error);
   CHECK_THROWS_AS(gpukit::prefetcher<std::uint32_t>(s, 0, produce), gpukit::invalid_argument_error);
   CHECK_THROWS_AS(gpukit::prefetcher<std::uint32_t>(s, 100, nullptr), gpukit::invalid_argument_error);
+  gpukit::prefetch_options no_threads;
+  no_threads.producer_threads = 0;
+  CHECK_THROWS_WITH_AS(gpukit::prefetcher<std::uint32_t>(s, 100, produce, no_threads),
+                       "gpukit::prefetcher: producer_threads must be at least 1", gpukit::invalid_argument_error);
+  gpukit::prefetch_options overflowing;
+  overflowing.prefetch_factor = std::size_t{1} << 62;
+  overflowing.producer_threads = 8;
+  CHECK_THROWS_WITH_AS(gpukit::prefetcher<std::uint32_t>(s, 100, produce, overflowing),
+                       doctest::Contains("overflows; use 0 for no bound"), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::prefetcher<std::uint32_t>(s, std::size_t{1} << 62, produce), gpukit::invalid_argument_error);
   gpukit::prefetcher<std::uint32_t> loader(s, 3000, produce);
   auto a = loader.next();
   auto b = loader.next();
@@ -176,17 +220,7 @@ TEST_CASE("concurrency: a slow consumer stream with a fast producer, many batche
       s, 3000, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 200); },
       gpukit::prefetch_options{3});
   std::atomic<int> wrong{0};
-  std::size_t n = 0;
-  while (auto batch = loader.next()) {
-    const auto span = batch->data();
-    const std::size_t index = batch->index();
-    s.enqueue_host([&wrong, span, index] {
-      if (!batch_is_right(span.data(), span.size(), index)) ++wrong;
-    });
-    ++n;
-  }
-  s.synchronize();
-  CHECK(n == 200);
+  CHECK(consume_all(loader, s, wrong) == 200);
   CHECK(wrong.load() == 0);
 }
 
@@ -240,6 +274,158 @@ TEST_CASE("a producer that calls next() gets an error instead of a deadlock, ret
   });
   self = &loader;
   loader_built.open();
+  CHECK_THROWS_WITH_AS(loader.next(),
+                       doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
+                       gpukit::invalid_argument_error);
+}
+
+TEST_CASE("bounded: a consumer stream behind the host holds the producer back, with at most prefetch_factor pinned "
+          "buffers") {
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);  // the device (the consumer stream) is far behind the host
+  std::atomic<int> produced{0};
+  gpukit::prefetcher<std::uint32_t> loader(s, 3000, [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+    const std::size_t n = fill(i, out, 40);
+    if (n != 0) ++produced;
+    return n;
+  });
+  std::atomic<int> wrong{0};
+  std::vector<std::optional<gpukit::prefetcher<std::uint32_t>::batch>> first(4);
+  for (std::size_t i = 0; i < 4; ++i) {
+    first[i] = loader.next();
+    REQUIRE(first[i]);
+    first[i].reset();  // released at once: the host runs ahead of its stream
+  }
+  // Batches 0 and 1 were copied at once; the copies of 2 and 3 wait for the held stream's releases of 0 and 1, and
+  // with both pinned buffers (prefetch_factor 2 × 1 thread) in flight, batch 4 cannot be produced.
+  for (int i = 0; i < 5000 && produced.load() < 4; ++i) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(20ms);
+  CHECK(produced.load() == 4);
+  gpukit::prefetch_stats stats = loader.stats();
+  CHECK(stats.batches_in_flight == 2);
+  CHECK(stats.pinned_buffers == 2);
+  CHECK(stats.pinned_bytes == 2 * 3000 * sizeof(std::uint32_t));
+  g.open();  // the device catches up: the rest flows, never with more than 2 buffers
+  std::size_t handed = 4;
+  while (auto batch = loader.next()) {
+    CHECK(batch->index() == handed);
+    const auto span = batch->data();
+    const std::size_t index = batch->index();
+    s.enqueue_host([&wrong, span, index] {
+      std::this_thread::sleep_for(200us);  // a slow step: the producer keeps waiting for its copies
+      if (!batch_is_right(span.data(), span.size(), index)) ++wrong;
+    });
+    ++handed;
+  }
+  s.synchronize();
+  CHECK(handed == 40);
+  CHECK(wrong.load() == 0);
+  stats = loader.stats();
+  CHECK(stats.batches_produced == 40);
+  CHECK(stats.batches_handed_out == 40);
+  CHECK(stats.batches_in_flight == 0);
+  CHECK(stats.pinned_buffers == 2);
+  CHECK(stats.max_batches_in_flight == 2);
+  CHECK(stats.producer_wait_for_pinned.count() > 0);  // it waited at least the 20 ms above
+  CHECK(stats.to_string().find("batches 40 (in flight 0, max 2), pinned 0.0 MiB in 2 buffers") == 0);
+}
+
+TEST_CASE("several producer threads call the producer concurrently, and batches still arrive in order") {
+  gpukit::stream s(cpu);
+  constexpr std::size_t threads = 4;
+  std::mutex m;
+  std::condition_variable cv;
+  std::size_t inside = 0;
+  bool all_met = false;
+  gpukit::prefetch_options options;
+  options.producer_threads = threads;
+  options.depth = 3;
+  gpukit::prefetcher<std::uint32_t> loader(
+      s, 3000,
+      [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+        if (i < threads) {  // the first 4 batches meet: proof that 4 threads call at once
+          std::unique_lock<std::mutex> lock(m);
+          ++inside;
+          cv.notify_all();
+          if (cv.wait_for(lock, 10s, [&] { return inside == threads; })) all_met = true;
+        } else if (i % 7 == 0) {
+          std::this_thread::sleep_for(300us);  // uneven producers: later batches finish first
+        }
+        return fill(i, out, 300);
+      },
+      options);
+  std::atomic<int> wrong{0};
+  CHECK(consume_all(loader, s, wrong) == 300);
+  CHECK(wrong.load() == 0);
+  {
+    std::lock_guard<std::mutex> lock(m);
+    CHECK(all_met);
+  }
+  const gpukit::prefetch_stats stats = loader.stats();
+  CHECK(stats.batches_produced == 300);
+  CHECK(stats.pinned_buffers <= 2 * threads);  // prefetch_factor 2 per thread
+  CHECK(stats.max_batches_in_flight <= 2 * threads);
+}
+
+TEST_CASE("several producer threads: the earliest end or failure wins, and no batch after it is handed out") {
+  gpukit::stream s(cpu);
+  gpukit::prefetch_options options;
+  options.producer_threads = 3;
+  SUBCASE("a failure at batch 5, while later batches are produced") {
+    gpukit::prefetcher<std::uint32_t> loader(
+        s, 3000,
+        [](std::size_t i, gpukit::span<std::uint32_t> out) -> std::size_t {
+          if (i == 5) {
+            std::this_thread::sleep_for(5ms);  // later indices finish first
+            throw std::runtime_error("bad record 5");
+          }
+          return fill(i, out, 100);
+        },
+        options);
+    for (std::size_t i = 0; i < 5; ++i) CHECK(loader.next()->index() == i);
+    CHECK_THROWS_WITH_AS(loader.next(), "bad record 5", std::runtime_error);
+    CHECK_THROWS_WITH_AS(loader.next(), "bad record 5", std::runtime_error);  // stays failed
+  }
+  SUBCASE("the end at batch 6, and a failure after it that nobody sees") {
+    gpukit::prefetcher<std::uint32_t> loader(
+        s, 3000,
+        [](std::size_t i, gpukit::span<std::uint32_t> out) -> std::size_t {
+          if (i == 6) {
+            std::this_thread::sleep_for(5ms);
+            return 0;
+          }
+          if (i == 7) throw std::runtime_error("past the end");
+          return fill(i, out, 100);
+        },
+        options);
+    std::size_t n = 0;
+    while (auto batch = loader.next()) {
+      CHECK(batch->index() == n);
+      ++n;
+    }
+    CHECK(n == 6);
+    CHECK_FALSE(loader.next().has_value());
+  }
+}
+
+TEST_CASE("a producer thread that calls next() is refused with several producer threads too") {
+  gpukit::stream s(cpu);
+  gate loader_built;
+  gpukit::prefetcher<std::uint32_t>* self = nullptr;
+  gpukit::prefetch_options options;
+  options.producer_threads = 2;
+  gpukit::prefetcher<std::uint32_t> loader(
+      s, 3000,
+      [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+        loader_built.wait();
+        if (i == 1) (void)self->next();
+        return fill(i, out, 10);
+      },
+      options);
+  self = &loader;
+  loader_built.open();
+  CHECK(loader.next()->index() == 0);
   CHECK_THROWS_WITH_AS(loader.next(),
                        doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
                        gpukit::invalid_argument_error);

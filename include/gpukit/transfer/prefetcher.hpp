@@ -4,15 +4,13 @@
 
 /// \file
 /// prefetcher<T>: a double- or triple-buffered loader. A user callback produces batch N+1 into pinned memory on a
-/// background thread and its copy to the device runs on a copy stream, while the consumer stream still works on
-/// batch N. Each batch is handed to the consumer stream with the right dependencies, none of them a host wait:
+/// background thread (or several) and its copy to the device runs on a copy stream, while the consumer stream still
+/// works on batch N. Each batch is handed to the consumer stream with the right dependencies, none of them a host
+/// wait:
 ///
 /// - the consumer stream waits (on the device) for the batch's copy before the work enqueued after next();
 /// - releasing a batch records an event on the consumer stream; the copy stream waits for it before it overwrites
-///   that device buffer with a later batch;
-/// - each batch is produced into a block of the pinned pool, freed stream-ordered after its copy, so the producer
-///   never waits for a stream (a consumer stream held back by the host cannot deadlock the loader; blocks pile up
-///   in the pool instead, cached after warm-up).
+///   that device buffer with a later batch.
 ///
 ///     gpukit::prefetcher<float> loader(s, batch_elements, [&](std::size_t index, gpukit::span<float> out) {
 ///       return read_batch(index, out);           // elements written; 0 ends the data
@@ -22,11 +20,20 @@
 ///     }                                          // the batch is released here: its buffer may be refilled
 ///
 /// With `depth` device buffers, batches are prepared while earlier ones are in use: batch N uses buffer N % depth,
-/// so it can be prepared once batch N − depth has been released. next() throws instead of deadlocking when that
-/// batch is still held. Batches come in index order. An exception thrown by the callback is rethrown by next() once
-/// the batches before it have been handed out. The callback must not call next() on its own prefetcher: that call
-/// throws invalid_argument_error (it would wait for itself), which reaches the consumer the same way. Works unchanged
-/// on the CPU device.
+/// so it can be copied once batch N − depth has been released. next() throws instead of deadlocking when that
+/// batch is still held. Batches come in index order, whatever the number of producer threads.
+///
+/// The producer's lead is bounded (prefetch_options::prefetch_factor, like a DataLoader's): each batch is produced
+/// into one of at most prefetch_factor × producer_threads pinned buffers, and a buffer is refilled only once its copy
+/// has completed. A host that releases batches faster than the device consumes them therefore ends up waiting in
+/// next() for the device, with bounded pinned memory, instead of queueing ever more copies. The producer threads
+/// find out that a copy completed by querying its event (with a backoff of at most 1 ms), not through a host
+/// function, since CUDA may run the host functions of all streams of a device one at a time.
+///
+/// An exception thrown by the callback is rethrown by next() once the batches before it have been handed out. The
+/// callback must not call next() on its own prefetcher: that call throws invalid_argument_error (it would wait for
+/// itself), which reaches the consumer the same way. stats() reports the waits on both sides, the batches in flight
+/// and the pinned memory held. Works unchanged on the CPU device.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
@@ -39,10 +46,14 @@
 #include <gpukit/transfer/copy.hpp>
 #include <gpukit/transfer/spans.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -57,6 +68,48 @@ GPUKIT_BEGIN_NAMESPACE
 struct prefetch_options {
   /// Device buffers in the rotation: 2 is double buffering, 3 triple (absorbs jitter in the producer).
   std::size_t depth = 2;
+  /// Batches each producer thread may have in pinned memory at once: being produced, or waiting for or in their
+  /// copy to the device. Bounds the producer's lead over the device and the pinned memory held, at
+  /// prefetch_factor × producer_threads buffers of the batch capacity. 0 lifts the bound: the producer never waits
+  /// for a copy, and pinned memory grows while the device lags. Use 0 only when the host holds the consumer stream
+  /// back until it has received later batches (a bounded producer would wait for that stream, and next() for it).
+  std::size_t prefetch_factor = 2;
+  /// Threads calling the producer, concurrently when more than 1 (then it must be thread-safe). Each index is
+  /// produced once and batches are still handed out in index order.
+  std::size_t producer_threads = 1;
+};
+
+/// What a prefetcher has done and waited for (prefetcher::stats()).
+struct prefetch_stats {
+  std::size_t batches_produced = 0;    ///< producer calls that returned a batch
+  std::size_t batches_handed_out = 0;  ///< batches next() returned
+  /// Batches in pinned memory now: being produced, waiting for their device buffer, or their copy not completed.
+  std::size_t batches_in_flight = 0;
+  std::size_t max_batches_in_flight = 0;  ///< the most seen when a producer thread took a buffer
+  std::size_t pinned_buffers = 0;      ///< pinned buffers the prefetcher holds (never more than the bound)
+  std::size_t pinned_bytes = 0;        ///< their size in bytes, as requested from the pinned pool
+  /// Time next() blocked for a batch not yet produced and enqueued: the consumer waited for the producer.
+  std::chrono::nanoseconds consumer_wait{0};
+  /// Time producer threads waited for a pinned buffer, all those allowed being in flight: mostly because their
+  /// copies had not completed (the device was behind).
+  std::chrono::nanoseconds producer_wait_for_pinned{0};
+  /// Time producer threads waited, with a batch ready in pinned memory, for the consumer to release the device
+  /// buffer it goes to: the consumer was behind.
+  std::chrono::nanoseconds producer_wait_for_release{0};
+
+  /// One line, e.g. "batches 64 (in flight 2, max 4), pinned 16.0 MiB in 4 buffers, consumer waited 12.1 ms,
+  /// producer waited 3.0 ms for pinned memory and 40.2 ms for releases".
+  std::string to_string() const {
+    const auto ms = [](std::chrono::nanoseconds d) { return static_cast<double>(d.count()) / 1e6; };
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "batches %zu (in flight %zu, max %zu), pinned %.1f MiB in %zu buffers, consumer waited %.1f ms, "
+                  "producer waited %.1f ms for pinned memory and %.1f ms for releases",
+                  batches_handed_out, batches_in_flight, max_batches_in_flight,
+                  static_cast<double>(pinned_bytes) / (1024.0 * 1024.0), pinned_buffers, ms(consumer_wait),
+                  ms(producer_wait_for_pinned), ms(producer_wait_for_release));
+    return line;
+  }
 };
 
 /// A double/triple-buffered loader (see the file comment). Not copyable or movable; next() is called from one thread.
@@ -66,52 +119,72 @@ class prefetcher {
 
  public:
   /// Writes batch `index` into `out` (at most out.size() elements) and returns the number written; 0 ends the data.
-  /// Runs on the prefetcher's thread.
+  /// Runs on a producer thread.
   using producer = std::function<std::size_t(std::size_t index, gpukit::span<T> out)>;
 
  private:
+  using clock = std::chrono::steady_clock;
+  static constexpr std::size_t no_end = std::numeric_limits<std::size_t>::max();
+
+  /// A device buffer in the rotation. Its flags are guarded by state::mutex.
   struct slot {
-    slot(device d, std::size_t capacity, stream_view copy_stream, stream_view consumer)
-        : dev(capacity, copy_stream), copied(d), consumed(d) {
+    slot(device d, std::size_t capacity, stream_view copy_stream, stream_view consumer, std::size_t first)
+        : dev(capacity, copy_stream), copied(d), consumed(d), expected(first) {
       dev.record_stream(consumer);  // freed only after the consumer's work on it
     }
     device_buffer<T> dev;
     event copied;    // the copy of the current batch into dev (on the copy stream)
     event consumed;  // the consumer released the previous batch in dev (on the consumer stream)
-    bool ready = false;    // holds a produced batch not yet handed out
+    std::size_t expected;  // the batch this buffer holds next: its predecessor has been released
+    bool ready = false;    // holds batch `index`, not yet handed out
     bool held = false;     // handed out, not yet released
     std::size_t count = 0;
     std::size_t index = 0;
   };
 
+  /// A pinned buffer a batch is produced into. Free when not busy and its last copy has completed.
+  struct staging_buffer {
+    staging_buffer(std::size_t capacity, pinned_pool& pool, device d, stream_view copy_stream)
+        : host(capacity, pool), copied(d) {
+      host.record_stream(copy_stream);  // back to the pool only after the copies from it
+    }
+    pooled_pinned_buffer<T> host;
+    event copied;  // the latest copy from host (on the copy stream); never recorded = free
+    bool busy = true;
+  };
+
   struct state {
-    state(stream_view consumer_stream, std::size_t capacity_, producer produce_, std::size_t depth)
+    state(stream_view consumer_stream, std::size_t capacity_, producer produce_, const prefetch_options& options)
         : consumer(consumer_stream),
           dev(consumer_stream.device()),
           copy_stream(dev),
           capacity(capacity_),
-          produce(std::move(produce_)) {
-      slots.reserve(depth);
-      for (std::size_t i = 0; i < depth; ++i) {
-        slots.push_back(std::make_unique<slot>(dev, capacity, copy_stream.view(), consumer));
+          produce(std::move(produce_)),
+          max_buffers(options.prefetch_factor == 0 ? no_end : options.prefetch_factor * options.producer_threads) {
+      slots.reserve(options.depth);
+      for (std::size_t i = 0; i < options.depth; ++i) {
+        slots.push_back(std::make_unique<slot>(dev, capacity, copy_stream.view(), consumer, i));
       }
     }
     stream_view consumer;
     device dev;
-    stream copy_stream;  // declared before the slots: destroyed after them, so their blocks are freed on it
+    stream copy_stream;  // declared before the buffers: destroyed after them, so their blocks are freed on it
     std::size_t capacity;
     producer produce;
+    std::size_t max_buffers;  // pinned buffers at most (no_end: unbounded)
     pinned_pool* pool = &default_pinned_pool(dev);
     std::mutex mutex;
     std::condition_variable cv;
     std::vector<std::unique_ptr<slot>> slots;
-    std::size_t next_to_hand = 0;  // index of the next batch next() returns
-    std::size_t produced = 0;      // batches produced so far
+    std::vector<std::unique_ptr<staging_buffer>> buffers;  // null while a producer thread allocates it (or failed to)
+    std::size_t next_to_claim = 0;  // the next index a producer thread takes
+    std::size_t next_to_hand = 0;   // the index of the next batch next() returns
+    std::size_t end = no_end;       // the first index that is not a batch (the producer returned 0 or failed)
+    std::exception_ptr failure;     // why batch `end` failed, if it did
     std::size_t held = 0;
-    bool finished = false;  // the producer returned 0 (or failed) after `produced` batches
     bool stopping = false;
-    std::exception_ptr failure;
-    std::thread::id producer_thread;  // set by the worker before it calls the producer
+    std::vector<std::thread::id> producer_ids;  // filled by the threads before they call the producer
+    prefetch_stats stats;
   };
 
  public:
@@ -151,6 +224,7 @@ class prefetcher {
       {
         std::lock_guard<std::mutex> lock(state_->mutex);
         slot_->held = false;
+        slot_->expected = slot_->index + state_->slots.size();
         --state_->held;
       }
       state_->cv.notify_all();
@@ -166,30 +240,41 @@ class prefetcher {
   };
 
   /// Starts producing at once: batches of up to `batch_capacity` elements for work on `consumer` (whose device
-  /// they are copied to). Allocates options.depth device buffers; pinned blocks come from
-  /// default_pinned_pool(consumer's device). Throws invalid_argument_error for a depth below 2, a zero capacity or
-  /// an empty producer.
+  /// they are copied to). Allocates options.depth device buffers; pinned buffers come from
+  /// default_pinned_pool(consumer's device) as the producers need them. Throws invalid_argument_error for a depth
+  /// below 2, no producer thread, a zero capacity or an empty producer.
   prefetcher(stream_view consumer, std::size_t batch_capacity, producer produce, prefetch_options options = {}) {
     if (options.depth < 2) throw invalid_argument_error("gpukit::prefetcher: depth must be at least 2");
+    if (options.producer_threads == 0) {
+      throw invalid_argument_error("gpukit::prefetcher: producer_threads must be at least 1");
+    }
+    if (options.prefetch_factor > no_end / options.producer_threads) {
+      throw invalid_argument_error("gpukit::prefetcher: prefetch_factor " + std::to_string(options.prefetch_factor) +
+                                   " × producer_threads " + std::to_string(options.producer_threads) +
+                                   " overflows; use 0 for no bound");
+    }
     if (batch_capacity == 0) throw invalid_argument_error("gpukit::prefetcher: the batch capacity must be positive");
     if (!produce) throw invalid_argument_error("gpukit::prefetcher: the producer is empty");
-    state_ = std::make_shared<state>(consumer, batch_capacity, std::move(produce), options.depth);
-    worker_ = std::thread([st = state_] { run(*st); });
+    (void)detail::checked_bytes(batch_capacity, sizeof(T), "gpukit::prefetcher");
+    state_ = std::make_shared<state>(consumer, batch_capacity, std::move(produce), options);
+    state_->producer_ids.reserve(options.producer_threads);
+    workers_.reserve(options.producer_threads);
+    try {
+      for (std::size_t i = 0; i < options.producer_threads; ++i) {
+        workers_.emplace_back([st = state_] { run(*st); });
+      }
+    } catch (...) {
+      stop();
+      throw;
+    }
   }
 
   prefetcher(const prefetcher&) = delete;
   prefetcher& operator=(const prefetcher&) = delete;
 
-  /// Stops the producer (after the callback in progress, if any, returns) and joins its thread. Batches still held
-  /// stay valid until released.
-  ~prefetcher() {
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      state_->stopping = true;
-    }
-    state_->cv.notify_all();
-    if (worker_.joinable()) worker_.join();
-  }
+  /// Stops the producers (after the callbacks in progress, if any, return) and joins their threads. Batches still
+  /// held stay valid until released.
+  ~prefetcher() { stop(); }
 
   /// The next batch in index order, or nullopt at the end of the data. Blocks the host only until the batch has
   /// been produced and its copy enqueued; the consumer stream waits for the copy on the device. Rethrows the
@@ -198,36 +283,50 @@ class prefetcher {
   /// the batch that very callback is producing): unless the producer catches it, that error ends the data and the
   /// consumer's next() rethrows it, like any producer exception.
   std::optional<batch> next() {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    if (std::this_thread::get_id() == state_->producer_thread) {
+    state& st = *state_;
+    std::unique_lock<std::mutex> lock(st.mutex);
+    if (std::find(st.producer_ids.begin(), st.producer_ids.end(), std::this_thread::get_id()) !=
+        st.producer_ids.end()) {
       throw invalid_argument_error(
-          "gpukit::prefetcher::next: called from the producer callback, on the prefetcher's own thread; it would wait "
-          "forever for the batch being produced (batch " + std::to_string(state_->produced) + ")");
+          "gpukit::prefetcher::next: called from the producer callback, on one of the prefetcher's own threads; it "
+          "would wait forever for the batch being produced (batch " + std::to_string(st.next_to_hand) + ")");
     }
-    const std::size_t index = state_->next_to_hand;
-    const std::size_t depth = state_->slots.size();
-    slot& sl = *state_->slots[index % depth];
+    const std::size_t index = st.next_to_hand;
+    const std::size_t depth = st.slots.size();
+    slot& sl = *st.slots[index % depth];
     if (sl.held) {
       throw invalid_argument_error("gpukit::prefetcher::next: batch " + std::to_string(index) +
                                    " needs the buffer of batch " + std::to_string(index - depth) +
                                    ", which is still held (depth " + std::to_string(depth) + "); release it first");
     }
-    state_->cv.wait(lock, [&] {
-      return (sl.ready && sl.index == index) || (state_->finished && state_->produced <= index);
-    });
+    const auto arrived = [&] { return (sl.ready && sl.index == index) || st.end <= index; };
+    if (!arrived()) {
+      const auto start = clock::now();
+      st.cv.wait(lock, arrived);
+      st.stats.consumer_wait += clock::now() - start;
+    }
     if (!(sl.ready && sl.index == index)) {
-      if (state_->failure) std::rethrow_exception(state_->failure);
+      if (st.failure) std::rethrow_exception(st.failure);
       return std::nullopt;
     }
     sl.ready = false;
     sl.held = true;
-    ++state_->held;
-    ++state_->next_to_hand;
+    ++st.held;
+    ++st.next_to_hand;
+    ++st.stats.batches_handed_out;
     lock.unlock();
-    state_->cv.notify_all();
     batch b(state_, &sl);
-    sl.copied.wait(state_->consumer);  // device-side: the consumer's later work runs after the copy
+    sl.copied.wait(st.consumer);  // device-side: the consumer's later work runs after the copy
     return std::optional<batch>(std::move(b));
+  }
+
+  /// The waits, batches in flight and pinned memory so far (a consistent copy). Queries the events of the copies
+  /// from pinned memory, so a CUDA error may throw.
+  prefetch_stats stats() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    prefetch_stats result = state_->stats;
+    result.batches_in_flight = in_flight(*state_);
+    return result;
   }
 
   /// The stream the copies run on.
@@ -236,69 +335,179 @@ class prefetcher {
   std::size_t batch_capacity() const noexcept { return state_->capacity; }
 
  private:
+  void stop() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stopping = true;
+    }
+    state_->cv.notify_all();
+    for (std::thread& t : workers_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+  /// One producer thread: claims the next index, produces it into a free pinned buffer, waits for the device buffer
+  /// the batch goes to, and enqueues the copy; until the data ends, a failure, or stop().
   static void run(state& st) {
     {
       std::lock_guard<std::mutex> lock(st.mutex);
-      st.producer_thread = std::this_thread::get_id();
+      st.producer_ids.push_back(std::this_thread::get_id());
     }
     // A new thread's current device is cuda:0, without a context: work on the consumer's device, whose context the
     // constructor's allocations created, so this thread's CUDA calls never create cuda:0's.
     try {
       set_current_device(st.dev);
     } catch (...) {
-      finish(st, std::current_exception());
+      std::lock_guard<std::mutex> lock(st.mutex);
+      end_at(st, st.next_to_claim, std::current_exception());
       return;
     }
-    for (std::size_t index = 0;; ++index) {
-      slot& sl = *st.slots[index % st.slots.size()];
-      {
-        std::unique_lock<std::mutex> lock(st.mutex);
-        // The slot's previous batch must have been handed out and released.
-        st.cv.wait(lock, [&] { return st.stopping || (!sl.ready && !sl.held); });
-        if (st.stopping) return;
-      }
+    for (;;) {
+      std::size_t index = 0;
+      staging_buffer* buffer = nullptr;
       try {
-        pooled_pinned_buffer<T> host(st.capacity, *st.pool);  // cached after warm-up; never waits for a stream
-        const std::size_t count = st.produce(index, host.span());
-        if (count > st.capacity) {
-          throw invalid_argument_error("gpukit::prefetcher: the producer wrote " + std::to_string(count) +
-                                       " elements into a batch of " + std::to_string(st.capacity));
-        }
-        if (count == 0) {
-          finish(st, nullptr);
-          return;
-        }
-        sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
-        copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(host.data(), count),
-                   st.copy_stream.view());
-        sl.copied.record(st.copy_stream.view());
-        host.record_stream(st.copy_stream.view());  // back to the pool once the copy has completed
-        {
-          std::lock_guard<std::mutex> lock(st.mutex);
-          sl.count = count;
-          sl.index = index;
-          sl.ready = true;
-          st.produced = index + 1;
-        }
-        st.cv.notify_all();
-      } catch (...) {
-        finish(st, std::current_exception());
+        if (!claim(st, index, buffer)) return;
+      } catch (...) {  // an event query or a pinned allocation failed: the data ends at the index not claimed
+        std::lock_guard<std::mutex> lock(st.mutex);
+        end_at(st, st.next_to_claim, std::current_exception());
         return;
       }
+      if (!produce_and_copy(st, index, *buffer)) return;
     }
   }
 
-  static void finish(state& st, std::exception_ptr failure) {
-    {
+  /// Takes the next index and a free pinned buffer for it (false: stop). Waits while every buffer allowed is busy.
+  static bool claim(state& st, std::size_t& index, staging_buffer*& buffer) {
+    std::unique_lock<std::mutex> lock(st.mutex);
+    std::optional<clock::time_point> waiting_since;
+    auto backoff = std::chrono::microseconds(20);
+    std::size_t in_use = 0;
+    for (;;) {
+      if (st.stopping || st.next_to_claim >= st.end) break;
+      buffer = free_buffer(st, in_use);
+      if (buffer != nullptr || st.buffers.size() < st.max_buffers) break;
+      if (!waiting_since) waiting_since = clock::now();
+      // A copy's completion is seen by querying its event; stop() and the end of the data notify at once.
+      st.cv.wait_for(lock, backoff);
+      backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
+    }
+    if (waiting_since) st.stats.producer_wait_for_pinned += clock::now() - *waiting_since;
+    if (st.stopping || st.next_to_claim >= st.end) return false;
+    index = st.next_to_claim++;
+    st.stats.max_batches_in_flight = std::max(st.stats.max_batches_in_flight, in_use + 1);
+    if (buffer != nullptr) {
+      buffer->busy = true;
+      return true;
+    }
+    // A new buffer: allocated without the lock (pinning may take milliseconds, and cudaFreeHost in the pool waits for
+    // the device), in a place reserved for it.
+    const std::size_t place = st.buffers.size();
+    st.buffers.emplace_back();
+    lock.unlock();
+    std::unique_ptr<staging_buffer> made;
+    try {
+      made = std::make_unique<staging_buffer>(st.capacity, *st.pool, st.dev, st.copy_stream.view());
+    } catch (...) {
+      lock.lock();
+      // The place stays empty (other threads may be filling later places); the data ends here anyway.
+      end_at(st, index, std::current_exception());
+      return false;
+    }
+    buffer = made.get();
+    lock.lock();
+    st.buffers[place] = std::move(made);
+    ++st.stats.pinned_buffers;
+    st.stats.pinned_bytes += st.capacity * sizeof(T);
+    return true;
+  }
+
+  /// A pinned buffer not being produced into whose last copy has completed, or null; `in_use` counts the others.
+  static staging_buffer* free_buffer(state& st, std::size_t& in_use) {
+    staging_buffer* found = nullptr;
+    in_use = 0;
+    for (auto& b : st.buffers) {
+      if (!b || b->busy || !b->copied.ready()) {
+        ++in_use;
+      } else if (found == nullptr) {
+        found = b.get();
+      }
+    }
+    return found;
+  }
+
+  /// Buffers being produced into, waiting for their device buffer, or being copied from.
+  static std::size_t in_flight(state& st) {
+    std::size_t in_use = 0;
+    (void)free_buffer(st, in_use);
+    return in_use;
+  }
+
+  /// Produces batch `index` into `buffer`, waits for its device buffer and enqueues the copy (false: stop).
+  static bool produce_and_copy(state& st, std::size_t index, staging_buffer& buffer) {
+    slot& sl = *st.slots[index % st.slots.size()];
+    bool copy_enqueued = false;
+    try {
+      const std::size_t count = st.produce(index, buffer.host.span());
+      if (count > st.capacity) {
+        throw invalid_argument_error("gpukit::prefetcher: the producer wrote " + std::to_string(count) +
+                                     " elements into a batch of " + std::to_string(st.capacity));
+      }
+      {
+        std::unique_lock<std::mutex> lock(st.mutex);
+        if (count == 0) {
+          buffer.busy = false;
+          end_at(st, index, nullptr);
+          return false;
+        }
+        ++st.stats.batches_produced;
+        // The device buffer's previous batch (index − depth) must have been handed out and released.
+        const auto can_copy = [&] { return st.stopping || st.end <= index || sl.expected == index; };
+        if (!can_copy()) {
+          const auto start = clock::now();
+          st.cv.wait(lock, can_copy);
+          st.stats.producer_wait_for_release += clock::now() - start;
+        }
+        if (st.stopping || st.end <= index) {  // stopped, or an earlier batch ended the data
+          buffer.busy = false;
+          return false;
+        }
+      }
+      sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
+      copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(buffer.host.data(), count),
+                 st.copy_stream.view());
+      copy_enqueued = true;
+      buffer.copied.record(st.copy_stream.view());
+      sl.copied.record(st.copy_stream.view());
+      {
+        std::lock_guard<std::mutex> lock(st.mutex);
+        buffer.busy = false;  // free again once `copied` completes
+        sl.count = count;
+        sl.index = index;
+        sl.ready = true;
+      }
+      st.cv.notify_all();
+      return true;
+    } catch (...) {
       std::lock_guard<std::mutex> lock(st.mutex);
-      st.finished = true;
+      // After the copy, an event record failed: the buffer may still be read, so it stays busy (never reused).
+      if (!copy_enqueued) buffer.busy = false;
+      end_at(st, index, std::current_exception());
+      return false;
+    }
+  }
+
+  /// The data ends before `index` (called with the lock held): a producer returned 0 there, or failed. The earliest
+  /// end wins; batches from it on are dropped.
+  static void end_at(state& st, std::size_t index, std::exception_ptr failure) {
+    if (index < st.end) {
+      st.end = index;
       st.failure = std::move(failure);
     }
     st.cv.notify_all();
   }
 
   std::shared_ptr<state> state_;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 GPUKIT_END_NAMESPACE
