@@ -207,6 +207,20 @@ void BM_gpukit_device_buffer(benchmark::State& state) {
   });
 }
 
+/// BM_gpukit with one thread while a memory_history records every event (issue 11: the cost of recording). The
+/// ring (64 Ki events) wraps, as a long run's would.
+void BM_gpukit_history(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  host_engine a(cpu);
+  a.set_memory_history(std::make_shared<gpukit::memory_history>(std::size_t{1} << 16));
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  run_rounds(state, 1, [&](int) {
+    void* p = a.allocate(bytes, s);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
+
 void BM_malloc(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   run_rounds(state, static_cast<int>(state.range(1)), [bytes](int) {
@@ -407,7 +421,18 @@ void print_ratios(const collecting_reporter& r) {
     std::printf("  %-9s 2 threads: %-30s 1 thread: %s\n", gpukit::detail::format_bytes(size).c_str(), scaling.c_str(),
                 against_malloc.c_str());
   }
-  std::printf("  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n\n");
+  std::printf("  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
+  std::printf("\nRecording a memory_history (issue 11), 1 thread: ns per pair with a history against without\n");
+  for (std::size_t size : sizes) {
+    const std::string suffix = "/" + std::to_string(size) + "/1/0/manual_time";
+    const double off = r.ns("BM_gpukit" + suffix);
+    const double on = r.ns("BM_gpukit_history" + suffix);
+    if (off <= 0 || on <= 0) continue;
+    std::printf("  %-9s %8.1f ns with a history, %8.1f ns without: %.2fx (3 events per pair: alloc, free requested, "
+                "free completed, and the heap's path instead of the front cache)\n",
+                gpukit::detail::format_bytes(size).c_str(), on, off, on / off);
+  }
+  std::printf("\n");
   std::printf("gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
               "gpukit+q: 1 thread on a CPU stream | buffer: device_buffer through device_allocator | set+mutex: "
               "PyTorch's design (alloc_baselines.hpp) | -P: with a populated cache (500 live + 500 cached blocks "
@@ -422,6 +447,7 @@ int main(int argc, char** argv) {
   threaded(benchmark::RegisterBenchmark("BM_gpukit", BM_gpukit), true);
   single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
   single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
+  single(benchmark::RegisterBenchmark("BM_gpukit_history", BM_gpukit_history));
   threaded(benchmark::RegisterBenchmark("BM_malloc", BM_malloc), false);
   threaded(benchmark::RegisterBenchmark("BM_set_best_fit", BM_set_best_fit), true);
   if (gpukit::device_count() > 0) {

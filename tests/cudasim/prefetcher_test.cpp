@@ -115,3 +115,26 @@ TEST_CASE("sim prefetcher: another stream's blocked host function does not stop 
   g.open();
   other.synchronize();
 }
+
+TEST_CASE("sim prefetcher: next() while the consumer stream is captured is refused, and a release there is reported") {
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream consumer(d);
+  gpukit::prefetcher<std::uint32_t> loader(
+      consumer, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 10); });
+  auto first = loader.next();
+  REQUIRE(first);
+  REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  CHECK_THROWS_WITH_AS(loader.next(), doctest::Contains("is being captured into a CUDA graph"),
+                       gpukit::invalid_argument_error);
+  {
+    gpukit_test::captured_warnings warnings;
+    first.reset();  // released in the capture: no event recorded there
+    CHECK(warnings.contains("released while its consumer stream is being captured"));
+  }
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(consumer.cuda_handle(), &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  std::size_t rest = 0;
+  while (auto batch = loader.next()) ++rest;  // after the capture, the loader goes on
+  CHECK(rest == 9);
+}

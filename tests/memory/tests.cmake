@@ -16,3 +16,7 @@ gpukit_add_test(test_gpu_async_allocator SOURCES "${gpukit_memory_tests}/gpu_asy
 # The model of PyTorch's allocator that bench_fragmentation uses as a baseline (bench/pytorch_allocator_model.hpp).
 gpukit_add_test(test_pytorch_allocator_model SOURCES "${gpukit_memory_tests}/pytorch_model_test.cpp")
 target_include_directories(test_pytorch_allocator_model PRIVATE "${gpukit_memory_tests}/../../bench")
+# The memory history and its exports; the PyTorch pickle is loaded by Python's own pickle module.
+gpukit_add_test(test_memory_history SOURCES "${gpukit_memory_tests}/memory_history_test.cpp")
+target_compile_definitions(test_memory_history PRIVATE
+  GPUKIT_TEST_PICKLE_CHECK="${gpukit_memory_tests}/check_pytorch_snapshot.py")

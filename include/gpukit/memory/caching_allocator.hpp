@@ -68,6 +68,7 @@
 #include <gpukit/memory/detail/size_classes.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
+#include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
@@ -321,7 +322,10 @@ class basic_caching_allocator {
     refuse_if_captured(stream, "allocate");
     const std::size_t size = round_request(bytes);
     if (front_cache_ && ops_.device_of(stream) == device_) {
-      if (block* cached = front_take(ops_.key(stream), size, bytes)) return reinterpret_cast<void*>(cached->address);
+      if (block* cached = front_take(ops_.key(stream), size, bytes)) {
+        if (history_.load(std::memory_order_relaxed) != nullptr) note(memory_action::alloc, cached);
+        return reinterpret_cast<void*>(cached->address);
+      }
     }
     const bool small = size <= options_.small_size;
     block* b;
@@ -355,9 +359,10 @@ class basic_caching_allocator {
       map_.insert(b->address, b);
     } catch (...) {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
-      free_allocated(b, false);  // never handed out: nothing can use it
+      free_allocated(b, false, false);  // never handed out: nothing can use it
       throw;
     }
+    if (history_.load(std::memory_order_relaxed) != nullptr) note(memory_action::alloc, b);
     return reinterpret_cast<void*>(b->address);
   }
 
@@ -382,7 +387,10 @@ class basic_caching_allocator {
     // Reusable at once on its own stream: a small block is cached in front for the next request of its size there
     // (it stays in the map, marked). Only when it needs no fence: the stream may be destroyed while the block is
     // cached, and must not be asked (or recorded on) later.
-    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty()) {
+    // While a history is recorded, frees take the heap's path, which records them under the device lock: a block
+    // cached in front could be taken by another thread before this one had recorded the free.
+    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty() &&
+        history_.load(std::memory_order_relaxed) == nullptr) {
       const front_result r = front_give(b);
       if (r == front_result::cached) return;
       if (r == front_result::already_free) throw_not_owned(p, "deallocate");
@@ -511,6 +519,7 @@ class basic_caching_allocator {
 
   /// Every segment and block with the statistics, consistent with each other.
   allocator_snapshot snapshot() const {
+    if (memory_history* h = history_.load(std::memory_order_relaxed)) h->record(memory_action::snapshot, 0, 0, 0);
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     fronts_lock all(fronts_);  // blocks do not enter or leave the front caches meanwhile
     allocator_snapshot s;
@@ -527,7 +536,7 @@ class basic_caching_allocator {
         bi.address = b->address;
         bi.size = b->size;
         const bool cached = b->in_front.load(std::memory_order_relaxed);
-        bi.requested = cached ? 0 : b->requested;
+        bi.requested = (cached || b->state != block_state::allocated) ? 0 : b->requested;
         bi.state = cached ? block_state::cached : b->state;
         bi.stream = b->owner->key;
         bi.pending_events = b->pending_events;
@@ -613,6 +622,25 @@ class basic_caching_allocator {
   std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) { return observers_.add(std::move(observer)); }
   /// Removes an observer; returns false when no observer has that id. A call already under way finishes.
   bool remove_out_of_memory_observer(std::uint64_t id) { return observers_.remove(id); }
+
+  /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops recording.
+  /// While no history is set, the cost is one relaxed load and a branch per call. A history once set is kept alive
+  /// until the allocator is destroyed (a call on another thread may still be recording into it).
+  void set_memory_history(std::shared_ptr<memory_history> history) {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    memory_history* const raw = history.get();
+    if (history != nullptr &&
+        std::find(histories_.begin(), histories_.end(), history) == histories_.end()) {
+      histories_.push_back(history);
+    }
+    current_history_ = std::move(history);
+    history_.store(raw, std::memory_order_relaxed);
+  }
+  /// The history being recorded into, or null.
+  std::shared_ptr<memory_history> history() const {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    return current_history_;
+  }
 
   std::size_t reserved_limit() const noexcept { return limit_atomic_.load(std::memory_order_relaxed); }
   const allocator_options& options() const noexcept { return options_; }
@@ -1266,6 +1294,9 @@ class basic_caching_allocator {
   void complete_pending(block* b) {
     --pending_total_;
     if (--b->pending_events != 0) return;
+    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+      h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
+    }
     count(st_active, b->small, -1);
     count(st_active_bytes, b->small, -as_delta(b->size));
     return_to_pool(b);
@@ -1570,6 +1601,13 @@ class basic_caching_allocator {
   /// erases the block from the map before clearing the mark (release), so a cleared mark seen here (acquire) with
   /// the shard changed since the lookup sends us to the map again. Without that, a second free ordered after the
   /// first could cache a block the heap holds (found by review; test "a double free racing with a flush").
+  /// Records an allocation just handed out (only called while a history is set).
+  GPUKIT_DETAIL_NOINLINE void note(memory_action action, const block* b) const noexcept {
+    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+      h->record(action, b->address, b->requested, b->owner->key);
+    }
+  }
+
   block* live_block(std::uintptr_t address) const noexcept {
     typename map_type::version_type version = 0;
     block* b = map_.find(address, version);
@@ -1773,7 +1811,7 @@ class basic_caching_allocator {
 
   /// `owner_busy` says whether the owner stream may still have work using the block (asked before the lock is
   /// taken: on a CPU stream the question takes the queue's own lock).
-  void free_allocated(block* b, bool owner_busy) {
+  void free_allocated(block* b, bool owner_busy, bool user_free = true) {
     std::unique_ptr<event_type> fence;
     std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;
     try {
@@ -1815,18 +1853,20 @@ class basic_caching_allocator {
       b->fence = std::move(fence);
       b->fence_sequence = ++fence_counter_;
     }
+    memory_history* const h = user_free ? history_.load(std::memory_order_relaxed) : nullptr;
+    if (h != nullptr) h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
     count(st_allocation, b->small, -1);
     count(st_allocated_bytes, b->small, -as_delta(b->size));
     count(st_requested_bytes, b->small, -as_delta(b->requested));
     clear_recorded(b);  // the users' pending events (below) keep their states alive
     if (uses.empty()) {
+      if (h != nullptr) h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
       count(st_active, b->small, -1);
       count(st_active_bytes, b->small, -as_delta(b->size));
       return_to_pool(b);
       return;
     }
-    b->state = block_state::pending;
-    b->requested = 0;
+    b->state = block_state::pending;  // keeps `requested` for the history's free_completed
     b->pending_events = static_cast<std::uint32_t>(uses.size());
     pending_total_ += uses.size();
     for (auto& use : uses) {
@@ -1907,6 +1947,10 @@ class basic_caching_allocator {
     b->state = block_state::free;
     index_free(b);
     count(st_segment, small, 1);
+    // An expandable segment's reserved range is no memory yet: its pages are recorded as they are mapped.
+    if (memory_history* h = history_.load(std::memory_order_relaxed); h != nullptr && !segments_->expandable) {
+      h->record(memory_action::segment_alloc, address, bytes, 0);
+    }
   }
 
   // --- expandable segments (virtual memory) ---
@@ -1984,6 +2028,9 @@ class basic_caching_allocator {
         }
         limit_hit = false;
         if (!upstream_.map(reinterpret_cast<void*>(seg->address + i * page), page)) return false;
+        if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+          h->record(memory_action::segment_map, seg->address + i * page, page, 0);
+        }
         seg->pages[i] = true;
         seg->mapped += page;
         count(st_reserved_bytes, seg->small, as_delta(page));
@@ -2065,6 +2112,9 @@ class basic_caching_allocator {
       ++n;
     }
     if constexpr (has_vm) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * vm_page_), n * vm_page_);
+    if (memory_history* h = history_.load(std::memory_order_relaxed); h != nullptr && n != 0) {
+      h->record(memory_action::segment_unmap, seg->address + i * vm_page_, n * vm_page_, 0);
+    }
     seg->mapped -= n * vm_page_;
     for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
     return n;
@@ -2083,13 +2133,17 @@ class basic_caching_allocator {
 
   /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
   void return_segment(segment* seg) noexcept {
+    memory_history* const h = history_.load(std::memory_order_relaxed);
     if constexpr (has_vm) {
       if (seg->expandable) {
         const std::size_t page = vm_page_;
         for (std::size_t i = 0; i < seg->pages.size();) {
           std::size_t n = 0;
           while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
-          if (n != 0) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
+          if (n != 0) {
+            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
+            if (h != nullptr) h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
+          }
           i += n + 1;
         }
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
@@ -2097,6 +2151,7 @@ class basic_caching_allocator {
       }
     }
     upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+    if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
   }
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size,
@@ -2405,6 +2460,9 @@ class basic_caching_allocator {
     } else if (info.known && allocated < info.total_bytes / 2 && reserved < info.total_bytes / 2) {
       m += " Most of the device is used outside this allocator (other processes or libraries).";
     }
+    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+      h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
+    }
     observers_.notify(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
                                          f.free_bytes, f.largest_free_block, limit, limit_hit, info.known,
                                          info.total_bytes, info.free_bytes, m},
@@ -2472,6 +2530,9 @@ class basic_caching_allocator {
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
   detail::out_of_memory_observers observers_;
+  std::atomic<memory_history*> history_{nullptr};            // read on every call: one relaxed load
+  std::shared_ptr<memory_history> current_history_;            // guarded by mutex_
+  std::vector<std::shared_ptr<memory_history>> histories_;     // every history ever set (see set_memory_history)
 
   static constexpr std::size_t min_prune_at = 64;
 

@@ -141,5 +141,14 @@ inline bool remove_out_of_memory_observer(std::uint64_t id, device d) {
 }
 /// Caps the memory `d`'s default allocator may reserve, in bytes.
 inline void set_reserved_memory_limit(std::size_t bytes, device d) { default_allocator(d).set_reserved_limit(bytes); }
+/// Starts recording what `d`'s default allocator does into a new history of at most `max_entries` events (like
+/// torch.cuda.memory._record_memory_history) and returns it; stop_memory_history(d) stops.
+inline std::shared_ptr<memory_history> record_memory_history(device d, std::size_t max_entries = 100000) {
+  auto history = std::make_shared<memory_history>(max_entries);
+  default_allocator(d).set_memory_history(history);
+  return history;
+}
+/// Stops recording the history of `d`'s default allocator (the history keeps what it holds).
+inline void stop_memory_history(device d) { default_allocator(d).set_memory_history(nullptr); }
 
 GPUKIT_END_NAMESPACE

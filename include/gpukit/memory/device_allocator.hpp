@@ -15,6 +15,7 @@
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
+#include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
@@ -22,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -94,6 +96,16 @@ class device_allocator {
     return false;
   }
 
+  /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops. Allocators
+  /// that cannot record a history throw invalid_argument_error.
+  virtual void set_memory_history(std::shared_ptr<memory_history> history) {
+    (void)history;
+    throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
+                                 " does not record a memory history");
+  }
+  /// The history being recorded into, or null.
+  virtual std::shared_ptr<memory_history> history() const { return nullptr; }
+
   /// Bytes handed out to users, like torch.cuda.memory_allocated().
   virtual std::size_t memory_allocated() const noexcept = 0;
   /// Bytes held from the device, like torch.cuda.memory_reserved().
@@ -154,6 +166,10 @@ class caching_device_allocator final : public device_allocator {
   std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) override {
     return engine_.add_out_of_memory_observer(std::move(observer));
   }
+  void set_memory_history(std::shared_ptr<memory_history> history) override {
+    engine_.set_memory_history(std::move(history));
+  }
+  std::shared_ptr<memory_history> history() const override { return engine_.history(); }
   bool remove_out_of_memory_observer(std::uint64_t id) override { return engine_.remove_out_of_memory_observer(id); }
   std::size_t memory_allocated() const noexcept override { return engine_.memory_allocated(); }
   std::size_t memory_reserved() const noexcept override { return engine_.memory_reserved(); }

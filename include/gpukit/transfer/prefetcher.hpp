@@ -40,6 +40,7 @@
 #include <gpukit/error.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/span.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -162,6 +163,7 @@ class prefetcher {
           produce(std::move(produce_)),
           max_buffers(options.prefetch_factor == 0 ? no_end : options.prefetch_factor * options.producer_threads) {
       slots.reserve(options.depth);
+      if (max_buffers <= 1024) buffers.reserve(max_buffers);  // then the list never grows
       for (std::size_t i = 0; i < options.depth; ++i) {
         slots.push_back(std::make_unique<slot>(dev, capacity, copy_stream.view(), consumer, i));
       }
@@ -177,6 +179,7 @@ class prefetcher {
     std::condition_variable cv;
     std::vector<std::unique_ptr<slot>> slots;
     std::vector<std::unique_ptr<staging_buffer>> buffers;  // null while a producer thread allocates it (or failed to)
+    std::size_t failed_places = 0;  // null places whose allocation failed
     std::size_t next_to_claim = 0;  // the next index a producer thread takes
     std::size_t next_to_hand = 0;   // the index of the next batch next() returns
     std::size_t end = no_end;       // the first index that is not a batch (the producer returned 0 or failed)
@@ -217,7 +220,13 @@ class prefetcher {
     void release() noexcept {
       if (slot_ == nullptr) return;
       try {
-        slot_->consumed.record(state_->consumer);
+        // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
+        if (detail::capture_status(state_->consumer) != cudaStreamCaptureStatusNone) {
+          warn("gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
+               "graph; its buffer may be refilled before the captured work runs");
+        } else {
+          slot_->consumed.record(state_->consumer);
+        }
       } catch (const std::exception& e) {
         warn(std::string("gpukit::prefetcher: releasing a batch failed: ") + e.what());
       }
@@ -281,9 +290,14 @@ class prefetcher {
   /// producer's exception at the point where it happened. Throws invalid_argument_error if batch index − depth,
   /// whose buffer the next batch needs, is still held, and if called from the producer callback (it would wait for
   /// the batch that very callback is producing): unless the producer catches it, that error ends the data and the
-  /// consumer's next() rethrows it, like any producer exception.
+  /// consumer's next() rethrows it, like any producer exception. Throws invalid_argument_error, taking nothing,
+  /// while the consumer stream is being captured into a CUDA graph.
   std::optional<batch> next() {
     state& st = *state_;
+    if (detail::capture_status(st.consumer) != cudaStreamCaptureStatusNone) {
+      throw invalid_argument_error("gpukit::prefetcher::next: the consumer stream is being captured into a CUDA graph; "
+                                   "batches arrive at run time, so take them outside the capture");
+    }
     std::unique_lock<std::mutex> lock(st.mutex);
     if (std::find(st.producer_ids.begin(), st.producer_ids.end(), std::this_thread::get_id()) !=
         st.producer_ids.end()) {
@@ -393,23 +407,26 @@ class prefetcher {
     }
     if (waiting_since) st.stats.producer_wait_for_pinned += clock::now() - *waiting_since;
     if (st.stopping || st.next_to_claim >= st.end) return false;
-    index = st.next_to_claim++;
-    st.stats.max_batches_in_flight = std::max(st.stats.max_batches_in_flight, in_use + 1);
     if (buffer != nullptr) {
+      index = st.next_to_claim++;
+      st.stats.max_batches_in_flight = std::max(st.stats.max_batches_in_flight, in_use + 1);
       buffer->busy = true;
       return true;
     }
-    // A new buffer: allocated without the lock (pinning may take milliseconds, and cudaFreeHost in the pool waits for
-    // the device), in a place reserved for it.
+    // A new buffer, in a place reserved for it before the index is taken (growing the list may throw: then no index
+    // is lost). It is allocated without the lock: pinning may take milliseconds, and cudaFreeHost in the pool waits
+    // for the device.
     const std::size_t place = st.buffers.size();
     st.buffers.emplace_back();
+    index = st.next_to_claim++;
+    st.stats.max_batches_in_flight = std::max(st.stats.max_batches_in_flight, in_use + 1);
     lock.unlock();
     std::unique_ptr<staging_buffer> made;
     try {
       made = std::make_unique<staging_buffer>(st.capacity, *st.pool, st.dev, st.copy_stream.view());
     } catch (...) {
       lock.lock();
-      // The place stays empty (other threads may be filling later places); the data ends here anyway.
+      ++st.failed_places;  // stays empty (other threads may be filling later places); the data ends here anyway
       end_at(st, index, std::current_exception());
       return false;
     }
@@ -418,6 +435,10 @@ class prefetcher {
     st.buffers[place] = std::move(made);
     ++st.stats.pinned_buffers;
     st.stats.pinned_bytes += st.capacity * sizeof(T);
+    if (st.stopping || st.end <= index) {  // stopped, or the data ended, while the buffer was being pinned
+      buffer->busy = false;
+      return false;
+    }
     return true;
   }
 
@@ -439,7 +460,7 @@ class prefetcher {
   static std::size_t in_flight(state& st) {
     std::size_t in_use = 0;
     (void)free_buffer(st, in_use);
-    return in_use;
+    return in_use - st.failed_places;
   }
 
   /// Produces batch `index` into `buffer`, waits for its device buffer and enqueues the copy (false: stop).

@@ -1,0 +1,385 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Exports of a memory_history (and a snapshot) for the tools people already use:
+///
+/// - pytorch_snapshot_pickle / dump_pytorch_snapshot: the dictionary torch.cuda.memory._snapshot() returns
+///   ("segments" with "blocks", "device_traces" with "action", "addr", "size", "stream", "time_us", "frames"), as a
+///   pickle that PyTorch's memory viewer (pytorch.org/memory_viz) opens. A memory_tag shows as the single frame of
+///   an event or block.
+/// - rmm_log_csv: RMM's logging_resource_adaptor format (Thread,Time,Action,Pointer,Size,Stream), which RMM's
+///   replay benchmark reads.
+/// - history_json: every event and the snapshot's segments, for scripts.
+/// - live_allocations / leak_report: allocations the history saw made and not freed, grouped by tag and size.
+///
+///     auto history = gpukit::record_memory_history(d);
+///     run_workload();
+///     gpukit::dump_pytorch_snapshot("snapshot.pickle", gpukit::default_allocator(d).snapshot(), *history);
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/memory_history.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <ctime>
+#include <map>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Writes Python pickle protocol 2: dictionaries, lists, strings, non-negative integers, booleans, pairs.
+class pickle_writer {
+ public:
+  pickle_writer() { out_ += "\x80\x02"; }  // PROTO 2
+
+  void begin_dict() { out_ += "}("; }  // EMPTY_DICT, MARK
+  void end_dict() { out_ += 'u'; }     // SETITEMS
+  void begin_list() { out_ += "]("; }  // EMPTY_LIST, MARK
+  void end_list() { out_ += 'e'; }     // APPENDS
+
+  /// A str (BINUNICODE); bytes that are not UTF-8 become '?'.
+  void text(std::string_view s) {
+    const std::string valid = utf8_or_question_marks(s);
+    out_ += 'X';
+    put_le(valid.size(), 4);
+    out_ += valid;
+  }
+  /// An int: BININT up to 2^31 - 1, else LONG1 (little-endian two's complement).
+  void integer(std::uint64_t v) {
+    if (v <= 0x7fffffffu) {
+      out_ += 'J';
+      put_le(v, 4);
+      return;
+    }
+    std::size_t n = 0;
+    for (std::uint64_t x = v; x != 0; x >>= 8) ++n;
+    const bool top_bit = ((v >> (8 * (n - 1))) & 0x80u) != 0;  // would read as negative: add a zero byte
+    out_ += '\x8a';
+    out_ += static_cast<char>(n + (top_bit ? 1 : 0));
+    put_le(v, n);
+    if (top_bit) out_ += '\0';
+  }
+  void boolean(bool b) { out_ += b ? '\x88' : '\x89'; }
+  /// A tuple of two ints (TUPLE2).
+  void pair(std::uint64_t a, std::uint64_t b) {
+    integer(a);
+    integer(b);
+    out_ += '\x86';
+  }
+  void key(std::string_view k) { text(k); }
+  /// A dictionary item: key and value.
+  void entry(std::string_view k, std::uint64_t v) {
+    key(k);
+    integer(v);
+  }
+  void entry(std::string_view k, const char* v) {
+    key(k);
+    text(v);
+  }
+  void entry(std::string_view k, const std::string& v) {
+    key(k);
+    text(v);
+  }
+  void entry_bool(std::string_view k, bool v) {
+    key(k);
+    boolean(v);
+  }
+
+  /// The pickle, ended with STOP.
+  std::string finish() {
+    out_ += '.';
+    return std::move(out_);
+  }
+
+  static std::string utf8_or_question_marks(std::string_view s) {
+    std::string r(s);
+    for (std::size_t i = 0; i < r.size();) {
+      const auto c = static_cast<unsigned char>(r[i]);
+      const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+      bool ok = n != 0 && i + n <= r.size();
+      for (std::size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(r[i + k]) >> 6) == 0x2;
+      if (!ok) {
+        r[i] = '?';
+        ++i;
+      } else {
+        i += n;
+      }
+    }
+    return r;
+  }
+
+ private:
+  void put_le(std::uint64_t v, std::size_t bytes) {
+    for (std::size_t i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xffu);
+  }
+  std::string out_;
+};
+
+inline std::string json_string(std::string_view s) {
+  std::string r = "\"";
+  for (const char c : pickle_writer::utf8_or_question_marks(s)) {
+    switch (c) {
+      case '"': r += "\\\""; break;
+      case '\\': r += "\\\\"; break;
+      case '\n': r += "\\n"; break;
+      case '\r': r += "\\r"; break;
+      case '\t': r += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char u[8];
+          std::snprintf(u, sizeof u, "\\u%04x", static_cast<unsigned>(c));
+          r += u;
+        } else {
+          r += c;
+        }
+    }
+  }
+  return r + "\"";
+}
+
+inline const char* pytorch_block_state(block_state s) noexcept {
+  switch (s) {
+    case block_state::allocated: return "active_allocated";
+    case block_state::pending: return "active_pending_free";
+    default: return "inactive";  // free, or cached in a front cache (reusable)
+  }
+}
+
+/// The tag of the allocation at each address live at the end of the history.
+inline std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
+  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
+  for (const memory_event& e : events) {
+    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
+    if (e.action == memory_action::free_requested) tags.erase(e.address);
+  }
+  return tags;
+}
+
+inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) throw invalid_argument_error(std::string(who) + ": cannot open " + path + " for writing");
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  const bool closed = std::fclose(f) == 0;
+  if (!written || !closed) throw invalid_argument_error(std::string(who) + ": writing " + path + " failed");
+}
+
+}  // namespace detail
+
+/// The snapshot and history as the pickle torch.cuda.memory._dump_snapshot() writes (see the file comment).
+/// `device_traces` has one list per device up to the snapshot's; the history goes to the snapshot's device (the
+/// CPU device counts as 0).
+inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, const memory_history& history) {
+  const std::vector<memory_event> events = history.events();
+  const auto tags = detail::live_tags(events);
+  const std::uint64_t device = snapshot.device.is_cuda() ? static_cast<std::uint64_t>(snapshot.device.ordinal()) : 0;
+  detail::pickle_writer w;
+  const auto frames = [&w](std::uint32_t tag) {
+    w.key("frames");
+    w.begin_list();
+    if (tag != 0) {  // the tag as the one frame the viewer shows
+      w.begin_dict();
+      w.entry("filename", "gpukit::memory_tag");
+      w.entry("line", std::uint64_t{0});
+      w.entry("name", memory_tag_name(tag));
+      w.end_dict();
+    }
+    w.end_list();
+  };
+  w.begin_dict();
+  w.key("segments");
+  w.begin_list();
+  for (const segment_info& seg : snapshot.segments) {
+    std::uint64_t allocated = 0, active = 0, requested = 0;
+    for (const block_info& b : seg.blocks) {
+      if (b.state == block_state::allocated) allocated += b.size;
+      if (b.state == block_state::allocated || b.state == block_state::pending) active += b.size;
+      requested += b.requested;
+    }
+    w.begin_dict();
+    w.entry("device", device);
+    w.entry("address", seg.address);
+    w.entry("total_size", seg.size);
+    w.entry("allocated_size", allocated);
+    w.entry("active_size", active);
+    w.entry("requested_size", requested);
+    w.entry("stream", seg.blocks.empty() ? 0 : seg.blocks.front().stream);
+    w.entry("segment_type", seg.small_pool ? "small" : "large");
+    w.key("segment_pool_id");
+    w.pair(0, 0);
+    w.entry_bool("is_expandable", seg.expandable);
+    frames(0);
+    w.key("blocks");
+    w.begin_list();
+    for (const block_info& b : seg.blocks) {
+      w.begin_dict();
+      w.entry("address", b.address);
+      w.entry("size", b.size);
+      w.entry("requested_size", b.requested);
+      w.entry("state", detail::pytorch_block_state(b.state));
+      const auto tag = b.state == block_state::allocated ? tags.find(b.address) : tags.end();
+      frames(tag == tags.end() ? 0 : tag->second);
+      w.end_dict();
+    }
+    w.end_list();
+    w.end_dict();
+  }
+  w.end_list();
+  w.key("device_traces");
+  w.begin_list();
+  for (std::uint64_t d = 0; d <= device; ++d) {
+    w.begin_list();
+    if (d == device) {
+      for (const memory_event& e : events) {
+        w.begin_dict();
+        w.entry("action", memory_action_name(e.action));
+        if (e.action == memory_action::oom) {
+          w.entry("device_free", e.device_free);
+        } else {
+          w.entry("addr", e.address);
+        }
+        w.entry("size", e.size);
+        w.entry("stream", e.stream);
+        w.key("time_us");
+        const std::int64_t us = history.unix_time_us(e);
+        w.integer(us < 0 ? 0 : static_cast<std::uint64_t>(us));
+        frames(e.tag);
+        w.end_dict();
+      }
+    }
+    w.end_list();
+  }
+  w.end_list();
+  w.end_dict();
+  return w.finish();
+}
+
+/// Writes pytorch_snapshot_pickle to `path` (throws invalid_argument_error when it cannot).
+inline void dump_pytorch_snapshot(const std::string& path, const allocator_snapshot& snapshot,
+                                  const memory_history& history) {
+  detail::write_file(path, pytorch_snapshot_pickle(snapshot, history), "gpukit::dump_pytorch_snapshot");
+}
+
+/// The allocations and frees of the history in RMM's log format: "Thread,Time,Action,Pointer,Size,Stream", one row
+/// per alloc ("allocate"), free_requested ("free") and oom ("allocate failure", pointer 0x0); Time is the UTC time
+/// of day as HH:MM:SS:microseconds, Stream the allocator's stream key in decimal.
+inline std::string rmm_log_csv(const memory_history& history) {
+  std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
+  for (const memory_event& e : history.events()) {
+    const char* action = e.action == memory_action::alloc            ? "allocate"
+                         : e.action == memory_action::free_requested ? "free"
+                         : e.action == memory_action::oom            ? "allocate failure"
+                                                                     : nullptr;
+    if (action == nullptr) continue;
+    const std::int64_t us = history.unix_time_us(e);
+    const std::int64_t of_day = ((us % 86400000000LL) + 86400000000LL) % 86400000000LL;
+    char row[160];
+    std::snprintf(row, sizeof row, "%llu,%02lld:%02lld:%02lld:%06lld,%s,0x%llx,%zu,%llu\n",
+                  static_cast<unsigned long long>(e.thread), static_cast<long long>(of_day / 3600000000LL),
+                  static_cast<long long>(of_day / 60000000LL % 60), static_cast<long long>(of_day / 1000000LL % 60),
+                  static_cast<long long>(of_day % 1000000LL), action, static_cast<unsigned long long>(e.address),
+                  e.size, static_cast<unsigned long long>(e.stream));
+    out += row;
+  }
+  return out;
+}
+
+/// The history (and, when given, a snapshot's segments) as JSON: {"recorded", "dropped", "events": [{"action",
+/// "address", "size", "stream", "time_us", "thread", "tag"}, ...], "segments": [...]}.
+inline std::string history_json(const memory_history& history, const allocator_snapshot* snapshot = nullptr) {
+  const std::vector<memory_event> events = history.events();
+  std::string out = "{\"recorded\":" + std::to_string(history.recorded()) +
+                    ",\"dropped\":" + std::to_string(history.dropped()) + ",\"events\":[";
+  bool first = true;
+  for (const memory_event& e : events) {
+    out += first ? "" : ",";
+    first = false;
+    out += "{\"action\":\"" + std::string(memory_action_name(e.action)) + "\",\"address\":" + std::to_string(e.address) +
+           ",\"size\":" + std::to_string(e.size) + ",\"stream\":" + std::to_string(e.stream) +
+           ",\"time_us\":" + std::to_string(history.unix_time_us(e)) + ",\"thread\":" + std::to_string(e.thread);
+    if (e.tag != 0) out += ",\"tag\":" + detail::json_string(memory_tag_name(e.tag));
+    if (e.action == memory_action::oom) out += ",\"device_free\":" + std::to_string(e.device_free);
+    out += "}";
+  }
+  out += "]";
+  if (snapshot != nullptr) {
+    out += ",\"device\":" + detail::json_string(snapshot->device.to_string()) + ",\"segments\":[";
+    for (std::size_t i = 0; i < snapshot->segments.size(); ++i) {
+      const segment_info& seg = snapshot->segments[i];
+      out += i == 0 ? "" : ",";
+      out += "{\"address\":" + std::to_string(seg.address) + ",\"size\":" + std::to_string(seg.size) +
+             ",\"mapped\":" + std::to_string(seg.mapped) + ",\"expandable\":" + (seg.expandable ? "true" : "false") +
+             ",\"pool\":\"" + (seg.small_pool ? "small" : "large") + "\",\"blocks\":[";
+      for (std::size_t k = 0; k < seg.blocks.size(); ++k) {
+        const block_info& b = seg.blocks[k];
+        out += k == 0 ? "" : ",";
+        out += "{\"address\":" + std::to_string(b.address) + ",\"size\":" + std::to_string(b.size) +
+               ",\"requested\":" + std::to_string(b.requested) + ",\"state\":\"" + detail::pytorch_block_state(b.state) +
+               "\",\"stream\":" + std::to_string(b.stream) + "}";
+      }
+      out += "]}";
+    }
+    out += "]";
+  }
+  return out + "}";
+}
+
+/// Allocations of one tag and size that the history saw made and not freed.
+struct live_allocation_group {
+  std::string tag;  ///< "" when untagged
+  std::size_t size = 0;
+  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< size × count
+};
+
+/// The history's allocations not freed by its end, grouped by tag and size, largest total first. Allocations made
+/// before the history began, or whose alloc event the ring dropped, are not seen.
+inline std::vector<live_allocation_group> live_allocations(const memory_history& history) {
+  std::unordered_map<std::uintptr_t, std::pair<std::uint32_t, std::size_t>> live;  // address -> (tag, size)
+  for (const memory_event& e : history.events()) {
+    if (e.action == memory_action::alloc) live[e.address] = {e.tag, e.size};
+    if (e.action == memory_action::free_requested) live.erase(e.address);
+  }
+  std::map<std::pair<std::uint32_t, std::size_t>, std::size_t> counts;
+  for (const auto& entry : live) ++counts[entry.second];
+  std::vector<live_allocation_group> groups;
+  for (const auto& c : counts) {
+    groups.push_back({memory_tag_name(c.first.first), c.first.second, c.second, c.first.second * c.second});
+  }
+  std::sort(groups.begin(), groups.end(), [](const live_allocation_group& a, const live_allocation_group& b) {
+    return a.bytes != b.bytes ? a.bytes > b.bytes : (a.tag != b.tag ? a.tag < b.tag : a.size < b.size);
+  });
+  return groups;
+}
+
+/// live_allocations as a table: one line per group, then the total.
+inline std::string leak_report(const memory_history& history) {
+  const auto groups = live_allocations(history);
+  std::size_t total = 0, count = 0;
+  std::string out;
+  for (const live_allocation_group& g : groups) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-24s %12zu B x %-8zu = %zu B\n", g.tag.empty() ? "(untagged)" : g.tag.c_str(),
+                  g.size, g.count, g.bytes);
+    out += line;
+    total += g.bytes;
+    count += g.count;
+  }
+  std::string head = "live allocations seen by the history: " + std::to_string(count) + " (" + std::to_string(total) +
+                     " B)";
+  if (history.dropped() != 0) head += "; " + std::to_string(history.dropped()) + " older events were dropped";
+  return head + "\n" + out;
+}
+
+GPUKIT_END_NAMESPACE

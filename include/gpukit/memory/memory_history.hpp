@@ -1,0 +1,240 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// memory_history: a bounded record of what a caching allocator did (like torch.cuda.memory._record_memory_history):
+/// allocations, frees requested and completed, segments obtained from and returned to the upstream, pages mapped
+/// and unmapped, out-of-memory errors and snapshots, each with a timestamp, the stream, the size and the thread's
+/// memory_tag. A ring buffer: once max_entries events are held, each new one replaces the oldest.
+///
+///     auto history = std::make_shared<gpukit::memory_history>(100000);
+///     allocator.set_memory_history(history);        // off by default; one branch per call while off
+///     {
+///       gpukit::memory_tag tag("kv-cache");         // allocations of this thread carry the tag
+///       auto cache = gpukit::device_buffer<float>(n, s, allocator);
+///     }
+///     std::vector<gpukit::memory_event> events = history->events();
+///
+/// memory/history_export.hpp writes it as JSON, as an RMM log (CSV) and as a PyTorch snapshot (pickle).
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/error.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// What happened (the names PyTorch's snapshots use; memory_action_name gives them).
+enum class memory_action : std::uint8_t {
+  alloc,           ///< an allocation was handed out (size: the bytes requested)
+  free_requested,  ///< the user freed it (size: the bytes requested)
+  free_completed,  ///< its memory is reusable: at once, or once the streams recorded for it were done
+  segment_alloc,   ///< memory obtained from the upstream (cudaMalloc)
+  segment_free,    ///< memory returned to the upstream (cudaFree)
+  segment_map,     ///< pages mapped into an expandable segment
+  segment_unmap,   ///< pages unmapped from an expandable segment
+  snapshot,        ///< a snapshot was taken
+  oom,             ///< an allocation failed with out_of_memory_error (size: the bytes requested)
+};
+
+/// PyTorch's name of an action: "alloc", "free_requested", ..., "oom".
+inline const char* memory_action_name(memory_action a) noexcept {
+  switch (a) {
+    case memory_action::alloc: return "alloc";
+    case memory_action::free_requested: return "free_requested";
+    case memory_action::free_completed: return "free_completed";
+    case memory_action::segment_alloc: return "segment_alloc";
+    case memory_action::segment_free: return "segment_free";
+    case memory_action::segment_map: return "segment_map";
+    case memory_action::segment_unmap: return "segment_unmap";
+    case memory_action::snapshot: return "snapshot";
+    case memory_action::oom: return "oom";
+  }
+  return "unknown";
+}
+
+/// One recorded event.
+struct memory_event {
+  memory_action action = memory_action::alloc;
+  std::uintptr_t address = 0;  ///< the allocation, segment or pages (0 for oom and snapshot)
+  std::size_t size = 0;        ///< bytes (see memory_action)
+  std::uintptr_t stream = 0;   ///< the stream's key in the allocator (0 when not tied to a stream)
+  std::int64_t time_ns = 0;    ///< std::chrono::steady_clock, nanoseconds since its epoch
+  std::uint64_t thread = 0;    ///< a number for the calling thread (std::hash of its id)
+  std::uint32_t tag = 0;       ///< the thread's memory_tag (0: none); memory_tag_name gives the name
+  std::size_t device_free = 0; ///< oom: the device's free bytes when known, else 0
+};
+
+namespace detail {
+
+/// Process-wide tag names: id 0 is "", ids never change once given.
+struct memory_tag_registry {
+  std::mutex mutex;
+  std::vector<std::string> names{std::string()};
+  std::unordered_map<std::string, std::uint32_t> ids;
+};
+
+GPUKIT_EXPORT inline memory_tag_registry& memory_tags() {
+  static memory_tag_registry registry;
+  return registry;
+}
+
+/// The tag of the calling thread's allocations (0: none).
+GPUKIT_EXPORT inline std::uint32_t& current_memory_tag() noexcept {
+  thread_local std::uint32_t id = 0;
+  return id;
+}
+
+inline std::uint64_t this_thread_number() noexcept {
+  thread_local const std::uint64_t number = std::hash<std::thread::id>()(std::this_thread::get_id());
+  return number;
+}
+
+}  // namespace detail
+
+/// The id of a tag name (the same for every call with that name in the process); "" is 0.
+inline std::uint32_t memory_tag_id(std::string_view name) {
+  if (name.empty()) return 0;
+  detail::memory_tag_registry& r = detail::memory_tags();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto found = r.ids.find(std::string(name));
+  if (found != r.ids.end()) return found->second;
+  const auto id = static_cast<std::uint32_t>(r.names.size());
+  r.names.emplace_back(name);
+  r.ids.emplace(std::string(name), id);
+  return id;
+}
+
+/// The name of a tag id ("" for 0 or an unknown id).
+inline std::string memory_tag_name(std::uint32_t id) {
+  detail::memory_tag_registry& r = detail::memory_tags();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return id < r.names.size() ? r.names[id] : std::string();
+}
+
+/// Tags the calling thread's allocations while it lives (nested tags restore the outer one). Costs nothing unless
+/// an allocator records a history.
+class memory_tag {
+ public:
+  explicit memory_tag(std::string_view name) : previous_(detail::current_memory_tag()) {
+    detail::current_memory_tag() = memory_tag_id(name);
+  }
+  memory_tag(const memory_tag&) = delete;
+  memory_tag& operator=(const memory_tag&) = delete;
+  ~memory_tag() { detail::current_memory_tag() = previous_; }
+
+ private:
+  std::uint32_t previous_;
+};
+
+/// A bounded history of allocator events (see the file comment). Thread-safe; record() never throws.
+class memory_history {
+ public:
+  /// Keeps the latest `max_entries` events. Throws invalid_argument_error for 0.
+  explicit memory_history(std::size_t max_entries = 100000)
+      : steady_origin_(std::chrono::steady_clock::now()), system_origin_(std::chrono::system_clock::now()) {
+    if (max_entries == 0) throw invalid_argument_error("gpukit::memory_history: max_entries must be positive");
+    ring_.reserve(max_entries < 4096 ? max_entries : 4096);
+    max_entries_ = max_entries;
+  }
+
+  memory_history(const memory_history&) = delete;
+  memory_history& operator=(const memory_history&) = delete;
+
+  /// Appends an event stamped with the time, the calling thread and its memory_tag (the allocator calls this).
+  void record(memory_action action, std::uintptr_t address, std::size_t size, std::uintptr_t stream,
+              std::size_t device_free = 0) noexcept {
+    memory_event e;
+    e.action = action;
+    e.address = address;
+    e.size = size;
+    e.stream = stream;
+    e.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now().time_since_epoch()).count();
+    e.thread = detail::this_thread_number();
+    e.tag = detail::current_memory_tag();
+    e.device_free = device_free;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ring_.size() < max_entries_) {
+      try {
+        ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)
+        ++recorded_;
+        return;
+      } catch (...) {
+        if (ring_.empty()) {
+          ++dropped_;
+          return;
+        }
+        max_entries_ = ring_.size();  // out of memory: keep the ring at the size it has
+      }
+    }
+    ring_[next_] = e;
+    next_ = (next_ + 1) % ring_.size();
+    ++recorded_;
+    ++dropped_;
+  }
+
+  /// The events held, oldest first.
+  std::vector<memory_event> events() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<memory_event> out;
+    out.reserve(ring_.size());
+    out.insert(out.end(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
+    out.insert(out.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
+    return out;
+  }
+
+  /// Events recorded since construction (or clear()), including those the ring no longer holds.
+  std::size_t recorded() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return recorded_;
+  }
+  /// Events the ring dropped to make room (the oldest first).
+  std::size_t dropped() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return dropped_;
+  }
+  std::size_t max_entries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return max_entries_;
+  }
+
+  /// Forgets every event.
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ring_.clear();
+    next_ = 0;
+    recorded_ = 0;
+    dropped_ = 0;
+  }
+
+  /// An event's time as microseconds since the Unix epoch (the system clock at construction, plus the steady time
+  /// since then), as PyTorch's time_us.
+  std::int64_t unix_time_us(const memory_event& e) const noexcept {
+    const auto since_origin = std::chrono::nanoseconds(e.time_ns) - steady_origin_.time_since_epoch();
+    return std::chrono::duration_cast<std::chrono::microseconds>(system_origin_.time_since_epoch() + since_origin)
+        .count();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<memory_event> ring_;
+  std::size_t next_ = 0;  // the oldest event once the ring is full
+  std::size_t max_entries_ = 0;
+  std::size_t recorded_ = 0;
+  std::size_t dropped_ = 0;
+  std::chrono::steady_clock::time_point steady_origin_;
+  std::chrono::system_clock::time_point system_origin_;
+};
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,82 @@
+"""Loads a gpukit PyTorch-format snapshot with Python's standard pickle module and checks what PyTorch's memory viewer
+(MemoryViz.js / torch.cuda._memory_viz) reads: segments with their blocks, device_traces with their entries.
+
+usage: check_pytorch_snapshot.py FILE SEGMENTS EVENTS ALLOCATED_BLOCKS TAG
+Prints what it found; exits 1 with a message on the first mismatch."""
+import pickle
+import sys
+
+
+def fail(message):
+    print("check_pytorch_snapshot: " + message)
+    sys.exit(1)
+
+
+def main():
+    path, segments, events, allocated_blocks, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    if not isinstance(snapshot, dict) or set(snapshot) != {"segments", "device_traces"}:
+        fail("the top level is not a dict of segments and device_traces: %r" % type(snapshot))
+    if len(snapshot["segments"]) != segments:
+        fail("%d segments, expected %d" % (len(snapshot["segments"]), segments))
+    seen_allocated = 0
+    seen_tag = False
+    for seg in snapshot["segments"]:
+        for key, kind in (("device", int), ("address", int), ("total_size", int), ("allocated_size", int),
+                          ("active_size", int), ("requested_size", int), ("stream", int), ("segment_type", str),
+                          ("segment_pool_id", tuple), ("is_expandable", bool), ("frames", list), ("blocks", list)):
+            if not isinstance(seg.get(key), kind):
+                fail("segment key %s is %r" % (key, seg.get(key)))
+        if seg["segment_type"] not in ("small", "large"):
+            fail("segment_type %r" % seg["segment_type"])
+        address = seg["address"]
+        allocated = 0
+        for block in seg["blocks"]:
+            if block["address"] != address:
+                fail("blocks do not tile their segment at %#x" % address)
+            if block["state"] not in ("active_allocated", "active_pending_free", "inactive"):
+                fail("block state %r" % block["state"])
+            if block["state"] == "active_allocated":
+                seen_allocated += 1
+                allocated += block["size"]
+                if block["requested_size"] <= 0 or block["requested_size"] > block["size"]:
+                    fail("requested_size %d of a block of %d" % (block["requested_size"], block["size"]))
+            for frame in block["frames"]:
+                if frame["name"] == tag and isinstance(frame["line"], int) and isinstance(frame["filename"], str):
+                    seen_tag = True
+            address += block["size"]
+        if address != seg["address"] + seg["total_size"]:
+            fail("the blocks of the segment at %#x do not add up to its total_size" % seg["address"])
+        if allocated != seg["allocated_size"]:
+            fail("allocated_size %d, blocks say %d" % (seg["allocated_size"], allocated))
+    if seen_allocated != allocated_blocks:
+        fail("%d allocated blocks, expected %d" % (seen_allocated, allocated_blocks))
+    if not seen_tag:
+        fail("no block carries the tag %r as a frame" % tag)
+    traces = snapshot["device_traces"]
+    if not isinstance(traces, list) or not traces:
+        fail("device_traces is empty")
+    trace = traces[-1]
+    if len(trace) != events:
+        fail("%d trace entries, expected %d" % (len(trace), events))
+    actions = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+               "segment_unmap", "snapshot", "oom"}
+    last_time = 0
+    for entry in trace:
+        if entry["action"] not in actions:
+            fail("action %r" % entry["action"])
+        address_key = "device_free" if entry["action"] == "oom" else "addr"
+        for key in (address_key, "size", "stream", "time_us"):
+            if not isinstance(entry.get(key), int):
+                fail("trace entry key %s is %r" % (key, entry.get(key)))
+        if not isinstance(entry["frames"], list):
+            fail("trace entry frames")
+        if entry["time_us"] < last_time:
+            fail("time_us goes back")
+        last_time = entry["time_us"]
+    print("check_pytorch_snapshot: %d segments, %d allocated blocks, %d trace entries: the viewer's keys are there"
+          % (len(snapshot["segments"]), seen_allocated, len(trace)))
+
+
+main()

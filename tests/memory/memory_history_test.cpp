@@ -1,0 +1,388 @@
+// The memory history (issue 11): what the allocator records (allocations, frees requested and completed, segments,
+// pages, out-of-memory errors, snapshots) with streams, sizes and tags; the bounded ring; and the exports (PyTorch
+// snapshot pickle, checked by Python's own pickle module; RMM's CSV log; JSON; the leak report).
+#include "allocator_support.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/history_export.hpp>
+#include <gpukit/memory/memory_history.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace gpukit_test;
+using gpukit::memory_action;
+
+namespace {
+
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+
+std::size_t count_of(const std::vector<gpukit::memory_event>& events, memory_action a) {
+  return static_cast<std::size_t>(
+      std::count_if(events.begin(), events.end(), [a](const gpukit::memory_event& e) { return e.action == a; }));
+}
+
+/// The peak of the bytes the history's allocations held (sum of alloc sizes minus freed ones, at its highest).
+std::size_t replayed_peak(const std::vector<gpukit::memory_event>& events) {
+  std::map<std::uintptr_t, std::size_t> live;
+  std::size_t current = 0, peak = 0;
+  for (const auto& e : events) {
+    if (e.action == memory_action::alloc) {
+      live[e.address] = e.size;
+      current += e.size;
+      peak = std::max(peak, current);
+    } else if (e.action == memory_action::free_requested) {
+      current -= live.at(e.address);
+      live.erase(e.address);
+    }
+  }
+  return peak;
+}
+
+struct world_and_allocator {
+  explicit world_and_allocator(gpukit::allocator_options options = {}, std::size_t capacity = 64 * GiB)
+      : a(gpukit::device::cpu(), options, capacity) {
+    a.stream_operations().world = &world;
+    s1 = fake_stream{world.add_stream()};
+    s2 = fake_stream{world.add_stream()};
+  }
+  fake_world world;
+  fake_allocator a;
+  fake_stream s1, s2;
+};
+
+}  // namespace
+
+TEST_CASE("history: allocations, frees and segments are recorded with their stream, size and tag, and nothing without a "
+          "history") {
+  world_and_allocator w;
+  void* before = w.a.allocate(1000, w.s1);  // no history yet
+  auto history = std::make_shared<gpukit::memory_history>(1000);
+  w.a.set_memory_history(history);
+  CHECK(w.a.history() == history);
+  void* weights = nullptr;
+  {
+    gpukit::memory_tag tag("weights");
+    weights = w.a.allocate(5000, w.s1);
+    {
+      gpukit::memory_tag inner("activations");
+      w.a.deallocate(w.a.allocate(300, w.s2));
+    }
+  }
+  void* untagged = w.a.allocate(2 * MiB, w.s1);  // a new large segment
+  const auto events = history->events();
+  REQUIRE(events.size() >= 6);
+  // before: never recorded. weights: alloc. activations: alloc, free_requested, free_completed. untagged: alloc.
+  CHECK(count_of(events, memory_action::alloc) == 3);
+  CHECK(count_of(events, memory_action::free_requested) == 1);
+  CHECK(count_of(events, memory_action::free_completed) == 1);
+  CHECK(count_of(events, memory_action::segment_alloc) == 2);  // the small pool's, then the large pool's
+  const auto alloc_of = [&](void* p) {
+    return *std::find_if(events.begin(), events.end(), [p](const gpukit::memory_event& e) {
+      return e.action == memory_action::alloc && e.address == reinterpret_cast<std::uintptr_t>(p);
+    });
+  };
+  CHECK(alloc_of(weights).size == 5000);
+  CHECK(gpukit::memory_tag_name(alloc_of(weights).tag) == "weights");
+  CHECK(alloc_of(weights).stream == w.a.stream_operations().key(w.s1));
+  CHECK(alloc_of(untagged).tag == 0);
+  const auto freed = std::find_if(events.begin(), events.end(),
+                                  [](const gpukit::memory_event& e) { return e.action == memory_action::free_requested; });
+  CHECK(freed->size == 300);
+  CHECK(gpukit::memory_tag_name(freed->tag) == "activations");
+  CHECK(freed->stream == w.a.stream_operations().key(w.s2));
+  CHECK((freed + 1)->action == memory_action::free_completed);
+  for (std::size_t i = 1; i < events.size(); ++i) CHECK(events[i - 1].time_ns <= events[i].time_ns);
+
+  // Stopping: the history keeps what it holds and gets nothing more.
+  w.a.set_memory_history(nullptr);
+  CHECK(w.a.history() == nullptr);
+  w.a.deallocate(before);
+  w.a.deallocate(weights);
+  w.a.deallocate(untagged);
+  CHECK(history->events().size() == events.size());
+}
+
+TEST_CASE("history: a free that waits for another stream completes when that stream's work has") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* p = w.a.allocate(4096, w.s1);
+  w.a.record_stream(p, w.s2);
+  w.world.enqueue(w.s2.id);  // s2 still works on p
+  w.a.deallocate(p);
+  CHECK(count_of(history->events(), memory_action::free_requested) == 1);
+  CHECK(count_of(history->events(), memory_action::free_completed) == 0);
+  w.world.complete(w.s2.id);
+  w.a.deallocate(w.a.allocate(4096, w.s1));  // the allocator sees the event complete
+  const auto events = history->events();
+  const auto completed = std::find_if(events.begin(), events.end(), [p](const gpukit::memory_event& e) {
+    return e.action == memory_action::free_completed && e.address == reinterpret_cast<std::uintptr_t>(p);
+  });
+  REQUIRE(completed != events.end());
+  CHECK(completed->size == 4096);  // the bytes requested, as in its alloc and free_requested
+}
+
+TEST_CASE("history: with front caches on, every free is recorded after its alloc and before the address is reused") {
+  world_and_allocator w;  // front caches are on by default
+  auto history = std::make_shared<gpukit::memory_history>(100000);
+  w.a.set_memory_history(history);
+  std::mt19937 rng(7);
+  std::vector<void*> live;
+  for (int i = 0; i < 2000; ++i) {
+    if (live.size() < 8 && (live.empty() || rng() % 2 == 0)) {
+      live.push_back(w.a.allocate(256 * (1 + rng() % 4), rng() % 2 ? w.s1 : w.s2));
+    } else {
+      const std::size_t k = rng() % live.size();
+      w.a.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    }
+  }
+  for (void* p : live) w.a.deallocate(p);
+  // Per address, the events alternate: alloc, free_requested, (free_completed), alloc, ...
+  std::map<std::uintptr_t, memory_action> last;
+  int out_of_order = 0;
+  for (const auto& e : history->events()) {
+    if (e.action == memory_action::alloc) {
+      const auto it = last.find(e.address);
+      if (it != last.end() && it->second == memory_action::alloc) ++out_of_order;
+      last[e.address] = e.action;
+    } else if (e.action == memory_action::free_requested) {
+      const auto it = last.find(e.address);
+      if (it == last.end() || it->second != memory_action::alloc) ++out_of_order;
+      last[e.address] = e.action;
+    }
+  }
+  CHECK(out_of_order == 0);
+  CHECK(count_of(history->events(), memory_action::alloc) == count_of(history->events(), memory_action::free_requested));
+  CHECK(gpukit::live_allocations(*history).empty());
+}
+
+TEST_CASE("history: replaying the recorded allocations reproduces the live run's peak of requested bytes") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>(100000);
+  w.a.set_memory_history(history);
+  std::mt19937_64 rng(11);
+  std::vector<void*> live;
+  for (int i = 0; i < 3000; ++i) {
+    if (live.size() < 40 && rng() % 3 != 0) {
+      live.push_back(w.a.allocate(1 + rng() % (3 * MiB), w.s1));
+    } else if (!live.empty()) {
+      const std::size_t k = rng() % live.size();
+      w.a.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    }
+  }
+  const auto peak = static_cast<std::size_t>(w.a.stats().requested_bytes.all().peak);
+  CHECK(replayed_peak(history->events()) == peak);
+  for (void* p : live) w.a.deallocate(p);
+}
+
+TEST_CASE("history: out of memory, snapshots, and the pages of expandable segments are recorded") {
+  gpukit::allocator_options options;
+  options.expandable_segments = true;
+  world_and_allocator w(options, 64 * MiB);
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* p = w.a.allocate(5 * MiB, w.s1);
+  CHECK_THROWS_AS(w.a.allocate(200 * MiB, w.s1), gpukit::out_of_memory_error);
+  (void)w.a.snapshot();
+  w.a.deallocate(p);
+  w.a.empty_cache();
+  const auto events = history->events();
+  CHECK(count_of(events, memory_action::segment_alloc) == 0);  // a reserved range is no memory
+  CHECK(count_of(events, memory_action::segment_map) >= 3);    // 5 MiB in 2 MiB pages
+  CHECK(count_of(events, memory_action::segment_unmap) >= 1);
+  CHECK(count_of(events, memory_action::snapshot) == 1);
+  const auto oom = std::find_if(events.begin(), events.end(),
+                                [](const gpukit::memory_event& e) { return e.action == memory_action::oom; });
+  REQUIRE(oom != events.end());
+  CHECK(oom->size == 200 * MiB);
+  std::size_t mapped = 0, unmapped = 0;
+  for (const auto& e : events) {
+    if (e.action == memory_action::segment_map) mapped += e.size;
+    if (e.action == memory_action::segment_unmap) unmapped += e.size;
+  }
+  CHECK(mapped == unmapped);  // empty_cache returned every page
+  CHECK(w.a.memory_reserved() == 0);
+}
+
+TEST_CASE("history: the ring keeps the latest max_entries events, oldest first, and counts the dropped ones") {
+  gpukit::memory_history h(4);
+  for (std::uintptr_t i = 1; i <= 10; ++i) h.record(memory_action::alloc, i, i, 0);
+  const auto events = h.events();
+  REQUIRE(events.size() == 4);
+  CHECK(events.front().address == 7);
+  CHECK(events.back().address == 10);
+  CHECK(h.recorded() == 10);
+  CHECK(h.dropped() == 6);
+  CHECK(h.max_entries() == 4);
+  h.clear();
+  CHECK(h.events().empty());
+  CHECK(h.dropped() == 0);
+  CHECK_THROWS_WITH_AS(gpukit::memory_history(0), "gpukit::memory_history: max_entries must be positive",
+                       gpukit::invalid_argument_error);
+  CHECK(gpukit::memory_tag_id("") == 0);
+  CHECK(gpukit::memory_tag_id("x") == gpukit::memory_tag_id("x"));
+  CHECK(gpukit::memory_tag_name(4000000000u).empty());
+}
+
+TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* kept = nullptr;
+  void* leaked = nullptr;
+  {
+    gpukit::memory_tag tag("kv \"cache\"");
+    kept = w.a.allocate(4096, w.s1);
+    leaked = w.a.allocate(4096, w.s1);  // still live when the report is made
+  }
+  w.a.deallocate(w.a.allocate(100, w.s2));
+  const std::string csv = gpukit::rmm_log_csv(*history);
+  std::istringstream lines(csv);
+  std::string line;
+  std::getline(lines, line);
+  CHECK(line == "Thread,Time,Action,Pointer,Size,Stream");
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    ++rows;
+    CHECK(std::count(line.begin(), line.end(), ',') == 5);
+    CHECK((line.find(",allocate,0x") != std::string::npos || line.find(",free,0x") != std::string::npos));
+    CHECK(line.find(':') != std::string::npos);  // HH:MM:SS:us
+  }
+  CHECK(rows == 4);  // 3 allocations, 1 free
+  char kept_row[64];
+  std::snprintf(kept_row, sizeof kept_row, ",allocate,0x%llx,4096,%llu",
+                static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(kept)),
+                static_cast<unsigned long long>(w.a.stream_operations().key(w.s1)));
+  CHECK(csv.find(kept_row) != std::string::npos);
+
+  const auto snapshot = w.a.snapshot();
+  const std::string json = gpukit::history_json(*history, &snapshot);
+  CHECK(json.find("\"tag\":\"kv \\\"cache\\\"\"") != std::string::npos);  // escaped
+  CHECK(json.find("\"segments\":[{") != std::string::npos);
+  std::size_t actions = 0;
+  for (std::size_t at = json.find("\"action\""); at != std::string::npos; at = json.find("\"action\"", at + 1)) ++actions;
+  CHECK(actions == history->events().size());
+
+  const auto groups = gpukit::live_allocations(*history);
+  REQUIRE(groups.size() == 1);
+  CHECK(groups[0].tag == "kv \"cache\"");
+  CHECK(groups[0].size == 4096);
+  CHECK(groups[0].count == 2);
+  CHECK(gpukit::leak_report(*history).find("live allocations seen by the history: 2 (8192 B)") == 0);
+  w.a.deallocate(kept);
+  w.a.deallocate(leaked);
+}
+
+TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and has what the memory viewer reads") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  std::vector<void*> live;
+  {
+    gpukit::memory_tag tag("layer.0");
+    for (std::size_t i = 0; i < 6; ++i) live.push_back(w.a.allocate(1000 + i * 700, w.s1));
+    live.push_back(w.a.allocate(3 * MiB + 5, w.s2));
+  }
+  w.a.deallocate(live[1]);
+  w.a.deallocate(live[4]);
+  const auto snapshot = w.a.snapshot();
+  const std::string path = "gpukit_history_test_snapshot.pickle";
+  gpukit::dump_pytorch_snapshot(path, snapshot, *history);
+  const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
+                              std::to_string(snapshot.segments.size()) + " " + std::to_string(history->events().size()) +
+                              " 5 layer.0";
+  CHECK(std::system(command.c_str()) == 0);
+  std::remove(path.c_str());
+  CHECK_THROWS_AS(gpukit::dump_pytorch_snapshot("/nonexistent-dir/x.pickle", snapshot, *history),
+                  gpukit::invalid_argument_error);
+  for (std::size_t i : {0, 2, 3, 5, 6}) w.a.deallocate(live[i]);
+}
+
+TEST_CASE("history exports: pickle integers, strings that are not UTF-8, and large addresses") {
+  gpukit::detail::pickle_writer w;
+  w.begin_list();
+  w.integer(0);
+  w.integer(0x7fffffff);
+  w.integer(0x80000000ull);
+  w.integer(0xffffffffffffffffull);
+  w.text("ok\xff");
+  w.end_list();
+  const std::string bytes = w.finish();
+  // PROTO 2, EMPTY_LIST, MARK, BININT 0, BININT 2^31-1, LONG1 5 bytes (2^31 needs a sign byte), LONG1 9 bytes, ...
+  CHECK(bytes.substr(0, 4) == std::string("\x80\x02](", 4));
+  CHECK(bytes.find(std::string("\x8a\x05\x00\x00\x00\x80\x00", 7)) != std::string::npos);
+  CHECK(bytes.find(std::string("\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00", 11)) != std::string::npos);
+  CHECK(bytes.find("ok?") != std::string::npos);
+  CHECK(bytes.back() == '.');
+}
+
+TEST_CASE("history: threads allocating on their own streams while another reads the history and switches it") {
+  gpukit::basic_caching_allocator<gpukit::host_upstream> a(gpukit::device::cpu());
+  auto first = std::make_shared<gpukit::memory_history>(1 << 15);
+  auto second = std::make_shared<gpukit::memory_history>(1 << 15);
+  a.set_memory_history(first);
+  std::atomic<bool> done{false};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 2; ++t) {
+    workers.emplace_back([&a, t] {
+      gpukit::stream s(gpukit::device::cpu());
+      gpukit::memory_tag tag(t == 0 ? "thread 0" : "thread 1");
+      std::vector<void*> live;
+      for (int i = 0; i < 4000; ++i) {
+        live.push_back(a.allocate(static_cast<std::size_t>(64 + (i % 7) * 512), s));
+        if (live.size() > 3) {
+          a.deallocate(live.front());
+          live.erase(live.begin());
+        }
+      }
+      for (void* p : live) a.deallocate(p);
+    });
+  }
+  std::thread reader([&] {
+    int switches = 0;
+    while (!done.load()) {
+      (void)first->events();
+      (void)a.history();
+      a.set_memory_history(++switches % 2 ? second : first);
+      std::this_thread::yield();
+    }
+  });
+  for (auto& w : workers) w.join();
+  done = true;
+  reader.join();
+  // Every alloc either history holds was made by one of the two tagged threads, and across the two histories each
+  // address was freed as often as it was allocated: no event was lost in a switch.
+  std::map<std::uintptr_t, int> balance;
+  for (const auto& h : {first, second}) {
+    REQUIRE(h->dropped() == 0);
+    for (const auto& e : h->events()) {
+      if (e.action == memory_action::alloc) {
+        const std::string tag = gpukit::memory_tag_name(e.tag);
+        CHECK((tag == "thread 0" || tag == "thread 1"));
+        ++balance[e.address];
+      } else if (e.action == memory_action::free_requested) {
+        --balance[e.address];
+      }
+    }
+  }
+  int unbalanced = 0;
+  for (const auto& b : balance) unbalanced += b.second != 0 ? 1 : 0;
+  CHECK(unbalanced == 0);
+  CHECK(first->recorded() + second->recorded() >= 2 * 2 * 4000);  // an alloc and a free each, at least
+  CHECK(a.memory_allocated() == 0);
+}
