@@ -429,7 +429,7 @@ void print_ratios(const collecting_reporter& r) {
     const double on = r.ns("BM_gpukit_history" + suffix);
     if (off <= 0 || on <= 0) continue;
     std::printf("  %-9s %8.1f ns with a history, %8.1f ns without: %.2fx (3 events per pair: alloc, free requested, "
-                "free completed, and the heap's path instead of the front cache)\n",
+                "free completed)\n",
                 gpukit::detail::format_bytes(size).c_str(), on, off, on / off);
   }
   std::printf("\n");

@@ -6,6 +6,7 @@
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/history_export.hpp>
 #include <gpukit/memory/memory_history.hpp>
+#include <gpukit/memory/memory_picture.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -385,4 +387,49 @@ TEST_CASE("history: threads allocating on their own streams while another reads 
   CHECK(unbalanced == 0);
   CHECK(first->recorded() + second->recorded() >= 2 * 2 * 4000);  // an alloc and a free each, at least
   CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("history picture: one HTML page whose DOM has a bar per segment, a rectangle per block and the timeline") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  std::vector<void*> live;
+  {
+    gpukit::memory_tag tag("layer <0> & co");  // escaped in the page
+    for (std::size_t i = 0; i < 12; ++i) live.push_back(w.a.allocate(2000 + i * 5000, i % 2 ? w.s1 : w.s2));
+    live.push_back(w.a.allocate(5 * MiB, w.s1));
+  }
+  for (std::size_t i = 0; i < live.size(); i += 3) w.a.deallocate(live[i]);
+  const auto snapshot = w.a.snapshot();
+  const std::string html = gpukit::memory_picture_html(snapshot, *history, "history test");
+  CHECK(html.find("layer &lt;0&gt; &amp; co") != std::string::npos);
+  CHECK(html.find("<script") == std::string::npos);  // self-contained, nothing to run
+  CHECK(html.find("http") == std::string::npos);     // nothing fetched
+  std::size_t blocks = 0, allocated = 0;
+  for (const auto& seg : snapshot.segments) {
+    blocks += seg.blocks.size();
+    for (const auto& b : seg.blocks) allocated += b.state == gpukit::block_state::allocated ? 1 : 0;
+  }
+  CHECK(allocated == 8);
+  const std::string path = "gpukit_history_test_picture.html";
+  std::ofstream(path) << html;
+  const std::string args = " " + path + " " + std::to_string(snapshot.segments.size()) + " " + std::to_string(blocks) +
+                           " " + std::to_string(allocated);
+  CHECK(std::system((std::string("python3 \"") + GPUKIT_TEST_PICTURE_CHECK + "\"" + args).c_str()) == 0);
+  // In a real browser, where one is installed (CI installs Debian's chromium): the DOM after rendering.
+  if (std::system("command -v chromium > /dev/null 2>&1") == 0) {
+    const std::string dom = "gpukit_history_test_picture.dom.html";
+    const std::string render = "chromium --headless --no-sandbox --disable-gpu --dump-dom \"file://$(pwd)/" + path +
+                               "\" > " + dom + " 2>/dev/null";
+    CHECK(std::system(render.c_str()) == 0);
+    const std::string dom_args = " " + dom + args.substr(args.find(' ', 1)) + " --dom";
+    CHECK(std::system((std::string("python3 \"") + GPUKIT_TEST_PICTURE_CHECK + "\"" + dom_args).c_str()) == 0);
+    std::remove(dom.c_str());
+  } else {
+    MESSAGE("chromium is not installed: the page was checked with Python's HTML parser only");
+  }
+  std::remove(path.c_str());
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    if (i % 3 != 0) w.a.deallocate(live[i]);
+  }
 }

@@ -19,4 +19,5 @@ target_include_directories(test_pytorch_allocator_model PRIVATE "${gpukit_memory
 # The memory history and its exports; the PyTorch pickle is loaded by Python's own pickle module.
 gpukit_add_test(test_memory_history SOURCES "${gpukit_memory_tests}/memory_history_test.cpp")
 target_compile_definitions(test_memory_history PRIVATE
-  GPUKIT_TEST_PICKLE_CHECK="${gpukit_memory_tests}/check_pytorch_snapshot.py")
+  GPUKIT_TEST_PICKLE_CHECK="${gpukit_memory_tests}/check_pytorch_snapshot.py"
+  GPUKIT_TEST_PICTURE_CHECK="${gpukit_memory_tests}/check_memory_picture.py")

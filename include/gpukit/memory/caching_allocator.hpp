@@ -387,10 +387,7 @@ class basic_caching_allocator {
     // Reusable at once on its own stream: a small block is cached in front for the next request of its size there
     // (it stays in the map, marked). Only when it needs no fence: the stream may be destroyed while the block is
     // cached, and must not be asked (or recorded on) later.
-    // While a history is recorded, frees take the heap's path, which records them under the device lock: a block
-    // cached in front could be taken by another thread before this one had recorded the free.
-    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty() &&
-        history_.load(std::memory_order_relaxed) == nullptr) {
+    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty()) {
       const front_result r = front_give(b);
       if (r == front_result::cached) return;
       if (r == front_result::already_free) throw_not_owned(p, "deallocate");
@@ -1458,6 +1455,8 @@ class basic_caching_allocator {
 
   /// Caches `b` in `bin` (the slot's lock held; every lock when `slow`).
   void give_cached(front_slot_type& slot, typename front_slot_type::bin& bin, block* b, bool slow) noexcept {
+    // Recorded under the slot's lock: no other thread can take the block (and record its alloc) before this free.
+    if (history_.load(std::memory_order_relaxed) != nullptr) note_cached_free(b);
     detail::sequence_write change(slot.sequence);
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
@@ -1564,7 +1563,7 @@ class basic_caching_allocator {
       // The user's free was counted when the block entered the cache; the heap's free below counts it again.
       slot.unwind(*b);
       try {
-        free_allocated(b, false);  // cached only when it needed no fence (deallocate)
+        free_allocated(b, false, false);  // cached only when it needed no fence; its free is already recorded
       } catch (...) {
         // free_allocated put it back in the map as allocated: it is cached again instead.
         slot.enter(*b);
@@ -1595,12 +1594,14 @@ class basic_caching_allocator {
 
   // --- blocks ---
 
-  /// The block of the live allocation at `address`, or nullptr (never allocated, freed, or cached in front: a
-  /// cached block stays in the map, marked, so that its next allocation and free skip the map). No lock taken.
-  /// A flush (another thread) may take a cached block to the heap between the lookup and the look at its mark: it
-  /// erases the block from the map before clearing the mark (release), so a cleared mark seen here (acquire) with
-  /// the shard changed since the lookup sends us to the map again. Without that, a second free ordered after the
-  /// first could cache a block the heap holds (found by review; test "a double free racing with a flush").
+  /// Records the free of a block entering a front cache: requested, and completed at once (reusable on its stream).
+  GPUKIT_DETAIL_NOINLINE void note_cached_free(const block* b) const noexcept {
+    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+      h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
+      h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
+    }
+  }
+
   /// Records an allocation just handed out (only called while a history is set).
   GPUKIT_DETAIL_NOINLINE void note(memory_action action, const block* b) const noexcept {
     if (memory_history* h = history_.load(std::memory_order_relaxed)) {
@@ -1608,6 +1609,12 @@ class basic_caching_allocator {
     }
   }
 
+  /// The block of the live allocation at `address`, or nullptr (never allocated, freed, or cached in front: a
+  /// cached block stays in the map, marked, so that its next allocation and free skip the map). No lock taken.
+  /// A flush (another thread) may take a cached block to the heap between the lookup and the look at its mark: it
+  /// erases the block from the map before clearing the mark (release), so a cleared mark seen here (acquire) with
+  /// the shard changed since the lookup sends us to the map again. Without that, a second free ordered after the
+  /// first could cache a block the heap holds (found by review; test "a double free racing with a flush").
   block* live_block(std::uintptr_t address) const noexcept {
     typename map_type::version_type version = 0;
     block* b = map_.find(address, version);
@@ -1811,6 +1818,8 @@ class basic_caching_allocator {
 
   /// `owner_busy` says whether the owner stream may still have work using the block (asked before the lock is
   /// taken: on a CPU stream the question takes the queue's own lock).
+  /// `user_free`: the user freed it (recorded in the history); false for blocks the heap takes back from a front
+  /// cache (their free was recorded when they were cached) and for blocks never handed out.
   void free_allocated(block* b, bool owner_busy, bool user_free = true) {
     std::unique_ptr<event_type> fence;
     std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;

@@ -1,0 +1,186 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// memory_picture_html: a snapshot and a memory_history as one self-contained HTML page (inline SVG, no script, no
+/// network): a timeline of allocated against reserved bytes over the history, and every segment as a bar whose
+/// blocks are coloured by state (allocated, waiting for other streams, free); hovering a block shows its address,
+/// size, requested bytes, stream and tag.
+///
+///     std::ofstream("memory.html") << gpukit::memory_picture_html(allocator.snapshot(), *history);
+///
+/// Elements carry classes for tools and tests: `segment` (one per segment, with data-address and data-size), `block`
+/// (one per block, with data-state) and the polylines `allocated` and `reserved`.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
+#include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/memory_history.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+
+inline std::string html_escape(std::string_view s) {
+  std::string r;
+  for (const char c : s) {
+    switch (c) {
+      case '&': r += "&amp;"; break;
+      case '<': r += "&lt;"; break;
+      case '>': r += "&gt;"; break;
+      case '"': r += "&quot;"; break;
+      default: r += c;
+    }
+  }
+  return r;
+}
+
+inline std::string fixed(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", v);
+  return text;
+}
+
+/// Allocated (requested) and reserved bytes after each event. The history may begin after the allocator did, so the
+/// levels are anchored at the end, on the snapshot, and walked back through the events.
+struct memory_levels {
+  std::vector<std::int64_t> allocated, reserved;
+};
+
+inline memory_levels levels_of(const std::vector<memory_event>& events, const allocator_snapshot& snapshot) {
+  std::int64_t allocated = 0, reserved = 0;
+  for (const segment_info& seg : snapshot.segments) {
+    reserved += static_cast<std::int64_t>(seg.mapped);
+    for (const block_info& b : seg.blocks) allocated += static_cast<std::int64_t>(b.requested);
+  }
+  memory_levels l;
+  l.allocated.resize(events.size());
+  l.reserved.resize(events.size());
+  for (std::size_t i = events.size(); i-- > 0;) {
+    l.allocated[i] = allocated;
+    l.reserved[i] = reserved;
+    const auto size = static_cast<std::int64_t>(events[i].size);
+    switch (events[i].action) {  // undo event i
+      case memory_action::alloc: allocated -= size; break;
+      case memory_action::free_requested: allocated += size; break;
+      case memory_action::segment_alloc:
+      case memory_action::segment_map: reserved -= size; break;
+      case memory_action::segment_free:
+      case memory_action::segment_unmap: reserved += size; break;
+      default: break;
+    }
+  }
+  return l;
+}
+
+}  // namespace detail
+
+/// The page (see the file comment). `title` heads it.
+inline std::string memory_picture_html(const allocator_snapshot& snapshot, const memory_history& history,
+                                       const std::string& title = "gpukit memory") {
+  using detail::fixed;
+  using detail::format_bytes;
+  using detail::html_escape;
+  const std::vector<memory_event> events = history.events();
+  const detail::memory_levels levels = detail::levels_of(events, snapshot);
+  std::unordered_map<std::uintptr_t, std::uint32_t> tags;  // tags of the allocations live at the end
+  for (const memory_event& e : events) {
+    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
+    if (e.action == memory_action::free_requested) tags.erase(e.address);
+  }
+
+  std::string out;
+  out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) + "</title>\n<style>\n"
+         "body{font-family:sans-serif;margin:16px;color:#222}h1{font-size:18px}h2{font-size:15px;margin-top:20px}\n"
+         ".allocated{fill:#3b6fd8}.pending{fill:#f0a030}.free{fill:#d8dde3}.cached{fill:#9fd3a6}\n"
+         ".block{stroke:#fff;stroke-width:0.5}.segment{fill:none;stroke:#888;stroke-width:0.5}\n"
+         "polyline.allocated{fill:none;stroke:#3b6fd8;stroke-width:1.5}"
+         "polyline.reserved{fill:none;stroke:#c0392b;stroke-width:1.5}\n"
+         ".axis{stroke:#999;stroke-width:1}.label{font-size:11px;fill:#444}\n</style></head><body>\n";
+  out += "<h1>" + html_escape(title) + " &mdash; " + html_escape(snapshot.device.to_string()) + "</h1>\n";
+  out += "<p>allocated " + format_bytes(static_cast<std::size_t>(snapshot.stats.allocated_bytes.all().current)) +
+         " (peak " + format_bytes(static_cast<std::size_t>(snapshot.stats.allocated_bytes.all().peak)) +
+         "), reserved " + format_bytes(static_cast<std::size_t>(snapshot.stats.reserved_bytes.all().current)) +
+         " (peak " + format_bytes(static_cast<std::size_t>(snapshot.stats.reserved_bytes.all().peak)) + "), " +
+         std::to_string(snapshot.segments.size()) + " segments, " + std::to_string(events.size()) + " events" +
+         (history.dropped() != 0 ? " (" + std::to_string(history.dropped()) + " older ones dropped)" : "") + "</p>\n";
+
+  // The timeline: x is the event index, y the bytes.
+  const double width = 900, height = 220, left = 70, top = 10;
+  std::int64_t most = 1;
+  for (std::size_t i = 0; i < events.size(); ++i) most = std::max({most, levels.allocated[i], levels.reserved[i]});
+  out += "<h2>Allocated (requested) and reserved bytes over the history</h2>\n<svg class=\"timeline\" width=\"" +
+         fixed(left + width + 10) + "\" height=\"" + fixed(top + height + 30) + "\">\n";
+  out += "<line class=\"axis\" x1=\"" + fixed(left) + "\" y1=\"" + fixed(top + height) + "\" x2=\"" +
+         fixed(left + width) + "\" y2=\"" + fixed(top + height) + "\"/>\n";
+  out += "<text class=\"label\" x=\"2\" y=\"" + fixed(top + 10) + "\">" + format_bytes(static_cast<std::size_t>(most)) +
+         "</text><text class=\"label\" x=\"2\" y=\"" + fixed(top + height) + "\">0</text>\n";
+  out += "<text class=\"label\" x=\"" + fixed(left) + "\" y=\"" + fixed(top + height + 20) +
+         "\">events &rarr; (blue: allocated, red: reserved)</text>\n";
+  const std::size_t step = std::max<std::size_t>(1, events.size() / 2000);  // at most ~2000 points per line
+  for (const char* which : {"allocated", "reserved"}) {
+    const auto& values = which[0] == 'a' ? levels.allocated : levels.reserved;
+    out += std::string("<polyline class=\"") + which + "\" points=\"";
+    for (std::size_t i = 0; i < events.size(); i += step) {
+      const double x = left + width * static_cast<double>(i) / static_cast<double>(std::max<std::size_t>(1, events.size() - 1));
+      const double y = top + height - height * static_cast<double>(values[i]) / static_cast<double>(most);
+      out += fixed(x) + "," + fixed(y) + " ";
+    }
+    out += "\"/>\n";
+  }
+  out += "</svg>\n";
+
+  // The segments: one bar each, as wide as its share of the largest segment.
+  std::size_t largest = 1;
+  for (const segment_info& seg : snapshot.segments) largest = std::max(largest, seg.size);
+  const double row = 18;
+  out += "<h2>Segments and their blocks (blue: allocated, orange: waiting for other streams, green: cached for "
+         "its stream, grey: free)</h2>\n<svg class=\"segments\" width=\"" + fixed(left + width + 10) +
+         "\" height=\"" + fixed(row * static_cast<double>(snapshot.segments.size()) + 10) + "\">\n";
+  for (std::size_t s = 0; s < snapshot.segments.size(); ++s) {
+    const segment_info& seg = snapshot.segments[s];
+    const double y = 4 + row * static_cast<double>(s);
+    const double scale = width / static_cast<double>(largest);
+    char address[32];
+    std::snprintf(address, sizeof address, "0x%llx", static_cast<unsigned long long>(seg.address));
+    out += "<text class=\"label\" x=\"2\" y=\"" + fixed(y + 12) + "\">" + format_bytes(seg.size) + "</text>\n";
+    out += "<g class=\"segment-row\">";
+    for (const block_info& b : seg.blocks) {
+      const char* state = b.state == block_state::allocated ? "allocated"
+                          : b.state == block_state::pending ? "pending"
+                          : b.state == block_state::cached  ? "cached"
+                                                            : "free";
+      const auto tag = b.state == block_state::allocated ? tags.find(b.address) : tags.end();
+      char block_address[32];
+      std::snprintf(block_address, sizeof block_address, "0x%llx", static_cast<unsigned long long>(b.address));
+      const double x = left + scale * static_cast<double>(b.address - seg.address);
+      const double w = std::max(0.5, scale * static_cast<double>(b.size));
+      out += "<rect class=\"block " + std::string(state) + "\" data-state=\"" + state + "\" x=\"" + fixed(x) +
+             "\" y=\"" + fixed(y) + "\" width=\"" + fixed(w) + "\" height=\"" + fixed(row - 4) + "\"><title>" +
+             block_address + ": " + format_bytes(b.size) + ", " + state;
+      if (b.state == block_state::allocated) out += " (" + std::to_string(b.requested) + " B requested)";
+      out += ", stream " + std::to_string(b.stream);
+      if (tag != tags.end() && tag->second != 0) out += ", tag " + html_escape(memory_tag_name(tag->second));
+      out += "</title></rect>";
+    }
+    out += "<rect class=\"segment\" data-address=\"" + std::string(address) + "\" data-size=\"" +
+           std::to_string(seg.size) + "\" x=\"" + fixed(left) + "\" y=\"" + fixed(y) + "\" width=\"" +
+           fixed(std::max(0.5, scale * static_cast<double>(seg.size))) + "\" height=\"" + fixed(row - 4) +
+           "\"><title>segment " + address + ": " + format_bytes(seg.size) + (seg.expandable ? ", expandable" : "") +
+           (seg.small_pool ? ", small pool" : ", large pool") + "</title></rect></g>\n";
+  }
+  out += "</svg>\n</body></html>\n";
+  return out;
+}
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,132 @@
+// gpukit_replay (issue 11): a history recorded live, exported as RMM's CSV log or gpukit's JSON, is read back and
+// replayed to the live run's peaks exactly; the minimum capacity runs and a smaller one does not; malformed logs are
+// reported with their line; the command-line tool prints the fit table.
+#include "replay.hpp"
+
+#include <gpukit/memory/history_export.hpp>
+#include <gpukit/memory/memory_history.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using namespace gpukit_replay;
+
+namespace {
+
+/// A live run: 3 streams, random sizes from 256 B to 24 MiB, frees of random live blocks; returns the engine's
+/// statistics, with its history in `history`.
+gpukit::allocator_stats live_run(std::shared_ptr<gpukit::memory_history>& history) {
+  engine a(gpukit::device::cpu(), gpukit::allocator_options{}, std::size_t{1} << 46);
+  history = std::make_shared<gpukit::memory_history>(1 << 20);
+  a.set_memory_history(history);
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int i = 0; i < 3; ++i) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+  std::mt19937_64 rng(5);
+  std::vector<void*> live;
+  for (int i = 0; i < 4000; ++i) {
+    if (live.size() < 60 && rng() % 3 != 0) {
+      const std::size_t bytes = rng() % 4 == 0 ? 1 * MiB + rng() % (24 * MiB) : 256 + rng() % (256 * 1024);
+      live.push_back(a.allocate(bytes, *streams[rng() % 3]));
+    } else if (!live.empty()) {
+      const std::size_t k = rng() % live.size();
+      a.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    }
+  }
+  const auto stats = a.stats();
+  for (void* p : live) a.deallocate(p);
+  return stats;
+}
+
+}  // namespace
+
+TEST_CASE("replay: a history read back from RMM's CSV log or gpukit's JSON reproduces the live run's peaks") {
+  std::shared_ptr<gpukit::memory_history> history;
+  const gpukit::allocator_stats live = live_run(history);
+  std::istringstream csv(gpukit::rmm_log_csv(*history));
+  const recorded_trace from_csv = read_rmm_csv(csv);
+  std::istringstream json(gpukit::history_json(*history));
+  const recorded_trace from_json = read_history_json(json);
+  for (const recorded_trace* r : {&from_csv, &from_json}) {
+    CHECK(r->unknown_frees == 0);
+    CHECK(r->ops.streams == 3);
+    CHECK(r->ops.peak_requested == static_cast<std::size_t>(live.requested_bytes.all().peak));
+    const replay_result replayed = replay_gpukit(r->ops, gpukit::allocator_options{}, std::size_t{1} << 46);
+    CHECK(replayed.completed);
+    CHECK(replayed.peak_requested == static_cast<std::size_t>(live.requested_bytes.all().peak));
+    // The same engine, the same calls on the same streams: the same segments.
+    CHECK(replayed.peak_reserved == static_cast<std::size_t>(live.reserved_bytes.all().peak));
+    CHECK(replayed.upstream_allocs == static_cast<std::size_t>(live.num_device_alloc));
+  }
+  CHECK(from_csv.ops.ops.size() == from_json.ops.ops.size());
+}
+
+TEST_CASE("replay: the minimum capacity runs the whole history, and the peak requested alone does not") {
+  std::shared_ptr<gpukit::memory_history> history;
+  (void)live_run(history);
+  std::istringstream csv(gpukit::rmm_log_csv(*history));
+  const trace t = read_rmm_csv(csv).ops;
+  const gpukit::allocator_options defaults;
+  const std::size_t minimum =
+      minimum_capacity(t, [&](std::size_t c) { return replay_gpukit(t, defaults, c).completed; });
+  CHECK(minimum >= t.peak_requested);
+  CHECK(replay_gpukit(t, defaults, minimum).completed);
+  CHECK_FALSE(replay_gpukit(t, defaults, t.peak_requested - 1).completed);
+  const std::size_t pytorch = minimum_capacity(t, [&](std::size_t c) { return runs_under_pytorch(t, c); });
+  CHECK(pytorch >= t.peak_requested);
+  CHECK(runs_under_pytorch(t, pytorch));
+}
+
+TEST_CASE("replay: malformed logs are reported with their line, frees of unknown pointers are counted") {
+  std::istringstream no_header("");
+  CHECK_THROWS_WITH_AS(read_rmm_csv(no_header), "empty log: no header line", std::runtime_error);
+  std::istringstream missing("Thread,Time,Action,Pointer,Size\n");
+  CHECK_THROWS_WITH_AS(read_rmm_csv(missing), "the header lacks the column Stream", std::runtime_error);
+  std::istringstream bad_size("Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00:000001,allocate,0x10,12x,0\n");
+  CHECK_THROWS_WITH_AS(read_rmm_csv(bad_size), "line 2: size \"12x\" is not a number", std::runtime_error);
+  std::istringstream bad_action("Thread,Time,Action,Pointer,Size,Stream\n1,t,resize,0x10,12,0\n");
+  CHECK_THROWS_WITH_AS(read_rmm_csv(bad_action), "line 2: unknown action \"resize\"", std::runtime_error);
+  std::istringstream ok("Thread,Time,Action,Pointer,Size,Stream\n"
+                        "1,t,free,0x99,8,0\n"
+                        "1,t,allocate,0x10,100,7\n"
+                        "1,t,allocate failure,0x0,1000000,7\n"
+                        "1,t,allocate,0x20,50,9\n"
+                        "1,t,free,0x10,100,7\n");
+  const recorded_trace r = read_rmm_csv(ok);
+  CHECK(r.unknown_frees == 1);
+  CHECK(r.failures == 1);
+  CHECK(r.ops.streams == 2);
+  CHECK(r.ops.peak_requested == 150);
+  std::istringstream not_json("{\"something\":1}");
+  CHECK_THROWS_AS(read_history_json(not_json), std::runtime_error);
+}
+
+TEST_CASE("replay: the command-line tool prints the minimum capacities and the fit table") {
+  std::shared_ptr<gpukit::memory_history> history;
+  (void)live_run(history);
+  const std::string log = "gpukit_replay_test.csv", out = "gpukit_replay_test.out";
+  std::ofstream(log) << gpukit::rmm_log_csv(*history);
+  const std::string command = std::string("\"") + GPUKIT_REPLAY_TOOL + "\" " + log + " --gpu tiny=64 --gpu big=81920 > " + out;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream in(out);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  MESSAGE(text);
+  CHECK(text.find("peak requested:") != std::string::npos);
+  CHECK(text.find("PyTorch's rules") != std::string::npos);
+  CHECK(text.find("tiny") != std::string::npos);
+  CHECK(text.find("no (short by") != std::string::npos);   // 64 MiB minus the context holds nothing
+  CHECK(text.find("yes (") != std::string::npos);          // 80 GiB holds it
+  const std::string bad = std::string("\"") + GPUKIT_REPLAY_TOOL + "\" /nonexistent.csv > " + out + " 2>&1";
+  CHECK(std::system(bad.c_str()) != 0);
+  std::remove(log.c_str());
+  std::remove(out.c_str());
+}

@@ -1,0 +1,299 @@
+// gpukit_replay's engine: reads a recorded allocation history (RMM's CSV log, which gpukit's rmm_log_csv writes, or
+// gpukit's history JSON), replays it through gpukit's caching allocator over a capacity-limited address space, and
+// answers "will it fit": the smallest device capacity on which it runs (binary search), under gpukit's defaults and
+// under PyTorch's rules (bench/pytorch_allocator_model.hpp), for a table of GPUs.
+#pragma once
+
+#include "alloc_traces.hpp"
+#include "pytorch_allocator_model.hpp"
+
+#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace gpukit_replay {
+
+using gpukit_bench::GiB;
+using gpukit_bench::MiB;
+using gpukit_bench::trace;
+
+/// A recorded history as a trace: allocations and frees in order, each on one of `streams` streams (numbered in
+/// order of first use). Frees of pointers the history never saw allocated (made before it began) are skipped and
+/// counted.
+struct recorded_trace {
+  trace ops;
+  std::size_t unknown_frees = 0;
+  std::size_t failures = 0;  ///< "allocate failure" rows (out of memory in the recorded run)
+};
+
+namespace detail {
+
+class trace_assembler {
+ public:
+  void alloc(std::uintptr_t pointer, std::size_t bytes, std::uintptr_t stream) {
+    if (bytes == 0) return;
+    const auto s = stream_index(stream);
+    live_[pointer] = builder_.alloc(bytes, s);
+  }
+  void free(std::uintptr_t pointer) {
+    const auto it = live_.find(pointer);
+    if (it == live_.end()) {
+      ++result_.unknown_frees;
+      return;
+    }
+    builder_.free(it->second);
+    live_.erase(it);
+  }
+  void failure() { ++result_.failures; }
+  recorded_trace finish(const std::string& name) {
+    result_.ops = builder_.finish();
+    result_.ops.name = name;
+    result_.ops.warmup_ops = 0;
+    return std::move(result_);
+  }
+
+ private:
+  std::uint8_t stream_index(std::uintptr_t stream) {
+    const auto found = streams_.find(stream);
+    if (found != streams_.end()) return found->second;
+    // More than 255 streams share the last index (their order is kept; only reuse across them is approximated).
+    const auto index = static_cast<std::uint8_t>(std::min<std::size_t>(streams_.size(), 255));
+    streams_.emplace(stream, index);
+    return index;
+  }
+  gpukit_bench::trace_builder builder_{"recorded"};
+  std::unordered_map<std::uintptr_t, std::uint32_t> live_;
+  std::unordered_map<std::uintptr_t, std::uint8_t> streams_;
+  recorded_trace result_;
+};
+
+inline std::uintptr_t parse_number(const std::string& text, int base, const std::string& what, std::size_t line) {
+  try {
+    std::size_t used = 0;
+    const unsigned long long v = std::stoull(text, &used, base);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return static_cast<std::uintptr_t>(v);
+  } catch (const std::exception&) {
+    throw std::runtime_error("line " + std::to_string(line) + ": " + what + " \"" + text + "\" is not a number");
+  }
+}
+
+/// The number after `"key":` in `object` (gpukit's history JSON writes numbers plainly).
+inline bool json_number(const std::string& object, const char* key, std::uintptr_t& out) {
+  const std::string k = std::string("\"") + key + "\":";
+  const std::size_t at = object.find(k);
+  if (at == std::string::npos) return false;
+  out = static_cast<std::uintptr_t>(std::stoull(object.substr(at + k.size())));
+  return true;
+}
+
+}  // namespace detail
+
+/// Parses RMM's log: a header naming at least Action, Pointer, Size and Stream; actions allocate, free and
+/// "allocate failure". Throws std::runtime_error naming the line of a malformed row.
+inline recorded_trace read_rmm_csv(std::istream& in, const std::string& name = "recorded") {
+  std::string line;
+  if (!std::getline(in, line)) throw std::runtime_error("empty log: no header line");
+  std::vector<std::string> header;
+  {
+    std::stringstream h(line);
+    for (std::string cell; std::getline(h, cell, ',');) header.push_back(cell);
+  }
+  const auto column = [&](const char* label) {
+    const auto it = std::find(header.begin(), header.end(), label);
+    if (it == header.end()) throw std::runtime_error(std::string("the header lacks the column ") + label);
+    return static_cast<std::size_t>(it - header.begin());
+  };
+  const std::size_t action = column("Action"), pointer = column("Pointer"), size = column("Size"),
+                    stream = column("Stream");
+  detail::trace_assembler a;
+  for (std::size_t number = 2; std::getline(in, line); ++number) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) continue;
+    std::vector<std::string> cells;
+    std::stringstream row(line);
+    for (std::string cell; std::getline(row, cell, ',');) cells.push_back(cell);
+    if (cells.size() < header.size()) throw std::runtime_error("line " + std::to_string(number) + ": too few columns");
+    const std::string& act = cells[action];
+    if (act == "allocate failure") {
+      a.failure();
+      continue;
+    }
+    const std::string& p = cells[pointer];
+    const std::uintptr_t address =
+        p == "(nil)" ? 0 : detail::parse_number(p.rfind("0x", 0) == 0 ? p.substr(2) : p, 16, "pointer", number);
+    if (act == "allocate") {
+      a.alloc(address, detail::parse_number(cells[size], 10, "size", number),
+              detail::parse_number(cells[stream], 10, "stream", number));
+    } else if (act == "free") {
+      a.free(address);
+    } else {
+      throw std::runtime_error("line " + std::to_string(number) + ": unknown action \"" + act + "\"");
+    }
+  }
+  return a.finish(name);
+}
+
+/// Parses gpukit's history JSON (history_json): its alloc, free_requested and oom events.
+inline recorded_trace read_history_json(std::istream& in, const std::string& name = "recorded") {
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t events = text.find("\"events\":[");
+  if (events == std::string::npos) throw std::runtime_error("not a gpukit history: no \"events\" array");
+  detail::trace_assembler a;
+  for (std::size_t at = text.find('{', events); at != std::string::npos; at = text.find('{', at + 1)) {
+    const std::size_t end = text.find('}', at);
+    if (end == std::string::npos) break;
+    const std::string object = text.substr(at, end - at + 1);
+    if (object.find("\"action\":") == std::string::npos) break;  // past the events: the segments
+    std::uintptr_t address = 0, size = 0, stream = 0;
+    detail::json_number(object, "address", address);
+    detail::json_number(object, "size", size);
+    detail::json_number(object, "stream", stream);
+    if (object.find("\"action\":\"alloc\"") != std::string::npos) a.alloc(address, size, stream);
+    if (object.find("\"action\":\"free_requested\"") != std::string::npos) a.free(address);
+    if (object.find("\"action\":\"oom\"") != std::string::npos) a.failure();
+    at = end;
+  }
+  return a.finish(name);
+}
+
+/// Reads a file in either format (JSON when it starts with '{').
+inline recorded_trace read_trace_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  const int first = in.peek();
+  return first == '{' ? read_history_json(in, path) : read_rmm_csv(in, path);
+}
+
+/// One replay through gpukit's engine on an address space of `capacity` bytes.
+struct replay_result {
+  bool completed = true;  ///< false: out of memory; the replay stopped there
+  std::size_t peak_requested = 0;
+  std::size_t peak_reserved = 0;
+  std::size_t upstream_allocs = 0;
+  std::size_t upstream_frees = 0;
+  /// (operation index, requested bytes live, reserved bytes, largest free block) at up to 20 points.
+  struct sample {
+    std::size_t op = 0, requested = 0, reserved = 0, largest_free = 0;
+  };
+  std::vector<sample> timeline;
+};
+
+using engine = gpukit::basic_caching_allocator<gpukit::address_space_upstream>;
+
+/// Replays `t` through gpukit's engine with `options` on `capacity` bytes, each recorded stream on a CPU stream of
+/// its own (streams keep their own free blocks, as on the GPU).
+inline replay_result replay_gpukit(const trace& t, const gpukit::allocator_options& options, std::size_t capacity,
+                                   bool with_timeline = false) {
+  engine a(gpukit::device::cpu(), options, capacity);
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int i = 0; i < t.streams; ++i) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+  std::vector<void*> pointers(t.ids, nullptr);
+  replay_result r;
+  std::size_t live = 0;
+  const std::size_t every = std::max<std::size_t>(1, t.ops.size() / 20);
+  for (std::size_t i = 0; i < t.ops.size(); ++i) {
+    const auto& op = t.ops[i];
+    if (op.allocate) {
+      try {
+        pointers[op.id] = a.allocate(op.bytes, *streams[op.stream]);
+      } catch (const gpukit::out_of_memory_error&) {
+        r.completed = false;
+        break;
+      }
+      live += op.bytes;
+      r.peak_requested = std::max(r.peak_requested, live);
+    } else {
+      a.deallocate(pointers[op.id]);
+      pointers[op.id] = nullptr;
+      live -= op.bytes;
+    }
+    if (with_timeline && (i % every == every - 1 || i + 1 == t.ops.size())) {
+      r.timeline.push_back({i + 1, live, a.memory_reserved(), a.free_space().largest_free_block});
+    }
+  }
+  const auto s = a.stats();
+  r.peak_reserved = static_cast<std::size_t>(s.reserved_bytes.all().peak);
+  r.upstream_allocs = static_cast<std::size_t>(s.num_device_alloc);
+  r.upstream_frees = static_cast<std::size_t>(s.num_device_free);
+  for (void* p : pointers) {
+    if (p != nullptr) a.deallocate(p);
+  }
+  return r;
+}
+
+/// The same trace under PyTorch's rules (one stream: the model has no streams).
+inline bool runs_under_pytorch(const trace& t, std::size_t capacity) {
+  gpukit_bench::pytorch_allocator_model m(capacity);
+  std::vector<void*> pointers(t.ids, nullptr);
+  std::vector<std::size_t> sizes(t.ids, 0);
+  bool ok = true;
+  for (const auto& op : t.ops) {
+    if (op.allocate) {
+      pointers[op.id] = m.allocate(op.bytes);
+      sizes[op.id] = op.bytes;
+      if (pointers[op.id] == nullptr) {
+        ok = false;
+        break;
+      }
+    } else {
+      m.deallocate(pointers[op.id], op.bytes);
+      pointers[op.id] = nullptr;
+    }
+  }
+  for (std::size_t id = 0; id < t.ids; ++id) {
+    if (pointers[id] != nullptr) m.deallocate(pointers[id], sizes[id]);
+  }
+  return ok;
+}
+
+/// The smallest capacity (to 64 KiB or 0.1 % of the peak) on which `runs` succeeds: a binary search between the peak
+/// requested (too small unless nothing is allocated) and a capacity that runs.
+template <class Runs>
+std::size_t minimum_capacity(const trace& t, Runs&& runs) {
+  if (t.peak_requested == 0) return 0;
+  const std::size_t resolution = std::max<std::size_t>(64 * 1024, t.peak_requested / 1000);
+  std::size_t fails = t.peak_requested - 1;
+  std::size_t succeeds = 2 * t.peak_requested + 64 * MiB;
+  while (!runs(succeeds)) {
+    fails = succeeds;
+    succeeds += succeeds / 2;
+  }
+  while (succeeds - fails > resolution) {
+    const std::size_t mid = fails + (succeeds - fails) / 2;
+    if (runs(mid)) {
+      succeeds = mid;
+    } else {
+      fails = mid;
+    }
+  }
+  return succeeds;
+}
+
+/// A GPU and the memory the runtime reports as its total (nvidia-smi's "Total", MiB).
+struct gpu_model {
+  std::string name;
+  std::size_t total_mib;
+};
+
+/// Common GPUs with their nominal memory as nvidia-smi reports it; override or extend with --gpu NAME=MIB.
+inline std::vector<gpu_model> common_gpus() {
+  return {{"T4 16GB", 15360},          {"L4 24GB", 23034},       {"RTX 4090 24GB", 24564}, {"A10G 24GB", 23028},
+          {"V100 32GB", 32768},        {"A100 40GB", 40960},     {"L40S 48GB", 46068},     {"A100 80GB", 81920},
+          {"H100 80GB", 81559},        {"H200 141GB", 143771},   {"B200 180GB", 184320}};
+}
+
+}  // namespace gpukit_replay
