@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -331,6 +332,13 @@ TEST_CASE("history exports: pickle integers, strings that are not UTF-8, and lar
   CHECK(bytes.find(std::string("\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00", 11)) != std::string::npos);
   CHECK(bytes.find("ok?") != std::string::npos);
   CHECK(bytes.back() == '.');
+  using gpukit::detail::pickle_writer;
+  CHECK(pickle_writer::utf8_or_question_marks("\xC0\x80") == "??");          // overlong
+  CHECK(pickle_writer::utf8_or_question_marks("\xF5\x80\x80\x80") == "????");  // above U+10FFFF
+  CHECK(pickle_writer::utf8_or_question_marks("\xE0\x80\xAF") == "???");     // overlong
+  CHECK(pickle_writer::utf8_or_question_marks("\xED\xA0\x80") == "???");     // a surrogate
+  CHECK(pickle_writer::utf8_or_question_marks("\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80") ==
+        "\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");  // e-acute, euro, an emoji: kept
 }
 
 TEST_CASE("history: threads allocating on their own streams while another reads the history and switches it") {
@@ -432,4 +440,91 @@ TEST_CASE("history picture: one HTML page whose DOM has a bar per segment, a rec
   for (std::size_t i = 0; i < live.size(); ++i) {
     if (i % 3 != 0) w.a.deallocate(live[i]);
   }
+}
+
+TEST_CASE("history: a segment freed while another thread takes its memory is recorded before the new segment") {
+  // The segment's memory goes back to the upstream without the allocator's lock; the hook lets another thread
+  // allocate it again right then (found by review: the free was recorded after the upstream call, so after the new
+  // segment_alloc).
+  struct hooked_upstream : gpukit::address_space_upstream {
+    explicit hooked_upstream(std::size_t capacity) : gpukit::address_space_upstream(capacity) {}
+    void deallocate(void* p, std::size_t bytes) noexcept {
+      gpukit::address_space_upstream::deallocate(p, bytes);
+      if (after_free) {
+        auto f = std::move(after_free);
+        after_free = nullptr;
+        f();
+      }
+    }
+    std::function<void()> after_free;
+  };
+  gpukit::basic_caching_allocator<hooked_upstream> a(gpukit::device::cpu(), gpukit::allocator_options{}, 16 * GiB);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  auto history = std::make_shared<gpukit::memory_history>();
+  a.set_memory_history(history);
+  void* p = a.allocate(64 * MiB, s);
+  a.deallocate(p);
+  void* q = nullptr;
+  a.upstream().after_free = [&] { std::thread([&] { q = a.allocate(64 * MiB, s); }).join(); };
+  a.empty_cache();
+  std::vector<std::pair<memory_action, std::uintptr_t>> segments;
+  for (const auto& e : history->events()) {
+    if (e.action == memory_action::segment_alloc || e.action == memory_action::segment_free) {
+      segments.emplace_back(e.action, e.address);
+    }
+  }
+  REQUIRE(segments.size() == 3);
+  CHECK(segments[0].first == memory_action::segment_alloc);
+  CHECK(segments[1].first == memory_action::segment_free);
+  CHECK(segments[2].first == memory_action::segment_alloc);
+  CHECK(segments[1].second == segments[2].second);  // the same memory, freed then taken again
+  const auto levels = gpukit::detail::levels_of(history->events(), a.snapshot());
+  CHECK(*std::max_element(levels.reserved.begin(), levels.reserved.end()) == static_cast<std::int64_t>(64 * MiB));
+  a.deallocate(q);
+}
+
+TEST_CASE("history picture: levels are anchored at the snapshot, whatever happened after it") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* p = w.a.allocate(8 * MiB, w.s1);
+  const auto snapshot = w.a.snapshot();
+  w.a.deallocate(p);  // after the snapshot
+  const auto events = history->events();
+  const auto levels = gpukit::detail::levels_of(events, snapshot);
+  REQUIRE(events.size() >= 4);  // segment_alloc, alloc, snapshot, free_requested, free_completed
+  CHECK(levels.allocated.front() == 0);  // after segment_alloc, nothing allocated yet
+  CHECK(*std::max_element(levels.allocated.begin(), levels.allocated.end()) == static_cast<std::int64_t>(8 * MiB));
+  CHECK(levels.allocated.back() == 0);
+  CHECK(levels.reserved.front() == static_cast<std::int64_t>(w.a.memory_reserved()));
+}
+
+TEST_CASE("history exports: an expandable segment is exported as its mapped ranges, and Python reads it") {
+  gpukit::allocator_options options;
+  options.expandable_segments = true;
+  world_and_allocator w(options, 1 * GiB);
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  std::vector<void*> live;
+  {
+    gpukit::memory_tag tag("expandable");
+    for (std::size_t i = 0; i < 3; ++i) live.push_back(w.a.allocate(3 * MiB + i * 100000, w.s1));
+  }
+  const auto snapshot = w.a.snapshot();
+  std::size_t ranges = 0, mapped = 0;
+  for (const auto& seg : snapshot.segments) {
+    REQUIRE(seg.expandable);
+    ranges += seg.mapped_ranges.size();
+    for (const auto& r : seg.mapped_ranges) mapped += r.second;
+    CHECK(seg.size > seg.mapped);  // a reserved range far larger than what is mapped
+  }
+  CHECK(mapped == w.a.memory_reserved());
+  const std::string path = "gpukit_history_test_expandable.pickle";
+  gpukit::dump_pytorch_snapshot(path, snapshot, *history);
+  const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
+                              std::to_string(ranges) + " " + std::to_string(history->events().size()) +
+                              " 3 expandable";
+  CHECK(std::system(command.c_str()) == 0);  // segments tile: each mapped range holds its (clipped) blocks
+  std::remove(path.c_str());
+  for (void* p : live) w.a.deallocate(p);
 }

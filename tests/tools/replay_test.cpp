@@ -130,3 +130,31 @@ TEST_CASE("replay: the command-line tool prints the minimum capacities and the f
   std::remove(log.c_str());
   std::remove(out.c_str());
 }
+
+TEST_CASE("replay: tags with braces, CRLF logs, negative and absurd sizes") {
+  engine a(gpukit::device::cpu(), gpukit::allocator_options{}, std::size_t{1} << 40);
+  auto history = std::make_shared<gpukit::memory_history>();
+  a.set_memory_history(history);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  void* p = nullptr;
+  {
+    gpukit::memory_tag tag("cache}{0}\"x\\");
+    p = a.allocate(9 * MiB, s);
+  }
+  a.deallocate(p);
+  std::istringstream json(gpukit::history_json(*history));
+  const recorded_trace from_json = read_history_json(json);
+  CHECK(from_json.ops.ops.size() == 2);  // the tag's braces and quote are inside a string
+  CHECK(from_json.ops.peak_requested == 9 * MiB);
+  std::istringstream crlf("Thread,Time,Action,Pointer,Size,Stream\r\n1,t,allocate,0x10,100,0\r\n1,t,free,0x10,100,0\r\n");
+  CHECK(read_rmm_csv(crlf).ops.peak_requested == 100);
+  std::istringstream negative("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,-1,0\n");
+  CHECK_THROWS_WITH_AS(read_rmm_csv(negative), "line 2: size \"-1\" is not a number", std::runtime_error);
+  std::istringstream huge("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,9223372036854775808,0\n");
+  CHECK_THROWS_AS(read_rmm_csv(huge), std::runtime_error);
+  std::istringstream big("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,1125899906842624,0\n");  // 1 PiB
+  const trace t = read_rmm_csv(big).ops;
+  CHECK_THROWS_WITH_AS(
+      minimum_capacity(t, [&](std::size_t c) { return replay_gpukit(t, gpukit::allocator_options{}, c).completed; }),
+      doctest::Contains("does not run even on"), std::runtime_error);
+}

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
     }
 
     const gpukit::allocator_options defaults;
-    const replay_result unlimited = replay_gpukit(t, defaults, std::size_t{1} << 46, true);
+    const replay_result unlimited = replay_gpukit(t, defaults, max_capacity, true);
     std::printf("gpukit's defaults, unlimited memory: peak reserved %s (%.3f x peak requested), %zu upstream "
                 "allocations, %zu upstream frees\n\n",
                 format_bytes(unlimited.peak_reserved).c_str(),

@@ -45,6 +45,9 @@ class trace_assembler {
  public:
   void alloc(std::uintptr_t pointer, std::size_t bytes, std::uintptr_t stream) {
     if (bytes == 0) return;
+    if (bytes > (std::size_t{1} << 50)) {
+      throw std::runtime_error("an allocation of " + std::to_string(bytes) + " bytes: more than any device holds");
+    }
     const auto s = stream_index(stream);
     live_[pointer] = builder_.alloc(bytes, s);
   }
@@ -82,6 +85,7 @@ class trace_assembler {
 
 inline std::uintptr_t parse_number(const std::string& text, int base, const std::string& what, std::size_t line) {
   try {
+    if (text.empty() || text[0] == '-' || text[0] == '+' || text[0] == ' ') throw std::invalid_argument(text);
     std::size_t used = 0;
     const unsigned long long v = std::stoull(text, &used, base);
     if (used != text.size()) throw std::invalid_argument(text);
@@ -107,6 +111,7 @@ inline bool json_number(const std::string& object, const char* key, std::uintptr
 inline recorded_trace read_rmm_csv(std::istream& in, const std::string& name = "recorded") {
   std::string line;
   if (!std::getline(in, line)) throw std::runtime_error("empty log: no header line");
+  if (!line.empty() && line.back() == '\r') line.pop_back();  // a log written on Windows
   std::vector<std::string> header;
   {
     std::stringstream h(line);
@@ -153,19 +158,37 @@ inline recorded_trace read_history_json(std::istream& in, const std::string& nam
   const std::size_t events = text.find("\"events\":[");
   if (events == std::string::npos) throw std::runtime_error("not a gpukit history: no \"events\" array");
   detail::trace_assembler a;
-  for (std::size_t at = text.find('{', events); at != std::string::npos; at = text.find('{', at + 1)) {
-    const std::size_t end = text.find('}', at);
-    if (end == std::string::npos) break;
+  // Each event is a flat object; a '}' or '{' inside a string (a tag) is not a boundary.
+  std::size_t at = events + 10;
+  while (at < text.size()) {
+    while (at < text.size() && (text[at] == ',' || text[at] == ' ' || text[at] == '\n')) ++at;
+    if (at >= text.size() || text[at] != '{') break;  // the end of the events array
+    std::size_t end = at + 1;
+    bool in_string = false;
+    for (; end < text.size(); ++end) {
+      const char c = text[end];
+      if (in_string) {
+        if (c == '\\') {
+          ++end;
+        } else if (c == '"') {
+          in_string = false;
+        }
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '}') {
+        break;
+      }
+    }
+    if (end >= text.size()) throw std::runtime_error("a history event is not terminated");
     const std::string object = text.substr(at, end - at + 1);
-    if (object.find("\"action\":") == std::string::npos) break;  // past the events: the segments
     std::uintptr_t address = 0, size = 0, stream = 0;
     detail::json_number(object, "address", address);
     detail::json_number(object, "size", size);
     detail::json_number(object, "stream", stream);
-    if (object.find("\"action\":\"alloc\"") != std::string::npos) a.alloc(address, size, stream);
-    if (object.find("\"action\":\"free_requested\"") != std::string::npos) a.free(address);
-    if (object.find("\"action\":\"oom\"") != std::string::npos) a.failure();
-    at = end;
+    if (object.rfind("{\"action\":\"alloc\"", 0) == 0) a.alloc(address, size, stream);
+    if (object.rfind("{\"action\":\"free_requested\"", 0) == 0) a.free(address);
+    if (object.rfind("{\"action\":\"oom\"", 0) == 0) a.failure();
+    at = end + 1;
   }
   return a.finish(name);
 }
@@ -262,15 +285,22 @@ inline bool runs_under_pytorch(const trace& t, std::size_t capacity) {
 
 /// The smallest capacity (to 64 KiB or 0.1 % of the peak) on which `runs` succeeds: a binary search between the peak
 /// requested (too small unless nothing is allocated) and a capacity that runs.
+/// Throws std::runtime_error when it does not run even on max_capacity (the address space replays use).
+constexpr std::size_t max_capacity = std::size_t{1} << 46;
+
 template <class Runs>
 std::size_t minimum_capacity(const trace& t, Runs&& runs) {
   if (t.peak_requested == 0) return 0;
+  if (t.peak_requested >= max_capacity || !runs(max_capacity)) {
+    throw std::runtime_error("the history does not run even on " + std::to_string(max_capacity >> 30) +
+                             " GiB (peak requested " + std::to_string(t.peak_requested) + " bytes)");
+  }
   const std::size_t resolution = std::max<std::size_t>(64 * 1024, t.peak_requested / 1000);
   std::size_t fails = t.peak_requested - 1;
-  std::size_t succeeds = 2 * t.peak_requested + 64 * MiB;
+  std::size_t succeeds = std::min(max_capacity, 2 * t.peak_requested + 64 * MiB);
   while (!runs(succeeds)) {
     fails = succeeds;
-    succeeds += succeeds / 2;
+    succeeds = std::min(max_capacity, succeeds + succeeds / 2);
   }
   while (succeeds - fails > resolution) {
     const std::size_t mid = fails + (succeeds - fails) / 2;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -42,6 +43,8 @@ struct segment_info {
   std::size_t size = 0;    ///< bytes of address space (of an expandable segment: its reserved virtual range)
   std::size_t mapped = 0;  ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
   bool expandable = false;  ///< a virtual range whose pages are mapped as blocks need them (expandable_segments)
+  /// Expandable segments: the mapped runs of pages as (address, bytes), in address order (their sum is `mapped`).
+  std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges;
   bool small_pool = false;
   std::vector<block_info> blocks;
 };

@@ -323,7 +323,7 @@ class basic_caching_allocator {
     const std::size_t size = round_request(bytes);
     if (front_cache_ && ops_.device_of(stream) == device_) {
       if (block* cached = front_take(ops_.key(stream), size, bytes)) {
-        if (history_.load(std::memory_order_relaxed) != nullptr) note(memory_action::alloc, cached);
+        if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, cached);
         return reinterpret_cast<void*>(cached->address);
       }
     }
@@ -362,7 +362,7 @@ class basic_caching_allocator {
       free_allocated(b, false, false);  // never handed out: nothing can use it
       throw;
     }
-    if (history_.load(std::memory_order_relaxed) != nullptr) note(memory_action::alloc, b);
+    if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, b);
     return reinterpret_cast<void*>(b->address);
   }
 
@@ -516,9 +516,11 @@ class basic_caching_allocator {
 
   /// Every segment and block with the statistics, consistent with each other.
   allocator_snapshot snapshot() const {
-    if (memory_history* h = history_.load(std::memory_order_relaxed)) h->record(memory_action::snapshot, 0, 0, 0);
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     fronts_lock all(fronts_);  // blocks do not enter or leave the front caches meanwhile
+    // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
+    // allocations being returned on other threads), which is where memory_picture anchors its levels.
+    if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
     allocator_snapshot s;
     s.device = device_;
     for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
@@ -528,6 +530,12 @@ class basic_caching_allocator {
       info.mapped = seg->mapped;
       info.expandable = seg->expandable;
       info.small_pool = seg->small;
+      for (std::size_t i = 0; seg->expandable && i < seg->pages.size();) {
+        std::size_t n = 0;
+        while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
+        if (n != 0) info.mapped_ranges.emplace_back(seg->address + i * vm_page_, n * vm_page_);
+        i += n + 1;
+      }
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         block_info bi;
         bi.address = b->address;
@@ -631,7 +639,7 @@ class basic_caching_allocator {
       histories_.push_back(history);
     }
     current_history_ = std::move(history);
-    history_.store(raw, std::memory_order_relaxed);
+    history_.store(raw, std::memory_order_release);  // the history's construction happens before its first record
   }
   /// The history being recorded into, or null.
   std::shared_ptr<memory_history> history() const {
@@ -1291,7 +1299,7 @@ class basic_caching_allocator {
   void complete_pending(block* b) {
     --pending_total_;
     if (--b->pending_events != 0) return;
-    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+    if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
     }
     count(st_active, b->small, -1);
@@ -1456,7 +1464,7 @@ class basic_caching_allocator {
   /// Caches `b` in `bin` (the slot's lock held; every lock when `slow`).
   void give_cached(front_slot_type& slot, typename front_slot_type::bin& bin, block* b, bool slow) noexcept {
     // Recorded under the slot's lock: no other thread can take the block (and record its alloc) before this free.
-    if (history_.load(std::memory_order_relaxed) != nullptr) note_cached_free(b);
+    if (history_.load(std::memory_order_acquire) != nullptr) note_cached_free(b);
     detail::sequence_write change(slot.sequence);
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
@@ -1596,7 +1604,7 @@ class basic_caching_allocator {
 
   /// Records the free of a block entering a front cache: requested, and completed at once (reusable on its stream).
   GPUKIT_DETAIL_NOINLINE void note_cached_free(const block* b) const noexcept {
-    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+    if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
       h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
     }
@@ -1604,7 +1612,7 @@ class basic_caching_allocator {
 
   /// Records an allocation just handed out (only called while a history is set).
   GPUKIT_DETAIL_NOINLINE void note(memory_action action, const block* b) const noexcept {
-    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+    if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(action, b->address, b->requested, b->owner->key);
     }
   }
@@ -1862,7 +1870,7 @@ class basic_caching_allocator {
       b->fence = std::move(fence);
       b->fence_sequence = ++fence_counter_;
     }
-    memory_history* const h = user_free ? history_.load(std::memory_order_relaxed) : nullptr;
+    memory_history* const h = user_free ? history_.load(std::memory_order_acquire) : nullptr;
     if (h != nullptr) h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
     count(st_allocation, b->small, -1);
     count(st_allocated_bytes, b->small, -as_delta(b->size));
@@ -1957,7 +1965,7 @@ class basic_caching_allocator {
     index_free(b);
     count(st_segment, small, 1);
     // An expandable segment's reserved range is no memory yet: its pages are recorded as they are mapped.
-    if (memory_history* h = history_.load(std::memory_order_relaxed); h != nullptr && !segments_->expandable) {
+    if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr && !segments_->expandable) {
       h->record(memory_action::segment_alloc, address, bytes, 0);
     }
   }
@@ -2037,7 +2045,7 @@ class basic_caching_allocator {
         }
         limit_hit = false;
         if (!upstream_.map(reinterpret_cast<void*>(seg->address + i * page), page)) return false;
-        if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+        if (memory_history* h = history_.load(std::memory_order_acquire)) {
           h->record(memory_action::segment_map, seg->address + i * page, page, 0);
         }
         seg->pages[i] = true;
@@ -2120,10 +2128,11 @@ class basic_caching_allocator {
       seg->pages[i + n] = false;
       ++n;
     }
-    if constexpr (has_vm) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * vm_page_), n * vm_page_);
-    if (memory_history* h = history_.load(std::memory_order_relaxed); h != nullptr && n != 0) {
+    // Recorded before the upstream call: once the pages are unmapped, another thread may map them again.
+    if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr && n != 0) {
       h->record(memory_action::segment_unmap, seg->address + i * vm_page_, n * vm_page_, 0);
     }
+    if constexpr (has_vm) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * vm_page_), n * vm_page_);
     seg->mapped -= n * vm_page_;
     for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
     return n;
@@ -2142,7 +2151,7 @@ class basic_caching_allocator {
 
   /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
   void return_segment(segment* seg) noexcept {
-    memory_history* const h = history_.load(std::memory_order_relaxed);
+    memory_history* const h = history_.load(std::memory_order_acquire);
     if constexpr (has_vm) {
       if (seg->expandable) {
         const std::size_t page = vm_page_;
@@ -2150,8 +2159,8 @@ class basic_caching_allocator {
           std::size_t n = 0;
           while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
           if (n != 0) {
-            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
             if (h != nullptr) h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
+            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
           }
           i += n + 1;
         }
@@ -2159,8 +2168,10 @@ class basic_caching_allocator {
         return;
       }
     }
-    upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+    // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
+    // thread's new segment, whose segment_alloc must come after this.
     if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
+    upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
   }
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size,
@@ -2469,7 +2480,7 @@ class basic_caching_allocator {
     } else if (info.known && allocated < info.total_bytes / 2 && reserved < info.total_bytes / 2) {
       m += " Most of the device is used outside this allocator (other processes or libraries).";
     }
-    if (memory_history* h = history_.load(std::memory_order_relaxed)) {
+    if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
     }
     observers_.notify(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
@@ -2539,7 +2550,7 @@ class basic_caching_allocator {
   std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
   detail::out_of_memory_observers observers_;
-  std::atomic<memory_history*> history_{nullptr};            // read on every call: one relaxed load
+  std::atomic<memory_history*> history_{nullptr};            // read on every call: one acquire load
   std::shared_ptr<memory_history> current_history_;            // guarded by mutex_
   std::vector<std::shared_ptr<memory_history>> histories_;     // every history ever set (see set_memory_history)
 

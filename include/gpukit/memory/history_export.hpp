@@ -103,13 +103,33 @@ class pickle_writer {
     return std::move(out_);
   }
 
+  /// `s` with every byte that is not part of a well-formed UTF-8 sequence (RFC 3629: no overlong forms, no
+  /// surrogates, nothing above U+10FFFF) replaced by '?', so Python decodes it.
   static std::string utf8_or_question_marks(std::string_view s) {
     std::string r(s);
+    const auto byte = [&r](std::size_t i) { return static_cast<unsigned char>(r[i]); };
     for (std::size_t i = 0; i < r.size();) {
-      const auto c = static_cast<unsigned char>(r[i]);
-      const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+      const unsigned char c = byte(i);
+      std::size_t n = 0;
+      unsigned char low = 0x80, high = 0xbf;  // the range of the second byte
+      if (c < 0x80) {
+        n = 1;
+      } else if (c >= 0xc2 && c <= 0xdf) {
+        n = 2;
+      } else if (c >= 0xe0 && c <= 0xef) {
+        n = 3;
+        if (c == 0xe0) low = 0xa0;   // overlong
+        if (c == 0xed) high = 0x9f;  // surrogates
+      } else if (c >= 0xf0 && c <= 0xf4) {
+        n = 4;
+        if (c == 0xf0) low = 0x90;   // overlong
+        if (c == 0xf4) high = 0x8f;  // above U+10FFFF
+      }
       bool ok = n != 0 && i + n <= r.size();
-      for (std::size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(r[i + k]) >> 6) == 0x2;
+      for (std::size_t k = 1; ok && k < n; ++k) {
+        const unsigned char lo = k == 1 ? low : 0x80, hi = k == 1 ? high : 0xbf;
+        ok = byte(i + k) >= lo && byte(i + k) <= hi;
+      }
       if (!ok) {
         r[i] = '?';
         ++i;
@@ -200,21 +220,31 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
   w.begin_dict();
   w.key("segments");
   w.begin_list();
-  for (const segment_info& seg : snapshot.segments) {
-    std::uint64_t allocated = 0, active = 0, requested = 0;
+  // PyTorch shows an expandable segment as its mapped ranges, each a segment of the blocks (clipped) inside it.
+  const auto write_segment = [&](const segment_info& seg, std::uintptr_t begin, std::uintptr_t end) {
+    std::vector<block_info> blocks;
     for (const block_info& b : seg.blocks) {
+      const std::uintptr_t from = std::max(b.address, begin), to = std::min(b.address + b.size, end);
+      if (from >= to) continue;
+      block_info clipped = b;
+      clipped.address = from;
+      clipped.size = to - from;
+      blocks.push_back(clipped);
+    }
+    std::uint64_t allocated = 0, active = 0, requested = 0;
+    for (const block_info& b : blocks) {
       if (b.state == block_state::allocated) allocated += b.size;
       if (b.state == block_state::allocated || b.state == block_state::pending) active += b.size;
       requested += b.requested;
     }
     w.begin_dict();
     w.entry("device", device);
-    w.entry("address", seg.address);
-    w.entry("total_size", seg.size);
+    w.entry("address", begin);
+    w.entry("total_size", end - begin);
     w.entry("allocated_size", allocated);
     w.entry("active_size", active);
     w.entry("requested_size", requested);
-    w.entry("stream", seg.blocks.empty() ? 0 : seg.blocks.front().stream);
+    w.entry("stream", blocks.empty() ? 0 : blocks.front().stream);
     w.entry("segment_type", seg.small_pool ? "small" : "large");
     w.key("segment_pool_id");
     w.pair(0, 0);
@@ -222,7 +252,7 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
     frames(0);
     w.key("blocks");
     w.begin_list();
-    for (const block_info& b : seg.blocks) {
+    for (const block_info& b : blocks) {
       w.begin_dict();
       w.entry("address", b.address);
       w.entry("size", b.size);
@@ -234,6 +264,13 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
     }
     w.end_list();
     w.end_dict();
+  };
+  for (const segment_info& seg : snapshot.segments) {
+    if (!seg.expandable) {
+      write_segment(seg, seg.address, seg.address + seg.size);
+      continue;
+    }
+    for (const auto& range : seg.mapped_ranges) write_segment(seg, range.first, range.first + range.second);
   }
   w.end_list();
   w.key("device_traces");

@@ -146,6 +146,7 @@ class memory_history {
     if (max_entries == 0) throw invalid_argument_error("gpukit::memory_history: max_entries must be positive");
     ring_.reserve(max_entries < 4096 ? max_entries : 4096);
     max_entries_ = max_entries;
+    requested_entries_ = max_entries;
   }
 
   memory_history(const memory_history&) = delete;
@@ -159,12 +160,13 @@ class memory_history {
     e.address = address;
     e.size = size;
     e.stream = stream;
-    e.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now().time_since_epoch()).count();
     e.thread = detail::this_thread_number();
     e.tag = detail::current_memory_tag();
     e.device_free = device_free;
     std::lock_guard<std::mutex> lock(mutex_);
+    // Stamped under the lock: times never go back in the ring's order.
+    e.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now().time_since_epoch()).count();
     if (ring_.size() < max_entries_) {
       try {
         ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)
@@ -214,6 +216,7 @@ class memory_history {
     std::lock_guard<std::mutex> lock(mutex_);
     ring_.clear();
     next_ = 0;
+    max_entries_ = requested_entries_;  // undoes a shrink after an allocation failure
     recorded_ = 0;
     dropped_ = 0;
   }
@@ -231,6 +234,7 @@ class memory_history {
   std::vector<memory_event> ring_;
   std::size_t next_ = 0;  // the oldest event once the ring is full
   std::size_t max_entries_ = 0;
+  std::size_t requested_entries_ = 0;
   std::size_t recorded_ = 0;
   std::size_t dropped_ = 0;
   std::chrono::steady_clock::time_point steady_origin_;

@@ -52,10 +52,25 @@ inline std::string fixed(double v) {
 }
 
 /// Allocated (requested) and reserved bytes after each event. The history may begin after the allocator did, so the
-/// levels are anchored at the end, on the snapshot, and walked back through the events.
+/// levels are anchored on the snapshot: its totals hold just after the history's last `snapshot` event (recorded
+/// under the allocator's lock), or after the last event when it holds none; the levels before are walked back
+/// through the events, those after forward.
 struct memory_levels {
   std::vector<std::int64_t> allocated, reserved;
 };
+
+inline void level_change(const memory_event& e, std::int64_t& allocated, std::int64_t& reserved) noexcept {
+  const auto size = static_cast<std::int64_t>(e.size);
+  switch (e.action) {
+    case memory_action::alloc: allocated += size; break;
+    case memory_action::free_requested: allocated -= size; break;
+    case memory_action::segment_alloc:
+    case memory_action::segment_map: reserved += size; break;
+    case memory_action::segment_free:
+    case memory_action::segment_unmap: reserved -= size; break;
+    default: break;
+  }
+}
 
 inline memory_levels levels_of(const std::vector<memory_event>& events, const allocator_snapshot& snapshot) {
   std::int64_t allocated = 0, reserved = 0;
@@ -66,19 +81,29 @@ inline memory_levels levels_of(const std::vector<memory_event>& events, const al
   memory_levels l;
   l.allocated.resize(events.size());
   l.reserved.resize(events.size());
+  if (events.empty()) return l;
+  std::size_t anchor = events.size() - 1;  // the totals hold just after this event
   for (std::size_t i = events.size(); i-- > 0;) {
-    l.allocated[i] = allocated;
-    l.reserved[i] = reserved;
-    const auto size = static_cast<std::int64_t>(events[i].size);
-    switch (events[i].action) {  // undo event i
-      case memory_action::alloc: allocated -= size; break;
-      case memory_action::free_requested: allocated += size; break;
-      case memory_action::segment_alloc:
-      case memory_action::segment_map: reserved -= size; break;
-      case memory_action::segment_free:
-      case memory_action::segment_unmap: reserved += size; break;
-      default: break;
+    if (events[i].action == memory_action::snapshot) {
+      anchor = i;
+      break;
     }
+  }
+  std::int64_t a = allocated, r = reserved;
+  for (std::size_t i = anchor + 1; i-- > 0;) {  // backwards: undo event i to get the level before it
+    l.allocated[i] = a;
+    l.reserved[i] = r;
+    std::int64_t da = 0, dr = 0;
+    level_change(events[i], da, dr);
+    a -= da;
+    r -= dr;
+  }
+  a = allocated;
+  r = reserved;
+  for (std::size_t i = anchor + 1; i < events.size(); ++i) {  // forwards from the anchor
+    level_change(events[i], a, r);
+    l.allocated[i] = a;
+    l.reserved[i] = r;
   }
   return l;
 }
