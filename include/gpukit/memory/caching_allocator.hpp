@@ -530,11 +530,10 @@ class basic_caching_allocator {
       info.mapped = seg->mapped;
       info.expandable = seg->expandable;
       info.small_pool = seg->small;
-      for (std::size_t i = 0; seg->expandable && i < seg->pages.size();) {
-        std::size_t n = 0;
-        while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
-        if (n != 0) info.mapped_ranges.emplace_back(seg->address + i * vm_page_, n * vm_page_);
-        i += n + 1;
+      if (seg->expandable) {
+        for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
+          info.mapped_ranges.emplace_back(address, bytes);
+        });
       }
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         block_info bi;
@@ -629,7 +628,7 @@ class basic_caching_allocator {
   bool remove_out_of_memory_observer(std::uint64_t id) { return observers_.remove(id); }
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops recording.
-  /// While no history is set, the cost is one relaxed load and a branch per call. A history once set is kept alive
+  /// While no history is set, the cost is one acquire load (a plain load on x86) and a branch per call. A history once set is kept alive
   /// until the allocator is destroyed (a call on another thread may still be recording into it).
   void set_memory_history(std::shared_ptr<memory_history> history) {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
@@ -2149,21 +2148,26 @@ class basic_caching_allocator {
     forget(*unowned_);
   }
 
+  /// Calls f(address, bytes) for each run of mapped pages of an expandable segment, in address order.
+  template <class F>
+  void for_each_mapped_run(const segment& seg, F&& f) const {
+    for (std::size_t i = 0; i < seg.pages.size();) {
+      std::size_t n = 0;
+      while (i + n < seg.pages.size() && seg.pages[i + n]) ++n;
+      if (n != 0) f(seg.address + i * vm_page_, n * vm_page_);
+      i += n + 1;
+    }
+  }
+
   /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
   void return_segment(segment* seg) noexcept {
     memory_history* const h = history_.load(std::memory_order_acquire);
     if constexpr (has_vm) {
       if (seg->expandable) {
-        const std::size_t page = vm_page_;
-        for (std::size_t i = 0; i < seg->pages.size();) {
-          std::size_t n = 0;
-          while (i + n < seg->pages.size() && seg->pages[i + n]) ++n;
-          if (n != 0) {
-            if (h != nullptr) h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
-            upstream_.unmap(reinterpret_cast<void*>(seg->address + i * page), n * page);
-          }
-          i += n + 1;
-        }
+        for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
+          if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
+          upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+        });
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
         return;
       }

@@ -177,16 +177,6 @@ inline const char* pytorch_block_state(block_state s) noexcept {
   }
 }
 
-/// The tag of the allocation at each address live at the end of the history.
-inline std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
-  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
-  for (const memory_event& e : events) {
-    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
-    if (e.action == memory_action::free_requested) tags.erase(e.address);
-  }
-  return tags;
-}
-
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) throw invalid_argument_error(std::string(who) + ": cannot open " + path + " for writing");

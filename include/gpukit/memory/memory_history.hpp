@@ -100,6 +100,16 @@ inline std::uint64_t this_thread_number() noexcept {
   return number;
 }
 
+/// The tag of the allocation at each address still live after `events` (memory_history::events()).
+inline std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
+  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
+  for (const memory_event& e : events) {
+    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
+    if (e.action == memory_action::free_requested) tags.erase(e.address);
+  }
+  return tags;
+}
+
 }  // namespace detail
 
 /// The id of a tag name (the same for every call with that name in the process); "" is 0.

@@ -118,11 +118,7 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   using detail::html_escape;
   const std::vector<memory_event> events = history.events();
   const detail::memory_levels levels = detail::levels_of(events, snapshot);
-  std::unordered_map<std::uintptr_t, std::uint32_t> tags;  // tags of the allocations live at the end
-  for (const memory_event& e : events) {
-    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
-    if (e.action == memory_action::free_requested) tags.erase(e.address);
-  }
+  const auto tags = detail::live_tags(events);  // of the allocations live at the end
 
   std::string out;
   out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) + "</title>\n<style>\n"
