@@ -2,10 +2,14 @@
 // pick and why. Runs everywhere: without a driver or GPU it says so and selects the CPU. Exits 0 unless an
 // argument is wrong.
 //
+// Where NVML is present it adds an nvidia-smi-like table of every device (gpukit::gpu_monitor); with two or more
+// devices, the peer-access matrix with each pair's link (NVLink or the PCIe path, from NVML).
+//
 //   device_query                  # no CUDA context is created on any device
 //   device_query --probe-memory   # also read free memory with cudaMemGetInfo where NVML is unavailable
 #include <gpukit/gpukit.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -74,6 +78,13 @@ int main(int argc, char** argv) {
     } else {
       std::printf("%d CUDA device%s visible:\n", count, count == 1 ? "" : "s");
       for (gpukit::device d : gpukit::cuda_devices()) print_device(gpukit::properties(d), probe_memory);
+      gpukit::gpu_monitor_options sample_once;
+      sample_once.period = std::chrono::milliseconds(0);  // one sample, taken here: no background thread
+      gpukit::gpu_monitor monitor(sample_once);
+      if (monitor.active() && !monitor.sample_now().empty()) std::printf("%s", monitor.table().c_str());
+      if (count > 1) {
+        std::printf("\npeer access and links (nvidia-smi topo -m):\n%s", gpukit::query_peer_matrix().to_string().c_str());
+      }
     }
 
     const gpukit::device_selection selection = gpukit::select_device();

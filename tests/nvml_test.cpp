@@ -1,6 +1,8 @@
 // The optional NVML loader, against a fake libnvidia-ml (tests/fake_nvml.cpp) and against missing libraries.
 #include <gpukit/device/nvml.hpp>
 
+#include <dlfcn.h>
+
 #include "support.hpp"
 
 namespace {
@@ -9,6 +11,21 @@ gpukit::device_properties described(const char* uuid, const char* pci_bus_id) {
   p.uuid = uuid;
   p.pci_bus_id = pci_bus_id;
   return p;
+}
+}  // namespace
+
+namespace {
+gpukit::device_properties gpu_at(const char* uuid, int bus) {
+  gpukit::device_properties p = described(uuid, "");
+  p.pci_bus = bus;
+  return p;
+}
+void set_fake(unsigned gpu, const char* field, long long value) {
+  static void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_NOW);
+  static auto* set = reinterpret_cast<void (*)(unsigned, const char*, long long)>(dlsym(fake, "fake_nvml_set"));
+  const bool found = set != nullptr;
+  REQUIRE(found);
+  set(gpu, field, value);
 }
 }  // namespace
 
@@ -70,4 +87,101 @@ TEST_CASE("the process-wide instance honours GPUKIT_NVML_LIBRARY") {
   gpukit_test::scoped_env path("GPUKIT_NVML_LIBRARY", std::string(GPUKIT_FAKE_NVML_PATH));
   CHECK(gpukit::nvml::instance().available());
   CHECK(&gpukit::nvml::instance() == &gpukit::nvml::instance());
+}
+
+TEST_CASE("a sample has every figure the fake NVML reports, this process's memory found past the first guess") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(sample);
+  REQUIRE(sample->memory);
+  CHECK(sample->memory->used == (20ull << 30));
+  CHECK(sample->gpu_utilization_percent == 35u);
+  CHECK(sample->memory_utilization_percent == 5u);
+  CHECK(sample->temperature_c == 41u);
+  REQUIRE(sample->power_w);
+  CHECK(*sample->power_w == doctest::Approx(123.456));
+  CHECK(sample->power_limit_w == 700.0);
+  CHECK(sample->sm_clock_mhz == 1980u);
+  CHECK(sample->memory_clock_mhz == 2619u);
+  CHECK(sample->clock_limits == gpukit::nvml::clock_limit::idle);  // through the pre-12.2 entry point's name
+  CHECK(sample->pcie_tx_kib_per_s == 2048u);
+  CHECK(sample->pcie_rx_kib_per_s == 1024u);
+  CHECK(sample->process_memory == (3ull << 30));  // the 11th of 11 processes: gpukit had to ask twice
+}
+
+TEST_CASE("without PCIe counters the sample leaves them unknown") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""), /*read_pcie=*/false);
+  REQUIRE(sample);
+  CHECK_FALSE(sample->pcie_tx_kib_per_s.has_value());
+  CHECK_FALSE(sample->pcie_rx_kib_per_s.has_value());
+  CHECK(sample->temperature_c.has_value());
+}
+
+TEST_CASE("unsupported or unavailable figures are unknown, not zero") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  set_fake(0, "self_bytes", -1);  // this process is not in NVML's list (a container's PID namespace)
+  set_fake(0, "temperature_c", -1);
+  auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(sample);
+  CHECK_FALSE(sample->process_memory.has_value());
+  CHECK_FALSE(sample->temperature_c.has_value());
+  set_fake(0, "self_bytes", -2);  // listed, but NVML_VALUE_NOT_AVAILABLE
+  set_fake(0, "other_processes", 0);
+  sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(sample);
+  CHECK_FALSE(sample->process_memory.has_value());
+  // Utilisation is not supported on the second GPU: both utilisation figures stay unknown.
+  sample = nvml.sample(described("GPU-99999999-8888-7777-6666-555555555555", ""));
+  REQUIRE(sample);
+  CHECK_FALSE(sample->gpu_utilization_percent.has_value());
+  CHECK_FALSE(sample->memory_utilization_percent.has_value());
+  CHECK(sample->memory.has_value());
+  CHECK_FALSE(nvml.sample(described("GPU-unknown", "0000:99:00.0")).has_value());
+}
+
+TEST_CASE("an NVML without the optional entry points still loads, and samples what it has") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_MINIMAL_PATH);
+  REQUIRE(nvml.available());
+  const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(sample);
+  CHECK(sample->memory.has_value());
+  CHECK(sample->gpu_utilization_percent == 35u);
+  CHECK_FALSE(sample->temperature_c.has_value());
+  CHECK_FALSE(sample->power_w.has_value());
+  CHECK_FALSE(sample->sm_clock_mhz.has_value());
+  CHECK_FALSE(sample->clock_limits.has_value());
+  CHECK_FALSE(sample->pcie_rx_kib_per_s.has_value());
+  CHECK_FALSE(sample->process_memory.has_value());
+}
+
+TEST_CASE("clock limit masks read as words") {
+  using namespace gpukit::nvml;
+  CHECK(describe_clock_limits(0) == "none");
+  CHECK(describe_clock_limits(clock_limit::idle) == "idle");
+  CHECK(describe_clock_limits(clock_limit::software_power_cap | clock_limit::hardware_thermal) == "power cap, hw thermal");
+  CHECK(describe_clock_limits(0x8000 | clock_limit::sync_boost) == "sync boost, other");
+}
+
+
+TEST_CASE("links between GPUs read as nvidia-smi topo -m prints them") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  const auto first = gpu_at("GPU-11111111-2222-3333-4444-555555555555", 0x1a);
+  const auto second = gpu_at("GPU-99999999-8888-7777-6666-555555555555", 0x3b);
+  CHECK(nvml.link(first, first) == std::string("X"));
+  CHECK(nvml.link(first, second) == std::string("NV2"));  // 2 of its 4 active links end at the other GPU
+  set_fake(0, "nvlinks_to_peer", 0);                       // all through an NVSwitch: every active link counts
+  CHECK(nvml.link(first, second) == std::string("NV4"));
+  set_fake(0, "nvlinks_active", 0);  // no NVLink: the closest common PCIe ancestor names the path
+  for (const auto& [level, name] : std::vector<std::pair<int, std::string>>{
+           {0, "PIX"}, {10, "PIX"}, {20, "PXB"}, {30, "PHB"}, {40, "NODE"}, {50, "SYS"}}) {
+    set_fake(0, "common_ancestor", level);
+    CHECK(nvml.link(first, second) == name);
+  }
+  set_fake(0, "common_ancestor", 35);  // a level NVML does not define
+  CHECK_FALSE(nvml.link(first, second).has_value());
+  CHECK_FALSE(nvml.link(first, gpu_at("GPU-unknown", 0x99)).has_value());
+  const gpukit::nvml::library minimal(GPUKIT_FAKE_NVML_MINIMAL_PATH);
+  CHECK_FALSE(minimal.link(first, second).has_value());
+  CHECK(minimal.link(first, first) == std::string("X"));
 }

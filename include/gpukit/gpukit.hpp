@@ -3,10 +3,11 @@
 #pragma once
 
 /// \file
-/// Everything in gpukit but two opt-in headers. Each header below also compiles on its own; include only what you use
+/// Everything in gpukit but the opt-in headers. Each header below also compiles on its own; include only what you use
 /// to save compile time. Layers, from the bottom: error → device → stream/event → memory → transfer → graph.
 /// Opt-in (about 0.5 s of parsing together, g++ -O0): <gpukit/graph/graph.hpp> (CUDA graphs and graph pools) and
-/// <gpukit/memory/async_allocator.hpp> (cudaMallocAsync); also <gpukit/stream/stream_ref.hpp> (CCCL interop).
+/// <gpukit/memory/async_allocator.hpp> (cudaMallocAsync); also <gpukit/stream/stream_ref.hpp> (CCCL interop),
+/// <gpukit/memory/history_export.hpp> and <gpukit/memory/memory_picture.hpp> (memory history exports and picture).
 
 #include <gpukit/version.hpp>
 
@@ -14,7 +15,9 @@
 #include <gpukit/span.hpp>
 
 #include <gpukit/device/device.hpp>
+#include <gpukit/device/gpu_monitor.hpp>
 #include <gpukit/device/nvml.hpp>
+#include <gpukit/device/peer_access.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/device/select.hpp>
 #include <gpukit/device/visible_devices.hpp>

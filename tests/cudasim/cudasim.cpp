@@ -193,6 +193,7 @@ struct simulator {
   std::map<std::uintptr_t, vmm_page> vmm_pages;  // by address, one granule each
   std::vector<cudasim::violation> violations;
   std::vector<int> allowed_contexts;
+  std::set<std::pair<int, int>> peer_enabled;  // (device, peer) by visible ordinal: cudaDeviceEnablePeerAccess
   std::map<std::string, std::vector<std::pair<int, cudaError_t>>> faults;
   std::map<std::string, std::size_t> call_counts;
   cudaError_t sticky = cudaSuccess;
@@ -342,6 +343,16 @@ struct call {
   if (c.early != cudaSuccess) return c.result(c.early)
 
 bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
+
+/// Whether visible ordinal `d` can access the memory of `peer` in the configured topology (never itself).
+bool peer_capable(simulator& s, int d, int peer) {
+  if (d == peer) return false;
+  const auto& matrix = s.machine.peer_access;
+  if (matrix.empty()) return true;
+  const auto i = static_cast<std::size_t>(s.devices[static_cast<std::size_t>(d)].physical);
+  const auto j = static_cast<std::size_t>(s.devices[static_cast<std::size_t>(peer)].physical);
+  return matrix[i][j];
+}
 
 /// Creates the primary context of `d` if it does not exist (as cudaSetDevice, allocations, stream and event creation,
 /// cudaMemGetInfo ... do on a real driver).
@@ -729,6 +740,45 @@ cudaError_t memset_async(call& c, void* p, int value, std::size_t n, cudaStream_
   if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
   if (synchronous && !st->capture) wait_for(c, {done});
   return cudaSuccess;
+}
+
+/// cudaMemcpyPeerAsync: device memory of `dst_device` from device memory of `src_device`, in the order of the stream
+/// (of any device). It needs no peer access (the runtime stages the copy through the host where there is none).
+cudaError_t memcpy_peer_async(call& c, void* dst, int dst_device, const void* src, int src_device, std::size_t n,
+                              cudaStream_t h) {
+  if (!valid_device(c.s, dst_device) || !valid_device(c.s, src_device)) return c.result(cudaErrorInvalidDevice);
+  stream_ptr st;
+  if (cudaError_t e = resolve_stream(c, h, false, st); e != cudaSuccess) return e;  // no _ptsz entry point exists
+  require_current_context(c);
+  ensure_context(c, st->device);
+  if (n == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return c.violation(cudaErrorInvalidValue, "null pointer in a peer copy");
+  struct side {
+    const char* role;
+    const void* pointer;
+    int device;
+  };
+  for (const side& x : {side{"destination", dst, dst_device}, side{"source", src, src_device}}) {
+    const region* r = find_region(c.s, x.pointer);
+    if (r == nullptr || r->kind != region_kind::device) {
+      return c.violation(cudaErrorInvalidValue, std::string("the ") + x.role + " of a peer copy (" +
+                                                    hex(reinterpret_cast<std::uintptr_t>(x.pointer)) +
+                                                    ") is not device memory");
+    }
+    if (r->device != x.device) {
+      return c.violation(cudaErrorInvalidValue, std::string("the ") + x.role + " of a peer copy is memory of cuda:" +
+                                                    std::to_string(r->device) + ", not of cuda:" +
+                                                    std::to_string(x.device) + " as the call says");
+    }
+  }
+  if (cudaError_t e = check_copy(c, dst, src, n, cudaMemcpyDeviceToDevice); e != cudaSuccess) return e;
+  ensure_context(c, dst_device);  // the copy runs between both devices' memory
+  ensure_context(c, src_device);
+  auto o = std::make_shared<op>();
+  o->what = c.function;
+  o->precheck = alive_check(dst, src, n, c.function);
+  o->work = [dst, src, n] { std::memmove(dst, src, n); };
+  return enqueue(c, st, std::move(o));
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -1221,6 +1271,9 @@ const char* error_name(cudaError_t e) {
     CUDASIM_NAME(cudaErrorCapturedEvent)
     CUDASIM_NAME(cudaErrorStreamCaptureWrongThread)
     CUDASIM_NAME(cudaErrorSymbolNotFound)
+    CUDASIM_NAME(cudaErrorPeerAccessUnsupported)
+    CUDASIM_NAME(cudaErrorPeerAccessAlreadyEnabled)
+    CUDASIM_NAME(cudaErrorPeerAccessNotEnabled)
     CUDASIM_NAME(cudaErrorUnknown)
 #undef CUDASIM_NAME
     default:
@@ -1244,6 +1297,9 @@ const char* error_string(cudaError_t e) {
     case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
     case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
+    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
+    case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
     default: return error_name(e);
   }
 }
@@ -1276,6 +1332,15 @@ void configure(const machine_config& machine) {
   simulator& s = sim();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.initialized) throw std::logic_error("cudasim::configure: the runtime is already initialised");
+  if (!machine.peer_access.empty()) {
+    bool square = machine.peer_access.size() == machine.devices.size();
+    for (const auto& row : machine.peer_access) square = square && row.size() == machine.devices.size();
+    if (!square) {
+      throw std::invalid_argument("cudasim::configure: peer_access must be empty or " +
+                                  std::to_string(machine.devices.size()) + " x " +
+                                  std::to_string(machine.devices.size()));
+    }
+  }
   s.machine = machine;
   s.configured = true;
 }
@@ -1349,6 +1414,11 @@ bool context_active(int device) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   initialize_locked(sim());
   return valid_device(sim(), device) && sim().devices[static_cast<std::size_t>(device)].context;
+}
+
+bool peer_access_enabled(int device, int peer) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  return sim().peer_enabled.count({device, peer}) != 0;
 }
 
 void allow_contexts_only_on(const std::vector<int>& devices) {
@@ -1608,6 +1678,37 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const int d = context_device(c);
   wait_for(c, device_tails(c.s, d));
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
+}
+
+// --- peer access (one context per device here, so access is a property of the device pair) ---
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  CUDASIM_ENTER("cudaDeviceCanAccessPeer");
+  if (can == nullptr) return c.result(cudaErrorInvalidValue);
+  if (!valid_device(c.s, device) || !valid_device(c.s, peer)) return c.result(cudaErrorInvalidDevice);
+  *can = peer_capable(c.s, device, peer) ? 1 : 0;  // a device property: no context is needed
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+  CUDASIM_ENTER("cudaDeviceEnablePeerAccess");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (flags != 0) return c.result(cudaErrorInvalidValue);
+  const int d = context_device(c);  // from the current device's context, initialised if missing
+  if (!valid_device(c.s, peer) || peer == d) return c.result(cudaErrorInvalidDevice);
+  if (!peer_capable(c.s, d, peer)) return c.result(cudaErrorPeerAccessUnsupported);
+  ensure_context(c, peer);  // the driver enables access to the peer's primary context, so it must exist
+  if (!c.s.peer_enabled.insert({d, peer}).second) return c.result(cudaErrorPeerAccessAlreadyEnabled);
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaDeviceDisablePeerAccess(int peer) {
+  CUDASIM_ENTER("cudaDeviceDisablePeerAccess");
+  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  const int d = context_device(c);
+  if (!valid_device(c.s, peer) || peer == d) return c.result(cudaErrorInvalidDevice);
+  if (c.s.peer_enabled.erase({d, peer}) == 0) return c.result(cudaErrorPeerAccessNotEnabled);
+  return cudaSuccess;
 }
 
 // --- device memory ---
@@ -1917,6 +2018,12 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy(void* dst, const void* src, size_t 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy_ptds(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
   CUDASIM_ENTER("cudaMemcpy_ptds");
   return memcpy_async(c, dst, src, n, kind, nullptr, true, true);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
+                                                      size_t n, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMemcpyPeerAsync");
+  return memcpy_peer_async(c, dst, dst_device, src, src_device, n, stream);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t stream) {

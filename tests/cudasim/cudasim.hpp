@@ -45,6 +45,11 @@ struct machine_config {
   std::vector<device_config> devices;
   /// Device memory a primary context takes when it is created (cudaMemGetInfo shows it as used).
   std::size_t context_bytes = std::size_t{300} << 20;
+  /// The topology: peer_access[i][j] says whether physical device i can access the memory of physical device j
+  /// (cudaDeviceCanAccessPeer). Empty: every pair can, as on an NVLink-connected box. Otherwise devices.size() rows
+  /// of devices.size() entries (configure throws std::invalid_argument else); the diagonal is ignored (a device is
+  /// never its own peer).
+  std::vector<std::vector<bool>> peer_access;
 };
 
 /// The physical device `index` of the default machine: distinct UUIDs (GPU-c0da51d0-0000-4000-8000-00000000000N
@@ -54,7 +59,8 @@ CUDASIM_API device_config default_device(int index);
 CUDASIM_API machine_config default_machine(int count);
 
 /// Replaces the machine. Only before the first CUDA call of the process (the runtime reads its configuration, and
-/// CUDA_VISIBLE_DEVICES, once); afterwards it throws std::logic_error.
+/// CUDA_VISIBLE_DEVICES, once); afterwards it throws std::logic_error. A malformed peer_access matrix throws
+/// std::invalid_argument.
 CUDASIM_API void configure(const machine_config& machine);
 
 /// The physical indices CUDA_VISIBLE_DEVICES=`value` makes visible, in ordinal order, on `machine` — the
@@ -76,6 +82,9 @@ CUDASIM_API std::vector<violation> take_violations();
 CUDASIM_API int context_creations(int device);
 /// Whether the primary context of `device` is active (cuDevicePrimaryCtxGetState).
 CUDASIM_API bool context_active(int device);
+/// Whether access from visible ordinal `device`'s context to the memory of `peer` is enabled
+/// (cudaDeviceEnablePeerAccess from `device`, not disabled since).
+CUDASIM_API bool peer_access_enabled(int device, int peer);
 /// Creating a primary context on any device not in `devices` becomes a violation ("a context on a device the program
 /// never named"). An empty list allows every device (the default).
 CUDASIM_API void allow_contexts_only_on(const std::vector<int>& devices);

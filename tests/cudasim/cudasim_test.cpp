@@ -7,7 +7,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -520,4 +522,78 @@ TEST_CASE("cudasim: querying or synchronizing a stream from a thread without a c
   std::thread([&] { CHECK(cudaStreamQuery(s1) == cudaSuccess); }).join();
   CHECK(cudasim::context_creations(0) == 1);
   CHECK(cudaStreamDestroy(s1) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: peer access is per direction, from the current device, and peer copies need none") {
+  int can = -1;
+  REQUIRE(cudaDeviceCanAccessPeer(&can, 0, 1) == cudaSuccess);
+  CHECK(can == 1);
+  REQUIRE(cudaDeviceCanAccessPeer(&can, 1, 1) == cudaSuccess);
+  CHECK(can == 0);
+  CHECK(cudaDeviceCanAccessPeer(&can, 0, 2) == cudaErrorInvalidDevice);
+  CHECK(cudasim::context_creations(0) == 0);  // a device property: no context
+  CHECK(cudasim::context_creations(1) == 0);
+
+  // From a thread that never chose a device: the runtime initialises cuda:0's context; the peer's is needed too.
+  CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudasim::context_creations(1) == 1);
+  CHECK(cudasim::peer_access_enabled(0, 1));
+  CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
+  CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorPeerAccessAlreadyEnabled);
+  CHECK(cudaGetLastError() == cudaErrorPeerAccessAlreadyEnabled);  // recorded like any other error
+  CHECK(cudaDeviceEnablePeerAccess(1, 1) == cudaErrorInvalidValue);
+  CHECK(cudaDeviceEnablePeerAccess(0, 0) == cudaErrorInvalidDevice);
+  CHECK(cudaDeviceEnablePeerAccess(5, 0) == cudaErrorInvalidDevice);
+  CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+  CHECK(cudaDeviceDisablePeerAccess(1) == cudaErrorPeerAccessNotEnabled);
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+  (void)cudaGetLastError();
+
+  // cudaMemcpyPeerAsync: each pointer must be device memory of the device named for it, within its allocation.
+  void* a = nullptr;
+  void* b = nullptr;
+  REQUIRE(cudaMalloc(&a, 256) == cudaSuccess);  // cuda:0
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  REQUIRE(cudaMalloc(&b, 256) == cudaSuccess);  // cuda:1
+  std::vector<unsigned char> pattern(256, 0x5a);
+  std::vector<unsigned char> back(256, 0);
+  REQUIRE(cudaMemcpy(a, pattern.data(), 256, cudaMemcpyHostToDevice) == cudaSuccess);
+  CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, 256, nullptr) == cudaSuccess);  // no peer access enabled: allowed
+  REQUIRE(cudaMemcpy(back.data(), b, 256, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(back == pattern);
+  CHECK(cudaMemcpyPeerAsync(b, 0, a, 0, 16, nullptr) == cudaErrorInvalidValue);  // b is cuda:1's
+  CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, 512, nullptr) == cudaErrorInvalidValue);  // overruns
+  CHECK(cudaMemcpyPeerAsync(b, 1, pattern.data(), 0, 16, nullptr) == cudaErrorInvalidValue);  // host memory
+  CHECK(cudaMemcpyPeerAsync(b, 1, a, 3, 16, nullptr) == cudaErrorInvalidDevice);
+  CHECK(cudasim::take_violations().size() == 3);
+  (void)cudaGetLastError();
+  CHECK(cudaFree(b) == cudaSuccess);
+  CHECK(cudaFree(a) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: a configured topology decides which pairs can be peers") {
+  cudasim::machine_config machine = cudasim::default_machine(3);
+  machine.peer_access = {{false, true, false}, {true, false, false}, {false, false, false}};
+  cudasim::machine_config malformed = machine;
+  malformed.peer_access.pop_back();
+  try {
+    cudasim::configure(malformed);
+    FAIL("a peer_access matrix of the wrong shape was accepted");
+  } catch (const std::invalid_argument&) {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  int can = -1;
+  REQUIRE(cudaDeviceCanAccessPeer(&can, 1, 0) == cudaSuccess);
+  CHECK(can == 1);
+  REQUIRE(cudaDeviceCanAccessPeer(&can, 0, 2) == cudaSuccess);
+  CHECK(can == 0);
+  REQUIRE(cudaSetDevice(2) == cudaSuccess);
+  CHECK(cudaDeviceEnablePeerAccess(0, 0) == cudaErrorPeerAccessUnsupported);
+  CHECK(cudaGetLastError() == cudaErrorPeerAccessUnsupported);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::violations().empty());  // a runtime answer, not a broken rule
 }

@@ -84,7 +84,8 @@ if grep -q "Skipped\|Not Run" <<<"$last_output"; then
   status=1
 fi
 
-for example in device_query memory_stats memory_history bandwidth_test prefetch_pipeline train_input_pipeline graph_replay; do
+for example in device_query memory_stats memory_history bandwidth_test prefetch_pipeline train_input_pipeline graph_replay \
+    inference_server stream_timing; do
   [ -x "$build/examples/$example$suffix" ] && run "Example $example" "$build/examples/$example$suffix"
 done
 for bench in bench_allocator bench_pinned_pool bench_transfer; do

@@ -28,6 +28,7 @@ inline constexpr const char* singleton_names[] = {
     "detail::pointer_query_override()",
     "detail::capture_pools()",
     "detail::driver()",
+    "mode_independent::peer_access_holders()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -60,6 +61,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::pointer_query_override(),
       &gpukit::detail::capture_pools(),
       &gpukit::detail::driver(),
+      &gpukit::mode_independent::peer_access_holders(),
   }};
 }
 }  // namespace

@@ -16,12 +16,15 @@
 #include <gpukit/device/visible_devices.hpp>
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 namespace nvml {
@@ -31,6 +34,62 @@ struct gpu_memory {
   unsigned long long total = 0;
   unsigned long long free = 0;
   unsigned long long used = 0;
+};
+
+/// Why clocks are held below their maximum: a bit mask of NVML's clocks event (formerly "throttle") reasons.
+namespace clock_limit {
+constexpr std::uint64_t idle = 0x1;                   ///< nothing runs: clocks idle by design
+constexpr std::uint64_t applications_clocks = 0x2;    ///< capped by the applications clocks setting
+constexpr std::uint64_t software_power_cap = 0x4;     ///< the power limit holds clocks down
+constexpr std::uint64_t hardware_slowdown = 0x8;      ///< hardware slowdown (temperature or power brake)
+constexpr std::uint64_t sync_boost = 0x10;            ///< held to match other GPUs in a sync-boost group
+constexpr std::uint64_t software_thermal = 0x20;      ///< the driver slows down for temperature
+constexpr std::uint64_t hardware_thermal = 0x40;      ///< the hardware slows down for temperature
+constexpr std::uint64_t hardware_power_brake = 0x80;  ///< an external power brake signal
+constexpr std::uint64_t display_clocks = 0x100;       ///< held by the display clock setting
+}  // namespace clock_limit
+
+/// The reasons in `mask` in words, comma-separated ("none" for 0): what nvidia-smi -q prints as "Clocks Event Reasons".
+inline std::string describe_clock_limits(std::uint64_t mask) {
+  static constexpr struct {
+    std::uint64_t bit;
+    const char* name;
+  } names[] = {{clock_limit::idle, "idle"},
+               {clock_limit::applications_clocks, "applications clocks"},
+               {clock_limit::software_power_cap, "power cap"},
+               {clock_limit::hardware_slowdown, "hw slowdown"},
+               {clock_limit::sync_boost, "sync boost"},
+               {clock_limit::software_thermal, "sw thermal"},
+               {clock_limit::hardware_thermal, "hw thermal"},
+               {clock_limit::hardware_power_brake, "power brake"},
+               {clock_limit::display_clocks, "display clocks"}};
+  std::string text;
+  for (const auto& n : names) {
+    if ((mask & n.bit) == 0) continue;
+    if (!text.empty()) text += ", ";
+    text += n.name;
+    mask &= ~n.bit;
+  }
+  if (mask != 0) text += (text.empty() ? "" : ", ") + std::string("other");
+  return text.empty() ? "none" : text;
+}
+
+/// One reading of a GPU's state, as nvidia-smi shows it. Every figure is optional: NVML leaves out what the device,
+/// driver or permissions do not support (utilisation on MIG, power on some boards, per-process memory in a container
+/// whose PID namespace hides the host's PIDs).
+struct gpu_sample {
+  std::optional<gpu_memory> memory;                      ///< all processes
+  std::optional<unsigned long long> process_memory;      ///< this process (NVML's per-process figure, context included)
+  std::optional<unsigned> gpu_utilization_percent;       ///< time a kernel ran, over NVML's last period (nvidia-smi GPU-Util)
+  std::optional<unsigned> memory_utilization_percent;    ///< time device memory was read or written
+  std::optional<unsigned> temperature_c;                 ///< GPU core temperature
+  std::optional<double> power_w;                         ///< power drawn now
+  std::optional<double> power_limit_w;                   ///< enforced power limit
+  std::optional<unsigned> sm_clock_mhz;
+  std::optional<unsigned> memory_clock_mhz;
+  std::optional<std::uint64_t> clock_limits;             ///< a clock_limit:: mask
+  std::optional<unsigned> pcie_tx_kib_per_s;             ///< PCIe bytes sent by the GPU (KiB/s over NVML's 20 ms window)
+  std::optional<unsigned> pcie_rx_kib_per_s;             ///< PCIe bytes received by the GPU
 };
 
 /// NVML, when it can be loaded and initialised. Obtain the process-wide instance with nvml::instance(). Every query
@@ -55,6 +114,20 @@ class library {
       status_ = std::string("NVML at ") + path + " lacks " + missing_;
       return;
     }
+    // Optional: older drivers lack some, and each only fills one field of a sample.
+    bind_optional(temperature_, "nvmlDeviceGetTemperature");
+    bind_optional(power_, "nvmlDeviceGetPowerUsage");
+    bind_optional(power_limit_, "nvmlDeviceGetEnforcedPowerLimit");
+    bind_optional(clock_, "nvmlDeviceGetClockInfo");
+    if (!bind_optional(clock_limits_, "nvmlDeviceGetCurrentClocksEventReasons"))
+      bind_optional(clock_limits_, "nvmlDeviceGetCurrentClocksThrottleReasons");  // its name before CUDA 12.2
+    bind_optional(pcie_, "nvmlDeviceGetPcieThroughput");
+    bind_optional(common_ancestor_, "nvmlDeviceGetTopologyCommonAncestor");
+    bind_optional(p2p_status_, "nvmlDeviceGetP2PStatus");
+    bind_optional(nvlink_state_, "nvmlDeviceGetNvLinkState");
+    bind_optional(nvlink_remote_pci_, "nvmlDeviceGetNvLinkRemotePciInfo_v2");
+    if (!bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v3"))
+      bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v2");  // same four-field layout
     const int result = init_();
     if (result != 0) {
       status_ = std::string("nvmlInit_v2 failed: ") + describe(result);
@@ -98,6 +171,63 @@ class library {
     return rates.gpu;
   }
 
+  /// Everything NVML reports about the CUDA device described by `p`, or nullopt when NVML is unavailable or does not
+  /// know the device. Takes about 40 ms when the PCIe counters are read (NVML samples each over 20 ms): call it from
+  /// a monitoring thread (gpu_monitor), not from a hot path.
+  std::optional<gpu_sample> sample(const device_properties& p, bool read_pcie = true) const {
+    void* dev = find(p);
+    if (dev == nullptr) return std::nullopt;
+    gpu_sample s;
+    gpu_memory m;
+    if (memory_(dev, &m) == 0) s.memory = m;
+    struct {
+      unsigned gpu;
+      unsigned memory;
+    } rates{0, 0};
+    if (utilization_(dev, &rates) == 0) {
+      s.gpu_utilization_percent = rates.gpu;
+      s.memory_utilization_percent = rates.memory;
+    }
+    unsigned value = 0;
+    constexpr int gpu_sensor = 0, sm_clock = 1, memory_clock = 2, pcie_tx = 0, pcie_rx = 1;
+    if (temperature_ && temperature_(dev, gpu_sensor, &value) == 0) s.temperature_c = value;
+    if (power_ && power_(dev, &value) == 0) s.power_w = value / 1000.0;  // milliwatts
+    if (power_limit_ && power_limit_(dev, &value) == 0) s.power_limit_w = value / 1000.0;
+    if (clock_ && clock_(dev, sm_clock, &value) == 0) s.sm_clock_mhz = value;
+    if (clock_ && clock_(dev, memory_clock, &value) == 0) s.memory_clock_mhz = value;
+    unsigned long long reasons = 0;
+    if (clock_limits_ && clock_limits_(dev, &reasons) == 0) s.clock_limits = reasons;
+    if (read_pcie && pcie_ && pcie_(dev, pcie_tx, &value) == 0) s.pcie_tx_kib_per_s = value;
+    if (read_pcie && pcie_ && pcie_(dev, pcie_rx, &value) == 0) s.pcie_rx_kib_per_s = value;
+    s.process_memory = process_memory(dev);
+    return s;
+  }
+
+  /// How GPU `a` reaches GPU `b`, in nvidia-smi topo -m's words: "NV<n>" (n NVLinks; through an NVSwitch, n is
+  /// a's active links), else the closest common PCIe ancestor: "PIX" (one PCIe switch), "PXB" (several switches),
+  /// "PHB" (a host bridge), "NODE" (the same NUMA node), "SYS" (across NUMA nodes), "X" for the same GPU. nullopt
+  /// when NVML does not know either GPU or cannot tell.
+  std::optional<std::string> link(const device_properties& a, const device_properties& b) const {
+    void* first = find(a);
+    void* second = find(b);
+    if (first == nullptr || second == nullptr) return std::nullopt;
+    if (first == second) return std::string("X");
+    if (const int links = nvlinks(first, second, b); links > 0) return "NV" + std::to_string(links);
+    if (!common_ancestor_) return std::nullopt;
+    int level = 0;
+    if (common_ancestor_(first, second, &level) != 0) return std::nullopt;
+    // nvmlGpuTopologyLevel_t: 0 the same board, 10 one switch, 20 several, 30 a host bridge, 40 a node, 50 the system
+    switch (level) {
+      case 0: return std::string("PIX");  // a multi-GPU board: its GPUs share an on-board PCIe switch
+      case 10: return std::string("PIX");
+      case 20: return std::string("PXB");
+      case 30: return std::string("PHB");
+      case 40: return std::string("NODE");
+      case 50: return std::string("SYS");
+      default: return std::nullopt;
+    }
+  }
+
   /// Every installed GPU (NVML ignores CUDA_VISIBLE_DEVICES): their count and UUIDs.
   std::optional<installed_gpus> installed() const {
     if (!initialised_) return std::nullopt;
@@ -125,6 +255,75 @@ class library {
     std::memcpy(&function, &symbol, sizeof symbol);  // POSIX guarantees this round trip; a cast would be -Wpedantic
     if (function == nullptr && missing_.empty()) missing_ = name;
     return function != nullptr;
+  }
+
+  template <class F>
+  bool bind_optional(F& function, const char* name) {
+    void* symbol = dlsym(handle_, name);
+    std::memcpy(&function, &symbol, sizeof symbol);
+    return function != nullptr;
+  }
+
+  // NVLinks from `from` that reach `to`: links whose remote end is `to`'s PCI address; where NVML reports NVLink
+  // peer-to-peer but no link ends at `to` (an NVSwitch in between), every active link of `from` counts.
+  int nvlinks(void* from, void* to, const device_properties& to_properties) const {
+    if (!p2p_status_ || !nvlink_state_) return 0;
+    constexpr int nvlink_caps = 2;  // NVML_P2P_CAPS_INDEX_NVLINK
+    int status = -1;
+    if (p2p_status_(from, to, nvlink_caps, &status) != 0 || status != 0) return 0;
+    struct pci_info {  // nvmlPciInfo_t
+      char bus_id_legacy[16];
+      unsigned domain, bus, device, pci_device_id, pci_subsystem_id;
+      char bus_id[32];
+    };
+    constexpr unsigned max_links = 18;  // NVML_NVLINK_MAX_LINKS
+    int active = 0, direct = 0;
+    for (unsigned link = 0; link < max_links; ++link) {
+      int enabled = 0;
+      if (nvlink_state_(from, link, &enabled) != 0 || enabled == 0) continue;
+      ++active;
+      pci_info remote{};
+      if (nvlink_remote_pci_ && nvlink_remote_pci_(from, link, &remote) == 0 &&
+          static_cast<int>(remote.domain) == to_properties.pci_domain &&
+          static_cast<int>(remote.bus) == to_properties.pci_bus &&
+          static_cast<int>(remote.device) == to_properties.pci_device) {
+        ++direct;
+      }
+    }
+    return direct > 0 ? direct : active;
+  }
+
+  // This process's entry in the device's compute-process list. NVML reports host PIDs: in a container with its own
+  // PID namespace the process is not found and the figure stays unknown rather than wrong.
+  std::optional<unsigned long long> process_memory(void* dev) const {
+    if (!processes_) return std::nullopt;
+    struct process_info {  // nvmlProcessInfo_t as the _v2 and _v3 entry points take it
+      unsigned pid;
+      unsigned long long used_bytes;
+      unsigned gpu_instance;
+      unsigned compute_instance;
+    };
+    std::vector<process_info> list(8);
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      auto count = static_cast<unsigned>(list.size());
+      const int result = processes_(dev, &count, list.data());
+      constexpr int insufficient_size = 7;  // NVML_ERROR_INSUFFICIENT_SIZE: count now holds the number needed
+      if (result == insufficient_size) {
+        list.resize(static_cast<std::size_t>(count) + 8);  // processes may start between the two calls
+        continue;
+      }
+      if (result != 0) return std::nullopt;
+      const auto self = static_cast<unsigned>(getpid());
+      constexpr unsigned long long not_available = ~0ull;  // NVML_VALUE_NOT_AVAILABLE
+      for (unsigned i = 0; i < count && i < list.size(); ++i) {
+        if (list[i].pid == self) {
+          if (list[i].used_bytes == not_available) return std::nullopt;
+          return list[i].used_bytes;
+        }
+      }
+      return std::nullopt;
+    }
+    return std::nullopt;
   }
 
   std::string describe(int result) const {
@@ -163,6 +362,17 @@ class library {
   int (*uuid_)(void*, char*, unsigned) = nullptr;
   int (*memory_)(void*, gpu_memory*) = nullptr;  // nvmlMemory_t (v1): total, free, used
   int (*utilization_)(void*, void*) = nullptr;   // nvmlUtilization_t: gpu, memory
+  int (*temperature_)(void*, int, unsigned*) = nullptr;            // sensor 0: the GPU, degrees C
+  int (*power_)(void*, unsigned*) = nullptr;                       // milliwatts
+  int (*power_limit_)(void*, unsigned*) = nullptr;                 // milliwatts
+  int (*clock_)(void*, int, unsigned*) = nullptr;                  // nvmlClockType_t (1: SM, 2: memory), MHz
+  int (*clock_limits_)(void*, unsigned long long*) = nullptr;      // clock_limit:: mask
+  int (*pcie_)(void*, int, unsigned*) = nullptr;                   // counter 0: TX, 1: RX; KB/s
+  int (*processes_)(void*, unsigned*, void*) = nullptr;            // count in/out, nvmlProcessInfo_t array
+  int (*common_ancestor_)(void*, void*, int*) = nullptr;           // nvmlGpuTopologyLevel_t
+  int (*p2p_status_)(void*, void*, int, int*) = nullptr;           // caps index, nvmlGpuP2PStatus_t (0: OK)
+  int (*nvlink_state_)(void*, unsigned, int*) = nullptr;           // link, nvmlEnableState_t
+  int (*nvlink_remote_pci_)(void*, unsigned, void*) = nullptr;     // link, nvmlPciInfo_t
 };
 
 /// The process-wide NVML, loaded on first use (never at static-initialisation time) from GPUKIT_NVML_LIBRARY or

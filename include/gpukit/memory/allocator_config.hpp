@@ -113,9 +113,10 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
       fail(e.text, "preset must be gpukit or pytorch");
     }
   }
+  using size_member = std::size_t allocator_options::*;  // an alias: no -Wparentheses warning under nvcc
   struct size_key {
     const char* name;
-    std::size_t allocator_options::*member;
+    size_member member;
   };
   static constexpr size_key sizes[] = {
       {"rounding", &allocator_options::rounding},

@@ -787,7 +787,9 @@ class basic_caching_allocator {
   }
 
   static constexpr std::size_t stat_count = 9;
-  static constexpr detail::atomic_pool_stats all_stats_t::*stat_members[stat_count] = {
+  using stat_member = detail::atomic_pool_stats all_stats_t::*;  // an alias: nvcc's generated code then compiles
+                                                                  // without -Wparentheses warnings
+  static constexpr stat_member stat_members[stat_count] = {
       &all_stats_t::allocation,     &all_stats_t::segment,        &all_stats_t::active,
       &all_stats_t::inactive_split, &all_stats_t::allocated_bytes, &all_stats_t::reserved_bytes,
       &all_stats_t::active_bytes,   &all_stats_t::inactive_split_bytes, &all_stats_t::requested_bytes};

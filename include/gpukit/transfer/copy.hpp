@@ -48,6 +48,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -251,6 +252,35 @@ void copy_async(Dst&& dst, Src&& src, stream_view s) {
 template <class Dst, class Src, class Copier>
 void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier>& engine) {
   detail::copy_located(dst, src, s, detail::fixed_engine<basic_staging_engine<Copier>>{&engine});
+}
+
+/// Copies `bytes` bytes from device memory of `src_device` to device memory of `dst_device` in the order of stream `s`
+/// (of any CUDA device), with cudaMemcpyPeerAsync: raw bytes with both devices named, for memory gpukit does not
+/// track (copy_async does the same for device spans and buffers, with its checks). Works whether or not peer access
+/// is enabled (<gpukit/device/peer_access.hpp>); without it the driver goes through the host. Both sides are ready
+/// once the stream passed the copy. Throws invalid_argument_error for a CPU device or stream, or a null pointer with
+/// a non-zero size; the gpukit error of the failed call otherwise. Zero bytes: a no-op.
+inline void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
+                            std::size_t bytes, stream_view s) {
+  if (!dst_device.is_cuda() || !src_device.is_cuda() || s.is_cpu()) {
+    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " +
+                                 dst_device.to_string() + "): both devices and the stream must be CUDA ones");
+  }
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) {
+    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " +
+                                 dst_device.to_string() + "): null pointer");
+  }
+  detail::note_cuda_use();
+  std::optional<device_guard> guard;
+  s.enter_context(guard);
+  // cudaMemcpyPeerAsync has no per-thread entry point: handle 0 would be the legacy stream even in per-thread code.
+  cudaStream_t handle = s.cuda_handle();
+  if (handle == nullptr && detail::per_thread_default_stream_mode()) handle = cudaStreamPerThread;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyPeerAsync(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes, handle),
+                            "cudaMemcpyPeerAsync(" + std::to_string(bytes) + " bytes, " + src_device.to_string() +
+                                " -> " + dst_device.to_string() + ")",
+                            dst_device.ordinal());
 }
 
 GPUKIT_END_NAMESPACE

@@ -1,0 +1,286 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Peer access between CUDA devices: whether one device can read and write another's memory directly
+/// (can_access_peer, peer_matrix), and an RAII handle that enables it (peer_access). Peer copies need none of this
+/// (cudaMemcpyPeerAsync and device-to-device copy_async work between any two devices, through the host where there is
+/// no direct path); kernels that dereference another device's pointers need access enabled.
+///
+/// Nothing here creates a context on a device the caller did not name: the queries create none, and peer_access
+/// creates the primary contexts of its two devices only.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/device/nvml.hpp>
+#include <gpukit/device/properties.hpp>
+#include <gpukit/error.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+// The holders of peer access are one registry per process, outside the per-mode namespace that gives each
+// default-stream mode its own copy of gpukit (detail/config.hpp): access is the driver's process-wide state, and a
+// count per mode would let one mode disable access the other still holds. Nothing in it depends on the mode.
+namespace gpukit {
+namespace mode_independent {
+
+/// One enabled direction: how many peer_access objects hold it, and whether gpukit enabled it (else it was enabled
+/// outside gpukit and stays enabled after the last holder).
+struct peer_access_entry {
+  int holders = 0;
+  bool enabled_by_gpukit = false;
+};
+
+/// The process-wide holders of peer access, by (from, to) ordinal. The mutex also serializes enabling and disabling,
+/// so that a release never disables what another thread is enabling.
+struct peer_access_registry {
+  std::mutex mutex;
+  std::map<std::pair<int, int>, peer_access_entry> pairs;
+};
+// Never destroyed: a peer_access at namespace scope is released after main returns.
+GPUKIT_EXPORT inline peer_access_registry& peer_access_holders() {
+  static peer_access_registry* registry = new peer_access_registry();
+  return *registry;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
+GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// "cuda:0 -> cuda:1", for messages.
+inline std::string describe_peer_pair(device from, device to) { return from.to_string() + " -> " + to.to_string(); }
+
+}  // namespace detail
+
+/// Whether device `from` can directly access memory on device `to` (cudaDeviceCanAccessPeer). False for the CPU on
+/// either side and for from == to (a device reaches its own memory without peer access). Creates no context. Throws
+/// the gpukit error of the failed call (invalid_argument_error for an ordinal that is not visible), naming both
+/// devices.
+inline bool can_access_peer(device from, device to) {
+  if (!from.is_cuda() || !to.is_cuda() || from == to) return false;
+  detail::note_cuda_use();
+  int can = 0;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceCanAccessPeer(&can, from.ordinal(), to.ordinal()),
+                            "cudaDeviceCanAccessPeer(" + detail::describe_peer_pair(from, to) + ")", from.ordinal());
+  return can != 0;
+}
+
+/// Which visible CUDA devices can access which (query_peer_matrix), printable like `nvidia-smi topo -m`.
+struct peer_matrix {
+  /// cuda:0 ... cuda:(n-1).
+  std::vector<device> devices;
+  /// can_access[i][j]: devices[i] can access the memory of devices[j]; false on the diagonal.
+  std::vector<std::vector<bool>> can_access;
+  /// How each pair is connected, in nvidia-smi topo -m's words ("NV18", "PIX", "PXB", "PHB", "NODE", "SYS"; see
+  /// nvml::library::link): n x n when NVML knows the devices (an empty string for a pair it cannot tell), empty
+  /// without NVML.
+  std::vector<std::vector<std::string>> links;
+
+  std::size_t size() const noexcept { return devices.size(); }
+
+  /// A table with a row and a column per device: "X" on the diagonal, "OK" where the row's device can access the
+  /// column's, "--" where not; each cell followed by its link when `links` is filled in. Then a legend.
+  std::string to_string() const {
+    const std::size_t n = devices.size();
+    if (n == 0) return "no CUDA devices\n";
+    const bool with_links = links.size() == n;
+    auto cell = [&](std::size_t i, std::size_t j) {
+      std::string text = i == j ? "X" : (can_access[i][j] ? "OK" : "--");
+      if (with_links && i != j && j < links[i].size() && !links[i][j].empty()) text += " " + links[i][j];
+      return text;
+    };
+    std::size_t width = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      width = std::max(width, devices[i].to_string().size());
+      for (std::size_t j = 0; j < n; ++j) width = std::max(width, cell(i, j).size());
+    }
+    auto pad = [&](std::string text) {
+      text.resize(width + 2, ' ');
+      return text;
+    };
+    std::string out = pad("");
+    for (std::size_t j = 0; j < n; ++j) out += pad(devices[j].to_string());
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    out += '\n';
+    for (std::size_t i = 0; i < n; ++i) {
+      std::string row = pad(devices[i].to_string());
+      for (std::size_t j = 0; j < n; ++j) row += pad(cell(i, j));
+      while (!row.empty() && row.back() == ' ') row.pop_back();
+      out += row + '\n';
+    }
+    out += "\nOK = the row's device can access the column's memory directly (peer access can be enabled)\n"
+           "-- = it cannot (copies still work, through the host)\n";
+    if (with_links) {
+      out += "NV# = # NVLinks; PIX = one PCIe switch, PXB = several, PHB = a PCIe host bridge, NODE = the same NUMA "
+             "node, SYS = across NUMA nodes\n";
+    }
+    return out;
+  }
+};
+
+/// The peer matrix of every visible CUDA device (cudaDeviceCanAccessPeer for each ordered pair), with the link of
+/// each pair from `nvml` where it knows the devices. Empty without a usable device. Creates no context. Throws the
+/// gpukit error of a failed query.
+inline peer_matrix query_peer_matrix(const nvml::library& nvml = nvml::instance()) {
+  peer_matrix m;
+  const int n = device_count();
+  for (int i = 0; i < n; ++i) m.devices.push_back(device::cuda(i));
+  m.can_access.assign(static_cast<std::size_t>(n), std::vector<bool>(static_cast<std::size_t>(n), false));
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      m.can_access[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] =
+          can_access_peer(device::cuda(i), device::cuda(j));
+    }
+  }
+  if (!nvml.available() || n == 0) return m;
+  std::vector<std::vector<std::string>> links(static_cast<std::size_t>(n), std::vector<std::string>(static_cast<std::size_t>(n)));
+  bool any = false;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (auto link = nvml.link(properties(device::cuda(i)), properties(device::cuda(j)))) {
+        links[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] = *link;
+        any = any || i != j;
+      }
+    }
+  }
+  if (any) m.links = std::move(links);
+  return m;
+}
+
+namespace detail {
+
+/// Takes one hold on from -> to, enabling it if it is the first.
+inline void acquire_peer_access(device from, device to) {
+  auto& registry = mode_independent::peer_access_holders();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto key = std::make_pair(from.ordinal(), to.ordinal());
+  const auto found = registry.pairs.find(key);
+  if (found != registry.pairs.end()) {
+    ++found->second.holders;
+    return;
+  }
+  bool enabled_by_gpukit = true;
+  {
+    device_guard guard(from);  // access is enabled from the current device's context
+    const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
+    if (result == cudaErrorPeerAccessAlreadyEnabled) {
+      // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
+      if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+      enabled_by_gpukit = false;
+    } else if (result != cudaSuccess) {
+      throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
+                       __FILE__, __LINE__);
+    }
+  }
+  registry.pairs.emplace(key, mode_independent::peer_access_entry{1, enabled_by_gpukit});
+}
+
+/// Drops one hold on from -> to; the last disables access if gpukit enabled it. Never throws: failures are warnings,
+/// and nothing is reported once the runtime is unloading (process exit).
+inline void release_peer_access(device from, device to) noexcept {
+  cudaError_t result = cudaSuccess;
+  {
+    auto& registry = mode_independent::peer_access_holders();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    const auto found = registry.pairs.find(std::make_pair(from.ordinal(), to.ordinal()));
+    if (found == registry.pairs.end() || --found->second.holders > 0) return;
+    const bool disable = found->second.enabled_by_gpukit;
+    registry.pairs.erase(found);
+    if (!disable) return;
+    try {
+      device_guard guard(from);
+      result = cudaDeviceDisablePeerAccess(to.ordinal());
+    } catch (const error& e) {  // the guard could not make `from` current (at exit: the runtime is unloading)
+      result = e.cuda_result() != cudaSuccess ? e.cuda_result() : cudaErrorUnknown;
+    } catch (...) {
+      result = cudaErrorUnknown;
+    }
+  }
+  if (result == cudaSuccess) return;
+  try {
+    report_cuda_failure(result, "cudaDeviceDisablePeerAccess(" + describe_peer_pair(from, to) + ") in ~peer_access",
+                        from.ordinal());
+  } catch (...) {
+  }
+}
+
+}  // namespace detail
+
+/// RAII: direct access from device `from` to the memory of device `to` while the object lives (kernels on `from` may
+/// then dereference pointers to `to`'s memory). Access is one-directional; take two objects for both directions.
+///
+/// Holds are counted process-wide per direction (one count for both default-stream modes and every shared library):
+/// the first peer_access enables access (cudaDeviceEnablePeerAccess with `from` current, restoring the thread's
+/// device afterwards), the last one destroyed disables it. Access that was already enabled outside gpukit is used as
+/// it is and left enabled. Thread-safe. Movable, not copyable.
+///
+/// The constructor creates the primary contexts of `from` and `to` (the driver needs both) and no other. from == to
+/// is a no-op (active() is false). Throws invalid_argument_error for a CPU device or an ordinal that is not visible,
+/// and the gpukit error of the failed call naming both devices when the pair cannot be peers (see can_access_peer).
+/// The destructor never throws: a failure is a warning (gpukit::warn), and at process exit, when the runtime is
+/// unloading, nothing is done or reported.
+class peer_access {
+ public:
+  /// Holds nothing.
+  peer_access() noexcept = default;
+
+  peer_access(device from, device to) : from_(from), to_(to) {
+    if (!from.is_cuda() || !to.is_cuda()) {
+      throw invalid_argument_error("gpukit::peer_access(" + detail::describe_peer_pair(from, to) +
+                                   "): peer access is between two CUDA devices");
+    }
+    if (from == to) return;
+    detail::note_cuda_use();
+    detail::acquire_peer_access(from, to);
+    active_ = true;
+  }
+
+  peer_access(const peer_access&) = delete;
+  peer_access& operator=(const peer_access&) = delete;
+
+  peer_access(peer_access&& other) noexcept
+      : from_(other.from_), to_(other.to_), active_(std::exchange(other.active_, false)) {}
+
+  peer_access& operator=(peer_access&& other) noexcept {
+    if (this != &other) {
+      reset();
+      from_ = other.from_;
+      to_ = other.to_;
+      active_ = std::exchange(other.active_, false);
+    }
+    return *this;
+  }
+
+  ~peer_access() { reset(); }
+
+  /// Drops the hold now (the destructor then does nothing).
+  void reset() noexcept {
+    if (std::exchange(active_, false)) detail::release_peer_access(from_, to_);
+  }
+
+  /// True while the object holds access (false for from == to, default-constructed, moved-from or reset objects).
+  bool active() const noexcept { return active_; }
+  /// The device that accesses.
+  device from() const noexcept { return from_; }
+  /// The device whose memory is accessed.
+  device to() const noexcept { return to_; }
+
+ private:
+  device from_{};
+  device to_{};
+  bool active_ = false;
+};
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,194 @@
+// gpu_monitor on the simulator's two devices, read through the fake NVML in its cudasim mode (tests/fake_nvml.cpp):
+// devices mapped to NVML by PCI bus id (the fake does not know the simulator's UUIDs), samples, history, the
+// background thread, the status line and table, and that monitoring creates no CUDA context.
+#include <gpukit/device/gpu_monitor.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// The fake NVML with the simulator's machine: NVML reads FAKE_NVML_MACHINE at nvmlInit, in the constructor.
+struct cudasim_nvml {
+  gpukit_test::scoped_env machine{"FAKE_NVML_MACHINE", std::string("cudasim")};
+  gpukit::nvml::library library{GPUKIT_FAKE_NVML_PATH};
+};
+
+void fake_set(unsigned gpu, const char* field, long long value) {
+  static void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_NOW);
+  static auto* set = reinterpret_cast<void (*)(unsigned, const char*, long long)>(dlsym(fake, "fake_nvml_set"));
+  const bool found = set != nullptr;
+  REQUIRE(found);
+  set(gpu, field, value);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// Waits (bounded) until `done` holds; a test fails on the bound, it never measures time.
+template <class Predicate>
+bool eventually(Predicate done) {
+  for (int i = 0; i < 10000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done();
+}
+
+}  // namespace
+
+TEST_CASE("the monitor samples every simulated device through NVML and creates no context") {
+  cudasim_nvml nvml;
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds(0);  // sampled by the test only
+  gpukit::gpu_monitor monitor(options, nvml.library);
+  REQUIRE(monitor.active());
+  CHECK(monitor.status() == "GPU monitor: 2 devices through NVML");
+  CHECK(monitor.devices().size() == 2);
+  CHECK(monitor.latest().empty());
+  CHECK(monitor.status_line().empty());
+
+  const auto round = monitor.sample_now();
+  REQUIRE(round.size() == 2);
+  CHECK(round[0].device == gpukit::device::cuda(0));
+  CHECK(round[1].device == gpukit::device::cuda(1));
+  REQUIRE(round[0].values.memory);
+  CHECK(round[0].values.memory->used == (10ull << 30));
+  CHECK(round[0].values.process_memory == (3ull << 30));
+  CHECK_FALSE(round[1].values.process_memory.has_value());  // this process does not use the second GPU
+  CHECK(round[1].values.clock_limits ==
+        (gpukit::nvml::clock_limit::software_power_cap | gpukit::nvml::clock_limit::hardware_thermal));
+  CHECK(monitor.rounds() == 1);
+
+  const std::string line = monitor.status_line();
+  CHECK(contains(line, "cuda:0 12% busy 10.00 GiB / 80.00 GiB (this process 3.00 GiB) 41 C 123 / 700 W 1980 MHz"));
+  CHECK_FALSE(contains(line.substr(0, line.find(" | ")), "["));  // an idle GPU's clock limit is not news
+  CHECK(contains(line, " | cuda:1 0% busy 0 B / 80.00 GiB 41 C"));
+  CHECK(contains(line, "[power cap, hw thermal]"));
+
+  const std::string table = monitor.table();
+  CHECK(contains(table, "| device | name"));
+  CHECK(contains(table, "| cuda:0 | NVIDIA H100 80GB HBM3 (cudasim) | 41 C | 123 / 700 W   | 10.00 GiB / 80.00 GiB | 3.00 GiB"));
+  CHECK(contains(table, "| 12 / 1% "));
+  CHECK(contains(table, "| 1980 / 2619 MHz"));
+  CHECK(contains(table, "| 1.00 MiB/s / 2.00 MiB/s"));
+  CHECK(contains(table, "| power cap, hw thermal |"));
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+}
+
+TEST_CASE("the history keeps the newest samples of each device, and changes show in the next sample") {
+  cudasim_nvml nvml;
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds(0);
+  options.history_length = 2;
+  options.devices = {gpukit::device::cuda(1)};
+  gpukit::gpu_monitor monitor(options, nvml.library);
+  for (long long temperature : {50, 60, 70}) {
+    fake_set(1, "temperature_c", temperature);
+    monitor.sample_now();
+  }
+  const auto history = monitor.history(gpukit::device::cuda(1));
+  REQUIRE(history.size() == 2);
+  CHECK(history[0].values.temperature_c == 60u);
+  CHECK(history[1].values.temperature_c == 70u);
+  CHECK(history[0].time <= history[1].time);
+  CHECK(monitor.history(gpukit::device::cuda(0)).empty());  // not watched
+  REQUIRE(monitor.latest().size() == 1);
+  CHECK(monitor.latest()[0].values.temperature_c == 70u);
+}
+
+TEST_CASE("the background thread samples at its period, calls on_sample, and stops with the monitor") {
+  cudasim_nvml nvml;
+  std::atomic<int> callbacks{0};
+  std::atomic<std::size_t> devices_seen{0};
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds(1);
+  options.history_length = 3;
+  options.read_pcie = false;
+  options.on_sample = [&](const std::vector<gpukit::device_sample>& round) {
+    devices_seen = round.size();
+    ++callbacks;
+  };
+  {
+    gpukit::gpu_monitor monitor(options, nvml.library);
+    REQUIRE(eventually([&] { return monitor.rounds() >= 5 && callbacks >= 5; }));
+    CHECK(devices_seen == 2);
+    CHECK(monitor.history(gpukit::device::cuda(0)).size() == 3);
+    CHECK_FALSE(monitor.latest()[0].values.pcie_rx_kib_per_s.has_value());
+    monitor.sample_now();  // concurrent with the thread: rounds are serialized
+  }
+  const int after_destruction = callbacks;
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(callbacks == after_destruction);
+}
+
+TEST_CASE("a throwing on_sample is reported in status and sampling goes on") {
+  cudasim_nvml nvml;
+  std::atomic<int> calls{0};
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds(1);
+  options.on_sample = [&](const std::vector<gpukit::device_sample>&) {
+    ++calls;
+    throw std::runtime_error("printer on fire");
+  };
+  gpukit::gpu_monitor monitor(options, nvml.library);
+  REQUIRE(eventually([&] { return calls >= 3; }));
+  CHECK(monitor.status() == "GPU monitor: sampling failed: printer on fire");
+}
+
+TEST_CASE("without NVML the monitor is inactive and silent") {
+  const gpukit::nvml::library missing("/nonexistent/libnvidia-ml.so.1");
+  gpukit::gpu_monitor monitor({}, missing);
+  CHECK_FALSE(monitor.active());
+  CHECK(contains(monitor.status(), "GPU monitor inactive: NVML not loaded"));
+  CHECK(monitor.sample_now().empty());
+  CHECK(monitor.rounds() == 0);
+  CHECK(monitor.status_line().empty());
+  CHECK(monitor.table() == monitor.status() + "\n");
+}
+
+TEST_CASE("devices NVML does not know are left out of the samples") {
+  // The fake's default machine has other PCI bus ids than the simulator's devices.
+  gpukit_test::scoped_env machine("FAKE_NVML_MACHINE", std::nullopt);
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds(0);
+  gpukit::gpu_monitor monitor(options, nvml);
+  CHECK(monitor.active());
+  CHECK(monitor.sample_now().empty());
+  CHECK(monitor.latest().empty());
+  CHECK(monitor.rounds() == 1);
+}
+
+TEST_CASE("bad device lists are refused by name") {
+  cudasim_nvml nvml;
+  gpukit::gpu_monitor_options cpu;
+  cpu.devices = {gpukit::device::cpu()};
+  CHECK_THROWS_WITH_AS(gpukit::gpu_monitor(cpu, nvml.library), "gpu_monitor: cpu is not a CUDA device",
+                       gpukit::invalid_argument_error);
+  gpukit::gpu_monitor_options twice;
+  twice.devices = {gpukit::device::cuda(1), gpukit::device::cuda(1)};
+  CHECK_THROWS_WITH_AS(gpukit::gpu_monitor(twice, nvml.library), "gpu_monitor: cuda:1 is listed twice",
+                       gpukit::invalid_argument_error);
+  gpukit::gpu_monitor_options missing;
+  missing.devices = {gpukit::device::cuda(5)};
+  CHECK_THROWS_AS(gpukit::gpu_monitor(missing, nvml.library), gpukit::error);
+}
+
+TEST_CASE("status line and table format any samples, unknown figures shown as -") {
+  gpukit::device_sample bare{gpukit::device::cuda(3), {}, {}};
+  CHECK(gpukit::gpu_monitor::format_status_line({bare}) == "cuda:3");
+  const std::string table = gpukit::gpu_monitor::format_table({bare}, {"Some GPU"});
+  CHECK(contains(table, "| cuda:3 | Some GPU | -    | -"));
+  CHECK(table.front() == '+');
+  CHECK(table.back() == '\n');
+}

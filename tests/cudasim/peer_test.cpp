@@ -1,0 +1,355 @@
+// Peer access between devices (<gpukit/device/peer_access.hpp>) and peer copies, on the simulator: the topology
+// query, the process-wide counting of peer_access holds, access enabled outside gpukit, unsupported pairs, contexts
+// only on the two named devices, threads, and destructors after the runtime unloaded. Tests that need a machine other
+// than the default two devices configure it and are Skipped when an earlier test of the process initialised CUDA.
+#include <gpukit/gpukit.hpp>
+
+#include "cudasim.hpp"
+#include "support.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+const gpukit::device cuda0 = gpukit::device::cuda(0);
+const gpukit::device cuda1 = gpukit::device::cuda(1);
+
+/// Configures `machine`, or says why the test is skipped (the runtime was initialised by an earlier test).
+bool configure_machine(const cudasim::machine_config& machine) {
+  try {
+    cudasim::configure(machine);
+    return true;
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return false;
+  }
+}
+
+/// Four devices: 0 and 1 are peers both ways, 2 and 3 are peers both ways, no pair across.
+cudasim::machine_config two_islands() {
+  cudasim::machine_config machine = cudasim::default_machine(4);
+  machine.peer_access = {{false, true, false, false},
+                         {true, false, false, false},
+                         {false, false, false, true},
+                         {false, false, true, false}};
+  return machine;
+}
+
+std::string exception_text(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+}  // namespace
+
+TEST_CASE("peer: every pair of the default machine can be peers, and asking creates no context") {
+  CHECK(gpukit::can_access_peer(cuda0, cuda1));
+  CHECK(gpukit::can_access_peer(cuda1, cuda0));
+  const gpukit::nvml::library no_nvml("/nonexistent/libnvidia-ml.so.1");
+  const gpukit::peer_matrix m = gpukit::query_peer_matrix(no_nvml);
+  REQUIRE(m.size() == 2);
+  CHECK(m.devices == std::vector<gpukit::device>{cuda0, cuda1});
+  CHECK(m.can_access == std::vector<std::vector<bool>>{{false, true}, {true, false}});
+  CHECK(m.links.empty());
+  CHECK(m.to_string().rfind("        cuda:0  cuda:1\n"
+                            "cuda:0  X       OK\n"
+                            "cuda:1  OK      X\n\n",
+                            0) == 0);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+  CHECK(cudasim::calls("cudaDeviceCanAccessPeer") == 4);
+}
+
+TEST_CASE("peer: a topology with pairs that cannot access each other") {
+  if (!configure_machine(two_islands())) return;
+  cudasim::allow_contexts_only_on({0});
+  const gpukit::peer_matrix m = gpukit::query_peer_matrix();
+  REQUIRE(m.size() == 4);
+  CHECK(m.can_access[0][1]);
+  CHECK(m.can_access[3][2]);
+  CHECK_FALSE(m.can_access[0][2]);
+  CHECK_FALSE(m.can_access[1][3]);
+  CHECK_FALSE(m.can_access[2][2]);
+  CHECK(m.to_string().rfind("        cuda:0  cuda:1  cuda:2  cuda:3\n"
+                            "cuda:0  X       OK      --      --\n"
+                            "cuda:1  OK      X       --      --\n"
+                            "cuda:2  --      --      X       OK\n"
+                            "cuda:3  --      --      OK      X\n",
+                            0) == 0);
+  CHECK_FALSE(gpukit::can_access_peer(gpukit::device::cuda(1), gpukit::device::cuda(2)));
+
+  // An unsupported pair: the error names both devices and the result; nothing is held, no error is left pending.
+  const gpukit::device cuda2 = gpukit::device::cuda(2);
+  std::string text;
+  try {
+    gpukit::peer_access p(cuda0, cuda2);
+    FAIL("cuda:0 -> cuda:2 is not a peer pair");
+  } catch (const gpukit::cuda_error& e) {
+    text = e.what();
+    CHECK(e.cuda_result() == cudaErrorPeerAccessUnsupported);
+    CHECK(e.device() == 0);
+  }
+  CHECK(text.find("cuda:0 -> cuda:2") != std::string::npos);
+  CHECK(text.find("cudaErrorPeerAccessUnsupported") != std::string::npos);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 2));
+  CHECK(cudasim::context_creations(2) == 0);  // enabling stopped before the peer's context was needed
+  // The failed attempt is not remembered as a hold: a later pair that works is enabled normally.
+  cudasim::allow_contexts_only_on({0, 1});
+  {
+    gpukit::peer_access p(cuda0, cuda1);
+    CHECK(cudasim::peer_access_enabled(0, 1));
+  }
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+  CHECK(cudasim::context_creations(3) == 0);
+}
+
+TEST_CASE("peer: ordinals follow CUDA_VISIBLE_DEVICES in the topology") {
+  gpukit_test::scoped_env visible("CUDA_VISIBLE_DEVICES", std::string("2,0,1"));
+  if (!configure_machine(two_islands())) return;
+  const gpukit::peer_matrix m = gpukit::query_peer_matrix();
+  REQUIRE(m.size() == 3);  // cuda:0 is physical 2, whose peer (3) is not visible
+  const std::vector<std::vector<bool>> expected{{false, false, false}, {false, false, true}, {false, true, false}};
+  CHECK(m.can_access == expected);
+}
+
+TEST_CASE("peer: holds are counted: the first enables, the last disables, and only the two devices get contexts") {
+  if (!configure_machine(cudasim::default_machine(4))) return;
+  cudasim::allow_contexts_only_on({1, 2});
+  const gpukit::device cuda2 = gpukit::device::cuda(2);
+  {
+    gpukit::peer_access a(cuda1, cuda2);
+    CHECK(a.active());
+    CHECK(a.from() == cuda1);
+    CHECK(a.to() == cuda2);
+    CHECK(cudasim::peer_access_enabled(1, 2));
+    CHECK_FALSE(cudasim::peer_access_enabled(2, 1));  // one direction only
+    {
+      gpukit::peer_access b(cuda1, cuda2);
+      CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 1);
+    }
+    CHECK(cudasim::peer_access_enabled(1, 2));  // `a` still holds it
+    CHECK(cudasim::calls("cudaDeviceDisablePeerAccess") == 0);
+    gpukit::peer_access back(cuda2, cuda1);  // the other direction is a pair of its own
+    CHECK(cudasim::peer_access_enabled(2, 1));
+    CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 2);
+  }
+  CHECK_FALSE(cudasim::peer_access_enabled(1, 2));
+  CHECK_FALSE(cudasim::peer_access_enabled(2, 1));
+  CHECK(cudasim::calls("cudaDeviceDisablePeerAccess") == 2);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(3) == 0);
+  CHECK(cudasim::context_creations(1) == 1);
+  CHECK(cudasim::context_creations(2) == 1);
+  // A thread that had chosen a device keeps it.
+  REQUIRE(cudaSetDevice(2) == cudaSuccess);
+  { gpukit::peer_access a(cuda1, cuda2); }
+  CHECK(gpukit::current_device() == cuda2);
+}
+
+TEST_CASE("peer: access enabled outside gpukit is used, its error cleared, and left enabled") {
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  REQUIRE(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+  {
+    gpukit::peer_access p(cuda0, cuda1);
+    CHECK(p.active());
+    CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 2);
+    CHECK(cudaPeekAtLastError() == cudaSuccess);  // cudaErrorPeerAccessAlreadyEnabled does not linger
+    gpukit::peer_access q(cuda0, cuda1);
+    CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 2);
+  }
+  CHECK(cudasim::peer_access_enabled(0, 1));
+  CHECK(cudasim::calls("cudaDeviceDisablePeerAccess") == 0);
+  REQUIRE(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+  // Once the last hold is gone the next one enables it again, and owns it.
+  {
+    gpukit::peer_access p(cuda0, cuda1);
+    CHECK(cudasim::peer_access_enabled(0, 1));
+  }
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+}
+
+TEST_CASE("peer: a peer_access moves its hold, and reset drops it early") {
+  gpukit::peer_access a(cuda0, cuda1);
+  gpukit::peer_access b(std::move(a));
+  CHECK_FALSE(a.active());  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+  CHECK(b.active());
+  gpukit::peer_access c;
+  CHECK_FALSE(c.active());
+  c = std::move(b);
+  CHECK(c.active());
+  CHECK(cudasim::peer_access_enabled(0, 1));
+  gpukit::peer_access other(cuda1, cuda0);
+  c = std::move(other);  // drops cuda:0 -> cuda:1 (its only hold), takes cuda:1 -> cuda:0
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+  CHECK(cudasim::peer_access_enabled(1, 0));
+  CHECK(c.from() == cuda1);
+  c.reset();
+  CHECK_FALSE(c.active());
+  CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
+  CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 2);
+  CHECK(cudasim::calls("cudaDeviceDisablePeerAccess") == 2);
+}
+
+TEST_CASE("peer: threads taking and dropping the same pair concurrently") {
+  constexpr int threads = 8;
+  constexpr int rounds = 200;
+  std::atomic<int> holds_without_access{0};
+  auto churn = [&] {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([t, &holds_without_access] {
+        for (int i = 0; i < rounds; ++i) {
+          gpukit::peer_access p(cuda0, cuda1);
+          if ((i + t) % 3 == 0) gpukit::peer_access nested(cuda0, cuda1);
+          if (!cudasim::peer_access_enabled(0, 1)) ++holds_without_access;
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+  };
+  const std::size_t enables = cudasim::calls("cudaDeviceEnablePeerAccess");
+  const std::size_t disables = cudasim::calls("cudaDeviceDisablePeerAccess");
+  {
+    gpukit::peer_access held(cuda0, cuda1);  // while one hold lasts, the others only count
+    churn();
+    CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == enables + 1);
+    CHECK(cudasim::calls("cudaDeviceDisablePeerAccess") == disables);
+  }
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+  churn();
+  CHECK_FALSE(cudasim::peer_access_enabled(0, 1));
+  CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") - enables ==
+        cudasim::calls("cudaDeviceDisablePeerAccess") - disables);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  CHECK(holds_without_access == 0);
+}
+
+TEST_CASE("peer: a hold released after the runtime unloaded does nothing and reports nothing") {
+  for (const cudaError_t result : {cudaErrorCudartUnloading, cudaErrorContextIsDestroyed}) {
+    CAPTURE(cudaGetErrorName(result));
+    gpukit_test::captured_warnings warnings;
+    auto p = std::make_unique<gpukit::peer_access>(cuda0, cuda1);
+    cudasim::unload(result);  // as at process exit
+    p.reset();
+    cudasim::clear_faults();
+    CHECK(warnings.messages().empty());
+    for (const auto& m : warnings.messages()) MESSAGE(m);
+    CHECK(cudasim::peer_access_enabled(0, 1));  // the call had no effect, as on a runtime that is gone
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+  }
+}
+
+TEST_CASE("peer: a failure to disable is a warning naming the pair") {
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit::peer_access p(cuda0, cuda1);
+    cudasim::fail_call("cudaDeviceDisablePeerAccess", 1, cudaErrorUnknown);
+  }
+  const auto messages = warnings.messages();
+  REQUIRE(messages.size() == 1);
+  CHECK(messages[0].find("cudaDeviceDisablePeerAccess(cuda:0 -> cuda:1)") != std::string::npos);
+  CHECK(messages[0].find("cudaErrorUnknown") != std::string::npos);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
+TEST_CASE("peer: the CPU is never a peer, and a device with itself is a no-op") {
+  CHECK_FALSE(gpukit::can_access_peer(gpukit::device::cpu(), cuda0));
+  CHECK_FALSE(gpukit::can_access_peer(cuda0, gpukit::device::cpu()));
+  CHECK_FALSE(gpukit::can_access_peer(cuda1, cuda1));
+  CHECK_THROWS_AS(gpukit::peer_access(gpukit::device::cpu(), cuda0), gpukit::invalid_argument_error);
+  CHECK(exception_text([] { gpukit::peer_access p(cuda1, gpukit::device::cpu()); }).find("cuda:1 -> cpu") !=
+        std::string::npos);
+  gpukit::peer_access self(cuda1, cuda1);
+  CHECK_FALSE(self.active());
+  CHECK(cudasim::calls("cudaDeviceCanAccessPeer") == 0);
+  CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 0);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+}
+
+TEST_CASE("peer: an ordinal that is not visible is an invalid_argument_error naming both devices") {
+  const gpukit::device cuda7 = gpukit::device::cuda(7);
+  CHECK_THROWS_AS(gpukit::can_access_peer(cuda0, cuda7), gpukit::invalid_argument_error);
+  CHECK(exception_text([&] { (void)gpukit::can_access_peer(cuda0, cuda7); }).find("cuda:0 -> cuda:7") !=
+        std::string::npos);
+  CHECK(exception_text([&] { gpukit::peer_access p(cuda0, cuda7); }).find("cuda:0 -> cuda:7") != std::string::npos);
+  CHECK_THROWS_AS(gpukit::peer_access(cuda7, cuda0), gpukit::invalid_argument_error);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  CHECK(cudasim::context_creations(1) == 0);
+}
+
+TEST_CASE("peer: the matrix names each link from NVML where NVML knows the devices") {
+  // The fake NVML's cudasim machine: the simulator's two devices under one PCIe host bridge, no NVLink.
+  gpukit_test::scoped_env machine("FAKE_NVML_MACHINE", std::string("cudasim"));
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  const gpukit::peer_matrix m = gpukit::query_peer_matrix(nvml);
+  CHECK(m.links == std::vector<std::vector<std::string>>{{"X", "PHB"}, {"PHB", "X"}});
+  CHECK(m.to_string().rfind("        cuda:0  cuda:1\n"
+                            "cuda:0  X       OK PHB\n"
+                            "cuda:1  OK PHB  X\n",
+                            0) == 0);
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(1) == 0);
+}
+
+TEST_CASE("peer: links are printed beside the access when filled in") {
+  gpukit::peer_matrix m = gpukit::query_peer_matrix();
+  m.links = {{"", "NV18"}, {"NV18", ""}};
+  CHECK(m.to_string().rfind("         cuda:0   cuda:1\n"
+                            "cuda:0   X        OK NV18\n"
+                            "cuda:1   OK NV18  X\n",
+                            0) == 0);
+  CHECK(gpukit::peer_matrix{}.to_string() == "no CUDA devices\n");
+}
+
+TEST_CASE("peer: copy_peer_async copies between devices with or without peer access, and checks its arguments") {
+  cudasim::allow_contexts_only_on({0, 1});
+  std::vector<int> host(1000);
+  std::iota(host.begin(), host.end(), 1);
+  gpukit::stream s0(cuda0);
+  gpukit::stream s1(cuda1);
+  gpukit::device_buffer<int> a(host.size(), s0);
+  gpukit::device_buffer<int> b(host.size(), s1);
+  gpukit::copy_async(a, host, s0);
+  s0.synchronize();
+  gpukit::copy_peer_async(b.data(), cuda1, a.data(), cuda0, host.size() * sizeof(int), s1);  // no peer access
+  CHECK(gpukit::to_host(b, s1) == host);
+  {
+    gpukit::peer_access p(cuda1, cuda0);
+    std::vector<int> zeros(host.size(), 0);
+    gpukit::copy_async(b, zeros, s1);
+    s1.synchronize();  // the peer copy below runs on s0, unordered with s1
+    gpukit::copy_peer_async(b.data(), cuda1, a.data(), cuda0, host.size() * sizeof(int), s0);  // a stream of the source
+    s0.synchronize();
+    CHECK(gpukit::to_host(b, s1) == host);
+  }
+  gpukit::copy_peer_async(nullptr, cuda1, nullptr, cuda0, 0, s1);  // zero bytes: nothing
+  CHECK_THROWS_AS(gpukit::copy_peer_async(nullptr, cuda1, a.data(), cuda0, 4, s1), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::copy_peer_async(b.data(), gpukit::device::cpu(), a.data(), cuda0, 4, s1),
+                  gpukit::invalid_argument_error);
+  // The devices named must be the pointers' devices: the runtime refuses (and cudasim records the violation).
+  const std::string text = exception_text([&] { gpukit::copy_peer_async(b.data(), cuda0, a.data(), cuda1, 4, s1); });
+  CHECK(text.find("cudaMemcpyPeerAsync(4 bytes, cuda:1 -> cuda:0)") != std::string::npos);
+  const auto taken = cudasim::take_violations();
+  REQUIRE(taken.size() == 1);
+  CHECK(taken[0].call == "cudaMemcpyPeerAsync");
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  CHECK(cudasim::calls("cudaMemcpyPeerAsync") == 3);
+}
