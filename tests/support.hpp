@@ -7,6 +7,9 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -112,5 +115,30 @@ class captured_warnings {
   std::vector<std::string> messages_;
   gpukit::warning_handler previous_;
 };
+
+/// What a child run of this test executable did.
+struct child_result {
+  int status = -1;          ///< exit status, or 128 + the signal that ended it
+  std::string stderr_text;  ///< everything it wrote to stderr
+};
+
+/// Runs this test executable again with the environment assignment `env` ("NAME=value"), only its test case
+/// `test_case` (a case marked doctest::skip(), run with --no-skip), and returns its exit status and stderr. For what
+/// happens at process exit, which a test cannot see in its own process.
+inline child_result run_test_case_in_child(const std::string& env, const std::string& test_case) {
+  std::vector<char> self(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  REQUIRE(n > 0);
+  const std::string command =
+      env + " '" + std::string(self.data()) + "' --no-skip '--test-case=" + test_case + "' 2>&1 >/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  child_result result;
+  char chunk[512];
+  while (const std::size_t got = std::fread(chunk, 1, sizeof chunk, pipe)) result.stderr_text.append(chunk, got);
+  const int status = pclose(pipe);
+  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  return result;
+}
 
 }  // namespace gpukit_test

@@ -134,27 +134,9 @@ TEST_CASE("errors: at-exit child" * doctest::skip()) {
 
 namespace {
 
-struct child_result {
-  int status = -1;
-  std::string stderr_text;
-};
-
-/// Runs this executable's "errors: at-exit child" test case with GPUKIT_AT_EXIT_SCENARIO=`scenario`; returns its exit
-/// status and what it wrote to stderr.
-child_result run_at_exit_child(const std::string& scenario) {
-  std::vector<char> self(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size() - 1);
-  REQUIRE(n > 0);
-  const std::string command = "GPUKIT_AT_EXIT_SCENARIO=" + scenario + " '" + std::string(self.data()) +
-                              "' --no-skip '--test-case=errors: at-exit child' 2>&1 >/dev/null";
-  FILE* pipe = popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  child_result result;
-  char chunk[512];
-  while (const std::size_t got = std::fread(chunk, 1, sizeof chunk, pipe)) result.stderr_text.append(chunk, got);
-  const int status = pclose(pipe);
-  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
-  return result;
+/// Runs this executable's "errors: at-exit child" test case with GPUKIT_AT_EXIT_SCENARIO=`scenario`.
+gpukit_test::child_result run_at_exit_child(const std::string& scenario) {
+  return gpukit_test::run_test_case_in_child("GPUKIT_AT_EXIT_SCENARIO=" + scenario, "errors: at-exit child");
 }
 
 }  // namespace
@@ -162,7 +144,7 @@ child_result run_at_exit_child(const std::string& scenario) {
 TEST_CASE("errors: objects at namespace scope destroyed after main returns neither crash nor warn") {
   for (const char* scenario : {"alive", "unloading", "context_destroyed"}) {
     CAPTURE(scenario);
-    const child_result child = run_at_exit_child(scenario);
+    const gpukit_test::child_result child = run_at_exit_child(scenario);
     CHECK(child.status == 0);
     CHECK(child.stderr_text.empty());
     if (!child.stderr_text.empty()) MESSAGE(child.stderr_text);
@@ -170,7 +152,7 @@ TEST_CASE("errors: objects at namespace scope destroyed after main returns neith
 }
 
 TEST_CASE("errors: a warning during static destruction reaches the handler set in main") {
-  const child_result child = run_at_exit_child("warns");
+  const gpukit_test::child_result child = run_at_exit_child("warns");
   CHECK(child.status == 0);
   INFO(child.stderr_text);
   const std::string expected = std::string(64, '>') + " cudaStreamDestroy (in ~stream) failed on cuda:0";

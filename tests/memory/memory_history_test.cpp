@@ -528,3 +528,43 @@ TEST_CASE("history exports: an expandable segment is exported as its mapped rang
   std::remove(path.c_str());
   for (void* p : live) w.a.deallocate(p);
 }
+
+namespace {
+// The child's allocator: reachable from here and never destroyed, so its blocks are still allocated at exit (and
+// LeakSanitizer does not count them).
+world_and_allocator* g_at_exit_allocator = nullptr;
+}  // namespace
+
+// Run only as the child of the test below (GPUKIT_LEAK_SCENARIO set): "leaks" keeps a tagged block allocated until
+// exit, "clean" frees everything.
+TEST_CASE("history: at-exit leak report child" * doctest::skip()) {
+  const char* scenario = std::getenv("GPUKIT_LEAK_SCENARIO");
+  if (scenario == nullptr) return;
+  g_at_exit_allocator = new world_and_allocator();
+  auto& w = *g_at_exit_allocator;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  gpukit::report_leaks_at_exit(history, "test allocator");
+  void* weights = nullptr;
+  {
+    gpukit::memory_tag tag("weights");
+    weights = w.a.allocate(std::size_t{1} << 20, w.s1);
+  }
+  w.a.deallocate(w.a.allocate(100, w.s2));
+  if (std::string(scenario) == "clean") w.a.deallocate(weights);
+}
+
+TEST_CASE("history: report_leaks_at_exit prints what is still allocated at exit, and nothing when all was freed") {
+  const auto leaks = run_test_case_in_child("GPUKIT_LEAK_SCENARIO=leaks", "history: at-exit leak report child");
+  CHECK(leaks.status == 0);
+  CHECK(leaks.stderr_text.find("gpukit: still allocated at exit (test allocator): live allocations seen by the "
+                               "history: 1 (1048576 B)\n") == 0);
+  CHECK(leaks.stderr_text.find("weights") != std::string::npos);
+  const auto clean = run_test_case_in_child("GPUKIT_LEAK_SCENARIO=clean", "history: at-exit leak report child");
+  CHECK(clean.status == 0);
+  CHECK(clean.stderr_text.empty());
+  if (!clean.stderr_text.empty()) MESSAGE(clean.stderr_text);
+  CHECK_THROWS_AS(gpukit::report_leaks_at_exit(nullptr), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::report_leaks_at_exit(std::make_shared<gpukit::memory_history>(), "x", nullptr),
+                  gpukit::invalid_argument_error);
+}

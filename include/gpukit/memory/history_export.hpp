@@ -12,7 +12,8 @@
 /// - rmm_log_csv: RMM's logging_resource_adaptor format (Thread,Time,Action,Pointer,Size,Stream), which RMM's
 ///   replay benchmark reads.
 /// - history_json: every event and the snapshot's segments, for scripts.
-/// - live_allocations / leak_report: allocations the history saw made and not freed, grouped by tag and size.
+/// - live_allocations / leak_report: allocations the history saw made and not freed, grouped by tag and size;
+///   report_leaks_at_exit prints the report when the process exits, if anything is still allocated.
 ///
 ///     auto history = gpukit::record_memory_history(d);
 ///     run_workload();
@@ -27,8 +28,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -407,6 +411,65 @@ inline std::string leak_report(const memory_history& history) {
                      " B)";
   if (history.dropped() != 0) head += "; " + std::to_string(history.dropped()) + " older events were dropped";
   return head + "\n" + out;
+}
+
+namespace detail {
+
+struct leak_watch {
+  std::shared_ptr<const memory_history> history;
+  std::string label;
+  std::FILE* out;
+};
+struct leak_watch_registry {
+  std::mutex mutex;
+  std::vector<leak_watch> watches;
+  bool handler_registered = false;
+};
+// Never destroyed: the handler runs during exit, after function-local statics may have been destroyed.
+GPUKIT_EXPORT inline leak_watch_registry& leak_watches() {
+  static leak_watch_registry* registry = new leak_watch_registry();
+  return *registry;
+}
+
+// The std::atexit handler: reads the histories (no CUDA call) and writes a report for each that saw leaks.
+inline void report_leaks_now() noexcept {
+  std::vector<leak_watch> watches;
+  {
+    std::lock_guard<std::mutex> lock(leak_watches().mutex);
+    watches.swap(leak_watches().watches);
+  }
+  for (const leak_watch& w : watches) {
+    try {
+      if (live_allocations(*w.history).empty()) continue;
+      const std::string text = "gpukit: still allocated at exit (" + w.label + "): " + leak_report(*w.history);
+      std::fputs(text.c_str(), w.out);
+      std::fflush(w.out);
+    } catch (...) {  // out of memory while reporting: nothing to be done at exit
+    }
+  }
+}
+
+}  // namespace detail
+
+/// At process exit (std::atexit), writes leak_report(*history) to `out`, headed by `label`, if the history saw
+/// allocations that were never freed; writes nothing when everything was freed. Makes no CUDA call. Objects that
+/// are still alive when the handler runs count as leaks: those with static storage created before the first call
+/// here are destroyed after it (std::atexit's order), so call it early, e.g. right after record_memory_history.
+///
+///     gpukit::report_leaks_at_exit(gpukit::record_memory_history(d), "cuda:0");
+inline void report_leaks_at_exit(std::shared_ptr<const memory_history> history, std::string label = "memory history",
+                                 std::FILE* out = stderr) {
+  if (!history) throw invalid_argument_error("gpukit::report_leaks_at_exit: the history is null");
+  if (out == nullptr) throw invalid_argument_error("gpukit::report_leaks_at_exit: the output stream is null");
+  auto& registry = detail::leak_watches();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  if (!registry.handler_registered) {
+    if (std::atexit(&detail::report_leaks_now) != 0) {
+      throw out_of_memory_error("gpukit::report_leaks_at_exit: std::atexit could not register the report");
+    }
+    registry.handler_registered = true;
+  }
+  registry.watches.push_back(detail::leak_watch{std::move(history), std::move(label), out});
 }
 
 GPUKIT_END_NAMESPACE
