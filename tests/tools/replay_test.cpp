@@ -158,3 +158,128 @@ TEST_CASE("replay: tags with braces, CRLF logs, negative and absurd sizes") {
       minimum_capacity(t, [&](std::size_t c) { return replay_gpukit(t, gpukit::allocator_options{}, c).completed; }),
       doctest::Contains("does not run even on"), std::runtime_error);
 }
+
+TEST_CASE("replay: a PyTorch snapshot pickle (gpukit's own) reproduces the live run's peaks like the other formats") {
+  std::shared_ptr<gpukit::memory_history> history;
+  const gpukit::allocator_stats live = live_run(history);
+  std::istringstream pickle(gpukit::pytorch_snapshot_pickle(gpukit::allocator_snapshot{}, *history));
+  const recorded_trace r = read_pytorch_snapshot(pickle, "run");
+  CHECK(r.ops.name == "run (device 0)");
+  CHECK(r.unknown_frees == 0);
+  CHECK(r.ops.streams == 3);
+  CHECK(r.ops.peak_requested == static_cast<std::size_t>(live.requested_bytes.all().peak));
+  const replay_result replayed = replay_gpukit(r.ops, gpukit::allocator_options{}, std::size_t{1} << 46);
+  CHECK(replayed.peak_reserved == static_cast<std::size_t>(live.reserved_bytes.all().peak));
+  std::istringstream csv(gpukit::rmm_log_csv(*history));
+  CHECK(r.ops.ops.size() == read_rmm_csv(csv).ops.ops.size());
+}
+
+namespace {
+/// Runs python3 with `script` (which writes the pickle file `path`) and returns the file's bytes.
+std::string python_pickle(const std::string& script, const std::string& path) {
+  const std::string script_path = path + ".py";
+  std::ofstream(script_path) << script;
+  const int status = std::system(("python3 " + script_path).c_str());
+  std::remove(script_path.c_str());
+  REQUIRE(status == 0);
+  std::ifstream in(path, std::ios::binary);
+  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  return data;
+}
+}  // namespace
+
+TEST_CASE("replay: snapshots pickled by Python itself, protocols 2 to 5, with shared frames and large addresses") {
+  // What torch.cuda.memory._snapshot() returns, in miniature: two devices (the second busier), frames shared
+  // between events (pickle memoizes them), an address above 2^63, free_requested and free_completed, an oom.
+  const std::string script = R"(
+import pickle, sys
+frames = [{'filename': 'model.py', 'line': 12, 'name': 'forward'}]
+big = 2**63 + 4096
+busy = [
+  {'action': 'segment_alloc', 'addr': big, 'size': 2097152, 'stream': 0, 'time_us': 1, 'frames': frames},
+  {'action': 'alloc', 'addr': big, 'size': 1024, 'stream': 0, 'time_us': 2, 'frames': frames},
+  {'action': 'alloc', 'addr': big + 1024, 'size': 3000000, 'stream': 7, 'time_us': 3, 'frames': frames},
+  {'action': 'free_requested', 'addr': big, 'size': 1024, 'stream': 0, 'time_us': 4, 'frames': frames},
+  {'action': 'free_completed', 'addr': big, 'size': 1024, 'stream': 0, 'time_us': 5, 'frames': frames},
+  {'action': 'oom', 'addr': 0, 'size': 1 << 40, 'stream': 0, 'time_us': 6, 'frames': []},
+  {'action': 'alloc', 'addr': 4096, 'size': 512, 'stream': 0, 'time_us': 7, 'frames': frames, 'ratio': 0.5},
+]
+quiet = [{'action': 'alloc', 'addr': 8192, 'size': 64, 'stream': 0, 'time_us': 1, 'frames': frames}]
+snapshot = {'segments': [], 'device_traces': [quiet, busy], 'allocator_settings': {'expandable_segments': False}}
+for protocol in (2, 3, 4, 5):
+    with open(sys.argv[0][:-3] + '.' + str(protocol), 'wb') as f:
+        pickle.dump(snapshot, f, protocol=protocol)
+with open(sys.argv[0][:-3], 'wb') as f:
+    pickle.dump(snapshot, f)
+)";
+  const std::string base = "gpukit_replay_python.pickle";
+  const std::string default_protocol = python_pickle(script, base);  // also writes base.2 ... base.5
+  for (int protocol = 2; protocol <= 5; ++protocol) {
+    CAPTURE(protocol);
+    const std::string path = base + "." + std::to_string(protocol);
+    std::ifstream in(path, std::ios::binary);
+    REQUIRE(in.good());
+    const recorded_trace r = read_pytorch_snapshot(in, "python");
+    std::remove(path.c_str());
+    CHECK(r.ops.name == "python (device 1)");  // the device with the most events
+    CHECK(r.failures == 1);
+    CHECK(r.unknown_frees == 0);
+    CHECK(r.ops.streams == 2);
+    CHECK(r.ops.peak_requested == 3000000 + 1024);
+    CHECK(r.ops.ops.size() == 4);  // 3 allocations, 1 free (free_requested; free_completed is not a second free)
+  }
+  std::istringstream quiet(default_protocol);
+  CHECK(read_pytorch_snapshot(quiet, "python", 0).ops.peak_requested == 64);
+  std::istringstream beyond(default_protocol);
+  CHECK_THROWS_WITH_AS(read_pytorch_snapshot(beyond, "python", 2),
+                       "the snapshot has traces for 2 devices; device 2 was asked for", std::runtime_error);
+}
+
+TEST_CASE("replay: pickles that are not plain snapshots are refused, never executed") {
+  const std::string script = R"(
+import pickle, os, sys
+base = sys.argv[0][:-3]
+class Evil:
+    def __reduce__(self):
+        return (os.system, ('echo pwned',))
+with open(base + '.evil', 'wb') as f: pickle.dump({'device_traces': [[Evil()]]}, f, protocol=4)
+with open(base + '.empty', 'wb') as f: pickle.dump({'segments': []}, f, protocol=4)
+with open(base + '.list', 'wb') as f: pickle.dump([1, 2], f, protocol=2)
+with open(base + '.negative', 'wb') as f:
+    pickle.dump({'device_traces': [[{'action': 'alloc', 'addr': -5, 'size': 8, 'stream': 0}]]}, f, protocol=4)
+with open(base, 'wb') as f: pickle.dump(0, f)
+)";
+  const std::string base = "gpukit_replay_bad.pickle";
+  (void)python_pickle(script, base);
+  auto read = [&](const std::string& suffix) {
+    std::ifstream in(base + suffix, std::ios::binary);
+    REQUIRE(in.good());
+    std::ostringstream data;
+    data << in.rdbuf();
+    std::remove((base + suffix).c_str());
+    std::istringstream stream(data.str());
+    return read_pytorch_snapshot(stream);
+  };
+  CHECK_THROWS_WITH_AS(read(".evil"), doctest::Contains("is not plain data"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(read(".empty"), doctest::Contains("has no device_traces"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(read(".list"), "not a memory snapshot: the pickle is not a dict", std::runtime_error);
+  CHECK_THROWS_WITH_AS(read(".negative"), "device_traces[0][0].addr is negative", std::runtime_error);
+  std::istringstream truncated(std::string("\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x05" "ab", 17));
+  CHECK_THROWS_WITH_AS(read_pytorch_snapshot(truncated), "pickle offset 15: truncated", std::runtime_error);
+}
+
+TEST_CASE("replay: the command-line tool reads a PyTorch snapshot pickle") {
+  std::shared_ptr<gpukit::memory_history> history;
+  (void)live_run(history);
+  const std::string pickle = "gpukit_replay_test.pickle", out = "gpukit_replay_pickle.out";
+  gpukit::dump_pytorch_snapshot(pickle, gpukit::allocator_snapshot{}, *history);
+  const std::string command = std::string("\"") + GPUKIT_REPLAY_TOOL + "\" " + pickle + " --gpu big=81920 > " + out;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream in(out);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(text.find("(device 0)") != std::string::npos);
+  CHECK(text.find("yes (") != std::string::npos);
+  std::remove(pickle.c_str());
+  std::remove(out.c_str());
+}

@@ -2,8 +2,9 @@
 //
 //   gpukit_replay FILE [--context-mib N] [--gpu NAME=MIB]...
 //
-// FILE is RMM's CSV log (Thread,Time,Action,Pointer,Size,Stream; gpukit::rmm_log_csv writes it) or gpukit's history
-// JSON (gpukit::history_json). A history recorded on the CPU device is valid input: the same allocation calls, so a
+// FILE is RMM's CSV log (Thread,Time,Action,Pointer,Size,Stream; gpukit::rmm_log_csv writes it), gpukit's history
+// JSON (gpukit::history_json), or a PyTorch memory snapshot pickle with its traces (torch.cuda.memory._dump_snapshot
+// after _record_memory_history, or gpukit::dump_pytorch_snapshot; the device with the most events is replayed). A history recorded on the CPU device is valid input: the same allocation calls, so a
 // job can be sized before a GPU is bought or rented. Prints the peak requested, the peak reserved under gpukit's
 // defaults with the upstream calls, memory over time, the minimum capacity on which the whole history runs (gpukit's
 // defaults, with expandable segments, and under PyTorch's rules), and a fit table for common GPUs: usable memory is
@@ -26,7 +27,8 @@ using namespace gpukit_replay;
 
 int usage() {
   std::fprintf(stderr, "usage: gpukit_replay FILE [--context-mib N] [--gpu NAME=MIB]...\n"
-                       "FILE: RMM's CSV log (gpukit::rmm_log_csv) or gpukit's history JSON (gpukit::history_json)\n");
+                       "FILE: RMM's CSV log (gpukit::rmm_log_csv), gpukit's history JSON (gpukit::history_json) or a\n"
+                       "PyTorch memory snapshot pickle (torch.cuda.memory._dump_snapshot, gpukit::dump_pytorch_snapshot)\n");
   return 2;
 }
 
@@ -59,8 +61,8 @@ int main(int argc, char** argv) {
   try {
     const recorded_trace r = read_trace_file(argv[1]);
     const trace& t = r.ops;
-    std::printf("history %s: %zu allocations, %zu operations, %d stream(s)", argv[1], t.allocations, t.ops.size(),
-                t.streams);
+    std::printf("history %s: %zu allocations, %zu operations, %d stream(s)", t.name.c_str(), t.allocations,
+                t.ops.size(), t.streams);
     if (r.unknown_frees != 0) std::printf(", %zu frees of allocations made before it began (skipped)", r.unknown_frees);
     if (r.failures != 0) std::printf(", %zu failed allocations (out of memory) in the recorded run", r.failures);
     std::printf("\npeak requested: %s\n", format_bytes(t.peak_requested).c_str());

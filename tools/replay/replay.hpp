@@ -1,10 +1,12 @@
-// gpukit_replay's engine: reads a recorded allocation history (RMM's CSV log, which gpukit's rmm_log_csv writes, or
-// gpukit's history JSON), replays it through gpukit's caching allocator over a capacity-limited address space, and
+// gpukit_replay's engine: reads a recorded allocation history (RMM's CSV log, which gpukit's rmm_log_csv writes,
+// gpukit's history JSON, or a PyTorch memory snapshot pickle, which torch.cuda.memory._dump_snapshot and gpukit's
+// dump_pytorch_snapshot write), replays it through gpukit's caching allocator over a capacity-limited address space, and
 // answers "will it fit": the smallest device capacity on which it runs (binary search), under gpukit's defaults and
 // under PyTorch's rules (bench/pytorch_allocator_model.hpp), for a table of GPUs.
 #pragma once
 
 #include "alloc_traces.hpp"
+#include "pickle_reader.hpp"
 #include "pytorch_allocator_model.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
@@ -193,11 +195,68 @@ inline recorded_trace read_history_json(std::istream& in, const std::string& nam
   return a.finish(name);
 }
 
-/// Reads a file in either format (JSON when it starts with '{').
+/// Parses a PyTorch memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes after
+/// _record_memory_history, or gpukit's dump_pytorch_snapshot): the "device_traces" of `device`, or of the device with
+/// the most events when `device` is -1. Its alloc and free_requested events (free_completed where a trace has no
+/// free_requested), and oom. Throws std::runtime_error for a snapshot without traces or a malformed one.
+inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string& name = "recorded", int device = -1) {
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::shared_ptr<pickled> root = unpickle(data);
+  if (root->type != pickled::kind::dict) throw std::runtime_error("not a memory snapshot: the pickle is not a dict");
+  const pickled* traces = root->find("device_traces");
+  if (traces == nullptr || traces->type != pickled::kind::list) {
+    throw std::runtime_error("the snapshot has no device_traces: record it with "
+                             "torch.cuda.memory._record_memory_history() before dumping");
+  }
+  if (device >= static_cast<int>(traces->items.size())) {
+    throw std::runtime_error("the snapshot has traces for " + std::to_string(traces->items.size()) +
+                             " devices; device " + std::to_string(device) + " was asked for");
+  }
+  if (device < 0) {
+    std::size_t most = 0;
+    for (std::size_t d = 0; d < traces->items.size(); ++d) {
+      if (traces->items[d]->items.size() > most) {
+        most = traces->items[d]->items.size();
+        device = static_cast<int>(d);
+      }
+    }
+    if (device < 0) throw std::runtime_error("the snapshot's device_traces are all empty");
+  }
+  const pickled& events = *traces->items[static_cast<std::size_t>(device)];
+  if (events.type != pickled::kind::list) throw std::runtime_error("device_traces[" + std::to_string(device) + "] is not a list");
+  auto text_of = [](const pickled* v) { return v != nullptr && v->type == pickled::kind::string ? v->text : std::string(); };
+  bool has_free_requested = false;
+  for (const auto& e : events.items) has_free_requested = has_free_requested || text_of(e->find("action")) == "free_requested";
+  const char* free_action = has_free_requested ? "free_requested" : "free_completed";
+  detail::trace_assembler a;
+  std::size_t index = 0;
+  for (const auto& e : events.items) {
+    const std::string where = "device_traces[" + std::to_string(device) + "][" + std::to_string(index++) + "]";
+    if (e->type != pickled::kind::dict) throw std::runtime_error(where + " is not a dict");
+    const std::string action = text_of(e->find("action"));
+    auto number = [&](const char* key) -> std::uintptr_t {
+      const pickled* v = e->find(key);
+      if (v == nullptr) throw std::runtime_error(where + " has no \"" + key + "\"");
+      return static_cast<std::uintptr_t>(v->as_unsigned((where + "." + key).c_str()));
+    };
+    if (action == "alloc") {
+      a.alloc(number("addr"), number("size"), e->find("stream") != nullptr ? number("stream") : 0);
+    } else if (action == free_action) {
+      a.free(number("addr"));
+    } else if (action == "oom") {
+      a.failure();
+    }
+  }
+  return a.finish(name + " (device " + std::to_string(device) + ")");
+}
+
+/// Reads a file in any of the formats: a pickle (starts with the PROTO opcode 0x80), gpukit's JSON (starts with '{'),
+/// else RMM's CSV log.
 inline recorded_trace read_trace_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot open " + path);
   const int first = in.peek();
+  if (first == 0x80) return read_pytorch_snapshot(in, path);
   return first == '{' ? read_history_json(in, path) : read_rmm_csv(in, path);
 }
 

@@ -84,9 +84,10 @@ struct memory_tag_registry {
   std::unordered_map<std::string, std::uint32_t> ids;
 };
 
+// Never destroyed: tags are named during exit too (report_leaks_at_exit, objects destroyed after main returns).
 GPUKIT_EXPORT inline memory_tag_registry& memory_tags() {
-  static memory_tag_registry registry;
-  return registry;
+  static memory_tag_registry* registry = new memory_tag_registry();
+  return *registry;
 }
 
 /// The tag of the calling thread's allocations (0: none).
