@@ -41,7 +41,7 @@ def main():
     states = [b.get("data-state") for b in p.blocks]
     if states.count("allocated") != allocated:
         sys.exit("check_memory_picture: %d allocated blocks, expected %d" % (states.count("allocated"), allocated))
-    for name in ("allocated", "reserved"):
+    for name in ("allocated", "reserved", "largest_free"):
         if len(p.lines.get(name, [])) < 2:
             sys.exit("check_memory_picture: the %s line has fewer than 2 points" % name)
     if p.titles < blocks + segments:

@@ -568,3 +568,44 @@ TEST_CASE("history: report_leaks_at_exit prints what is still allocated at exit,
   CHECK_THROWS_AS(gpukit::report_leaks_at_exit(std::make_shared<gpukit::memory_history>(), "x", nullptr),
                   gpukit::invalid_argument_error);
 }
+
+TEST_CASE("history picture: the largest free block follows segments, allocations and completed frees") {
+  using gpukit::memory_event;
+  auto event = [](memory_action a, std::uintptr_t address, std::size_t size) {
+    memory_event e;
+    e.action = a;
+    e.address = address;
+    e.size = size;
+    return e;
+  };
+  // A segment already there when the history began (its first event frees it: from the snapshot's point of view it
+  // is gone), an allocation made before the history began (first seen freed), a new segment and two allocations.
+  const std::vector<memory_event> events = {
+      event(memory_action::segment_alloc, 0x100000, 1000),   // 0: [0x100000, +1000) free
+      event(memory_action::alloc, 0x100000 + 100, 200),      // 1: gaps 100 and 700
+      event(memory_action::free_requested, 0x5000, 50),      // 2: 0x5000 was live at the start (in [0x5000, +400))
+      event(memory_action::free_completed, 0x5000, 50),      // 3: [0x5000, +400) entirely free now
+      event(memory_action::free_requested, 0x100000 + 100, 200),  // 4: not reusable yet
+      event(memory_action::free_completed, 0x100000 + 100, 200),  // 5: the whole 1000 free again
+      event(memory_action::segment_map, 0x100000 + 1000, 24),     // 6: an adjacent range: one run of 1024
+      event(memory_action::segment_free, 0x5000, 400),            // 7: the old segment goes
+  };
+  const std::vector<std::size_t> at = {0, 1, 2, 3, 4, 5, 6, 7};
+  const auto largest = gpukit::detail::largest_free_levels(events, gpukit::allocator_snapshot{}, at);
+  CHECK(largest == std::vector<std::int64_t>{1000, 700, 700, 700, 700, 1000, 1024, 1024});
+  // Without the segment at 0x5000 being freed in the history, it only counts if the snapshot holds it.
+  const std::vector<memory_event> brief = {event(memory_action::alloc, 0x9000 + 64, 32)};
+  gpukit::allocator_snapshot snapshot;
+  gpukit::segment_info seg;
+  seg.address = 0x9000;
+  seg.size = 4096;
+  seg.mapped = 4096;
+  gpukit::block_info held;  // allocated before the history began: occupies [0x9000 + 2048, +1024)
+  held.address = 0x9000 + 2048;
+  held.size = 1024;
+  held.state = gpukit::block_state::allocated;
+  seg.blocks = {held};
+  snapshot.segments = {seg};
+  CHECK(gpukit::detail::largest_free_levels(brief, snapshot, {0}) == std::vector<std::int64_t>{2048 - 96});
+  CHECK(gpukit::detail::largest_free_levels(brief, gpukit::allocator_snapshot{}, {0}) == std::vector<std::int64_t>{0});
+}

@@ -4,14 +4,14 @@
 
 /// \file
 /// memory_picture_html: a snapshot and a memory_history as one self-contained HTML page (inline SVG, no script, no
-/// network): a timeline of allocated against reserved bytes over the history, and every segment as a bar whose
+/// network): a timeline of allocated against reserved bytes and the largest free block over the history, and every segment as a bar whose
 /// blocks are coloured by state (allocated, waiting for other streams, free); hovering a block shows its address,
 /// size, requested bytes, stream and tag.
 ///
 ///     std::ofstream("memory.html") << gpukit::memory_picture_html(allocator.snapshot(), *history);
 ///
 /// Elements carry classes for tools and tests: `segment` (one per segment, with data-address and data-size), `block`
-/// (one per block, with data-state) and the polylines `allocated` and `reserved`.
+/// (one per block, with data-state) and the polylines `allocated`, `reserved` and `largest_free`.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -22,9 +22,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -108,6 +110,83 @@ inline memory_levels levels_of(const std::vector<memory_event>& events, const al
   return l;
 }
 
+/// The largest free block after event i, for each i in `at` (increasing): the largest run of reserved address space
+/// (segments, or the mapped ranges of expandable ones, adjacent ones merged) that no live allocation covers. An
+/// allocation occupies its requested bytes from its alloc until its free_completed (its rounding is not known to the
+/// history). What existed before the first event is inferred: a segment, range or allocation whose first event frees
+/// it, or that the snapshot holds without an event having made it, was there from the start.
+inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_event>& events,
+                                                     const allocator_snapshot& snapshot,
+                                                     const std::vector<std::size_t>& at) {
+  std::map<std::uintptr_t, std::size_t> ranges;  // reserved address ranges by start
+  std::map<std::uintptr_t, std::size_t> live;    // live allocations by address
+  std::unordered_set<std::uintptr_t> range_touched, alloc_touched;
+  for (const memory_event& e : events) {  // first events that free: these existed before the history began
+    switch (e.action) {
+      case memory_action::segment_alloc:
+      case memory_action::segment_map: range_touched.insert(e.address); break;
+      case memory_action::segment_free:
+      case memory_action::segment_unmap:
+        if (range_touched.insert(e.address).second) ranges[e.address] = e.size;
+        break;
+      case memory_action::alloc: alloc_touched.insert(e.address); break;
+      case memory_action::free_requested:
+      case memory_action::free_completed:
+        if (alloc_touched.insert(e.address).second) live[e.address] = e.size;
+        break;
+      default: break;
+    }
+  }
+  for (const segment_info& seg : snapshot.segments) {  // untouched by the history: there throughout
+    if (seg.expandable) {
+      for (const auto& r : seg.mapped_ranges) {
+        if (range_touched.count(r.first) == 0) ranges[r.first] = r.second;
+      }
+    } else if (range_touched.count(seg.address) == 0) {
+      ranges[seg.address] = seg.size;
+    }
+    for (const block_info& b : seg.blocks) {
+      if (b.state != block_state::free && alloc_touched.count(b.address) == 0) live[b.address] = b.size;
+    }
+  }
+  auto largest_gap = [&]() {
+    std::int64_t best = 0;
+    auto next_alloc = live.begin();
+    for (auto r = ranges.begin(); r != ranges.end();) {
+      std::uintptr_t start = r->first, end = r->first + r->second;
+      for (++r; r != ranges.end() && r->first == end; ++r) end += r->second;  // adjacent ranges are one run
+      std::uintptr_t cursor = start;
+      while (next_alloc != live.end() && next_alloc->first < start) ++next_alloc;
+      for (; next_alloc != live.end() && next_alloc->first < end; ++next_alloc) {
+        if (next_alloc->first > cursor) best = std::max(best, static_cast<std::int64_t>(next_alloc->first - cursor));
+        cursor = std::max(cursor, next_alloc->first + next_alloc->second);
+      }
+      if (end > cursor) best = std::max(best, static_cast<std::int64_t>(end - cursor));
+    }
+    return best;
+  };
+  std::vector<std::int64_t> out;
+  out.reserve(at.size());
+  std::size_t next = 0;
+  for (std::size_t i = 0; i < events.size() && next < at.size(); ++i) {
+    const memory_event& e = events[i];
+    switch (e.action) {
+      case memory_action::segment_alloc:
+      case memory_action::segment_map: ranges[e.address] = e.size; break;
+      case memory_action::segment_free:
+      case memory_action::segment_unmap: ranges.erase(e.address); break;
+      case memory_action::alloc: live[e.address] = e.size; break;
+      case memory_action::free_completed: live.erase(e.address); break;
+      default: break;
+    }
+    if (i == at[next]) {
+      out.push_back(largest_gap());
+      ++next;
+    }
+  }
+  return out;
+}
+
 }  // namespace detail
 
 /// The page (see the file comment). `title` heads it.
@@ -126,7 +205,8 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
          ".allocated{fill:#3b6fd8}.pending{fill:#f0a030}.free{fill:#d8dde3}.cached{fill:#9fd3a6}\n"
          ".block{stroke:#fff;stroke-width:0.5}.segment{fill:none;stroke:#888;stroke-width:0.5}\n"
          "polyline.allocated{fill:none;stroke:#3b6fd8;stroke-width:1.5}"
-         "polyline.reserved{fill:none;stroke:#c0392b;stroke-width:1.5}\n"
+         "polyline.reserved{fill:none;stroke:#c0392b;stroke-width:1.5}"
+         "polyline.largest_free{fill:none;stroke:#2e9e4f;stroke-width:1.5;stroke-dasharray:4 2}\n"
          ".axis{stroke:#999;stroke-width:1}.label{font-size:11px;fill:#444}\n</style></head><body>\n";
   out += "<h1>" + html_escape(title) + " &mdash; " + html_escape(snapshot.device.to_string()) + "</h1>\n";
   out += "<p>allocated " + format_bytes(static_cast<std::size_t>(snapshot.stats.allocated_bytes.all().current)) +
@@ -140,21 +220,28 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   const double width = 900, height = 220, left = 70, top = 10;
   std::int64_t most = 1;
   for (std::size_t i = 0; i < events.size(); ++i) most = std::max({most, levels.allocated[i], levels.reserved[i]});
-  out += "<h2>Allocated (requested) and reserved bytes over the history</h2>\n<svg class=\"timeline\" width=\"" +
+  out += "<h2>Allocated (requested), reserved and largest free block over the history</h2>\n<svg class=\"timeline\" width=\"" +
          fixed(left + width + 10) + "\" height=\"" + fixed(top + height + 30) + "\">\n";
   out += "<line class=\"axis\" x1=\"" + fixed(left) + "\" y1=\"" + fixed(top + height) + "\" x2=\"" +
          fixed(left + width) + "\" y2=\"" + fixed(top + height) + "\"/>\n";
   out += "<text class=\"label\" x=\"2\" y=\"" + fixed(top + 10) + "\">" + format_bytes(static_cast<std::size_t>(most)) +
          "</text><text class=\"label\" x=\"2\" y=\"" + fixed(top + height) + "\">0</text>\n";
   out += "<text class=\"label\" x=\"" + fixed(left) + "\" y=\"" + fixed(top + height + 20) +
-         "\">events &rarr; (blue: allocated, red: reserved)</text>\n";
+         "\">events &rarr; (blue: allocated, red: reserved, green: largest free block)</text>\n";
   const std::size_t step = std::max<std::size_t>(1, events.size() / 2000);  // at most ~2000 points per line
-  for (const char* which : {"allocated", "reserved"}) {
-    const auto& values = which[0] == 'a' ? levels.allocated : levels.reserved;
-    out += std::string("<polyline class=\"") + which + "\" points=\"";
-    for (std::size_t i = 0; i < events.size(); i += step) {
+  std::vector<std::size_t> plotted;
+  for (std::size_t i = 0; i < events.size(); i += step) plotted.push_back(i);
+  const std::vector<std::int64_t> largest_free = detail::largest_free_levels(events, snapshot, plotted);
+  for (const char* which : {"allocated", "reserved", "largest_free"}) {
+    const std::string line = which;
+    out += "<polyline class=\"" + line + "\" points=\"";
+    for (std::size_t k = 0; k < plotted.size(); ++k) {
+      const std::size_t i = plotted[k];
+      const std::int64_t value = line == "allocated" ? levels.allocated[i]
+                                 : line == "reserved" ? levels.reserved[i]
+                                                      : largest_free[k];
       const double x = left + width * static_cast<double>(i) / static_cast<double>(std::max<std::size_t>(1, events.size() - 1));
-      const double y = top + height - height * static_cast<double>(values[i]) / static_cast<double>(most);
+      const double y = top + height - height * static_cast<double>(value) / static_cast<double>(most);
       out += fixed(x) + "," + fixed(y) + " ";
     }
     out += "\"/>\n";
