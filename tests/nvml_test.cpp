@@ -1,8 +1,7 @@
 // The optional NVML loader, against a fake libnvidia-ml (tests/fake_nvml.cpp) and against missing libraries.
 #include <gpukit/device/nvml.hpp>
 
-#include <dlfcn.h>
-
+#include "fake_nvml_control.hpp"
 #include "support.hpp"
 
 namespace {
@@ -21,11 +20,7 @@ gpukit::device_properties gpu_at(const char* uuid, int bus) {
   return p;
 }
 void set_fake(unsigned gpu, const char* field, long long value) {
-  static void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_NOW);
-  static auto* set = reinterpret_cast<void (*)(unsigned, const char*, long long)>(dlsym(fake, "fake_nvml_set"));
-  const bool found = set != nullptr;
-  REQUIRE(found);
-  set(gpu, field, value);
+  gpukit_test::set_fake_nvml(GPUKIT_FAKE_NVML_PATH, gpu, field, value);
 }
 }  // namespace
 

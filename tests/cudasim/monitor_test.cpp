@@ -4,9 +4,8 @@
 #include <gpukit/device/gpu_monitor.hpp>
 
 #include "cudasim.hpp"
+#include "fake_nvml_control.hpp"
 #include "support.hpp"
-
-#include <dlfcn.h>
 
 #include <atomic>
 #include <chrono>
@@ -24,11 +23,7 @@ struct cudasim_nvml {
 };
 
 void fake_set(unsigned gpu, const char* field, long long value) {
-  static void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_NOW);
-  static auto* set = reinterpret_cast<void (*)(unsigned, const char*, long long)>(dlsym(fake, "fake_nvml_set"));
-  const bool found = set != nullptr;
-  REQUIRE(found);
-  set(gpu, field, value);
+  gpukit_test::set_fake_nvml(GPUKIT_FAKE_NVML_PATH, gpu, field, value);
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
