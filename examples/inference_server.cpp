@@ -140,6 +140,21 @@ struct results {
   std::atomic<std::size_t> done{0};
   std::atomic<std::size_t> wrong{0};
   std::atomic<std::size_t> refused{0};
+  std::atomic<std::size_t> failed{0};  // requests that threw (the first error is kept)
+  std::string first_error;             // guarded by mutex
+};
+
+/// Holds a request's admitted bytes; gives them back however the request ends.
+class admitted_bytes {
+ public:
+  admitted_bytes(memory_admission& admission, std::size_t bytes) : admission_(admission), bytes_(bytes) {}
+  admitted_bytes(const admitted_bytes&) = delete;
+  admitted_bytes& operator=(const admitted_bytes&) = delete;
+  ~admitted_bytes() { admission_.release(bytes_); }
+
+ private:
+  memory_admission& admission_;
+  std::size_t bytes_;
 };
 
 /// One worker: serves requests until the queue closes. `done_event` is this worker's own event, recorded after each
@@ -153,7 +168,8 @@ void serve(gpukit::device d, request_queue& queue, memory_admission& admission, 
       ++out.refused;
       continue;
     }
-    {
+    try {
+      admitted_bytes held(admission, bytes);
       gpukit::stream_view s = streams.next();
       gpukit::pooled_pinned_buffer<float> host_in(r->elements, d);
       for (std::size_t k = 0; k < r->elements; ++k) host_in.data()[k] = input_value(r->id, k);
@@ -174,8 +190,11 @@ void serve(gpukit::device d, request_queue& queue, memory_admission& admission, 
       bool right = true;
       for (std::size_t k = 0; k < r->elements; k += 97) right = right && host_out.data()[k] == input_value(r->id, k);
       if (!right) ++out.wrong;
-    }  // buffers go back to their pools, stream-ordered on s
-    admission.release(bytes);
+    } catch (const std::exception& e) {  // buffers went back to their pools, the bytes to the admission
+      std::lock_guard<std::mutex> lock(out.mutex);
+      if (out.failed++ == 0) out.first_error = e.what();
+      continue;
+    }
     const double ms = std::chrono::duration<double, std::milli>(clock_type::now() - r->sent).count();
     {
       std::lock_guard<std::mutex> lock(out.mutex);
@@ -206,7 +225,7 @@ int main(int argc, char** argv) {
   if (argc > 2) cfg.rate = std::max(1.0, std::strtod(argv[2], nullptr));
   if (argc > 3) cfg.workers = std::max<std::size_t>(1, std::strtoul(argv[3], nullptr, 10));
   if (argc > 4) cfg.streams = std::max<std::size_t>(1, std::strtoul(argv[4], nullptr, 10));
-  if (argc > 5) cfg.budget = std::strtoul(argv[5], nullptr, 10) << 20;
+  if (argc > 5) cfg.budget = std::max<std::size_t>(1, std::strtoul(argv[5], nullptr, 10)) << 20;
   try {
     const gpukit::device_selection selection = gpukit::select_device();
     const gpukit::device d = selection.device;
@@ -286,6 +305,7 @@ int main(int argc, char** argv) {
                            admission.in_use() == 0;
     std::printf("leak check: device allocated %zu B, pinned allocated %zu B, reserved after empty_cache %zu B: %s\n",
                 device_allocated, pinned_allocated, device_reserved, leak_free ? "nothing leaked" : "LEAK");
+    if (out.failed != 0) std::printf("%zu requests failed; the first: %s\n", out.failed.load(), out.first_error.c_str());
     const bool all_answered = out.done + out.refused == cfg.requests + burst;
     return (leak_free && all_answered && out.wrong == 0 && out.refused == 1) ? 0 : 1;
   } catch (const std::exception& e) {

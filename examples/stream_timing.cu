@@ -28,15 +28,17 @@ __global__ void multiply(const float* a, const float* b, float* c, int n) {
   __shared__ float b_tile[tile][tile];
   const int row = blockIdx.y * tile + threadIdx.y;
   const int col = blockIdx.x * tile + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(n);  // n * n exceeds int beyond n = 46340
   float sum = 0.0f;
   for (int k0 = 0; k0 < n; k0 += tile) {
-    a_tile[threadIdx.y][threadIdx.x] = (row < n && k0 + threadIdx.x < n) ? a[row * n + k0 + threadIdx.x] : 0.0f;
-    b_tile[threadIdx.y][threadIdx.x] = (col < n && k0 + threadIdx.y < n) ? b[(k0 + threadIdx.y) * n + col] : 0.0f;
+    const int ka = k0 + static_cast<int>(threadIdx.x), kb = k0 + static_cast<int>(threadIdx.y);
+    a_tile[threadIdx.y][threadIdx.x] = (row < n && ka < n) ? a[row * stride + ka] : 0.0f;
+    b_tile[threadIdx.y][threadIdx.x] = (col < n && kb < n) ? b[kb * stride + col] : 0.0f;
     __syncthreads();
     for (int k = 0; k < tile; ++k) sum += a_tile[threadIdx.y][k] * b_tile[k][threadIdx.x];
     __syncthreads();
   }
-  if (row < n && col < n) c[row * n + col] = sum;
+  if (row < n && col < n) c[row * stride + col] = sum;
 }
 
 void launch_multiply(const float* a, const float* b, float* c, int n, gpukit::stream_view s) {
@@ -72,7 +74,7 @@ double tflops(int n, int launches, float ms) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int n = argc > 1 ? std::max(32, std::atoi(argv[1])) : 2048;
+  const int n = argc > 1 ? std::min(32768, std::max(32, std::atoi(argv[1]))) : 2048;  // 4 GiB per matrix at most
   const int jobs = argc > 2 ? std::max(1, std::atoi(argv[2])) : 8;
   const int stream_count = argc > 3 ? std::max(1, std::atoi(argv[3])) : 4;
   try {

@@ -29,6 +29,7 @@ struct fake_gpu {
   unsigned nvlinks_active = 4;       // NVLinks up; 0: none (peer-to-peer over NVLink then "not supported")
   unsigned nvlinks_to_peer = 2;      // of those, the first n end at the other GPU; the rest at an NVSwitch
   int common_ancestor = 40;          // nvmlGpuTopologyLevel_t between the two GPUs (40: the same NUMA node)
+  bool lost = false;                 // fallen off the bus: handle lookups no longer find it
 };
 const fake_gpu installed_gpus[2] = {
     {"GPU-11111111-2222-3333-4444-555555555555", "00000000:1A:00.0", 80ull << 30, 60ull << 30, 20ull << 30, 35},
@@ -105,7 +106,7 @@ int nvmlDeviceGetHandleByIndex_v2(unsigned index, void** device) {
 }
 int nvmlDeviceGetHandleByUUID(const char* uuid, void** device) {
   for (auto& g : gpus) {
-    if (std::strcmp(g.uuid, uuid) == 0) {
+    if (!g.lost && std::strcmp(g.uuid, uuid) == 0) {
       *device = &g;
       return 0;
     }
@@ -120,7 +121,7 @@ int nvmlDeviceGetHandleByUUID(const char* uuid, void** device) {
 }
 int nvmlDeviceGetHandleByPciBusId_v2(const char* bus_id, void** device) {
   for (auto& g : gpus) {
-    if (same_bus(g.pci_bus_id, bus_id)) {
+    if (!g.lost && same_bus(g.pci_bus_id, bus_id)) {
       *device = &g;
       return 0;
     }
@@ -158,6 +159,7 @@ void fake_nvml_set(unsigned index, const char* field, long long value) {
   if (std::strcmp(field, "nvlinks_active") == 0) g.nvlinks_active = static_cast<unsigned>(value);
   if (std::strcmp(field, "nvlinks_to_peer") == 0) g.nvlinks_to_peer = static_cast<unsigned>(value);
   if (std::strcmp(field, "common_ancestor") == 0) g.common_ancestor = static_cast<int>(value);
+  if (std::strcmp(field, "lost") == 0) g.lost = value != 0;
 }
 long fake_nvml_calls() { return sampling_calls.load(); }
 
@@ -201,22 +203,46 @@ struct process_info {
   unsigned long long used_bytes;
   unsigned gpu_instance, compute_instance;
 };
-int nvmlDeviceGetComputeRunningProcesses_v3(void* device, unsigned* count, void* list) {  // gpukit's exact type
-  auto* infos = static_cast<process_info*>(list);
+// The process list: _v2 writes 24-byte entries; _v3 too, except as drivers 535.43 to 535.86 wrote it (32 bytes:
+// an extra field), which FAKE_NVML_DRIVER=535 imitates. gpukit must prefer _v2.
+extern "C++" {
+template <class Entry>
+int list_processes(void* device, unsigned* count, void* list) {
+  auto* infos = static_cast<Entry*>(list);
   const auto* g = static_cast<fake_gpu*>(device);
   const unsigned needed = g->other_processes + (g->self_bytes == -1 ? 0 : 1);
   if (*count < needed) {
     *count = needed;
     return 7;  // NVML_ERROR_INSUFFICIENT_SIZE
   }
-  for (unsigned i = 0; i < g->other_processes; ++i) infos[i] = process_info{1000000 + i, 1ull << 20, 0, 0};
+  for (unsigned i = 0; i < g->other_processes; ++i) {
+    infos[i] = Entry{};
+    infos[i].pid = 1000000 + i;
+    infos[i].used_bytes = 1ull << 20;
+  }
   if (g->self_bytes != -1) {
-    infos[g->other_processes] = process_info{static_cast<unsigned>(getpid()),
-                                             g->self_bytes == -2 ? ~0ull : static_cast<unsigned long long>(g->self_bytes),
-                                             0, 0};
+    infos[g->other_processes] = Entry{};
+    infos[g->other_processes].pid = static_cast<unsigned>(getpid());
+    infos[g->other_processes].used_bytes =
+        g->self_bytes == -2 ? ~0ull : static_cast<unsigned long long>(g->self_bytes);
   }
   *count = needed;
   return 0;
+}
+struct process_info_535 {
+  unsigned pid;
+  unsigned long long used_bytes;
+  unsigned gpu_instance, compute_instance;
+  unsigned long long cc_protected_bytes;
+};
+}  // extern "C++"
+int nvmlDeviceGetComputeRunningProcesses_v2(void* device, unsigned* count, void* list) {  // gpukit's exact type
+  return list_processes<process_info>(device, count, list);
+}
+int nvmlDeviceGetComputeRunningProcesses_v3(void* device, unsigned* count, void* list) {
+  const char* driver = std::getenv("FAKE_NVML_DRIVER");
+  if (driver != nullptr && std::strcmp(driver, "535") == 0) return list_processes<process_info_535>(device, count, list);
+  return list_processes<process_info>(device, count, list);
 }
 int nvmlDeviceGetTopologyCommonAncestor(void* a, void* b, int* level) {
   if (a == b) return 2;

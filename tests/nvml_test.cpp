@@ -180,3 +180,12 @@ TEST_CASE("links between GPUs read as nvidia-smi topo -m prints them") {
   CHECK_FALSE(minimal.link(first, second).has_value());
   CHECK(minimal.link(first, first) == std::string("X"));
 }
+
+TEST_CASE("drivers whose _v3 process list writes 32-byte entries are read through _v2, and right") {
+  // Drivers 535.43 to 535.86 export a _v3 that writes an extra field per process; gpukit reads _v2 first.
+  gpukit_test::scoped_env driver("FAKE_NVML_DRIVER", std::string("535"));
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(sample);
+  CHECK(sample->process_memory == (3ull << 30));  // the 11th entry: misread if 32-byte entries were read at 24
+}

@@ -109,8 +109,9 @@ TEST_CASE("the background thread samples at its period, calls on_sample, and sto
   options.period = std::chrono::milliseconds(1);
   options.history_length = 3;
   options.read_pcie = false;
-  options.on_sample = [&](const std::vector<gpukit::device_sample>& round) {
+  options.on_sample = [&](const gpukit::gpu_monitor& monitor, const std::vector<gpukit::device_sample>& round) {
     devices_seen = round.size();
+    CHECK(monitor.latest().size() == round.size());  // the monitor is usable from its own callback
     ++callbacks;
   };
   {
@@ -131,13 +132,13 @@ TEST_CASE("a throwing on_sample is reported in status and sampling goes on") {
   std::atomic<int> calls{0};
   gpukit::gpu_monitor_options options;
   options.period = std::chrono::milliseconds(1);
-  options.on_sample = [&](const std::vector<gpukit::device_sample>&) {
+  options.on_sample = [&](const gpukit::gpu_monitor&, const std::vector<gpukit::device_sample>&) {
     ++calls;
     throw std::runtime_error("printer on fire");
   };
   gpukit::gpu_monitor monitor(options, nvml.library);
   REQUIRE(eventually([&] { return calls >= 3; }));
-  CHECK(monitor.status() == "GPU monitor: sampling failed: printer on fire");
+  CHECK(monitor.status() == "GPU monitor: 2 devices through NVML; last error: on_sample threw: printer on fire");
 }
 
 TEST_CASE("without NVML the monitor is inactive and silent") {
@@ -151,17 +152,47 @@ TEST_CASE("without NVML the monitor is inactive and silent") {
   CHECK(monitor.table() == monitor.status() + "\n");
 }
 
-TEST_CASE("devices NVML does not know are left out of the samples") {
-  // The fake's default machine has other PCI bus ids than the simulator's devices.
+TEST_CASE("a monitor whose devices NVML does not know is inactive and says why") {
+  // The fake's default machine has other UUIDs and PCI bus ids than the simulator's devices.
   gpukit_test::scoped_env machine("FAKE_NVML_MACHINE", std::nullopt);
   const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  gpukit::gpu_monitor monitor({}, nvml);
+  CHECK_FALSE(monitor.active());
+  CHECK(monitor.status() == "GPU monitor inactive: NVML knows none of the 2 device(s) (looked up by UUID and PCI bus id)");
+  CHECK(monitor.sample_now().empty());
+  CHECK(monitor.rounds() == 0);
+}
+
+TEST_CASE("a device that disappears leaves the latest samples, and the status says so") {
+  cudasim_nvml nvml;
   gpukit::gpu_monitor_options options;
   options.period = std::chrono::milliseconds(0);
-  gpukit::gpu_monitor monitor(options, nvml);
-  CHECK(monitor.active());
-  CHECK(monitor.sample_now().empty());
-  CHECK(monitor.latest().empty());
-  CHECK(monitor.rounds() == 1);
+  gpukit::gpu_monitor monitor(options, nvml.library);
+  REQUIRE(monitor.sample_now().size() == 2);
+  fake_set(0, "lost", 1);  // fallen off the bus
+  const auto round = monitor.sample_now();
+  REQUIRE(round.size() == 1);
+  CHECK(round[0].device == gpukit::device::cuda(1));
+  REQUIRE(monitor.latest().size() == 1);
+  CHECK(monitor.latest()[0].device == gpukit::device::cuda(1));
+  CHECK(monitor.history(gpukit::device::cuda(0)).size() == 1);  // its old sample stays in the history
+  CHECK(monitor.status_line().rfind("cuda:1", 0) == 0);
+  CHECK(contains(monitor.status(), "; not found by NVML in the last round: cuda:0"));
+  fake_set(0, "lost", 0);
+  CHECK(monitor.sample_now().size() == 2);
+  CHECK(monitor.latest().size() == 2);
+  CHECK_FALSE(contains(monitor.status(), "not found"));
+}
+
+TEST_CASE("a period too long to wait for is a year, not a busy loop") {
+  cudasim_nvml nvml;
+  gpukit::gpu_monitor_options options;
+  options.period = std::chrono::milliseconds::max();
+  options.read_pcie = false;
+  gpukit::gpu_monitor monitor(options, nvml.library);
+  REQUIRE(eventually([&] { return monitor.rounds() >= 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(monitor.rounds() == 1);  // an overflowing wait returned at once: thousands of rounds
 }
 
 TEST_CASE("bad device lists are refused by name") {

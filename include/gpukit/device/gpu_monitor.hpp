@@ -41,7 +41,8 @@ struct device_sample {
 
 /// How a gpu_monitor samples.
 struct gpu_monitor_options {
-  /// Time between samples on the background thread. Zero: no thread; the program calls sample_now().
+  /// Time between samples on the background thread. Zero (or negative): no thread; the program calls sample_now().
+  /// Periods longer than a year count as a year.
   std::chrono::milliseconds period{1000};
   /// Samples kept per device (at least 1); older ones are dropped.
   std::size_t history_length = 600;
@@ -49,17 +50,17 @@ struct gpu_monitor_options {
   std::vector<device> devices;
   /// Read the PCIe throughput counters (NVML takes about 20 ms per counter per device to sample them).
   bool read_pcie = true;
-  /// Called on the sampling thread after each round with the new samples (one per device NVML knows). Must not
-  /// call back into the monitor's sample_now(); may read latest(), history(), status_line(). Exceptions are caught
-  /// and reported through status().
-  std::function<void(const std::vector<device_sample>&)> on_sample;
+  /// Called on the sampling thread after each round with the monitor and the round's samples (one per device NVML
+  /// found). It may call any member of the monitor, but must not destroy it (the destructor waits for this thread).
+  /// Exceptions are caught and reported through status().
+  std::function<void(const class gpu_monitor&, const std::vector<device_sample>&)> on_sample;
 };
 
 /// Samples NVML for a set of CUDA devices, on a background thread or on demand. Thread-safe; not copyable.
 class gpu_monitor {
  public:
   /// Resolves the devices (cudaGetDeviceProperties: no context is created) and, where NVML is available and knows
-  /// at least one of them, starts sampling. `nvml` must outlive the monitor. Throws invalid_argument_error for a CPU
+  /// at least one of them (by UUID or PCI bus id), starts sampling. `nvml` must outlive the monitor. Throws invalid_argument_error for a CPU
   /// device or a repeated device in options.devices, cuda_error for an ordinal that does not exist.
   explicit gpu_monitor(gpu_monitor_options options = {}, const nvml::library& nvml = nvml::instance())
       : options_(std::move(options)), nvml_(nvml) {
@@ -83,16 +84,26 @@ class gpu_monitor {
       status_ = "GPU monitor inactive: no CUDA device is visible";
       return;
     }
+    std::size_t known = 0;
+    for (const auto& w : watched_) known += nvml_.knows(w.properties) ? 1 : 0;
+    if (known == 0) {
+      status_ = "GPU monitor inactive: NVML knows none of the " + std::to_string(watched_.size()) +
+                " device(s) (looked up by UUID and PCI bus id)";
+      return;
+    }
     active_ = true;
-    status_ = "GPU monitor: " + std::to_string(watched_.size()) + " device" + (watched_.size() == 1 ? "" : "s") +
-              " through NVML";
+    status_ = "GPU monitor: " + std::to_string(known) + " device" + (known == 1 ? "" : "s") + " through NVML";
+    if (known < watched_.size()) status_ += " (" + std::to_string(watched_.size() - known) + " unknown to NVML)";
+    constexpr std::chrono::milliseconds a_year = std::chrono::hours(24 * 365);
+    options_.period = std::min(options_.period, a_year);  // wait_for with a huge period would overflow
     if (options_.period.count() > 0) sampler_ = std::thread([this] { run(); });
   }
 
   gpu_monitor(const gpu_monitor&) = delete;
   gpu_monitor& operator=(const gpu_monitor&) = delete;
 
-  /// Stops the sampling thread (waits for a round in progress, at most about 40 ms per device).
+  /// Stops the sampling thread: waits for a round in progress (about 40 ms per device with PCIe counters) and for an
+  /// on_sample call in progress.
   ~gpu_monitor() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -105,28 +116,37 @@ class gpu_monitor {
   /// NVML is available and the monitor samples (or can sample) at least one device.
   bool active() const noexcept { return active_; }
 
-  /// What is monitored, why nothing is, or the last error the sampling thread caught.
+  /// What is monitored or why nothing is; then devices NVML did not find in the last round, and the last error the
+  /// sampling thread caught, if any.
   std::string status() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return status_;
+    std::string text = status_;
+    std::string missing;
+    for (const auto& w : watched_) {
+      if (w.missing) missing += (missing.empty() ? "" : ", ") + w.properties.device.to_string();
+    }
+    if (!missing.empty()) text += "; not found by NVML in the last round: " + missing;
+    if (!last_error_.empty()) text += "; last error: " + last_error_;
+    return text;
   }
 
   /// The devices watched, in order.
   const std::vector<device>& devices() const noexcept { return options_.devices; }
 
-  /// Takes one sample of every device now, appends it to the history and returns it (devices NVML does not know are
-  /// left out). Inactive monitors return an empty vector.
+  /// Takes one sample of every device now, appends it to the history and returns it (devices NVML does not find are
+  /// left out). Inactive monitors return an empty vector. Callable from on_sample.
   std::vector<device_sample> sample_now() {
     std::lock_guard<std::mutex> one_round_at_a_time(sampling_);
     return sample_round();
   }
 
-  /// The newest sample of each device that has one.
+  /// The newest sample of each device that NVML found in the last round (a device that has since disappeared, e.g.
+  /// fallen off the bus, is left out rather than shown with old figures; its history keeps them).
   std::vector<device_sample> latest() const {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<device_sample> out;
     for (const auto& w : watched_) {
-      if (!w.history.empty()) out.push_back(w.history.back());
+      if (!w.history.empty() && !w.missing) out.push_back(w.history.back());
     }
     return out;
   }
@@ -225,6 +245,7 @@ class gpu_monitor {
   struct watched {
     device_properties properties;
     std::deque<device_sample> history;
+    bool missing = false;  // NVML did not find it in the last round
   };
 
   static std::string bytes(unsigned long long n) { return detail::format_bytes(static_cast<std::size_t>(n)); }
@@ -261,9 +282,11 @@ class gpu_monitor {
       }
     }
     std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& w : watched_) w.missing = true;
     for (const auto& s : round) {
       for (auto& w : watched_) {
         if (w.properties.device != s.device) continue;
+        w.missing = false;
         w.history.push_back(s);
         if (w.history.size() > options_.history_length) w.history.pop_front();
       }
@@ -276,19 +299,21 @@ class gpu_monitor {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_) {
       lock.unlock();
+      const char* stage = "sampling failed";
       try {
         std::vector<device_sample> round;
         {
           std::lock_guard<std::mutex> one_round_at_a_time(sampling_);
           round = sample_round();
         }
-        if (options_.on_sample) options_.on_sample(round);
+        stage = "on_sample threw";
+        if (options_.on_sample) options_.on_sample(*this, round);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> error_lock(mutex_);
-        status_ = std::string("GPU monitor: sampling failed: ") + e.what();
+        last_error_ = std::string(stage) + ": " + e.what();
       } catch (...) {
         std::lock_guard<std::mutex> error_lock(mutex_);
-        status_ = "GPU monitor: sampling failed with an unknown exception";
+        last_error_ = std::string(stage) + ": an unknown exception";
       }
       lock.lock();
       wake_.wait_for(lock, options_.period, [this] { return stopping_; });
@@ -303,6 +328,7 @@ class gpu_monitor {
   std::mutex sampling_;
   std::condition_variable wake_;
   std::string status_;
+  std::string last_error_;
   std::uint64_t rounds_ = 0;
   bool stopping_ = false;
   std::thread sampler_;  // last: starts after every member it uses exists

@@ -18,6 +18,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -126,8 +127,10 @@ class library {
     bind_optional(p2p_status_, "nvmlDeviceGetP2PStatus");
     bind_optional(nvlink_state_, "nvmlDeviceGetNvLinkState");
     bind_optional(nvlink_remote_pci_, "nvmlDeviceGetNvLinkRemotePciInfo_v2");
-    if (!bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v3"))
-      bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v2");  // same four-field layout
+    // _v2 first: its entry is 24 bytes on every driver, while the _v3 of drivers 535.43 to 535.86 writes 32-byte
+    // entries (an extra field). Entries are read at 24 bytes into room for 32 (process_memory), so neither overflows.
+    if (!bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v2"))
+      bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v3");
     const int result = init_();
     if (result != 0) {
       status_ = std::string("nvmlInit_v2 failed: ") + describe(result);
@@ -170,6 +173,9 @@ class library {
     if (utilization_(dev, &rates) != 0) return std::nullopt;
     return rates.gpu;
   }
+
+  /// NVML is available and finds the CUDA device described by `p` (by UUID, a MIG UUID, then PCI bus id).
+  bool knows(const device_properties& p) const { return find(p) != nullptr; }
 
   /// Everything NVML reports about the CUDA device described by `p`, or nullopt when NVML is unavailable or does not
   /// know the device. Takes about 40 ms when the PCIe counters are read (NVML samples each over 20 ms): call it from
@@ -297,28 +303,39 @@ class library {
   // PID namespace the process is not found and the figure stays unknown rather than wrong.
   std::optional<unsigned long long> process_memory(void* dev) const {
     if (!processes_) return std::nullopt;
-    struct process_info {  // nvmlProcessInfo_t as the _v2 and _v3 entry points take it
+    struct process_info {  // nvmlProcessInfo_v2_t: what _v2 (and a correct _v3) writes per process
       unsigned pid;
       unsigned long long used_bytes;
       unsigned gpu_instance;
       unsigned compute_instance;
     };
-    std::vector<process_info> list(8);
+    struct room {  // one entry's room: 32 bytes, as much as any driver's _v3 writes
+      process_info info;
+      unsigned long long spare;
+    };
+    static_assert(sizeof(process_info) == 24 && sizeof(room) == 32, "nvmlProcessInfo_t layouts");
+    std::vector<room> storage(8);
+    std::vector<process_info> list;
     for (int attempt = 0; attempt < 4; ++attempt) {
-      auto count = static_cast<unsigned>(list.size());
-      const int result = processes_(dev, &count, list.data());
+      // As many entries as there are 32-byte rooms: a driver writing 32-byte entries stays inside the storage, and
+      // the usual 24-byte entries are read back packed.
+      auto count = static_cast<unsigned>(storage.size());
+      const int result = processes_(dev, &count, storage.data());
       constexpr int insufficient_size = 7;  // NVML_ERROR_INSUFFICIENT_SIZE: count now holds the number needed
       if (result == insufficient_size) {
-        list.resize(static_cast<std::size_t>(count) + 8);  // processes may start between the two calls
+        storage.resize(static_cast<std::size_t>(count) + 8);  // processes may start between the two calls
         continue;
       }
       if (result != 0) return std::nullopt;
+      const std::size_t entries = std::min<std::size_t>(count, storage.size());
+      list.resize(entries);
+      std::memcpy(list.data(), storage.data(), entries * sizeof(process_info));  // 24-byte entries, packed
       const auto self = static_cast<unsigned>(getpid());
       constexpr unsigned long long not_available = ~0ull;  // NVML_VALUE_NOT_AVAILABLE
-      for (unsigned i = 0; i < count && i < list.size(); ++i) {
-        if (list[i].pid == self) {
-          if (list[i].used_bytes == not_available) return std::nullopt;
-          return list[i].used_bytes;
+      for (const process_info& p : list) {
+        if (p.pid == self) {
+          if (p.used_bytes == not_available) return std::nullopt;
+          return p.used_bytes;
         }
       }
       return std::nullopt;

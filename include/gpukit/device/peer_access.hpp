@@ -97,7 +97,8 @@ struct peer_matrix {
     if (n == 0) return "no CUDA devices\n";
     const bool with_links = links.size() == n;
     auto cell = [&](std::size_t i, std::size_t j) {
-      std::string text = i == j ? "X" : (can_access[i][j] ? "OK" : "--");
+      const bool can = i < can_access.size() && j < can_access[i].size() && can_access[i][j];  // a hand-made matrix
+      std::string text = i == j ? "X" : (can ? "OK" : "--");
       if (with_links && i != j && j < links[i].size() && !links[i][j].empty()) text += " " + links[i][j];
       return text;
     };
@@ -219,7 +220,10 @@ inline void release_peer_access(device from, device to) noexcept {
 }  // namespace detail
 
 /// RAII: direct access from device `from` to the memory of device `to` while the object lives (kernels on `from` may
-/// then dereference pointers to `to`'s memory). Access is one-directional; take two objects for both directions.
+/// then dereference pointers to `to`'s cudaMalloc memory, which is what the caching allocator uses by default).
+/// Access is one-directional; take two objects for both directions. Not covered, as in CUDA itself: memory of
+/// expandable segments (mapped with cuMemSetAccess for its own device only) and of cudaMallocAsync pools
+/// (async_allocator; cudaMemPoolSetAccess) — a kernel on `from` touching those faults.
 ///
 /// Holds are counted process-wide per direction (one count for both default-stream modes and every shared library):
 /// the first peer_access enables access (cudaDeviceEnablePeerAccess with `from` current, restoring the thread's
