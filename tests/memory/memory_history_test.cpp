@@ -609,3 +609,66 @@ TEST_CASE("history picture: the largest free block follows segments, allocations
   CHECK(gpukit::detail::largest_free_levels(brief, snapshot, {0}) == std::vector<std::int64_t>{2048 - 96});
   CHECK(gpukit::detail::largest_free_levels(brief, gpukit::allocator_snapshot{}, {0}) == std::vector<std::int64_t>{0});
 }
+
+TEST_CASE("history picture: the largest free block with pages unmapped as a run, overlaps and straddling blocks") {
+  using gpukit::memory_event;
+  auto event = [](memory_action a, std::uintptr_t address, std::size_t size) {
+    memory_event e;
+    e.action = a;
+    e.address = address;
+    e.size = size;
+    return e;
+  };
+  const std::uintptr_t base = 0x100000;
+  // Pages mapped one by one, one of them allocated, then the three free ones unmapped as one run.
+  const std::vector<memory_event> pages = {
+      event(memory_action::segment_map, base, 100),        event(memory_action::segment_map, base + 100, 100),
+      event(memory_action::segment_map, base + 200, 100),  event(memory_action::segment_map, base + 300, 100),
+      event(memory_action::alloc, base + 300, 100),        event(memory_action::segment_unmap, base, 300),
+  };
+  CHECK(gpukit::detail::largest_free_levels(pages, gpukit::allocator_snapshot{}, {3, 4, 5}) ==
+        std::vector<std::int64_t>{400, 300, 0});
+  // An unmap of the middle of a range leaves both ends.
+  const std::vector<memory_event> middle = {event(memory_action::segment_map, base, 1000),
+                                            event(memory_action::segment_unmap, base + 100, 500)};
+  CHECK(gpukit::detail::largest_free_levels(middle, gpukit::allocator_snapshot{}, {1}) == std::vector<std::int64_t>{400});
+  // A range known from the snapshot overlapping one mapped in the history: one run, and its allocation counts.
+  gpukit::allocator_snapshot snapshot;
+  gpukit::segment_info seg;
+  seg.address = base;
+  seg.size = 4096;
+  seg.mapped = 400;
+  seg.expandable = true;
+  seg.mapped_ranges = {{base, 400}};
+  snapshot.segments = {seg};
+  const std::vector<memory_event> overlap = {event(memory_action::segment_map, base + 200, 200),
+                                             event(memory_action::alloc, base, 400)};
+  CHECK(gpukit::detail::largest_free_levels(overlap, snapshot, {0, 1}) == std::vector<std::int64_t>{400, 0});
+  // An allocation that starts before a range and runs into it (ranges known only from their frees).
+  const std::vector<memory_event> straddle = {event(memory_action::alloc, base + 50, 100),
+                                              event(memory_action::segment_free, base + 100, 200),
+                                              event(memory_action::segment_free, base, 100)};
+  CHECK(gpukit::detail::largest_free_levels(straddle, gpukit::allocator_snapshot{}, {0}) ==
+        std::vector<std::int64_t>{150});
+}
+
+TEST_CASE("history exports: a long tag keeps its group's figures in the leak report") {
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* long_tagged = nullptr;
+  void* short_tagged = nullptr;
+  {
+    gpukit::memory_tag tag(std::string(300, 't'));
+    long_tagged = w.a.allocate(64, w.s1);
+  }
+  {
+    gpukit::memory_tag tag("second");
+    short_tagged = w.a.allocate(32, w.s1);
+  }
+  const std::string report = gpukit::leak_report(*history);
+  CHECK(report.find(std::string(300, 't') + "           64 B x 1        = 64 B\n") != std::string::npos);
+  CHECK(report.find("  second                             32 B x 1        = 32 B\n") != std::string::npos);
+  w.a.deallocate(long_tagged);
+  w.a.deallocate(short_tagged);
+}

@@ -283,3 +283,28 @@ TEST_CASE("replay: the command-line tool reads a PyTorch snapshot pickle") {
   std::remove(pickle.c_str());
   std::remove(out.c_str());
 }
+
+TEST_CASE("replay: hostile pickles: deep nesting, a list that holds itself, a huge dict shared by every event") {
+  // 200000 nested tuples: parsed without recursion, and freed without it (the values live in one arena).
+  std::string deep = "\x80\x04)";
+  deep.append(200000, '\x85');
+  deep += '.';
+  const pickle_document nested = unpickle(deep);
+  REQUIRE(nested.root != nullptr);
+  CHECK(nested.root->type == pickled::kind::tuple);
+  CHECK(nested.values.size() == 200001);
+  // ] MEMOIZE BINGET 0 APPEND STOP: a list that contains itself (the sanitizers' leak check would see a cycle).
+  const pickle_document cycle = unpickle(std::string("\x80\x04]\x94h\x00" "a.", 8));
+  REQUIRE(cycle.root->items.size() == 1);
+  CHECK(cycle.root->items[0] == cycle.root);
+  // Every event the same dict of 100 keys (the memo makes that small): refused before any quadratic lookup.
+  const std::string script = R"(
+import pickle, sys
+d = {('k%d' % i): i for i in range(100)}
+d['action'] = 'alloc'
+with open(sys.argv[0][:-3], 'wb') as f: pickle.dump({'device_traces': [[d] * 1000]}, f, protocol=4)
+)";
+  std::istringstream shared(python_pickle(script, "gpukit_replay_shared.pickle"));
+  CHECK_THROWS_WITH_AS(read_pytorch_snapshot(shared), "device_traces[0][0] has 101 keys: not a memory event",
+                       std::runtime_error);
+}

@@ -1,7 +1,10 @@
 // A reader for the pickles PyTorch's memory snapshots are (torch.cuda.memory._dump_snapshot, and gpukit's
 // dump_pytorch_snapshot): Python's binary pickle protocols 2 to 5 restricted to plain data — dicts, lists, tuples,
-// strings, bytes, integers, floats, booleans and None, with the memo. Anything else (class references, reductions,
-// the text protocols 0 and 1) is refused with the opcode and its offset, never executed or guessed.
+// strings, bytes (protocol 3 and later; protocol 2 pickles bytes through a class reference), integers, floats,
+// booleans and None, with the memo. Anything else (class references, reductions, the text protocols 0 and 1) is
+// refused with the opcode and its offset, never executed or guessed. Every value lives in the document's arena and
+// containers point into it, so hostile input can neither leak (a container that holds itself) nor overflow the stack
+// when freed (deep nesting).
 #pragma once
 
 #include <cstddef>
@@ -17,7 +20,8 @@
 
 namespace gpukit_replay {
 
-/// One unpickled value. Containers hold shared pointers: the memo may make one object appear in several places.
+/// One unpickled value. Containers point to values in the same document: the memo may make one object appear in
+/// several places.
 struct pickled {
   enum class kind { none, boolean, integer, floating, string, bytes, list, tuple, dict };
   kind type = kind::none;
@@ -26,13 +30,13 @@ struct pickled {
   bool big = false;
   double floating = 0;
   std::string text;  ///< string (UTF-8) and bytes
-  std::vector<std::shared_ptr<pickled>> items;  ///< list and tuple
-  std::vector<std::pair<std::shared_ptr<pickled>, std::shared_ptr<pickled>>> entries;  ///< dict, in insertion order
+  std::vector<const pickled*> items;  ///< list and tuple
+  std::vector<std::pair<const pickled*, const pickled*>> entries;  ///< dict, in insertion order
 
   /// The dict entry whose key is the string `key`, or nullptr.
   const pickled* find(const std::string& key) const {
     for (const auto& e : entries) {
-      if (e.first->type == kind::string && e.first->text == key) return e.second.get();
+      if (e.first->type == kind::string && e.first->text == key) return e.second;
     }
     return nullptr;
   }
@@ -45,9 +49,16 @@ struct pickled {
   }
 };
 
+/// An unpickled document: every value it holds, and the root.
+struct pickle_document {
+  std::vector<std::unique_ptr<pickled>> values;  // the arena: freed flat, whatever points to what
+  const pickled* root = nullptr;
+};
+
 /// Unpickles `data`. Throws std::runtime_error naming the offset of what it cannot read.
-inline std::shared_ptr<pickled> unpickle(const std::string& data) {
-  using value = std::shared_ptr<pickled>;
+inline pickle_document unpickle(const std::string& data) {
+  using value = pickled*;
+  pickle_document document;
   std::vector<value> stack;
   std::vector<std::size_t> marks;
   std::unordered_map<std::uint64_t, value> memo;
@@ -65,14 +76,15 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
     at += n;
     return v;
   };
-  auto make = [](pickled::kind k) {
-    auto v = std::make_shared<pickled>();
+  auto make = [&](pickled::kind k) {
+    document.values.push_back(std::make_unique<pickled>());
+    pickled* v = document.values.back().get();
     v->type = k;
     return v;
   };
   auto pop = [&]() {
     if (stack.empty() || (!marks.empty() && stack.size() == marks.back())) fail("stack underflow");
-    value v = std::move(stack.back());
+    value v = stack.back();
     stack.pop_back();
     return v;
   };
@@ -80,8 +92,7 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
     if (marks.empty()) fail("no mark");
     const std::size_t from = marks.back();
     marks.pop_back();
-    std::vector<value> items(std::make_move_iterator(stack.begin() + static_cast<std::ptrdiff_t>(from)),
-                             std::make_move_iterator(stack.end()));
+    std::vector<value> items(stack.begin() + static_cast<std::ptrdiff_t>(from), stack.end());
     stack.resize(from);
     return items;
   };
@@ -91,19 +102,19 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
   };
   auto text = [&](std::size_t n, pickled::kind k) {
     need(n);
-    auto v = make(k);
+    value v = make(k);
     v->text = data.substr(at, n);
     at += n;
-    stack.push_back(std::move(v));
+    stack.push_back(v);
   };
   auto integer = [&](std::int64_t i) {
-    auto v = make(pickled::kind::integer);
+    value v = make(pickled::kind::integer);
     v->integer = i;
-    stack.push_back(std::move(v));
+    stack.push_back(v);
   };
   auto long_integer = [&](std::size_t n) {  // little-endian two's complement
     need(n);
-    auto v = make(pickled::kind::integer);
+    value v = make(pickled::kind::integer);
     if (n == 9 && data[at + 8] == 0) {  // a positive value in [2^63, 2^64)
       const std::size_t start = at;
       v->unsigned_integer = little_endian(8);
@@ -117,12 +128,12 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
     } else {
       fail("an integer of " + std::to_string(n) + " bytes");
     }
-    stack.push_back(std::move(v));
+    stack.push_back(v);
   };
-  auto tuple_of = [&](std::vector<value> items) {
-    auto v = make(pickled::kind::tuple);
-    v->items = std::move(items);
-    stack.push_back(std::move(v));
+  auto tuple_of = [&](const std::vector<value>& items) {
+    value v = make(pickled::kind::tuple);
+    v->items.assign(items.begin(), items.end());
+    stack.push_back(v);
   };
   auto tuple_n = [&](std::size_t n) {
     std::vector<value> items(n);
@@ -130,7 +141,7 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
     tuple_of(std::move(items));
   };
   auto memo_get = [&](std::uint64_t key) {
-    const auto found = memo.find(key);
+    const auto found = memo.find(key);  // may be a container still being built: cycles are harmless in the arena
     if (found == memo.end()) fail("memo entry " + std::to_string(key) + " was never stored");
     stack.push_back(found->second);
   };
@@ -152,7 +163,8 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
         break;
       case '.': {                            // STOP
         if (stack.size() != 1 || !marks.empty()) fail("the pickle does not end with one value");
-        return stack.back();
+        document.root = stack.back();
+        return document;
       }
       case '(': marks.push_back(stack.size()); break;
       case '}': stack.push_back(make(pickled::kind::dict)); break;
@@ -161,9 +173,9 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
       case 'N': stack.push_back(make(pickled::kind::none)); break;
       case 0x88:
       case 0x89: {
-        auto v = make(pickled::kind::boolean);
+        value v = make(pickled::kind::boolean);
         v->integer = op == 0x88 ? 1 : 0;
-        stack.push_back(std::move(v));
+        stack.push_back(v);
         break;
       }
       case 'J': integer(static_cast<std::int32_t>(static_cast<std::uint32_t>(little_endian(4)))); break;
@@ -175,9 +187,9 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
         const std::uint64_t big_endian = little_endian(8);
         std::uint64_t bits = 0;
         for (int i = 0; i < 8; ++i) bits |= ((big_endian >> (8 * i)) & 0xff) << (8 * (7 - i));
-        auto v = make(pickled::kind::floating);
+        value v = make(pickled::kind::floating);
         std::memcpy(&v->floating, &bits, sizeof bits);
-        stack.push_back(std::move(v));
+        stack.push_back(v);
         break;
       }
       case 0x8c: text(static_cast<std::size_t>(little_endian(1)), pickled::kind::string); break;
@@ -192,26 +204,26 @@ inline std::shared_ptr<pickled> unpickle(const std::string& data) {
       case 0x87: tuple_n(3); break;
       case 'a': {
         value item = pop();
-        top(pickled::kind::list, "list").items.push_back(std::move(item));
+        top(pickled::kind::list, "list").items.push_back(item);
         break;
       }
       case 'e': {
         std::vector<value> items = pop_mark();
         auto& list = top(pickled::kind::list, "list").items;
-        for (auto& item : items) list.push_back(std::move(item));
+        list.insert(list.end(), items.begin(), items.end());
         break;
       }
       case 's': {
         value v = pop();
         value k = pop();
-        top(pickled::kind::dict, "dict").entries.emplace_back(std::move(k), std::move(v));
+        top(pickled::kind::dict, "dict").entries.emplace_back(k, v);
         break;
       }
       case 'u': {
         std::vector<value> items = pop_mark();
         if (items.size() % 2 != 0) fail("SETITEMS with an odd number of items");
         auto& dict = top(pickled::kind::dict, "dict").entries;
-        for (std::size_t i = 0; i < items.size(); i += 2) dict.emplace_back(std::move(items[i]), std::move(items[i + 1]));
+        for (std::size_t i = 0; i < items.size(); i += 2) dict.emplace_back(items[i], items[i + 1]);
         break;
       }
       case 0x94: memo_put(memo.size()); break;  // MEMOIZE

@@ -201,13 +201,15 @@ inline recorded_trace read_history_json(std::istream& in, const std::string& nam
 /// free_requested), and oom. Throws std::runtime_error for a snapshot without traces or a malformed one.
 inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string& name = "recorded", int device = -1) {
   const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const std::shared_ptr<pickled> root = unpickle(data);
+  const pickle_document document = unpickle(data);
+  const pickled* root = document.root;
   if (root->type != pickled::kind::dict) throw std::runtime_error("not a memory snapshot: the pickle is not a dict");
   const pickled* traces = root->find("device_traces");
   if (traces == nullptr || traces->type != pickled::kind::list) {
     throw std::runtime_error("the snapshot has no device_traces: record it with "
                              "torch.cuda.memory._record_memory_history() before dumping");
   }
+  if (device < -1) throw std::runtime_error("device " + std::to_string(device) + " was asked for");
   if (device >= static_cast<int>(traces->items.size())) {
     throw std::runtime_error("the snapshot has traces for " + std::to_string(traces->items.size()) +
                              " devices; device " + std::to_string(device) + " was asked for");
@@ -215,7 +217,7 @@ inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string&
   if (device < 0) {
     std::size_t most = 0;
     for (std::size_t d = 0; d < traces->items.size(); ++d) {
-      if (traces->items[d]->items.size() > most) {
+      if (traces->items[d]->type == pickled::kind::list && traces->items[d]->items.size() > most) {
         most = traces->items[d]->items.size();
         device = static_cast<int>(d);
       }
@@ -225,14 +227,24 @@ inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string&
   const pickled& events = *traces->items[static_cast<std::size_t>(device)];
   if (events.type != pickled::kind::list) throw std::runtime_error("device_traces[" + std::to_string(device) + "] is not a list");
   auto text_of = [](const pickled* v) { return v != nullptr && v->type == pickled::kind::string ? v->text : std::string(); };
+  // An event is a dict of a handful of keys; a huge dict shared by every event (through the memo) would make the
+  // lookups quadratic, so larger ones are refused before any lookup.
+  constexpr std::size_t most_keys = 64;
   bool has_free_requested = false;
-  for (const auto& e : events.items) has_free_requested = has_free_requested || text_of(e->find("action")) == "free_requested";
+  for (std::size_t i = 0; i < events.items.size(); ++i) {
+    const pickled* e = events.items[i];
+    const std::string where = "device_traces[" + std::to_string(device) + "][" + std::to_string(i) + "]";
+    if (e->type != pickled::kind::dict) throw std::runtime_error(where + " is not a dict");
+    if (e->entries.size() > most_keys) {
+      throw std::runtime_error(where + " has " + std::to_string(e->entries.size()) + " keys: not a memory event");
+    }
+    has_free_requested = has_free_requested || text_of(e->find("action")) == "free_requested";
+  }
   const char* free_action = has_free_requested ? "free_requested" : "free_completed";
   detail::trace_assembler a;
   std::size_t index = 0;
   for (const auto& e : events.items) {
     const std::string where = "device_traces[" + std::to_string(device) + "][" + std::to_string(index++) + "]";
-    if (e->type != pickled::kind::dict) throw std::runtime_error(where + " is not a dict");
     const std::string action = text_of(e->find("action"));
     auto number = [&](const char* key) -> std::uintptr_t {
       const pickled* v = e->find(key);

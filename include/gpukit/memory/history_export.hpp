@@ -400,10 +400,11 @@ inline std::string leak_report(const memory_history& history) {
   std::size_t total = 0, count = 0;
   std::string out;
   for (const live_allocation_group& g : groups) {
-    char line[256];
-    std::snprintf(line, sizeof line, "  %-24s %12zu B x %-8zu = %zu B\n", g.tag.empty() ? "(untagged)" : g.tag.c_str(),
-                  g.size, g.count, g.bytes);
-    out += line;
+    std::string tag = g.tag.empty() ? "(untagged)" : g.tag;
+    if (tag.size() < 24) tag.resize(24, ' ');
+    char figures[96];
+    std::snprintf(figures, sizeof figures, " %12zu B x %-8zu = %zu B\n", g.size, g.count, g.bytes);
+    out += "  " + tag + figures;
     total += g.bytes;
     count += g.count;
   }
@@ -438,10 +439,15 @@ inline void report_leaks_now() noexcept {
     std::lock_guard<std::mutex> lock(leak_watches().mutex);
     watches.swap(leak_watches().watches);
   }
-  for (const leak_watch& w : watches) {
+  for (std::size_t i = 0; i < watches.size(); ++i) {
+    const leak_watch& w = watches[i];
+    bool repeated = false;  // the same history registered twice is reported once
+    for (std::size_t j = 0; j < i; ++j) repeated = repeated || watches[j].history == w.history;
+    if (repeated) continue;
     try {
-      if (live_allocations(*w.history).empty()) continue;
-      const std::string text = "gpukit: still allocated at exit (" + w.label + "): " + leak_report(*w.history);
+      const std::string report = leak_report(*w.history);  // one read of the history: it may still be changing
+      if (report.rfind("live allocations seen by the history: 0 ", 0) == 0) continue;
+      const std::string text = "gpukit: still allocated at exit (" + w.label + "): " + report;
       std::fputs(text.c_str(), w.out);
       std::fflush(w.out);
     } catch (...) {  // out of memory while reporting: nothing to be done at exit
@@ -454,7 +460,8 @@ inline void report_leaks_now() noexcept {
 /// At process exit (std::atexit), writes leak_report(*history) to `out`, headed by `label`, if the history saw
 /// allocations that were never freed; writes nothing when everything was freed. Makes no CUDA call. Objects that
 /// are still alive when the handler runs count as leaks: those with static storage created before the first call
-/// here are destroyed after it (std::atexit's order), so call it early, e.g. right after record_memory_history.
+/// here are destroyed after it (std::atexit's order), so call it early, e.g. right after record_memory_history. A
+/// history registered twice is reported once; one registered after the report ran (during exit) is not reported.
 ///
 ///     gpukit::report_leaks_at_exit(gpukit::record_memory_history(d), "cuda:0");
 inline void report_leaks_at_exit(std::shared_ptr<const memory_history> history, std::string label = "memory history",

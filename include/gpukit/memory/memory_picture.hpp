@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <string>
 #include <string_view>
@@ -110,6 +111,33 @@ inline memory_levels levels_of(const std::vector<memory_event>& events, const al
   return l;
 }
 
+/// Removes [address, address + size) from `ranges` (start -> size), trimming the ranges that overlap it: an unmap may
+/// cover several pages mapped one by one, or part of a range.
+inline void remove_address_range(std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_t address,
+                                 std::size_t size) {
+  const std::uintptr_t end = address + size;
+  auto r = ranges.upper_bound(address);
+  if (r != ranges.begin()) --r;
+  while (r != ranges.end() && r->first < end) {
+    const std::uintptr_t r_start = r->first, r_end = r->first + r->second;
+    if (r_end <= address) {
+      ++r;
+      continue;
+    }
+    r = ranges.erase(r);
+    if (r_start < address) ranges[r_start] = address - r_start;
+    if (r_end > end) r = ranges.emplace(end, r_end - end).first;
+  }
+}
+
+/// Whether `address` lies in one of `ranges`.
+inline bool covered(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_t address) {
+  auto r = ranges.upper_bound(address);
+  if (r == ranges.begin()) return false;
+  --r;
+  return address < r->first + r->second;
+}
+
 /// The largest free block after event i, for each i in `at` (increasing): the largest run of reserved address space
 /// (segments, or the mapped ranges of expandable ones, adjacent ones merged) that no live allocation covers. An
 /// allocation occupies its requested bytes from its alloc until its free_completed (its rounding is not known to the
@@ -121,13 +149,22 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
   std::map<std::uintptr_t, std::size_t> ranges;  // reserved address ranges by start
   std::map<std::uintptr_t, std::size_t> live;    // live allocations by address
   std::unordered_set<std::uintptr_t> range_touched, alloc_touched;
-  for (const memory_event& e : events) {  // first events that free: these existed before the history began
+  std::map<std::uintptr_t, std::size_t> made;  // ranges the history made, while they last
+  for (const memory_event& e : events) {  // what the history frees without having made it existed before it began
     switch (e.action) {
       case memory_action::segment_alloc:
-      case memory_action::segment_map: range_touched.insert(e.address); break;
+      case memory_action::segment_map:
+        range_touched.insert(e.address);
+        made[e.address] = e.size;
+        break;
       case memory_action::segment_free:
       case memory_action::segment_unmap:
-        if (range_touched.insert(e.address).second) ranges[e.address] = e.size;
+        range_touched.insert(e.address);
+        if (covered(made, e.address)) {
+          remove_address_range(made, e.address, e.size);
+        } else {
+          ranges[e.address] = e.size;
+        }
         break;
       case memory_action::alloc: alloc_touched.insert(e.address); break;
       case memory_action::free_requested:
@@ -151,15 +188,17 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
   }
   auto largest_gap = [&]() {
     std::int64_t best = 0;
-    auto next_alloc = live.begin();
     for (auto r = ranges.begin(); r != ranges.end();) {
-      std::uintptr_t start = r->first, end = r->first + r->second;
-      for (++r; r != ranges.end() && r->first == end; ++r) end += r->second;  // adjacent ranges are one run
+      const std::uintptr_t start = r->first;
+      std::uintptr_t end = r->first + r->second;
+      for (++r; r != ranges.end() && r->first <= end; ++r) end = std::max(end, r->first + r->second);  // one run
+      // The allocations that reach into [start, end), the one starting before it included.
+      auto a = live.upper_bound(start);
+      if (a != live.begin() && std::prev(a)->first + std::prev(a)->second > start) --a;
       std::uintptr_t cursor = start;
-      while (next_alloc != live.end() && next_alloc->first < start) ++next_alloc;
-      for (; next_alloc != live.end() && next_alloc->first < end; ++next_alloc) {
-        if (next_alloc->first > cursor) best = std::max(best, static_cast<std::int64_t>(next_alloc->first - cursor));
-        cursor = std::max(cursor, next_alloc->first + next_alloc->second);
+      for (; a != live.end() && a->first < end; ++a) {
+        if (a->first > cursor) best = std::max(best, static_cast<std::int64_t>(a->first - cursor));
+        cursor = std::max(cursor, a->first + a->second);
       }
       if (end > cursor) best = std::max(best, static_cast<std::int64_t>(end - cursor));
     }
@@ -174,7 +213,7 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
       case memory_action::segment_alloc:
       case memory_action::segment_map: ranges[e.address] = e.size; break;
       case memory_action::segment_free:
-      case memory_action::segment_unmap: ranges.erase(e.address); break;
+      case memory_action::segment_unmap: remove_address_range(ranges, e.address, e.size); break;
       case memory_action::alloc: live[e.address] = e.size; break;
       case memory_action::free_completed: live.erase(e.address); break;
       default: break;
@@ -218,8 +257,13 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
 
   // The timeline: x is the event index, y the bytes.
   const double width = 900, height = 220, left = 70, top = 10;
+  const std::size_t step = std::max<std::size_t>(1, events.size() / 2000);  // at most ~2000 points per line
+  std::vector<std::size_t> plotted;
+  for (std::size_t i = 0; i < events.size(); i += step) plotted.push_back(i);
+  const std::vector<std::int64_t> largest_free = detail::largest_free_levels(events, snapshot, plotted);
   std::int64_t most = 1;
   for (std::size_t i = 0; i < events.size(); ++i) most = std::max({most, levels.allocated[i], levels.reserved[i]});
+  for (const std::int64_t v : largest_free) most = std::max(most, v);
   out += "<h2>Allocated (requested), reserved and largest free block over the history</h2>\n<svg class=\"timeline\" width=\"" +
          fixed(left + width + 10) + "\" height=\"" + fixed(top + height + 30) + "\">\n";
   out += "<line class=\"axis\" x1=\"" + fixed(left) + "\" y1=\"" + fixed(top + height) + "\" x2=\"" +
@@ -228,10 +272,6 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
          "</text><text class=\"label\" x=\"2\" y=\"" + fixed(top + height) + "\">0</text>\n";
   out += "<text class=\"label\" x=\"" + fixed(left) + "\" y=\"" + fixed(top + height + 20) +
          "\">events &rarr; (blue: allocated, red: reserved, green: largest free block)</text>\n";
-  const std::size_t step = std::max<std::size_t>(1, events.size() / 2000);  // at most ~2000 points per line
-  std::vector<std::size_t> plotted;
-  for (std::size_t i = 0; i < events.size(); i += step) plotted.push_back(i);
-  const std::vector<std::int64_t> largest_free = detail::largest_free_levels(events, snapshot, plotted);
   for (const char* which : {"allocated", "reserved", "largest_free"}) {
     const std::string line = which;
     out += "<polyline class=\"" + line + "\" points=\"";
