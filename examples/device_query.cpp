@@ -8,6 +8,8 @@
 //   device_query                  # no CUDA context is created on any device
 //   device_query --probe-memory   # also read free memory with cudaMemGetInfo where NVML is unavailable
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/gpu_monitor.hpp>  // opt-in: not in gpukit.hpp
+#include <gpukit/device/peer_access.hpp>  // opt-in
 
 #include <chrono>
 #include <cstdio>

@@ -16,6 +16,7 @@
 //
 //   inference_server [requests] [requests per second] [workers] [streams] [budget MiB]
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/gpu_monitor.hpp>  // opt-in: not in gpukit.hpp
 
 #include <algorithm>
 #include <atomic>

@@ -1,6 +1,7 @@
 // GPU tests of peer access and peer copies: run on a machine with a CUDA device (and on the simulator), reported as
 // Skipped elsewhere. With one GPU they check the one-device answers; the pair checks need two.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/peer_access.hpp>
 
 #include "support.hpp"
 

@@ -7,7 +7,9 @@
 /// to save compile time. Layers, from the bottom: error → device → stream/event → memory → transfer → graph.
 /// Opt-in (about 0.5 s of parsing together, g++ -O0): <gpukit/graph/graph.hpp> (CUDA graphs and graph pools) and
 /// <gpukit/memory/async_allocator.hpp> (cudaMallocAsync); also <gpukit/stream/stream_ref.hpp> (CCCL interop),
-/// <gpukit/memory/history_export.hpp> and <gpukit/memory/memory_picture.hpp> (memory history exports and picture).
+/// <gpukit/memory/history_export.hpp> and <gpukit/memory/memory_picture.hpp> (memory history exports and picture),
+/// <gpukit/device/gpu_monitor.hpp> (NVML monitoring) and <gpukit/device/peer_access.hpp> (peer access, topology):
+/// together those two cost about 0.12 s of parsing (6 %) that most translation units do not need.
 
 #include <gpukit/version.hpp>
 
@@ -15,9 +17,7 @@
 #include <gpukit/span.hpp>
 
 #include <gpukit/device/device.hpp>
-#include <gpukit/device/gpu_monitor.hpp>
 #include <gpukit/device/nvml.hpp>
-#include <gpukit/device/peer_access.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/device/select.hpp>
 #include <gpukit/device/visible_devices.hpp>

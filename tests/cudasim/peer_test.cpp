@@ -3,6 +3,7 @@
 // only on the two named devices, threads, and destructors after the runtime unloaded. Tests that need a machine other
 // than the default two devices configure it and are Skipped when an earlier test of the process initialised CUDA.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/peer_access.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"

@@ -1,6 +1,7 @@
 // The per-thread default-stream translation unit of odr_mode_test.cpp, compiled with
 // CUDA_API_PER_THREAD_DEFAULT_STREAM defined (tests.cmake), as nvcc --default-stream per-thread does.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/peer_access.hpp>
 
 #include <string>
 

@@ -3,6 +3,7 @@
 // inline functions differ between the modes, so each mode must get its own symbols (an inline namespace per mode);
 // with one set of names the linker would keep one definition for both translation units.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/peer_access.hpp>
 
 #include <doctest/doctest.h>
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gpukit/gpukit.hpp>
+#include <gpukit/device/peer_access.hpp>
 
 #include <cstddef>
 
