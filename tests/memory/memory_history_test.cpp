@@ -569,15 +569,19 @@ TEST_CASE("history: report_leaks_at_exit prints what is still allocated at exit,
                   gpukit::invalid_argument_error);
 }
 
+namespace {
+/// A history event with only what largest_free_levels reads.
+gpukit::memory_event event(memory_action a, std::uintptr_t address, std::size_t size) {
+  gpukit::memory_event e;
+  e.action = a;
+  e.address = address;
+  e.size = size;
+  return e;
+}
+}  // namespace
+
 TEST_CASE("history picture: the largest free block follows segments, allocations and completed frees") {
   using gpukit::memory_event;
-  auto event = [](memory_action a, std::uintptr_t address, std::size_t size) {
-    memory_event e;
-    e.action = a;
-    e.address = address;
-    e.size = size;
-    return e;
-  };
   // A segment already there when the history began (its first event frees it: from the snapshot's point of view it
   // is gone), an allocation made before the history began (first seen freed), a new segment and two allocations.
   const std::vector<memory_event> events = {
@@ -612,13 +616,6 @@ TEST_CASE("history picture: the largest free block follows segments, allocations
 
 TEST_CASE("history picture: the largest free block with pages unmapped as a run, overlaps and straddling blocks") {
   using gpukit::memory_event;
-  auto event = [](memory_action a, std::uintptr_t address, std::size_t size) {
-    memory_event e;
-    e.action = a;
-    e.address = address;
-    e.size = size;
-    return e;
-  };
   const std::uintptr_t base = 0x100000;
   // Pages mapped one by one, one of them allocated, then the three free ones unmapped as one run.
   const std::vector<memory_event> pages = {
