@@ -207,6 +207,22 @@ void BM_gpukit_device_buffer(benchmark::State& state) {
   });
 }
 
+/// Through the device_allocator interface (virtual calls, no buffer object), with an alignment: range(3) = 0 asks
+/// none, otherwise that alignment (256: the natural one, checked and passed through; 4096: over-aligned, served
+/// inside a larger block and remembered in a table).
+void BM_gpukit_interface(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  const auto alignment = static_cast<std::size_t>(state.range(3));
+  gpukit::caching_allocator concrete(cpu);
+  gpukit::device_allocator& a = concrete;
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  run_rounds(state, 1, [&](int) {
+    void* p = alignment == 0 ? a.allocate(bytes, s) : a.allocate(bytes, alignment, s);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
+
 /// BM_gpukit with one thread while a memory_history records every event (issue 11: the cost of recording). The
 /// ring (64 Ki events) wraps, as a long run's would.
 void BM_gpukit_history(benchmark::State& state) {
@@ -432,6 +448,19 @@ void print_ratios(const collecting_reporter& r) {
                 "free completed)\n",
                 gpukit::detail::format_bytes(size).c_str(), on, off, on / off);
   }
+  std::printf("\nAligned allocation (issue 10), 1 thread, through device_allocator: ns per pair and against no "
+              "alignment asked\n");
+  for (std::size_t size : sizes) {
+    auto name = [&](int alignment) {
+      return "BM_gpukit_interface/" + std::to_string(size) + "/1/0/" + std::to_string(alignment) + "/manual_time";
+    };
+    const double none = r.ns(name(0));
+    const double natural = r.ns(name(256));
+    const double over = r.ns(name(4096));
+    if (none <= 0 || natural <= 0 || over <= 0) continue;
+    std::printf("  %-9s none %6.1f ns | 256 B %6.1f ns (%.2fx) | 4096 B, over-aligned %6.1f ns (%.2fx)\n",
+                gpukit::detail::format_bytes(size).c_str(), none, natural, natural / none, over, over / none);
+  }
   std::printf("\n");
   std::printf("gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
               "gpukit+q: 1 thread on a CPU stream | buffer: device_buffer through device_allocator | set+mutex: "
@@ -448,6 +477,13 @@ int main(int argc, char** argv) {
   single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
   single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
   single(benchmark::RegisterBenchmark("BM_gpukit_history", BM_gpukit_history));
+  for (std::size_t size : sizes) {
+    for (std::int64_t alignment : {0, 256, 4096}) {
+      benchmark::RegisterBenchmark("BM_gpukit_interface", BM_gpukit_interface)
+          ->Args({static_cast<std::int64_t>(size), 1, 0, alignment})
+          ->UseManualTime();
+    }
+  }
   threaded(benchmark::RegisterBenchmark("BM_malloc", BM_malloc), false);
   threaded(benchmark::RegisterBenchmark("BM_set_best_fit", BM_set_best_fit), true);
   if (gpukit::device_count() > 0) {

@@ -6,7 +6,9 @@
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/to_device.hpp>
 
 #include <cstdint>
 #include <limits>
@@ -257,4 +259,72 @@ TEST_CASE("a buffer cannot be allocated from an allocator of another device") {
   } catch (const gpukit::invalid_argument_error& e) {
     CHECK(std::string(e.what()).find("wrong device") != std::string::npos);
   }
+}
+
+TEST_CASE("memory statistics as PyTorch's flat map: every key of torch.cuda.memory_stats() that gpukit keeps") {
+  own_allocator own;
+  gpukit::stream s(cpu);
+  void* small = own.a.allocate(1000, s);
+  void* large = own.a.allocate(3 << 20, s);
+  own.a.deallocate(small);
+  const gpukit::allocator_stats stats = own.a.stats();
+  const auto flat = gpukit::flat_memory_stats(stats);
+  CHECK(flat.size() == 9 * 3 * 4 + 6);
+  CHECK(flat.at("allocated_bytes.all.current") == stats.allocated_bytes.all().current);
+  CHECK(flat.at("allocated_bytes.all.current") == static_cast<std::int64_t>(own.a.memory_allocated()));
+  CHECK(flat.at("allocated_bytes.large_pool.peak") == stats.allocated_bytes.large().peak);
+  CHECK(flat.at("allocation.small_pool.allocated") == 1);
+  CHECK(flat.at("allocation.small_pool.freed") == 1);
+  CHECK(flat.at("allocation.all.current") == 1);
+  CHECK(flat.at("reserved_bytes.all.current") == static_cast<std::int64_t>(own.a.memory_reserved()));
+  CHECK(flat.at("requested_bytes.large_pool.current") == (3 << 20));
+  CHECK(flat.at("segment.all.current") == stats.segment.all().current);
+  CHECK(flat.at("inactive_split_bytes.all.current") == stats.inactive_split_bytes.all().current);
+  CHECK(flat.at("num_device_alloc") == stats.num_device_alloc);
+  CHECK(flat.at("num_ooms") == 0);
+  CHECK(flat.count("num_sync_all_streams") == 1);
+  CHECK(flat.count("num_device_free_unforced") == 1);
+  CHECK(flat.begin()->first == "active.all.allocated");  // sorted by key, as PyTorch's OrderedDict
+  own.a.deallocate(large);
+  const auto defaults = gpukit::memory_stats_map(cpu);
+  CHECK(defaults.at("allocated_bytes.all.current") ==
+        static_cast<std::int64_t>(gpukit::memory_allocated(cpu)));
+}
+
+TEST_CASE("buffers and to_device given a device use the thread's current stream of it") {
+  gpukit::stream s(cpu);
+  {
+    gpukit::device_buffer<int> on_default(10, cpu);
+    CHECK(on_default.stream() == gpukit::stream_view::default_stream(cpu));
+    gpukit::device_allocation raw_default(64, cpu);
+    CHECK(raw_default.stream() == gpukit::stream_view::default_stream(cpu));
+  }
+  gpukit::stream_guard guard(s);
+  gpukit::device_buffer<int> b(10, cpu);
+  CHECK(b.stream() == s.view());
+  CHECK(b.allocator() == &gpukit::default_allocator(cpu));
+  gpukit::device_allocation raw(64, cpu);
+  CHECK(raw.stream() == s.view());
+  const std::vector<float> host{1, 2, 3};
+  gpukit::device_buffer<float> copy = gpukit::to_device(host, cpu);
+  CHECK(copy.stream() == s.view());
+  s.synchronize();
+  CHECK(copy.span()[2] == 3.0f);
+}
+
+TEST_CASE("a device_buffer of an over-aligned type is aligned for it") {
+  struct alignas(1024) page_aligned {
+    unsigned char bytes[1024];
+  };
+  own_allocator own;
+  gpukit::stream s(cpu);
+  void* first = own.a.allocate(512, s);  // moves the next block off a 1024-byte boundary
+  {
+    gpukit::device_buffer<page_aligned> b(3, s, own.a);
+    CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % 1024 == 0);
+    CHECK(own.a.owns(b.data()));
+    b.record_stream(s);
+  }
+  own.a.deallocate(first);
+  CHECK(own.a.memory_allocated() == 0);
 }

@@ -21,3 +21,55 @@ gpukit_add_test(test_memory_history SOURCES "${gpukit_memory_tests}/memory_histo
 target_compile_definitions(test_memory_history PRIVATE
   GPUKIT_TEST_PICKLE_CHECK="${gpukit_memory_tests}/check_pytorch_snapshot.py"
   GPUKIT_TEST_PICTURE_CHECK="${gpukit_memory_tests}/check_memory_picture.py")
+# Aligned allocation and the std::pmr adaptors.
+gpukit_add_test(test_aligned_allocation SOURCES "${gpukit_memory_tests}/aligned_allocation_test.cpp")
+# cuda::mr conformance against the toolkit's CCCL (3.0), and against a newer CCCL (>= 3.1: the other shape of the
+# concepts) where .ci/install-deps put one (GPUKIT_CCCL_NEXT_INCLUDE_DIR).
+if(TARGET CCCL::CCCL)
+  gpukit_add_test(test_memory_resource SOURCES "${gpukit_memory_tests}/memory_resource_test.cpp" GPU)
+  target_link_libraries(test_memory_resource PRIVATE CCCL::CCCL)
+  target_link_libraries(test_memory_resource_sim PRIVATE CCCL::CCCL)
+endif()
+if(NOT DEFINED GPUKIT_CCCL_NEXT_INCLUDE_DIR)
+  foreach(candidate "/opt/gpukit-tools/cccl-next/include" "$ENV{HOME}/.local/share/gpukit-tools/cccl-next/include")
+    if(EXISTS "${candidate}/cuda/std/version")
+      set(GPUKIT_CCCL_NEXT_INCLUDE_DIR "${candidate}")
+      break()
+    endif()
+  endforeach()
+endif()
+if(GPUKIT_CCCL_NEXT_INCLUDE_DIR)
+  gpukit_add_test(test_memory_resource_cccl_next SOURCES "${gpukit_memory_tests}/memory_resource_test.cpp" GPU)
+  foreach(target test_memory_resource_cccl_next test_memory_resource_cccl_next_sim)
+    # Before the toolkit's include directory, so this CCCL wins.
+    target_include_directories(${target} BEFORE PRIVATE "${GPUKIT_CCCL_NEXT_INCLUDE_DIR}")
+  endforeach()
+else()
+  message(STATUS "gpukit: no CCCL >= 3.1 headers (GPUKIT_CCCL_NEXT_INCLUDE_DIR); its cuda::mr conformance test is not built")
+endif()
+# thrust_allocator: under Thrust's CPP system with the C++ compiler (CPU device and simulator), and under its CUDA
+# system with nvcc where the CUDA language is available (as the examples with kernels: g++ host compiler, no
+# sanitizer); the nvcc test needs a GPU and exits 0 saying so without one.
+find_path(GPUKIT_THRUST_INCLUDE_DIR thrust/version.h HINTS ${CUDAToolkit_INCLUDE_DIRS}/cccl ${CUDAToolkit_INCLUDE_DIRS})
+if(GPUKIT_THRUST_INCLUDE_DIR)
+  gpukit_add_test(test_thrust_allocator SOURCES "${gpukit_memory_tests}/thrust_allocator_test.cpp" GPU)
+  foreach(target test_thrust_allocator test_thrust_allocator_sim)
+    target_include_directories(${target} SYSTEM PRIVATE "${GPUKIT_THRUST_INCLUDE_DIR}")
+    target_compile_definitions(${target} PRIVATE THRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CPP)
+  endforeach()
+endif()
+include(CheckLanguage)
+check_language(CUDA)
+if(CMAKE_CUDA_COMPILER AND NOT GPUKIT_SANITIZE AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 80 90)
+  endif()
+  enable_language(CUDA)
+  add_executable(test_gpu_thrust "${gpukit_memory_tests}/gpu_thrust_test.cu")
+  target_link_libraries(test_gpu_thrust PRIVATE gpukit::gpukit)
+  set_target_properties(test_gpu_thrust PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
+  target_compile_options(test_gpu_thrust PRIVATE -Werror all-warnings -Xcompiler=-Wall,-Wextra)
+  add_test(NAME test_gpu_thrust COMMAND test_gpu_thrust)
+  set_tests_properties(test_gpu_thrust PROPERTIES LABELS "gpu" SKIP_REGULAR_EXPRESSION "GPUKIT_TEST_SKIPPED"
+    TIMEOUT 300)
+endif()

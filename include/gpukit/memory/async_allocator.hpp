@@ -77,71 +77,6 @@ class async_allocator final : public device_allocator {
 
   gpukit::device device() const noexcept override { return device_; }
 
-  /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it). On
-  /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
-  /// and retried once more, then out_of_memory_error (after the observers) with the numbers.
-  void* allocate(std::size_t bytes, stream_view stream) override {
-    if (bytes == 0) return nullptr;
-    check_device(stream, "allocate");
-    const cudaStream_t handle = stream.cuda_handle();
-    bool over_limit = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
-    }
-    if (over_limit) throw_out_of_memory(bytes, true);
-    device_guard guard(device_);
-    void* p = nullptr;
-    cudaError_t result = cudaMallocAsync(&p, bytes, handle);
-    for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
-      (void)cudaGetLastError();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++retries_;
-      }
-      if (retry == 1) {
-        GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
-      }
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
-      result = cudaMallocAsync(&p, bytes, handle);
-    }
-    if (result == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      throw_out_of_memory(bytes, false);
-    }
-    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
-    std::lock_guard<std::mutex> lock(mutex_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, stream, {}});
-    add(allocations_, 1);
-    add(allocated_bytes_, static_cast<std::int64_t>(bytes));
-    ++device_allocs_;
-    return p;
-  }
-
-  /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
-  /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
-  /// does not own; nullptr is ignored.
-  void deallocate(void* p) override { deallocate_on(p, nullptr); }
-  /// The same, in the order of `stream` (memory last used there).
-  void deallocate(void* p, stream_view stream) override {
-    check_device(stream, "deallocate");
-    deallocate_on(p, &stream);
-  }
-
-  /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then.
-  void record_stream(void* p, stream_view stream) override {
-    check_device(stream, "record_stream");
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (it == live_.end()) throw_not_owned(p, "record_stream");
-    it->second.users.push_back(stream);
-  }
-
-  bool owns(const void* p) const noexcept override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
-  }
-
   /// Allocation counts and bytes as gpukit keeps them; reserved bytes as the pool reports them (current and high
   /// water mark; the pool's memory, shared with its other users).
   allocator_stats stats() const override {
@@ -245,6 +180,72 @@ class async_allocator final : public device_allocator {
   cudaMemPool_t pool() const noexcept { return pool_; }
 
  private:
+  // device_allocator's allocate/deallocate/record_stream/owns land here.
+  /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it). On
+  /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
+  /// and retried once more, then out_of_memory_error (after the observers) with the numbers.
+  void* do_allocate(std::size_t bytes, stream_view stream) override {
+    if (bytes == 0) return nullptr;
+    check_device(stream, "allocate");
+    const cudaStream_t handle = stream.cuda_handle();
+    bool over_limit = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
+    }
+    if (over_limit) throw_out_of_memory(bytes, true);
+    device_guard guard(device_);
+    void* p = nullptr;
+    cudaError_t result = cudaMallocAsync(&p, bytes, handle);
+    for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
+      (void)cudaGetLastError();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++retries_;
+      }
+      if (retry == 1) {
+        GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
+      }
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
+      result = cudaMallocAsync(&p, bytes, handle);
+    }
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      throw_out_of_memory(bytes, false);
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, stream, {}});
+    add(allocations_, 1);
+    add(allocated_bytes_, static_cast<std::int64_t>(bytes));
+    ++device_allocs_;
+    return p;
+  }
+
+  /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
+  /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
+  /// does not own; nullptr is ignored.
+  void do_deallocate(void* p) override { deallocate_on(p, nullptr); }
+  /// The same, in the order of `stream` (memory last used there).
+  void do_deallocate(void* p, stream_view stream) override {
+    check_device(stream, "deallocate");
+    deallocate_on(p, &stream);
+  }
+
+  /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then.
+  void do_record_stream(void* p, stream_view stream) override {
+    check_device(stream, "record_stream");
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == live_.end()) throw_not_owned(p, "record_stream");
+    it->second.users.push_back(stream);
+  }
+
+  bool do_owns(const void* p) const noexcept override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
+  }
+
   struct allocation {
     std::size_t bytes;
     stream_view stream;              // allocated on (and by default freed on) this stream

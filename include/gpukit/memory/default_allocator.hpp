@@ -116,6 +116,8 @@ inline std::size_t max_memory_allocated(device d) { return default_allocator(d).
 inline std::size_t max_memory_reserved(device d) { return default_allocator(d).max_memory_reserved(); }
 /// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
 inline allocator_stats memory_stats(device d) { return default_allocator(d).stats(); }
+/// The same as torch.cuda.memory_stats()'s flat key → value map ("allocated_bytes.all.current", …).
+inline std::map<std::string, std::int64_t> memory_stats_map(device d) { return flat_memory_stats(memory_stats(d)); }
 /// Segments and blocks of the default allocator of `d` (torch.cuda.memory_snapshot).
 inline allocator_snapshot memory_snapshot(device d) { return default_allocator(d).snapshot(); }
 /// The statistics table of the default allocator of `d` (torch.cuda.memory_summary), with fragmentation.

@@ -14,6 +14,7 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/detail/aligned_offsets.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
 #include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
@@ -21,6 +22,7 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -49,18 +51,49 @@ class device_allocator {
   /// The device whose memory this allocator hands out.
   virtual gpukit::device device() const noexcept = 0;
 
-  /// `bytes` usable on `stream` at once; nullptr for 0 bytes. Throws out_of_memory_error, or invalid_argument_error
-  /// for a stream of another device.
-  virtual void* allocate(std::size_t bytes, stream_view stream) = 0;
+  /// The alignment every allocation has without asking, as with cudaMalloc (an allocator configured with a smaller
+  /// rounding gives that rounding; see natural_alignment()).
+  static constexpr std::size_t default_alignment = 256;
+
+  /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
+  /// out_of_memory_error, or invalid_argument_error for a stream of another device.
+  void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
+  /// The same, aligned to `alignment` (a power of two; larger than natural_alignment() costs up to
+  /// `alignment - natural_alignment()` extra bytes, which the statistics count). Throws invalid_argument_error for
+  /// an alignment that is not a power of two.
+  void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
+    detail::require_power_of_two_alignment(alignment, "gpukit::device_allocator::allocate");
+    const std::size_t natural = natural_alignment();
+    if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
+    void* block =
+        do_allocate(detail::over_aligned_request(bytes, alignment, natural, "gpukit::device_allocator::allocate"),
+                    stream);
+    void* aligned = detail::aligned_offsets::align_up(block, alignment);
+    if (aligned == block) return block;
+    try {
+      over_aligned_.add(aligned, block);
+    } catch (...) {
+      do_deallocate(block);
+      throw;
+    }
+    return aligned;
+  }
   /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
   /// allocator does not own (including a double free); nullptr is ignored.
-  virtual void deallocate(void* p) = 0;
+  void deallocate(void* p) {
+    over_aligned_.free_with(p, [this](void* block) { do_deallocate(block); });
+  }
   /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
-  virtual void deallocate(void* p, stream_view stream) = 0;
+  void deallocate(void* p, stream_view stream) {
+    over_aligned_.free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
+  }
   /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
-  virtual void record_stream(void* p, stream_view stream) = 0;
-  /// True when `p` is the start of a live allocation of this allocator.
-  virtual bool owns(const void* p) const noexcept = 0;
+  void record_stream(void* p, stream_view stream) { do_record_stream(over_aligned_.block_of(p), stream); }
+  /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
+  /// allocate returned).
+  bool owns(const void* p) const noexcept { return do_owns(over_aligned_.block_of(p)); }
+  /// The alignment of every allocation made without asking for one (at least 1, a power of two).
+  std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
 
   /// Statistics, read without locking.
   virtual allocator_stats stats() const = 0;
@@ -117,6 +150,20 @@ class device_allocator {
   device_allocator() = default;
   device_allocator(const device_allocator&) = default;
   device_allocator& operator=(const device_allocator&) = default;
+
+ private:
+  /// `bytes` (non-zero, or nullptr) at the natural alignment, usable on `stream` at once.
+  virtual void* do_allocate(std::size_t bytes, stream_view stream) = 0;
+  /// Frees a pointer do_allocate returned (or reports one it did not); nullptr is ignored.
+  virtual void do_deallocate(void* p) = 0;
+  /// Frees after the work enqueued so far on `stream` too.
+  virtual void do_deallocate(void* p, stream_view stream) = 0;
+  virtual void do_record_stream(void* p, stream_view stream) = 0;
+  virtual bool do_owns(const void* p) const noexcept = 0;
+  /// cudaMalloc's guarantee unless an implementation says otherwise.
+  virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
+
+  detail::aligned_offsets over_aligned_;
 };
 
 /// The caching engine (basic_caching_allocator) over `Upstream`, with gpukit's streams and events, as a
@@ -132,27 +179,12 @@ class caching_device_allocator final : public device_allocator {
       : engine_(d, options, std::forward<UpstreamArgs>(upstream_args)...) {}
 
   gpukit::device device() const noexcept override { return engine_.device(); }
-  /// While a graph pool exists (graph_pool.hpp), allocations for a capture it serves come from it.
-  void* allocate(std::size_t bytes, stream_view stream) override {
-    if (detail::any_capture_pool() && bytes != 0) {
-      if (device_allocator* pool = detail::pool_for_capture(stream)) return pool->allocate(bytes, stream);
-    }
-    return engine_.allocate(bytes, stream);
-  }
-  /// Memory of a graph pool goes back to it.
-  void deallocate(void* p) override {
-    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p);
-    engine_.deallocate(p);
-  }
-  void deallocate(void* p, stream_view stream) override {
-    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p, stream);
-    engine_.deallocate(p, stream);
-  }
-  void record_stream(void* p, stream_view stream) override {
-    if (device_allocator* pool = graph_pool_owning(p)) return pool->record_stream(p, stream);
-    engine_.record_stream(p, stream);
-  }
-  bool owns(const void* p) const noexcept override { return engine_.owns(p); }
+
+  /// The engine's full API (options, upstream, rounded sizes); it knows nothing of graph pools or over-aligned
+  /// addresses, which this wrapper handles.
+  engine_type& engine() noexcept { return engine_; }
+  const engine_type& engine() const noexcept { return engine_; }
+
   allocator_stats stats() const override { return engine_.stats(); }
   free_space_info free_space() const override { return engine_.free_space(); }
   allocator_snapshot snapshot() const override { return engine_.snapshot(); }
@@ -176,10 +208,33 @@ class caching_device_allocator final : public device_allocator {
   std::size_t max_memory_allocated() const noexcept override { return engine_.max_memory_allocated(); }
   std::size_t max_memory_reserved() const noexcept override { return engine_.max_memory_reserved(); }
 
-  engine_type& engine() noexcept { return engine_; }
-  const engine_type& engine() const noexcept { return engine_; }
-
  private:
+  /// While a graph pool exists (graph_pool.hpp), allocations for a capture it serves come from it.
+  void* do_allocate(std::size_t bytes, stream_view stream) override {
+    if (detail::any_capture_pool() && bytes != 0) {
+      if (device_allocator* pool = detail::pool_for_capture(stream)) return pool->allocate(bytes, stream);
+    }
+    return engine_.allocate(bytes, stream);
+  }
+  /// Memory of a graph pool goes back to it.
+  void do_deallocate(void* p) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p);
+    engine_.deallocate(p);
+  }
+  void do_deallocate(void* p, stream_view stream) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->deallocate(p, stream);
+    engine_.deallocate(p, stream);
+  }
+  void do_record_stream(void* p, stream_view stream) override {
+    if (device_allocator* pool = graph_pool_owning(p)) return pool->record_stream(p, stream);
+    engine_.record_stream(p, stream);
+  }
+  bool do_owns(const void* p) const noexcept override { return engine_.owns(p); }
+  /// Blocks start at multiples of the rounding inside segments aligned to upstream_alignment.
+  std::size_t do_natural_alignment() const noexcept override {
+    return std::min(engine_.options().rounding, upstream_alignment);
+  }
+
   /// The graph pool that handed `p` out, when graph pools exist. Asked before the engine: a pool's first block
   /// starts where its reserve, an allocation of the engine, does.
   static device_allocator* graph_pool_owning(const void* p) {

@@ -25,6 +25,7 @@
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/span.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cstddef>
@@ -59,6 +60,10 @@ class device_allocation {
   /// `bytes` from the default allocator of `stream`'s device, usable on `stream` at once.
   device_allocation(std::size_t bytes, stream_view stream)
       : device_allocation(bytes, stream, default_allocator(stream.device())) {}
+
+  /// `bytes` from the default allocator of `d`, on the calling thread's current stream of `d` (current_stream(d):
+  /// the default stream unless a stream_guard says otherwise), as PyTorch allocates on the current stream.
+  device_allocation(std::size_t bytes, gpukit::device d) : device_allocation(bytes, current_stream(d)) {}
 
   /// `bytes` from `allocator`, which must outlive this allocation.
   device_allocation(std::size_t bytes, stream_view stream, device_allocator& allocator)
@@ -127,7 +132,6 @@ template <class T>
 class device_buffer {
   static_assert(std::is_trivially_copyable<T>::value,
                 "gpukit::device_buffer<T>: T must be trivially copyable (device memory runs no constructors)");
-  static_assert(alignof(T) <= 256, "gpukit::device_buffer<T>: allocations are aligned to 256 bytes");
   static_assert(!std::is_const<T>::value, "gpukit::device_buffer<T>: T must not be const");
 
  public:
@@ -143,7 +147,12 @@ class device_buffer {
   device_buffer(std::size_t count, stream_view stream)
       : device_buffer(count, stream, default_allocator(stream.device())) {}
 
-  /// `count` elements from `allocator` (which must outlive the buffer), usable on `stream` at once. Throws
+  /// `count` elements from the default allocator of `d`, on the calling thread's current stream of `d`
+  /// (current_stream(d): the default stream unless a stream_guard says otherwise), as PyTorch allocates.
+  device_buffer(std::size_t count, gpukit::device d) : device_buffer(count, current_stream(d)) {}
+
+  /// `count` elements from `allocator` (which must outlive the buffer), usable on `stream` at once, aligned for
+  /// `T` (however large alignof(T) is). Throws
   /// invalid_argument_error if count * sizeof(T) overflows, out_of_memory_error if memory cannot be had.
   device_buffer(std::size_t count, stream_view stream, device_allocator& allocator)
       : allocator_(&allocator), stream_(stream), size_(count) {
@@ -151,7 +160,7 @@ class device_buffer {
       throw invalid_argument_error("gpukit::device_buffer: " + std::to_string(count) + " elements of " +
                                    std::to_string(sizeof(T)) + " bytes overflow std::size_t");
     }
-    data_ = static_cast<T*>(allocator.allocate(count * sizeof(T), stream));
+    data_ = static_cast<T*>(allocator.allocate(count * sizeof(T), alignof(T), stream));
   }
 
   device_buffer(device_buffer&& other) noexcept

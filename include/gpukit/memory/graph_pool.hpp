@@ -108,63 +108,6 @@ class graph_pool final : public device_allocator {
 
   gpukit::device device() const noexcept override { return device_; }
 
-  /// Best fit from the reserve, with no CUDA call (legal inside a capture). Throws out_of_memory_error when the
-  /// reserve has no block that large (after the observers), invalid_argument_error for a stream of another device.
-  void* allocate(std::size_t bytes, stream_view stream) override {
-    if (bytes == 0) return nullptr;
-    check_stream(stream, "allocate");
-    if (bytes > std::numeric_limits<std::size_t>::max() - (alignment - 1)) {
-      throw invalid_argument_error("gpukit::graph_pool::allocate: " + std::to_string(bytes) + " bytes overflow");
-    }
-    const std::size_t size = round(bytes);
-    std::unique_lock<std::mutex> lock(mutex_);
-    const auto fit = by_size_.lower_bound({size, 0});
-    if (fit == by_size_.end()) {
-      lock.unlock();
-      throw_out_of_memory(bytes, size);
-    }
-    const auto [block_size, address] = *fit;
-    const std::size_t chunk = free_.at(address).chunk;
-    erase_free(address);
-    if (block_size > size) insert_free(address + size, block_size - size, chunk);
-    live_.emplace(address, live_block{size, bytes, chunk});
-    allocated_ += size;
-    peak_allocated_ = std::max(peak_allocated_, allocated_);
-    ++allocations_;
-    return reinterpret_cast<void*>(address);
-  }
-
-  /// Returns `p` to the reserve at once (the graphs order its reuse). Throws invalid_argument_error for a pointer
-  /// the pool did not hand out; nullptr is ignored.
-  void deallocate(void* p) override {
-    if (p == nullptr) return;
-    bool last = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it == live_.end()) throw_not_owned(p);
-      const live_block b = it->second;
-      live_.erase(it);
-      allocated_ -= b.size;
-      insert_free_coalesced(reinterpret_cast<std::uintptr_t>(p), b.size, b.chunk);
-      last = orphaned_ && live_.empty();
-    }
-    if (last) delete this;  // the pool's graphs went first: its last allocation ends it
-  }
-  void deallocate(void* p, stream_view stream) override {
-    check_stream(stream, "deallocate");
-    deallocate(p);
-  }
-  /// Nothing to do: pool memory is reused only by later work of the pool's graphs, which they order.
-  void record_stream(void* p, stream_view stream) override {
-    check_stream(stream, "record_stream");
-    if (!owns(p)) throw_not_owned(p);
-  }
-  bool owns(const void* p) const noexcept override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
-  }
-
   allocator_stats stats() const override {
     std::lock_guard<std::mutex> lock(mutex_);
     allocator_stats s;
@@ -287,6 +230,64 @@ class graph_pool final : public device_allocator {
   }
 
  private:
+  // device_allocator's allocate/deallocate/record_stream/owns land here.
+  /// Best fit from the reserve, with no CUDA call (legal inside a capture). Throws out_of_memory_error when the
+  /// reserve has no block that large (after the observers), invalid_argument_error for a stream of another device.
+  void* do_allocate(std::size_t bytes, stream_view stream) override {
+    if (bytes == 0) return nullptr;
+    check_stream(stream, "allocate");
+    if (bytes > std::numeric_limits<std::size_t>::max() - (alignment - 1)) {
+      throw invalid_argument_error("gpukit::graph_pool::allocate: " + std::to_string(bytes) + " bytes overflow");
+    }
+    const std::size_t size = round(bytes);
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto fit = by_size_.lower_bound({size, 0});
+    if (fit == by_size_.end()) {
+      lock.unlock();
+      throw_out_of_memory(bytes, size);
+    }
+    const auto [block_size, address] = *fit;
+    const std::size_t chunk = free_.at(address).chunk;
+    erase_free(address);
+    if (block_size > size) insert_free(address + size, block_size - size, chunk);
+    live_.emplace(address, live_block{size, bytes, chunk});
+    allocated_ += size;
+    peak_allocated_ = std::max(peak_allocated_, allocated_);
+    ++allocations_;
+    return reinterpret_cast<void*>(address);
+  }
+
+  /// Returns `p` to the reserve at once (the graphs order its reuse). Throws invalid_argument_error for a pointer
+  /// the pool did not hand out; nullptr is ignored.
+  void do_deallocate(void* p) override {
+    if (p == nullptr) return;
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it == live_.end()) throw_not_owned(p);
+      const live_block b = it->second;
+      live_.erase(it);
+      allocated_ -= b.size;
+      insert_free_coalesced(reinterpret_cast<std::uintptr_t>(p), b.size, b.chunk);
+      last = orphaned_ && live_.empty();
+    }
+    if (last) delete this;  // the pool's graphs went first: its last allocation ends it
+  }
+  void do_deallocate(void* p, stream_view stream) override {
+    check_stream(stream, "deallocate");
+    deallocate(p);
+  }
+  /// Nothing to do: pool memory is reused only by later work of the pool's graphs, which they order.
+  void do_record_stream(void* p, stream_view stream) override {
+    check_stream(stream, "record_stream");
+    if (!owns(p)) throw_not_owned(p);
+  }
+  bool do_owns(const void* p) const noexcept override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
+  }
+
   struct free_block {
     std::size_t size;
     std::size_t chunk;

@@ -495,6 +495,11 @@ class stream {
     return stream_view(device_, cuda_, cpu_.get(), life_.get());
   }
   operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
+  /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream.
+  template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
+  operator StreamRef() const {  // NOLINT(google-explicit-constructor)
+    return StreamRef(cuda_handle());
+  }
 
   gpukit::device device() const {
     check_valid("device");

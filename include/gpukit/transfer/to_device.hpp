@@ -12,6 +12,7 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/span.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
@@ -20,6 +21,7 @@
 #include <cstddef>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -61,6 +63,13 @@ device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view 
   device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
   copy_async(buffer, pinned_span<const T>(src), s);
   return buffer;
+}
+
+/// to_device on the calling thread's current stream of `d` (current_stream(d): the default stream unless a
+/// stream_guard says otherwise), for any source to_device takes.
+template <class Source>
+auto to_device(Source&& src, gpukit::device d) -> decltype(to_device(std::forward<Source>(src), stream_view())) {
+  return to_device(std::forward<Source>(src), current_stream(d));
 }
 
 /// The contents of device memory as a vector. Blocks until the copy has completed: it is enqueued on `s` after the

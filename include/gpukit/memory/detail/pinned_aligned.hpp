@@ -1,0 +1,57 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Aligned allocation from a pinned_pool, for the resource adaptors (memory_resource.hpp, pmr.hpp): blocks are
+/// page-aligned, larger power-of-two alignments are served from a larger block.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/memory/detail/aligned_offsets.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cstddef>
+
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+/// The alignment of every pinned_pool block (a page).
+inline constexpr std::size_t pinned_natural_alignment = 4096;
+
+/// The over-aligned addresses handed out from pinned pools, one table for the process: memory may be freed through
+/// any adaptor of the pool that allocated it.
+GPUKIT_EXPORT inline aligned_offsets& pinned_over_aligned() {
+  static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
+  return *table;
+}
+
+/// `bytes` from `pool` aligned to `alignment` (a power of two; `who` names the caller in errors).
+inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::size_t alignment, const char* who) {
+  require_power_of_two_alignment(alignment, who);
+  if (alignment <= pinned_natural_alignment || bytes == 0) return pool.allocate(bytes);
+  void* block = pool.allocate(over_aligned_request(bytes, alignment, pinned_natural_alignment, who));
+  void* aligned = aligned_offsets::align_up(block, alignment);
+  if (aligned == block) return block;
+  try {
+    pinned_over_aligned().add(aligned, block);
+  } catch (...) {
+    pool.deallocate(block);
+    throw;
+  }
+  return aligned;
+}
+
+/// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`.
+inline void pinned_deallocate_aligned(pinned_pool& pool, void* p, const stream_view* stream) {
+  pinned_over_aligned().free_with(p, [&pool, stream](void* block) {
+    if (stream != nullptr) {
+      pool.deallocate(block, *stream);
+    } else {
+      pool.deallocate(block);
+    }
+  });
+}
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,191 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// gpukit memory as CCCL memory resources (cuda::mr), so that code written against cuda::mr::resource_ref, CCCL
+/// containers or RMM-style adaptors can use gpukit's caching allocator and pinned pool:
+///
+///     gpukit::device_memory_resource mr(gpukit::device::cuda(0));        // the default allocator of cuda:0
+///     cuda::mr::async_resource_ref<cuda::mr::device_accessible> ref{mr};  // CCCL 3.0 (resource_ref from 3.1)
+///     void* p = ref.allocate_async(1 << 20, 256, stream);
+///
+/// Both of CCCL's shapes are provided by each class, so the same code builds against the toolkit's CCCL and a
+/// newer one:
+/// - CCCL 3.0 (CUDA 13.0): `resource` = allocate(bytes, alignment) / deallocate(p, bytes, alignment);
+///   `async_resource` adds allocate_async(bytes, alignment, stream) / deallocate_async(p, bytes, alignment, stream).
+///   These concepts need LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE, which this header defines when it is
+///   included before <cuda/memory_resource> (include it first, or define the macro for the whole build).
+/// - CCCL 3.1 and later: `synchronous_resource` = allocate_sync / deallocate_sync; `resource` adds
+///   allocate(stream, bytes, alignment) / deallocate(stream, p, bytes, alignment).
+///
+/// Synchronous calls are ordered on the calling thread's current stream of the device (current_stream(device):
+/// the default stream unless a stream_guard says otherwise), as PyTorch orders everything: the memory is ready for
+/// work on that stream at once. Stream-ordered calls use the stream given. Resources refer to the allocator or
+/// pool they were made from (which must outlive them) and compare equal when they refer to the same one.
+///
+/// Needs CCCL on the include path (the gpukit CMake target adds the toolkit's; nvcc adds it itself). Not included
+/// by gpukit.hpp.
+
+#include <cuda/std/version>  // CCCL_VERSION, before anything else of CCCL decides the concepts' shape
+
+#if CCCL_VERSION < 3001000 && !defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE)
+#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#endif
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/detail/pinned_aligned.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/stream_ref.hpp>
+
+#include <cuda/memory_resource>
+#include <cuda/stream_ref>
+
+#include <cstddef>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// A device_allocator (by default the per-device default allocator) as a cuda::mr resource: device-accessible,
+/// stream-ordered, with statistics and caching from the allocator. Alignments above the allocator's natural one
+/// (256 bytes) are honoured by device_allocator::allocate. On the CPU device the memory is host memory.
+class device_memory_resource {
+ public:
+  /// The default allocator of `d` (default_allocator(d)).
+  explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
+  /// `allocator`, which must outlive this resource and its copies.
+  explicit device_memory_resource(device_allocator& allocator) noexcept : allocator_(&allocator) {}
+
+  /// The allocator behind this resource.
+  device_allocator& allocator() const noexcept { return *allocator_; }
+  /// The device whose memory this resource hands out.
+  gpukit::device device() const noexcept { return allocator_->device(); }
+
+  // --- CCCL 3.1 and later ---
+
+  /// `bytes` aligned to `alignment`, ready for work on the calling thread's current stream of the device.
+  void* allocate_sync(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
+    return allocator_->allocate(bytes, alignment, current_stream(device()));
+  }
+  /// Frees memory no work still uses (in the order of the stream it was allocated on).
+  void deallocate_sync(void* p, std::size_t /*bytes*/,
+                       std::size_t /*alignment*/ = device_allocator::default_alignment) {
+    allocator_->deallocate(p);
+  }
+  /// `bytes` aligned to `alignment`, usable on `stream` at once.
+  void* allocate(::cuda::stream_ref stream, std::size_t bytes, std::size_t alignment) {
+    return allocator_->allocate(bytes, alignment, to_view(stream));
+  }
+  /// Frees `p` once the work enqueued so far on `stream` (and on the stream it was allocated on) is done.
+  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
+    allocator_->deallocate(p, to_view(stream));
+  }
+
+  // --- CCCL 3.0 ---
+
+  /// allocate_sync.
+  void* allocate(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
+    return allocate_sync(bytes, alignment);
+  }
+  /// deallocate_sync.
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
+    deallocate_sync(p, bytes, alignment);
+  }
+  /// allocate(stream, bytes, alignment).
+  void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    return allocate(stream, bytes, alignment);
+  }
+  /// deallocate(stream, p, bytes, alignment).
+  void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    deallocate(stream, p, bytes, alignment);
+  }
+
+  /// Equal when both use the same allocator (memory from one may be freed through the other).
+  friend bool operator==(const device_memory_resource& a, const device_memory_resource& b) noexcept {
+    return a.allocator_ == b.allocator_;
+  }
+  friend bool operator!=(const device_memory_resource& a, const device_memory_resource& b) noexcept {
+    return !(a == b);
+  }
+  /// Device memory: kernels may touch it.
+  friend void get_property(const device_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
+
+ private:
+  /// A stream of this resource's device (the handle alone does not say which device a legacy default stream is).
+  stream_view to_view(::cuda::stream_ref stream) const { return stream_view(device(), stream.get()); }
+
+  device_allocator* allocator_;
+};
+
+/// A pinned_pool (by default the process-wide one of a device) as a cuda::mr resource: page-locked host memory,
+/// host- and device-accessible. Synchronous frees return a block at once; stream-ordered ones after the stream's
+/// work so far (pinned_pool::deallocate(p, stream)). Blocks are page-aligned; larger power-of-two alignments cost
+/// up to `alignment - 4096` extra bytes. On the CPU device the memory is ordinary page-aligned host memory.
+class pinned_memory_resource {
+ public:
+  /// The alignment of every pinned block (a page).
+  static constexpr std::size_t natural_alignment = detail::pinned_natural_alignment;
+
+  /// default_pinned_pool(d).
+  explicit pinned_memory_resource(gpukit::device d) : pool_(&default_pinned_pool(d)), device_(d) {}
+  /// `pool`, which must outlive this resource and its copies; stream-ordered calls name streams of device `d`.
+  pinned_memory_resource(pinned_pool& pool, gpukit::device d) noexcept
+      : pool_(&pool), device_(d) {}
+
+  /// The pool behind this resource.
+  pinned_pool& pool() const noexcept { return *pool_; }
+
+  // --- CCCL 3.1 and later ---
+
+  /// `bytes` of pinned memory aligned to `alignment`, usable at once.
+  void* allocate_sync(std::size_t bytes, std::size_t alignment = natural_alignment) {
+    return detail::pinned_allocate_aligned(*pool_, bytes, alignment, "gpukit::pinned_memory_resource::allocate");
+  }
+  /// Returns `p` to the pool at once (no work may still use it).
+  void deallocate_sync(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = natural_alignment) {
+    detail::pinned_deallocate_aligned(*pool_, p, nullptr);
+  }
+  /// allocate_sync: pinned memory is usable by any stream at once.
+  void* allocate(::cuda::stream_ref /*stream*/, std::size_t bytes, std::size_t alignment) {
+    return allocate_sync(bytes, alignment);
+  }
+  /// Returns `p` once the work enqueued so far on `stream` is done.
+  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
+    const stream_view view(device_, stream.get());
+    detail::pinned_deallocate_aligned(*pool_, p, &view);
+  }
+
+  // --- CCCL 3.0 ---
+
+  void* allocate(std::size_t bytes, std::size_t alignment = natural_alignment) {
+    return allocate_sync(bytes, alignment);
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = natural_alignment) {
+    deallocate_sync(p, bytes, alignment);
+  }
+  void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    return allocate(stream, bytes, alignment);
+  }
+  void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    deallocate(stream, p, bytes, alignment);
+  }
+
+  /// Equal when both use the same pool.
+  friend bool operator==(const pinned_memory_resource& a, const pinned_memory_resource& b) noexcept {
+    return a.pool_ == b.pool_;
+  }
+  friend bool operator!=(const pinned_memory_resource& a, const pinned_memory_resource& b) noexcept {
+    return !(a == b);
+  }
+  friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
+  friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::host_accessible) noexcept {}
+
+ private:
+  pinned_pool* pool_;
+  gpukit::device device_;
+};
+
+GPUKIT_END_NAMESPACE

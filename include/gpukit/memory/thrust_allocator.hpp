@@ -1,0 +1,97 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// thrust_allocator<T>: Thrust containers on gpukit memory, ordered on a stream:
+///
+///     gpukit::stream s(gpukit::device::cuda(0));
+///     thrust::device_vector<float, gpukit::thrust_allocator<float>> v(n, gpukit::thrust_allocator<float>(s));
+///     thrust::sort(thrust::cuda::par_nosync.on(s.cuda_handle()), v.begin(), v.end());
+///
+/// The allocator takes memory from a device_allocator (the default allocator of the device unless one is given)
+/// on its stream, and frees it in that stream's order, so a vector's memory is reused only after the work its
+/// stream had enqueued by the free. Thrust's own kernels (a vector's construction, algorithms without an execution
+/// policy) run on the default stream: give them the allocator's stream through an execution policy. The stream and
+/// the allocator must outlive the containers. Needs Thrust (CCCL) on the include path; not included by gpukit.hpp.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/stream/current_stream.hpp>
+
+#include <thrust/device_malloc_allocator.h>
+#include <thrust/device_ptr.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <string>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// A Thrust allocator of `T` over a device_allocator, ordered on a stream.
+template <class T>
+class thrust_allocator : public thrust::device_malloc_allocator<T> {
+ public:
+  using value_type = T;
+  using pointer = thrust::device_ptr<T>;
+  using const_pointer = thrust::device_ptr<const T>;
+  using size_type = std::size_t;
+  using difference_type = std::ptrdiff_t;
+  template <class U>
+  struct rebind {
+    using other = thrust_allocator<U>;
+  };
+
+  /// The default allocator of the current device, on the calling thread's current stream of it (read now).
+  thrust_allocator() : thrust_allocator(current_stream(current_device())) {}
+  /// The default allocator of the stream's device, on `stream`.
+  explicit thrust_allocator(stream_view stream)
+      : allocator_(&default_allocator(stream.device())), stream_(stream) {}
+  /// `allocator` on `stream` (a stream of the allocator's device).
+  thrust_allocator(device_allocator& allocator, stream_view stream) noexcept
+      : allocator_(&allocator), stream_(stream) {}
+  /// The same allocator and stream, for another element type.
+  template <class U>
+  thrust_allocator(const thrust_allocator<U>& other) noexcept  // NOLINT(google-explicit-constructor)
+      : allocator_(&other.allocator()), stream_(other.stream()) {}
+
+  /// Memory for `n` elements on the stream, aligned for `T` (at least 256 bytes). Throws out_of_memory_error, or
+  /// invalid_argument_error when `n * sizeof(T)` overflows.
+  pointer allocate(size_type n) {
+    if (n > std::numeric_limits<size_type>::max() / sizeof(T)) {
+      throw invalid_argument_error("gpukit::thrust_allocator::allocate: " + std::to_string(n) + " elements of " +
+                                   std::to_string(sizeof(T)) + " bytes overflow");
+    }
+    const std::size_t alignment = std::max<std::size_t>(alignof(T), device_allocator::default_alignment);
+    return pointer(static_cast<T*>(allocator_->allocate(n * sizeof(T), alignment, stream_)));
+  }
+  /// Frees in the stream's order. Thrust calls it from destructors: a failure is reported through gpukit::warn.
+  void deallocate(pointer p, size_type /*n*/) noexcept {
+    try {
+      allocator_->deallocate(thrust::raw_pointer_cast(p), stream_);
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::thrust_allocator::deallocate: ") + e.what());
+    }
+  }
+
+  /// The allocator memory comes from.
+  device_allocator& allocator() const noexcept { return *allocator_; }
+  /// The stream allocations and frees are ordered on.
+  stream_view stream() const noexcept { return stream_; }
+
+  /// Equal when both use the same allocator and stream.
+  friend bool operator==(const thrust_allocator& a, const thrust_allocator& b) noexcept {
+    return a.allocator_ == b.allocator_ && a.stream_ == b.stream_;
+  }
+  friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
+
+ private:
+  device_allocator* allocator_;
+  stream_view stream_;
+};
+
+GPUKIT_END_NAMESPACE

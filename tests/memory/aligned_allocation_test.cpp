@@ -1,0 +1,180 @@
+// Aligned allocation through device_allocator (over-aligned requests served inside a larger block) and the
+// std::pmr adaptors (pmr.hpp), on the CPU device.
+#include "allocator_support.hpp"
+#include "support.hpp"
+
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/pmr.hpp>
+#include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory_resource>
+#include <string>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+const gpukit::device cpu = gpukit::device::cpu();
+
+bool aligned_to(const void* p, std::size_t alignment) {
+  return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
+}
+}  // namespace
+
+TEST_CASE("allocate with an alignment up to the natural one costs nothing extra") {
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  CHECK(a.natural_alignment() == 256);
+  for (std::size_t alignment : {1, 2, 8, 64, 256}) {
+    void* p = a.allocate(1000, alignment, s);
+    CHECK(aligned_to(p, alignment));
+    CHECK(a.owns(p));
+    CHECK(a.memory_allocated() == a.engine().rounded_size(1000));
+    a.deallocate(p);
+    CHECK(a.memory_allocated() == 0);
+  }
+}
+
+TEST_CASE("an over-aligned allocation is aligned, owned, freed and counted with its extra bytes") {
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  // A first small block moves the next one off any large boundary, so over-alignment has to shift the address.
+  void* first = a.allocate(512, s);
+  for (std::size_t alignment : {std::size_t{512}, std::size_t{4096}, std::size_t{1} << 16, std::size_t{1} << 20}) {
+    CAPTURE(alignment);
+    void* p = a.allocate(3000, alignment, s);
+    REQUIRE(p != nullptr);
+    CHECK(aligned_to(p, alignment));
+    CHECK(a.owns(p));
+    std::memset(p, 0x5a, 3000);  // all of it is usable
+    CHECK(a.memory_allocated() >= 512 + 3000);
+    CHECK(a.memory_allocated() <= 512 + a.engine().rounded_size(3000 + alignment - 256));
+    a.record_stream(p, s);
+    a.deallocate(p);
+    CHECK_FALSE(a.owns(p));
+    CHECK(a.memory_allocated() == 512);
+  }
+  a.deallocate(first);
+  CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("over-aligned allocations freed on a stream, and many of them live at once") {
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  gpukit::stream other(cpu);
+  std::vector<void*> live;
+  for (int i = 0; i < 64; ++i) live.push_back(a.allocate(100 + static_cast<std::size_t>(i), 2048, s));
+  for (void* p : live) CHECK(aligned_to(p, 2048));
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    if (i % 2 == 0) {
+      a.deallocate(live[i], other);
+    } else {
+      a.deallocate(live[i]);
+    }
+  }
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.snapshot().stats.allocation.all().current == 0);
+}
+
+TEST_CASE("bad alignments, overflow and double frees of over-aligned memory are clear errors") {
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  for (std::size_t alignment : {std::size_t{0}, std::size_t{3}, std::size_t{768}}) {
+    CAPTURE(alignment);
+    try {
+      (void)a.allocate(100, alignment, s);
+      FAIL("no error");
+    } catch (const gpukit::invalid_argument_error& e) {
+      CHECK(std::string(e.what()).find("power of two, not " + std::to_string(alignment)) != std::string::npos);
+    }
+  }
+  CHECK_THROWS_AS((void)a.allocate(std::numeric_limits<std::size_t>::max() - 100, 4096, s),
+                  gpukit::invalid_argument_error);
+  CHECK(a.allocate(0, 4096, s) == nullptr);
+  void* p = a.allocate(100, 4096, s);
+  a.deallocate(p);
+  CHECK_THROWS_AS(a.deallocate(p), gpukit::invalid_argument_error);
+  CHECK(a.memory_allocated() == 0);
+  // Still usable afterwards.
+  void* q = a.allocate(100, 8192, s);
+  CHECK(aligned_to(q, 8192));
+  a.deallocate(q);
+}
+
+TEST_CASE("a smaller rounding lowers the natural alignment, and larger requests are still honoured") {
+  gpukit::allocator_options options;
+  options.rounding = 64;
+  gpukit::caching_allocator a(cpu, options);
+  gpukit::stream s(cpu);
+  CHECK(a.natural_alignment() == 64);
+  std::vector<void*> live;
+  for (int i = 0; i < 8; ++i) live.push_back(a.allocate(64, 256, s));
+  for (void* p : live) CHECK(aligned_to(p, 256));
+  for (void* p : live) a.deallocate(p);
+  CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("pinned_pmr_resource backs standard containers and pool resources, whatever alignment they ask") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  gpukit::pinned_pmr_resource pinned(pool);
+  {
+    std::pmr::vector<int> v(1000, 7, &pinned);
+    CHECK(v[999] == 7);
+    CHECK(pool.stats().allocated_bytes > 0);
+    // libstdc++'s pool resource asks its upstream for large alignments.
+    std::pmr::unsynchronized_pool_resource pooled(&pinned);
+    std::pmr::vector<double> w(&pooled);
+    for (int i = 0; i < 10000; ++i) w.push_back(i);
+    CHECK(w[9999] == 9999);
+    void* big = pinned.allocate(100, std::size_t{1} << 16);
+    CHECK(aligned_to(big, std::size_t{1} << 16));
+    pinned.deallocate(big, 100, std::size_t{1} << 16);
+  }
+  CHECK(pool.stats().allocated_bytes == 0);
+  CHECK(pinned.is_equal(pinned));
+  gpukit::pinned_pmr_resource same_pool(pool);
+  CHECK(pinned.is_equal(same_pool));
+  gpukit::pinned_pool other_pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  gpukit::pinned_pmr_resource other(other_pool);
+  CHECK_FALSE(pinned.is_equal(other));
+  CHECK_FALSE(pinned.is_equal(*std::pmr::new_delete_resource()));
+  CHECK_THROWS_AS((void)pinned.allocate(100, 3), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("device_pmr_resource orders on its stream, or the thread's current one") {
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  {
+    gpukit::device_pmr_resource on_stream(a, s.view());
+    void* p = on_stream.allocate(4096, 512);
+    CHECK(aligned_to(p, 512));
+    CHECK(a.memory_allocated() >= 4096);  // 512 is over the natural 256: up to 256 more
+    on_stream.deallocate(p, 4096, 512);
+    CHECK(a.memory_allocated() == 0);
+  }
+  {
+    gpukit::device_pmr_resource current(a);
+    gpukit::stream_guard guard(s);
+    // On the CPU device the memory is host memory: a pool resource over it is fine there.
+    std::pmr::unsynchronized_pool_resource pooled(&current);
+    std::pmr::vector<int> v(&pooled);
+    v.resize(50000, 3);
+    CHECK(v[49999] == 3);
+    CHECK(a.memory_allocated() > 0);
+  }
+  CHECK(a.memory_allocated() == 0);
+  gpukit::device_pmr_resource x(a);
+  gpukit::device_pmr_resource y(a, s.view());
+  gpukit::caching_allocator b(cpu);
+  gpukit::device_pmr_resource z(b);
+  CHECK(x.is_equal(y));
+  CHECK_FALSE(x.is_equal(z));
+  gpukit::device_pmr_resource by_device(cpu);
+  CHECK(&by_device.allocator() == &gpukit::default_allocator(cpu));
+}

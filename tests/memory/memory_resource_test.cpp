@@ -1,0 +1,183 @@
+// gpukit memory as CCCL memory resources (memory_resource.hpp): conformance to the cuda::mr concepts of the CCCL
+// this file is compiled against (the toolkit's 3.0, and a newer one where CI installed it: both shapes), use
+// through resource_ref, alignment, equality; on the CPU device, and on cuda:0 where a GPU (or the simulator) is.
+#include <gpukit/memory/memory_resource.hpp>
+
+#include "support.hpp"
+
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <cuda/memory_resource>
+#include <cuda/stream_ref>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace mr = ::cuda::mr;
+
+#if CCCL_VERSION >= 3001000
+// CCCL 3.1 and later: synchronous_resource (allocate_sync) and resource (stream-ordered allocate).
+static_assert(mr::synchronous_resource<gpukit::device_memory_resource>, "");
+static_assert(mr::resource_with<gpukit::device_memory_resource, mr::device_accessible>, "");
+static_assert(!mr::resource_with<gpukit::device_memory_resource, mr::host_accessible>, "device memory");
+static_assert(mr::resource_with<gpukit::pinned_memory_resource, mr::device_accessible, mr::host_accessible>, "");
+template <class... Properties>
+using sync_ref = mr::synchronous_resource_ref<Properties...>;
+template <class... Properties>
+using stream_ordered_ref = mr::resource_ref<Properties...>;
+void* allocate_on(stream_ordered_ref<mr::device_accessible> ref, cuda::stream_ref s, std::size_t bytes,
+                  std::size_t alignment) {
+  return ref.allocate(s, bytes, alignment);
+}
+void deallocate_on(stream_ordered_ref<mr::device_accessible> ref, cuda::stream_ref s, void* p, std::size_t bytes,
+                   std::size_t alignment) {
+  ref.deallocate(s, p, bytes, alignment);
+}
+void* allocate_sync(sync_ref<mr::device_accessible> ref, std::size_t bytes, std::size_t alignment) {
+  return ref.allocate_sync(bytes, alignment);
+}
+void deallocate_sync(sync_ref<mr::device_accessible> ref, void* p, std::size_t bytes, std::size_t alignment) {
+  ref.deallocate_sync(p, bytes, alignment);
+}
+#else
+// CCCL 3.0 (CUDA 13.0): resource (synchronous) and async_resource (stream-ordered), experimental.
+static_assert(mr::resource<gpukit::device_memory_resource>, "");
+static_assert(mr::async_resource_with<gpukit::device_memory_resource, mr::device_accessible>, "");
+static_assert(!mr::resource_with<gpukit::device_memory_resource, mr::host_accessible>, "device memory");
+static_assert(mr::async_resource_with<gpukit::pinned_memory_resource, mr::device_accessible, mr::host_accessible>,
+              "");
+template <class... Properties>
+using sync_ref = mr::resource_ref<Properties...>;
+template <class... Properties>
+using stream_ordered_ref = mr::async_resource_ref<Properties...>;
+void* allocate_on(stream_ordered_ref<mr::device_accessible> ref, cuda::stream_ref s, std::size_t bytes,
+                  std::size_t alignment) {
+  return ref.allocate_async(bytes, alignment, s);
+}
+void deallocate_on(stream_ordered_ref<mr::device_accessible> ref, cuda::stream_ref s, void* p, std::size_t bytes,
+                   std::size_t alignment) {
+  ref.deallocate_async(p, bytes, alignment, s);
+}
+void* allocate_sync(sync_ref<mr::device_accessible> ref, std::size_t bytes, std::size_t alignment) {
+  return ref.allocate(bytes, alignment);
+}
+void deallocate_sync(sync_ref<mr::device_accessible> ref, void* p, std::size_t bytes, std::size_t alignment) {
+  ref.deallocate(p, bytes, alignment);
+}
+#endif
+
+namespace {
+bool aligned_to(const void* p, std::size_t alignment) {
+  return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
+}
+
+/// Stream-ordered and synchronous allocation through resource_refs of `resource` on `s` (a stream of its device).
+void exercise_device_resource(gpukit::device_memory_resource resource, gpukit::stream_view s) {
+  gpukit::device_allocator& a = resource.allocator();
+  const std::size_t before = a.memory_allocated();
+  void* p = allocate_on(resource, s, 1 << 20, 256);
+  REQUIRE(p != nullptr);
+  CHECK(a.owns(p));
+  CHECK(a.memory_allocated() == before + (1 << 20));
+  void* q = allocate_on(resource, s, 1000, 1 << 16);
+  CHECK(aligned_to(q, 1 << 16));
+  void* r = allocate_sync(resource, 3000, 4096);
+  CHECK(aligned_to(r, 4096));
+  deallocate_on(resource, s, p, 1 << 20, 256);
+  deallocate_on(resource, s, q, 1000, 1 << 16);
+  deallocate_sync(resource, r, 3000, 4096);
+  CHECK(a.memory_allocated() == before);
+}
+}  // namespace
+
+TEST_CASE("device_memory_resource: a cuda::mr resource over a device_allocator, on the CPU device") {
+  gpukit::caching_allocator a(gpukit::device::cpu());
+  gpukit::device_memory_resource resource(a);
+  CHECK(&resource.allocator() == &a);
+  CHECK(resource.device() == gpukit::device::cpu());
+  gpukit::stream s(gpukit::device::cpu());
+  // A CPU stream has no cuda::stream_ref: stream-ordered calls take CUDA streams, synchronous ones work.
+  CHECK_THROWS_AS((void)allocate_on(resource, gpukit::to_stream_ref(s), 100, 256), gpukit::invalid_argument_error);
+  void* p = allocate_sync(resource, 5000, 1 << 12);
+  CHECK(aligned_to(p, 1 << 12));
+  std::memset(p, 1, 5000);
+  CHECK(a.memory_allocated() >= 5000);
+  deallocate_sync(resource, p, 5000, 1 << 12);
+  CHECK(a.memory_allocated() == 0);
+  CHECK_THROWS_AS((void)allocate_sync(resource, 100, 48), gpukit::invalid_argument_error);
+  CHECK(allocate_sync(resource, 0, 256) == nullptr);
+}
+
+TEST_CASE("cuda::mr resources compare equal when they share an allocator or pool") {
+  gpukit::caching_allocator a(gpukit::device::cpu());
+  gpukit::caching_allocator b(gpukit::device::cpu());
+  CHECK(gpukit::device_memory_resource(a) == gpukit::device_memory_resource(a));
+  CHECK(gpukit::device_memory_resource(a) != gpukit::device_memory_resource(b));
+  CHECK(gpukit::device_memory_resource(gpukit::device::cpu()) ==
+        gpukit::device_memory_resource(gpukit::default_allocator(gpukit::device::cpu())));
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  gpukit::pinned_pool other{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  CHECK(gpukit::pinned_memory_resource(pool, gpukit::device::cpu()) ==
+        gpukit::pinned_memory_resource(pool, gpukit::device::cpu()));
+  CHECK(gpukit::pinned_memory_resource(pool, gpukit::device::cpu()) !=
+        gpukit::pinned_memory_resource(other, gpukit::device::cpu()));
+}
+
+TEST_CASE("pinned_memory_resource: host- and device-accessible memory from a pinned pool, any alignment") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  gpukit::pinned_memory_resource resource(pool, gpukit::device::cpu());
+  sync_ref<mr::host_accessible, mr::device_accessible> ref{resource};
+#if CCCL_VERSION >= 3001000
+  void* p = ref.allocate_sync(10000, 64);
+  void* q = ref.allocate_sync(100, 1 << 16);
+#else
+  void* p = ref.allocate(10000, 64);
+  void* q = ref.allocate(100, 1 << 16);
+#endif
+  CHECK(aligned_to(p, 4096));  // pinned blocks are pages
+  CHECK(aligned_to(q, 1 << 16));
+  std::memset(q, 2, 100);
+  CHECK(pool.stats().active_blocks == 2);
+#if CCCL_VERSION >= 3001000
+  ref.deallocate_sync(p, 10000, 64);
+  ref.deallocate_sync(q, 100, 1 << 16);
+#else
+  ref.deallocate(p, 10000, 64);
+  ref.deallocate(q, 100, 1 << 16);
+#endif
+  CHECK(pool.stats().active_blocks == 0);
+  CHECK_THROWS_AS((void)resource.allocate_sync(100, 5), gpukit::invalid_argument_error);
+  // Freed twice: the pool says so.
+  void* r = resource.allocate_sync(100, 1 << 14);
+  resource.deallocate_sync(r, 100, 1 << 14);
+  CHECK_THROWS_AS(resource.deallocate_sync(r, 100, 1 << 14), gpukit::invalid_argument_error);
+}
+
+TEST_CASE("gpu: device_memory_resource on cuda:0, stream-ordered and synchronous") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  exercise_device_resource(gpukit::device_memory_resource(d), s.view());
+  gpukit::caching_allocator own(d);
+  exercise_device_resource(gpukit::device_memory_resource(own), s.view());
+  // The legacy default stream of the device, through a stream_ref of handle 0.
+  exercise_device_resource(gpukit::device_memory_resource(own), gpukit::stream_view::default_stream(d));
+  own.empty_cache();
+}
+
+TEST_CASE("gpu: pinned_memory_resource on cuda:0 frees in a stream's order") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::pinned_memory_resource resource(d);
+  gpukit::stream s(d);
+  void* p = resource.allocate(s, 1 << 20, 1 << 13);
+  CHECK(aligned_to(p, 1 << 13));
+  cudaPointerAttributes attributes{};
+  REQUIRE(cudaPointerGetAttributes(&attributes, p) == cudaSuccess);
+  CHECK(attributes.type == cudaMemoryTypeHost);
+  resource.deallocate(s, p, 1 << 20, 1 << 13);
+  s.synchronize();
+}

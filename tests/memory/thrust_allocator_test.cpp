@@ -1,0 +1,106 @@
+// thrust_allocator (thrust_allocator.hpp) under Thrust's CPP device system, compiled by the C++ compiler: Thrust's
+// containers then touch the memory from the host, which is right for the CPU device and for the simulated runtime
+// (its device memory is host memory), so the allocator's plumbing (stream order, alignment, statistics, rebinding)
+// is tested here without a GPU. On a real GPU the CUDA system is needed: gpu_thrust_test.cu, built with nvcc.
+#include <gpukit/memory/thrust_allocator.hpp>
+
+#include "support.hpp"
+
+#include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <thrust/device_vector.h>
+#include <thrust/host_vector.h>
+#include <thrust/sort.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+
+static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CPP, "this test touches device memory from the host");
+
+namespace {
+template <class T>
+using gpukit_vector = thrust::device_vector<T, gpukit::thrust_allocator<T>>;
+
+/// A device_vector on `allocator` and `s`: filled from the host, sorted, read back; memory freed with the vector.
+void exercise(gpukit::device_allocator& allocator, gpukit::stream_view s) {
+  const std::size_t before = allocator.memory_allocated();
+  {
+    thrust::host_vector<int> h(10000);
+    for (int i = 0; i < 10000; ++i) h[static_cast<std::size_t>(i)] = 10000 - i;
+    gpukit_vector<int> v(h.begin(), h.end(), gpukit::thrust_allocator<int>(allocator, s));
+    CHECK(v.get_allocator().stream() == s);
+    CHECK(allocator.owns(thrust::raw_pointer_cast(v.data())));
+    CHECK(allocator.memory_allocated() >= before + 10000 * sizeof(int));
+    thrust::sort(v.begin(), v.end());
+    thrust::host_vector<int> back = v;
+    CHECK(back[0] == 1);
+    CHECK(back[9999] == 10000);
+    v.resize(50000, 7);  // reallocates through the allocator
+    CHECK(v[49999] == 7);
+  }
+  CHECK(allocator.memory_allocated() == before);
+}
+}  // namespace
+
+TEST_CASE("thrust_allocator backs a device_vector with a caching allocator on a stream (CPU device)") {
+  gpukit::caching_allocator allocator(gpukit::device::cpu());
+  gpukit::stream s(gpukit::device::cpu());
+  exercise(allocator, s);
+  CHECK(allocator.stats().num_alloc_retries == 0);
+}
+
+TEST_CASE("thrust_allocator: defaults, rebinding, equality, alignment and overflow") {
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::stream s(cpu);
+  {
+    gpukit::stream_guard guard(s);
+    gpukit::thrust_allocator<double> by_stream(s);
+    CHECK(&by_stream.allocator() == &gpukit::default_allocator(cpu));
+  }
+  gpukit::caching_allocator allocator(cpu);
+  gpukit::thrust_allocator<char> chars(allocator, s);
+  gpukit::thrust_allocator<double> doubles(chars);  // rebound: same allocator and stream
+  CHECK(&doubles.allocator() == &allocator);
+  CHECK(doubles.stream() == s.view());
+  CHECK(chars == gpukit::thrust_allocator<char>(allocator, s));
+  gpukit::stream other(cpu);
+  CHECK(chars != gpukit::thrust_allocator<char>(allocator, other));
+  struct alignas(1024) wide {
+    char bytes[1024];
+  };
+  gpukit::thrust_allocator<wide> wides(allocator, s);
+  auto p = wides.allocate(3);
+  CHECK(reinterpret_cast<std::uintptr_t>(thrust::raw_pointer_cast(p)) % 1024 == 0);
+  wides.deallocate(p, 3);
+  CHECK_THROWS_AS((void)doubles.allocate(std::numeric_limits<std::size_t>::max() / 4),
+                  gpukit::invalid_argument_error);
+  CHECK(allocator.memory_allocated() == 0);
+}
+
+TEST_CASE("thrust_allocator reports a bad free through gpukit::warn instead of throwing from a destructor") {
+  gpukit::caching_allocator allocator(gpukit::device::cpu());
+  gpukit::stream s(gpukit::device::cpu());
+  gpukit::thrust_allocator<int> a(allocator, s);
+  auto p = a.allocate(10);
+  a.deallocate(p, 10);
+  gpukit_test::captured_warnings warnings;
+  a.deallocate(p, 10);  // freed twice: reported, not thrown
+  CHECK(warnings.contains("thrust_allocator::deallocate"));
+}
+
+TEST_CASE("sim: thrust_allocator on cuda:0 of the simulated runtime") {
+  GPUKIT_REQUIRE_GPU();
+  if (!gpukit_test::on_simulator()) {
+    std::printf("GPUKIT_TEST_SKIPPED: Thrust's CPP system cannot touch a real GPU's memory (gpu_thrust_test.cu does)\n");
+    return;
+  }
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator allocator(d);
+  exercise(allocator, s);
+  exercise(gpukit::default_allocator(d), s);
+  s.synchronize();
+}
