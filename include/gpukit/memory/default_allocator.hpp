@@ -114,6 +114,40 @@ inline std::size_t memory_reserved(device d) { return default_allocator(d).memor
 inline std::size_t max_memory_allocated(device d) { return default_allocator(d).max_memory_allocated(); }
 /// Peak of memory_reserved(d) since the last reset_peak_memory_stats(d).
 inline std::size_t max_memory_reserved(device d) { return default_allocator(d).max_memory_reserved(); }
+/// The statistics as torch.cuda.memory_stats() returns them: a flat map, sorted by key, from
+/// "<statistic>.<pool>.<metric>" (statistic: allocation, segment, active, inactive_split, allocated_bytes,
+/// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes; pool: all, small_pool, large_pool; metric:
+/// current, peak, allocated, freed) and the counters num_alloc_retries, num_ooms, num_sync_all_streams,
+/// num_device_alloc and num_device_free to values, so code and dashboards written for PyTorch read gpukit's
+/// numbers unchanged. gpukit adds num_device_free_unforced; PyTorch's oversize_* keys are not kept.
+inline std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s) {
+  std::map<std::string, std::int64_t> flat;
+  const std::pair<const char*, const pool_stats*> groups[] = {
+      {"allocation", &s.allocation},           {"segment", &s.segment},
+      {"active", &s.active},                   {"inactive_split", &s.inactive_split},
+      {"allocated_bytes", &s.allocated_bytes}, {"reserved_bytes", &s.reserved_bytes},
+      {"active_bytes", &s.active_bytes},       {"inactive_split_bytes", &s.inactive_split_bytes},
+      {"requested_bytes", &s.requested_bytes}};
+  const char* const pools[] = {"all", "small_pool", "large_pool"};
+  for (const auto& [name, group] : groups) {
+    for (std::size_t pool = 0; pool < 3; ++pool) {
+      const std::string prefix = std::string(name) + "." + pools[pool] + ".";
+      const stat& value = group->pools[pool];
+      flat[prefix + "current"] = value.current;
+      flat[prefix + "peak"] = value.peak;
+      flat[prefix + "allocated"] = value.allocated;
+      flat[prefix + "freed"] = value.freed;
+    }
+  }
+  flat["num_alloc_retries"] = s.num_alloc_retries;
+  flat["num_ooms"] = s.num_ooms;
+  flat["num_sync_all_streams"] = s.num_sync_all_streams;
+  flat["num_device_alloc"] = s.num_device_alloc;
+  flat["num_device_free"] = s.num_device_free;
+  flat["num_device_free_unforced"] = s.num_device_free_unforced;
+  return flat;
+}
+
 /// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
 inline allocator_stats memory_stats(device d) { return default_allocator(d).stats(); }
 /// The same as torch.cuda.memory_stats()'s flat key → value map ("allocated_bytes.all.current", …).

@@ -54,6 +54,8 @@ class device_allocator {
   /// The alignment every allocation has without asking, as with cudaMalloc (an allocator configured with a smaller
   /// rounding gives that rounding; see natural_alignment()).
   static constexpr std::size_t default_alignment = 256;
+  /// The least natural alignment an allocator may have (alignof(std::max_align_t) on x86-64).
+  static constexpr std::size_t min_natural_alignment = 16;
 
   /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
   /// out_of_memory_error, or invalid_argument_error for a stream of another device.
@@ -62,6 +64,10 @@ class device_allocator {
   /// `alignment - natural_alignment()` extra bytes, which the statistics count). Throws invalid_argument_error for
   /// an alignment that is not a power of two.
   void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
+    // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
+    if (alignment <= min_natural_alignment && alignment != 0 && (alignment & (alignment - 1)) == 0) {
+      return do_allocate(bytes, stream);
+    }
     detail::require_power_of_two_alignment(alignment, "gpukit::device_allocator::allocate");
     const std::size_t natural = natural_alignment();
     if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
@@ -92,7 +98,8 @@ class device_allocator {
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).
   bool owns(const void* p) const noexcept { return do_owns(over_aligned_.block_of(p)); }
-  /// The alignment of every allocation made without asking for one (at least 1, a power of two).
+  /// The alignment of every allocation made without asking for one (a power of two, at least
+  /// min_natural_alignment).
   std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
 
   /// Statistics, read without locking.
@@ -160,7 +167,7 @@ class device_allocator {
   virtual void do_deallocate(void* p, stream_view stream) = 0;
   virtual void do_record_stream(void* p, stream_view stream) = 0;
   virtual bool do_owns(const void* p) const noexcept = 0;
-  /// cudaMalloc's guarantee unless an implementation says otherwise.
+  /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
   virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
 
   detail::aligned_offsets over_aligned_;

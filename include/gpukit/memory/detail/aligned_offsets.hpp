@@ -12,13 +12,15 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <mutex>
 #include <string>
-#include <unordered_map>
+#include <utility>
+#include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
@@ -59,7 +61,12 @@ class aligned_offsets {
   /// Remembers that `aligned` lies in the block starting at `block` (aligned != block).
   void add(void* aligned, void* block) {
     std::lock_guard<std::mutex> lock(mutex_);
-    blocks_.insert_or_assign(aligned, block);
+    const auto it = find_in(blocks_, aligned);
+    if (it != blocks_.end() && it->first == aligned) {
+      it->second = block;
+    } else {
+      blocks_.insert(it, {aligned, block});
+    }
     size_.store(blocks_.size(), std::memory_order_relaxed);
   }
 
@@ -67,8 +74,8 @@ class aligned_offsets {
   void* block_of(const void* p) const noexcept {
     if (p == nullptr || size_.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = blocks_.find(p);
-    return it == blocks_.end() ? const_cast<void*>(p) : it->second;
+    const auto it = find_in(blocks_, p);
+    return it == blocks_.end() || it->first != p ? const_cast<void*>(p) : it->second;
   }
 
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed (once free, the
@@ -91,16 +98,26 @@ class aligned_offsets {
   void erase(const void* aligned) noexcept {
     if (aligned == nullptr || size_.load(std::memory_order_relaxed) == 0) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    blocks_.erase(aligned);
+    const auto it = find_in(blocks_, aligned);
+    if (it != blocks_.end() && it->first == aligned) blocks_.erase(it);
     size_.store(blocks_.size(), std::memory_order_relaxed);
   }
 
-  /// Over-aligned allocations live now that do not start their block.
-  std::size_t size() const noexcept { return size_.load(std::memory_order_relaxed); }
-
  private:
+  using entry = std::pair<const void*, void*>;
+
+  /// The first entry whose address is not below `p` (the entries are sorted by address; caller holds mutex_).
+  template <class Entries>
+  static auto find_in(Entries& entries, const void* p) -> decltype(entries.begin()) {
+    const auto below = [](const entry& e, std::uintptr_t key) {
+      return reinterpret_cast<std::uintptr_t>(e.first) < key;
+    };
+    return std::lower_bound(entries.begin(), entries.end(), reinterpret_cast<std::uintptr_t>(p), below);
+  }
+
   mutable std::mutex mutex_;
-  std::unordered_map<const void*, void*> blocks_;
+  /// Sorted by aligned address. A vector: over-aligned allocations are few, and it costs no header of its own.
+  std::vector<entry> blocks_;
   std::atomic<std::size_t> size_{0};
 };
 
