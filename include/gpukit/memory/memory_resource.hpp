@@ -49,11 +49,41 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
+namespace detail {
+/// CCCL 3.0's names for a resource's calls (`resource`: allocate/deallocate(bytes, alignment); `async_resource`:
+/// allocate_async/deallocate_async), forwarded to the CCCL 3.1+ names Derived defines (allocate_sync,
+/// deallocate_sync, allocate(stream, ...), deallocate(stream, ...)). Derived says `using` for allocate and
+/// deallocate: its own overloads would hide these.
+template <class Derived, std::size_t DefaultAlignment>
+class cccl_3_0_names {
+ public:
+  void* allocate(std::size_t bytes, std::size_t alignment = DefaultAlignment) {
+    return self().allocate_sync(bytes, alignment);
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = DefaultAlignment) {
+    self().deallocate_sync(p, bytes, alignment);
+  }
+  void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    return self().allocate(stream, bytes, alignment);
+  }
+  void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
+    self().deallocate(stream, p, bytes, alignment);
+  }
+
+ private:
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+};
+}  // namespace detail
+
 /// A device_allocator (by default the per-device default allocator) as a cuda::mr resource: device-accessible,
 /// stream-ordered, with statistics and caching from the allocator. Alignments above the allocator's natural one
 /// (256 bytes) are honoured by device_allocator::allocate. On the CPU device the memory is host memory.
-class device_memory_resource {
+class device_memory_resource
+    : public detail::cccl_3_0_names<device_memory_resource, device_allocator::default_alignment> {
  public:
+  using cccl_3_0_names::allocate;
+  using cccl_3_0_names::deallocate;
+
   /// The default allocator of `d` (default_allocator(d)).
   explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
   /// `allocator`, which must outlive this resource and its copies.
@@ -64,7 +94,7 @@ class device_memory_resource {
   /// The device whose memory this resource hands out.
   gpukit::device device() const noexcept { return allocator_->device(); }
 
-  // --- CCCL 3.1 and later ---
+  // CCCL 3.1 and later (CCCL 3.0's names come from cccl_3_0_names).
 
   /// `bytes` aligned to `alignment`, ready for work on the calling thread's current stream of the device.
   void* allocate_sync(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
@@ -82,25 +112,6 @@ class device_memory_resource {
   /// Frees `p` once the work enqueued so far on `stream` (and on the stream it was allocated on) is done.
   void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
     allocator_->deallocate(p, to_view(stream));
-  }
-
-  // --- CCCL 3.0 ---
-
-  /// allocate_sync.
-  void* allocate(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
-    return allocate_sync(bytes, alignment);
-  }
-  /// deallocate_sync.
-  void deallocate(void* p, std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
-    deallocate_sync(p, bytes, alignment);
-  }
-  /// allocate(stream, bytes, alignment).
-  void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
-    return allocate(stream, bytes, alignment);
-  }
-  /// deallocate(stream, p, bytes, alignment).
-  void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
-    deallocate(stream, p, bytes, alignment);
   }
 
   /// Equal when both use the same allocator (memory from one may be freed through the other).
@@ -124,8 +135,12 @@ class device_memory_resource {
 /// host- and device-accessible. Synchronous frees return a block at once; stream-ordered ones after the stream's
 /// work so far (pinned_pool::deallocate(p, stream)). Blocks are page-aligned; larger power-of-two alignments cost
 /// up to `alignment - 4096` extra bytes. On the CPU device the memory is ordinary page-aligned host memory.
-class pinned_memory_resource {
+class pinned_memory_resource
+    : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
  public:
+  using cccl_3_0_names::allocate;
+  using cccl_3_0_names::deallocate;
+
   /// The alignment of every pinned block (a page).
   static constexpr std::size_t natural_alignment = detail::pinned_natural_alignment;
 
@@ -138,7 +153,7 @@ class pinned_memory_resource {
   /// The pool behind this resource.
   pinned_pool& pool() const noexcept { return *pool_; }
 
-  // --- CCCL 3.1 and later ---
+  // CCCL 3.1 and later (CCCL 3.0's names come from cccl_3_0_names).
 
   /// `bytes` of pinned memory aligned to `alignment`, usable at once.
   void* allocate_sync(std::size_t bytes, std::size_t alignment = natural_alignment) {
@@ -156,21 +171,6 @@ class pinned_memory_resource {
   void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
     const stream_view view(device_, stream.get());
     detail::pinned_deallocate_aligned(*pool_, p, &view);
-  }
-
-  // --- CCCL 3.0 ---
-
-  void* allocate(std::size_t bytes, std::size_t alignment = natural_alignment) {
-    return allocate_sync(bytes, alignment);
-  }
-  void deallocate(void* p, std::size_t bytes, std::size_t alignment = natural_alignment) {
-    deallocate_sync(p, bytes, alignment);
-  }
-  void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
-    return allocate(stream, bytes, alignment);
-  }
-  void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, ::cuda::stream_ref stream) {
-    deallocate(stream, p, bytes, alignment);
   }
 
   /// Equal when both use the same pool.
