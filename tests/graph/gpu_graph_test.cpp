@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -171,5 +172,40 @@ TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool a
   g.launch(s);
   gpukit::device_buffer<int> y(16, s);
   CHECK_FALSE(pool->owns(y.data()));
+  s.synchronize();
+}
+
+TEST_CASE("gpu: over-aligned allocations in a capture come from the pool, aligned, and go back through the pool") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::allocator_options options;
+  options.rounding = 64;  // a backing allocator whose blocks are only 64-byte aligned
+  gpukit::caching_allocator backing(d, options);
+  auto pool = gpukit::graph_pool::create(d, 4 * MiB, &backing);
+  CHECK(pool->natural_alignment() == 64);
+  const auto aligned_to = [](const void* p, std::size_t alignment) {
+    return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
+  };
+  // Directly from the pool, at the default alignment and over it.
+  for (std::size_t alignment : {std::size_t{256}, std::size_t{512}, std::size_t{8192}}) {
+    CAPTURE(alignment);
+    void* p = pool->allocate(1000, alignment, s);
+    CHECK(aligned_to(p, alignment));
+    CHECK(pool->owns(p));
+    pool->deallocate(p);
+  }
+  CHECK(pool->memory_allocated() == 0);
+  // Through the default allocator, which routes a capture's allocations to the pool.
+  void* inside = nullptr;
+  gpukit::graph step = gpukit::capture(s, [&] {
+    inside = gpukit::default_allocator(d).allocate(3000, 4096, s);
+    CHECK(aligned_to(inside, 4096));
+    CHECK(pool->owns(inside));
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(inside, 0, 3000, s.cuda_handle()));  // all of it lies in the pool block
+    pool->deallocate(inside);  // freed through the pool that served it, not the allocator that asked
+  }, pool);
+  CHECK(pool->memory_allocated() == 0);
+  step.launch(s);
   s.synchronize();
 }

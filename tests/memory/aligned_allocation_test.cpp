@@ -146,6 +146,14 @@ TEST_CASE("pinned_pmr_resource backs standard containers and pool resources, wha
   gpukit::pinned_pmr_resource other(other_pool);
   CHECK_FALSE(pinned.is_equal(other));
   CHECK_FALSE(pinned.is_equal(*std::pmr::new_delete_resource()));
+  void* empty = pinned.allocate(0);  // std::pmr wants memory for 0 bytes too
+  CHECK(empty != nullptr);
+  pinned.deallocate(empty, 0);
+  {
+    gpukit_test::captured_warnings warnings;  // std::pmr's deallocate throws nothing: reported instead
+    pinned.deallocate(empty, 0);
+    CHECK(warnings.contains("pinned_pmr_resource::deallocate"));
+  }
   std::size_t not_a_power_of_two = 3;  // a variable: clang refuses the constant at compile time
   CHECK_THROWS_AS((void)pinned.allocate(100, not_a_power_of_two), gpukit::invalid_argument_error);
 }

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <utility>
 
 static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CPP, "this test touches device memory from the host");
 
@@ -67,7 +68,9 @@ TEST_CASE("thrust_allocator: defaults, rebinding, equality, alignment and overfl
   CHECK(doubles.stream() == s.view());
   CHECK(chars == gpukit::thrust_allocator<char>(allocator, s));
   gpukit::stream other(cpu);
-  CHECK(chars != gpukit::thrust_allocator<char>(allocator, other));
+  CHECK(chars == gpukit::thrust_allocator<char>(allocator, other));  // memory may be freed on either stream
+  gpukit::caching_allocator another(cpu);
+  CHECK(chars != gpukit::thrust_allocator<char>(another, s));
   struct alignas(1024) wide {
     char bytes[1024];
   };
@@ -77,6 +80,24 @@ TEST_CASE("thrust_allocator: defaults, rebinding, equality, alignment and overfl
   wides.deallocate(p, 3);
   CHECK_THROWS_AS((void)doubles.allocate(std::numeric_limits<std::size_t>::max() / 4),
                   gpukit::invalid_argument_error);
+  CHECK(allocator.memory_allocated() == 0);
+}
+
+TEST_CASE("vectors on two streams of one allocator swap and move their storage") {
+  gpukit::caching_allocator allocator(gpukit::device::cpu());
+  gpukit::stream s1(gpukit::device::cpu());
+  gpukit::stream s2(gpukit::device::cpu());
+  {
+    gpukit_vector<int> a(100, 1, gpukit::thrust_allocator<int>(allocator, s1));
+    gpukit_vector<int> b(200, 2, gpukit::thrust_allocator<int>(allocator, s2));
+    a.swap(b);
+    CHECK(a.size() == 200);
+    CHECK(b[99] == 1);
+    a = std::move(b);
+    CHECK(a.size() == 100);
+  }
+  s1.synchronize();
+  s2.synchronize();
   CHECK(allocator.memory_allocated() == 0);
 }
 

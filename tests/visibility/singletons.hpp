@@ -30,6 +30,7 @@ inline constexpr const char* singleton_names[] = {
     "detail::capture_pools()",
     "detail::driver()",
     "mode_independent::peer_access_holders()",
+    "detail::over_aligned_addresses()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -63,6 +64,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::capture_pools(),
       &gpukit::detail::driver(),
       &gpukit::mode_independent::peer_access_holders(),
+      &gpukit::detail::over_aligned_addresses(),
   }};
 }
 }  // namespace

@@ -60,9 +60,10 @@ class device_allocator {
   /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
   /// out_of_memory_error, or invalid_argument_error for a stream of another device.
   void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
-  /// The same, aligned to `alignment` (a power of two; larger than natural_alignment() costs up to
-  /// `alignment - natural_alignment()` extra bytes, which the statistics count). Throws invalid_argument_error for
-  /// an alignment that is not a power of two.
+  /// The same, aligned to `alignment` (a power of two). Above natural_alignment() the memory comes from a block
+  /// `alignment - natural_alignment()` bytes larger (the statistics, snapshots and history show that block: its
+  /// start and size), and the aligned address is remembered process-wide, so it may be freed through any allocator
+  /// that could free the block. Throws invalid_argument_error for an alignment that is not a power of two.
   void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
     // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
     if (alignment <= min_natural_alignment && alignment != 0 && (alignment & (alignment - 1)) == 0) {
@@ -77,9 +78,13 @@ class device_allocator {
     void* aligned = detail::aligned_offsets::align_up(block, alignment);
     if (aligned == block) return block;
     try {
-      over_aligned_.add(aligned, block);
+      detail::over_aligned_addresses().add(aligned, block);
     } catch (...) {
-      do_deallocate(block);
+      try {
+        do_deallocate(block);
+      } catch (...) {
+        // The block was just handed out: its free cannot be refused; the first error is the one to report.
+      }
       throw;
     }
     return aligned;
@@ -87,17 +92,17 @@ class device_allocator {
   /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
   /// allocator does not own (including a double free); nullptr is ignored.
   void deallocate(void* p) {
-    over_aligned_.free_with(p, [this](void* block) { do_deallocate(block); });
+    detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
   }
   /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
   void deallocate(void* p, stream_view stream) {
-    over_aligned_.free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
+    detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
   }
   /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
-  void record_stream(void* p, stream_view stream) { do_record_stream(over_aligned_.block_of(p), stream); }
+  void record_stream(void* p, stream_view stream) { do_record_stream(detail::over_aligned_addresses().block_of(p), stream); }
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).
-  bool owns(const void* p) const noexcept { return do_owns(over_aligned_.block_of(p)); }
+  bool owns(const void* p) const noexcept { return do_owns(detail::over_aligned_addresses().block_of(p)); }
   /// The alignment of every allocation made without asking for one (a power of two, at least
   /// min_natural_alignment).
   std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
@@ -169,8 +174,6 @@ class device_allocator {
   virtual bool do_owns(const void* p) const noexcept = 0;
   /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
   virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
-
-  detail::aligned_offsets over_aligned_;
 };
 
 /// The caching engine (basic_caching_allocator) over `Upstream`, with gpukit's streams and events, as a
@@ -219,7 +222,10 @@ class caching_device_allocator final : public device_allocator {
   /// While a graph pool exists (graph_pool.hpp), allocations for a capture it serves come from it.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (detail::any_capture_pool() && bytes != 0) {
-      if (device_allocator* pool = detail::pool_for_capture(stream)) return pool->allocate(bytes, stream);
+      // At this allocator's natural alignment, which callers (over-aligned requests among them) rely on.
+      if (device_allocator* pool = detail::pool_for_capture(stream)) {
+        return pool->allocate(bytes, do_natural_alignment(), stream);
+      }
     }
     return engine_.allocate(bytes, stream);
   }

@@ -231,6 +231,11 @@ class graph_pool final : public device_allocator {
 
  private:
   // device_allocator's allocate/deallocate/record_stream/owns land here.
+  /// Blocks sit at multiples of `alignment` inside reserve chunks, which are as aligned as the backing allocator's
+  /// memory.
+  std::size_t do_natural_alignment() const noexcept override {
+    return std::min<std::size_t>(alignment, backing_->natural_alignment());
+  }
   /// Best fit from the reserve, with no CUDA call (legal inside a capture). Throws out_of_memory_error when the
   /// reserve has no block that large (after the observers), invalid_argument_error for a stream of another device.
   void* do_allocate(std::size_t bytes, stream_view stream) override {

@@ -97,21 +97,26 @@ class device_memory_resource
   // CCCL 3.1 and later (CCCL 3.0's names come from cccl_3_0_names).
 
   /// `bytes` aligned to `alignment`, ready for work on the calling thread's current stream of the device.
+  /// Stream-ordered like everything in gpukit, not synchronous: the block may have been freed on that stream by
+  /// work still running there, so use it on that stream (or order another stream, or the host, after it).
   void* allocate_sync(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
     return allocator_->allocate(bytes, alignment, current_stream(device()));
   }
-  /// Frees memory no work still uses (in the order of the stream it was allocated on).
+  /// Frees memory in the order of the stream it was allocated on. CCCL's references call it noexcept: a refused
+  /// free (a pointer this allocator does not own, a double free) is reported through gpukit::warn.
   void deallocate_sync(void* p, std::size_t /*bytes*/,
-                       std::size_t /*alignment*/ = device_allocator::default_alignment) {
-    allocator_->deallocate(p);
+                       std::size_t /*alignment*/ = device_allocator::default_alignment) noexcept {
+    detail::free_reporting_errors("gpukit::device_memory_resource::deallocate", [&] { allocator_->deallocate(p); });
   }
   /// `bytes` aligned to `alignment`, usable on `stream` at once.
   void* allocate(::cuda::stream_ref stream, std::size_t bytes, std::size_t alignment) {
     return allocator_->allocate(bytes, alignment, to_view(stream));
   }
-  /// Frees `p` once the work enqueued so far on `stream` (and on the stream it was allocated on) is done.
-  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
-    allocator_->deallocate(p, to_view(stream));
+  /// Frees `p` once the work enqueued so far on `stream` (and on the stream it was allocated on) is done. Errors
+  /// are reported through gpukit::warn, as for deallocate_sync.
+  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) noexcept {
+    detail::free_reporting_errors("gpukit::device_memory_resource::deallocate",
+                                  [&] { allocator_->deallocate(p, to_view(stream)); });
   }
 
   /// Equal when both use the same allocator (memory from one may be freed through the other).
@@ -125,23 +130,31 @@ class device_memory_resource
   friend void get_property(const device_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
 
  private:
-  /// A stream of this resource's device (the handle alone does not say which device a legacy default stream is).
-  stream_view to_view(::cuda::stream_ref stream) const { return stream_view(device(), stream.get()); }
+  /// The stream as a view: a default stream is this resource's device's (its handle does not say which device);
+  /// any other handle's device is asked of CUDA, so a stream of another device is refused by the allocator.
+  stream_view to_view(::cuda::stream_ref stream) const {
+    const cudaStream_t handle = stream.get();
+    if (handle == nullptr || handle == cudaStreamLegacy || handle == cudaStreamPerThread) {
+      return stream_view(device(), handle);
+    }
+    return stream_view(handle);
+  }
 
   device_allocator* allocator_;
 };
 
 /// A pinned_pool (by default the process-wide one of a device) as a cuda::mr resource: page-locked host memory,
 /// host- and device-accessible. Synchronous frees return a block at once; stream-ordered ones after the stream's
-/// work so far (pinned_pool::deallocate(p, stream)). Blocks are page-aligned; larger power-of-two alignments cost
-/// up to `alignment - 4096` extra bytes. On the CPU device the memory is ordinary page-aligned host memory.
+/// work so far (pinned_pool::deallocate(p, stream)). Blocks are 256-byte aligned (pages on the CPU); larger
+/// power-of-two alignments cost up to `alignment - 256` extra bytes. On the CPU device the memory is ordinary
+/// page-aligned host memory.
 class pinned_memory_resource
     : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
  public:
   using cccl_3_0_names::allocate;
   using cccl_3_0_names::deallocate;
 
-  /// The alignment of every pinned block (a page).
+  /// The alignment of every pinned block.
   static constexpr std::size_t natural_alignment = detail::pinned_natural_alignment;
 
   /// default_pinned_pool(d).
@@ -159,18 +172,21 @@ class pinned_memory_resource
   void* allocate_sync(std::size_t bytes, std::size_t alignment = natural_alignment) {
     return detail::pinned_allocate_aligned(*pool_, bytes, alignment, "gpukit::pinned_memory_resource::allocate");
   }
-  /// Returns `p` to the pool at once (no work may still use it).
-  void deallocate_sync(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = natural_alignment) {
-    detail::pinned_deallocate_aligned(*pool_, p, nullptr);
+  /// Returns `p` to the pool at once (no work may still use it). Errors are reported through gpukit::warn.
+  void deallocate_sync(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = natural_alignment) noexcept {
+    detail::free_reporting_errors("gpukit::pinned_memory_resource::deallocate",
+                                  [&] { detail::pinned_deallocate_aligned(*pool_, p, nullptr); });
   }
   /// allocate_sync: pinned memory is usable by any stream at once.
   void* allocate(::cuda::stream_ref /*stream*/, std::size_t bytes, std::size_t alignment) {
     return allocate_sync(bytes, alignment);
   }
-  /// Returns `p` once the work enqueued so far on `stream` is done.
-  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) {
-    const stream_view view(device_, stream.get());
-    detail::pinned_deallocate_aligned(*pool_, p, &view);
+  /// Returns `p` once the work enqueued so far on `stream` is done. Errors are reported through gpukit::warn.
+  void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) noexcept {
+    detail::free_reporting_errors("gpukit::pinned_memory_resource::deallocate", [&] {
+      const stream_view view(device_, stream.get());
+      detail::pinned_deallocate_aligned(*pool_, p, &view);
+    });
   }
 
   /// Equal when both use the same pool.

@@ -13,7 +13,7 @@
 /// - device_pmr_resource: device memory from a device_allocator, ordered on a stream. **Device-only**: the host must
 ///   not touch it, so hand it only to code that passes the bytes to the device, never to a container or to
 ///   std::pmr's pool and monotonic resources (they write their bookkeeping into the memory). On the CPU device
-///   the memory is host memory and anything goes.
+///   the memory is host memory and anything goes. Stream-ordered: see device_memory_resource::allocate_sync.
 /// Both honour every power-of-two alignment (standard pool resources ask for large ones).
 
 #include <gpukit/detail/config.hpp>
@@ -24,6 +24,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/current_stream.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory_resource>
 #include <optional>
@@ -42,11 +43,15 @@ class pinned_pmr_resource final : public std::pmr::memory_resource {
   pinned_pool& pool() const noexcept { return *pool_; }
 
  private:
+  /// std::pmr wants memory even for 0 bytes: a smallest block.
   void* do_allocate(std::size_t bytes, std::size_t alignment) override {
-    return detail::pinned_allocate_aligned(*pool_, bytes, alignment, "gpukit::pinned_pmr_resource::allocate");
+    return detail::pinned_allocate_aligned(*pool_, std::max<std::size_t>(bytes, 1), alignment,
+                                           "gpukit::pinned_pmr_resource::allocate");
   }
+  /// std::pmr's deallocate throws nothing: a refused free is reported through gpukit::warn.
   void do_deallocate(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) override {
-    detail::pinned_deallocate_aligned(*pool_, p, nullptr);
+    detail::free_reporting_errors("gpukit::pinned_pmr_resource::deallocate",
+                                  [&] { detail::pinned_deallocate_aligned(*pool_, p, nullptr); });
   }
   /// Equal to any pinned_pmr_resource of the same pool.
   bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override {
@@ -73,11 +78,14 @@ class device_pmr_resource final : public std::pmr::memory_resource {
  private:
   stream_view stream() const { return stream_ ? *stream_ : current_stream(allocator_->device()); }
 
+  /// std::pmr wants memory even for 0 bytes: a smallest block.
   void* do_allocate(std::size_t bytes, std::size_t alignment) override {
-    return allocator_->allocate(bytes, alignment, stream());
+    return allocator_->allocate(std::max<std::size_t>(bytes, 1), alignment, stream());
   }
+  /// std::pmr's deallocate throws nothing: a refused free is reported through gpukit::warn.
   void do_deallocate(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) override {
-    allocator_->deallocate(p, stream());
+    detail::free_reporting_errors("gpukit::device_pmr_resource::deallocate",
+                                  [&] { allocator_->deallocate(p, stream()); });
   }
   /// Equal to any device_pmr_resource of the same allocator (memory is freed in its streams' order either way).
   bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override {

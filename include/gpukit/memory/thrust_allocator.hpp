@@ -11,21 +11,23 @@
 ///
 /// The allocator takes memory from a device_allocator (the default allocator of the device unless one is given)
 /// on its stream, and frees it in that stream's order, so a vector's memory is reused only after the work its
-/// stream had enqueued by the free. Thrust's own kernels (a vector's construction, algorithms without an execution
-/// policy) run on the default stream: give them the allocator's stream through an execution policy. The stream and
+/// stream had enqueued by the free. Thrust's own kernels (a vector's construction and resize fills, algorithms
+/// without an execution policy) run on the default stream: give algorithms the allocator's stream through an
+/// execution policy, and before using freshly filled elements on a non-blocking stream (or in code built with
+/// per-thread default streams) synchronize the default stream. The stream and
 /// the allocator must outlive the containers. Needs Thrust (CCCL) on the include path; not included by gpukit.hpp.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/detail/aligned_offsets.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/stream/current_stream.hpp>
 
 #include <thrust/device_malloc_allocator.h>
 #include <thrust/device_ptr.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -59,23 +61,19 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   thrust_allocator(const thrust_allocator<U>& other) noexcept  // NOLINT(google-explicit-constructor)
       : allocator_(&other.allocator()), stream_(other.stream()) {}
 
-  /// Memory for `n` elements on the stream, aligned for `T` (at least 256 bytes). Throws out_of_memory_error, or
+  /// Memory for `n` elements on the stream, aligned for `T` (at least the allocator's natural alignment). Throws out_of_memory_error, or
   /// invalid_argument_error when `n * sizeof(T)` overflows.
   pointer allocate(size_type n) {
     if (n > std::numeric_limits<size_type>::max() / sizeof(T)) {
       throw invalid_argument_error("gpukit::thrust_allocator::allocate: " + std::to_string(n) + " elements of " +
                                    std::to_string(sizeof(T)) + " bytes overflow");
     }
-    const std::size_t alignment = std::max<std::size_t>(alignof(T), device_allocator::default_alignment);
-    return pointer(static_cast<T*>(allocator_->allocate(n * sizeof(T), alignment, stream_)));
+    return pointer(static_cast<T*>(allocator_->allocate(n * sizeof(T), alignof(T), stream_)));
   }
   /// Frees in the stream's order. Thrust calls it from destructors: a failure is reported through gpukit::warn.
   void deallocate(pointer p, size_type /*n*/) noexcept {
-    try {
-      allocator_->deallocate(thrust::raw_pointer_cast(p), stream_);
-    } catch (const std::exception& e) {
-      warn(std::string("gpukit::thrust_allocator::deallocate: ") + e.what());
-    }
+    detail::free_reporting_errors("gpukit::thrust_allocator::deallocate",
+                                  [&] { allocator_->deallocate(thrust::raw_pointer_cast(p), stream_); });
   }
 
   /// The allocator memory comes from.
@@ -83,9 +81,10 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   /// The stream allocations and frees are ordered on.
   stream_view stream() const noexcept { return stream_; }
 
-  /// Equal when both use the same allocator and stream.
+  /// Equal when both use the same allocator: memory from one may be freed through the other (on either stream),
+  /// so vectors on different streams of one allocator swap and move their storage.
   friend bool operator==(const thrust_allocator& a, const thrust_allocator& b) noexcept {
-    return a.allocator_ == b.allocator_ && a.stream_ == b.stream_;
+    return a.allocator_ == b.allocator_;
   }
   friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
 

@@ -4,18 +4,21 @@
 
 /// \file
 /// Over-aligned allocations: an allocator whose blocks have a natural alignment serves a larger one by allocating
-/// `alignment - natural` more bytes and handing out the first aligned address inside. This table remembers, for
-/// each such address that is not the block's start, the block's start, so that frees and queries reach the
-/// allocator with the pointer it handed out. Empty (one relaxed load per lookup) until an over-aligned request
-/// lands off its block's start.
+/// `alignment - natural` more bytes and handing out the first aligned address inside. One process-wide table
+/// remembers, for each such address that is not its block's start, the block's start, so that frees and queries
+/// reach the allocator with the pointer it handed out, whichever allocator or adaptor they come through (a graph
+/// pool's memory may be freed through any allocator). Sharded by address: a lookup takes a lock only when its
+/// shard holds an over-aligned address, otherwise it is one relaxed load.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -44,14 +47,22 @@ inline std::size_t over_aligned_request(std::size_t bytes, std::size_t alignment
   return bytes + extra;
 }
 
-/// Aligned address → start of the block it lies in, for over-aligned allocations. Thread-safe. Copying gives an
-/// empty table (an allocator's copy owns none of the original's blocks).
+/// Runs `free_memory` for a caller that must not throw (a noexcept deallocate of an adaptor, which containers and
+/// CCCL's references call from destructors): an error is reported through gpukit::warn, naming `who`.
+template <class FreeMemory>
+void free_reporting_errors(const char* who, FreeMemory&& free_memory) noexcept {
+  try {
+    free_memory();
+  } catch (const std::exception& e) {
+    warn(std::string(who) + ": " + e.what());
+  } catch (...) {
+    warn(std::string(who) + ": an unknown exception");
+  }
+}
+
+/// Aligned address → start of the block it lies in, for over-aligned allocations. Thread-safe.
 class aligned_offsets {
  public:
-  aligned_offsets() = default;
-  aligned_offsets(const aligned_offsets& /*other*/) noexcept {}
-  aligned_offsets& operator=(const aligned_offsets& /*other*/) noexcept { return *this; }
-
   /// The first `alignment` boundary at or after `block`.
   static void* align_up(void* block, std::size_t alignment) noexcept {
     const auto address = reinterpret_cast<std::uintptr_t>(block);
@@ -60,27 +71,30 @@ class aligned_offsets {
 
   /// Remembers that `aligned` lies in the block starting at `block` (aligned != block).
   void add(void* aligned, void* block) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = find_in(blocks_, aligned);
-    if (it != blocks_.end() && it->first == aligned) {
+    shard& s = shard_of(aligned);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto it = find_in(s.entries, aligned);
+    if (it != s.entries.end() && it->first == aligned) {
       it->second = block;
     } else {
-      blocks_.insert(it, {aligned, block});
+      s.entries.insert(it, {aligned, block});
     }
-    size_.store(blocks_.size(), std::memory_order_relaxed);
+    s.size.store(s.entries.size(), std::memory_order_relaxed);
   }
 
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
-  void* block_of(const void* p) const noexcept {
-    if (p == nullptr || size_.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = find_in(blocks_, p);
-    return it == blocks_.end() || it->first != p ? const_cast<void*>(p) : it->second;
+  void* block_of(const void* p) noexcept {
+    if (p == nullptr) return nullptr;
+    shard& s = shard_of(p);
+    if (s.size.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto it = find_in(s.entries, p);
+    return it == s.entries.end() || it->first != p ? const_cast<void*>(p) : it->second;
   }
 
-  /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed (once free, the
-  /// block and so the same aligned address may be handed out again at once) and remembered again if the free
-  /// throws (the allocation is still live).
+  /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
+  /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
+  /// refused it and the allocation stays live, so the address is remembered again.
   template <class FreeBlock>
   void free_with(void* p, FreeBlock&& free_block) {
     void* block = block_of(p);
@@ -89,37 +103,58 @@ class aligned_offsets {
     try {
       free_block(block);
     } catch (...) {
-      add(p, block);
+      try {
+        add(p, block);
+      } catch (...) {
+        warn("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at " +
+             std::to_string(reinterpret_cast<std::uintptr_t>(p)) + " can no longer be freed");
+      }
       throw;
     }
   }
 
   /// Forgets `aligned`; nothing when it is not in the table.
   void erase(const void* aligned) noexcept {
-    if (aligned == nullptr || size_.load(std::memory_order_relaxed) == 0) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = find_in(blocks_, aligned);
-    if (it != blocks_.end() && it->first == aligned) blocks_.erase(it);
-    size_.store(blocks_.size(), std::memory_order_relaxed);
+    if (aligned == nullptr) return;
+    shard& s = shard_of(aligned);
+    if (s.size.load(std::memory_order_relaxed) == 0) return;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto it = find_in(s.entries, aligned);
+    if (it != s.entries.end() && it->first == aligned) s.entries.erase(it);
+    s.size.store(s.entries.size(), std::memory_order_relaxed);
   }
 
  private:
   using entry = std::pair<const void*, void*>;
+  struct shard {
+    std::atomic<std::size_t> size{0};  // read without the lock: a relaxed load when the shard is empty
+    std::mutex mutex;
+    std::vector<entry> entries;  // sorted by aligned address; over-aligned allocations are few
+  };
+  static constexpr std::size_t shard_count = 64;
 
-  /// The first entry whose address is not below `p` (the entries are sorted by address; caller holds mutex_).
-  template <class Entries>
-  static auto find_in(Entries& entries, const void* p) -> decltype(entries.begin()) {
+  shard& shard_of(const void* p) noexcept {
+    // Aligned addresses are multiples of at least 512: the bits above those pick the shard.
+    return shards_[(reinterpret_cast<std::uintptr_t>(p) >> 9) % shard_count];
+  }
+
+  /// The first entry whose address is not below `p` (the entries are sorted by address; caller holds the lock).
+  static std::vector<entry>::iterator find_in(std::vector<entry>& entries, const void* p) {
     const auto below = [](const entry& e, std::uintptr_t key) {
       return reinterpret_cast<std::uintptr_t>(e.first) < key;
     };
     return std::lower_bound(entries.begin(), entries.end(), reinterpret_cast<std::uintptr_t>(p), below);
   }
 
-  mutable std::mutex mutex_;
-  /// Sorted by aligned address. A vector: over-aligned allocations are few, and it costs no header of its own.
-  std::vector<entry> blocks_;
-  std::atomic<std::size_t> size_{0};
+  std::array<shard, shard_count> shards_;
 };
+
+/// The over-aligned addresses of every device allocator and pinned-memory adaptor, one table for the process:
+/// memory may be freed through another allocator (a graph pool's) or adaptor than the one that handed it out.
+GPUKIT_EXPORT inline aligned_offsets& over_aligned_addresses() {
+  static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
+  return *table;
+}
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE

@@ -4,7 +4,7 @@
 
 /// \file
 /// Aligned allocation from a pinned_pool, for the resource adaptors (memory_resource.hpp, pmr.hpp): blocks are
-/// page-aligned, larger power-of-two alignments are served from a larger block.
+/// 256-byte aligned (pages on the CPU), larger power-of-two alignments are served from a larger block.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/memory/detail/aligned_offsets.hpp>
@@ -16,15 +16,9 @@
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-/// The alignment of every pinned_pool block (a page).
-inline constexpr std::size_t pinned_natural_alignment = 4096;
-
-/// The over-aligned addresses handed out from pinned pools, one table for the process: memory may be freed through
-/// any adaptor of the pool that allocated it.
-GPUKIT_EXPORT inline aligned_offsets& pinned_over_aligned() {
-  static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
-  return *table;
-}
+/// The alignment every pinned_pool block is guaranteed: pages for the CPU, and CUDA promises cudaHostAlloc memory
+/// "suitably aligned for any kind of variable" (256 bytes, as for device memory, is what gpukit relies on).
+inline constexpr std::size_t pinned_natural_alignment = 256;
 
 /// `bytes` from `pool` aligned to `alignment` (a power of two; `who` names the caller in errors).
 inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::size_t alignment, const char* who) {
@@ -34,9 +28,13 @@ inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::
   void* aligned = aligned_offsets::align_up(block, alignment);
   if (aligned == block) return block;
   try {
-    pinned_over_aligned().add(aligned, block);
+    over_aligned_addresses().add(aligned, block);
   } catch (...) {
-    pool.deallocate(block);
+    try {
+      pool.deallocate(block);
+    } catch (...) {
+      // Just handed out, with no stream recorded: the free is not refused; the first error is the one to report.
+    }
     throw;
   }
   return aligned;
@@ -44,7 +42,7 @@ inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::
 
 /// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`.
 inline void pinned_deallocate_aligned(pinned_pool& pool, void* p, const stream_view* stream) {
-  pinned_over_aligned().free_with(p, [&pool, stream](void* block) {
+  over_aligned_addresses().free_with(p, [&pool, stream](void* block) {
     if (stream != nullptr) {
       pool.deallocate(block, *stream);
     } else {
