@@ -110,6 +110,8 @@ class GpukitConan(ConanFile):
         if not os.path.isdir(cuda_lib):
             cuda_lib = os.path.join(cuda, "lib")
         self.cpp_info.includedirs = ["include", os.path.join(cuda, "include")]
+        if os.path.isdir(os.path.join(cuda, "include", "cccl")):  # the toolkit's CCCL, for the interop headers
+            self.cpp_info.includedirs.append(os.path.join(cuda, "include", "cccl"))
         self.cpp_info.libdirs = [cuda_lib]
         self.cpp_info.system_libs = ["cudart", "pthread", "dl"]
 

@@ -2,6 +2,7 @@
 // gpukit the way an application does and prints what it found. It exits 0 on a machine without a GPU or a driver,
 // where gpukit selects the CPU.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/stream/stream_ref.hpp>  // needs the toolkit's CCCL: gpukit's usage requirements bring it
 
 #include <cuda_runtime_api.h>  // reachable only because gpukit's usage requirements bring CUDA's include directory
 
@@ -20,6 +21,10 @@ int main() {
 
     const int count = gpukit::device_count();                          // 0 without a driver or GPU
     const gpukit::device_selection selection = gpukit::select_device();  // loads NVML with dlopen if it can
+
+    const cuda::stream_ref legacy{cudaStream_t{}};  // interop with CCCL, no CUDA call
+    const gpukit::stream_view from_ref = legacy;
+    if (from_ref.native_handle() != cudaStream_t{}) return 1;
 
     gpukit::stream stream(gpukit::device::cpu());  // a worker thread serves the CPU stream
     std::atomic<int> ran{0};

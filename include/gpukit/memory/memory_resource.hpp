@@ -24,8 +24,8 @@
 /// work on that stream at once. Stream-ordered calls use the stream given. Resources refer to the allocator or
 /// pool they were made from (which must outlive them) and compare equal when they refer to the same one.
 ///
-/// Needs CCCL on the include path (the gpukit CMake target adds the toolkit's; nvcc adds it itself). Not included
-/// by gpukit.hpp.
+/// Needs CCCL on the include path (gpukit's CMake targets, pkg-config file and Conan package bring the toolkit's;
+/// nvcc adds it itself). Not included by gpukit.hpp.
 
 #include <cuda/std/version>  // CCCL_VERSION, before anything else of CCCL decides the concepts' shape
 

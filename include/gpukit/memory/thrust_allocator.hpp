@@ -15,7 +15,8 @@
 /// without an execution policy) run on the default stream: give algorithms the allocator's stream through an
 /// execution policy, and before using freshly filled elements on a non-blocking stream (or in code built with
 /// per-thread default streams) synchronize the default stream. The stream and
-/// the allocator must outlive the containers. Needs Thrust (CCCL) on the include path; not included by gpukit.hpp.
+/// the allocator must outlive the containers. Needs Thrust (the toolkit's CCCL, which gpukit's CMake targets bring);
+/// not included by gpukit.hpp.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>

@@ -3,9 +3,9 @@
 #pragma once
 
 /// \file
-/// Interoperability with CCCL's cuda::stream_ref (from the toolkit: add include/cccl to the include path, e.g. by
-/// linking CMake's CCCL::CCCL; nvcc adds it itself). After including this header, stream_view converts to and from
-/// cuda::stream_ref implicitly:
+/// Interoperability with CCCL's cuda::stream_ref (the toolkit's include/cccl: gpukit's CMake targets, pkg-config
+/// file and Conan package bring it, and nvcc adds it itself). After including this header, stream_view and stream
+/// convert to cuda::stream_ref, and cuda::stream_ref to stream_view, implicitly:
 ///
 ///     cuda::stream_ref ref = gpukit_stream.view();
 ///     gpukit::stream_view view = ref;
