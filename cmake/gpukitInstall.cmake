@@ -13,6 +13,7 @@
 #
 # Installed layout, relative to the install prefix (each directory can be changed with the cache variable named):
 #   include/gpukit/...                     the headers                                   CMAKE_INSTALL_INCLUDEDIR
+#   lib/libgpukit.a                        gpukit::compiled (if built: GPUKIT_BUILD_COMPILED) CMAKE_INSTALL_LIBDIR
 #   share/cmake/gpukit/gpukit*.cmake       CMake package (architecture-independent)      GPUKIT_INSTALL_CMAKEDIR
 #   lib/pkgconfig/gpukit.pc                pkg-config file (only if CUDA was found)      GPUKIT_INSTALL_PKGCONFIGDIR
 #   share/doc/gpukit/LICENSE
@@ -52,11 +53,24 @@ install(EXPORT gpukitTargets
   DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}"
   COMPONENT gpukit)
 
+# gpukit::compiled, the optional compiled mode, in an export set of its own: gpukitConfig.cmake loads it where it
+# was installed, so a header-only install (a package manager's) has the same package without it.
+if(TARGET gpukit_compiled)
+  install(TARGETS gpukit_compiled EXPORT gpukitCompiledTargets
+    ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT gpukit)
+  install(EXPORT gpukitCompiledTargets
+    NAMESPACE gpukit::
+    FILE gpukitCompiledTargets.cmake
+    DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}"
+    COMPONENT gpukit)
+endif()
+
 configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/gpukitConfig.cmake.in"
   "${gpukit_package_dir}/gpukitConfig.cmake"
   INSTALL_DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}")
-# Header-only: one package serves every architecture (ARCH_INDEPENDENT skips the pointer-size check). While the major
-# version is 0, SameMajorVersion accepts any installed 0.y with y >= the requested minor.
+# The headers serve every architecture (ARCH_INDEPENDENT skips the pointer-size check; gpukit::compiled, an optional
+# component, is of the machine that built it). While the major version is 0, SameMajorVersion accepts any installed
+# 0.y with y >= the requested minor.
 write_basic_package_version_file("${gpukit_package_dir}/gpukitConfigVersion.cmake"
   VERSION "${gpukit_VERSION}"
   COMPATIBILITY SameMajorVersion

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Parse time of gpukit's headers: g++ -std=c++17 -O0 -fsyntax-only, best of N runs (default 5), beside the
-# baseline of the standard and CUDA headers gpukit.hpp includes, parsed alone in the same run.
+# Compile cost of gpukit, measured in one run, with issue 10's targets beside the figures:
+# 1. parse time of gpukit's headers (g++ -std=c++17 -O0 -fsyntax-only, best of N runs, default 5) beside the baseline
+#    of the standard and CUDA headers gpukit.hpp includes, parsed alone (target for gpukit.hpp: <= 1.5x);
+# 2. the full -O0 compile (to an object file) of a translation unit that uses device_buffer and copy_async
+#    (tests/compiled/compiled_probe.cpp), header-only and in the compiled mode (GPUKIT_SEPARATE_COMPILATION, the
+#    engines then come from gpukit::compiled) (target: <= 50 % of the header-only time).
 #   tools/include_cost.sh [header ...]        (paths under include/, e.g. gpukit/memory/pmr.hpp; default: a set)
-# Environment: CXX (g++), RUNS (5), CCCL (the toolkit's include/cccl, for headers that need CCCL).
+# Environment: CXX (g++), RUNS (5), CCCL (the toolkit's include/cccl, for headers that need CCCL), TU (1; 0 skips 2).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cxx="${CXX:-g++}"
@@ -18,13 +22,17 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# Best wall time of $runs parses of the translation unit $1, in seconds.
+# Best wall time of $runs compiles of the translation unit $1 (parse only unless more flags follow), in seconds.
 best_of() {
+  local tu="$1"
+  shift
+  local flags=("$@")
+  [ ${#flags[@]} -gt 0 ] || flags=(-fsyntax-only)
   local best=""
   for _ in $(seq "$runs"); do
     local start end t
     start=$(date +%s.%N)
-    "$cxx" -std=c++17 -O0 -fsyntax-only -I"$root/include" -I"$cccl" -isystem "$cuda_include" "$1"
+    "$cxx" -std=c++17 -O0 "${flags[@]}" -I"$root/include" -I"$cccl" -isystem "$cuda_include" "$tu"
     end=$(date +%s.%N)
     t=$(echo "$end - $start" | bc -l)
     if [ -z "$best" ] || [ "$(echo "$t < $best" | bc -l)" = 1 ]; then best=$t; fi
@@ -42,5 +50,22 @@ printf '%-40s %8s %10s\n' "(standard + CUDA headers, $(wc -l <"$work/baseline.cp
 for h in "${headers[@]}"; do
   printf '#include <%s>\n' "$h" >"$work/tu.cpp"
   t=$(best_of "$work/tu.cpp")
-  printf '%-40s %8s %10.2f\n' "$h" "$t" "$(echo "$t / $baseline" | bc -l)"
+  ratio=$(echo "$t / $baseline" | bc -l)
+  target=""
+  if [ "$h" = gpukit/gpukit.hpp ]; then
+    target="target <= 1.50: $([ "$(echo "$ratio <= 1.5" | bc -l)" = 1 ] && echo met || echo 'not met')"
+  fi
+  printf '%-40s %8s %10.2f  %s\n' "$h" "$t" "$ratio" "$target"
 done
+
+[ "${TU:-1}" = 0 ] && exit 0
+probe="$root/tests/compiled/compiled_probe.cpp"
+header_only=$(best_of "$probe" -c -o "$work/probe.o")
+compiled=$(best_of "$probe" -c -o "$work/probe.o" -DGPUKIT_SEPARATE_COMPILATION)
+ratio=$(echo "$compiled / $header_only" | bc -l)
+echo
+echo "translation unit using device_buffer and copy_async (tests/compiled/compiled_probe.cpp), $cxx -O0 -c:"
+printf '%-40s %8s %10s\n' mode seconds "x header-only"
+printf '%-40s %8s %10s\n' "header-only (the default)" "$header_only" "1.00"
+printf '%-40s %8s %10.2f  target <= 0.50: %s\n' "compiled (gpukit::compiled)" "$compiled" "$ratio" \
+  "$([ "$(echo "$ratio <= 0.5" | bc -l)" = 1 ] && echo met || echo 'not met')"

@@ -10,6 +10,13 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <vector>
+
+#ifdef GPUKIT_CONSUMER_EXPECTS_COMPILED
+#ifndef GPUKIT_SEPARATE_COMPILATION
+#error "gpukit::compiled must define GPUKIT_SEPARATE_COMPILATION"
+#endif
+#endif
 
 // The consumers do not ask for C++17 themselves (the find_package one even asks for C++14): gpukit's cxx_std_17 must.
 static_assert(__cplusplus >= 201703L, "gpukit::gpukit must bring C++17 (compile feature cxx_std_17)");
@@ -30,6 +37,17 @@ int main() {
     std::atomic<int> ran{0};
     for (int i = 0; i < 3; ++i) stream.enqueue_host([&ran] { ran.fetch_add(1); });
     stream.synchronize();
+
+    // The engines (caching allocator, pinned pool, staging): compiled here, or called in gpukit::compiled.
+    const std::vector<int> host{1, 2, 3, 4};
+    std::vector<int> back(host.size());
+    gpukit::device_buffer<int> buffer(host.size(), stream);
+    gpukit::copy_async(buffer, host, stream);
+    gpukit::copy_async(back, buffer, stream);
+    if (back != host) {
+      std::fprintf(stderr, "consumer: the round trip through a device_buffer changed the data\n");
+      return 1;
+    }
 
     std::printf("gpukit %s, CUDA runtime %d, %d CUDA device(s), selected %s, CPU stream ran %d task(s)\n",
                 GPUKIT_VERSION_STRING, runtime, count, selection.device.to_string().c_str(), ran.load());

@@ -21,6 +21,16 @@ packaging_build("build the consumer" "${build}")
 packaging_executable(program "${WORK_DIR}/bin" consumer)
 packaging_run_consumer("run the consumer" "${program}")
 
+# The compiled mode: find_package(gpukit COMPONENTS compiled) and gpukit::compiled, which brings
+# GPUKIT_SEPARATE_COMPILATION (the consumer checks) and the library holding the engines it then calls.
+packaging_configure("configure the consumer: find_package(gpukit CONFIG REQUIRED COMPONENTS compiled)"
+  "${consumer}" "${WORK_DIR}/build-compiled"
+  ARGS "-DCMAKE_PREFIX_PATH=${prefix}" -DGPUKIT_CONSUMER_COMPILED=ON
+       "-DCMAKE_RUNTIME_OUTPUT_DIRECTORY=${WORK_DIR}/bin-compiled")
+packaging_build("build the compiled-mode consumer" "${WORK_DIR}/build-compiled")
+packaging_executable(program "${WORK_DIR}/bin-compiled" consumer)
+packaging_run_consumer("run the compiled-mode consumer" "${program}")
+
 # The version file (SameMajorVersion): a newer minor or another major than the installed one must be refused.
 math(EXPR next_major "${VERSION_MAJOR} + 1")
 math(EXPR next_minor "${VERSION_MINOR} + 1")

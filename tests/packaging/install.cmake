@@ -13,7 +13,7 @@ set(configured_prefix "/gpukit-configured-prefix-not-used")
 packaging_configure("configure gpukit (tests, examples, benchmarks off)" "${SOURCE_DIR}" "${build}"
   ARGS "-DCMAKE_INSTALL_PREFIX=${configured_prefix}" -DGPUKIT_BUILD_TESTS=OFF -DGPUKIT_BUILD_EXAMPLES=OFF
        -DGPUKIT_BUILD_BENCHMARKS=OFF)
-packaging_build("build (nothing to compile: header-only)" "${build}")
+packaging_build("build (gpukit::compiled only: the headers need no build)" "${build}")
 packaging_run("cmake --install into ${PREFIX}" COMMAND "${CMAKE_COMMAND}" --install "${build}" --prefix "${PREFIX}")
 
 # --- exactly the expected files ---
@@ -26,6 +26,10 @@ foreach(header IN LISTS headers)
 endforeach()
 list(APPEND expected "${cmakedir}/gpukitConfig.cmake" "${cmakedir}/gpukitConfigVersion.cmake"
      "${cmakedir}/gpukitTargets.cmake" "lib/pkgconfig/gpukit.pc" "share/doc/gpukit/LICENSE")
+# gpukit::compiled (the optional compiled mode), built with the toolkit: the library and its export set.
+set(expected_compiled "lib/libgpukit.a" "${cmakedir}/gpukitCompiledTargets.cmake"
+    "${cmakedir}/gpukitCompiledTargets-noconfig.cmake")
+list(APPEND expected ${expected_compiled})
 file(GLOB_RECURSE installed LIST_DIRECTORIES false RELATIVE "${PREFIX}" "${PREFIX}/*")
 set(missing ${expected})
 list(REMOVE_ITEM missing ${installed})
@@ -50,7 +54,7 @@ endforeach()
 
 # --- the CMake package is relocatable ---
 string(REPLACE "|" ";" CUDA_INCLUDE_DIRS "${CUDA_INCLUDE_DIRS}")  # tests.cmake joins the list with |
-foreach(file gpukitConfig.cmake gpukitConfigVersion.cmake gpukitTargets.cmake)
+foreach(file gpukitConfig.cmake gpukitConfigVersion.cmake gpukitTargets.cmake gpukitCompiledTargets.cmake)
   file(READ "${PREFIX}/${cmakedir}/${file}" text)
   foreach(path "${SOURCE_DIR}" "${WORK_DIR}" "${PREFIX}" "${configured_prefix}" ${CUDA_INCLUDE_DIRS}
                "${CUDA_LIBRARY_DIR}")
@@ -67,6 +71,11 @@ packaging_expect_match("gpukitTargets.cmake: usage requirements of gpukit::gpuki
   "INTERFACE_INCLUDE_DIRECTORIES \"\\\${_IMPORT_PREFIX}/include\""
   "INTERFACE_LINK_LIBRARIES \"gpukit::headers;CUDA::cudart\""
   "INTERFACE_LINK_LIBRARIES \"CUDA::toolkit;Threads::Threads")
+file(READ "${PREFIX}/${cmakedir}/gpukitCompiledTargets.cmake" compiled_targets)
+packaging_expect_match("gpukitCompiledTargets.cmake: gpukit::compiled" "${compiled_targets}"
+  "add_library\\(gpukit::compiled STATIC IMPORTED\\)"
+  "INTERFACE_COMPILE_DEFINITIONS \"GPUKIT_SEPARATE_COMPILATION\""
+  "INTERFACE_LINK_LIBRARIES \"gpukit::gpukit\"")
 if(targets MATCHES "INTERFACE_[A-Z_]+ \"/")
   packaging_fail("gpukitTargets.cmake has an absolute path in a usage requirement:\n${targets}")
 endif()
@@ -91,7 +100,8 @@ message(STATUS "install tree of gpukit ${VERSION} in ${PREFIX}: ok")
 # --- no CUDA toolkit is needed to install ---
 # Package managers install gpukit where there may be no toolkit (the Conan recipe disables the search to prove it).
 # Nothing is compiled then, so CUDA is not looked for: the installed files must be the same, byte for byte, except
-# gpukit.pc, which records the toolkit's paths and is left out with a message. gpukitConfig.cmake still finds CUDA
+# gpukit.pc, which records the toolkit's paths and is left out with a message, and gpukit::compiled, which needs the
+# toolkit's headers to build (the package then has no `compiled` component). gpukitConfig.cmake still finds CUDA
 # on the consumer's machine, as the find_package consumer below shows.
 set(build "${WORK_DIR}/build-no-cuda")
 set(no_cuda_prefix "${WORK_DIR}/prefix-no-cuda")
@@ -105,7 +115,7 @@ packaging_run("cmake --install into ${no_cuda_prefix}"
   COMMAND "${CMAKE_COMMAND}" --install "${build}" --prefix "${no_cuda_prefix}")
 file(GLOB_RECURSE installed_no_cuda LIST_DIRECTORIES false RELATIVE "${no_cuda_prefix}" "${no_cuda_prefix}/*")
 set(expected_no_cuda ${expected})
-list(REMOVE_ITEM expected_no_cuda "lib/pkgconfig/gpukit.pc")
+list(REMOVE_ITEM expected_no_cuda "lib/pkgconfig/gpukit.pc" ${expected_compiled})
 list(SORT installed_no_cuda)
 list(SORT expected_no_cuda)
 if(NOT installed_no_cuda STREQUAL expected_no_cuda)

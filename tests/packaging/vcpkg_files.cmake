@@ -131,7 +131,8 @@ function(expect_package what log source)
   file(READ "${log}" text)
   packaging_expect_match("${what}" "${text}"
     "(^|\n)vcpkg_find_cuda\nvcpkg_cmake_configure SOURCE_PATH=${source} OPTIONS=[^\n]*-DGPUKIT_BUILD_TESTS=OFF"
-    "-DGPUKIT_BUILD_EXAMPLES=OFF" "-DGPUKIT_BUILD_BENCHMARKS=OFF" "-DCUDAToolkit_ROOT=${found_cuda}[;\n]"
+    "-DGPUKIT_BUILD_EXAMPLES=OFF" "-DGPUKIT_BUILD_BENCHMARKS=OFF" "-DGPUKIT_BUILD_COMPILED=OFF"
+    "-DCUDAToolkit_ROOT=${found_cuda}[;\n]"
     "\nvcpkg_cmake_install\n" "\nvcpkg_cmake_config_fixup CONFIG_PATH=${config_path} "
     "\nvcpkg_install_copyright FILE_LIST=${source}/LICENSE\n" "\nVCPKG_BUILD_TYPE=release\n")
   set(package "${WORK_DIR}/packages")

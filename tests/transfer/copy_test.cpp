@@ -4,6 +4,7 @@
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pinned_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
 #include <gpukit/transfer/to_device.hpp>
@@ -433,4 +434,43 @@ TEST_CASE("bad input: a range that runs past the end of the address space") {
   CHECK(message.find("runs past the end of the address space") != std::string::npos);
   s.synchronize();
   CHECK(destination == std::vector<std::uint32_t>(4, 0));
+}
+
+TEST_CASE("without a stream, copy_async uses the calling thread's current stream of the device side") {
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  gpukit::device_buffer<std::uint32_t> d(5000, s);
+  gpukit::device_buffer<std::uint32_t> e(5000, s);
+  std::memset(d.data(), 0, d.size() * sizeof(std::uint32_t));  // CPU device memory is host memory
+  gpukit::pinned_buffer<std::uint32_t> source(5000, cpu);
+  const auto data = iota(5000, 7);
+  std::copy(data.begin(), data.end(), source.begin());
+  {
+    gpukit::stream_guard guard(s);
+    gpukit::copy_async(d, source);  // pinned: one copy, enqueued on s behind the gate
+    gpukit::copy_async(e, d);       // device to device, same device: on s too
+  }
+  // Had either copy gone to the default stream, it would be done once that stream is.
+  gpukit::current_stream(cpu).synchronize();
+  CHECK(d.data()[4999] == 0);
+  g.open();
+  {
+    gpukit::stream_guard guard(s);
+    std::vector<std::uint32_t> back(5000);
+    gpukit::copy_async(back, e);  // into pageable memory: waits for s, then returns with the data
+    CHECK(back == data);
+  }
+  // Without a guard: the default stream.
+  std::vector<std::uint32_t> again(5000);
+  gpukit::copy_async(again, d);
+  CHECK(again == data);
+}
+
+TEST_CASE("bad input without a stream: size mismatch and zero elements, as with one") {
+  gpukit::device_buffer<std::uint32_t> d(10, cpu);
+  std::vector<std::uint32_t> host(9);
+  CHECK_THROWS_WITH_AS(gpukit::copy_async(d, host), doctest::Contains("size mismatch"), gpukit::invalid_argument_error);
+  std::vector<std::uint32_t> none;
+  gpukit::copy_async(gpukit::device_span<std::uint32_t>(d).subspan(0, 0), none);  // no-op
 }

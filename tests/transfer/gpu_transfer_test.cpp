@@ -270,3 +270,45 @@ TEST_CASE("gpu: a bounded prefetcher with 2 producer threads: batches in order, 
   }
   CHECK(stats.batches_in_flight == 0);
 }
+
+TEST_CASE("gpu: copy_async without a stream: the current streams, and across two devices both are ordered") {
+  GPUKIT_REQUIRE_GPU();
+  const auto d0 = gpukit::device::cuda(0);
+  gpukit::stream s0(d0);
+  const auto host = iota(MiB, 5);
+  gpukit::device_buffer<std::uint32_t> a(host.size(), s0);
+  {
+    gpukit::stream_guard guard(s0);
+    gpukit::copy_async(a, host);  // host to device on s0
+    std::vector<std::uint32_t> back(host.size());
+    gpukit::copy_async(back, a);  // device to pageable host: waits for s0
+    CHECK(back == host);
+  }
+  if (gpukit::device_count() < 2) {
+    MESSAGE("one CUDA device: the cross-device part needs two");
+    s0.synchronize();
+    return;
+  }
+  const auto d1 = gpukit::device::cuda(1);
+  gpukit::stream s1(d1);
+  gpukit::device_buffer<std::uint32_t> b(host.size(), s1);
+  gpukit_test::gate g;
+  g.hold(s1);  // the destination device's current stream is busy, and its next work overwrites b
+  gpukit::pinned_buffer<std::uint32_t> zeros(host.size(), d1);
+  std::fill(zeros.begin(), zeros.end(), 0u);
+  gpukit::copy_async(b, zeros, s1);  // pinned: enqueued behind the gate
+  {
+    gpukit::stream_guard guard0(s0);
+    gpukit::stream_guard guard1(s1);
+    gpukit::copy_async(b, a);  // on s0 (the source's), after s1's earlier work: after the zeros
+  }
+  // The copy must wait for the gate: s0 stays busy (had it not waited, it would finish here, and the zeros would
+  // then overwrite its result). Polling bounds the wait; no outcome depends on timing.
+  for (int i = 0; i < 100 && !s0.ready(); ++i) std::this_thread::sleep_for(2ms);
+  CHECK_FALSE(s0.ready());
+  g.open();
+  std::vector<std::uint32_t> back(host.size());
+  gpukit::copy_async(back, b, s1);  // on s1, which waits for the copy
+  CHECK(back == host);
+  s0.synchronize();
+}

@@ -1,6 +1,7 @@
 // The prefetcher on CPU streams: batches in order with the right contents, produced ahead while the consumer works,
 // handed to the consumer stream with device-side dependencies (a gated consumer stream does not stop the loader),
 // buffers refilled only after release, end of data, producer failures, misuse, and concurrency with a slow consumer.
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/prefetcher.hpp>
 
@@ -429,4 +430,20 @@ TEST_CASE("a producer thread that calls next() is refused with several producer 
   CHECK_THROWS_WITH_AS(loader.next(),
                        doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
                        gpukit::invalid_argument_error);
+}
+
+TEST_CASE("without a stream, the prefetcher feeds the calling thread's current stream of the device") {
+  gpukit::stream s(cpu);
+  const auto produce = [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); };
+  {
+    gpukit::prefetcher<std::uint32_t> loader(cpu, 3000, produce);
+    CHECK(loader.consumer_stream() == gpukit::current_stream(cpu));  // the default stream, no guard
+    CHECK(loader.consumer_stream() != gpukit::stream_view(s));
+  }
+  gpukit::stream_guard guard(s);
+  gpukit::prefetcher<std::uint32_t> loader(cpu, 3000, produce);
+  CHECK(loader.consumer_stream() == gpukit::stream_view(s));
+  std::atomic<int> wrong{0};
+  CHECK(consume_all(loader, s, wrong) == 4);
+  CHECK(wrong.load() == 0);
 }

@@ -25,6 +25,16 @@
 
 #include <cuda_runtime_api.h>
 
+// GPUKIT_SEPARATE_COMPILATION (defined by linking gpukit::compiled) declares the engines gpukit's defaults use
+// (the caching allocator, the pinned pool, the staging engine) as extern templates: a translation unit then calls
+// the instantiations compiled once into gpukit::compiled instead of compiling them itself. Header-only (without the
+// macro) stays the default and needs nothing linked but the CUDA Runtime.
+#if defined(GPUKIT_SEPARATE_COMPILATION)
+#define GPUKIT_DETAIL_EXTERN_TEMPLATES 1
+#else
+#define GPUKIT_DETAIL_EXTERN_TEMPLATES 0
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define GPUKIT_EXPORT __attribute__((visibility("default")))
 #else

@@ -747,6 +747,10 @@ class basic_pinned_pool {
 /// The pinned pool gpukit uses: gpukit's upstream (cudaHostAlloc or host pages) and gpukit events.
 using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 
+#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
+extern template class basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
+#endif
+
 /// The process-wide pinned pool for a device kind: one for all CUDA devices (its memory is portable: pinned for every
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the

@@ -40,6 +40,8 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/pointer_query.hpp>
 #include <gpukit/transfer/spans.hpp>
@@ -245,6 +247,39 @@ void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_fo
 template <class Dst, class Src>
 void copy_async(Dst&& dst, Src&& src, stream_view s) {
   detail::copy_located(dst, src, s, detail::default_engine{});
+}
+
+/// As copy_async(dst, src, s) on the calling thread's current stream (current_stream(d): the default stream unless a
+/// stream_guard says otherwise) of the device side's device, as PyTorch copies. Device to device: the current stream
+/// of the source's device; across two devices the copy also waits for the work already enqueued on the
+/// destination device's current stream, and that stream waits for the copy (two events, as PyTorch's cross-device
+/// copy_), so work on either current stream sees the data in order.
+template <class Dst, class Src>
+void copy_async(Dst&& dst, Src&& src) {
+  const auto to = detail::located_view(dst);
+  const auto from = detail::located_view(src);
+  constexpr bool to_device = decltype(to)::location == memory_location::device;
+  constexpr bool from_device = decltype(from)::location == memory_location::device;
+  if constexpr (from_device && to_device) {
+    const stream_view s = current_stream(from.device());
+    if (to.device() == from.device() || to.size() != from.size() || to.size() == 0) {
+      copy_async(dst, src, s);  // copy_async checks (and throws for) mismatched sizes
+      return;
+    }
+    const stream_view destination_stream = current_stream(to.device());
+    event destination_ready(to.device());
+    destination_ready.record(destination_stream);
+    destination_ready.wait(s);
+    copy_async(dst, src, s);
+    event copied(from.device());
+    copied.record(s);
+    copied.wait(destination_stream);
+  } else if constexpr (from_device) {
+    copy_async(dst, src, current_stream(from.device()));
+  } else {
+    static_assert(to_device, "gpukit::copy_async: both sides are host memory; use std::copy");
+    copy_async(dst, src, current_stream(to.device()));
+  }
 }
 
 /// As copy_async(dst, src, s), with an engine of your own (other tuning, or an instrumented device copy step, which

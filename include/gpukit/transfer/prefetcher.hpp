@@ -42,6 +42,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/span.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
@@ -278,6 +279,11 @@ class prefetcher {
     }
   }
 
+  /// As above, for work on the calling thread's current stream of `d` (current_stream(d): the default stream unless
+  /// a stream_guard says otherwise), taken now. That stream must outlive the prefetcher, as a passed one must.
+  prefetcher(gpukit::device d, std::size_t batch_capacity, producer produce, prefetch_options options = {})
+      : prefetcher(current_stream(d), batch_capacity, std::move(produce), options) {}
+
   prefetcher(const prefetcher&) = delete;
   prefetcher& operator=(const prefetcher&) = delete;
 
@@ -345,6 +351,8 @@ class prefetcher {
 
   /// The stream the copies run on.
   stream_view copy_stream() const { return state_->copy_stream.view(); }
+  /// The stream the batches are for (whose work waits for each batch's copy).
+  stream_view consumer_stream() const noexcept { return state_->consumer; }
   std::size_t depth() const noexcept { return state_->slots.size(); }
   std::size_t batch_capacity() const noexcept { return state_->capacity; }
 

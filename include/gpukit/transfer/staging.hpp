@@ -827,6 +827,10 @@ class basic_staging_engine {
 /// The staging engine with the default device copy step.
 using staging_engine = basic_staging_engine<device_copier>;
 
+#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
+extern template class basic_staging_engine<device_copier>;
+#endif
+
 /// The process-wide staging engine for a device kind, using default_pinned_pool(d): one for all CUDA devices (rings
 /// are per stream, hence per device) and one for the CPU device. Created on first use; never destroyed (see
 /// default_pinned_pool).

@@ -17,6 +17,7 @@ vcpkg_cmake_configure(
         -DGPUKIT_BUILD_TESTS=OFF
         -DGPUKIT_BUILD_EXAMPLES=OFF
         -DGPUKIT_BUILD_BENCHMARKS=OFF
+        -DGPUKIT_BUILD_COMPILED=OFF # header-only: gpukit::compiled is for CMake installs
         -DGPUKIT_INSTALL=ON
         "-DCUDAToolkit_ROOT=${cuda_toolkit_root}"
 )

@@ -1,0 +1,25 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+//
+// gpukit::compiled: the engines behind gpukit's defaults, compiled once. Translation units that link the target get
+// GPUKIT_SEPARATE_COMPILATION, under which the headers declare these instantiations `extern template` (see
+// include/gpukit/detail/config.hpp), so they call this code instead of compiling the engines themselves.
+// gpukit_compiled_ptds.cpp compiles the same list for CUDA's per-thread default stream mode, whose translation units
+// use their own inline namespace (gpukit::abi_v0_ptds).
+
+#ifndef GPUKIT_SEPARATE_COMPILATION
+#define GPUKIT_SEPARATE_COMPILATION 1  // an explicit instantiation may follow its extern declaration
+#endif
+#include <gpukit/gpukit.hpp>
+
+// The default device allocators' engine and its device_allocator wrapper (default_allocator(d)); the constructors
+// are member templates, which the class instantiations leave out.
+template class gpukit::basic_caching_allocator<gpukit::device_upstream, gpukit::stream_ops>;
+template class gpukit::caching_device_allocator<gpukit::device_upstream>;
+template gpukit::basic_caching_allocator<gpukit::device_upstream, gpukit::stream_ops>::basic_caching_allocator(
+    gpukit::device, gpukit::allocator_options);
+template gpukit::caching_device_allocator<gpukit::device_upstream>::caching_device_allocator(gpukit::device,
+                                                                                             gpukit::allocator_options);
+// default_pinned_pool(d) and default_staging_engine(d).
+template class gpukit::basic_pinned_pool<gpukit::pinned_upstream, gpukit::pinned_pool_sync>;
+template class gpukit::basic_staging_engine<gpukit::device_copier>;

@@ -1,0 +1,37 @@
+# The optional compiled mode (gpukit::compiled, GPUKIT_SEPARATE_COMPILATION), included by tests/CMakeLists.txt.
+#
+# gpukit::compiled links the real CUDA runtime; the tests build the same sources into a library of their own with
+# the build's warnings and sanitizers and no runtime, so one library serves the CPU tests (real runtime) and the
+# simulator's.
+if(NOT TARGET gpukit_compiled)
+  return()
+endif()
+get_target_property(gpukit_compiled_sources gpukit_compiled SOURCES)
+list(TRANSFORM gpukit_compiled_sources PREPEND "${PROJECT_SOURCE_DIR}/")
+add_library(gpukit_test_compiled STATIC ${gpukit_compiled_sources})
+target_compile_definitions(gpukit_test_compiled PUBLIC GPUKIT_SEPARATE_COMPILATION)
+target_link_libraries(gpukit_test_compiled PUBLIC gpukit::headers gpukit_strict_flags)
+
+# Existing suites, run again with every engine coming from the library: the same behaviour in both modes.
+gpukit_add_test(test_compiled_mode SOURCES memory/device_buffer_test.cpp transfer/copy_test.cpp
+                transfer/staging_test.cpp transfer/pinned_pool_test.cpp)
+target_link_libraries(test_compiled_mode PRIVATE gpukit_test_compiled)
+gpukit_add_sim_test(test_compiled_mode_sim SOURCES "${PROJECT_SOURCE_DIR}/tests/memory/gpu_allocator_test.cpp"
+                    "${PROJECT_SOURCE_DIR}/tests/transfer/gpu_transfer_test.cpp")
+target_link_libraries(test_compiled_mode_sim PRIVATE gpukit_test_compiled)
+
+# Both default-stream modes in one program, each calling its own instantiations in the library.
+gpukit_add_test(test_compiled_odr_mode SOURCES visibility/odr_mode_test.cpp visibility/odr_mode_per_thread_tu.cpp)
+target_link_libraries(test_compiled_odr_mode PRIVATE gpukit_test_compiled)
+
+# The point of the mode: a translation unit that uses device_buffer and copy_async defines none of the engines'
+# functions (it calls the library's), where the header-only build of the same file defines them.
+add_library(gpukit_compiled_probe OBJECT "${CMAKE_CURRENT_LIST_DIR}/compiled_probe.cpp")
+target_link_libraries(gpukit_compiled_probe PRIVATE gpukit_test_compiled)
+add_library(gpukit_header_only_probe OBJECT "${CMAKE_CURRENT_LIST_DIR}/compiled_probe.cpp")
+target_link_libraries(gpukit_header_only_probe PRIVATE gpukit::headers gpukit_strict_flags)
+add_test(NAME test_compiled_probe
+  COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DCOMPILED=$<TARGET_OBJECTS:gpukit_compiled_probe>"
+          "-DHEADER_ONLY=$<TARGET_OBJECTS:gpukit_header_only_probe>"
+          -P "${CMAKE_CURRENT_LIST_DIR}/check_probe.cmake")
+set_tests_properties(test_compiled_probe PROPERTIES LABELS cpu)
