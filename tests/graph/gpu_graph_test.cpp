@@ -83,6 +83,12 @@ TEST_CASE("gpu: an output allocated in the capture stays in the pool, which live
     gpukit::graph g = gpukit::capture(s, [&] {
       output = std::make_unique<gpukit::device_buffer<int>>(256, s);
       GPUKIT_CUDA_TRY(cudaMemsetAsync(output->data(), 2, output->size_bytes(), s.cuda_handle()));
+      // Memory the allocator routed to the pool is the allocator's to free, so it owns it (not only the block at
+      // the reserve's start, which is also the engine's).
+      void* scratch = gpukit::default_allocator(d).allocate(512, s);
+      CHECK(pool->owns(scratch));
+      CHECK(gpukit::default_allocator(d).owns(scratch));
+      gpukit::default_allocator(d).deallocate(scratch);
     }, pool);
     g.launch(s);
     CHECK(read(*output, s) == std::vector<int>(256, 0x02020202));

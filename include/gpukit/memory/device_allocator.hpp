@@ -66,28 +66,13 @@ class device_allocator {
   /// that could free the block. Throws invalid_argument_error for an alignment that is not a power of two.
   void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
     // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
-    if (alignment <= min_natural_alignment && alignment != 0 && (alignment & (alignment - 1)) == 0) {
-      return do_allocate(bytes, stream);
-    }
+    if (alignment <= min_natural_alignment && detail::is_power_of_two(alignment)) return do_allocate(bytes, stream);
     detail::require_power_of_two_alignment(alignment, "gpukit::device_allocator::allocate");
     const std::size_t natural = natural_alignment();
     if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
-    void* block =
-        do_allocate(detail::over_aligned_request(bytes, alignment, natural, "gpukit::device_allocator::allocate"),
-                    stream);
-    void* aligned = detail::aligned_offsets::align_up(block, alignment);
-    if (aligned == block) return block;
-    try {
-      detail::over_aligned_addresses().add(aligned, block);
-    } catch (...) {
-      try {
-        do_deallocate(block);
-      } catch (...) {
-        // The block was just handed out: its free cannot be refused; the first error is the one to report.
-      }
-      throw;
-    }
-    return aligned;
+    return detail::allocate_over_aligned(
+        bytes, alignment, natural, "gpukit::device_allocator::allocate",
+        [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
   }
   /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
   /// allocator does not own (including a double free); nullptr is ignored.
@@ -99,7 +84,9 @@ class device_allocator {
     detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
   }
   /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
-  void record_stream(void* p, stream_view stream) { do_record_stream(detail::over_aligned_addresses().block_of(p), stream); }
+  void record_stream(void* p, stream_view stream) {
+    do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
+  }
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).
   bool owns(const void* p) const noexcept { return do_owns(detail::over_aligned_addresses().block_of(p)); }
@@ -242,7 +229,8 @@ class caching_device_allocator final : public device_allocator {
     if (device_allocator* pool = graph_pool_owning(p)) return pool->record_stream(p, stream);
     engine_.record_stream(p, stream);
   }
-  bool do_owns(const void* p) const noexcept override { return engine_.owns(p); }
+  /// Memory a graph pool served for this allocator is this allocator's to free (do_deallocate routes it).
+  bool do_owns(const void* p) const noexcept override { return graph_pool_owning(p) != nullptr || engine_.owns(p); }
   /// Blocks start at multiples of the rounding inside segments aligned to upstream_alignment.
   std::size_t do_natural_alignment() const noexcept override {
     return std::min(engine_.options().rounding, upstream_alignment);

@@ -134,10 +134,7 @@ class device_memory_resource
   /// any other handle's device is asked of CUDA, so a stream of another device is refused by the allocator.
   stream_view to_view(::cuda::stream_ref stream) const {
     const cudaStream_t handle = stream.get();
-    if (handle == nullptr || handle == cudaStreamLegacy || handle == cudaStreamPerThread) {
-      return stream_view(device(), handle);
-    }
-    return stream_view(handle);
+    return detail::is_default_stream_handle(handle) ? stream_view(device(), handle) : stream_view(handle);
   }
 
   device_allocator* allocator_;

@@ -44,6 +44,12 @@ struct may_be_empty<std::function<Signature>> : std::true_type {};
 class stream;
 
 namespace detail {
+/// 0, cudaStreamLegacy and cudaStreamPerThread: the default streams, which name whatever device is current (the
+/// handle does not say which).
+inline bool is_default_stream_handle(cudaStream_t h) noexcept {
+  return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+}
+
 /// True for cuda::stream_ref once <gpukit/stream/stream_ref.hpp> is included (which needs the toolkit's CCCL). A
 /// trait rather than a direct mention keeps this header free of CCCL and identical in every translation unit.
 template <class T>
@@ -383,10 +389,7 @@ class stream_view {
         id_(life != nullptr ? life->id() : 0),
         life_(life) {}
 
-  // 0, cudaStreamLegacy and cudaStreamPerThread: streams of whatever device is current.
-  static bool is_special(cudaStream_t h) noexcept {
-    return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
-  }
+  static bool is_special(cudaStream_t h) noexcept { return detail::is_default_stream_handle(h); }
   // What handle 0 means in this translation unit's default-stream mode.
   static cudaStream_t canonical(cudaStream_t h) noexcept {
     if (h != nullptr) return h;

@@ -436,7 +436,7 @@ class basic_staging_engine {
     if (d.is_cpu()) return stream_key{d, 0, s.cpu_queue()};
     // 0, cudaStreamLegacy and cudaStreamPerThread name a stream of the current device.
     const cudaStream_t h = s.native_handle();
-    const bool of_current_device = h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+    const bool of_current_device = detail::is_default_stream_handle(h);
     device_guard guard(of_current_device ? d : device::cpu());
     unsigned long long id = 0;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(h, &id), "cudaStreamGetId", d.ordinal());

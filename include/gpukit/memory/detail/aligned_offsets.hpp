@@ -28,9 +28,11 @@
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
+constexpr bool is_power_of_two(std::size_t n) noexcept { return n != 0 && (n & (n - 1)) == 0; }
+
 /// Throws invalid_argument_error (naming `who`) unless `alignment` is a power of two.
 inline void require_power_of_two_alignment(std::size_t alignment, const char* who) {
-  if (alignment != 0 && (alignment & (alignment - 1)) == 0) return;
+  if (is_power_of_two(alignment)) return;
   throw invalid_argument_error(std::string(who) + ": the alignment must be a power of two, not " +
                                std::to_string(alignment));
 }
@@ -154,6 +156,29 @@ class aligned_offsets {
 GPUKIT_EXPORT inline aligned_offsets& over_aligned_addresses() {
   static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
   return *table;
+}
+
+/// `bytes` at an `alignment` boundary above the allocator's `natural` alignment: a block `alignment - natural`
+/// bytes larger from `allocate_block(size)`, whose first `alignment` boundary is returned and, when it is not the
+/// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it).
+/// Should remembering fail, the block goes back through `free_block(block)` and the error propagates.
+template <class AllocateBlock, class FreeBlock>
+void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_t natural, const char* who,
+                            AllocateBlock&& allocate_block, FreeBlock&& free_block) {
+  void* block = allocate_block(over_aligned_request(bytes, alignment, natural, who));
+  void* aligned = aligned_offsets::align_up(block, alignment);
+  if (aligned == block) return block;
+  try {
+    over_aligned_addresses().add(aligned, block);
+  } catch (...) {
+    try {
+      free_block(block);
+    } catch (...) {
+      // Just handed out, with no other stream recorded: its free is not refused; the first error is reported.
+    }
+    throw;
+  }
+  return aligned;
 }
 
 }  // namespace detail

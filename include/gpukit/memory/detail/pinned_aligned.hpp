@@ -24,20 +24,9 @@ inline constexpr std::size_t pinned_natural_alignment = 256;
 inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::size_t alignment, const char* who) {
   require_power_of_two_alignment(alignment, who);
   if (alignment <= pinned_natural_alignment || bytes == 0) return pool.allocate(bytes);
-  void* block = pool.allocate(over_aligned_request(bytes, alignment, pinned_natural_alignment, who));
-  void* aligned = aligned_offsets::align_up(block, alignment);
-  if (aligned == block) return block;
-  try {
-    over_aligned_addresses().add(aligned, block);
-  } catch (...) {
-    try {
-      pool.deallocate(block);
-    } catch (...) {
-      // Just handed out, with no stream recorded: the free is not refused; the first error is the one to report.
-    }
-    throw;
-  }
-  return aligned;
+  return allocate_over_aligned(
+      bytes, alignment, pinned_natural_alignment, who, [&pool](std::size_t size) { return pool.allocate(size); },
+      [&pool](void* block) { pool.deallocate(block); });
 }
 
 /// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`.
