@@ -41,9 +41,9 @@ class set_best_fit_allocator {
       pool.erase(it);
     } else {
       const std::size_t segment = small ? (std::size_t{2} << 20)
-                                        : (size < (std::size_t{10} << 20) ? (std::size_t{20} << 20)
-                                                                          : (size + (std::size_t{2} << 20) - 1) &
-                                                                                ~((std::size_t{2} << 20) - 1));
+                                        : (size < (std::size_t{10} << 20)
+                                               ? (std::size_t{20} << 20)
+                                               : (size + (std::size_t{2} << 20) - 1) & ~((std::size_t{2} << 20) - 1));
       void* p = std::malloc(segment);
       if (p == nullptr) throw std::bad_alloc();
       segments_.push_back(p);

@@ -143,8 +143,7 @@ void run_rounds(benchmark::State& state, int threads, const std::function<void(i
   for (auto _ : state) state.SetIterationTime(t.round());
   const double pairs = static_cast<double>(state.iterations()) * threads * pairs_per_round;
   state.SetItemsProcessed(static_cast<std::int64_t>(pairs));
-  state.counters["ns_per_pair"] =
-      benchmark::Counter(pairs, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_pair"] = benchmark::Counter(pairs, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.counters["threads"] = threads;
 }
 
@@ -254,8 +253,8 @@ void BM_set_best_fit(benchmark::State& state) {
   if (state.range(2) != 0) {
     for (int t = 0; t < threads; ++t) {
       const auto stream = static_cast<std::uintptr_t>(t) + 1;
-      for (void* p : populate([&](std::size_t n) { return a.allocate(n, stream); },
-                              [&](void* p) { a.deallocate(p); }, static_cast<std::uint64_t>(t))) {
+      for (void* p : populate([&](std::size_t n) { return a.allocate(n, stream); }, [&](void* p) { a.deallocate(p); },
+                              static_cast<std::uint64_t>(t))) {
         live.push_back(p);
       }
     }
@@ -383,8 +382,9 @@ class collecting_reporter : public benchmark::ConsoleReporter {
 };
 
 void print_ratios(const collecting_reporter& r) {
-  std::printf("\nHot path: ns per allocation+free pair on a cache hit (all threads together: wall time / pairs),\n"
-              "and the baselines' time divided by gpukit's (above 1: gpukit is faster)\n");
+  std::printf(
+      "\nHot path: ns per allocation+free pair on a cache hit (all threads together: wall time / pairs),\n"
+      "and the baselines' time divided by gpukit's (above 1: gpukit is faster)\n");
   std::printf("%-9s %7s | %8s %8s %8s %8s %9s | %10s %10s | %8s %9s %10s\n", "size", "threads", "gpukit", "gpukit+q",
               "buffer", "malloc", "set+mutex", "set/gpukit", "malloc/gpu", "gpukit-P", "set-P", "set/gpu-P");
   for (std::size_t size : sizes) {
@@ -411,8 +411,8 @@ void print_ratios(const collecting_reporter& r) {
         }
         return std::string(text);
       };
-      std::printf("%-9s %7d | %s %s %s %s %s | %s %s | %s %s %s\n", gpukit::detail::format_bytes(size).c_str(),
-                  threads, cell(g, 8, 1).c_str(), cell(q, 8, 1).c_str(), cell(b, 8, 1).c_str(), cell(m, 8, 1).c_str(),
+      std::printf("%-9s %7d | %s %s %s %s %s | %s %s | %s %s %s\n", gpukit::detail::format_bytes(size).c_str(), threads,
+                  cell(g, 8, 1).c_str(), cell(q, 8, 1).c_str(), cell(b, 8, 1).c_str(), cell(m, 8, 1).c_str(),
                   cell(s, 9, 1).c_str(), cell(s > 0 ? s / g : 0, 10, 2).c_str(), cell(m > 0 ? m / g : 0, 10, 2).c_str(),
                   cell(gp, 8, 1).c_str(), cell(sp, 9, 1).c_str(), cell(gp > 0 && sp > 0 ? sp / gp : 0, 10, 2).c_str());
     }
@@ -433,23 +433,27 @@ void print_ratios(const collecting_reporter& r) {
     std::string against_malloc = "-";
     if (two > 0) scaling = std::to_string(one / two).substr(0, 4) + "x (" + (one / two >= 1.6 ? "met" : "missed") + ")";
     if (two > 0 && m2 > 0) scaling += ", malloc " + std::to_string(m / m2).substr(0, 4) + "x";
-    if (m > 0) against_malloc = std::to_string(one / m).substr(0, 4) + "x malloc (" + (one / m <= 4.0 ? "met" : "missed") + ")";
+    if (m > 0)
+      against_malloc = std::to_string(one / m).substr(0, 4) + "x malloc (" + (one / m <= 4.0 ? "met" : "missed") + ")";
     std::printf("  %-9s 2 threads: %-30s 1 thread: %s\n", gpukit::detail::format_bytes(size).c_str(), scaling.c_str(),
                 against_malloc.c_str());
   }
-  std::printf("  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
+  std::printf(
+      "  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
   std::printf("\nRecording a memory_history (issue 11), 1 thread: ns per pair with a history against without\n");
   for (std::size_t size : sizes) {
     const std::string suffix = "/" + std::to_string(size) + "/1/0/manual_time";
     const double off = r.ns("BM_gpukit" + suffix);
     const double on = r.ns("BM_gpukit_history" + suffix);
     if (off <= 0 || on <= 0) continue;
-    std::printf("  %-9s %8.1f ns with a history, %8.1f ns without: %.2fx (3 events per pair: alloc, free requested, "
-                "free completed)\n",
-                gpukit::detail::format_bytes(size).c_str(), on, off, on / off);
+    std::printf(
+        "  %-9s %8.1f ns with a history, %8.1f ns without: %.2fx (3 events per pair: alloc, free requested, "
+        "free completed)\n",
+        gpukit::detail::format_bytes(size).c_str(), on, off, on / off);
   }
-  std::printf("\nAligned allocation (issue 10), 1 thread, through device_allocator: ns per pair and against no "
-              "alignment asked\n");
+  std::printf(
+      "\nAligned allocation (issue 10), 1 thread, through device_allocator: ns per pair and against no "
+      "alignment asked\n");
   for (std::size_t size : sizes) {
     auto name = [&](int alignment) {
       return "BM_gpukit_interface/" + std::to_string(size) + "/1/0/" + std::to_string(alignment) + "/manual_time";
@@ -462,11 +466,12 @@ void print_ratios(const collecting_reporter& r) {
                 gpukit::detail::format_bytes(size).c_str(), none, natural, natural / none, over, over / none);
   }
   std::printf("\n");
-  std::printf("gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
-              "gpukit+q: 1 thread on a CPU stream | buffer: device_buffer through device_allocator | set+mutex: "
-              "PyTorch's design (alloc_baselines.hpp) | -P: with a populated cache (500 live + 500 cached blocks "
-              "per stream) | %d hardware threads\n",
-              static_cast<int>(std::thread::hardware_concurrency()));
+  std::printf(
+      "gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
+      "gpukit+q: 1 thread on a CPU stream | buffer: device_buffer through device_allocator | set+mutex: "
+      "PyTorch's design (alloc_baselines.hpp) | -P: with a populated cache (500 live + 500 cached blocks "
+      "per stream) | %d hardware threads\n",
+      static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 }  // namespace
@@ -498,8 +503,9 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark("BM_gpu_gpukit_caching_allocator", BM_gpukit_cuda)->Arg(arg);
     }
   } else {
-    std::printf("GPU comparisons (cudaMalloc, cudaMallocAsync pool, cub::CachingDeviceAllocator, gpukit over "
-                "cudaMalloc) skipped: no CUDA device is usable on this machine\n");
+    std::printf(
+        "GPU comparisons (cudaMalloc, cudaMallocAsync pool, cub::CachingDeviceAllocator, gpukit over "
+        "cudaMalloc) skipped: no CUDA device is usable on this machine\n");
   }
   collecting_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);

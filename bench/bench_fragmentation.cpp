@@ -164,10 +164,10 @@ std::size_t min_capacity(const trace& t, const variant& v, std::size_t unlimited
 
 /// One allocator's figures on one trace family: mean and worst over its seeds.
 struct family_figures {
-  double peak_ratio = 0, peak_ratio_worst = 0;          // peak reserved / peak requested, unlimited capacity
-  double calls = 0;                                     // mean upstream allocations + frees, unlimited capacity
-  double min_capacity = 0, min_capacity_worst = 0;      // min capacity / peak requested (0: not measured)
-  double frees_after_warmup = 0;                        // mean, unlimited capacity
+  double peak_ratio = 0, peak_ratio_worst = 0;      // peak reserved / peak requested, unlimited capacity
+  double calls = 0;                                 // mean upstream allocations + frees, unlimited capacity
+  double min_capacity = 0, min_capacity_worst = 0;  // min capacity / peak requested (0: not measured)
+  double frees_after_warmup = 0;                    // mean, unlimited capacity
   std::size_t frees_after_warmup_worst = 0;
 };
 
@@ -248,7 +248,8 @@ std::vector<family> families(int seeds) {
   list.push_back({describe(e), shapes(e)});
   for (std::size_t max_size : {1 * MiB, 64 * MiB}) {
     family f{"random 73/27, sizes <= " + std::to_string(max_size >> 20) + " MiB", {}};
-    for (int i = 0; i < seeds; ++i) f.traces.push_back(random_allocations(10000, max_size, static_cast<std::uint64_t>(i + 1)));
+    for (int i = 0; i < seeds; ++i)
+      f.traces.push_back(random_allocations(10000, max_size, static_cast<std::uint64_t>(i + 1)));
     list.push_back(std::move(f));
   }
   return list;
@@ -348,10 +349,11 @@ figure_table measure_all(const std::vector<family>& fs, const std::vector<varian
 std::size_t seeds_of(const std::vector<family>& fs) { return fs.empty() ? 0 : fs.front().traces.size(); }
 
 void print_peak_table(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x) {
-  std::printf("\nFragmentation: peak reserved / peak requested (1.000 = no overhead), mean and worst over %zu seeds,\n"
-              "and the mean number of upstream calls (cudaMalloc + cudaFree; a bin cache that does not cache a size calls\n"
-              "the upstream for every allocation and free of it)\n%-34s",
-              seeds_of(fs), "trace family");
+  std::printf(
+      "\nFragmentation: peak reserved / peak requested (1.000 = no overhead), mean and worst over %zu seeds,\n"
+      "and the mean number of upstream calls (cudaMalloc + cudaFree; a bin cache that does not cache a size calls\n"
+      "the upstream for every allocation and free of it)\n%-34s",
+      seeds_of(fs), "trace family");
   for (const auto& v : vs) std::printf(" | %17.17s", v.name.c_str());
   std::printf("\n");
   for (std::size_t i = 0; i < fs.size(); ++i) {
@@ -367,11 +369,12 @@ void print_peak_table(const std::vector<family>& fs, const std::vector<variant>&
 void print_capacity_table(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x,
                           const std::vector<std::size_t>& capacity, const std::vector<std::size_t>& peak,
                           const std::vector<std::size_t>& frees) {
-  std::printf("\nMinimum capacity: the smallest upstream capacity on which the whole trace runs without out-of-memory,\n"
-              "/ peak requested (to 2 MiB or 0.5 %%), mean and worst over %zu seeds; peak reserved / peak requested with\n"
-              "unlimited capacity (mean); upstream frees after the warm-up (first training step, first 10 %% of random\n"
-              "operations; mean over seeds, unlimited capacity)\n%-34s",
-              seeds_of(fs), "");
+  std::printf(
+      "\nMinimum capacity: the smallest upstream capacity on which the whole trace runs without out-of-memory,\n"
+      "/ peak requested (to 2 MiB or 0.5 %%), mean and worst over %zu seeds; peak reserved / peak requested with\n"
+      "unlimited capacity (mean); upstream frees after the warm-up (first training step, first 10 %% of random\n"
+      "operations; mean over seeds, unlimited capacity)\n%-34s",
+      seeds_of(fs), "");
   auto group = [&](const char* title, std::size_t n, int width) {
     const int w = static_cast<int>(n) * (width + 3) - 3;
     std::printf(" || %-*.*s", w, w, title);
@@ -395,7 +398,8 @@ void print_capacity_table(const std::vector<family>& fs, const std::vector<varia
       const family_figures& f = x[i][capacity[k]];
       std::printf(k == 0 ? " || %5.3f %5.3f" : " | %5.3f %5.3f", f.min_capacity, f.min_capacity_worst);
     }
-    for (std::size_t k = 0; k < peak.size(); ++k) std::printf(k == 0 ? " || %9.3f" : " | %9.3f", x[i][peak[k]].peak_ratio);
+    for (std::size_t k = 0; k < peak.size(); ++k)
+      std::printf(k == 0 ? " || %9.3f" : " | %9.3f", x[i][peak[k]].peak_ratio);
     for (std::size_t k = 0; k < frees.size(); ++k) {
       std::printf(k == 0 ? " || %9.1f" : " | %9.1f", x[i][frees[k]].frees_after_warmup);
     }
@@ -406,8 +410,9 @@ void print_capacity_table(const std::vector<family>& fs, const std::vector<varia
 
 /// For --explore: each candidate's minimum capacity (mean, worst) and mean upstream frees after warm-up.
 void print_candidate_capacity(const std::vector<family>& fs, const std::vector<variant>& vs, const figure_table& x) {
-  std::printf("\nMinimum capacity / peak requested (mean, worst over %zu seeds) and mean upstream frees after warm-up\n%-34s",
-              seeds_of(fs), "trace family");
+  std::printf(
+      "\nMinimum capacity / peak requested (mean, worst over %zu seeds) and mean upstream frees after warm-up\n%-34s",
+      seeds_of(fs), "trace family");
   for (const auto& v : vs) std::printf(" | %17.17s", v.name.c_str());
   std::printf("\n");
   for (std::size_t i = 0; i < fs.size(); ++i) {
@@ -483,9 +488,10 @@ std::size_t print_churn_table() {
   // mark; the server: 3000 requests on 3 CPU streams, 2-5 buffers of 4 KiB..64 MiB each.
   const trace cases[] = {churn(4000, 4 * MiB, 1 * KiB, 2 * MiB, 1), churn(4000, 2 * MiB, 1 * KiB, 2 * MiB, 1),
                          inference_server(3000, 3, 4 * KiB, 64 * MiB, 1)};
-  std::printf("\nUpstream calls: cudaMalloc / cudaFree per 1000 allocations [counts: mallocs, frees, frees after the "
-              "first 10 %%]\n(the PyTorch model: one instance per stream)\n%-48s | %-30s | %-30s | %-30s\n",
-              "case", "gpukit defaults", "PyTorch constants", "PyTorch model");
+  std::printf(
+      "\nUpstream calls: cudaMalloc / cudaFree per 1000 allocations [counts: mallocs, frees, frees after the "
+      "first 10 %%]\n(the PyTorch model: one instance per stream)\n%-48s | %-30s | %-30s | %-30s\n",
+      "case", "gpukit defaults", "PyTorch constants", "PyTorch model");
   std::size_t gpukit_frees = 0;
   for (const trace& t : cases) {
     const call_counts counts[] = {streams_engine(t, gpukit::allocator_options{}),
@@ -525,12 +531,13 @@ void print_targets(const std::vector<family>& fs, const figure_table& x, std::si
     }
     if (g.frees_after_warmup == 0) ++frees_met;
   }
-  std::printf("\nTargets (issue 9), gpukit defaults against the PyTorch model in this run:\n"
-              "  minimum capacity <= the model's, mean and worst, on every family: %zu of %zu families%s%s%s\n"
-              "  no upstream free after warm-up on every family: %zu of %zu families\n"
-              "  no upstream free after warm-up in the churn and server cases: %s (%zu frees)\n",
-              capacity_met, fs.size(), misses.empty() ? "" : " (missed: ", misses.c_str(), misses.empty() ? "" : ")",
-              frees_met, fs.size(), churn_frees == 0 ? "met" : "NOT met", churn_frees);
+  std::printf(
+      "\nTargets (issue 9), gpukit defaults against the PyTorch model in this run:\n"
+      "  minimum capacity <= the model's, mean and worst, on every family: %zu of %zu families%s%s%s\n"
+      "  no upstream free after warm-up on every family: %zu of %zu families\n"
+      "  no upstream free after warm-up in the churn and server cases: %s (%zu frees)\n",
+      capacity_met, fs.size(), misses.empty() ? "" : " (missed: ", misses.c_str(), misses.empty() ? "" : ")", frees_met,
+      fs.size(), churn_frees == 0 ? "met" : "NOT met", churn_frees);
   std::fflush(stdout);
 }
 
@@ -551,9 +558,10 @@ void print_expandable_target(const std::vector<family>& fs, const figure_table& 
       misses += miss;
     }
   }
-  std::printf("  expandable segments: minimum capacity <= 1.02 x peak requested on every family and seed: %zu of %zu "
-              "families%s%s%s\n",
-              met, fs.size(), misses.empty() ? "" : " (missed: ", misses.c_str(), misses.empty() ? "" : ")");
+  std::printf(
+      "  expandable segments: minimum capacity <= 1.02 x peak requested on every family and seed: %zu of %zu "
+      "families%s%s%s\n",
+      met, fs.size(), misses.empty() ? "" : " (missed: ", misses.c_str(), misses.empty() ? "" : ")");
   std::fflush(stdout);
 }
 

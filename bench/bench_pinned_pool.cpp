@@ -112,8 +112,8 @@ class ratio_reporter : public benchmark::ConsoleReporter {
       const double malloc_ns = get("BM_malloc_pair" + arg);
       const double upstream = get("BM_upstream_pair" + arg);
       if (pool <= 0) continue;
-      std::printf("%10s %10.1f %12.1f %10.1f %14.1f %9.2fx %9.1fx\n", gpukit::detail::format_bytes(bytes).c_str(),
-                  pool, event, malloc_ns, upstream, malloc_ns / pool, upstream / pool);
+      std::printf("%10s %10.1f %12.1f %10.1f %14.1f %9.2fx %9.1fx\n", gpukit::detail::format_bytes(bytes).c_str(), pool,
+                  event, malloc_ns, upstream, malloc_ns / pool, upstream / pool);
     }
     if (!gpu_) {
       std::printf("\nGPU benchmarks skipped: no CUDA device is usable on this machine.\n");

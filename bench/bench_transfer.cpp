@@ -94,9 +94,7 @@ void BM_staging_from_ring(benchmark::State& state) {
 }
 
 BENCHMARK(BM_memcpy)->Arg(64 * KiB)->Arg(MiB)->Arg(8 * MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime();
-BENCHMARK(BM_staging_to_ring)
-    ->ArgsProduct({{64 * KiB, MiB, 8 * MiB, 64 * MiB, 256 * MiB}, {1, 2}})
-    ->UseRealTime();
+BENCHMARK(BM_staging_to_ring)->ArgsProduct({{64 * KiB, MiB, 8 * MiB, 64 * MiB, 256 * MiB}, {1, 2}})->UseRealTime();
 BENCHMARK(BM_staging_from_ring)->ArgsProduct({{MiB, 64 * MiB, 256 * MiB}, {1, 2}})->UseRealTime();
 
 // ---- GPU ------------------------------------------------------------------------------------------------------
@@ -136,20 +134,28 @@ void BM_gpu(benchmark::State& state, bool to_device, path p) {
   auto once = [&] {
     switch (p) {
       case path::raw_pinned:
-        if (to_device) cudaMemcpyAsync(dev.data(), pin.data(), bytes, cudaMemcpyHostToDevice, h);
-        else cudaMemcpyAsync(pin.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h);
+        if (to_device)
+          cudaMemcpyAsync(dev.data(), pin.data(), bytes, cudaMemcpyHostToDevice, h);
+        else
+          cudaMemcpyAsync(pin.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h);
         break;
       case path::raw_pageable:
-        if (to_device) cudaMemcpyAsync(dev.data(), pageable.data(), bytes, cudaMemcpyHostToDevice, h);
-        else cudaMemcpyAsync(pageable.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h);
+        if (to_device)
+          cudaMemcpyAsync(dev.data(), pageable.data(), bytes, cudaMemcpyHostToDevice, h);
+        else
+          cudaMemcpyAsync(pageable.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h);
         break;
       case path::gpukit_pinned:
-        if (to_device) gpukit::copy_async(dev, pin, f.s);
-        else gpukit::copy_async(pin, dev, f.s);
+        if (to_device)
+          gpukit::copy_async(dev, pin, f.s);
+        else
+          gpukit::copy_async(pin, dev, f.s);
         break;
       case path::gpukit_pageable:
-        if (to_device) gpukit::copy_async(dev, pageable, f.s);
-        else gpukit::copy_async(pageable, dev, f.s);
+        if (to_device)
+          gpukit::copy_async(dev, pageable, f.s);
+        else
+          gpukit::copy_async(pageable, dev, f.s);
         break;
     }
   };
@@ -168,11 +174,7 @@ void register_gpu_benchmarks() {
     for (int p = 0; p < 4; ++p) {
       const std::string name = std::string("BM_gpu_") + (h2d ? "h2d_" : "d2h_") + names[p];
       auto run = [h2d, p](benchmark::State& st) { BM_gpu(st, h2d, static_cast<path>(p)); };
-      benchmark::RegisterBenchmark(name.c_str(), run)
-          ->Arg(MiB)
-          ->Arg(64 * MiB)
-          ->Arg(256 * MiB)
-          ->UseRealTime();
+      benchmark::RegisterBenchmark(name.c_str(), run)->Arg(MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime();
     }
   }
 }

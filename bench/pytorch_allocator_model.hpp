@@ -39,12 +39,12 @@ namespace gpukit_bench {
 class pytorch_allocator_model {
  public:
   static constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
-  static constexpr std::size_t min_block = 512;                      // kMinBlockSize
-  static constexpr std::size_t small_size = std::size_t{1} << 20;    // kSmallSize
-  static constexpr std::size_t small_buffer = std::size_t{2} << 20;  // kSmallBuffer
-  static constexpr std::size_t large_buffer = std::size_t{20} << 20; // kLargeBuffer
+  static constexpr std::size_t min_block = 512;                          // kMinBlockSize
+  static constexpr std::size_t small_size = std::size_t{1} << 20;        // kSmallSize
+  static constexpr std::size_t small_buffer = std::size_t{2} << 20;      // kSmallBuffer
+  static constexpr std::size_t large_buffer = std::size_t{20} << 20;     // kLargeBuffer
   static constexpr std::size_t min_large_alloc = std::size_t{10} << 20;  // kMinLargeAlloc
-  static constexpr std::size_t round_large = std::size_t{2} << 20;   // kRoundLarge
+  static constexpr std::size_t round_large = std::size_t{2} << 20;       // kRoundLarge
 
   /// \param capacity       bytes the fake device holds: a segment is refused when reserved + its size exceeds it
   /// \param max_split_size PyTorch's max_split_size_mb in bytes (unlimited: PyTorch's default)
@@ -162,7 +162,7 @@ class pytorch_allocator_model {
     block key{0, size, false, false, nullptr, nullptr};
     const auto it = p.lower_bound(&key);
     if (it == p.end()) return nullptr;
-    if (size < max_split_ && (*it)->size >= max_split_) return nullptr;        // oversize: kept for big requests
+    if (size < max_split_ && (*it)->size >= max_split_) return nullptr;            // oversize: kept for big requests
     if (size >= max_split_ && (*it)->size >= size + large_buffer) return nullptr;  // too much waste
     block* b = *it;
     p.erase(it);

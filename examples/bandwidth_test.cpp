@@ -91,30 +91,36 @@ void gpu_mode(std::size_t max) {
       };
       auto check = [](cudaError_t e) { GPUKIT_CUDA_TRY(e); };
       const auto budget = std::chrono::milliseconds(bytes >= 256 * MiB ? 1500 : 300);
-      const double raw_pinned = measure(bytes, run([&] {
-        check(h2d ? cudaMemcpyAsync(dev.data(), pinned.data(), bytes, cudaMemcpyHostToDevice, h)
-                  : cudaMemcpyAsync(pinned.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h));
-      }), budget);
+      const double raw_pinned =
+          measure(bytes, run([&] {
+                    check(h2d ? cudaMemcpyAsync(dev.data(), pinned.data(), bytes, cudaMemcpyHostToDevice, h)
+                              : cudaMemcpyAsync(pinned.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h));
+                  }),
+                  budget);
       const double kit_pinned = measure(bytes, run([&] {
-        gpukit::pinned_span<char> ps(pinned.data(), bytes);
-        if (h2d) {
-          gpukit::copy_async(dspan, ps, s);
-        } else {
-          gpukit::copy_async(ps, dspan, s);
-        }
-      }), budget);
-      const double raw_pageable = measure(bytes, run([&] {
-        check(h2d ? cudaMemcpyAsync(dev.data(), pageable.data(), bytes, cudaMemcpyHostToDevice, h)
-                  : cudaMemcpyAsync(pageable.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h));
-      }), budget);
+                                          gpukit::pinned_span<char> ps(pinned.data(), bytes);
+                                          if (h2d) {
+                                            gpukit::copy_async(dspan, ps, s);
+                                          } else {
+                                            gpukit::copy_async(ps, dspan, s);
+                                          }
+                                        }),
+                                        budget);
+      const double raw_pageable =
+          measure(bytes, run([&] {
+                    check(h2d ? cudaMemcpyAsync(dev.data(), pageable.data(), bytes, cudaMemcpyHostToDevice, h)
+                              : cudaMemcpyAsync(pageable.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, h));
+                  }),
+                  budget);
       const double kit_pageable = measure(bytes, run([&] {
-        gpukit::host_span<char> hs(pageable.data(), bytes);
-        if (h2d) {
-          gpukit::copy_async(dspan, hs, s);
-        } else {
-          gpukit::copy_async(hs, dspan, s);
-        }
-      }), budget);
+                                            gpukit::host_span<char> hs(pageable.data(), bytes);
+                                            if (h2d) {
+                                              gpukit::copy_async(dspan, hs, s);
+                                            } else {
+                                              gpukit::copy_async(hs, dspan, s);
+                                            }
+                                          }),
+                                          budget);
       std::printf("%10s %11.2f %12.2f (%4.0f%%) %12.2f (%4.0f%%) %12.2f (%4.0f%%)\n",
                   gpukit::detail::format_bytes(bytes).c_str(), raw_pinned, kit_pinned, 100 * kit_pinned / raw_pinned,
                   raw_pageable, 100 * raw_pageable / raw_pinned, kit_pageable, 100 * kit_pageable / raw_pinned);
@@ -124,9 +130,10 @@ void gpu_mode(std::size_t max) {
       }
     }
   }
-  std::printf("\nTargets from 64 MiB up: gpukit pinned >= 95%% of raw pinned: %s; gpukit pageable >= 85%% of raw "
-              "pinned: %s.\n",
-              pinned_ok ? "met" : "NOT met", pageable_ok ? "met" : "NOT met");
+  std::printf(
+      "\nTargets from 64 MiB up: gpukit pinned >= 95%% of raw pinned: %s; gpukit pageable >= 85%% of raw "
+      "pinned: %s.\n",
+      pinned_ok ? "met" : "NOT met", pageable_ok ? "met" : "NOT met");
 }
 
 /// The device copy step of an infinitely fast device: measures only the host side of staging.
@@ -148,25 +155,32 @@ void cpu_mode(std::size_t max) {
   gpukit::basic_staging_engine<null_copier> ring1(pool, one);
   gpukit::basic_staging_engine<null_copier> ring2(pool, two);
   const auto sync = gpukit::stream_view::default_stream(cpu);  // events complete at once: a free-running ring
-  std::printf("GB/s (1 GB = 1e9 bytes), best of 3. memcpy: one thread, pageable to pageable. into ring: pageable\n"
-              "data copied into the pinned staging slots with a device copy that costs nothing (the host-side\n"
-              "ceiling; on a GPU a transfer runs at the lower of this and PCIe). CPU device: copy_async from pageable\n"
-              "memory to a CPU device_buffer on a CPU stream, end to end (the ring, then a memcpy on the stream\n"
-              "standing in for the DMA).\n\n");
+  std::printf(
+      "GB/s (1 GB = 1e9 bytes), best of 3. memcpy: one thread, pageable to pageable. into ring: pageable\n"
+      "data copied into the pinned staging slots with a device copy that costs nothing (the host-side\n"
+      "ceiling; on a GPU a transfer runs at the lower of this and PCIe). CPU device: copy_async from pageable\n"
+      "memory to a CPU device_buffer on a CPU stream, end to end (the ring, then a memcpy on the stream\n"
+      "standing in for the DMA).\n\n");
   std::printf("%10s %8s %18s %18s %18s\n", "size", "memcpy", "into ring 1 thr", "into ring 2 thr", "CPU device");
   for (std::size_t bytes : sizes_up_to(max)) {
     const auto budget = std::chrono::milliseconds(50);
-    const double base = measure(bytes, [&] { std::memcpy(other.data(), pageable.data(), bytes); }, budget);
-    const double r1 = measure(bytes, [&] { ring1.to_device(dev.data(), pageable.data(), bytes, sync); }, budget);
-    const double r2 = measure(bytes, [&] { ring2.to_device(dev.data(), pageable.data(), bytes, sync); }, budget);
-    const double end_to_end = measure(bytes, [&] {
-      gpukit::copy_async(gpukit::device_span<char>(dev.data(), bytes, cpu),
-                         gpukit::host_span<const char>(pageable.data(), bytes), s);
-      s.synchronize();
-    }, budget);
+    const double base = measure(
+        bytes, [&] { std::memcpy(other.data(), pageable.data(), bytes); }, budget);
+    const double r1 = measure(
+        bytes, [&] { ring1.to_device(dev.data(), pageable.data(), bytes, sync); }, budget);
+    const double r2 = measure(
+        bytes, [&] { ring2.to_device(dev.data(), pageable.data(), bytes, sync); }, budget);
+    const double end_to_end = measure(
+        bytes,
+        [&] {
+          gpukit::copy_async(gpukit::device_span<char>(dev.data(), bytes, cpu),
+                             gpukit::host_span<const char>(pageable.data(), bytes), s);
+          s.synchronize();
+        },
+        budget);
     std::printf("%10s %8.2f %10.2f (%4.0f%%) %10.2f (%4.0f%%) %10.2f (%4.0f%%)\n",
-                gpukit::detail::format_bytes(bytes).c_str(), base, r1, 100 * r1 / base, r2, 100 * r2 / base,
-                end_to_end, 100 * end_to_end / base);
+                gpukit::detail::format_bytes(bytes).c_str(), base, r1, 100 * r1 / base, r2, 100 * r2 / base, end_to_end,
+                100 * end_to_end / base);
   }
 }
 
@@ -189,10 +203,11 @@ int main(int argc, char** argv) {
       int count = 0;
       const cudaError_t result = cudaGetDeviceCount(&count);
       (void)cudaGetLastError();
-      std::printf("No CUDA device is usable here (cudaGetDeviceCount: %s), so there is no PCIe to measure;\n"
-                  "instead, this reports how fast the staging pipeline moves pageable data on the CPU side, on the\n"
-                  "CPU device.\n\n",
-                  cudaGetErrorName(result));
+      std::printf(
+          "No CUDA device is usable here (cudaGetDeviceCount: %s), so there is no PCIe to measure;\n"
+          "instead, this reports how fast the staging pipeline moves pageable data on the CPU side, on the\n"
+          "CPU device.\n\n",
+          cudaGetErrorName(result));
       cpu_mode(max != 0 ? max : 64 * MiB);
     }
   } catch (const std::exception& e) {

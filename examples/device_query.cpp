@@ -36,9 +36,9 @@ void print_device(const gpukit::device_properties& p, bool probe_memory) {
   std::printf("%s: %s\n", p.device.to_string().c_str(), p.name.c_str());
   std::printf("  uuid %s, pci %s, compute capability %s, %d SMs, %d copy engines\n", p.uuid.c_str(),
               p.pci_bus_id.c_str(), p.compute_capability().c_str(), p.multiprocessor_count, p.copy_engine_count);
-  std::printf("  memory %s total, %d-bit bus, peak %.0f GB/s, L2 %s\n", gpukit::detail::format_bytes(p.total_memory).c_str(),
-              p.memory_bus_width_bits, p.peak_memory_bandwidth_gb_per_s(),
-              gpukit::detail::format_bytes(p.l2_cache_bytes).c_str());
+  std::printf("  memory %s total, %d-bit bus, peak %.0f GB/s, L2 %s\n",
+              gpukit::detail::format_bytes(p.total_memory).c_str(), p.memory_bus_width_bits,
+              p.peak_memory_bandwidth_gb_per_s(), gpukit::detail::format_bytes(p.l2_cache_bytes).c_str());
   const auto& nvml = gpukit::nvml::instance();
   if (auto m = nvml.memory(p)) {
     std::printf("  free %s (NVML)", gpukit::detail::format_bytes(static_cast<std::size_t>(m->free)).c_str());
@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
       gpukit::gpu_monitor monitor(sample_once);
       if (monitor.active() && !monitor.sample_now().empty()) std::printf("%s", monitor.table().c_str());
       if (count > 1) {
-        std::printf("\npeer access and links (nvidia-smi topo -m):\n%s", gpukit::query_peer_matrix().to_string().c_str());
+        std::printf("\npeer access and links (nvidia-smi topo -m):\n%s",
+                    gpukit::query_peer_matrix().to_string().c_str());
       }
     }
 

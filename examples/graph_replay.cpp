@@ -24,12 +24,17 @@ int main() {
 
   // The step: two temporaries, each filled and copied along (stand-ins for kernels).
   auto pool = gpukit::graph_pool::create(d, 2 * n * sizeof(float));
-  gpukit::graph step = gpukit::capture(s, [&] {
-    gpukit::device_buffer<float> a(n, s), b(n, s);  // from the pool
-    GPUKIT_CUDA_TRY(cudaMemcpyAsync(a.data(), input.data(), a.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
-    GPUKIT_CUDA_TRY(cudaMemsetAsync(b.data(), 0x3f, b.size_bytes(), s.cuda_handle()));
-    GPUKIT_CUDA_TRY(cudaMemcpyAsync(output.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
-  }, pool);
+  gpukit::graph step = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<float> a(n, s), b(n, s);  // from the pool
+        GPUKIT_CUDA_TRY(
+            cudaMemcpyAsync(a.data(), input.data(), a.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(b.data(), 0x3f, b.size_bytes(), s.cuda_handle()));
+        GPUKIT_CUDA_TRY(
+            cudaMemcpyAsync(output.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+      },
+      pool);
   std::printf("captured a step on %s: its pool reserves %s, %s of it in use outside replays\n", d.to_string().c_str(),
               gpukit::detail::format_bytes(pool->memory_reserved()).c_str(),
               gpukit::detail::format_bytes(pool->memory_allocated()).c_str());

@@ -277,7 +277,8 @@ int main(int argc, char** argv) {
     }
     // Then a burst: a quarter as many requests at once. Admission holds back what does not fit in the budget.
     const std::size_t burst = cfg.requests / 4;
-    for (std::size_t i = 0; i < burst; ++i) queue.push(request{cfg.requests + i, elements(random), clock_type::now(), true});
+    for (std::size_t i = 0; i < burst; ++i)
+      queue.push(request{cfg.requests + i, elements(random), clock_type::now(), true});
     queue.close();
     for (auto& w : workers) w.join();
     const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
@@ -302,11 +303,12 @@ int main(int argc, char** argv) {
     const std::size_t pinned_allocated = gpukit::default_pinned_pool(d).stats().allocated_bytes;
     gpukit::empty_cache(d);
     const std::size_t device_reserved = gpukit::memory_reserved(d);
-    const bool leak_free = device_allocated == 0 && pinned_allocated == 0 && device_reserved == 0 &&
-                           admission.in_use() == 0;
+    const bool leak_free =
+        device_allocated == 0 && pinned_allocated == 0 && device_reserved == 0 && admission.in_use() == 0;
     std::printf("leak check: device allocated %zu B, pinned allocated %zu B, reserved after empty_cache %zu B: %s\n",
                 device_allocated, pinned_allocated, device_reserved, leak_free ? "nothing leaked" : "LEAK");
-    if (out.failed != 0) std::printf("%zu requests failed; the first: %s\n", out.failed.load(), out.first_error.c_str());
+    if (out.failed != 0)
+      std::printf("%zu requests failed; the first: %s\n", out.failed.load(), out.first_error.c_str());
     const bool all_answered = out.done + out.refused == cfg.requests + burst;
     return (leak_free && all_answered && out.wrong == 0 && out.refused == 1) ? 0 : 1;
   } catch (const std::exception& e) {

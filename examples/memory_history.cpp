@@ -71,8 +71,9 @@ int main(int argc, char** argv) {
     s.synchronize();
     gpukit::stop_memory_history(d);
     std::printf("%s", gpukit::leak_report(*history).c_str());
-    std::printf("next: open memory.html in a browser, drop snapshot.pickle on https://pytorch.org/memory_viz, and run "
-                "gpukit_replay allocations.csv\n");
+    std::printf(
+        "next: open memory.html in a browser, drop snapshot.pickle on https://pytorch.org/memory_viz, and run "
+        "gpukit_replay allocations.csv\n");
     const auto groups = gpukit::live_allocations(*history);
     return groups.size() == 1 && groups.front().tag == "forgotten" ? 0 : 1;
   } catch (const std::exception& e) {

@@ -111,9 +111,8 @@ int main(int argc, char** argv) {
     gpukit::copy_async(host_c, c, s);
     s.synchronize();
     const bool right = check(host_c, n);
-    std::printf("multiply %dx%d: %.3f ms each, %.2f TFLOP/s (%.0f%% of FP32 peak), result %s\n", n, n,
-                ms / launches, tflops(n, launches, ms), 100.0 * tflops(n, launches, ms) / peak,
-                right ? "checked" : "WRONG");
+    std::printf("multiply %dx%d: %.3f ms each, %.2f TFLOP/s (%.0f%% of FP32 peak), result %s\n", n, n, ms / launches,
+                tflops(n, launches, ms), 100.0 * tflops(n, launches, ms) / peak, right ? "checked" : "WRONG");
 
     // Part 2: `jobs` jobs (copy A in, multiply) on 1 stream, then over `stream_count` streams.
     std::vector<gpukit::device_buffer<float>> inputs, outputs;
@@ -133,7 +132,8 @@ int main(int argc, char** argv) {
         gpukit::stream& js = *streams[static_cast<std::size_t>(j % used_streams)];
         if (j < used_streams) start.wait(js);  // every stream starts after `start`
         gpukit::copy_async(inputs[static_cast<std::size_t>(j)], host_a, js);
-        launch_multiply(inputs[static_cast<std::size_t>(j)].data(), b.data(), outputs[static_cast<std::size_t>(j)].data(), n, js);
+        launch_multiply(inputs[static_cast<std::size_t>(j)].data(), b.data(),
+                        outputs[static_cast<std::size_t>(j)].data(), n, js);
       }
       for (int i = 0; i < used_streams; ++i) {
         ends.emplace_back(d);

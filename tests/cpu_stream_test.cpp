@@ -49,7 +49,8 @@ TEST_CASE("each producer thread's work keeps its order on a shared CPU stream") 
   std::vector<std::thread> threads;
   for (int p = 0; p < producers; ++p) {
     threads.emplace_back([&, p] {
-      for (int i = 0; i < per_producer; ++i) s.enqueue_host([&seen, p, i] { seen[static_cast<std::size_t>(p)].push_back(i); });
+      for (int i = 0; i < per_producer; ++i)
+        s.enqueue_host([&seen, p, i] { seen[static_cast<std::size_t>(p)].push_back(i); });
     });
   }
   for (auto& t : threads) t.join();
@@ -485,9 +486,7 @@ TEST_CASE("stream ids: unique per stream, carried by its views and moves, and a 
   REQUIRE(static_cast<bool>(life));
   CHECK_FALSE(life->expired());
   CHECK_FALSE(static_cast<bool>(gpukit::stream_view::default_stream(cpu).lifetime()));  // nothing to track
-  {
-    gpukit::stream gone(std::move(moved));
-  }
+  { gpukit::stream gone(std::move(moved)); }
   CHECK(life->expired());
   CHECK(life->finished());  // a CPU stream's destructor waits for its work
   gpukit::stream c(cpu);
@@ -527,8 +526,8 @@ TEST_CASE("a host function enqueued from inside one on the CPU default stream ru
     s.enqueue_host([&] { order.push_back("second inner"); });
     order.push_back("outer ends");
   });
-  CHECK(order == std::vector<std::string>{"outer begins", "outer ends", "inner", "inner ends", "second inner",
-                                          "innermost"});
+  CHECK(order ==
+        std::vector<std::string>{"outer begins", "outer ends", "inner", "inner ends", "second inner", "innermost"});
   // An exception escaping a deferred one is reported like any other and the rest still run.
   gpukit_test::captured_warnings warnings;
   bool last_ran = false;

@@ -8,12 +8,12 @@
 #include <unordered_set>
 
 /// In a test of behaviour without a GPU: skip when this machine has one.
-#define GPUKIT_REQUIRE_NO_GPU()                                                                 \
-  do {                                                                                          \
-    if (::gpukit::device_count() != 0) {                                                        \
-      std::printf("GPUKIT_TEST_SKIPPED: this test checks behaviour without a GPU\n");           \
-      return;                                                                                   \
-    }                                                                                           \
+#define GPUKIT_REQUIRE_NO_GPU()                                                       \
+  do {                                                                                \
+    if (::gpukit::device_count() != 0) {                                              \
+      std::printf("GPUKIT_TEST_SKIPPED: this test checks behaviour without a GPU\n"); \
+      return;                                                                         \
+    }                                                                                 \
   } while (false)
 
 static_assert(noexcept(gpukit::device_count()), "device_count never throws");

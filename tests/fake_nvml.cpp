@@ -52,8 +52,8 @@ void choose_machine() {
     gpus[1] = installed_gpus[1];
     return;
   }
-  gpus[0] = fake_gpu{"GPU-0000c0da-0000-0000-0000-000000000000", "00000000:18:00.0", 80ull << 30, 70ull << 30,
-                     10ull << 30, 12};
+  gpus[0] = fake_gpu{
+      "GPU-0000c0da-0000-0000-0000-000000000000", "00000000:18:00.0", 80ull << 30, 70ull << 30, 10ull << 30, 12};
   gpus[1] = fake_gpu{"GPU-0001c0da-0000-0000-0000-000000000000", "00000000:28:00.0", 80ull << 30, 80ull << 30, 0, 0};
   gpus[1].self_bytes = -1;
   for (auto& g : gpus) g.nvlinks_active = 0;  // a PCIe pair: the link comes from the common ancestor
@@ -65,10 +65,14 @@ unsigned long long parse_hex(const char*& p) {
   unsigned long long v = 0;
   for (;; ++p) {
     const char c = *p;
-    if (c >= '0' && c <= '9') v = v * 16 + static_cast<unsigned>(c - '0');
-    else if (c >= 'a' && c <= 'f') v = v * 16 + static_cast<unsigned>(c - 'a' + 10);
-    else if (c >= 'A' && c <= 'F') v = v * 16 + static_cast<unsigned>(c - 'A' + 10);
-    else return v;
+    if (c >= '0' && c <= '9')
+      v = v * 16 + static_cast<unsigned>(c - '0');
+    else if (c >= 'a' && c <= 'f')
+      v = v * 16 + static_cast<unsigned>(c - 'a' + 10);
+    else if (c >= 'A' && c <= 'F')
+      v = v * 16 + static_cast<unsigned>(c - 'A' + 10);
+    else
+      return v;
   }
 }
 // Compares bus ids numerically, as NVML does: "0000:1a:00.0" equals "00000000:1A:00.0".
@@ -181,9 +185,12 @@ int nvmlDeviceGetEnforcedPowerLimit(void* device, unsigned* milliwatts) {
 }
 int nvmlDeviceGetClockInfo(void* device, int type, unsigned* mhz) {
   const auto* g = static_cast<fake_gpu*>(device);
-  if (type == 1) *mhz = g->sm_mhz;
-  else if (type == 2) *mhz = g->memory_mhz;
-  else return 2;  // NVML_ERROR_INVALID_ARGUMENT
+  if (type == 1)
+    *mhz = g->sm_mhz;
+  else if (type == 2)
+    *mhz = g->memory_mhz;
+  else
+    return 2;  // NVML_ERROR_INVALID_ARGUMENT
   return 0;
 }
 // Only the pre-12.2 name, so gpukit's fallback to it is what binds.
@@ -193,9 +200,12 @@ int nvmlDeviceGetCurrentClocksThrottleReasons(void* device, unsigned long long* 
 }
 int nvmlDeviceGetPcieThroughput(void* device, int counter, unsigned* kb_per_s) {
   const auto* g = static_cast<fake_gpu*>(device);
-  if (counter == 0) *kb_per_s = g->pcie_tx_kb;
-  else if (counter == 1) *kb_per_s = g->pcie_rx_kb;
-  else return 2;
+  if (counter == 0)
+    *kb_per_s = g->pcie_tx_kb;
+  else if (counter == 1)
+    *kb_per_s = g->pcie_rx_kb;
+  else
+    return 2;
   return 0;
 }
 struct process_info {
@@ -223,8 +233,7 @@ int list_processes(void* device, unsigned* count, void* list) {
   if (g->self_bytes != -1) {
     infos[g->other_processes] = Entry{};
     infos[g->other_processes].pid = static_cast<unsigned>(getpid());
-    infos[g->other_processes].used_bytes =
-        g->self_bytes == -2 ? ~0ull : static_cast<unsigned long long>(g->self_bytes);
+    infos[g->other_processes].used_bytes = g->self_bytes == -2 ? ~0ull : static_cast<unsigned long long>(g->self_bytes);
   }
   *count = needed;
   return 0;
@@ -241,7 +250,8 @@ int nvmlDeviceGetComputeRunningProcesses_v2(void* device, unsigned* count, void*
 }
 int nvmlDeviceGetComputeRunningProcesses_v3(void* device, unsigned* count, void* list) {
   const char* driver = std::getenv("FAKE_NVML_DRIVER");
-  if (driver != nullptr && std::strcmp(driver, "535") == 0) return list_processes<process_info_535>(device, count, list);
+  if (driver != nullptr && std::strcmp(driver, "535") == 0)
+    return list_processes<process_info_535>(device, count, list);
   return list_processes<process_info>(device, count, list);
 }
 int nvmlDeviceGetTopologyCommonAncestor(void* a, void* b, int* level) {

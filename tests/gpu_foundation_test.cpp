@@ -31,7 +31,8 @@ TEST_CASE("gpu: properties are sane and cached") {
     CHECK(info.total_bytes == p.total_memory);
     CHECK(info.free_bytes <= info.total_bytes);
     std::printf("%s: %s, %s, cc %s, %d SMs, %s\n", d.to_string().c_str(), p.name.c_str(), p.uuid.c_str(),
-                p.compute_capability().c_str(), p.multiprocessor_count, gpukit::detail::format_bytes(p.total_memory).c_str());
+                p.compute_capability().c_str(), p.multiprocessor_count,
+                gpukit::detail::format_bytes(p.total_memory).c_str());
   }
 }
 

@@ -31,8 +31,8 @@ TEST_CASE("NVML loads, lists the installed GPUs and maps devices by UUID") {
   const auto installed = nvml.installed();
   REQUIRE(installed);
   CHECK(installed->count == 2);
-  CHECK(installed->uuids ==
-        std::vector<std::string>{"GPU-11111111-2222-3333-4444-555555555555", "GPU-99999999-8888-7777-6666-555555555555"});
+  CHECK(installed->uuids == std::vector<std::string>{"GPU-11111111-2222-3333-4444-555555555555",
+                                                     "GPU-99999999-8888-7777-6666-555555555555"});
   const auto memory = nvml.memory(described("GPU-99999999-8888-7777-6666-555555555555", ""));
   REQUIRE(memory);
   CHECK(memory->total == (40ull << 30));
@@ -154,10 +154,10 @@ TEST_CASE("clock limit masks read as words") {
   using namespace gpukit::nvml;
   CHECK(describe_clock_limits(0) == "none");
   CHECK(describe_clock_limits(clock_limit::idle) == "idle");
-  CHECK(describe_clock_limits(clock_limit::software_power_cap | clock_limit::hardware_thermal) == "power cap, hw thermal");
+  CHECK(describe_clock_limits(clock_limit::software_power_cap | clock_limit::hardware_thermal) ==
+        "power cap, hw thermal");
   CHECK(describe_clock_limits(0x8000 | clock_limit::sync_boost) == "sync boost, other");
 }
-
 
 TEST_CASE("links between GPUs read as nvidia-smi topo -m prints them") {
   const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
@@ -165,7 +165,7 @@ TEST_CASE("links between GPUs read as nvidia-smi topo -m prints them") {
   const auto second = gpu_at("GPU-99999999-8888-7777-6666-555555555555", 0x3b);
   CHECK(nvml.link(first, first) == std::string("X"));
   CHECK(nvml.link(first, second) == std::string("NV2"));  // 2 of its 4 active links end at the other GPU
-  set_fake(0, "nvlinks_to_peer", 0);                       // all through an NVSwitch: every active link counts
+  set_fake(0, "nvlinks_to_peer", 0);                      // all through an NVSwitch: every active link counts
   CHECK(nvml.link(first, second) == std::string("NV4"));
   set_fake(0, "nvlinks_active", 0);  // no NVLink: the closest common PCIe ancestor names the path
   for (const auto& [level, name] : std::vector<std::pair<int, std::string>>{

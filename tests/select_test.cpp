@@ -69,8 +69,7 @@ TEST_CASE("requirements reject devices and say why") {
   REQUIRE(selection.candidates.size() == 3);
   CHECK_FALSE(selection.candidates[0].eligible);
   CHECK(selection.candidates[0].note.find("compute capability 8.0 is below the required 9.0") != std::string::npos);
-  CHECK(selection.candidates[0].note.find("free memory 2.00 GiB is below the required 20.00 GiB") !=
-        std::string::npos);
+  CHECK(selection.candidates[0].note.find("free memory 2.00 GiB is below the required 20.00 GiB") != std::string::npos);
   CHECK(selection.candidates[2].eligible);
   CHECK(selection.report().find("cuda:0 (Test GPU 0): rejected") != std::string::npos);
 }
@@ -159,12 +158,13 @@ TEST_CASE("bad GPUKIT_DEVICE values throw clear errors") {
   CHECK(message_for("gpu0") ==
         "GPUKIT_DEVICE=\"gpu0\" is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
   CHECK(message_for("cuda:3").find("GPUKIT_DEVICE=\"cuda:3\" names cuda:3, but only 3 devices visible") == 0);
-  CHECK(message_for("GPU-cccc").find("GPUKIT_DEVICE=\"GPU-cccc\" matches no visible device (3 devices visible: "
-                                     "cuda:0 GPU-aaaa0000") == 0);
-  CHECK(message_for("GPU-bbb").find("is ambiguous: it is a prefix of 2 visible devices' UUIDs") !=
-        std::string::npos);
+  CHECK(message_for("GPU-cccc")
+            .find("GPUKIT_DEVICE=\"GPU-cccc\" matches no visible device (3 devices visible: "
+                  "cuda:0 GPU-aaaa0000") == 0);
+  CHECK(message_for("GPU-bbb").find("is ambiguous: it is a prefix of 2 visible devices' UUIDs") != std::string::npos);
   s = no_gpus();
-  CHECK(message_for("cuda:0") == "GPUKIT_DEVICE=\"cuda:0\" asks for a GPU, but none is usable: no NVIDIA driver is loaded");
+  CHECK(message_for("cuda:0") ==
+        "GPUKIT_DEVICE=\"cuda:0\" asks for a GPU, but none is usable: no NVIDIA driver is loaded");
   policy.require_gpu = true;
   s = three_gpus();
   CHECK(message_for("cpu") == "GPUKIT_DEVICE=\"cpu\" selects the CPU, but the policy requires a GPU");
@@ -234,8 +234,7 @@ TEST_CASE("on this machine without a driver: the CPU, or an error that says why"
 TEST_CASE("a hand-made snapshot whose gpus are not cuda:0, cuda:1, ... in order is rejected clearly") {
   gpukit::selection_policy policy;
   auto expect_rejected = [&](const gpukit::system_snapshot& s, const char* expected) {
-    CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s), doctest::Contains(expected),
-                         gpukit::invalid_argument_error);
+    CHECK_THROWS_WITH_AS(gpukit::select_device(policy, s), doctest::Contains(expected), gpukit::invalid_argument_error);
   };
   auto swapped = three_gpus();
   std::swap(swapped.gpus[0], swapped.gpus[1]);
@@ -311,15 +310,17 @@ TEST_CASE("GPUKIT_DEVICE edge values each have one documented outcome") {
   };
   CHECK(outcome("cuda:1\n") == "cuda:1");
   CHECK(outcome("\tcpu\r\n") == "cpu");
-  CHECK(outcome("") == "cuda:0");    // empty: ignored, the policy decides
+  CHECK(outcome("") == "cuda:0");     // empty: ignored, the policy decides
   CHECK(outcome(" \n") == "cuda:0");  // whitespace only: ignored too
   CHECK(outcome("cuda:-1") ==
         "invalid_argument_error: GPUKIT_DEVICE=\"cuda:-1\" is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or "
         "a GPU UUID (GPU-...)");
-  CHECK(outcome("cuda:99999999999").find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:99999999999\" names an "
-                                         "ordinal beyond every device, but only 3 devices visible") == 0);
-  CHECK(outcome("cuda:2147483647").find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:2147483647\" names "
-                                        "cuda:2147483647, but only 3 devices visible") == 0);
+  CHECK(outcome("cuda:99999999999")
+            .find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:99999999999\" names an "
+                  "ordinal beyond every device, but only 3 devices visible") == 0);
+  CHECK(outcome("cuda:2147483647")
+            .find("invalid_argument_error: GPUKIT_DEVICE=\"cuda:2147483647\" names "
+                  "cuda:2147483647, but only 3 devices visible") == 0);
   CHECK(outcome("cuda:3").find("names cuda:3, but only 3 devices visible") != std::string::npos);
 }
 

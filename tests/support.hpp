@@ -21,13 +21,13 @@
 #include <vector>
 
 /// In a GPU test: when no CUDA device is usable, print the marker that ctest maps to "Skipped" and return.
-#define GPUKIT_REQUIRE_GPU()                                                                   \
-  do {                                                                                         \
-    if (::gpukit::device_count() == 0) {                                                       \
-      std::printf("GPUKIT_TEST_SKIPPED: no CUDA device is usable on this machine\n");          \
-      std::fflush(stdout);                                                                     \
-      return;                                                                                  \
-    }                                                                                          \
+#define GPUKIT_REQUIRE_GPU()                                                          \
+  do {                                                                                \
+    if (::gpukit::device_count() == 0) {                                              \
+      std::printf("GPUKIT_TEST_SKIPPED: no CUDA device is usable on this machine\n"); \
+      std::fflush(stdout);                                                            \
+      return;                                                                         \
+    }                                                                                 \
   } while (false)
 
 namespace gpukit_test {

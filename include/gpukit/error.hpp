@@ -9,10 +9,9 @@
 ///
 /// | CUDA result                                              | thrown type            |
 /// |----------------------------------------------------------|------------------------|
-/// | cudaErrorInsufficientDriver (35), cudaErrorStubLibrary (34), cudaErrorNoDevice (100), cudaErrorDevicesUnavailable (46) | no_device_error |
-/// | cudaErrorMemoryAllocation (2)                            | out_of_memory_error    |
-/// | cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)  | invalid_argument_error |
-/// | anything else                                            | cuda_error             |
+/// | cudaErrorInsufficientDriver (35), cudaErrorStubLibrary (34), cudaErrorNoDevice (100), cudaErrorDevicesUnavailable
+/// (46) | no_device_error | | cudaErrorMemoryAllocation (2)                            | out_of_memory_error    | |
+/// cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)  | invalid_argument_error | | anything else | cuda_error |
 
 #include <gpukit/detail/config.hpp>
 
@@ -102,8 +101,8 @@ class no_device_error : public error {
 /// An allocation could not be satisfied (by CUDA, the host, or a gpukit allocator's limit).
 class out_of_memory_error : public error {
  public:
-  explicit out_of_memory_error(const std::string& message, cudaError_t cuda_result = cudaSuccess,
-                               std::string call = {}, int device = -1, const char* file = nullptr, int line = 0)
+  explicit out_of_memory_error(const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
+                               int device = -1, const char* file = nullptr, int line = 0)
       : error(errc::out_of_memory, message, cuda_result, std::move(call), device, file, line) {}
 };
 
@@ -330,11 +329,10 @@ GPUKIT_END_NAMESPACE
 
 /// Like GPUKIT_CUDA_TRY, but with a description of the call (evaluated only on failure, so it may build a string
 /// with the argument values) and the device ordinal concerned (-1 when none).
-#define GPUKIT_CUDA_TRY_DESCRIBED(call_expression, description, device_ordinal)                              \
-  do {                                                                                                       \
-    const cudaError_t gpukit_cuda_result_ = (call_expression);                                               \
-    if (gpukit_cuda_result_ != cudaSuccess) {                                                                \
-      ::gpukit::detail::throw_cuda_error(gpukit_cuda_result_, (description), (device_ordinal), __FILE__,     \
-                                         __LINE__);                                                          \
-    }                                                                                                        \
+#define GPUKIT_CUDA_TRY_DESCRIBED(call_expression, description, device_ordinal)                                     \
+  do {                                                                                                              \
+    const cudaError_t gpukit_cuda_result_ = (call_expression);                                                      \
+    if (gpukit_cuda_result_ != cudaSuccess) {                                                                       \
+      ::gpukit::detail::throw_cuda_error(gpukit_cuda_result_, (description), (device_ordinal), __FILE__, __LINE__); \
+    }                                                                                                               \
   } while (false)

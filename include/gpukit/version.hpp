@@ -14,8 +14,8 @@
 #define GPUKIT_DETAIL_STRINGIFY(x) GPUKIT_DETAIL_STRINGIFY2(x)
 
 /// "MAJOR.MINOR.PATCH"
-#define GPUKIT_VERSION_STRING                                                                           \
-  GPUKIT_DETAIL_STRINGIFY(GPUKIT_VERSION_MAJOR)                                                         \
+#define GPUKIT_VERSION_STRING                   \
+  GPUKIT_DETAIL_STRINGIFY(GPUKIT_VERSION_MAJOR) \
   "." GPUKIT_DETAIL_STRINGIFY(GPUKIT_VERSION_MINOR) "." GPUKIT_DETAIL_STRINGIFY(GPUKIT_VERSION_PATCH)
 
 /// MAJOR * 10000 + MINOR * 100 + PATCH, for preprocessor comparisons.

@@ -1,8 +1,8 @@
 // CUDA graph capture and gpukit's memory: while a stream is being captured (cudaStreamBeginCapture), the caching
 // allocator must not hand the graph memory that later returns to the general pool, must not call cudaMalloc/cudaFree
 // (prohibited, and the capture is invalidated), and must not record its events in the capture (cudaEventQuery of
-// such an event fails with cudaErrorCapturedEvent). Outside gpukit::capture with a graph pool, each such operation throws
-// invalid_argument_error before anything changes: the capture still ends successfully, the allocator's state is
+// such an event fails with cudaErrorCapturedEvent). Outside gpukit::capture with a graph pool, each such operation
+// throws invalid_argument_error before anything changes: the capture still ends successfully, the allocator's state is
 // unchanged, and the simulator records no rule violation (the sim test main fails a test that leaves one).
 // Work on streams that are not captured goes on, also in other threads while a capture in global mode is underway.
 #include <gpukit/gpukit.hpp>

@@ -255,9 +255,8 @@ TEST_CASE("contexts: the prefetcher's thread works on the consumer's device") {
   { gpukit::pooled_pinned_buffer<float> warm(1000, gpukit::device::cuda(1)); }
   std::size_t batches = 0;
   {
-    gpukit::prefetcher<float> loader(s, 1000, [](std::size_t i, gpukit::span<float> out) -> std::size_t {
-      return i < 4 ? out.size() : 0;
-    });
+    gpukit::prefetcher<float> loader(
+        s, 1000, [](std::size_t i, gpukit::span<float> out) -> std::size_t { return i < 4 ? out.size() : 0; });
     while (auto batch = loader.next()) ++batches;
     s.synchronize();
   }
@@ -380,7 +379,8 @@ TEST_CASE("contexts: freeing a device_buffer recorded on another stream as a fre
       o.t.synchronize();
       x = std::make_unique<gpukit::device_buffer<float>>(1000, o.s);  // polls the event back into the pool
       x->record_stream(o.t);
-    }).join();
+    })
+        .join();
     x.reset();  // records a pooled event on t
   });
 }
@@ -394,7 +394,7 @@ TEST_CASE("contexts: the caching allocator's deallocate that records an event, a
   void* p = a.allocate(4096, o.s);  // polls it back into the event pool
   void* q = a.allocate(4096, o.s);
   a.record_stream(p, o.t);
-  std::thread([&] { a.deallocate(p); }).join();     // records the pooled event on t
+  std::thread([&] { a.deallocate(p); }).join();       // records the pooled event on t
   std::thread([&] { a.deallocate(q, o.t); }).join();  // creates one (with cuda:1 current) and records it
   o.s.synchronize();
   o.t.synchronize();

@@ -48,9 +48,9 @@ enum class op_kind { engine, host };
 struct op {
   op_kind kind = op_kind::engine;
   state_ptr state = std::make_shared<op_state>();
-  std::vector<state_ptr> deps;             // must complete before this op starts (event waits, legacy barriers)
-  std::function<bool()> precheck;          // under the lock, just before running: false = illegal access
-  std::function<void()> work;              // runs without the lock
+  std::vector<state_ptr> deps;     // must complete before this op starts (event waits, legacy barriers)
+  std::function<bool()> precheck;  // under the lock, just before running: false = illegal access
+  std::function<void()> work;      // runs without the lock
   std::string what;
 };
 
@@ -93,7 +93,7 @@ struct capture_state {
 struct event_obj {
   int device = 0;
   unsigned flags = 0;
-  state_ptr last;  // null: never recorded
+  state_ptr last;                          // null: never recorded
   std::shared_ptr<capture_state> capture;  // recorded inside this capture (until recorded again outside)
 };
 
@@ -109,7 +109,7 @@ struct region {
   region_kind kind = region_kind::device;
   int device = 0;
   unsigned flags = 0;
-  bool pooled = false;  // from cudaMallocAsync
+  bool pooled = false;         // from cudaMallocAsync
   bool virtual_range = false;  // cuMemAddressReserve: device memory only where pages are mapped with access
 };
 
@@ -338,8 +338,8 @@ struct call {
   cudaError_t early = cudaSuccess;
 };
 
-#define CUDASIM_ENTER(name)             \
-  call c(name);                         \
+#define CUDASIM_ENTER(name) \
+  call c(name);             \
   if (c.early != cudaSuccess) return c.result(c.early)
 
 bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
@@ -461,7 +461,8 @@ cudaError_t resolve_stream(call& c, cudaStream_t handle, bool ptsz, stream_ptr& 
   }
   out = c.s.streams.find(h);
   if (out) return cudaSuccess;
-  if (c.s.streams.was_issued(h)) return c.violation(cudaErrorInvalidResourceHandle, "use of a destroyed stream " + hex(h));
+  if (c.s.streams.was_issued(h))
+    return c.violation(cudaErrorInvalidResourceHandle, "use of a destroyed stream " + hex(h));
   return c.violation(cudaErrorInvalidResourceHandle, "use of an invalid stream handle " + hex(h));
 }
 
@@ -634,12 +635,22 @@ cudaError_t check_copy(call& c, void* dst, const void* src, std::size_t n, cudaM
   const location sl = locate(c.s, src);
   bool ok = true;
   switch (kind) {
-    case cudaMemcpyHostToDevice: ok = d == location::device && sl == location::host; break;
-    case cudaMemcpyDeviceToHost: ok = d == location::host && sl == location::device; break;
-    case cudaMemcpyDeviceToDevice: ok = d == location::device && sl == location::device; break;
-    case cudaMemcpyHostToHost: ok = d == location::host && sl == location::host; break;
-    case cudaMemcpyDefault: break;
-    default: return c.violation(cudaErrorInvalidMemcpyDirection, "unknown cudaMemcpyKind");
+    case cudaMemcpyHostToDevice:
+      ok = d == location::device && sl == location::host;
+      break;
+    case cudaMemcpyDeviceToHost:
+      ok = d == location::host && sl == location::device;
+      break;
+    case cudaMemcpyDeviceToDevice:
+      ok = d == location::device && sl == location::device;
+      break;
+    case cudaMemcpyHostToHost:
+      ok = d == location::host && sl == location::host;
+      break;
+    case cudaMemcpyDefault:
+      break;
+    default:
+      return c.violation(cudaErrorInvalidMemcpyDirection, "unknown cudaMemcpyKind");
   }
   if (!ok) {
     return c.violation(cudaErrorInvalidValue, "the copy's kind (" + std::to_string(static_cast<int>(kind)) +
@@ -657,10 +668,9 @@ cudaError_t check_copy(call& c, void* dst, const void* src, std::size_t n, cudaM
     }
     if (r != nullptr && r->kind != region_kind::registered &&
         reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size) {
-      return c.violation(cudaErrorInvalidValue, "a copy of " + std::to_string(n) + " bytes at " +
-                                                    hex(reinterpret_cast<std::uintptr_t>(p)) +
-                                                    " overruns its allocation of " + std::to_string(r->size) +
-                                                    " bytes");
+      return c.violation(cudaErrorInvalidValue,
+                         "a copy of " + std::to_string(n) + " bytes at " + hex(reinterpret_cast<std::uintptr_t>(p)) +
+                             " overruns its allocation of " + std::to_string(r->size) + " bytes");
     }
   }
   return cudaSuccess;
@@ -766,9 +776,9 @@ cudaError_t memcpy_peer_async(call& c, void* dst, int dst_device, const void* sr
                                                     ") is not device memory");
     }
     if (r->device != x.device) {
-      return c.violation(cudaErrorInvalidValue, std::string("the ") + x.role + " of a peer copy is memory of cuda:" +
-                                                    std::to_string(r->device) + ", not of cuda:" +
-                                                    std::to_string(x.device) + " as the call says");
+      return c.violation(cudaErrorInvalidValue, std::string("the ") + x.role +
+                                                    " of a peer copy is memory of cuda:" + std::to_string(r->device) +
+                                                    ", not of cuda:" + std::to_string(x.device) + " as the call says");
     }
   }
   if (cudaError_t e = check_copy(c, dst, src, n, cudaMemcpyDeviceToDevice); e != cudaSuccess) return e;
@@ -785,7 +795,9 @@ cudaError_t memcpy_peer_async(call& c, void* dst, int dst_device, const void* sr
 // Driver entry points (cudaGetDriverEntryPoint)
 // ------------------------------------------------------------------------------------------------------------------
 
-CUcontext context_handle(int d) { return reinterpret_cast<CUcontext>(std::uintptr_t{0xC0000000} + 0x1000u * static_cast<unsigned>(d)); }
+CUcontext context_handle(int d) {
+  return reinterpret_cast<CUcontext>(std::uintptr_t{0xC0000000} + 0x1000u * static_cast<unsigned>(d));
+}
 
 CUresult CUDAAPI sim_cuCtxGetCurrent(CUcontext* ctx) {
   std::lock_guard<std::mutex> lock(sim().mutex);
@@ -842,9 +854,8 @@ CUresult CUDAAPI sim_cuDeviceGetAttribute(int* value, CUdevice_attribute attribu
   ++s.call_counts["cuDeviceGetAttribute"];
   if (value == nullptr || !valid_device(s, dev)) return CUDA_ERROR_INVALID_VALUE;
   if (attribute != CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) {
-    record_violation(s, "cuDeviceGetAttribute", cudaErrorNotSupported, "device attribute " +
-                                                                          std::to_string(static_cast<int>(attribute)) +
-                                                                          " is not simulated");
+    record_violation(s, "cuDeviceGetAttribute", cudaErrorNotSupported,
+                     "device attribute " + std::to_string(static_cast<int>(attribute)) + " is not simulated");
     return CUDA_ERROR_NOT_SUPPORTED;
   }
   *value = s.devices[static_cast<std::size_t>(dev)].config.virtual_memory ? 1 : 0;
@@ -1008,8 +1019,9 @@ CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
     s.vmm_pages.erase(it);
     auto a = s.vmm_allocations.find(h);
     // One mapping per allocation here (cuMemMap maps a whole allocation): its last page ends the mapping.
-    if (a != s.vmm_allocations.end() && s.vmm_pages.end() == std::find_if(s.vmm_pages.begin(), s.vmm_pages.end(),
-                                                                            [h](const auto& p) { return p.second.handle == h; })) {
+    if (a != s.vmm_allocations.end() &&
+        s.vmm_pages.end() ==
+            std::find_if(s.vmm_pages.begin(), s.vmm_pages.end(), [h](const auto& p) { return p.second.handle == h; })) {
       --a->second.mappings;
       vmm_collect(s, h);
     }
@@ -1103,9 +1115,9 @@ cudaError_t event_record(cudaEvent_t e, cudaStream_t h, bool ptsz, const char* n
   if (cudaError_t r = resolve_stream(c, h, ptsz, st); r != cudaSuccess) return r;
   require_current_context(c);
   if (st->device != ev->device) {
-    return c.violation(cudaErrorInvalidResourceHandle, "an event of cuda:" + std::to_string(ev->device) +
-                                                           " recorded on a stream of cuda:" +
-                                                           std::to_string(st->device));
+    return c.violation(cudaErrorInvalidResourceHandle,
+                       "an event of cuda:" + std::to_string(ev->device) +
+                           " recorded on a stream of cuda:" + std::to_string(st->device));
   }
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
@@ -1130,7 +1142,8 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
   if (cudaError_t r = resolve_stream(c, h, ptsz, st); r != cudaSuccess) return r;
   require_current_context(c);
   if (ev->capture) {
-    if (!ev->capture->active) return c.violation(cudaErrorStreamCaptureIsolation, "wait for an event of an ended capture");
+    if (!ev->capture->active)
+      return c.violation(cudaErrorStreamCaptureIsolation, "wait for an event of an ended capture");
     if (!st->capture) st->capture = ev->capture;  // the stream joins the capture (fork)
     return cudaSuccess;
   }
@@ -1198,8 +1211,9 @@ cudaError_t stream_is_capturing(cudaStream_t h, cudaStreamCaptureStatus* status,
     return c.violation(cudaErrorStreamCaptureImplicit,
                        "asked about the legacy stream while a blocking stream of its device is captured");
   }
-  *status = !st->capture ? cudaStreamCaptureStatusNone
-                         : (st->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive);
+  *status = !st->capture
+                ? cudaStreamCaptureStatusNone
+                : (st->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive);
   if (id != nullptr && st->capture) *id = st->capture->id;
   return cudaSuccess;
 }
@@ -1283,24 +1297,42 @@ const char* error_name(cudaError_t e) {
 
 const char* error_string(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
-    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
-    case cudaErrorInvalidDevice: return "invalid device ordinal";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
-    case cudaErrorNotReady: return "device not ready";
-    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
-    case cudaErrorNotPermitted: return "operation not permitted";
-    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
-    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
-    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
-    case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
-    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
-    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
-    case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
-    default: return error_name(e);
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInsufficientDriver:
+      return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice:
+      return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
+    case cudaErrorNotReady:
+      return "device not ready";
+    case cudaErrorIllegalAddress:
+      return "an illegal memory access was encountered";
+    case cudaErrorNotPermitted:
+      return "operation not permitted";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorCapturedEvent:
+      return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorPeerAccessUnsupported:
+      return "peer access is not supported between these two devices";
+    case cudaErrorPeerAccessAlreadyEnabled:
+      return "peer access is already enabled";
+    case cudaErrorPeerAccessNotEnabled:
+      return "peer access has not been enabled";
+    default:
+      return error_name(e);
   }
 }
 
@@ -1625,27 +1657,63 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDe
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
   const cudasim::device_config& d = c.s.devices[static_cast<std::size_t>(device)].config;
   switch (attr) {
-    case cudaDevAttrClockRate: *value = d.clock_rate_khz; break;
-    case cudaDevAttrMemoryClockRate: *value = d.memory_clock_rate_khz; break;
-    case cudaDevAttrComputeMode: *value = cudaComputeModeDefault; break;
-    case cudaDevAttrMemoryPoolsSupported: *value = 1; break;
-    case cudaDevAttrMultiProcessorCount: *value = d.multiprocessors; break;
-    case cudaDevAttrComputeCapabilityMajor: *value = d.major; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = d.minor; break;
-    case cudaDevAttrAsyncEngineCount: *value = d.copy_engines; break;
-    case cudaDevAttrUnifiedAddressing: *value = 1; break;
-    case cudaDevAttrCanMapHostMemory: *value = 1; break;
-    case cudaDevAttrPciBusId: *value = d.pci_bus; break;
-    case cudaDevAttrPciDeviceId: *value = d.pci_device; break;
-    case cudaDevAttrPciDomainId: *value = d.pci_domain; break;
-    case cudaDevAttrIntegrated: *value = 0; break;
-    case cudaDevAttrWarpSize: *value = 32; break;
-    case cudaDevAttrCanUseHostPointerForRegisteredMem: *value = 1; break;
-    case cudaDevAttrPageableMemoryAccess: *value = 0; break;
-    case cudaDevAttrConcurrentManagedAccess: *value = 1; break;
+    case cudaDevAttrClockRate:
+      *value = d.clock_rate_khz;
+      break;
+    case cudaDevAttrMemoryClockRate:
+      *value = d.memory_clock_rate_khz;
+      break;
+    case cudaDevAttrComputeMode:
+      *value = cudaComputeModeDefault;
+      break;
+    case cudaDevAttrMemoryPoolsSupported:
+      *value = 1;
+      break;
+    case cudaDevAttrMultiProcessorCount:
+      *value = d.multiprocessors;
+      break;
+    case cudaDevAttrComputeCapabilityMajor:
+      *value = d.major;
+      break;
+    case cudaDevAttrComputeCapabilityMinor:
+      *value = d.minor;
+      break;
+    case cudaDevAttrAsyncEngineCount:
+      *value = d.copy_engines;
+      break;
+    case cudaDevAttrUnifiedAddressing:
+      *value = 1;
+      break;
+    case cudaDevAttrCanMapHostMemory:
+      *value = 1;
+      break;
+    case cudaDevAttrPciBusId:
+      *value = d.pci_bus;
+      break;
+    case cudaDevAttrPciDeviceId:
+      *value = d.pci_device;
+      break;
+    case cudaDevAttrPciDomainId:
+      *value = d.pci_domain;
+      break;
+    case cudaDevAttrIntegrated:
+      *value = 0;
+      break;
+    case cudaDevAttrWarpSize:
+      *value = 32;
+      break;
+    case cudaDevAttrCanUseHostPointerForRegisteredMem:
+      *value = 1;
+      break;
+    case cudaDevAttrPageableMemoryAccess:
+      *value = 0;
+      break;
+    case cudaDevAttrConcurrentManagedAccess:
+      *value = 1;
+      break;
     default:
-      return c.violation(cudaErrorNotSupported, "device attribute " + std::to_string(static_cast<int>(attr)) +
-                                                    " is not simulated");
+      return c.violation(cudaErrorNotSupported,
+                         "device attribute " + std::to_string(static_cast<int>(attr)) + " is not simulated");
   }
   return cudaSuccess;
 }
@@ -2004,8 +2072,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, si
   return memcpy_async(c, dst, src, n, kind, stream, false, false);
 }
 
-CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n,
-                                                       enum cudaMemcpyKind kind, cudaStream_t stream) {
+CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind,
+                                                       cudaStream_t stream) {
   CUDASIM_ENTER("cudaMemcpyAsync_ptsz");
   return memcpy_async(c, dst, src, n, kind, stream, true, false);
 }
@@ -2076,8 +2144,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
   if (h <= 2) return c.violation(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of a default stream");
   stream_ptr st = c.s.streams.find(h);
   if (!st) {
-    return c.violation(cudaErrorInvalidResourceHandle, c.s.streams.was_issued(h) ? "double cudaStreamDestroy of " + hex(h)
-                                                                                : "cudaStreamDestroy of an invalid handle");
+    return c.violation(cudaErrorInvalidResourceHandle, c.s.streams.was_issued(h)
+                                                           ? "double cudaStreamDestroy of " + hex(h)
+                                                           : "cudaStreamDestroy of an invalid handle");
   }
   // Returns at once; queued work still completes. The handle is free for the next cudaStreamCreate.
   st->destroyed = true;
@@ -2211,7 +2280,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecUpdate(cudaGraphExec_t exec, cuda
   CUDASIM_ENTER("cudaGraphExecUpdate");
   auto e = c.s.execs.find(reinterpret_cast<std::uintptr_t>(exec));
   auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
-  if (!e || !g || info == nullptr) return c.violation(cudaErrorInvalidValue, "update with an invalid graph or executable");
+  if (!e || !g || info == nullptr)
+    return c.violation(cudaErrorInvalidValue, "update with an invalid graph or executable");
   *info = cudaGraphExecUpdateResultInfo{};
   bool same = e->ops.size() == g->ops.size();
   for (std::size_t i = 0; same && i < e->ops.size(); ++i) same = e->ops[i].kind == g->ops[i].kind;
@@ -2260,8 +2330,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
   CUDASIM_ENTER("cudaEventDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(event);
   if (!c.s.events.find(h)) {
-    return c.violation(cudaErrorInvalidResourceHandle,
-                       c.s.events.was_issued(h) ? "double cudaEventDestroy of " + hex(h) : "cudaEventDestroy of an invalid handle");
+    return c.violation(cudaErrorInvalidResourceHandle, c.s.events.was_issued(h)
+                                                           ? "double cudaEventDestroy of " + hex(h)
+                                                           : "cudaEventDestroy of an invalid handle");
   }
   c.s.events.remove(h);
   return cudaSuccess;

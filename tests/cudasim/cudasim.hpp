@@ -32,8 +32,8 @@ struct device_config {
   int minor = 0;
   int multiprocessors = 132;
   int copy_engines = 3;
-  int priority_least = 0;       ///< cudaDeviceGetStreamPriorityRange's first value
-  int priority_greatest = -5;   ///< and its second
+  int priority_least = 0;      ///< cudaDeviceGetStreamPriorityRange's first value
+  int priority_greatest = -5;  ///< and its second
   int clock_rate_khz = 1980000;
   int memory_clock_rate_khz = 2619000;
   int memory_bus_width_bits = 5120;

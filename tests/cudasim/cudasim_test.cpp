@@ -394,8 +394,8 @@ TEST_CASE("cudasim: queued failures of one function each fire at their own call"
     if (p != nullptr) allocated.push_back(p);
     (void)cudaGetLastError();
   }
-  CHECK(results == std::vector<cudaError_t>{cudaErrorInvalidValue, cudaErrorUnknown, cudaErrorMemoryAllocation,
-                                            cudaSuccess});
+  CHECK(results ==
+        std::vector<cudaError_t>{cudaErrorInvalidValue, cudaErrorUnknown, cudaErrorMemoryAllocation, cudaSuccess});
   for (void* p : allocated) CHECK(cudaFree(p) == cudaSuccess);
 }
 
@@ -562,8 +562,8 @@ TEST_CASE("cudasim: peer access is per direction, from the current device, and p
   CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, 256, nullptr) == cudaSuccess);  // no peer access enabled: allowed
   REQUIRE(cudaMemcpy(back.data(), b, 256, cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(back == pattern);
-  CHECK(cudaMemcpyPeerAsync(b, 0, a, 0, 16, nullptr) == cudaErrorInvalidValue);  // b is cuda:1's
-  CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, 512, nullptr) == cudaErrorInvalidValue);  // overruns
+  CHECK(cudaMemcpyPeerAsync(b, 0, a, 0, 16, nullptr) == cudaErrorInvalidValue);               // b is cuda:1's
+  CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, 512, nullptr) == cudaErrorInvalidValue);              // overruns
   CHECK(cudaMemcpyPeerAsync(b, 1, pattern.data(), 0, 16, nullptr) == cudaErrorInvalidValue);  // host memory
   CHECK(cudaMemcpyPeerAsync(b, 1, a, 3, 16, nullptr) == cudaErrorInvalidDevice);
   CHECK(cudasim::take_violations().size() == 3);

@@ -71,7 +71,8 @@ TEST_CASE("the monitor samples every simulated device through NVML and creates n
 
   const std::string table = monitor.table();
   CHECK(contains(table, "| device | name"));
-  CHECK(contains(table, "| cuda:0 | NVIDIA H100 80GB HBM3 (cudasim) | 41 C | 123 / 700 W   | 10.00 GiB / 80.00 GiB | 3.00 GiB"));
+  CHECK(contains(
+      table, "| cuda:0 | NVIDIA H100 80GB HBM3 (cudasim) | 41 C | 123 / 700 W   | 10.00 GiB / 80.00 GiB | 3.00 GiB"));
   CHECK(contains(table, "| 12 / 1% "));
   CHECK(contains(table, "| 1980 / 2619 MHz"));
   CHECK(contains(table, "| 1.00 MiB/s / 2.00 MiB/s"));
@@ -158,7 +159,8 @@ TEST_CASE("a monitor whose devices NVML does not know is inactive and says why")
   const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
   gpukit::gpu_monitor monitor({}, nvml);
   CHECK_FALSE(monitor.active());
-  CHECK(monitor.status() == "GPU monitor inactive: NVML knows none of the 2 device(s) (looked up by UUID and PCI bus id)");
+  CHECK(monitor.status() ==
+        "GPU monitor inactive: NVML knows none of the 2 device(s) (looked up by UUID and PCI bus id)");
   CHECK(monitor.sample_now().empty());
   CHECK(monitor.rounds() == 0);
 }

@@ -72,8 +72,9 @@ class watchdog {
     g.open();
     lock.lock();
     if (cv_.wait_for(lock, limit, [&] { return finished_; })) return;
-    std::fprintf(stderr, "FAILED: deadlock: the handed-over transfer has not landed long after the stream was let go "
-                         "(the staging background thread waits for the host function that waits for it)\n");
+    std::fprintf(stderr,
+                 "FAILED: deadlock: the handed-over transfer has not landed long after the stream was let go "
+                 "(the staging background thread waits for the host function that waits for it)\n");
     std::fflush(stderr);
     std::_Exit(1);
   }
@@ -108,7 +109,7 @@ TEST_CASE("sim staging: a new stream that gets a destroyed stream's handle gets 
   const cudaStream_t handle = a->cuda_handle();
   g.hold(*a);
   engine.to_device(for_a.p, host.data(), host.size(), *a);  // a's slots stay busy behind the gate
-  a.reset();                                                 // destroyed with its work pending
+  a.reset();                                                // destroyed with its work pending
   gpukit::stream b(d);
   REQUIRE(b.cuda_handle() == handle);  // CUDA may hand out the handle again at once; the simulator always does
   const auto start = std::chrono::steady_clock::now();
@@ -151,8 +152,7 @@ TEST_CASE("sim staging: copies into pageable memory launch no host function") {
   gpukit::stream s(d);
   const auto host = pattern(20 * MiB + 3, 3);
   device_memory dev(host.size());
-  gpukit::copy_async(gpukit::device_span<unsigned char>(static_cast<unsigned char*>(dev.p), host.size(), d), host,
-                     s);
+  gpukit::copy_async(gpukit::device_span<unsigned char>(static_cast<unsigned char*>(dev.p), host.size(), d), host, s);
   std::vector<unsigned char> back(host.size(), 0);
   const std::size_t before = cudasim::calls("cudaLaunchHostFunc");
   gpukit::copy_async(back, gpukit::device_span<const unsigned char>(static_cast<unsigned char*>(dev.p), host.size(), d),
@@ -229,7 +229,7 @@ TEST_CASE("sim staging: the background thread makes no pinned-pool call, so it n
   auto options = small_options();
   options.patience = 10ms;
   gpukit::staging_engine engine(pool, options);
-  const auto small = pattern(1 * MiB, 6);      // 4 chunks of 256 KiB: fills the ring with 256 KiB slots
+  const auto small = pattern(1 * MiB, 6);       // 4 chunks of 256 KiB: fills the ring with 256 KiB slots
   const auto large = pattern(12 * MiB + 7, 7);  // 1 MiB chunks: past the patience, staged in the background
   device_memory for_small(small.size());
   device_memory for_large(large.size());
@@ -269,7 +269,7 @@ TEST_CASE("sim staging: a transfer queued behind a busy background thread is sta
   auto options = small_options();
   options.patience = 10ms;
   gpukit::staging_engine engine(pool, options);
-  const auto first = pattern(1 * MiB, 8);       // 256 KiB chunks: the ring's slots
+  const auto first = pattern(1 * MiB, 8);        // 256 KiB chunks: the ring's slots
   const auto second = pattern(1 * MiB, 9);       // 256 KiB chunks too: past the patience, handed over
   const auto third = pattern(12 * MiB + 3, 10);  // 1 MiB chunks, queued behind the background thread
   device_memory dev_first(first.size());

@@ -389,7 +389,7 @@ TEST_CASE("streams: the pinned pool fences a block recorded on a per-thread stre
   g.hold(per_thread);  // a copy on this thread's per-thread stream that reads p waits for the gate
   pool.record_stream(p, per_thread);
   std::thread([&] { pool.deallocate(p); }).join();  // that thread's cudaStreamPerThread is another stream
-  CHECK(pool.stats().pending_blocks == 1);  // still used by this thread's per-thread stream
+  CHECK(pool.stats().pending_blocks == 1);          // still used by this thread's per-thread stream
   g.open();
   cudasim::drain_all();
   CHECK(pool.stats().pending_blocks == 0);

@@ -50,7 +50,7 @@ TEST_CASE("vmm: a caching allocator with expandable segments maps device pages o
     CHECK(snapshot.segments[0].mapped == 12 * MiB);
     CHECK(snapshot.segments[0].size >= 80 * (std::size_t{1} << 30));  // address space, not memory
   }
-  CHECK(a.memory_reserved() == 12 * MiB);  // cached: still mapped
+  CHECK(a.memory_reserved() == 12 * MiB);               // cached: still mapped
   gpukit::device_buffer<int> again(host.size(), s, a);  // reuses the mapped pages
   CHECK(cudasim::calls("cuMemMap") == 6);
   again = gpukit::device_buffer<int>();

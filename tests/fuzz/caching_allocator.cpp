@@ -61,14 +61,20 @@ struct fence {
 
 std::size_t pick_size(gpukit_fuzz::input& in, std::size_t capacity) {
   switch (in.byte() % 8) {
-    case 0: return static_cast<std::size_t>(in.in_range(0, 4096));
+    case 0:
+      return static_cast<std::size_t>(in.in_range(0, 4096));
     case 1:
-    case 2: return static_cast<std::size_t>(in.in_range(1, MiB));
+    case 2:
+      return static_cast<std::size_t>(in.in_range(1, MiB));
     case 3:
-    case 4: return static_cast<std::size_t>(in.in_range(MiB, 64 * MiB));
-    case 5: return static_cast<std::size_t>(in.in_range(1, capacity + capacity / 2));
-    case 6: return static_cast<std::size_t>(in.in_range(1, 16)) * MiB;
-    default: return std::numeric_limits<std::size_t>::max() - static_cast<std::size_t>(in.in_range(0, 1 << 20));
+    case 4:
+      return static_cast<std::size_t>(in.in_range(MiB, 64 * MiB));
+    case 5:
+      return static_cast<std::size_t>(in.in_range(1, capacity + capacity / 2));
+    case 6:
+      return static_cast<std::size_t>(in.in_range(1, 16)) * MiB;
+    default:
+      return std::numeric_limits<std::size_t>::max() - static_cast<std::size_t>(in.in_range(0, 1 << 20));
   }
 }
 
@@ -203,8 +209,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           const std::size_t reported_before = a.reserved_limit();
           bool changed = true;
           if (kind & 1) {
-            limit = (kind & 2) ? gpukit::allocator_options::unlimited
-                               : static_cast<std::size_t>(in.in_range(0, capacity));
+            limit =
+                (kind & 2) ? gpukit::allocator_options::unlimited : static_cast<std::size_t>(in.in_range(0, capacity));
             what += " set_reserved_limit " + std::to_string(limit);
             a.set_reserved_limit(limit);
           } else {

@@ -66,8 +66,8 @@ void compare(fixture& f, const shadows& sh, arena a, const std::string& what) {
 }
 
 template <class T>
-void copy_typed(fixture& f, arena dst, arena src, std::size_t dst_offset, std::size_t src_offset,
-                std::size_t dst_count, std::size_t src_count, bool tiny_engine) {
+void copy_typed(fixture& f, arena dst, arena src, std::size_t dst_offset, std::size_t src_offset, std::size_t dst_count,
+                std::size_t src_count, bool tiny_engine) {
   T* d = reinterpret_cast<T*>(f.base(dst) + dst_offset);
   T* s = reinterpret_cast<T*>(f.base(src) + src_offset);
   const gpukit::device cpu = gpukit::device::cpu();
@@ -110,8 +110,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       for (int a = 0; a < 3; ++a) compare(f, sh, static_cast<arena>(a), what + " after synchronize");
       continue;
     }
-    static const arena directions[][2] = {{device_memory, host},   {host, device_memory},   {device_memory, pinned},
-                                          {pinned, device_memory}, {device_memory, device_memory}};
+    static const arena directions[][2] = {{device_memory, host},
+                                          {host, device_memory},
+                                          {device_memory, pinned},
+                                          {pinned, device_memory},
+                                          {device_memory, device_memory}};
     const arena dst = directions[op % 5][0];
     const arena src = directions[op % 5][1];
     const std::size_t element = std::size_t{1} << ((op >> 3) % 4 == 3 ? 3 : (op >> 3) % 3 == 1 ? 2 : 0);  // 1, 4, 8

@@ -11,8 +11,8 @@
 
 // Each switch confines a target's inputs (or turns one check off) around a known defect of issue 12. 1: the fix has
 // landed and the fuzzers check that case too (each was seen to find its defect with the switch on before the fix:
-// tests/fuzz/corpus/<target>/regression_defect<n>_*). Set one to 0 only to fuzz a tree without that fix (or define it on the command
-// line, e.g. -DGPUKIT_FUZZ_FIXED_DEFECT_8=0).
+// tests/fuzz/corpus/<target>/regression_defect<n>_*). Set one to 0 only to fuzz a tree without that fix (or define it
+// on the command line, e.g. -DGPUKIT_FUZZ_FIXED_DEFECT_8=0).
 #ifndef GPUKIT_FUZZ_FIXED_DEFECT_1
 #define GPUKIT_FUZZ_FIXED_DEFECT_1 1  // pinned pool: empty_cache releases a promoted block twice
 #endif
@@ -57,9 +57,9 @@ inline void trace(const std::string& what) {
   if (tracing()) std::fprintf(stderr, "%s\n", what.c_str());
 }
 
-#define GPUKIT_FUZZ_CHECK(condition, what)                                                 \
-  do {                                                                                     \
-    if (!(condition)) ::gpukit_fuzz::fail(std::string(#condition) + ": " + (what));        \
+#define GPUKIT_FUZZ_CHECK(condition, what)                                          \
+  do {                                                                              \
+    if (!(condition)) ::gpukit_fuzz::fail(std::string(#condition) + ": " + (what)); \
   } while (false)
 
 /// Consumes the input front to back; reads past the end give zeros, so every input is a valid program.

@@ -17,7 +17,7 @@ constexpr int stream_count = 3;
 struct gated_streams {
   std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
   std::array<std::unique_ptr<gpukit_test::gate>, stream_count> gates;  // non-null while the stream is held
-  std::array<std::uint64_t, stream_count> epoch{};                      // completions so far
+  std::array<std::uint64_t, stream_count> epoch{};                     // completions so far
 
   gated_streams() {
     for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());

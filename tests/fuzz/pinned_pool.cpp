@@ -295,10 +295,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const gpukit::pinned_pool_stats st = pool.stats();
     GPUKIT_FUZZ_CHECK(st.reserved_bytes == lost_bytes && books->outstanding == lost_bytes,
                       "everything freed: only lost blocks stay reserved; reserved " +
-                          std::to_string(st.reserved_bytes) +
-                          ", upstream " + std::to_string(books->outstanding) + ", lost " + std::to_string(lost_bytes) +
-                          ", pending " + std::to_string(st.pending_bytes) + ", free blocks " +
-                          std::to_string(st.free_blocks));
+                          std::to_string(st.reserved_bytes) + ", upstream " + std::to_string(books->outstanding) +
+                          ", lost " + std::to_string(lost_bytes) + ", pending " + std::to_string(st.pending_bytes) +
+                          ", free blocks " + std::to_string(st.free_blocks));
   }
   gpukit::set_warning_handler(previous_handler);
   for (const auto& m : warnings) {

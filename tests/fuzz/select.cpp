@@ -51,12 +51,23 @@ std::string device_text(gpukit_fuzz::input& in) {
   const std::uint8_t kind = in.byte();
   std::string core;
   switch (kind % 6) {
-    case 0: core = "cpu"; break;
-    case 1: core = "cuda"; break;
-    case 2: core = "cuda:" + std::to_string(in.in_range(0, 12)); break;
-    case 3: core = "cuda:" + std::to_string(in.u64()); break;
-    case 4: core = "GPU-" + in.text(6); break;
-    default: return in.text(24);
+    case 0:
+      core = "cpu";
+      break;
+    case 1:
+      core = "cuda";
+      break;
+    case 2:
+      core = "cuda:" + std::to_string(in.in_range(0, 12));
+      break;
+    case 3:
+      core = "cuda:" + std::to_string(in.u64());
+      break;
+    case 4:
+      core = "GPU-" + in.text(6);
+      break;
+    default:
+      return in.text(24);
   }
   return spaces[(kind / 6) % 7] + core + spaces[(kind / 42) % 7];
 }

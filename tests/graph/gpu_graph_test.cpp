@@ -47,18 +47,21 @@ TEST_CASE("gpu: a captured step with temporaries from a graph pool replays, with
   auto pool = gpukit::graph_pool::create(d, 4 * MiB);
   const auto device_allocs = gpukit::memory_stats(d).num_device_alloc;
   void* first_tmp = nullptr;
-  gpukit::graph step = gpukit::capture(s, [&] {
-    {
-      gpukit::device_buffer<int> tmp(1024, s);  // the default allocator, served by the pool during the capture
-      first_tmp = tmp.data();
-      CHECK(pool->owns(tmp.data()));
-      GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 1, tmp.size_bytes(), s.cuda_handle()));
-      GPUKIT_CUDA_TRY(
-          cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
-    }  // tmp is freed inside the capture: the next allocation of the same capture reuses it
-    gpukit::device_buffer<int> again(1024, s);
-    CHECK(static_cast<void*>(again.data()) == first_tmp);
-  }, pool);
+  gpukit::graph step = gpukit::capture(
+      s,
+      [&] {
+        {
+          gpukit::device_buffer<int> tmp(1024, s);  // the default allocator, served by the pool during the capture
+          first_tmp = tmp.data();
+          CHECK(pool->owns(tmp.data()));
+          GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 1, tmp.size_bytes(), s.cuda_handle()));
+          GPUKIT_CUDA_TRY(
+              cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+        }  // tmp is freed inside the capture: the next allocation of the same capture reuses it
+        gpukit::device_buffer<int> again(1024, s);
+        CHECK(static_cast<void*>(again.data()) == first_tmp);
+      },
+      pool);
   CHECK(gpukit::memory_stats(d).num_device_alloc == device_allocs);  // nothing allocated from the device meanwhile
   CHECK(pool->memory_allocated() == 0);
   CHECK(step.pool().get() == pool.get());
@@ -80,16 +83,19 @@ TEST_CASE("gpu: an output allocated in the capture stays in the pool, which live
   {
     auto pool = gpukit::graph_pool::create(d, 2 * MiB);
     CHECK(gpukit::memory_allocated(d) == reserved_before + 2 * MiB);  // the reserve, from the default allocator
-    gpukit::graph g = gpukit::capture(s, [&] {
-      output = std::make_unique<gpukit::device_buffer<int>>(256, s);
-      GPUKIT_CUDA_TRY(cudaMemsetAsync(output->data(), 2, output->size_bytes(), s.cuda_handle()));
-      // Memory the allocator routed to the pool is the allocator's to free, so it owns it (not only the block at
-      // the reserve's start, which is also the engine's).
-      void* scratch = gpukit::default_allocator(d).allocate(512, s);
-      CHECK(pool->owns(scratch));
-      CHECK(gpukit::default_allocator(d).owns(scratch));
-      gpukit::default_allocator(d).deallocate(scratch);
-    }, pool);
+    gpukit::graph g = gpukit::capture(
+        s,
+        [&] {
+          output = std::make_unique<gpukit::device_buffer<int>>(256, s);
+          GPUKIT_CUDA_TRY(cudaMemsetAsync(output->data(), 2, output->size_bytes(), s.cuda_handle()));
+          // Memory the allocator routed to the pool is the allocator's to free, so it owns it (not only the block at
+          // the reserve's start, which is also the engine's).
+          void* scratch = gpukit::default_allocator(d).allocate(512, s);
+          CHECK(pool->owns(scratch));
+          CHECK(gpukit::default_allocator(d).owns(scratch));
+          gpukit::default_allocator(d).deallocate(scratch);
+        },
+        pool);
     g.launch(s);
     CHECK(read(*output, s) == std::vector<int>(256, 0x02020202));
     CHECK(pool->memory_allocated() == 256 * sizeof(int));
@@ -109,11 +115,15 @@ TEST_CASE("gpu: several graphs share a pool, and a graph is updated in place fro
   gpukit::device_buffer<int> out(64, s);
   auto pool = gpukit::graph_pool::create(d, MiB);
   auto fill = [&](int byte) {
-    return gpukit::capture(s, [&] {
-      gpukit::device_buffer<int> tmp(64, s);
-      GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), byte, tmp.size_bytes(), s.cuda_handle()));
-      GPUKIT_CUDA_TRY(cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
-    }, pool);
+    return gpukit::capture(
+        s,
+        [&] {
+          gpukit::device_buffer<int> tmp(64, s);
+          GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), byte, tmp.size_bytes(), s.cuda_handle()));
+          GPUKIT_CUDA_TRY(
+              cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+        },
+        pool);
   };
   gpukit::graph a = fill(3);
   gpukit::graph b = fill(4);
@@ -126,9 +136,8 @@ TEST_CASE("gpu: several graphs share a pool, and a graph is updated in place fro
   CHECK_FALSE(recaptured);
   a.launch(s);
   CHECK(read(out, s) == std::vector<int>(64, 0x05050505));
-  gpukit::graph different = gpukit::capture(s, [&] {
-    GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 6, out.size_bytes(), s.cuda_handle()));
-  });
+  gpukit::graph different =
+      gpukit::capture(s, [&] { GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 6, out.size_bytes(), s.cuda_handle())); });
   CHECK_FALSE(a.update(different));  // another topology: refused, nothing changed
   CHECK(different);
   a.launch(s);
@@ -143,7 +152,8 @@ TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool a
 
   // A request the reserve cannot hold: out of memory, naming the remedy; the capture ends cleanly.
   try {
-    (void)gpukit::capture(s, [&] { gpukit::device_buffer<char> big(2 * MiB, s); }, pool);
+    (void)gpukit::capture(
+        s, [&] { gpukit::device_buffer<char> big(2 * MiB, s); }, pool);
     FAIL("a request beyond the reserve was served");
   } catch (const gpukit::out_of_memory_error& e) {
     CHECK(contains(e.what(), "reserve more before it (graph_pool::reserve)"));
@@ -151,11 +161,15 @@ TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool a
   CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
 
   // Reserving during the capture is refused (it would allocate device memory inside it).
-  CHECK_THROWS_AS(gpukit::capture(s, [&] { pool->reserve(MiB); }, pool), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::capture(
+                      s, [&] { pool->reserve(MiB); }, pool),
+                  gpukit::invalid_argument_error);
   // Without a pool, gpukit allocations in a capture are refused, as before.
   CHECK_THROWS_AS(gpukit::capture(s, [&] { gpukit::device_buffer<int> x(16, s); }), gpukit::invalid_argument_error);
   // An exception from the work ends the capture and passes through.
-  CHECK_THROWS_AS(gpukit::capture(s, [] { throw std::runtime_error("user code failed"); }, pool), std::runtime_error);
+  CHECK_THROWS_AS(gpukit::capture(
+                      s, [] { throw std::runtime_error("user code failed"); }, pool),
+                  std::runtime_error);
   CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
 
   // Streams that cannot be captured, a pool of another device, empty graphs.
@@ -167,14 +181,17 @@ TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool a
   CHECK_THROWS_AS(empty.launch(s), gpukit::invalid_argument_error);
   if (gpukit::device_count() > 1) {
     gpukit::stream other(gpukit::device::cuda(1));
-    CHECK_THROWS_AS(gpukit::capture(other, [] {}, pool), gpukit::invalid_argument_error);
+    CHECK_THROWS_AS(gpukit::capture(
+                        other, [] {}, pool),
+                    gpukit::invalid_argument_error);
   }
   int local = 0;
   CHECK_THROWS_AS(pool->deallocate(&local), gpukit::invalid_argument_error);
   CHECK_THROWS_AS(pool->set_reserved_limit(MiB), gpukit::invalid_argument_error);
 
   // Everything still works: the pool serves a capture, the default allocator serves the stream.
-  gpukit::graph g = gpukit::capture(s, [&] { gpukit::device_buffer<int> x(16, s); }, pool);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> x(16, s); }, pool);
   g.launch(s);
   gpukit::device_buffer<int> y(16, s);
   CHECK_FALSE(pool->owns(y.data()));
@@ -204,13 +221,16 @@ TEST_CASE("gpu: over-aligned allocations in a capture come from the pool, aligne
   CHECK(pool->memory_allocated() == 0);
   // Through the default allocator, which routes a capture's allocations to the pool.
   void* inside = nullptr;
-  gpukit::graph step = gpukit::capture(s, [&] {
-    inside = gpukit::default_allocator(d).allocate(3000, 4096, s);
-    CHECK(aligned_to(inside, 4096));
-    CHECK(pool->owns(inside));
-    GPUKIT_CUDA_TRY(cudaMemsetAsync(inside, 0, 3000, s.cuda_handle()));  // all of it lies in the pool block
-    pool->deallocate(inside);  // freed through the pool that served it, not the allocator that asked
-  }, pool);
+  gpukit::graph step = gpukit::capture(
+      s,
+      [&] {
+        inside = gpukit::default_allocator(d).allocate(3000, 4096, s);
+        CHECK(aligned_to(inside, 4096));
+        CHECK(pool->owns(inside));
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(inside, 0, 3000, s.cuda_handle()));  // all of it lies in the pool block
+        pool->deallocate(inside);  // freed through the pool that served it, not the allocator that asked
+      },
+      pool);
   CHECK(pool->memory_allocated() == 0);
   step.launch(s);
   s.synchronize();

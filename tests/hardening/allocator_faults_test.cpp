@@ -143,11 +143,11 @@ std::vector<configuration> configurations() {
 /// What the runs of one plan saw, over every N.
 struct tally {
   std::uint64_t runs = 0;
-  std::uint64_t injected = 0;            // faults the layers injected
-  std::uint64_t surfaced = 0;            // ... that reached the caller as the injected exception
-  std::uint64_t out_of_memory = 0;       // steps that ended in out_of_memory_error
-  std::uint64_t steps_checked = 0;       // invariant checks made
-  std::uint64_t warnings = 0;            // failures reported through gpukit::warn (destructor-like paths)
+  std::uint64_t injected = 0;       // faults the layers injected
+  std::uint64_t surfaced = 0;       // ... that reached the caller as the injected exception
+  std::uint64_t out_of_memory = 0;  // steps that ended in out_of_memory_error
+  std::uint64_t steps_checked = 0;  // invariant checks made
+  std::uint64_t warnings = 0;       // failures reported through gpukit::warn (destructor-like paths)
 };
 
 /// One run of the scenario with one fault plan. Every step is checked; the first problem is kept (empty: none).
@@ -167,10 +167,10 @@ class run {
   /// The whole scenario: allocations of every pool on three streams, uses by other streams, frees in and out of
   /// stream order, cache releases, limits, genuine out of memory, a stream destroyed with memory live.
   void scenario() {
-    const std::uint64_t x = alloc(0, 1000);          // small pool
-    const std::uint64_t y = alloc(0, 3 * MiB);       // a shared (medium) segment
-    const std::uint64_t z = alloc(1, 40 * MiB);      // ... another, on stream 1
-    const std::uint64_t h = alloc(1, 300 * MiB);     // a huge block with a segment of its own
+    const std::uint64_t x = alloc(0, 1000);       // small pool
+    const std::uint64_t y = alloc(0, 3 * MiB);    // a shared (medium) segment
+    const std::uint64_t z = alloc(1, 40 * MiB);   // ... another, on stream 1
+    const std::uint64_t h = alloc(1, 300 * MiB);  // a huge block with a segment of its own
     const std::uint64_t w = alloc(2, 200 * KiB);
     world_.enqueue(s_[1].id);
     world_.enqueue(s_[2].id);
@@ -571,8 +571,8 @@ class cpu_run {
   captured_warnings warnings_;
   gpukit::stream a_stream_{cpu_device};
   gpukit::stream b_{cpu_device};
-  gate held_;                  // destroyed after the allocator, opened by ~cpu_run first
-  faulty_cpu_allocator a_;     // destroyed before the streams
+  gate held_;               // destroyed after the allocator, opened by ~cpu_run first
+  faulty_cpu_allocator a_;  // destroyed before the streams
   std::vector<live_allocation> live_;
   std::string problem_;
 };
@@ -608,8 +608,8 @@ tally inject_everywhere_cpu(fault_plan::layer target, fault_plan::mode how) {
 
 void report(const char* what, const tally& t) {
   MESSAGE(std::string(what) << ": " << t.runs << " runs, " << t.injected << " faults injected, " << t.surfaced
-               << " surfaced as the injected error, " << t.out_of_memory << " out_of_memory_error, " << t.warnings
-               << " warnings, " << t.steps_checked << " invariant checks");
+                            << " surfaced as the injected error, " << t.out_of_memory << " out_of_memory_error, "
+                            << t.warnings << " warnings, " << t.steps_checked << " invariant checks");
 }
 
 }  // namespace

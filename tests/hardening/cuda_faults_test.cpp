@@ -43,24 +43,37 @@ const gpukit::device cuda0 = gpukit::device::cuda(0);
 
 bool simulator_linked() { return cudasim::fail_call != nullptr; }
 
-#define REQUIRE_SIMULATOR()                                                                                  \
-  GPUKIT_REQUIRE_GPU();                                                                                      \
-  do {                                                                                                       \
-    if (!simulator_linked()) {                                                                               \
-      std::printf("GPUKIT_TEST_SKIPPED: choosing which CUDA call fails needs the simulated runtime "         \
-                  "(test_fault_cuda_sim)\n");                                                                \
-      std::fflush(stdout);                                                                                   \
-      return;                                                                                                \
-    }                                                                                                        \
+#define REQUIRE_SIMULATOR()                                                                  \
+  GPUKIT_REQUIRE_GPU();                                                                      \
+  do {                                                                                       \
+    if (!simulator_linked()) {                                                               \
+      std::printf(                                                                           \
+          "GPUKIT_TEST_SKIPPED: choosing which CUDA call fails needs the simulated runtime " \
+          "(test_fault_cuda_sim)\n");                                                        \
+      std::fflush(stdout);                                                                   \
+      return;                                                                                \
+    }                                                                                        \
   } while (false)
 
 /// The CUDA functions a caching allocator on cuda:0 may call (those the scenario does not call are skipped).
-const char* const candidate_functions[] = {
-    "cudaMalloc",          "cudaFree",         "cudaEventCreateWithFlags", "cudaEventDestroy",
-    "cudaEventRecord",     "cudaEventQuery",   "cudaEventSynchronize",     "cudaStreamWaitEvent",
-    "cudaStreamSynchronize", "cudaStreamQuery", "cudaStreamGetId",         "cudaStreamGetDevice",
-    "cudaStreamIsCapturing", "cudaSetDevice",   "cudaGetDevice",           "cudaMemGetInfo",
-    "cudaThreadExchangeStreamCaptureMode", "cudaLaunchHostFunc"};
+const char* const candidate_functions[] = {"cudaMalloc",
+                                           "cudaFree",
+                                           "cudaEventCreateWithFlags",
+                                           "cudaEventDestroy",
+                                           "cudaEventRecord",
+                                           "cudaEventQuery",
+                                           "cudaEventSynchronize",
+                                           "cudaStreamWaitEvent",
+                                           "cudaStreamSynchronize",
+                                           "cudaStreamQuery",
+                                           "cudaStreamGetId",
+                                           "cudaStreamGetDevice",
+                                           "cudaStreamIsCapturing",
+                                           "cudaSetDevice",
+                                           "cudaGetDevice",
+                                           "cudaMemGetInfo",
+                                           "cudaThreadExchangeStreamCaptureMode",
+                                           "cudaLaunchHostFunc"};
 
 struct tally {
   std::uint64_t runs = 0;
@@ -315,8 +328,8 @@ void report(cudaError_t error, const tally& t) {
           << ": " << t.runs << " runs (one fault each) over " << t.functions
           << " (option set, CUDA function) pairs; surfaced as cuda_error " << t.surfaced_cuda_error
           << ", as out_of_memory_error " << t.surfaced_out_of_memory << "; " << t.warnings << " warnings; "
-          << t.reported_leaked_bytes << " bytes not freed after a failed cudaFree (reported); "
-          << t.sticky_leaked_bytes << " bytes left with the lost context");
+          << t.reported_leaked_bytes << " bytes not freed after a failed cudaFree (reported); " << t.sticky_leaked_bytes
+          << " bytes left with the lost context");
   std::string functions;
   for (const auto& entry : t.runs_per_function) {
     functions += (functions.empty() ? "" : ", ") + entry.first + " " + std::to_string(entry.second);

@@ -111,8 +111,7 @@ TEST_CASE("misuse 06: a NaN, negative or above-one memory fraction throws invali
 TEST_CASE("misuse 07: a size that overflows when rounded throws invalid_argument_error, a huge one out of memory") {
   gpukit::caching_allocator a(device::cpu());
   CHECK_THROWS_AS(a.allocate(std::numeric_limits<std::size_t>::max(), cpu_default()), gpukit::invalid_argument_error);
-  CHECK_THROWS_AS(a.allocate(std::numeric_limits<std::size_t>::max() / 4, cpu_default()),
-                  gpukit::out_of_memory_error);
+  CHECK_THROWS_AS(a.allocate(std::numeric_limits<std::size_t>::max() / 4, cpu_default()), gpukit::out_of_memory_error);
   CHECK(a.memory_allocated() == 0);
   void* p = a.allocate(4096, cpu_default());  // still usable
   a.deallocate(p);
@@ -178,7 +177,7 @@ TEST_CASE("misuse 14: a reserved limit below usage is defined: nothing is freed,
   const std::size_t reserved = a.memory_reserved();
   a.set_reserved_limit(1u << 20);
   CHECK(a.stats().reserved_limit == (1u << 20));
-  CHECK(a.memory_reserved() == reserved);                   // the live allocation's segment stays
+  CHECK(a.memory_reserved() == reserved);  // the live allocation's segment stays
   CHECK_THROWS_AS(a.allocate(reserved, cpu_default()), gpukit::out_of_memory_error);  // needs a new segment
   a.deallocate(p);
   a.set_reserved_limit(std::numeric_limits<std::size_t>::max());

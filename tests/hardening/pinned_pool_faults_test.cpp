@@ -32,11 +32,11 @@ enum class site { upstream_allocate, event_record, event_query, event_wait };
 
 // Which calls a run counts and which of them fails.
 struct fault_plan {
-  bool upstream = false;         // count (and fail) the upstream's allocate calls
-  bool events = false;           // count (and fail) the event layer's record, query and wait calls
-  bool upstream_oom = true;      // an upstream failure is out_of_memory_error (else a cuda_error, not retried)
-  long fail_at = 0;              // the counted call that fails, from 1 (0: none)
-  long consecutive = 1;          // calls failing from fail_at on (2: the pool's out-of-memory retry fails too)
+  bool upstream = false;     // count (and fail) the upstream's allocate calls
+  bool events = false;       // count (and fail) the event layer's record, query and wait calls
+  bool upstream_oom = true;  // an upstream failure is out_of_memory_error (else a cuda_error, not retried)
+  long fail_at = 0;          // the counted call that fails, from 1 (0: none)
+  long consecutive = 1;      // calls failing from fail_at on (2: the pool's out-of-memory retry fails too)
 };
 
 // What both layers share: the fault plan, the upstream's books, and the streams' progress.
@@ -207,14 +207,14 @@ class scenario {
     record(b, 1);
     submit(0);
     submit(1);
-    free_block(a, -1);  // pending on stream 0
-    free_block(b, -1);  // pending on streams 0 and 1
-    free_block(c, -1);  // free
+    free_block(a, -1);             // pending on stream 0
+    free_block(b, -1);             // pending on streams 0 and 1
+    free_block(c, -1);             // free
     void* e = allocate(64 * KiB);  // a is pending: a new block
     void* f = allocate(MiB);       // c, from the cache (unless the cap released it)
     complete(0);
     call("stats", [&] { (void)pool_->stats(); });  // a is promoted, b still waits for stream 1
-    set_cap(MiB / 2);                                // free blocks above it go
+    set_cap(MiB / 2);                              // free blocks above it go
     submit(1);
     free_block(d, 1);  // record_stream + deallocate
     complete(1);
@@ -290,7 +290,7 @@ class scenario {
       p = pool_->allocate(bytes);
       note_allocated(p, bytes);
     });
-    if (!ok) return nullptr;  // strong guarantee: nothing was handed out
+    if (!ok) return nullptr;                                              // strong guarantee: nothing was handed out
     if (w_->oom_injected > oom_before) CHECK(w_->plan.consecutive == 1);  // served by the retry
     return p;
   }
@@ -501,8 +501,8 @@ TEST_CASE("fault injection: every N-th upstream or event call of the pinned pool
   MESSAGE("pinned pool fault injection: " << total_faults << " faults injected in " << total_runs
                                           << " scenario runs (upstream allocate " << by_site[site::upstream_allocate]
                                           << ", event record " << by_site[site::event_record] << ", event query "
-                                          << by_site[site::event_query] << ", event wait "
-                                          << by_site[site::event_wait] << "); after every run the upstream had "
+                                          << by_site[site::event_query] << ", event wait " << by_site[site::event_wait]
+                                          << "); after every run the upstream had "
                                           << "every block back but the " << total_lost
                                           << " lost to failed event records (kept out of use, as documented)");
   CHECK(total_lost == by_site[site::event_record]);  // one lost block per failed record, no more

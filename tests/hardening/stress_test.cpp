@@ -51,7 +51,6 @@ struct tagged {
   std::uint64_t tag = 0;
 };
 
-
 std::size_t pick(std::mt19937_64& rng, std::size_t n) {
   return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
 }
@@ -246,11 +245,21 @@ TEST_CASE("stress: empty_cache, trim, reserved limits, memory fractions and peak
     if (id == 3) {  // the control thread: until the workers finish, at least 200 rounds
       for (int round = 0; round < 200 || workers_left.load() > 0; ++round) {
         switch (round % 6) {
-          case 0: a.empty_cache(); break;
-          case 1: (void)a.trim(pick(rng, 64) * MiB); break;
-          case 2: a.set_reserved_limit(8 * MiB + pick(rng, 64) * MiB); break;
-          case 3: a.set_memory_fraction(0.05 * static_cast<double>(1 + pick(rng, 6))); break;
-          case 4: a.reset_peak_stats(); break;
+          case 0:
+            a.empty_cache();
+            break;
+          case 1:
+            (void)a.trim(pick(rng, 64) * MiB);
+            break;
+          case 2:
+            a.set_reserved_limit(8 * MiB + pick(rng, 64) * MiB);
+            break;
+          case 3:
+            a.set_memory_fraction(0.05 * static_cast<double>(1 + pick(rng, 6)));
+            break;
+          case 4:
+            a.reset_peak_stats();
+            break;
           default: {
             a.set_reserved_limit(gpukit::allocator_options::unlimited);
             (void)a.memory_summary();
@@ -429,8 +438,9 @@ TEST_CASE("stress: threads copy_async onto one shared CPU stream, pageable and p
   CHECK(gpukit::memory_allocated(cpu) == allocated_before);
 }
 
-TEST_CASE("stress: one pinned pool shared by threads, with record_stream on a shared stream, cap changes and "
-          "empty_cache") {
+TEST_CASE(
+    "stress: one pinned pool shared by threads, with record_stream on a shared stream, cap changes and "
+    "empty_cache") {
   gpukit::pinned_pool_options options;
   options.max_cached_bytes = MiB;
   gpukit::pinned_pool pool(gpukit::pinned_upstream(gpukit::device::kind::cpu), options);
@@ -463,7 +473,8 @@ TEST_CASE("stress: one pinned pool shared by threads, with record_stream on a sh
         const auto st = pool.stats();
         // A wrapped counter (a block released twice) shows as an absurd figure long before anything else.
         if ((st.reserved_bytes > 512 * MiB || st.pending_bytes > st.cached_bytes ||
-             st.allocated_bytes > st.reserved_bytes) && problems.size() < 5) {
+             st.allocated_bytes > st.reserved_bytes) &&
+            problems.size() < 5) {
           problems.push_back("round " + std::to_string(round) + ": reserved " + std::to_string(st.reserved_bytes) +
                              ", allocated " + std::to_string(st.allocated_bytes) + ", cached " +
                              std::to_string(st.cached_bytes) + ", pending " + std::to_string(st.pending_bytes));
@@ -599,8 +610,9 @@ TEST_CASE("stress: a host allocation beyond the machine is out_of_memory_error f
   check_allocator_drained(a, 2);
 }
 
-TEST_CASE("stress: a host allocation beyond the machine is out_of_memory_error from pinned buffers and the pinned "
-          "pool") {
+TEST_CASE(
+    "stress: a host allocation beyond the machine is out_of_memory_error from pinned buffers and the pinned "
+    "pool") {
   CHECK_THROWS_AS(gpukit::pinned_buffer<unsigned char>(beyond_any_host, cpu), gpukit::out_of_memory_error);
   gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
   void* cached = pool.allocate(64 * KiB);
@@ -609,7 +621,7 @@ TEST_CASE("stress: a host allocation beyond the machine is out_of_memory_error f
   auto st = pool.stats();
   CHECK(st.oom_retries == 1);
   CHECK(st.allocated_bytes == 0);
-  CHECK(st.reserved_bytes == 0);  // the cache was emptied for the retry
+  CHECK(st.reserved_bytes == 0);      // the cache was emptied for the retry
   void* p = pool.allocate(64 * KiB);  // still usable
   std::memset(p, 1, 64 * KiB);
   pool.deallocate(p);

@@ -24,9 +24,7 @@ using namespace gpukit_test;
 namespace {
 const gpukit::device cpu = gpukit::device::cpu();
 
-bool aligned_to(const void* p, std::size_t alignment) {
-  return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
-}
+bool aligned_to(const void* p, std::size_t alignment) { return reinterpret_cast<std::uintptr_t>(p) % alignment == 0; }
 }  // namespace
 
 TEST_CASE("allocate with an alignment up to the natural one costs nothing extra") {

@@ -30,7 +30,6 @@ struct tagged {
   int stream = 0;  // index of the stream it was allocated on
 };
 
-
 struct shared_state {
   explicit shared_state(int n) {
     for (int i = 0; i < n; ++i) streams.push_back(std::make_unique<gpukit::stream>(cpu));

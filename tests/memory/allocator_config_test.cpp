@@ -51,7 +51,8 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(pytorch.medium_size == gpukit::allocator_options::pytorch().medium_size);
   CHECK(pytorch.max_split_size == gpukit::allocator_options::unlimited);
   CHECK(pytorch.reserved_limit == GiB);
-  CHECK(gpukit::parse_allocator_config("reserved_limit:none", pytorch).reserved_limit == gpukit::allocator_options::unlimited);
+  CHECK(gpukit::parse_allocator_config("reserved_limit:none", pytorch).reserved_limit ==
+        gpukit::allocator_options::unlimited);
   CHECK(gpukit::parse_allocator_config("release_before_grow:false", o).reserved_limit == o.reserved_limit);
 }
 

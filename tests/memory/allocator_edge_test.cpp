@@ -168,7 +168,8 @@ TEST_CASE("a small segment is split for each request and coalesces back into one
   CHECK(f.a.stats().inactive_split.all().current == 1);
   f.free(b);  // a hole between two allocated blocks
   CHECK(f.a.stats().inactive_split.all().current == 2);
-  CHECK(f.a.stats().inactive_split_bytes.all().current == static_cast<std::int64_t>(2 * MiB - 1024 - 3072 - 1024 + 3072));
+  CHECK(f.a.stats().inactive_split_bytes.all().current ==
+        static_cast<std::int64_t>(2 * MiB - 1024 - 3072 - 1024 + 3072));
   CHECK(f.invariants() == "");
   f.free(a);  // merges with the hole after it
   CHECK(f.segment_of(a).blocks.size() == 3);
@@ -185,7 +186,7 @@ TEST_CASE("a small segment is split for each request and coalesces back into one
 }
 
 TEST_CASE("large blocks are split only when the remainder exceeds the threshold") {
-  fixture f;  // large_split_threshold = 1 MiB, medium segments of 20 MiB
+  fixture f;                             // large_split_threshold = 1 MiB, medium segments of 20 MiB
   const auto whole = f.alloc(19 * MiB);  // remainder 1 MiB: not more than the threshold, so not split
   CHECK(f.segment_of(whole).blocks.size() == 1);
   CHECK(f.a.stats().allocated_bytes.large().current == static_cast<std::int64_t>(20 * MiB));
@@ -366,7 +367,7 @@ TEST_CASE("inconsistent options are rejected") {
 
 TEST_CASE("empty_cache releases only completely free segments, and trim releases the largest first") {
   fixture f;
-  const auto small = f.alloc(1000);      // small segment, stays in use
+  const auto small = f.alloc(1000);       // small segment, stays in use
   const auto medium = f.alloc(5 * MiB);   // 20 MiB segment
   const auto big = f.alloc(30 * MiB);     // 30 MiB segment
   const auto bigger = f.alloc(40 * MiB);  // 40 MiB segment
@@ -396,11 +397,11 @@ TEST_CASE("memory_summary shows every statistic with the largest free block and 
   const auto c = f.alloc(4 * MiB);
   f.free(b);
   const std::string summary = f.a.memory_summary();
-  for (const char* row : {"Allocated memory", "Active memory", "Requested memory", "Reserved memory",
-                          "Non-releasable memory", "Allocations", "Active allocs", "Reserved segments",
-                          "Non-releasable allocs", "from large pool", "from small pool", "Largest free block",
-                          "Fragmentation", "out-of-memory errors: 0", "Cur Usage", "Peak Usage", "Tot Alloc",
-                          "Tot Freed"}) {
+  for (const char* row :
+       {"Allocated memory", "Active memory", "Requested memory", "Reserved memory", "Non-releasable memory",
+        "Allocations", "Active allocs", "Reserved segments", "Non-releasable allocs", "from large pool",
+        "from small pool", "Largest free block", "Fragmentation", "out-of-memory errors: 0", "Cur Usage", "Peak Usage",
+        "Tot Alloc", "Tot Freed"}) {
     CHECK_MESSAGE(summary.find(row) != std::string::npos, row);
   }
   // 20 MiB segment: three 4 MiB allocations, b freed: free pieces of 4 MiB and 8 MiB.
@@ -477,7 +478,7 @@ TEST_CASE("release_before_grow: frees the smallest cached segment that covers th
   const auto c = g.alloc(150 * MiB);
   g.free(a);
   g.free(b);
-  g.free(c);  // high water 550 MiB
+  g.free(c);                                // high water 550 MiB
   CHECK(g.a.trim(250 * MiB) == 250 * MiB);  // the 300 MiB segment goes
   (void)g.alloc(320 * MiB);  // fits nothing cached; 250 + 320 exceeds the high water by 20: the 100 MiB one goes
   CHECK(g.a.stats().num_device_free == 2);
@@ -494,11 +495,11 @@ TEST_CASE("gpukit defaults: mid-size requests share segments that grow with the 
   fixture g(gpukit::allocator_options{});
   const auto first = g.alloc(5 * MiB);
   CHECK(g.segment_of(first).size == 20 * MiB);  // a small footprint keeps small segments (4 x 5 MiB)
-  const auto odd = g.alloc(16 * MiB);  // 15 MiB left there; a 20 MiB segment would waste 4 MiB: one of 16 MiB
+  const auto odd = g.alloc(16 * MiB);           // 15 MiB left there; a 20 MiB segment would waste 4 MiB: one of 16 MiB
   CHECK(g.segment_of(odd).size == 16 * MiB);
   g.free(odd);
-  (void)g.alloc(1 * GiB);                       // a segment of its own
-  const auto second = g.alloc(30 * MiB);       // no room in the 20 MiB segment
+  (void)g.alloc(1 * GiB);                 // a segment of its own
+  const auto second = g.alloc(30 * MiB);  // no room in the 20 MiB segment
   // (20 MiB + 1 GiB) / 8 = 132.5 MiB, trimmed to a whole number of 30 MiB requests: 4 x 30 MiB.
   CHECK(g.segment_of(second).size == 120 * MiB);
   const auto third = g.alloc(40 * MiB);  // shares it: no upstream call

@@ -140,7 +140,8 @@ TEST_CASE("expandable segments: pages of a block another stream still uses are u
   f.a.deallocate(a);
   f.a.trim(0);
   // Pending on s1: its pages stay mapped until the release waits for s1.
-  CHECK(f.world.streams[static_cast<std::size_t>(f.s1.id)].completed == f.world.streams[static_cast<std::size_t>(f.s1.id)].enqueued);
+  CHECK(f.world.streams[static_cast<std::size_t>(f.s1.id)].completed ==
+        f.world.streams[static_cast<std::size_t>(f.s1.id)].enqueued);
   CHECK(f.a.memory_reserved() == 0);
   CHECK(f.a.upstream().mapped() == 0);
 }

@@ -54,7 +54,8 @@ gpukit::block_state state_of(const fake_allocator& a, const void* p) {
 /// which the front cache may change; inactive-split counts depend on coalescing, which it delays).
 std::vector<std::int64_t> user_view(const gpukit::allocator_stats& s) {
   std::vector<std::int64_t> v;
-  for (const gpukit::pool_stats* p : {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes, &s.requested_bytes}) {
+  for (const gpukit::pool_stats* p :
+       {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes, &s.requested_bytes}) {
     for (const gpukit::stat& x : p->pools) {
       v.insert(v.end(), {x.current, x.peak, x.allocated, x.freed});
     }
@@ -401,7 +402,9 @@ TEST_CASE("front cache: a reader polling the statistics never sees a value the a
   CHECK(a.max_memory_allocated() <= threads * (small + large));
 }
 
-TEST_CASE("front cache: a block whose stream still has work is fenced in the heap, and a destroyed stream's cache is released") {
+TEST_CASE(
+    "front cache: a block whose stream still has work is fenced in the heap, and a destroyed stream's cache is "
+    "released") {
   host_allocator a(gpukit::device::cpu());
   auto s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
   std::atomic<bool> open{false};

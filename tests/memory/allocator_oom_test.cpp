@@ -242,7 +242,7 @@ TEST_CASE("injected upstream failures: retried, counted, recovered") {
   void* cached = f.alloc(3 * MiB);
   f.a.deallocate(cached);
   f.a.upstream().fail_next(1);  // the next cudaMalloc fails once, e.g. another process was briefly using memory
-  void* p = f.alloc(25 * MiB);   // the cache cannot serve it; the upstream fails; the cache is released; retry
+  void* p = f.alloc(25 * MiB);  // the cache cannot serve it; the upstream fails; the cache is released; retry
   CHECK(p != nullptr);
   CHECK(f.a.stats().num_alloc_retries == 1);
   CHECK(f.a.stats().num_ooms == 0);

@@ -173,9 +173,7 @@ TEST_CASE("randomized operation sequences keep every invariant after every step"
   }
 }
 
-TEST_CASE("a long randomized sequence keeps every invariant") {
-  run(scenarios()[0], 12345, 20000);
-}
+TEST_CASE("a long randomized sequence keeps every invariant") { run(scenarios()[0], 12345, 20000); }
 
 namespace {
 
@@ -264,10 +262,10 @@ void run_with_stream_churn(const scenario& sc, std::uint64_t seed, int steps) {
   CHECK(snapshot.segments.empty());
   CHECK(a.memory_reserved() == 0);
   CHECK(a.upstream().used() == 0);
-  std::printf("%-48s seed %llu with stream churn: %zu streams created, %zu frees after their stream was destroyed, "
-              "%zu stream states kept\n",
-              sc.name.c_str(), static_cast<unsigned long long>(seed), world.streams.size(), outlived,
-              a.stream_count());
+  std::printf(
+      "%-48s seed %llu with stream churn: %zu streams created, %zu frees after their stream was destroyed, "
+      "%zu stream states kept\n",
+      sc.name.c_str(), static_cast<unsigned long long>(seed), world.streams.size(), outlived, a.stream_count());
 }
 
 }  // namespace

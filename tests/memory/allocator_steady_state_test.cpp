@@ -65,8 +65,7 @@ upstream_calls server(const gpukit::allocator_options& options, int requests) {
   const fake_stream streams[] = {fake_stream{world.add_stream()}, fake_stream{world.add_stream()},
                                  fake_stream{world.add_stream()}};
   std::mt19937_64 rng(7);
-  std::uniform_int_distribution<std::size_t> input(4 * KiB, 2 * MiB), activation(MiB, 48 * MiB),
-      output(KiB, 256 * KiB);
+  std::uniform_int_distribution<std::size_t> input(4 * KiB, 2 * MiB), activation(MiB, 48 * MiB), output(KiB, 256 * KiB);
   std::vector<void*> held;
   upstream_calls warm;
   for (int r = 0; r < requests; ++r) {

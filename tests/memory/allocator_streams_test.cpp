@@ -224,7 +224,7 @@ TEST_CASE("record_stream events are pooled and polled at allocation, never waite
   const fake_stream s0{world.add_stream()};
   const fake_stream s1{world.add_stream()};
   gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, gpukit::allocator_options{},
-                                                                                    GiB);
+                                                                                     GiB);
   a.stream_operations().world = &world;
   void* first = nullptr;
   for (int i = 0; i < 1000; ++i) {
@@ -365,9 +365,9 @@ TEST_CASE("a CPU allocator refuses CUDA's default stream as a stream of another 
     }
     return std::string("no exception");
   };
-  for (const std::string& m : {message_of([&] { a.deallocate(p, cuda_default); }),
-                               message_of([&] { a.record_stream(p, cuda_default); }),
-                               message_of([&] { (void)a.allocate(1000, cuda_default); })}) {
+  for (const std::string& m :
+       {message_of([&] { a.deallocate(p, cuda_default); }), message_of([&] { a.record_stream(p, cuda_default); }),
+        message_of([&] { (void)a.allocate(1000, cuda_default); })}) {
     INFO(m);
     CHECK(m.find("a stream of cuda:0 was passed to the caching allocator of cpu") != std::string::npos);
   }

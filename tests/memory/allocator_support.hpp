@@ -49,7 +49,9 @@ struct fake_world {
     return static_cast<int>(streams.size()) - 1;
   }
   void enqueue(int s, std::uint64_t n = 1) { streams[static_cast<std::size_t>(s)].enqueued += n; }
-  void complete(int s) { streams[static_cast<std::size_t>(s)].completed = streams[static_cast<std::size_t>(s)].enqueued; }
+  void complete(int s) {
+    streams[static_cast<std::size_t>(s)].completed = streams[static_cast<std::size_t>(s)].enqueued;
+  }
   void complete_all() {
     for (auto& s : streams) s.completed = s.enqueued;
   }
@@ -125,8 +127,8 @@ struct fake_stream_ops {
 
 /// Sums recomputed from a snapshot, per pool (0 all, 1 small, 2 large).
 struct recomputed {
-  std::array<std::int64_t, 3> allocation{}, segment{}, active{}, inactive_split{}, allocated_bytes{},
-      reserved_bytes{}, active_bytes{}, inactive_split_bytes{}, requested_bytes{};
+  std::array<std::int64_t, 3> allocation{}, segment{}, active{}, inactive_split{}, allocated_bytes{}, reserved_bytes{},
+      active_bytes{}, inactive_split_bytes{}, requested_bytes{};
 };
 
 inline recomputed recompute(const gpukit::allocator_snapshot& s) {
@@ -236,7 +238,8 @@ inline std::string check_invariants(const gpukit::allocator_snapshot& s, const s
     }
     if (i > 0 && sorted[i - 1].address + sorted[i - 1].bytes > sorted[i].address) fail("live allocations overlap");
   }
-  if (check_live && sorted.size() != allocated.size()) fail("the allocator has allocated blocks the test does not hold (or fewer)");
+  if (check_live && sorted.size() != allocated.size())
+    fail("the allocator has allocated blocks the test does not hold (or fewer)");
   if (quiet_map && s.pointer_map_entries != allocated.size()) fail("pointer map and allocated blocks disagree");
   // Statistics equal the recomputed sums.
   const recomputed r = recompute(s);
@@ -264,7 +267,6 @@ inline std::string check_invariants(const gpukit::allocator_snapshot& s, const s
   }
   return problem;
 }
-
 
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;

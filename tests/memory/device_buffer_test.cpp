@@ -111,7 +111,7 @@ TEST_CASE("a buffer whose free fails in its destructor reports through gpukit::w
   {
     gpukit::device_buffer<char> b(100, s, own.a);
     own.a.deallocate(b.data());  // misuse: freed behind the buffer's back
-  }  // the destructor's free is a double free: reported, not thrown, no corruption
+  }                              // the destructor's free is a double free: reported, not thrown, no corruption
   CHECK(warnings.contains("freeing a device_buffer failed"));
   CHECK(warnings.contains("double free"));
   CHECK(check_invariants(own.a.snapshot(), {}, 512) == "");
@@ -287,8 +287,7 @@ TEST_CASE("memory statistics as PyTorch's flat map: every key of torch.cuda.memo
   CHECK(flat.begin()->first == "active.all.allocated");  // sorted by key, as PyTorch's OrderedDict
   own.a.deallocate(large);
   const auto defaults = gpukit::memory_stats_map(cpu);
-  CHECK(defaults.at("allocated_bytes.all.current") ==
-        static_cast<std::int64_t>(gpukit::memory_allocated(cpu)));
+  CHECK(defaults.at("allocated_bytes.all.current") == static_cast<std::int64_t>(gpukit::memory_allocated(cpu)));
 }
 
 TEST_CASE("buffers and to_device given a device use the thread's current stream of it") {

@@ -68,8 +68,9 @@ struct world_and_allocator {
 
 }  // namespace
 
-TEST_CASE("history: allocations, frees and segments are recorded with their stream, size and tag, and nothing without a "
-          "history") {
+TEST_CASE(
+    "history: allocations, frees and segments are recorded with their stream, size and tag, and nothing without a "
+    "history") {
   world_and_allocator w;
   void* before = w.a.allocate(1000, w.s1);  // no history yet
   auto history = std::make_shared<gpukit::memory_history>(1000);
@@ -101,8 +102,9 @@ TEST_CASE("history: allocations, frees and segments are recorded with their stre
   CHECK(gpukit::memory_tag_name(alloc_of(weights).tag) == "weights");
   CHECK(alloc_of(weights).stream == w.a.stream_operations().key(w.s1));
   CHECK(alloc_of(untagged).tag == 0);
-  const auto freed = std::find_if(events.begin(), events.end(),
-                                  [](const gpukit::memory_event& e) { return e.action == memory_action::free_requested; });
+  const auto freed = std::find_if(events.begin(), events.end(), [](const gpukit::memory_event& e) {
+    return e.action == memory_action::free_requested;
+  });
   CHECK(freed->size == 300);
   CHECK(gpukit::memory_tag_name(freed->tag) == "activations");
   CHECK(freed->stream == w.a.stream_operations().key(w.s2));
@@ -169,7 +171,8 @@ TEST_CASE("history: with front caches on, every free is recorded after its alloc
     }
   }
   CHECK(out_of_order == 0);
-  CHECK(count_of(history->events(), memory_action::alloc) == count_of(history->events(), memory_action::free_requested));
+  CHECK(count_of(history->events(), memory_action::alloc) ==
+        count_of(history->events(), memory_action::free_requested));
   CHECK(gpukit::live_allocations(*history).empty());
 }
 
@@ -278,7 +281,8 @@ TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
   CHECK(json.find("\"tag\":\"kv \\\"cache\\\"\"") != std::string::npos);  // escaped
   CHECK(json.find("\"segments\":[{") != std::string::npos);
   std::size_t actions = 0;
-  for (std::size_t at = json.find("\"action\""); at != std::string::npos; at = json.find("\"action\"", at + 1)) ++actions;
+  for (std::size_t at = json.find("\"action\""); at != std::string::npos; at = json.find("\"action\"", at + 1))
+    ++actions;
   CHECK(actions == history->events().size());
 
   const auto groups = gpukit::live_allocations(*history);
@@ -307,8 +311,8 @@ TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and 
   const std::string path = "gpukit_history_test_snapshot.pickle";
   gpukit::dump_pytorch_snapshot(path, snapshot, *history);
   const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
-                              std::to_string(snapshot.segments.size()) + " " + std::to_string(history->events().size()) +
-                              " 5 layer.0";
+                              std::to_string(snapshot.segments.size()) + " " +
+                              std::to_string(history->events().size()) + " 5 layer.0";
   CHECK(std::system(command.c_str()) == 0);
   std::remove(path.c_str());
   CHECK_THROWS_AS(gpukit::dump_pytorch_snapshot("/nonexistent-dir/x.pickle", snapshot, *history),
@@ -333,10 +337,10 @@ TEST_CASE("history exports: pickle integers, strings that are not UTF-8, and lar
   CHECK(bytes.find("ok?") != std::string::npos);
   CHECK(bytes.back() == '.');
   using gpukit::detail::pickle_writer;
-  CHECK(pickle_writer::utf8_or_question_marks("\xC0\x80") == "??");          // overlong
+  CHECK(pickle_writer::utf8_or_question_marks("\xC0\x80") == "??");            // overlong
   CHECK(pickle_writer::utf8_or_question_marks("\xF5\x80\x80\x80") == "????");  // above U+10FFFF
-  CHECK(pickle_writer::utf8_or_question_marks("\xE0\x80\xAF") == "???");     // overlong
-  CHECK(pickle_writer::utf8_or_question_marks("\xED\xA0\x80") == "???");     // a surrogate
+  CHECK(pickle_writer::utf8_or_question_marks("\xE0\x80\xAF") == "???");       // overlong
+  CHECK(pickle_writer::utf8_or_question_marks("\xED\xA0\x80") == "???");       // a surrogate
   CHECK(pickle_writer::utf8_or_question_marks("\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80") ==
         "\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");  // e-acute, euro, an emoji: kept
 }
@@ -492,7 +496,7 @@ TEST_CASE("history picture: levels are anchored at the snapshot, whatever happen
   w.a.deallocate(p);  // after the snapshot
   const auto events = history->events();
   const auto levels = gpukit::detail::levels_of(events, snapshot);
-  REQUIRE(events.size() >= 4);  // segment_alloc, alloc, snapshot, free_requested, free_completed
+  REQUIRE(events.size() >= 4);           // segment_alloc, alloc, snapshot, free_requested, free_completed
   CHECK(levels.allocated.front() == 0);  // after segment_alloc, nothing allocated yet
   CHECK(*std::max_element(levels.allocated.begin(), levels.allocated.end()) == static_cast<std::int64_t>(8 * MiB));
   CHECK(levels.allocated.back() == 0);
@@ -522,8 +526,7 @@ TEST_CASE("history exports: an expandable segment is exported as its mapped rang
   const std::string path = "gpukit_history_test_expandable.pickle";
   gpukit::dump_pytorch_snapshot(path, snapshot, *history);
   const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
-                              std::to_string(ranges) + " " + std::to_string(history->events().size()) +
-                              " 3 expandable";
+                              std::to_string(ranges) + " " + std::to_string(history->events().size()) + " 3 expandable";
   CHECK(std::system(command.c_str()) == 0);  // segments tile: each mapped range holds its (clipped) blocks
   std::remove(path.c_str());
   for (void* p : live) w.a.deallocate(p);
@@ -585,10 +588,10 @@ TEST_CASE("history picture: the largest free block follows segments, allocations
   // A segment already there when the history began (its first event frees it: from the snapshot's point of view it
   // is gone), an allocation made before the history began (first seen freed), a new segment and two allocations.
   const std::vector<memory_event> events = {
-      event(memory_action::segment_alloc, 0x100000, 1000),   // 0: [0x100000, +1000) free
-      event(memory_action::alloc, 0x100000 + 100, 200),      // 1: gaps 100 and 700
-      event(memory_action::free_requested, 0x5000, 50),      // 2: 0x5000 was live at the start (in [0x5000, +400))
-      event(memory_action::free_completed, 0x5000, 50),      // 3: [0x5000, +400) entirely free now
+      event(memory_action::segment_alloc, 0x100000, 1000),        // 0: [0x100000, +1000) free
+      event(memory_action::alloc, 0x100000 + 100, 200),           // 1: gaps 100 and 700
+      event(memory_action::free_requested, 0x5000, 50),           // 2: 0x5000 was live at the start (in [0x5000, +400))
+      event(memory_action::free_completed, 0x5000, 50),           // 3: [0x5000, +400) entirely free now
       event(memory_action::free_requested, 0x100000 + 100, 200),  // 4: not reusable yet
       event(memory_action::free_completed, 0x100000 + 100, 200),  // 5: the whole 1000 free again
       event(memory_action::segment_map, 0x100000 + 1000, 24),     // 6: an adjacent range: one run of 1024
@@ -619,16 +622,17 @@ TEST_CASE("history picture: the largest free block with pages unmapped as a run,
   const std::uintptr_t base = 0x100000;
   // Pages mapped one by one, one of them allocated, then the three free ones unmapped as one run.
   const std::vector<memory_event> pages = {
-      event(memory_action::segment_map, base, 100),        event(memory_action::segment_map, base + 100, 100),
-      event(memory_action::segment_map, base + 200, 100),  event(memory_action::segment_map, base + 300, 100),
-      event(memory_action::alloc, base + 300, 100),        event(memory_action::segment_unmap, base, 300),
+      event(memory_action::segment_map, base, 100),       event(memory_action::segment_map, base + 100, 100),
+      event(memory_action::segment_map, base + 200, 100), event(memory_action::segment_map, base + 300, 100),
+      event(memory_action::alloc, base + 300, 100),       event(memory_action::segment_unmap, base, 300),
   };
   CHECK(gpukit::detail::largest_free_levels(pages, gpukit::allocator_snapshot{}, {3, 4, 5}) ==
         std::vector<std::int64_t>{400, 300, 0});
   // An unmap of the middle of a range leaves both ends.
   const std::vector<memory_event> middle = {event(memory_action::segment_map, base, 1000),
                                             event(memory_action::segment_unmap, base + 100, 500)};
-  CHECK(gpukit::detail::largest_free_levels(middle, gpukit::allocator_snapshot{}, {1}) == std::vector<std::int64_t>{400});
+  CHECK(gpukit::detail::largest_free_levels(middle, gpukit::allocator_snapshot{}, {1}) ==
+        std::vector<std::int64_t>{400});
   // A range known from the snapshot overlapping one mapped in the history: one run, and its allocation counts.
   gpukit::allocator_snapshot snapshot;
   gpukit::segment_info seg;

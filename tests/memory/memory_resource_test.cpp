@@ -47,8 +47,7 @@ void deallocate_sync(sync_ref<mr::device_accessible> ref, void* p, std::size_t b
 static_assert(mr::resource<gpukit::device_memory_resource>, "");
 static_assert(mr::async_resource_with<gpukit::device_memory_resource, mr::device_accessible>, "");
 static_assert(!mr::resource_with<gpukit::device_memory_resource, mr::host_accessible>, "device memory");
-static_assert(mr::async_resource_with<gpukit::pinned_memory_resource, mr::device_accessible, mr::host_accessible>,
-              "");
+static_assert(mr::async_resource_with<gpukit::pinned_memory_resource, mr::device_accessible, mr::host_accessible>, "");
 template <class... Properties>
 using sync_ref = mr::resource_ref<Properties...>;
 template <class... Properties>
@@ -70,9 +69,7 @@ void deallocate_sync(sync_ref<mr::device_accessible> ref, void* p, std::size_t b
 #endif
 
 namespace {
-bool aligned_to(const void* p, std::size_t alignment) {
-  return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
-}
+bool aligned_to(const void* p, std::size_t alignment) { return reinterpret_cast<std::uintptr_t>(p) % alignment == 0; }
 
 /// Stream-ordered and synchronous allocation through resource_refs of `resource` on `s` (a stream of its device).
 void exercise_device_resource(gpukit::device_memory_resource resource, gpukit::stream_view s) {

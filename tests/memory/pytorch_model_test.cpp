@@ -109,11 +109,12 @@ TEST_CASE("PyTorch model: best fit takes the smallest block that fits, the lowes
   CHECK(m.upstream_allocs() == 1);
 }
 
-TEST_CASE("PyTorch model: when the upstream refuses, free whole segments are released and the allocation retried once") {
+TEST_CASE(
+    "PyTorch model: when the upstream refuses, free whole segments are released and the allocation retried once") {
   model m(22 * MiB);
   void* big = m.allocate(15 * MiB);  // a 16 MiB segment of its own
-  m.allocate(1 * MiB);              // a 2 MiB small segment, kept live
-  m.deallocate(big);                // cached: 18 MiB reserved
+  m.allocate(1 * MiB);               // a 2 MiB small segment, kept live
+  m.deallocate(big);                 // cached: 18 MiB reserved
   CHECK(m.reserved() == 18 * MiB);
   void* p = m.allocate(17 * MiB);  // needs 18 MiB: 36 > 22, so the cached 16 MiB goes back and the retry fits
   CHECK(p != nullptr);

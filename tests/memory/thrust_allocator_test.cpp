@@ -78,8 +78,7 @@ TEST_CASE("thrust_allocator: defaults, rebinding, equality, alignment and overfl
   auto p = wides.allocate(3);
   CHECK(reinterpret_cast<std::uintptr_t>(thrust::raw_pointer_cast(p)) % 1024 == 0);
   wides.deallocate(p, 3);
-  CHECK_THROWS_AS((void)doubles.allocate(std::numeric_limits<std::size_t>::max() / 4),
-                  gpukit::invalid_argument_error);
+  CHECK_THROWS_AS((void)doubles.allocate(std::numeric_limits<std::size_t>::max() / 4), gpukit::invalid_argument_error);
   CHECK(allocator.memory_allocated() == 0);
 }
 
@@ -115,7 +114,8 @@ TEST_CASE("thrust_allocator reports a bad free through gpukit::warn instead of t
 TEST_CASE("sim: thrust_allocator on cuda:0 of the simulated runtime") {
   GPUKIT_REQUIRE_GPU();
   if (!gpukit_test::on_simulator()) {
-    std::printf("GPUKIT_TEST_SKIPPED: Thrust's CPP system cannot touch a real GPU's memory (gpu_thrust_test.cu does)\n");
+    std::printf(
+        "GPUKIT_TEST_SKIPPED: Thrust's CPP system cannot touch a real GPU's memory (gpu_thrust_test.cu does)\n");
     return;
   }
   const gpukit::device d = gpukit::device::cuda(0);

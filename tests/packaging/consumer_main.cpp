@@ -26,7 +26,7 @@ int main() {
     int runtime = 0;
     (void)cudaRuntimeGetVersion(&runtime);  // links only with CUDA::cudart (-lcudart) in gpukit's link interface
 
-    const int count = gpukit::device_count();                          // 0 without a driver or GPU
+    const int count = gpukit::device_count();                            // 0 without a driver or GPU
     const gpukit::device_selection selection = gpukit::select_device();  // loads NVML with dlopen if it can
 
     const cuda::stream_ref legacy{cudaStream_t{}};  // interop with CCCL, no CUDA call

@@ -95,12 +95,13 @@ TEST_CASE("replay: malformed logs are reported with their line, frees of unknown
   CHECK_THROWS_WITH_AS(read_rmm_csv(bad_size), "line 2: size \"12x\" is not a number", std::runtime_error);
   std::istringstream bad_action("Thread,Time,Action,Pointer,Size,Stream\n1,t,resize,0x10,12,0\n");
   CHECK_THROWS_WITH_AS(read_rmm_csv(bad_action), "line 2: unknown action \"resize\"", std::runtime_error);
-  std::istringstream ok("Thread,Time,Action,Pointer,Size,Stream\n"
-                        "1,t,free,0x99,8,0\n"
-                        "1,t,allocate,0x10,100,7\n"
-                        "1,t,allocate failure,0x0,1000000,7\n"
-                        "1,t,allocate,0x20,50,9\n"
-                        "1,t,free,0x10,100,7\n");
+  std::istringstream ok(
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "1,t,free,0x99,8,0\n"
+      "1,t,allocate,0x10,100,7\n"
+      "1,t,allocate failure,0x0,1000000,7\n"
+      "1,t,allocate,0x20,50,9\n"
+      "1,t,free,0x10,100,7\n");
   const recorded_trace r = read_rmm_csv(ok);
   CHECK(r.unknown_frees == 1);
   CHECK(r.failures == 1);
@@ -115,7 +116,8 @@ TEST_CASE("replay: the command-line tool prints the minimum capacities and the f
   (void)live_run(history);
   const std::string log = "gpukit_replay_test.csv", out = "gpukit_replay_test.out";
   std::ofstream(log) << gpukit::rmm_log_csv(*history);
-  const std::string command = std::string("\"") + GPUKIT_REPLAY_TOOL + "\" " + log + " --gpu tiny=64 --gpu big=81920 > " + out;
+  const std::string command =
+      std::string("\"") + GPUKIT_REPLAY_TOOL + "\" " + log + " --gpu tiny=64 --gpu big=81920 > " + out;
   REQUIRE(std::system(command.c_str()) == 0);
   std::ifstream in(out);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -123,8 +125,8 @@ TEST_CASE("replay: the command-line tool prints the minimum capacities and the f
   CHECK(text.find("peak requested:") != std::string::npos);
   CHECK(text.find("PyTorch's rules") != std::string::npos);
   CHECK(text.find("tiny") != std::string::npos);
-  CHECK(text.find("no (short by") != std::string::npos);   // 64 MiB minus the context holds nothing
-  CHECK(text.find("yes (") != std::string::npos);          // 80 GiB holds it
+  CHECK(text.find("no (short by") != std::string::npos);  // 64 MiB minus the context holds nothing
+  CHECK(text.find("yes (") != std::string::npos);         // 80 GiB holds it
   const std::string bad = std::string("\"") + GPUKIT_REPLAY_TOOL + "\" /nonexistent.csv > " + out + " 2>&1";
   CHECK(std::system(bad.c_str()) != 0);
   std::remove(log.c_str());
@@ -146,7 +148,8 @@ TEST_CASE("replay: tags with braces, CRLF logs, negative and absurd sizes") {
   const recorded_trace from_json = read_history_json(json);
   CHECK(from_json.ops.ops.size() == 2);  // the tag's braces and quote are inside a string
   CHECK(from_json.ops.peak_requested == 9 * MiB);
-  std::istringstream crlf("Thread,Time,Action,Pointer,Size,Stream\r\n1,t,allocate,0x10,100,0\r\n1,t,free,0x10,100,0\r\n");
+  std::istringstream crlf(
+      "Thread,Time,Action,Pointer,Size,Stream\r\n1,t,allocate,0x10,100,0\r\n1,t,free,0x10,100,0\r\n");
   CHECK(read_rmm_csv(crlf).ops.peak_requested == 100);
   std::istringstream negative("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,-1,0\n");
   CHECK_THROWS_WITH_AS(read_rmm_csv(negative), "line 2: size \"-1\" is not a number", std::runtime_error);
@@ -265,7 +268,10 @@ with open(base, 'wb') as f: pickle.dump(0, f)
   CHECK_THROWS_WITH_AS(read(".empty"), doctest::Contains("has no device_traces"), std::runtime_error);
   CHECK_THROWS_WITH_AS(read(".list"), "not a memory snapshot: the pickle is not a dict", std::runtime_error);
   CHECK_THROWS_WITH_AS(read(".negative"), "device_traces[0][0].addr is negative", std::runtime_error);
-  std::istringstream truncated(std::string("\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x05" "ab", 17));
+  std::istringstream truncated(
+      std::string("\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x05"
+                  "ab",
+                  17));
   CHECK_THROWS_WITH_AS(read_pytorch_snapshot(truncated), "pickle offset 15: truncated", std::runtime_error);
 }
 
@@ -294,7 +300,10 @@ TEST_CASE("replay: hostile pickles: deep nesting, a list that holds itself, a hu
   CHECK(nested.root->type == pickled::kind::tuple);
   CHECK(nested.values.size() == 200001);
   // ] MEMOIZE BINGET 0 APPEND STOP: a list that contains itself (the sanitizers' leak check would see a cycle).
-  const pickle_document cycle = unpickle(std::string("\x80\x04]\x94h\x00" "a.", 8));
+  const pickle_document cycle =
+      unpickle(std::string("\x80\x04]\x94h\x00"
+                           "a.",
+                           8));
   REQUIRE(cycle.root->items.size() == 1);
   CHECK(cycle.root->items[0] == cycle.root);
   // Every event the same dict of 100 keys (the memo makes that small): refused before any quadratic lookup.

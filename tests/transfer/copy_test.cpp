@@ -243,11 +243,13 @@ TEST_CASE("bad input: size mismatch") {
 TEST_CASE("bad input: a null pointer with a non-zero size") {
   gpukit::stream s(cpu);
   std::vector<int> host(10);
-  CHECK(invalid_argument_message([&] { gpukit::copy_async(gpukit::device_span<int>(nullptr, 10, cpu), host, s); })
-            .find("the destination (memory of cpu, 10 elements of 4 bytes) is a null pointer") != std::string::npos);
+  CHECK(invalid_argument_message([&] {
+          gpukit::copy_async(gpukit::device_span<int>(nullptr, 10, cpu), host, s);
+        }).find("the destination (memory of cpu, 10 elements of 4 bytes) is a null pointer") != std::string::npos);
   gpukit::device_buffer<int> d(10, s);
-  CHECK(invalid_argument_message([&] { gpukit::copy_async(d, gpukit::host_span<const int>(nullptr, 10), s); })
-            .find("the source (host memory, 10 elements of 4 bytes) is a null pointer") != std::string::npos);
+  CHECK(invalid_argument_message([&] {
+          gpukit::copy_async(d, gpukit::host_span<const int>(nullptr, 10), s);
+        }).find("the source (host memory, 10 elements of 4 bytes) is a null pointer") != std::string::npos);
 }
 
 TEST_CASE("bad input: overlapping ranges") {
@@ -294,10 +296,10 @@ TEST_CASE("bad input: a device pointer where host memory is expected, and the re
   {
     fake_pointer_kinds fake(host.data(), host.size() * sizeof(int), gpukit::detail::pointer_kind::device, 0);
     // A CUDA device pointer passed as host memory of a CPU copy.
-    CHECK(invalid_argument_message([&] {
-            gpukit::copy_async(gpukit::device_span<int>(device_memory.data(), 10, cpu), host, s);
-          }).find("the source (host memory, 10 elements of 4 bytes) is device memory of cuda:0 where host memory "
-                  "is expected") != std::string::npos);
+    CHECK(invalid_argument_message(
+              [&] { gpukit::copy_async(gpukit::device_span<int>(device_memory.data(), 10, cpu), host, s); })
+              .find("the source (host memory, 10 elements of 4 bytes) is device memory of cuda:0 where host memory "
+                    "is expected") != std::string::npos);
     CHECK(invalid_argument_message([&] {
             gpukit::copy_async(host, gpukit::device_span<const int>(device_memory.data(), 10, cpu), s);
           }).find("the destination (host memory, 10 elements of 4 bytes) is device memory of cuda:0") !=

@@ -133,8 +133,9 @@ TEST_CASE("gpu: staged copies on one stream complete while a host function holds
   });
   for (int i = 0; i < 1000 && phase.load() < 2; ++i) std::this_thread::sleep_for(10ms);
   const int reached = phase.load();
-  CHECK_MESSAGE(reached == 2, "phase " << reached << ": 0 = the host-to-device copy, 1 = the device-to-host copy "
-                                                      "did not complete while another stream's host function ran");
+  CHECK_MESSAGE(reached == 2, "phase " << reached
+                                       << ": 0 = the host-to-device copy, 1 = the device-to-host copy "
+                                          "did not complete while another stream's host function ran");
   g.open();
   user.join();
   CHECK(back == host);

@@ -90,10 +90,9 @@ TEST_CASE("size classes: measured waste over log-uniform requests, 8 per doublin
   const double fine_waste = fine / requested - 1.0;
   const double fine16_waste = fine16 / requested - 1.0;
   const double pow2_waste = pow2 / requested - 1.0;
-  MESSAGE("reserved beyond requested: 8 classes/doubling " << fine_waste * 100 << "% (worst request "
-                                                            << worst_fine * 100 << "%), 16 classes "
-                                                            << fine16_waste * 100 << "%, power of two "
-                                                            << pow2_waste * 100 << "%");
+  MESSAGE("reserved beyond requested: 8 classes/doubling "
+          << fine_waste * 100 << "% (worst request " << worst_fine * 100 << "%), 16 classes " << fine16_waste * 100
+          << "%, power of two " << pow2_waste * 100 << "%");
   CHECK(fine_waste < 0.07);
   CHECK(worst_fine < 0.125);
   CHECK(pow2_waste > 0.30);
@@ -318,7 +317,7 @@ TEST_CASE("out of memory: the cache is emptied and the request retried, then out
   test_pool pool(up);
   void* a = pool.allocate(2 * MiB);
   void* b = pool.allocate(MiB);
-  pool.deallocate(a);  // cached: 2 MiB free, 1 MiB in use
+  pool.deallocate(a);                // cached: 2 MiB free, 1 MiB in use
   void* c = pool.allocate(3 * MiB);  // does not fit beside the cache: retried after emptying it
   CHECK(c != nullptr);
   auto s = pool.stats();
@@ -341,8 +340,7 @@ TEST_CASE("misuse: foreign pointers and double frees are invalid_argument_error"
   auto pool = make_cpu_pool();
   int local = 0;
   CHECK_THROWS_AS(pool.deallocate(&local), gpukit::invalid_argument_error);
-  CHECK_THROWS_AS(pool.record_stream(&local, gpukit::stream_view::default_stream(cpu)),
-                  gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(pool.record_stream(&local, gpukit::stream_view::default_stream(cpu)), gpukit::invalid_argument_error);
   void* p = pool.allocate(KiB);
   pool.deallocate(p);
   try {
@@ -581,7 +579,7 @@ TEST_CASE("issue 12 defect 3: set_max_cached_bytes applies the new cap even when
     scripted_pool pool(up, {}, sync);
     void* a = pool.allocate(MiB);
     void* b = pool.allocate(MiB);
-    pool.deallocate(a);                                             // free
+    pool.deallocate(a);                                            // free
     pool.deallocate(b, gpukit::stream_view::default_stream(cpu));  // pending on marker 0
     sync.shared->fail_query_of = 0;
     CHECK_THROWS_AS(pool.set_max_cached_bytes(0), gpukit::cuda_error);

@@ -112,8 +112,9 @@ TEST_CASE("the next batch is prepared while the consumer holds the current one")
   CHECK(second->index() == 1);
 }
 
-TEST_CASE("unbounded: a gated consumer stream does not stop the loader, and a buffer is refilled only after its batch "
-          "ran") {
+TEST_CASE(
+    "unbounded: a gated consumer stream does not stop the loader, and a buffer is refilled only after its batch "
+    "ran") {
   gpukit::stream s(cpu);
   gate g;
   g.hold(s);  // the consumer's stream is held until all batches have been handed out
@@ -162,9 +163,8 @@ TEST_CASE("a producer failure is rethrown by next() after the batches before it"
 
 TEST_CASE("a producer writing more than the capacity is an error") {
   gpukit::stream s(cpu);
-  gpukit::prefetcher<std::uint32_t> loader(s, 10, [](std::size_t, gpukit::span<std::uint32_t> out) {
-    return out.size() + 1;
-  });
+  gpukit::prefetcher<std::uint32_t> loader(s, 10,
+                                           [](std::size_t, gpukit::span<std::uint32_t> out) { return out.size() + 1; });
   CHECK_THROWS_AS(loader.next(), gpukit::invalid_argument_error);
 }
 
@@ -269,19 +269,19 @@ TEST_CASE("a producer that calls next() gets an error instead of a deadlock, ret
   gate loader_built;
   gpukit::prefetcher<std::uint32_t>* self = nullptr;
   gpukit::prefetcher<std::uint32_t> loader(s, 3000, [&](std::size_t i, gpukit::span<std::uint32_t> out) {
-    loader_built.wait();  // `self` is set before the gate opens
+    loader_built.wait();             // `self` is set before the gate opens
     if (i == 0) (void)self->next();  // waits for the batch this very call should produce
     return fill(i, out, 10);
   });
   self = &loader;
   loader_built.open();
-  CHECK_THROWS_WITH_AS(loader.next(),
-                       doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
+  CHECK_THROWS_WITH_AS(loader.next(), doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
                        gpukit::invalid_argument_error);
 }
 
-TEST_CASE("bounded: a consumer stream behind the host holds the producer back, with at most prefetch_factor pinned "
-          "buffers") {
+TEST_CASE(
+    "bounded: a consumer stream behind the host holds the producer back, with at most prefetch_factor pinned "
+    "buffers") {
   gpukit::stream s(cpu);
   gate g;
   g.hold(s);  // the device (the consumer stream) is far behind the host
@@ -427,8 +427,7 @@ TEST_CASE("a producer thread that calls next() is refused with several producer 
   self = &loader;
   loader_built.open();
   CHECK(loader.next()->index() == 0);
-  CHECK_THROWS_WITH_AS(loader.next(),
-                       doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
+  CHECK_THROWS_WITH_AS(loader.next(), doctest::Contains("gpukit::prefetcher::next: called from the producer callback"),
                        gpukit::invalid_argument_error);
 }
 

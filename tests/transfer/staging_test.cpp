@@ -80,8 +80,8 @@ TEST_CASE("round trips on a CPU stream: 0, 1, chunk-1, chunk, chunk+1, many chun
     engine_type engine(pool, small_options(chunk));
     gpukit::stream s(cpu);
     unsigned seed = 1;
-    for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, chunk - 1, chunk, chunk + 1, 10 * chunk + 123,
-                              3 * chunk / 2}) {
+    for (std::size_t bytes :
+         {std::size_t{0}, std::size_t{1}, chunk - 1, chunk, chunk + 1, 10 * chunk + 123, 3 * chunk / 2}) {
       for (std::size_t src_offset : {0, 3}) {
         for (std::size_t dst_offset : {0, 5}) {
           CAPTURE(chunk);
@@ -246,7 +246,7 @@ TEST_CASE("behind a held stream, later transfers queue behind the first one's re
   std::vector<unsigned char> device(first.size(), 0);
   std::vector<unsigned char> other(third.size(), 0);
   const auto start = std::chrono::steady_clock::now();
-  engine.to_device(device.data(), first.data(), first.size(), s);  // fills the ring, then hands the rest over
+  engine.to_device(device.data(), first.data(), first.size(), s);    // fills the ring, then hands the rest over
   engine.to_device(device.data(), second.data(), second.size(), s);  // overwrites the first, in stream order
   engine.to_device(other.data(), third.data(), third.size(), s);
   CHECK(std::chrono::steady_clock::now() - start < 2000ms);  // none of them waited for the gate

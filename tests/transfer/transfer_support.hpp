@@ -22,7 +22,6 @@
 
 namespace gpukit_test {
 
-
 /// One call of the device copy step.
 struct copy_call {
   void* dst;

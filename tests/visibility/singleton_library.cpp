@@ -9,7 +9,8 @@
 
 #define GPUKIT_VISIBILITY_CONCAT2(a, b) a##b
 #define GPUKIT_VISIBILITY_CONCAT(a, b) GPUKIT_VISIBILITY_CONCAT2(a, b)
-#define GPUKIT_VISIBILITY_ENTRY(name) GPUKIT_VISIBILITY_CONCAT(GPUKIT_VISIBILITY_CONCAT(gpukit_visibility_, GPUKIT_VISIBILITY_LIBRARY), name)
+#define GPUKIT_VISIBILITY_ENTRY(name) \
+  GPUKIT_VISIBILITY_CONCAT(GPUKIT_VISIBILITY_CONCAT(gpukit_visibility_, GPUKIT_VISIBILITY_LIBRARY), name)
 
 extern "C" __attribute__((visibility("default"))) gpukit_visibility::singleton_addresses GPUKIT_VISIBILITY_ENTRY(
     _singletons)() {

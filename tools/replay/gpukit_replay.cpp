@@ -4,11 +4,12 @@
 //
 // FILE is RMM's CSV log (Thread,Time,Action,Pointer,Size,Stream; gpukit::rmm_log_csv writes it), gpukit's history
 // JSON (gpukit::history_json), or a PyTorch memory snapshot pickle with its traces (torch.cuda.memory._dump_snapshot
-// after _record_memory_history, or gpukit::dump_pytorch_snapshot; the device with the most events is replayed). A history recorded on the CPU device is valid input: the same allocation calls, so a
-// job can be sized before a GPU is bought or rented. Prints the peak requested, the peak reserved under gpukit's
-// defaults with the upstream calls, memory over time, the minimum capacity on which the whole history runs (gpukit's
-// defaults, with expandable segments, and under PyTorch's rules), and a fit table for common GPUs: usable memory is
-// the GPU's total minus what a CUDA context takes (--context-mib, 512 by default; it varies with GPU and driver).
+// after _record_memory_history, or gpukit::dump_pytorch_snapshot; the device with the most events is replayed). A
+// history recorded on the CPU device is valid input: the same allocation calls, so a job can be sized before a GPU is
+// bought or rented. Prints the peak requested, the peak reserved under gpukit's defaults with the upstream calls,
+// memory over time, the minimum capacity on which the whole history runs (gpukit's defaults, with expandable segments,
+// and under PyTorch's rules), and a fit table for common GPUs: usable memory is the GPU's total minus what a CUDA
+// context takes (--context-mib, 512 by default; it varies with GPU and driver).
 #include "replay.hpp"
 
 #include <gpukit/detail/format.hpp>
@@ -26,9 +27,10 @@ using gpukit::detail::format_bytes;
 using namespace gpukit_replay;
 
 int usage() {
-  std::fprintf(stderr, "usage: gpukit_replay FILE [--context-mib N] [--gpu NAME=MIB]...\n"
-                       "FILE: RMM's CSV log (gpukit::rmm_log_csv), gpukit's history JSON (gpukit::history_json) or a\n"
-                       "PyTorch memory snapshot pickle (torch.cuda.memory._dump_snapshot, gpukit::dump_pytorch_snapshot)\n");
+  std::fprintf(stderr,
+               "usage: gpukit_replay FILE [--context-mib N] [--gpu NAME=MIB]...\n"
+               "FILE: RMM's CSV log (gpukit::rmm_log_csv), gpukit's history JSON (gpukit::history_json) or a\n"
+               "PyTorch memory snapshot pickle (torch.cuda.memory._dump_snapshot, gpukit::dump_pytorch_snapshot)\n");
   return 2;
 }
 
@@ -73,11 +75,12 @@ int main(int argc, char** argv) {
 
     const gpukit::allocator_options defaults;
     const replay_result unlimited = replay_gpukit(t, defaults, max_capacity, true);
-    std::printf("gpukit's defaults, unlimited memory: peak reserved %s (%.3f x peak requested), %zu upstream "
-                "allocations, %zu upstream frees\n\n",
-                format_bytes(unlimited.peak_reserved).c_str(),
-                static_cast<double>(unlimited.peak_reserved) / static_cast<double>(t.peak_requested),
-                unlimited.upstream_allocs, unlimited.upstream_frees);
+    std::printf(
+        "gpukit's defaults, unlimited memory: peak reserved %s (%.3f x peak requested), %zu upstream "
+        "allocations, %zu upstream frees\n\n",
+        format_bytes(unlimited.peak_reserved).c_str(),
+        static_cast<double>(unlimited.peak_reserved) / static_cast<double>(t.peak_requested), unlimited.upstream_allocs,
+        unlimited.upstream_frees);
     std::printf("memory over time (gpukit's defaults):\n%12s %12s %12s %14s %14s\n", "operation", "requested",
                 "reserved", "largest free", "fragmentation");
     for (const auto& s : unlimited.timeline) {

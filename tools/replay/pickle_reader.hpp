@@ -25,12 +25,12 @@ namespace gpukit_replay {
 struct pickled {
   enum class kind { none, boolean, integer, floating, string, bytes, list, tuple, dict };
   kind type = kind::none;
-  std::int64_t integer = 0;    ///< boolean (0/1) and integer values that fit in 64 bits signed
+  std::int64_t integer = 0;            ///< boolean (0/1) and integer values that fit in 64 bits signed
   std::uint64_t unsigned_integer = 0;  ///< integer values in [2^63, 2^64) (addresses), with `big` set
   bool big = false;
   double floating = 0;
-  std::string text;  ///< string (UTF-8) and bytes
-  std::vector<const pickled*> items;  ///< list and tuple
+  std::string text;                                                ///< string (UTF-8) and bytes
+  std::vector<const pickled*> items;                               ///< list and tuple
   std::vector<std::pair<const pickled*, const pickled*>> entries;  ///< dict, in insertion order
 
   /// The dict entry whose key is the string `key`, or nullptr.
@@ -72,7 +72,8 @@ inline pickle_document unpickle(const std::string& data) {
   auto little_endian = [&](std::size_t n) {
     need(n);
     std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(static_cast<unsigned char>(data[at + i])) << (8 * i);
+    for (std::size_t i = 0; i < n; ++i)
+      v |= static_cast<std::uint64_t>(static_cast<unsigned char>(data[at + i])) << (8 * i);
     at += n;
     return v;
   };
@@ -161,16 +162,26 @@ inline pickle_document unpickle(const std::string& data) {
       case 0x95:  // FRAME length: the frames are read as one stream
         (void)little_endian(8);
         break;
-      case '.': {                            // STOP
+      case '.': {  // STOP
         if (stack.size() != 1 || !marks.empty()) fail("the pickle does not end with one value");
         document.root = stack.back();
         return document;
       }
-      case '(': marks.push_back(stack.size()); break;
-      case '}': stack.push_back(make(pickled::kind::dict)); break;
-      case ']': stack.push_back(make(pickled::kind::list)); break;
-      case ')': tuple_of({}); break;
-      case 'N': stack.push_back(make(pickled::kind::none)); break;
+      case '(':
+        marks.push_back(stack.size());
+        break;
+      case '}':
+        stack.push_back(make(pickled::kind::dict));
+        break;
+      case ']':
+        stack.push_back(make(pickled::kind::list));
+        break;
+      case ')':
+        tuple_of({});
+        break;
+      case 'N':
+        stack.push_back(make(pickled::kind::none));
+        break;
       case 0x88:
       case 0x89: {
         value v = make(pickled::kind::boolean);
@@ -178,11 +189,21 @@ inline pickle_document unpickle(const std::string& data) {
         stack.push_back(v);
         break;
       }
-      case 'J': integer(static_cast<std::int32_t>(static_cast<std::uint32_t>(little_endian(4)))); break;
-      case 'K': integer(static_cast<std::int64_t>(little_endian(1))); break;
-      case 'M': integer(static_cast<std::int64_t>(little_endian(2))); break;
-      case 0x8a: long_integer(static_cast<std::size_t>(little_endian(1))); break;
-      case 0x8b: long_integer(static_cast<std::size_t>(little_endian(4))); break;
+      case 'J':
+        integer(static_cast<std::int32_t>(static_cast<std::uint32_t>(little_endian(4))));
+        break;
+      case 'K':
+        integer(static_cast<std::int64_t>(little_endian(1)));
+        break;
+      case 'M':
+        integer(static_cast<std::int64_t>(little_endian(2)));
+        break;
+      case 0x8a:
+        long_integer(static_cast<std::size_t>(little_endian(1)));
+        break;
+      case 0x8b:
+        long_integer(static_cast<std::size_t>(little_endian(4)));
+        break;
       case 'G': {  // BINFLOAT: big-endian IEEE double
         const std::uint64_t big_endian = little_endian(8);
         std::uint64_t bits = 0;
@@ -192,16 +213,36 @@ inline pickle_document unpickle(const std::string& data) {
         stack.push_back(v);
         break;
       }
-      case 0x8c: text(static_cast<std::size_t>(little_endian(1)), pickled::kind::string); break;
-      case 'X': text(static_cast<std::size_t>(little_endian(4)), pickled::kind::string); break;
-      case 0x8d: text(static_cast<std::size_t>(little_endian(8)), pickled::kind::string); break;
-      case 'C': text(static_cast<std::size_t>(little_endian(1)), pickled::kind::bytes); break;
-      case 'B': text(static_cast<std::size_t>(little_endian(4)), pickled::kind::bytes); break;
-      case 0x8e: text(static_cast<std::size_t>(little_endian(8)), pickled::kind::bytes); break;
-      case 't': tuple_of(pop_mark()); break;
-      case 0x85: tuple_n(1); break;
-      case 0x86: tuple_n(2); break;
-      case 0x87: tuple_n(3); break;
+      case 0x8c:
+        text(static_cast<std::size_t>(little_endian(1)), pickled::kind::string);
+        break;
+      case 'X':
+        text(static_cast<std::size_t>(little_endian(4)), pickled::kind::string);
+        break;
+      case 0x8d:
+        text(static_cast<std::size_t>(little_endian(8)), pickled::kind::string);
+        break;
+      case 'C':
+        text(static_cast<std::size_t>(little_endian(1)), pickled::kind::bytes);
+        break;
+      case 'B':
+        text(static_cast<std::size_t>(little_endian(4)), pickled::kind::bytes);
+        break;
+      case 0x8e:
+        text(static_cast<std::size_t>(little_endian(8)), pickled::kind::bytes);
+        break;
+      case 't':
+        tuple_of(pop_mark());
+        break;
+      case 0x85:
+        tuple_n(1);
+        break;
+      case 0x86:
+        tuple_n(2);
+        break;
+      case 0x87:
+        tuple_n(3);
+        break;
       case 'a': {
         value item = pop();
         top(pickled::kind::list, "list").items.push_back(item);
@@ -226,11 +267,21 @@ inline pickle_document unpickle(const std::string& data) {
         for (std::size_t i = 0; i < items.size(); i += 2) dict.emplace_back(items[i], items[i + 1]);
         break;
       }
-      case 0x94: memo_put(memo.size()); break;  // MEMOIZE
-      case 'q': memo_put(little_endian(1)); break;
-      case 'r': memo_put(little_endian(4)); break;
-      case 'h': memo_get(little_endian(1)); break;
-      case 'j': memo_get(little_endian(4)); break;
+      case 0x94:
+        memo_put(memo.size());
+        break;  // MEMOIZE
+      case 'q':
+        memo_put(little_endian(1));
+        break;
+      case 'r':
+        memo_put(little_endian(4));
+        break;
+      case 'h':
+        memo_get(little_endian(1));
+        break;
+      case 'j':
+        memo_get(little_endian(4));
+        break;
       default: {
         at = opcode_at;
         char hex[8];

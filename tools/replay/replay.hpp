@@ -1,7 +1,7 @@
 // gpukit_replay's engine: reads a recorded allocation history (RMM's CSV log, which gpukit's rmm_log_csv writes,
 // gpukit's history JSON, or a PyTorch memory snapshot pickle, which torch.cuda.memory._dump_snapshot and gpukit's
-// dump_pytorch_snapshot write), replays it through gpukit's caching allocator over a capacity-limited address space, and
-// answers "will it fit": the smallest device capacity on which it runs (binary search), under gpukit's defaults and
+// dump_pytorch_snapshot write), replays it through gpukit's caching allocator over a capacity-limited address space,
+// and answers "will it fit": the smallest device capacity on which it runs (binary search), under gpukit's defaults and
 // under PyTorch's rules (bench/pytorch_allocator_model.hpp), for a table of GPUs.
 #pragma once
 
@@ -206,8 +206,9 @@ inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string&
   if (root->type != pickled::kind::dict) throw std::runtime_error("not a memory snapshot: the pickle is not a dict");
   const pickled* traces = root->find("device_traces");
   if (traces == nullptr || traces->type != pickled::kind::list) {
-    throw std::runtime_error("the snapshot has no device_traces: record it with "
-                             "torch.cuda.memory._record_memory_history() before dumping");
+    throw std::runtime_error(
+        "the snapshot has no device_traces: record it with "
+        "torch.cuda.memory._record_memory_history() before dumping");
   }
   if (device < -1) throw std::runtime_error("device " + std::to_string(device) + " was asked for");
   if (device >= static_cast<int>(traces->items.size())) {
@@ -225,8 +226,11 @@ inline recorded_trace read_pytorch_snapshot(std::istream& in, const std::string&
     if (device < 0) throw std::runtime_error("the snapshot's device_traces are all empty");
   }
   const pickled& events = *traces->items[static_cast<std::size_t>(device)];
-  if (events.type != pickled::kind::list) throw std::runtime_error("device_traces[" + std::to_string(device) + "] is not a list");
-  auto text_of = [](const pickled* v) { return v != nullptr && v->type == pickled::kind::string ? v->text : std::string(); };
+  if (events.type != pickled::kind::list)
+    throw std::runtime_error("device_traces[" + std::to_string(device) + "] is not a list");
+  auto text_of = [](const pickled* v) {
+    return v != nullptr && v->type == pickled::kind::string ? v->text : std::string();
+  };
   // An event is a dict of a handful of keys; a huge dict shared by every event (through the memo) would make the
   // lookups quadratic, so larger ones are refused before any lookup.
   constexpr std::size_t most_keys = 64;
@@ -392,9 +396,9 @@ struct gpu_model {
 
 /// Common GPUs with their nominal memory as nvidia-smi reports it; override or extend with --gpu NAME=MIB.
 inline std::vector<gpu_model> common_gpus() {
-  return {{"T4 16GB", 15360},          {"L4 24GB", 23034},       {"RTX 4090 24GB", 24564}, {"A10G 24GB", 23028},
-          {"V100 32GB", 32768},        {"A100 40GB", 40960},     {"L40S 48GB", 46068},     {"A100 80GB", 81920},
-          {"H100 80GB", 81559},        {"H200 141GB", 143771},   {"B200 180GB", 184320}};
+  return {{"T4 16GB", 15360},   {"L4 24GB", 23034},     {"RTX 4090 24GB", 24564}, {"A10G 24GB", 23028},
+          {"V100 32GB", 32768}, {"A100 40GB", 40960},   {"L40S 48GB", 46068},     {"A100 80GB", 81920},
+          {"H100 80GB", 81559}, {"H200 141GB", 143771}, {"B200 180GB", 184320}};
 }
 
 }  // namespace gpukit_replay

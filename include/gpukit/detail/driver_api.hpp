@@ -52,9 +52,9 @@ struct driver_api {
   CUresult(CUDAAPI* mem_set_access)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) = nullptr;
 
   bool has_virtual_memory() const noexcept {
-    return device_get != nullptr && device_get_attribute != nullptr && mem_get_allocation_granularity != nullptr && mem_address_reserve != nullptr &&
-           mem_address_free != nullptr && mem_create != nullptr && mem_release != nullptr && mem_map != nullptr &&
-           mem_unmap != nullptr && mem_set_access != nullptr;
+    return device_get != nullptr && device_get_attribute != nullptr && mem_get_allocation_granularity != nullptr &&
+           mem_address_reserve != nullptr && mem_address_free != nullptr && mem_create != nullptr &&
+           mem_release != nullptr && mem_map != nullptr && mem_unmap != nullptr && mem_set_access != nullptr;
   }
 };
 

@@ -34,9 +34,9 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// One device's reading at one time.
 struct device_sample {
-  gpukit::device device;                          ///< the CUDA device (visible ordinal)
-  std::chrono::steady_clock::time_point time;     ///< when it was taken
-  nvml::gpu_sample values;                        ///< NVML's figures; each optional
+  gpukit::device device;                       ///< the CUDA device (visible ordinal)
+  std::chrono::steady_clock::time_point time;  ///< when it was taken
+  nvml::gpu_sample values;                     ///< NVML's figures; each optional
 };
 
 /// How a gpu_monitor samples.
@@ -60,8 +60,9 @@ struct gpu_monitor_options {
 class gpu_monitor {
  public:
   /// Resolves the devices (cudaGetDeviceProperties: no context is created) and, where NVML is available and knows
-  /// at least one of them (by UUID or PCI bus id), starts sampling. `nvml` must outlive the monitor. Throws invalid_argument_error for a CPU
-  /// device or a repeated device in options.devices, cuda_error for an ordinal that does not exist.
+  /// at least one of them (by UUID or PCI bus id), starts sampling. `nvml` must outlive the monitor. Throws
+  /// invalid_argument_error for a CPU device or a repeated device in options.devices, cuda_error for an ordinal that
+  /// does not exist.
   explicit gpu_monitor(gpu_monitor_options options = {}, const nvml::library& nvml = nvml::instance())
       : options_(std::move(options)), nvml_(nvml) {
     options_.history_length = std::max<std::size_t>(options_.history_length, 1);
@@ -72,7 +73,8 @@ class gpu_monitor {
       const device d = options_.devices[i];
       if (!d.is_cuda()) throw invalid_argument_error("gpu_monitor: " + d.to_string() + " is not a CUDA device");
       for (std::size_t j = 0; j < i; ++j) {
-        if (options_.devices[j] == d) throw invalid_argument_error("gpu_monitor: " + d.to_string() + " is listed twice");
+        if (options_.devices[j] == d)
+          throw invalid_argument_error("gpu_monitor: " + d.to_string() + " is listed twice");
       }
       watched_.push_back(watched{properties(d), {}});
     }
@@ -205,9 +207,9 @@ class gpu_monitor {
 
   /// The table table() prints, for any samples and device names (same order).
   static std::string format_table(const std::vector<device_sample>& samples, const std::vector<std::string>& names) {
-    std::vector<std::vector<std::string>> rows{
-        {"device", "name", "temp", "power / limit", "memory used / total", "this process", "GPU / mem util",
-         "SM / mem clock", "PCIe rx / tx", "clock limits"}};
+    std::vector<std::vector<std::string>> rows{{"device", "name", "temp", "power / limit", "memory used / total",
+                                                "this process", "GPU / mem util", "SM / mem clock", "PCIe rx / tx",
+                                                "clock limits"}};
     const std::string unknown = "-";
     for (std::size_t i = 0; i < samples.size(); ++i) {
       const auto& v = samples[i].values;
@@ -234,7 +236,8 @@ class gpu_monitor {
     std::string out = rule;
     for (std::size_t r = 0; r < rows.size(); ++r) {
       out += "|";
-      for (std::size_t c = 0; c < rows[r].size(); ++c) out += " " + rows[r][c] + std::string(width[c] - rows[r][c].size(), ' ') + " |";
+      for (std::size_t c = 0; c < rows[r].size(); ++c)
+        out += " " + rows[r][c] + std::string(width[c] - rows[r][c].size(), ' ') + " |";
       out += "\n";
       if (r == 0) out += rule;
     }

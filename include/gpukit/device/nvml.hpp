@@ -79,18 +79,19 @@ inline std::string describe_clock_limits(std::uint64_t mask) {
 /// driver or permissions do not support (utilisation on MIG, power on some boards, per-process memory in a container
 /// whose PID namespace hides the host's PIDs).
 struct gpu_sample {
-  std::optional<gpu_memory> memory;                      ///< all processes
-  std::optional<unsigned long long> process_memory;      ///< this process (NVML's per-process figure, context included)
-  std::optional<unsigned> gpu_utilization_percent;       ///< time a kernel ran, over NVML's last period (nvidia-smi GPU-Util)
-  std::optional<unsigned> memory_utilization_percent;    ///< time device memory was read or written
-  std::optional<unsigned> temperature_c;                 ///< GPU core temperature
-  std::optional<double> power_w;                         ///< power drawn now
-  std::optional<double> power_limit_w;                   ///< enforced power limit
+  std::optional<gpu_memory> memory;                  ///< all processes
+  std::optional<unsigned long long> process_memory;  ///< this process (NVML's per-process figure, context included)
+  std::optional<unsigned>
+      gpu_utilization_percent;  ///< time a kernel ran, over NVML's last period (nvidia-smi GPU-Util)
+  std::optional<unsigned> memory_utilization_percent;  ///< time device memory was read or written
+  std::optional<unsigned> temperature_c;               ///< GPU core temperature
+  std::optional<double> power_w;                       ///< power drawn now
+  std::optional<double> power_limit_w;                 ///< enforced power limit
   std::optional<unsigned> sm_clock_mhz;
   std::optional<unsigned> memory_clock_mhz;
-  std::optional<std::uint64_t> clock_limits;             ///< a clock_limit:: mask
-  std::optional<unsigned> pcie_tx_kib_per_s;             ///< PCIe bytes sent by the GPU (KiB/s over NVML's 20 ms window)
-  std::optional<unsigned> pcie_rx_kib_per_s;             ///< PCIe bytes received by the GPU
+  std::optional<std::uint64_t> clock_limits;  ///< a clock_limit:: mask
+  std::optional<unsigned> pcie_tx_kib_per_s;  ///< PCIe bytes sent by the GPU (KiB/s over NVML's 20 ms window)
+  std::optional<unsigned> pcie_rx_kib_per_s;  ///< PCIe bytes received by the GPU
 };
 
 /// NVML, when it can be loaded and initialised. Obtain the process-wide instance with nvml::instance(). Every query
@@ -109,8 +110,7 @@ class library {
                     bind(error_string_, "nvmlErrorString") && bind(count_, "nvmlDeviceGetCount_v2") &&
                     bind(by_index_, "nvmlDeviceGetHandleByIndex_v2") && bind(by_uuid_, "nvmlDeviceGetHandleByUUID") &&
                     bind(by_pci_, "nvmlDeviceGetHandleByPciBusId_v2") && bind(uuid_, "nvmlDeviceGetUUID") &&
-                    bind(memory_, "nvmlDeviceGetMemoryInfo") &&
-                    bind(utilization_, "nvmlDeviceGetUtilizationRates");
+                    bind(memory_, "nvmlDeviceGetMemoryInfo") && bind(utilization_, "nvmlDeviceGetUtilizationRates");
     if (!complete) {
       status_ = std::string("NVML at ") + path + " lacks " + missing_;
       return;
@@ -224,13 +224,20 @@ class library {
     if (common_ancestor_(first, second, &level) != 0) return std::nullopt;
     // nvmlGpuTopologyLevel_t: 0 the same board, 10 one switch, 20 several, 30 a host bridge, 40 a node, 50 the system
     switch (level) {
-      case 0: return std::string("PIX");  // a multi-GPU board: its GPUs share an on-board PCIe switch
-      case 10: return std::string("PIX");
-      case 20: return std::string("PXB");
-      case 30: return std::string("PHB");
-      case 40: return std::string("NODE");
-      case 50: return std::string("SYS");
-      default: return std::nullopt;
+      case 0:
+        return std::string("PIX");  // a multi-GPU board: its GPUs share an on-board PCIe switch
+      case 10:
+        return std::string("PIX");
+      case 20:
+        return std::string("PXB");
+      case 30:
+        return std::string("PHB");
+      case 40:
+        return std::string("NODE");
+      case 50:
+        return std::string("SYS");
+      default:
+        return std::nullopt;
     }
   }
 
@@ -377,19 +384,19 @@ class library {
   int (*by_uuid_)(const char*, void**) = nullptr;
   int (*by_pci_)(const char*, void**) = nullptr;
   int (*uuid_)(void*, char*, unsigned) = nullptr;
-  int (*memory_)(void*, gpu_memory*) = nullptr;  // nvmlMemory_t (v1): total, free, used
-  int (*utilization_)(void*, void*) = nullptr;   // nvmlUtilization_t: gpu, memory
-  int (*temperature_)(void*, int, unsigned*) = nullptr;            // sensor 0: the GPU, degrees C
-  int (*power_)(void*, unsigned*) = nullptr;                       // milliwatts
-  int (*power_limit_)(void*, unsigned*) = nullptr;                 // milliwatts
-  int (*clock_)(void*, int, unsigned*) = nullptr;                  // nvmlClockType_t (1: SM, 2: memory), MHz
-  int (*clock_limits_)(void*, unsigned long long*) = nullptr;      // clock_limit:: mask
-  int (*pcie_)(void*, int, unsigned*) = nullptr;                   // counter 0: TX, 1: RX; KB/s
-  int (*processes_)(void*, unsigned*, void*) = nullptr;            // count in/out, nvmlProcessInfo_t array
-  int (*common_ancestor_)(void*, void*, int*) = nullptr;           // nvmlGpuTopologyLevel_t
-  int (*p2p_status_)(void*, void*, int, int*) = nullptr;           // caps index, nvmlGpuP2PStatus_t (0: OK)
-  int (*nvlink_state_)(void*, unsigned, int*) = nullptr;           // link, nvmlEnableState_t
-  int (*nvlink_remote_pci_)(void*, unsigned, void*) = nullptr;     // link, nvmlPciInfo_t
+  int (*memory_)(void*, gpu_memory*) = nullptr;                 // nvmlMemory_t (v1): total, free, used
+  int (*utilization_)(void*, void*) = nullptr;                  // nvmlUtilization_t: gpu, memory
+  int (*temperature_)(void*, int, unsigned*) = nullptr;         // sensor 0: the GPU, degrees C
+  int (*power_)(void*, unsigned*) = nullptr;                    // milliwatts
+  int (*power_limit_)(void*, unsigned*) = nullptr;              // milliwatts
+  int (*clock_)(void*, int, unsigned*) = nullptr;               // nvmlClockType_t (1: SM, 2: memory), MHz
+  int (*clock_limits_)(void*, unsigned long long*) = nullptr;   // clock_limit:: mask
+  int (*pcie_)(void*, int, unsigned*) = nullptr;                // counter 0: TX, 1: RX; KB/s
+  int (*processes_)(void*, unsigned*, void*) = nullptr;         // count in/out, nvmlProcessInfo_t array
+  int (*common_ancestor_)(void*, void*, int*) = nullptr;        // nvmlGpuTopologyLevel_t
+  int (*p2p_status_)(void*, void*, int, int*) = nullptr;        // caps index, nvmlGpuP2PStatus_t (0: OK)
+  int (*nvlink_state_)(void*, unsigned, int*) = nullptr;        // link, nvmlEnableState_t
+  int (*nvlink_remote_pci_)(void*, unsigned, void*) = nullptr;  // link, nvmlPciInfo_t
 };
 
 /// The process-wide NVML, loaded on first use (never at static-initialisation time) from GPUKIT_NVML_LIBRARY or

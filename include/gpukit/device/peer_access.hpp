@@ -121,11 +121,13 @@ struct peer_matrix {
       while (!row.empty() && row.back() == ' ') row.pop_back();
       out += row + '\n';
     }
-    out += "\nOK = the row's device can access the column's memory directly (peer access can be enabled)\n"
-           "-- = it cannot (copies still work, through the host)\n";
+    out +=
+        "\nOK = the row's device can access the column's memory directly (peer access can be enabled)\n"
+        "-- = it cannot (copies still work, through the host)\n";
     if (with_links) {
-      out += "NV# = # NVLinks; PIX = one PCIe switch, PXB = several, PHB = a PCIe host bridge, NODE = the same NUMA "
-             "node, SYS = across NUMA nodes\n";
+      out +=
+          "NV# = # NVLinks; PIX = one PCIe switch, PXB = several, PHB = a PCIe host bridge, NODE = the same NUMA "
+          "node, SYS = across NUMA nodes\n";
     }
     return out;
   }
@@ -146,7 +148,8 @@ inline peer_matrix query_peer_matrix(const nvml::library& nvml = nvml::instance(
     }
   }
   if (!nvml.available() || n == 0) return m;
-  std::vector<std::vector<std::string>> links(static_cast<std::size_t>(n), std::vector<std::string>(static_cast<std::size_t>(n)));
+  std::vector<std::vector<std::string>> links(static_cast<std::size_t>(n),
+                                              std::vector<std::string>(static_cast<std::size_t>(n)));
   bool any = false;
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {

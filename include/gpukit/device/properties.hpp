@@ -26,20 +26,20 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// Static properties of one CUDA device. Obtained with properties(device); constant for the life of the process.
 struct device_properties {
-  gpukit::device device;                      ///< the device described
-  std::string name;                           ///< e.g. "NVIDIA H100 80GB HBM3"
-  std::string uuid;                           ///< "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it
-  std::string pci_bus_id;                     ///< "dddd:bb:dd.0" (domain:bus:device.function, hex)
+  gpukit::device device;   ///< the device described
+  std::string name;        ///< e.g. "NVIDIA H100 80GB HBM3"
+  std::string uuid;        ///< "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it
+  std::string pci_bus_id;  ///< "dddd:bb:dd.0" (domain:bus:device.function, hex)
   int pci_domain = 0;
   int pci_bus = 0;
   int pci_device = 0;
-  std::size_t total_memory = 0;               ///< bytes of global memory
+  std::size_t total_memory = 0;  ///< bytes of global memory
   int compute_capability_major = 0;
   int compute_capability_minor = 0;
   int multiprocessor_count = 0;
-  int copy_engine_count = 0;                  ///< asyncEngineCount: concurrent copy directions (H100: 3)
-  int clock_rate_khz = 0;                     ///< peak SM clock
-  int memory_clock_rate_khz = 0;              ///< peak memory clock
+  int copy_engine_count = 0;      ///< asyncEngineCount: concurrent copy directions (H100: 3)
+  int clock_rate_khz = 0;         ///< peak SM clock
+  int memory_clock_rate_khz = 0;  ///< peak memory clock
   int memory_bus_width_bits = 0;
   std::size_t l2_cache_bytes = 0;
   int warp_size = 0;
@@ -47,15 +47,15 @@ struct device_properties {
   int max_threads_per_multiprocessor = 0;
   std::size_t shared_memory_per_block = 0;
   std::size_t shared_memory_per_multiprocessor = 0;
-  int compute_mode = 0;                       ///< a cudaComputeMode value (0: default, 2: prohibited, 3: exclusive)
-  bool integrated = false;                    ///< shares memory with the host (Jetson, Grace-integrated parts)
+  int compute_mode = 0;     ///< a cudaComputeMode value (0: default, 2: prohibited, 3: exclusive)
+  bool integrated = false;  ///< shares memory with the host (Jetson, Grace-integrated parts)
   bool ecc_enabled = false;
   bool unified_addressing = false;
   bool managed_memory = false;
   bool concurrent_managed_access = false;
-  bool pageable_memory_access = false;        ///< the GPU can read pageable host memory directly (HMM/ATS)
+  bool pageable_memory_access = false;  ///< the GPU can read pageable host memory directly (HMM/ATS)
   bool can_map_host_memory = false;
-  bool memory_pools_supported = false;        ///< cudaMallocAsync is available
+  bool memory_pools_supported = false;  ///< cudaMallocAsync is available
   bool multi_gpu_board = false;
 
   /// "9.0"
@@ -73,19 +73,17 @@ namespace detail {
 /// "GPU-" followed by the 16 bytes as 8-4-4-4-12 lowercase hex digits.
 inline std::string format_gpu_uuid(const unsigned char (&bytes)[16]) {
   char text[4 + 36 + 1];
-  std::snprintf(text, sizeof text,
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", bytes[0], bytes[1],
-                bytes[2], bytes[3], bytes[4], bytes[5], bytes[6], bytes[7], bytes[8], bytes[9], bytes[10], bytes[11],
-                bytes[12], bytes[13], bytes[14], bytes[15]);
+  std::snprintf(text, sizeof text, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", bytes[0],
+                bytes[1], bytes[2], bytes[3], bytes[4], bytes[5], bytes[6], bytes[7], bytes[8], bytes[9], bytes[10],
+                bytes[11], bytes[12], bytes[13], bytes[14], bytes[15]);
   return text;
 }
 
 inline int device_attribute(cudaDeviceAttr attribute, int ordinal, const char* attribute_name) {
   int value = 0;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetAttribute(&value, attribute, ordinal),
-                            std::string("cudaDeviceGetAttribute(") + attribute_name + ", " +
-                                std::to_string(ordinal) + ")",
-                            ordinal);
+  GPUKIT_CUDA_TRY_DESCRIBED(
+      cudaDeviceGetAttribute(&value, attribute, ordinal),
+      std::string("cudaDeviceGetAttribute(") + attribute_name + ", " + std::to_string(ordinal) + ")", ordinal);
   return value;
 }
 

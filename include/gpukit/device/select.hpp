@@ -94,7 +94,7 @@ struct device_selection {
   enum class decided_by { environment_override, local_rank, policy, cpu_fallback };
   gpukit::device device;
   decided_by source = decided_by::cpu_fallback;
-  std::string reason;                       ///< one sentence
+  std::string reason;  ///< one sentence
   std::vector<candidate_verdict> candidates;
 
   /// A multi-line report: the reason, then each candidate with its verdict.
@@ -174,8 +174,8 @@ inline device resolve_override(const std::string& raw, const system_snapshot& sy
     if (system.gpus.empty()) {
       throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
     }
-    throw invalid_argument_error(what + " names " + d.to_string() + ", but only " + describe_gpu_list(system) +
-                                 " (" + describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
+    throw invalid_argument_error(what + " names " + d.to_string() + ", but only " + describe_gpu_list(system) + " (" +
+                                 describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
   }
   return d;
 }
@@ -196,8 +196,8 @@ inline void check_snapshot(const system_snapshot& system) {
   for (std::size_t i = 0; i < system.gpus.size(); ++i) {
     const device d = system.gpus[i].device;
     if (d.is_cuda() && static_cast<std::size_t>(d.ordinal()) == i) continue;
-    throw invalid_argument_error("select_device: system_snapshot::gpus[" + std::to_string(i) + "] is " +
-                                 d.to_string() + "; gpus[i] must be cuda:i (the visible devices in ordinal order)");
+    throw invalid_argument_error("select_device: system_snapshot::gpus[" + std::to_string(i) + "] is " + d.to_string() +
+                                 "; gpus[i] must be cuda:i (the visible devices in ordinal order)");
   }
 }
 
@@ -243,8 +243,9 @@ inline device_selection select_device(const selection_policy& policy, const syst
     const int count = static_cast<int>(system.gpus.size());
     const int ordinal = *rank % count;
     const auto& verdict = selection.candidates[static_cast<std::size_t>(ordinal)];
-    const std::string mapping = system.local_rank_variable + "=" + std::to_string(*rank) + " maps to cuda:" +
-                                std::to_string(ordinal) + " (rank % " + std::to_string(count) + " visible)";
+    const std::string mapping = system.local_rank_variable + "=" + std::to_string(*rank) +
+                                " maps to cuda:" + std::to_string(ordinal) + " (rank % " + std::to_string(count) +
+                                " visible)";
     if (!verdict.eligible) {
       throw no_device_error(mapping + ", which does not satisfy the policy: " + verdict.note +
                             "; each rank must use its own device, so no other device is chosen");
@@ -288,11 +289,10 @@ inline device_selection select_device(const selection_policy& policy, const syst
         selection.reason = "the first visible device that meets the policy";
         break;
       case device_preference::most_free_memory:
-        selection.reason = best->free_memory
-                               ? "the most free memory (" + detail::format_bytes(*best->free_memory) + ", from " +
-                                     best->free_memory_source + ")"
-                               : "the most total memory (" + detail::format_bytes(best->total_memory) +
-                                     "; free memory unknown: " + system.telemetry + ")";
+        selection.reason = best->free_memory ? "the most free memory (" + detail::format_bytes(*best->free_memory) +
+                                                   ", from " + best->free_memory_source + ")"
+                                             : "the most total memory (" + detail::format_bytes(best->total_memory) +
+                                                   "; free memory unknown: " + system.telemetry + ")";
         break;
       case device_preference::least_utilized:
         selection.reason = best->utilization_percent

@@ -53,9 +53,9 @@ struct visible_devices {
   list_form form = list_form::unset;
   std::string value;                          ///< the variable's value ("" when unset)
   std::vector<visible_device_entry> devices;  ///< devices[i] becomes cuda:i (meaningless when form is unset)
-  std::string note;      ///< why entries were dropped or the set emptied; empty when every entry counted
-  bool verified = false; ///< the installed GPUs were known, so range and UUID checks were applied
-  int installed = -1;    ///< installed GPU count when known
+  std::string note;       ///< why entries were dropped or the set emptied; empty when every entry counted
+  bool verified = false;  ///< the installed GPUs were known, so range and UUID checks were applied
+  int installed = -1;     ///< installed GPU count when known
 
   /// Every installed device is visible (the variable is unset).
   bool all_visible() const noexcept { return form == list_form::unset; }
@@ -216,9 +216,10 @@ inline visible_devices parse_visible_devices(const char* value, const installed_
         }
       }
       if (matches != 1) {
-        std::string why = detail::quoted_entry(i, d.entry) +
-                          (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
-                          ", so the list ends before it.";
+        std::string why =
+            detail::quoted_entry(i, d.entry) +
+            (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
+            ", so the list ends before it.";
         result.note = result.note.empty() ? why : why + " " + result.note;
         result.devices.resize(i);
         break;
@@ -271,8 +272,8 @@ inline std::string visible_devices_changed_message() {
   const bool same = (now == nullptr) ? !at_init.set : (at_init.set && at_init.value == now);
   if (same) return {};
   auto show = [](bool set, const std::string& v) { return set ? "\"" + v + "\"" : std::string("unset"); };
-  return "CUDA_VISIBLE_DEVICES is now " + show(now != nullptr, now ? now : "") +
-         " but was " + show(at_init.set, at_init.value) +
+  return "CUDA_VISIBLE_DEVICES is now " + show(now != nullptr, now ? now : "") + " but was " +
+         show(at_init.set, at_init.value) +
          " when CUDA was initialised in this process; CUDA reads it only once, so the earlier value is in effect. "
          "Set it before the process starts (or before the first CUDA call).";
 }

@@ -34,9 +34,9 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// How a capture treats unsafe calls (cudaMalloc, synchronization) from other threads (cudaStreamCaptureMode).
 enum class capture_mode {
-  global = cudaStreamCaptureModeGlobal,             ///< refused in every thread that has not relaxed its mode
+  global = cudaStreamCaptureModeGlobal,              ///< refused in every thread that has not relaxed its mode
   thread_local_ = cudaStreamCaptureModeThreadLocal,  ///< refused in the capturing thread only
-  relaxed = cudaStreamCaptureModeRelaxed,           ///< not refused (the caller takes care)
+  relaxed = cudaStreamCaptureModeRelaxed,            ///< not refused (the caller takes care)
 };
 
 /// An instantiated CUDA graph (cudaGraph_t and cudaGraphExec_t), move-only, with the pool its memory came from.
@@ -70,8 +70,8 @@ class graph {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
       throw invalid_argument_error("gpukit::graph::launch: a stream of " +
-                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
-                                   " for a graph of " + device_.to_string());
+                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) + " for a graph of " +
+                                   device_.to_string());
     }
     device_guard guard(device_);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
@@ -119,8 +119,10 @@ class graph {
     if (exec_ == nullptr && graph_ == nullptr) return;
     try {
       device_guard guard(device_);
-      if (exec_ != nullptr) detail::report_cuda_failure(cudaGraphExecDestroy(exec_), "cudaGraphExecDestroy", device_.ordinal());
-      if (graph_ != nullptr) detail::report_cuda_failure(cudaGraphDestroy(graph_), "cudaGraphDestroy", device_.ordinal());
+      if (exec_ != nullptr)
+        detail::report_cuda_failure(cudaGraphExecDestroy(exec_), "cudaGraphExecDestroy", device_.ordinal());
+      if (graph_ != nullptr)
+        detail::report_cuda_failure(cudaGraphDestroy(graph_), "cudaGraphDestroy", device_.ordinal());
     } catch (const std::exception& e) {
       warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
     }

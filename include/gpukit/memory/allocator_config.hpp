@@ -50,8 +50,8 @@ inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcep
     const char* name;
     unsigned shift;
   };
-  static constexpr named_unit units[] = {{"", 0},     {"B", 0},     {"KiB", 10}, {"KB", 10}, {"MiB", 20},
-                                         {"MB", 20},  {"GiB", 30},  {"GB", 30},  {"TiB", 40}, {"TB", 40}};
+  static constexpr named_unit units[] = {{"", 0},    {"B", 0},    {"KiB", 10}, {"KB", 10},  {"MiB", 20},
+                                         {"MB", 20}, {"GiB", 30}, {"GB", 30},  {"TiB", 40}, {"TB", 40}};
   for (const named_unit& u : units) {
     if (unit != u.name) continue;
     if (u.shift != 0 && value > (std::numeric_limits<std::size_t>::max() >> u.shift)) return false;
@@ -86,8 +86,8 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
     std::size_t start = 0;
     for (;;) {
       const std::size_t comma = config.find(',', start);
-      const std::string_view text =
-          detail::trim_spaces(config.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+      const std::string_view text = detail::trim_spaces(
+          config.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
       const std::size_t colon = text.find(':');
       if (text.empty()) fail(text, "empty entry (a stray comma?)");
       if (colon == std::string_view::npos) fail(text, "expected key:value");
@@ -118,17 +118,16 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
     const char* name;
     size_member member;
   };
-  static constexpr size_key sizes[] = {
-      {"rounding", &allocator_options::rounding},
-      {"small_size", &allocator_options::small_size},
-      {"small_segment_size", &allocator_options::small_segment_size},
-      {"medium_size", &allocator_options::medium_size},
-      {"medium_segment_size", &allocator_options::medium_segment_size},
-      {"large_segment_rounding", &allocator_options::large_segment_rounding},
-      {"small_split_threshold", &allocator_options::small_split_threshold},
-      {"large_split_threshold", &allocator_options::large_split_threshold},
-      {"max_split_size", &allocator_options::max_split_size},
-      {"max_oversize_waste", &allocator_options::max_oversize_waste}};
+  static constexpr size_key sizes[] = {{"rounding", &allocator_options::rounding},
+                                       {"small_size", &allocator_options::small_size},
+                                       {"small_segment_size", &allocator_options::small_segment_size},
+                                       {"medium_size", &allocator_options::medium_size},
+                                       {"medium_segment_size", &allocator_options::medium_segment_size},
+                                       {"large_segment_rounding", &allocator_options::large_segment_rounding},
+                                       {"small_split_threshold", &allocator_options::small_split_threshold},
+                                       {"large_split_threshold", &allocator_options::large_split_threshold},
+                                       {"max_split_size", &allocator_options::max_split_size},
+                                       {"max_oversize_waste", &allocator_options::max_oversize_waste}};
   auto parse_bool = [&](const entry_text& e) {
     if (e.value == "true" || e.value == "1") return true;
     if (e.value == "false" || e.value == "0") return false;
@@ -177,9 +176,10 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
     } else if (e.key == "expandable_segments") {
       o.expandable_segments = parse_bool(e);
     } else {
-      fail(e.text, "unknown key \"" + std::string(e.key) +
-                       "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
-                       "cross_stream_reuse, front_cache, expandable_segments, and the size options of allocator_options)");
+      fail(e.text,
+           "unknown key \"" + std::string(e.key) +
+               "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
+               "cross_stream_reuse, front_cache, expandable_segments, and the size options of allocator_options)");
     }
   }
   try {

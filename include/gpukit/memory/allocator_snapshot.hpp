@@ -33,15 +33,15 @@ struct block_info {
   std::size_t size = 0;       ///< bytes the block spans (rounded)
   std::size_t requested = 0;  ///< bytes the user asked for; 0 unless allocated
   block_state state = block_state::free;
-  std::uintptr_t stream = 0;  ///< the stream the block belongs to (the stream ops' key)
+  std::uintptr_t stream = 0;         ///< the stream the block belongs to (the stream ops' key)
   std::uint32_t pending_events = 0;  ///< events still awaited (pending blocks)
 };
 
 /// One segment obtained from the upstream, with its blocks in address order (they tile the segment exactly).
 struct segment_info {
   std::uintptr_t address = 0;
-  std::size_t size = 0;    ///< bytes of address space (of an expandable segment: its reserved virtual range)
-  std::size_t mapped = 0;  ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
+  std::size_t size = 0;     ///< bytes of address space (of an expandable segment: its reserved virtual range)
+  std::size_t mapped = 0;   ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
   bool expandable = false;  ///< a virtual range whose pages are mapped as blocks need them (expandable_segments)
   /// Expandable segments: the mapped runs of pages as (address, bytes), in address order (their sum is `mapped`).
   std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges;

@@ -206,15 +206,18 @@ inline std::string format_memory_summary(std::string_view title, const allocator
   char line[200];
   std::snprintf(line, sizeof line, "| %-85.*s |", static_cast<int>(title.size()), title.data());
   detail::summary_line(out, line);
-  detail::summary_line(out, "|---------------------------------------------------------------------------------------|");
+  detail::summary_line(out,
+                       "|---------------------------------------------------------------------------------------|");
   std::snprintf(line, sizeof line, "| %-30s %-20s %-32s |",
                 ("out-of-memory errors: " + std::to_string(s.num_ooms)).c_str(),
                 ("retries: " + std::to_string(s.num_alloc_retries)).c_str(),
                 ("host waits for all streams: " + std::to_string(s.num_sync_all_streams)).c_str());
   detail::summary_line(out, line);
   detail::summary_line(out, rule);
-  detail::summary_line(out, "| Metric                    |  Cur Usage   |  Peak Usage  |  Tot Alloc   |  Tot Freed   |");
-  detail::summary_line(out, "|---------------------------------------------------------------------------------------|");
+  detail::summary_line(out,
+                       "| Metric                    |  Cur Usage   |  Peak Usage  |  Tot Alloc   |  Tot Freed   |");
+  detail::summary_line(out,
+                       "|---------------------------------------------------------------------------------------|");
   detail::summary_group(out, "Allocated memory", s.allocated_bytes, true);
   detail::summary_group(out, "Active memory", s.active_bytes, true);
   detail::summary_group(out, "Requested memory", s.requested_bytes, true);
@@ -226,12 +229,12 @@ inline std::string format_memory_summary(std::string_view title, const allocator
   detail::summary_group(out, "Non-releasable allocs", s.inactive_split, false);
   const std::int64_t reserved = s.reserved_bytes.all().current;
   const std::int64_t allocated = s.allocated_bytes.all().current;
-  std::snprintf(line, sizeof line, "| %-36s %-48s |", "Cached (reserved - allocated):",
-                detail::summary_bytes(reserved - allocated).c_str());
+  std::snprintf(line, sizeof line, "| %-36s %-48s |",
+                "Cached (reserved - allocated):", detail::summary_bytes(reserved - allocated).c_str());
   detail::summary_line(out, line);
   std::snprintf(line, sizeof line, "| %-36s %-48s |", "Largest free block:",
-                (detail::format_bytes(f.largest_free_block) + " of " + detail::format_bytes(f.free_bytes) + " free in " +
-                 std::to_string(f.free_blocks) + " blocks")
+                (detail::format_bytes(f.largest_free_block) + " of " + detail::format_bytes(f.free_bytes) +
+                 " free in " + std::to_string(f.free_blocks) + " blocks")
                     .c_str());
   detail::summary_line(out, line);
   char ratio[64];

@@ -323,7 +323,8 @@ class async_allocator final : public device_allocator {
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaFreeAsync(p, free_stream), "cudaFreeAsync", device_.ordinal());
     } catch (const std::exception& e) {
-      if (const auto* ge = dynamic_cast<const error*>(&e); ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
+      if (const auto* ge = dynamic_cast<const error*>(&e);
+          ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
         return;
       }
       warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) + " failed: " + e.what());
@@ -334,7 +335,8 @@ class async_allocator final : public device_allocator {
     char text[32];
     std::snprintf(text, sizeof text, "%p", p);
     throw invalid_argument_error(std::string("gpukit: ") + operation + "(" + text + ") on the async allocator of " +
-                                     device_.to_string() + ": not a live allocation of this allocator (a double free, "
+                                     device_.to_string() +
+                                     ": not a live allocation of this allocator (a double free, "
                                      "a foreign pointer or one into the middle of an allocation)",
                                  cudaSuccess, "gpukit::async_allocator", device_.ordinal());
   }
@@ -360,9 +362,9 @@ class async_allocator final : public device_allocator {
                    detail::format_bytes_exact(bytes) + " failed" +
                    (limit_hit ? " (the limit of " + format_bytes(info.reserved_limit) + " would be exceeded)" : "") +
                    ". Device: " +
-                   (info.device_memory_known ? format_bytes(info.device_total) + " total, " +
-                                                   format_bytes(info.device_free) + " free"
-                                             : std::string("total and free memory unknown")) +
+                   (info.device_memory_known
+                        ? format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free"
+                        : std::string("total and free memory unknown")) +
                    ". This allocator: " + format_bytes(info.allocated) + " allocated; the pool holds " +
                    format_bytes(info.reserved) + ".";
     observers_.notify(info, device_.to_string());

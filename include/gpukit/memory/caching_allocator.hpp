@@ -55,8 +55,9 @@
 /// CUDA graph capture: the engine serves no captured stream, so allocate, deallocate and record_stream on a stream
 /// being captured (and empty_cache/trim while a stream with live allocations is) throw invalid_argument_error
 /// before anything changes (stream_ops.hpp says why). Captures with a graph pool (graph/graph.hpp) are served by the
-/// pool: caching_device_allocator routes their allocations and frees there before the engine sees them. Upstream calls made for streams that are not captured relax
-/// the thread's capture mode, so they work while another thread captures in global mode.
+/// pool: caching_device_allocator routes their allocations and frees there before the engine sees them. Upstream calls
+/// made for streams that are not captured relax the thread's capture mode, so they work while another thread captures
+/// in global mode.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -103,16 +104,16 @@ struct allocator_options {
   static constexpr std::size_t MiB = std::size_t{1} << 20;
   static constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
 
-  std::size_t rounding = 512;               ///< requests are rounded up to a multiple of this (a power of two)
-  std::size_t small_size = 1 * MiB;         ///< requests up to this are small and come from small segments
-  std::size_t small_segment_size = 2 * MiB; ///< size of a small segment
+  std::size_t rounding = 512;                ///< requests are rounded up to a multiple of this (a power of two)
+  std::size_t small_size = 1 * MiB;          ///< requests up to this are small and come from small segments
+  std::size_t small_segment_size = 2 * MiB;  ///< size of a small segment
   /// Larger requests below this share segments of medium_segment_size (or more, see medium_segment_growth);
   /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding.
   std::size_t medium_size = 64 * MiB;
   std::size_t medium_segment_size = 20 * MiB;
   std::size_t large_segment_rounding = 2 * MiB;
-  std::size_t small_split_threshold = 0;         ///< a small block is split when the remainder exceeds this
-  std::size_t large_split_threshold = 1 * MiB;   ///< a large block is split when the remainder exceeds this
+  std::size_t small_split_threshold = 0;        ///< a small block is split when the remainder exceeds this
+  std::size_t large_split_threshold = 1 * MiB;  ///< a large block is split when the remainder exceeds this
   /// Blocks of segments made for one request of this size or more are never split, and smaller requests never use
   /// them (PyTorch's max_split_size_mb): huge blocks stay whole for huge requests, so they become completely free
   /// and releasable when the sizes of the huge requests drift.
@@ -168,9 +169,7 @@ struct allocator_options {
 
   /// Throws invalid_argument_error naming the first inconsistent setting.
   void validate() const {
-    auto fail = [](const std::string& what) {
-      throw invalid_argument_error("gpukit::allocator_options: " + what);
-    };
+    auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
     auto power_of_two = [](std::size_t v) { return v != 0 && (v & (v - 1)) == 0; };
     if (!power_of_two(rounding) || rounding < 16) fail("rounding must be a power of two of at least 16 bytes");
     if (!power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
@@ -184,8 +183,8 @@ struct allocator_options {
     if (medium_size % rounding != 0) {
       // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
       const std::size_t below = medium_size / rounding * rounding;
-      fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) + " bytes): " +
-           std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
+      fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) +
+           " bytes): " + std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
            std::to_string(below + rounding));
     }
     if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
@@ -217,8 +216,9 @@ struct stream_tracker<Ops, true> {
 template <class Ops, class = void>
 struct has_stream_resolve : std::false_type {};
 template <class Ops>
-struct has_stream_resolve<Ops, std::void_t<decltype(std::declval<const Ops&>().resolve(
-                                   std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+struct has_stream_resolve<
+    Ops, std::void_t<decltype(std::declval<const Ops&>().resolve(std::declval<const typename Ops::stream_type&>()))>>
+    : std::true_type {};
 
 /// Whether a StreamOps policy describes streams for messages (`describe`).
 /// Upstreams with virtual memory (reserve / map / unmap / unreserve whole pages): expandable segments.
@@ -241,8 +241,9 @@ struct has_virtual_memory_query<U, std::void_t<decltype(std::declval<const U&>()
 template <class Ops, class = void>
 struct has_stream_describe : std::false_type {};
 template <class Ops>
-struct has_stream_describe<Ops, std::void_t<decltype(std::declval<const Ops&>().describe(
-                                    std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+struct has_stream_describe<
+    Ops, std::void_t<decltype(std::declval<const Ops&>().describe(std::declval<const typename Ops::stream_type&>()))>>
+    : std::true_type {};
 }  // namespace detail
 
 template <class Upstream, class StreamOps = stream_ops>
@@ -531,9 +532,8 @@ class basic_caching_allocator {
       info.expandable = seg->expandable;
       info.small_pool = seg->small;
       if (seg->expandable) {
-        for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
-          info.mapped_ranges.emplace_back(address, bytes);
-        });
+        for_each_mapped_run(
+            *seg, [&](std::uintptr_t address, std::size_t bytes) { info.mapped_ranges.emplace_back(address, bytes); });
       }
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         block_info bi;
@@ -623,18 +623,19 @@ class basic_caching_allocator {
   /// thread, outside the allocator's lock, so it may use the allocator (snapshot, memory_summary, free buffers to
   /// shed load; the failed request is not retried). One that throws is reported through gpukit::warn and the error
   /// is thrown all the same. Returns an id for remove_out_of_memory_observer.
-  std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) { return observers_.add(std::move(observer)); }
+  std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) {
+    return observers_.add(std::move(observer));
+  }
   /// Removes an observer; returns false when no observer has that id. A call already under way finishes.
   bool remove_out_of_memory_observer(std::uint64_t id) { return observers_.remove(id); }
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops recording.
-  /// While no history is set, the cost is one acquire load (a plain load on x86) and a branch per call. A history once set is kept alive
-  /// until the allocator is destroyed (a call on another thread may still be recording into it).
+  /// While no history is set, the cost is one acquire load (a plain load on x86) and a branch per call. A history once
+  /// set is kept alive until the allocator is destroyed (a call on another thread may still be recording into it).
   void set_memory_history(std::shared_ptr<memory_history> history) {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
     memory_history* const raw = history.get();
-    if (history != nullptr &&
-        std::find(histories_.begin(), histories_.end(), history) == histories_.end()) {
+    if (history != nullptr && std::find(histories_.begin(), histories_.end(), history) == histories_.end()) {
       histories_.push_back(history);
     }
     current_history_ = std::move(history);
@@ -708,9 +709,9 @@ class basic_caching_allocator {
 
   struct segment {
     std::uintptr_t address = 0;
-    std::size_t size = 0;    // for an expandable segment, the reserved virtual range
+    std::size_t size = 0;  // for an expandable segment, the reserved virtual range
     bool small = false;
-    bool dedicated = false;  // made for one request of medium_size or more (not shared by design)
+    bool dedicated = false;   // made for one request of medium_size or more (not shared by design)
     bool expandable = false;  // a virtual range whose pages are mapped on demand (expandable_segments)
     std::vector<bool> pages;  // expandable: which pages are mapped
     std::size_t mapped = 0;   // bytes backed by memory: size, or the mapped pages of an expandable segment
@@ -730,14 +731,14 @@ class basic_caching_allocator {
     stream_state(std::uintptr_t k, const stream_type& s, gpukit::device d, tracker_type t)
         : key(k), stream(s), device(d), tracker(std::move(t)) {}
     std::uintptr_t key;
-    stream_type stream;      // resolved: means this stream from any thread
-    gpukit::device device;   // this allocator's, or another CUDA device's (record_stream)
-    tracker_type tracker;    // says when a tracked stream (gpukit::stream) is destroyed
+    stream_type stream;                    // resolved: means this stream from any thread
+    gpukit::device device;                 // this allocator's, or another CUDA device's (record_stream)
+    tracker_type tracker;                  // says when a tracked stream (gpukit::stream) is destroyed
     std::unique_ptr<index_type> pools[2];  // [1]: small, [0]: large; created on first use
     std::deque<pending_record> pending;    // events recorded on this stream, in order (null: its final work)
-    std::size_t in_use = 0;  // allocated or pending blocks it owns, and blocks that recorded it
-    bool dead = false;       // destroyed: its free blocks wait for its last work (nobody else may take them)
-    bool retired = false;    // ... which has completed: its blocks belong to no stream from now on
+    std::size_t in_use = 0;                // allocated or pending blocks it owns, and blocks that recorded it
+    bool dead = false;             // destroyed: its free blocks wait for its last work (nobody else may take them)
+    bool retired = false;          // ... which has completed: its blocks belong to no stream from now on
     std::uint64_t last_sweep = 0;  // the stream-registry sweep during which it last allocated (abandoned_state)
     segment* expandable[2] = {nullptr, nullptr};  // its expandable segments: [1] small, [0] large
   };
@@ -788,11 +789,13 @@ class basic_caching_allocator {
 
   static constexpr std::size_t stat_count = 9;
   using stat_member = detail::atomic_pool_stats all_stats_t::*;  // an alias: nvcc's generated code then compiles
-                                                                  // without -Wparentheses warnings
+                                                                 // without -Wparentheses warnings
   static constexpr stat_member stat_members[stat_count] = {
-      &all_stats_t::allocation,     &all_stats_t::segment,        &all_stats_t::active,
-      &all_stats_t::inactive_split, &all_stats_t::allocated_bytes, &all_stats_t::reserved_bytes,
-      &all_stats_t::active_bytes,   &all_stats_t::inactive_split_bytes, &all_stats_t::requested_bytes};
+      &all_stats_t::allocation,      &all_stats_t::segment,
+      &all_stats_t::active,          &all_stats_t::inactive_split,
+      &all_stats_t::allocated_bytes, &all_stats_t::reserved_bytes,
+      &all_stats_t::active_bytes,    &all_stats_t::inactive_split_bytes,
+      &all_stats_t::requested_bytes};
   detail::atomic_pool_stats& stat_ref(std::size_t id) noexcept { return stats_.*stat_members[id]; }
   const detail::atomic_pool_stats& stat_ref(std::size_t id) const noexcept { return stats_.*stat_members[id]; }
 
@@ -1015,12 +1018,11 @@ class basic_caching_allocator {
   /// Two streams of different devices with one key: the stream ops broke their contract (keys are unique across
   /// devices), and the allocator would take one stream for the other.
   [[noreturn]] void throw_key_collision(gpukit::device known, gpukit::device passed, std::uintptr_t key) const {
-    throw invalid_argument_error("gpukit: a stream of " + passed.to_string() +
-                                     " was passed to the caching allocator of " + device_.to_string() +
-                                     ", but its key " + std::to_string(key) + " is that of a stream of " +
-                                     known.to_string() +
-                                     " the allocator already knows; stream keys must be unique across devices",
-                                 cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
+    throw invalid_argument_error(
+        "gpukit: a stream of " + passed.to_string() + " was passed to the caching allocator of " + device_.to_string() +
+            ", but its key " + std::to_string(key) + " is that of a stream of " + known.to_string() +
+            " the allocator already knows; stream keys must be unique across devices",
+        cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
   }
 
   /// The CUDA ordinal for exceptions (-1 for the CPU).
@@ -2180,8 +2182,8 @@ class basic_caching_allocator {
     upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
   }
 
-  block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size,
-                       bool small) {
+  block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
+                       std::size_t size, bool small) {
     if (block* b = grow_expandable(st, size, small)) return b;
     std::size_t segment_bytes = fitted_segment_size(size, small);
     bool limit_hit = false;
@@ -2442,8 +2444,9 @@ class basic_caching_allocator {
 
   // --- errors ---
 
-  [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size,
-                                        std::size_t segment_bytes, bool limit_hit, bool pages = false) {
+  [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested,
+                                        std::size_t size, std::size_t segment_bytes, bool limit_hit,
+                                        bool pages = false) {
     stats_.num_ooms.increment();
     const free_space_info f = free_space_locked();
     std::size_t allocated = 0;
@@ -2474,9 +2477,9 @@ class basic_caching_allocator {
     char fragmentation[32];
     std::snprintf(fragmentation, sizeof fragmentation, "%.2f", f.fragmentation());
     m += "This allocator: " + format_bytes(allocated) + " allocated, " +
-         format_bytes(reserved > allocated ? reserved - allocated : 0) +
-         (pages ? " mapped" : " reserved") + " but unallocated (largest free block " + format_bytes(f.largest_free_block) +
-         ", fragmentation " + fragmentation + " = 1 - largest free block / free), reserved limit " +
+         format_bytes(reserved > allocated ? reserved - allocated : 0) + (pages ? " mapped" : " reserved") +
+         " but unallocated (largest free block " + format_bytes(f.largest_free_block) + ", fragmentation " +
+         fragmentation + " = 1 - largest free block / free), reserved limit " +
          (limit == allocator_options::unlimited ? std::string("none") : format_bytes(limit)) + ".";
     if (limit_hit) {
       m += " The reserved limit would be exceeded: raise it (set_reserved_limit / set_memory_fraction) or free memory.";
@@ -2489,10 +2492,10 @@ class basic_caching_allocator {
     if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
     }
-    observers_.notify(out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved,
-                                         f.free_bytes, f.largest_free_block, limit, limit_hit, info.known,
-                                         info.total_bytes, info.free_bytes, m},
-                      device_.to_string());
+    observers_.notify(
+        out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved, f.free_bytes,
+                           f.largest_free_block, limit, limit_hit, info.known, info.total_bytes, info.free_bytes, m},
+        device_.to_string());
     const cudaError_t result = device_.is_cuda() && !limit_hit ? cudaErrorMemoryAllocation : cudaSuccess;
     throw out_of_memory_error(m, result, "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
                               device_.ordinal());
@@ -2543,8 +2546,8 @@ class basic_caching_allocator {
   StreamOps ops_{};
   bool needs_fence_ = false;
   bool front_cache_ = false;
-  std::size_t vm_page_ = 0;   // the upstream's page size, once an expandable segment exists (device lock)
-  bool vm_refused_ = false;   // the device has no virtual memory: expandable segments are not tried again
+  std::size_t vm_page_ = 0;  // the upstream's page size, once an expandable segment exists (device lock)
+  bool vm_refused_ = false;  // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
   using map_type = detail::sharded_pointer_map<block>;
@@ -2553,12 +2556,12 @@ class basic_caching_allocator {
   std::size_t limit_ = allocator_options::unlimited;  // guarded by mutex_
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};
   std::atomic<std::size_t> address_space_{0};  // reserved by expandable segments (written under mutex_)
-  std::size_t in_flight_ = 0;  // bytes being allocated from the upstream right now (counted against the limit)
+  std::size_t in_flight_ = 0;   // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
   detail::out_of_memory_observers observers_;
-  std::atomic<memory_history*> history_{nullptr};            // read on every call: one acquire load
-  std::shared_ptr<memory_history> current_history_;            // guarded by mutex_
-  std::vector<std::shared_ptr<memory_history>> histories_;     // every history ever set (see set_memory_history)
+  std::atomic<memory_history*> history_{nullptr};           // read on every call: one acquire load
+  std::shared_ptr<memory_history> current_history_;         // guarded by mutex_
+  std::vector<std::shared_ptr<memory_history>> histories_;  // every history ever set (see set_memory_history)
 
   static constexpr std::size_t min_prune_at = 64;
 
@@ -2566,8 +2569,8 @@ class basic_caching_allocator {
   std::vector<std::pair<std::uintptr_t, stream_state*>> stream_keys_;
   std::unordered_map<std::uintptr_t, stream_state*> stream_index_;  // used once there are many streams
   std::size_t prune_at_ = min_prune_at;         // registrations sweep idle states when there are this many
-  std::uint64_t sweeps_ = 0;                     // sweeps of the stream registry so far
-  bool may_have_abandoned_ = false;              // a sweep happened since release_abandoned last looked
+  std::uint64_t sweeps_ = 0;                    // sweeps of the stream registry so far
+  bool may_have_abandoned_ = false;             // a sweep happened since release_abandoned last looked
   std::unique_ptr<stream_state> unowned_;       // free blocks no stream can still be using (not registered)
   std::vector<stream_state*> dead_streams_;     // destroyed streams whose last work may still run
   std::uint64_t seen_expirations_ = 0;          // the stream ops' expiration count when last looked at
@@ -2582,8 +2585,8 @@ class basic_caching_allocator {
   block* spare_blocks_ = nullptr;
 
   std::array<front_slot_type, front_slot_count> fronts_{};
-  bool fronts_active_ = false;   // a block was ever cached in front (written with every lock held)
-  bool peaks_deferred_ = false;  // flush_fronts is moving blocks: peaks are settled when it ends
+  bool fronts_active_ = false;                       // a block was ever cached in front (written with every lock held)
+  bool peaks_deferred_ = false;                      // flush_fronts is moving blocks: peaks are settled when it ends
   std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
 };
 

@@ -64,9 +64,8 @@ inline device_allocator& default_allocator(device d) {
   auto& owner = registry.owners[d];
   if (!owner) {
     const auto configured = registry.options.find(d);
-    owner = std::make_shared<caching_allocator>(d, configured != registry.options.end()
-                                                       ? configured->second
-                                                       : allocator_options_from_environment());
+    owner = std::make_shared<caching_allocator>(
+        d, configured != registry.options.end() ? configured->second : allocator_options_from_environment());
   }
   if (slot < detail::default_allocator_registry::fast_slots) {
     registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
@@ -122,12 +121,15 @@ inline std::size_t max_memory_reserved(device d) { return default_allocator(d).m
 /// numbers unchanged. gpukit adds num_device_free_unforced; PyTorch's oversize_* keys are not kept.
 inline std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s) {
   std::map<std::string, std::int64_t> flat;
-  const std::pair<const char*, const pool_stats*> groups[] = {
-      {"allocation", &s.allocation},           {"segment", &s.segment},
-      {"active", &s.active},                   {"inactive_split", &s.inactive_split},
-      {"allocated_bytes", &s.allocated_bytes}, {"reserved_bytes", &s.reserved_bytes},
-      {"active_bytes", &s.active_bytes},       {"inactive_split_bytes", &s.inactive_split_bytes},
-      {"requested_bytes", &s.requested_bytes}};
+  const std::pair<const char*, const pool_stats*> groups[] = {{"allocation", &s.allocation},
+                                                              {"segment", &s.segment},
+                                                              {"active", &s.active},
+                                                              {"inactive_split", &s.inactive_split},
+                                                              {"allocated_bytes", &s.allocated_bytes},
+                                                              {"reserved_bytes", &s.reserved_bytes},
+                                                              {"active_bytes", &s.active_bytes},
+                                                              {"inactive_split_bytes", &s.inactive_split_bytes},
+                                                              {"requested_bytes", &s.requested_bytes}};
   const char* const pools[] = {"all", "small_pool", "large_pool"};
   for (const auto& [name, group] : groups) {
     for (std::size_t pool = 0; pool < 3; ++pool) {

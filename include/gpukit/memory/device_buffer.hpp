@@ -95,7 +95,9 @@ class device_allocation {
   bool empty() const noexcept { return pointer_ == nullptr; }
   explicit operator bool() const noexcept { return pointer_ != nullptr; }
   /// The device the memory is on (the CPU for an empty allocation).
-  gpukit::device device() const noexcept { return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu(); }
+  gpukit::device device() const noexcept {
+    return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu();
+  }
   /// The stream the memory was allocated on and is freed on.
   stream_view stream() const noexcept { return stream_; }
   /// The allocator it came from, or nullptr when empty.
@@ -192,7 +194,9 @@ class device_buffer {
   gpukit::span<T> span() noexcept { return {data_, size_}; }
   gpukit::span<const T> span() const noexcept { return {data_, size_}; }
   /// The device the memory is on (the CPU for a default-constructed or moved-from buffer).
-  gpukit::device device() const noexcept { return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu(); }
+  gpukit::device device() const noexcept {
+    return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu();
+  }
   /// The stream the memory was allocated on and is freed on.
   stream_view stream() const noexcept { return stream_; }
   /// The allocator the memory came from, or nullptr for a default-constructed or moved-from buffer.

@@ -145,7 +145,8 @@ class graph_pool final : public device_allocator {
       seg.size = c.size;
       seg.mapped = c.size;
       for (auto it = live_.lower_bound(c.address); it != live_.end() && it->first < c.address + c.size; ++it) {
-        seg.blocks.push_back(block_info{it->first, it->second.size, it->second.requested, block_state::allocated, 0, 0});
+        seg.blocks.push_back(
+            block_info{it->first, it->second.size, it->second.requested, block_state::allocated, 0, 0});
       }
       for (auto it = free_.lower_bound(c.address); it != free_.end() && it->first < c.address + c.size; ++it) {
         seg.blocks.push_back(block_info{it->first, it->second.size, 0, block_state::free, 0, 0});
@@ -185,9 +186,15 @@ class graph_pool final : public device_allocator {
   }
   bool remove_out_of_memory_observer(std::uint64_t id) override { return observers_.remove(id); }
 
-  std::size_t memory_allocated() const noexcept override { return locked([this] { return allocated_; }); }
-  std::size_t memory_reserved() const noexcept override { return locked([this] { return reserved_; }); }
-  std::size_t max_memory_allocated() const noexcept override { return locked([this] { return peak_allocated_; }); }
+  std::size_t memory_allocated() const noexcept override {
+    return locked([this] { return allocated_; });
+  }
+  std::size_t memory_reserved() const noexcept override {
+    return locked([this] { return reserved_; });
+  }
+  std::size_t max_memory_allocated() const noexcept override {
+    return locked([this] { return peak_allocated_; });
+  }
   std::size_t max_memory_reserved() const noexcept override { return memory_reserved(); }
 
   // --- for gpukit::capture and gpukit::graph (graph/graph.hpp) ---

@@ -155,11 +155,21 @@ inline std::string json_string(std::string_view s) {
   std::string r = "\"";
   for (const char c : pickle_writer::utf8_or_question_marks(s)) {
     switch (c) {
-      case '"': r += "\\\""; break;
-      case '\\': r += "\\\\"; break;
-      case '\n': r += "\\n"; break;
-      case '\r': r += "\\r"; break;
-      case '\t': r += "\\t"; break;
+      case '"':
+        r += "\\\"";
+        break;
+      case '\\':
+        r += "\\\\";
+        break;
+      case '\n':
+        r += "\\n";
+        break;
+      case '\r':
+        r += "\\r";
+        break;
+      case '\t':
+        r += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char u[8];
@@ -175,9 +185,12 @@ inline std::string json_string(std::string_view s) {
 
 inline const char* pytorch_block_state(block_state s) noexcept {
   switch (s) {
-    case block_state::allocated: return "active_allocated";
-    case block_state::pending: return "active_pending_free";
-    default: return "inactive";  // free, or cached in a front cache (reusable)
+    case block_state::allocated:
+      return "active_allocated";
+    case block_state::pending:
+      return "active_pending_free";
+    default:
+      return "inactive";  // free, or cached in a front cache (reusable)
   }
 }
 
@@ -336,9 +349,10 @@ inline std::string history_json(const memory_history& history, const allocator_s
   for (const memory_event& e : events) {
     out += first ? "" : ",";
     first = false;
-    out += "{\"action\":\"" + std::string(memory_action_name(e.action)) + "\",\"address\":" + std::to_string(e.address) +
-           ",\"size\":" + std::to_string(e.size) + ",\"stream\":" + std::to_string(e.stream) +
-           ",\"time_us\":" + std::to_string(history.unix_time_us(e)) + ",\"thread\":" + std::to_string(e.thread);
+    out += "{\"action\":\"" + std::string(memory_action_name(e.action)) +
+           "\",\"address\":" + std::to_string(e.address) + ",\"size\":" + std::to_string(e.size) +
+           ",\"stream\":" + std::to_string(e.stream) + ",\"time_us\":" + std::to_string(history.unix_time_us(e)) +
+           ",\"thread\":" + std::to_string(e.thread);
     if (e.tag != 0) out += ",\"tag\":" + detail::json_string(memory_tag_name(e.tag));
     if (e.action == memory_action::oom) out += ",\"device_free\":" + std::to_string(e.device_free);
     out += "}";
@@ -356,8 +370,8 @@ inline std::string history_json(const memory_history& history, const allocator_s
         const block_info& b = seg.blocks[k];
         out += k == 0 ? "" : ",";
         out += "{\"address\":" + std::to_string(b.address) + ",\"size\":" + std::to_string(b.size) +
-               ",\"requested\":" + std::to_string(b.requested) + ",\"state\":\"" + detail::pytorch_block_state(b.state) +
-               "\",\"stream\":" + std::to_string(b.stream) + "}";
+               ",\"requested\":" + std::to_string(b.requested) + ",\"state\":\"" +
+               detail::pytorch_block_state(b.state) + "\",\"stream\":" + std::to_string(b.stream) + "}";
       }
       out += "]}";
     }
@@ -408,8 +422,8 @@ inline std::string leak_report(const memory_history& history) {
     total += g.bytes;
     count += g.count;
   }
-  std::string head = "live allocations seen by the history: " + std::to_string(count) + " (" + std::to_string(total) +
-                     " B)";
+  std::string head =
+      "live allocations seen by the history: " + std::to_string(count) + " (" + std::to_string(total) + " B)";
   if (history.dropped() != 0) head += "; " + std::to_string(history.dropped()) + " older events were dropped";
   return head + "\n" + out;
 }

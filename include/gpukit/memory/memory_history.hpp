@@ -50,15 +50,24 @@ enum class memory_action : std::uint8_t {
 /// PyTorch's name of an action: "alloc", "free_requested", ..., "oom".
 inline const char* memory_action_name(memory_action a) noexcept {
   switch (a) {
-    case memory_action::alloc: return "alloc";
-    case memory_action::free_requested: return "free_requested";
-    case memory_action::free_completed: return "free_completed";
-    case memory_action::segment_alloc: return "segment_alloc";
-    case memory_action::segment_free: return "segment_free";
-    case memory_action::segment_map: return "segment_map";
-    case memory_action::segment_unmap: return "segment_unmap";
-    case memory_action::snapshot: return "snapshot";
-    case memory_action::oom: return "oom";
+    case memory_action::alloc:
+      return "alloc";
+    case memory_action::free_requested:
+      return "free_requested";
+    case memory_action::free_completed:
+      return "free_completed";
+    case memory_action::segment_alloc:
+      return "segment_alloc";
+    case memory_action::segment_free:
+      return "segment_free";
+    case memory_action::segment_map:
+      return "segment_map";
+    case memory_action::segment_unmap:
+      return "segment_unmap";
+    case memory_action::snapshot:
+      return "snapshot";
+    case memory_action::oom:
+      return "oom";
   }
   return "unknown";
 }
@@ -66,13 +75,13 @@ inline const char* memory_action_name(memory_action a) noexcept {
 /// One recorded event.
 struct memory_event {
   memory_action action = memory_action::alloc;
-  std::uintptr_t address = 0;  ///< the allocation, segment or pages (0 for oom and snapshot)
-  std::size_t size = 0;        ///< bytes (see memory_action)
-  std::uintptr_t stream = 0;   ///< the stream's key in the allocator (0 when not tied to a stream)
-  std::int64_t time_ns = 0;    ///< std::chrono::steady_clock, nanoseconds since its epoch
-  std::uint64_t thread = 0;    ///< a number for the calling thread (std::hash of its id)
-  std::uint32_t tag = 0;       ///< the thread's memory_tag (0: none); memory_tag_name gives the name
-  std::size_t device_free = 0; ///< oom: the device's free bytes when known, else 0
+  std::uintptr_t address = 0;   ///< the allocation, segment or pages (0 for oom and snapshot)
+  std::size_t size = 0;         ///< bytes (see memory_action)
+  std::uintptr_t stream = 0;    ///< the stream's key in the allocator (0 when not tied to a stream)
+  std::int64_t time_ns = 0;     ///< std::chrono::steady_clock, nanoseconds since its epoch
+  std::uint64_t thread = 0;     ///< a number for the calling thread (std::hash of its id)
+  std::uint32_t tag = 0;        ///< the thread's memory_tag (0: none); memory_tag_name gives the name
+  std::size_t device_free = 0;  ///< oom: the device's free bytes when known, else 0
 };
 
 namespace detail {
@@ -176,8 +185,9 @@ class memory_history {
     e.device_free = device_free;
     std::lock_guard<std::mutex> lock(mutex_);
     // Stamped under the lock: times never go back in the ring's order.
-    e.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now().time_since_epoch()).count();
+    e.time_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
     if (ring_.size() < max_entries_) {
       try {
         ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)

@@ -4,9 +4,9 @@
 
 /// \file
 /// memory_picture_html: a snapshot and a memory_history as one self-contained HTML page (inline SVG, no script, no
-/// network): a timeline of allocated against reserved bytes and the largest free block over the history, and every segment as a bar whose
-/// blocks are coloured by state (allocated, waiting for other streams, free); hovering a block shows its address,
-/// size, requested bytes, stream and tag.
+/// network): a timeline of allocated against reserved bytes and the largest free block over the history, and every
+/// segment as a bar whose blocks are coloured by state (allocated, waiting for other streams, free); hovering a block
+/// shows its address, size, requested bytes, stream and tag.
 ///
 ///     std::ofstream("memory.html") << gpukit::memory_picture_html(allocator.snapshot(), *history);
 ///
@@ -38,11 +38,20 @@ inline std::string html_escape(std::string_view s) {
   std::string r;
   for (const char c : s) {
     switch (c) {
-      case '&': r += "&amp;"; break;
-      case '<': r += "&lt;"; break;
-      case '>': r += "&gt;"; break;
-      case '"': r += "&quot;"; break;
-      default: r += c;
+      case '&':
+        r += "&amp;";
+        break;
+      case '<':
+        r += "&lt;";
+        break;
+      case '>':
+        r += "&gt;";
+        break;
+      case '"':
+        r += "&quot;";
+        break;
+      default:
+        r += c;
     }
   }
   return r;
@@ -65,13 +74,22 @@ struct memory_levels {
 inline void level_change(const memory_event& e, std::int64_t& allocated, std::int64_t& reserved) noexcept {
   const auto size = static_cast<std::int64_t>(e.size);
   switch (e.action) {
-    case memory_action::alloc: allocated += size; break;
-    case memory_action::free_requested: allocated -= size; break;
+    case memory_action::alloc:
+      allocated += size;
+      break;
+    case memory_action::free_requested:
+      allocated -= size;
+      break;
     case memory_action::segment_alloc:
-    case memory_action::segment_map: reserved += size; break;
+    case memory_action::segment_map:
+      reserved += size;
+      break;
     case memory_action::segment_free:
-    case memory_action::segment_unmap: reserved -= size; break;
-    default: break;
+    case memory_action::segment_unmap:
+      reserved -= size;
+      break;
+    default:
+      break;
   }
 }
 
@@ -150,7 +168,7 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
   std::map<std::uintptr_t, std::size_t> live;    // live allocations by address
   std::unordered_set<std::uintptr_t> range_touched, alloc_touched;
   std::map<std::uintptr_t, std::size_t> made;  // ranges the history made, while they last
-  for (const memory_event& e : events) {  // what the history frees without having made it existed before it began
+  for (const memory_event& e : events) {       // what the history frees without having made it existed before it began
     switch (e.action) {
       case memory_action::segment_alloc:
       case memory_action::segment_map:
@@ -166,12 +184,15 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
           ranges[e.address] = e.size;
         }
         break;
-      case memory_action::alloc: alloc_touched.insert(e.address); break;
+      case memory_action::alloc:
+        alloc_touched.insert(e.address);
+        break;
       case memory_action::free_requested:
       case memory_action::free_completed:
         if (alloc_touched.insert(e.address).second) live[e.address] = e.size;
         break;
-      default: break;
+      default:
+        break;
     }
   }
   for (const segment_info& seg : snapshot.segments) {  // untouched by the history: there throughout
@@ -211,12 +232,21 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
     const memory_event& e = events[i];
     switch (e.action) {
       case memory_action::segment_alloc:
-      case memory_action::segment_map: ranges[e.address] = e.size; break;
+      case memory_action::segment_map:
+        ranges[e.address] = e.size;
+        break;
       case memory_action::segment_free:
-      case memory_action::segment_unmap: remove_address_range(ranges, e.address, e.size); break;
-      case memory_action::alloc: live[e.address] = e.size; break;
-      case memory_action::free_completed: live.erase(e.address); break;
-      default: break;
+      case memory_action::segment_unmap:
+        remove_address_range(ranges, e.address, e.size);
+        break;
+      case memory_action::alloc:
+        live[e.address] = e.size;
+        break;
+      case memory_action::free_completed:
+        live.erase(e.address);
+        break;
+      default:
+        break;
     }
     if (i == at[next]) {
       out.push_back(largest_gap());
@@ -239,7 +269,8 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   const auto tags = detail::live_tags(events);  // of the allocations live at the end
 
   std::string out;
-  out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) + "</title>\n<style>\n"
+  out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +
+         "</title>\n<style>\n"
          "body{font-family:sans-serif;margin:16px;color:#222}h1{font-size:18px}h2{font-size:15px;margin-top:20px}\n"
          ".allocated{fill:#3b6fd8}.pending{fill:#f0a030}.free{fill:#d8dde3}.cached{fill:#9fd3a6}\n"
          ".block{stroke:#fff;stroke-width:0.5}.segment{fill:none;stroke:#888;stroke-width:0.5}\n"
@@ -264,8 +295,10 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   std::int64_t most = 1;
   for (std::size_t i = 0; i < events.size(); ++i) most = std::max({most, levels.allocated[i], levels.reserved[i]});
   for (const std::int64_t v : largest_free) most = std::max(most, v);
-  out += "<h2>Allocated (requested), reserved and largest free block over the history</h2>\n<svg class=\"timeline\" width=\"" +
-         fixed(left + width + 10) + "\" height=\"" + fixed(top + height + 30) + "\">\n";
+  out +=
+      "<h2>Allocated (requested), reserved and largest free block over the history</h2>\n<svg class=\"timeline\" "
+      "width=\"" +
+      fixed(left + width + 10) + "\" height=\"" + fixed(top + height + 30) + "\">\n";
   out += "<line class=\"axis\" x1=\"" + fixed(left) + "\" y1=\"" + fixed(top + height) + "\" x2=\"" +
          fixed(left + width) + "\" y2=\"" + fixed(top + height) + "\"/>\n";
   out += "<text class=\"label\" x=\"2\" y=\"" + fixed(top + 10) + "\">" + format_bytes(static_cast<std::size_t>(most)) +
@@ -277,10 +310,11 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
     out += "<polyline class=\"" + line + "\" points=\"";
     for (std::size_t k = 0; k < plotted.size(); ++k) {
       const std::size_t i = plotted[k];
-      const std::int64_t value = line == "allocated" ? levels.allocated[i]
+      const std::int64_t value = line == "allocated"  ? levels.allocated[i]
                                  : line == "reserved" ? levels.reserved[i]
                                                       : largest_free[k];
-      const double x = left + width * static_cast<double>(i) / static_cast<double>(std::max<std::size_t>(1, events.size() - 1));
+      const double x =
+          left + width * static_cast<double>(i) / static_cast<double>(std::max<std::size_t>(1, events.size() - 1));
       const double y = top + height - height * static_cast<double>(value) / static_cast<double>(most);
       out += fixed(x) + "," + fixed(y) + " ";
     }
@@ -292,9 +326,11 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   std::size_t largest = 1;
   for (const segment_info& seg : snapshot.segments) largest = std::max(largest, seg.size);
   const double row = 18;
-  out += "<h2>Segments and their blocks (blue: allocated, orange: waiting for other streams, green: cached for "
-         "its stream, grey: free)</h2>\n<svg class=\"segments\" width=\"" + fixed(left + width + 10) +
-         "\" height=\"" + fixed(row * static_cast<double>(snapshot.segments.size()) + 10) + "\">\n";
+  out +=
+      "<h2>Segments and their blocks (blue: allocated, orange: waiting for other streams, green: cached for "
+      "its stream, grey: free)</h2>\n<svg class=\"segments\" width=\"" +
+      fixed(left + width + 10) + "\" height=\"" + fixed(row * static_cast<double>(snapshot.segments.size()) + 10) +
+      "\">\n";
   for (std::size_t s = 0; s < snapshot.segments.size(); ++s) {
     const segment_info& seg = snapshot.segments[s];
     const double y = 4 + row * static_cast<double>(s);

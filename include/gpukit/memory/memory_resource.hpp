@@ -145,8 +145,7 @@ class device_memory_resource
 /// work so far (pinned_pool::deallocate(p, stream)). Blocks are 256-byte aligned (pages on the CPU); larger
 /// power-of-two alignments cost up to `alignment - 256` extra bytes. On the CPU device the memory is ordinary
 /// page-aligned host memory.
-class pinned_memory_resource
-    : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
+class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
  public:
   using cccl_3_0_names::allocate;
   using cccl_3_0_names::deallocate;
@@ -157,8 +156,7 @@ class pinned_memory_resource
   /// default_pinned_pool(d).
   explicit pinned_memory_resource(gpukit::device d) : pool_(&default_pinned_pool(d)), device_(d) {}
   /// `pool`, which must outlive this resource and its copies; stream-ordered calls name streams of device `d`.
-  pinned_memory_resource(pinned_pool& pool, gpukit::device d) noexcept
-      : pool_(&pool), device_(d) {}
+  pinned_memory_resource(pinned_pool& pool, gpukit::device d) noexcept : pool_(&pool), device_(d) {}
 
   /// The pool behind this resource.
   pinned_pool& pool() const noexcept { return *pool_; }

@@ -185,14 +185,15 @@ class pinned_buffer {
     if (data_ == nullptr || !page_locked_) return data_;
     if (!flags_.mapped) {
       int unified = 0;
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_.ordinal()),
-                                "cudaDeviceGetAttribute(cudaDevAttrUnifiedAddressing, " +
-                                    std::to_string(device_.ordinal()) + ")",
-                                device_.ordinal());
+      GPUKIT_CUDA_TRY_DESCRIBED(
+          cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_.ordinal()),
+          "cudaDeviceGetAttribute(cudaDevAttrUnifiedAddressing, " + std::to_string(device_.ordinal()) + ")",
+          device_.ordinal());
       if (unified == 0) {
-        throw invalid_argument_error("gpukit::pinned_buffer::device_pointer: the buffer was allocated without "
-                                     "pinned_flags::mapped and " + device_.to_string() +
-                                     " has no unified addressing, so the device cannot address it");
+        throw invalid_argument_error(
+            "gpukit::pinned_buffer::device_pointer: the buffer was allocated without "
+            "pinned_flags::mapped and " +
+            device_.to_string() + " has no unified addressing, so the device cannot address it");
       }
     }
     detail::context_scope scope(device_.ordinal(), flags_.portable);  // as in the constructor

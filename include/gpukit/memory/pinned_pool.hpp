@@ -65,8 +65,7 @@ inline std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_
   const std::size_t power = std::size_t{1} << log2;
   if (bytes <= fine_from || classes_per_doubling <= 1) {
     if (bytes == power) return bytes;
-    return log2 + 1 >= std::numeric_limits<std::size_t>::digits ? std::numeric_limits<std::size_t>::max()
-                                                                 : power << 1;
+    return log2 + 1 >= std::numeric_limits<std::size_t>::digits ? std::numeric_limits<std::size_t>::max() : power << 1;
   }
   std::size_t step = power / classes_per_doubling;
   if (step == 0) step = 1;
@@ -90,24 +89,24 @@ struct pinned_pool_options {
 
 /// A pool's counters. Byte figures are size-class bytes unless named "requested".
 struct pinned_pool_stats {
-  std::size_t allocated_bytes = 0;       ///< in blocks handed out and not yet deallocated
-  std::size_t allocated_bytes_peak = 0;  ///< highest allocated_bytes since creation or reset_peak_stats()
-  std::size_t requested_bytes = 0;       ///< what the callers of those blocks asked for (allocated - waste)
-  std::size_t reserved_bytes = 0;        ///< obtained from the upstream and not released (allocated + cached)
-  std::size_t reserved_bytes_peak = 0;   ///< highest reserved_bytes
-  std::size_t cached_bytes = 0;          ///< reserved, not allocated and not lost: free plus pending blocks
-  std::size_t pending_bytes = 0;         ///< cached blocks still waiting for their events
-  std::size_t active_blocks = 0;         ///< blocks handed out
-  std::size_t free_blocks = 0;           ///< blocks ready to serve a request
-  std::size_t pending_blocks = 0;        ///< freed blocks whose events have not completed
-  std::size_t lost_blocks = 0;           ///< blocks taken out of use because an event could not be recorded
-  std::uint64_t allocations = 0;         ///< successful allocate() calls with a non-zero size
-  std::uint64_t cache_hits = 0;          ///< of those, served from a cached block (no pinning)
-  std::uint64_t upstream_allocations = 0;  ///< blocks obtained from the upstream (pinnings)
-  std::uint64_t upstream_frees = 0;        ///< blocks given back to the upstream
-  std::uint64_t cap_releases = 0;          ///< of those, released because the cache exceeded max_cached_bytes
-  std::uint64_t oom_retries = 0;           ///< upstream failures retried after emptying the cache
-  std::uint64_t events_recorded = 0;       ///< events recorded at deallocation (one per stream that used a block)
+  std::size_t allocated_bytes = 0;             ///< in blocks handed out and not yet deallocated
+  std::size_t allocated_bytes_peak = 0;        ///< highest allocated_bytes since creation or reset_peak_stats()
+  std::size_t requested_bytes = 0;             ///< what the callers of those blocks asked for (allocated - waste)
+  std::size_t reserved_bytes = 0;              ///< obtained from the upstream and not released (allocated + cached)
+  std::size_t reserved_bytes_peak = 0;         ///< highest reserved_bytes
+  std::size_t cached_bytes = 0;                ///< reserved, not allocated and not lost: free plus pending blocks
+  std::size_t pending_bytes = 0;               ///< cached blocks still waiting for their events
+  std::size_t active_blocks = 0;               ///< blocks handed out
+  std::size_t free_blocks = 0;                 ///< blocks ready to serve a request
+  std::size_t pending_blocks = 0;              ///< freed blocks whose events have not completed
+  std::size_t lost_blocks = 0;                 ///< blocks taken out of use because an event could not be recorded
+  std::uint64_t allocations = 0;               ///< successful allocate() calls with a non-zero size
+  std::uint64_t cache_hits = 0;                ///< of those, served from a cached block (no pinning)
+  std::uint64_t upstream_allocations = 0;      ///< blocks obtained from the upstream (pinnings)
+  std::uint64_t upstream_frees = 0;            ///< blocks given back to the upstream
+  std::uint64_t cap_releases = 0;              ///< of those, released because the cache exceeded max_cached_bytes
+  std::uint64_t oom_retries = 0;               ///< upstream failures retried after emptying the cache
+  std::uint64_t events_recorded = 0;           ///< events recorded at deallocation (one per stream that used a block)
   std::chrono::nanoseconds pinning_time{0};    ///< total time in the upstream's allocate (cudaHostAlloc)
   std::chrono::nanoseconds unpinning_time{0};  ///< total time in the upstream's deallocate (cudaFreeHost)
 };
@@ -499,10 +498,10 @@ class basic_pinned_pool {
     std::size_t size = 0;
     std::size_t requested = 0;
     block_state state = block_state::active;
-    std::uint64_t freed_at = 0;           // when it last became free, to release the oldest first
-    std::vector<stream_view> streams;     // streams recorded while active (resolved)
+    std::uint64_t freed_at = 0;        // when it last became free, to release the oldest first
+    std::vector<stream_view> streams;  // streams recorded while active (resolved)
     std::vector<std::shared_ptr<const detail::stream_life>> lives;   // theirs (null: a raw handle, not tracked)
-    std::vector<marker> markers;          // events recorded at deallocation
+    std::vector<marker> markers;                                     // events recorded at deallocation
     std::vector<std::shared_ptr<const detail::stream_life>> finals;  // destroyed recorded streams still working
   };
 
@@ -722,9 +721,8 @@ class basic_pinned_pool {
       }
       throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
                                 " (size class " + detail::format_bytes_exact(size) +
-                                ") even after emptying the cache; " + detail::format_bytes(allocated) +
-                                " allocated, " + detail::format_bytes(pending) + " waiting for streams; upstream: " +
-                                e.what());
+                                ") even after emptying the cache; " + detail::format_bytes(allocated) + " allocated, " +
+                                detail::format_bytes(pending) + " waiting for streams; upstream: " + e.what());
     }
   }
 
@@ -732,9 +730,9 @@ class basic_pinned_pool {
   Sync sync_;
   pinned_pool_options options_;
   std::mutex mutex_;
-  std::unordered_map<void*, block> blocks_;                    // every reserved block
-  std::unordered_map<std::size_t, std::vector<void*>> free_;   // free blocks by size class (LIFO: warm memory)
-  std::vector<void*> pending_;                                 // freed, waiting for events
+  std::unordered_map<void*, block> blocks_;                   // every reserved block
+  std::unordered_map<std::size_t, std::vector<void*>> free_;  // free blocks by size class (LIFO: warm memory)
+  std::vector<void*> pending_;                                // freed, waiting for events
   std::size_t pending_bytes_ = 0;
   std::size_t free_count_ = 0;
   std::size_t active_count_ = 0;

@@ -64,16 +64,16 @@ class host_registration {
   host_registration(void* data, std::size_t bytes, gpukit::device d, registration_flags flags = {})
       : data_(data), bytes_(bytes), device_(d) {
     if (data == nullptr && bytes != 0) {
-      throw invalid_argument_error("gpukit::host_registration: null pointer with a size of " +
-                                   std::to_string(bytes) + " bytes");
+      throw invalid_argument_error("gpukit::host_registration: null pointer with a size of " + std::to_string(bytes) +
+                                   " bytes");
     }
     if (bytes == 0 || d.is_cpu()) return;
     detail::note_cuda_use();
     detail::context_scope scope(d.ordinal(), flags.portable);
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaHostRegister(data, bytes, flags.cuda_flags()),
-                              "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " +
-                                  std::to_string(flags.cuda_flags()) + ")",
-                              d.ordinal());
+    GPUKIT_CUDA_TRY_DESCRIBED(
+        cudaHostRegister(data, bytes, flags.cuda_flags()),
+        "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " + std::to_string(flags.cuda_flags()) + ")",
+        d.ordinal());
     registered_ = true;
   }
 

@@ -135,8 +135,9 @@ inline constexpr std::string_view capture_advice_allocator =
 template <class Ops, class = void>
 struct has_capture_query : std::false_type {};
 template <class Ops>
-struct has_capture_query<Ops, std::void_t<decltype(std::declval<const Ops&>().capturing(
-                                  std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+struct has_capture_query<
+    Ops, std::void_t<decltype(std::declval<const Ops&>().capturing(std::declval<const typename Ops::stream_type&>()))>>
+    : std::true_type {};
 
 /// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
 /// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured: in global mode they

@@ -52,8 +52,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   /// The default allocator of the current device, on the calling thread's current stream of it (read now).
   thrust_allocator() : thrust_allocator(current_stream(current_device())) {}
   /// The default allocator of the stream's device, on `stream`.
-  explicit thrust_allocator(stream_view stream)
-      : allocator_(&default_allocator(stream.device())), stream_(stream) {}
+  explicit thrust_allocator(stream_view stream) : allocator_(&default_allocator(stream.device())), stream_(stream) {}
   /// `allocator` on `stream` (a stream of the allocator's device).
   thrust_allocator(device_allocator& allocator, stream_view stream) noexcept
       : allocator_(&allocator), stream_(stream) {}
@@ -62,8 +61,8 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   thrust_allocator(const thrust_allocator<U>& other) noexcept  // NOLINT(google-explicit-constructor)
       : allocator_(&other.allocator()), stream_(other.stream()) {}
 
-  /// Memory for `n` elements on the stream, aligned for `T` (at least the allocator's natural alignment). Throws out_of_memory_error, or
-  /// invalid_argument_error when `n * sizeof(T)` overflows.
+  /// Memory for `n` elements on the stream, aligned for `T` (at least the allocator's natural alignment). Throws
+  /// out_of_memory_error, or invalid_argument_error when `n * sizeof(T)` overflows.
   pointer allocate(size_type n) {
     if (n > std::numeric_limits<size_type>::max() / sizeof(T)) {
       throw invalid_argument_error("gpukit::thrust_allocator::allocate: " + std::to_string(n) + " elements of " +

@@ -65,14 +65,14 @@ class host_upstream {
     do {
       if (bytes > capacity_ || used > capacity_ - bytes) return nullptr;
     } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-    void* p = ::operator new(bytes, std::align_val_t{upstream_alignment}, std::nothrow);
+    void* p = ::operator new (bytes, std::align_val_t{upstream_alignment}, std::nothrow);
     if (p == nullptr) used_.fetch_sub(bytes, std::memory_order_relaxed);
     return p;
   }
 
   /// Returns a segment; `bytes` must be the size it was allocated with.
   void deallocate(void* p, std::size_t bytes) noexcept {
-    ::operator delete(p, std::align_val_t{upstream_alignment});
+    ::operator delete (p, std::align_val_t{upstream_alignment});
     used_.fetch_sub(bytes, std::memory_order_relaxed);
   }
 
@@ -119,8 +119,10 @@ class address_space_upstream {
   explicit address_space_upstream(std::size_t capacity, std::size_t alignment = upstream_alignment)
       : capacity_(capacity), alignment_(alignment) {
     if (alignment < upstream_alignment || (alignment & (alignment - 1)) != 0) {
-      throw invalid_argument_error("gpukit::address_space_upstream: the alignment must be a power of two of at "
-                                   "least " + std::to_string(upstream_alignment) + " bytes");
+      throw invalid_argument_error(
+          "gpukit::address_space_upstream: the alignment must be a power of two of at "
+          "least " +
+          std::to_string(upstream_alignment) + " bytes");
     }
     free_ranges_.emplace(base_address, address_space_size);
   }
@@ -253,8 +255,9 @@ class address_space_upstream {
   void set_page_size(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (bytes < alignment_ || (bytes & (bytes - 1)) != 0 || !reservations_.empty()) {
-      throw invalid_argument_error("gpukit::address_space_upstream: a page size must be a power of two of at least "
-                                   "the alignment, set before anything is reserved");
+      throw invalid_argument_error(
+          "gpukit::address_space_upstream: a page size must be a power of two of at least "
+          "the alignment, set before anything is reserved");
     }
     page_size_ = bytes;
   }
@@ -344,8 +347,9 @@ class address_space_upstream {
   std::uintptr_t check_pages(void* address, std::size_t bytes, const char* operation) const {
     const auto start = reinterpret_cast<std::uintptr_t>(address);
     auto r = reservations_.upper_bound(start);
-    const bool inside = r != reservations_.begin() && bytes != 0 &&
-                        (--r, start >= r->first && start - r->first <= r->second && bytes <= r->second - (start - r->first));
+    const bool inside =
+        r != reservations_.begin() && bytes != 0 &&
+        (--r, start >= r->first && start - r->first <= r->second && bytes <= r->second - (start - r->first));
     if (!inside || start % page_size_ != 0 || bytes % page_size_ != 0) {
       throw invalid_argument_error(std::string("gpukit::address_space_upstream: ") + operation +
                                    " of a range that is not whole pages of a reservation");
@@ -421,8 +425,8 @@ class cuda_upstream {
       int supported = 0;
       CUdevice device = 0;
       bool ok = api.has_virtual_memory() && api.device_get(&device, device_.ordinal()) == CUDA_SUCCESS &&
-                api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                                         device) == CUDA_SUCCESS &&
+                api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) ==
+                    CUDA_SUCCESS &&
                 supported != 0;
       std::size_t granularity = 0;
       const CUmemAllocationProp prop = allocation_properties();
@@ -492,7 +496,8 @@ class cuda_upstream {
     try {
       device_guard guard(device_);
       const CUresult r = detail::driver().mem_address_free(reinterpret_cast<CUdeviceptr>(address), bytes);
-      if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
+      if (r != CUDA_SUCCESS)
+        warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
     } catch (const std::exception& e) {
       warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
     }
@@ -530,9 +535,7 @@ class device_upstream {
       host_.deallocate(p, bytes);
     }
   }
-  upstream_memory_info memory_info() const {
-    return device_.is_cuda() ? cuda_.memory_info() : host_.memory_info();
-  }
+  upstream_memory_info memory_info() const { return device_.is_cuda() ? cuda_.memory_info() : host_.memory_info(); }
   bool synchronizes_on_free() const noexcept { return device_.is_cuda(); }
   gpukit::device device() const noexcept { return device_; }
 

@@ -217,7 +217,7 @@ class cpu_queue {
       tasks_.pop_front();
       lock.unlock();
       call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
-      task = host_task();  // release what the task owns before it counts as finished
+      task = host_task();               // release what the task owns before it counts as finished
       lock.lock();
       finished_.fetch_add(1, std::memory_order_release);
       idle_cv_.notify_all();

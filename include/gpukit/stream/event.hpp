@@ -43,8 +43,9 @@ class event {
   /// Creates an event on `d`. Throws invalid_argument_error for interprocess events with timing or on the CPU.
   explicit event(gpukit::device d, event_options options = {}) : device_(d), options_(options), valid_(true) {
     if (options.interprocess && options.timing) {
-      throw invalid_argument_error("gpukit::event: an interprocess event cannot record timing (CUDA requires "
-                                   "cudaEventDisableTiming with cudaEventInterprocess)");
+      throw invalid_argument_error(
+          "gpukit::event: an interprocess event cannot record timing (CUDA requires "
+          "cudaEventDisableTiming with cudaEventInterprocess)");
     }
     if (d.is_cpu()) {
       if (options.interprocess) {
@@ -258,7 +259,9 @@ milliseconds elapsed_time(const event& start, const event& end);
 class stream_timer {
  public:
   explicit stream_timer(stream_view s)
-      : stream_(s), start_(s.device(), event_options{true, false, false}), end_(s.device(), event_options{true, false, false}) {
+      : stream_(s),
+        start_(s.device(), event_options{true, false, false}),
+        end_(s.device(), event_options{true, false, false}) {
     start_.record(stream_);
   }
 

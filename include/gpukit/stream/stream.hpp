@@ -402,7 +402,7 @@ class stream_view {
   bool device_known_ = false;
   cudaStream_t cuda_ = nullptr;
   detail::cpu_queue* cpu_ = nullptr;
-  unsigned long long id_ = 0;           // 0: not known (raw handles and default streams look it up)
+  unsigned long long id_ = 0;            // 0: not known (raw handles and default streams look it up)
   detail::stream_life* life_ = nullptr;  // the gpukit::stream's, which owns it
 };
 
@@ -454,8 +454,9 @@ class stream {
     // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
     const bool special = stream_view::is_special(handle);
     if (special && take_ownership) {
-      throw invalid_argument_error("gpukit::stream::wrap: a default stream (0, cudaStreamLegacy or "
-                                   "cudaStreamPerThread) cannot be owned");
+      throw invalid_argument_error(
+          "gpukit::stream::wrap: a default stream (0, cudaStreamLegacy or "
+          "cudaStreamPerThread) cannot be owned");
     }
     int priority = 0;
     std::shared_ptr<detail::stream_life> life;

@@ -69,8 +69,7 @@ class stream_pool {
   /// Exclusive use of a stream for the lifetime of the lease (move-only).
   class lease {
    public:
-    lease(lease&& other) noexcept
-        : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
+    lease(lease&& other) noexcept : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
     lease& operator=(lease&& other) noexcept {
       if (this != &other) {
         give_back();

@@ -138,20 +138,20 @@ inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t e
     if (side->location == memory_location::device) {
       if (info.kind == pointer_kind::device) {
         if (side->dev.is_cpu()) {
-          copy_misuse(describe_side(role, *side, element_size) + " is CUDA device memory of cuda:" +
-                      std::to_string(info.device) + ", not host memory");
+          copy_misuse(describe_side(role, *side, element_size) +
+                      " is CUDA device memory of cuda:" + std::to_string(info.device) + ", not host memory");
         }
         if (info.device != side->dev.ordinal()) {
-          copy_misuse(describe_side(role, *side, element_size) + " is really memory of cuda:" +
-                      std::to_string(info.device));
+          copy_misuse(describe_side(role, *side, element_size) +
+                      " is really memory of cuda:" + std::to_string(info.device));
         }
       } else if (sd.is_cuda() && (info.kind == pointer_kind::pageable || info.kind == pointer_kind::pinned)) {
         copy_misuse(describe_side(role, *side, element_size) + " is host memory where device memory is expected");
       }
     } else {
       if (info.kind == pointer_kind::device) {
-        copy_misuse(describe_side(role, *side, element_size) + " is device memory of cuda:" +
-                    std::to_string(info.device) + " where host memory is expected");
+        copy_misuse(describe_side(role, *side, element_size) +
+                    " is device memory of cuda:" + std::to_string(info.device) + " where host memory is expected");
       }
       host_pinned = side->location == memory_location::pinned || info.kind == pointer_kind::pinned ||
                     info.kind == pointer_kind::managed;
@@ -298,13 +298,13 @@ void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier
 inline void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
                             std::size_t bytes, stream_view s) {
   if (!dst_device.is_cuda() || !src_device.is_cuda() || s.is_cpu()) {
-    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " +
-                                 dst_device.to_string() + "): both devices and the stream must be CUDA ones");
+    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " + dst_device.to_string() +
+                                 "): both devices and the stream must be CUDA ones");
   }
   if (bytes == 0) return;
   if (dst == nullptr || src == nullptr) {
-    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " +
-                                 dst_device.to_string() + "): null pointer");
+    throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " + dst_device.to_string() +
+                                 "): null pointer");
   }
   detail::note_cuda_use();
   std::optional<device_guard> guard;

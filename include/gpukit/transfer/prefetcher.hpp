@@ -88,8 +88,8 @@ struct prefetch_stats {
   /// Batches in pinned memory now: being produced, waiting for their device buffer, or their copy not completed.
   std::size_t batches_in_flight = 0;
   std::size_t max_batches_in_flight = 0;  ///< the most seen when a producer thread took a buffer
-  std::size_t pinned_buffers = 0;      ///< pinned buffers the prefetcher holds (never more than the bound)
-  std::size_t pinned_bytes = 0;        ///< their size in bytes, as requested from the pinned pool
+  std::size_t pinned_buffers = 0;         ///< pinned buffers the prefetcher holds (never more than the bound)
+  std::size_t pinned_bytes = 0;           ///< their size in bytes, as requested from the pinned pool
   /// Time next() blocked for a batch not yet produced and enqueued: the consumer waited for the producer.
   std::chrono::nanoseconds consumer_wait{0};
   /// Time producer threads waited for a pinned buffer, all those allowed being in flight: mostly because their
@@ -135,8 +135,8 @@ class prefetcher {
       dev.record_stream(consumer);  // freed only after the consumer's work on it
     }
     device_buffer<T> dev;
-    event copied;    // the copy of the current batch into dev (on the copy stream)
-    event consumed;  // the consumer released the previous batch in dev (on the consumer stream)
+    event copied;          // the copy of the current batch into dev (on the copy stream)
+    event consumed;        // the consumer released the previous batch in dev (on the consumer stream)
     std::size_t expected;  // the batch this buffer holds next: its predecessor has been released
     bool ready = false;    // holds batch `index`, not yet handed out
     bool held = false;     // handed out, not yet released
@@ -180,11 +180,11 @@ class prefetcher {
     std::condition_variable cv;
     std::vector<std::unique_ptr<slot>> slots;
     std::vector<std::unique_ptr<staging_buffer>> buffers;  // null while a producer thread allocates it (or failed to)
-    std::size_t failed_places = 0;  // null places whose allocation failed
-    std::size_t next_to_claim = 0;  // the next index a producer thread takes
-    std::size_t next_to_hand = 0;   // the index of the next batch next() returns
-    std::size_t end = no_end;       // the first index that is not a batch (the producer returned 0 or failed)
-    std::exception_ptr failure;     // why batch `end` failed, if it did
+    std::size_t failed_places = 0;                         // null places whose allocation failed
+    std::size_t next_to_claim = 0;                         // the next index a producer thread takes
+    std::size_t next_to_hand = 0;                          // the index of the next batch next() returns
+    std::size_t end = no_end;    // the first index that is not a batch (the producer returned 0 or failed)
+    std::exception_ptr failure;  // why batch `end` failed, if it did
     std::size_t held = 0;
     bool stopping = false;
     std::vector<std::thread::id> producer_ids;  // filled by the threads before they call the producer
@@ -196,8 +196,7 @@ class prefetcher {
   /// prefetcher reuse the buffer for a later batch once the consumer stream's work enqueued so far has completed.
   class batch {
    public:
-    batch(batch&& other) noexcept
-        : state_(std::move(other.state_)), slot_(std::exchange(other.slot_, nullptr)) {}
+    batch(batch&& other) noexcept : state_(std::move(other.state_)), slot_(std::exchange(other.slot_, nullptr)) {}
     batch& operator=(batch&& other) noexcept {
       if (this != &other) {
         release();
@@ -223,8 +222,9 @@ class prefetcher {
       try {
         // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
         if (detail::capture_status(state_->consumer) != cudaStreamCaptureStatusNone) {
-          warn("gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
-               "graph; its buffer may be refilled before the captured work runs");
+          warn(
+              "gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
+              "graph; its buffer may be refilled before the captured work runs");
         } else {
           slot_->consumed.record(state_->consumer);
         }
@@ -301,15 +301,17 @@ class prefetcher {
   std::optional<batch> next() {
     state& st = *state_;
     if (detail::capture_status(st.consumer) != cudaStreamCaptureStatusNone) {
-      throw invalid_argument_error("gpukit::prefetcher::next: the consumer stream is being captured into a CUDA graph; "
-                                   "batches arrive at run time, so take them outside the capture");
+      throw invalid_argument_error(
+          "gpukit::prefetcher::next: the consumer stream is being captured into a CUDA graph; "
+          "batches arrive at run time, so take them outside the capture");
     }
     std::unique_lock<std::mutex> lock(st.mutex);
     if (std::find(st.producer_ids.begin(), st.producer_ids.end(), std::this_thread::get_id()) !=
         st.producer_ids.end()) {
       throw invalid_argument_error(
           "gpukit::prefetcher::next: called from the producer callback, on one of the prefetcher's own threads; it "
-          "would wait forever for the batch being produced (batch " + std::to_string(st.next_to_hand) + ")");
+          "would wait forever for the batch being produced (batch " +
+          std::to_string(st.next_to_hand) + ")");
     }
     const std::size_t index = st.next_to_hand;
     const std::size_t depth = st.slots.size();

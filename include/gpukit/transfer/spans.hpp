@@ -47,9 +47,9 @@ struct is_device_buffer_like : std::false_type {};
 /// A device buffer: data(), size(), device() (a gpukit::device) and stream(). Duck-typed so this header does not
 /// depend on the allocator's.
 template <class X>
-struct is_device_buffer_like<
-    X, std::void_t<decltype(std::declval<X&>().data()), decltype(std::declval<X&>().size()),
-                   decltype(std::declval<X&>().device()), decltype(std::declval<X&>().stream())>>
+struct is_device_buffer_like<X,
+                             std::void_t<decltype(std::declval<X&>().data()), decltype(std::declval<X&>().size()),
+                                         decltype(std::declval<X&>().device()), decltype(std::declval<X&>().stream())>>
     : std::is_same<std::decay_t<decltype(std::declval<X&>().device())>, gpukit::device> {};
 }  // namespace detail
 
@@ -87,9 +87,7 @@ class host_span {
   constexpr T* end() const noexcept { return data_ + size_; }
   constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
   /// Elements [offset, offset + count), still host memory. Unchecked, like std::span.
-  constexpr host_span subspan(std::size_t offset, std::size_t count) const noexcept {
-    return {data_ + offset, count};
-  }
+  constexpr host_span subspan(std::size_t offset, std::size_t count) const noexcept { return {data_ + offset, count}; }
   constexpr host_span subspan(std::size_t offset) const noexcept { return {data_ + offset, size_ - offset}; }
   constexpr host_span first(std::size_t count) const noexcept { return {data_, count}; }
   constexpr host_span last(std::size_t count) const noexcept { return {data_ + (size_ - count), count}; }
@@ -162,8 +160,7 @@ class device_span {
   device_span(gpukit::span<T> s, gpukit::device d) noexcept : data_(s.data()), size_(s.size()), device_(d) {}
   /// From a device buffer (gpukit::device_buffer<T> or anything with data(), size(), device() and stream()).
   template <class Buffer, class = std::enable_if_t<detail::is_device_buffer_like<Buffer>::value>,
-            class = std::enable_if_t<
-                std::is_convertible<decltype(std::declval<Buffer&>().data()), T*>::value>>
+            class = std::enable_if_t<std::is_convertible<decltype(std::declval<Buffer&>().data()), T*>::value>>
   device_span(Buffer& b) : data_(b.data()), size_(b.size()), device_(b.device()) {}  // NOLINT: implicit
   /// device_span<T> → device_span<const T>.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
@@ -175,9 +172,7 @@ class device_span {
   std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
   bool empty() const noexcept { return size_ == 0; }
   gpukit::device device() const noexcept { return device_; }
-  device_span subspan(std::size_t offset, std::size_t count) const noexcept {
-    return {data_ + offset, count, device_};
-  }
+  device_span subspan(std::size_t offset, std::size_t count) const noexcept { return {data_ + offset, count, device_}; }
   device_span subspan(std::size_t offset) const noexcept { return {data_ + offset, size_ - offset, device_}; }
   device_span first(std::size_t count) const noexcept { return {data_, count, device_}; }
   device_span last(std::size_t count) const noexcept { return {data_ + (size_ - count), count, device_}; }

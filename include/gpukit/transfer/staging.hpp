@@ -122,18 +122,18 @@ struct staging_options {
 
 /// Counters of a staging engine.
 struct staging_stats {
-  std::uint64_t to_device_calls = 0;   ///< staged host-to-device copies (non-empty)
-  std::uint64_t to_host_calls = 0;     ///< staged device-to-host copies (non-empty)
-  std::uint64_t chunks = 0;            ///< chunks moved through slots
-  std::uint64_t bytes = 0;             ///< bytes staged, either way
-  std::uint64_t slot_waits = 0;        ///< times to_device found its next slot busy and waited
-  std::uint64_t overflows = 0;         ///< to_device calls that handed (the rest of) their transfer to the background
-  std::uint64_t overflow_bytes = 0;    ///< bytes handed over that way (held in heap memory until staged)
+  std::uint64_t to_device_calls = 0;  ///< staged host-to-device copies (non-empty)
+  std::uint64_t to_host_calls = 0;    ///< staged device-to-host copies (non-empty)
+  std::uint64_t chunks = 0;           ///< chunks moved through slots
+  std::uint64_t bytes = 0;            ///< bytes staged, either way
+  std::uint64_t slot_waits = 0;       ///< times to_device found its next slot busy and waited
+  std::uint64_t overflows = 0;        ///< to_device calls that handed (the rest of) their transfer to the background
+  std::uint64_t overflow_bytes = 0;   ///< bytes handed over that way (held in heap memory until staged)
   std::uint64_t background_failures = 0;  ///< handed-over transfers that failed (reported through gpukit::warn)
   std::uint64_t rings_created = 0;
   std::uint64_t rings_released = 0;
-  std::size_t rings = 0;               ///< rings alive
-  std::chrono::nanoseconds wait_time{0};   ///< time to_device spent waiting for slots
+  std::size_t rings = 0;                       ///< rings alive
+  std::chrono::nanoseconds wait_time{0};       ///< time to_device spent waiting for slots
   std::chrono::nanoseconds host_copy_time{0};  ///< time to_device spent copying into slots
 };
 
@@ -407,13 +407,13 @@ class basic_staging_engine {
     }
     stream_key key;
     device dev;
-    lane up;    // to_device, and the background thread while it owns it
-    lane down;  // to_host
+    lane up;                // to_device, and the background thread while it owns it
+    lane down;              // to_host
     std::mutex jobs_mutex;  // jobs, background_owns_up
     std::condition_variable jobs_changed;
     std::deque<std::shared_ptr<job>> jobs;
     bool background_owns_up = false;  // a background thread, not the lane's mutex holder, uses `up`
-    std::unique_ptr<stream> side;  // the background thread's copies
+    std::unique_ptr<stream> side;     // the background thread's copies
     // Upload blocks the background thread took out of their slots (their event could not be recorded, so a copy on
     // `side` may still read them), kept for a caller to give back to the pool: the background thread never calls into
     // the pool. Owned like `up`; at most one per slot, since a caller that refills a slot disposes of them first.
@@ -462,17 +462,16 @@ class basic_staging_engine {
         if (!r) {
           if (rings_.size() >= options_.max_rings) {
             std::vector<std::shared_ptr<ring>> by_age(rings_);
-            std::sort(by_age.begin(), by_age.end(),
-                      [](const std::shared_ptr<ring>& a, const std::shared_ptr<ring>& b) {
-                        return a->last_used < b->last_used;
-                      });
+            std::sort(by_age.begin(), by_age.end(), [](const std::shared_ptr<ring>& a, const std::shared_ptr<ring>& b) {
+              return a->last_used < b->last_used;
+            });
             for (auto& candidate : by_age) {
               if (rings_.size() - retired < options_.max_rings) break;
               if (try_retire_locked(*candidate)) ++retired;
             }
-            rings_.erase(std::remove_if(rings_.begin(), rings_.end(),
-                                        [](const std::shared_ptr<ring>& x) { return x->retired; }),
-                         rings_.end());
+            rings_.erase(
+                std::remove_if(rings_.begin(), rings_.end(), [](const std::shared_ptr<ring>& x) { return x->retired; }),
+                rings_.end());
           }
           r = std::make_shared<ring>(key, options_.slots, options_.download_slots);
           rings_.push_back(r);

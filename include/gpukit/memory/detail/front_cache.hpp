@@ -53,8 +53,8 @@ constexpr std::int64_t front_sign(std::size_t q) noexcept { return q == fq_block
 /// instruction, so the fast path pays no more than the lock).
 template <class Block>
 struct alignas(64) front_slot {
-  static constexpr std::size_t bin_count = 8;       // distinct sizes cached per stream
-  static constexpr std::uint32_t bin_depth = 8;     // blocks cached per size
+  static constexpr std::size_t bin_count = 8;    // distinct sizes cached per stream
+  static constexpr std::uint32_t bin_depth = 8;  // blocks cached per size
   // A bin unused for this many of the slot's operations (takes and frees, hits or not) is stale: a new size may
   // have it (its blocks go back to the heap). Sizes in use never lose their bin to one another. With 256, new sizes
   // stayed cached instead of coalescing, and expandable segments' minimum capacity on the small transformer traces
@@ -70,8 +70,8 @@ struct alignas(64) front_slot {
   };
 
   mutable spin_mutex mutex;
-  std::uintptr_t key = 0;                 // the stream whose blocks are cached, while blocks != 0
-  std::atomic<std::uint32_t> blocks{0};   // written under the lock; read without it to skip empty slots
+  std::uintptr_t key = 0;                // the stream whose blocks are cached, while blocks != 0
+  std::atomic<std::uint32_t> blocks{0};  // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
   std::uint64_t tick = 0;  // operations on the slot (under its lock)
   // Odd while the counts below change (sequence_write.hpp): readers of the statistics check it around their reads,
@@ -79,8 +79,8 @@ struct alignas(64) front_slot {
   // counts (enter, leave, unwind, reset_totals) happens inside one sequence_write, with the peaks the allocator
   // records for it.
   std::atomic<std::uint32_t> sequence{0};
-  counts held{};    // the quantities (users' view minus the heap's)
-  counts raised{};  // increases of the users' counters made here (their totals allocated)
+  counts held{};        // the quantities (users' view minus the heap's)
+  counts raised{};      // increases of the users' counters made here (their totals allocated)
   counts freed_base{};  // set by reset_totals: the totals freed are raised - value - freed_base
   // How far each quantity's counters may rise (in the counters' direction) without a look at the others: the
   // allocator keeps each counter's peak >= the heap's value + every slot's claim (front_cache explains).

@@ -154,8 +154,8 @@ class sharded_pointer_map {
     std::unique_ptr<entry[]> entries;
   };
   struct alignas(64) shard {
-    mutable spin_mutex mutex;                 // held by writers
-    std::atomic<std::uint32_t> sequence{0};   // odd while a writer changes the current table
+    mutable spin_mutex mutex;                // held by writers
+    std::atomic<std::uint32_t> sequence{0};  // odd while a writer changes the current table
     std::atomic<table*> current{nullptr};
     std::size_t count = 0;
     std::vector<std::unique_ptr<table>> tables;  // every table the shard had; the current one last
