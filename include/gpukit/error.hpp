@@ -7,11 +7,13 @@
 /// failed CUDA runtime call into an exception whose message a user can act on, and the warning channel used where
 /// throwing is not allowed (destructors, host callbacks) or not wanted (diagnostics).
 ///
-/// | CUDA result                                              | thrown type            |
-/// |----------------------------------------------------------|------------------------|
-/// | cudaErrorInsufficientDriver (35), cudaErrorStubLibrary (34), cudaErrorNoDevice (100), cudaErrorDevicesUnavailable
-/// (46) | no_device_error | | cudaErrorMemoryAllocation (2)                            | out_of_memory_error    | |
-/// cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)  | invalid_argument_error | | anything else | cuda_error |
+/// | CUDA result                                                  | thrown type            |
+/// |--------------------------------------------------------------|------------------------|
+/// | cudaErrorInsufficientDriver (35), cudaErrorStubLibrary (34)  | no_device_error        |
+/// | cudaErrorNoDevice (100), cudaErrorDevicesUnavailable (46)    | no_device_error        |
+/// | cudaErrorMemoryAllocation (2)                                | out_of_memory_error    |
+/// | cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)      | invalid_argument_error |
+/// | anything else                                                | cuda_error             |
 
 #include <gpukit/detail/config.hpp>
 
@@ -49,6 +51,9 @@ class error : public std::runtime_error {
   /// \param cuda_result the CUDA result that caused it, or cudaSuccess when no CUDA call was involved
   /// \param call        the call that failed, with its arguments where known (e.g. "cudaSetDevice(3)")
   /// \param device      the CUDA ordinal concerned, or -1 when none or unknown
+  /// \param file        the source file of the failing call, or nullptr; not copied, so it must outlive the
+  ///                    exception (a string literal such as `__FILE__`)
+  /// \param line        the source line of the failing call, or 0
   error(errc code, const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
         int device = -1, const char* file = nullptr, int line = 0)
       : std::runtime_error(message),
@@ -85,6 +90,7 @@ class error : public std::runtime_error {
 /// A CUDA runtime call failed (for a reason not covered by the more specific types below).
 class cuda_error : public error {
  public:
+  /// Takes the same arguments as error's constructor, less the code (always errc::cuda).
   cuda_error(const std::string& message, cudaError_t cuda_result, std::string call = {}, int device = -1,
              const char* file = nullptr, int line = 0)
       : error(errc::cuda, message, cuda_result, std::move(call), device, file, line) {}
@@ -93,6 +99,7 @@ class cuda_error : public error {
 /// No usable device: no driver, no GPU, or no device satisfying a selection requirement.
 class no_device_error : public error {
  public:
+  /// Takes the same arguments as error's constructor, less the code (always errc::no_device).
   explicit no_device_error(const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
                            int device = -1, const char* file = nullptr, int line = 0)
       : error(errc::no_device, message, cuda_result, std::move(call), device, file, line) {}
@@ -101,6 +108,7 @@ class no_device_error : public error {
 /// An allocation could not be satisfied (by CUDA, the host, or a gpukit allocator's limit).
 class out_of_memory_error : public error {
  public:
+  /// Takes the same arguments as error's constructor, less the code (always errc::out_of_memory).
   explicit out_of_memory_error(const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
                                int device = -1, const char* file = nullptr, int line = 0)
       : error(errc::out_of_memory, message, cuda_result, std::move(call), device, file, line) {}
@@ -109,6 +117,7 @@ class out_of_memory_error : public error {
 /// Bad input or misuse: an invalid ordinal, a malformed string, a moved-from object, a double free, ...
 class invalid_argument_error : public error {
  public:
+  /// Takes the same arguments as error's constructor, less the code (always errc::invalid_argument).
   explicit invalid_argument_error(const std::string& message, cudaError_t cuda_result = cudaSuccess,
                                   std::string call = {}, int device = -1, const char* file = nullptr, int line = 0)
       : error(errc::invalid_argument, message, cuda_result, std::move(call), device, file, line) {}

@@ -26,17 +26,27 @@ constexpr std::size_t saturating_bytes(std::size_t count) noexcept {
 }
 }  // namespace detail
 
+/// A pointer and a count: `size()` contiguous elements of T, not owned. It says nothing about where they live; the
+/// located spans (host_span, pinned_span, device_span) do.
 template <class T>
 class span {
  public:
+  /// The element type, cv-qualifiers included.
   using element_type = T;
+  /// The element type without cv-qualifiers.
   using value_type = std::remove_cv_t<T>;
+  /// The type of sizes and indices.
   using size_type = std::size_t;
+  /// Pointer to an element.
   using pointer = T*;
+  /// Reference to an element.
   using reference = T&;
+  /// Iterator: a plain pointer.
   using iterator = T*;
 
+  /// An empty span (null data).
   constexpr span() noexcept = default;
+  /// `size` elements starting at `data`.
   constexpr span(T* data, std::size_t size) noexcept : data_(data), size_(size) {}
   /// From a const-compatible span (span<int> → span<const int>).
   template <class U, class = std::enable_if_t<std::is_convertible<U (*)[], T (*)[]>::value>>
@@ -51,18 +61,28 @@ class span {
   template <std::size_t N>
   constexpr span(T (&array)[N]) noexcept : data_(array), size_(N) {}  // NOLINT(google-explicit-constructor)
 
+  /// Pointer to the first element (null for an empty default-constructed span).
   constexpr T* data() const noexcept { return data_; }
+  /// Number of elements.
   constexpr std::size_t size() const noexcept { return size_; }
+  /// size() × sizeof(T) in bytes, or SIZE_MAX when that overflows.
   constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
+  /// True when size() is 0.
   constexpr bool empty() const noexcept { return size_ == 0; }
+  /// Pointer to the first element.
   constexpr T* begin() const noexcept { return data_; }
+  /// Pointer one past the last element.
   constexpr T* end() const noexcept { return data_ + size_; }
-  /// Unchecked, like std::span.
+  /// Element `i`. Unchecked, like std::span.
   constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
 
+  /// The first `count` elements. Unchecked, like std::span: `count` must not exceed size().
   constexpr span first(std::size_t count) const noexcept { return span(data_, count); }
+  /// The last `count` elements. Unchecked, like std::span: `count` must not exceed size().
   constexpr span last(std::size_t count) const noexcept { return span(data_ + (size_ - count), count); }
+  /// Elements [offset, offset + count). Unchecked, like std::span.
   constexpr span subspan(std::size_t offset, std::size_t count) const noexcept { return span(data_ + offset, count); }
+  /// Elements from `offset` to the end. Unchecked, like std::span: `offset` must not exceed size().
   constexpr span subspan(std::size_t offset) const noexcept { return span(data_ + offset, size_ - offset); }
 
  private:

@@ -6,8 +6,11 @@
 /// Library version. CMakeLists.txt reads these three macros to set project(VERSION), so this file is the single
 /// source of truth; tests/version_test.cpp checks the two agree.
 
+/// Major version (Semantic Versioning): raised for API breaks once it is above 0.
 #define GPUKIT_VERSION_MAJOR 0
+/// Minor version: raised for new features; while the major version is 0, also for API breaks.
 #define GPUKIT_VERSION_MINOR 1
+/// Patch version: raised for fixes that leave the API unchanged.
 #define GPUKIT_VERSION_PATCH 0
 
 #define GPUKIT_DETAIL_STRINGIFY2(x) #x

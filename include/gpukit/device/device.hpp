@@ -54,7 +54,11 @@ inline std::optional<unsigned long long> parse_decimal_saturating(std::string_vi
 /// (after CUDA_VISIBLE_DEVICES). A plain value: cheap to copy, comparable, hashable, printable as "cpu"/"cuda:N".
 class device {
  public:
-  enum class kind : unsigned char { cpu, cuda };
+  /// Which kind of device: the host CPU or a CUDA GPU.
+  enum class kind : unsigned char {
+    cpu,  ///< the host CPU
+    cuda  ///< a CUDA device, named by its ordinal
+  };
 
   /// The CPU.
   constexpr device() noexcept = default;
@@ -73,8 +77,8 @@ class device {
   }
 
   /// Parses "cpu", "cuda" (meaning cuda:0) or "cuda:N" with N a decimal ordinal up to INT_MAX (leading zeros
-  /// allowed); surrounding whitespace (spaces, tabs, newlines, \r, \f, \v) is ignored, nothing else is accepted.
-  /// Throws invalid_argument_error naming the text otherwise, including for an ordinal beyond INT_MAX.
+  /// allowed); surrounding whitespace (spaces, tabs, newlines, `\r`, `\f`, `\v`) is ignored, nothing else is
+  /// accepted. Throws invalid_argument_error naming the text otherwise, including for an ordinal beyond INT_MAX.
   static device parse(std::string_view text) {
     const std::string_view original = text;
     text = detail::trim_whitespace(text);
@@ -93,8 +97,11 @@ class device {
     throw invalid_argument_error("invalid device \"" + std::string(original) + "\": " + why);
   }
 
+  /// kind::cpu or kind::cuda.
   constexpr kind type() const noexcept { return kind_; }
+  /// True for the CPU.
   constexpr bool is_cpu() const noexcept { return kind_ == kind::cpu; }
+  /// True for a CUDA device.
   constexpr bool is_cuda() const noexcept { return kind_ == kind::cuda; }
   /// The CUDA ordinal, or -1 for the CPU.
   constexpr int ordinal() const noexcept { return ordinal_; }
@@ -102,13 +109,16 @@ class device {
   /// "cpu" or "cuda:N"; device::parse(d.to_string()) == d.
   std::string to_string() const { return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(ordinal_); }
 
+  /// Equal when both are the CPU or both are the same CUDA ordinal.
   friend constexpr bool operator==(device a, device b) noexcept {
     return a.kind_ == b.kind_ && a.ordinal_ == b.ordinal_;
   }
+  /// Not equal (see operator==).
   friend constexpr bool operator!=(device a, device b) noexcept { return !(a == b); }
   /// The CPU orders first, then CUDA devices by ordinal.
   friend constexpr bool operator<(device a, device b) noexcept { return a.ordinal_ < b.ordinal_; }
 
+  /// Writes to_string() ("cpu" or "cuda:N") to `out`.
   template <class CharT, class Traits>
   friend std::basic_ostream<CharT, Traits>& operator<<(std::basic_ostream<CharT, Traits>& out, device d) {
     return out << d.to_string().c_str();
@@ -268,37 +278,55 @@ class context_scope {
 /// Enumerating creates no CUDA context.
 class device_range {
  public:
+  /// Steps through CUDA ordinals. Dereferencing yields a device by value (there is no stored device to refer to).
   class iterator {
    public:
+    /// A forward iterator.
     using iterator_category = std::forward_iterator_tag;
+    /// gpukit::device.
     using value_type = device;
+    /// std::ptrdiff_t.
     using difference_type = std::ptrdiff_t;
+    /// `const device*` (declared for std::iterator_traits; there is no operator->).
     using pointer = const device*;
+    /// gpukit::device, by value: operator* returns a temporary.
     using reference = device;
 
+    /// At cuda:0.
     constexpr iterator() noexcept = default;
+    /// At the given ordinal.
     constexpr explicit iterator(int ordinal) noexcept : ordinal_(ordinal) {}
+    /// The device at this position (device::cuda of the ordinal).
     device operator*() const { return device::cuda(ordinal_); }
+    /// Moves to the next ordinal.
     iterator& operator++() noexcept {
       ++ordinal_;
       return *this;
     }
+    /// Moves to the next ordinal; returns the position before the move.
     iterator operator++(int) noexcept {
       iterator old = *this;
       ++ordinal_;
       return old;
     }
+    /// Equal at the same ordinal.
     friend constexpr bool operator==(iterator a, iterator b) noexcept { return a.ordinal_ == b.ordinal_; }
+    /// Not equal (see operator==).
     friend constexpr bool operator!=(iterator a, iterator b) noexcept { return a.ordinal_ != b.ordinal_; }
 
    private:
     int ordinal_ = 0;
   };
 
+  /// cuda:0 ... cuda:(count-1); a negative count gives an empty range. Ordinals are not checked against the machine.
   explicit device_range(int count) noexcept : count_(count < 0 ? 0 : count) {}
+  /// At cuda:0.
   iterator begin() const noexcept { return iterator(0); }
+  /// Past the last device.
   iterator end() const noexcept { return iterator(count_); }
+  /// The number of devices in the range.
   std::size_t size() const noexcept { return static_cast<std::size_t>(count_); }
+  /// True when the range holds no device.
   bool empty() const noexcept { return count_ == 0; }
 
  private:
@@ -311,8 +339,10 @@ inline device_range cuda_devices() noexcept { return device_range(device_count()
 GPUKIT_END_NAMESPACE
 
 namespace std {
+/// Hashes a gpukit::device, so it can key std::unordered_map and std::unordered_set.
 template <>
 struct hash<gpukit::device> {
+  /// A hash of the ordinal (-1 for the CPU), which alone identifies the device.
   std::size_t operator()(gpukit::device d) const noexcept { return std::hash<int>()(d.ordinal()); }
 };
 }  // namespace std

@@ -6,8 +6,8 @@
 /// Optional NVML access, loaded at run time with dlopen("libnvidia-ml.so.1") through gpukit's own minimal
 /// declarations (the toolkit ships no nvml.h, and linking NVML would make it a hard dependency). NVML reads free
 /// memory and utilisation without creating a CUDA context. NVML ignores CUDA_VISIBLE_DEVICES and its indices are
-/// not CUDA ordinals, so gpukit maps a CUDA device to NVML by its full UUID (as GPU-<uuid>, then, for a MIG instance,
-/// as MIG-<uuid>), then by PCI bus id; never by index.
+/// not CUDA ordinals, so gpukit maps a CUDA device to NVML by its full UUID (as `GPU-<uuid>`, then, for a MIG
+/// instance, as `MIG-<uuid>`), then by PCI bus id; never by index.
 ///
 /// The environment variable GPUKIT_NVML_LIBRARY overrides the library path (tests load a fake NVML this way).
 
@@ -32,9 +32,9 @@ namespace nvml {
 
 /// Free, used and total memory of a GPU as NVML reports it (bytes).
 struct gpu_memory {
-  unsigned long long total = 0;
-  unsigned long long free = 0;
-  unsigned long long used = 0;
+  unsigned long long total = 0;  ///< installed memory
+  unsigned long long free = 0;   ///< memory not allocated by any process
+  unsigned long long used = 0;   ///< memory allocated, by every process and the driver
 };
 
 /// Why clocks are held below their maximum: a bit mask of NVML's clocks event (formerly "throttle") reasons.
@@ -87,11 +87,11 @@ struct gpu_sample {
   std::optional<unsigned> temperature_c;               ///< GPU core temperature
   std::optional<double> power_w;                       ///< power drawn now
   std::optional<double> power_limit_w;                 ///< enforced power limit
-  std::optional<unsigned> sm_clock_mhz;
-  std::optional<unsigned> memory_clock_mhz;
-  std::optional<std::uint64_t> clock_limits;  ///< a clock_limit:: mask
-  std::optional<unsigned> pcie_tx_kib_per_s;  ///< PCIe bytes sent by the GPU (KiB/s over NVML's 20 ms window)
-  std::optional<unsigned> pcie_rx_kib_per_s;  ///< PCIe bytes received by the GPU
+  std::optional<unsigned> sm_clock_mhz;                ///< current SM clock
+  std::optional<unsigned> memory_clock_mhz;            ///< current memory clock
+  std::optional<std::uint64_t> clock_limits;           ///< a clock_limit:: mask
+  std::optional<unsigned> pcie_tx_kib_per_s;           ///< PCIe bytes sent by the GPU (KiB/s over NVML's 20 ms window)
+  std::optional<unsigned> pcie_rx_kib_per_s;           ///< PCIe bytes received by the GPU
 };
 
 /// NVML, when it can be loaded and initialised. Obtain the process-wide instance with nvml::instance(). Every query

@@ -36,17 +36,18 @@ namespace mode_independent {
 /// One enabled direction: how many peer_access objects hold it, and whether gpukit enabled it (else it was enabled
 /// outside gpukit and stays enabled after the last holder).
 struct peer_access_entry {
-  int holders = 0;
-  bool enabled_by_gpukit = false;
+  int holders = 0;                 ///< live peer_access objects holding this direction
+  bool enabled_by_gpukit = false;  ///< gpukit enabled it, so the last holder disables it
 };
 
 /// The process-wide holders of peer access, by (from, to) ordinal. The mutex also serializes enabling and disabling,
 /// so that a release never disables what another thread is enabling.
 struct peer_access_registry {
-  std::mutex mutex;
-  std::map<std::pair<int, int>, peer_access_entry> pairs;
+  std::mutex mutex;                                        ///< guards `pairs` and enabling/disabling
+  std::map<std::pair<int, int>, peer_access_entry> pairs;  ///< held directions, keyed by (from, to) ordinal
 };
-// Never destroyed: a peer_access at namespace scope is released after main returns.
+/// The process's peer_access_registry. Never destroyed: a peer_access at namespace scope is released after main
+/// returns.
 GPUKIT_EXPORT inline peer_access_registry& peer_access_holders() {
   static peer_access_registry* registry = new peer_access_registry();
   return *registry;
@@ -88,6 +89,7 @@ struct peer_matrix {
   /// without NVML.
   std::vector<std::vector<std::string>> links;
 
+  /// The number of devices (n).
   std::size_t size() const noexcept { return devices.size(); }
 
   /// A table with a row and a column per device: "X" on the diagonal, "OK" where the row's device can access the
@@ -243,6 +245,7 @@ class peer_access {
   /// Holds nothing.
   peer_access() noexcept = default;
 
+  /// Enables access from `from` to `to` (or takes another hold on it); see the class comment for contexts and errors.
   peer_access(device from, device to) : from_(from), to_(to) {
     if (!from.is_cuda() || !to.is_cuda()) {
       throw invalid_argument_error("gpukit::peer_access(" + detail::describe_peer_pair(from, to) +
@@ -257,9 +260,11 @@ class peer_access {
   peer_access(const peer_access&) = delete;
   peer_access& operator=(const peer_access&) = delete;
 
+  /// Takes over `other`'s hold; `other` holds nothing afterwards.
   peer_access(peer_access&& other) noexcept
       : from_(other.from_), to_(other.to_), active_(std::exchange(other.active_, false)) {}
 
+  /// Drops this object's hold (as reset()), then takes over `other`'s.
   peer_access& operator=(peer_access&& other) noexcept {
     if (this != &other) {
       reset();

@@ -26,37 +26,37 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// Static properties of one CUDA device. Obtained with properties(device); constant for the life of the process.
 struct device_properties {
-  gpukit::device device;   ///< the device described
-  std::string name;        ///< e.g. "NVIDIA H100 80GB HBM3"
-  std::string uuid;        ///< "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it
-  std::string pci_bus_id;  ///< "dddd:bb:dd.0" (domain:bus:device.function, hex)
-  int pci_domain = 0;
-  int pci_bus = 0;
-  int pci_device = 0;
-  std::size_t total_memory = 0;  ///< bytes of global memory
-  int compute_capability_major = 0;
-  int compute_capability_minor = 0;
-  int multiprocessor_count = 0;
-  int copy_engine_count = 0;      ///< asyncEngineCount: concurrent copy directions (H100: 3)
-  int clock_rate_khz = 0;         ///< peak SM clock
-  int memory_clock_rate_khz = 0;  ///< peak memory clock
-  int memory_bus_width_bits = 0;
-  std::size_t l2_cache_bytes = 0;
-  int warp_size = 0;
-  int max_threads_per_block = 0;
-  int max_threads_per_multiprocessor = 0;
-  std::size_t shared_memory_per_block = 0;
-  std::size_t shared_memory_per_multiprocessor = 0;
-  int compute_mode = 0;     ///< a cudaComputeMode value (0: default, 2: prohibited, 3: exclusive)
-  bool integrated = false;  ///< shares memory with the host (Jetson, Grace-integrated parts)
-  bool ecc_enabled = false;
-  bool unified_addressing = false;
-  bool managed_memory = false;
-  bool concurrent_managed_access = false;
-  bool pageable_memory_access = false;  ///< the GPU can read pageable host memory directly (HMM/ATS)
-  bool can_map_host_memory = false;
-  bool memory_pools_supported = false;  ///< cudaMallocAsync is available
-  bool multi_gpu_board = false;
+  gpukit::device device;                    ///< the device described
+  std::string name;                         ///< e.g. "NVIDIA H100 80GB HBM3"
+  std::string uuid;                         ///< "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it
+  std::string pci_bus_id;                   ///< "dddd:bb:dd.0" (domain:bus:device.function, hex)
+  int pci_domain = 0;                       ///< PCI domain (pciDomainID)
+  int pci_bus = 0;                          ///< PCI bus (pciBusID)
+  int pci_device = 0;                       ///< PCI device (pciDeviceID)
+  std::size_t total_memory = 0;             ///< bytes of global memory
+  int compute_capability_major = 0;         ///< 9 for sm_90
+  int compute_capability_minor = 0;         ///< 0 for sm_90
+  int multiprocessor_count = 0;             ///< number of SMs
+  int copy_engine_count = 0;                ///< asyncEngineCount: concurrent copy directions (H100: 3)
+  int clock_rate_khz = 0;                   ///< peak SM clock
+  int memory_clock_rate_khz = 0;            ///< peak memory clock
+  int memory_bus_width_bits = 0;            ///< global memory bus width
+  std::size_t l2_cache_bytes = 0;           ///< L2 cache size
+  int warp_size = 0;                        ///< threads per warp (32)
+  int max_threads_per_block = 0;            ///< largest block a kernel may be launched with
+  int max_threads_per_multiprocessor = 0;   ///< resident threads per SM
+  std::size_t shared_memory_per_block = 0;  ///< bytes of shared memory a block gets without opting in
+  std::size_t shared_memory_per_multiprocessor = 0;  ///< bytes of shared memory per SM
+  int compute_mode = 0;                    ///< a cudaComputeMode value (0: default, 2: prohibited, 3: exclusive)
+  bool integrated = false;                 ///< shares memory with the host (Jetson, Grace-integrated parts)
+  bool ecc_enabled = false;                ///< ECC is on for device memory
+  bool unified_addressing = false;         ///< host and device share one virtual address space (UVA)
+  bool managed_memory = false;             ///< cudaMallocManaged is supported
+  bool concurrent_managed_access = false;  ///< the GPU and CPU may access managed memory concurrently
+  bool pageable_memory_access = false;     ///< the GPU can read pageable host memory directly (HMM/ATS)
+  bool can_map_host_memory = false;        ///< pinned host memory can be mapped (cudaHostGetDevicePointer)
+  bool memory_pools_supported = false;     ///< cudaMallocAsync is available
+  bool multi_gpu_board = false;            ///< the device is on a multi-GPU board
 
   /// "9.0"
   std::string compute_capability() const {
@@ -221,8 +221,8 @@ inline priority_range stream_priority_range(device d) {
 
 /// Free and total device memory in bytes, as cudaMemGetInfo reports it.
 struct memory_info {
-  std::size_t free_bytes = 0;
-  std::size_t total_bytes = 0;
+  std::size_t free_bytes = 0;   ///< bytes free now, on the device as a whole (other processes included)
+  std::size_t total_bytes = 0;  ///< bytes of device memory, as cudaMemGetInfo counts it
 };
 
 /// Reads free and total memory of a device. Note: this creates the device's primary context (hundreds of MB) if it

@@ -49,6 +49,7 @@ enum class device_preference {
 
 /// What select_device looks for.
 struct selection_policy {
+  /// How to rank the devices that meet the requirements.
   device_preference prefer = device_preference::first;
   std::size_t min_free_bytes = 0;    ///< reject devices with less free memory than this
   int min_compute_capability = 0;    ///< reject devices below this, as major*10+minor (80 = sm_80); 0 or less: none
@@ -59,14 +60,14 @@ struct selection_policy {
 
 /// One visible CUDA device, as the selection sees it.
 struct gpu_snapshot {
-  gpukit::device device;
-  std::string name;
-  std::string uuid;
-  std::size_t total_memory = 0;
-  int compute_capability = 0;  ///< major*10+minor
-  std::optional<std::size_t> free_memory;
-  std::string free_memory_source;  ///< "NVML", "cudaMemGetInfo" or empty
-  std::optional<unsigned> utilization_percent;
+  gpukit::device device;                        ///< cuda:i for gpus[i]
+  std::string name;                             ///< device_properties::name
+  std::string uuid;                             ///< "GPU-...", as device_properties::uuid
+  std::size_t total_memory = 0;                 ///< bytes of global memory
+  int compute_capability = 0;                   ///< major*10+minor
+  std::optional<std::size_t> free_memory;       ///< bytes free, if read (else policies count total memory)
+  std::string free_memory_source;               ///< "NVML", "cudaMemGetInfo" or empty
+  std::optional<unsigned> utilization_percent;  ///< NVML GPU utilisation, when read
 };
 
 /// Everything selection depends on, gathered once. take_system_snapshot() reads it from the machine; tests and
@@ -83,19 +84,25 @@ struct system_snapshot {
 
 /// The verdict on one candidate device.
 struct candidate_verdict {
-  gpukit::device device;
-  std::string name;
-  bool eligible = false;
-  std::string note;  ///< why it was rejected, or what was assumed about it
+  gpukit::device device;  ///< the candidate
+  std::string name;       ///< its name, for the report
+  bool eligible = false;  ///< it meets the policy's requirements
+  std::string note;       ///< why it was rejected, or what was assumed about it
 };
 
 /// The outcome of select_device: the device, what decided it, and why.
 struct device_selection {
-  enum class decided_by { environment_override, local_rank, policy, cpu_fallback };
-  gpukit::device device;
-  decided_by source = decided_by::cpu_fallback;
-  std::string reason;  ///< one sentence
-  std::vector<candidate_verdict> candidates;
+  /// Which step of the precedence (see the file comment) chose the device.
+  enum class decided_by {
+    environment_override,  ///< GPUKIT_DEVICE
+    local_rank,            ///< the launcher's local rank
+    policy,                ///< the policy's requirements and preference
+    cpu_fallback           ///< no GPU qualified (or none is visible), so the CPU
+  };
+  gpukit::device device;                         ///< the selected device
+  decided_by source = decided_by::cpu_fallback;  ///< what chose it
+  std::string reason;                            ///< one sentence
+  std::vector<candidate_verdict> candidates;     ///< every visible CUDA device, by ordinal, with its verdict
 
   /// A multi-line report: the reason, then each candidate with its verdict.
   std::string report() const {

@@ -48,9 +48,16 @@ struct visible_device_entry {
 
 /// The outcome of interpreting CUDA_VISIBLE_DEVICES.
 struct visible_devices {
-  enum class list_form { unset, empty, ordinals, gpu_uuids, mig };
+  /// What kind of list the value is, decided by its first entry.
+  enum class list_form {
+    unset,      ///< the variable is not set: every installed device is visible
+    empty,      ///< empty or all whitespace: no device is visible
+    ordinals,   ///< integer indices of installed devices
+    gpu_uuids,  ///< `GPU-...` UUIDs or unique prefixes
+    mig         ///< a MIG instance (`MIG-...`); only the first entry counts
+  };
 
-  list_form form = list_form::unset;
+  list_form form = list_form::unset;          ///< the form of the value
   std::string value;                          ///< the variable's value ("" when unset)
   std::vector<visible_device_entry> devices;  ///< devices[i] becomes cuda:i (meaningless when form is unset)
   std::string note;       ///< why entries were dropped or the set emptied; empty when every entry counted

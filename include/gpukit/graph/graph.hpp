@@ -42,12 +42,15 @@ enum class capture_mode {
 /// An instantiated CUDA graph (cudaGraph_t and cudaGraphExec_t), move-only, with the pool its memory came from.
 class graph {
  public:
+  /// An empty graph: launch() and update() throw invalid_argument_error until a captured graph is assigned.
   graph() noexcept = default;
+  /// Takes over `other`'s graph and pool; `other` becomes empty.
   graph(graph&& other) noexcept
       : device_(other.device_),
         graph_(std::exchange(other.graph_, nullptr)),
         exec_(std::exchange(other.exec_, nullptr)),
         pool_(std::move(other.pool_)) {}
+  /// Destroys the graph held (as ~graph does), then takes over `other`'s; `other` becomes empty.
   graph& operator=(graph&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -107,9 +110,13 @@ class graph {
   graph(gpukit::device d, cudaGraph_t g, cudaGraphExec_t e, std::shared_ptr<graph_pool> pool = nullptr) noexcept
       : device_(d), graph_(g), exec_(e), pool_(std::move(pool)) {}
 
+  /// True when the graph can be launched; false when empty (default-constructed or moved from).
   explicit operator bool() const noexcept { return exec_ != nullptr; }
+  /// The device the graph runs on (the CPU for a default-constructed graph).
   gpukit::device device() const noexcept { return device_; }
+  /// The cudaGraph_t, still owned by this object; nullptr when empty.
   cudaGraph_t native_graph() const noexcept { return graph_; }
+  /// The cudaGraphExec_t, still owned by this object; nullptr when empty.
   cudaGraphExec_t native_exec() const noexcept { return exec_; }
   /// The pool the graph's allocations came from (nullptr: captured without one).
   const std::shared_ptr<graph_pool>& pool() const noexcept { return pool_; }

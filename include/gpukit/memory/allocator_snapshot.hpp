@@ -29,31 +29,31 @@ enum class block_state : unsigned char {
 
 /// One block of a segment.
 struct block_info {
-  std::uintptr_t address = 0;
-  std::size_t size = 0;       ///< bytes the block spans (rounded)
-  std::size_t requested = 0;  ///< bytes the user asked for; 0 unless allocated
-  block_state state = block_state::free;
-  std::uintptr_t stream = 0;         ///< the stream the block belongs to (the stream ops' key)
-  std::uint32_t pending_events = 0;  ///< events still awaited (pending blocks)
+  std::uintptr_t address = 0;             ///< where the block starts
+  std::size_t size = 0;                   ///< bytes the block spans (rounded)
+  std::size_t requested = 0;              ///< bytes the user asked for; 0 unless allocated
+  block_state state = block_state::free;  ///< what the block is doing
+  std::uintptr_t stream = 0;              ///< the stream the block belongs to (the stream ops' key)
+  std::uint32_t pending_events = 0;       ///< events still awaited (pending blocks)
 };
 
 /// One segment obtained from the upstream, with its blocks in address order (they tile the segment exactly).
 struct segment_info {
-  std::uintptr_t address = 0;
-  std::size_t size = 0;     ///< bytes of address space (of an expandable segment: its reserved virtual range)
-  std::size_t mapped = 0;   ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
-  bool expandable = false;  ///< a virtual range whose pages are mapped as blocks need them (expandable_segments)
+  std::uintptr_t address = 0;  ///< where the segment starts (as the upstream returned it, or reserved it if expandable)
+  std::size_t size = 0;        ///< bytes of address space (of an expandable segment: its reserved virtual range)
+  std::size_t mapped = 0;      ///< bytes backed by device memory (reserved_bytes counts these): size, unless expandable
+  bool expandable = false;     ///< a virtual range whose pages are mapped as blocks need them (expandable_segments)
   /// Expandable segments: the mapped runs of pages as (address, bytes), in address order (their sum is `mapped`).
   std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges;
-  bool small_pool = false;
-  std::vector<block_info> blocks;
+  bool small_pool = false;         ///< a segment of the small pool (requests up to allocator_options::small_size)
+  std::vector<block_info> blocks;  ///< the segment's blocks, in address order
 };
 
 /// Every segment (in address order) and the statistics, taken together.
 struct allocator_snapshot {
-  gpukit::device device{};
-  std::vector<segment_info> segments;
-  allocator_stats stats;
+  gpukit::device device{};              ///< the device of the allocator
+  std::vector<segment_info> segments;   ///< every segment, sorted by address
+  allocator_stats stats;                ///< the statistics at the moment of the snapshot
   std::size_t pointer_map_entries = 0;  ///< allocations the pointer map knows (equals allocated blocks when quiet)
 };
 

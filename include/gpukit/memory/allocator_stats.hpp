@@ -32,10 +32,10 @@ GPUKIT_BEGIN_NAMESPACE
 /// One statistic: its current value, its peak since the last reset_peak_stats(), and the totals added and removed
 /// since the last reset_accumulated_stats().
 struct stat {
-  std::int64_t current = 0;
-  std::int64_t peak = 0;
-  std::int64_t allocated = 0;
-  std::int64_t freed = 0;
+  std::int64_t current = 0;    ///< the value now
+  std::int64_t peak = 0;       ///< the highest value since the last reset_peak_stats()
+  std::int64_t allocated = 0;  ///< total increase since the last reset_accumulated_stats() (PyTorch's "allocated")
+  std::int64_t freed = 0;      ///< total decrease since the last reset_accumulated_stats() (PyTorch's "freed")
 };
 
 /// Which pool a statistic covers.
@@ -43,11 +43,16 @@ enum class stat_pool : std::size_t { all = 0, small = 1, large = 2 };
 
 /// A statistic for each pool, indexed by stat_pool.
 struct pool_stats {
-  std::array<stat, 3> pools{};
+  std::array<stat, 3> pools{};  ///< the statistic of each pool, in stat_pool order: all, small, large
+  /// The statistic of pool `p`.
   stat& operator[](stat_pool p) noexcept { return pools[static_cast<std::size_t>(p)]; }
+  /// The statistic of pool `p`, read-only.
   const stat& operator[](stat_pool p) const noexcept { return pools[static_cast<std::size_t>(p)]; }
+  /// Both pools together (PyTorch's "all").
   const stat& all() const noexcept { return pools[0]; }
+  /// The small pool: blocks of small segments (PyTorch's "small_pool").
   const stat& small() const noexcept { return pools[1]; }
+  /// The large pool: blocks of the other segments (PyTorch's "large_pool").
   const stat& large() const noexcept { return pools[2]; }
 };
 

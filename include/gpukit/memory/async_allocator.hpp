@@ -136,6 +136,8 @@ class async_allocator final : public device_allocator {
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
     return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
   }
+  /// Sets the peaks of allocations and allocated bytes to their current values, and resets the pool's high water
+  /// mark of reserved bytes (cudaMemPoolAttrReservedMemHigh), which the pool's other users share.
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
     allocations_.peak = allocations_.current;
@@ -145,6 +147,8 @@ class async_allocator final : public device_allocator {
     detail::report_cuda_failure(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero),
                                 "cudaMemPoolSetAttribute(cudaMemPoolAttrReservedMemHigh)", device_.ordinal());
   }
+  /// Zeroes the cumulative counts: allocations and frees with their bytes, retries, out-of-memory failures, and
+  /// cudaMallocAsync / cudaFreeAsync calls.
   void reset_accumulated_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
     for (stat* s : {&allocations_, &allocated_bytes_}) s->allocated = s->freed = 0;
@@ -173,7 +177,10 @@ class async_allocator final : public device_allocator {
 
   std::size_t memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::current)); }
   std::size_t memory_reserved() const noexcept override { return pool_attribute(cudaMemPoolAttrReservedMemCurrent); }
+  /// The most bytes allocated through this allocator at once since it was created or reset_peak_stats() was called.
   std::size_t max_memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::peak)); }
+  /// The pool's high water mark of reserved bytes (cudaMemPoolAttrReservedMemHigh, shared with the pool's other
+  /// users); 0 where the driver cannot say.
   std::size_t max_memory_reserved() const noexcept override { return pool_attribute(cudaMemPoolAttrReservedMemHigh); }
 
   /// The memory pool (the device's default pool).

@@ -100,8 +100,9 @@ GPUKIT_BEGIN_NAMESPACE
 /// up to 64 MiB share segments that grow with the footprint, and huge blocks are kept whole (max_split_size). Like
 /// PyTorch, nothing is freed to the upstream while memory is available. pytorch() gives PyTorch's constants.
 struct allocator_options {
-  static constexpr std::size_t KiB = std::size_t{1} << 10;
-  static constexpr std::size_t MiB = std::size_t{1} << 20;
+  static constexpr std::size_t KiB = std::size_t{1} << 10;  ///< 1024 bytes, for writing sizes
+  static constexpr std::size_t MiB = std::size_t{1} << 20;  ///< 1024 KiB, for writing sizes
+  /// No limit, for reserved_limit and max_split_size (the largest std::size_t).
   static constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
 
   std::size_t rounding = 512;                ///< requests are rounded up to a multiple of this (a power of two)
@@ -110,7 +111,11 @@ struct allocator_options {
   /// Larger requests below this share segments of medium_segment_size (or more, see medium_segment_growth);
   /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding.
   std::size_t medium_size = 64 * MiB;
+  /// Size of the segments shared by requests in (small_size, medium_size); with medium_segment_growth, where their
+  /// growth starts.
   std::size_t medium_segment_size = 20 * MiB;
+  /// A request's own segment (medium_size or more) is rounded up to a multiple of this, and so are shared segments
+  /// that grow (a power of two, at least the rounding).
   std::size_t large_segment_rounding = 2 * MiB;
   std::size_t small_split_threshold = 0;        ///< a small block is split when the remainder exceeds this
   std::size_t large_split_threshold = 1 * MiB;  ///< a large block is split when the remainder exceeds this
@@ -220,7 +225,6 @@ struct has_stream_resolve<
     Ops, std::void_t<decltype(std::declval<const Ops&>().resolve(std::declval<const typename Ops::stream_type&>()))>>
     : std::true_type {};
 
-/// Whether a StreamOps policy describes streams for messages (`describe`).
 /// Upstreams with virtual memory (reserve / map / unmap / unreserve whole pages): expandable segments.
 template <class U, class = void>
 struct has_virtual_memory : std::false_type {};
@@ -238,6 +242,7 @@ template <class U>
 struct has_virtual_memory_query<U, std::void_t<decltype(std::declval<const U&>().virtual_memory_supported())>>
     : std::true_type {};
 
+/// Whether a StreamOps policy describes streams for messages (`describe`).
 template <class Ops, class = void>
 struct has_stream_describe : std::false_type {};
 template <class Ops>
@@ -246,13 +251,16 @@ struct has_stream_describe<
     : std::true_type {};
 }  // namespace detail
 
+/// The caching allocator engine (see the file comment for its design): stream-ordered memory carved from segments
+/// of `Upstream` (upstream.hpp), with the streams and events of `StreamOps` (stream_ops.hpp). Thread-safe; one per
+/// device. caching_device_allocator puts it behind the device_allocator interface.
 template <class Upstream, class StreamOps = stream_ops>
 class basic_caching_allocator {
  public:
-  using upstream_type = Upstream;
-  using stream_ops_type = StreamOps;
-  using stream_type = typename StreamOps::stream_type;
-  using event_type = typename StreamOps::event_type;
+  using upstream_type = Upstream;                       ///< where segments come from (upstream.hpp)
+  using stream_ops_type = StreamOps;                    ///< the stream and event policy (stream_ops.hpp)
+  using stream_type = typename StreamOps::stream_type;  ///< the streams allocations are ordered on
+  using event_type = typename StreamOps::event_type;    ///< the events the allocator records to wait for streams
 
   /// An allocator for device `d` whose upstream is built from `upstream_args` (or from `d` when none are given and
   /// the upstream takes a device, like device_upstream). Makes no CUDA call.
@@ -647,11 +655,17 @@ class basic_caching_allocator {
     return current_history_;
   }
 
+  /// The limit on reserved bytes (allocator_options::unlimited when none), read without locking.
   std::size_t reserved_limit() const noexcept { return limit_atomic_.load(std::memory_order_relaxed); }
+  /// The options the allocator was built with (their reserved_limit is the initial one; see reserved_limit()).
   const allocator_options& options() const noexcept { return options_; }
+  /// The device whose memory this allocator hands out.
   gpukit::device device() const noexcept { return device_; }
+  /// The upstream segments come from (e.g. for address_space_upstream's used() and set_capacity()).
   Upstream& upstream() noexcept { return upstream_; }
+  /// The upstream segments come from, read-only.
   const Upstream& upstream() const noexcept { return upstream_; }
+  /// The stream ops the allocator uses (tests drive their fake streams through it).
   StreamOps& stream_operations() noexcept { return ops_; }
   /// How many streams the allocator keeps state for (diagnostics and tests).
   std::size_t stream_count() const {

@@ -107,7 +107,9 @@ class device_allocator {
   virtual void empty_cache() = 0;
   /// Releases free segments, largest first, until at most `target_reserved` bytes are reserved; returns reserved.
   virtual std::size_t trim(std::size_t target_reserved) = 0;
+  /// Starts new peaks from the current values (e.g. to measure one phase of a program).
   virtual void reset_peak_stats() = 0;
+  /// Zeroes the totals allocated/freed and the counters (retries, OOMs, upstream calls, ...).
   virtual void reset_accumulated_stats() = 0;
   /// Caps reserved memory; allocations beyond it free cache, retry, then throw out_of_memory_error.
   virtual void set_reserved_limit(std::size_t bytes) = 0;
@@ -142,12 +144,16 @@ class device_allocator {
   virtual std::size_t memory_allocated() const noexcept = 0;
   /// Bytes held from the device, like torch.cuda.memory_reserved().
   virtual std::size_t memory_reserved() const noexcept = 0;
+  /// Peak of memory_allocated() since the last reset_peak_stats(), like torch.cuda.max_memory_allocated().
   virtual std::size_t max_memory_allocated() const noexcept = 0;
+  /// Peak of memory_reserved() since the last reset_peak_stats(), like torch.cuda.max_memory_reserved().
   virtual std::size_t max_memory_reserved() const noexcept = 0;
 
  protected:
   device_allocator() = default;
+  /// The interface holds no state; whether an implementation can be copied is its own choice.
   device_allocator(const device_allocator&) = default;
+  /// The interface holds no state; whether an implementation can be assigned is its own choice.
   device_allocator& operator=(const device_allocator&) = default;
 
  private:
@@ -168,6 +174,7 @@ class device_allocator {
 template <class Upstream>
 class caching_device_allocator final : public device_allocator {
  public:
+  /// The caching engine behind this allocator, with gpukit's streams and events.
   using engine_type = basic_caching_allocator<Upstream, stream_ops>;
 
   /// An allocator of device `d`; the upstream is built from `upstream_args`. Makes no CUDA call.
@@ -180,6 +187,7 @@ class caching_device_allocator final : public device_allocator {
   /// The engine's full API (options, upstream, rounded sizes); it knows nothing of graph pools or over-aligned
   /// addresses, which this wrapper handles.
   engine_type& engine() noexcept { return engine_; }
+  /// The engine's full API, read-only.
   const engine_type& engine() const noexcept { return engine_; }
 
   allocator_stats stats() const override { return engine_.stats(); }

@@ -71,11 +71,14 @@ class device_allocation {
     pointer_ = allocator.allocate(bytes, stream);
   }
 
+  /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
   device_allocation(device_allocation&& other) noexcept
       : allocator_(std::exchange(other.allocator_, nullptr)),
         stream_(other.stream_),
         pointer_(std::exchange(other.pointer_, nullptr)),
         size_(std::exchange(other.size_, 0)) {}
+  /// Frees this allocation's memory in its stream's order (errors are reported through gpukit::warn), then takes
+  /// over `other`'s; `other` is left empty.
   device_allocation& operator=(device_allocation&& other) noexcept {
     if (this != &other) {
       free_quietly();
@@ -90,9 +93,13 @@ class device_allocation {
   device_allocation& operator=(const device_allocation&) = delete;
   ~device_allocation() { free_quietly(); }
 
+  /// The memory (device memory: dereference only in device code), or nullptr when empty.
   void* get() const noexcept { return pointer_; }
+  /// Size in bytes, as requested (0 when empty).
   std::size_t size() const noexcept { return size_; }
+  /// True when there is no memory (get() == nullptr).
   bool empty() const noexcept { return pointer_ == nullptr; }
+  /// True when there is memory (get() != nullptr).
   explicit operator bool() const noexcept { return pointer_ != nullptr; }
   /// The device the memory is on (the CPU for an empty allocation).
   gpukit::device device() const noexcept {
@@ -137,9 +144,13 @@ class device_buffer {
   static_assert(!std::is_const<T>::value, "gpukit::device_buffer<T>: T must not be const");
 
  public:
+  /// The element type.
   using value_type = T;
+  /// The type of sizes and counts.
   using size_type = std::size_t;
+  /// Pointer to an element (device memory).
   using pointer = T*;
+  /// Pointer to a const element (device memory).
   using const_pointer = const T*;
 
   /// Empty (no memory, CPU device).
@@ -165,11 +176,14 @@ class device_buffer {
     data_ = static_cast<T*>(allocator.allocate(count * sizeof(T), alignof(T), stream));
   }
 
+  /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
   device_buffer(device_buffer&& other) noexcept
       : allocator_(std::exchange(other.allocator_, nullptr)),
         stream_(other.stream_),
         data_(std::exchange(other.data_, nullptr)),
         size_(std::exchange(other.size_, 0)) {}
+  /// Frees this buffer's memory in its stream's order (errors are reported through gpukit::warn), then takes over
+  /// `other`'s; `other` is left empty.
   device_buffer& operator=(device_buffer&& other) noexcept {
     if (this != &other) {
       free_quietly();
@@ -184,14 +198,19 @@ class device_buffer {
   device_buffer& operator=(const device_buffer&) = delete;
   ~device_buffer() { free_quietly(); }
 
+  /// The first element (device memory: dereference only in device code), or nullptr when empty.
   T* data() noexcept { return data_; }
+  /// The first element, read-only (device memory), or nullptr when empty.
   const T* data() const noexcept { return data_; }
   /// Number of elements.
   std::size_t size() const noexcept { return size_; }
+  /// Size in bytes: size() * sizeof(T).
   std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// True when the buffer holds no elements.
   bool empty() const noexcept { return size_ == 0; }
   /// The elements as a span (device memory: dereference only in device code, or on the host for the CPU device).
   gpukit::span<T> span() noexcept { return {data_, size_}; }
+  /// The elements as a read-only span (device memory, as above).
   gpukit::span<const T> span() const noexcept { return {data_, size_}; }
   /// The device the memory is on (the CPU for a default-constructed or moved-from buffer).
   gpukit::device device() const noexcept {

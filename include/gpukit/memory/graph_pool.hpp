@@ -165,10 +165,12 @@ class graph_pool final : public device_allocator {
   /// The reserve stays until the pool ends: its graphs may be launched again.
   void empty_cache() override {}
   std::size_t trim(std::size_t) override { return memory_reserved(); }
+  /// Sets the peak of allocated bytes to the bytes allocated now (the reserve's peak is its size and stays).
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
     peak_allocated_ = allocated_;
   }
+  /// Zeroes the counts of allocations and of out-of-memory failures.
   void reset_accumulated_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
     allocations_ = 0;
@@ -192,9 +194,11 @@ class graph_pool final : public device_allocator {
   std::size_t memory_reserved() const noexcept override {
     return locked([this] { return reserved_; });
   }
+  /// The most bytes allocated from the reserve at once since the pool was created or reset_peak_stats() was called.
   std::size_t max_memory_allocated() const noexcept override {
     return locked([this] { return peak_allocated_; });
   }
+  /// The reserve's size: it only grows while the pool lives, so its peak is its size.
   std::size_t max_memory_reserved() const noexcept override { return memory_reserved(); }
 
   // --- for gpukit::capture and gpukit::graph (graph/graph.hpp) ---
@@ -212,6 +216,7 @@ class graph_pool final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     ++captures_;
   }
+  /// Ends begin_capture(id): the capture `id` no longer allocates from this pool.
   void end_capture(unsigned long long id) noexcept {
     auto& registry = detail::capture_pools();
     {

@@ -382,9 +382,9 @@ inline std::string history_json(const memory_history& history, const allocator_s
 
 /// Allocations of one tag and size that the history saw made and not freed.
 struct live_allocation_group {
-  std::string tag;  ///< "" when untagged
-  std::size_t size = 0;
-  std::size_t count = 0;
+  std::string tag;        ///< "" when untagged
+  std::size_t size = 0;   ///< the bytes requested by each allocation
+  std::size_t count = 0;  ///< how many such allocations are live
   std::size_t bytes = 0;  ///< size × count
 };
 

@@ -74,14 +74,14 @@ inline const char* memory_action_name(memory_action a) noexcept {
 
 /// One recorded event.
 struct memory_event {
-  memory_action action = memory_action::alloc;
-  std::uintptr_t address = 0;   ///< the allocation, segment or pages (0 for oom and snapshot)
-  std::size_t size = 0;         ///< bytes (see memory_action)
-  std::uintptr_t stream = 0;    ///< the stream's key in the allocator (0 when not tied to a stream)
-  std::int64_t time_ns = 0;     ///< std::chrono::steady_clock, nanoseconds since its epoch
-  std::uint64_t thread = 0;     ///< a number for the calling thread (std::hash of its id)
-  std::uint32_t tag = 0;        ///< the thread's memory_tag (0: none); memory_tag_name gives the name
-  std::size_t device_free = 0;  ///< oom: the device's free bytes when known, else 0
+  memory_action action = memory_action::alloc;  ///< what happened; the meaning of `address` and `size` follows it
+  std::uintptr_t address = 0;                   ///< the allocation, segment or pages (0 for oom and snapshot)
+  std::size_t size = 0;                         ///< bytes (see memory_action)
+  std::uintptr_t stream = 0;                    ///< the stream's key in the allocator (0 when not tied to a stream)
+  std::int64_t time_ns = 0;                     ///< std::chrono::steady_clock, nanoseconds since its epoch
+  std::uint64_t thread = 0;                     ///< a number for the calling thread (std::hash of its id)
+  std::uint32_t tag = 0;                        ///< the thread's memory_tag (0: none); memory_tag_name gives the name
+  std::size_t device_free = 0;                  ///< oom: the device's free bytes when known, else 0
 };
 
 namespace detail {
@@ -146,6 +146,7 @@ inline std::string memory_tag_name(std::uint32_t id) {
 /// an allocator records a history.
 class memory_tag {
  public:
+  /// Makes `name` the calling thread's tag (an empty name: none) until destroyed, on the same thread.
   explicit memory_tag(std::string_view name) : previous_(detail::current_memory_tag()) {
     detail::current_memory_tag() = memory_tag_id(name);
   }
@@ -227,6 +228,8 @@ class memory_history {
     std::lock_guard<std::mutex> lock(mutex_);
     return dropped_;
   }
+  /// The most events the ring holds: the constructor's `max_entries`, or fewer once an allocation failure stopped
+  /// its growth (until clear()).
   std::size_t max_entries() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return max_entries_;

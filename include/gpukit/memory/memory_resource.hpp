@@ -123,6 +123,7 @@ class device_memory_resource
   friend bool operator==(const device_memory_resource& a, const device_memory_resource& b) noexcept {
     return a.allocator_ == b.allocator_;
   }
+  /// Not equal when they use different allocators.
   friend bool operator!=(const device_memory_resource& a, const device_memory_resource& b) noexcept {
     return !(a == b);
   }
@@ -188,10 +189,13 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   friend bool operator==(const pinned_memory_resource& a, const pinned_memory_resource& b) noexcept {
     return a.pool_ == b.pool_;
   }
+  /// Not equal when they use different pools.
   friend bool operator!=(const pinned_memory_resource& a, const pinned_memory_resource& b) noexcept {
     return !(a == b);
   }
+  /// Device-accessible: kernels may touch it (page-locked memory is mapped under unified addressing).
   friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
+  /// Host-accessible: host code may touch it.
   friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::host_accessible) noexcept {}
 
  private:

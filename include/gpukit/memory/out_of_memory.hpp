@@ -25,20 +25,20 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// What an out-of-memory observer is told, just before an allocator throws out_of_memory_error.
 struct out_of_memory_info {
-  int device = -1;                ///< the CUDA ordinal, or -1 for the CPU
-  std::size_t requested = 0;      ///< the bytes asked for
-  std::size_t rounded = 0;        ///< the request rounded as the allocator serves it
-  std::size_t segment_bytes = 0;  ///< the last segment size asked of the upstream for it
-  std::size_t allocated = 0;      ///< bytes allocated by this allocator
-  std::size_t reserved = 0;       ///< bytes this allocator holds from the upstream
-  std::size_t free_cached = 0;    ///< reserved bytes in free blocks (after releasing what could be released)
-  std::size_t largest_free_block = 0;
+  int device = -1;                     ///< the CUDA ordinal, or -1 for the CPU
+  std::size_t requested = 0;           ///< the bytes asked for
+  std::size_t rounded = 0;             ///< the request rounded as the allocator serves it
+  std::size_t segment_bytes = 0;       ///< the last segment size asked of the upstream for it
+  std::size_t allocated = 0;           ///< bytes allocated by this allocator
+  std::size_t reserved = 0;            ///< bytes this allocator holds from the upstream
+  std::size_t free_cached = 0;         ///< reserved bytes in free blocks (after releasing what could be released)
+  std::size_t largest_free_block = 0;  ///< bytes of the largest free block, where the allocator knows it (else 0)
   std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();  ///< max() when none
-  bool limit_hit = false;  ///< the reserved limit refused, not the upstream
-  bool device_memory_known = false;
-  std::size_t device_total = 0;  ///< the upstream's (device's) total memory, where known
-  std::size_t device_free = 0;   ///< its free memory when the error was raised, where known
-  std::string message;           ///< the text of the error about to be thrown
+  bool limit_hit = false;            ///< the reserved limit refused, not the upstream
+  bool device_memory_known = false;  ///< device_total and device_free hold the upstream's numbers
+  std::size_t device_total = 0;      ///< the upstream's (device's) total memory, where known
+  std::size_t device_free = 0;       ///< its free memory when the error was raised, where known
+  std::string message;               ///< the text of the error about to be thrown
 };
 
 /// Called with the numbers of an out-of-memory error just before it is thrown.

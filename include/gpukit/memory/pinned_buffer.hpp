@@ -110,6 +110,7 @@ class pinned_buffer {
                 "gpukit::pinned_buffer<T>: T must be trivially copyable and destructible (it is copied as bytes)");
 
  public:
+  /// The element type.
   using value_type = T;
 
   /// An empty buffer (no memory).
@@ -138,7 +139,9 @@ class pinned_buffer {
     page_locked_ = true;
   }
 
+  /// Takes over `other`'s memory; `other` is left empty.
   pinned_buffer(pinned_buffer&& other) noexcept { take(other); }
+  /// Frees this buffer's memory (as the destructor does), then takes over `other`'s; `other` is left empty.
   pinned_buffer& operator=(pinned_buffer&& other) noexcept {
     if (this != &other) {
       release_memory();
@@ -152,21 +155,32 @@ class pinned_buffer {
   /// use it: freeing memory a DMA still reads is undefined, as with CUDA.
   ~pinned_buffer() { release_memory(); }
 
+  /// The first element (host address), or nullptr when empty.
   T* data() noexcept { return data_; }
+  /// The first element, read-only, or nullptr when empty.
   const T* data() const noexcept { return data_; }
+  /// Number of elements.
   std::size_t size() const noexcept { return size_; }
+  /// Size in bytes: size() * sizeof(T).
   std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// True when the buffer holds no elements.
   bool empty() const noexcept { return size_ == 0; }
+  /// Iterator to the first element.
   T* begin() noexcept { return data_; }
+  /// Iterator past the last element.
   T* end() noexcept { return data_ + size_; }
+  /// Read-only iterator to the first element.
   const T* begin() const noexcept { return data_; }
+  /// Read-only iterator past the last element.
   const T* end() const noexcept { return data_ + size_; }
   /// Unchecked element access.
   T& operator[](std::size_t i) noexcept { return data_[i]; }
+  /// Unchecked read-only element access.
   const T& operator[](std::size_t i) const noexcept { return data_[i]; }
 
   /// The elements as a span (host memory).
   gpukit::span<T> span() noexcept { return {data_, size_}; }
+  /// The elements as a read-only span (host memory).
   gpukit::span<const T> span() const noexcept { return {data_, size_}; }
 
   /// The device the buffer was made for: copies with it take the one-DMA path.

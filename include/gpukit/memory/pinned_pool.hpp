@@ -161,6 +161,7 @@ GPUKIT_EXPORT inline recycled_event_cache& shared_recycled_events() {
 /// has; `bool ready(const marker&)` — never blocks; `void wait(const marker&)` — blocks (used only when a pool is
 /// destroyed); `void recycle(marker&&) noexcept`.
 struct pinned_pool_sync {
+  /// A gpukit event.
   using marker = event;
   /// An event recorded on `s` now (from any thread: detail::record_from_any_thread).
   marker record(stream_view s) {
@@ -209,6 +210,7 @@ class pinned_upstream {
   }
   /// True for CUDA (the memory is page-locked).
   bool page_locked() const noexcept { return kind_ == device::kind::cuda; }
+  /// The device kind the memory is for.
   device::kind kind() const noexcept { return kind_; }
 
  private:
@@ -235,8 +237,11 @@ class pinned_upstream {
 template <class Upstream, class Sync = pinned_pool_sync>
 class basic_pinned_pool {
  public:
+  /// What Sync records on a stream when a block is freed (an event for pinned_pool).
   using marker = typename Sync::marker;
 
+  /// An empty pool (nothing is allocated until the first request). Throws invalid_argument_error when
+  /// `options.classes_per_doubling` is not a power of two.
   explicit basic_pinned_pool(Upstream upstream = Upstream(), pinned_pool_options options = {}, Sync sync = Sync())
       : upstream_(std::move(upstream)), sync_(std::move(sync)), options_(options) {
     const std::size_t c = options_.classes_per_doubling;
@@ -487,9 +492,11 @@ class basic_pinned_pool {
     process_pending_locked(releases.blocks);  // trims what it promotes
   }
 
+  /// The options in force (max_cached_bytes as last set by set_max_cached_bytes).
   const pinned_pool_options& options() const noexcept { return options_; }
   /// Whether the memory is really page-locked (false for the CPU device's upstream).
   bool page_locked() const noexcept { return upstream_.page_locked(); }
+  /// The upstream memory comes from and goes back to.
   Upstream& upstream() noexcept { return upstream_; }
 
  private:
@@ -772,8 +779,10 @@ class pooled_pinned_buffer {
                 "gpukit::pooled_pinned_buffer<T>: T must be trivially copyable and destructible");
 
  public:
+  /// The element type.
   using value_type = T;
 
+  /// An empty buffer (no block, no pool).
   pooled_pinned_buffer() noexcept = default;
   /// `count` uninitialised elements from `pool`.
   pooled_pinned_buffer(std::size_t count, pinned_pool& pool)
@@ -783,10 +792,12 @@ class pooled_pinned_buffer {
   /// `count` uninitialised elements from the default pool of `d`'s kind.
   pooled_pinned_buffer(std::size_t count, device d) : pooled_pinned_buffer(count, default_pinned_pool(d)) {}
 
+  /// Takes over `other`'s block; `other` is left empty.
   pooled_pinned_buffer(pooled_pinned_buffer&& other) noexcept
       : pool_(std::exchange(other.pool_, nullptr)),
         data_(std::exchange(other.data_, nullptr)),
         size_(std::exchange(other.size_, 0)) {}
+  /// Gives this buffer's block back (as reset() does), then takes over `other`'s; `other` is left empty.
   pooled_pinned_buffer& operator=(pooled_pinned_buffer&& other) noexcept {
     if (this != &other) {
       reset();
@@ -818,21 +829,36 @@ class pooled_pinned_buffer {
     size_ = 0;
   }
 
+  /// The first element (host address), or nullptr when empty.
   T* data() noexcept { return data_; }
+  /// The first element, read-only, or nullptr when empty.
   const T* data() const noexcept { return data_; }
+  /// Number of elements (the block may be larger: its size class).
   std::size_t size() const noexcept { return size_; }
+  /// Size in bytes of the elements: size() * sizeof(T).
   std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// True when the buffer holds no elements.
   bool empty() const noexcept { return size_ == 0; }
+  /// Iterator to the first element.
   T* begin() noexcept { return data_; }
+  /// Iterator past the last element.
   T* end() noexcept { return data_ + size_; }
+  /// Read-only iterator to the first element.
   const T* begin() const noexcept { return data_; }
+  /// Read-only iterator past the last element.
   const T* end() const noexcept { return data_ + size_; }
+  /// Unchecked element access.
   T& operator[](std::size_t i) noexcept { return data_[i]; }
+  /// Unchecked read-only element access.
   const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  /// The elements as a span (host memory).
   gpukit::span<T> span() noexcept { return {data_, size_}; }
+  /// The elements as a read-only span (host memory).
   gpukit::span<const T> span() const noexcept { return {data_, size_}; }
   /// True when the memory is page-locked (a CUDA pool).
   bool page_locked() const noexcept { return pool_ != nullptr && pool_->page_locked(); }
+  /// The pool the block came from and goes back to (kept after reset()), or nullptr for a default-constructed or
+  /// moved-from buffer.
   pinned_pool* pool() const noexcept { return pool_; }
 
  private:

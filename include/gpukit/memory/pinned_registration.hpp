@@ -83,7 +83,10 @@ class host_registration {
   host_registration(gpukit::span<T> s, gpukit::device d, registration_flags flags = {})
       : host_registration(const_cast<void*>(static_cast<const void*>(s.data())), span_bytes(s), d, flags) {}
 
+  /// Takes over `other`'s registration; `other` is left empty.
   host_registration(host_registration&& other) noexcept { take(other); }
+  /// Unregisters this range (failures are reported through gpukit::warn), then takes over `other`'s registration;
+  /// `other` is left empty.
   host_registration& operator=(host_registration&& other) noexcept {
     if (this != &other) {
       unregister();
@@ -98,8 +101,11 @@ class host_registration {
 
   /// True while CUDA holds the range page-locked; false for the CPU device and empty registrations.
   bool registered() const noexcept { return registered_; }
+  /// Start of the range (nullptr for an empty or reset registration).
   void* data() const noexcept { return data_; }
+  /// Length of the range in bytes.
   std::size_t size_bytes() const noexcept { return bytes_; }
+  /// The device it was made for.
   gpukit::device device() const noexcept { return device_; }
 
   /// Ends the registration now (idempotent), e.g. before freeing the memory early.

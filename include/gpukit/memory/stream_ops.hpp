@@ -170,7 +170,9 @@ class relaxed_capture_mode {
 
 /// gpukit's streams and events (CUDA and CPU).
 struct stream_ops {
+  /// The stream the allocator keeps a copy of: a non-owning view.
   using stream_type = stream_view;
+  /// The event the allocator records and pools: owning and move-only.
   using event_type = event;
 
   /// What the allocator keeps of a gpukit::stream to learn of its destruction (empty for other streams).
@@ -183,6 +185,7 @@ struct stream_ops {
     static_assert(sizeof(std::uintptr_t) >= sizeof(unsigned long long), "stream ids are 64-bit");
     return static_cast<std::uintptr_t>(s.id());
   }
+  /// The stream's device (stream_view::device(): a cudaStreamGetDevice for a raw handle, else no CUDA call).
   gpukit::device device_of(const stream_view& s) const { return s.device(); }
   /// The view with its device and id bound (stream_view::resolved()): the allocator uses it later from any thread.
   stream_view resolve(const stream_view& s) const { return s.resolved(); }
@@ -242,6 +245,7 @@ struct stream_ops {
       if (!detail::is_teardown_result(ex.cuda_result())) throw;
     }
   }
+  /// Makes `s` wait on the device for the work `e` captured (event::wait); the host does not wait.
   void wait(const event& e, const stream_view& s) const { e.wait(s); }
   /// The CPU's default stream runs work synchronously and an idle CPU queue has none left, so memory freed on them
   /// is unused at once; a CUDA stream cannot be asked cheaply, so it is assumed busy.

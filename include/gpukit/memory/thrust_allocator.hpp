@@ -39,13 +39,20 @@ GPUKIT_BEGIN_NAMESPACE
 template <class T>
 class thrust_allocator : public thrust::device_malloc_allocator<T> {
  public:
+  /// The element type.
   using value_type = T;
+  /// Thrust's pointer to device memory of `T`.
   using pointer = thrust::device_ptr<T>;
+  /// Thrust's pointer to device memory of `const T`.
   using const_pointer = thrust::device_ptr<const T>;
+  /// The type of element counts.
   using size_type = std::size_t;
+  /// The type of pointer differences.
   using difference_type = std::ptrdiff_t;
+  /// The allocator for another element type `U`.
   template <class U>
   struct rebind {
+    /// thrust_allocator of `U` (same allocator and stream once converted).
     using other = thrust_allocator<U>;
   };
 
@@ -86,6 +93,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   friend bool operator==(const thrust_allocator& a, const thrust_allocator& b) noexcept {
     return a.allocator_ == b.allocator_;
   }
+  /// Not equal when they use different allocators.
   friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
 
  private:

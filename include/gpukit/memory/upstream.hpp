@@ -42,9 +42,9 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// Free and total memory as an upstream sees it. `known` is false when the upstream cannot tell (then both are 0).
 struct upstream_memory_info {
-  std::size_t free_bytes = 0;
-  std::size_t total_bytes = 0;
-  bool known = false;
+  std::size_t free_bytes = 0;   ///< bytes the upstream could still supply
+  std::size_t total_bytes = 0;  ///< bytes it has in all (the device's memory, or a capacity)
+  bool known = false;           ///< free_bytes and total_bytes are meaningful
 };
 
 /// Segments are at least this aligned by every gpukit upstream (cudaMalloc guarantees 256 bytes).
@@ -272,15 +272,17 @@ class address_space_upstream {
     std::lock_guard<std::mutex> lock(mutex_);
     forced_failures_ = count;
   }
+  /// Bytes that may be outstanding at once (see set_capacity).
   std::size_t capacity() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return capacity_;
   }
-  /// Bytes outstanding now, and the most ever outstanding (a trace replay's peak reserved memory).
+  /// Bytes outstanding now (ranges handed out and mapped pages).
   std::size_t used() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return used_;
   }
+  /// The most bytes ever outstanding (a trace replay's peak reserved memory); never reset.
   std::size_t peak() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return peak_;
@@ -293,6 +295,8 @@ class address_space_upstream {
 
   /// Where the fake address space starts (far from any real mapping, so a stray dereference faults).
   static constexpr std::uintptr_t base_address = std::uintptr_t{1} << 44;
+  /// Size of the fake address space (64 TiB): allocate() and reserve() take their ranges from it, whatever the
+  /// capacity.
   static constexpr std::size_t address_space_size = std::size_t{1} << 46;
 
  private:
@@ -412,7 +416,9 @@ class cuda_upstream {
     return info;
   }
 
+  /// cudaFree waits for all work of the device, so the allocator need not wait before it.
   bool synchronizes_on_free() const noexcept { return true; }
+  /// The CUDA device whose memory this upstream allocates.
   gpukit::device device() const noexcept { return device_; }
 
   // --- virtual memory (expandable segments): the driver's cuMem* functions, from cudaGetDriverEntryPoint ---
@@ -525,9 +531,13 @@ class cuda_upstream {
 /// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
 class device_upstream {
  public:
+  /// The upstream of device `d` (CUDA or the CPU). Makes no CUDA call.
   explicit device_upstream(gpukit::device d) : device_(d), cuda_(d.is_cuda() ? d : gpukit::device::cuda(0)) {}
 
+  /// cudaMalloc on a CUDA device, unlimited host memory on the CPU; nullptr when out of memory (cuda_upstream,
+  /// host_upstream).
   void* allocate(std::size_t bytes) { return device_.is_cuda() ? cuda_.allocate(bytes) : host_.allocate(bytes); }
+  /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
   void deallocate(void* p, std::size_t bytes) noexcept {
     if (device_.is_cuda()) {
       cuda_.deallocate(p, bytes);
@@ -535,16 +545,24 @@ class device_upstream {
       host_.deallocate(p, bytes);
     }
   }
+  /// The CUDA device's free and total memory (cudaMemGetInfo), or the host's physical memory for the CPU.
   upstream_memory_info memory_info() const { return device_.is_cuda() ? cuda_.memory_info() : host_.memory_info(); }
+  /// True on CUDA devices (cudaFree waits for the device); false on the CPU, whose memory is freed at once.
   bool synchronizes_on_free() const noexcept { return device_.is_cuda(); }
+  /// The device this upstream serves.
   gpukit::device device() const noexcept { return device_; }
 
   /// Virtual memory on CUDA devices that support it (cuda_upstream); never for the CPU.
   bool virtual_memory_supported() const noexcept { return device_.is_cuda() && cuda_.virtual_memory_supported(); }
+  /// The mapping granularity (cuda_upstream::page_size()); 0 on the CPU or without virtual memory.
   std::size_t page_size() const noexcept { return device_.is_cuda() ? cuda_.page_size() : 0; }
+  /// Reserves an address range of `bytes` (cuda_upstream::reserve()); nullptr when refused or without virtual memory.
   void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_.reserve(bytes) : nullptr; }
+  /// Backs whole pages of a range reserve() returned (cuda_upstream::map()); false when the device is out of memory.
   bool map(void* address, std::size_t bytes) { return cuda_.map(address, bytes); }
+  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap()); failures are warned about.
   void unmap(void* address, std::size_t bytes) noexcept { cuda_.unmap(address, bytes); }
+  /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures are warned about.
   void unreserve(void* address, std::size_t bytes) noexcept { cuda_.unreserve(address, bytes); }
 
  private:

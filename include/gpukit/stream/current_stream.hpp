@@ -52,6 +52,8 @@ inline void set_current_stream(stream_view s) {
 /// CUDA stream); restores both afterwards. Not copyable or movable.
 class stream_guard {
  public:
+  /// Makes `s` and its device current until the guard is destroyed. Throws if the device cannot be found or made
+  /// current.
   explicit stream_guard(stream_view s)
       : device_guard_(s.device()), device_(s.device()), previous_(current_stream(device_)) {
     set_current_stream(s);

@@ -63,7 +63,9 @@ class event {
                               "cudaEventCreateWithFlags(" + std::to_string(flags) + ")", d.ordinal());
   }
 
+  /// Takes over `other`'s event; `other` becomes moved-from.
   event(event&& other) noexcept { take(other); }
+  /// Destroys the event held (as ~event does), then takes over `other`'s; `other` becomes moved-from.
   event& operator=(event&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -156,11 +158,14 @@ class event {
                               device_.ordinal());
   }
 
+  /// The device the event belongs to. Throws invalid_argument_error if this event was moved from.
   gpukit::device device() const {
     check_valid("device");
     return device_;
   }
+  /// The options the event was created with.
   const event_options& options() const noexcept { return options_; }
+  /// False once moved from.
   bool valid() const noexcept { return valid_; }
 
   /// The CUDA handle. Throws invalid_argument_error for a CPU event.
@@ -258,6 +263,7 @@ milliseconds elapsed_time(const event& start, const event& end);
 ///     std::printf("%.3f ms\n", timer.elapsed().count());
 class stream_timer {
  public:
+  /// Creates two timing events on `s`'s device and records the start on `s`. The stream must outlive the timer.
   explicit stream_timer(stream_view s)
       : stream_(s),
         start_(s.device(), event_options{true, false, false}),

@@ -377,6 +377,7 @@ class stream_view {
     if (!a.is_default()) return true;
     return a.device_known_ == b.device_known_ && a.device_ == b.device_;
   }
+  /// True when the views refer to different streams: the negation of operator==.
   friend bool operator!=(const stream_view& a, const stream_view& b) noexcept { return !(a == b); }
 
  private:
@@ -479,7 +480,9 @@ class stream {
     return wrapped;
   }
 
+  /// Takes over `other`'s stream; `other` becomes moved-from.
   stream(stream&& other) noexcept { take(other); }
+  /// Destroys the stream held (as ~stream does), then takes over `other`'s; `other` becomes moved-from.
   stream& operator=(stream&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -498,6 +501,7 @@ class stream {
     check_valid("view");
     return stream_view(device_, cuda_, cpu_.get(), life_.get());
   }
+  /// Same as view(); implicit so that a stream can be passed where a stream_view is expected.
   operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
   /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream.
   template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
@@ -505,19 +509,26 @@ class stream {
     return StreamRef(cuda_handle());
   }
 
+  /// The device the stream belongs to. Throws invalid_argument_error if this stream was moved from.
   gpukit::device device() const {
     check_valid("device");
     return device_;
   }
   /// The priority in effect after clamping (0 on the CPU).
   int priority() const noexcept { return priority_; }
+  /// True when destroying this object destroys the stream: created here, or wrapped with `take_ownership`. False for
+  /// a borrowed handle, after release() and once moved from.
   bool owns_handle() const noexcept { return owns_; }
   /// False once moved from.
   bool valid() const noexcept { return valid_; }
+  /// The CUDA handle, still owned by this stream. Throws invalid_argument_error for a CPU stream or a moved-from one.
   cudaStream_t cuda_handle() const { return view().cuda_handle(); }
 
+  /// Blocks until all work enqueued on the stream has completed (see stream_view::synchronize).
   void synchronize() const { view().synchronize(); }
+  /// True when all work enqueued on the stream has completed; never blocks (see stream_view::ready).
   bool ready() const { return view().ready(); }
+  /// Enqueues a host function to run after the work enqueued so far (see stream_view::enqueue_host for its rules).
   template <class F>
   void enqueue_host(F&& function) const {
     view().enqueue_host(std::forward<F>(function));

@@ -38,6 +38,7 @@ GPUKIT_BEGIN_NAMESPACE
 /// A pool of streams of one device (see the file comment for round-robin and exclusive use).
 class stream_pool {
  public:
+  /// The number of shared streams when none is given, as in PyTorch's pool; also default_stream_pool's size.
   static constexpr std::size_t default_size = 32;
   /// The default exclusive capacity: as many exclusive streams as shared ones (`size`).
   static constexpr std::size_t same_as_size = static_cast<std::size_t>(-1);
@@ -69,7 +70,9 @@ class stream_pool {
   /// Exclusive use of a stream for the lifetime of the lease (move-only).
   class lease {
    public:
+    /// Takes over `other`'s stream; `other` becomes moved-from.
     lease(lease&& other) noexcept : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
+    /// Gives the stream held back to its pool, then takes over `other`'s; `other` becomes moved-from.
     lease& operator=(lease&& other) noexcept {
       if (this != &other) {
         give_back();
@@ -87,6 +90,7 @@ class stream_pool {
       if (!stream_) throw invalid_argument_error("gpukit::stream_pool::lease: use of a moved-from lease");
       return stream_->view();
     }
+    /// Same as view(); implicit so that a lease can be passed where a stream_view is expected.
     operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
 
    private:
@@ -122,6 +126,7 @@ class stream_pool {
     return std::nullopt;
   }
 
+  /// The device whose streams the pool holds.
   gpukit::device device() const noexcept { return device_; }
   /// The number of shared (round-robin) streams.
   std::size_t size() const noexcept { return slots_.size(); }

@@ -196,7 +196,9 @@ class prefetcher {
   /// prefetcher reuse the buffer for a later batch once the consumer stream's work enqueued so far has completed.
   class batch {
    public:
+    /// Takes over `other`'s loan; `other` then holds nothing.
     batch(batch&& other) noexcept : state_(std::move(other.state_)), slot_(std::exchange(other.slot_, nullptr)) {}
+    /// Releases this batch, then takes over `other`'s loan; `other` then holds nothing.
     batch& operator=(batch&& other) noexcept {
       if (this != &other) {
         release();
@@ -211,6 +213,7 @@ class prefetcher {
 
     /// The batch in device memory (host memory on the CPU device); valid until release.
     device_span<T> data() const noexcept { return {slot_->dev.data(), slot_->count, state_->dev}; }
+    /// Elements in the batch, at most the prefetcher's batch_capacity(). Call it only before release.
     std::size_t size() const noexcept { return slot_->count; }
     /// The batch's index: 0, 1, 2, ... in order.
     std::size_t index() const noexcept { return slot_->index; }
@@ -355,7 +358,9 @@ class prefetcher {
   stream_view copy_stream() const { return state_->copy_stream.view(); }
   /// The stream the batches are for (whose work waits for each batch's copy).
   stream_view consumer_stream() const noexcept { return state_->consumer; }
+  /// Device buffers in the rotation (prefetch_options::depth).
   std::size_t depth() const noexcept { return state_->slots.size(); }
+  /// The most elements a batch holds: the size of each buffer, in elements.
   std::size_t batch_capacity() const noexcept { return state_->capacity; }
 
  private:

@@ -57,39 +57,59 @@ struct is_device_buffer_like<X,
 template <class T>
 class host_span {
  public:
+  /// The element type, cv-qualifiers included.
   using element_type = T;
+  /// The element type without cv-qualifiers.
   using value_type = std::remove_cv_t<T>;
+  /// Where the memory is: memory_location::host.
   static constexpr memory_location location = memory_location::host;
 
+  /// An empty span (null data).
   constexpr host_span() noexcept = default;
+  /// `size` elements of host memory starting at `data`.
   constexpr host_span(T* data, std::size_t size) noexcept : data_(data), size_(size) {}
   /// From a plain span, which does not say where it points: explicit.
   constexpr explicit host_span(gpukit::span<T> s) noexcept : data_(s.data()), size_(s.size()) {}
+  /// The elements of a vector (implicit).
   template <class U, class A, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   host_span(std::vector<U, A>& v) noexcept : data_(v.data()), size_(v.size()) {}  // NOLINT: implicit
+  /// The elements of a const vector (implicit), for a span of const elements.
   template <class U, class A, class = std::enable_if_t<detail::is_element_convertible<const U, T>::value>>
   host_span(const std::vector<U, A>& v) noexcept : data_(v.data()), size_(v.size()) {}  // NOLINT: implicit
+  /// The elements of a std::array (implicit).
   template <class U, std::size_t N, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   constexpr host_span(std::array<U, N>& a) noexcept : data_(a.data()), size_(N) {}  // NOLINT: implicit
+  /// The elements of a const std::array (implicit), for a span of const elements.
   template <class U, std::size_t N, class = std::enable_if_t<detail::is_element_convertible<const U, T>::value>>
   constexpr host_span(const std::array<U, N>& a) noexcept : data_(a.data()), size_(N) {}  // NOLINT: implicit
+  /// The elements of a C array (implicit).
   template <std::size_t N>
   constexpr host_span(T (&a)[N]) noexcept : data_(a), size_(N) {}  // NOLINT: implicit
   /// host_span<T> → host_span<const T>.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   constexpr host_span(const host_span<U>& s) noexcept : data_(s.data()), size_(s.size()) {}  // NOLINT: implicit
 
+  /// Pointer to the first element (null for an empty default-constructed span).
   constexpr T* data() const noexcept { return data_; }
+  /// Number of elements.
   constexpr std::size_t size() const noexcept { return size_; }
+  /// size() × sizeof(T) in bytes, or SIZE_MAX when that overflows.
   constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
+  /// True when size() is 0.
   constexpr bool empty() const noexcept { return size_ == 0; }
+  /// Pointer to the first element.
   constexpr T* begin() const noexcept { return data_; }
+  /// Pointer one past the last element.
   constexpr T* end() const noexcept { return data_ + size_; }
+  /// Element `i`. Unchecked, like std::span.
   constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
   /// Elements [offset, offset + count), still host memory. Unchecked, like std::span.
   constexpr host_span subspan(std::size_t offset, std::size_t count) const noexcept { return {data_ + offset, count}; }
+  /// Elements from `offset` to the end, still host memory. Unchecked: `offset` must not exceed size().
   constexpr host_span subspan(std::size_t offset) const noexcept { return {data_ + offset, size_ - offset}; }
+  /// The first `count` elements, still host memory. Unchecked: `count` must not exceed size().
   constexpr host_span first(std::size_t count) const noexcept { return {data_, count}; }
+  /// The last `count` elements, still host memory. Unchecked: `count` must not exceed size().
   constexpr host_span last(std::size_t count) const noexcept { return {data_ + (size_ - count), count}; }
   /// The plain span.
   constexpr gpukit::span<T> span() const noexcept { return {data_, size_}; }
@@ -104,19 +124,27 @@ class host_span {
 template <class T>
 class pinned_span {
  public:
+  /// The element type, cv-qualifiers included.
   using element_type = T;
+  /// The element type without cv-qualifiers.
   using value_type = std::remove_cv_t<T>;
+  /// Where the memory is: memory_location::pinned.
   static constexpr memory_location location = memory_location::pinned;
 
+  /// An empty span (null data).
   constexpr pinned_span() noexcept = default;
   /// A promise that [data, data + size) is page-locked (registered, or from cudaHostAlloc).
   constexpr pinned_span(T* data, std::size_t size) noexcept : data_(data), size_(size) {}
+  /// The elements of a pinned_buffer (implicit); the span does not own them.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   pinned_span(pinned_buffer<U>& b) noexcept : data_(b.data()), size_(b.size()) {}  // NOLINT: implicit
+  /// The elements of a const pinned_buffer (implicit), for a span of const elements.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<const U, T>::value>>
   pinned_span(const pinned_buffer<U>& b) noexcept : data_(b.data()), size_(b.size()) {}  // NOLINT: implicit
+  /// The elements of a pooled_pinned_buffer (implicit); the span does not own them.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   pinned_span(pooled_pinned_buffer<U>& b) noexcept : data_(b.data()), size_(b.size()) {}  // NOLINT: implicit
+  /// The elements of a const pooled_pinned_buffer (implicit), for a span of const elements.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<const U, T>::value>>
   pinned_span(const pooled_pinned_buffer<U>& b) noexcept : data_(b.data()), size_(b.size()) {}  // NOLINT: implicit
   /// pinned_span<T> → pinned_span<const T>.
@@ -126,19 +154,31 @@ class pinned_span {
   /// Pinned memory is host memory.
   constexpr operator host_span<T>() const noexcept { return {data_, size_}; }  // NOLINT: implicit
 
+  /// Pointer to the first element (null for an empty default-constructed span).
   constexpr T* data() const noexcept { return data_; }
+  /// Number of elements.
   constexpr std::size_t size() const noexcept { return size_; }
+  /// size() × sizeof(T) in bytes, or SIZE_MAX when that overflows.
   constexpr std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
+  /// True when size() is 0.
   constexpr bool empty() const noexcept { return size_ == 0; }
+  /// Pointer to the first element.
   constexpr T* begin() const noexcept { return data_; }
+  /// Pointer one past the last element.
   constexpr T* end() const noexcept { return data_ + size_; }
+  /// Element `i`. Unchecked, like std::span.
   constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  /// Elements [offset, offset + count), still pinned memory. Unchecked, like std::span.
   constexpr pinned_span subspan(std::size_t offset, std::size_t count) const noexcept {
     return {data_ + offset, count};
   }
+  /// Elements from `offset` to the end, still pinned memory. Unchecked: `offset` must not exceed size().
   constexpr pinned_span subspan(std::size_t offset) const noexcept { return {data_ + offset, size_ - offset}; }
+  /// The first `count` elements, still pinned memory. Unchecked: `count` must not exceed size().
   constexpr pinned_span first(std::size_t count) const noexcept { return {data_, count}; }
+  /// The last `count` elements, still pinned memory. Unchecked: `count` must not exceed size().
   constexpr pinned_span last(std::size_t count) const noexcept { return {data_ + (size_ - count), count}; }
+  /// The plain span.
   constexpr gpukit::span<T> span() const noexcept { return {data_, size_}; }
 
  private:
@@ -151,12 +191,18 @@ class pinned_span {
 template <class T>
 class device_span {
  public:
+  /// The element type, cv-qualifiers included.
   using element_type = T;
+  /// The element type without cv-qualifiers.
   using value_type = std::remove_cv_t<T>;
+  /// Where the memory is: memory_location::device.
   static constexpr memory_location location = memory_location::device;
 
+  /// An empty span (null data, default device).
   device_span() noexcept = default;
+  /// `size` elements of memory of device `d` starting at `data`.
   device_span(T* data, std::size_t size, gpukit::device d) noexcept : data_(data), size_(size), device_(d) {}
+  /// The elements of a plain span, which the caller says are memory of device `d`.
   device_span(gpukit::span<T> s, gpukit::device d) noexcept : data_(s.data()), size_(s.size()), device_(d) {}
   /// From a device buffer (gpukit::device_buffer<T> or anything with data(), size(), device() and stream()).
   template <class Buffer, class = std::enable_if_t<detail::is_device_buffer_like<Buffer>::value>,
@@ -167,15 +213,25 @@ class device_span {
   device_span(const device_span<U>& s) noexcept  // NOLINT: implicit
       : data_(s.data()), size_(s.size()), device_(s.device()) {}
 
+  /// Pointer to the first element, in the device's memory (null for an empty default-constructed span).
   T* data() const noexcept { return data_; }
+  /// Number of elements.
   std::size_t size() const noexcept { return size_; }
+  /// size() × sizeof(T) in bytes, or SIZE_MAX when that overflows.
   std::size_t size_bytes() const noexcept { return detail::saturating_bytes<T>(size_); }
+  /// True when size() is 0.
   bool empty() const noexcept { return size_ == 0; }
+  /// The device the memory belongs to.
   gpukit::device device() const noexcept { return device_; }
+  /// Elements [offset, offset + count), on the same device. Unchecked, like std::span.
   device_span subspan(std::size_t offset, std::size_t count) const noexcept { return {data_ + offset, count, device_}; }
+  /// Elements from `offset` to the end, on the same device. Unchecked: `offset` must not exceed size().
   device_span subspan(std::size_t offset) const noexcept { return {data_ + offset, size_ - offset, device_}; }
+  /// The first `count` elements, on the same device. Unchecked: `count` must not exceed size().
   device_span first(std::size_t count) const noexcept { return {data_, count, device_}; }
+  /// The last `count` elements, on the same device. Unchecked: `count` must not exceed size().
   device_span last(std::size_t count) const noexcept { return {data_ + (size_ - count), count, device_}; }
+  /// The plain span, without the device.
   gpukit::span<T> span() const noexcept { return {data_, size_}; }
 
  private:

@@ -85,6 +85,8 @@ enum class copy_direction : unsigned char { host_to_device, device_to_host, devi
 /// A device copy step is any callable `(void* dst, const void* src, std::size_t bytes, copy_direction, stream_view)`
 /// that enqueues the copy on the stream, or throws having enqueued nothing.
 struct device_copier {
+  /// Enqueues a copy of `bytes` bytes from `src` to `dst` on `s`. The direction is unused: cudaMemcpyDefault infers
+  /// it from the pointers.
   void operator()(void* dst, const void* src, std::size_t bytes, copy_direction /*direction*/, stream_view s) const {
     if (s.is_cpu()) {
       s.enqueue_host([dst, src, bytes] { std::memcpy(dst, src, bytes); });
@@ -129,9 +131,9 @@ struct staging_stats {
   std::uint64_t slot_waits = 0;       ///< times to_device found its next slot busy and waited
   std::uint64_t overflows = 0;        ///< to_device calls that handed (the rest of) their transfer to the background
   std::uint64_t overflow_bytes = 0;   ///< bytes handed over that way (held in heap memory until staged)
-  std::uint64_t background_failures = 0;  ///< handed-over transfers that failed (reported through gpukit::warn)
-  std::uint64_t rings_created = 0;
-  std::uint64_t rings_released = 0;
+  std::uint64_t background_failures = 0;       ///< handed-over transfers that failed (reported through gpukit::warn)
+  std::uint64_t rings_created = 0;             ///< rings created, one per stream on first use (again after a release)
+  std::uint64_t rings_released = 0;            ///< idle rings released, by release_idle() or to stay within max_rings
   std::size_t rings = 0;                       ///< rings alive
   std::chrono::nanoseconds wait_time{0};       ///< time to_device spent waiting for slots
   std::chrono::nanoseconds host_copy_time{0};  ///< time to_device spent copying into slots
@@ -319,8 +321,11 @@ class basic_staging_engine {
     return copy;
   }
 
+  /// The options in effect, after the constructor's adjustments (e.g. `threads` 0 resolved to a count).
   const staging_options& options() const noexcept { return options_; }
+  /// The device copy step.
   Copier& copier() noexcept { return copier_; }
+  /// The pinned pool the slots come from.
   pinned_pool& pool() noexcept { return *pool_; }
 
  private:

@@ -88,11 +88,12 @@ std::vector<std::remove_const_t<T>> to_host(device_span<T> src, stream_view s) {
   return out;
 }
 
-/// to_host of a device buffer, on stream `s` (the buffer's own stream by default).
+/// to_host of a device buffer, on stream `s`.
 template <class T>
 std::vector<T> to_host(const device_buffer<T>& src, stream_view s) {
   return to_host(device_span<const T>(src.data(), src.size(), src.device()), s);
 }
+/// to_host of a device buffer, on the buffer's own stream (src.stream()).
 template <class T>
 std::vector<T> to_host(const device_buffer<T>& src) {
   return to_host(src, src.stream());
