@@ -39,3 +39,7 @@ function(gpukit_add_sim_topic_tests)
   endforeach()
 endfunction()
 gpukit_add_sim_topic_tests()
+
+# Capture in CUDA's per-thread default stream mode (a translation unit of that mode, on the simulator).
+gpukit_add_sim_test(test_sim_per_thread_capture SOURCES "${PROJECT_SOURCE_DIR}/tests/cudasim/per_thread_capture_test.cpp")
+target_compile_definitions(test_sim_per_thread_capture PRIVATE CUDA_API_PER_THREAD_DEFAULT_STREAM)

@@ -292,6 +292,8 @@ TEST_CASE("peer: an ordinal that is not visible is an invalid_argument_error nam
         std::string::npos);
   CHECK(exception_text([&] { gpukit::peer_access p(cuda0, cuda7); }).find("cuda:0 -> cuda:7") != std::string::npos);
   CHECK_THROWS_AS(gpukit::peer_access(cuda7, cuda0), gpukit::invalid_argument_error);
+  CHECK(exception_text([&] { gpukit::peer_access p(cuda7, cuda7); }).find("cuda:7 is not visible (2 CUDA devices)") !=
+        std::string::npos);
   CHECK(cudaPeekAtLastError() == cudaSuccess);
   CHECK(cudasim::context_creations(1) == 0);
 }

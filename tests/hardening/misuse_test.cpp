@@ -110,8 +110,10 @@ TEST_CASE("misuse 06: a NaN, negative or above-one memory fraction throws invali
 
 TEST_CASE("misuse 07: a size that overflows when rounded throws invalid_argument_error, a huge one out of memory") {
   gpukit::caching_allocator a(device::cpu());
-  CHECK_THROWS_AS(a.allocate(std::numeric_limits<std::size_t>::max(), cpu_default()), gpukit::invalid_argument_error);
-  CHECK_THROWS_AS(a.allocate(std::numeric_limits<std::size_t>::max() / 4, cpu_default()), gpukit::out_of_memory_error);
+  CHECK_THROWS_AS((void)a.allocate(std::numeric_limits<std::size_t>::max(), cpu_default()),
+                  gpukit::invalid_argument_error);
+  CHECK_THROWS_AS((void)a.allocate(std::numeric_limits<std::size_t>::max() / 4, cpu_default()),
+                  gpukit::out_of_memory_error);
   CHECK(a.memory_allocated() == 0);
   void* p = a.allocate(4096, cpu_default());  // still usable
   a.deallocate(p);
@@ -178,7 +180,7 @@ TEST_CASE("misuse 14: a reserved limit below usage is defined: nothing is freed,
   a.set_reserved_limit(1u << 20);
   CHECK(a.stats().reserved_limit == (1u << 20));
   CHECK(a.memory_reserved() == reserved);  // the live allocation's segment stays
-  CHECK_THROWS_AS(a.allocate(reserved, cpu_default()), gpukit::out_of_memory_error);  // needs a new segment
+  CHECK_THROWS_AS((void)a.allocate(reserved, cpu_default()), gpukit::out_of_memory_error);  // needs a new segment
   a.deallocate(p);
   a.set_reserved_limit(std::numeric_limits<std::size_t>::max());
   void* q = a.allocate(reserved, cpu_default());
@@ -291,7 +293,7 @@ TEST_CASE("misuse 25: pinned pool double, foreign and interior frees throw inval
 
 TEST_CASE("misuse 26: a pinned pool size that overflows throws, a huge one is out of memory") {
   gpukit::pinned_pool pool{gpukit::pinned_upstream(device::kind::cpu)};
-  CHECK_THROWS_AS(pool.allocate(std::numeric_limits<std::size_t>::max()), gpukit::error);
+  CHECK_THROWS_AS((void)pool.allocate(std::numeric_limits<std::size_t>::max()), gpukit::error);
   CHECK(pool.stats().allocated_bytes == 0);
   void* p = pool.allocate(100);
   pool.deallocate(p);

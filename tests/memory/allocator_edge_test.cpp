@@ -92,10 +92,10 @@ TEST_CASE("sizes that overflow when rounded are rejected with invalid_argument_e
   fixture f;
   const std::size_t max = std::numeric_limits<std::size_t>::max();
   for (std::size_t bytes : {max, max - 1, max - 510, max - (std::size_t{2} << 20) + 2}) {
-    CHECK_THROWS_AS(f.a.allocate(bytes, f.s0), gpukit::invalid_argument_error);
+    CHECK_THROWS_AS((void)f.a.allocate(bytes, f.s0), gpukit::invalid_argument_error);
   }
   try {
-    f.a.allocate(max, f.s0);
+    (void)f.a.allocate(max, f.s0);
   } catch (const gpukit::invalid_argument_error& e) {
     CHECK(std::string(e.what()).find("overflows when rounded") != std::string::npos);
     CHECK(e.code() == gpukit::errc::invalid_argument);
@@ -103,7 +103,7 @@ TEST_CASE("sizes that overflow when rounded are rejected with invalid_argument_e
   CHECK(f.a.stats().num_ooms == 0);
   CHECK(f.a.memory_reserved() == 0);
   // A huge size that does not overflow is an out-of-memory condition, not a misuse.
-  CHECK_THROWS_AS(f.a.allocate(max / 2, f.s0), gpukit::out_of_memory_error);
+  CHECK_THROWS_AS((void)f.a.allocate(max / 2, f.s0), gpukit::out_of_memory_error);
   CHECK(f.a.stats().num_ooms == 1);
   CHECK(f.invariants() == "");
 }

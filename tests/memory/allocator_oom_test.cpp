@@ -204,7 +204,7 @@ TEST_CASE("host memory with a capacity: retry after release, then a clean out_of
   void* q = a.allocate(40 * MiB, s);  // 20 + 40 > 48: release, retry
   std::memset(q, 2, 40 * MiB);
   CHECK(a.stats().num_alloc_retries == 1);
-  CHECK_THROWS_AS(a.allocate(10 * MiB, s), gpukit::out_of_memory_error);
+  CHECK_THROWS_AS((void)a.allocate(10 * MiB, s), gpukit::out_of_memory_error);
   CHECK(a.stats().num_ooms == 1);
   a.deallocate(q);
   void* r = a.allocate(10 * MiB, s);  // usable afterwards
@@ -229,11 +229,11 @@ TEST_CASE("other upstream errors propagate unchanged and leave the allocator con
   o.reserved_limit = 30 * MiB;
   gpukit::basic_caching_allocator<throwing_upstream> a(gpukit::device::cpu(), o);
   const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
-  for (int i = 0; i < 3; ++i) CHECK_THROWS_AS(a.allocate(20 * MiB, s), gpukit::no_device_error);
+  for (int i = 0; i < 3; ++i) CHECK_THROWS_AS((void)a.allocate(20 * MiB, s), gpukit::no_device_error);
   CHECK(a.stats().num_ooms == 0);
   CHECK(a.memory_reserved() == 0);
   // The bytes in flight were given back: the limit still admits a 20 MiB segment (else this would be an OOM).
-  CHECK_THROWS_AS(a.allocate(20 * MiB, s), gpukit::no_device_error);
+  CHECK_THROWS_AS((void)a.allocate(20 * MiB, s), gpukit::no_device_error);
   CHECK(check_invariants(a.snapshot(), {}, 512) == "");
 }
 

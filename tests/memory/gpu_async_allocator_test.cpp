@@ -92,7 +92,7 @@ TEST_CASE("gpu: async_allocator out of memory and its limit: observers, the numb
   CHECK(a.stats().num_alloc_retries == 2);
   a.set_reserved_limit(MiB);
   void* p = a.allocate(MiB / 2, s);
-  CHECK_THROWS_AS(a.allocate(MiB, s), gpukit::out_of_memory_error);
+  CHECK_THROWS_AS((void)a.allocate(MiB, s), gpukit::out_of_memory_error);
   REQUIRE(seen.size() == 2);
   CHECK(seen.back().limit_hit);
   CHECK(seen.back().reserved_limit == MiB);
@@ -109,7 +109,7 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::async_allocator a(d);
   gpukit::stream s(d);
-  CHECK_THROWS_AS(a.allocate(16, gpukit::stream_view::default_stream(gpukit::device::cpu())),
+  CHECK_THROWS_AS((void)a.allocate(16, gpukit::stream_view::default_stream(gpukit::device::cpu())),
                   gpukit::invalid_argument_error);
   int local = 0;
   CHECK_THROWS_AS(a.deallocate(&local), gpukit::invalid_argument_error);
@@ -125,7 +125,7 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
   CHECK_THROWS_AS(a.add_out_of_memory_observer(nullptr), gpukit::invalid_argument_error);
   if (gpukit::device_count() > 1) {
     gpukit::stream elsewhere(gpukit::device::cuda(1));
-    CHECK_THROWS_AS(a.allocate(16, elsewhere), gpukit::invalid_argument_error);
+    CHECK_THROWS_AS((void)a.allocate(16, elsewhere), gpukit::invalid_argument_error);
   }
   s.synchronize();
 }

@@ -131,6 +131,7 @@ TEST_CASE("cuda::mr resources compare equal when they share an allocator or pool
 TEST_CASE("pinned_memory_resource: host- and device-accessible memory from a pinned pool, any alignment") {
   gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
   gpukit::pinned_memory_resource resource(pool, gpukit::device::cpu());
+  CHECK(resource.device() == gpukit::device::cpu());
   sync_ref<mr::host_accessible, mr::device_accessible> ref{resource};
 #if CCCL_VERSION >= 3001000
   void* p = ref.allocate_sync(10000, 64);
@@ -183,6 +184,7 @@ TEST_CASE("gpu: pinned_memory_resource on cuda:0 frees in a stream's order") {
   GPUKIT_REQUIRE_GPU();
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::pinned_memory_resource resource(d);
+  CHECK(resource.device() == d);
   gpukit::stream s(d);
   void* p = resource.allocate(s, 1 << 20, 1 << 13);
   CHECK(aligned_to(p, 1 << 13));

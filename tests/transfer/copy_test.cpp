@@ -62,6 +62,8 @@ class fake_pointer_kinds {
   fake_pointer_kinds(const fake_pointer_kinds&) = delete;
   fake_pointer_kinds& operator=(const fake_pointer_kinds&) = delete;
   ~fake_pointer_kinds() { gpukit::detail::pointer_query_override().store(nullptr); }
+  /// Pointer queries answered so far (by any fake).
+  static int queries() { return query_count().load(); }
 
  private:
   struct region {
@@ -75,7 +77,12 @@ class fake_pointer_kinds {
     static region r;
     return r;
   }
+  static std::atomic<int>& query_count() {
+    static std::atomic<int> n{0};
+    return n;
+  }
   static gpukit::detail::pointer_info query(const void* p) {
+    ++query_count();
     const auto* c = static_cast<const char*>(p);
     if (c >= state().begin && c < state().end) {
       return {state().kind, state().kind == gpukit::detail::pointer_kind::device ? state().ordinal : -1};
@@ -475,4 +482,22 @@ TEST_CASE("bad input without a stream: size mismatch and zero elements, as with 
   CHECK_THROWS_WITH_AS(gpukit::copy_async(d, host), doctest::Contains("size mismatch"), gpukit::invalid_argument_error);
   std::vector<std::uint32_t> none;
   gpukit::copy_async(gpukit::device_span<std::uint32_t>(d).subspan(0, 0), none);  // no-op
+}
+
+TEST_CASE("copies ask CUDA where memory is only when the type does not say: spans and host containers") {
+  gpukit::stream s(cpu);
+  gpukit::device_buffer<int> d(10, s);
+  gpukit::pinned_buffer<int> pinned(10, cpu);
+  std::vector<int> host(10, 3);
+  fake_pointer_kinds fake(nullptr, 0, gpukit::detail::pointer_kind::pageable);  // every pointer pageable
+  const int before = fake_pointer_kinds::queries();
+  gpukit::copy_async(d, pinned, s);  // gpukit allocated both: no query, one DMA
+  gpukit::copy_async(pinned, d, s);
+  CHECK(fake_pointer_kinds::queries() == before);
+  gpukit::copy_async(d, host, s);  // the vector is asked about (it may be registered)
+  CHECK(fake_pointer_kinds::queries() == before + 1);
+  gpukit::copy_async(gpukit::pinned_span<int>(pinned.data(), pinned.size()), gpukit::device_span<const int>(d), s);
+  CHECK(fake_pointer_kinds::queries() == before + 3);  // spans are only a pointer and a claim: both asked
+  s.synchronize();
+  CHECK(std::equal(pinned.begin(), pinned.end(), host.begin()));
 }

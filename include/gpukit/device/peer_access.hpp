@@ -251,7 +251,15 @@ class peer_access {
       throw invalid_argument_error("gpukit::peer_access(" + detail::describe_peer_pair(from, to) +
                                    "): peer access is between two CUDA devices");
     }
-    if (from == to) return;
+    if (from == to) {  // nothing to enable, but the ordinal must exist, as for two devices
+      const int visible = device_count();
+      if (from.ordinal() >= visible) {
+        throw invalid_argument_error("gpukit::peer_access(" + detail::describe_peer_pair(from, to) +
+                                     "): " + from.to_string() + " is not visible (" + std::to_string(visible) +
+                                     " CUDA devices)");
+      }
+      return;
+    }
     detail::note_cuda_use();
     detail::acquire_peer_access(from, to);
     active_ = true;

@@ -147,14 +147,18 @@ class graph {
 /// Captures the work `work()` enqueues on `s` (and on streams it forks into the capture) into a graph and
 /// instantiates it. While it runs, gpukit's caching allocators serve allocations on the captured streams from
 /// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
-/// through. Throws invalid_argument_error for a CPU or legacy default stream, or a pool of another device;
-/// cuda_error when CUDA refuses the capture (for instance one invalidated by an unsafe call).
+/// through. Throws invalid_argument_error for a CPU stream or the legacy default stream (0 outside the per-thread
+/// default stream mode), or a pool of another device; cuda_error when CUDA refuses the capture (for instance one
+/// invalidated by an unsafe call).
 template <class F>
 graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
               capture_mode mode = capture_mode::thread_local_) {
-  if (s.is_cpu() || s.native_handle() == nullptr || s.native_handle() == cudaStreamLegacy) {
-    throw invalid_argument_error("gpukit::capture: only a created CUDA stream can be captured, not " +
-                                 std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
+  // CUDA captures created streams and the per-thread default stream (handle 0 in that mode), never the legacy one.
+  if (s.is_cpu() || (s.is_default() && !s.is_per_thread())) {
+    throw invalid_argument_error(
+        "gpukit::capture: only a created CUDA stream or the per-thread default stream can "
+        "be captured, not " +
+        std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
   const gpukit::device d = s.device();
   if (pool && pool->device() != d) {

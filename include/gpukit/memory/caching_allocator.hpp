@@ -326,7 +326,7 @@ class basic_caching_allocator {
   /// Zero bytes gives nullptr. Throws out_of_memory_error when the upstream (or the reserved limit) cannot supply it
   /// even after the cache is released; invalid_argument_error for a stream of another device, a size that
   /// overflows when rounded, or a stream being captured into a CUDA graph.
-  void* allocate(std::size_t bytes, const stream_type& stream) {
+  [[nodiscard]] void* allocate(std::size_t bytes, const stream_type& stream) {
     if (bytes == 0) return nullptr;
     refuse_if_captured(stream, "allocate");
     const std::size_t size = round_request(bytes);
@@ -448,7 +448,7 @@ class basic_caching_allocator {
   }
 
   /// True when `p` is the start of a live allocation of this allocator.
-  bool owns(const void* p) const noexcept {
+  [[nodiscard]] bool owns(const void* p) const noexcept {
     return p != nullptr && live_block(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
   }
 

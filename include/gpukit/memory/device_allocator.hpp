@@ -49,7 +49,7 @@ class device_allocator {
   virtual ~device_allocator() = default;
 
   /// The device whose memory this allocator hands out.
-  virtual gpukit::device device() const noexcept = 0;
+  [[nodiscard]] virtual gpukit::device device() const noexcept = 0;
 
   /// The alignment every allocation has without asking, as with cudaMalloc (an allocator configured with a smaller
   /// rounding gives that rounding; see natural_alignment()).
@@ -59,12 +59,12 @@ class device_allocator {
 
   /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
   /// out_of_memory_error, or invalid_argument_error for a stream of another device.
-  void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
+  [[nodiscard]] void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
   /// The same, aligned to `alignment` (a power of two). Above natural_alignment() the memory comes from a block
   /// `alignment - natural_alignment()` bytes larger (the statistics, snapshots and history show that block: its
   /// start and size), and the aligned address is remembered process-wide, so it may be freed through any allocator
   /// that could free the block. Throws invalid_argument_error for an alignment that is not a power of two.
-  void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
+  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
     // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
     if (alignment <= min_natural_alignment && detail::is_power_of_two(alignment)) return do_allocate(bytes, stream);
     detail::require_power_of_two_alignment(alignment, "gpukit::device_allocator::allocate");
@@ -89,19 +89,21 @@ class device_allocator {
   }
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).
-  bool owns(const void* p) const noexcept { return do_owns(detail::over_aligned_addresses().block_of(p)); }
+  [[nodiscard]] bool owns(const void* p) const noexcept {
+    return do_owns(detail::over_aligned_addresses().block_of(p));
+  }
   /// The alignment of every allocation made without asking for one (a power of two, at least
   /// min_natural_alignment).
-  std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
+  [[nodiscard]] std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
 
   /// Statistics, read without locking.
-  virtual allocator_stats stats() const = 0;
+  [[nodiscard]] virtual allocator_stats stats() const = 0;
   /// The cached free memory's layout (largest free block, fragmentation).
-  virtual free_space_info free_space() const = 0;
+  [[nodiscard]] virtual free_space_info free_space() const = 0;
   /// Segments and blocks with consistent statistics (for debugging and tests).
-  virtual allocator_snapshot snapshot() const = 0;
+  [[nodiscard]] virtual allocator_snapshot snapshot() const = 0;
   /// A torch.cuda.memory_summary()-style table.
-  virtual std::string memory_summary() const = 0;
+  [[nodiscard]] virtual std::string memory_summary() const = 0;
 
   /// Returns completely free segments to the device after pending work completes.
   virtual void empty_cache() = 0;
@@ -138,16 +140,16 @@ class device_allocator {
                                  " does not record a memory history");
   }
   /// The history being recorded into, or null.
-  virtual std::shared_ptr<memory_history> history() const { return nullptr; }
+  [[nodiscard]] virtual std::shared_ptr<memory_history> history() const { return nullptr; }
 
   /// Bytes handed out to users, like torch.cuda.memory_allocated().
-  virtual std::size_t memory_allocated() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t memory_allocated() const noexcept = 0;
   /// Bytes held from the device, like torch.cuda.memory_reserved().
-  virtual std::size_t memory_reserved() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t memory_reserved() const noexcept = 0;
   /// Peak of memory_allocated() since the last reset_peak_stats(), like torch.cuda.max_memory_allocated().
-  virtual std::size_t max_memory_allocated() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t max_memory_allocated() const noexcept = 0;
   /// Peak of memory_reserved() since the last reset_peak_stats(), like torch.cuda.max_memory_reserved().
-  virtual std::size_t max_memory_reserved() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t max_memory_reserved() const noexcept = 0;
 
  protected:
   device_allocator() = default;
@@ -166,7 +168,7 @@ class device_allocator {
   virtual void do_record_stream(void* p, stream_view stream) = 0;
   virtual bool do_owns(const void* p) const noexcept = 0;
   /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
-  virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
+  [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
 };
 
 /// The caching engine (basic_caching_allocator) over `Upstream`, with gpukit's streams and events, as a

@@ -161,6 +161,8 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
 
   /// The pool behind this resource.
   pinned_pool& pool() const noexcept { return *pool_; }
+  /// The device whose current stream orders the "synchronous" calls (allocate_sync, deallocate_sync).
+  gpukit::device device() const noexcept { return device_; }
 
   // CCCL 3.1 and later (CCCL 3.0's names come from cccl_3_0_names).
 

@@ -192,7 +192,7 @@ class pinned_upstream {
   /// Pins `bytes` (cudaHostAlloc) or allocates page-aligned host memory. Pinned memory belongs to the context current
   /// during the call, and a thread that never chose a device (the prefetcher's, a staging caller's) would create
   /// cuda:0's: portable memory serves every context, so one that exists is used (detail::device_with_context).
-  void* allocate(std::size_t bytes) {
+  [[nodiscard]] void* allocate(std::size_t bytes) {
     if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
     detail::note_cuda_use();
     detail::context_scope scope(context_device_, flags_.portable);
@@ -292,7 +292,7 @@ class basic_pinned_pool {
   /// A block of at least `bytes` (its size class), served from the cache when a block of that class is free, else
   /// from the upstream. Returns nullptr for 0. If the upstream is out of memory the cache is emptied and the request
   /// retried once before out_of_memory_error is thrown.
-  void* allocate(std::size_t bytes) {
+  [[nodiscard]] void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
     const std::size_t size = pinned_size_class(bytes, options_.classes_per_doubling);
     if (size == std::numeric_limits<std::size_t>::max()) {

@@ -58,8 +58,8 @@ GPUKIT_BEGIN_NAMESPACE
 // CUDA graph capture. Memory handed out, freed or recorded on a stream that is being captured would belong to the
 // graph (its launches reuse the addresses long after the allocator has given them to others), cudaMalloc/cudaFree
 // are prohibited during a capture (and invalidate it), and an event recorded in a capture cannot be queried later
-// (cudaErrorCapturedEvent). Until graph-private memory pools exist, gpukit refuses such operations before changing
-// anything.
+// (cudaErrorCapturedEvent). The engines refuse such operations before changing anything; captures given a graph
+// pool (graph/graph.hpp, memory/graph_pool.hpp) are served by the pool instead.
 // ---------------------------------------------------------------------------------------------------------------
 
 namespace detail {

@@ -60,7 +60,7 @@ class host_upstream {
 
   /// Memory for a segment, or nullptr when the capacity or the host is exhausted (the allocator then frees its
   /// cache and retries, and reports out of memory if that does not help).
-  void* allocate(std::size_t bytes) {
+  [[nodiscard]] void* allocate(std::size_t bytes) {
     std::size_t used = used_.load(std::memory_order_relaxed);
     do {
       if (bytes > capacity_ || used > capacity_ - bytes) return nullptr;
@@ -131,7 +131,7 @@ class address_space_upstream {
   address_space_upstream& operator=(const address_space_upstream&) = delete;
 
   /// A fresh address range of `bytes`, or nullptr when the capacity would be exceeded (or after fail_next()).
-  void* allocate(std::size_t bytes) {
+  [[nodiscard]] void* allocate(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (forced_failures_ > 0) {
       --forced_failures_;
@@ -369,10 +369,19 @@ class cuda_upstream {
   explicit cuda_upstream(gpukit::device d) : device_(d) {
     if (!d.is_cuda()) throw invalid_argument_error("gpukit::cuda_upstream: " + d.to_string() + " is not a CUDA device");
   }
+  /// A copy serves the same device and knows what this one learnt of its virtual memory support.
+  cuda_upstream(const cuda_upstream& other) noexcept
+      : device_(other.device_), vm_(other.vm_.load(std::memory_order_acquire)) {}
+  /// Serves `other`'s device from now on.
+  cuda_upstream& operator=(const cuda_upstream& other) noexcept {
+    device_ = other.device_;
+    vm_.store(other.vm_.load(std::memory_order_acquire), std::memory_order_release);
+    return *this;
+  }
 
   /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
   /// failure (no driver, invalid device) throws the matching gpukit exception.
-  void* allocate(std::size_t bytes) {
+  [[nodiscard]] void* allocate(std::size_t bytes) {
     device_guard guard(device_);
     void* p = nullptr;
     const cudaError_t result = cudaMalloc(&p, bytes);
@@ -424,9 +433,11 @@ class cuda_upstream {
   // --- virtual memory (expandable segments): the driver's cuMem* functions, from cudaGetDriverEntryPoint ---
 
   /// Whether the driver provides the virtual memory functions and the device supports them
-  /// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED). Asked once (callers serialize); never throws.
+  /// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED). Asked once; thread-safe (threads that ask at the
+  /// same time may both ask the driver, and learn the same); never throws.
   bool virtual_memory_supported() const noexcept {
-    if (vm_state_ == 0) {
+    std::uint64_t state = vm_.load(std::memory_order_acquire);
+    if (state == vm_not_asked) {
       const detail::driver_api& api = detail::driver();
       int supported = 0;
       CUdevice device = 0;
@@ -438,19 +449,19 @@ class cuda_upstream {
       const CUmemAllocationProp prop = allocation_properties();
       ok = ok && detail::driver().mem_get_allocation_granularity(&granularity, &prop,
                                                                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS;
-      page_size_ = ok ? granularity : 0;
-      vm_state_ = ok && granularity != 0 ? 1 : 2;
+      state = ok && granularity != 0 ? static_cast<std::uint64_t>(granularity) << 1 | 1 : vm_unsupported;
+      vm_.store(state, std::memory_order_release);
     }
-    return vm_state_ == 1;
+    return (state & 1) != 0;
   }
   /// The mapping granularity (2 MiB on current GPUs); 0 when virtual memory is unsupported.
-  std::size_t page_size() const noexcept { return virtual_memory_supported() ? page_size_ : 0; }
+  std::size_t page_size() const noexcept { return virtual_memory_supported() ? page_bytes() : 0; }
   /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when refused.
   void* reserve(std::size_t bytes) {
     if (!virtual_memory_supported()) return nullptr;
     device_guard guard(device_);
     CUdeviceptr address = 0;
-    if (detail::driver().mem_address_reserve(&address, bytes, page_size_, 0, 0) != CUDA_SUCCESS) return nullptr;
+    if (detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0) != CUDA_SUCCESS) return nullptr;
     return reinterpret_cast<void*>(address);
   }
   /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device) per
@@ -465,17 +476,17 @@ class cuda_upstream {
     access.location.id = device_.ordinal();
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     const auto start = reinterpret_cast<CUdeviceptr>(address);
-    for (CUdeviceptr page = start; page < start + bytes; page += page_size_) {
+    for (CUdeviceptr page = start; page < start + bytes; page += page_bytes()) {
       CUmemGenericAllocationHandle handle{};
-      CUresult r = api.mem_create(&handle, page_size_, &prop, 0);
+      CUresult r = api.mem_create(&handle, page_bytes(), &prop, 0);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       if (r != CUDA_SUCCESS) throw_driver_failure("cuMemCreate", r);
-      r = api.mem_map(page, page_size_, 0, handle, 0);
+      r = api.mem_map(page, page_bytes(), 0, handle, 0);
       (void)api.mem_release(handle);  // the mapping keeps the memory
       if (r != CUDA_SUCCESS) throw_driver_failure("cuMemMap", r);
-      r = api.mem_set_access(page, page_size_, &access, 1);
+      r = api.mem_set_access(page, page_bytes(), &access, 1);
       if (r != CUDA_SUCCESS) {
-        (void)api.mem_unmap(page, page_size_);
+        (void)api.mem_unmap(page, page_bytes());
         throw_driver_failure("cuMemSetAccess", r);
       }
     }
@@ -489,8 +500,8 @@ class cuda_upstream {
       detail::report_cuda_failure(cudaDeviceSynchronize(), "cudaDeviceSynchronize (before unmapping pages)",
                                   device_.ordinal());
       const auto start = reinterpret_cast<CUdeviceptr>(address);
-      for (CUdeviceptr page = start; page < start + bytes; page += page_size_) {
-        const CUresult r = detail::driver().mem_unmap(page, page_size_);
+      for (CUdeviceptr page = start; page < start + bytes; page += page_bytes()) {
+        const CUresult r = detail::driver().mem_unmap(page, page_bytes());
         if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
       }
     } catch (const std::exception& e) {
@@ -524,8 +535,12 @@ class cuda_upstream {
   }
 
   gpukit::device device_;
-  mutable int vm_state_ = 0;  // 0 not asked, 1 supported, 2 not
-  mutable std::size_t page_size_ = 0;
+  // What the driver said of virtual memory, asked once: not asked, unsupported, or (page size << 1) | 1.
+  static constexpr std::uint64_t vm_not_asked = 0;
+  static constexpr std::uint64_t vm_unsupported = 2;
+  /// The page size once virtual_memory_supported() said yes.
+  std::size_t page_bytes() const noexcept { return static_cast<std::size_t>(vm_.load(std::memory_order_relaxed) >> 1); }
+  mutable std::atomic<std::uint64_t> vm_{vm_not_asked};
 };
 
 /// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
@@ -536,7 +551,9 @@ class device_upstream {
 
   /// cudaMalloc on a CUDA device, unlimited host memory on the CPU; nullptr when out of memory (cuda_upstream,
   /// host_upstream).
-  void* allocate(std::size_t bytes) { return device_.is_cuda() ? cuda_.allocate(bytes) : host_.allocate(bytes); }
+  [[nodiscard]] void* allocate(std::size_t bytes) {
+    return device_.is_cuda() ? cuda_.allocate(bytes) : host_.allocate(bytes);
+  }
   /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
   void deallocate(void* p, std::size_t bytes) noexcept {
     if (device_.is_cuda()) {

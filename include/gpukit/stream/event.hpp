@@ -104,7 +104,7 @@ class event {
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
   /// pending CUDA error of the program stays pending: cudaErrorNotReady is a status, not an error, and is cleared
   /// only if the runtime recorded it as the last error (detail::forget_not_ready).
-  bool ready() const {
+  [[nodiscard]] bool ready() const {
     check_valid("ready");
     if (cpu_) {
       auto marker = cpu_->latest();

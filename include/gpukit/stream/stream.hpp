@@ -308,7 +308,7 @@ class stream_view {
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
   /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
   /// it as the last error (detail::forget_not_ready).
-  bool ready() const {
+  [[nodiscard]] bool ready() const {
     if (is_cpu()) return cpu_ == nullptr || cpu_->idle();
     std::optional<device_guard> guard;
     enter_context(guard);
@@ -527,7 +527,7 @@ class stream {
   /// Blocks until all work enqueued on the stream has completed (see stream_view::synchronize).
   void synchronize() const { view().synchronize(); }
   /// True when all work enqueued on the stream has completed; never blocks (see stream_view::ready).
-  bool ready() const { return view().ready(); }
+  [[nodiscard]] bool ready() const { return view().ready(); }
   /// Enqueues a host function to run after the work enqueued so far (see stream_view::enqueue_host for its rules).
   template <class F>
   void enqueue_host(F&& function) const {
@@ -536,7 +536,7 @@ class stream {
 
   /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
   /// the stream then treat it like a raw handle: it must outlive the memory allocated on it.
-  cudaStream_t release() {
+  [[nodiscard]] cudaStream_t release() {
     check_valid("release");
     if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
     cudaStream_t handle = cuda_;

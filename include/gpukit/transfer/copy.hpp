@@ -64,7 +64,8 @@ struct copy_side {
   const void* data = nullptr;
   std::size_t count = 0;
   memory_location location = memory_location::host;
-  gpukit::device dev{};  // for device memory
+  gpukit::device dev{};         // for device memory
+  bool location_known = false;  // gpukit allocated it (location_is_known): no need to ask CUDA where it is
 };
 
 inline std::string describe_side(const char* role, const copy_side& side, std::size_t element_size) {
@@ -133,6 +134,10 @@ inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t e
   }
   bool host_pinned = false;
   for (const copy_side* side : {&dst, &src}) {
+    if (side->location_known) {
+      if (side->location != memory_location::device) host_pinned = side->location == memory_location::pinned;
+      continue;
+    }
     const char* role = side == &dst ? "the destination" : "the source";
     const pointer_info info = query_pointer(side->data);
     if (side->location == memory_location::device) {
@@ -174,13 +179,16 @@ inline constexpr std::string_view capture_advice_staging =
     "enqueued)";
 
 /// Picks the staging engine once the stream's device is known: a fixed one, or the default of the device's kind.
+/// copier() is the engine's direct copy step, which copies that need no staging use without creating an engine.
 template <class Engine>
 struct fixed_engine {
   Engine* engine;
   Engine& operator()(gpukit::device) const noexcept { return *engine; }
+  auto& copier() const noexcept { return engine->copier(); }
 };
 struct default_engine {
   staging_engine& operator()(gpukit::device d) const { return default_staging_engine(d); }
+  device_copier copier() const noexcept { return {}; }  // what the default engines use
 };
 
 /// Checks and dispatches a copy (see the file comment).
@@ -198,21 +206,19 @@ void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   if (!d2d && !host_pinned) refuse_capture(s, sd, "gpukit::copy_async", capture_advice_staging);
   const std::size_t bytes = dst.count * element_size;
   void* out = const_cast<void*>(dst.data);
-  auto& engine = engine_for(sd);
-  if (d2d) {
-    engine.copier()(out, src.data, bytes, copy_direction::device_to_device, s);
-  } else if (dst.location == memory_location::device) {
-    if (host_pinned) {
-      engine.copier()(out, src.data, bytes, copy_direction::host_to_device, s);
-    } else {
-      engine.to_device(out, src.data, bytes, s);
-    }
+  const bool to_device = dst.location == memory_location::device;
+  if (d2d || host_pinned) {  // one DMA: the staging engine (and its pinned pool) is not involved
+    const copy_direction direction = d2d         ? copy_direction::device_to_device
+                                     : to_device ? copy_direction::host_to_device
+                                                 : copy_direction::device_to_host;
+    engine_for.copier()(out, src.data, bytes, direction, s);
+    return;
+  }
+  auto& engine = engine_for(sd);  // pageable memory only
+  if (to_device) {
+    engine.to_device(out, src.data, bytes, s);
   } else {
-    if (host_pinned) {
-      engine.copier()(out, src.data, bytes, copy_direction::device_to_host, s);
-    } else {
-      engine.to_host(out, src.data, bytes, s);
-    }
+    engine.to_host(out, src.data, bytes, s);
   }
 }
 
@@ -231,8 +237,8 @@ void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_fo
                 "gpukit::copy_async: elements must be trivially copyable (they are copied as bytes)");
   static_assert(dst_type::location == memory_location::device || src_type::location == memory_location::device,
                 "gpukit::copy_async: both sides are host memory; use std::copy");
-  copy_side d{dst.data(), dst.size(), dst_type::location, {}};
-  copy_side r{src.data(), src.size(), src_type::location, {}};
+  copy_side d{dst.data(), dst.size(), dst_type::location, {}, location_is_known<Dst>::value};
+  copy_side r{src.data(), src.size(), src_type::location, {}, location_is_known<Src>::value};
   if constexpr (dst_type::location == memory_location::device) d.dev = dst.device();
   if constexpr (src_type::location == memory_location::device) r.dev = src.device();
   copy_bytes(d, r, sizeof(dst_element), s, engine_for);

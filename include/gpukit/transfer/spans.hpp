@@ -265,6 +265,12 @@ struct is_host_container<std::vector<T, A>> : std::true_type {};
 template <class T, std::size_t N>
 struct is_host_container<std::array<T, N>> : std::true_type {};
 
+/// Whether gpukit allocated X's memory itself (pinned buffers, device buffers), so the type fixes where it is and
+/// copies need not ask CUDA; spans and host containers are checked (a vector may be registered, a span may lie).
+template <class X>
+struct location_is_known : std::integral_constant<bool, is_pinned_container<std::remove_cv_t<X>>::value ||
+                                                            is_device_buffer_like<std::remove_cv_t<X>>::value> {};
+
 template <class>
 struct always_false : std::false_type {};
 
