@@ -5,7 +5,7 @@
 // GPUKIT_SEPARATE_COMPILATION, under which the headers declare these instantiations `extern template` (see
 // include/gpukit/detail/config.hpp), so they call this code instead of compiling the engines themselves.
 // gpukit_compiled_ptds.cpp compiles the same list for CUDA's per-thread default stream mode, whose translation units
-// use their own inline namespace (gpukit::abi_v0_ptds).
+// use their own inline namespace (gpukit::abi_v1_ptds).
 
 #ifndef GPUKIT_SEPARATE_COMPILATION
 #define GPUKIT_SEPARATE_COMPILATION 1  // an explicit instantiation may follow its extern declaration

@@ -2,6 +2,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // The instantiations of gpukit_compiled.cpp for translation units in CUDA's per-thread default stream mode (nvcc
-// --default-stream per-thread), which name gpukit::abi_v0_ptds (see include/gpukit/detail/config.hpp).
+// --default-stream per-thread), which name gpukit::abi_v1_ptds (see include/gpukit/detail/config.hpp).
 #define CUDA_API_PER_THREAD_DEFAULT_STREAM 1
 #include "gpukit_compiled.cpp"

@@ -327,3 +327,19 @@ TEST_CASE("a device_buffer of an over-aligned type is aligned for it") {
   own.a.deallocate(first);
   CHECK(own.a.memory_allocated() == 0);
 }
+
+TEST_CASE("device_allocation with an alignment, and a device_buffer's memory as its device_allocation") {
+  gpukit::stream s(cpu);
+  gpukit::device_allocation a(1000, 4096, s, gpukit::default_allocator(cpu));
+  CHECK(reinterpret_cast<std::uintptr_t>(a.get()) % 4096 == 0);
+  CHECK(a.size() == 1000);
+  CHECK(gpukit::default_allocator(cpu).owns(a.get()));
+  CHECK_THROWS_AS(gpukit::device_allocation(10, 3, s, gpukit::default_allocator(cpu)), gpukit::invalid_argument_error);
+  gpukit::device_buffer<double> b(10, s);
+  CHECK(b.allocation().get() == b.data());
+  CHECK(b.allocation().size() == b.size_bytes());
+  CHECK(b.allocation().stream() == b.stream());
+  gpukit::device_buffer<double> moved(std::move(b));
+  CHECK(moved.size() == 10);
+  CHECK(b.allocation().empty());  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+}

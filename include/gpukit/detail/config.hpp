@@ -16,7 +16,7 @@
 /// per-thread, which defines CUDA_API_PER_THREAD_DEFAULT_STREAM, or that macro defined before cuda_runtime_api.h)
 /// maps the stream API to `_ptds`/`_ptsz` symbols per translation unit, so an inline gpukit function compiled in
 /// both modes would be two different functions with one name (an ODR violation: the linker keeps one of them).
-/// With a namespace per mode (gpukit::abi_v0 or gpukit::abi_v0_ptds) each mode has its own symbols, and so its own
+/// With a namespace per mode (gpukit::abi_v1 or gpukit::abi_v1_ptds) each mode has its own symbols, and so its own
 /// copy of gpukit, including its own process-wide singletons (default allocators, pools). Code names `gpukit::x`
 /// either way; forward-declaring gpukit types in `namespace gpukit { ... }` is not supported.
 ///
@@ -51,12 +51,15 @@
 #define GPUKIT_DETAIL_NOINLINE
 #endif
 
+// The version in the name changes whenever a layout or virtual table of gpukit's types changes, so that code built
+// against an older gpukit fails to link with newer code instead of misbehaving (v1: device_allocator's virtual
+// functions became the private do_* ones).
 #if defined(__CUDART_API_PER_THREAD_DEFAULT_STREAM)
 #define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 1
-#define GPUKIT_ABI_NAMESPACE abi_v0_ptds
+#define GPUKIT_ABI_NAMESPACE abi_v1_ptds
 #else
 #define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 0
-#define GPUKIT_ABI_NAMESPACE abi_v0
+#define GPUKIT_ABI_NAMESPACE abi_v1
 #endif
 
 #define GPUKIT_BEGIN_NAMESPACE \

@@ -210,63 +210,70 @@ inline void check_snapshot(const system_snapshot& system) {
 
 }  // namespace detail
 
-/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
-/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
-/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
-/// required and none qualifies.
-inline device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
-  detail::check_snapshot(system);
-  device_selection selection;
+namespace detail {
+
+/// Step 0: every visible GPU judged against the policy (eligible, or the reason it is not).
+inline std::vector<candidate_verdict> judge_candidates(const selection_policy& policy, const system_snapshot& system) {
+  std::vector<candidate_verdict> candidates;
   for (const auto& g : system.gpus) {
-    candidate_verdict v{g.device, g.name, false, detail::rejection_reason(g, policy)};
+    candidate_verdict v{g.device, g.name, false, rejection_reason(g, policy)};
     v.eligible = v.note.empty();
     if (v.eligible && policy.min_free_bytes > 0 && !g.free_memory) {
       v.note = "free memory unknown; compared total memory";
     }
-    selection.candidates.push_back(std::move(v));
+    candidates.push_back(std::move(v));
   }
+  return candidates;
+}
 
-  // 1. Explicit override.
-  if (policy.use_environment && system.gpukit_device && !detail::trim_whitespace(*system.gpukit_device).empty()) {
-    const device d = detail::resolve_override(*system.gpukit_device, system);
-    if (d.is_cpu() && policy.require_gpu) {
-      throw no_device_error("GPUKIT_DEVICE=\"" + *system.gpukit_device +
-                            "\" selects the CPU, but the policy requires a GPU");
-    }
-    selection.device = d;
-    selection.source = device_selection::decided_by::environment_override;
-    selection.reason = "GPUKIT_DEVICE=\"" + *system.gpukit_device + "\" overrides the policy";
-    if (d.is_cuda()) {
-      const auto& verdict = selection.candidates[static_cast<std::size_t>(d.ordinal())];
-      if (!verdict.eligible) selection.reason += " (although " + verdict.note + ")";
-    }
-    return selection;
+/// Step 1: GPUKIT_DEVICE, when set, decides.
+inline bool select_by_override(const selection_policy& policy, const system_snapshot& system,
+                               device_selection& selection) {
+  if (!policy.use_environment || !system.gpukit_device || trim_whitespace(*system.gpukit_device).empty()) {
+    return false;
   }
+  const device d = resolve_override(*system.gpukit_device, system);
+  if (d.is_cpu() && policy.require_gpu) {
+    throw no_device_error("GPUKIT_DEVICE=\"" + *system.gpukit_device +
+                          "\" selects the CPU, but the policy requires a GPU");
+  }
+  selection.device = d;
+  selection.source = device_selection::decided_by::environment_override;
+  selection.reason = "GPUKIT_DEVICE=\"" + *system.gpukit_device + "\" overrides the policy";
+  if (d.is_cuda()) {
+    const auto& verdict = selection.candidates[static_cast<std::size_t>(d.ordinal())];
+    if (!verdict.eligible) selection.reason += " (although " + verdict.note + ")";
+  }
+  return true;
+}
 
-  // 2. The launcher's local rank: validated with or without GPUs, used only with them.
+/// Step 2: the launcher's local rank, validated with or without GPUs, decides when there are GPUs.
+inline bool select_by_local_rank(const selection_policy& policy, const system_snapshot& system,
+                                 device_selection& selection) {
   const std::optional<int> rank =
-      policy.use_environment && system.local_rank ? std::optional<int>(detail::parse_local_rank(system)) : std::nullopt;
-  if (rank && !system.gpus.empty()) {
-    const int count = static_cast<int>(system.gpus.size());
-    const int ordinal = *rank % count;
-    const auto& verdict = selection.candidates[static_cast<std::size_t>(ordinal)];
-    const std::string mapping = system.local_rank_variable + "=" + std::to_string(*rank) +
-                                " maps to cuda:" + std::to_string(ordinal) + " (rank % " + std::to_string(count) +
-                                " visible)";
-    if (!verdict.eligible) {
-      throw no_device_error(mapping + ", which does not satisfy the policy: " + verdict.note +
-                            "; each rank must use its own device, so no other device is chosen");
-    }
-    selection.device = device::cuda(ordinal);
-    selection.source = device_selection::decided_by::local_rank;
-    selection.reason = mapping;
-    if (*rank >= count) selection.reason += "; more ranks than devices, so ranks share devices";
-    return selection;
+      policy.use_environment && system.local_rank ? std::optional<int>(parse_local_rank(system)) : std::nullopt;
+  if (!rank || system.gpus.empty()) return false;
+  const int count = static_cast<int>(system.gpus.size());
+  const int ordinal = *rank % count;
+  const auto& verdict = selection.candidates[static_cast<std::size_t>(ordinal)];
+  const std::string mapping = system.local_rank_variable + "=" + std::to_string(*rank) +
+                              " maps to cuda:" + std::to_string(ordinal) + " (rank % " + std::to_string(count) +
+                              " visible)";
+  if (!verdict.eligible) {
+    throw no_device_error(mapping + ", which does not satisfy the policy: " + verdict.note +
+                          "; each rank must use its own device, so no other device is chosen");
   }
+  selection.device = device::cuda(ordinal);
+  selection.source = device_selection::decided_by::local_rank;
+  selection.reason = mapping;
+  if (*rank >= count) selection.reason += "; more ranks than devices, so ranks share devices";
+  return true;
+}
 
-  // 3. The policy.
+/// Step 3: the policy's preference among the eligible GPUs, if any is.
+inline bool select_by_policy(const selection_policy& policy, const system_snapshot& system,
+                             device_selection& selection) {
   const gpu_snapshot* best = nullptr;
-  std::string ranking_note;
   for (std::size_t i = 0; i < system.gpus.size(); ++i) {
     if (!selection.candidates[i].eligible) continue;
     const gpu_snapshot& g = system.gpus[i];
@@ -278,7 +285,7 @@ inline device_selection select_device(const selection_policy& policy, const syst
       case device_preference::first:
         break;
       case device_preference::most_free_memory:
-        if (detail::usable_memory(g) > detail::usable_memory(*best)) best = &g;
+        if (usable_memory(g) > usable_memory(*best)) best = &g;
         break;
       case device_preference::least_utilized:
         if (g.utilization_percent &&
@@ -288,29 +295,31 @@ inline device_selection select_device(const selection_policy& policy, const syst
         break;
     }
   }
-  if (best != nullptr) {
-    selection.device = best->device;
-    selection.source = device_selection::decided_by::policy;
-    switch (policy.prefer) {
-      case device_preference::first:
-        selection.reason = "the first visible device that meets the policy";
-        break;
-      case device_preference::most_free_memory:
-        selection.reason = best->free_memory ? "the most free memory (" + detail::format_bytes(*best->free_memory) +
-                                                   ", from " + best->free_memory_source + ")"
-                                             : "the most total memory (" + detail::format_bytes(best->total_memory) +
-                                                   "; free memory unknown: " + system.telemetry + ")";
-        break;
-      case device_preference::least_utilized:
-        selection.reason = best->utilization_percent
-                               ? "the least utilised (" + std::to_string(*best->utilization_percent) + "% busy)"
-                               : "the first eligible device (utilisation unknown: " + system.telemetry + ")";
-        break;
-    }
-    return selection;
+  if (best == nullptr) return false;
+  selection.device = best->device;
+  selection.source = device_selection::decided_by::policy;
+  switch (policy.prefer) {
+    case device_preference::first:
+      selection.reason = "the first visible device that meets the policy";
+      break;
+    case device_preference::most_free_memory:
+      selection.reason = best->free_memory ? "the most free memory (" + format_bytes(*best->free_memory) + ", from " +
+                                                 best->free_memory_source + ")"
+                                           : "the most total memory (" + format_bytes(best->total_memory) +
+                                                 "; free memory unknown: " + system.telemetry + ")";
+      break;
+    case device_preference::least_utilized:
+      selection.reason = best->utilization_percent
+                             ? "the least utilised (" + std::to_string(*best->utilization_percent) + "% busy)"
+                             : "the first eligible device (utilisation unknown: " + system.telemetry + ")";
+      break;
   }
+  return true;
+}
 
-  // 4. The CPU, or an error listing every rejection.
+/// Step 4: the CPU, or (a GPU required) an error listing every rejection.
+inline void select_cpu_fallback(const selection_policy& policy, const system_snapshot& system,
+                                device_selection& selection) {
   std::string why;
   if (system.gpus.empty()) {
     why = system.no_gpu_reason.empty() ? std::string("no CUDA device is visible") : system.no_gpu_reason;
@@ -323,6 +332,22 @@ inline device_selection select_device(const selection_policy& policy, const syst
   selection.device = device::cpu();
   selection.source = device_selection::decided_by::cpu_fallback;
   selection.reason = why + "; using the CPU";
+}
+
+}  // namespace detail
+
+/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
+/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
+/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
+/// required and none qualifies.
+inline device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
+  detail::check_snapshot(system);
+  device_selection selection;
+  selection.candidates = detail::judge_candidates(policy, system);
+  if (detail::select_by_override(policy, system, selection)) return selection;
+  if (detail::select_by_local_rank(policy, system, selection)) return selection;
+  if (detail::select_by_policy(policy, system, selection)) return selection;
+  detail::select_cpu_fallback(policy, system, selection);
   return selection;
 }
 

@@ -157,6 +157,114 @@ inline std::string quoted_entry(std::size_t position, std::string_view entry) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// A repeated device: CUDA then hides every device (the set is emptied).
+inline visible_devices& empty_for_repeat(visible_devices& result, std::size_t position, std::string_view entry,
+                                         const char* what) {
+  result.devices.clear();
+  result.note = quoted_entry(position, entry) + " repeats " + what +
+                " already listed, and a repeated device makes CUDA hide every device.";
+  return result;
+}
+
+/// A MIG instance list: CUDA takes the first entry only; nothing to check it against.
+inline void parse_mig_list(const std::vector<std::string_view>& entries, visible_devices& result) {
+  result.form = visible_devices::list_form::mig;
+  result.devices.push_back({std::string(entries.front()), -1, {}});
+  if (entries.size() > 1) {
+    result.note = "CUDA enumerates only one MIG instance, so the entries after the first are ignored.";
+  }
+  result.verified = false;  // MIG instances are not in the installed list
+}
+
+/// A GPU UUID (prefix) list, read as written, then matched against the installed GPUs' UUIDs where known.
+inline void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                            visible_devices& result) {
+  result.form = visible_devices::list_form::gpu_uuids;
+  // First pass, as written: the list ends at the first entry that is not a UUID; a repeat empties the set.
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const std::string_view entry = entries[i];
+    if (!starts_with(entry, "GPU-")) {
+      result.note =
+          quoted_entry(i, entry) + " is not a GPU UUID; a list that starts with UUIDs ends at its first other entry.";
+      break;
+    }
+    for (const auto& d : result.devices) {
+      if (d.entry == entry) {
+        empty_for_repeat(result, i, entry, "a UUID");
+        return;
+      }
+    }
+    result.devices.push_back({std::string(entry), -1, {}});
+  }
+  result.verified = !installed.uuids.empty();
+  if (!result.verified) return;
+  // Second pass, against the installed GPUs: a prefix must match exactly one; the list ends at the first that does
+  // not, and two entries naming the same GPU empty the set.
+  for (std::size_t i = 0; i < result.devices.size(); ++i) {
+    auto& d = result.devices[i];
+    int matches = 0;
+    for (const auto& uuid : installed.uuids) {
+      if (starts_with(uuid, d.entry)) {
+        ++matches;
+        d.uuid = uuid;
+      }
+    }
+    if (matches != 1) {
+      std::string why = quoted_entry(i, d.entry) +
+                        (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
+                        ", so the list ends before it.";
+      result.note = result.note.empty() ? why : why + " " + result.note;
+      result.devices.resize(i);
+      return;
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (result.devices[j].uuid == d.uuid) {
+        const std::string entry = d.entry;
+        empty_for_repeat(result, i, entry, "a GPU");
+        return;
+      }
+    }
+  }
+}
+
+/// An integer list, read like the runtime's strtoul, then checked against the installed count where known.
+inline void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                               visible_devices& result) {
+  result.form = visible_devices::list_form::ordinals;
+  // First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
+  std::vector<unsigned long long> values;  // as strtoul read them: repeats compare these
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const auto index = read_ordinal_like_strtoul(entries[i]);
+    if (!index) {
+      result.note = quoted_entry(i, entries[i]) + " is not a non-negative integer, so the list ends before it.";
+      break;
+    }
+    for (unsigned long long earlier : values) {
+      if (earlier == *index) {
+        empty_for_repeat(result, i, entries[i], "an index");
+        return;
+      }
+    }
+    values.push_back(*index);
+    result.devices.push_back({std::string(entries[i]), index_for_entry(*index), {}});
+  }
+  // Second pass: an index beyond the installed devices ends the list there.
+  if (installed.count < 0) return;
+  for (std::size_t i = 0; i < result.devices.size(); ++i) {
+    if (result.devices[i].index >= installed.count) {
+      std::string why = quoted_entry(i, result.devices[i].entry) + " is beyond the " + std::to_string(installed.count) +
+                        " installed GPU" + (installed.count == 1 ? "" : "s") + ", so the list ends before it.";
+      result.note = result.note.empty() ? why : why + " " + result.note;
+      result.devices.resize(i);
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
 /// Interprets a CUDA_VISIBLE_DEVICES value (nullptr: unset) the way the CUDA runtime does. `installed` enables the
 /// checks that need to know the machine (index range, UUID prefixes); without it those entries are taken as valid
 /// and the result says it was not verified. Pure: no CUDA call, no environment access.
@@ -172,102 +280,14 @@ inline visible_devices parse_visible_devices(const char* value, const installed_
     result.note = "An empty value hides every device.";
     return result;
   }
-
-  const std::vector<std::string_view> raw_entries = detail::split_commas(text);
   std::vector<std::string_view> entries;
-  for (auto e : raw_entries) entries.push_back(detail::trim_whitespace(e));
-
-  auto empty_set = [&](std::size_t position, std::string_view entry, const char* what) {
-    result.devices.clear();
-    result.note = detail::quoted_entry(position, entry) + " repeats " + what +
-                  " already listed, and a repeated device makes CUDA hide every device.";
-    return result;
-  };
-
+  for (auto e : detail::split_commas(text)) entries.push_back(detail::trim_whitespace(e));
   if (detail::starts_with(entries.front(), "MIG-")) {
-    result.form = visible_devices::list_form::mig;
-    result.devices.push_back({std::string(entries.front()), -1, {}});
-    if (entries.size() > 1) {
-      result.note = "CUDA enumerates only one MIG instance, so the entries after the first are ignored.";
-    }
-    result.verified = false;  // MIG instances are not in the installed list; nothing to check against
-    return result;
-  }
-
-  if (detail::starts_with(entries.front(), "GPU-")) {
-    result.form = visible_devices::list_form::gpu_uuids;
-    // First pass, as written: the list ends at the first entry that is not a UUID; a repeat empties the set.
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const std::string_view entry = entries[i];
-      if (!detail::starts_with(entry, "GPU-")) {
-        result.note = detail::quoted_entry(i, entry) +
-                      " is not a GPU UUID; a list that starts with UUIDs ends at its first other entry.";
-        break;
-      }
-      for (const auto& d : result.devices) {
-        if (d.entry == entry) return empty_set(i, entry, "a UUID");
-      }
-      result.devices.push_back({std::string(entry), -1, {}});
-    }
-    result.verified = !installed.uuids.empty();
-    if (!result.verified) return result;
-    // Second pass, against the installed GPUs: a prefix must match exactly one; the list ends at the first that
-    // does not, and two entries naming the same GPU empty the set.
-    for (std::size_t i = 0; i < result.devices.size(); ++i) {
-      auto& d = result.devices[i];
-      int matches = 0;
-      for (const auto& uuid : installed.uuids) {
-        if (detail::starts_with(uuid, d.entry)) {
-          ++matches;
-          d.uuid = uuid;
-        }
-      }
-      if (matches != 1) {
-        std::string why =
-            detail::quoted_entry(i, d.entry) +
-            (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
-            ", so the list ends before it.";
-        result.note = result.note.empty() ? why : why + " " + result.note;
-        result.devices.resize(i);
-        break;
-      }
-      for (std::size_t j = 0; j < i; ++j) {
-        if (result.devices[j].uuid == d.uuid) {
-          const std::string entry = d.entry;
-          return empty_set(i, entry, "a GPU");
-        }
-      }
-    }
-    return result;
-  }
-
-  // Integers. First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
-  result.form = visible_devices::list_form::ordinals;
-  std::vector<unsigned long long> values;  // as strtoul read them: repeats compare these
-  for (std::size_t i = 0; i < entries.size(); ++i) {
-    const auto index = detail::read_ordinal_like_strtoul(entries[i]);
-    if (!index) {
-      result.note = detail::quoted_entry(i, entries[i]) + " is not a non-negative integer, so the list ends before it.";
-      break;
-    }
-    for (unsigned long long earlier : values) {
-      if (earlier == *index) return empty_set(i, entries[i], "an index");
-    }
-    values.push_back(*index);
-    result.devices.push_back({std::string(entries[i]), detail::index_for_entry(*index), {}});
-  }
-  // Second pass: an index beyond the installed devices ends the list there.
-  if (installed.count >= 0) {
-    for (std::size_t i = 0; i < result.devices.size(); ++i) {
-      if (result.devices[i].index >= installed.count) {
-        std::string why = detail::quoted_entry(i, result.devices[i].entry) + " is beyond the " +
-                          std::to_string(installed.count) + " installed GPU" + (installed.count == 1 ? "" : "s") +
-                          ", so the list ends before it.";
-        result.note = result.note.empty() ? why : why + " " + result.note;
-        result.devices.resize(i);
-        break;
-      }
-    }
+    detail::parse_mig_list(entries, result);
+  } else if (detail::starts_with(entries.front(), "GPU-")) {
+    detail::parse_uuid_list(entries, installed, result);
+  } else {
+    detail::parse_ordinal_list(entries, installed, result);
   }
   return result;
 }

@@ -71,6 +71,13 @@ class device_allocation {
     pointer_ = allocator.allocate(bytes, stream);
   }
 
+  /// `bytes` from `allocator` (which must outlive this allocation), aligned to `alignment` (a power of two; see
+  /// device_allocator::allocate). Throws invalid_argument_error for another alignment.
+  device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream, device_allocator& allocator)
+      : allocator_(&allocator), stream_(stream), size_(bytes) {
+    pointer_ = allocator.allocate(bytes, alignment, stream);
+  }
+
   /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
   device_allocation(device_allocation&& other) noexcept
       : allocator_(std::exchange(other.allocator_, nullptr)),
@@ -124,8 +131,12 @@ class device_allocation {
   }
 
  private:
-  void free_quietly() noexcept {
-    if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, "device_allocation");
+  template <class>
+  friend class device_buffer;
+
+  /// Frees from a destructor or move assignment: errors are reported through gpukit::warn, naming `owner`.
+  void free_quietly(const char* owner = "device_allocation") noexcept {
+    if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
     pointer_ = nullptr;
     size_ = 0;
   }
@@ -168,83 +179,63 @@ class device_buffer {
   /// `T` (however large alignof(T) is). Throws
   /// invalid_argument_error if count * sizeof(T) overflows, out_of_memory_error if memory cannot be had.
   device_buffer(std::size_t count, stream_view stream, device_allocator& allocator)
-      : allocator_(&allocator), stream_(stream), size_(count) {
-    if (count > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
-      throw invalid_argument_error("gpukit::device_buffer: " + std::to_string(count) + " elements of " +
-                                   std::to_string(sizeof(T)) + " bytes overflow std::size_t");
-    }
-    data_ = static_cast<T*>(allocator.allocate(count * sizeof(T), alignof(T), stream));
-  }
+      : memory_(checked_bytes(count), alignof(T), stream, allocator) {}
 
   /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
-  device_buffer(device_buffer&& other) noexcept
-      : allocator_(std::exchange(other.allocator_, nullptr)),
-        stream_(other.stream_),
-        data_(std::exchange(other.data_, nullptr)),
-        size_(std::exchange(other.size_, 0)) {}
+  device_buffer(device_buffer&& other) noexcept = default;
   /// Frees this buffer's memory in its stream's order (errors are reported through gpukit::warn), then takes over
   /// `other`'s; `other` is left empty.
   device_buffer& operator=(device_buffer&& other) noexcept {
     if (this != &other) {
-      free_quietly();
-      allocator_ = std::exchange(other.allocator_, nullptr);
-      stream_ = other.stream_;
-      data_ = std::exchange(other.data_, nullptr);
-      size_ = std::exchange(other.size_, 0);
+      memory_.free_quietly("device_buffer");
+      memory_ = std::move(other.memory_);
     }
     return *this;
   }
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer() { free_quietly(); }
+  ~device_buffer() { memory_.free_quietly("device_buffer"); }
 
   /// The first element (device memory: dereference only in device code), or nullptr when empty.
-  T* data() noexcept { return data_; }
+  T* data() noexcept { return static_cast<T*>(memory_.get()); }
   /// The first element, read-only (device memory), or nullptr when empty.
-  const T* data() const noexcept { return data_; }
+  const T* data() const noexcept { return static_cast<const T*>(memory_.get()); }
   /// Number of elements.
-  std::size_t size() const noexcept { return size_; }
+  std::size_t size() const noexcept { return memory_.size() / sizeof(T); }
   /// Size in bytes: size() * sizeof(T).
-  std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  std::size_t size_bytes() const noexcept { return memory_.size(); }
   /// True when the buffer holds no elements.
-  bool empty() const noexcept { return size_ == 0; }
+  bool empty() const noexcept { return memory_.size() == 0; }
   /// The elements as a span (device memory: dereference only in device code, or on the host for the CPU device).
-  gpukit::span<T> span() noexcept { return {data_, size_}; }
+  gpukit::span<T> span() noexcept { return {data(), size()}; }
   /// The elements as a read-only span (device memory, as above).
-  gpukit::span<const T> span() const noexcept { return {data_, size_}; }
+  gpukit::span<const T> span() const noexcept { return {data(), size()}; }
   /// The device the memory is on (the CPU for a default-constructed or moved-from buffer).
-  gpukit::device device() const noexcept {
-    return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu();
-  }
+  gpukit::device device() const noexcept { return memory_.device(); }
   /// The stream the memory was allocated on and is freed on.
-  stream_view stream() const noexcept { return stream_; }
+  stream_view stream() const noexcept { return memory_.stream(); }
   /// The allocator the memory came from, or nullptr for a default-constructed or moved-from buffer.
-  device_allocator* allocator() const noexcept { return allocator_; }
+  device_allocator* allocator() const noexcept { return memory_.allocator(); }
+  /// The memory as raw bytes (the buffer still owns it).
+  const device_allocation& allocation() const noexcept { return memory_; }
 
   /// Frees the memory now (in the stream's order) and leaves the buffer empty, also when the free throws. Errors are
   /// thrown (the destructor reports them through gpukit::warn instead).
-  void reset() {
-    T* p = std::exchange(data_, nullptr);
-    size_ = 0;
-    if (p != nullptr) allocator_->deallocate(p);
-  }
+  void reset() { memory_.reset(); }
 
   /// `s` also uses this memory: when freed, it is reused only after s's work up to then (record_stream).
-  void record_stream(stream_view s) {
-    if (data_ != nullptr) allocator_->record_stream(data_, s);
-  }
+  void record_stream(stream_view s) { memory_.record_stream(s); }
 
  private:
-  void free_quietly() noexcept {
-    if (data_ != nullptr) detail::deallocate_quietly(allocator_, data_, "device_buffer");
-    data_ = nullptr;
-    size_ = 0;
+  static std::size_t checked_bytes(std::size_t count) {
+    if (count > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
+      throw invalid_argument_error("gpukit::device_buffer: " + std::to_string(count) + " elements of " +
+                                   std::to_string(sizeof(T)) + " bytes overflow std::size_t");
+    }
+    return count * sizeof(T);
   }
 
-  device_allocator* allocator_ = nullptr;
-  stream_view stream_{};
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
+  device_allocation memory_;  // count * sizeof(T) bytes, aligned for T
 };
 
 GPUKIT_END_NAMESPACE

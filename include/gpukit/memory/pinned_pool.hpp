@@ -823,6 +823,8 @@ class pooled_pinned_buffer {
         pool_->deallocate(data_);
       } catch (const std::exception& e) {
         warn(std::string("gpukit::pooled_pinned_buffer: returning the block failed: ") + e.what());
+      } catch (...) {
+        warn("gpukit::pooled_pinned_buffer: returning the block failed: an unknown exception");
       }
     }
     data_ = nullptr;
