@@ -4,7 +4,12 @@
 
 #include "support.hpp"
 
+#include <iterator>  // defines __cpp_lib_ranges where the library has ranges
+#if defined(__cpp_lib_ranges)
+#include <ranges>
+#endif
 #include <sstream>
+#include <type_traits>
 #include <unordered_set>
 
 /// In a test of behaviour without a GPU: skip when this machine has one.
@@ -130,4 +135,19 @@ TEST_CASE("device::parse ignores any surrounding whitespace and reads every int 
     CAPTURE(text);
     CHECK_THROWS_WITH_AS(gpukit::device::parse(text), doctest::Contains("cuda:N"), gpukit::invalid_argument_error);
   }
+}
+
+TEST_CASE("the device range's iterator claims what it is: input in C++17's terms, forward in C++20's") {
+  using iterator = gpukit::device_range::iterator;
+  static_assert(std::is_same_v<std::iterator_traits<iterator>::iterator_category, std::input_iterator_tag>);
+#if defined(__cpp_lib_ranges) && __cpp_lib_ranges >= 201911L
+  static_assert(std::forward_iterator<iterator>);
+  static_assert(std::ranges::forward_range<gpukit::device_range>);
+#endif
+  iterator a(1);
+  iterator b = a++;  // multi-pass: copies step independently
+  CHECK(*b == gpukit::device::cuda(1));
+  CHECK(*a == gpukit::device::cuda(2));
+  CHECK(b != a);
+  CHECK(++b == a);
 }

@@ -124,7 +124,7 @@ struct vmm_allocation {
 /// A page of a reserved range mapped with cuMemMap.
 struct vmm_page {
   unsigned long long handle = 0;
-  bool access = false;  // cuMemSetAccess granted read/write
+  std::uint64_t access = 0;  // bit d: cuMemSetAccess granted read/write to visible ordinal d
 };
 
 struct device_state {
@@ -135,6 +135,7 @@ struct device_state {
   std::size_t used = 0;
   std::size_t pool_used = 0;  // of that, cudaMallocAsync's (the default pool holds exactly what is live)
   std::size_t pool_high = 0;
+  std::uint64_t pool_peers = 0;  // bit d: cudaMemPoolSetAccess granted visible ordinal d the default pool's memory
   stream_ptr legacy;
   std::vector<stream_ptr> streams;  // every stream with work or a live handle, legacy and per-thread ones included
   bool workers = false;
@@ -611,7 +612,7 @@ bool pages_accessible(const simulator& s, std::uintptr_t p, std::size_t n) {
   for (std::uintptr_t page = p / vmm_granularity * vmm_granularity; page < p + std::max<std::size_t>(n, 1);
        page += vmm_granularity) {
     const auto it = s.vmm_pages.find(page);
-    if (it == s.vmm_pages.end() || !it->second.access) return false;
+    if (it == s.vmm_pages.end() || it->second.access == 0) return false;
   }
   return true;
 }
@@ -972,29 +973,51 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
     }
   }
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
-    s.vmm_pages[static_cast<std::uintptr_t>(page)] = vmm_page{handle, false};
+    s.vmm_pages[static_cast<std::uintptr_t>(page)] = vmm_page{handle, 0};
   }
   ++a->second.mappings;
   return CUDA_SUCCESS;
 }
 
+/// Grants (read/write) or takes back (none) the access of each descriptor's device to mapped pages. A device other
+/// than the memory's own must be able to reach it (cudaDeviceCanAccessPeer); peer access need not be enabled, as
+/// virtual memory's access is its own.
 CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemSetAccess"); fault != CUDA_SUCCESS) return fault;
-  if (desc == nullptr || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-      !valid_device(s, desc->location.id) || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE ||
-      ptr % vmm_granularity != 0 || size % vmm_granularity != 0) {
+  if (desc == nullptr || count == 0 || ptr % vmm_granularity != 0 || size == 0 || size % vmm_granularity != 0) {
     return CUDA_ERROR_INVALID_VALUE;
   }
-  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
-    if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) == 0) return CUDA_ERROR_INVALID_VALUE;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_device(s, desc[i].location.id) ||
+        (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)) {
+      return CUDA_ERROR_INVALID_VALUE;
+    }
   }
-  if (mprotect(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), size, PROT_READ | PROT_WRITE) != 0) {
-    return CUDA_ERROR_OUT_OF_MEMORY;
+  for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
+    const auto it = s.vmm_pages.find(static_cast<std::uintptr_t>(page));
+    if (it == s.vmm_pages.end()) return CUDA_ERROR_INVALID_VALUE;
+    const int owner = s.vmm_allocations[it->second.handle].device;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (desc[i].location.id != owner && desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE &&
+          !peer_capable(s, desc[i].location.id, owner)) {
+        record_violation(s, "cuMemSetAccess", cudaErrorInvalidDevice,
+                         "access for cuda:" + std::to_string(desc[i].location.id) +
+                             " to memory of cuda:" + std::to_string(owner) + ", which it cannot reach");
+        return CUDA_ERROR_INVALID_DEVICE;
+      }
+    }
   }
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
-    s.vmm_pages[static_cast<std::uintptr_t>(page)].access = true;
+    std::uint64_t& access = s.vmm_pages[static_cast<std::uintptr_t>(page)].access;
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint64_t bit = std::uint64_t{1} << desc[i].location.id;
+      access = desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? (access | bit) : (access & ~bit);
+    }
+    // The host stands in for every device: the pages are readable while any device may access them.
+    mprotect(reinterpret_cast<void*>(static_cast<std::uintptr_t>(page)), vmm_granularity,
+             access != 0 ? PROT_READ | PROT_WRITE : PROT_NONE);
   }
   return CUDA_SUCCESS;
 }
@@ -1448,6 +1471,22 @@ bool context_active(int device) {
   return valid_device(sim(), device) && sim().devices[static_cast<std::size_t>(device)].context;
 }
 
+bool accessible_from(int device, const void* address) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  if (!valid_device(s, device)) return false;
+  const region* r = find_region(s, address);
+  if (r == nullptr) return false;
+  if (r->kind != region_kind::device) return true;  // pinned host memory: every device reaches it
+  if (r->virtual_range) {
+    const auto page = s.vmm_pages.find(reinterpret_cast<std::uintptr_t>(address) / vmm_granularity * vmm_granularity);
+    return page != s.vmm_pages.end() && (page->second.access >> device & 1u) != 0;
+  }
+  if (r->device == device) return true;
+  if (r->pooled) return (s.devices[static_cast<std::size_t>(r->device)].pool_peers >> device & 1u) != 0;
+  return s.peer_enabled.count({device, r->device}) != 0;
+}
+
 bool peer_access_enabled(int device, int peer) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   return sim().peer_enabled.count({device, peer}) != 0;
@@ -1879,6 +1918,53 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, en
     default:
       return c.violation(cudaErrorNotSupported, "cudasim models only the pool's reserved and used memory");
   }
+}
+
+/// The default pool's memory is reachable from its own device always, and from a peer once granted here (peer access
+/// enabled with cudaDeviceEnablePeerAccess does not cover it).
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAccess(cudaMemPool_t pool, const struct cudaMemAccessDesc* descs,
+                                                       size_t count) {
+  CUDASIM_ENTER("cudaMemPoolSetAccess");
+  if (pool == nullptr || (descs == nullptr && count != 0)) return c.result(cudaErrorInvalidValue);
+  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
+  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  for (std::size_t i = 0; i < count; ++i) {
+    const cudaMemAccessDesc& d = descs[i];
+    if (d.location.type != cudaMemLocationTypeDevice || !valid_device(c.s, d.location.id) ||
+        (d.flags != cudaMemAccessFlagsProtReadWrite && d.flags != cudaMemAccessFlagsProtNone)) {
+      return c.result(cudaErrorInvalidValue);
+    }
+    if (d.location.id == device && d.flags != cudaMemAccessFlagsProtReadWrite) {
+      return c.violation(cudaErrorInvalidDevice, "a pool's own device always has access to it");
+    }
+    if (d.location.id != device && d.flags == cudaMemAccessFlagsProtReadWrite &&
+        !peer_capable(c.s, d.location.id, device)) {
+      return c.violation(cudaErrorInvalidDevice, "pool access for a device that cannot reach the pool's device");
+    }
+  }
+  device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
+  for (std::size_t i = 0; i < count; ++i) {
+    if (descs[i].location.id == device) continue;
+    const std::uint64_t bit = std::uint64_t{1} << descs[i].location.id;
+    dev.pool_peers =
+        descs[i].flags == cudaMemAccessFlagsProtReadWrite ? (dev.pool_peers | bit) : (dev.pool_peers & ~bit);
+  }
+  return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* flags, cudaMemPool_t pool,
+                                                       struct cudaMemLocation* location) {
+  CUDASIM_ENTER("cudaMemPoolGetAccess");
+  if (flags == nullptr || pool == nullptr || location == nullptr || location->type != cudaMemLocationTypeDevice ||
+      !valid_device(c.s, location->id)) {
+    return c.result(cudaErrorInvalidValue);
+  }
+  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
+  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  const bool granted =
+      location->id == device || (c.s.devices[static_cast<std::size_t>(device)].pool_peers >> location->id & 1u) != 0;
+  *flags = granted ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
+  return cudaSuccess;
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t) {

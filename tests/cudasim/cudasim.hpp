@@ -85,6 +85,11 @@ CUDASIM_API bool context_active(int device);
 /// Whether access from visible ordinal `device`'s context to the memory of `peer` is enabled
 /// (cudaDeviceEnablePeerAccess from `device`, not disabled since).
 CUDASIM_API bool peer_access_enabled(int device, int peer);
+/// Whether a kernel on visible ordinal `device` may dereference `address`: its own cudaMalloc memory, a peer's once
+/// peer access is enabled (cudaDeviceEnablePeerAccess), pool memory (cudaMallocAsync) of its own device or of a pool
+/// that granted it access (cudaMemPoolSetAccess), a mapped page of a reserved range that cuMemSetAccess granted it,
+/// and pinned host memory. False for anything else, including addresses the simulator does not know.
+CUDASIM_API bool accessible_from(int device, const void* address);
 /// Creating a primary context on any device not in `devices` becomes a violation ("a context on a device the program
 /// never named"). An empty list allows every device (the default).
 CUDASIM_API void allow_contexts_only_on(const std::vector<int>& devices);

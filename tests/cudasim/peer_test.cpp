@@ -4,6 +4,7 @@
 // than the default two devices configure it and are Skipped when an earlier test of the process initialised CUDA.
 #include <gpukit/gpukit.hpp>
 #include <gpukit/device/peer_access.hpp>
+#include <gpukit/memory/async_allocator.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
@@ -355,4 +356,56 @@ TEST_CASE("peer: copy_peer_async copies between devices with or without peer acc
   CHECK(taken[0].call == "cudaMemcpyPeerAsync");
   CHECK(cudaPeekAtLastError() == cudaSuccess);
   CHECK(cudasim::calls("cudaMemcpyPeerAsync") == 3);
+}
+
+TEST_CASE("peer: access covers gpukit's virtual-memory pages and the default pool, mapped before or after it") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  gpukit::allocator_options expandable;
+  expandable.expandable_segments = true;
+  gpukit::stream s(cuda0);
+  gpukit::caching_allocator paged(cuda0, expandable);
+  gpukit::caching_allocator plain(cuda0);  // cudaMalloc segments: peer access covers them
+  gpukit::async_allocator pooled(cuda0);   // the default pool: it does not
+  void* before = paged.allocate(4 * MiB, s);
+  void* malloced = plain.allocate(4096, s);
+  void* from_pool = pooled.allocate(4096, s);
+  const std::vector<const void*> early{before, static_cast<const char*>(before) + 2 * MiB, malloced, from_pool};
+  for (const void* p : early) {
+    CHECK(cudasim::accessible_from(0, p));
+    CHECK_FALSE(cudasim::accessible_from(1, p));
+  }
+  void* after = nullptr;
+  {
+    gpukit::peer_access access(cuda1, cuda0);
+    for (const void* p : early) CHECK(cudasim::accessible_from(1, p));
+    after = paged.allocate(8 * MiB, s);  // pages mapped while the access is held get it too
+    CHECK(cudasim::accessible_from(1, after));
+    CHECK(cudasim::accessible_from(1, static_cast<const char*>(after) + 6 * MiB));
+    { gpukit::peer_access again(cuda1, cuda0); }  // a second hold changes nothing when it goes
+    CHECK(cudasim::accessible_from(1, after));
+  }
+  for (const void* p : {static_cast<const void*>(before), static_cast<const void*>(after),
+                        static_cast<const void*>(malloced), static_cast<const void*>(from_pool)}) {
+    CHECK_FALSE(cudasim::accessible_from(1, p));  // the last hold took it all back
+    CHECK(cudasim::accessible_from(0, p));        // the device's own access stays
+  }
+  paged.deallocate(before);
+  paged.deallocate(after);
+  plain.deallocate(malloced);
+  pooled.deallocate(from_pool);
+  s.synchronize();
+  paged.empty_cache();  // unmapped pages leave gpukit's record: a later grant does not touch them
+  gpukit::peer_access access(cuda1, cuda0);
+  CHECK(cudasim::peer_access_enabled(1, 0));
+}
+
+TEST_CASE("peer: a failure to grant the pool's memory undoes the peer access and names the call") {
+  gpukit::stream s(cuda0);
+  cudasim::fail_call("cudaMemPoolSetAccess", 1, cudaErrorInvalidValue);
+  const std::string text = exception_text([] { gpukit::peer_access access(cuda1, cuda0); });
+  CHECK(text.find("cudaMemPoolSetAccess") != std::string::npos);
+  CHECK(text.find("cuda:1 -> cuda:0") != std::string::npos);
+  CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
+  gpukit::peer_access access(cuda1, cuda0);  // works once the fault is gone
+  CHECK(cudasim::peer_access_enabled(1, 0));
 }

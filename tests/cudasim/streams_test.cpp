@@ -447,3 +447,49 @@ TEST_CASE("streams: async_allocator frees after the work of recorded streams, wa
   CHECK(a.memory_reserved() == 0);  // the simulator's pool keeps nothing once freed
   CHECK(a.max_memory_reserved() == held);
 }
+
+TEST_CASE("streams: async_allocator frees even when the ordering after a recorded stream cannot be enqueued") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  void* p = a.allocate(block_bytes, s);
+  a.record_stream(p, other);
+  const std::size_t host_waits = cudasim::calls("cudaStreamSynchronize");
+  cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorUnknown);
+  a.deallocate(p);  // the device-side wait fails: the host waits for `other` instead, then frees on s
+  CHECK(cudasim::calls("cudaStreamSynchronize") == host_waits + 1);
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);  // freed, not leaked
+  CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("streams: async_allocator frees after the device's work when cudaFreeAsync on the stream fails") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  void* p = a.allocate(block_bytes, s);
+  captured_warnings warnings;
+  cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+  a.deallocate(p);
+  CHECK(warnings.contains("freeing it after the device's work instead"));
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);
+}
+
+TEST_CASE("streams: an async_allocator destroyed with live allocations frees them without their (gone) streams") {
+  { gpukit::stream warm(cuda0); }  // the context exists before memory is counted
+  const std::size_t used = cudasim::device_memory_used(0);
+  captured_warnings warnings;
+  {
+    gpukit::async_allocator a(cuda0);
+    {
+      gpukit::stream s(cuda0);
+      gpukit::stream other(cuda0);
+      void* p = a.allocate(block_bytes, s);
+      a.record_stream(p, other);
+    }  // both streams destroyed: their handles may be reused, so the allocator must not use them
+    gpukit::stream reuse(cuda0);  // likely to get one of the old handles back
+  }
+  CHECK(warnings.contains("destroyed with 1 live allocation(s)"));
+  cudasim::drain_all();
+  CHECK(cudasim::device_memory_used(0) == used);
+}

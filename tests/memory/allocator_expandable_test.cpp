@@ -177,3 +177,56 @@ TEST_CASE("address_space_upstream: virtual memory misuse is refused clearly") {
   CHECK(u.mapped() == 0);
   u.unreserve(r, 8 * MiB);
 }
+
+TEST_CASE("address_space_upstream: a range costs its aligned size, and a wrong size at free is reported") {
+  gpukit::address_space_upstream u(4096, 512);
+  void* p = u.allocate(100);  // occupies 512 bytes of the address space, so it costs 512 of the capacity
+  REQUIRE(p != nullptr);
+  CHECK(u.used() == 512);
+  CHECK(u.allocate(3585) == nullptr);  // 3584 remain; 3585 rounds to 4096
+  void* q = u.allocate(3584);
+  REQUIRE(q != nullptr);
+  CHECK(u.used() == 4096);
+  {
+    gpukit_test::captured_warnings warnings;
+    u.deallocate(q, 1024);  // the wrong size: reported, and the whole range is freed
+    CHECK(warnings.contains("deallocate of 1024 bytes for a range of 3584 bytes"));
+  }
+  CHECK(u.used() == 512);
+  u.deallocate(p, 100);  // the size asked for is the right size
+  CHECK(u.used() == 0);
+}
+
+TEST_CASE("address_space_upstream: fail_next counts allocate and map calls, replaces the count, refuses a negative") {
+  gpukit::address_space_upstream u(64 * MiB);
+  void* r = u.reserve(4 * MiB);
+  REQUIRE(r != nullptr);
+  u.fail_next(5);
+  u.fail_next(2);  // replaces 5
+  CHECK_FALSE(u.map(r, page));
+  CHECK(u.allocate(page) == nullptr);
+  CHECK(u.map(r, page));  // the count is spent
+  u.unmap(r, page);
+  u.fail_next(1);
+  u.fail_next(0);  // disarms
+  void* p = u.allocate(page);
+  CHECK(p != nullptr);
+  u.deallocate(p, page);
+  CHECK_THROWS_AS(u.fail_next(-1), gpukit::invalid_argument_error);
+  u.unreserve(r, 4 * MiB);
+}
+
+TEST_CASE("device_upstream on the CPU: no virtual memory, and map/unmap/unreserve never reach a CUDA device") {
+  gpukit::device_upstream u(gpukit::device::cpu());
+  CHECK_FALSE(u.virtual_memory_supported());
+  CHECK(u.page_size() == 0);
+  CHECK(u.reserve(page) == nullptr);
+  int not_a_range = 0;
+  CHECK_THROWS_AS((void)u.map(&not_a_range, page), gpukit::invalid_argument_error);
+  gpukit_test::captured_warnings warnings;
+  u.unmap(&not_a_range, page);
+  u.unreserve(&not_a_range, page);
+  CHECK(warnings.messages().size() == 2);
+  CHECK(warnings.contains("device_upstream::unmap: the CPU device has no virtual memory"));
+  CHECK(warnings.contains("device_upstream::unreserve: the CPU device has no virtual memory"));
+}

@@ -446,3 +446,27 @@ TEST_CASE("without a stream, the prefetcher feeds the calling thread's current s
   CHECK(consume_all(loader, s, wrong) == 4);
   CHECK(wrong.load() == 0);
 }
+
+TEST_CASE("a moved-from or released batch is empty: no data, size 0, no index, and releasing it again is harmless") {
+  gpukit::stream s(cpu);
+  gpukit::prefetcher<std::uint32_t> loader(
+      s, 3000, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 3); });
+  auto first = loader.next();
+  REQUIRE(first.has_value());
+  CHECK(first->held());
+  CHECK(first->size() == 1000);
+  auto moved = std::move(*first);
+  CHECK(moved.held());
+  CHECK(moved.index() == 0);
+  CHECK_FALSE(first->held());  // NOLINT(bugprone-use-after-move): the moved-from state is what is tested
+  CHECK(first->data().data() == nullptr);
+  CHECK(first->data().empty());
+  CHECK(first->size() == 0);
+  CHECK(first->index() == gpukit::prefetcher<std::uint32_t>::batch::no_index);
+  first->release();  // nothing to release
+  moved.release();
+  CHECK_FALSE(moved.held());
+  CHECK(moved.size() == 0);
+  moved.release();  // twice is harmless
+  s.synchronize();
+}

@@ -281,8 +281,12 @@ class device_range {
   /// Steps through CUDA ordinals. Dereferencing yields a device by value (there is no stored device to refer to).
   class iterator {
    public:
-    /// A forward iterator.
-    using iterator_category = std::forward_iterator_tag;
+    /// An input iterator for C++17's requirements (operator* returns a value, not a reference, as iota_view's) ...
+    using iterator_category = std::input_iterator_tag;
+#if defined(__cpp_lib_ranges) && __cpp_lib_ranges >= 201911L
+    /// ... and a forward iterator for C++20's concepts, which allow that.
+    using iterator_concept = std::forward_iterator_tag;
+#endif
     /// gpukit::device.
     using value_type = device;
     /// std::ptrdiff_t.

@@ -12,6 +12,7 @@
 /// creates the primary contexts of its two devices only.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/device/detail/peer_registry.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/nvml.hpp>
 #include <gpukit/device/properties.hpp>
@@ -26,35 +27,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-// The holders of peer access are one registry per process, outside the per-mode namespace that gives each
-// default-stream mode its own copy of gpukit (detail/config.hpp): access is the driver's process-wide state, and a
-// count per mode would let one mode disable access the other still holds. Nothing in it depends on the mode.
-namespace gpukit {
-namespace mode_independent {
-
-/// One enabled direction: how many peer_access objects hold it, and whether gpukit enabled it (else it was enabled
-/// outside gpukit and stays enabled after the last holder).
-struct peer_access_entry {
-  int holders = 0;                 ///< live peer_access objects holding this direction
-  bool enabled_by_gpukit = false;  ///< gpukit enabled it, so the last holder disables it
-};
-
-/// The process-wide holders of peer access, by (from, to) ordinal. The mutex also serializes enabling and disabling,
-/// so that a release never disables what another thread is enabling.
-struct peer_access_registry {
-  std::mutex mutex;                                        ///< guards `pairs` and enabling/disabling
-  std::map<std::pair<int, int>, peer_access_entry> pairs;  ///< held directions, keyed by (from, to) ordinal
-};
-/// The process's peer_access_registry. Never destroyed: a peer_access at namespace scope is released after main
-/// returns.
-GPUKIT_EXPORT inline peer_access_registry& peer_access_holders() {
-  static peer_access_registry* registry = new peer_access_registry();
-  return *registry;
-}
-
-}  // namespace mode_independent
-}  // namespace gpukit
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -167,7 +139,46 @@ inline peer_matrix query_peer_matrix(const nvml::library& nvml = nvml::instance(
 
 namespace detail {
 
-/// Takes one hold on from -> to, enabling it if it is the first.
+/// Grants (read/write) or takes back (none) `from`'s access to the memory of `to` that peer access does not cover:
+/// gpukit's mapped virtual-memory pages on `to` (cuMemSetAccess per page) and `to`'s default memory pool
+/// (cudaMemPoolSetAccess; a device without memory pools is skipped). The caller holds the registry's mutex. Returns
+/// the first failure (cudaSuccess when none) and the call that failed.
+inline std::pair<cudaError_t, const char*> set_peer_memory_access(mode_independent::peer_access_registry& registry,
+                                                                  device from, device to, bool grant) {
+  const auto pages = registry.mapped_pages.find(to.ordinal());
+  if (pages != registry.mapped_pages.end() && !pages->second.empty()) {
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = from.ordinal();
+    access.flags = grant ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    for (const auto& page : pages->second) {
+      if (driver().mem_set_access(page.first, page.second, &access, 1) != CUDA_SUCCESS) {
+        return {cudaErrorInvalidValue, "cuMemSetAccess"};
+      }
+    }
+  }
+  cudaMemPool_t pool = nullptr;
+  cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
+  if (result == cudaSuccess) {
+    cudaMemAccessDesc access{};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = from.ordinal();
+    access.flags = grant ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
+    result = cudaMemPoolSetAccess(pool, &access, 1);
+    if (result != cudaSuccess) {
+      if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
+      return {result, "cudaMemPoolSetAccess"};
+    }
+    return {cudaSuccess, nullptr};
+  }
+  if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
+  if (result == cudaErrorNotSupported || result == cudaErrorInvalidValue) return {cudaSuccess, nullptr};  // no pools
+  return {result, "cudaDeviceGetDefaultMemPool"};
+}
+
+/// Takes one hold on from -> to, enabling it if it is the first: peer access (cudaDeviceEnablePeerAccess), and
+/// access to the memory it does not cover (set_peer_memory_access). If the latter fails, what was enabled is undone
+/// and the error thrown.
 inline void acquire_peer_access(device from, device to) {
   auto& registry = mode_independent::peer_access_holders();
   std::lock_guard<std::mutex> lock(registry.mutex);
@@ -178,25 +189,34 @@ inline void acquire_peer_access(device from, device to) {
     return;
   }
   bool enabled_by_gpukit = true;
-  {
-    device_guard guard(from);  // access is enabled from the current device's context
-    const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
-    if (result == cudaErrorPeerAccessAlreadyEnabled) {
-      // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
-      if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
-      enabled_by_gpukit = false;
-    } else if (result != cudaSuccess) {
-      throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
-                       __FILE__, __LINE__);
-    }
+  device_guard guard(from);  // access is enabled from the current device's context
+  const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
+  if (result == cudaErrorPeerAccessAlreadyEnabled) {
+    // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
+    if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+    enabled_by_gpukit = false;
+  } else if (result != cudaSuccess) {
+    throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
+                     __FILE__, __LINE__);
+  }
+  const auto [granted, call] = set_peer_memory_access(registry, from, to, true);
+  if (granted != cudaSuccess) {
+    (void)set_peer_memory_access(registry, from, to, false);
+    if (enabled_by_gpukit && cudaDeviceDisablePeerAccess(to.ordinal()) != cudaSuccess) (void)cudaGetLastError();
+    throw_cuda_error(
+        granted,
+        std::string(call) + " (access to the pooled and virtual memory of " + describe_peer_pair(from, to) + ")",
+        from.ordinal(), __FILE__, __LINE__);
   }
   registry.pairs.emplace(key, mode_independent::peer_access_entry{1, enabled_by_gpukit});
 }
 
-/// Drops one hold on from -> to; the last disables access if gpukit enabled it. Never throws: failures are warnings,
-/// and nothing is reported once the runtime is unloading (process exit).
+/// Drops one hold on from -> to; the last takes back the access set_peer_memory_access granted and disables peer
+/// access if gpukit enabled it. Never throws: failures are warnings, and nothing is reported once the runtime is
+/// unloading (process exit).
 inline void release_peer_access(device from, device to) noexcept {
   cudaError_t result = cudaSuccess;
+  std::string call;
   {
     auto& registry = mode_independent::peer_access_holders();
     std::lock_guard<std::mutex> lock(registry.mutex);
@@ -204,31 +224,43 @@ inline void release_peer_access(device from, device to) noexcept {
     if (found == registry.pairs.end() || --found->second.holders > 0) return;
     const bool disable = found->second.enabled_by_gpukit;
     registry.pairs.erase(found);
-    if (!disable) return;
     try {
       device_guard guard(from);
-      result = cudaDeviceDisablePeerAccess(to.ordinal());
+      const auto [revoked, failed_call] = set_peer_memory_access(registry, from, to, false);
+      if (revoked != cudaSuccess) {
+        result = revoked;
+        call = failed_call;
+      }
+      if (disable) {
+        const cudaError_t disabled = cudaDeviceDisablePeerAccess(to.ordinal());
+        if (disabled != cudaSuccess && result == cudaSuccess) {
+          result = disabled;
+          call = "cudaDeviceDisablePeerAccess";
+        }
+      }
     } catch (const error& e) {  // the guard could not make `from` current (at exit: the runtime is unloading)
       result = e.cuda_result() != cudaSuccess ? e.cuda_result() : cudaErrorUnknown;
+      call = "cudaSetDevice";
     } catch (...) {
       result = cudaErrorUnknown;
     }
   }
   if (result == cudaSuccess) return;
   try {
-    report_cuda_failure(result, "cudaDeviceDisablePeerAccess(" + describe_peer_pair(from, to) + ") in ~peer_access",
-                        from.ordinal());
+    report_cuda_failure(result, call + "(" + describe_peer_pair(from, to) + ") in ~peer_access", from.ordinal());
   } catch (...) {
   }
 }
 
 }  // namespace detail
 
-/// RAII: direct access from device `from` to the memory of device `to` while the object lives (kernels on `from` may
-/// then dereference pointers to `to`'s cudaMalloc memory, which is what the caching allocator uses by default).
-/// Access is one-directional; take two objects for both directions. Not covered, as in CUDA itself: memory of
-/// expandable segments (mapped with cuMemSetAccess for its own device only) and of cudaMallocAsync pools
-/// (async_allocator; cudaMemPoolSetAccess) — a kernel on `from` touching those faults.
+/// RAII: direct access from device `from` to the memory of device `to` while the object lives: kernels on `from` may
+/// then dereference pointers to `to`'s memory from cudaMalloc (the caching allocator's default), from gpukit's
+/// expandable segments (virtual memory, which peer access does not cover: gpukit grants `from` each page mapped on
+/// `to` with cuMemSetAccess, now and as pages are mapped later) and from `to`'s default memory pool (cudaMallocAsync,
+/// async_allocator: cudaMemPoolSetAccess, which other users of that pool share). Access is one-directional; take two
+/// objects for both directions. Virtual memory mapped outside gpukit, and pools other than the default one, stay the
+/// caller's to grant.
 ///
 /// Holds are counted process-wide per direction (one count for both default-stream modes and every shared library):
 /// the first peer_access enables access (cudaDeviceEnablePeerAccess with `from` current, restoring the thread's

@@ -323,8 +323,10 @@ inline bool check_visible_devices_unchanged() {
 }
 
 /// Interprets the CUDA_VISIBLE_DEVICES that CUDA uses in this process (the value at initialisation), checked
-/// against `installed` when given.
+/// against `installed` when given. Initialises CUDA if nothing has yet (cudaGetDeviceCount), so that the value read
+/// here is the one CUDA reads: a later change is in effect for neither.
 inline visible_devices visible_devices_in_effect(const installed_gpus& installed = {}) {
+  (void)device_count();  // takes gpukit's snapshot, then lets the runtime read the variable
   check_visible_devices_unchanged();
   const auto& at_init = detail::cuda_environment_at_init();
   return parse_visible_devices(at_init.set ? at_init.value.c_str() : nullptr, installed);

@@ -66,13 +66,18 @@ class async_allocator final : public device_allocator {
   async_allocator(const async_allocator&) = delete;
   async_allocator& operator=(const async_allocator&) = delete;
 
-  /// Live allocations are freed (each on its stream) and reported through gpukit::warn.
+  /// Live allocations are reported through gpukit::warn and freed after the device's work: the streams they were
+  /// allocated on or recorded with may be gone by now, so none of them is used.
   ~async_allocator() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (live_.empty()) return;
-    warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " +
-         std::to_string(live_.size()) + " live allocation(s); they are freed now, so any later use of them is invalid");
-    for (auto& [address, a] : live_) free_on_streams(reinterpret_cast<void*>(address), a, a.stream);
+    std::map<std::uintptr_t, allocation> live;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live.swap(live_);
+    }
+    if (live.empty()) return;
+    warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live.size()) +
+         " live allocation(s); they are freed now, so any later use of them is invalid");
+    for (const auto& entry : live) free_after_device(reinterpret_cast<void*>(entry.first), entry.second.bytes);
   }
 
   gpukit::device device() const noexcept override { return device_; }
@@ -139,10 +144,12 @@ class async_allocator final : public device_allocator {
   /// Sets the peaks of allocations and allocated bytes to their current values, and resets the pool's high water
   /// mark of reserved bytes (cudaMemPoolAttrReservedMemHigh), which the pool's other users share.
   void reset_peak_stats() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    allocations_.peak = allocations_.current;
-    allocated_bytes_.peak = allocated_bytes_.current;
-    device_guard guard(device_);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      allocations_.peak = allocations_.current;
+      allocated_bytes_.peak = allocated_bytes_.current;
+    }
+    device_guard guard(device_);  // CUDA calls outside the lock, as everywhere in this allocator
     cuuint64_t zero = 0;
     detail::report_cuda_failure(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero),
                                 "cudaMemPoolSetAttribute(cudaMemPoolAttrReservedMemHigh)", device_.ordinal());
@@ -313,28 +320,65 @@ class async_allocator final : public device_allocator {
     free_on_streams(p, a, stream != nullptr ? *stream : a.stream);
   }
 
-  /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits).
+  /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
+  /// cannot be enqueued, the host waits for that stream instead; where the free cannot be enqueued on `on`, it
+  /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering.
   void free_on_streams(void* p, const allocation& a, const stream_view& on) noexcept {
     try {
       device_guard guard(device_);
       const cudaStream_t free_stream = on.cuda_handle();
       for (const stream_view& user : a.users) {
         if (user.native_handle() == free_stream) continue;
-        cudaEvent_t e = nullptr;
-        GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
-                                  device_.ordinal());
-        const cudaError_t recorded = cudaEventRecord(e, user.cuda_handle());
-        const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(free_stream, e, 0) : recorded;
-        (void)cudaEventDestroy(e);  // released once the wait is done
-        GPUKIT_CUDA_TRY_DESCRIBED(waited, "ordering a free after a recorded stream", device_.ordinal());
+        if (order_after(free_stream, user.cuda_handle()) == cudaSuccess) continue;
+        (void)cudaGetLastError();
+        if (cudaStreamSynchronize(user.cuda_handle()) != cudaSuccess) {
+          (void)cudaGetLastError();
+          GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
+                                    device_.ordinal());
+        }
       }
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaFreeAsync(p, free_stream), "cudaFreeAsync", device_.ordinal());
+      const cudaError_t freed = cudaFreeAsync(p, free_stream);
+      if (freed == cudaSuccess) return;
+      (void)cudaGetLastError();
+      if (detail::is_teardown_result(freed)) return;
+      warn("gpukit::async_allocator: cudaFreeAsync of " + detail::format_bytes(a.bytes) + " on its stream failed (" +
+           cudaGetErrorName(freed) + "); freeing it after the device's work instead");
     } catch (const std::exception& e) {
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
         return;
       }
-      warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) + " failed: " + e.what());
+      warn(std::string("gpukit::async_allocator: ordering the free of ") + detail::format_bytes(a.bytes) +
+           " failed: " + e.what() + "; freeing it after the device's work instead");
+    }
+    free_after_device(p, a.bytes);
+  }
+
+  /// `free_stream` waits on the device for the work `user` has enqueued so far (an event, destroyed at once: CUDA
+  /// releases it once the wait is done).
+  cudaError_t order_after(cudaStream_t free_stream, cudaStream_t user) const noexcept {
+    cudaEvent_t e = nullptr;
+    cudaError_t result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (result != cudaSuccess) return result;
+    result = cudaEventRecord(e, user);
+    if (result == cudaSuccess) result = cudaStreamWaitEvent(free_stream, e, 0);
+    (void)cudaEventDestroy(e);
+    return result;
+  }
+
+  /// Frees `p` without any stream of the program: the device's work is waited for, then cudaFreeAsync on the legacy
+  /// default stream (which always exists). Failures are reported through gpukit::warn (the memory is lost).
+  void free_after_device(void* p, std::size_t bytes) noexcept {
+    try {
+      device_guard guard(device_);
+      cudaError_t result = cudaDeviceSynchronize();
+      if (result == cudaSuccess) result = cudaFreeAsync(p, cudaStreamLegacy);
+      if (result == cudaSuccess || detail::is_teardown_result(result)) return;
+      (void)cudaGetLastError();
+      warn("gpukit::async_allocator: " + detail::format_bytes(bytes) + " could not be freed (" +
+           cudaGetErrorName(result) + "); the memory is lost to the pool");
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
     }
   }
 

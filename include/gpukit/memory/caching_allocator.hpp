@@ -60,6 +60,7 @@
 /// in global mode.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
@@ -175,9 +176,9 @@ struct allocator_options {
   /// Throws invalid_argument_error naming the first inconsistent setting.
   void validate() const {
     auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
-    auto power_of_two = [](std::size_t v) { return v != 0 && (v & (v - 1)) == 0; };
-    if (!power_of_two(rounding) || rounding < 16) fail("rounding must be a power of two of at least 16 bytes");
-    if (!power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
+    if (!detail::is_power_of_two(rounding) || rounding < 16)
+      fail("rounding must be a power of two of at least 16 bytes");
+    if (!detail::is_power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
       fail("large_segment_rounding must be a power of two and at least the rounding");
     }
     if (small_size == 0 || small_size > small_segment_size) fail("small_size must be in [1, small_segment_size]");

@@ -20,6 +20,7 @@
 ///     // ~device_buffer: freed in s's order: the memory is reused by later work on s, never during the kernel
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/default_allocator.hpp>
@@ -179,7 +180,7 @@ class device_buffer {
   /// `T` (however large alignof(T) is). Throws
   /// invalid_argument_error if count * sizeof(T) overflows, out_of_memory_error if memory cannot be had.
   device_buffer(std::size_t count, stream_view stream, device_allocator& allocator)
-      : memory_(checked_bytes(count), alignof(T), stream, allocator) {}
+      : memory_(detail::checked_bytes(count, sizeof(T), "gpukit::device_buffer"), alignof(T), stream, allocator) {}
 
   /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
   device_buffer(device_buffer&& other) noexcept = default;
@@ -227,14 +228,6 @@ class device_buffer {
   void record_stream(stream_view s) { memory_.record_stream(s); }
 
  private:
-  static std::size_t checked_bytes(std::size_t count) {
-    if (count > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
-      throw invalid_argument_error("gpukit::device_buffer: " + std::to_string(count) + " elements of " +
-                                   std::to_string(sizeof(T)) + " bytes overflow std::size_t");
-    }
-    return count * sizeof(T);
-  }
-
   device_allocation memory_;  // count * sizeof(T) bytes, aligned for T
 };
 

@@ -195,7 +195,8 @@ class memory_history {
         ++recorded_;
         return;
       } catch (...) {
-        if (ring_.empty()) {
+        if (ring_.empty()) {  // no memory for even one event: this one is lost, and counted as recorded and dropped
+          ++recorded_;
           ++dropped_;
           return;
         }
@@ -223,7 +224,8 @@ class memory_history {
     std::lock_guard<std::mutex> lock(mutex_);
     return recorded_;
   }
-  /// Events the ring dropped to make room (the oldest first).
+  /// Events the ring no longer holds: the oldest, dropped to make room, or one it had no memory for (so recorded()
+  /// minus dropped() is the number of events held).
   std::size_t dropped() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return dropped_;

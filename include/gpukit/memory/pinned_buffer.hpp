@@ -16,6 +16,7 @@
 /// pinned buffers for the life of a loop, or take them from a pinned_pool (<gpukit/memory/pinned_pool.hpp>).
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/span.hpp>
@@ -68,15 +69,6 @@ namespace detail {
 
 /// Alignment of host memory standing in for pinned memory on the CPU device: a page, like cudaHostAlloc.
 inline constexpr std::size_t host_page_alignment = 4096;
-
-/// count * size, or invalid_argument_error when it does not fit in size_t (a count that large is always a bug).
-inline std::size_t checked_bytes(std::size_t count, std::size_t element_size, const char* who) {
-  if (element_size != 0 && count > std::numeric_limits<std::size_t>::max() / element_size) {
-    throw invalid_argument_error(std::string(who) + ": " + std::to_string(count) + " elements of " +
-                                 std::to_string(element_size) + " bytes overflow size_t");
-  }
-  return count * element_size;
-}
 
 /// Page-aligned plain host memory (the CPU device's "pinned" memory). Throws out_of_memory_error.
 inline void* allocate_host_pages(std::size_t bytes, const char* who) {

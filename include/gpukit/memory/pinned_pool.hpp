@@ -26,6 +26,7 @@
 /// pool of a device kind (one for every CUDA device, since its memory is portable, and one for the CPU).
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
@@ -245,7 +246,7 @@ class basic_pinned_pool {
   explicit basic_pinned_pool(Upstream upstream = Upstream(), pinned_pool_options options = {}, Sync sync = Sync())
       : upstream_(std::move(upstream)), sync_(std::move(sync)), options_(options) {
     const std::size_t c = options_.classes_per_doubling;
-    if (c == 0 || (c & (c - 1)) != 0) {
+    if (!detail::is_power_of_two(c)) {
       throw invalid_argument_error("gpukit::pinned_pool: classes_per_doubling must be a power of two, not " +
                                    std::to_string(c));
     }

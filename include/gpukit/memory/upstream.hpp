@@ -18,6 +18,8 @@
 /// - device_upstream: cuda_upstream or host_upstream, chosen by a gpukit::device at run time.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
+#include <gpukit/device/detail/peer_registry.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -33,6 +35,7 @@
 #include <new>
 #include <set>
 #include <string>
+#include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
@@ -118,7 +121,7 @@ class address_space_upstream {
   /// \param alignment alignment of returned addresses (a power of two, at least upstream_alignment)
   explicit address_space_upstream(std::size_t capacity, std::size_t alignment = upstream_alignment)
       : capacity_(capacity), alignment_(alignment) {
-    if (alignment < upstream_alignment || (alignment & (alignment - 1)) != 0) {
+    if (alignment < upstream_alignment || !detail::is_power_of_two(alignment)) {
       throw invalid_argument_error(
           "gpukit::address_space_upstream: the alignment must be a power of two of at "
           "least " +
@@ -130,27 +133,28 @@ class address_space_upstream {
   address_space_upstream(const address_space_upstream&) = delete;
   address_space_upstream& operator=(const address_space_upstream&) = delete;
 
-  /// A fresh address range of `bytes`, or nullptr when the capacity would be exceeded (or after fail_next()).
+  /// A fresh address range of `bytes` rounded up to the alignment (what it costs of the capacity), or nullptr when
+  /// the capacity would be exceeded (or after fail_next()).
   [[nodiscard]] void* allocate(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (forced_failures_ > 0) {
       --forced_failures_;
       return nullptr;
     }
-    if (bytes == 0 || bytes > capacity_ || used_ > capacity_ - bytes) return nullptr;
     const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
-    if (size < bytes) return nullptr;
+    if (bytes == 0 || size < bytes || size > capacity_ || used_ > capacity_ - size) return nullptr;
     const std::uintptr_t start = take_range(size, alignment_);
     if (start == 0) return nullptr;
-    used_ += bytes;
+    used_ += size;
     if (used_ > peak_) peak_ = used_;
     ++allocations_;
     sizes_.emplace(start, size);
     return reinterpret_cast<void*>(start);
   }
 
-  /// Returns a range; `bytes` must be the size it was allocated with. An unknown address is reported through
-  /// gpukit::warn (this upstream is used by tests, which should see such a bug).
+  /// Returns a range; `bytes` must be the size it was allocated with. An unknown address, or a size other than the
+  /// allocated one, is reported through gpukit::warn (this upstream is used by tests, which should see such a bug);
+  /// the range is freed whole either way.
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto start = reinterpret_cast<std::uintptr_t>(p);
@@ -160,8 +164,12 @@ class address_space_upstream {
       return;
     }
     const std::size_t size = found->second;
+    if (((bytes + alignment_ - 1) & ~(alignment_ - 1)) != size) {
+      warn("gpukit::address_space_upstream: deallocate of " + std::to_string(bytes) + " bytes for a range of " +
+           std::to_string(size) + " bytes");
+    }
     sizes_.erase(found);
-    used_ -= bytes;
+    used_ -= size;
     give_range(start, size);
   }
 
@@ -254,7 +262,7 @@ class address_space_upstream {
   /// The granularity of map() (a power of two, at least the alignment); for tests of other page sizes.
   void set_page_size(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (bytes < alignment_ || (bytes & (bytes - 1)) != 0 || !reservations_.empty()) {
+    if (bytes < alignment_ || !detail::is_power_of_two(bytes) || !reservations_.empty()) {
       throw invalid_argument_error(
           "gpukit::address_space_upstream: a page size must be a power of two of at least "
           "the alignment, set before anything is reserved");
@@ -267,8 +275,10 @@ class address_space_upstream {
     std::lock_guard<std::mutex> lock(mutex_);
     capacity_ = capacity;
   }
-  /// Makes the next `count` calls of allocate() fail whatever the capacity (failure injection for tests).
+  /// Makes the next `count` calls of allocate() or map() fail whatever the capacity (failure injection for tests);
+  /// replaces any count still pending, so fail_next(0) disarms. Throws invalid_argument_error for a negative count.
   void fail_next(int count) {
+    if (count < 0) throw invalid_argument_error("gpukit::address_space_upstream::fail_next: a negative count");
     std::lock_guard<std::mutex> lock(mutex_);
     forced_failures_ = count;
   }
@@ -464,31 +474,36 @@ class cuda_upstream {
     if (detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0) != CUDA_SUCCESS) return nullptr;
     return reinterpret_cast<void*>(address);
   }
-  /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device) per
-  /// page; each handle is released at once, so the memory goes when its page is unmapped. False when the device is
-  /// out of memory (the pages mapped so far stay); throws gpukit::cuda_error for any other failure.
+  /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device and for
+  /// every device holding a gpukit::peer_access to it) per page; each handle is released at once, so the memory goes
+  /// when its page is unmapped. False when the device is out of memory (the pages mapped so far stay); throws
+  /// gpukit::cuda_error for any other failure.
   bool map(void* address, std::size_t bytes) {
     device_guard guard(device_);
     const detail::driver_api& api = detail::driver();
     const CUmemAllocationProp prop = allocation_properties();
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device_.ordinal();
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    auto& registry = mode_independent::peer_access_holders();
+    std::lock_guard<std::mutex> lock(registry.mutex);  // no peer access is granted or taken back meanwhile
+    std::vector<CUmemAccessDesc> access(1);
+    for (int peer : registry.peers_of(device_.ordinal())) access.push_back(access_for(peer));
+    access.front() = access_for(device_.ordinal());
+    auto& mapped = registry.mapped_pages[device_.ordinal()];
+    const std::size_t granule = page_bytes();
     const auto start = reinterpret_cast<CUdeviceptr>(address);
-    for (CUdeviceptr page = start; page < start + bytes; page += page_bytes()) {
+    for (CUdeviceptr page = start; page < start + bytes; page += granule) {
       CUmemGenericAllocationHandle handle{};
-      CUresult r = api.mem_create(&handle, page_bytes(), &prop, 0);
+      CUresult r = api.mem_create(&handle, granule, &prop, 0);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       if (r != CUDA_SUCCESS) throw_driver_failure("cuMemCreate", r);
-      r = api.mem_map(page, page_bytes(), 0, handle, 0);
+      r = api.mem_map(page, granule, 0, handle, 0);
       (void)api.mem_release(handle);  // the mapping keeps the memory
       if (r != CUDA_SUCCESS) throw_driver_failure("cuMemMap", r);
-      r = api.mem_set_access(page, page_bytes(), &access, 1);
+      r = api.mem_set_access(page, granule, access.data(), access.size());
       if (r != CUDA_SUCCESS) {
-        (void)api.mem_unmap(page, page_bytes());
+        (void)api.mem_unmap(page, granule);
         throw_driver_failure("cuMemSetAccess", r);
       }
+      mapped[static_cast<std::uintptr_t>(page)] = granule;
     }
     return true;
   }
@@ -499,9 +514,14 @@ class cuda_upstream {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaDeviceSynchronize(), "cudaDeviceSynchronize (before unmapping pages)",
                                   device_.ordinal());
+      auto& registry = mode_independent::peer_access_holders();
+      std::lock_guard<std::mutex> lock(registry.mutex);
+      auto& mapped = registry.mapped_pages[device_.ordinal()];
+      const std::size_t granule = page_bytes();
       const auto start = reinterpret_cast<CUdeviceptr>(address);
-      for (CUdeviceptr page = start; page < start + bytes; page += page_bytes()) {
-        const CUresult r = detail::driver().mem_unmap(page, page_bytes());
+      for (CUdeviceptr page = start; page < start + bytes; page += granule) {
+        mapped.erase(static_cast<std::uintptr_t>(page));
+        const CUresult r = detail::driver().mem_unmap(page, granule);
         if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
       }
     } catch (const std::exception& e) {
@@ -521,6 +541,13 @@ class cuda_upstream {
   }
 
  private:
+  static CUmemAccessDesc access_for(int ordinal) noexcept {
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = ordinal;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return access;
+  }
   CUmemAllocationProp allocation_properties() const noexcept {
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -576,13 +603,33 @@ class device_upstream {
   /// Reserves an address range of `bytes` (cuda_upstream::reserve()); nullptr when refused or without virtual memory.
   void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_.reserve(bytes) : nullptr; }
   /// Backs whole pages of a range reserve() returned (cuda_upstream::map()); false when the device is out of memory.
-  bool map(void* address, std::size_t bytes) { return cuda_.map(address, bytes); }
-  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap()); failures are warned about.
-  void unmap(void* address, std::size_t bytes) noexcept { cuda_.unmap(address, bytes); }
-  /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures are warned about.
-  void unreserve(void* address, std::size_t bytes) noexcept { cuda_.unreserve(address, bytes); }
+  /// Throws invalid_argument_error on the CPU, where reserve() never returns a range.
+  bool map(void* address, std::size_t bytes) {
+    if (!device_.is_cuda()) {
+      throw invalid_argument_error("gpukit::device_upstream::map: the CPU device has no virtual memory to map");
+    }
+    return cuda_.map(address, bytes);
+  }
+  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap()); failures, and a call on the CPU,
+  /// are warned about.
+  void unmap(void* address, std::size_t bytes) noexcept {
+    if (!device_.is_cuda()) return warn_no_virtual_memory("unmap");
+    cuda_.unmap(address, bytes);
+  }
+  /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
+  /// about.
+  void unreserve(void* address, std::size_t bytes) noexcept {
+    if (!device_.is_cuda()) return warn_no_virtual_memory("unreserve");
+    cuda_.unreserve(address, bytes);
+  }
 
  private:
+  static void warn_no_virtual_memory(const char* call) noexcept {
+    try {
+      warn(std::string("gpukit::device_upstream::") + call + ": the CPU device has no virtual memory (nothing done)");
+    } catch (...) {  // no memory for the message
+    }
+  }
   gpukit::device device_;
   cuda_upstream cuda_;
   host_upstream host_;

@@ -211,12 +211,21 @@ class prefetcher {
     batch& operator=(const batch&) = delete;
     ~batch() { release(); }
 
-    /// The batch in device memory (host memory on the CPU device); valid until release.
-    device_span<T> data() const noexcept { return {slot_->dev.data(), slot_->count, state_->dev}; }
-    /// Elements in the batch, at most the prefetcher's batch_capacity(). Call it only before release.
-    std::size_t size() const noexcept { return slot_->count; }
-    /// The batch's index: 0, 1, 2, ... in order.
-    std::size_t index() const noexcept { return slot_->index; }
+    /// What index() says of a batch that holds nothing (moved from or released).
+    static constexpr std::size_t no_index = std::numeric_limits<std::size_t>::max();
+
+    /// True until the batch is released or moved from.
+    bool held() const noexcept { return slot_ != nullptr; }
+    /// The batch in device memory (host memory on the CPU device); valid until release. Empty once released or moved
+    /// from.
+    device_span<T> data() const noexcept {
+      if (slot_ == nullptr) return {};
+      return {slot_->dev.data(), slot_->count, state_->dev};
+    }
+    /// Elements in the batch, at most the prefetcher's batch_capacity(); 0 once released or moved from.
+    std::size_t size() const noexcept { return slot_ == nullptr ? 0 : slot_->count; }
+    /// The batch's index: 0, 1, 2, ... in order; no_index once released or moved from.
+    std::size_t index() const noexcept { return slot_ == nullptr ? no_index : slot_->index; }
 
     /// Gives the buffer back: the copy stream will wait for the consumer's work enqueued so far before refilling
     /// it. Recording that event is a CUDA call; failures are reported through gpukit::warn.

@@ -11,6 +11,7 @@
 /// shard holds an over-aligned address, otherwise it is one relaxed load.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/sizes.hpp>
 #include <gpukit/error.hpp>
 
 #include <algorithm>
@@ -27,8 +28,6 @@
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
-
-constexpr bool is_power_of_two(std::size_t n) noexcept { return n != 0 && (n & (n - 1)) == 0; }
 
 /// Throws invalid_argument_error (naming `who`) unless `alignment` is a power of two.
 inline void require_power_of_two_alignment(std::size_t alignment, const char* who) {
