@@ -10,9 +10,11 @@
 // The client sends at a steady rate, then a burst of a quarter as many requests at once, so admission is seen
 // holding requests back; latency is reported for each phase.
 //
-// The model is a device-to-device copy standing in for the kernels a real server launches on the same stream (the
-// simulated runtime that runs this example in CI runs no kernels). Without a GPU it runs on the CPU device with the
-// same code and says so.
+// The model is one layer, out = 2 * in + 1: a CUDA kernel on the request's stream where this file is compiled as CUDA
+// (inference_server_cuda, built from inference_server.cu where nvcc is available), a host function on the stream on
+// the CPU device, and, in the g++ build on a CUDA device, a device-to-device copy standing in for it (the simulated
+// runtime that runs that build in CI runs no kernels). Without a GPU it runs on the CPU device with the same code and
+// says so.
 //
 //   inference_server [requests] [requests per second] [workers] [streams] [budget MiB]
 #include <gpukit/gpukit.hpp>
@@ -134,6 +136,45 @@ class memory_admission {
 
 float input_value(std::size_t id, std::size_t k) { return static_cast<float>((id * 131 + k) % 4093); }
 
+#ifdef __CUDACC__
+__global__ void layer_kernel(float* out, const float* in, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t k = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
+    out[k] = 2.0f * in[k] + 1.0f;
+  }
+}
+#endif
+
+/// Whether run_model computes the layer on `d` (else a copy stands in for it: the g++ build on a CUDA device).
+bool model_computes(gpukit::device d) {
+#ifdef __CUDACC__
+  (void)d;
+  return true;
+#else
+  return d.is_cpu();
+#endif
+}
+
+/// What the model gives for `x` on `d`.
+float model_output(gpukit::device d, float x) { return model_computes(d) ? 2.0f * x + 1.0f : x; }
+
+/// The model on `s`: out = 2 * in + 1 (see model_computes).
+void run_model(gpukit::device d, float* out, const float* in, std::size_t n, gpukit::stream_view s) {
+  if (d.is_cpu()) {  // the CPU device's stream runs host functions in order
+    s.enqueue_host([out, in, n] {
+      for (std::size_t k = 0; k < n; ++k) out[k] = 2.0f * in[k] + 1.0f;
+    });
+    return;
+  }
+#ifdef __CUDACC__
+  const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 1024));
+  layer_kernel<<<blocks, 256, 0, s.cuda_handle()>>>(out, in, n);
+  GPUKIT_CUDA_TRY(cudaGetLastError());
+#else
+  gpukit::copy_async(gpukit::device_span<float>(out, n, d), gpukit::device_span<const float>(in, n, d), s);
+#endif
+}
+
 struct results {
   std::mutex mutex;
   std::vector<double> latencies_ms;        // requests sent at the steady rate
@@ -179,9 +220,7 @@ void serve(gpukit::device d, request_queue& queue, memory_admission& admission, 
       gpukit::pooled_pinned_buffer<float> host_out(r->elements, d);
       gpukit::copy_async(gpukit::device_span<float>(input.data(), r->elements, d),
                          gpukit::pinned_span<const float>(host_in.data(), r->elements), s);
-      // The model: kernels launched on `s` would go here.
-      gpukit::copy_async(gpukit::device_span<float>(output.data(), r->elements, d),
-                         gpukit::device_span<const float>(input.data(), r->elements, d), s);
+      run_model(d, output.data(), input.data(), r->elements, s);
       gpukit::copy_async(gpukit::pinned_span<float>(host_out.data(), r->elements),
                          gpukit::device_span<const float>(output.data(), r->elements, d), s);
       host_in.record_stream(s);
@@ -189,7 +228,9 @@ void serve(gpukit::device d, request_queue& queue, memory_admission& admission, 
       done_event.record(s);
       done_event.synchronize();
       bool right = true;
-      for (std::size_t k = 0; k < r->elements; k += 97) right = right && host_out.data()[k] == input_value(r->id, k);
+      for (std::size_t k = 0; k < r->elements; k += 97) {
+        right = right && host_out.data()[k] == model_output(d, input_value(r->id, k));
+      }
       if (!right) ++out.wrong;
     } catch (const std::exception& e) {  // buffers went back to their pools, the bytes to the admission
       std::lock_guard<std::mutex> lock(out.mutex);
@@ -232,6 +273,9 @@ int main(int argc, char** argv) {
     const gpukit::device d = selection.device;
     std::printf("device: %s (%s)\n", d.to_string().c_str(), selection.reason.c_str());
     if (d.is_cpu()) std::printf("no GPU: serving on the CPU device, same code, host memory\n");
+    std::printf("model: %s\n", !model_computes(d) ? "a device-to-device copy stands in (built without nvcc)"
+                                : d.is_cuda()     ? "out = 2 * in + 1, a CUDA kernel"
+                                                  : "out = 2 * in + 1, a host function on the stream");
     std::printf("%zu requests at %.0f/s, %zu workers, %zu streams, memory budget %s\n\n", cfg.requests, cfg.rate,
                 cfg.workers, cfg.streams, mib(cfg.budget).c_str());
 

@@ -85,7 +85,7 @@ if grep -q "Skipped\|Not Run" <<<"$last_output"; then
 fi
 
 for example in device_query memory_stats memory_history bandwidth_test prefetch_pipeline train_input_pipeline graph_replay \
-    inference_server stream_timing; do
+    inference_server inference_server_cuda stream_timing; do
   [ -x "$build/examples/$example$suffix" ] && run "Example $example" "$build/examples/$example$suffix"
 done
 for bench in bench_allocator bench_pinned_pool bench_transfer; do
