@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
     std::printf("device: %s (%s)\n", d.to_string().c_str(), selection.reason.c_str());
     if (d.is_cpu()) std::printf("no GPU: serving on the CPU device, same code, host memory\n");
     std::printf("model: %s\n", !model_computes(d) ? "a device-to-device copy stands in (built without nvcc)"
-                                : d.is_cuda()     ? "out = 2 * in + 1, a CUDA kernel"
+                               : d.is_cuda()      ? "out = 2 * in + 1, a CUDA kernel"
                                                   : "out = 2 * in + 1, a host function on the stream");
     std::printf("%zu requests at %.0f/s, %zu workers, %zu streams, memory budget %s\n\n", cfg.requests, cfg.rate,
                 cfg.workers, cfg.streams, mib(cfg.budget).c_str());
