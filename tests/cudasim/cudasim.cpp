@@ -1973,11 +1973,15 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t) 
   return cudaSuccess;  // the default pool keeps nothing to trim
 }
 
-CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
-  CUDASIM_ENTER("cudaMallocAsync");
+/// cudaMallocAsync, or cudaMallocFromPoolAsync when `pool` is given (the default pool of the stream's device only).
+static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool_t pool, cudaStream_t stream) {
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
+  if (pool != nullptr &&
+      pool != reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(st->device))) {
+    return c.violation(cudaErrorInvalidValue, "cudasim models only the default pool of the stream's device");
+  }
   device_state& dev = c.s.devices[static_cast<std::size_t>(st->device)];
   ensure_context(c, st->device);
   if (size == 0) {
@@ -2002,6 +2006,18 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStr
   dev.pool_high = std::max(dev.pool_high, dev.pool_used);
   *p = memory;
   return cudaSuccess;
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMallocAsync");
+  return malloc_async(c, p, size, nullptr, stream);
+}
+
+CUDASIM_API cudaError_t CUDARTAPI cudaMallocFromPoolAsync(void** p, size_t size, cudaMemPool_t pool,
+                                                          cudaStream_t stream) {
+  CUDASIM_ENTER("cudaMallocFromPoolAsync");
+  if (pool == nullptr) return c.result(cudaErrorInvalidValue);
+  return malloc_async(c, p, size, pool, stream);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {

@@ -5,6 +5,7 @@
 #include "support.hpp"
 
 #include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/async_pool_upstream.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/device/properties.hpp>
@@ -492,4 +493,49 @@ TEST_CASE("streams: an async_allocator destroyed with live allocations frees the
   CHECK(warnings.contains("destroyed with 1 live allocation(s)"));
   cudasim::drain_all();
   CHECK(cudasim::device_memory_used(0) == used);
+}
+
+TEST_CASE("streams: the caching allocator over async_pool_upstream never calls cudaMalloc or cudaFree") {
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  gpukit::stream s(cuda0);
+  const std::size_t mallocs = cudasim::calls("cudaMalloc");
+  const std::size_t frees = cudasim::calls("cudaFree");
+  void* p = a.allocate(block_bytes, s);
+  void* big = a.allocate(std::size_t{64} << 20, s);
+  CHECK(cudasim::calls("cudaMallocFromPoolAsync") == 2);  // a small and a large segment
+  gpukit::async_allocator pool_view(cuda0);               // reads the same default pool
+  CHECK(pool_view.memory_reserved() == a.memory_reserved());
+  a.deallocate(p);
+  a.deallocate(big);
+  a.empty_cache();
+  CHECK(cudasim::calls("cudaFreeAsync") == 2);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") >= 1);  // segments go back after the device's work, as with cudaFree
+  cudasim::drain_all();
+  CHECK(pool_view.memory_reserved() == 0);
+  CHECK(cudasim::calls("cudaMalloc") == mallocs);
+  CHECK(cudasim::calls("cudaFree") == frees);
+}
+
+TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache is released, other failures throw") {
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  gpukit::stream s(cuda0);
+  void* first = a.allocate(std::size_t{4} << 20, s);
+  a.deallocate(first);  // cached
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  void* p = a.allocate(std::size_t{32} << 20, s);  // refused once: the cache goes back to the pool, then it succeeds
+  CHECK(p != nullptr);
+  CHECK(a.stats().num_alloc_retries == 1);
+  a.deallocate(p);
+  a.empty_cache();
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorInvalidValue);
+  try {
+    (void)a.allocate(std::size_t{4} << 20, s);
+    FAIL("an invalid-value failure of cudaMallocFromPoolAsync was not thrown");
+  } catch (const gpukit::error& e) {
+    CHECK(std::string(e.what()).find("cudaMallocFromPoolAsync") != std::string::npos);
+  }
+  void* again = a.allocate(std::size_t{4} << 20, s);  // usable afterwards
+  CHECK(again != nullptr);
+  a.deallocate(again);
+  CHECK_THROWS_AS(gpukit::async_pool_upstream(gpukit::device::cpu()), gpukit::invalid_argument_error);
 }

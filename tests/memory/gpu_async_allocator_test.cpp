@@ -1,10 +1,13 @@
 // GPU tests of async_allocator, cudaMallocAsync behind device_allocator (label gpu; on the simulator as *_sim):
 // normal use with data through the memory, statistics, record_stream ordering, out of memory with observers, bad
-// input. Skipped with GPUKIT_TEST_SKIPPED without a GPU.
+// input; and the caching allocator over async_pool_upstream (segments from the same pool). Skipped with
+// GPUKIT_TEST_SKIPPED without a GPU.
 #include "allocator_support.hpp"
 #include "support.hpp"
 
 #include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/async_pool_upstream.hpp>
+#include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -128,4 +131,39 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
     CHECK_THROWS_AS((void)a.allocate(16, elsewhere), gpukit::invalid_argument_error);
   }
   s.synchronize();
+}
+
+TEST_CASE("gpu: the caching allocator over async_pool_upstream: data round-trips and segments go back to the pool") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(d);
+  gpukit::stream s(d), other(d);
+  std::vector<int> host(1 << 20);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<int>(i * 7);
+  std::vector<int> back(host.size());
+  {
+    gpukit::device_buffer<int> b(host.size(), s, a);
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(b.data(), host.data(), b.size_bytes(), cudaMemcpyHostToDevice, s.cuda_handle()));
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+    s.synchronize();
+    CHECK(back == host);
+    cudaPointerAttributes attributes{};
+    REQUIRE(cudaPointerGetAttributes(&attributes, b.data()) == cudaSuccess);
+    CHECK(attributes.type == cudaMemoryTypeDevice);
+    CHECK(a.engine().upstream().pool() != nullptr);
+  }
+  // A segment from the pool is usable on another stream at once (the allocation was waited for on the host).
+  gpukit::device_buffer<int> c(host.size(), other, a);
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(c.data(), host.data(), c.size_bytes(), cudaMemcpyHostToDevice, other.cuda_handle()));
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), c.data(), c.size_bytes(), cudaMemcpyDeviceToHost, other.cuda_handle()));
+  other.synchronize();
+  CHECK(back == host);
+  c = gpukit::device_buffer<int>();
+  CHECK(a.memory_reserved() > 0);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.stats().num_device_free == a.stats().num_device_alloc);
+  const auto info = a.engine().upstream().memory_info();
+  CHECK(info.known);
+  CHECK_THROWS_AS(gpukit::async_pool_upstream(gpukit::device::cpu()), gpukit::invalid_argument_error);
 }

@@ -1,0 +1,177 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// async_pool_upstream: the caching allocator's segments from a CUDA memory pool (cudaMallocAsync / cudaFreeAsync)
+/// instead of cudaMalloc / cudaFree, so that gpukit's cache sits in front of the same pool as the other libraries of
+/// the process that use it (cuDNN, NCCL, a framework's cudaMallocAsync backend):
+///
+///     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(gpukit::device::cuda(0));
+///     gpukit::device_buffer<float> x(n, stream, a);   // a segment from the device's default pool
+///     a.empty_cache();                                // segments go back to the pool, not to the driver
+///
+/// What it changes against cudaMalloc: a segment given back (empty_cache, trim, pressure) returns to the pool, which
+/// keeps it up to its release threshold (by default, everything), so growing again is a pool hit instead of a
+/// driver allocation, and other users of the pool can take it meanwhile. What it keeps: a segment is given back only
+/// after the device's work (cudaDeviceSynchronize, as cudaFree waits), so the engine's contract
+/// (synchronizes_on_free) and its hot path are those of cudaMalloc's upstream; the allocate and free themselves
+/// are enqueued on a private stream and waited for on the host, so a segment is usable on every stream at once.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+#include <gpukit/memory/upstream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <string>
+
+GPUKIT_BEGIN_NAMESPACE
+
+/// Segments from a CUDA memory pool (see the file comment). Thread-safe; not copyable or movable (the caching
+/// allocator builds it in place).
+class async_pool_upstream {
+ public:
+  /// Segments from `pool`, or from the device's default pool (cudaDeviceGetDefaultMemPool) when it is null. The pool's
+  /// release threshold becomes `release_threshold` bytes at the first allocation (the maximum: keep everything, as
+  /// gpukit's cache does; this changes the pool for its other users too). Makes no CUDA call; throws
+  /// invalid_argument_error for the CPU.
+  explicit async_pool_upstream(gpukit::device d,
+                               std::size_t release_threshold = std::numeric_limits<std::size_t>::max(),
+                               cudaMemPool_t pool = nullptr)
+      : device_(d), pool_(pool), release_threshold_(release_threshold) {
+    if (!d.is_cuda()) {
+      throw invalid_argument_error("gpukit::async_pool_upstream: " + d.to_string() +
+                                   " is not a CUDA device (memory pools are a CUDA device's)");
+    }
+  }
+  async_pool_upstream(const async_pool_upstream&) = delete;
+  async_pool_upstream& operator=(const async_pool_upstream&) = delete;
+
+  /// Destroys the private stream (after its work). Segments still out are the caching allocator's to give back first.
+  ~async_pool_upstream() {
+    if (stream_ == nullptr) return;
+    try {
+      device_guard guard(device_);
+      detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
+                                  device_.ordinal());
+    } catch (const error& e) {
+      if (!detail::is_teardown_result(e.cuda_result())) warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+    }
+  }
+
+  /// cudaMallocAsync from the pool on the private stream, waited for on the host (so the segment is usable on any
+  /// stream). nullptr for cudaErrorMemoryAllocation (the caching allocator then gives back its cache and retries);
+  /// any other failure throws the matching gpukit exception.
+  [[nodiscard]] void* allocate(std::size_t bytes) {
+    device_guard guard(device_);
+    const cudaStream_t s = private_stream();
+    void* p = nullptr;
+    const cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocFromPoolAsync(" + std::to_string(bytes) + ")", device_.ordinal());
+    const cudaError_t ready = cudaStreamSynchronize(s);
+    if (ready != cudaSuccess) {
+      (void)cudaFreeAsync(p, s);
+      GPUKIT_CUDA_TRY_DESCRIBED(ready, "cudaStreamSynchronize (a segment from the pool)", device_.ordinal());
+    }
+    return p;
+  }
+
+  /// Waits for the device's work (as cudaFree does: queued kernels may still use the segment), then cudaFreeAsync
+  /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit).
+  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
+    try {
+      device_guard guard(device_);
+      cudaError_t result = cudaDeviceSynchronize();
+      const char* call = "cudaDeviceSynchronize (before returning a segment to the pool)";
+      if (result == cudaSuccess) {
+        result = cudaFreeAsync(p, stream_);
+        call = "cudaFreeAsync (returning a segment to the pool)";
+      }
+      detail::report_cuda_failure(result, call, device_.ordinal());
+    } catch (const error& e) {
+      if (detail::is_teardown_result(e.cuda_result())) return;
+      warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
+    }
+  }
+
+  /// The device's free memory (cudaMemGetInfo) plus what the pool holds unused (reserved minus used), which the pool
+  /// serves before asking the driver.
+  upstream_memory_info memory_info() const {
+    upstream_memory_info info;
+    try {
+      device_guard guard(device_);
+      std::size_t free_bytes = 0;
+      std::size_t total_bytes = 0;
+      if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return info;
+      }
+      info.free_bytes = free_bytes;
+      info.total_bytes = total_bytes;
+      info.known = true;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (pool_ != nullptr) {
+        cuuint64_t reserved = 0;
+        cuuint64_t used = 0;
+        if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
+            cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess) {
+          if (reserved > used) info.free_bytes += static_cast<std::size_t>(reserved - used);
+        } else {
+          (void)cudaGetLastError();
+        }
+      }
+    } catch (const error&) {
+    }
+    return info;
+  }
+
+  /// deallocate waits for all work of the device, so the allocator need not wait before it.
+  bool synchronizes_on_free() const noexcept { return true; }
+  /// The CUDA device whose memory this upstream allocates.
+  gpukit::device device() const noexcept { return device_; }
+  /// The pool (null until the first allocation when the device's default pool was asked for).
+  cudaMemPool_t pool() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pool_;
+  }
+
+ private:
+  /// The private stream, created with the pool's settings at the first call (a failure is thrown, and the next call
+  /// tries again).
+  cudaStream_t private_stream() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stream_ != nullptr) return stream_;
+    if (pool_ == nullptr) {
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetDefaultMemPool(&pool_, device_.ordinal()), "cudaDeviceGetDefaultMemPool",
+                                device_.ordinal());
+    }
+    cuuint64_t threshold = release_threshold_;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
+                              "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", device_.ordinal());
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                              "cudaStreamCreateWithFlags (async_pool_upstream)", device_.ordinal());
+    return stream_;
+  }
+
+  gpukit::device device_;
+  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set
+  cudaMemPool_t pool_ = nullptr;   // the pool segments come from
+  cudaStream_t stream_ = nullptr;  // where allocations and frees are enqueued
+  std::size_t release_threshold_;
+};
+
+GPUKIT_END_NAMESPACE
