@@ -537,5 +537,5 @@ TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache
   void* again = a.allocate(std::size_t{4} << 20, s);  // usable afterwards
   CHECK(again != nullptr);
   a.deallocate(again);
-  CHECK_THROWS_AS(gpukit::async_pool_upstream(gpukit::device::cpu()), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::async_pool_upstream{gpukit::device::cpu()}, gpukit::invalid_argument_error);
 }

@@ -165,5 +165,5 @@ TEST_CASE("gpu: the caching allocator over async_pool_upstream: data round-trips
   CHECK(a.stats().num_device_free == a.stats().num_device_alloc);
   const auto info = a.engine().upstream().memory_info();
   CHECK(info.known);
-  CHECK_THROWS_AS(gpukit::async_pool_upstream(gpukit::device::cpu()), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::async_pool_upstream{gpukit::device::cpu()}, gpukit::invalid_argument_error);
 }
