@@ -521,8 +521,16 @@ TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache
   gpukit::stream s(cuda0);
   void* first = a.allocate(std::size_t{4} << 20, s);
   a.deallocate(first);  // cached
+  const std::size_t trims = cudasim::calls("cudaMemPoolTrimTo");
   cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
-  void* p = a.allocate(std::size_t{32} << 20, s);  // refused once: the cache goes back to the pool, then it succeeds
+  void* p = a.allocate(std::size_t{32} << 20, s);  // refused once: the upstream trims the pool and tries again
+  CHECK(p != nullptr);
+  CHECK(cudasim::calls("cudaMemPoolTrimTo") == trims + 1);
+  CHECK(a.stats().num_alloc_retries == 0);
+  a.deallocate(p);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 2, cudaErrorMemoryAllocation);
+  p = a.allocate(std::size_t{64} << 20, s);  // refused twice: the cache goes back to the pool, then it succeeds
   CHECK(p != nullptr);
   CHECK(a.stats().num_alloc_retries == 1);
   a.deallocate(p);

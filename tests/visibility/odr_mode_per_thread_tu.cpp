@@ -14,4 +14,6 @@ using mode_function = bool (*)() noexcept;
 mode_function odr_mode_per_thread_tu_mode_function() { return &gpukit::detail::per_thread_default_stream_mode; }
 const void* odr_mode_per_thread_tu_default_allocators() { return &gpukit::detail::default_allocators(); }
 std::string odr_mode_per_thread_tu_device_text() { return gpukit::device::parse("cuda:2").to_string(); }
-const void* odr_mode_per_thread_tu_peer_access_holders() { return &gpukit::mode_independent::peer_access_holders(); }
+const void* odr_mode_per_thread_tu_peer_access_holders_v2() {
+  return &gpukit::mode_independent::peer_access_holders_v2();
+}

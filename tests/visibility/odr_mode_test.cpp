@@ -14,7 +14,7 @@ using mode_function = bool (*)() noexcept;
 mode_function odr_mode_per_thread_tu_mode_function();
 const void* odr_mode_per_thread_tu_default_allocators();
 std::string odr_mode_per_thread_tu_device_text();
-const void* odr_mode_per_thread_tu_peer_access_holders();
+const void* odr_mode_per_thread_tu_peer_access_holders_v2();
 
 namespace {
 mode_function this_tu_mode_function() { return &gpukit::detail::per_thread_default_stream_mode; }
@@ -32,8 +32,8 @@ TEST_CASE("translation units in the two default-stream modes each get their own 
   // Each mode has its own process-wide state too (documented in the README, "Default-stream mode").
   CHECK(odr_mode_per_thread_tu_default_allocators() != static_cast<const void*>(&gpukit::detail::default_allocators()));
   // Except the driver's own process-wide state: peer access is counted once for both modes.
-  CHECK(odr_mode_per_thread_tu_peer_access_holders() ==
-        static_cast<const void*>(&gpukit::mode_independent::peer_access_holders()));
+  CHECK(odr_mode_per_thread_tu_peer_access_holders_v2() ==
+        static_cast<const void*>(&gpukit::mode_independent::peer_access_holders_v2()));
   // Both copies work.
   CHECK(odr_mode_per_thread_tu_device_text() == gpukit::device::cuda(2).to_string());
 }

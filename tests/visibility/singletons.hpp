@@ -29,7 +29,7 @@ inline constexpr const char* singleton_names[] = {
     "detail::pointer_query_override()",
     "detail::capture_pools()",
     "detail::driver()",
-    "mode_independent::peer_access_holders()",
+    "mode_independent::peer_access_holders_v2()",
     "detail::over_aligned_addresses()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
@@ -63,7 +63,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::pointer_query_override(),
       &gpukit::detail::capture_pools(),
       &gpukit::detail::driver(),
-      &gpukit::mode_independent::peer_access_holders(),
+      &gpukit::mode_independent::peer_access_holders_v2(),
       &gpukit::detail::over_aligned_addresses(),
   }};
 }

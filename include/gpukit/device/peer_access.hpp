@@ -139,48 +139,98 @@ inline peer_matrix query_peer_matrix(const nvml::library& nvml = nvml::instance(
 
 namespace detail {
 
-/// Grants (read/write) or takes back (none) `from`'s access to the memory of `to` that peer access does not cover:
-/// gpukit's mapped virtual-memory pages on `to` (cuMemSetAccess per page) and `to`'s default memory pool
-/// (cudaMemPoolSetAccess; a device without memory pools is skipped). The caller holds the registry's mutex. Returns
-/// the first failure (cudaSuccess when none) and the call that failed.
-inline std::pair<cudaError_t, const char*> set_peer_memory_access(mode_independent::peer_access_registry& registry,
-                                                                  device from, device to, bool grant) {
-  const auto pages = registry.mapped_pages.find(to.ordinal());
-  if (pages != registry.mapped_pages.end() && !pages->second.empty()) {
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = from.ordinal();
-    access.flags = grant ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
-    for (const auto& page : pages->second) {
-      if (driver().mem_set_access(page.first, page.second, &access, 1) != CUDA_SUCCESS) {
-        return {cudaErrorInvalidValue, "cuMemSetAccess"};
-      }
-    }
+/// The runtime error a driver result stands for, as far as callers act on it (teardown is not reported).
+inline cudaError_t runtime_error_of(CUresult r) noexcept {
+  switch (r) {
+    case CUDA_SUCCESS:
+      return cudaSuccess;
+    case CUDA_ERROR_DEINITIALIZED:
+      return cudaErrorCudartUnloading;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+      return cudaErrorContextIsDestroyed;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      return cudaErrorMemoryAllocation;
+    case CUDA_ERROR_INVALID_VALUE:
+      return cudaErrorInvalidValue;
+    case CUDA_ERROR_INVALID_DEVICE:
+      return cudaErrorInvalidDevice;
+    default:
+      return cudaErrorUnknown;
   }
-  cudaMemPool_t pool = nullptr;
-  cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
-  if (result == cudaSuccess) {
-    cudaMemAccessDesc access{};
-    access.location.type = cudaMemLocationTypeDevice;
-    access.location.id = from.ordinal();
-    access.flags = grant ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
-    result = cudaMemPoolSetAccess(pool, &access, 1);
-    if (result != cudaSuccess) {
-      if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
-      return {result, "cudaMemPoolSetAccess"};
-    }
-    return {cudaSuccess, nullptr};
-  }
-  if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
-  if (result == cudaErrorNotSupported || result == cudaErrorInvalidValue) return {cudaSuccess, nullptr};  // no pools
-  return {result, "cudaDeviceGetDefaultMemPool"};
 }
 
-/// Takes one hold on from -> to, enabling it if it is the first: peer access (cudaDeviceEnablePeerAccess), and
-/// access to the memory it does not cover (set_peer_memory_access). If the latter fails, what was enabled is undone
-/// and the error thrown.
+/// Sets `from`'s access (read/write, or none) to the pages of virtual memory gpukit mapped on `to`, one
+/// cuMemSetAccess per run of contiguous pages; goes on past a failure. Returns the first failure. The caller holds
+/// the registry's mutex.
+inline std::pair<cudaError_t, std::string> set_mapped_pages_access(mode_independent::peer_access_registry& registry,
+                                                                   device from, device to, bool grant) {
+  std::pair<cudaError_t, std::string> first{cudaSuccess, {}};
+  const auto pages = registry.mapped_pages.find(to.ordinal());
+  if (pages == registry.mapped_pages.end()) return first;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = from.ordinal();
+  access.flags = grant ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  for (auto it = pages->second.begin(); it != pages->second.end();) {
+    const std::uintptr_t start = it->first;
+    std::uintptr_t end = it->first + it->second;
+    for (++it; it != pages->second.end() && it->first == end; ++it) end += it->second;
+    const CUresult r = driver().mem_set_access(static_cast<CUdeviceptr>(start), end - start, &access, 1);
+    if (r != CUDA_SUCCESS && first.first == cudaSuccess) {
+      first = {runtime_error_of(r), "cuMemSetAccess (CUresult " + std::to_string(static_cast<int>(r)) + ")"};
+    }
+  }
+  return first;
+}
+
+/// Sets `from`'s access to `to`'s default memory pool (cudaMemPoolSetAccess). Granting reports in `changed` whether
+/// the access was not there before (so that only what gpukit granted is taken back). A device without memory pools
+/// is skipped. Returns the failure, if any, with the call that failed.
+inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, device to, bool grant, bool& changed) {
+  changed = false;
+  auto failed = [](cudaError_t result, const char* call) {
+    if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
+    return std::pair<cudaError_t, std::string>{result, call};
+  };
+  cudaMemPool_t pool = nullptr;
+  cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
+  if (result == cudaErrorNotSupported) return failed(cudaSuccess, "");  // no pools: nothing to grant
+  if (result != cudaSuccess) return failed(result, "cudaDeviceGetDefaultMemPool");
+  cudaMemLocation location{};
+  location.type = cudaMemLocationTypeDevice;
+  location.id = from.ordinal();
+  if (grant) {
+    cudaMemAccessFlags flags = cudaMemAccessFlagsProtNone;
+    result = cudaMemPoolGetAccess(&flags, pool, &location);
+    if (result != cudaSuccess) return failed(result, "cudaMemPoolGetAccess");
+    if (flags == cudaMemAccessFlagsProtReadWrite) return {cudaSuccess, {}};  // granted outside gpukit: left alone
+  }
+  cudaMemAccessDesc access{};
+  access.location = location;
+  access.flags = grant ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
+  result = cudaMemPoolSetAccess(pool, &access, 1);
+  if (result != cudaSuccess) return failed(result, "cudaMemPoolSetAccess");
+  changed = grant;
+  return {cudaSuccess, {}};
+}
+
+/// Reports a failure to grant or take back access to memory that peer access does not cover (nothing at exit).
+inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>& failure, device from, device to,
+                                       const char* what) noexcept {
+  if (failure.first == cudaSuccess || is_teardown_result(failure.first)) return;
+  try {
+    warn("gpukit::peer_access(" + describe_peer_pair(from, to) + "): " + failure.second + " failed (" +
+         cudaGetErrorName(failure.first) + ") " + what);
+  } catch (...) {
+  }
+}
+
+/// Takes one hold on from -> to, enabling it if it is the first: peer access (cudaDeviceEnablePeerAccess, whose
+/// failure is thrown), then access to the memory it does not cover, best effort: a failure to grant gpukit's
+/// virtual-memory pages or the default pool is a warning (kernels on `from` touching that memory would fault), and
+/// the cudaMalloc memory stays reachable.
 inline void acquire_peer_access(device from, device to) {
-  auto& registry = mode_independent::peer_access_holders();
+  auto& registry = mode_independent::peer_access_holders_v2();
   std::lock_guard<std::mutex> lock(registry.mutex);
   const auto key = std::make_pair(from.ordinal(), to.ordinal());
   const auto found = registry.pairs.find(key);
@@ -188,55 +238,55 @@ inline void acquire_peer_access(device from, device to) {
     ++found->second.holders;
     return;
   }
-  bool enabled_by_gpukit = true;
+  mode_independent::peer_access_entry entry{1, true, false};
   device_guard guard(from);  // access is enabled from the current device's context
   const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
   if (result == cudaErrorPeerAccessAlreadyEnabled) {
     // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
     if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
-    enabled_by_gpukit = false;
+    entry.enabled_by_gpukit = false;
   } else if (result != cudaSuccess) {
     throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
                      __FILE__, __LINE__);
   }
-  const auto [granted, call] = set_peer_memory_access(registry, from, to, true);
-  if (granted != cudaSuccess) {
-    (void)set_peer_memory_access(registry, from, to, false);
-    if (enabled_by_gpukit && cudaDeviceDisablePeerAccess(to.ordinal()) != cudaSuccess) (void)cudaGetLastError();
-    throw_cuda_error(
-        granted,
-        std::string(call) + " (access to the pooled and virtual memory of " + describe_peer_pair(from, to) + ")",
-        from.ordinal(), __FILE__, __LINE__);
+  auto& held = registry.pairs.emplace(key, entry).first->second;  // before the grants: pages mapped from now on
+  ++registry.generation;                                          // include `from`
+  try {
+    warn_memory_access_failure(set_mapped_pages_access(registry, from, to, true), from, to,
+                               "while granting access to gpukit's virtual-memory pages");
+    warn_memory_access_failure(set_default_pool_access(from, to, true, held.pool_granted_by_gpukit), from, to,
+                               "while granting access to the default memory pool");
+  } catch (...) {  // no memory for a message: the grants are best effort, the hold stands
   }
-  registry.pairs.emplace(key, mode_independent::peer_access_entry{1, enabled_by_gpukit});
 }
 
-/// Drops one hold on from -> to; the last takes back the access set_peer_memory_access granted and disables peer
-/// access if gpukit enabled it. Never throws: failures are warnings, and nothing is reported once the runtime is
-/// unloading (process exit).
+/// Drops one hold on from -> to; the last takes back the access gpukit granted (virtual-memory pages, and the default
+/// pool where gpukit granted it) and disables peer access if gpukit enabled it. Never throws: failures are warnings,
+/// and nothing is reported once the runtime is unloading (process exit). Work still running on `from` must not touch
+/// `to`'s memory any more, as for cudaDeviceDisablePeerAccess.
 inline void release_peer_access(device from, device to) noexcept {
   cudaError_t result = cudaSuccess;
   std::string call;
   {
-    auto& registry = mode_independent::peer_access_holders();
+    auto& registry = mode_independent::peer_access_holders_v2();
     std::lock_guard<std::mutex> lock(registry.mutex);
     const auto found = registry.pairs.find(std::make_pair(from.ordinal(), to.ordinal()));
     if (found == registry.pairs.end() || --found->second.holders > 0) return;
-    const bool disable = found->second.enabled_by_gpukit;
+    const mode_independent::peer_access_entry entry = found->second;
     registry.pairs.erase(found);
+    ++registry.generation;
     try {
       device_guard guard(from);
-      const auto [revoked, failed_call] = set_peer_memory_access(registry, from, to, false);
-      if (revoked != cudaSuccess) {
-        result = revoked;
-        call = failed_call;
+      warn_memory_access_failure(set_mapped_pages_access(registry, from, to, false), from, to,
+                                 "while taking back access to gpukit's virtual-memory pages");
+      if (entry.pool_granted_by_gpukit) {
+        bool unused = false;
+        warn_memory_access_failure(set_default_pool_access(from, to, false, unused), from, to,
+                                   "while taking back access to the default memory pool");
       }
-      if (disable) {
-        const cudaError_t disabled = cudaDeviceDisablePeerAccess(to.ordinal());
-        if (disabled != cudaSuccess && result == cudaSuccess) {
-          result = disabled;
-          call = "cudaDeviceDisablePeerAccess";
-        }
+      if (entry.enabled_by_gpukit) {
+        result = cudaDeviceDisablePeerAccess(to.ordinal());
+        call = "cudaDeviceDisablePeerAccess";
       }
     } catch (const error& e) {  // the guard could not make `from` current (at exit: the runtime is unloading)
       result = e.cuda_result() != cudaSuccess ? e.cuda_result() : cudaErrorUnknown;
@@ -258,9 +308,10 @@ inline void release_peer_access(device from, device to) noexcept {
 /// then dereference pointers to `to`'s memory from cudaMalloc (the caching allocator's default), from gpukit's
 /// expandable segments (virtual memory, which peer access does not cover: gpukit grants `from` each page mapped on
 /// `to` with cuMemSetAccess, now and as pages are mapped later) and from `to`'s default memory pool (cudaMallocAsync,
-/// async_allocator: cudaMemPoolSetAccess, which other users of that pool share). Access is one-directional; take two
-/// objects for both directions. Virtual memory mapped outside gpukit, and pools other than the default one, stay the
-/// caller's to grant.
+/// async_allocator, async_pool_upstream: cudaMemPoolSetAccess, which other users of that pool share; access granted
+/// outside gpukit is left as it is). Those two grants are best effort: a failure is a warning, and peer access to
+/// cudaMalloc memory stands. Access is one-directional; take two objects for both directions. Virtual memory mapped
+/// outside gpukit, and pools other than the default one, stay the caller's to grant.
 ///
 /// Holds are counted process-wide per direction (one count for both default-stream modes and every shared library):
 /// the first peer_access enables access (cudaDeviceEnablePeerAccess with `from` current, restoring the thread's

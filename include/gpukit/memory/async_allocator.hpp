@@ -26,6 +26,7 @@
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
@@ -324,13 +325,20 @@ class async_allocator final : public device_allocator {
   /// cannot be enqueued, the host waits for that stream instead; where the free cannot be enqueued on `on`, it
   /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering.
   void free_on_streams(void* p, const allocation& a, const stream_view& on) noexcept {
+    bool capturing = false;  // host waits are illegal then: a failure leaks the memory instead (with a warning)
     try {
       device_guard guard(device_);
       const cudaStream_t free_stream = on.cuda_handle();
+      capturing = detail::capture_status(on) != cudaStreamCaptureStatusNone;
+      for (const stream_view& user : a.users) {
+        capturing = capturing || detail::capture_status(user) != cudaStreamCaptureStatusNone;
+      }
       for (const stream_view& user : a.users) {
         if (user.native_handle() == free_stream) continue;
-        if (order_after(free_stream, user.cuda_handle()) == cudaSuccess) continue;
+        const cudaError_t ordered = order_after(free_stream, user.cuda_handle());
+        if (ordered == cudaSuccess) continue;
         (void)cudaGetLastError();
+        if (capturing) GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         if (cudaStreamSynchronize(user.cuda_handle()) != cudaSuccess) {
           (void)cudaGetLastError();
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
@@ -341,11 +349,17 @@ class async_allocator final : public device_allocator {
       if (freed == cudaSuccess) return;
       (void)cudaGetLastError();
       if (detail::is_teardown_result(freed)) return;
+      if (capturing) GPUKIT_CUDA_TRY_DESCRIBED(freed, "cudaFreeAsync", device_.ordinal());
       warn("gpukit::async_allocator: cudaFreeAsync of " + detail::format_bytes(a.bytes) + " on its stream failed (" +
            cudaGetErrorName(freed) + "); freeing it after the device's work instead");
     } catch (const std::exception& e) {
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
+        return;
+      }
+      if (capturing) {  // synchronizing now would invalidate the capture
+        warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) +
+             " during a CUDA graph capture failed: " + e.what() + "; the memory is lost to the pool");
         return;
       }
       warn(std::string("gpukit::async_allocator: ordering the free of ") + detail::format_bytes(a.bytes) +
@@ -378,6 +392,10 @@ class async_allocator final : public device_allocator {
       warn("gpukit::async_allocator: " + detail::format_bytes(bytes) + " could not be freed (" +
            cudaGetErrorName(result) + "); the memory is lost to the pool");
     } catch (const std::exception& e) {
+      if (const auto* ge = dynamic_cast<const error*>(&e);
+          ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
+        return;
+      }
       warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
     }
   }

@@ -37,7 +37,8 @@ GPUKIT_BEGIN_NAMESPACE
 /// allocator builds it in place).
 class async_pool_upstream {
  public:
-  /// Segments from `pool`, or from the device's default pool (cudaDeviceGetDefaultMemPool) when it is null. The pool's
+  /// Segments from `pool` (a pool of device `d`), or from the device's default pool (cudaDeviceGetDefaultMemPool) when
+  /// it is null. The pool's
   /// release threshold becomes `release_threshold` bytes at the first allocation (the maximum: keep everything, as
   /// gpukit's cache does; this changes the pool for its other users too). Makes no CUDA call; throws
   /// invalid_argument_error for the CPU.
@@ -67,14 +68,23 @@ class async_pool_upstream {
     }
   }
 
-  /// cudaMallocAsync from the pool on the private stream, waited for on the host (so the segment is usable on any
-  /// stream). nullptr for cudaErrorMemoryAllocation (the caching allocator then gives back its cache and retries);
-  /// any other failure throws the matching gpukit exception.
+  /// cudaMallocFromPoolAsync on the private stream, waited for on the host (so the segment is usable on any
+  /// stream). When the pool cannot serve it, the pool's unused memory (which may be in pieces too small, or another
+  /// user's) goes back to the driver (cudaMemPoolTrimTo(0)) and the request is tried once more; nullptr if that fails
+  /// too (the caching allocator then gives back its cache and retries). Any other failure throws the matching gpukit
+  /// exception.
   [[nodiscard]] void* allocate(std::size_t bytes) {
     device_guard guard(device_);
     const cudaStream_t s = private_stream();
     void* p = nullptr;
-    const cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
+    cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
+                                device_.ordinal());
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
+      result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
+    }
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
       return nullptr;

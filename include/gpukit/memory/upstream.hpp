@@ -25,6 +25,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -482,47 +483,69 @@ class cuda_upstream {
     device_guard guard(device_);
     const detail::driver_api& api = detail::driver();
     const CUmemAllocationProp prop = allocation_properties();
-    auto& registry = mode_independent::peer_access_holders();
-    std::lock_guard<std::mutex> lock(registry.mutex);  // no peer access is granted or taken back meanwhile
-    std::vector<CUmemAccessDesc> access(1);
-    for (int peer : registry.peers_of(device_.ordinal())) access.push_back(access_for(peer));
-    access.front() = access_for(device_.ordinal());
-    auto& mapped = registry.mapped_pages[device_.ordinal()];
+    // The peers are read, not held: the registry's lock is not kept across the driver calls (other devices map
+    // meanwhile); record_mapped() grants whatever peers changed in between.
+    auto& registry = mode_independent::peer_access_holders_v2();
+    std::vector<int> peers;
+    std::uint64_t generation = 0;
+    {
+      std::lock_guard<std::mutex> lock(registry.mutex);
+      peers = registry.peers_of(device_.ordinal());
+      generation = registry.generation;
+    }
+    std::vector<CUmemAccessDesc> access{access_for(device_.ordinal(), true)};
+    for (int peer : peers) access.push_back(access_for(peer, true));
     const std::size_t granule = page_bytes();
     const auto start = reinterpret_cast<CUdeviceptr>(address);
-    for (CUdeviceptr page = start; page < start + bytes; page += granule) {
+    CUdeviceptr page = start;
+    const char* failed_call = nullptr;
+    bool device_full = false;  // cuMemCreate found no memory: out of memory, not an error
+    CUresult r = CUDA_SUCCESS;
+    for (; page < start + bytes; page += granule) {
       CUmemGenericAllocationHandle handle{};
-      CUresult r = api.mem_create(&handle, granule, &prop, 0);
-      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
-      if (r != CUDA_SUCCESS) throw_driver_failure("cuMemCreate", r);
+      r = api.mem_create(&handle, granule, &prop, 0);
+      if (r != CUDA_SUCCESS) {
+        failed_call = "cuMemCreate";
+        device_full = r == CUDA_ERROR_OUT_OF_MEMORY;
+        break;
+      }
       r = api.mem_map(page, granule, 0, handle, 0);
       (void)api.mem_release(handle);  // the mapping keeps the memory
-      if (r != CUDA_SUCCESS) throw_driver_failure("cuMemMap", r);
+      if (r != CUDA_SUCCESS) {
+        failed_call = "cuMemMap";
+        break;
+      }
       r = api.mem_set_access(page, granule, access.data(), access.size());
       if (r != CUDA_SUCCESS) {
         (void)api.mem_unmap(page, granule);
-        throw_driver_failure("cuMemSetAccess", r);
+        failed_call = "cuMemSetAccess";
+        break;
       }
-      mapped[static_cast<std::uintptr_t>(page)] = granule;
     }
-    return true;
+    record_mapped(start, page, peers, generation);  // the pages mapped so far stay mapped, so they are recorded
+    if (failed_call == nullptr) return true;
+    if (device_full) return false;
+    throw_driver_failure(failed_call, r);
   }
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
-  /// page. Failures are reported through gpukit::warn.
+  /// page. Failures are reported through gpukit::warn (a page that could not be unmapped stays recorded as mapped).
   void unmap(void* address, std::size_t bytes) noexcept {
     try {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaDeviceSynchronize(), "cudaDeviceSynchronize (before unmapping pages)",
                                   device_.ordinal());
-      auto& registry = mode_independent::peer_access_holders();
-      std::lock_guard<std::mutex> lock(registry.mutex);
+      auto& registry = mode_independent::peer_access_holders_v2();
+      std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
       auto& mapped = registry.mapped_pages[device_.ordinal()];
       const std::size_t granule = page_bytes();
       const auto start = reinterpret_cast<CUdeviceptr>(address);
       for (CUdeviceptr page = start; page < start + bytes; page += granule) {
-        mapped.erase(static_cast<std::uintptr_t>(page));
         const CUresult r = detail::driver().mem_unmap(page, granule);
-        if (r != CUDA_SUCCESS) warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
+        if (r == CUDA_SUCCESS) {
+          mapped.erase(static_cast<std::uintptr_t>(page));
+        } else {
+          warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
+        }
       }
     } catch (const std::exception& e) {
       warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
@@ -541,12 +564,47 @@ class cuda_upstream {
   }
 
  private:
-  static CUmemAccessDesc access_for(int ordinal) noexcept {
+  static CUmemAccessDesc access_for(int ordinal, bool read_write) noexcept {
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = ordinal;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access.flags = read_write ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
     return access;
+  }
+  /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
+  /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
+  /// be made (no memory), the pages are unmapped again and the exception propagates.
+  void record_mapped(CUdeviceptr start, CUdeviceptr end, const std::vector<int>& peers, std::uint64_t generation) {
+    if (end == start) return;
+    auto& registry = mode_independent::peer_access_holders_v2();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    const std::size_t granule = page_bytes();
+    try {
+      auto& mapped = registry.mapped_pages[device_.ordinal()];
+      for (CUdeviceptr page = start; page < end; page += granule) mapped[static_cast<std::uintptr_t>(page)] = granule;
+    } catch (...) {
+      for (CUdeviceptr page = start; page < end; page += granule) {
+        (void)detail::driver().mem_unmap(page, granule);
+        auto found = registry.mapped_pages.find(device_.ordinal());
+        if (found != registry.mapped_pages.end()) found->second.erase(static_cast<std::uintptr_t>(page));
+      }
+      throw;
+    }
+    if (registry.generation == generation) return;
+    const std::vector<int> now = registry.peers_of(device_.ordinal());
+    std::vector<CUmemAccessDesc> changes;
+    for (int peer : now) {
+      if (std::find(peers.begin(), peers.end(), peer) == peers.end()) changes.push_back(access_for(peer, true));
+    }
+    for (int peer : peers) {
+      if (std::find(now.begin(), now.end(), peer) == now.end()) changes.push_back(access_for(peer, false));
+    }
+    if (changes.empty()) return;
+    const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
+    if (r != CUDA_SUCCESS) {
+      warn("gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult " +
+           std::to_string(r) + ")");
+    }
   }
   CUmemAllocationProp allocation_properties() const noexcept {
     CUmemAllocationProp prop{};

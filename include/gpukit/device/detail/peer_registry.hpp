@@ -28,6 +28,8 @@ namespace mode_independent {
 struct peer_access_entry {
   int holders = 0;                 ///< live peer_access objects holding this direction
   bool enabled_by_gpukit = false;  ///< gpukit enabled it, so the last holder disables it
+  bool pool_granted_by_gpukit =
+      false;  ///< gpukit granted `from` the default pool of `to`, so the last holder revokes it
 };
 
 /// The process-wide holders of peer access, by (from, to) ordinal, and gpukit's mapped virtual-memory pages. The
@@ -38,6 +40,9 @@ struct peer_access_registry {
   std::map<std::pair<int, int>, peer_access_entry> pairs;  ///< held directions, keyed by (from, to) ordinal
   /// Pages of virtual memory mapped by gpukit (cuda_upstream::map), per device ordinal: page start -> page bytes.
   std::map<int, std::map<std::uintptr_t, std::size_t>> mapped_pages;
+  /// Changes whenever a direction is first held or last released: a mapping that read the peers before it can tell
+  /// whether they changed while it mapped.
+  std::uint64_t generation = 0;
 
   /// The devices holding access to `to` (callers hold `mutex`).
   std::vector<int> peers_of(int to) const {
@@ -50,8 +55,9 @@ struct peer_access_registry {
 };
 
 /// The process's peer_access_registry. Never destroyed: a peer_access at namespace scope is released after main
-/// returns, and memory is unmapped by allocators destroyed then.
-GPUKIT_EXPORT inline peer_access_registry& peer_access_holders() {
+/// returns, and memory is unmapped by allocators destroyed then. The name carries the registry's layout version:
+/// shared libraries built with gpukit versions whose registries differ each get their own, never a mismatched one.
+GPUKIT_EXPORT inline peer_access_registry& peer_access_holders_v2() {
   static peer_access_registry* registry = new peer_access_registry();
   return *registry;
 }
