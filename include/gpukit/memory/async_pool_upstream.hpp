@@ -121,28 +121,19 @@ class async_pool_upstream {
   /// The device's free memory (cudaMemGetInfo) plus what the pool holds unused (reserved minus used), which the pool
   /// serves before asking the driver.
   upstream_memory_info memory_info() const {
-    upstream_memory_info info;
+    upstream_memory_info info = cuda_upstream(device_).memory_info();  // cudaMemGetInfo; never throws
+    if (!info.known) return info;
     try {
       device_guard guard(device_);
-      std::size_t free_bytes = 0;
-      std::size_t total_bytes = 0;
-      if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return info;
-      }
-      info.free_bytes = free_bytes;
-      info.total_bytes = total_bytes;
-      info.known = true;
       std::lock_guard<std::mutex> lock(mutex_);
-      if (pool_ != nullptr) {
-        cuuint64_t reserved = 0;
-        cuuint64_t used = 0;
-        if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess) {
-          if (reserved > used) info.free_bytes += static_cast<std::size_t>(reserved - used);
-        } else {
-          (void)cudaGetLastError();
-        }
+      if (pool_ == nullptr) return info;  // nothing allocated yet: the pool holds nothing of ours
+      cuuint64_t reserved = 0;
+      cuuint64_t used = 0;
+      if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
+          cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess) {
+        if (reserved > used) info.free_bytes += static_cast<std::size_t>(reserved - used);
+      } else {
+        (void)cudaGetLastError();
       }
     } catch (const error&) {
     }
