@@ -98,6 +98,15 @@ inline driver_api load_driver_api() noexcept {
   return api;
 }
 
+/// A cuMemSetAccess descriptor for device `ordinal`: read/write, or none (access taken back).
+inline CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal;
+  access.flags = read_write ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  return access;
+}
+
 /// The process-wide driver entry points, looked up on first use.
 GPUKIT_EXPORT inline const driver_api& driver() noexcept {
   static const driver_api api = load_driver_api();

@@ -167,10 +167,7 @@ inline std::pair<cudaError_t, std::string> set_mapped_pages_access(mode_independ
   std::pair<cudaError_t, std::string> first{cudaSuccess, {}};
   const auto pages = registry.mapped_pages.find(to.ordinal());
   if (pages == registry.mapped_pages.end()) return first;
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = from.ordinal();
-  access.flags = grant ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  const CUmemAccessDesc access = device_access_desc(from.ordinal(), grant);
   for (auto it = pages->second.begin(); it != pages->second.end();) {
     const std::uintptr_t start = it->first;
     std::uintptr_t end = it->first + it->second;

@@ -493,8 +493,8 @@ class cuda_upstream {
       peers = registry.peers_of(device_.ordinal());
       generation = registry.generation;
     }
-    std::vector<CUmemAccessDesc> access{access_for(device_.ordinal(), true)};
-    for (int peer : peers) access.push_back(access_for(peer, true));
+    std::vector<CUmemAccessDesc> access{detail::device_access_desc(device_.ordinal(), true)};
+    for (int peer : peers) access.push_back(detail::device_access_desc(peer, true));
     const std::size_t granule = page_bytes();
     const auto start = reinterpret_cast<CUdeviceptr>(address);
     CUdeviceptr page = start;
@@ -564,13 +564,6 @@ class cuda_upstream {
   }
 
  private:
-  static CUmemAccessDesc access_for(int ordinal, bool read_write) noexcept {
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = ordinal;
-    access.flags = read_write ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
-    return access;
-  }
   /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
   /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
   /// be made (no memory), the pages are unmapped again and the exception propagates.
@@ -594,10 +587,12 @@ class cuda_upstream {
     const std::vector<int> now = registry.peers_of(device_.ordinal());
     std::vector<CUmemAccessDesc> changes;
     for (int peer : now) {
-      if (std::find(peers.begin(), peers.end(), peer) == peers.end()) changes.push_back(access_for(peer, true));
+      if (std::find(peers.begin(), peers.end(), peer) == peers.end())
+        changes.push_back(detail::device_access_desc(peer, true));
     }
     for (int peer : peers) {
-      if (std::find(now.begin(), now.end(), peer) == now.end()) changes.push_back(access_for(peer, false));
+      if (std::find(now.begin(), now.end(), peer) == now.end())
+        changes.push_back(detail::device_access_desc(peer, false));
     }
     if (changes.empty()) return;
     const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
