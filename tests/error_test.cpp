@@ -1,5 +1,6 @@
 // The error model: exception types, messages a user can act on, warnings.
 #include <gpukit/error.hpp>
+#include <gpukit/warning.hpp>
 
 #include "support.hpp"
 

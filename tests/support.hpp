@@ -3,6 +3,7 @@
 
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/warning.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <doctest/doctest.h>

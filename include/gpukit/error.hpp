@@ -3,9 +3,10 @@
 #pragma once
 
 /// \file
-/// The error model: one exception hierarchy rooted in gpukit::error (a std::runtime_error), a macro that turns a
-/// failed CUDA runtime call into an exception whose message a user can act on, and the warning channel used where
-/// throwing is not allowed (destructors, host callbacks) or not wanted (diagnostics).
+/// The error model: one exception hierarchy rooted in gpukit::error (a std::runtime_error) and a macro that turns a
+/// failed CUDA runtime call into an exception whose message a user can act on. The warning channel, used where
+/// throwing is not allowed, is in warning.hpp. This header is included everywhere, so it pulls in only
+/// `<stdexcept>`, `<string>` and the CUDA runtime's declarations.
 ///
 /// | CUDA result                                                  | thrown type            |
 /// |--------------------------------------------------------------|------------------------|
@@ -19,14 +20,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <condition_variable>
-#include <cstddef>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -43,7 +39,8 @@ enum class errc : int {
 };
 
 /// Root of every exception gpukit throws. Carries the failing CUDA call, its result and the device where known.
-/// Copying never throws (the details are shared), as std::exception requires.
+/// Copying never throws, as std::exception requires (the call's text is kept in a std::runtime_error, whose copies
+/// share their string).
 class error : public std::runtime_error {
  public:
   /// \param code        the category of the failure
@@ -58,33 +55,35 @@ class error : public std::runtime_error {
         int device = -1, const char* file = nullptr, int line = 0)
       : std::runtime_error(message),
         code_(code),
-        details_(std::make_shared<const details>(details{cuda_result, std::move(call), device, file, line})) {}
+        cuda_result_(cuda_result),
+        device_(device),
+        line_(line),
+        file_(file),
+        call_(call) {}
 
   /// The category of the failure.
   errc code() const noexcept { return code_; }
   /// The CUDA result that caused the error, or cudaSuccess when the error did not come from a CUDA call.
-  cudaError_t cuda_result() const noexcept { return details_->cuda_result; }
+  cudaError_t cuda_result() const noexcept { return cuda_result_; }
   /// cudaGetErrorName of cuda_result(), e.g. "cudaErrorInvalidDevice"; "cudaSuccess" when not a CUDA failure.
-  const char* cuda_error_name() const noexcept { return cudaGetErrorName(details_->cuda_result); }
-  /// The call that failed, with its arguments where known; empty when not a CUDA failure.
-  const std::string& call() const noexcept { return details_->call; }
+  const char* cuda_error_name() const noexcept { return cudaGetErrorName(cuda_result_); }
+  /// The call that failed, with its arguments where known; empty when not a CUDA failure. Valid as long as the
+  /// exception (or a copy of it) lives.
+  std::string_view call() const noexcept { return call_.what(); }
   /// The CUDA device ordinal concerned, or -1.
-  int device() const noexcept { return details_->device; }
+  int device() const noexcept { return device_; }
   /// Source file of the failing call inside gpukit (or the user's GPUKIT_CUDA_TRY), or nullptr.
-  const char* file() const noexcept { return details_->file; }
+  const char* file() const noexcept { return file_; }
   /// Source line of the failing call, or 0.
-  int line() const noexcept { return details_->line; }
+  int line() const noexcept { return line_; }
 
  private:
-  struct details {
-    cudaError_t cuda_result;
-    std::string call;
-    int device;
-    const char* file;
-    int line;
-  };
   errc code_;
-  std::shared_ptr<const details> details_;
+  cudaError_t cuda_result_;
+  int device_;
+  int line_;
+  const char* file_;
+  std::runtime_error call_;  // a nothrow-copyable string (what(): the call's text)
 };
 
 /// A CUDA runtime call failed (for a reason not covered by the more specific types below).
@@ -127,107 +126,27 @@ class invalid_argument_error : public error {
 // Warnings
 // ---------------------------------------------------------------------------------------------------------------
 
-/// Receives gpukit's warnings: errors that cannot be thrown (inside destructors and host callbacks) and diagnostics
-/// (e.g. CUDA_VISIBLE_DEVICES changed after CUDA was initialised). Called from any thread, possibly from several at
-/// once (calls are not serialized); must not throw.
-///
-/// A handler may call warn() and set_warning_handler() itself. A warning raised on a thread that is already inside
-/// the handler is not handed to the handler again (that could recurse forever): it goes to the default sink,
-/// stderr, as "gpukit warning (raised inside the warning handler): <message>". A handler that replaces itself
-/// finishes the call in progress; the new handler receives the warnings after it.
-using warning_handler = std::function<void(std::string_view message)>;
-
 namespace detail {
-/// One installed handler, with the number of calls of it in progress (guarded by warning_state::mutex).
-struct installed_warning_handler {
-  explicit installed_warning_handler(warning_handler h) : handler(std::move(h)) {}
-  warning_handler handler;
-  std::size_t calls_in_progress = 0;
-};
-
-struct warning_state {
-  std::mutex mutex;
-  std::condition_variable call_finished;
-  std::shared_ptr<installed_warning_handler> current;  // null: print to stderr
-};
-// Constructed on first use (never at static initialisation) and never destroyed: destructors that run after main
-// returns (objects at namespace scope, singletons) may still warn, after a destroyed static would be gone.
-GPUKIT_EXPORT inline warning_state& warnings() {
-  static warning_state* state = new warning_state();
-  return *state;
-}
-/// The handler the calling thread is running now, or nullptr. Exported like warnings(): a handler that warns
-/// through another shared library's copy of gpukit is still recognised as re-entrant.
-GPUKIT_EXPORT inline const installed_warning_handler*& warning_handler_running_on_this_thread() {
-  thread_local const installed_warning_handler* running = nullptr;
-  return running;
-}
-
 inline void print_warning_to_stderr(std::string_view message, bool from_inside_handler) noexcept {
   std::fprintf(stderr, "gpukit warning%s: %.*s\n", from_inside_handler ? " (raised inside the warning handler)" : "",
                static_cast<int>(message.size()), message.data());
 }
+inline void print_warning(std::string_view message) noexcept { print_warning_to_stderr(message, false); }
+
+/// Where warn() sends a message: stderr until set_warning_handler (warning.hpp) installs its dispatcher. Exported,
+/// one per process; constant-initialised, so usable at any time, including static destruction.
+using warning_sink = void (*)(std::string_view message) noexcept;
+GPUKIT_EXPORT inline std::atomic<warning_sink>& warning_sink_slot() noexcept {
+  static std::atomic<warning_sink> sink{&print_warning};
+  return sink;
+}
 }  // namespace detail
 
-/// Replaces the warning handler and returns the previous one. An empty handler restores the default, which writes
-/// "gpukit warning: <message>" to stderr. When it returns, no other thread is still running the previous handler
-/// (so whatever it refers to may be destroyed); a call of it in progress on the calling thread (a handler replacing
-/// itself) is not waited for, and completes.
-inline warning_handler set_warning_handler(warning_handler handler) {
-  auto& state = detail::warnings();
-  std::shared_ptr<detail::installed_warning_handler> replacement;
-  if (handler) replacement = std::make_shared<detail::installed_warning_handler>(std::move(handler));
-  std::unique_lock<std::mutex> lock(state.mutex);
-  std::shared_ptr<detail::installed_warning_handler> previous = std::exchange(state.current, std::move(replacement));
-  if (!previous) return {};
-  const bool running_here = detail::warning_handler_running_on_this_thread() == previous.get();
-  const std::size_t own_calls = running_here ? 1 : 0;
-  state.call_finished.wait(lock, [&] { return previous->calls_in_progress == own_calls; });
-  // The calling thread's own call is still running the target: hand back a copy, not the object itself.
-  if (running_here) return previous->handler;
-  return std::move(previous->handler);
-}
-
-/// Delivers a warning to the current handler, outside any gpukit lock. Never throws: a throwing handler is ignored.
+/// Reports what cannot be thrown (inside destructors and host callbacks) or is only a diagnostic (e.g.
+/// CUDA_VISIBLE_DEVICES changed after CUDA was initialised): to stderr as "gpukit warning: <message>", or to the
+/// handler set with set_warning_handler (warning.hpp). Never throws.
 inline void warn(std::string_view message) noexcept {
-  try {
-    auto& state = detail::warnings();
-    const detail::installed_warning_handler*& running = detail::warning_handler_running_on_this_thread();
-    if (running != nullptr) {  // raised from inside the handler: not back into it
-      detail::print_warning_to_stderr(message, true);
-      return;
-    }
-    std::shared_ptr<detail::installed_warning_handler> target;
-    {
-      std::lock_guard<std::mutex> lock(state.mutex);
-      target = state.current;
-      if (target) ++target->calls_in_progress;
-    }
-    if (!target) {
-      detail::print_warning_to_stderr(message, false);
-      return;
-    }
-    // Counted while it runs, so set_warning_handler on another thread waits for the call to end.
-    struct call_in_progress {
-      detail::warning_state& state;
-      detail::installed_warning_handler& target;
-      const detail::installed_warning_handler*& running;
-      ~call_in_progress() {
-        running = nullptr;
-        {
-          std::lock_guard<std::mutex> lock(state.mutex);
-          --target.calls_in_progress;
-        }
-        state.call_finished.notify_all();
-      }
-    } guard{state, *target, running};
-    running = target.get();
-    try {
-      target->handler(message);
-    } catch (...) {
-    }
-  } catch (...) {
-  }
+  detail::warning_sink_slot().load(std::memory_order_acquire)(message);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <gpukit/version.hpp>
 
 #include <gpukit/error.hpp>
+#include <gpukit/warning.hpp>
 #include <gpukit/span.hpp>
 
 #include <gpukit/device/device.hpp>
@@ -30,6 +31,7 @@
 
 // memory (caching allocator, device buffers, pinned memory)
 #include <gpukit/memory/allocator_config.hpp>
+#include <gpukit/memory/allocator_options.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/caching_allocator.hpp>

@@ -3,10 +3,14 @@
 # exactly as with a plain `cmake --install`.
 #
 #   conan profile detect --exist-ok
-#   conan create packaging/conan          # from the repository root; builds and runs test_package/
+#   conan create packaging/conan                              # from the repository root; builds and runs test_package/
+#   conan create packaging/conan -o "gpukit/*:compiled=True"  # also gpukit::compiled (libgpukit.a)
 #
-# The CUDA toolkit is not a Conan package, and creating gpukit's package needs none: gpukitConfig.cmake finds it on the
-# consumer's machine with find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put nvcc on the PATH).
+# The CUDA toolkit is not a Conan package. The header-only package (the default) needs none to be created:
+# gpukitConfig.cmake finds it on the consumer's machine with find_package(CUDAToolkit) (set CUDAToolkit_ROOT or put
+# nvcc on the PATH). With compiled=True the package also holds gpukit::compiled, the optional compiled mode (the
+# engines behind gpukit's defaults compiled once; see the README's "Compiled mode"), which is built against the
+# toolkit found on the machine that creates the package.
 import os
 import re
 
@@ -31,8 +35,10 @@ class GpukitConan(ConanFile):
     url = "https://github.com/gpukit/gpukit"
     homepage = "https://github.com/gpukit/gpukit"
     topics = ("cuda", "gpu", "memory", "allocator", "header-only")
-    package_type = "header-library"
+    package_type = "header-library"  # "static-library" with compiled=True (configure)
     settings = "os", "arch", "compiler", "build_type"
+    options = {"compiled": [True, False]}
+    default_options = {"compiled": False}
     no_copy_source = True
 
     def set_version(self):
@@ -44,7 +50,7 @@ class GpukitConan(ConanFile):
 
     def export_sources(self):
         root = os.path.join(self.recipe_folder, _ROOT)
-        for pattern in ("CMakeLists.txt", "LICENSE", "cmake/*", "include/*"):
+        for pattern in ("CMakeLists.txt", "LICENSE", "cmake/*", "include/*", "src/*"):
             copy(self, pattern, src=root, dst=self.export_sources_folder)
 
     def validate(self):
@@ -57,6 +63,10 @@ class GpukitConan(ConanFile):
                 f"not {os_} on {arch}")
         check_min_cppstd(self, 17)
 
+    def configure(self):
+        if self.options.compiled:
+            self.package_type = "static-library"
+
     def layout(self):
         cmake_layout(self)
 
@@ -67,14 +77,22 @@ class GpukitConan(ConanFile):
         tc.cache_variables["GPUKIT_BUILD_BENCHMARKS"] = False
         tc.cache_variables["GPUKIT_INSTALL"] = True
         tc.cache_variables["GPUKIT_INSTALL_CMAKEDIR"] = _CMAKE_DIR.replace("\\", "/")
-        # Nothing is compiled, so the package needs no CUDA toolkit: hiding it proves that (and leaves out gpukit.pc,
-        # which would record this machine's toolkit).
-        tc.cache_variables["CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit"] = True
+        tc.cache_variables["GPUKIT_BUILD_COMPILED"] = bool(self.options.compiled)
+        if not self.options.compiled:
+            # Nothing is compiled, so the package needs no CUDA toolkit: hiding it proves that (and leaves out
+            # gpukit.pc, which would record this machine's toolkit).
+            tc.cache_variables["CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit"] = True
         tc.generate()
 
     def build(self):
         cmake = CMake(self)
         cmake.configure()
+        if self.options.compiled:
+            cmake.build()
+            if not os.path.isfile(os.path.join(self.build_folder, "libgpukit.a")):
+                raise ConanInvalidConfiguration(
+                    "gpukit: compiled=True needs the CUDA toolkit on the machine that creates the package (set "
+                    "CUDAToolkit_ROOT or put nvcc on the PATH); none was found, so libgpukit.a was not built")
 
     def package(self):
         cmake = CMake(self)
@@ -82,10 +100,13 @@ class GpukitConan(ConanFile):
         copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
         rmdir(self, os.path.join(self.package_folder, "share", "doc"))  # the second copy of the license
         rmdir(self, os.path.join(self.package_folder, "res"))
+        # gpukit.pc records the paths of this machine's toolkit; package_info describes the package instead.
+        rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
 
     def package_id(self):
-        # Header-only: one package for every configuration.
-        self.info.clear()
+        # Header-only: one package for every configuration. Compiled: one per configuration (the settings).
+        if not self.info.options.compiled:
+            self.info.clear()
 
     def package_info(self):
         # CMake consumers load gpukit's own gpukitConfig.cmake (found through builddirs, which CMakeToolchain adds
@@ -94,6 +115,8 @@ class GpukitConan(ConanFile):
         self.cpp_info.set_property("cmake_find_mode", "none")
         self.cpp_info.set_property("cmake_file_name", "gpukit")
         self.cpp_info.set_property("cmake_target_name", "gpukit::gpukit")
+        # gpukitConfig.cmake defines gpukit::compiled too when the package holds it:
+        #   find_package(gpukit CONFIG REQUIRED COMPONENTS compiled) and link gpukit::compiled.
         self.cpp_info.builddirs = [_CMAKE_DIR]
         self.cpp_info.bindirs = []
         # For other generators (PkgConfigDeps, ...): gpukit's include directory, CUDA's include and library
@@ -114,6 +137,12 @@ class GpukitConan(ConanFile):
             self.cpp_info.includedirs.append(os.path.join(cuda, "include", "cccl"))
         self.cpp_info.libdirs = [cuda_lib]
         self.cpp_info.system_libs = ["cudart", "pthread", "dl"]
+        if self.options.compiled:
+            # Other generators get the compiled mode whole: the library and the definition that makes the headers
+            # use it (gpukit::compiled's usage requirements).
+            self.cpp_info.libdirs = ["lib", cuda_lib]
+            self.cpp_info.libs = ["gpukit"]
+            self.cpp_info.defines = ["GPUKIT_SEPARATE_COMPILATION"]
 
     def _cuda_root(self):
         # package_info() runs wherever the package is used, so the conf and environment are the consumer's.

@@ -6,6 +6,7 @@
 // pool still usable.
 #define DOCTEST_CONFIG_DISABLE  // the shared test helpers include doctest; no test runner here
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/warning.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include "fuzz_support.hpp"

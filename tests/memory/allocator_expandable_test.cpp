@@ -4,6 +4,7 @@
 #include "allocator_support.hpp"
 
 #include <gpukit/error.hpp>
+#include <gpukit/warning.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
 

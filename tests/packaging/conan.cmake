@@ -54,7 +54,8 @@ packaging_run("conan create packaging/conan (builds the package, then builds and
   OUTPUT_VARIABLE out
   COMMAND "${conan}" create "${SOURCE_DIR}/packaging/conan" --test-folder "${WORK_DIR}/test_package" --no-remote
           ${conf})
-packaging_expect_match("conan create" "${out}" "gpukit/${VERSION}" "gpukit ${VERSION} from Conan: .*stream work done")
+packaging_expect_match("conan create" "${out}" "gpukit/${VERSION}"
+  "gpukit ${VERSION} from Conan \\(header-only\\): .*stream work done, allocated")
 # The recipe hides the CUDA toolkit from gpukit's configure: creating the package needs none.
 packaging_expect_match("conan create configures gpukit without CUDA" "${out}"
   "gpukit: no CUDA toolkit found: gpukit\\.pc is not installed")
@@ -75,6 +76,50 @@ if(EXISTS "${package_folder}/lib")
   packaging_fail("the Conan package (${package_folder}) has a lib/ directory (gpukit.pc?)")
 endif()
 message(STATUS "the Conan package holds gpukit's headers, its CMake package and the license")
+
+# --- compiled=True: the package also holds gpukit::compiled (libgpukit.a), built against the toolkit found here ---
+if(NOT CUDA_ROOT OR NOT EXISTS "${CUDA_ROOT}/include")
+  packaging_fail("-DCUDA_ROOT=<the CUDA toolkit the outer build found> is missing or wrong: \"${CUDA_ROOT}\"")
+endif()
+set(ENV{CUDAToolkit_ROOT} "${CUDA_ROOT}")
+packaging_run("conan create packaging/conan -o gpukit/*:compiled=True (builds libgpukit.a; test_package links "
+              "gpukit::compiled)" SHOW_OUTPUT OUTPUT_VARIABLE out
+  COMMAND "${conan}" create "${SOURCE_DIR}/packaging/conan" --test-folder "${WORK_DIR}/test_package" --no-remote
+          -o "gpukit/*:compiled=True" ${conf})
+unset(ENV{CUDAToolkit_ROOT})
+packaging_expect_match("conan create -o compiled=True" "${out}"
+  "gpukit ${VERSION} from Conan \\(compiled mode\\): .*stream work done, allocated")
+packaging_run("conan list gpukit/${VERSION}:* after the compiled package" OUTPUT_VARIABLE listing
+  COMMAND "${conan}" list "gpukit/${VERSION}:*" --format=json)
+# The package whose options say compiled=True (the header-only package's info is empty).
+string(JSON revisions GET "${listing}" "Local Cache" "gpukit/${VERSION}" revisions)
+string(JSON revision MEMBER "${revisions}" 0)
+string(JSON packages GET "${revisions}" "${revision}" packages)
+string(JSON package_count LENGTH "${packages}")
+math(EXPR last "${package_count} - 1")
+set(compiled_id "")
+foreach(i RANGE ${last})
+  string(JSON id MEMBER "${packages}" ${i})
+  string(JSON compiled ERROR_VARIABLE no_option GET "${packages}" "${id}" info options compiled)
+  if(compiled STREQUAL "True")
+    set(compiled_id "${id}")
+  endif()
+endforeach()
+if(compiled_id STREQUAL "")
+  packaging_fail("conan list shows no package with compiled=True:\n${listing}")
+endif()
+packaging_run("conan cache path of the compiled package" OUTPUT_VARIABLE compiled_folder
+  COMMAND "${conan}" cache path "gpukit/${VERSION}:${compiled_id}")
+string(STRIP "${compiled_folder}" compiled_folder)
+foreach(file lib/libgpukit.a share/cmake/gpukit/gpukitCompiledTargets.cmake include/gpukit/gpukit.hpp)
+  if(NOT EXISTS "${compiled_folder}/${file}")
+    packaging_fail("the compiled Conan package (${compiled_folder}) lacks ${file}")
+  endif()
+endforeach()
+if(EXISTS "${compiled_folder}/lib/pkgconfig")
+  packaging_fail("the compiled Conan package (${compiled_folder}) holds gpukit.pc, which records this machine's paths")
+endif()
+message(STATUS "the compiled Conan package holds libgpukit.a and gpukit::compiled's CMake targets")
 
 # Who may use the package is decided in validate() with the consumer's settings (package_id() clears them for the
 # package id, not for validate()). A refused configuration must say why.

@@ -11,6 +11,7 @@ namespace gpukit_visibility {
 
 inline constexpr const char* singleton_names[] = {
     "detail::warnings()",
+    "detail::warning_sink_slot()",
     "detail::warning_handler_running_on_this_thread() (this thread's)",
     "detail::cuda_environment_at_init()",
     "detail::visible_devices_warned()",
@@ -45,6 +46,7 @@ singleton_addresses collect_singleton_addresses() {
   const auto cpu = gpukit::device::cpu();
   return singleton_addresses{{
       &gpukit::detail::warnings(),
+      &gpukit::detail::warning_sink_slot(),
       &gpukit::detail::warning_handler_running_on_this_thread(),
       &gpukit::detail::cuda_environment_at_init(),
       &gpukit::detail::visible_devices_warned(),

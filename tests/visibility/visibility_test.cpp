@@ -5,6 +5,7 @@
 #include "singletons.hpp"
 
 #include <gpukit/error.hpp>
+#include <gpukit/warning.hpp>
 
 #include <doctest/doctest.h>
 

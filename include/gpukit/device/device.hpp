@@ -14,7 +14,6 @@
 
 #include <cstddef>
 #include <cstdlib>
-#include <functional>
 #include <iosfwd>
 #include <iterator>
 #include <limits>

@@ -15,7 +15,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
-#include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/allocator_options.hpp>
 
 #include <cstddef>
 #include <cstdlib>

@@ -64,6 +64,7 @@
 #include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_options.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
@@ -94,111 +95,6 @@
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
-
-/// How a caching allocator rounds, pools, splits and limits. The defaults are gpukit's choice, measured with
-/// bench_fragmentation (README, "Caching device allocator"): PyTorch's rounding, small pool and split threshold,
-/// plus two changes that cut the memory variable-shape workloads need and the number of cudaMalloc calls: requests
-/// up to 64 MiB share segments that grow with the footprint, and huge blocks are kept whole (max_split_size). Like
-/// PyTorch, nothing is freed to the upstream while memory is available. pytorch() gives PyTorch's constants.
-struct allocator_options {
-  static constexpr std::size_t KiB = std::size_t{1} << 10;  ///< 1024 bytes, for writing sizes
-  static constexpr std::size_t MiB = std::size_t{1} << 20;  ///< 1024 KiB, for writing sizes
-  /// No limit, for reserved_limit and max_split_size (the largest std::size_t).
-  static constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
-
-  std::size_t rounding = 512;                ///< requests are rounded up to a multiple of this (a power of two)
-  std::size_t small_size = 1 * MiB;          ///< requests up to this are small and come from small segments
-  std::size_t small_segment_size = 2 * MiB;  ///< size of a small segment
-  /// Larger requests below this share segments of medium_segment_size (or more, see medium_segment_growth);
-  /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding.
-  std::size_t medium_size = 64 * MiB;
-  /// Size of the segments shared by requests in (small_size, medium_size); with medium_segment_growth, where their
-  /// growth starts.
-  std::size_t medium_segment_size = 20 * MiB;
-  /// A request's own segment (medium_size or more) is rounded up to a multiple of this, and so are shared segments
-  /// that grow (a power of two, at least the rounding).
-  std::size_t large_segment_rounding = 2 * MiB;
-  std::size_t small_split_threshold = 0;        ///< a small block is split when the remainder exceeds this
-  std::size_t large_split_threshold = 1 * MiB;  ///< a large block is split when the remainder exceeds this
-  /// Blocks of segments made for one request of this size or more are never split, and smaller requests never use
-  /// them (PyTorch's max_split_size_mb): huge blocks stay whole for huge requests, so they become completely free
-  /// and releasable when the sizes of the huge requests drift.
-  std::size_t max_split_size = 256 * MiB;
-  /// A request of max_split_size or more takes a cached block at most this much larger than itself.
-  std::size_t max_oversize_waste = 20 * MiB;
-  /// Reserved bytes never exceed this: the allocator frees cache and retries, then reports out of memory.
-  std::size_t reserved_limit = unlimited;
-  /// Reuse a block cached for another stream (the new stream waits for the free's event on the device) before
-  /// asking the upstream. Costs an event record per free on CUDA streams.
-  bool cross_stream_reuse = false;
-  /// Before a new segment would raise reserved memory above its high-water mark, return completely free segments
-  /// to the upstream first (the smallest that covers the growth): keeps peak reserved memory low when request
-  /// sizes drift, at the price of upstream frees (each cudaFree drains the device) while memory is available,
-  /// counted in num_device_free_unforced. Off: it brings no measured gain in the memory a job needs (minimum
-  /// capacity in bench_fragmentation), because the out-of-memory path releases such segments anyway.
-  bool release_before_grow = false;
-  /// When non-zero, segments shared by requests in (small_size, medium_size) grow with the footprint: they are
-  /// max(medium_segment_size, reserved / medium_segment_growth) (at most 4 × medium_size), trimmed to a whole
-  /// number of the request that makes them and rounded to large_segment_rounding, so big programs make few upstream
-  /// calls, small ones keep small segments, and a run of equal requests leaves no unusable tail.
-  std::size_t medium_segment_growth = 8;
-  /// Keep blocks freed on their own stream in a small per-stream cache of exact sizes (front_cache.hpp), so the
-  /// next request of that size on that stream takes one uncontended lock instead of the device lock: threads on
-  /// different streams do not serialize, and a 256 B cache hit costs about 7x malloc instead of 12x
-  /// (bench_allocator; blocks up to small_size only: caching larger ones delayed their coalescing).
-  /// The heap takes the blocks back before it grows or releases memory, so the footprint is unchanged. Snapshots
-  /// show such blocks as block_state::cached. Not used with cross_stream_reuse (blocks move between streams there).
-  bool front_cache = true;
-  /// Back each stream's small and large pools with one reserved virtual address range, into which the upstream's
-  /// pages (2 MiB on current GPUs) are mapped as blocks are taken and unmapped when memory is released (PyTorch's
-  /// expandable_segments): free space never fragments across segments, so a job needs less memory. Needs an upstream
-  /// with virtual memory (address_space_upstream models it); with another, a warning says so and ordinary segments
-  /// are used. Off by default until measured on a GPU.
-  bool expandable_segments = false;
-
-  /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
-  static allocator_options pytorch() {
-    allocator_options o;
-    o.rounding = 512;
-    o.small_size = 1 * MiB;
-    o.small_segment_size = 2 * MiB;
-    o.medium_size = 10 * MiB;
-    o.medium_segment_size = 20 * MiB;
-    o.large_segment_rounding = 2 * MiB;
-    o.small_split_threshold = 0;
-    o.large_split_threshold = 1 * MiB;
-    o.max_split_size = unlimited;
-    o.release_before_grow = false;
-    o.medium_segment_growth = 0;
-    return o;
-  }
-
-  /// Throws invalid_argument_error naming the first inconsistent setting.
-  void validate() const {
-    auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
-    if (!detail::is_power_of_two(rounding) || rounding < 16)
-      fail("rounding must be a power of two of at least 16 bytes");
-    if (!detail::is_power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
-      fail("large_segment_rounding must be a power of two and at least the rounding");
-    }
-    if (small_size == 0 || small_size > small_segment_size) fail("small_size must be in [1, small_segment_size]");
-    if (small_segment_size % rounding != 0 || medium_segment_size % rounding != 0) {
-      fail("segment sizes must be multiples of the rounding");
-    }
-    if (medium_size < small_size) fail("medium_size must be at least small_size");
-    if (medium_size % rounding != 0) {
-      // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
-      const std::size_t below = medium_size / rounding * rounding;
-      fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) +
-           " bytes): " + std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
-           std::to_string(below + rounding));
-    }
-    if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
-      fail("medium_segment_size must be at least medium_size (or set medium_segment_growth)");
-    }
-    if (max_split_size < rounding) fail("max_split_size must be at least the rounding");
-  }
-};
 
 namespace detail {
 /// Whether a StreamOps policy tracks stream lifetimes (tracker_type, track, expired, finished, wait_finished,

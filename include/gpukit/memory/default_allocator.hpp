@@ -11,6 +11,11 @@
 /// A default allocator is created on first use (never during static initialisation, and without any CUDA call
 /// until it allocates), lives until the process exits (so buffers in static storage can still free into it), and
 /// can be replaced with set_default_allocator().
+///
+/// The functions that may create a default allocator are templates with one defaulted parameter
+/// (`template <int Deferred = 0>`) and are called as plain functions: the caching engine they create is then compiled
+/// only in the translation units that call one of them, not in every one that includes this header (parsing
+/// gpukit.hpp costs about 40 % less; see "Compile time" in the README).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
@@ -53,13 +58,29 @@ inline int default_allocator_slot(device d) noexcept { return d.is_cpu() ? 0 : d
 
 }  // namespace detail
 
-/// The default allocator of `d` (a caching_allocator unless replaced), created on first use.
-inline device_allocator& default_allocator(device d) {
-  auto& registry = detail::default_allocators();
-  const int slot = detail::default_allocator_slot(d);
-  if (slot < detail::default_allocator_registry::fast_slots) {
-    if (device_allocator* a = registry.fast[static_cast<std::size_t>(slot)].load(std::memory_order_acquire)) return *a;
+namespace detail {
+/// The default allocator of `d` when it exists (the lock-free read), else nullptr.
+inline device_allocator* existing_default_allocator(device d) noexcept {
+  const int slot = default_allocator_slot(d);
+  if (slot >= default_allocator_registry::fast_slots) return nullptr;
+  return default_allocators().fast[static_cast<std::size_t>(slot)].load(std::memory_order_acquire);
+}
+
+/// Publishes the allocator of `d` for lock-free reads (the registry's lock held).
+inline void publish_default_allocator(default_allocator_registry& registry, device d, device_allocator* a) noexcept {
+  const int slot = default_allocator_slot(d);
+  if (slot < default_allocator_registry::fast_slots) {
+    registry.fast[static_cast<std::size_t>(slot)].store(a, std::memory_order_release);
   }
+}
+}  // namespace detail
+
+/// The default allocator of `d` (a caching_allocator unless replaced), created on first use. Called as
+/// `default_allocator(d)`; `Deferred` only defers compiling the engine (see the top of this header).
+template <int Deferred = 0>
+device_allocator& default_allocator(device d) {
+  if (device_allocator* a = detail::existing_default_allocator(d)) return *a;
+  auto& registry = detail::default_allocators();
   std::lock_guard<std::mutex> lock(registry.mutex);
   auto& owner = registry.owners[d];
   if (!owner) {
@@ -67,9 +88,7 @@ inline device_allocator& default_allocator(device d) {
     owner = std::make_shared<caching_allocator>(
         d, configured != registry.options.end() ? configured->second : allocator_options_from_environment());
   }
-  if (slot < detail::default_allocator_registry::fast_slots) {
-    registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
-  }
+  detail::publish_default_allocator(registry, d, owner.get());
   return *owner;
 }
 
@@ -86,10 +105,7 @@ inline std::shared_ptr<device_allocator> set_default_allocator(device d, std::sh
   std::lock_guard<std::mutex> lock(registry.mutex);
   auto& owner = registry.owners[d];
   std::swap(owner, allocator);
-  const int slot = detail::default_allocator_slot(d);
-  if (slot < detail::default_allocator_registry::fast_slots) {
-    registry.fast[static_cast<std::size_t>(slot)].store(owner.get(), std::memory_order_release);
-  }
+  detail::publish_default_allocator(registry, d, owner.get());
   return allocator;
 }
 
@@ -106,13 +122,25 @@ inline bool set_default_allocator_options(device d, const allocator_options& opt
 }
 
 /// Bytes handed out by the default allocator of `d` (torch.cuda.memory_allocated).
-inline std::size_t memory_allocated(device d) { return default_allocator(d).memory_allocated(); }
+template <int Deferred = 0>
+std::size_t memory_allocated(device d) {
+  return default_allocator(d).memory_allocated();
+}
 /// Bytes the default allocator of `d` holds from the device (torch.cuda.memory_reserved).
-inline std::size_t memory_reserved(device d) { return default_allocator(d).memory_reserved(); }
+template <int Deferred = 0>
+std::size_t memory_reserved(device d) {
+  return default_allocator(d).memory_reserved();
+}
 /// Peak of memory_allocated(d) since the last reset_peak_memory_stats(d).
-inline std::size_t max_memory_allocated(device d) { return default_allocator(d).max_memory_allocated(); }
+template <int Deferred = 0>
+std::size_t max_memory_allocated(device d) {
+  return default_allocator(d).max_memory_allocated();
+}
 /// Peak of memory_reserved(d) since the last reset_peak_memory_stats(d).
-inline std::size_t max_memory_reserved(device d) { return default_allocator(d).max_memory_reserved(); }
+template <int Deferred = 0>
+std::size_t max_memory_reserved(device d) {
+  return default_allocator(d).max_memory_reserved();
+}
 /// The statistics as torch.cuda.memory_stats() returns them: a flat map, sorted by key, from
 /// "<statistic>.<pool>.<metric>" (statistic: allocation, segment, active, inactive_split, allocated_bytes,
 /// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes; pool: all, small_pool, large_pool; metric:
@@ -151,42 +179,73 @@ inline std::map<std::string, std::int64_t> flat_memory_stats(const allocator_sta
 }
 
 /// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
-inline allocator_stats memory_stats(device d) { return default_allocator(d).stats(); }
+template <int Deferred = 0>
+allocator_stats memory_stats(device d) {
+  return default_allocator(d).stats();
+}
 /// The same as torch.cuda.memory_stats()'s flat key → value map ("allocated_bytes.all.current", …).
-inline std::map<std::string, std::int64_t> memory_stats_map(device d) { return flat_memory_stats(memory_stats(d)); }
+template <int Deferred = 0>
+std::map<std::string, std::int64_t> memory_stats_map(device d) {
+  return flat_memory_stats(memory_stats(d));
+}
 /// Segments and blocks of the default allocator of `d` (torch.cuda.memory_snapshot).
-inline allocator_snapshot memory_snapshot(device d) { return default_allocator(d).snapshot(); }
+template <int Deferred = 0>
+allocator_snapshot memory_snapshot(device d) {
+  return default_allocator(d).snapshot();
+}
 /// The statistics table of the default allocator of `d` (torch.cuda.memory_summary), with fragmentation.
-inline std::string memory_summary(device d) { return default_allocator(d).memory_summary(); }
+template <int Deferred = 0>
+std::string memory_summary(device d) {
+  return default_allocator(d).memory_summary();
+}
 /// Returns the free cached memory of `d`'s default allocator to the device (torch.cuda.empty_cache).
-inline void empty_cache(device d) { default_allocator(d).empty_cache(); }
+template <int Deferred = 0>
+void empty_cache(device d) {
+  default_allocator(d).empty_cache();
+}
 /// Starts new peaks for `d`'s default allocator.
-inline void reset_peak_memory_stats(device d) { default_allocator(d).reset_peak_stats(); }
+template <int Deferred = 0>
+void reset_peak_memory_stats(device d) {
+  default_allocator(d).reset_peak_stats();
+}
 /// Zeroes the cumulative totals and counters of `d`'s default allocator.
-inline void reset_accumulated_memory_stats(device d) { default_allocator(d).reset_accumulated_stats(); }
+template <int Deferred = 0>
+void reset_accumulated_memory_stats(device d) {
+  default_allocator(d).reset_accumulated_stats();
+}
 /// Caps the memory `d`'s default allocator may reserve, as a fraction of the device's total memory.
-inline void set_per_device_memory_fraction(double fraction, device d) {
+template <int Deferred = 0>
+void set_per_device_memory_fraction(double fraction, device d) {
   default_allocator(d).set_memory_fraction(fraction);
 }
 /// Calls `observer` before every out-of-memory error of `d`'s default allocator (see
 /// basic_caching_allocator::add_out_of_memory_observer); returns an id for remove_out_of_memory_observer.
-inline std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer, device d) {
+template <int Deferred = 0>
+std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer, device d) {
   return default_allocator(d).add_out_of_memory_observer(std::move(observer));
 }
 /// Removes an observer of `d`'s default allocator; false when none has that id.
-inline bool remove_out_of_memory_observer(std::uint64_t id, device d) {
+template <int Deferred = 0>
+bool remove_out_of_memory_observer(std::uint64_t id, device d) {
   return default_allocator(d).remove_out_of_memory_observer(id);
 }
 /// Caps the memory `d`'s default allocator may reserve, in bytes.
-inline void set_reserved_memory_limit(std::size_t bytes, device d) { default_allocator(d).set_reserved_limit(bytes); }
+template <int Deferred = 0>
+void set_reserved_memory_limit(std::size_t bytes, device d) {
+  default_allocator(d).set_reserved_limit(bytes);
+}
 /// Starts recording what `d`'s default allocator does into a new history of at most `max_entries` events (like
 /// torch.cuda.memory._record_memory_history) and returns it; stop_memory_history(d) stops.
-inline std::shared_ptr<memory_history> record_memory_history(device d, std::size_t max_entries = 100000) {
+template <int Deferred = 0>
+std::shared_ptr<memory_history> record_memory_history(device d, std::size_t max_entries = 100000) {
   auto history = std::make_shared<memory_history>(max_entries);
   default_allocator(d).set_memory_history(history);
   return history;
 }
 /// Stops recording the history of `d`'s default allocator (the history keeps what it holds).
-inline void stop_memory_history(device d) { default_allocator(d).set_memory_history(nullptr); }
+template <int Deferred = 0>
+void stop_memory_history(device d) {
+  default_allocator(d).set_memory_history(nullptr);
+}
 
 GPUKIT_END_NAMESPACE

@@ -58,12 +58,15 @@ class device_allocation {
   /// Empty; belongs to no device (device() is the CPU).
   device_allocation() noexcept = default;
 
-  /// `bytes` from the default allocator of `stream`'s device, usable on `stream` at once.
+  /// `bytes` from the default allocator of `stream`'s device, usable on `stream` at once. (`Deferred`, never given:
+  /// see default_allocator.)
+  template <int Deferred = 0>
   device_allocation(std::size_t bytes, stream_view stream)
       : device_allocation(bytes, stream, default_allocator(stream.device())) {}
 
   /// `bytes` from the default allocator of `d`, on the calling thread's current stream of `d` (current_stream(d):
   /// the default stream unless a stream_guard says otherwise), as PyTorch allocates on the current stream.
+  template <int Deferred = 0>
   device_allocation(std::size_t bytes, gpukit::device d) : device_allocation(bytes, current_stream(d)) {}
 
   /// `bytes` from `allocator`, which must outlive this allocation.

@@ -56,7 +56,9 @@ class graph_pool final : public device_allocator {
 
   /// A pool of CUDA device `d` reserving `reserve_bytes` now from `backing` (d's default allocator unless given;
   /// it must outlive the pool), on the device's legacy default stream. Throws invalid_argument_error for the CPU or
-  /// a backing allocator of another device, out_of_memory_error if the reserve cannot be had.
+  /// a backing allocator of another device, out_of_memory_error if the reserve cannot be had. (`Deferred`, never
+  /// given: see default_allocator.)
+  template <int Deferred = 0>
   static std::shared_ptr<graph_pool> create(gpukit::device d, std::size_t reserve_bytes,
                                             device_allocator* backing = nullptr) {
     if (!d.is_cuda()) throw invalid_argument_error("gpukit::graph_pool: " + d.to_string() + " is not a CUDA device");

@@ -84,7 +84,8 @@ class device_memory_resource
   using cccl_3_0_names::allocate;
   using cccl_3_0_names::deallocate;
 
-  /// The default allocator of `d` (default_allocator(d)).
+  /// The default allocator of `d` (default_allocator(d); `Deferred`, never given, is explained there).
+  template <int Deferred = 0>
   explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
   /// `allocator`, which must outlive this resource and its copies.
   explicit device_memory_resource(device_allocator& allocator) noexcept : allocator_(&allocator) {}

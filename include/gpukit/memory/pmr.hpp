@@ -65,7 +65,9 @@ class pinned_pmr_resource final : public std::pmr::memory_resource {
 /// Device memory from a device_allocator as a std::pmr::memory_resource; device-only (see the file comment).
 class device_pmr_resource final : public std::pmr::memory_resource {
  public:
-  /// The default allocator of `d`, ordered on the calling thread's current stream of `d` at each call.
+  /// The default allocator of `d`, ordered on the calling thread's current stream of `d` at each call. (`Deferred`,
+  /// never given: see default_allocator.)
+  template <int Deferred = 0>
   explicit device_pmr_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
   /// `allocator` (which must outlive this resource), ordered on `stream` (which must outlive it too) or, when none
   /// is given, on the calling thread's current stream of the allocator's device at each call.

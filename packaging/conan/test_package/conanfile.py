@@ -1,5 +1,6 @@
 # Builds and runs a CMake consumer of the gpukit package just created (conan create runs it). It uses find_package
-# (gpukit CONFIG REQUIRED), i.e. gpukit's own package configuration, and exits 0 without a GPU.
+# (gpukit CONFIG REQUIRED), i.e. gpukit's own package configuration, and exits 0 without a GPU. A package created
+# with compiled=True is used through gpukit::compiled.
 import os
 
 from conan import ConanFile
@@ -20,6 +21,8 @@ class GpukitTestPackage(ConanFile):
         CMakeDeps(self).generate()
         toolchain = CMakeToolchain(self)
         toolchain.user_presets_path = False  # write no CMakeUserPresets.json into the source tree
+        # A package created with compiled=True is tested through gpukit::compiled.
+        toolchain.cache_variables["GPUKIT_TEST_COMPILED"] = bool(self.dependencies["gpukit"].options.compiled)
         toolchain.generate()
 
     def build(self):
