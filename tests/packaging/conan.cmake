@@ -63,15 +63,21 @@ packaging_expect_match("conan create configures gpukit without CUDA" "${out}"
 # The package is the same for every configuration, and holds gpukit's own CMake package.
 packaging_run("conan list gpukit/${VERSION}:*" OUTPUT_VARIABLE listing COMMAND "${conan}" list "gpukit/${VERSION}:*")
 packaging_expect_match("conan list" "${listing}" "da39a3ee5e6b4b0d3255bfef95601890afd80709")
-packaging_run("conan cache path of the package" OUTPUT_VARIABLE package_folder
-  COMMAND "${conan}" cache path "gpukit/${VERSION}:da39a3ee5e6b4b0d3255bfef95601890afd80709")
-string(STRIP "${package_folder}" package_folder)
-foreach(file include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake share/cmake/gpukit/gpukitTargets.cmake
-             licenses/LICENSE)
-  if(NOT EXISTS "${package_folder}/${file}")
-    packaging_fail("the Conan package (${package_folder}) lacks ${file}")
-  endif()
-endforeach()
+# conan_package_folder(<out-var> <what> <package id> <files that must be in it...>)
+function(conan_package_folder out what id)
+  packaging_run("conan cache path of the ${what}" OUTPUT_VARIABLE folder
+    COMMAND "${conan}" cache path "gpukit/${VERSION}:${id}")
+  string(STRIP "${folder}" folder)
+  foreach(file IN LISTS ARGN)
+    if(NOT EXISTS "${folder}/${file}")
+      packaging_fail("the ${what} (${folder}) lacks ${file}")
+    endif()
+  endforeach()
+  set(${out} "${folder}" PARENT_SCOPE)
+endfunction()
+conan_package_folder(package_folder "Conan package" da39a3ee5e6b4b0d3255bfef95601890afd80709
+  include/gpukit/gpukit.hpp share/cmake/gpukit/gpukitConfig.cmake share/cmake/gpukit/gpukitTargets.cmake
+  licenses/LICENSE)
 if(EXISTS "${package_folder}/lib")
   packaging_fail("the Conan package (${package_folder}) has a lib/ directory (gpukit.pc?)")
 endif()
@@ -108,14 +114,8 @@ endforeach()
 if(compiled_id STREQUAL "")
   packaging_fail("conan list shows no package with compiled=True:\n${listing}")
 endif()
-packaging_run("conan cache path of the compiled package" OUTPUT_VARIABLE compiled_folder
-  COMMAND "${conan}" cache path "gpukit/${VERSION}:${compiled_id}")
-string(STRIP "${compiled_folder}" compiled_folder)
-foreach(file lib/libgpukit.a share/cmake/gpukit/gpukitCompiledTargets.cmake include/gpukit/gpukit.hpp)
-  if(NOT EXISTS "${compiled_folder}/${file}")
-    packaging_fail("the compiled Conan package (${compiled_folder}) lacks ${file}")
-  endif()
-endforeach()
+conan_package_folder(compiled_folder "compiled Conan package" "${compiled_id}"
+  lib/libgpukit.a share/cmake/gpukit/gpukitCompiledTargets.cmake include/gpukit/gpukit.hpp)
 if(EXISTS "${compiled_folder}/lib/pkgconfig")
   packaging_fail("the compiled Conan package (${compiled_folder}) holds gpukit.pc, which records this machine's paths")
 endif()
