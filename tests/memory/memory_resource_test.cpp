@@ -3,6 +3,7 @@
 // through resource_ref, alignment, equality; on the CPU device, and on cuda:0 where a GPU (or the simulator) is.
 #include <gpukit/memory/memory_resource.hpp>
 
+#include "arena_resource.hpp"
 #include "support.hpp"
 
 #include <gpukit/memory/device_allocator.hpp>
@@ -71,9 +72,11 @@ void deallocate_sync(sync_ref<mr::device_accessible> ref, void* p, std::size_t b
 namespace {
 bool aligned_to(const void* p, std::size_t alignment) { return reinterpret_cast<std::uintptr_t>(p) % alignment == 0; }
 
-/// Stream-ordered and synchronous allocation through resource_refs of `resource` on `s` (a stream of its device).
-void exercise_device_resource(gpukit::device_memory_resource resource, gpukit::stream_view s) {
-  gpukit::device_allocator& a = resource.allocator();
+/// Stream-ordered and synchronous allocation through resource_refs of a device_memory_resource over `a` on `s` (a
+/// stream of its device).
+void exercise_device_resource(gpukit::device_allocator& a, gpukit::stream_view s) {
+  gpukit::device_memory_resource resource(a);
+  CHECK(&resource.allocator() == &a);
   const std::size_t before = a.memory_allocated();
   void* p = allocate_on(resource, s, 1 << 20, 256);
   REQUIRE(p != nullptr);
@@ -111,6 +114,18 @@ TEST_CASE("device_memory_resource: a cuda::mr resource over a device_allocator, 
   int not_from_the_allocator = 0;
   deallocate_sync(resource, &not_from_the_allocator, 4, 256);
   CHECK(warnings.contains("device_memory_resource::deallocate"));
+}
+
+TEST_CASE("device_memory_resource over a resource of one's own (a device_resource without statistics)") {
+  gpukit_test::arena_resource arena;
+  gpukit::device_memory_resource resource(arena);
+  CHECK(&resource.allocator() == &arena);
+  void* p = allocate_sync(resource, 5000, 1 << 12);
+  CHECK(aligned_to(p, 1 << 12));
+  CHECK(arena.live() == 1);
+  deallocate_sync(resource, p, 5000, 1 << 12);
+  CHECK(arena.live() == 0);
+  CHECK(gpukit::device_memory_resource(arena) == resource);
 }
 
 TEST_CASE("cuda::mr resources compare equal when they share an allocator or pool") {
@@ -166,11 +181,11 @@ TEST_CASE("gpu: device_memory_resource on cuda:0, stream-ordered and synchronous
   GPUKIT_REQUIRE_GPU();
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
-  exercise_device_resource(gpukit::device_memory_resource(d), s.view());
+  exercise_device_resource(gpukit::default_allocator(d), s.view());
   gpukit::caching_allocator own(d);
-  exercise_device_resource(gpukit::device_memory_resource(own), s.view());
+  exercise_device_resource(own, s.view());
   // The legacy default stream of the device, through a stream_ref of handle 0.
-  exercise_device_resource(gpukit::device_memory_resource(own), gpukit::stream_view::default_stream(d));
+  exercise_device_resource(own, gpukit::stream_view::default_stream(d));
   own.empty_cache();
   if (gpukit::device_count() > 1) {
     // A stream of another device is refused (reported: deallocation cannot throw), not taken for cuda:0's.

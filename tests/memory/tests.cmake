@@ -23,6 +23,8 @@ target_compile_definitions(test_memory_history PRIVATE
   GPUKIT_TEST_PICTURE_CHECK="${gpukit_memory_tests}/check_memory_picture.py")
 # Aligned allocation and the std::pmr adaptors.
 gpukit_add_test(test_aligned_allocation SOURCES "${gpukit_memory_tests}/aligned_allocation_test.cpp")
+# A resource of one's own (device_resource) behind buffers and the std::pmr adaptor.
+gpukit_add_test(test_device_resource SOURCES "${gpukit_memory_tests}/device_resource_test.cpp")
 # cuda::mr conformance against the toolkit's CCCL (3.0), and against a newer CCCL (>= 3.1: the other shape of the
 # concepts) where .ci/install-deps put one (GPUKIT_CCCL_NEXT_INCLUDE_DIR).
 if(TARGET CCCL::CCCL)

@@ -4,6 +4,7 @@
 // is tested here without a GPU. On a real GPU the CUDA system is needed: gpu_thrust_test.cu, built with nvcc.
 #include <gpukit/memory/thrust_allocator.hpp>
 
+#include "arena_resource.hpp"
 #include "support.hpp"
 
 #include <gpukit/memory/device_allocator.hpp>
@@ -51,6 +52,20 @@ TEST_CASE("thrust_allocator backs a device_vector with a caching allocator on a 
   gpukit::stream s(gpukit::device::cpu());
   exercise(allocator, s);
   CHECK(allocator.stats().num_alloc_retries == 0);
+}
+
+TEST_CASE("thrust_allocator over a resource of one's own (a device_resource without statistics)") {
+  gpukit_test::arena_resource arena;
+  gpukit::stream s(gpukit::device::cpu());
+  {
+    gpukit_vector<int> v(1000, 5, gpukit::thrust_allocator<int>(arena, s));
+    CHECK(&v.get_allocator().allocator() == &arena);
+    CHECK(arena.owns(thrust::raw_pointer_cast(v.data())));
+    v.resize(100000, 6);  // reallocates through the resource
+    CHECK(v[99999] == 6);
+    CHECK(arena.live() == 1);
+  }
+  CHECK(arena.live() == 0);
 }
 
 TEST_CASE("thrust_allocator: defaults, rebinding, equality, alignment and overflow") {

@@ -3,8 +3,8 @@
 #pragma once
 
 /// \file
-/// device_allocator: the interface through which buffers and the per-device default allocators use an allocator,
-/// whatever its upstream; and caching_device_allocator<Upstream>, the caching engine behind that interface.
+/// device_allocator: a device_resource (device_resource.hpp) with statistics and control, the interface of the
+/// per-device default allocators; and caching_device_allocator<Upstream>, the caching engine behind it.
 /// `gpukit::caching_allocator` (cudaMalloc for CUDA devices, host memory for the CPU) is what the default
 /// allocators are.
 
@@ -16,6 +16,7 @@
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/detail/aligned_offsets.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
+#include <gpukit/memory/device_resource.hpp>
 #include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -43,59 +44,11 @@ inline void require_stream_of(const stream_view& s, gpukit::device d, const char
 }
 }  // namespace detail
 
-/// Stream-ordered device memory with statistics. Implementations are thread-safe.
-class device_allocator {
+/// A device_resource with the statistics and control PyTorch users know (memory_allocated, memory_summary,
+/// empty_cache, limits, out-of-memory observers, history): what the per-device default allocators are.
+/// Implementations are thread-safe.
+class device_allocator : public device_resource {
  public:
-  virtual ~device_allocator() = default;
-
-  /// The device whose memory this allocator hands out.
-  [[nodiscard]] virtual gpukit::device device() const noexcept = 0;
-
-  /// The alignment every allocation has without asking, as with cudaMalloc (an allocator configured with a smaller
-  /// rounding gives that rounding; see natural_alignment()).
-  static constexpr std::size_t default_alignment = 256;
-  /// The least natural alignment an allocator may have (alignof(std::max_align_t) on x86-64).
-  static constexpr std::size_t min_natural_alignment = 16;
-
-  /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
-  /// out_of_memory_error, or invalid_argument_error for a stream of another device.
-  [[nodiscard]] void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
-  /// The same, aligned to `alignment` (a power of two). Above natural_alignment() the memory comes from a block
-  /// `alignment - natural_alignment()` bytes larger (the statistics, snapshots and history show that block: its
-  /// start and size), and the aligned address is remembered process-wide, so it may be freed through any allocator
-  /// that could free the block. Throws invalid_argument_error for an alignment that is not a power of two.
-  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
-    // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
-    if (alignment <= min_natural_alignment && detail::is_power_of_two(alignment)) return do_allocate(bytes, stream);
-    detail::require_power_of_two_alignment(alignment, "gpukit::device_allocator::allocate");
-    const std::size_t natural = natural_alignment();
-    if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
-    return detail::allocate_over_aligned(
-        bytes, alignment, natural, "gpukit::device_allocator::allocate",
-        [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
-  }
-  /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
-  /// allocator does not own (including a double free); nullptr is ignored.
-  void deallocate(void* p) {
-    detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
-  }
-  /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
-  void deallocate(void* p, stream_view stream) {
-    detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
-  }
-  /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
-  void record_stream(void* p, stream_view stream) {
-    do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
-  }
-  /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
-  /// allocate returned).
-  [[nodiscard]] bool owns(const void* p) const noexcept {
-    return do_owns(detail::over_aligned_addresses().block_of(p));
-  }
-  /// The alignment of every allocation made without asking for one (a power of two, at least
-  /// min_natural_alignment).
-  [[nodiscard]] std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
-
   /// Statistics, read without locking.
   [[nodiscard]] virtual allocator_stats stats() const = 0;
   /// The cached free memory's layout (largest free block, fragmentation).
@@ -157,18 +110,6 @@ class device_allocator {
   device_allocator(const device_allocator&) = default;
   /// The interface holds no state; whether an implementation can be assigned is its own choice.
   device_allocator& operator=(const device_allocator&) = default;
-
- private:
-  /// `bytes` (non-zero, or nullptr) at the natural alignment, usable on `stream` at once.
-  virtual void* do_allocate(std::size_t bytes, stream_view stream) = 0;
-  /// Frees a pointer do_allocate returned (or reports one it did not); nullptr is ignored.
-  virtual void do_deallocate(void* p) = 0;
-  /// Frees after the work enqueued so far on `stream` too.
-  virtual void do_deallocate(void* p, stream_view stream) = 0;
-  virtual void do_record_stream(void* p, stream_view stream) = 0;
-  virtual bool do_owns(const void* p) const noexcept = 0;
-  /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
-  [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
 };
 
 /// The caching engine (basic_caching_allocator) over `Upstream`, with gpukit's streams and events, as a

@@ -40,7 +40,7 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 /// Frees memory from a destructor: an error cannot be thrown there, so it is reported through gpukit::warn.
-inline void deallocate_quietly(device_allocator* allocator, void* p, const char* owner) noexcept {
+inline void deallocate_quietly(device_resource* allocator, void* p, const char* owner) noexcept {
   try {
     allocator->deallocate(p);
   } catch (const std::exception& e) {
@@ -70,14 +70,14 @@ class device_allocation {
   device_allocation(std::size_t bytes, gpukit::device d) : device_allocation(bytes, current_stream(d)) {}
 
   /// `bytes` from `allocator`, which must outlive this allocation.
-  device_allocation(std::size_t bytes, stream_view stream, device_allocator& allocator)
+  device_allocation(std::size_t bytes, stream_view stream, device_resource& allocator)
       : allocator_(&allocator), stream_(stream), size_(bytes) {
     pointer_ = allocator.allocate(bytes, stream);
   }
 
   /// `bytes` from `allocator` (which must outlive this allocation), aligned to `alignment` (a power of two; see
-  /// device_allocator::allocate). Throws invalid_argument_error for another alignment.
-  device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream, device_allocator& allocator)
+  /// device_resource::allocate). Throws invalid_argument_error for another alignment.
+  device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream, device_resource& allocator)
       : allocator_(&allocator), stream_(stream), size_(bytes) {
     pointer_ = allocator.allocate(bytes, alignment, stream);
   }
@@ -119,7 +119,7 @@ class device_allocation {
   /// The stream the memory was allocated on and is freed on.
   stream_view stream() const noexcept { return stream_; }
   /// The allocator it came from, or nullptr when empty.
-  device_allocator* allocator() const noexcept { return allocator_; }
+  device_resource* allocator() const noexcept { return allocator_; }
 
   /// Frees the memory now (in the stream's order) and leaves the allocation empty, also when the free throws (a
   /// misuse such as freeing the pointer behind the handle's back is reported once, not again by the destructor).
@@ -145,7 +145,7 @@ class device_allocation {
     size_ = 0;
   }
 
-  device_allocator* allocator_ = nullptr;
+  device_resource* allocator_ = nullptr;
   stream_view stream_{};
   void* pointer_ = nullptr;
   std::size_t size_ = 0;
@@ -182,7 +182,7 @@ class device_buffer {
   /// `count` elements from `allocator` (which must outlive the buffer), usable on `stream` at once, aligned for
   /// `T` (however large alignof(T) is). Throws
   /// invalid_argument_error if count * sizeof(T) overflows, out_of_memory_error if memory cannot be had.
-  device_buffer(std::size_t count, stream_view stream, device_allocator& allocator)
+  device_buffer(std::size_t count, stream_view stream, device_resource& allocator)
       : memory_(detail::checked_bytes(count, sizeof(T), "gpukit::device_buffer"), alignof(T), stream, allocator) {}
 
   /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
@@ -219,7 +219,7 @@ class device_buffer {
   /// The stream the memory was allocated on and is freed on.
   stream_view stream() const noexcept { return memory_.stream(); }
   /// The allocator the memory came from, or nullptr for a default-constructed or moved-from buffer.
-  device_allocator* allocator() const noexcept { return memory_.allocator(); }
+  device_resource* allocator() const noexcept { return memory_.allocator(); }
   /// The memory as raw bytes (the buffer still owns it).
   const device_allocation& allocation() const noexcept { return memory_; }
 

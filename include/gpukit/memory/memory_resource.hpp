@@ -75,11 +75,11 @@ class cccl_3_0_names {
 };
 }  // namespace detail
 
-/// A device_allocator (by default the per-device default allocator) as a cuda::mr resource: device-accessible,
+/// A device_resource (by default the per-device default allocator) as a cuda::mr resource: device-accessible,
 /// stream-ordered, with statistics and caching from the allocator. Alignments above the allocator's natural one
-/// (256 bytes) are honoured by device_allocator::allocate. On the CPU device the memory is host memory.
+/// (256 bytes) are honoured by device_resource::allocate. On the CPU device the memory is host memory.
 class device_memory_resource
-    : public detail::cccl_3_0_names<device_memory_resource, device_allocator::default_alignment> {
+    : public detail::cccl_3_0_names<device_memory_resource, device_resource::default_alignment> {
  public:
   using cccl_3_0_names::allocate;
   using cccl_3_0_names::deallocate;
@@ -88,10 +88,10 @@ class device_memory_resource
   template <int Deferred = 0>
   explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
   /// `allocator`, which must outlive this resource and its copies.
-  explicit device_memory_resource(device_allocator& allocator) noexcept : allocator_(&allocator) {}
+  explicit device_memory_resource(device_resource& allocator) noexcept : allocator_(&allocator) {}
 
   /// The allocator behind this resource.
-  device_allocator& allocator() const noexcept { return *allocator_; }
+  device_resource& allocator() const noexcept { return *allocator_; }
   /// The device whose memory this resource hands out.
   gpukit::device device() const noexcept { return allocator_->device(); }
 
@@ -100,13 +100,13 @@ class device_memory_resource
   /// `bytes` aligned to `alignment`, ready for work on the calling thread's current stream of the device.
   /// Stream-ordered like everything in gpukit, not synchronous: the block may have been freed on that stream by
   /// work still running there, so use it on that stream (or order another stream, or the host, after it).
-  void* allocate_sync(std::size_t bytes, std::size_t alignment = device_allocator::default_alignment) {
+  void* allocate_sync(std::size_t bytes, std::size_t alignment = device_resource::default_alignment) {
     return allocator_->allocate(bytes, alignment, current_stream(device()));
   }
   /// Frees memory in the order of the stream it was allocated on. CCCL's references call it noexcept: a refused
   /// free (a pointer this allocator does not own, a double free) is reported through gpukit::warn.
   void deallocate_sync(void* p, std::size_t /*bytes*/,
-                       std::size_t /*alignment*/ = device_allocator::default_alignment) noexcept {
+                       std::size_t /*alignment*/ = device_resource::default_alignment) noexcept {
     detail::free_reporting_errors("gpukit::device_memory_resource::deallocate", [&] { allocator_->deallocate(p); });
   }
   /// `bytes` aligned to `alignment`, usable on `stream` at once.
@@ -139,7 +139,7 @@ class device_memory_resource
     return detail::is_default_stream_handle(handle) ? stream_view(device(), handle) : stream_view(handle);
   }
 
-  device_allocator* allocator_;
+  device_resource* allocator_;
 };
 
 /// A pinned_pool (by default the process-wide one of a device) as a cuda::mr resource: page-locked host memory,

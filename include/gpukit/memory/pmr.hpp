@@ -10,7 +10,8 @@
 ///
 /// - pinned_pmr_resource: page-locked host memory from a pinned_pool; any standard container or pool resource may
 ///   use it. Frees return the block at once (no device work may still use it).
-/// - device_pmr_resource: device memory from a device_allocator, ordered on a stream. **Device-only**: the host must
+/// - device_pmr_resource: device memory from a device_resource (any device_allocator among them), ordered on a stream.
+/// **Device-only**: the host must
 ///   not touch it, so hand it only to code that passes the bytes to the device, never to a container or to
 ///   std::pmr's pool and monotonic resources (they write their bookkeeping into the memory). On the CPU device
 ///   the memory is host memory and anything goes. Stream-ordered: see device_memory_resource::allocate_sync.
@@ -62,7 +63,7 @@ class pinned_pmr_resource final : public std::pmr::memory_resource {
   pinned_pool* pool_;
 };
 
-/// Device memory from a device_allocator as a std::pmr::memory_resource; device-only (see the file comment).
+/// Device memory from a device_resource as a std::pmr::memory_resource; device-only (see the file comment).
 class device_pmr_resource final : public std::pmr::memory_resource {
  public:
   /// The default allocator of `d`, ordered on the calling thread's current stream of `d` at each call. (`Deferred`,
@@ -71,11 +72,11 @@ class device_pmr_resource final : public std::pmr::memory_resource {
   explicit device_pmr_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
   /// `allocator` (which must outlive this resource), ordered on `stream` (which must outlive it too) or, when none
   /// is given, on the calling thread's current stream of the allocator's device at each call.
-  explicit device_pmr_resource(device_allocator& allocator, std::optional<stream_view> stream = std::nullopt) noexcept
+  explicit device_pmr_resource(device_resource& allocator, std::optional<stream_view> stream = std::nullopt) noexcept
       : allocator_(&allocator), stream_(stream) {}
 
   /// The allocator behind this resource.
-  device_allocator& allocator() const noexcept { return *allocator_; }
+  device_resource& allocator() const noexcept { return *allocator_; }
 
  private:
   stream_view stream() const { return stream_ ? *stream_ : current_stream(allocator_->device()); }
@@ -95,7 +96,7 @@ class device_pmr_resource final : public std::pmr::memory_resource {
     return device != nullptr && device->allocator_ == allocator_;
   }
 
-  device_allocator* allocator_;
+  device_resource* allocator_;
   std::optional<stream_view> stream_;
 };
 

@@ -9,7 +9,7 @@
 ///     thrust::device_vector<float, gpukit::thrust_allocator<float>> v(n, gpukit::thrust_allocator<float>(s));
 ///     thrust::sort(thrust::cuda::par_nosync.on(s.cuda_handle()), v.begin(), v.end());
 ///
-/// The allocator takes memory from a device_allocator (the default allocator of the device unless one is given)
+/// The allocator takes memory from a device_resource (the default allocator of the device unless one is given)
 /// on its stream, and frees it in that stream's order, so a vector's memory is reused only after the work its
 /// stream had enqueued by the free. Thrust's own kernels (a vector's construction and resize fills, algorithms
 /// without an execution policy) run on the default stream: give algorithms the allocator's stream through an
@@ -35,7 +35,7 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
-/// A Thrust allocator of `T` over a device_allocator, ordered on a stream.
+/// A Thrust allocator of `T` over a device_resource, ordered on a stream.
 template <class T>
 class thrust_allocator : public thrust::device_malloc_allocator<T> {
  public:
@@ -61,8 +61,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   /// The default allocator of the stream's device, on `stream`.
   explicit thrust_allocator(stream_view stream) : allocator_(&default_allocator(stream.device())), stream_(stream) {}
   /// `allocator` on `stream` (a stream of the allocator's device).
-  thrust_allocator(device_allocator& allocator, stream_view stream) noexcept
-      : allocator_(&allocator), stream_(stream) {}
+  thrust_allocator(device_resource& allocator, stream_view stream) noexcept : allocator_(&allocator), stream_(stream) {}
   /// The same allocator and stream, for another element type.
   template <class U>
   thrust_allocator(const thrust_allocator<U>& other) noexcept  // NOLINT(google-explicit-constructor)
@@ -84,7 +83,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   }
 
   /// The allocator memory comes from.
-  device_allocator& allocator() const noexcept { return *allocator_; }
+  device_resource& allocator() const noexcept { return *allocator_; }
   /// The stream allocations and frees are ordered on.
   stream_view stream() const noexcept { return stream_; }
 
@@ -97,7 +96,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
 
  private:
-  device_allocator* allocator_;
+  device_resource* allocator_;
   stream_view stream_;
 };
 
