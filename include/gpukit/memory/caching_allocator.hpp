@@ -68,6 +68,7 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
+#include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
@@ -804,85 +805,20 @@ class basic_caching_allocator {
                                  device_.to_string() + ": the size overflows when rounded up");
   }
 
+  // The growth policy is detail/segment_sizing.hpp; these read it with this allocator's options and state.
   std::size_t round_request(std::size_t bytes) const {
-    const std::size_t r = options_.rounding;
-    if (bytes > std::numeric_limits<std::size_t>::max() - (r - 1)) throw_overflow(bytes);
-    const std::size_t size = (bytes + r - 1) & ~(r - 1);
-    if (size > options_.small_size && size >= options_.medium_size) {
-      const std::size_t g = options_.large_segment_rounding;
-      if (size > std::numeric_limits<std::size_t>::max() - (g - 1)) throw_overflow(bytes);
-    }
+    const std::size_t size = detail::segment_sizing::rounded_request(options_, bytes);
+    if (size == 0) throw_overflow(bytes);
     return size;
   }
-
-  /// The segment a rounded request gets on a cache miss, sized for the footprint (see minimal_segment_size and
-  /// fitted_segment_size for the sizes tried when memory is short).
   std::size_t segment_size(std::size_t size, bool small) const noexcept {
-    if (small) return options_.small_segment_size;
-    if (size < options_.medium_size) {
-      std::size_t seg = options_.medium_segment_size;
-      if (options_.medium_segment_growth != 0) {
-        const std::size_t g = options_.large_segment_rounding;
-        const std::size_t scaled = (current(stats_.reserved_bytes) / options_.medium_segment_growth + g - 1) / g * g;
-        seg = std::max(seg, std::min(scaled, medium_segment_cap()));
-        // A whole number of such requests, so a run of equal sizes (the common case) leaves no unusable tail; one
-        // fewer when that makes the rounding to g exact (5 MiB requests: 20 MiB segments, not 26).
-        std::size_t count = std::max<std::size_t>(seg / size, 1);
-        if (count > 1 && (count * size) % g != 0 && ((count - 1) * size) % g == 0) --count;
-        seg = (count * size + g - 1) / g * g;
-      }
-      return seg;
-    }
-    const std::size_t g = options_.large_segment_rounding;
-    return (size + g - 1) / g * g;
+    return detail::segment_sizing::preferred(options_, size, small, current(stats_.reserved_bytes));
   }
-
-  /// The largest shared segment growth makes: 4 x medium_size, rounded down to large_segment_rounding (so segments
-  /// stay multiples of it) and saturated instead of wrapping.
-  std::size_t medium_segment_cap() const noexcept {
-    const std::size_t g = options_.large_segment_rounding;
-    const std::size_t medium = options_.medium_size;
-    constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
-    const std::size_t cap = medium > max / 4 ? max : 4 * medium;
-    return cap / g * g;
-  }
-
-  /// The smallest segment that holds a rounded request: a small segment, or for a shared (medium) one the request
-  /// rounded to large_segment_rounding. Tried when the segment sized for the footprint cannot be had.
-  std::size_t minimal_segment_size(std::size_t size, bool small) const noexcept {
-    if (small) return options_.small_segment_size;
-    const std::size_t g = options_.large_segment_rounding;
-    return std::max(size, (size + g - 1) / g * g);  // the request itself if rounding up overflows (never in practice)
-  }
-
-  /// For a shared (medium) segment: the fewest such requests, up to 4, whose total is a multiple of
-  /// large_segment_rounding, so that none of the segment is lost to rounding; minimal_segment_size otherwise.
-  std::size_t unrounded_segment_size(std::size_t size, bool small) const noexcept {
-    if (small || size >= options_.medium_size) return minimal_segment_size(size, small);
-    const std::size_t g = options_.large_segment_rounding;
-    for (std::size_t count = 1; count <= 4; ++count) {
-      if (size <= std::numeric_limits<std::size_t>::max() / count && (count * size) % g == 0) return count * size;
-    }
-    return minimal_segment_size(size, small);
-  }
-
-  /// segment_size(), shrunk to the room left under the reserved limit when it would exceed it (never below
-  /// minimal_segment_size: a request that does not fit even then hits the limit).
   std::size_t fitted_segment_size(std::size_t size, bool small) const noexcept {
-    const std::size_t preferred = segment_size(size, small);
-    if (small || size >= options_.medium_size || limit_ == allocator_options::unlimited) return preferred;
-    const std::size_t reserved = current(stats_.reserved_bytes) + in_flight_;
-    const std::size_t room = limit_ > reserved ? limit_ - reserved : 0;
-    if (preferred <= room) return preferred;
-    const std::size_t g = options_.large_segment_rounding;
-    return std::max(minimal_segment_size(size, small), room / g * g);
+    return detail::segment_sizing::fitted(options_, size, small, current(stats_.reserved_bytes), in_flight_, limit_);
   }
-
   bool should_split(const block* b, std::size_t size, std::size_t remainder) const noexcept {
-    if (remainder == 0) return false;
-    if (b->small) return remainder > options_.small_split_threshold;
-    if (b->seg->dedicated && size >= options_.max_split_size) return false;  // oversize blocks are used whole
-    return remainder > options_.large_split_threshold;
+    return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated, size, remainder);
   }
 
   // --- streams and events ---
@@ -2128,7 +2064,8 @@ class basic_caching_allocator {
     if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
     // A shared segment sized for the footprint may not fit where the request does: the smallest ones that hold it,
     // first a few such requests with nothing lost to rounding (two of 5 MiB: 10 MiB), then the request alone.
-    for (const std::size_t smaller : {unrounded_segment_size(size, small), minimal_segment_size(size, small)}) {
+    for (const std::size_t smaller : {detail::segment_sizing::unrounded(options_, size, small),
+                                      detail::segment_sizing::minimal(options_, size, small)}) {
       if (smaller >= segment_bytes) continue;
       segment_bytes = smaller;
       if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;

@@ -1,0 +1,78 @@
+// The caching allocator's growth policy (memory/detail/segment_sizing.hpp) alone: rounding, segment sizes for the
+// footprint and under a limit, the sizes tried when memory is short, and when blocks split. The engine's own tests
+// (allocator_*_test.cpp, bench_fragmentation) check what these sizes do to a workload.
+#include <gpukit/memory/detail/segment_sizing.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstddef>
+#include <limits>
+
+namespace sizing = gpukit::detail::segment_sizing;
+using gpukit::allocator_options;
+
+namespace {
+constexpr std::size_t MiB = allocator_options::MiB;
+constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+}  // namespace
+
+static_assert(sizing::rounded_request(allocator_options{}, 1) == 512, "usable in constant expressions");
+
+TEST_CASE("requests are rounded, and sizes that overflow when rounded are refused") {
+  const allocator_options o;
+  CHECK(sizing::rounded_request(o, 1) == 512);
+  CHECK(sizing::rounded_request(o, 512) == 512);
+  CHECK(sizing::rounded_request(o, 513) == 1024);
+  CHECK(sizing::rounded_request(o, 100 * MiB + 1) == 100 * MiB + 512);
+  CHECK(sizing::rounded_request(o, max) == 0);
+  CHECK(sizing::rounded_request(o, max - 100) == 0);
+  // Rounds to 512 without overflow, but its own segment (rounded to 2 MiB) would overflow.
+  CHECK(sizing::rounded_request(o, max - 2 * MiB + 2) == 0);
+  CHECK(sizing::rounded_request(o, max - 2 * MiB) == max - 2 * MiB + 1);  // its segment rounds to exactly that
+}
+
+TEST_CASE("shared segments hold a whole number of requests and grow with the footprint, up to 4 x medium_size") {
+  const allocator_options o;
+  CHECK(sizing::preferred(o, 4096, true, 0) == 2 * MiB);                 // small segment
+  CHECK(sizing::preferred(o, 5 * MiB, false, 0) == 20 * MiB);            // 4 requests
+  CHECK(sizing::preferred(o, 6 * MiB, false, 0) == 18 * MiB);            // 3 requests, not 20 MiB with a tail
+  CHECK(sizing::preferred(o, 5 * MiB, false, 800 * MiB) == 100 * MiB);   // reserved / 8
+  CHECK(sizing::medium_segment_cap(o) == 256 * MiB);                     // 4 x 64 MiB
+  CHECK(sizing::preferred(o, 5 * MiB, false, 4096 * MiB) == 250 * MiB);  // capped; 50 requests round exactly
+  CHECK(sizing::preferred(o, 100 * MiB + 512, false, 0) == 102 * MiB);   // its own segment, rounded to 2 MiB
+  // PyTorch's constants: no growth, and 10 MiB is where requests get their own segments.
+  const allocator_options torch = allocator_options::pytorch();
+  CHECK(sizing::preferred(torch, 5 * MiB, false, 4096 * MiB) == 20 * MiB);
+  CHECK(sizing::preferred(torch, 12 * MiB, false, 0) == 12 * MiB);
+  // A medium_size so large that 4x overflows saturates instead of wrapping.
+  allocator_options huge;
+  huge.medium_size = max / 2;
+  CHECK(sizing::medium_segment_cap(huge) == max / (2 * MiB) * (2 * MiB));
+}
+
+TEST_CASE("when memory is short: the smallest segments that hold a request, and the room under a limit") {
+  const allocator_options o;
+  CHECK(sizing::minimal(o, 4096, true) == 2 * MiB);
+  CHECK(sizing::minimal(o, 5 * MiB, false) == 6 * MiB);
+  CHECK(sizing::unrounded(o, 5 * MiB, false) == 10 * MiB);       // two requests are a multiple of 2 MiB
+  CHECK(sizing::unrounded(o, 3 * MiB + 512, false) == 4 * MiB);  // no count up to 4 is: the minimal segment
+  CHECK(sizing::unrounded(o, 100 * MiB, false) == 100 * MiB);    // own segment: minimal
+  const std::size_t unlimited = allocator_options::unlimited;
+  CHECK(sizing::fitted(o, 5 * MiB, false, 0, 0, unlimited) == 20 * MiB);
+  CHECK(sizing::fitted(o, 5 * MiB, false, 0, 0, 30 * MiB) == 20 * MiB);         // fits
+  CHECK(sizing::fitted(o, 5 * MiB, false, 0, 0, 16 * MiB) == 16 * MiB);         // shrunk to the room left
+  CHECK(sizing::fitted(o, 5 * MiB, false, 0, 10 * MiB, 24 * MiB) == 14 * MiB);  // allocations in flight count
+  CHECK(sizing::fitted(o, 5 * MiB, false, 0, 0, 4 * MiB) == 6 * MiB);           // never below minimal: hits the limit
+  CHECK(sizing::fitted(o, 5 * MiB, false, 40 * MiB, 0, 30 * MiB) == 6 * MiB);   // over the limit already
+  CHECK(sizing::fitted(o, 4096, true, 0, 0, 1 * MiB) == 2 * MiB);               // small segments are never shrunk
+}
+
+TEST_CASE("blocks split past their pool's threshold, and blocks of huge dedicated segments stay whole") {
+  const allocator_options o;
+  CHECK_FALSE(sizing::should_split(o, true, false, 512, 0));
+  CHECK(sizing::should_split(o, true, false, 512, 512));
+  CHECK_FALSE(sizing::should_split(o, false, false, 2 * MiB, 1 * MiB));
+  CHECK(sizing::should_split(o, false, false, 2 * MiB, 1 * MiB + 512));
+  CHECK(sizing::should_split(o, false, true, 100 * MiB, 10 * MiB));  // dedicated, below max_split_size
+  CHECK_FALSE(sizing::should_split(o, false, true, 300 * MiB, 10 * MiB));
+}
