@@ -196,6 +196,7 @@ struct simulator {
   std::vector<int> allowed_contexts;
   std::set<std::pair<int, int>> peer_enabled;  // (device, peer) by visible ordinal: cudaDeviceEnablePeerAccess
   std::map<std::string, std::vector<std::pair<int, cudaError_t>>> faults;
+  std::map<std::string, std::vector<std::pair<int, std::function<void()>>>> actions;  // before_call
   std::map<std::string, std::size_t> call_counts;
   cudaError_t sticky = cudaSuccess;
   cudaError_t unloaded = cudaSuccess;  // cudasim::unload: every call returns it
@@ -304,8 +305,36 @@ CUresult due_driver_fault(simulator& s, const char* function) {
   return e == cudaErrorMemoryAllocation ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
 }
 
+/// Runs the before_call action due at this call of `function`, if any, outside the lock (it may call CUDA).
+void run_due_action(simulator& s, const char* function) {
+  std::function<void()> action;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto it = s.actions.find(function);
+    if (it == s.actions.end()) return;
+    for (auto a = it->second.begin(); a != it->second.end();) {
+      if (--a->first > 0) {
+        ++a;
+      } else if (action) {
+        a->first = 1;  // due at the same call as another: the next one
+        ++a;
+      } else {
+        action = std::move(a->second);
+        a = it->second.erase(a);
+      }
+    }
+  }
+  if (action) action();
+}
+
+/// Locks the simulator for a call of `function`, after its due before_call action.
+std::unique_lock<std::mutex> lock_for_call(simulator& s, const char* function) {
+  run_due_action(s, function);
+  return std::unique_lock<std::mutex>(s.mutex);
+}
+
 struct call {
-  explicit call(const char* name) : s(sim()), lock(s.mutex), function(name) {
+  explicit call(const char* name) : s(sim()), lock(lock_for_call(s, name)), function(name) {
     initialize_locked(s);
     ++s.call_counts[function];
     if (t_in_host_function) {
@@ -921,6 +950,7 @@ CUresult CUDAAPI sim_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI sim_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
                                  unsigned long long flags) {
+  run_due_action(sim(), "cuMemCreate");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemCreate"); fault != CUDA_SUCCESS) return fault;
@@ -957,6 +987,7 @@ CUresult CUDAAPI sim_cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                               unsigned long long flags) {
+  run_due_action(sim(), "cuMemMap");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemMap"); fault != CUDA_SUCCESS) return fault;
@@ -983,6 +1014,7 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
 /// than the memory's own must be able to reach it (cudaDeviceCanAccessPeer); peer access need not be enabled, as
 /// virtual memory's access is its own.
 CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  run_due_action(sim(), "cuMemSetAccess");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemSetAccess"); fault != CUDA_SUCCESS) return fault;
@@ -1497,6 +1529,11 @@ void allow_contexts_only_on(const std::vector<int>& devices) {
   sim().allowed_contexts = devices;
 }
 
+void before_call(const std::string& function, int nth, std::function<void()> action) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().actions[function].emplace_back(nth, std::move(action));
+}
+
 void fail_call(const std::string& function, int nth, cudaError_t error) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   sim().faults[function].emplace_back(nth, error);
@@ -1505,6 +1542,7 @@ void fail_call(const std::string& function, int nth, cudaError_t error) {
 void clear_faults() {
   std::lock_guard<std::mutex> lock(sim().mutex);
   sim().faults.clear();
+  sim().actions.clear();
   sim().sticky = cudaSuccess;
   sim().unloaded = cudaSuccess;
 }

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -97,8 +98,13 @@ CUDASIM_API void allow_contexts_only_on(const std::vector<int>& devices);
 /// Makes the `nth` next call of `function` (1: the very next) return `error`. A sticky error (cudaErrorIllegalAddress,
 /// cudaErrorLaunchFailure, ...) then corrupts the process's CUDA state: every later call returns it, as on a GPU.
 CUDASIM_API void fail_call(const std::string& function, int nth, cudaError_t error);
-/// Forgets pending injected failures and a sticky error (tests that inject a sticky error clean up with this), and
-/// undoes unload().
+/// Runs `action` on the calling thread just before the `nth` next call of `function` (1: the very next) does anything,
+/// outside the simulator's lock, so it may call CUDA and gpukit itself: what another thread could do in the middle of
+/// a sequence of calls, made deterministic. For runtime functions and the driver's cuMemCreate, cuMemMap and
+/// cuMemSetAccess. clear_faults() forgets pending actions.
+CUDASIM_API void before_call(const std::string& function, int nth, std::function<void()> action);
+/// Forgets pending injected failures, pending before_call actions and a sticky error (tests that inject a sticky error
+/// clean up with this), and undoes unload().
 CUDASIM_API void clear_faults();
 /// Makes every later runtime call return `result` without effect, as the real runtime does once it is unloaded at
 /// process exit (cudaErrorCudartUnloading, the value of the driver's CUDA_ERROR_DEINITIALIZED) or once the primary

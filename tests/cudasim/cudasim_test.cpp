@@ -399,6 +399,34 @@ TEST_CASE("cudasim: queued failures of one function each fire at their own call"
   for (void* p : allocated) CHECK(cudaFree(p) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: before_call runs an action before the nth call, outside the lock, and faults still apply") {
+  std::vector<std::string> order;
+  int current = -1;
+  cudasim::before_call("cudaGetDeviceCount", 2, [&] {
+    order.push_back("action");
+    CHECK(cudaGetDevice(&current) == cudaSuccess);  // the action may call CUDA itself
+  });
+  cudasim::before_call("cudaGetDeviceCount", 2, [&] { order.push_back("second action"); });  // the call after
+  cudasim::fail_call("cudaGetDeviceCount", 2, cudaErrorUnknown);
+  std::vector<cudaError_t> results;
+  for (int i = 0; i < 3; ++i) {
+    int count = 0;
+    results.push_back(cudaGetDeviceCount(&count));
+    (void)cudaGetLastError();
+    order.push_back("call");
+  }
+  CHECK(order == std::vector<std::string>{"call", "action", "call", "second action", "call"});
+  CHECK(results == std::vector<cudaError_t>{cudaSuccess, cudaErrorUnknown, cudaSuccess});
+  CHECK(current == 0);
+  bool ran = false;
+  cudasim::before_call("cudaMalloc", 1, [&] { ran = true; });
+  cudasim::clear_faults();  // forgets pending actions too
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, 64) == cudaSuccess);
+  CHECK_FALSE(ran);
+  CHECK(cudaFree(p) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: injected failures, and a sticky error stays until cleared") {
   cudasim::fail_call("cudaMalloc", 2, cudaErrorMemoryAllocation);
   void* a = nullptr;

@@ -17,6 +17,7 @@
 #include <memory>
 #include <numeric>
 #include <stdexcept>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -397,6 +398,36 @@ TEST_CASE("peer: access covers gpukit's virtual-memory pages and the default poo
   paged.empty_cache();  // unmapped pages leave gpukit's record: a later grant does not touch them
   gpukit::peer_access access(cuda1, cuda0);
   CHECK(cudasim::peer_access_enabled(1, 0));
+}
+
+TEST_CASE("peer: a hold taken or dropped while pages are being mapped is applied to those pages too") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  gpukit::allocator_options expandable;
+  expandable.expandable_segments = true;
+  gpukit::stream s(cuda0);
+  gpukit::caching_allocator paged(cuda0, expandable);
+  std::optional<gpukit::peer_access> hold;
+  // Taken after map() read the holders, before its first page is mapped (as another thread could): the pages it
+  // maps with the old holders' access are granted when they are recorded.
+  cudasim::before_call("cuMemMap", 1, [&] { hold.emplace(cuda1, cuda0); });
+  void* granted = paged.allocate(4 * MiB, s);
+  REQUIRE(hold.has_value());
+  CHECK(cudasim::accessible_from(1, granted));
+  CHECK(cudasim::accessible_from(1, static_cast<const char*>(granted) + 2 * MiB));
+  // Dropped the same way: the pages mapped with peer 1's access lose it when they are recorded.
+  cudasim::before_call("cuMemMap", 1, [&] { hold.reset(); });
+  void* revoked = paged.allocate(16 * MiB, s);
+  CHECK_FALSE(hold.has_value());
+  CHECK_FALSE(cudasim::accessible_from(1, revoked));
+  CHECK_FALSE(cudasim::accessible_from(1, static_cast<const char*>(revoked) + 14 * MiB));
+  CHECK_FALSE(cudasim::accessible_from(1, granted));  // the release took back what was recorded before
+  for (const void* p : {static_cast<const void*>(granted), static_cast<const void*>(revoked)}) {
+    CHECK(cudasim::accessible_from(0, p));
+  }
+  paged.deallocate(granted);
+  paged.deallocate(revoked);
+  s.synchronize();
+  paged.empty_cache();
 }
 
 TEST_CASE("peer: a failure to grant the pool's memory is a warning naming the call, and peer access stands") {

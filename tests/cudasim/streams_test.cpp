@@ -547,3 +547,25 @@ TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache
   a.deallocate(again);
   CHECK_THROWS_AS(gpukit::async_pool_upstream{gpukit::device::cpu()}, gpukit::invalid_argument_error);
 }
+
+TEST_CASE(
+    "streams: async_pool_upstream reports a segment it cannot return, and a stream it cannot destroy, as warnings") {
+  captured_warnings warnings;
+  {
+    gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+    const gpukit::stream_view s = gpukit::stream_view::default_stream(cuda0);
+    a.deallocate(a.allocate(block_bytes, s));
+    cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+    a.empty_cache();  // the device's work cannot be waited for: the segment is not handed back, and that is said
+    CHECK(warnings.contains("cudaDeviceSynchronize (before returning a segment to the pool) failed"));
+    CHECK(a.memory_reserved() == 0);
+    a.deallocate(a.allocate(block_bytes, s));
+    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+    a.empty_cache();
+    CHECK(warnings.contains("cudaFreeAsync (returning a segment to the pool) failed"));
+    a.deallocate(a.allocate(block_bytes, s));  // still usable
+    cudasim::fail_call("cudaStreamDestroy", 1, cudaErrorInvalidResourceHandle);
+  }  // the allocator returns its cache, then the upstream's destructor destroys its private stream: refused
+  CHECK(warnings.contains("cudaStreamDestroy (async_pool_upstream) failed"));
+  cudasim::clear_faults();
+}
