@@ -438,3 +438,53 @@ TEST_CASE("equal requests fill a device at least as well as with PyTorch's const
   CHECK(fill(gpukit::allocator_options{}, 1000 * MiB, 40 * MiB, false) == 1000 * MiB);
   CHECK(fill(gpukit::allocator_options{}, 1000 * MiB, 8 * MiB, false) == 1000 * MiB);  // PyTorch: 800 MiB
 }
+
+TEST_CASE("the out-of-memory message names the numbers and the likely cause, whichever it is") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  gpukit::out_of_memory_info info;
+  info.requested = 5 * MiB - 100;
+  info.rounded = 5 * MiB;
+  info.segment_bytes = 20 * MiB;
+  info.allocated = 60 * MiB;
+  info.reserved = 80 * MiB;
+  info.free_cached = 20 * MiB;
+  info.largest_free_block = 4 * MiB;
+  auto has = [](const std::string& m, const char* text) { return m.find(text) != std::string::npos; };
+  // Enough is cached, in pieces: fragmentation, with its value.
+  std::string m = gpukit::detail::out_of_memory_message(info, "cuda:1", false);
+  CHECK(has(m, "gpukit: out of memory on cuda:1: tried to allocate 5.00 MiB (5242780 bytes), rounded to"));
+  CHECK(has(m, "which needs a new segment of 20.00 MiB"));
+  CHECK(has(m, "Device: total and free memory unknown."));
+  CHECK(has(m,
+            "60.00 MiB allocated, 20.00 MiB reserved but unallocated (largest free block 4.00 MiB, "
+            "fragmentation 0.80"));
+  CHECK(has(m, "reserved limit none."));
+  CHECK(has(m, "in pieces smaller than the request (fragmentation)"));
+  // The limit refused: that advice, whatever else holds.
+  info.limit_hit = true;
+  info.reserved_limit = 80 * MiB;
+  m = gpukit::detail::out_of_memory_message(info, "cuda:1", true);
+  CHECK(has(m, "more pages of 20.00 MiB mapped into its expandable segment"));
+  CHECK(has(m, "20.00 MiB mapped but unallocated"));
+  CHECK(has(m, "reserved limit 80.00 MiB."));
+  CHECK(has(m, "The reserved limit would be exceeded"));
+  CHECK_FALSE(has(m, "fragmentation)"));
+  // The device is full of others' memory.
+  info.limit_hit = false;
+  info.free_cached = 0;
+  info.largest_free_block = 0;
+  info.device_memory_known = true;
+  info.device_total = 1024 * MiB;
+  info.device_free = 2 * MiB;
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  CHECK(has(m, "Device: 1.00 GiB total, 2.00 MiB free."));
+  CHECK(has(m, "fragmentation 0.00"));
+  CHECK(has(m, "Most of the device is used outside this allocator"));
+  // This allocator holds most of it: no advice it could not back up.
+  info.allocated = 900 * MiB;
+  info.reserved = 900 * MiB;
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  CHECK_FALSE(has(m, "outside this allocator"));
+  CHECK_FALSE(has(m, "fragmentation)"));
+  CHECK(has(m, "0 B reserved but unallocated"));
+}

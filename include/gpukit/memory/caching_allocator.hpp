@@ -2310,42 +2310,17 @@ class basic_caching_allocator {
       info = upstream_.memory_info();
     } catch (...) {
     }
-    using detail::format_bytes;
-    using detail::format_bytes_exact;
-    std::string m = "gpukit: out of memory on " + device_.to_string() + ": tried to allocate " +
-                    format_bytes_exact(requested) + ", rounded to " + format_bytes_exact(size) + ", which needs " +
-                    (pages ? "more pages of " + format_bytes(segment_bytes) + " mapped into its expandable segment"
-                           : "a new segment of " + format_bytes(segment_bytes)) +
-                    ". ";
-    if (info.known) {
-      m += "Device: " + format_bytes(info.total_bytes) + " total, " + format_bytes(info.free_bytes) + " free. ";
-    } else {
-      m += "Device: total and free memory unknown. ";
-    }
-    char fragmentation[32];
-    std::snprintf(fragmentation, sizeof fragmentation, "%.2f", f.fragmentation());
-    m += "This allocator: " + format_bytes(allocated) + " allocated, " +
-         format_bytes(reserved > allocated ? reserved - allocated : 0) + (pages ? " mapped" : " reserved") +
-         " but unallocated (largest free block " + format_bytes(f.largest_free_block) + ", fragmentation " +
-         fragmentation + " = 1 - largest free block / free), reserved limit " +
-         (limit == allocator_options::unlimited ? std::string("none") : format_bytes(limit)) + ".";
-    if (limit_hit) {
-      m += " The reserved limit would be exceeded: raise it (set_reserved_limit / set_memory_fraction) or free memory.";
-    } else if (f.free_bytes >= size) {
-      m += " Enough memory is cached, but in pieces smaller than the request (fragmentation): a smaller "
-           "max_split_size or fewer long-lived small allocations among large ones may help.";
-    } else if (info.known && allocated < info.total_bytes / 2 && reserved < info.total_bytes / 2) {
-      m += " Most of the device is used outside this allocator (other processes or libraries).";
-    }
+    out_of_memory_info facts{
+        device_ordinal(),     requested, size,      segment_bytes, allocated,        reserved,        f.free_bytes,
+        f.largest_free_block, limit,     limit_hit, info.known,    info.total_bytes, info.free_bytes, {}};
+    facts.message = detail::out_of_memory_message(facts, device_.to_string(), pages);
     if (memory_history* h = history_.load(std::memory_order_acquire)) {
       h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
     }
-    observers_.notify(
-        out_of_memory_info{device_ordinal(), requested, size, segment_bytes, allocated, reserved, f.free_bytes,
-                           f.largest_free_block, limit, limit_hit, info.known, info.total_bytes, info.free_bytes, m},
-        device_.to_string());
+    observers_.notify(facts, device_.to_string());
     const cudaError_t result = device_.is_cuda() && !limit_hit ? cudaErrorMemoryAllocation : cudaSuccess;
-    throw out_of_memory_error(m, result, "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
+    throw out_of_memory_error(facts.message, result,
+                              "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
                               device_.ordinal());
   }
 

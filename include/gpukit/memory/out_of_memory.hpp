@@ -7,17 +7,20 @@
 /// out_of_memory_error, and the registry the allocators keep them in.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -48,6 +51,46 @@ namespace detail {
 
 /// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
 /// use the allocator and add or remove observers.
+/// The message of a caching allocator's out_of_memory_error, from its numbers (`info`, whose `message` is ignored):
+/// what was asked and what it needs (a new segment, or more pages of an expandable one with `pages`), the device's
+/// memory, this allocator's, and the likely cause with what to do about it.
+inline std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name, bool pages) {
+  std::string m = "gpukit: out of memory on " + std::string(device_name) + ": tried to allocate " +
+                  format_bytes_exact(info.requested) + ", rounded to " + format_bytes_exact(info.rounded) +
+                  ", which needs " +
+                  (pages ? "more pages of " + format_bytes(info.segment_bytes) + " mapped into its expandable segment"
+                         : "a new segment of " + format_bytes(info.segment_bytes)) +
+                  ". ";
+  if (info.device_memory_known) {
+    m += "Device: " + format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free. ";
+  } else {
+    m += "Device: total and free memory unknown. ";
+  }
+  const double fragmentation = info.free_cached == 0 ? 0.0
+                                                     : 1.0 - static_cast<double>(info.largest_free_block) /
+                                                                 static_cast<double>(info.free_cached);
+  char fragmentation_text[32];
+  std::snprintf(fragmentation_text, sizeof fragmentation_text, "%.2f", fragmentation);
+  const std::size_t unallocated = info.reserved > info.allocated ? info.reserved - info.allocated : 0;
+  m += "This allocator: " + format_bytes(info.allocated) + " allocated, " + format_bytes(unallocated) +
+       (pages ? " mapped" : " reserved") + " but unallocated (largest free block " +
+       format_bytes(info.largest_free_block) + ", fragmentation " + fragmentation_text +
+       " = 1 - largest free block / free), reserved limit " +
+       (info.reserved_limit == std::numeric_limits<std::size_t>::max() ? std::string("none")
+                                                                       : format_bytes(info.reserved_limit)) +
+       ".";
+  if (info.limit_hit) {
+    m += " The reserved limit would be exceeded: raise it (set_reserved_limit / set_memory_fraction) or free memory.";
+  } else if (info.free_cached >= info.rounded) {
+    m += " Enough memory is cached, but in pieces smaller than the request (fragmentation): a smaller "
+         "max_split_size or fewer long-lived small allocations among large ones may help.";
+  } else if (info.device_memory_known && info.allocated < info.device_total / 2 &&
+             info.reserved < info.device_total / 2) {
+    m += " Most of the device is used outside this allocator (other processes or libraries).";
+  }
+  return m;
+}
+
 class out_of_memory_observers {
  public:
   std::uint64_t add(out_of_memory_observer observer) {
