@@ -440,7 +440,6 @@ TEST_CASE("equal requests fill a device at least as well as with PyTorch's const
 }
 
 TEST_CASE("the out-of-memory message names the numbers and the likely cause, whichever it is") {
-  constexpr std::size_t MiB = std::size_t{1} << 20;
   gpukit::out_of_memory_info info;
   info.requested = 5 * MiB - 100;
   info.rounded = 5 * MiB;
