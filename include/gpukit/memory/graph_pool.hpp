@@ -5,7 +5,7 @@
 /// \file
 /// graph_pool: the memory of CUDA graphs. Memory a captured graph uses must stay its own for as long as the graph
 /// may be launched, and a capture must not call cudaMalloc (prohibited during capture) nor record events it would
-/// later query. A graph_pool reserves memory before the capture (from a backing device_allocator, the device's
+/// later query. A graph_pool reserves memory before the capture (from a backing device_resource, the device's
 /// default one unless given) and hands it out during the capture with no CUDA call; while a capture with a pool
 /// runs (gpukit::capture, graph/graph.hpp), allocations that gpukit's caching allocators receive for the captured
 /// streams come from the pool, and frees of pool memory go back to it, from any allocator. A block freed during
@@ -60,9 +60,9 @@ class graph_pool final : public device_allocator {
   /// given: see default_allocator.)
   template <int Deferred = 0>
   static std::shared_ptr<graph_pool> create(gpukit::device d, std::size_t reserve_bytes,
-                                            device_allocator* backing = nullptr) {
+                                            device_resource* backing = nullptr) {
     if (!d.is_cuda()) throw invalid_argument_error("gpukit::graph_pool: " + d.to_string() + " is not a CUDA device");
-    device_allocator& b = backing != nullptr ? *backing : default_allocator(d);
+    device_resource& b = backing != nullptr ? *backing : default_allocator(d);
     if (b.device() != d) {
       throw invalid_argument_error("gpukit::graph_pool: the backing allocator serves " + b.device().to_string() +
                                    ", not " + d.to_string());
@@ -321,7 +321,7 @@ class graph_pool final : public device_allocator {
     std::size_t size;
   };
 
-  graph_pool(private_tag, gpukit::device d, device_allocator& backing) : device_(d), backing_(&backing) {}
+  graph_pool(private_tag, gpukit::device d, device_resource& backing) : device_(d), backing_(&backing) {}
 
   static std::size_t round(std::size_t bytes) noexcept { return (bytes + alignment - 1) / alignment * alignment; }
 
@@ -457,7 +457,7 @@ class graph_pool final : public device_allocator {
   }
 
   gpukit::device device_;
-  device_allocator* backing_;
+  device_resource* backing_;
   mutable std::mutex mutex_;
   std::vector<chunk_info> chunks_;
   std::map<std::uintptr_t, free_block> free_;
