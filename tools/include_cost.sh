@@ -6,7 +6,8 @@
 #    (tests/compiled/compiled_probe.cpp), header-only and in the compiled mode (GPUKIT_SEPARATE_COMPILATION, the
 #    engines then come from gpukit::compiled) (target: <= 50 % of the header-only time).
 #   tools/include_cost.sh [header ...]        (paths under include/, e.g. gpukit/memory/pmr.hpp; default: a set)
-# Environment: CXX (g++), RUNS (5), CCCL (the toolkit's include/cccl, for headers that need CCCL), TU (1; 0 skips 2).
+# Environment: CXX (g++), RUNS (5), CCCL (the toolkit's include/cccl, for headers that need CCCL), TU (1; 0 skips 2),
+# BASE (a git revision: its headers are measured in the same run, in a column of their own, for before/after tables).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cxx="${CXX:-g++}"
@@ -22,7 +23,9 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# Best wall time of $runs compiles of the translation unit $1 (parse only unless more flags follow), in seconds.
+# Best wall time of $runs compiles of the translation unit $1 (parse only unless more flags follow), in seconds,
+# against the headers under $tree/include ($tree: this checkout, or BASE's).
+tree="$root"
 best_of() {
   local tu="$1"
   shift
@@ -32,7 +35,7 @@ best_of() {
   for _ in $(seq "$runs"); do
     local start end t
     start=$(date +%s.%N)
-    "$cxx" -std=c++17 -O0 "${flags[@]}" -I"$root/include" -I"$cccl" -isystem "$cuda_include" "$tu"
+    "$cxx" -std=c++17 -O0 "${flags[@]}" -I"$tree/include" -I"$cccl" -isystem "$cuda_include" "$tu"
     end=$(date +%s.%N)
     t=$(echo "$end - $start" | bc -l)
     if [ -z "$best" ] || [ "$(echo "$t < $best" | bc -l)" = 1 ]; then best=$t; fi
@@ -45,7 +48,26 @@ best_of() {
   2>&1 >/dev/null | grep -E '^\.+ ' | sed -E 's/^\.+ //' | grep "^$root/include/" | sort -u |
   xargs grep -hE '^#include <' | grep -v '<gpukit/' | sort -u >"$work/baseline.cpp"
 baseline=$(best_of "$work/baseline.cpp")
-printf '%-40s %8s %10s\n' header seconds "x baseline"
+base=""
+if [ -n "${BASE:-}" ]; then
+  base="$work/base"
+  mkdir -p "$base"
+  git -C "$root" archive "$BASE" include tests/compiled | tar -x -C "$base"
+fi
+# BASE's time for the translation unit $1 (with the flags that follow), or "-" when it has no such header.
+base_best_of() {
+  if [ -z "$base" ]; then return; fi
+  local header="$1"
+  shift
+  if [ -n "$header" ] && [ ! -f "$base/include/$header" ]; then
+    printf '%8s' -
+    return
+  fi
+  (tree="$base" && best_of "$@")
+}
+printf '%-40s %8s %10s' header seconds "x baseline"
+[ -z "$base" ] || printf ' %8s %10s' "$BASE" "x baseline"
+echo
 printf '%-40s %8s %10s\n' "(standard + CUDA headers, $(wc -l <"$work/baseline.cpp") of them)" "$baseline" "1.00"
 for h in "${headers[@]}"; do
   printf '#include <%s>\n' "$h" >"$work/tu.cpp"
@@ -55,7 +77,12 @@ for h in "${headers[@]}"; do
   if [ "$h" = gpukit/gpukit.hpp ]; then
     target="target <= 1.50: $([ "$(echo "$ratio <= 1.5" | bc -l)" = 1 ] && echo met || echo 'not met')"
   fi
-  printf '%-40s %8s %10.2f  %s\n' "$h" "$t" "$ratio" "$target"
+  printf '%-40s %8s %10.2f' "$h" "$t" "$ratio"
+  if [ -n "$base" ]; then
+    b=$(base_best_of "$h" "$work/tu.cpp")
+    if [ "$b" = "       -" ]; then printf ' %8s %10s' - -; else printf ' %8s %10.2f' "$b" "$(echo "$b / $baseline" | bc -l)"; fi
+  fi
+  printf '  %s\n' "$target"
 done
 
 [ "${TU:-1}" = 0 ] && exit 0
@@ -67,5 +94,9 @@ echo
 echo "translation unit using device_buffer and copy_async (tests/compiled/compiled_probe.cpp), $cxx -O0 -c:"
 printf '%-40s %8s %10s\n' mode seconds "x header-only"
 printf '%-40s %8s %10s\n' "header-only (the default)" "$header_only" "1.00"
+if [ -n "$base" ]; then
+  base_header_only=$(base_best_of "" "$base/tests/compiled/compiled_probe.cpp" -c -o "$work/probe.o")
+  printf '%-40s %8s %10.2f\n' "header-only at $BASE" "$base_header_only" "$(echo "$base_header_only / $header_only" | bc -l)"
+fi
 printf '%-40s %8s %10.2f  target <= 0.50: %s\n' "compiled (gpukit::compiled)" "$compiled" "$ratio" \
   "$([ "$(echo "$ratio <= 0.5" | bc -l)" = 1 ] && echo met || echo 'not met')"
