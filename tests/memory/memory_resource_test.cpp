@@ -2,6 +2,7 @@
 // this file is compiled against (the toolkit's 3.0, and a newer one where CI installed it: both shapes), use
 // through resource_ref, alignment, equality; on the CPU device, and on cuda:0 where a GPU (or the simulator) is.
 #include <gpukit/memory/memory_resource.hpp>
+#include <gpukit/memory/resource_upstream.hpp>
 
 #include "arena_resource.hpp"
 #include "support.hpp"
@@ -15,7 +16,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace mr = ::cuda::mr;
 
@@ -128,6 +132,82 @@ TEST_CASE("device_memory_resource over a resource of one's own (a device_resourc
   CHECK(gpukit::device_memory_resource(arena) == resource);
 }
 
+namespace {
+/// A cuda::mr resource (both of CCCL's shapes) that fails every allocation the way `mode` says.
+struct failing_resource {
+  enum class mode { bad_alloc, cccl_out_of_memory, other };
+  mode how = mode::other;
+  void* allocate_sync(std::size_t, std::size_t) {
+    switch (how) {
+      case mode::bad_alloc:
+        throw std::bad_alloc();
+      case mode::cccl_out_of_memory:
+        throw ::cuda::cuda_error(cudaErrorMemoryAllocation, "out of memory");
+      case mode::other:
+        break;
+    }
+    throw std::runtime_error("failing_resource: broken");
+  }
+  void deallocate_sync(void*, std::size_t, std::size_t) noexcept {}
+  void* allocate(std::size_t bytes, std::size_t alignment) { return allocate_sync(bytes, alignment); }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept { deallocate_sync(p, bytes, alignment); }
+  bool operator==(const failing_resource& other) const noexcept { return how == other.how; }
+  bool operator!=(const failing_resource& other) const noexcept { return how != other.how; }
+};
+}  // namespace
+
+TEST_CASE("resource_upstream: a caching allocator in front of a cuda::mr resource (CPU device)") {
+  using gpukit::allocator_options;
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::caching_allocator inner(cpu);
+  using upstream = gpukit::resource_upstream<gpukit::device_memory_resource>;
+  gpukit::caching_device_allocator<upstream> outer(cpu, {}, gpukit::device_memory_resource(inner), cpu);
+  CHECK(&outer.engine().upstream().resource().allocator() == &inner);
+  gpukit::stream s(cpu);
+  void* p = outer.allocate(1000, s);
+  CHECK(outer.memory_reserved() == allocator_options{}.small_segment_size);  // one segment from the resource
+  CHECK(inner.memory_allocated() == outer.memory_reserved());
+  void* q = outer.allocate(1000, s);  // from the same segment: the resource is not asked again
+  CHECK(inner.stats().allocation.all().current == 1);
+  outer.deallocate(p);
+  outer.deallocate(q);
+  outer.empty_cache();
+  CHECK(inner.memory_allocated() == 0);
+
+  // The resource refuses for lack of memory: the outer allocator gives its cache back and retries, and reports out
+  // of memory only when that does not help either.
+  constexpr std::size_t MiB = allocator_options::MiB;
+  outer.deallocate(outer.allocate(3 * MiB, s));  // caches a shared segment of 6 such requests
+  CHECK(outer.memory_reserved() == 18 * MiB);
+  inner.set_reserved_limit(30 * MiB);
+  void* big = outer.allocate(24 * MiB, s);  // 18 + 24 > 30: refused once, served after the cache went back
+  CHECK(outer.stats().num_alloc_retries == 1);
+  CHECK(outer.memory_reserved() == 24 * MiB);
+  outer.deallocate(big);
+  CHECK_THROWS_AS((void)outer.allocate(40 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(outer.stats().num_ooms == 1);
+  CHECK(inner.memory_allocated() == 0);  // every cached segment went back before the error
+  inner.set_reserved_limit(allocator_options::unlimited);
+  outer.deallocate(outer.allocate(40 * MiB, s));  // usable afterwards
+
+  std::vector<failing_resource::mode> refusals{failing_resource::mode::bad_alloc};
+#if CCCL_VERSION < 3001000
+  // From CCCL 3.1 on, making a cuda::cuda_error asks the driver for the error's name: not without a driver.
+  refusals.push_back(failing_resource::mode::cccl_out_of_memory);
+#endif
+  for (const auto how : refusals) {
+    gpukit::caching_device_allocator<gpukit::resource_upstream<failing_resource>> full(cpu, {}, failing_resource{how},
+                                                                                       cpu);
+    CHECK_THROWS_AS((void)full.allocate(100, s), gpukit::out_of_memory_error);
+    CHECK(full.stats().num_ooms == 1);
+  }
+  gpukit::caching_device_allocator<gpukit::resource_upstream<failing_resource>> broken(cpu, {}, failing_resource{},
+                                                                                       cpu);
+  CHECK_THROWS_WITH_AS((void)broken.allocate(100, s), "failing_resource: broken", std::runtime_error);
+  CHECK(broken.stats().num_ooms == 0);
+  CHECK(broken.memory_reserved() == 0);
+}
+
 TEST_CASE("cuda::mr resources compare equal when they share an allocator or pool") {
   gpukit::caching_allocator a(gpukit::device::cpu());
   gpukit::caching_allocator b(gpukit::device::cpu());
@@ -208,4 +288,21 @@ TEST_CASE("gpu: pinned_memory_resource on cuda:0 frees in a stream's order") {
   CHECK(attributes.type == cudaMemoryTypeHost);
   resource.deallocate(s, p, 1 << 20, 1 << 13);
   s.synchronize();
+}
+
+TEST_CASE("gpu: resource_upstream over a cuda::mr resource of cuda:0 gives segments back after the device's work") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator inner(d);
+  gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> outer(
+      d, {}, gpukit::device_memory_resource(inner), d);
+  CHECK(outer.engine().upstream().synchronizes_on_free());
+  CHECK(outer.engine().upstream().memory_info().known);
+  gpukit::stream s(d);
+  void* p = outer.allocate(std::size_t{5} << 20, s);
+  CHECK(inner.memory_allocated() == outer.memory_reserved());
+  outer.deallocate(p);
+  outer.empty_cache();
+  CHECK(inner.memory_allocated() == 0);
+  inner.empty_cache();
 }
