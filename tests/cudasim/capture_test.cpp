@@ -7,6 +7,8 @@
 // Work on streams that are not captured goes on, also in other threads while a capture in global mode is underway.
 #include <gpukit/gpukit.hpp>
 
+#include <gpukit/memory/async_allocator.hpp>
+
 #include "cudasim.hpp"
 #include "support.hpp"
 
@@ -160,6 +162,40 @@ TEST_CASE("capture: freeing a block whose stream is capturing throws and the blo
   allocator.deallocate(q, s);
   CHECK(allocator.memory_allocated() == 0);
   CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator never waits on the host for a free that fails during a capture") {
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  void* p = pool.allocate(4096, s);
+  void* q = pool.allocate(4096, s);
+  pool.record_stream(q, other);
+  gpukit_test::captured_warnings warnings;
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t stream_waits = cudasim::calls("cudaStreamSynchronize");
+  {
+    capture c(s);
+    // A synchronization now would invalidate the capture: the memory is lost to the pool instead, with a warning.
+    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+    pool.deallocate(p);
+    CHECK(warnings.contains("during a CUDA graph capture failed"));
+    CHECK(warnings.contains("cudaFreeAsync"));
+    // The same when the free cannot be ordered after a recorded stream's work (no host wait for that stream).
+    cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidValue);
+    pool.deallocate(q);
+    CHECK(warnings.contains("ordering a free after a recorded stream"));
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+    CHECK(cudasim::calls("cudaStreamSynchronize") == stream_waits);
+    REQUIRE(c.end() == cudaSuccess);  // still valid
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(pool.memory_allocated() == 0);
+  void* again = pool.allocate(4096, s);  // usable afterwards
+  pool.deallocate(again);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+  cudasim::clear_faults();
 }
 
 TEST_CASE("capture: a buffer destroyed during a capture of its stream is reported and kept, not reused") {

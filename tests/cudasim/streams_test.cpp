@@ -6,6 +6,7 @@
 
 #include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/async_pool_upstream.hpp>
+#include <gpukit/memory/resource_upstream.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/device/properties.hpp>
@@ -567,5 +568,34 @@ TEST_CASE(
     cudasim::fail_call("cudaStreamDestroy", 1, cudaErrorInvalidResourceHandle);
   }  // the allocator returns its cache, then the upstream's destructor destroys its private stream: refused
   CHECK(warnings.contains("cudaStreamDestroy (async_pool_upstream) failed"));
+  cudasim::clear_faults();
+}
+
+TEST_CASE("streams: resource_upstream keeps a segment it cannot wait for the device to be done with, and says so") {
+  captured_warnings warnings;
+  gpukit::caching_allocator inner(cuda0);
+  {
+    gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> outer(
+        cuda0, {}, gpukit::device_memory_resource(inner), cuda0);
+    gpukit::stream s(cuda0);
+    outer.deallocate(outer.allocate(block_bytes, s));
+    const std::size_t held = inner.memory_allocated();
+    CHECK(held != 0);
+    cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+    outer.empty_cache();  // not handed back to the inner allocator while the device may still use it
+    CHECK(warnings.contains("cudaDeviceSynchronize (before returning a segment to a cuda::mr resource) failed"));
+    CHECK(warnings.contains("cuda:0"));
+    CHECK(inner.memory_allocated() == held);
+    CHECK(outer.memory_reserved() == 0);
+    outer.deallocate(outer.allocate(block_bytes, s));  // still usable; this segment goes back
+    outer.empty_cache();
+    CHECK(inner.memory_allocated() == held);
+  }
+  for (const auto& segment : inner.snapshot().segments) {  // the kept segment is intact: the test gives it back
+    for (const auto& block : segment.blocks) {
+      if (block.state == gpukit::block_state::allocated) inner.deallocate(reinterpret_cast<void*>(block.address));
+    }
+  }
+  CHECK(inner.memory_allocated() == 0);
   cudasim::clear_faults();
 }

@@ -197,3 +197,60 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
   CHECK(cudasim::device_memory_used(0) == used_before);  // no page, handle or segment leaked
   CHECK(a.memory_reserved() == 0);
 }
+
+TEST_CASE("vmm: pages stay mapped and in use when the device cannot be waited for before unmapping them") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  void* p = a.allocate(4 * MiB, s);
+  void* q = a.allocate(4 * MiB, s);
+  a.deallocate(q);
+  const std::size_t unmaps = cudasim::calls("cuMemUnmap");
+  {
+    // trim: the free block's pages are kept, and the allocator learns they are still mapped.
+    gpukit_test::captured_warnings warnings;
+    cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+    CHECK(a.trim(4 * MiB) == 8 * MiB);
+    CHECK(warnings.contains("cudaDeviceSynchronize (before unmapping pages)"));
+    CHECK(warnings.contains("cuda:0"));
+  }
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps);
+  CHECK(a.memory_reserved() == 8 * MiB);
+  CHECK(cudasim::device_memory_used(0) == used_before + 8 * MiB);
+  const std::size_t maps = cudasim::calls("cuMemMap");
+  void* again = a.allocate(4 * MiB, s);  // the kept pages, not new ones: usable and accessible
+  CHECK(cudasim::calls("cuMemMap") == maps);
+  CHECK(cudasim::accessible_from(0, again));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(again, 1, 4 * MiB, s.cuda_handle()));
+  s.synchronize();
+  a.deallocate(again);
+  CHECK(a.trim(4 * MiB) == 4 * MiB);  // the device answers again: unmapped now
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps + 2);
+  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);
+  a.deallocate(p);
+  a.empty_cache();
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE("vmm: a segment whose pages cannot be unmapped on empty_cache is kept reserved, with a warning") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  a.deallocate(a.allocate(4 * MiB, s));
+  const std::size_t frees = cudasim::calls("cuMemAddressFree");
+  gpukit_test::captured_warnings warnings;
+  const std::size_t waits = cudasim::calls("cudaDeviceSynchronize");
+  cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+  a.empty_cache();
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 1);  // one wait for the segment's run of pages
+  CHECK(warnings.contains("keeps an expandable segment"));
+  CHECK(cudasim::calls("cuMemAddressFree") == frees);  // never freed with pages mapped (the simulator would object)
+  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);  // leaked, as after a failed cudaFree
+  CHECK(cudasim::take_violations().empty());
+  a.deallocate(a.allocate(4 * MiB, s));  // the allocator stays usable: a new segment
+  a.empty_cache();
+  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);
+}

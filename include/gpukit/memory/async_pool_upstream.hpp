@@ -99,17 +99,14 @@ class async_pool_upstream {
   }
 
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the segment), then cudaFreeAsync
-  /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit).
+  /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit); when
+  /// the wait fails the segment is kept (leaked) rather than handed back while the device may still use it.
   void deallocate(void* p, std::size_t /*bytes*/) noexcept {
+    if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
     try {
       device_guard guard(device_);
-      cudaError_t result = cudaDeviceSynchronize();
-      const char* call = "cudaDeviceSynchronize (before returning a segment to the pool)";
-      if (result == cudaSuccess) {
-        result = cudaFreeAsync(p, stream_);
-        call = "cudaFreeAsync (returning a segment to the pool)";
-      }
-      detail::report_cuda_failure(result, call, device_.ordinal());
+      detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
+                                  device_.ordinal());
     } catch (const error& e) {
       if (detail::is_teardown_result(e.cuda_result())) return;
       warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());

@@ -1957,6 +1957,7 @@ class basic_caching_allocator {
               release_event(std::move(b->fence), device_);
             }
             const std::size_t run = unmap_run(seg, i, end);
+            if (run == 0) return unmapped;  // the device could not be waited for: nothing more is unmapped now
             unmapped += run * page;
             count(st_reserved_bytes, seg->small, -as_delta(run * page));
             i += run;
@@ -1971,21 +1972,35 @@ class basic_caching_allocator {
   }
 
   /// Unmaps the run of mapped pages of `seg` that starts at page `i` (and ends at `end` at most) in one upstream call
-  /// (on CUDA, one device synchronization); counts one upstream free per page. Returns the pages unmapped.
+  /// (on CUDA, one device synchronization); counts one upstream free per page. Returns the pages unmapped: 0 when
+  /// the upstream kept them mapped (it could not wait for the device). Device lock held: no thread maps them meanwhile.
   std::size_t unmap_run(segment* seg, std::size_t i, std::size_t end) noexcept {
     std::size_t n = 0;
-    while (i + n < end && seg->pages[i + n]) {
-      seg->pages[i + n] = false;
-      ++n;
-    }
-    // Recorded before the upstream call: once the pages are unmapped, another thread may map them again.
-    if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr && n != 0) {
+    while (i + n < end && seg->pages[i + n]) ++n;
+    if (n == 0 || !upstream_unmap(seg->address + i * vm_page_, n * vm_page_)) return 0;
+    for (std::size_t k = 0; k < n; ++k) seg->pages[i + k] = false;
+    if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
       h->record(memory_action::segment_unmap, seg->address + i * vm_page_, n * vm_page_, 0);
     }
-    if constexpr (has_vm) upstream_.unmap(reinterpret_cast<void*>(seg->address + i * vm_page_), n * vm_page_);
     seg->mapped -= n * vm_page_;
     for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
     return n;
+  }
+
+  /// The upstream's unmap; false when it unmapped nothing (an upstream whose unmap returns void always unmaps).
+  bool upstream_unmap(std::uintptr_t address, std::size_t bytes) noexcept {
+    if constexpr (has_vm) {
+      if constexpr (std::is_same_v<decltype(upstream_.unmap(nullptr, bytes)), bool>) {
+        return upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+      } else {
+        upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+        return true;
+      }
+    } else {
+      (void)address;
+      (void)bytes;
+      return false;
+    }
   }
 
   /// An expandable segment is going: its stream reserves a new one when it needs it.
@@ -2015,11 +2030,20 @@ class basic_caching_allocator {
     memory_history* const h = history_.load(std::memory_order_acquire);
     if constexpr (has_vm) {
       if (seg->expandable) {
+        bool all_unmapped = true;
         for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
           if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
-          upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+          all_unmapped = all_unmapped && upstream_unmap(address, bytes);
         });
-        upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
+        if (all_unmapped) {
+          upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
+        } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
+          try {
+            warn("gpukit: the caching allocator of " + device_.to_string() + " keeps an expandable segment of " +
+                 std::to_string(seg->size) + " bytes reserved: its pages could not be unmapped");
+          } catch (...) {  // no memory for the message
+          }
+        }
         return;
       }
     }

@@ -104,14 +104,9 @@ class resource_upstream {
   /// Failures are reported through gpukit::warn, the segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
     try {
-      if (device_.is_cuda()) {
-        device_guard guard(device_);
-        const cudaError_t waited = cudaDeviceSynchronize();
-        if (waited != cudaSuccess) {
-          detail::report_cuda_failure(
-              waited, "cudaDeviceSynchronize (before returning a segment to a cuda::mr resource)", device_.ordinal());
-          return;
-        }
+      if (device_.is_cuda() &&
+          !detail::device_idle_before_release(device_, "returning a segment to a cuda::mr resource")) {
+        return;  // kept (leaked) rather than handed back while the device may still use it
       }
 #if CCCL_VERSION >= 3001000
       resource_.deallocate_sync(p, bytes, upstream_alignment);

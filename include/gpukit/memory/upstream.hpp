@@ -10,6 +10,12 @@
 ///     upstream_memory_info memory_info() const;          // free and total, for limits and OOM messages
 ///     bool synchronizes_on_free() const noexcept;        // deallocate waits for all work of the device
 ///
+/// and, for expandable segments, optionally reserve / map / unmap / unreserve / page_size, where
+///
+///     bool unmap(void* address, std::size_t bytes) noexcept;  // false: nothing unmapped (the pages stay in use)
+///
+/// may also return void (it always unmaps).
+///
 /// Upstreams are called without the allocator's lock held, so they must be thread-safe. gpukit provides:
 /// - cuda_upstream: cudaMalloc / cudaFree on one CUDA device (cudaFree synchronizes the device);
 /// - host_upstream: aligned host memory, optionally capacity-limited (the CPU device's memory);
@@ -221,14 +227,15 @@ class address_space_upstream {
     return true;
   }
   /// Returns the capacity of mapped pages in [address, address + bytes); every page must be mapped (else warns).
-  void unmap(void* address, std::size_t bytes) noexcept {
+  /// Returns false, having unmapped nothing, when the range is not whole pages of a reservation.
+  bool unmap(void* address, std::size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     std::uintptr_t start = 0;
     try {
       start = check_pages(address, bytes, "unmap");
     } catch (const std::exception& e) {
       warn(e.what());
-      return;
+      return false;
     }
     for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
       if (mapped_.erase(at) == 0) {
@@ -237,6 +244,7 @@ class address_space_upstream {
       }
       used_ -= page_size_;
     }
+    return true;
   }
   /// Gives a reservation back; its pages must have been unmapped (else warns, and unmaps them).
   void unreserve(void* address, std::size_t bytes) noexcept {
@@ -372,6 +380,27 @@ class address_space_upstream {
     return start;
   }
 };
+
+namespace detail {
+/// Waits for all work of CUDA device `d` before memory goes back to where it came from, as cudaFree waits: kernels
+/// queued earlier may still use it. Returns false when the wait failed, having reported it through gpukit::warn
+/// (nothing during teardown) as "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a
+/// failed wait (a capture, a broken context) may not have waited at all.
+inline bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
+  try {
+    device_guard guard(d);
+    const cudaError_t waited = cudaDeviceSynchronize();
+    if (waited == cudaSuccess) return true;
+    report_cuda_failure(waited, std::string("cudaDeviceSynchronize (before ") + what + ")", d.ordinal());
+  } catch (const error& e) {
+    if (!is_teardown_result(e.cuda_result()))
+      warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
+  } catch (const std::exception& e) {
+    warn(std::string("gpukit: could not wait for the device before ") + what + ": " + e.what());
+  }
+  return false;
+}
+}  // namespace detail
 
 /// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.
 class cuda_upstream {
@@ -528,12 +557,13 @@ class cuda_upstream {
     throw_driver_failure(failed_call, r);
   }
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
-  /// page. Failures are reported through gpukit::warn (a page that could not be unmapped stays recorded as mapped).
-  void unmap(void* address, std::size_t bytes) noexcept {
+  /// page. Returns false, having unmapped nothing, when the wait failed (detail::device_idle_before_release): the
+  /// pages stay mapped. Failures are reported through gpukit::warn (a page that cuMemUnmap refused stays recorded
+  /// as mapped by the peer registry, but counts as unmapped to the caller).
+  bool unmap(void* address, std::size_t bytes) noexcept {
+    if (!detail::device_idle_before_release(device_, "unmapping pages")) return false;
     try {
       device_guard guard(device_);
-      detail::report_cuda_failure(cudaDeviceSynchronize(), "cudaDeviceSynchronize (before unmapping pages)",
-                                  device_.ordinal());
       auto& registry = mode_independent::peer_access_holders_v2();
       std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
       auto& mapped = registry.mapped_pages[device_.ordinal()];
@@ -547,8 +577,10 @@ class cuda_upstream {
           warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
         }
       }
-    } catch (const std::exception& e) {
+      return true;
+    } catch (const std::exception& e) {  // the guard or the driver's entry points: nothing was unmapped
       warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+      return false;
     }
   }
   /// cuMemAddressFree; failures are reported through gpukit::warn.
@@ -663,11 +695,14 @@ class device_upstream {
     }
     return cuda_.map(address, bytes);
   }
-  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap()); failures, and a call on the CPU,
-  /// are warned about.
-  void unmap(void* address, std::size_t bytes) noexcept {
-    if (!device_.is_cuda()) return warn_no_virtual_memory("unmap");
-    cuda_.unmap(address, bytes);
+  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap(): false, the pages still mapped,
+  /// when that wait failed); failures, and a call on the CPU (false), are warned about.
+  bool unmap(void* address, std::size_t bytes) noexcept {
+    if (!device_.is_cuda()) {
+      warn_no_virtual_memory("unmap");
+      return false;
+    }
+    return cuda_.unmap(address, bytes);
   }
   /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
   /// about.
