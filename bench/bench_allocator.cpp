@@ -149,11 +149,11 @@ void run_rounds(benchmark::State& state, int threads, const std::function<void(i
 
 /// gpukit's engine over host memory. One thread uses the CPU's default stream; several use a CPU stream each
 /// (asynchronous queues, as device streams are).
-void BM_gpukit(benchmark::State& state) {
+void run_gpukit(benchmark::State& state, const gpukit::allocator_options& options) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   const int threads = static_cast<int>(state.range(1));
   const bool populated = state.range(2) != 0;
-  host_engine a(cpu);
+  host_engine a(cpu, options);
   std::vector<std::unique_ptr<gpukit::stream>> owned;
   std::vector<gpukit::stream_view> streams;
   for (int t = 0; t < threads; ++t) {
@@ -180,6 +180,15 @@ void BM_gpukit(benchmark::State& state) {
     a.deallocate(p);
   });
   for (void* p : live) a.deallocate(p);
+}
+
+void BM_gpukit(benchmark::State& state) { run_gpukit(state, {}); }
+
+/// With allocator_options::front_cache_large: large blocks are cached per stream too (run for the large size).
+void BM_gpukit_large_front(benchmark::State& state) {
+  gpukit::allocator_options o;
+  o.front_cache_large = true;
+  run_gpukit(state, o);
 }
 
 /// Like BM_gpukit with one thread, on a CPU queue stream: each free asks the queue whether it is idle.
@@ -440,6 +449,24 @@ void print_ratios(const collecting_reporter& r) {
   }
   std::printf(
       "  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
+  {
+    const std::size_t size = sizes[2];
+    auto name = [&](const char* bm, int threads) {
+      return std::string(bm) + "/" + std::to_string(size) + "/" + std::to_string(threads) + "/0/manual_time";
+    };
+    const double one = r.ns(name("BM_gpukit_large_front", 1));
+    const double two = r.ns(name("BM_gpukit_large_front", 2));
+    const double default_one = r.ns(name("BM_gpukit", 1));
+    const double default_two = r.ns(name("BM_gpukit", 2));
+    if (one > 0 && two > 0) {
+      std::printf(
+          "  %-9s with front_cache_large: 2 threads %.2fx (%s; default options %s), 1 thread %.1f ns (default "
+          "%s ns)\n",
+          gpukit::detail::format_bytes(size).c_str(), one / two, one / two >= 1.6 ? "met" : "missed",
+          default_two > 0 ? (std::to_string(default_one / default_two).substr(0, 4) + "x").c_str() : "-", one,
+          default_one > 0 ? std::to_string(default_one).substr(0, 5).c_str() : "-");
+    }
+  }
   std::printf("\nRecording a memory_history (issue 11), 1 thread: ns per pair with a history against without\n");
   for (std::size_t size : sizes) {
     const std::string suffix = "/" + std::to_string(size) + "/1/0/manual_time";
@@ -479,6 +506,11 @@ void print_ratios(const collecting_reporter& r) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   threaded(benchmark::RegisterBenchmark("BM_gpukit", BM_gpukit), true);
+  for (int threads : thread_counts) {
+    benchmark::RegisterBenchmark("BM_gpukit_large_front", BM_gpukit_large_front)
+        ->Args({static_cast<std::int64_t>(sizes[2]), threads, 0})
+        ->UseManualTime();
+  }
   single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
   single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
   single(benchmark::RegisterBenchmark("BM_gpukit_history", BM_gpukit_history));

@@ -135,9 +135,12 @@ struct configuration {
 std::vector<configuration> configurations() {
   gpukit::allocator_options cross = gpukit::allocator_options::pytorch();
   cross.cross_stream_reuse = true;
+  gpukit::allocator_options large_front;
+  large_front.front_cache_large = true;  // large blocks cached per stream: flushes move them back under faults
   return {{"gpukit defaults, host-like upstream", gpukit::allocator_options{}, false},
           {"gpukit defaults, cudaMalloc-like upstream", gpukit::allocator_options{}, true},
-          {"pytorch constants with cross-stream reuse, host-like upstream", cross, false}};
+          {"pytorch constants with cross-stream reuse, host-like upstream", cross, false},
+          {"gpukit with large blocks in front, cudaMalloc-like upstream", large_front, true}};
 }
 
 /// What the runs of one plan saw, over every N.

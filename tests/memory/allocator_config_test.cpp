@@ -36,6 +36,9 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(o.cross_stream_reuse);
   CHECK_FALSE(o.front_cache);
   CHECK(gpukit::parse_allocator_config("front_cache:true").front_cache);
+  CHECK_FALSE(gpukit::allocator_options{}.front_cache_large);
+  CHECK(gpukit::parse_allocator_config("front_cache_large:true").front_cache_large);
+  CHECK_FALSE(gpukit::parse_allocator_config("front_cache_large:false").front_cache_large);
   CHECK(o.medium_size == 32 * MiB);
   CHECK(o.medium_segment_growth == 4);
   CHECK(o.rounding == 1024);

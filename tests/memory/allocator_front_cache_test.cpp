@@ -30,6 +30,12 @@ gpukit::allocator_options with_front(bool on, gpukit::allocator_options o = {}) 
   return o;
 }
 
+gpukit::allocator_options with_large_front() {
+  gpukit::allocator_options o;
+  o.front_cache_large = true;
+  return o;
+}
+
 struct setup {
   explicit setup(gpukit::allocator_options o, std::size_t capacity = 4 * GiB) : a(gpukit::device::cpu(), o, capacity) {
     a.stream_operations().world = &world;
@@ -51,13 +57,28 @@ gpukit::block_state state_of(const fake_allocator& a, const void* p) {
 }
 
 /// The statistics a user reads, for comparing two allocators (segments and reserved bytes depend on placement,
-/// which the front cache may change; inactive-split counts depend on coalescing, which it delays).
-std::vector<std::int64_t> user_view(const gpukit::allocator_stats& s) {
+/// which the front cache may change; inactive-split counts depend on coalescing, which it delays). With large
+/// blocks cached (`placement_free`), allocated and active bytes depend on placement too: a large block is not split
+/// when the rest would be small, so whether a request gets a cached block of its size or a bigger free one changes
+/// the bytes it holds. Those are checked against their peak instead, and against the blocks themselves by
+/// check_invariants.
+std::vector<std::int64_t> user_view(const gpukit::allocator_stats& s, bool placement_free = false) {
   std::vector<std::int64_t> v;
-  for (const gpukit::pool_stats* p :
-       {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes, &s.requested_bytes}) {
+  std::vector<const gpukit::pool_stats*> compared = {&s.allocation, &s.active, &s.requested_bytes};
+  if (!placement_free) {
+    compared.push_back(&s.allocated_bytes);
+    compared.push_back(&s.active_bytes);
+  }
+  for (const gpukit::pool_stats* p : compared) {
     for (const gpukit::stat& x : p->pools) {
       v.insert(v.end(), {x.current, x.peak, x.allocated, x.freed});
+    }
+  }
+  if (placement_free) {
+    for (const gpukit::pool_stats* p : {&s.allocated_bytes, &s.active_bytes}) {
+      for (const gpukit::stat& x : p->pools) {
+        v.push_back(x.peak >= x.current ? 0 : 1);
+      }
     }
   }
   return v;
@@ -112,10 +133,48 @@ TEST_CASE("front cache: blocks of segments of their own, record_stream and destr
   CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
 }
 
+TEST_CASE("front cache: with front_cache_large, large blocks are cached in slots of their own, counted as large") {
+  setup f(with_large_front());
+  const fake_stream s0 = f.streams[0];
+  const fake_stream s1 = f.streams[1];
+  void* large = f.a.allocate(8 * MiB, s0);
+  void* small = f.a.allocate(4096, s0);
+  f.a.deallocate(large);
+  f.a.deallocate(small);
+  CHECK(state_of(f.a, large) == gpukit::block_state::cached);
+  CHECK(state_of(f.a, small) == gpukit::block_state::cached);  // the same stream, the other slot
+  const gpukit::allocator_stats s = f.a.stats();
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(s.allocated_bytes.large().current == 0);
+  CHECK(s.allocated_bytes.large().peak == static_cast<std::int64_t>(8 * MiB));
+  CHECK(s.allocated_bytes.large().freed == static_cast<std::int64_t>(8 * MiB));
+  CHECK(s.allocated_bytes.small().current == 0);
+  CHECK(s.allocation.all().current == 0);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  void* other_stream = f.a.allocate(8 * MiB, s1);  // never handed to another stream
+  CHECK(other_stream != large);
+  void* again = f.a.allocate(8 * MiB - 100, s0);  // same rounded size, same stream: no device lock
+  CHECK(again == large);
+  CHECK(f.a.stats().allocated_bytes.large().current == static_cast<std::int64_t>(16 * MiB));
+  CHECK(f.a.stats().requested_bytes.large().current == static_cast<std::int64_t>(16 * MiB - 100));
+  f.a.deallocate(again);
+  f.a.deallocate(other_stream);
+  f.a.empty_cache();  // takes the cached blocks back and releases every segment
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.memory_allocated() == 0);
+  // Off by default: a large block goes back to the heap at once, to coalesce.
+  setup plain(with_front(true));
+  void* p = plain.a.allocate(8 * MiB, plain.streams[0]);
+  plain.a.deallocate(p);
+  CHECK(state_of(plain.a, p) == gpukit::block_state::free);
+}
+
 TEST_CASE("front cache: statistics, peaks and totals equal those with the front cache off, over random sequences") {
-  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+  // Seeds 1-6 cache small blocks only; 7-10 large ones too (front_cache_large), with large sizes among the first.
+  for (std::uint64_t seed = 1; seed <= 10; ++seed) {
     CAPTURE(seed);
-    setup on(with_front(true));
+    const bool large = seed >= 7;
+    setup on(large ? with_large_front() : with_front(true));
     setup off(with_front(false));
     std::mt19937_64 rng(seed);
     struct live {
@@ -123,17 +182,19 @@ TEST_CASE("front cache: statistics, peaks and totals equal those with the front 
       void* off;
     };
     std::vector<live> held;
+    bool cached_large = false;  // a large block was seen in a front cache
     // Few distinct sizes, so that blocks come back from the front caches; a large one now and then, so the heap
     // grows and takes the cached blocks back; three streams, so claims move between slots.
     // Seeds 5 and 6 change to other small sizes after 2000 steps and run long enough for stale bins (4096 of a
     // slot's operations) to give way to new sizes.
     const std::size_t first_sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 1 * MiB, 3 * MiB};
     const std::size_t later_sizes[] = {1536, 2560, 5120, 8192, 20 * KiB, 90 * KiB, 600 * KiB};  // no growth: full bins
-    const int steps = seed >= 5 ? 24000 : 4000;
+    const std::size_t large_sizes[] = {512, 4096, 300 * KiB, 2 * MiB, 3 * MiB, 6 * MiB, 24 * MiB};
+    const int steps = seed == 5 || seed == 6 ? 24000 : 4000;
     for (int step = 0; step < steps; ++step) {
       const bool allocate = held.empty() || (held.size() < 200 && rng() % 100 < 55);
       if (allocate) {
-        const std::size_t* sizes = seed >= 5 && step >= 2000 ? later_sizes : first_sizes;
+        const std::size_t* sizes = large ? large_sizes : seed >= 5 && step >= 2000 ? later_sizes : first_sizes;
         const std::size_t bytes = sizes[rng() % 7] - (rng() % 2 == 0 ? 0 : 100);
         const std::size_t s = rng() % 3;
         held.push_back({on.a.allocate(bytes, on.streams[s]), off.a.allocate(bytes, off.streams[s])});
@@ -145,30 +206,37 @@ TEST_CASE("front cache: statistics, peaks and totals equal those with the front 
         held.pop_back();
       }
       if (step % 97 == 0) {
-        REQUIRE(user_view(on.a.stats()) == user_view(off.a.stats()));
+        REQUIRE(user_view(on.a.stats(), large) == user_view(off.a.stats(), large));
         std::vector<live_allocation> alive;
         for (const live& l : held) {
           alive.push_back({reinterpret_cast<std::uintptr_t>(l.on), on.a.allocation_size(l.on)});
         }
-        REQUIRE(check_invariants(on.a.snapshot(), alive, on.a.options().rounding) == "");
+        const gpukit::allocator_snapshot snapshot = on.a.snapshot();
+        for (const auto& seg : snapshot.segments) {
+          for (const auto& b : seg.blocks) {
+            cached_large = cached_large || (b.state == gpukit::block_state::cached && b.size > MiB);
+          }
+        }
+        REQUIRE(check_invariants(snapshot, alive, on.a.options().rounding) == "");
       }
       if (step == 2000) {
         on.a.reset_peak_stats();
         off.a.reset_peak_stats();
         on.a.reset_accumulated_stats();
         off.a.reset_accumulated_stats();
-        CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+        CHECK(user_view(on.a.stats(), large) == user_view(off.a.stats(), large));
       }
     }
-    CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
-    CHECK(on.a.max_memory_allocated() == off.a.max_memory_allocated());
+    CHECK(user_view(on.a.stats(), large) == user_view(off.a.stats(), large));
+    if (!large) CHECK(on.a.max_memory_allocated() == off.a.max_memory_allocated());
+    CHECK(cached_large == large);
     for (const live& l : held) {
       on.a.deallocate(l.on);
       off.a.deallocate(l.off);
     }
     on.a.empty_cache();
     CHECK(on.a.memory_reserved() == 0);  // cached blocks were taken back and released
-    CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+    CHECK(user_view(on.a.stats(), large) == user_view(off.a.stats(), large));
   }
 }
 
@@ -269,46 +337,52 @@ TEST_CASE("front cache: a cached block stays in the pointer map, marked: every c
 }
 
 TEST_CASE("front cache: threads on their own streams keep exact current values and totals") {
-  host_allocator a(gpukit::device::cpu());
-  constexpr int threads = 4;
-  constexpr int rounds = 3000;
-  std::vector<std::unique_ptr<gpukit::stream>> streams;
-  for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
-  std::atomic<std::int64_t> max_seen{0};
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) {
-    workers.emplace_back([&, t] {
-      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
-      const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
-      std::vector<void*> mine;
-      for (int i = 0; i < rounds; ++i) {
-        if (mine.size() < 8 && rng() % 2 == 0) {
-          mine.push_back(a.allocate(512 * (1 + rng() % 4), s));
-        } else if (!mine.empty()) {
-          a.deallocate(mine.back());
-          mine.pop_back();
+  for (const bool large : {false, true}) {  // with front_cache_large, large blocks move through the slots too
+    CAPTURE(large);
+    host_allocator a(gpukit::device::cpu(), large ? with_large_front() : gpukit::allocator_options{});
+    const std::size_t unit = large ? 2 * MiB : 512;
+    constexpr int threads = 4;
+    constexpr int rounds = 3000;
+    std::vector<std::unique_ptr<gpukit::stream>> streams;
+    for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+    std::atomic<std::int64_t> max_seen{0};
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
+        const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
+        std::vector<void*> mine;
+        for (int i = 0; i < rounds; ++i) {
+          if (mine.size() < 8 && rng() % 2 == 0) {
+            mine.push_back(a.allocate(unit * (1 + rng() % 4), s));
+          } else if (!mine.empty()) {
+            a.deallocate(mine.back());
+            mine.pop_back();
+          }
+          const auto now = static_cast<std::int64_t>(a.memory_allocated());
+          std::int64_t seen = max_seen.load();
+          while (now > seen && !max_seen.compare_exchange_weak(seen, now)) {
+          }
         }
-        const auto now = static_cast<std::int64_t>(a.memory_allocated());
-        std::int64_t seen = max_seen.load();
-        while (now > seen && !max_seen.compare_exchange_weak(seen, now)) {
-        }
-      }
-      for (void* p : mine) a.deallocate(p);
-    });
+        for (void* p : mine) a.deallocate(p);
+      });
+    }
+    for (auto& w : workers) w.join();
+    const gpukit::allocator_stats s = a.stats();
+    CHECK(s.allocation.all().current == 0);
+    CHECK(s.allocated_bytes.all().current == 0);
+    CHECK(s.requested_bytes.all().current == 0);
+    CHECK(s.allocation.all().allocated == s.allocation.all().freed);
+    CHECK(s.allocated_bytes.all().allocated == s.allocated_bytes.all().freed);
+    // The peak is at least every value a thread saw, and at most all threads at their largest at once.
+    CHECK(s.allocated_bytes.all().peak >= max_seen.load());
+    CHECK(s.allocated_bytes.all().peak <= static_cast<std::int64_t>(threads * 8 * 4 * unit));
+    CHECK(s.allocated_bytes.large().current == 0);
+    CHECK(s.allocated_bytes.large().allocated == s.allocated_bytes.large().freed);
+    CHECK(a.snapshot().stats.allocation.all().current == 0);
+    a.empty_cache();
+    CHECK(a.memory_reserved() == 0);
   }
-  for (auto& w : workers) w.join();
-  const gpukit::allocator_stats s = a.stats();
-  CHECK(s.allocation.all().current == 0);
-  CHECK(s.allocated_bytes.all().current == 0);
-  CHECK(s.requested_bytes.all().current == 0);
-  CHECK(s.allocation.all().allocated == s.allocation.all().freed);
-  CHECK(s.allocated_bytes.all().allocated == s.allocated_bytes.all().freed);
-  // The peak is at least every value a thread saw, and at most all threads at their largest at once.
-  CHECK(s.allocated_bytes.all().peak >= max_seen.load());
-  CHECK(s.allocated_bytes.all().peak <= threads * 8 * 2048);
-  CHECK(a.snapshot().stats.allocation.all().current == 0);
-  a.empty_cache();
-  CHECK(a.memory_reserved() == 0);
 }
 
 TEST_CASE("front cache: a double free racing with a flush is still detected, and no block is handed out twice") {
@@ -353,53 +427,57 @@ TEST_CASE("front cache: a double free racing with a flush is still detected, and
 }
 
 TEST_CASE("front cache: a reader polling the statistics never sees a value the allocator never had") {
-  // Blocks move between the front caches and the heap all the time here (small ones cached, large ones not), so
-  // reading the heap's part and the slots' parts at different moments would count some twice.
-  host_allocator a(gpukit::device::cpu());
-  constexpr int threads = 2;
-  constexpr std::size_t small = 512;
-  constexpr std::size_t large = 2 * MiB;
-  std::vector<std::unique_ptr<gpukit::stream>> streams;
-  for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
-  std::atomic<bool> done{false};
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) {
-    workers.emplace_back([&, t] {
-      const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
-      for (int i = 0; i < 100000; ++i) {
-        void* p = a.allocate(small, s);
-        void* q = a.allocate(i % 2 == 0 ? large : small * 2, s);
-        a.deallocate(p);
-        a.deallocate(q);
+  // Blocks move between the front caches and the heap all the time here (small ones cached, large ones not, or
+  // cached in their own slots with front_cache_large), so reading the heap's part and the slots' parts at different
+  // moments would count some twice.
+  for (const bool large_front : {false, true}) {
+    CAPTURE(large_front);
+    host_allocator a(gpukit::device::cpu(), large_front ? with_large_front() : gpukit::allocator_options{});
+    constexpr int threads = 2;
+    constexpr std::size_t small = 512;
+    constexpr std::size_t large = 2 * MiB;
+    std::vector<std::unique_ptr<gpukit::stream>> streams;
+    for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cpu()));
+    std::atomic<bool> done{false};
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
+        for (int i = 0; i < 100000; ++i) {
+          void* p = a.allocate(small, s);
+          void* q = a.allocate(i % 2 == 0 ? large : small * 2, s);
+          a.deallocate(p);
+          a.deallocate(q);
+        }
+      });
+    }
+    long above_peak = 0;
+    long above_bound = 0;
+    long stats_above_peak = 0;
+    long stats_above_bound = 0;
+    long reads = 0;
+    std::thread reader([&] {
+      while (!done.load()) {
+        const std::size_t now = a.memory_allocated();
+        const gpukit::allocator_stats s = a.stats();
+        if (now > a.max_memory_allocated()) ++above_peak;  // peaks only grow: read after, they bound the value
+        if (now > threads * (small + large)) ++above_bound;
+        if (s.allocated_bytes.all().current > s.allocated_bytes.all().peak) ++stats_above_peak;
+        if (s.allocation.all().current > 2 * threads) ++stats_above_bound;
+        ++reads;
       }
     });
+    for (auto& w : workers) w.join();
+    done = true;
+    reader.join();
+    CHECK(reads > 0);
+    CHECK(above_peak == 0);
+    CHECK(above_bound == 0);
+    CHECK(stats_above_peak == 0);
+    CHECK(stats_above_bound == 0);
+    CHECK(a.memory_allocated() == 0);
+    CHECK(a.max_memory_allocated() <= threads * (small + large));
   }
-  long above_peak = 0;
-  long above_bound = 0;
-  long stats_above_peak = 0;
-  long stats_above_bound = 0;
-  long reads = 0;
-  std::thread reader([&] {
-    while (!done.load()) {
-      const std::size_t now = a.memory_allocated();
-      const gpukit::allocator_stats s = a.stats();
-      if (now > a.max_memory_allocated()) ++above_peak;  // peaks only grow: read after, they bound the value
-      if (now > threads * (small + large)) ++above_bound;
-      if (s.allocated_bytes.all().current > s.allocated_bytes.all().peak) ++stats_above_peak;
-      if (s.allocation.all().current > 2 * threads) ++stats_above_bound;
-      ++reads;
-    }
-  });
-  for (auto& w : workers) w.join();
-  done = true;
-  reader.join();
-  CHECK(reads > 0);
-  CHECK(above_peak == 0);
-  CHECK(above_bound == 0);
-  CHECK(stats_above_peak == 0);
-  CHECK(stats_above_bound == 0);
-  CHECK(a.memory_allocated() == 0);
-  CHECK(a.max_memory_allocated() <= threads * (small + large));
 }
 
 TEST_CASE(

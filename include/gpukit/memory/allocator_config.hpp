@@ -70,7 +70,8 @@ inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcep
 ///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
 ///   `max_oversize_waste`; `reserved_limit` (or `none`);
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
-/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `expandable_segments`;
+/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `front_cache_large`,
+///   `expandable_segments`;
 /// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
 inline allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
                                                 std::string_view source = "allocator configuration") {
@@ -173,13 +174,16 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
       o.cross_stream_reuse = parse_bool(e);
     } else if (e.key == "front_cache") {
       o.front_cache = parse_bool(e);
+    } else if (e.key == "front_cache_large") {
+      o.front_cache_large = parse_bool(e);
     } else if (e.key == "expandable_segments") {
       o.expandable_segments = parse_bool(e);
     } else {
       fail(e.text,
            "unknown key \"" + std::string(e.key) +
                "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
-               "cross_stream_reuse, front_cache, expandable_segments, and the size options of allocator_options)");
+               "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, and the size options of "
+               "allocator_options)");
     }
   }
   try {

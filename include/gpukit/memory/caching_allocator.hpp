@@ -173,6 +173,8 @@ class basic_caching_allocator {
     needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
     // Blocks cached in front are reused by their own stream only: cross-stream reuse wants them in the heap.
     front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
+    front_cache_large_ = front_cache_ && options_.front_cache_large;
+    fronts_used_ = front_cache_large_ ? front_slot_count : front_slots_per_pool;
     if (options_.expandable_segments && !has_vm) {
       warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
            ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
@@ -228,13 +230,13 @@ class basic_caching_allocator {
     if (bytes == 0) return nullptr;
     refuse_if_captured(stream, "allocate");
     const std::size_t size = round_request(bytes);
-    if (front_cache_ && ops_.device_of(stream) == device_) {
-      if (block* cached = front_take(ops_.key(stream), size, bytes)) {
+    const bool small = size <= options_.small_size;
+    if (front_cache_ && (small || front_cache_large_) && ops_.device_of(stream) == device_) {
+      if (block* cached = front_take(ops_.key(stream), size, bytes, !small)) {
         if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, cached);
         return reinterpret_cast<void*>(cached->address);
       }
     }
-    const bool small = size <= options_.small_size;
     block* b;
     {
       std::unique_lock<detail::spin_mutex> lock(mutex_);
@@ -291,10 +293,10 @@ class basic_caching_allocator {
     refuse_free_if_captured(b);
     const bool expired_owner = owner_expired(b);
     const bool busy = owner_may_be_busy(b);
-    // Reusable at once on its own stream: a small block is cached in front for the next request of its size there
-    // (it stays in the map, marked). Only when it needs no fence: the stream may be destroyed while the block is
-    // cached, and must not be asked (or recorded on) later.
-    if (front_cache_ && b->small && !busy && !expired_owner && b->recorded.empty()) {
+    // Reusable at once on its own stream: a small block (a large one too with front_cache_large) is cached in front
+    // for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
+    // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
+    if (front_cache_ && (b->small || front_cache_large_) && !busy && !expired_owner && b->recorded.empty()) {
       const front_result r = front_give(b);
       if (r == front_result::cached) return;
       if (r == front_result::already_free) throw_not_owned(p, "deallocate");
@@ -382,9 +384,9 @@ class basic_caching_allocator {
   /// Starts new peaks from the current values (e.g. to measure one phase of a program).
   void reset_peak_stats() noexcept {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    fronts_lock all(fronts_);
-    all_changing changes(fronts_);
-    for (front_slot_type& slot : fronts_) {
+    fronts_lock all(*this);
+    all_changing changes(*this);
+    for (front_slot_type& slot : used_fronts()) {
       for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
     }
     // Each peak is stored once, as the users' value (never the heap's part alone, which readers could see).
@@ -392,7 +394,7 @@ class basic_caching_allocator {
       detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
       std::int64_t value = g.current.load(std::memory_order_relaxed);
       if (fronts_active_ && fronted(k / 3)) {
-        for (const front_slot_type& slot : fronts_) value += front_value(slot, k);
+        for (const front_slot_type& slot : used_fronts()) value += front_value(slot, k);
         slack_[k] = 0;
       }
       g.peak.store(value, std::memory_order_release);
@@ -401,10 +403,10 @@ class basic_caching_allocator {
   /// Zeroes the totals allocated/freed and the counters (retries, OOMs, upstream calls, ...).
   void reset_accumulated_stats() noexcept {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    fronts_lock all(fronts_);
-    all_changing changes(fronts_);
+    fronts_lock all(*this);
+    all_changing changes(*this);
     for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_accumulated();
-    for (front_slot_type& slot : fronts_) {
+    for (front_slot_type& slot : used_fronts()) {
       slot.reset_totals();
     }
     stats_.num_alloc_retries.reset();
@@ -424,7 +426,7 @@ class basic_caching_allocator {
   /// Every segment and block with the statistics, consistent with each other.
   allocator_snapshot snapshot() const {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    fronts_lock all(fronts_);  // blocks do not enter or leave the front caches meanwhile
+    fronts_lock all(*this);  // blocks do not enter or leave the front caches meanwhile
     // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
     // allocations being returned on other threads), which is where memory_picture anchors its levels.
     if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
@@ -458,7 +460,7 @@ class basic_caching_allocator {
               [](const segment_info& a, const segment_info& b) { return a.address < b.address; });
     s.stats = read_stats();
     std::size_t cached = 0;  // blocks in front caches stay in the map, marked
-    for (const front_slot_type& slot : fronts_) cached += slot.blocks.load(std::memory_order_relaxed);
+    for (const front_slot_type& slot : used_fronts()) cached += slot.blocks.load(std::memory_order_relaxed);
     s.pointer_map_entries = map_.size() - cached;
     return s;
   }
@@ -470,7 +472,7 @@ class basic_caching_allocator {
     {
       std::lock_guard<detail::spin_mutex> lock(mutex_);
       {
-        fronts_lock all(fronts_);
+        fronts_lock all(*this);
         s = read_stats();
       }
       f = free_space_locked();
@@ -677,10 +679,11 @@ class basic_caching_allocator {
   /// Segments are never in a front cache: their counters need no claims.
   static constexpr bool fronted(std::size_t id) noexcept { return id != st_segment && id != st_reserved_bytes; }
   static constexpr std::size_t counter_count = 27;  // 9 statistics x (all, small, large)
-  /// The front-cache quantity (detail/front_cache.hpp) that counter k follows, or front_quantity_count for a
-  /// counter cached blocks never change (segments, and the large pool: only small blocks are cached).
-  static constexpr std::size_t quantity_of(std::size_t k) noexcept {
-    if (k % 3 == 2) return detail::front_quantity_count;
+  /// The front-cache quantity (detail/front_cache.hpp) of a slot of small blocks (or of large ones: `large_slot`)
+  /// that counter k follows, or front_quantity_count for a counter that slot's blocks never change (segments, and
+  /// the other pool's counters).
+  static constexpr std::size_t quantity_of(std::size_t k, bool large_slot) noexcept {
+    if (k % 3 == (large_slot ? 1 : 2)) return detail::front_quantity_count;
     switch (k / 3) {
       case st_allocation:
       case st_active:
@@ -723,7 +726,7 @@ class basic_caching_allocator {
       for (int attempt = 0; attempt < 16; ++attempt) {
         std::array<std::uint32_t, front_slot_count> before{};
         bool changing = false;
-        for (std::size_t i = 0; i < front_slot_count; ++i) {
+        for (std::size_t i = 0; i < fronts_used_; ++i) {
           before[i] = fronts_[i].sequence.load(std::memory_order_acquire);
           changing = changing || (before[i] & 1U) != 0;
         }
@@ -733,13 +736,13 @@ class basic_caching_allocator {
         }
         auto result = read();
         bool same = true;
-        for (std::size_t i = 0; i < front_slot_count; ++i) {
+        for (std::size_t i = 0; i < fronts_used_; ++i) {
           same = same && fronts_[i].sequence.load(std::memory_order_relaxed) == before[i];
         }
         if (same) return result;
       }
       std::lock_guard<detail::spin_mutex> lock(mutex_);
-      fronts_lock all(fronts_);
+      fronts_lock all(*this);
       return read();
     }
     return read();
@@ -773,9 +776,9 @@ class basic_caching_allocator {
   pool_stats load_stat(std::size_t id) const noexcept {
     pool_stats p = stat_ref(id).load();
     if (!fronted(id)) return p;
-    for (const front_slot_type& slot : fronts_) {
+    for (const front_slot_type& slot : used_fronts()) {
       for (std::size_t pool = 0; pool < 3; ++pool) {
-        const std::size_t q = quantity_of(id * 3 + pool);
+        const std::size_t q = quantity_of(id * 3 + pool, is_large_slot(slot));
         if (q == detail::front_quantity_count) continue;
         p.pools[pool].current += slot.value(q);
         p.pools[pool].allocated += slot.raised_total(q);
@@ -786,7 +789,7 @@ class basic_caching_allocator {
   }
   std::size_t user_current(std::size_t id) const noexcept {
     std::int64_t v = stat_ref(id).pools[0].current.load(std::memory_order_acquire);
-    for (const front_slot_type& slot : fronts_) v += front_value(slot, id * 3);
+    for (const front_slot_type& slot : used_fronts()) v += front_value(slot, id * 3);
     return v > 0 ? static_cast<std::size_t>(v) : 0;
   }
 
@@ -1160,39 +1163,56 @@ class basic_caching_allocator {
   // --- statistics and front caches (detail/front_cache.hpp explains the claims) ---
 
   using front_slot_type = detail::front_slot<block>;
-  static constexpr std::size_t front_slot_count = 16;
+  /// Slots [0, 16) cache small blocks; with front_cache_large, slots [16, 32) cache large ones (fronts_used_ 32).
+  static constexpr std::size_t front_slots_per_pool = 16;
+  static constexpr std::size_t front_slot_count = 2 * front_slots_per_pool;
+  /// The slots in use, for range-for.
+  template <class Slot>
+  struct slot_range {
+    Slot* first;
+    Slot* last;
+    Slot* begin() const noexcept { return first; }
+    Slot* end() const noexcept { return last; }
+  };
+  slot_range<front_slot_type> used_fronts() noexcept { return {fronts_.data(), fronts_.data() + fronts_used_}; }
+  slot_range<const front_slot_type> used_fronts() const noexcept {
+    return {fronts_.data(), fronts_.data() + fronts_used_};
+  }
+  bool is_large_slot(const front_slot_type& slot) const noexcept {
+    return &slot >= fronts_.data() + front_slots_per_pool;
+  }
   /// Slot's part of counter k (the users' view minus the heap's).
-  static std::int64_t front_value(const front_slot_type& slot, std::size_t k) noexcept {
-    const std::size_t q = quantity_of(k);
+  std::int64_t front_value(const front_slot_type& slot, std::size_t k) const noexcept {
+    const std::size_t q = quantity_of(k, is_large_slot(slot));
     return q < detail::front_quantity_count ? slot.value(q) : 0;
   }
 
-  /// Marks every slot as changing (every slot lock held): lock-free readers of the statistics retry meanwhile, for
-  /// changes that move values between the heap and the slots or reset peaks.
+  /// Marks every slot in use as changing (every slot lock held): lock-free readers of the statistics retry
+  /// meanwhile, for changes that move values between the heap and the slots or reset peaks.
   class all_changing {
    public:
-    explicit all_changing(std::array<front_slot_type, front_slot_count>& slots) noexcept {
-      for (std::size_t i = 0; i < front_slot_count; ++i) changes_[i].emplace(slots[i].sequence);
+    explicit all_changing(basic_caching_allocator& a) noexcept {
+      for (std::size_t i = 0; i < a.fronts_used_; ++i) changes_[i].emplace(a.fronts_[i].sequence);
     }
 
    private:
     std::array<std::optional<detail::sequence_write>, front_slot_count> changes_;
   };
 
-  /// Holds every front slot's lock (in index order; the device lock, when needed, is taken first).
+  /// Holds the lock of every front slot in use (in index order; the device lock, when needed, is taken first).
   class fronts_lock {
    public:
-    explicit fronts_lock(const std::array<front_slot_type, front_slot_count>& slots) noexcept : slots_(slots) {
+    explicit fronts_lock(const basic_caching_allocator& a) noexcept : slots_(a.used_fronts()) {
       for (const auto& s : slots_) s.mutex.lock();
     }
     fronts_lock(const fronts_lock&) = delete;
     fronts_lock& operator=(const fronts_lock&) = delete;
     ~fronts_lock() {
-      for (auto it = slots_.rbegin(); it != slots_.rend(); ++it) it->mutex.unlock();
+      for (const front_slot_type* s = slots_.last; s != slots_.first;) (--s)->mutex.unlock();
     }
 
    private:
-    const std::array<front_slot_type, front_slot_count>& slots_;
+    slot_range<const front_slot_type> slots_;
   };
 
   /// Adds `d` to statistic `id` of the heap (device lock held), keeping its peak that of the users' view.
@@ -1215,7 +1235,7 @@ class basic_caching_allocator {
       if (slack_[k] >= d) {
         slack_[k] -= d;
       } else {
-        fronts_lock all(fronts_);
+        fronts_lock all(*this);
         rebalance(k, nullptr, d);
       }
     }
@@ -1229,15 +1249,11 @@ class basic_caching_allocator {
   /// `pending`: an increase of the heap's part about to be stored, counted as if it were.
   void rebalance(std::size_t k, const front_slot_type* acting, std::int64_t pending = 0) noexcept {
     detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
-    const std::size_t q = quantity_of(k);
     std::int64_t claimed = g.current.load(std::memory_order_relaxed) + pending;
     std::int64_t value = claimed;
-    if (q == detail::front_quantity_count) {
-      g.raise_peak(value);
-      slack_[k] = g.peak.load(std::memory_order_relaxed) - value;
-      return;
-    }
-    for (front_slot_type& slot : fronts_) {
+    for (front_slot_type& slot : used_fronts()) {  // the slots whose blocks counter k counts (none for segments)
+      const std::size_t q = quantity_of(k, is_large_slot(slot));
+      if (q == detail::front_quantity_count) continue;
       value += slot.value(q);
       slot.claim[q] = std::max(slot.claim[q], slot.value(q));
       claimed += slot.claim[q];
@@ -1246,8 +1262,9 @@ class basic_caching_allocator {
     const std::int64_t peak = g.peak.load(std::memory_order_relaxed);
     std::int64_t excess = claimed - peak;
     for (int round = 0; round < 2 && excess > 0; ++round) {
-      for (front_slot_type& slot : fronts_) {
-        if ((&slot == acting) == (round == 0)) continue;
+      for (front_slot_type& slot : used_fronts()) {
+        const std::size_t q = quantity_of(k, is_large_slot(slot));
+        if (q == detail::front_quantity_count || (&slot == acting) == (round == 0)) continue;
         const std::int64_t spare = std::min(excess, slot.claim[q] - slot.value(q));
         slot.claim[q] -= spare;
         excess -= spare;
@@ -1266,23 +1283,25 @@ class basic_caching_allocator {
   /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose).
   void rebalance_risen(const front_slot_type& slot, bool left) noexcept {
     for (std::size_t k = 0; k < counter_count; ++k) {
-      const std::size_t q = quantity_of(k);
+      const std::size_t q = quantity_of(k, is_large_slot(slot));
       if (q == detail::front_quantity_count) continue;
       const bool split = q == detail::fq_split_blocks || q == detail::fq_split_bytes;
       if (split != left) rebalance(k, &slot);
     }
   }
 
-  front_slot_type& front_slot_at(std::uintptr_t key, std::size_t probe) noexcept {
+  /// Stream `key`'s slot for small blocks (or large ones), or the next one (`probe` 1) when another stream has it.
+  front_slot_type& front_slot_at(std::uintptr_t key, std::size_t probe, bool large) noexcept {
     const std::uint64_t h = static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ULL;
-    return fronts_[(static_cast<std::size_t>(h >> 32) + probe) % front_slot_count];
+    const std::size_t i = (static_cast<std::size_t>(h >> 32) + probe) % front_slots_per_pool;
+    return fronts_[large ? front_slots_per_pool + i : i];
   }
 
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
   /// in the pointer map; nullptr when there is none (the heap then serves the request).
-  GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested) {
+  GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large) {
     for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe);
+      front_slot_type& slot = front_slot_at(key, probe, large);
       if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;  // a hint: a miss only costs the heap's path
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
       if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
@@ -1292,7 +1311,7 @@ class basic_caching_allocator {
       block* b = bin->top;
       if (!slot.may_leave(*b, requested)) {
         lock.unlock();
-        return front_take_slow(key, size, requested);
+        return front_take_slow(key, size, requested, large);
       }
       return take_cached(slot, *bin, requested, false);
     }
@@ -1323,11 +1342,12 @@ class basic_caching_allocator {
     b->in_front.store(true, std::memory_order_relaxed);
   }
 
-  GPUKIT_DETAIL_NOINLINE block* front_take_slow(std::uintptr_t key, std::size_t size, std::size_t requested) {
+  GPUKIT_DETAIL_NOINLINE block* front_take_slow(std::uintptr_t key, std::size_t size, std::size_t requested,
+                                                bool large) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
-    fronts_lock all(fronts_);
+    fronts_lock all(*this);
     for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe);
+      front_slot_type& slot = front_slot_at(key, probe, large);
       if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
       auto* bin = slot.find(size);
       if (bin != nullptr) return take_cached(slot, *bin, requested, true);
@@ -1344,7 +1364,7 @@ class basic_caching_allocator {
   GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) {
     const std::uintptr_t key = b->owner->key;
     for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe);
+      front_slot_type& slot = front_slot_at(key, probe, !b->small);
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
@@ -1367,7 +1387,7 @@ class basic_caching_allocator {
 
   GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
-    fronts_lock all(fronts_);
+    fronts_lock all(*this);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
     if (!fronts_active_) {
       // From now on the heap's counters alone no longer give the peaks: start the claims at zero.
@@ -1376,7 +1396,7 @@ class basic_caching_allocator {
     }
     const std::uintptr_t key = b->owner->key;
     for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe);
+      front_slot_type& slot = front_slot_at(key, probe, !b->small);
       if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
       auto* bin = slot.room_for(b->size);
       if (bin == nullptr) {
@@ -1396,9 +1416,7 @@ class basic_caching_allocator {
   /// Lock-free readers (consistent_read) wait meanwhile: every slot's sequence is odd.
   class deferred_peaks {
    public:
-    explicit deferred_peaks(basic_caching_allocator& a) noexcept : a_(a), changes_(a.fronts_) {
-      a_.peaks_deferred_ = true;
-    }
+    explicit deferred_peaks(basic_caching_allocator& a) noexcept : a_(a), changes_(a) { a_.peaks_deferred_ = true; }
     deferred_peaks(const deferred_peaks&) = delete;
     deferred_peaks& operator=(const deferred_peaks&) = delete;
     ~deferred_peaks() {
@@ -1438,9 +1456,9 @@ class basic_caching_allocator {
   bool flush_fronts() {
     if (!fronts_active_) return false;
     bool any = false;
-    fronts_lock all(fronts_);
+    fronts_lock all(*this);
     deferred_peaks deferred(*this);
-    for (front_slot_type& slot : fronts_) {
+    for (front_slot_type& slot : used_fronts()) {
       if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;
       for (auto& bin : slot.bins) {
         any = any || bin.count != 0;
@@ -2254,7 +2272,7 @@ class basic_caching_allocator {
   }
 
   free_space_info free_space_locked() const noexcept {
-    fronts_lock all(fronts_);
+    fronts_lock all(*this);
     free_space_info f;
     for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
       for (const block* b = seg->first; b != nullptr; b = b->next) {
@@ -2323,7 +2341,7 @@ class basic_caching_allocator {
     const free_space_info f = free_space_locked();
     std::size_t allocated = 0;
     {
-      fronts_lock all(fronts_);  // the heap's part and the slots' together
+      fronts_lock all(*this);  // the heap's part and the slots' together
       allocated = user_current(st_allocated_bytes);
     }
     const std::size_t reserved = current(stats_.reserved_bytes);
@@ -2393,8 +2411,9 @@ class basic_caching_allocator {
   StreamOps ops_{};
   bool needs_fence_ = false;
   bool front_cache_ = false;
-  std::size_t vm_page_ = 0;  // the upstream's page size, once an expandable segment exists (device lock)
-  bool vm_refused_ = false;  // the device has no virtual memory: expandable segments are not tried again
+  bool front_cache_large_ = false;  // large blocks are cached in front too (slots [16, 32))
+  std::size_t vm_page_ = 0;         // the upstream's page size, once an expandable segment exists (device lock)
+  bool vm_refused_ = false;         // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
   using map_type = detail::sharded_pointer_map<block>;
@@ -2431,10 +2450,11 @@ class basic_caching_allocator {
   std::vector<std::unique_ptr<block[]>> block_chunks_;
   block* spare_blocks_ = nullptr;
 
-  std::array<front_slot_type, front_slot_count> fronts_{};
+  std::size_t fronts_used_ = front_slots_per_pool;   // 32 with front_cache_large_
   bool fronts_active_ = false;                       // a block was ever cached in front (written with every lock held)
   bool peaks_deferred_ = false;                      // flush_fronts is moving blocks: peaks are settled when it ends
   std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
+  std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };
 
 GPUKIT_END_NAMESPACE

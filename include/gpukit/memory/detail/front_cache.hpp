@@ -3,10 +3,11 @@
 #pragma once
 
 /// \file
-/// The caching allocator's fast path: per-stream front caches. A block freed on its own stream (no record_stream,
-/// stream alive) goes to a small LIFO bin of its exact size in the front slot of its stream, and the next request
-/// of that size on that stream takes it back: one slot lock, no device lock, no split or coalesce. Threads that
-/// allocate on different streams use different slots, so they do not serialize (issue 9, §5).
+/// The caching allocator's fast path: per-stream front caches. A small block freed on its own stream (no
+/// record_stream, stream alive) goes to a small LIFO bin of its exact size in the front slot of its stream, and the
+/// next request of that size on that stream takes it back: one slot lock, no device lock, no split or coalesce.
+/// Threads that allocate on different streams use different slots, so they do not serialize (issue 9, §5). With
+/// allocator_options::front_cache_large, large blocks have slots of their own, which work the same way.
 ///
 /// To the block heap a cached block is still allocated: no neighbour coalesces with it and nothing else takes it.
 /// The heap takes the blocks back (flush) before it grows, releases memory or reports its layout, so the footprint
@@ -34,8 +35,9 @@
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-/// What the blocks cached in a slot change in the statistics. Cached blocks are small, so every counter they change
-/// (its small-pool and all-pools values) follows one of five quantities, kept as the users' view minus the heap's:
+/// What the blocks cached in a slot change in the statistics. A slot caches blocks of one pool (small, or large), so
+/// every counter they change (that pool's value and the all-pools value) follows one of five quantities, kept as
+/// the users' view minus the heap's:
 enum front_quantity : std::size_t {
   fq_blocks,        // blocks cached: the allocation and active counts are this much lower
   fq_bytes,         // their bytes: allocated and active bytes are this much lower
