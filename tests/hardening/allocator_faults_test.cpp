@@ -136,7 +136,7 @@ std::vector<configuration> configurations() {
   gpukit::allocator_options cross = gpukit::allocator_options::pytorch();
   cross.cross_stream_reuse = true;
   gpukit::allocator_options large_front;
-  large_front.front_cache_large = true;  // large blocks cached per stream: flushes move them back under faults
+  large_front.front_cache_large = true;  // the scenario's steps run with large blocks in the front slots
   return {{"gpukit defaults, host-like upstream", gpukit::allocator_options{}, false},
           {"gpukit defaults, cudaMalloc-like upstream", gpukit::allocator_options{}, true},
           {"pytorch constants with cross-stream reuse, host-like upstream", cross, false},

@@ -67,7 +67,8 @@ struct allocator_options {
   /// next request of that size on that stream takes one uncontended lock instead of the device lock: threads on
   /// different streams do not serialize, and a 256 B cache hit costs about 7x malloc instead of 12x
   /// (bench_allocator; blocks up to small_size only: caching larger ones delayed their coalescing).
-  /// The heap takes the blocks back before it grows or releases memory, so the footprint is unchanged. Snapshots
+  /// The heap takes the blocks back before it grows (with expandable segments: before it maps pages, large blocks
+  /// only) or releases memory, so the footprint is unchanged. Snapshots
   /// show such blocks as block_state::cached. Not used with cross_stream_reuse (blocks move between streams there).
   bool front_cache = true;
   /// Cache large blocks (above small_size) in front too, in per-stream slots of their own: threads allocating large
