@@ -237,42 +237,7 @@ class basic_caching_allocator {
         return reinterpret_cast<void*>(cached->address);
       }
     }
-    block* b;
-    {
-      std::unique_lock<detail::spin_mutex> lock(mutex_);
-      stream_state& st = stream_for(stream);
-      st.last_sweep = sweeps_;
-      if (pending_total_ != 0) process_events();
-      if constexpr (tracks_lifetimes) {
-        if (ops_.expirations() != seen_expirations_) {  // one relaxed load when nothing changed
-          note_expirations();
-          flush_fronts();  // blocks cached for destroyed streams wait for their last work in the heap
-        }
-        if (!dead_streams_.empty()) retire_finished();
-      }
-      b = find_free(st, size, small);
-      if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
-      if (b == nullptr) {
-        // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
-        // nor invalidate a capture in global mode that another thread has underway.
-        detail::relaxed_capture_mode relaxed(device_.is_cuda());
-        b = allocate_slow(lock, st, bytes, size, small);
-      }
-      if (b->seg->expandable) {
-        detail::relaxed_capture_mode relaxed(device_.is_cuda());
-        b = back_with_pages(lock, st, b, bytes, size, small);
-      }
-      take(b, st, size, bytes);
-    }
-    try {
-      map_.insert(b->address, b);
-    } catch (...) {
-      std::lock_guard<detail::spin_mutex> lock(mutex_);
-      free_allocated(b, false, false);  // never handed out: nothing can use it
-      throw;
-    }
-    if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, b);
-    return reinterpret_cast<void*>(b->address);
+    return allocate_from_heap(stream, bytes, size, small);
   }
 
   /// Frees `p` in the order of the stream it was allocated on: the block can be reused on that stream at once, and
@@ -284,8 +249,7 @@ class basic_caching_allocator {
   /// program, as they are with malloc.
   void deallocate(void* p) {
     if (p == nullptr) return;
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    block* b = live_block(address);
+    block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned(p, "deallocate");
     // Until the block leaves the map (or enters a front cache) nothing else changes it: its owner (set under the
     // lock when it was allocated) is fixed. If anything below throws (captured, asking the stream failed on a
@@ -301,16 +265,9 @@ class basic_caching_allocator {
       if (r == front_result::cached) return;
       if (r == front_result::already_free) throw_not_owned(p, "deallocate");
     }
-    std::string report;
-    if (expired_owner) report = expired_owner_message(b);
-    // Two frees of one pointer: the first to take it out of the map frees it.
-    if (map_.erase(address) != b) throw_not_owned(p, "deallocate");
-    {
-      std::lock_guard<detail::spin_mutex> lock(mutex_);
-      free_allocated(b, busy);
-    }
-    if (!report.empty()) warn(report);
+    free_to_heap(b, busy, expired_owner);
   }
+
 
   /// Frees `p` after the work enqueued so far on `stream` as well (as if record_stream(p, stream) had been called),
   /// for memory last used on a stream other than its own. The stream may belong to another CUDA device (a peer copy
@@ -1158,6 +1115,63 @@ class basic_caching_allocator {
     count(st_active, b->small, -1);
     count(st_active_bytes, b->small, -as_delta(b->size));
     return_to_pool(b);
+  }
+
+  // The heap's side of allocate and deallocate, out of line so that the front caches' path stays small.
+
+  /// A block of `size` bytes (`bytes` asked) from the heap: found free, or a new one from the upstream.
+  GPUKIT_DETAIL_NOINLINE void* allocate_from_heap(const stream_type& stream, std::size_t bytes, std::size_t size,
+                                                  bool small) {
+    block* b;
+    {
+      std::unique_lock<detail::spin_mutex> lock(mutex_);
+      stream_state& st = stream_for(stream);
+      st.last_sweep = sweeps_;
+      if (pending_total_ != 0) process_events();
+      if constexpr (tracks_lifetimes) {
+        if (ops_.expirations() != seen_expirations_) {  // one relaxed load when nothing changed
+          note_expirations();
+          flush_fronts();  // blocks cached for destroyed streams wait for their last work in the heap
+        }
+        if (!dead_streams_.empty()) retire_finished();
+      }
+      b = find_free(st, size, small);
+      if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
+      if (b == nullptr) {
+        // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
+        // nor invalidate a capture in global mode that another thread has underway.
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = allocate_slow(lock, st, bytes, size, small);
+      }
+      if (b->seg->expandable) {
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = back_with_pages(lock, st, b, bytes, size, small);
+      }
+      take(b, st, size, bytes);
+    }
+    try {
+      map_.insert(b->address, b);
+    } catch (...) {
+      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      free_allocated(b, false, false);  // never handed out: nothing can use it
+      throw;
+    }
+    if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, b);
+    return reinterpret_cast<void*>(b->address);
+  }
+
+  /// Gives live block `b` (the user freed it) back to the heap; `busy`: its stream may still use it.
+  GPUKIT_DETAIL_NOINLINE void free_to_heap(block* b, bool busy, bool expired_owner) {
+    void* p = reinterpret_cast<void*>(b->address);
+    std::string report;
+    if (expired_owner) report = expired_owner_message(b);
+    // Two frees of one pointer: the first to take it out of the map frees it.
+    if (map_.erase(b->address) != b) throw_not_owned(p, "deallocate");
+    {
+      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      free_allocated(b, busy);
+    }
+    if (!report.empty()) warn(report);
   }
 
   // --- statistics and front caches (detail/front_cache.hpp explains the claims) ---

@@ -258,6 +258,12 @@ struct stream_ops {
   /// A destroyed stream (which the allocator still remembers) captures nothing and must not be asked.
   bool capturing(const stream_view& s) const {
     if (s.is_cpu()) return false;  // inline: the CPU's cache-hit path makes no call for it
+    return cuda_capturing(s);
+  }
+
+ private:
+  // Out of line, so that capturing() stays small enough to be inlined into the allocators' fast paths.
+  GPUKIT_DETAIL_NOINLINE static bool cuda_capturing(const stream_view& s) {
     return !s.destroyed() && detail::capture_status(s) != cudaStreamCaptureStatusNone;
   }
 };

@@ -228,13 +228,7 @@ class stream_view {
   /// default stream, cudaGetDevice).
   gpukit::device device() const {
     if (device_known_) return device_;
-    int ordinal = 0;
-    if (is_special(cuda_)) {
-      GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
-    } else {
-      GPUKIT_CUDA_TRY(cudaStreamGetDevice(cuda_, &ordinal));
-    }
-    return gpukit::device::cuda(ordinal);
+    return lookup_device();
   }
 
   /// True for streams of the CPU device.
@@ -264,10 +258,7 @@ class stream_view {
   unsigned long long id() const {
     if (id_ != 0) return id_;
     if (is_cpu()) return detail::cpu_stream_id_bit;  // the CPU's default stream (CPU queues always carry an id)
-    if (is_special(cuda_)) return detail::default_stream_id(device().ordinal(), is_per_thread());
-    unsigned long long id = 0;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", known_ordinal());
-    return id;
+    return lookup_id();
   }
 
   /// This view with its device and id looked up now, so that later uses need no lookup and mean the same stream
@@ -398,6 +389,22 @@ class stream_view {
   }
 
   int known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
+  // The CUDA lookups of device() and id(), out of line so that the calls that need none stay inline.
+  GPUKIT_DETAIL_NOINLINE gpukit::device lookup_device() const {
+    int ordinal = 0;
+    if (is_special(cuda_)) {
+      GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
+    } else {
+      GPUKIT_CUDA_TRY(cudaStreamGetDevice(cuda_, &ordinal));
+    }
+    return gpukit::device::cuda(ordinal);
+  }
+  GPUKIT_DETAIL_NOINLINE unsigned long long lookup_id() const {
+    if (is_special(cuda_)) return detail::default_stream_id(device().ordinal(), is_per_thread());
+    unsigned long long id = 0;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", known_ordinal());
+    return id;
+  }
 
   gpukit::device device_{};
   bool device_known_ = false;

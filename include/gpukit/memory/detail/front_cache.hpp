@@ -64,8 +64,10 @@ struct alignas(64) front_slot {
   static constexpr std::uint64_t stale_age = 4096;
   using counts = std::array<std::atomic<std::int64_t>, front_quantity_count>;
 
+  // A bin keeps its size when it empties, so a size that is freed and taken in turn finds its bin at once; an
+  // empty bin is free for any size. At most one bin has a given size (room_for gives a spare only when none has it).
   struct bin {
-    std::size_t size = 0;  // 0: unused
+    std::size_t size = 0;  // of its blocks (or of its last ones, while empty)
     Block* top = nullptr;
     std::uint32_t count = 0;
     std::uint64_t last_use = 0;  // the slot's tick when a block last entered or left
@@ -88,18 +90,18 @@ struct alignas(64) front_slot {
   // allocator keeps each counter's peak >= the heap's value + every slot's claim (front_cache explains).
   std::array<std::int64_t, front_quantity_count> claim{};
 
-  /// The bin of blocks of `size`, or nullptr.
+  /// The bin of blocks of `size`, or nullptr when none holds any.
   bin* find(std::size_t size) noexcept {
     for (bin& b : bins) {
-      if (b.size == size && b.count != 0) return &b;
+      if (b.size == size) return b.count != 0 ? &b : nullptr;
     }
     return nullptr;
   }
-  /// The bin a block of `size` joins (that size's, else an unused one), or nullptr when the slot is full.
+  /// The bin a block of `size` joins (that size's, else an empty one), or nullptr when the slot is full.
   bin* room_for(std::size_t size) noexcept {
     bin* spare = nullptr;
     for (bin& b : bins) {
-      if (b.size == size && b.count != 0) return b.count < bin_depth ? &b : nullptr;
+      if (b.size == size) return b.count < bin_depth ? &b : nullptr;
       if (b.count == 0 && spare == nullptr) spare = &b;
     }
     return spare;
@@ -127,7 +129,7 @@ struct alignas(64) front_slot {
     Block* block = b.top;
     b.top = block->free_next;
     block->free_next = nullptr;
-    if (--b.count == 0) b.size = 0;
+    --b.count;
     blocks.store(blocks.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
     return block;
   }
