@@ -268,7 +268,6 @@ class basic_caching_allocator {
     free_to_heap(b, busy, expired_owner);
   }
 
-
   /// Frees `p` after the work enqueued so far on `stream` as well (as if record_stream(p, stream) had been called),
   /// for memory last used on a stream other than its own. The stream may belong to another CUDA device (a peer copy
   /// read it), as with record_stream.
