@@ -40,6 +40,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -656,59 +657,59 @@ class cuda_upstream {
 };
 
 /// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
+/// The device's kind is chosen once, at construction: a CPU upstream holds no CUDA upstream at all.
 class device_upstream {
  public:
   /// The upstream of device `d` (CUDA or the CPU). Makes no CUDA call.
-  explicit device_upstream(gpukit::device d) : device_(d), cuda_(d.is_cuda() ? d : gpukit::device::cuda(0)) {}
+  explicit device_upstream(gpukit::device d) : device_(d) {
+    if (d.is_cuda()) cuda_.emplace(d);
+  }
 
   /// cudaMalloc on a CUDA device, unlimited host memory on the CPU; nullptr when out of memory (cuda_upstream,
   /// host_upstream).
-  [[nodiscard]] void* allocate(std::size_t bytes) {
-    return device_.is_cuda() ? cuda_.allocate(bytes) : host_.allocate(bytes);
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes) { return cuda_ ? cuda_->allocate(bytes) : host_.allocate(bytes); }
   /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
   void deallocate(void* p, std::size_t bytes) noexcept {
-    if (device_.is_cuda()) {
-      cuda_.deallocate(p, bytes);
+    if (cuda_) {
+      cuda_->deallocate(p, bytes);
     } else {
       host_.deallocate(p, bytes);
     }
   }
   /// The CUDA device's free and total memory (cudaMemGetInfo), or the host's physical memory for the CPU.
-  upstream_memory_info memory_info() const { return device_.is_cuda() ? cuda_.memory_info() : host_.memory_info(); }
+  upstream_memory_info memory_info() const { return cuda_ ? cuda_->memory_info() : host_.memory_info(); }
   /// True on CUDA devices (cudaFree waits for the device); false on the CPU, whose memory is freed at once.
-  bool synchronizes_on_free() const noexcept { return device_.is_cuda(); }
+  bool synchronizes_on_free() const noexcept { return cuda_.has_value(); }
   /// The device this upstream serves.
   gpukit::device device() const noexcept { return device_; }
 
   /// Virtual memory on CUDA devices that support it (cuda_upstream); never for the CPU.
-  bool virtual_memory_supported() const noexcept { return device_.is_cuda() && cuda_.virtual_memory_supported(); }
+  bool virtual_memory_supported() const noexcept { return cuda_ && cuda_->virtual_memory_supported(); }
   /// The mapping granularity (cuda_upstream::page_size()); 0 on the CPU or without virtual memory.
-  std::size_t page_size() const noexcept { return device_.is_cuda() ? cuda_.page_size() : 0; }
+  std::size_t page_size() const noexcept { return cuda_ ? cuda_->page_size() : 0; }
   /// Reserves an address range of `bytes` (cuda_upstream::reserve()); nullptr when refused or without virtual memory.
-  void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_.reserve(bytes) : nullptr; }
+  void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_->reserve(bytes) : nullptr; }
   /// Backs whole pages of a range reserve() returned (cuda_upstream::map()); false when the device is out of memory.
   /// Throws invalid_argument_error on the CPU, where reserve() never returns a range.
   bool map(void* address, std::size_t bytes) {
-    if (!device_.is_cuda()) {
+    if (!cuda_)
       throw invalid_argument_error("gpukit::device_upstream::map: the CPU device has no virtual memory to map");
-    }
-    return cuda_.map(address, bytes);
+    return cuda_->map(address, bytes);
   }
   /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap(): false, the pages still mapped,
   /// when that wait failed); failures, and a call on the CPU (false), are warned about.
   bool unmap(void* address, std::size_t bytes) noexcept {
-    if (!device_.is_cuda()) {
+    if (!cuda_) {
       warn_no_virtual_memory("unmap");
       return false;
     }
-    return cuda_.unmap(address, bytes);
+    return cuda_->unmap(address, bytes);
   }
   /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
   /// about.
   void unreserve(void* address, std::size_t bytes) noexcept {
-    if (!device_.is_cuda()) return warn_no_virtual_memory("unreserve");
-    cuda_.unreserve(address, bytes);
+    if (!cuda_) return warn_no_virtual_memory("unreserve");
+    cuda_->unreserve(address, bytes);
   }
 
  private:
@@ -719,8 +720,8 @@ class device_upstream {
     }
   }
   gpukit::device device_;
-  cuda_upstream cuda_;
-  host_upstream host_;
+  std::optional<cuda_upstream> cuda_;  // for a CUDA device only
+  host_upstream host_;                 // for the CPU only (it holds no memory until it allocates)
 };
 
 GPUKIT_END_NAMESPACE
