@@ -23,7 +23,6 @@
 #include <gpukit/device/select.hpp>
 #include <gpukit/device/visible_devices.hpp>
 
-#include <gpukit/stream/cpu_queue.hpp>
 #include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>

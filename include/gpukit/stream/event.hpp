@@ -8,20 +8,20 @@
 /// completes when the work enqueued before its record has completed, exactly like a CUDA event.
 ///
 /// Like CUDA events, the state that query/synchronize/wait observe is that of the most recent record(); an event
-/// never recorded counts as complete.
+/// never recorded counts as complete. Each operation chooses its backend once (detail/cpu_backend.hpp or
+/// detail/cuda_backend.hpp); this file makes no CUDA call of its own.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
-#include <gpukit/stream/cpu_queue.hpp>
+#include <gpukit/stream/detail/cpu_backend.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 
@@ -51,16 +51,14 @@ class event {
       if (options.interprocess) {
         throw invalid_argument_error("gpukit::event: interprocess events exist only on CUDA devices");
       }
-      cpu_ = std::make_unique<cpu_state>();
+      cpu_ = std::make_unique<detail::cpu_backend::event_state>();
       return;
     }
-    device_guard guard(d);
     unsigned flags = cudaEventDefault;
     if (!options.timing) flags |= cudaEventDisableTiming;
     if (options.blocking_sync) flags |= cudaEventBlockingSync;
     if (options.interprocess) flags |= cudaEventInterprocess;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&cuda_, flags),
-                              "cudaEventCreateWithFlags(" + std::to_string(flags) + ")", d.ordinal());
+    cuda_ = detail::cuda_backend::create_event(d.ordinal(), flags);
   }
 
   /// Takes over `other`'s event; `other` becomes moved-from.
@@ -88,17 +86,8 @@ class event {
       throw invalid_argument_error("gpukit::event::record: the event belongs to " + device_.to_string() +
                                    " but the stream to " + stream_device.to_string());
     }
-    if (cpu_) {
-      auto marker = s.cpu_queue() ? s.cpu_queue()->record() : detail::cpu_marker::completed();
-      std::lock_guard<std::mutex> lock(cpu_->mutex);
-      cpu_->last = std::move(marker);
-      return;
-    }
-    // The default streams (0, cudaStreamLegacy, cudaStreamPerThread) mean "of the current device": make ours current.
-    // Any context serves another stream, but on a thread with none the runtime would create cuda:0's first.
-    std::optional<device_guard> guard;
-    if (s.is_default() || detail::thread_context_state() == 0) guard.emplace(device_);
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(cuda_, s.native_handle()), "cudaEventRecord", device_.ordinal());
+    if (cpu_) return cpu_->record(s.cpu_queue());
+    detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
   }
 
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
@@ -106,27 +95,15 @@ class event {
   /// only if the runtime recorded it as the last error (detail::forget_not_ready).
   [[nodiscard]] bool ready() const {
     check_valid("ready");
-    if (cpu_) {
-      auto marker = cpu_->latest();
-      return !marker || marker->done();
-    }
-    const cudaError_t result = cudaEventQuery(cuda_);
-    if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) {
-      detail::forget_not_ready();
-      return false;
-    }
-    detail::throw_cuda_error(result, "cudaEventQuery", device_.ordinal(), __FILE__, __LINE__);
+    if (cpu_) return cpu_->ready();
+    return detail::cuda_backend::event_ready(cuda_, device_.ordinal());
   }
 
   /// Blocks the calling thread until the captured work has completed.
   void synchronize() const {
     check_valid("synchronize");
-    if (cpu_) {
-      if (auto marker = cpu_->latest()) marker->wait();
-      return;
-    }
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(cuda_), "cudaEventSynchronize", device_.ordinal());
+    if (cpu_) return cpu_->synchronize();
+    detail::cuda_backend::synchronize_event(cuda_, device_.ordinal());
   }
 
   /// Makes all work enqueued on `s` after this call wait until the captured work has completed, without blocking
@@ -138,24 +115,13 @@ class event {
       if (!s.is_cpu()) {
         throw invalid_argument_error("gpukit::event::wait: a CUDA stream cannot wait for an event of the CPU");
       }
-      auto marker = cpu_->latest();
-      if (!marker || marker->done()) return;
-      if (s.cpu_queue() != nullptr) {
-        s.cpu_queue()->enqueue([marker] { marker->wait(); });
-      } else {
-        marker->wait();  // the CPU's default stream runs on the calling thread
-      }
-      return;
+      return cpu_->wait(s.cpu_queue());
     }
     if (s.is_cpu()) {
       throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
                                    device_.to_string() + "; synchronize() the event instead");
     }
-    // As in record(): a default stream's device, or on a thread without a context the stream's device, is made current.
-    std::optional<device_guard> guard;
-    s.enter_context(guard);
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.native_handle(), cuda_, 0), "cudaStreamWaitEvent",
-                              device_.ordinal());
+    detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
   }
 
   /// The device the event belongs to. Throws invalid_argument_error if this event was moved from.
@@ -180,10 +146,7 @@ class event {
     if (!options_.interprocess) {
       throw invalid_argument_error("gpukit::event::ipc_handle: the event was not created with interprocess = true");
     }
-    cudaIpcEventHandle_t handle{};
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaIpcGetEventHandle(&handle, cuda_handle()), "cudaIpcGetEventHandle",
-                              device_.ordinal());
-    return handle;
+    return detail::cuda_backend::ipc_event_handle(cuda_handle(), device_.ordinal());
   }
 
   /// Time between the completion of `start`'s and `end`'s most recent records. Waits for both to complete. Both
@@ -198,32 +161,13 @@ class event {
       throw invalid_argument_error("gpukit::elapsed_time: the events belong to different devices (" +
                                    start.device_.to_string() + ", " + end.device_.to_string() + ")");
     }
+    if (start.cpu_) return std::chrono::duration_cast<milliseconds>(elapsed(*start.cpu_, *end.cpu_));
     start.synchronize();
     end.synchronize();
-    if (start.cpu_) {
-      auto first = start.cpu_->latest();
-      auto second = end.cpu_->latest();
-      if (!first || !second) {
-        throw invalid_argument_error("gpukit::elapsed_time: both events must have been recorded");
-      }
-      return std::chrono::duration_cast<milliseconds>(second->completed_at() - first->completed_at());
-    }
-    float ms = 0.0f;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventElapsedTime(&ms, start.cuda_, end.cuda_), "cudaEventElapsedTime",
-                              start.device_.ordinal());
-    return milliseconds(ms);
+    return milliseconds(detail::cuda_backend::elapsed_ms(start.cuda_, end.cuda_, start.device_.ordinal()));
   }
 
  private:
-  struct cpu_state {
-    std::mutex mutex;
-    std::shared_ptr<detail::cpu_marker> last;  // null until first recorded
-    std::shared_ptr<detail::cpu_marker> latest() {
-      std::lock_guard<std::mutex> lock(mutex);
-      return last;
-    }
-  };
-
   void check_valid(const char* what) const {
     if (!valid_) throw invalid_argument_error(std::string("gpukit::event::") + what + ": use of a moved-from event");
   }
@@ -238,7 +182,7 @@ class event {
 
   void destroy() noexcept {
     if (cuda_ != nullptr) {
-      detail::report_cuda_failure(cudaEventDestroy(cuda_), "cudaEventDestroy (in ~event)", device_.ordinal());
+      detail::cuda_backend::destroy_event(cuda_, device_.ordinal(), "cudaEventDestroy (in ~event)");
       cuda_ = nullptr;
     }
     cpu_.reset();
@@ -247,7 +191,7 @@ class event {
   gpukit::device device_{};
   event_options options_{};
   cudaEvent_t cuda_ = nullptr;
-  std::unique_ptr<cpu_state> cpu_;
+  std::unique_ptr<detail::cpu_backend::event_state> cpu_;
   bool valid_ = false;
 };
 

@@ -6,7 +6,9 @@
 /// Streams: stream_view (non-owning, cheap to copy, converts from cudaStream_t) and stream (owning, move-only).
 /// A stream belongs to a device. On a CUDA device it is a cudaStream_t. On the CPU device a stream is an in-order
 /// asynchronous queue served by a worker thread, and the CPU's default stream runs work synchronously on the
-/// calling thread; both behave like CUDA streams, so code written against streams runs on either.
+/// calling thread; both behave like CUDA streams, so code written against streams runs on either. Each operation
+/// chooses its backend once: detail/cpu_backend.hpp (queues and markers) or detail/cuda_backend.hpp (every CUDA
+/// runtime call); this file makes none of its own.
 ///
 /// Destroying a stream with pending work is defined: a CUDA stream's destructor returns at once and the work still
 /// completes (cudaStreamDestroy semantics); a CPU stream's destructor waits for its work to finish.
@@ -15,7 +17,8 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/error.hpp>
-#include <gpukit/stream/cpu_queue.hpp>
+#include <gpukit/stream/detail/cpu_backend.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -44,12 +47,6 @@ struct may_be_empty<std::function<Signature>> : std::true_type {};
 class stream;
 
 namespace detail {
-/// 0, cudaStreamLegacy and cudaStreamPerThread: the default streams, which name whatever device is current (the
-/// handle does not say which).
-inline bool is_default_stream_handle(cudaStream_t h) noexcept {
-  return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
-}
-
 /// True for cuda::stream_ref once <gpukit/stream/stream_ref.hpp> is included (which needs the toolkit's CCCL). A
 /// trait rather than a direct mention keeps this header free of CCCL and identical in every translation unit.
 template <class T>
@@ -60,12 +57,6 @@ struct is_cuda_stream_ref : std::false_type {};
 GPUKIT_EXPORT inline std::atomic<std::uint64_t>& stream_expirations() noexcept {
   static std::atomic<std::uint64_t> count{0};
   return count;
-}
-
-/// After a query answered cudaErrorNotReady (a status, not an error): clears the thread's last error only if the
-/// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
-inline void forget_not_ready() noexcept {
-  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
 }
 
 /// CPU streams have no CUDA id: they get numbers with the top bit set (CUDA's ids count up from small numbers), so no
@@ -82,13 +73,7 @@ GPUKIT_EXPORT inline unsigned long long default_stream_id(int ordinal, bool per_
   thread_local std::vector<unsigned long long> cache;  // [2 * ordinal + per_thread]; 0: not looked up yet
   const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
   if (slot < cache.size() && cache[slot] != 0) return cache[slot];
-  unsigned long long id = 0;
-  {
-    device_guard guard(device::cuda(ordinal));
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
-                              per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
-                              ordinal);
-  }
+  const unsigned long long id = cuda_backend::default_stream_id_now(ordinal, per_thread);
   if (slot >= cache.size()) cache.resize(slot + 1, 0);
   cache[slot] = id;
   return id;
@@ -105,7 +90,7 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   stream_life& operator=(const stream_life&) = delete;
   ~stream_life() {
     if (final_ != nullptr) {
-      report_cuda_failure(cudaEventDestroy(final_), "cudaEventDestroy (a destroyed stream's final event)", ordinal_);
+      cuda_backend::destroy_event(final_, ordinal_, "cudaEventDestroy (a destroyed stream's final event)");
     }
   }
 
@@ -121,22 +106,17 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   bool finished() const noexcept {
     if (!expired()) return false;
     if (ordinal_ < 0) return true;
-    if (final_ == nullptr) return false;
-    const cudaError_t result = cudaEventQuery(final_);
-    if (result == cudaErrorNotReady) forget_not_ready();
-    return result == cudaSuccess;
+    return final_ != nullptr && cuda_backend::query_event(final_) == cudaSuccess;
   }
 
   /// After expired(): blocks until that work has completed (the whole device's, without a final event).
   void wait_finished() const {
     if (!expired() || ordinal_ < 0) return;
     if (final_ != nullptr) {
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(final_), "cudaEventSynchronize (a destroyed stream's final event)",
-                                ordinal_);
+      cuda_backend::synchronize_event(final_, ordinal_, "cudaEventSynchronize (a destroyed stream's final event)");
       return;
     }
-    device_guard guard(device::cuda(ordinal_));
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (a destroyed stream's work)", ordinal_);
+    cuda_backend::synchronize_device(ordinal_, "cudaDeviceSynchronize (a destroyed stream's work)");
   }
 
   /// Called by ~stream just before cudaStreamDestroy of `handle` (nullptr for a CPU stream, whose work is done).
@@ -145,17 +125,8 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   void expire(cudaStream_t handle, bool remembered) noexcept {
     if (handle != nullptr && remembered) {
       try {
-        device_guard guard(device::cuda(ordinal_));  // events belong to the current device
-        cudaEvent_t e = nullptr;
-        cudaError_t result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-        if (result == cudaSuccess) {
-          result = cudaEventRecord(e, handle);
-          if (result == cudaSuccess) {
-            final_ = e;
-          } else {
-            (void)cudaEventDestroy(e);
-          }
-        }
+        cudaError_t result = cudaSuccess;
+        final_ = cuda_backend::record_new_event(handle, ordinal_, result);
         // Without it, memory the stream used is reused only after the device was synchronized (wait_finished) or
         // released to it (cudaFree synchronizes).
         report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
@@ -287,29 +258,16 @@ class stream_view {
 
   /// Blocks until all work enqueued on the stream has completed.
   void synchronize() const {
-    if (is_cpu()) {
-      if (cpu_ != nullptr) cpu_->synchronize();
-      return;
-    }
-    std::optional<device_guard> guard;
-    enter_context(guard);
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(cuda_), "cudaStreamSynchronize", known_ordinal());
+    if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
+    detail::cuda_backend::synchronize(cuda_target());
   }
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
   /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
   /// it as the last error (detail::forget_not_ready).
   [[nodiscard]] bool ready() const {
-    if (is_cpu()) return cpu_ == nullptr || cpu_->idle();
-    std::optional<device_guard> guard;
-    enter_context(guard);
-    const cudaError_t result = cudaStreamQuery(cuda_);
-    if (result == cudaSuccess) return true;
-    if (result == cudaErrorNotReady) {
-      detail::forget_not_ready();
-      return false;
-    }
-    detail::throw_cuda_error(result, "cudaStreamQuery", known_ordinal(), __FILE__, __LINE__);
+    if (is_cpu()) return detail::cpu_backend::ready(cpu_);
+    return detail::cuda_backend::ready(cuda_target());
   }
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
@@ -323,24 +281,13 @@ class stream_view {
     if constexpr (detail::may_be_empty<callable>::value) {
       if (!function) throw invalid_argument_error("gpukit::stream_view::enqueue_host: the function is empty");
     }
-    if (is_cpu()) {
-      if (cpu_ != nullptr) {
-        cpu_->enqueue(detail::host_task(std::forward<F>(function)));
-      } else {
-        callable f(std::forward<F>(function));
-        detail::run_host_function(f);
-      }
-      return;
-    }
+    if (is_cpu()) return detail::cpu_backend::enqueue_host(cpu_, std::forward<F>(function));
     auto owned = std::make_unique<callable>(std::forward<F>(function));
     const cudaHostFn_t trampoline = [](void* data) {
       std::unique_ptr<callable> f(static_cast<callable*>(data));
       detail::run_host_function(*f);
     };
-    std::optional<device_guard> guard;
-    enter_context(guard);
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(cuda_, trampoline, owned.get()), "cudaLaunchHostFunc",
-                              known_ordinal());
+    detail::cuda_backend::launch_host_function(cuda_target(), trampoline, owned.get());
     (void)owned.release();  // now owned by the trampoline
   }
 
@@ -350,13 +297,11 @@ class stream_view {
   /// cuda:0's: only then is the stream's device made current. With a context current this costs one cuCtxGetCurrent
   /// (detail::thread_context_state) and no runtime call.
   void enter_context(std::optional<device_guard>& guard) const {
-    if (is_special(cuda_)) {
-      if (device_known_ && device_.is_cuda()) guard.emplace(device_);
-      return;
-    }
-    if (detail::thread_context_state() != 0) return;
-    guard.emplace(device_known_ ? device_ : device());
+    detail::cuda_backend::enter_stream_context(cuda_target(), guard);
   }
+
+  /// The handle and, when known, the device's ordinal: what the CUDA backend's calls on this stream take.
+  detail::cuda_stream_target cuda_target() const noexcept { return {cuda_, known_ordinal()}; }
 
   /// Views are equal when they refer to the same stream: by id when both know it (a handle may have belonged to a
   /// destroyed stream), else by handle (0 and cudaStreamLegacy, or 0 and cudaStreamPerThread in per-thread code,
@@ -391,19 +336,11 @@ class stream_view {
   int known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
   // The CUDA lookups of device() and id(), out of line so that the calls that need none stay inline.
   GPUKIT_DETAIL_NOINLINE gpukit::device lookup_device() const {
-    int ordinal = 0;
-    if (is_special(cuda_)) {
-      GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
-    } else {
-      GPUKIT_CUDA_TRY(cudaStreamGetDevice(cuda_, &ordinal));
-    }
-    return gpukit::device::cuda(ordinal);
+    return gpukit::device::cuda(detail::cuda_backend::stream_device(cuda_));
   }
   GPUKIT_DETAIL_NOINLINE unsigned long long lookup_id() const {
     if (is_special(cuda_)) return detail::default_stream_id(device().ordinal(), is_per_thread());
-    unsigned long long id = 0;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", known_ordinal());
-    return id;
+    return detail::cuda_backend::stream_id(cuda_, known_ordinal());
   }
 
   gpukit::device device_{};
@@ -435,20 +372,13 @@ class stream {
       return;
     }
     priority_ = stream_priority_range(d).clamp(options.priority);  // asked once per device
-    device_guard guard(d);
-    const unsigned flags = options.non_blocking ? cudaStreamNonBlocking : cudaStreamDefault;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithPriority(&cuda_, flags, priority_),
-                              std::string("cudaStreamCreateWithPriority(") +
-                                  (options.non_blocking ? "cudaStreamNonBlocking" : "cudaStreamDefault") + ", " +
-                                  std::to_string(priority_) + ")",
-                              d.ordinal());
+    cuda_ = detail::cuda_backend::create_stream(d.ordinal(), options.non_blocking, priority_);
     // The id (unique for the life of the program, unlike the handle) is looked up once, so views carry it.
     try {
-      unsigned long long id = 0;
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(cuda_, &id), "cudaStreamGetId", d.ordinal());
-      life_ = std::make_shared<detail::stream_life>(id, d.ordinal());
+      life_ = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(cuda_, d.ordinal()), d.ordinal());
     } catch (...) {
-      (void)cudaStreamDestroy(std::exchange(cuda_, nullptr));
+      detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
+                                           "cudaStreamDestroy (a stream whose id could not be read)");
       throw;
     }
   }
@@ -469,17 +399,14 @@ class stream {
     int priority = 0;
     std::shared_ptr<detail::stream_life> life;
     if (!special) {
-      int ordinal = -1;
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", d.ordinal());
+      const int ordinal = detail::cuda_backend::stream_device(handle, d.ordinal());
       if (ordinal != d.ordinal()) {
         throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
                                      " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
       }
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", d.ordinal());
+      priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
       if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
-        unsigned long long id = 0;
-        GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(handle, &id), "cudaStreamGetId", d.ordinal());
-        life = std::make_shared<detail::stream_life>(id, d.ordinal());
+        life = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(handle, d.ordinal()), d.ordinal());
       }
     }
     stream wrapped(d, handle, take_ownership, priority);
@@ -578,7 +505,7 @@ class stream {
   void destroy() noexcept {
     if (owns_ && cuda_ != nullptr) {
       if (life_) life_->expire(cuda_, life_.use_count() > 1);
-      detail::report_cuda_failure(cudaStreamDestroy(cuda_), "cudaStreamDestroy (in ~stream)", device_.ordinal());
+      detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");
     }
     cuda_ = nullptr;
     if (cpu_) {

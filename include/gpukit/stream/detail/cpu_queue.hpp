@@ -6,7 +6,8 @@
 /// The CPU device's streams: an in-order asynchronous queue served by one worker thread, and markers that complete
 /// when the work enqueued before them has completed. They give CPU streams and events the semantics of CUDA's, so
 /// the ordering logic built on streams (the allocator's stream-ordered reuse, the transfer ring) is exercised by
-/// tests on machines without a GPU. Users reach them through gpukit::stream and gpukit::event.
+/// tests on machines without a GPU. Users reach them through gpukit::stream and gpukit::event, which use them
+/// through the CPU backend (cpu_backend.hpp).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>

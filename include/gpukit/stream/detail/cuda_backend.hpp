@@ -1,0 +1,233 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The CUDA backend of streams and events: every CUDA runtime call that gpukit::stream_view, gpukit::stream,
+/// gpukit::event and the record of a destroyed stream make, each with the device made current that the call needs
+/// and its failure turned into a gpukit exception that names the call and the device. stream.hpp and event.hpp
+/// choose between this backend and the CPU's (cpu_backend.hpp) once per operation and keep no CUDA call of their own,
+/// so this file is the whole CUDA layer of streams and events, and the simulated runtime of the tests runs every line.
+///
+/// Contexts: a runtime call on a stream runs in the calling thread's current context. The default streams (0,
+/// cudaStreamLegacy, cudaStreamPerThread) are the current device's, so their device is made current around each call.
+/// Any context serves a call on another stream, but on a thread with none the runtime would first create cuda:0's
+/// primary context: only then is the stream's own device made current (enter_stream_context).
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/detail/driver_api.hpp>
+#include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <optional>
+#include <string>
+
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+/// 0, cudaStreamLegacy and cudaStreamPerThread: the default streams, which name whatever device is current (the
+/// handle does not say which).
+inline bool is_default_stream_handle(cudaStream_t h) noexcept {
+  return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+}
+
+/// After a query answered cudaErrorNotReady (a status, not an error): clears the thread's last error only if the
+/// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
+inline void forget_not_ready() noexcept {
+  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+}
+
+/// A CUDA stream as runtime calls on it need it: its handle and, when known, its device's ordinal (-1: not known,
+/// looked up where needed).
+struct cuda_stream_target {
+  cudaStream_t handle = nullptr;
+  int ordinal = -1;
+};
+
+namespace cuda_backend {
+
+// --- streams ---
+
+/// The ordinal of the device stream `handle` belongs to (a default stream: the current device's); a failure names
+/// device `described` (-1: none).
+inline int stream_device(cudaStream_t handle, int described = -1) {
+  int ordinal = 0;
+  if (is_default_stream_handle(handle)) {
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDevice(&ordinal), "cudaGetDevice(&ordinal)", described);
+  } else {
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", described);
+  }
+  return ordinal;
+}
+
+/// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
+/// context current and a stream that is not a default one this costs one cuCtxGetCurrent and no runtime call.
+inline void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
+  if (is_default_stream_handle(s.handle)) {
+    if (s.ordinal >= 0) guard.emplace(device::cuda(s.ordinal));
+    return;
+  }
+  if (thread_context_state() != 0) return;
+  guard.emplace(device::cuda(s.ordinal >= 0 ? s.ordinal : stream_device(s.handle)));
+}
+
+/// cudaStreamGetId of a stream that is not a default stream.
+inline unsigned long long stream_id(cudaStream_t handle, int ordinal) {
+  unsigned long long id = 0;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(handle, &id), "cudaStreamGetId", ordinal);
+  return id;
+}
+
+/// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
+/// that device current.
+inline unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
+  device_guard guard(device::cuda(ordinal));
+  unsigned long long id = 0;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
+                            per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
+                            ordinal);
+  return id;
+}
+
+/// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
+inline cudaStream_t create_stream(int ordinal, bool non_blocking, int priority) {
+  device_guard guard(device::cuda(ordinal));
+  const unsigned flags = non_blocking ? cudaStreamNonBlocking : cudaStreamDefault;
+  cudaStream_t handle = nullptr;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithPriority(&handle, flags, priority),
+                            std::string("cudaStreamCreateWithPriority(") +
+                                (non_blocking ? "cudaStreamNonBlocking" : "cudaStreamDefault") + ", " +
+                                std::to_string(priority) + ")",
+                            ordinal);
+  return handle;
+}
+
+/// cudaStreamDestroy; a failure goes to gpukit::warn (destructors never throw).
+inline void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept {
+  report_cuda_failure(cudaStreamDestroy(handle), where, ordinal);
+}
+
+/// cudaStreamGetPriority.
+inline int stream_priority(cudaStream_t handle, int ordinal) {
+  int priority = 0;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", ordinal);
+  return priority;
+}
+
+/// Blocks until the stream's work has completed (cudaStreamSynchronize).
+inline void synchronize(const cuda_stream_target& s) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s.handle), "cudaStreamSynchronize", s.ordinal);
+}
+
+/// Whether the stream's work has completed (cudaStreamQuery; cudaErrorNotReady is forgotten, see forget_not_ready).
+inline bool ready(const cuda_stream_target& s) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  const cudaError_t result = cudaStreamQuery(s.handle);
+  if (result == cudaSuccess) return true;
+  if (result == cudaErrorNotReady) {
+    forget_not_ready();
+    return false;
+  }
+  throw_cuda_error(result, "cudaStreamQuery", s.ordinal, __FILE__, __LINE__);
+}
+
+/// cudaLaunchHostFunc(s, function, data).
+inline void launch_host_function(const cuda_stream_target& s, cudaHostFn_t function, void* data) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(s.handle, function, data), "cudaLaunchHostFunc", s.ordinal);
+}
+
+// --- events ---
+
+/// A new event of device `ordinal` with `flags` (cudaEventCreateWithFlags), with that device current.
+inline cudaEvent_t create_event(int ordinal, unsigned flags) {
+  device_guard guard(device::cuda(ordinal));
+  cudaEvent_t handle = nullptr;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&handle, flags),
+                            "cudaEventCreateWithFlags(" + std::to_string(flags) + ")", ordinal);
+  return handle;
+}
+
+/// cudaEventDestroy; a failure goes to gpukit::warn (destructors never throw).
+inline void destroy_event(cudaEvent_t handle, int ordinal, const char* where) noexcept {
+  report_cuda_failure(cudaEventDestroy(handle), where, ordinal);
+}
+
+/// Records event `e` of device `ordinal` on stream `s` of the same device (cudaEventRecord). The default streams
+/// mean "of the current device": the event's device is made current for them, and on a thread without a context.
+inline void record_event(cudaEvent_t e, int ordinal, cudaStream_t s) {
+  std::optional<device_guard> guard;
+  if (is_default_stream_handle(s) || thread_context_state() == 0) guard.emplace(device::cuda(ordinal));
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s), "cudaEventRecord", ordinal);
+}
+
+/// cudaEventQuery's result, with cudaErrorNotReady forgotten (see forget_not_ready). Never throws.
+inline cudaError_t query_event(cudaEvent_t e) noexcept {
+  const cudaError_t result = cudaEventQuery(e);
+  if (result == cudaErrorNotReady) forget_not_ready();
+  return result;
+}
+
+/// Whether the work event `e` captured has completed (cudaEventQuery); throws for an error.
+inline bool event_ready(cudaEvent_t e, int ordinal) {
+  const cudaError_t result = query_event(e);
+  if (result == cudaSuccess) return true;
+  if (result == cudaErrorNotReady) return false;
+  throw_cuda_error(result, "cudaEventQuery", ordinal, __FILE__, __LINE__);
+}
+
+/// A new event without timing of device `ordinal`, recorded on stream `s` of that device, both with the device
+/// current; nullptr when either call failed, with its result in `result`. Throws only what making the device current
+/// throws.
+inline cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& result) {
+  device_guard guard(device::cuda(ordinal));
+  cudaEvent_t e = nullptr;
+  result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  if (result != cudaSuccess) return nullptr;
+  result = cudaEventRecord(e, s);
+  if (result == cudaSuccess) return e;
+  (void)cudaEventDestroy(e);
+  return nullptr;
+}
+
+/// Blocks until the work event `e` captured has completed (cudaEventSynchronize).
+inline void synchronize_event(cudaEvent_t e, int ordinal, const char* call = "cudaEventSynchronize") {
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(e), call, ordinal);
+}
+
+/// Makes stream `s` wait on the device for event `e` of device `event_ordinal` (cudaStreamWaitEvent).
+inline void wait_event(const cuda_stream_target& s, cudaEvent_t e, int event_ordinal) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.handle, e, 0), "cudaStreamWaitEvent", event_ordinal);
+}
+
+/// Milliseconds between two completed timing events (cudaEventElapsedTime).
+inline float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
+  float ms = 0.0f;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime", ordinal);
+  return ms;
+}
+
+/// A handle another process can open with cudaIpcOpenEventHandle.
+inline cudaIpcEventHandle_t ipc_event_handle(cudaEvent_t e, int ordinal) {
+  cudaIpcEventHandle_t handle{};
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaIpcGetEventHandle(&handle, e), "cudaIpcGetEventHandle", ordinal);
+  return handle;
+}
+
+/// Blocks until device `ordinal` has completed all its work (cudaDeviceSynchronize, with it current).
+inline void synchronize_device(int ordinal, const char* call) {
+  device_guard guard(device::cuda(ordinal));
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), call, ordinal);
+}
+
+}  // namespace cuda_backend
+}  // namespace detail
+GPUKIT_END_NAMESPACE
