@@ -41,6 +41,7 @@
 #include <gpukit/error.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/current_stream.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/pointer_query.hpp>
@@ -50,7 +51,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -313,15 +313,7 @@ inline void copy_peer_async(void* dst, gpukit::device dst_device, const void* sr
                                  "): null pointer");
   }
   detail::note_cuda_use();
-  std::optional<device_guard> guard;
-  s.enter_context(guard);
-  // cudaMemcpyPeerAsync has no per-thread entry point: handle 0 would be the legacy stream even in per-thread code.
-  cudaStream_t handle = s.cuda_handle();
-  if (handle == nullptr && detail::per_thread_default_stream_mode()) handle = cudaStreamPerThread;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyPeerAsync(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes, handle),
-                            "cudaMemcpyPeerAsync(" + std::to_string(bytes) + " bytes, " + src_device.to_string() +
-                                " -> " + dst_device.to_string() + ")",
-                            dst_device.ordinal());
+  detail::cuda_backend::copy_peer_async(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes, s.cuda_target());
 }
 
 GPUKIT_END_NAMESPACE

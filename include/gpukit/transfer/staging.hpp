@@ -51,6 +51,8 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/stream/detail/cpu_backend.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/parallel_copy.hpp>
@@ -88,13 +90,8 @@ struct device_copier {
   /// Enqueues a copy of `bytes` bytes from `src` to `dst` on `s`. The direction is unused: cudaMemcpyDefault infers
   /// it from the pointers.
   void operator()(void* dst, const void* src, std::size_t bytes, copy_direction /*direction*/, stream_view s) const {
-    if (s.is_cpu()) {
-      s.enqueue_host([dst, src, bytes] { std::memcpy(dst, src, bytes); });
-      return;
-    }
-    device_guard guard(s.device());
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s.native_handle()),
-                              "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)", -1);
+    if (s.is_cpu()) return detail::cpu_backend::copy_async(dst, src, bytes, s.cpu_queue());
+    detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
   }
 };
 
@@ -439,13 +436,7 @@ class basic_staging_engine {
 
   static stream_key key_of(stream_view s, device d) {
     if (d.is_cpu()) return stream_key{d, 0, s.cpu_queue()};
-    // 0, cudaStreamLegacy and cudaStreamPerThread name a stream of the current device.
-    const cudaStream_t h = s.native_handle();
-    const bool of_current_device = detail::is_default_stream_handle(h);
-    device_guard guard(of_current_device ? d : device::cpu());
-    unsigned long long id = 0;
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(h, &id), "cudaStreamGetId", d.ordinal());
-    return stream_key{d, id, nullptr};
+    return stream_key{d, s.id(), nullptr};  // cudaStreamGetId: a destroyed stream's handle may be another's now
   }
 
   // One lane of stream `s`'s ring, locked. Creates the ring on first use, first releasing idle rings (least recently

@@ -15,6 +15,8 @@
 #include <gpukit/stream/detail/cpu_queue.hpp>
 
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -44,6 +46,12 @@ void enqueue_host(cpu_queue* queue, F&& function) {
   }
   std::decay_t<F> f(std::forward<F>(function));
   run_host_function(f);
+}
+
+/// Enqueues a copy of `bytes` bytes (host memory on both sides): a task that copies, or on the default stream a copy
+/// now.
+inline void copy_async(void* dst, const void* src, std::size_t bytes, cpu_queue* queue) {
+  enqueue_host(queue, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 
 // --- events ---

@@ -4,10 +4,11 @@
 
 /// \file
 /// The CUDA backend of streams and events: every CUDA runtime call that gpukit::stream_view, gpukit::stream,
-/// gpukit::event and the record of a destroyed stream make, each with the device made current that the call needs
-/// and its failure turned into a gpukit exception that names the call and the device. stream.hpp and event.hpp
-/// choose between this backend and the CPU's (cpu_backend.hpp) once per operation and keep no CUDA call of their own,
-/// so this file is the whole CUDA layer of streams and events, and the simulated runtime of the tests runs every line.
+/// gpukit::event, the record of a destroyed stream and the copies on a stream (transfer/) make, each with the device
+/// made current that the call needs and its failure turned into a gpukit exception that names the call and the device.
+/// stream.hpp and event.hpp choose between this backend and the CPU's (cpu_backend.hpp) once per operation and keep no
+/// CUDA call of their own, so this file is the whole CUDA layer of streams and events, and the simulated runtime of the
+/// tests runs every line.
 ///
 /// Contexts: a runtime call on a stream runs in the calling thread's current context. The default streams (0,
 /// cudaStreamLegacy, cudaStreamPerThread) are the current device's, so their device is made current around each call.
@@ -21,6 +22,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <optional>
 #include <string>
 
@@ -141,6 +143,29 @@ inline void launch_host_function(const cuda_stream_target& s, cudaHostFn_t funct
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(s.handle, function, data), "cudaLaunchHostFunc", s.ordinal);
+}
+
+/// Enqueues a copy of `bytes` bytes on stream `s` (cudaMemcpyAsync, the direction inferred from the pointers), with
+/// device `ordinal`, the stream's, current.
+inline void copy_async(void* dst, const void* src, std::size_t bytes, cudaStream_t s, int ordinal) {
+  device_guard guard(device::cuda(ordinal));
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s),
+                            "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)", ordinal);
+}
+
+/// Enqueues a copy of `bytes` bytes from device memory of `src_ordinal` to device memory of `dst_ordinal` on stream
+/// `s` (cudaMemcpyPeerAsync; through the host where peer access is not enabled).
+inline void copy_peer_async(void* dst, int dst_ordinal, const void* src, int src_ordinal, std::size_t bytes,
+                            const cuda_stream_target& s) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  // cudaMemcpyPeerAsync has no per-thread entry point: handle 0 would be the legacy stream even in per-thread code.
+  cudaStream_t handle = s.handle;
+  if (handle == nullptr && per_thread_default_stream_mode()) handle = cudaStreamPerThread;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyPeerAsync(dst, dst_ordinal, src, src_ordinal, bytes, handle),
+                            "cudaMemcpyPeerAsync(" + std::to_string(bytes) + " bytes, cuda:" +
+                                std::to_string(src_ordinal) + " -> cuda:" + std::to_string(dst_ordinal) + ")",
+                            dst_ordinal);
 }
 
 // --- events ---
