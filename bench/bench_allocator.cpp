@@ -463,7 +463,9 @@ void print_ratios(const collecting_reporter& r) {
   }
   // Issue 9, section 5: aggregate throughput with 2 threads on their own streams against 1 thread, and the
   // single-thread pair against malloc/free, both from this run.
-  std::printf("\nTargets (issue 9): 2 threads >= 1.6x the throughput of 1 thread; 1 thread within 4x of malloc/free\n");
+  std::printf(
+      "\nTargets (issue 9): 2 threads >= 1.6x the throughput of 1 thread (8 threads >= 5x on a 16-core machine); 1 "
+      "thread within 4x of malloc/free\n");
   for (std::size_t size : sizes) {
     auto name = [&](const char* bm, int threads) {
       return std::string(bm) + "/" + std::to_string(size) + "/" + std::to_string(threads) + "/0/manual_time";
@@ -481,6 +483,13 @@ void print_ratios(const collecting_reporter& r) {
       against_malloc = std::to_string(one / m).substr(0, 4) + "x malloc (" + (one / m <= 4.0 ? "met" : "missed") + ")";
     std::printf("  %-9s 2 threads: %-30s 1 thread: %s\n", gpukit::detail::format_bytes(size).c_str(), scaling.c_str(),
                 against_malloc.c_str());
+    // The 16-core GPU machine's target: 8 threads >= 5x one thread's throughput (beyond a 2-core machine's reach).
+    const double eight = r.ns(name("BM_gpukit", 8));
+    if (eight > 0) {
+      const unsigned cores = std::thread::hardware_concurrency();
+      std::printf("  %-9s 8 threads: %.2fx the throughput of 1 thread (target >= 5x with 16 hardware threads: %s)\n",
+                  "", one / eight, cores >= 16 ? (one / eight >= 5.0 ? "met" : "missed") : "not applicable here");
+    }
     const double loop = r.ns("BM_gpukit_loop/" + std::to_string(size) + "/real_time");
     const double malloc_loop = r.ns("BM_malloc_loop/" + std::to_string(size) + "/real_time");
     if (loop > 0 && malloc_loop > 0) {
