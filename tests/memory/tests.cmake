@@ -8,6 +8,7 @@ gpukit_add_test(test_pointer_map SOURCES "${gpukit_memory_tests}/pointer_map_tes
 gpukit_add_test(test_allocator_expandable SOURCES "${gpukit_memory_tests}/allocator_expandable_test.cpp")
 gpukit_add_test(test_allocator_config SOURCES "${gpukit_memory_tests}/allocator_config_test.cpp")
 gpukit_add_test(test_segment_sizing SOURCES "${gpukit_memory_tests}/segment_sizing_test.cpp")
+gpukit_add_test(test_event_pool SOURCES "${gpukit_memory_tests}/event_pool_test.cpp")
 gpukit_add_test(test_allocator_oom SOURCES "${gpukit_memory_tests}/allocator_oom_test.cpp")
 gpukit_add_test(test_allocator_streams SOURCES "${gpukit_memory_tests}/allocator_streams_test.cpp")
 gpukit_add_test(test_allocator_concurrency SOURCES "${gpukit_memory_tests}/allocator_concurrency_test.cpp")

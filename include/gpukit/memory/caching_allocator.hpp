@@ -70,6 +70,7 @@
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
+#include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 #include <gpukit/memory/memory_history.hpp>
@@ -782,17 +783,15 @@ class basic_caching_allocator {
 
   // --- streams and events ---
 
-  /// The state of a stream, registered (and its device checked) on first use. The keys sit in one contiguous
-  /// vector that a lookup only reads, so threads using different streams do not write shared cache lines here.
-  /// Streams of other CUDA devices are accepted only where `other_devices` (record_stream, deallocate(p, s)).
+  /// The state of stream `s`, registered on first use. The keys sit in one contiguous vector that a lookup only
+  /// reads, so threads using different streams do not write shared cache lines here. Streams of other CUDA devices
+  /// are accepted only where `other_devices` (record_stream, deallocate(p, s)).
   ///
-  /// The device is checked before the key is looked up, on every call: a stream of another device is refused even
-  /// when its key equals that of a stream seen before (keys are the stream ops' business; a CUDA default stream must
-  /// not pass for the CPU's), and naming the wrong device needs no CUDA call (a CPU allocator on a machine without
-  /// a driver still says "wrong device").
-  /// The state of stream `s`, registered on first use. The device is checked first, on every call: computing the key
-  /// may need the stream's device (a CUDA default stream's id), and a stream of another device must be refused with
-  /// that reason, not with the error its key would raise. For a view that knows its device (every gpukit stream and
+  /// The device is checked first, on every call: computing the key may need the stream's device (a CUDA default
+  /// stream's id), and a stream of another device must be refused with that reason, not with the error its key would
+  /// raise, even when its key equals that of a stream seen before (keys are the stream ops' business; a CUDA default
+  /// stream must not pass for the CPU's). Naming the wrong device needs no CUDA call (a CPU allocator on a machine
+  /// without a driver still says "wrong device"). For a view that knows its device (every gpukit stream and
   /// default_stream(d)) this costs nothing; a raw cudaStream_t costs one cudaStreamGetDevice.
   stream_state& stream_for(const stream_type& s, bool other_devices = false) {
     const gpukit::device d = ops_.device_of(s);
@@ -1028,33 +1027,15 @@ class basic_caching_allocator {
            "the memory is reused only after the work that stream had enqueued has completed";
   }
 
-  /// The pooled events of device `d`: an event can be recorded only on streams of its own device.
-  std::vector<std::unique_ptr<event_type>>& event_pool_of(gpukit::device d) {
-    if (d == device_) return event_pool_;
-    for (auto& entry : other_event_pools_) {
-      if (entry.first == d) return entry.second;
-    }
-    other_event_pools_.emplace_back(d, std::vector<std::unique_ptr<event_type>>{});
-    return other_event_pools_.back().second;
-  }
-
+  /// An event of device `d` (an event can be recorded only on streams of its own device): a pooled one, or new.
   std::unique_ptr<event_type> acquire_event(gpukit::device d) {
-    auto& pool = event_pool_of(d);
-    if (!pool.empty()) {
-      std::unique_ptr<event_type> e = std::move(pool.back());
-      pool.pop_back();
-      return e;
-    }
+    if (auto pooled = events_.take(d)) return std::move(*pooled);
     return std::make_unique<event_type>(ops_.create_event(d));
   }
 
+  /// Pools event `e` of device `d` (none: nothing to do).
   void release_event(std::unique_ptr<event_type> e, gpukit::device d) noexcept {
-    if (!e) return;
-    try {
-      event_pool_of(d).push_back(std::move(e));
-    } catch (...) {
-      // the event is destroyed instead of pooled
-    }
+    if (e) events_.give(d, std::move(e));
   }
 
   void synchronize_quietly(const event_type& e) noexcept {
@@ -2477,8 +2458,7 @@ class basic_caching_allocator {
   std::vector<stream_state*> pending_streams_;  // streams with pending events
   std::size_t pending_total_ = 0;               // events not yet seen complete
   std::uint64_t fence_counter_ = 0;
-  std::vector<std::unique_ptr<event_type>> event_pool_;  // this device's
-  std::vector<std::pair<gpukit::device, std::vector<std::unique_ptr<event_type>>>> other_event_pools_;
+  detail::event_pool<std::unique_ptr<event_type>> events_;  // this device's, and others' for record_stream
 
   segment* segments_ = nullptr;
   std::vector<std::unique_ptr<block[]>> block_chunks_;

@@ -30,6 +30,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/pinned_buffer.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/span.hpp>
@@ -114,21 +115,17 @@ struct pinned_pool_stats {
 
 namespace detail {
 
-/// A process-wide cache of events per device, so recording "this block is free once s gets here" does not create
-/// and destroy a CUDA event each time. Thread-safe. Leaked on purpose: pools and staging engines that outlive
-/// static destruction (host callbacks at exit) may still return events to it.
+/// The process-wide pool of events (detail::event_pool behind a mutex) that pinned pools and staging engines share,
+/// so recording "this block is free once s gets here" does not create and destroy a CUDA event each time.
+/// Thread-safe. Leaked on purpose: pools and staging engines that outlive static destruction (host callbacks at
+/// exit) may still return events to it.
 class recycled_event_cache {
  public:
   /// An event of `d` (timing disabled), recycled when available.
   event acquire(device d) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      auto it = free_.find(d);
-      if (it != free_.end() && !it->second.empty()) {
-        event e = std::move(it->second.back());
-        it->second.pop_back();
-        return e;
-      }
+      if (auto pooled = pool_.take(d)) return std::move(*pooled);
     }
     return event(d);
   }
@@ -136,17 +133,17 @@ class recycled_event_cache {
   void release(event&& e) noexcept {
     if (!e.valid()) return;
     try {
+      const device d = e.device();
       std::lock_guard<std::mutex> lock(mutex_);
-      auto& list = free_[e.device()];
-      if (list.size() < 1024) list.push_back(std::move(e));
+      pool_.give(d, std::move(e));
     } catch (...) {
-      // Out of memory growing the list: the event is destroyed instead.
+      // The mutex failed: the event is destroyed instead.
     }
   }
 
  private:
   std::mutex mutex_;
-  std::unordered_map<device, std::vector<event>> free_;
+  event_pool<event> pool_{1024};
 };
 
 GPUKIT_EXPORT inline recycled_event_cache& shared_recycled_events() {
