@@ -112,6 +112,24 @@ TEST_CASE("gpu: an event from another device is rejected") {
   }
 }
 
+TEST_CASE("gpu: an interprocess event gives a handle, and other events refuse it, saying why") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::event_options shared;
+  shared.interprocess = true;
+  gpukit::event e(gpukit::device::cuda(0), shared);
+  gpukit::stream s(gpukit::device::cuda(0));
+  e.record(s);
+  (void)e.ipc_handle();  // cudaIpcGetEventHandle
+  s.synchronize();
+  CHECK(e.ready());
+  gpukit::event plain(gpukit::device::cuda(0));
+  CHECK_THROWS_WITH_AS(plain.ipc_handle(), doctest::Contains("interprocess = true"), gpukit::invalid_argument_error);
+  shared.timing = true;  // CUDA refuses timing on interprocess events
+  CHECK_THROWS_AS(gpukit::event(gpukit::device::cuda(0), shared), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(gpukit::event(gpukit::device::cpu(), gpukit::event_options{false, false, true}),
+                  gpukit::invalid_argument_error);
+}
+
 TEST_CASE("gpu: the pool round-robins CUDA streams and a raw handle knows its device") {
   GPUKIT_REQUIRE_GPU();
   gpukit::stream_pool pool(gpukit::device::cuda(0), 3);
