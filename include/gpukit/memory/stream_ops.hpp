@@ -46,7 +46,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -74,20 +73,13 @@ inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
   if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) {
     return cudaStreamCaptureStatusNone;
   }
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaError_t result;
-  if (handle == nullptr || handle == cudaStreamPerThread) {
-    // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
-    if (s.id() != default_stream_id(s.device().ordinal(), true)) return cudaStreamCaptureStatusNone;
-    device_guard guard(s.device());  // a per-thread default stream is the current device's
-    result = cudaStreamIsCapturing(handle, &status);
-  } else {
-    std::optional<device_guard> guard;  // only on a thread without a context (stream_view::enter_context)
-    s.enter_context(guard);
-    result = cudaStreamIsCapturing(handle, &status);
+  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
+  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
+    return cudaStreamCaptureStatusNone;
   }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t result = cuda_backend::stream_capture_status(s.cuda_target(), status);
   if (result == cudaSuccess) return status;
-  (void)cudaGetLastError();
   if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
   if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
@@ -138,33 +130,6 @@ template <class Ops>
 struct has_capture_query<
     Ops, std::void_t<decltype(std::declval<const Ops&>().capturing(std::declval<const typename Ops::stream_type&>()))>>
     : std::true_type {};
-
-/// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
-/// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured: in global mode they
-/// are refused while any thread captures, and they invalidate that capture. Best effort: without a usable runtime
-/// nothing changes.
-class relaxed_capture_mode {
- public:
-  /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
-  explicit relaxed_capture_mode(bool active = true) noexcept {
-    if (!active) return;
-    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
-      exchanged_ = true;
-    } else {
-      (void)cudaGetLastError();
-    }
-  }
-  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
-  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
-  /// Restores the thread's previous mode.
-  ~relaxed_capture_mode() {
-    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
-  }
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool exchanged_ = false;
-};
 
 }  // namespace detail
 

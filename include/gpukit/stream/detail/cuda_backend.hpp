@@ -4,7 +4,8 @@
 
 /// \file
 /// The CUDA backend of streams and events: every CUDA runtime call that gpukit::stream_view, gpukit::stream,
-/// gpukit::event, the record of a destroyed stream and the copies on a stream (transfer/) make, each with the device
+/// gpukit::event, the record of a destroyed stream, the copies on a stream (transfer/) and the engines' capture checks
+/// (memory/stream_ops.hpp: a stream's capture status, the thread's capture mode) make, each with the device
 /// made current that the call needs and its failure turned into a gpukit exception that names the call and the device.
 /// stream.hpp and event.hpp choose between this backend and the CPU's (cpu_backend.hpp) once per operation and keep no
 /// CUDA call of their own, so this file is the whole CUDA layer of streams and events, and the simulated runtime of the
@@ -145,6 +146,16 @@ inline void launch_host_function(const cuda_stream_target& s, cudaHostFn_t funct
   GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(s.handle, function, data), "cudaLaunchHostFunc", s.ordinal);
 }
 
+/// cudaStreamIsCapturing of stream `s` (its context entered): the result, with the status in `status` on success
+/// (a failure is cleared from the thread's last error; the caller decides what it means).
+inline cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStreamCaptureStatus& status) {
+  std::optional<device_guard> guard;
+  enter_stream_context(s, guard);
+  const cudaError_t result = cudaStreamIsCapturing(s.handle, &status);
+  if (result != cudaSuccess) (void)cudaGetLastError();
+  return result;
+}
+
 /// Enqueues a copy of `bytes` bytes on stream `s` (cudaMemcpyAsync, the direction inferred from the pointers), with
 /// device `ordinal`, the stream's, current.
 inline void copy_async(void* dst, const void* src, std::size_t bytes, cudaStream_t s, int ordinal) {
@@ -254,5 +265,33 @@ inline void synchronize_device(int ordinal, const char* call) {
 }
 
 }  // namespace cuda_backend
+
+/// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
+/// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured: in global mode they
+/// are refused while any thread captures, and they invalidate that capture. Best effort: without a usable runtime
+/// nothing changes.
+class relaxed_capture_mode {
+ public:
+  /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
+  explicit relaxed_capture_mode(bool active = true) noexcept {
+    if (!active) return;
+    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
+      exchanged_ = true;
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
+  /// Restores the thread's previous mode.
+  ~relaxed_capture_mode() {
+    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+  }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool exchanged_ = false;
+};
+
 }  // namespace detail
 GPUKIT_END_NAMESPACE
