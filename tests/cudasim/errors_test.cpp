@@ -86,6 +86,39 @@ TEST_CASE("errors: other failures in destructors are still reported") {
   CHECK(messages[1].find("cudaErrorLaunchFailure") != std::string::npos);
 }
 
+TEST_CASE("errors: a failed stream query throws naming the call, and the stream stays usable") {
+  gpukit::stream s(cuda0);
+  cudasim::fail_call("cudaStreamQuery", 1, cudaErrorInvalidResourceHandle);
+  CHECK_THROWS_WITH_AS((void)s.ready(), doctest::Contains("cudaStreamQuery"), gpukit::cuda_error);
+  CHECK(cudaGetLastError() == cudaSuccess);  // gpukit's exception carries the failure; none is left pending
+  s.synchronize();
+  CHECK(s.ready());
+}
+
+TEST_CASE(
+    "errors: a destroyed stream whose final event cannot be recorded warns, and its memory waits for the device") {
+  gpukit::caching_allocator a(cuda0);
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit::stream s(cuda0);
+    a.deallocate(a.allocate(4096, s));  // the allocator keeps s's state, so ~stream records a final event for it
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+    // ~stream: cudaEventCreateWithFlags succeeds, cudaEventRecord fails, the event is destroyed again.
+  }
+  CHECK(warnings.contains("final event"));
+  CHECK(warnings.contains("cudaErrorInvalidResourceHandle"));
+  const std::size_t synchronizations = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t events_created = cudasim::calls("cudaEventCreateWithFlags");
+  a.empty_cache();  // waits for the destroyed stream's work: the whole device's, without its final event
+  CHECK(cudasim::calls("cudaDeviceSynchronize") > synchronizations);
+  CHECK(cudasim::calls("cudaEventCreateWithFlags") == events_created);
+  CHECK(a.memory_reserved() == 0);
+  gpukit::stream t(cuda0);
+  void* q = a.allocate(4096, t);  // the allocator is usable afterwards
+  CHECK(q != nullptr);
+  a.deallocate(q);
+}
+
 TEST_CASE("errors: device memory freed after the runtime unloaded is neither reported nor acted on") {
   gpukit::stream s(cuda0);
   gpukit_test::captured_warnings warnings;
