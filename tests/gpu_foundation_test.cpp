@@ -149,7 +149,7 @@ TEST_CASE("gpu: the pool round-robins CUDA streams and a raw handle knows its de
 TEST_CASE("gpu: wrapping a stream as another device's is rejected, naming both devices") {
   GPUKIT_REQUIRE_GPU();
   if (gpukit::device_count() < 2) {
-    std::printf("GPUKIT_TEST_SKIPPED: needs two CUDA devices\n");
+    std::printf("GPUKIT_TEST_NOT_APPLICABLE: needs two CUDA devices\n");
     return;
   }
   gpukit::stream s1(gpukit::device::cuda(1));

@@ -24,9 +24,10 @@ function(gpukit_add_sim_test name)
   target_link_libraries(${name} PRIVATE gpukit_sim_main doctest::doctest gpukit_sim_development)
   target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/tests")
   set_property(GLOBAL APPEND PROPERTY GPUKIT_TEST_EXECUTABLES "$<TARGET_FILE:${name}>")
+  set_property(GLOBAL APPEND PROPERTY GPUKIT_GPU_CHECK_SIM_TARGETS ${name})
   doctest_discover_tests(${name}
     TEST_PREFIX "${name}."
-    PROPERTIES SKIP_REGULAR_EXPRESSION "GPUKIT_TEST_SKIPPED" LABELS "cudasim;${arg_LABELS}" TIMEOUT 300)
+    PROPERTIES SKIP_REGULAR_EXPRESSION "GPUKIT_TEST_(SKIPPED|NOT_APPLICABLE)" LABELS "cudasim;${arg_LABELS}" TIMEOUT 300)
 endfunction()
 
 # Simulator-only tests of gpukit's CUDA layer (they use the control interface in cudasim.hpp: contexts, violations,

@@ -571,7 +571,7 @@ TEST_CASE("cudasim: peer access is per direction, from the current device, and p
   CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorPeerAccessAlreadyEnabled);
   CHECK(cudaGetLastError() == cudaErrorPeerAccessAlreadyEnabled);  // recorded like any other error
   CHECK(cudaDeviceEnablePeerAccess(1, 1) == cudaErrorInvalidValue);
-  CHECK(cudaDeviceEnablePeerAccess(0, 0) == cudaErrorInvalidDevice);
+  CHECK(cudaDeviceEnablePeerAccess(0, 0) == cudaErrorPeerAccessUnsupported);
   CHECK(cudaDeviceEnablePeerAccess(5, 0) == cudaErrorInvalidDevice);
   CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
   CHECK(cudaDeviceDisablePeerAccess(1) == cudaErrorPeerAccessNotEnabled);

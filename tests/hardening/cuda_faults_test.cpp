@@ -43,16 +43,16 @@ const gpukit::device cuda0 = gpukit::device::cuda(0);
 
 bool simulator_linked() { return cudasim::fail_call != nullptr; }
 
-#define REQUIRE_SIMULATOR()                                                                  \
-  GPUKIT_REQUIRE_GPU();                                                                      \
-  do {                                                                                       \
-    if (!simulator_linked()) {                                                               \
-      std::printf(                                                                           \
-          "GPUKIT_TEST_SKIPPED: choosing which CUDA call fails needs the simulated runtime " \
-          "(test_fault_cuda_sim)\n");                                                        \
-      std::fflush(stdout);                                                                   \
-      return;                                                                                \
-    }                                                                                        \
+#define REQUIRE_SIMULATOR()                                                                         \
+  GPUKIT_REQUIRE_GPU();                                                                             \
+  do {                                                                                              \
+    if (!simulator_linked()) {                                                                      \
+      std::printf(                                                                                  \
+          "GPUKIT_TEST_NOT_APPLICABLE: choosing which CUDA call fails needs the simulated runtime " \
+          "(test_fault_cuda_sim)\n");                                                               \
+      std::fflush(stdout);                                                                          \
+      return;                                                                                       \
+    }                                                                                               \
   } while (false)
 
 /// The CUDA functions a caching allocator on cuda:0 may call (those the scenario does not call are skipped).

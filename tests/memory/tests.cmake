@@ -82,5 +82,6 @@ if(CMAKE_CUDA_COMPILER AND NOT GPUKIT_SANITIZE AND CMAKE_CXX_COMPILER_ID STREQUA
   target_compile_options(test_gpu_thrust PRIVATE -Werror all-warnings -Xcompiler=-Wall,-Wextra)
   add_test(NAME test_gpu_thrust COMMAND test_gpu_thrust)
   set_tests_properties(test_gpu_thrust PROPERTIES LABELS "gpu" SKIP_REGULAR_EXPRESSION "GPUKIT_TEST_SKIPPED"
-    TIMEOUT 300)
+    TIMEOUT ${GPUKIT_GPU_TEST_TIMEOUT})
+  set_property(GLOBAL APPEND PROPERTY GPUKIT_GPU_CHECK_TARGETS test_gpu_thrust)
 endif()

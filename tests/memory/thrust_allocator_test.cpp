@@ -130,7 +130,7 @@ TEST_CASE("sim: thrust_allocator on cuda:0 of the simulated runtime") {
   GPUKIT_REQUIRE_GPU();
   if (!gpukit_test::on_simulator()) {
     std::printf(
-        "GPUKIT_TEST_SKIPPED: Thrust's CPP system cannot touch a real GPU's memory (gpu_thrust_test.cu does)\n");
+        "GPUKIT_TEST_NOT_APPLICABLE: Thrust's CPP system cannot touch a real GPU's memory (gpu_thrust_test.cu does)\n");
     return;
   }
   const gpukit::device d = gpukit::device::cuda(0);

@@ -186,29 +186,34 @@ TEST_CASE("gpu: the pinned pool pins once, then serves from the cache after the 
   CHECK(st.pinning_time.count() > 0);
 }
 
-TEST_CASE("gpu: bandwidth sanity: pinned H2D beats 5 GB/s and staged pageable reaches half of pinned") {
+// Rates are printed, not asserted (no timed tests): bench_transfer and examples/bandwidth_test hold the targets.
+TEST_CASE("gpu: 256 MiB uploads, pinned and staged from pageable memory, arrive intact, and their rates are printed") {
   GPUKIT_REQUIRE_GPU();
   const auto d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   const std::size_t bytes = 256 * MiB;
   gpukit::device_buffer<char> dev(bytes, s);
   gpukit::pinned_buffer<char> pinned(bytes, d);
-  std::vector<char> pageable(bytes, 1);
-  std::memset(pinned.data(), 1, bytes);
-  auto time = [&](auto&& copy) {
+  std::vector<char> pageable(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) pageable[i] = static_cast<char>(i * 131 + (i >> 20));
+  for (std::size_t i = 0; i < bytes; ++i) pinned.data()[i] = static_cast<char>(~pageable[i]);  // tells them apart
+  std::vector<char> back(bytes);
+  auto time = [&](const char* source, auto&& copy) {
     copy();  // warm-up (ring slots, pool blocks)
     s.synchronize();
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < 3; ++i) copy();
     s.synchronize();
-    return gb_per_s(3 * bytes, std::chrono::steady_clock::now() - start);
+    const double rate = gb_per_s(3 * bytes, std::chrono::steady_clock::now() - start);
+    std::fill(back.begin(), back.end(), 0);
+    gpukit::copy_async(back, dev, s);
+    s.synchronize();
+    CHECK(std::memcmp(back.data(), source, bytes) == 0);
+    return rate;
   };
-  const double pinned_rate = time([&] { gpukit::copy_async(dev, pinned, s); });
-  const double pageable_rate = time([&] { gpukit::copy_async(dev, pageable, s); });
+  const double pinned_rate = time(pinned.data(), [&] { gpukit::copy_async(dev, pinned, s); });
+  const double pageable_rate = time(pageable.data(), [&] { gpukit::copy_async(dev, pageable, s); });
   MESSAGE("H2D pinned " << pinned_rate << " GB/s, pageable staged " << pageable_rate << " GB/s");
-  if (gpukit_test::on_simulator()) return;  // the simulator's copies are memcpy: only a GPU has a PCIe limit
-  CHECK(pinned_rate > 5.0);
-  CHECK(pageable_rate > 0.5 * pinned_rate);
 }
 
 TEST_CASE("gpu: the prefetcher feeds a CUDA stream") {
