@@ -145,6 +145,52 @@ TEST_CASE("front cache: a small block freed on its stream is cached, then reused
   CHECK(f.a.stats().allocation.all().freed == 4);
 }
 
+TEST_CASE(
+    "front cache: 16 streams keep a slot each while their blocks come and go, and an idle stream's is taken over") {
+  setup f(with_front(true));
+  std::vector<fake_stream> streams;
+  for (int i = 0; i < 17; ++i) streams.push_back(fake_stream{f.world.add_stream()});
+  const auto first_16 = [&](auto&& body) {
+    for (std::size_t i = 0; i < 16; ++i) body(streams[i]);
+  };
+  std::vector<void*> held(16);
+  first_16([&](fake_stream s) { f.a.deallocate(f.a.allocate(3000, s)); });  // each stream owns a slot now
+  // The 17th stream's first block comes from a segment of its own: the heap grows, taking every cached block back
+  // first (slots stay owned). Its free finds no slot to use.
+  void* seventeenth = f.a.allocate(3000, streams[16]);
+  f.a.deallocate(seventeenth);
+  CHECK(state_of(f.a, seventeenth) == gpukit::block_state::free);
+  for (int round = 0; round < 3; ++round) {
+    // Every slot empties (all blocks taken), then every stream frees: none may lose its slot to another meanwhile.
+    for (std::size_t i = 0; i < 16; ++i) held[i] = f.a.allocate(3000, streams[i]);
+    for (std::size_t i = 0; i < 16; ++i) {
+      f.a.deallocate(held[i]);
+      CHECK_MESSAGE(state_of(f.a, held[i]) == gpukit::block_state::cached, "stream " << i << ", round " << round);
+    }
+    for (std::size_t i = 0; i < 16; ++i) CHECK(f.a.allocate(3000, streams[i]) == held[i]);  // hits, on its stream
+    for (void* p : held) f.a.deallocate(p);
+  }
+  // A 17th stream finds every slot owned and holding a block: its block goes to the heap.
+  void* late = f.a.allocate(3000, streams[16]);
+  f.a.deallocate(late);
+  CHECK(state_of(f.a, late) == gpukit::block_state::free);
+  // The 16 take their blocks and go idle: the 17th's first free finds their slots empty and marks them, its second
+  // (none of them used its slot in between) takes one over.
+  for (std::size_t i = 0; i < 16; ++i) held[i] = f.a.allocate(3000, streams[i]);
+  void* first = f.a.allocate(3000, streams[16]);
+  f.a.deallocate(first);
+  CHECK(state_of(f.a, first) == gpukit::block_state::free);
+  void* second = f.a.allocate(3000, streams[16]);
+  f.a.deallocate(second);
+  CHECK(state_of(f.a, second) == gpukit::block_state::cached);
+  CHECK(f.a.allocate(3000, streams[16]) == second);
+  f.a.deallocate(second);
+  for (void* p : held) f.a.deallocate(p);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+}
+
 TEST_CASE("front cache: blocks of segments of their own, record_stream and destroyed streams go to the heap") {
   setup f(with_front(true));
   const fake_stream s0 = f.streams[0];

@@ -1284,7 +1284,8 @@ class basic_caching_allocator {
     }
   }
 
-  /// Stream `key`'s slot for small blocks (or large ones), or the next one (`probe` 1) when another stream has it.
+  /// The `probe`-th slot for stream `key`'s small blocks (or large ones): linear probing from the key's hash. A
+  /// stream's slots come before the first slot never owned (0) in its sequence, as owners are never reset to 0.
   front_slot_type& front_slot_at(std::uintptr_t key, std::size_t probe, bool large) noexcept {
     const std::uint64_t h = static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ULL;
     const std::size_t i = (static_cast<std::size_t>(h >> 32) + probe) % front_slots_per_pool;
@@ -1294,11 +1295,13 @@ class basic_caching_allocator {
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
   /// in the pointer map; nullptr when there is none (the heap then serves the request).
   GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large) {
-    for (std::size_t probe = 0; probe < 2; ++probe) {
+    for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe, large);
-      if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;  // a hint: a miss only costs the heap's path
+      const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
+      if (owner == 0) return nullptr;  // hints: a miss only costs the heap's path
+      if (owner != key || slot.blocks.load(std::memory_order_relaxed) == 0) continue;
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
-      if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
+      if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key.load(std::memory_order_relaxed) != key) continue;
       ++slot.tick;
       auto* bin = slot.find(size);
       if (bin == nullptr) continue;
@@ -1331,7 +1334,7 @@ class basic_caching_allocator {
     detail::sequence_write change(slot.sequence);
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
-    slot.key = b->owner->key;
+    slot.key.store(b->owner->key, std::memory_order_relaxed);
     slot.push(bin, b);
     b->in_front.store(true, std::memory_order_relaxed);
   }
@@ -1340,9 +1343,11 @@ class basic_caching_allocator {
                                                 bool large) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(*this);
-    for (std::size_t probe = 0; probe < 2; ++probe) {
+    for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe, large);
-      if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key != key) continue;
+      const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
+      if (owner == 0) return nullptr;
+      if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner != key) continue;
       auto* bin = slot.find(size);
       if (bin != nullptr) return take_cached(slot, *bin, requested, true);
     }
@@ -1357,29 +1362,47 @@ class basic_caching_allocator {
   /// blocks cannot go back to the heap (see flush_bin): `b` is still allocated then.
   GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) {
     const std::uintptr_t key = b->owner->key;
-    for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe, !b->small);
-      std::unique_lock<detail::spin_mutex> lock(slot.mutex);
-      if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
-      if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
-      ++slot.tick;
-      auto* bin = slot.room_for(b->size);
-      if (bin == nullptr) {
-        if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
-        lock.unlock();
-        return front_give_slow(b);  // a bin of sizes no longer used gives way
+    const bool large = !b->small;
+    // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
+    // slots owned by other streams): one whose owner went idle. Reads without the lock are hints, checked under it.
+    for (int pass = 0; pass < 3; ++pass) {
+      for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
+        front_slot_type& slot = front_slot_at(key, probe, large);
+        const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
+        if (pass == 0 && owner == 0) break;
+        if (owner != (pass == 0 ? key : 0) && pass != 2) continue;
+        if (pass == 2 && (owner == key || owner == 0 || slot.blocks.load(std::memory_order_relaxed) != 0)) continue;
+        std::unique_lock<detail::spin_mutex> lock(slot.mutex);
+        const std::uintptr_t now = slot.key.load(std::memory_order_relaxed);
+        if (pass == 2 ? !slot.may_take_over(key) : now != key && now != 0) continue;
+        return front_give_to(slot, lock, b);
       }
-      if (!fronts_active_ || !slot.may_enter(*b)) {
-        lock.unlock();
-        return front_give_slow(b);
-      }
-      give_cached(slot, *bin, b, false);
-      return front_result::cached;
     }
     return front_result::no_room;
   }
 
-  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b) {
+  /// front_give's work once it holds the lock of a slot stream `b->owner` may use.
+  GPUKIT_DETAIL_FLATTEN front_result front_give_to(front_slot_type& slot, std::unique_lock<detail::spin_mutex>& lock,
+                                                   block* b) {
+    if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+    ++slot.tick;
+    auto* bin = slot.room_for(b->size);
+    if (bin == nullptr) {
+      if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
+      lock.unlock();
+      return front_give_slow(b, slot);  // a bin of sizes no longer used gives way
+    }
+    if (!fronts_active_ || !slot.may_enter(*b)) {
+      lock.unlock();
+      return front_give_slow(b, slot);
+    }
+    give_cached(slot, *bin, b, false);
+    return front_result::cached;
+  }
+
+  /// front_give with every lock held, for `chosen`, the slot front_give picked, or, when it no longer may be used
+  /// (its owner cached a block meanwhile), the stream's own slot or one never owned.
+  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b, front_slot_type& chosen) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(*this);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
@@ -1389,9 +1412,19 @@ class basic_caching_allocator {
       rebalance_all();
     }
     const std::uintptr_t key = b->owner->key;
-    for (std::size_t probe = 0; probe < 2; ++probe) {
-      front_slot_type& slot = front_slot_at(key, probe, !b->small);
-      if (slot.blocks.load(std::memory_order_relaxed) != 0 && slot.key != key) continue;
+    const std::uintptr_t chosen_owner = chosen.key.load(std::memory_order_relaxed);
+    front_slot_type* found = nullptr;
+    if (chosen_owner == key || chosen_owner == 0 || chosen.blocks.load(std::memory_order_relaxed) == 0) {
+      found = &chosen;
+    } else {
+      for (std::size_t probe = 0; probe < 2 * front_slots_per_pool && found == nullptr; ++probe) {
+        front_slot_type& slot = front_slot_at(key, probe, !b->small);
+        const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
+        if (probe < front_slots_per_pool ? owner == key : owner == 0) found = &slot;  // own first, then unowned
+      }
+    }
+    if (found != nullptr) {
+      front_slot_type& slot = *found;
       auto* bin = slot.room_for(b->size);
       if (bin == nullptr) {
         bin = slot.stale_bin(b->size);

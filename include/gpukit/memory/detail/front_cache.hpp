@@ -74,8 +74,13 @@ struct alignas(64) front_slot {
   };
 
   mutable spin_mutex mutex;
-  std::uintptr_t key = 0;                // the stream whose blocks are cached, while blocks != 0
-  std::atomic<std::uint32_t> blocks{0};  // written under the lock; read without it to skip empty slots
+  // The stream that owns the slot (0: never owned). Ownership outlives the blocks: while its stream takes and gives
+  // blocks, an empty slot stays its own, so threads on other streams never move in between a take and a give (when
+  // they could, 8 threads on 8 streams ran slower together than one alone: they ended up sharing slots or the heap).
+  // Written under the lock; read without it to find a stream's slot. Never 0 again once set.
+  std::atomic<std::uintptr_t> key{0};
+  std::uint64_t idle_mark = ~std::uint64_t{0};  // `tick` when another stream last found the slot empty (under lock)
+  std::atomic<std::uint32_t> blocks{0};         // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
   std::uint64_t tick = 0;  // operations on the slot (under its lock)
   // Odd while the counts below change (sequence_write.hpp): readers of the statistics check it around their reads,
@@ -89,6 +94,17 @@ struct alignas(64) front_slot {
   // How far each quantity's counters may rise (in the counters' direction) without a look at the others: the
   // allocator keeps each counter's peak >= the heap's value + every slot's claim (front_cache explains).
   std::array<std::int64_t, front_quantity_count> claim{};
+
+  /// Whether stream `k` may take this slot over from its owner (the lock held): only when it is empty and its owner
+  /// has not used it since another stream last asked (a stream that ended, or went idle, loses its slot on the
+  /// second ask). Each ask that says no marks the slot.
+  bool may_take_over(std::uintptr_t k) noexcept {
+    const std::uintptr_t owner = key.load(std::memory_order_relaxed);
+    if (owner == k || owner == 0 || blocks.load(std::memory_order_relaxed) != 0) return false;
+    if (idle_mark == tick) return true;
+    idle_mark = tick;
+    return false;
+  }
 
   /// The bin of blocks of `size`, or nullptr when none holds any.
   bin* find(std::size_t size) noexcept {
