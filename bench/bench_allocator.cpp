@@ -16,6 +16,7 @@
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -330,6 +331,13 @@ Benchmark* single(Benchmark* b) {
 
 // --- GPU comparisons (registered only when a CUDA device is usable) ---
 
+/// Items, and ns per item as the ratio table reads it (an item: one pair, or one query).
+void count_pairs(benchmark::State& state) {
+  state.SetItemsProcessed(state.iterations());
+  state.counters["ns_per_pair"] = benchmark::Counter(static_cast<double>(state.iterations()),
+                                                     benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 void BM_cuda_malloc(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   for (auto _ : state) {
@@ -337,7 +345,7 @@ void BM_cuda_malloc(benchmark::State& state) {
     if (cudaMalloc(&p, bytes) != cudaSuccess) state.SkipWithError("cudaMalloc failed");
     cudaFree(p);
   }
-  state.SetItemsProcessed(state.iterations());
+  count_pairs(state);
 }
 
 void BM_cuda_malloc_async(benchmark::State& state) {
@@ -353,7 +361,7 @@ void BM_cuda_malloc_async(benchmark::State& state) {
     cudaFreeAsync(p, s.cuda_handle());
   }
   s.synchronize();
-  state.SetItemsProcessed(state.iterations());
+  count_pairs(state);
 }
 
 /// gpukit::async_allocator: the same driver pool behind device_allocator (its bookkeeping's cost over the above).
@@ -363,7 +371,7 @@ void BM_gpukit_async(benchmark::State& state) {
   gpukit::stream s(gpukit::device::cuda(0));
   for (auto _ : state) allocator->deallocate(allocator->allocate(bytes, s));
   s.synchronize();
-  state.SetItemsProcessed(state.iterations());
+  count_pairs(state);
 }
 
 #if defined(GPUKIT_BENCH_HAVE_CUB)
@@ -379,7 +387,7 @@ void BM_cub(benchmark::State& state) {
     if (allocator->DeviceAllocate(&p, bytes, s.cuda_handle()) != cudaSuccess) state.SkipWithError("cub failed");
     allocator->DeviceFree(p);
   }
-  state.SetItemsProcessed(state.iterations());
+  count_pairs(state);
 }
 #endif
 
@@ -393,7 +401,16 @@ void BM_gpukit_cuda(benchmark::State& state) {
     benchmark::DoNotOptimize(p);
     a.deallocate(p);
   }
-  state.SetItemsProcessed(state.iterations());
+  count_pairs(state);
+}
+
+/// What the caching allocator asks on each allocate and each free on a CUDA stream: whether the stream is being
+/// captured (cudaStreamIsCapturing, with the stream's context made current if the thread has none).
+void BM_gpu_capture_query(benchmark::State& state) {
+  gpukit::stream s(gpukit::device::cuda(0));
+  const gpukit::stream_view v = s.view();
+  for (auto _ : state) benchmark::DoNotOptimize(gpukit::detail::capture_status(v));
+  count_pairs(state);
 }
 
 // --- the ratio table ---
@@ -542,6 +559,22 @@ void print_ratios(const collecting_reporter& r) {
     std::printf("  %-9s none %6.1f ns | 256 B %6.1f ns (%.2fx) | 4096 B, over-aligned %6.1f ns (%.2fx)\n",
                 gpukit::detail::format_bytes(size).c_str(), none, natural, natural / none, over, over / none);
   }
+  const double query = r.ns("BM_gpu_capture_query");
+  if (query > 0) {
+    std::printf("\nOn a CUDA device (1 thread, one CUDA stream), ns per allocate+free pair:\n");
+    std::printf("%-9s %10s %12s %10s %12s %12s\n", "size", "gpukit", "cudaMallocAsync", "cub", "async_alloc",
+                "cudaMalloc");
+    for (std::size_t size : sizes) {
+      const std::string arg = "/" + std::to_string(size);
+      std::printf("%-9s %10.1f %12.1f %10.1f %12.1f %12.1f\n", gpukit::detail::format_bytes(size).c_str(),
+                  r.ns("BM_gpu_gpukit_caching_allocator" + arg), r.ns("BM_gpu_cudaMallocAsync_pool" + arg),
+                  r.ns("BM_gpu_cub_CachingDeviceAllocator" + arg), r.ns("BM_gpu_gpukit_async_allocator" + arg),
+                  r.ns("BM_gpu_cudaMalloc_cudaFree" + arg));
+    }
+    std::printf(
+        "  of gpukit's pair, the two capture queries (cudaStreamIsCapturing per allocate and per free): %.1f ns\n",
+        2 * query);
+  }
   std::printf("\n");
   std::printf(
       "gpukit: the engine over host memory (1 thread: the CPU default stream; more: a CPU stream each) | "
@@ -588,6 +621,7 @@ int main(int argc, char** argv) {
 #endif
       benchmark::RegisterBenchmark("BM_gpu_gpukit_caching_allocator", BM_gpukit_cuda)->Arg(arg);
     }
+    benchmark::RegisterBenchmark("BM_gpu_capture_query", BM_gpu_capture_query);
   } else {
     std::printf(
         "GPU comparisons (cudaMalloc, cudaMallocAsync pool, cub::CachingDeviceAllocator, gpukit over "

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -30,13 +31,15 @@ struct null_copier {
 
 using ceiling_engine = gpukit::basic_staging_engine<null_copier>;
 
-ceiling_engine& engine_with_threads(unsigned threads) {
+ceiling_engine& engine_with_threads(unsigned threads, bool streaming = false) {
   static gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
-  static std::map<unsigned, std::unique_ptr<ceiling_engine>> engines;
-  auto& e = engines[threads];
+  static std::map<std::pair<unsigned, bool>, std::unique_ptr<ceiling_engine>> engines;
+  auto& e = engines[{threads, streaming}];
   if (!e) {
     gpukit::staging_options options;
     options.threads = threads;
+    options.bytes_per_thread = options.chunk_bytes / threads;
+    options.streaming_stores = streaming;
     e = std::make_unique<ceiling_engine>(pool, options);
   }
   return *e;
@@ -80,6 +83,20 @@ void BM_staging_to_ring(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }
 
+// 256 MiB into the ring by host threads per chunk (range 1), with plain or streaming stores (range 2): the CPU-side
+// ceiling of staged uploads, which a GPU's staged rate is compared with.
+void BM_staging_to_ring_threads(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  auto& engine = engine_with_threads(static_cast<unsigned>(state.range(1)), state.range(2) != 0);
+  auto& b = buffers_of(bytes);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  engine.to_device(b.dst.data(), b.src.data(), bytes, s);
+  for (auto _ : state) {
+    engine.to_device(b.dst.data(), b.src.data(), bytes, s);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+}
+
 // (null device copy) → pinned ring → pageable: the calling thread copies each slot out once its event completed.
 void BM_staging_from_ring(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
@@ -95,6 +112,7 @@ void BM_staging_from_ring(benchmark::State& state) {
 
 BENCHMARK(BM_memcpy)->Arg(64 * KiB)->Arg(MiB)->Arg(8 * MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime();
 BENCHMARK(BM_staging_to_ring)->ArgsProduct({{64 * KiB, MiB, 8 * MiB, 64 * MiB, 256 * MiB}, {1, 2}})->UseRealTime();
+BENCHMARK(BM_staging_to_ring_threads)->ArgsProduct({{256 * MiB}, {1, 2, 4, 8}, {0, 1}})->UseRealTime();
 BENCHMARK(BM_staging_from_ring)->ArgsProduct({{MiB, 64 * MiB, 256 * MiB}, {1, 2}})->UseRealTime();
 
 // ---- GPU ------------------------------------------------------------------------------------------------------
@@ -168,6 +186,43 @@ void BM_gpu(benchmark::State& state, bool to_device, path p) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }
 
+/// Staged pageable copies of 256 MiB through an engine of its own with `threads` host copy threads per chunk (each
+/// thread copies chunk_bytes / threads of a chunk): the figures the default of staging_options::threads comes from.
+void BM_gpu_staged_threads(benchmark::State& state, bool to_device) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  const auto threads = static_cast<unsigned>(state.range(1));
+  const bool streaming = state.range(2) != 0;
+  // Leaked, as the default engine: destroying one waits for its streams (CUDA calls) at exit.
+  static auto* engines = new std::map<std::pair<unsigned, bool>, std::unique_ptr<gpukit::staging_engine>>();
+  auto& engine = (*engines)[{threads, streaming}];
+  if (!engine) {
+    gpukit::staging_options options;
+    options.threads = threads;
+    options.bytes_per_thread = options.chunk_bytes / threads;
+    options.streaming_stores = streaming;
+    engine = std::make_unique<gpukit::staging_engine>(gpukit::default_pinned_pool(gpukit::device::cuda(0)), options);
+  }
+  auto& f = gpu();
+  auto& dev = f.dev(bytes);
+  auto& pageable = buffers_of(bytes).src;
+  auto once = [&] {
+    if (to_device) {
+      engine->to_device(dev.data(), pageable.data(), bytes, f.s);
+    } else {
+      engine->to_host(pageable.data(), dev.data(), bytes, f.s);
+    }
+  };
+  once();
+  f.s.synchronize();
+  for (auto _ : state) {
+    once();
+    f.s.synchronize();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+}
+
+constexpr int staged_thread_counts[] = {1, 2, 4, 8, 12};
+
 void register_gpu_benchmarks() {
   const char* names[] = {"raw_pinned", "gpukit_pinned", "raw_pageable", "gpukit_pageable"};
   for (bool h2d : {true, false}) {
@@ -176,6 +231,13 @@ void register_gpu_benchmarks() {
       auto run = [h2d, p](benchmark::State& st) { BM_gpu(st, h2d, static_cast<path>(p)); };
       benchmark::RegisterBenchmark(name.c_str(), run)->Arg(MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime();
     }
+    const std::string name = std::string("BM_gpu_") + (h2d ? "h2d" : "d2h") + "_staged_threads";
+    auto* b =
+        benchmark::RegisterBenchmark(name.c_str(), [h2d](benchmark::State& st) { BM_gpu_staged_threads(st, h2d); });
+    for (int streaming : {0, 1}) {
+      for (int t : staged_thread_counts) b->Args({static_cast<std::int64_t>(256 * MiB), t, streaming});
+    }
+    b->UseRealTime();
   }
 }
 
@@ -213,6 +275,16 @@ class ratio_reporter : public benchmark::ConsoleReporter {
       }
       std::printf("\n");
     }
+    std::printf("\nStaging 256 MiB into the ring by host threads (GB/s; plain stores / streaming stores):\n");
+    for (int t : {1, 2, 4, 8}) {
+      const std::string prefix =
+          "BM_staging_to_ring_threads/" + std::to_string(256 * MiB) + "/" + std::to_string(t) + "/";
+      const double plain = get(prefix + "0");
+      const double streaming = get(prefix + "1");
+      if (plain > 0 && streaming > 0) {
+        std::printf("  %d threads: %6.2f / %6.2f (%.2fx)\n", t, plain / 1e9, streaming / 1e9, streaming / plain);
+      }
+    }
     if (!gpu_) {
       std::printf("\nGPU benchmarks skipped: no CUDA device is usable on this machine.\n");
       return;
@@ -227,6 +299,22 @@ class ratio_reporter : public benchmark::ConsoleReporter {
         for (const char* p : {"gpukit_pinned", "raw_pageable", "gpukit_pageable"}) {
           const double r = get(std::string("BM_gpu_") + dir + "_" + p + suffix);
           std::printf(" | %s %6.2f (%3.0f%%)", p, r / 1e9, 100 * r / pinned);
+        }
+        std::printf("\n");
+      }
+    }
+    std::printf("\nStaged pageable 256 MiB by host copy threads per chunk (GB/s; %% of raw pinned; default %u here):\n",
+                gpukit::default_staging_engine(gpukit::device::cuda(0)).options().threads);
+    for (const char* dir : {"h2d", "d2h"}) {
+      const double pinned =
+          get(std::string("BM_gpu_") + dir + "_raw_pinned/" + std::to_string(256 * MiB) + "/real_time");
+      for (int streaming : {0, 1}) {
+        if (streaming != 0 && std::string(dir) == "d2h") continue;  // streaming stores only fill upload slots
+        std::printf("%s%s", dir, streaming != 0 ? ", streaming stores" : "");
+        for (int t : staged_thread_counts) {
+          const double r = get(std::string("BM_gpu_") + dir + "_staged_threads/" + std::to_string(256 * MiB) + "/" +
+                               std::to_string(t) + "/" + std::to_string(streaming));
+          if (r > 0 && pinned > 0) std::printf(" | %2d: %6.2f (%3.0f%%)", t, r / 1e9, 100 * r / pinned);
         }
         std::printf("\n");
       }

@@ -5,6 +5,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/parallel_copy.hpp>
 #include <gpukit/transfer/staging.hpp>
 
 #include "support.hpp"
@@ -18,6 +19,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace std::chrono_literals;
@@ -74,10 +76,44 @@ TEST_CASE("chunking: one chunk up to min_chunk_bytes, then at least `slots` chun
                   gpukit::invalid_argument_error);
 }
 
+TEST_CASE(
+    "parallel_copy, plain and with streaming stores: every size, alignment and thread count, nothing else written") {
+  for (bool streaming : {false, true}) {
+    for (unsigned threads : {1u, 3u}) {
+      for (std::size_t bytes :
+           {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{63}, std::size_t{64},
+            std::size_t{65}, std::size_t{79}, std::size_t{80}, std::size_t{1000}, 2 * 64 * KiB + 17, 1024 * KiB + 3}) {
+        for (std::size_t src_offset : {0, 1, 8}) {
+          for (std::size_t dst_offset : {0, 1, 7, 15, 16}) {
+            CAPTURE(streaming);
+            CAPTURE(threads);
+            CAPTURE(bytes);
+            CAPTURE(src_offset);
+            CAPTURE(dst_offset);
+            const auto src = patterned(bytes + src_offset, static_cast<unsigned>(bytes + dst_offset));
+            std::vector<unsigned char> dst(bytes + dst_offset + 64, 0xEE);
+            gpukit::parallel_copy(dst.data() + dst_offset, src.data() + src_offset, bytes, threads, streaming);
+            CHECK(std::equal(src.begin() + static_cast<std::ptrdiff_t>(src_offset), src.end(),
+                             dst.begin() + static_cast<std::ptrdiff_t>(dst_offset)));
+            CHECK(std::all_of(dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(dst_offset),
+                              [](unsigned char c) { return c == 0xEE; }));
+            CHECK(std::all_of(dst.begin() + static_cast<std::ptrdiff_t>(dst_offset + bytes), dst.end(),
+                              [](unsigned char c) { return c == 0xEE; }));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("round trips on a CPU stream: 0, 1, chunk-1, chunk, chunk+1, many chunks, unaligned offsets") {
   auto pool = make_pool();
-  for (std::size_t chunk : {64 * KiB, 256 * KiB}) {
-    engine_type engine(pool, small_options(chunk));
+  for (const auto& [chunk, streaming] :
+       {std::pair<std::size_t, bool>{64 * KiB, false}, {256 * KiB, false}, {256 * KiB, true}}) {
+    CAPTURE(streaming);
+    gpukit::staging_options options = small_options(chunk);
+    options.streaming_stores = streaming;
+    engine_type engine(pool, options);
     gpukit::stream s(cpu);
     unsigned seed = 1;
     for (std::size_t bytes :

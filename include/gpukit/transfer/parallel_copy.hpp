@@ -6,7 +6,9 @@
 /// A host memcpy split across threads, for staging pageable memory: one core's memcpy (about 10–20 GB/s on servers)
 /// is below what PCIe Gen5 moves (about 55 GB/s), so large chunks are copied by several threads. The caller copies
 /// a part itself and helper threads from a small process-wide pool take the rest; parts nobody has started are
-/// taken by the caller, so a copy never waits for a busy helper.
+/// taken by the caller, so a copy never waits for a busy helper. A copy may use non-temporal (streaming) stores:
+/// into a staging slot that only the DMA engine reads next, they skip reading the destination into the cache first
+/// and leave the caches to the program.
 
 #include <gpukit/detail/config.hpp>
 
@@ -14,15 +16,60 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
+
+/// std::memcpy with non-temporal stores where the CPU has them (x86-64: SSE2; elsewhere plain memcpy), ending with a
+/// store fence so the data is visible to other threads and to DMA once the copy is reported done.
+inline void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
+#if defined(__SSE2__)
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16;  // to 16-byte aligned stores
+  if (bytes < head + 64) {
+    std::memcpy(d, s, bytes);
+    return;
+  }
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  for (; bytes >= 64; d += 64, s += 64, bytes -= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+  }
+  std::memcpy(d, s, bytes);
+  _mm_sfence();  // streaming stores are weakly ordered: complete them before the copy counts as done
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+/// One part of a copy, with plain or streaming stores.
+inline void copy_part(void* dst, const void* src, std::size_t bytes, bool streaming) noexcept {
+  if (streaming) {
+    streaming_copy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
 
 /// The helper threads of parallel_copy. Created lazily (never at static-initialisation time), grown on demand up to
 /// `max_helpers`, and never destroyed: copies may run in host callbacks and static destructors until the process
@@ -37,9 +84,9 @@ class copy_workers {
   }
 
   /// Copies `bytes` from `src` to `dst` (which must not overlap) in `parts` pieces, the caller doing one or more.
-  void copy(void* dst, const void* src, std::size_t bytes, unsigned parts) {
+  void copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming) {
     if (parts <= 1 || bytes < 2 * min_part_bytes) {
-      std::memcpy(dst, src, bytes);
+      copy_part(dst, src, bytes, streaming);
       return;
     }
     parts = std::min<unsigned>(parts, max_helpers + 1);
@@ -48,6 +95,7 @@ class copy_workers {
     j->src = static_cast<const char*>(src);
     j->bytes = bytes;
     j->parts = parts;
+    j->streaming = streaming;
     // Parts of whole cache lines: neighbours never share one.
     j->part_bytes = ((bytes + parts - 1) / parts + 63) / 64 * 64;
     post(j, parts - 1);
@@ -65,6 +113,7 @@ class copy_workers {
     std::size_t bytes = 0;
     std::size_t part_bytes = 0;
     unsigned parts = 0;
+    bool streaming = false;
     std::atomic<unsigned> next{0};
     std::atomic<unsigned> done{0};
     std::mutex mutex;
@@ -77,7 +126,7 @@ class copy_workers {
       if (i >= j.parts) return;
       const std::size_t begin = std::min(j.bytes, static_cast<std::size_t>(i) * j.part_bytes);
       const std::size_t end = std::min(j.bytes, begin + j.part_bytes);
-      if (end > begin) std::memcpy(j.dst + begin, j.src + begin, end - begin);
+      if (end > begin) copy_part(j.dst + begin, j.src + begin, end - begin, j.streaming);
       if (j.done.fetch_add(1, std::memory_order_acq_rel) + 1 == j.parts) {
         std::lock_guard<std::mutex> lock(j.mutex);
         j.cv.notify_all();
@@ -128,10 +177,11 @@ class copy_workers {
 }  // namespace detail
 
 /// std::memcpy over up to `threads` threads (1 = plain memcpy). Copies below 128 KiB always use one thread: waking a
-/// helper costs more than it saves. The ranges must not overlap.
-inline void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads) {
+/// helper costs more than it saves. The ranges must not overlap. `streaming`: non-temporal stores (see the file
+/// comment), for a destination that is not read again soon from this CPU.
+inline void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads, bool streaming = false) {
   if (bytes == 0) return;
-  detail::copy_workers::instance().copy(dst, src, bytes, threads);
+  detail::copy_workers::instance().copy(dst, src, bytes, threads, streaming);
 }
 
 GPUKIT_END_NAMESPACE
