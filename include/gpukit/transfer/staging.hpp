@@ -105,7 +105,8 @@ struct staging_options {
   /// Slots of a stream's upload ring (to_device): 4 leave two DMAs queued while the CPU fills the next slot.
   std::size_t slots = 4;
   /// Threads that copy one chunk on the host (0: min(8, hardware threads)). On an H100 host (16 cores), staged
-  /// 256 MiB uploads ran at 5.7, 11.8, 18.8, 24.8 and 25.3 GB/s with 1, 2, 4, 8 and 12 (bench_transfer, bench/results).
+  /// 256 MiB uploads ran at 6–9, 12–14, 18–19, 25–35 and 25–36 GB/s with 1, 2, 4, 8 and 12 threads in two runs
+  /// (bench_transfer, bench/results): 8 gets nearly all of it.
   unsigned threads = 0;
   /// A chunk gets one thread per this many bytes, up to `threads` (8 for an 8 MiB chunk): waking a helper costs
   /// ~10 µs, copying 1 MiB ~50–100 µs.
