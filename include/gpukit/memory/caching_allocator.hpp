@@ -1364,9 +1364,12 @@ class basic_caching_allocator {
     const std::uintptr_t key = b->owner->key;
     const bool large = !b->small;
     // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
-    // slots owned by other streams): one whose owner went idle. Reads without the lock are hints, checked under it.
+    // slots owned by other streams): one whose owner went idle, among the first few, so that with more busy streams
+    // than slots a free without a slot locks only a few others' slots. Reads without the lock are hints, checked
+    // under it.
+    constexpr std::size_t takeover_probes = 4;
     for (int pass = 0; pass < 3; ++pass) {
-      for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
+      for (std::size_t probe = 0; probe < (pass == 2 ? takeover_probes : front_slots_per_pool); ++probe) {
         front_slot_type& slot = front_slot_at(key, probe, large);
         const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
         if (pass == 0 && owner == 0) break;
