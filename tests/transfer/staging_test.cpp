@@ -108,8 +108,12 @@ TEST_CASE(
 
 TEST_CASE("round trips on a CPU stream: 0, 1, chunk-1, chunk, chunk+1, many chunks, unaligned offsets") {
   auto pool = make_pool();
-  for (const auto& [chunk, streaming] :
+  // Named copies, not structured bindings: doctest's CAPTURE is a lambda, and clang before 16
+  // cannot capture a structured binding.
+  for (const auto& chunk_and_mode :
        {std::pair<std::size_t, bool>{64 * KiB, false}, {256 * KiB, false}, {256 * KiB, true}}) {
+    const std::size_t chunk = chunk_and_mode.first;
+    const bool streaming = chunk_and_mode.second;
     CAPTURE(streaming);
     gpukit::staging_options options = small_options(chunk);
     options.streaming_stores = streaming;
