@@ -14,6 +14,7 @@
 #include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -185,6 +186,55 @@ void run_gpukit(benchmark::State& state, const gpukit::allocator_options& option
 }
 
 void BM_gpukit(benchmark::State& state) { run_gpukit(state, {}); }
+
+/// A CPU stream with the key of our choosing, for placing streams' front slots (keyed_ops).
+struct keyed_stream {
+  gpukit::stream_view view;
+  std::uintptr_t key = 0;
+};
+
+/// gpukit::stream_ops with the keys of keyed_stream.
+struct keyed_ops {
+  using stream_type = keyed_stream;
+  using event_type = gpukit::stream_ops::event_type;
+  gpukit::stream_ops base;
+  std::uintptr_t key(const keyed_stream& s) const noexcept { return s.key; }
+  gpukit::device device_of(const keyed_stream& s) const { return base.device_of(s.view); }
+  event_type create_event(gpukit::device d) const { return base.create_event(d); }
+  void record(event_type& e, const keyed_stream& s) const { base.record(e, s.view); }
+  bool ready(const event_type& e) const { return base.ready(e); }
+  void synchronize(const event_type& e) const { base.synchronize(e); }
+  void wait(const event_type& e, const keyed_stream& s) const { base.wait(e, s.view); }
+  bool may_have_pending_work(const keyed_stream& s) const { return base.may_have_pending_work(s.view); }
+};
+
+/// Threads on streams whose front slots' homes coincide (range(1) = 1: every stream's home is slot 0, so thread t
+/// finds its slot after probing t others, which the other threads write on every pair) or differ (0). The
+/// difference is what probing other streams' slots costs.
+void BM_gpukit_slot_homes(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const bool colliding = state.range(1) != 0;
+  gpukit::basic_caching_allocator<gpukit::host_upstream, keyed_ops> a(cpu);
+  std::vector<std::unique_ptr<gpukit::stream>> owned;
+  std::vector<keyed_stream> streams;
+  std::vector<bool> home_taken(gpukit::detail::front_slots_per_pool, false);
+  std::uintptr_t candidate = 1;
+  for (int t = 0; t < threads; ++t) {
+    for (;; ++candidate) {
+      const std::size_t home = gpukit::detail::front_home(candidate, gpukit::detail::front_slots_per_pool);
+      if (colliding ? home == 0 : !home_taken[home]) break;
+    }
+    home_taken[gpukit::detail::front_home(candidate, gpukit::detail::front_slots_per_pool)] = true;
+    owned.push_back(std::make_unique<gpukit::stream>(cpu));
+    streams.push_back(keyed_stream{owned.back()->view(), candidate++});
+  }
+  for (const keyed_stream& s : streams) a.deallocate(a.allocate(256, s));  // slots taken in order: t at probe t
+  run_rounds(state, threads, [&](int t) {
+    void* p = a.allocate(256, streams[static_cast<std::size_t>(t)]);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  });
+}
 
 /// With allocator_options::front_cache_large: large blocks are cached per stream too (run for the large size).
 void BM_gpukit_large_front(benchmark::State& state) {
@@ -404,6 +454,22 @@ void BM_gpukit_cuda(benchmark::State& state) {
   count_pairs(state);
 }
 
+/// BM_gpukit_cuda with capture_checks::gpukit_captures: no capture query while no gpukit::capture runs.
+void BM_gpukit_cuda_gpukit_captures(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  gpukit::allocator_options options;
+  options.capture_check = gpukit::capture_checks::gpukit_captures;
+  static gpukit::caching_allocator* allocator = new gpukit::caching_allocator(gpukit::device::cuda(0), options);
+  gpukit::stream s(gpukit::device::cuda(0));
+  allocator->deallocate(allocator->allocate(bytes, s));
+  for (auto _ : state) {
+    void* p = allocator->allocate(bytes, s);
+    benchmark::DoNotOptimize(p);
+    allocator->deallocate(p);
+  }
+  count_pairs(state);
+}
+
 /// What the caching allocator asks on each allocate and each free on a CUDA stream: whether the stream is being
 /// captured (cudaStreamIsCapturing, with the stream's context made current if the thread has none).
 void BM_gpu_capture_query(benchmark::State& state) {
@@ -516,6 +582,19 @@ void print_ratios(const collecting_reporter& r) {
   }
   std::printf(
       "  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
+  // Streams whose front slots' homes coincide probe past each other's slots: what that costs, same run.
+  for (int threads : thread_counts) {
+    auto name = [&](int colliding) {
+      return "BM_gpukit_slot_homes/" + std::to_string(threads) + "/" + std::to_string(colliding) + "/manual_time";
+    };
+    const double spread = r.ns(name(0));
+    const double colliding = r.ns(name(1));
+    if (spread <= 0 || colliding <= 0) continue;
+    std::printf(
+        "  256 B     %d threads, every stream's front slot home the same: %.1f ns per pair against %.1f ns with "
+        "homes apart (%.2fx)\n",
+        threads, colliding, spread, colliding / spread);
+  }
   {
     const std::size_t size = sizes[2];
     auto name = [&](const char* bm, int threads) {
@@ -562,17 +641,20 @@ void print_ratios(const collecting_reporter& r) {
   const double query = r.ns("BM_gpu_capture_query");
   if (query > 0) {
     std::printf("\nOn a CUDA device (1 thread, one CUDA stream), ns per allocate+free pair:\n");
-    std::printf("%-9s %10s %12s %10s %12s %12s\n", "size", "gpukit", "cudaMallocAsync", "cub", "async_alloc",
-                "cudaMalloc");
+    std::printf("%-9s %10s %10s %12s %10s %12s %12s\n", "size", "gpukit", "gpukit-gc", "cudaMallocAsync", "cub",
+                "async_alloc", "cudaMalloc");
     for (std::size_t size : sizes) {
       const std::string arg = "/" + std::to_string(size);
-      std::printf("%-9s %10.1f %12.1f %10.1f %12.1f %12.1f\n", gpukit::detail::format_bytes(size).c_str(),
-                  r.ns("BM_gpu_gpukit_caching_allocator" + arg), r.ns("BM_gpu_cudaMallocAsync_pool" + arg),
-                  r.ns("BM_gpu_cub_CachingDeviceAllocator" + arg), r.ns("BM_gpu_gpukit_async_allocator" + arg),
-                  r.ns("BM_gpu_cudaMalloc_cudaFree" + arg));
+      std::printf("%-9s %10.1f %10.1f %12.1f %10.1f %12.1f %12.1f\n", gpukit::detail::format_bytes(size).c_str(),
+                  r.ns("BM_gpu_gpukit_caching_allocator" + arg),
+                  r.ns("BM_gpu_gpukit_caching_allocator_gpukit_captures" + arg),
+                  r.ns("BM_gpu_cudaMallocAsync_pool" + arg), r.ns("BM_gpu_cub_CachingDeviceAllocator" + arg),
+                  r.ns("BM_gpu_gpukit_async_allocator" + arg), r.ns("BM_gpu_cudaMalloc_cudaFree" + arg));
     }
     std::printf(
-        "  of gpukit's pair, the two capture queries (cudaStreamIsCapturing per allocate and per free): %.1f ns\n",
+        "  of gpukit's pair, the two capture queries (cudaStreamIsCapturing per allocate and per free): %.1f ns\n"
+        "  gpukit-gc: allocator_options::capture_check = capture_checks::gpukit_captures (no query while no "
+        "gpukit::capture runs)\n",
         2 * query);
   }
   std::printf("\n");
@@ -595,6 +677,14 @@ int main(int argc, char** argv) {
         ->UseManualTime();
   }
   single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
+  for (int threads : thread_counts) {
+    if (threads == 1) continue;
+    for (int colliding : {0, 1}) {
+      benchmark::RegisterBenchmark("BM_gpukit_slot_homes", BM_gpukit_slot_homes)
+          ->Args({threads, colliding})
+          ->UseManualTime();
+    }
+  }
   single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
   single(benchmark::RegisterBenchmark("BM_gpukit_history", BM_gpukit_history));
   for (std::size_t size : sizes) {
@@ -620,6 +710,8 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark("BM_gpu_cub_CachingDeviceAllocator", BM_cub)->Arg(arg);
 #endif
       benchmark::RegisterBenchmark("BM_gpu_gpukit_caching_allocator", BM_gpukit_cuda)->Arg(arg);
+      benchmark::RegisterBenchmark("BM_gpu_gpukit_caching_allocator_gpukit_captures", BM_gpukit_cuda_gpukit_captures)
+          ->Arg(arg);
     }
     benchmark::RegisterBenchmark("BM_gpu_capture_query", BM_gpu_capture_query);
   } else {

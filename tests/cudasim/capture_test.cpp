@@ -7,6 +7,7 @@
 // Work on streams that are not captured goes on, also in other threads while a capture in global mode is underway.
 #include <gpukit/gpukit.hpp>
 
+#include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
 
 #include "cudasim.hpp"
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <cstddef>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -371,6 +373,70 @@ TEST_CASE("capture: the legacy default stream is never asked while a blocking st
     REQUIRE(c.end() == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
     allocator.deallocate(p);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+std::size_t capture_queries() {
+  return cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
+}
+
+TEST_CASE("capture: with capture_checks::gpukit_captures a pair asks CUDA nothing, unless gpukit::capture runs") {
+  gpukit::allocator_options fast;
+  fast.capture_check = gpukit::capture_checks::gpukit_captures;
+  gpukit::caching_allocator unchecked(cuda0, fast);
+  gpukit::caching_allocator checked(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  for (auto* a : {&unchecked, &checked}) a->deallocate(a->allocate(4096, s));  // cache hits from now on
+  REQUIRE(gpukit::mode_independent::gpukit_captures_underway().load() == 0);
+
+  std::size_t before = capture_queries();
+  for (int i = 0; i < 100; ++i) checked.deallocate(checked.allocate(4096, s));
+  CHECK(capture_queries() - before == 200);  // every_call: one query per allocate and per free
+  before = capture_queries();
+  for (int i = 0; i < 100; ++i) unchecked.deallocate(unchecked.allocate(4096, s));
+  for (int i = 0; i < 10; ++i) unchecked.deallocate(unchecked.allocate(std::size_t{1} << 20 << i, s));  // misses
+  CHECK(capture_queries() == before);
+
+  // While gpukit::capture captures t, the allocator asks again: allocating on t is refused, s is served.
+  std::string refused;
+  void* during = nullptr;
+  gpukit::graph g = gpukit::capture(t, [&] {
+    CHECK(gpukit::mode_independent::gpukit_captures_underway().load() == 1);
+    refused = invalid_argument_message([&] { (void)unchecked.allocate(4096, t); });
+    const std::size_t asked = capture_queries();
+    during = unchecked.allocate(4096, s);
+    unchecked.deallocate(during);
+    CHECK(capture_queries() == asked + 2);
+  });
+  check_capture_message(refused, "allocate", t);
+  CHECK(during != nullptr);
+  CHECK(gpukit::mode_independent::gpukit_captures_underway().load() == 0);
+  before = capture_queries();
+  unchecked.deallocate(unchecked.allocate(4096, t));
+  CHECK(capture_queries() == before);
+
+  // The count falls back when the work throws, and when CUDA refuses to begin (t is captured already).
+  CHECK_THROWS_AS(gpukit::capture(t, [] { throw std::runtime_error("work failed"); }), std::runtime_error);
+  CHECK(gpukit::mode_independent::gpukit_captures_underway().load() == 0);
+  {
+    capture raw(t);
+    CHECK_THROWS_AS(gpukit::capture(t, [] {}), gpukit::cuda_error);
+    CHECK(gpukit::mode_independent::gpukit_captures_underway().load() == 0);
+    const std::vector<cudasim::violation> broken = cudasim::take_violations();  // on purpose
+    REQUIRE(broken.size() == 1);
+    CHECK(broken[0].call == "cudaStreamBeginCapture");
+    // The documented limit of the mode: a capture begun directly is not seen. A cache hit on the captured stream
+    // is handed out without a CUDA call (every_call would refuse it: the graph could replay on reused memory).
+    before = capture_queries();
+    void* hit = unchecked.allocate(4096, t);
+    CHECK(hit != nullptr);
+    CHECK(capture_queries() == before);
+    check_capture_message(invalid_argument_message([&] { (void)checked.allocate(4096, t); }), "allocate", t);
+    REQUIRE(raw.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(raw.graph()) == cudaSuccess);
+    unchecked.deallocate(hit);
   }
   CHECK(cudasim::violations().empty());
 }

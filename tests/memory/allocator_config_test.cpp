@@ -45,6 +45,11 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(o.max_oversize_waste == 0);
   CHECK(gpukit::parse_allocator_config("large_split_threshold:2MB").large_split_threshold == 2 * MiB);
   CHECK(gpukit::parse_allocator_config("reserved_limit:512 B").reserved_limit == 512);
+  CHECK(gpukit::allocator_options{}.capture_check == gpukit::capture_checks::every_call);
+  CHECK(gpukit::parse_allocator_config("capture_check:gpukit_captures").capture_check ==
+        gpukit::capture_checks::gpukit_captures);
+  CHECK(gpukit::parse_allocator_config(" capture_check : every_call ", o).capture_check ==
+        gpukit::capture_checks::every_call);
 
   // The empty text changes nothing; a preset applies first wherever it stands; other keys apply over the base.
   const gpukit::allocator_options defaults;
@@ -77,6 +82,10 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("preset:tensorflow"), "preset must be gpukit or pytorch"));
   CHECK(gpukit::parse_allocator_config("expandable_segments:true").expandable_segments);
   CHECK(contains(refusal("expandable_segments:maybe"), "expandable_segments"));
+  CHECK(contains(refusal("capture_check:never"),
+                 "entry \"capture_check:never\": capture_check must be every_call or "
+                 "gpukit_captures"));
+  CHECK(contains(refusal("capture_check:true"), "capture_check must be"));
   // Well-formed but inconsistent: allocator_options::validate's reason.
   CHECK(contains(refusal("rounding:1000"), "inconsistent options"));
   CHECK(contains(refusal("rounding:1000"), "rounding must be a power of two"));

@@ -191,6 +191,64 @@ TEST_CASE(
   CHECK(f.a.memory_allocated() == 0);
 }
 
+TEST_CASE("front cache: a stream whose blocks are all out keeps its slot while it allocates") {
+  setup f(with_front(true));
+  std::vector<fake_stream> streams;
+  for (int i = 0; i < 17; ++i) streams.push_back(fake_stream{f.world.add_stream()});
+  std::vector<void*> first(17);
+  for (std::size_t i = 0; i < 17; ++i) first[i] = f.a.allocate(3000, streams[i]);  // the heap grows for each first
+  for (std::size_t i = 0; i < 16; ++i) f.a.deallocate(first[i]);                   // each of the 16 owns a slot
+  std::vector<void*> held;
+  for (std::size_t i = 0; i < 16; ++i) held.push_back(f.a.allocate(3000, streams[i]));  // hits: every slot empties
+  // The 17th frees: every slot is owned, its first ask marks the empty ones it looks at.
+  f.a.deallocate(first[16]);
+  CHECK(state_of(f.a, first[16]) == gpukit::block_state::free);
+  // The 16 keep allocating (misses: their slots are empty), then the 17th frees again: no slot was left unused.
+  for (std::size_t i = 0; i < 16; ++i) held.push_back(f.a.allocate(3000, streams[i]));
+  void* again = f.a.allocate(3000, streams[16]);
+  f.a.deallocate(again);
+  CHECK(state_of(f.a, again) == gpukit::block_state::free);
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    f.a.deallocate(held[i]);
+    CHECK_MESSAGE(state_of(f.a, held[i]) == gpukit::block_state::cached, "block " << i);  // every slot still theirs
+  }
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+}
+
+TEST_CASE("front cache: a stream keyed 0 owns its slot like any other, and its blocks never reach another stream") {
+  // Key 0 is a valid stream key (stream_ops.hpp): stream ops keyed by handle give it to the null stream. Its slot
+  // must not look unowned, or the next stream to look for a slot would move in on top of its cached block.
+  setup f(with_front(true));
+  const fake_stream zero{f.world.add_stream()};
+  f.world.streams[static_cast<std::size_t>(zero.id)].key = 0;
+  std::vector<fake_stream> others;
+  for (int i = 0; i < 16; ++i) others.push_back(fake_stream{f.world.add_stream()});
+  // Every stream's first block first: the heap grows for each, and growing takes cached blocks back.
+  std::vector<void*> firsts;
+  for (const fake_stream& s : others) firsts.push_back(f.a.allocate(3000, s));
+  void* p = f.a.allocate(3000, zero);
+  f.a.deallocate(p);
+  CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  // Sixteen other streams want a slot each: fifteen are left, so one of them finds none (or would move into the
+  // zero-keyed stream's slot, on top of its block). Each then takes two blocks of the cached size.
+  for (void* q : firsts) f.a.deallocate(q);
+  std::vector<void*> taken;
+  for (const fake_stream& s : others) {
+    for (int i = 0; i < 2; ++i) {
+      taken.push_back(f.a.allocate(3000, s));
+      CHECK_MESSAGE(taken.back() != p, "stream " << s.id << " was handed the zero-keyed stream's cached block");
+    }
+  }
+  CHECK(f.a.allocate(3000, zero) == p);  // and its own stream finds it: a hit
+  for (void* q : taken) f.a.deallocate(q);
+  f.a.deallocate(p);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+}
+
 TEST_CASE("front cache: blocks of segments of their own, record_stream and destroyed streams go to the heap") {
   setup f(with_front(true));
   const fake_stream s0 = f.streams[0];

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,8 +31,8 @@ struct fake_world {
     std::uint64_t enqueued = 0;
     std::uint64_t completed = 0;
     gpukit::device device = gpukit::device::cpu();
-    bool destroyed = false;  // its pending work still completes (CUDA semantics); no new work or events
-    std::uintptr_t key = 0;  // the stream ops' key; 0: derived from the index (unique)
+    bool destroyed = false;             // its pending work still completes (CUDA semantics); no new work or events
+    std::optional<std::uintptr_t> key;  // the stream ops' key; none: derived from the index (unique, never 0)
   };
   std::vector<stream_state> streams;
   struct wait_record {
@@ -45,7 +46,7 @@ struct fake_world {
   std::uint64_t destructions = 0;
 
   int add_stream(gpukit::device d = gpukit::device::cpu()) {
-    streams.push_back(stream_state{0, 0, d});
+    streams.push_back(stream_state{0, 0, d, false, std::nullopt});
     return static_cast<int>(streams.size()) - 1;
   }
   void enqueue(int s, std::uint64_t n = 1) { streams[static_cast<std::size_t>(s)].enqueued += n; }
@@ -78,8 +79,8 @@ struct fake_stream_ops {
   fake_world* world = nullptr;
 
   std::uintptr_t key(const fake_stream& s) const noexcept {
-    const std::uintptr_t forced = world->streams[static_cast<std::size_t>(s.id)].key;
-    return forced != 0 ? forced : static_cast<std::uintptr_t>(s.id) + 1;
+    const std::optional<std::uintptr_t>& forced = world->streams[static_cast<std::size_t>(s.id)].key;
+    return forced ? *forced : static_cast<std::uintptr_t>(s.id) + 1;
   }
   gpukit::device device_of(const fake_stream& s) const { return world->streams[static_cast<std::size_t>(s.id)].device; }
   fake_event create_event(gpukit::device) const {

@@ -32,6 +32,7 @@ inline constexpr const char* singleton_names[] = {
     "detail::driver()",
     "mode_independent::peer_access_holders_v2()",
     "detail::over_aligned_addresses()",
+    "mode_independent::gpukit_captures_underway()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -67,6 +68,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::driver(),
       &gpukit::mode_independent::peer_access_holders_v2(),
       &gpukit::detail::over_aligned_addresses(),
+      &gpukit::mode_independent::gpukit_captures_underway(),
   }};
 }
 }  // namespace

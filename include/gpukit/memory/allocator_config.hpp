@@ -72,6 +72,7 @@ inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcep
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
 /// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `front_cache_large`,
 ///   `expandable_segments`;
+/// - `capture_check`: `every_call` or `gpukit_captures` (capture_checks);
 /// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
 inline allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
                                                 std::string_view source = "allocator configuration") {
@@ -178,12 +179,20 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
       o.front_cache_large = parse_bool(e);
     } else if (e.key == "expandable_segments") {
       o.expandable_segments = parse_bool(e);
+    } else if (e.key == "capture_check") {
+      if (e.value == "every_call") {
+        o.capture_check = capture_checks::every_call;
+      } else if (e.value == "gpukit_captures") {
+        o.capture_check = capture_checks::gpukit_captures;
+      } else {
+        fail(e.text, "capture_check must be every_call or gpukit_captures");
+      }
     } else {
       fail(e.text,
            "unknown key \"" + std::string(e.key) +
                "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
-               "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, and the size options of "
-               "allocator_options)");
+               "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, and the "
+               "size options of allocator_options)");
     }
   }
   try {

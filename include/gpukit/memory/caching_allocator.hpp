@@ -1157,8 +1157,9 @@ class basic_caching_allocator {
   // --- statistics and front caches (detail/front_cache.hpp explains the claims) ---
 
   using front_slot_type = detail::front_slot<block>;
+  static_assert(front_slot_type::unowned == no_stream_key, "a slot never owned has the key of no stream");
   /// Slots [0, 16) cache small blocks; with front_cache_large, slots [16, 32) cache large ones (fronts_used_ 32).
-  static constexpr std::size_t front_slots_per_pool = 16;
+  static constexpr std::size_t front_slots_per_pool = detail::front_slots_per_pool;
   static constexpr std::size_t front_slot_count = 2 * front_slots_per_pool;
   /// The slots in use, for range-for.
   template <class Slot>
@@ -1285,11 +1286,14 @@ class basic_caching_allocator {
   }
 
   /// The `probe`-th slot for stream `key`'s small blocks (or large ones): linear probing from the key's hash. A
-  /// stream's slots come before the first slot never owned (0) in its sequence, as owners are never reset to 0.
+  /// stream's slots come before the first slot never owned in its sequence, as owners are never reset to unowned.
   front_slot_type& front_slot_at(std::uintptr_t key, std::size_t probe, bool large) noexcept {
-    const std::uint64_t h = static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ULL;
-    const std::size_t i = (static_cast<std::size_t>(h >> 32) + probe) % front_slots_per_pool;
+    const std::size_t i = (detail::front_home(key, front_slots_per_pool) + probe) % front_slots_per_pool;
     return fronts_[large ? front_slots_per_pool + i : i];
+  }
+  /// The key of the stream that owns `slot` (detail::front_owners).
+  std::atomic<std::uintptr_t>& owner_of(const front_slot_type& slot) noexcept {
+    return front_owners_.key[static_cast<std::size_t>(&slot - fronts_.data())];
   }
 
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
@@ -1297,11 +1301,17 @@ class basic_caching_allocator {
   GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large) {
     for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe, large);
-      const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
-      if (owner == 0) return nullptr;  // hints: a miss only costs the heap's path
-      if (owner != key || slot.blocks.load(std::memory_order_relaxed) == 0) continue;
+      const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+      if (owner == front_slot_type::unowned) return nullptr;  // hints: a miss only costs the heap's path
+      if (owner != key) continue;
+      if (slot.blocks.load(std::memory_order_relaxed) == 0) {
+        slot.note_miss();  // in use, though empty: not to be taken over
+        continue;
+      }
       std::unique_lock<detail::spin_mutex> lock(slot.mutex);
-      if (slot.blocks.load(std::memory_order_relaxed) == 0 || slot.key.load(std::memory_order_relaxed) != key) continue;
+      if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner_of(slot).load(std::memory_order_relaxed) != key) {
+        continue;
+      }
       ++slot.tick;
       auto* bin = slot.find(size);
       if (bin == nullptr) continue;
@@ -1334,7 +1344,8 @@ class basic_caching_allocator {
     detail::sequence_write change(slot.sequence);
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
-    slot.key.store(b->owner->key, std::memory_order_relaxed);
+    std::atomic<std::uintptr_t>& owner = owner_of(slot);
+    if (owner.load(std::memory_order_relaxed) != b->owner->key) owner.store(b->owner->key, std::memory_order_relaxed);
     slot.push(bin, b);
     b->in_front.store(true, std::memory_order_relaxed);
   }
@@ -1345,8 +1356,8 @@ class basic_caching_allocator {
     fronts_lock all(*this);
     for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
       front_slot_type& slot = front_slot_at(key, probe, large);
-      const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
-      if (owner == 0) return nullptr;
+      const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+      if (owner == front_slot_type::unowned) return nullptr;
       if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner != key) continue;
       auto* bin = slot.find(size);
       if (bin != nullptr) return take_cached(slot, *bin, requested, true);
@@ -1362,6 +1373,8 @@ class basic_caching_allocator {
   /// blocks cannot go back to the heap (see flush_bin): `b` is still allocated then.
   GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) {
     const std::uintptr_t key = b->owner->key;
+    constexpr std::uintptr_t unowned = front_slot_type::unowned;
+    if (key == unowned) return front_result::no_room;  // no stream has it (see front_slot::unowned)
     const bool large = !b->small;
     // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
     // slots owned by other streams): one whose owner went idle, among the first few, so that with more busy streams
@@ -1371,13 +1384,14 @@ class basic_caching_allocator {
     for (int pass = 0; pass < 3; ++pass) {
       for (std::size_t probe = 0; probe < (pass == 2 ? takeover_probes : front_slots_per_pool); ++probe) {
         front_slot_type& slot = front_slot_at(key, probe, large);
-        const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
-        if (pass == 0 && owner == 0) break;
-        if (owner != (pass == 0 ? key : 0) && pass != 2) continue;
-        if (pass == 2 && (owner == key || owner == 0 || slot.blocks.load(std::memory_order_relaxed) != 0)) continue;
+        const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+        if (pass == 0 && owner == unowned) break;
+        if (owner != (pass == 0 ? key : unowned) && pass != 2) continue;
+        if (pass == 2 && (owner == key || owner == unowned || slot.blocks.load(std::memory_order_relaxed) != 0))
+          continue;
         std::unique_lock<detail::spin_mutex> lock(slot.mutex);
-        const std::uintptr_t now = slot.key.load(std::memory_order_relaxed);
-        if (pass == 2 ? !slot.may_take_over(key) : now != key && now != 0) continue;
+        const std::uintptr_t now = owner_of(slot).load(std::memory_order_relaxed);
+        if (pass == 2 ? !slot.may_take_over(key, now) : now != key && now != unowned) continue;
         return front_give_to(slot, lock, b);
       }
     }
@@ -1415,15 +1429,18 @@ class basic_caching_allocator {
       rebalance_all();
     }
     const std::uintptr_t key = b->owner->key;
-    const std::uintptr_t chosen_owner = chosen.key.load(std::memory_order_relaxed);
+    const std::uintptr_t chosen_owner = owner_of(chosen).load(std::memory_order_relaxed);
     front_slot_type* found = nullptr;
-    if (chosen_owner == key || chosen_owner == 0 || chosen.blocks.load(std::memory_order_relaxed) == 0) {
+    if (chosen_owner == key || chosen_owner == front_slot_type::unowned ||
+        chosen.blocks.load(std::memory_order_relaxed) == 0) {
       found = &chosen;
     } else {
       for (std::size_t probe = 0; probe < 2 * front_slots_per_pool && found == nullptr; ++probe) {
         front_slot_type& slot = front_slot_at(key, probe, !b->small);
-        const std::uintptr_t owner = slot.key.load(std::memory_order_relaxed);
-        if (probe < front_slots_per_pool ? owner == key : owner == 0) found = &slot;  // own first, then unowned
+        const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+        if (probe < front_slots_per_pool ? owner == key : owner == front_slot_type::unowned) {
+          found = &slot;  // own first, then unowned
+        }
       }
     }
     if (found != nullptr) {
@@ -2340,9 +2357,15 @@ class basic_caching_allocator {
 
   // --- graph capture (stream_ops.hpp says why these operations are refused while a stream is captured) ---
 
+  /// Whether allocate and free ask about captures now (allocator_options::capture_check).
+  bool checks_captures() const noexcept {
+    return options_.capture_check == capture_checks::every_call ||
+           mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+  }
+
   void refuse_if_captured(const stream_type& s, const char* operation) const {
     if constexpr (detail::has_capture_query<StreamOps>::value) {
-      if (ops_.capturing(s)) throw_stream_captured(s, operation);
+      if (checks_captures() && ops_.capturing(s)) throw_stream_captured(s, operation);
     }
   }
 
@@ -2350,7 +2373,9 @@ class basic_caching_allocator {
   /// throws if its stream is captured, since the graph's launches may use it after the free.
   void refuse_free_if_captured(const block* b) const {
     if constexpr (detail::has_capture_query<StreamOps>::value) {
-      if (ops_.capturing(b->owner->stream)) throw_stream_captured(b->owner->stream, "deallocate");
+      if (checks_captures() && ops_.capturing(b->owner->stream)) {
+        throw_stream_captured(b->owner->stream, "deallocate");
+      }
     } else {
       (void)b;
     }
@@ -2504,6 +2529,7 @@ class basic_caching_allocator {
   bool fronts_active_ = false;                       // a block was ever cached in front (written with every lock held)
   bool peaks_deferred_ = false;                      // flush_fronts is moving blocks: peaks are settled when it ends
   std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
+  detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
   std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };
 

@@ -10,7 +10,8 @@
 ///     using stream_type = ...;   // copyable handle; the allocator keeps a copy per stream it has seen
 ///     using event_type = ...;    // movable; the allocator pools them
 ///     std::uintptr_t key(const stream_type&) const;              // identity: no other stream, live or destroyed,
-///                                                                // of any device, has the same key
+///                                                                // of any device, has the same key; any value
+///                                                                // (0 too) but ~0, which means "no stream"
 ///     gpukit::device device_of(const stream_type&) const;        // checked on every call, before key()
 ///                                                                // (record_stream accepts other CUDA devices)
 ///     event_type create_event(gpukit::device) const;             // with that device current

@@ -33,6 +33,22 @@
 #include <utility>
 #include <vector>
 
+// Outside the per-mode namespace (detail/config.hpp): a capture begun in code built in one default-stream mode must
+// be seen by allocators built in the other, since both use the same CUDA streams.
+namespace gpukit {
+namespace mode_independent {
+
+/// Captures begun by gpukit::capture that have not ended yet, in this process. With capture_checks::gpukit_captures
+/// an allocator asks CUDA whether a stream is captured only while this is not zero (one load instead of a
+/// cudaStreamIsCapturing per call).
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_captures_underway() noexcept {
+  static std::atomic<std::int64_t> count{0};
+  return count;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
 GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {

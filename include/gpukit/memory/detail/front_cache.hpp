@@ -49,10 +49,38 @@ enum front_quantity : std::size_t {
 /// +1 where a counter rises with its quantity, -1 where it falls.
 constexpr std::int64_t front_sign(std::size_t q) noexcept { return q == fq_blocks || q == fq_bytes ? -1 : 1; }
 
+/// Front slots per pool (small blocks, and large ones with front_cache_large).
+constexpr std::size_t front_slots_per_pool = 16;
+
+/// The slot (of `slots`) where stream `key` starts looking for its own: a multiplicative hash of the key. Streams
+/// whose homes coincide probe on (linear probing).
+constexpr std::size_t front_home(std::uintptr_t key, std::size_t slots) noexcept {
+  return static_cast<std::size_t>((static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> 32) % slots;
+}
+
 /// One slot: the blocks cached for one stream (its key), with the slot's part of the statistics. `Block` needs
 /// `size`, `requested`, `taken_split` and a `free_next` link (unused while the block is allocated to the heap).
 /// Counts change under the slot's lock and are read without it (relaxed atomics: plain stores, no locked
 /// instruction, so the fast path pays no more than the lock).
+/// The owner key of a slot no stream ever owned (front_slot::unowned says why it is not 0).
+constexpr std::uintptr_t front_unowned = ~std::uintptr_t{0};
+
+/// The streams that own the slots, `Count` keys apart from the slots themselves. Ownership outlives the blocks:
+/// while its stream takes and gives blocks, an empty slot stays its own, so threads on other streams never move in
+/// between a take and a give (when they could, 8 threads on 8 streams ran slower together than one alone: they ended
+/// up sharing slots or the heap). Apart, because streams whose homes coincide probe past other streams' owners on
+/// every call: read in the slots, whose lines their threads write on every pair, that made two threads' pairs
+/// 2.6x slower (bench_allocator, BM_gpukit_slot_homes); this table changes only when a slot changes hands.
+/// An entry is written under its slot's lock, only when it changes, and read without it to find a stream's slot.
+/// Never `unowned` again once set.
+template <std::size_t Count>
+struct alignas(64) front_owners {
+  std::array<std::atomic<std::uintptr_t>, Count> key;
+  front_owners() noexcept {
+    for (auto& k : key) k.store(front_unowned, std::memory_order_relaxed);
+  }
+};
+
 template <class Block>
 struct alignas(64) front_slot {
   static constexpr std::size_t bin_count = 8;    // distinct sizes cached per stream
@@ -73,14 +101,18 @@ struct alignas(64) front_slot {
     std::uint64_t last_use = 0;  // the slot's tick when a block last entered or left
   };
 
+  /// The owner key of a slot no stream ever owned (see front_owners). Not 0, which a stream may have (a
+  /// handle-keyed null stream): a stream keyed 0 whose slot still looked unowned would share it with the next
+  /// stream, and could be handed its blocks. No stream has this key (it is the allocator's no-stream key); a stream
+  /// that did would never be cached.
+  static constexpr std::uintptr_t unowned = front_unowned;
+
   mutable spin_mutex mutex;
-  // The stream that owns the slot (0: never owned). Ownership outlives the blocks: while its stream takes and gives
-  // blocks, an empty slot stays its own, so threads on other streams never move in between a take and a give (when
-  // they could, 8 threads on 8 streams ran slower together than one alone: they ended up sharing slots or the heap).
-  // Written under the lock; read without it to find a stream's slot. Never 0 again once set.
-  std::atomic<std::uintptr_t> key{0};
-  std::uint64_t idle_mark = ~std::uint64_t{0};  // `tick` when another stream last found the slot empty (under lock)
-  std::atomic<std::uint32_t> blocks{0};         // written under the lock; read without it to skip empty slots
+  std::uint64_t idle_mark = ~std::uint64_t{0};  // use() when another stream last found the slot empty (under lock)
+  // Requests of the owner that found the slot empty (without the lock: a lost count still changes it). They count as
+  // use, so a stream whose blocks are all out keeps its slot while it allocates.
+  std::atomic<std::uint64_t> misses{0};
+  std::atomic<std::uint32_t> blocks{0};  // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
   std::uint64_t tick = 0;  // operations on the slot (under its lock)
   // Odd while the counts below change (sequence_write.hpp): readers of the statistics check it around their reads,
@@ -95,16 +127,19 @@ struct alignas(64) front_slot {
   // allocator keeps each counter's peak >= the heap's value + every slot's claim (front_cache explains).
   std::array<std::int64_t, front_quantity_count> claim{};
 
-  /// Whether stream `k` may take this slot over from its owner (the lock held): only when it is empty and its owner
+  /// Whether stream `k` may take this slot over from `owner` (the lock held): only when it is empty and its owner
   /// has not used it since another stream last asked (a stream that ended, or went idle, loses its slot on the
   /// second ask). Each ask that says no marks the slot.
-  bool may_take_over(std::uintptr_t k) noexcept {
-    const std::uintptr_t owner = key.load(std::memory_order_relaxed);
-    if (owner == k || owner == 0 || blocks.load(std::memory_order_relaxed) != 0) return false;
-    if (idle_mark == tick) return true;
-    idle_mark = tick;
+  bool may_take_over(std::uintptr_t k, std::uintptr_t owner) noexcept {
+    if (owner == k || owner == unowned || blocks.load(std::memory_order_relaxed) != 0) return false;
+    if (idle_mark == use()) return true;
+    idle_mark = use();
     return false;
   }
+  /// Changes whenever the owner uses the slot: operations under the lock, and requests that found it empty.
+  std::uint64_t use() const noexcept { return tick + misses.load(std::memory_order_relaxed); }
+  /// The owner found the slot empty (no lock: its thread only writes a line it owns).
+  void note_miss() noexcept { misses.store(misses.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
 
   /// The bin of blocks of `size`, or nullptr when none holds any.
   bin* find(std::size_t size) noexcept {
