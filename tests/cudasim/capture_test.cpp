@@ -200,6 +200,33 @@ TEST_CASE("capture: async_allocator never waits on the host for a free that fail
   cudasim::clear_faults();
 }
 
+TEST_CASE("capture: async_allocator asks whether a stream is captured only when a free fails") {
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  const auto queries = [] {
+    return cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
+  };
+  const std::size_t before = queries();
+  for (int i = 0; i < 10; ++i) pool.deallocate(pool.allocate(4096, s));
+  void* shared = pool.allocate(4096, s);
+  pool.record_stream(shared, other);
+  pool.deallocate(shared);  // ordered after `other` on the device: still no query
+  CHECK(queries() == before);
+  // A free that fails outside a capture asks (both streams), then waits on the host as before.
+  gpukit_test::captured_warnings warnings;
+  void* p = pool.allocate(4096, s);
+  pool.record_stream(p, other);
+  cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+  pool.deallocate(p);
+  CHECK(queries() == before + 2);
+  CHECK(warnings.contains("freeing it after the device's work instead"));
+  CHECK(pool.memory_allocated() == 0);
+  s.synchronize();
+  cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a buffer destroyed during a capture of its stream is reported and kept, not reused") {
   gpukit::stream s(cuda0);
   gpukit::device_allocator& allocator = gpukit::default_allocator(cuda0);

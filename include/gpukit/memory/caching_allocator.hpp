@@ -1387,8 +1387,9 @@ class basic_caching_allocator {
         const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
         if (pass == 0 && owner == unowned) break;
         if (owner != (pass == 0 ? key : unowned) && pass != 2) continue;
-        if (pass == 2 && (owner == key || owner == unowned || slot.blocks.load(std::memory_order_relaxed) != 0))
+        if (pass == 2 && (owner == key || owner == unowned || slot.blocks.load(std::memory_order_relaxed) != 0)) {
           continue;
+        }
         std::unique_lock<detail::spin_mutex> lock(slot.mutex);
         const std::uintptr_t now = owner_of(slot).load(std::memory_order_relaxed);
         if (pass == 2 ? !slot.may_take_over(key, now) : now != key && now != unowned) continue;
