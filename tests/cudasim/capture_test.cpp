@@ -83,6 +83,11 @@ void check_capture_message(const std::string& message, const std::string& operat
   CHECK(message.find("cuda:0") != std::string::npos);
 }
 
+/// CUDA's answers to "is this stream captured?" so far, by either query.
+std::size_t capture_queries() {
+  return cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
+}
+
 /// The allocator's counters that any allocation, free or release would change.
 struct allocator_state {
   std::size_t allocated;
@@ -204,22 +209,19 @@ TEST_CASE("capture: async_allocator asks whether a stream is captured only when 
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
-  const auto queries = [] {
-    return cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
-  };
-  const std::size_t before = queries();
+  const std::size_t before = capture_queries();
   for (int i = 0; i < 10; ++i) pool.deallocate(pool.allocate(4096, s));
   void* shared = pool.allocate(4096, s);
   pool.record_stream(shared, other);
   pool.deallocate(shared);  // ordered after `other` on the device: still no query
-  CHECK(queries() == before);
+  CHECK(capture_queries() == before);
   // A free that fails outside a capture asks (both streams), then waits on the host as before.
   gpukit_test::captured_warnings warnings;
   void* p = pool.allocate(4096, s);
   pool.record_stream(p, other);
   cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
   pool.deallocate(p);
-  CHECK(queries() == before + 2);
+  CHECK(capture_queries() == before + 2);
   CHECK(warnings.contains("freeing it after the device's work instead"));
   CHECK(pool.memory_allocated() == 0);
   s.synchronize();
@@ -404,10 +406,6 @@ TEST_CASE("capture: the legacy default stream is never asked while a blocking st
   CHECK(cudasim::violations().empty());
 }
 
-std::size_t capture_queries() {
-  return cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
-}
-
 TEST_CASE("capture: with capture_checks::gpukit_captures a pair asks CUDA nothing, unless gpukit::capture runs") {
   gpukit::allocator_options fast;
   fast.capture_check = gpukit::capture_checks::gpukit_captures;
@@ -471,10 +469,10 @@ TEST_CASE("capture: with capture_checks::gpukit_captures a pair asks CUDA nothin
 TEST_CASE("capture: CPU streams never ask CUDA") {
   gpukit::caching_allocator allocator(gpukit::device::cpu());
   gpukit::stream s(gpukit::device::cpu());
-  const std::size_t queries = cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo");
+  const std::size_t queries = capture_queries();
   for (int i = 0; i < 100; ++i) allocator.deallocate(allocator.allocate(4096, s));
   allocator.empty_cache();
-  CHECK(cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetCaptureInfo") == queries);
+  CHECK(capture_queries() == queries);
 }
 
 TEST_CASE("capture: a per-thread default stream is asked with its own device current") {

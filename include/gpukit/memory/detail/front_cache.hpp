@@ -58,10 +58,6 @@ constexpr std::size_t front_home(std::uintptr_t key, std::size_t slots) noexcept
   return static_cast<std::size_t>((static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ULL) >> 32) % slots;
 }
 
-/// One slot: the blocks cached for one stream (its key), with the slot's part of the statistics. `Block` needs
-/// `size`, `requested`, `taken_split` and a `free_next` link (unused while the block is allocated to the heap).
-/// Counts change under the slot's lock and are read without it (relaxed atomics: plain stores, no locked
-/// instruction, so the fast path pays no more than the lock).
 /// The owner key of a slot no stream ever owned (front_slot::unowned says why it is not 0).
 constexpr std::uintptr_t front_unowned = ~std::uintptr_t{0};
 
@@ -81,6 +77,10 @@ struct alignas(64) front_owners {
   }
 };
 
+/// One slot: the blocks cached for one stream (its key), with the slot's part of the statistics. `Block` needs
+/// `size`, `requested`, `taken_split` and a `free_next` link (unused while the block is allocated to the heap).
+/// Counts change under the slot's lock and are read without it (relaxed atomics: plain stores, no locked
+/// instruction, so the fast path pays no more than the lock).
 template <class Block>
 struct alignas(64) front_slot {
   static constexpr std::size_t bin_count = 8;    // distinct sizes cached per stream
