@@ -135,7 +135,7 @@ release() {
   archive "$version" "v$version" >"$build_dir/gpukit-$version.tar.gz"
   sha=$(sha512sum "$build_dir/gpukit-$version.tar.gz" | cut -d' ' -f1)
   sed -i "s/^\( *SHA512 \)[0-9A-Za-z]*$/\1$sha/" "$port/portfile.cmake"
-  set_json_version "$port" "$version"
+  cp "$dev_port/vcpkg.json" "$port/vcpkg.json"  # the release's manifest: its version and its features
   git commit -q -m "vcpkg port: gpukit $version (SHA512 of the release archive)" -- "$port/portfile.cmake" "$port/vcpkg.json"
   check
   cat <<EOF

@@ -6,6 +6,7 @@
 
 #include <gpukit/error.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -677,4 +678,29 @@ TEST_CASE(
   a.empty_cache();
   CHECK(a.memory_reserved() == 0);
   CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("front cache: misses counted by several threads of one stream are all counted, so use never goes back") {
+  // Two threads of one stream both find its slot empty. If a count could be lost or move back, use() could return
+  // to a value another stream's ask saw, and may_take_over would hand away a slot its owner still uses.
+  struct fake_block {
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    bool taken_split = false;
+    fake_block* free_next = nullptr;
+  };
+  gpukit::detail::front_slot<fake_block> slot;
+  constexpr std::uint64_t per_thread = 2000000;  // enough for the two threads to overlap on a busy machine
+  std::atomic<int> ready{0};
+  auto miss = [&] {
+    ready.fetch_add(1);
+    while (ready.load() < 2) std::this_thread::yield();
+    for (std::uint64_t i = 0; i < per_thread; ++i) slot.note_miss();
+  };
+  std::thread first(miss);
+  std::thread second(miss);
+  first.join();
+  second.join();
+  CHECK(slot.misses.load() == 2 * per_thread);
+  CHECK(slot.use() == 2 * per_thread);
 }

@@ -100,7 +100,14 @@ foreach(manifest ports/gpukit dev-ports/gpukit)
   if(NOT version STREQUAL next)
     packaging_fail("packaging/vcpkg/${manifest}/vcpkg.json is at ${version}, not ${next}")
   endif()
+  set(json_${manifest} "${json}")
 endforeach()
+# The registry port gets the release's whole manifest: its features (the compiled mode) too.
+string(JSON same EQUAL "${json_ports/gpukit}" "${json_dev-ports/gpukit}")
+if(NOT same)
+  packaging_fail("after the release, the registry port's vcpkg.json differs from the development port's:\n"
+                 "${json_ports/gpukit}\n${json_dev-ports/gpukit}")
+endif()
 # The archive as GitHub serves https://github.com/gpukit/gpukit/archive/v<version>.tar.gz, made here independently.
 execute_process(COMMAND "${git}" -C "${repo}" archive --format=tar "--prefix=gpukit-${next}/" "v${next}"
                 COMMAND gzip -cn OUTPUT_FILE "${WORK_DIR}/archive.tar.gz" RESULTS_VARIABLE rcs)

@@ -1,11 +1,12 @@
 # Runs the vcpkg portfile given as -DPORTFILE=... with vcpkg's helper functions replaced by stand-ins that append one
 # line per call to -DLOG=...; used by vcpkg_files.cmake to exercise the port's own logic (which source it takes, the
 # options and paths it passes, what it leaves in the package) where vcpkg itself is not available. This is not vcpkg.
-# Takes -DCURRENT_PORT_DIR, -DVERSION, -DCURRENT_PACKAGES_DIR, like vcpkg sets them, -DINSTALL_TREE (a real gpukit
-# install, which the stand-in for vcpkg_cmake_install copies into the package) and -DCUDA_ROOT (what the stand-in for
-# the cuda port's vcpkg_find_cuda reports).
+# Takes -DCURRENT_PORT_DIR, -DVERSION, -DCURRENT_PACKAGES_DIR, -DFEATURES (separated by |, e.g. "core|compiled"), like vcpkg
+# sets them, -DINSTALL_TREE (a real gpukit install, which the stand-in for vcpkg_cmake_install copies into the
+# package) and -DCUDA_ROOT (what the stand-in for the cuda port's vcpkg_find_cuda reports).
 cmake_minimum_required(VERSION 3.18)
 set(PORT gpukit)
+string(REPLACE "|" ";" FEATURES "${FEATURES}")
 set(CURRENT_BUILDTREES_DIR "${CURRENT_PACKAGES_DIR}/../buildtrees")
 set(CURRENT_INSTALLED_DIR "${CURRENT_PACKAGES_DIR}/../installed")
 file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}" "${CURRENT_INSTALLED_DIR}")
@@ -28,6 +29,24 @@ function(vcpkg_find_cuda)
   set(\${arg_OUT_CUDA_TOOLKIT_ROOT} \"${CUDA_ROOT}\" PARENT_SCOPE)
 endfunction()
 ")
+# As vcpkg's: -D<option>=ON for each FEATURES pair whose feature was asked for, else OFF.
+function(vcpkg_check_features)
+  cmake_parse_arguments(PARSE_ARGV 0 arg "" "OUT_FEATURE_OPTIONS" "FEATURES")
+  set(options "")
+  while(arg_FEATURES)
+    list(POP_FRONT arg_FEATURES feature option)
+    if(feature IN_LIST FEATURES)
+      list(APPEND options "-D${option}=ON")
+    else()
+      list(APPEND options "-D${option}=OFF")
+    endif()
+  endwhile()
+  mock_log("vcpkg_check_features FEATURES=${FEATURES} -> ${options}")
+  set(${arg_OUT_FEATURE_OPTIONS} "${options}" PARENT_SCOPE)
+endfunction()
+function(vcpkg_check_linkage)
+  mock_log("vcpkg_check_linkage ${ARGN}")
+endfunction()
 function(vcpkg_cmake_configure)
   cmake_parse_arguments(arg "" "SOURCE_PATH" "OPTIONS" ${ARGN})
   mock_log("vcpkg_cmake_configure SOURCE_PATH=${arg_SOURCE_PATH} OPTIONS=${arg_OPTIONS}")
@@ -44,6 +63,25 @@ function(vcpkg_cmake_install)
     if(compiled_files)
       file(REMOVE ${compiled_files})
     endif()
+  endif()
+  # gpukit.pc goes where GPUKIT_INSTALL_PKGCONFIGDIR says (lib/pkgconfig by default; an absolute path is outside the
+  # package).
+  set(pc_dir "lib/pkgconfig")
+  foreach(option IN LISTS options)
+    if(option MATCHES "^-DGPUKIT_INSTALL_PKGCONFIGDIR=(.*)$")
+      set(pc_dir "${CMAKE_MATCH_1}")
+    endif()
+  endforeach()
+  if(NOT pc_dir STREQUAL "lib/pkgconfig" AND EXISTS "${CURRENT_PACKAGES_DIR}/lib/pkgconfig")
+    if(NOT IS_ABSOLUTE "${pc_dir}")
+      set(pc_dir "${CURRENT_PACKAGES_DIR}/${pc_dir}")
+    endif()
+    file(COPY "${CURRENT_PACKAGES_DIR}/lib/pkgconfig/" DESTINATION "${pc_dir}")
+    file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/lib/pkgconfig")
+  endif()
+  file(GLOB left LIST_DIRECTORIES true "${CURRENT_PACKAGES_DIR}/lib/*")
+  if(NOT left AND EXISTS "${CURRENT_PACKAGES_DIR}/lib")
+    file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/lib")  # install() leaves no empty directory behind
   endif()
 endfunction()
 function(vcpkg_cmake_config_fixup)

@@ -109,8 +109,8 @@ struct alignas(64) front_slot {
 
   mutable spin_mutex mutex;
   std::uint64_t idle_mark = ~std::uint64_t{0};  // use() when another stream last found the slot empty (under lock)
-  // Requests of the owner that found the slot empty (without the lock: a lost count still changes it). They count as
-  // use, so a stream whose blocks are all out keeps its slot while it allocates.
+  // Requests of the owner that found the slot empty (counted without the lock, never backwards). They count as use,
+  // so a stream whose blocks are all out keeps its slot while it allocates.
   std::atomic<std::uint64_t> misses{0};
   std::atomic<std::uint32_t> blocks{0};  // written under the lock; read without it to skip empty slots
   std::array<bin, bin_count> bins{};
@@ -138,8 +138,10 @@ struct alignas(64) front_slot {
   }
   /// Changes whenever the owner uses the slot: operations under the lock, and requests that found it empty.
   std::uint64_t use() const noexcept { return tick + misses.load(std::memory_order_relaxed); }
-  /// The owner found the slot empty (no lock: its thread only writes a line it owns).
-  void note_miss() noexcept { misses.store(misses.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
+  /// The owner found the slot empty (no lock). An atomic increment, since several threads may use one stream: with a
+  /// load and a store, a thread's stale store could move the count back to a value an earlier ask saw, and the slot
+  /// could be taken from a stream still using it. The heap's path, which a miss takes next, costs far more.
+  void note_miss() noexcept { misses.fetch_add(1, std::memory_order_relaxed); }
 
   /// The bin of blocks of `size`, or nullptr when none holds any.
   bin* find(std::size_t size) noexcept {

@@ -6,7 +6,9 @@ vcpkg_from_github(
     HEAD_REF main
 )
 
-set(VCPKG_BUILD_TYPE release) # header-only
+vcpkg_check_features(OUT_FEATURE_OPTIONS feature_options FEATURES compiled GPUKIT_BUILD_COMPILED)
+vcpkg_check_linkage(ONLY_STATIC_LIBRARY) # gpukit::compiled is libgpukit.a
+set(VCPKG_BUILD_TYPE release) # the headers, and libgpukit.a built once
 
 include("${CURRENT_INSTALLED_DIR}/share/cuda/vcpkg_find_cuda.cmake")
 vcpkg_find_cuda(OUT_CUDA_TOOLKIT_ROOT cuda_toolkit_root)
@@ -17,17 +19,15 @@ vcpkg_cmake_configure(
         -DGPUKIT_BUILD_TESTS=OFF
         -DGPUKIT_BUILD_EXAMPLES=OFF
         -DGPUKIT_BUILD_BENCHMARKS=OFF
-        -DGPUKIT_BUILD_COMPILED=OFF # header-only: gpukit::compiled is for CMake installs
+        ${feature_options}
         -DGPUKIT_INSTALL=ON
+        "-DGPUKIT_INSTALL_PKGCONFIGDIR=${CURRENT_BUILDTREES_DIR}/not-packaged" # CMake package only
         "-DCUDAToolkit_ROOT=${cuda_toolkit_root}"
 )
 vcpkg_cmake_install()
 vcpkg_cmake_config_fixup(CONFIG_PATH share/cmake/gpukit)
 
-# gpukit.pc records the build machine's CUDA paths, which vcpkg's package hash does not cover: CMake only.
 file(REMOVE_RECURSE
-    "${CURRENT_PACKAGES_DIR}/debug"
-    "${CURRENT_PACKAGES_DIR}/lib"
     "${CURRENT_PACKAGES_DIR}/share/cmake"
     "${CURRENT_PACKAGES_DIR}/share/doc"
 )
