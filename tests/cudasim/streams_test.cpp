@@ -16,8 +16,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -508,13 +511,115 @@ TEST_CASE("streams: the caching allocator over async_pool_upstream never calls c
   CHECK(pool_view.memory_reserved() == a.memory_reserved());
   a.deallocate(p);
   a.deallocate(big);
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
   a.empty_cache();
   CHECK(cudasim::calls("cudaFreeAsync") == 2);
-  CHECK(cudasim::calls("cudaDeviceSynchronize") >= 1);  // segments go back after the device's work, as with cudaFree
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);  // in stream order: no wait for the device
   cudasim::drain_all();
   CHECK(pool_view.memory_reserved() == 0);
   CHECK(cudasim::calls("cudaMalloc") == mallocs);
   CHECK(cudasim::calls("cudaFree") == frees);
+}
+
+TEST_CASE(
+    "streams: async_pool_upstream gets segments back in stream order: empty_cache waits for nothing, and each free "
+    "runs after the work its stream had queued") {
+  gate g;
+  std::atomic<bool> released{false};
+  std::atomic<bool> opened_by_watchdog{false};
+  {
+    gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+    gpukit::stream busy(cuda0);
+    gpukit::stream idle(cuda0);
+    open_at_exit at_exit({&g});
+    auto* p = static_cast<unsigned char*>(a.allocate(block_bytes, busy));
+    void* q = a.allocate(block_bytes, idle);
+    std::size_t idle_segment = 0;
+    for (const auto& seg : a.snapshot().segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.address == reinterpret_cast<std::uintptr_t>(q)) idle_segment = seg.size;
+      }
+    }
+    REQUIRE(idle_segment > 0);
+    REQUIRE(a.snapshot().segments.size() == 2);  // one per stream
+    g.hold(busy);                                // work queued before the free, which still uses p once the gate opens
+    busy.enqueue_host([p] { std::memset(p, 0x5a, block_bytes); });
+    a.deallocate(p);
+    a.deallocate(q);
+    const std::size_t used = cudasim::device_memory_used(0);
+    const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+    const std::size_t frees = cudasim::calls("cudaFreeAsync");
+    // A device-wide wait would wait for the gate: a watchdog opens it, so that a regression fails instead of hanging.
+    std::thread watchdog([&] {
+      for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (!released.load()) {
+        opened_by_watchdog = true;
+        g.open();
+      }
+    });
+    a.empty_cache();
+    released = true;
+    watchdog.join();
+    CHECK_FALSE(opened_by_watchdog.load());
+    CHECK(a.memory_reserved() == 0);
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+    CHECK(cudasim::calls("cudaFreeAsync") == frees + 2);
+    CHECK(cudasim::device_memory_used(0) + idle_segment >= used);  // the busy stream's segment is not freed yet
+    g.open();
+    busy.synchronize();  // the host function wrote p: the segment was still the allocator's
+    cudasim::drain_all();
+    gpukit::async_allocator pool_view(cuda0);
+    CHECK(pool_view.memory_reserved() == 0);
+  }
+}
+
+TEST_CASE(
+    "streams: async_pool_upstream falls back to a device-wide wait when a release in stream order is not possible") {
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  gpukit::stream s(cuda0);
+  const auto release_with = [&](const char* failing, cudaError_t error) {
+    a.deallocate(a.allocate(block_bytes, s));
+    const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+    cudasim::fail_call(failing, 1, error);
+    a.empty_cache();
+    CAPTURE(failing);
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + 1);  // the waiting way
+    CHECK(a.memory_reserved() == 0);
+    cudasim::drain_all();
+    CHECK(gpukit::async_allocator(cuda0).memory_reserved() == 0);  // and the segment did go back
+  };
+  release_with("cudaEventRecord", cudaErrorUnknown);      // no event on the stream
+  release_with("cudaStreamWaitEvent", cudaErrorUnknown);  // the release stream cannot wait for it
+  release_with("cudaFreeAsync", cudaErrorInvalidValue);   // the free in stream order is refused
+  cudasim::clear_faults();
+
+  // A destroyed stream whose work has completed needs no event: its segment goes back in stream order at once.
+  void* live = a.allocate(block_bytes, s);
+  {
+    gpukit::stream gone(cuda0);
+    a.deallocate(a.allocate(block_bytes, gone));
+    gone.synchronize();
+  }
+  a.deallocate(a.allocate(block_bytes, s));  // from s's own segment; the allocator notices the destruction
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  a.trim(a.memory_allocated());  // only the destroyed stream's segment is free
+  CHECK(cudasim::calls("cudaFreeAsync") == frees + 1);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+  CHECK(cudasim::calls("cudaEventRecord") == records);
+  a.deallocate(live);
+
+  // Out of memory: the segments given back in stream order are waited for before the pool is trimmed and asked again.
+  a.deallocate(a.allocate(block_bytes, s));
+  a.empty_cache();
+  const std::size_t stream_syncs = cudasim::calls("cudaStreamSynchronize");
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  void* retried = a.allocate(block_bytes, s);
+  CHECK(retried != nullptr);
+  // The allocation stream before trimming, the release stream, and the allocation stream once it succeeds.
+  CHECK(cudasim::calls("cudaStreamSynchronize") == stream_syncs + 3);
+  a.deallocate(retried);
 }
 
 TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache is released, other failures throw") {
@@ -556,12 +661,15 @@ TEST_CASE(
     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
     const gpukit::stream_view s = gpukit::stream_view::default_stream(cuda0);
     a.deallocate(a.allocate(block_bytes, s));
+    // No event on the stream: the release in stream order is not possible, and the device-wide wait fails too.
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorUnknown);
     cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
     a.empty_cache();  // the device's work cannot be waited for: the segment is not handed back, and that is said
     CHECK(warnings.contains("cudaDeviceSynchronize (before returning a segment to the pool) failed"));
     CHECK(a.memory_reserved() == 0);
     a.deallocate(a.allocate(block_bytes, s));
-    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);  // in stream order
+    cudasim::fail_call("cudaFreeAsync", 2, cudaErrorInvalidValue);  // after the device-wide wait
     a.empty_cache();
     CHECK(warnings.contains("cudaFreeAsync (returning a segment to the pool) failed"));
     a.deallocate(a.allocate(block_bytes, s));  // still usable

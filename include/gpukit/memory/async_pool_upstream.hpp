@@ -13,15 +13,19 @@
 ///
 /// What it changes against cudaMalloc: a segment given back (empty_cache, trim, pressure) returns to the pool, which
 /// keeps it up to its release threshold (by default, everything), so growing again is a pool hit instead of a
-/// driver allocation, and other users of the pool can take it meanwhile. What it keeps: a segment is given back only
-/// after the device's work (cudaDeviceSynchronize, as cudaFree waits), so the engine's contract
-/// (synchronizes_on_free) and its hot path are those of cudaMalloc's upstream; the allocate and free themselves
-/// are enqueued on a private stream and waited for on the host, so a segment is usable on every stream at once.
+/// driver allocation, and other users of the pool can take it meanwhile. A segment is given back in stream order
+/// (deallocate_after): cudaFreeAsync after events the caching allocator records on the streams that may still use
+/// it, so a release waits for nothing on the host, where cudaFree waits for the whole device. What it keeps: the
+/// engine's contract (synchronizes_on_free: deallocate, the fallback, waits for the device) and its hot path are
+/// those of cudaMalloc's upstream; an allocation is enqueued on a private stream and waited for on the host, so a
+/// segment is usable on every stream at once.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -30,6 +34,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -54,23 +59,28 @@ class async_pool_upstream {
   async_pool_upstream(const async_pool_upstream&) = delete;
   async_pool_upstream& operator=(const async_pool_upstream&) = delete;
 
-  /// Destroys the private stream (after its work). Segments still out are the caching allocator's to give back first.
+  /// Destroys the private streams (their work, frees in stream order included, still runs). Segments still out are
+  /// the caching allocator's to give back first.
   ~async_pool_upstream() {
-    if (stream_ == nullptr) return;
-    try {
-      device_guard guard(device_);
-      detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
-                                  device_.ordinal());
-    } catch (const error& e) {
-      if (!detail::is_teardown_result(e.cuda_result())) warn(std::string("gpukit::async_pool_upstream: ") + e.what());
-    } catch (const std::exception& e) {
-      warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+    for (const cudaStream_t s : {stream_, release_stream_}) {
+      if (s == nullptr) continue;
+      try {
+        device_guard guard(device_);
+        detail::report_cuda_failure(cudaStreamDestroy(s), "cudaStreamDestroy (async_pool_upstream)", device_.ordinal());
+      } catch (const error& e) {
+        if (!detail::is_teardown_result(e.cuda_result())) {
+          warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+        }
+      } catch (const std::exception& e) {
+        warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+      }
     }
   }
 
   /// cudaMallocFromPoolAsync on the private stream, waited for on the host (so the segment is usable on any
-  /// stream). When the pool cannot serve it, the pool's unused memory (which may be in pieces too small, or another
-  /// user's) goes back to the driver (cudaMemPoolTrimTo(0)) and the request is tried once more; nullptr if that fails
+  /// stream). When the pool cannot serve it, the segments given back in stream order are waited for, the pool's
+  /// unused memory (which may be in pieces too small, or another user's) goes back to the driver
+  /// (cudaMemPoolTrimTo(0)) and the request is tried once more; nullptr if that fails
   /// too (the caching allocator then gives back its cache and retries). Any other failure throws the matching gpukit
   /// exception.
   [[nodiscard]] void* allocate(std::size_t bytes) {
@@ -82,6 +92,11 @@ class async_pool_upstream {
       (void)cudaGetLastError();
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
+      // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
+      if (const cudaStream_t releases = pending_release_stream(); releases != nullptr) {
+        GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(releases),
+                                  "cudaStreamSynchronize (segments given back in stream order)", device_.ordinal());
+      }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
       result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     }
@@ -112,6 +127,28 @@ class async_pool_upstream {
       warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
     } catch (const std::exception& e) {
       warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
+    }
+  }
+
+  /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:
+  /// cudaStreamWaitEvent for each on a stream of its own for releases, then cudaFreeAsync there. The caching
+  /// allocator records them on the streams that may still use the segment. Another stream than the allocations',
+  /// so that growing later does not wait for those streams' work. false when a call fails: the segment was not
+  /// freed, and the allocator calls deallocate (which waits for the device) instead.
+  bool deallocate_after(void* p, std::size_t /*bytes*/, const std::vector<const event*>& after) noexcept {
+    try {
+      device_guard guard(device_);
+      const cudaStream_t s = release_stream();
+      const stream_view releases(device_, s);
+      for (const event* e : after) e->wait(releases);  // throws on failure
+      if (cudaFreeAsync(p, s) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      return true;
+    } catch (...) {  // no release stream, or a wait refused
+      (void)cudaGetLastError();
+      return false;
     }
   }
 
@@ -165,10 +202,27 @@ class async_pool_upstream {
     return stream_;
   }
 
+  /// The stream of frees in stream order, or null before the first.
+  cudaStream_t pending_release_stream() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return release_stream_;
+  }
+
+  /// The stream of frees in stream order, created at the first (a failure is thrown).
+  cudaStream_t release_stream() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (release_stream_ == nullptr) {
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking),
+                                "cudaStreamCreateWithFlags (async_pool_upstream releases)", device_.ordinal());
+    }
+    return release_stream_;
+  }
+
   gpukit::device device_;
-  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set
-  cudaMemPool_t pool_ = nullptr;   // the pool segments come from
-  cudaStream_t stream_ = nullptr;  // where allocations and frees are enqueued
+  mutable std::mutex mutex_;               // guards pool_ and the streams while they are set
+  cudaMemPool_t pool_ = nullptr;           // the pool segments come from
+  cudaStream_t stream_ = nullptr;          // where allocations (and frees after a device-wide wait) are enqueued
+  cudaStream_t release_stream_ = nullptr;  // where frees in stream order are enqueued
   std::size_t release_threshold_;
 };
 

@@ -134,6 +134,15 @@ struct has_virtual_memory<U, std::void_t<decltype(std::declval<U&>().reserve(std
                                          decltype(std::declval<U&>().unreserve(nullptr, std::size_t{})),
                                          decltype(std::declval<const U&>().page_size())>> : std::true_type {};
 
+/// Upstreams that can give a segment back once events complete, without a wait on the host (upstream.hpp).
+template <class U, class Event, class = void>
+struct has_ordered_release : std::false_type {};
+template <class U, class Event>
+struct has_ordered_release<U, Event,
+                           std::void_t<decltype(std::declval<U&>().deallocate_after(
+                               nullptr, std::size_t{}, std::declval<const std::vector<const Event*>&>()))>>
+    : std::true_type {};
+
 /// ... which may say at run time that the device has none (device_upstream: the CPU, or an old driver or GPU).
 template <class U, class = void>
 struct has_virtual_memory_query : std::false_type {};
@@ -2113,6 +2122,72 @@ class basic_caching_allocator {
   }
 
   /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
+  /// A stream-ordered release (an upstream with deallocate_after): an event recorded on each stream that may still
+  /// use the segment, so that the upstream gives it back once they complete, with no wait on the host (cudaFree and
+  /// the other upstreams wait for the whole device). `possible` is false when that cannot be told (then the
+  /// upstream's deallocate is used).
+  struct ordered_release {
+    bool possible = false;
+    std::vector<std::unique_ptr<event_type>> after;
+  };
+
+  /// The events segment `seg` (all free, not expandable) is given back after (device lock held, before its blocks are
+  /// recycled): one on each stream that owns a block of it. A free block's stream is the only one whose work may use
+  /// it (others' uses were recorded, and were waited for before the block became free), and only work queued before
+  /// now. Not possible with a stream destroyed while its work may run (nothing to record on), a captured stream
+  /// (the event would be the graph's; ops_.record refuses it), or a failure to record.
+  ordered_release order_release(const segment& seg) noexcept {
+    ordered_release o;
+    if constexpr (detail::has_ordered_release<Upstream, event_type>::value) {
+      if (seg.expandable) return o;
+      try {
+        std::vector<const stream_state*> owners;
+        for (const block* b = seg.first; b != nullptr; b = b->next) {
+          const stream_state* owner = b->owner;
+          if (owner == unowned_.get() || owner->retired) continue;  // no work of any stream can still use it
+          if (owner->dead) return o;
+          if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
+        }
+        for (const stream_state* owner : owners) {
+          auto e = acquire_event(device_);
+          ops_.record(*e, owner->stream);
+          o.after.push_back(std::move(e));
+        }
+      } catch (...) {  // a captured stream, or no memory or event: the upstream's deallocate (which waits) instead
+        for (auto& e : o.after) release_event(std::move(e), device_);
+        o.after.clear();
+        return o;
+      }
+      o.possible = true;
+    } else {
+      (void)seg;
+    }
+    return o;
+  }
+
+  void return_segment(segment* seg, const ordered_release& ordered) noexcept {
+    if constexpr (detail::has_ordered_release<Upstream, event_type>::value) {
+      if (ordered.possible) {
+        if (memory_history* h = history_.load(std::memory_order_acquire)) {
+          h->record(memory_action::segment_free, seg->address, seg->size, 0);
+        }
+        std::vector<const event_type*> after;
+        try {
+          after.reserve(ordered.after.size());
+          for (const auto& e : ordered.after) after.push_back(e.get());
+        } catch (...) {
+          after.clear();
+          return deallocate_to_upstream(seg);  // no memory for the list: the waiting way
+        }
+        if (!upstream_.deallocate_after(reinterpret_cast<void*>(seg->address), seg->size, after)) {
+          deallocate_to_upstream(seg);  // refused (nothing was done): the waiting way
+        }
+        return;
+      }
+    }
+    return_segment(seg);
+  }
+
   void return_segment(segment* seg) noexcept {
     memory_history* const h = history_.load(std::memory_order_acquire);
     if constexpr (has_vm) {
@@ -2137,6 +2212,10 @@ class basic_caching_allocator {
     // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
     // thread's new segment, whose segment_alloc must come after this.
     if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
+    deallocate_to_upstream(seg);
+  }
+
+  void deallocate_to_upstream(const segment* seg) noexcept {
     upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
   }
 
@@ -2284,9 +2363,12 @@ class basic_caching_allocator {
                                bool unforced = false) {
     if (victims.empty()) return 0;
     std::vector<std::unique_ptr<event_type>> fences;
+    std::vector<ordered_release> ordered(victims.size());
     std::size_t released = 0;
     std::size_t frees = 0;
-    for (segment* seg : victims) {
+    for (std::size_t i = 0; i < victims.size(); ++i) {
+      segment* seg = victims[i];
+      ordered[i] = order_release(*seg);
       for (block* b = seg->first; b != nullptr;) {
         block* next = b->next;
         unindex_free(b);
@@ -2311,12 +2393,15 @@ class basic_caching_allocator {
     }
     lock.unlock();
     for (const auto& fence : fences) synchronize_quietly(*fence);
-    for (segment* seg : victims) {
-      return_segment(seg);
-      delete seg;
+    for (std::size_t i = 0; i < victims.size(); ++i) {
+      return_segment(victims[i], ordered[i]);
+      delete victims[i];
     }
     lock.lock();
     for (auto& fence : fences) release_event(std::move(fence), device_);
+    for (ordered_release& o : ordered) {
+      for (auto& e : o.after) release_event(std::move(e), device_);
+    }
     for (std::size_t i = 0; i < frees; ++i) {
       stats_.num_device_free.increment();
       if (unforced) stats_.num_device_free_unforced.increment();

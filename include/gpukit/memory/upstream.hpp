@@ -14,7 +14,13 @@
 ///
 ///     bool unmap(void* address, std::size_t bytes) noexcept;  // false: nothing unmapped (the pages stay in use)
 ///
-/// may also return void (it always unmaps).
+/// may also return void (it always unmaps). An upstream that can free in stream order may also have
+///
+///     bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept;
+///
+/// which gives a whole segment back once the events in `after` have completed, without waiting on the host (the
+/// caching allocator records them on the streams that may still use the segment); false: nothing was done, and
+/// deallocate is called instead (async_pool_upstream has it).
 ///
 /// Upstreams are called without the allocator's lock held, so they must be thread-safe. gpukit provides:
 /// - cuda_upstream: cudaMalloc / cudaFree on one CUDA device (cudaFree synchronizes the device);
