@@ -23,6 +23,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -622,6 +623,98 @@ TEST_CASE(
   a.deallocate(retried);
 }
 
+TEST_CASE(
+    "streams: async_pool_upstream waits for the device instead of recording on a raw handle, which may be another "
+    "stream's by now") {
+  gate g;
+  std::atomic<bool> released{false};
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  const cudaStream_t first = create_raw_stream(cuda0);
+  open_at_exit at_exit({&g});
+  g.hold(gpukit::stream_view(cuda0, first));
+  void* p = a.allocate(block_bytes, gpukit::stream_view(cuda0, first));
+  REQUIRE(cudaMemsetAsync(p, 0x5a, block_bytes, first) == cudaSuccess);  // uses p once the gate opens
+  a.deallocate(p);
+  destroy_raw_stream(first);  // the allocator cannot see this
+  const cudaStream_t second = create_raw_stream(cuda0);
+  REQUIRE(second == first);  // an event on this handle would be on an idle stream
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  std::thread opener([&] {  // the device-wide wait needs the gate open: open it once the release waits
+    while (cudasim::calls("cudaDeviceSynchronize") == syncs && !released.load()) std::this_thread::yield();
+    g.open();
+  });
+  a.empty_cache();
+  released = true;
+  opener.join();
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + 1);
+  CHECK(cudasim::calls("cudaEventRecord") == records);
+  cudasim::drain_all();
+  CHECK(cudasim::take_violations().empty());  // the memset ran before the segment was freed
+  destroy_raw_stream(second);
+}
+
+TEST_CASE("streams: releasing a default stream's segment in stream order does not invalidate a capture underway") {
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  std::thread t([&] {  // another thread's per-thread default stream is reached only through the legacy stream
+    const gpukit::stream_view mine(cuda0, cudaStreamPerThread);
+    a.deallocate(a.allocate(block_bytes, mine));
+    mine.synchronize();
+  });
+  t.join();
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  a.deallocate(a.allocate(std::size_t{8} << 20, legacy));
+  cudasim::drain_all();
+  gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  a.empty_cache();  // no work on the legacy stream: it would invalidate the capture (cudaErrorStreamCaptureImplicit)
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  CHECK(cudasim::take_violations().empty());
+  CHECK(a.memory_reserved() == 0);
+}
+
+TEST_CASE(
+    "streams: a gpukit stream destroyed while the allocator grows, its handle reused: its segment waits for its "
+    "work") {
+  gate g;
+  std::atomic<bool> done{false};
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0, keep_segments());
+  gpukit::stream other(cuda0);
+  std::optional<gpukit::stream> doomed(std::in_place, cuda0);
+  std::optional<gpukit::stream> fresh;
+  open_at_exit at_exit({&g});
+  g.hold(*doomed);
+  void* p = a.allocate(block_bytes, *doomed);
+  const cudaStream_t old_handle = doomed->cuda_handle();
+  REQUIRE(cudaMemsetAsync(p, 0x5a, block_bytes, old_handle) == cudaSuccess);  // uses p once the gate opens
+  a.deallocate(p);
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  // As another thread would, while this allocation is in the upstream (the allocator's lock released): the stream
+  // is destroyed and a new one gets its handle; then the pool refuses twice, and the cache is released.
+  cudasim::before_call("cudaMallocFromPoolAsync", 1, [&] {
+    doomed.reset();
+    fresh.emplace(cuda0);
+  });
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 2, cudaErrorMemoryAllocation);
+  std::thread opener([&] {  // the device-wide wait needs the gate open: open it once the release waits
+    while (cudasim::calls("cudaDeviceSynchronize") == syncs && !done.load()) std::this_thread::yield();
+    g.open();
+  });
+  void* q = a.allocate(block_bytes, other);
+  done = true;
+  opener.join();
+  REQUIRE(fresh.has_value());
+  CHECK(fresh->cuda_handle() == old_handle);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") > syncs);  // the destroyed stream's segment waited for the device
+  cudasim::drain_all();
+  CHECK(cudasim::take_violations().empty());  // the memset ran before the segment was freed
+  cudasim::clear_faults();
+  a.deallocate(q);
+}
+
 TEST_CASE("streams: async_pool_upstream out of memory is retried after the cache is released, other failures throw") {
   gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
   gpukit::stream s(cuda0);
@@ -661,15 +754,13 @@ TEST_CASE(
     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
     const gpukit::stream_view s = gpukit::stream_view::default_stream(cuda0);
     a.deallocate(a.allocate(block_bytes, s));
-    // No event on the stream: the release in stream order is not possible, and the device-wide wait fails too.
-    cudasim::fail_call("cudaEventRecord", 1, cudaErrorUnknown);
+    // The legacy default stream is not recorded on (the release waits for the device), and that wait fails.
     cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
     a.empty_cache();  // the device's work cannot be waited for: the segment is not handed back, and that is said
     CHECK(warnings.contains("cudaDeviceSynchronize (before returning a segment to the pool) failed"));
     CHECK(a.memory_reserved() == 0);
     a.deallocate(a.allocate(block_bytes, s));
-    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);  // in stream order
-    cudasim::fail_call("cudaFreeAsync", 2, cudaErrorInvalidValue);  // after the device-wide wait
+    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
     a.empty_cache();
     CHECK(warnings.contains("cudaFreeAsync (returning a segment to the pool) failed"));
     a.deallocate(a.allocate(block_bytes, s));  // still usable

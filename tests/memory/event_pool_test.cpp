@@ -58,9 +58,9 @@ TEST_CASE("event pool: the pinned pool's process-wide cache takes events back an
   e.record(s);
   s.synchronize();
   CHECK(e.ready());
-  cache.release(std::move(e));
-  CHECK_FALSE(e.valid());       // NOLINT(bugprone-use-after-move): the cache took it
-  cache.release(std::move(e));  // NOLINT(bugprone-use-after-move): a moved-from event is not kept
+  cache.give(std::move(e));
+  CHECK_FALSE(e.valid());    // NOLINT(bugprone-use-after-move): the cache took it
+  cache.give(std::move(e));  // NOLINT(bugprone-use-after-move): a moved-from event is not kept
   gpukit::event again = cache.acquire(device::cpu());
   REQUIRE(again.device() == device::cpu());
   again.record(s);

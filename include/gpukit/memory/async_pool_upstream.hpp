@@ -132,9 +132,11 @@ class async_pool_upstream {
 
   /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:
   /// cudaStreamWaitEvent for each on a stream of its own for releases, then cudaFreeAsync there. The caching
-  /// allocator records them on the streams that may still use the segment. Another stream than the allocations',
-  /// so that growing later does not wait for those streams' work. false when a call fails: the segment was not
-  /// freed, and the allocator calls deallocate (which waits for the device) instead.
+  /// allocator records them on the streams that may still use the segment. Another stream than the allocations', so
+  /// that an allocation does not queue behind every pending release; one the pool serves from a segment whose free
+  /// has not run yet waits for it (the pool adds that dependency: cudaMemPoolReuseAllowInternalDependencies), which
+  /// is what makes that reuse safe. false when a call fails: the segment was not freed, and the allocator calls
+  /// deallocate (which waits for the device) instead.
   bool deallocate_after(void* p, std::size_t /*bytes*/, const std::vector<const event*>& after) noexcept {
     try {
       device_guard guard(device_);

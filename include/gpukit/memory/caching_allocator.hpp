@@ -978,7 +978,7 @@ class basic_caching_allocator {
       if (!index) continue;
       while (block* b = index->find(1, [](const block*) { return true; })) {
         unindex_free(b);
-        release_event(std::move(b->fence), device_);  // its work is done, fenced work included
+        recycle_event(std::move(b->fence), device_);  // its work is done, fenced work included
         b->owner = unowned_.get();
         insert_free(b);
       }
@@ -1043,7 +1043,7 @@ class basic_caching_allocator {
   }
 
   /// Pools event `e` of device `d` (none: nothing to do).
-  void release_event(std::unique_ptr<event_type> e, gpukit::device d) noexcept {
+  void recycle_event(std::unique_ptr<event_type> e, gpukit::device d) noexcept {
     if (e) events_.give(d, std::move(e));
   }
 
@@ -1083,7 +1083,7 @@ class basic_caching_allocator {
       while (!st->pending.empty() && record_complete(*st, st->pending.front())) {
         pending_record record = std::move(st->pending.front());
         st->pending.pop_front();
-        release_event(std::move(record.event), st->device);
+        recycle_event(std::move(record.event), st->device);
         complete_pending(record.b);
       }
       if (st->pending.empty()) {
@@ -1621,7 +1621,7 @@ class basic_caching_allocator {
       std::swap(into->fence, from->fence);
       into->fence_sequence = from->fence_sequence;
     }
-    release_event(std::move(from->fence), device_);
+    recycle_event(std::move(from->fence), device_);
   }
 
   /// A freed block (no longer allocated or pending) joins its pool. Its stream's, unless that stream was destroyed
@@ -1632,7 +1632,7 @@ class basic_caching_allocator {
     clear_recorded(b);
     --b->owner->in_use;
     if (b->owner->retired) {
-      release_event(std::move(b->fence), device_);
+      recycle_event(std::move(b->fence), device_);
       b->owner = unowned_.get();
     }
     insert_free(b);
@@ -1727,7 +1727,7 @@ class basic_caching_allocator {
       rest->fence_sequence = b->fence_sequence;
       index_free(rest);
     } else {
-      release_event(std::move(fence), device_);
+      recycle_event(std::move(fence), device_);
     }
     b->owner = &st;
     ++st.in_use;
@@ -1786,8 +1786,8 @@ class basic_caching_allocator {
       }
       if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
     } catch (...) {
-      release_event(std::move(fence), device_);
-      for (auto& use : uses) release_event(std::move(use.second), use.first->device);
+      recycle_event(std::move(fence), device_);
+      for (auto& use : uses) recycle_event(std::move(use.second), use.first->device);
       map_.restore(b->address, b);  // still allocated (cannot throw: no growth)
       throw;
     }
@@ -2050,7 +2050,7 @@ class basic_caching_allocator {
             }
             if (b->fence) {
               synchronize_quietly(*b->fence);
-              release_event(std::move(b->fence), device_);
+              recycle_event(std::move(b->fence), device_);
             }
             const std::size_t run = unmap_run(seg, i, end);
             if (run == 0) return unmapped;  // the device could not be waited for: nothing more is unmapped now
@@ -2134,27 +2134,45 @@ class basic_caching_allocator {
   /// The events segment `seg` (all free, not expandable) is given back after (device lock held, before its blocks are
   /// recycled): one on each stream that owns a block of it. A free block's stream is the only one whose work may use
   /// it (others' uses were recorded, and were waited for before the block became free), and only work queued before
-  /// now. Not possible with a stream destroyed while its work may run (nothing to record on), a captured stream
-  /// (the event would be the graph's; ops_.record refuses it), or a failure to record.
+  /// now. Only streams known to be alive are recorded on: gpukit streams (tracked), checked before and after the
+  /// record, since a destroyed stream's handle may already be another's. Not possible, so the upstream's deallocate
+  /// (which waits for the device) is used, with:
+  /// - a raw handle (it may have been destroyed and its handle reused, which the allocator cannot see);
+  /// - a default stream: an event on the legacy stream (also how another thread's per-thread stream is reached)
+  ///   would invalidate a capture of any blocking stream of the device;
+  /// - a destroyed stream whose work may run, a captured stream (the event would be the graph's), a failed record.
   ordered_release order_release(const segment& seg) noexcept {
     ordered_release o;
-    if constexpr (detail::has_ordered_release<Upstream, event_type>::value) {
+    if constexpr (detail::has_ordered_release<Upstream, event_type>::value && tracks_lifetimes) {
       if (seg.expandable) return o;
+      std::vector<const stream_state*> owners;
+      const auto alive = [this](const stream_state* owner) {
+        return owner->tracker && !owner->dead && !ops_.expired(owner->tracker);
+      };
+      bool orderable = true;
       try {
-        std::vector<const stream_state*> owners;
         for (const block* b = seg.first; b != nullptr; b = b->next) {
           const stream_state* owner = b->owner;
           if (owner == unowned_.get() || owner->retired) continue;  // no work of any stream can still use it
-          if (owner->dead) return o;
+          if (!alive(owner)) return o;
           if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
         }
         for (const stream_state* owner : owners) {
           auto e = acquire_event(device_);
-          ops_.record(*e, owner->stream);
+          ops_.record(*e, owner->stream);  // refuses a captured stream
           o.after.push_back(std::move(e));
         }
-      } catch (...) {  // a captured stream, or no memory or event: the upstream's deallocate (which waits) instead
-        for (auto& e : o.after) release_event(std::move(e), device_);
+        // Destroyed (its handle maybe reused) or captured since it was asked: the events may be on the wrong work.
+        for (const stream_state* owner : owners) {
+          bool captured = false;
+          if constexpr (detail::has_capture_query<StreamOps>::value) captured = ops_.capturing(owner->stream);
+          orderable = orderable && alive(owner) && !captured;
+        }
+      } catch (...) {  // no memory, no event, or a captured stream
+        orderable = false;
+      }
+      if (!orderable) {  // the upstream's deallocate (which waits) instead
+        for (auto& e : o.after) recycle_event(std::move(e), device_);
         o.after.clear();
         return o;
       }
@@ -2336,7 +2354,7 @@ class basic_caching_allocator {
     }
     lock.lock();
     for (auto& w : records) {
-      release_event(std::move(w.record.event), w.device);
+      recycle_event(std::move(w.record.event), w.device);
       complete_pending(w.record.b);
     }
   }
@@ -2398,9 +2416,9 @@ class basic_caching_allocator {
       delete victims[i];
     }
     lock.lock();
-    for (auto& fence : fences) release_event(std::move(fence), device_);
+    for (auto& fence : fences) recycle_event(std::move(fence), device_);
     for (ordered_release& o : ordered) {
-      for (auto& e : o.after) release_event(std::move(e), device_);
+      for (auto& e : o.after) recycle_event(std::move(e), device_);
     }
     for (std::size_t i = 0; i < frees; ++i) {
       stats_.num_device_free.increment();

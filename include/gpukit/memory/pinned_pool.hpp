@@ -130,7 +130,7 @@ class recycled_event_cache {
     return event(d);
   }
   /// Gives an event back for reuse; the cache keeps at most 1024 per device and destroys the rest.
-  void release(event&& e) noexcept {
+  void give(event&& e) noexcept {
     if (!e.valid()) return;
     try {
       const device d = e.device();
@@ -172,7 +172,7 @@ struct pinned_pool_sync {
   /// Blocks until it has.
   void wait(const marker& m) { m.synchronize(); }
   /// Returns the event to the cache.
-  void recycle(marker&& m) noexcept { detail::shared_recycled_events().release(std::move(m)); }
+  void recycle(marker&& m) noexcept { detail::shared_recycled_events().give(std::move(m)); }
 };
 
 /// The upstream of pinned_pool: cudaHostAlloc (portable by default) for CUDA, page-aligned host memory for the CPU.

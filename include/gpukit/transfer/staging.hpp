@@ -387,7 +387,7 @@ class basic_staging_engine {
     }
     job(const job&) = delete;
     job& operator=(const job&) = delete;
-    ~job() { detail::shared_recycled_events().release(std::move(after)); }
+    ~job() { detail::shared_recycled_events().give(std::move(after)); }
 
     char* dst;
     std::unique_ptr<char[]> data;
