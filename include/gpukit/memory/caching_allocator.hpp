@@ -2121,7 +2121,6 @@ class basic_caching_allocator {
     }
   }
 
-  /// Returns a segment's memory to the upstream (lock released): cudaFree, or unmap and unreserve.
   /// A stream-ordered release (an upstream with deallocate_after): an event recorded on each stream that may still
   /// use the segment, so that the upstream gives it back once they complete, with no wait on the host (cudaFree and
   /// the other upstreams wait for the whole device). `possible` is false when that cannot be told (then the
@@ -2183,30 +2182,29 @@ class basic_caching_allocator {
     return o;
   }
 
-  void return_segment(segment* seg, const ordered_release& ordered) noexcept {
+  /// Gives a whole (not expandable) segment back in stream order, after the events of `ordered`; false when that is
+  /// not possible or the upstream refused (nothing was done: the caller deallocates, which waits).
+  bool deallocate_in_order(const segment* seg, const ordered_release& ordered) noexcept {
     if constexpr (detail::has_ordered_release<Upstream, event_type>::value) {
-      if (ordered.possible) {
-        if (memory_history* h = history_.load(std::memory_order_acquire)) {
-          h->record(memory_action::segment_free, seg->address, seg->size, 0);
-        }
-        std::vector<const event_type*> after;
-        try {
-          after.reserve(ordered.after.size());
-          for (const auto& e : ordered.after) after.push_back(e.get());
-        } catch (...) {
-          after.clear();
-          return deallocate_to_upstream(seg);  // no memory for the list: the waiting way
-        }
-        if (!upstream_.deallocate_after(reinterpret_cast<void*>(seg->address), seg->size, after)) {
-          deallocate_to_upstream(seg);  // refused (nothing was done): the waiting way
-        }
-        return;
+      if (!ordered.possible) return false;
+      std::vector<const event_type*> after;
+      try {
+        after.reserve(ordered.after.size());
+      } catch (...) {
+        return false;  // no memory for the list
       }
+      for (const auto& e : ordered.after) after.push_back(e.get());
+      return upstream_.deallocate_after(reinterpret_cast<void*>(seg->address), seg->size, after);
+    } else {
+      (void)seg;
+      (void)ordered;
+      return false;
     }
-    return_segment(seg);
   }
 
-  void return_segment(segment* seg) noexcept {
+  /// Returns a segment's memory to the upstream (lock released): in stream order when `ordered` allows it, else
+  /// cudaFree (or the upstream's deallocate), or unmap and unreserve.
+  void return_segment(segment* seg, const ordered_release& ordered = {}) noexcept {
     memory_history* const h = history_.load(std::memory_order_acquire);
     if constexpr (has_vm) {
       if (seg->expandable) {
@@ -2230,11 +2228,7 @@ class basic_caching_allocator {
     // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
     // thread's new segment, whose segment_alloc must come after this.
     if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
-    deallocate_to_upstream(seg);
-  }
-
-  void deallocate_to_upstream(const segment* seg) noexcept {
-    upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+    if (!deallocate_in_order(seg, ordered)) upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
   }
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
