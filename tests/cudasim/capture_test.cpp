@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -347,6 +348,34 @@ TEST_CASE("capture: the pinned pool refuses to record a capturing stream, and ke
   pool.deallocate(q);
   s.synchronize();
   (void)pool.stats();  // polls q's event: it must be an ordinary one
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "capture: the pinned pool's deallocate(p, s) asks once whether s is captured, and a refusal for another recorded "
+    "stream records nothing") {
+  gpukit::pinned_pool& pool = gpukit::default_pinned_pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  void* p = pool.allocate(1 << 16);
+  const std::size_t asked = cudasim::calls("cudaStreamIsCapturing");
+  pool.deallocate(p, s);
+  CHECK(cudasim::calls("cudaStreamIsCapturing") == asked + 1);  // not again for record_stream and the recorded list
+
+  void* q = pool.allocate(1 << 16);
+  pool.record_stream(q, s);
+  const std::uint64_t events = pool.stats().events_recorded;
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { pool.deallocate(q, t); }), "deallocate", s);
+    CHECK(pool.block_size(q) >= (1u << 16));  // still allocated
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  pool.deallocate(q);
+  CHECK(pool.stats().events_recorded == events + 1);  // s's only: the refused call did not record t
+  s.synchronize();
+  (void)pool.stats();
   CHECK(cudasim::violations().empty());
 }
 

@@ -23,7 +23,10 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -505,16 +508,18 @@ TEST_CASE("streams: the caching allocator over async_pool_upstream never calls c
   gpukit::stream s(cuda0);
   const std::size_t mallocs = cudasim::calls("cudaMalloc");
   const std::size_t frees = cudasim::calls("cudaFree");
+  const std::size_t pool_mallocs = cudasim::calls("cudaMallocFromPoolAsync");
+  const std::size_t pool_frees = cudasim::calls("cudaFreeAsync");
   void* p = a.allocate(block_bytes, s);
   void* big = a.allocate(std::size_t{64} << 20, s);
-  CHECK(cudasim::calls("cudaMallocFromPoolAsync") == 2);  // a small and a large segment
-  gpukit::async_allocator pool_view(cuda0);               // reads the same default pool
+  CHECK(cudasim::calls("cudaMallocFromPoolAsync") == pool_mallocs + 2);  // a small and a large segment
+  gpukit::async_allocator pool_view(cuda0);                              // reads the same default pool
   CHECK(pool_view.memory_reserved() == a.memory_reserved());
   a.deallocate(p);
   a.deallocate(big);
   const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
   a.empty_cache();
-  CHECK(cudasim::calls("cudaFreeAsync") == 2);
+  CHECK(cudasim::calls("cudaFreeAsync") == pool_frees + 2);
   CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);  // in stream order: no wait for the device
   cudasim::drain_all();
   CHECK(pool_view.memory_reserved() == 0);
@@ -773,10 +778,11 @@ TEST_CASE(
 TEST_CASE("streams: resource_upstream keeps a segment it cannot wait for the device to be done with, and says so") {
   captured_warnings warnings;
   gpukit::caching_allocator inner(cuda0);
+  const cudaStream_t raw = create_raw_stream(cuda0);
   {
     gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> outer(
         cuda0, {}, gpukit::device_memory_resource(inner), cuda0);
-    gpukit::stream s(cuda0);
+    const gpukit::stream_view s(cuda0, raw);  // a raw handle: its segments go back after a wait for the device
     outer.deallocate(outer.allocate(block_bytes, s));
     const std::size_t held = inner.memory_allocated();
     CHECK(held != 0);
@@ -796,5 +802,217 @@ TEST_CASE("streams: resource_upstream keeps a segment it cannot wait for the dev
     }
   }
   CHECK(inner.memory_allocated() == 0);
+  destroy_raw_stream(raw);
   cudasim::clear_faults();
+}
+
+namespace {
+/// A stream-ordered cuda::mr resource over cudaMalloc that refuses (std::bad_alloc) more than `capacity` bytes out,
+/// where a free in a stream's order gives the bytes back only when the stream gets to it (a host function): memory
+/// given back in stream order is the resource's again once the stream's work is done, not before. The memory itself
+/// is freed later, on the host (a host function may not call CUDA).
+class queued_free_resource : public gpukit::detail::cccl_3_0_names<queued_free_resource, 256> {
+ public:
+  using cccl_3_0_names::allocate;
+  using cccl_3_0_names::deallocate;
+
+  struct state {
+    explicit state(std::size_t bytes) : capacity(bytes) {}
+    ~state() { free_returned(); }
+    std::size_t bytes_out() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return out;
+    }
+    std::size_t allocations_on_streams() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return stream_allocations;
+    }
+    void free_returned() {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (void* p : returned) (void)cudaFree(p);
+      returned.clear();
+    }
+    std::mutex mutex;
+    std::size_t capacity;
+    std::size_t out = 0;  // bytes allocated and not yet given back
+    std::size_t stream_allocations = 0;
+    std::vector<void*> returned;  // given back, to be freed on the host
+    cudaStream_t last_stream = nullptr;
+  };
+
+  explicit queued_free_resource(std::shared_ptr<state> s) : state_(std::move(s)) {}
+
+  void* allocate_sync(std::size_t bytes, std::size_t /*alignment*/) { return take(bytes); }
+  void deallocate_sync(void* p, std::size_t bytes, std::size_t /*alignment*/) noexcept { give(state_.get(), p, bytes); }
+  void* allocate(::cuda::stream_ref stream, std::size_t bytes, std::size_t /*alignment*/) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      ++state_->stream_allocations;
+      state_->last_stream = stream.get();
+    }
+    return take(bytes);
+  }
+  void deallocate(::cuda::stream_ref stream, void* p, std::size_t bytes, std::size_t /*alignment*/) {
+    struct job {
+      state* st;
+      void* p;
+      std::size_t bytes;
+    };
+    auto* j = new job{state_.get(), p, bytes};
+    if (cudaLaunchHostFunc(
+            stream.get(),
+            [](void* arg) {
+              std::unique_ptr<job> done(static_cast<job*>(arg));
+              give(done->st, done->p, done->bytes);
+            },
+            j) != cudaSuccess) {
+      delete j;
+      throw std::runtime_error("queued_free_resource: cudaLaunchHostFunc failed");
+    }
+  }
+  bool operator==(const queued_free_resource& other) const noexcept { return state_ == other.state_; }
+  bool operator!=(const queued_free_resource& other) const noexcept { return state_ != other.state_; }
+
+ private:
+  void* take(std::size_t bytes) {
+    state_->free_returned();
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->out + bytes > state_->capacity) throw std::bad_alloc();
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess);
+    state_->out += bytes;
+    return p;
+  }
+  static void give(state* st, void* p, std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(st->mutex);
+    st->out -= bytes;
+    st->returned.push_back(p);
+  }
+
+  std::shared_ptr<state> state_;
+};
+static_assert(gpukit::resource_upstream<queued_free_resource>::stream_ordered, "a stream-ordered resource");
+using queued_upstream = gpukit::resource_upstream<queued_free_resource>;
+static_assert(gpukit::detail::has_ordered_release<queued_upstream, gpukit::event>::value, "it frees in stream order");
+}  // namespace
+
+TEST_CASE(
+    "streams: resource_upstream over a stream-ordered resource: segments come ready from the allocation stream and go "
+    "back in stream order, empty_cache waits for nothing") {
+  gate g;
+  std::atomic<bool> released{false};
+  std::atomic<bool> opened_by_watchdog{false};
+  gpukit::async_allocator pool(cuda0);  // cudaMallocAsync: the simulator checks every use against the free's order
+  {
+    gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> a(
+        cuda0, {}, gpukit::device_memory_resource(pool), cuda0);
+    gpukit::stream busy(cuda0);
+    open_at_exit at_exit({&g});
+    const std::size_t syncs_before_growth = cudasim::calls("cudaStreamSynchronize");
+    auto* p = static_cast<unsigned char*>(a.allocate(block_bytes, busy));
+    // Allocated on gpukit's allocation stream and waited for there, not on the current (default) stream.
+    CHECK(cudasim::calls("cudaStreamSynchronize") == syncs_before_growth + 1);
+    CHECK(pool.memory_allocated() == a.memory_reserved());
+    g.hold(busy);  // work queued before the free, which still uses p once the gate opens
+    busy.enqueue_host([p] { std::memset(p, 0x5a, block_bytes); });
+    a.deallocate(p);
+    const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+    const std::size_t used = cudasim::device_memory_used(0);
+    std::thread watchdog([&] {  // a device-wide wait would wait for the gate: fail instead of hanging
+      for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (!released.load()) {
+        opened_by_watchdog = true;
+        g.open();
+      }
+    });
+    a.empty_cache();
+    released = true;
+    watchdog.join();
+    CHECK_FALSE(opened_by_watchdog.load());
+    CHECK(a.memory_reserved() == 0);
+    CHECK(pool.memory_allocated() == 0);  // handed back to the resource, in stream order
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+    CHECK(cudasim::device_memory_used(0) == used);  // the free waits behind the gate
+    g.open();
+    busy.synchronize();  // the host function wrote p: the segment was still allocated
+    cudasim::drain_all();
+    pool.empty_cache();
+    cudasim::drain_all();
+    CHECK(cudasim::device_memory_used(0) < used);
+  }
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE("streams: resource_upstream falls back to a device-wide wait when a release in stream order is refused") {
+  gpukit::async_allocator pool(cuda0);
+  gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> a(
+      cuda0, {}, gpukit::device_memory_resource(pool), cuda0);
+  gpukit::stream s(cuda0);
+  for (const char* failing : {"cudaEventRecord", "cudaStreamWaitEvent"}) {
+    CAPTURE(failing);
+    a.deallocate(a.allocate(block_bytes, s));
+    const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+    cudasim::fail_call(failing, 1, cudaErrorUnknown);
+    a.empty_cache();
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + 1);  // the waiting way
+    CHECK(a.memory_reserved() == 0);
+    CHECK(pool.memory_allocated() == 0);  // and the segment did go back
+  }
+  cudasim::clear_faults();
+
+  // A resource refusal at growth is out of memory for the caching allocator; the allocation stream is only waited for
+  // when the resource served the request.
+  pool.set_reserved_limit(block_bytes);
+  CHECK_THROWS_AS((void)a.allocate(block_bytes, s), gpukit::out_of_memory_error);
+  CHECK(a.memory_reserved() == 0);
+  pool.set_reserved_limit(gpukit::allocator_options::unlimited);
+  a.deallocate(a.allocate(block_bytes, s));  // usable afterwards
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE(
+    "streams: resource_upstream out of memory waits for the segments given back in stream order before it gives up") {
+  gate g;
+  auto st = std::make_shared<queued_free_resource::state>(std::size_t{2} << 20);  // one 2 MiB segment at a time
+  gpukit::caching_device_allocator<queued_upstream> a(cuda0, {}, queued_free_resource(st), cuda0);
+  gpukit::stream busy(cuda0);
+  gpukit::stream other(cuda0);
+  open_at_exit at_exit({&g});
+  a.deallocate(a.allocate(block_bytes, busy));
+  CHECK(st->allocations_on_streams() == 1);
+  CHECK(st->last_stream != busy.cuda_handle());  // gpukit's allocation stream
+  CHECK(st->last_stream != nullptr);
+  g.hold(busy);
+  busy.enqueue_host([] {});
+  std::atomic<bool> released{false};
+  std::thread watchdog([&] {  // a device-wide wait would wait for the gate: fail instead of hanging
+    for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!released.load()) g.open();
+  });
+  a.empty_cache();  // the free waits behind the gate: the resource has no room yet
+  released = true;
+  watchdog.join();
+  CHECK(a.memory_reserved() == 0);
+  REQUIRE(st->bytes_out() == std::size_t{2} << 20);
+  const std::size_t stream_syncs = cudasim::calls("cudaStreamSynchronize");
+  std::atomic<bool> done{false};
+  std::thread opener([&] {  // the wait for the releases needs the gate open: open it once the upstream waits
+    while (cudasim::calls("cudaStreamSynchronize") == stream_syncs && !done.load()) std::this_thread::yield();
+    g.open();
+  });
+  void* q = nullptr;
+  try {
+    q = a.allocate(block_bytes, other);  // refused once, served after the release stream was waited for
+  } catch (const gpukit::out_of_memory_error& e) {
+    MESSAGE(e.what());
+  }
+  done = true;
+  opener.join();
+  CHECK(q != nullptr);
+  CHECK(a.stats().num_ooms == 0);
+  CHECK(st->allocations_on_streams() == 3);  // asked, refused, asked again once the releases were done
+  a.deallocate(q);
+  a.empty_cache();
+  cudasim::drain_all();
+  CHECK(st->bytes_out() == 0);
 }

@@ -7,7 +7,9 @@
 #include "arena_resource.hpp"
 #include "support.hpp"
 
+#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -154,6 +156,15 @@ struct failing_resource {
   bool operator==(const failing_resource& other) const noexcept { return how == other.how; }
   bool operator!=(const failing_resource& other) const noexcept { return how != other.how; }
 };
+
+// Segments go back in stream order to a stream-ordered resource only (the upstream then has deallocate_after).
+static_assert(gpukit::resource_upstream<gpukit::device_memory_resource>::stream_ordered, "");
+static_assert(gpukit::detail::has_ordered_release<gpukit::resource_upstream<gpukit::device_memory_resource>,
+                                                  gpukit::event>::value,
+              "");
+static_assert(!gpukit::resource_upstream<failing_resource>::stream_ordered, "synchronous only");
+static_assert(!gpukit::detail::has_ordered_release<gpukit::resource_upstream<failing_resource>, gpukit::event>::value,
+              "");
 }  // namespace
 
 TEST_CASE("resource_upstream: a caching allocator in front of a cuda::mr resource (CPU device)") {
@@ -305,4 +316,35 @@ TEST_CASE("gpu: resource_upstream over a cuda::mr resource of cuda:0 gives segme
   outer.empty_cache();
   CHECK(inner.memory_allocated() == 0);
   inner.empty_cache();
+}
+
+TEST_CASE(
+    "gpu: resource_upstream over a stream-ordered resource gives segments back in stream order: work queued before "
+    "the release reads intact data") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator pool(d);  // cudaMallocAsync / cudaFreeAsync behind a cuda::mr resource
+  gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> a(
+      d, {}, gpukit::device_memory_resource(pool), d);
+  gpukit::stream s(d), other(d);
+  std::vector<int> host(1 << 22);  // 16 MiB: a segment of its own
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<int>(i * 7 + 3);
+  std::vector<std::vector<int>> back(8, std::vector<int>(host.size()));
+  {
+    gpukit::device_buffer<int> b(host.size(), s, a);
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(b.data(), host.data(), b.size_bytes(), cudaMemcpyHostToDevice, s.cuda_handle()));
+    for (auto& copy : back) {  // queued on s before the release: they must read the data, not what comes after
+      GPUKIT_CUDA_TRY(cudaMemcpyAsync(copy.data(), b.data(), b.size_bytes(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+    }
+  }                 // freed on s, work still queued
+  a.empty_cache();  // in stream order: returns without waiting for s
+  CHECK(a.memory_reserved() == 0);
+  CHECK(pool.memory_allocated() == 0);
+  // New memory on another stream, overwritten at once: if the pool handed out the released segment before s's
+  // copies ran, they would read zeros.
+  gpukit::device_buffer<int> c(host.size(), other, a);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(c.data(), 0, c.size_bytes(), other.cuda_handle()));
+  other.synchronize();
+  s.synchronize();
+  for (const auto& copy : back) CHECK(copy == host);
 }

@@ -23,9 +23,9 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/event.hpp>
-#include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -62,18 +62,15 @@ class async_pool_upstream {
   /// Destroys the private streams (their work, frees in stream order included, still runs). Segments still out are
   /// the caching allocator's to give back first.
   ~async_pool_upstream() {
-    for (const cudaStream_t s : {stream_, release_stream_}) {
-      if (s == nullptr) continue;
-      try {
-        device_guard guard(device_);
-        detail::report_cuda_failure(cudaStreamDestroy(s), "cudaStreamDestroy (async_pool_upstream)", device_.ordinal());
-      } catch (const error& e) {
-        if (!detail::is_teardown_result(e.cuda_result())) {
-          warn(std::string("gpukit::async_pool_upstream: ") + e.what());
-        }
-      } catch (const std::exception& e) {
-        warn(std::string("gpukit::async_pool_upstream: ") + e.what());
-      }
+    if (stream_ == nullptr) return;
+    try {
+      device_guard guard(device_);
+      detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
+                                  device_.ordinal());
+    } catch (const error& e) {
+      if (!detail::is_teardown_result(e.cuda_result())) warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::async_pool_upstream: ") + e.what());
     }
   }
 
@@ -93,10 +90,7 @@ class async_pool_upstream {
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
       // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
-      if (const cudaStream_t releases = pending_release_stream(); releases != nullptr) {
-        GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(releases),
-                                  "cudaStreamSynchronize (segments given back in stream order)", device_.ordinal());
-      }
+      detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
       result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     }
@@ -131,18 +125,16 @@ class async_pool_upstream {
   }
 
   /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:
-  /// cudaStreamWaitEvent for each on a stream of its own for releases, then cudaFreeAsync there. The caching
-  /// allocator records them on the streams that may still use the segment. Another stream than the allocations', so
-  /// that an allocation does not queue behind every pending release; one the pool serves from a segment whose free
-  /// has not run yet waits for it (the pool adds that dependency: cudaMemPoolReuseAllowInternalDependencies), which
-  /// is what makes that reuse safe. false when a call fails: the segment was not freed, and the allocator calls
-  /// deallocate (which waits for the device) instead.
+  /// cudaStreamWaitEvent for each on gpukit's release stream of the device (detail/upstream_stream.hpp), then
+  /// cudaFreeAsync there. The caching allocator records them on the streams that may still use the segment. Another
+  /// stream than the allocations', so that an allocation does not queue behind every pending release; one the pool
+  /// serves from a segment whose free has not run yet waits for it (the pool adds that dependency:
+  /// cudaMemPoolReuseAllowInternalDependencies), which is what makes that reuse safe. false when a call fails: the
+  /// segment was not freed, and the allocator calls deallocate (which waits for the device) instead.
   bool deallocate_after(void* p, std::size_t /*bytes*/, const std::vector<const event*>& after) noexcept {
     try {
       device_guard guard(device_);
-      const cudaStream_t s = release_stream();
-      const stream_view releases(device_, s);
-      for (const event* e : after) e->wait(releases);  // throws on failure
+      const cudaStream_t s = detail::release_stream_after(device_, after);  // throws on failure
       if (cudaFreeAsync(p, s) != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
@@ -204,27 +196,10 @@ class async_pool_upstream {
     return stream_;
   }
 
-  /// The stream of frees in stream order, or null before the first.
-  cudaStream_t pending_release_stream() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return release_stream_;
-  }
-
-  /// The stream of frees in stream order, created at the first (a failure is thrown).
-  cudaStream_t release_stream() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (release_stream_ == nullptr) {
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking),
-                                "cudaStreamCreateWithFlags (async_pool_upstream releases)", device_.ordinal());
-    }
-    return release_stream_;
-  }
-
   gpukit::device device_;
-  mutable std::mutex mutex_;               // guards pool_ and the streams while they are set
-  cudaMemPool_t pool_ = nullptr;           // the pool segments come from
-  cudaStream_t stream_ = nullptr;          // where allocations (and frees after a device-wide wait) are enqueued
-  cudaStream_t release_stream_ = nullptr;  // where frees in stream order are enqueued
+  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set
+  cudaMemPool_t pool_ = nullptr;   // the pool segments come from
+  cudaStream_t stream_ = nullptr;  // where allocations (and frees after a device-wide wait) are enqueued
   std::size_t release_threshold_;
 };
 

@@ -346,18 +346,7 @@ class basic_pinned_pool {
     // Bound now (device and id): cudaStreamPerThread, or a view of the current device, means this thread's stream.
     s = s.resolved();
     std::lock_guard<std::mutex> lock(mutex_);
-    block& b = active_block_locked(p, "record_stream");
-    for (const auto& known : b.streams) {
-      if (known == s) return;  // by id where known: a destroyed stream's handle may be this one's now
-    }
-    auto life = s.lifetime();
-    b.streams.push_back(s);
-    try {
-      b.lives.push_back(std::move(life));
-    } catch (...) {
-      b.streams.pop_back();
-      throw;
-    }
+    record_stream_locked(active_block_locked(p, "record_stream"), s);
   }
 
   /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each
@@ -365,54 +354,15 @@ class basic_pinned_pool {
   /// not handed out by this pool, or freed twice, and, changing nothing, while a recorded stream is being captured
   /// into a CUDA graph. If recording an event fails, the block is taken out of use (it may still be read by the
   /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
-  void deallocate(void* p) {
-    if (p == nullptr) return;
-    release_list releases(*this);  // declared first: releases after the lock is dropped
-    std::lock_guard<std::mutex> lock(mutex_);
-    block& b = active_block_locked(p, "deallocate");
-    // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
-    for (std::size_t i = 0; i < b.streams.size(); ++i) {
-      if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
-    }
-    forget_destroyed_streams_locked(b);
-    if (b.streams.empty() && b.finals.empty()) {
-      make_free_locked(p, b);  // strong: the only step that can throw comes first
-      on_deactivate_locked(b);
-    } else {
-      // Room first, so that nothing can fail once the events are recorded.
-      if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
-      b.markers.reserve(b.markers.size() + b.streams.size());
-      try {
-        for (const auto& s : b.streams) {
-          b.markers.push_back(sync_.record(s));
-          ++stats_.events_recorded;
-        }
-      } catch (const error& e) {
-        on_deactivate_locked(b);
-        lose_locked(b);
-        if (!detail::is_teardown_result(e.cuda_result())) throw;
-        return;
-      } catch (...) {
-        on_deactivate_locked(b);
-        lose_locked(b);
-        throw;
-      }
-      b.streams.clear();
-      b.lives.clear();
-      b.state = block_state::pending;
-      pending_.push_back(p);  // capacity reserved above
-      pending_bytes_ += b.size;
-      on_deactivate_locked(b);
-    }
-    enforce_cap_locked(releases.blocks);
-  }
+  void deallocate(void* p) { deallocate_recorded(p, nullptr); }
 
-  /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses.
+  /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses. One capture query
+  /// for `s` (record_stream and deallocate would each ask), and one lock.
   void deallocate(void* p, stream_view s) {
     if (p == nullptr) return;
     refuse_if_captured(s, "deallocate");
-    record_stream(p, s);
-    deallocate(p);
+    s = s.resolved();  // as record_stream binds it
+    deallocate_recorded(p, &s);
   }
 
   /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
@@ -538,6 +488,66 @@ class basic_pinned_pool {
       if (!b.lives[i]->finished()) b.finals.push_back(b.lives[i]);
       b.streams.erase(b.streams.begin() + static_cast<std::ptrdiff_t>(i));
       b.lives.erase(b.lives.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
+  /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null.
+  void deallocate_recorded(void* p, const stream_view* also) {
+    if (p == nullptr) return;
+    release_list releases(*this);  // declared first: releases after the lock is dropped
+    std::lock_guard<std::mutex> lock(mutex_);
+    block& b = active_block_locked(p, "deallocate");
+    // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
+    for (std::size_t i = 0; i < b.streams.size(); ++i) {
+      if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
+      if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
+    }
+    if (also != nullptr) record_stream_locked(b, *also);
+    forget_destroyed_streams_locked(b);
+    if (b.streams.empty() && b.finals.empty()) {
+      make_free_locked(p, b);  // strong: the only step that can throw comes first
+      on_deactivate_locked(b);
+    } else {
+      // Room first, so that nothing can fail once the events are recorded.
+      if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
+      b.markers.reserve(b.markers.size() + b.streams.size());
+      try {
+        for (const auto& s : b.streams) {
+          b.markers.push_back(sync_.record(s));
+          ++stats_.events_recorded;
+        }
+      } catch (const error& e) {
+        on_deactivate_locked(b);
+        lose_locked(b);
+        if (!detail::is_teardown_result(e.cuda_result())) throw;
+        return;
+      } catch (...) {
+        on_deactivate_locked(b);
+        lose_locked(b);
+        throw;
+      }
+      b.streams.clear();
+      b.lives.clear();
+      b.state = block_state::pending;
+      pending_.push_back(p);  // capacity reserved above
+      pending_bytes_ += b.size;
+      on_deactivate_locked(b);
+    }
+    enforce_cap_locked(releases.blocks);
+  }
+
+  /// Adds `s` (bound) to the streams whose work block `b` waits for, once. Strong: unchanged if it throws.
+  void record_stream_locked(block& b, const stream_view& s) {
+    for (const auto& known : b.streams) {
+      if (known == s) return;  // by id where known: a destroyed stream's handle may be this one's now
+    }
+    auto life = s.lifetime();
+    b.streams.push_back(s);
+    try {
+      b.lives.push_back(std::move(life));
+    } catch (...) {
+      b.streams.pop_back();
+      throw;
     }
   }
 

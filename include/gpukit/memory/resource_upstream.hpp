@@ -11,12 +11,20 @@
 ///     gpukit::caching_device_allocator<upstream> cached(d, {}, my_resource{...}, d);
 ///
 /// Segments come from the resource's synchronous calls (CCCL 3.0: allocate/deallocate; CCCL 3.1+:
-/// allocate_sync/deallocate_sync) at upstream_alignment. A refusal for lack of memory — std::bad_alloc (which RMM's
-/// out_of_memory is), gpukit::out_of_memory_error, or CCCL's cuda::cuda_error for cudaErrorMemoryAllocation — is
-/// the upstream's "out of memory" (nullptr): the caching allocator then releases its cache and retries before it
-/// throws. Other exceptions propagate. On a CUDA device a segment is given back after the device's work, as
-/// cudaFree does (queued kernels may still use it); releases happen only under pressure or when asked, so that
-/// wait is not on any hot path.
+/// allocate_sync/deallocate_sync) at upstream_alignment. A stream-ordered resource (CCCL 3.0: cuda::mr::async_resource;
+/// CCCL 3.1+: cuda::mr::resource) of a CUDA device is asked on gpukit's allocation stream of the device instead, which
+/// is then waited for on the host: a segment must be usable on every stream at once, which a resource's "synchronous"
+/// call need not promise. A refusal for lack of memory — std::bad_alloc (which RMM's out_of_memory is),
+/// gpukit::out_of_memory_error, or CCCL's cuda::cuda_error for cudaErrorMemoryAllocation — is the upstream's "out of
+/// memory" (nullptr): the caching allocator then releases its cache and retries before it throws. Other exceptions
+/// propagate.
+///
+/// Giving a segment back: a stream-ordered resource of a CUDA device gets it in stream order (deallocate_after), on
+/// gpukit's release stream of the device (detail/upstream_stream.hpp), which waits for events the caching allocator
+/// records on the streams that may still use the segment, so nothing waits on the host. Otherwise (a synchronous
+/// resource, the CPU, or where the caching allocator cannot tell the order) a segment goes back after the device's
+/// work, as cudaFree does (queued kernels may still use it). Releases happen only under pressure or when asked, so
+/// neither is on a hot path.
 ///
 /// Needs CCCL on the include path, as memory_resource.hpp does. Not included by gpukit.hpp.
 
@@ -25,9 +33,12 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/stream/event.hpp>
 
 #include <cuda/memory_resource>
+#include <cuda/stream_ref>
 
 #include <cuda_runtime_api.h>
 
@@ -39,6 +50,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -76,28 +88,31 @@ class resource_upstream {
 #endif
 
  public:
+  /// Whether the resource frees in a stream's order, so that segments can go back in stream order (deallocate_after).
+#if CCCL_VERSION >= 3001000
+  static constexpr bool stream_ordered = ::cuda::mr::resource<Resource>;
+#else
+  static constexpr bool stream_ordered = ::cuda::mr::async_resource<Resource>;
+#endif
+
   /// Segments from `resource` (kept by value: a resource_ref, or a resource that refers to its state, shares it) for
   /// device `d`: the device whose free memory memory_info() reports (the CPU: unknown) and whose work a release waits
-  /// for.
+  /// for. Makes no CUDA call.
   resource_upstream(Resource resource, gpukit::device d) : resource_(std::move(resource)), device_(d) {}
 
   /// `bytes` from the resource at upstream_alignment; nullptr when it refuses for lack of memory (see the file
-  /// comment); other failures throw.
+  /// comment), after the segments given back in stream order were waited for (their memory reaches the resource
+  /// once their streams' work is done) and the resource asked once more; other failures throw.
   [[nodiscard]] void* allocate(std::size_t bytes) {
-    try {
-#if CCCL_VERSION >= 3001000
-      return resource_.allocate_sync(bytes, upstream_alignment);
-#else
-      return resource_.allocate(bytes, upstream_alignment);
-#endif
-    } catch (const std::bad_alloc&) {
-      return nullptr;
-    } catch (const out_of_memory_error&) {
-      return nullptr;
-    } catch (const std::exception& e) {
-      if (is_cccl_out_of_memory(e)) return nullptr;
-      throw;
+    void* p = allocate_once(bytes);
+    if constexpr (stream_ordered) {
+      if (p == nullptr && device_.is_cuda() &&
+          detail::upstream_stream(device_, detail::upstream_stream_use::releases, false) != nullptr) {
+        detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
+        p = allocate_once(bytes);
+      }
     }
+    return p;
   }
 
   /// Gives a segment back: on a CUDA device after the device's work (cudaDeviceSynchronize), as cudaFree does.
@@ -121,6 +136,28 @@ class resource_upstream {
     }
   }
 
+  /// Gives segment `p` back in stream order (a stream-ordered resource only): the upstream's release stream waits
+  /// for the events in `after` (cudaStreamWaitEvent), then the resource frees `p` on that stream. Waits for nothing
+  /// on the host. false when that is not possible (the CPU, no release stream, a refused wait, or the resource threw):
+  /// nothing was freed, and the caching allocator calls deallocate (which waits for the device) instead.
+  template <bool Ordered = stream_ordered, std::enable_if_t<Ordered, int> = 0>
+  bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept {
+    if (!device_.is_cuda()) return false;
+    try {
+      device_guard guard(device_);
+      const ::cuda::stream_ref releases(detail::release_stream_after(device_, after));
+#if CCCL_VERSION >= 3001000
+      resource_.deallocate(releases, p, bytes, upstream_alignment);
+#else
+      resource_.deallocate_async(p, bytes, upstream_alignment, releases);
+#endif
+      return true;
+    } catch (...) {  // no release stream, a wait refused, or the resource refused the free
+      (void)cudaGetLastError();
+      return false;
+    }
+  }
+
   /// The device's free and total memory (cudaMemGetInfo) on a CUDA device; unknown on the CPU, where the resource
   /// alone knows its capacity.
   upstream_memory_info memory_info() const {
@@ -138,6 +175,50 @@ class resource_upstream {
   gpukit::device device() const noexcept { return device_; }
 
  private:
+  /// One request to the resource: nullptr when it refuses for lack of memory, other failures thrown.
+  void* allocate_once(std::size_t bytes) {
+    try {
+      if constexpr (stream_ordered) {
+        if (device_.is_cuda()) return allocate_ready(bytes);
+      }
+#if CCCL_VERSION >= 3001000
+      return resource_.allocate_sync(bytes, upstream_alignment);
+#else
+      return resource_.allocate(bytes, upstream_alignment);
+#endif
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    } catch (const out_of_memory_error&) {
+      return nullptr;
+    } catch (const std::exception& e) {
+      if (is_cccl_out_of_memory(e)) return nullptr;
+      throw;
+    }
+  }
+
+  /// A stream-ordered resource's allocation on gpukit's allocation stream of the device, waited for on the host: a
+  /// segment must be usable on every stream at once (upstream.hpp), which a resource's "synchronous" call need not
+  /// promise (gpukit's device_memory_resource orders it on the current stream).
+  void* allocate_ready(std::size_t bytes) {
+    const ::cuda::stream_ref on(detail::upstream_stream(device_, detail::upstream_stream_use::allocations));
+#if CCCL_VERSION >= 3001000
+    void* p = resource_.allocate(on, bytes, upstream_alignment);
+#else
+    void* p = resource_.allocate_async(bytes, upstream_alignment, on);
+#endif
+    try {
+      detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::allocations);
+    } catch (...) {
+#if CCCL_VERSION >= 3001000
+      resource_.deallocate(on, p, bytes, upstream_alignment);
+#else
+      resource_.deallocate_async(p, bytes, upstream_alignment, on);
+#endif
+      throw;
+    }
+    return p;
+  }
+
   /// Whether `e` is CCCL's cuda::cuda_error for cudaErrorMemoryAllocation.
   static bool is_cccl_out_of_memory(const std::exception& e) noexcept {
     const auto* error = dynamic_cast<const ::cuda::cuda_error*>(&e);
