@@ -971,6 +971,35 @@ TEST_CASE("streams: resource_upstream falls back to a device-wide wait when a re
 }
 
 TEST_CASE(
+    "streams: resource_upstream makes its device current: growth and direct use on fresh threads stay on cuda:1") {
+  cudasim::allow_contexts_only_on({1});
+  auto st = std::make_shared<queued_free_resource::state>(std::size_t{64} << 20);
+  {
+    gpukit::caching_device_allocator<queued_upstream> a(cuda1, {}, queued_free_resource(st), cuda1);
+    gpukit::stream s(cuda1);
+    a.deallocate(a.allocate(block_bytes, s));  // the resource calls cudaMalloc with whatever device is current
+    a.empty_cache();                           // in stream order: the next growth may wait for the releases
+    std::thread([&] { a.deallocate(a.allocate(std::size_t{4} << 20, s)); }).join();
+    s.synchronize();
+    cudasim::drain_all();
+  }
+  {
+    queued_upstream upstream(queued_free_resource(st), cuda1);  // used directly: no gpukit call chose the device before
+    std::thread([&] {
+      void* p = upstream.allocate(block_bytes);
+      CHECK(p != nullptr);
+      upstream.deallocate(p, block_bytes);
+    }).join();
+  }
+  {
+    gpukit::device_guard guard(cuda1);
+    st->free_returned();
+  }
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE(
     "streams: resource_upstream out of memory waits for the segments given back in stream order before it gives up") {
   gate g;
   auto st = std::make_shared<queued_free_resource::state>(std::size_t{2} << 20);  // one 2 MiB segment at a time
@@ -985,13 +1014,20 @@ TEST_CASE(
   g.hold(busy);
   busy.enqueue_host([] {});
   std::atomic<bool> released{false};
+  std::atomic<bool> opened_by_watchdog{false};
   std::thread watchdog([&] {  // a device-wide wait would wait for the gate: fail instead of hanging
     for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    if (!released.load()) g.open();
+    if (!released.load()) {
+      opened_by_watchdog = true;
+      g.open();
+    }
   });
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
   a.empty_cache();  // the free waits behind the gate: the resource has no room yet
   released = true;
   watchdog.join();
+  REQUIRE_FALSE(opened_by_watchdog.load());
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
   CHECK(a.memory_reserved() == 0);
   REQUIRE(st->bytes_out() == std::size_t{2} << 20);
   const std::size_t stream_syncs = cudasim::calls("cudaStreamSynchronize");
@@ -1011,6 +1047,7 @@ TEST_CASE(
   CHECK(q != nullptr);
   CHECK(a.stats().num_ooms == 0);
   CHECK(st->allocations_on_streams() == 3);  // asked, refused, asked again once the releases were done
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
   a.deallocate(q);
   a.empty_cache();
   cudasim::drain_all();

@@ -42,10 +42,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <type_traits>
@@ -104,15 +106,20 @@ class resource_upstream {
   /// comment), after the segments given back in stream order were waited for (their memory reaches the resource
   /// once their streams' work is done) and the resource asked once more; other failures throw.
   [[nodiscard]] void* allocate(std::size_t bytes) {
-    void* p = allocate_once(bytes);
     if constexpr (stream_ordered) {
-      if (p == nullptr && device_.is_cuda() &&
-          detail::upstream_stream(device_, detail::upstream_stream_use::releases, false) != nullptr) {
-        detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
-        p = allocate_once(bytes);
+      if (device_.is_cuda()) {
+        device_guard guard(device_);  // the stream calls below must not touch another device's context
+        void* p = allocate_once(bytes);
+        // Only when this upstream queued releases since it last waited: a refusal otherwise is final, and asking
+        // again would run the resource's own out-of-memory handling twice.
+        if (p == nullptr && releases_queued_->exchange(false)) {
+          detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
+          p = allocate_once(bytes);
+        }
+        return p;
       }
     }
-    return p;
+    return allocate_once(bytes);
   }
 
   /// Gives a segment back: on a CUDA device after the device's work (cudaDeviceSynchronize), as cudaFree does.
@@ -136,10 +143,11 @@ class resource_upstream {
     }
   }
 
-  /// Gives segment `p` back in stream order (a stream-ordered resource only): the upstream's release stream waits
-  /// for the events in `after` (cudaStreamWaitEvent), then the resource frees `p` on that stream. Waits for nothing
-  /// on the host. false when that is not possible (the CPU, no release stream, a refused wait, or the resource threw):
-  /// nothing was freed, and the caching allocator calls deallocate (which waits for the device) instead.
+  /// Gives segment `p` back in stream order (a stream-ordered resource only): gpukit's release stream of the device
+  /// waits for the events in `after` (cudaStreamWaitEvent), then the resource frees `p` on that stream. Waits for
+  /// nothing on the host. false when that is not possible (the CPU, no release stream, a refused wait, or the resource
+  /// threw): nothing was freed, and the caching allocator calls deallocate (which waits for the device) instead. The
+  /// resource's stream-ordered deallocate must therefore throw only when it did not free (or warn and not throw).
   template <bool Ordered = stream_ordered, std::enable_if_t<Ordered, int> = 0>
   bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept {
     if (!device_.is_cuda()) return false;
@@ -151,6 +159,7 @@ class resource_upstream {
 #else
       resource_.deallocate_async(p, bytes, upstream_alignment, releases);
 #endif
+      releases_queued_->store(true);
       return true;
     } catch (...) {  // no release stream, a wait refused, or the resource refused the free
       (void)cudaGetLastError();
@@ -227,6 +236,8 @@ class resource_upstream {
 
   Resource resource_;
   gpukit::device device_;
+  // Set when a release was queued in stream order, cleared when allocate waits for the queue. Shared by copies.
+  std::shared_ptr<std::atomic<bool>> releases_queued_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 GPUKIT_END_NAMESPACE

@@ -20,7 +20,7 @@
 ///
 /// which gives a whole segment back once the events in `after` have completed, without waiting on the host (the
 /// caching allocator records them on the streams that may still use the segment); false: nothing was done, and
-/// deallocate is called instead (async_pool_upstream has it).
+/// deallocate is called instead (async_pool_upstream has it, and resource_upstream over a stream-ordered resource).
 ///
 /// Upstreams are called without the allocator's lock held, so they must be thread-safe. gpukit provides:
 /// - cuda_upstream: cudaMalloc / cudaFree on one CUDA device (cudaFree synchronizes the device);

@@ -11,7 +11,12 @@
 ///
 /// They are never destroyed, like PyTorch's pooled streams: a resource behind an upstream may keep the handle (a
 /// gpukit caching allocator behind device_memory_resource keeps a state for each stream it saw, and asks about it
-/// later), and a destroyed handle may become another stream's. Nothing is done at process exit.
+/// later), and a destroyed handle may become another stream's. Nothing is done at process exit. cudaDeviceReset
+/// destroys them under gpukit's feet: it is not supported while gpukit's upstreams are in use.
+///
+/// Sharing has a cost: with a pool that serves an allocation from memory whose release is still queued (a
+/// cudaMallocAsync pool's internal dependencies), the host wait for that allocation waits for the streams the release
+/// waits for, and so do other threads' allocations queued behind it on the device's allocation stream.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
@@ -27,27 +32,38 @@
 #include <string>
 #include <vector>
 
+// One set per process, outside the per-mode namespace that gives each default-stream mode its own copy of gpukit
+// (detail/config.hpp): an out-of-memory retry in one mode must wait for the releases queued by the other, and the
+// streams (non-blocking, created explicitly) do not depend on the mode.
+namespace gpukit {
+namespace mode_independent {
+
+/// The upstream streams of every device, by ordinal: [0] allocations, [1] releases, null until created.
+struct upstream_streams {
+  std::mutex mutex;  ///< guards by_ordinal and the creation of streams
+  std::vector<std::array<cudaStream_t, 2>> by_ordinal;
+};
+/// The process's upstream_streams (exported: one per process). Never destroyed: upstreams may be used by other
+/// statics' destructors. The name carries the layout's version, as peer_access_holders_v2's does.
+GPUKIT_EXPORT inline upstream_streams& upstream_streams_v1() {
+  static auto* streams = new upstream_streams;
+  return *streams;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// What an upstream stream carries.
 enum class upstream_stream_use : unsigned char { allocations = 0, releases = 1 };
 
-/// The upstream streams of every device, created on demand (exported: one per process).
-struct upstream_streams {
-  std::mutex mutex;
-  std::vector<std::array<cudaStream_t, 2>> by_ordinal;  // null until created
-};
-GPUKIT_EXPORT inline upstream_streams& upstream_streams_of_process() {
-  static auto* streams = new upstream_streams;  // never destroyed: upstreams may be used by other statics' destructors
-  return *streams;
-}
-
 /// The stream of CUDA device `d` for `use`, created at the first call (cudaStreamCreateWithFlags, non-blocking, with
 /// `d` current); null when `create` is false and it does not exist yet. Throws when it cannot be created (the next
 /// call tries again).
 inline cudaStream_t upstream_stream(gpukit::device d, upstream_stream_use use, bool create = true) {
-  upstream_streams& all = upstream_streams_of_process();
+  mode_independent::upstream_streams& all = mode_independent::upstream_streams_v1();
   const auto ordinal = static_cast<std::size_t>(d.ordinal());
   const auto slot = static_cast<std::size_t>(use);
   std::lock_guard<std::mutex> lock(all.mutex);
