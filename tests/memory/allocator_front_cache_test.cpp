@@ -192,6 +192,34 @@ TEST_CASE(
   CHECK(f.a.memory_allocated() == 0);
 }
 
+TEST_CASE("front cache: a destroyed stream's slot goes to the first stream that asks for one once it is emptied") {
+  setup f(with_front(true));
+  std::vector<fake_stream> streams;
+  for (int i = 0; i < 16; ++i) streams.push_back(fake_stream{f.world.add_stream()});
+  std::vector<void*> firsts;
+  for (const fake_stream& s : streams) firsts.push_back(f.a.allocate(3000, s));  // the heap grows for each first
+  std::vector<void*> cached;
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    f.a.deallocate(firsts[i]);  // each of the 16 owns a slot, holding its block
+    cached.push_back(f.a.allocate(3000, streams[i]));
+    CHECK(cached.back() == firsts[i]);  // a hit
+    f.a.deallocate(cached.back());
+  }
+  for (const fake_stream& s : streams) f.world.destroy(s.id);
+  // A new stream: its first request goes to the heap, which notices the destructions and takes the cached blocks
+  // back. Every slot is owned by a destroyed stream and empty: its first free takes one over (a live owner's
+  // empty slot needs a second ask: "16 streams keep a slot each ...").
+  const fake_stream late{f.world.add_stream()};
+  void* p = f.a.allocate(3000, late);
+  f.a.deallocate(p);
+  CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  CHECK(f.a.allocate(3000, late) == p);
+  f.a.deallocate(p);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+}
+
 TEST_CASE("front cache: a stream whose blocks are all out keeps its slot while it allocates") {
   setup f(with_front(true));
   std::vector<fake_stream> streams;

@@ -945,7 +945,8 @@ class basic_caching_allocator {
     }
   }
 
-  /// Marks the states of streams destroyed since the last look (an O(streams) scan, once per destruction).
+  /// Marks the states of streams destroyed since the last look (an O(streams) scan, once per destruction), and their
+  /// front slots idle.
   void note_expirations() {
     if constexpr (tracks_lifetimes) {
       seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
@@ -953,7 +954,20 @@ class basic_caching_allocator {
         if (st->dead || !ops_.expired(st->tracker)) continue;
         dead_streams_.push_back(st.get());
         st->dead = true;
+        mark_slots_idle(st->key);
       }
+    }
+  }
+
+  /// Marks the front slots of stream `key`, destroyed, as unused since another stream last asked (device lock held):
+  /// the first stream to ask takes one over once it is empty, instead of the second (a destroyed stream never uses
+  /// its slot again, and owners are never reset to unowned: see front_slot_at).
+  void mark_slots_idle(std::uintptr_t key) noexcept {
+    if (!front_cache_) return;
+    for (front_slot_type& slot : used_fronts()) {
+      if (owner_of(slot).load(std::memory_order_relaxed) != key) continue;
+      std::lock_guard<detail::spin_mutex> lock(slot.mutex);
+      if (owner_of(slot).load(std::memory_order_relaxed) == key) slot.idle_mark = slot.use();
     }
   }
 
@@ -1416,20 +1430,26 @@ class basic_caching_allocator {
     auto* bin = slot.room_for(b->size);
     if (bin == nullptr) {
       if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
-      lock.unlock();
-      return front_give_slow(b, slot);  // a bin of sizes no longer used gives way
+      return front_give_slow(b, slot, lock);  // a bin of sizes no longer used gives way
     }
-    if (!fronts_active_ || !slot.may_enter(*b)) {
-      lock.unlock();
-      return front_give_slow(b, slot);
-    }
+    if (!fronts_active_ || !slot.may_enter(*b)) return front_give_slow(b, slot, lock);
     give_cached(slot, *bin, b, false);
     return front_result::cached;
   }
 
-  /// front_give with every lock held, for `chosen`, the slot front_give picked, or, when it no longer may be used
-  /// (its owner cached a block meanwhile), the stream's own slot or one never owned.
-  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b, front_slot_type& chosen) {
+  /// A slot's owner and use() as front_give_to saw them under the slot's lock.
+  struct slot_seen {
+    std::uintptr_t owner;
+    std::uint64_t use;
+  };
+
+  /// front_give with every lock held, for `chosen`, the slot front_give picked (`chosen_lock` holds its lock, which
+  /// is released first), or, when it no longer may be used (it changed hands, or its owner used it, since then), the
+  /// stream's own slot or one never owned.
+  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b, front_slot_type& chosen,
+                                                      std::unique_lock<detail::spin_mutex>& chosen_lock) {
+    const slot_seen seen{owner_of(chosen).load(std::memory_order_relaxed), chosen.use()};
+    chosen_lock.unlock();  // the device lock comes first
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(*this);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
@@ -1441,8 +1461,11 @@ class basic_caching_allocator {
     const std::uintptr_t key = b->owner->key;
     const std::uintptr_t chosen_owner = owner_of(chosen).load(std::memory_order_relaxed);
     front_slot_type* found = nullptr;
+    // Another stream's slot is taken over only as front_give's pass 2 decided (empty, and unused since another
+    // stream last asked): if it changed hands or was used since, not merely because it is empty.
+    const bool unchanged = chosen_owner == seen.owner && chosen.use() == seen.use;
     if (chosen_owner == key || chosen_owner == front_slot_type::unowned ||
-        chosen.blocks.load(std::memory_order_relaxed) == 0) {
+        (unchanged && chosen.blocks.load(std::memory_order_relaxed) == 0)) {
       found = &chosen;
     } else {
       for (std::size_t probe = 0; probe < 2 * front_slots_per_pool && found == nullptr; ++probe) {
