@@ -67,6 +67,7 @@
 #include <gpukit/memory/allocator_options.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/detail/caching_diagnostics.hpp>
 #include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
@@ -396,39 +397,7 @@ class basic_caching_allocator {
     // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
     // allocations being returned on other threads), which is where memory_picture anchors its levels.
     if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
-    allocator_snapshot s;
-    s.device = device_;
-    for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
-      segment_info info;
-      info.address = seg->address;
-      info.size = seg->size;
-      info.mapped = seg->mapped;
-      info.expandable = seg->expandable;
-      info.small_pool = seg->small;
-      if (seg->expandable) {
-        for_each_mapped_run(
-            *seg, [&](std::uintptr_t address, std::size_t bytes) { info.mapped_ranges.emplace_back(address, bytes); });
-      }
-      for (const block* b = seg->first; b != nullptr; b = b->next) {
-        block_info bi;
-        bi.address = b->address;
-        bi.size = b->size;
-        const bool cached = b->in_front.load(std::memory_order_relaxed);
-        bi.requested = (cached || b->state != block_state::allocated) ? 0 : b->requested;
-        bi.state = cached ? block_state::cached : b->state;
-        bi.stream = b->owner->key;
-        bi.pending_events = b->pending_events;
-        info.blocks.push_back(bi);
-      }
-      s.segments.push_back(std::move(info));
-    }
-    std::sort(s.segments.begin(), s.segments.end(),
-              [](const segment_info& a, const segment_info& b) { return a.address < b.address; });
-    s.stats = read_stats();
-    std::size_t cached = 0;  // blocks in front caches stay in the map, marked
-    for (const front_slot_type& slot : used_fronts()) cached += slot.blocks.load(std::memory_order_relaxed);
-    s.pointer_map_entries = map_.size() - cached;
-    return s;
+    return detail::caching_diagnostics::snapshot(*this);
   }
 
   /// A table of the statistics like torch.cuda.memory_summary(), with the largest free block and fragmentation.
@@ -545,6 +514,7 @@ class basic_caching_allocator {
   std::size_t segment_size_for(std::size_t size) const { return segment_size(size, size <= options_.small_size); }
 
  private:
+  friend struct detail::caching_diagnostics;  // snapshots, free space and misuse messages read the state below
   struct stream_state;
   struct segment;
 
@@ -1041,13 +1011,7 @@ class basic_caching_allocator {
 
   /// The warning for freeing `b` after its stream was destroyed (a stream must outlive its allocations).
   std::string expired_owner_message(const block* b) const {
-    char address[32];
-    std::snprintf(address, sizeof address, "%p", reinterpret_cast<const void*>(b->address));
-    return std::string("gpukit: freeing ") + address + " (" + std::to_string(b->requested) +
-           " bytes) on the caching allocator of " + device_.to_string() + ": the stream it was allocated on, " +
-           describe(*b->owner) +
-           ", was destroyed while the allocation was live (a buffer must be freed before its stream is destroyed); "
-           "the memory is reused only after the work that stream had enqueued has completed";
+    return detail::caching_diagnostics::expired_owner_message(*this, b);
   }
 
   /// An event of device `d` (an event can be recorded only on streams of its own device): a pooled one, or new.
@@ -2462,18 +2426,7 @@ class basic_caching_allocator {
 
   free_space_info free_space_locked() const noexcept {
     fronts_lock all(*this);
-    free_space_info f;
-    for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
-      for (const block* b = seg->first; b != nullptr; b = b->next) {
-        if (b->state != block_state::free && !b->in_front.load(std::memory_order_relaxed)) continue;
-        const std::size_t backed = seg->expandable ? mapped_bytes_of(b) : b->size;  // unmapped space is no memory
-        if (backed == 0) continue;
-        f.free_bytes += backed;
-        ++f.free_blocks;
-        f.largest_free_block = std::max(f.largest_free_block, backed);
-      }
-    }
-    return f;
+    return detail::caching_diagnostics::free_space(*this);
   }
 
   // --- graph capture (stream_ops.hpp says why these operations are refused while a stream is captured) ---
@@ -2569,35 +2522,8 @@ class basic_caching_allocator {
   }
 
   [[noreturn]] void throw_not_owned_locked(const void* p, const char* operation) const {
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
-    std::string m = std::string("gpukit: ") + operation + "(" + text + ") on the caching allocator of " +
-                    device_.to_string() + ": ";
-    const block* containing = nullptr;
-    for (const segment* seg = segments_; seg != nullptr && containing == nullptr; seg = seg->next_segment) {
-      if (address < seg->address || address >= seg->address + seg->size) continue;
-      for (const block* b = seg->first; b != nullptr; b = b->next) {
-        if (address >= b->address && address < b->address + b->size) {
-          containing = b;
-          break;
-        }
-      }
-    }
-    if (containing == nullptr) {
-      m += "the pointer was not allocated by this allocator (another device's allocator, cudaMalloc, or freed and "
-           "already returned to the device)";
-    } else if (containing->address != address) {
-      m += "the pointer points " + std::to_string(address - containing->address) + " bytes into a block of " +
-           std::to_string(containing->size) + " bytes; pass the pointer the allocation returned";
-    } else if (containing->in_front.load(std::memory_order_relaxed)) {
-      m += "the pointer was already freed (double free)";
-    } else if (containing->state == block_state::allocated) {
-      m += "the allocation is being freed by another thread at the same time";
-    } else {
-      m += "the pointer was already freed (double free)";
-    }
-    throw invalid_argument_error(m, cudaSuccess, operation, device_.ordinal());
+    throw invalid_argument_error(detail::caching_diagnostics::not_owned_message(*this, p, operation), cudaSuccess,
+                                 operation, device_.ordinal());
   }
 
   static constexpr std::size_t linear_stream_lookup = 16;
