@@ -1394,26 +1394,32 @@ class basic_caching_allocator {
     auto* bin = slot.room_for(b->size);
     if (bin == nullptr) {
       if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
-      return front_give_slow(b, slot, lock);  // a bin of sizes no longer used gives way
+      const slot_seen seen = seen_by_fast_path(slot);
+      lock.unlock();
+      return front_give_slow(b, slot, seen);  // a bin of sizes no longer used gives way
     }
-    if (!fronts_active_ || !slot.may_enter(*b)) return front_give_slow(b, slot, lock);
+    if (!fronts_active_ || !slot.may_enter(*b)) {
+      const slot_seen seen = seen_by_fast_path(slot);
+      lock.unlock();
+      return front_give_slow(b, slot, seen);
+    }
     give_cached(slot, *bin, b, false);
     return front_result::cached;
   }
 
-  /// A slot's owner and use() as front_give_to saw them under the slot's lock.
+  /// A slot's owner and use() as front_give_to saw them under the slot's lock, before it went the slow way.
   struct slot_seen {
     std::uintptr_t owner;
     std::uint64_t use;
   };
+  slot_seen seen_by_fast_path(front_slot_type& slot) noexcept {
+    return {owner_of(slot).load(std::memory_order_relaxed), slot.use()};
+  }
 
-  /// front_give with every lock held, for `chosen`, the slot front_give picked (`chosen_lock` holds its lock, which
-  /// is released first), or, when it no longer may be used (it changed hands, or its owner used it, since then), the
-  /// stream's own slot or one never owned.
-  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b, front_slot_type& chosen,
-                                                      std::unique_lock<detail::spin_mutex>& chosen_lock) {
-    const slot_seen seen{owner_of(chosen).load(std::memory_order_relaxed), chosen.use()};
-    chosen_lock.unlock();  // the device lock comes first
+  /// front_give with every lock held, for `chosen`, the slot front_give picked, or, when it no longer may be used
+  /// (it changed hands, or its owner used it, since front_give_to saw it as `seen`), the stream's own slot or one
+  /// never owned.
+  GPUKIT_DETAIL_NOINLINE front_result front_give_slow(block* b, front_slot_type& chosen, slot_seen seen) {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(*this);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
