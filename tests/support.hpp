@@ -11,14 +11,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 /// In a GPU test: when no CUDA device is usable, print the marker that ctest maps to "Skipped" and return.
@@ -79,6 +82,46 @@ class gate {
   /// Enqueues a wait for this gate on `s`: everything enqueued after it is held until open().
   void hold(gpukit::stream_view s) {
     s.enqueue_host([this] { wait(); });
+  }
+  /// Runs call() while the gate is closed. If it has not returned after `limit`, a watchdog opens the gate, so that a
+  /// call that waits for the held work (a regression) returns and the test fails instead of hanging. True when the
+  /// gate had to be opened. If call() throws, the gate is opened as well, so that the held work does not wait on a
+  /// gate the unwinding may destroy.
+  template <class Call>
+  bool opened_to_return(Call&& call, std::chrono::seconds limit = std::chrono::seconds(30)) {
+    std::mutex m;
+    std::condition_variable returned_cv;
+    bool returned = false;
+    bool opened = false;
+    std::thread watchdog([&] {
+      std::unique_lock<std::mutex> lock(m);
+      if (!returned_cv.wait_for(lock, limit, [&] { return returned; })) {
+        opened = true;
+        open();
+      }
+    });
+    struct stop_watchdog {
+      gate& g;
+      std::mutex& m;
+      std::condition_variable& cv;
+      bool& returned;
+      std::thread& watchdog;
+      int exceptions = std::uncaught_exceptions();
+      ~stop_watchdog() {
+        {
+          std::lock_guard<std::mutex> lock(m);
+          returned = true;
+        }
+        cv.notify_all();
+        watchdog.join();
+        if (std::uncaught_exceptions() > exceptions) g.open();  // call threw: let the held work go
+      }
+    };
+    {
+      stop_watchdog stop{*this, m, returned_cv, returned, watchdog};  // also when call throws
+      call();
+    }
+    return opened;
   }
 
  private:

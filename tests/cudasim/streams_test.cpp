@@ -531,8 +531,6 @@ TEST_CASE(
     "streams: async_pool_upstream gets segments back in stream order: empty_cache waits for nothing, and each free "
     "runs after the work its stream had queued") {
   gate g;
-  std::atomic<bool> released{false};
-  std::atomic<bool> opened_by_watchdog{false};
   {
     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
     gpukit::stream busy(cuda0);
@@ -555,18 +553,7 @@ TEST_CASE(
     const std::size_t used = cudasim::device_memory_used(0);
     const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
     const std::size_t frees = cudasim::calls("cudaFreeAsync");
-    // A device-wide wait would wait for the gate: a watchdog opens it, so that a regression fails instead of hanging.
-    std::thread watchdog([&] {
-      for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      if (!released.load()) {
-        opened_by_watchdog = true;
-        g.open();
-      }
-    });
-    a.empty_cache();
-    released = true;
-    watchdog.join();
-    CHECK_FALSE(opened_by_watchdog.load());
+    CHECK_FALSE(g.opened_to_return([&] { a.empty_cache(); }));  // a device-wide wait would wait for the gate
     CHECK(a.memory_reserved() == 0);
     CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
     CHECK(cudasim::calls("cudaFreeAsync") == frees + 2);
@@ -900,8 +887,6 @@ TEST_CASE(
     "streams: resource_upstream over a stream-ordered resource: segments come ready from the allocation stream and go "
     "back in stream order, empty_cache waits for nothing") {
   gate g;
-  std::atomic<bool> released{false};
-  std::atomic<bool> opened_by_watchdog{false};
   gpukit::async_allocator pool(cuda0);  // cudaMallocAsync: the simulator checks every use against the free's order
   {
     gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> a(
@@ -918,17 +903,7 @@ TEST_CASE(
     a.deallocate(p);
     const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
     const std::size_t used = cudasim::device_memory_used(0);
-    std::thread watchdog([&] {  // a device-wide wait would wait for the gate: fail instead of hanging
-      for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      if (!released.load()) {
-        opened_by_watchdog = true;
-        g.open();
-      }
-    });
-    a.empty_cache();
-    released = true;
-    watchdog.join();
-    CHECK_FALSE(opened_by_watchdog.load());
+    CHECK_FALSE(g.opened_to_return([&] { a.empty_cache(); }));  // a device-wide wait would wait for the gate
     CHECK(a.memory_reserved() == 0);
     CHECK(pool.memory_allocated() == 0);  // handed back to the resource, in stream order
     CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
@@ -1013,20 +988,9 @@ TEST_CASE(
   CHECK(st->last_stream != nullptr);
   g.hold(busy);
   busy.enqueue_host([] {});
-  std::atomic<bool> released{false};
-  std::atomic<bool> opened_by_watchdog{false};
-  std::thread watchdog([&] {  // a device-wide wait would wait for the gate: fail instead of hanging
-    for (int i = 0; i < 3000 && !released.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    if (!released.load()) {
-      opened_by_watchdog = true;
-      g.open();
-    }
-  });
   const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
-  a.empty_cache();  // the free waits behind the gate: the resource has no room yet
-  released = true;
-  watchdog.join();
-  REQUIRE_FALSE(opened_by_watchdog.load());
+  // The free waits behind the gate (the resource has no room yet); a device-wide wait would wait for the gate.
+  REQUIRE_FALSE(g.opened_to_return([&] { a.empty_cache(); }));
   CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
   CHECK(a.memory_reserved() == 0);
   REQUIRE(st->bytes_out() == std::size_t{2} << 20);

@@ -285,6 +285,26 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       GPUKIT_FUZZ_CHECK(st.cached_bytes <= options.max_cached_bytes || st.free_blocks == 0, numbers + ": over the cap");
       GPUKIT_FUZZ_CHECK(st.allocated_bytes_peak >= st.allocated_bytes && st.reserved_bytes_peak >= st.reserved_bytes,
                         numbers);
+      // The same books in the caching allocator's vocabulary (memory_stats).
+      const gpukit::host_allocator_stats h = pool.memory_stats();
+      // A freed block waiting for its streams is still allocated there, as in PyTorch. Idle streams' events may
+      // complete between the two calls (memory_stats promotes them), so the pending part is bounded, not exact.
+      GPUKIT_FUZZ_CHECK(h.allocated_bytes.current >= static_cast<std::int64_t>(allocated) &&
+                            h.allocated_bytes.current <= static_cast<std::int64_t>(allocated + st.pending_bytes),
+                        numbers + ": memory_stats");
+      GPUKIT_FUZZ_CHECK(h.allocation.current >= static_cast<std::int64_t>(live.size()) &&
+                            h.allocation.current <= static_cast<std::int64_t>(live.size() + st.pending_blocks),
+                        numbers + ": memory_stats");
+      GPUKIT_FUZZ_CHECK(h.reserved_bytes.current == static_cast<std::int64_t>(books->outstanding),
+                        numbers + ": memory_stats");
+      GPUKIT_FUZZ_CHECK(h.segment.current == static_cast<std::int64_t>(books->blocks.size()),
+                        numbers + ": memory_stats");
+      GPUKIT_FUZZ_CHECK(h.num_host_alloc == h.segment.allocated && h.num_host_free == h.segment.freed,
+                        numbers + ": memory_stats");
+      for (const gpukit::stat* x : {&h.allocation, &h.segment, &h.allocated_bytes, &h.reserved_bytes}) {
+        GPUKIT_FUZZ_CHECK(x->allocated - x->freed == x->current && x->peak >= x->current && x->current >= 0,
+                          numbers + ": memory_stats");
+      }
     }
     *faults = event_faults{};  // an input may end with a fault armed
     books->fail_next = 0;

@@ -215,6 +215,44 @@ TEST_CASE("host memory with a capacity: retry after release, then a clean out_of
 }
 
 namespace {
+/// host_upstream refusing with out_of_memory_error instead of nullptr, as the pinned pool's upstreams do: the other
+/// way the upstream contract allows.
+struct throwing_oom_upstream : gpukit::host_upstream {
+  using gpukit::host_upstream::host_upstream;
+  void* allocate(std::size_t bytes) {
+    void* p = gpukit::host_upstream::allocate(bytes);
+    if (p == nullptr) throw gpukit::out_of_memory_error("throwing_oom_upstream: capacity exceeded");
+    return p;
+  }
+};
+}  // namespace
+
+TEST_CASE("an upstream that throws out_of_memory_error is refused like nullptr: release, retry, then gpukit's error") {
+  gpukit::basic_caching_allocator<throwing_oom_upstream> a(gpukit::device::cpu(), gpukit::allocator_options::pytorch(),
+                                                           std::size_t{48} * MiB);
+  const auto s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  a.deallocate(a.allocate(5 * MiB, s));  // a 20 MiB segment, cached
+  void* q = a.allocate(40 * MiB, s);     // 20 + 40 > 48: the upstream throws, the cache is released, the retry fits
+  std::memset(q, 2, 40 * MiB);
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(a.stats().num_ooms == 0);
+  std::string message;
+  try {
+    (void)a.allocate(10 * MiB, s);
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("out of memory on cpu") != std::string::npos);  // the allocator's message, with its numbers
+  CHECK(message.find("tried to allocate 10.00 MiB") != std::string::npos);
+  CHECK(a.stats().num_ooms == 1);
+  a.deallocate(q);
+  void* r = a.allocate(10 * MiB, s);  // usable afterwards
+  a.deallocate(r);
+  a.empty_cache();
+  CHECK(a.upstream().used() == 0);
+}
+
+namespace {
 /// An upstream whose allocations fail with an error other than out-of-memory.
 struct throwing_upstream {
   void* allocate(std::size_t) { throw gpukit::no_device_error("no device for this test"); }

@@ -2,6 +2,7 @@
 // the events recorded at free, proven with a gate holding a CPU stream back), statistics, the cap, empty_cache,
 // out-of-memory retries, misuse, and concurrency.
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include "support.hpp"
@@ -16,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -225,6 +227,161 @@ TEST_CASE("time spent pinning is measured") {
   pool.deallocate(r);
 }
 
+TEST_CASE("statistics in the caching allocator's vocabulary: counts, bytes, totals, call times, peaks and resets") {
+  gpukit_test::limited_upstream up;
+  up.shared->delay = 1ms;
+  test_pool pool(up);
+  const auto ca = static_cast<std::int64_t>(gpukit::pinned_size_class(100 * KiB));
+  const auto mib = static_cast<std::int64_t>(MiB);
+  void* a = pool.allocate(100 * KiB);
+  void* b = pool.allocate(1 * MiB);
+  auto h = pool.memory_stats();
+  CHECK(h.allocation.current == 2);
+  CHECK(h.allocation.allocated == 2);
+  CHECK(h.allocated_bytes.current == ca + mib);
+  CHECK(h.segment.current == 2);
+  CHECK(h.reserved_bytes.current == ca + mib);
+  CHECK(h.num_host_alloc == 2);
+  CHECK(h.host_alloc_time.count == 2);
+  CHECK(h.host_alloc_time.min >= 1ms);
+  CHECK(h.host_alloc_time.max >= h.host_alloc_time.min);
+  CHECK(h.host_alloc_time.total >= h.host_alloc_time.min + h.host_alloc_time.max);
+  CHECK(h.host_alloc_time.average() == h.host_alloc_time.total / 2);
+
+  pool.deallocate(b);
+  void* c = pool.allocate(1 * MiB);  // a cache hit: an allocation, no segment
+  pool.deallocate(c);
+  h = pool.memory_stats();
+  CHECK(h.allocation.current == 1);
+  CHECK(h.allocation.peak == 2);
+  CHECK(h.allocation.allocated == 3);
+  CHECK(h.allocation.freed == 2);
+  CHECK(h.allocated_bytes.current == ca);
+  CHECK(h.allocated_bytes.peak == ca + mib);
+  CHECK(h.allocated_bytes.freed == 2 * mib);
+  CHECK(h.segment.allocated == 2);
+  CHECK(h.num_host_alloc == 2);
+  CHECK(h.num_host_free == 0);
+  const auto s = pool.stats();  // the two vocabularies agree
+  CHECK(h.allocated_bytes.current == static_cast<std::int64_t>(s.allocated_bytes));
+  CHECK(h.allocated_bytes.peak == static_cast<std::int64_t>(s.allocated_bytes_peak));
+  CHECK(h.reserved_bytes.current == static_cast<std::int64_t>(s.reserved_bytes));
+  CHECK(h.allocation.current == static_cast<std::int64_t>(s.active_blocks));
+  CHECK(h.allocation.allocated == static_cast<std::int64_t>(s.allocations));
+  CHECK(h.host_alloc_time.total == s.pinning_time);
+
+  pool.reset_peak_stats();
+  h = pool.memory_stats();
+  CHECK(h.allocation.peak == 1);
+  CHECK(h.allocated_bytes.peak == ca);
+  CHECK(h.reserved_bytes.peak == ca + mib);  // the block is still cached
+  CHECK(h.host_alloc_time.max == 0ns);       // the shortest and longest calls go with the peaks, as in PyTorch
+  CHECK(h.host_alloc_time.min == 0ns);
+  CHECK(h.host_alloc_time.count == 2);  // the count and total stay
+  CHECK(pool.empty_cache() == MiB);
+  h = pool.memory_stats();
+  CHECK(h.segment.current == 1);
+  CHECK(h.segment.freed == 1);
+  CHECK(h.reserved_bytes.current == ca);
+  CHECK(h.reserved_bytes.peak == ca + mib);
+  CHECK(h.reserved_bytes.freed == mib);
+  CHECK(h.num_host_free == 1);
+  CHECK(h.host_free_time.count == 1);
+  CHECK(h.host_free_time.total == pool.stats().unpinning_time);
+
+  pool.reset_accumulated_stats();
+  h = pool.memory_stats();
+  CHECK(h.allocation.current == 1);  // current values and peaks stay
+  CHECK(h.allocation.peak == 1);
+  CHECK(h.reserved_bytes.current == ca);
+  for (const gpukit::stat* st : {&h.allocation, &h.segment, &h.allocated_bytes, &h.reserved_bytes}) {
+    CHECK(st->allocated == 0);
+    CHECK(st->freed == 0);
+  }
+  CHECK(h.num_host_alloc == 0);
+  CHECK(h.num_host_free == 0);
+  CHECK(h.host_alloc_time.count == 0);
+  CHECK(h.host_alloc_time.total == 0ns);
+  CHECK(h.host_alloc_time.average() == 0ns);
+  CHECK(h.host_free_time.max > 0ns);  // until reset_peak_stats
+  pool.reset_peak_stats();
+  CHECK(pool.memory_stats().host_free_time.max == 0ns);
+  CHECK(pool.stats().allocations == 3);  // stats() still counts from the pool's creation
+  pool.deallocate(a);
+  h = pool.memory_stats();
+  CHECK(h.allocation.current == 0);
+  CHECK(h.allocation.freed == 1);
+}
+
+TEST_CASE("statistics in the caching allocator's vocabulary: a block waiting for its stream is still allocated") {
+  auto pool = make_cpu_pool();
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  void* p = pool.allocate(64 * KiB);
+  pool.deallocate(p, s);  // pending until the gate opens
+  auto h = pool.memory_stats();
+  CHECK(h.allocation.current == 1);
+  CHECK(h.allocated_bytes.current == static_cast<std::int64_t>(64 * KiB));
+  CHECK(pool.stats().allocated_bytes == 0);  // stats() counts it pending
+  CHECK(pool.stats().pending_bytes == 64 * KiB);
+  g.open();
+  s.synchronize();
+  h = pool.memory_stats();  // promotes it
+  CHECK(h.allocation.current == 0);
+  CHECK(h.allocation.freed == 1);
+  CHECK(h.allocated_bytes.current == 0);
+  CHECK(h.allocated_bytes.peak == static_cast<std::int64_t>(64 * KiB));
+}
+
+TEST_CASE("statistics as torch.cuda.host_memory_stats() gives them: the same keys, times in microseconds") {
+  gpukit_test::limited_upstream up;
+  up.shared->delay = 2ms;
+  test_pool pool(up);
+  pool.deallocate(pool.allocate(4 * KiB));
+  (void)pool.empty_cache();
+  const auto flat = gpukit::flat_host_memory_stats(pool.memory_stats());
+  std::set<std::string> keys;
+  for (const auto& entry : flat) keys.insert(entry.first);
+  std::set<std::string> pytorch{"num_host_alloc", "num_host_free"};
+  for (const char* name : {"allocation", "segment", "allocated_bytes", "reserved_bytes"}) {
+    for (const char* metric : {"current", "peak", "allocated", "freed"})
+      pytorch.insert(std::string(name) + "." + metric);
+  }
+  for (const char* name : {"host_alloc_time", "host_free_time"}) {
+    for (const char* metric : {"total", "max", "min", "count", "avg"}) pytorch.insert(std::string(name) + "." + metric);
+  }
+  CHECK(keys == pytorch);
+  CHECK(flat.at("allocation.allocated") == 1);
+  CHECK(flat.at("allocated_bytes.peak") == 4096);
+  CHECK(flat.at("segment.freed") == 1);
+  CHECK(flat.at("reserved_bytes.current") == 0);
+  CHECK(flat.at("num_host_alloc") == 1);
+  CHECK(flat.at("num_host_free") == 1);
+  CHECK(flat.at("host_alloc_time.count") == 1);
+  CHECK(flat.at("host_alloc_time.total") >= 2000);  // 2 ms, in microseconds
+  CHECK(flat.at("host_alloc_time.min") == flat.at("host_alloc_time.total"));
+  CHECK(flat.at("host_alloc_time.avg") == flat.at("host_alloc_time.total"));
+  CHECK(flat.at("host_free_time.count") == 1);
+}
+
+TEST_CASE("statistics of the default pools: host_memory_stats and its resets") {
+  const auto before = gpukit::host_memory_stats(cpu);
+  void* p = gpukit::default_pinned_pool(cpu).allocate(3 * MiB);
+  auto h = gpukit::host_memory_stats(cpu);
+  CHECK(h.allocation.current == before.allocation.current + 1);
+  CHECK(h.allocated_bytes.current == before.allocated_bytes.current + static_cast<std::int64_t>(3 * MiB));
+  CHECK(gpukit::host_memory_stats_map(cpu).at("allocated_bytes.current") == h.allocated_bytes.current);
+  gpukit::default_pinned_pool(cpu).deallocate(p);
+  gpukit::reset_peak_host_memory_stats(cpu);
+  gpukit::reset_accumulated_host_memory_stats(cpu);
+  h = gpukit::host_memory_stats(cpu);
+  CHECK(h.allocation.current == before.allocation.current);
+  CHECK(h.allocated_bytes.peak == h.allocated_bytes.current);
+  CHECK(h.allocation.allocated == 0);
+  CHECK(h.num_host_alloc == 0);
+}
+
 TEST_CASE("after warm-up the hot path never pins") {
   auto pool = make_cpu_pool();
   gpukit::stream s(cpu);
@@ -334,6 +491,32 @@ TEST_CASE("out of memory: the cache is emptied and the request retried, then out
   CHECK(pool.stats().allocated_bytes == 4 * MiB);  // nothing leaked by the failed requests
   pool.deallocate(b);
   pool.deallocate(c);
+}
+
+TEST_CASE("one upstream contract: a caching allocator's upstream (nullptr when out of memory) backs a pinned pool") {
+  gpukit::basic_pinned_pool<gpukit::host_upstream> pool(gpukit::host_upstream(4 * MiB));
+  CHECK_FALSE(pool.page_locked());  // the upstream does not say: not page-locked
+  void* a = pool.allocate(2 * MiB);
+  pool.deallocate(pool.allocate(1 * MiB));  // cached
+  void* c = pool.allocate(2 * MiB);         // 2 + 1 + 2 > 4: nullptr, the cache is emptied, the retry fits
+  CHECK(pool.stats().oom_retries == 1);
+  CHECK(pool.stats().reserved_bytes == 4 * MiB);
+  std::string message;
+  try {
+    (void)pool.allocate(1 * MiB);
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("gpukit::pinned_pool: cannot allocate") != std::string::npos);
+  CHECK(message.find("allocate returned nullptr") != std::string::npos);
+  const auto h = pool.memory_stats();
+  CHECK(h.num_host_alloc == 3);  // refusals are not allocations
+  CHECK(h.num_host_free == 1);
+  pool.deallocate(a);
+  pool.deallocate(c);
+  CHECK(pool.empty_cache() == 4 * MiB);
+  CHECK(pool.stats().reserved_bytes == 0);
 }
 
 TEST_CASE("misuse: foreign pointers and double frees are invalid_argument_error") {
@@ -464,6 +647,16 @@ TEST_CASE("every block goes back to the upstream: through the cap, empty_cache, 
       const auto st = pool.stats();
       CHECK(st.cached_bytes <= 3 * MiB);
       CHECK(up.shared->outstanding.load() == st.reserved_bytes);  // the pool's books match the upstream's
+      const auto h = pool.memory_stats();
+      CHECK(h.reserved_bytes.current == static_cast<std::int64_t>(st.reserved_bytes));
+      CHECK(h.segment.current == up.shared->allocations.load() - up.shared->frees.load());
+      CHECK(h.num_host_alloc == up.shared->allocations.load());
+      CHECK(h.num_host_free == up.shared->frees.load());
+      CHECK(h.segment.allocated - h.segment.freed == h.segment.current);
+      CHECK(h.reserved_bytes.allocated - h.reserved_bytes.freed == h.reserved_bytes.current);
+      // A freed block waiting for its stream is still allocated there, as in PyTorch.
+      CHECK(h.allocated_bytes.current == static_cast<std::int64_t>(st.allocated_bytes + st.pending_bytes));
+      CHECK(h.allocation.current == static_cast<std::int64_t>(st.active_blocks + st.pending_blocks));
     }
   }
   CHECK(up.shared->outstanding.load() == 0);

@@ -3,9 +3,10 @@
 #pragma once
 
 /// \file
-/// The caching allocator's statistics, in PyTorch's vocabulary (torch.cuda.memory_stats) so its users can read them
-/// at once, plus what PyTorch does not tell: the largest free block and how fragmented the cache is. Also the
-/// text report memory_summary() prints.
+/// The statistics of gpukit's allocators, in PyTorch's vocabulary so its users can read them at once: the caching
+/// allocator's (torch.cuda.memory_stats), plus what PyTorch does not tell: the largest free block and how fragmented
+/// the cache is; and the pinned pool's (torch.cuda.host_memory_stats). Both are made of `stat` (current, peak,
+/// allocated, freed). Also the text report memory_summary() prints.
 ///
 /// Vocabulary (all per pool: all / small / large; small blocks come from small segments, see allocator_options):
 /// - allocated: blocks handed out to users and not freed (bytes rounded as the allocator stores them);
@@ -20,6 +21,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +38,31 @@ struct stat {
   std::int64_t peak = 0;       ///< the highest value since the last reset_peak_stats()
   std::int64_t allocated = 0;  ///< total increase since the last reset_accumulated_stats() (PyTorch's "allocated")
   std::int64_t freed = 0;      ///< total decrease since the last reset_accumulated_stats() (PyTorch's "freed")
+};
+
+/// The time calls took (PyTorch's host_alloc_time / host_free_time): how many, in total, the shortest and the longest.
+struct duration_stat {
+  std::int64_t count = 0;             ///< calls timed since the last reset_accumulated_stats()
+  std::chrono::nanoseconds total{0};  ///< their total time
+  std::chrono::nanoseconds min{0};    ///< the shortest call since the last reset_peak_stats() (0: none yet)
+  std::chrono::nanoseconds max{0};    ///< the longest call since the last reset_peak_stats()
+  /// The mean time per call (0 when count is 0).
+  std::chrono::nanoseconds average() const noexcept { return count == 0 ? total : total / count; }
+};
+
+/// A pinned-host-memory pool's statistics in the caching allocator's vocabulary, as torch.cuda.host_memory_stats()
+/// gives them (basic_pinned_pool::memory_stats; flat_host_memory_stats makes PyTorch's flat map of them). Bytes are
+/// size-class bytes. As in PyTorch, a block counts as allocated from allocate() until it can be reused: a block freed
+/// while its streams' events are pending is still allocated here (pinned_pool_stats counts it pending instead).
+struct host_allocator_stats {
+  stat allocation;                  ///< blocks handed out
+  stat segment;                     ///< blocks obtained from the upstream (each one a pinning, e.g. cudaHostAlloc)
+  stat allocated_bytes;             ///< bytes of the blocks handed out
+  stat reserved_bytes;              ///< bytes of the blocks obtained from the upstream: allocated plus cached
+  duration_stat host_alloc_time;    ///< the upstream allocations that succeeded (cudaHostAlloc)
+  duration_stat host_free_time;     ///< the upstream frees (cudaFreeHost)
+  std::int64_t num_host_alloc = 0;  ///< upstream allocations kept as blocks (segment.allocated, as PyTorch)
+  std::int64_t num_host_free = 0;   ///< upstream frees of blocks (segment.freed)
 };
 
 /// Which pool a statistic covers.
@@ -166,6 +193,30 @@ struct atomic_pool_stats {
     for (auto& p : pools) p.reset_accumulated();
   }
 };
+
+/// Adds `delta` (may be negative) to a statistic kept under a lock (the pinned pool's), raising its peak.
+inline void add_to_stat(stat& s, std::int64_t delta) noexcept {
+  s.current += delta;
+  if (s.current > s.peak) s.peak = s.current;
+  (delta >= 0 ? s.allocated : s.freed) += delta >= 0 ? delta : -delta;
+}
+
+/// Adds one call that took `spent` to a timing statistic.
+inline void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexcept {
+  if (d.min.count() == 0 || spent < d.min) d.min = spent;  // 0: none since the last reset (PyTorch's rule)
+  if (spent > d.max) d.max = spent;
+  d.total += spent;
+  ++d.count;
+}
+
+/// Adds calls timed elsewhere (a batch timed outside the lock) to a timing statistic.
+inline void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
+  if (calls.count == 0) return;
+  if (d.min.count() == 0 || calls.min < d.min) d.min = calls.min;
+  if (calls.max > d.max) d.max = calls.max;
+  d.total += calls.total;
+  d.count += calls.count;
+}
 
 /// A counter with the same single-writer discipline as atomic_stat.
 struct atomic_counter {

@@ -74,6 +74,7 @@
 #include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
+#include <gpukit/memory/detail/stream_registry.hpp>
 #include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -93,7 +94,6 @@
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -762,8 +762,7 @@ class basic_caching_allocator {
 
   // --- streams and events ---
 
-  /// The state of stream `s`, registered on first use. The keys sit in one contiguous vector that a lookup only
-  /// reads, so threads using different streams do not write shared cache lines here. Streams of other CUDA devices
+  /// The state of stream `s`, registered on first use (detail/stream_registry.hpp). Streams of other CUDA devices
   /// are accepted only where `other_devices` (record_stream, deallocate(p, s)).
   ///
   /// The device is checked first, on every call: computing the key may need the stream's device (a CUDA default
@@ -776,18 +775,7 @@ class basic_caching_allocator {
     const gpukit::device d = ops_.device_of(s);
     if (d != device_ && !(other_devices && d.is_cuda() && device_.is_cuda())) throw_wrong_device(d);
     const std::uintptr_t key = ops_.key(s);
-    stream_state* found = nullptr;
-    if (stream_index_.empty()) {
-      for (const auto& entry : stream_keys_) {
-        if (entry.first == key) {
-          found = entry.second;
-          break;
-        }
-      }
-    } else {
-      const auto it = stream_index_.find(key);
-      if (it != stream_index_.end()) found = it->second;
-    }
+    stream_state* found = streams_.find(key);
     if (found == nullptr) return *register_stream(s, key, d);
     if (found->device != d) throw_key_collision(found->device, d, key);
     return *found;
@@ -821,22 +809,7 @@ class basic_caching_allocator {
     if constexpr (detail::has_stream_resolve<StreamOps>::value) kept = ops_.resolve(s);
     tracker_type tracker{};
     if constexpr (tracks_lifetimes) tracker = ops_.track(s);
-    streams_.push_back(std::make_unique<stream_state>(key, kept, d, std::move(tracker)));
-    stream_state* st = streams_.back().get();
-    try {
-      stream_keys_.emplace_back(key, st);
-      if (!stream_index_.empty()) {
-        stream_index_.emplace(key, st);
-      } else if (stream_keys_.size() > linear_stream_lookup) {
-        for (const auto& entry : stream_keys_) stream_index_.emplace(entry.first, entry.second);
-      }
-    } catch (...) {
-      if (!stream_keys_.empty() && stream_keys_.back().second == st) stream_keys_.pop_back();
-      stream_index_.erase(key);
-      streams_.pop_back();
-      throw;
-    }
-    return st;
+    return &streams_.add(key, key, kept, d, std::move(tracker));
   }
 
   /// Removes the states of streams that hold nothing: no cached, allocated or pending block, no event, and not a
@@ -846,21 +819,10 @@ class basic_caching_allocator {
       note_expirations();
       if (!dead_streams_.empty()) retire_finished();
     }
-    auto idle = [](const std::unique_ptr<stream_state>& st) {
-      return st->in_use == 0 && st->pending.empty() && (!st->dead || st->retired) &&
-             (!st->pools[0] || st->pools[0]->empty()) && (!st->pools[1] || st->pools[1]->empty());
-    };
-    streams_.erase(std::remove_if(streams_.begin(), streams_.end(), idle), streams_.end());
-    stream_keys_.clear();
-    stream_index_.clear();
-    for (const auto& st : streams_) stream_keys_.emplace_back(st->key, st.get());  // within the old capacity
-    if (stream_keys_.size() > linear_stream_lookup) {
-      try {
-        for (const auto& entry : stream_keys_) stream_index_.emplace(entry.first, entry.second);
-      } catch (...) {
-        stream_index_.clear();  // lookups scan stream_keys_ until the index is built again
-      }
-    }
+    streams_.remove_if([](const stream_state& st) {
+      return st.in_use == 0 && st.pending.empty() && (!st.dead || st.retired) &&
+             (!st.pools[0] || st.pools[0]->empty()) && (!st.pools[1] || st.pools[1]->empty());
+    });
     ++sweeps_;
     // Abandoned states go at the next sweep (their cache is released before the footprint grows): the next sweep
     // comes after as many registrations again as there are streams still in use.
@@ -1835,6 +1797,8 @@ class basic_caching_allocator {
     void* p = nullptr;
     try {
       p = upstream_.allocate(segment_bytes);
+    } catch (const out_of_memory_error&) {
+      p = nullptr;  // the upstream contract's other way to refuse (the pinned pool's upstreams throw)
     } catch (...) {
       lock.lock();
       in_flight_ -= segment_bytes;
@@ -2532,8 +2496,6 @@ class basic_caching_allocator {
                                  operation, device_.ordinal());
   }
 
-  static constexpr std::size_t linear_stream_lookup = 16;
-
   gpukit::device device_;
   allocator_options options_;
   Upstream upstream_;
@@ -2560,17 +2522,15 @@ class basic_caching_allocator {
 
   static constexpr std::size_t min_prune_at = 64;
 
-  std::vector<std::unique_ptr<stream_state>> streams_;
-  std::vector<std::pair<std::uintptr_t, stream_state*>> stream_keys_;
-  std::unordered_map<std::uintptr_t, stream_state*> stream_index_;  // used once there are many streams
-  std::size_t prune_at_ = min_prune_at;         // registrations sweep idle states when there are this many
-  std::uint64_t sweeps_ = 0;                    // sweeps of the stream registry so far
-  bool may_have_abandoned_ = false;             // a sweep happened since release_abandoned last looked
-  std::unique_ptr<stream_state> unowned_;       // free blocks no stream can still be using (not registered)
-  std::vector<stream_state*> dead_streams_;     // destroyed streams whose last work may still run
-  std::uint64_t seen_expirations_ = 0;          // the stream ops' expiration count when last looked at
-  std::vector<stream_state*> pending_streams_;  // streams with pending events
-  std::size_t pending_total_ = 0;               // events not yet seen complete
+  detail::stream_registry<stream_state> streams_;  // every stream seen, by key
+  std::size_t prune_at_ = min_prune_at;            // registrations sweep idle states when there are this many
+  std::uint64_t sweeps_ = 0;                       // sweeps of the stream registry so far
+  bool may_have_abandoned_ = false;                // a sweep happened since release_abandoned last looked
+  std::unique_ptr<stream_state> unowned_;          // free blocks no stream can still be using (not registered)
+  std::vector<stream_state*> dead_streams_;        // destroyed streams whose last work may still run
+  std::uint64_t seen_expirations_ = 0;             // the stream ops' expiration count when last looked at
+  std::vector<stream_state*> pending_streams_;     // streams with pending events
+  std::size_t pending_total_ = 0;                  // events not yet seen complete
   std::uint64_t fence_counter_ = 0;
   detail::event_pool<std::unique_ptr<event_type>> events_;  // this device's, and others' for record_stream
 

@@ -18,7 +18,9 @@
 ///   256 MiB; here it costs 144 MiB). Requests up to 4 KiB round to a power of two (minimum 512 B). Blocks are
 ///   never split: a request is served by a cached block of exactly its class.
 /// - A cap on cached bytes (free and pending blocks): above it, the oldest free blocks go back to the upstream.
-/// - Statistics (allocated / reserved current and peak, counts, time spent pinning) and empty_cache().
+/// - Statistics (allocated / reserved current and peak, counts, time spent pinning) and empty_cache(); the same
+///   figures in the caching allocator's vocabulary, as torch.cuda.host_memory_stats() gives them (memory_stats(),
+///   host_memory_stats_map()).
 ///
 /// The engine, basic_pinned_pool<Upstream, Sync>, knows nothing of CUDA: the upstream supplies memory (cudaHostAlloc
 /// for CUDA, page-aligned host memory for the CPU device and tests) and Sync records and polls stream events.
@@ -30,6 +32,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/pinned_buffer.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -43,6 +46,7 @@
 #include <cstdint>
 #include <exception>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -115,6 +119,13 @@ struct pinned_pool_stats {
 
 namespace detail {
 
+/// Whether a pinned pool's upstream says if its memory is page-locked (the caching allocator's upstreams do not).
+template <class Upstream, class = void>
+struct has_page_locked : std::false_type {};
+template <class Upstream>
+struct has_page_locked<Upstream, std::void_t<decltype(std::declval<const Upstream&>().page_locked())>>
+    : std::true_type {};
+
 /// The process-wide pool of events (detail::event_pool behind a mutex) that pinned pools and staging engines share,
 /// so recording "this block is free once s gets here" does not create and destroy a CUDA event each time.
 /// Thread-safe. Leaked on purpose: pools and staging engines that outlive static destruction (host callbacks at
@@ -177,8 +188,10 @@ struct pinned_pool_sync {
 
 /// The upstream of pinned_pool: cudaHostAlloc (portable by default) for CUDA, page-aligned host memory for the CPU.
 ///
-/// An Upstream provides: `void* allocate(std::size_t)` — throws out_of_memory_error when exhausted;
-/// `void deallocate(void*, std::size_t) noexcept`; `bool page_locked() const noexcept`.
+/// An Upstream follows the caching allocator's upstream contract (upstream.hpp), of which the pool needs only
+/// `void* allocate(std::size_t)` (out of memory: out_of_memory_error or nullptr) and
+/// `void deallocate(void*, std::size_t) noexcept`, plus, optionally, `bool page_locked() const noexcept` (false when
+/// absent).
 class pinned_upstream {
  public:
   /// Memory for devices of `kind`; `flags` apply to CUDA. `context_device`: the CUDA ordinal whose context pins the
@@ -327,10 +340,16 @@ class basic_pinned_pool {
       auto inserted = blocks_.emplace(p, std::move(b));
       stats_.reserved_bytes += size;
       if (stats_.reserved_bytes > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = stats_.reserved_bytes;
+      detail::add_to_stat(host_stats_.segment, 1);
+      detail::add_to_stat(host_stats_.reserved_bytes, static_cast<std::int64_t>(size));
       on_activate_locked(inserted.first->second);
     } catch (...) {
+      const auto start = std::chrono::steady_clock::now();
       upstream_.deallocate(p, size);
+      const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
       ++stats_.upstream_frees;  // its allocation was counted
+      stats_.unpinning_time += spent;
+      detail::add_to_stat(host_stats_.host_free_time, spent);
       throw;
     }
     return p;
@@ -416,11 +435,51 @@ class basic_pinned_pool {
     return copy;
   }
 
-  /// Resets the peaks to the current values (to measure one phase of a program).
+  /// The statistics in the caching allocator's vocabulary (torch.cuda.host_memory_stats), after promoting pending
+  /// blocks whose events have completed (a failed event query propagates).
+  host_allocator_stats memory_stats() {
+    {
+      release_list releases(*this);  // declared first: releases after the lock is dropped
+      std::lock_guard<std::mutex> lock(mutex_);
+      process_pending_locked(releases.blocks);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    host_allocator_stats copy = host_stats_;
+    copy.num_host_alloc = copy.segment.allocated;  // as PyTorch: so the counts and segment always agree
+    copy.num_host_free = copy.segment.freed;
+    return copy;
+  }
+
+  /// Resets the peaks to the current values (to measure one phase of a program), in stats() and memory_stats(), and
+  /// the shortest and longest call times, as torch.cuda.reset_peak_host_memory_stats does.
   void reset_peak_stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.allocated_bytes_peak = stats_.allocated_bytes;
     stats_.reserved_bytes_peak = stats_.reserved_bytes;
+    for (stat* s :
+         {&host_stats_.allocation, &host_stats_.segment, &host_stats_.allocated_bytes, &host_stats_.reserved_bytes}) {
+      s->peak = s->current;
+    }
+    for (duration_stat* d : {&host_stats_.host_alloc_time, &host_stats_.host_free_time}) {
+      d->min = std::chrono::nanoseconds{0};
+      d->max = std::chrono::nanoseconds{0};
+    }
+  }
+
+  /// Resets memory_stats()'s accumulated figures: the totals allocated and freed (num_host_alloc and num_host_free
+  /// with them) and the calls' count and total time, as torch.cuda.reset_accumulated_host_memory_stats does (the
+  /// shortest and longest go with reset_peak_stats). stats()'s counters still count from the pool's creation.
+  void reset_accumulated_stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (stat* s :
+         {&host_stats_.allocation, &host_stats_.segment, &host_stats_.allocated_bytes, &host_stats_.reserved_bytes}) {
+      s->allocated = 0;
+      s->freed = 0;
+    }
+    for (duration_stat* d : {&host_stats_.host_alloc_time, &host_stats_.host_free_time}) {
+      d->count = 0;
+      d->total = std::chrono::nanoseconds{0};
+    }
   }
 
   /// The usable size of a block handed out by this pool (its size class). Throws invalid_argument_error otherwise.
@@ -443,7 +502,13 @@ class basic_pinned_pool {
   /// The options in force (max_cached_bytes as last set by set_max_cached_bytes).
   const pinned_pool_options& options() const noexcept { return options_; }
   /// Whether the memory is really page-locked (false for the CPU device's upstream).
-  bool page_locked() const noexcept { return upstream_.page_locked(); }
+  bool page_locked() const noexcept {
+    if constexpr (detail::has_page_locked<Upstream>::value) {
+      return upstream_.page_locked();
+    } else {
+      return false;
+    }
+  }
   /// The upstream memory comes from and goes back to.
   Upstream& upstream() noexcept { return upstream_; }
 
@@ -507,6 +572,7 @@ class basic_pinned_pool {
     if (b.streams.empty() && b.finals.empty()) {
       make_free_locked(p, b);  // strong: the only step that can throw comes first
       on_deactivate_locked(b);
+      on_reusable_locked(b);
     } else {
       // Room first, so that nothing can fail once the events are recorded.
       if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
@@ -561,6 +627,7 @@ class basic_pinned_pool {
   }
 
   void lose_locked(block& b) noexcept {
+    on_reusable_locked(b);  // out of the users' hands for good (memory_stats; reserved still counts it)
     b.state = block_state::lost;
     ++lost_count_;
     lost_bytes_ += b.size;
@@ -582,12 +649,21 @@ class basic_pinned_pool {
     ++stats_.allocations;
     ++active_count_;
     if (stats_.allocated_bytes > stats_.allocated_bytes_peak) stats_.allocated_bytes_peak = stats_.allocated_bytes;
+    detail::add_to_stat(host_stats_.allocation, 1);
+    detail::add_to_stat(host_stats_.allocated_bytes, static_cast<std::int64_t>(b.size));
   }
 
   void on_deactivate_locked(const block& b) noexcept {
     stats_.allocated_bytes -= b.size;
     stats_.requested_bytes -= b.requested;
     --active_count_;
+  }
+
+  // memory_stats() counts a freed block as allocated until it can be reused, as PyTorch's host allocator does: while
+  // it waits for its streams' events it is still allocated there (stats() counts it pending instead).
+  void on_reusable_locked(const block& b) noexcept {
+    detail::add_to_stat(host_stats_.allocation, -1);
+    detail::add_to_stat(host_stats_.allocated_bytes, -static_cast<std::int64_t>(b.size));
   }
 
   // Puts a block on its free list. Strong guarantee: growing the list is the only step that can throw, and it comes
@@ -626,6 +702,7 @@ class basic_pinned_pool {
           continue;
         }
         make_free_locked(p, b);  // before anything else changes: the block is still pending if it throws
+        on_reusable_locked(b);
         for (auto& m : b.markers) sync_.recycle(std::move(m));
         b.markers.clear();
         b.finals.clear();
@@ -654,6 +731,8 @@ class basic_pinned_pool {
     --free_count_;
     blocks_.erase(it);
     stats_.reserved_bytes -= size;
+    detail::add_to_stat(host_stats_.segment, -1);
+    detail::add_to_stat(host_stats_.reserved_bytes, -static_cast<std::int64_t>(size));
   }
 
   // Releases the oldest free blocks until the cached bytes fit the cap. Pending blocks count as cached but cannot be
@@ -686,12 +765,18 @@ class basic_pinned_pool {
 
   void release_all(const block_list& blocks) noexcept {
     if (blocks.empty()) return;
-    const auto start = std::chrono::steady_clock::now();
-    for (const auto& r : blocks) upstream_.deallocate(r.first, r.second);
-    const auto spent = std::chrono::steady_clock::now() - start;
+    duration_stat spent;  // each call timed (host_free_time), added to the books under one lock
+    auto start = std::chrono::steady_clock::now();
+    for (const auto& r : blocks) {
+      upstream_.deallocate(r.first, r.second);
+      const auto end = std::chrono::steady_clock::now();
+      detail::add_to_stat(spent, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start));
+      start = end;
+    }
     std::lock_guard<std::mutex> lock(mutex_);
-    stats_.unpinning_time += std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
+    stats_.unpinning_time += spent.total;
     stats_.upstream_frees += blocks.size();
+    detail::add_to_stat(host_stats_.host_free_time, spent);
   }
 
   void* upstream_allocate_timed(std::size_t size) {
@@ -703,14 +788,21 @@ class basic_pinned_pool {
       add_pinning_time(std::chrono::steady_clock::now() - start, false);
       throw;
     }
-    add_pinning_time(std::chrono::steady_clock::now() - start, true);
+    add_pinning_time(std::chrono::steady_clock::now() - start, p != nullptr);
+    if (p == nullptr) {  // the upstream contract's other way to refuse (the caching allocator's upstreams return it)
+      throw out_of_memory_error("allocate returned nullptr for " + detail::format_bytes_exact(size));
+    }
     return p;
   }
 
   void add_pinning_time(std::chrono::steady_clock::duration spent, bool succeeded) {
+    const auto nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
     std::lock_guard<std::mutex> lock(mutex_);
-    stats_.pinning_time += std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
-    if (succeeded) ++stats_.upstream_allocations;
+    stats_.pinning_time += nanoseconds;
+    if (succeeded) {
+      ++stats_.upstream_allocations;
+      detail::add_to_stat(host_stats_.host_alloc_time, nanoseconds);
+    }
   }
 
   void* upstream_allocate_with_retry(std::size_t size, std::size_t requested) {
@@ -755,6 +847,7 @@ class basic_pinned_pool {
   std::size_t lost_bytes_ = 0;
   std::uint64_t tick_ = 0;
   pinned_pool_stats stats_;
+  host_allocator_stats host_stats_;  // the same books in the caching allocator's vocabulary (memory_stats)
 };
 
 /// The pinned pool gpukit uses: gpukit's upstream (cudaHostAlloc or host pages) and gpukit events.
@@ -776,6 +869,68 @@ GPUKIT_EXPORT inline pinned_pool& default_pinned_pool(device d) {
   // Pinned in a context that exists; the device first asked for if none does yet.
   static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
   return *cuda_pool;
+}
+
+/// A pinned pool's memory_stats() as torch.cuda.host_memory_stats() returns them: a flat map, sorted by key, from
+/// "<statistic>.<metric>" (statistic: allocation, segment, allocated_bytes, reserved_bytes; metric: current, peak,
+/// allocated, freed), "<timing>.<metric>" (timing: host_alloc_time, host_free_time; metric: total, max, min, count,
+/// avg; times in microseconds, as PyTorch gives them) and the counters num_host_alloc and num_host_free, so code and
+/// dashboards written for PyTorch read gpukit's numbers unchanged.
+template <int Deferred = 0>  // instantiated where it is called (std::map's code included)
+std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_stats& s) {
+  std::map<std::string, std::int64_t> flat;
+  const std::pair<const char*, const stat*> stats[] = {{"allocation", &s.allocation},
+                                                       {"segment", &s.segment},
+                                                       {"allocated_bytes", &s.allocated_bytes},
+                                                       {"reserved_bytes", &s.reserved_bytes}};
+  for (const auto& named : stats) {
+    const std::string prefix = std::string(named.first) + ".";
+    flat[prefix + "current"] = named.second->current;
+    flat[prefix + "peak"] = named.second->peak;
+    flat[prefix + "allocated"] = named.second->allocated;
+    flat[prefix + "freed"] = named.second->freed;
+  }
+  const std::pair<const char*, const duration_stat*> timings[] = {{"host_alloc_time", &s.host_alloc_time},
+                                                                  {"host_free_time", &s.host_free_time}};
+  const auto microseconds = [](std::chrono::nanoseconds t) {
+    return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(t).count());
+  };
+  for (const auto& named : timings) {
+    const std::string prefix = std::string(named.first) + ".";
+    flat[prefix + "total"] = microseconds(named.second->total);
+    flat[prefix + "max"] = microseconds(named.second->max);
+    flat[prefix + "min"] = microseconds(named.second->min);
+    flat[prefix + "count"] = named.second->count;
+    flat[prefix + "avg"] = microseconds(named.second->average());
+  }
+  flat["num_host_alloc"] = s.num_host_alloc;
+  flat["num_host_free"] = s.num_host_free;
+  return flat;
+}
+
+// The functions below are templates called as plain functions (the parameter is defaulted), so that the pool's
+// engine is instantiated only in the translation units that call them (see README, "Compile time").
+
+/// The statistics of default_pinned_pool(d) in the caching allocator's vocabulary (torch.cuda.host_memory_stats).
+/// One pool serves every CUDA device, another the CPU device.
+template <int Deferred = 0>
+host_allocator_stats host_memory_stats(device d) {
+  return default_pinned_pool(d).memory_stats();
+}
+/// The same as torch.cuda.host_memory_stats()'s flat key → value map ("allocated_bytes.current", …).
+template <int Deferred = 0>
+std::map<std::string, std::int64_t> host_memory_stats_map(device d) {
+  return flat_host_memory_stats(host_memory_stats(d));
+}
+/// Resets the peaks of default_pinned_pool(d) to the current values (torch.cuda.reset_peak_host_memory_stats).
+template <int Deferred = 0>
+void reset_peak_host_memory_stats(device d) {
+  default_pinned_pool(d).reset_peak_stats();
+}
+/// Resets the accumulated figures of default_pinned_pool(d) (torch.cuda.reset_accumulated_host_memory_stats).
+template <int Deferred = 0>
+void reset_accumulated_host_memory_stats(device d) {
+  default_pinned_pool(d).reset_accumulated_stats();
 }
 
 /// A typed, move-only block from a pinned pool: the pool's counterpart of pinned_buffer, cheap to create after

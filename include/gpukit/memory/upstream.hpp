@@ -5,7 +5,7 @@
 /// \file
 /// Upstreams: where the caching allocator gets its segments from. An upstream is any type with
 ///
-///     void* allocate(std::size_t bytes);                 // nullptr when out of memory; throws for other failures
+///     void* allocate(std::size_t bytes);                 // out of memory: nullptr or out_of_memory_error
 ///     void deallocate(void* p, std::size_t bytes) noexcept;
 ///     upstream_memory_info memory_info() const;          // free and total, for limits and OOM messages
 ///     bool synchronizes_on_free() const noexcept;        // deallocate waits for all work of the device
@@ -21,6 +21,11 @@
 /// which gives a whole segment back once the events in `after` have completed, without waiting on the host (the
 /// caching allocator records them on the streams that may still use the segment); false: nothing was done, and
 /// deallocate is called instead (async_pool_upstream has it, and resource_upstream over a stream-ordered resource).
+///
+/// Out of memory is nullptr or a thrown out_of_memory_error, whichever the upstream finds natural: both engines (this
+/// caching allocator and pinned_pool) take either as a refusal, release cached memory and try again, and other
+/// exceptions as failures that propagate. allocate and deallocate are the whole contract the pinned pool needs, so one
+/// upstream type can serve both engines (a capacity-limited host_upstream backs a pinned pool in tests).
 ///
 /// Upstreams are called without the allocator's lock held, so they must be thread-safe. gpukit provides:
 /// - cuda_upstream: cudaMalloc / cudaFree on one CUDA device (cudaFree synchronizes the device);
@@ -74,6 +79,10 @@ class host_upstream {
   /// \param capacity bytes that may be outstanding at once (default: unlimited, i.e. until the host runs out)
   explicit host_upstream(std::size_t capacity = std::numeric_limits<std::size_t>::max()) noexcept
       : capacity_(capacity) {}
+  /// Takes over the capacity and the bytes handed out (an engine that takes its upstream by value, as pinned_pool
+  /// does, moves it in before it allocates anything). Not thread-safe against calls on `other`.
+  host_upstream(host_upstream&& other) noexcept
+      : capacity_(other.capacity_), used_(other.used_.load(std::memory_order_relaxed)) {}
 
   /// Memory for a segment, or nullptr when the capacity or the host is exhausted (the allocator then frees its
   /// cache and retries, and reports out of memory if that does not help).
