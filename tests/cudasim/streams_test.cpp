@@ -825,6 +825,7 @@ class queued_free_resource : public gpukit::detail::cccl_3_0_names<queued_free_r
     std::size_t stream_allocations = 0;
     std::vector<void*> returned;  // given back, to be freed on the host
     cudaStream_t last_stream = nullptr;
+    std::vector<int> malloc_devices;  // the current device at each cudaMalloc
   };
 
   explicit queued_free_resource(std::shared_ptr<state> s) : state_(std::move(s)) {}
@@ -866,7 +867,10 @@ class queued_free_resource : public gpukit::detail::cccl_3_0_names<queued_free_r
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (state_->out + bytes > state_->capacity) throw std::bad_alloc();
     void* p = nullptr;
+    int current = -1;
+    REQUIRE(cudaGetDevice(&current) == cudaSuccess);
     REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess);
+    state_->malloc_devices.push_back(current);
     state_->out += bytes;
     return p;
   }
@@ -948,6 +952,7 @@ TEST_CASE("streams: resource_upstream falls back to a device-wide wait when a re
 TEST_CASE(
     "streams: resource_upstream makes its device current: growth and direct use on fresh threads stay on cuda:1") {
   cudasim::allow_contexts_only_on({1});
+  const int contexts_on_0 = cudasim::context_creations(0);  // an earlier test of this process may have made it
   auto st = std::make_shared<queued_free_resource::state>(std::size_t{64} << 20);
   {
     gpukit::caching_device_allocator<queued_upstream> a(cuda1, {}, queued_free_resource(st), cuda1);
@@ -970,7 +975,9 @@ TEST_CASE(
     gpukit::device_guard guard(cuda1);
     st->free_returned();
   }
-  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(0) == contexts_on_0);
+  CHECK(st->malloc_devices.size() == 3);                       // the first segment, the 4 MiB one, and the direct use
+  for (int current : st->malloc_devices) CHECK(current == 1);  // cudaMalloc ran on cuda:1 every time
   CHECK(cudasim::take_violations().empty());
 }
 

@@ -5,6 +5,7 @@
 
 #include <gpukit/memory/detail/stream_registry.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -12,8 +13,16 @@
 
 namespace {
 
-// Allocations left before operator new fails (negative: never). Only armed around the call under test.
-int allocations_left = -1;
+// Allocations left before operator new fails (negative: never). Only armed around the call under test; atomic so
+// that the compiler keeps the stores that arm it.
+std::atomic<int> allocations_left{-1};
+
+void* counted_allocation(std::size_t bytes) {
+  if (allocations_left.load() == 0) throw std::bad_alloc();
+  if (allocations_left.load() > 0) --allocations_left;
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
 
 struct state {
   state(std::uintptr_t k, int v) : key(k), value(v) {}
@@ -37,14 +46,29 @@ void check_lookups(const registry& r, std::uintptr_t missing) {
 
 }  // namespace
 
-void* operator new(std::size_t bytes) {
-  if (allocations_left == 0) throw std::bad_alloc();
-  if (allocations_left > 0) --allocations_left;
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
+// Every non-aligned form, so that each pair ends in malloc and free whatever a sanitizer's runtime defines.
+void* operator new(std::size_t bytes) { return counted_allocation(bytes); }
+void* operator new[](std::size_t bytes) { return counted_allocation(bytes); }
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return counted_allocation(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return counted_allocation(bytes);
+  } catch (...) {
+    return nullptr;
+  }
 }
 void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 TEST_CASE("stream registry: lookups scan the keys up to the threshold, then use the index, and find every state") {
   registry r;
@@ -61,20 +85,41 @@ TEST_CASE("stream registry: lookups scan the keys up to the threshold, then use 
 
 TEST_CASE("stream registry: remove_if drops the idle states, the others keep their addresses") {
   registry r;
-  const int count = static_cast<int>(registry::linear_lookup) * 2;
+  const int count = static_cast<int>(registry::linear_lookup) * 3;
   for (int i = 0; i < count; ++i) (void)r.add(key_of(i), key_of(i), i);
   const state* kept = r.find(key_of(1));
-  r.remove_if([](const state& st) { return st.value % 2 == 0; });
+  r.remove_if([](const state& st) noexcept { return st.value % 2 == 0; });
   CHECK(r.size() == static_cast<std::size_t>(count / 2));
   CHECK(r.find(key_of(1)) == kept);
   for (int i = 0; i < count; ++i) CHECK((r.find(key_of(i)) != nullptr) == (i % 2 == 1));
-  CHECK(r.indexed() == (r.size() > registry::linear_lookup));
-  r.remove_if([](const state& st) { return st.value > 5; });  // below the threshold: back to scanning
+  CHECK(r.indexed());  // still above the threshold: the index is rebuilt
+  r.remove_if([](const state& st) noexcept { return st.value > 5; });  // below the threshold: back to scanning
   CHECK(r.size() == 3);
   CHECK_FALSE(r.indexed());
   check_lookups(r, key_of(0));
   (void)r.add(key_of(0), key_of(0), 0);  // a removed key may come back
   CHECK(r.find(key_of(0))->value == 0);
+}
+
+TEST_CASE("stream registry: remove_if never throws, and finds every state when rebuilding the index fails") {
+  const int count = static_cast<int>(registry::linear_lookup) * 3;
+  bool failed = false;
+  for (int fail_at = 0; !failed || fail_at < 64; ++fail_at) {
+    registry r;
+    for (int i = 0; i < count; ++i) (void)r.add(key_of(i), key_of(i), i);
+    allocations_left = fail_at;
+    r.remove_if([](const state& st) noexcept { return st.value % 3 == 0; });  // noexcept: a throw would terminate
+    const bool indexed = r.indexed();
+    allocations_left = -1;
+    if (!indexed) failed = true;  // the index could not be rebuilt: lookups scan
+    CHECK(r.size() == static_cast<std::size_t>(count - count / 3));
+    check_lookups(r, key_of(0));
+    (void)r.add(key_of(0), key_of(0), 0);  // the next registration builds the index whole
+    CHECK(r.indexed());
+    check_lookups(r, key_of(count));
+    if (indexed && fail_at > 0) break;  // enough allocations for the whole rebuild: every failure point was tried
+  }
+  CHECK(failed);
 }
 
 TEST_CASE("stream registry: add is all or nothing when an allocation fails, at every allocation it makes") {

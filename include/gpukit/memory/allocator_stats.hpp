@@ -209,6 +209,16 @@ inline void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexce
   ++d.count;
 }
 
+/// Adds `value` to a flat statistics map as PyTorch names its parts: "<prefix>current", "<prefix>peak",
+/// "<prefix>allocated" and "<prefix>freed" (flat_memory_stats, flat_host_memory_stats).
+template <class FlatMap>
+void add_flat_stat(FlatMap& flat, const std::string& prefix, const stat& value) {
+  flat[prefix + "current"] = value.current;
+  flat[prefix + "peak"] = value.peak;
+  flat[prefix + "allocated"] = value.allocated;
+  flat[prefix + "freed"] = value.freed;
+}
+
 /// Adds calls timed elsewhere (a batch timed outside the lock) to a timing statistic.
 inline void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
   if (calls.count == 0) return;

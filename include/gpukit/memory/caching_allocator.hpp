@@ -819,7 +819,7 @@ class basic_caching_allocator {
       note_expirations();
       if (!dead_streams_.empty()) retire_finished();
     }
-    streams_.remove_if([](const stream_state& st) {
+    streams_.remove_if([](const stream_state& st) noexcept {
       return st.in_use == 0 && st.pending.empty() && (!st.dead || st.retired) &&
              (!st.pools[0] || st.pools[0]->empty()) && (!st.pools[1] || st.pools[1]->empty());
     });

@@ -161,12 +161,7 @@ inline std::map<std::string, std::int64_t> flat_memory_stats(const allocator_sta
   const char* const pools[] = {"all", "small_pool", "large_pool"};
   for (const auto& [name, group] : groups) {
     for (std::size_t pool = 0; pool < 3; ++pool) {
-      const std::string prefix = std::string(name) + "." + pools[pool] + ".";
-      const stat& value = group->pools[pool];
-      flat[prefix + "current"] = value.current;
-      flat[prefix + "peak"] = value.peak;
-      flat[prefix + "allocated"] = value.allocated;
-      flat[prefix + "freed"] = value.freed;
+      detail::add_flat_stat(flat, std::string(name) + "." + pools[pool] + ".", group->pools[pool]);
     }
   }
   flat["num_alloc_retries"] = s.num_alloc_retries;

@@ -883,13 +883,7 @@ std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_
                                                        {"segment", &s.segment},
                                                        {"allocated_bytes", &s.allocated_bytes},
                                                        {"reserved_bytes", &s.reserved_bytes}};
-  for (const auto& named : stats) {
-    const std::string prefix = std::string(named.first) + ".";
-    flat[prefix + "current"] = named.second->current;
-    flat[prefix + "peak"] = named.second->peak;
-    flat[prefix + "allocated"] = named.second->allocated;
-    flat[prefix + "freed"] = named.second->freed;
-  }
+  for (const auto& named : stats) detail::add_flat_stat(flat, std::string(named.first) + ".", *named.second);
   const std::pair<const char*, const duration_stat*> timings[] = {{"host_alloc_time", &s.host_alloc_time},
                                                                   {"host_free_time", &s.host_free_time}};
   const auto microseconds = [](std::chrono::nanoseconds t) {

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -43,11 +44,12 @@ class stream_registry {
   }
 
   /// Registers a state made from `args` under `key`, which must not be registered yet. Strong guarantee: if it
-  /// throws, the registry is unchanged.
+  /// throws, the registry holds and finds what it did before.
   template <class... Args>
   State& add(std::uintptr_t key, Args&&... args) {
     states_.push_back(std::make_unique<State>(std::forward<Args>(args)...));
     State* st = states_.back().get();
+    const bool building_index = index_.empty() && keys_.size() >= linear_lookup;  // this add builds it whole
     try {
       keys_.emplace_back(key, st);
       if (!index_.empty()) {
@@ -57,18 +59,22 @@ class stream_registry {
       }
     } catch (...) {
       if (!keys_.empty() && keys_.back().second == st) keys_.pop_back();
-      index_.clear();  // rebuilt only once complete: lookups scan the keys until the next registration builds it
+      // A part-built index would hide the states left out of it: lookups scan the keys until an add builds it whole.
+      // A single emplace into a complete index changes nothing when it throws.
+      if (building_index) index_.clear();
       states_.pop_back();
       throw;
     }
     return *st;
   }
 
-  /// Removes (and destroys) the states for which `idle(state)` is true; the others keep their addresses. Does not
-  /// throw unless `idle` does: the keys are rebuilt within their old capacity, and an index that cannot be rebuilt
+  /// Removes (and destroys) the states for which `idle(state)` is true; the others keep their addresses. `idle` must
+  /// not throw. Does not throw: the keys are rebuilt within their old capacity, and an index that cannot be rebuilt
   /// is left empty (lookups scan the keys until the next registration builds it).
   template <class Idle>
-  void remove_if(Idle idle) {
+  void remove_if(Idle idle) noexcept {
+    static_assert(std::is_nothrow_invocable_r_v<bool, Idle&, const State&>,
+                  "stream_registry::remove_if: the predicate must be noexcept (a throw would leave states half moved)");
     states_.erase(
         std::remove_if(states_.begin(), states_.end(), [&idle](const std::unique_ptr<State>& st) { return idle(*st); }),
         states_.end());
