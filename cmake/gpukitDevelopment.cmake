@@ -19,4 +19,5 @@ if(GPUKIT_SANITIZE)
   target_compile_options(gpukit_strict_flags INTERFACE -fsanitize=${gpukit_sanitizers} -fno-omit-frame-pointer
     -fno-sanitize-recover=all)
   target_link_options(gpukit_strict_flags INTERFACE -fsanitize=${gpukit_sanitizers})
+  target_compile_definitions(gpukit_strict_flags INTERFACE GPUKIT_TEST_SANITIZED)  # tests/support.hpp
 endif()

@@ -36,6 +36,15 @@
 
 namespace gpukit_test {
 
+/// True in a sanitizer build (GPUKIT_SANITIZE, which defines GPUKIT_TEST_SANITIZED). Tests whose cost is checking
+/// or filling memory, not running gpukit's code, do less of it there: the sanitizers instrument every byte, and the
+/// plain build still does it all.
+#if defined(GPUKIT_TEST_SANITIZED)
+inline constexpr bool sanitized_build = true;
+#else
+inline constexpr bool sanitized_build = false;
+#endif
+
 /// True when the CUDA runtime is the simulated one (tests/cudasim): its devices say so in their names. Performance
 /// checks, which only a real GPU can answer, are skipped there.
 inline bool on_simulator() {

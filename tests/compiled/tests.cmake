@@ -11,14 +11,23 @@ list(TRANSFORM gpukit_compiled_sources PREPEND "${PROJECT_SOURCE_DIR}/")
 add_library(gpukit_test_compiled STATIC ${gpukit_compiled_sources})
 target_compile_definitions(gpukit_test_compiled PUBLIC GPUKIT_SEPARATE_COMPILATION)
 target_link_libraries(gpukit_test_compiled PUBLIC gpukit::headers gpukit_strict_flags)
+set_target_properties(gpukit_test_compiled PROPERTIES POSITION_INDEPENDENT_CODE ON)  # the tests' shared libraries
 
-# Existing suites, run again with every engine coming from the library: the same behaviour in both modes.
-gpukit_add_test(test_compiled_mode SOURCES memory/device_buffer_test.cpp transfer/copy_test.cpp
-                transfer/staging_test.cpp transfer/pinned_pool_test.cpp)
-target_link_libraries(test_compiled_mode PRIVATE gpukit_test_compiled)
-gpukit_add_sim_test(test_compiled_mode_sim SOURCES "${PROJECT_SOURCE_DIR}/tests/memory/gpu_allocator_test.cpp"
-                    "${PROJECT_SOURCE_DIR}/tests/transfer/gpu_transfer_test.cpp")
-target_link_libraries(test_compiled_mode_sim PRIVATE gpukit_test_compiled)
+if(GPUKIT_TESTS_USE_COMPILED)
+  # Every test, example and tool calls the library's engines (tests/run_all.sh builds its sanitizer and Release
+  # configurations so, which halves the compile time of an engine-heavy test); the header-only probe below still
+  # compiles header-only.
+  target_link_libraries(gpukit_development INTERFACE gpukit_test_compiled)
+  target_link_libraries(gpukit_sim_development INTERFACE gpukit_test_compiled)
+else()
+  # Existing suites, run again with every engine coming from the library: the same behaviour in both modes.
+  gpukit_add_test(test_compiled_mode SOURCES memory/device_buffer_test.cpp transfer/copy_test.cpp
+                  transfer/staging_test.cpp transfer/pinned_pool_test.cpp)
+  target_link_libraries(test_compiled_mode PRIVATE gpukit_test_compiled)
+  gpukit_add_sim_test(test_compiled_mode_sim SOURCES "${PROJECT_SOURCE_DIR}/tests/memory/gpu_allocator_test.cpp"
+                      "${PROJECT_SOURCE_DIR}/tests/transfer/gpu_transfer_test.cpp")
+  target_link_libraries(test_compiled_mode_sim PRIVATE gpukit_test_compiled)
+endif()
 
 # Both default-stream modes in one program, each calling its own instantiations in the library.
 gpukit_add_test(test_compiled_odr_mode SOURCES visibility/odr_mode_test.cpp visibility/odr_mode_per_thread_tu.cpp)
