@@ -6,6 +6,7 @@ gpukit_add_test(test_allocator_steady_state SOURCES "${gpukit_memory_tests}/allo
 gpukit_add_test(test_allocator_front_cache SOURCES "${gpukit_memory_tests}/allocator_front_cache_test.cpp")
 gpukit_add_test(test_pointer_map SOURCES "${gpukit_memory_tests}/pointer_map_test.cpp")
 gpukit_add_test(test_stream_registry SOURCES "${gpukit_memory_tests}/stream_registry_test.cpp")
+gpukit_add_test(test_page_map SOURCES "${gpukit_memory_tests}/page_map_test.cpp")
 gpukit_add_test(test_allocator_expandable SOURCES "${gpukit_memory_tests}/allocator_expandable_test.cpp")
 gpukit_add_test(test_allocator_config SOURCES "${gpukit_memory_tests}/allocator_config_test.cpp")
 gpukit_add_test(test_segment_sizing SOURCES "${gpukit_memory_tests}/segment_sizing_test.cpp")

@@ -201,12 +201,18 @@ inline void add_to_stat(stat& s, std::int64_t delta) noexcept {
   (delta >= 0 ? s.allocated : s.freed) += delta >= 0 ? delta : -delta;
 }
 
+/// Adds calls timed elsewhere (a batch timed outside the lock) to a timing statistic.
+inline void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
+  if (calls.count == 0) return;
+  if (d.min.count() == 0 || calls.min < d.min) d.min = calls.min;  // 0: none since the last reset (PyTorch's rule)
+  if (calls.max > d.max) d.max = calls.max;
+  d.total += calls.total;
+  d.count += calls.count;
+}
+
 /// Adds one call that took `spent` to a timing statistic.
 inline void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexcept {
-  if (d.min.count() == 0 || spent < d.min) d.min = spent;  // 0: none since the last reset (PyTorch's rule)
-  if (spent > d.max) d.max = spent;
-  d.total += spent;
-  ++d.count;
+  add_to_stat(d, duration_stat{1, spent, spent, spent});
 }
 
 /// Adds `value` to a flat statistics map as PyTorch names its parts: "<prefix>current", "<prefix>peak",
@@ -217,15 +223,6 @@ void add_flat_stat(FlatMap& flat, const std::string& prefix, const stat& value) 
   flat[prefix + "peak"] = value.peak;
   flat[prefix + "allocated"] = value.allocated;
   flat[prefix + "freed"] = value.freed;
-}
-
-/// Adds calls timed elsewhere (a batch timed outside the lock) to a timing statistic.
-inline void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
-  if (calls.count == 0) return;
-  if (d.min.count() == 0 || calls.min < d.min) d.min = calls.min;
-  if (calls.max > d.max) d.max = calls.max;
-  d.total += calls.total;
-  d.count += calls.count;
 }
 
 /// A counter with the same single-writer discipline as atomic_stat.

@@ -70,6 +70,7 @@
 #include <gpukit/memory/detail/caching_diagnostics.hpp>
 #include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
+#include <gpukit/memory/detail/page_map.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
@@ -563,8 +564,9 @@ class basic_caching_allocator {
     bool small = false;
     bool dedicated = false;   // made for one request of medium_size or more (not shared by design)
     bool expandable = false;  // a virtual range whose pages are mapped on demand (expandable_segments)
-    std::vector<bool> pages;  // expandable: which pages are mapped
-    std::size_t mapped = 0;   // bytes backed by memory: size, or the mapped pages of an expandable segment
+    detail::page_map pages;   // expandable: which pages are mapped
+    /// Bytes backed by memory: the whole segment, or the mapped pages of an expandable one.
+    std::size_t mapped() const noexcept { return expandable ? pages.mapped_bytes() : size; }
     block* first = nullptr;
     segment* prev_segment = nullptr;
     segment* next_segment = nullptr;
@@ -1822,7 +1824,6 @@ class basic_caching_allocator {
       lock.lock();
       throw;
     }
-    seg->mapped = segment_bytes;
     seg->dedicated = !small && size >= options_.medium_size;
     link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), segment_bytes, small);
     count(st_reserved_bytes, small, as_delta(segment_bytes));
@@ -1886,7 +1887,7 @@ class basic_caching_allocator {
       b->owner = &st;
       b->small = small;
       try {
-        seg->pages.assign(range / page, false);
+        seg->pages = detail::page_map(range / page, page);
         (void)index_of(b);
       } catch (...) {
         recycle(b);
@@ -1916,11 +1917,10 @@ class basic_caching_allocator {
   bool map_pages(block* b, std::size_t size, bool& limit_hit) {
     if constexpr (has_vm) {
       segment* seg = b->seg;
-      const std::size_t page = vm_page_;
-      const std::size_t first = (b->address - seg->address) / page;
-      const std::size_t last = (b->address + size - 1 - seg->address) / page;
-      for (std::size_t i = first; i <= last; ++i) {
-        if (seg->pages[i]) continue;
+      const std::size_t page = seg->pages.page_size();
+      const auto touched = seg->pages.touched_by(b->address - seg->address, size);
+      for (std::size_t i = touched.first; i < touched.end; ++i) {
+        if (seg->pages.is_mapped(i)) continue;
         if (!within_limit(page)) {
           limit_hit = true;
           return false;
@@ -1930,8 +1930,7 @@ class basic_caching_allocator {
         if (memory_history* h = history_.load(std::memory_order_acquire)) {
           h->record(memory_action::segment_map, seg->address + i * page, page, 0);
         }
-        seg->pages[i] = true;
-        seg->mapped += page;
+        seg->pages.set_mapped(i);
         count(st_reserved_bytes, seg->small, as_delta(page));
         stats_.num_device_alloc.increment();
         high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
@@ -1975,13 +1974,8 @@ class basic_caching_allocator {
 
   /// Whether the first `size` bytes of free block `b` of an expandable segment have a page not mapped yet.
   bool needs_pages(const block* b, std::size_t size) const noexcept {
-    const segment* seg = b->seg;
-    const std::size_t first = (b->address - seg->address) / vm_page_;
-    const std::size_t last = (b->address + size - 1 - seg->address) / vm_page_;
-    for (std::size_t i = first; i <= last; ++i) {
-      if (!seg->pages[i]) return true;
-    }
-    return false;
+    const detail::page_map& pages = b->seg->pages;
+    return pages.any_unmapped(pages.touched_by(b->address - b->seg->address, size));
   }
 
   /// Unmaps the pages of expandable segments that lie wholly in free blocks (device lock held throughout, so no
@@ -1991,17 +1985,16 @@ class basic_caching_allocator {
     if constexpr (has_vm) {
       if (!options_.expandable_segments) return 0;
       const bool quarantine = !upstream_.synchronizes_on_free();
-      const std::size_t page = vm_page_;
       std::size_t unmapped = 0;
       for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
-        if (!seg->expandable || seg->mapped == 0) continue;
+        if (!seg->expandable || seg->mapped() == 0) continue;
+        const std::size_t page = seg->pages.page_size();
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (target != 0 && current(stats_.reserved_bytes) <= target) return unmapped;
           if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
-          const std::size_t first = (b->address - seg->address + page - 1) / page;
-          const std::size_t end = (b->address + b->size - seg->address) / page;
-          for (std::size_t i = first; i < end;) {
-            if (!seg->pages[i]) {
+          const auto inside = seg->pages.inside(b->address - seg->address, b->size);
+          for (std::size_t i = inside.first; i < inside.end;) {
+            if (!seg->pages.is_mapped(i)) {
               ++i;
               continue;
             }
@@ -2009,7 +2002,7 @@ class basic_caching_allocator {
               synchronize_quietly(*b->fence);
               recycle_event(std::move(b->fence), device_);
             }
-            const std::size_t run = unmap_run(seg, i, end);
+            const std::size_t run = unmap_run(seg, i, inside.end);
             if (run == 0) return unmapped;  // the device could not be waited for: nothing more is unmapped now
             unmapped += run * page;
             count(st_reserved_bytes, seg->small, -as_delta(run * page));
@@ -2028,14 +2021,13 @@ class basic_caching_allocator {
   /// (on CUDA, one device synchronization); counts one upstream free per page. Returns the pages unmapped: 0 when
   /// the upstream kept them mapped (it could not wait for the device). Device lock held: no thread maps them meanwhile.
   std::size_t unmap_run(segment* seg, std::size_t i, std::size_t end) noexcept {
-    std::size_t n = 0;
-    while (i + n < end && seg->pages[i + n]) ++n;
-    if (n == 0 || !upstream_unmap(seg->address + i * vm_page_, n * vm_page_)) return 0;
-    for (std::size_t k = 0; k < n; ++k) seg->pages[i + k] = false;
+    const std::size_t page = seg->pages.page_size();
+    const std::size_t n = seg->pages.mapped_run(i, end);
+    if (n == 0 || !upstream_unmap(seg->address + i * page, n * page)) return 0;
+    seg->pages.set_unmapped({i, i + n});
     if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
-      h->record(memory_action::segment_unmap, seg->address + i * vm_page_, n * vm_page_, 0);
+      h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
     }
-    seg->mapped -= n * vm_page_;
     for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
     return n;
   }
@@ -2070,12 +2062,7 @@ class basic_caching_allocator {
   /// Calls f(address, bytes) for each run of mapped pages of an expandable segment, in address order.
   template <class F>
   void for_each_mapped_run(const segment& seg, F&& f) const {
-    for (std::size_t i = 0; i < seg.pages.size();) {
-      std::size_t n = 0;
-      while (i + n < seg.pages.size() && seg.pages[i + n]) ++n;
-      if (n != 0) f(seg.address + i * vm_page_, n * vm_page_);
-      i += n + 1;
-    }
+    seg.pages.for_each_mapped_run([&](std::size_t offset, std::size_t bytes) { f(seg.address + offset, bytes); });
   }
 
   /// A stream-ordered release (an upstream with deallocate_after): an event recorded on each stream that may still
@@ -2244,10 +2231,10 @@ class basic_caching_allocator {
     std::vector<segment*> victims = free_segments();
     if (target != 0) {
       std::sort(victims.begin(), victims.end(),
-                [](const segment* a, const segment* b) { return a->mapped > b->mapped; });
+                [](const segment* a, const segment* b) { return a->mapped() > b->mapped(); });
       std::size_t reserved = current(stats_.reserved_bytes);
       std::size_t keep = 0;
-      while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped;
+      while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped();
       victims.resize(keep);
     }
     const std::size_t released = release_segments(lock, victims);
@@ -2260,9 +2247,9 @@ class basic_caching_allocator {
     std::vector<segment*> candidates = free_segments();
     if (candidates.empty()) return 0;
     std::sort(candidates.begin(), candidates.end(),
-              [](const segment* a, const segment* b) { return a->mapped < b->mapped; });
+              [](const segment* a, const segment* b) { return a->mapped() < b->mapped(); });
     const auto covering = std::find_if(candidates.begin(), candidates.end(),
-                                       [deficit](const segment* seg) { return seg->mapped >= deficit; });
+                                       [deficit](const segment* seg) { return seg->mapped() >= deficit; });
     std::vector<segment*> victims;
     if (covering != candidates.end()) {
       victims.push_back(*covering);
@@ -2270,7 +2257,7 @@ class basic_caching_allocator {
       std::size_t covered = 0;
       for (auto it = candidates.rbegin(); it != candidates.rend() && covered < deficit; ++it) {
         victims.push_back(*it);
-        covered += (*it)->mapped;
+        covered += (*it)->mapped();
       }
     }
     return release_segments(lock, victims, true);
@@ -2355,10 +2342,10 @@ class basic_caching_allocator {
         forget_expandable(seg);
         address_space_.store(address_space_.load(std::memory_order_relaxed) - seg->size, std::memory_order_relaxed);
       }
-      frees += seg->expandable ? seg->mapped / page_bytes() : 1;  // an unmap per page, or a cudaFree
+      frees += seg->expandable ? seg->mapped() / seg->pages.page_size() : 1;  // an unmap per page, or a cudaFree
       count(st_segment, seg->small, -1);
-      count(st_reserved_bytes, seg->small, -as_delta(seg->mapped));
-      released += seg->mapped;
+      count(st_reserved_bytes, seg->small, -as_delta(seg->mapped()));
+      released += seg->mapped();
     }
     lock.unlock();
     for (const auto& fence : fences) synchronize_quietly(*fence);
@@ -2380,18 +2367,7 @@ class basic_caching_allocator {
 
   /// The bytes of block `b` (of an expandable segment) that lie on mapped pages.
   std::size_t mapped_bytes_of(const block* b) const noexcept {
-    const segment* seg = b->seg;
-    const std::size_t page = page_bytes();
-    if (page == 0 || seg->mapped == 0) return 0;
-    std::size_t bytes = 0;
-    const std::uintptr_t end = b->address + b->size;
-    for (std::size_t i = (b->address - seg->address) / page; i < seg->pages.size(); ++i) {
-      const std::uintptr_t page_start = seg->address + i * page;
-      if (page_start >= end) break;
-      if (!seg->pages[i]) continue;
-      bytes += std::min<std::uintptr_t>(end, page_start + page) - std::max<std::uintptr_t>(b->address, page_start);
-    }
-    return bytes;
+    return b->seg->pages.mapped_bytes_in(b->address - b->seg->address, b->size);
   }
 
   free_space_info free_space_locked() const noexcept {

@@ -36,7 +36,7 @@ struct caching_diagnostics {
       segment_info info;
       info.address = seg->address;
       info.size = seg->size;
-      info.mapped = seg->mapped;
+      info.mapped = seg->mapped();
       info.expandable = seg->expandable;
       info.small_pool = seg->small;
       if (seg->expandable) {
