@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +45,9 @@ struct fake_world {
   int events_created = 0;
   int synchronizations = 0;
   std::uint64_t destructions = 0;
+  // Run once, the next time the allocator asks whether a stream was destroyed, after reading the answer: a test
+  // makes something happen between a check and what the allocator does with it (a destruction racing a free).
+  std::function<void()> after_expired_query;
 
   int add_stream(gpukit::device d = gpukit::device::cpu()) {
     streams.push_back(stream_state{0, 0, d, false, std::nullopt});
@@ -114,7 +118,15 @@ struct fake_stream_ops {
   // Lifetimes: every fake stream is tracked, like a gpukit::stream (world.destroy).
   using tracker_type = int;
   int track(const fake_stream& s) const { return s.id; }
-  bool expired(int s) const noexcept { return world->streams[static_cast<std::size_t>(s)].destroyed; }
+  bool expired(int s) const noexcept {
+    const bool destroyed = world->streams[static_cast<std::size_t>(s)].destroyed;
+    if (world->after_expired_query) {
+      const std::function<void()> hook = std::move(world->after_expired_query);
+      world->after_expired_query = nullptr;
+      hook();
+    }
+    return destroyed;
+  }
   bool finished(int s) const {
     const auto& st = world->streams[static_cast<std::size_t>(s)];
     return st.destroyed && st.completed >= st.enqueued;

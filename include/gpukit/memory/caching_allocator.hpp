@@ -273,11 +273,11 @@ class basic_caching_allocator {
     // for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
     // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
     if (front_cache_ && (b->small || front_cache_large_) && !busy && !expired_owner && b->recorded.empty()) {
-      const front_result r = front_give(b);
+      const front_result r = front_give(b);  // refuses a stream whose destruction was noticed meanwhile
       if (r == front_result::cached) return;
       if (r == front_result::already_free) throw_not_owned(p, "deallocate");
     }
-    free_to_heap(b, busy, expired_owner);
+    free_to_heap(b, busy, expired_owner || owner_expired(b));
   }
 
   /// Frees `p` after the work enqueued so far on `stream` as well (as if record_stream(p, stream) had been called),
@@ -879,29 +879,43 @@ class basic_caching_allocator {
     }
   }
 
-  /// Marks the states of streams destroyed since the last look (an O(streams) scan, once per destruction), and their
-  /// front slots idle.
+  /// Marks the states of streams destroyed since the last look (an O(streams) scan, once per destruction), and
+  /// empties their front slots.
   void note_expirations() {
     if constexpr (tracks_lifetimes) {
       seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
+      const std::size_t known = dead_streams_.size();
       for (const auto& st : streams_) {
         if (st->dead || !ops_.expired(st->tracker)) continue;
         dead_streams_.push_back(st.get());
         st->dead = true;
-        mark_slots_idle(st->key);
       }
+      if (dead_streams_.size() != known) release_slots_of_dead(known);
     }
   }
 
-  /// Marks the front slots of stream `key`, destroyed, as unused since another stream last asked (device lock held):
-  /// the first stream to ask takes one over once it is empty, instead of the second (a destroyed stream never uses
-  /// its slot again, and owners are never reset to unowned: see front_slot_at).
-  void mark_slots_idle(std::uintptr_t key) noexcept {
-    if (!front_cache_) return;
+  /// The front slots of the streams just found destroyed (dead_streams_ from `first` on; device lock held) give their
+  /// blocks to the heap, where they wait for the stream's last work, whichever path noticed the destruction: cached,
+  /// they would hold the slot and their memory for a stream that never asks again. A free racing the destruction
+  /// cannot cache a block after this: front_give_to finds the slot marked (owner_gone) under its lock.
+  /// The slots are marked unused since another stream last asked, so the first stream to ask takes one over instead
+  /// of the second (owners are never reset to unowned: see front_slot_at).
+  void release_slots_of_dead(std::size_t first) {
+    if (!fronts_active_) return;  // no slot was ever owned (front_give_slow activates the caches first)
+    const auto newly_dead = [&](std::uintptr_t key) {
+      return std::any_of(dead_streams_.begin() + static_cast<std::ptrdiff_t>(first), dead_streams_.end(),
+                         [key](const stream_state* st) { return st->key == key; });
+    };
+    fronts_lock all(*this);
+    std::optional<deferred_peaks> deferred;  // only when blocks move: it settles every peak
     for (front_slot_type& slot : used_fronts()) {
-      if (owner_of(slot).load(std::memory_order_relaxed) != key) continue;
-      std::lock_guard<detail::spin_mutex> lock(slot.mutex);
-      if (owner_of(slot).load(std::memory_order_relaxed) == key) slot.idle_mark = slot.use();
+      if (!newly_dead(owner_of(slot).load(std::memory_order_relaxed))) continue;
+      if (slot.blocks.load(std::memory_order_relaxed) != 0) {
+        if (!deferred) deferred.emplace(*this);
+        for (auto& bin : slot.bins) flush_bin(slot, bin);
+      }
+      slot.owner_gone = true;
+      slot.idle_mark = slot.use();
     }
   }
 
@@ -1060,10 +1074,7 @@ class basic_caching_allocator {
       st.last_sweep = sweeps_;
       if (pending_total_ != 0) process_events();
       if constexpr (tracks_lifetimes) {
-        if (ops_.expirations() != seen_expirations_) {  // one relaxed load when nothing changed
-          note_expirations();
-          flush_fronts();  // blocks cached for destroyed streams wait for their last work in the heap
-        }
+        if (ops_.expirations() != seen_expirations_) note_expirations();  // one relaxed load when nothing changed
         if (!dead_streams_.empty()) retire_finished();
       }
       b = find_free(st, size, small);
@@ -1296,7 +1307,10 @@ class basic_caching_allocator {
     slot.enter(*b);
     if (slow) rebalance_risen(slot, false);
     std::atomic<std::uintptr_t>& owner = owner_of(slot);
-    if (owner.load(std::memory_order_relaxed) != b->owner->key) owner.store(b->owner->key, std::memory_order_relaxed);
+    if (owner.load(std::memory_order_relaxed) != b->owner->key) {
+      owner.store(b->owner->key, std::memory_order_relaxed);
+      slot.owner_gone = false;
+    }
     slot.push(bin, b);
     b->in_front.store(true, std::memory_order_relaxed);
   }
@@ -1319,9 +1333,10 @@ class basic_caching_allocator {
   enum class front_result { cached, no_room, already_free };
 
   /// Caches block `b` (freed by the user on its own live stream, recorded by no other) in its stream's front slot.
-  /// no_room when the slot is taken by another stream, or full and nothing in it is stale (the heap then takes the
-  /// block); already_free when another free of the same pointer cached it first. Throws only when a stale bin's
-  /// blocks cannot go back to the heap (see flush_bin): `b` is still allocated then.
+  /// no_room when the slot is taken by another stream, or full and nothing in it is stale, or the stream was
+  /// destroyed meanwhile (the heap then takes the block); already_free when another free of the same pointer cached
+  /// it first. Throws only when a stale bin's blocks cannot go back to the heap (see flush_bin): `b` is still
+  /// allocated then.
   GPUKIT_DETAIL_FLATTEN front_result front_give(block* b) {
     const std::uintptr_t key = b->owner->key;
     constexpr std::uintptr_t unowned = front_slot_type::unowned;
@@ -1330,7 +1345,8 @@ class basic_caching_allocator {
     // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
     // slots owned by other streams): one whose owner went idle, among the first few, so that with more busy streams
     // than slots a free without a slot locks only a few others' slots. Reads without the lock are hints, checked
-    // under it.
+    // under it. A slot changes hands only on the slow path, with every lock held, which looks for the stream's own
+    // slot first: two threads freeing on one stream at once, each in pass 1, would otherwise claim a slot each.
     constexpr std::size_t takeover_probes = 4;
     for (int pass = 0; pass < 3; ++pass) {
       for (std::size_t probe = 0; probe < (pass == 2 ? takeover_probes : front_slots_per_pool); ++probe) {
@@ -1343,17 +1359,26 @@ class basic_caching_allocator {
         }
         std::unique_lock<detail::spin_mutex> lock(slot.mutex);
         const std::uintptr_t now = owner_of(slot).load(std::memory_order_relaxed);
-        if (pass == 2 ? !slot.may_take_over(key, now) : now != key && now != unowned) continue;
-        return front_give_to(slot, lock, b);
+        if (pass == 0) {
+          if (now != key) continue;
+          return front_give_to(slot, lock, b);
+        }
+        if (pass == 2 ? !slot.may_take_over(key, now) : now != unowned) continue;
+        const slot_seen seen = seen_by_fast_path(slot);
+        lock.unlock();
+        return front_give_slow(b, slot, seen);
       }
     }
     return front_result::no_room;
   }
 
-  /// front_give's work once it holds the lock of a slot stream `b->owner` may use.
+  /// front_give's work once it holds the lock of stream `b->owner`'s own slot.
   GPUKIT_DETAIL_FLATTEN front_result front_give_to(front_slot_type& slot, std::unique_lock<detail::spin_mutex>& lock,
                                                    block* b) {
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+    // Destroyed since deallocate asked, and the slot already emptied (release_slots_of_dead): the block would hold
+    // it for a stream that never asks again. A flag on the slot's own line: asking the stream cost the pair 10 %.
+    if (slot.owner_gone) return front_result::no_room;
     ++slot.tick;
     auto* bin = slot.room_for(b->size);
     if (bin == nullptr) {
@@ -1387,29 +1412,35 @@ class basic_caching_allocator {
     std::lock_guard<detail::spin_mutex> device_lock(mutex_);
     fronts_lock all(*this);
     if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+    if (owner_expired(b)) return front_result::no_room;  // as in front_give_to
     if (!fronts_active_) {
       // From now on the heap's counters alone no longer give the peaks: start the claims at zero.
       fronts_active_ = true;
       rebalance_all();
     }
     const std::uintptr_t key = b->owner->key;
-    const std::uintptr_t chosen_owner = owner_of(chosen).load(std::memory_order_relaxed);
+    constexpr std::uintptr_t unowned = front_slot_type::unowned;
+    // The stream's own slot first (another thread of it may have claimed one since front_give looked), then
+    // `chosen`, then the first slot never owned. Another stream's slot is taken over only as front_give's pass 2
+    // decided (empty, and unused since another stream last asked): not if it changed hands or was used since.
     front_slot_type* found = nullptr;
-    // Another stream's slot is taken over only as front_give's pass 2 decided (empty, and unused since another
-    // stream last asked): if it changed hands or was used since, not merely because it is empty.
-    const bool unchanged = chosen_owner == seen.owner && chosen.use() == seen.use;
-    if (chosen_owner == key || chosen_owner == front_slot_type::unowned ||
-        (unchanged && chosen.blocks.load(std::memory_order_relaxed) == 0)) {
-      found = &chosen;
-    } else {
-      for (std::size_t probe = 0; probe < 2 * front_slots_per_pool && found == nullptr; ++probe) {
-        front_slot_type& slot = front_slot_at(key, probe, !b->small);
-        const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
-        if (probe < front_slots_per_pool ? owner == key : owner == front_slot_type::unowned) {
-          found = &slot;  // own first, then unowned
-        }
+    front_slot_type* first_unowned = nullptr;
+    for (std::size_t probe = 0; probe < front_slots_per_pool && first_unowned == nullptr; ++probe) {
+      front_slot_type& slot = front_slot_at(key, probe, !b->small);
+      const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+      if (owner == key) {
+        found = &slot;
+        break;
       }
+      if (owner == unowned) first_unowned = &slot;  // a stream's slots come before it (see front_slot_at)
     }
+    const std::uintptr_t chosen_owner = owner_of(chosen).load(std::memory_order_relaxed);
+    const bool unchanged = chosen_owner == seen.owner && chosen.use() == seen.use;
+    if (found == nullptr && chosen_owner != unowned && unchanged &&
+        chosen.blocks.load(std::memory_order_relaxed) == 0) {
+      found = &chosen;
+    }
+    if (found == nullptr) found = first_unowned;  // `chosen` when front_give found it never owned
     if (found != nullptr) {
       front_slot_type& slot = *found;
       auto* bin = slot.room_for(b->size);
@@ -1723,7 +1754,9 @@ class basic_caching_allocator {
           owner->dead = true;
         }
       }
-      if (owner_busy) {
+      // A stream destroyed since the caller asked whether it was busy takes no event (its handle may be another
+      // stream's by now): its blocks wait for its last work (retire) instead.
+      if (owner_busy && !b->owner->dead) {
         fence = acquire_event(device_);
         ops_.record(*fence, b->owner->stream);
       }
@@ -1898,7 +1931,6 @@ class basic_caching_allocator {
         recycle(b);
         return nullptr;
       }
-      vm_page_ = page;
       seg->expandable = true;
       link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), range, small);
       address_space_.store(address_space_.load(std::memory_order_relaxed) + range, std::memory_order_relaxed);
@@ -1967,10 +1999,8 @@ class basic_caching_allocator {
       if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
       if (!b->seg->expandable || map_pages(b, size, limit_hit)) return b;
     }
-    throw_out_of_memory(lock, requested, size, page_bytes(), limit_hit, true);
+    throw_out_of_memory(lock, requested, size, b->seg->pages.page_size(), limit_hit, true);
   }
-
-  std::size_t page_bytes() const noexcept { return vm_page_; }
 
   /// Whether the first `size` bytes of free block `b` of an expandable segment have a page not mapped yet.
   bool needs_pages(const block* b, std::size_t size) const noexcept {
@@ -2479,7 +2509,6 @@ class basic_caching_allocator {
   bool needs_fence_ = false;
   bool front_cache_ = false;
   bool front_cache_large_ = false;  // large blocks are cached in front too (slots [16, 32))
-  std::size_t vm_page_ = 0;         // the upstream's page size, once an expandable segment exists (device lock)
   bool vm_refused_ = false;         // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)

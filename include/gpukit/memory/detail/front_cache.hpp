@@ -109,6 +109,9 @@ struct alignas(64) front_slot {
 
   mutable spin_mutex mutex;
   std::uint64_t idle_mark = ~std::uint64_t{0};  // use() when another stream last found the slot empty (under lock)
+  // The owner was destroyed and the allocator took its blocks back (under the lock; cleared when the slot changes
+  // hands): a free on that stream racing its destruction must not cache a block here afterwards.
+  bool owner_gone = false;
   // Requests of the owner that found the slot empty (counted without the lock, never backwards). They count as use,
   // so a stream whose blocks are all out keeps its slot while it allocates.
   std::atomic<std::uint64_t> misses{0};
