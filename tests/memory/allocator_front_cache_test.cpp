@@ -252,6 +252,39 @@ TEST_CASE("front cache: a destruction noticed while registering a stream empties
   CHECK(f.a.memory_reserved() == 0);
 }
 
+TEST_CASE("front cache: a destruction first seen by a free empties that stream's slot, and only that stream's") {
+  // Freeing a live allocation of a destroyed stream is where the allocator may learn of the destruction first (the
+  // free marks the stream dead). The stream's cached block must still reach the heap at the next request, while
+  // another stream's cached block stays cached.
+  setup f(with_front(true));
+  const fake_stream doomed{f.world.add_stream()};
+  const fake_stream keeper = f.streams[0];
+  void* cached = f.a.allocate(3000, doomed);
+  void* live = f.a.allocate(3000, doomed);
+  void* kept = f.a.allocate(3000, keeper);
+  f.a.deallocate(f.a.allocate(8 * MiB, f.streams[1]));  // a large block, free in the heap (large ones are not cached)
+  f.a.deallocate(cached);
+  f.a.deallocate(kept);
+  REQUIRE(state_of(f.a, cached) == gpukit::block_state::cached);
+  REQUIRE(state_of(f.a, kept) == gpukit::block_state::cached);
+  f.world.enqueue(doomed.id);  // its last work is still running: its blocks wait for it in the heap
+  f.world.destroy(doomed.id);
+  const captured_warnings warnings;
+  f.a.deallocate(live);  // to the heap, marking the stream dead
+  CHECK(warnings.contains("was destroyed while the allocation was live"));
+  CHECK(state_of(f.a, cached) == gpukit::block_state::cached);  // not yet: the free holds no slot lock to do it
+  void* other = f.a.allocate(8 * MiB, f.streams[1]);            // the heap's path, served by its free block: no flush
+  CHECK(state_of(f.a, cached) == gpukit::block_state::free);
+  CHECK(state_of(f.a, kept) == gpukit::block_state::cached);
+  CHECK(check_invariants(f.a.snapshot(), {{reinterpret_cast<std::uintptr_t>(other), 8 * MiB}},
+                         f.a.options().rounding) == "");
+  f.a.deallocate(other);
+  f.world.complete_all();
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(f.a.memory_reserved() == 0);
+}
+
 TEST_CASE("front cache: a free racing its stream's destruction leaves nothing cached for the destroyed stream") {
   // deallocate asks whether the block's stream was destroyed, then caches the block. Here the stream is destroyed
   // just after the question, and another request notices the destruction (emptying the stream's slot) before the

@@ -591,6 +591,7 @@ class basic_caching_allocator {
     std::size_t in_use = 0;                // allocated or pending blocks it owns, and blocks that recorded it
     bool dead = false;             // destroyed: its free blocks wait for its last work (nobody else may take them)
     bool retired = false;          // ... which has completed: its blocks belong to no stream from now on
+    bool slots_released = false;   // dead, and its front slots gave their blocks to the heap (release_slots_of_dead)
     std::uint64_t last_sweep = 0;  // the stream-registry sweep during which it last allocated (abandoned_state)
     segment* expandable[2] = {nullptr, nullptr};  // its expandable segments: [1] small, [0] large
   };
@@ -884,39 +885,46 @@ class basic_caching_allocator {
   void note_expirations() {
     if constexpr (tracks_lifetimes) {
       seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
-      const std::size_t known = dead_streams_.size();
       for (const auto& st : streams_) {
         if (st->dead || !ops_.expired(st->tracker)) continue;
         dead_streams_.push_back(st.get());
         st->dead = true;
+        slots_to_release_ = true;
       }
-      if (dead_streams_.size() != known) release_slots_of_dead(known);
+      if (slots_to_release_) release_slots_of_dead();
     }
   }
 
-  /// The front slots of the streams just found destroyed (dead_streams_ from `first` on; device lock held) give their
-  /// blocks to the heap, where they wait for the stream's last work, whichever path noticed the destruction: cached,
-  /// they would hold the slot and their memory for a stream that never asks again. A free racing the destruction
-  /// cannot cache a block after this: front_give_to finds the slot marked (owner_gone) under its lock.
-  /// The slots are marked unused since another stream last asked, so the first stream to ask takes one over instead
-  /// of the second (owners are never reset to unowned: see front_slot_at).
-  void release_slots_of_dead(std::size_t first) {
-    if (!fronts_active_) return;  // no slot was ever owned (front_give_slow activates the caches first)
-    const auto newly_dead = [&](std::uintptr_t key) {
-      return std::any_of(dead_streams_.begin() + static_cast<std::ptrdiff_t>(first), dead_streams_.end(),
-                         [key](const stream_state* st) { return st->key == key; });
+  /// The front slots of the streams found destroyed since the last call (device lock held) give their blocks to the
+  /// heap, where they wait for the stream's last work, whichever path noticed the destruction (note_expirations, or
+  /// free_allocated, which cannot: it may run under the slot locks): cached, they would hold the slot and their
+  /// memory for a stream that never asks again. A free racing the destruction cannot cache a block after this:
+  /// front_give_to finds the slot marked (owner_gone) under its lock. The slots are marked unused since another
+  /// stream last asked, so the first stream to ask takes one over instead of the second (owners are never reset to
+  /// unowned: see front_slot_at). If taking a block back throws, the next request tries again.
+  void release_slots_of_dead() {
+    const auto unreleased = [this](std::uintptr_t key) {
+      return std::any_of(dead_streams_.begin(), dead_streams_.end(),
+                         [key](const stream_state* st) { return st->key == key && !st->slots_released; });
     };
-    fronts_lock all(*this);
-    std::optional<deferred_peaks> deferred;  // only when blocks move: it settles every peak
-    for (front_slot_type& slot : used_fronts()) {
-      if (!newly_dead(owner_of(slot).load(std::memory_order_relaxed))) continue;
-      if (slot.blocks.load(std::memory_order_relaxed) != 0) {
+    // Slots change hands only under the device lock (front_give_slow), so their owners can be read without theirs.
+    bool owned = false;
+    for (const front_slot_type& slot : used_fronts())
+      owned = owned || unreleased(owner_of(slot).load(std::memory_order_relaxed));
+    if (owned) {
+      fronts_lock all(*this);
+      std::optional<deferred_peaks> deferred;  // only when blocks move: it settles every peak
+      for (front_slot_type& slot : used_fronts()) {
+        if (!unreleased(owner_of(slot).load(std::memory_order_relaxed))) continue;
+        slot.owner_gone = true;
+        slot.idle_mark = slot.use();
+        if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;
         if (!deferred) deferred.emplace(*this);
         for (auto& bin : slot.bins) flush_bin(slot, bin);
       }
-      slot.owner_gone = true;
-      slot.idle_mark = slot.use();
     }
+    for (stream_state* st : dead_streams_) st->slots_released = true;
+    slots_to_release_ = false;
   }
 
   /// Retires the destroyed streams whose last work has completed (polled, never waited for).
@@ -1074,7 +1082,11 @@ class basic_caching_allocator {
       st.last_sweep = sweeps_;
       if (pending_total_ != 0) process_events();
       if constexpr (tracks_lifetimes) {
-        if (ops_.expirations() != seen_expirations_) note_expirations();  // one relaxed load when nothing changed
+        if (ops_.expirations() != seen_expirations_) {  // one relaxed load when nothing changed
+          note_expirations();
+        } else if (slots_to_release_) {
+          release_slots_of_dead();  // free_allocated found a stream destroyed
+        }
         if (!dead_streams_.empty()) retire_finished();
       }
       b = find_free(st, size, small);
@@ -1752,6 +1764,7 @@ class basic_caching_allocator {
         if (!owner->dead && expired(*owner)) {
           dead_streams_.push_back(owner);
           owner->dead = true;
+          slots_to_release_ = true;  // not here: this may run under the slot locks (flush_bin)
         }
       }
       // A stream destroyed since the caller asked whether it was busy takes no event (its handle may be another
@@ -2534,6 +2547,7 @@ class basic_caching_allocator {
   std::unique_ptr<stream_state> unowned_;          // free blocks no stream can still be using (not registered)
   std::vector<stream_state*> dead_streams_;        // destroyed streams whose last work may still run
   std::uint64_t seen_expirations_ = 0;             // the stream ops' expiration count when last looked at
+  bool slots_to_release_ = false;                  // a stream found destroyed may still hold front slots
   std::vector<stream_state*> pending_streams_;     // streams with pending events
   std::size_t pending_total_ = 0;                  // events not yet seen complete
   std::uint64_t fence_counter_ = 0;
