@@ -418,6 +418,63 @@ TEST_CASE("capture: another thread allocates, frees and empties caches on its ow
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: another thread's event queries and waits leave a global capture intact") {
+  // cudaEventQuery and cudaEventSynchronize are prohibited in a thread whose mode is not relaxed while any thread
+  // captures in global mode, and they invalidate that capture (PyTorch's NCCL watchdog met this). gpukit's queries
+  // and waits (gpukit::event, the engines' pending events, the staging and prefetcher threads, which use the same
+  // calls) relax the mode around the call; a raw query does not, and breaks the capture.
+  gpukit::stream s(cuda0);
+  {
+    gpukit::stream t(cuda0);
+    cudaEvent_t raw = nullptr;
+    REQUIRE(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventRecord(raw, t.cuda_handle()) == cudaSuccess);
+    capture c(s, cudaStreamCaptureModeGlobal);
+    cudaError_t queried = cudaSuccess;
+    std::thread([&] { queried = cudaEventQuery(raw); }).join();
+    CHECK(queried == cudaErrorStreamCaptureUnsupported);
+    CHECK(c.end() == cudaErrorStreamCaptureInvalidated);
+    CHECK(cudasim::take_violations().size() == 1);  // on purpose
+    CHECK(cudaEventDestroy(raw) == cudaSuccess);
+  }
+  gpukit::caching_allocator allocator(cuda0);
+  std::string failure;
+  {
+    capture c(s, cudaStreamCaptureModeGlobal);
+    std::thread other([&] {
+      try {
+        gpukit::stream t(cuda0);
+        gpukit::stream user(cuda0);
+        gpukit::event e(cuda0);
+        e.record(t);
+        (void)e.ready();  // done or not: asked all the same
+        e.synchronize();
+        CHECK(e.ready());
+        // A block another stream used: its free records an event, which the next request polls.
+        void* p = allocator.allocate(4096, t);
+        allocator.record_stream(p, user);
+        allocator.deallocate(p);
+        allocator.deallocate(allocator.allocate(4096, t));
+        allocator.empty_cache();  // waits for the pending event on the host
+        // The pinned pool's pending blocks are polled the same way.
+        auto& pinned = gpukit::default_pinned_pool(cuda0);
+        void* h = pinned.allocate(4096);
+        pinned.record_stream(h, t);
+        pinned.deallocate(h);
+        (void)pinned.stats();
+        t.synchronize();
+      } catch (const std::exception& ex) {
+        failure = ex.what();
+      }
+    });
+    other.join();
+    CHECK(failure == "");
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: the legacy default stream is never asked while a blocking stream of its device captures") {
   gpukit::caching_allocator allocator(cuda0);
   gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});

@@ -600,7 +600,8 @@ bool stream_idle(const simulator& s, const stream_obj& st) {
   return !st.tail || st.tail->done;
 }
 
-/// Potentially unsafe calls (allocation, freeing, device-wide synchronization) are prohibited while a capture in global
+/// Potentially unsafe calls (allocation, freeing, device-wide synchronization, event queries and waits: PyTorch's NCCL
+/// watchdog invalidated captures with cudaEventQuery) are prohibited while a capture in global
 /// mode is underway in any thread, or one in thread-local mode in this thread, unless this thread relaxed its mode.
 std::shared_ptr<capture_state> prohibiting_capture(simulator& s) {
   if (t_capture_mode == cudaStreamCaptureModeRelaxed) return nullptr;
@@ -1206,6 +1207,13 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureIsolation,
                        "a captured stream waits for an event recorded outside the capture");
+  }
+  if (st->kind == stream_kind::legacy) {  // refused even for a completed event, as work on the stream is (enqueue)
+    if (auto cap = capture_on_device(c.s, st->device)) {
+      cap->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureImplicit,
+                         "a wait on the legacy default stream while a blocking stream of its device is captured");
+    }
   }
   if (!ev->last || ev->last->done) return cudaSuccess;
   auto o = std::make_shared<op>();
@@ -2491,6 +2499,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "query of a destroyed or invalid event");
   if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventQuery of an event recorded in a capture");
+  // An event recorded outside any capture may be asked about only where the thread's mode permits unsafe calls.
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   return !ev->last || ev->last->done ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -2499,6 +2509,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "synchronize of a destroyed or invalid event");
   if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventSynchronize of an event recorded in a capture");
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   wait_for(c, {ev->last});
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }

@@ -1,13 +1,19 @@
 // Compiled in CUDA's per-thread default stream mode (CUDA_API_PER_THREAD_DEFAULT_STREAM, see cudasim.cmake): handle
 // 0 names this thread's per-thread stream, which CUDA can capture, while cudaStreamLegacy stays refused.
 #include <gpukit/graph/graph.hpp>
+#include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/graph_pool.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 
 static_assert(gpukit::detail::per_thread_default_stream_mode(), "this file must be compiled in per-thread mode");
 
@@ -35,4 +41,39 @@ TEST_CASE("per-thread mode: the default stream (handle 0) is captured and replay
   CHECK_THROWS_WITH_AS(gpukit::capture(gpukit::stream_view(d, cudaStreamLegacy), [] {}),
                        doctest::Contains("not the legacy default stream"), gpukit::invalid_argument_error);
   REQUIRE(cudaFree(p) == cudaSuccess);
+}
+
+TEST_CASE("per-thread mode: a capture of handle 0 ends when the work throws, and allocates from its graph pool") {
+  // Handle 0 is the captured stream here: a capture whose work throws must still be ended (the scope must not read
+  // handle 0 as "already ended"), and the pool must be found for the stream (capture_id).
+  const gpukit::device d = gpukit::device::cuda(0);
+  const gpukit::stream_view per_thread(d, nullptr);
+  auto pool = gpukit::graph_pool::create(d, std::size_t{1} << 20);
+  CHECK_THROWS_AS(gpukit::capture(
+                      per_thread, [] { throw std::runtime_error("user code failed"); }, pool),
+                  std::runtime_error);
+  CHECK(gpukit::detail::capture_status(per_thread) == cudaStreamCaptureStatusNone);
+  CHECK_NOTHROW(pool->reserve(std::size_t{1} << 20));  // refused while the pool counts a capture underway
+  CHECK(pool->memory_reserved() == std::size_t{2} << 20);
+  // Without a pool as well.
+  CHECK_THROWS_AS(gpukit::capture(per_thread, [] { throw std::runtime_error("user code failed"); }),
+                  std::runtime_error);
+  CHECK(gpukit::detail::capture_status(per_thread) == cudaStreamCaptureStatusNone);
+
+  void* inside = nullptr;
+  gpukit::graph g = gpukit::capture(
+      per_thread,
+      [&] {
+        gpukit::device_buffer<int> tmp(64, per_thread);
+        inside = tmp.data();
+        CHECK(pool->owns(tmp.data()));
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 0, tmp.size_bytes(), per_thread.native_handle()));
+      },
+      pool);
+  CHECK(inside != nullptr);
+  CHECK(pool->memory_allocated() == 0);
+  g.launch(per_thread);
+  per_thread.synchronize();
+  gpukit::device_buffer<int> after(16, per_thread);  // outside a capture: the default allocator's
+  CHECK_FALSE(pool->owns(after.data()));
 }

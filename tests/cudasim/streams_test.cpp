@@ -457,6 +457,30 @@ TEST_CASE("streams: async_allocator frees after the work of recorded streams, wa
   CHECK(a.max_memory_reserved() == held);
 }
 
+TEST_CASE("streams: async_allocator frees per-thread stream memory from another thread after that stream's work") {
+  // cudaStreamPerThread names the calling thread's own stream: freed from another thread, memory allocated on this
+  // thread's per-thread stream must wait for this thread's work, not for the freeing thread's stream.
+  gate g;
+  open_at_exit at_exit{&g};
+  gpukit::async_allocator a(cuda0);
+  const gpukit::stream_view per_thread(cuda0, cudaStreamPerThread);
+  void* p = a.allocate(block_bytes, per_thread);
+  void* q =
+      a.allocate(block_bytes, gpukit::stream_view::default_stream(cuda0));  // recorded below for this thread's stream
+  const std::size_t held = a.memory_reserved();
+  a.record_stream(q, per_thread);
+  g.hold(per_thread);  // work of this thread's per-thread stream that could still read p and q
+  std::thread([&] {
+    a.deallocate(p);  // on the allocating thread's stream (the legacy stream stands in for it here)
+    a.deallocate(q);  // after the recorded per-thread stream's work
+  }).join();
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.memory_reserved() == held);  // neither free has run: both wait for the held work
+  g.open();
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);
+}
+
 TEST_CASE("streams: async_allocator frees even when the ordering after a recorded stream cannot be enqueued") {
   gpukit::async_allocator a(cuda0);
   gpukit::stream s(cuda0);

@@ -167,10 +167,19 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
   gpukit::stream s(d);
   gpukit::caching_allocator a(d, expandable());
   const std::size_t used_before = cudasim::device_memory_used(0);
-  // A transient out of memory in cuMemCreate: released cache, retried, served.
-  cudasim::fail_call("cuMemCreate", 1, cudaErrorMemoryAllocation);
-  void* p = a.allocate(4 * MiB, s);
-  CHECK(a.stats().num_alloc_retries >= 1);
+  // A transient out of memory in cuMemCreate or cuMemMap: released cache, retried, served.
+  void* p = nullptr;
+  for (const char* call : {"cuMemCreate", "cuMemMap"}) {
+    CAPTURE(std::string(call));
+    if (p != nullptr) {
+      a.deallocate(p);
+      a.empty_cache();  // unmaps the pages, so the next request maps again
+    }
+    const auto retries = a.stats().num_alloc_retries;
+    cudasim::fail_call(call, 1, cudaErrorMemoryAllocation);
+    p = a.allocate(4 * MiB, s);
+    CHECK(a.stats().num_alloc_retries > retries);
+  }
   // Any other failure is an error naming the driver call and the device.
   for (const char* call : {"cuMemMap", "cuMemSetAccess", "cuMemCreate"}) {
     CAPTURE(std::string(call));

@@ -19,6 +19,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace gpukit_test;
@@ -233,5 +234,133 @@ TEST_CASE("gpu: over-aligned allocations in a capture come from the pool, aligne
       pool);
   CHECK(pool->memory_allocated() == 0);
   step.launch(s);
+  s.synchronize();
+}
+
+TEST_CASE("gpu: in a capture, a freed pool block is reused only on the stream that freed it") {
+  // A capture orders each stream's work, not the work of a stream forked into it: a block freed on `s` and handed to
+  // `forked` would be written by two graph nodes at once. Blocks another stream used wait for the capture's end.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::stream forked(d);
+  auto pool = gpukit::graph_pool::create(d, 4 * MiB);
+  auto& allocator = gpukit::default_allocator(d);
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  void* freed_on_s = nullptr;
+  void* shared = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        GPUKIT_CUDA_TRY(cudaEventRecord(fork, s.cuda_handle()));
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0));  // `forked` joins the capture
+        freed_on_s = allocator.allocate(4096, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(freed_on_s, 1, 4096, s.cuda_handle()));
+        allocator.deallocate(freed_on_s, s);
+        void* on_forked = allocator.allocate(4096, forked);
+        CHECK(on_forked != freed_on_s);  // the memset on `s` may still run beside `forked`'s work
+        void* on_s = allocator.allocate(4096, s);
+        CHECK(on_s == freed_on_s);  // `s` itself orders its reuse
+        // Used by `forked` too (record_stream): reused by neither stream until the capture ends.
+        allocator.record_stream(on_s, forked);
+        allocator.deallocate(on_s, s);
+        shared = on_s;
+        void* again = allocator.allocate(4096, s);
+        CHECK(again != shared);
+        allocator.deallocate(again, s);
+        // Freed on another stream than its own: the same.
+        allocator.deallocate(on_forked, s);
+        void* after_cross_free = allocator.allocate(4096, forked);
+        CHECK(after_cross_free != on_forked);
+        allocator.deallocate(after_cross_free, forked);
+        GPUKIT_CUDA_TRY(cudaEventRecord(join, forked.cuda_handle()));
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(s.cuda_handle(), join, 0));  // joined back before the capture ends
+      },
+      pool);
+  CHECK(pool->memory_allocated() == 0);
+  // After the capture, every block serves any stream of a later capture, merged again into the whole reserve.
+  CHECK(pool->free_space().free_blocks == 1);
+  CHECK(pool->free_space().largest_free_block == 4 * MiB);
+  g.launch(s);
+  s.synchronize();
+  GPUKIT_CUDA_TRY(cudaEventDestroy(fork));
+  GPUKIT_CUDA_TRY(cudaEventDestroy(join));
+}
+
+TEST_CASE("gpu: a double free of a pool block is refused, and the reserve stays the pool's") {
+  // The pool's first block starts where its reserve, an allocation of the default allocator, does: a second free
+  // of it must reach the pool (which refuses it), not hand the whole reserve back to the default allocator.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto& allocator = gpukit::default_allocator(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  void* output = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s, [&] { output = allocator.allocate(4096, s); }, pool);
+  REQUIRE(output != nullptr);
+  CHECK(pool->owns(output));
+  const std::size_t allocated = allocator.memory_allocated();
+  allocator.deallocate(output);
+  CHECK_FALSE(allocator.owns(output));
+  CHECK_FALSE(pool->owns(output));
+  CHECK_THROWS_WITH_AS(allocator.deallocate(output), doctest::Contains("double free"), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS(allocator.record_stream(output, s), gpukit::invalid_argument_error);
+  CHECK(allocator.memory_allocated() == allocated);  // the reserve is still allocated, to the pool
+  CHECK(pool->memory_reserved() == MiB);
+  void* next = allocator.allocate(MiB, s);
+  CHECK_FALSE(pool->owns(next));
+  CHECK((reinterpret_cast<std::uintptr_t>(next) + MiB <= reinterpret_cast<std::uintptr_t>(output) ||
+         reinterpret_cast<std::uintptr_t>(next) >= reinterpret_cast<std::uintptr_t>(output) + MiB));
+  allocator.deallocate(next);
+}
+
+TEST_CASE("gpu: a graph updated from itself is refused and still launches") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(16, s);
+  gpukit::graph g =
+      gpukit::capture(s, [&] { GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 0, out.size_bytes(), s.cuda_handle())); });
+  CHECK_THROWS_WITH_AS(g.update(g), doctest::Contains("from itself"), gpukit::invalid_argument_error);
+  REQUIRE(static_cast<bool>(g));
+  g.launch(s);
+  s.synchronize();
+}
+
+TEST_CASE("gpu: a graph pool released while another thread captures a blocking stream leaves that capture intact") {
+  // The release waits for the graphs' launches. A wait on the legacy default stream (where the reserve came from) is
+  // refused while a blocking stream of the device is captured, and invalidates that capture: the host waits instead.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(16, s);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(16, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 0, tmp.size_bytes(), s.cuda_handle()));
+      },
+      pool);
+  g.launch(s);  // the pool now waits for this launch at its release
+  const gpukit::device_guard guard(d);
+  cudaStream_t blocking = nullptr;
+  GPUKIT_CUDA_TRY(cudaStreamCreate(&blocking));  // blocking: synchronizes with the legacy default stream
+  GPUKIT_CUDA_TRY(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeGlobal));
+  const captured_warnings warnings;
+  std::thread([&] {
+    g = gpukit::graph();  // the last owners: the pool's reserve goes back now
+    pool.reset();
+  }).join();
+  CHECK(warnings.messages().empty());
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 0, out.size_bytes(), blocking));
+  cudaGraph_t captured = nullptr;
+  CHECK(cudaStreamEndCapture(blocking, &captured) == cudaSuccess);  // not invalidated
+  if (captured != nullptr) GPUKIT_CUDA_TRY(cudaGraphDestroy(captured));
+  GPUKIT_CUDA_TRY(cudaStreamDestroy(blocking));
   s.synchronize();
 }

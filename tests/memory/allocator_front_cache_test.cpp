@@ -43,6 +43,14 @@ struct setup {
     a.stream_operations().world = &world;
     for (int i = 0; i < 3; ++i) streams.push_back(fake_stream{world.add_stream()});
   }
+  /// Once the test has freed what it holds: every stream's work completes, the cache is emptied, and nothing may be
+  /// left allocated or reserved.
+  void complete_and_check_empty() {
+    world.complete_all();
+    a.empty_cache();
+    CHECK(a.memory_allocated() == 0);
+    CHECK(a.memory_reserved() == 0);
+  }
   fake_world world;
   fake_allocator a;
   std::vector<fake_stream> streams;
@@ -246,10 +254,7 @@ TEST_CASE("front cache: a destruction noticed while registering a stream empties
   f.a.deallocate(q);
   CHECK(state_of(f.a, q) == gpukit::block_state::cached);
   f.a.deallocate(held);
-  f.world.complete_all();
-  f.a.empty_cache();
-  CHECK(f.a.memory_allocated() == 0);
-  CHECK(f.a.memory_reserved() == 0);
+  f.complete_and_check_empty();
 }
 
 TEST_CASE("front cache: a destruction first seen by a free empties that stream's slot, and only that stream's") {
@@ -279,10 +284,7 @@ TEST_CASE("front cache: a destruction first seen by a free empties that stream's
   CHECK(check_invariants(f.a.snapshot(), {{reinterpret_cast<std::uintptr_t>(other), 8 * MiB}},
                          f.a.options().rounding) == "");
   f.a.deallocate(other);
-  f.world.complete_all();
-  f.a.empty_cache();
-  CHECK(f.a.memory_allocated() == 0);
-  CHECK(f.a.memory_reserved() == 0);
+  f.complete_and_check_empty();
 }
 
 TEST_CASE("front cache: a free racing its stream's destruction leaves nothing cached for the destroyed stream") {
@@ -317,10 +319,7 @@ TEST_CASE("front cache: a free racing its stream's destruction leaves nothing ca
     CHECK(check_invariants(f.a.snapshot(), live, f.a.options().rounding) == "");
     f.a.deallocate(other);
     if (first != nullptr) f.a.deallocate(first);
-    f.world.complete_all();
-    f.a.empty_cache();
-    CHECK(f.a.memory_allocated() == 0);
-    CHECK(f.a.memory_reserved() == 0);
+    f.complete_and_check_empty();
   }
 }
 

@@ -41,6 +41,21 @@ class event_log {
   std::vector<std::string> entries_;
 };
 
+/// Two fake streams and an allocator over an address space that reuses blocks across streams (recording fences:
+/// this upstream does not synchronize on free).
+struct cross_stream_setup {
+  cross_stream_setup() { a.stream_operations().world = &world; }
+  static gpukit::allocator_options options() {
+    gpukit::allocator_options o;
+    o.cross_stream_reuse = true;
+    return o;
+  }
+  fake_world world;
+  const fake_stream s0{world.add_stream()};
+  const fake_stream s1{world.add_stream()};
+  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a{cpu, options(), GiB};
+};
+
 }  // namespace
 
 TEST_CASE("a block freed while another CPU stream still uses it is not reused before that work completes") {
@@ -276,13 +291,11 @@ TEST_CASE("record_stream with several streams: the block returns only when all o
 }
 
 TEST_CASE("cross-stream reuse with the fake: the taker waits for the fence, the remainder stays with its stream") {
-  gpukit::allocator_options o;
-  o.cross_stream_reuse = true;
-  fake_world world;
-  const fake_stream s0{world.add_stream()};
-  const fake_stream s1{world.add_stream()};
-  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, o, GiB);
-  a.stream_operations().world = &world;
+  cross_stream_setup f;
+  fake_world& world = f.world;
+  const fake_stream s0 = f.s0;
+  const fake_stream s1 = f.s1;
+  auto& a = f.a;
   void* x = a.allocate(4096, s0);
   world.enqueue(s0.id, 3);
   a.deallocate(x);  // s0 busy: fence at point 3
@@ -311,13 +324,11 @@ TEST_CASE("a free racing its busy stream's destruction records no event on the d
   // deallocate asks whether the stream is busy before it takes the lock. Destroyed in between, the stream must not
   // be recorded on (a destroyed CUDA stream's handle may already be another stream's): the block waits for the
   // stream's last work instead, and no other stream takes it before that work has completed.
-  gpukit::allocator_options o;
-  o.cross_stream_reuse = true;  // fences are recorded (this upstream does not synchronize on free)
-  fake_world world;
-  const fake_stream doomed{world.add_stream()};
-  const fake_stream other{world.add_stream()};
-  gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, o, GiB);
-  a.stream_operations().world = &world;
+  cross_stream_setup f;
+  fake_world& world = f.world;
+  const fake_stream doomed = f.s0;
+  const fake_stream other = f.s1;
+  auto& a = f.a;
   void* p = a.allocate(4096, doomed);
   world.enqueue(doomed.id, 2);
   // The first question (whether the owner was destroyed) is answered "alive"; the stream is destroyed right after

@@ -85,6 +85,10 @@ class graph {
   /// (cudaGraphExecUpdate: same topology, new parameters); returns false, changing nothing, where it cannot.
   /// `recaptured` is left empty on success.
   bool update(graph& recaptured) {
+    if (&recaptured == this) {
+      throw invalid_argument_error(
+          "gpukit::graph::update: a graph cannot be updated from itself (it would be emptied)");
+    }
     if (exec_ == nullptr || recaptured.graph_ == nullptr) {
       throw invalid_argument_error("gpukit::graph::update: an empty graph (moved from?)");
     }
@@ -179,14 +183,15 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
                             "cudaStreamBeginCapture", d.ordinal());
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
   struct capture_scope {
-    cudaStream_t stream;
+    cudaStream_t stream;  // 0 is a capturable stream too: the per-thread default stream in that mode
     graph_pool* pool;
     unsigned long long id;
+    bool active = true;
     cudaGraph_t end() noexcept {
       cudaGraph_t g = nullptr;
       const cudaError_t result = cudaStreamEndCapture(stream, &g);
       if (pool != nullptr) pool->end_capture(id);
-      stream = nullptr;
+      active = false;
       if (result != cudaSuccess) {
         last_error = result;
         (void)cudaGetLastError();
@@ -195,7 +200,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       return g;
     }
     ~capture_scope() {
-      if (stream == nullptr) return;
+      if (!active) return;
       if (cudaGraph_t g = end()) (void)cudaGraphDestroy(g);
     }
     cudaError_t last_error = cudaSuccess;

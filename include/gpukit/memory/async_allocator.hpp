@@ -209,6 +209,7 @@ class async_allocator final : public device_allocator {
       over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
     }
     if (over_limit) throw_out_of_memory(bytes, true);
+    const stream_view kept_stream = kept(stream);  // before the allocation: may look the stream's id up, and throw
     device_guard guard(device_);
     void* p = nullptr;
     cudaError_t result = cudaMallocAsync(&p, bytes, handle);
@@ -230,7 +231,7 @@ class async_allocator final : public device_allocator {
     }
     GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
     std::lock_guard<std::mutex> lock(mutex_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, stream, {}});
+    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, kept_stream, {}});
     add(allocations_, 1);
     add(allocated_bytes_, static_cast<std::int64_t>(bytes));
     ++device_allocs_;
@@ -253,12 +254,25 @@ class async_allocator final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p, "record_stream");
-    it->second.users.push_back(stream);
+    it->second.users.push_back(kept(stream));
   }
 
   bool do_owns(const void* p) const noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
     return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
+  }
+
+  /// `s` as kept for a later free, maybe from another thread: a per-thread default stream with the calling thread's
+  /// stream id (stream_view::resolved), so that another thread can tell it is not its own.
+  static stream_view kept(const stream_view& s) { return s.is_per_thread() ? s.resolved() : s; }
+
+  /// The handle that names `s` in calls from this thread. Another thread's per-thread default stream cannot be named
+  /// from this one (cudaStreamPerThread is the caller's own): the legacy default stream stands in for it, since its
+  /// work waits for all earlier work of the blocking streams, per-thread ones included (and later work of theirs
+  /// waits for it).
+  static cudaStream_t handle_here(const stream_view& s) {
+    if (s.is_per_thread() && s.id() != detail::default_stream_id(s.device().ordinal(), true)) return cudaStreamLegacy;
+    return s.cuda_handle();
   }
 
   struct allocation {
@@ -342,16 +356,17 @@ class async_allocator final : public device_allocator {
     };
     try {
       device_guard guard(device_);
-      const cudaStream_t free_stream = on.cuda_handle();
+      const cudaStream_t free_stream = handle_here(on);
       for (const stream_view& user : a.users) {
-        if (user.native_handle() == free_stream) continue;
-        const cudaError_t ordered = order_after(free_stream, user.cuda_handle());
+        const cudaStream_t user_stream = handle_here(user);
+        if (user_stream == free_stream) continue;
+        const cudaError_t ordered = order_after(free_stream, user_stream);
         if (ordered == cudaSuccess) continue;
         (void)cudaGetLastError();
         if (captured()) {
           GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         }
-        if (cudaStreamSynchronize(user.cuda_handle()) != cudaSuccess) {
+        if (cudaStreamSynchronize(user_stream) != cudaSuccess) {
           (void)cudaGetLastError();
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
                                     device_.ordinal());

@@ -180,21 +180,36 @@ class caching_device_allocator final : public device_allocator {
     if (device_allocator* pool = graph_pool_owning(p)) return pool->record_stream(p, stream);
     engine_.record_stream(p, stream);
   }
-  /// Memory a graph pool served for this allocator is this allocator's to free (do_deallocate routes it).
-  bool do_owns(const void* p) const noexcept override { return graph_pool_owning(p) != nullptr || engine_.owns(p); }
+  /// Memory a graph pool served for this allocator is this allocator's to free (do_deallocate routes it); a pool's
+  /// reserve is not, beyond the blocks the pool has handed out.
+  bool do_owns(const void* p) const noexcept override {
+    if (p != nullptr && detail::any_capture_pool()) {
+      try {
+        auto& registry = detail::capture_pools();
+        std::lock_guard<std::mutex> lock(registry.mutex);  // held while the pool is asked: it may end meanwhile
+        for (const detail::live_capture_pool& live : registry.live) {
+          if (live.in_reserve(*live.pool, p)) return live.pool->owns(p);
+        }
+      } catch (...) {
+        return false;  // the mutex failed
+      }
+    }
+    return engine_.owns(p);
+  }
   /// Blocks start at multiples of the rounding inside segments aligned to upstream_alignment.
   std::size_t do_natural_alignment() const noexcept override {
     return std::min(engine_.options().rounding, upstream_alignment);
   }
 
-  /// The graph pool that handed `p` out, when graph pools exist. Asked before the engine: a pool's first block
-  /// starts where its reserve, an allocation of the engine, does.
+  /// The graph pool whose reserve holds `p`, when graph pools exist. Asked before the engine: a pool's first block
+  /// starts where its reserve, an allocation of the engine, does, and a freed pool block (a double free) must reach
+  /// the pool, which refuses it, not free the whole reserve in the engine.
   static device_allocator* graph_pool_owning(const void* p) {
     if (p == nullptr || !detail::any_capture_pool()) return nullptr;
     auto& registry = detail::capture_pools();
     std::lock_guard<std::mutex> lock(registry.mutex);
-    for (device_allocator* pool : registry.live) {
-      if (pool->owns(p)) return pool;
+    for (const detail::live_capture_pool& live : registry.live) {
+      if (live.in_reserve(*live.pool, p)) return live.pool;
     }
     return nullptr;
   }

@@ -8,10 +8,13 @@
 /// later query. A graph_pool reserves memory before the capture (from a backing device_resource, the device's
 /// default one unless given) and hands it out during the capture with no CUDA call; while a capture with a pool
 /// runs (gpukit::capture, graph/graph.hpp), allocations that gpukit's caching allocators receive for the captured
-/// streams come from the pool, and frees of pool memory go back to it, from any allocator. A block freed during
-/// the capture is reused by later allocations of the same pool (the graphs order them). The reserve goes back to
+/// streams come from the pool, and frees of pool memory go back to it, from any allocator. A block freed during a
+/// capture is reused there only by allocations on the stream that freed it: a capture orders each stream's work, not
+/// the work of streams forked into it. Blocks another stream used (record_stream, a free on another stream) wait until
+/// the pool's captures have ended; blocks freed outside a capture serve any stream of later captures (the graphs, run
+/// in the order they were captured, order them). The reserve goes back to
 /// the backing allocator once the pool's graphs and every allocation from it are gone, after the work of the
-/// graphs' launches (device-side waits, never on the host). Several graphs may share a pool (launched in the order
+/// graphs' launches (the host waits for it then). Several graphs may share a pool (launched in the order
 /// they were captured, as with PyTorch's shared graph pools).
 ///
 ///     auto pool = gpukit::graph_pool::create(d, 64 << 20);   // reserve 64 MiB now, before capturing
@@ -41,6 +44,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -100,9 +104,20 @@ class graph_pool final : public device_allocator {
       register_live();
       std::lock_guard<std::mutex> lock(mutex_);
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(chunk), bytes});
-      insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1);
+      insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, any_stream);
       reserved_ += bytes;
     } catch (...) {
+      {
+        // Forget the chunk first: inside the reserve of a live pool, its free would be routed back to this pool.
+        std::lock_guard<std::mutex> lock(mutex_);
+        const auto address = reinterpret_cast<std::uintptr_t>(chunk);
+        if (!chunks_.empty() && chunks_.back().address == address) chunks_.pop_back();
+        const auto half_inserted = free_.find(address);
+        if (half_inserted != free_.end()) {
+          by_size_.erase({half_inserted->second.stream, half_inserted->second.size, address});
+          free_.erase(half_inserted);
+        }
+      }
       backing_->deallocate(chunk);
       throw;
     }
@@ -226,10 +241,10 @@ class graph_pool final : public device_allocator {
       registry.capturing.erase(id);
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    --captures_;
+    if (--captures_ == 0) free_for_any_stream();
   }
   /// A graph of the pool was launched on `s`: the reserve goes back only after that work (an event, re-recorded
-  /// per stream; the backing allocator's stream waits for it on the device).
+  /// per stream, which the pool's release waits for).
   void note_launch(const stream_view& s) {
     std::lock_guard<std::mutex> lock(mutex_);
     const unsigned long long id = s.id();
@@ -259,62 +274,73 @@ class graph_pool final : public device_allocator {
       throw invalid_argument_error("gpukit::graph_pool::allocate: " + std::to_string(bytes) + " bytes overflow");
     }
     const std::size_t size = round(bytes);
+    const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
     std::unique_lock<std::mutex> lock(mutex_);
-    const auto fit = by_size_.lower_bound({size, 0});
-    if (fit == by_size_.end()) {
+    // Best fit among the blocks this stream freed and those free for any stream.
+    const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
+    if (fit.size == no_fit) {
       lock.unlock();
       throw_out_of_memory(bytes, size);
     }
-    const auto [block_size, address] = *fit;
-    const std::size_t chunk = free_.at(address).chunk;
+    const auto [block_size, address] = fit;
+    const free_block taken = free_.at(address);
     erase_free(address);
-    if (block_size > size) insert_free(address + size, block_size - size, chunk);
-    live_.emplace(address, live_block{size, bytes, chunk});
+    if (block_size > size) insert_free(address + size, block_size - size, taken.chunk, taken.stream);
+    live_.emplace(address, live_block{size, bytes, taken.chunk, id, false});
     allocated_ += size;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
     ++allocations_;
     return reinterpret_cast<void*>(address);
   }
 
-  /// Returns `p` to the reserve at once (the graphs order its reuse). Throws invalid_argument_error for a pointer
-  /// the pool did not hand out; nullptr is ignored.
-  void do_deallocate(void* p) override {
-    if (p == nullptr) return;
-    bool last = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it == live_.end()) throw_not_owned(p);
-      const live_block b = it->second;
-      live_.erase(it);
-      allocated_ -= b.size;
-      insert_free_coalesced(reinterpret_cast<std::uintptr_t>(p), b.size, b.chunk);
-      last = orphaned_ && live_.empty();
-    }
-    if (last) delete this;  // the pool's graphs went first: its last allocation ends it
-  }
+  /// Returns `p` to the reserve at once, for the stream it was allocated on while a capture runs (see the file
+  /// comment). Throws invalid_argument_error for a pointer the pool did not hand out (a double free among them);
+  /// nullptr is ignored.
+  void do_deallocate(void* p) override { free_block_of(p, nullptr); }
+  /// The same, freed on `stream`: another stream than the allocation's makes the block wait for the captures' end.
   void do_deallocate(void* p, stream_view stream) override {
     check_stream(stream, "deallocate");
-    deallocate(p);
+    free_block_of(p, &stream);
   }
-  /// Nothing to do: pool memory is reused only by later work of the pool's graphs, which they order.
+  /// Another stream than the allocation's uses `p`: once freed, the block waits for the pool's captures to end.
   void do_record_stream(void* p, stream_view stream) override {
     check_stream(stream, "record_stream");
-    if (!owns(p)) throw_not_owned(p);
+    const std::uint64_t id = stream.id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == live_.end()) throw_not_owned(p);
+    if (id != it->second.stream) it->second.shared = true;
   }
   bool do_owns(const void* p) const noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
     return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
   }
 
+  /// Who may reuse a free block: allocations on one stream (its id), on any stream, or none until the pool's
+  /// captures have ended.
+  static constexpr std::uint64_t any_stream = std::numeric_limits<std::uint64_t>::max() - 1;
+  static constexpr std::uint64_t after_captures = std::numeric_limits<std::uint64_t>::max();
+  static constexpr std::size_t no_fit = std::numeric_limits<std::size_t>::max();
+
   struct free_block {
     std::size_t size;
     std::size_t chunk;
+    std::uint64_t stream;  // who may reuse it: a stream id, any_stream or after_captures
   };
   struct live_block {
     std::size_t size;
     std::size_t requested;
     std::size_t chunk;
+    std::uint64_t stream;  // the id of the stream it was allocated on
+    bool shared;           // another stream used it (record_stream) or freed it
+  };
+  /// A candidate block: its size (no_fit: none), then its address.
+  struct fit_result {
+    std::size_t size;
+    std::uintptr_t address;
+    bool operator<(const fit_result& other) const noexcept {
+      return size != other.size ? size < other.size : address < other.address;
+    }
   };
   struct chunk_info {
     std::uintptr_t address;
@@ -339,32 +365,89 @@ class graph_pool final : public device_allocator {
     detail::require_stream_of(s, device_, "gpukit::graph_pool", operation);
   }
 
-  void insert_free(std::uintptr_t address, std::size_t size, std::size_t chunk) {
-    free_.emplace(address, free_block{size, chunk});
-    by_size_.emplace(size, address);
+  /// The smallest free block of at least `size` bytes that `stream` (a stream id or any_stream) may reuse.
+  fit_result best_fit(std::uint64_t stream, std::size_t size) const {
+    const auto it = by_size_.lower_bound({stream, size, 0});
+    if (it == by_size_.end() || std::get<0>(*it) != stream) return {no_fit, 0};
+    return {std::get<1>(*it), std::get<2>(*it)};
+  }
+
+  void insert_free(std::uintptr_t address, std::size_t size, std::size_t chunk, std::uint64_t stream) {
+    free_.emplace(address, free_block{size, chunk, stream});
+    by_size_.emplace(stream, size, address);
   }
   void erase_free(std::uintptr_t address) {
     const auto it = free_.find(address);
-    by_size_.erase({it->second.size, address});
+    by_size_.erase({it->second.stream, it->second.size, address});
     free_.erase(it);
   }
-  /// Inserts a freed block, merged with free neighbours of the same chunk.
-  void insert_free_coalesced(std::uintptr_t address, std::size_t size, std::size_t chunk) {
+  /// Inserts a freed block, merged with free neighbours of the same chunk that the same streams may reuse.
+  void insert_free_coalesced(std::uintptr_t address, std::size_t size, std::size_t chunk, std::uint64_t stream) {
     const auto next = free_.find(address + size);
-    if (next != free_.end() && next->second.chunk == chunk) {
+    if (next != free_.end() && next->second.chunk == chunk && next->second.stream == stream) {
       size += next->second.size;
       erase_free(next->first);
     }
     const auto after = free_.lower_bound(address);
     if (after != free_.begin()) {
       const auto previous = std::prev(after);
-      if (previous->second.chunk == chunk && previous->first + previous->second.size == address) {
+      if (previous->second.chunk == chunk && previous->second.stream == stream &&
+          previous->first + previous->second.size == address) {
         address = previous->first;
         size += previous->second.size;
         erase_free(previous->first);
       }
     }
-    insert_free(address, size, chunk);
+    insert_free(address, size, chunk, stream);
+  }
+
+  /// Frees the live block at `p` (freed on `*stream`, or on its own stream when null); see do_deallocate.
+  void free_block_of(void* p, const stream_view* stream) {
+    if (p == nullptr) return;
+    const std::uint64_t freeing_stream = stream != nullptr ? stream->id() : after_captures;
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it == live_.end()) throw_not_owned(p);
+      const live_block b = it->second;
+      const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
+      live_.erase(it);
+      allocated_ -= b.size;
+      insert_free_coalesced(reinterpret_cast<std::uintptr_t>(p), b.size, b.chunk,
+                            captures_ == 0 ? any_stream
+                            : shared       ? after_captures
+                                           : b.stream);
+      last = orphaned_ && live_.empty();
+    }
+    if (last) delete this;  // the pool's graphs went first: its last allocation ends it
+  }
+
+  /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
+  void free_for_any_stream() noexcept {
+    try {
+      std::vector<std::pair<std::uintptr_t, free_block>> blocks(free_.begin(), free_.end());
+      free_.clear();
+      by_size_.clear();
+      for (const auto& [address, block] : blocks) insert_free_coalesced(address, block.size, block.chunk, any_stream);
+    } catch (...) {
+      // No memory to rebuild the index: the blocks not yet reinserted are lost to the pool until it ends.
+    }
+  }
+
+  /// Whether `p` lies inside the reserve of `pool` (a graph_pool), freed or not.
+  static bool holds_in_reserve(const device_allocator& pool, const void* p) noexcept {
+    const auto& self = static_cast<const graph_pool&>(pool);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    try {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      for (const chunk_info& c : self.chunks_) {
+        if (address >= c.address && address - c.address < c.size) return true;
+      }
+    } catch (...) {
+      // The mutex failed: not known to be the pool's.
+    }
+    return false;
   }
 
   /// Makes the pool known to the caching allocators (once; never with mutex_ held: the registry's lock comes first).
@@ -372,7 +455,7 @@ class graph_pool final : public device_allocator {
     auto& registry = detail::capture_pools();
     std::lock_guard<std::mutex> lock(registry.mutex);
     if (live_registered_) return;
-    registry.live.push_back(this);
+    registry.live.push_back(detail::live_capture_pool{this, &holds_in_reserve});
     registry.live_count.fetch_add(1, std::memory_order_relaxed);
     live_registered_ = true;
   }
@@ -389,27 +472,35 @@ class graph_pool final : public device_allocator {
     delete this;
   }
 
-  /// Returns the reserve to the backing allocator after the launches' work (the legacy default stream, on which
-  /// the reserve was allocated, waits for it on the device).
+  /// Returns the reserve to the backing allocator after the launches' work, which the host waits for (in relaxed
+  /// capture mode: another thread may be capturing).
   void release_reserve() noexcept {
     {
       auto& registry = detail::capture_pools();
       std::lock_guard<std::mutex> lock(registry.mutex);
       if (live_registered_) {
-        registry.live.erase(std::remove(registry.live.begin(), registry.live.end(), this), registry.live.end());
+        registry.live.erase(std::remove_if(registry.live.begin(), registry.live.end(),
+                                           [this](const detail::live_capture_pool& live) { return live.pool == this; }),
+                            registry.live.end());
         registry.live_count.fetch_sub(1, std::memory_order_relaxed);
       }
     }
-    try {
-      device_guard guard(device_);
-      for (auto& [id, e] : launches_) {
-        (void)id;
-        detail::report_cuda_failure(cudaStreamWaitEvent(cudaStreamLegacy, e, 0),
-                                    "cudaStreamWaitEvent (a graph pool's release)", device_.ordinal());
+    // The host waits: a wait on the legacy default stream (which the reserve came from) is refused, and would
+    // invalidate the capture, while another thread captures a blocking stream of the device.
+    for (auto& [id, e] : launches_) {
+      (void)id;
+      try {
+        device_guard guard(device_);
+        try {
+          detail::cuda_backend::synchronize_event(e, device_.ordinal(),
+                                                  "cudaEventSynchronize (a graph pool's release)");
+        } catch (const std::exception& ex) {
+          warn(std::string("gpukit::graph_pool: could not wait for its graphs' work before its release: ") + ex.what());
+        }
         detail::report_cuda_failure(cudaEventDestroy(e), "cudaEventDestroy", device_.ordinal());
+      } catch (const std::exception& ex) {
+        warn(std::string("gpukit::graph_pool: could not make its device current to release it: ") + ex.what());
       }
-    } catch (const std::exception& ex) {
-      warn(std::string("gpukit::graph_pool: could not order its release after its graphs' work: ") + ex.what());
     }
     for (const chunk_info& c : chunks_) {
       try {
@@ -461,7 +552,8 @@ class graph_pool final : public device_allocator {
   mutable std::mutex mutex_;
   std::vector<chunk_info> chunks_;
   std::map<std::uintptr_t, free_block> free_;
-  std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;  // best fit: smallest size, then lowest address
+  // Best fit per reuser (a stream id, any_stream, after_captures): smallest size, then lowest address.
+  std::set<std::tuple<std::uint64_t, std::size_t, std::uintptr_t>> by_size_;
   std::map<std::uintptr_t, live_block> live_;
   std::map<unsigned long long, cudaEvent_t> launches_;  // stream id -> the event after its latest launch
   std::size_t reserved_ = 0, allocated_ = 0, peak_allocated_ = 0;

@@ -544,7 +544,7 @@ class cuda_upstream {
     const auto start = reinterpret_cast<CUdeviceptr>(address);
     CUdeviceptr page = start;
     const char* failed_call = nullptr;
-    bool device_full = false;  // cuMemCreate found no memory: out of memory, not an error
+    bool device_full = false;  // cuMemCreate or cuMemMap found no memory: out of memory, not an error
     CUresult r = CUDA_SUCCESS;
     for (; page < start + bytes; page += granule) {
       CUmemGenericAllocationHandle handle{};
@@ -558,6 +558,7 @@ class cuda_upstream {
       (void)api.mem_release(handle);  // the mapping keeps the memory
       if (r != CUDA_SUCCESS) {
         failed_call = "cuMemMap";
+        device_full = r == CUDA_ERROR_OUT_OF_MEMORY;  // e.g. no memory left for the page tables
         break;
       }
       r = api.mem_set_access(page, granule, access.data(), access.size());

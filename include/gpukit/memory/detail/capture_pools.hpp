@@ -26,10 +26,17 @@ class device_allocator;
 
 namespace detail {
 
+/// A graph_pool that holds memory, with the question its reserve answers: whether an address lies inside it (a
+/// freed block's address included, so that a double free reaches the pool, not the allocator the reserve came from).
+struct live_capture_pool {
+  device_allocator* pool;
+  bool (*in_reserve)(const device_allocator& pool, const void* p) noexcept;
+};
+
 struct capture_pool_registry {
   std::mutex mutex;
   std::map<unsigned long long, device_allocator*> capturing;  // capture id -> the pool serving it
-  std::vector<device_allocator*> live;                        // every graph_pool that holds memory
+  std::vector<live_capture_pool> live;                        // every graph_pool that holds memory
   std::atomic<int> live_count{0};
 };
 
@@ -42,9 +49,16 @@ GPUKIT_EXPORT inline capture_pool_registry& capture_pools() {
 /// True while any graph pool exists (the caching allocators then look further).
 inline bool any_capture_pool() noexcept { return capture_pools().live_count.load(std::memory_order_relaxed) != 0; }
 
-/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream).
+/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream). Handle 0
+/// is the per-thread default stream in that mode, which can be captured (as in capture_status).
 inline unsigned long long capture_id(const stream_view& s) {
-  if (s.is_cpu() || s.native_handle() == nullptr || s.native_handle() == cudaStreamLegacy) return 0;
+  if (s.is_cpu()) return 0;
+  const cudaStream_t handle = s.native_handle();
+  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) return 0;
+  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
+  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
+    return 0;
+  }
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
   device_guard guard(s.device());

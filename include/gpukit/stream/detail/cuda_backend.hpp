@@ -49,6 +49,36 @@ struct cuda_stream_target {
   int ordinal = -1;
 };
 
+/// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
+/// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured, and around every
+/// query and host wait of an event (cudaEventQuery, cudaEventSynchronize): in global mode they are refused while any
+/// thread captures, and they invalidate that capture (PyTorch's NCCL watchdog and caching allocator met this with
+/// their event queries). Such an event was recorded outside the capture (one recorded inside it is refused either way,
+/// cudaErrorCapturedEvent), so asking about it cannot disturb the capture. Best effort: without a usable runtime
+/// nothing changes.
+class relaxed_capture_mode {
+ public:
+  /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
+  explicit relaxed_capture_mode(bool active = true) noexcept {
+    if (!active) return;
+    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
+      exchanged_ = true;
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
+  /// Restores the thread's previous mode.
+  ~relaxed_capture_mode() {
+    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+  }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool exchanged_ = false;
+};
+
 namespace cuda_backend {
 
 // --- streams ---
@@ -205,6 +235,7 @@ inline void record_event(cudaEvent_t e, int ordinal, cudaStream_t s) {
 
 /// cudaEventQuery's result, with cudaErrorNotReady forgotten (see forget_not_ready). Never throws.
 inline cudaError_t query_event(cudaEvent_t e) noexcept {
+  const relaxed_capture_mode relaxed;  // another thread may be capturing in global mode (see relaxed_capture_mode)
   const cudaError_t result = cudaEventQuery(e);
   if (result == cudaErrorNotReady) forget_not_ready();
   return result;
@@ -234,6 +265,7 @@ inline cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& re
 
 /// Blocks until the work event `e` captured has completed (cudaEventSynchronize).
 inline void synchronize_event(cudaEvent_t e, int ordinal, const char* call = "cudaEventSynchronize") {
+  const relaxed_capture_mode relaxed;  // as in query_event
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(e), call, ordinal);
 }
 
@@ -265,33 +297,5 @@ inline void synchronize_device(int ordinal, const char* call) {
 }
 
 }  // namespace cuda_backend
-
-/// Relaxes the calling thread's capture mode for a scope (cudaThreadExchangeStreamCaptureMode), around the
-/// cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost of memory for streams that are not captured: in global mode they
-/// are refused while any thread captures, and they invalidate that capture. Best effort: without a usable runtime
-/// nothing changes.
-class relaxed_capture_mode {
- public:
-  /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
-  explicit relaxed_capture_mode(bool active = true) noexcept {
-    if (!active) return;
-    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
-      exchanged_ = true;
-    } else {
-      (void)cudaGetLastError();
-    }
-  }
-  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
-  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
-  /// Restores the thread's previous mode.
-  ~relaxed_capture_mode() {
-    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
-  }
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool exchanged_ = false;
-};
-
 }  // namespace detail
 GPUKIT_END_NAMESPACE
