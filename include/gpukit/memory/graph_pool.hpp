@@ -112,11 +112,7 @@ class graph_pool final : public device_allocator {
         std::lock_guard<std::mutex> lock(mutex_);
         const auto address = reinterpret_cast<std::uintptr_t>(chunk);
         if (!chunks_.empty() && chunks_.back().address == address) chunks_.pop_back();
-        const auto half_inserted = free_.find(address);
-        if (half_inserted != free_.end()) {
-          by_size_.erase({half_inserted->second.stream, half_inserted->second.size, address});
-          free_.erase(half_inserted);
-        }
+        if (free_.count(address) != 0) erase_free(address);  // inserted before the index threw
       }
       backing_->deallocate(chunk);
       throw;
