@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -578,4 +579,185 @@ TEST_CASE("capture: a per-thread default stream is asked with its own device cur
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
   CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph output used by another stream is reused by the pool's graphs only after that work") {
+  // A consumer outside the capture reads a graph's output (record_stream), and the output is freed: the pool's next
+  // graph may write the block, so its launch waits for the consumer; the reserve goes back after it too.
+  gpukit_test::gate consumer_work;
+  gpukit::stream s(cuda0);
+  gpukit::stream consumer(cuda0);
+  gpukit::device_buffer<int> seen(256, s);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  std::unique_ptr<gpukit::device_buffer<int>> output;
+  gpukit::graph first = gpukit::capture(
+      s,
+      [&] {
+        output = std::make_unique<gpukit::device_buffer<int>>(256, s);
+        REQUIRE(cudaMemsetAsync(output->data(), 2, output->size_bytes(), s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  first.launch(s);
+  s.synchronize();
+  void* const block = output->data();
+  consumer_work.hold(consumer);  // the consumer's copy waits behind the gate
+  REQUIRE(cudaMemcpyAsync(seen.data(), output->data(), output->size_bytes(), cudaMemcpyDeviceToDevice,
+                          consumer.cuda_handle()) == cudaSuccess);
+  output->record_stream(consumer);
+  output.reset();  // freed outside a capture: an event after the consumer's copy
+  gpukit::graph second = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> reuse(256, s);
+        CHECK(static_cast<void*>(reuse.data()) == block);  // the pool's graphs run in order: any stream may reuse it
+        REQUIRE(cudaMemsetAsync(reuse.data(), 3, reuse.size_bytes(), s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  second.launch(s);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits + 1);  // the launch waits for the consumer on the device
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);
+  consumer_work.open();
+  s.synchronize();
+  std::vector<int> host(seen.size());
+  REQUIRE(cudaMemcpy(host.data(), seen.data(), seen.size_bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host == std::vector<int>(256, 0x02020202));  // the consumer read the first graph's output, not the second's
+
+  // The release waits on the host for the graphs' launches and the consumers' work.
+  gpukit_test::gate later_work;
+  later_work.hold(consumer);
+  gpukit::device_buffer<int>* last = nullptr;
+  gpukit::graph third = gpukit::capture(
+      s, [&] { last = new gpukit::device_buffer<int>(256, s); }, pool);
+  third.launch(s);
+  last->record_stream(consumer);
+  delete last;  // an event after the consumer's held work
+  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
+  std::atomic<bool> released{false};
+  std::thread releasing([&] {
+    first = gpukit::graph();
+    second = gpukit::graph();
+    third = gpukit::graph();
+    pool.reset();  // the last owner: the reserve goes back now
+    released = true;
+  });
+  // One host wait for the launches on `s`, then one for the consumer's work, which the gate holds.
+  while (!released && cudasim::calls("cudaEventSynchronize") < host_waits + 2) std::this_thread::yield();
+  CHECK_FALSE(released);
+  later_work.open();
+  releasing.join();
+  consumer.synchronize();
+}
+
+TEST_CASE("capture: another thread's per-thread default stream is refused, and nothing is captured") {
+  gpukit::stream_view elsewhere;
+  std::thread([&] { elsewhere = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  const auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  bool ran = false;
+  const std::string message = invalid_argument_message([&] {
+    (void)gpukit::capture(
+        elsewhere, [&] { ran = true; }, pool);
+  });
+  CHECK(message.find("per-thread default stream of another thread") != std::string::npos);
+  CHECK_FALSE(ran);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+  REQUIRE(cudaStreamIsCapturing(cudaStreamPerThread, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusNone);  // this thread's own was not captured in its place
+  // This thread's own per-thread stream is captured, and its allocations come from the pool.
+  void* p = nullptr;
+  gpukit::graph g = gpukit::capture(
+      gpukit::stream_view(cuda0, cudaStreamPerThread),
+      [&] {
+        p = gpukit::default_allocator(cuda0).allocate(4096, gpukit::stream_view(cuda0, cudaStreamPerThread));
+        CHECK(pool->owns(p));
+        gpukit::default_allocator(cuda0).deallocate(p);
+      },
+      pool);
+  g.launch(gpukit::stream_view(cuda0, cudaStreamPerThread));
+  REQUIRE(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+}
+
+TEST_CASE("capture: a graph pool orders a consumer that frees on its own stream, or is captured at the free") {
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream consumer(cuda0);
+  gpukit::device_buffer<int> seen(256, s);
+  constexpr std::size_t bytes = 256 * sizeof(int);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  // A graph whose output (allocated in the capture, not freed there) is filled with `byte`.
+  auto producer = [&](void*& out, int byte) {
+    return gpukit::capture(
+        s,
+        [&] {
+          out = allocator.allocate(bytes, s);
+          REQUIRE(cudaMemsetAsync(out, byte, bytes, s.cuda_handle()) == cudaSuccess);
+        },
+        pool);
+  };
+  auto seen_values = [&] {
+    std::vector<int> host(256);
+    REQUIRE(cudaMemcpy(host.data(), seen.data(), bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+    return host;
+  };
+  // The first graph's output, read by `consumer` behind a gate, then freed; the second graph reuses its block.
+  void* out = nullptr;
+  gpukit::graph first = producer(out, 2);
+  first.launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  held.hold(consumer);
+  REQUIRE(cudaMemcpyAsync(seen.data(), out, bytes, cudaMemcpyDeviceToDevice, consumer.cuda_handle()) == cudaSuccess);
+  SUBCASE("freed on the consumer's stream, without record_stream") {
+    allocator.deallocate(out, consumer);  // an event on `consumer`, after its copy
+  }
+  SUBCASE("recorded, and freed while the consumer is being captured") {
+    allocator.record_stream(out, consumer);
+    REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    allocator.deallocate(out);  // `consumer` cannot take an event now: recorded at the next launch
+    cudaGraph_t unused = nullptr;
+    REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  }
+  void* reused = nullptr;
+  gpukit::graph second = producer(reused, 3);
+  CHECK(reused == out);
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  second.launch(s);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits + 1);  // after the consumer's copy, on the device
+  held.open();
+  s.synchronize();
+  CHECK(seen_values() == std::vector<int>(256, 0x02020202));  // the first graph's data, not the second's
+  consumer.synchronize();
+  second.launch(s);  // the consumer's event has completed: dropped, not waited for again
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits + 1);
+  s.synchronize();
+  allocator.deallocate(reused, s);
+}
+
+TEST_CASE("capture: a graph pool block used by the legacy default stream is freed in a blocking capture intact") {
+  // Recording the legacy stream's work during a capture of a blocking stream would invalidate that capture: the
+  // event is recorded at the next launch instead.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  void* out = nullptr;
+  gpukit::graph first = gpukit::capture(
+      blocking, [&] { out = allocator.allocate(4096, blocking); }, pool);
+  first.launch(blocking);
+  blocking.synchronize();
+  allocator.record_stream(out, gpukit::stream_view::default_stream(cuda0));
+  gpukit::graph second = gpukit::capture(
+      blocking,
+      [&] {
+        allocator.deallocate(out);  // in a capture of a blocking stream: the legacy stream is not named now
+        void* again = allocator.allocate(4096, blocking);
+        allocator.deallocate(again, blocking);
+      },
+      pool);
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  second.launch(blocking);  // records the legacy stream's work now, and waits for it unless already done
+  CHECK(cudasim::calls("cudaStreamWaitEvent") <= waits + 1);
+  blocking.synchronize();
 }

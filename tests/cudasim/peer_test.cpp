@@ -466,3 +466,31 @@ TEST_CASE("peer: pool access granted outside gpukit is left as it is when the la
   pooled.deallocate(p);
   s.synchronize();
 }
+
+TEST_CASE(
+    "peer: a copy across devices on the current streams is refused while either is captured, and leaves it valid") {
+  cudasim::allow_contexts_only_on({0, 1});
+  std::vector<int> host(256);
+  std::iota(host.begin(), host.end(), 1);
+  gpukit::stream s0(cuda0);
+  gpukit::stream s1(cuda1);
+  gpukit::device_buffer<int> a(host.size(), s0);
+  gpukit::device_buffer<int> b(host.size(), s1);
+  gpukit::copy_async(a, host, s0);
+  s0.synchronize();
+  const gpukit::stream_guard current0(s0);
+  const gpukit::stream_guard current1(s1);
+  const std::size_t copies = cudasim::calls("cudaMemcpyAsync");
+  for (gpukit::stream* captured : {&s0, &s1}) {
+    const gpukit::device_guard on(captured->device());
+    REQUIRE(cudaStreamBeginCapture(captured->cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    const std::string text = exception_text([&] { gpukit::copy_async(b, a); });
+    CHECK(text.find("across devices") != std::string::npos);
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(captured->cuda_handle(), &graph) == cudaSuccess);  // not invalidated
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  CHECK(cudasim::calls("cudaMemcpyAsync") == copies);  // nothing was enqueued
+  gpukit::copy_async(b, a);                            // outside a capture: copied, ordered on both current streams
+  CHECK(gpukit::to_host(b, s1) == host);
+}

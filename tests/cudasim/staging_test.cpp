@@ -3,10 +3,12 @@
 // time on one thread. Staged copies must not mistake a new stream for a dead one, must not keep rings of dead
 // streams, and must not depend on host functions (which another stream's host function can hold back).
 #include <gpukit/gpukit.hpp>
+#include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -14,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <memory_resource>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -295,4 +299,38 @@ TEST_CASE("sim staging: a transfer queued behind a busy background thread is sta
     engine.to_host(back.data(), src, back.size(), s);
     CHECK(back == *t);
   }
+}
+
+TEST_CASE("sim staging: to_device of a temporary pinned vector waits for the copy before the storage goes back") {
+  // The DMA reads page-locked storage after to_device returns, and the temporary's block goes back to the pinned pool
+  // at the end of the caller's expression, where the next pinned allocation gets it: the copy must be done first.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pmr_resource pinned(d);
+  const auto values = pattern(4096, 5);
+  gpukit::stream s(d);
+  gpukit_test::gate g;
+  g.hold(s);  // the copy waits behind the gate
+  std::optional<gpukit::device_buffer<unsigned char>> copied;
+  std::atomic<bool> returned{false};
+  const std::size_t waits = cudasim::calls("cudaStreamSynchronize");
+  std::thread caller([&] {
+    copied.emplace(gpukit::to_device(std::pmr::vector<unsigned char>(values.begin(), values.end(), &pinned), s));
+    returned = true;
+  });
+  while (!returned && cudasim::calls("cudaStreamSynchronize") == waits) std::this_thread::yield();
+  CHECK_FALSE(returned);  // to_device waits for the copy (the gate holds it)
+  {
+    std::pmr::vector<unsigned char> next(values.size(), 0, &pinned);  // the temporary's block, were it freed already
+    g.open();
+    caller.join();
+  }
+  REQUIRE(copied.has_value());
+  CHECK(gpukit::to_host(*copied, s) == values);
+
+  // A lvalue stays the caller's to keep alive: no wait.
+  std::pmr::vector<unsigned char> kept(values.begin(), values.end(), &pinned);
+  const std::size_t before = cudasim::calls("cudaStreamSynchronize");
+  auto from_lvalue = gpukit::to_device(kept, s);
+  CHECK(cudasim::calls("cudaStreamSynchronize") == before);
+  CHECK(gpukit::to_host(from_lvalue, s) == values);
 }

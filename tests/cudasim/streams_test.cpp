@@ -481,6 +481,73 @@ TEST_CASE("streams: async_allocator frees per-thread stream memory from another 
   CHECK(a.memory_reserved() == 0);
 }
 
+TEST_CASE("streams: async_allocator frees a destroyed stream's memory after its work, not on its handle's new owner") {
+  // cudaStreamDestroy returns with the work pending, and the handle goes to the next stream created: a free on the
+  // kept handle would wait for the new stream's unrelated work, or, once that is idle, run before the old work.
+  gate old_work, new_work;
+  open_at_exit at_exit{&old_work, &new_work};
+  gpukit::async_allocator a(cuda0);
+  void* p = nullptr;
+  void* q = nullptr;
+  cudaStream_t old_handle = nullptr;
+  gpukit::stream s(cuda0);
+  {
+    gpukit::stream A(cuda0);
+    old_handle = A.cuda_handle();
+    old_work.hold(A);                // A's work, which could still read p and q
+    p = a.allocate(block_bytes, A);  // freed below on its allocation stream, which is gone by then
+    q = a.allocate(block_bytes, s);
+    a.record_stream(q, A);  // and used by it
+  }
+  const std::size_t held = a.memory_reserved();
+  gpukit::stream B(cuda0);
+  REQUIRE(B.cuda_handle() == old_handle);  // the handle is reused
+  new_work.hold(B);
+  a.deallocate(p);
+  a.deallocate(q);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.memory_reserved() == held);  // A's work is held: neither free has run
+  old_work.open();
+  // Both frees run after A's work without B's: waiting for them must not need B's gate opened.
+  CHECK_FALSE(new_work.opened_to_return([&] {
+    CHECK(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s.cuda_handle()) == cudaSuccess);
+    CHECK(a.memory_reserved() == 0);
+  }));
+  new_work.open();
+}
+
+TEST_CASE("streams: async_allocator waits on the host for a destroyed stream whose final event it cannot wait for") {
+  gate old_work;
+  open_at_exit at_exit{&old_work};
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  void* p = a.allocate(block_bytes, s);
+  {
+    gpukit::stream A(cuda0);
+    a.record_stream(p, A);
+    old_work.hold(A);
+  }
+  const std::size_t event_waits = cudasim::calls("cudaEventSynchronize");
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorUnknown);
+  std::atomic<bool> returned{false};
+  std::thread freeing([&] {
+    a.deallocate(p);
+    returned = true;
+  });
+  while (!returned && cudasim::calls("cudaEventSynchronize") == event_waits &&
+         cudasim::calls("cudaDeviceSynchronize") == device_waits) {
+    std::this_thread::yield();
+  }
+  CHECK(cudasim::calls("cudaEventSynchronize") == event_waits + 1);  // the free waits on the host for A's work
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);    // and only for A's
+  old_work.open();
+  freeing.join();
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);
+}
+
 TEST_CASE("streams: async_allocator frees even when the ordering after a recorded stream cannot be enqueued") {
   gpukit::async_allocator a(cuda0);
   gpukit::stream s(cuda0);

@@ -77,6 +77,7 @@ class graph {
                                    device_.to_string());
     }
     device_guard guard(device_);
+    if (pool_) pool_->order_launch(s);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
     if (pool_) pool_->note_launch(s);
   }
@@ -165,6 +166,11 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
   const gpukit::device d = s.device();
+  if (s.is_per_thread() && s.id() != detail::default_stream_id(d.ordinal(), true)) {
+    throw invalid_argument_error(
+        "gpukit::capture: the per-thread default stream of another thread (a view resolved there) cannot be captured "
+        "from this one: cudaStreamPerThread names the calling thread's own");
+  }
   if (pool && pool->device() != d) {
     throw invalid_argument_error("gpukit::capture: a graph pool of " + pool->device().to_string() +
                                  " for a stream of " + d.to_string());
@@ -206,7 +212,14 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
     cudaError_t last_error = cudaSuccess;
   } scope{handle, nullptr, 0};
   if (pool) {
-    scope.id = detail::capture_id(s);
+    // The id of the capture just begun on `handle` (never 0 for an active one): the pool serves that capture.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetCaptureInfo(handle, &status, &scope.id, nullptr, nullptr, nullptr, nullptr),
+                              "cudaStreamGetCaptureInfo", d.ordinal());
+    if (status != cudaStreamCaptureStatusActive || scope.id == 0) {
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaErrorStreamCaptureInvalidated, "cudaStreamGetCaptureInfo (the capture just begun)",
+                                d.ordinal());
+    }
     pool->begin_capture(scope.id);
     scope.pool = pool.get();
   }

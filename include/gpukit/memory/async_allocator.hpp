@@ -122,7 +122,7 @@ class async_allocator final : public device_allocator {
       seg.size = a.bytes;
       seg.mapped = a.bytes;
       seg.blocks.push_back(block_info{address, a.bytes, a.bytes, block_state::allocated,
-                                      reinterpret_cast<std::uintptr_t>(a.stream.native_handle()), 0});
+                                      reinterpret_cast<std::uintptr_t>(a.stream.view.native_handle()), 0});
       snap.segments.push_back(std::move(seg));
     }
     snap.pointer_map_entries = live_.size();
@@ -209,7 +209,7 @@ class async_allocator final : public device_allocator {
       over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
     }
     if (over_limit) throw_out_of_memory(bytes, true);
-    const stream_view kept_stream = kept(stream);  // before the allocation: may look the stream's id up, and throw
+    kept_stream allocating = kept_stream::of(stream);  // before the allocation: may look the stream's id up, and throw
     device_guard guard(device_);
     void* p = nullptr;
     cudaError_t result = cudaMallocAsync(&p, bytes, handle);
@@ -231,7 +231,7 @@ class async_allocator final : public device_allocator {
     }
     GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
     std::lock_guard<std::mutex> lock(mutex_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, kept_stream, {}});
+    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, std::move(allocating), {}});
     add(allocations_, 1);
     add(allocated_bytes_, static_cast<std::int64_t>(bytes));
     ++device_allocs_;
@@ -254,7 +254,7 @@ class async_allocator final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p, "record_stream");
-    it->second.users.push_back(kept(stream));
+    it->second.users.push_back(kept_stream::of(stream));
   }
 
   bool do_owns(const void* p) const noexcept override {
@@ -262,23 +262,12 @@ class async_allocator final : public device_allocator {
     return live_.count(reinterpret_cast<std::uintptr_t>(p)) != 0;
   }
 
-  /// `s` as kept for a later free, maybe from another thread: a per-thread default stream with the calling thread's
-  /// stream id (stream_view::resolved), so that another thread can tell it is not its own.
-  static stream_view kept(const stream_view& s) { return s.is_per_thread() ? s.resolved() : s; }
-
-  /// The handle that names `s` in calls from this thread. Another thread's per-thread default stream cannot be named
-  /// from this one (cudaStreamPerThread is the caller's own): the legacy default stream stands in for it, since its
-  /// work waits for all earlier work of the blocking streams, per-thread ones included (and later work of theirs
-  /// waits for it).
-  static cudaStream_t handle_here(const stream_view& s) {
-    if (s.is_per_thread() && s.id() != detail::default_stream_id(s.device().ordinal(), true)) return cudaStreamLegacy;
-    return s.cuda_handle();
-  }
+  using kept_stream = detail::kept_stream;
 
   struct allocation {
     std::size_t bytes;
-    stream_view stream;              // allocated on (and by default freed on) this stream
-    std::vector<stream_view> users;  // record_stream
+    kept_stream stream;              // allocated on (and by default freed on) this stream
+    std::vector<kept_stream> users;  // record_stream
   };
 
   static void add(stat& s, std::int64_t delta) noexcept {
@@ -331,8 +320,13 @@ class async_allocator final : public device_allocator {
       add(allocated_bytes_, -static_cast<std::int64_t>(a.bytes));
       ++device_frees_;
     }
-    if (stream != nullptr) a.users.push_back(a.stream);  // the allocation stream's work too, when freed elsewhere
-    free_on_streams(p, a, stream != nullptr ? *stream : a.stream);
+    // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
+    // stream now): then this thread's per-thread default stream frees it, after that work.
+    if (stream != nullptr || a.stream.destroyed()) a.users.push_back(a.stream);
+    const stream_view on = stream != nullptr      ? *stream
+                           : a.stream.destroyed() ? stream_view(device_, cudaStreamPerThread)
+                                                  : a.stream.view;
+    free_on_streams(p, a, on);
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
@@ -340,25 +334,30 @@ class async_allocator final : public device_allocator {
   /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering.
   void free_on_streams(void* p, const allocation& a, const stream_view& on) noexcept {
     bool capturing = false;  // host waits are illegal then: a failure leaks the memory instead (with a warning)
-    // Asked only once something failed, since only the failure paths differ: a free that succeeds makes no
-    // cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a failure invalidated still
-    // answers "captured" (cudaStreamCaptureStatusInvalidated).
+    // Asked only once something failed or a destroyed stream's work is waited for, since only those paths differ:
+    // an ordinary free makes no cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a
+    // failure invalidated still answers "captured" (cudaStreamCaptureStatusInvalidated).
     bool asked = false;
     auto captured = [&] {
       if (!asked) {
         asked = true;
         capturing = detail::capture_status(on) != cudaStreamCaptureStatusNone;
-        for (const stream_view& user : a.users) {
-          capturing = capturing || detail::capture_status(user) != cudaStreamCaptureStatusNone;
+        for (const kept_stream& user : a.users) {  // a destroyed stream's handle may name another stream now
+          if (!user.destroyed())
+            capturing = capturing || detail::capture_status(user.view) != cudaStreamCaptureStatusNone;
         }
       }
       return capturing;
     };
     try {
       device_guard guard(device_);
-      const cudaStream_t free_stream = handle_here(on);
-      for (const stream_view& user : a.users) {
-        const cudaStream_t user_stream = handle_here(user);
+      const cudaStream_t free_stream = kept_stream::of(on).handle_here();
+      for (const kept_stream& user : a.users) {
+        if (user.destroyed()) {
+          wait_for_destroyed(free_stream, *user.life, captured);
+          continue;
+        }
+        const cudaStream_t user_stream = user.handle_here();
         if (user_stream == free_stream) continue;
         const cudaError_t ordered = order_after(free_stream, user_stream);
         if (ordered == cudaSuccess) continue;
@@ -393,6 +392,24 @@ class async_allocator final : public device_allocator {
            " failed: " + e.what() + "; freeing it after the device's work instead");
     }
     free_after_device(p, a.bytes);
+  }
+
+  /// `free_stream` waits for the work a destroyed stream had enqueued before its destruction: on the device for its
+  /// final event; on the host where that wait cannot be enqueued, or during a capture (a captured stream cannot wait
+  /// for an event recorded outside the capture, and a host wait for one is legal in relaxed mode).
+  template <class Captured>
+  void wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured) const {
+    if (life.finished()) return;
+    const cudaEvent_t last = life.final_event();
+    if (last == nullptr && captured()) {  // only a device-wide wait would do, which would invalidate the capture
+      throw cuda_error("a destroyed stream that used the memory has no final event to wait for",
+                       cudaErrorStreamCaptureUnsupported, "cudaFreeAsync", device_.ordinal());
+    }
+    if (last != nullptr && !captured()) {
+      if (cudaStreamWaitEvent(free_stream, last, 0) == cudaSuccess) return;
+      (void)cudaGetLastError();
+    }
+    life.wait_finished();
   }
 
   /// `free_stream` waits on the device for the work `user` has enqueued so far (an event, destroyed at once: CUDA

@@ -12,9 +12,12 @@
 /// capture is reused there only by allocations on the stream that freed it: a capture orders each stream's work, not
 /// the work of streams forked into it. Blocks another stream used (record_stream, a free on another stream) wait until
 /// the pool's captures have ended; blocks freed outside a capture serve any stream of later captures (the graphs, run
-/// in the order they were captured, order them). The reserve goes back to
-/// the backing allocator once the pool's graphs and every allocation from it are gone, after the work of the
-/// graphs' launches (the host waits for it then). Several graphs may share a pool (launched in the order
+/// in the order they were captured, order them). Streams outside a capture that use a block (record_stream, or a free
+/// on such a stream: a consumer of a graph's output) are ordered at its free by an event, which later launches of
+/// the pool's graphs wait for on the device. The reserve goes back to the backing allocator once the pool's graphs and
+/// every allocation from it are gone, after the work of the graphs' launches and of those streams (the host waits for
+/// it then). Direct allocations from a pool (outside a capture) are not ordered after its graphs: allocate from it in
+/// captures. Several graphs may share a pool (launched in the order
 /// they were captured, as with PyTorch's shared graph pools).
 ///
 ///     auto pool = gpukit::graph_pool::create(d, 64 << 20);   // reserve 64 MiB now, before capturing
@@ -29,11 +32,14 @@
 #include <gpukit/memory/detail/capture_pools.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
+#include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -239,6 +245,25 @@ class graph_pool final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--captures_ == 0) free_for_any_stream();
   }
+  /// A graph of the pool is about to be launched on `s`: its work waits on the device for the work that streams
+  /// outside the captures did with pool blocks freed since (record_stream), as the graph may write them again. Not
+  /// for a launch into a capture (a captured stream cannot wait for an event recorded outside it).
+  void order_launch(const stream_view& s) {
+    if (!has_uses_.load(std::memory_order_acquire)) return;
+    if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    record_deferred_uses();
+    const std::uint64_t id = s.id();
+    for (auto it = uses_.begin(); it != uses_.end();) {
+      if (detail::cuda_backend::query_event(it->second.cuda_handle()) == cudaSuccess) {
+        it = uses_.erase(it);  // done: nothing to wait for, now or later
+        continue;
+      }
+      if (it->first != id) it->second.wait(s);  // its own work is ordered by the stream
+      ++it;
+    }
+    has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
+  }
   /// A graph of the pool was launched on `s`: the reserve goes back only after that work (an event, re-recorded
   /// per stream, which the pool's release waits for).
   void note_launch(const stream_view& s) {
@@ -282,7 +307,7 @@ class graph_pool final : public device_allocator {
     const free_block taken = free_.at(address);
     erase_free(address);
     if (block_size > size) insert_free(address + size, block_size - size, taken.chunk, taken.stream);
-    live_.emplace(address, live_block{size, bytes, taken.chunk, id, false});
+    live_.emplace(address, live_block{size, bytes, taken.chunk, id, false, {}});
     allocated_ += size;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
     ++allocations_;
@@ -298,14 +323,23 @@ class graph_pool final : public device_allocator {
     check_stream(stream, "deallocate");
     free_block_of(p, &stream);
   }
-  /// Another stream than the allocation's uses `p`: once freed, the block waits for the pool's captures to end.
+  /// `stream` uses `p`. In a capture, another stream than the allocation's: once freed, the block waits for the
+  /// pool's captures to end. Outside a capture: its free records an event on `stream` (or, should `stream` be
+  /// captured then, once it no longer is), which later launches of the pool's graphs and the release of the reserve
+  /// wait for.
   void do_record_stream(void* p, stream_view stream) override {
     check_stream(stream, "record_stream");
     const std::uint64_t id = stream.id();
+    const bool captured = detail::capture_status(stream) != cudaStreamCaptureStatusNone;
+    detail::kept_stream use = captured ? detail::kept_stream{} : detail::kept_stream::of(stream);
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p);
     if (id != it->second.stream) it->second.shared = true;
+    std::vector<detail::kept_stream>& uses = it->second.uses;
+    const bool listed =
+        std::any_of(uses.begin(), uses.end(), [id](const detail::kept_stream& u) { return u.view.id() == id; });
+    if (!captured && !listed) uses.push_back(std::move(use));
   }
   bool do_owns(const void* p) const noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -327,8 +361,9 @@ class graph_pool final : public device_allocator {
     std::size_t size;
     std::size_t requested;
     std::size_t chunk;
-    std::uint64_t stream;  // the id of the stream it was allocated on
-    bool shared;           // another stream used it (record_stream) or freed it
+    std::uint64_t stream;                   // the id of the stream it was allocated on
+    bool shared;                            // another stream used it (record_stream) or freed it
+    std::vector<detail::kept_stream> uses;  // streams outside a capture that used it (record_stream)
   };
   /// A candidate block: its size (no_fit: none), then its address.
   struct fit_result {
@@ -397,26 +432,104 @@ class graph_pool final : public device_allocator {
     insert_free(address, size, chunk, stream);
   }
 
-  /// Frees the live block at `p` (freed on `*stream`, or on its own stream when null); see do_deallocate.
+  /// Frees the live block at `p` (freed on `*stream`, or on its own stream when null); see do_deallocate. The uses
+  /// outside captures are recorded first, without the lock (CUDA calls), then the block is freed.
   void free_block_of(void* p, const stream_view* stream) {
     if (p == nullptr) return;
     const std::uint64_t freeing_stream = stream != nullptr ? stream->id() : after_captures;
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    std::vector<detail::kept_stream> uses;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = live_.find(address);
+      if (it == live_.end()) throw_not_owned(p);
+      uses = it->second.uses;
+    }
+    for (const detail::kept_stream& use : uses) record_use(use, true);
+    // The freeing stream's work outside a capture uses the block too (a consumer freeing what it read).
+    if (stream != nullptr && detail::capture_status(*stream) == cudaStreamCaptureStatusNone) {
+      record_use(detail::kept_stream::of(*stream), false);
+    }
     bool last = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it == live_.end()) throw_not_owned(p);
-      const live_block b = it->second;
+      const auto it = live_.find(address);
+      if (it == live_.end()) throw_not_owned(p);  // freed by another thread meanwhile: a double free
+      const live_block b = std::move(it->second);
       const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
       live_.erase(it);
       allocated_ -= b.size;
-      insert_free_coalesced(reinterpret_cast<std::uintptr_t>(p), b.size, b.chunk,
-                            captures_ == 0 ? any_stream
-                            : shared       ? after_captures
-                                           : b.stream);
+      insert_free_coalesced(address, b.size, b.chunk, captures_ == 0 ? any_stream : shared ? after_captures : b.stream);
       last = orphaned_ && live_.empty();
     }
     if (last) delete this;  // the pool's graphs went first: its last allocation ends it
+  }
+
+  /// Whether naming `use` now would touch the legacy default stream while a gpukit capture runs (CUDA refuses that,
+  /// and invalidates the capture, when the captured stream is a blocking one).
+  static bool legacy_during_capture(const detail::kept_stream& use) {
+    const cudaStream_t handle = use.handle_here();
+    const bool legacy = handle == cudaStreamLegacy || (handle == nullptr && !detail::per_thread_default_stream_mode());
+    return legacy && mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+  }
+  /// Whether `use` cannot take an event now: captured, or the legacy default stream during a gpukit capture.
+  static bool unrecordable_now(const detail::kept_stream& use) {
+    return legacy_during_capture(use) || detail::capture_status(use.view) != cudaStreamCaptureStatusNone;
+  }
+
+  /// At the free of a block `use` used outside a capture: an event after that stream's work so far, which the pool's
+  /// later launches and its release wait for (one per stream, re-recorded: a later record covers the earlier work).
+  /// A destroyed stream's last work is waited for on the host. A stream that cannot take the event now
+  /// (unrecordable_now): a use made before (`defer_if_captured`: one recorded with record_stream) is recorded once it
+  /// can be, at a later launch; the freeing stream's own work in a capture is the graph's. Where no event can be
+  /// recorded, the host waits for the stream. Called without mutex_.
+  void record_use(const detail::kept_stream& use, bool defer_if_captured) {
+    try {
+      if (use.destroyed()) {
+        use.life->wait_finished();
+        return;
+      }
+      if (unrecordable_now(use)) {
+        if (!defer_if_captured) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        deferred_uses_.push_back(use);
+        has_uses_.store(true, std::memory_order_release);
+        return;
+      }
+      event done(device_);
+      detail::record_from_any_thread(done, use.view);
+      std::lock_guard<std::mutex> lock(mutex_);
+      uses_.insert_or_assign(use.view.id(), std::move(done));
+      has_uses_.store(true, std::memory_order_release);
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::graph_pool: could not record the work of a stream that used a freed block (") +
+           e.what() + "); waiting for it on the host");
+      try {
+        // Neither a destroyed stream nor another thread's per-thread stream can be named from here.
+        if (!use.destroyed() && use.handle_here() == use.view.cuda_handle()) use.view.synchronize();
+      } catch (const std::exception& again) {
+        warn(std::string("gpukit::graph_pool: could not wait for it either (") + again.what() +
+             "); the block may be reused before that work is done");
+      }
+    }
+  }
+
+  /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
+  void record_deferred_uses() {
+    for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
+      const detail::kept_stream& use = *it;
+      if (use.destroyed()) {
+        use.life->wait_finished();
+      } else if (unrecordable_now(use)) {
+        ++it;  // still captured: its earlier work is recorded at a later launch
+        continue;
+      } else {
+        event done(device_);
+        detail::record_from_any_thread(done, use.view);
+        uses_.insert_or_assign(use.view.id(), std::move(done));
+      }
+      it = deferred_uses_.erase(it);
+    }
   }
 
   /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
@@ -498,6 +611,22 @@ class graph_pool final : public device_allocator {
         warn(std::string("gpukit::graph_pool: could not make its device current to release it: ") + ex.what());
       }
     }
+    try {
+      record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit::graph_pool: could not record the work of a stream that used its memory: ") + ex.what());
+    }
+    for (auto& [id, e] : uses_) {
+      (void)id;
+      try {
+        e.synchronize();
+      } catch (const std::exception& ex) {
+        warn(std::string("gpukit::graph_pool: could not wait for the work of a stream that used its memory before its "
+                         "release: ") +
+             ex.what());
+      }
+    }
+    uses_.clear();
     for (const chunk_info& c : chunks_) {
       try {
         backing_->deallocate(reinterpret_cast<void*>(c.address));
@@ -552,6 +681,9 @@ class graph_pool final : public device_allocator {
   std::set<std::tuple<std::uint64_t, std::size_t, std::uintptr_t>> by_size_;
   std::map<std::uintptr_t, live_block> live_;
   std::map<unsigned long long, cudaEvent_t> launches_;  // stream id -> the event after its latest launch
+  std::map<unsigned long long, event> uses_;  // stream id -> the event after its work at its latest free (record_use)
+  std::vector<detail::kept_stream> deferred_uses_;  // uses whose stream was captured at the free (record_use)
+  std::atomic<bool> has_uses_{false};               // uses_ or deferred_uses_ is not empty (read without the lock)
   std::size_t reserved_ = 0, allocated_ = 0, peak_allocated_ = 0;
   std::int64_t allocations_ = 0, ooms_ = 0;
   int captures_ = 0;

@@ -86,6 +86,30 @@ inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
 }
 
+/// A stream an engine keeps to order a later free, maybe from another thread and after the stream was destroyed: a
+/// gpukit::stream is kept with its record (whether it was destroyed, and the event of its last work), since its
+/// handle goes to the next stream created; a per-thread default stream with the calling thread's stream id
+/// (stream_view::resolved), so that another thread can tell it is not its own.
+struct kept_stream {
+  stream_view view;
+  std::shared_ptr<const stream_life> life;  // null for raw handles and default streams
+
+  /// Keeps `s` (may look its id up, and throw).
+  static kept_stream of(const stream_view& s) {
+    return kept_stream{s.is_per_thread() ? s.resolved() : s, s.lifetime()};
+  }
+  /// True once the gpukit::stream it was made from is destroyed: its handle may name another stream now.
+  bool destroyed() const noexcept { return life != nullptr && life->expired(); }
+  /// The handle that names the stream in calls from this thread. Another thread's per-thread default stream cannot
+  /// be named from this one (cudaStreamPerThread is the caller's own): the legacy default stream stands in for it,
+  /// since its work waits for all earlier work of the blocking streams, per-thread ones included (and later work of
+  /// theirs waits for it).
+  cudaStream_t handle_here() const {
+    if (view.is_per_thread() && view.id() != default_stream_id(view.device().ordinal(), true)) return cudaStreamLegacy;
+    return view.cuda_handle();
+  }
+};
+
 /// Records `e` (of the stream's device) on `s`, from any thread. Another thread's per-thread default stream cannot be
 /// named from this one (cudaStreamPerThread is the caller's own; a view resolved there carries that thread's id): the
 /// event is recorded on the device's legacy default stream instead, whose work waits for all earlier work of the

@@ -125,6 +125,10 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
     return final_ != nullptr && cuda_backend::query_event(final_) == cudaSuccess;
   }
 
+  /// After expired(): the event recorded at the destruction, for device-side waits (nullptr before, or when its
+  /// creation failed). It lives as long as this record.
+  cudaEvent_t final_event() const noexcept { return expired() ? final_ : nullptr; }
+
   /// After expired(): blocks until that work has completed (the whole device's, without a final event).
   void wait_finished() const {
     if (!expired() || ordinal_ < 0) return;

@@ -50,6 +50,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -178,6 +179,12 @@ inline constexpr std::string_view capture_advice_staging =
     "copy between pinned memory (pinned_buffer) and device memory, which is captured as one copy node (nothing was "
     "enqueued)";
 
+/// What to do instead of a cross-device copy on the current streams in a capture.
+inline constexpr std::string_view capture_advice_cross_device =
+    "it orders the two devices' current streams with events, which would tie a captured stream to work outside its "
+    "capture; pass the captured stream (copy_async(dst, src, s)) and order the other device's work with events "
+    "recorded in the capture (nothing was enqueued)";
+
 /// Picks the staging engine once the stream's device is known: a fixed one, or the default of the device's kind.
 /// copier() is the engine's direct copy step, which copies that need no staging use without creating an engine.
 template <class Engine>
@@ -273,6 +280,12 @@ void copy_async(Dst&& dst, Src&& src) {
       return;
     }
     const stream_view destination_stream = current_stream(to.device());
+    // The two events would make a captured stream wait for work outside its capture, or join the other stream into
+    // it: refused before anything is enqueued.
+    for (const stream_view& current : {s, destination_stream}) {
+      detail::refuse_capture(current, current.device(), "gpukit::copy_async (across devices, on the current streams)",
+                             detail::capture_advice_cross_device);
+    }
     event destination_ready(to.device());
     destination_ready.record(destination_stream);
     destination_ready.wait(s);

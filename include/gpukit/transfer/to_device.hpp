@@ -16,9 +16,11 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
+#include <gpukit/transfer/pointer_query.hpp>
 #include <gpukit/transfer/spans.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -50,10 +52,26 @@ device_buffer<std::remove_const_t<T>> to_device(gpukit::span<T> src, stream_view
   return to_device(host_span<T>(src), s);
 }
 
-/// to_device of a vector (a temporary is fine: it is read before the call returns).
+/// to_device of a vector. Pageable storage may be reused as soon as this returns; page-locked storage (a pinned
+/// allocator or pinned_pmr_resource) must stay valid until `s` has passed the copy, as for a pinned_span.
 template <class T, class A>
 device_buffer<T> to_device(const std::vector<T, A>& src, stream_view s) {
   return to_device(host_span<const T>(src), s);
+}
+
+/// to_device of a temporary vector. Page-locked storage is read by DMA after this returns, and is freed (a pinned
+/// pool may hand it out again at once) at the end of the caller's expression: for such storage the copy is waited
+/// for (stream_view::synchronize) before returning. Pageable storage is read before the call returns anyway.
+template <class T, class A>
+device_buffer<T> to_device(std::vector<T, A>&& src, stream_view s) {
+  device_buffer<T> buffer = to_device(host_span<const T>(src), s);
+  if constexpr (!std::is_same_v<A, std::allocator<T>>) {  // std::allocator's memory is pageable
+    if (!src.empty()) {
+      const detail::pointer_kind kind = detail::query_pointer(src.data()).kind;
+      if (kind == detail::pointer_kind::pinned || kind == detail::pointer_kind::managed) s.synchronize();
+    }
+  }
+  return buffer;
 }
 
 /// to_device of pinned memory: one DMA; `src` must stay valid until `s` has passed the copy.
