@@ -445,11 +445,8 @@ class graph_pool final : public device_allocator {
       if (it == live_.end()) throw_not_owned(p);
       uses = it->second.uses;
     }
-    for (const detail::kept_stream& use : uses) record_use(use, true);
-    // The freeing stream's work outside a capture uses the block too (a consumer freeing what it read).
-    if (stream != nullptr && detail::capture_status(*stream) == cudaStreamCaptureStatusNone) {
-      record_use(detail::kept_stream::of(*stream), false);
-    }
+    for (const detail::kept_stream& use : uses) record_use(use, use_kind::recorded);
+    if (stream != nullptr) record_freeing_stream(*stream);
     bool last = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -477,23 +474,35 @@ class graph_pool final : public device_allocator {
     return legacy_during_capture(use) || detail::capture_status(use.view) != cudaStreamCaptureStatusNone;
   }
 
+  /// How a stream used a block: named by record_stream, or the stream the block is freed on.
+  enum class use_kind { recorded, freeing };
+
+  /// The stream a block is freed on uses it too (a consumer freeing what it read). Never throws.
+  void record_freeing_stream(const stream_view& s) noexcept {
+    try {
+      record_use(detail::kept_stream::of(s), use_kind::freeing);
+    } catch (const std::exception& e) {
+      warn(std::string("gpukit::graph_pool: could not tell the stream a block is freed on (") + e.what() +
+           "); the block may be reused before that stream's work is done");
+    }
+  }
+
   /// At the free of a block `use` used outside a capture: an event after that stream's work so far, which the pool's
   /// later launches and its release wait for (one per stream, re-recorded: a later record covers the earlier work).
-  /// A destroyed stream's last work is waited for on the host. A stream that cannot take the event now
-  /// (unrecordable_now): a use made before (`defer_if_captured`: one recorded with record_stream) is recorded once it
-  /// can be, at a later launch; the freeing stream's own work in a capture is the graph's. Where no event can be
-  /// recorded, the host waits for the stream. Called without mutex_.
-  void record_use(const detail::kept_stream& use, bool defer_if_captured) {
+  /// A destroyed stream's last work is waited for on the host. A captured stream cannot take the event now: the
+  /// freeing stream's work in the capture is the graph's, and a recorded stream's earlier work is recorded once the
+  /// stream can take an event, at a later launch; so is the legacy default stream's while a gpukit capture runs.
+  /// Where no event can be recorded, the host waits for the stream. Called without mutex_; never throws.
+  void record_use(const detail::kept_stream& use, use_kind kind) noexcept {
     try {
       if (use.destroyed()) {
         use.life->wait_finished();
         return;
       }
-      if (unrecordable_now(use)) {
-        if (!defer_if_captured) return;
-        std::lock_guard<std::mutex> lock(mutex_);
-        deferred_uses_.push_back(use);
-        has_uses_.store(true, std::memory_order_release);
+      const bool legacy = legacy_during_capture(use);
+      if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
+        if (!legacy && kind == use_kind::freeing) return;
+        defer(use);
         return;
       }
       event done(device_);
@@ -510,23 +519,45 @@ class graph_pool final : public device_allocator {
       } catch (const std::exception& again) {
         warn(std::string("gpukit::graph_pool: could not wait for it either (") + again.what() +
              "); the block may be reused before that work is done");
+      } catch (...) {
       }
+    } catch (...) {
     }
   }
 
+  /// Keeps `use` for a later launch (one entry per stream: a later record covers the earlier work).
+  void defer(const detail::kept_stream& use) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::uint64_t id = use.view.id();
+    const bool listed = std::any_of(deferred_uses_.begin(), deferred_uses_.end(),
+                                    [id](const detail::kept_stream& u) { return u.view.id() == id; });
+    if (!listed) deferred_uses_.push_back(use);
+    has_uses_.store(true, std::memory_order_release);
+  }
+
   /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
-  void record_deferred_uses() {
+  /// A use that fails is reported and dropped, so that it does not fail every later launch.
+  void record_deferred_uses() noexcept {
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
-      if (use.destroyed()) {
-        use.life->wait_finished();
-      } else if (unrecordable_now(use)) {
-        ++it;  // still captured: its earlier work is recorded at a later launch
-        continue;
-      } else {
-        event done(device_);
-        detail::record_from_any_thread(done, use.view);
-        uses_.insert_or_assign(use.view.id(), std::move(done));
+      try {
+        if (use.destroyed()) {
+          use.life->wait_finished();
+        } else if (unrecordable_now(use)) {
+          ++it;  // still captured: its earlier work is recorded at a later launch
+          continue;
+        } else {
+          event done(device_);
+          detail::record_from_any_thread(done, use.view);
+          uses_.insert_or_assign(use.view.id(), std::move(done));
+        }
+      } catch (const std::exception& e) {
+        try {
+          warn(std::string("gpukit::graph_pool: could not record the work of a stream that used a freed block (") +
+               e.what() + "); the block may be reused before that work is done");
+        } catch (...) {  // no memory for the message
+        }
+      } catch (...) {
       }
       it = deferred_uses_.erase(it);
     }
@@ -611,11 +642,7 @@ class graph_pool final : public device_allocator {
         warn(std::string("gpukit::graph_pool: could not make its device current to release it: ") + ex.what());
       }
     }
-    try {
-      record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
-    } catch (const std::exception& ex) {
-      warn(std::string("gpukit::graph_pool: could not record the work of a stream that used its memory: ") + ex.what());
-    }
+    record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
     for (auto& [id, e] : uses_) {
       (void)id;
       try {
