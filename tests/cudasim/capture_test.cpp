@@ -380,6 +380,31 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: another thread pins, registers and frees host memory during a global capture") {
+  // cudaHostAlloc, cudaHostRegister and cudaFreeHost are prohibited in every thread while a global capture is
+  // underway unless the thread relaxes its mode; done anyway, they invalidate the capture.
+  gpukit::stream s(cuda0);
+  std::string failure;
+  {
+    capture c(s, cudaStreamCaptureModeGlobal);
+    std::thread([&] {
+      try {
+        std::vector<float> mine(4096);
+        gpukit::pinned_buffer<float> p(1000, cuda0);
+        gpukit::host_registration r(mine.data(), mine.size() * sizeof(float), cuda0);
+        CHECK(p.page_locked());
+        CHECK(r.registered());
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }).join();
+    CHECK(failure == "");
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: another thread allocates, frees and empties caches on its own stream during a global capture") {
   gpukit::stream s(cuda0);
   gpukit::caching_allocator allocator(cuda0);
@@ -760,4 +785,133 @@ TEST_CASE("capture: a graph pool block used by the legacy default stream is free
   second.launch(blocking);  // records the legacy stream's work now, and waits for it unless already done
   CHECK(cudasim::calls("cudaStreamWaitEvent") <= waits + 1);
   blocking.synchronize();
+}
+
+TEST_CASE("capture: a pooled pinned buffer destroyed while its recorded stream is captured waits for the capture") {
+  // A destructor cannot be refused: the block waits off the books until the stream can take an event, then for the
+  // work the stream had enqueued before its capture.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::stream s(cuda0);
+  gpukit_test::gate g;
+  gpukit_test::captured_warnings warnings;
+  auto buffer = std::make_unique<gpukit::pooled_pinned_buffer<int>>(1000, pool);
+  void* const address = buffer->data();
+  buffer->record_stream(s);
+  g.hold(s);  // work on s, enqueued before the capture, that still uses the buffer
+  const std::uint64_t events_before = pool.stats().events_recorded;
+  {
+    capture c(s);
+    buffer.reset();  // neither refused nor recorded into the capture
+    CHECK(pool.stats().pending_blocks == 1);
+    CHECK(pool.stats().allocated_bytes == 0);
+    CHECK(pool.stats().events_recorded == events_before);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(pool.stats().events_recorded == events_before + 1);  // the capture has ended: recorded now, on s
+  void* other = pool.allocate(1000 * sizeof(int));
+  CHECK(other != address);  // the held work still uses it
+  g.open();
+  s.synchronize();
+  pool.deallocate(other);
+  CHECK(pool.stats().pending_blocks == 0);
+  CHECK(pool.stats().free_blocks == 2);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a pinned block used by the legacy default stream is freed in a blocking capture intact") {
+  // Its event goes on the legacy stream, which must not be used while a blocking stream of the device is captured:
+  // the block waits until gpukit's captures have ended.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit_test::captured_warnings warnings;
+  void* legacy_block = pool.allocate(1 << 16);
+  void* mine_block = pool.allocate(1 << 16);
+  pool.record_stream(legacy_block, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  const std::uint64_t events_before = pool.stats().events_recorded;
+  bool other_thread_done = false;
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    pool.deallocate(legacy_block);
+    // Another thread's per-thread default stream is named through the legacy one as well.
+    std::thread([&] {
+      pool.record_stream(mine_block, gpukit::stream_view(cuda0, cudaStreamPerThread));
+      other_thread_done = true;
+    }).join();
+    pool.deallocate(mine_block);
+    CHECK(pool.stats().pending_blocks == 2);
+    CHECK(pool.stats().events_recorded == events_before);
+  });
+  CHECK(other_thread_done);
+  const auto after = pool.stats();
+  CHECK(after.pending_blocks + after.free_blocks == 2);
+  CHECK(after.events_recorded == events_before + 2);  // recorded after the capture, one per stream
+  g.launch(blocking);
+  blocking.synchronize();
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(pool.stats().pending_blocks == 0);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a pinned pool destroyed while a freed block waits for a capture leaks the block and says so") {
+  // No event can wait for the work the stream enqueued before its capture: releasing the block could unpin memory
+  // that work still reads.
+  gpukit::stream s(cuda0);
+  gpukit_test::captured_warnings warnings;
+  auto pool = std::make_unique<gpukit::pinned_pool>(gpukit::pinned_upstream(gpukit::device::kind::cuda));
+  void* const p = pool->allocate(1000);
+  pool->record_stream(p, s);
+  {
+    capture c(s);
+    pool->deallocate_after_captures(p);
+    const std::size_t frees = cudasim::calls("cudaFreeHost");
+    pool.reset();
+    CHECK(cudasim::calls("cudaFreeHost") == frees);
+    CHECK(warnings.contains("1 of them freed but waiting for a capture"));
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  s.synchronize();
+  CHECK(cudaFreeHost(p) == cudaSuccess);  // the test frees what the pool left
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a deferred pinned block whose event fails after the capture is lost and reported unlocked") {
+  // The report runs after the pool's lock is dropped: a warning handler that asks the pool must not deadlock.
+  gpukit::stream s(cuda0);
+  auto owned = std::make_unique<gpukit::pinned_pool>(gpukit::pinned_upstream(gpukit::device::kind::cuda));
+  gpukit::pinned_pool& pool = *owned;
+  void* const p = pool.allocate(1000);
+  pool.record_stream(p, s);
+  {
+    capture c(s);
+    pool.deallocate_after_captures(p);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  std::vector<std::string> messages;
+  std::size_t lost_seen_by_handler = 0;
+  const auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    messages.emplace_back(message);
+    lost_seen_by_handler = pool.stats().lost_blocks;  // the pool's lock is free
+  });
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorUnknown);
+  const auto stats = pool.stats();  // the block can take its event now: recording it fails
+  cudasim::clear_faults();
+  gpukit::set_warning_handler(previous);
+  CHECK(stats.lost_blocks == 1);
+  CHECK(stats.pending_blocks == 0);
+  CHECK(stats.pending_bytes == 0);
+  REQUIRE(messages.size() == 1);
+  CHECK(messages[0].find("1 block(s) freed while a stream could not take an event are lost") != std::string::npos);
+  CHECK(lost_seen_by_handler == 1);
+  s.synchronize();
+  {
+    const gpukit_test::captured_warnings quiet;  // the pool's leak report for the lost block
+    owned.reset();
+  }
+  CHECK(cudaFreeHost(p) == cudaSuccess);  // a lost block is never released: the test frees it
 }

@@ -207,6 +207,22 @@ TEST_CASE("contexts: the pinned pool's upstream on a fresh thread") {
   });
 }
 
+TEST_CASE("contexts: pinned memory made where a context exists is freed on a fresh thread in one that exists") {
+  // cudaFreeHost and cudaHostUnregister run in the current context: on a thread that never chose a device the
+  // runtime would create cuda:0's for them.
+  std::vector<float> mine(4096);
+  auto buffer = std::make_unique<gpukit::pinned_buffer<float>>(1000, gpukit::device::cuda(1));
+  auto registration =
+      std::make_unique<gpukit::host_registration>(mine.data(), mine.size() * sizeof(float), gpukit::device::cuda(1));
+  on_fresh_thread_while_cuda1_is_used([&](gpukit::device d, float*) {
+    buffer.reset();
+    registration.reset();
+    { gpukit::pooled_pinned_buffer<float> p(1000, d); }
+    CHECK(gpukit::default_pinned_pool(d).empty_cache() > 0);
+    CHECK(cudasim::calls("cudaFreeHost") >= 2);
+  });
+}
+
 TEST_CASE("contexts: portable pinned memory for another device is pinned in the context in use") {
   // Portable page-locked memory serves every device, so naming cuda:1 must not create cuda:1's context when the
   // program works on cuda:0.

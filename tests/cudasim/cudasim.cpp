@@ -2130,6 +2130,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t size) {
 CUDASIM_API cudaError_t CUDARTAPI cudaFreeHost(void* p) {
   CUDASIM_ENTER("cudaFreeHost");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  require_current_context(c);  // runs in the current context: a thread without one initialises device 0's
   if (p == nullptr) return cudaSuccess;
   const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == c.s.regions.end() || it->second.kind != region_kind::pinned) {
@@ -2172,6 +2173,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigne
 
 CUDASIM_API cudaError_t CUDARTAPI cudaHostUnregister(void* p) {
   CUDASIM_ENTER("cudaHostUnregister");
+  require_current_context(c);  // as cudaFreeHost
   const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == c.s.regions.end() || it->second.kind != region_kind::registered) {
     return c.result(cudaErrorHostMemoryNotRegistered);

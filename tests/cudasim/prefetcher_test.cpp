@@ -2,16 +2,20 @@
 // context on cuda:0, and it learns that a copy completed from the copy's event, never from a host function, so
 // another stream's host function that blocks the device's host-function thread does not stop it.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/graph/graph.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -137,4 +141,124 @@ TEST_CASE("sim prefetcher: next() while the consumer stream is captured is refus
   std::size_t rest = 0;
   while (auto batch = loader.next()) ++rest;  // after the capture, the loader goes on
   CHECK(rest == 9);
+}
+
+TEST_CASE("sim prefetcher: a release whose event cannot be recorded waits for the consumer's work on the host") {
+  // Without the event the copy stream would not wait for the consumer, and the next copy into the buffer could
+  // overwrite what the consumer's work still reads.
+  const auto d = gpukit::device::cuda(0);
+  gpukit_test::gate g;
+  gpukit::stream consumer(d);
+  gpukit::prefetcher<std::uint32_t> loader(
+      consumer, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 1); });
+  auto batch = loader.next();
+  REQUIRE(batch);
+  CHECK_FALSE(loader.next());  // the end: the producer thread makes no more CUDA calls
+  g.hold(consumer);            // the consumer's work on the batch waits for the gate
+  gpukit_test::captured_warnings warnings;
+  const std::size_t syncs = cudasim::calls("cudaStreamSynchronize");
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorUnknown);
+  std::atomic<bool> returned{false};
+  std::thread releasing([&] {
+    batch.reset();
+    returned = true;
+  });
+  // The release waits for the held work: it calls cudaStreamSynchronize, which does not return while the gate holds.
+  while (!returned && cudasim::calls("cudaStreamSynchronize") == syncs) std::this_thread::yield();
+  CHECK_FALSE(returned.load());
+  g.open();
+  releasing.join();
+  cudasim::clear_faults();
+  CHECK(warnings.contains("waiting for the consumer's work on the host"));
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim prefetcher: a per-thread default consumer stream is the constructing thread's, wherever batches go") {
+  // cudaStreamPerThread names the calling thread's own stream: a batch taken or released on another thread must still
+  // order the constructing thread's stream (through the legacy default stream), not the other thread's.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit_test::gate copies;   // holds the copy stream
+  gpukit_test::gate produce;  // holds the producer before batch 1
+  gpukit::prefetch_options options;
+  options.depth = 2;
+  options.producer_threads = 1;
+  gpukit::prefetcher<std::uint32_t> loader(
+      mine, 200,
+      [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+        if (i == 1) produce.wait();
+        return fill(i, out, 4);
+      },
+      options);
+  loader.next().reset();  // batch 0, released on this thread
+  copies.hold(loader.copy_stream());
+  produce.open();  // batch 1's copy is enqueued behind the gate
+
+  std::optional<gpukit::prefetcher<std::uint32_t>::batch> one;
+  bool other_stream_idle = false;
+  std::thread([&] {
+    one = loader.next();
+    // The wait for the copy went to the consumer's stream, not to this thread's own, which has no work.
+    other_stream_idle = gpukit::stream_view(d, cudaStreamPerThread).ready();
+  }).join();
+  REQUIRE(one);
+  CHECK(one->index() == 1);
+  CHECK(other_stream_idle);
+
+  // Work on the consumer stream after next() reads the batch only once its copy is done.
+  std::uint32_t seen = 0;
+  const std::uint32_t* first = one->data().data();
+  mine.enqueue_host([&seen, first] { seen = *first; });
+  std::thread([&] { one.reset(); }).join();  // released on another thread: the refill waits for the read above
+  copies.open();
+  mine.synchronize();
+  CHECK(seen == value(1, 0));
+  std::size_t rest = 0;
+  while (auto batch = loader.next()) ++rest;
+  CHECK(rest == 2);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim prefetcher: another thread takes and releases a batch of a per-thread consumer during a capture") {
+  // That thread can order the consumer only through the legacy default stream, which a capture of a blocking stream
+  // forbids: next() waits for the copy on the host, and the release's event is recorded by the producer once the
+  // capture has ended, before the buffer is refilled (not skipped, which would let the refill overwrite the batch).
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit::prefetch_options options;
+  options.depth = 2;
+  options.producer_threads = 1;
+  gpukit::prefetcher<std::uint32_t> loader(
+      mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); }, options);
+  gpukit_test::gate held;
+  held.hold(mine);  // the consumer's work waits: so does the refill of batch 0's buffer, once ordered after it
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream captured(d);
+  std::uint32_t first = 0;  // read on the host: the copy has completed when next() returns
+  std::size_t taken = gpukit::prefetcher<std::uint32_t>::batch::no_index;
+  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
+  gpukit::graph g = gpukit::capture(captured, [&] {
+    std::thread([&] {
+      auto batch = loader.next();
+      if (!batch) return;
+      taken = batch->index();
+      first = *batch->data().data();
+    }).join();  // the batch is released on that thread, during the capture
+  });
+  CHECK(taken == 0);
+  CHECK(first == value(0, 0));
+  CHECK(cudasim::calls("cudaEventSynchronize") > host_waits);  // the copy was waited for on the host
+  CHECK_FALSE(warnings.contains("refilled"));
+  auto one = loader.next();  // on the consumer's thread, after the capture
+  CHECK((one && one->index() == 1));
+  one.reset();
+  auto two = loader.next();  // in batch 0's buffer: its copy waits for the consumer's work, held by the gate
+  CHECK((two && two->index() == 2));
+  CHECK_FALSE(loader.copy_stream().ready());
+  held.open();
+  two.reset();
+  std::size_t rest = 0;
+  while (auto batch = loader.next()) ++rest;
+  CHECK(rest == 1);
+  CHECK(cudasim::violations().empty());
 }

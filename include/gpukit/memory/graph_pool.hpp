@@ -225,13 +225,15 @@ class graph_pool final : public device_allocator {
   /// The capture `id` allocates from this pool until end_capture(id).
   void begin_capture(unsigned long long id) {
     auto& registry = detail::capture_pools();
+    // First: while capturing, even an empty pool is asked (its allocations fail clearly). It may throw; a pool stays
+    // registered until it ends anyway, so nothing needs undoing, whereas a capture entry left behind would not be.
+    register_live();
     {
       std::lock_guard<std::mutex> lock(registry.mutex);
       if (!registry.capturing.emplace(id, this).second) {
         throw invalid_argument_error("gpukit::graph_pool: capture " + std::to_string(id) + " already has a pool");
       }
     }
-    register_live();  // while capturing, even an empty pool is asked (its allocations fail clearly)
     std::lock_guard<std::mutex> lock(mutex_);
     ++captures_;
   }
@@ -465,9 +467,7 @@ class graph_pool final : public device_allocator {
   /// Whether naming `use` now would touch the legacy default stream while a gpukit capture runs (CUDA refuses that,
   /// and invalidates the capture, when the captured stream is a blocking one).
   static bool legacy_during_capture(const detail::kept_stream& use) {
-    const cudaStream_t handle = use.handle_here();
-    const bool legacy = handle == cudaStreamLegacy || (handle == nullptr && !detail::per_thread_default_stream_mode());
-    return legacy && mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+    return detail::legacy_stream_refused_now(use.view);
   }
   /// Whether `use` cannot take an event now: captured, or the legacy default stream during a gpukit capture.
   static bool unrecordable_now(const detail::kept_stream& use) {

@@ -20,6 +20,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/span.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -84,12 +85,21 @@ inline void free_host_pages(void* p) noexcept {
   if (p != nullptr) ::operator delete(p, std::align_val_t(host_page_alignment));
 }
 
-/// cudaHostAlloc with a message naming the size and flags. Throws out_of_memory_error, no_device_error, ...
+/// cudaHostAlloc with a message naming the size and flags, in relaxed capture mode (another thread's global capture
+/// neither refuses it nor is invalidated by it). Throws out_of_memory_error, no_device_error, ...
 inline void* cuda_host_alloc(std::size_t bytes, pinned_flags flags, int ordinal) {
   void* p = nullptr;  // not written on failure
+  const relaxed_capture_mode relaxed;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaHostAlloc(&p, bytes, flags.cuda_flags()),
                             "cudaHostAlloc(" + std::to_string(bytes) + ", " + flags.to_string() + ")", ordinal);
   return p;
+}
+
+/// cudaFreeHost in a host_memory_release_scope (a context that exists, `ordinal`'s preferred; relaxed capture mode).
+/// Failures are reported through gpukit::warn, naming `what`.
+inline void cuda_free_host(void* p, int ordinal, const char* what) noexcept {
+  const host_memory_release_scope scope(ordinal);
+  report_cuda_failure(cudaFreeHost(p), what, ordinal);
 }
 
 }  // namespace detail
@@ -219,7 +229,7 @@ class pinned_buffer {
   void release_memory() noexcept {
     if (data_ == nullptr) return;
     if (page_locked_) {
-      detail::report_cuda_failure(cudaFreeHost(data_), "cudaFreeHost (in ~pinned_buffer)", device_.ordinal());
+      detail::cuda_free_host(data_, device_.ordinal(), "cudaFreeHost (in ~pinned_buffer)");
     } else {
       detail::free_host_pages(data_);
     }

@@ -49,6 +49,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -207,7 +208,6 @@ class pinned_upstream {
     if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
     detail::note_cuda_use();
     detail::context_scope scope(context_device_, flags_.portable);
-    detail::relaxed_capture_mode relaxed;  // not refused by, and not invalidating, another thread's capture
     return detail::cuda_host_alloc(bytes, flags_, scope.ordinal() >= 0 ? scope.ordinal() : -1);
   }
   /// Unpins and frees (cudaFreeHost; failures are reported through gpukit::warn).
@@ -215,8 +215,7 @@ class pinned_upstream {
     if (kind_ == device::kind::cpu) {
       detail::free_host_pages(p);
     } else {
-      detail::relaxed_capture_mode relaxed;  // as in allocate()
-      detail::report_cuda_failure(cudaFreeHost(p), "cudaFreeHost (pinned_pool)", -1);
+      detail::cuda_free_host(p, context_device_, "cudaFreeHost (pinned_pool)");
     }
   }
   /// True for CUDA (the memory is page-locked).
@@ -266,13 +265,16 @@ class basic_pinned_pool {
   basic_pinned_pool& operator=(const basic_pinned_pool&) = delete;
 
   /// Waits for the events of pending blocks, then releases every cached block. Blocks still allocated are leaked
-  /// (their owners may still use them) and reported through gpukit::warn; so are lost blocks (see deallocate).
+  /// (their owners may still use them) and reported through gpukit::warn; so are lost blocks (see deallocate) and
+  /// blocks freed during a capture that is still underway (deallocate_after_captures: no event can wait for them).
   ~basic_pinned_pool() {
+    if (!deferred_.empty()) (void)process_deferred_locked();  // no other thread may use a pool being destroyed
+    report_deferred_losses();
     std::size_t leaked = 0;
     std::size_t leaked_bytes = 0;
     for (auto& entry : blocks_) {
       block& b = entry.second;
-      if (b.state == block_state::active || b.state == block_state::lost) {
+      if (b.state == block_state::active || b.state == block_state::lost || b.state == block_state::deferred) {
         ++leaked;
         leaked_bytes += b.size;
         continue;
@@ -296,7 +298,10 @@ class basic_pinned_pool {
     }
     if (leaked != 0) {
       warn("gpukit::pinned_pool destroyed with " + std::to_string(leaked) + " block(s) (" +
-           detail::format_bytes(leaked_bytes) + ") still allocated; they are not freed");
+           detail::format_bytes(leaked_bytes) + ") still allocated" +
+           (deferred_.empty() ? std::string()
+                              : ", " + std::to_string(deferred_.size()) + " of them freed but waiting for a capture") +
+           "; they are not freed");
     }
   }
 
@@ -373,7 +378,16 @@ class basic_pinned_pool {
   /// not handed out by this pool, or freed twice, and, changing nothing, while a recorded stream is being captured
   /// into a CUDA graph. If recording an event fails, the block is taken out of use (it may still be read by the
   /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
-  void deallocate(void* p) { deallocate_recorded(p, nullptr); }
+  void deallocate(void* p) { deallocate_recorded(p, nullptr, false); }
+
+  /// deallocate(p) for destructors (pooled_pinned_buffer's): a block whose recorded stream is being captured is not
+  /// refused but waits until no recorded stream is, then for events recorded then, which complete after the work
+  /// those streams had enqueued before their captures. What a capture enqueues is its graph's: as with any memory, a
+  /// graph must not run after the memory it uses is freed. Throws invalid_argument_error for a pointer not handed out
+  /// by this pool, or freed twice, and what deallocate throws when recording an event fails. A recorded stream named
+  /// by a raw handle must outlive the capture (a gpukit::stream may be destroyed: its last work is waited for); a
+  /// pool destroyed while the block waits leaks it and says so.
+  void deallocate_after_captures(void* p) { deallocate_recorded(p, nullptr, true); }
 
   /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses. One capture query
   /// for `s` (record_stream and deallocate would each ask), and one lock.
@@ -381,7 +395,7 @@ class basic_pinned_pool {
     if (p == nullptr) return;
     refuse_if_captured(s, "deallocate");
     s = s.resolved();  // as record_stream binds it
-    deallocate_recorded(p, &s);
+    deallocate_recorded(p, &s, false);
   }
 
   /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
@@ -423,7 +437,7 @@ class basic_pinned_pool {
       copy.pending_bytes = pending_bytes_;
       copy.active_blocks = active_count_;
       copy.free_blocks = free_count_;
-      copy.pending_blocks = pending_.size();
+      copy.pending_blocks = pending_.size() + deferred_.size();
       copy.lost_blocks = lost_count_;
       released = !releases.blocks.empty();
     }
@@ -513,7 +527,9 @@ class basic_pinned_pool {
   Upstream& upstream() noexcept { return upstream_; }
 
  private:
-  enum class block_state : unsigned char { active, pending, free, lost };
+  // deferred: freed while a recorded stream could not take an event (deallocate_recorded); pending: waiting for the
+  // events recorded at the free.
+  enum class block_state : unsigned char { active, deferred, pending, free, lost };
   struct block {
     std::size_t size = 0;
     std::size_t requested = 0;
@@ -534,7 +550,10 @@ class basic_pinned_pool {
     explicit release_list(basic_pinned_pool& pool) noexcept : pool_(pool) {}
     release_list(const release_list&) = delete;
     release_list& operator=(const release_list&) = delete;
-    ~release_list() { pool_.release_all(blocks); }
+    ~release_list() {
+      pool_.release_all(blocks);
+      pool_.report_deferred_losses();
+    }
     block_list blocks;
 
    private:
@@ -556,32 +575,38 @@ class basic_pinned_pool {
     }
   }
 
-  /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null.
-  void deallocate_recorded(void* p, const stream_view* also) {
+  /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null. A recorded
+  /// stream that is being captured is refused, changing nothing, unless `defer_captured`. A block that a recorded
+  /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture: see
+  /// detail::legacy_stream_refused_now) is deferred: off the users' books, counted as pending, and given its events
+  /// once every recorded stream can take one (process_deferred_locked).
+  void deallocate_recorded(void* p, const stream_view* also, bool defer_captured) {
     if (p == nullptr) return;
     release_list releases(*this);  // declared first: releases after the lock is dropped
     std::lock_guard<std::mutex> lock(mutex_);
     block& b = active_block_locked(p, "deallocate");
-    // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
-    for (std::size_t i = 0; i < b.streams.size(); ++i) {
-      if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
-      if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
+    if (!defer_captured) {
+      // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
+      for (std::size_t i = 0; i < b.streams.size(); ++i) {
+        if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
+        if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
+      }
     }
     if (also != nullptr) record_stream_locked(b, *also);
     forget_destroyed_streams_locked(b);
-    if (b.streams.empty() && b.finals.empty()) {
+    if (!can_record_now(b, defer_captured)) {
+      if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(16, 2 * deferred_.size()));
+      b.state = block_state::deferred;
+      deferred_.push_back(p);  // capacity reserved above
+      pending_bytes_ += b.size;
+      on_deactivate_locked(b);
+    } else if (b.streams.empty() && b.finals.empty()) {
       make_free_locked(p, b);  // strong: the only step that can throw comes first
       on_deactivate_locked(b);
       on_reusable_locked(b);
     } else {
-      // Room first, so that nothing can fail once the events are recorded.
-      if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
-      b.markers.reserve(b.markers.size() + b.streams.size());
       try {
-        for (const auto& s : b.streams) {
-          b.markers.push_back(sync_.record(s));
-          ++stats_.events_recorded;
-        }
+        make_pending_locked(p, b);
       } catch (const error& e) {
         on_deactivate_locked(b);
         lose_locked(b);
@@ -592,14 +617,102 @@ class basic_pinned_pool {
         lose_locked(b);
         throw;
       }
-      b.streams.clear();
-      b.lives.clear();
-      b.state = block_state::pending;
-      pending_.push_back(p);  // capacity reserved above
       pending_bytes_ += b.size;
       on_deactivate_locked(b);
     }
     enforce_cap_locked(releases.blocks);
+  }
+
+  /// Whether each of `b`'s streams can take an event now: none is the legacy default stream (or stands in for it)
+  /// during a gpukit capture, and, when `ask_captures`, none is being captured (otherwise the caller refused those).
+  static bool can_record_now(const block& b, bool ask_captures) {
+    for (const auto& s : b.streams) {
+      if (detail::legacy_stream_refused_now(s)) return false;
+      if (ask_captures && detail::capture_status(s) != cudaStreamCaptureStatusNone) return false;
+    }
+    return true;
+  }
+
+  /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
+  /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams
+  /// and the error propagates.
+  void make_pending_locked(void* p, block& b) {
+    if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
+    b.markers.reserve(b.markers.size() + b.streams.size());
+    for (const auto& s : b.streams) {
+      b.markers.push_back(sync_.record(s));
+      ++stats_.events_recorded;
+    }
+    b.streams.clear();
+    b.lives.clear();
+    b.state = block_state::pending;
+    pending_.push_back(p);  // capacity reserved above
+  }
+
+  /// Deferred blocks whose streams can all take an event now get them and wait as pending blocks do; true if one
+  /// became free at once (the caller trims to the cap). Never throws, since the caller's call is about other blocks: a
+  /// block whose capture query or recording fails is lost (as in deallocate; it may still be read by the device) and
+  /// reported after the lock is dropped (report_deferred_losses); std::bad_alloc leaves the rest deferred, for the
+  /// next call.
+  bool process_deferred_locked() noexcept {
+    bool freed = false;
+    std::size_t kept = 0;
+    std::size_t i = 0;
+    for (; i < deferred_.size(); ++i) {
+      void* p = deferred_[i];
+      block& b = blocks_.at(p);
+      try {
+        forget_destroyed_streams_locked(b);
+        if (!can_record_now(b, true)) {
+          deferred_[kept++] = p;
+          continue;
+        }
+        if (b.streams.empty() && b.finals.empty()) {
+          make_free_locked(p, b);
+          on_reusable_locked(b);
+          pending_bytes_ -= b.size;
+          freed = true;
+        } else {
+          make_pending_locked(p, b);  // still counted in pending_bytes_
+        }
+      } catch (const std::bad_alloc&) {
+        break;
+      } catch (...) {
+        pending_bytes_ -= b.size;
+        lose_locked(b);
+        ++deferred_losses_;
+        deferred_loss_ = std::current_exception();
+      }
+    }
+    for (; i < deferred_.size(); ++i) deferred_[kept++] = deferred_[i];
+    deferred_.resize(kept);
+    return freed;
+  }
+
+  /// Reports, through gpukit::warn and without the lock (a handler may call the pool), the deferred blocks
+  /// process_deferred_locked lost since the last report.
+  void report_deferred_losses() noexcept {
+    std::size_t losses = 0;
+    std::exception_ptr last;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (deferred_losses_ == 0) return;
+      losses = std::exchange(deferred_losses_, 0);
+      last = std::exchange(deferred_loss_, nullptr);
+    }
+    try {
+      std::string reason = "an unknown exception";
+      try {
+        std::rethrow_exception(last);
+      } catch (const std::exception& e) {
+        reason = e.what();
+      } catch (...) {
+      }
+      warn("gpukit::pinned_pool: " + std::to_string(losses) +
+           " block(s) freed while a stream could not take an event are lost (the last because: " + reason + ")");
+    } catch (...) {
+      // Out of memory for the message: the blocks stay counted in stats().lost_blocks.
+    }
   }
 
   /// Adds `s` (bound) to the streams whose work block `b` waits for, once. Strong: unchanged if it throws.
@@ -689,10 +802,13 @@ class basic_pinned_pool {
   // blocks promoted before stay promoted (and trimmed), the failed block and those after it stay pending, in order
   // and once each, and the error propagates: the list is compacted on every path.
   void process_pending_locked(block_list& releases) {
-    if (pending_.empty()) return;
+    bool promoted = !deferred_.empty() && process_deferred_locked();
+    if (pending_.empty()) {
+      if (promoted) enforce_cap_locked(releases);
+      return;
+    }
     std::size_t kept = 0;
     std::size_t i = 0;
-    bool promoted = false;
     try {
       for (; i < pending_.size(); ++i) {
         void* p = pending_[i];
@@ -840,6 +956,9 @@ class basic_pinned_pool {
   std::unordered_map<void*, block> blocks_;                   // every reserved block
   std::unordered_map<std::size_t, std::vector<void*>> free_;  // free blocks by size class (LIFO: warm memory)
   std::vector<void*> pending_;                                // freed, waiting for events
+  std::vector<void*> deferred_;                               // freed, waiting until their streams can take events
+  std::size_t deferred_losses_ = 0;                           // deferred blocks lost, not yet reported
+  std::exception_ptr deferred_loss_;                          // why the last of them was lost
   std::size_t pending_bytes_ = 0;
   std::size_t free_count_ = 0;
   std::size_t active_count_ = 0;
@@ -977,7 +1096,7 @@ class pooled_pinned_buffer {
   void reset() noexcept {
     if (data_ != nullptr) {
       try {
-        pool_->deallocate(data_);
+        pool_->deallocate_after_captures(data_);  // a destructor: waits for a capture instead of failing
       } catch (const std::exception& e) {
         warn(std::string("gpukit::pooled_pinned_buffer: returning the block failed: ") + e.what());
       } catch (...) {

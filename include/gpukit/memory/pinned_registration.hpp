@@ -16,6 +16,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/span.hpp>
+#include <gpukit/stream/detail/cuda_backend.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -70,6 +71,7 @@ class host_registration {
     if (bytes == 0 || d.is_cpu()) return;
     detail::note_cuda_use();
     detail::context_scope scope(d.ordinal(), flags.portable);
+    const detail::relaxed_capture_mode relaxed;  // another thread's global capture neither refuses nor loses it
     GPUKIT_CUDA_TRY_DESCRIBED(
         cudaHostRegister(data, bytes, flags.cuda_flags()),
         "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " + std::to_string(flags.cuda_flags()) + ")",
@@ -134,6 +136,7 @@ class host_registration {
   void unregister() noexcept {
     if (!registered_) return;
     registered_ = false;
+    const detail::host_memory_release_scope scope(device_.ordinal());
     detail::report_cuda_failure(cudaHostUnregister(data_), "cudaHostUnregister (in ~host_registration)",
                                 device_.ordinal());
   }

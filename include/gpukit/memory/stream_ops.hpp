@@ -86,6 +86,25 @@ inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
 }
 
+/// True for another thread's per-thread default stream (a view resolved there), which calls from this thread cannot
+/// name: cudaStreamPerThread is the caller's own.
+inline bool is_other_threads_stream(const stream_view& s) {
+  return s.is_per_thread() && s.id() != default_stream_id(s.device().ordinal(), true);
+}
+
+/// True when an event recorded on `s`, or a wait enqueued there, from this thread would go to the legacy default
+/// stream (`s` is it, or another thread's per-thread default stream, for which it stands in: record_from_any_thread)
+/// while a gpukit capture is underway. Work on the legacy stream while a blocking stream of its device is captured
+/// invalidates that capture (cudaErrorStreamCaptureImplicit), so such a use waits, or is refused. Conservative: any
+/// gpukit capture counts, on any device and of any stream, blocking or not (one process-wide counter, read without a
+/// lock), and a capture that starts right after this answers false is not seen (as with any check before a call).
+inline bool legacy_stream_refused_now(const stream_view& s) {
+  if (s.is_cpu() || mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) == 0) return false;
+  const cudaStream_t handle = s.native_handle();
+  return handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode()) ||
+         is_other_threads_stream(s);
+}
+
 /// A stream an engine keeps to order a later free, maybe from another thread and after the stream was destroyed: a
 /// gpukit::stream is kept with its record (whether it was destroyed, and the event of its last work), since its
 /// handle goes to the next stream created; a per-thread default stream with the calling thread's stream id
@@ -105,7 +124,7 @@ struct kept_stream {
   /// since its work waits for all earlier work of the blocking streams, per-thread ones included (and later work of
   /// theirs waits for it).
   cudaStream_t handle_here() const {
-    if (view.is_per_thread() && view.id() != default_stream_id(view.device().ordinal(), true)) return cudaStreamLegacy;
+    if (is_other_threads_stream(view)) return cudaStreamLegacy;
     return view.cuda_handle();
   }
 };
@@ -115,11 +134,21 @@ struct kept_stream {
 /// event is recorded on the device's legacy default stream instead, whose work waits for all earlier work of the
 /// blocking streams, per-thread ones included.
 inline void record_from_any_thread(event& e, const stream_view& s) {
-  if (s.is_per_thread() && s.id() != default_stream_id(e.device().ordinal(), true)) {
+  if (is_other_threads_stream(s)) {
     e.record(stream_view(e.device(), cudaStreamLegacy));
     return;
   }
   e.record(s);
+}
+
+/// Makes `s` wait for `e` on the device, from any thread: another thread's per-thread default stream through the
+/// legacy default stream (as record_from_any_thread), whose work the later work of blocking streams waits for.
+inline void wait_from_any_thread(const event& e, const stream_view& s) {
+  if (is_other_threads_stream(s)) {
+    e.wait(stream_view(s.device(), cudaStreamLegacy));
+    return;
+  }
+  e.wait(s);
 }
 
 /// "stream 0x7f3a5c000b20 of cuda:0", for messages.

@@ -135,11 +135,12 @@ class prefetcher {
       dev.record_stream(consumer);  // freed only after the consumer's work on it
     }
     device_buffer<T> dev;
-    event copied;          // the copy of the current batch into dev (on the copy stream)
-    event consumed;        // the consumer released the previous batch in dev (on the consumer stream)
-    std::size_t expected;  // the batch this buffer holds next: its predecessor has been released
-    bool ready = false;    // holds batch `index`, not yet handed out
-    bool held = false;     // handed out, not yet released
+    event copied;                    // the copy of the current batch into dev (on the copy stream)
+    event consumed;                  // the consumer released the previous batch in dev (on the consumer stream)
+    bool consumed_deferred = false;  // released while the consumer's stream could not be named: the producer records
+    std::size_t expected;            // the batch this buffer holds next: its predecessor has been released
+    bool ready = false;              // holds batch `index`, not yet handed out
+    bool held = false;               // handed out, not yet released
     std::size_t count = 0;
     std::size_t index = 0;
   };
@@ -157,7 +158,7 @@ class prefetcher {
 
   struct state {
     state(stream_view consumer_stream, std::size_t capacity_, producer produce_, const prefetch_options& options)
-        : consumer(consumer_stream),
+        : consumer(consumer_stream.is_per_thread() ? consumer_stream.resolved() : consumer_stream),
           dev(consumer_stream.device()),
           copy_stream(dev),
           capacity(capacity_),
@@ -169,7 +170,7 @@ class prefetcher {
         slots.push_back(std::make_unique<slot>(dev, capacity, copy_stream.view(), consumer, i));
       }
     }
-    stream_view consumer;
+    stream_view consumer;  // a per-thread default stream: the constructing thread's (resolved), wherever it is used
     device dev;
     stream copy_stream;  // declared before the buffers: destroyed after them, so their blocks are freed on it
     std::size_t capacity;
@@ -228,23 +229,44 @@ class prefetcher {
     std::size_t index() const noexcept { return slot_ == nullptr ? no_index : slot_->index; }
 
     /// Gives the buffer back: the copy stream will wait for the consumer's work enqueued so far before refilling
-    /// it. Recording that event is a CUDA call; failures are reported through gpukit::warn.
+    /// it, from any thread (a per-thread default consumer stream is the constructing thread's). Recording that event
+    /// is a CUDA call; if it fails, the consumer's work is waited for on the host before the buffer is given back.
+    /// Failures are reported through gpukit::warn.
     void release() noexcept {
       if (slot_ == nullptr) return;
+      const stream_view& consumer = state_->consumer;
+      bool deferred = false;
       try {
-        // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
-        if (detail::capture_status(state_->consumer) != cudaStreamCaptureStatusNone) {
+        if (detail::capture_status(consumer) != cudaStreamCaptureStatusNone) {
+          // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
           warn(
               "gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
               "graph; its buffer may be refilled before the captured work runs");
+        } else if (detail::legacy_stream_refused_now(consumer)) {
+          // Recording on the legacy default stream now would break another thread's capture: the producer records
+          // before it refills this buffer, once no capture is underway (a later record orders at least as much).
+          deferred = true;
         } else {
-          slot_->consumed.record(state_->consumer);
+          detail::record_from_any_thread(slot_->consumed, consumer);
         }
       } catch (const std::exception& e) {
-        warn(std::string("gpukit::prefetcher: releasing a batch failed: ") + e.what());
+        // Without the event the copy stream would not wait, and the next copy could overwrite what the consumer reads.
+        warn(std::string("gpukit::prefetcher: releasing a batch failed (") + e.what() +
+             "); waiting for the consumer's work on the host");
+        try {
+          if (detail::is_other_threads_stream(consumer)) {
+            detail::cuda_backend::synchronize_device(consumer.device().ordinal(),
+                                                     "cudaDeviceSynchronize (releasing a batch)");
+          } else {
+            consumer.synchronize();
+          }
+        } catch (const std::exception& again) {
+          warn(std::string("gpukit::prefetcher: waiting for the consumer failed too: ") + again.what());
+        }
       }
       {
         std::lock_guard<std::mutex> lock(state_->mutex);
+        slot_->consumed_deferred = deferred;
         slot_->held = false;
         slot_->expected = slot_->index + state_->slots.size();
         --state_->held;
@@ -262,9 +284,10 @@ class prefetcher {
   };
 
   /// Starts producing at once: batches of up to `batch_capacity` elements for work on `consumer` (whose device
-  /// they are copied to). Allocates options.depth device buffers; pinned buffers come from
-  /// default_pinned_pool(consumer's device) as the producers need them. Throws invalid_argument_error for a depth
-  /// below 2, no producer thread, a zero capacity or an empty producer.
+  /// they are copied to). A per-thread default stream (cudaStreamPerThread) means the constructing thread's: batches
+  /// taken or released on other threads are ordered with it through the legacy default stream. Allocates options.depth
+  /// device buffers; pinned buffers come from default_pinned_pool(consumer's device) as the producers need them. Throws
+  /// invalid_argument_error for a depth below 2, no producer thread, a zero capacity or an empty producer.
   prefetcher(stream_view consumer, std::size_t batch_capacity, producer produce, prefetch_options options = {}) {
     if (options.depth < 2) throw invalid_argument_error("gpukit::prefetcher: depth must be at least 2");
     if (options.producer_threads == 0) {
@@ -309,7 +332,9 @@ class prefetcher {
   /// whose buffer the next batch needs, is still held, and if called from the producer callback (it would wait for
   /// the batch that very callback is producing): unless the producer catches it, that error ends the data and the
   /// consumer's next() rethrows it, like any producer exception. Throws invalid_argument_error, taking nothing,
-  /// while the consumer stream is being captured into a CUDA graph.
+  /// while the consumer stream is being captured into a CUDA graph. While a gpukit capture is underway, a consumer
+  /// this thread can order only through the legacy default stream (that stream, or the constructing thread's
+  /// per-thread one from another thread) would break the capture: the copy is then waited for on the host.
   std::optional<batch> next() {
     state& st = *state_;
     if (detail::capture_status(st.consumer) != cudaStreamCaptureStatusNone) {
@@ -350,7 +375,11 @@ class prefetcher {
     ++st.stats.batches_handed_out;
     lock.unlock();
     batch b(state_, &sl);
-    sl.copied.wait(st.consumer);  // device-side: the consumer's later work runs after the copy
+    if (detail::legacy_stream_refused_now(st.consumer)) {
+      sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
+    } else {
+      detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
+    }
     return std::optional<batch>(std::move(b));
   }
 
@@ -491,6 +520,7 @@ class prefetcher {
   static bool produce_and_copy(state& st, std::size_t index, staging_buffer& buffer) {
     slot& sl = *st.slots[index % st.slots.size()];
     bool copy_enqueued = false;
+    bool record_consumed = false;
     try {
       const std::size_t count = st.produce(index, buffer.host.span());
       if (count > st.capacity) {
@@ -512,11 +542,25 @@ class prefetcher {
           st.cv.wait(lock, can_copy);
           st.stats.producer_wait_for_release += clock::now() - start;
         }
+        if (sl.consumed_deferred) {
+          // The previous batch was released during a capture, when its event could not be recorded (batch::release):
+          // record it now, once no capture is underway; the consumer's work enqueued since is ordered too.
+          const auto start = clock::now();
+          auto backoff = std::chrono::microseconds(20);
+          while (!st.stopping && index < st.end && detail::legacy_stream_refused_now(st.consumer)) {
+            st.cv.wait_for(lock, backoff);
+            backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
+          }
+          st.stats.producer_wait_for_release += clock::now() - start;
+          sl.consumed_deferred = false;
+          record_consumed = true;
+        }
         if (st.stopping || st.end <= index) {  // stopped, or an earlier batch ended the data
           buffer.busy = false;
           return false;
         }
       }
+      if (record_consumed) detail::record_from_any_thread(sl.consumed, st.consumer);
       sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
       copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(buffer.host.data(), count),
                  st.copy_stream.view());

@@ -79,6 +79,26 @@ class relaxed_capture_mode {
   bool exchanged_ = false;
 };
 
+/// The scope of a call that frees or unregisters page-locked host memory (cudaFreeHost, cudaHostUnregister), made from
+/// destructors: it runs in relaxed capture mode (relaxed_capture_mode), and in a context that exists, `ordinal`'s
+/// preferred (context_scope for any context), since it runs in the current context and on a thread that has none the
+/// runtime would create cuda:0's. Never throws: when the device cannot be chosen (e.g. at exit) nothing changes.
+class host_memory_release_scope {
+ public:
+  explicit host_memory_release_scope(int ordinal) noexcept {
+    try {
+      context_.emplace(ordinal, true);
+    } catch (...) {
+      (void)cudaGetLastError();
+    }
+    relaxed_.emplace(true);  // after the context is chosen: no runtime call here may pick cuda:0's for this thread
+  }
+
+ private:
+  std::optional<context_scope> context_;  // declared first: restored after the capture mode
+  std::optional<relaxed_capture_mode> relaxed_;
+};
+
 namespace cuda_backend {
 
 // --- streams ---
