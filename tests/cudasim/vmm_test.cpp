@@ -263,3 +263,60 @@ TEST_CASE("vmm: a segment whose pages cannot be unmapped on empty_cache is kept 
   a.empty_cache();
   CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);
 }
+
+TEST_CASE("vmm: a page that cuMemUnmap refuses stays mapped: mapping it again keeps it, and the release unmaps it") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  void* p = a.allocate(4 * MiB, s);
+  void* q = a.allocate(4 * MiB, s);
+  a.deallocate(q);  // two pages, mapped and cached
+  const std::size_t maps = cudasim::calls("cuMemMap");
+  {
+    gpukit_test::captured_warnings warnings;
+    cudasim::fail_call("cuMemUnmap", 1, cudaErrorUnknown);  // the first page's unmap fails, the second's succeeds
+    CHECK(a.trim(4 * MiB) == 4 * MiB);                      // the allocator counts both unmapped
+    CHECK(warnings.contains("cuMemUnmap failed"));
+    CHECK(warnings.contains("cuda:0"));
+  }
+  CHECK(cudasim::device_memory_used(0) == used_before + 6 * MiB);  // the refused page is still there
+  // Mapping both pages again maps only the one that went; the kept page is not mapped twice, and both are usable.
+  void* again = a.allocate(4 * MiB, s);
+  CHECK(cudasim::calls("cuMemMap") == maps + 1);
+  CHECK(cudasim::accessible_from(0, again));
+  CHECK(cudasim::accessible_from(0, static_cast<char*>(again) + 2 * MiB));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(again, 1, 4 * MiB, s.cuda_handle()));
+  s.synchronize();
+  CHECK(cudasim::device_memory_used(0) == used_before + 8 * MiB);
+  a.deallocate(again);
+  a.deallocate(p);
+  CHECK(cudasim::take_violations().empty());
+  // Refused again, then released: the range's release unmaps the leftover page before freeing the range.
+  {
+    gpukit_test::captured_warnings warnings;
+    cudasim::fail_call("cuMemUnmap", 1, cudaErrorUnknown);
+    a.empty_cache();
+    CHECK(warnings.contains("cuMemUnmap failed"));
+  }
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::take_violations().empty());  // no range freed with a page mapped, no page mapped twice
+}
+
+TEST_CASE("vmm: a range whose leftover page still cannot be unmapped stays reserved, with a warning") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  a.deallocate(a.allocate(2 * MiB, s));
+  const std::size_t frees = cudasim::calls("cuMemAddressFree");
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cuMemUnmap", 1, cudaErrorUnknown);  // the release's unmap
+  cudasim::fail_call("cuMemUnmap", 2, cudaErrorUnknown);  // and its retry
+  a.empty_cache();
+  CHECK(warnings.contains("stays reserved"));
+  CHECK(cudasim::calls("cuMemAddressFree") == frees);              // never freed with a page mapped
+  CHECK(cudasim::device_memory_used(0) == used_before + 2 * MiB);  // leaked, and said so
+  CHECK(cudasim::take_violations().empty());
+}

@@ -533,20 +533,23 @@ class cuda_upstream {
     auto& registry = mode_independent::peer_access_holders_v2();
     std::vector<int> peers;
     std::uint64_t generation = 0;
+    const std::size_t granule = page_bytes();
+    const auto start = reinterpret_cast<CUdeviceptr>(address);
+    std::set<CUdeviceptr> still_mapped;  // pages an earlier unmap() could not unmap: mapped already, kept as they are
     {
       std::lock_guard<std::mutex> lock(registry.mutex);
       peers = registry.peers_of(device_.ordinal());
       generation = registry.generation;
+      still_mapped = recorded_pages(registry, start, start + bytes);
     }
     std::vector<CUmemAccessDesc> access{detail::device_access_desc(device_.ordinal(), true)};
     for (int peer : peers) access.push_back(detail::device_access_desc(peer, true));
-    const std::size_t granule = page_bytes();
-    const auto start = reinterpret_cast<CUdeviceptr>(address);
     CUdeviceptr page = start;
     const char* failed_call = nullptr;
     bool device_full = false;  // cuMemCreate or cuMemMap found no memory: out of memory, not an error
     CUresult r = CUDA_SUCCESS;
     for (; page < start + bytes; page += granule) {
+      if (still_mapped.count(page) != 0) continue;
       CUmemGenericAllocationHandle handle{};
       r = api.mem_create(&handle, granule, &prop, 0);
       if (r != CUDA_SUCCESS) {
@@ -575,8 +578,9 @@ class cuda_upstream {
   }
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
   /// page. Returns false, having unmapped nothing, when the wait failed (detail::device_idle_before_release): the
-  /// pages stay mapped. Failures are reported through gpukit::warn (a page that cuMemUnmap refused stays recorded
-  /// as mapped by the peer registry, but counts as unmapped to the caller).
+  /// pages stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
+  /// caller, but stays mapped and recorded here: a later map() of it keeps it instead of mapping it twice, and
+  /// unreserve() tries to unmap it again before freeing its range.
   bool unmap(void* address, std::size_t bytes) noexcept {
     if (!detail::device_idle_before_release(device_, "unmapping pages")) return false;
     try {
@@ -591,7 +595,8 @@ class cuda_upstream {
         if (r == CUDA_SUCCESS) {
           mapped.erase(static_cast<std::uintptr_t>(page));
         } else {
-          warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ")");
+          warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ") on " +
+               device_.to_string() + ": the page stays mapped, for the next map() of it or the range's release");
         }
       }
       return true;
@@ -600,11 +605,18 @@ class cuda_upstream {
       return false;
     }
   }
-  /// cuMemAddressFree; failures are reported through gpukit::warn.
+  /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
+  /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved).
   void unreserve(void* address, std::size_t bytes) noexcept {
     try {
       device_guard guard(device_);
-      const CUresult r = detail::driver().mem_address_free(reinterpret_cast<CUdeviceptr>(address), bytes);
+      const auto start = reinterpret_cast<CUdeviceptr>(address);
+      if (!unmap_leftover_pages(start, start + bytes)) {
+        warn("gpukit::cuda_upstream: an address range of " + std::to_string(bytes) + " bytes on " +
+             device_.to_string() + " stays reserved: a page of it could not be unmapped");
+        return;
+      }
+      const CUresult r = detail::driver().mem_address_free(start, bytes);
       if (r != CUDA_SUCCESS)
         warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
     } catch (const std::exception& e) {
@@ -613,6 +625,35 @@ class cuda_upstream {
   }
 
  private:
+  /// The pages of [start, end) recorded as mapped for this device (registry lock held).
+  std::set<CUdeviceptr> recorded_pages(const mode_independent::peer_access_registry& registry, CUdeviceptr start,
+                                       CUdeviceptr end) const {
+    std::set<CUdeviceptr> pages;
+    const auto found = registry.mapped_pages.find(device_.ordinal());
+    if (found == registry.mapped_pages.end()) return pages;
+    for (auto it = found->second.lower_bound(static_cast<std::uintptr_t>(start));
+         it != found->second.end() && it->first < static_cast<std::uintptr_t>(end); ++it) {
+      pages.insert(static_cast<CUdeviceptr>(it->first));
+    }
+    return pages;
+  }
+  /// Unmaps the pages of [start, end) still recorded as mapped (an earlier cuMemUnmap refused them; nothing can use
+  /// them since: the caller counted them unmapped). False when one still cannot be unmapped.
+  bool unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
+    auto& registry = mode_independent::peer_access_holders_v2();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    bool all = true;
+    for (CUdeviceptr page : recorded_pages(registry, start, end)) {
+      const CUresult r = detail::driver().mem_unmap(page, page_bytes());
+      if (r == CUDA_SUCCESS) {
+        registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
+      } else {
+        warn("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult " + std::to_string(r) + ")");
+        all = false;
+      }
+    }
+    return all;
+  }
   /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
   /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
   /// be made (no memory), the pages are unmapped again and the exception propagates.
