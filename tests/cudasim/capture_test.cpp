@@ -915,3 +915,54 @@ TEST_CASE("capture: a deferred pinned block whose event fails after the capture 
   }
   CHECK(cudaFreeHost(p) == cudaSuccess);  // a lost block is never released: the test frees it
 }
+
+TEST_CASE("capture: async_allocator frees through the legacy stream after a blocking capture, leaving it intact") {
+  // Memory of the legacy stream, or of another thread's per-thread default stream (the legacy stream stands in for
+  // it there), is freed there: CUDA refuses that while a blocking stream is captured, and invalidates the capture.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit_test::captured_warnings warnings;
+  void* legacy_memory = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  void* mine = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamPerThread));
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    a.deallocate(legacy_memory);
+    std::thread([&] { a.deallocate(mine); }).join();
+    CHECK(a.deferred_frees() == 2);
+    CHECK(a.memory_allocated() == 0);  // off the books at once
+    CHECK(cudasim::calls("cudaFreeAsync") == frees);
+  });
+  CHECK(a.deferred_frees() == 2);              // nothing called the allocator since
+  void* next = a.allocate(1 << 20, blocking);  // the captures are over: the waiting frees are made first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudasim::calls("cudaFreeAsync") == frees + 2);
+  a.deallocate(next);
+  g.launch(blocking);
+  blocking.synchronize();
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(a.trim(0) == 0);  // everything went back to the pool
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an async_allocator destroyed while a free waits for a capture leaves that memory and says so") {
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit_test::captured_warnings warnings;
+  auto a = std::make_unique<gpukit::async_allocator>(cuda0);
+  void* const p = a->allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    a->deallocate(p);
+    REQUIRE(a->deferred_frees() == 1);
+    const std::size_t frees = cudasim::calls("cudaFreeAsync");
+    a.reset();
+    CHECK(cudasim::calls("cudaFreeAsync") == frees);
+    CHECK(warnings.contains("1 free(s) waiting for a CUDA graph capture to end"));
+  });
+  CHECK(cudaFreeAsync(p, cudaStreamLegacy) == cudaSuccess);  // the test frees what the allocator left
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}

@@ -32,6 +32,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -68,12 +69,20 @@ class async_allocator final : public device_allocator {
   async_allocator& operator=(const async_allocator&) = delete;
 
   /// Live allocations are reported through gpukit::warn and freed after the device's work: the streams they were
-  /// allocated on or recorded with may be gone by now, so none of them is used.
+  /// allocated on or recorded with may be gone by now, so none of them is used. Frees still waiting for a gpukit
+  /// capture to end (deferred_frees()) are left undone, and reported: their memory stays in the pool.
   ~async_allocator() override {
+    free_deferred();
     std::map<std::uintptr_t, allocation> live;
+    std::size_t waiting = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       live.swap(live_);
+      waiting = deferred_.size();
+    }
+    if (waiting != 0) {
+      warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(waiting) +
+           " free(s) waiting for a CUDA graph capture to end; that memory stays in the pool, unfreed");
     }
     if (live.empty()) return;
     warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live.size()) +
@@ -137,6 +146,7 @@ class async_allocator final : public device_allocator {
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
   std::size_t trim(std::size_t target_reserved) override {
+    free_deferred();
     device_guard guard(device_);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trim)", device_.ordinal());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
@@ -194,6 +204,19 @@ class async_allocator final : public device_allocator {
   /// The memory pool (the device's default pool).
   cudaMemPool_t pool() const noexcept { return pool_; }
 
+  /// Frees made while a gpukit capture was underway that must wait until the captures end: those ordered through
+  /// the legacy default stream (memory of the legacy stream, or of another thread's per-thread default stream, for
+  /// which it stands in), which CUDA refuses, invalidating the capture, while a blocking stream is captured. Off the
+  /// allocation counts already; the next allocate, deallocate, trim or empty_cache after the captures frees them.
+  std::size_t deferred_frees() const noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return deferred_.size();
+    } catch (...) {
+      return 0;
+    }
+  }
+
  private:
   // device_allocator's allocate/deallocate/record_stream/owns land here.
   /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it). On
@@ -202,6 +225,7 @@ class async_allocator final : public device_allocator {
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
+    free_deferred();
     const cudaStream_t handle = stream.cuda_handle();
     bool over_limit = false;
     {
@@ -269,6 +293,12 @@ class async_allocator final : public device_allocator {
     kept_stream stream;              // allocated on (and by default freed on) this stream
     std::vector<kept_stream> users;  // record_stream
   };
+  /// A free that waits until the legacy default stream may be used (deferred_frees()).
+  struct deferred_free {
+    void* p;
+    allocation a;
+    stream_view on;  // freed on this stream, after a's users
+  };
 
   static void add(stat& s, std::int64_t delta) noexcept {
     s.current += delta;
@@ -326,7 +356,51 @@ class async_allocator final : public device_allocator {
     const stream_view on = stream != nullptr      ? *stream
                            : a.stream.destroyed() ? stream_view(device_, cudaStreamPerThread)
                                                   : a.stream.view;
+    if (needs_refused_legacy_stream(a, on)) {
+      try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(8, 2 * deferred_.size()));
+        deferred_.push_back(deferred_free{p, std::move(a), on});  // capacity reserved above: cannot throw
+        has_deferred_.store(true, std::memory_order_release);
+        return;
+      } catch (...) {  // no memory to defer it (nothing was moved): freed now, reported if refused
+      }
+    }
+    free_deferred();
     free_on_streams(p, a, on);
+  }
+
+  /// True when freeing `a` on `on` would use the legacy default stream while a gpukit capture is underway
+  /// (detail::legacy_stream_refused_now): on `on` itself or to order after a recorded stream. Such a free waits.
+  static bool needs_refused_legacy_stream(const allocation& a, const stream_view& on) noexcept {
+    try {
+      if (detail::legacy_stream_refused_now(on)) return true;
+      for (const kept_stream& user : a.users) {
+        if (!user.destroyed() && detail::legacy_stream_refused_now(user.view)) return true;
+      }
+      return false;
+    } catch (...) {  // a stream id could not be looked up: freed now, as before deferral existed
+      return false;
+    }
+  }
+
+  /// Makes the frees deallocate deferred whose streams can be used again (no gpukit capture underway); the others
+  /// keep waiting. Cheap when none waits (one atomic load), so every allocate and deallocate calls it.
+  void free_deferred() noexcept {
+    if (!has_deferred_.load(std::memory_order_acquire)) return;
+    std::vector<deferred_free> due, waiting;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      due.reserve(deferred_.size());  // both first, so that nothing is moved when they throw
+      waiting.reserve(deferred_.size());
+      for (deferred_free& d : deferred_) {
+        (needs_refused_legacy_stream(d.a, d.on) ? waiting : due).push_back(std::move(d));
+      }
+      deferred_.swap(waiting);
+      has_deferred_.store(!deferred_.empty(), std::memory_order_release);
+    } catch (...) {  // no memory to sort them: they wait for the next call
+    }
+    for (const deferred_free& d : due) free_on_streams(d.p, d.a, d.on);
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
@@ -489,6 +563,8 @@ class async_allocator final : public device_allocator {
   cudaMemPool_t pool_ = nullptr;
   mutable std::mutex mutex_;
   std::map<std::uintptr_t, allocation> live_;
+  std::vector<deferred_free> deferred_;    // guarded by mutex_
+  std::atomic<bool> has_deferred_{false};  // !deferred_.empty(), read without the lock
   stat allocations_, allocated_bytes_;
   std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;
   std::size_t limit_ = std::numeric_limits<std::size_t>::max();
