@@ -966,3 +966,54 @@ TEST_CASE("capture: an async_allocator destroyed while a free waits for a captur
   CHECK(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a deferred async_allocator free whose stream is destroyed meanwhile waits for that stream's work") {
+  // The free is made after the capture, on this thread's per-thread stream: the freeing stream's handle may be
+  // another stream's by then, and its record (not a view of it) says it is gone and which event ends its work.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit_test::gate g;
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  auto freeing = std::make_unique<gpukit::stream>(cuda0);
+  gpukit::graph graph = gpukit::capture(blocking, [&] {
+    a.deallocate(p, *freeing);  // after the legacy stream's work: waits for the capture to end
+    CHECK(a.deferred_frees() == 1);
+  });
+  g.hold(*freeing);  // work of the freeing stream that could still read p
+  freeing.reset();   // destroyed with that work pending
+  const std::size_t held = a.memory_reserved();
+  gpukit::stream next(cuda0);
+  void* q = a.allocate(1 << 10, next);  // makes the deferred free
+  CHECK(a.deferred_frees() == 0);
+  CHECK(a.memory_reserved() >= held);  // p is not back in the pool: the destroyed stream's work is held
+  g.open();
+  cudasim::drain_all();
+  a.deallocate(q);
+  cudasim::drain_all();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an async_allocator free on a captured stream is never deferred past the capture") {
+  // Made after the capture, it would run before the graph's work that reads the memory: it fails in the capture,
+  // loudly, as a free that cannot be captured does.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream_options blocking_options;
+  blocking_options.non_blocking = false;
+  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  CHECK_THROWS_AS(gpukit::capture(blocking,
+                                  [&] {
+                                    a.deallocate(p, blocking);  // after the legacy stream's work, which CUDA refuses
+                                    CHECK(a.deferred_frees() == 0);
+                                  }),
+                  gpukit::cuda_error);
+  CHECK(warnings.contains("during a CUDA graph capture failed"));
+  CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
+  CHECK(a.deferred_frees() == 0);
+}

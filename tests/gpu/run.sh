@@ -77,7 +77,7 @@ if [ "$runtime" = real ]; then
 fi
 
 run "Configure (Release, real CUDA runtime for the gpu label)" cmake -S "$root" -B "$build" -G Ninja \
-  -DCMAKE_BUILD_TYPE=Release -DGPUKIT_BUILD_BENCHMARKS=ON -DGPUKIT_TEST_PACKAGING=OFF \
+  -DCMAKE_BUILD_TYPE=Release -DGPUKIT_BUILD_BENCHMARKS=ON -DGPUKIT_TEST_PACKAGING=OFF -DGPUKIT_BUILD_GPU_TESTS=ON \
   -DGPUKIT_GPU_TEST_TIMEOUT="$step_timeout" "${prefix_path[@]}" || exit 1
 # Only what this script runs (the gpu_checks target: GPU tests, examples, the three benchmarks), not the CPU suite.
 # Ninja goes on past a failed target (-k 0): whatever did build still runs, and the report names what did not.

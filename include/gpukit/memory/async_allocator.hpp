@@ -297,7 +297,7 @@ class async_allocator final : public device_allocator {
   struct deferred_free {
     void* p;
     allocation a;
-    stream_view on;  // freed on this stream, after a's users
+    kept_stream on;  // freed on this stream, after a's users
   };
 
   static void add(stat& s, std::int64_t delta) noexcept {
@@ -356,36 +356,65 @@ class async_allocator final : public device_allocator {
     const stream_view on = stream != nullptr      ? *stream
                            : a.stream.destroyed() ? stream_view(device_, cudaStreamPerThread)
                                                   : a.stream.view;
-    if (needs_refused_legacy_stream(a, on)) {
+    if (must_wait_for_captures(a, on)) {
       try {
+        kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
+        a.users.reserve(a.users.size() + 1);        // room for `on` if it is destroyed by then (free_deferred)
         std::lock_guard<std::mutex> lock(mutex_);
         if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(8, 2 * deferred_.size()));
-        deferred_.push_back(deferred_free{p, std::move(a), on});  // capacity reserved above: cannot throw
+        deferred_.push_back(deferred_free{p, std::move(a), std::move(kept_on)});  // capacity reserved: cannot throw
         has_deferred_.store(true, std::memory_order_release);
         return;
-      } catch (...) {  // no memory to defer it (nothing was moved): freed now, reported if refused
+      } catch (...) {  // no memory to defer it, or `on` unknown (nothing was moved): freed now, reported if refused
       }
     }
     free_deferred();
     free_on_streams(p, a, on);
   }
 
-  /// True when freeing `a` on `on` would use the legacy default stream while a gpukit capture is underway
-  /// (detail::legacy_stream_refused_now): on `on` itself or to order after a recorded stream. Such a free waits.
-  static bool needs_refused_legacy_stream(const allocation& a, const stream_view& on) noexcept {
-    try {
-      if (detail::legacy_stream_refused_now(on)) return true;
+  /// What freeing `a` on `on` would meet now: the legacy default stream while a gpukit capture is underway
+  /// (detail::legacy_stream_refused_now), on `on` itself or to order after a recorded stream; and, only then (an
+  /// ordinary free asks CUDA nothing), a stream being captured. May throw (a stream's id or capture status unknown).
+  struct capture_state {
+    bool legacy_refused = false;
+    bool captured = false;
+  };
+  capture_state capture_state_of(const allocation& a, const stream_view& on) const {
+    capture_state state;
+    auto for_each_stream = [&](auto&& f) {
+      f(on);
       for (const kept_stream& user : a.users) {
-        if (!user.destroyed() && detail::legacy_stream_refused_now(user.view)) return true;
+        if (!user.destroyed()) f(user.view);
       }
-      return false;
-    } catch (...) {  // a stream id could not be looked up: freed now, as before deferral existed
+    };
+    for_each_stream([&](const stream_view& s) {
+      state.legacy_refused = state.legacy_refused || detail::legacy_stream_refused_now(s);
+    });
+    if (!state.legacy_refused) return state;
+    device_guard guard(device_);
+    for_each_stream([&](const stream_view& s) {
+      // The legacy stream, or another thread's per-thread one, is not gpukit's to capture (and cannot be asked).
+      if (!detail::legacy_stream_refused_now(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone)
+        state.captured = true;
+    });
+    return state;
+  }
+  /// A free that needs the legacy stream during a gpukit capture waits until the captures end, unless a stream it
+  /// involves is being captured: made after the capture, it would precede the graph's work instead of following it
+  /// in the graph, so it is made now and fails, saying so, as any free that cannot be captured does.
+  bool must_wait_for_captures(const allocation& a, const stream_view& on) const noexcept {
+    try {
+      const capture_state state = capture_state_of(a, on);
+      return state.legacy_refused && !state.captured;
+    } catch (...) {  // a stream could not be asked: freed now, as before deferral existed
       return false;
     }
   }
 
-  /// Makes the frees deallocate deferred whose streams can be used again (no gpukit capture underway); the others
-  /// keep waiting. Cheap when none waits (one atomic load), so every allocate and deallocate calls it.
+  /// Makes the frees deallocate deferred whose streams can be used again (no gpukit capture underway, none of them
+  /// captured); the others keep waiting. Cheap when none waits (one atomic load), so every allocate and deallocate
+  /// calls it. A free whose stream was destroyed meanwhile waits for that stream's last work and runs on this
+  /// thread's per-thread stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
     std::vector<deferred_free> due, waiting;
@@ -394,13 +423,27 @@ class async_allocator final : public device_allocator {
       due.reserve(deferred_.size());  // both first, so that nothing is moved when they throw
       waiting.reserve(deferred_.size());
       for (deferred_free& d : deferred_) {
-        (needs_refused_legacy_stream(d.a, d.on) ? waiting : due).push_back(std::move(d));
+        bool wait = false;
+        try {
+          const capture_state state = capture_state_of(d.a, free_stream_of(d));
+          wait = state.legacy_refused || state.captured;
+        } catch (...) {  // a stream could not be asked: made now, and reported if it fails
+        }
+        (wait ? waiting : due).push_back(std::move(d));
       }
       deferred_.swap(waiting);
       has_deferred_.store(!deferred_.empty(), std::memory_order_release);
     } catch (...) {  // no memory to sort them: they wait for the next call
     }
-    for (const deferred_free& d : due) free_on_streams(d.p, d.a, d.on);
+    for (deferred_free& d : due) {
+      const stream_view on = free_stream_of(d);
+      if (d.on.destroyed()) d.a.users.push_back(std::move(d.on));  // capacity reserved when deferred: cannot throw
+      free_on_streams(d.p, d.a, on);
+    }
+  }
+  /// The stream a deferred free is made on: its own, or this thread's per-thread stream once its own is destroyed.
+  stream_view free_stream_of(const deferred_free& d) const noexcept {
+    return d.on.destroyed() ? stream_view(device_, cudaStreamPerThread) : d.on.view;
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
