@@ -58,6 +58,14 @@ class capture {
   bool ended_ = false;
 };
 
+/// A stream of cuda:0 that synchronizes with the legacy default stream: while it is captured, CUDA refuses work on
+/// the legacy stream (and invalidates the capture).
+gpukit::stream blocking_stream() {
+  gpukit::stream_options options;
+  options.non_blocking = false;
+  return gpukit::stream(cuda0, options);
+}
+
 /// The message of the exception `f` throws, which must be an invalid_argument_error.
 template <class F>
 std::string invalid_argument_message(F&& f) {
@@ -763,9 +771,7 @@ TEST_CASE("capture: a graph pool block used by the legacy default stream is free
   // Recording the legacy stream's work during a capture of a blocking stream would invalidate that capture: the
   // event is recorded at the next launch instead.
   auto& allocator = gpukit::default_allocator(cuda0);
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
   void* out = nullptr;
   gpukit::graph first = gpukit::capture(
@@ -824,9 +830,7 @@ TEST_CASE("capture: a pinned block used by the legacy default stream is freed in
   // Its event goes on the legacy stream, which must not be used while a blocking stream of the device is captured:
   // the block waits until gpukit's captures have ended.
   gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   void* legacy_block = pool.allocate(1 << 16);
   void* mine_block = pool.allocate(1 << 16);
@@ -920,9 +924,7 @@ TEST_CASE("capture: async_allocator frees through the legacy stream after a bloc
   // Memory of the legacy stream, or of another thread's per-thread default stream (the legacy stream stands in for
   // it there), is freed there: CUDA refuses that while a blocking stream is captured, and invalidates the capture.
   gpukit::async_allocator a(cuda0);
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   void* legacy_memory = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
   void* mine = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamPerThread));
@@ -948,9 +950,7 @@ TEST_CASE("capture: async_allocator frees through the legacy stream after a bloc
 }
 
 TEST_CASE("capture: an async_allocator destroyed while a free waits for a capture leaves that memory and says so") {
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   auto a = std::make_unique<gpukit::async_allocator>(cuda0);
   void* const p = a->allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
@@ -971,9 +971,7 @@ TEST_CASE("capture: a deferred async_allocator free whose stream is destroyed me
   // The free is made after the capture, on this thread's per-thread stream: the freeing stream's handle may be
   // another stream's by then, and its record (not a view of it) says it is gone and which event ends its work.
   gpukit::async_allocator a(cuda0);
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   gpukit_test::gate g;
   gpukit_test::captured_warnings warnings;
   void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
@@ -1002,9 +1000,7 @@ TEST_CASE("capture: an async_allocator free on a captured stream is never deferr
   // Made after the capture, it would run before the graph's work that reads the memory: it fails in the capture,
   // loudly, as a free that cannot be captured does.
   gpukit::async_allocator a(cuda0);
-  gpukit::stream_options blocking_options;
-  blocking_options.non_blocking = false;
-  gpukit::stream blocking(cuda0, blocking_options);
+  gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
   CHECK_THROWS_AS(gpukit::capture(blocking,

@@ -353,9 +353,7 @@ class async_allocator final : public device_allocator {
     // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
     // stream now): then this thread's per-thread default stream frees it, after that work.
     if (stream != nullptr || a.stream.destroyed()) a.users.push_back(a.stream);
-    const stream_view on = stream != nullptr      ? *stream
-                           : a.stream.destroyed() ? stream_view(device_, cudaStreamPerThread)
-                                                  : a.stream.view;
+    const stream_view on = stream != nullptr ? *stream : usable_view_of(a.stream);
     if (must_wait_for_captures(a, on)) {
       try {
         kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
@@ -425,7 +423,7 @@ class async_allocator final : public device_allocator {
       for (deferred_free& d : deferred_) {
         bool wait = false;
         try {
-          const capture_state state = capture_state_of(d.a, free_stream_of(d));
+          const capture_state state = capture_state_of(d.a, usable_view_of(d.on));
           wait = state.legacy_refused || state.captured;
         } catch (...) {  // a stream could not be asked: made now, and reported if it fails
         }
@@ -436,14 +434,15 @@ class async_allocator final : public device_allocator {
     } catch (...) {  // no memory to sort them: they wait for the next call
     }
     for (deferred_free& d : due) {
-      const stream_view on = free_stream_of(d);
+      const stream_view on = usable_view_of(d.on);
       if (d.on.destroyed()) d.a.users.push_back(std::move(d.on));  // capacity reserved when deferred: cannot throw
       free_on_streams(d.p, d.a, on);
     }
   }
-  /// The stream a deferred free is made on: its own, or this thread's per-thread stream once its own is destroyed.
-  stream_view free_stream_of(const deferred_free& d) const noexcept {
-    return d.on.destroyed() ? stream_view(device_, cudaStreamPerThread) : d.on.view;
+  /// The stream a free is made on instead of `s`: `s` itself, or this thread's per-thread stream once `s` is
+  /// destroyed (its handle may name another stream now; the caller waits for its final event).
+  stream_view usable_view_of(const kept_stream& s) const noexcept {
+    return s.destroyed() ? stream_view(device_, cudaStreamPerThread) : s.view;
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
