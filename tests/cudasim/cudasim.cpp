@@ -297,12 +297,25 @@ cudaError_t due_fault(simulator& s, const std::string& function) {
   return due;
 }
 
-/// A driver function's injected failure: out of memory for cudaErrorMemoryAllocation, else an unknown error.
+/// A driver function's injected failure: out of memory for cudaErrorMemoryAllocation, the teardown results as the
+/// driver spells them (cudaErrorCudartUnloading is CUDA_ERROR_DEINITIALIZED's value, cudaErrorContextIsDestroyed
+/// CUDA_ERROR_CONTEXT_IS_DESTROYED's), else an unknown error. After cudasim::unload, every driver call fails too, as
+/// the driver does once it is deinitialised at process exit.
 CUresult due_driver_fault(simulator& s, const char* function) {
   ++s.call_counts[function];
-  const cudaError_t e = due_fault(s, function);
-  if (e == cudaSuccess) return CUDA_SUCCESS;
-  return e == cudaErrorMemoryAllocation ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
+  const cudaError_t e = s.unloaded != cudaSuccess ? s.unloaded : due_fault(s, function);
+  switch (e) {
+    case cudaSuccess:
+      return CUDA_SUCCESS;
+    case cudaErrorMemoryAllocation:
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    case cudaErrorCudartUnloading:
+      return CUDA_ERROR_DEINITIALIZED;
+    case cudaErrorContextIsDestroyed:
+      return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    default:
+      return CUDA_ERROR_UNKNOWN;
+  }
 }
 
 /// Runs the before_call action due at this call of `function`, if any, outside the lock (it may call CUDA).

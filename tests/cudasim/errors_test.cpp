@@ -27,6 +27,12 @@ const gpukit::device cuda0 = gpukit::device::cuda(0);
 /// The results that mean the CUDA runtime or driver is gone (process exit).
 constexpr std::array<cudaError_t, 2> teardown_results{cudaErrorCudartUnloading, cudaErrorContextIsDestroyed};
 
+gpukit::allocator_options expandable() {
+  gpukit::allocator_options o;
+  o.expandable_segments = true;
+  return o;
+}
+
 }  // namespace
 
 // Objects at namespace scope, destroyed after main returns. Built without any CUDA call (none may happen during static
@@ -34,6 +40,7 @@ constexpr std::array<cudaError_t, 2> teardown_results{cudaErrorCudartUnloading, 
 // order: the stream is destroyed last, after the buffers that use it.
 gpukit::stream g_stream = gpukit::stream::wrap(nullptr, gpukit::device::cuda(0), false);
 gpukit::caching_allocator g_allocator{gpukit::device::cuda(0)};
+gpukit::caching_allocator g_expandable_allocator{gpukit::device::cuda(0), expandable()};
 gpukit::event g_event{gpukit::device::cpu()};
 gpukit::device_buffer<float> g_buffer;
 gpukit::device_buffer<float> g_own_buffer;
@@ -62,6 +69,25 @@ TEST_CASE("errors: a destructor meeting an unloaded runtime or a destroyed conte
       allocator.deallocate(allocator.allocate(4096, gpukit::stream_view::default_stream(cuda0)));
       cudasim::fail_call("cudaFree", 1, result);
     }
+    CHECK(warnings.messages().empty());
+    for (const auto& m : warnings.messages()) MESSAGE(m);
+  }
+}
+
+TEST_CASE("errors: an allocator with expandable segments destroyed after the runtime unloaded warns nothing") {
+  for (const cudaError_t result : teardown_results) {
+    CAPTURE(cudaGetErrorName(result));
+    gpukit_test::captured_warnings warnings;
+    {
+      gpukit::caching_allocator allocator(cuda0, expandable());
+      gpukit::stream s(cuda0);
+      void* kept = allocator.allocate(std::size_t{6} << 20, s);  // mapped pages, cached after the free
+      allocator.deallocate(allocator.allocate(std::size_t{1} << 20, s));
+      allocator.deallocate(kept);
+      REQUIRE(allocator.memory_reserved() > 0);
+      cudasim::unload(result);  // every runtime and driver call now fails with `result`, as at process exit
+    }
+    cudasim::clear_faults();
     CHECK(warnings.messages().empty());
     for (const auto& m : warnings.messages()) MESSAGE(m);
   }
@@ -148,6 +174,7 @@ TEST_CASE("errors: at-exit child" * doctest::skip()) {
   g_own_buffer = gpukit::device_buffer<float>(1000, g_stream, g_allocator);
   g_default_stream_buffer = gpukit::device_buffer<float>(1000, gpukit::stream_view::default_stream(cuda0));
   g_allocator.deallocate(g_allocator.allocate(std::size_t{64} << 20, g_stream));  // a cached segment: cudaFree at exit
+  g_expandable_allocator.deallocate(g_expandable_allocator.allocate(std::size_t{8} << 20, g_stream));  // mapped pages
   g_event = gpukit::event(cuda0);
   g_event.record(g_stream);
   g_pinned = gpukit::pinned_buffer<float>(1000, cuda0);

@@ -107,6 +107,12 @@ inline CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept
   return access;
 }
 
+/// True for the results of a driver already torn down, as at process exit (CUDA_ERROR_DEINITIALIZED,
+/// CUDA_ERROR_CONTEXT_IS_DESTROYED): what it held went with it, so there is nothing left to release or report.
+constexpr bool is_teardown_result(CUresult result) noexcept {
+  return result == CUDA_ERROR_DEINITIALIZED || result == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+}
+
 /// The process-wide driver entry points, looked up on first use.
 GPUKIT_EXPORT inline const driver_api& driver() noexcept {
   static const driver_api api = load_driver_api();

@@ -398,23 +398,33 @@ class address_space_upstream {
 };
 
 namespace detail {
+/// How the wait before a release ended: the device is idle; the wait failed (reported); or the runtime is torn
+/// down (process exit: the device's memory went with it, nothing is reported).
+enum class release_wait { idle, failed, torn_down };
+
 /// Waits for all work of CUDA device `d` before memory goes back to where it came from, as cudaFree waits: kernels
-/// queued earlier may still use it. Returns false when the wait failed, having reported it through gpukit::warn
-/// (nothing during teardown) as "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a
-/// failed wait (a capture, a broken context) may not have waited at all.
-inline bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
+/// queued earlier may still use it. A failure is reported through gpukit::warn (nothing during teardown) as
+/// "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a failed wait (a capture, a
+/// broken context) may not have waited at all.
+inline release_wait wait_before_release(gpukit::device d, const char* what) noexcept {
   try {
     device_guard guard(d);
     const cudaError_t waited = cudaDeviceSynchronize();
-    if (waited == cudaSuccess) return true;
+    if (waited == cudaSuccess) return release_wait::idle;
+    if (is_teardown_result(waited)) return release_wait::torn_down;
     report_cuda_failure(waited, std::string("cudaDeviceSynchronize (before ") + what + ")", d.ordinal());
   } catch (const error& e) {
-    if (!is_teardown_result(e.cuda_result()))
-      warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
+    if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
+    warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
   } catch (const std::exception& e) {
     warn(std::string("gpukit: could not wait for the device before ") + what + ": " + e.what());
   }
-  return false;
+  return release_wait::failed;
+}
+
+/// wait_before_release, true when the device is idle (the memory may go back now).
+inline bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
+  return wait_before_release(d, what) == release_wait::idle;
 }
 }  // namespace detail
 
@@ -577,12 +587,20 @@ class cuda_upstream {
     throw_driver_failure(failed_call, r);
   }
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
-  /// page. Returns false, having unmapped nothing, when the wait failed (detail::device_idle_before_release): the
-  /// pages stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
+  /// page. Returns false, having unmapped nothing, when the wait failed (detail::wait_before_release): the pages
+  /// stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
   /// caller, but stays mapped and recorded here: a later map() of it keeps it instead of mapping it twice, and
-  /// unreserve() tries to unmap it again before freeing its range.
+  /// unreserve() tries to unmap it again before freeing its range. Once the runtime is torn down (process exit) the
+  /// pages went with it: true, with nothing reported.
   bool unmap(void* address, std::size_t bytes) noexcept {
-    if (!detail::device_idle_before_release(device_, "unmapping pages")) return false;
+    switch (detail::wait_before_release(device_, "unmapping pages")) {
+      case detail::release_wait::idle:
+        break;
+      case detail::release_wait::failed:
+        return false;
+      case detail::release_wait::torn_down:
+        return true;
+    }
     try {
       device_guard guard(device_);
       auto& registry = mode_independent::peer_access_holders_v2();
@@ -594,31 +612,43 @@ class cuda_upstream {
         const CUresult r = detail::driver().mem_unmap(page, granule);
         if (r == CUDA_SUCCESS) {
           mapped.erase(static_cast<std::uintptr_t>(page));
+        } else if (detail::is_teardown_result(r)) {
+          return true;  // the driver is gone, and the pages with it
         } else {
           warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ") on " +
                device_.to_string() + ": the page stays mapped, for the next map() of it or the range's release");
         }
       }
       return true;
-    } catch (const std::exception& e) {  // the guard or the driver's entry points: nothing was unmapped
+    } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone
+      if (detail::is_teardown_result(e.cuda_result())) return true;
+      warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+      return false;
+    } catch (const std::exception& e) {  // no memory for the registry or a message: nothing was unmapped
       warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
       return false;
     }
   }
   /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
-  /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved).
+  /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved),
+  /// except those of a runtime torn down at process exit, which freed the range itself.
   void unreserve(void* address, std::size_t bytes) noexcept {
     try {
       device_guard guard(device_);
       const auto start = reinterpret_cast<CUdeviceptr>(address);
-      if (!unmap_leftover_pages(start, start + bytes)) {
+      const CUresult leftover = unmap_leftover_pages(start, start + bytes);
+      if (detail::is_teardown_result(leftover)) return;
+      if (leftover != CUDA_SUCCESS) {
         warn("gpukit::cuda_upstream: an address range of " + std::to_string(bytes) + " bytes on " +
              device_.to_string() + " stays reserved: a page of it could not be unmapped");
         return;
       }
       const CUresult r = detail::driver().mem_address_free(start, bytes);
-      if (r != CUDA_SUCCESS)
+      if (r != CUDA_SUCCESS && !detail::is_teardown_result(r))
         warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
+    } catch (const error& e) {
+      if (!detail::is_teardown_result(e.cuda_result()))
+        warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
     } catch (const std::exception& e) {
       warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
     }
@@ -638,21 +668,24 @@ class cuda_upstream {
     return pages;
   }
   /// Unmaps the pages of [start, end) still recorded as mapped (an earlier cuMemUnmap refused them; nothing can use
-  /// them since: the caller counted them unmapped). False when one still cannot be unmapped.
-  bool unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
+  /// them since: the caller counted them unmapped). Returns CUDA_SUCCESS, or the failure of one that still cannot be
+  /// unmapped (reported, unless it says the driver is torn down: then the rest are not tried).
+  CUresult unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
     auto& registry = mode_independent::peer_access_holders_v2();
     std::lock_guard<std::mutex> lock(registry.mutex);
-    bool all = true;
+    CUresult failed = CUDA_SUCCESS;
     for (CUdeviceptr page : recorded_pages(registry, start, end)) {
       const CUresult r = detail::driver().mem_unmap(page, page_bytes());
       if (r == CUDA_SUCCESS) {
         registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
+      } else if (detail::is_teardown_result(r)) {
+        return r;
       } else {
         warn("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult " + std::to_string(r) + ")");
-        all = false;
+        failed = r;
       }
     }
-    return all;
+    return failed;
   }
   /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
   /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
