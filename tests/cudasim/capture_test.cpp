@@ -656,7 +656,8 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
   REQUIRE(cudaMemcpy(host.data(), seen.data(), seen.size_bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(host == std::vector<int>(256, 0x02020202));  // the consumer read the first graph's output, not the second's
 
-  // The release waits on the host for the graphs' launches and the consumers' work.
+  // The release orders the reserve's return after the graphs' launches and the consumers' work on the device: it
+  // returns while that work is held, and the backing allocator reuses the reserve only once it has run.
   gpukit_test::gate later_work;
   later_work.hold(consumer);
   gpukit::device_buffer<int>* last = nullptr;
@@ -666,20 +667,47 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
   last->record_stream(consumer);
   delete last;  // an event after the consumer's held work
   const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
-  std::atomic<bool> released{false};
-  std::thread releasing([&] {
+  const bool had_to_open = later_work.opened_to_return([&] {
     first = gpukit::graph();
     second = gpukit::graph();
     third = gpukit::graph();
     pool.reset();  // the last owner: the reserve goes back now
-    released = true;
   });
-  // One host wait for the launches on `s`, then one for the consumer's work, which the gate holds.
-  while (!released && cudasim::calls("cudaEventSynchronize") < host_waits + 2) std::this_thread::yield();
-  CHECK_FALSE(released);
+  CHECK_FALSE(had_to_open);
+  CHECK(cudasim::calls("cudaEventSynchronize") == host_waits);
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  const auto legacy = gpukit::stream_view::default_stream(cuda0);
+  void* other = gpukit::default_allocator(cuda0).allocate(reserve_bytes, legacy);
+  const auto reserve_at = reinterpret_cast<std::uintptr_t>(block);  // the first block of the pool: its start
+  const auto other_at = reinterpret_cast<std::uintptr_t>(other);
+  CHECK((other_at + reserve_bytes <= reserve_at || other_at >= reserve_at + reserve_bytes));
   later_work.open();
-  releasing.join();
-  consumer.synchronize();
+  {
+    const gpukit::device_guard guard(cuda0);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the release's own stream too
+  }
+  void* again = gpukit::default_allocator(cuda0).allocate(reserve_bytes, legacy);
+  CHECK(again == block);  // the consumer's work has run: the reserve is reusable
+  gpukit::default_allocator(cuda0).deallocate(again);
+  gpukit::default_allocator(cuda0).deallocate(other);
+}
+
+TEST_CASE("capture: a graph pool whose release cannot create its stream waits for its launches on the host") {
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  g.launch(s);
+  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaStreamCreateWithPriority", 1, cudaErrorMemoryAllocation);
+  g = gpukit::graph();
+  pool.reset();
+  CHECK(warnings.contains("could not create a stream to order its release"));
+  CHECK(cudasim::calls("cudaEventSynchronize") == host_waits + 1);  // the launch, waited for on the host
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+  CHECK(gpukit::memory_allocated(cuda0) == 0);
 }
 
 TEST_CASE("capture: another thread's per-thread default stream is refused, and nothing is captured") {

@@ -331,6 +331,55 @@ TEST_CASE("gpu: a graph updated from itself is refused and still launches") {
   s.synchronize();
 }
 
+TEST_CASE("gpu: a graph pool's release orders its reserve after its launches on the device, without a host wait") {
+  // A launch held back by a host function that the releasing thread would let go later must not deadlock the
+  // release; the reserve still goes back only after the launch's work.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gate held;
+  gpukit::allocator_options options;
+  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while the gate holds work back
+  gpukit::caching_allocator backing(d, options);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(16, s);
+  auto pool = gpukit::graph_pool::create(d, MiB, &backing);
+  void* reserve = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(16, s);
+        reserve = tmp.data();  // the first block of an empty pool: the reserve's start
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 7, tmp.size_bytes(), s.cuda_handle()));
+        GPUKIT_CUDA_TRY(
+            cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+      },
+      pool);
+  held.hold(s);
+  g.launch(s);  // held back until the gate opens
+  const captured_warnings warnings;
+  const bool had_to_open = held.opened_to_return([&] {
+    g = gpukit::graph();  // the last owners: the reserve goes back now
+    pool.reset();
+  });
+  CHECK_FALSE(had_to_open);  // the release did not wait for the held launch
+  CHECK(warnings.messages().empty());
+  CHECK(backing.memory_allocated() == 0);  // freed into the backing allocator...
+  const auto reserve_at = reinterpret_cast<std::uintptr_t>(reserve);
+  void* other = backing.allocate(MiB, gpukit::stream_view::default_stream(d));
+  const auto other_at = reinterpret_cast<std::uintptr_t>(other);
+  CHECK((other_at + MiB <= reserve_at || other_at >= reserve_at + MiB));  // ...but not reusable before the launch ran
+  held.open();
+  CHECK(read(out, s) == std::vector<int>(16, 0x07070707));
+  {
+    const gpukit::device_guard guard(d);
+    GPUKIT_CUDA_TRY(cudaDeviceSynchronize());  // the release's own stream too
+  }
+  void* again = backing.allocate(MiB, gpukit::stream_view::default_stream(d));
+  CHECK(again == reserve);  // reusable once the launch's work is done
+  backing.deallocate(again);
+  backing.deallocate(other);
+}
+
 TEST_CASE("gpu: a graph pool released while another thread captures a blocking stream leaves that capture intact") {
   // The release waits for the graphs' launches. A wait on the legacy default stream (where the reserve came from) is
   // refused while a blocking stream of the device is captured, and invalidates that capture: the host waits instead.

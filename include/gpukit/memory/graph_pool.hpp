@@ -15,8 +15,8 @@
 /// in the order they were captured, order them). Streams outside a capture that use a block (record_stream, or a free
 /// on such a stream: a consumer of a graph's output) are ordered at its free by an event, which later launches of
 /// the pool's graphs wait for on the device. The reserve goes back to the backing allocator once the pool's graphs and
-/// every allocation from it are gone, after the work of the graphs' launches and of those streams (the host waits for
-/// it then). Direct allocations from a pool (outside a capture) are not ordered after its graphs: allocate from it in
+/// every allocation from it are gone, ordered on the device after the work of the graphs' launches and of those
+/// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) are not ordered after its graphs: allocate from it in
 /// captures. Several graphs may share a pool (launched in the order
 /// they were captured, as with PyTorch's shared graph pools).
 ///
@@ -48,6 +48,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -612,8 +613,12 @@ class graph_pool final : public device_allocator {
     delete this;
   }
 
-  /// Returns the reserve to the backing allocator after the launches' work, which the host waits for (in relaxed
-  /// capture mode: another thread may be capturing).
+  /// Returns the reserve to the backing allocator, ordered on the device after the work of the graphs' launches and
+  /// of the streams that used its memory: a private stream waits for their events, and the reserve is freed after
+  /// that stream's work. The host never waits for them (a launch held back by a host function this thread would
+  /// release later must not deadlock the release), and the legacy default stream, where the reserve came from, is
+  /// not used (a wait on it is refused while another thread captures a blocking stream, and invalidates that
+  /// capture). Where that stream cannot be had or cannot wait, the host waits instead (in relaxed capture mode).
   void release_reserve() noexcept {
     {
       auto& registry = detail::capture_pools();
@@ -625,41 +630,81 @@ class graph_pool final : public device_allocator {
         registry.live_count.fetch_sub(1, std::memory_order_relaxed);
       }
     }
-    // The host waits: a wait on the legacy default stream (which the reserve came from) is refused, and would
-    // invalidate the capture, while another thread captures a blocking stream of the device.
+    record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
+    std::optional<stream> order = release_order_stream();
     for (auto& [id, e] : launches_) {
       (void)id;
       try {
         device_guard guard(device_);
-        try {
-          detail::cuda_backend::synchronize_event(e, device_.ordinal(),
-                                                  "cudaEventSynchronize (a graph pool's release)");
-        } catch (const std::exception& ex) {
-          warn(std::string("gpukit::graph_pool: could not wait for its graphs' work before its release: ") + ex.what());
-        }
+        wait_before_release(order, e);
         detail::report_cuda_failure(cudaEventDestroy(e), "cudaEventDestroy", device_.ordinal());
       } catch (const std::exception& ex) {
         warn(std::string("gpukit::graph_pool: could not make its device current to release it: ") + ex.what());
       }
     }
-    record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
+    launches_.clear();
     for (auto& [id, e] : uses_) {
       (void)id;
-      try {
-        e.synchronize();
-      } catch (const std::exception& ex) {
-        warn(std::string("gpukit::graph_pool: could not wait for the work of a stream that used its memory before its "
-                         "release: ") +
-             ex.what());
-      }
+      wait_before_release(order, e);
     }
     uses_.clear();
     for (const chunk_info& c : chunks_) {
       try {
-        backing_->deallocate(reinterpret_cast<void*>(c.address));
+        if (order) {
+          backing_->deallocate(reinterpret_cast<void*>(c.address), order->view());
+        } else {
+          backing_->deallocate(reinterpret_cast<void*>(c.address));
+        }
       } catch (const std::exception& ex) {
         warn(std::string("gpukit::graph_pool: returning ") + detail::format_bytes(c.size) + " failed: " + ex.what());
       }
+    }
+  }
+
+  /// The private stream the release orders the reserve's return by: none when there is nothing to wait for, or when
+  /// it cannot be created (reported; the host waits then).
+  std::optional<stream> release_order_stream() noexcept {
+    if (launches_.empty() && uses_.empty()) return std::nullopt;
+    try {
+      return std::optional<stream>(std::in_place, device_);  // non-blocking: not ordered with the legacy stream
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit::graph_pool: could not create a stream to order its release by, so the host waits for "
+                       "its graphs' work: ") +
+           ex.what());
+    }
+    return std::nullopt;
+  }
+
+  /// Orders the release after launch event `e` (device_ current): `order` waits for it on the device, or, without
+  /// `order` or when that wait fails, the host waits.
+  void wait_before_release(std::optional<stream>& order, cudaEvent_t e) noexcept {
+    if (order) {
+      const cudaError_t waited = cudaStreamWaitEvent(order->cuda_handle(), e, 0);
+      if (waited == cudaSuccess) return;
+      (void)cudaGetLastError();
+    }
+    try {
+      detail::cuda_backend::synchronize_event(e, device_.ordinal(), "cudaEventSynchronize (a graph pool's release)");
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit::graph_pool: could not wait for its graphs' work before its release: ") + ex.what());
+    }
+  }
+
+  /// The same for the event after a stream's use of the pool's memory (record_use).
+  void wait_before_release(std::optional<stream>& order, const event& e) noexcept {
+    try {
+      if (order) {
+        try {
+          e.wait(order->view());
+          return;
+        } catch (const std::exception&) {  // the host waits instead
+        }
+      }
+      e.synchronize();
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit::graph_pool: could not wait for the work of a stream that used its memory before its "
+                       "release: ") +
+           ex.what());
     }
   }
 
