@@ -9,6 +9,7 @@
 
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
@@ -19,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <memory_resource>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -334,6 +336,34 @@ TEST_CASE("capture: staged copies, to_device and to_host throw on a capturing st
     CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: pinned-typed memory that is not page-locked is staged, so a capture refuses its copies") {
+  // A pinned_buffer of the CPU device and a pinned_span over memory CUDA calls pageable are pageable memory: copied
+  // directly in a capture, the graph would read or write them at each launch without a staging copy.
+  gpukit::stream s(cuda0);
+  std::vector<float> host(1000);
+  std::iota(host.begin(), host.end(), 1.0f);
+  gpukit::device_buffer<float> x(host.size(), s);
+  gpukit::pinned_buffer<float> not_locked(host.size(), gpukit::device::cpu());
+  REQUIRE_FALSE(not_locked.page_locked());
+  std::copy(host.begin(), host.end(), not_locked.data());
+  std::vector<float> pageable(host);
+  const gpukit::pinned_span<float> said_pinned(pageable.data(), pageable.size());
+  {
+    capture c(s);
+    check_capture_message(invalid_argument_message([&] { gpukit::copy_async(x, not_locked, s); }), "copy_async", s);
+    check_capture_message(invalid_argument_message([&] { gpukit::copy_async(said_pinned, x, s); }), "copy_async", s);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  // Outside a capture both are copied, staged like any pageable memory.
+  gpukit::copy_async(x, not_locked, s);
+  std::fill(pageable.begin(), pageable.end(), 0.0f);
+  gpukit::copy_async(said_pinned, x, s);
+  s.synchronize();
+  CHECK(pageable == host);
   CHECK(cudasim::violations().empty());
 }
 
@@ -850,6 +880,30 @@ TEST_CASE("capture: a pooled pinned buffer destroyed while its recorded stream i
   pool.deallocate(other);
   CHECK(pool.stats().pending_blocks == 0);
   CHECK(pool.stats().free_blocks == 2);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a pinned pmr container destroyed while its recorded stream is captured waits for the capture") {
+  // std::pmr's deallocate cannot refuse (a container's destructor calls it): as for pooled_pinned_buffer, the block
+  // waits off the books until the stream can take an event, instead of staying allocated with a warning.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::pinned_pmr_resource resource(pool);
+  gpukit::stream s(cuda0);
+  gpukit_test::captured_warnings warnings;
+  auto staged = std::make_unique<std::pmr::vector<int>>(1000, &resource);
+  pool.record_stream(staged->data(), s);
+  const std::uint64_t events_before = pool.stats().events_recorded;
+  {
+    capture c(s);
+    staged.reset();
+    CHECK(pool.stats().pending_blocks == 1);
+    CHECK(pool.stats().allocated_bytes == 0);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(pool.stats().events_recorded == events_before + 1);  // the capture has ended: recorded now, on s
+  s.synchronize();
   CHECK(warnings.messages().empty());
   CHECK(cudasim::violations().empty());
 }

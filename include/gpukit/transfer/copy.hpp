@@ -159,8 +159,11 @@ inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t e
         copy_misuse(describe_side(role, *side, element_size) +
                     " is device memory of cuda:" + std::to_string(info.device) + " where host memory is expected");
       }
-      host_pinned = side->location == memory_location::pinned || info.kind == pointer_kind::pinned ||
-                    info.kind == pointer_kind::managed;
+      // On a CUDA stream a span said to be pinned is trusted only where CUDA cannot tell: memory CUDA calls pageable
+      // is staged. (CPU streams model pinned memory by type.)
+      const bool said_pinned = side->location == memory_location::pinned;
+      host_pinned = info.kind == pointer_kind::pinned || info.kind == pointer_kind::managed ||
+                    (said_pinned && (sd.is_cpu() || info.kind != pointer_kind::pageable));
     }
   }
   return host_pinned;
@@ -229,6 +232,20 @@ void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   }
 }
 
+/// Where `x`'s memory is for a copy on `s`: where its located view says, except that on a CUDA stream a pinned
+/// container whose memory is not page-locked (one of the CPU device, or of a pool without page-locked memory) is
+/// pageable host memory. (CPU streams model pinned memory by type.)
+template <class X>
+memory_location location_of(const X& x, memory_location viewed, const stream_view& s) {
+  if constexpr (is_pinned_container<std::remove_cv_t<X>>::value) {
+    return x.page_locked() || s.device().is_cpu() ? viewed : memory_location::host;
+  } else {
+    (void)x;
+    (void)s;
+    return viewed;
+  }
+}
+
 template <class Dst, class Src, class EngineFor>
 void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_for) {
   auto dst = located_view(dst_arg);
@@ -244,8 +261,8 @@ void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_fo
                 "gpukit::copy_async: elements must be trivially copyable (they are copied as bytes)");
   static_assert(dst_type::location == memory_location::device || src_type::location == memory_location::device,
                 "gpukit::copy_async: both sides are host memory; use std::copy");
-  copy_side d{dst.data(), dst.size(), dst_type::location, {}, location_is_known<Dst>::value};
-  copy_side r{src.data(), src.size(), src_type::location, {}, location_is_known<Src>::value};
+  copy_side d{dst.data(), dst.size(), location_of(dst_arg, dst_type::location, s), {}, location_is_known<Dst>::value};
+  copy_side r{src.data(), src.size(), location_of(src_arg, src_type::location, s), {}, location_is_known<Src>::value};
   if constexpr (dst_type::location == memory_location::device) d.dev = dst.device();
   if constexpr (src_type::location == memory_location::device) r.dev = src.device();
   copy_bytes(d, r, sizeof(dst_element), s, engine_for);

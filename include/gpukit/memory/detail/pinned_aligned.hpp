@@ -33,9 +33,9 @@ inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::
 inline void pinned_deallocate_aligned(pinned_pool& pool, void* p, const stream_view* stream) {
   over_aligned_addresses().free_with(p, [&pool, stream](void* block) {
     if (stream != nullptr) {
-      pool.deallocate(block, *stream);
+      pool.deallocate(block, *stream);  // refused while `stream` is captured: made later, it would precede the graph
     } else {
-      pool.deallocate(block);
+      pool.deallocate_after_captures(block);  // a free without a stream cannot be refused (a destructor's)
     }
   });
 }
