@@ -651,7 +651,10 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
   gpukit::stream s(cuda0);
   gpukit::stream consumer(cuda0);
   gpukit::device_buffer<int> seen(256, s);
-  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::allocator_options options;
+  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while a gate holds work back
+  gpukit::caching_allocator backing(cuda0, options);  // the reserve's, and nothing else's
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20, &backing);
   std::unique_ptr<gpukit::device_buffer<int>> output;
   gpukit::graph first = gpukit::capture(
       s,
@@ -707,7 +710,7 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
   CHECK(cudasim::calls("cudaEventSynchronize") == host_waits);
   constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
-  void* other = gpukit::default_allocator(cuda0).allocate(reserve_bytes, legacy);
+  void* other = backing.allocate(reserve_bytes, legacy);
   const auto reserve_at = reinterpret_cast<std::uintptr_t>(block);  // the first block of the pool: its start
   const auto other_at = reinterpret_cast<std::uintptr_t>(other);
   CHECK((other_at + reserve_bytes <= reserve_at || other_at >= reserve_at + reserve_bytes));
@@ -716,10 +719,10 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
     const gpukit::device_guard guard(cuda0);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the release's own stream too
   }
-  void* again = gpukit::default_allocator(cuda0).allocate(reserve_bytes, legacy);
+  void* again = backing.allocate(reserve_bytes, legacy);
   CHECK(again == block);  // the consumer's work has run: the reserve is reusable
-  gpukit::default_allocator(cuda0).deallocate(again);
-  gpukit::default_allocator(cuda0).deallocate(other);
+  backing.deallocate(again);
+  backing.deallocate(other);
 }
 
 TEST_CASE("capture: a graph pool whose release cannot create its stream waits for its launches on the host") {

@@ -5,6 +5,7 @@
 // no crash, and no use of function-local statics that static destruction may already have destroyed. Other failures
 // are still reported. The at-exit checks run this executable again as a child process and read its stderr.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/graph/graph.hpp>
 
 #include "cudasim.hpp"
 #include "support.hpp"
@@ -86,6 +87,25 @@ TEST_CASE("errors: an allocator with expandable segments destroyed after the run
       allocator.deallocate(kept);
       REQUIRE(allocator.memory_reserved() > 0);
       cudasim::unload(result);  // every runtime and driver call now fails with `result`, as at process exit
+    }
+    cudasim::clear_faults();
+    CHECK(warnings.messages().empty());
+    for (const auto& m : warnings.messages()) MESSAGE(m);
+  }
+}
+
+TEST_CASE("errors: a graph pool released after the runtime unloaded warns nothing") {
+  for (const cudaError_t result : teardown_results) {
+    CAPTURE(cudaGetErrorName(result));
+    gpukit_test::captured_warnings warnings;
+    {
+      gpukit::stream s(cuda0);
+      auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+      gpukit::graph g = gpukit::capture(
+          s, [&] { gpukit::device_buffer<int> tmp(16, s); }, pool);
+      g.launch(s);  // the release would order the reserve after this launch
+      s.synchronize();
+      cudasim::unload(result);
     }
     cudasim::clear_faults();
     CHECK(warnings.messages().empty());

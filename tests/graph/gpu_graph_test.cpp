@@ -6,6 +6,7 @@
 #include "support.hpp"
 
 #include <gpukit/graph/graph.hpp>
+#include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/graph_pool.hpp>
@@ -378,6 +379,66 @@ TEST_CASE("gpu: a graph pool's release orders its reserve after its launches on 
   CHECK(again == reserve);  // reusable once the launch's work is done
   backing.deallocate(again);
   backing.deallocate(other);
+}
+
+TEST_CASE("gpu: a graph pool backed by async_allocator releases its reserve without a host wait") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gate held;
+  gpukit::async_allocator backing(d);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(16, s);
+  auto pool = gpukit::graph_pool::create(d, MiB, &backing);
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(16, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 9, tmp.size_bytes(), s.cuda_handle()));
+        GPUKIT_CUDA_TRY(
+            cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+      },
+      pool);
+  held.hold(s);
+  g.launch(s);
+  const captured_warnings warnings;
+  const bool had_to_open = held.opened_to_return([&] {
+    g = gpukit::graph();
+    pool.reset();  // cudaFreeAsync on the pool's private stream, after the held launch
+  });
+  CHECK_FALSE(had_to_open);
+  CHECK(backing.memory_allocated() == 0);
+  held.open();
+  CHECK(read(out, s) == std::vector<int>(16, 0x09090909));
+  CHECK(warnings.messages().empty());
+}
+
+TEST_CASE("gpu: a graph with a pool launched into a stream being captured is refused, and the capture goes on") {
+  // Its launch would become part of the outer graph, which could run after the pool's memory went back.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::stream outer(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  gpukit::graph inner = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(16, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 1, tmp.size_bytes(), s.cuda_handle()));
+      },
+      pool);
+  bool refused = false;
+  gpukit::graph wrapper = gpukit::capture(outer, [&] {
+    try {
+      inner.launch(outer);
+    } catch (const gpukit::invalid_argument_error& e) {
+      refused = contains(e.what(), "being captured") && contains(e.what(), "graph pool");
+    }
+  });
+  CHECK(refused);
+  wrapper.launch(outer);  // the outer capture was not invalidated
+  inner.launch(s);        // and the inner graph still launches where it may
+  outer.synchronize();
+  s.synchronize();
 }
 
 TEST_CASE("gpu: a graph pool released while another thread captures a blocking stream leaves that capture intact") {

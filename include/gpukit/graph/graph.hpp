@@ -21,6 +21,7 @@
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
 #include <gpukit/memory/graph_pool.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
@@ -67,8 +68,9 @@ class graph {
   /// allocations use it.
   ~graph() { destroy(); }
 
-  /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph or a
-  /// stream of another device, cuda_error if the launch fails.
+  /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
+  /// stream of another device, or, for a graph with a pool, a stream being captured (the outer graph could run after
+  /// the pool's memory went back: capture that work into the pool's graph instead); cuda_error if the launch fails.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
@@ -77,6 +79,13 @@ class graph {
                                    device_.to_string());
     }
     device_guard guard(device_);
+    if (pool_ && detail::capture_status(s) != cudaStreamCaptureStatusNone) {
+      throw invalid_argument_error(
+          "gpukit::graph::launch: a graph with a graph pool launched into a stream being captured on " +
+          device_.to_string() +
+          ": the outer graph could run after the pool's memory is released (capture the work into one graph "
+          "instead; nothing was launched)");
+    }
     if (pool_) pool_->order_launch(s);
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
     if (pool_) pool_->note_launch(s);
@@ -135,6 +144,9 @@ class graph {
         detail::report_cuda_failure(cudaGraphExecDestroy(exec_), "cudaGraphExecDestroy", device_.ordinal());
       if (graph_ != nullptr)
         detail::report_cuda_failure(cudaGraphDestroy(graph_), "cudaGraphDestroy", device_.ordinal());
+    } catch (const error& e) {  // at process exit (the runtime gone) the graph went with it
+      if (!detail::is_teardown_result(e.cuda_result()))
+        warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
     } catch (const std::exception& e) {
       warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
     }

@@ -16,9 +16,9 @@
 /// on such a stream: a consumer of a graph's output) are ordered at its free by an event, which later launches of
 /// the pool's graphs wait for on the device. The reserve goes back to the backing allocator once the pool's graphs and
 /// every allocation from it are gone, ordered on the device after the work of the graphs' launches and of those
-/// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) are not ordered after its graphs: allocate from it in
-/// captures. Several graphs may share a pool (launched in the order
-/// they were captured, as with PyTorch's shared graph pools).
+/// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) are not ordered after
+/// its graphs: allocate from it in captures. Several graphs may share a pool (launched in the order they were captured,
+/// as with PyTorch's shared graph pools).
 ///
 ///     auto pool = gpukit::graph_pool::create(d, 64 << 20);   // reserve 64 MiB now, before capturing
 
@@ -616,9 +616,10 @@ class graph_pool final : public device_allocator {
   /// Returns the reserve to the backing allocator, ordered on the device after the work of the graphs' launches and
   /// of the streams that used its memory: a private stream waits for their events, and the reserve is freed after
   /// that stream's work. The host never waits for them (a launch held back by a host function this thread would
-  /// release later must not deadlock the release), and the legacy default stream, where the reserve came from, is
-  /// not used (a wait on it is refused while another thread captures a blocking stream, and invalidates that
-  /// capture). Where that stream cannot be had or cannot wait, the host waits instead (in relaxed capture mode).
+  /// release later must not deadlock the release), and the pool itself makes no wait on the legacy default stream,
+  /// where the reserve came from (refused while another thread captures a blocking stream; what the backing
+  /// allocator does with its own streams is its rule). Where the private stream cannot be had or cannot wait, the
+  /// host waits instead (in relaxed capture mode); at process exit nothing is left to order.
   void release_reserve() noexcept {
     {
       auto& registry = detail::capture_pools();
@@ -630,16 +631,23 @@ class graph_pool final : public device_allocator {
         registry.live_count.fetch_sub(1, std::memory_order_relaxed);
       }
     }
-    record_deferred_uses();  // those still captured cannot be waited for: their work belongs to that capture now
-    std::optional<stream> order = release_order_stream();
+    // Uses still deferred cannot be ordered now: their stream is captured (its work belongs to that capture) or the
+    // legacy default stream during a gpukit capture.
+    record_deferred_uses();
+    bool torn_down = false;  // process exit: the runtime went, and the reserve with it
+    std::optional<stream> order = release_order_stream(torn_down);
     for (auto& [id, e] : launches_) {
       (void)id;
+      if (torn_down) break;
       try {
         device_guard guard(device_);
         wait_before_release(order, e);
         detail::report_cuda_failure(cudaEventDestroy(e), "cudaEventDestroy", device_.ordinal());
+      } catch (const error& ex) {
+        if (detail::is_teardown_result(ex.cuda_result())) break;
+        report("could not make its device current to release it: ", ex);
       } catch (const std::exception& ex) {
-        warn(std::string("gpukit::graph_pool: could not make its device current to release it: ") + ex.what());
+        report("could not make its device current to release it: ", ex);
       }
     }
     launches_.clear();
@@ -656,21 +664,25 @@ class graph_pool final : public device_allocator {
           backing_->deallocate(reinterpret_cast<void*>(c.address));
         }
       } catch (const std::exception& ex) {
-        warn(std::string("gpukit::graph_pool: returning ") + detail::format_bytes(c.size) + " failed: " + ex.what());
+        try {
+          warn(std::string("gpukit::graph_pool: returning ") + detail::format_bytes(c.size) + " failed: " + ex.what());
+        } catch (...) {  // no memory for the message
+        }
       }
     }
   }
 
   /// The private stream the release orders the reserve's return by: none when there is nothing to wait for, or when
-  /// it cannot be created (reported; the host waits then).
-  std::optional<stream> release_order_stream() noexcept {
+  /// it cannot be created (reported; the host waits then). `torn_down` is set when the runtime is gone (process exit).
+  std::optional<stream> release_order_stream(bool& torn_down) noexcept {
     if (launches_.empty() && uses_.empty()) return std::nullopt;
     try {
       return std::optional<stream>(std::in_place, device_);  // non-blocking: not ordered with the legacy stream
+    } catch (const error& ex) {
+      torn_down = detail::is_teardown_result(ex.cuda_result());
+      if (!torn_down) report("could not create a stream to order its release by, so the host waits for its work: ", ex);
     } catch (const std::exception& ex) {
-      warn(std::string("gpukit::graph_pool: could not create a stream to order its release by, so the host waits for "
-                       "its graphs' work: ") +
-           ex.what());
+      report("could not create a stream to order its release by, so the host waits for its work: ", ex);
     }
     return std::nullopt;
   }
@@ -685,8 +697,10 @@ class graph_pool final : public device_allocator {
     }
     try {
       detail::cuda_backend::synchronize_event(e, device_.ordinal(), "cudaEventSynchronize (a graph pool's release)");
+    } catch (const error& ex) {
+      if (!detail::is_teardown_result(ex.cuda_result())) report("could not wait for its graphs' work: ", ex);
     } catch (const std::exception& ex) {
-      warn(std::string("gpukit::graph_pool: could not wait for its graphs' work before its release: ") + ex.what());
+      report("could not wait for its graphs' work: ", ex);
     }
   }
 
@@ -701,10 +715,19 @@ class graph_pool final : public device_allocator {
         }
       }
       e.synchronize();
+    } catch (const error& ex) {
+      if (!detail::is_teardown_result(ex.cuda_result()))
+        report("could not wait for the work of a stream that used its memory: ", ex);
     } catch (const std::exception& ex) {
-      warn(std::string("gpukit::graph_pool: could not wait for the work of a stream that used its memory before its "
-                       "release: ") +
-           ex.what());
+      report("could not wait for the work of a stream that used its memory: ", ex);
+    }
+  }
+
+  /// Reports a failure of the release through gpukit::warn; never throws (no memory for the message: not reported).
+  static void report(const char* what, const std::exception& ex) noexcept {
+    try {
+      warn(std::string("gpukit::graph_pool: ") + what + ex.what());
+    } catch (...) {
     }
   }
 

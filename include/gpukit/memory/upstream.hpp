@@ -590,17 +590,11 @@ class cuda_upstream {
   /// page. Returns false, having unmapped nothing, when the wait failed (detail::wait_before_release): the pages
   /// stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
   /// caller, but stays mapped and recorded here: a later map() of it keeps it instead of mapping it twice, and
-  /// unreserve() tries to unmap it again before freeing its range. Once the runtime is torn down (process exit) the
-  /// pages went with it: true, with nothing reported.
+  /// unreserve() tries to unmap it again before freeing its range. Once the runtime is torn down (process exit),
+  /// nothing runs on the device any more: the pages are unmapped without a wait where the driver still can, and
+  /// where it cannot they went with it; true either way, with nothing reported.
   bool unmap(void* address, std::size_t bytes) noexcept {
-    switch (detail::wait_before_release(device_, "unmapping pages")) {
-      case detail::release_wait::idle:
-        break;
-      case detail::release_wait::failed:
-        return false;
-      case detail::release_wait::torn_down:
-        return true;
-    }
+    if (detail::wait_before_release(device_, "unmapping pages") == detail::release_wait::failed) return false;
     try {
       device_guard guard(device_);
       auto& registry = mode_independent::peer_access_holders_v2();
@@ -620,7 +614,7 @@ class cuda_upstream {
         }
       }
       return true;
-    } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone
+    } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone (and the pages with it)
       if (detail::is_teardown_result(e.cuda_result())) return true;
       warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
       return false;

@@ -238,7 +238,8 @@ void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
 template <class X>
 memory_location location_of(const X& x, memory_location viewed, const stream_view& s) {
   if constexpr (is_pinned_container<std::remove_cv_t<X>>::value) {
-    return x.page_locked() || s.device().is_cpu() ? viewed : memory_location::host;
+    // Nothing to copy: no question for the stream (a zero-size copy checks nothing).
+    return x.page_locked() || x.size() == 0 || s.device().is_cpu() ? viewed : memory_location::host;
   } else {
     (void)x;
     (void)s;
