@@ -652,7 +652,7 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
   gpukit::stream consumer(cuda0);
   gpukit::device_buffer<int> seen(256, s);
   gpukit::allocator_options options;
-  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while a gate holds work back
+  options.release_before_grow = false;                // no cudaFree (a device-wide wait) while a gate holds work back
   gpukit::caching_allocator backing(cuda0, options);  // the reserve's, and nothing else's
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20, &backing);
   std::unique_ptr<gpukit::device_buffer<int>> output;
