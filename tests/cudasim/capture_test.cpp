@@ -743,6 +743,38 @@ TEST_CASE("capture: a graph pool whose release cannot create its stream waits fo
   CHECK(gpukit::memory_allocated(cuda0) == 0);
 }
 
+TEST_CASE("capture: a graph launch whose event cannot be recorded makes the pool's release wait for the device") {
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  CHECK_THROWS_WITH_AS(g.launch(s), doctest::Contains("after a graph launch"), gpukit::cuda_error);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  gpukit_test::captured_warnings warnings;
+  g = gpukit::graph();
+  pool.reset();  // the launch ran without an event: the release waits for all of the device's work
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  CHECK(warnings.messages().empty());
+  CHECK(gpukit::memory_allocated(cuda0) == 0);
+}
+
+TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cannot be waited for") {
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  CHECK_THROWS_AS(g.launch(s), gpukit::cuda_error);
+  s.synchronize();
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorInvalidValue);
+  g = gpukit::graph();
+  pool.reset();
+  CHECK(warnings.contains("keeps its reserve"));
+  CHECK(gpukit::memory_allocated(cuda0) == std::size_t{1} << 20);  // still the pool's, for good
+}
+
 TEST_CASE("capture: another thread's per-thread default stream is refused, and nothing is captured") {
   gpukit::stream_view elsewhere;
   std::thread([&] { elsewhere = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();

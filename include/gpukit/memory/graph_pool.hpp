@@ -267,19 +267,30 @@ class graph_pool final : public device_allocator {
     }
     has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
   }
-  /// A graph of the pool was launched on `s`: the reserve goes back only after that work (an event, re-recorded
-  /// per stream, which the pool's release waits for).
+  /// A graph of the pool is about to be launched on `s`: creates the event note_launch records (once per stream),
+  /// so that once the graph runs only the record itself can fail. Throws before anything is launched.
+  void prepare_launch(const stream_view& s) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cudaEvent_t& e = launches_[s.id()];
+    if (e != nullptr) return;
+    device_guard guard(device_);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
+                              device_.ordinal());
+  }
+  /// A graph of the pool was launched on `s` (after prepare_launch): the reserve goes back only after that work (an
+  /// event, re-recorded per stream, which the pool's release waits for). If the event cannot be recorded, the
+  /// release waits for the whole device instead (and keeps the reserve if even that fails); the error propagates.
   void note_launch(const stream_view& s) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const unsigned long long id = s.id();
-    cudaEvent_t& e = launches_[id];
-    device_guard guard(device_);
-    if (e == nullptr) {
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
+    try {
+      const cudaEvent_t e = launches_.at(s.id());
+      device_guard guard(device_);
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
                                 device_.ordinal());
+    } catch (...) {
+      unordered_launch_ = true;
+      throw;
     }
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
-                              device_.ordinal());
   }
 
  private:
@@ -634,6 +645,11 @@ class graph_pool final : public device_allocator {
     // Uses still deferred cannot be ordered now: their stream is captured (its work belongs to that capture) or the
     // legacy default stream during a gpukit capture.
     record_deferred_uses();
+    if (unordered_launch_ &&
+        detail::wait_before_release(device_, "a graph pool's release") == detail::release_wait::failed) {
+      report_kept_reserve();  // a launch without an event may still run: the reserve cannot go back
+      return;
+    }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);
     for (auto& [id, e] : launches_) {
@@ -723,6 +739,15 @@ class graph_pool final : public device_allocator {
     }
   }
 
+  /// Reports a reserve kept for good (some launch of the pool's graphs could not be ordered); never throws.
+  void report_kept_reserve() const noexcept {
+    try {
+      warn("gpukit::graph_pool: keeps its reserve of " + detail::format_bytes(reserved_) + " on " +
+           device_.to_string() + ": a launch of its graphs could not be waited for");
+    } catch (...) {
+    }
+  }
+
   /// Reports a failure of the release through gpukit::warn; never throws (no memory for the message: not reported).
   static void report(const char* what, const std::exception& ex) noexcept {
     try {
@@ -783,7 +808,8 @@ class graph_pool final : public device_allocator {
   std::int64_t allocations_ = 0, ooms_ = 0;
   int captures_ = 0;
   bool orphaned_ = false;
-  bool live_registered_ = false;  // guarded by the registry's mutex
+  bool unordered_launch_ = false;  // a launch's event could not be recorded: the release waits for the device
+  bool live_registered_ = false;   // guarded by the registry's mutex
   detail::out_of_memory_observers observers_;
 };
 
