@@ -759,6 +759,43 @@ TEST_CASE("capture: a graph launch whose event cannot be recorded makes the pool
   CHECK(gpukit::memory_allocated(cuda0) == 0);
 }
 
+TEST_CASE("capture: a pool's release after an unordered launch leaves another thread's global capture intact") {
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  CHECK_THROWS_AS(g.launch(s), gpukit::cuda_error);
+  gpukit::stream other(cuda0);
+  REQUIRE(cudaStreamBeginCapture(other.cuda_handle(), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  gpukit_test::captured_warnings warnings;
+  std::thread([&] {
+    g = gpukit::graph();
+    pool.reset();  // waits for the device in relaxed mode
+  }).join();
+  cudaGraph_t captured = nullptr;
+  CHECK(cudaStreamEndCapture(other.cuda_handle(), &captured) == cudaSuccess);  // not invalidated
+  if (captured != nullptr) CHECK(cudaGraphDestroy(captured) == cudaSuccess);
+  CHECK(warnings.messages().empty());
+  CHECK(gpukit::memory_allocated(cuda0) == 0);
+}
+
+TEST_CASE("capture: a graph launch whose event cannot be created launches nothing and leaves nothing behind") {
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch");
+  cudasim::fail_call("cudaEventCreateWithFlags", 1, cudaErrorMemoryAllocation);
+  CHECK_THROWS_AS(g.launch(s), gpukit::error);
+  CHECK(cudasim::calls("cudaGraphLaunch") == launches);
+  gpukit_test::captured_warnings warnings;
+  g = gpukit::graph();
+  pool.reset();
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cannot be waited for") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);

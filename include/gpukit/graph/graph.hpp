@@ -86,12 +86,13 @@ class graph {
           ": the outer graph could run after the pool's memory is released (capture the work into one graph "
           "instead; nothing was launched)");
     }
+    cudaEvent_t launched = nullptr;  // recorded after the launch, for the pool's release
     if (pool_) {
-      pool_->prepare_launch(s);
+      launched = pool_->prepare_launch(s);
       pool_->order_launch(s);
     }
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
-    if (pool_) pool_->note_launch(s);  // throws if the launch cannot be ordered (the release then waits for all)
+    if (pool_) pool_->note_launch(s, launched);  // throws if it cannot be recorded (the release then waits for all)
   }
 
   /// Replaces this graph's work by `recaptured`'s where CUDA can update the executable graph in place

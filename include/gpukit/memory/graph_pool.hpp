@@ -267,23 +267,32 @@ class graph_pool final : public device_allocator {
     }
     has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
   }
-  /// A graph of the pool is about to be launched on `s`: creates the event note_launch records (once per stream),
-  /// so that once the graph runs only the record itself can fail. Throws before anything is launched.
-  void prepare_launch(const stream_view& s) {
+  /// A graph of the pool is about to be launched on `s`: returns the event note_launch records after it (created
+  /// once per stream), so that once the graph runs only the record itself can fail. Throws before anything is
+  /// launched, leaving nothing behind.
+  cudaEvent_t prepare_launch(const stream_view& s) {
+    const unsigned long long id = s.id();
     std::lock_guard<std::mutex> lock(mutex_);
-    cudaEvent_t& e = launches_[s.id()];
-    if (e != nullptr) return;
+    const auto found = launches_.find(id);
+    if (found != launches_.end()) return found->second;
     device_guard guard(device_);
+    cudaEvent_t e = nullptr;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
                               device_.ordinal());
+    try {
+      launches_.emplace(id, e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+      throw;
+    }
+    return e;
   }
-  /// A graph of the pool was launched on `s` (after prepare_launch): the reserve goes back only after that work (an
-  /// event, re-recorded per stream, which the pool's release waits for). If the event cannot be recorded, the
+  /// A graph of the pool was launched on `s`: records `e` (from prepare_launch), so that the reserve goes back only
+  /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the
   /// release waits for the whole device instead (and keeps the reserve if even that fails); the error propagates.
-  void note_launch(const stream_view& s) {
+  void note_launch(const stream_view& s, cudaEvent_t e) {
     std::lock_guard<std::mutex> lock(mutex_);
     try {
-      const cudaEvent_t e = launches_.at(s.id());
       device_guard guard(device_);
       GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
                                 device_.ordinal());
@@ -645,10 +654,18 @@ class graph_pool final : public device_allocator {
     // Uses still deferred cannot be ordered now: their stream is captured (its work belongs to that capture) or the
     // legacy default stream during a gpukit capture.
     record_deferred_uses();
-    if (unordered_launch_ &&
-        detail::wait_before_release(device_, "a graph pool's release") == detail::release_wait::failed) {
-      report_kept_reserve();  // a launch without an event may still run: the reserve cannot go back
-      return;
+    if (unordered_launch_) {  // a launch without an event may still run: wait for all of the device's work
+      const detail::relaxed_capture_mode relaxed;  // another thread may be capturing
+      if (detail::wait_before_release(device_, "a graph pool's release") == detail::release_wait::failed) {
+        report_kept_reserve();  // the reserve cannot go back
+        for (auto& [id, e] : launches_) {
+          (void)id;
+          (void)cudaEventDestroy(e);  // legal while pending
+        }
+        (void)cudaGetLastError();
+        launches_.clear();
+        return;
+      }
     }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);

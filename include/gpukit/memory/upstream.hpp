@@ -415,9 +415,15 @@ inline release_wait wait_before_release(gpukit::device d, const char* what) noex
     report_cuda_failure(waited, std::string("cudaDeviceSynchronize (before ") + what + ")", d.ordinal());
   } catch (const error& e) {
     if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
-    warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
+    try {
+      warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
+    } catch (...) {  // no memory for the message
+    }
   } catch (const std::exception& e) {
-    warn(std::string("gpukit: could not wait for the device before ") + what + ": " + e.what());
+    try {
+      warn(std::string("gpukit: could not wait for the device before ") + what + ": " + e.what());
+    } catch (...) {  // no memory for the message
+    }
   }
   return release_wait::failed;
 }
