@@ -68,6 +68,12 @@ gpukit::stream blocking_stream() {
   return gpukit::stream(cuda0, options);
 }
 
+/// A graph captured on `s` whose one temporary comes from `pool`.
+gpukit::graph graph_with_temporary(gpukit::stream& s, const std::shared_ptr<gpukit::graph_pool>& pool) {
+  return gpukit::capture(
+      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+}
+
 /// The message of the exception `f` throws, which must be an invalid_argument_error.
 template <class F>
 std::string invalid_argument_message(F&& f) {
@@ -728,8 +734,7 @@ TEST_CASE("capture: a graph output used by another stream is reused by the pool'
 TEST_CASE("capture: a graph pool whose release cannot create its stream waits for its launches on the host") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  gpukit::graph g = gpukit::capture(
-      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  gpukit::graph g = graph_with_temporary(s, pool);
   g.launch(s);
   const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
   const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
@@ -746,8 +751,7 @@ TEST_CASE("capture: a graph pool whose release cannot create its stream waits fo
 TEST_CASE("capture: a graph launch whose event cannot be recorded makes the pool's release wait for the device") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  gpukit::graph g = gpukit::capture(
-      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  gpukit::graph g = graph_with_temporary(s, pool);
   cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   CHECK_THROWS_WITH_AS(g.launch(s), doctest::Contains("after a graph launch"), gpukit::cuda_error);
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
@@ -762,8 +766,7 @@ TEST_CASE("capture: a graph launch whose event cannot be recorded makes the pool
 TEST_CASE("capture: a pool's release after an unordered launch leaves another thread's global capture intact") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  gpukit::graph g = gpukit::capture(
-      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  gpukit::graph g = graph_with_temporary(s, pool);
   cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   CHECK_THROWS_AS(g.launch(s), gpukit::cuda_error);
   gpukit::stream other(cuda0);
@@ -783,8 +786,7 @@ TEST_CASE("capture: a pool's release after an unordered launch leaves another th
 TEST_CASE("capture: a graph launch whose event cannot be created launches nothing and leaves nothing behind") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  gpukit::graph g = gpukit::capture(
-      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  gpukit::graph g = graph_with_temporary(s, pool);
   const std::size_t launches = cudasim::calls("cudaGraphLaunch");
   cudasim::fail_call("cudaEventCreateWithFlags", 1, cudaErrorMemoryAllocation);
   CHECK_THROWS_AS(g.launch(s), gpukit::error);
@@ -799,8 +801,7 @@ TEST_CASE("capture: a graph launch whose event cannot be created launches nothin
 TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cannot be waited for") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  gpukit::graph g = gpukit::capture(
-      s, [&] { gpukit::device_buffer<int> tmp(256, s); }, pool);
+  gpukit::graph g = graph_with_temporary(s, pool);
   cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   CHECK_THROWS_AS(g.launch(s), gpukit::cuda_error);
   s.synchronize();

@@ -676,10 +676,8 @@ class graph_pool final : public device_allocator {
         device_guard guard(device_);
         wait_before_release(order, e);
         detail::report_cuda_failure(cudaEventDestroy(e), "cudaEventDestroy", device_.ordinal());
-      } catch (const error& ex) {
-        if (detail::is_teardown_result(ex.cuda_result())) break;
-        report("could not make its device current to release it: ", ex);
       } catch (const std::exception& ex) {
+        if (torn_down_by(ex)) break;
         report("could not make its device current to release it: ", ex);
       }
     }
@@ -711,10 +709,8 @@ class graph_pool final : public device_allocator {
     if (launches_.empty() && uses_.empty()) return std::nullopt;
     try {
       return std::optional<stream>(std::in_place, device_);  // non-blocking: not ordered with the legacy stream
-    } catch (const error& ex) {
-      torn_down = detail::is_teardown_result(ex.cuda_result());
-      if (!torn_down) report("could not create a stream to order its release by, so the host waits for its work: ", ex);
     } catch (const std::exception& ex) {
+      torn_down = torn_down_by(ex);
       report("could not create a stream to order its release by, so the host waits for its work: ", ex);
     }
     return std::nullopt;
@@ -730,8 +726,6 @@ class graph_pool final : public device_allocator {
     }
     try {
       detail::cuda_backend::synchronize_event(e, device_.ordinal(), "cudaEventSynchronize (a graph pool's release)");
-    } catch (const error& ex) {
-      if (!detail::is_teardown_result(ex.cuda_result())) report("could not wait for its graphs' work: ", ex);
     } catch (const std::exception& ex) {
       report("could not wait for its graphs' work: ", ex);
     }
@@ -748,9 +742,6 @@ class graph_pool final : public device_allocator {
         }
       }
       e.synchronize();
-    } catch (const error& ex) {
-      if (!detail::is_teardown_result(ex.cuda_result()))
-        report("could not wait for the work of a stream that used its memory: ", ex);
     } catch (const std::exception& ex) {
       report("could not wait for the work of a stream that used its memory: ", ex);
     }
@@ -765,8 +756,16 @@ class graph_pool final : public device_allocator {
     }
   }
 
-  /// Reports a failure of the release through gpukit::warn; never throws (no memory for the message: not reported).
+  /// True for the error of a runtime torn down at process exit (detail::is_teardown_result).
+  static bool torn_down_by(const std::exception& ex) noexcept {
+    const auto* failure = dynamic_cast<const error*>(&ex);
+    return failure != nullptr && detail::is_teardown_result(failure->cuda_result());
+  }
+
+  /// Reports a failure of the release through gpukit::warn, except a teardown's (torn_down_by: nothing is left to
+  /// release then); never throws (no memory for the message: not reported).
   static void report(const char* what, const std::exception& ex) noexcept {
+    if (torn_down_by(ex)) return;
     try {
       warn(std::string("gpukit::graph_pool: ") + what + ex.what());
     } catch (...) {
