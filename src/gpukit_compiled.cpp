@@ -1,15 +1,19 @@
 // gpukit — header-only CUDA device and memory management.
 // SPDX-License-Identifier: Apache-2.0
 //
-// gpukit::compiled: the engines behind gpukit's defaults, compiled once. Translation units that link the target get
-// GPUKIT_SEPARATE_COMPILATION, under which the headers declare these instantiations `extern template` (see
-// include/gpukit/detail/config.hpp), so they call this code instead of compiling the engines themselves.
+// gpukit::compiled: gpukit.hpp's non-template functions and the engines behind gpukit's defaults, compiled once.
+// Translation units that link the target get GPUKIT_SEPARATE_COMPILATION, under which the headers declare these
+// functions and instantiations without their bodies (see include/gpukit/detail/config.hpp), so they call this code
+// instead of compiling it themselves.
 // gpukit_compiled_ptds.cpp compiles the same list for CUDA's per-thread default stream mode, whose translation units
 // use their own inline namespace (gpukit::abi_v1_ptds).
 
 #ifndef GPUKIT_SEPARATE_COMPILATION
 #define GPUKIT_SEPARATE_COMPILATION 1  // an explicit instantiation may follow its extern declaration
 #endif
+// This file defines the non-template functions whose bodies the compiled mode leaves out of the headers (each
+// once, not inline; see include/gpukit/detail/config.hpp): the headers of gpukit.hpp.
+#define GPUKIT_DETAIL_BUILDING_COMPILED 1
 #include <gpukit/gpukit.hpp>
 
 // The default device allocators' engine and its device_allocator wrapper (default_allocator(d)); the constructors

@@ -52,30 +52,23 @@ class error : public std::runtime_error {
   ///                    exception (a string literal such as `__FILE__`)
   /// \param line        the source line of the failing call, or 0
   error(errc code, const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
-        int device = -1, const char* file = nullptr, int line = 0)
-      : std::runtime_error(message),
-        code_(code),
-        cuda_result_(cuda_result),
-        device_(device),
-        line_(line),
-        file_(file),
-        call_(call) {}
+        int device = -1, const char* file = nullptr, int line = 0);
 
   /// The category of the failure.
-  errc code() const noexcept { return code_; }
+  errc code() const noexcept;
   /// The CUDA result that caused the error, or cudaSuccess when the error did not come from a CUDA call.
-  cudaError_t cuda_result() const noexcept { return cuda_result_; }
+  cudaError_t cuda_result() const noexcept;
   /// cudaGetErrorName of cuda_result(), e.g. "cudaErrorInvalidDevice"; "cudaSuccess" when not a CUDA failure.
-  const char* cuda_error_name() const noexcept { return cudaGetErrorName(cuda_result_); }
+  const char* cuda_error_name() const noexcept;
   /// The call that failed, with its arguments where known; empty when not a CUDA failure. Valid as long as the
   /// exception (or a copy of it) lives.
-  std::string_view call() const noexcept { return call_.what(); }
+  std::string_view call() const noexcept;
   /// The CUDA device ordinal concerned, or -1.
-  int device() const noexcept { return device_; }
+  int device() const noexcept;
   /// Source file of the failing call inside gpukit (or the user's GPUKIT_CUDA_TRY), or nullptr.
-  const char* file() const noexcept { return file_; }
+  const char* file() const noexcept;
   /// Source line of the failing call, or 0.
-  int line() const noexcept { return line_; }
+  int line() const noexcept;
 
  private:
   errc code_;
@@ -91,8 +84,7 @@ class cuda_error : public error {
  public:
   /// Takes the same arguments as error's constructor, less the code (always errc::cuda).
   cuda_error(const std::string& message, cudaError_t cuda_result, std::string call = {}, int device = -1,
-             const char* file = nullptr, int line = 0)
-      : error(errc::cuda, message, cuda_result, std::move(call), device, file, line) {}
+             const char* file = nullptr, int line = 0);
 };
 
 /// No usable device: no driver, no GPU, or no device satisfying a selection requirement.
@@ -100,8 +92,7 @@ class no_device_error : public error {
  public:
   /// Takes the same arguments as error's constructor, less the code (always errc::no_device).
   explicit no_device_error(const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
-                           int device = -1, const char* file = nullptr, int line = 0)
-      : error(errc::no_device, message, cuda_result, std::move(call), device, file, line) {}
+                           int device = -1, const char* file = nullptr, int line = 0);
 };
 
 /// An allocation could not be satisfied (by CUDA, the host, or a gpukit allocator's limit).
@@ -109,8 +100,7 @@ class out_of_memory_error : public error {
  public:
   /// Takes the same arguments as error's constructor, less the code (always errc::out_of_memory).
   explicit out_of_memory_error(const std::string& message, cudaError_t cuda_result = cudaSuccess, std::string call = {},
-                               int device = -1, const char* file = nullptr, int line = 0)
-      : error(errc::out_of_memory, message, cuda_result, std::move(call), device, file, line) {}
+                               int device = -1, const char* file = nullptr, int line = 0);
 };
 
 /// Bad input or misuse: an invalid ordinal, a malformed string, a moved-from object, a double free, ...
@@ -118,8 +108,7 @@ class invalid_argument_error : public error {
  public:
   /// Takes the same arguments as error's constructor, less the code (always errc::invalid_argument).
   explicit invalid_argument_error(const std::string& message, cudaError_t cuda_result = cudaSuccess,
-                                  std::string call = {}, int device = -1, const char* file = nullptr, int line = 0)
-      : error(errc::invalid_argument, message, cuda_result, std::move(call), device, file, line) {}
+                                  std::string call = {}, int device = -1, const char* file = nullptr, int line = 0);
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -127,27 +116,19 @@ class invalid_argument_error : public error {
 // ---------------------------------------------------------------------------------------------------------------
 
 namespace detail {
-inline void print_warning_to_stderr(std::string_view message, bool from_inside_handler) noexcept {
-  std::fprintf(stderr, "gpukit warning%s: %.*s\n", from_inside_handler ? " (raised inside the warning handler)" : "",
-               static_cast<int>(message.size()), message.data());
-}
-inline void print_warning(std::string_view message) noexcept { print_warning_to_stderr(message, false); }
+GPUKIT_INLINE void print_warning_to_stderr(std::string_view message, bool from_inside_handler) noexcept;
+GPUKIT_INLINE void print_warning(std::string_view message) noexcept;
 
 /// Where warn() sends a message: stderr until set_warning_handler (warning.hpp) installs its dispatcher. Exported,
 /// one per process; constant-initialised, so usable at any time, including static destruction.
 using warning_sink = void (*)(std::string_view message) noexcept;
-GPUKIT_EXPORT inline std::atomic<warning_sink>& warning_sink_slot() noexcept {
-  static std::atomic<warning_sink> sink{&print_warning};
-  return sink;
-}
+GPUKIT_EXPORT GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept;
 }  // namespace detail
 
 /// Reports what cannot be thrown (inside destructors and host callbacks) or is only a diagnostic (e.g.
 /// CUDA_VISIBLE_DEVICES changed after CUDA was initialised): to stderr as "gpukit warning: <message>", or to the
 /// handler set with set_warning_handler (warning.hpp). Never throws.
-inline void warn(std::string_view message) noexcept {
-  detail::warning_sink_slot().load(std::memory_order_acquire)(message);
-}
+GPUKIT_INLINE void warn(std::string_view message) noexcept;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Building CUDA error messages
@@ -156,15 +137,118 @@ inline void warn(std::string_view message) noexcept {
 namespace detail {
 
 /// `"value"` or `unset` for an environment variable, for messages.
-inline std::string describe_environment_variable(const char* name) {
+GPUKIT_INLINE std::string describe_environment_variable(const char* name);
+
+/// One sentence on what a CUDA result usually means, for the results users meet most on misconfigured machines.
+GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept;
+
+/// "<call> failed[ on cuda:N]: <description> (<name>); <k> device(s) visible; CUDA_VISIBLE_DEVICES=...; <hint>"
+GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device);
+
+/// Throws the gpukit exception that corresponds to a failed CUDA call (see the table at the top of this file).
+/// Also clears CUDA's last-error state so the failure is not reported again by an unrelated call.
+[[noreturn]] GPUKIT_INLINE void throw_cuda_error(cudaError_t result, std::string_view call, int device,
+                                                 const char* file, int line);
+
+/// True for the results of a CUDA runtime or driver that is already torn down, as at process exit:
+/// cudaErrorCudartUnloading (the runtime is unloading; also what the driver's CUDA_ERROR_DEINITIALIZED, the same
+/// value 4, becomes; the runtime has no cudaErrorDeinitialized) and cudaErrorContextIsDestroyed (the primary context
+/// is gone). The resources of the process went with them: there is nothing left to release or report.
+constexpr bool is_teardown_result(cudaError_t result) noexcept {
+  return result == cudaErrorCudartUnloading || result == cudaErrorContextIsDestroyed;
+}
+
+/// For destructors and other places that must not throw: reports a failed CUDA call as a warning. Teardown results
+/// (is_teardown_result: destructors running after main returned) are not reported.
+GPUKIT_INLINE void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept;
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+/// Evaluates a CUDA runtime call and throws the matching gpukit exception if it fails. The message names the call as
+/// written, e.g. `GPUKIT_CUDA_TRY(cudaDeviceSynchronize());`.
+#define GPUKIT_CUDA_TRY(call_expression) GPUKIT_CUDA_TRY_DESCRIBED(call_expression, #call_expression, -1)
+
+/// Like GPUKIT_CUDA_TRY, but with a description of the call (evaluated only on failure, so it may build a string
+/// with the argument values) and the device ordinal concerned (-1 when none).
+#define GPUKIT_CUDA_TRY_DESCRIBED(call_expression, description, device_ordinal)                                     \
+  do {                                                                                                              \
+    const cudaError_t gpukit_cuda_result_ = (call_expression);                                                      \
+    if (gpukit_cuda_result_ != cudaSuccess) {                                                                       \
+      ::gpukit::detail::throw_cuda_error(gpukit_cuda_result_, (description), (device_ordinal), __FILE__, __LINE__); \
+    }                                                                                                               \
+  } while (false)
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE error::error(errc code, const std::string& message, cudaError_t cuda_result, std::string call, int device,
+                           const char* file, int line)
+    : std::runtime_error(message),
+      code_(code),
+      cuda_result_(cuda_result),
+      device_(device),
+      line_(line),
+      file_(file),
+      call_(call) {}
+
+GPUKIT_INLINE errc error::code() const noexcept { return code_; }
+
+GPUKIT_INLINE cudaError_t error::cuda_result() const noexcept { return cuda_result_; }
+
+GPUKIT_INLINE const char* error::cuda_error_name() const noexcept { return cudaGetErrorName(cuda_result_); }
+
+GPUKIT_INLINE std::string_view error::call() const noexcept { return call_.what(); }
+
+GPUKIT_INLINE int error::device() const noexcept { return device_; }
+
+GPUKIT_INLINE const char* error::file() const noexcept { return file_; }
+
+GPUKIT_INLINE int error::line() const noexcept { return line_; }
+
+GPUKIT_INLINE cuda_error::cuda_error(const std::string& message, cudaError_t cuda_result, std::string call, int device,
+                                     const char* file, int line)
+    : error(errc::cuda, message, cuda_result, std::move(call), device, file, line) {}
+
+GPUKIT_INLINE no_device_error::no_device_error(const std::string& message, cudaError_t cuda_result, std::string call,
+                                               int device, const char* file, int line)
+    : error(errc::no_device, message, cuda_result, std::move(call), device, file, line) {}
+
+GPUKIT_INLINE out_of_memory_error::out_of_memory_error(const std::string& message, cudaError_t cuda_result,
+                                                       std::string call, int device, const char* file, int line)
+    : error(errc::out_of_memory, message, cuda_result, std::move(call), device, file, line) {}
+
+GPUKIT_INLINE invalid_argument_error::invalid_argument_error(const std::string& message, cudaError_t cuda_result,
+                                                             std::string call, int device, const char* file, int line)
+    : error(errc::invalid_argument, message, cuda_result, std::move(call), device, file, line) {}
+namespace detail {
+
+GPUKIT_INLINE void print_warning_to_stderr(std::string_view message, bool from_inside_handler) noexcept {
+  std::fprintf(stderr, "gpukit warning%s: %.*s\n", from_inside_handler ? " (raised inside the warning handler)" : "",
+               static_cast<int>(message.size()), message.data());
+}
+
+GPUKIT_INLINE void print_warning(std::string_view message) noexcept { print_warning_to_stderr(message, false); }
+
+GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept {
+  static std::atomic<warning_sink> sink{&print_warning};
+  return sink;
+}
+}  // namespace detail
+
+GPUKIT_INLINE void warn(std::string_view message) noexcept {
+  detail::warning_sink_slot().load(std::memory_order_acquire)(message);
+}
+namespace detail {
+
+GPUKIT_INLINE std::string describe_environment_variable(const char* name) {
   const char* value = std::getenv(name);
   std::string text = name;
   if (value == nullptr) return text + " unset";
   return text + "=\"" + value + "\"";
 }
 
-/// One sentence on what a CUDA result usually means, for the results users meet most on misconfigured machines.
-inline const char* cuda_result_hint(cudaError_t result) noexcept {
+GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
   switch (result) {
     case cudaErrorInsufficientDriver:
       return "no NVIDIA driver is loaded, or it is older than this CUDA runtime; select_device() falls back to the "
@@ -180,8 +264,7 @@ inline const char* cuda_result_hint(cudaError_t result) noexcept {
   }
 }
 
-/// "<call> failed[ on cuda:N]: <description> (<name>); <k> device(s) visible; CUDA_VISIBLE_DEVICES=...; <hint>"
-inline std::string cuda_failure_message(cudaError_t result, std::string_view call, int device) {
+GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device) {
   int visible = 0;  // stays 0 without a driver: out-parameters are not written on error
   if (cudaGetDeviceCount(&visible) != cudaSuccess) visible = 0;
   std::string message(call);
@@ -202,10 +285,7 @@ inline std::string cuda_failure_message(cudaError_t result, std::string_view cal
   return message;
 }
 
-/// Throws the gpukit exception that corresponds to a failed CUDA call (see the table at the top of this file).
-/// Also clears CUDA's last-error state so the failure is not reported again by an unrelated call.
-[[noreturn]] inline void throw_cuda_error(cudaError_t result, std::string_view call, int device, const char* file,
-                                          int line) {
+GPUKIT_INLINE void throw_cuda_error(cudaError_t result, std::string_view call, int device, const char* file, int line) {
   (void)cudaGetLastError();
   std::string message = cuda_failure_message(result, call, device);
   std::string call_text(call);
@@ -225,17 +305,7 @@ inline std::string cuda_failure_message(cudaError_t result, std::string_view cal
   }
 }
 
-/// True for the results of a CUDA runtime or driver that is already torn down, as at process exit:
-/// cudaErrorCudartUnloading (the runtime is unloading; also what the driver's CUDA_ERROR_DEINITIALIZED, the same
-/// value 4, becomes; the runtime has no cudaErrorDeinitialized) and cudaErrorContextIsDestroyed (the primary context
-/// is gone). The resources of the process went with them: there is nothing left to release or report.
-constexpr bool is_teardown_result(cudaError_t result) noexcept {
-  return result == cudaErrorCudartUnloading || result == cudaErrorContextIsDestroyed;
-}
-
-/// For destructors and other places that must not throw: reports a failed CUDA call as a warning. Teardown results
-/// (is_teardown_result: destructors running after main returned) are not reported.
-inline void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept {
+GPUKIT_INLINE void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept {
   if (result == cudaSuccess) return;
   if (is_teardown_result(result)) {
     (void)cudaGetLastError();
@@ -250,17 +320,4 @@ inline void report_cuda_failure(cudaError_t result, std::string_view call, int d
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
-
-/// Evaluates a CUDA runtime call and throws the matching gpukit exception if it fails. The message names the call as
-/// written, e.g. `GPUKIT_CUDA_TRY(cudaDeviceSynchronize());`.
-#define GPUKIT_CUDA_TRY(call_expression) GPUKIT_CUDA_TRY_DESCRIBED(call_expression, #call_expression, -1)
-
-/// Like GPUKIT_CUDA_TRY, but with a description of the call (evaluated only on failure, so it may build a string
-/// with the argument values) and the device ordinal concerned (-1 when none).
-#define GPUKIT_CUDA_TRY_DESCRIBED(call_expression, description, device_ordinal)                                     \
-  do {                                                                                                              \
-    const cudaError_t gpukit_cuda_result_ = (call_expression);                                                      \
-    if (gpukit_cuda_result_ != cudaSuccess) {                                                                       \
-      ::gpukit::detail::throw_cuda_error(gpukit_cuda_result_, (description), (device_ordinal), __FILE__, __LINE__); \
-    }                                                                                                               \
-  } while (false)
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -36,7 +36,7 @@ using warning_handler = std::function<void(std::string_view message)>;
 namespace detail {
 /// One installed handler, with the number of calls of it in progress (guarded by warning_state::mutex).
 struct installed_warning_handler {
-  explicit installed_warning_handler(warning_handler h) : handler(std::move(h)) {}
+  explicit installed_warning_handler(warning_handler h);
   warning_handler handler;
   std::size_t calls_in_progress = 0;
 };
@@ -48,23 +48,44 @@ struct warning_state {
 };
 // Constructed on first use (never at static initialisation) and never destroyed: destructors that run after main
 // returns (objects at namespace scope, singletons) may still warn, after a destroyed static would be gone.
-GPUKIT_EXPORT inline warning_state& warnings() {
-  static warning_state* state = new warning_state();
-  return *state;
-}
+GPUKIT_EXPORT GPUKIT_INLINE warning_state& warnings();
 /// The handler the calling thread is running now, or nullptr. Exported like warnings(): a handler that warns
 /// through another shared library's copy of gpukit is still recognised as re-entrant.
-GPUKIT_EXPORT inline const installed_warning_handler*& warning_handler_running_on_this_thread() {
-  thread_local const installed_warning_handler* running = nullptr;
-  return running;
-}
+GPUKIT_EXPORT GPUKIT_INLINE const installed_warning_handler*& warning_handler_running_on_this_thread();
 
 }  // namespace detail
 
 namespace detail {
 /// The warning sink once a handler has been set: delivers `message` to the current handler (or stderr when it was
 /// reset), outside any gpukit lock. Never throws: a throwing handler is ignored.
-GPUKIT_EXPORT inline void deliver_warning_to_handler(std::string_view message) noexcept {
+GPUKIT_EXPORT GPUKIT_INLINE void deliver_warning_to_handler(std::string_view message) noexcept;
+}  // namespace detail
+
+/// Replaces the warning handler and returns the previous one. An empty handler restores the default, which writes
+/// "gpukit warning: <message>" to stderr. When it returns, no other thread is still running the previous handler
+/// (so whatever it refers to may be destroyed); a call of it in progress on the calling thread (a handler replacing
+/// itself) is not waited for, and completes.
+GPUKIT_INLINE warning_handler set_warning_handler(warning_handler handler);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE installed_warning_handler::installed_warning_handler(warning_handler h) : handler(std::move(h)) {}
+
+GPUKIT_INLINE warning_state& warnings() {
+  static warning_state* state = new warning_state();
+  return *state;
+}
+
+GPUKIT_INLINE const installed_warning_handler*& warning_handler_running_on_this_thread() {
+  thread_local const installed_warning_handler* running = nullptr;
+  return running;
+}
+
+GPUKIT_INLINE void deliver_warning_to_handler(std::string_view message) noexcept {
   try {
     auto& state = warnings();
     const installed_warning_handler*& running = warning_handler_running_on_this_thread();
@@ -106,11 +127,7 @@ GPUKIT_EXPORT inline void deliver_warning_to_handler(std::string_view message) n
 }
 }  // namespace detail
 
-/// Replaces the warning handler and returns the previous one. An empty handler restores the default, which writes
-/// "gpukit warning: <message>" to stderr. When it returns, no other thread is still running the previous handler
-/// (so whatever it refers to may be destroyed); a call of it in progress on the calling thread (a handler replacing
-/// itself) is not waited for, and completes.
-inline warning_handler set_warning_handler(warning_handler handler) {
+GPUKIT_INLINE warning_handler set_warning_handler(warning_handler handler) {
   auto& state = detail::warnings();
   std::shared_ptr<detail::installed_warning_handler> replacement;
   if (handler) replacement = std::make_shared<detail::installed_warning_handler>(std::move(handler));
@@ -128,3 +145,4 @@ inline warning_handler set_warning_handler(warning_handler handler) {
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

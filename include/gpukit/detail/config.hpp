@@ -35,6 +35,23 @@
 #define GPUKIT_DETAIL_EXTERN_TEMPLATES 0
 #endif
 
+// The compiled mode also leaves out the bodies of gpukit's non-template functions: the headers then hold their
+// declarations only, and gpukit::compiled (whose sources define GPUKIT_DETAIL_BUILDING_COMPILED) defines each function
+// once, as {fmt} does without FMT_HEADER_ONLY. Parsing those bodies, and instantiating the standard containers they
+// use, is most of what including gpukit costs. A header that defines such functions out of class keeps them in one
+// block, at its end, under `#if GPUKIT_DETAIL_DEFINITIONS`, each marked GPUKIT_INLINE: `inline` header-only, nothing
+// in the compiled library. Templates, constexpr functions and one-line accessors stay where they are, in every mode.
+#if !defined(GPUKIT_SEPARATE_COMPILATION) || defined(GPUKIT_DETAIL_BUILDING_COMPILED)
+#define GPUKIT_DETAIL_DEFINITIONS 1
+#else
+#define GPUKIT_DETAIL_DEFINITIONS 0
+#endif
+#if defined(GPUKIT_SEPARATE_COMPILATION)
+#define GPUKIT_INLINE
+#else
+#define GPUKIT_INLINE inline
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define GPUKIT_EXPORT __attribute__((visibility("default")))
 #else

@@ -51,11 +51,7 @@ struct driver_api {
   CUresult(CUDAAPI* mem_unmap)(CUdeviceptr ptr, size_t size) = nullptr;
   CUresult(CUDAAPI* mem_set_access)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) = nullptr;
 
-  bool has_virtual_memory() const noexcept {
-    return device_get != nullptr && device_get_attribute != nullptr && mem_get_allocation_granularity != nullptr &&
-           mem_address_reserve != nullptr && mem_address_free != nullptr && mem_create != nullptr &&
-           mem_release != nullptr && mem_map != nullptr && mem_unmap != nullptr && mem_set_access != nullptr;
-  }
+  bool has_virtual_memory() const noexcept;
 };
 
 /// The ABI version requested from the driver: these functions have not changed since CUDA 7, and a driver that runs
@@ -63,7 +59,42 @@ struct driver_api {
 inline constexpr unsigned driver_api_version = 12000;
 
 /// Looks up the entry points (see driver()). Never throws.
-inline driver_api load_driver_api() noexcept {
+GPUKIT_INLINE driver_api load_driver_api() noexcept;
+
+/// A cuMemSetAccess descriptor for device `ordinal`: read/write, or none (access taken back).
+GPUKIT_INLINE CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept;
+
+/// True for the results of a driver already torn down, as at process exit (CUDA_ERROR_DEINITIALIZED,
+/// CUDA_ERROR_CONTEXT_IS_DESTROYED): what it held went with it, so there is nothing left to release or report.
+constexpr bool is_teardown_result(CUresult result) noexcept {
+  return result == CUDA_ERROR_DEINITIALIZED || result == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+}
+
+/// The process-wide driver entry points, looked up on first use.
+GPUKIT_EXPORT GPUKIT_INLINE const driver_api& driver() noexcept;
+
+/// Whether a CUDA context is current on the calling thread: 1 yes, 0 no (the thread never chose a device, so
+/// cudaGetDevice's 0 is only a default), -1 unknown (no driver entry point). Never throws; creates nothing.
+GPUKIT_INLINE int thread_context_state() noexcept;
+
+/// Whether the primary context of visible device `ordinal` is active (exists): 1 yes, 0 no, -1 unknown. Never
+/// throws; creates nothing.
+GPUKIT_INLINE int primary_context_state(int ordinal) noexcept;
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE bool driver_api::has_virtual_memory() const noexcept {
+  return device_get != nullptr && device_get_attribute != nullptr && mem_get_allocation_granularity != nullptr &&
+         mem_address_reserve != nullptr && mem_address_free != nullptr && mem_create != nullptr &&
+         mem_release != nullptr && mem_map != nullptr && mem_unmap != nullptr && mem_set_access != nullptr;
+}
+
+GPUKIT_INLINE driver_api load_driver_api() noexcept {
   driver_api api;
   // Initialises the runtime and the driver (cuInit), which cuDeviceGet needs; creates no context.
   int count = 0;
@@ -98,8 +129,7 @@ inline driver_api load_driver_api() noexcept {
   return api;
 }
 
-/// A cuMemSetAccess descriptor for device `ordinal`: read/write, or none (access taken back).
-inline CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept {
+GPUKIT_INLINE CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = ordinal;
@@ -107,30 +137,19 @@ inline CUmemAccessDesc device_access_desc(int ordinal, bool read_write) noexcept
   return access;
 }
 
-/// True for the results of a driver already torn down, as at process exit (CUDA_ERROR_DEINITIALIZED,
-/// CUDA_ERROR_CONTEXT_IS_DESTROYED): what it held went with it, so there is nothing left to release or report.
-constexpr bool is_teardown_result(CUresult result) noexcept {
-  return result == CUDA_ERROR_DEINITIALIZED || result == CUDA_ERROR_CONTEXT_IS_DESTROYED;
-}
-
-/// The process-wide driver entry points, looked up on first use.
-GPUKIT_EXPORT inline const driver_api& driver() noexcept {
+GPUKIT_INLINE const driver_api& driver() noexcept {
   static const driver_api api = load_driver_api();
   return api;
 }
 
-/// Whether a CUDA context is current on the calling thread: 1 yes, 0 no (the thread never chose a device, so
-/// cudaGetDevice's 0 is only a default), -1 unknown (no driver entry point). Never throws; creates nothing.
-inline int thread_context_state() noexcept {
+GPUKIT_INLINE int thread_context_state() noexcept {
   const driver_api& api = driver();
   CUcontext context = nullptr;
   if (api.ctx_get_current == nullptr || api.ctx_get_current(&context) != CUDA_SUCCESS) return -1;
   return context != nullptr ? 1 : 0;
 }
 
-/// Whether the primary context of visible device `ordinal` is active (exists): 1 yes, 0 no, -1 unknown. Never
-/// throws; creates nothing.
-inline int primary_context_state(int ordinal) noexcept {
+GPUKIT_INLINE int primary_context_state(int ordinal) noexcept {
   const driver_api& api = driver();
   if (api.device_get == nullptr || api.primary_ctx_get_state == nullptr || ordinal < 0) return -1;
   CUdevice device = 0;
@@ -143,3 +162,4 @@ inline int primary_context_state(int ordinal) noexcept {
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

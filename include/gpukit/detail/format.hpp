@@ -15,7 +15,19 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// Human-readable bytes with binary units: "512 B", "1.50 KiB", "16.69 GiB". Exact below 1 KiB.
-inline std::string format_bytes(std::size_t bytes) {
+GPUKIT_INLINE std::string format_bytes(std::size_t bytes);
+
+/// Bytes with the exact count alongside: "1.50 GiB (1610612736 bytes)".
+GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes);
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::string format_bytes(std::size_t bytes) {
   static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   if (bytes < 1024) return std::to_string(bytes) + " B";
   double value = static_cast<double>(bytes);
@@ -29,11 +41,11 @@ inline std::string format_bytes(std::size_t bytes) {
   return text;
 }
 
-/// Bytes with the exact count alongside: "1.50 GiB (1610612736 bytes)".
-inline std::string format_bytes_exact(std::size_t bytes) {
+GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes) {
   if (bytes < 1024) return format_bytes(bytes);
   return format_bytes(bytes) + " (" + std::to_string(bytes) + " bytes)";
 }
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -21,7 +21,16 @@ constexpr bool is_power_of_two(std::size_t n) noexcept { return n != 0 && (n & (
 
 /// count * size, or invalid_argument_error naming `who` when it does not fit in size_t (a count that large is always
 /// a bug).
-inline std::size_t checked_bytes(std::size_t count, std::size_t element_size, const char* who) {
+GPUKIT_INLINE std::size_t checked_bytes(std::size_t count, std::size_t element_size, const char* who);
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::size_t checked_bytes(std::size_t count, std::size_t element_size, const char* who) {
   if (element_size != 0 && count > std::numeric_limits<std::size_t>::max() / element_size) {
     throw invalid_argument_error(std::string(who) + ": " + std::to_string(count) + " elements of " +
                                  std::to_string(element_size) + " bytes overflow size_t");
@@ -31,3 +40,4 @@ inline std::size_t checked_bytes(std::size_t count, std::size_t element_size, co
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

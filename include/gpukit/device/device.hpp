@@ -26,26 +26,11 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// `s` without the whitespace around it (what isspace accepts in the C locale).
-inline std::string_view trim_whitespace(std::string_view s) noexcept {
-  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
-  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
-  return s;
-}
+GPUKIT_INLINE std::string_view trim_whitespace(std::string_view s) noexcept;
 
 /// The value of a non-empty string of decimal digits, saturated at ULLONG_MAX (so "too big" stays too big for any
 /// range check, whatever its length); nullopt if `digits` is empty or holds anything but 0-9.
-inline std::optional<unsigned long long> parse_decimal_saturating(std::string_view digits) noexcept {
-  if (digits.empty()) return std::nullopt;
-  constexpr unsigned long long max = std::numeric_limits<unsigned long long>::max();
-  unsigned long long value = 0;
-  for (char c : digits) {
-    if (c < '0' || c > '9') return std::nullopt;
-    const auto digit = static_cast<unsigned long long>(c - '0');
-    value = value > (max - digit) / 10 ? max : value * 10 + digit;
-  }
-  return value;
-}
+GPUKIT_INLINE std::optional<unsigned long long> parse_decimal_saturating(std::string_view digits) noexcept;
 
 }  // namespace detail
 
@@ -67,34 +52,12 @@ class device {
 
   /// The CUDA device with this ordinal. Throws invalid_argument_error for a negative ordinal. Whether the ordinal
   /// exists is checked when the device is used (so a value can be built before CUDA is initialised).
-  static device cuda(int ordinal) {
-    if (ordinal < 0) {
-      throw invalid_argument_error("gpukit::device::cuda(" + std::to_string(ordinal) +
-                                   "): a CUDA ordinal must be non-negative");
-    }
-    return device(kind::cuda, ordinal);
-  }
+  static device cuda(int ordinal);
 
   /// Parses "cpu", "cuda" (meaning cuda:0) or "cuda:N" with N a decimal ordinal up to INT_MAX (leading zeros
   /// allowed); surrounding whitespace (spaces, tabs, newlines, `\r`, `\f`, `\v`) is ignored, nothing else is
   /// accepted. Throws invalid_argument_error naming the text otherwise, including for an ordinal beyond INT_MAX.
-  static device parse(std::string_view text) {
-    const std::string_view original = text;
-    text = detail::trim_whitespace(text);
-    if (text == "cpu") return cpu();
-    if (text == "cuda") return cuda(0);
-    constexpr std::string_view prefix = "cuda:";
-    const char* why = "expected \"cpu\", \"cuda\" or \"cuda:N\" with N a non-negative integer";
-    if (text.size() > prefix.size() && text.substr(0, prefix.size()) == prefix) {
-      if (const auto ordinal = detail::parse_decimal_saturating(text.substr(prefix.size()))) {
-        if (*ordinal <= static_cast<unsigned long long>(std::numeric_limits<int>::max())) {
-          return cuda(static_cast<int>(*ordinal));
-        }
-        why = "the ordinal is beyond any device (cuda:N takes N up to 2147483647)";
-      }
-    }
-    throw invalid_argument_error("invalid device \"" + std::string(original) + "\": " + why);
-  }
+  static device parse(std::string_view text);
 
   /// kind::cpu or kind::cuda.
   constexpr kind type() const noexcept { return kind_; }
@@ -106,7 +69,7 @@ class device {
   constexpr int ordinal() const noexcept { return ordinal_; }
 
   /// "cpu" or "cuda:N"; device::parse(d.to_string()) == d.
-  std::string to_string() const { return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(ordinal_); }
+  std::string to_string() const;
 
   /// Equal when both are the CPU or both are the same CUDA ordinal.
   friend constexpr bool operator==(device a, device b) noexcept {
@@ -138,55 +101,24 @@ struct cuda_environment_snapshot {
   std::string value;
 };
 
-GPUKIT_EXPORT inline const cuda_environment_snapshot& cuda_environment_at_init() {
-  static const cuda_environment_snapshot snapshot = [] {
-    cuda_environment_snapshot s;
-    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
-      s.set = true;
-      s.value = value;
-    }
-    return s;
-  }();
-  return snapshot;
-}
+GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init();
 
 /// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
 /// own initialisation triggered by gpukit.
-inline void note_cuda_use() { (void)cuda_environment_at_init(); }
+GPUKIT_INLINE void note_cuda_use();
 
 }  // namespace detail
 
 /// The number of CUDA devices visible to this process. Never throws: 0 without a driver (cudaErrorInsufficientDriver),
 /// with only the stub library (cudaErrorStubLibrary), or with no GPU (cudaErrorNoDevice).
-inline int device_count() noexcept {
-  try {
-    detail::note_cuda_use();
-  } catch (...) {
-  }
-  int count = 0;  // not written by CUDA on error
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
+GPUKIT_INLINE int device_count() noexcept;
 
 /// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU.
-inline device current_device() {
-  detail::note_cuda_use();
-  int ordinal = 0;
-  GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
-  return device::cuda(ordinal);
-}
+GPUKIT_INLINE device current_device();
 
 /// Makes `d` the calling thread's current CUDA device (cudaSetDevice). Does nothing for the CPU.
 /// Throws invalid_argument_error for an ordinal that is not visible, naming the visible count.
-inline void set_current_device(device d) {
-  if (!d.is_cuda()) return;
-  detail::note_cuda_use();
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaSetDevice(d.ordinal()), "cudaSetDevice(" + std::to_string(d.ordinal()) + ")",
-                            d.ordinal());
-}
+GPUKIT_INLINE void set_current_device(device d);
 
 /// RAII: makes a device current for the calling thread and restores the previous current device when the scope ends.
 /// For the CPU it changes nothing. It calls cudaSetDevice only when the device differs from the current one, so
@@ -202,27 +134,11 @@ class device_guard {
  public:
   /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
   /// driver.
-  explicit device_guard(device d) {
-    if (!d.is_cuda()) return;
-    detail::note_cuda_use();
-    GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
-    // 0: no context is current, so cudaGetDevice's answer is a default, which the runtime would initialise.
-    had_context_ = detail::thread_context_state() != 0;
-    if (previous_ != d.ordinal() || !had_context_) {
-      set_current_device(d);
-      changed_ = previous_ != d.ordinal();
-    }
-  }
+  explicit device_guard(device d);
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
   /// Restores the previous device (see the class comment); failures are reported through gpukit::warn.
-  ~device_guard() {
-    if (!changed_) return;
-    // Not active (reset meanwhile, or never created for a thread that had no context): restoring would create it.
-    const int state = detail::primary_context_state(previous_);
-    if (state == 0 || (!had_context_ && state != 1)) return;
-    detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)", previous_);
-  }
+  ~device_guard();
 
  private:
   int previous_ = 0;
@@ -244,27 +160,16 @@ inline constexpr int no_context_anywhere = -1;
 /// In order: keep_current_context if a context is current; `preferred` if its primary context is active; the first
 /// device whose primary context is active; else `preferred` when `allow_new` (the caller named it, so a context there
 /// is expected), else no_context_anywhere. Creates nothing itself; never throws.
-inline int device_with_context(int preferred, bool allow_new = true) noexcept {
-  if (thread_context_state() != 0) return keep_current_context;
-  if (preferred >= 0 && primary_context_state(preferred) == 1) return preferred;
-  const int count = device_count();
-  for (int ordinal = 0; ordinal < count; ++ordinal) {
-    if (ordinal != preferred && primary_context_state(ordinal) == 1) return ordinal;
-  }
-  return allow_new && preferred >= 0 ? preferred : no_context_anywhere;
-}
+GPUKIT_INLINE int device_with_context(int preferred, bool allow_new = true) noexcept;
 
 /// RAII for a call that needs a context: with `any_context` (the call is served by any context, e.g. portable pinned
 /// memory) makes device_with_context(ordinal) current, else `ordinal` itself (device_guard). Nothing changes when
 /// the current context serves. See device_guard for what is restored.
 class context_scope {
  public:
-  explicit context_scope(int ordinal, bool any_context = true)
-      : ordinal_(any_context ? device_with_context(ordinal) : ordinal) {
-    if (ordinal_ >= 0) guard_.emplace(device::cuda(ordinal_));
-  }
+  explicit context_scope(int ordinal, bool any_context = true);
   /// The device made current, or keep_current_context / no_context_anywhere (see device_with_context).
-  int ordinal() const noexcept { return ordinal_; }
+  int ordinal() const noexcept;
 
  private:
   int ordinal_;
@@ -300,18 +205,11 @@ class device_range {
     /// At the given ordinal.
     constexpr explicit iterator(int ordinal) noexcept : ordinal_(ordinal) {}
     /// The device at this position (device::cuda of the ordinal).
-    device operator*() const { return device::cuda(ordinal_); }
+    device operator*() const;
     /// Moves to the next ordinal.
-    iterator& operator++() noexcept {
-      ++ordinal_;
-      return *this;
-    }
+    iterator& operator++() noexcept;
     /// Moves to the next ordinal; returns the position before the move.
-    iterator operator++(int) noexcept {
-      iterator old = *this;
-      ++ordinal_;
-      return old;
-    }
+    iterator operator++(int) noexcept;
     /// Equal at the same ordinal.
     friend constexpr bool operator==(iterator a, iterator b) noexcept { return a.ordinal_ == b.ordinal_; }
     /// Not equal (see operator==).
@@ -322,22 +220,22 @@ class device_range {
   };
 
   /// cuda:0 ... cuda:(count-1); a negative count gives an empty range. Ordinals are not checked against the machine.
-  explicit device_range(int count) noexcept : count_(count < 0 ? 0 : count) {}
+  explicit device_range(int count) noexcept;
   /// At cuda:0.
-  iterator begin() const noexcept { return iterator(0); }
+  iterator begin() const noexcept;
   /// Past the last device.
-  iterator end() const noexcept { return iterator(count_); }
+  iterator end() const noexcept;
   /// The number of devices in the range.
-  std::size_t size() const noexcept { return static_cast<std::size_t>(count_); }
+  std::size_t size() const noexcept;
   /// True when the range holds no device.
-  bool empty() const noexcept { return count_ == 0; }
+  bool empty() const noexcept;
 
  private:
   int count_;
 };
 
 /// The visible CUDA devices: `for (gpukit::device d : gpukit::cuda_devices()) ...`. Empty without a GPU.
-inline device_range cuda_devices() noexcept { return device_range(device_count()); }
+GPUKIT_INLINE device_range cuda_devices() noexcept;
 
 GPUKIT_END_NAMESPACE
 
@@ -349,3 +247,167 @@ struct hash<gpukit::device> {
   std::size_t operator()(gpukit::device d) const noexcept { return std::hash<int>()(d.ordinal()); }
 };
 }  // namespace std
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::string_view trim_whitespace(std::string_view s) noexcept {
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+GPUKIT_INLINE std::optional<unsigned long long> parse_decimal_saturating(std::string_view digits) noexcept {
+  if (digits.empty()) return std::nullopt;
+  constexpr unsigned long long max = std::numeric_limits<unsigned long long>::max();
+  unsigned long long value = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return std::nullopt;
+    const auto digit = static_cast<unsigned long long>(c - '0');
+    value = value > (max - digit) / 10 ? max : value * 10 + digit;
+  }
+  return value;
+}
+}  // namespace detail
+
+GPUKIT_INLINE device device::cuda(int ordinal) {
+  if (ordinal < 0) {
+    throw invalid_argument_error("gpukit::device::cuda(" + std::to_string(ordinal) +
+                                 "): a CUDA ordinal must be non-negative");
+  }
+  return device(kind::cuda, ordinal);
+}
+
+GPUKIT_INLINE device device::parse(std::string_view text) {
+  const std::string_view original = text;
+  text = detail::trim_whitespace(text);
+  if (text == "cpu") return cpu();
+  if (text == "cuda") return cuda(0);
+  constexpr std::string_view prefix = "cuda:";
+  const char* why = "expected \"cpu\", \"cuda\" or \"cuda:N\" with N a non-negative integer";
+  if (text.size() > prefix.size() && text.substr(0, prefix.size()) == prefix) {
+    if (const auto ordinal = detail::parse_decimal_saturating(text.substr(prefix.size()))) {
+      if (*ordinal <= static_cast<unsigned long long>(std::numeric_limits<int>::max())) {
+        return cuda(static_cast<int>(*ordinal));
+      }
+      why = "the ordinal is beyond any device (cuda:N takes N up to 2147483647)";
+    }
+  }
+  throw invalid_argument_error("invalid device \"" + std::string(original) + "\": " + why);
+}
+
+GPUKIT_INLINE std::string device::to_string() const {
+  return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(ordinal_);
+}
+namespace detail {
+
+GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init() {
+  static const cuda_environment_snapshot snapshot = [] {
+    cuda_environment_snapshot s;
+    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
+      s.set = true;
+      s.value = value;
+    }
+    return s;
+  }();
+  return snapshot;
+}
+
+GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
+}  // namespace detail
+
+GPUKIT_INLINE int device_count() noexcept {
+  try {
+    detail::note_cuda_use();
+  } catch (...) {
+  }
+  int count = 0;  // not written by CUDA on error
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+GPUKIT_INLINE device current_device() {
+  detail::note_cuda_use();
+  int ordinal = 0;
+  GPUKIT_CUDA_TRY(cudaGetDevice(&ordinal));
+  return device::cuda(ordinal);
+}
+
+GPUKIT_INLINE void set_current_device(device d) {
+  if (!d.is_cuda()) return;
+  detail::note_cuda_use();
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaSetDevice(d.ordinal()), "cudaSetDevice(" + std::to_string(d.ordinal()) + ")",
+                            d.ordinal());
+}
+
+GPUKIT_INLINE device_guard::device_guard(device d) {
+  if (!d.is_cuda()) return;
+  detail::note_cuda_use();
+  GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
+  // 0: no context is current, so cudaGetDevice's answer is a default, which the runtime would initialise.
+  had_context_ = detail::thread_context_state() != 0;
+  if (previous_ != d.ordinal() || !had_context_) {
+    set_current_device(d);
+    changed_ = previous_ != d.ordinal();
+  }
+}
+
+GPUKIT_INLINE device_guard::~device_guard() {
+  if (!changed_) return;
+  // Not active (reset meanwhile, or never created for a thread that had no context): restoring would create it.
+  const int state = detail::primary_context_state(previous_);
+  if (state == 0 || (!had_context_ && state != 1)) return;
+  detail::report_cuda_failure(cudaSetDevice(previous_), "cudaSetDevice (restoring in ~device_guard)", previous_);
+}
+namespace detail {
+
+GPUKIT_INLINE int device_with_context(int preferred, bool allow_new) noexcept {
+  if (thread_context_state() != 0) return keep_current_context;
+  if (preferred >= 0 && primary_context_state(preferred) == 1) return preferred;
+  const int count = device_count();
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    if (ordinal != preferred && primary_context_state(ordinal) == 1) return ordinal;
+  }
+  return allow_new && preferred >= 0 ? preferred : no_context_anywhere;
+}
+
+GPUKIT_INLINE context_scope::context_scope(int ordinal, bool any_context)
+    : ordinal_(any_context ? device_with_context(ordinal) : ordinal) {
+  if (ordinal_ >= 0) guard_.emplace(device::cuda(ordinal_));
+}
+
+GPUKIT_INLINE int context_scope::ordinal() const noexcept { return ordinal_; }
+}  // namespace detail
+
+GPUKIT_INLINE device device_range::iterator::operator*() const { return device::cuda(ordinal_); }
+
+GPUKIT_INLINE device_range::iterator& device_range::iterator::operator++() noexcept {
+  ++ordinal_;
+  return *this;
+}
+
+GPUKIT_INLINE device_range::iterator device_range::iterator::operator++(int) noexcept {
+  iterator old = *this;
+  ++ordinal_;
+  return old;
+}
+
+GPUKIT_INLINE device_range::device_range(int count) noexcept : count_(count < 0 ? 0 : count) {}
+
+GPUKIT_INLINE device_range::iterator device_range::begin() const noexcept { return iterator(0); }
+
+GPUKIT_INLINE device_range::iterator device_range::end() const noexcept { return iterator(count_); }
+
+GPUKIT_INLINE std::size_t device_range::size() const noexcept { return static_cast<std::size_t>(count_); }
+
+GPUKIT_INLINE bool device_range::empty() const noexcept { return count_ == 0; }
+
+GPUKIT_INLINE device_range cuda_devices() noexcept { return device_range(device_count()); }
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -59,19 +59,86 @@ struct device_properties {
   bool multi_gpu_board = false;            ///< the device is on a multi-GPU board
 
   /// "9.0"
-  std::string compute_capability() const {
-    return std::to_string(compute_capability_major) + "." + std::to_string(compute_capability_minor);
-  }
+  std::string compute_capability() const;
   /// Theoretical peak memory bandwidth in GB/s: 2 (double data rate) x memory clock x bus width.
-  double peak_memory_bandwidth_gb_per_s() const {
-    return 2.0 * memory_clock_rate_khz * 1e3 * (memory_bus_width_bits / 8.0) / 1e9;
-  }
+  double peak_memory_bandwidth_gb_per_s() const;
 };
 
 namespace detail {
 
 /// "GPU-" followed by the 16 bytes as 8-4-4-4-12 lowercase hex digits.
-inline std::string format_gpu_uuid(const unsigned char (&bytes)[16]) {
+GPUKIT_INLINE std::string format_gpu_uuid(const unsigned char (&bytes)[16]);
+
+GPUKIT_INLINE int device_attribute(cudaDeviceAttr attribute, int ordinal, const char* attribute_name);
+
+GPUKIT_INLINE device_properties query_properties(device d);
+
+/// The process-wide cache of properties(), indexed by ordinal.
+struct properties_cache {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<const device_properties>> entries;
+};
+GPUKIT_EXPORT GPUKIT_INLINE properties_cache& device_properties_cache();
+
+}  // namespace detail
+
+/// The properties of a CUDA device, read once and cached for the life of the process (thread-safe).
+/// Throws invalid_argument_error for the CPU or an ordinal that is not visible, no_device_error without a driver.
+GPUKIT_INLINE const device_properties& properties(device d);
+
+/// The stream priorities a device supports. Lower numbers run first, so `greatest` <= `least` (e.g. -5 and 0).
+struct priority_range {
+  int least = 0;     ///< numerically greatest value: the lowest priority (also the default, 0)
+  int greatest = 0;  ///< numerically lowest value: the highest priority
+  /// `priority` clamped into [greatest, least].
+  constexpr int clamp(int priority) const noexcept {
+    return priority < greatest ? greatest : (priority > least ? least : priority);
+  }
+};
+
+namespace detail {
+
+/// The process-wide cache of stream_priority_range(), indexed by ordinal.
+struct priority_range_cache {
+  std::mutex mutex;
+  std::vector<std::optional<priority_range>> entries;
+};
+GPUKIT_EXPORT GPUKIT_INLINE priority_range_cache& stream_priority_ranges();
+
+}  // namespace detail
+
+/// The stream priority range of device `d`, read once per device and cached (thread-safe). For the CPU, {0, 0}.
+/// cudaDeviceGetStreamPriorityRange answers for the *current* device and creates its context, so this makes `d`
+/// current for the call (device_guard): ask only about a device you are about to create streams on. properties()
+/// and select_device() never ask. Throws invalid_argument_error for an ordinal that is not visible, no_device_error
+/// without a driver.
+GPUKIT_INLINE priority_range stream_priority_range(device d);
+
+/// Free and total device memory in bytes, as cudaMemGetInfo reports it.
+struct memory_info {
+  std::size_t free_bytes = 0;   ///< bytes free now, on the device as a whole (other processes included)
+  std::size_t total_bytes = 0;  ///< bytes of device memory, as cudaMemGetInfo counts it
+};
+
+/// Reads free and total memory of a device. Note: this creates the device's primary context (hundreds of MB) if it
+/// does not exist yet, so call it only for devices you intend to use. The current device is restored afterwards.
+GPUKIT_INLINE memory_info query_memory_info(device d);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::string device_properties::compute_capability() const {
+  return std::to_string(compute_capability_major) + "." + std::to_string(compute_capability_minor);
+}
+
+GPUKIT_INLINE double device_properties::peak_memory_bandwidth_gb_per_s() const {
+  return 2.0 * memory_clock_rate_khz * 1e3 * (memory_bus_width_bits / 8.0) / 1e9;
+}
+namespace detail {
+
+GPUKIT_INLINE std::string format_gpu_uuid(const unsigned char (&bytes)[16]) {
   char text[4 + 36 + 1];
   std::snprintf(text, sizeof text, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", bytes[0],
                 bytes[1], bytes[2], bytes[3], bytes[4], bytes[5], bytes[6], bytes[7], bytes[8], bytes[9], bytes[10],
@@ -79,7 +146,7 @@ inline std::string format_gpu_uuid(const unsigned char (&bytes)[16]) {
   return text;
 }
 
-inline int device_attribute(cudaDeviceAttr attribute, int ordinal, const char* attribute_name) {
+GPUKIT_INLINE int device_attribute(cudaDeviceAttr attribute, int ordinal, const char* attribute_name) {
   int value = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(
       cudaDeviceGetAttribute(&value, attribute, ordinal),
@@ -87,7 +154,7 @@ inline int device_attribute(cudaDeviceAttr attribute, int ordinal, const char* a
   return value;
 }
 
-inline device_properties query_properties(device d) {
+GPUKIT_INLINE device_properties query_properties(device d) {
   const int ordinal = d.ordinal();
   cudaDeviceProp prop{};
   GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDeviceProperties(&prop, ordinal),
@@ -136,21 +203,13 @@ inline device_properties query_properties(device d) {
   return p;
 }
 
-/// The process-wide cache of properties(), indexed by ordinal.
-struct properties_cache {
-  std::mutex mutex;
-  std::vector<std::unique_ptr<const device_properties>> entries;
-};
-GPUKIT_EXPORT inline properties_cache& device_properties_cache() {
+GPUKIT_INLINE properties_cache& device_properties_cache() {
   static properties_cache cache;
   return cache;
 }
-
 }  // namespace detail
 
-/// The properties of a CUDA device, read once and cached for the life of the process (thread-safe).
-/// Throws invalid_argument_error for the CPU or an ordinal that is not visible, no_device_error without a driver.
-inline const device_properties& properties(device d) {
+GPUKIT_INLINE const device_properties& properties(device d) {
   if (!d.is_cuda()) {
     throw invalid_argument_error("gpukit::properties(" + d.to_string() + "): only CUDA devices have properties");
   }
@@ -169,37 +228,15 @@ inline const device_properties& properties(device d) {
   if (!cache.entries[index]) cache.entries[index] = std::move(fresh);
   return *cache.entries[index];
 }
-
-/// The stream priorities a device supports. Lower numbers run first, so `greatest` <= `least` (e.g. -5 and 0).
-struct priority_range {
-  int least = 0;     ///< numerically greatest value: the lowest priority (also the default, 0)
-  int greatest = 0;  ///< numerically lowest value: the highest priority
-  /// `priority` clamped into [greatest, least].
-  constexpr int clamp(int priority) const noexcept {
-    return priority < greatest ? greatest : (priority > least ? least : priority);
-  }
-};
-
 namespace detail {
 
-/// The process-wide cache of stream_priority_range(), indexed by ordinal.
-struct priority_range_cache {
-  std::mutex mutex;
-  std::vector<std::optional<priority_range>> entries;
-};
-GPUKIT_EXPORT inline priority_range_cache& stream_priority_ranges() {
+GPUKIT_INLINE priority_range_cache& stream_priority_ranges() {
   static priority_range_cache cache;
   return cache;
 }
-
 }  // namespace detail
 
-/// The stream priority range of device `d`, read once per device and cached (thread-safe). For the CPU, {0, 0}.
-/// cudaDeviceGetStreamPriorityRange answers for the *current* device and creates its context, so this makes `d`
-/// current for the call (device_guard): ask only about a device you are about to create streams on. properties()
-/// and select_device() never ask. Throws invalid_argument_error for an ordinal that is not visible, no_device_error
-/// without a driver.
-inline priority_range stream_priority_range(device d) {
+GPUKIT_INLINE priority_range stream_priority_range(device d) {
   if (!d.is_cuda()) return {};
   auto& cache = detail::stream_priority_ranges();
   const auto index = static_cast<std::size_t>(d.ordinal());
@@ -219,15 +256,7 @@ inline priority_range stream_priority_range(device d) {
   return range;
 }
 
-/// Free and total device memory in bytes, as cudaMemGetInfo reports it.
-struct memory_info {
-  std::size_t free_bytes = 0;   ///< bytes free now, on the device as a whole (other processes included)
-  std::size_t total_bytes = 0;  ///< bytes of device memory, as cudaMemGetInfo counts it
-};
-
-/// Reads free and total memory of a device. Note: this creates the device's primary context (hundreds of MB) if it
-/// does not exist yet, so call it only for devices you intend to use. The current device is restored afterwards.
-inline memory_info query_memory_info(device d) {
+GPUKIT_INLINE memory_info query_memory_info(device d) {
   if (!d.is_cuda()) {
     throw invalid_argument_error("gpukit::query_memory_info(" + d.to_string() +
                                  "): only CUDA devices have device memory");
@@ -239,3 +268,4 @@ inline memory_info query_memory_info(device d) {
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -105,26 +105,97 @@ struct device_selection {
   std::vector<candidate_verdict> candidates;     ///< every visible CUDA device, by ordinal, with its verdict
 
   /// A multi-line report: the reason, then each candidate with its verdict.
-  std::string report() const {
-    std::string text = "selected " + device.to_string() + ": " + reason + "\n";
-    for (const auto& c : candidates) {
-      text += "  " + c.device.to_string() + " (" + c.name + "): " + (c.eligible ? "eligible" : "rejected");
-      if (!c.note.empty()) text += " - " + c.note;
-      text += "\n";
-    }
-    return text;
-  }
+  std::string report() const;
 };
 
 namespace detail {
 
-inline std::string capability_text(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+GPUKIT_INLINE std::string capability_text(int cc);
 
 /// Memory the policy may count on: free memory when known, else total memory.
-inline std::size_t usable_memory(const gpu_snapshot& g) { return g.free_memory ? *g.free_memory : g.total_memory; }
+GPUKIT_INLINE std::size_t usable_memory(const gpu_snapshot& g);
 
 /// Empty when `g` meets the policy's requirements, else the reasons it does not.
-inline std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
+GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy);
+
+GPUKIT_INLINE std::string describe_gpu_list(const system_snapshot& system);
+
+/// GPUKIT_DEVICE: "cpu", "cuda", "cuda:N" or a GPU UUID (or unique prefix) among the visible devices.
+GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snapshot& system);
+
+/// The launcher's local rank: decimal digits (any number of them, leading zeros included) for a value in
+/// [0, INT_MAX], whitespace around ignored. Throws invalid_argument_error naming the variable and value otherwise.
+GPUKIT_INLINE int parse_local_rank(const system_snapshot& system);
+
+/// Throws invalid_argument_error unless gpus[i].device is cuda:i for every i (selection indexes by ordinal).
+GPUKIT_INLINE void check_snapshot(const system_snapshot& system);
+
+}  // namespace detail
+
+namespace detail {
+
+/// Step 0: every visible GPU judged against the policy (eligible, or the reason it is not).
+GPUKIT_INLINE std::vector<candidate_verdict> judge_candidates(const selection_policy& policy,
+                                                              const system_snapshot& system);
+
+/// Step 1: GPUKIT_DEVICE, when set, decides.
+GPUKIT_INLINE bool select_by_override(const selection_policy& policy, const system_snapshot& system,
+                                      device_selection& selection);
+
+/// Step 2: the launcher's local rank, validated with or without GPUs, decides when there are GPUs.
+GPUKIT_INLINE bool select_by_local_rank(const selection_policy& policy, const system_snapshot& system,
+                                        device_selection& selection);
+
+/// Step 3: the policy's preference among the eligible GPUs, if any is.
+GPUKIT_INLINE bool select_by_policy(const selection_policy& policy, const system_snapshot& system,
+                                    device_selection& selection);
+
+/// Step 4: the CPU, or (a GPU required) an error listing every rejection.
+GPUKIT_INLINE void select_cpu_fallback(const selection_policy& policy, const system_snapshot& system,
+                                       device_selection& selection);
+
+}  // namespace detail
+
+/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
+/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
+/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
+/// required and none qualifies.
+GPUKIT_INLINE device_selection select_device(const selection_policy& policy, const system_snapshot& system);
+
+/// One plain sentence saying why no CUDA device is usable (for device_count() == 0).
+GPUKIT_INLINE std::string describe_no_gpu();
+
+/// Reads what selection needs from the machine and the environment. Free memory and utilisation are read only when
+/// the policy needs them, from NVML (or cudaMemGetInfo if allowed).
+GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& policy = {});
+
+/// Selects a device for this process: take_system_snapshot(policy), then select_device(policy, snapshot).
+/// Typical use: `gpukit::device d = gpukit::select_device().device;`
+GPUKIT_INLINE device_selection select_device(const selection_policy& policy = {});
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::string device_selection::report() const {
+  std::string text = "selected " + device.to_string() + ": " + reason + "\n";
+  for (const auto& c : candidates) {
+    text += "  " + c.device.to_string() + " (" + c.name + "): " + (c.eligible ? "eligible" : "rejected");
+    if (!c.note.empty()) text += " - " + c.note;
+    text += "\n";
+  }
+  return text;
+}
+namespace detail {
+
+GPUKIT_INLINE std::string capability_text(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+
+GPUKIT_INLINE std::size_t usable_memory(const gpu_snapshot& g) {
+  return g.free_memory ? *g.free_memory : g.total_memory;
+}
+
+GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
   std::string why;
   if (g.compute_capability < policy.min_compute_capability) {
     why = "compute capability " + capability_text(g.compute_capability) + " is below the required " +
@@ -138,12 +209,11 @@ inline std::string rejection_reason(const gpu_snapshot& g, const selection_polic
   return why;
 }
 
-inline std::string describe_gpu_list(const system_snapshot& system) {
+GPUKIT_INLINE std::string describe_gpu_list(const system_snapshot& system) {
   return std::to_string(system.gpus.size()) + (system.gpus.size() == 1 ? " device visible" : " devices visible");
 }
 
-/// GPUKIT_DEVICE: "cpu", "cuda", "cuda:N" or a GPU UUID (or unique prefix) among the visible devices.
-inline device resolve_override(const std::string& raw, const system_snapshot& system) {
+GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snapshot& system) {
   const std::string text(trim_whitespace(raw));
   const std::string what = "GPUKIT_DEVICE=\"" + raw + "\"";
   if (starts_with(text, "GPU-")) {
@@ -187,9 +257,7 @@ inline device resolve_override(const std::string& raw, const system_snapshot& sy
   return d;
 }
 
-/// The launcher's local rank: decimal digits (any number of them, leading zeros included) for a value in
-/// [0, INT_MAX], whitespace around ignored. Throws invalid_argument_error naming the variable and value otherwise.
-inline int parse_local_rank(const system_snapshot& system) {
+GPUKIT_INLINE int parse_local_rank(const system_snapshot& system) {
   const auto value = parse_decimal_saturating(trim_whitespace(*system.local_rank));
   if (!value || *value > static_cast<unsigned long long>(std::numeric_limits<int>::max())) {
     throw invalid_argument_error(system.local_rank_variable + "=\"" + *system.local_rank +
@@ -198,8 +266,7 @@ inline int parse_local_rank(const system_snapshot& system) {
   return static_cast<int>(*value);
 }
 
-/// Throws invalid_argument_error unless gpus[i].device is cuda:i for every i (selection indexes by ordinal).
-inline void check_snapshot(const system_snapshot& system) {
+GPUKIT_INLINE void check_snapshot(const system_snapshot& system) {
   for (std::size_t i = 0; i < system.gpus.size(); ++i) {
     const device d = system.gpus[i].device;
     if (d.is_cuda() && static_cast<std::size_t>(d.ordinal()) == i) continue;
@@ -208,12 +275,8 @@ inline void check_snapshot(const system_snapshot& system) {
   }
 }
 
-}  // namespace detail
-
-namespace detail {
-
-/// Step 0: every visible GPU judged against the policy (eligible, or the reason it is not).
-inline std::vector<candidate_verdict> judge_candidates(const selection_policy& policy, const system_snapshot& system) {
+GPUKIT_INLINE std::vector<candidate_verdict> judge_candidates(const selection_policy& policy,
+                                                              const system_snapshot& system) {
   std::vector<candidate_verdict> candidates;
   for (const auto& g : system.gpus) {
     candidate_verdict v{g.device, g.name, false, rejection_reason(g, policy)};
@@ -226,9 +289,8 @@ inline std::vector<candidate_verdict> judge_candidates(const selection_policy& p
   return candidates;
 }
 
-/// Step 1: GPUKIT_DEVICE, when set, decides.
-inline bool select_by_override(const selection_policy& policy, const system_snapshot& system,
-                               device_selection& selection) {
+GPUKIT_INLINE bool select_by_override(const selection_policy& policy, const system_snapshot& system,
+                                      device_selection& selection) {
   if (!policy.use_environment || !system.gpukit_device || trim_whitespace(*system.gpukit_device).empty()) {
     return false;
   }
@@ -247,9 +309,8 @@ inline bool select_by_override(const selection_policy& policy, const system_snap
   return true;
 }
 
-/// Step 2: the launcher's local rank, validated with or without GPUs, decides when there are GPUs.
-inline bool select_by_local_rank(const selection_policy& policy, const system_snapshot& system,
-                                 device_selection& selection) {
+GPUKIT_INLINE bool select_by_local_rank(const selection_policy& policy, const system_snapshot& system,
+                                        device_selection& selection) {
   const std::optional<int> rank =
       policy.use_environment && system.local_rank ? std::optional<int>(parse_local_rank(system)) : std::nullopt;
   if (!rank || system.gpus.empty()) return false;
@@ -270,9 +331,8 @@ inline bool select_by_local_rank(const selection_policy& policy, const system_sn
   return true;
 }
 
-/// Step 3: the policy's preference among the eligible GPUs, if any is.
-inline bool select_by_policy(const selection_policy& policy, const system_snapshot& system,
-                             device_selection& selection) {
+GPUKIT_INLINE bool select_by_policy(const selection_policy& policy, const system_snapshot& system,
+                                    device_selection& selection) {
   const gpu_snapshot* best = nullptr;
   for (std::size_t i = 0; i < system.gpus.size(); ++i) {
     if (!selection.candidates[i].eligible) continue;
@@ -317,9 +377,8 @@ inline bool select_by_policy(const selection_policy& policy, const system_snapsh
   return true;
 }
 
-/// Step 4: the CPU, or (a GPU required) an error listing every rejection.
-inline void select_cpu_fallback(const selection_policy& policy, const system_snapshot& system,
-                                device_selection& selection) {
+GPUKIT_INLINE void select_cpu_fallback(const selection_policy& policy, const system_snapshot& system,
+                                       device_selection& selection) {
   std::string why;
   if (system.gpus.empty()) {
     why = system.no_gpu_reason.empty() ? std::string("no CUDA device is visible") : system.no_gpu_reason;
@@ -333,14 +392,9 @@ inline void select_cpu_fallback(const selection_policy& policy, const system_sna
   selection.source = device_selection::decided_by::cpu_fallback;
   selection.reason = why + "; using the CPU";
 }
-
 }  // namespace detail
 
-/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
-/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
-/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
-/// required and none qualifies.
-inline device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
+GPUKIT_INLINE device_selection select_device(const selection_policy& policy, const system_snapshot& system) {
   detail::check_snapshot(system);
   device_selection selection;
   selection.candidates = detail::judge_candidates(policy, system);
@@ -351,8 +405,7 @@ inline device_selection select_device(const selection_policy& policy, const syst
   return selection;
 }
 
-/// One plain sentence saying why no CUDA device is usable (for device_count() == 0).
-inline std::string describe_no_gpu() {
+GPUKIT_INLINE std::string describe_no_gpu() {
   int count = 0;
   const cudaError_t result = cudaGetDeviceCount(&count);
   (void)cudaGetLastError();
@@ -375,9 +428,7 @@ inline std::string describe_no_gpu() {
   }
 }
 
-/// Reads what selection needs from the machine and the environment. Free memory and utilisation are read only when
-/// the policy needs them, from NVML (or cudaMemGetInfo if allowed).
-inline system_snapshot take_system_snapshot(const selection_policy& policy = {}) {
+GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& policy) {
   check_visible_devices_unchanged();
   system_snapshot system;
   if (const char* value = std::getenv("GPUKIT_DEVICE")) system.gpukit_device = value;
@@ -425,10 +476,9 @@ inline system_snapshot take_system_snapshot(const selection_policy& policy = {})
   return system;
 }
 
-/// Selects a device for this process: take_system_snapshot(policy), then select_device(policy, snapshot).
-/// Typical use: `gpukit::device d = gpukit::select_device().device;`
-inline device_selection select_device(const selection_policy& policy = {}) {
+GPUKIT_INLINE device_selection select_device(const selection_policy& policy) {
   return select_device(policy, take_system_snapshot(policy));
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

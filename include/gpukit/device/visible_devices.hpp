@@ -65,53 +65,123 @@ struct visible_devices {
   int installed = -1;     ///< installed GPU count when known
 
   /// Every installed device is visible (the variable is unset).
-  bool all_visible() const noexcept { return form == list_form::unset; }
+  bool all_visible() const noexcept;
 
   /// How many devices CUDA will report, or nullopt when the variable is unset and the installed count is unknown.
-  std::optional<int> count() const {
-    if (form == list_form::unset) {
-      if (installed < 0) return std::nullopt;
-      return installed;
-    }
-    return static_cast<int>(devices.size());
-  }
+  std::optional<int> count() const;
 
   /// One or two plain sentences, e.g.
   /// `CUDA_VISIBLE_DEVICES="0,2,-1,1": 2 devices visible: index 0 as cuda:0, index 2 as cuda:1. Entry 3 ("-1") is
   /// not a non-negative integer, so the list ends before it.`
-  std::string describe() const {
-    std::string text;
-    if (form == list_form::unset) {
-      text = "CUDA_VISIBLE_DEVICES is unset: every installed device is visible";
-      if (installed >= 0) text += " (" + std::to_string(installed) + " installed)";
-      return text + ".";
-    }
-    text = "CUDA_VISIBLE_DEVICES=\"" + value + "\": ";
-    const std::size_t n = devices.size();
-    text += n == 0 ? "no device visible" : std::to_string(n) + (n == 1 ? " device visible: " : " devices visible: ");
-    for (std::size_t i = 0; i < n; ++i) {
-      if (i) text += ", ";
-      const auto& d = devices[i];
-      if (form == list_form::ordinals) {
-        // A saturated index is shown as written, not as the saturated number.
-        text += "index " + (d.index == std::numeric_limits<long long>::max() ? d.entry : std::to_string(d.index));
-      } else {
-        text += d.uuid.empty() ? d.entry : d.uuid;
-      }
-      text += " as cuda:" + std::to_string(i);
-    }
-    text += ".";
-    if (!note.empty()) text += " " + note;
-    if (!verified && form != list_form::empty && n > 0) {
-      text += " (Installed GPUs unknown: ranges and UUIDs not checked.)";
-    }
-    return text;
-  }
+  std::string describe() const;
 };
 
 namespace detail {
 
-inline std::vector<std::string_view> split_commas(std::string_view s) {
+GPUKIT_INLINE std::vector<std::string_view> split_commas(std::string_view s);
+
+/// Reads an entry the way strtoul does (64-bit unsigned long): an optional sign, then decimal digits; anything after
+/// the digits is ignored; a value beyond ULLONG_MAX saturates there, as strtoul's does. Returns nullopt for "no
+/// digits" or a negative value. Never clamped to a smaller bound, so distinct large indices stay distinct.
+GPUKIT_INLINE std::optional<unsigned long long> read_ordinal_like_strtoul(std::string_view entry);
+
+/// A device index for visible_device_entry::index: the value, or LLONG_MAX beyond it (describe() then shows the
+/// entry as written).
+GPUKIT_INLINE long long index_for_entry(unsigned long long value) noexcept;
+
+GPUKIT_INLINE bool starts_with(std::string_view s, std::string_view prefix);
+
+GPUKIT_INLINE std::string quoted_entry(std::size_t position, std::string_view entry);
+
+}  // namespace detail
+
+namespace detail {
+
+/// A repeated device: CUDA then hides every device (the set is emptied).
+GPUKIT_INLINE visible_devices& empty_for_repeat(visible_devices& result, std::size_t position, std::string_view entry,
+                                                const char* what);
+
+/// A MIG instance list: CUDA takes the first entry only; nothing to check it against.
+GPUKIT_INLINE void parse_mig_list(const std::vector<std::string_view>& entries, visible_devices& result);
+
+/// A GPU UUID (prefix) list, read as written, then matched against the installed GPUs' UUIDs where known.
+GPUKIT_INLINE void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                                   visible_devices& result);
+
+/// An integer list, read like the runtime's strtoul, then checked against the installed count where known.
+GPUKIT_INLINE void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                                      visible_devices& result);
+
+}  // namespace detail
+
+/// Interprets a CUDA_VISIBLE_DEVICES value (nullptr: unset) the way the CUDA runtime does. `installed` enables the
+/// checks that need to know the machine (index range, UUID prefixes); without it those entries are taken as valid
+/// and the result says it was not verified. Pure: no CUDA call, no environment access.
+GPUKIT_INLINE visible_devices parse_visible_devices(const char* value, const installed_gpus& installed = {});
+
+/// The warning text when CUDA_VISIBLE_DEVICES now differs from its value when CUDA was initialised, else empty.
+GPUKIT_INLINE std::string visible_devices_changed_message();
+
+namespace detail {
+/// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library.
+GPUKIT_EXPORT GPUKIT_INLINE std::once_flag& visible_devices_warned();
+}  // namespace detail
+
+/// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
+/// Returns true if the variable is unchanged.
+GPUKIT_INLINE bool check_visible_devices_unchanged();
+
+/// Interprets the CUDA_VISIBLE_DEVICES that CUDA uses in this process (the value at initialisation), checked
+/// against `installed` when given. Initialises CUDA if nothing has yet (cudaGetDeviceCount), so that the value read
+/// here is the one CUDA reads: a later change is in effect for neither.
+GPUKIT_INLINE visible_devices visible_devices_in_effect(const installed_gpus& installed = {});
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE bool visible_devices::all_visible() const noexcept { return form == list_form::unset; }
+
+GPUKIT_INLINE std::optional<int> visible_devices::count() const {
+  if (form == list_form::unset) {
+    if (installed < 0) return std::nullopt;
+    return installed;
+  }
+  return static_cast<int>(devices.size());
+}
+
+GPUKIT_INLINE std::string visible_devices::describe() const {
+  std::string text;
+  if (form == list_form::unset) {
+    text = "CUDA_VISIBLE_DEVICES is unset: every installed device is visible";
+    if (installed >= 0) text += " (" + std::to_string(installed) + " installed)";
+    return text + ".";
+  }
+  text = "CUDA_VISIBLE_DEVICES=\"" + value + "\": ";
+  const std::size_t n = devices.size();
+  text += n == 0 ? "no device visible" : std::to_string(n) + (n == 1 ? " device visible: " : " devices visible: ");
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i) text += ", ";
+    const auto& d = devices[i];
+    if (form == list_form::ordinals) {
+      // A saturated index is shown as written, not as the saturated number.
+      text += "index " + (d.index == std::numeric_limits<long long>::max() ? d.entry : std::to_string(d.index));
+    } else {
+      text += d.uuid.empty() ? d.entry : d.uuid;
+    }
+    text += " as cuda:" + std::to_string(i);
+  }
+  text += ".";
+  if (!note.empty()) text += " " + note;
+  if (!verified && form != list_form::empty && n > 0) {
+    text += " (Installed GPUs unknown: ranges and UUIDs not checked.)";
+  }
+  return text;
+}
+namespace detail {
+
+GPUKIT_INLINE std::vector<std::string_view> split_commas(std::string_view s) {
   std::vector<std::string_view> parts;
   std::size_t start = 0;
   for (;;) {
@@ -123,10 +193,7 @@ inline std::vector<std::string_view> split_commas(std::string_view s) {
   return parts;
 }
 
-/// Reads an entry the way strtoul does (64-bit unsigned long): an optional sign, then decimal digits; anything after
-/// the digits is ignored; a value beyond ULLONG_MAX saturates there, as strtoul's does. Returns nullopt for "no
-/// digits" or a negative value. Never clamped to a smaller bound, so distinct large indices stay distinct.
-inline std::optional<unsigned long long> read_ordinal_like_strtoul(std::string_view entry) {
+GPUKIT_INLINE std::optional<unsigned long long> read_ordinal_like_strtoul(std::string_view entry) {
   std::size_t i = 0;
   bool negative = false;
   if (i < entry.size() && (entry[i] == '+' || entry[i] == '-')) {
@@ -140,36 +207,28 @@ inline std::optional<unsigned long long> read_ordinal_like_strtoul(std::string_v
   return value;
 }
 
-/// A device index for visible_device_entry::index: the value, or LLONG_MAX beyond it (describe() then shows the
-/// entry as written).
-inline long long index_for_entry(unsigned long long value) noexcept {
+GPUKIT_INLINE long long index_for_entry(unsigned long long value) noexcept {
   constexpr auto max = static_cast<unsigned long long>(std::numeric_limits<long long>::max());
   return static_cast<long long>(value < max ? value : max);
 }
 
-inline bool starts_with(std::string_view s, std::string_view prefix) {
+GPUKIT_INLINE bool starts_with(std::string_view s, std::string_view prefix) {
   return s.size() >= prefix.size() && s.substr(0, prefix.size()) == prefix;
 }
 
-inline std::string quoted_entry(std::size_t position, std::string_view entry) {
+GPUKIT_INLINE std::string quoted_entry(std::size_t position, std::string_view entry) {
   return "Entry " + std::to_string(position + 1) + " (\"" + std::string(entry) + "\")";
 }
 
-}  // namespace detail
-
-namespace detail {
-
-/// A repeated device: CUDA then hides every device (the set is emptied).
-inline visible_devices& empty_for_repeat(visible_devices& result, std::size_t position, std::string_view entry,
-                                         const char* what) {
+GPUKIT_INLINE visible_devices& empty_for_repeat(visible_devices& result, std::size_t position, std::string_view entry,
+                                                const char* what) {
   result.devices.clear();
   result.note = quoted_entry(position, entry) + " repeats " + what +
                 " already listed, and a repeated device makes CUDA hide every device.";
   return result;
 }
 
-/// A MIG instance list: CUDA takes the first entry only; nothing to check it against.
-inline void parse_mig_list(const std::vector<std::string_view>& entries, visible_devices& result) {
+GPUKIT_INLINE void parse_mig_list(const std::vector<std::string_view>& entries, visible_devices& result) {
   result.form = visible_devices::list_form::mig;
   result.devices.push_back({std::string(entries.front()), -1, {}});
   if (entries.size() > 1) {
@@ -178,9 +237,8 @@ inline void parse_mig_list(const std::vector<std::string_view>& entries, visible
   result.verified = false;  // MIG instances are not in the installed list
 }
 
-/// A GPU UUID (prefix) list, read as written, then matched against the installed GPUs' UUIDs where known.
-inline void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
-                            visible_devices& result) {
+GPUKIT_INLINE void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                                   visible_devices& result) {
   result.form = visible_devices::list_form::gpu_uuids;
   // First pass, as written: the list ends at the first entry that is not a UUID; a repeat empties the set.
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -229,9 +287,8 @@ inline void parse_uuid_list(const std::vector<std::string_view>& entries, const 
   }
 }
 
-/// An integer list, read like the runtime's strtoul, then checked against the installed count where known.
-inline void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
-                               visible_devices& result) {
+GPUKIT_INLINE void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
+                                      visible_devices& result) {
   result.form = visible_devices::list_form::ordinals;
   // First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
   std::vector<unsigned long long> values;  // as strtoul read them: repeats compare these
@@ -262,13 +319,9 @@ inline void parse_ordinal_list(const std::vector<std::string_view>& entries, con
     }
   }
 }
-
 }  // namespace detail
 
-/// Interprets a CUDA_VISIBLE_DEVICES value (nullptr: unset) the way the CUDA runtime does. `installed` enables the
-/// checks that need to know the machine (index range, UUID prefixes); without it those entries are taken as valid
-/// and the result says it was not verified. Pure: no CUDA call, no environment access.
-inline visible_devices parse_visible_devices(const char* value, const installed_gpus& installed = {}) {
+GPUKIT_INLINE visible_devices parse_visible_devices(const char* value, const installed_gpus& installed) {
   visible_devices result;
   result.installed = installed.count;
   result.verified = installed.count >= 0;
@@ -292,8 +345,7 @@ inline visible_devices parse_visible_devices(const char* value, const installed_
   return result;
 }
 
-/// The warning text when CUDA_VISIBLE_DEVICES now differs from its value when CUDA was initialised, else empty.
-inline std::string visible_devices_changed_message() {
+GPUKIT_INLINE std::string visible_devices_changed_message() {
   const auto& at_init = detail::cuda_environment_at_init();
   const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
   const bool same = (now == nullptr) ? !at_init.set : (at_init.set && at_init.value == now);
@@ -304,28 +356,22 @@ inline std::string visible_devices_changed_message() {
          " when CUDA was initialised in this process; CUDA reads it only once, so the earlier value is in effect. "
          "Set it before the process starts (or before the first CUDA call).";
 }
-
 namespace detail {
-/// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library.
-GPUKIT_EXPORT inline std::once_flag& visible_devices_warned() {
+
+GPUKIT_INLINE std::once_flag& visible_devices_warned() {
   static std::once_flag warned;
   return warned;
 }
 }  // namespace detail
 
-/// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
-/// Returns true if the variable is unchanged.
-inline bool check_visible_devices_unchanged() {
+GPUKIT_INLINE bool check_visible_devices_unchanged() {
   const std::string message = visible_devices_changed_message();
   if (message.empty()) return true;
   std::call_once(detail::visible_devices_warned(), [&] { warn(message); });
   return false;
 }
 
-/// Interprets the CUDA_VISIBLE_DEVICES that CUDA uses in this process (the value at initialisation), checked
-/// against `installed` when given. Initialises CUDA if nothing has yet (cudaGetDeviceCount), so that the value read
-/// here is the one CUDA reads: a later change is in effect for neither.
-inline visible_devices visible_devices_in_effect(const installed_gpus& installed = {}) {
+GPUKIT_INLINE visible_devices visible_devices_in_effect(const installed_gpus& installed) {
   (void)device_count();  // takes gpukit's snapshot, then lets the runtime read the variable
   check_visible_devices_unchanged();
   const auto& at_init = detail::cuda_environment_at_init();
@@ -333,3 +379,4 @@ inline visible_devices visible_devices_in_effect(const installed_gpus& installed
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

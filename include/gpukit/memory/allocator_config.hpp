@@ -28,14 +28,43 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 
-inline std::string_view trim_spaces(std::string_view s) noexcept {
+GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept;
+
+/// A size in bytes: digits, then an optional unit. Returns false for anything else, or on overflow.
+GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept;
+
+}  // namespace detail
+
+/// `base` with the settings of `config` applied (see the file comment for the syntax). Keys:
+/// - `preset`: `gpukit` (allocator_options{}) or `pytorch` (allocator_options::pytorch()), applied before the others
+///   wherever it appears;
+/// - sizes: `rounding`, `small_size`, `small_segment_size`, `medium_size`, `medium_segment_size`,
+///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
+///   `max_oversize_waste`; `reserved_limit` (or `none`);
+/// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
+/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `front_cache_large`,
+///   `expandable_segments`;
+/// - `capture_check`: `every_call` or `gpukit_captures` (capture_checks);
+/// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
+GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
+                                                       std::string_view source = "allocator configuration");
+
+/// The options the environment asks for: GPUKIT_ALLOC_CONF parsed over `base` (`base` when it is unset).
+GPUKIT_INLINE allocator_options allocator_options_from_environment(allocator_options base = {});
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
   return s;
 }
 
-/// A size in bytes: digits, then an optional unit. Returns false for anything else, or on overflow.
-inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
+GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
   std::size_t digits = 0;
   std::size_t value = 0;
   while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') {
@@ -60,22 +89,10 @@ inline bool parse_config_size(std::string_view text, std::size_t& bytes) noexcep
   }
   return false;
 }
-
 }  // namespace detail
 
-/// `base` with the settings of `config` applied (see the file comment for the syntax). Keys:
-/// - `preset`: `gpukit` (allocator_options{}) or `pytorch` (allocator_options::pytorch()), applied before the others
-///   wherever it appears;
-/// - sizes: `rounding`, `small_size`, `small_segment_size`, `medium_size`, `medium_segment_size`,
-///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
-///   `max_oversize_waste`; `reserved_limit` (or `none`);
-/// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
-/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `front_cache_large`,
-///   `expandable_segments`;
-/// - `capture_check`: `every_call` or `gpukit_captures` (capture_checks);
-/// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
-inline allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
-                                                std::string_view source = "allocator configuration") {
+GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, allocator_options base,
+                                                       std::string_view source) {
   auto fail = [&](std::string_view entry, const std::string& why) -> void {
     throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + std::string(config) + "\": entry \"" +
                                  std::string(entry) + "\": " + why);
@@ -204,11 +221,11 @@ inline allocator_options parse_allocator_config(std::string_view config, allocat
   return o;
 }
 
-/// The options the environment asks for: GPUKIT_ALLOC_CONF parsed over `base` (`base` when it is unset).
-inline allocator_options allocator_options_from_environment(allocator_options base = {}) {
+GPUKIT_INLINE allocator_options allocator_options_from_environment(allocator_options base) {
   const char* config = std::getenv("GPUKIT_ALLOC_CONF");
   if (config == nullptr) return base;
   return parse_allocator_config(config, base, "GPUKIT_ALLOC_CONF");
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

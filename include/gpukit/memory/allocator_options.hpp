@@ -103,47 +103,56 @@ struct allocator_options {
   capture_checks capture_check = capture_checks::every_call;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
-  static allocator_options pytorch() {
-    allocator_options o;
-    o.rounding = 512;
-    o.small_size = 1 * MiB;
-    o.small_segment_size = 2 * MiB;
-    o.medium_size = 10 * MiB;
-    o.medium_segment_size = 20 * MiB;
-    o.large_segment_rounding = 2 * MiB;
-    o.small_split_threshold = 0;
-    o.large_split_threshold = 1 * MiB;
-    o.max_split_size = unlimited;
-    o.release_before_grow = false;
-    o.medium_segment_growth = 0;
-    return o;
-  }
+  static allocator_options pytorch();
 
   /// Throws invalid_argument_error naming the first inconsistent setting.
-  void validate() const {
-    auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
-    if (!detail::is_power_of_two(rounding) || rounding < 16)
-      fail("rounding must be a power of two of at least 16 bytes");
-    if (!detail::is_power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
-      fail("large_segment_rounding must be a power of two and at least the rounding");
-    }
-    if (small_size == 0 || small_size > small_segment_size) fail("small_size must be in [1, small_segment_size]");
-    if (small_segment_size % rounding != 0 || medium_segment_size % rounding != 0) {
-      fail("segment sizes must be multiples of the rounding");
-    }
-    if (medium_size < small_size) fail("medium_size must be at least small_size");
-    if (medium_size % rounding != 0) {
-      // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
-      const std::size_t below = medium_size / rounding * rounding;
-      fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) +
-           " bytes): " + std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
-           std::to_string(below + rounding));
-    }
-    if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
-      fail("medium_segment_size must be at least medium_size (or set medium_segment_growth)");
-    }
-    if (max_split_size < rounding) fail("max_split_size must be at least the rounding");
-  }
+  void validate() const;
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE allocator_options allocator_options::pytorch() {
+  allocator_options o;
+  o.rounding = 512;
+  o.small_size = 1 * MiB;
+  o.small_segment_size = 2 * MiB;
+  o.medium_size = 10 * MiB;
+  o.medium_segment_size = 20 * MiB;
+  o.large_segment_rounding = 2 * MiB;
+  o.small_split_threshold = 0;
+  o.large_split_threshold = 1 * MiB;
+  o.max_split_size = unlimited;
+  o.release_before_grow = false;
+  o.medium_segment_growth = 0;
+  return o;
+}
+
+GPUKIT_INLINE void allocator_options::validate() const {
+  auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
+  if (!detail::is_power_of_two(rounding) || rounding < 16) fail("rounding must be a power of two of at least 16 bytes");
+  if (!detail::is_power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
+    fail("large_segment_rounding must be a power of two and at least the rounding");
+  }
+  if (small_size == 0 || small_size > small_segment_size) fail("small_size must be in [1, small_segment_size]");
+  if (small_segment_size % rounding != 0 || medium_segment_size % rounding != 0) {
+    fail("segment sizes must be multiples of the rounding");
+  }
+  if (medium_size < small_size) fail("medium_size must be at least small_size");
+  if (medium_size % rounding != 0) {
+    // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
+    const std::size_t below = medium_size / rounding * rounding;
+    fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) +
+         " bytes): " + std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
+         std::to_string(below + rounding));
+  }
+  if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
+    fail("medium_segment_size must be at least medium_size (or set medium_segment_growth)");
+  }
+  if (max_split_size < rounding) fail("max_split_size must be at least the rounding");
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -47,7 +47,7 @@ struct duration_stat {
   std::chrono::nanoseconds min{0};    ///< the shortest call since the last reset_peak_stats() (0: none yet)
   std::chrono::nanoseconds max{0};    ///< the longest call since the last reset_peak_stats()
   /// The mean time per call (0 when count is 0).
-  std::chrono::nanoseconds average() const noexcept { return count == 0 ? total : total / count; }
+  std::chrono::nanoseconds average() const noexcept;
 };
 
 /// A pinned-host-memory pool's statistics in the caching allocator's vocabulary, as torch.cuda.host_memory_stats()
@@ -72,15 +72,15 @@ enum class stat_pool : std::size_t { all = 0, small = 1, large = 2 };
 struct pool_stats {
   std::array<stat, 3> pools{};  ///< the statistic of each pool, in stat_pool order: all, small, large
   /// The statistic of pool `p`.
-  stat& operator[](stat_pool p) noexcept { return pools[static_cast<std::size_t>(p)]; }
+  stat& operator[](stat_pool p) noexcept;
   /// The statistic of pool `p`, read-only.
-  const stat& operator[](stat_pool p) const noexcept { return pools[static_cast<std::size_t>(p)]; }
+  const stat& operator[](stat_pool p) const noexcept;
   /// Both pools together (PyTorch's "all").
-  const stat& all() const noexcept { return pools[0]; }
+  const stat& all() const noexcept;
   /// The small pool: blocks of small segments (PyTorch's "small_pool").
-  const stat& small() const noexcept { return pools[1]; }
+  const stat& small() const noexcept;
   /// The large pool: blocks of the other segments (PyTorch's "large_pool").
-  const stat& large() const noexcept { return pools[2]; }
+  const stat& large() const noexcept;
 };
 
 /// A copy of every statistic of one allocator (see the file comment for the vocabulary).
@@ -121,10 +121,7 @@ struct free_space_info {
   /// External fragmentation of the cache: 1 − largest_free_block / free_bytes. 0 when the free memory is one
   /// block (or there is none); close to 1 when it is scattered in many small pieces, so that a large request needs
   /// new memory although much is cached.
-  double fragmentation() const noexcept {
-    if (free_bytes == 0) return 0.0;
-    return 1.0 - static_cast<double>(largest_free_block) / static_cast<double>(free_bytes);
-  }
+  double fragmentation() const noexcept;
 };
 
 namespace detail {
@@ -141,79 +138,33 @@ struct atomic_stat {
 
   /// Adds `delta` (may be negative). Caller holds the allocator's lock. The peak is raised before the value is
   /// stored (with release), so a reader never sees a value above the peak.
-  void add(std::int64_t delta) noexcept {
-    const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
-    if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
-    current.store(value, std::memory_order_release);
-    if (delta >= 0) {
-      allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_release);
-    } else {
-      freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_release);
-    }
-  }
+  void add(std::int64_t delta) noexcept;
   /// Like add, leaving the peak to the caller (the caching allocator's front caches make it a sum).
-  void add_current(std::int64_t delta) noexcept {
-    current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
-    auto& total = delta >= 0 ? allocated : freed;
-    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
-  }
-  void raise_peak(std::int64_t value) noexcept {
-    if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
-  }
+  void add_current(std::int64_t delta) noexcept;
+  void raise_peak(std::int64_t value) noexcept;
   /// Acquire loads: a reader that checks sequence counts afterwards (the caching allocator's consistent reads)
   /// needs them to stay before that check (plain loads on x86).
-  stat load() const noexcept {
-    stat s;
-    s.current = current.load(std::memory_order_acquire);
-    s.peak = peak.load(std::memory_order_acquire);
-    s.allocated = allocated.load(std::memory_order_acquire);
-    s.freed = freed.load(std::memory_order_acquire);
-    return s;
-  }
-  void reset_accumulated() noexcept {
-    allocated.store(0, std::memory_order_release);
-    freed.store(0, std::memory_order_release);
-  }
+  stat load() const noexcept;
+  void reset_accumulated() noexcept;
 };
 
 /// A statistic for all, small and large pools, updated together.
 struct atomic_pool_stats {
   std::array<atomic_stat, 3> pools;
   /// Adds `delta` to the `all` pool and to the block's own pool (small or large).
-  void add(bool small, std::int64_t delta) noexcept {
-    pools[0].add(delta);
-    pools[small ? 1 : 2].add(delta);
-  }
-  pool_stats load() const noexcept {
-    pool_stats s;
-    for (std::size_t i = 0; i < 3; ++i) s.pools[i] = pools[i].load();
-    return s;
-  }
-  void reset_accumulated() noexcept {
-    for (auto& p : pools) p.reset_accumulated();
-  }
+  void add(bool small, std::int64_t delta) noexcept;
+  pool_stats load() const noexcept;
+  void reset_accumulated() noexcept;
 };
 
 /// Adds `delta` (may be negative) to a statistic kept under a lock (the pinned pool's), raising its peak.
-inline void add_to_stat(stat& s, std::int64_t delta) noexcept {
-  s.current += delta;
-  if (s.current > s.peak) s.peak = s.current;
-  (delta >= 0 ? s.allocated : s.freed) += delta >= 0 ? delta : -delta;
-}
+GPUKIT_INLINE void add_to_stat(stat& s, std::int64_t delta) noexcept;
 
 /// Adds calls timed elsewhere (a batch timed outside the lock) to a timing statistic.
-inline void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
-  if (calls.count == 0) return;
-  if (d.min.count() == 0 || calls.min < d.min) d.min = calls.min;  // 0: none since the last reset (PyTorch's rule)
-  if (calls.max > d.max) d.max = calls.max;
-  d.total += calls.total;
-  d.count += calls.count;
-}
+GPUKIT_INLINE void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept;
 
 /// Adds one call that took `spent` to a timing statistic.
-inline void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexcept {
-  add_to_stat(d, duration_stat{1, spent, spent, spent});
-}
+GPUKIT_INLINE void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexcept;
 
 /// Adds `value` to a flat statistics map as PyTorch names its parts: "<prefix>current", "<prefix>peak",
 /// "<prefix>allocated" and "<prefix>freed" (flat_memory_stats, flat_host_memory_stats).
@@ -228,22 +179,140 @@ void add_flat_stat(FlatMap& flat, const std::string& prefix, const stat& value) 
 /// A counter with the same single-writer discipline as atomic_stat.
 struct atomic_counter {
   std::atomic<std::int64_t> value{0};
-  void increment() noexcept { value.store(value.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
-  std::int64_t load() const noexcept { return value.load(std::memory_order_relaxed); }
-  void reset() noexcept { value.store(0, std::memory_order_relaxed); }
+  void increment() noexcept;
+  std::int64_t load() const noexcept;
+  void reset() noexcept;
 };
 
-inline std::string summary_bytes(std::int64_t bytes) {
+GPUKIT_INLINE std::string summary_bytes(std::int64_t bytes);
+
+GPUKIT_INLINE void summary_line(std::string& out, const char* text);
+
+GPUKIT_INLINE void summary_row(std::string& out, const char* name, const stat& s, bool bytes);
+
+GPUKIT_INLINE void summary_group(std::string& out, const char* name, const pool_stats& s, bool bytes);
+
+}  // namespace detail
+
+/// The human-readable table of memory_summary(): current / peak / total allocated / total freed of each statistic,
+/// split by pool like torch.cuda.memory_summary(), followed by the free-space layout and the counters.
+GPUKIT_INLINE std::string format_memory_summary(std::string_view title, const allocator_stats& s,
+                                                const free_space_info& f);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::chrono::nanoseconds duration_stat::average() const noexcept {
+  return count == 0 ? total : total / count;
+}
+
+GPUKIT_INLINE stat& pool_stats::operator[](stat_pool p) noexcept { return pools[static_cast<std::size_t>(p)]; }
+
+GPUKIT_INLINE const stat& pool_stats::operator[](stat_pool p) const noexcept {
+  return pools[static_cast<std::size_t>(p)];
+}
+
+GPUKIT_INLINE const stat& pool_stats::all() const noexcept { return pools[0]; }
+
+GPUKIT_INLINE const stat& pool_stats::small() const noexcept { return pools[1]; }
+
+GPUKIT_INLINE const stat& pool_stats::large() const noexcept { return pools[2]; }
+
+GPUKIT_INLINE double free_space_info::fragmentation() const noexcept {
+  if (free_bytes == 0) return 0.0;
+  return 1.0 - static_cast<double>(largest_free_block) / static_cast<double>(free_bytes);
+}
+namespace detail {
+
+GPUKIT_INLINE void atomic_stat::add(std::int64_t delta) noexcept {
+  const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
+  if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
+  current.store(value, std::memory_order_release);
+  if (delta >= 0) {
+    allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_release);
+  } else {
+    freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_release);
+  }
+}
+
+GPUKIT_INLINE void atomic_stat::add_current(std::int64_t delta) noexcept {
+  current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
+  auto& total = delta >= 0 ? allocated : freed;
+  total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
+}
+
+GPUKIT_INLINE void atomic_stat::raise_peak(std::int64_t value) noexcept {
+  if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
+}
+
+GPUKIT_INLINE stat atomic_stat::load() const noexcept {
+  stat s;
+  s.current = current.load(std::memory_order_acquire);
+  s.peak = peak.load(std::memory_order_acquire);
+  s.allocated = allocated.load(std::memory_order_acquire);
+  s.freed = freed.load(std::memory_order_acquire);
+  return s;
+}
+
+GPUKIT_INLINE void atomic_stat::reset_accumulated() noexcept {
+  allocated.store(0, std::memory_order_release);
+  freed.store(0, std::memory_order_release);
+}
+
+GPUKIT_INLINE void atomic_pool_stats::add(bool small, std::int64_t delta) noexcept {
+  pools[0].add(delta);
+  pools[small ? 1 : 2].add(delta);
+}
+
+GPUKIT_INLINE pool_stats atomic_pool_stats::load() const noexcept {
+  pool_stats s;
+  for (std::size_t i = 0; i < 3; ++i) s.pools[i] = pools[i].load();
+  return s;
+}
+
+GPUKIT_INLINE void atomic_pool_stats::reset_accumulated() noexcept {
+  for (auto& p : pools) p.reset_accumulated();
+}
+
+GPUKIT_INLINE void add_to_stat(stat& s, std::int64_t delta) noexcept {
+  s.current += delta;
+  if (s.current > s.peak) s.peak = s.current;
+  (delta >= 0 ? s.allocated : s.freed) += delta >= 0 ? delta : -delta;
+}
+
+GPUKIT_INLINE void add_to_stat(duration_stat& d, const duration_stat& calls) noexcept {
+  if (calls.count == 0) return;
+  if (d.min.count() == 0 || calls.min < d.min) d.min = calls.min;  // 0: none since the last reset (PyTorch's rule)
+  if (calls.max > d.max) d.max = calls.max;
+  d.total += calls.total;
+  d.count += calls.count;
+}
+
+GPUKIT_INLINE void add_to_stat(duration_stat& d, std::chrono::nanoseconds spent) noexcept {
+  add_to_stat(d, duration_stat{1, spent, spent, spent});
+}
+
+GPUKIT_INLINE void atomic_counter::increment() noexcept {
+  value.store(value.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE std::int64_t atomic_counter::load() const noexcept { return value.load(std::memory_order_relaxed); }
+
+GPUKIT_INLINE void atomic_counter::reset() noexcept { value.store(0, std::memory_order_relaxed); }
+
+GPUKIT_INLINE std::string summary_bytes(std::int64_t bytes) {
   if (bytes < 0) return "-" + format_bytes(static_cast<std::size_t>(-bytes));
   return format_bytes(static_cast<std::size_t>(bytes));
 }
 
-inline void summary_line(std::string& out, const char* text) {
+GPUKIT_INLINE void summary_line(std::string& out, const char* text) {
   out += text;
   out += '\n';
 }
 
-inline void summary_row(std::string& out, const char* name, const stat& s, bool bytes) {
+GPUKIT_INLINE void summary_row(std::string& out, const char* name, const stat& s, bool bytes) {
   auto cell = [bytes](std::int64_t v) { return bytes ? summary_bytes(v) : std::to_string(v); };
   char line[160];
   std::snprintf(line, sizeof line, "| %-25s | %12s | %12s | %12s | %12s |", name, cell(s.current).c_str(),
@@ -251,18 +320,16 @@ inline void summary_row(std::string& out, const char* name, const stat& s, bool 
   summary_line(out, line);
 }
 
-inline void summary_group(std::string& out, const char* name, const pool_stats& s, bool bytes) {
+GPUKIT_INLINE void summary_group(std::string& out, const char* name, const pool_stats& s, bool bytes) {
   summary_row(out, name, s.all(), bytes);
   summary_row(out, "      from large pool", s.large(), bytes);
   summary_row(out, "      from small pool", s.small(), bytes);
   summary_line(out, "|---------------------------------------------------------------------------------------|");
 }
-
 }  // namespace detail
 
-/// The human-readable table of memory_summary(): current / peak / total allocated / total freed of each statistic,
-/// split by pool like torch.cuda.memory_summary(), followed by the free-space layout and the counters.
-inline std::string format_memory_summary(std::string_view title, const allocator_stats& s, const free_space_info& f) {
+GPUKIT_INLINE std::string format_memory_summary(std::string_view title, const allocator_stats& s,
+                                                const free_space_info& f) {
   std::string out;
   const char* rule = "|=======================================================================================|";
   detail::summary_line(out, rule);
@@ -333,3 +400,4 @@ inline std::string format_memory_summary(std::string_view title, const allocator
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

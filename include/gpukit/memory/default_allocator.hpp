@@ -49,30 +49,19 @@ struct default_allocator_registry {
 };
 
 /// Never destroyed: allocators must outlive every buffer, including those destroyed during static destruction.
-GPUKIT_EXPORT inline default_allocator_registry& default_allocators() {
-  static default_allocator_registry* registry = new default_allocator_registry();
-  return *registry;
-}
+GPUKIT_EXPORT GPUKIT_INLINE default_allocator_registry& default_allocators();
 
-inline int default_allocator_slot(device d) noexcept { return d.is_cpu() ? 0 : d.ordinal() + 1; }
+GPUKIT_INLINE int default_allocator_slot(device d) noexcept;
 
 }  // namespace detail
 
 namespace detail {
 /// The default allocator of `d` when it exists (the lock-free read), else nullptr.
-inline device_allocator* existing_default_allocator(device d) noexcept {
-  const int slot = default_allocator_slot(d);
-  if (slot >= default_allocator_registry::fast_slots) return nullptr;
-  return default_allocators().fast[static_cast<std::size_t>(slot)].load(std::memory_order_acquire);
-}
+GPUKIT_INLINE device_allocator* existing_default_allocator(device d) noexcept;
 
 /// Publishes the allocator of `d` for lock-free reads (the registry's lock held).
-inline void publish_default_allocator(default_allocator_registry& registry, device d, device_allocator* a) noexcept {
-  const int slot = default_allocator_slot(d);
-  if (slot < default_allocator_registry::fast_slots) {
-    registry.fast[static_cast<std::size_t>(slot)].store(a, std::memory_order_release);
-  }
-}
+GPUKIT_INLINE void publish_default_allocator(default_allocator_registry& registry, device d,
+                                             device_allocator* a) noexcept;
 }  // namespace detail
 
 /// The default allocator of `d` (a caching_allocator unless replaced), created on first use. Called as
@@ -96,30 +85,13 @@ device_allocator& default_allocator(device d) {
 /// allocated from the previous allocator still free into it, so keep it alive until they are gone. Passing nullptr
 /// makes the next use create a fresh caching_allocator. Throws invalid_argument_error if `allocator` serves another
 /// device.
-inline std::shared_ptr<device_allocator> set_default_allocator(device d, std::shared_ptr<device_allocator> allocator) {
-  if (allocator && allocator->device() != d) {
-    throw invalid_argument_error("gpukit::set_default_allocator: the allocator serves " +
-                                 allocator->device().to_string() + ", not " + d.to_string());
-  }
-  auto& registry = detail::default_allocators();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  auto& owner = registry.owners[d];
-  std::swap(owner, allocator);
-  detail::publish_default_allocator(registry, d, owner.get());
-  return allocator;
-}
+GPUKIT_INLINE std::shared_ptr<device_allocator> set_default_allocator(device d,
+                                                                      std::shared_ptr<device_allocator> allocator);
 
 /// Sets the options the default allocator of `d` is created with (e.g. from a configuration file), in place of
 /// those of GPUKIT_ALLOC_CONF (which the others are created with; see allocator_config.hpp). Takes effect only if
 /// that allocator has not been created yet; returns whether it did.
-inline bool set_default_allocator_options(device d, const allocator_options& options) {
-  options.validate();
-  auto& registry = detail::default_allocators();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  registry.options[d] = options;
-  const auto existing = registry.owners.find(d);
-  return existing == registry.owners.end() || !existing->second;
-}
+GPUKIT_INLINE bool set_default_allocator_options(device d, const allocator_options& options);
 
 /// Bytes handed out by the default allocator of `d` (torch.cuda.memory_allocated).
 template <int Deferred = 0>
@@ -147,31 +119,7 @@ std::size_t max_memory_reserved(device d) {
 /// current, peak, allocated, freed) and the counters num_alloc_retries, num_ooms, num_sync_all_streams,
 /// num_device_alloc and num_device_free to values, so code and dashboards written for PyTorch read gpukit's
 /// numbers unchanged. gpukit adds num_device_free_unforced; PyTorch's oversize_* keys are not kept.
-inline std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s) {
-  std::map<std::string, std::int64_t> flat;
-  const std::pair<const char*, const pool_stats*> groups[] = {{"allocation", &s.allocation},
-                                                              {"segment", &s.segment},
-                                                              {"active", &s.active},
-                                                              {"inactive_split", &s.inactive_split},
-                                                              {"allocated_bytes", &s.allocated_bytes},
-                                                              {"reserved_bytes", &s.reserved_bytes},
-                                                              {"active_bytes", &s.active_bytes},
-                                                              {"inactive_split_bytes", &s.inactive_split_bytes},
-                                                              {"requested_bytes", &s.requested_bytes}};
-  const char* const pools[] = {"all", "small_pool", "large_pool"};
-  for (const auto& [name, group] : groups) {
-    for (std::size_t pool = 0; pool < 3; ++pool) {
-      detail::add_flat_stat(flat, std::string(name) + "." + pools[pool] + ".", group->pools[pool]);
-    }
-  }
-  flat["num_alloc_retries"] = s.num_alloc_retries;
-  flat["num_ooms"] = s.num_ooms;
-  flat["num_sync_all_streams"] = s.num_sync_all_streams;
-  flat["num_device_alloc"] = s.num_device_alloc;
-  flat["num_device_free"] = s.num_device_free;
-  flat["num_device_free_unforced"] = s.num_device_free_unforced;
-  return flat;
-}
+GPUKIT_INLINE std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s);
 
 /// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
 template <int Deferred = 0>
@@ -244,3 +192,81 @@ void stop_memory_history(device d) {
 }
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE default_allocator_registry& default_allocators() {
+  static default_allocator_registry* registry = new default_allocator_registry();
+  return *registry;
+}
+
+GPUKIT_INLINE int default_allocator_slot(device d) noexcept { return d.is_cpu() ? 0 : d.ordinal() + 1; }
+
+GPUKIT_INLINE device_allocator* existing_default_allocator(device d) noexcept {
+  const int slot = default_allocator_slot(d);
+  if (slot >= default_allocator_registry::fast_slots) return nullptr;
+  return default_allocators().fast[static_cast<std::size_t>(slot)].load(std::memory_order_acquire);
+}
+
+GPUKIT_INLINE void publish_default_allocator(default_allocator_registry& registry, device d,
+                                             device_allocator* a) noexcept {
+  const int slot = default_allocator_slot(d);
+  if (slot < default_allocator_registry::fast_slots) {
+    registry.fast[static_cast<std::size_t>(slot)].store(a, std::memory_order_release);
+  }
+}
+}  // namespace detail
+
+GPUKIT_INLINE std::shared_ptr<device_allocator> set_default_allocator(device d,
+                                                                      std::shared_ptr<device_allocator> allocator) {
+  if (allocator && allocator->device() != d) {
+    throw invalid_argument_error("gpukit::set_default_allocator: the allocator serves " +
+                                 allocator->device().to_string() + ", not " + d.to_string());
+  }
+  auto& registry = detail::default_allocators();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& owner = registry.owners[d];
+  std::swap(owner, allocator);
+  detail::publish_default_allocator(registry, d, owner.get());
+  return allocator;
+}
+
+GPUKIT_INLINE bool set_default_allocator_options(device d, const allocator_options& options) {
+  options.validate();
+  auto& registry = detail::default_allocators();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.options[d] = options;
+  const auto existing = registry.owners.find(d);
+  return existing == registry.owners.end() || !existing->second;
+}
+
+GPUKIT_INLINE std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s) {
+  std::map<std::string, std::int64_t> flat;
+  const std::pair<const char*, const pool_stats*> groups[] = {{"allocation", &s.allocation},
+                                                              {"segment", &s.segment},
+                                                              {"active", &s.active},
+                                                              {"inactive_split", &s.inactive_split},
+                                                              {"allocated_bytes", &s.allocated_bytes},
+                                                              {"reserved_bytes", &s.reserved_bytes},
+                                                              {"active_bytes", &s.active_bytes},
+                                                              {"inactive_split_bytes", &s.inactive_split_bytes},
+                                                              {"requested_bytes", &s.requested_bytes}};
+  const char* const pools[] = {"all", "small_pool", "large_pool"};
+  for (const auto& [name, group] : groups) {
+    for (std::size_t pool = 0; pool < 3; ++pool) {
+      detail::add_flat_stat(flat, std::string(name) + "." + pools[pool] + ".", group->pools[pool]);
+    }
+  }
+  flat["num_alloc_retries"] = s.num_alloc_retries;
+  flat["num_ooms"] = s.num_ooms;
+  flat["num_sync_all_streams"] = s.num_sync_all_streams;
+  flat["num_device_alloc"] = s.num_device_alloc;
+  flat["num_device_free"] = s.num_device_free;
+  flat["num_device_free_unforced"] = s.num_device_free_unforced;
+  return flat;
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

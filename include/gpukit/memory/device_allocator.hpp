@@ -35,13 +35,7 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 /// Throws invalid_argument_error unless `s` is a stream of CUDA device `d` (`who`::`operation` names the call).
-inline void require_stream_of(const stream_view& s, gpukit::device d, const char* who, const char* operation) {
-  if (!s.is_cpu() && s.device() == d) return;
-  throw invalid_argument_error(std::string(who) + "::" + operation + ": a stream of " +
-                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
-                                   " was passed to the allocator of " + d.to_string() + " (wrong device)",
-                               cudaSuccess, who, d.ordinal());
-}
+GPUKIT_INLINE void require_stream_of(const stream_view& s, gpukit::device d, const char* who, const char* operation);
 }  // namespace detail
 
 /// A device_resource with the statistics and control PyTorch users know (memory_allocated, memory_summary,
@@ -74,26 +68,15 @@ class device_allocator : public device_resource {
   /// Calls `observer` with the numbers of every out-of-memory error of this allocator just before it is thrown
   /// (outside the allocator's lock); returns an id for remove_out_of_memory_observer. Allocators that cannot
   /// report them throw invalid_argument_error.
-  virtual std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer) {
-    (void)observer;
-    throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
-                                 " does not support out-of-memory observers");
-  }
+  virtual std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer);
   /// Removes an observer; false when none has that id.
-  virtual bool remove_out_of_memory_observer(std::uint64_t id) {
-    (void)id;
-    return false;
-  }
+  virtual bool remove_out_of_memory_observer(std::uint64_t id);
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops. Allocators
   /// that cannot record a history throw invalid_argument_error.
-  virtual void set_memory_history(std::shared_ptr<memory_history> history) {
-    (void)history;
-    throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
-                                 " does not record a memory history");
-  }
+  virtual void set_memory_history(std::shared_ptr<memory_history> history);
   /// The history being recorded into, or null.
-  [[nodiscard]] virtual std::shared_ptr<memory_history> history() const { return nullptr; }
+  [[nodiscard]] virtual std::shared_ptr<memory_history> history() const;
 
   /// Bytes handed out to users, like torch.cuda.memory_allocated().
   [[nodiscard]] virtual std::size_t memory_allocated() const noexcept = 0;
@@ -230,3 +213,38 @@ extern template caching_device_allocator<device_upstream>::caching_device_alloca
 #endif
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE void require_stream_of(const stream_view& s, gpukit::device d, const char* who, const char* operation) {
+  if (!s.is_cpu() && s.device() == d) return;
+  throw invalid_argument_error(std::string(who) + "::" + operation + ": a stream of " +
+                                   (s.is_cpu() ? std::string("cpu") : s.device().to_string()) +
+                                   " was passed to the allocator of " + d.to_string() + " (wrong device)",
+                               cudaSuccess, who, d.ordinal());
+}
+}  // namespace detail
+
+GPUKIT_INLINE std::uint64_t device_allocator::add_out_of_memory_observer(out_of_memory_observer observer) {
+  (void)observer;
+  throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
+                               " does not support out-of-memory observers");
+}
+
+GPUKIT_INLINE bool device_allocator::remove_out_of_memory_observer(std::uint64_t id) {
+  (void)id;
+  return false;
+}
+
+GPUKIT_INLINE void device_allocator::set_memory_history(std::shared_ptr<memory_history> history) {
+  (void)history;
+  throw invalid_argument_error("gpukit: the allocator of " + device().to_string() +
+                               " does not record a memory history");
+}
+
+GPUKIT_INLINE std::shared_ptr<memory_history> device_allocator::history() const { return nullptr; }
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -40,15 +40,7 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 /// Frees memory from a destructor: an error cannot be thrown there, so it is reported through gpukit::warn.
-inline void deallocate_quietly(device_resource* allocator, void* p, const char* owner) noexcept {
-  try {
-    allocator->deallocate(p);
-  } catch (const std::exception& e) {
-    warn(std::string("gpukit: freeing a ") + owner + " failed: " + e.what());
-  } catch (...) {
-    warn(std::string("gpukit: freeing a ") + owner + " failed");
-  }
-}
+GPUKIT_INLINE void deallocate_quietly(device_resource* allocator, void* p, const char* owner) noexcept;
 }  // namespace detail
 
 /// Raw bytes of stream-ordered device memory, owned (move-only). An empty allocation (0 bytes, default
@@ -70,80 +62,49 @@ class device_allocation {
   device_allocation(std::size_t bytes, gpukit::device d) : device_allocation(bytes, current_stream(d)) {}
 
   /// `bytes` from `allocator`, which must outlive this allocation.
-  device_allocation(std::size_t bytes, stream_view stream, device_resource& allocator)
-      : allocator_(&allocator), stream_(stream), size_(bytes) {
-    pointer_ = allocator.allocate(bytes, stream);
-  }
+  device_allocation(std::size_t bytes, stream_view stream, device_resource& allocator);
 
   /// `bytes` from `allocator` (which must outlive this allocation), aligned to `alignment` (a power of two; see
   /// device_resource::allocate). Throws invalid_argument_error for another alignment.
-  device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream, device_resource& allocator)
-      : allocator_(&allocator), stream_(stream), size_(bytes) {
-    pointer_ = allocator.allocate(bytes, alignment, stream);
-  }
+  device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream, device_resource& allocator);
 
   /// Takes over `other`'s memory, allocator and stream; `other` is left empty.
-  device_allocation(device_allocation&& other) noexcept
-      : allocator_(std::exchange(other.allocator_, nullptr)),
-        stream_(other.stream_),
-        pointer_(std::exchange(other.pointer_, nullptr)),
-        size_(std::exchange(other.size_, 0)) {}
+  device_allocation(device_allocation&& other) noexcept;
   /// Frees this allocation's memory in its stream's order (errors are reported through gpukit::warn), then takes
   /// over `other`'s; `other` is left empty.
-  device_allocation& operator=(device_allocation&& other) noexcept {
-    if (this != &other) {
-      free_quietly();
-      allocator_ = std::exchange(other.allocator_, nullptr);
-      stream_ = other.stream_;
-      pointer_ = std::exchange(other.pointer_, nullptr);
-      size_ = std::exchange(other.size_, 0);
-    }
-    return *this;
-  }
+  device_allocation& operator=(device_allocation&& other) noexcept;
   device_allocation(const device_allocation&) = delete;
   device_allocation& operator=(const device_allocation&) = delete;
-  ~device_allocation() { free_quietly(); }
+  ~device_allocation();
 
   /// The memory (device memory: dereference only in device code), or nullptr when empty.
-  void* get() const noexcept { return pointer_; }
+  void* get() const noexcept;
   /// Size in bytes, as requested (0 when empty).
-  std::size_t size() const noexcept { return size_; }
+  std::size_t size() const noexcept;
   /// True when there is no memory (get() == nullptr).
-  bool empty() const noexcept { return pointer_ == nullptr; }
+  bool empty() const noexcept;
   /// True when there is memory (get() != nullptr).
-  explicit operator bool() const noexcept { return pointer_ != nullptr; }
+  explicit operator bool() const noexcept;
   /// The device the memory is on (the CPU for an empty allocation).
-  gpukit::device device() const noexcept {
-    return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu();
-  }
+  gpukit::device device() const noexcept;
   /// The stream the memory was allocated on and is freed on.
-  stream_view stream() const noexcept { return stream_; }
+  stream_view stream() const noexcept;
   /// The allocator it came from, or nullptr when empty.
-  device_resource* allocator() const noexcept { return allocator_; }
+  device_resource* allocator() const noexcept;
 
   /// Frees the memory now (in the stream's order) and leaves the allocation empty, also when the free throws (a
   /// misuse such as freeing the pointer behind the handle's back is reported once, not again by the destructor).
-  void reset() {
-    void* p = std::exchange(pointer_, nullptr);
-    size_ = 0;
-    if (p != nullptr) allocator_->deallocate(p);
-  }
+  void reset();
 
   /// `s` also uses this memory: when freed, it is reused only after s's work up to then (record_stream).
-  void record_stream(stream_view s) {
-    if (pointer_ != nullptr) allocator_->record_stream(pointer_, s);
-  }
+  void record_stream(stream_view s);
 
  private:
   template <class>
   friend class device_buffer;
 
   /// Frees from a destructor or move assignment: errors are reported through gpukit::warn, naming `owner`.
-  void free_quietly(const char* owner = "device_allocation") noexcept {
-    if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
-    pointer_ = nullptr;
-    size_ = 0;
-  }
+  void free_quietly(const char* owner = "device_allocation") noexcept;
 
   device_resource* allocator_ = nullptr;
   stream_view stream_{};
@@ -235,3 +196,83 @@ class device_buffer {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE void deallocate_quietly(device_resource* allocator, void* p, const char* owner) noexcept {
+  try {
+    allocator->deallocate(p);
+  } catch (const std::exception& e) {
+    warn(std::string("gpukit: freeing a ") + owner + " failed: " + e.what());
+  } catch (...) {
+    warn(std::string("gpukit: freeing a ") + owner + " failed");
+  }
+}
+}  // namespace detail
+
+GPUKIT_INLINE device_allocation::device_allocation(std::size_t bytes, stream_view stream, device_resource& allocator)
+    : allocator_(&allocator), stream_(stream), size_(bytes) {
+  pointer_ = allocator.allocate(bytes, stream);
+}
+
+GPUKIT_INLINE device_allocation::device_allocation(std::size_t bytes, std::size_t alignment, stream_view stream,
+                                                   device_resource& allocator)
+    : allocator_(&allocator), stream_(stream), size_(bytes) {
+  pointer_ = allocator.allocate(bytes, alignment, stream);
+}
+
+GPUKIT_INLINE device_allocation::device_allocation(device_allocation&& other) noexcept
+    : allocator_(std::exchange(other.allocator_, nullptr)),
+      stream_(other.stream_),
+      pointer_(std::exchange(other.pointer_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+GPUKIT_INLINE device_allocation& device_allocation::operator=(device_allocation&& other) noexcept {
+  if (this != &other) {
+    free_quietly();
+    allocator_ = std::exchange(other.allocator_, nullptr);
+    stream_ = other.stream_;
+    pointer_ = std::exchange(other.pointer_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+GPUKIT_INLINE device_allocation::~device_allocation() { free_quietly(); }
+
+GPUKIT_INLINE void* device_allocation::get() const noexcept { return pointer_; }
+
+GPUKIT_INLINE std::size_t device_allocation::size() const noexcept { return size_; }
+
+GPUKIT_INLINE bool device_allocation::empty() const noexcept { return pointer_ == nullptr; }
+
+GPUKIT_INLINE device_allocation::operator bool() const noexcept { return pointer_ != nullptr; }
+
+GPUKIT_INLINE gpukit::device device_allocation::device() const noexcept {
+  return allocator_ != nullptr ? allocator_->device() : gpukit::device::cpu();
+}
+
+GPUKIT_INLINE stream_view device_allocation::stream() const noexcept { return stream_; }
+
+GPUKIT_INLINE device_resource* device_allocation::allocator() const noexcept { return allocator_; }
+
+GPUKIT_INLINE void device_allocation::reset() {
+  void* p = std::exchange(pointer_, nullptr);
+  size_ = 0;
+  if (p != nullptr) allocator_->deallocate(p);
+}
+
+GPUKIT_INLINE void device_allocation::record_stream(stream_view s) {
+  if (pointer_ != nullptr) allocator_->record_stream(pointer_, s);
+}
+
+GPUKIT_INLINE void device_allocation::free_quietly(const char* owner) noexcept {
+  if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
+  pointer_ = nullptr;
+  size_ = 0;
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

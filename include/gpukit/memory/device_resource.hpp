@@ -37,42 +37,25 @@ class device_resource {
 
   /// `bytes` usable on `stream` at once, aligned to natural_alignment(); nullptr for 0 bytes. Throws
   /// out_of_memory_error, or invalid_argument_error for a stream of another device.
-  [[nodiscard]] void* allocate(std::size_t bytes, stream_view stream) { return do_allocate(bytes, stream); }
+  [[nodiscard]] void* allocate(std::size_t bytes, stream_view stream);
   /// The same, aligned to `alignment` (a power of two). Above natural_alignment() the memory comes from a block
   /// `alignment - natural_alignment()` bytes larger (the statistics, snapshots and history show that block: its
   /// start and size), and the aligned address is remembered process-wide, so it may be freed through any allocator
   /// that could free the block. Throws invalid_argument_error for an alignment that is not a power of two.
-  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
-    // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
-    if (alignment <= min_natural_alignment && detail::is_power_of_two(alignment)) return do_allocate(bytes, stream);
-    detail::require_power_of_two_alignment(alignment, "gpukit::device_resource::allocate");
-    const std::size_t natural = natural_alignment();
-    if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
-    return detail::allocate_over_aligned(
-        bytes, alignment, natural, "gpukit::device_resource::allocate",
-        [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream);
   /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
   /// allocator does not own (including a double free); nullptr is ignored.
-  void deallocate(void* p) {
-    detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
-  }
+  void deallocate(void* p);
   /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
-  void deallocate(void* p, stream_view stream) {
-    detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
-  }
+  void deallocate(void* p, stream_view stream);
   /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
-  void record_stream(void* p, stream_view stream) {
-    do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
-  }
+  void record_stream(void* p, stream_view stream);
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).
-  [[nodiscard]] bool owns(const void* p) const noexcept {
-    return do_owns(detail::over_aligned_addresses().block_of(p));
-  }
+  [[nodiscard]] bool owns(const void* p) const noexcept;
   /// The alignment of every allocation made without asking for one (a power of two, at least
   /// min_natural_alignment).
-  [[nodiscard]] std::size_t natural_alignment() const noexcept { return do_natural_alignment(); }
+  [[nodiscard]] std::size_t natural_alignment() const noexcept;
 
  protected:
   device_resource() = default;
@@ -91,7 +74,48 @@ class device_resource {
   virtual void do_record_stream(void* p, stream_view stream) = 0;
   virtual bool do_owns(const void* p) const noexcept = 0;
   /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
-  [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept { return default_alignment; }
+  [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept;
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, stream_view stream) {
+  return do_allocate(bytes, stream);
+}
+
+GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
+  // Every allocator's natural alignment is at least min_natural_alignment: no virtual call for the common types.
+  if (alignment <= min_natural_alignment && detail::is_power_of_two(alignment)) return do_allocate(bytes, stream);
+  detail::require_power_of_two_alignment(alignment, "gpukit::device_resource::allocate");
+  const std::size_t natural = natural_alignment();
+  if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
+  return detail::allocate_over_aligned(
+      bytes, alignment, natural, "gpukit::device_resource::allocate",
+      [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
+}
+
+GPUKIT_INLINE void device_resource::deallocate(void* p) {
+  detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
+}
+
+GPUKIT_INLINE void device_resource::deallocate(void* p, stream_view stream) {
+  detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
+}
+
+GPUKIT_INLINE void device_resource::record_stream(void* p, stream_view stream) {
+  do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
+}
+
+GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
+  return do_owns(detail::over_aligned_addresses().block_of(p));
+}
+
+GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }
+
+GPUKIT_INLINE std::size_t device_resource::do_natural_alignment() const noexcept { return default_alignment; }
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -48,29 +48,7 @@ enum class memory_action : std::uint8_t {
 };
 
 /// PyTorch's name of an action: "alloc", "free_requested", ..., "oom".
-inline const char* memory_action_name(memory_action a) noexcept {
-  switch (a) {
-    case memory_action::alloc:
-      return "alloc";
-    case memory_action::free_requested:
-      return "free_requested";
-    case memory_action::free_completed:
-      return "free_completed";
-    case memory_action::segment_alloc:
-      return "segment_alloc";
-    case memory_action::segment_free:
-      return "segment_free";
-    case memory_action::segment_map:
-      return "segment_map";
-    case memory_action::segment_unmap:
-      return "segment_unmap";
-    case memory_action::snapshot:
-      return "snapshot";
-    case memory_action::oom:
-      return "oom";
-  }
-  return "unknown";
-}
+GPUKIT_INLINE const char* memory_action_name(memory_action a) noexcept;
 
 /// One recorded event.
 struct memory_event {
@@ -94,65 +72,33 @@ struct memory_tag_registry {
 };
 
 // Never destroyed: tags are named during exit too (report_leaks_at_exit, objects destroyed after main returns).
-GPUKIT_EXPORT inline memory_tag_registry& memory_tags() {
-  static memory_tag_registry* registry = new memory_tag_registry();
-  return *registry;
-}
+GPUKIT_EXPORT GPUKIT_INLINE memory_tag_registry& memory_tags();
 
 /// The tag of the calling thread's allocations (0: none).
-GPUKIT_EXPORT inline std::uint32_t& current_memory_tag() noexcept {
-  thread_local std::uint32_t id = 0;
-  return id;
-}
+GPUKIT_EXPORT GPUKIT_INLINE std::uint32_t& current_memory_tag() noexcept;
 
-inline std::uint64_t this_thread_number() noexcept {
-  thread_local const std::uint64_t number = std::hash<std::thread::id>()(std::this_thread::get_id());
-  return number;
-}
+GPUKIT_INLINE std::uint64_t this_thread_number() noexcept;
 
 /// The tag of the allocation at each address still live after `events` (memory_history::events()).
-inline std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
-  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
-  for (const memory_event& e : events) {
-    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
-    if (e.action == memory_action::free_requested) tags.erase(e.address);
-  }
-  return tags;
-}
+GPUKIT_INLINE std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events);
 
 }  // namespace detail
 
 /// The id of a tag name (the same for every call with that name in the process); "" is 0.
-inline std::uint32_t memory_tag_id(std::string_view name) {
-  if (name.empty()) return 0;
-  detail::memory_tag_registry& r = detail::memory_tags();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  const auto found = r.ids.find(std::string(name));
-  if (found != r.ids.end()) return found->second;
-  const auto id = static_cast<std::uint32_t>(r.names.size());
-  r.names.emplace_back(name);
-  r.ids.emplace(std::string(name), id);
-  return id;
-}
+GPUKIT_INLINE std::uint32_t memory_tag_id(std::string_view name);
 
 /// The name of a tag id ("" for 0 or an unknown id).
-inline std::string memory_tag_name(std::uint32_t id) {
-  detail::memory_tag_registry& r = detail::memory_tags();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  return id < r.names.size() ? r.names[id] : std::string();
-}
+GPUKIT_INLINE std::string memory_tag_name(std::uint32_t id);
 
 /// Tags the calling thread's allocations while it lives (nested tags restore the outer one). Costs nothing unless
 /// an allocator records a history.
 class memory_tag {
  public:
   /// Makes `name` the calling thread's tag (an empty name: none) until destroyed, on the same thread.
-  explicit memory_tag(std::string_view name) : previous_(detail::current_memory_tag()) {
-    detail::current_memory_tag() = memory_tag_id(name);
-  }
+  explicit memory_tag(std::string_view name);
   memory_tag(const memory_tag&) = delete;
   memory_tag& operator=(const memory_tag&) = delete;
-  ~memory_tag() { detail::current_memory_tag() = previous_; }
+  ~memory_tag();
 
  private:
   std::uint32_t previous_;
@@ -162,98 +108,33 @@ class memory_tag {
 class memory_history {
  public:
   /// Keeps the latest `max_entries` events. Throws invalid_argument_error for 0.
-  explicit memory_history(std::size_t max_entries = 100000)
-      : steady_origin_(std::chrono::steady_clock::now()), system_origin_(std::chrono::system_clock::now()) {
-    if (max_entries == 0) throw invalid_argument_error("gpukit::memory_history: max_entries must be positive");
-    ring_.reserve(max_entries < 4096 ? max_entries : 4096);
-    max_entries_ = max_entries;
-    requested_entries_ = max_entries;
-  }
+  explicit memory_history(std::size_t max_entries = 100000);
 
   memory_history(const memory_history&) = delete;
   memory_history& operator=(const memory_history&) = delete;
 
   /// Appends an event stamped with the time, the calling thread and its memory_tag (the allocator calls this).
   void record(memory_action action, std::uintptr_t address, std::size_t size, std::uintptr_t stream,
-              std::size_t device_free = 0) noexcept {
-    memory_event e;
-    e.action = action;
-    e.address = address;
-    e.size = size;
-    e.stream = stream;
-    e.thread = detail::this_thread_number();
-    e.tag = detail::current_memory_tag();
-    e.device_free = device_free;
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Stamped under the lock: times never go back in the ring's order.
-    e.time_ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-            .count();
-    if (ring_.size() < max_entries_) {
-      try {
-        ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)
-        ++recorded_;
-        return;
-      } catch (...) {
-        if (ring_.empty()) {  // no memory for even one event: this one is lost, and counted as recorded and dropped
-          ++recorded_;
-          ++dropped_;
-          return;
-        }
-        max_entries_ = ring_.size();  // out of memory: keep the ring at the size it has
-      }
-    }
-    ring_[next_] = e;
-    next_ = (next_ + 1) % ring_.size();
-    ++recorded_;
-    ++dropped_;
-  }
+              std::size_t device_free = 0) noexcept;
 
   /// The events held, oldest first.
-  std::vector<memory_event> events() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<memory_event> out;
-    out.reserve(ring_.size());
-    out.insert(out.end(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
-    out.insert(out.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
-    return out;
-  }
+  std::vector<memory_event> events() const;
 
   /// Events recorded since construction (or clear()), including those the ring no longer holds.
-  std::size_t recorded() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return recorded_;
-  }
+  std::size_t recorded() const;
   /// Events the ring no longer holds: the oldest, dropped to make room, or one it had no memory for (so recorded()
   /// minus dropped() is the number of events held).
-  std::size_t dropped() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return dropped_;
-  }
+  std::size_t dropped() const;
   /// The most events the ring holds: the constructor's `max_entries`, or fewer once an allocation failure stopped
   /// its growth (until clear()).
-  std::size_t max_entries() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return max_entries_;
-  }
+  std::size_t max_entries() const;
 
   /// Forgets every event.
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ring_.clear();
-    next_ = 0;
-    max_entries_ = requested_entries_;  // undoes a shrink after an allocation failure
-    recorded_ = 0;
-    dropped_ = 0;
-  }
+  void clear();
 
   /// An event's time as microseconds since the Unix epoch (the system clock at construction, plus the steady time
   /// since then), as PyTorch's time_us.
-  std::int64_t unix_time_us(const memory_event& e) const noexcept {
-    const auto since_origin = std::chrono::nanoseconds(e.time_ns) - steady_origin_.time_since_epoch();
-    return std::chrono::duration_cast<std::chrono::microseconds>(system_origin_.time_since_epoch() + since_origin)
-        .count();
-  }
+  std::int64_t unix_time_us(const memory_event& e) const noexcept;
 
  private:
   mutable std::mutex mutex_;
@@ -268,3 +149,164 @@ class memory_history {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE const char* memory_action_name(memory_action a) noexcept {
+  switch (a) {
+    case memory_action::alloc:
+      return "alloc";
+    case memory_action::free_requested:
+      return "free_requested";
+    case memory_action::free_completed:
+      return "free_completed";
+    case memory_action::segment_alloc:
+      return "segment_alloc";
+    case memory_action::segment_free:
+      return "segment_free";
+    case memory_action::segment_map:
+      return "segment_map";
+    case memory_action::segment_unmap:
+      return "segment_unmap";
+    case memory_action::snapshot:
+      return "snapshot";
+    case memory_action::oom:
+      return "oom";
+  }
+  return "unknown";
+}
+namespace detail {
+
+GPUKIT_INLINE memory_tag_registry& memory_tags() {
+  static memory_tag_registry* registry = new memory_tag_registry();
+  return *registry;
+}
+
+GPUKIT_INLINE std::uint32_t& current_memory_tag() noexcept {
+  thread_local std::uint32_t id = 0;
+  return id;
+}
+
+GPUKIT_INLINE std::uint64_t this_thread_number() noexcept {
+  thread_local const std::uint64_t number = std::hash<std::thread::id>()(std::this_thread::get_id());
+  return number;
+}
+
+GPUKIT_INLINE std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
+  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
+  for (const memory_event& e : events) {
+    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
+    if (e.action == memory_action::free_requested) tags.erase(e.address);
+  }
+  return tags;
+}
+}  // namespace detail
+
+GPUKIT_INLINE std::uint32_t memory_tag_id(std::string_view name) {
+  if (name.empty()) return 0;
+  detail::memory_tag_registry& r = detail::memory_tags();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto found = r.ids.find(std::string(name));
+  if (found != r.ids.end()) return found->second;
+  const auto id = static_cast<std::uint32_t>(r.names.size());
+  r.names.emplace_back(name);
+  r.ids.emplace(std::string(name), id);
+  return id;
+}
+
+GPUKIT_INLINE std::string memory_tag_name(std::uint32_t id) {
+  detail::memory_tag_registry& r = detail::memory_tags();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return id < r.names.size() ? r.names[id] : std::string();
+}
+
+GPUKIT_INLINE memory_tag::memory_tag(std::string_view name) : previous_(detail::current_memory_tag()) {
+  detail::current_memory_tag() = memory_tag_id(name);
+}
+
+GPUKIT_INLINE memory_tag::~memory_tag() { detail::current_memory_tag() = previous_; }
+
+GPUKIT_INLINE memory_history::memory_history(std::size_t max_entries)
+    : steady_origin_(std::chrono::steady_clock::now()), system_origin_(std::chrono::system_clock::now()) {
+  if (max_entries == 0) throw invalid_argument_error("gpukit::memory_history: max_entries must be positive");
+  ring_.reserve(max_entries < 4096 ? max_entries : 4096);
+  max_entries_ = max_entries;
+  requested_entries_ = max_entries;
+}
+
+GPUKIT_INLINE void memory_history::record(memory_action action, std::uintptr_t address, std::size_t size,
+                                          std::uintptr_t stream, std::size_t device_free) noexcept {
+  memory_event e;
+  e.action = action;
+  e.address = address;
+  e.size = size;
+  e.stream = stream;
+  e.thread = detail::this_thread_number();
+  e.tag = detail::current_memory_tag();
+  e.device_free = device_free;
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Stamped under the lock: times never go back in the ring's order.
+  e.time_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (ring_.size() < max_entries_) {
+    try {
+      ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)
+      ++recorded_;
+      return;
+    } catch (...) {
+      if (ring_.empty()) {  // no memory for even one event: this one is lost, and counted as recorded and dropped
+        ++recorded_;
+        ++dropped_;
+        return;
+      }
+      max_entries_ = ring_.size();  // out of memory: keep the ring at the size it has
+    }
+  }
+  ring_[next_] = e;
+  next_ = (next_ + 1) % ring_.size();
+  ++recorded_;
+  ++dropped_;
+}
+
+GPUKIT_INLINE std::vector<memory_event> memory_history::events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<memory_event> out;
+  out.reserve(ring_.size());
+  out.insert(out.end(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
+  out.insert(out.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
+  return out;
+}
+
+GPUKIT_INLINE std::size_t memory_history::recorded() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return recorded_;
+}
+
+GPUKIT_INLINE std::size_t memory_history::dropped() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return dropped_;
+}
+
+GPUKIT_INLINE std::size_t memory_history::max_entries() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return max_entries_;
+}
+
+GPUKIT_INLINE void memory_history::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ring_.clear();
+  next_ = 0;
+  max_entries_ = requested_entries_;  // undoes a shrink after an allocation failure
+  recorded_ = 0;
+  dropped_ = 0;
+}
+
+GPUKIT_INLINE std::int64_t memory_history::unix_time_us(const memory_event& e) const noexcept {
+  const auto since_origin = std::chrono::nanoseconds(e.time_ns) - steady_origin_.time_since_epoch();
+  return std::chrono::duration_cast<std::chrono::microseconds>(system_origin_.time_since_epoch() + since_origin)
+      .count();
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -54,7 +54,32 @@ namespace detail {
 /// The message of a caching allocator's out_of_memory_error, from its numbers (`info`, whose `message` is ignored):
 /// what was asked and what it needs (a new segment, or more pages of an expandable one with `pages`), the device's
 /// memory, this allocator's, and the likely cause with what to do about it.
-inline std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name, bool pages) {
+GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
+                                                bool pages);
+
+class out_of_memory_observers {
+ public:
+  std::uint64_t add(out_of_memory_observer observer);
+  bool remove(std::uint64_t id);
+  /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`.
+  void notify(const out_of_memory_info& info, const std::string& device) const noexcept;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<const out_of_memory_observer>>> observers_;
+  std::uint64_t last_id_ = 0;
+};
+
+}  // namespace detail
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
+                                                bool pages) {
   std::string m = "gpukit: out of memory on " + std::string(device_name) + ": tried to allocate " +
                   format_bytes_exact(info.requested) + ", rounded to " + format_bytes_exact(info.rounded) +
                   ", which needs " +
@@ -91,48 +116,41 @@ inline std::string out_of_memory_message(const out_of_memory_info& info, std::st
   return m;
 }
 
-class out_of_memory_observers {
- public:
-  std::uint64_t add(out_of_memory_observer observer) {
-    if (!observer)
-      throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
-    std::lock_guard<std::mutex> lock(mutex_);
-    observers_.emplace_back(++last_id_, std::make_shared<const out_of_memory_observer>(std::move(observer)));
-    return last_id_;
-  }
-  bool remove(std::uint64_t id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
-    if (it == observers_.end()) return false;
-    observers_.erase(it);
-    return true;
-  }
-  /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`.
-  void notify(const out_of_memory_info& info, const std::string& device) const noexcept {
-    std::vector<std::shared_ptr<const out_of_memory_observer>> observers;
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& o : observers_) observers.push_back(o.second);
-    } catch (...) {
-      return;  // no memory to copy the list: the error about to be thrown says why
-    }
-    for (const auto& observer : observers) {
-      try {
-        (*observer)(info);
-      } catch (const std::exception& e) {
-        warn("gpukit: an out-of-memory observer of " + device + " threw: " + e.what());
-      } catch (...) {
-        warn("gpukit: an out-of-memory observer of " + device + " threw a non-standard exception");
-      }
-    }
-  }
+GPUKIT_INLINE std::uint64_t out_of_memory_observers::add(out_of_memory_observer observer) {
+  if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
+  std::lock_guard<std::mutex> lock(mutex_);
+  observers_.emplace_back(++last_id_, std::make_shared<const out_of_memory_observer>(std::move(observer)));
+  return last_id_;
+}
 
- private:
-  mutable std::mutex mutex_;
-  std::vector<std::pair<std::uint64_t, std::shared_ptr<const out_of_memory_observer>>> observers_;
-  std::uint64_t last_id_ = 0;
-};
+GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
+  if (it == observers_.end()) return false;
+  observers_.erase(it);
+  return true;
+}
+
+GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
+                                                   const std::string& device) const noexcept {
+  std::vector<std::shared_ptr<const out_of_memory_observer>> observers;
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& o : observers_) observers.push_back(o.second);
+  } catch (...) {
+    return;  // no memory to copy the list: the error about to be thrown says why
+  }
+  for (const auto& observer : observers) {
+    try {
+      (*observer)(info);
+    } catch (const std::exception& e) {
+      warn("gpukit: an out-of-memory observer of " + device + " threw: " + e.what());
+    } catch (...) {
+      warn("gpukit: an out-of-memory observer of " + device + " threw a non-standard exception");
+    }
+  }
+}
 
 }  // namespace detail
-
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

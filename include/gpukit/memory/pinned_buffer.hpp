@@ -45,25 +45,9 @@ struct pinned_flags {
   bool write_combined = false;
 
   /// The cudaHostAlloc flag word.
-  unsigned cuda_flags() const noexcept {
-    unsigned f = cudaHostAllocDefault;
-    if (portable) f |= cudaHostAllocPortable;
-    if (mapped) f |= cudaHostAllocMapped;
-    if (write_combined) f |= cudaHostAllocWriteCombined;
-    return f;
-  }
+  unsigned cuda_flags() const noexcept;
   /// "cudaHostAllocPortable|cudaHostAllocMapped", for messages.
-  std::string to_string() const {
-    std::string text;
-    auto add = [&text](const char* name) {
-      if (!text.empty()) text += '|';
-      text += name;
-    };
-    if (portable) add("cudaHostAllocPortable");
-    if (mapped) add("cudaHostAllocMapped");
-    if (write_combined) add("cudaHostAllocWriteCombined");
-    return text.empty() ? std::string("cudaHostAllocDefault") : text;
-  }
+  std::string to_string() const;
 };
 
 namespace detail {
@@ -72,35 +56,18 @@ namespace detail {
 inline constexpr std::size_t host_page_alignment = 4096;
 
 /// Page-aligned plain host memory (the CPU device's "pinned" memory). Throws out_of_memory_error.
-inline void* allocate_host_pages(std::size_t bytes, const char* who) {
-  void* p = ::operator new(bytes, std::align_val_t(host_page_alignment), std::nothrow);
-  if (p == nullptr) {
-    throw out_of_memory_error(std::string(who) + ": the host could not allocate " + std::to_string(bytes) + " bytes");
-  }
-  return p;
-}
+GPUKIT_INLINE void* allocate_host_pages(std::size_t bytes, const char* who);
 
 /// Frees memory from allocate_host_pages.
-inline void free_host_pages(void* p) noexcept {
-  if (p != nullptr) ::operator delete(p, std::align_val_t(host_page_alignment));
-}
+GPUKIT_INLINE void free_host_pages(void* p) noexcept;
 
 /// cudaHostAlloc with a message naming the size and flags, in relaxed capture mode (another thread's global capture
 /// neither refuses it nor is invalidated by it). Throws out_of_memory_error, no_device_error, ...
-inline void* cuda_host_alloc(std::size_t bytes, pinned_flags flags, int ordinal) {
-  void* p = nullptr;  // not written on failure
-  const relaxed_capture_mode relaxed;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaHostAlloc(&p, bytes, flags.cuda_flags()),
-                            "cudaHostAlloc(" + std::to_string(bytes) + ", " + flags.to_string() + ")", ordinal);
-  return p;
-}
+GPUKIT_INLINE void* cuda_host_alloc(std::size_t bytes, pinned_flags flags, int ordinal);
 
 /// cudaFreeHost in a host_memory_release_scope (a context that exists, `ordinal`'s preferred; relaxed capture mode).
 /// Failures are reported through gpukit::warn, naming `what`.
-inline void cuda_free_host(void* p, int ordinal, const char* what) noexcept {
-  const host_memory_release_scope scope(ordinal);
-  report_cuda_failure(cudaFreeHost(p), what, ordinal);
-}
+GPUKIT_INLINE void cuda_free_host(void* p, int ordinal, const char* what) noexcept;
 
 }  // namespace detail
 
@@ -246,3 +213,56 @@ class pinned_buffer {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE unsigned pinned_flags::cuda_flags() const noexcept {
+  unsigned f = cudaHostAllocDefault;
+  if (portable) f |= cudaHostAllocPortable;
+  if (mapped) f |= cudaHostAllocMapped;
+  if (write_combined) f |= cudaHostAllocWriteCombined;
+  return f;
+}
+
+GPUKIT_INLINE std::string pinned_flags::to_string() const {
+  std::string text;
+  auto add = [&text](const char* name) {
+    if (!text.empty()) text += '|';
+    text += name;
+  };
+  if (portable) add("cudaHostAllocPortable");
+  if (mapped) add("cudaHostAllocMapped");
+  if (write_combined) add("cudaHostAllocWriteCombined");
+  return text.empty() ? std::string("cudaHostAllocDefault") : text;
+}
+namespace detail {
+
+GPUKIT_INLINE void* allocate_host_pages(std::size_t bytes, const char* who) {
+  void* p = ::operator new(bytes, std::align_val_t(host_page_alignment), std::nothrow);
+  if (p == nullptr) {
+    throw out_of_memory_error(std::string(who) + ": the host could not allocate " + std::to_string(bytes) + " bytes");
+  }
+  return p;
+}
+
+GPUKIT_INLINE void free_host_pages(void* p) noexcept {
+  if (p != nullptr) ::operator delete(p, std::align_val_t(host_page_alignment));
+}
+
+GPUKIT_INLINE void* cuda_host_alloc(std::size_t bytes, pinned_flags flags, int ordinal) {
+  void* p = nullptr;  // not written on failure
+  const relaxed_capture_mode relaxed;
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaHostAlloc(&p, bytes, flags.cuda_flags()),
+                            "cudaHostAlloc(" + std::to_string(bytes) + ", " + flags.to_string() + ")", ordinal);
+  return p;
+}
+
+GPUKIT_INLINE void cuda_free_host(void* p, int ordinal, const char* what) noexcept {
+  const host_memory_release_scope scope(ordinal);
+  report_cuda_failure(cudaFreeHost(p), what, ordinal);
+}
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

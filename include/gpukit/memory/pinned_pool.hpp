@@ -62,27 +62,7 @@ GPUKIT_BEGIN_NAMESPACE
 /// the next of `classes_per_doubling` evenly spaced sizes per power of two (1 gives power-of-two rounding). Lets
 /// callers plan memory; the waste is below 1/classes_per_doubling of the class for requests above 4 KiB. Returns 0
 /// for 0 and SIZE_MAX when the class would not fit in size_t. `classes_per_doubling` must be a power of two.
-inline std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_doubling = 8) noexcept {
-  constexpr std::size_t min_class = 512;
-  constexpr std::size_t fine_from = 4096;
-  if (bytes == 0) return 0;
-  if (bytes <= min_class) return min_class;
-  int log2 = 0;  // floor(log2(bytes))
-  for (std::size_t v = bytes; v > 1; v >>= 1) ++log2;
-  const std::size_t power = std::size_t{1} << log2;
-  if (bytes <= fine_from || classes_per_doubling <= 1) {
-    if (bytes == power) return bytes;
-    return log2 + 1 >= std::numeric_limits<std::size_t>::digits ? std::numeric_limits<std::size_t>::max() : power << 1;
-  }
-  std::size_t step = power / classes_per_doubling;
-  if (step == 0) step = 1;
-  const std::size_t remainder = bytes % step;
-  if (remainder == 0) return bytes;
-  if (bytes > std::numeric_limits<std::size_t>::max() - (step - remainder)) {
-    return std::numeric_limits<std::size_t>::max();
-  }
-  return bytes + (step - remainder);
-}
+GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_doubling = 8) noexcept;
 
 /// How a pinned pool behaves.
 struct pinned_pool_options {
@@ -134,34 +114,16 @@ struct has_page_locked<Upstream, std::void_t<decltype(std::declval<const Upstrea
 class recycled_event_cache {
  public:
   /// An event of `d` (timing disabled), recycled when available.
-  event acquire(device d) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (auto pooled = pool_.take(d)) return std::move(*pooled);
-    }
-    return event(d);
-  }
+  event acquire(device d);
   /// Gives an event back for reuse; the cache keeps at most 1024 per device and destroys the rest.
-  void give(event&& e) noexcept {
-    if (!e.valid()) return;
-    try {
-      const device d = e.device();
-      std::lock_guard<std::mutex> lock(mutex_);
-      pool_.give(d, std::move(e));
-    } catch (...) {
-      // The mutex failed: the event is destroyed instead.
-    }
-  }
+  void give(event&& e) noexcept;
 
  private:
   std::mutex mutex_;
   event_pool<event> pool_{1024};
 };
 
-GPUKIT_EXPORT inline recycled_event_cache& shared_recycled_events() {
-  static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see the class comment
-  return *cache;
-}
+GPUKIT_EXPORT GPUKIT_INLINE recycled_event_cache& shared_recycled_events();
 
 }  // namespace detail
 
@@ -174,17 +136,13 @@ struct pinned_pool_sync {
   /// A gpukit event.
   using marker = event;
   /// An event recorded on `s` now (from any thread: detail::record_from_any_thread).
-  marker record(stream_view s) {
-    event e = detail::shared_recycled_events().acquire(s.device());
-    detail::record_from_any_thread(e, s);
-    return e;
-  }
+  marker record(stream_view s);
   /// Whether the work it captured has completed.
-  bool ready(const marker& m) { return m.ready(); }
+  bool ready(const marker& m);
   /// Blocks until it has.
-  void wait(const marker& m) { m.synchronize(); }
+  void wait(const marker& m);
   /// Returns the event to the cache.
-  void recycle(marker&& m) noexcept { detail::shared_recycled_events().give(std::move(m)); }
+  void recycle(marker&& m) noexcept;
 };
 
 /// The upstream of pinned_pool: cudaHostAlloc (portable by default) for CUDA, page-aligned host memory for the CPU.
@@ -198,30 +156,18 @@ class pinned_upstream {
   /// Memory for devices of `kind`; `flags` apply to CUDA. `context_device`: the CUDA ordinal whose context pins the
   /// memory when no device has a context yet (-1: the current device); see allocate().
   explicit pinned_upstream(device::kind kind = device::kind::cpu, pinned_flags flags = {},
-                           int context_device = -1) noexcept
-      : kind_(kind), flags_(flags), context_device_(context_device) {}
+                           int context_device = -1) noexcept;
 
   /// Pins `bytes` (cudaHostAlloc) or allocates page-aligned host memory. Pinned memory belongs to the context current
   /// during the call, and a thread that never chose a device (the prefetcher's, a staging caller's) would create
   /// cuda:0's: portable memory serves every context, so one that exists is used (detail::device_with_context).
-  [[nodiscard]] void* allocate(std::size_t bytes) {
-    if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
-    detail::note_cuda_use();
-    detail::context_scope scope(context_device_, flags_.portable);
-    return detail::cuda_host_alloc(bytes, flags_, scope.ordinal() >= 0 ? scope.ordinal() : -1);
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes);
   /// Unpins and frees (cudaFreeHost; failures are reported through gpukit::warn).
-  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
-    if (kind_ == device::kind::cpu) {
-      detail::free_host_pages(p);
-    } else {
-      detail::cuda_free_host(p, context_device_, "cudaFreeHost (pinned_pool)");
-    }
-  }
+  void deallocate(void* p, std::size_t /*bytes*/) noexcept;
   /// True for CUDA (the memory is page-locked).
-  bool page_locked() const noexcept { return kind_ == device::kind::cuda; }
+  bool page_locked() const noexcept;
   /// The device kind the memory is for.
-  device::kind kind() const noexcept { return kind_; }
+  device::kind kind() const noexcept;
 
  private:
   device::kind kind_;
@@ -980,15 +926,7 @@ extern template class basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
 /// process.
-GPUKIT_EXPORT inline pinned_pool& default_pinned_pool(device d) {
-  if (d.is_cpu()) {
-    static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
-    return *cpu_pool;
-  }
-  // Pinned in a context that exists; the device first asked for if none does yet.
-  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
-  return *cuda_pool;
-}
+GPUKIT_EXPORT GPUKIT_INLINE pinned_pool& default_pinned_pool(device d);
 
 /// A pinned pool's memory_stats() as torch.cuda.host_memory_stats() returns them: a flat map, sorted by key, from
 /// "<statistic>.<metric>" (statistic: allocation, segment, allocated_bytes, reserved_bytes; metric: current, peak,
@@ -1146,3 +1084,103 @@ class pooled_pinned_buffer {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_doubling) noexcept {
+  constexpr std::size_t min_class = 512;
+  constexpr std::size_t fine_from = 4096;
+  if (bytes == 0) return 0;
+  if (bytes <= min_class) return min_class;
+  int log2 = 0;  // floor(log2(bytes))
+  for (std::size_t v = bytes; v > 1; v >>= 1) ++log2;
+  const std::size_t power = std::size_t{1} << log2;
+  if (bytes <= fine_from || classes_per_doubling <= 1) {
+    if (bytes == power) return bytes;
+    return log2 + 1 >= std::numeric_limits<std::size_t>::digits ? std::numeric_limits<std::size_t>::max() : power << 1;
+  }
+  std::size_t step = power / classes_per_doubling;
+  if (step == 0) step = 1;
+  const std::size_t remainder = bytes % step;
+  if (remainder == 0) return bytes;
+  if (bytes > std::numeric_limits<std::size_t>::max() - (step - remainder)) {
+    return std::numeric_limits<std::size_t>::max();
+  }
+  return bytes + (step - remainder);
+}
+namespace detail {
+
+GPUKIT_INLINE event recycled_event_cache::acquire(device d) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto pooled = pool_.take(d)) return std::move(*pooled);
+  }
+  return event(d);
+}
+
+GPUKIT_INLINE void recycled_event_cache::give(event&& e) noexcept {
+  if (!e.valid()) return;
+  try {
+    const device d = e.device();
+    std::lock_guard<std::mutex> lock(mutex_);
+    pool_.give(d, std::move(e));
+  } catch (...) {
+    // The mutex failed: the event is destroyed instead.
+  }
+}
+
+GPUKIT_INLINE recycled_event_cache& shared_recycled_events() {
+  static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see the class comment
+  return *cache;
+}
+}  // namespace detail
+
+GPUKIT_INLINE pinned_pool_sync::marker pinned_pool_sync::record(stream_view s) {
+  event e = detail::shared_recycled_events().acquire(s.device());
+  detail::record_from_any_thread(e, s);
+  return e;
+}
+
+GPUKIT_INLINE bool pinned_pool_sync::ready(const marker& m) { return m.ready(); }
+
+GPUKIT_INLINE void pinned_pool_sync::wait(const marker& m) { m.synchronize(); }
+
+GPUKIT_INLINE void pinned_pool_sync::recycle(marker&& m) noexcept {
+  detail::shared_recycled_events().give(std::move(m));
+}
+
+GPUKIT_INLINE pinned_upstream::pinned_upstream(device::kind kind, pinned_flags flags, int context_device) noexcept
+    : kind_(kind), flags_(flags), context_device_(context_device) {}
+
+GPUKIT_INLINE void* pinned_upstream::allocate(std::size_t bytes) {
+  if (kind_ == device::kind::cpu) return detail::allocate_host_pages(bytes, "gpukit::pinned_pool");
+  detail::note_cuda_use();
+  detail::context_scope scope(context_device_, flags_.portable);
+  return detail::cuda_host_alloc(bytes, flags_, scope.ordinal() >= 0 ? scope.ordinal() : -1);
+}
+
+GPUKIT_INLINE void pinned_upstream::deallocate(void* p, std::size_t /*bytes*/) noexcept {
+  if (kind_ == device::kind::cpu) {
+    detail::free_host_pages(p);
+  } else {
+    detail::cuda_free_host(p, context_device_, "cudaFreeHost (pinned_pool)");
+  }
+}
+
+GPUKIT_INLINE bool pinned_upstream::page_locked() const noexcept { return kind_ == device::kind::cuda; }
+
+GPUKIT_INLINE device::kind pinned_upstream::kind() const noexcept { return kind_; }
+
+GPUKIT_INLINE pinned_pool& default_pinned_pool(device d) {
+  if (d.is_cpu()) {
+    static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
+    return *cpu_pool;
+  }
+  // Pinned in a context that exists; the device first asked for if none does yet.
+  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
+  return *cuda_pool;
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

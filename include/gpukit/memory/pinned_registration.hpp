@@ -37,13 +37,7 @@ struct registration_flags {
   bool read_only = false;
 
   /// The cudaHostRegister flag word.
-  unsigned cuda_flags() const noexcept {
-    unsigned f = cudaHostRegisterDefault;
-    if (portable) f |= cudaHostRegisterPortable;
-    if (mapped) f |= cudaHostRegisterMapped;
-    if (read_only) f |= cudaHostRegisterReadOnly;
-    return f;
-  }
+  unsigned cuda_flags() const noexcept;
 };
 
 /// RAII page-locking of caller-owned host memory. Move-only. The memory must outlive the registration, and copies
@@ -62,22 +56,7 @@ class host_registration {
   /// context, so they are made in one that already exists (the current one, else `d`'s, else any device's, else
   /// `d`: detail::device_with_context) rather than in a new context of cuda:0 on a thread that never chose a device.
   /// Without registration_flags::portable, `d` is made current.
-  host_registration(void* data, std::size_t bytes, gpukit::device d, registration_flags flags = {})
-      : data_(data), bytes_(bytes), device_(d) {
-    if (data == nullptr && bytes != 0) {
-      throw invalid_argument_error("gpukit::host_registration: null pointer with a size of " + std::to_string(bytes) +
-                                   " bytes");
-    }
-    if (bytes == 0 || d.is_cpu()) return;
-    detail::note_cuda_use();
-    detail::context_scope scope(d.ordinal(), flags.portable);
-    const detail::relaxed_capture_mode relaxed;  // another thread's global capture neither refuses nor loses it
-    GPUKIT_CUDA_TRY_DESCRIBED(
-        cudaHostRegister(data, bytes, flags.cuda_flags()),
-        "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " + std::to_string(flags.cuda_flags()) + ")",
-        d.ordinal());
-    registered_ = true;
-  }
+  host_registration(void* data, std::size_t bytes, gpukit::device d, registration_flags flags = {});
 
   /// Registers the memory of a span of trivially copyable elements. A count whose byte size overflows throws
   /// invalid_argument_error.
@@ -86,36 +65,26 @@ class host_registration {
       : host_registration(const_cast<void*>(static_cast<const void*>(s.data())), span_bytes(s), d, flags) {}
 
   /// Takes over `other`'s registration; `other` is left empty.
-  host_registration(host_registration&& other) noexcept { take(other); }
+  host_registration(host_registration&& other) noexcept;
   /// Unregisters this range (failures are reported through gpukit::warn), then takes over `other`'s registration;
   /// `other` is left empty.
-  host_registration& operator=(host_registration&& other) noexcept {
-    if (this != &other) {
-      unregister();
-      take(other);
-    }
-    return *this;
-  }
+  host_registration& operator=(host_registration&& other) noexcept;
   host_registration(const host_registration&) = delete;
   host_registration& operator=(const host_registration&) = delete;
   /// Unregisters (failures are reported through gpukit::warn).
-  ~host_registration() { unregister(); }
+  ~host_registration();
 
   /// True while CUDA holds the range page-locked; false for the CPU device and empty registrations.
-  bool registered() const noexcept { return registered_; }
+  bool registered() const noexcept;
   /// Start of the range (nullptr for an empty or reset registration).
-  void* data() const noexcept { return data_; }
+  void* data() const noexcept;
   /// Length of the range in bytes.
-  std::size_t size_bytes() const noexcept { return bytes_; }
+  std::size_t size_bytes() const noexcept;
   /// The device it was made for.
-  gpukit::device device() const noexcept { return device_; }
+  gpukit::device device() const noexcept;
 
   /// Ends the registration now (idempotent), e.g. before freeing the memory early.
-  void reset() noexcept {
-    unregister();
-    data_ = nullptr;
-    bytes_ = 0;
-  }
+  void reset() noexcept;
 
  private:
   template <class T>
@@ -127,19 +96,8 @@ class host_registration {
     return s.size_bytes();
   }
 
-  void take(host_registration& other) noexcept {
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-    device_ = other.device_;
-    registered_ = std::exchange(other.registered_, false);
-  }
-  void unregister() noexcept {
-    if (!registered_) return;
-    registered_ = false;
-    const detail::host_memory_release_scope scope(device_.ordinal());
-    detail::report_cuda_failure(cudaHostUnregister(data_), "cudaHostUnregister (in ~host_registration)",
-                                device_.ordinal());
-  }
+  void take(host_registration& other) noexcept;
+  void unregister() noexcept;
 
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
@@ -148,3 +106,76 @@ class host_registration {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE unsigned registration_flags::cuda_flags() const noexcept {
+  unsigned f = cudaHostRegisterDefault;
+  if (portable) f |= cudaHostRegisterPortable;
+  if (mapped) f |= cudaHostRegisterMapped;
+  if (read_only) f |= cudaHostRegisterReadOnly;
+  return f;
+}
+
+GPUKIT_INLINE host_registration::host_registration(void* data, std::size_t bytes, gpukit::device d,
+                                                   registration_flags flags)
+    : data_(data), bytes_(bytes), device_(d) {
+  if (data == nullptr && bytes != 0) {
+    throw invalid_argument_error("gpukit::host_registration: null pointer with a size of " + std::to_string(bytes) +
+                                 " bytes");
+  }
+  if (bytes == 0 || d.is_cpu()) return;
+  detail::note_cuda_use();
+  detail::context_scope scope(d.ordinal(), flags.portable);
+  const detail::relaxed_capture_mode relaxed;  // another thread's global capture neither refuses nor loses it
+  GPUKIT_CUDA_TRY_DESCRIBED(
+      cudaHostRegister(data, bytes, flags.cuda_flags()),
+      "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " + std::to_string(flags.cuda_flags()) + ")",
+      d.ordinal());
+  registered_ = true;
+}
+
+GPUKIT_INLINE host_registration::host_registration(host_registration&& other) noexcept { take(other); }
+
+GPUKIT_INLINE host_registration& host_registration::operator=(host_registration&& other) noexcept {
+  if (this != &other) {
+    unregister();
+    take(other);
+  }
+  return *this;
+}
+
+GPUKIT_INLINE host_registration::~host_registration() { unregister(); }
+
+GPUKIT_INLINE bool host_registration::registered() const noexcept { return registered_; }
+
+GPUKIT_INLINE void* host_registration::data() const noexcept { return data_; }
+
+GPUKIT_INLINE std::size_t host_registration::size_bytes() const noexcept { return bytes_; }
+
+GPUKIT_INLINE gpukit::device host_registration::device() const noexcept { return device_; }
+
+GPUKIT_INLINE void host_registration::reset() noexcept {
+  unregister();
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+GPUKIT_INLINE void host_registration::take(host_registration& other) noexcept {
+  data_ = std::exchange(other.data_, nullptr);
+  bytes_ = std::exchange(other.bytes_, 0);
+  device_ = other.device_;
+  registered_ = std::exchange(other.registered_, false);
+}
+
+GPUKIT_INLINE void host_registration::unregister() noexcept {
+  if (!registered_) return;
+  registered_ = false;
+  const detail::host_memory_release_scope scope(device_.ordinal());
+  detail::report_cuda_failure(cudaHostUnregister(data_), "cudaHostUnregister (in ~host_registration)",
+                              device_.ordinal());
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -68,29 +68,11 @@ namespace detail {
 /// captured and cost no CUDA call. Neither is the legacy default stream asked: it cannot be captured, and asking
 /// about it while a blocking stream of its device is captured fails (cudaErrorStreamCaptureImplicit). A runtime that
 /// is torn down (process exit) captures nothing. Other failures throw the matching gpukit exception.
-inline cudaStreamCaptureStatus capture_status(const stream_view& s) {
-  if (s.is_cpu()) return cudaStreamCaptureStatusNone;
-  const cudaStream_t handle = s.native_handle();
-  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) {
-    return cudaStreamCaptureStatusNone;
-  }
-  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
-  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
-    return cudaStreamCaptureStatusNone;
-  }
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t result = cuda_backend::stream_capture_status(s.cuda_target(), status);
-  if (result == cudaSuccess) return status;
-  if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
-  if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
-  throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
-}
+GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s);
 
 /// True for another thread's per-thread default stream (a view resolved there), which calls from this thread cannot
 /// name: cudaStreamPerThread is the caller's own.
-inline bool is_other_threads_stream(const stream_view& s) {
-  return s.is_per_thread() && s.id() != default_stream_id(s.device().ordinal(), true);
-}
+GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s);
 
 /// True when an event recorded on `s`, or a wait enqueued there, from this thread would go to the legacy default
 /// stream (`s` is it, or another thread's per-thread default stream, for which it stands in: record_from_any_thread)
@@ -98,12 +80,7 @@ inline bool is_other_threads_stream(const stream_view& s) {
 /// invalidates that capture (cudaErrorStreamCaptureImplicit), so such a use waits, or is refused. Conservative: any
 /// gpukit capture counts, on any device and of any stream, blocking or not (one process-wide counter, read without a
 /// lock), and a capture that starts right after this answers false is not seen (as with any check before a call).
-inline bool legacy_stream_refused_now(const stream_view& s) {
-  if (s.is_cpu() || mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) == 0) return false;
-  const cudaStream_t handle = s.native_handle();
-  return handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode()) ||
-         is_other_threads_stream(s);
-}
+GPUKIT_INLINE bool legacy_stream_refused_now(const stream_view& s);
 
 /// A stream an engine keeps to order a later free, maybe from another thread and after the stream was destroyed: a
 /// gpukit::stream is kept with its record (whether it was destroyed, and the event of its last work), since its
@@ -114,61 +91,32 @@ struct kept_stream {
   std::shared_ptr<const stream_life> life;  // null for raw handles and default streams
 
   /// Keeps `s` (may look its id up, and throw).
-  static kept_stream of(const stream_view& s) {
-    return kept_stream{s.is_per_thread() ? s.resolved() : s, s.lifetime()};
-  }
+  static kept_stream of(const stream_view& s);
   /// True once the gpukit::stream it was made from is destroyed: its handle may name another stream now.
-  bool destroyed() const noexcept { return life != nullptr && life->expired(); }
+  bool destroyed() const noexcept;
   /// The handle that names the stream in calls from this thread. Another thread's per-thread default stream cannot
   /// be named from this one (cudaStreamPerThread is the caller's own): the legacy default stream stands in for it,
   /// since its work waits for all earlier work of the blocking streams, per-thread ones included (and later work of
   /// theirs waits for it).
-  cudaStream_t handle_here() const {
-    if (is_other_threads_stream(view)) return cudaStreamLegacy;
-    return view.cuda_handle();
-  }
+  cudaStream_t handle_here() const;
 };
 
 /// Records `e` (of the stream's device) on `s`, from any thread. Another thread's per-thread default stream cannot be
 /// named from this one (cudaStreamPerThread is the caller's own; a view resolved there carries that thread's id): the
 /// event is recorded on the device's legacy default stream instead, whose work waits for all earlier work of the
 /// blocking streams, per-thread ones included.
-inline void record_from_any_thread(event& e, const stream_view& s) {
-  if (is_other_threads_stream(s)) {
-    e.record(stream_view(e.device(), cudaStreamLegacy));
-    return;
-  }
-  e.record(s);
-}
+GPUKIT_INLINE void record_from_any_thread(event& e, const stream_view& s);
 
 /// Makes `s` wait for `e` on the device, from any thread: another thread's per-thread default stream through the
 /// legacy default stream (as record_from_any_thread), whose work the later work of blocking streams waits for.
-inline void wait_from_any_thread(const event& e, const stream_view& s) {
-  if (is_other_threads_stream(s)) {
-    e.wait(stream_view(s.device(), cudaStreamLegacy));
-    return;
-  }
-  e.wait(s);
-}
+GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s);
 
 /// "stream 0x7f3a5c000b20 of cuda:0", for messages.
-inline std::string describe_stream(const void* handle, gpukit::device d) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%p", handle);
-  return std::string("stream ") + text + " of " + d.to_string();
-}
+GPUKIT_INLINE std::string describe_stream(const void* handle, gpukit::device d);
 
 /// Throws the invalid_argument_error for `operation` on `stream` (described) while it is captured.
-[[noreturn]] inline void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,
-                                        std::string_view advice) {
-  std::string message = "gpukit: ";
-  message += operation;
-  message += " on ";
-  message += stream;
-  message += ": the stream is being captured into a CUDA graph; ";
-  message += advice;
-  throw invalid_argument_error(message, cudaSuccess, std::string(operation), d.is_cuda() ? d.ordinal() : -1);
-}
+[[noreturn]] GPUKIT_INLINE void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,
+                                               std::string_view advice);
 
 /// What to do instead, for the allocators.
 inline constexpr std::string_view capture_advice_allocator =
@@ -200,85 +148,46 @@ struct stream_ops {
   /// stream_view::id(): cudaStreamGetId, never the handle, which CUDA gives to the next stream created once a stream
   /// is destroyed (RMM #649). Views of gpukit streams carry it and default streams' ids are cached per thread: no CUDA
   /// call then; a raw cudaStream_t costs one cudaStreamGetId. For cudaStreamPerThread, the calling thread's stream.
-  std::uintptr_t key(const stream_view& s) const {
-    static_assert(sizeof(std::uintptr_t) >= sizeof(unsigned long long), "stream ids are 64-bit");
-    return static_cast<std::uintptr_t>(s.id());
-  }
+  std::uintptr_t key(const stream_view& s) const;
   /// The stream's device (stream_view::device(): a cudaStreamGetDevice for a raw handle, else no CUDA call).
-  gpukit::device device_of(const stream_view& s) const { return s.device(); }
+  gpukit::device device_of(const stream_view& s) const;
   /// The view with its device and id bound (stream_view::resolved()): the allocator uses it later from any thread.
-  stream_view resolve(const stream_view& s) const { return s.resolved(); }
+  stream_view resolve(const stream_view& s) const;
   /// "stream 0x7f3a5c000b20 (id 42) of cuda:0", for messages.
-  std::string describe(const stream_view& s) const {
-    std::string text;
-    if (s.is_cpu()) {
-      text = s.cpu_queue() != nullptr ? "a CPU stream" : "the CPU's default stream";
-    } else {
-      text = detail::describe_stream(s.native_handle(), s.device());
-    }
-    return text + " (id " + std::to_string(s.id() & ~detail::cpu_stream_id_bit) + ")";
-  }
+  std::string describe(const stream_view& s) const;
 
   /// Streams of gpukit::stream are tracked: the allocator learns when one is destroyed and when its last work has
   /// completed (detail::stream_life). Raw handles are not: they must outlive the memory they are used with.
-  tracker_type track(const stream_view& s) const { return s.lifetime(); }
+  tracker_type track(const stream_view& s) const;
   /// The stream was destroyed.
-  bool expired(const tracker_type& t) const noexcept { return t && t->expired(); }
+  bool expired(const tracker_type& t) const noexcept;
   /// ... and the work it had enqueued has completed (one cudaEventQuery while it has not).
-  bool finished(const tracker_type& t) const { return t && t->finished(); }
+  bool finished(const tracker_type& t) const;
   /// Waits on the host for that work (release paths only).
-  void wait_finished(const tracker_type& t) const {
-    if (t) t->wait_finished();
-  }
+  void wait_finished(const tracker_type& t) const;
   /// Changes whenever a tracked stream is destroyed: one relaxed load per allocation tells whether to look.
-  std::uint64_t expirations() const noexcept { return detail::stream_expirations().load(std::memory_order_relaxed); }
+  std::uint64_t expirations() const noexcept;
   /// Without timing: cheaper to record and query.
-  event create_event(gpukit::device d) const { return event(d, event_options{}); }
+  event create_event(gpukit::device d) const;
   /// Refuses a stream that is being captured (the allocator records only when freeing): the event would be part of
   /// the graph, and querying it later fails with cudaErrorCapturedEvent.
   ///
   /// Another thread's per-thread default stream is recorded through the legacy default stream
   /// (detail::record_from_any_thread).
-  void record(event& e, const stream_view& s) const {
-    if (capturing(s)) {
-      detail::throw_captured("deallocate (an event on a stream that uses the block)",
-                             detail::describe_stream(s.native_handle(), e.device()), e.device(),
-                             detail::capture_advice_allocator);
-    }
-    detail::record_from_any_thread(e, s);
-  }
+  void record(event& e, const stream_view& s) const;
   /// A torn-down runtime (process exit) has no work left: its events count as complete.
-  bool ready(const event& e) const {
-    try {
-      return e.ready();
-    } catch (const error& ex) {
-      if (detail::is_teardown_result(ex.cuda_result())) return true;
-      throw;
-    }
-  }
+  bool ready(const event& e) const;
   /// As ready(): nothing to wait for once the runtime is torn down.
-  void synchronize(const event& e) const {
-    try {
-      e.synchronize();
-    } catch (const error& ex) {
-      if (!detail::is_teardown_result(ex.cuda_result())) throw;
-    }
-  }
+  void synchronize(const event& e) const;
   /// Makes `s` wait on the device for the work `e` captured (event::wait); the host does not wait.
-  void wait(const event& e, const stream_view& s) const { e.wait(s); }
+  void wait(const event& e, const stream_view& s) const;
   /// The CPU's default stream runs work synchronously and an idle CPU queue has none left, so memory freed on them
   /// is unused at once; a CUDA stream cannot be asked cheaply, so it is assumed busy.
-  bool may_have_pending_work(const stream_view& s) const {
-    if (s.is_cpu()) return s.cpu_queue() != nullptr && !s.cpu_queue()->idle();
-    return true;
-  }
+  bool may_have_pending_work(const stream_view& s) const;
   /// Whether `s` is being captured into a CUDA graph (see detail::capture_status): the allocator then refuses to
   /// allocate, free or record on it. No CUDA call for CPU streams; one cudaStreamIsCapturing for CUDA streams.
   /// A destroyed stream (which the allocator still remembers) captures nothing and must not be asked.
-  bool capturing(const stream_view& s) const {
-    if (s.is_cpu()) return false;  // inline: the CPU's cache-hit path makes no call for it
-    return cuda_capturing(s);
-  }
+  bool capturing(const stream_view& s) const;
 
  private:
   // Out of line, so that capturing() stays small enough to be inlined into the allocators' fast paths.
@@ -288,3 +197,157 @@ struct stream_ops {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
+  if (s.is_cpu()) return cudaStreamCaptureStatusNone;
+  const cudaStream_t handle = s.native_handle();
+  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) {
+    return cudaStreamCaptureStatusNone;
+  }
+  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
+  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
+    return cudaStreamCaptureStatusNone;
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t result = cuda_backend::stream_capture_status(s.cuda_target(), status);
+  if (result == cudaSuccess) return status;
+  if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
+  if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
+  throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
+}
+
+GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s) {
+  return s.is_per_thread() && s.id() != default_stream_id(s.device().ordinal(), true);
+}
+
+GPUKIT_INLINE bool legacy_stream_refused_now(const stream_view& s) {
+  if (s.is_cpu() || mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) == 0) return false;
+  const cudaStream_t handle = s.native_handle();
+  return handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode()) ||
+         is_other_threads_stream(s);
+}
+
+GPUKIT_INLINE kept_stream kept_stream::of(const stream_view& s) {
+  return kept_stream{s.is_per_thread() ? s.resolved() : s, s.lifetime()};
+}
+
+GPUKIT_INLINE bool kept_stream::destroyed() const noexcept { return life != nullptr && life->expired(); }
+
+GPUKIT_INLINE cudaStream_t kept_stream::handle_here() const {
+  if (is_other_threads_stream(view)) return cudaStreamLegacy;
+  return view.cuda_handle();
+}
+
+GPUKIT_INLINE void record_from_any_thread(event& e, const stream_view& s) {
+  if (is_other_threads_stream(s)) {
+    e.record(stream_view(e.device(), cudaStreamLegacy));
+    return;
+  }
+  e.record(s);
+}
+
+GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s) {
+  if (is_other_threads_stream(s)) {
+    e.wait(stream_view(s.device(), cudaStreamLegacy));
+    return;
+  }
+  e.wait(s);
+}
+
+GPUKIT_INLINE std::string describe_stream(const void* handle, gpukit::device d) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%p", handle);
+  return std::string("stream ") + text + " of " + d.to_string();
+}
+
+GPUKIT_INLINE void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,
+                                  std::string_view advice) {
+  std::string message = "gpukit: ";
+  message += operation;
+  message += " on ";
+  message += stream;
+  message += ": the stream is being captured into a CUDA graph; ";
+  message += advice;
+  throw invalid_argument_error(message, cudaSuccess, std::string(operation), d.is_cuda() ? d.ordinal() : -1);
+}
+}  // namespace detail
+
+GPUKIT_INLINE std::uintptr_t stream_ops::key(const stream_view& s) const {
+  static_assert(sizeof(std::uintptr_t) >= sizeof(unsigned long long), "stream ids are 64-bit");
+  return static_cast<std::uintptr_t>(s.id());
+}
+
+GPUKIT_INLINE gpukit::device stream_ops::device_of(const stream_view& s) const { return s.device(); }
+
+GPUKIT_INLINE stream_view stream_ops::resolve(const stream_view& s) const { return s.resolved(); }
+
+GPUKIT_INLINE std::string stream_ops::describe(const stream_view& s) const {
+  std::string text;
+  if (s.is_cpu()) {
+    text = s.cpu_queue() != nullptr ? "a CPU stream" : "the CPU's default stream";
+  } else {
+    text = detail::describe_stream(s.native_handle(), s.device());
+  }
+  return text + " (id " + std::to_string(s.id() & ~detail::cpu_stream_id_bit) + ")";
+}
+
+GPUKIT_INLINE stream_ops::tracker_type stream_ops::track(const stream_view& s) const { return s.lifetime(); }
+
+GPUKIT_INLINE bool stream_ops::expired(const tracker_type& t) const noexcept { return t && t->expired(); }
+
+GPUKIT_INLINE bool stream_ops::finished(const tracker_type& t) const { return t && t->finished(); }
+
+GPUKIT_INLINE void stream_ops::wait_finished(const tracker_type& t) const {
+  if (t) t->wait_finished();
+}
+
+GPUKIT_INLINE std::uint64_t stream_ops::expirations() const noexcept {
+  return detail::stream_expirations().load(std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE event stream_ops::create_event(gpukit::device d) const { return event(d, event_options{}); }
+
+GPUKIT_INLINE void stream_ops::record(event& e, const stream_view& s) const {
+  if (capturing(s)) {
+    detail::throw_captured("deallocate (an event on a stream that uses the block)",
+                           detail::describe_stream(s.native_handle(), e.device()), e.device(),
+                           detail::capture_advice_allocator);
+  }
+  detail::record_from_any_thread(e, s);
+}
+
+GPUKIT_INLINE bool stream_ops::ready(const event& e) const {
+  try {
+    return e.ready();
+  } catch (const error& ex) {
+    if (detail::is_teardown_result(ex.cuda_result())) return true;
+    throw;
+  }
+}
+
+GPUKIT_INLINE void stream_ops::synchronize(const event& e) const {
+  try {
+    e.synchronize();
+  } catch (const error& ex) {
+    if (!detail::is_teardown_result(ex.cuda_result())) throw;
+  }
+}
+
+GPUKIT_INLINE void stream_ops::wait(const event& e, const stream_view& s) const { e.wait(s); }
+
+GPUKIT_INLINE bool stream_ops::may_have_pending_work(const stream_view& s) const {
+  if (s.is_cpu()) return s.cpu_queue() != nullptr && !s.cpu_queue()->idle();
+  return true;
+}
+
+GPUKIT_INLINE bool stream_ops::capturing(const stream_view& s) const {
+  if (s.is_cpu()) return false;  // inline: the CPU's cache-hit path makes no call for it
+  return cuda_capturing(s);
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -77,58 +77,29 @@ inline constexpr std::size_t upstream_alignment = 256;
 class host_upstream {
  public:
   /// \param capacity bytes that may be outstanding at once (default: unlimited, i.e. until the host runs out)
-  explicit host_upstream(std::size_t capacity = std::numeric_limits<std::size_t>::max()) noexcept
-      : capacity_(capacity) {}
+  explicit host_upstream(std::size_t capacity = std::numeric_limits<std::size_t>::max()) noexcept;
   /// Takes over the capacity and the bytes handed out (an engine that takes its upstream by value, as pinned_pool
   /// does, moves it in before it allocates anything). Not thread-safe against calls on `other`.
-  host_upstream(host_upstream&& other) noexcept
-      : capacity_(other.capacity_), used_(other.used_.load(std::memory_order_relaxed)) {}
+  host_upstream(host_upstream&& other) noexcept;
 
   /// Memory for a segment, or nullptr when the capacity or the host is exhausted (the allocator then frees its
   /// cache and retries, and reports out of memory if that does not help).
-  [[nodiscard]] void* allocate(std::size_t bytes) {
-    std::size_t used = used_.load(std::memory_order_relaxed);
-    do {
-      if (bytes > capacity_ || used > capacity_ - bytes) return nullptr;
-    } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-    void* p = ::operator new (bytes, std::align_val_t{upstream_alignment}, std::nothrow);
-    if (p == nullptr) used_.fetch_sub(bytes, std::memory_order_relaxed);
-    return p;
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes);
 
   /// Returns a segment; `bytes` must be the size it was allocated with.
-  void deallocate(void* p, std::size_t bytes) noexcept {
-    ::operator delete (p, std::align_val_t{upstream_alignment});
-    used_.fetch_sub(bytes, std::memory_order_relaxed);
-  }
+  void deallocate(void* p, std::size_t bytes) noexcept;
 
   /// The capacity (or the machine's physical memory when unlimited) and what remains of it.
-  upstream_memory_info memory_info() const noexcept {
-    std::size_t total = capacity_;
-    if (total == std::numeric_limits<std::size_t>::max()) total = physical_memory();
-    const std::size_t used = used_.load(std::memory_order_relaxed);
-    upstream_memory_info info;
-    info.total_bytes = total;
-    info.free_bytes = used < total ? total - used : 0;
-    info.known = total != 0;
-    return info;
-  }
+  upstream_memory_info memory_info() const noexcept;
 
   /// Host memory is freed at once, whatever CPU streams still do with it: the allocator must wait for them first.
-  bool synchronizes_on_free() const noexcept { return false; }
+  bool synchronizes_on_free() const noexcept;
 
   /// Bytes currently handed out.
-  std::size_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
+  std::size_t used() const noexcept;
 
  private:
-  static std::size_t physical_memory() noexcept {
-#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
-    const long pages = sysconf(_SC_PHYS_PAGES);
-    const long page_size = sysconf(_SC_PAGE_SIZE);
-    if (pages > 0 && page_size > 0) return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page_size);
-#endif
-    return 0;
-  }
+  static std::size_t physical_memory() noexcept;
 
   std::size_t capacity_;
   std::atomic<std::size_t> used_{0};
@@ -142,191 +113,60 @@ class address_space_upstream {
  public:
   /// \param capacity  bytes that may be outstanding at once
   /// \param alignment alignment of returned addresses (a power of two, at least upstream_alignment)
-  explicit address_space_upstream(std::size_t capacity, std::size_t alignment = upstream_alignment)
-      : capacity_(capacity), alignment_(alignment) {
-    if (alignment < upstream_alignment || !detail::is_power_of_two(alignment)) {
-      throw invalid_argument_error(
-          "gpukit::address_space_upstream: the alignment must be a power of two of at "
-          "least " +
-          std::to_string(upstream_alignment) + " bytes");
-    }
-    free_ranges_.emplace(base_address, address_space_size);
-  }
+  explicit address_space_upstream(std::size_t capacity, std::size_t alignment = upstream_alignment);
 
   address_space_upstream(const address_space_upstream&) = delete;
   address_space_upstream& operator=(const address_space_upstream&) = delete;
 
   /// A fresh address range of `bytes` rounded up to the alignment (what it costs of the capacity), or nullptr when
   /// the capacity would be exceeded (or after fail_next()).
-  [[nodiscard]] void* allocate(std::size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (forced_failures_ > 0) {
-      --forced_failures_;
-      return nullptr;
-    }
-    const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
-    if (bytes == 0 || size < bytes || size > capacity_ || used_ > capacity_ - size) return nullptr;
-    const std::uintptr_t start = take_range(size, alignment_);
-    if (start == 0) return nullptr;
-    used_ += size;
-    if (used_ > peak_) peak_ = used_;
-    ++allocations_;
-    sizes_.emplace(start, size);
-    return reinterpret_cast<void*>(start);
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes);
 
   /// Returns a range; `bytes` must be the size it was allocated with. An unknown address, or a size other than the
   /// allocated one, is reported through gpukit::warn (this upstream is used by tests, which should see such a bug);
   /// the range is freed whole either way.
-  void deallocate(void* p, std::size_t bytes) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto start = reinterpret_cast<std::uintptr_t>(p);
-    const auto found = sizes_.find(start);
-    if (found == sizes_.end()) {
-      warn("gpukit::address_space_upstream: deallocate of an address it did not hand out");
-      return;
-    }
-    const std::size_t size = found->second;
-    if (((bytes + alignment_ - 1) & ~(alignment_ - 1)) != size) {
-      warn("gpukit::address_space_upstream: deallocate of " + std::to_string(bytes) + " bytes for a range of " +
-           std::to_string(size) + " bytes");
-    }
-    sizes_.erase(found);
-    used_ -= size;
-    give_range(start, size);
-  }
+  void deallocate(void* p, std::size_t bytes) noexcept;
 
   /// The capacity and what remains of it.
-  upstream_memory_info memory_info() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    upstream_memory_info info;
-    info.total_bytes = capacity_;
-    info.free_bytes = capacity_ - (used_ < capacity_ ? used_ : capacity_);
-    info.known = true;
-    return info;
-  }
+  upstream_memory_info memory_info() const;
 
   /// No memory is touched, so nothing can still be using it.
-  bool synchronizes_on_free() const noexcept { return true; }
+  bool synchronizes_on_free() const noexcept;
 
   // --- virtual memory, as the driver's cuMemAddressReserve / cuMemCreate + cuMemMap model it (expandable segments) ---
 
   /// The mapping granularity (2 MiB, as cuMemGetAllocationGranularity says on current GPUs).
-  std::size_t page_size() const noexcept { return page_size_; }
+  std::size_t page_size() const noexcept;
   /// Reserves an address range of `bytes` (a multiple of page_size()) that costs no capacity; nullptr when the
   /// address space is exhausted.
-  void* reserve(std::size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const std::uintptr_t start = take_range(bytes, page_size_);
-    if (start == 0) return nullptr;
-    reservations_.emplace(start, bytes);
-    return reinterpret_cast<void*>(start);
-  }
+  void* reserve(std::size_t bytes);
   /// Backs [address, address + bytes) of a reservation with capacity, page by page; false (nothing mapped) when the
   /// capacity would be exceeded (or after fail_next()). Throws invalid_argument_error for a range outside a
   /// reservation, not page-aligned, or with a page already mapped (a bug of the caller).
-  bool map(void* address, std::size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto start = check_pages(address, bytes, "map");
-    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
-      if (mapped_.count(at) != 0) throw invalid_argument_error("gpukit::address_space_upstream: map of a mapped page");
-    }
-    if (forced_failures_ > 0) {
-      --forced_failures_;
-      return false;
-    }
-    if (bytes > capacity_ || used_ > capacity_ - bytes) return false;
-    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) mapped_.insert(at);
-    used_ += bytes;
-    if (used_ > peak_) peak_ = used_;
-    ++allocations_;
-    return true;
-  }
+  bool map(void* address, std::size_t bytes);
   /// Returns the capacity of mapped pages in [address, address + bytes); every page must be mapped (else warns).
   /// Returns false, having unmapped nothing, when the range is not whole pages of a reservation.
-  bool unmap(void* address, std::size_t bytes) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::uintptr_t start = 0;
-    try {
-      start = check_pages(address, bytes, "unmap");
-    } catch (const std::exception& e) {
-      warn(e.what());
-      return false;
-    }
-    for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
-      if (mapped_.erase(at) == 0) {
-        warn("gpukit::address_space_upstream: unmap of a page that is not mapped");
-        continue;
-      }
-      used_ -= page_size_;
-    }
-    return true;
-  }
+  bool unmap(void* address, std::size_t bytes) noexcept;
   /// Gives a reservation back; its pages must have been unmapped (else warns, and unmaps them).
-  void unreserve(void* address, std::size_t bytes) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto start = reinterpret_cast<std::uintptr_t>(address);
-    const auto found = reservations_.find(start);
-    if (found == reservations_.end() || found->second != bytes) {
-      warn("gpukit::address_space_upstream: unreserve of a range it did not reserve");
-      return;
-    }
-    for (auto it = mapped_.lower_bound(start); it != mapped_.end() && *it < start + bytes;) {
-      warn("gpukit::address_space_upstream: a reservation is given back with pages still mapped");
-      used_ -= page_size_;
-      it = mapped_.erase(it);
-    }
-    reservations_.erase(found);
-    give_range(start, bytes);
-  }
+  void unreserve(void* address, std::size_t bytes) noexcept;
   /// Bytes of mapped pages (part of used()).
-  std::size_t mapped() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return mapped_.size() * page_size_;
-  }
+  std::size_t mapped() const;
   /// The granularity of map() (a power of two, at least the alignment); for tests of other page sizes.
-  void set_page_size(std::size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (bytes < alignment_ || !detail::is_power_of_two(bytes) || !reservations_.empty()) {
-      throw invalid_argument_error(
-          "gpukit::address_space_upstream: a page size must be a power of two of at least "
-          "the alignment, set before anything is reserved");
-    }
-    page_size_ = bytes;
-  }
+  void set_page_size(std::size_t bytes);
 
   /// Changes the capacity, e.g. to simulate another process taking memory. Ranges already out stay valid.
-  void set_capacity(std::size_t capacity) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    capacity_ = capacity;
-  }
+  void set_capacity(std::size_t capacity);
   /// Makes the next `count` calls of allocate() or map() fail whatever the capacity (failure injection for tests);
   /// replaces any count still pending, so fail_next(0) disarms. Throws invalid_argument_error for a negative count.
-  void fail_next(int count) {
-    if (count < 0) throw invalid_argument_error("gpukit::address_space_upstream::fail_next: a negative count");
-    std::lock_guard<std::mutex> lock(mutex_);
-    forced_failures_ = count;
-  }
+  void fail_next(int count);
   /// Bytes that may be outstanding at once (see set_capacity).
-  std::size_t capacity() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return capacity_;
-  }
+  std::size_t capacity() const;
   /// Bytes outstanding now (ranges handed out and mapped pages).
-  std::size_t used() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return used_;
-  }
+  std::size_t used() const;
   /// The most bytes ever outstanding (a trace replay's peak reserved memory); never reset.
-  std::size_t peak() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
+  std::size_t peak() const;
   /// Number of successful allocate() calls so far.
-  std::size_t allocations() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return allocations_;
-  }
+  std::size_t allocations() const;
 
   /// Where the fake address space starts (far from any real mapping, so a stray dereference faults).
   static constexpr std::uintptr_t base_address = std::uintptr_t{1} << 44;
@@ -349,52 +189,10 @@ class address_space_upstream {
   std::set<std::uintptr_t> mapped_;                     // mapped pages
 
   /// A free address range of `bytes` aligned to `alignment` (0 when none), taken out of free_ranges_.
-  std::uintptr_t take_range(std::size_t bytes, std::size_t alignment) {
-    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
-      const std::uintptr_t start = (it->first + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1);
-      const std::uintptr_t end = it->first + it->second;
-      if (start > end || end - start < bytes) continue;
-      const std::uintptr_t range_start = it->first;
-      const std::size_t range_size = it->second;
-      free_ranges_.erase(it);
-      if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
-      if (start + bytes < range_start + range_size) {
-        free_ranges_.emplace(start + bytes, range_start + range_size - start - bytes);
-      }
-      return start;
-    }
-    return 0;
-  }
+  std::uintptr_t take_range(std::size_t bytes, std::size_t alignment);
   /// Puts [start, start + size) back into free_ranges_, joined with its free neighbours.
-  void give_range(std::uintptr_t start, std::size_t size) {
-    std::uintptr_t begin = start;
-    auto next = free_ranges_.lower_bound(start);
-    if (next != free_ranges_.end() && next->first == start + size) {
-      size += next->second;
-      next = free_ranges_.erase(next);
-    }
-    if (next != free_ranges_.begin()) {
-      auto previous = std::prev(next);
-      if (previous->first + previous->second == begin) {
-        begin = previous->first;
-        size += previous->second;
-        free_ranges_.erase(previous);
-      }
-    }
-    free_ranges_.emplace(begin, size);
-  }
-  std::uintptr_t check_pages(void* address, std::size_t bytes, const char* operation) const {
-    const auto start = reinterpret_cast<std::uintptr_t>(address);
-    auto r = reservations_.upper_bound(start);
-    const bool inside =
-        r != reservations_.begin() && bytes != 0 &&
-        (--r, start >= r->first && start - r->first <= r->second && bytes <= r->second - (start - r->first));
-    if (!inside || start % page_size_ != 0 || bytes % page_size_ != 0) {
-      throw invalid_argument_error(std::string("gpukit::address_space_upstream: ") + operation +
-                                   " of a range that is not whole pages of a reservation");
-    }
-    return start;
-  }
+  void give_range(std::uintptr_t start, std::size_t size);
+  std::uintptr_t check_pages(void* address, std::size_t bytes, const char* operation) const;
 };
 
 namespace detail {
@@ -406,7 +204,398 @@ enum class release_wait { idle, failed, torn_down };
 /// queued earlier may still use it. A failure is reported through gpukit::warn (nothing during teardown) as
 /// "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a failed wait (a capture, a
 /// broken context) may not have waited at all.
-inline release_wait wait_before_release(gpukit::device d, const char* what) noexcept {
+GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* what) noexcept;
+
+/// wait_before_release, true when the device is idle (the memory may go back now).
+GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept;
+}  // namespace detail
+
+/// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.
+class cuda_upstream {
+ public:
+  /// No CUDA call is made until the first allocation.
+  explicit cuda_upstream(gpukit::device d);
+  /// A copy serves the same device and knows what this one learnt of its virtual memory support.
+  cuda_upstream(const cuda_upstream& other) noexcept;
+  /// Serves `other`'s device from now on.
+  cuda_upstream& operator=(const cuda_upstream& other) noexcept;
+
+  /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
+  /// failure (no driver, invalid device) throws the matching gpukit exception.
+  [[nodiscard]] void* allocate(std::size_t bytes);
+
+  /// cudaFree, which waits for all work of the device; a failure is reported through gpukit::warn.
+  void deallocate(void* p, std::size_t /*bytes*/) noexcept;
+
+  /// cudaMemGetInfo (the device's context exists by then: the allocator only asks after allocating on it).
+  upstream_memory_info memory_info() const;
+
+  /// cudaFree waits for all work of the device, so the allocator need not wait before it.
+  bool synchronizes_on_free() const noexcept;
+  /// The CUDA device whose memory this upstream allocates.
+  gpukit::device device() const noexcept;
+
+  // --- virtual memory (expandable segments): the driver's cuMem* functions, from cudaGetDriverEntryPoint ---
+
+  /// Whether the driver provides the virtual memory functions and the device supports them
+  /// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED). Asked once; thread-safe (threads that ask at the
+  /// same time may both ask the driver, and learn the same); never throws.
+  bool virtual_memory_supported() const noexcept;
+  /// The mapping granularity (2 MiB on current GPUs); 0 when virtual memory is unsupported.
+  std::size_t page_size() const noexcept;
+  /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when refused.
+  void* reserve(std::size_t bytes);
+  /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device and for
+  /// every device holding a gpukit::peer_access to it) per page; each handle is released at once, so the memory goes
+  /// when its page is unmapped. False when the device is out of memory (the pages mapped so far stay); throws
+  /// gpukit::cuda_error for any other failure.
+  bool map(void* address, std::size_t bytes);
+  /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
+  /// page. Returns false, having unmapped nothing, when the wait failed (detail::wait_before_release): the pages
+  /// stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
+  /// caller, but stays mapped and recorded here: a later map() of it keeps it instead of mapping it twice, and
+  /// unreserve() tries to unmap it again before freeing its range. Once the runtime is torn down (process exit),
+  /// nothing runs on the device any more: the pages are unmapped without a wait where the driver still can, and
+  /// where it cannot they went with it; true either way, with nothing reported.
+  bool unmap(void* address, std::size_t bytes) noexcept;
+  /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
+  /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved),
+  /// except those of a runtime torn down at process exit, which freed the range itself.
+  void unreserve(void* address, std::size_t bytes) noexcept;
+
+ private:
+  /// The pages of [start, end) recorded as mapped for this device (registry lock held).
+  std::set<CUdeviceptr> recorded_pages(const mode_independent::peer_access_registry& registry, CUdeviceptr start,
+                                       CUdeviceptr end) const;
+  /// Unmaps the pages of [start, end) still recorded as mapped (an earlier cuMemUnmap refused them; nothing can use
+  /// them since: the caller counted them unmapped). Returns CUDA_SUCCESS, or the failure of one that still cannot be
+  /// unmapped (reported, unless it says the driver is torn down: then the rest are not tried).
+  CUresult unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end);
+  /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
+  /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
+  /// be made (no memory), the pages are unmapped again and the exception propagates.
+  void record_mapped(CUdeviceptr start, CUdeviceptr end, const std::vector<int>& peers, std::uint64_t generation);
+  CUmemAllocationProp allocation_properties() const noexcept;
+  [[noreturn]] void throw_driver_failure(const char* call, CUresult r) const;
+
+  gpukit::device device_;
+  // What the driver said of virtual memory, asked once: not asked, unsupported, or (page size << 1) | 1.
+  static constexpr std::uint64_t vm_not_asked = 0;
+  static constexpr std::uint64_t vm_unsupported = 2;
+  /// The page size once virtual_memory_supported() said yes.
+  std::size_t page_bytes() const noexcept;
+  mutable std::atomic<std::uint64_t> vm_{vm_not_asked};
+};
+
+/// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
+/// The device's kind is chosen once, at construction: a CPU upstream holds no CUDA upstream at all.
+class device_upstream {
+ public:
+  /// The upstream of device `d` (CUDA or the CPU). Makes no CUDA call.
+  explicit device_upstream(gpukit::device d);
+
+  /// cudaMalloc on a CUDA device, unlimited host memory on the CPU; nullptr when out of memory (cuda_upstream,
+  /// host_upstream).
+  [[nodiscard]] void* allocate(std::size_t bytes);
+  /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
+  void deallocate(void* p, std::size_t bytes) noexcept;
+  /// The CUDA device's free and total memory (cudaMemGetInfo), or the host's physical memory for the CPU.
+  upstream_memory_info memory_info() const;
+  /// True on CUDA devices (cudaFree waits for the device); false on the CPU, whose memory is freed at once.
+  bool synchronizes_on_free() const noexcept;
+  /// The device this upstream serves.
+  gpukit::device device() const noexcept;
+
+  /// Virtual memory on CUDA devices that support it (cuda_upstream); never for the CPU.
+  bool virtual_memory_supported() const noexcept;
+  /// The mapping granularity (cuda_upstream::page_size()); 0 on the CPU or without virtual memory.
+  std::size_t page_size() const noexcept;
+  /// Reserves an address range of `bytes` (cuda_upstream::reserve()); nullptr when refused or without virtual memory.
+  void* reserve(std::size_t bytes);
+  /// Backs whole pages of a range reserve() returned (cuda_upstream::map()); false when the device is out of memory.
+  /// Throws invalid_argument_error on the CPU, where reserve() never returns a range.
+  bool map(void* address, std::size_t bytes);
+  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap(): false, the pages still mapped,
+  /// when that wait failed); failures, and a call on the CPU (false), are warned about.
+  bool unmap(void* address, std::size_t bytes) noexcept;
+  /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
+  /// about.
+  void unreserve(void* address, std::size_t bytes) noexcept;
+
+ private:
+  static void warn_no_virtual_memory(const char* call) noexcept;
+  gpukit::device device_;
+  std::optional<cuda_upstream> cuda_;  // for a CUDA device only
+  host_upstream host_;                 // for the CPU only (it holds no memory until it allocates)
+};
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE host_upstream::host_upstream(std::size_t capacity) noexcept : capacity_(capacity) {}
+
+GPUKIT_INLINE host_upstream::host_upstream(host_upstream&& other) noexcept
+    : capacity_(other.capacity_), used_(other.used_.load(std::memory_order_relaxed)) {}
+
+GPUKIT_INLINE void* host_upstream::allocate(std::size_t bytes) {
+  std::size_t used = used_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > capacity_ || used > capacity_ - bytes) return nullptr;
+  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  void* p = ::operator new (bytes, std::align_val_t{upstream_alignment}, std::nothrow);
+  if (p == nullptr) used_.fetch_sub(bytes, std::memory_order_relaxed);
+  return p;
+}
+
+GPUKIT_INLINE void host_upstream::deallocate(void* p, std::size_t bytes) noexcept {
+  ::operator delete (p, std::align_val_t{upstream_alignment});
+  used_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE upstream_memory_info host_upstream::memory_info() const noexcept {
+  std::size_t total = capacity_;
+  if (total == std::numeric_limits<std::size_t>::max()) total = physical_memory();
+  const std::size_t used = used_.load(std::memory_order_relaxed);
+  upstream_memory_info info;
+  info.total_bytes = total;
+  info.free_bytes = used < total ? total - used : 0;
+  info.known = total != 0;
+  return info;
+}
+
+GPUKIT_INLINE bool host_upstream::synchronizes_on_free() const noexcept { return false; }
+
+GPUKIT_INLINE std::size_t host_upstream::used() const noexcept { return used_.load(std::memory_order_relaxed); }
+
+GPUKIT_INLINE std::size_t host_upstream::physical_memory() noexcept {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page_size > 0) return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page_size);
+#endif
+  return 0;
+}
+
+GPUKIT_INLINE address_space_upstream::address_space_upstream(std::size_t capacity, std::size_t alignment)
+    : capacity_(capacity), alignment_(alignment) {
+  if (alignment < upstream_alignment || !detail::is_power_of_two(alignment)) {
+    throw invalid_argument_error(
+        "gpukit::address_space_upstream: the alignment must be a power of two of at "
+        "least " +
+        std::to_string(upstream_alignment) + " bytes");
+  }
+  free_ranges_.emplace(base_address, address_space_size);
+}
+
+GPUKIT_INLINE void* address_space_upstream::allocate(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (forced_failures_ > 0) {
+    --forced_failures_;
+    return nullptr;
+  }
+  const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
+  if (bytes == 0 || size < bytes || size > capacity_ || used_ > capacity_ - size) return nullptr;
+  const std::uintptr_t start = take_range(size, alignment_);
+  if (start == 0) return nullptr;
+  used_ += size;
+  if (used_ > peak_) peak_ = used_;
+  ++allocations_;
+  sizes_.emplace(start, size);
+  return reinterpret_cast<void*>(start);
+}
+
+GPUKIT_INLINE void address_space_upstream::deallocate(void* p, std::size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto start = reinterpret_cast<std::uintptr_t>(p);
+  const auto found = sizes_.find(start);
+  if (found == sizes_.end()) {
+    warn("gpukit::address_space_upstream: deallocate of an address it did not hand out");
+    return;
+  }
+  const std::size_t size = found->second;
+  if (((bytes + alignment_ - 1) & ~(alignment_ - 1)) != size) {
+    warn("gpukit::address_space_upstream: deallocate of " + std::to_string(bytes) + " bytes for a range of " +
+         std::to_string(size) + " bytes");
+  }
+  sizes_.erase(found);
+  used_ -= size;
+  give_range(start, size);
+}
+
+GPUKIT_INLINE upstream_memory_info address_space_upstream::memory_info() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  upstream_memory_info info;
+  info.total_bytes = capacity_;
+  info.free_bytes = capacity_ - (used_ < capacity_ ? used_ : capacity_);
+  info.known = true;
+  return info;
+}
+
+GPUKIT_INLINE bool address_space_upstream::synchronizes_on_free() const noexcept { return true; }
+
+GPUKIT_INLINE std::size_t address_space_upstream::page_size() const noexcept { return page_size_; }
+
+GPUKIT_INLINE void* address_space_upstream::reserve(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uintptr_t start = take_range(bytes, page_size_);
+  if (start == 0) return nullptr;
+  reservations_.emplace(start, bytes);
+  return reinterpret_cast<void*>(start);
+}
+
+GPUKIT_INLINE bool address_space_upstream::map(void* address, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto start = check_pages(address, bytes, "map");
+  for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
+    if (mapped_.count(at) != 0) throw invalid_argument_error("gpukit::address_space_upstream: map of a mapped page");
+  }
+  if (forced_failures_ > 0) {
+    --forced_failures_;
+    return false;
+  }
+  if (bytes > capacity_ || used_ > capacity_ - bytes) return false;
+  for (std::uintptr_t at = start; at < start + bytes; at += page_size_) mapped_.insert(at);
+  used_ += bytes;
+  if (used_ > peak_) peak_ = used_;
+  ++allocations_;
+  return true;
+}
+
+GPUKIT_INLINE bool address_space_upstream::unmap(void* address, std::size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::uintptr_t start = 0;
+  try {
+    start = check_pages(address, bytes, "unmap");
+  } catch (const std::exception& e) {
+    warn(e.what());
+    return false;
+  }
+  for (std::uintptr_t at = start; at < start + bytes; at += page_size_) {
+    if (mapped_.erase(at) == 0) {
+      warn("gpukit::address_space_upstream: unmap of a page that is not mapped");
+      continue;
+    }
+    used_ -= page_size_;
+  }
+  return true;
+}
+
+GPUKIT_INLINE void address_space_upstream::unreserve(void* address, std::size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto start = reinterpret_cast<std::uintptr_t>(address);
+  const auto found = reservations_.find(start);
+  if (found == reservations_.end() || found->second != bytes) {
+    warn("gpukit::address_space_upstream: unreserve of a range it did not reserve");
+    return;
+  }
+  for (auto it = mapped_.lower_bound(start); it != mapped_.end() && *it < start + bytes;) {
+    warn("gpukit::address_space_upstream: a reservation is given back with pages still mapped");
+    used_ -= page_size_;
+    it = mapped_.erase(it);
+  }
+  reservations_.erase(found);
+  give_range(start, bytes);
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::mapped() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mapped_.size() * page_size_;
+}
+
+GPUKIT_INLINE void address_space_upstream::set_page_size(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes < alignment_ || !detail::is_power_of_two(bytes) || !reservations_.empty()) {
+    throw invalid_argument_error(
+        "gpukit::address_space_upstream: a page size must be a power of two of at least "
+        "the alignment, set before anything is reserved");
+  }
+  page_size_ = bytes;
+}
+
+GPUKIT_INLINE void address_space_upstream::set_capacity(std::size_t capacity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capacity_ = capacity;
+}
+
+GPUKIT_INLINE void address_space_upstream::fail_next(int count) {
+  if (count < 0) throw invalid_argument_error("gpukit::address_space_upstream::fail_next: a negative count");
+  std::lock_guard<std::mutex> lock(mutex_);
+  forced_failures_ = count;
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::capacity() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return capacity_;
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::used() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return used_;
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_;
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return allocations_;
+}
+
+GPUKIT_INLINE std::uintptr_t address_space_upstream::take_range(std::size_t bytes, std::size_t alignment) {
+  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+    const std::uintptr_t start = (it->first + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1);
+    const std::uintptr_t end = it->first + it->second;
+    if (start > end || end - start < bytes) continue;
+    const std::uintptr_t range_start = it->first;
+    const std::size_t range_size = it->second;
+    free_ranges_.erase(it);
+    if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
+    if (start + bytes < range_start + range_size) {
+      free_ranges_.emplace(start + bytes, range_start + range_size - start - bytes);
+    }
+    return start;
+  }
+  return 0;
+}
+
+GPUKIT_INLINE void address_space_upstream::give_range(std::uintptr_t start, std::size_t size) {
+  std::uintptr_t begin = start;
+  auto next = free_ranges_.lower_bound(start);
+  if (next != free_ranges_.end() && next->first == start + size) {
+    size += next->second;
+    next = free_ranges_.erase(next);
+  }
+  if (next != free_ranges_.begin()) {
+    auto previous = std::prev(next);
+    if (previous->first + previous->second == begin) {
+      begin = previous->first;
+      size += previous->second;
+      free_ranges_.erase(previous);
+    }
+  }
+  free_ranges_.emplace(begin, size);
+}
+
+GPUKIT_INLINE std::uintptr_t address_space_upstream::check_pages(void* address, std::size_t bytes,
+                                                                 const char* operation) const {
+  const auto start = reinterpret_cast<std::uintptr_t>(address);
+  auto r = reservations_.upper_bound(start);
+  const bool inside =
+      r != reservations_.begin() && bytes != 0 &&
+      (--r, start >= r->first && start - r->first <= r->second && bytes <= r->second - (start - r->first));
+  if (!inside || start % page_size_ != 0 || bytes % page_size_ != 0) {
+    throw invalid_argument_error(std::string("gpukit::address_space_upstream: ") + operation +
+                                 " of a range that is not whole pages of a reservation");
+  }
+  return start;
+}
+namespace detail {
+
+GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* what) noexcept {
   try {
     device_guard guard(d);
     const cudaError_t waited = cudaDeviceSynchronize();
@@ -428,390 +617,350 @@ inline release_wait wait_before_release(gpukit::device d, const char* what) noex
   return release_wait::failed;
 }
 
-/// wait_before_release, true when the device is idle (the memory may go back now).
-inline bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
+GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
   return wait_before_release(d, what) == release_wait::idle;
 }
 }  // namespace detail
 
-/// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.
-class cuda_upstream {
- public:
-  /// No CUDA call is made until the first allocation.
-  explicit cuda_upstream(gpukit::device d) : device_(d) {
-    if (!d.is_cuda()) throw invalid_argument_error("gpukit::cuda_upstream: " + d.to_string() + " is not a CUDA device");
-  }
-  /// A copy serves the same device and knows what this one learnt of its virtual memory support.
-  cuda_upstream(const cuda_upstream& other) noexcept
-      : device_(other.device_), vm_(other.vm_.load(std::memory_order_acquire)) {}
-  /// Serves `other`'s device from now on.
-  cuda_upstream& operator=(const cuda_upstream& other) noexcept {
-    device_ = other.device_;
-    vm_.store(other.vm_.load(std::memory_order_acquire), std::memory_order_release);
-    return *this;
-  }
+GPUKIT_INLINE cuda_upstream::cuda_upstream(gpukit::device d) : device_(d) {
+  if (!d.is_cuda()) throw invalid_argument_error("gpukit::cuda_upstream: " + d.to_string() + " is not a CUDA device");
+}
 
-  /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
-  /// failure (no driver, invalid device) throws the matching gpukit exception.
-  [[nodiscard]] void* allocate(std::size_t bytes) {
+GPUKIT_INLINE cuda_upstream::cuda_upstream(const cuda_upstream& other) noexcept
+    : device_(other.device_), vm_(other.vm_.load(std::memory_order_acquire)) {}
+
+GPUKIT_INLINE cuda_upstream& cuda_upstream::operator=(const cuda_upstream& other) noexcept {
+  device_ = other.device_;
+  vm_.store(other.vm_.load(std::memory_order_acquire), std::memory_order_release);
+  return *this;
+}
+
+GPUKIT_INLINE void* cuda_upstream::allocate(std::size_t bytes) {
+  device_guard guard(device_);
+  void* p = nullptr;
+  const cudaError_t result = cudaMalloc(&p, bytes);
+  if (result == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMalloc(" + std::to_string(bytes) + ")", device_.ordinal());
+  return p;
+}
+
+GPUKIT_INLINE void cuda_upstream::deallocate(void* p, std::size_t /*bytes*/) noexcept {
+  try {
     device_guard guard(device_);
-    void* p = nullptr;
-    const cudaError_t result = cudaMalloc(&p, bytes);
-    if (result == cudaErrorMemoryAllocation) {
+    detail::report_cuda_failure(cudaFree(p), "cudaFree (returning a cached segment)", device_.ordinal());
+  } catch (const error& e) {
+    if (detail::is_teardown_result(e.cuda_result())) return;  // process exit: the segment went with the runtime
+    warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
+  } catch (const std::exception& e) {
+    warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
+  }
+}
+
+GPUKIT_INLINE upstream_memory_info cuda_upstream::memory_info() const {
+  upstream_memory_info info;
+  try {
+    device_guard guard(device_);
+    std::size_t free_bytes = 0;
+    std::size_t total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      info.free_bytes = free_bytes;
+      info.total_bytes = total_bytes;
+      info.known = true;
+    } else {
       (void)cudaGetLastError();
-      return nullptr;
     }
-    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMalloc(" + std::to_string(bytes) + ")", device_.ordinal());
-    return p;
+  } catch (const error&) {
   }
+  return info;
+}
 
-  /// cudaFree, which waits for all work of the device; a failure is reported through gpukit::warn.
-  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
-    try {
-      device_guard guard(device_);
-      detail::report_cuda_failure(cudaFree(p), "cudaFree (returning a cached segment)", device_.ordinal());
-    } catch (const error& e) {
-      if (detail::is_teardown_result(e.cuda_result())) return;  // process exit: the segment went with the runtime
-      warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
-    } catch (const std::exception& e) {
-      warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
-    }
-  }
+GPUKIT_INLINE bool cuda_upstream::synchronizes_on_free() const noexcept { return true; }
 
-  /// cudaMemGetInfo (the device's context exists by then: the allocator only asks after allocating on it).
-  upstream_memory_info memory_info() const {
-    upstream_memory_info info;
-    try {
-      device_guard guard(device_);
-      std::size_t free_bytes = 0;
-      std::size_t total_bytes = 0;
-      if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
-        info.free_bytes = free_bytes;
-        info.total_bytes = total_bytes;
-        info.known = true;
-      } else {
-        (void)cudaGetLastError();
-      }
-    } catch (const error&) {
-    }
-    return info;
-  }
+GPUKIT_INLINE gpukit::device cuda_upstream::device() const noexcept { return device_; }
 
-  /// cudaFree waits for all work of the device, so the allocator need not wait before it.
-  bool synchronizes_on_free() const noexcept { return true; }
-  /// The CUDA device whose memory this upstream allocates.
-  gpukit::device device() const noexcept { return device_; }
-
-  // --- virtual memory (expandable segments): the driver's cuMem* functions, from cudaGetDriverEntryPoint ---
-
-  /// Whether the driver provides the virtual memory functions and the device supports them
-  /// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED). Asked once; thread-safe (threads that ask at the
-  /// same time may both ask the driver, and learn the same); never throws.
-  bool virtual_memory_supported() const noexcept {
-    std::uint64_t state = vm_.load(std::memory_order_acquire);
-    if (state == vm_not_asked) {
-      const detail::driver_api& api = detail::driver();
-      int supported = 0;
-      CUdevice device = 0;
-      bool ok = api.has_virtual_memory() && api.device_get(&device, device_.ordinal()) == CUDA_SUCCESS &&
-                api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) ==
-                    CUDA_SUCCESS &&
-                supported != 0;
-      std::size_t granularity = 0;
-      const CUmemAllocationProp prop = allocation_properties();
-      ok = ok && detail::driver().mem_get_allocation_granularity(&granularity, &prop,
-                                                                 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS;
-      state = ok && granularity != 0 ? static_cast<std::uint64_t>(granularity) << 1 | 1 : vm_unsupported;
-      vm_.store(state, std::memory_order_release);
-    }
-    return (state & 1) != 0;
-  }
-  /// The mapping granularity (2 MiB on current GPUs); 0 when virtual memory is unsupported.
-  std::size_t page_size() const noexcept { return virtual_memory_supported() ? page_bytes() : 0; }
-  /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when refused.
-  void* reserve(std::size_t bytes) {
-    if (!virtual_memory_supported()) return nullptr;
-    device_guard guard(device_);
-    CUdeviceptr address = 0;
-    if (detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0) != CUDA_SUCCESS) return nullptr;
-    return reinterpret_cast<void*>(address);
-  }
-  /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device and for
-  /// every device holding a gpukit::peer_access to it) per page; each handle is released at once, so the memory goes
-  /// when its page is unmapped. False when the device is out of memory (the pages mapped so far stay); throws
-  /// gpukit::cuda_error for any other failure.
-  bool map(void* address, std::size_t bytes) {
-    device_guard guard(device_);
+GPUKIT_INLINE bool cuda_upstream::virtual_memory_supported() const noexcept {
+  std::uint64_t state = vm_.load(std::memory_order_acquire);
+  if (state == vm_not_asked) {
     const detail::driver_api& api = detail::driver();
+    int supported = 0;
+    CUdevice device = 0;
+    bool ok = api.has_virtual_memory() && api.device_get(&device, device_.ordinal()) == CUDA_SUCCESS &&
+              api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) ==
+                  CUDA_SUCCESS &&
+              supported != 0;
+    std::size_t granularity = 0;
     const CUmemAllocationProp prop = allocation_properties();
-    // The peers are read, not held: the registry's lock is not kept across the driver calls (other devices map
-    // meanwhile); record_mapped() grants whatever peers changed in between.
+    ok = ok && detail::driver().mem_get_allocation_granularity(&granularity, &prop,
+                                                               CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS;
+    state = ok && granularity != 0 ? static_cast<std::uint64_t>(granularity) << 1 | 1 : vm_unsupported;
+    vm_.store(state, std::memory_order_release);
+  }
+  return (state & 1) != 0;
+}
+
+GPUKIT_INLINE std::size_t cuda_upstream::page_size() const noexcept {
+  return virtual_memory_supported() ? page_bytes() : 0;
+}
+
+GPUKIT_INLINE void* cuda_upstream::reserve(std::size_t bytes) {
+  if (!virtual_memory_supported()) return nullptr;
+  device_guard guard(device_);
+  CUdeviceptr address = 0;
+  if (detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0) != CUDA_SUCCESS) return nullptr;
+  return reinterpret_cast<void*>(address);
+}
+
+GPUKIT_INLINE bool cuda_upstream::map(void* address, std::size_t bytes) {
+  device_guard guard(device_);
+  const detail::driver_api& api = detail::driver();
+  const CUmemAllocationProp prop = allocation_properties();
+  // The peers are read, not held: the registry's lock is not kept across the driver calls (other devices map
+  // meanwhile); record_mapped() grants whatever peers changed in between.
+  auto& registry = mode_independent::peer_access_holders_v2();
+  std::vector<int> peers;
+  std::uint64_t generation = 0;
+  const std::size_t granule = page_bytes();
+  const auto start = reinterpret_cast<CUdeviceptr>(address);
+  std::set<CUdeviceptr> still_mapped;  // pages an earlier unmap() could not unmap: mapped already, kept as they are
+  {
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    peers = registry.peers_of(device_.ordinal());
+    generation = registry.generation;
+    still_mapped = recorded_pages(registry, start, start + bytes);
+  }
+  std::vector<CUmemAccessDesc> access{detail::device_access_desc(device_.ordinal(), true)};
+  for (int peer : peers) access.push_back(detail::device_access_desc(peer, true));
+  CUdeviceptr page = start;
+  const char* failed_call = nullptr;
+  bool device_full = false;  // cuMemCreate or cuMemMap found no memory: out of memory, not an error
+  CUresult r = CUDA_SUCCESS;
+  for (; page < start + bytes; page += granule) {
+    if (still_mapped.count(page) != 0) continue;
+    CUmemGenericAllocationHandle handle{};
+    r = api.mem_create(&handle, granule, &prop, 0);
+    if (r != CUDA_SUCCESS) {
+      failed_call = "cuMemCreate";
+      device_full = r == CUDA_ERROR_OUT_OF_MEMORY;
+      break;
+    }
+    r = api.mem_map(page, granule, 0, handle, 0);
+    (void)api.mem_release(handle);  // the mapping keeps the memory
+    if (r != CUDA_SUCCESS) {
+      failed_call = "cuMemMap";
+      device_full = r == CUDA_ERROR_OUT_OF_MEMORY;  // e.g. no memory left for the page tables
+      break;
+    }
+    r = api.mem_set_access(page, granule, access.data(), access.size());
+    if (r != CUDA_SUCCESS) {
+      (void)api.mem_unmap(page, granule);
+      failed_call = "cuMemSetAccess";
+      break;
+    }
+  }
+  record_mapped(start, page, peers, generation);  // the pages mapped so far stay mapped, so they are recorded
+  if (failed_call == nullptr) return true;
+  if (device_full) return false;
+  throw_driver_failure(failed_call, r);
+}
+
+GPUKIT_INLINE bool cuda_upstream::unmap(void* address, std::size_t bytes) noexcept {
+  if (detail::wait_before_release(device_, "unmapping pages") == detail::release_wait::failed) return false;
+  try {
+    device_guard guard(device_);
     auto& registry = mode_independent::peer_access_holders_v2();
-    std::vector<int> peers;
-    std::uint64_t generation = 0;
+    std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
+    auto& mapped = registry.mapped_pages[device_.ordinal()];
     const std::size_t granule = page_bytes();
     const auto start = reinterpret_cast<CUdeviceptr>(address);
-    std::set<CUdeviceptr> still_mapped;  // pages an earlier unmap() could not unmap: mapped already, kept as they are
-    {
-      std::lock_guard<std::mutex> lock(registry.mutex);
-      peers = registry.peers_of(device_.ordinal());
-      generation = registry.generation;
-      still_mapped = recorded_pages(registry, start, start + bytes);
-    }
-    std::vector<CUmemAccessDesc> access{detail::device_access_desc(device_.ordinal(), true)};
-    for (int peer : peers) access.push_back(detail::device_access_desc(peer, true));
-    CUdeviceptr page = start;
-    const char* failed_call = nullptr;
-    bool device_full = false;  // cuMemCreate or cuMemMap found no memory: out of memory, not an error
-    CUresult r = CUDA_SUCCESS;
-    for (; page < start + bytes; page += granule) {
-      if (still_mapped.count(page) != 0) continue;
-      CUmemGenericAllocationHandle handle{};
-      r = api.mem_create(&handle, granule, &prop, 0);
-      if (r != CUDA_SUCCESS) {
-        failed_call = "cuMemCreate";
-        device_full = r == CUDA_ERROR_OUT_OF_MEMORY;
-        break;
-      }
-      r = api.mem_map(page, granule, 0, handle, 0);
-      (void)api.mem_release(handle);  // the mapping keeps the memory
-      if (r != CUDA_SUCCESS) {
-        failed_call = "cuMemMap";
-        device_full = r == CUDA_ERROR_OUT_OF_MEMORY;  // e.g. no memory left for the page tables
-        break;
-      }
-      r = api.mem_set_access(page, granule, access.data(), access.size());
-      if (r != CUDA_SUCCESS) {
-        (void)api.mem_unmap(page, granule);
-        failed_call = "cuMemSetAccess";
-        break;
-      }
-    }
-    record_mapped(start, page, peers, generation);  // the pages mapped so far stay mapped, so they are recorded
-    if (failed_call == nullptr) return true;
-    if (device_full) return false;
-    throw_driver_failure(failed_call, r);
-  }
-  /// Waits for the device's work (as cudaFree does: queued kernels may still use the pages), then cuMemUnmap per
-  /// page. Returns false, having unmapped nothing, when the wait failed (detail::wait_before_release): the pages
-  /// stay mapped. A page that cuMemUnmap refuses is reported through gpukit::warn and counts as unmapped to the
-  /// caller, but stays mapped and recorded here: a later map() of it keeps it instead of mapping it twice, and
-  /// unreserve() tries to unmap it again before freeing its range. Once the runtime is torn down (process exit),
-  /// nothing runs on the device any more: the pages are unmapped without a wait where the driver still can, and
-  /// where it cannot they went with it; true either way, with nothing reported.
-  bool unmap(void* address, std::size_t bytes) noexcept {
-    if (detail::wait_before_release(device_, "unmapping pages") == detail::release_wait::failed) return false;
-    try {
-      device_guard guard(device_);
-      auto& registry = mode_independent::peer_access_holders_v2();
-      std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
-      auto& mapped = registry.mapped_pages[device_.ordinal()];
-      const std::size_t granule = page_bytes();
-      const auto start = reinterpret_cast<CUdeviceptr>(address);
-      for (CUdeviceptr page = start; page < start + bytes; page += granule) {
-        const CUresult r = detail::driver().mem_unmap(page, granule);
-        if (r == CUDA_SUCCESS) {
-          mapped.erase(static_cast<std::uintptr_t>(page));
-        } else if (detail::is_teardown_result(r)) {
-          return true;  // the driver is gone, and the pages with it
-        } else {
-          warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ") on " +
-               device_.to_string() + ": the page stays mapped, for the next map() of it or the range's release");
-        }
-      }
-      return true;
-    } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone (and the pages with it)
-      if (detail::is_teardown_result(e.cuda_result())) return true;
-      warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
-      return false;
-    } catch (const std::exception& e) {  // no memory for the registry or a message: nothing was unmapped
-      warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
-      return false;
-    }
-  }
-  /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
-  /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved),
-  /// except those of a runtime torn down at process exit, which freed the range itself.
-  void unreserve(void* address, std::size_t bytes) noexcept {
-    try {
-      device_guard guard(device_);
-      const auto start = reinterpret_cast<CUdeviceptr>(address);
-      const CUresult leftover = unmap_leftover_pages(start, start + bytes);
-      if (detail::is_teardown_result(leftover)) return;
-      if (leftover != CUDA_SUCCESS) {
-        warn("gpukit::cuda_upstream: an address range of " + std::to_string(bytes) + " bytes on " +
-             device_.to_string() + " stays reserved: a page of it could not be unmapped");
-        return;
-      }
-      const CUresult r = detail::driver().mem_address_free(start, bytes);
-      if (r != CUDA_SUCCESS && !detail::is_teardown_result(r))
-        warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
-    } catch (const error& e) {
-      if (!detail::is_teardown_result(e.cuda_result()))
-        warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
-    } catch (const std::exception& e) {
-      warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
-    }
-  }
-
- private:
-  /// The pages of [start, end) recorded as mapped for this device (registry lock held).
-  std::set<CUdeviceptr> recorded_pages(const mode_independent::peer_access_registry& registry, CUdeviceptr start,
-                                       CUdeviceptr end) const {
-    std::set<CUdeviceptr> pages;
-    const auto found = registry.mapped_pages.find(device_.ordinal());
-    if (found == registry.mapped_pages.end()) return pages;
-    for (auto it = found->second.lower_bound(static_cast<std::uintptr_t>(start));
-         it != found->second.end() && it->first < static_cast<std::uintptr_t>(end); ++it) {
-      pages.insert(static_cast<CUdeviceptr>(it->first));
-    }
-    return pages;
-  }
-  /// Unmaps the pages of [start, end) still recorded as mapped (an earlier cuMemUnmap refused them; nothing can use
-  /// them since: the caller counted them unmapped). Returns CUDA_SUCCESS, or the failure of one that still cannot be
-  /// unmapped (reported, unless it says the driver is torn down: then the rest are not tried).
-  CUresult unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
-    auto& registry = mode_independent::peer_access_holders_v2();
-    std::lock_guard<std::mutex> lock(registry.mutex);
-    CUresult failed = CUDA_SUCCESS;
-    for (CUdeviceptr page : recorded_pages(registry, start, end)) {
-      const CUresult r = detail::driver().mem_unmap(page, page_bytes());
+    for (CUdeviceptr page = start; page < start + bytes; page += granule) {
+      const CUresult r = detail::driver().mem_unmap(page, granule);
       if (r == CUDA_SUCCESS) {
-        registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
+        mapped.erase(static_cast<std::uintptr_t>(page));
       } else if (detail::is_teardown_result(r)) {
-        return r;
+        return true;  // the driver is gone, and the pages with it
       } else {
-        warn("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult " + std::to_string(r) + ")");
-        failed = r;
+        warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ") on " + device_.to_string() +
+             ": the page stays mapped, for the next map() of it or the range's release");
       }
     }
-    return failed;
+    return true;
+  } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone (and the pages with it)
+    if (detail::is_teardown_result(e.cuda_result())) return true;
+    warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+    return false;
+  } catch (const std::exception& e) {  // no memory for the registry or a message: nothing was unmapped
+    warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+    return false;
   }
-  /// Records [start, end) as mapped pages of this device for peer_access, and, if peers were granted or released
-  /// since `generation`, sets those peers' access to the new pages as the registry now says. If the record cannot
-  /// be made (no memory), the pages are unmapped again and the exception propagates.
-  void record_mapped(CUdeviceptr start, CUdeviceptr end, const std::vector<int>& peers, std::uint64_t generation) {
-    if (end == start) return;
-    auto& registry = mode_independent::peer_access_holders_v2();
-    std::lock_guard<std::mutex> lock(registry.mutex);
-    const std::size_t granule = page_bytes();
-    try {
-      auto& mapped = registry.mapped_pages[device_.ordinal()];
-      for (CUdeviceptr page = start; page < end; page += granule) mapped[static_cast<std::uintptr_t>(page)] = granule;
-    } catch (...) {
-      for (CUdeviceptr page = start; page < end; page += granule) {
-        (void)detail::driver().mem_unmap(page, granule);
-        auto found = registry.mapped_pages.find(device_.ordinal());
-        if (found != registry.mapped_pages.end()) found->second.erase(static_cast<std::uintptr_t>(page));
-      }
-      throw;
-    }
-    if (registry.generation == generation) return;
-    const std::vector<int> now = registry.peers_of(device_.ordinal());
-    std::vector<CUmemAccessDesc> changes;
-    for (int peer : now) {
-      if (std::find(peers.begin(), peers.end(), peer) == peers.end())
-        changes.push_back(detail::device_access_desc(peer, true));
-    }
-    for (int peer : peers) {
-      if (std::find(now.begin(), now.end(), peer) == now.end())
-        changes.push_back(detail::device_access_desc(peer, false));
-    }
-    if (changes.empty()) return;
-    const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
-    if (r != CUDA_SUCCESS) {
-      warn("gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult " +
-           std::to_string(r) + ")");
-    }
-  }
-  CUmemAllocationProp allocation_properties() const noexcept {
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device_.ordinal();
-    return prop;
-  }
-  [[noreturn]] void throw_driver_failure(const char* call, CUresult r) const {
-    throw cuda_error("gpukit: " + std::string(call) + " failed on " + device_.to_string() + " (CUresult " +
-                         std::to_string(r) + ") while mapping pages of an expandable segment",
-                     cudaErrorUnknown, call, device_.ordinal());
-  }
+}
 
-  gpukit::device device_;
-  // What the driver said of virtual memory, asked once: not asked, unsupported, or (page size << 1) | 1.
-  static constexpr std::uint64_t vm_not_asked = 0;
-  static constexpr std::uint64_t vm_unsupported = 2;
-  /// The page size once virtual_memory_supported() said yes.
-  std::size_t page_bytes() const noexcept { return static_cast<std::size_t>(vm_.load(std::memory_order_relaxed) >> 1); }
-  mutable std::atomic<std::uint64_t> vm_{vm_not_asked};
-};
-
-/// The upstream of a gpukit::device: cudaMalloc for cuda:N, host memory for the CPU. The default allocators use it.
-/// The device's kind is chosen once, at construction: a CPU upstream holds no CUDA upstream at all.
-class device_upstream {
- public:
-  /// The upstream of device `d` (CUDA or the CPU). Makes no CUDA call.
-  explicit device_upstream(gpukit::device d) : device_(d) {
-    if (d.is_cuda()) cuda_.emplace(d);
+GPUKIT_INLINE void cuda_upstream::unreserve(void* address, std::size_t bytes) noexcept {
+  try {
+    device_guard guard(device_);
+    const auto start = reinterpret_cast<CUdeviceptr>(address);
+    const CUresult leftover = unmap_leftover_pages(start, start + bytes);
+    if (detail::is_teardown_result(leftover)) return;
+    if (leftover != CUDA_SUCCESS) {
+      warn("gpukit::cuda_upstream: an address range of " + std::to_string(bytes) + " bytes on " + device_.to_string() +
+           " stays reserved: a page of it could not be unmapped");
+      return;
+    }
+    const CUresult r = detail::driver().mem_address_free(start, bytes);
+    if (r != CUDA_SUCCESS && !detail::is_teardown_result(r))
+      warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
+  } catch (const error& e) {
+    if (!detail::is_teardown_result(e.cuda_result()))
+      warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
+  } catch (const std::exception& e) {
+    warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
   }
+}
 
-  /// cudaMalloc on a CUDA device, unlimited host memory on the CPU; nullptr when out of memory (cuda_upstream,
-  /// host_upstream).
-  [[nodiscard]] void* allocate(std::size_t bytes) { return cuda_ ? cuda_->allocate(bytes) : host_.allocate(bytes); }
-  /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
-  void deallocate(void* p, std::size_t bytes) noexcept {
-    if (cuda_) {
-      cuda_->deallocate(p, bytes);
+GPUKIT_INLINE std::set<CUdeviceptr> cuda_upstream::recorded_pages(
+    const mode_independent::peer_access_registry& registry, CUdeviceptr start, CUdeviceptr end) const {
+  std::set<CUdeviceptr> pages;
+  const auto found = registry.mapped_pages.find(device_.ordinal());
+  if (found == registry.mapped_pages.end()) return pages;
+  for (auto it = found->second.lower_bound(static_cast<std::uintptr_t>(start));
+       it != found->second.end() && it->first < static_cast<std::uintptr_t>(end); ++it) {
+    pages.insert(static_cast<CUdeviceptr>(it->first));
+  }
+  return pages;
+}
+
+GPUKIT_INLINE CUresult cuda_upstream::unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
+  auto& registry = mode_independent::peer_access_holders_v2();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  CUresult failed = CUDA_SUCCESS;
+  for (CUdeviceptr page : recorded_pages(registry, start, end)) {
+    const CUresult r = detail::driver().mem_unmap(page, page_bytes());
+    if (r == CUDA_SUCCESS) {
+      registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
+    } else if (detail::is_teardown_result(r)) {
+      return r;
     } else {
-      host_.deallocate(p, bytes);
+      warn("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult " + std::to_string(r) + ")");
+      failed = r;
     }
   }
-  /// The CUDA device's free and total memory (cudaMemGetInfo), or the host's physical memory for the CPU.
-  upstream_memory_info memory_info() const { return cuda_ ? cuda_->memory_info() : host_.memory_info(); }
-  /// True on CUDA devices (cudaFree waits for the device); false on the CPU, whose memory is freed at once.
-  bool synchronizes_on_free() const noexcept { return cuda_.has_value(); }
-  /// The device this upstream serves.
-  gpukit::device device() const noexcept { return device_; }
+  return failed;
+}
 
-  /// Virtual memory on CUDA devices that support it (cuda_upstream); never for the CPU.
-  bool virtual_memory_supported() const noexcept { return cuda_ && cuda_->virtual_memory_supported(); }
-  /// The mapping granularity (cuda_upstream::page_size()); 0 on the CPU or without virtual memory.
-  std::size_t page_size() const noexcept { return cuda_ ? cuda_->page_size() : 0; }
-  /// Reserves an address range of `bytes` (cuda_upstream::reserve()); nullptr when refused or without virtual memory.
-  void* reserve(std::size_t bytes) { return virtual_memory_supported() ? cuda_->reserve(bytes) : nullptr; }
-  /// Backs whole pages of a range reserve() returned (cuda_upstream::map()); false when the device is out of memory.
-  /// Throws invalid_argument_error on the CPU, where reserve() never returns a range.
-  bool map(void* address, std::size_t bytes) {
-    if (!cuda_)
-      throw invalid_argument_error("gpukit::device_upstream::map: the CPU device has no virtual memory to map");
-    return cuda_->map(address, bytes);
-  }
-  /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap(): false, the pages still mapped,
-  /// when that wait failed); failures, and a call on the CPU (false), are warned about.
-  bool unmap(void* address, std::size_t bytes) noexcept {
-    if (!cuda_) {
-      warn_no_virtual_memory("unmap");
-      return false;
+GPUKIT_INLINE void cuda_upstream::record_mapped(CUdeviceptr start, CUdeviceptr end, const std::vector<int>& peers,
+                                                std::uint64_t generation) {
+  if (end == start) return;
+  auto& registry = mode_independent::peer_access_holders_v2();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  const std::size_t granule = page_bytes();
+  try {
+    auto& mapped = registry.mapped_pages[device_.ordinal()];
+    for (CUdeviceptr page = start; page < end; page += granule) mapped[static_cast<std::uintptr_t>(page)] = granule;
+  } catch (...) {
+    for (CUdeviceptr page = start; page < end; page += granule) {
+      (void)detail::driver().mem_unmap(page, granule);
+      auto found = registry.mapped_pages.find(device_.ordinal());
+      if (found != registry.mapped_pages.end()) found->second.erase(static_cast<std::uintptr_t>(page));
     }
-    return cuda_->unmap(address, bytes);
+    throw;
   }
-  /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
-  /// about.
-  void unreserve(void* address, std::size_t bytes) noexcept {
-    if (!cuda_) return warn_no_virtual_memory("unreserve");
-    cuda_->unreserve(address, bytes);
+  if (registry.generation == generation) return;
+  const std::vector<int> now = registry.peers_of(device_.ordinal());
+  std::vector<CUmemAccessDesc> changes;
+  for (int peer : now) {
+    if (std::find(peers.begin(), peers.end(), peer) == peers.end())
+      changes.push_back(detail::device_access_desc(peer, true));
   }
+  for (int peer : peers) {
+    if (std::find(now.begin(), now.end(), peer) == now.end())
+      changes.push_back(detail::device_access_desc(peer, false));
+  }
+  if (changes.empty()) return;
+  const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
+  if (r != CUDA_SUCCESS) {
+    warn("gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult " +
+         std::to_string(r) + ")");
+  }
+}
 
- private:
-  static void warn_no_virtual_memory(const char* call) noexcept {
-    try {
-      warn(std::string("gpukit::device_upstream::") + call + ": the CPU device has no virtual memory (nothing done)");
-    } catch (...) {  // no memory for the message
-    }
+GPUKIT_INLINE CUmemAllocationProp cuda_upstream::allocation_properties() const noexcept {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device_.ordinal();
+  return prop;
+}
+
+GPUKIT_INLINE void cuda_upstream::throw_driver_failure(const char* call, CUresult r) const {
+  throw cuda_error("gpukit: " + std::string(call) + " failed on " + device_.to_string() + " (CUresult " +
+                       std::to_string(r) + ") while mapping pages of an expandable segment",
+                   cudaErrorUnknown, call, device_.ordinal());
+}
+
+GPUKIT_INLINE std::size_t cuda_upstream::page_bytes() const noexcept {
+  return static_cast<std::size_t>(vm_.load(std::memory_order_relaxed) >> 1);
+}
+
+GPUKIT_INLINE device_upstream::device_upstream(gpukit::device d) : device_(d) {
+  if (d.is_cuda()) cuda_.emplace(d);
+}
+
+GPUKIT_INLINE void* device_upstream::allocate(std::size_t bytes) {
+  return cuda_ ? cuda_->allocate(bytes) : host_.allocate(bytes);
+}
+
+GPUKIT_INLINE void device_upstream::deallocate(void* p, std::size_t bytes) noexcept {
+  if (cuda_) {
+    cuda_->deallocate(p, bytes);
+  } else {
+    host_.deallocate(p, bytes);
   }
-  gpukit::device device_;
-  std::optional<cuda_upstream> cuda_;  // for a CUDA device only
-  host_upstream host_;                 // for the CPU only (it holds no memory until it allocates)
-};
+}
+
+GPUKIT_INLINE upstream_memory_info device_upstream::memory_info() const {
+  return cuda_ ? cuda_->memory_info() : host_.memory_info();
+}
+
+GPUKIT_INLINE bool device_upstream::synchronizes_on_free() const noexcept { return cuda_.has_value(); }
+
+GPUKIT_INLINE gpukit::device device_upstream::device() const noexcept { return device_; }
+
+GPUKIT_INLINE bool device_upstream::virtual_memory_supported() const noexcept {
+  return cuda_ && cuda_->virtual_memory_supported();
+}
+
+GPUKIT_INLINE std::size_t device_upstream::page_size() const noexcept { return cuda_ ? cuda_->page_size() : 0; }
+
+GPUKIT_INLINE void* device_upstream::reserve(std::size_t bytes) {
+  return virtual_memory_supported() ? cuda_->reserve(bytes) : nullptr;
+}
+
+GPUKIT_INLINE bool device_upstream::map(void* address, std::size_t bytes) {
+  if (!cuda_) throw invalid_argument_error("gpukit::device_upstream::map: the CPU device has no virtual memory to map");
+  return cuda_->map(address, bytes);
+}
+
+GPUKIT_INLINE bool device_upstream::unmap(void* address, std::size_t bytes) noexcept {
+  if (!cuda_) {
+    warn_no_virtual_memory("unmap");
+    return false;
+  }
+  return cuda_->unmap(address, bytes);
+}
+
+GPUKIT_INLINE void device_upstream::unreserve(void* address, std::size_t bytes) noexcept {
+  if (!cuda_) return warn_no_virtual_memory("unreserve");
+  cuda_->unreserve(address, bytes);
+}
+
+GPUKIT_INLINE void device_upstream::warn_no_virtual_memory(const char* call) noexcept {
+  try {
+    warn(std::string("gpukit::device_upstream::") + call + ": the CPU device has no virtual memory (nothing done)");
+  } catch (...) {  // no memory for the message
+  }
+}
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

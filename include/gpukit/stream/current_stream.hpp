@@ -22,22 +22,52 @@ struct current_stream_entry {
   stream_view stream;
 };
 /// This thread's current streams, one entry per device that has one set (a handful at most).
-GPUKIT_EXPORT inline std::vector<current_stream_entry>& current_streams() {
+GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>& current_streams();
+}  // namespace detail
+
+/// The calling thread's current stream of `d`: the last one set, else the device's default stream.
+GPUKIT_INLINE stream_view current_stream(device d);
+
+/// Makes `s` the calling thread's current stream of its device.
+GPUKIT_INLINE void set_current_stream(stream_view s);
+
+/// RAII: for its scope, makes `s` the current stream of its device and that device the current CUDA device (for a
+/// CUDA stream); restores both afterwards. Not copyable or movable.
+class stream_guard {
+ public:
+  /// Makes `s` and its device current until the guard is destroyed. Throws if the device cannot be found or made
+  /// current.
+  explicit stream_guard(stream_view s);
+  stream_guard(const stream_guard&) = delete;
+  stream_guard& operator=(const stream_guard&) = delete;
+  ~stream_guard();
+
+ private:
+  device_guard device_guard_;  // first: restored last
+  device device_;
+  stream_view previous_;
+};
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::vector<current_stream_entry>& current_streams() {
   thread_local std::vector<current_stream_entry> streams;
   return streams;
 }
 }  // namespace detail
 
-/// The calling thread's current stream of `d`: the last one set, else the device's default stream.
-inline stream_view current_stream(device d) {
+GPUKIT_INLINE stream_view current_stream(device d) {
   for (const auto& entry : detail::current_streams()) {
     if (entry.device == d) return entry.stream;
   }
   return stream_view::default_stream(d);
 }
 
-/// Makes `s` the calling thread's current stream of its device.
-inline void set_current_stream(stream_view s) {
+GPUKIT_INLINE void set_current_stream(stream_view s) {
   const device d = s.device();
   for (auto& entry : detail::current_streams()) {
     if (entry.device == d) {
@@ -48,30 +78,18 @@ inline void set_current_stream(stream_view s) {
   detail::current_streams().push_back({d, s});
 }
 
-/// RAII: for its scope, makes `s` the current stream of its device and that device the current CUDA device (for a
-/// CUDA stream); restores both afterwards. Not copyable or movable.
-class stream_guard {
- public:
-  /// Makes `s` and its device current until the guard is destroyed. Throws if the device cannot be found or made
-  /// current.
-  explicit stream_guard(stream_view s)
-      : device_guard_(s.device()), device_(s.device()), previous_(current_stream(device_)) {
-    set_current_stream(s);
-  }
-  stream_guard(const stream_guard&) = delete;
-  stream_guard& operator=(const stream_guard&) = delete;
-  ~stream_guard() {
-    try {
-      set_current_stream(previous_);
-    } catch (...) {
-      // set_current_stream can only fail allocating a new entry, and ours already exists.
-    }
-  }
+GPUKIT_INLINE stream_guard::stream_guard(stream_view s)
+    : device_guard_(s.device()), device_(s.device()), previous_(current_stream(device_)) {
+  set_current_stream(s);
+}
 
- private:
-  device_guard device_guard_;  // first: restored last
-  device device_;
-  stream_view previous_;
-};
+GPUKIT_INLINE stream_guard::~stream_guard() {
+  try {
+    set_current_stream(previous_);
+  } catch (...) {
+    // set_current_stream can only fail allocating a new entry, and ours already exists.
+  }
+}
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -41,113 +41,47 @@ using milliseconds = std::chrono::duration<float, std::milli>;
 class event {
  public:
   /// Creates an event on `d`. Throws invalid_argument_error for interprocess events with timing or on the CPU.
-  explicit event(gpukit::device d, event_options options = {}) : device_(d), options_(options), valid_(true) {
-    if (options.interprocess && options.timing) {
-      throw invalid_argument_error(
-          "gpukit::event: an interprocess event cannot record timing (CUDA requires "
-          "cudaEventDisableTiming with cudaEventInterprocess)");
-    }
-    if (d.is_cpu()) {
-      if (options.interprocess) {
-        throw invalid_argument_error("gpukit::event: interprocess events exist only on CUDA devices");
-      }
-      cpu_ = std::make_unique<detail::cpu_backend::event_state>();
-      return;
-    }
-    unsigned flags = cudaEventDefault;
-    if (!options.timing) flags |= cudaEventDisableTiming;
-    if (options.blocking_sync) flags |= cudaEventBlockingSync;
-    if (options.interprocess) flags |= cudaEventInterprocess;
-    cuda_ = detail::cuda_backend::create_event(d.ordinal(), flags);
-  }
+  explicit event(gpukit::device d, event_options options = {});
 
   /// Takes over `other`'s event; `other` becomes moved-from.
-  event(event&& other) noexcept { take(other); }
+  event(event&& other) noexcept;
   /// Destroys the event held (as ~event does), then takes over `other`'s; `other` becomes moved-from.
-  event& operator=(event&& other) noexcept {
-    if (this != &other) {
-      destroy();
-      take(other);
-    }
-    return *this;
-  }
+  event& operator=(event&& other) noexcept;
   event(const event&) = delete;
   event& operator=(const event&) = delete;
   /// Never throws: a failure goes to gpukit::warn, except the results of a runtime torn down at process exit
   /// (detail::is_teardown_result), which are expected.
-  ~event() { destroy(); }
+  ~event();
 
   /// Captures the work enqueued on `s` so far. `s` must belong to this event's device (invalid_argument_error
   /// otherwise, naming both devices).
-  void record(stream_view s) {
-    check_valid("record");
-    const gpukit::device stream_device = s.device();
-    if (stream_device != device_) {
-      throw invalid_argument_error("gpukit::event::record: the event belongs to " + device_.to_string() +
-                                   " but the stream to " + stream_device.to_string());
-    }
-    if (cpu_) return cpu_->record(s.cpu_queue());
-    detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
-  }
+  void record(stream_view s);
 
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
   /// pending CUDA error of the program stays pending: cudaErrorNotReady is a status, not an error, and is cleared
   /// only if the runtime recorded it as the last error (detail::forget_not_ready).
-  [[nodiscard]] bool ready() const {
-    check_valid("ready");
-    if (cpu_) return cpu_->ready();
-    return detail::cuda_backend::event_ready(cuda_, device_.ordinal());
-  }
+  [[nodiscard]] bool ready() const;
 
   /// Blocks the calling thread until the captured work has completed.
-  void synchronize() const {
-    check_valid("synchronize");
-    if (cpu_) return cpu_->synchronize();
-    detail::cuda_backend::synchronize_event(cuda_, device_.ordinal());
-  }
+  void synchronize() const;
 
   /// Makes all work enqueued on `s` after this call wait until the captured work has completed, without blocking
   /// the host (cudaStreamWaitEvent). `s` may belong to another CUDA device; a CPU event can only be waited for by
   /// CPU streams (and a CUDA event only by CUDA streams).
-  void wait(stream_view s) const {
-    check_valid("wait");
-    if (cpu_) {
-      if (!s.is_cpu()) {
-        throw invalid_argument_error("gpukit::event::wait: a CUDA stream cannot wait for an event of the CPU");
-      }
-      return cpu_->wait(s.cpu_queue());
-    }
-    if (s.is_cpu()) {
-      throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
-                                   device_.to_string() + "; synchronize() the event instead");
-    }
-    detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
-  }
+  void wait(stream_view s) const;
 
   /// The device the event belongs to. Throws invalid_argument_error if this event was moved from.
-  gpukit::device device() const {
-    check_valid("device");
-    return device_;
-  }
+  gpukit::device device() const;
   /// The options the event was created with.
-  const event_options& options() const noexcept { return options_; }
+  const event_options& options() const noexcept;
   /// False once moved from.
-  bool valid() const noexcept { return valid_; }
+  bool valid() const noexcept;
 
   /// The CUDA handle. Throws invalid_argument_error for a CPU event.
-  cudaEvent_t cuda_handle() const {
-    check_valid("cuda_handle");
-    if (cpu_) throw invalid_argument_error("gpukit::event::cuda_handle: this is an event of the CPU");
-    return cuda_;
-  }
+  cudaEvent_t cuda_handle() const;
 
   /// A handle another process can open with cudaIpcOpenEventHandle (interprocess events only).
-  cudaIpcEventHandle_t ipc_handle() const {
-    if (!options_.interprocess) {
-      throw invalid_argument_error("gpukit::event::ipc_handle: the event was not created with interprocess = true");
-    }
-    return detail::cuda_backend::ipc_event_handle(cuda_handle(), device_.ordinal());
-  }
+  cudaIpcEventHandle_t ipc_handle() const;
 
   /// Time between the completion of `start`'s and `end`'s most recent records. Waits for both to complete. Both
   /// must have been created with timing, recorded, and belong to the same device (invalid_argument_error otherwise).
@@ -168,25 +102,11 @@ class event {
   }
 
  private:
-  void check_valid(const char* what) const {
-    if (!valid_) throw invalid_argument_error(std::string("gpukit::event::") + what + ": use of a moved-from event");
-  }
+  void check_valid(const char* what) const;
 
-  void take(event& other) noexcept {
-    device_ = other.device_;
-    options_ = other.options_;
-    cuda_ = std::exchange(other.cuda_, nullptr);
-    cpu_ = std::move(other.cpu_);
-    valid_ = std::exchange(other.valid_, false);
-  }
+  void take(event& other) noexcept;
 
-  void destroy() noexcept {
-    if (cuda_ != nullptr) {
-      detail::cuda_backend::destroy_event(cuda_, device_.ordinal(), "cudaEventDestroy (in ~event)");
-      cuda_ = nullptr;
-    }
-    cpu_.reset();
-  }
+  void destroy() noexcept;
 
   gpukit::device device_{};
   event_options options_{};
@@ -208,24 +128,13 @@ milliseconds elapsed_time(const event& start, const event& end);
 class stream_timer {
  public:
   /// Creates two timing events on `s`'s device and records the start on `s`. The stream must outlive the timer.
-  explicit stream_timer(stream_view s)
-      : stream_(s),
-        start_(s.device(), event_options{true, false, false}),
-        end_(s.device(), event_options{true, false, false}) {
-    start_.record(stream_);
-  }
+  explicit stream_timer(stream_view s);
 
   /// Marks the end of the region (again, if called twice: the later call wins).
-  void stop() {
-    end_.record(stream_);
-    stopped_ = true;
-  }
+  void stop();
 
   /// Stops the timer if needed, waits for the region to finish, and returns its duration.
-  milliseconds elapsed() {
-    if (!stopped_) stop();
-    return elapsed_time(start_, end_);
-  }
+  milliseconds elapsed();
 
  private:
   stream_view stream_;
@@ -235,3 +144,138 @@ class stream_timer {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE event::event(gpukit::device d, event_options options) : device_(d), options_(options), valid_(true) {
+  if (options.interprocess && options.timing) {
+    throw invalid_argument_error(
+        "gpukit::event: an interprocess event cannot record timing (CUDA requires "
+        "cudaEventDisableTiming with cudaEventInterprocess)");
+  }
+  if (d.is_cpu()) {
+    if (options.interprocess) {
+      throw invalid_argument_error("gpukit::event: interprocess events exist only on CUDA devices");
+    }
+    cpu_ = std::make_unique<detail::cpu_backend::event_state>();
+    return;
+  }
+  unsigned flags = cudaEventDefault;
+  if (!options.timing) flags |= cudaEventDisableTiming;
+  if (options.blocking_sync) flags |= cudaEventBlockingSync;
+  if (options.interprocess) flags |= cudaEventInterprocess;
+  cuda_ = detail::cuda_backend::create_event(d.ordinal(), flags);
+}
+
+GPUKIT_INLINE event::event(event&& other) noexcept { take(other); }
+
+GPUKIT_INLINE event& event::operator=(event&& other) noexcept {
+  if (this != &other) {
+    destroy();
+    take(other);
+  }
+  return *this;
+}
+
+GPUKIT_INLINE event::~event() { destroy(); }
+
+GPUKIT_INLINE void event::record(stream_view s) {
+  check_valid("record");
+  const gpukit::device stream_device = s.device();
+  if (stream_device != device_) {
+    throw invalid_argument_error("gpukit::event::record: the event belongs to " + device_.to_string() +
+                                 " but the stream to " + stream_device.to_string());
+  }
+  if (cpu_) return cpu_->record(s.cpu_queue());
+  detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
+}
+
+GPUKIT_INLINE bool event::ready() const {
+  check_valid("ready");
+  if (cpu_) return cpu_->ready();
+  return detail::cuda_backend::event_ready(cuda_, device_.ordinal());
+}
+
+GPUKIT_INLINE void event::synchronize() const {
+  check_valid("synchronize");
+  if (cpu_) return cpu_->synchronize();
+  detail::cuda_backend::synchronize_event(cuda_, device_.ordinal());
+}
+
+GPUKIT_INLINE void event::wait(stream_view s) const {
+  check_valid("wait");
+  if (cpu_) {
+    if (!s.is_cpu()) {
+      throw invalid_argument_error("gpukit::event::wait: a CUDA stream cannot wait for an event of the CPU");
+    }
+    return cpu_->wait(s.cpu_queue());
+  }
+  if (s.is_cpu()) {
+    throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
+                                 device_.to_string() + "; synchronize() the event instead");
+  }
+  detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
+}
+
+GPUKIT_INLINE gpukit::device event::device() const {
+  check_valid("device");
+  return device_;
+}
+
+GPUKIT_INLINE const event_options& event::options() const noexcept { return options_; }
+
+GPUKIT_INLINE bool event::valid() const noexcept { return valid_; }
+
+GPUKIT_INLINE cudaEvent_t event::cuda_handle() const {
+  check_valid("cuda_handle");
+  if (cpu_) throw invalid_argument_error("gpukit::event::cuda_handle: this is an event of the CPU");
+  return cuda_;
+}
+
+GPUKIT_INLINE cudaIpcEventHandle_t event::ipc_handle() const {
+  if (!options_.interprocess) {
+    throw invalid_argument_error("gpukit::event::ipc_handle: the event was not created with interprocess = true");
+  }
+  return detail::cuda_backend::ipc_event_handle(cuda_handle(), device_.ordinal());
+}
+
+GPUKIT_INLINE void event::check_valid(const char* what) const {
+  if (!valid_) throw invalid_argument_error(std::string("gpukit::event::") + what + ": use of a moved-from event");
+}
+
+GPUKIT_INLINE void event::take(event& other) noexcept {
+  device_ = other.device_;
+  options_ = other.options_;
+  cuda_ = std::exchange(other.cuda_, nullptr);
+  cpu_ = std::move(other.cpu_);
+  valid_ = std::exchange(other.valid_, false);
+}
+
+GPUKIT_INLINE void event::destroy() noexcept {
+  if (cuda_ != nullptr) {
+    detail::cuda_backend::destroy_event(cuda_, device_.ordinal(), "cudaEventDestroy (in ~event)");
+    cuda_ = nullptr;
+  }
+  cpu_.reset();
+}
+
+GPUKIT_INLINE stream_timer::stream_timer(stream_view s)
+    : stream_(s),
+      start_(s.device(), event_options{true, false, false}),
+      end_(s.device(), event_options{true, false, false}) {
+  start_.record(stream_);
+}
+
+GPUKIT_INLINE void stream_timer::stop() {
+  end_.record(stream_);
+  stopped_ = true;
+}
+
+GPUKIT_INLINE milliseconds stream_timer::elapsed() {
+  if (!stopped_) stop();
+  return elapsed_time(start_, end_);
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

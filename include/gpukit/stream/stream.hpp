@@ -70,30 +70,16 @@ struct is_cuda_stream_ref : std::false_type {};
 
 /// Counts gpukit streams destroyed in this process, so an allocator notices with one relaxed load that some stream it
 /// knows may be gone.
-GPUKIT_EXPORT inline std::atomic<std::uint64_t>& stream_expirations() noexcept {
-  static std::atomic<std::uint64_t> count{0};
-  return count;
-}
+GPUKIT_EXPORT GPUKIT_INLINE std::atomic<std::uint64_t>& stream_expirations() noexcept;
 
 /// CPU streams have no CUDA id: they get numbers with the top bit set (CUDA's ids count up from small numbers), so no
 /// CPU stream is ever mistaken for a CUDA stream. The CPU's default stream is the first of them.
 constexpr unsigned long long cpu_stream_id_bit = 1ull << 63;
-GPUKIT_EXPORT inline unsigned long long next_cpu_stream_id() noexcept {
-  static std::atomic<unsigned long long> next{1};
-  return cpu_stream_id_bit | next.fetch_add(1, std::memory_order_relaxed);
-}
+GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_cpu_stream_id() noexcept;
 
 /// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread default stream
 /// of that device, looked up once per thread and device (the ids never change) with the device current.
-GPUKIT_EXPORT inline unsigned long long default_stream_id(int ordinal, bool per_thread) {
-  thread_local std::vector<unsigned long long> cache;  // [2 * ordinal + per_thread]; 0: not looked up yet
-  const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
-  if (slot < cache.size() && cache[slot] != 0) return cache[slot];
-  const unsigned long long id = cuda_backend::default_stream_id_now(ordinal, per_thread);
-  if (slot >= cache.size()) cache.resize(slot + 1, 0);
-  cache[slot] = id;
-  return id;
-}
+GPUKIT_EXPORT GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread);
 
 /// What outlives a gpukit::stream for those that remember it (allocators, pinned pools): its id, whether it was
 /// destroyed, and whether the work enqueued before that has completed. A CUDA stream destroyed while remembered
@@ -101,68 +87,33 @@ GPUKIT_EXPORT inline unsigned long long default_stream_id(int ordinal, bool per_
 /// stream created, so afterwards nothing else can tell); a CPU stream waits for its work when destroyed.
 class stream_life : public std::enable_shared_from_this<stream_life> {
  public:
-  stream_life(unsigned long long id, int ordinal) noexcept : id_(id), ordinal_(ordinal) {}
+  stream_life(unsigned long long id, int ordinal) noexcept;
   stream_life(const stream_life&) = delete;
   stream_life& operator=(const stream_life&) = delete;
-  ~stream_life() {
-    if (final_ != nullptr) {
-      cuda_backend::destroy_event(final_, ordinal_, "cudaEventDestroy (a destroyed stream's final event)");
-    }
-  }
+  ~stream_life();
 
   /// cudaStreamGetId, or a CPU stream's number (with cpu_stream_id_bit).
-  unsigned long long id() const noexcept { return id_; }
+  unsigned long long id() const noexcept;
   /// The CUDA ordinal, or -1 for the CPU.
-  int ordinal() const noexcept { return ordinal_; }
+  int ordinal() const noexcept;
   /// True once the stream was destroyed.
-  bool expired() const noexcept { return expired_.load(std::memory_order_acquire); }
+  bool expired() const noexcept;
 
   /// After expired(): true once the work enqueued before the destruction has completed (cudaEventQuery of the final
   /// event; never blocks). Without a final event (its creation failed) the answer stays false.
-  bool finished() const noexcept {
-    if (!expired()) return false;
-    if (ordinal_ < 0) return true;
-    return final_ != nullptr && cuda_backend::query_event(final_) == cudaSuccess;
-  }
+  bool finished() const noexcept;
 
   /// After expired(): the event recorded at the destruction, for device-side waits (nullptr before, or when its
   /// creation failed). It lives as long as this record.
-  cudaEvent_t final_event() const noexcept { return expired() ? final_ : nullptr; }
+  cudaEvent_t final_event() const noexcept;
 
   /// After expired(): blocks until that work has completed (the whole device's, without a final event).
-  void wait_finished() const {
-    if (!expired() || ordinal_ < 0) return;
-    if (final_ != nullptr) {
-      cuda_backend::synchronize_event(final_, ordinal_, "cudaEventSynchronize (a destroyed stream's final event)");
-      return;
-    }
-    cuda_backend::synchronize_device(ordinal_, "cudaDeviceSynchronize (a destroyed stream's work)");
-  }
+  void wait_finished() const;
 
   /// Called by ~stream just before cudaStreamDestroy of `handle` (nullptr for a CPU stream, whose work is done).
   /// `remembered`: someone else holds this record, so a final event is worth recording and the destruction worth
   /// announcing (stream_expirations). Never throws.
-  void expire(cudaStream_t handle, bool remembered) noexcept {
-    if (handle != nullptr && remembered) {
-      try {
-        cudaError_t result = cudaSuccess;
-        final_ = cuda_backend::record_new_event(handle, ordinal_, result);
-        // Without it, memory the stream used is reused only after the device was synchronized (wait_finished) or
-        // released to it (cudaFree synchronizes).
-        report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
-      } catch (const error& ex) {
-        if (!is_teardown_result(ex.cuda_result())) {
-          warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
-        }
-      } catch (const std::exception& ex) {
-        warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
-      }
-    }
-    // The count first: an allocator that sees expired() may have read the count before it changed, and then learns
-    // of the destruction only through expired() on its free path (it marks the stream dead there).
-    if (remembered) stream_expirations().fetch_add(1, std::memory_order_relaxed);  // else no one has to look
-    expired_.store(true, std::memory_order_release);
-  }
+  void expire(cudaStream_t handle, bool remembered) noexcept;
 
  private:
   unsigned long long id_;
@@ -200,95 +151,58 @@ class stream_view {
   }
 
   /// A raw CUDA stream handle of a known device (for cudaStreamLegacy and cudaStreamPerThread: that device's).
-  stream_view(gpukit::device d, cudaStream_t handle) : device_(d), device_known_(true), cuda_(handle) {
-    if (d.is_cpu() && handle != nullptr) {
-      throw invalid_argument_error("gpukit::stream_view: a CUDA stream handle cannot belong to the CPU device");
-    }
-  }
+  stream_view(gpukit::device d, cudaStream_t handle);
 
   /// The default stream of a device: CUDA's default stream (handle 0: legacy, or per-thread in code built that way),
   /// or for the CPU a stream that runs each task synchronously on the calling thread.
-  static stream_view default_stream(gpukit::device d) noexcept {
-    stream_view view;
-    view.device_ = d;
-    view.device_known_ = true;
-    return view;
-  }
+  static stream_view default_stream(gpukit::device d) noexcept;
 
   /// The device the stream belongs to. For a view made from a raw handle this asks CUDA (cudaStreamGetDevice; for a
   /// default stream, cudaGetDevice).
-  gpukit::device device() const {
-    if (device_known_) return device_;
-    return lookup_device();
-  }
+  gpukit::device device() const;
 
   /// True for streams of the CPU device.
-  bool is_cpu() const noexcept { return device_known_ && device_.is_cpu(); }
+  bool is_cpu() const noexcept;
   /// True for a device's default stream: CUDA's legacy one (0, cudaStreamLegacy), its per-thread one
   /// (cudaStreamPerThread, or 0 in code built with per-thread default streams), or the CPU's synchronous one.
-  bool is_default() const noexcept { return cpu_ == nullptr && is_special(cuda_); }
+  bool is_default() const noexcept;
   /// True for CUDA's per-thread default stream, which is a different stream in each host thread.
-  bool is_per_thread() const noexcept {
-    return !is_cpu() && cpu_ == nullptr && canonical(cuda_) == cudaStreamPerThread;
-  }
+  bool is_per_thread() const noexcept;
 
   /// The CUDA handle. Throws invalid_argument_error for a CPU stream.
-  cudaStream_t cuda_handle() const {
-    if (is_cpu()) throw invalid_argument_error("gpukit::stream_view::cuda_handle: this is a stream of the CPU");
-    return cuda_;
-  }
+  cudaStream_t cuda_handle() const;
   /// The CUDA handle, or nullptr for the CPU. Never throws; for comparisons and logging.
-  cudaStream_t native_handle() const noexcept { return cuda_; }
+  cudaStream_t native_handle() const noexcept;
   /// The CPU queue, or nullptr (CUDA streams and the CPU's synchronous default stream).
-  detail::cpu_queue* cpu_queue() const noexcept { return cpu_; }
+  detail::cpu_queue* cpu_queue() const noexcept;
 
   /// A number no other stream has, even after this one is destroyed (its handle may be reused at once):
   /// cudaStreamGetId for CUDA streams, a number of gpukit's for CPU streams. Views of a gpukit::stream carry it, and
   /// default streams' ids are cached per thread, so those cost no CUDA call; a raw handle costs one cudaStreamGetId.
   /// For cudaStreamPerThread, the calling thread's stream's id (or the id recorded by resolved()).
-  unsigned long long id() const {
-    if (id_ != 0) return id_;
-    if (is_cpu()) return detail::cpu_stream_id_bit;  // the CPU's default stream (CPU queues always carry an id)
-    return lookup_id();
-  }
+  unsigned long long id() const;
 
   /// This view with its device and id looked up now, so that later uses need no lookup and mean the same stream
   /// when made from another thread or with another device current (for cudaStreamPerThread: the calling thread's
   /// stream, whose work other threads can then only order after through the legacy default stream).
-  stream_view resolved() const {
-    stream_view view = *this;
-    if (!view.device_known_) {
-      view.device_ = device();
-      view.device_known_ = true;
-    }
-    view.id_ = view.id();
-    return view;
-  }
+  stream_view resolved() const;
 
   /// The record of the gpukit::stream this view was made from, which outlives it: whether it was destroyed and
   /// whether its last work completed (nullptr for raw handles, borrowed wrapped handles and default streams). Call it
   /// while the stream exists, like every use of a view.
-  std::shared_ptr<const detail::stream_life> lifetime() const {
-    return life_ != nullptr ? life_->shared_from_this() : nullptr;
-  }
+  std::shared_ptr<const detail::stream_life> lifetime() const;
 
   /// True when the view was made from a gpukit::stream that has been destroyed since. Only for views whose
   /// lifetime() someone holds (allocators do); otherwise a view must not outlive its stream at all.
-  bool destroyed() const noexcept { return life_ != nullptr && life_->expired(); }
+  bool destroyed() const noexcept;
 
   /// Blocks until all work enqueued on the stream has completed.
-  void synchronize() const {
-    if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
-    detail::cuda_backend::synchronize(cuda_target());
-  }
+  void synchronize() const;
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
   /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
   /// it as the last error (detail::forget_not_ready).
-  [[nodiscard]] bool ready() const {
-    if (is_cpu()) return detail::cpu_backend::ready(cpu_);
-    return detail::cuda_backend::ready(cuda_target());
-  }
+  [[nodiscard]] bool ready() const;
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
   /// (cudaLaunchHostFunc on CUDA). It must not call CUDA or synchronize this stream. An exception escaping it is
@@ -316,12 +230,10 @@ class stream_view {
   /// stream, but the call runs in the thread's current one, and on a thread with none the runtime would first create
   /// cuda:0's: only then is the stream's device made current. With a context current this costs one cuCtxGetCurrent
   /// (detail::thread_context_state) and no runtime call.
-  void enter_context(std::optional<device_guard>& guard) const {
-    detail::cuda_backend::enter_stream_context(cuda_target(), guard);
-  }
+  void enter_context(std::optional<device_guard>& guard) const;
 
   /// The handle and, when known, the device's ordinal: what the CUDA backend's calls on this stream take.
-  detail::cuda_stream_target cuda_target() const noexcept { return {cuda_, known_ordinal()}; }
+  detail::cuda_stream_target cuda_target() const noexcept;
 
   /// Views are equal when they refer to the same stream: by id when both know it (a handle may have belonged to a
   /// destroyed stream), else by handle (0 and cudaStreamLegacy, or 0 and cudaStreamPerThread in per-thread code,
@@ -338,22 +250,13 @@ class stream_view {
 
  private:
   friend class stream;
-  stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue, detail::stream_life* life) noexcept
-      : device_(d),
-        device_known_(true),
-        cuda_(handle),
-        cpu_(queue),
-        id_(life != nullptr ? life->id() : 0),
-        life_(life) {}
+  stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue, detail::stream_life* life) noexcept;
 
-  static bool is_special(cudaStream_t h) noexcept { return detail::is_default_stream_handle(h); }
+  static bool is_special(cudaStream_t h) noexcept;
   // What handle 0 means in this translation unit's default-stream mode.
-  static cudaStream_t canonical(cudaStream_t h) noexcept {
-    if (h != nullptr) return h;
-    return detail::per_thread_default_stream_mode() ? cudaStreamPerThread : cudaStreamLegacy;
-  }
+  static cudaStream_t canonical(cudaStream_t h) noexcept;
 
-  int known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
+  int known_ordinal() const noexcept;
   // The CUDA lookups of device() and id(), out of line so that the calls that need none stay inline.
   GPUKIT_DETAIL_NOINLINE gpukit::device lookup_device() const {
     return gpukit::device::cuda(detail::cuda_backend::stream_device(cuda_));
@@ -385,78 +288,28 @@ struct stream_options {
 class stream {
  public:
   /// Creates a stream on `d` (a CUDA stream, or a CPU queue with its worker thread).
-  explicit stream(gpukit::device d, stream_options options = {}) : device_(d), owns_(true), valid_(true) {
-    if (d.is_cpu()) {
-      life_ = std::make_shared<detail::stream_life>(detail::next_cpu_stream_id(), -1);
-      cpu_ = std::make_unique<detail::cpu_queue>();
-      return;
-    }
-    priority_ = stream_priority_range(d).clamp(options.priority);  // asked once per device
-    cuda_ = detail::cuda_backend::create_stream(d.ordinal(), options.non_blocking, priority_);
-    // The id (unique for the life of the program, unlike the handle) is looked up once, so views carry it.
-    try {
-      life_ = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(cuda_, d.ordinal()), d.ordinal());
-    } catch (...) {
-      detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
-                                           "cudaStreamDestroy (a stream whose id could not be read)");
-      throw;
-    }
-  }
+  explicit stream(gpukit::device d, stream_options options = {});
 
   /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it, and allocators
   /// that remember it learn of its destruction as for a stream created here. Throws invalid_argument_error, naming
   /// both devices, when the handle belongs to another device (cudaStreamGetDevice), and for an owned default stream
   /// (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed); nothing is taken over then.
-  static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership) {
-    if (!d.is_cuda()) throw invalid_argument_error("gpukit::stream::wrap: a CUDA handle needs a CUDA device");
-    // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
-    const bool special = stream_view::is_special(handle);
-    if (special && take_ownership) {
-      throw invalid_argument_error(
-          "gpukit::stream::wrap: a default stream (0, cudaStreamLegacy or "
-          "cudaStreamPerThread) cannot be owned");
-    }
-    int priority = 0;
-    std::shared_ptr<detail::stream_life> life;
-    if (!special) {
-      const int ordinal = detail::cuda_backend::stream_device(handle, d.ordinal());
-      if (ordinal != d.ordinal()) {
-        throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
-                                     " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
-      }
-      priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
-      if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
-        life = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(handle, d.ordinal()), d.ordinal());
-      }
-    }
-    stream wrapped(d, handle, take_ownership, priority);
-    wrapped.life_ = std::move(life);
-    return wrapped;
-  }
+  static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership);
 
   /// Takes over `other`'s stream; `other` becomes moved-from.
-  stream(stream&& other) noexcept { take(other); }
+  stream(stream&& other) noexcept;
   /// Destroys the stream held (as ~stream does), then takes over `other`'s; `other` becomes moved-from.
-  stream& operator=(stream&& other) noexcept {
-    if (this != &other) {
-      destroy();
-      take(other);
-    }
-    return *this;
-  }
+  stream& operator=(stream&& other) noexcept;
   stream(const stream&) = delete;
   stream& operator=(const stream&) = delete;
   /// Destroys an owned stream (see the file comment for pending work). Never throws: a failure goes to gpukit::warn,
   /// except the results of a runtime torn down at process exit (detail::is_teardown_result), which are expected.
-  ~stream() { destroy(); }
+  ~stream();
 
   /// A non-owning view. Throws invalid_argument_error if this stream was moved from.
-  stream_view view() const {
-    check_valid("view");
-    return stream_view(device_, cuda_, cpu_.get(), life_.get());
-  }
+  stream_view view() const;
   /// Same as view(); implicit so that a stream can be passed where a stream_view is expected.
-  operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
+  operator stream_view() const;  // NOLINT(google-explicit-constructor)
   /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream.
   template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
   operator StreamRef() const {  // NOLINT(google-explicit-constructor)
@@ -464,24 +317,21 @@ class stream {
   }
 
   /// The device the stream belongs to. Throws invalid_argument_error if this stream was moved from.
-  gpukit::device device() const {
-    check_valid("device");
-    return device_;
-  }
+  gpukit::device device() const;
   /// The priority in effect after clamping (0 on the CPU).
-  int priority() const noexcept { return priority_; }
+  int priority() const noexcept;
   /// True when destroying this object destroys the stream: created here, or wrapped with `take_ownership`. False for
   /// a borrowed handle, after release() and once moved from.
-  bool owns_handle() const noexcept { return owns_; }
+  bool owns_handle() const noexcept;
   /// False once moved from.
-  bool valid() const noexcept { return valid_; }
+  bool valid() const noexcept;
   /// The CUDA handle, still owned by this stream. Throws invalid_argument_error for a CPU stream or a moved-from one.
-  cudaStream_t cuda_handle() const { return view().cuda_handle(); }
+  cudaStream_t cuda_handle() const;
 
   /// Blocks until all work enqueued on the stream has completed (see stream_view::synchronize).
-  void synchronize() const { view().synchronize(); }
+  void synchronize() const;
   /// True when all work enqueued on the stream has completed; never blocks (see stream_view::ready).
-  [[nodiscard]] bool ready() const { return view().ready(); }
+  [[nodiscard]] bool ready() const;
   /// Enqueues a host function to run after the work enqueued so far (see stream_view::enqueue_host for its rules).
   template <class F>
   void enqueue_host(F&& function) const {
@@ -490,51 +340,18 @@ class stream {
 
   /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
   /// the stream then treat it like a raw handle: it must outlive the memory allocated on it.
-  [[nodiscard]] cudaStream_t release() {
-    check_valid("release");
-    if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
-    cudaStream_t handle = cuda_;
-    cuda_ = nullptr;
-    owns_ = false;
-    valid_ = false;
-    return handle;
-  }
+  [[nodiscard]] cudaStream_t release();
 
  private:
-  stream(gpukit::device d, cudaStream_t handle, bool owns, int priority) noexcept
-      : device_(d), cuda_(handle), priority_(priority), owns_(owns), valid_(true) {}
+  stream(gpukit::device d, cudaStream_t handle, bool owns, int priority) noexcept;
 
-  void check_valid(const char* what) const {
-    if (!valid_) {
-      throw invalid_argument_error(std::string("gpukit::stream::") + what + ": use of a moved-from stream");
-    }
-  }
+  void check_valid(const char* what) const;
 
-  void take(stream& other) noexcept {
-    device_ = other.device_;
-    cuda_ = std::exchange(other.cuda_, nullptr);
-    cpu_ = std::move(other.cpu_);
-    life_ = std::move(other.life_);
-    priority_ = other.priority_;
-    owns_ = std::exchange(other.owns_, false);
-    valid_ = std::exchange(other.valid_, false);
-  }
+  void take(stream& other) noexcept;
 
   // Those that remember the stream (use_count > 1: allocators, pinned pools) learn that it is gone, and when its
   // last work completes, from life_; after a release() or for a borrowed handle the stream lives on elsewhere.
-  void destroy() noexcept {
-    if (owns_ && cuda_ != nullptr) {
-      if (life_) life_->expire(cuda_, life_.use_count() > 1);
-      detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");
-    }
-    cuda_ = nullptr;
-    if (cpu_) {
-      cpu_.reset();  // waits for the queue's pending work, then joins its worker
-      if (life_) life_->expire(nullptr, life_.use_count() > 1);
-    }
-    life_.reset();
-    owns_ = false;
-  }
+  void destroy() noexcept;
 
   gpukit::device device_{};
   cudaStream_t cuda_ = nullptr;
@@ -546,3 +363,295 @@ class stream {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::atomic<std::uint64_t>& stream_expirations() noexcept {
+  static std::atomic<std::uint64_t> count{0};
+  return count;
+}
+
+GPUKIT_INLINE unsigned long long next_cpu_stream_id() noexcept {
+  static std::atomic<unsigned long long> next{1};
+  return cpu_stream_id_bit | next.fetch_add(1, std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread) {
+  thread_local std::vector<unsigned long long> cache;  // [2 * ordinal + per_thread]; 0: not looked up yet
+  const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
+  if (slot < cache.size() && cache[slot] != 0) return cache[slot];
+  const unsigned long long id = cuda_backend::default_stream_id_now(ordinal, per_thread);
+  if (slot >= cache.size()) cache.resize(slot + 1, 0);
+  cache[slot] = id;
+  return id;
+}
+
+GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal) noexcept : id_(id), ordinal_(ordinal) {}
+
+GPUKIT_INLINE stream_life::~stream_life() {
+  if (final_ != nullptr) {
+    cuda_backend::destroy_event(final_, ordinal_, "cudaEventDestroy (a destroyed stream's final event)");
+  }
+}
+
+GPUKIT_INLINE unsigned long long stream_life::id() const noexcept { return id_; }
+
+GPUKIT_INLINE int stream_life::ordinal() const noexcept { return ordinal_; }
+
+GPUKIT_INLINE bool stream_life::expired() const noexcept { return expired_.load(std::memory_order_acquire); }
+
+GPUKIT_INLINE bool stream_life::finished() const noexcept {
+  if (!expired()) return false;
+  if (ordinal_ < 0) return true;
+  return final_ != nullptr && cuda_backend::query_event(final_) == cudaSuccess;
+}
+
+GPUKIT_INLINE cudaEvent_t stream_life::final_event() const noexcept { return expired() ? final_ : nullptr; }
+
+GPUKIT_INLINE void stream_life::wait_finished() const {
+  if (!expired() || ordinal_ < 0) return;
+  if (final_ != nullptr) {
+    cuda_backend::synchronize_event(final_, ordinal_, "cudaEventSynchronize (a destroyed stream's final event)");
+    return;
+  }
+  cuda_backend::synchronize_device(ordinal_, "cudaDeviceSynchronize (a destroyed stream's work)");
+}
+
+GPUKIT_INLINE void stream_life::expire(cudaStream_t handle, bool remembered) noexcept {
+  if (handle != nullptr && remembered) {
+    try {
+      cudaError_t result = cudaSuccess;
+      final_ = cuda_backend::record_new_event(handle, ordinal_, result);
+      // Without it, memory the stream used is reused only after the device was synchronized (wait_finished) or
+      // released to it (cudaFree synchronizes).
+      report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
+    } catch (const error& ex) {
+      if (!is_teardown_result(ex.cuda_result())) {
+        warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+      }
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+    }
+  }
+  // The count first: an allocator that sees expired() may have read the count before it changed, and then learns
+  // of the destruction only through expired() on its free path (it marks the stream dead there).
+  if (remembered) stream_expirations().fetch_add(1, std::memory_order_relaxed);  // else no one has to look
+  expired_.store(true, std::memory_order_release);
+}
+}  // namespace detail
+
+GPUKIT_INLINE stream_view::stream_view(gpukit::device d, cudaStream_t handle)
+    : device_(d), device_known_(true), cuda_(handle) {
+  if (d.is_cpu() && handle != nullptr) {
+    throw invalid_argument_error("gpukit::stream_view: a CUDA stream handle cannot belong to the CPU device");
+  }
+}
+
+GPUKIT_INLINE stream_view stream_view::default_stream(gpukit::device d) noexcept {
+  stream_view view;
+  view.device_ = d;
+  view.device_known_ = true;
+  return view;
+}
+
+GPUKIT_INLINE gpukit::device stream_view::device() const {
+  if (device_known_) return device_;
+  return lookup_device();
+}
+
+GPUKIT_INLINE bool stream_view::is_cpu() const noexcept { return device_known_ && device_.is_cpu(); }
+
+GPUKIT_INLINE bool stream_view::is_default() const noexcept { return cpu_ == nullptr && is_special(cuda_); }
+
+GPUKIT_INLINE bool stream_view::is_per_thread() const noexcept {
+  return !is_cpu() && cpu_ == nullptr && canonical(cuda_) == cudaStreamPerThread;
+}
+
+GPUKIT_INLINE cudaStream_t stream_view::cuda_handle() const {
+  if (is_cpu()) throw invalid_argument_error("gpukit::stream_view::cuda_handle: this is a stream of the CPU");
+  return cuda_;
+}
+
+GPUKIT_INLINE cudaStream_t stream_view::native_handle() const noexcept { return cuda_; }
+
+GPUKIT_INLINE detail::cpu_queue* stream_view::cpu_queue() const noexcept { return cpu_; }
+
+GPUKIT_INLINE unsigned long long stream_view::id() const {
+  if (id_ != 0) return id_;
+  if (is_cpu()) return detail::cpu_stream_id_bit;  // the CPU's default stream (CPU queues always carry an id)
+  return lookup_id();
+}
+
+GPUKIT_INLINE stream_view stream_view::resolved() const {
+  stream_view view = *this;
+  if (!view.device_known_) {
+    view.device_ = device();
+    view.device_known_ = true;
+  }
+  view.id_ = view.id();
+  return view;
+}
+
+GPUKIT_INLINE std::shared_ptr<const detail::stream_life> stream_view::lifetime() const {
+  return life_ != nullptr ? life_->shared_from_this() : nullptr;
+}
+
+GPUKIT_INLINE bool stream_view::destroyed() const noexcept { return life_ != nullptr && life_->expired(); }
+
+GPUKIT_INLINE void stream_view::synchronize() const {
+  if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
+  detail::cuda_backend::synchronize(cuda_target());
+}
+
+GPUKIT_INLINE bool stream_view::ready() const {
+  if (is_cpu()) return detail::cpu_backend::ready(cpu_);
+  return detail::cuda_backend::ready(cuda_target());
+}
+
+GPUKIT_INLINE void stream_view::enter_context(std::optional<device_guard>& guard) const {
+  detail::cuda_backend::enter_stream_context(cuda_target(), guard);
+}
+
+GPUKIT_INLINE detail::cuda_stream_target stream_view::cuda_target() const noexcept { return {cuda_, known_ordinal()}; }
+
+GPUKIT_INLINE stream_view::stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue,
+                                       detail::stream_life* life) noexcept
+    : device_(d), device_known_(true), cuda_(handle), cpu_(queue), id_(life != nullptr ? life->id() : 0), life_(life) {}
+
+GPUKIT_INLINE bool stream_view::is_special(cudaStream_t h) noexcept { return detail::is_default_stream_handle(h); }
+
+GPUKIT_INLINE cudaStream_t stream_view::canonical(cudaStream_t h) noexcept {
+  if (h != nullptr) return h;
+  return detail::per_thread_default_stream_mode() ? cudaStreamPerThread : cudaStreamLegacy;
+}
+
+GPUKIT_INLINE int stream_view::known_ordinal() const noexcept { return device_known_ ? device_.ordinal() : -1; }
+
+GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_(d), owns_(true), valid_(true) {
+  if (d.is_cpu()) {
+    life_ = std::make_shared<detail::stream_life>(detail::next_cpu_stream_id(), -1);
+    cpu_ = std::make_unique<detail::cpu_queue>();
+    return;
+  }
+  priority_ = stream_priority_range(d).clamp(options.priority);  // asked once per device
+  cuda_ = detail::cuda_backend::create_stream(d.ordinal(), options.non_blocking, priority_);
+  // The id (unique for the life of the program, unlike the handle) is looked up once, so views carry it.
+  try {
+    life_ = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(cuda_, d.ordinal()), d.ordinal());
+  } catch (...) {
+    detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
+                                         "cudaStreamDestroy (a stream whose id could not be read)");
+    throw;
+  }
+}
+
+GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool take_ownership) {
+  if (!d.is_cuda()) throw invalid_argument_error("gpukit::stream::wrap: a CUDA handle needs a CUDA device");
+  // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
+  const bool special = stream_view::is_special(handle);
+  if (special && take_ownership) {
+    throw invalid_argument_error(
+        "gpukit::stream::wrap: a default stream (0, cudaStreamLegacy or "
+        "cudaStreamPerThread) cannot be owned");
+  }
+  int priority = 0;
+  std::shared_ptr<detail::stream_life> life;
+  if (!special) {
+    const int ordinal = detail::cuda_backend::stream_device(handle, d.ordinal());
+    if (ordinal != d.ordinal()) {
+      throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
+                                   " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
+    }
+    priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
+    if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
+      life = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(handle, d.ordinal()), d.ordinal());
+    }
+  }
+  stream wrapped(d, handle, take_ownership, priority);
+  wrapped.life_ = std::move(life);
+  return wrapped;
+}
+
+GPUKIT_INLINE stream::stream(stream&& other) noexcept { take(other); }
+
+GPUKIT_INLINE stream& stream::operator=(stream&& other) noexcept {
+  if (this != &other) {
+    destroy();
+    take(other);
+  }
+  return *this;
+}
+
+GPUKIT_INLINE stream::~stream() { destroy(); }
+
+GPUKIT_INLINE stream_view stream::view() const {
+  check_valid("view");
+  return stream_view(device_, cuda_, cpu_.get(), life_.get());
+}
+
+GPUKIT_INLINE stream::operator stream_view() const { return view(); }
+
+GPUKIT_INLINE gpukit::device stream::device() const {
+  check_valid("device");
+  return device_;
+}
+
+GPUKIT_INLINE int stream::priority() const noexcept { return priority_; }
+
+GPUKIT_INLINE bool stream::owns_handle() const noexcept { return owns_; }
+
+GPUKIT_INLINE bool stream::valid() const noexcept { return valid_; }
+
+GPUKIT_INLINE cudaStream_t stream::cuda_handle() const { return view().cuda_handle(); }
+
+GPUKIT_INLINE void stream::synchronize() const { view().synchronize(); }
+
+GPUKIT_INLINE bool stream::ready() const { return view().ready(); }
+
+GPUKIT_INLINE cudaStream_t stream::release() {
+  check_valid("release");
+  if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
+  cudaStream_t handle = cuda_;
+  cuda_ = nullptr;
+  owns_ = false;
+  valid_ = false;
+  return handle;
+}
+
+GPUKIT_INLINE stream::stream(gpukit::device d, cudaStream_t handle, bool owns, int priority) noexcept
+    : device_(d), cuda_(handle), priority_(priority), owns_(owns), valid_(true) {}
+
+GPUKIT_INLINE void stream::check_valid(const char* what) const {
+  if (!valid_) {
+    throw invalid_argument_error(std::string("gpukit::stream::") + what + ": use of a moved-from stream");
+  }
+}
+
+GPUKIT_INLINE void stream::take(stream& other) noexcept {
+  device_ = other.device_;
+  cuda_ = std::exchange(other.cuda_, nullptr);
+  cpu_ = std::move(other.cpu_);
+  life_ = std::move(other.life_);
+  priority_ = other.priority_;
+  owns_ = std::exchange(other.owns_, false);
+  valid_ = std::exchange(other.valid_, false);
+}
+
+GPUKIT_INLINE void stream::destroy() noexcept {
+  if (owns_ && cuda_ != nullptr) {
+    if (life_) life_->expire(cuda_, life_.use_count() > 1);
+    detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");
+  }
+  cuda_ = nullptr;
+  if (cpu_) {
+    cpu_.reset();  // waits for the queue's pending work, then joins its worker
+    if (life_) life_->expire(nullptr, life_.use_count() > 1);
+  }
+  life_.reset();
+  owns_ = false;
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -47,59 +47,34 @@ class stream_pool {
   /// of up to `exclusive_capacity` streams for exclusive leases (same_as_size: `size`; 0: none), also created when
   /// first leased.
   explicit stream_pool(gpukit::device d, std::size_t size = default_size, stream_options options = {},
-                       std::size_t exclusive_capacity = same_as_size)
-      : device_(d),
-        options_(options),
-        slots_(size),
-        exclusive_capacity_(exclusive_capacity == same_as_size ? size : exclusive_capacity) {
-    if (size == 0) throw invalid_argument_error("gpukit::stream_pool: the size must be at least 1");
-  }
+                       std::size_t exclusive_capacity = same_as_size);
 
   stream_pool(const stream_pool&) = delete;
   stream_pool& operator=(const stream_pool&) = delete;
 
   /// The next shared stream, round-robin.
-  stream_view next() {
-    const std::size_t index = counter_.fetch_add(1, std::memory_order_relaxed) % slots_.size();
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = slots_[index];
-    if (!slot) slot = std::make_unique<stream>(device_, options_);
-    return slot->view();
-  }
+  stream_view next();
 
   /// Exclusive use of a stream for the lifetime of the lease (move-only).
   class lease {
    public:
     /// Takes over `other`'s stream; `other` becomes moved-from.
-    lease(lease&& other) noexcept : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
+    lease(lease&& other) noexcept;
     /// Gives the stream held back to its pool, then takes over `other`'s; `other` becomes moved-from.
-    lease& operator=(lease&& other) noexcept {
-      if (this != &other) {
-        give_back();
-        pool_ = std::exchange(other.pool_, nullptr);
-        stream_ = std::move(other.stream_);
-      }
-      return *this;
-    }
+    lease& operator=(lease&& other) noexcept;
     lease(const lease&) = delete;
     lease& operator=(const lease&) = delete;
-    ~lease() { give_back(); }
+    ~lease();
 
     /// The leased stream. Throws invalid_argument_error on a moved-from lease.
-    stream_view view() const {
-      if (!stream_) throw invalid_argument_error("gpukit::stream_pool::lease: use of a moved-from lease");
-      return stream_->view();
-    }
+    stream_view view() const;
     /// Same as view(); implicit so that a lease can be passed where a stream_view is expected.
-    operator stream_view() const { return view(); }  // NOLINT(google-explicit-constructor)
+    operator stream_view() const;  // NOLINT(google-explicit-constructor)
 
    private:
     friend class stream_pool;
-    lease(stream_pool* pool, std::unique_ptr<stream> s) noexcept : pool_(pool), stream_(std::move(s)) {}
-    void give_back() noexcept {
-      if (pool_ != nullptr && stream_) pool_->return_exclusive(std::move(stream_));
-      pool_ = nullptr;
-    }
+    lease(stream_pool* pool, std::unique_ptr<stream> s) noexcept;
+    void give_back() noexcept;
     stream_pool* pool_ = nullptr;
     std::unique_ptr<stream> stream_;
   };
@@ -107,85 +82,31 @@ class stream_pool {
   /// A stream for exclusive use: recycled from ended leases, or created while fewer than exclusive_capacity()
   /// exist. Throws invalid_argument_error, naming the device, the capacity and the leases out, when all are leased
   /// (see try_acquire_exclusive). The pool must outlive the lease.
-  lease acquire_exclusive() {
-    std::size_t in_use = 0;
-    if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
-    throw invalid_argument_error(
-        "gpukit::stream_pool::acquire_exclusive: all exclusive streams of the " + device_.to_string() +
-            " pool are leased (" + std::to_string(in_use) + " leases out, exclusive capacity " +
-            std::to_string(exclusive_capacity_) +
-            "); end a lease first, use try_acquire_exclusive(), or give the pool a larger exclusive capacity",
-        cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
-  }
+  lease acquire_exclusive();
 
   /// Like acquire_exclusive(), but std::nullopt when all exclusive streams are leased. Still throws if creating a
   /// stream fails.
-  std::optional<lease> try_acquire_exclusive() {
-    std::size_t in_use = 0;
-    if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
-    return std::nullopt;
-  }
+  std::optional<lease> try_acquire_exclusive();
 
   /// The device whose streams the pool holds.
-  gpukit::device device() const noexcept { return device_; }
+  gpukit::device device() const noexcept;
   /// The number of shared (round-robin) streams.
-  std::size_t size() const noexcept { return slots_.size(); }
+  std::size_t size() const noexcept;
   /// Shared streams created so far (they are created on first use).
-  std::size_t created() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::size_t n = 0;
-    for (const auto& slot : slots_) n += slot ? 1 : 0;
-    return n;
-  }
+  std::size_t created() const;
   /// The most exclusive streams leased at once.
-  std::size_t exclusive_capacity() const noexcept { return exclusive_capacity_; }
+  std::size_t exclusive_capacity() const noexcept;
   /// Exclusive leases currently out.
-  std::size_t exclusive_in_use() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return exclusive_in_use_;
-  }
+  std::size_t exclusive_in_use() const;
   /// Created exclusive streams waiting in the reserve for the next lease (streams not yet created are not counted:
   /// up to exclusive_capacity() - exclusive_in_use() leases can be acquired).
-  std::size_t exclusive_available() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return exclusive_free_.size();
-  }
+  std::size_t exclusive_available() const;
 
  private:
   // A recycled or new exclusive stream, counted as leased; nullptr (with the leases out) at capacity.
-  std::unique_ptr<stream> take_exclusive(std::size_t& in_use) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!exclusive_free_.empty()) {
-        std::unique_ptr<stream> s = std::move(exclusive_free_.back());
-        exclusive_free_.pop_back();
-        ++exclusive_in_use_;
-        return s;
-      }
-      if (exclusive_in_use_ >= exclusive_capacity_) {
-        in_use = exclusive_in_use_;
-        return nullptr;
-      }
-      ++exclusive_in_use_;  // reserves the slot; the stream is created outside the lock
-    }
-    try {
-      return std::make_unique<stream>(device_, options_);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      --exclusive_in_use_;
-      throw;
-    }
-  }
+  std::unique_ptr<stream> take_exclusive(std::size_t& in_use);
 
-  void return_exclusive(std::unique_ptr<stream> s) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    --exclusive_in_use_;
-    try {
-      exclusive_free_.push_back(std::move(s));
-    } catch (...) {
-      // Out of memory growing the reserve: the stream is destroyed instead of recycled (created again when needed).
-    }
-  }
+  void return_exclusive(std::unique_ptr<stream> s) noexcept;
 
   gpukit::device device_;
   stream_options options_;
@@ -206,16 +127,147 @@ struct default_stream_pool_registry {
   std::mutex mutex;
   std::map<std::pair<int, int>, std::unique_ptr<stream_pool>> pools;
 };
-GPUKIT_EXPORT inline default_stream_pool_registry& default_stream_pools() {
-  static default_stream_pool_registry registry;
-  return registry;
-}
+GPUKIT_EXPORT GPUKIT_INLINE default_stream_pool_registry& default_stream_pools();
 }  // namespace detail
 
 /// The process-wide pool of `d` for a priority class, created on first use with stream_pool::default_size
 /// non-blocking streams (high: the device's greatest priority) and as many exclusive ones. Thread-safe; lives until
 /// the process exits.
-inline stream_pool& default_stream_pool(gpukit::device d, stream_priority priority = stream_priority::normal) {
+GPUKIT_INLINE stream_pool& default_stream_pool(gpukit::device d, stream_priority priority = stream_priority::normal);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE stream_pool::stream_pool(gpukit::device d, std::size_t size, stream_options options,
+                                       std::size_t exclusive_capacity)
+    : device_(d),
+      options_(options),
+      slots_(size),
+      exclusive_capacity_(exclusive_capacity == same_as_size ? size : exclusive_capacity) {
+  if (size == 0) throw invalid_argument_error("gpukit::stream_pool: the size must be at least 1");
+}
+
+GPUKIT_INLINE stream_view stream_pool::next() {
+  const std::size_t index = counter_.fetch_add(1, std::memory_order_relaxed) % slots_.size();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& slot = slots_[index];
+  if (!slot) slot = std::make_unique<stream>(device_, options_);
+  return slot->view();
+}
+
+GPUKIT_INLINE stream_pool::lease::lease(lease&& other) noexcept
+    : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
+
+GPUKIT_INLINE stream_pool::lease& stream_pool::lease::operator=(lease&& other) noexcept {
+  if (this != &other) {
+    give_back();
+    pool_ = std::exchange(other.pool_, nullptr);
+    stream_ = std::move(other.stream_);
+  }
+  return *this;
+}
+
+GPUKIT_INLINE stream_pool::lease::~lease() { give_back(); }
+
+GPUKIT_INLINE stream_view stream_pool::lease::view() const {
+  if (!stream_) throw invalid_argument_error("gpukit::stream_pool::lease: use of a moved-from lease");
+  return stream_->view();
+}
+
+GPUKIT_INLINE stream_pool::lease::operator stream_view() const { return view(); }
+
+GPUKIT_INLINE stream_pool::lease::lease(stream_pool* pool, std::unique_ptr<stream> s) noexcept
+    : pool_(pool), stream_(std::move(s)) {}
+
+GPUKIT_INLINE void stream_pool::lease::give_back() noexcept {
+  if (pool_ != nullptr && stream_) pool_->return_exclusive(std::move(stream_));
+  pool_ = nullptr;
+}
+
+GPUKIT_INLINE stream_pool::lease stream_pool::acquire_exclusive() {
+  std::size_t in_use = 0;
+  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+  throw invalid_argument_error(
+      "gpukit::stream_pool::acquire_exclusive: all exclusive streams of the " + device_.to_string() +
+          " pool are leased (" + std::to_string(in_use) + " leases out, exclusive capacity " +
+          std::to_string(exclusive_capacity_) +
+          "); end a lease first, use try_acquire_exclusive(), or give the pool a larger exclusive capacity",
+      cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+}
+
+GPUKIT_INLINE std::optional<stream_pool::lease> stream_pool::try_acquire_exclusive() {
+  std::size_t in_use = 0;
+  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+  return std::nullopt;
+}
+
+GPUKIT_INLINE gpukit::device stream_pool::device() const noexcept { return device_; }
+
+GPUKIT_INLINE std::size_t stream_pool::size() const noexcept { return slots_.size(); }
+
+GPUKIT_INLINE std::size_t stream_pool::created() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t n = 0;
+  for (const auto& slot : slots_) n += slot ? 1 : 0;
+  return n;
+}
+
+GPUKIT_INLINE std::size_t stream_pool::exclusive_capacity() const noexcept { return exclusive_capacity_; }
+
+GPUKIT_INLINE std::size_t stream_pool::exclusive_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exclusive_in_use_;
+}
+
+GPUKIT_INLINE std::size_t stream_pool::exclusive_available() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exclusive_free_.size();
+}
+
+GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!exclusive_free_.empty()) {
+      std::unique_ptr<stream> s = std::move(exclusive_free_.back());
+      exclusive_free_.pop_back();
+      ++exclusive_in_use_;
+      return s;
+    }
+    if (exclusive_in_use_ >= exclusive_capacity_) {
+      in_use = exclusive_in_use_;
+      return nullptr;
+    }
+    ++exclusive_in_use_;  // reserves the slot; the stream is created outside the lock
+  }
+  try {
+    return std::make_unique<stream>(device_, options_);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --exclusive_in_use_;
+    throw;
+  }
+}
+
+GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --exclusive_in_use_;
+  try {
+    exclusive_free_.push_back(std::move(s));
+  } catch (...) {
+    // Out of memory growing the reserve: the stream is destroyed instead of recycled (created again when needed).
+  }
+}
+namespace detail {
+
+GPUKIT_INLINE default_stream_pool_registry& default_stream_pools() {
+  static default_stream_pool_registry registry;
+  return registry;
+}
+}  // namespace detail
+
+GPUKIT_INLINE stream_pool& default_stream_pool(gpukit::device d, stream_priority priority) {
   auto& registry = detail::default_stream_pools();
   std::lock_guard<std::mutex> lock(registry.mutex);
   auto& pool = registry.pools[{d.ordinal(), static_cast<int>(priority)}];
@@ -228,3 +280,4 @@ inline stream_pool& default_stream_pool(gpukit::device d, stream_priority priori
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -69,112 +69,18 @@ struct copy_side {
   bool location_known = false;  // gpukit allocated it (location_is_known): no need to ask CUDA where it is
 };
 
-inline std::string describe_side(const char* role, const copy_side& side, std::size_t element_size) {
-  std::string text = role;
-  text += " (";
-  switch (side.location) {
-    case memory_location::host:
-      text += "host memory";
-      break;
-    case memory_location::pinned:
-      text += "pinned host memory";
-      break;
-    case memory_location::device:
-      text += "memory of " + side.dev.to_string();
-      break;
-  }
-  text += ", " + std::to_string(side.count) + " elements of " + std::to_string(element_size) + " bytes)";
-  return text;
-}
+GPUKIT_INLINE std::string describe_side(const char* role, const copy_side& side, std::size_t element_size);
 
-[[noreturn]] inline void copy_misuse(const std::string& what) {
-  throw invalid_argument_error("gpukit::copy_async: " + what);
-}
+[[noreturn]] GPUKIT_INLINE void copy_misuse(const std::string& what);
 
 /// The runtime checks of copy_async (see the file comment); returns whether host memory on the host side is
 /// page-locked (so one DMA suffices).
-inline bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd) {
-  // A span is only a pointer and a count: a count whose byte size does not fit size_t would wrap to a small copy.
-  if (dst.count > std::numeric_limits<std::size_t>::max() / element_size) {
-    copy_misuse(std::to_string(dst.count) + " elements of " + std::to_string(element_size) +
-                " bytes: the byte count overflows size_t (at most " +
-                std::to_string(std::numeric_limits<std::size_t>::max() / element_size) + " elements)");
-  }
-  const std::size_t bytes = dst.count * element_size;
-  if (dst.data == nullptr) copy_misuse(describe_side("the destination", dst, element_size) + " is a null pointer");
-  if (src.data == nullptr) copy_misuse(describe_side("the source", src, element_size) + " is a null pointer");
-  for (const copy_side* side : {&dst, &src}) {
-    const auto begin = reinterpret_cast<std::uintptr_t>(side->data);
-    if (bytes - 1 > std::numeric_limits<std::uintptr_t>::max() - begin) {
-      copy_misuse(describe_side(side == &dst ? "the destination" : "the source", *side, element_size) +
-                  " runs past the end of the address space (" + std::to_string(bytes) + " bytes at " +
-                  std::to_string(begin) + ")");
-    }
-  }
-  const auto d0 = reinterpret_cast<std::uintptr_t>(dst.data);
-  const auto s0 = reinterpret_cast<std::uintptr_t>(src.data);
-  if (d0 < s0 + bytes && s0 < d0 + bytes) {
-    copy_misuse("the source and destination ranges overlap (" + std::to_string(bytes) + " bytes at " +
-                std::to_string(s0) + " and " + std::to_string(d0) + ")");
-  }
-  const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
-  for (const copy_side* side : {&dst, &src}) {
-    if (side->location != memory_location::device) continue;
-    const char* role = side == &dst ? "the destination" : "the source";
-    if (side->dev.is_cpu() != sd.is_cpu()) {
-      copy_misuse(describe_side(role, *side, element_size) + " cannot be copied on a stream of " + sd.to_string());
-    }
-    if (!d2d && side->dev != sd) {
-      copy_misuse(describe_side(role, *side, element_size) + " belongs to another device than the stream (" +
-                  sd.to_string() + ")");
-    }
-  }
-  if (d2d && dst.dev != sd && src.dev != sd) {
-    copy_misuse("neither side of a device-to-device copy (" + dst.dev.to_string() + ", " + src.dev.to_string() +
-                ") is on the stream's device " + sd.to_string());
-  }
-  bool host_pinned = false;
-  for (const copy_side* side : {&dst, &src}) {
-    if (side->location_known) {
-      if (side->location != memory_location::device) host_pinned = side->location == memory_location::pinned;
-      continue;
-    }
-    const char* role = side == &dst ? "the destination" : "the source";
-    const pointer_info info = query_pointer(side->data);
-    if (side->location == memory_location::device) {
-      if (info.kind == pointer_kind::device) {
-        if (side->dev.is_cpu()) {
-          copy_misuse(describe_side(role, *side, element_size) +
-                      " is CUDA device memory of cuda:" + std::to_string(info.device) + ", not host memory");
-        }
-        if (info.device != side->dev.ordinal()) {
-          copy_misuse(describe_side(role, *side, element_size) +
-                      " is really memory of cuda:" + std::to_string(info.device));
-        }
-      } else if (sd.is_cuda() && (info.kind == pointer_kind::pageable || info.kind == pointer_kind::pinned)) {
-        copy_misuse(describe_side(role, *side, element_size) + " is host memory where device memory is expected");
-      }
-    } else {
-      if (info.kind == pointer_kind::device) {
-        copy_misuse(describe_side(role, *side, element_size) +
-                    " is device memory of cuda:" + std::to_string(info.device) + " where host memory is expected");
-      }
-      // On a CUDA stream a span said to be pinned is trusted only where CUDA cannot tell: memory CUDA calls pageable
-      // is staged. (CPU streams model pinned memory by type.)
-      const bool said_pinned = side->location == memory_location::pinned;
-      host_pinned = info.kind == pointer_kind::pinned || info.kind == pointer_kind::managed ||
-                    (said_pinned && (sd.is_cpu() || info.kind != pointer_kind::pageable));
-    }
-  }
-  return host_pinned;
-}
+GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd);
 
 /// Throws invalid_argument_error naming `operation` when `s` (of device `sd`) is being captured into a CUDA graph
 /// (stream_ops.hpp): staging uses pinned slots, events and host functions that a graph cannot replay.
-inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation, std::string_view advice) {
-  if (capture_status(s) == cudaStreamCaptureStatusNone) return;
-  throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
-}
+GPUKIT_INLINE void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation,
+                                  std::string_view advice);
 
 /// What to do instead of staging in a capture.
 inline constexpr std::string_view capture_advice_staging =
@@ -197,8 +103,8 @@ struct fixed_engine {
   auto& copier() const noexcept { return engine->copier(); }
 };
 struct default_engine {
-  staging_engine& operator()(gpukit::device d) const { return default_staging_engine(d); }
-  device_copier copier() const noexcept { return {}; }  // what the default engines use
+  staging_engine& operator()(gpukit::device d) const;
+  device_copier copier() const noexcept;  // what the default engines use
 };
 
 /// Checks and dispatches a copy (see the file comment).
@@ -332,8 +238,124 @@ void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier
 /// is enabled (<gpukit/device/peer_access.hpp>); without it the driver goes through the host. Both sides are ready
 /// once the stream passed the copy. Throws invalid_argument_error for a CPU device or stream, or a null pointer with
 /// a non-zero size; the gpukit error of the failed call otherwise. Zero bytes: a no-op.
-inline void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
-                            std::size_t bytes, stream_view s) {
+GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
+                                   std::size_t bytes, stream_view s);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::string describe_side(const char* role, const copy_side& side, std::size_t element_size) {
+  std::string text = role;
+  text += " (";
+  switch (side.location) {
+    case memory_location::host:
+      text += "host memory";
+      break;
+    case memory_location::pinned:
+      text += "pinned host memory";
+      break;
+    case memory_location::device:
+      text += "memory of " + side.dev.to_string();
+      break;
+  }
+  text += ", " + std::to_string(side.count) + " elements of " + std::to_string(element_size) + " bytes)";
+  return text;
+}
+
+GPUKIT_INLINE void copy_misuse(const std::string& what) { throw invalid_argument_error("gpukit::copy_async: " + what); }
+
+GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd) {
+  // A span is only a pointer and a count: a count whose byte size does not fit size_t would wrap to a small copy.
+  if (dst.count > std::numeric_limits<std::size_t>::max() / element_size) {
+    copy_misuse(std::to_string(dst.count) + " elements of " + std::to_string(element_size) +
+                " bytes: the byte count overflows size_t (at most " +
+                std::to_string(std::numeric_limits<std::size_t>::max() / element_size) + " elements)");
+  }
+  const std::size_t bytes = dst.count * element_size;
+  if (dst.data == nullptr) copy_misuse(describe_side("the destination", dst, element_size) + " is a null pointer");
+  if (src.data == nullptr) copy_misuse(describe_side("the source", src, element_size) + " is a null pointer");
+  for (const copy_side* side : {&dst, &src}) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(side->data);
+    if (bytes - 1 > std::numeric_limits<std::uintptr_t>::max() - begin) {
+      copy_misuse(describe_side(side == &dst ? "the destination" : "the source", *side, element_size) +
+                  " runs past the end of the address space (" + std::to_string(bytes) + " bytes at " +
+                  std::to_string(begin) + ")");
+    }
+  }
+  const auto d0 = reinterpret_cast<std::uintptr_t>(dst.data);
+  const auto s0 = reinterpret_cast<std::uintptr_t>(src.data);
+  if (d0 < s0 + bytes && s0 < d0 + bytes) {
+    copy_misuse("the source and destination ranges overlap (" + std::to_string(bytes) + " bytes at " +
+                std::to_string(s0) + " and " + std::to_string(d0) + ")");
+  }
+  const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
+  for (const copy_side* side : {&dst, &src}) {
+    if (side->location != memory_location::device) continue;
+    const char* role = side == &dst ? "the destination" : "the source";
+    if (side->dev.is_cpu() != sd.is_cpu()) {
+      copy_misuse(describe_side(role, *side, element_size) + " cannot be copied on a stream of " + sd.to_string());
+    }
+    if (!d2d && side->dev != sd) {
+      copy_misuse(describe_side(role, *side, element_size) + " belongs to another device than the stream (" +
+                  sd.to_string() + ")");
+    }
+  }
+  if (d2d && dst.dev != sd && src.dev != sd) {
+    copy_misuse("neither side of a device-to-device copy (" + dst.dev.to_string() + ", " + src.dev.to_string() +
+                ") is on the stream's device " + sd.to_string());
+  }
+  bool host_pinned = false;
+  for (const copy_side* side : {&dst, &src}) {
+    if (side->location_known) {
+      if (side->location != memory_location::device) host_pinned = side->location == memory_location::pinned;
+      continue;
+    }
+    const char* role = side == &dst ? "the destination" : "the source";
+    const pointer_info info = query_pointer(side->data);
+    if (side->location == memory_location::device) {
+      if (info.kind == pointer_kind::device) {
+        if (side->dev.is_cpu()) {
+          copy_misuse(describe_side(role, *side, element_size) +
+                      " is CUDA device memory of cuda:" + std::to_string(info.device) + ", not host memory");
+        }
+        if (info.device != side->dev.ordinal()) {
+          copy_misuse(describe_side(role, *side, element_size) +
+                      " is really memory of cuda:" + std::to_string(info.device));
+        }
+      } else if (sd.is_cuda() && (info.kind == pointer_kind::pageable || info.kind == pointer_kind::pinned)) {
+        copy_misuse(describe_side(role, *side, element_size) + " is host memory where device memory is expected");
+      }
+    } else {
+      if (info.kind == pointer_kind::device) {
+        copy_misuse(describe_side(role, *side, element_size) +
+                    " is device memory of cuda:" + std::to_string(info.device) + " where host memory is expected");
+      }
+      // On a CUDA stream a span said to be pinned is trusted only where CUDA cannot tell: memory CUDA calls pageable
+      // is staged. (CPU streams model pinned memory by type.)
+      const bool said_pinned = side->location == memory_location::pinned;
+      host_pinned = info.kind == pointer_kind::pinned || info.kind == pointer_kind::managed ||
+                    (said_pinned && (sd.is_cpu() || info.kind != pointer_kind::pageable));
+    }
+  }
+  return host_pinned;
+}
+
+GPUKIT_INLINE void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation,
+                                  std::string_view advice) {
+  if (capture_status(s) == cudaStreamCaptureStatusNone) return;
+  throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
+}
+
+GPUKIT_INLINE staging_engine& default_engine::operator()(gpukit::device d) const { return default_staging_engine(d); }
+
+GPUKIT_INLINE device_copier default_engine::copier() const noexcept { return {}; }
+}  // namespace detail
+
+GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
+                                   std::size_t bytes, stream_view s) {
   if (!dst_device.is_cuda() || !src_device.is_cuda() || s.is_cpu()) {
     throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " + dst_device.to_string() +
                                  "): both devices and the stream must be CUDA ones");
@@ -348,3 +370,4 @@ inline void copy_peer_async(void* dst, gpukit::device dst_device, const void* sr
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

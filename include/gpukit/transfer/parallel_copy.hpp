@@ -32,7 +32,69 @@ namespace detail {
 
 /// std::memcpy with non-temporal stores where the CPU has them (x86-64: SSE2; elsewhere plain memcpy), ending with a
 /// store fence so the data is visible to other threads and to DMA once the copy is reported done.
-inline void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
+GPUKIT_INLINE void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept;
+
+/// One part of a copy, with plain or streaming stores.
+GPUKIT_INLINE void copy_part(void* dst, const void* src, std::size_t bytes, bool streaming) noexcept;
+
+/// The helper threads of parallel_copy. Created lazily (never at static-initialisation time), grown on demand up to
+/// `max_helpers`, and never destroyed: copies may run in host callbacks and static destructors until the process
+/// ends, and idle helpers only wait on a condition variable.
+class copy_workers {
+ public:
+  static constexpr unsigned max_helpers = 15;
+
+  GPUKIT_EXPORT static copy_workers& instance();
+
+  /// Copies `bytes` from `src` to `dst` (which must not overlap) in `parts` pieces, the caller doing one or more.
+  void copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming);
+
+ private:
+  static constexpr std::size_t min_part_bytes = 64 * 1024;
+
+  struct job {
+    char* dst = nullptr;
+    const char* src = nullptr;
+    std::size_t bytes = 0;
+    std::size_t part_bytes = 0;
+    unsigned parts = 0;
+    bool streaming = false;
+    std::atomic<unsigned> next{0};
+    std::atomic<unsigned> done{0};
+    std::mutex mutex;
+    std::condition_variable cv;
+  };
+
+  static void run_parts(job& j);
+
+  void post(const std::shared_ptr<job>& j, unsigned helpers);
+
+  void serve();
+
+  copy_workers() = default;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<job>> queue_;
+  std::vector<std::thread> threads_;
+  std::size_t busy_ = 0;
+};
+
+}  // namespace detail
+
+/// std::memcpy over up to `threads` threads (1 = plain memcpy). Copies below 128 KiB always use one thread: waking a
+/// helper costs more than it saves. The ranges must not overlap. `streaming`: non-temporal stores (see the file
+/// comment), for a destination that is not read again soon from this CPU.
+GPUKIT_INLINE void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads,
+                                 bool streaming = false);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
 #if defined(__SSE2__)
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
@@ -62,8 +124,7 @@ inline void streaming_copy(void* dst, const void* src, std::size_t bytes) noexce
 #endif
 }
 
-/// One part of a copy, with plain or streaming stores.
-inline void copy_part(void* dst, const void* src, std::size_t bytes, bool streaming) noexcept {
+GPUKIT_INLINE void copy_part(void* dst, const void* src, std::size_t bytes, bool streaming) noexcept {
   if (streaming) {
     streaming_copy(dst, src, bytes);
   } else {
@@ -71,117 +132,81 @@ inline void copy_part(void* dst, const void* src, std::size_t bytes, bool stream
   }
 }
 
-/// The helper threads of parallel_copy. Created lazily (never at static-initialisation time), grown on demand up to
-/// `max_helpers`, and never destroyed: copies may run in host callbacks and static destructors until the process
-/// ends, and idle helpers only wait on a condition variable.
-class copy_workers {
- public:
-  static constexpr unsigned max_helpers = 15;
+GPUKIT_INLINE copy_workers& copy_workers::instance() {
+  static copy_workers* workers = new copy_workers();  // leaked on purpose: see the class comment
+  return *workers;
+}
 
-  GPUKIT_EXPORT static copy_workers& instance() {
-    static copy_workers* workers = new copy_workers();  // leaked on purpose: see the class comment
-    return *workers;
+GPUKIT_INLINE void copy_workers::copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming) {
+  if (parts <= 1 || bytes < 2 * min_part_bytes) {
+    copy_part(dst, src, bytes, streaming);
+    return;
   }
+  parts = std::min<unsigned>(parts, max_helpers + 1);
+  auto j = std::make_shared<job>();
+  j->dst = static_cast<char*>(dst);
+  j->src = static_cast<const char*>(src);
+  j->bytes = bytes;
+  j->parts = parts;
+  j->streaming = streaming;
+  // Parts of whole cache lines: neighbours never share one.
+  j->part_bytes = ((bytes + parts - 1) / parts + 63) / 64 * 64;
+  post(j, parts - 1);
+  run_parts(*j);
+  std::unique_lock<std::mutex> lock(j->mutex);
+  j->cv.wait(lock, [&] { return j->done.load(std::memory_order_acquire) == j->parts; });
+}
 
-  /// Copies `bytes` from `src` to `dst` (which must not overlap) in `parts` pieces, the caller doing one or more.
-  void copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming) {
-    if (parts <= 1 || bytes < 2 * min_part_bytes) {
-      copy_part(dst, src, bytes, streaming);
-      return;
+GPUKIT_INLINE void copy_workers::run_parts(job& j) {
+  for (;;) {
+    const unsigned i = j.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= j.parts) return;
+    const std::size_t begin = std::min(j.bytes, static_cast<std::size_t>(i) * j.part_bytes);
+    const std::size_t end = std::min(j.bytes, begin + j.part_bytes);
+    if (end > begin) copy_part(j.dst + begin, j.src + begin, end - begin, j.streaming);
+    if (j.done.fetch_add(1, std::memory_order_acq_rel) + 1 == j.parts) {
+      std::lock_guard<std::mutex> lock(j.mutex);
+      j.cv.notify_all();
     }
-    parts = std::min<unsigned>(parts, max_helpers + 1);
-    auto j = std::make_shared<job>();
-    j->dst = static_cast<char*>(dst);
-    j->src = static_cast<const char*>(src);
-    j->bytes = bytes;
-    j->parts = parts;
-    j->streaming = streaming;
-    // Parts of whole cache lines: neighbours never share one.
-    j->part_bytes = ((bytes + parts - 1) / parts + 63) / 64 * 64;
-    post(j, parts - 1);
+  }
+}
+
+GPUKIT_INLINE void copy_workers::post(const std::shared_ptr<job>& j, unsigned helpers) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (unsigned i = 0; i < helpers; ++i) queue_.push_back(j);
+    // One thread per outstanding ticket, up to the limit; idle threads are reused.
+    while (threads_.size() < max_helpers && threads_.size() < busy_ + queue_.size()) {
+      try {
+        threads_.emplace_back([this] { serve(); });
+      } catch (...) {
+        break;  // cannot start a thread: the caller takes the parts itself
+      }
+    }
+  }
+  cv_.notify_all();
+}
+
+GPUKIT_INLINE void copy_workers::serve() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [this] { return !queue_.empty(); });
+    std::shared_ptr<job> j = std::move(queue_.front());
+    queue_.pop_front();
+    ++busy_;
+    lock.unlock();
     run_parts(*j);
-    std::unique_lock<std::mutex> lock(j->mutex);
-    j->cv.wait(lock, [&] { return j->done.load(std::memory_order_acquire) == j->parts; });
+    j.reset();
+    lock.lock();
+    --busy_;
   }
-
- private:
-  static constexpr std::size_t min_part_bytes = 64 * 1024;
-
-  struct job {
-    char* dst = nullptr;
-    const char* src = nullptr;
-    std::size_t bytes = 0;
-    std::size_t part_bytes = 0;
-    unsigned parts = 0;
-    bool streaming = false;
-    std::atomic<unsigned> next{0};
-    std::atomic<unsigned> done{0};
-    std::mutex mutex;
-    std::condition_variable cv;
-  };
-
-  static void run_parts(job& j) {
-    for (;;) {
-      const unsigned i = j.next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= j.parts) return;
-      const std::size_t begin = std::min(j.bytes, static_cast<std::size_t>(i) * j.part_bytes);
-      const std::size_t end = std::min(j.bytes, begin + j.part_bytes);
-      if (end > begin) copy_part(j.dst + begin, j.src + begin, end - begin, j.streaming);
-      if (j.done.fetch_add(1, std::memory_order_acq_rel) + 1 == j.parts) {
-        std::lock_guard<std::mutex> lock(j.mutex);
-        j.cv.notify_all();
-      }
-    }
-  }
-
-  void post(const std::shared_ptr<job>& j, unsigned helpers) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (unsigned i = 0; i < helpers; ++i) queue_.push_back(j);
-      // One thread per outstanding ticket, up to the limit; idle threads are reused.
-      while (threads_.size() < max_helpers && threads_.size() < busy_ + queue_.size()) {
-        try {
-          threads_.emplace_back([this] { serve(); });
-        } catch (...) {
-          break;  // cannot start a thread: the caller takes the parts itself
-        }
-      }
-    }
-    cv_.notify_all();
-  }
-
-  void serve() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      cv_.wait(lock, [this] { return !queue_.empty(); });
-      std::shared_ptr<job> j = std::move(queue_.front());
-      queue_.pop_front();
-      ++busy_;
-      lock.unlock();
-      run_parts(*j);
-      j.reset();
-      lock.lock();
-      --busy_;
-    }
-  }
-
-  copy_workers() = default;
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<job>> queue_;
-  std::vector<std::thread> threads_;
-  std::size_t busy_ = 0;
-};
-
+}
 }  // namespace detail
 
-/// std::memcpy over up to `threads` threads (1 = plain memcpy). Copies below 128 KiB always use one thread: waking a
-/// helper costs more than it saves. The ranges must not overlap. `streaming`: non-temporal stores (see the file
-/// comment), for a destination that is not read again soon from this CPU.
-inline void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads, bool streaming = false) {
+GPUKIT_INLINE void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads, bool streaming) {
   if (bytes == 0) return;
   detail::copy_workers::instance().copy(dst, src, bytes, threads, streaming);
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -41,19 +41,32 @@ struct pointer_info {
 using pointer_query_function = pointer_info (*)(const void*);
 
 /// Tests replace the query to exercise the checks without a GPU; nullptr restores CUDA's.
-GPUKIT_EXPORT inline std::atomic<pointer_query_function>& pointer_query_override() {
+GPUKIT_EXPORT GPUKIT_INLINE std::atomic<pointer_query_function>& pointer_query_override();
+
+/// True when some CUDA device is usable, so CUDA pointers can exist. Asked once per process.
+GPUKIT_EXPORT GPUKIT_INLINE bool cuda_pointers_possible();
+
+/// Classifies `p` (see the file comment). Never throws.
+GPUKIT_INLINE pointer_info query_pointer(const void* p) noexcept;
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE std::atomic<pointer_query_function>& pointer_query_override() {
   static std::atomic<pointer_query_function> function{nullptr};
   return function;
 }
 
-/// True when some CUDA device is usable, so CUDA pointers can exist. Asked once per process.
-GPUKIT_EXPORT inline bool cuda_pointers_possible() {
+GPUKIT_INLINE bool cuda_pointers_possible() {
   static const bool possible = device_count() > 0;
   return possible;
 }
 
-/// Classifies `p` (see the file comment). Never throws.
-inline pointer_info query_pointer(const void* p) noexcept {
+GPUKIT_INLINE pointer_info query_pointer(const void* p) noexcept {
   if (pointer_query_function f = pointer_query_override().load(std::memory_order_acquire)) return f(p);
   cudaPointerAttributes attributes{};
   try {
@@ -87,3 +100,4 @@ inline pointer_info query_pointer(const void* p) noexcept {
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -101,17 +101,7 @@ struct prefetch_stats {
 
   /// One line, e.g. "batches 64 (in flight 2, max 4), pinned 16.0 MiB in 4 buffers, consumer waited 12.1 ms,
   /// producer waited 3.0 ms for pinned memory and 40.2 ms for releases".
-  std::string to_string() const {
-    const auto ms = [](std::chrono::nanoseconds d) { return static_cast<double>(d.count()) / 1e6; };
-    char line[320];
-    std::snprintf(line, sizeof line,
-                  "batches %zu (in flight %zu, max %zu), pinned %.1f MiB in %zu buffers, consumer waited %.1f ms, "
-                  "producer waited %.1f ms for pinned memory and %.1f ms for releases",
-                  batches_handed_out, batches_in_flight, max_batches_in_flight,
-                  static_cast<double>(pinned_bytes) / (1024.0 * 1024.0), pinned_buffers, ms(consumer_wait),
-                  ms(producer_wait_for_pinned), ms(producer_wait_for_release));
-    return line;
-  }
+  std::string to_string() const;
 };
 
 /// A double/triple-buffered loader (see the file comment). Not copyable or movable; next() is called from one thread.
@@ -600,3 +590,21 @@ class prefetcher {
 };
 
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::string prefetch_stats::to_string() const {
+  const auto ms = [](std::chrono::nanoseconds d) { return static_cast<double>(d.count()) / 1e6; };
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "batches %zu (in flight %zu, max %zu), pinned %.1f MiB in %zu buffers, consumer waited %.1f ms, "
+                "producer waited %.1f ms for pinned memory and %.1f ms for releases",
+                batches_handed_out, batches_in_flight, max_batches_in_flight,
+                static_cast<double>(pinned_bytes) / (1024.0 * 1024.0), pinned_buffers, ms(consumer_wait),
+                ms(producer_wait_for_pinned), ms(producer_wait_for_release));
+  return line;
+}
+
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

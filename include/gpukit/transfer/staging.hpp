@@ -89,10 +89,7 @@ enum class copy_direction : unsigned char { host_to_device, device_to_host, devi
 struct device_copier {
   /// Enqueues a copy of `bytes` bytes from `src` to `dst` on `s`. The direction is unused: cudaMemcpyDefault infers
   /// it from the pointers.
-  void operator()(void* dst, const void* src, std::size_t bytes, copy_direction /*direction*/, stream_view s) const {
-    if (s.is_cpu()) return detail::cpu_backend::copy_async(dst, src, bytes, s.cpu_queue());
-    detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
-  }
+  void operator()(void* dst, const void* src, std::size_t bytes, copy_direction /*direction*/, stream_view s) const;
 };
 
 /// Tuning of a staging engine. The defaults keep at most (4 + 2) × 8 MiB = 48 MiB pinned per stream that stages.
@@ -835,7 +832,20 @@ extern template class basic_staging_engine<device_copier>;
 /// The process-wide staging engine for a device kind, using default_pinned_pool(d): one for all CUDA devices (rings
 /// are per stream, hence per device) and one for the CPU device. Created on first use; never destroyed (see
 /// default_pinned_pool).
-GPUKIT_EXPORT inline staging_engine& default_staging_engine(device d) {
+GPUKIT_EXPORT GPUKIT_INLINE staging_engine& default_staging_engine(device d);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE void device_copier::operator()(void* dst, const void* src, std::size_t bytes,
+                                             copy_direction /*direction*/, stream_view s) const {
+  if (s.is_cpu()) return detail::cpu_backend::copy_async(dst, src, bytes, s.cpu_queue());
+  detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
+}
+
+GPUKIT_INLINE staging_engine& default_staging_engine(device d) {
   if (d.is_cpu()) {
     static staging_engine* cpu_engine = new staging_engine(default_pinned_pool(device::cpu()));
     return *cpu_engine;
@@ -845,3 +855,4 @@ GPUKIT_EXPORT inline staging_engine& default_staging_engine(device d) {
 }
 
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -30,23 +30,12 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 /// Throws invalid_argument_error (naming `who`) unless `alignment` is a power of two.
-inline void require_power_of_two_alignment(std::size_t alignment, const char* who) {
-  if (is_power_of_two(alignment)) return;
-  throw invalid_argument_error(std::string(who) + ": the alignment must be a power of two, not " +
-                               std::to_string(alignment));
-}
+GPUKIT_INLINE void require_power_of_two_alignment(std::size_t alignment, const char* who);
 
 /// The bytes to ask for so that a block of natural alignment `natural` holds `bytes` at an `alignment` boundary;
 /// throws invalid_argument_error (naming `who`) when that overflows.
-inline std::size_t over_aligned_request(std::size_t bytes, std::size_t alignment, std::size_t natural,
-                                        const char* who) {
-  const std::size_t extra = alignment - natural;
-  if (bytes > std::numeric_limits<std::size_t>::max() - extra) {
-    throw invalid_argument_error(std::string(who) + ": " + std::to_string(bytes) + " bytes aligned to " +
-                                 std::to_string(alignment) + " overflow");
-  }
-  return bytes + extra;
-}
+GPUKIT_INLINE std::size_t over_aligned_request(std::size_t bytes, std::size_t alignment, std::size_t natural,
+                                               const char* who);
 
 /// Runs `free_memory` for a caller that must not throw (a noexcept deallocate of an adaptor, which containers and
 /// CCCL's references call from destructors): an error is reported through gpukit::warn, naming `who`.
@@ -65,33 +54,13 @@ void free_reporting_errors(const char* who, FreeMemory&& free_memory) noexcept {
 class aligned_offsets {
  public:
   /// The first `alignment` boundary at or after `block`.
-  static void* align_up(void* block, std::size_t alignment) noexcept {
-    const auto address = reinterpret_cast<std::uintptr_t>(block);
-    return reinterpret_cast<void*>((address + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1));
-  }
+  static void* align_up(void* block, std::size_t alignment) noexcept;
 
   /// Remembers that `aligned` lies in the block starting at `block` (aligned != block).
-  void add(void* aligned, void* block) {
-    shard& s = shard_of(aligned);
-    std::lock_guard<std::mutex> lock(s.mutex);
-    const auto it = find_in(s.entries, aligned);
-    if (it != s.entries.end() && it->first == aligned) {
-      it->second = block;
-    } else {
-      s.entries.insert(it, {aligned, block});
-    }
-    s.size.store(s.entries.size(), std::memory_order_relaxed);
-  }
+  void add(void* aligned, void* block);
 
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
-  void* block_of(const void* p) noexcept {
-    if (p == nullptr) return nullptr;
-    shard& s = shard_of(p);
-    if (s.size.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
-    std::lock_guard<std::mutex> lock(s.mutex);
-    const auto it = find_in(s.entries, p);
-    return it == s.entries.end() || it->first != p ? const_cast<void*>(p) : it->second;
-  }
+  void* block_of(const void* p) noexcept;
 
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
   /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
@@ -115,15 +84,7 @@ class aligned_offsets {
   }
 
   /// Forgets `aligned`; nothing when it is not in the table.
-  void erase(const void* aligned) noexcept {
-    if (aligned == nullptr) return;
-    shard& s = shard_of(aligned);
-    if (s.size.load(std::memory_order_relaxed) == 0) return;
-    std::lock_guard<std::mutex> lock(s.mutex);
-    const auto it = find_in(s.entries, aligned);
-    if (it != s.entries.end() && it->first == aligned) s.entries.erase(it);
-    s.size.store(s.entries.size(), std::memory_order_relaxed);
-  }
+  void erase(const void* aligned) noexcept;
 
  private:
   using entry = std::pair<const void*, void*>;
@@ -134,28 +95,17 @@ class aligned_offsets {
   };
   static constexpr std::size_t shard_count = 64;
 
-  shard& shard_of(const void* p) noexcept {
-    // Aligned addresses are multiples of at least 512: the bits above those pick the shard.
-    return shards_[(reinterpret_cast<std::uintptr_t>(p) >> 9) % shard_count];
-  }
+  shard& shard_of(const void* p) noexcept;
 
   /// The first entry whose address is not below `p` (the entries are sorted by address; caller holds the lock).
-  static std::vector<entry>::iterator find_in(std::vector<entry>& entries, const void* p) {
-    const auto below = [](const entry& e, std::uintptr_t key) {
-      return reinterpret_cast<std::uintptr_t>(e.first) < key;
-    };
-    return std::lower_bound(entries.begin(), entries.end(), reinterpret_cast<std::uintptr_t>(p), below);
-  }
+  static std::vector<entry>::iterator find_in(std::vector<entry>& entries, const void* p);
 
   std::array<shard, shard_count> shards_;
 };
 
 /// The over-aligned addresses of every device allocator and pinned-memory adaptor, one table for the process:
 /// memory may be freed through another allocator (a graph pool's) or adaptor than the one that handed it out.
-GPUKIT_EXPORT inline aligned_offsets& over_aligned_addresses() {
-  static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
-  return *table;
-}
+GPUKIT_EXPORT GPUKIT_INLINE aligned_offsets& over_aligned_addresses();
 
 /// `bytes` at an `alignment` boundary above the allocator's `natural` alignment: a block `alignment - natural`
 /// bytes larger from `allocate_block(size)`, whose first `alignment` boundary is returned and, when it is not the
@@ -182,3 +132,79 @@ void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE void require_power_of_two_alignment(std::size_t alignment, const char* who) {
+  if (is_power_of_two(alignment)) return;
+  throw invalid_argument_error(std::string(who) + ": the alignment must be a power of two, not " +
+                               std::to_string(alignment));
+}
+
+GPUKIT_INLINE std::size_t over_aligned_request(std::size_t bytes, std::size_t alignment, std::size_t natural,
+                                               const char* who) {
+  const std::size_t extra = alignment - natural;
+  if (bytes > std::numeric_limits<std::size_t>::max() - extra) {
+    throw invalid_argument_error(std::string(who) + ": " + std::to_string(bytes) + " bytes aligned to " +
+                                 std::to_string(alignment) + " overflow");
+  }
+  return bytes + extra;
+}
+
+GPUKIT_INLINE void* aligned_offsets::align_up(void* block, std::size_t alignment) noexcept {
+  const auto address = reinterpret_cast<std::uintptr_t>(block);
+  return reinterpret_cast<void*>((address + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1));
+}
+
+GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block) {
+  shard& s = shard_of(aligned);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto it = find_in(s.entries, aligned);
+  if (it != s.entries.end() && it->first == aligned) {
+    it->second = block;
+  } else {
+    s.entries.insert(it, {aligned, block});
+  }
+  s.size.store(s.entries.size(), std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE void* aligned_offsets::block_of(const void* p) noexcept {
+  if (p == nullptr) return nullptr;
+  shard& s = shard_of(p);
+  if (s.size.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto it = find_in(s.entries, p);
+  return it == s.entries.end() || it->first != p ? const_cast<void*>(p) : it->second;
+}
+
+GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
+  if (aligned == nullptr) return;
+  shard& s = shard_of(aligned);
+  if (s.size.load(std::memory_order_relaxed) == 0) return;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto it = find_in(s.entries, aligned);
+  if (it != s.entries.end() && it->first == aligned) s.entries.erase(it);
+  s.size.store(s.entries.size(), std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE aligned_offsets::shard& aligned_offsets::shard_of(const void* p) noexcept {
+  // Aligned addresses are multiples of at least 512: the bits above those pick the shard.
+  return shards_[(reinterpret_cast<std::uintptr_t>(p) >> 9) % shard_count];
+}
+
+GPUKIT_INLINE std::vector<aligned_offsets::entry>::iterator aligned_offsets::find_in(std::vector<entry>& entries,
+                                                                                     const void* p) {
+  const auto below = [](const entry& e, std::uintptr_t key) { return reinterpret_cast<std::uintptr_t>(e.first) < key; };
+  return std::lower_bound(entries.begin(), entries.end(), reinterpret_cast<std::uintptr_t>(p), below);
+}
+
+GPUKIT_INLINE aligned_offsets& over_aligned_addresses() {
+  static aligned_offsets* table = new aligned_offsets();  // never destroyed: frees may come during exit
+  return *table;
+}
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

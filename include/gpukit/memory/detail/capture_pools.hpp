@@ -41,17 +41,36 @@ struct capture_pool_registry {
 };
 
 /// Never destroyed: pools may outlive static destruction order.
-GPUKIT_EXPORT inline capture_pool_registry& capture_pools() {
+GPUKIT_EXPORT GPUKIT_INLINE capture_pool_registry& capture_pools();
+
+/// True while any graph pool exists (the caching allocators then look further).
+GPUKIT_INLINE bool any_capture_pool() noexcept;
+
+/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream). Handle 0
+/// is the per-thread default stream in that mode, which can be captured (as in capture_status).
+GPUKIT_INLINE unsigned long long capture_id(const stream_view& s);
+
+/// The pool serving the capture `s` takes part in, or nullptr.
+GPUKIT_INLINE device_allocator* pool_for_capture(const stream_view& s);
+
+}  // namespace detail
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE capture_pool_registry& capture_pools() {
   static capture_pool_registry* registry = new capture_pool_registry();
   return *registry;
 }
 
-/// True while any graph pool exists (the caching allocators then look further).
-inline bool any_capture_pool() noexcept { return capture_pools().live_count.load(std::memory_order_relaxed) != 0; }
+GPUKIT_INLINE bool any_capture_pool() noexcept {
+  return capture_pools().live_count.load(std::memory_order_relaxed) != 0;
+}
 
-/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream). Handle 0
-/// is the per-thread default stream in that mode, which can be captured (as in capture_status).
-inline unsigned long long capture_id(const stream_view& s) {
+GPUKIT_INLINE unsigned long long capture_id(const stream_view& s) {
   if (s.is_cpu()) return 0;
   const cudaStream_t handle = s.native_handle();
   if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) return 0;
@@ -68,8 +87,7 @@ inline unsigned long long capture_id(const stream_view& s) {
   return status == cudaStreamCaptureStatusActive ? id : 0;
 }
 
-/// The pool serving the capture `s` takes part in, or nullptr.
-inline device_allocator* pool_for_capture(const stream_view& s) {
+GPUKIT_INLINE device_allocator* pool_for_capture(const stream_view& s) {
   const unsigned long long id = capture_id(s);
   if (id == 0) return nullptr;
   auto& registry = capture_pools();
@@ -79,5 +97,5 @@ inline device_allocator* pool_for_capture(const stream_view& s) {
 }
 
 }  // namespace detail
-
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -29,12 +29,10 @@ namespace cpu_backend {
 // --- streams (`queue`: the stream's queue, or nullptr for the CPU's default stream) ---
 
 /// Blocks until the work enqueued on the stream has completed (the default stream never has any left).
-inline void synchronize(cpu_queue* queue) {
-  if (queue != nullptr) queue->synchronize();
-}
+GPUKIT_INLINE void synchronize(cpu_queue* queue);
 
 /// Whether the work enqueued on the stream has completed. Never blocks.
-inline bool ready(const cpu_queue* queue) noexcept { return queue == nullptr || queue->idle(); }
+GPUKIT_INLINE bool ready(const cpu_queue* queue) noexcept;
 
 /// Runs `function` after the work enqueued so far: queued, or on the default stream at once (run_host_function says
 /// what happens to a host function enqueued from inside one running inline).
@@ -50,9 +48,7 @@ void enqueue_host(cpu_queue* queue, F&& function) {
 
 /// Enqueues a copy of `bytes` bytes (host memory on both sides): a task that copies, or on the default stream a copy
 /// now.
-inline void copy_async(void* dst, const void* src, std::size_t bytes, cpu_queue* queue) {
-  enqueue_host(queue, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
-}
+GPUKIT_INLINE void copy_async(void* dst, const void* src, std::size_t bytes, cpu_queue* queue);
 
 // --- events ---
 
@@ -60,31 +56,14 @@ inline void copy_async(void* dst, const void* src, std::size_t bytes, cpu_queue*
 class event_state {
  public:
   /// Captures the work enqueued on the stream so far.
-  void record(cpu_queue* queue) {
-    auto marker = queue != nullptr ? queue->record() : cpu_marker::completed();
-    std::lock_guard<std::mutex> lock(mutex_);
-    last_ = std::move(marker);
-  }
+  void record(cpu_queue* queue);
   /// Whether the captured work has completed. Never blocks.
-  bool ready() const {
-    auto marker = latest();
-    return !marker || marker->done();
-  }
+  bool ready() const;
   /// Blocks until the captured work has completed.
-  void synchronize() const {
-    if (auto marker = latest()) marker->wait();
-  }
+  void synchronize() const;
   /// Makes the work enqueued on the stream after this call wait for the captured work: a task that waits, or on the
   /// default stream (the calling thread) a wait now.
-  void wait(cpu_queue* queue) const {
-    auto marker = latest();
-    if (!marker || marker->done()) return;
-    if (queue != nullptr) {
-      queue->enqueue([marker] { marker->wait(); });
-    } else {
-      marker->wait();
-    }
-  }
+  void wait(cpu_queue* queue) const;
   /// The time between the completions of `start`'s and `end`'s latest records, once both are complete. Throws
   /// invalid_argument_error when either was never recorded.
   friend std::chrono::steady_clock::duration elapsed(const event_state& start, const event_state& end) {
@@ -97,10 +76,7 @@ class event_state {
   }
 
  private:
-  std::shared_ptr<cpu_marker> latest() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return last_;
-  }
+  std::shared_ptr<cpu_marker> latest() const;
 
   mutable std::mutex mutex_;
   std::shared_ptr<cpu_marker> last_;  // null until first recorded
@@ -109,3 +85,53 @@ class event_state {
 }  // namespace cpu_backend
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu_backend {
+
+GPUKIT_INLINE void synchronize(cpu_queue* queue) {
+  if (queue != nullptr) queue->synchronize();
+}
+
+GPUKIT_INLINE bool ready(const cpu_queue* queue) noexcept { return queue == nullptr || queue->idle(); }
+
+GPUKIT_INLINE void copy_async(void* dst, const void* src, std::size_t bytes, cpu_queue* queue) {
+  enqueue_host(queue, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
+}
+
+GPUKIT_INLINE void event_state::record(cpu_queue* queue) {
+  auto marker = queue != nullptr ? queue->record() : cpu_marker::completed();
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_ = std::move(marker);
+}
+
+GPUKIT_INLINE bool event_state::ready() const {
+  auto marker = latest();
+  return !marker || marker->done();
+}
+
+GPUKIT_INLINE void event_state::synchronize() const {
+  if (auto marker = latest()) marker->wait();
+}
+
+GPUKIT_INLINE void event_state::wait(cpu_queue* queue) const {
+  auto marker = latest();
+  if (!marker || marker->done()) return;
+  if (queue != nullptr) {
+    queue->enqueue([marker] { marker->wait(); });
+  } else {
+    marker->wait();
+  }
+}
+
+GPUKIT_INLINE std::shared_ptr<cpu_marker> event_state::latest() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_;
+}
+
+}  // namespace cpu_backend
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

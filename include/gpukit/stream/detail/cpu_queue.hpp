@@ -34,8 +34,8 @@ class host_task {
   host_task() noexcept = default;
   template <class F, class = std::enable_if_t<!std::is_same<std::decay_t<F>, host_task>::value>>
   host_task(F&& f) : callable_(std::make_unique<model<std::decay_t<F>>>(std::forward<F>(f))) {}  // NOLINT: implicit
-  void operator()() { callable_->call(); }
-  explicit operator bool() const noexcept { return static_cast<bool>(callable_); }
+  void operator()();
+  explicit operator bool() const noexcept;
 
  private:
   struct concept_base {
@@ -71,10 +71,7 @@ struct inline_host_functions {
   bool running = false;
   std::deque<host_task> deferred;
 };
-GPUKIT_EXPORT inline inline_host_functions& inline_host_functions_of_this_thread() {
-  thread_local inline_host_functions state;
-  return state;
-}
+GPUKIT_EXPORT GPUKIT_INLINE inline_host_functions& inline_host_functions_of_this_thread();
 
 /// Runs a host function inline, on the calling thread (the CPU default stream, CUDA host-function trampolines),
 /// reporting an escaping exception through gpukit::warn.
@@ -113,32 +110,14 @@ void run_host_function(F& function) noexcept {
 class cpu_marker {
  public:
   /// Marks completion and wakes waiters; records the completion time for event timing.
-  void complete() noexcept {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      completed_at_ = std::chrono::steady_clock::now();
-      done_.store(true, std::memory_order_release);
-    }
-    cv_.notify_all();
-  }
-  bool done() const noexcept { return done_.load(std::memory_order_acquire); }
+  void complete() noexcept;
+  bool done() const noexcept;
   /// Blocks the calling thread until the marker completes.
-  void wait() const {
-    if (done()) return;
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [this] { return done(); });
-  }
+  void wait() const;
   /// When the marker completed; meaningful once done().
-  std::chrono::steady_clock::time_point completed_at() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_at_;
-  }
+  std::chrono::steady_clock::time_point completed_at() const;
   /// A marker that is already complete (work recorded on the CPU's synchronous default stream).
-  static std::shared_ptr<cpu_marker> completed() {
-    auto marker = std::make_shared<cpu_marker>();
-    marker->complete();
-    return marker;
-  }
+  static std::shared_ptr<cpu_marker> completed();
 
  private:
   mutable std::mutex mutex_;
@@ -150,80 +129,34 @@ class cpu_marker {
 /// An in-order queue of host tasks run by one worker thread. Thread-safe: any number of threads may enqueue.
 class cpu_queue {
  public:
-  cpu_queue() : worker_([this] { serve(); }) {}
+  cpu_queue();
 
   /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
   /// waits for that work.
-  ~cpu_queue() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    work_cv_.notify_one();
-    if (worker_.joinable()) worker_.join();
-  }
+  ~cpu_queue();
 
   cpu_queue(const cpu_queue&) = delete;
   cpu_queue& operator=(const cpu_queue&) = delete;
 
   /// Appends a task; it runs after every task enqueued before it.
-  void enqueue(host_task task) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tasks_.push_back(std::move(task));
-      enqueued_.fetch_add(1, std::memory_order_release);
-    }
-    work_cv_.notify_one();
-  }
+  void enqueue(host_task task);
 
   /// Appends a marker that completes when the tasks enqueued so far have finished.
-  std::shared_ptr<cpu_marker> record() {
-    auto marker = std::make_shared<cpu_marker>();
-    enqueue([marker] { marker->complete(); });
-    return marker;
-  }
+  std::shared_ptr<cpu_marker> record();
 
   /// Blocks until every task enqueued before the call has finished. Calling it from one of this queue's own tasks
   /// would wait forever, so that throws invalid_argument_error.
-  void synchronize() {
-    if (std::this_thread::get_id() == worker_.get_id()) {
-      throw invalid_argument_error(
-          "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
-    }
-    std::unique_lock<std::mutex> lock(mutex_);
-    const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
-    idle_cv_.wait(lock, [&] { return finished_.load(std::memory_order_relaxed) >= target; });
-  }
+  void synchronize();
 
   /// True when every enqueued task has finished. Lock-free (allocators ask on every free): reading `finished_`
   /// before `enqueued_` makes a true answer exact, because finished_ only grows.
-  bool idle() const noexcept {
-    const std::uint64_t finished = finished_.load(std::memory_order_acquire);
-    return finished == enqueued_.load(std::memory_order_acquire);
-  }
+  bool idle() const noexcept;
 
   /// Tasks enqueued but not finished.
-  std::uint64_t pending() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return enqueued_.load(std::memory_order_relaxed) - finished_.load(std::memory_order_relaxed);
-  }
+  std::uint64_t pending() const;
 
  private:
-  void serve() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      work_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping, and drained
-      host_task task = std::move(tasks_.front());
-      tasks_.pop_front();
-      lock.unlock();
-      call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
-      task = host_task();               // release what the task owns before it counts as finished
-      lock.lock();
-      finished_.fetch_add(1, std::memory_order_release);
-      idle_cv_.notify_all();
-    }
-  }
+  void serve();
 
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
@@ -238,3 +171,110 @@ class cpu_queue {
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE void host_task::operator()() { callable_->call(); }
+
+GPUKIT_INLINE host_task::operator bool() const noexcept { return static_cast<bool>(callable_); }
+
+GPUKIT_INLINE inline_host_functions& inline_host_functions_of_this_thread() {
+  thread_local inline_host_functions state;
+  return state;
+}
+
+GPUKIT_INLINE void cpu_marker::complete() noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    completed_at_ = std::chrono::steady_clock::now();
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+GPUKIT_INLINE bool cpu_marker::done() const noexcept { return done_.load(std::memory_order_acquire); }
+
+GPUKIT_INLINE void cpu_marker::wait() const {
+  if (done()) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return done(); });
+}
+
+GPUKIT_INLINE std::chrono::steady_clock::time_point cpu_marker::completed_at() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_at_;
+}
+
+GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_marker::completed() {
+  auto marker = std::make_shared<cpu_marker>();
+  marker->complete();
+  return marker;
+}
+
+GPUKIT_INLINE cpu_queue::cpu_queue() : worker_([this] { serve(); }) {}
+
+GPUKIT_INLINE cpu_queue::~cpu_queue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_one();
+  if (worker_.joinable()) worker_.join();
+}
+
+GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    enqueued_.fetch_add(1, std::memory_order_release);
+  }
+  work_cv_.notify_one();
+}
+
+GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_queue::record() {
+  auto marker = std::make_shared<cpu_marker>();
+  enqueue([marker] { marker->complete(); });
+  return marker;
+}
+
+GPUKIT_INLINE void cpu_queue::synchronize() {
+  if (std::this_thread::get_id() == worker_.get_id()) {
+    throw invalid_argument_error(
+        "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
+  idle_cv_.wait(lock, [&] { return finished_.load(std::memory_order_relaxed) >= target; });
+}
+
+GPUKIT_INLINE bool cpu_queue::idle() const noexcept {
+  const std::uint64_t finished = finished_.load(std::memory_order_acquire);
+  return finished == enqueued_.load(std::memory_order_acquire);
+}
+
+GPUKIT_INLINE std::uint64_t cpu_queue::pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return enqueued_.load(std::memory_order_relaxed) - finished_.load(std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE void cpu_queue::serve() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    work_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopping, and drained
+    host_task task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
+    task = host_task();               // release what the task owns before it counts as finished
+    lock.lock();
+    finished_.fetch_add(1, std::memory_order_release);
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS

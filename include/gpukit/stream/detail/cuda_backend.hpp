@@ -32,15 +32,11 @@ namespace detail {
 
 /// 0, cudaStreamLegacy and cudaStreamPerThread: the default streams, which name whatever device is current (the
 /// handle does not say which).
-inline bool is_default_stream_handle(cudaStream_t h) noexcept {
-  return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
-}
+GPUKIT_INLINE bool is_default_stream_handle(cudaStream_t h) noexcept;
 
 /// After a query answered cudaErrorNotReady (a status, not an error): clears the thread's last error only if the
 /// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
-inline void forget_not_ready() noexcept {
-  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
-}
+GPUKIT_INLINE void forget_not_ready() noexcept;
 
 /// A CUDA stream as runtime calls on it need it: its handle and, when known, its device's ordinal (-1: not known,
 /// looked up where needed).
@@ -59,20 +55,11 @@ struct cuda_stream_target {
 class relaxed_capture_mode {
  public:
   /// Relaxes the mode when `active` (false: does nothing, e.g. for CPU memory).
-  explicit relaxed_capture_mode(bool active = true) noexcept {
-    if (!active) return;
-    if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
-      exchanged_ = true;
-    } else {
-      (void)cudaGetLastError();
-    }
-  }
+  explicit relaxed_capture_mode(bool active = true) noexcept;
   relaxed_capture_mode(const relaxed_capture_mode&) = delete;
   relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
   /// Restores the thread's previous mode.
-  ~relaxed_capture_mode() {
-    if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
-  }
+  ~relaxed_capture_mode();
 
  private:
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
@@ -85,14 +72,7 @@ class relaxed_capture_mode {
 /// runtime would create cuda:0's. Never throws: when the device cannot be chosen (e.g. at exit) nothing changes.
 class host_memory_release_scope {
  public:
-  explicit host_memory_release_scope(int ordinal) noexcept {
-    try {
-      context_.emplace(ordinal, true);
-    } catch (...) {
-      (void)cudaGetLastError();
-    }
-    relaxed_.emplace(true);  // after the context is chosen: no runtime call here may pick cuda:0's for this thread
-  }
+  explicit host_memory_release_scope(int ordinal) noexcept;
 
  private:
   std::optional<context_scope> context_;  // declared first: restored after the capture mode
@@ -105,7 +85,130 @@ namespace cuda_backend {
 
 /// The ordinal of the device stream `handle` belongs to (a default stream: the current device's); a failure names
 /// device `described` (-1: none).
-inline int stream_device(cudaStream_t handle, int described = -1) {
+GPUKIT_INLINE int stream_device(cudaStream_t handle, int described = -1);
+
+/// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
+/// context current and a stream that is not a default one this costs one cuCtxGetCurrent and no runtime call.
+GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard);
+
+/// cudaStreamGetId of a stream that is not a default stream.
+GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal);
+
+/// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
+/// that device current.
+GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread);
+
+/// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
+GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority);
+
+/// cudaStreamDestroy; a failure goes to gpukit::warn (destructors never throw).
+GPUKIT_INLINE void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept;
+
+/// cudaStreamGetPriority.
+GPUKIT_INLINE int stream_priority(cudaStream_t handle, int ordinal);
+
+/// Blocks until the stream's work has completed (cudaStreamSynchronize).
+GPUKIT_INLINE void synchronize(const cuda_stream_target& s);
+
+/// Whether the stream's work has completed (cudaStreamQuery; cudaErrorNotReady is forgotten, see forget_not_ready).
+GPUKIT_INLINE bool ready(const cuda_stream_target& s);
+
+/// cudaLaunchHostFunc(s, function, data).
+GPUKIT_INLINE void launch_host_function(const cuda_stream_target& s, cudaHostFn_t function, void* data);
+
+/// cudaStreamIsCapturing of stream `s` (its context entered): the result, with the status in `status` on success
+/// (a failure is cleared from the thread's last error; the caller decides what it means).
+GPUKIT_INLINE cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStreamCaptureStatus& status);
+
+/// Enqueues a copy of `bytes` bytes on stream `s` (cudaMemcpyAsync, the direction inferred from the pointers), with
+/// device `ordinal`, the stream's, current.
+GPUKIT_INLINE void copy_async(void* dst, const void* src, std::size_t bytes, cudaStream_t s, int ordinal);
+
+/// Enqueues a copy of `bytes` bytes from device memory of `src_ordinal` to device memory of `dst_ordinal` on stream
+/// `s` (cudaMemcpyPeerAsync; through the host where peer access is not enabled).
+GPUKIT_INLINE void copy_peer_async(void* dst, int dst_ordinal, const void* src, int src_ordinal, std::size_t bytes,
+                                   const cuda_stream_target& s);
+
+// --- events ---
+
+/// A new event of device `ordinal` with `flags` (cudaEventCreateWithFlags), with that device current.
+GPUKIT_INLINE cudaEvent_t create_event(int ordinal, unsigned flags);
+
+/// cudaEventDestroy; a failure goes to gpukit::warn (destructors never throw).
+GPUKIT_INLINE void destroy_event(cudaEvent_t handle, int ordinal, const char* where) noexcept;
+
+/// Records event `e` of device `ordinal` on stream `s` of the same device (cudaEventRecord). The default streams
+/// mean "of the current device": the event's device is made current for them, and on a thread without a context.
+GPUKIT_INLINE void record_event(cudaEvent_t e, int ordinal, cudaStream_t s);
+
+/// cudaEventQuery's result, with cudaErrorNotReady forgotten (see forget_not_ready). Never throws.
+GPUKIT_INLINE cudaError_t query_event(cudaEvent_t e) noexcept;
+
+/// Whether the work event `e` captured has completed (cudaEventQuery); throws for an error.
+GPUKIT_INLINE bool event_ready(cudaEvent_t e, int ordinal);
+
+/// A new event without timing of device `ordinal`, recorded on stream `s` of that device, both with the device
+/// current; nullptr when either call failed, with its result in `result`. Throws only what making the device current
+/// throws.
+GPUKIT_INLINE cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& result);
+
+/// Blocks until the work event `e` captured has completed (cudaEventSynchronize).
+GPUKIT_INLINE void synchronize_event(cudaEvent_t e, int ordinal, const char* call = "cudaEventSynchronize");
+
+/// Makes stream `s` wait on the device for event `e` of device `event_ordinal` (cudaStreamWaitEvent).
+GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int event_ordinal);
+
+/// Milliseconds between two completed timing events (cudaEventElapsedTime).
+GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal);
+
+/// A handle another process can open with cudaIpcOpenEventHandle.
+GPUKIT_INLINE cudaIpcEventHandle_t ipc_event_handle(cudaEvent_t e, int ordinal);
+
+/// Blocks until device `ordinal` has completed all its work (cudaDeviceSynchronize, with it current).
+GPUKIT_INLINE void synchronize_device(int ordinal, const char* call);
+
+}  // namespace cuda_backend
+}  // namespace detail
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+GPUKIT_INLINE bool is_default_stream_handle(cudaStream_t h) noexcept {
+  return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
+}
+
+GPUKIT_INLINE void forget_not_ready() noexcept {
+  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+}
+
+GPUKIT_INLINE relaxed_capture_mode::relaxed_capture_mode(bool active) noexcept {
+  if (!active) return;
+  if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
+    exchanged_ = true;
+  } else {
+    (void)cudaGetLastError();
+  }
+}
+
+GPUKIT_INLINE relaxed_capture_mode::~relaxed_capture_mode() {
+  if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+}
+
+GPUKIT_INLINE host_memory_release_scope::host_memory_release_scope(int ordinal) noexcept {
+  try {
+    context_.emplace(ordinal, true);
+  } catch (...) {
+    (void)cudaGetLastError();
+  }
+  relaxed_.emplace(true);  // after the context is chosen: no runtime call here may pick cuda:0's for this thread
+}
+}  // namespace detail
+namespace detail {
+namespace cuda_backend {
+
+GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
   int ordinal = 0;
   if (is_default_stream_handle(handle)) {
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDevice(&ordinal), "cudaGetDevice(&ordinal)", described);
@@ -115,9 +218,7 @@ inline int stream_device(cudaStream_t handle, int described = -1) {
   return ordinal;
 }
 
-/// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
-/// context current and a stream that is not a default one this costs one cuCtxGetCurrent and no runtime call.
-inline void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
+GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
   if (is_default_stream_handle(s.handle)) {
     if (s.ordinal >= 0) guard.emplace(device::cuda(s.ordinal));
     return;
@@ -126,16 +227,13 @@ inline void enter_stream_context(const cuda_stream_target& s, std::optional<devi
   guard.emplace(device::cuda(s.ordinal >= 0 ? s.ordinal : stream_device(s.handle)));
 }
 
-/// cudaStreamGetId of a stream that is not a default stream.
-inline unsigned long long stream_id(cudaStream_t handle, int ordinal) {
+GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal) {
   unsigned long long id = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(handle, &id), "cudaStreamGetId", ordinal);
   return id;
 }
 
-/// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
-/// that device current.
-inline unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
+GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
   device_guard guard(device::cuda(ordinal));
   unsigned long long id = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
@@ -144,8 +242,7 @@ inline unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
   return id;
 }
 
-/// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
-inline cudaStream_t create_stream(int ordinal, bool non_blocking, int priority) {
+GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority) {
   device_guard guard(device::cuda(ordinal));
   const unsigned flags = non_blocking ? cudaStreamNonBlocking : cudaStreamDefault;
   cudaStream_t handle = nullptr;
@@ -157,27 +254,23 @@ inline cudaStream_t create_stream(int ordinal, bool non_blocking, int priority) 
   return handle;
 }
 
-/// cudaStreamDestroy; a failure goes to gpukit::warn (destructors never throw).
-inline void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept {
+GPUKIT_INLINE void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept {
   report_cuda_failure(cudaStreamDestroy(handle), where, ordinal);
 }
 
-/// cudaStreamGetPriority.
-inline int stream_priority(cudaStream_t handle, int ordinal) {
+GPUKIT_INLINE int stream_priority(cudaStream_t handle, int ordinal) {
   int priority = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", ordinal);
   return priority;
 }
 
-/// Blocks until the stream's work has completed (cudaStreamSynchronize).
-inline void synchronize(const cuda_stream_target& s) {
+GPUKIT_INLINE void synchronize(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s.handle), "cudaStreamSynchronize", s.ordinal);
 }
 
-/// Whether the stream's work has completed (cudaStreamQuery; cudaErrorNotReady is forgotten, see forget_not_ready).
-inline bool ready(const cuda_stream_target& s) {
+GPUKIT_INLINE bool ready(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   const cudaError_t result = cudaStreamQuery(s.handle);
@@ -189,16 +282,13 @@ inline bool ready(const cuda_stream_target& s) {
   throw_cuda_error(result, "cudaStreamQuery", s.ordinal, __FILE__, __LINE__);
 }
 
-/// cudaLaunchHostFunc(s, function, data).
-inline void launch_host_function(const cuda_stream_target& s, cudaHostFn_t function, void* data) {
+GPUKIT_INLINE void launch_host_function(const cuda_stream_target& s, cudaHostFn_t function, void* data) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(s.handle, function, data), "cudaLaunchHostFunc", s.ordinal);
 }
 
-/// cudaStreamIsCapturing of stream `s` (its context entered): the result, with the status in `status` on success
-/// (a failure is cleared from the thread's last error; the caller decides what it means).
-inline cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStreamCaptureStatus& status) {
+GPUKIT_INLINE cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStreamCaptureStatus& status) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   const cudaError_t result = cudaStreamIsCapturing(s.handle, &status);
@@ -206,18 +296,14 @@ inline cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStream
   return result;
 }
 
-/// Enqueues a copy of `bytes` bytes on stream `s` (cudaMemcpyAsync, the direction inferred from the pointers), with
-/// device `ordinal`, the stream's, current.
-inline void copy_async(void* dst, const void* src, std::size_t bytes, cudaStream_t s, int ordinal) {
+GPUKIT_INLINE void copy_async(void* dst, const void* src, std::size_t bytes, cudaStream_t s, int ordinal) {
   device_guard guard(device::cuda(ordinal));
   GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s),
                             "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)", ordinal);
 }
 
-/// Enqueues a copy of `bytes` bytes from device memory of `src_ordinal` to device memory of `dst_ordinal` on stream
-/// `s` (cudaMemcpyPeerAsync; through the host where peer access is not enabled).
-inline void copy_peer_async(void* dst, int dst_ordinal, const void* src, int src_ordinal, std::size_t bytes,
-                            const cuda_stream_target& s) {
+GPUKIT_INLINE void copy_peer_async(void* dst, int dst_ordinal, const void* src, int src_ordinal, std::size_t bytes,
+                                   const cuda_stream_target& s) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   // cudaMemcpyPeerAsync has no per-thread entry point: handle 0 would be the legacy stream even in per-thread code.
@@ -229,10 +315,7 @@ inline void copy_peer_async(void* dst, int dst_ordinal, const void* src, int src
                             dst_ordinal);
 }
 
-// --- events ---
-
-/// A new event of device `ordinal` with `flags` (cudaEventCreateWithFlags), with that device current.
-inline cudaEvent_t create_event(int ordinal, unsigned flags) {
+GPUKIT_INLINE cudaEvent_t create_event(int ordinal, unsigned flags) {
   device_guard guard(device::cuda(ordinal));
   cudaEvent_t handle = nullptr;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&handle, flags),
@@ -240,39 +323,31 @@ inline cudaEvent_t create_event(int ordinal, unsigned flags) {
   return handle;
 }
 
-/// cudaEventDestroy; a failure goes to gpukit::warn (destructors never throw).
-inline void destroy_event(cudaEvent_t handle, int ordinal, const char* where) noexcept {
+GPUKIT_INLINE void destroy_event(cudaEvent_t handle, int ordinal, const char* where) noexcept {
   report_cuda_failure(cudaEventDestroy(handle), where, ordinal);
 }
 
-/// Records event `e` of device `ordinal` on stream `s` of the same device (cudaEventRecord). The default streams
-/// mean "of the current device": the event's device is made current for them, and on a thread without a context.
-inline void record_event(cudaEvent_t e, int ordinal, cudaStream_t s) {
+GPUKIT_INLINE void record_event(cudaEvent_t e, int ordinal, cudaStream_t s) {
   std::optional<device_guard> guard;
   if (is_default_stream_handle(s) || thread_context_state() == 0) guard.emplace(device::cuda(ordinal));
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s), "cudaEventRecord", ordinal);
 }
 
-/// cudaEventQuery's result, with cudaErrorNotReady forgotten (see forget_not_ready). Never throws.
-inline cudaError_t query_event(cudaEvent_t e) noexcept {
+GPUKIT_INLINE cudaError_t query_event(cudaEvent_t e) noexcept {
   const relaxed_capture_mode relaxed;  // another thread may be capturing in global mode (see relaxed_capture_mode)
   const cudaError_t result = cudaEventQuery(e);
   if (result == cudaErrorNotReady) forget_not_ready();
   return result;
 }
 
-/// Whether the work event `e` captured has completed (cudaEventQuery); throws for an error.
-inline bool event_ready(cudaEvent_t e, int ordinal) {
+GPUKIT_INLINE bool event_ready(cudaEvent_t e, int ordinal) {
   const cudaError_t result = query_event(e);
   if (result == cudaSuccess) return true;
   if (result == cudaErrorNotReady) return false;
   throw_cuda_error(result, "cudaEventQuery", ordinal, __FILE__, __LINE__);
 }
 
-/// A new event without timing of device `ordinal`, recorded on stream `s` of that device, both with the device
-/// current; nullptr when either call failed, with its result in `result`. Throws only what making the device current
-/// throws.
-inline cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& result) {
+GPUKIT_INLINE cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& result) {
   device_guard guard(device::cuda(ordinal));
   cudaEvent_t e = nullptr;
   result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
@@ -283,35 +358,30 @@ inline cudaEvent_t record_new_event(cudaStream_t s, int ordinal, cudaError_t& re
   return nullptr;
 }
 
-/// Blocks until the work event `e` captured has completed (cudaEventSynchronize).
-inline void synchronize_event(cudaEvent_t e, int ordinal, const char* call = "cudaEventSynchronize") {
+GPUKIT_INLINE void synchronize_event(cudaEvent_t e, int ordinal, const char* call) {
   const relaxed_capture_mode relaxed;  // as in query_event
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventSynchronize(e), call, ordinal);
 }
 
-/// Makes stream `s` wait on the device for event `e` of device `event_ordinal` (cudaStreamWaitEvent).
-inline void wait_event(const cuda_stream_target& s, cudaEvent_t e, int event_ordinal) {
+GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int event_ordinal) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.handle, e, 0), "cudaStreamWaitEvent", event_ordinal);
 }
 
-/// Milliseconds between two completed timing events (cudaEventElapsedTime).
-inline float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
+GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
   float ms = 0.0f;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime", ordinal);
   return ms;
 }
 
-/// A handle another process can open with cudaIpcOpenEventHandle.
-inline cudaIpcEventHandle_t ipc_event_handle(cudaEvent_t e, int ordinal) {
+GPUKIT_INLINE cudaIpcEventHandle_t ipc_event_handle(cudaEvent_t e, int ordinal) {
   cudaIpcEventHandle_t handle{};
   GPUKIT_CUDA_TRY_DESCRIBED(cudaIpcGetEventHandle(&handle, e), "cudaIpcGetEventHandle", ordinal);
   return handle;
 }
 
-/// Blocks until device `ordinal` has completed all its work (cudaDeviceSynchronize, with it current).
-inline void synchronize_device(int ordinal, const char* call) {
+GPUKIT_INLINE void synchronize_device(int ordinal, const char* call) {
   device_guard guard(device::cuda(ordinal));
   GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), call, ordinal);
 }
@@ -319,3 +389,4 @@ inline void synchronize_device(int ordinal, const char* call) {
 }  // namespace cuda_backend
 }  // namespace detail
 GPUKIT_END_NAMESPACE
+#endif  // GPUKIT_DETAIL_DEFINITIONS
