@@ -41,11 +41,7 @@ struct installed_warning_handler {
   std::size_t calls_in_progress = 0;
 };
 
-struct warning_state {
-  std::mutex mutex;
-  std::condition_variable call_finished;
-  std::shared_ptr<installed_warning_handler> current;  // null: print to stderr
-};
+struct warning_state;
 // Constructed on first use (never at static initialisation) and never destroyed: destructors that run after main
 // returns (objects at namespace scope, singletons) may still warn, after a destroyed static would be gone.
 GPUKIT_EXPORT GPUKIT_INLINE warning_state& warnings();
@@ -72,6 +68,12 @@ GPUKIT_END_NAMESPACE
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
+
+struct warning_state {
+  std::mutex mutex;
+  std::condition_variable call_finished;
+  std::shared_ptr<installed_warning_handler> current;  // null: print to stderr
+};
 
 GPUKIT_INLINE installed_warning_handler::installed_warning_handler(warning_handler h) : handler(std::move(h)) {}
 

@@ -40,7 +40,8 @@
 // once, as {fmt} does without FMT_HEADER_ONLY. Parsing those bodies, and instantiating the standard containers they
 // use, is most of what including gpukit costs. A header that defines such functions out of class keeps them in one
 // block, at its end, under `#if GPUKIT_DETAIL_DEFINITIONS`, each marked GPUKIT_INLINE: `inline` header-only, nothing
-// in the compiled library. Templates, constexpr functions and one-line accessors stay where they are, in every mode.
+// in the compiled library. Templates, constexpr functions and the caching engine's hot-path helpers (spin_mutex, size
+// classes, page maps) stay in the headers in every mode.
 #if !defined(GPUKIT_SEPARATE_COMPILATION) || defined(GPUKIT_DETAIL_BUILDING_COMPILED)
 #define GPUKIT_DETAIL_DEFINITIONS 1
 #else
@@ -77,6 +78,15 @@
 #else
 #define GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM 0
 #define GPUKIT_ABI_NAMESPACE abi_v1
+#endif
+
+// The state shared by both default-stream modes (namespace gpukit::mode_independent, below) is defined once in the
+// compiled mode: by gpukit_compiled.cpp, not again by its per-thread default stream twin.
+#if !defined(GPUKIT_SEPARATE_COMPILATION) || \
+    (defined(GPUKIT_DETAIL_BUILDING_COMPILED) && !GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM)
+#define GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS 1
+#else
+#define GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS 0
 #endif
 
 #define GPUKIT_BEGIN_NAMESPACE \

@@ -74,10 +74,7 @@ GPUKIT_INLINE int device_attribute(cudaDeviceAttr attribute, int ordinal, const 
 GPUKIT_INLINE device_properties query_properties(device d);
 
 /// The process-wide cache of properties(), indexed by ordinal.
-struct properties_cache {
-  std::mutex mutex;
-  std::vector<std::unique_ptr<const device_properties>> entries;
-};
+struct properties_cache;
 GPUKIT_EXPORT GPUKIT_INLINE properties_cache& device_properties_cache();
 
 }  // namespace detail
@@ -99,10 +96,7 @@ struct priority_range {
 namespace detail {
 
 /// The process-wide cache of stream_priority_range(), indexed by ordinal.
-struct priority_range_cache {
-  std::mutex mutex;
-  std::vector<std::optional<priority_range>> entries;
-};
+struct priority_range_cache;
 GPUKIT_EXPORT GPUKIT_INLINE priority_range_cache& stream_priority_ranges();
 
 }  // namespace detail
@@ -137,6 +131,18 @@ GPUKIT_INLINE double device_properties::peak_memory_bandwidth_gb_per_s() const {
   return 2.0 * memory_clock_rate_khz * 1e3 * (memory_bus_width_bits / 8.0) / 1e9;
 }
 namespace detail {
+
+/// The process-wide cache of stream_priority_range(), indexed by ordinal.
+struct priority_range_cache {
+  std::mutex mutex;
+  std::vector<std::optional<priority_range>> entries;
+};
+
+/// The process-wide cache of properties(), indexed by ordinal.
+struct properties_cache {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<const device_properties>> entries;
+};
 
 GPUKIT_INLINE std::string format_gpu_uuid(const unsigned char (&bytes)[16]) {
   char text[4 + 36 + 1];

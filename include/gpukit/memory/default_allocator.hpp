@@ -40,13 +40,7 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 
-struct default_allocator_registry {
-  static constexpr int fast_slots = 65;  // cpu, cuda:0 .. cuda:63 without a lock
-  std::mutex mutex;
-  std::array<std::atomic<device_allocator*>, fast_slots> fast{};
-  std::map<device, std::shared_ptr<device_allocator>> owners;
-  std::map<device, allocator_options> options;
-};
+struct default_allocator_registry;
 
 /// Never destroyed: allocators must outlive every buffer, including those destroyed during static destruction.
 GPUKIT_EXPORT GPUKIT_INLINE default_allocator_registry& default_allocators();
@@ -62,6 +56,16 @@ GPUKIT_INLINE device_allocator* existing_default_allocator(device d) noexcept;
 /// Publishes the allocator of `d` for lock-free reads (the registry's lock held).
 GPUKIT_INLINE void publish_default_allocator(default_allocator_registry& registry, device d,
                                              device_allocator* a) noexcept;
+
+/// Creates the default allocator of `d` (a caching_allocator with the options set for `d`, else those of the
+/// environment) unless another thread did first; default_allocator's slow path. A template, so that header-only
+/// translation units compile the engine only where they call it.
+template <int Deferred>
+device_allocator& create_default_allocator(device d);
+#if defined(GPUKIT_SEPARATE_COMPILATION)
+/// The same, compiled into gpukit::compiled: compiled-mode translation units neither parse nor instantiate it.
+GPUKIT_INLINE device_allocator& create_default_allocator_compiled(device d);
+#endif
 }  // namespace detail
 
 /// The default allocator of `d` (a caching_allocator unless replaced), created on first use. Called as
@@ -69,16 +73,11 @@ GPUKIT_INLINE void publish_default_allocator(default_allocator_registry& registr
 template <int Deferred = 0>
 device_allocator& default_allocator(device d) {
   if (device_allocator* a = detail::existing_default_allocator(d)) return *a;
-  auto& registry = detail::default_allocators();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  auto& owner = registry.owners[d];
-  if (!owner) {
-    const auto configured = registry.options.find(d);
-    owner = std::make_shared<caching_allocator>(
-        d, configured != registry.options.end() ? configured->second : allocator_options_from_environment());
-  }
-  detail::publish_default_allocator(registry, d, owner.get());
-  return *owner;
+#if GPUKIT_DETAIL_DEFINITIONS
+  return detail::create_default_allocator<Deferred>(d);
+#else
+  return detail::create_default_allocator_compiled(d);  // the engine is not even named here
+#endif
 }
 
 /// Makes `allocator` the default of `d` and returns the previous one (nullptr if none was created yet). Buffers
@@ -196,6 +195,33 @@ GPUKIT_END_NAMESPACE
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
+
+/// What default_allocator and set_default_allocator share, behind default_allocators().
+struct default_allocator_registry {
+  static constexpr int fast_slots = 65;  // cpu, cuda:0 .. cuda:63 without a lock
+  std::mutex mutex;
+  std::array<std::atomic<device_allocator*>, fast_slots> fast{};
+  std::map<device, std::shared_ptr<device_allocator>> owners;
+  std::map<device, allocator_options> options;
+};
+
+template <int Deferred>
+device_allocator& create_default_allocator(device d) {
+  auto& registry = default_allocators();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& owner = registry.owners[d];
+  if (!owner) {
+    const auto configured = registry.options.find(d);
+    owner = std::make_shared<caching_allocator>(
+        d, configured != registry.options.end() ? configured->second : allocator_options_from_environment());
+  }
+  publish_default_allocator(registry, d, owner.get());
+  return *owner;
+}
+
+#if defined(GPUKIT_SEPARATE_COMPILATION)
+GPUKIT_INLINE device_allocator& create_default_allocator_compiled(device d) { return create_default_allocator<0>(d); }
+#endif
 
 GPUKIT_INLINE default_allocator_registry& default_allocators() {
   static default_allocator_registry* registry = new default_allocator_registry();

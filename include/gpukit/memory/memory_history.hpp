@@ -65,11 +65,7 @@ struct memory_event {
 namespace detail {
 
 /// Process-wide tag names: id 0 is "", ids never change once given.
-struct memory_tag_registry {
-  std::mutex mutex;
-  std::vector<std::string> names{std::string()};
-  std::unordered_map<std::string, std::uint32_t> ids;
-};
+struct memory_tag_registry;
 
 // Never destroyed: tags are named during exit too (report_leaks_at_exit, objects destroyed after main returns).
 GPUKIT_EXPORT GPUKIT_INLINE memory_tag_registry& memory_tags();
@@ -177,6 +173,13 @@ GPUKIT_INLINE const char* memory_action_name(memory_action a) noexcept {
   return "unknown";
 }
 namespace detail {
+
+/// Process-wide tag names: id 0 is "", ids never change once given.
+struct memory_tag_registry {
+  std::mutex mutex;
+  std::vector<std::string> names{std::string()};
+  std::unordered_map<std::string, std::uint32_t> ids;
+};
 
 GPUKIT_INLINE memory_tag_registry& memory_tags() {
   static memory_tag_registry* registry = new memory_tag_registry();

@@ -17,10 +17,7 @@
 GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
-struct current_stream_entry {
-  gpukit::device device;
-  stream_view stream;
-};
+struct current_stream_entry;
 /// This thread's current streams, one entry per device that has one set (a handful at most).
 GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>& current_streams();
 }  // namespace detail
@@ -53,6 +50,11 @@ GPUKIT_END_NAMESPACE
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
+
+struct current_stream_entry {
+  gpukit::device device;
+  stream_view stream;
+};
 
 GPUKIT_INLINE std::vector<current_stream_entry>& current_streams() {
   thread_local std::vector<current_stream_entry> streams;

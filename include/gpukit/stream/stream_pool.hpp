@@ -123,10 +123,7 @@ enum class stream_priority { normal, high };
 
 namespace detail {
 /// The process-wide pools of default_stream_pool, by (ordinal, priority).
-struct default_stream_pool_registry {
-  std::mutex mutex;
-  std::map<std::pair<int, int>, std::unique_ptr<stream_pool>> pools;
-};
+struct default_stream_pool_registry;
 GPUKIT_EXPORT GPUKIT_INLINE default_stream_pool_registry& default_stream_pools();
 }  // namespace detail
 
@@ -260,6 +257,12 @@ GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noex
   }
 }
 namespace detail {
+
+/// The process-wide pools of default_stream_pool, by (ordinal, priority).
+struct default_stream_pool_registry {
+  std::mutex mutex;
+  std::map<std::pair<int, int>, std::unique_ptr<stream_pool>> pools;
+};
 
 GPUKIT_INLINE default_stream_pool_registry& default_stream_pools() {
   static default_stream_pool_registry registry;

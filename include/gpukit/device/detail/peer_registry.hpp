@@ -45,22 +45,34 @@ struct peer_access_registry {
   std::uint64_t generation = 0;
 
   /// The devices holding access to `to` (callers hold `mutex`).
-  std::vector<int> peers_of(int to) const {
-    std::vector<int> from;
-    for (const auto& entry : pairs) {
-      if (entry.first.second == to && entry.second.holders > 0) from.push_back(entry.first.first);
-    }
-    return from;
-  }
+  std::vector<int> peers_of(int to) const;
 };
 
 /// The process's peer_access_registry. Never destroyed: a peer_access at namespace scope is released after main
 /// returns, and memory is unmapped by allocators destroyed then. The name carries the registry's layout version:
 /// shared libraries built with gpukit versions whose registries differ each get their own, never a mismatched one.
-GPUKIT_EXPORT inline peer_access_registry& peer_access_holders_v2() {
+GPUKIT_EXPORT GPUKIT_INLINE peer_access_registry& peer_access_holders_v2();
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
+#if GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
+namespace gpukit {
+namespace mode_independent {
+
+GPUKIT_INLINE std::vector<int> peer_access_registry::peers_of(int to) const {
+  std::vector<int> from;
+  for (const auto& entry : pairs) {
+    if (entry.first.second == to && entry.second.holders > 0) from.push_back(entry.first.first);
+  }
+  return from;
+}
+
+GPUKIT_INLINE peer_access_registry& peer_access_holders_v2() {
   static peer_access_registry* registry = new peer_access_registry();
   return *registry;
 }
 
 }  // namespace mode_independent
 }  // namespace gpukit
+#endif  // GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
