@@ -10,9 +10,9 @@
 # Every GPU test runs on the simulated runtime in all four. Its build against the real runtime (reported Skipped on
 # a machine without a GPU) is made only in gcc-cxx17: the other three set GPUKIT_BUILD_GPU_TESTS=OFF, for CI time.
 # Only gcc-cxx17 builds the tests header-only (the default users get); the others build them in the compiled mode
-# (GPUKIT_TESTS_USE_COMPILED: the engines are compiled once, with that configuration's flags and sanitizers), which
-# roughly halves the compile time of an engine-heavy test. The engines' code is the same in both modes, and
-# gcc-cxx17 also runs the compiled mode's own tests.
+# (GPUKIT_TESTS_USE_COMPILED: gpukit.hpp's function bodies and the engines are compiled once, with that
+# configuration's flags and sanitizers), which roughly halves the compile time of an engine-heavy test. The code is
+# the same in both modes (moved, not changed), and gcc-cxx17 also runs the compiled mode's own tests.
 # Environment: GPUKIT_CONFIGS="gcc-cxx17 clang-cxx20" runs a subset; GPUKIT_BUILD_ROOT (default build-ci) holds
 # the build trees; GPUKIT_JOBS sets parallelism (default: number of cores).
 set -euo pipefail
