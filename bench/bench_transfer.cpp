@@ -8,6 +8,7 @@
 // GPU (registered only with a usable CUDA device): host-to-device and device-to-host GB/s for raw cudaMemcpyAsync
 // (pinned and pageable) and gpukit (pinned: one DMA; pageable: staged), with the ratios the targets are stated in.
 #include <gpukit/gpukit.hpp>
+#include <gpukit/transfer/staging_impl.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -10,6 +10,7 @@
 //   bandwidth_test              # every size from 64 KiB to 1 GiB (CPU mode: to 64 MiB)
 //   bandwidth_test --max 64M    # stop at 64 MiB
 #include <gpukit/gpukit.hpp>
+#include <gpukit/transfer/staging_impl.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -48,7 +48,9 @@ released_versions() { sed -n 's/^## \[\([0-9][0-9.]*\)\] - .*/\1/p' CHANGELOG.md
 
 # The commit of release $1: the one whose CHANGELOG.md gained "## [$1] - ", which the tag v$1 points to. Found from
 # the history because tags need not travel with a clone of main (CI clones main).
-release_commit() { git log --reverse --format=%H -S"## [$1] - " -- CHANGELOG.md | head -n 1; }
+release_commit() {  # sed, not head, reads git log to its end: a cut pipe (SIGPIPE) fails under pipefail
+  git log --reverse --format=%H -S"## [$1] - " -- CHANGELOG.md | sed -n 1p
+}
 
 # The archive GitHub serves for tag v$1 (https://github.com/gpukit/gpukit/archive/v$1.tar.gz): git archive's tar with
 # the prefix gpukit-$1/, compressed by gzip without a name or time stamp. Written to stdout.

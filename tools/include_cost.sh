@@ -9,7 +9,8 @@
 #    engines then come from gpukit::compiled) (target: <= 50 % of the header-only time).
 #   tools/include_cost.sh [header ...]        (paths under include/, e.g. gpukit/memory/pmr.hpp; default: a set)
 # Environment: CXX (g++), RUNS (5), CCCL (the toolkit's include/cccl, for headers that need CCCL), TU (1; 0 skips 2),
-# BASE (a git revision: its headers are measured in the same run, in a column of their own, for before/after tables).
+# BASE (a git revision: its headers are measured in the same run, in columns of their own, both modes, for
+# before/after tables).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cxx="${CXX:-g++}"
@@ -75,6 +76,7 @@ for _ in $(seq "$runs"); do
     keep_best "c$i" "$(time_once "$work/tu$i.cpp" -fsyntax-only -DGPUKIT_SEPARATE_COMPILATION)"
     if [ -n "$base" ] && [ -f "$base/include/${headers[$i]}" ]; then
       keep_best "b$i" "$(tree="$base" && time_once "$work/tu$i.cpp")"
+      keep_best "bc$i" "$(tree="$base" && time_once "$work/tu$i.cpp" -fsyntax-only -DGPUKIT_SEPARATE_COMPILATION)"
     fi
   done
 done
@@ -82,7 +84,7 @@ baseline=$(printf '%.2f' "${best[baseline]}")
 # The table.
 ratio_of() { echo "$1 / ${best[baseline]}" | bc -l; }
 printf '%-40s %8s %10s %9s %10s' header seconds "x baseline" compiled "x baseline"
-[ -z "$base" ] || printf ' %8s %10s' "$BASE" "x baseline"
+[ -z "$base" ] || printf ' %8s %10s %9s %10s' "$BASE" "x baseline" compiled "x baseline"
 echo
 printf '%-40s %8s %10s %9s %10s\n' "(standard + CUDA headers, $(wc -l <"$work/baseline.cpp") of them)" "$baseline" "1.00" \
   "$baseline" "1.00"
@@ -96,7 +98,12 @@ for i in "${!headers[@]}"; do
   printf '%-40s %8.2f %10.2f %9.2f %10.2f' "$h" "${best[h$i]}" "$(ratio_of "${best[h$i]}")" "${best[c$i]}" \
     "$compiled_ratio"
   if [ -n "$base" ]; then
-    if [ -z "${best[b$i]:-}" ]; then printf ' %8s %10s' - -; else printf ' %8.2f %10.2f' "${best[b$i]}" "$(ratio_of "${best[b$i]}")"; fi
+    if [ -z "${best[b$i]:-}" ]; then
+      printf ' %8s %10s %9s %10s' - - - -
+    else
+      printf ' %8.2f %10.2f %9.2f %10.2f' "${best[b$i]}" "$(ratio_of "${best[b$i]}")" "${best[bc$i]}" \
+        "$(ratio_of "${best[bc$i]}")"
+    fi
   fi
   printf '  %s\n' "$target"
 done

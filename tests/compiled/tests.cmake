@@ -12,6 +12,10 @@ add_library(gpukit_test_compiled STATIC ${gpukit_compiled_sources})
 target_compile_definitions(gpukit_test_compiled PUBLIC GPUKIT_SEPARATE_COMPILATION)
 target_link_libraries(gpukit_test_compiled PUBLIC gpukit::headers gpukit_strict_flags)
 set_target_properties(gpukit_test_compiled PROPERTIES POSITION_INDEPENDENT_CODE ON)  # the tests' shared libraries
+get_target_property(gpukit_compiled_options gpukit_compiled COMPILE_OPTIONS)
+if(gpukit_compiled_options)
+  target_compile_options(gpukit_test_compiled PRIVATE ${gpukit_compiled_options})  # -fno-semantic-interposition
+endif()
 
 if(GPUKIT_TESTS_USE_COMPILED)
   # Every test, example and tool calls the library's engines (tests/run_all.sh builds its sanitizer and Release
@@ -44,3 +48,12 @@ add_test(NAME test_compiled_probe
           "-DHEADER_ONLY=$<TARGET_OBJECTS:gpukit_header_only_probe>"
           -P "${CMAKE_CURRENT_LIST_DIR}/check_probe.cmake")
 set_tests_properties(test_compiled_probe PROPERTIES LABELS cpu)
+
+# An engine of one's own in the compiled mode: the translation unit includes the engine's *_impl.hpp and compiles
+# that instantiation, while the default engine's stay extern (the library's).
+add_library(gpukit_custom_engine_probe OBJECT "${CMAKE_CURRENT_LIST_DIR}/custom_engine_probe.cpp")
+target_link_libraries(gpukit_custom_engine_probe PRIVATE gpukit_test_compiled)
+add_test(NAME test_custom_engine_probe
+  COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DOBJECT=$<TARGET_OBJECTS:gpukit_custom_engine_probe>"
+          -P "${CMAKE_CURRENT_LIST_DIR}/check_custom_probe.cmake")
+set_tests_properties(test_custom_engine_probe PROPERTIES LABELS cpu)

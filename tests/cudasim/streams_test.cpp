@@ -13,6 +13,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cuda_runtime_api.h>
 

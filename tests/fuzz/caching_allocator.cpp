@@ -15,6 +15,7 @@
 
 #include "fuzz_support.hpp"
 #include "gated_streams.hpp"
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <array>
 #include <cmath>

@@ -11,6 +11,7 @@
 
 #include "fuzz_support.hpp"
 #include "gated_streams.hpp"
+#include <gpukit/memory/pinned_pool_impl.hpp>
 
 #include <array>
 #include <cstdint>

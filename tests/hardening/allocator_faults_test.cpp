@@ -17,6 +17,7 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cstdint>
 #include <cstring>

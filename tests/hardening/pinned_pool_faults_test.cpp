@@ -9,6 +9,7 @@
 
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/pinned_pool_impl.hpp>
 
 #include <algorithm>
 #include <cstddef>

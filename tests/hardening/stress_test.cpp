@@ -20,6 +20,7 @@
 #include <gpukit/transfer/copy.hpp>
 #include <gpukit/transfer/prefetcher.hpp>
 #include <gpukit/transfer/staging.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <atomic>
 #include <condition_variable>

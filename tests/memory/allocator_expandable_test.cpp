@@ -7,6 +7,7 @@
 #include <gpukit/warning.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <string>
 #include <vector>

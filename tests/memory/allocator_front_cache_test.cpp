@@ -9,6 +9,7 @@
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <algorithm>
 #include <array>

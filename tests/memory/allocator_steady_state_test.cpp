@@ -6,6 +6,7 @@
 
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cstdint>
 #include <deque>

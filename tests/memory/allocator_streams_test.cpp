@@ -7,6 +7,7 @@
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <atomic>
 #include <chrono>

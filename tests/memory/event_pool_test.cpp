@@ -51,17 +51,16 @@ TEST_CASE("event pool: beyond its capacity per device, events given back are des
 }
 
 TEST_CASE("event pool: the pinned pool's process-wide cache takes events back and hands out usable ones") {
-  auto& cache = gpukit::detail::shared_recycled_events();
   gpukit::stream s(device::cpu());
-  gpukit::event e = cache.acquire(device::cpu());
+  gpukit::event e = gpukit::detail::acquire_recycled_event(device::cpu());
   REQUIRE(e.device() == device::cpu());
   e.record(s);
   s.synchronize();
   CHECK(e.ready());
-  cache.give(std::move(e));
-  CHECK_FALSE(e.valid());    // NOLINT(bugprone-use-after-move): the cache took it
-  cache.give(std::move(e));  // NOLINT(bugprone-use-after-move): a moved-from event is not kept
-  gpukit::event again = cache.acquire(device::cpu());
+  gpukit::detail::give_recycled_event(std::move(e));
+  CHECK_FALSE(e.valid());                             // NOLINT(bugprone-use-after-move): the cache took it
+  gpukit::detail::give_recycled_event(std::move(e));  // NOLINT(bugprone-use-after-move): a moved-from one is not kept
+  gpukit::event again = gpukit::detail::acquire_recycled_event(device::cpu());
   REQUIRE(again.device() == device::cpu());
   again.record(s);
   s.synchronize();

@@ -9,6 +9,7 @@
 #include <gpukit/memory/memory_picture.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <algorithm>
 #include <atomic>

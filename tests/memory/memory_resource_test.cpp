@@ -13,6 +13,7 @@
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cuda/memory_resource>
 #include <cuda/stream_ref>

@@ -11,6 +11,7 @@
 
 #include "support.hpp"
 #include "transfer/transfer_support.hpp"
+#include <gpukit/transfer/staging_impl.hpp>
 
 #include <array>
 #include <atomic>

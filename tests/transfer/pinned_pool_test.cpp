@@ -7,6 +7,7 @@
 
 #include "support.hpp"
 #include "transfer/transfer_support.hpp"
+#include <gpukit/memory/pinned_pool_impl.hpp>
 
 #include <algorithm>
 #include <atomic>

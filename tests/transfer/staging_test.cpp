@@ -10,6 +10,7 @@
 
 #include "support.hpp"
 #include "transfer/transfer_support.hpp"
+#include <gpukit/transfer/staging_impl.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -12,6 +12,7 @@
 #include <gpukit/memory/caching_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <algorithm>
 #include <cstddef>

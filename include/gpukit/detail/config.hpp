@@ -25,10 +25,11 @@
 
 #include <cuda_runtime_api.h>
 
-// GPUKIT_SEPARATE_COMPILATION (defined by linking gpukit::compiled) declares the engines gpukit's defaults use
-// (the caching allocator, the pinned pool, the staging engine) as extern templates: a translation unit then calls
-// the instantiations compiled once into gpukit::compiled instead of compiling them itself. Header-only (without the
-// macro) stays the default and needs nothing linked but the CUDA Runtime.
+// GPUKIT_SEPARATE_COMPILATION (defined by linking gpukit::compiled) leaves the member functions of the engines out
+// (the caching allocator, the pinned pool, the staging engine: each defines them in its *_impl.hpp, which its header
+// includes only header-only), so a translation unit calls the instantiations gpukit::compiled holds. One that
+// includes an *_impl.hpp itself, to instantiate an engine of its own, sees those instantiations declared extern
+// there. Header-only (without the macro) stays the default and needs nothing linked but the CUDA Runtime.
 #if defined(GPUKIT_SEPARATE_COMPILATION)
 #define GPUKIT_DETAIL_EXTERN_TEMPLATES 1
 #else
@@ -40,8 +41,8 @@
 // once, as {fmt} does without FMT_HEADER_ONLY. Parsing those bodies, and instantiating the standard containers they
 // use, is most of what including gpukit costs. A header that defines such functions out of class keeps them in one
 // block, at its end, under `#if GPUKIT_DETAIL_DEFINITIONS`, each marked GPUKIT_INLINE: `inline` header-only, nothing
-// in the compiled library. Templates, constexpr functions and the caching engine's hot-path helpers (spin_mutex, size
-// classes, page maps) stay in the headers in every mode.
+// in the compiled library. Constexpr functions, member templates and the caching engine's hot-path helpers
+// (spin_mutex, size classes, page maps) stay in the headers in every mode.
 #if !defined(GPUKIT_SEPARATE_COMPILATION) || defined(GPUKIT_DETAIL_BUILDING_COMPILED)
 #define GPUKIT_DETAIL_DEFINITIONS 1
 #else
@@ -102,6 +103,17 @@ namespace detail {
 /// Whether this translation unit uses CUDA's per-thread default stream (see the file comment). Each mode has its
 /// own copy of this function, as of every gpukit function.
 constexpr bool per_thread_default_stream_mode() noexcept { return GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM != 0; }
+
+/// `T`, named so that the name depends on `Dependent` (a template's parameter, or a value computed from one): a
+/// template that uses an engine through it instantiates the engine's class when it is instantiated itself, not where
+/// it is defined, so a translation unit that never uses the template does not pay for the engine.
+template <auto Dependent, class T>
+struct dependent_type {
+  using type = T;  ///< `T`
+};
+/// `T`, as a name that depends on `Dependent` (dependent_type).
+template <auto Dependent, class T>
+using dependent_t = typename dependent_type<Dependent, T>::type;
 
 }  // namespace detail
 GPUKIT_END_NAMESPACE

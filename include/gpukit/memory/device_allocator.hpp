@@ -203,15 +203,6 @@ class caching_device_allocator final : public device_allocator {
 /// The default allocators' type: cudaMalloc-backed for cuda:N, host-memory-backed for the CPU.
 using caching_allocator = caching_device_allocator<device_upstream>;
 
-#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
-extern template class basic_caching_allocator<device_upstream, stream_ops>;
-extern template class caching_device_allocator<device_upstream>;
-// The constructors are member templates (upstream arguments), which a class's explicit instantiation leaves out.
-extern template basic_caching_allocator<device_upstream, stream_ops>::basic_caching_allocator(gpukit::device,
-                                                                                              allocator_options);
-extern template caching_device_allocator<device_upstream>::caching_device_allocator(gpukit::device, allocator_options);
-#endif
-
 GPUKIT_END_NAMESPACE
 
 #if GPUKIT_DETAIL_DEFINITIONS

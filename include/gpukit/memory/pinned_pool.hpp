@@ -107,23 +107,17 @@ template <class Upstream>
 struct has_page_locked<Upstream, std::void_t<decltype(std::declval<const Upstream&>().page_locked())>>
     : std::true_type {};
 
-/// The process-wide pool of events (detail::event_pool behind a mutex) that pinned pools and staging engines share,
-/// so recording "this block is free once s gets here" does not create and destroy a CUDA event each time.
-/// Thread-safe. Leaked on purpose: pools and staging engines that outlive static destruction (host callbacks at
-/// exit) may still return events to it.
-class recycled_event_cache {
- public:
-  /// An event of `d` (timing disabled), recycled when available.
-  event acquire(device d);
-  /// Gives an event back for reuse; the cache keeps at most 1024 per device and destroys the rest.
-  void give(event&& e) noexcept;
-
- private:
-  std::mutex mutex_;
-  event_pool<event> pool_{1024};
-};
-
+/// The process-wide pool of events that pinned pools and staging engines share (defined with the functions, so the
+/// compiled mode parses none of it), so recording "this block is free once s gets here" does not create and destroy a
+/// CUDA event each time.
+class recycled_event_cache;
+/// The process-wide recycled_event_cache. Thread-safe. Leaked on purpose: pools and staging engines that outlive
+/// static destruction (host callbacks at exit) may still return events to it.
 GPUKIT_EXPORT GPUKIT_INLINE recycled_event_cache& shared_recycled_events();
+/// An event of `d` (timing disabled) from the shared cache, recycled when available.
+GPUKIT_INLINE event acquire_recycled_event(device d);
+/// Gives an event back to the shared cache for reuse; it keeps at most 1024 per device and destroys the rest.
+GPUKIT_INLINE void give_recycled_event(event&& e) noexcept;
 
 }  // namespace detail
 
@@ -198,14 +192,7 @@ class basic_pinned_pool {
 
   /// An empty pool (nothing is allocated until the first request). Throws invalid_argument_error when
   /// `options.classes_per_doubling` is not a power of two.
-  explicit basic_pinned_pool(Upstream upstream = Upstream(), pinned_pool_options options = {}, Sync sync = Sync())
-      : upstream_(std::move(upstream)), sync_(std::move(sync)), options_(options) {
-    const std::size_t c = options_.classes_per_doubling;
-    if (!detail::is_power_of_two(c)) {
-      throw invalid_argument_error("gpukit::pinned_pool: classes_per_doubling must be a power of two, not " +
-                                   std::to_string(c));
-    }
-  }
+  explicit basic_pinned_pool(Upstream upstream = Upstream(), pinned_pool_options options = {}, Sync sync = Sync());
 
   basic_pinned_pool(const basic_pinned_pool&) = delete;
   basic_pinned_pool& operator=(const basic_pinned_pool&) = delete;
@@ -213,118 +200,26 @@ class basic_pinned_pool {
   /// Waits for the events of pending blocks, then releases every cached block. Blocks still allocated are leaked
   /// (their owners may still use them) and reported through gpukit::warn; so are lost blocks (see deallocate) and
   /// blocks freed during a capture that is still underway (deallocate_after_captures: no event can wait for them).
-  ~basic_pinned_pool() {
-    if (!deferred_.empty()) (void)process_deferred_locked();  // no other thread may use a pool being destroyed
-    report_deferred_losses();
-    std::size_t leaked = 0;
-    std::size_t leaked_bytes = 0;
-    for (auto& entry : blocks_) {
-      block& b = entry.second;
-      if (b.state == block_state::active || b.state == block_state::lost || b.state == block_state::deferred) {
-        ++leaked;
-        leaked_bytes += b.size;
-        continue;
-      }
-      for (auto& m : b.markers) {
-        try {
-          sync_.wait(m);
-        } catch (...) {
-          // The stream failed; the memory is released anyway, as CUDA would on context teardown.
-        }
-        sync_.recycle(std::move(m));
-      }
-      for (const auto& f : b.finals) {
-        try {
-          f->wait_finished();
-        } catch (...) {
-          // As above.
-        }
-      }
-      upstream_.deallocate(entry.first, b.size);
-    }
-    if (leaked != 0) {
-      warn("gpukit::pinned_pool destroyed with " + std::to_string(leaked) + " block(s) (" +
-           detail::format_bytes(leaked_bytes) + ") still allocated" +
-           (deferred_.empty() ? std::string()
-                              : ", " + std::to_string(deferred_.size()) + " of them freed but waiting for a capture") +
-           "; they are not freed");
-    }
-  }
+  ~basic_pinned_pool();
 
   /// A block of at least `bytes` (its size class), served from the cache when a block of that class is free, else
   /// from the upstream. Returns nullptr for 0. If the upstream is out of memory the cache is emptied and the request
   /// retried once before out_of_memory_error is thrown.
-  [[nodiscard]] void* allocate(std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    const std::size_t size = pinned_size_class(bytes, options_.classes_per_doubling);
-    if (size == std::numeric_limits<std::size_t>::max()) {
-      throw out_of_memory_error("gpukit::pinned_pool: a request of " + std::to_string(bytes) +
-                                " bytes cannot be rounded to a size class");
-    }
-    void* hit = nullptr;
-    {
-      release_list releases(*this);  // declared first: releases after the lock is dropped
-      std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(releases.blocks);
-      auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
-        hit = it->second.back();
-        it->second.pop_back();
-        block& b = blocks_.at(hit);
-        b.state = block_state::active;
-        b.requested = bytes;
-        b.streams.clear();
-        b.lives.clear();
-        --free_count_;
-        ++stats_.cache_hits;
-        on_activate_locked(b);
-      }
-    }
-    if (hit != nullptr) return hit;
-    void* p = upstream_allocate_with_retry(size, bytes);
-    std::lock_guard<std::mutex> lock(mutex_);
-    try {
-      block b;
-      b.size = size;
-      b.requested = bytes;
-      b.state = block_state::active;
-      auto inserted = blocks_.emplace(p, std::move(b));
-      stats_.reserved_bytes += size;
-      if (stats_.reserved_bytes > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = stats_.reserved_bytes;
-      detail::add_to_stat(host_stats_.segment, 1);
-      detail::add_to_stat(host_stats_.reserved_bytes, static_cast<std::int64_t>(size));
-      on_activate_locked(inserted.first->second);
-    } catch (...) {
-      const auto start = std::chrono::steady_clock::now();
-      upstream_.deallocate(p, size);
-      const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-      ++stats_.upstream_frees;  // its allocation was counted
-      stats_.unpinning_time += spent;
-      detail::add_to_stat(host_stats_.host_free_time, spent);
-      throw;
-    }
-    return p;
-  }
+  [[nodiscard]] void* allocate(std::size_t bytes);
 
   /// Declares that work on `s` uses block `p`: when it is deallocated, an event is recorded on `s` and the block is
   /// reused only after it completes. Call it for every stream a copy from or to the block was issued on. A raw
   /// cudaStream_t must still exist when the block is deallocated; a gpukit::stream may be destroyed before (the block
   /// then waits for its last work). Throws invalid_argument_error for a pointer this pool did not hand out (or one
   /// already freed).
-  void record_stream(const void* p, stream_view s) {
-    refuse_if_captured(s, "record_stream");
-    // Bound now (device and id): cudaStreamPerThread, or a view of the current device, means this thread's stream.
-    s = s.resolved();
-    std::lock_guard<std::mutex> lock(mutex_);
-    record_stream_locked(active_block_locked(p, "record_stream"), s);
-  }
+  void record_stream(const void* p, stream_view s);
 
   /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each
   /// recorded stream now and the block waits for them. Null does nothing. Throws invalid_argument_error for a pointer
   /// not handed out by this pool, or freed twice, and, changing nothing, while a recorded stream is being captured
   /// into a CUDA graph. If recording an event fails, the block is taken out of use (it may still be read by the
   /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
-  void deallocate(void* p) { deallocate_recorded(p, nullptr, false); }
+  void deallocate(void* p);
 
   /// deallocate(p) for destructors (pooled_pinned_buffer's): a block whose recorded stream is being captured is not
   /// refused but waits until no recorded stream is, then for events recorded then, which complete after the work
@@ -333,144 +228,48 @@ class basic_pinned_pool {
   /// by this pool, or freed twice, and what deallocate throws when recording an event fails. A recorded stream named
   /// by a raw handle must outlive the capture (a gpukit::stream may be destroyed: its last work is waited for); a
   /// pool destroyed while the block waits leaks it and says so.
-  void deallocate_after_captures(void* p) { deallocate_recorded(p, nullptr, true); }
+  void deallocate_after_captures(void* p);
 
   /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses. One capture query
   /// for `s` (record_stream and deallocate would each ask), and one lock.
-  void deallocate(void* p, stream_view s) {
-    if (p == nullptr) return;
-    refuse_if_captured(s, "deallocate");
-    s = s.resolved();  // as record_stream binds it
-    deallocate_recorded(p, &s, false);
-  }
+  void deallocate(void* p, stream_view s);
 
   /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
   /// call). Returns the bytes released, those of pending blocks promoted and trimmed to the cap by this call
   /// included. Use it before handing pinned memory back to the system. If polling a pending block's event throws,
   /// the free blocks are released all the same and then the error is rethrown.
-  std::size_t empty_cache() {
-    release_list releases(*this);  // declared first: releases after the lock is dropped
-    std::size_t bytes = 0;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      std::exception_ptr poll_failure;
-      try {
-        process_pending_locked(releases.blocks);
-      } catch (...) {
-        poll_failure = std::current_exception();
-      }
-      for (auto& entry : free_) {
-        while (!entry.second.empty()) {
-          release_free_block_locked(entry.second, entry.second.size() - 1, releases.blocks);
-        }
-      }
-      if (poll_failure) std::rethrow_exception(poll_failure);
-      for (const auto& r : releases.blocks) bytes += r.second;
-    }
-    return bytes;
-  }
+  std::size_t empty_cache();
 
   /// The counters, after promoting pending blocks whose events have completed (a failed event query propagates).
-  pinned_pool_stats stats() {
-    pinned_pool_stats copy;
-    bool released = false;
-    {
-      release_list releases(*this);  // declared first: releases after the lock is dropped
-      std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(releases.blocks);
-      copy = stats_;
-      copy.cached_bytes = stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_;
-      copy.pending_bytes = pending_bytes_;
-      copy.active_blocks = active_count_;
-      copy.free_blocks = free_count_;
-      copy.pending_blocks = pending_.size() + deferred_.size();
-      copy.lost_blocks = lost_count_;
-      released = !releases.blocks.empty();
-    }
-    if (released) {  // promoted blocks above the cap went back to the upstream after the copy was taken
-      std::lock_guard<std::mutex> lock(mutex_);
-      copy.upstream_frees = stats_.upstream_frees;
-      copy.unpinning_time = stats_.unpinning_time;
-    }
-    return copy;
-  }
+  pinned_pool_stats stats();
 
   /// The statistics in the caching allocator's vocabulary (torch.cuda.host_memory_stats), after promoting pending
   /// blocks whose events have completed (a failed event query propagates).
-  host_allocator_stats memory_stats() {
-    {
-      release_list releases(*this);  // declared first: releases after the lock is dropped
-      std::lock_guard<std::mutex> lock(mutex_);
-      process_pending_locked(releases.blocks);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    host_allocator_stats copy = host_stats_;
-    copy.num_host_alloc = copy.segment.allocated;  // as PyTorch: so the counts and segment always agree
-    copy.num_host_free = copy.segment.freed;
-    return copy;
-  }
+  host_allocator_stats memory_stats();
 
   /// Resets the peaks to the current values (to measure one phase of a program), in stats() and memory_stats(), and
   /// the shortest and longest call times, as torch.cuda.reset_peak_host_memory_stats does.
-  void reset_peak_stats() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stats_.allocated_bytes_peak = stats_.allocated_bytes;
-    stats_.reserved_bytes_peak = stats_.reserved_bytes;
-    for (stat* s :
-         {&host_stats_.allocation, &host_stats_.segment, &host_stats_.allocated_bytes, &host_stats_.reserved_bytes}) {
-      s->peak = s->current;
-    }
-    for (duration_stat* d : {&host_stats_.host_alloc_time, &host_stats_.host_free_time}) {
-      d->min = std::chrono::nanoseconds{0};
-      d->max = std::chrono::nanoseconds{0};
-    }
-  }
+  void reset_peak_stats();
 
   /// Resets memory_stats()'s accumulated figures: the totals allocated and freed (num_host_alloc and num_host_free
   /// with them) and the calls' count and total time, as torch.cuda.reset_accumulated_host_memory_stats does (the
   /// shortest and longest go with reset_peak_stats). stats()'s counters still count from the pool's creation.
-  void reset_accumulated_stats() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (stat* s :
-         {&host_stats_.allocation, &host_stats_.segment, &host_stats_.allocated_bytes, &host_stats_.reserved_bytes}) {
-      s->allocated = 0;
-      s->freed = 0;
-    }
-    for (duration_stat* d : {&host_stats_.host_alloc_time, &host_stats_.host_free_time}) {
-      d->count = 0;
-      d->total = std::chrono::nanoseconds{0};
-    }
-  }
+  void reset_accumulated_stats();
 
   /// The usable size of a block handed out by this pool (its size class). Throws invalid_argument_error otherwise.
-  std::size_t block_size(const void* p) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return active_block_locked(p, "block_size").size;
-  }
+  std::size_t block_size(const void* p);
 
   /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones). If
   /// polling a pending block's event throws, the new cap is in force and applied to the free blocks all the same,
   /// and the error is rethrown.
-  void set_max_cached_bytes(std::size_t bytes) {
-    release_list releases(*this);  // declared first: releases after the lock is dropped
-    std::lock_guard<std::mutex> lock(mutex_);
-    options_.max_cached_bytes = bytes;
-    enforce_cap_locked(releases.blocks);      // the free blocks, whatever the polling below does
-    process_pending_locked(releases.blocks);  // trims what it promotes
-  }
+  void set_max_cached_bytes(std::size_t bytes);
 
   /// The options in force (max_cached_bytes as last set by set_max_cached_bytes).
-  const pinned_pool_options& options() const noexcept { return options_; }
+  const pinned_pool_options& options() const noexcept;
   /// Whether the memory is really page-locked (false for the CPU device's upstream).
-  bool page_locked() const noexcept {
-    if constexpr (detail::has_page_locked<Upstream>::value) {
-      return upstream_.page_locked();
-    } else {
-      return false;
-    }
-  }
+  bool page_locked() const noexcept;
   /// The upstream memory comes from and goes back to.
-  Upstream& upstream() noexcept { return upstream_; }
+  Upstream& upstream() noexcept;
 
  private:
   // deferred: freed while a recorded stream could not take an event (deallocate_recorded); pending: waiting for the
@@ -509,391 +308,82 @@ class basic_pinned_pool {
   // A recorded gpukit::stream destroyed since gets no event (its handle may belong to another stream by now, or to
   // none): the block waits for its last work instead (detail::stream_life). Basic guarantee: a stream is erased only
   // after its life is in `finals`.
-  static void forget_destroyed_streams_locked(block& b) {
-    for (std::size_t i = 0; i < b.streams.size();) {
-      if (!b.lives[i] || !b.lives[i]->expired()) {
-        ++i;
-        continue;
-      }
-      if (!b.lives[i]->finished()) b.finals.push_back(b.lives[i]);
-      b.streams.erase(b.streams.begin() + static_cast<std::ptrdiff_t>(i));
-      b.lives.erase(b.lives.begin() + static_cast<std::ptrdiff_t>(i));
-    }
-  }
+  static void forget_destroyed_streams_locked(block& b);
 
   /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null. A recorded
   /// stream that is being captured is refused, changing nothing, unless `defer_captured`. A block that a recorded
   /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture: see
   /// detail::legacy_stream_refused_now) is deferred: off the users' books, counted as pending, and given its events
   /// once every recorded stream can take one (process_deferred_locked).
-  void deallocate_recorded(void* p, const stream_view* also, bool defer_captured) {
-    if (p == nullptr) return;
-    release_list releases(*this);  // declared first: releases after the lock is dropped
-    std::lock_guard<std::mutex> lock(mutex_);
-    block& b = active_block_locked(p, "deallocate");
-    if (!defer_captured) {
-      // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
-      for (std::size_t i = 0; i < b.streams.size(); ++i) {
-        if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
-        if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
-      }
-    }
-    if (also != nullptr) record_stream_locked(b, *also);
-    forget_destroyed_streams_locked(b);
-    if (!can_record_now(b, defer_captured)) {
-      if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(16, 2 * deferred_.size()));
-      b.state = block_state::deferred;
-      deferred_.push_back(p);  // capacity reserved above
-      pending_bytes_ += b.size;
-      on_deactivate_locked(b);
-    } else if (b.streams.empty() && b.finals.empty()) {
-      make_free_locked(p, b);  // strong: the only step that can throw comes first
-      on_deactivate_locked(b);
-      on_reusable_locked(b);
-    } else {
-      try {
-        make_pending_locked(p, b);
-      } catch (const error& e) {
-        on_deactivate_locked(b);
-        lose_locked(b);
-        if (!detail::is_teardown_result(e.cuda_result())) throw;
-        return;
-      } catch (...) {
-        on_deactivate_locked(b);
-        lose_locked(b);
-        throw;
-      }
-      pending_bytes_ += b.size;
-      on_deactivate_locked(b);
-    }
-    enforce_cap_locked(releases.blocks);
-  }
+  void deallocate_recorded(void* p, const stream_view* also, bool defer_captured);
 
   /// Whether each of `b`'s streams can take an event now: none is the legacy default stream (or stands in for it)
   /// during a gpukit capture, and, when `ask_captures`, none is being captured (otherwise the caller refused those).
-  static bool can_record_now(const block& b, bool ask_captures) {
-    for (const auto& s : b.streams) {
-      if (detail::legacy_stream_refused_now(s)) return false;
-      if (ask_captures && detail::capture_status(s) != cudaStreamCaptureStatusNone) return false;
-    }
-    return true;
-  }
+  static bool can_record_now(const block& b, bool ask_captures);
 
   /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
   /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams
   /// and the error propagates.
-  void make_pending_locked(void* p, block& b) {
-    if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
-    b.markers.reserve(b.markers.size() + b.streams.size());
-    for (const auto& s : b.streams) {
-      b.markers.push_back(sync_.record(s));
-      ++stats_.events_recorded;
-    }
-    b.streams.clear();
-    b.lives.clear();
-    b.state = block_state::pending;
-    pending_.push_back(p);  // capacity reserved above
-  }
+  void make_pending_locked(void* p, block& b);
 
   /// Deferred blocks whose streams can all take an event now get them and wait as pending blocks do; true if one
   /// became free at once (the caller trims to the cap). Never throws, since the caller's call is about other blocks: a
   /// block whose capture query or recording fails is lost (as in deallocate; it may still be read by the device) and
   /// reported after the lock is dropped (report_deferred_losses); std::bad_alloc leaves the rest deferred, for the
   /// next call.
-  bool process_deferred_locked() noexcept {
-    bool freed = false;
-    std::size_t kept = 0;
-    std::size_t i = 0;
-    for (; i < deferred_.size(); ++i) {
-      void* p = deferred_[i];
-      block& b = blocks_.at(p);
-      try {
-        forget_destroyed_streams_locked(b);
-        if (!can_record_now(b, true)) {
-          deferred_[kept++] = p;
-          continue;
-        }
-        if (b.streams.empty() && b.finals.empty()) {
-          make_free_locked(p, b);
-          on_reusable_locked(b);
-          pending_bytes_ -= b.size;
-          freed = true;
-        } else {
-          make_pending_locked(p, b);  // still counted in pending_bytes_
-        }
-      } catch (const std::bad_alloc&) {
-        break;
-      } catch (...) {
-        pending_bytes_ -= b.size;
-        lose_locked(b);
-        ++deferred_losses_;
-        deferred_loss_ = std::current_exception();
-      }
-    }
-    for (; i < deferred_.size(); ++i) deferred_[kept++] = deferred_[i];
-    deferred_.resize(kept);
-    return freed;
-  }
+  bool process_deferred_locked() noexcept;
 
   /// Reports, through gpukit::warn and without the lock (a handler may call the pool), the deferred blocks
   /// process_deferred_locked lost since the last report.
-  void report_deferred_losses() noexcept {
-    std::size_t losses = 0;
-    std::exception_ptr last;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (deferred_losses_ == 0) return;
-      losses = std::exchange(deferred_losses_, 0);
-      last = std::exchange(deferred_loss_, nullptr);
-    }
-    try {
-      std::string reason = "an unknown exception";
-      try {
-        std::rethrow_exception(last);
-      } catch (const std::exception& e) {
-        reason = e.what();
-      } catch (...) {
-      }
-      warn("gpukit::pinned_pool: " + std::to_string(losses) +
-           " block(s) freed while a stream could not take an event are lost (the last because: " + reason + ")");
-    } catch (...) {
-      // Out of memory for the message: the blocks stay counted in stats().lost_blocks.
-    }
-  }
+  void report_deferred_losses() noexcept;
 
   /// Adds `s` (bound) to the streams whose work block `b` waits for, once. Strong: unchanged if it throws.
-  void record_stream_locked(block& b, const stream_view& s) {
-    for (const auto& known : b.streams) {
-      if (known == s) return;  // by id where known: a destroyed stream's handle may be this one's now
-    }
-    auto life = s.lifetime();
-    b.streams.push_back(s);
-    try {
-      b.lives.push_back(std::move(life));
-    } catch (...) {
-      b.streams.pop_back();
-      throw;
-    }
-  }
+  void record_stream_locked(block& b, const stream_view& s);
 
   // A block used on a stream that is being captured would be reused while the graph's launches still use it, and
   // its event would belong to the graph (stream_ops.hpp): refused before anything changes.
-  static void refuse_if_captured(stream_view s, const char* who) {
-    if (detail::capture_status(s) == cudaStreamCaptureStatusNone) return;
-    detail::throw_captured(std::string("gpukit::pinned_pool::") + who,
-                           detail::describe_stream(s.native_handle(), s.device()), s.device(),
-                           detail::capture_advice_allocator);
-  }
+  static void refuse_if_captured(stream_view s, const char* who);
 
-  void lose_locked(block& b) noexcept {
-    on_reusable_locked(b);  // out of the users' hands for good (memory_stats; reserved still counts it)
-    b.state = block_state::lost;
-    ++lost_count_;
-    lost_bytes_ += b.size;
-  }
+  void lose_locked(block& b) noexcept;
 
-  block& active_block_locked(const void* p, const char* who) {
-    auto it = blocks_.find(const_cast<void*>(p));
-    if (it == blocks_.end() || it->second.state != block_state::active) {
-      throw invalid_argument_error(std::string("gpukit::pinned_pool::") + who + ": " +
-                                   (it == blocks_.end() ? "the pointer was not allocated by this pool"
-                                                        : "the block was already deallocated (double free)"));
-    }
-    return it->second;
-  }
+  block& active_block_locked(const void* p, const char* who);
 
-  void on_activate_locked(block& b) noexcept {
-    stats_.allocated_bytes += b.size;
-    stats_.requested_bytes += b.requested;
-    ++stats_.allocations;
-    ++active_count_;
-    if (stats_.allocated_bytes > stats_.allocated_bytes_peak) stats_.allocated_bytes_peak = stats_.allocated_bytes;
-    detail::add_to_stat(host_stats_.allocation, 1);
-    detail::add_to_stat(host_stats_.allocated_bytes, static_cast<std::int64_t>(b.size));
-  }
+  void on_activate_locked(block& b) noexcept;
 
-  void on_deactivate_locked(const block& b) noexcept {
-    stats_.allocated_bytes -= b.size;
-    stats_.requested_bytes -= b.requested;
-    --active_count_;
-  }
+  void on_deactivate_locked(const block& b) noexcept;
 
   // memory_stats() counts a freed block as allocated until it can be reused, as PyTorch's host allocator does: while
   // it waits for its streams' events it is still allocated there (stats() counts it pending instead).
-  void on_reusable_locked(const block& b) noexcept {
-    detail::add_to_stat(host_stats_.allocation, -1);
-    detail::add_to_stat(host_stats_.allocated_bytes, -static_cast<std::int64_t>(b.size));
-  }
+  void on_reusable_locked(const block& b) noexcept;
 
   // Puts a block on its free list. Strong guarantee: growing the list is the only step that can throw, and it comes
   // first; the caller adjusts the counters of the state the block leaves.
-  void make_free_locked(void* p, block& b) {
-    free_[b.size].push_back(p);
-    b.state = block_state::free;
-    b.freed_at = ++tick_;
-    ++free_count_;
-  }
+  void make_free_locked(void* p, block& b);
 
-  bool events_completed(const block& b) {
-    for (const auto& m : b.markers) {
-      if (!sync_.ready(m)) return false;  // may throw (a failed event query)
-    }
-    for (const auto& f : b.finals) {
-      if (!f->finished()) return false;
-    }
-    return true;
-  }
+  bool events_completed(const block& b);
 
   // Promotes pending blocks whose events have all completed, then trims to the cap. If Sync::ready throws, the
   // blocks promoted before stay promoted (and trimmed), the failed block and those after it stay pending, in order
   // and once each, and the error propagates: the list is compacted on every path.
-  void process_pending_locked(block_list& releases) {
-    bool promoted = !deferred_.empty() && process_deferred_locked();
-    if (pending_.empty()) {
-      if (promoted) enforce_cap_locked(releases);
-      return;
-    }
-    std::size_t kept = 0;
-    std::size_t i = 0;
-    try {
-      for (; i < pending_.size(); ++i) {
-        void* p = pending_[i];
-        block& b = blocks_.at(p);
-        if (!events_completed(b)) {
-          pending_[kept++] = p;
-          continue;
-        }
-        make_free_locked(p, b);  // before anything else changes: the block is still pending if it throws
-        on_reusable_locked(b);
-        for (auto& m : b.markers) sync_.recycle(std::move(m));
-        b.markers.clear();
-        b.finals.clear();
-        pending_bytes_ -= b.size;
-        promoted = true;
-      }
-    } catch (...) {
-      for (; i < pending_.size(); ++i) pending_[kept++] = pending_[i];
-      pending_.resize(kept);
-      if (promoted) enforce_cap_locked(releases);
-      throw;
-    }
-    pending_.resize(kept);
-    if (promoted) enforce_cap_locked(releases);
-  }
+  void process_pending_locked(block_list& releases);
 
   // Takes free block list[index] out of the pool: off its free list and the books, onto `releases` for the upstream.
   // The one place a cached block leaves the pool, so no path counts a block out twice. Strong guarantee: the append,
   // the only step that can throw, comes first.
-  void release_free_block_locked(std::vector<void*>& list, std::size_t index, block_list& releases) {
-    void* p = list[index];
-    auto it = blocks_.find(p);
-    const std::size_t size = it->second.size;
-    releases.emplace_back(p, size);
-    list.erase(list.begin() + static_cast<std::ptrdiff_t>(index));
-    --free_count_;
-    blocks_.erase(it);
-    stats_.reserved_bytes -= size;
-    detail::add_to_stat(host_stats_.segment, -1);
-    detail::add_to_stat(host_stats_.reserved_bytes, -static_cast<std::int64_t>(size));
-  }
+  void release_free_block_locked(std::vector<void*>& list, std::size_t index, block_list& releases);
 
   // Releases the oldest free blocks until the cached bytes fit the cap. Pending blocks count as cached but cannot be
   // released: they are trimmed when promoted. Out of memory for the release list stops the trimming (a later call
   // resumes it); nothing is half done.
-  void enforce_cap_locked(block_list& releases) noexcept {
-    while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes &&
-           free_count_ > 0) {
-      std::vector<void*>* oldest_list = nullptr;
-      std::size_t oldest_index = 0;
-      std::uint64_t oldest_tick = std::numeric_limits<std::uint64_t>::max();
-      for (auto& entry : free_) {
-        for (std::size_t i = 0; i < entry.second.size(); ++i) {
-          const std::uint64_t freed_at = blocks_.find(entry.second[i])->second.freed_at;
-          if (freed_at < oldest_tick) {
-            oldest_tick = freed_at;
-            oldest_list = &entry.second;
-            oldest_index = i;
-          }
-        }
-      }
-      try {
-        release_free_block_locked(*oldest_list, oldest_index, releases);
-      } catch (...) {
-        return;
-      }
-      ++stats_.cap_releases;
-    }
-  }
+  void enforce_cap_locked(block_list& releases) noexcept;
 
-  void release_all(const block_list& blocks) noexcept {
-    if (blocks.empty()) return;
-    duration_stat spent;  // each call timed (host_free_time), added to the books under one lock
-    auto start = std::chrono::steady_clock::now();
-    for (const auto& r : blocks) {
-      upstream_.deallocate(r.first, r.second);
-      const auto end = std::chrono::steady_clock::now();
-      detail::add_to_stat(spent, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start));
-      start = end;
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    stats_.unpinning_time += spent.total;
-    stats_.upstream_frees += blocks.size();
-    detail::add_to_stat(host_stats_.host_free_time, spent);
-  }
+  void release_all(const block_list& blocks) noexcept;
 
-  void* upstream_allocate_timed(std::size_t size) {
-    const auto start = std::chrono::steady_clock::now();
-    void* p = nullptr;
-    try {
-      p = upstream_.allocate(size);
-    } catch (...) {
-      add_pinning_time(std::chrono::steady_clock::now() - start, false);
-      throw;
-    }
-    add_pinning_time(std::chrono::steady_clock::now() - start, p != nullptr);
-    if (p == nullptr) {  // the upstream contract's other way to refuse (the caching allocator's upstreams return it)
-      throw out_of_memory_error("allocate returned nullptr for " + detail::format_bytes_exact(size));
-    }
-    return p;
-  }
+  void* upstream_allocate_timed(std::size_t size);
 
-  void add_pinning_time(std::chrono::steady_clock::duration spent, bool succeeded) {
-    const auto nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(spent);
-    std::lock_guard<std::mutex> lock(mutex_);
-    stats_.pinning_time += nanoseconds;
-    if (succeeded) {
-      ++stats_.upstream_allocations;
-      detail::add_to_stat(host_stats_.host_alloc_time, nanoseconds);
-    }
-  }
+  void add_pinning_time(std::chrono::steady_clock::duration spent, bool succeeded);
 
-  void* upstream_allocate_with_retry(std::size_t size, std::size_t requested) {
-    try {
-      return upstream_allocate_timed(size);
-    } catch (const out_of_memory_error&) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++stats_.oom_retries;
-      }
-      empty_cache();
-    }
-    try {
-      return upstream_allocate_timed(size);
-    } catch (const out_of_memory_error& e) {
-      std::size_t allocated = 0;
-      std::size_t pending = 0;
-      {
-        // The counters as they are: polling events here could replace this error with another.
-        std::lock_guard<std::mutex> lock(mutex_);
-        allocated = stats_.allocated_bytes;
-        pending = pending_bytes_;
-      }
-      throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
-                                " (size class " + detail::format_bytes_exact(size) +
-                                ") even after emptying the cache; " + detail::format_bytes(allocated) + " allocated, " +
-                                detail::format_bytes(pending) + " waiting for streams; upstream: " + e.what());
-    }
-  }
+  void* upstream_allocate_with_retry(std::size_t size, std::size_t requested);
 
   Upstream upstream_;
   Sync sync_;
@@ -918,10 +408,6 @@ class basic_pinned_pool {
 /// The pinned pool gpukit uses: gpukit's upstream (cudaHostAlloc or host pages) and gpukit events.
 using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 
-#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
-extern template class basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
-#endif
-
 /// The process-wide pinned pool for a device kind: one for all CUDA devices (its memory is portable: pinned for every
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
@@ -933,31 +419,7 @@ GPUKIT_EXPORT GPUKIT_INLINE pinned_pool& default_pinned_pool(device d);
 /// allocated, freed), "<timing>.<metric>" (timing: host_alloc_time, host_free_time; metric: total, max, min, count,
 /// avg; times in microseconds, as PyTorch gives them) and the counters num_host_alloc and num_host_free, so code and
 /// dashboards written for PyTorch read gpukit's numbers unchanged.
-template <int Deferred = 0>  // instantiated where it is called (std::map's code included)
-std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_stats& s) {
-  std::map<std::string, std::int64_t> flat;
-  const std::pair<const char*, const stat*> stats[] = {{"allocation", &s.allocation},
-                                                       {"segment", &s.segment},
-                                                       {"allocated_bytes", &s.allocated_bytes},
-                                                       {"reserved_bytes", &s.reserved_bytes}};
-  for (const auto& named : stats) detail::add_flat_stat(flat, std::string(named.first) + ".", *named.second);
-  const std::pair<const char*, const duration_stat*> timings[] = {{"host_alloc_time", &s.host_alloc_time},
-                                                                  {"host_free_time", &s.host_free_time}};
-  const auto microseconds = [](std::chrono::nanoseconds t) {
-    return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(t).count());
-  };
-  for (const auto& named : timings) {
-    const std::string prefix = std::string(named.first) + ".";
-    flat[prefix + "total"] = microseconds(named.second->total);
-    flat[prefix + "max"] = microseconds(named.second->max);
-    flat[prefix + "min"] = microseconds(named.second->min);
-    flat[prefix + "count"] = named.second->count;
-    flat[prefix + "avg"] = microseconds(named.second->average());
-  }
-  flat["num_host_alloc"] = s.num_host_alloc;
-  flat["num_host_free"] = s.num_host_free;
-  return flat;
-}
+GPUKIT_INLINE std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_stats& s);
 
 // The functions below are templates called as plain functions (the parameter is defaulted), so that the pool's
 // engine is instantiated only in the translation units that call them (see README, "Compile time").
@@ -966,7 +428,8 @@ std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_
 /// One pool serves every CUDA device, another the CPU device.
 template <int Deferred = 0>
 host_allocator_stats host_memory_stats(device d) {
-  return default_pinned_pool(d).memory_stats();
+  detail::dependent_t<Deferred, pinned_pool>& pool = default_pinned_pool(d);
+  return pool.memory_stats();
 }
 /// The same as torch.cuda.host_memory_stats()'s flat key → value map ("allocated_bytes.current", …).
 template <int Deferred = 0>
@@ -976,12 +439,14 @@ std::map<std::string, std::int64_t> host_memory_stats_map(device d) {
 /// Resets the peaks of default_pinned_pool(d) to the current values (torch.cuda.reset_peak_host_memory_stats).
 template <int Deferred = 0>
 void reset_peak_host_memory_stats(device d) {
-  default_pinned_pool(d).reset_peak_stats();
+  detail::dependent_t<Deferred, pinned_pool>& pool = default_pinned_pool(d);
+  pool.reset_peak_stats();
 }
 /// Resets the accumulated figures of default_pinned_pool(d) (torch.cuda.reset_accumulated_host_memory_stats).
 template <int Deferred = 0>
 void reset_accumulated_host_memory_stats(device d) {
-  default_pinned_pool(d).reset_accumulated_stats();
+  detail::dependent_t<Deferred, pinned_pool>& pool = default_pinned_pool(d);
+  pool.reset_accumulated_stats();
 }
 
 /// A typed, move-only block from a pinned pool: the pool's counterpart of pinned_buffer, cheap to create after
@@ -995,13 +460,16 @@ class pooled_pinned_buffer {
  public:
   /// The element type.
   using value_type = T;
+  /// The pool blocks come from: pinned_pool, named through T so that its class is instantiated with this one.
+  using pool_type = detail::dependent_t<sizeof(T), pinned_pool>;
 
   /// An empty buffer (no block, no pool).
   pooled_pinned_buffer() noexcept = default;
   /// `count` uninitialised elements from `pool`.
-  pooled_pinned_buffer(std::size_t count, pinned_pool& pool)
+  pooled_pinned_buffer(std::size_t count, pool_type& pool)
       : pool_(&pool),
-        data_(static_cast<T*>(pool.allocate(detail::checked_bytes(count, sizeof(T), "gpukit::pooled_pinned_buffer")))),
+        data_(
+            static_cast<T*>(pool_->allocate(detail::checked_bytes(count, sizeof(T), "gpukit::pooled_pinned_buffer")))),
         size_(count) {}
   /// `count` uninitialised elements from the default pool of `d`'s kind.
   pooled_pinned_buffer(std::size_t count, device d) : pooled_pinned_buffer(count, default_pinned_pool(d)) {}
@@ -1075,10 +543,10 @@ class pooled_pinned_buffer {
   bool page_locked() const noexcept { return pool_ != nullptr && pool_->page_locked(); }
   /// The pool the block came from and goes back to (kept after reset()), or nullptr for a default-constructed or
   /// moved-from buffer.
-  pinned_pool* pool() const noexcept { return pool_; }
+  pool_type* pool() const noexcept { return pool_; }
 
  private:
-  pinned_pool* pool_ = nullptr;
+  pool_type* pool_ = nullptr;
   T* data_ = nullptr;
   std::size_t size_ = 0;
 };
@@ -1087,6 +555,31 @@ GPUKIT_END_NAMESPACE
 
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE std::map<std::string, std::int64_t> flat_host_memory_stats(const host_allocator_stats& s) {
+  std::map<std::string, std::int64_t> flat;
+  const std::pair<const char*, const stat*> stats[] = {{"allocation", &s.allocation},
+                                                       {"segment", &s.segment},
+                                                       {"allocated_bytes", &s.allocated_bytes},
+                                                       {"reserved_bytes", &s.reserved_bytes}};
+  for (const auto& named : stats) detail::add_flat_stat(flat, std::string(named.first) + ".", *named.second);
+  const std::pair<const char*, const duration_stat*> timings[] = {{"host_alloc_time", &s.host_alloc_time},
+                                                                  {"host_free_time", &s.host_free_time}};
+  const auto microseconds = [](std::chrono::nanoseconds t) {
+    return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(t).count());
+  };
+  for (const auto& named : timings) {
+    const std::string prefix = std::string(named.first) + ".";
+    flat[prefix + "total"] = microseconds(named.second->total);
+    flat[prefix + "max"] = microseconds(named.second->max);
+    flat[prefix + "min"] = microseconds(named.second->min);
+    flat[prefix + "count"] = named.second->count;
+    flat[prefix + "avg"] = microseconds(named.second->average());
+  }
+  flat["num_host_alloc"] = s.num_host_alloc;
+  flat["num_host_free"] = s.num_host_free;
+  return flat;
+}
 
 GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t classes_per_doubling) noexcept {
   constexpr std::size_t min_class = 512;
@@ -1111,33 +604,44 @@ GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t class
 }
 namespace detail {
 
-GPUKIT_INLINE event recycled_event_cache::acquire(device d) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (auto pooled = pool_.take(d)) return std::move(*pooled);
+/// detail::event_pool behind a mutex.
+class recycled_event_cache {
+ public:
+  event acquire(device d) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (auto pooled = pool_.take(d)) return std::move(*pooled);
+    }
+    return event(d);
   }
-  return event(d);
-}
+  void give(event&& e) noexcept {
+    if (!e.valid()) return;
+    try {
+      const device d = e.device();
+      std::lock_guard<std::mutex> lock(mutex_);
+      pool_.give(d, std::move(e));
+    } catch (...) {
+      // The mutex failed: the event is destroyed instead.
+    }
+  }
 
-GPUKIT_INLINE void recycled_event_cache::give(event&& e) noexcept {
-  if (!e.valid()) return;
-  try {
-    const device d = e.device();
-    std::lock_guard<std::mutex> lock(mutex_);
-    pool_.give(d, std::move(e));
-  } catch (...) {
-    // The mutex failed: the event is destroyed instead.
-  }
-}
+ private:
+  std::mutex mutex_;
+  event_pool<event> pool_{1024};
+};
 
 GPUKIT_INLINE recycled_event_cache& shared_recycled_events() {
-  static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see the class comment
+  static recycled_event_cache* cache = new recycled_event_cache();  // never destroyed: see its declaration
   return *cache;
 }
+
+GPUKIT_INLINE event acquire_recycled_event(device d) { return shared_recycled_events().acquire(d); }
+
+GPUKIT_INLINE void give_recycled_event(event&& e) noexcept { shared_recycled_events().give(std::move(e)); }
 }  // namespace detail
 
 GPUKIT_INLINE pinned_pool_sync::marker pinned_pool_sync::record(stream_view s) {
-  event e = detail::shared_recycled_events().acquire(s.device());
+  event e = detail::acquire_recycled_event(s.device());
   detail::record_from_any_thread(e, s);
   return e;
 }
@@ -1146,9 +650,7 @@ GPUKIT_INLINE bool pinned_pool_sync::ready(const marker& m) { return m.ready(); 
 
 GPUKIT_INLINE void pinned_pool_sync::wait(const marker& m) { m.synchronize(); }
 
-GPUKIT_INLINE void pinned_pool_sync::recycle(marker&& m) noexcept {
-  detail::shared_recycled_events().give(std::move(m));
-}
+GPUKIT_INLINE void pinned_pool_sync::recycle(marker&& m) noexcept { detail::give_recycled_event(std::move(m)); }
 
 GPUKIT_INLINE pinned_upstream::pinned_upstream(device::kind kind, pinned_flags flags, int context_device) noexcept
     : kind_(kind), flags_(flags), context_device_(context_device) {}
@@ -1184,3 +686,9 @@ GPUKIT_INLINE pinned_pool& default_pinned_pool(device d) {
 
 GPUKIT_END_NAMESPACE
 #endif  // GPUKIT_DETAIL_DEFINITIONS
+
+// The engine's member functions. The compiled mode leaves them out: gpukit::compiled holds the instantiation gpukit
+// uses, and pinned_pool_impl.hpp is there for other template arguments.
+#if GPUKIT_DETAIL_DEFINITIONS
+#include <gpukit/memory/pinned_pool_impl.hpp>
+#endif

@@ -36,7 +36,6 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/sizes.hpp>
-#include <gpukit/device/detail/peer_registry.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -59,6 +58,12 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
+
+namespace gpukit {
+namespace mode_independent {
+struct peer_access_registry;  // device/detail/peer_registry.hpp, which only the function bodies below need
+}  // namespace mode_independent
+}  // namespace gpukit
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -332,6 +337,8 @@ class device_upstream {
 GPUKIT_END_NAMESPACE
 
 #if GPUKIT_DETAIL_DEFINITIONS
+#include <gpukit/device/detail/peer_registry.hpp>
+
 GPUKIT_BEGIN_NAMESPACE
 
 GPUKIT_INLINE host_upstream::host_upstream(std::size_t capacity) noexcept : capacity_(capacity) {}

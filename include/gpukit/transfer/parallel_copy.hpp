@@ -37,6 +37,23 @@ GPUKIT_INLINE void streaming_copy(void* dst, const void* src, std::size_t bytes)
 /// One part of a copy, with plain or streaming stores.
 GPUKIT_INLINE void copy_part(void* dst, const void* src, std::size_t bytes, bool streaming) noexcept;
 
+/// The helper threads of parallel_copy (defined with the functions: only their bodies use it).
+class copy_workers;
+
+}  // namespace detail
+
+/// std::memcpy over up to `threads` threads (1 = plain memcpy). Copies below 128 KiB always use one thread: waking a
+/// helper costs more than it saves. The ranges must not overlap. `streaming`: non-temporal stores (see the file
+/// comment), for a destination that is not read again soon from this CPU.
+GPUKIT_INLINE void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads,
+                                 bool streaming = false);
+
+GPUKIT_END_NAMESPACE
+
+#if GPUKIT_DETAIL_DEFINITIONS
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
 /// The helper threads of parallel_copy. Created lazily (never at static-initialisation time), grown on demand up to
 /// `max_helpers`, and never destroyed: copies may run in host callbacks and static destructors until the process
 /// ends, and idle helpers only wait on a condition variable.
@@ -79,20 +96,6 @@ class copy_workers {
   std::vector<std::thread> threads_;
   std::size_t busy_ = 0;
 };
-
-}  // namespace detail
-
-/// std::memcpy over up to `threads` threads (1 = plain memcpy). Copies below 128 KiB always use one thread: waking a
-/// helper costs more than it saves. The ranges must not overlap. `streaming`: non-temporal stores (see the file
-/// comment), for a destination that is not read again soon from this CPU.
-GPUKIT_INLINE void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads,
-                                 bool streaming = false);
-
-GPUKIT_END_NAMESPACE
-
-#if GPUKIT_DETAIL_DEFINITIONS
-GPUKIT_BEGIN_NAMESPACE
-namespace detail {
 
 GPUKIT_INLINE void streaming_copy(void* dst, const void* src, std::size_t bytes) noexcept {
 #if defined(__SSE2__)

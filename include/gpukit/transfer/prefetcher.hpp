@@ -165,8 +165,8 @@ class prefetcher {
     stream copy_stream;  // declared before the buffers: destroyed after them, so their blocks are freed on it
     std::size_t capacity;
     producer produce;
-    std::size_t max_buffers;  // pinned buffers at most (no_end: unbounded)
-    pinned_pool* pool = &default_pinned_pool(dev);
+    std::size_t max_buffers;                                       // pinned buffers at most (no_end: unbounded)
+    pinned_pool* pool = std::addressof(default_pinned_pool(dev));  // `&` would need the pool's class instantiated
     std::mutex mutex;
     std::condition_variable cv;
     std::vector<std::unique_ptr<slot>> slots;

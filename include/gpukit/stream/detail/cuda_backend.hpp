@@ -67,17 +67,8 @@ class relaxed_capture_mode {
 };
 
 /// The scope of a call that frees or unregisters page-locked host memory (cudaFreeHost, cudaHostUnregister), made from
-/// destructors: it runs in relaxed capture mode (relaxed_capture_mode), and in a context that exists, `ordinal`'s
-/// preferred (context_scope for any context), since it runs in the current context and on a thread that has none the
-/// runtime would create cuda:0's. Never throws: when the device cannot be chosen (e.g. at exit) nothing changes.
-class host_memory_release_scope {
- public:
-  explicit host_memory_release_scope(int ordinal) noexcept;
-
- private:
-  std::optional<context_scope> context_;  // declared first: restored after the capture mode
-  std::optional<relaxed_capture_mode> relaxed_;
-};
+/// destructors (defined with the functions, whose bodies alone use it).
+class host_memory_release_scope;
 
 namespace cuda_backend {
 
@@ -195,6 +186,19 @@ GPUKIT_INLINE relaxed_capture_mode::relaxed_capture_mode(bool active) noexcept {
 GPUKIT_INLINE relaxed_capture_mode::~relaxed_capture_mode() {
   if (exchanged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
 }
+
+/// The scope of a call that frees or unregisters page-locked host memory (cudaFreeHost, cudaHostUnregister), made from
+/// destructors: it runs in relaxed capture mode (relaxed_capture_mode), and in a context that exists, `ordinal`'s
+/// preferred (context_scope for any context), since it runs in the current context and on a thread that has none the
+/// runtime would create cuda:0's. Never throws: when the device cannot be chosen (e.g. at exit) nothing changes.
+class host_memory_release_scope {
+ public:
+  explicit host_memory_release_scope(int ordinal) noexcept;
+
+ private:
+  std::optional<context_scope> context_;  // declared first: restored after the capture mode
+  std::optional<relaxed_capture_mode> relaxed_;
+};
 
 GPUKIT_INLINE host_memory_release_scope::host_memory_release_scope(int ordinal) noexcept {
   try {

@@ -1,0 +1,2124 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The member functions of basic_caching_allocator (caching_allocator.hpp), defined out of the class so that the
+/// compiled mode can leave them out. caching_allocator.hpp includes this file header-only. In the compiled mode
+/// (GPUKIT_SEPARATE_COMPILATION) it does not: translation units call the instantiation gpukit::compiled holds, and
+/// include this file only to instantiate basic_caching_allocator with template arguments of their own.
+
+#include <gpukit/memory/caching_allocator.hpp>
+
+GPUKIT_BEGIN_NAMESPACE
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_allocator() {
+  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  const std::size_t live = user_current(st_allocation);  // blocks in front caches are not live
+  if (live > 0) {
+    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live) +
+         " live allocation(s) (" + detail::format_bytes(user_current(st_allocated_bytes)) +
+         "); their memory is released now, so any later use of it is invalid");
+  }
+  for (auto& st : streams_) {
+    for (auto& record : st->pending) {
+      if (record.event) {
+        synchronize_quietly(*record.event);
+      } else {
+        wait_finished_quietly(st->tracker);
+      }
+    }
+    st->pending.clear();
+  }
+  if (!upstream_.synchronizes_on_free()) {
+    for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
+  }
+  for (segment* seg = segments_; seg != nullptr;) {
+    for (block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->fence) synchronize_quietly(*b->fence);
+    }
+    return_segment(seg);
+    segment* next = seg->next_segment;
+    delete seg;
+    seg = next;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void* basic_caching_allocator<Upstream, StreamOps>::allocate(std::size_t bytes,
+                                                                           const stream_type& stream) {
+  if (bytes == 0) return nullptr;
+  refuse_if_captured(stream, "allocate");
+  const std::size_t size = round_request(bytes);
+  const bool small = size <= options_.small_size;
+  if (front_cache_ && (small || front_cache_large_) && ops_.device_of(stream) == device_) {
+    if (block* cached = front_take(ops_.key(stream), size, bytes, !small)) {
+      if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, cached);
+      return reinterpret_cast<void*>(cached->address);
+    }
+  }
+  return allocate_from_heap(stream, bytes, size, small);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void* p) {
+  if (p == nullptr) return;
+  block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
+  if (b == nullptr) throw_not_owned(p, "deallocate");
+  // Until the block leaves the map (or enters a front cache) nothing else changes it: its owner (set under the
+  // lock when it was allocated) is fixed. If anything below throws (captured, asking the stream failed on a
+  // broken context, no memory for the message), the allocation stays live and the program can still free it.
+  refuse_free_if_captured(b);
+  const bool expired_owner = owner_expired(b);
+  const bool busy = owner_may_be_busy(b);
+  // Reusable at once on its own stream: a small block (a large one too with front_cache_large) is cached in front
+  // for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
+  // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
+  if (front_cache_ && (b->small || front_cache_large_) && !busy && !expired_owner && b->recorded.empty()) {
+    const front_result r = front_give(b);  // refuses a stream whose destruction was noticed meanwhile
+    if (r == front_result::cached) return;
+    if (r == front_result::already_free) throw_not_owned(p, "deallocate");
+  }
+  free_to_heap(b, busy, expired_owner || owner_expired(b));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void* p, const stream_type& stream) {
+  if (p == nullptr) return;
+  refuse_if_captured(stream, "deallocate");
+  std::string report;
+  {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    stream_state& st = stream_for(stream, true);  // checks the device before anything changes
+    block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
+    if (b == nullptr) throw_not_owned_locked(p, "deallocate");
+    refuse_if_captured(b->owner->stream, "deallocate");
+    note_stream_use(b, st);  // may throw (memory): the block is still allocated then
+    const bool busy = owner_may_be_busy(b);
+    if (owner_expired(b)) report = expired_owner_message(b);  // may throw (memory): still allocated, still mapped
+    if (map_.erase(reinterpret_cast<std::uintptr_t>(p)) != b) throw_not_owned_locked(p, "deallocate");
+    free_allocated(b, busy);  // puts the block back in the map if it throws
+  }
+  if (!report.empty()) warn(report);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_stream(void* p, const stream_type& stream) {
+  refuse_if_captured(stream, "record_stream");
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  stream_state& st = stream_for(stream, true);
+  block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
+  if (b == nullptr) throw_not_owned_locked(p, "record_stream");
+  note_stream_use(b, st);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owns(const void* p) const noexcept {
+  return p != nullptr && live_block(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::allocation_size(const void* p) const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  const block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
+  if (b == nullptr) throw_not_owned_locked(p, "allocation_size");
+  return b->requested;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE allocator_stats basic_caching_allocator<Upstream, StreamOps>::stats() const noexcept {
+  return consistent_read([this] { return read_stats(); });
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::memory_allocated() const noexcept {
+  return consistent_read([this] { return user_current(st_allocated_bytes); });
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::memory_reserved() const noexcept {
+  return current(stats_.reserved_bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::max_memory_allocated() const noexcept {
+  return peak(stats_.allocated_bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::max_memory_reserved() const noexcept {
+  return peak(stats_.reserved_bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_peak_stats() noexcept {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  fronts_lock all(*this);
+  all_changing changes(*this);
+  for (front_slot_type& slot : used_fronts()) {
+    for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
+  }
+  // Each peak is stored once, as the users' value (never the heap's part alone, which readers could see).
+  for (std::size_t k = 0; k < counter_count; ++k) {
+    detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
+    std::int64_t value = g.current.load(std::memory_order_relaxed);
+    if (fronts_active_ && fronted(k / 3)) {
+      for (const front_slot_type& slot : used_fronts()) value += front_value(slot, k);
+      slack_[k] = 0;
+    }
+    g.peak.store(value, std::memory_order_release);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_accumulated_stats() noexcept {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  fronts_lock all(*this);
+  all_changing changes(*this);
+  for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_accumulated();
+  for (front_slot_type& slot : used_fronts()) {
+    slot.reset_totals();
+  }
+  stats_.num_alloc_retries.reset();
+  stats_.num_ooms.reset();
+  stats_.num_sync_all_streams.reset();
+  stats_.num_device_alloc.reset();
+  stats_.num_device_free.reset();
+  stats_.num_device_free_unforced.reset();
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE free_space_info basic_caching_allocator<Upstream, StreamOps>::free_space() const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  return free_space_locked();
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE allocator_snapshot basic_caching_allocator<Upstream, StreamOps>::snapshot() const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  fronts_lock all(*this);  // blocks do not enter or leave the front caches meanwhile
+  // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
+  // allocations being returned on other threads), which is where memory_picture anchors its levels.
+  if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
+  return detail::caching_diagnostics::snapshot(*this);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::string basic_caching_allocator<Upstream, StreamOps>::memory_summary() const {
+  allocator_stats s;
+  free_space_info f;
+  {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    {
+      fronts_lock all(*this);
+      s = read_stats();
+    }
+    f = free_space_locked();
+  }
+  return format_memory_summary("gpukit caching allocator, " + device_.to_string(), s, f);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::empty_cache() {
+  detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  refuse_release_if_captured("empty_cache");
+  release_cached(lock, true, 0);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std::size_t target_reserved) {
+  detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  refuse_release_if_captured("trim");
+  release_cached(lock, true, target_reserved);
+  return current(stats_.reserved_bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_reserved_limit(std::size_t bytes) {
+  detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  limit_ = bytes;
+  limit_atomic_.store(bytes, std::memory_order_relaxed);
+  if (current(stats_.reserved_bytes) > bytes) release_cached(lock, true, bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_memory_fraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw invalid_argument_error("gpukit: a memory fraction must be in (0, 1], not " + std::to_string(fraction));
+  }
+  const upstream_memory_info info = upstream_.memory_info();
+  if (!info.known || info.total_bytes == 0) {
+    throw invalid_argument_error("gpukit: the total memory of " + device_.to_string() +
+                                 " is unknown, so a fraction of it cannot be a limit; use set_reserved_limit");
+  }
+  set_reserved_limit(static_cast<std::size_t>(fraction * static_cast<double>(info.total_bytes)));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::uint64_t basic_caching_allocator<Upstream, StreamOps>::add_out_of_memory_observer(
+    out_of_memory_observer observer) {
+  return observers_.add(std::move(observer));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::remove_out_of_memory_observer(std::uint64_t id) {
+  return observers_.remove(id);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_memory_history(
+    std::shared_ptr<memory_history> history) {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  memory_history* const raw = history.get();
+  if (history != nullptr && std::find(histories_.begin(), histories_.end(), history) == histories_.end()) {
+    histories_.push_back(history);
+  }
+  current_history_ = std::move(history);
+  history_.store(raw, std::memory_order_release);  // the history's construction happens before its first record
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::shared_ptr<memory_history> basic_caching_allocator<Upstream, StreamOps>::history() const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  return current_history_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::reserved_limit() const noexcept {
+  return limit_atomic_.load(std::memory_order_relaxed);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE const allocator_options& basic_caching_allocator<Upstream, StreamOps>::options() const noexcept {
+  return options_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE gpukit::device basic_caching_allocator<Upstream, StreamOps>::device() const noexcept {
+  return device_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE Upstream& basic_caching_allocator<Upstream, StreamOps>::upstream() noexcept {
+  return upstream_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE const Upstream& basic_caching_allocator<Upstream, StreamOps>::upstream() const noexcept {
+  return upstream_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE StreamOps& basic_caching_allocator<Upstream, StreamOps>::stream_operations() noexcept {
+  return ops_;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::stream_count() const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  return streams_.size();
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::rounded_size(std::size_t bytes) const {
+  return round_request(bytes);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::segment_size_for(std::size_t size) const {
+  return segment_size(size, size <= options_.small_size);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE detail::atomic_pool_stats& basic_caching_allocator<Upstream, StreamOps>::stat_ref(
+    std::size_t id) noexcept {
+  return stats_.*stat_members[id];
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE const detail::atomic_pool_stats& basic_caching_allocator<Upstream, StreamOps>::stat_ref(
+    std::size_t id) const noexcept {
+  return stats_.*stat_members[id];
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE allocator_stats basic_caching_allocator<Upstream, StreamOps>::read_stats() const noexcept {
+  allocator_stats s;
+  s.allocation = load_stat(st_allocation);
+  s.segment = load_stat(st_segment);
+  s.active = load_stat(st_active);
+  s.inactive_split = load_stat(st_inactive_split);
+  s.allocated_bytes = load_stat(st_allocated_bytes);
+  s.reserved_bytes = load_stat(st_reserved_bytes);
+  s.active_bytes = load_stat(st_active_bytes);
+  s.inactive_split_bytes = load_stat(st_inactive_split_bytes);
+  s.requested_bytes = load_stat(st_requested_bytes);
+  s.num_alloc_retries = stats_.num_alloc_retries.load();
+  s.num_ooms = stats_.num_ooms.load();
+  s.num_sync_all_streams = stats_.num_sync_all_streams.load();
+  s.num_device_alloc = stats_.num_device_alloc.load();
+  s.num_device_free = stats_.num_device_free.load();
+  s.num_device_free_unforced = stats_.num_device_free_unforced.load();
+  s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
+  s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
+  return s;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE pool_stats basic_caching_allocator<Upstream, StreamOps>::load_stat(std::size_t id) const noexcept {
+  pool_stats p = stat_ref(id).load();
+  if (!fronted(id)) return p;
+  for (const front_slot_type& slot : used_fronts()) {
+    for (std::size_t pool = 0; pool < 3; ++pool) {
+      const std::size_t q = quantity_of(id * 3 + pool, is_large_slot(slot));
+      if (q == detail::front_quantity_count) continue;
+      p.pools[pool].current += slot.value(q);
+      p.pools[pool].allocated += slot.raised_total(q);
+      p.pools[pool].freed += slot.lowered_total(q);
+    }
+  }
+  return p;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::user_current(std::size_t id) const noexcept {
+  std::int64_t v = stat_ref(id).pools[0].current.load(std::memory_order_acquire);
+  for (const front_slot_type& slot : used_fronts()) v += front_value(slot, id * 3);
+  return v > 0 ? static_cast<std::size_t>(v) : 0;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::current(
+    const detail::atomic_pool_stats& s) noexcept {
+  return static_cast<std::size_t>(s.pools[0].current.load(std::memory_order_relaxed));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::peak(
+    const detail::atomic_pool_stats& s) noexcept {
+  return static_cast<std::size_t>(s.pools[0].peak.load(std::memory_order_relaxed));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::int64_t basic_caching_allocator<Upstream, StreamOps>::as_delta(std::size_t v) noexcept {
+  return static_cast<std::int64_t>(v);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_overflow(std::size_t bytes) const {
+  throw invalid_argument_error("gpukit: cannot allocate " + std::to_string(bytes) + " bytes on " + device_.to_string() +
+                               ": the size overflows when rounded up");
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::round_request(std::size_t bytes) const {
+  const std::size_t size = detail::segment_sizing::rounded_request(options_, bytes);
+  if (size == 0) throw_overflow(bytes);
+  return size;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::segment_size(std::size_t size,
+                                                                                     bool small) const noexcept {
+  return detail::segment_sizing::preferred(options_, size, small, current(stats_.reserved_bytes));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::fitted_segment_size(std::size_t size,
+                                                                                            bool small) const noexcept {
+  return detail::segment_sizing::fitted(options_, size, small, current(stats_.reserved_bytes), in_flight_, limit_);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::should_split(const block* b, std::size_t size,
+                                                                              std::size_t remainder) const noexcept {
+  return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated, size, remainder);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::stream_for(const stream_type& s, bool other_devices)
+    -> stream_state& {
+  const gpukit::device d = ops_.device_of(s);
+  if (d != device_ && !(other_devices && d.is_cuda() && device_.is_cuda())) throw_wrong_device(d);
+  const std::uintptr_t key = ops_.key(s);
+  stream_state* found = streams_.find(key);
+  if (found == nullptr) return *register_stream(s, key, d);
+  if (found->device != d) throw_key_collision(found->device, d, key);
+  return *found;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_wrong_device(gpukit::device d) const {
+  throw invalid_argument_error("gpukit: a stream of " + d.to_string() + " was passed to the caching allocator of " +
+                                   device_.to_string() + " (wrong device)",
+                               cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_key_collision(gpukit::device known,
+                                                                                     gpukit::device passed,
+                                                                                     std::uintptr_t key) const {
+  throw invalid_argument_error("gpukit: a stream of " + passed.to_string() +
+                                   " was passed to the caching allocator of " + device_.to_string() + ", but its key " +
+                                   std::to_string(key) + " is that of a stream of " + known.to_string() +
+                                   " the allocator already knows; stream keys must be unique across devices",
+                               cudaSuccess, "gpukit::basic_caching_allocator", device_ordinal());
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE int basic_caching_allocator<Upstream, StreamOps>::device_ordinal() const noexcept {
+  return device_.is_cuda() ? device_.ordinal() : -1;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::register_stream(const stream_type& s,
+                                                                                 std::uintptr_t key, gpukit::device d)
+    -> stream_state* {
+  // A server that creates and destroys streams must not grow this registry forever: states with nothing cached,
+  // pending or allocated go, in sweeps whose cost is amortized over the registrations since the last one.
+  if (streams_.size() >= prune_at_) prune_streams();
+  stream_type kept = s;
+  if constexpr (detail::has_stream_resolve<StreamOps>::value) kept = ops_.resolve(s);
+  tracker_type tracker{};
+  if constexpr (tracks_lifetimes) tracker = ops_.track(s);
+  return &streams_.add(key, key, kept, d, std::move(tracker));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::prune_streams() {
+  if constexpr (tracks_lifetimes) {
+    note_expirations();
+    if (!dead_streams_.empty()) retire_finished();
+  }
+  streams_.remove_if([](const stream_state& st) noexcept {
+    return st.in_use == 0 && st.pending.empty() && (!st.dead || st.retired) && (!st.pools[0] || st.pools[0]->empty()) &&
+           (!st.pools[1] || st.pools[1]->empty());
+  });
+  ++sweeps_;
+  // Abandoned states go at the next sweep (their cache is released before the footprint grows): the next sweep
+  // comes after as many registrations again as there are streams still in use.
+  std::size_t abandoned = 0;
+  for (const auto& st : streams_) abandoned += abandoned_state(*st) ? 1 : 0;
+  may_have_abandoned_ = abandoned != 0;
+  prune_at_ = std::max(min_prune_at, 2 * (streams_.size() - abandoned));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::abandoned_state(
+    const stream_state& st) const noexcept {
+  return st.last_sweep < sweeps_ && st.in_use == 0 && st.pending.empty() && !st.dead;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_abandoned(
+    std::unique_lock<detail::spin_mutex>& lock) {
+  if (!may_have_abandoned_) return 0;
+  may_have_abandoned_ = false;
+  std::vector<segment*> victims;
+  for (segment* seg : free_segments()) {
+    bool abandoned = true;
+    for (const block* b = seg->first; b != nullptr && abandoned; b = b->next) {
+      abandoned = b->owner != unowned_.get() && abandoned_state(*b->owner);  // unowned blocks serve any stream
+    }
+    if (abandoned) victims.push_back(seg);
+  }
+  return release_segments(lock, victims, true);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::expired(const stream_state& st) const noexcept {
+  if constexpr (tracks_lifetimes) {
+    return ops_.expired(st.tracker);
+  } else {
+    (void)st;
+    return false;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owner_expired(const block* b) const noexcept {
+  return expired(*b->owner);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::finished(const stream_state& st) const {
+  if constexpr (tracks_lifetimes) {
+    return ops_.finished(st.tracker);
+  } else {
+    (void)st;
+    return true;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_expirations() {
+  if constexpr (tracks_lifetimes) {
+    seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
+    for (const auto& st : streams_) {
+      if (st->dead || !ops_.expired(st->tracker)) continue;
+      dead_streams_.push_back(st.get());
+      st->dead = true;
+      slots_to_release_ = true;
+    }
+    if (slots_to_release_) release_slots_of_dead();
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::release_slots_of_dead() {
+  const auto unreleased = [this](std::uintptr_t key) {
+    return std::any_of(dead_streams_.begin(), dead_streams_.end(),
+                       [key](const stream_state* st) { return st->key == key && !st->slots_released; });
+  };
+  // Slots change hands only under the device lock (front_give_slow), so their owners can be read without theirs.
+  bool owned = false;
+  for (const front_slot_type& slot : used_fronts())
+    owned = owned || unreleased(owner_of(slot).load(std::memory_order_relaxed));
+  if (owned) {
+    fronts_lock all(*this);
+    std::optional<deferred_peaks> deferred;  // only when blocks move: it settles every peak
+    for (front_slot_type& slot : used_fronts()) {
+      if (!unreleased(owner_of(slot).load(std::memory_order_relaxed))) continue;
+      slot.owner_gone = true;
+      slot.idle_mark = slot.use();
+      if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;
+      if (!deferred) deferred.emplace(*this);
+      for (auto& bin : slot.bins) flush_bin(slot, bin);
+    }
+  }
+  for (stream_state* st : dead_streams_) st->slots_released = true;
+  slots_to_release_ = false;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::retire_finished() {
+  for (std::size_t i = 0; i < dead_streams_.size();) {
+    stream_state* st = dead_streams_[i];
+    if (!finished(*st)) {
+      ++i;
+      continue;
+    }
+    dead_streams_[i] = dead_streams_.back();
+    dead_streams_.pop_back();
+    retire(st);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::retire(stream_state* st) {
+  st->retired = true;
+  for (auto& index : st->pools) {
+    if (!index) continue;
+    while (block* b = index->find(1, [](const block*) { return true; })) {
+      unindex_free(b);
+      recycle_event(std::move(b->fence), device_);  // its work is done, fenced work included
+      b->owner = unowned_.get();
+      insert_free(b);
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_finished_quietly(
+    const tracker_type& tracker) noexcept {
+  if constexpr (tracks_lifetimes) {
+    try {
+      ops_.wait_finished(tracker);
+    } catch (const std::exception& ex) {
+      warn(std::string("gpukit: waiting for the work of a destroyed stream failed: ") + ex.what());
+    } catch (...) {
+      warn("gpukit: waiting for the work of a destroyed stream failed");
+    }
+  } else {
+    (void)tracker;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_dead_streams(
+    std::unique_lock<detail::spin_mutex>& lock) {
+  if constexpr (tracks_lifetimes) {
+    note_expirations();
+    if (dead_streams_.empty()) return;
+    std::vector<tracker_type> trackers;
+    for (const stream_state* st : dead_streams_) trackers.push_back(st->tracker);
+    lock.unlock();
+    for (const auto& t : trackers) wait_finished_quietly(t);
+    lock.lock();
+    retire_finished();
+  } else {
+    (void)lock;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::string basic_caching_allocator<Upstream, StreamOps>::describe(const stream_state& st) const {
+  if constexpr (detail::has_stream_describe<StreamOps>::value) {
+    try {
+      return ops_.describe(st.stream);
+    } catch (...) {
+    }
+  }
+  return "stream " + std::to_string(st.key);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::string basic_caching_allocator<Upstream, StreamOps>::expired_owner_message(const block* b) const {
+  return detail::caching_diagnostics::expired_owner_message(*this, b);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::acquire_event(gpukit::device d)
+    -> std::unique_ptr<event_type> {
+  if (auto pooled = events_.take(d)) return std::move(*pooled);
+  return std::make_unique<event_type>(ops_.create_event(d));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::recycle_event(std::unique_ptr<event_type> e,
+                                                                               gpukit::device d) noexcept {
+  if (e) events_.give(d, std::move(e));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::synchronize_quietly(const event_type& e) noexcept {
+  try {
+    ops_.synchronize(e);
+  } catch (const std::exception& ex) {
+    warn(std::string("gpukit: waiting for an event of the caching allocator failed: ") + ex.what());
+  } catch (...) {
+    warn("gpukit: waiting for an event of the caching allocator failed");
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_stream_use(block* b, stream_state& st) {
+  if (&st == b->owner) return;
+  if (std::find(b->recorded.begin(), b->recorded.end(), &st) != b->recorded.end()) return;
+  b->recorded.push_back(&st);
+  ++st.in_use;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::clear_recorded(block* b) noexcept {
+  for (stream_state* user : b->recorded) --user->in_use;
+  b->recorded.clear();
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::record_complete(const stream_state& st,
+                                                                                 const pending_record& record) const {
+  return record.event ? ops_.ready(*record.event) : finished(st);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::process_events() {
+  for (std::size_t i = 0; i < pending_streams_.size();) {
+    stream_state* st = pending_streams_[i];
+    while (!st->pending.empty() && record_complete(*st, st->pending.front())) {
+      pending_record record = std::move(st->pending.front());
+      st->pending.pop_front();
+      recycle_event(std::move(record.event), st->device);
+      complete_pending(record.b);
+    }
+    if (st->pending.empty()) {
+      pending_streams_[i] = pending_streams_.back();
+      pending_streams_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::complete_pending(block* b) {
+  --pending_total_;
+  if (--b->pending_events != 0) return;
+  if (memory_history* h = history_.load(std::memory_order_acquire)) {
+    h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
+  }
+  count(st_active, b->small, -1);
+  count(st_active_bytes, b->small, -as_delta(b->size));
+  return_to_pool(b);
+}
+
+template <class Upstream, class StreamOps>
+void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const stream_type& stream, std::size_t bytes,
+                                                                       std::size_t size, bool small) {
+  block* b;
+  {
+    std::unique_lock<detail::spin_mutex> lock(mutex_);
+    stream_state& st = stream_for(stream);
+    st.last_sweep = sweeps_;
+    if (pending_total_ != 0) process_events();
+    if constexpr (tracks_lifetimes) {
+      if (ops_.expirations() != seen_expirations_) {  // one relaxed load when nothing changed
+        note_expirations();
+      } else if (slots_to_release_) {
+        release_slots_of_dead();  // free_allocated found a stream destroyed
+      }
+      if (!dead_streams_.empty()) retire_finished();
+    }
+    b = find_free(st, size, small);
+    if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
+    if (b == nullptr) {
+      // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
+      // nor invalidate a capture in global mode that another thread has underway.
+      detail::relaxed_capture_mode relaxed(device_.is_cuda());
+      b = allocate_slow(lock, st, bytes, size, small);
+    }
+    if (b->seg->expandable) {
+      detail::relaxed_capture_mode relaxed(device_.is_cuda());
+      b = back_with_pages(lock, st, b, bytes, size, small);
+    }
+    take(b, st, size, bytes);
+  }
+  try {
+    map_.insert(b->address, b);
+  } catch (...) {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    free_allocated(b, false, false);  // never handed out: nothing can use it
+    throw;
+  }
+  if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, b);
+  return reinterpret_cast<void*>(b->address);
+}
+
+template <class Upstream, class StreamOps>
+void basic_caching_allocator<Upstream, StreamOps>::free_to_heap(block* b, bool busy, bool expired_owner) {
+  void* p = reinterpret_cast<void*>(b->address);
+  std::string report;
+  if (expired_owner) report = expired_owner_message(b);
+  // Two frees of one pointer: the first to take it out of the map frees it.
+  if (map_.erase(b->address) != b) throw_not_owned(p, "deallocate");
+  {
+    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    free_allocated(b, busy);
+  }
+  if (!report.empty()) warn(report);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::used_fronts() noexcept -> slot_range<front_slot_type> {
+  return {fronts_.data(), fronts_.data() + fronts_used_};
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::used_fronts() const noexcept
+    -> slot_range<const front_slot_type> {
+  return {fronts_.data(), fronts_.data() + fronts_used_};
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::is_large_slot(
+    const front_slot_type& slot) const noexcept {
+  return &slot >= fronts_.data() + front_slots_per_pool;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::int64_t basic_caching_allocator<Upstream, StreamOps>::front_value(const front_slot_type& slot,
+                                                                                     std::size_t k) const noexcept {
+  const std::size_t q = quantity_of(k, is_large_slot(slot));
+  return q < detail::front_quantity_count ? slot.value(q) : 0;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::count(stat_id id, bool small,
+                                                                       std::int64_t d) noexcept {
+  detail::atomic_pool_stats& s = stat_ref(id);
+  if (!fronts_active_ || !fronted(id)) {
+    s.add(small, d);
+  } else {
+    count_with_fronts(s, id * 3, d);
+    count_with_fronts(s, id * 3 + (small ? 1 : 2), d);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::count_with_fronts(detail::atomic_pool_stats& s,
+                                                                                   std::size_t k,
+                                                                                   std::int64_t d) noexcept {
+  if (d < 0) {
+    slack_[k] += -d;
+  } else if (!peaks_deferred_) {
+    if (slack_[k] >= d) {
+      slack_[k] -= d;
+    } else {
+      fronts_lock all(*this);
+      rebalance(k, nullptr, d);
+    }
+  }
+  s.pools[k % 3].add_current(d);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance(std::size_t k, const front_slot_type* acting,
+                                                                           std::int64_t pending) noexcept {
+  detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
+  std::int64_t claimed = g.current.load(std::memory_order_relaxed) + pending;
+  std::int64_t value = claimed;
+  for (front_slot_type& slot : used_fronts()) {  // the slots whose blocks counter k counts (none for segments)
+    const std::size_t q = quantity_of(k, is_large_slot(slot));
+    if (q == detail::front_quantity_count) continue;
+    value += slot.value(q);
+    slot.claim[q] = std::max(slot.claim[q], slot.value(q));
+    claimed += slot.claim[q];
+  }
+  g.raise_peak(value);
+  const std::int64_t peak = g.peak.load(std::memory_order_relaxed);
+  std::int64_t excess = claimed - peak;
+  for (int round = 0; round < 2 && excess > 0; ++round) {
+    for (front_slot_type& slot : used_fronts()) {
+      const std::size_t q = quantity_of(k, is_large_slot(slot));
+      if (q == detail::front_quantity_count || (&slot == acting) == (round == 0)) continue;
+      const std::int64_t spare = std::min(excess, slot.claim[q] - slot.value(q));
+      slot.claim[q] -= spare;
+      excess -= spare;
+    }
+  }
+  slack_[k] = -excess;  // peak - heap - claims, >= 0
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_all() noexcept {
+  for (std::size_t k = 0; k < counter_count; ++k) {
+    if (fronted(k / 3)) rebalance(k, nullptr);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_risen(const front_slot_type& slot,
+                                                                                 bool left) noexcept {
+  for (std::size_t k = 0; k < counter_count; ++k) {
+    const std::size_t q = quantity_of(k, is_large_slot(slot));
+    if (q == detail::front_quantity_count) continue;
+    const bool split = q == detail::fq_split_blocks || q == detail::fq_split_bytes;
+    if (split != left) rebalance(k, &slot);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_slot_at(std::uintptr_t key, std::size_t probe,
+                                                                               bool large) noexcept
+    -> front_slot_type& {
+  const std::size_t i = (detail::front_home(key, front_slots_per_pool) + probe) % front_slots_per_pool;
+  return fronts_[large ? front_slots_per_pool + i : i];
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::atomic<std::uintptr_t>& basic_caching_allocator<Upstream, StreamOps>::owner_of(
+    const front_slot_type& slot) noexcept {
+  return front_owners_.key[static_cast<std::size_t>(&slot - fronts_.data())];
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_take(std::uintptr_t key, std::size_t size,
+                                                                            std::size_t requested, bool large)
+    -> block* {
+  for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
+    front_slot_type& slot = front_slot_at(key, probe, large);
+    const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+    if (owner == front_slot_type::unowned) return nullptr;  // hints: a miss only costs the heap's path
+    if (owner != key) continue;
+    if (slot.blocks.load(std::memory_order_relaxed) == 0) {
+      slot.note_miss();  // in use, though empty: not to be taken over
+      continue;
+    }
+    std::unique_lock<detail::spin_mutex> lock(slot.mutex);
+    if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner_of(slot).load(std::memory_order_relaxed) != key) {
+      continue;
+    }
+    ++slot.tick;
+    auto* bin = slot.find(size);
+    if (bin == nullptr) continue;
+    block* b = bin->top;
+    if (!slot.may_leave(*b, requested)) {
+      lock.unlock();
+      return front_take_slow(key, size, requested, large);
+    }
+    return take_cached(slot, *bin, requested, false);
+  }
+  return nullptr;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::take_cached(front_slot_type& slot,
+                                                                             typename front_slot_type::bin& bin,
+                                                                             std::size_t requested, bool slow)
+    -> block* {
+  block* b = bin.top;  // still in the pointer map
+  slot.pop(bin);
+  detail::sequence_write change(slot.sequence);  // readers see the counts with the peaks that cover them
+  slot.leave(*b, requested);
+  if (slow) rebalance_risen(slot, true);
+  b->requested = requested;
+  b->in_front.store(false, std::memory_order_relaxed);
+  return b;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_cached(front_slot_type& slot,
+                                                                             typename front_slot_type::bin& bin,
+                                                                             block* b, bool slow) noexcept {
+  // Recorded under the slot's lock: no other thread can take the block (and record its alloc) before this free.
+  if (history_.load(std::memory_order_acquire) != nullptr) note_cached_free(b);
+  detail::sequence_write change(slot.sequence);
+  slot.enter(*b);
+  if (slow) rebalance_risen(slot, false);
+  std::atomic<std::uintptr_t>& owner = owner_of(slot);
+  if (owner.load(std::memory_order_relaxed) != b->owner->key) {
+    owner.store(b->owner->key, std::memory_order_relaxed);
+    slot.owner_gone = false;
+  }
+  slot.push(bin, b);
+  b->in_front.store(true, std::memory_order_relaxed);
+}
+
+template <class Upstream, class StreamOps>
+auto basic_caching_allocator<Upstream, StreamOps>::front_take_slow(std::uintptr_t key, std::size_t size,
+                                                                   std::size_t requested, bool large) -> block* {
+  std::lock_guard<detail::spin_mutex> device_lock(mutex_);
+  fronts_lock all(*this);
+  for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
+    front_slot_type& slot = front_slot_at(key, probe, large);
+    const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+    if (owner == front_slot_type::unowned) return nullptr;
+    if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner != key) continue;
+    auto* bin = slot.find(size);
+    if (bin != nullptr) return take_cached(slot, *bin, requested, true);
+  }
+  return nullptr;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_give(block* b) -> front_result {
+  const std::uintptr_t key = b->owner->key;
+  constexpr std::uintptr_t unowned = front_slot_type::unowned;
+  if (key == unowned) return front_result::no_room;  // no stream has it (see front_slot::unowned)
+  const bool large = !b->small;
+  // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
+  // slots owned by other streams): one whose owner went idle, among the first few, so that with more busy streams
+  // than slots a free without a slot locks only a few others' slots. Reads without the lock are hints, checked
+  // under it. A slot changes hands only on the slow path, with every lock held, which looks for the stream's own
+  // slot first: two threads freeing on one stream at once, each in pass 1, would otherwise claim a slot each.
+  constexpr std::size_t takeover_probes = 4;
+  for (int pass = 0; pass < 3; ++pass) {
+    for (std::size_t probe = 0; probe < (pass == 2 ? takeover_probes : front_slots_per_pool); ++probe) {
+      front_slot_type& slot = front_slot_at(key, probe, large);
+      const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+      if (pass == 0 && owner == unowned) break;
+      if (owner != (pass == 0 ? key : unowned) && pass != 2) continue;
+      if (pass == 2 && (owner == key || owner == unowned || slot.blocks.load(std::memory_order_relaxed) != 0)) {
+        continue;
+      }
+      std::unique_lock<detail::spin_mutex> lock(slot.mutex);
+      const std::uintptr_t now = owner_of(slot).load(std::memory_order_relaxed);
+      if (pass == 0) {
+        if (now != key) continue;
+        return front_give_to(slot, lock, b);
+      }
+      if (pass == 2 ? !slot.may_take_over(key, now) : now != unowned) continue;
+      const slot_seen seen = seen_by_fast_path(slot);
+      lock.unlock();
+      return front_give_slow(b, slot, seen);
+    }
+  }
+  return front_result::no_room;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_give_to(
+    front_slot_type& slot, std::unique_lock<detail::spin_mutex>& lock, block* b) -> front_result {
+  if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+  // Destroyed since deallocate asked, and the slot already emptied (release_slots_of_dead): the block would hold
+  // it for a stream that never asks again. A flag on the slot's own line: asking the stream cost the pair 10 %.
+  if (slot.owner_gone) return front_result::no_room;
+  ++slot.tick;
+  auto* bin = slot.room_for(b->size);
+  if (bin == nullptr) {
+    if (slot.stale_bin(b->size) == nullptr) return front_result::no_room;
+    const slot_seen seen = seen_by_fast_path(slot);
+    lock.unlock();
+    return front_give_slow(b, slot, seen);  // a bin of sizes no longer used gives way
+  }
+  if (!fronts_active_ || !slot.may_enter(*b)) {
+    const slot_seen seen = seen_by_fast_path(slot);
+    lock.unlock();
+    return front_give_slow(b, slot, seen);
+  }
+  give_cached(slot, *bin, b, false);
+  return front_result::cached;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::seen_by_fast_path(front_slot_type& slot) noexcept
+    -> slot_seen {
+  return {owner_of(slot).load(std::memory_order_relaxed), slot.use()};
+}
+
+template <class Upstream, class StreamOps>
+auto basic_caching_allocator<Upstream, StreamOps>::front_give_slow(block* b, front_slot_type& chosen, slot_seen seen)
+    -> front_result {
+  std::lock_guard<detail::spin_mutex> device_lock(mutex_);
+  fronts_lock all(*this);
+  if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
+  if (owner_expired(b)) return front_result::no_room;  // as in front_give_to
+  if (!fronts_active_) {
+    // From now on the heap's counters alone no longer give the peaks: start the claims at zero.
+    fronts_active_ = true;
+    rebalance_all();
+  }
+  const std::uintptr_t key = b->owner->key;
+  constexpr std::uintptr_t unowned = front_slot_type::unowned;
+  // The stream's own slot first (another thread of it may have claimed one since front_give looked), then
+  // `chosen`, then the first slot never owned. Another stream's slot is taken over only as front_give's pass 2
+  // decided (empty, and unused since another stream last asked): not if it changed hands or was used since.
+  front_slot_type* found = nullptr;
+  front_slot_type* first_unowned = nullptr;
+  for (std::size_t probe = 0; probe < front_slots_per_pool && first_unowned == nullptr; ++probe) {
+    front_slot_type& slot = front_slot_at(key, probe, !b->small);
+    const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
+    if (owner == key) {
+      found = &slot;
+      break;
+    }
+    if (owner == unowned) first_unowned = &slot;  // a stream's slots come before it (see front_slot_at)
+  }
+  const std::uintptr_t chosen_owner = owner_of(chosen).load(std::memory_order_relaxed);
+  const bool unchanged = chosen_owner == seen.owner && chosen.use() == seen.use;
+  if (found == nullptr && chosen_owner != unowned && unchanged && chosen.blocks.load(std::memory_order_relaxed) == 0) {
+    found = &chosen;
+  }
+  if (found == nullptr) found = first_unowned;  // `chosen` when front_give found it never owned
+  if (found != nullptr) {
+    front_slot_type& slot = *found;
+    auto* bin = slot.room_for(b->size);
+    if (bin == nullptr) {
+      bin = slot.stale_bin(b->size);
+      if (bin == nullptr) return front_result::no_room;
+      deferred_peaks deferred(*this);
+      flush_bin(slot, *bin);
+    }
+    give_cached(slot, *bin, b, true);
+    return front_result::cached;
+  }
+  return front_result::no_room;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::flush_bin(front_slot_type& slot,
+                                                                           typename front_slot_type::bin& bin) {
+  while (bin.count != 0) {
+    block* b = slot.pop(bin);
+    map_.erase(b->address);  // a cached block stays in the map (marked) until the heap takes it
+    b->in_front.store(false, std::memory_order_release);  // after the erase: see live_block
+    // The user's free was counted when the block entered the cache; the heap's free below counts it again.
+    slot.unwind(*b);
+    try {
+      free_allocated(b, false, false);  // cached only when it needed no fence; its free is already recorded
+    } catch (...) {
+      // free_allocated put it back in the map as allocated: it is cached again instead.
+      slot.enter(*b);
+      slot.push(bin, b);
+      b->in_front.store(true, std::memory_order_relaxed);
+      throw;
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_fronts(bool large_only) {
+  if (!fronts_active_) return false;
+  bool any = false;
+  fronts_lock all(*this);
+  deferred_peaks deferred(*this);
+  for (front_slot_type& slot : used_fronts()) {
+    if (slot.blocks.load(std::memory_order_relaxed) == 0 || (large_only && !is_large_slot(slot))) continue;
+    for (auto& bin : slot.bins) {
+      any = any || bin.count != 0;
+      flush_bin(slot, bin);
+    }
+  }
+  return any;
+}
+
+template <class Upstream, class StreamOps>
+void basic_caching_allocator<Upstream, StreamOps>::note_cached_free(const block* b) const noexcept {
+  if (memory_history* h = history_.load(std::memory_order_acquire)) {
+    h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
+    h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
+  }
+}
+
+template <class Upstream, class StreamOps>
+void basic_caching_allocator<Upstream, StreamOps>::note(memory_action action, const block* b) const noexcept {
+  if (memory_history* h = history_.load(std::memory_order_acquire)) {
+    h->record(action, b->address, b->requested, b->owner->key);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::live_block(std::uintptr_t address) const noexcept
+    -> block* {
+  typename map_type::version_type version = 0;
+  block* b = map_.find(address, version);
+  if (b == nullptr || b->in_front.load(std::memory_order_acquire)) return nullptr;
+  if (!map_.unchanged(address, version) && map_.find(address) != b) return nullptr;
+  return b;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::new_block() -> block* {
+  if (spare_blocks_ == nullptr) {
+    constexpr std::size_t chunk = 256;
+    block_chunks_.push_back(std::make_unique<block[]>(chunk));
+    block* blocks = block_chunks_.back().get();
+    for (std::size_t i = 0; i < chunk; ++i) {
+      blocks[i].next = spare_blocks_;
+      spare_blocks_ = &blocks[i];
+    }
+  }
+  block* b = spare_blocks_;
+  spare_blocks_ = b->next;
+  b->next = nullptr;
+  return b;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::recycle(block* b) noexcept {
+  b->address = 0;
+  b->size = 0;
+  b->requested = 0;
+  b->prev = b->free_prev = b->free_next = nullptr;
+  b->seg = nullptr;
+  b->owner = nullptr;
+  b->fence.reset();
+  b->recorded.clear();
+  b->pending_events = 0;
+  b->state = block_state::free;
+  b->taken_split = false;
+  b->in_front.store(false, std::memory_order_relaxed);
+  b->next = spare_blocks_;
+  spare_blocks_ = b;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::index_of(block* b) -> index_type& {
+  auto& pool = b->owner->pools[b->small ? 1 : 0];
+  if (!pool) pool = std::make_unique<index_type>();
+  return *pool;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::is_split(const block* b) noexcept {
+  return b->prev != nullptr || b->next != nullptr;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::index_free(block* b) {
+  index_of(b).insert(b);
+  if (is_split(b)) {
+    count(st_inactive_split, b->small, 1);
+    count(st_inactive_split_bytes, b->small, as_delta(b->size));
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::unindex_free(block* b) noexcept {
+  b->owner->pools[b->small ? 1 : 0]->remove(b);
+  if (is_split(b)) {
+    count(st_inactive_split, b->small, -1);
+    count(st_inactive_split_bytes, b->small, -as_delta(b->size));
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::absorb_fence(block* into, block* from) noexcept {
+  if (!from->fence) return;
+  if (!into->fence || from->fence_sequence > into->fence_sequence) {
+    std::swap(into->fence, from->fence);
+    into->fence_sequence = from->fence_sequence;
+  }
+  recycle_event(std::move(from->fence), device_);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_to_pool(block* b) {
+  b->state = block_state::free;
+  b->requested = 0;
+  clear_recorded(b);
+  --b->owner->in_use;
+  if (b->owner->retired) {
+    recycle_event(std::move(b->fence), device_);
+    b->owner = unowned_.get();
+  }
+  insert_free(b);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::joinable(const block* n,
+                                                                          const stream_state* owner) const noexcept {
+  return n != nullptr && n->state == block_state::free && (n->owner == owner || n->owner == unowned_.get());
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(block* b) {
+  stream_state* const owner = b->owner;
+  for (block* p = b->prev; joinable(p, owner); p = b->prev) {
+    unindex_free(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next != nullptr) b->next->prev = p;
+    p->owner = owner;
+    absorb_fence(p, b);
+    recycle(b);
+    b = p;
+  }
+  for (block* n = b->next; joinable(n, owner); n = b->next) {
+    unindex_free(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next != nullptr) n->next->prev = b;
+    absorb_fence(b, n);
+    recycle(n);
+  }
+  index_free(b);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(stream_state& st, std::size_t size,
+                                                                           bool small) -> block* {
+  const std::size_t max_split = options_.max_split_size;
+  const std::size_t max_waste = options_.max_oversize_waste;
+  // max_split_size concerns segments made for one large request; shared segments are always split.
+  auto accept = [size, max_split, max_waste](const block* candidate) {
+    if (!candidate->seg->dedicated) return true;
+    return size < max_split ? candidate->size < max_split : candidate->size - size <= max_waste;
+  };
+  const int pool = small ? 1 : 0;
+  if (const auto& index = st.pools[pool]; index && !index->empty()) {
+    if (block* b = index->find(size, accept)) return b;
+  }
+  // Blocks of destroyed streams whose work has completed: no stream can still be using them.
+  if (const auto& index = unowned_->pools[pool]; index && !index->empty()) {
+    if (block* b = index->find(size, accept)) return b;
+  }
+  if (!options_.cross_stream_reuse) return nullptr;
+  for (const auto& other : streams_) {
+    if (other.get() == &st || other->dead) continue;  // a destroyed stream's blocks wait for its last work
+    if (const auto& index = other->pools[pool]; index && !index->empty()) {
+      if (block* b = index->find(size, accept)) return b;
+    }
+  }
+  return nullptr;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take(block* b, stream_state& st, std::size_t size,
+                                                                      std::size_t requested) {
+  const std::size_t remainder = b->size - size;
+  const bool split = should_split(b, size, remainder);
+  block* rest = split ? new_block() : nullptr;  // the only step that can fail before anything changes
+  unindex_free(b);
+  std::unique_ptr<event_type> fence = std::move(b->fence);
+  if (b->owner != &st && fence) {
+    try {
+      ops_.wait(*fence, st.stream);  // the new stream waits for the old one's work, on the device
+    } catch (...) {
+      b->fence = std::move(fence);
+      index_free(b);
+      if (rest != nullptr) recycle(rest);
+      throw;
+    }
+  }
+  if (split) {
+    rest->address = b->address + size;
+    rest->size = remainder;
+    rest->seg = b->seg;
+    rest->owner = b->owner;  // the remainder stays with the stream it was cached for
+    rest->small = b->small;
+    rest->state = block_state::free;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next != nullptr) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    rest->fence = std::move(fence);  // the old stream's work may still use the remainder's memory
+    rest->fence_sequence = b->fence_sequence;
+    index_free(rest);
+  } else {
+    recycle_event(std::move(fence), device_);
+  }
+  b->owner = &st;
+  ++st.in_use;
+  b->state = block_state::allocated;
+  b->requested = requested;
+  b->taken_split = is_split(b);
+  count(st_allocation, b->small, 1);
+  count(st_allocated_bytes, b->small, as_delta(b->size));
+  count(st_active, b->small, 1);
+  count(st_active_bytes, b->small, as_delta(b->size));
+  count(st_requested_bytes, b->small, as_delta(requested));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owner_may_be_busy(const block* b) const {
+  return needs_fence_ && !owner_expired(b) && ops_.may_have_pending_work(b->owner->stream);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(block* b, bool owner_busy,
+                                                                                bool user_free) {
+  std::unique_ptr<event_type> fence;
+  std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;
+  try {
+    if constexpr (tracks_lifetimes) {
+      // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other
+      // stream may take its blocks before its last work completes.
+      stream_state* owner = b->owner;
+      if (!owner->dead && expired(*owner)) {
+        dead_streams_.push_back(owner);
+        owner->dead = true;
+        slots_to_release_ = true;  // not here: this may run under the slot locks (flush_bin)
+      }
+    }
+    // A stream destroyed since the caller asked whether it was busy takes no event (its handle may be another
+    // stream's by now): its blocks wait for its last work (retire) instead.
+    if (owner_busy && !b->owner->dead) {
+      fence = acquire_event(device_);
+      ops_.record(*fence, b->owner->stream);
+    }
+    for (stream_state* user : b->recorded) {
+      if (expired(*user)) {
+        // Destroyed since: no event can be recorded on it; its last work is waited for instead (null event).
+        if (!finished(*user)) uses.emplace_back(user, nullptr);
+        continue;
+      }
+      uses.emplace_back(user, acquire_event(user->device));
+      if (user->device == device_) {
+        ops_.record(*uses.back().second, user->stream);
+      } else {
+        device_guard guard(user->device);  // a peer device's event, recorded with that device current
+        ops_.record(*uses.back().second, user->stream);
+      }
+    }
+    if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
+  } catch (...) {
+    recycle_event(std::move(fence), device_);
+    for (auto& use : uses) recycle_event(std::move(use.second), use.first->device);
+    map_.restore(b->address, b);  // still allocated (cannot throw: no growth)
+    throw;
+  }
+  if (fence) {
+    b->fence = std::move(fence);
+    b->fence_sequence = ++fence_counter_;
+  }
+  memory_history* const h = user_free ? history_.load(std::memory_order_acquire) : nullptr;
+  if (h != nullptr) h->record(memory_action::free_requested, b->address, b->requested, b->owner->key);
+  count(st_allocation, b->small, -1);
+  count(st_allocated_bytes, b->small, -as_delta(b->size));
+  count(st_requested_bytes, b->small, -as_delta(b->requested));
+  clear_recorded(b);  // the users' pending events (below) keep their states alive
+  if (uses.empty()) {
+    if (h != nullptr) h->record(memory_action::free_completed, b->address, b->requested, b->owner->key);
+    count(st_active, b->small, -1);
+    count(st_active_bytes, b->small, -as_delta(b->size));
+    return_to_pool(b);
+    return;
+  }
+  b->state = block_state::pending;  // keeps `requested` for the history's free_completed
+  b->pending_events = static_cast<std::uint32_t>(uses.size());
+  pending_total_ += uses.size();
+  for (auto& use : uses) {
+    stream_state* user = use.first;
+    if (user->pending.empty() &&
+        std::find(pending_streams_.begin(), pending_streams_.end(), user) == pending_streams_.end()) {
+      pending_streams_.push_back(user);
+    }
+    user->pending.push_back(pending_record{std::move(use.second), b});
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::within_limit(
+    std::size_t segment_bytes) const noexcept {
+  const std::size_t reserved = current(stats_.reserved_bytes) + in_flight_;
+  return reserved <= limit_ && segment_bytes <= limit_ - reserved;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow(std::unique_lock<detail::spin_mutex>& lock,
+                                                                      stream_state& st, std::size_t size,
+                                                                      std::size_t segment_bytes, bool small,
+                                                                      bool& limit_hit) -> block* {
+  if (!within_limit(segment_bytes)) {
+    limit_hit = true;
+    return nullptr;
+  }
+  limit_hit = false;  // the last refusal, if any, is the upstream's
+  in_flight_ += segment_bytes;
+  lock.unlock();
+  void* p = nullptr;
+  try {
+    p = upstream_.allocate(segment_bytes);
+  } catch (const out_of_memory_error&) {
+    p = nullptr;  // the upstream contract's other way to refuse (the pinned pool's upstreams throw)
+  } catch (...) {
+    lock.lock();
+    in_flight_ -= segment_bytes;
+    throw;
+  }
+  lock.lock();
+  in_flight_ -= segment_bytes;
+  if (p == nullptr) return nullptr;
+  std::unique_ptr<segment> seg;
+  block* b = nullptr;
+  try {
+    seg = std::make_unique<segment>();
+    b = new_block();
+    b->owner = &st;
+    b->small = small;
+    (void)index_of(b);
+  } catch (...) {
+    if (b != nullptr) recycle(b);
+    lock.unlock();
+    upstream_.deallocate(p, segment_bytes);
+    lock.lock();
+    throw;
+  }
+  seg->dedicated = !small && size >= options_.medium_size;
+  link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), segment_bytes, small);
+  count(st_reserved_bytes, small, as_delta(segment_bytes));
+  stats_.num_device_alloc.increment();
+  high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
+  return b;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::link_segment(std::unique_ptr<segment> seg, block* b,
+                                                                              std::uintptr_t address, std::size_t bytes,
+                                                                              bool small) {
+  seg->address = address;
+  seg->size = bytes;
+  seg->small = small;
+  seg->first = b;
+  seg->next_segment = segments_;
+  if (segments_ != nullptr) segments_->prev_segment = seg.get();
+  segments_ = seg.release();
+  b->address = address;
+  b->size = bytes;
+  b->seg = segments_;
+  b->state = block_state::free;
+  index_free(b);
+  count(st_segment, small, 1);
+  // An expandable segment's reserved range is no memory yet: its pages are recorded as they are mapped.
+  if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr && !segments_->expandable) {
+    h->record(memory_action::segment_alloc, address, bytes, 0);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable(stream_state& st, std::size_t size,
+                                                                                 bool small) -> block* {
+  if constexpr (has_vm) {
+    if (!options_.expandable_segments || st.expandable[small ? 1 : 0] != nullptr || vm_refused_) return nullptr;
+    if constexpr (detail::has_virtual_memory_query<Upstream>::value) {
+      if (!upstream_.virtual_memory_supported()) {
+        vm_refused_ = true;
+        warn("gpukit: expandable segments were asked for the caching allocator of " + device_.to_string() +
+             ", but the device (or its driver) has no virtual memory management: ordinary segments are used");
+        return nullptr;
+      }
+    }
+    const std::size_t page = upstream_.page_size();
+    upstream_memory_info info;
+    try {
+      info = upstream_.memory_info();
+    } catch (...) {
+    }
+    if (!info.known || info.total_bytes == 0 || page == 0) return nullptr;
+    // Four times the device's memory (at most 4 TiB): holes left by freed blocks use address space too, and
+    // address space is plentiful (2^47 bytes and more on GPUs).
+    const std::size_t limit = std::size_t{1} << 42;
+    const std::size_t total = std::min(info.total_bytes, limit / 4);
+    const std::size_t range = (4 * total + page - 1) / page * page;
+    if (range < size) return nullptr;
+    auto seg = std::make_unique<segment>();
+    block* b = new_block();
+    b->owner = &st;
+    b->small = small;
+    try {
+      seg->pages = detail::page_map(range / page, page);
+      (void)index_of(b);
+    } catch (...) {
+      recycle(b);
+      throw;
+    }
+    void* p = upstream_.reserve(range);
+    if (p == nullptr) {
+      recycle(b);
+      return nullptr;
+    }
+    seg->expandable = true;
+    link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), range, small);
+    address_space_.store(address_space_.load(std::memory_order_relaxed) + range, std::memory_order_relaxed);
+    st.expandable[small ? 1 : 0] = segments_;
+    return find_free(st, size, small);
+  } else {
+    (void)st;
+    (void)size;
+    (void)small;
+    return nullptr;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::map_pages(block* b, std::size_t size,
+                                                                           bool& limit_hit) {
+  if constexpr (has_vm) {
+    segment* seg = b->seg;
+    const std::size_t page = seg->pages.page_size();
+    const auto touched = seg->pages.touched_by(b->address - seg->address, size);
+    for (std::size_t i = touched.first; i < touched.end; ++i) {
+      if (seg->pages.is_mapped(i)) continue;
+      if (!within_limit(page)) {
+        limit_hit = true;
+        return false;
+      }
+      limit_hit = false;
+      if (!upstream_.map(reinterpret_cast<void*>(seg->address + i * page), page)) return false;
+      if (memory_history* h = history_.load(std::memory_order_acquire)) {
+        h->record(memory_action::segment_map, seg->address + i * page, page, 0);
+      }
+      seg->pages.set_mapped(i);
+      count(st_reserved_bytes, seg->small, as_delta(page));
+      stats_.num_device_alloc.increment();
+      high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
+    }
+    return true;
+  } else {
+    (void)b;
+    (void)size;
+    (void)limit_hit;
+    return true;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages(
+    std::unique_lock<detail::spin_mutex>& lock, stream_state& st, block* b, std::size_t requested, std::size_t size,
+    bool small) -> block* {
+  // Mapping pages grows the footprint: as before a new segment, cached large blocks go back to the heap first, so
+  // that one of them (coalesced with its free neighbours) can serve the request with pages already mapped; else
+  // each size would keep its own pages mapped in its bin (found by review: 304 MiB reserved against 160). Small
+  // blocks stay cached: they hold little of a 2 MiB page, and taking them back at every page moved the minimum
+  // capacity of the small transformer traces the wrong way (bench_fragmentation, L2 h256: 1.054 to 1.069).
+  if (front_cache_large_ && needs_pages(b, size) && flush_fronts(true)) {
+    b = find_free(st, size, small);  // the flush may have merged `b` away
+    if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
+    if (!b->seg->expandable) return b;
+  }
+  bool limit_hit = false;
+  if (map_pages(b, size, limit_hit)) return b;
+  for (const bool wait_pending : {false, true}) {
+    release_cached(lock, wait_pending, 0);
+    stats_.num_alloc_retries.increment();
+    b = find_free(st, size, small);
+    if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
+    if (!b->seg->expandable || map_pages(b, size, limit_hit)) return b;
+  }
+  throw_out_of_memory(lock, requested, size, b->seg->pages.page_size(), limit_hit, true);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::needs_pages(const block* b,
+                                                                             std::size_t size) const noexcept {
+  const detail::page_map& pages = b->seg->pages;
+  return pages.any_unmapped(pages.touched_by(b->address - b->seg->address, size));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_free_pages(std::size_t target) {
+  if constexpr (has_vm) {
+    if (!options_.expandable_segments) return 0;
+    const bool quarantine = !upstream_.synchronizes_on_free();
+    std::size_t unmapped = 0;
+    for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+      if (!seg->expandable || seg->mapped() == 0) continue;
+      const std::size_t page = seg->pages.page_size();
+      for (block* b = seg->first; b != nullptr; b = b->next) {
+        if (target != 0 && current(stats_.reserved_bytes) <= target) return unmapped;
+        if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
+        const auto inside = seg->pages.inside(b->address - seg->address, b->size);
+        for (std::size_t i = inside.first; i < inside.end;) {
+          if (!seg->pages.is_mapped(i)) {
+            ++i;
+            continue;
+          }
+          if (b->fence) {
+            synchronize_quietly(*b->fence);
+            recycle_event(std::move(b->fence), device_);
+          }
+          const std::size_t run = unmap_run(seg, i, inside.end);
+          if (run == 0) return unmapped;  // the device could not be waited for: nothing more is unmapped now
+          unmapped += run * page;
+          count(st_reserved_bytes, seg->small, -as_delta(run * page));
+          i += run;
+        }
+      }
+    }
+    return unmapped;
+  } else {
+    (void)target;
+    return 0;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_run(segment* seg, std::size_t i,
+                                                                                  std::size_t end) noexcept {
+  const std::size_t page = seg->pages.page_size();
+  const std::size_t n = seg->pages.mapped_run(i, end);
+  if (n == 0 || !upstream_unmap(seg->address + i * page, n * page)) return 0;
+  seg->pages.set_unmapped({i, i + n});
+  if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
+    h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
+  }
+  for (std::size_t k = 0; k < n; ++k) stats_.num_device_free.increment();
+  return n;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::upstream_unmap(std::uintptr_t address,
+                                                                                std::size_t bytes) noexcept {
+  if constexpr (has_vm) {
+    if constexpr (std::is_same_v<decltype(upstream_.unmap(nullptr, bytes)), bool>) {
+      return upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+    } else {
+      upstream_.unmap(reinterpret_cast<void*>(address), bytes);
+      return true;
+    }
+  } else {
+    (void)address;
+    (void)bytes;
+    return false;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::forget_expandable(const segment* seg) noexcept {
+  auto forget = [seg](stream_state& st) {
+    for (segment*& e : st.expandable) {
+      if (e == seg) e = nullptr;
+    }
+  };
+  for (auto& st : streams_) forget(*st);
+  forget(*unowned_);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::order_release(const segment& seg) noexcept
+    -> ordered_release {
+  ordered_release o;
+  if constexpr (detail::has_ordered_release<Upstream, event_type>::value && tracks_lifetimes) {
+    if (seg.expandable) return o;
+    std::vector<const stream_state*> owners;
+    const auto alive = [this](const stream_state* owner) {
+      return owner->tracker && !owner->dead && !ops_.expired(owner->tracker);
+    };
+    bool orderable = true;
+    try {
+      for (const block* b = seg.first; b != nullptr; b = b->next) {
+        const stream_state* owner = b->owner;
+        if (owner == unowned_.get() || owner->retired) continue;  // no work of any stream can still use it
+        if (!alive(owner)) return o;
+        if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
+      }
+      for (const stream_state* owner : owners) {
+        auto e = acquire_event(device_);
+        ops_.record(*e, owner->stream);  // refuses a captured stream
+        o.after.push_back(std::move(e));
+      }
+      // Destroyed (its handle maybe reused) or captured since it was asked: the events may be on the wrong work.
+      for (const stream_state* owner : owners) {
+        bool captured = false;
+        if constexpr (detail::has_capture_query<StreamOps>::value) captured = ops_.capturing(owner->stream);
+        orderable = orderable && alive(owner) && !captured;
+      }
+    } catch (...) {  // no memory, no event, or a captured stream
+      orderable = false;
+    }
+    if (!orderable) {  // the upstream's deallocate (which waits) instead
+      for (auto& e : o.after) recycle_event(std::move(e), device_);
+      o.after.clear();
+      return o;
+    }
+    o.possible = true;
+  } else {
+    (void)seg;
+  }
+  return o;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::deallocate_in_order(
+    const segment* seg, const ordered_release& ordered) noexcept {
+  if constexpr (detail::has_ordered_release<Upstream, event_type>::value) {
+    if (!ordered.possible) return false;
+    std::vector<const event_type*> after;
+    try {
+      after.reserve(ordered.after.size());
+    } catch (...) {
+      return false;  // no memory for the list
+    }
+    for (const auto& e : ordered.after) after.push_back(e.get());
+    return upstream_.deallocate_after(reinterpret_cast<void*>(seg->address), seg->size, after);
+  } else {
+    (void)seg;
+    (void)ordered;
+    return false;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
+    segment* seg, const ordered_release& ordered) noexcept {
+  memory_history* const h = history_.load(std::memory_order_acquire);
+  if constexpr (has_vm) {
+    if (seg->expandable) {
+      bool all_unmapped = true;
+      for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
+        if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
+        all_unmapped = all_unmapped && upstream_unmap(address, bytes);
+      });
+      if (all_unmapped) {
+        upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
+      } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
+        try {
+          warn("gpukit: the caching allocator of " + device_.to_string() + " keeps an expandable segment of " +
+               std::to_string(seg->size) + " bytes reserved: its pages could not be unmapped");
+        } catch (...) {  // no memory for the message
+        }
+      }
+      return;
+    }
+  }
+  // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
+  // thread's new segment, whose segment_alloc must come after this.
+  if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
+  if (!deallocate_in_order(seg, ordered)) upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
+    std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size, bool small)
+    -> block* {
+  if (block* b = grow_expandable(st, size, small)) return b;
+  std::size_t segment_bytes = fitted_segment_size(size, small);
+  bool limit_hit = false;
+  if (options_.release_before_grow) {
+    const std::size_t reserved = current(stats_.reserved_bytes) + in_flight_;
+    const std::size_t room = high_water_ > reserved ? high_water_ - reserved : 0;
+    if (segment_bytes > room && release_for_growth(lock, segment_bytes - room) > 0) {
+      if (block* b = find_free(st, size, small)) return b;  // freed by another thread meanwhile
+    }
+  }
+  if (release_abandoned(lock) > 0) {
+    if (block* b = find_free(st, size, small)) return b;
+  }
+  if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+  // The upstream (or the limit) refused. Other threads may have freed memory while the lock was released.
+  if (block* b = find_free(st, size, small)) return b;
+  // First retry: give back the free segments (waiting only for fences of work that may still use them). The
+  // segment is sized again: it grows with reserved memory, which just shrank.
+  if (release_cached(lock, false, 0) > 0) {
+    stats_.num_alloc_retries.increment();
+    if (block* b = find_free(st, size, small)) return b;
+    segment_bytes = fitted_segment_size(size, small);
+    if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+  }
+  // Last retry, always made (the failure may have been transient): wait for blocks that other streams still
+  // use, give back everything free, and try once more.
+  release_cached(lock, true, 0);
+  stats_.num_alloc_retries.increment();
+  if (block* b = find_free(st, size, small)) return b;
+  segment_bytes = fitted_segment_size(size, small);
+  if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+  // A shared segment sized for the footprint may not fit where the request does: the smallest ones that hold it,
+  // first a few such requests with nothing lost to rounding (two of 5 MiB: 10 MiB), then the request alone.
+  for (const std::size_t smaller : {detail::segment_sizing::unrounded(options_, size, small),
+                                    detail::segment_sizing::minimal(options_, size, small)}) {
+    if (smaller >= segment_bytes) continue;
+    segment_bytes = smaller;
+    if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+  }
+  throw_out_of_memory(lock, requested, size, segment_bytes, limit_hit);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_cached(
+    std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target) {
+  flush_fronts();
+  if (wait_pending) {
+    wait_for_pending_events(lock);
+    wait_for_dead_streams(lock);
+  }
+  std::vector<segment*> victims = free_segments();
+  if (target != 0) {
+    std::sort(victims.begin(), victims.end(),
+              [](const segment* a, const segment* b) { return a->mapped() > b->mapped(); });
+    std::size_t reserved = current(stats_.reserved_bytes);
+    std::size_t keep = 0;
+    while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped();
+    victims.resize(keep);
+  }
+  const std::size_t released = release_segments(lock, victims);
+  return released + unmap_free_pages(target);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_for_growth(
+    std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit) {
+  std::vector<segment*> candidates = free_segments();
+  if (candidates.empty()) return 0;
+  std::sort(candidates.begin(), candidates.end(),
+            [](const segment* a, const segment* b) { return a->mapped() < b->mapped(); });
+  const auto covering = std::find_if(candidates.begin(), candidates.end(),
+                                     [deficit](const segment* seg) { return seg->mapped() >= deficit; });
+  std::vector<segment*> victims;
+  if (covering != candidates.end()) {
+    victims.push_back(*covering);
+  } else {
+    std::size_t covered = 0;
+    for (auto it = candidates.rbegin(); it != candidates.rend() && covered < deficit; ++it) {
+      victims.push_back(*it);
+      covered += (*it)->mapped();
+    }
+  }
+  return release_segments(lock, victims, true);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_pending_events(
+    std::unique_lock<detail::spin_mutex>& lock) {
+  stats_.num_sync_all_streams.increment();
+  struct waiting {
+    pending_record record;
+    gpukit::device device;
+    tracker_type tracker;  // for a null event: the destroyed stream whose last work is awaited
+  };
+  std::vector<waiting> records;
+  for (stream_state* st : pending_streams_) {
+    for (auto& record : st->pending) {
+      tracker_type tracker{};
+      if (!record.event) tracker = st->tracker;
+      records.push_back(waiting{std::move(record), st->device, std::move(tracker)});
+    }
+    st->pending.clear();
+  }
+  pending_streams_.clear();
+  if (records.empty()) return;
+  lock.unlock();
+  for (auto& w : records) {
+    if (w.record.event) {
+      synchronize_quietly(*w.record.event);
+    } else {
+      wait_finished_quietly(w.tracker);
+    }
+  }
+  lock.lock();
+  for (auto& w : records) {
+    recycle_event(std::move(w.record.event), w.device);
+    complete_pending(w.record.b);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::free_segments() const -> std::vector<segment*> {
+  const bool quarantine = !upstream_.synchronizes_on_free();
+  std::vector<segment*> result;
+  for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+    bool all_free = true;
+    for (const block* b = seg->first; b != nullptr && all_free; b = b->next) {
+      all_free = b->state == block_state::free && !(quarantine && b->owner->dead);
+    }
+    if (all_free) result.push_back(seg);
+  }
+  return result;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_segments(
+    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims, bool unforced) {
+  if (victims.empty()) return 0;
+  std::vector<std::unique_ptr<event_type>> fences;
+  std::vector<ordered_release> ordered(victims.size());
+  std::size_t released = 0;
+  std::size_t frees = 0;
+  for (std::size_t i = 0; i < victims.size(); ++i) {
+    segment* seg = victims[i];
+    ordered[i] = order_release(*seg);
+    for (block* b = seg->first; b != nullptr;) {
+      block* next = b->next;
+      unindex_free(b);
+      if (b->fence) fences.push_back(std::move(b->fence));
+      recycle(b);
+      b = next;
+    }
+    if (seg->prev_segment != nullptr) {
+      seg->prev_segment->next_segment = seg->next_segment;
+    } else {
+      segments_ = seg->next_segment;
+    }
+    if (seg->next_segment != nullptr) seg->next_segment->prev_segment = seg->prev_segment;
+    if (seg->expandable) {
+      forget_expandable(seg);
+      address_space_.store(address_space_.load(std::memory_order_relaxed) - seg->size, std::memory_order_relaxed);
+    }
+    frees += seg->expandable ? seg->mapped() / seg->pages.page_size() : 1;  // an unmap per page, or a cudaFree
+    count(st_segment, seg->small, -1);
+    count(st_reserved_bytes, seg->small, -as_delta(seg->mapped()));
+    released += seg->mapped();
+  }
+  lock.unlock();
+  for (const auto& fence : fences) synchronize_quietly(*fence);
+  for (std::size_t i = 0; i < victims.size(); ++i) {
+    return_segment(victims[i], ordered[i]);
+    delete victims[i];
+  }
+  lock.lock();
+  for (auto& fence : fences) recycle_event(std::move(fence), device_);
+  for (ordered_release& o : ordered) {
+    for (auto& e : o.after) recycle_event(std::move(e), device_);
+  }
+  for (std::size_t i = 0; i < frees; ++i) {
+    stats_.num_device_free.increment();
+    if (unforced) stats_.num_device_free_unforced.increment();
+  }
+  return released;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::mapped_bytes_of(const block* b) const noexcept {
+  return b->seg->pages.mapped_bytes_in(b->address - b->seg->address, b->size);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE free_space_info basic_caching_allocator<Upstream, StreamOps>::free_space_locked() const noexcept {
+  fronts_lock all(*this);
+  return detail::caching_diagnostics::free_space(*this);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::checks_captures() const noexcept {
+  return options_.capture_check == capture_checks::every_call ||
+         mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::refuse_if_captured(const stream_type& s,
+                                                                                    const char* operation) const {
+  if constexpr (detail::has_capture_query<StreamOps>::value) {
+    if (checks_captures() && ops_.capturing(s)) throw_stream_captured(s, operation);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::refuse_free_if_captured(const block* b) const {
+  if constexpr (detail::has_capture_query<StreamOps>::value) {
+    if (checks_captures() && ops_.capturing(b->owner->stream)) {
+      throw_stream_captured(b->owner->stream, "deallocate");
+    }
+  } else {
+    (void)b;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::refuse_release_if_captured(
+    const char* operation) const {
+  if constexpr (detail::has_capture_query<StreamOps>::value) {
+    std::vector<const stream_state*> asked;
+    for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+      for (const block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->state != block_state::allocated || std::find(asked.begin(), asked.end(), b->owner) != asked.end()) {
+          continue;
+        }
+        asked.push_back(b->owner);
+        if (ops_.capturing(b->owner->stream)) throw_stream_captured(b->owner->stream, operation);
+      }
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_stream_captured(const stream_type& s,
+                                                                                       const char* operation) const {
+  std::string text;
+  if constexpr (std::is_same<stream_type, stream_view>::value) {
+    text = detail::describe_stream(s.native_handle(), device_);
+  } else {
+    text = "stream " + std::to_string(ops_.key(s)) + " of " + device_.to_string();
+  }
+  detail::throw_captured(operation, text, device_, detail::capture_advice_allocator);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_memory(
+    std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size, std::size_t segment_bytes,
+    bool limit_hit, bool pages) {
+  stats_.num_ooms.increment();
+  const free_space_info f = free_space_locked();
+  std::size_t allocated = 0;
+  {
+    fronts_lock all(*this);  // the heap's part and the slots' together
+    allocated = user_current(st_allocated_bytes);
+  }
+  const std::size_t reserved = current(stats_.reserved_bytes);
+  const std::size_t limit = limit_;
+  lock.unlock();
+  upstream_memory_info info;
+  try {
+    info = upstream_.memory_info();
+  } catch (...) {
+  }
+  out_of_memory_info facts{
+      device_ordinal(),     requested, size,      segment_bytes, allocated,        reserved,        f.free_bytes,
+      f.largest_free_block, limit,     limit_hit, info.known,    info.total_bytes, info.free_bytes, {}};
+  facts.message = detail::out_of_memory_message(facts, device_.to_string(), pages);
+  if (memory_history* h = history_.load(std::memory_order_acquire)) {
+    h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
+  }
+  observers_.notify(facts, device_.to_string());
+  const cudaError_t result = device_.is_cuda() && !limit_hit ? cudaErrorMemoryAllocation : cudaSuccess;
+  throw out_of_memory_error(facts.message, result,
+                            "gpukit::basic_caching_allocator::allocate(" + std::to_string(requested) + ")",
+                            device_.ordinal());
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_not_owned(const void* p,
+                                                                                 const char* operation) const {
+  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  throw_not_owned_locked(p, operation);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_not_owned_locked(const void* p,
+                                                                                        const char* operation) const {
+  throw invalid_argument_error(detail::caching_diagnostics::not_owned_message(*this, p, operation), cudaSuccess,
+                               operation, device_.ordinal());
+}
+
+#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
+extern template class basic_caching_allocator<device_upstream, stream_ops>;
+// The constructor is a member template (upstream arguments), which the class's explicit instantiation leaves out.
+extern template basic_caching_allocator<device_upstream, stream_ops>::basic_caching_allocator(gpukit::device,
+                                                                                              allocator_options);
+#endif
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,564 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The member functions of basic_staging_engine (staging.hpp), defined out of the class so that the compiled mode can
+/// leave them out. staging.hpp includes this file header-only. In the compiled mode (GPUKIT_SEPARATE_COMPILATION) it
+/// does not: translation units call the instantiation gpukit::compiled holds, and include this file only to instantiate
+/// basic_staging_engine with template arguments of their own.
+
+#include <gpukit/transfer/staging.hpp>
+
+GPUKIT_BEGIN_NAMESPACE
+
+template <class Copier>
+GPUKIT_INLINE basic_staging_engine<Copier>::basic_staging_engine(pinned_pool& pool, staging_options options,
+                                                                 Copier copier)
+    : pool_(&pool), options_(options), copier_(std::move(copier)) {
+  if (options_.chunk_bytes == 0 || options_.slots == 0 || options_.download_slots == 0) {
+    throw invalid_argument_error("gpukit::staging_engine: chunk_bytes, slots and download_slots must be positive");
+  }
+  if (options_.min_chunk_bytes == 0 || options_.min_chunk_bytes > options_.chunk_bytes) {
+    options_.min_chunk_bytes = options_.chunk_bytes;
+  }
+  if (options_.bytes_per_thread == 0) options_.bytes_per_thread = 1;
+  if (options_.threads == 0) {
+    const unsigned hardware = std::thread::hardware_concurrency();
+    options_.threads = std::max(1u, std::min(8u, hardware));
+  }
+  if (options_.max_rings == 0) options_.max_rings = 1;
+}
+
+template <class Copier>
+GPUKIT_INLINE basic_staging_engine<Copier>::~basic_staging_engine() {
+  for (auto& r : rings_) {
+    finish_background(*r);
+    std::lock_guard<std::mutex> up(r->up.mutex);
+    std::lock_guard<std::mutex> down(r->down.mutex);
+    drain_and_free_locked(*r);
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void* src, std::size_t bytes,
+                                                           stream_view s) {
+  if (bytes == 0) return;
+  lane_lease lease = acquire(s, &ring::up);
+  ring& r = *lease.r;
+  lane& ln = r.up;
+  const std::size_t chunk = chunk_for(bytes);
+  std::chrono::steady_clock::duration waited{};
+  std::chrono::steady_clock::duration copying{};
+  std::uint64_t waits = 0;
+  std::uint64_t chunks = 0;
+  std::size_t offset = 0;
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+  if (!background_idle(r)) {
+    hand_over(r, s, out, in, bytes, chunk);  // behind the rest of an earlier transfer: the data lands in call order
+  } else {
+    dispose_orphans(r);
+    const auto deadline = std::chrono::steady_clock::now() + options_.patience;
+    while (offset < bytes) {
+      const std::size_t length = std::min(chunk, bytes - offset);
+      slot& sl = ln.slots[ln.next];
+      if (sl.used && !sl.done.ready()) {
+        ++waits;
+        const auto start = std::chrono::steady_clock::now();
+        const bool freed = wait_until(sl.done, deadline);
+        waited += std::chrono::steady_clock::now() - start;
+        if (!freed) {
+          hand_over(r, s, out + offset, in + offset, bytes - offset, chunk);
+          break;
+        }
+      }
+      grow_idle_slot(sl, chunk);
+      const auto copy_start = std::chrono::steady_clock::now();
+      parallel_copy(sl.ptr, in + offset, length, threads_for(length), options_.streaming_stores);
+      copying += std::chrono::steady_clock::now() - copy_start;
+      copier_(out + offset, sl.ptr, length, copy_direction::host_to_device, s);
+      record_done(sl, s);
+      ln.next = (ln.next + 1) % ln.slots.size();
+      offset += length;
+      ++chunks;
+    }
+  }
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  ++stats_.to_device_calls;
+  stats_.chunks += chunks;
+  stats_.bytes += bytes;
+  stats_.slot_waits += waits;
+  stats_.wait_time += std::chrono::duration_cast<std::chrono::nanoseconds>(waited);
+  stats_.host_copy_time += std::chrono::duration_cast<std::chrono::nanoseconds>(copying);
+  if (offset < bytes) {
+    ++stats_.overflows;
+    stats_.overflow_bytes += bytes - offset;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* src, std::size_t bytes, stream_view s) {
+  if (bytes == 0) return;
+  lane_lease lease = acquire(s, &ring::down);
+  lane& ln = lease.r->down;
+  const std::size_t chunk = chunk_for(bytes);
+  const std::size_t count = (bytes + chunk - 1) / chunk;
+  const std::size_t depth = ln.slots.size();
+  const std::size_t first = ln.next;
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+  // Chunk k goes through slot (first + k) % depth; the DMAs of up to `depth` chunks run ahead of the host copies.
+  // A slot's previous use was this stream's DMA into it and this thread's copy out of it, so stream order suffices.
+  auto enqueue = [&](std::size_t k) {
+    slot& sl = ln.slots[(first + k) % depth];
+    const std::size_t offset = k * chunk;
+    grow_slot_stream_ordered(sl, chunk, s);
+    copier_(sl.ptr, in + offset, std::min(chunk, bytes - offset), copy_direction::device_to_host, s);
+    record_done(sl, s);
+  };
+  std::size_t enqueued = 0;
+  for (; enqueued < std::min(depth, count); ++enqueued) enqueue(enqueued);
+  for (std::size_t k = 0; k < count; ++k) {
+    slot& sl = ln.slots[(first + k) % depth];
+    const std::size_t offset = k * chunk;
+    const std::size_t length = std::min(chunk, bytes - offset);
+    sl.done.synchronize();
+    parallel_copy(out + offset, sl.ptr, length, threads_for(length));
+    if (enqueued < count) enqueue(enqueued++);
+  }
+  ln.next = (first + count) % depth;
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  ++stats_.to_host_calls;
+  stats_.chunks += count;
+  stats_.bytes += bytes;
+}
+
+template <class Copier>
+GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::release_idle() {
+  std::vector<std::shared_ptr<ring>> idle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::size_t i = 0; i < rings_.size();) {
+      if (try_retire_locked(*rings_[i])) {
+        idle.push_back(std::move(rings_[i]));
+        rings_.erase(rings_.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  stats_.rings_released += idle.size();
+  return idle.size();
+}
+
+template <class Copier>
+GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::chunk_for(std::size_t bytes) const noexcept {
+  if (bytes <= options_.min_chunk_bytes) return std::min(bytes, options_.chunk_bytes);
+  constexpr std::size_t granule = 64 * 1024;
+  std::size_t chunk = (bytes + options_.slots - 1) / options_.slots;
+  chunk = (chunk + granule - 1) / granule * granule;
+  return std::min(options_.chunk_bytes, std::max(options_.min_chunk_bytes, chunk));
+}
+
+template <class Copier>
+GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::max_pinned_bytes_per_stream() const noexcept {
+  return (options_.slots + options_.download_slots) *
+         pinned_size_class(options_.chunk_bytes, pool_->options().classes_per_doubling);
+}
+
+template <class Copier>
+GPUKIT_INLINE staging_stats basic_staging_engine<Copier>::stats() const {
+  staging_stats copy;
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    copy = stats_;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  copy.rings = rings_.size();
+  return copy;
+}
+
+template <class Copier>
+GPUKIT_INLINE const staging_options& basic_staging_engine<Copier>::options() const noexcept {
+  return options_;
+}
+
+template <class Copier>
+GPUKIT_INLINE Copier& basic_staging_engine<Copier>::copier() noexcept {
+  return copier_;
+}
+
+template <class Copier>
+GPUKIT_INLINE pinned_pool& basic_staging_engine<Copier>::pool() noexcept {
+  return *pool_;
+}
+
+template <class Copier>
+GPUKIT_INLINE unsigned basic_staging_engine<Copier>::threads_for(std::size_t length) const noexcept {
+  const std::size_t by_size = std::max<std::size_t>(1, length / options_.bytes_per_thread);
+  return static_cast<unsigned>(std::min<std::size_t>(options_.threads, by_size));
+}
+
+template <class Copier>
+GPUKIT_INLINE auto basic_staging_engine<Copier>::key_of(stream_view s, device d) -> stream_key {
+  if (d.is_cpu()) return stream_key{d, 0, s.cpu_queue()};
+  return stream_key{d, s.id(), nullptr};  // cudaStreamGetId: a destroyed stream's handle may be another's now
+}
+
+template <class Copier>
+GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane ring::*which) -> lane_lease {
+  const stream_key key = key_of(s, s.device());
+  for (;;) {
+    std::shared_ptr<ring> r;
+    std::size_t retired = 0;
+    bool created = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& candidate : rings_) {
+        if (candidate->key == key) {
+          r = candidate;
+          break;
+        }
+      }
+      if (!r) {
+        if (rings_.size() >= options_.max_rings) {
+          std::vector<std::shared_ptr<ring>> by_age(rings_);
+          std::sort(by_age.begin(), by_age.end(), [](const std::shared_ptr<ring>& a, const std::shared_ptr<ring>& b) {
+            return a->last_used < b->last_used;
+          });
+          for (auto& candidate : by_age) {
+            if (rings_.size() - retired < options_.max_rings) break;
+            if (try_retire_locked(*candidate)) ++retired;
+          }
+          rings_.erase(
+              std::remove_if(rings_.begin(), rings_.end(), [](const std::shared_ptr<ring>& x) { return x->retired; }),
+              rings_.end());
+        }
+        r = std::make_shared<ring>(key, options_.slots, options_.download_slots);
+        rings_.push_back(r);
+        created = true;
+      }
+      r->last_used = ++tick_;
+    }
+    if (created || retired != 0) {
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.rings_created += created ? 1 : 0;
+      stats_.rings_released += retired;
+    }
+    std::unique_lock<std::mutex> lane_lock(((*r).*which).mutex);
+    if (r->retired) continue;  // released between the lookup and the lock: look again
+    return lane_lease{std::move(r), std::move(lane_lock)};
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::try_retire_locked(ring& r) {
+  std::unique_lock<std::mutex> up(r.up.mutex, std::try_to_lock);
+  if (!up.owns_lock()) return false;
+  std::unique_lock<std::mutex> down(r.down.mutex, std::try_to_lock);
+  if (!down.owns_lock()) return false;
+  {
+    std::lock_guard<std::mutex> jobs(r.jobs_mutex);
+    if (r.background_owns_up) return false;
+  }
+  try {
+    for (lane* ln : {&r.up, &r.down}) {
+      for (auto& sl : ln->slots) {
+        if (sl.used && !sl.done.ready()) return false;
+      }
+    }
+    dispose_orphans(r);
+    for (lane* ln : {&r.up, &r.down}) {
+      for (auto& sl : ln->slots) {
+        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
+        sl.ptr = nullptr;
+        sl.capacity = 0;
+      }
+    }
+    r.side.reset();
+    r.retired = true;
+    return true;
+  } catch (...) {
+    return false;  // a failing event query: keep the ring
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::drain_and_free_locked(ring& r) noexcept {
+  dispose_orphans(r);
+  for (lane* ln : {&r.up, &r.down}) {
+    for (auto& sl : ln->slots) {
+      try {
+        if (sl.used) sl.done.synchronize();
+      } catch (...) {
+      }
+      try {
+        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
+      } catch (...) {
+      }
+      sl.ptr = nullptr;
+      sl.capacity = 0;
+    }
+  }
+  r.side.reset();
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::wait_until(const event& e,
+                                                            std::chrono::steady_clock::time_point deadline) {
+  for (int spin = 0;; ++spin) {
+    if (e.ready()) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return e.ready();
+    if (spin < 64) {
+      std::this_thread::yield();
+    } else {
+      const auto left = deadline - now;
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(left, std::chrono::microseconds(50)));
+    }
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::poll_until_ready(const event& e) {
+  for (unsigned spin = 0; !e.ready(); spin = std::min(spin + 1, 4096u)) {
+    if (spin < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(spin < 2048 ? 50 : 500));
+    }
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::size_t bytes) {
+  if (sl.capacity >= bytes) return;
+  if (sl.ptr != nullptr) pool_->deallocate(std::exchange(sl.ptr, nullptr));
+  sl.capacity = 0;
+  sl.ptr = pool_->allocate(bytes);
+  sl.capacity = bytes;
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::grow_slot_stream_ordered(slot& sl, std::size_t bytes, stream_view s) {
+  if (sl.capacity >= bytes) return;
+  if (sl.ptr != nullptr) {
+    void* old = std::exchange(sl.ptr, nullptr);
+    sl.capacity = 0;
+    if (sl.used) {
+      sl.used = false;
+      pool_->deallocate(old, s);
+    } else {
+      pool_->deallocate(old);
+    }
+  }
+  sl.ptr = pool_->allocate(bytes);
+  sl.capacity = bytes;
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::record_done(slot& sl, stream_view s) {
+  try {
+    sl.done.record(s);
+    sl.used = true;
+  } catch (...) {
+    abandon_slot(sl, s);
+    throw;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_view s) noexcept {
+  void* p = std::exchange(sl.ptr, nullptr);
+  sl.capacity = 0;
+  sl.used = false;
+  if (p == nullptr) return;
+  try {
+    pool_->deallocate(p, s);
+  } catch (...) {
+    // The pool marks the block lost when it cannot record its event.
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::grow_upload_slots(ring& r, stream_view s, std::size_t bytes) {
+  dispose_orphans(r);
+  for (slot& sl : r.up.slots) {
+    if (sl.capacity >= bytes) continue;
+    if (sl.ptr != nullptr) {
+      if (sl.used && !sl.done.ready()) sl.done.wait(s);
+      void* old = std::exchange(sl.ptr, nullptr);
+      sl.capacity = 0;
+      sl.used = false;
+      pool_->deallocate(old, s);
+    }
+    sl.ptr = pool_->allocate(bytes);
+    sl.capacity = bytes;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::dispose_orphans(ring& r) noexcept {
+  for (void* p : r.orphans) {
+    try {
+      pool_->deallocate(p, r.side->view());
+    } catch (...) {
+      // The pool marks the block lost when it cannot record its event.
+    }
+  }
+  r.orphans.clear();
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::background_idle(ring& r) {
+  std::lock_guard<std::mutex> lock(r.jobs_mutex);
+  return !r.background_owns_up;
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::hand_over(ring& r, stream_view s, char* dst, const char* src,
+                                                           std::size_t bytes, std::size_t chunk) {
+  // Every pool call happens here, before the host function exists: the background thread makes none. A busy
+  // background thread owns the slots; it stages this transfer through them at the size they have.
+  if (background_idle(r)) grow_upload_slots(r, s, chunk);
+  auto j = std::make_shared<job>(r.dev, dst, bytes, chunk);
+  parallel_copy(j->data.get(), src, bytes, threads_for(bytes));
+  if (!r.side) r.side = std::make_unique<stream>(r.dev);
+  j->after.record(s);
+  s.enqueue_host([done = j->done] { done->wait(); });
+  // The stream now waits for the job: it must run, or be marked done.
+  try {
+    start_background(r, j);
+  } catch (...) {
+    j->done->set();
+    throw;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::start_background(ring& r, std::shared_ptr<job> j) {
+  std::unique_lock<std::mutex> lock(r.jobs_mutex);
+  r.jobs.push_back(std::move(j));
+  if (r.background_owns_up) return;  // the running thread takes it
+  r.background_owns_up = true;
+  lock.unlock();
+  try {
+    // Detached: once it has given the lane back it touches neither the ring nor the engine, which may then go.
+    std::thread([this, &r] { run_background(r); }).detach();
+  } catch (...) {
+    lock.lock();
+    r.jobs.pop_back();
+    r.background_owns_up = false;
+    r.jobs_changed.notify_all();
+    throw;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::run_background(ring& r) noexcept {
+  try {
+    if (r.dev.is_cuda()) set_current_device(r.dev);  // so that device guards in this thread change nothing
+  } catch (...) {
+    // The copies below report their own failures.
+  }
+  for (bool last = false; !last;) {
+    std::shared_ptr<job> j;
+    {
+      std::lock_guard<std::mutex> lock(r.jobs_mutex);
+      j = r.jobs.front();  // never empty here: the thread starts with a job and ends when none is left
+    }
+    stage_in_background(r, *j);
+    {
+      std::lock_guard<std::mutex> lock(r.jobs_mutex);
+      r.jobs.pop_front();
+      if (r.jobs.empty()) {
+        r.background_owns_up = false;
+        r.jobs_changed.notify_all();
+        last = true;
+      }
+    }
+    j->done->set();  // from here on the ring and the engine may be gone: touch only the job
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::stage_in_background(ring& r, job& j) noexcept {
+  lane& ln = r.up;
+  std::uint64_t chunks = 0;
+  std::string failure;
+  try {
+    const stream_view side = r.side->view();
+    j.after.wait(side);  // after the stream's work before the hand-over
+    for (std::size_t offset = 0, empty = 0; offset < j.bytes;) {
+      slot& sl = ln.slots[ln.next];
+      if (sl.capacity == 0) {  // orphaned by an earlier failure: only a caller may give it a block again
+        ln.next = (ln.next + 1) % ln.slots.size();
+        if (++empty == ln.slots.size()) {
+          throw error(errc::cuda, "every upload slot lost its block to an earlier failure");
+        }
+        continue;
+      }
+      empty = 0;
+      if (sl.used) poll_until_ready(sl.done);
+      const std::size_t length = std::min({j.chunk, sl.capacity, j.bytes - offset});
+      parallel_copy(sl.ptr, j.data.get() + offset, length, threads_for(length), options_.streaming_stores);
+      copier_(j.dst + offset, sl.ptr, length, copy_direction::host_to_device, side);
+      record_done_in_background(r, sl, side);
+      ln.next = (ln.next + 1) % ln.slots.size();
+      offset += length;
+      ++chunks;
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  } catch (...) {
+    failure = "an unknown exception";
+  }
+  try {
+    // The stream's later work goes on once the copies enqueued so far have completed.
+    j.after.record(r.side->view());
+    poll_until_ready(j.after);
+  } catch (const std::exception& e) {
+    if (failure.empty()) failure = e.what();
+  }
+  j.data.reset();
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.chunks += chunks;
+    if (!failure.empty()) ++stats_.background_failures;
+  }
+  if (!failure.empty()) {
+    warn("gpukit::staging_engine: staging the last " + detail::format_bytes_exact(j.bytes) + " of a transfer to " +
+         r.dev.to_string() + " in the background (its stream did not free a slot within the patience) failed after " +
+         std::to_string(chunks) + " chunk(s): " + failure + "; the destination is incomplete");
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::record_done_in_background(ring& r, slot& sl, stream_view side) {
+  try {
+    sl.done.record(side);
+    sl.used = true;
+  } catch (...) {
+    r.orphans.push_back(std::exchange(sl.ptr, nullptr));
+    sl.capacity = 0;
+    sl.used = false;
+    throw;
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::finish_background(ring& r) noexcept {
+  try {
+    std::unique_lock<std::mutex> lock(r.jobs_mutex);
+    r.jobs_changed.wait(lock, [&r] { return !r.background_owns_up; });
+  } catch (...) {
+  }
+}
+
+#if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)
+extern template class basic_staging_engine<device_copier>;
+#endif
+
+GPUKIT_END_NAMESPACE

@@ -1,0 +1,28 @@
+# cmake -DNM=<nm> -DOBJECT=<object> -P check_custom_probe.cmake
+# Fails unless the compiled-mode object that included caching_allocator_impl.hpp defines the functions of its own
+# engine (basic_caching_allocator<host_upstream>) and none of the default engine's (<device_upstream>), which the
+# extern template declarations in caching_allocator_impl.hpp leave to gpukit::compiled.
+cmake_minimum_required(VERSION 3.18)
+execute_process(COMMAND "${NM}" -C "${OBJECT}" OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${NM} ${OBJECT} failed (${rc})")
+endif()
+string(REPLACE "\n" ";" lines "${symbols}")
+set(own 0)
+set(library 0)
+set(library_called 0)
+foreach(line IN LISTS lines)
+  if(line MATCHES "^[0-9a-f]+ [TWtw] gpukit::[a-z0-9_]+::basic_caching_allocator<gpukit::[a-z0-9_]+::host_upstream")
+    math(EXPR own "${own} + 1")
+  elseif(line MATCHES "^[0-9a-f]+ [TWtw] gpukit::[a-z0-9_]+::basic_caching_allocator<gpukit::[a-z0-9_]+::device_upstream")
+    math(EXPR library "${library} + 1")
+    message(STATUS "  defined: ${line}")
+  elseif(line MATCHES "^ +U gpukit::[a-z0-9_]+::basic_caching_allocator<gpukit::[a-z0-9_]+::device_upstream")
+    math(EXPR library_called "${library_called} + 1")
+  endif()
+endforeach()
+message(STATUS "own engine: ${own} functions defined; default engine: ${library} defined, ${library_called} called")
+if(own EQUAL 0 OR NOT library EQUAL 0 OR library_called EQUAL 0)
+  message(FATAL_ERROR "expected the own engine's functions defined (${own}) and the default engine's only called "
+                      "(${library} defined, ${library_called} called)")
+endif()
