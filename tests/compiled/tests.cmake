@@ -54,6 +54,13 @@ set_tests_properties(test_compiled_probe PROPERTIES LABELS cpu)
 add_library(gpukit_custom_engine_probe OBJECT "${CMAKE_CURRENT_LIST_DIR}/custom_engine_probe.cpp")
 target_link_libraries(gpukit_custom_engine_probe PRIVATE gpukit_test_compiled)
 add_test(NAME test_custom_engine_probe
-  COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DOBJECT=$<TARGET_OBJECTS:gpukit_custom_engine_probe>"
+  COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DOBJECT=$<TARGET_OBJECTS:gpukit_custom_engine_probe>" -DOWN=ON
           -P "${CMAKE_CURRENT_LIST_DIR}/check_custom_probe.cmake")
 set_tests_properties(test_custom_engine_probe PROPERTIES LABELS cpu)
+# A caching_allocator built directly, without the *_impl.hpp: the engine (its constructor too) stays the library's.
+add_library(gpukit_direct_allocator_probe OBJECT "${CMAKE_CURRENT_LIST_DIR}/direct_allocator_probe.cpp")
+target_link_libraries(gpukit_direct_allocator_probe PRIVATE gpukit_test_compiled)
+add_test(NAME test_direct_allocator_probe
+  COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DOBJECT=$<TARGET_OBJECTS:gpukit_direct_allocator_probe>"
+          -P "${CMAKE_CURRENT_LIST_DIR}/check_custom_probe.cmake")
+set_tests_properties(test_direct_allocator_probe PROPERTIES LABELS cpu)

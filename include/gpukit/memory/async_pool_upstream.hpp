@@ -7,6 +7,7 @@
 /// instead of cudaMalloc / cudaFree, so that gpukit's cache sits in front of the same pool as the other libraries of
 /// the process that use it (cuDNN, NCCL, a framework's cudaMallocAsync backend):
 ///
+///     // with <gpukit/memory/caching_allocator_impl.hpp> included (the engine for this upstream; compiled mode)
 ///     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(gpukit::device::cuda(0));
 ///     gpukit::device_buffer<float> x(n, stream, a);   // a segment from the device's default pool
 ///     a.empty_cache();                                // segments go back to the pool, not to the driver

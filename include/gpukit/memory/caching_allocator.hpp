@@ -175,23 +175,7 @@ class basic_caching_allocator {
   /// An allocator for device `d` whose upstream is built from `upstream_args` (or from `d` when none are given and
   /// the upstream takes a device, like device_upstream). Makes no CUDA call.
   template <class... UpstreamArgs>
-  explicit basic_caching_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args)
-      : device_(d), options_(options), upstream_(make_upstream(d, std::forward<UpstreamArgs>(upstream_args)...)) {
-    options_.validate();
-    unowned_ = std::make_unique<stream_state>(no_stream_key, stream_type{}, d, tracker_type{});
-    for (auto& pool : unowned_->pools) pool = std::make_unique<index_type>();  // retire() must not fail midway
-    limit_ = options_.reserved_limit;
-    limit_atomic_.store(limit_, std::memory_order_relaxed);  // reported by reserved_limit(), stats(), memory_summary
-    needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
-    // Blocks cached in front are reused by their own stream only: cross-stream reuse wants them in the heap.
-    front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
-    front_cache_large_ = front_cache_ && options_.front_cache_large;
-    fronts_used_ = front_cache_large_ ? front_slot_count : front_slots_per_pool;
-    if (options_.expandable_segments && !has_vm) {
-      warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
-           ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
-    }
-  }
+  explicit basic_caching_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args);
 
   basic_caching_allocator(const basic_caching_allocator&) = delete;
   basic_caching_allocator& operator=(const basic_caching_allocator&) = delete;

@@ -12,6 +12,29 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
+// The constructor is a member template (upstream arguments): gpukit::compiled instantiates it for no arguments.
+template <class Upstream, class StreamOps>
+template <class... UpstreamArgs>
+GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_allocator(gpukit::device d,
+                                                                                    allocator_options options,
+                                                                                    UpstreamArgs&&... upstream_args)
+    : device_(d), options_(options), upstream_(make_upstream(d, std::forward<UpstreamArgs>(upstream_args)...)) {
+  options_.validate();
+  unowned_ = std::make_unique<stream_state>(no_stream_key, stream_type{}, d, tracker_type{});
+  for (auto& pool : unowned_->pools) pool = std::make_unique<index_type>();  // retire() must not fail midway
+  limit_ = options_.reserved_limit;
+  limit_atomic_.store(limit_, std::memory_order_relaxed);  // reported by reserved_limit(), stats(), memory_summary
+  needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
+  // Blocks cached in front are reused by their own stream only: cross-stream reuse wants them in the heap.
+  front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
+  front_cache_large_ = front_cache_ && options_.front_cache_large;
+  fronts_used_ = front_cache_large_ ? front_slot_count : front_slots_per_pool;
+  if (options_.expandable_segments && !has_vm) {
+    warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
+         ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
+  }
+}
+
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_allocator() {
   std::unique_lock<detail::spin_mutex> lock(mutex_);

@@ -7,6 +7,7 @@
 /// cache, statistics, limits and out-of-memory handling sit in front of memory another library manages (an RMM
 /// pool, a resource of your own, a `cuda::mr::resource_ref`):
 ///
+///     // with <gpukit/memory/caching_allocator_impl.hpp> included (the engine for this upstream; compiled mode)
 ///     using upstream = gpukit::resource_upstream<my_resource>;
 ///     gpukit::caching_device_allocator<upstream> cached(d, {}, my_resource{...}, d);
 ///
