@@ -12,6 +12,9 @@ add_library(gpukit_test_compiled STATIC ${gpukit_compiled_sources})
 target_compile_definitions(gpukit_test_compiled PUBLIC GPUKIT_SEPARATE_COMPILATION)
 target_link_libraries(gpukit_test_compiled PUBLIC gpukit::headers gpukit_strict_flags)
 set_target_properties(gpukit_test_compiled PROPERTIES POSITION_INDEPENDENT_CODE ON)  # the tests' shared libraries
+# Built as a parent project that defines CUDA's per-thread default stream for every target would build it: the
+# library must still hold a legacy half and the state both modes share, or no test that links it links.
+target_compile_definitions(gpukit_test_compiled PRIVATE CUDA_API_PER_THREAD_DEFAULT_STREAM)
 get_target_property(gpukit_compiled_options gpukit_compiled COMPILE_OPTIONS)
 if(gpukit_compiled_options)
   target_compile_options(gpukit_test_compiled PRIVATE ${gpukit_compiled_options})  # -fno-semantic-interposition
@@ -64,3 +67,11 @@ add_test(NAME test_direct_allocator_probe
   COMMAND "${CMAKE_COMMAND}" -DNM=${CMAKE_NM} "-DOBJECT=$<TARGET_OBJECTS:gpukit_direct_allocator_probe>"
           -P "${CMAKE_CURRENT_LIST_DIR}/check_custom_probe.cmake")
 set_tests_properties(test_direct_allocator_probe PROPERTIES LABELS cpu)
+
+# gpukit_compiled.cpp refuses (#error) CUDA headers included before it in the per-thread mode: the mode is chosen
+# there, and the library would have no legacy half.
+list(GET CUDAToolkit_INCLUDE_DIRS 0 gpukit_compiled_cuda_include)
+add_test(NAME test_compiled_forced_include
+  COMMAND "${CMAKE_COMMAND}" "-DCXX=${CMAKE_CXX_COMPILER}" "-DSOURCE_DIR=${PROJECT_SOURCE_DIR}"
+          "-DCUDA_INCLUDE=${gpukit_compiled_cuda_include}" -P "${CMAKE_CURRENT_LIST_DIR}/check_forced_include.cmake")
+set_tests_properties(test_compiled_forced_include PROPERTIES LABELS cpu)

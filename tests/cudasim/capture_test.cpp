@@ -223,6 +223,32 @@ TEST_CASE("capture: async_allocator never waits on the host for a free that fail
   cudasim::clear_faults();
 }
 
+TEST_CASE("capture: async_allocator frees in a capture only what the capture allocated and says what it lost") {
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  void* before = pool.allocate(4096, s);
+  gpukit_test::captured_warnings warnings;
+  {
+    capture c(s);
+    void* inside = pool.allocate(4096, s);  // a graph allocation
+    pool.deallocate(inside);                // a free node
+    CHECK(warnings.messages().empty());
+    // A free node may free only a graph allocation: CUDA refuses this one, and the memory is lost to the pool.
+    pool.deallocate(before);
+    CHECK(warnings.contains("during a CUDA graph capture failed"));
+    CHECK(warnings.contains("cudaErrorInvalidValue"));
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  const auto refused = cudasim::take_violations();  // on purpose
+  REQUIRE(refused.size() == 1);
+  CHECK(refused.front().message.find("not allocated in a capture") != std::string::npos);
+  CHECK(pool.memory_allocated() == 0);
+  void* again = pool.allocate(4096, s);  // usable afterwards
+  pool.deallocate(again);
+  s.synchronize();
+}
+
 TEST_CASE("capture: async_allocator asks whether a stream is captured only when a free fails") {
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);

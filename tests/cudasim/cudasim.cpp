@@ -109,8 +109,9 @@ struct region {
   region_kind kind = region_kind::device;
   int device = 0;
   unsigned flags = 0;
-  bool pooled = false;         // from cudaMallocAsync
-  bool virtual_range = false;  // cuMemAddressReserve: device memory only where pages are mapped with access
+  bool pooled = false;            // from cudaMallocAsync
+  bool graph_allocation = false;  // cudaMallocAsync during a capture: what a free node of a capture may free
+  bool virtual_range = false;     // cuMemAddressReserve: device memory only where pages are mapped with access
 };
 
 /// A physical allocation of cuMemCreate.
@@ -2060,6 +2061,7 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   r.kind = region_kind::device;
   r.device = st->device;
   r.pooled = true;
+  r.graph_allocation = st->capture != nullptr;
   c.s.regions[r.base] = r;
   dev.used += rounded;
   dev.pool_used += rounded;
@@ -2088,6 +2090,12 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == c.s.regions.end() || it->second.kind != region_kind::device) {
     return c.violation(cudaErrorInvalidValue, "cudaFreeAsync of a pointer that is not a live device allocation");
+  }
+  if (st->capture && !it->second.graph_allocation) {
+    // Captured, the free becomes a free node, which only a graph allocation may have (cudaGraphAddMemFreeNode).
+    return c.violation(cudaErrorInvalidValue,
+                       "cudaFreeAsync during a capture of memory not allocated in a capture (a free node frees only "
+                       "a graph allocation)");
   }
   // Freed when the stream reaches this point (the precheck runs under the machine's lock).
   auto o = std::make_shared<op>();

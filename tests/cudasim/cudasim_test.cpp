@@ -332,6 +332,29 @@ TEST_CASE("cudasim: capture records work instead of running it, and enforces the
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: during a capture cudaFreeAsync frees only memory that a capture allocated") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  void* before = nullptr;
+  REQUIRE(cudaMallocAsync(&before, 4096, s) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  // A captured free is a free node, and a free node frees a graph allocation only (cudaGraphAddMemFreeNode).
+  CHECK(cudaFreeAsync(before, s) == cudaErrorInvalidValue);
+  void* inside = nullptr;
+  REQUIRE(cudaMallocAsync(&inside, 4096, s) == cudaSuccess);
+  CHECK(cudaFreeAsync(inside, s) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  const auto v = cudasim::take_violations();
+  REQUIRE(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorInvalidValue));
+  (void)cudaGetLastError();
+  CHECK(cudaFreeAsync(before, s) == cudaSuccess);  // outside the capture, as before
+  CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: pointers are classified, copies are checked against them, and freed memory faults") {
   void* d = nullptr;
   void* pinned = nullptr;

@@ -63,6 +63,49 @@ TEST_CASE("vmm: a caching allocator with expandable segments maps device pages o
   CHECK(cudasim::calls("cudaMalloc") == 0);
 }
 
+TEST_CASE("vmm: empty_cache waits for the device without the allocator's lock and keeps pages freed meanwhile") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;  // every call takes the device lock
+  gpukit::caching_allocator a(d, o);
+  void* first = a.allocate(4 * MiB, s);  // pages 0-1
+  void* keep = a.allocate(4 * MiB, s);   // pages 2-3
+  void* late = a.allocate(4 * MiB, s);   // pages 4-5
+  a.deallocate(first);
+  void* during = nullptr;
+  const std::size_t waits = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t unmaps = cudasim::calls("cuMemUnmap");
+  // Another thread's calls while the device is waited for, made deterministic: with the lock held they would never
+  // return. `late` is freed after the wait began (on a GPU, work queued then could outlast it), so its pages stay;
+  // `during` is in use.
+  cudasim::before_call("cudaDeviceSynchronize", 1, [&] {
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(late, 0, 4 * MiB, s.cuda_handle()));
+    a.deallocate(late);
+    during = a.allocate(2 * MiB, s);  // the first half of first's free block: page 0
+  });
+  a.empty_cache();
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 1);
+  CHECK(during == first);
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps + 1);  // page 1 only: free since before the wait
+  CHECK(a.memory_reserved() == 10 * MiB);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(during, 1, 2 * MiB, s.cuda_handle()));  // its page is mapped
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(keep, 1, 4 * MiB, s.cuda_handle()));
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+  a.empty_cache();  // late's pages now
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps + 3);
+  CHECK(a.memory_reserved() == 6 * MiB);
+  a.deallocate(during);
+  a.deallocate(keep);
+  const std::size_t range_frees = cudasim::calls("cuMemAddressFree");
+  a.empty_cache();  // the whole range: one wait for its two runs of pages (0, and 2-3)
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 3);
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps + 6);
+  CHECK(cudasim::calls("cuMemAddressFree") == range_frees + 1);
+  CHECK(a.memory_reserved() == 0);
+}
+
 TEST_CASE("vmm: out of device memory while mapping pages is an out_of_memory_error, and nothing leaks") {
   cudasim::machine_config machine = cudasim::default_machine(1);
   machine.devices[0].total_memory = 64 * MiB;

@@ -9,7 +9,9 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace gpukit_test;
@@ -89,6 +91,7 @@ TEST_CASE("expandable segments: under pressure, the pages of a freed hole are un
   // 4 more: mapping 8 more exceeds the 30 MiB, so the hole's pages are unmapped first, and the request fits.
   void* d = f.a.allocate(16 * MiB, f.s0);
   CHECK(f.a.memory_reserved() == 30 * MiB);
+  CHECK(f.a.upstream().device_waits() == 1);  // one wait for the hole's pages (lock held: the allocation needs them)
   CHECK(f.a.stats().num_ooms == 0);
   CHECK(f.a.stats().num_alloc_retries >= 1);
   CHECK(f.invariants({b, c, d}) == "");
@@ -226,9 +229,108 @@ TEST_CASE("device_upstream on the CPU: no virtual memory, and map/unmap/unreserv
   int not_a_range = 0;
   CHECK_THROWS_AS((void)u.map(&not_a_range, page), gpukit::invalid_argument_error);
   gpukit_test::captured_warnings warnings;
-  u.unmap(&not_a_range, page);
+  CHECK_FALSE(u.unmap(&not_a_range, page));
+  CHECK_FALSE(u.wait_before_unmap());
+  CHECK_FALSE(u.unmap_after_wait(&not_a_range, page));
   u.unreserve(&not_a_range, page);
-  CHECK(warnings.messages().size() == 2);
+  CHECK(warnings.messages().size() == 4);
   CHECK(warnings.contains("device_upstream::unmap: the CPU device has no virtual memory"));
+  CHECK(warnings.contains("device_upstream::wait_before_unmap: the CPU device has no virtual memory"));
+  CHECK(warnings.contains("device_upstream::unmap_after_wait: the CPU device has no virtual memory"));
   CHECK(warnings.contains("device_upstream::unreserve: the CPU device has no virtual memory"));
+}
+
+namespace {
+// address_space_upstream whose wait for the device (before the allocator unmaps pages) runs `during_wait` once, or
+// fails: what other threads do while a device synchronization takes long, and a wait that fails.
+struct waiting_upstream : gpukit::address_space_upstream {
+  using address_space_upstream::address_space_upstream;
+  bool wait_before_unmap() noexcept {
+    if (fail_wait) return false;
+    if (during_wait) std::exchange(during_wait, nullptr)();
+    return address_space_upstream::wait_before_unmap();
+  }
+  std::function<void()> during_wait;
+  bool fail_wait = false;
+};
+using waiting_allocator = gpukit::basic_caching_allocator<waiting_upstream, fake_stream_ops>;
+
+struct waiting_setup {
+  waiting_setup() : a(gpukit::device::cpu(), no_front_cache(), 1 * GiB) {
+    a.stream_operations().world = &world;
+    s0 = fake_stream{world.add_stream()};
+  }
+  static gpukit::allocator_options no_front_cache() {
+    gpukit::allocator_options o = expandable();
+    o.front_cache = false;  // every call takes the device lock
+    return o;
+  }
+  fake_world world;
+  waiting_allocator a;
+  fake_stream s0;
+};
+}  // namespace
+
+TEST_CASE("expandable segments: empty_cache waits for the device once and unlocked and keeps pages freed meanwhile") {
+  waiting_setup f;
+  void* a = f.a.allocate(4 * MiB, f.s0);     // pages 0-1
+  void* keep = f.a.allocate(4 * MiB, f.s0);  // pages 2-3
+  void* b = f.a.allocate(4 * MiB, f.s0);     // pages 4-5
+  f.a.deallocate(a);
+  void* during = nullptr;
+  f.a.upstream().during_wait = [&] {
+    // The device lock is free while the allocator waits (with it held, these calls would never return): a block
+    // freed now may still have queued work, and one taken now is in use.
+    f.a.deallocate(b);
+    during = f.a.allocate(2 * MiB, f.s0);  // the first half of a's free block: page 0
+  };
+  f.a.empty_cache();
+  CHECK(f.a.upstream().device_waits() == 1);  // one wait for every page unmapped
+  REQUIRE(during == a);
+  // Unmapped: page 1 (the rest of a's block, free since before the wait). Kept: page 0 (taken), 2-3 (keep) and
+  // 4-5 (b, freed during the wait, merged with the range's free tail).
+  CHECK(f.a.memory_reserved() == 5 * page);
+  CHECK(f.a.upstream().mapped() == 5 * page);
+  CHECK(f.a.stats().num_device_free == 1);
+  CHECK(check_invariants(
+            f.a.snapshot(),
+            {{reinterpret_cast<std::uintptr_t>(during), 2 * MiB}, {reinterpret_cast<std::uintptr_t>(keep), 4 * MiB}},
+            f.a.options().rounding) == "");
+  f.a.empty_cache();  // b's pages now
+  CHECK(f.a.upstream().device_waits() == 2);
+  CHECK(f.a.memory_reserved() == 3 * page);
+  f.a.deallocate(during);
+  f.a.deallocate(keep);
+  f.a.empty_cache();  // the whole range goes: one wait for its two runs of pages (0, and 2-3)
+  CHECK(f.a.upstream().device_waits() == 3);
+  CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.upstream().used() == 0);
+  CHECK(f.a.stats().num_device_free == f.a.stats().num_device_alloc);
+}
+
+TEST_CASE("expandable segments: no device wait without a free page to unmap, and a failed wait unmaps nothing") {
+  waiting_setup f;
+  void* a = f.a.allocate(4 * MiB, f.s0);     // pages 0-1
+  void* keep = f.a.allocate(4 * MiB, f.s0);  // pages 2-3: the range is never wholly free (that is given back whole)
+  f.a.empty_cache();                         // every mapped page is in use
+  CHECK(f.a.upstream().device_waits() == 0);
+  CHECK(f.a.memory_reserved() == 4 * page);
+  f.a.deallocate(a);
+  CHECK(f.a.trim(4 * page) == 4 * page);  // at the target already: a's pages stay, and the device is not waited for
+  CHECK(f.a.upstream().device_waits() == 0);
+  f.a.upstream().fail_wait = true;
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 4 * page);  // the pages stay mapped (the upstream reports the failure)
+  CHECK(f.a.stats().num_device_free == 0);
+  CHECK(f.a.trim(0) == 4 * page);
+  f.a.upstream().fail_wait = false;
+  void* again = f.a.allocate(4 * MiB, f.s0);  // usable, on the pages kept
+  CHECK(again == a);
+  CHECK(f.a.stats().num_device_alloc == 4);
+  f.a.deallocate(again);
+  CHECK(f.a.trim(0) == 2 * page);  // a's pages; keep's stay
+  CHECK(f.a.upstream().device_waits() == 1);
+  f.a.deallocate(keep);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
 }

@@ -12,10 +12,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace gpukit_test;
@@ -416,4 +418,46 @@ TEST_CASE("a CPU allocator refuses CUDA's default stream as a stream of another 
   CHECK(a.memory_allocated() == 1024);
   a.deallocate(p, cpu_default);
   CHECK(a.memory_allocated() == 0);
+}
+
+TEST_CASE("a stream whose first allocation grows the heap keeps its state while streams are registered meanwhile") {
+  // address_space_upstream that runs `during_allocate` once, inside the next allocate (which the allocator calls
+  // without its lock): what other threads may do while a segment is requested, made deterministic.
+  struct hooked_upstream : gpukit::address_space_upstream {
+    using address_space_upstream::address_space_upstream;
+    [[nodiscard]] void* allocate(std::size_t bytes) {
+      if (during_allocate) std::exchange(during_allocate, nullptr)();
+      return address_space_upstream::allocate(bytes);
+    }
+    std::function<void()> during_allocate;
+  };
+  fake_world world;
+  gpukit::basic_caching_allocator<hooked_upstream, fake_stream_ops> a(cpu, {}, 1 * GiB);
+  a.stream_operations().world = &world;
+  const fake_stream first{world.add_stream()};
+  std::vector<void*> others;
+  a.upstream().during_allocate = [&] {
+    // 70 registrations: the 64th sweeps the registry of idle stream states, which `first` is until it holds a block.
+    for (int i = 0; i < 70; ++i) others.push_back(a.allocate(256, fake_stream{world.add_stream()}));
+  };
+  void* p = a.allocate(4 * MiB, first);
+  REQUIRE(others.size() == 70);
+  const gpukit::allocator_snapshot snapshot = a.snapshot();
+  bool found = false;
+  for (const auto& seg : snapshot.segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.address != reinterpret_cast<std::uintptr_t>(p)) continue;
+      found = true;
+      CHECK(b.stream == a.stream_operations().key(first));  // its state survived the sweep
+    }
+  }
+  CHECK(found);
+  a.deallocate(p);
+  void* again = a.allocate(4 * MiB, first);  // from first's own cache
+  CHECK(again == p);
+  a.deallocate(again);
+  for (void* q : others) a.deallocate(q);
+  world.complete_all();
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
 }

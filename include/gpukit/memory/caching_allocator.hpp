@@ -136,6 +136,15 @@ struct has_virtual_memory<U, std::void_t<decltype(std::declval<U&>().reserve(std
                                          decltype(std::declval<U&>().unreserve(nullptr, std::size_t{})),
                                          decltype(std::declval<const U&>().page_size())>> : std::true_type {};
 
+/// ... that can wait for the device apart from unmapping (wait_before_unmap, then unmap_after_wait, upstream.hpp): the
+/// allocator waits without its lock held.
+template <class U, class = void>
+struct has_unmap_after_wait : std::false_type {};
+template <class U>
+struct has_unmap_after_wait<U, std::void_t<decltype(bool{std::declval<U&>().wait_before_unmap()}),
+                                           decltype(bool{std::declval<U&>().unmap_after_wait(nullptr, std::size_t{})})>>
+    : std::true_type {};
+
 /// Upstreams that can give a segment back once events complete, without a wait on the host (upstream.hpp).
 template <class U, class Event, class = void>
 struct has_ordered_release : std::false_type {};
@@ -342,6 +351,7 @@ class basic_caching_allocator {
     std::uint64_t fence_sequence = 0;
     std::vector<stream_state*> recorded;  // other streams using the block (record_stream)
     std::uint32_t pending_events = 0;
+    std::uint64_t free_since = 0;  // free_clock_ when it last went back to the heap (the latest of merged blocks)
     block_state state = block_state::free;
     bool small = false;
     bool taken_split = false;  // a piece of a split segment when allocated (cannot change until it is free)
@@ -385,6 +395,7 @@ class basic_caching_allocator {
     bool retired = false;          // ... which has completed: its blocks belong to no stream from now on
     bool slots_released = false;   // dead, and its front slots gave their blocks to the heap (release_slots_of_dead)
     std::uint64_t last_sweep = 0;  // the stream-registry sweep during which it last allocated (abandoned_state)
+    int pins = 0;  // allocations on it in progress, which may release the lock: prune_streams keeps it meanwhile
     segment* expandable[2] = {nullptr, nullptr};  // its expandable segments: [1] small, [0] large
   };
 
@@ -838,18 +849,26 @@ class basic_caching_allocator {
   /// Whether the first `size` bytes of free block `b` of an expandable segment have a page not mapped yet.
   bool needs_pages(const block* b, std::size_t size) const noexcept;
 
-  /// Unmaps the pages of expandable segments that lie wholly in free blocks (device lock held throughout, so no
-  /// thread maps them meanwhile), until reserved memory is at most `target` (0: all). Waits for the fences of those
-  /// blocks first: work enqueued before their free may still use them. Returns the bytes unmapped.
-  std::size_t unmap_free_pages(std::size_t target);
+  /// Unmaps the pages of expandable segments that lie wholly in free blocks, until reserved memory is at most
+  /// `target` (0: all); returns the bytes unmapped. Work enqueued before a block's free may still use its pages, so
+  /// the device is waited for first. An upstream with wait_before_unmap waits once: with `wait_unlocked`, with the
+  /// lock released (threads allocate meanwhile), and then only blocks free since before the wait (free_since) lose
+  /// pages; else with the lock held (an allocation that needs every free page: a block freed during an unlocked wait
+  /// would keep the pages of the free neighbours it merges with). Any other upstream waits in each unmap, locked.
+  std::size_t unmap_free_pages(std::unique_lock<detail::spin_mutex>& lock, std::size_t target, bool wait_unlocked);
+
+  /// Whether a free block of an expandable segment holds a whole mapped page (one unmap_free_pages could take).
+  bool has_unmappable_pages() const noexcept;
 
   /// Unmaps the run of mapped pages of `seg` that starts at page `i` (and ends at `end` at most) in one upstream call
-  /// (on CUDA, one device synchronization); counts one upstream free per page. Returns the pages unmapped: 0 when
-  /// the upstream kept them mapped (it could not wait for the device). Device lock held: no thread maps them meanwhile.
-  std::size_t unmap_run(segment* seg, std::size_t i, std::size_t end) noexcept;
+  /// (`waited`: the device was waited for after the pages' last use, so unmap_after_wait; else unmap, which on CUDA
+  /// synchronizes the device); counts one upstream free per page. Returns the pages unmapped: 0 when the upstream kept
+  /// them mapped (it could not wait for the device). Device lock held: no thread maps them meanwhile.
+  std::size_t unmap_run(segment* seg, std::size_t i, std::size_t end, bool waited) noexcept;
 
-  /// The upstream's unmap; false when it unmapped nothing (an upstream whose unmap returns void always unmaps).
-  bool upstream_unmap(std::uintptr_t address, std::size_t bytes) noexcept;
+  /// The upstream's unmap (unmap_after_wait when `waited`); false when it unmapped nothing (an upstream whose unmap
+  /// returns void always unmaps).
+  bool upstream_unmap(std::uintptr_t address, std::size_t bytes, bool waited) noexcept;
 
   /// An expandable segment is going: its stream reserves a new one when it needs it.
   void forget_expandable(const segment* seg) noexcept;
@@ -894,8 +913,11 @@ class basic_caching_allocator {
 
   /// Returns completely free segments to the upstream (largest first, until reserved <= target; all when target
   /// is 0). With `wait_pending`, first waits on the host for every pending event, so blocks held back by other
-  /// streams become free too. Returns the bytes released. The lock is released while waiting and freeing.
-  std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target);
+  /// streams become free too. Returns the bytes released. The lock is released while waiting and freeing; with
+  /// `wait_unlocked` (the users' releases), also while the device is waited for before pages are unmapped
+  /// (unmap_free_pages).
+  std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target,
+                             bool wait_unlocked = false);
 
   /// For release_before_grow: frees at least `deficit` bytes of completely free segments, disturbing the cache as
   /// little as possible: the smallest single segment that covers the deficit, else the largest ones until covered.
@@ -982,6 +1004,7 @@ class basic_caching_allocator {
   std::vector<stream_state*> pending_streams_;     // streams with pending events
   std::size_t pending_total_ = 0;                  // events not yet seen complete
   std::uint64_t fence_counter_ = 0;
+  std::uint64_t free_clock_ = 0;                            // counts blocks going back to the heap (block::free_since)
   detail::event_pool<std::unique_ptr<event_type>> events_;  // this device's, and others' for record_stream
 
   segment* segments_ = nullptr;

@@ -247,7 +247,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::empty_cache() {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("empty_cache");
-  release_cached(lock, true, 0);
+  release_cached(lock, true, 0, true);
 }
 
 template <class Upstream, class StreamOps>
@@ -255,7 +255,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("trim");
-  release_cached(lock, true, target_reserved);
+  release_cached(lock, true, target_reserved, true);
   return current(stats_.reserved_bytes);
 }
 
@@ -265,7 +265,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_reserved_li
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   limit_ = bytes;
   limit_atomic_.store(bytes, std::memory_order_relaxed);
-  if (current(stats_.reserved_bytes) > bytes) release_cached(lock, true, bytes);
+  if (current(stats_.reserved_bytes) > bytes) release_cached(lock, true, bytes, true);
 }
 
 template <class Upstream, class StreamOps>
@@ -518,8 +518,8 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::prune_streams()
     if (!dead_streams_.empty()) retire_finished();
   }
   streams_.remove_if([](const stream_state& st) noexcept {
-    return st.in_use == 0 && st.pending.empty() && (!st.dead || st.retired) && (!st.pools[0] || st.pools[0]->empty()) &&
-           (!st.pools[1] || st.pools[1]->empty());
+    return st.pins == 0 && st.in_use == 0 && st.pending.empty() && (!st.dead || st.retired) &&
+           (!st.pools[0] || st.pools[0]->empty()) && (!st.pools[1] || st.pools[1]->empty());
   });
   ++sweeps_;
   // Abandoned states go at the next sweep (their cache is released before the footprint grows): the next sweep
@@ -776,6 +776,20 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
   {
     std::unique_lock<detail::spin_mutex> lock(mutex_);
     stream_state& st = stream_for(stream);
+    // The slow paths below release the lock (to grow, to wait); meanwhile another thread's registration of a stream
+    // may sweep idle states, which this one is until it holds a block. Unpinned with the lock held (an out-of-memory
+    // error leaves unlocked).
+    struct pin {
+      pin(stream_state& s, std::unique_lock<detail::spin_mutex>& l) noexcept : st(s), lock(l) { ++st.pins; }
+      ~pin() {
+        if (!lock.owns_lock()) lock.lock();
+        --st.pins;
+      }
+      pin(const pin&) = delete;
+      pin& operator=(const pin&) = delete;
+      stream_state& st;
+      std::unique_lock<detail::spin_mutex>& lock;
+    } pinned(st, lock);
     st.last_sweep = sweeps_;
     if (pending_total_ != 0) process_events();
     if constexpr (tracks_lifetimes) {
@@ -1222,6 +1236,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::recycle(block* 
   b->fence.reset();
   b->recorded.clear();
   b->pending_events = 0;
+  b->free_since = 0;
   b->state = block_state::free;
   b->taken_split = false;
   b->in_front.store(false, std::memory_order_relaxed);
@@ -1272,6 +1287,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::absorb_fence(bl
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_to_pool(block* b) {
   b->state = block_state::free;
+  b->free_since = ++free_clock_;
   b->requested = 0;
   clear_recorded(b);
   --b->owner->in_use;
@@ -1297,6 +1313,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(blo
     p->next = b->next;
     if (b->next != nullptr) b->next->prev = p;
     p->owner = owner;
+    p->free_since = std::max(p->free_since, b->free_since);
     absorb_fence(p, b);
     recycle(b);
     b = p;
@@ -1306,6 +1323,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(blo
     b->size += n->size;
     b->next = n->next;
     if (n->next != nullptr) n->next->prev = b;
+    b->free_since = std::max(b->free_since, n->free_since);
     absorb_fence(b, n);
     recycle(n);
   }
@@ -1365,6 +1383,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
     rest->owner = b->owner;  // the remainder stays with the stream it was cached for
     rest->small = b->small;
     rest->state = block_state::free;
+    rest->free_since = b->free_since;  // its memory has been free as long
     rest->prev = b;
     rest->next = b->next;
     if (b->next != nullptr) b->next->prev = rest;
@@ -1536,6 +1555,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::link_segment(st
   b->size = bytes;
   b->seg = segments_;
   b->state = block_state::free;
+  b->free_since = ++free_clock_;
   index_free(b);
   count(st_segment, small, 1);
   // An expandable segment's reserved range is no memory yet: its pages are recorded as they are mapped.
@@ -1665,17 +1685,33 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::needs_pages(con
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_free_pages(std::size_t target) {
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_free_pages(
+    std::unique_lock<detail::spin_mutex>& lock, std::size_t target, bool wait_unlocked) {
   if constexpr (has_vm) {
-    if (!options_.expandable_segments) return 0;
+    const auto target_met = [&] { return target != 0 && current(stats_.reserved_bytes) <= target; };
+    if (!options_.expandable_segments || target_met() || !has_unmappable_pages()) return 0;
+    // Blocks freed after `horizon` may have work the wait below did not cover: their pages stay.
+    std::uint64_t horizon = std::numeric_limits<std::uint64_t>::max();
+    constexpr bool waits_apart = detail::has_unmap_after_wait<Upstream>::value;
+    if constexpr (waits_apart) {
+      if (wait_unlocked) {
+        horizon = free_clock_;
+        lock.unlock();  // a device synchronization can take long: threads allocate and free meanwhile
+      }
+      const bool idle = upstream_.wait_before_unmap();
+      if (wait_unlocked) lock.lock();
+      if (!idle) return 0;  // reported by the upstream; the pages stay mapped
+    } else {
+      (void)wait_unlocked;
+    }
     const bool quarantine = !upstream_.synchronizes_on_free();
     std::size_t unmapped = 0;
     for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
       if (!seg->expandable || seg->mapped() == 0) continue;
       const std::size_t page = seg->pages.page_size();
       for (block* b = seg->first; b != nullptr; b = b->next) {
-        if (target != 0 && current(stats_.reserved_bytes) <= target) return unmapped;
-        if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
+        if (target_met()) return unmapped;
+        if (b->state != block_state::free || (quarantine && b->owner->dead) || b->free_since > horizon) continue;
         const auto inside = seg->pages.inside(b->address - seg->address, b->size);
         for (std::size_t i = inside.first; i < inside.end;) {
           if (!seg->pages.is_mapped(i)) {
@@ -1683,10 +1719,10 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
             continue;
           }
           if (b->fence) {
-            synchronize_quietly(*b->fence);
+            synchronize_quietly(*b->fence);  // after the device wait (waits_apart), completed already
             recycle_event(std::move(b->fence), device_);
           }
-          const std::size_t run = unmap_run(seg, i, inside.end);
+          const std::size_t run = unmap_run(seg, i, inside.end, waits_apart);
           if (run == 0) return unmapped;  // the device could not be waited for: nothing more is unmapped now
           unmapped += run * page;
           count(st_reserved_bytes, seg->small, -as_delta(run * page));
@@ -1696,17 +1732,33 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
     }
     return unmapped;
   } else {
+    (void)lock;
     (void)target;
+    (void)wait_unlocked;
     return 0;
   }
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_unmappable_pages() const noexcept {
+  const bool quarantine = !upstream_.synchronizes_on_free();
+  for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+    if (!seg->expandable || seg->mapped() == 0) continue;
+    for (const block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
+      if (seg->pages.any_mapped(seg->pages.inside(b->address - seg->address, b->size))) return true;
+    }
+  }
+  return false;
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_run(segment* seg, std::size_t i,
-                                                                                  std::size_t end) noexcept {
+                                                                                  std::size_t end,
+                                                                                  bool waited) noexcept {
   const std::size_t page = seg->pages.page_size();
   const std::size_t n = seg->pages.mapped_run(i, end);
-  if (n == 0 || !upstream_unmap(seg->address + i * page, n * page)) return 0;
+  if (n == 0 || !upstream_unmap(seg->address + i * page, n * page, waited)) return 0;
   seg->pages.set_unmapped({i, i + n});
   if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
     h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
@@ -1717,8 +1769,14 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_ru
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::upstream_unmap(std::uintptr_t address,
-                                                                                std::size_t bytes) noexcept {
+                                                                                std::size_t bytes,
+                                                                                bool waited) noexcept {
   if constexpr (has_vm) {
+    if constexpr (detail::has_unmap_after_wait<Upstream>::value) {
+      if (waited) return upstream_.unmap_after_wait(reinterpret_cast<void*>(address), bytes);
+    } else {
+      (void)waited;
+    }
     if constexpr (std::is_same_v<decltype(upstream_.unmap(nullptr, bytes)), bool>) {
       return upstream_.unmap(reinterpret_cast<void*>(address), bytes);
     } else {
@@ -1728,6 +1786,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::upstream_unmap(
   } else {
     (void)address;
     (void)bytes;
+    (void)waited;
     return false;
   }
 }
@@ -1814,10 +1873,17 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
   if constexpr (has_vm) {
     if (seg->expandable) {
       bool all_unmapped = true;
-      for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
-        if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
-        all_unmapped = all_unmapped && upstream_unmap(address, bytes);
-      });
+      bool waited = false;
+      if constexpr (detail::has_unmap_after_wait<Upstream>::value) {
+        // One wait for the whole range, not one per run of pages: it is off the heap, so nothing new can use it.
+        if (seg->mapped() != 0) all_unmapped = waited = upstream_.wait_before_unmap();
+      }
+      if (all_unmapped) {
+        for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
+          if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
+          all_unmapped = all_unmapped && upstream_unmap(address, bytes, waited);
+        });
+      }
       if (all_unmapped) {
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
       } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
@@ -1884,7 +1950,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_cached(
-    std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target) {
+    std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target, bool wait_unlocked) {
   flush_fronts();
   if (wait_pending) {
     wait_for_pending_events(lock);
@@ -1900,7 +1966,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
     victims.resize(keep);
   }
   const std::size_t released = release_segments(lock, victims);
-  return released + unmap_free_pages(target);
+  return released + unmap_free_pages(lock, target, wait_unlocked);
 }
 
 template <class Upstream, class StreamOps>

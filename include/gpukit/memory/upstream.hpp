@@ -14,7 +14,14 @@
 ///
 ///     bool unmap(void* address, std::size_t bytes) noexcept;  // false: nothing unmapped (the pages stay in use)
 ///
-/// may also return void (it always unmaps). An upstream that can free in stream order may also have
+/// may also return void (it always unmaps). An upstream whose unmap waits for the device may split that wait off:
+///
+///     bool wait_before_unmap() noexcept;                           // waits for all work of the device; false: failed
+///     bool unmap_after_wait(void* address, std::size_t bytes) noexcept;  // unmap, without the wait
+///
+/// so that the caching allocator waits without its lock held (threads allocate meanwhile, instead of queuing behind
+/// a device synchronization), then unmaps only pages free since before the wait. An upstream that can free in stream
+/// order may also have
 ///
 ///     bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept;
 ///
@@ -152,6 +159,13 @@ class address_space_upstream {
   /// Returns the capacity of mapped pages in [address, address + bytes); every page must be mapped (else warns).
   /// Returns false, having unmapped nothing, when the range is not whole pages of a reservation.
   bool unmap(void* address, std::size_t bytes) noexcept;
+  /// What cuda_upstream waits for before unmapping; here nothing runs, so nothing is waited for. Counted
+  /// (device_waits()); true.
+  bool wait_before_unmap() noexcept;
+  /// unmap(), after wait_before_unmap().
+  bool unmap_after_wait(void* address, std::size_t bytes) noexcept;
+  /// Number of wait_before_unmap() calls so far.
+  std::size_t device_waits() const;
   /// Gives a reservation back; its pages must have been unmapped (else warns, and unmaps them).
   void unreserve(void* address, std::size_t bytes) noexcept;
   /// Bytes of mapped pages (part of used()).
@@ -186,6 +200,7 @@ class address_space_upstream {
   std::size_t used_ = 0;
   std::size_t peak_ = 0;
   std::size_t allocations_ = 0;
+  std::size_t device_waits_ = 0;
   int forced_failures_ = 0;
   std::map<std::uintptr_t, std::size_t> free_ranges_;  // start -> size, coalesced
   std::map<std::uintptr_t, std::size_t> sizes_;        // start -> aligned size of each range handed out
@@ -263,6 +278,11 @@ class cuda_upstream {
   /// nothing runs on the device any more: the pages are unmapped without a wait where the driver still can, and
   /// where it cannot they went with it; true either way, with nothing reported.
   bool unmap(void* address, std::size_t bytes) noexcept;
+  /// The wait of unmap() alone (cudaDeviceSynchronize on this device): true when the device is idle, or the runtime
+  /// torn down; false, reported through gpukit::warn, when it could not be waited for.
+  bool wait_before_unmap() noexcept;
+  /// unmap() without its wait: the caller waited (wait_before_unmap()) after the pages' last use.
+  bool unmap_after_wait(void* address, std::size_t bytes) noexcept;
   /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
   /// through gpukit::warn (a range that still has a page mapped is not freed: CUDA forbids it, so it stays reserved),
   /// except those of a runtime torn down at process exit, which freed the range itself.
@@ -323,6 +343,10 @@ class device_upstream {
   /// Unmaps whole pages after the device's work completes (cuda_upstream::unmap(): false, the pages still mapped,
   /// when that wait failed); failures, and a call on the CPU (false), are warned about.
   bool unmap(void* address, std::size_t bytes) noexcept;
+  /// cuda_upstream::wait_before_unmap(); false, warned about, on the CPU.
+  bool wait_before_unmap() noexcept;
+  /// cuda_upstream::unmap_after_wait(); false, warned about, on the CPU.
+  bool unmap_after_wait(void* address, std::size_t bytes) noexcept;
   /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
   /// about.
   void unreserve(void* address, std::size_t bytes) noexcept;
@@ -487,6 +511,21 @@ GPUKIT_INLINE bool address_space_upstream::unmap(void* address, std::size_t byte
     used_ -= page_size_;
   }
   return true;
+}
+
+GPUKIT_INLINE bool address_space_upstream::wait_before_unmap() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++device_waits_;
+  return true;
+}
+
+GPUKIT_INLINE bool address_space_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
+  return unmap(address, bytes);
+}
+
+GPUKIT_INLINE std::size_t address_space_upstream::device_waits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return device_waits_;
 }
 
 GPUKIT_INLINE void address_space_upstream::unreserve(void* address, std::size_t bytes) noexcept {
@@ -774,7 +813,14 @@ GPUKIT_INLINE bool cuda_upstream::map(void* address, std::size_t bytes) {
 }
 
 GPUKIT_INLINE bool cuda_upstream::unmap(void* address, std::size_t bytes) noexcept {
-  if (detail::wait_before_release(device_, "unmapping pages") == detail::release_wait::failed) return false;
+  return wait_before_unmap() && unmap_after_wait(address, bytes);
+}
+
+GPUKIT_INLINE bool cuda_upstream::wait_before_unmap() noexcept {
+  return detail::wait_before_release(device_, "unmapping pages") != detail::release_wait::failed;
+}
+
+GPUKIT_INLINE bool cuda_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
   try {
     device_guard guard(device_);
     auto& registry = mode_independent::peer_access_holders_v2();
@@ -955,6 +1001,22 @@ GPUKIT_INLINE bool device_upstream::unmap(void* address, std::size_t bytes) noex
     return false;
   }
   return cuda_->unmap(address, bytes);
+}
+
+GPUKIT_INLINE bool device_upstream::wait_before_unmap() noexcept {
+  if (!cuda_) {
+    warn_no_virtual_memory("wait_before_unmap");
+    return false;
+  }
+  return cuda_->wait_before_unmap();
+}
+
+GPUKIT_INLINE bool device_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
+  if (!cuda_) {
+    warn_no_virtual_memory("unmap_after_wait");
+    return false;
+  }
+  return cuda_->unmap_after_wait(address, bytes);
 }
 
 GPUKIT_INLINE void device_upstream::unreserve(void* address, std::size_t bytes) noexcept {

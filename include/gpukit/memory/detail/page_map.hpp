@@ -54,6 +54,13 @@ class page_map {
     }
     return false;
   }
+  /// Whether a page of `pages` is mapped.
+  [[nodiscard]] bool any_mapped(page_range pages) const noexcept {
+    for (std::size_t i = pages.first; i < pages.end; ++i) {
+      if (mapped_[i]) return true;
+    }
+    return false;
+  }
   /// How many pages from `first` on are mapped, up to the first one that is not or to `end`.
   [[nodiscard]] std::size_t mapped_run(std::size_t first, std::size_t end) const noexcept {
     std::size_t n = 0;
