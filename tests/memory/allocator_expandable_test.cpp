@@ -308,6 +308,29 @@ TEST_CASE("expandable segments: empty_cache waits for the device once and unlock
   CHECK(f.a.stats().num_device_free == f.a.stats().num_device_alloc);
 }
 
+TEST_CASE("expandable segments: the ranges of several streams going back in one release share one device wait") {
+  waiting_setup f;
+  const fake_stream s1{f.world.add_stream()};
+  void* a = f.a.allocate(4 * MiB, f.s0);
+  void* b = f.a.allocate(4 * MiB, s1);  // a range of its own
+  void* c = f.a.allocate(1000, s1);     // and one in the small pool
+  for (void* p : {a, b, c}) f.a.deallocate(p);
+  REQUIRE(f.a.snapshot().segments.size() == 3);
+  f.a.empty_cache();  // three ranges with pages mapped go back whole
+  CHECK(f.a.upstream().device_waits() == 1);
+  CHECK(f.a.snapshot().segments.empty());
+  CHECK(f.a.upstream().used() == 0);
+  void* d = f.a.allocate(4 * MiB, f.s0);
+  f.a.deallocate(d);
+  f.a.upstream().fail_wait = true;
+  gpukit_test::captured_warnings warnings;
+  f.a.empty_cache();  // the wait fails: the range keeps its pages and stays reserved (leaked, as after a failed
+                      // cudaFree)
+  CHECK(warnings.contains("keeps an expandable segment of"));
+  CHECK(f.a.upstream().used() == 2 * page);
+  CHECK(f.a.memory_reserved() == 0);
+}
+
 TEST_CASE("expandable segments: no device wait without a free page to unmap, and a failed wait unmaps nothing") {
   waiting_setup f;
   void* a = f.a.allocate(4 * MiB, f.s0);     // pages 0-1

@@ -904,9 +904,17 @@ class basic_caching_allocator {
   /// not possible or the upstream refused (nothing was done: the caller deallocates, which waits).
   bool deallocate_in_order(const segment* seg, const ordered_release& ordered) noexcept;
 
+  /// The device wait before unmapping that the expandable ranges of one release share (wait_before_unmap): asked
+  /// once, for all of them, since none of them is in the heap any more.
+  struct shared_unmap_wait {
+    bool asked = false;
+    bool idle = false;
+  };
+
   /// Returns a segment's memory to the upstream (lock released): in stream order when `ordered` allows it, else
-  /// cudaFree (or the upstream's deallocate), or unmap and unreserve.
-  void return_segment(segment* seg, const ordered_release& ordered = {}) noexcept;
+  /// cudaFree (or the upstream's deallocate), or unmap and unreserve (after `wait`, when given, else a wait of its
+  /// own).
+  void return_segment(segment* seg, const ordered_release& ordered = {}, shared_unmap_wait* wait = nullptr) noexcept;
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
                        std::size_t size, bool small);

@@ -57,11 +57,12 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   if (!upstream_.synchronizes_on_free()) {
     for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
   }
+  shared_unmap_wait unmap_wait;
   for (segment* seg = segments_; seg != nullptr;) {
     for (block* b = seg->first; b != nullptr; b = b->next) {
       if (b->fence) synchronize_quietly(*b->fence);
     }
-    return_segment(seg);
+    return_segment(seg, {}, &unmap_wait);
     segment* next = seg->next_segment;
     delete seg;
     seg = next;
@@ -1867,16 +1868,27 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::deallocate_in_o
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
-    segment* seg, const ordered_release& ordered) noexcept {
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(segment* seg,
+                                                                                const ordered_release& ordered,
+                                                                                shared_unmap_wait* wait) noexcept {
+  (void)wait;  // only an expandable range over an upstream that waits apart uses it
   memory_history* const h = history_.load(std::memory_order_acquire);
   if constexpr (has_vm) {
     if (seg->expandable) {
       bool all_unmapped = true;
       bool waited = false;
       if constexpr (detail::has_unmap_after_wait<Upstream>::value) {
-        // One wait for the whole range, not one per run of pages: it is off the heap, so nothing new can use it.
-        if (seg->mapped() != 0) all_unmapped = waited = upstream_.wait_before_unmap();
+        // One wait for the whole range, not one per run of pages (nor per range of one release): it is off the heap,
+        // so nothing new can use it.
+        if (seg->mapped() != 0) {
+          shared_unmap_wait own;
+          if (wait == nullptr) wait = &own;
+          if (!wait->asked) {
+            wait->asked = true;
+            wait->idle = upstream_.wait_before_unmap();
+          }
+          all_unmapped = waited = wait->idle;
+        }
       }
       if (all_unmapped) {
         for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
@@ -2075,8 +2087,9 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   }
   lock.unlock();
   for (const auto& fence : fences) synchronize_quietly(*fence);
+  shared_unmap_wait unmap_wait;
   for (std::size_t i = 0; i < victims.size(); ++i) {
-    return_segment(victims[i], ordered[i]);
+    return_segment(victims[i], ordered[i], &unmap_wait);
     delete victims[i];
   }
   lock.lock();
