@@ -126,6 +126,23 @@ void worker(gpukit::device_allocator& a, shared_state& shared, int id, int opera
   for (const auto& t : live) free_one(t);
 }
 
+/// Runs worker() on a thread per stream of `shared` (seeds seed, seed + 1, ...), frees what was handed over and not
+/// taken, and waits for every stream's work.
+void run_workers(gpukit::device_allocator& a, shared_state& shared, std::uint64_t seed) {
+  std::vector<std::thread> pool;
+  for (std::size_t t = 0; t < shared.streams.size(); ++t) {
+    pool.emplace_back(worker, std::ref(a), std::ref(shared), static_cast<int>(t), 3000, seed + t);
+  }
+  for (auto& t : pool) t.join();
+  for (const auto& t : shared.handoff) {
+    shared.streams[static_cast<std::size_t>(t.stream)]->enqueue_host([t, &shared] {
+      if (!tag_intact(t)) shared.corrupted.fetch_add(1);
+    });
+    a.deallocate(t.p);
+  }
+  for (auto& s : shared.streams) s->synchronize();
+}
+
 }  // namespace
 
 TEST_CASE("concurrent allocate, free, hand-over, record_stream, statistics and empty_cache on 4 threads") {
@@ -133,16 +150,7 @@ TEST_CASE("concurrent allocate, free, hand-over, record_stream, statistics and e
   constexpr int threads = 4;
   {
     shared_state shared(threads);
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, std::ref(a), std::ref(shared), t, 3000, 1000 + t);
-    for (auto& t : pool) t.join();
-    for (const auto& t : shared.handoff) {
-      shared.streams[static_cast<std::size_t>(t.stream)]->enqueue_host([t, &shared] {
-        if (!tag_intact(t)) shared.corrupted.fetch_add(1);
-      });
-      a.deallocate(t.p);
-    }
-    for (auto& s : shared.streams) s->synchronize();
+    run_workers(a, shared, 1000);
     CHECK(shared.corrupted.load() == 0);
     CHECK(shared.ooms.load() == 0);
   }  // streams destroyed: all their work is done
@@ -277,16 +285,7 @@ TEST_CASE("concurrent use of expandable segments over host pages: releases never
   {
     shared_state shared(threads);
     a.engine().upstream().streams = &shared.streams;
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, std::ref(a), std::ref(shared), t, 3000, 2000 + t);
-    for (auto& t : pool) t.join();
-    for (const auto& t : shared.handoff) {
-      shared.streams[static_cast<std::size_t>(t.stream)]->enqueue_host([t, &shared] {
-        if (!tag_intact(t)) shared.corrupted.fetch_add(1);
-      });
-      a.deallocate(t.p);
-    }
-    for (auto& s : shared.streams) s->synchronize();
+    run_workers(a, shared, 2000);
     CHECK(shared.corrupted.load() == 0);
     CHECK(shared.ooms.load() == 0);
     CHECK(a.engine().upstream().waits() > 0);  // empty_cache unmapped pages while the others worked

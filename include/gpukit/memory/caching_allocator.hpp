@@ -781,6 +781,9 @@ class basic_caching_allocator {
   index_type& index_of(block* b);
 
   static bool is_split(const block* b) noexcept;
+  /// Whether the memory of block `b` may go back to the upstream now: it is free, and not held for a destroyed stream's
+  /// last work (`quarantine`: an upstream that does not wait for the device on a free).
+  static bool releasable(const block* b, bool quarantine) noexcept;
 
   /// Puts a free block in its stream's pool; counts it as inactive-split when it is a piece of a segment.
   void index_free(block* b);
@@ -912,9 +915,8 @@ class basic_caching_allocator {
   };
 
   /// Returns a segment's memory to the upstream (lock released): in stream order when `ordered` allows it, else
-  /// cudaFree (or the upstream's deallocate), or unmap and unreserve (after `wait`, when given, else a wait of its
-  /// own).
-  void return_segment(segment* seg, const ordered_release& ordered = {}, shared_unmap_wait* wait = nullptr) noexcept;
+  /// cudaFree (or the upstream's deallocate), or unmap and unreserve after `wait`.
+  void return_segment(segment* seg, const ordered_release& ordered, shared_unmap_wait& wait) noexcept;
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
                        std::size_t size, bool small);

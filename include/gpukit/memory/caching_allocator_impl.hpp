@@ -62,7 +62,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
     for (block* b = seg->first; b != nullptr; b = b->next) {
       if (b->fence) synchronize_quietly(*b->fence);
     }
-    return_segment(seg, {}, &unmap_wait);
+    return_segment(seg, {}, unmap_wait);
     segment* next = seg->next_segment;
     delete seg;
     seg = next;
@@ -1258,6 +1258,11 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::is_split(const 
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::releasable(const block* b, bool quarantine) noexcept {
+  return b->state == block_state::free && !(quarantine && b->owner->dead);
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::index_free(block* b) {
   index_of(b).insert(b);
   if (is_split(b)) {
@@ -1712,7 +1717,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
       const std::size_t page = seg->pages.page_size();
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (target_met()) return unmapped;
-        if (b->state != block_state::free || (quarantine && b->owner->dead) || b->free_since > horizon) continue;
+        if (!releasable(b, quarantine) || b->free_since > horizon) continue;
         const auto inside = seg->pages.inside(b->address - seg->address, b->size);
         for (std::size_t i = inside.first; i < inside.end;) {
           if (!seg->pages.is_mapped(i)) {
@@ -1746,7 +1751,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_unmappable_
   for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
     if (!seg->expandable || seg->mapped() == 0) continue;
     for (const block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state != block_state::free || (quarantine && b->owner->dead)) continue;
+      if (!releasable(b, quarantine)) continue;
       if (seg->pages.any_mapped(seg->pages.inside(b->address - seg->address, b->size))) return true;
     }
   }
@@ -1870,7 +1875,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::deallocate_in_o
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(segment* seg,
                                                                                 const ordered_release& ordered,
-                                                                                shared_unmap_wait* wait) noexcept {
+                                                                                shared_unmap_wait& wait) noexcept {
   (void)wait;  // only an expandable range over an upstream that waits apart uses it
   memory_history* const h = history_.load(std::memory_order_acquire);
   if constexpr (has_vm) {
@@ -1881,13 +1886,11 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
         // One wait for the whole range, not one per run of pages (nor per range of one release): it is off the heap,
         // so nothing new can use it.
         if (seg->mapped() != 0) {
-          shared_unmap_wait own;
-          if (wait == nullptr) wait = &own;
-          if (!wait->asked) {
-            wait->asked = true;
-            wait->idle = upstream_.wait_before_unmap();
+          if (!wait.asked) {
+            wait.asked = true;
+            wait.idle = upstream_.wait_before_unmap();
           }
-          all_unmapped = waited = wait->idle;
+          all_unmapped = waited = wait.idle;
         }
       }
       if (all_unmapped) {
@@ -2045,7 +2048,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::free_segments()
   for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
     bool all_free = true;
     for (const block* b = seg->first; b != nullptr && all_free; b = b->next) {
-      all_free = b->state == block_state::free && !(quarantine && b->owner->dead);
+      all_free = releasable(b, quarantine);
     }
     if (all_free) result.push_back(seg);
   }
@@ -2089,7 +2092,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   for (const auto& fence : fences) synchronize_quietly(*fence);
   shared_unmap_wait unmap_wait;
   for (std::size_t i = 0; i < victims.size(); ++i) {
-    return_segment(victims[i], ordered[i], &unmap_wait);
+    return_segment(victims[i], ordered[i], unmap_wait);
     delete victims[i];
   }
   lock.lock();
