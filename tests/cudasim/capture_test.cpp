@@ -9,6 +9,8 @@
 
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/async_pool_upstream.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>  // an engine over async_pool_upstream
 #include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
@@ -571,6 +573,67 @@ TEST_CASE("capture: another thread's event queries and waits leave a global capt
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE(
+    "capture: another thread's pool allocations, stream waits and graph instantiations leave a global capture "
+    "intact") {
+  // Measured on an H200 (tests/graph/gpu_capture_rules_test.cpp): cudaMallocAsync and cudaFreeAsync on a stream that
+  // is not captured, cudaMemPoolTrimTo, cudaStreamSynchronize, cudaStreamQuery, cudaGraphInstantiate and
+  // cudaGraphExecDestroy are all refused in global mode while any thread captures, and invalidate that capture.
+  // gpukit relaxes the calling thread's mode around each.
+  gpukit::stream s(cuda0);
+  gpukit::async_allocator pool(cuda0);
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> over_pool(cuda0);
+  const auto graph_pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  std::string failure;
+  {
+    capture c(s, cudaStreamCaptureModeGlobal);
+    std::thread other([&] {
+      try {
+        gpukit::stream t(cuda0);
+        pool.deallocate(pool.allocate(4096, t), t);
+        over_pool.deallocate(over_pool.allocate(std::size_t{4} << 20, t));
+        over_pool.empty_cache();
+        (void)t.ready();
+        t.synchronize();
+        gpukit::graph g = graph_with_temporary(t, graph_pool);  // captured, instantiated and destroyed here
+        g.launch(t);
+        t.synchronize();
+      } catch (const std::exception& ex) {
+        failure = ex.what();
+      }
+    });
+    other.join();
+    CHECK(failure == "");
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator's trim is refused while a gpukit capture runs, which stays intact") {
+  // Its device-wide wait would invalidate the capture, in relaxed mode too (measured on an H200).
+  gpukit::stream s(cuda0);
+  gpukit::async_allocator pool(cuda0);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  std::string refusal;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    std::thread([&] {
+      try {
+        (void)pool.trim(0);
+      } catch (const gpukit::invalid_argument_error& e) {
+        refusal = e.what();
+      }
+    }).join();
+    CHECK_THROWS_AS(pool.empty_cache(), gpukit::invalid_argument_error);  // the capturing thread too
+  });
+  CHECK(refusal.find("capture is underway") != std::string::npos);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  g.launch(s);
+  s.synchronize();
+  CHECK(pool.trim(0) == 0);  // after the capture, as before
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: the legacy default stream is never asked while a blocking stream of its device captures") {
   gpukit::caching_allocator allocator(cuda0);
   gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
@@ -774,22 +837,26 @@ TEST_CASE("capture: a graph pool whose release cannot create its stream waits fo
   CHECK(gpukit::memory_allocated(cuda0) == 0);
 }
 
-TEST_CASE("capture: a graph launch whose event cannot be recorded makes the pool's release wait for the device") {
+TEST_CASE("capture: a graph launch whose event cannot be recorded is waited for at once, not at the release") {
+  // The release would otherwise need a device-wide wait, which invalidates any capture another thread runs (in
+  // relaxed mode too, measured on an H200): the launch's stream is waited for on the host instead, at the launch.
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
   gpukit::graph g = graph_with_temporary(s, pool);
   cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  const std::size_t stream_waits = cudasim::calls("cudaStreamSynchronize");
   CHECK_THROWS_WITH_AS(g.launch(s), doctest::Contains("after a graph launch"), gpukit::cuda_error);
+  CHECK(cudasim::calls("cudaStreamSynchronize") == stream_waits + 1);
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   gpukit_test::captured_warnings warnings;
   g = gpukit::graph();
-  pool.reset();  // the launch ran without an event: the release waits for all of the device's work
-  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  pool.reset();
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
   CHECK(warnings.messages().empty());
   CHECK(gpukit::memory_allocated(cuda0) == 0);
 }
 
-TEST_CASE("capture: a pool's release after an unordered launch leaves another thread's global capture intact") {
+TEST_CASE("capture: a pool's release after a launch without its event leaves another thread's global capture intact") {
   gpukit::stream s(cuda0);
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
   gpukit::graph g = graph_with_temporary(s, pool);
@@ -800,7 +867,7 @@ TEST_CASE("capture: a pool's release after an unordered launch leaves another th
   gpukit_test::captured_warnings warnings;
   std::thread([&] {
     g = gpukit::graph();
-    pool.reset();  // waits for the device in relaxed mode
+    pool.reset();
   }).join();
   cudaGraph_t captured = nullptr;
   CHECK(cudaStreamEndCapture(other.cuda_handle(), &captured) == cudaSuccess);  // not invalidated
@@ -829,13 +896,15 @@ TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cann
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
   gpukit::graph g = graph_with_temporary(s, pool);
   cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorInvalidValue);
   CHECK_THROWS_AS(g.launch(s), gpukit::cuda_error);
   s.synchronize();
   gpukit_test::captured_warnings warnings;
-  cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorInvalidValue);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   g = gpukit::graph();
   pool.reset();
   CHECK(warnings.contains("keeps its reserve"));
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);  // no device-wide wait
   CHECK(gpukit::memory_allocated(cuda0) == std::size_t{1} << 20);  // still the pool's, for good
 }
 

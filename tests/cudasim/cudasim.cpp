@@ -614,11 +614,15 @@ bool stream_idle(const simulator& s, const stream_obj& st) {
   return !st.tail || st.tail->done;
 }
 
-/// Potentially unsafe calls (allocation, freeing, device-wide synchronization, event queries and waits: PyTorch's NCCL
-/// watchdog invalidated captures with cudaEventQuery) are prohibited while a capture in global
-/// mode is underway in any thread, or one in thread-local mode in this thread, unless this thread relaxed its mode.
-std::shared_ptr<capture_state> prohibiting_capture(simulator& s) {
-  if (t_capture_mode == cudaStreamCaptureModeRelaxed) return nullptr;
+/// Potentially unsafe calls are prohibited while a capture in global mode is underway in any thread, or one in
+/// thread-local mode in this thread, unless this thread relaxed its mode. Which calls are unsafe was measured on an
+/// H200 (tests/graph/gpu_capture_rules_test.cpp, bench/results/gpu-20261129-2214-H200-capture-rules.md): allocating
+/// and freeing (cudaMalloc/Free, cudaMallocHost/FreeHost, cudaHostRegister/Unregister, and cudaMallocAsync/FreeAsync
+/// on a stream that is not captured), cudaMemPoolTrimTo, cudaGraphInstantiate and cudaGraphExecDestroy, and every wait
+/// or query (cudaDeviceSynchronize, cudaStreamSynchronize/Query, cudaEventSynchronize/Query). cudaDeviceSynchronize
+/// stays prohibited in relaxed mode too (`even_relaxed`).
+std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool even_relaxed = false) {
+  if (t_capture_mode == cudaStreamCaptureModeRelaxed && !even_relaxed) return nullptr;
   for (const auto& cap : s.captures) {
     if (cap->mode == cudaStreamCaptureModeGlobal) return cap;
     if (cap->mode == cudaStreamCaptureModeThreadLocal && cap->thread == std::this_thread::get_id()) return cap;
@@ -626,8 +630,8 @@ std::shared_ptr<capture_state> prohibiting_capture(simulator& s) {
   return nullptr;
 }
 
-cudaError_t unsafe_during_capture(call& c) {
-  if (auto cap = prohibiting_capture(c.s)) {
+cudaError_t unsafe_during_capture(call& c, bool even_relaxed = false) {
+  if (auto cap = prohibiting_capture(c.s, even_relaxed)) {
     cap->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported,
                        c.function + " is not permitted while a stream capture is underway (capture " +
@@ -1138,6 +1142,7 @@ cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported, "synchronizing a stream that is being captured");
   }
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   std::vector<state_ptr> wait{st->tail};
   if (st->kind == stream_kind::legacy) {
     if (capture_on_device(c.s, st->device)) {
@@ -1161,6 +1166,7 @@ cudaError_t stream_query(cudaStream_t h, bool ptsz, const char* name) {
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported, "querying a stream that is being captured");
   }
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   return stream_idle(c.s, *st) ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -1841,7 +1847,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* tot
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
-  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
   wait_for(c, device_tails(c.s, d));
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
@@ -2031,6 +2037,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t) {
   CUDASIM_ENTER("cudaMemPoolTrimTo");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   return cudaSuccess;  // the default pool keeps nothing to trim
 }
 
@@ -2039,6 +2046,10 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
+  // Captured, it becomes an allocation node; on any other stream it is an allocation like cudaMalloc's.
+  if (st->capture == nullptr) {
+    if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  }
   if (pool != nullptr &&
       pool != reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(st->device))) {
     return c.violation(cudaErrorInvalidValue, "cudasim models only the default pool of the stream's device");
@@ -2086,6 +2097,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   CUDASIM_ENTER("cudaFreeAsync");
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
+  if (st->capture == nullptr) {
+    if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  }
   if (p == nullptr) return cudaSuccess;
   const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == c.s.regions.end() || it->second.kind != region_kind::device) {
@@ -2195,6 +2209,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigne
 CUDASIM_API cudaError_t CUDARTAPI cudaHostUnregister(void* p) {
   CUDASIM_ENTER("cudaHostUnregister");
   require_current_context(c);  // as cudaFreeHost
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const auto it = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == c.s.regions.end() || it->second.kind != region_kind::registered) {
     return c.result(cudaErrorHostMemoryNotRegistered);
@@ -2429,6 +2444,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t* exec, cu
   CUDASIM_ENTER("cudaGraphInstantiate");
   auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
   if (exec == nullptr || !g) return c.violation(cudaErrorInvalidValue, "instantiate of an invalid graph");
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   *exec = reinterpret_cast<cudaGraphExec_t>(c.s.execs.add(std::make_shared<graph_obj>(*g)));
   return cudaSuccess;
 }
@@ -2469,6 +2485,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t exec) {
   CUDASIM_ENTER("cudaGraphExecDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(exec);
   if (!c.s.execs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph executable");
+  if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   c.s.execs.remove(h);
   return cudaSuccess;
 }

@@ -112,7 +112,11 @@ class graph {
     }
     device_guard guard(device_);
     cudaGraphExecUpdateResultInfo info{};
-    const cudaError_t result = cudaGraphExecUpdate(exec_, recaptured.graph_, &info);
+    cudaError_t result = cudaSuccess;
+    {
+      const detail::relaxed_capture_mode relaxed;  // as cudaGraphInstantiate (not measured for the update itself)
+      result = cudaGraphExecUpdate(exec_, recaptured.graph_, &info);
+    }
     if (result == cudaErrorGraphExecUpdateFailure) {
       (void)cudaGetLastError();
       return false;
@@ -144,6 +148,8 @@ class graph {
     if (exec_ == nullptr && graph_ == nullptr) return;
     try {
       device_guard guard(device_);
+      // cudaGraphExecDestroy is refused in global mode while any thread captures, and invalidates that capture.
+      const detail::relaxed_capture_mode relaxed;
       if (exec_ != nullptr)
         detail::report_cuda_failure(cudaGraphExecDestroy(exec_), "cudaGraphExecDestroy", device_.ordinal());
       if (graph_ != nullptr)
@@ -248,7 +254,12 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
                               d.ordinal());
   }
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t instantiated = cudaGraphInstantiate(&exec, g, 0);
+  cudaError_t instantiated = cudaSuccess;
+  {
+    // Refused in global mode while any other thread captures, and invalidates that capture (measured on an H200).
+    const detail::relaxed_capture_mode relaxed;
+    instantiated = cudaGraphInstantiate(&exec, g, 0);
+  }
   if (instantiated != cudaSuccess) {
     (void)cudaGraphDestroy(g);
     GPUKIT_CUDA_TRY_DESCRIBED(instantiated, "cudaGraphInstantiate", d.ordinal());

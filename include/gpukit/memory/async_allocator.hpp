@@ -145,9 +145,20 @@ class async_allocator final : public device_allocator {
   /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)).
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
+  /// Throws invalid_argument_error while a gpukit capture runs (gpukit::capture, any thread): cudaDeviceSynchronize
+  /// would invalidate it, in relaxed mode too (measured on an H200). A capture begun with the raw runtime cannot be
+  /// seen, and is invalidated: trim outside captures.
   std::size_t trim(std::size_t target_reserved) override {
+    if (mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0) {
+      throw invalid_argument_error("gpukit::async_allocator::trim on " + device_.to_string() +
+                                       ": a CUDA graph capture is underway, and the device-wide wait would invalidate "
+                                       "it; trim (or empty_cache) after the capture",
+                                   cudaSuccess, "cudaDeviceSynchronize", device_.ordinal());
+    }
     free_deferred();
     device_guard guard(device_);
+    const detail::relaxed_capture_mode
+        relaxed;  // cudaMemPoolTrimTo is refused in global mode while any thread captures
     GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trim)", device_.ordinal());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
     return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
@@ -235,6 +246,9 @@ class async_allocator final : public device_allocator {
     if (over_limit) throw_out_of_memory(bytes, true);
     kept_stream allocating = kept_stream::of(stream);  // before the allocation: may look the stream's id up, and throw
     device_guard guard(device_);
+    // On a stream that is not captured, cudaMallocAsync (and cudaMemPoolTrimTo) are refused in global mode while any
+    // thread captures, and invalidate that capture; relaxed, they are not. Captured, it is a node either way.
+    const detail::relaxed_capture_mode relaxed;
     void* p = nullptr;
     cudaError_t result = cudaMallocAsync(&p, bytes, handle);
     for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
@@ -467,6 +481,9 @@ class async_allocator final : public device_allocator {
     };
     try {
       device_guard guard(device_);
+      // cudaFreeAsync on a stream that is not captured, and the host waits, are refused in global mode while any
+      // thread captures (and invalidate that capture); relaxed, they are not.
+      const detail::relaxed_capture_mode relaxed;
       const cudaStream_t free_stream = kept_stream::of(on).handle_here();
       for (const kept_stream& user : a.users) {
         if (user.destroyed()) {
@@ -545,6 +562,7 @@ class async_allocator final : public device_allocator {
   void free_after_device(void* p, std::size_t bytes) noexcept {
     try {
       device_guard guard(device_);
+      const detail::relaxed_capture_mode relaxed;  // for cudaFreeAsync (cudaDeviceSynchronize is refused all the same)
       cudaError_t result = cudaDeviceSynchronize();
       if (result == cudaSuccess) result = cudaFreeAsync(p, cudaStreamLegacy);
       if (result == cudaSuccess || detail::is_teardown_result(result)) return;

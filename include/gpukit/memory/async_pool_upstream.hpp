@@ -83,6 +83,9 @@ class async_pool_upstream {
   /// exception.
   [[nodiscard]] void* allocate(std::size_t bytes) {
     device_guard guard(device_);
+    // The private stream is never captured: its allocations, waits and trims are refused in global mode while any
+    // thread captures (and invalidate that capture); relaxed, they are not.
+    const detail::relaxed_capture_mode relaxed;
     const cudaStream_t s = private_stream();
     void* p = nullptr;
     cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
@@ -115,6 +118,7 @@ class async_pool_upstream {
     if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
     try {
       device_guard guard(device_);
+      const detail::relaxed_capture_mode relaxed;  // as in allocate
       detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
                                   device_.ordinal());
     } catch (const error& e) {
@@ -135,6 +139,7 @@ class async_pool_upstream {
   bool deallocate_after(void* p, std::size_t /*bytes*/, const std::vector<const event*>& after) noexcept {
     try {
       device_guard guard(device_);
+      const detail::relaxed_capture_mode relaxed;                           // as in allocate
       const cudaStream_t s = detail::release_stream_after(device_, after);  // throws on failure
       if (cudaFreeAsync(p, s) != cudaSuccess) {
         (void)cudaGetLastError();

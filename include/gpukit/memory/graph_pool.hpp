@@ -288,8 +288,10 @@ class graph_pool final : public device_allocator {
     return e;
   }
   /// A graph of the pool was launched on `s`: records `e` (from prepare_launch), so that the reserve goes back only
-  /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the
-  /// release waits for the whole device instead (and keeps the reserve if even that fails); the error propagates.
+  /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the host
+  /// waits for `s` now, so that no launch is left unordered; if even that fails, the pool keeps its reserve at its
+  /// release (a device-wide wait would do, but cudaDeviceSynchronize invalidates any capture another thread runs, in
+  /// relaxed mode too). The error propagates.
   void note_launch(const stream_view& s, cudaEvent_t e) {
     std::lock_guard<std::mutex> lock(mutex_);
     try {
@@ -297,7 +299,11 @@ class graph_pool final : public device_allocator {
       GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
                                 device_.ordinal());
     } catch (...) {
-      unordered_launch_ = true;
+      try {
+        s.synchronize();  // relaxed: legal while another thread captures
+      } catch (...) {
+        unordered_launch_ = true;
+      }
       throw;
     }
   }
@@ -654,18 +660,15 @@ class graph_pool final : public device_allocator {
     // Uses still deferred cannot be ordered now: their stream is captured (its work belongs to that capture) or the
     // legacy default stream during a gpukit capture.
     record_deferred_uses();
-    if (unordered_launch_) {  // a launch without an event may still run: wait for all of the device's work
-      const detail::relaxed_capture_mode relaxed;  // another thread may be capturing
-      if (detail::wait_before_release(device_, "a graph pool's release") == detail::release_wait::failed) {
-        report_kept_reserve();  // the reserve cannot go back
-        for (auto& [id, e] : launches_) {
-          (void)id;
-          (void)cudaEventDestroy(e);  // legal while pending
-        }
-        (void)cudaGetLastError();
-        launches_.clear();
-        return;
+    if (unordered_launch_) {  // a launch that neither took its event nor could be waited for may still run
+      report_kept_reserve();  // the reserve cannot go back
+      for (auto& [id, e] : launches_) {
+        (void)id;
+        (void)cudaEventDestroy(e);  // legal while pending
       }
+      (void)cudaGetLastError();
+      launches_.clear();
+      return;
     }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);
@@ -824,7 +827,7 @@ class graph_pool final : public device_allocator {
   std::int64_t allocations_ = 0, ooms_ = 0;
   int captures_ = 0;
   bool orphaned_ = false;
-  bool unordered_launch_ = false;  // a launch's event could not be recorded: the release waits for the device
+  bool unordered_launch_ = false;  // a launch could be neither recorded nor waited for: the reserve is kept
   bool live_registered_ = false;   // guarded by the registry's mutex
   detail::out_of_memory_observers observers_;
 };

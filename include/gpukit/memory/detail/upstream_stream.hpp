@@ -94,6 +94,7 @@ inline cudaStream_t release_stream_after(gpukit::device d, const std::vector<con
 inline void synchronize_upstream_stream(gpukit::device d, upstream_stream_use use) {
   const cudaStream_t s = upstream_stream(d, use, false);
   if (s == nullptr) return;
+  const relaxed_capture_mode relaxed;  // refused in global mode while any thread captures, and invalidating it
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s),
                             use == upstream_stream_use::releases ? "cudaStreamSynchronize (upstream releases)"
                                                                  : "cudaStreamSynchronize (upstream allocations)",

@@ -271,12 +271,16 @@ GPUKIT_INLINE int stream_priority(cudaStream_t handle, int ordinal) {
 GPUKIT_INLINE void synchronize(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
+  // A wait for a stream that is not captured is refused in global mode while any thread captures, and invalidates
+  // that capture (measured on an H200); relaxed, it is not. On a captured stream it is refused either way.
+  const relaxed_capture_mode relaxed;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s.handle), "cudaStreamSynchronize", s.ordinal);
 }
 
 GPUKIT_INLINE bool ready(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
+  const relaxed_capture_mode relaxed;  // as synchronize
   const cudaError_t result = cudaStreamQuery(s.handle);
   if (result == cudaSuccess) return true;
   if (result == cudaErrorNotReady) {

@@ -1,0 +1,372 @@
+// Which runtime calls a stream capture permits, measured: for each call, a capture in global mode is begun on one
+// stream, the call is made (from another thread, or from the capturing thread itself), and the call's result and
+// whether the capture survived are compared with a table. The same table is what the simulated runtime enforces
+// (tests/cudasim), so this test, run on a real GPU by tests/gpu/run.sh, is the proof that the simulator's rules are
+// CUDA's; on the simulator (test_gpu_capture_rules_sim) it keeps the two from drifting apart. Every observation is
+// printed, one line per call, so a GPU run's output is the table itself.
+#include "support.hpp"
+
+#ifdef GPUKIT_TEST_ON_CUDASIM
+#include "cudasim/cudasim.hpp"
+#endif
+
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdio>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace gpukit_test;
+
+namespace {
+
+constexpr std::size_t buffer_bytes = std::size_t{1} << 20;
+
+/// A thread that runs one task at a time for the caller and waits for it; its CUDA context is bound before any
+/// capture begins, so that no first-use initialisation happens during one.
+class worker {
+ public:
+  worker() : thread_([this] { loop(); }) {
+    run([] { GPUKIT_CUDA_TRY(cudaSetDevice(0)); });
+  }
+  worker(const worker&) = delete;
+  worker& operator=(const worker&) = delete;
+  ~worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  void run(std::function<void()> task) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    task_ = std::move(task);
+    wake_.notify_all();
+    wake_.wait(lock, [this] { return !task_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return stopping_ || task_; });
+      if (stopping_) return;
+      task_();
+      task_ = nullptr;
+      wake_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::function<void()> task_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+/// What a call may use, made before the capture; whatever the call did not consume is released after it.
+struct objects {
+  cudaStream_t other = nullptr;  // a non-blocking stream, not captured
+  cudaEvent_t event = nullptr;   // recorded on `other` and complete
+  void* device = nullptr;        // cudaMalloc
+  void* pooled = nullptr;        // cudaMallocAsync on `other`
+  void* pinned = nullptr;        // cudaMallocHost
+  std::vector<char> pageable = std::vector<char>(buffer_bytes);
+  std::vector<char> registered = std::vector<char>(buffer_bytes);  // cudaHostRegister'ed
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  // What the call made, released after the capture.
+  void* made_device = nullptr;
+  void* made_pooled = nullptr;
+  void* made_pinned = nullptr;
+  cudaStream_t made_stream = nullptr;
+  cudaEvent_t made_event = nullptr;
+  cudaGraphExec_t made_exec = nullptr;
+  bool made_registration = false;
+  bool unregistered = false;
+};
+
+/// Passes `result` on, and forgets `p` when the call that freed it succeeded.
+template <class T>
+cudaError_t forget_on_success(cudaError_t result, T*& p) {
+  if (result == cudaSuccess) p = nullptr;
+  return result;
+}
+
+void make(objects& o) {
+  GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&o.other, cudaStreamNonBlocking));
+  GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&o.event, cudaEventDisableTiming));
+  GPUKIT_CUDA_TRY(cudaMalloc(&o.device, buffer_bytes));
+  GPUKIT_CUDA_TRY(cudaMallocAsync(&o.pooled, buffer_bytes, o.other));
+  GPUKIT_CUDA_TRY(cudaMallocHost(&o.pinned, buffer_bytes));
+  GPUKIT_CUDA_TRY(cudaHostRegister(o.registered.data(), buffer_bytes, cudaHostRegisterDefault));
+  GPUKIT_CUDA_TRY(cudaStreamBeginCapture(o.other, cudaStreamCaptureModeGlobal));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(o.device, 0, buffer_bytes, o.other));
+  GPUKIT_CUDA_TRY(cudaStreamEndCapture(o.other, &o.graph));
+  GPUKIT_CUDA_TRY(cudaGraphInstantiate(&o.exec, o.graph, 0));
+  GPUKIT_CUDA_TRY(cudaEventRecord(o.event, o.other));
+  GPUKIT_CUDA_TRY(cudaStreamSynchronize(o.other));
+}
+
+void release(objects& o) {
+  (void)cudaDeviceSynchronize();
+  if (o.made_exec != nullptr) (void)cudaGraphExecDestroy(o.made_exec);
+  if (o.exec != nullptr) (void)cudaGraphExecDestroy(o.exec);
+  if (o.graph != nullptr) (void)cudaGraphDestroy(o.graph);
+  if (o.made_registration) (void)cudaHostUnregister(o.pageable.data());
+  if (!o.unregistered) (void)cudaHostUnregister(o.registered.data());
+  if (o.made_pinned != nullptr) (void)cudaFreeHost(o.made_pinned);
+  if (o.pinned != nullptr) (void)cudaFreeHost(o.pinned);
+  if (o.made_pooled != nullptr) (void)cudaFreeAsync(o.made_pooled, nullptr);
+  if (o.pooled != nullptr) (void)cudaFreeAsync(o.pooled, nullptr);
+  if (o.made_device != nullptr) (void)cudaFree(o.made_device);
+  if (o.device != nullptr) (void)cudaFree(o.device);
+  if (o.made_event != nullptr) (void)cudaEventDestroy(o.made_event);
+  if (o.event != nullptr) (void)cudaEventDestroy(o.event);
+  if (o.made_stream != nullptr) (void)cudaStreamDestroy(o.made_stream);
+  if (o.other != nullptr) (void)cudaStreamDestroy(o.other);
+  (void)cudaDeviceSynchronize();
+  (void)cudaGetLastError();
+}
+
+void CUDART_CB nothing(void*) {}
+
+/// Where the call is made from, and in which mode.
+enum class caller { other_thread, other_thread_relaxed, capturing_thread, capturing_thread_relaxed };
+
+/// What CUDA does with the call while the capture runs.
+enum class rule {
+  permitted,   // the call succeeds and the capture goes on
+  prohibited,  // the call fails (cudaErrorStreamCaptureUnsupported) and the capture is invalidated
+};
+
+struct probe {
+  const char* call;
+  caller from;
+  bool blocking_capture;  // the captured stream is a blocking one (synchronizes with the legacy default stream)
+  rule expected;
+  std::function<cudaError_t(objects&)> make_call;
+};
+
+const char* name_of(caller c) {
+  switch (c) {
+    case caller::other_thread:
+      return "another thread";
+    case caller::other_thread_relaxed:
+      return "another thread, relaxed";
+    case caller::capturing_thread:
+      return "the capturing thread";
+    case caller::capturing_thread_relaxed:
+      return "the capturing thread, relaxed";
+  }
+  return "?";
+}
+
+std::vector<probe> probes() {
+  const auto other = caller::other_thread;
+  const auto relaxed = caller::other_thread_relaxed;
+  const auto self = caller::capturing_thread;
+  const auto self_relaxed = caller::capturing_thread_relaxed;
+  const auto ok = rule::permitted;
+  const auto no = rule::prohibited;
+  // clang-format off
+  return {
+    {"cudaMalloc", other, false, no, [](objects& o) { return cudaMalloc(&o.made_device, buffer_bytes); }},
+    {"cudaMalloc", relaxed, false, ok, [](objects& o) { return cudaMalloc(&o.made_device, buffer_bytes); }},
+    {"cudaFree", other, false, no, [](objects& o) { return forget_on_success(cudaFree(o.device), o.device); }},
+    {"cudaFree", relaxed, false, ok, [](objects& o) { return forget_on_success(cudaFree(o.device), o.device); }},
+    {"cudaMallocHost", other, false, no, [](objects& o) { return cudaMallocHost(&o.made_pinned, buffer_bytes); }},
+    {"cudaFreeHost", other, false, no, [](objects& o) { return forget_on_success(cudaFreeHost(o.pinned), o.pinned); }},
+    {"cudaHostRegister", other, false, no, [](objects& o) {
+      const cudaError_t e = cudaHostRegister(o.pageable.data(), buffer_bytes, cudaHostRegisterDefault);
+      o.made_registration = e == cudaSuccess;
+      return e; }},
+    {"cudaHostUnregister", other, false, no, [](objects& o) {
+      const cudaError_t e = cudaHostUnregister(o.registered.data());
+      o.unregistered = e == cudaSuccess;
+      return e; }},
+    {"cudaMallocAsync (another stream)", other, false, no, [](objects& o) {
+      return cudaMallocAsync(&o.made_pooled, buffer_bytes, o.other); }},
+    {"cudaFreeAsync (another stream)", other, false, no, [](objects& o) { return forget_on_success(cudaFreeAsync(o.pooled, o.other), o.pooled); }},
+    {"cudaMemPoolTrimTo", other, false, no, [](objects&) {
+      cudaMemPool_t pool = nullptr;
+      const cudaError_t e = cudaDeviceGetDefaultMemPool(&pool, 0);
+      return e != cudaSuccess ? e : cudaMemPoolTrimTo(pool, 0); }},
+    {"cudaMemGetInfo", other, false, ok, [](objects&) {
+      std::size_t free_bytes = 0, total = 0;
+      return cudaMemGetInfo(&free_bytes, &total); }},
+    {"cudaDeviceSynchronize", other, false, no, [](objects&) { return cudaDeviceSynchronize(); }},
+    {"cudaStreamSynchronize (another stream)", other, false, no, [](objects& o) {
+      return cudaStreamSynchronize(o.other); }},
+    {"cudaStreamQuery (another stream)", other, false, no, [](objects& o) { return cudaStreamQuery(o.other); }},
+    {"cudaEventQuery", other, false, no, [](objects& o) { return cudaEventQuery(o.event); }},
+    {"cudaEventQuery", relaxed, false, ok, [](objects& o) { return cudaEventQuery(o.event); }},
+    {"cudaEventSynchronize", other, false, no, [](objects& o) { return cudaEventSynchronize(o.event); }},
+    {"cudaEventCreateWithFlags", other, false, ok, [](objects& o) {
+      return cudaEventCreateWithFlags(&o.made_event, cudaEventDisableTiming); }},
+    {"cudaEventRecord (another stream)", other, false, ok, [](objects& o) { return cudaEventRecord(o.event, o.other); }},
+    {"cudaEventDestroy", other, false, ok, [](objects& o) {
+      const cudaError_t e = cudaEventDestroy(o.event);
+      if (e == cudaSuccess) o.event = nullptr;
+      return e; }},
+    {"cudaStreamWaitEvent (another stream)", other, false, ok, [](objects& o) {
+      return cudaStreamWaitEvent(o.other, o.event, 0); }},
+    {"cudaStreamCreateWithFlags (non-blocking)", other, false, ok, [](objects& o) {
+      return cudaStreamCreateWithFlags(&o.made_stream, cudaStreamNonBlocking); }},
+    {"cudaStreamCreate (blocking)", other, false, ok, [](objects& o) { return cudaStreamCreate(&o.made_stream); }},
+    {"cudaStreamCreateWithPriority", other, false, ok, [](objects& o) {
+      int least = 0, greatest = 0;
+      const cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+      return e != cudaSuccess ? e : cudaStreamCreateWithPriority(&o.made_stream, cudaStreamNonBlocking, greatest); }},
+    {"cudaStreamDestroy (another stream)", other, false, ok, [](objects& o) {
+      const cudaError_t e = cudaStreamDestroy(o.other);
+      if (e == cudaSuccess) o.other = nullptr;
+      return e; }},
+    {"cudaMemsetAsync (another stream)", other, false, ok, [](objects& o) {
+      return cudaMemsetAsync(o.device, 1, buffer_bytes, o.other); }},
+    {"cudaMemcpyAsync pinned (another stream)", other, false, ok, [](objects& o) {
+      return cudaMemcpyAsync(o.device, o.pinned, buffer_bytes, cudaMemcpyHostToDevice, o.other); }},
+    {"cudaMemcpyAsync pageable (another stream)", other, false, ok, [](objects& o) {
+      return cudaMemcpyAsync(o.device, o.pageable.data(), buffer_bytes, cudaMemcpyHostToDevice, o.other); }},
+    {"cudaLaunchHostFunc (another stream)", other, false, ok, [](objects& o) {
+      return cudaLaunchHostFunc(o.other, nothing, nullptr); }},
+    {"cudaGraphInstantiate", other, false, no, [](objects& o) { return cudaGraphInstantiate(&o.made_exec, o.graph, 0); }},
+    {"cudaGraphLaunch (another stream)", other, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
+    {"cudaGraphExecDestroy", other, false, no, [](objects& o) {
+      const cudaError_t e = cudaGraphExecDestroy(o.exec);
+      if (e == cudaSuccess) o.exec = nullptr;
+      return e; }},
+    {"cudaGraphExecDestroy", relaxed, false, ok, [](objects& o) {
+      const cudaError_t e = cudaGraphExecDestroy(o.exec);
+      if (e == cudaSuccess) o.exec = nullptr;
+      return e; }},
+    {"cudaGraphExecDestroy", self, false, no, [](objects& o) {
+      const cudaError_t e = cudaGraphExecDestroy(o.exec);
+      if (e == cudaSuccess) o.exec = nullptr;
+      return e; }},
+    {"cudaGraphExecDestroy", self_relaxed, false, ok, [](objects& o) {
+      const cudaError_t e = cudaGraphExecDestroy(o.exec);
+      if (e == cudaSuccess) o.exec = nullptr;
+      return e; }},
+    {"cudaGraphDestroy", other, false, ok, [](objects& o) {
+      const cudaError_t e = cudaGraphDestroy(o.graph);
+      if (e == cudaSuccess) o.graph = nullptr;
+      return e; }},
+    {"cudaMemsetAsync (legacy default stream)", other, false, ok, [](objects& o) {
+      return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
+    {"cudaMemsetAsync (legacy default stream)", other, true, no, [](objects& o) {
+      return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
+    {"cudaMemsetAsync (legacy default stream)", relaxed, true, no, [](objects& o) {
+      return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
+    {"cudaStreamQuery (another stream)", self, false, no, [](objects& o) { return cudaStreamQuery(o.other); }},
+    {"cudaEventQuery", self_relaxed, false, ok, [](objects& o) { return cudaEventQuery(o.event); }},
+    {"cudaSetDevice", other, false, ok, [](objects&) { return cudaSetDevice(0); }},
+    {"cudaStreamSynchronize (another stream)", relaxed, false, ok, [](objects& o) {
+      return cudaStreamSynchronize(o.other); }},
+    {"cudaStreamQuery (another stream)", relaxed, false, ok, [](objects& o) { return cudaStreamQuery(o.other); }},
+    {"cudaDeviceSynchronize", relaxed, false, no, [](objects&) { return cudaDeviceSynchronize(); }},
+    {"cudaMallocHost", relaxed, false, ok, [](objects& o) { return cudaMallocHost(&o.made_pinned, buffer_bytes); }},
+    {"cudaHostUnregister", relaxed, false, ok, [](objects& o) {
+      const cudaError_t e = cudaHostUnregister(o.registered.data());
+      o.unregistered = e == cudaSuccess;
+      return e; }},
+    {"cudaMemcpy (device to pageable host)", other, false, ok, [](objects& o) {
+      return cudaMemcpy(o.pageable.data(), o.device, buffer_bytes, cudaMemcpyDeviceToHost); }},
+    {"cudaPointerGetAttributes", other, false, ok, [](objects& o) {
+      cudaPointerAttributes attributes{};
+      return cudaPointerGetAttributes(&attributes, o.device); }},
+    {"cudaStreamIsCapturing (another stream)", other, false, ok, [](objects& o) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      return cudaStreamIsCapturing(o.other, &status); }},
+    {"cudaEventRecord (legacy default stream)", other, false, ok, [](objects& o) {
+      return cudaEventRecord(o.event, cudaStreamLegacy); }},
+    {"cudaEventRecord (legacy default stream)", other, true, no, [](objects& o) {
+      return cudaEventRecord(o.event, cudaStreamLegacy); }},
+    {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
+    {"cudaGraphDestroy", self, false, ok, [](objects& o) {
+      const cudaError_t e = cudaGraphDestroy(o.graph);
+      if (e == cudaSuccess) o.graph = nullptr;
+      return e; }},
+  };
+  // clang-format on
+}
+
+struct observation {
+  cudaError_t returned = cudaSuccess;
+  bool capture_invalidated = false;
+};
+
+/// Runs `p` during a capture of a fresh stream (the capturing thread is this one) and says what happened.
+observation observe(const probe& p, worker& other_thread) {
+  objects o;
+  make(o);
+  cudaStream_t captured = nullptr;
+  if (p.blocking_capture) {
+    GPUKIT_CUDA_TRY(cudaStreamCreate(&captured));
+  } else {
+    GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&captured, cudaStreamNonBlocking));
+  }
+  GPUKIT_CUDA_TRY(cudaStreamBeginCapture(captured, cudaStreamCaptureModeGlobal));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(o.device, 2, buffer_bytes, captured));
+  observation seen;
+  const auto make_call = [&] {
+    const bool relax = p.from == caller::other_thread_relaxed || p.from == caller::capturing_thread_relaxed;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (relax) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+    seen.returned = p.make_call(o);
+    if (relax) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+    (void)cudaGetLastError();
+  };
+  if (p.from == caller::other_thread || p.from == caller::other_thread_relaxed) {
+    other_thread.run(make_call);
+  } else {
+    make_call();
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  GPUKIT_CUDA_TRY(cudaStreamIsCapturing(captured, &status));
+  seen.capture_invalidated = status == cudaStreamCaptureStatusInvalidated;
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(captured, &graph);
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  if (!seen.capture_invalidated) CHECK(ended == cudaSuccess);
+  (void)cudaGetLastError();
+  (void)cudaStreamDestroy(captured);
+  release(o);
+  return seen;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: the calls a capture in global mode permits, from another thread and its own, are the simulator's") {
+  GPUKIT_REQUIRE_GPU();
+  worker other_thread;
+  std::printf("capture rules (%s):\n", on_simulator() ? "simulated runtime" : "real runtime");
+  for (const probe& p : probes()) {
+    const observation seen = observe(p, other_thread);
+    const bool permitted = seen.returned == cudaSuccess && !seen.capture_invalidated;
+    std::printf("  %-44s from %-30s %s capture: returned %-36s capture %s\n", p.call, name_of(p.from),
+                p.blocking_capture ? "blocking " : "non-blocking", cudaGetErrorName(seen.returned),
+                seen.capture_invalidated ? "INVALIDATED" : "intact");
+    const std::string what = std::string(p.call) + " from " + name_of(p.from) +
+                             (p.blocking_capture ? " (blocking capture)" : "") + ": returned " +
+                             cudaGetErrorName(seen.returned) + ", capture " +
+                             (seen.capture_invalidated ? "invalidated" : "intact");
+    INFO(what);
+    if (p.expected == rule::permitted) {
+      CHECK(permitted);
+    } else {
+      CHECK(seen.returned != cudaSuccess);
+      CHECK(seen.capture_invalidated);
+    }
+#ifdef GPUKIT_TEST_ON_CUDASIM
+    // The simulator records each refused call as a rule violation, and only those.
+    CHECK(cudasim::take_violations().size() == (p.expected == rule::prohibited ? 1u : 0u));
+#endif
+  }
+  std::fflush(stdout);
+}
