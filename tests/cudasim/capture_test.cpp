@@ -62,6 +62,27 @@ class capture {
   bool ended_ = false;
 };
 
+/// Runs `work` on another thread while `s` is captured in global mode, then checks that `work` threw nothing, that the
+/// capture stayed valid, and that the simulator saw no violation.
+template <class F>
+void on_another_thread_during_global_capture(gpukit::stream_view s, F&& work) {
+  std::string failure;
+  {
+    capture c(s, cudaStreamCaptureModeGlobal);
+    std::thread([&] {
+      try {
+        work();
+      } catch (const std::exception& ex) {
+        failure = ex.what();
+      }
+    }).join();
+    CHECK(failure == "");
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
 /// A stream of cuda:0 that synchronizes with the legacy default stream: while it is captured, CUDA refuses work on
 /// the legacy stream (and invalidates the capture).
 gpukit::stream blocking_stream() {
@@ -536,41 +557,28 @@ TEST_CASE("capture: another thread's event queries and waits leave a global capt
     CHECK(cudaEventDestroy(raw) == cudaSuccess);
   }
   gpukit::caching_allocator allocator(cuda0);
-  std::string failure;
-  {
-    capture c(s, cudaStreamCaptureModeGlobal);
-    std::thread other([&] {
-      try {
-        gpukit::stream t(cuda0);
-        gpukit::stream user(cuda0);
-        gpukit::event e(cuda0);
-        e.record(t);
-        (void)e.ready();  // done or not: asked all the same
-        e.synchronize();
-        CHECK(e.ready());
-        // A block another stream used: its free records an event, which the next request polls.
-        void* p = allocator.allocate(4096, t);
-        allocator.record_stream(p, user);
-        allocator.deallocate(p);
-        allocator.deallocate(allocator.allocate(4096, t));
-        allocator.empty_cache();  // waits for the pending event on the host
-        // The pinned pool's pending blocks are polled the same way.
-        auto& pinned = gpukit::default_pinned_pool(cuda0);
-        void* h = pinned.allocate(4096);
-        pinned.record_stream(h, t);
-        pinned.deallocate(h);
-        (void)pinned.stats();
-        t.synchronize();
-      } catch (const std::exception& ex) {
-        failure = ex.what();
-      }
-    });
-    other.join();
-    CHECK(failure == "");
-    REQUIRE(c.end() == cudaSuccess);
-    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
-  }
-  CHECK(cudasim::violations().empty());
+  on_another_thread_during_global_capture(s, [&] {
+    gpukit::stream t(cuda0);
+    gpukit::stream user(cuda0);
+    gpukit::event e(cuda0);
+    e.record(t);
+    (void)e.ready();  // done or not: asked all the same
+    e.synchronize();
+    CHECK(e.ready());
+    // A block another stream used: its free records an event, which the next request polls.
+    void* p = allocator.allocate(4096, t);
+    allocator.record_stream(p, user);
+    allocator.deallocate(p);
+    allocator.deallocate(allocator.allocate(4096, t));
+    allocator.empty_cache();  // waits for the pending event on the host
+    // The pinned pool's pending blocks are polled the same way.
+    auto& pinned = gpukit::default_pinned_pool(cuda0);
+    void* h = pinned.allocate(4096);
+    pinned.record_stream(h, t);
+    pinned.deallocate(h);
+    (void)pinned.stats();
+    t.synchronize();
+  });
 }
 
 TEST_CASE(
@@ -584,30 +592,17 @@ TEST_CASE(
   gpukit::async_allocator pool(cuda0);
   gpukit::caching_device_allocator<gpukit::async_pool_upstream> over_pool(cuda0);
   const auto graph_pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  std::string failure;
-  {
-    capture c(s, cudaStreamCaptureModeGlobal);
-    std::thread other([&] {
-      try {
-        gpukit::stream t(cuda0);
-        pool.deallocate(pool.allocate(4096, t), t);
-        over_pool.deallocate(over_pool.allocate(std::size_t{4} << 20, t));
-        over_pool.empty_cache();
-        (void)t.ready();
-        t.synchronize();
-        gpukit::graph g = graph_with_temporary(t, graph_pool);  // captured, instantiated and destroyed here
-        g.launch(t);
-        t.synchronize();
-      } catch (const std::exception& ex) {
-        failure = ex.what();
-      }
-    });
-    other.join();
-    CHECK(failure == "");
-    REQUIRE(c.end() == cudaSuccess);
-    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
-  }
-  CHECK(cudasim::violations().empty());
+  on_another_thread_during_global_capture(s, [&] {
+    gpukit::stream t(cuda0);
+    pool.deallocate(pool.allocate(4096, t), t);
+    over_pool.deallocate(over_pool.allocate(std::size_t{4} << 20, t));
+    over_pool.empty_cache();
+    (void)t.ready();
+    t.synchronize();
+    gpukit::graph g = graph_with_temporary(t, graph_pool);  // captured, instantiated and destroyed here
+    g.launch(t);
+    t.synchronize();
+  });
 }
 
 TEST_CASE("capture: async_allocator's trim is refused while a gpukit capture runs, which stays intact") {

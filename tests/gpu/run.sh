@@ -42,9 +42,11 @@ else
   gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr ' ' '-' | tr -cd 'A-Za-z0-9_.-')
   report="${GPUKIT_GPU_REPORT:-$root/bench/results/gpu-$stamp-$gpu_name.md}"
 fi
-mkdir -p "$(dirname "$report")"
+mkdir -p "$(dirname "$report")" "$build"
+# Absolute, since the examples run from the build directory (they write their outputs to the working directory).
+report="$(cd "$(dirname "$report")" && pwd)/$(basename "$report")"
+build="$(cd "$build" && pwd)"
 log="$build/gpu-run.log"
-mkdir -p "$build"
 : >"$log"
 status=0
 last_output=
@@ -97,6 +99,7 @@ not_applicable=$(grep -c "GPUKIT_TEST_NOT_APPLICABLE" "$test_log" 2>/dev/null)
   printf '%s GPU tests do not apply to this machine (GPUKIT_TEST_NOT_APPLICABLE):\n%s\n' "$not_applicable" \
     "$(grep -o "GPUKIT_TEST_NOT_APPLICABLE: .*" "$test_log" | sort | uniq -c)" | tee -a "$log" >>"$report"
 
+cd "$build" || exit 1
 for example in device_query memory_stats memory_history tenant_budgets bandwidth_test prefetch_pipeline \
     train_input_pipeline graph_replay inference_server inference_server_cuda stream_timing; do
   [ -x "$build/examples/$example$suffix" ] && run "Example $example" timeout "$step_timeout" "$build/examples/$example$suffix"

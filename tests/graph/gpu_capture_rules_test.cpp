@@ -174,6 +174,7 @@ std::vector<probe> probes() {
   const auto self_relaxed = caller::capturing_thread_relaxed;
   const auto ok = rule::permitted;
   const auto no = rule::prohibited;
+  const auto destroy_exec = [](objects& o) { return forget_on_success(cudaGraphExecDestroy(o.exec), o.exec); };
   // clang-format off
   return {
     {"cudaMalloc", other, false, no, [](objects& o) { return cudaMalloc(&o.made_device, buffer_bytes); }},
@@ -192,7 +193,8 @@ std::vector<probe> probes() {
       return e; }},
     {"cudaMallocAsync (another stream)", other, false, no, [](objects& o) {
       return cudaMallocAsync(&o.made_pooled, buffer_bytes, o.other); }},
-    {"cudaFreeAsync (another stream)", other, false, no, [](objects& o) { return forget_on_success(cudaFreeAsync(o.pooled, o.other), o.pooled); }},
+    {"cudaFreeAsync (another stream)", other, false, no, [](objects& o) {
+      return forget_on_success(cudaFreeAsync(o.pooled, o.other), o.pooled); }},
     {"cudaMemPoolTrimTo", other, false, no, [](objects&) {
       cudaMemPool_t pool = nullptr;
       const cudaError_t e = cudaDeviceGetDefaultMemPool(&pool, 0);
@@ -209,11 +211,10 @@ std::vector<probe> probes() {
     {"cudaEventSynchronize", other, false, no, [](objects& o) { return cudaEventSynchronize(o.event); }},
     {"cudaEventCreateWithFlags", other, false, ok, [](objects& o) {
       return cudaEventCreateWithFlags(&o.made_event, cudaEventDisableTiming); }},
-    {"cudaEventRecord (another stream)", other, false, ok, [](objects& o) { return cudaEventRecord(o.event, o.other); }},
+    {"cudaEventRecord (another stream)", other, false, ok, [](objects& o) {
+      return cudaEventRecord(o.event, o.other); }},
     {"cudaEventDestroy", other, false, ok, [](objects& o) {
-      const cudaError_t e = cudaEventDestroy(o.event);
-      if (e == cudaSuccess) o.event = nullptr;
-      return e; }},
+      return forget_on_success(cudaEventDestroy(o.event), o.event); }},
     {"cudaStreamWaitEvent (another stream)", other, false, ok, [](objects& o) {
       return cudaStreamWaitEvent(o.other, o.event, 0); }},
     {"cudaStreamCreateWithFlags (non-blocking)", other, false, ok, [](objects& o) {
@@ -224,9 +225,7 @@ std::vector<probe> probes() {
       const cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
       return e != cudaSuccess ? e : cudaStreamCreateWithPriority(&o.made_stream, cudaStreamNonBlocking, greatest); }},
     {"cudaStreamDestroy (another stream)", other, false, ok, [](objects& o) {
-      const cudaError_t e = cudaStreamDestroy(o.other);
-      if (e == cudaSuccess) o.other = nullptr;
-      return e; }},
+      return forget_on_success(cudaStreamDestroy(o.other), o.other); }},
     {"cudaMemsetAsync (another stream)", other, false, ok, [](objects& o) {
       return cudaMemsetAsync(o.device, 1, buffer_bytes, o.other); }},
     {"cudaMemcpyAsync pinned (another stream)", other, false, ok, [](objects& o) {
@@ -235,28 +234,15 @@ std::vector<probe> probes() {
       return cudaMemcpyAsync(o.device, o.pageable.data(), buffer_bytes, cudaMemcpyHostToDevice, o.other); }},
     {"cudaLaunchHostFunc (another stream)", other, false, ok, [](objects& o) {
       return cudaLaunchHostFunc(o.other, nothing, nullptr); }},
-    {"cudaGraphInstantiate", other, false, no, [](objects& o) { return cudaGraphInstantiate(&o.made_exec, o.graph, 0); }},
+    {"cudaGraphInstantiate", other, false, no, [](objects& o) {
+      return cudaGraphInstantiate(&o.made_exec, o.graph, 0); }},
     {"cudaGraphLaunch (another stream)", other, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
-    {"cudaGraphExecDestroy", other, false, no, [](objects& o) {
-      const cudaError_t e = cudaGraphExecDestroy(o.exec);
-      if (e == cudaSuccess) o.exec = nullptr;
-      return e; }},
-    {"cudaGraphExecDestroy", relaxed, false, ok, [](objects& o) {
-      const cudaError_t e = cudaGraphExecDestroy(o.exec);
-      if (e == cudaSuccess) o.exec = nullptr;
-      return e; }},
-    {"cudaGraphExecDestroy", self, false, no, [](objects& o) {
-      const cudaError_t e = cudaGraphExecDestroy(o.exec);
-      if (e == cudaSuccess) o.exec = nullptr;
-      return e; }},
-    {"cudaGraphExecDestroy", self_relaxed, false, ok, [](objects& o) {
-      const cudaError_t e = cudaGraphExecDestroy(o.exec);
-      if (e == cudaSuccess) o.exec = nullptr;
-      return e; }},
+    {"cudaGraphExecDestroy", other, false, no, destroy_exec},
+    {"cudaGraphExecDestroy", relaxed, false, ok, destroy_exec},
+    {"cudaGraphExecDestroy", self, false, no, destroy_exec},
+    {"cudaGraphExecDestroy", self_relaxed, false, ok, destroy_exec},
     {"cudaGraphDestroy", other, false, ok, [](objects& o) {
-      const cudaError_t e = cudaGraphDestroy(o.graph);
-      if (e == cudaSuccess) o.graph = nullptr;
-      return e; }},
+      return forget_on_success(cudaGraphDestroy(o.graph), o.graph); }},
     {"cudaMemsetAsync (legacy default stream)", other, false, ok, [](objects& o) {
       return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
     {"cudaMemsetAsync (legacy default stream)", other, true, no, [](objects& o) {
@@ -289,9 +275,7 @@ std::vector<probe> probes() {
       return cudaEventRecord(o.event, cudaStreamLegacy); }},
     {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
     {"cudaGraphDestroy", self, false, ok, [](objects& o) {
-      const cudaError_t e = cudaGraphDestroy(o.graph);
-      if (e == cudaSuccess) o.graph = nullptr;
-      return e; }},
+      return forget_on_success(cudaGraphDestroy(o.graph), o.graph); }},
   };
   // clang-format on
 }
