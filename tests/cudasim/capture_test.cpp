@@ -62,10 +62,11 @@ class capture {
   bool ended_ = false;
 };
 
-/// Runs `work` on another thread while `s` is captured in global mode, then checks that `work` threw nothing, that the
-/// capture stayed valid, and that the simulator saw no violation.
-template <class F>
-void on_another_thread_during_global_capture(gpukit::stream_view s, F&& work) {
+/// Runs `work` on another thread while `s` is captured in global mode, then `then_here` on this (the capturing) thread,
+/// and checks that `work` threw nothing, that the capture stayed valid, and that the simulator saw no violation.
+template <class F, class G = void (*)()>
+void on_another_thread_during_global_capture(
+    gpukit::stream_view s, F&& work, G&& then_here = [] {}) {
   std::string failure;
   {
     capture c(s, cudaStreamCaptureModeGlobal);
@@ -77,6 +78,7 @@ void on_another_thread_during_global_capture(gpukit::stream_view s, F&& work) {
       }
     }).join();
     CHECK(failure == "");
+    then_here();
     REQUIRE(c.end() == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
@@ -502,11 +504,9 @@ TEST_CASE("capture: another thread allocates, frees and empties caches on its ow
   gpukit::stream s(cuda0);
   gpukit::caching_allocator allocator(cuda0);
   std::atomic<bool> ok{false};
-  std::string failure;
-  {
-    capture c(s, cudaStreamCaptureModeGlobal);
-    std::thread other([&] {
-      try {
+  on_another_thread_during_global_capture(
+      s,
+      [&] {
         gpukit::stream t(cuda0);
         // Misses: cudaMalloc and cudaHostAlloc, prohibited in every thread while a global capture is underway unless
         // the thread relaxes its mode, which gpukit does for memory of streams that are not captured.
@@ -520,21 +520,14 @@ TEST_CASE("capture: another thread allocates, frees and empties caches on its ow
         gpukit::default_pinned_pool(cuda0).deallocate(h);
         (void)gpukit::default_pinned_pool(cuda0).empty_cache();  // cudaFreeHost
         ok = back == std::vector<int>(1000, 7) && allocator.memory_reserved() == 0;
-      } catch (const std::exception& e) {
-        failure = e.what();
-      }
-    });
-    other.join();
-    CHECK(failure == "");
-    CHECK(ok);
-    // The capturing thread itself, on a stream that is not captured.
-    gpukit::stream u(cuda0);
-    allocator.deallocate(allocator.allocate(std::size_t{32} << 20, u));
-    allocator.empty_cache();
-    REQUIRE(c.end() == cudaSuccess);
-    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
-  }
-  CHECK(cudasim::violations().empty());
+      },
+      [&] {
+        CHECK(ok);
+        // The capturing thread itself, on a stream that is not captured.
+        gpukit::stream u(cuda0);
+        allocator.deallocate(allocator.allocate(std::size_t{32} << 20, u));
+        allocator.empty_cache();
+      });
 }
 
 TEST_CASE("capture: another thread's event queries and waits leave a global capture intact") {

@@ -157,8 +157,8 @@ class async_allocator final : public device_allocator {
     }
     free_deferred();
     device_guard guard(device_);
-    const detail::relaxed_capture_mode
-        relaxed;  // cudaMemPoolTrimTo is refused in global mode while any thread captures
+    // cudaMemPoolTrimTo is refused in global mode while any thread captures (cudaDeviceSynchronize in any mode).
+    const detail::relaxed_capture_mode relaxed;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trim)", device_.ordinal());
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, target_reserved), "cudaMemPoolTrimTo", device_.ordinal());
     return pool_attribute(cudaMemPoolAttrReservedMemCurrent);
