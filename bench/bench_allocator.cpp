@@ -239,10 +239,19 @@ void BM_gpukit_slot_homes(benchmark::State& state) {
   });
 }
 
-/// With allocator_options::front_cache_large: large blocks are cached per stream too (run for the large size).
+/// With allocator_options::front_cache_large: large blocks are cached per stream from the start (run for the large
+/// size). BM_gpukit is the default, which caches them once threads contend for the device lock.
 void BM_gpukit_large_front(benchmark::State& state) {
   gpukit::allocator_options o;
   o.front_cache_large = true;
+  run_gpukit(state, o);
+}
+
+/// Large blocks never cached in front (front_cache_large_when_contended off): the default before contention was
+/// watched, every large pair through the device lock.
+void BM_gpukit_large_never(benchmark::State& state) {
+  gpukit::allocator_options o;
+  o.front_cache_large_when_contended = false;
   run_gpukit(state, o);
 }
 
@@ -415,6 +424,37 @@ void run_release_contention(benchmark::State& state) {
 void BM_release_contention(benchmark::State& state) { run_release_contention<waiting_apart_upstream>(state); }
 void BM_release_contention_locked(benchmark::State& state) { run_release_contention<waiting_in_unmap_upstream>(state); }
 
+/// One thread's 8 MiB pairs (the defaults) while a monitor thread prints memory_summary() every range(0)
+/// microseconds (0: without a pause): the device lock waits the monitor causes per 1000 pairs, and whether they
+/// turned the large blocks' front cache on (front_cache_large_when_contended: only if the monitor holds the lock
+/// much of the time).
+void BM_summary_beside(benchmark::State& state) {
+  const std::chrono::microseconds period(state.range(0));
+  host_engine a(cpu);
+  const gpukit::stream_view mine = gpukit::stream_view::default_stream(cpu);
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> summaries{0};
+  std::thread monitor([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      benchmark::DoNotOptimize(a.memory_summary());
+      summaries.fetch_add(1, std::memory_order_relaxed);
+      if (period.count() != 0) std::this_thread::sleep_for(period);
+    }
+  });
+  for (auto _ : state) {
+    void* p = a.allocate(8 << 20, mine);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+  stop.store(true);
+  monitor.join();
+  const gpukit::allocator_stats s = a.stats();
+  const auto pairs = static_cast<double>(state.iterations());
+  state.counters["lock_waits_per_1000_pairs"] = 1000.0 * static_cast<double>(s.num_lock_waits) / pairs;
+  state.counters["summaries_per_1000_pairs"] = 1000.0 * static_cast<double>(summaries.load()) / pairs;
+  state.counters["large_front_on"] = s.front_cache_large_on ? 1 : 0;
+}
+
 void BM_set_best_fit(benchmark::State& state) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   const int threads = static_cast<int>(state.range(1));
@@ -563,11 +603,14 @@ class collecting_reporter : public benchmark::ConsoleReporter {
     for (const Run& run : runs) {
       if (run.error_occurred) continue;
       // ns per pair (a rate counter, in seconds), or a plain figure a benchmark reports as it is.
+      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      for (const auto& [counter, value] : run.counters) {  // every figure (the median when repeated)
+        if (run.run_type == Run::RT_Iteration || median) figures_[run.run_name.str() + ":" + counter] = value.value;
+      }
       const auto it = run.counters.count("ns_per_pair") != 0 ? run.counters.find("ns_per_pair")
                                                              : run.counters.find("pairs_per_release");
       if (it == run.counters.end()) continue;
       const double value = it->first == "ns_per_pair" ? it->second.value * 1e9 : it->second.value;
-      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
       if (run.run_type == Run::RT_Iteration || median) {
         const std::string key = run.run_name.str();
         if (median || values_.count(key) == 0 || !has_median_.count(key)) values_[key] = value;
@@ -580,9 +623,15 @@ class collecting_reporter : public benchmark::ConsoleReporter {
     const auto it = values_.find(name);
     return it == values_.end() ? 0.0 : it->second;
   }
+  /// Counter `counter` of run `name` (the median of its repetitions when repeated); -1 when it did not run.
+  double figure(const std::string& name, const std::string& counter) const {
+    const auto it = figures_.find(name + ":" + counter);
+    return it == figures_.end() ? -1.0 : it->second;
+  }
 
  private:
   std::map<std::string, double> values_;
+  std::map<std::string, double> figures_;
   std::set<std::string> has_median_;
 };
 
@@ -659,7 +708,8 @@ void print_ratios(const collecting_reporter& r) {
     }
   }
   std::printf(
-      "  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones take it)\n");
+      "  (blocks up to small_size, 1 MiB, are cached per stream outside the device lock; larger ones too once threads "
+      "wait for it)\n");
   // Streams whose front slots' homes coincide probe past each other's slots: what that costs, same run.
   for (int threads : thread_counts) {
     auto name = [&](int colliding) {
@@ -678,18 +728,36 @@ void print_ratios(const collecting_reporter& r) {
     auto name = [&](const char* bm, int threads) {
       return std::string(bm) + "/" + std::to_string(size) + "/" + std::to_string(threads) + "/0/manual_time";
     };
-    const double one = r.ns(name("BM_gpukit_large_front", 1));
-    const double two = r.ns(name("BM_gpukit_large_front", 2));
-    const double default_one = r.ns(name("BM_gpukit", 1));
-    const double default_two = r.ns(name("BM_gpukit", 2));
-    if (one > 0 && two > 0) {
+    // When large blocks are cached in front: ns per pair (all threads together) and throughput against 1 thread.
+    const std::pair<const char*, const char*> policies[] = {{"BM_gpukit_large_never", "never (the default before)"},
+                                                            {"BM_gpukit", "when threads contend (default)"},
+                                                            {"BM_gpukit_large_front", "always (front_cache_large)"}};
+    if (r.ns(name("BM_gpukit", 2)) > 0 || r.ns(name("BM_gpukit_large_front", 2)) > 0) {
+      std::printf("  %-9s %-31s %10s %10s %10s | %9s  %9s\n", gpukit::detail::format_bytes(size).c_str(),
+                  "large blocks cached per stream:", "1 thread", "2 threads", "8 threads", "2 thr / 1", "8 thr / 1");
+      for (const auto& [bm, label] : policies) {
+        const double one = r.ns(name(bm, 1));
+        const double two = r.ns(name(bm, 2));
+        const double eight = r.ns(name(bm, 8));
+        if (one <= 0 || two <= 0) continue;
+        std::printf("  %-9s %-31s %7.1f ns %7.1f ns %7.1f ns | %8.2fx  %8.2fx  (2 threads >= 1.6x: %s)\n", "", label,
+                    one, two, eight, one / two, eight > 0 ? one / eight : 0.0, one / two >= 1.6 ? "met" : "missed");
+      }
       std::printf(
-          "  %-9s with front_cache_large: 2 threads %.2fx (%s; default options %s), 1 thread %.1f ns (default "
-          "%s ns)\n",
-          gpukit::detail::format_bytes(size).c_str(), one / two, one / two >= 1.6 ? "met" : "missed",
-          default_two > 0 ? (std::to_string(default_one / default_two).substr(0, 4) + "x").c_str() : "-", one,
-          default_one > 0 ? std::to_string(default_one).substr(0, 5).c_str() : "-");
+          "  %-9s (by default one thread never waits, so its pairs take the heap's path and more threads', once "
+          "they\n  %-9s contend, the front cache's: \"always\" compares one path with itself)\n",
+          "", "");
     }
+  }
+  for (const int period : {1000, 0}) {
+    const std::string run = "BM_summary_beside/" + std::to_string(period) + "/real_time";
+    const double on = r.figure(run, "large_front_on");
+    if (on < 0) continue;
+    std::printf(
+        "  %-9s 1 thread, memory_summary() on another %-18s %6.2f lock waits and %7.2f summaries per 1000 "
+        "pairs; large blocks then cached per stream: %s\n",
+        "8.00 MiB", period != 0 ? "every 1 ms:" : "without a pause:", r.figure(run, "lock_waits_per_1000_pairs"),
+        r.figure(run, "summaries_per_1000_pairs"), on > 0 ? "yes" : "no");
   }
   if (const double apart = r.ns("BM_release_contention/real_time"),
       locked = r.ns("BM_release_contention_locked/real_time");
@@ -763,6 +831,9 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("BM_gpukit_large_front", BM_gpukit_large_front)
         ->Args({static_cast<std::int64_t>(sizes[2]), threads, 0})
         ->UseManualTime();
+    benchmark::RegisterBenchmark("BM_gpukit_large_never", BM_gpukit_large_never)
+        ->Args({static_cast<std::int64_t>(sizes[2]), threads, 0})
+        ->UseManualTime();
   }
   single(benchmark::RegisterBenchmark("BM_gpukit_cpu_queue", BM_gpukit_cpu_queue));
   for (int threads : thread_counts) {
@@ -783,6 +854,7 @@ int main(int argc, char** argv) {
     }
   }
   threaded(benchmark::RegisterBenchmark("BM_malloc", BM_malloc), false);
+  benchmark::RegisterBenchmark("BM_summary_beside", BM_summary_beside)->Arg(1000)->Arg(0)->UseRealTime();
   benchmark::RegisterBenchmark("BM_release_contention", BM_release_contention)->UseRealTime();
   benchmark::RegisterBenchmark("BM_release_contention_locked", BM_release_contention_locked)->UseRealTime();
   for (std::size_t size : sizes) {

@@ -279,7 +279,8 @@ gpukit::allocator_options expandable() {
   return o;
 }
 
-/// gpukit's defaults with allocator_options::front_cache_large (large blocks cached per stream, for threads).
+/// gpukit's defaults with allocator_options::front_cache_large: large blocks cached per stream from the start (the
+/// defaults do so only once threads wait for the device lock, which a single-threaded replay never does).
 gpukit::allocator_options large_front() {
   gpukit::allocator_options o;
   o.front_cache_large = true;
@@ -550,7 +551,8 @@ void print_targets(const std::vector<family>& fs, const figure_table& x, std::si
   std::fflush(stdout);
 }
 
-/// What front_cache_large (off by default) costs a single-threaded job: its minimum capacity against the defaults'.
+/// What front_cache_large costs a single-threaded job: its minimum capacity against the defaults' (which turn it on
+/// only under contention, so never here). What a multi-threaded job pays once contention turns it on.
 void print_large_front_cost(const std::vector<family>& fs, const figure_table& x, std::size_t large, std::size_t base) {
   double worst_mean = 0, worst_worst = 0;
   std::string where;
@@ -562,7 +564,8 @@ void print_large_front_cost(const std::vector<family>& fs, const figure_table& x
     worst_worst = std::max(worst_worst, worst);
   }
   std::printf(
-      "  front_cache_large (opt-in, for threads allocating large blocks on their own streams): minimum capacity "
+      "  front_cache_large (large blocks cached per stream; on from the start, or once threads contend by default): "
+      "minimum capacity "
       "%.3fx the defaults' at most (mean, on %s), %.3fx on the worst seed\n",
       worst_mean, where.c_str(), worst_worst);
   std::fflush(stdout);

@@ -36,9 +36,18 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(o.cross_stream_reuse);
   CHECK_FALSE(o.front_cache);
   CHECK(gpukit::parse_allocator_config("front_cache:true").front_cache);
+  // front_cache_large: true (from the start), when_contended (the default), false (never).
   CHECK_FALSE(gpukit::allocator_options{}.front_cache_large);
-  CHECK(gpukit::parse_allocator_config("front_cache_large:true").front_cache_large);
-  CHECK_FALSE(gpukit::parse_allocator_config("front_cache_large:false").front_cache_large);
+  CHECK(gpukit::allocator_options{}.front_cache_large_when_contended);
+  const auto always = gpukit::parse_allocator_config("front_cache_large:true");
+  CHECK(always.front_cache_large);
+  CHECK_FALSE(always.front_cache_large_when_contended);
+  const auto never = gpukit::parse_allocator_config("front_cache_large:0");
+  CHECK_FALSE(never.front_cache_large);
+  CHECK_FALSE(never.front_cache_large_when_contended);
+  const auto contended = gpukit::parse_allocator_config("front_cache_large : when_contended", always);
+  CHECK_FALSE(contended.front_cache_large);
+  CHECK(contended.front_cache_large_when_contended);
   CHECK(o.medium_size == 32 * MiB);
   CHECK(o.medium_segment_growth == 4);
   CHECK(o.rounding == 1024);
@@ -74,6 +83,8 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:1.5KiB"), "expected a size"));
   CHECK(contains(refusal("garbage_collection_threshold:0.6"), "unknown key \"garbage_collection_threshold\""));
   CHECK(contains(refusal("release_before_grow:yes"), "expected true or false"));
+  CHECK(contains(refusal("front_cache_large:contended"),
+                 "entry \"front_cache_large:contended\": expected true, false or when_contended"));
   CHECK(contains(refusal("reserved_limit"), "expected key:value"));
   CHECK(contains(refusal("reserved_limit:"), "no value"));
   CHECK(contains(refusal("rounding:512,,medium_size:64MiB"), "empty entry"));

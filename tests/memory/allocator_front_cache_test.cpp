@@ -15,7 +15,9 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -57,8 +59,8 @@ struct setup {
   std::vector<fake_stream> streams;
 };
 
-gpukit::block_state state_of(const fake_allocator& a, const void* p) {
-  for (const auto& seg : a.snapshot().segments) {
+gpukit::block_state state_of_block(const gpukit::allocator_snapshot& snap, const void* p) {
+  for (const auto& seg : snap.segments) {
     for (const auto& b : seg.blocks) {
       if (b.address == reinterpret_cast<std::uintptr_t>(p)) return b.state;
     }
@@ -66,6 +68,8 @@ gpukit::block_state state_of(const fake_allocator& a, const void* p) {
   FAIL("no block at the address");
   return gpukit::block_state::free;
 }
+
+gpukit::block_state state_of(const fake_allocator& a, const void* p) { return state_of_block(a.snapshot(), p); }
 
 /// The statistics a user reads, for comparing two allocators (segments and reserved bytes depend on placement,
 /// which the front cache may change; inactive-split counts depend on coalescing, which it delays). With large
@@ -467,11 +471,187 @@ TEST_CASE("front cache: with front_cache_large, large blocks are cached in slots
   f.a.empty_cache();  // takes the cached blocks back and releases every segment
   CHECK(f.a.memory_reserved() == 0);
   CHECK(f.a.memory_allocated() == 0);
-  // Off by default: a large block goes back to the heap at once, to coalesce.
+  // By default, while no thread waits for the device lock: a large block goes back to the heap at once, to coalesce.
   setup plain(with_front(true));
   void* p = plain.a.allocate(8 * MiB, plain.streams[0]);
   plain.a.deallocate(p);
   CHECK(state_of(plain.a, p) == gpukit::block_state::free);
+}
+
+namespace {
+
+/// Keeps the device lock held on purpose: after arm(), the allocator's next request for the key of stream `gated`
+/// blocks until release(). Before large blocks are cached in front, a large request asks for its stream's key only
+/// in the heap's path, under the device lock (stream_for).
+struct lock_gate {
+  int gated = -1;
+  std::mutex m;
+  std::condition_variable cv;
+  bool armed = false;
+  bool inside = false;
+
+  void arm() {
+    const std::lock_guard<std::mutex> l(m);
+    armed = true;
+  }
+  void pass() {
+    std::unique_lock<std::mutex> l(m);
+    if (!armed) return;
+    armed = false;
+    inside = true;
+    cv.notify_all();
+    cv.wait(l, [this] { return !inside; });
+  }
+  void wait_inside() {
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [this] { return inside; });
+  }
+  void release() {
+    const std::lock_guard<std::mutex> l(m);
+    inside = false;
+    cv.notify_all();
+  }
+};
+
+struct gated_stream_ops : fake_stream_ops {
+  lock_gate* gate = nullptr;
+  std::uintptr_t key(const fake_stream& s) const noexcept {
+    if (s.id == gate->gated) gate->pass();
+    return fake_stream_ops::key(s);
+  }
+};
+
+using gated_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, gated_stream_ops>;
+
+struct gated_setup {
+  explicit gated_setup(gpukit::allocator_options o) : a(gpukit::device::cpu(), o, 4 * GiB) {
+    a.stream_operations().world = &world;
+    a.stream_operations().gate = &gate;
+    gate.gated = world.add_stream();
+    other = fake_stream{world.add_stream()};
+  }
+  /// One round of contention on 8 MiB blocks: a thread allocates on the gated stream and stops under the device
+  /// lock; another's request on `other` is then seen waiting for the lock (num_lock_waits) before the first goes on.
+  void contend() {
+    gate.arm();
+    std::thread holder([this] { a.deallocate(a.allocate(8 * MiB, fake_stream{gate.gated})); });
+    gate.wait_inside();
+    const std::int64_t waits = a.stats().num_lock_waits;
+    std::thread waiter([this] { a.deallocate(a.allocate(8 * MiB, other)); });
+    while (a.stats().num_lock_waits == waits) std::this_thread::yield();
+    gate.release();
+    holder.join();
+    waiter.join();
+  }
+  fake_world world;
+  lock_gate gate;
+  gated_allocator a;
+  fake_stream other;
+};
+
+}  // namespace
+
+TEST_CASE("front cache: large blocks are cached in front once threads wait for the device lock on them, from then on") {
+  gated_setup f{gpukit::allocator_options{}};
+  void* p = f.a.allocate(8 * MiB, f.other);
+  f.a.deallocate(p);
+  CHECK_FALSE(f.a.stats().front_cache_large_on);
+  CHECK(f.a.stats().num_lock_waits == 0);
+  CHECK(f.a.memory_summary().find("device lock waits") == std::string::npos);  // printed once threads contended
+  // Blocks allocated before caching turns on and freed after it.
+  std::vector<void*> held;
+  for (const std::size_t size : {2 * MiB, 4 * MiB, 6 * MiB}) held.push_back(f.a.allocate(size, f.other));
+  int rounds = 0;
+  while (!f.a.stats().front_cache_large_on && rounds < 64) {
+    f.contend();
+    ++rounds;
+  }
+  // Each round makes 4 large heap operations, at least one of which waited: the 8th wait within 64 operations
+  // turns caching on, so by the 8th round.
+  CHECK(f.a.stats().front_cache_large_on);
+  CHECK(rounds <= 8);
+  CHECK(f.a.stats().num_lock_waits >= 8);
+  const std::string summary = f.a.memory_summary();
+  CHECK(summary.find("device lock waits: ") != std::string::npos);
+  CHECK(summary.find("large blocks cached per stream") != std::string::npos);
+  std::size_t start = 0;  // every line of the table keeps its width
+  for (std::size_t end = summary.find('\n'); end != std::string::npos;
+       start = end + 1, end = summary.find('\n', start)) {
+    CHECK(end - start == 89);
+  }
+  for (void* h : held) f.a.deallocate(h);
+  for (void* h : held) CHECK(state_of_block(f.a.snapshot(), h) == gpukit::block_state::cached);
+  CHECK(f.a.memory_allocated() == 0);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  // From now on a large block freed on its own stream is cached there, and taken back by its next request.
+  void* q = f.a.allocate(8 * MiB, f.other);
+  f.a.deallocate(q);
+  CHECK(state_of_block(f.a.snapshot(), q) == gpukit::block_state::cached);
+  CHECK(f.a.allocate(8 * MiB, f.other) == q);
+  f.a.deallocate(q);
+  CHECK(f.a.memory_allocated() == 0);
+  // The totals match the allocations made: one per round for each thread, and the six above.
+  const gpukit::stat large = f.a.stats().allocation.large();
+  CHECK(large.allocated == 2 * rounds + 6);
+  CHECK(large.freed == large.allocated);
+  f.a.reset_accumulated_stats();
+  CHECK(f.a.stats().num_lock_waits == 0);
+  CHECK(f.a.stats().front_cache_large_on);  // stays on
+  f.world.complete_all();
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == 0);
+}
+
+TEST_CASE(
+    "front cache: without waits for the device lock, or with front_cache_large off, large blocks go to the heap") {
+  SUBCASE("one thread on three streams, with statistics and summaries read between its calls") {
+    setup f(gpukit::allocator_options{});
+    std::mt19937_64 rng(11);
+    std::vector<void*> live;
+    for (int i = 0; i < 4000; ++i) {
+      if (live.size() < 6 && rng() % 2 == 0) {
+        live.push_back(f.a.allocate((2 + rng() % 12) * MiB, f.streams[rng() % 3]));  // large: above 1 MiB
+      } else if (!live.empty()) {
+        f.a.deallocate(live.back());
+        live.pop_back();
+      }
+      if (i % 500 == 0) CHECK(!f.a.memory_summary().empty());
+    }
+    for (void* p : live) f.a.deallocate(p);
+    CHECK(f.a.stats().num_lock_waits == 0);
+    CHECK_FALSE(f.a.stats().front_cache_large_on);
+    const gpukit::allocator_snapshot snap = f.a.snapshot();
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) CHECK(b.state != gpukit::block_state::cached);
+    }
+    f.complete_and_check_empty();
+  }
+  SUBCASE("threads waiting, with front_cache_large_when_contended off (GPUKIT_ALLOC_CONF front_cache_large:false)") {
+    gpukit::allocator_options o;
+    o.front_cache_large_when_contended = false;
+    gated_setup f(o);
+    for (int round = 0; round < 16; ++round) f.contend();
+    CHECK(f.a.stats().num_lock_waits >= 16);  // counted all the same
+    CHECK_FALSE(f.a.stats().front_cache_large_on);
+    void* p = f.a.allocate(8 * MiB, f.other);
+    f.a.deallocate(p);
+    CHECK(f.a.memory_allocated() == 0);
+    for (const auto& seg : f.a.snapshot().segments) {
+      for (const auto& b : seg.blocks) CHECK(b.state == gpukit::block_state::free);
+    }
+  }
+  SUBCASE("front_cache_large: on from the start, without waiting for contention") {
+    setup f(with_large_front());
+    CHECK(f.a.stats().front_cache_large_on);
+    void* p = f.a.allocate(8 * MiB, f.streams[0]);
+    f.a.deallocate(p);
+    CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  }
+  SUBCASE("without the front cache, large blocks are never cached, whatever the waits") {
+    gated_setup f(with_front(false));
+    for (int round = 0; round < 16; ++round) f.contend();
+    CHECK_FALSE(f.a.stats().front_cache_large_on);
+  }
 }
 
 TEST_CASE("front cache: with expandable segments, cached blocks go back to the heap before pages are mapped") {
@@ -668,9 +848,15 @@ TEST_CASE("front cache: a cached block stays in the pointer map, marked: every c
 }
 
 TEST_CASE("front cache: threads on their own streams keep exact current values and totals") {
-  for (const bool large : {false, true}) {  // with front_cache_large, large blocks move through the slots too
-    CAPTURE(large);
-    host_allocator a(gpukit::device::cpu(), large ? with_large_front() : gpukit::allocator_options{});
+  // Small blocks; large ones with front_cache_large (through the slots from the start); large ones with the
+  // defaults, which move them into the slots if the threads wait for the device lock (whether and when they do is
+  // the scheduler's: the gated test above turns caching on deterministically).
+  enum { small_blocks, large_from_start, large_when_contended };
+  for (const int mode : {small_blocks, large_from_start, large_when_contended}) {
+    CAPTURE(mode);
+    const bool large = mode != small_blocks;
+    host_allocator a(gpukit::device::cpu(),
+                     mode == large_from_start ? with_large_front() : gpukit::allocator_options{});
     const std::size_t unit = large ? 2 * MiB : 512;
     constexpr int threads = 4;
     constexpr int rounds = 3000;

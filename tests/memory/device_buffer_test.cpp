@@ -269,7 +269,7 @@ TEST_CASE("memory statistics as PyTorch's flat map: every key of torch.cuda.memo
   own.a.deallocate(small);
   const gpukit::allocator_stats stats = own.a.stats();
   const auto flat = gpukit::flat_memory_stats(stats);
-  CHECK(flat.size() == 9 * 3 * 4 + 6);
+  CHECK(flat.size() == 9 * 3 * 4 + 7);  // PyTorch's 5 counters, num_device_free_unforced and num_lock_waits
   CHECK(flat.at("allocated_bytes.all.current") == stats.allocated_bytes.all().current);
   CHECK(flat.at("allocated_bytes.all.current") == static_cast<std::int64_t>(own.a.memory_allocated()));
   CHECK(flat.at("allocated_bytes.large_pool.peak") == stats.allocated_bytes.large().peak);
@@ -284,6 +284,7 @@ TEST_CASE("memory statistics as PyTorch's flat map: every key of torch.cuda.memo
   CHECK(flat.at("num_ooms") == 0);
   CHECK(flat.count("num_sync_all_streams") == 1);
   CHECK(flat.count("num_device_free_unforced") == 1);
+  CHECK(flat.at("num_lock_waits") == stats.num_lock_waits);
   CHECK(flat.begin()->first == "active.all.allocated");  // sorted by key, as PyTorch's OrderedDict
   own.a.deallocate(large);
   const auto defaults = gpukit::memory_stats_map(cpu);

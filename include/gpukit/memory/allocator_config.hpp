@@ -42,8 +42,9 @@ GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) 
 ///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
 ///   `max_oversize_waste`; `reserved_limit` (or `none`);
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
-/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `front_cache_large`,
-///   `expandable_segments`;
+/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `expandable_segments`;
+/// - `front_cache_large`: `true` (from the start), `when_contended` (the default:
+///   allocator_options::front_cache_large_when_contended) or `false` (never);
 /// - `capture_check`: `every_call` or `gpukit_captures` (capture_checks);
 /// The result is validated (allocator_options::validate). Throws invalid_argument_error naming the entry.
 GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, allocator_options base = {},
@@ -193,7 +194,13 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
     } else if (e.key == "front_cache") {
       o.front_cache = parse_bool(e);
     } else if (e.key == "front_cache_large") {
-      o.front_cache_large = parse_bool(e);
+      // true: from the start; when_contended (the default): once threads contend; false: never.
+      const bool contended = e.value == "when_contended";
+      if (!contended && e.value != "true" && e.value != "1" && e.value != "false" && e.value != "0") {
+        fail(e.text, "expected true, false or when_contended");
+      }
+      o.front_cache_large = !contended && parse_bool(e);
+      o.front_cache_large_when_contended = contended;
     } else if (e.key == "expandable_segments") {
       o.expandable_segments = parse_bool(e);
     } else if (e.key == "capture_check") {

@@ -80,17 +80,18 @@ struct allocator_options {
   /// Keep blocks freed on their own stream in a small per-stream cache of exact sizes (front_cache.hpp), so the
   /// next request of that size on that stream takes one uncontended lock instead of the device lock: threads on
   /// different streams do not serialize, and a 256 B cache hit costs about 7x malloc instead of 12x
-  /// (bench_allocator; blocks up to small_size only: caching larger ones delayed their coalescing).
+  /// (bench_allocator; blocks up to small_size, larger ones only once threads contend: caching them delays their
+  /// coalescing, see front_cache_large).
   /// The heap takes the blocks back before it grows (with expandable segments: before it maps pages, large blocks
   /// only) or releases memory, so the footprint is unchanged. Snapshots
   /// show such blocks as block_state::cached. Not used with cross_stream_reuse (blocks move between streams there).
   bool front_cache = true;
-  /// Cache large blocks (above small_size) in front too, in per-stream slots of their own: threads allocating large
-  /// blocks on different streams then no longer serialize on the device lock (bench_allocator, 8 MiB pairs: 2
-  /// threads reach 1.8x one thread's throughput, against 0.3x without, and one thread's pair is 2x faster). Off by
-  /// default: a cached large block does not coalesce with its neighbours until the heap takes it back, which raised
-  /// the memory single-threaded training traces need by up to 12 % (bench_fragmentation, minimum capacity). For
-  /// servers whose threads allocate large buffers on their own streams. Needs front_cache.
+  /// Cache large blocks (above small_size) in front too, in per-stream slots of their own, from the start: threads
+  /// allocating large blocks on different streams then no longer serialize on the device lock (bench_allocator,
+  /// 8 MiB pairs: 2 threads reach 1.8x one thread's throughput, against 0.3x without, and one thread's pair is 2x
+  /// faster). Off by default: a cached large block does not coalesce with its neighbours until the heap takes it
+  /// back, which raised the memory single-threaded training traces need by up to 12 % (bench_fragmentation, minimum
+  /// capacity); front_cache_large_when_contended (on by default) turns it on once threads contend. Needs front_cache.
   bool front_cache_large = false;
   /// Back each stream's small and large pools with one reserved virtual address range, into which the upstream's
   /// pages (2 MiB on current GPUs) are mapped as blocks are taken and unmapped when memory is released (PyTorch's
@@ -99,8 +100,14 @@ struct allocator_options {
   /// are used. Off by default until measured on a GPU.
   bool expandable_segments = false;
   /// When allocate, free and record_stream ask whether a stream is being captured (capture_checks). empty_cache and
-  /// trim ask in either mode. Last, so that options written in order before it still compile.
+  /// trim ask in either mode. Added after the others (as is the next), so that options written in order still compile.
   capture_checks capture_check = capture_checks::every_call;
+  /// Turn front_cache_large on by itself once threads are seen waiting for the device lock on large blocks (8 of
+  /// the last 64 large allocations and frees that reached the heap found it held): a single-threaded
+  /// job keeps the defaults' footprint, while threads allocating large blocks on their own streams stop serializing.
+  /// Once on, it stays on for the allocator's life (allocator_stats::front_cache_large_on tells).
+  /// Needs front_cache; off: large blocks are cached in front only with front_cache_large.
+  bool front_cache_large_when_contended = true;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
   static allocator_options pytorch();

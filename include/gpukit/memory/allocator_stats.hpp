@@ -104,6 +104,13 @@ struct allocator_stats {
   /// upstream allocation, the reserved limit) nor asked for (empty_cache, trim, a lower limit). Each drains the
   /// device on CUDA; with the default options (release_before_grow off) it stays 0.
   std::int64_t num_device_free_unforced = 0;
+  /// Allocations and frees that reached the heap (the front caches could not serve them) and found the device lock
+  /// held by another thread: how much the threads serialize. Reset with the accumulated statistics; memory_summary
+  /// prints it once it is not 0.
+  std::int64_t num_lock_waits = 0;
+  /// Whether large blocks are cached in front (allocator_options::front_cache_large, or turned on by contention:
+  /// front_cache_large_when_contended).
+  bool front_cache_large_on = false;
   /// Address space reserved by expandable segments (not memory: reserved_bytes counts their mapped pages).
   std::size_t expandable_address_space = 0;
 
@@ -176,10 +183,11 @@ void add_flat_stat(FlatMap& flat, const std::string& prefix, const stat& value) 
   flat[prefix + "freed"] = value.freed;
 }
 
-/// A counter with the same single-writer discipline as atomic_stat.
+/// A counter with the same single-writer discipline as atomic_stat (increment_shared: for several writers).
 struct atomic_counter {
   std::atomic<std::int64_t> value{0};
   void increment() noexcept;
+  void increment_shared() noexcept;
   std::int64_t load() const noexcept;
   void reset() noexcept;
 };
@@ -298,6 +306,8 @@ GPUKIT_INLINE void atomic_counter::increment() noexcept {
   value.store(value.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
 
+GPUKIT_INLINE void atomic_counter::increment_shared() noexcept { value.fetch_add(1, std::memory_order_relaxed); }
+
 GPUKIT_INLINE std::int64_t atomic_counter::load() const noexcept { return value.load(std::memory_order_relaxed); }
 
 GPUKIT_INLINE void atomic_counter::reset() noexcept { value.store(0, std::memory_order_relaxed); }
@@ -338,11 +348,17 @@ GPUKIT_INLINE std::string format_memory_summary(std::string_view title, const al
   detail::summary_line(out, line);
   detail::summary_line(out,
                        "|---------------------------------------------------------------------------------------|");
-  std::snprintf(line, sizeof line, "| %-30s %-20s %-32s |",
+  std::snprintf(line, sizeof line, "| %-30s %-20s %-33s |",
                 ("out-of-memory errors: " + std::to_string(s.num_ooms)).c_str(),
                 ("retries: " + std::to_string(s.num_alloc_retries)).c_str(),
                 ("host waits for all streams: " + std::to_string(s.num_sync_all_streams)).c_str());
   detail::summary_line(out, line);
+  if (s.num_lock_waits != 0 || s.front_cache_large_on) {  // threads contended (the caching allocator only)
+    std::snprintf(line, sizeof line, "| %-54s %-30s |",
+                  ("device lock waits: " + std::to_string(s.num_lock_waits)).c_str(),
+                  s.front_cache_large_on ? "large blocks cached per stream" : "");
+    detail::summary_line(out, line);
+  }
   detail::summary_line(out, rule);
   detail::summary_line(out,
                        "| Metric                    |  Cur Usage   |  Peak Usage  |  Tot Alloc   |  Tot Freed   |");

@@ -403,7 +403,7 @@ class basic_caching_allocator {
     detail::atomic_pool_stats allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes,
         active_bytes, inactive_split_bytes, requested_bytes;
     detail::atomic_counter num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free,
-        num_device_free_unforced;
+        num_device_free_unforced, num_lock_waits;
   };
 
   // The statistics, in the order of stat_members; a front cache counter is id * 3 + pool (0 all, 1 small, 2 large).
@@ -618,11 +618,19 @@ class basic_caching_allocator {
   /// Gives live block `b` (the user freed it) back to the heap; `busy`: its stream may still use it.
   GPUKIT_DETAIL_NOINLINE void free_to_heap(block* b, bool busy, bool expired_owner);
 
+  /// The device lock for a heap operation. A wait for it is counted (num_lock_waits) before waiting; for a large
+  /// block (`large`), watch_contention_ may turn front_cache_large_ on.
+  std::unique_lock<detail::spin_mutex> lock_for_heap(bool large);
+
+  /// Under the device lock: a large block's heap operation waited for the lock (or not). Turns front_cache_large_
+  /// on once 8 of the last 64 such operations waited.
+  void watch_large_contention(bool waited) noexcept;
+
   // --- statistics and front caches (detail/front_cache.hpp explains the claims) ---
 
   using front_slot_type = detail::front_slot<block>;
   static_assert(front_slot_type::unowned == no_stream_key, "a slot never owned has the key of no stream");
-  /// Slots [0, 16) cache small blocks; with front_cache_large, slots [16, 32) cache large ones (fronts_used_ 32).
+  /// Slots [0, 16) cache small blocks; slots [16, 32) large ones once front_cache_large_ is on (fronts_used_ 32).
   static constexpr std::size_t front_slots_per_pool = detail::front_slots_per_pool;
   static constexpr std::size_t front_slot_count = 2 * front_slots_per_pool;
   /// The slots in use, for range-for.
@@ -984,8 +992,11 @@ class basic_caching_allocator {
   StreamOps ops_{};
   bool needs_fence_ = false;
   bool front_cache_ = false;
-  bool front_cache_large_ = false;  // large blocks are cached in front too (slots [16, 32))
-  bool vm_refused_ = false;         // the device has no virtual memory: expandable segments are not tried again
+  // Large blocks are cached in front too (slots [16, 32)): from the start with front_cache_large, else turned on
+  // (never off) under the device lock once watch_contention_ sees threads wait for it on large blocks.
+  std::atomic<bool> front_cache_large_{false};
+  bool watch_contention_ = false;
+  bool vm_refused_ = false;  // the device has no virtual memory: expandable segments are not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
   using map_type = detail::sharded_pointer_map<block>;
@@ -1021,10 +1032,11 @@ class basic_caching_allocator {
   std::vector<std::unique_ptr<block[]>> block_chunks_;
   block* spare_blocks_ = nullptr;
 
-  std::size_t fronts_used_ = front_slots_per_pool;   // 32 with front_cache_large_
-  bool fronts_active_ = false;                       // a block was ever cached in front (written with every lock held)
-  bool peaks_deferred_ = false;                      // flush_fronts is moving blocks: peaks are settled when it ends
-  std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
+  std::size_t fronts_used_ = front_slots_per_pool;  // 32 when large blocks may be cached in front
+  std::uint64_t large_waits_seen_ = 0;  // the last 64 large heap operations, a bit set for each wait (device lock)
+  bool fronts_active_ = false;          // a block was ever cached in front (written with every lock held)
+  bool peaks_deferred_ = false;         // flush_fronts is moving blocks: peaks are settled when it ends
+  std::array<std::int64_t, counter_count> slack_{};         // peak - heap - claims (device lock)
   detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
   std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };

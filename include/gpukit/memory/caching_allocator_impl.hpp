@@ -10,6 +10,8 @@
 
 #include <gpukit/memory/caching_allocator.hpp>
 
+#include <bitset>
+
 GPUKIT_BEGIN_NAMESPACE
 
 // The constructor is a member template (upstream arguments): gpukit::compiled instantiates it for no arguments.
@@ -27,8 +29,11 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   needs_fence_ = options_.cross_stream_reuse || !upstream_.synchronizes_on_free();
   // Blocks cached in front are reused by their own stream only: cross-stream reuse wants them in the heap.
   front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
-  front_cache_large_ = front_cache_ && options_.front_cache_large;
-  fronts_used_ = front_cache_large_ ? front_slot_count : front_slots_per_pool;
+  front_cache_large_.store(front_cache_ && options_.front_cache_large, std::memory_order_relaxed);
+  watch_contention_ = front_cache_ && !options_.front_cache_large && options_.front_cache_large_when_contended;
+  // Fixed for the allocator's life: the statistics' readers walk the used slots without a lock.
+  fronts_used_ =
+      front_cache_ && (options_.front_cache_large || watch_contention_) ? front_slot_count : front_slots_per_pool;
   if (options_.expandable_segments && !has_vm) {
     warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
          ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
@@ -76,7 +81,8 @@ GPUKIT_INLINE void* basic_caching_allocator<Upstream, StreamOps>::allocate(std::
   refuse_if_captured(stream, "allocate");
   const std::size_t size = round_request(bytes);
   const bool small = size <= options_.small_size;
-  if (front_cache_ && (small || front_cache_large_) && ops_.device_of(stream) == device_) {
+  if (front_cache_ && (small || front_cache_large_.load(std::memory_order_relaxed)) &&
+      ops_.device_of(stream) == device_) {
     if (block* cached = front_take(ops_.key(stream), size, bytes, !small)) {
       if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, cached);
       return reinterpret_cast<void*>(cached->address);
@@ -96,10 +102,11 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
   refuse_free_if_captured(b);
   const bool expired_owner = owner_expired(b);
   const bool busy = owner_may_be_busy(b);
-  // Reusable at once on its own stream: a small block (a large one too with front_cache_large) is cached in front
-  // for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
+  // Reusable at once on its own stream: a small block (a large one too once front_cache_large_ is on) is cached in
+  // front for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
   // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
-  if (front_cache_ && (b->small || front_cache_large_) && !busy && !expired_owner && b->recorded.empty()) {
+  if (front_cache_ && (b->small || front_cache_large_.load(std::memory_order_relaxed)) && !busy && !expired_owner &&
+      b->recorded.empty()) {
     const front_result r = front_give(b);  // refuses a stream whose destruction was noticed meanwhile
     if (r == front_result::cached) return;
     if (r == front_result::already_free) throw_not_owned(p, "deallocate");
@@ -113,7 +120,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
   refuse_if_captured(stream, "deallocate");
   std::string report;
   {
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    const std::unique_lock<detail::spin_mutex> lock = lock_for_heap(false);  // its block's pool is not known yet
     stream_state& st = stream_for(stream, true);  // checks the device before anything changes
     block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned_locked(p, "deallocate");
@@ -210,6 +217,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_accumulat
   stats_.num_device_alloc.reset();
   stats_.num_device_free.reset();
   stats_.num_device_free_unforced.reset();
+  stats_.num_lock_waits.reset();
 }
 
 template <class Upstream, class StreamOps>
@@ -387,6 +395,8 @@ GPUKIT_INLINE allocator_stats basic_caching_allocator<Upstream, StreamOps>::read
   s.num_device_alloc = stats_.num_device_alloc.load();
   s.num_device_free = stats_.num_device_free.load();
   s.num_device_free_unforced = stats_.num_device_free_unforced.load();
+  s.num_lock_waits = stats_.num_lock_waits.load();
+  s.front_cache_large_on = front_cache_large_.load(std::memory_order_relaxed);
   s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
   s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
   return s;
@@ -775,7 +785,7 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
                                                                        std::size_t size, bool small) {
   block* b;
   {
-    std::unique_lock<detail::spin_mutex> lock(mutex_);
+    std::unique_lock<detail::spin_mutex> lock = lock_for_heap(!small);
     stream_state& st = stream_for(stream);
     // The slow paths below release the lock (to grow, to wait); meanwhile another thread's registration of a stream
     // may sweep idle states, which this one is until it holds a block. Unpinned with the lock held (an out-of-memory
@@ -834,10 +844,36 @@ void basic_caching_allocator<Upstream, StreamOps>::free_to_heap(block* b, bool b
   // Two frees of one pointer: the first to take it out of the map frees it.
   if (map_.erase(b->address) != b) throw_not_owned(p, "deallocate");
   {
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    const std::unique_lock<detail::spin_mutex> lock = lock_for_heap(!b->small);
     free_allocated(b, busy);
   }
   if (!report.empty()) warn(report);
+}
+
+template <class Upstream, class StreamOps>
+std::unique_lock<detail::spin_mutex> basic_caching_allocator<Upstream, StreamOps>::lock_for_heap(bool large) {
+  std::unique_lock<detail::spin_mutex> lock(mutex_, std::try_to_lock);
+  const bool waited = !lock.owns_lock();
+  if (waited) {
+    stats_.num_lock_waits.increment_shared();  // before the wait: a test sees a thread waiting
+    lock.lock();
+  }
+  if (large && watch_contention_ && !front_cache_large_.load(std::memory_order_relaxed)) {
+    watch_large_contention(waited);
+  }
+  return lock;
+}
+
+template <class Upstream, class StreamOps>
+void basic_caching_allocator<Upstream, StreamOps>::watch_large_contention(bool waited) noexcept {
+  // 8 waits among the last 64 large heap operations turn caching on. A single thread never waits (stats() and
+  // memory_allocated() take no lock), and a monitor printing memory_summary() without a pause beside one allocating
+  // thread caused about one wait per 100 pairs (bench_allocator, BM_summary_beside).
+  constexpr std::size_t waits_to_turn_on = 8;
+  large_waits_seen_ = (large_waits_seen_ << 1U) | (waited ? 1U : 0U);
+  if (waited && std::bitset<64>(large_waits_seen_).count() >= waits_to_turn_on) {
+    front_cache_large_.store(true, std::memory_order_relaxed);
+  }
 }
 
 template <class Upstream, class StreamOps>
@@ -1666,7 +1702,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages
   // each size would keep its own pages mapped in its bin (found by review: 304 MiB reserved against 160). Small
   // blocks stay cached: they hold little of a 2 MiB page, and taking them back at every page moved the minimum
   // capacity of the small transformer traces the wrong way (bench_fragmentation, L2 h256: 1.054 to 1.069).
-  if (front_cache_large_ && needs_pages(b, size) && flush_fronts(true)) {
+  if (front_cache_large_.load(std::memory_order_relaxed) && needs_pages(b, size) && flush_fronts(true)) {
     b = find_free(st, size, small);  // the flush may have merged `b` away
     if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
     if (!b->seg->expandable) return b;

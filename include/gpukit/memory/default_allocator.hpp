@@ -117,7 +117,7 @@ std::size_t max_memory_reserved(device d) {
 /// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes; pool: all, small_pool, large_pool; metric:
 /// current, peak, allocated, freed) and the counters num_alloc_retries, num_ooms, num_sync_all_streams,
 /// num_device_alloc and num_device_free to values, so code and dashboards written for PyTorch read gpukit's
-/// numbers unchanged. gpukit adds num_device_free_unforced; PyTorch's oversize_* keys are not kept.
+/// numbers unchanged. gpukit adds num_device_free_unforced and num_lock_waits; PyTorch's oversize_* keys are not kept.
 GPUKIT_INLINE std::map<std::string, std::int64_t> flat_memory_stats(const allocator_stats& s);
 
 /// Every statistic of the default allocator of `d` (torch.cuda.memory_stats).
@@ -291,6 +291,7 @@ GPUKIT_INLINE std::map<std::string, std::int64_t> flat_memory_stats(const alloca
   flat["num_device_alloc"] = s.num_device_alloc;
   flat["num_device_free"] = s.num_device_free;
   flat["num_device_free_unforced"] = s.num_device_free_unforced;
+  flat["num_lock_waits"] = s.num_lock_waits;
   return flat;
 }
 

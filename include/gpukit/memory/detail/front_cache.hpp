@@ -6,8 +6,9 @@
 /// The caching allocator's fast path: per-stream front caches. A small block freed on its own stream (no
 /// record_stream, stream alive) goes to a small LIFO bin of its exact size in the front slot of its stream, and the
 /// next request of that size on that stream takes it back: one slot lock, no device lock, no split or coalesce.
-/// Threads that allocate on different streams use different slots, so they do not serialize (issue 9, §5). With
-/// allocator_options::front_cache_large, large blocks have slots of their own, which work the same way.
+/// Threads that allocate on different streams use different slots, so they do not serialize (issue 9, §5). Large
+/// blocks have slots of their own, which work the same way, once threads contend for the device lock on them
+/// (allocator_options::front_cache_large_when_contended) or from the start (front_cache_large).
 ///
 /// To the block heap a cached block is still allocated: no neighbour coalesces with it and nothing else takes it.
 /// The heap takes the blocks back (flush) before it grows, releases memory or reports its layout, so the footprint
@@ -49,7 +50,7 @@ enum front_quantity : std::size_t {
 /// +1 where a counter rises with its quantity, -1 where it falls.
 constexpr std::int64_t front_sign(std::size_t q) noexcept { return q == fq_blocks || q == fq_bytes ? -1 : 1; }
 
-/// Front slots per pool (small blocks, and large ones with front_cache_large).
+/// Front slots per pool (small blocks, and large ones once they are cached in front).
 constexpr std::size_t front_slots_per_pool = 16;
 
 /// The slot (of `slots`) where stream `key` starts looking for its own: a multiplicative hash of the key. Streams
