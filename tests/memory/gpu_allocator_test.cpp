@@ -11,7 +11,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace gpukit_test;
@@ -106,6 +108,67 @@ TEST_CASE("gpu: cross-stream reuse makes the new CUDA stream wait on the device"
   g.open();
   second.synchronize();
   a.deallocate(y);
+}
+
+TEST_CASE("gpu: large blocks cached per CUDA stream serve that stream only, and go back when it is destroyed") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::allocator_options o;
+  o.front_cache_large = true;  // from the start (by default: once threads contend for the device lock)
+  gpukit::caching_allocator a(d, o);
+  CHECK(a.stats().front_cache_large_on);
+  gpukit::stream s(d);
+  void* p = a.allocate(8 * MiB, s);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(p, 7, 8 * MiB, s.cuda_handle()));
+  a.deallocate(p);  // cached for s: its next use on s is ordered after the memset
+  CHECK(a.memory_allocated() == 0);
+  void* again = a.allocate(8 * MiB - 100, s);  // the same rounded size (512 B steps) on the same stream
+  CHECK(again == p);
+  std::vector<unsigned char> back(4096);
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(back.data(), again, back.size(), cudaMemcpyDeviceToHost, s.cuda_handle()));
+  s.synchronize();
+  CHECK(back == std::vector<unsigned char>(4096, 7));
+  a.deallocate(again);
+  {
+    gpukit::stream other(d);
+    void* q = a.allocate(8 * MiB, other);
+    CHECK(q != p);  // p is cached for s
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(q, 0, 8 * MiB, other.cuda_handle()));
+    a.deallocate(q);  // cached for `other`, which is destroyed next with its work maybe still running
+  }
+  CHECK(a.stats().num_device_alloc == 2);
+  a.empty_cache();  // takes every cached block back (the destroyed stream's after its work) and frees the segments
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.stats().num_device_free == 2);
+}
+
+TEST_CASE("gpu: threads allocating 8 MiB blocks on their own CUDA streams keep exact statistics") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator a(d);  // defaults: large blocks move into the front caches if the threads contend
+  constexpr int threads = 4;
+  constexpr int pairs = 500;
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<gpukit::stream>(d));
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&a, &streams, t] {
+      const gpukit::stream& s = *streams[static_cast<std::size_t>(t)];
+      for (int i = 0; i < pairs; ++i) a.deallocate(a.allocate((2 + static_cast<std::size_t>(i % 4) * 2) * MiB, s));
+    });
+  }
+  for (auto& w : workers) w.join();
+  const gpukit::allocator_stats st = a.stats();
+  CHECK(st.allocation.large().allocated == threads * pairs);
+  CHECK(st.allocation.large().freed == threads * pairs);
+  CHECK(st.allocated_bytes.all().current == 0);
+  CHECK(st.requested_bytes.all().current == 0);
+  CHECK(st.allocation.all().peak <= threads);
+  MESSAGE("device lock waits: " << st.num_lock_waits << ", large blocks cached per stream: "
+                                << std::string(st.front_cache_large_on ? "yes" : "no"));
+  for (auto& s : streams) s->synchronize();
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
 }
 
 TEST_CASE("gpu: an impossible request throws out_of_memory_error with the numbers and counts it") {
