@@ -596,32 +596,27 @@ void BM_gpu_capture_query(benchmark::State& state) {
 
 // --- the ratio table ---
 
-/// Forwards to the console and keeps each run's ns per pair (the median of the repetitions when repeated).
+/// Forwards to the console and keeps each run's counters (the medians of the repetitions when repeated).
 class collecting_reporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
       if (run.error_occurred) continue;
-      // ns per pair (a rate counter, in seconds), or a plain figure a benchmark reports as it is.
+      // Every counter of a run: its median when repeated, else its last repetition.
       const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      for (const auto& [counter, value] : run.counters) {  // every figure (the median when repeated)
-        if (run.run_type == Run::RT_Iteration || median) figures_[run.run_name.str() + ":" + counter] = value.value;
-      }
-      const auto it = run.counters.count("ns_per_pair") != 0 ? run.counters.find("ns_per_pair")
-                                                             : run.counters.find("pairs_per_release");
-      if (it == run.counters.end()) continue;
-      const double value = it->first == "ns_per_pair" ? it->second.value * 1e9 : it->second.value;
-      if (run.run_type == Run::RT_Iteration || median) {
-        const std::string key = run.run_name.str();
-        if (median || values_.count(key) == 0 || !has_median_.count(key)) values_[key] = value;
-        if (median) has_median_.insert(key);
-      }
+      if (run.run_type != Run::RT_Iteration && !median) continue;
+      const std::string key = run.run_name.str();
+      if (!median && has_median_.count(key) != 0) continue;
+      if (median) has_median_.insert(key);
+      for (const auto& [counter, value] : run.counters) figures_[key + ":" + counter] = value.value;
     }
     ConsoleReporter::ReportRuns(runs);
   }
+  /// ns per pair (a rate counter, in seconds), or a plain figure a benchmark reports as it is (pairs_per_release);
+  /// 0 when the run did not happen.
   double ns(const std::string& name) const {
-    const auto it = values_.find(name);
-    return it == values_.end() ? 0.0 : it->second;
+    if (const double seconds = figure(name, "ns_per_pair"); seconds >= 0) return seconds * 1e9;
+    return std::max(0.0, figure(name, "pairs_per_release"));
   }
   /// Counter `counter` of run `name` (the median of its repetitions when repeated); -1 when it did not run.
   double figure(const std::string& name, const std::string& counter) const {
@@ -630,8 +625,7 @@ class collecting_reporter : public benchmark::ConsoleReporter {
   }
 
  private:
-  std::map<std::string, double> values_;
-  std::map<std::string, double> figures_;
+  std::map<std::string, double> figures_;  // "<run>:<counter>"
   std::set<std::string> has_median_;
 };
 

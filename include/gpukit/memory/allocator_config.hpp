@@ -148,10 +148,10 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
                                        {"large_split_threshold", &allocator_options::large_split_threshold},
                                        {"max_split_size", &allocator_options::max_split_size},
                                        {"max_oversize_waste", &allocator_options::max_oversize_waste}};
-  auto parse_bool = [&](const entry_text& e) {
+  auto parse_bool = [&](const entry_text& e, const char* expected = "expected true or false") {
     if (e.value == "true" || e.value == "1") return true;
     if (e.value == "false" || e.value == "0") return false;
-    fail(e.text, "expected true or false");
+    fail(e.text, expected);
     return false;
   };
   auto parse_count = [&](const entry_text& e) {
@@ -196,10 +196,7 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
     } else if (e.key == "front_cache_large") {
       // true: from the start; when_contended (the default): once threads contend; false: never.
       const bool contended = e.value == "when_contended";
-      if (!contended && e.value != "true" && e.value != "1" && e.value != "false" && e.value != "0") {
-        fail(e.text, "expected true, false or when_contended");
-      }
-      o.front_cache_large = !contended && parse_bool(e);
+      o.front_cache_large = !contended && parse_bool(e, "expected true, false or when_contended");
       o.front_cache_large_when_contended = contended;
     } else if (e.key == "expandable_segments") {
       o.expandable_segments = parse_bool(e);

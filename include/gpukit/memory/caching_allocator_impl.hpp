@@ -33,7 +33,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   watch_contention_ = front_cache_ && !options_.front_cache_large && options_.front_cache_large_when_contended;
   // Fixed for the allocator's life: the statistics' readers walk the used slots without a lock.
   fronts_used_ =
-      front_cache_ && (options_.front_cache_large || watch_contention_) ? front_slot_count : front_slots_per_pool;
+      front_cache_large_.load(std::memory_order_relaxed) || watch_contention_ ? front_slot_count : front_slots_per_pool;
   if (options_.expandable_segments && !has_vm) {
     warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
          ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
@@ -870,7 +870,7 @@ void basic_caching_allocator<Upstream, StreamOps>::watch_large_contention(bool w
   // memory_allocated() take no lock), and a monitor printing memory_summary() without a pause beside one allocating
   // thread caused about one wait per 100 pairs (bench_allocator, BM_summary_beside).
   constexpr std::size_t waits_to_turn_on = 8;
-  large_waits_seen_ = (large_waits_seen_ << 1U) | (waited ? 1U : 0U);
+  large_waits_seen_ = (large_waits_seen_ << 1U) | static_cast<std::uint64_t>(waited);
   if (waited && std::bitset<64>(large_waits_seen_).count() >= waits_to_turn_on) {
     front_cache_large_.store(true, std::memory_order_relaxed);
   }
