@@ -145,10 +145,22 @@ struct atomic_stat {
 
   /// Adds `delta` (may be negative). Caller holds the allocator's lock. The peak is raised before the value is
   /// stored (with release), so a reader never sees a value above the peak.
-  void add(std::int64_t delta) noexcept;
+  GPUKIT_DETAIL_ALWAYS_INLINE void add(std::int64_t delta) noexcept {
+    const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
+    if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
+    current.store(value, std::memory_order_release);
+    std::atomic<std::int64_t>& total = delta >= 0 ? allocated : freed;
+    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
+  }
   /// Like add, leaving the peak to the caller (the caching allocator's front caches make it a sum).
-  void add_current(std::int64_t delta) noexcept;
-  void raise_peak(std::int64_t value) noexcept;
+  GPUKIT_DETAIL_ALWAYS_INLINE void add_current(std::int64_t delta) noexcept {
+    current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
+    std::atomic<std::int64_t>& total = delta >= 0 ? allocated : freed;
+    total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
+  }
+  GPUKIT_DETAIL_ALWAYS_INLINE void raise_peak(std::int64_t value) noexcept {
+    if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
+  }
   /// Acquire loads: a reader that checks sequence counts afterwards (the caching allocator's consistent reads)
   /// needs them to stay before that check (plain loads on x86).
   stat load() const noexcept;
@@ -159,7 +171,10 @@ struct atomic_stat {
 struct atomic_pool_stats {
   std::array<atomic_stat, 3> pools;
   /// Adds `delta` to the `all` pool and to the block's own pool (small or large).
-  void add(bool small, std::int64_t delta) noexcept;
+  GPUKIT_DETAIL_ALWAYS_INLINE void add(bool small, std::int64_t delta) noexcept {
+    pools[0].add(delta);
+    pools[small ? 1 : 2].add(delta);
+  }
   pool_stats load() const noexcept;
   void reset_accumulated() noexcept;
 };
@@ -234,27 +249,6 @@ GPUKIT_INLINE double free_space_info::fragmentation() const noexcept {
 }
 namespace detail {
 
-GPUKIT_INLINE void atomic_stat::add(std::int64_t delta) noexcept {
-  const std::int64_t value = current.load(std::memory_order_relaxed) + delta;
-  if (delta >= 0 && value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
-  current.store(value, std::memory_order_release);
-  if (delta >= 0) {
-    allocated.store(allocated.load(std::memory_order_relaxed) + delta, std::memory_order_release);
-  } else {
-    freed.store(freed.load(std::memory_order_relaxed) - delta, std::memory_order_release);
-  }
-}
-
-GPUKIT_INLINE void atomic_stat::add_current(std::int64_t delta) noexcept {
-  current.store(current.load(std::memory_order_relaxed) + delta, std::memory_order_release);
-  auto& total = delta >= 0 ? allocated : freed;
-  total.store(total.load(std::memory_order_relaxed) + (delta >= 0 ? delta : -delta), std::memory_order_release);
-}
-
-GPUKIT_INLINE void atomic_stat::raise_peak(std::int64_t value) noexcept {
-  if (value > peak.load(std::memory_order_relaxed)) peak.store(value, std::memory_order_release);
-}
-
 GPUKIT_INLINE stat atomic_stat::load() const noexcept {
   stat s;
   s.current = current.load(std::memory_order_acquire);
@@ -267,11 +261,6 @@ GPUKIT_INLINE stat atomic_stat::load() const noexcept {
 GPUKIT_INLINE void atomic_stat::reset_accumulated() noexcept {
   allocated.store(0, std::memory_order_release);
   freed.store(0, std::memory_order_release);
-}
-
-GPUKIT_INLINE void atomic_pool_stats::add(bool small, std::int64_t delta) noexcept {
-  pools[0].add(delta);
-  pools[small ? 1 : 2].add(delta);
 }
 
 GPUKIT_INLINE pool_stats atomic_pool_stats::load() const noexcept {

@@ -366,18 +366,6 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::segment_
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE detail::atomic_pool_stats& basic_caching_allocator<Upstream, StreamOps>::stat_ref(
-    std::size_t id) noexcept {
-  return stats_.*stat_members[id];
-}
-
-template <class Upstream, class StreamOps>
-GPUKIT_INLINE const detail::atomic_pool_stats& basic_caching_allocator<Upstream, StreamOps>::stat_ref(
-    std::size_t id) const noexcept {
-  return stats_.*stat_members[id];
-}
-
-template <class Upstream, class StreamOps>
 GPUKIT_INLINE allocator_stats basic_caching_allocator<Upstream, StreamOps>::read_stats() const noexcept {
   allocator_stats s;
   s.allocation = load_stat(st_allocation);
@@ -901,32 +889,9 @@ GPUKIT_INLINE std::int64_t basic_caching_allocator<Upstream, StreamOps>::front_v
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::count(stat_id id, bool small,
-                                                                       std::int64_t d) noexcept {
-  detail::atomic_pool_stats& s = stat_ref(id);
-  if (!fronts_active_ || !fronted(id)) {
-    s.add(small, d);
-  } else {
-    count_with_fronts(s, id * 3, d);
-    count_with_fronts(s, id * 3 + (small ? 1 : 2), d);
-  }
-}
-
-template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::count_with_fronts(detail::atomic_pool_stats& s,
-                                                                                   std::size_t k,
-                                                                                   std::int64_t d) noexcept {
-  if (d < 0) {
-    slack_[k] += -d;
-  } else if (!peaks_deferred_) {
-    if (slack_[k] >= d) {
-      slack_[k] -= d;
-    } else {
-      fronts_lock all(*this);
-      rebalance(k, nullptr, d);
-    }
-  }
-  s.pools[k % 3].add_current(d);
+void basic_caching_allocator<Upstream, StreamOps>::raise_peak_with_fronts(std::size_t k, std::int64_t d) noexcept {
+  fronts_lock all(*this);
+  rebalance(k, nullptr, d);
 }
 
 template <class Upstream, class StreamOps>

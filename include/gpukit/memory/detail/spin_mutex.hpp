@@ -21,13 +21,13 @@ namespace detail {
 
 class spin_mutex {
  public:
-  void lock() noexcept {
+  GPUKIT_DETAIL_ALWAYS_INLINE void lock() noexcept {
     if (!try_lock()) lock_contended();
   }
-  bool try_lock() noexcept {
+  GPUKIT_DETAIL_ALWAYS_INLINE bool try_lock() noexcept {
     return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
   }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+  GPUKIT_DETAIL_ALWAYS_INLINE void unlock() noexcept { locked_.store(false, std::memory_order_release); }
 
   /// The processor's spin-wait hint.
   static void pause() noexcept {
