@@ -104,7 +104,7 @@ for example in device_query memory_stats memory_history tenant_budgets bandwidth
     train_input_pipeline graph_replay inference_server inference_server_cuda stream_timing; do
   [ -x "$build/examples/$example$suffix" ] && run "Example $example" timeout "$step_timeout" "$build/examples/$example$suffix"
 done
-for bench in bench_allocator bench_pinned_pool bench_transfer; do
+for bench in bench_allocator bench_trace_replay bench_pinned_pool bench_transfer; do
   [ -x "$build/bench/$bench$suffix" ] &&
     run "Benchmark $bench" timeout "$step_timeout" "$build/bench/$bench$suffix" --benchmark_min_time="$min_time"
 done
