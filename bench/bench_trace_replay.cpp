@@ -1,9 +1,14 @@
-// A transformer training trace (bench_fragmentation's "L12 h768 s<=1024 b8" family: 6 steps, a different sequence
-// length each step) replayed on a CUDA device, to choose the default of expandable segments (issue 9, section 3:
-// off by default until measured on a GPU). Its figures, each from the same run:
-// - the first step, which grows the cache from nothing: cudaMalloc per segment, or for expandable segments three
+// Allocation traces replayed on a CUDA device, to choose the default of expandable segments (issue 9, section 3:
+// off by default until measured on a GPU) and to compare gpukit with the driver's pool where users choose between
+// them. Two traces from alloc_traces.hpp:
+// - training: bench_fragmentation's "L12 h768 s<=1024 b8" family (6 steps, a different sequence length each step),
+//   one stream; its warm-up is the first step;
+// - server: bench_fragmentation's inference server (3000 requests round robin over 3 streams, 2 to 5 buffers of
+//   4 KiB to 64 MiB each, freed at the stream's next request); its warm-up is the first 10 % of the requests.
+// Figures for each, from the same run:
+// - the warm-up, which grows the cache from nothing: cudaMalloc per segment, or for expandable segments three
 //   driver calls per 2 MiB page (cuMemCreate, cuMemMap, cuMemSetAccess);
-// - a later step, served from the cache (the variable sequence length makes some requests new);
+// - the operations after it, mostly served from the cache (new sizes still come);
 // - the release of everything cached (empty_cache: cudaFree per segment, or a device wait and cuMemUnmap and
 //   cuMemRelease per page);
 // - peak reserved / peak requested.
@@ -12,7 +17,7 @@
 // figures are the allocators' own host-side cost, driver calls included.
 //
 // Without a CUDA device it says so and exits 0. On the simulated runtime (bench_trace_replay_sim, in CI's smoke
-// run) every path runs and is checked, but the times are the simulator's, not a GPU's.
+// run) every path runs and a failed call fails the run, but the times are the simulator's, not a GPU's.
 #include "alloc_traces.hpp"
 
 #include <gpukit/device/device.hpp>
@@ -39,19 +44,21 @@ using gpukit_bench::trace;
 using gpukit_bench::trace_op;
 using clock_type = std::chrono::steady_clock;
 
-constexpr int trace_steps = 6;
+enum trace_kind : int { training, server, trace_count };
 
-const trace& training_trace() {
-  static const trace t = [] {
+const trace& trace_of(trace_kind kind) {
+  static const trace training_trace = [] {
     gpukit_bench::transformer_shape s;
     s.layers = 12;
     s.hidden = 768;
     s.variable_seq = true;
-    s.steps = trace_steps;
+    s.steps = 6;
     s.seed = 100;
     return gpukit_bench::transformer_training(s);
   }();
-  return t;
+  static const trace server_trace =
+      gpukit_bench::inference_server(3000, 3, 4 * gpukit_bench::KiB, 64 * gpukit_bench::MiB, 1);
+  return kind == training ? training_trace : server_trace;
 }
 
 enum variant : int { segments, expandable, driver_pool, no_cache, variant_count };
@@ -60,27 +67,30 @@ const char* const variant_names[variant_count] = {"gpukit, segments (default)", 
 
 /// What one replay measured.
 struct replay_times {
-  double first_step = 0;  // seconds
-  double later_steps = 0;
+  double warmup = 0;  // seconds
+  double later = 0;
   double release = 0;
   double peak_reserved = 0;  // bytes; 0 when the variant cannot say
 };
 
-/// allocate(bytes) / deallocate(p) / release() / peak_reserved() on one stream: the four variants.
+/// The streams a trace's operations name (trace_op::stream), one gpukit::stream each.
+using stream_list = std::vector<std::unique_ptr<gpukit::stream>>;
+
+/// Each variant: allocate(bytes, stream), deallocate(p, stream), release() and peak_reserved().
 class gpukit_variant {
  public:
-  gpukit_variant(const gpukit::stream& s, bool expandable_segments) : stream_(s) {
+  gpukit_variant(const stream_list& streams, bool expandable_segments) : streams_(streams) {
     gpukit::allocator_options o;
     o.expandable_segments = expandable_segments;
-    allocator_ = std::make_unique<gpukit::caching_allocator>(s.device(), o);
+    allocator_ = std::make_unique<gpukit::caching_allocator>(gpukit::device::cuda(0), o);
   }
-  void* allocate(std::size_t bytes) { return allocator_->allocate(bytes, stream_.view()); }
-  void deallocate(void* p) { allocator_->deallocate(p); }
+  void* allocate(std::size_t bytes, int stream) { return allocator_->allocate(bytes, streams_[stream]->view()); }
+  void deallocate(void* p, int) { allocator_->deallocate(p); }
   void release() { allocator_->empty_cache(); }
   double peak_reserved() const { return static_cast<double>(allocator_->stats().reserved_bytes.all().peak); }
 
  private:
-  const gpukit::stream& stream_;
+  const stream_list& streams_;
   std::unique_ptr<gpukit::caching_allocator> allocator_;
 };
 
@@ -90,21 +100,21 @@ void check(cudaError_t e, const char* call) {
 
 class driver_pool_variant {
  public:
-  explicit driver_pool_variant(const gpukit::stream& s) : stream_(s.cuda_handle()) {
-    check(cudaDeviceGetDefaultMemPool(&pool_, s.device().ordinal()), "cudaDeviceGetDefaultMemPool");
+  explicit driver_pool_variant(const stream_list& streams) : streams_(streams) {
+    check(cudaDeviceGetDefaultMemPool(&pool_, 0), "cudaDeviceGetDefaultMemPool");
     std::uint64_t keep_all = ~std::uint64_t{0};  // the default, 0, gives freed memory back at every synchronization
     check(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep_all), "cudaMemPoolSetAttribute");
     std::uint64_t zero = 0;
     check(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero), "cudaMemPoolSetAttribute");
   }
-  void* allocate(std::size_t bytes) {
+  void* allocate(std::size_t bytes, int stream) {
     void* p = nullptr;
-    check(cudaMallocAsync(&p, bytes, stream_), "cudaMallocAsync");
+    check(cudaMallocAsync(&p, bytes, streams_[stream]->cuda_handle()), "cudaMallocAsync");
     return p;
   }
-  void deallocate(void* p) { check(cudaFreeAsync(p, stream_), "cudaFreeAsync"); }
+  void deallocate(void* p, int stream) { check(cudaFreeAsync(p, streams_[stream]->cuda_handle()), "cudaFreeAsync"); }
   void release() {
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    for (const auto& s : streams_) check(cudaStreamSynchronize(s->cuda_handle()), "cudaStreamSynchronize");
     check(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo");
   }
   double peak_reserved() const {
@@ -114,51 +124,52 @@ class driver_pool_variant {
   }
 
  private:
-  cudaStream_t stream_;
+  const stream_list& streams_;
   cudaMemPool_t pool_ = nullptr;
 };
 
 class no_cache_variant {
  public:
-  void* allocate(std::size_t bytes) {
+  void* allocate(std::size_t bytes, int) {
     void* p = nullptr;
     check(cudaMalloc(&p, bytes), "cudaMalloc");
     return p;
   }
-  void deallocate(void* p) { check(cudaFree(p), "cudaFree"); }
+  void deallocate(void* p, int) { check(cudaFree(p), "cudaFree"); }
   void release() {}
   double peak_reserved() const { return 0; }
 };
 
-/// Replays the trace: its first step (the warm-up), then the others; frees what is still live (untimed), then
-/// releases the cache.
+/// Replays trace `t`: its warm-up, then the rest; frees what is still live (untimed), then releases the cache.
 template <class Variant>
-replay_times replay(Variant& v) {
-  const trace& t = training_trace();
+replay_times replay(const trace& t, Variant& v) {
   std::vector<void*> pointers(t.ids, nullptr);
   auto run = [&](std::size_t from, std::size_t to) {
     const auto start = clock_type::now();
     for (std::size_t i = from; i < to; ++i) {
       const trace_op& op = t.ops[i];
       if (op.allocate) {
-        pointers[op.id] = v.allocate(op.bytes);
+        pointers[op.id] = v.allocate(op.bytes, op.stream);
       } else {
-        v.deallocate(pointers[op.id]);
+        v.deallocate(pointers[op.id], op.stream);
         pointers[op.id] = nullptr;
       }
     }
     return std::chrono::duration<double>(clock_type::now() - start).count();
   };
+  // The stream a live pointer was allocated on, to free it there.
+  std::vector<std::uint8_t> stream_of(t.ids, 0);
+  for (const trace_op& op : t.ops) stream_of[op.id] = op.stream;
   auto free_live = [&] {
-    for (void*& p : pointers) {
-      if (p != nullptr) v.deallocate(p);
-      p = nullptr;
+    for (std::size_t id = 0; id < pointers.size(); ++id) {
+      if (pointers[id] != nullptr) v.deallocate(pointers[id], stream_of[id]);
+      pointers[id] = nullptr;
     }
   };
   replay_times r;
   try {
-    r.first_step = run(0, t.warmup_ops);
-    r.later_steps = run(t.warmup_ops, t.ops.size());
+    r.warmup = run(0, t.warmup_ops);
+    r.later = run(t.warmup_ops, t.ops.size());
   } catch (...) {
     free_live();  // a failed call (out of memory) leaves nothing allocated for the variants after it
     throw;
@@ -171,36 +182,38 @@ replay_times replay(Variant& v) {
   return r;
 }
 
-replay_times replay_variant(variant which, const gpukit::stream& s) {
+replay_times replay_variant(const trace& t, variant which, const stream_list& streams) {
   switch (which) {
     case segments:
     case expandable: {
-      gpukit_variant v(s, which == expandable);
-      return replay(v);
+      gpukit_variant v(streams, which == expandable);
+      return replay(t, v);
     }
     case driver_pool: {
-      driver_pool_variant v(s);
-      return replay(v);
+      driver_pool_variant v(streams);
+      return replay(t, v);
     }
     default: {
       no_cache_variant v;
-      return replay(v);
+      return replay(t, v);
     }
   }
 }
 
-/// One replay per iteration, each with a fresh allocator (or the pool trimmed to nothing), so that every first
-/// step grows from nothing. Manual time: the three timed phases.
+/// Trace range(0), variant range(1): one replay per iteration, each with a fresh allocator (or the pool trimmed to
+/// nothing), so that every warm-up grows from nothing. Manual time: the three timed phases.
 void BM_trace(benchmark::State& state) {
-  const auto which = static_cast<variant>(state.range(0));
-  gpukit::stream s(gpukit::device::cuda(0));
+  const trace& t = trace_of(static_cast<trace_kind>(state.range(0)));
+  const auto which = static_cast<variant>(state.range(1));
+  stream_list streams;
+  for (int i = 0; i < t.streams; ++i) streams.push_back(std::make_unique<gpukit::stream>(gpukit::device::cuda(0)));
   replay_times sum;
   try {
     for (auto _ : state) {
-      const replay_times r = replay_variant(which, s);
-      state.SetIterationTime(r.first_step + r.later_steps + r.release);
-      sum.first_step += r.first_step;
-      sum.later_steps += r.later_steps;
+      const replay_times r = replay_variant(t, which, streams);
+      state.SetIterationTime(r.warmup + r.later + r.release);
+      sum.warmup += r.warmup;
+      sum.later += r.later;
       sum.release += r.release;
       sum.peak_reserved = std::max(sum.peak_reserved, r.peak_reserved);
     }
@@ -209,10 +222,10 @@ void BM_trace(benchmark::State& state) {
     return;
   }
   const auto n = static_cast<double>(state.iterations());
-  state.counters["first_step_ms"] = 1e3 * sum.first_step / n;
-  state.counters["later_step_ms"] = 1e3 * sum.later_steps / n / (trace_steps - 1);
+  state.counters["warmup_ms"] = 1e3 * sum.warmup / n;
+  state.counters["later_us_per_op"] = 1e6 * sum.later / n / static_cast<double>(t.ops.size() - t.warmup_ops);
   if (which != no_cache) state.counters["release_ms"] = 1e3 * sum.release / n;  // it caches nothing
-  state.counters["reserved_per_requested"] = sum.peak_reserved / static_cast<double>(training_trace().peak_requested);
+  state.counters["reserved_per_requested"] = sum.peak_reserved / static_cast<double>(t.peak_requested);
 }
 
 /// Keeps each run's counters (the last repetition's, or the median when repeated) for the table.
@@ -230,9 +243,10 @@ class collecting_reporter : public benchmark::ConsoleReporter {
     }
     ConsoleReporter::ReportRuns(runs);
   }
-  /// Counter `counter` of variant `v`; -1 when it did not run.
-  double figure(int v, const std::string& counter) const {
-    const auto it = figures_.find("BM_trace/" + std::to_string(v) + "/manual_time:" + counter);
+  /// Counter `counter` of trace `k` through variant `v`; -1 when it did not run.
+  double figure(int k, int v, const std::string& counter) const {
+    const auto it =
+        figures_.find("BM_trace/" + std::to_string(k) + "/" + std::to_string(v) + "/manual_time:" + counter);
     return it == figures_.end() ? -1.0 : it->second;
   }
   const std::vector<std::string>& errors() const { return errors_; }
@@ -243,42 +257,49 @@ class collecting_reporter : public benchmark::ConsoleReporter {
 };
 
 void print_table(const collecting_reporter& r, const std::string& device_name) {
-  const trace& t = training_trace();
-  std::printf("\n%s, %zu operations (%zu in the first step), peak requested %.0f MiB, on %s\n", t.name.c_str(),
-              t.ops.size(), t.warmup_ops, static_cast<double>(t.peak_requested) / (1 << 20), device_name.c_str());
-  std::printf("%-28s %15s %15s %15s %12s | %s\n", "allocator", "first step ms", "later step ms", "release ms",
-              "reserved/req", "ratios to segments (first, later, release)");
-  const char* counters[] = {"first_step_ms", "later_step_ms", "release_ms"};
-  for (int v = 0; v < variant_count; ++v) {
-    if (r.figure(v, counters[0]) < 0) continue;
-    std::printf("%-28s", variant_names[v]);
-    for (const char* c : counters) {
-      if (r.figure(v, c) >= 0) {
-        std::printf(" %15.3f", r.figure(v, c));
-      } else {
-        std::printf(" %15s", "-");
+  std::printf("\nTraces replayed on %s; ratios are to gpukit with segments, same run\n", device_name.c_str());
+  const char* counters[] = {"warmup_ms", "later_us_per_op", "release_ms"};
+  const int widths[] = {12, 14, 12};
+  for (int k = 0; k < trace_count; ++k) {
+    const trace& t = trace_of(static_cast<trace_kind>(k));
+    std::printf("\n%s: %zu operations (%zu in the warm-up), %d stream%s, peak requested %.0f MiB\n", t.name.c_str(),
+                t.ops.size(), t.warmup_ops, t.streams, t.streams == 1 ? "" : "s",
+                static_cast<double>(t.peak_requested) / (1 << 20));
+    std::printf("%-28s %12s %14s %12s %12s | %s\n", "allocator", "warm-up ms", "after: us/op", "release ms",
+                "reserved/req", "ratios (warm-up, after, release)");
+    for (int v = 0; v < variant_count; ++v) {
+      if (r.figure(k, v, counters[0]) < 0) continue;
+      std::printf("%-28s", variant_names[v]);
+      for (int c = 0; c < 3; ++c) {
+        const double value = r.figure(k, v, counters[c]);
+        if (value >= 0) {
+          std::printf(" %*.3f", widths[c], value);
+        } else {
+          std::printf(" %*s", widths[c], "-");
+        }
       }
-    }
-    const double reserved = r.figure(v, "reserved_per_requested");
-    if (reserved > 0) {
-      std::printf(" %12.3f |", reserved);
-    } else {
-      std::printf(" %12s |", "-");
-    }
-    for (const char* c : counters) {
-      const double base = r.figure(segments, c);
-      if (v == segments || base <= 0) continue;
-      if (r.figure(v, c) >= 0) {
-        std::printf(" %.2fx", r.figure(v, c) / base);
+      const double reserved = r.figure(k, v, "reserved_per_requested");
+      if (reserved > 0) {
+        std::printf(" %12.3f |", reserved);
       } else {
-        std::printf(" -");
+        std::printf(" %12s |", "-");
       }
+      for (const char* c : counters) {
+        const double base = r.figure(k, segments, c);
+        if (v == segments || base <= 0) continue;
+        const double value = r.figure(k, v, c);
+        if (value >= 0) {
+          std::printf(" %.2fx", value / base);
+        } else {
+          std::printf(" -");
+        }
+      }
+      std::printf("\n");
     }
-    std::printf("\n");
   }
   std::printf(
-      "Expandable segments stay off by default until a GPU's figures here show what their page mapping costs in the "
-      "first step and the release against the memory they save (issue 9, section 3)%s\n",
+      "\nExpandable segments stay off by default until a GPU's figures here show what their page mapping costs in "
+      "the warm-up and the release against the memory they save (issue 9, section 3)%s\n",
       device_name.find("cudasim") != std::string::npos ? "; these are the simulator's times, not a GPU's" : "");
   for (const std::string& e : r.errors()) std::printf("failed: %s\n", e.c_str());
 }
@@ -294,8 +315,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp properties{};
   const std::string device_name =
       cudaGetDeviceProperties(&properties, 0) == cudaSuccess ? properties.name : std::string("device 0");
-  for (int v = 0; v < variant_count; ++v) {
-    benchmark::RegisterBenchmark("BM_trace", BM_trace)->Arg(v)->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (int k = 0; k < trace_count; ++k) {
+    for (int v = 0; v < variant_count; ++v) {
+      benchmark::RegisterBenchmark("BM_trace", BM_trace)->Args({k, v})->UseManualTime()->Unit(benchmark::kMillisecond);
+    }
   }
   collecting_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
