@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU truth in one command. On a machine with an NVIDIA GPU and driver: builds gpukit against the real CUDA runtime
-# (Release), runs every GPU test (ctest -L gpu: none may skip for want of a usable GPU), every example, and the allocator, pinned-pool
-# and transfer benchmarks, and writes a report (device, driver, commands, results) to bench/results/.
+# (Release), runs every GPU test (ctest -L gpu: none may skip for want of a usable GPU), every example, and the allocator, trace-replay,
+# pinned-pool and transfer benchmarks, and writes a report (device, driver, commands, results) to bench/results/.
 #
 #   bash tests/gpu/run.sh                      # on the GPU machine
 #   GPUKIT_GPU_RUNTIME=sim bash tests/gpu/run.sh   # the same steps on the simulated runtime (no GPU needed): a dry run
