@@ -9,6 +9,7 @@
 // threshold raised, cub::CachingDeviceAllocator, gpukit over cudaMalloc) are compiled in every build and run only
 // when a CUDA device is usable; otherwise a line says they were skipped.
 #include "alloc_baselines.hpp"
+#include "figure_reporter.hpp"
 
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/async_allocator.hpp>
@@ -36,11 +37,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <memory>
 #include <functional>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -596,37 +595,15 @@ void BM_gpu_capture_query(benchmark::State& state) {
 
 // --- the ratio table ---
 
-/// Forwards to the console and keeps each run's counters (the medians of the repetitions when repeated).
-class collecting_reporter : public benchmark::ConsoleReporter {
+/// figure_reporter, with the figure the ratio tables read.
+class collecting_reporter : public gpukit_bench::figure_reporter {
  public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& run : runs) {
-      if (run.error_occurred) continue;
-      // Every counter of a run: its median when repeated, else its last repetition.
-      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      if (run.run_type != Run::RT_Iteration && !median) continue;
-      const std::string key = run.run_name.str();
-      if (!median && has_median_.count(key) != 0) continue;
-      if (median) has_median_.insert(key);
-      for (const auto& [counter, value] : run.counters) figures_[key + ":" + counter] = value.value;
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
   /// ns per pair (a rate counter, in seconds), or a plain figure a benchmark reports as it is (pairs_per_release);
   /// 0 when the run did not happen.
   double ns(const std::string& name) const {
     if (const double seconds = figure(name, "ns_per_pair"); seconds >= 0) return seconds * 1e9;
     return std::max(0.0, figure(name, "pairs_per_release"));
   }
-  /// Counter `counter` of run `name` (the median of its repetitions when repeated); -1 when it did not run.
-  double figure(const std::string& name, const std::string& counter) const {
-    const auto it = figures_.find(name + ":" + counter);
-    return it == figures_.end() ? -1.0 : it->second;
-  }
-
- private:
-  std::map<std::string, double> figures_;  // "<run>:<counter>"
-  std::set<std::string> has_median_;
 };
 
 void print_ratios(const collecting_reporter& r) {

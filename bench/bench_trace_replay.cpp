@@ -24,6 +24,7 @@
 // Without a CUDA device it says so and exits 0. On the simulated runtime (bench_trace_replay_sim, in CI's smoke
 // run) every path runs and a failed call fails the run, but the times are the simulator's, not a GPU's.
 #include "alloc_traces.hpp"
+#include "figure_reporter.hpp"
 
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -37,11 +38,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -83,7 +82,8 @@ struct replay_times {
 /// The streams a trace's operations name (trace_op::stream), one gpukit::stream each.
 using stream_list = std::vector<std::unique_ptr<gpukit::stream>>;
 
-/// Each variant: allocate(bytes, stream), deallocate(p, stream), release() and peak_reserved().
+/// Each variant: allocate(bytes, stream), deallocate(p, stream), release(), peak_reserved() and
+/// upstream_allocations() (-1 where it does not count them).
 class gpukit_variant {
  public:
   gpukit_variant(const stream_list& streams, bool expandable_segments) : streams_(streams) {
@@ -138,6 +138,7 @@ class driver_pool_variant {
     check(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &high), "cudaMemPoolGetAttribute");
     return static_cast<double>(high);
   }
+  double upstream_allocations() const { return -1; }  // the driver's own
 
  private:
   const stream_list& streams_;
@@ -154,18 +155,8 @@ class no_cache_variant {
   void deallocate(void* p, int) { check(cudaFree(p), "cudaFree"); }
   void release() {}
   double peak_reserved() const { return 0; }
+  double upstream_allocations() const { return -1; }  // one per request
 };
-
-/// The upstream allocations a variant can count (gpukit's), else -1.
-template <class Variant>
-double upstream_allocations(const Variant& v) {
-  if constexpr (std::is_same_v<Variant, gpukit_variant>) {
-    return v.upstream_allocations();
-  } else {
-    (void)v;
-    return -1;
-  }
-}
 
 /// Replays trace `t`: its warm-up, then the rest; frees what is still live (untimed), then releases the cache.
 template <class Variant>
@@ -196,9 +187,9 @@ replay_times replay(const trace& t, Variant& v) {
   replay_times r;
   try {
     r.warmup = run(0, t.warmup_ops);
-    const double grown = upstream_allocations(v);
+    const double grown = v.upstream_allocations();
     r.later = run(t.warmup_ops, t.ops.size());
-    if (grown >= 0) r.later_upstream_allocations = upstream_allocations(v) - grown;
+    if (grown >= 0) r.later_upstream_allocations = v.upstream_allocations() - grown;
   } catch (...) {
     // A failed call (out of memory) leaves nothing allocated for the variants after it; the first error is reported.
     try {
@@ -264,38 +255,23 @@ void BM_trace(benchmark::State& state) {
   if (sum.later_upstream_allocations >= 0) state.counters["later_upstream_allocs"] = sum.later_upstream_allocations;
 }
 
-/// Keeps each run's counters (the last repetition's, or the median when repeated) for the table.
-class collecting_reporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& run : runs) {
-      if (run.error_occurred) {
-        errors_.push_back(run.run_name.str() + ": " + run.error_message);
-        continue;
-      }
-      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      if (run.run_type != Run::RT_Iteration && !median) continue;
-      for (const auto& [counter, value] : run.counters) figures_[run.run_name.str() + ":" + counter] = value.value;
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-  /// Counter `counter` of trace `k` through variant `v`; -1 when it did not run.
-  double figure(int k, int v, const std::string& counter) const {
-    const auto it =
-        figures_.find("BM_trace/" + std::to_string(k) + "/" + std::to_string(v) + "/manual_time:" + counter);
-    return it == figures_.end() ? -1.0 : it->second;
-  }
-  const std::vector<std::string>& errors() const { return errors_; }
+/// Counter `counter` of trace `k` through variant `v`; -1 when it did not run.
+double figure(const gpukit_bench::figure_reporter& r, int k, int v, const std::string& counter) {
+  return r.figure("BM_trace/" + std::to_string(k) + "/" + std::to_string(v) + "/manual_time", counter);
+}
 
- private:
-  std::map<std::string, double> figures_;
-  std::vector<std::string> errors_;
-};
-
-void print_table(const collecting_reporter& r, const std::string& device_name) {
+void print_table(const gpukit_bench::figure_reporter& r, const std::string& device_name) {
   std::printf("\nTraces replayed on %s; ratios are to gpukit with segments, same run\n", device_name.c_str());
   const char* counters[] = {"warmup_ms", "later_us_per_op", "release_ms"};
   const int widths[] = {12, 14, 12};
+  // A figure, or "-" where the variant has none.
+  auto cell = [](bool shown, double value, int width, int decimals) {
+    if (shown) {
+      std::printf(" %*.*f", width, decimals, value);
+    } else {
+      std::printf(" %*s", width, "-");
+    }
+  };
   for (int k = 0; k < trace_count; ++k) {
     const trace& t = trace_of(static_cast<trace_kind>(k));
     std::printf("\n%s: %zu operations (%zu in the warm-up), %d stream%s, peak requested %.0f MiB\n", t.name.c_str(),
@@ -304,32 +280,21 @@ void print_table(const collecting_reporter& r, const std::string& device_name) {
     std::printf("%-28s %12s %14s %12s %12s %13s | %s\n", "allocator", "warm-up ms", "after: us/op", "release ms",
                 "reserved/req", "grown after", "ratios (warm-up, after, release)");
     for (int v = 0; v < variant_count; ++v) {
-      if (r.figure(k, v, counters[0]) < 0) continue;
+      if (figure(r, k, v, counters[0]) < 0) continue;
       std::printf("%-28s", variant_names[v]);
       for (int c = 0; c < 3; ++c) {
-        const double value = r.figure(k, v, counters[c]);
-        if (value >= 0) {
-          std::printf(" %*.3f", widths[c], value);
-        } else {
-          std::printf(" %*s", widths[c], "-");
-        }
+        const double value = figure(r, k, v, counters[c]);
+        cell(value >= 0, value, widths[c], 3);
       }
-      const double reserved = r.figure(k, v, "reserved_per_requested");
-      if (reserved > 0) {
-        std::printf(" %12.3f", reserved);
-      } else {
-        std::printf(" %12s", "-");
-      }
-      const double grown = r.figure(k, v, "later_upstream_allocs");
-      if (grown >= 0) {
-        std::printf(" %13.0f |", grown);
-      } else {
-        std::printf(" %13s |", "-");
-      }
+      const double reserved = figure(r, k, v, "reserved_per_requested");
+      cell(reserved > 0, reserved, 12, 3);  // 0: the variant cannot say
+      const double grown = figure(r, k, v, "later_upstream_allocs");
+      cell(grown >= 0, grown, 13, 0);
+      std::printf(" |");
       for (const char* c : counters) {
-        const double base = r.figure(k, segments, c);
+        const double base = figure(r, k, segments, c);
         if (v == segments || base <= 0) continue;
-        const double value = r.figure(k, v, c);
+        const double value = figure(r, k, v, c);
         if (value >= 0) {
           std::printf(" %.2fx", value / base);
         } else {
@@ -376,7 +341,7 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark("BM_trace", BM_trace)->Args({k, v})->UseManualTime()->Unit(benchmark::kMillisecond);
     }
   }
-  collecting_reporter reporter;
+  gpukit_bench::figure_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   print_table(reporter, device_name);
   benchmark::Shutdown();
