@@ -6,6 +6,7 @@
 #include <gpukit/warning.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>
@@ -35,6 +36,25 @@
   } while (false)
 
 namespace gpukit_test {
+
+/// The default memory pool of `d` (cudaMallocAsync's). Throws std::runtime_error if CUDA refuses.
+inline cudaMemPool_t default_pool(gpukit::device d) {
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, d.ordinal()) != cudaSuccess) {
+    throw std::runtime_error("cudaDeviceGetDefaultMemPool failed");
+  }
+  return pool;
+}
+
+/// Bytes live in the default pool of `d` (cudaMemPoolAttrUsedMemCurrent): 0 once every cudaMallocAsync is freed. Its
+/// reserved memory may stay, since gpukit raises the pool's release threshold to keep everything.
+inline std::size_t pool_bytes_in_use(gpukit::device d) {
+  cuuint64_t used = 0;
+  if (cudaMemPoolGetAttribute(default_pool(d), cudaMemPoolAttrUsedMemCurrent, &used) != cudaSuccess) {
+    throw std::runtime_error("cudaMemPoolGetAttribute(cudaMemPoolAttrUsedMemCurrent) failed");
+  }
+  return static_cast<std::size_t>(used);
+}
 
 /// True in a sanitizer build (GPUKIT_SANITIZE, which defines GPUKIT_TEST_SANITIZED). Tests whose cost is checking
 /// or filling memory, not running gpukit's code, do less of it there: the sanitizers instrument every byte, and the

@@ -19,11 +19,13 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <memory_resource>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -1220,16 +1222,17 @@ TEST_CASE("capture: a deferred async_allocator free whose stream is destroyed me
   });
   g.hold(*freeing);  // work of the freeing stream that could still read p
   freeing.reset();   // destroyed with that work pending
-  const std::size_t held = a.memory_reserved();
+  const std::size_t held = gpukit_test::pool_bytes_in_use(cuda0);
   gpukit::stream next(cuda0);
   void* q = a.allocate(1 << 10, next);  // makes the deferred free
   CHECK(a.deferred_frees() == 0);
-  CHECK(a.memory_reserved() >= held);  // p is not back in the pool: the destroyed stream's work is held
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >
+        held);  // p is not back in the pool: the destroyed stream's work is held
   g.open();
   cudasim::drain_all();
   a.deallocate(q);
   cudasim::drain_all();
-  CHECK(a.memory_reserved() == 0);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
   CHECK(warnings.messages().empty());
   CHECK(cudasim::violations().empty());
 }
@@ -1250,4 +1253,154 @@ TEST_CASE("capture: an async_allocator free on a captured stream is never deferr
   CHECK(warnings.contains("during a CUDA graph capture failed"));
   CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
   CHECK(a.deferred_frees() == 0);
+}
+
+// The gate between gpukit's captures and work on the legacy default stream (detail::capture_hold): deciding that the
+// legacy stream may be used and then using it must not let a capture of a blocking stream begin in between.
+
+TEST_CASE("capture: a capture hold refuses the legacy stream only while a gpukit capture is underway") {
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  auto& holds = gpukit::mode_independent::capture_holds();
+  REQUIRE(holds.load() == 0);
+  {
+    const gpukit::detail::capture_hold hold(true);
+    CHECK_FALSE(hold.refused());
+    CHECK_FALSE(hold.refuses(legacy));
+    CHECK(holds.load() == 1);
+  }
+  CHECK(holds.load() == 0);
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    const gpukit::detail::capture_hold hold(true);
+    CHECK(hold.refused());
+    CHECK(hold.refuses(legacy));
+    CHECK(hold.refuses(gpukit::stream_view(cuda0, nullptr)));  // 0 names the legacy stream in this mode
+    CHECK_FALSE(hold.refuses(blocking));
+    CHECK_FALSE(hold.refuses(gpukit::stream_view(cuda0, cudaStreamPerThread)));  // this thread's own
+    std::optional<gpukit::stream_view> theirs;
+    std::thread([&] { theirs = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+    CHECK(hold.refuses(*theirs));  // another thread's per-thread default stream is named through the legacy one
+    CHECK(holds.load() == 0);      // a refused hold holds nothing
+    const gpukit::detail::capture_hold unneeded(false);
+    CHECK_FALSE(unneeded.refused());
+    CHECK_FALSE(unneeded.refuses(legacy));
+  });
+  CHECK(holds.load() == 0);
+  g.launch(blocking);
+  blocking.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: gpukit::capture begins only once the work put on the legacy stream under a hold is enqueued") {
+  gpukit::stream blocking = blocking_stream();
+  std::atomic<bool> began{false};
+  std::atomic<bool> returned{false};
+  std::string failure;
+  std::optional<gpukit::graph> g;
+  std::thread capturer;
+  {
+    const gpukit::detail::capture_hold hold(true);
+    REQUIRE_FALSE(hold.refused());
+    capturer = std::thread([&] {
+      try {
+        g.emplace(gpukit::capture(blocking, [&] { began = true; }));
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      returned = true;
+    });
+    while (gpukit::mode_independent::gpukit_captures_underway().load() == 0 && !returned.load()) {
+      std::this_thread::yield();
+    }
+    // The capture is counted and waits for this hold. Without the wait it would begin within this grace period, and
+    // the record below would invalidate it; no figure of time is checked.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK_FALSE(began.load());
+    gpukit::event e(cuda0);
+    e.record(gpukit::stream_view(cuda0, cudaStreamLegacy));
+  }
+  capturer.join();
+  CHECK(failure == "");
+  CHECK(began.load());
+  REQUIRE(g.has_value());
+  g->launch(blocking);
+  blocking.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+namespace {
+/// Runs `free_one` in a loop on another thread while this one captures a blocking stream `captures` times with
+/// gpukit::capture; checks that every capture stayed valid, that `free_one` never threw, and that the simulator saw
+/// no work on the legacy stream during a capture.
+template <class FreeOne>
+void legacy_frees_during_captures(FreeOne&& free_one, int captures) {
+  gpukit::stream blocking = blocking_stream();
+  std::atomic<bool> stop{false};
+  std::atomic<long> frees{0};
+  std::string failure;
+  std::thread freer([&] {
+    try {
+      while (!stop.load()) {
+        free_one();
+        ++frees;
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  });
+  int valid = 0;
+  std::string capture_failure;
+  for (int i = 0; i < captures && failure.empty(); ++i) {
+    try {
+      gpukit::graph g = gpukit::capture(blocking, [] {});
+      ++valid;
+    } catch (const std::exception& e) {
+      capture_failure = e.what();
+      break;
+    }
+  }
+  while (frees.load() < 10 && failure.empty()) std::this_thread::yield();  // the loops overlapped
+  stop = true;
+  freer.join();
+  CHECK(failure == "");
+  CHECK(capture_failure == "");
+  CHECK(valid == captures);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+}  // namespace
+
+TEST_CASE("capture: pinned blocks freed after the legacy stream in one thread leave another thread's captures intact") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  legacy_frees_during_captures(
+      [&] {
+        void* p = pool.allocate(4096);
+        pool.record_stream(p, legacy);
+        pool.deallocate(p);  // its event is recorded on the legacy stream, or deferred while a capture is underway
+      },
+      300);
+  (void)pool.stats();  // records the deferred blocks' events: no capture is underway
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  const auto stats = pool.stats();
+  CHECK(stats.active_blocks == 0);
+  CHECK(stats.lost_blocks == 0);
+  CHECK(stats.pending_blocks + stats.free_blocks > 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator frees on the legacy stream in one thread leave another thread's captures intact") {
+  gpukit::async_allocator a(cuda0);
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  legacy_frees_during_captures(
+      [&] {
+        void* p = a.allocate(4096, legacy);  // makes the frees deferred by a capture that has ended
+        a.deallocate(p);                     // on the legacy stream, or deferred while a capture is underway
+      },
+      300);
+  void* last = a.allocate(4096, legacy);
+  a.deallocate(last);
+  CHECK(a.deferred_frees() == 0);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
 }

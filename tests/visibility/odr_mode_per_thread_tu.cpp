@@ -17,3 +17,4 @@ std::string odr_mode_per_thread_tu_device_text() { return gpukit::device::parse(
 const void* odr_mode_per_thread_tu_peer_access_holders_v2() {
   return &gpukit::mode_independent::peer_access_holders_v2();
 }
+const void* odr_mode_per_thread_tu_capture_holds() { return &gpukit::mode_independent::capture_holds(); }

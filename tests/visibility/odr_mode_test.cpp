@@ -15,6 +15,7 @@ mode_function odr_mode_per_thread_tu_mode_function();
 const void* odr_mode_per_thread_tu_default_allocators();
 std::string odr_mode_per_thread_tu_device_text();
 const void* odr_mode_per_thread_tu_peer_access_holders_v2();
+const void* odr_mode_per_thread_tu_capture_holds();
 
 namespace {
 mode_function this_tu_mode_function() { return &gpukit::detail::per_thread_default_stream_mode; }
@@ -34,6 +35,8 @@ TEST_CASE("translation units in the two default-stream modes each get their own 
   // Except the driver's own process-wide state: peer access is counted once for both modes.
   CHECK(odr_mode_per_thread_tu_peer_access_holders_v2() ==
         static_cast<const void*>(&gpukit::mode_independent::peer_access_holders_v2()));
+  // And the gate of gpukit's captures: a capture begun in one mode waits for work on the legacy stream in the other.
+  CHECK(odr_mode_per_thread_tu_capture_holds() == static_cast<const void*>(&gpukit::mode_independent::capture_holds()));
   // Both copies work.
   CHECK(odr_mode_per_thread_tu_device_text() == gpukit::device::cuda(2).to_string());
 }

@@ -33,6 +33,7 @@ inline constexpr const char* singleton_names[] = {
     "mode_independent::peer_access_holders_v2()",
     "detail::over_aligned_addresses()",
     "mode_independent::gpukit_captures_underway()",
+    "mode_independent::capture_holds()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -69,6 +70,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::mode_independent::peer_access_holders_v2(),
       &gpukit::detail::over_aligned_addresses(),
       &gpukit::mode_independent::gpukit_captures_underway(),
+      &gpukit::mode_independent::capture_holds(),
   }};
 }
 }  // namespace

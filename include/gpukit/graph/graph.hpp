@@ -200,9 +200,13 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   device_guard guard(d);
   const cudaStream_t handle = s.cuda_handle();
   // Counted from before the capture begins until after it ends (allocators in capture_checks::gpukit_captures
-  // mode look only while a capture is counted); destroyed after `scope` below, which ends the capture.
+  // mode look only while a capture is counted); destroyed after `scope` below, which ends the capture. Work already
+  // being put on the legacy stream under a detail::capture_hold is waited for: it would invalidate the capture.
   struct counted_capture {
-    counted_capture() noexcept { mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_acq_rel); }
+    counted_capture() noexcept {
+      mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
+      detail::wait_for_capture_holds();
+    }
     ~counted_capture() { mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel); }
     counted_capture(const counted_capture&) = delete;
     counted_capture& operator=(const counted_capture&) = delete;

@@ -146,10 +146,12 @@ class async_allocator final : public device_allocator {
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
   /// Throws invalid_argument_error while a gpukit capture runs (gpukit::capture, any thread): cudaDeviceSynchronize
-  /// would invalidate it, in relaxed mode too (measured on an H200). A capture begun with the raw runtime cannot be
-  /// seen, and is invalidated: trim outside captures.
+  /// would invalidate it, in relaxed mode too (measured on an H200). A gpukit capture begun meanwhile waits for the
+  /// trim (detail::capture_hold); one begun with the raw runtime cannot be seen, and is invalidated: trim outside
+  /// captures.
   std::size_t trim(std::size_t target_reserved) override {
-    if (mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0) {
+    const detail::capture_hold hold(true);  // no capture begins before the wait and the trim are done
+    if (hold.refused()) {
       throw invalid_argument_error("gpukit::async_allocator::trim on " + device_.to_string() +
                                        ": a CUDA graph capture is underway, and the device-wide wait would invalidate "
                                        "it; trim (or empty_cache) after the capture",
@@ -368,7 +370,8 @@ class async_allocator final : public device_allocator {
     // stream now): then this thread's per-thread default stream frees it, after that work.
     if (stream != nullptr || a.stream.destroyed()) a.users.push_back(a.stream);
     const stream_view on = stream != nullptr ? *stream : usable_view_of(a.stream);
-    if (must_wait_for_captures(a, on)) {
+    const detail::capture_hold hold(uses_legacy_stream(a, on));  // until the free is enqueued
+    if (must_wait_for_captures(a, on, hold)) {
       try {
         kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
         a.users.reserve(a.users.size() + 1);        // room for `on` if it is destroyed by then (free_deferred)
@@ -384,39 +387,50 @@ class async_allocator final : public device_allocator {
     free_on_streams(p, a, on);
   }
 
-  /// What freeing `a` on `on` would meet now: the legacy default stream while a gpukit capture is underway
-  /// (detail::legacy_stream_refused_now), on `on` itself or to order after a recorded stream; and, only then (an
-  /// ordinary free asks CUDA nothing), a stream being captured. May throw (a stream's id or capture status unknown).
+  /// Calls `f` with each stream freeing `a` on `on` names: `on`, then the streams recorded (not destroyed).
+  template <class F>
+  static void for_each_stream(const allocation& a, const stream_view& on, F&& f) {
+    f(on);
+    for (const kept_stream& user : a.users) {
+      if (!user.destroyed()) f(user.view);
+    }
+  }
+  /// Whether freeing `a` on `on` names the legacy default stream (detail::uses_legacy_stream): then the free is
+  /// decided and enqueued under a detail::capture_hold.
+  static bool uses_legacy_stream(const allocation& a, const stream_view& on) {
+    bool legacy = false;
+    for_each_stream(a, on, [&](const stream_view& s) { legacy = legacy || detail::uses_legacy_stream(s); });
+    return legacy;
+  }
+
+  /// What freeing `a` on `on` would meet now: the legacy default stream while a gpukit capture is underway (`hold`
+  /// refuses it), on `on` itself or to order after a recorded stream; and, only then (an ordinary free asks CUDA
+  /// nothing), a stream being captured. May throw (a stream's id or capture status unknown).
   struct capture_state {
     bool legacy_refused = false;
     bool captured = false;
   };
-  capture_state capture_state_of(const allocation& a, const stream_view& on) const {
+  capture_state capture_state_of(const allocation& a, const stream_view& on, const detail::capture_hold& hold) const {
     capture_state state;
-    auto for_each_stream = [&](auto&& f) {
-      f(on);
-      for (const kept_stream& user : a.users) {
-        if (!user.destroyed()) f(user.view);
-      }
-    };
-    for_each_stream([&](const stream_view& s) {
-      state.legacy_refused = state.legacy_refused || detail::legacy_stream_refused_now(s);
-    });
+    for_each_stream(a, on,
+                    [&](const stream_view& s) { state.legacy_refused = state.legacy_refused || hold.refuses(s); });
     if (!state.legacy_refused) return state;
     device_guard guard(device_);
-    for_each_stream([&](const stream_view& s) {
+    for_each_stream(a, on, [&](const stream_view& s) {
       // The legacy stream, or another thread's per-thread one, is not gpukit's to capture (and cannot be asked).
-      if (!detail::legacy_stream_refused_now(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone)
+      if (!detail::uses_legacy_stream(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone)
         state.captured = true;
     });
     return state;
   }
   /// A free that needs the legacy stream during a gpukit capture waits until the captures end, unless a stream it
   /// involves is being captured: made after the capture, it would precede the graph's work instead of following it
-  /// in the graph, so it is made now and fails, saying so, as any free that cannot be captured does.
-  bool must_wait_for_captures(const allocation& a, const stream_view& on) const noexcept {
+  /// in the graph, so it is made now and fails, saying so, as any free that cannot be captured does. Otherwise the
+  /// free is made while `hold` lives.
+  bool must_wait_for_captures(const allocation& a, const stream_view& on,
+                              const detail::capture_hold& hold) const noexcept {
     try {
-      const capture_state state = capture_state_of(a, on);
+      const capture_state state = capture_state_of(a, on, hold);
       return state.legacy_refused && !state.captured;
     } catch (...) {  // a stream could not be asked: freed now, as before deferral existed
       return false;
@@ -429,6 +443,7 @@ class async_allocator final : public device_allocator {
   /// thread's per-thread stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
+    const detail::capture_hold hold(true);  // until the due frees are enqueued: most wait for the legacy stream
     std::vector<deferred_free> due, waiting;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -437,7 +452,7 @@ class async_allocator final : public device_allocator {
       for (deferred_free& d : deferred_) {
         bool wait = false;
         try {
-          const capture_state state = capture_state_of(d.a, usable_view_of(d.on));
+          const capture_state state = capture_state_of(d.a, usable_view_of(d.on), hold);
           wait = state.legacy_refused || state.captured;
         } catch (...) {  // a stream could not be asked: made now, and reported if it fails
         }

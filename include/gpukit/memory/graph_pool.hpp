@@ -491,14 +491,11 @@ class graph_pool final : public device_allocator {
     if (last) delete this;  // the pool's graphs went first: its last allocation ends it
   }
 
-  /// Whether naming `use` now would touch the legacy default stream while a gpukit capture runs (CUDA refuses that,
-  /// and invalidates the capture, when the captured stream is a blocking one).
-  static bool legacy_during_capture(const detail::kept_stream& use) {
-    return detail::legacy_stream_refused_now(use.view);
-  }
-  /// Whether `use` cannot take an event now: captured, or the legacy default stream during a gpukit capture.
-  static bool unrecordable_now(const detail::kept_stream& use) {
-    return legacy_during_capture(use) || detail::capture_status(use.view) != cudaStreamCaptureStatusNone;
+  /// Whether `use` cannot take an event now: the legacy default stream while a gpukit capture runs (`hold`, taken
+  /// for `use` and kept until the event is recorded, refuses it: CUDA would invalidate the capture of a blocking
+  /// stream), or captured.
+  static bool unrecordable_now(const detail::kept_stream& use, const detail::capture_hold& hold) {
+    return hold.refuses(use.view) || detail::capture_status(use.view) != cudaStreamCaptureStatusNone;
   }
 
   /// How a stream used a block: named by record_stream, or the stream the block is freed on.
@@ -526,7 +523,8 @@ class graph_pool final : public device_allocator {
         use.life->wait_finished();
         return;
       }
-      const bool legacy = legacy_during_capture(use);
+      const detail::capture_hold hold(detail::uses_legacy_stream(use.view));  // until the event is recorded
+      const bool legacy = hold.refuses(use.view);
       if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
         if (!legacy && kind == use_kind::freeing) return;
         defer(use);
@@ -568,9 +566,10 @@ class graph_pool final : public device_allocator {
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
+        const detail::capture_hold hold(!use.destroyed() && detail::uses_legacy_stream(use.view));
         if (use.destroyed()) {
           use.life->wait_finished();
-        } else if (unrecordable_now(use)) {
+        } else if (unrecordable_now(use, hold)) {
           ++it;  // still captured: its earlier work is recorded at a later launch
           continue;
         } else {

@@ -313,13 +313,16 @@ class basic_pinned_pool {
   /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null. A recorded
   /// stream that is being captured is refused, changing nothing, unless `defer_captured`. A block that a recorded
   /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture: see
-  /// detail::legacy_stream_refused_now) is deferred: off the users' books, counted as pending, and given its events
-  /// once every recorded stream can take one (process_deferred_locked).
+  /// detail::capture_hold) is deferred: off the users' books, counted as pending, and given its events once every
+  /// recorded stream can take one (process_deferred_locked).
   void deallocate_recorded(void* p, const stream_view* also, bool defer_captured);
 
-  /// Whether each of `b`'s streams can take an event now: none is the legacy default stream (or stands in for it)
-  /// during a gpukit capture, and, when `ask_captures`, none is being captured (otherwise the caller refused those).
-  static bool can_record_now(const block& b, bool ask_captures);
+  /// Whether each of `b`'s streams can take an event now: `hold` (taken where one uses the legacy default stream:
+  /// needs_capture_hold) refuses none, and, when `ask_captures`, none is being captured (otherwise the caller refused
+  /// those). The events are recorded while `hold` lives.
+  static bool can_record_now(const block& b, bool ask_captures, const detail::capture_hold& hold);
+  /// Whether one of `b`'s streams uses the legacy default stream (detail::uses_legacy_stream).
+  static bool needs_capture_hold(const block& b);
 
   /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
   /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams

@@ -296,7 +296,8 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
   }
   if (also != nullptr) record_stream_locked(b, *also);
   forget_destroyed_streams_locked(b);
-  if (!can_record_now(b, defer_captured)) {
+  const detail::capture_hold hold(needs_capture_hold(b));  // until the events are recorded
+  if (!can_record_now(b, defer_captured, hold)) {
     if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(16, 2 * deferred_.size()));
     b.state = block_state::deferred;
     deferred_.push_back(p);  // capacity reserved above
@@ -326,12 +327,19 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block& b, bool ask_captures) {
+GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block& b, bool ask_captures,
+                                                                     const detail::capture_hold& hold) {
   for (const auto& s : b.streams) {
-    if (detail::legacy_stream_refused_now(s)) return false;
+    if (hold.refuses(s)) return false;
     if (ask_captures && detail::capture_status(s) != cudaStreamCaptureStatusNone) return false;
   }
   return true;
+}
+
+template <class Upstream, class Sync>
+GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::needs_capture_hold(const block& b) {
+  return std::any_of(b.streams.begin(), b.streams.end(),
+                     [](const stream_view& s) { return detail::uses_legacy_stream(s); });
 }
 
 template <class Upstream, class Sync>
@@ -353,12 +361,13 @@ GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::process_deferred_locked() 
   bool freed = false;
   std::size_t kept = 0;
   std::size_t i = 0;
+  const detail::capture_hold hold(true);  // deferred blocks are rare; most wait for the legacy stream
   for (; i < deferred_.size(); ++i) {
     void* p = deferred_[i];
     block& b = blocks_.at(p);
     try {
       forget_destroyed_streams_locked(b);
-      if (!can_record_now(b, true)) {
+      if (!can_record_now(b, true, hold)) {
         deferred_[kept++] = p;
         continue;
       }

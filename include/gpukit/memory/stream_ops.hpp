@@ -44,11 +44,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -74,13 +77,55 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s);
 /// name: cudaStreamPerThread is the caller's own.
 GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s);
 
-/// True when an event recorded on `s`, or a wait enqueued there, from this thread would go to the legacy default
-/// stream (`s` is it, or another thread's per-thread default stream, for which it stands in: record_from_any_thread)
-/// while a gpukit capture is underway. Work on the legacy stream while a blocking stream of its device is captured
-/// invalidates that capture (cudaErrorStreamCaptureImplicit), so such a use waits, or is refused. Conservative: any
-/// gpukit capture counts, on any device and of any stream, blocking or not (one process-wide counter, read without a
-/// lock), and a capture that starts right after this answers false is not seen (as with any check before a call).
-GPUKIT_INLINE bool legacy_stream_refused_now(const stream_view& s);
+/// True when an event recorded on `s`, or a wait enqueued there, from this thread goes to the legacy default stream:
+/// `s` is it, or another thread's per-thread default stream, for which it stands in (record_from_any_thread). Work on
+/// the legacy stream while a blocking stream of its device is captured invalidates that capture
+/// (cudaErrorStreamCaptureImplicit), so such work is enqueued under a capture_hold, or waits.
+GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s);
+
+/// Keeps gpukit captures (gpukit::capture, in any thread) from beginning while it lives, unless one is underway
+/// already: refuses() then says which streams must not be used. Work on the legacy default stream is enqueued under
+/// a hold that did not refuse it, since checking for captures and then enqueueing would let a capture begin in
+/// between, and the work would invalidate it. Conservative: any gpukit capture counts, on any device and of any
+/// stream, blocking or not. Two atomic operations, none when not `needed`; held only around the enqueueing, and never
+/// while waiting for another thread (gpukit::capture waits for the holds: see wait_for_capture_holds).
+class capture_hold {
+ public:
+  /// Holds captures off if `needed` (some stream the caller will use is the legacy one) and none is underway.
+  explicit capture_hold(bool needed) noexcept {
+    if (!needed) return;
+    std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
+    // Both sides use sequentially consistent operations, so that of this increment then load and the capture's
+    // increment then load (wait_for_capture_holds), one at least sees the other's increment.
+    holds.fetch_add(1, std::memory_order_seq_cst);
+    if (mode_independent::gpukit_captures_underway().load(std::memory_order_seq_cst) == 0) {
+      held_ = true;
+      return;
+    }
+    holds.fetch_sub(1, std::memory_order_release);
+    refused_ = true;
+  }
+  ~capture_hold() {
+    if (held_) mode_independent::capture_holds().fetch_sub(1, std::memory_order_release);  // after the enqueueing
+  }
+  capture_hold(const capture_hold&) = delete;
+  capture_hold& operator=(const capture_hold&) = delete;
+
+  /// True when a gpukit capture is underway and `s` uses the legacy stream (uses_legacy_stream): work for `s` must
+  /// wait until the captures end, or be refused.
+  bool refuses(const stream_view& s) const { return refused_ && uses_legacy_stream(s); }
+  /// True when the hold was needed and a gpukit capture is underway.
+  bool refused() const noexcept { return refused_; }
+
+ private:
+  bool held_ = false;
+  bool refused_ = false;
+};
+
+/// Called by gpukit::capture once it counts itself (mode_independent::gpukit_captures_underway), before the capture
+/// begins: waits for the capture_holds taken before, whose work on the legacy stream would invalidate it. Later holds
+/// see the count and refuse, so the wait ends once the holders have enqueued their work.
+GPUKIT_INLINE void wait_for_capture_holds() noexcept;
 
 /// A stream an engine keeps to order a later free, maybe from another thread and after the stream was destroyed: a
 /// gpukit::stream is kept with its record (whether it was destroyed, and the event of its last work), since its
@@ -224,11 +269,23 @@ GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s) {
   return s.is_per_thread() && s.id() != default_stream_id(s.device().ordinal(), true);
 }
 
-GPUKIT_INLINE bool legacy_stream_refused_now(const stream_view& s) {
-  if (s.is_cpu() || mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) == 0) return false;
+GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
+  if (s.is_cpu()) return false;
   const cudaStream_t handle = s.native_handle();
   return handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode()) ||
          is_other_threads_stream(s);
+}
+
+GPUKIT_INLINE void wait_for_capture_holds() noexcept {
+  const std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
+  for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
+    // Holds last as long as an event record or a wait enqueued; async_allocator's trim holds through a device wait.
+    if (round < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
 }
 
 GPUKIT_INLINE kept_stream kept_stream::of(const stream_view& s) {

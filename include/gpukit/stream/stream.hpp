@@ -46,6 +46,13 @@ GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_captures_underway() noexc
   return count;
 }
 
+/// Threads enqueueing work that a gpukit capture begun meanwhile would break (detail::capture_hold), counted while
+/// they do: gpukit::capture begins a capture only once this is zero.
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& capture_holds() noexcept {
+  static std::atomic<std::int64_t> count{0};
+  return count;
+}
+
 }  // namespace mode_independent
 }  // namespace gpukit
 

@@ -227,12 +227,13 @@ class prefetcher {
       const stream_view& consumer = state_->consumer;
       bool deferred = false;
       try {
+        const detail::capture_hold hold(detail::uses_legacy_stream(consumer));  // until the event is recorded
         if (detail::capture_status(consumer) != cudaStreamCaptureStatusNone) {
           // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
           warn(
               "gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
               "graph; its buffer may be refilled before the captured work runs");
-        } else if (detail::legacy_stream_refused_now(consumer)) {
+        } else if (hold.refuses(consumer)) {
           // Recording on the legacy default stream now would break another thread's capture: the producer records
           // before it refills this buffer, once no capture is underway (a later record orders at least as much).
           deferred = true;
@@ -365,7 +366,8 @@ class prefetcher {
     ++st.stats.batches_handed_out;
     lock.unlock();
     batch b(state_, &sl);
-    if (detail::legacy_stream_refused_now(st.consumer)) {
+    const detail::capture_hold hold(detail::uses_legacy_stream(st.consumer));  // until the wait is enqueued
+    if (hold.refuses(st.consumer)) {
       sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
     } else {
       detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
@@ -517,6 +519,7 @@ class prefetcher {
         throw invalid_argument_error("gpukit::prefetcher: the producer wrote " + std::to_string(count) +
                                      " elements into a batch of " + std::to_string(st.capacity));
       }
+      std::optional<detail::capture_hold> hold;  // for a deferred release's event, on the legacy stream
       {
         std::unique_lock<std::mutex> lock(st.mutex);
         if (count == 0) {
@@ -537,9 +540,13 @@ class prefetcher {
           // record it now, once no capture is underway; the consumer's work enqueued since is ordered too.
           const auto start = clock::now();
           auto backoff = std::chrono::microseconds(20);
-          while (!st.stopping && index < st.end && detail::legacy_stream_refused_now(st.consumer)) {
+          // Held from the check until the event is recorded (below), so that no capture begins in between.
+          hold.emplace(detail::uses_legacy_stream(st.consumer));
+          while (!st.stopping && index < st.end && hold->refuses(st.consumer)) {
+            hold.reset();  // never held while waiting: a capture waits for the holds
             st.cv.wait_for(lock, backoff);
             backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
+            hold.emplace(detail::uses_legacy_stream(st.consumer));
           }
           st.stats.producer_wait_for_release += clock::now() - start;
           sl.consumed_deferred = false;
@@ -551,6 +558,7 @@ class prefetcher {
         }
       }
       if (record_consumed) detail::record_from_any_thread(sl.consumed, st.consumer);
+      hold.reset();
       sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
       copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(buffer.host.data(), count),
                  st.copy_stream.view());
