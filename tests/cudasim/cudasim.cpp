@@ -134,8 +134,15 @@ struct device_state {
   bool context = false;
   int creations = 0;
   std::size_t used = 0;
-  std::size_t pool_used = 0;  // of that, cudaMallocAsync's (the default pool holds exactly what is live)
-  std::size_t pool_high = 0;
+  // The default pool (cudaMallocAsync): its reserved memory is in `used`, the live allocations plus the freed memory
+  // it keeps, which serves its later allocations (fungible: the pool's own fragmentation is not modelled). At a
+  // stream, event or device synchronization it gives back what it reserves above its release threshold (CUDA's
+  // default threshold, 0, keeps nothing); cudaMemPoolTrimTo gives back down to the size asked.
+  std::size_t pool_reserved = 0;
+  std::size_t pool_used = 0;  // live cudaMallocAsync bytes
+  std::size_t pool_reserved_high = 0;
+  std::size_t pool_used_high = 0;
+  std::uint64_t pool_release_threshold = 0;
   std::uint64_t pool_peers = 0;  // bit d: cudaMemPoolSetAccess granted visible ordinal d the default pool's memory
   stream_ptr legacy;
   std::vector<stream_ptr> streams;  // every stream with work or a live handle, legacy and per-thread ones included
@@ -387,6 +394,29 @@ struct call {
   if (c.early != cudaSuccess) return c.result(c.early)
 
 bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
+
+/// Gives back the default pool's unused memory above `keep` bytes reserved (never what is live).
+void pool_release(device_state& dev, std::uint64_t keep) {
+  const std::size_t floor = static_cast<std::size_t>(std::max<std::uint64_t>(keep, dev.pool_used));
+  if (dev.pool_reserved <= floor) return;
+  dev.used -= dev.pool_reserved - floor;
+  dev.pool_reserved = floor;
+}
+
+/// A stream, event or device synchronization on `device`: its pool keeps at most its release threshold (more only
+/// while it is live).
+void pool_release_at_synchronize(simulator& s, int device) {
+  if (!valid_device(s, device)) return;
+  device_state& dev = s.devices[static_cast<std::size_t>(device)];
+  pool_release(dev, dev.pool_release_threshold);
+}
+
+/// The device whose default pool `pool` is; -1 if none is.
+int pool_device(simulator& s, cudaMemPool_t pool) {
+  const auto offset = reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000};
+  const auto device = static_cast<int>(offset / 64u);
+  return offset % 64u == 0 && valid_device(s, device) ? device : -1;
+}
 
 /// Whether visible ordinal `d` can access the memory of `peer` in the configured topology (never itself).
 bool peer_capable(simulator& s, int d, int peer) {
@@ -1154,6 +1184,7 @@ cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
     }
   }
   wait_for(c, wait);
+  pool_release_at_synchronize(c.s, st->device);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
 
@@ -1850,6 +1881,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
   wait_for(c, device_tails(c.s, d));
+  pool_release_at_synchronize(c.s, d);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
 
@@ -1933,14 +1965,19 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
   wait_for(c, device_tails(c.s, d));
   const auto again = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (again == c.s.regions.end()) return c.violation(cudaErrorInvalidValue, "double cudaFree");
-  c.s.devices[static_cast<std::size_t>(d)].used -= round_up(again->second.size, 512);
-  if (again->second.pooled) c.s.devices[static_cast<std::size_t>(d)].pool_used -= round_up(again->second.size, 512);
+  device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
+  if (again->second.pooled) {
+    dev.pool_used -= round_up(again->second.size, 512);  // back to the pool, which keeps it
+  } else {
+    dev.used -= round_up(again->second.size, 512);
+  }
   c.s.regions.erase(again);
   std::free(p);
   return cudaSuccess;
 }
 
-// --- stream-ordered allocation (cudaMallocAsync): the default pool of each device, no release threshold model ---
+// --- stream-ordered allocation (cudaMallocAsync): the default pool of each device (device_state says what it keeps)
+// ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
   CUDASIM_ENTER("cudaDeviceGetDefaultMemPool");
@@ -1953,37 +1990,54 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* poo
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
   CUDASIM_ENTER("cudaMemPoolSetAttribute");
   if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
-  if (attr == cudaMemPoolAttrReservedMemHigh || attr == cudaMemPoolAttrUsedMemHigh) {
-    if (*static_cast<cuuint64_t*>(value) != 0) {
-      return c.violation(cudaErrorInvalidValue, "a pool's high-water mark can only be reset (to 0)");
-    }
-    const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
-    if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
-    device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
-    dev.pool_high = dev.pool_used;
+  const int device = pool_device(c.s, pool);
+  if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
+  const cuuint64_t v = *static_cast<cuuint64_t*>(value);
+  switch (attr) {
+    case cudaMemPoolAttrReservedMemHigh:
+    case cudaMemPoolAttrUsedMemHigh:
+      if (v != 0) return c.violation(cudaErrorInvalidValue, "a pool's high-water mark can only be reset (to 0)");
+      if (attr == cudaMemPoolAttrReservedMemHigh) {
+        dev.pool_reserved_high = dev.pool_reserved;
+      } else {
+        dev.pool_used_high = dev.pool_used;
+      }
+      return cudaSuccess;
+    case cudaMemPoolAttrReleaseThreshold:
+      dev.pool_release_threshold = v;
+      return cudaSuccess;
+    default:
+      return c.violation(cudaErrorNotSupported, "cudasim models only the pool's release threshold and memory");
   }
-  return cudaSuccess;
 }
 
-/// The default pool keeps nothing beyond what is live (as with a release threshold reached at every step), so its
-/// reserved and used memory are the live cudaMallocAsync bytes; the high-water marks can be reset to 0.
+/// Reserved memory is what the pool holds, used what is live; the high-water marks can be reset to 0.
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
   CUDASIM_ENTER("cudaMemPoolGetAttribute");
   if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
-  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
-  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  const int device = pool_device(c.s, pool);
+  if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
   const device_state& dev = c.s.devices[static_cast<std::size_t>(device)];
+  auto& out = *static_cast<cuuint64_t*>(value);
   switch (attr) {
     case cudaMemPoolAttrReservedMemCurrent:
+      out = dev.pool_reserved;
+      return cudaSuccess;
     case cudaMemPoolAttrUsedMemCurrent:
-      *static_cast<cuuint64_t*>(value) = dev.pool_used;
+      out = dev.pool_used;
       return cudaSuccess;
     case cudaMemPoolAttrReservedMemHigh:
+      out = dev.pool_reserved_high;
+      return cudaSuccess;
     case cudaMemPoolAttrUsedMemHigh:
-      *static_cast<cuuint64_t*>(value) = dev.pool_high;
+      out = dev.pool_used_high;
+      return cudaSuccess;
+    case cudaMemPoolAttrReleaseThreshold:
+      out = dev.pool_release_threshold;
       return cudaSuccess;
     default:
-      return c.violation(cudaErrorNotSupported, "cudasim models only the pool's reserved and used memory");
+      return c.violation(cudaErrorNotSupported, "cudasim models only the pool's release threshold and memory");
   }
 }
 
@@ -2034,11 +2088,14 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* 
   return cudaSuccess;
 }
 
-CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t) {
+CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep) {
   CUDASIM_ENTER("cudaMemPoolTrimTo");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
+  const int device = pool_device(c.s, pool);
+  if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
-  return cudaSuccess;  // the default pool keeps nothing to trim
+  pool_release(c.s.devices[static_cast<std::size_t>(device)], keep);  // freed memory whose frees have run
+  return cudaSuccess;
 }
 
 /// cudaMallocAsync, or cudaMallocFromPoolAsync when `pool` is given (the default pool of the stream's device only).
@@ -2061,7 +2118,10 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
     return cudaSuccess;
   }
   const std::size_t rounded = round_up(size, 512);
-  if (rounded < size || rounded > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
+  // What the pool keeps serves first; the rest it reserves from the device.
+  const std::size_t kept = dev.pool_reserved - dev.pool_used;
+  const std::size_t growth = rounded > kept ? rounded - kept : 0;
+  if (rounded < size || growth > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
     return c.result(cudaErrorMemoryAllocation);
   }
   void* memory = allocate_host_memory(rounded);
@@ -2074,9 +2134,11 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   r.pooled = true;
   r.graph_allocation = st->capture != nullptr;
   c.s.regions[r.base] = r;
-  dev.used += rounded;
+  dev.used += growth;
+  dev.pool_reserved += growth;
   dev.pool_used += rounded;
-  dev.pool_high = std::max(dev.pool_high, dev.pool_used);
+  dev.pool_reserved_high = std::max(dev.pool_reserved_high, dev.pool_reserved);
+  dev.pool_used_high = std::max(dev.pool_used_high, dev.pool_used);
   *p = memory;
   return cudaSuccess;
 }
@@ -2119,8 +2181,11 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
     const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
     if (found == s.regions.end()) return false;
     device_state& dev = s.devices[static_cast<std::size_t>(found->second.device)];
-    dev.used -= round_up(found->second.size, 512);
-    if (found->second.pooled) dev.pool_used -= round_up(found->second.size, 512);
+    if (found->second.pooled) {
+      dev.pool_used -= round_up(found->second.size, 512);  // the pool keeps it (pool_release gives it back)
+    } else {
+      dev.used -= round_up(found->second.size, 512);
+    }
     s.regions.erase(found);
     return true;
   };
@@ -2550,7 +2615,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "synchronize of a destroyed or invalid event");
   if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventSynchronize of an event recorded in a capture");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  const int device = ev->device;
   wait_for(c, {ev->last});
+  pool_release_at_synchronize(c.s, device);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
 

@@ -355,6 +355,75 @@ TEST_CASE("cudasim: during a capture cudaFreeAsync frees only memory that a capt
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: the default pool keeps freed memory up to its release threshold at each synchronization") {
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
+  auto attribute = [&](cudaMemPoolAttr a) {
+    cuuint64_t value = 0;
+    REQUIRE(cudaMemPoolGetAttribute(pool, a, &value) == cudaSuccess);
+    return static_cast<std::size_t>(value);
+  };
+  auto set = [&](cudaMemPoolAttr a, cuuint64_t value) {
+    REQUIRE(cudaMemPoolSetAttribute(pool, a, &value) == cudaSuccess);
+  };
+  cuuint64_t previous_threshold = 0;
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &previous_threshold) == cudaSuccess);
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaMemPoolTrimTo(pool, 0) == cudaSuccess);
+  const std::size_t device_used = cudasim::device_memory_used(0);
+  REQUIRE(attribute(cudaMemPoolAttrUsedMemCurrent) == 0);      // the tests before freed their pool memory
+  REQUIRE(attribute(cudaMemPoolAttrReservedMemCurrent) == 0);  // trimmed: nothing kept beyond what is live
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+
+  // Kept up to the threshold: 3 MiB of the 4 freed; the 1 MiB above it goes back at the synchronization.
+  set(cudaMemPoolAttrReleaseThreshold, 3 * MiB);
+  void* p = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 4 * MiB, s) == cudaSuccess);
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 4 * MiB);
+  CHECK(cudasim::device_memory_used(0) == device_used + 4 * MiB);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  cudasim::drain_all();
+  CHECK(attribute(cudaMemPoolAttrUsedMemCurrent) == 0);
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 4 * MiB);  // until a synchronization
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 3 * MiB);
+  CHECK(cudasim::device_memory_used(0) == device_used + 3 * MiB);
+  CHECK(attribute(cudaMemPoolAttrReservedMemHigh) >= 4 * MiB);
+
+  // What it keeps serves the next allocation: the device gives no more memory.
+  REQUIRE(cudaMallocAsync(&p, 2 * MiB, s) == cudaSuccess);
+  CHECK(cudasim::device_memory_used(0) == device_used + 3 * MiB);
+  CHECK(attribute(cudaMemPoolAttrUsedMemCurrent) == 2 * MiB);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);  // the free has run: 3 MiB kept, none used
+
+  // The threshold at its maximum keeps everything through synchronizations; a trim gives it back.
+  set(cudaMemPoolAttrReleaseThreshold, ~cuuint64_t{0});
+  REQUIRE(cudaMallocAsync(&p, 8 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 8 * MiB);  // 3 MiB kept, 5 more reserved
+  CHECK(attribute(cudaMemPoolAttrUsedMemCurrent) == 0);
+  REQUIRE(cudaMemPoolTrimTo(pool, 1 * MiB) == cudaSuccess);
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 1 * MiB);
+  REQUIRE(cudaMemPoolTrimTo(pool, 0) == cudaSuccess);
+  CHECK(cudasim::device_memory_used(0) == device_used);
+
+  // The high-water marks reset to the current values; only 0 is accepted.
+  set(cudaMemPoolAttrReservedMemHigh, 0);
+  set(cudaMemPoolAttrUsedMemHigh, 0);
+  CHECK(attribute(cudaMemPoolAttrReservedMemHigh) == attribute(cudaMemPoolAttrReservedMemCurrent));
+  CHECK(attribute(cudaMemPoolAttrUsedMemHigh) == 0);
+  cuuint64_t one = 1;
+  CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &one) == cudaErrorInvalidValue);
+  CHECK(has_violation(cudasim::take_violations(), cudaErrorInvalidValue));
+  (void)cudaGetLastError();
+
+  set(cudaMemPoolAttrReleaseThreshold, previous_threshold);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: pointers are classified, copies are checked against them, and freed memory faults") {
   void* d = nullptr;
   void* pinned = nullptr;

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace gpukit_test;
@@ -55,6 +56,36 @@ TEST_CASE("gpu: async_allocator allocates on a stream, data round-trips, statist
   CHECK(contains(a.memory_summary(), "gpukit async allocator (cudaMallocAsync), cuda:0"));
   a.empty_cache();
   s.synchronize();
+}
+
+TEST_CASE("gpu: async_allocator's release threshold decides what the pool keeps at a synchronization") {
+  // CUDA's default threshold (0) gives freed memory back at every synchronization, so the next allocation goes to
+  // the driver again; gpukit's default keeps it, and trim gives it back. The pool is the process's: only relations.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  constexpr std::size_t bytes = std::size_t{64} << 20;  // above the driver's granularity (2 MiB pages, 32 MiB chunks)
+  const auto reserved_after_free_and_synchronize = [&](gpukit::async_allocator& a) {
+    void* p = a.allocate(bytes, s);
+    const std::size_t with = a.memory_reserved();
+    CHECK(with >= bytes);
+    a.deallocate(p);
+    s.synchronize();
+    return std::make_pair(with, a.memory_reserved());
+  };
+  {
+    gpukit::async_allocator keeps(d);  // threshold: everything
+    const auto [with, after] = reserved_after_free_and_synchronize(keeps);
+    CHECK(after == with);
+    CHECK(keeps.trim(0) < with);
+  }
+  {
+    gpukit::async_allocator gives_back(d, 0);  // CUDA's default
+    const auto [with, after] = reserved_after_free_and_synchronize(gives_back);
+    CHECK(after < with);
+    CHECK(after + bytes <= with);
+  }
+  gpukit::async_allocator restore(d);  // gpukit's default for the tests after this one
 }
 
 TEST_CASE("gpu: async_allocator serves device_buffer and orders a free after recorded streams") {
