@@ -4,11 +4,8 @@
 # (basic_caching_allocator<host_upstream>, from caching_allocator_impl.hpp, whose extern template declarations
 # leave the default engine to gpukit::compiled).
 cmake_minimum_required(VERSION 3.18)
-execute_process(COMMAND "${NM}" -C "${OBJECT}" OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "${NM} ${OBJECT} failed (${rc})")
-endif()
-string(REPLACE "\n" ";" lines "${symbols}")
+include("${CMAKE_CURRENT_LIST_DIR}/nm_lines.cmake")
+nm_lines("${OBJECT}" lines)
 set(own 0)
 set(library 0)
 set(library_called 0)

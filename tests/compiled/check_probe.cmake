@@ -2,13 +2,10 @@
 # Fails unless the header-only object defines the engines' functions and gpukit's non-template functions, and the
 # compiled-mode object defines neither but calls gpukit::compiled (undefined references, resolved by the library).
 cmake_minimum_required(VERSION 3.18)
+include("${CMAKE_CURRENT_LIST_DIR}/nm_lines.cmake")
 set(engines "basic_caching_allocator" "basic_pinned_pool" "basic_staging_engine")
 foreach(mode COMPILED HEADER_ONLY)
-  execute_process(COMMAND "${NM}" -C "${${mode}}" OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${NM} ${${mode}} failed (${rc})")
-  endif()
-  string(REPLACE "\n" ";" lines "${symbols}")
+  nm_lines("${${mode}}" lines)
   foreach(engine IN LISTS engines)
     set(defined 0)
     foreach(line IN LISTS lines)
