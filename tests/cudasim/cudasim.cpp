@@ -111,6 +111,7 @@ struct region {
   unsigned flags = 0;
   bool pooled = false;            // from cudaMallocAsync
   bool graph_allocation = false;  // cudaMallocAsync during a capture: what a free node of a capture may free
+  bool free_enqueued = false;     // cudaFreeAsync enqueued outside a capture, not run yet
   bool virtual_range = false;     // cuMemAddressReserve: device memory only where pages are mapped with access
 };
 
@@ -134,12 +135,16 @@ struct device_state {
   bool context = false;
   int creations = 0;
   std::size_t used = 0;
-  // The default pool (cudaMallocAsync): its reserved memory is in `used`, the live allocations plus the freed memory
-  // it keeps, which serves its later allocations (fungible: the pool's own fragmentation is not modelled). At a
-  // stream, event or device synchronization it gives back what it reserves above its release threshold (CUDA's
-  // default threshold, 0, keeps nothing); cudaMemPoolTrimTo gives back down to the size asked.
+  // The default pool (cudaMallocAsync): its reserved memory is in `used`: the live allocations, the frees enqueued
+  // and not yet run (pending, per stream), and the freed memory it keeps. A stream's allocation takes its own pending
+  // frees first (stream order makes them safe to reuse), then kept memory (fungible: the pool's own fragmentation is
+  // not modelled), then more from the device. At a stream, event or device synchronization the pool gives back what
+  // it keeps above its release threshold (CUDA's default threshold, 0, keeps nothing); cudaMemPoolTrimTo gives back
+  // down to the size asked.
   std::size_t pool_reserved = 0;
-  std::size_t pool_used = 0;  // live cudaMallocAsync bytes
+  std::size_t pool_used = 0;                              // live cudaMallocAsync bytes, as the host sees them
+  std::map<const stream_obj*, std::size_t> pool_pending;  // bytes freed on each stream whose frees have not run
+  std::size_t pool_pending_total = 0;
   std::size_t pool_reserved_high = 0;
   std::size_t pool_used_high = 0;
   std::uint64_t pool_release_threshold = 0;
@@ -395,9 +400,10 @@ struct call {
 
 bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
 
-/// Gives back the default pool's unused memory above `keep` bytes reserved (never what is live).
+/// Gives back the default pool's kept memory above `keep` bytes reserved (never what is live or pending).
 void pool_release(device_state& dev, std::uint64_t keep) {
-  const std::size_t floor = static_cast<std::size_t>(std::max<std::uint64_t>(keep, dev.pool_used));
+  const std::size_t floor =
+      static_cast<std::size_t>(std::max<std::uint64_t>(keep, dev.pool_used + dev.pool_pending_total));
   if (dev.pool_reserved <= floor) return;
   dev.used -= dev.pool_reserved - floor;
   dev.pool_reserved = floor;
@@ -1965,6 +1971,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
   wait_for(c, device_tails(c.s, d));
   const auto again = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (again == c.s.regions.end()) return c.violation(cudaErrorInvalidValue, "double cudaFree");
+  if (again->second.free_enqueued) {
+    return c.violation(cudaErrorInvalidValue, "cudaFree of memory whose cudaFreeAsync is enqueued already");
+  }
   device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
   if (again->second.pooled) {
     dev.pool_used -= round_up(again->second.size, 512);  // back to the pool, which keeps it
@@ -2025,7 +2034,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, en
       out = dev.pool_reserved;
       return cudaSuccess;
     case cudaMemPoolAttrUsedMemCurrent:
-      out = dev.pool_used;
+      out = dev.pool_used + dev.pool_pending_total;  // a free releases its memory when it runs
       return cudaSuccess;
     case cudaMemPoolAttrReservedMemHigh:
       out = dev.pool_reserved_high;
@@ -2118,9 +2127,12 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
     return cudaSuccess;
   }
   const std::size_t rounded = round_up(size, 512);
-  // What the pool keeps serves first; the rest it reserves from the device.
-  const std::size_t kept = dev.pool_reserved - dev.pool_used;
-  const std::size_t growth = rounded > kept ? rounded - kept : 0;
+  // This stream's pending frees serve first, then what the pool keeps; the rest it reserves from the device.
+  const auto mine = dev.pool_pending.find(st.get());
+  const std::size_t from_pending = mine == dev.pool_pending.end() ? 0 : std::min(mine->second, rounded);
+  const std::size_t kept = dev.pool_reserved - dev.pool_used - dev.pool_pending_total;
+  const std::size_t rest = rounded - from_pending;
+  const std::size_t growth = rest > kept ? rest - kept : 0;
   if (rounded < size || growth > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
     return c.result(cudaErrorMemoryAllocation);
   }
@@ -2134,6 +2146,11 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   r.pooled = true;
   r.graph_allocation = st->capture != nullptr;
   c.s.regions[r.base] = r;
+  if (from_pending != 0) {
+    mine->second -= from_pending;  // the free, when it runs, releases only what is still pending
+    dev.pool_pending_total -= from_pending;
+    if (mine->second == 0) dev.pool_pending.erase(mine);
+  }
   dev.used += growth;
   dev.pool_reserved += growth;
   dev.pool_used += rounded;
@@ -2173,18 +2190,41 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
                        "cudaFreeAsync during a capture of memory not allocated in a capture (a free node frees only "
                        "a graph allocation)");
   }
+  if (it->second.free_enqueued) {
+    return c.violation(cudaErrorInvalidValue, "cudaFreeAsync of memory whose cudaFreeAsync is enqueued already");
+  }
+  // Outside a capture, the memory is off the pool's live bytes at once and pending on this stream, whose later
+  // allocations may take it; the pool keeps it once the stream reaches the free. A captured free (a free node) runs
+  // at the graph's launch, and leaves the live bytes then.
+  const std::size_t rounded = round_up(it->second.size, 512);
+  const bool pending = it->second.pooled && st->capture == nullptr;
+  if (pending) {
+    device_state& dev = c.s.devices[static_cast<std::size_t>(it->second.device)];
+    dev.pool_used -= rounded;
+    dev.pool_pending[st.get()] += rounded;
+    dev.pool_pending_total += rounded;
+    it->second.free_enqueued = true;
+  }
   // Freed when the stream reaches this point (the precheck runs under the machine's lock).
   auto o = std::make_shared<op>();
   o->what = c.function;
-  o->precheck = [p] {
+  o->precheck = [p, pending, rounded, on = st.get()] {
     simulator& s = sim();
     const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
     if (found == s.regions.end()) return false;
     device_state& dev = s.devices[static_cast<std::size_t>(found->second.device)];
-    if (found->second.pooled) {
-      dev.pool_used -= round_up(found->second.size, 512);  // the pool keeps it (pool_release gives it back)
+    if (pending) {
+      const auto mine = dev.pool_pending.find(on);
+      const std::size_t still = mine == dev.pool_pending.end() ? 0 : std::min(mine->second, rounded);
+      if (still != 0) {
+        mine->second -= still;  // kept by the pool from now on (pool_release gives it back)
+        dev.pool_pending_total -= still;
+        if (mine->second == 0) dev.pool_pending.erase(mine);
+      }
+    } else if (found->second.pooled) {
+      dev.pool_used -= rounded;  // kept by the pool
     } else {
-      dev.used -= round_up(found->second.size, 512);
+      dev.used -= rounded;
     }
     s.regions.erase(found);
     return true;

@@ -398,6 +398,33 @@ TEST_CASE("cudasim: the default pool keeps freed memory up to its release thresh
   REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
   REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);  // the free has run: 3 MiB kept, none used
 
+  // A free that has not run yet serves later allocations of its own stream (stream order makes that safe), not of
+  // another stream, which the pool serves with more memory.
+  std::atomic<bool> open{false};
+  const cudaHostFn_t wait_open = [](void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+  };
+  cudaStream_t other = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&p, 3 * MiB, s) == cudaSuccess);  // all that is kept
+  REQUIRE(cudaLaunchHostFunc(s, wait_open, &open) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);                 // pending behind the host function
+  CHECK(attribute(cudaMemPoolAttrUsedMemCurrent) == 3 * MiB);  // until the free runs
+  void* again = nullptr;
+  REQUIRE(cudaMallocAsync(&again, 3 * MiB, s) == cudaSuccess);
+  CHECK(cudasim::device_memory_used(0) == device_used + 3 * MiB);
+  void* elsewhere = nullptr;
+  REQUIRE(cudaMallocAsync(&elsewhere, 1 * MiB, other) == cudaSuccess);
+  CHECK(cudasim::device_memory_used(0) == device_used + 4 * MiB);
+  open = true;
+  REQUIRE(cudaFreeAsync(again, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(elsewhere, other) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(other) == cudaSuccess);  // 3 MiB kept (the threshold), 1 MiB given back
+  CHECK(attribute(cudaMemPoolAttrReservedMemCurrent) == 3 * MiB);
+  CHECK(attribute(cudaMemPoolAttrUsedMemCurrent) == 0);
+  CHECK(cudaStreamDestroy(other) == cudaSuccess);
+
   // The threshold at its maximum keeps everything through synchronizations; a trim gives it back.
   set(cudaMemPoolAttrReleaseThreshold, ~cuuint64_t{0});
   REQUIRE(cudaMallocAsync(&p, 8 * MiB, s) == cudaSuccess);
