@@ -1262,7 +1262,7 @@ TEST_CASE("capture: a capture hold refuses the legacy stream only while a gpukit
   gpukit::stream blocking = blocking_stream();
   const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
   auto& holds = gpukit::mode_independent::capture_holds();
-  REQUIRE(holds.load() == 0);
+  REQUIRE(holds.load() == 0);  // a hold left by an earlier test would stall every capture
   {
     const gpukit::detail::capture_hold hold(true);
     CHECK_FALSE(hold.refused());
@@ -1297,9 +1297,16 @@ TEST_CASE("capture: gpukit::capture begins only once the work put on the legacy 
   std::atomic<bool> returned{false};
   std::string failure;
   std::optional<gpukit::graph> g;
+  REQUIRE(gpukit::mode_independent::capture_holds().load() == 0);
   std::thread capturer;
+  struct joined {
+    std::thread& t;
+    ~joined() {
+      if (t.joinable()) t.join();  // after the hold below is gone, also when a check throws
+    }
+  } join_at_exit{capturer};
   {
-    const gpukit::detail::capture_hold hold(true);
+    gpukit::detail::capture_hold hold(true);
     REQUIRE_FALSE(hold.refused());
     capturer = std::thread([&] {
       try {
@@ -1318,6 +1325,9 @@ TEST_CASE("capture: gpukit::capture begins only once the work put on the legacy 
     CHECK_FALSE(began.load());
     gpukit::event e(cuda0);
     e.record(gpukit::stream_view(cuda0, cudaStreamLegacy));
+    CHECK(hold.held());
+    hold.release();  // the capture may begin now
+    CHECK_FALSE(hold.held());
   }
   capturer.join();
   CHECK(failure == "");
@@ -1329,28 +1339,39 @@ TEST_CASE("capture: gpukit::capture begins only once the work put on the legacy 
 }
 
 namespace {
-/// Runs `free_one` in a loop on another thread while this one captures a blocking stream `captures` times with
-/// gpukit::capture; checks that every capture stayed valid, that `free_one` never threw, and that the simulator saw
-/// no work on the legacy stream during a capture.
+/// Runs `free_one` in a loop on another thread while this one captures a blocking stream with gpukit::capture, until
+/// 200 frees overlapped a capture (at most 20000 captures); checks that frees did overlap captures, that every capture
+/// stayed valid, that `free_one` never threw, and that the simulator saw no work on the legacy stream during one.
 template <class FreeOne>
-void legacy_frees_during_captures(FreeOne&& free_one, int captures) {
+void legacy_frees_during_captures(FreeOne&& free_one) {
+  REQUIRE(gpukit::mode_independent::capture_holds().load() == 0);
+  const auto& captures_underway = gpukit::mode_independent::gpukit_captures_underway();
   gpukit::stream blocking = blocking_stream();
   std::atomic<bool> stop{false};
+  std::atomic<bool> failed{false};
   std::atomic<long> frees{0};
-  std::string failure;
+  std::atomic<long> overlapping{0};  // frees with a capture counted before or after them
+  std::string failure;               // written before `failed` is set, read after the join
   std::thread freer([&] {
     try {
       while (!stop.load()) {
+        const bool before = captures_underway.load() != 0;
         free_one();
+        const bool after = captures_underway.load() != 0;
         ++frees;
+        if (before || after) ++overlapping;
       }
     } catch (const std::exception& e) {
       failure = e.what();
+      failed = true;
     }
   });
+  while (frees.load() < 50 && !failed.load()) std::this_thread::yield();  // the freer runs before captures begin
+  int captures = 0;
   int valid = 0;
   std::string capture_failure;
-  for (int i = 0; i < captures && failure.empty(); ++i) {
+  while (captures < 20000 && overlapping.load() < 200 && !failed.load()) {
+    ++captures;
     try {
       gpukit::graph g = gpukit::capture(blocking, [] {});
       ++valid;
@@ -1359,12 +1380,12 @@ void legacy_frees_during_captures(FreeOne&& free_one, int captures) {
       break;
     }
   }
-  while (frees.load() < 10 && failure.empty()) std::this_thread::yield();  // the loops overlapped
   stop = true;
   freer.join();
   CHECK(failure == "");
   CHECK(capture_failure == "");
   CHECK(valid == captures);
+  CHECK(overlapping.load() > 0);  // the race was run, not just the two loops one after the other
   CHECK(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
@@ -1373,13 +1394,11 @@ void legacy_frees_during_captures(FreeOne&& free_one, int captures) {
 TEST_CASE("capture: pinned blocks freed after the legacy stream in one thread leave another thread's captures intact") {
   gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
   const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
-  legacy_frees_during_captures(
-      [&] {
-        void* p = pool.allocate(4096);
-        pool.record_stream(p, legacy);
-        pool.deallocate(p);  // its event is recorded on the legacy stream, or deferred while a capture is underway
-      },
-      300);
+  legacy_frees_during_captures([&] {
+    void* p = pool.allocate(4096);
+    pool.record_stream(p, legacy);
+    pool.deallocate(p);  // its event is recorded on the legacy stream, or deferred while a capture is underway
+  });
   (void)pool.stats();  // records the deferred blocks' events: no capture is underway
   CHECK(cudaDeviceSynchronize() == cudaSuccess);
   const auto stats = pool.stats();
@@ -1392,12 +1411,10 @@ TEST_CASE("capture: pinned blocks freed after the legacy stream in one thread le
 TEST_CASE("capture: async_allocator frees on the legacy stream in one thread leave another thread's captures intact") {
   gpukit::async_allocator a(cuda0);
   const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
-  legacy_frees_during_captures(
-      [&] {
-        void* p = a.allocate(4096, legacy);  // makes the frees deferred by a capture that has ended
-        a.deallocate(p);                     // on the legacy stream, or deferred while a capture is underway
-      },
-      300);
+  legacy_frees_during_captures([&] {
+    void* p = a.allocate(4096, legacy);  // makes the frees deferred by a capture that has ended
+    a.deallocate(p);                     // on the legacy stream, or deferred while a capture is underway
+  });
   void* last = a.allocate(4096, legacy);
   a.deallocate(last);
   CHECK(a.deferred_frees() == 0);

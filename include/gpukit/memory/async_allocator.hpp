@@ -40,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -146,12 +147,11 @@ class async_allocator final : public device_allocator {
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
   /// Throws invalid_argument_error while a gpukit capture runs (gpukit::capture, any thread): cudaDeviceSynchronize
-  /// would invalidate it, in relaxed mode too (measured on an H200). A gpukit capture begun meanwhile waits for the
-  /// trim (detail::capture_hold); one begun with the raw runtime cannot be seen, and is invalidated: trim outside
-  /// captures.
+  /// would invalidate it, in relaxed mode too (measured on an H200). A capture begun meanwhile, or with the raw
+  /// runtime, cannot be seen, and is invalidated: trim outside captures. (A detail::capture_hold cannot keep captures
+  /// off through the wait: the device's work may wait for the very thread that is beginning a capture.)
   std::size_t trim(std::size_t target_reserved) override {
-    const detail::capture_hold hold(true);  // no capture begins before the wait and the trim are done
-    if (hold.refused()) {
+    if (mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0) {
       throw invalid_argument_error("gpukit::async_allocator::trim on " + device_.to_string() +
                                        ": a CUDA graph capture is underway, and the device-wide wait would invalidate "
                                        "it; trim (or empty_cache) after the capture",
@@ -370,7 +370,8 @@ class async_allocator final : public device_allocator {
     // stream now): then this thread's per-thread default stream frees it, after that work.
     if (stream != nullptr || a.stream.destroyed()) a.users.push_back(a.stream);
     const stream_view on = stream != nullptr ? *stream : usable_view_of(a.stream);
-    const detail::capture_hold hold(uses_legacy_stream(a, on));  // until the free is enqueued
+    free_deferred();  // the earlier frees first, and not under this one's hold (they may wait on the host)
+    detail::capture_hold hold(may_use_legacy_stream(a, on));  // until the free is enqueued
     if (must_wait_for_captures(a, on, hold)) {
       try {
         kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
@@ -383,8 +384,7 @@ class async_allocator final : public device_allocator {
       } catch (...) {  // no memory to defer it, or `on` unknown (nothing was moved): freed now, reported if refused
       }
     }
-    free_deferred();
-    free_on_streams(p, a, on);
+    free_on_streams(p, a, on, hold);
   }
 
   /// Calls `f` with each stream freeing `a` on `on` names: `on`, then the streams recorded (not destroyed).
@@ -395,11 +395,11 @@ class async_allocator final : public device_allocator {
       if (!user.destroyed()) f(user.view);
     }
   }
-  /// Whether freeing `a` on `on` names the legacy default stream (detail::uses_legacy_stream): then the free is
-  /// decided and enqueued under a detail::capture_hold.
-  static bool uses_legacy_stream(const allocation& a, const stream_view& on) {
+  /// Whether freeing `a` on `on` may name the legacy default stream (detail::may_use_legacy_stream): then the free
+  /// is decided and enqueued under a detail::capture_hold.
+  static bool may_use_legacy_stream(const allocation& a, const stream_view& on) noexcept {
     bool legacy = false;
-    for_each_stream(a, on, [&](const stream_view& s) { legacy = legacy || detail::uses_legacy_stream(s); });
+    for_each_stream(a, on, [&](const stream_view& s) { legacy = legacy || detail::may_use_legacy_stream(s); });
     return legacy;
   }
 
@@ -443,7 +443,8 @@ class async_allocator final : public device_allocator {
   /// thread's per-thread stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
-    const detail::capture_hold hold(true);  // until the due frees are enqueued: most wait for the legacy stream
+    std::optional<detail::capture_hold> hold;  // until the due frees are enqueued: most use the legacy stream
+    hold.emplace(true);
     std::vector<deferred_free> due, waiting;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -452,7 +453,7 @@ class async_allocator final : public device_allocator {
       for (deferred_free& d : deferred_) {
         bool wait = false;
         try {
-          const capture_state state = capture_state_of(d.a, usable_view_of(d.on), hold);
+          const capture_state state = capture_state_of(d.a, usable_view_of(d.on), *hold);
           wait = state.legacy_refused || state.captured;
         } catch (...) {  // a stream could not be asked: made now, and reported if it fails
         }
@@ -462,12 +463,32 @@ class async_allocator final : public device_allocator {
       has_deferred_.store(!deferred_.empty(), std::memory_order_release);
     } catch (...) {  // no memory to sort them: they wait for the next call
     }
-    for (deferred_free& d : due) {
+    for (std::size_t i = 0; i < due.size(); ++i) {
+      if (!hold->held() && !hold->refused()) {
+        // An earlier free let go of the hold to wait on the host (free_on_streams): take it again; if a capture
+        // began meanwhile, the rest wait for the next call.
+        hold.emplace(true);
+        if (hold->refused() && requeue(due, i)) return;
+      }
+      deferred_free& d = due[i];
       const stream_view on = usable_view_of(d.on);
       if (d.on.destroyed()) d.a.users.push_back(std::move(d.on));  // capacity reserved when deferred: cannot throw
-      free_on_streams(d.p, d.a, on);
+      free_on_streams(d.p, d.a, on, *hold);
     }
   }
+  /// Puts due[from...] back among the deferred frees; false (nothing moved) if there is no memory for that.
+  bool requeue(std::vector<deferred_free>& due, std::size_t from) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      deferred_.reserve(deferred_.size() + (due.size() - from));
+      for (std::size_t i = from; i < due.size(); ++i) deferred_.push_back(std::move(due[i]));
+      has_deferred_.store(true, std::memory_order_release);
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
   /// The stream a free is made on instead of `s`: `s` itself, or this thread's per-thread stream once `s` is
   /// destroyed (its handle may name another stream now; the caller waits for its final event).
   stream_view usable_view_of(const kept_stream& s) const noexcept {
@@ -476,8 +497,10 @@ class async_allocator final : public device_allocator {
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
   /// cannot be enqueued, the host waits for that stream instead; where the free cannot be enqueued on `on`, it
-  /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering.
-  void free_on_streams(void* p, const allocation& a, const stream_view& on) noexcept {
+  /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering. `hold`
+  /// (taken when the free was decided) is released before any host wait or warning: a capture waiting for it may be
+  /// what the host waits for.
+  void free_on_streams(void* p, const allocation& a, const stream_view& on, detail::capture_hold& hold) noexcept {
     bool capturing = false;  // host waits are illegal then: a failure leaks the memory instead (with a warning)
     // Asked only once something failed or a destroyed stream's work is waited for, since only those paths differ:
     // an ordinary free makes no cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a
@@ -502,7 +525,7 @@ class async_allocator final : public device_allocator {
       const cudaStream_t free_stream = kept_stream::of(on).handle_here();
       for (const kept_stream& user : a.users) {
         if (user.destroyed()) {
-          wait_for_destroyed(free_stream, *user.life, captured);
+          wait_for_destroyed(free_stream, *user.life, captured, hold);
           continue;
         }
         const cudaStream_t user_stream = user.handle_here();
@@ -513,6 +536,7 @@ class async_allocator final : public device_allocator {
         if (captured()) {
           GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         }
+        hold.release();
         if (cudaStreamSynchronize(user_stream) != cudaSuccess) {
           (void)cudaGetLastError();
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
@@ -520,6 +544,7 @@ class async_allocator final : public device_allocator {
         }
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
+      hold.release();
       if (freed == cudaSuccess) return;
       (void)cudaGetLastError();
       if (detail::is_teardown_result(freed)) return;
@@ -527,6 +552,7 @@ class async_allocator final : public device_allocator {
       warn("gpukit::async_allocator: cudaFreeAsync of " + detail::format_bytes(a.bytes) + " on its stream failed (" +
            cudaGetErrorName(freed) + "); freeing it after the device's work instead");
     } catch (const std::exception& e) {
+      hold.release();
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
         return;
@@ -546,7 +572,8 @@ class async_allocator final : public device_allocator {
   /// final event; on the host where that wait cannot be enqueued, or during a capture (a captured stream cannot wait
   /// for an event recorded outside the capture, and a host wait for one is legal in relaxed mode).
   template <class Captured>
-  void wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured) const {
+  void wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured,
+                          detail::capture_hold& hold) const {
     if (life.finished()) return;
     const cudaEvent_t last = life.final_event();
     if (last == nullptr && captured()) {  // only a device-wide wait would do, which would invalidate the capture
@@ -557,6 +584,7 @@ class async_allocator final : public device_allocator {
       if (cudaStreamWaitEvent(free_stream, last, 0) == cudaSuccess) return;
       (void)cudaGetLastError();
     }
+    hold.release();  // a host wait (see free_on_streams)
     life.wait_finished();
   }
 

@@ -523,7 +523,7 @@ class graph_pool final : public device_allocator {
         use.life->wait_finished();
         return;
       }
-      const detail::capture_hold hold(detail::uses_legacy_stream(use.view));  // until the event is recorded
+      detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
       const bool legacy = hold.refuses(use.view);
       if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
         if (!legacy && kind == use_kind::freeing) return;
@@ -532,6 +532,7 @@ class graph_pool final : public device_allocator {
       }
       event done(device_);
       detail::record_from_any_thread(done, use.view);
+      hold.release();  // before the lock, under which launches wait on the host
       std::lock_guard<std::mutex> lock(mutex_);
       uses_.insert_or_assign(use.view.id(), std::move(done));
       has_uses_.store(true, std::memory_order_release);
@@ -566,7 +567,7 @@ class graph_pool final : public device_allocator {
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
-        const detail::capture_hold hold(!use.destroyed() && detail::uses_legacy_stream(use.view));
+        const detail::capture_hold hold(!use.destroyed() && detail::may_use_legacy_stream(use.view));
         if (use.destroyed()) {
           use.life->wait_finished();
         } else if (unrecordable_now(use, hold)) {

@@ -321,8 +321,8 @@ class basic_pinned_pool {
   /// needs_capture_hold) refuses none, and, when `ask_captures`, none is being captured (otherwise the caller refused
   /// those). The events are recorded while `hold` lives.
   static bool can_record_now(const block& b, bool ask_captures, const detail::capture_hold& hold);
-  /// Whether one of `b`'s streams uses the legacy default stream (detail::uses_legacy_stream).
-  static bool needs_capture_hold(const block& b);
+  /// Whether one of `b`'s streams may use the legacy default stream (detail::may_use_legacy_stream).
+  static bool needs_capture_hold(const block& b) noexcept;
 
   /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
   /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams

@@ -337,9 +337,9 @@ GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::needs_capture_hold(const block& b) {
+GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::needs_capture_hold(const block& b) noexcept {
   return std::any_of(b.streams.begin(), b.streams.end(),
-                     [](const stream_view& s) { return detail::uses_legacy_stream(s); });
+                     [](const stream_view& s) { return detail::may_use_legacy_stream(s); });
 }
 
 template <class Upstream, class Sync>

@@ -82,13 +82,17 @@ GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s);
 /// the legacy stream while a blocking stream of its device is captured invalidates that capture
 /// (cudaErrorStreamCaptureImplicit), so such work is enqueued under a capture_hold, or waits.
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s);
+/// uses_legacy_stream(s), or true where that cannot be told (the first look-up of this thread's stream id failed).
+GPUKIT_INLINE bool may_use_legacy_stream(const stream_view& s) noexcept;
 
 /// Keeps gpukit captures (gpukit::capture, in any thread) from beginning while it lives, unless one is underway
 /// already: refuses() then says which streams must not be used. Work on the legacy default stream is enqueued under
 /// a hold that did not refuse it, since checking for captures and then enqueueing would let a capture begin in
 /// between, and the work would invalidate it. Conservative: any gpukit capture counts, on any device and of any
-/// stream, blocking or not. Two atomic operations, none when not `needed`; held only around the enqueueing, and never
-/// while waiting for another thread (gpukit::capture waits for the holds: see wait_for_capture_holds).
+/// stream, blocking or not. Two atomic operations, none when not `needed`. Held only around the enqueueing: never
+/// through a host wait, a lock that such a wait may hold, or a user callback (gpukit::warn), since gpukit::capture
+/// waits for the holds (wait_for_capture_holds) and the capturing thread may be what the wait waits for; release()
+/// ends a hold before such a step.
 class capture_hold {
  public:
   /// Holds captures off if `needed` (some stream the caller will use is the legacy one) and none is underway.
@@ -105,9 +109,7 @@ class capture_hold {
     holds.fetch_sub(1, std::memory_order_release);
     refused_ = true;
   }
-  ~capture_hold() {
-    if (held_) mode_independent::capture_holds().fetch_sub(1, std::memory_order_release);  // after the enqueueing
-  }
+  ~capture_hold() { release(); }
   capture_hold(const capture_hold&) = delete;
   capture_hold& operator=(const capture_hold&) = delete;
 
@@ -116,6 +118,14 @@ class capture_hold {
   bool refuses(const stream_view& s) const { return refused_ && uses_legacy_stream(s); }
   /// True when the hold was needed and a gpukit capture is underway.
   bool refused() const noexcept { return refused_; }
+  /// True while captures wait for this hold (needed, not refused, not released).
+  bool held() const noexcept { return held_; }
+  /// Lets captures begin again, before a step that may wait (after the work it covers is enqueued).
+  void release() noexcept {
+    if (!held_) return;
+    held_ = false;
+    mode_independent::capture_holds().fetch_sub(1, std::memory_order_release);  // after the enqueueing
+  }
 
  private:
   bool held_ = false;
@@ -276,10 +286,18 @@ GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
          is_other_threads_stream(s);
 }
 
+GPUKIT_INLINE bool may_use_legacy_stream(const stream_view& s) noexcept {
+  try {
+    return uses_legacy_stream(s);
+  } catch (...) {
+    return true;
+  }
+}
+
 GPUKIT_INLINE void wait_for_capture_holds() noexcept {
   const std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
   for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
-    // Holds last as long as an event record or a wait enqueued; async_allocator's trim holds through a device wait.
+    // Holds last as long as an event record or a wait enqueued.
     if (round < 64) {
       std::this_thread::yield();
     } else {

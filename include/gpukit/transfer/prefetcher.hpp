@@ -227,7 +227,7 @@ class prefetcher {
       const stream_view& consumer = state_->consumer;
       bool deferred = false;
       try {
-        const detail::capture_hold hold(detail::uses_legacy_stream(consumer));  // until the event is recorded
+        const detail::capture_hold hold(detail::may_use_legacy_stream(consumer));  // until the event is recorded
         if (detail::capture_status(consumer) != cudaStreamCaptureStatusNone) {
           // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
           warn(
@@ -366,7 +366,7 @@ class prefetcher {
     ++st.stats.batches_handed_out;
     lock.unlock();
     batch b(state_, &sl);
-    const detail::capture_hold hold(detail::uses_legacy_stream(st.consumer));  // until the wait is enqueued
+    const detail::capture_hold hold(detail::may_use_legacy_stream(st.consumer));  // until the wait is enqueued
     if (hold.refuses(st.consumer)) {
       sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
     } else {
@@ -541,12 +541,12 @@ class prefetcher {
           const auto start = clock::now();
           auto backoff = std::chrono::microseconds(20);
           // Held from the check until the event is recorded (below), so that no capture begins in between.
-          hold.emplace(detail::uses_legacy_stream(st.consumer));
+          hold.emplace(detail::may_use_legacy_stream(st.consumer));
           while (!st.stopping && index < st.end && hold->refuses(st.consumer)) {
             hold.reset();  // never held while waiting: a capture waits for the holds
             st.cv.wait_for(lock, backoff);
             backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
-            hold.emplace(detail::uses_legacy_stream(st.consumer));
+            hold.emplace(detail::may_use_legacy_stream(st.consumer));
           }
           st.stats.producer_wait_for_release += clock::now() - start;
           sl.consumed_deferred = false;
