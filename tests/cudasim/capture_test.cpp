@@ -1189,6 +1189,34 @@ TEST_CASE("capture: async_allocator frees through the legacy stream after a bloc
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: async_allocator refuses to allocate on the legacy stream while a gpukit capture runs") {
+  // cudaMallocAsync there is work on the legacy stream, which would invalidate the capture of a blocking stream.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  std::string message;
+  std::string from_other_thread;
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    message = invalid_argument_message([&] { (void)a.allocate(4096, legacy); });
+    std::thread([&] {
+      try {
+        (void)a.allocate(4096, legacy);
+      } catch (const gpukit::invalid_argument_error& e) {
+        from_other_thread = e.what();
+      }
+    }).join();
+  });
+  CHECK(message.find("legacy default stream") != std::string::npos);
+  CHECK(message.find("gpukit capture is underway") != std::string::npos);
+  CHECK(from_other_thread == message);
+  CHECK(a.memory_allocated() == 0);
+  void* p = a.allocate(4096, legacy);  // after the capture
+  a.deallocate(p);
+  g.launch(blocking);
+  blocking.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator destroyed while a free waits for a capture leaves that memory and says so") {
   gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
@@ -1411,9 +1439,10 @@ TEST_CASE("capture: pinned blocks freed after the legacy stream in one thread le
 TEST_CASE("capture: async_allocator frees on the legacy stream in one thread leave another thread's captures intact") {
   gpukit::async_allocator a(cuda0);
   const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  gpukit::stream own(cuda0);  // allocating on the legacy stream would be refused during a capture
   legacy_frees_during_captures([&] {
-    void* p = a.allocate(4096, legacy);  // makes the frees deferred by a capture that has ended
-    a.deallocate(p);                     // on the legacy stream, or deferred while a capture is underway
+    void* p = a.allocate(4096, own);  // makes the frees deferred by a capture that has ended
+    a.deallocate(p, legacy);          // on the legacy stream, or deferred while a capture is underway
   });
   void* last = a.allocate(4096, legacy);
   a.deallocate(last);

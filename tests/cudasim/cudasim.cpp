@@ -2112,9 +2112,18 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
-  // Captured, it becomes an allocation node; on any other stream it is an allocation like cudaMalloc's.
+  // Captured, it becomes an allocation node; on any other stream it is an allocation like cudaMalloc's, and on the
+  // legacy stream it is work there, which a capture of a blocking stream of the device refuses (as for any work).
   if (st->capture == nullptr) {
     if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
+  }
+  if (st->kind == stream_kind::legacy) {
+    if (auto cap = capture_on_device(c.s, st->device)) {
+      cap->invalidated = true;
+      return c.violation(
+          cudaErrorStreamCaptureImplicit,
+          "cudaMallocAsync on the legacy default stream while a blocking stream of its device is captured");
+    }
   }
   if (pool != nullptr &&
       pool != reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(st->device))) {

@@ -355,6 +355,19 @@ TEST_CASE("cudasim: during a capture cudaFreeAsync frees only memory that a capt
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: cudaMallocAsync on the legacy stream invalidates a capture of a blocking stream") {
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);  // synchronizes with the legacy stream
+  REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  void* p = nullptr;
+  CHECK(cudaMallocAsync(&p, 4096, cudaStreamLegacy) == cudaErrorStreamCaptureImplicit);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(has_violation(cudasim::take_violations(), cudaErrorStreamCaptureImplicit));
+  (void)cudaGetLastError();
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: the default pool keeps freed memory up to its release threshold at each synchronization") {
   cudaMemPool_t pool = nullptr;
   REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);

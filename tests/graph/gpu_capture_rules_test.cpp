@@ -249,6 +249,10 @@ std::vector<probe> probes() {
       return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
     {"cudaMemsetAsync (legacy default stream)", relaxed, true, no, [](objects& o) {
       return cudaMemsetAsync(o.device, 1, buffer_bytes, cudaStreamLegacy); }},
+    {"cudaMallocAsync (legacy default stream)", relaxed, false, ok, [](objects& o) {
+      return cudaMallocAsync(&o.made_pooled, buffer_bytes, cudaStreamLegacy); }},
+    {"cudaMallocAsync (legacy default stream)", relaxed, true, no, [](objects& o) {
+      return cudaMallocAsync(&o.made_pooled, buffer_bytes, cudaStreamLegacy); }},
     {"cudaStreamQuery (another stream)", self, false, no, [](objects& o) { return cudaStreamQuery(o.other); }},
     {"cudaEventQuery", self_relaxed, false, ok, [](objects& o) { return cudaEventQuery(o.event); }},
     {"cudaSetDevice", other, false, ok, [](objects&) { return cudaSetDevice(0); }},

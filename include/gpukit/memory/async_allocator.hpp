@@ -247,12 +247,17 @@ class async_allocator final : public device_allocator {
     }
     if (over_limit) throw_out_of_memory(bytes, true);
     kept_stream allocating = kept_stream::of(stream);  // before the allocation: may look the stream's id up, and throw
+    // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
+    // (as every legacy-stream call measured on an H200 does): refused while a gpukit capture runs.
+    detail::capture_hold hold(detail::may_use_legacy_stream(stream));  // until the allocation is enqueued
+    if (hold.refuses(stream)) throw_legacy_during_capture(stream);
     device_guard guard(device_);
     // On a stream that is not captured, cudaMallocAsync (and cudaMemPoolTrimTo) are refused in global mode while any
     // thread captures, and invalidate that capture; relaxed, they are not. Captured, it is a node either way.
     const detail::relaxed_capture_mode relaxed;
     void* p = nullptr;
     cudaError_t result = cudaMallocAsync(&p, bytes, handle);
+    hold.release();  // the retries below wait for the device, and observers run on failure
     for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
       (void)cudaGetLastError();
       {
@@ -619,6 +624,15 @@ class async_allocator final : public device_allocator {
       }
       warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
     }
+  }
+
+  [[noreturn]] void throw_legacy_during_capture(const stream_view& s) const {
+    throw invalid_argument_error(
+        "gpukit::async_allocator::allocate on " + detail::describe_stream(s.native_handle(), device_) +
+            ", which is (or is reached through) the legacy default stream, while a gpukit capture is underway: "
+            "cudaMallocAsync there would invalidate the capture of a blocking stream; allocate on a created stream, "
+            "or after the capture",
+        cudaSuccess, "cudaMallocAsync", device_.ordinal());
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
