@@ -2010,7 +2010,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, en
       if (attr == cudaMemPoolAttrReservedMemHigh) {
         dev.pool_reserved_high = dev.pool_reserved;
       } else {
-        dev.pool_used_high = dev.pool_used;
+        dev.pool_used_high = dev.pool_used + dev.pool_pending_total;
       }
       return cudaSuccess;
     case cudaMemPoolAttrReleaseThreshold:
@@ -2164,7 +2164,7 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   dev.pool_reserved += growth;
   dev.pool_used += rounded;
   dev.pool_reserved_high = std::max(dev.pool_reserved_high, dev.pool_reserved);
-  dev.pool_used_high = std::max(dev.pool_used_high, dev.pool_used);
+  dev.pool_used_high = std::max(dev.pool_used_high, dev.pool_used + dev.pool_pending_total);
   *p = memory;
   return cudaSuccess;
 }
@@ -2217,12 +2217,10 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   // Freed when the stream reaches this point (the precheck runs under the machine's lock).
   auto o = std::make_shared<op>();
   o->what = c.function;
-  o->precheck = [p, pending, rounded, on = st.get()] {
+  o->precheck = [p, pending, rounded, on = st.get(), device = it->second.device] {
     simulator& s = sim();
-    const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
-    if (found == s.regions.end()) return false;
-    device_state& dev = s.devices[static_cast<std::size_t>(found->second.device)];
-    if (pending) {
+    device_state& dev = s.devices[static_cast<std::size_t>(device)];
+    if (pending) {  // first: the stream's pending bytes go even if the region went another way meanwhile
       const auto mine = dev.pool_pending.find(on);
       const std::size_t still = mine == dev.pool_pending.end() ? 0 : std::min(mine->second, rounded);
       if (still != 0) {
@@ -2230,10 +2228,15 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
         dev.pool_pending_total -= still;
         if (mine->second == 0) dev.pool_pending.erase(mine);
       }
-    } else if (found->second.pooled) {
-      dev.pool_used -= rounded;  // kept by the pool
-    } else {
-      dev.used -= rounded;
+    }
+    const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+    if (found == s.regions.end()) return false;
+    if (!pending) {  // not counted when enqueued: cudaMalloc memory, or a captured free
+      if (found->second.pooled) {
+        dev.pool_used -= rounded;  // kept by the pool
+      } else {
+        dev.used -= rounded;
+      }
     }
     s.regions.erase(found);
     return true;

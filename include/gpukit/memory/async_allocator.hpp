@@ -25,6 +25,7 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -232,14 +233,15 @@ class async_allocator final : public device_allocator {
 
  private:
   // device_allocator's allocate/deallocate/record_stream/owns land here.
-  /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it). On
+  /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it; on the
+  /// legacy default stream while a gpukit capture runs, on the device's upstream allocation stream and waited for on
+  /// the host, since cudaMallocAsync on the legacy stream would invalidate a capture of a blocking stream). On
   /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
   /// and retried once more, then out_of_memory_error (after the observers) with the numbers.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
     free_deferred();
-    const cudaStream_t handle = stream.cuda_handle();
     bool over_limit = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -248,9 +250,12 @@ class async_allocator final : public device_allocator {
     if (over_limit) throw_out_of_memory(bytes, true);
     kept_stream allocating = kept_stream::of(stream);  // before the allocation: may look the stream's id up, and throw
     // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
-    // (as every legacy-stream call measured on an H200 does): refused while a gpukit capture runs.
+    // (as every legacy-stream call measured on an H200 does). While a gpukit capture runs, the memory comes from the
+    // device's upstream allocation stream instead, waited for on the host, so that it is usable on any stream at once.
     detail::capture_hold hold(detail::may_use_legacy_stream(stream));  // until the allocation is enqueued
-    if (hold.refuses(stream)) throw_legacy_during_capture(stream);
+    const bool off_legacy = hold.refuses(stream);
+    const cudaStream_t handle =
+        off_legacy ? detail::upstream_stream(device_, detail::upstream_stream_use::allocations) : stream.cuda_handle();
     device_guard guard(device_);
     // On a stream that is not captured, cudaMallocAsync (and cudaMemPoolTrimTo) are refused in global mode while any
     // thread captures, and invalidate that capture; relaxed, they are not. Captured, it is a node either way.
@@ -275,6 +280,14 @@ class async_allocator final : public device_allocator {
       throw_out_of_memory(bytes, false);
     }
     GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
+    if (off_legacy) {
+      try {
+        detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::allocations);
+      } catch (...) {
+        (void)cudaFreeAsync(p, handle);
+        throw;
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, std::move(allocating), {}});
     add(allocations_, 1);
@@ -624,15 +637,6 @@ class async_allocator final : public device_allocator {
       }
       warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
     }
-  }
-
-  [[noreturn]] void throw_legacy_during_capture(const stream_view& s) const {
-    throw invalid_argument_error(
-        "gpukit::async_allocator::allocate on " + detail::describe_stream(s.native_handle(), device_) +
-            ", which is (or is reached through) the legacy default stream, while a gpukit capture is underway: "
-            "cudaMallocAsync there would invalidate the capture of a blocking stream; allocate on a created stream, "
-            "or after the capture",
-        cudaSuccess, "cudaMallocAsync", device_.ordinal());
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
