@@ -417,7 +417,12 @@ void pool_release_at_synchronize(simulator& s, int device) {
   pool_release(dev, dev.pool_release_threshold);
 }
 
-/// The device whose default pool `pool` is; -1 if none is.
+/// The handle of `device`'s default memory pool (cudaDeviceGetDefaultMemPool).
+cudaMemPool_t default_pool_of(int device) {
+  return reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(device));
+}
+
+/// The device whose default pool `pool` is (default_pool_of); -1 if none is.
 int pool_device(simulator& s, cudaMemPool_t pool) {
   const auto offset = reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000};
   const auto device = static_cast<int>(offset / 64u);
@@ -1992,7 +1997,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* poo
   CUDASIM_ENTER("cudaDeviceGetDefaultMemPool");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
-  *pool = reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(device));
+  *pool = default_pool_of(device);
   return cudaSuccess;
 }
 
@@ -2056,8 +2061,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAccess(cudaMemPool_t pool, const
                                                        size_t count) {
   CUDASIM_ENTER("cudaMemPoolSetAccess");
   if (pool == nullptr || (descs == nullptr && count != 0)) return c.result(cudaErrorInvalidValue);
-  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
-  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  const int device = pool_device(c.s, pool);
+  if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
   for (std::size_t i = 0; i < count; ++i) {
     const cudaMemAccessDesc& d = descs[i];
     if (d.location.type != cudaMemLocationTypeDevice || !valid_device(c.s, d.location.id) ||
@@ -2089,8 +2094,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* 
       !valid_device(c.s, location->id)) {
     return c.result(cudaErrorInvalidValue);
   }
-  const auto device = static_cast<int>((reinterpret_cast<std::uintptr_t>(pool) - std::uintptr_t{0x5500000000}) / 64u);
-  if (!valid_device(c.s, device)) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
+  const int device = pool_device(c.s, pool);
+  if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
   const bool granted =
       location->id == device || (c.s.devices[static_cast<std::size_t>(device)].pool_peers >> location->id & 1u) != 0;
   *flags = granted ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
@@ -2125,8 +2130,7 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
           "cudaMallocAsync on the legacy default stream while a blocking stream of its device is captured");
     }
   }
-  if (pool != nullptr &&
-      pool != reinterpret_cast<cudaMemPool_t>(std::uintptr_t{0x5500000000} + 64u * static_cast<unsigned>(st->device))) {
+  if (pool != nullptr && pool != default_pool_of(st->device)) {
     return c.violation(cudaErrorInvalidValue, "cudasim models only the default pool of the stream's device");
   }
   device_state& dev = c.s.devices[static_cast<std::size_t>(st->device)];
