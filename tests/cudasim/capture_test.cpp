@@ -1453,3 +1453,322 @@ TEST_CASE("capture: async_allocator frees on the legacy stream in one thread lea
   CHECK(a.memory_allocated() == 0);
   CHECK(cudasim::violations().empty());
 }
+
+namespace {
+/// A gpukit::capture of `s` begun in another thread and kept open until finish(): what another thread may begin while
+/// this one waits on the host, made deterministic by cudasim::before_call.
+class capture_elsewhere {
+ public:
+  explicit capture_elsewhere(gpukit::stream_view s, gpukit::capture_mode mode = gpukit::capture_mode::thread_local_)
+      : thread_([this, s, mode] {
+          try {
+            graph_.emplace(gpukit::capture(
+                s,
+                [this] {
+                  began_ = true;
+                  while (!finishing_.load()) std::this_thread::yield();
+                },
+                nullptr, mode));
+          } catch (const std::exception& e) {
+            failure_ = e.what();
+          }
+          began_ = true;  // also when it could not begin
+        }) {
+    while (!began_.load()) std::this_thread::yield();
+  }
+  capture_elsewhere(const capture_elsewhere&) = delete;
+  capture_elsewhere& operator=(const capture_elsewhere&) = delete;
+  ~capture_elsewhere() { (void)finish(); }
+  /// Ends the capture; what it threw ("" when it stayed valid).
+  std::string finish() {
+    finishing_ = true;
+    if (thread_.joinable()) thread_.join();
+    return failure_;
+  }
+
+ private:
+  std::atomic<bool> began_{false};
+  std::atomic<bool> finishing_{false};
+  std::string failure_;
+  std::optional<gpukit::graph> graph_;
+  std::thread thread_;  // last: it runs once the members it uses exist
+};
+}  // namespace
+
+TEST_CASE("capture: an async_allocator free that waited on the host waits for a capture begun meanwhile") {
+  // Its wait for a recorded stream cannot be enqueued, so the host waits for that stream, letting captures begin; the
+  // free itself, on the legacy stream, would invalidate one: it waits for the captures to end instead.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream user(cuda0);
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  a.record_stream(p, user);
+  std::optional<capture_elsewhere> other;
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);  // the free's event on `user`
+  cudasim::before_call("cudaStreamSynchronize", 1, [&] { other.emplace(blocking); });
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  a.deallocate(p);
+  REQUIRE(other.has_value());
+  CHECK(a.deferred_frees() == 1);
+  CHECK(cudasim::calls("cudaFreeAsync") == frees);
+  CHECK(a.memory_allocated() == 0);  // off the books at once
+  CHECK(other->finish() == "");      // intact
+  void* q = a.allocate(4096, user);  // the capture is over: the deferred free is made first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudasim::calls("cudaFreeAsync") == frees + 1);
+  a.deallocate(q);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "capture: deferred async_allocator frees go back to waiting when a capture begins while one waits on the host") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream user(cuda0);
+  gpukit_test::captured_warnings warnings;
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  void* first = a.allocate(1 << 20, legacy);
+  void* second = a.allocate(1 << 20, legacy);
+  a.record_stream(first, user);
+  {
+    capture_elsewhere during(blocking);
+    a.deallocate(first);
+    a.deallocate(second);
+    CHECK(a.deferred_frees() == 2);
+    CHECK(during.finish() == "");
+  }
+  std::optional<capture_elsewhere> other;
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);  // the first free's event on `user`
+  cudasim::before_call("cudaStreamSynchronize", 1, [&] { other.emplace(blocking); });
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  void* q = a.allocate(4096, user);  // makes the deferred frees: the first waits on the host, and a capture begins
+  REQUIRE(other.has_value());
+  CHECK(a.deferred_frees() == 2);  // both wait again, none lost
+  CHECK(cudasim::calls("cudaFreeAsync") == frees);
+  CHECK(other->finish() == "");
+  a.deallocate(q);  // makes them, then this one
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudasim::calls("cudaFreeAsync") == frees + 3);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an async_allocator free made after the device's work waits for a capture begun meanwhile") {
+  // cudaFreeAsync on the freeing stream fails: the free is made on the legacy stream once the device's work is done.
+  // A capture may begin during that wait (in thread-local mode: one in global mode would be invalidated by the
+  // wait), or be underway before it (the free then waits without the device-wide wait).
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream s(cuda0);
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, s);
+  std::optional<capture_elsewhere> other;
+  cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  bool during_wait = false;
+  SUBCASE("begun during the device-wide wait") {
+    during_wait = true;
+    cudasim::before_call("cudaDeviceSynchronize", 1, [&] { other.emplace(blocking); });
+  }
+  SUBCASE("underway in global mode before it") {
+    cudasim::before_call("cudaFreeAsync", 1, [&] { other.emplace(blocking, gpukit::capture_mode::global); });
+  }
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  a.deallocate(p);
+  REQUIRE(other.has_value());
+  CHECK(warnings.contains("freeing it after the device's work instead"));
+  CHECK(a.deferred_frees() == 1);
+  CHECK(cudasim::calls("cudaFreeAsync") == frees + 1);  // the one that failed
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + (during_wait ? 1 : 0));
+  CHECK(other->finish() == "");
+  a.deallocate(a.allocate(4096, s));  // the deferred free first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an async_allocator destroyed with live memory during a capture leaves it unfreed and says so") {
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream s(cuda0);
+  gpukit_test::captured_warnings warnings;
+  auto a = std::make_unique<gpukit::async_allocator>(cuda0);
+  void* p = a->allocate(1 << 20, s);
+  {
+    capture_elsewhere during(blocking, gpukit::capture_mode::global);
+    const std::size_t frees = cudasim::calls("cudaFreeAsync");
+    const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+    a.reset();  // its free would follow a device-wide wait, on the legacy stream: both would invalidate the capture
+    CHECK(cudasim::calls("cudaFreeAsync") == frees);
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+    CHECK(warnings.contains("1 live allocation(s)"));
+    CHECK(warnings.contains("leaves 1.00 MiB unfreed"));
+    CHECK(during.finish() == "");
+  }
+  CHECK(cudaFreeAsync(p, s.cuda_handle()) == cudaSuccess);  // the test frees what the allocator left
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "capture: an async_allocator retry after out of memory leaves the legacy stream for a capture begun meanwhile") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  std::optional<capture_elsewhere> other;
+  cudasim::fail_call("cudaMallocAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::before_call("cudaMemPoolTrimTo", 1, [&] { other.emplace(blocking); });  // the first retry trims first
+  const std::size_t syncs = cudasim::calls("cudaStreamSynchronize");
+  void* p = a.allocate(4096, legacy);
+  REQUIRE(other.has_value());
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(cudasim::calls("cudaStreamSynchronize") == syncs + 1);  // made on the upstream stream, waited for on the host
+  CHECK(other->finish() == "");
+  std::vector<int> host(1024, 7);
+  CHECK(cudaMemcpyAsync(p, host.data(), 4096, cudaMemcpyHostToDevice, cudaStreamLegacy) == cudaSuccess);
+  a.deallocate(p);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an allocation for the legacy stream during a capture is freed when its host wait fails") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  const std::size_t in_use = gpukit_test::pool_bytes_in_use(cuda0);
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorLaunchTimeout);  // the wait for the upstream stream
+    CHECK_THROWS_AS((void)a.allocate(4096, legacy), gpukit::cuda_error);
+  });
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == in_use);  // the memory went back to the pool
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a free on a captured stream that waited on the host for a destroyed stream is still not deferred") {
+  // Made after the capture, it would precede the graph's work: it fails in the capture, as a free there does.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit_test::captured_warnings warnings;
+  gpukit_test::gate g;
+  void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  {
+    gpukit::stream user(cuda0);
+    a.record_stream(p, user);
+    g.hold(user);  // its work is still pending when it is destroyed
+  }
+  cudasim::before_call("cudaEventSynchronize", 1, [&] { g.open(); });  // the host wait for that work
+  const std::size_t waits = cudasim::calls("cudaEventSynchronize");
+  CHECK_THROWS_AS(gpukit::capture(blocking,
+                                  [&] {
+                                    a.deallocate(p, blocking);  // after the legacy stream's work: refused in a capture
+                                    CHECK(a.deferred_frees() == 0);
+                                  }),
+                  gpukit::cuda_error);
+  CHECK(cudasim::calls("cudaEventSynchronize") == waits + 1);
+  CHECK(warnings.contains("during a CUDA graph capture failed"));
+  CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
+  CHECK(a.deferred_frees() == 0);
+  cudasim::drain_all();
+}
+
+// The caching allocator's events and waits on the legacy default stream (a recorded use, the fence of a block the
+// legacy stream owns, a wait before taking another stream's block) are put there under a capture hold, and after
+// the gpukit captures underway.
+
+TEST_CASE("capture: a caching allocator block used by the legacy stream and freed during a gpukit capture") {
+  gpukit::caching_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  void* p = a.allocate(1 << 20, s);
+  a.record_stream(p, legacy);
+  std::size_t records = 0;
+  {
+    capture_elsewhere during(blocking);
+    records = cudasim::calls("cudaEventRecord");
+    a.deallocate(p);  // its event on the legacy stream would invalidate the capture: recorded after it
+    CHECK(cudasim::calls("cudaEventRecord") == records);
+    CHECK(a.memory_allocated() == 0);
+    void* q = a.allocate(1 << 20, s);
+    CHECK(q != p);  // pending until its event is recorded and completes
+    a.deallocate(q);
+    CHECK(during.finish() == "");
+  }
+  a.empty_cache();  // records its event, waits for it, gives the segments back
+  CHECK(cudasim::calls("cudaEventRecord") == records + 1);
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a caching allocator block of the legacy stream freed during a gpukit capture waits for it") {
+  gpukit::allocator_options o;
+  o.cross_stream_reuse = true;  // a free records a fence on the block's stream
+  gpukit::caching_allocator a(cuda0, o);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  void* p = a.allocate(1 << 20, legacy);
+  std::size_t records = 0;
+  {
+    capture_elsewhere during(blocking);
+    records = cudasim::calls("cudaEventRecord");
+    a.deallocate(p);  // no fence on the legacy stream now: the block stays pending until one is recorded
+    CHECK(cudasim::calls("cudaEventRecord") == records);
+    a.empty_cache();  // does not wait for it, nor give it back
+    CHECK(a.memory_reserved() >= std::size_t{1} << 20);
+    CHECK(during.finish() == "");
+  }
+  a.empty_cache();  // records its event, waits for it, gives the segment back
+  CHECK(cudasim::calls("cudaEventRecord") == records + 1);
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: the legacy stream takes no other stream's fenced block while a gpukit capture is underway") {
+  gpukit::allocator_options o;
+  o.cross_stream_reuse = true;
+  gpukit::caching_allocator a(cuda0, o);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  void* p = a.allocate(1 << 20, s);
+  a.deallocate(p);  // cached on s with a fence: another stream taking it waits for it on the device
+  {
+    capture_elsewhere during(blocking);
+    const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+    void* q = a.allocate(1 << 20, legacy);
+    CHECK(q != p);
+    CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+    CHECK(during.finish() == "");
+    a.deallocate(q);
+  }
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "capture: caching allocator frees after the legacy stream in one thread leave another thread's captures intact") {
+  gpukit::caching_allocator a(cuda0);
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  gpukit::stream own(cuda0);
+  legacy_frees_during_captures([&] {
+    void* p = a.allocate(4096, own);
+    a.record_stream(p, legacy);
+    a.deallocate(p);  // its event on the legacy stream is recorded now, or after the capture underway
+  });
+  a.empty_cache();  // records what waited, and waits for it
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::violations().empty());
+}
+

@@ -615,3 +615,164 @@ TEST_CASE("a free whose capture query fails leaves the allocation live and freea
   CHECK_NOTHROW(a.deallocate(p));
   CHECK(a.memory_allocated() == 0);
 }
+
+namespace {
+/// Fake stream ops whose stream `legacy` stands for CUDA's legacy default stream: an event or a wait there is work
+/// that a gpukit capture begun meanwhile would not survive (stream_ops::needs_capture_hold).
+struct legacy_stream_ops : fake_stream_ops {
+  int legacy = -1;
+  std::function<void()> on_query;  // run at each needs_capture_hold, before it answers
+  bool needs_capture_hold(const fake_stream& s) const noexcept {
+    if (on_query) on_query();
+    return s.id == legacy;
+  }
+};
+using legacy_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, legacy_stream_ops>;
+
+/// An allocator over fake streams `s` and `legacy` (which needs a capture hold); with `cross_stream_reuse`, a free
+/// records a fence on the block's stream.
+struct legacy_fixture {
+  explicit legacy_fixture(bool cross_stream_reuse) : a(gpukit::device::cpu(), options(cross_stream_reuse), 4 * GiB) {
+    a.stream_operations().world = &world;
+    s = fake_stream{world.add_stream()};
+    legacy = fake_stream{world.add_stream()};
+    a.stream_operations().legacy = legacy.id;
+  }
+  static gpukit::allocator_options options(bool cross_stream_reuse) {
+    gpukit::allocator_options o = gpukit::allocator_options::pytorch();
+    o.cross_stream_reuse = cross_stream_reuse;
+    return o;
+  }
+  fake_world world;
+  legacy_allocator a;
+  fake_stream s;
+  fake_stream legacy;
+};
+
+/// Counts a gpukit capture as underway while it lives, as gpukit::capture does (what capture holds look at).
+struct capture_underway {
+  capture_underway() { ++gpukit::mode_independent::gpukit_captures_underway(); }
+  ~capture_underway() { --gpukit::mode_independent::gpukit_captures_underway(); }
+  capture_underway(const capture_underway&) = delete;
+  capture_underway& operator=(const capture_underway&) = delete;
+};
+
+/// The states of the blocks at `p` and `q`, in that order.
+std::vector<gpukit::block_state> states_of(const gpukit::allocator_snapshot& snapshot, const void* p, const void* q) {
+  std::vector<gpukit::block_state> states(2, gpukit::block_state::free);
+  for (const auto& seg : snapshot.segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.address == reinterpret_cast<std::uintptr_t>(p)) states[0] = b.state;
+      if (b.address == reinterpret_cast<std::uintptr_t>(q)) states[1] = b.state;
+    }
+  }
+  return states;
+}
+}  // namespace
+
+TEST_CASE("events on a stream that needs a capture hold are recorded once no gpukit capture is underway") {
+  // A block used by the legacy stream (recorded), and one of the legacy stream with a fence (cross-stream reuse), are
+  // freed while a capture is underway: their events are recorded after it, and until then the blocks stay pending,
+  // even once all work has completed, through empty_cache too.
+  legacy_fixture f(true);
+  auto& [world, a, s, legacy] = f;
+  void* used = a.allocate(4 * MiB, s);
+  void* owned = a.allocate(4 * MiB, legacy);
+  a.record_stream(used, legacy);
+  world.enqueue(s.id);
+  world.enqueue(legacy.id);
+  const std::vector<gpukit::block_state> pending(2, gpukit::block_state::pending);
+  const std::vector<gpukit::block_state> free(2, gpukit::block_state::free);
+  {
+    const capture_underway capture;
+    a.deallocate(used);
+    a.deallocate(owned);
+    world.complete_all();                   // their work is done, but no event says so yet
+    void* fenced = a.allocate(4 * MiB, s);  // polls the events: neither block comes back
+    CHECK(states_of(a.snapshot(), used, owned) == pending);
+    world.enqueue(s.id);
+    a.deallocate(fenced);                       // s needs no hold: its fence is recorded
+    void* other = a.allocate(4 * MiB, legacy);  // not s's fenced block: the legacy stream would wait for it
+    CHECK(other != used);
+    CHECK(other != owned);
+    CHECK(other != fenced);
+    CHECK(world.waits.empty());
+    a.deallocate(other);
+    a.empty_cache();  // waits for the recorded events, leaves the unrecorded ones pending
+    CHECK(states_of(a.snapshot(), used, owned) == pending);
+    CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+  }
+  world.enqueue(legacy.id);          // legacy work after the capture: the events recorded now cover it
+  a.deallocate(a.allocate(512, s));  // records them
+  CHECK(states_of(a.snapshot(), used, owned) == pending);
+  world.complete_all();
+  a.deallocate(a.allocate(512, s));
+  CHECK(states_of(a.snapshot(), used, owned) == free);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+}
+
+TEST_CASE("a stream that needs no capture hold records its events during a gpukit capture") {
+  legacy_fixture f(false);
+  auto& [world, a, s, legacy] = f;
+  const fake_stream t{world.add_stream()};
+  void* p = a.allocate(4 * MiB, s);
+  a.record_stream(p, t);
+  world.enqueue(t.id);
+  {
+    const capture_underway capture;
+    a.deallocate(p);
+    CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::pending);
+    world.complete_all();
+    a.deallocate(a.allocate(512, s));
+    CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::free);  // its event was recorded at once
+  }
+}
+
+TEST_CASE("a gpukit capture begun between the search and the take makes the legacy stream search again, not wait") {
+  legacy_fixture f(true);
+  auto& [world, a, s, legacy] = f;
+  void* fenced = a.allocate(4 * MiB, s);
+  world.enqueue(s.id);
+  a.deallocate(fenced);  // cached on s with a fence
+  std::optional<capture_underway> capture;
+  int queries = 0;
+  // The search asks first (no capture: it may pick the fenced block), the take second (a capture has begun).
+  a.stream_operations().on_query = [&] {
+    if (++queries == 2) capture.emplace();
+  };
+  const int synchronizations = world.synchronizations;
+  void* other = a.allocate(4 * MiB, legacy);
+  a.stream_operations().on_query = nullptr;
+  CHECK(capture.has_value());
+  CHECK(queries >= 3);  // searched again
+  CHECK(other != fenced);
+  CHECK(world.waits.empty());                         // no wait on the legacy stream
+  CHECK(world.synchronizations == synchronizations);  // nor on the host
+  CHECK(check_invariants(a.snapshot(), {{reinterpret_cast<std::uintptr_t>(other), 4 * MiB}}, 512) == "");
+  capture.reset();
+  a.deallocate(other);
+  world.complete_all();
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+}
+
+TEST_CASE("an event a gpukit capture kept from being recorded on a stream destroyed since waits for its last work") {
+  legacy_fixture f(false);
+  auto& [world, a, s, legacy] = f;
+  void* p = a.allocate(4 * MiB, s);
+  a.record_stream(p, legacy);
+  {
+    const capture_underway capture;
+    a.deallocate(p);  // its event on `legacy` is not recorded
+  }
+  world.enqueue(legacy.id);
+  world.destroy(legacy.id);              // the fake throws if an event is recorded on it now
+  a.deallocate(a.allocate(8 * MiB, s));  // (the heap's path) no event: the block waits for the stream's last work
+  CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::pending);
+  world.complete_all();
+  a.deallocate(a.allocate(8 * MiB, s));
+  CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::free);
+  CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+}

@@ -37,11 +37,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,7 +73,8 @@ class async_allocator final : public device_allocator {
 
   /// Live allocations are reported through gpukit::warn and freed after the device's work: the streams they were
   /// allocated on or recorded with may be gone by now, so none of them is used. Frees still waiting for a gpukit
-  /// capture to end (deferred_frees()) are left undone, and reported: their memory stays in the pool.
+  /// capture to end (deferred_frees()), and live allocations whose free would have to wait for one, are left undone,
+  /// and reported: their memory stays in the pool.
   ~async_allocator() override {
     free_deferred();
     std::map<std::uintptr_t, allocation> live;
@@ -89,7 +91,12 @@ class async_allocator final : public device_allocator {
     if (live.empty()) return;
     warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live.size()) +
          " live allocation(s); they are freed now, so any later use of them is invalid");
-    for (const auto& entry : live) free_after_device(reinterpret_cast<void*>(entry.first), entry.second.bytes);
+    for (const auto& entry : live) {
+      if (free_after_device(reinterpret_cast<void*>(entry.first), entry.second.bytes) == free_result::done) continue;
+      warn("gpukit: the async allocator of " + device_.to_string() + " leaves " +
+           detail::format_bytes(entry.second.bytes) +
+           " unfreed: its free needs the legacy default stream while a CUDA graph capture is underway");
+    }
   }
 
   gpukit::device device() const noexcept override { return device_; }
@@ -237,7 +244,8 @@ class async_allocator final : public device_allocator {
   /// legacy default stream while a gpukit capture runs, on the device's upstream allocation stream and waited for on
   /// the host, since cudaMallocAsync on the legacy stream would invalidate a capture of a blocking stream). On
   /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
-  /// and retried once more, then out_of_memory_error (after the observers) with the numbers.
+  /// and retried once more (each retry decides again whether the legacy stream may be used: a capture may have
+  /// begun during the waits), then out_of_memory_error (after the observers) with the numbers.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
@@ -252,10 +260,16 @@ class async_allocator final : public device_allocator {
     // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
     // (as every legacy-stream call measured on an H200 does). While a gpukit capture runs, the memory comes from the
     // device's upstream allocation stream instead, waited for on the host, so that it is usable on any stream at once.
-    detail::capture_hold hold(detail::may_use_legacy_stream(stream));  // until the allocation is enqueued
-    const bool off_legacy = hold.refuses(stream);
-    const cudaStream_t handle =
-        off_legacy ? detail::upstream_stream(device_, detail::upstream_stream_use::allocations) : stream.cuda_handle();
+    const bool may_use_legacy = detail::may_use_legacy_stream(stream);
+    detail::capture_hold hold(may_use_legacy);  // until the allocation is enqueued
+    bool off_legacy = false;
+    cudaStream_t handle = stream.cuda_handle();
+    const auto choose_stream = [&] {
+      if (off_legacy || !hold.refuses(stream)) return;
+      off_legacy = true;
+      handle = detail::upstream_stream(device_, detail::upstream_stream_use::allocations);
+    };
+    choose_stream();
     device_guard guard(device_);
     // On a stream that is not captured, cudaMallocAsync (and cudaMemPoolTrimTo) are refused in global mode while any
     // thread captures, and invalidate that capture; relaxed, they are not. Captured, it is a node either way.
@@ -273,7 +287,10 @@ class async_allocator final : public device_allocator {
         GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
+      (void)hold.retake(may_use_legacy);
+      choose_stream();
       result = cudaMallocAsync(&p, bytes, handle);
+      hold.release();
     }
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
@@ -329,10 +346,15 @@ class async_allocator final : public device_allocator {
   };
   /// A free that waits until the legacy default stream may be used (deferred_frees()).
   struct deferred_free {
+    deferred_free(void* freed, allocation&& of, kept_stream&& freed_on) noexcept
+        : p(freed), a(std::move(of)), on(std::move(freed_on)) {}
     void* p;
     allocation a;
     kept_stream on;  // freed on this stream, after a's users
   };
+  /// Whether a free was made (or failed for good, reported), or must wait for the gpukit captures to end: a capture
+  /// began while it waited on the host, and the rest of its work would use the legacy stream.
+  enum class free_result { done, wait_for_captures };
 
   static void add(stat& s, std::int64_t delta) noexcept {
     s.current += delta;
@@ -386,23 +408,32 @@ class async_allocator final : public device_allocator {
     }
     // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
     // stream now): then this thread's per-thread default stream frees it, after that work.
-    if (stream != nullptr || a.stream.destroyed()) a.users.push_back(a.stream);
-    const stream_view on = stream != nullptr ? *stream : usable_view_of(a.stream);
+    const bool stream_destroyed = a.stream.destroyed();  // read once: it may change at any time
+    if (stream != nullptr || stream_destroyed) a.users.push_back(a.stream);
+    const stream_view on = stream != nullptr ? *stream : usable_view(a.stream, stream_destroyed);
     free_deferred();  // the earlier frees first, and not under this one's hold (they may wait on the host)
     detail::capture_hold hold(may_use_legacy_stream(a, on));  // until the free is enqueued
-    if (must_wait_for_captures(a, on, hold)) {
-      try {
-        kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
-        a.users.reserve(a.users.size() + 1);        // room for `on` if it is destroyed by then (free_deferred)
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (deferred_.size() == deferred_.capacity()) deferred_.reserve(std::max<std::size_t>(8, 2 * deferred_.size()));
-        deferred_.push_back(deferred_free{p, std::move(a), std::move(kept_on)});  // capacity reserved: cannot throw
-        has_deferred_.store(true, std::memory_order_release);
-        return;
-      } catch (...) {  // no memory to defer it, or `on` unknown (nothing was moved): freed now, reported if refused
-      }
+    if (must_wait_for_captures(a, on, hold) && defer(p, a, on)) return;
+    // A free that waited on the host (a failed ordering) and found a capture begun meanwhile waits for it to end
+    // too; if it cannot (no memory), it is made anyway, as before deferral existed (its orderings again, then the
+    // free, without a hold).
+    if (free_on_streams(p, a, on, hold) == free_result::done || defer(p, a, on)) return;
+    hold.release();
+    (void)free_on_streams(p, a, on, hold, false);
+  }
+  /// Puts the free of `p` (`a` on `on`) among the deferred frees (or, should the lock fail, makes it now); false (`a`
+  /// untouched) when there is no memory for that or `on` cannot be looked up.
+  bool defer(void* p, allocation& a, const stream_view& on) noexcept {
+    try {
+      kept_stream kept_on = kept_stream::of(on);  // its record: `on` may be destroyed before the free is made
+      a.users.reserve(a.users.size() + 1);        // room for `on` if it is destroyed by then (free_deferred)
+      std::list<deferred_free> node;
+      node.emplace_back(p, std::move(a), std::move(kept_on));  // allocates first: `a` is moved only if that worked
+      requeue(node, false);
+      return true;
+    } catch (...) {
+      return false;
     }
-    free_on_streams(p, a, on, hold);
   }
 
   /// Calls `f` with each stream freeing `a` on `on` names: `on`, then the streams recorded (not destroyed).
@@ -461,64 +492,81 @@ class async_allocator final : public device_allocator {
   /// thread's per-thread stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
-    std::optional<detail::capture_hold> hold;  // until the due frees are enqueued: most use the legacy stream
-    hold.emplace(true);
-    std::vector<deferred_free> due, waiting;
+    detail::capture_hold hold(true);  // until the due frees are enqueued: most use the legacy stream
+    std::list<deferred_free> due;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      due.reserve(deferred_.size());  // both first, so that nothing is moved when they throw
-      waiting.reserve(deferred_.size());
-      for (deferred_free& d : deferred_) {
+      for (auto it = deferred_.begin(); it != deferred_.end();) {
+        const auto next = std::next(it);
         bool wait = false;
         try {
-          const capture_state state = capture_state_of(d.a, usable_view_of(d.on), *hold);
+          const capture_state state = capture_state_of(it->a, usable_view_of(it->on), hold);
           wait = state.legacy_refused || state.captured;
-        } catch (...) {  // a stream could not be asked: made now, and reported if it fails
+        } catch (...) {  // a stream could not be asked: made once the hold is held, and reported if it fails
         }
-        (wait ? waiting : due).push_back(std::move(d));
+        if (!wait) due.splice(due.end(), deferred_, it);
+        it = next;
       }
-      deferred_.swap(waiting);
       has_deferred_.store(!deferred_.empty(), std::memory_order_release);
-    } catch (...) {  // no memory to sort them: they wait for the next call
+    } catch (...) {  // the lock failed: they wait for the next call
     }
-    for (std::size_t i = 0; i < due.size(); ++i) {
-      if (!hold->held() && !hold->refused()) {
-        // An earlier free let go of the hold to wait on the host (free_on_streams): take it again; if a capture
-        // began meanwhile, the rest wait for the next call.
-        hold.emplace(true);
-        if (hold->refused() && requeue(due, i)) return;
+    std::list<deferred_free> again;  // refused once a capture began meanwhile
+    while (!due.empty()) {
+      deferred_free& d = due.front();
+      const bool on_destroyed = d.on.destroyed();  // read once: it may change at any time
+      const stream_view on = usable_view(d.on, on_destroyed);
+      if (on_destroyed) d.a.users.push_back(d.on);  // capacity reserved when deferred: cannot throw
+      // The hold is let go once a free is enqueued, or to wait on the host: taken again for the next one; if a
+      // capture began meanwhile, a free that needs the legacy stream waits for the next call.
+      if (!hold.retake(may_use_legacy_stream(d.a, on)) ||
+          free_on_streams(d.p, d.a, on, hold) == free_result::wait_for_captures) {
+        if (on_destroyed) d.a.users.pop_back();  // as deferred, to be made again
+        again.splice(again.end(), due, due.begin());
+        continue;
       }
-      deferred_free& d = due[i];
-      const stream_view on = usable_view_of(d.on);
-      if (d.on.destroyed()) d.a.users.push_back(std::move(d.on));  // capacity reserved when deferred: cannot throw
-      free_on_streams(d.p, d.a, on, *hold);
+      due.pop_front();
     }
+    if (!again.empty()) requeue(again, true);
   }
-  /// Puts due[from...] back among the deferred frees; false (nothing moved) if there is no memory for that.
-  bool requeue(std::vector<deferred_free>& due, std::size_t from) noexcept {
+  /// Moves the frees of `frees` (all) among the deferred ones, before the others if `oldest` (they were deferred
+  /// first): no allocation.
+  void requeue(std::list<deferred_free>& frees, bool oldest) noexcept {
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      deferred_.reserve(deferred_.size() + (due.size() - from));
-      for (std::size_t i = from; i < due.size(); ++i) deferred_.push_back(std::move(due[i]));
+      deferred_.splice(oldest ? deferred_.begin() : deferred_.end(), frees);
       has_deferred_.store(true, std::memory_order_release);
-      return true;
-    } catch (...) {
-      return false;
+    } catch (...) {  // the lock failed (never seen): made now rather than lost, as before deferral existed
+      for (deferred_free& d : frees) {
+        detail::capture_hold none(false);
+        const bool on_destroyed = d.on.destroyed();
+        if (on_destroyed) d.a.users.push_back(d.on);  // capacity reserved when deferred: cannot throw
+        (void)free_on_streams(d.p, d.a, usable_view(d.on, on_destroyed), none, false);
+      }
+      frees.clear();
     }
   }
 
   /// The stream a free is made on instead of `s`: `s` itself, or this thread's per-thread stream once `s` is
   /// destroyed (its handle may name another stream now; the caller waits for its final event).
-  stream_view usable_view_of(const kept_stream& s) const noexcept {
-    return s.destroyed() ? stream_view(device_, cudaStreamPerThread) : s.view;
+  stream_view usable_view_of(const kept_stream& s) const noexcept { return usable_view(s, s.destroyed()); }
+  stream_view usable_view(const kept_stream& s, bool destroyed) const noexcept {
+    return destroyed ? stream_view(device_, cudaStreamPerThread) : s.view;
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
   /// cannot be enqueued, the host waits for that stream instead; where the free cannot be enqueued on `on`, it
   /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering. `hold`
   /// (taken when the free was decided) is released before any host wait or warning: a capture waiting for it may be
-  /// what the host waits for.
-  void free_on_streams(void* p, const allocation& a, const stream_view& on, detail::capture_hold& hold) noexcept {
+  /// what the host waits for. After a host wait it is taken again; if a gpukit capture began meanwhile, the free
+  /// stops there and says it must wait for the captures. It goes on instead when `may_wait` is false, or when `hold`
+  /// was refused from the start (a free that involves a captured stream, or one that could not be asked: made now,
+  /// since made after the capture it would precede the graph's work).
+  [[nodiscard]] free_result free_on_streams(void* p, const allocation& a, const stream_view& on,
+                                            detail::capture_hold& hold, bool may_wait = true) noexcept {
+    const bool may_defer = may_wait && !hold.refused();
+    const bool may_use_legacy = may_use_legacy_stream(a, on);
+    // After a host wait: whether the rest may be enqueued now.
+    const auto resume = [&] { return hold.retake(may_use_legacy) || !may_defer; };
     bool capturing = false;  // host waits are illegal then: a failure leaks the memory instead (with a warning)
     // Asked only once something failed or a destroyed stream's work is waited for, since only those paths differ:
     // an ordinary free makes no cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a
@@ -543,7 +591,9 @@ class async_allocator final : public device_allocator {
       const cudaStream_t free_stream = kept_stream::of(on).handle_here();
       for (const kept_stream& user : a.users) {
         if (user.destroyed()) {
-          wait_for_destroyed(free_stream, *user.life, captured, hold);
+          if (!wait_for_destroyed(free_stream, *user.life, captured, hold) && !resume()) {
+            return free_result::wait_for_captures;
+          }
           continue;
         }
         const cudaStream_t user_stream = user.handle_here();
@@ -560,12 +610,13 @@ class async_allocator final : public device_allocator {
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
                                     device_.ordinal());
         }
+        if (!resume()) return free_result::wait_for_captures;
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
       hold.release();
-      if (freed == cudaSuccess) return;
+      if (freed == cudaSuccess) return free_result::done;
       (void)cudaGetLastError();
-      if (detail::is_teardown_result(freed)) return;
+      if (detail::is_teardown_result(freed)) return free_result::done;
       if (captured()) GPUKIT_CUDA_TRY_DESCRIBED(freed, "cudaFreeAsync", device_.ordinal());
       warn("gpukit::async_allocator: cudaFreeAsync of " + detail::format_bytes(a.bytes) + " on its stream failed (" +
            cudaGetErrorName(freed) + "); freeing it after the device's work instead");
@@ -573,37 +624,39 @@ class async_allocator final : public device_allocator {
       hold.release();
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
-        return;
+        return free_result::done;
       }
       if (capturing) {  // synchronizing now would invalidate the capture
         warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) +
              " during a CUDA graph capture failed: " + e.what() + "; the memory is lost to the pool");
-        return;
+        return free_result::done;
       }
       warn(std::string("gpukit::async_allocator: ordering the free of ") + detail::format_bytes(a.bytes) +
            " failed: " + e.what() + "; freeing it after the device's work instead");
     }
-    free_after_device(p, a.bytes);
+    return free_after_device(p, a.bytes, may_defer);
   }
 
   /// `free_stream` waits for the work a destroyed stream had enqueued before its destruction: on the device for its
   /// final event; on the host where that wait cannot be enqueued, or during a capture (a captured stream cannot wait
-  /// for an event recorded outside the capture, and a host wait for one is legal in relaxed mode).
+  /// for an event recorded outside the capture, and a host wait for one is legal in relaxed mode). False when the
+  /// host waited (`hold` released for it).
   template <class Captured>
-  void wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured,
+  bool wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured,
                           detail::capture_hold& hold) const {
-    if (life.finished()) return;
+    if (life.finished()) return true;
     const cudaEvent_t last = life.final_event();
     if (last == nullptr && captured()) {  // only a device-wide wait would do, which would invalidate the capture
       throw cuda_error("a destroyed stream that used the memory has no final event to wait for",
                        cudaErrorStreamCaptureUnsupported, "cudaFreeAsync", device_.ordinal());
     }
     if (last != nullptr && !captured()) {
-      if (cudaStreamWaitEvent(free_stream, last, 0) == cudaSuccess) return;
+      if (cudaStreamWaitEvent(free_stream, last, 0) == cudaSuccess) return true;
       (void)cudaGetLastError();
     }
     hold.release();  // a host wait (see free_on_streams)
     life.wait_finished();
+    return false;
   }
 
   /// `free_stream` waits on the device for the work `user` has enqueued so far (an event, destroyed at once: CUDA
@@ -619,24 +672,35 @@ class async_allocator final : public device_allocator {
   }
 
   /// Frees `p` without any stream of the program: the device's work is waited for, then cudaFreeAsync on the legacy
-  /// default stream (which always exists). Failures are reported through gpukit::warn (the memory is lost).
-  void free_after_device(void* p, std::size_t bytes) noexcept {
+  /// default stream (which always exists), under a capture hold. While a gpukit capture is underway, before the wait
+  /// (cudaDeviceSynchronize would invalidate a capture in global mode) or after it, nothing is freed and the caller
+  /// is told to wait for the captures (unless `may_wait` is false: then it is freed all the same). Failures are
+  /// reported through gpukit::warn (the memory is lost).
+  [[nodiscard]] free_result free_after_device(void* p, std::size_t bytes, bool may_wait = true) noexcept {
+    if (may_wait && mode_independent::gpukit_captures_underway().load(std::memory_order_seq_cst) != 0) {
+      return free_result::wait_for_captures;
+    }
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // for cudaFreeAsync (cudaDeviceSynchronize is refused all the same)
       cudaError_t result = cudaDeviceSynchronize();
-      if (result == cudaSuccess) result = cudaFreeAsync(p, cudaStreamLegacy);
-      if (result == cudaSuccess || detail::is_teardown_result(result)) return;
+      if (result == cudaSuccess) {
+        detail::capture_hold hold(true);
+        if (hold.refused() && may_wait) return free_result::wait_for_captures;
+        result = cudaFreeAsync(p, cudaStreamLegacy);
+      }
+      if (result == cudaSuccess || detail::is_teardown_result(result)) return free_result::done;
       (void)cudaGetLastError();
       warn("gpukit::async_allocator: " + detail::format_bytes(bytes) + " could not be freed (" +
            cudaGetErrorName(result) + "); the memory is lost to the pool");
     } catch (const std::exception& e) {
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
-        return;
+        return free_result::done;
       }
       warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
     }
+    return free_result::done;
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
@@ -684,7 +748,7 @@ class async_allocator final : public device_allocator {
   cudaMemPool_t pool_ = nullptr;
   mutable std::mutex mutex_;
   std::map<std::uintptr_t, allocation> live_;
-  std::vector<deferred_free> deferred_;    // guarded by mutex_
+  std::list<deferred_free> deferred_;      // guarded by mutex_; a list: frees move in and out without allocating
   std::atomic<bool> has_deferred_{false};  // !deferred_.empty(), read without the lock
   stat allocations_, allocated_bytes_;
   std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;

@@ -19,7 +19,8 @@
 ///   record_stream(p, s) notes that s also uses it; freeing it then records an event on each such stream, and the
 ///   block returns to the pool when they complete (polled at allocation; the host never waits on the hot path).
 ///   With options.cross_stream_reuse, a block cached for another stream may be taken, the new stream waiting for
-///   the free's event on the device (cudaStreamWaitEvent), never on the host.
+///   the free's event on the device (cudaStreamWaitEvent), never on the host (on the legacy default stream, not
+///   while a gpukit capture is underway: such blocks are passed over then).
 /// - Before host memory is returned to its upstream, the allocator waits for work that may still use it (CUDA's
 ///   cudaFree synchronizes the device by itself). For that it records a "fence" event when a block is freed on a
 ///   stream that may still have work pending (a CUDA stream under cross-stream reuse, or a busy CPU queue).
@@ -37,9 +38,11 @@
 ///   gpukit::stream and, per thread, for default streams), never by handle: CUDA gives a destroyed stream's handle to
 ///   the next stream created, which must not inherit blocks the old stream's work still uses (RMM #649).
 ///   cudaStreamPerThread is keyed per thread; an event for another thread's per-thread stream is recorded on the
-///   legacy default stream (stream_ops.hpp). The state of a stream that holds nothing (nothing cached, allocated,
-///   recorded or pending) is dropped in sweeps amortized over registrations, so creating and destroying streams
-///   does not grow the allocator.
+///   legacy default stream (stream_ops.hpp). Events and waits on the legacy stream are made under a capture hold
+///   (StreamOps::needs_capture_hold): while a gpukit capture is underway an event is recorded after it, its block
+///   pending until then, and the legacy stream takes no other stream's fenced block. The state of a stream that holds
+///   nothing (nothing cached, allocated, recorded or pending) is dropped in sweeps amortized over registrations, so
+///   creating and destroying streams does not grow the allocator.
 /// - Streams of other devices: record_stream (and deallocate(p, s)) accept streams of other CUDA devices, as for
 ///   peer copies; their events are that device's, recorded with it current.
 /// - Destroyed streams (gpukit::stream only; the stream ops track them): such a stream gets no more events (its
@@ -265,7 +268,8 @@ class basic_caching_allocator {
   // ---------------------------------------------------------------------------------------------------------------
 
   /// Waits for pending events, then returns every completely free segment to the upstream. Memory still allocated
-  /// (or in a segment with an allocated block) stays: memory_summary() shows it as non-releasable.
+  /// (or in a segment with an allocated block) stays: memory_summary() shows it as non-releasable. So do blocks whose
+  /// event on the legacy default stream a gpukit capture underway keeps from being recorded (not waited for).
   void empty_cache();
 
   /// Like empty_cache(), but stops once reserved memory is at most `target_reserved` bytes, releasing the largest
@@ -377,6 +381,9 @@ class basic_caching_allocator {
   struct pending_record {
     std::unique_ptr<event_type> event;
     block* b = nullptr;
+    // Not recorded yet: its stream needs a capture hold (the legacy default stream) and a gpukit capture was
+    // underway at the free; recorded once none is (record_deferred), and incomplete until then.
+    bool unrecorded = false;
   };
 
   using index_type = detail::size_class_index<block>;
@@ -389,7 +396,7 @@ class basic_caching_allocator {
     gpukit::device device;                 // this allocator's, or another CUDA device's (record_stream)
     tracker_type tracker;                  // says when a tracked stream (gpukit::stream) is destroyed
     std::unique_ptr<index_type> pools[2];  // [1]: small, [0]: large; created on first use
-    std::deque<pending_record> pending;    // events recorded on this stream, in order (null: its final work)
+    std::deque<pending_record> pending;    // events of this stream, in order (null: its final work; or unrecorded)
     std::size_t in_use = 0;                // allocated or pending blocks it owns, and blocks that recorded it
     bool dead = false;             // destroyed: its free blocks wait for its last work (nobody else may take them)
     bool retired = false;          // ... which has completed: its blocks belong to no stream from now on
@@ -610,6 +617,14 @@ class basic_caching_allocator {
   /// Moves blocks whose events have completed back to their pools. Events recorded on one stream complete in
   /// order, so each stream's queue is polled only up to its first incomplete event.
   void process_events();
+
+  /// Whether recording or waiting on `s` must be done under a detail::capture_hold (StreamOps::needs_capture_hold).
+  bool needs_capture_hold(const stream_type& s) const noexcept;
+  /// Records `e` on `st` (a stream of this device or, for record_stream, another's: recorded with that one current).
+  void record_on(event_type& e, const stream_state& st);
+  /// Records the pending events a gpukit capture kept from being recorded (pending_record::unrecorded), unless one
+  /// is still underway; a record that fails is tried again at the next call.
+  void record_deferred() noexcept;
 
   void complete_pending(block* b);
 
@@ -841,8 +856,10 @@ class basic_caching_allocator {
 
   block* find_free(stream_state& st, std::size_t size, bool small);
 
-  /// Turns free block `b` (in a pool) into an allocation of `size` bytes on `st`, splitting off the remainder.
-  void take(block* b, stream_state& st, std::size_t size, std::size_t requested);
+  /// Turns free block `b` (in a pool) into an allocation of `size` bytes on `st`, splitting off the remainder. False
+  /// (nothing changed) when `st` would have to wait for another stream's fence on the legacy default stream and a
+  /// gpukit capture began since find_free looked: the caller searches again (find_free passes such blocks over then).
+  [[nodiscard]] bool take(block* b, stream_state& st, std::size_t size, std::size_t requested);
 
   /// Frees an allocated block that is no longer in the pointer map. Events are recorded before any state changes,
   /// so if recording throws the block is put back as it was and the exception propagates.
@@ -968,7 +985,8 @@ class basic_caching_allocator {
   /// little as possible: the smallest single segment that covers the deficit, else the largest ones until covered.
   std::size_t release_for_growth(std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit);
 
-  /// Waits (lock released) for every pending event and returns the blocks they held back to their pools.
+  /// Waits (lock released) for every pending event and returns the blocks they held back to their pools; events not
+  /// recorded yet (record_deferred could not: a gpukit capture is underway) stay pending, not waited for.
   void wait_for_pending_events(std::unique_lock<detail::spin_mutex>& lock);
 
   /// Segments whose blocks are all free. A block of a destroyed stream whose work may still run has no fence to
@@ -1051,6 +1069,7 @@ class basic_caching_allocator {
   bool slots_to_release_ = false;                  // a stream found destroyed may still hold front slots
   std::vector<stream_state*> pending_streams_;     // streams with pending events
   std::size_t pending_total_ = 0;                  // events not yet seen complete
+  std::size_t unrecorded_ = 0;                     // ... of which not recorded yet (pending_record::unrecorded)
   std::uint64_t fence_counter_ = 0;
   std::uint64_t free_clock_ = 0;                            // counts blocks going back to the heap (block::free_since)
   detail::event_pool<std::unique_ptr<event_type>> events_;  // this device's, and others' for record_stream

@@ -49,8 +49,20 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
          " live allocation(s) (" + detail::format_bytes(user_current(st_allocated_bytes)) +
          "); their memory is released now, so any later use of it is invalid");
   }
+  if (unrecorded_ != 0) record_deferred();
+  // Blocks whose event on the legacy stream a gpukit capture underway keeps from being recorded: nothing can wait for
+  // that stream's work now without invalidating the capture. An upstream whose free waits for the device (cudaFree)
+  // still takes their memory back; another cannot, so the segments are left to it unreleased, and that is said.
+  const bool keep_segments = unrecorded_ != 0 && !upstream_.synchronizes_on_free();
+  if (keep_segments) {
+    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed while a CUDA graph capture keeps " +
+         std::to_string(unrecorded_) + " event(s) on the legacy default stream from being recorded; its " +
+         detail::format_bytes(current(stats_.reserved_bytes)) +
+         " of segments are not given back to the upstream, since that stream may still use them");
+  }
   for (auto& st : streams_) {
     for (auto& record : st->pending) {
+      if (record.unrecorded) continue;  // see keep_segments
       if (record.event) {
         synchronize_quietly(*record.event);
       } else {
@@ -62,6 +74,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   if (!upstream_.synchronizes_on_free()) {
     for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
   }
+  if (keep_segments) return;
   shared_unmap_wait unmap_wait;
   for (segment* seg = segments_; seg != nullptr;) {
     for (block* b = seg->first; b != nullptr; b = b->next) {
@@ -734,11 +747,59 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::clear_recorded(
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::record_complete(const stream_state& st,
                                                                                  const pending_record& record) const {
+  if (record.unrecorded) return false;
   return record.event ? ops_.ready(*record.event) : finished(st);
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::needs_capture_hold(
+    const stream_type& s) const noexcept {
+  if constexpr (detail::has_capture_hold_query<StreamOps>::value) {
+    static_assert(noexcept(ops_.needs_capture_hold(s)), "StreamOps::needs_capture_hold must be noexcept");
+    return ops_.needs_capture_hold(s);
+  } else {
+    return false;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_on(event_type& e, const stream_state& st) {
+  if (st.device == device_) {
+    ops_.record(e, st.stream);
+  } else {
+    device_guard guard(st.device);  // a peer device's event, recorded with that device current
+    ops_.record(e, st.stream);
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_deferred() noexcept {
+  if (detail::gpukit_capture_underway()) return;  // without touching the holds, which a capture begun may wait for
+  const detail::capture_hold hold(true);          // until the events are recorded
+  if (hold.refused()) return;                     // a capture began meanwhile
+  for (stream_state* st : pending_streams_) {
+    for (pending_record& record : st->pending) {
+      if (unrecorded_ == 0) return;
+      if (!record.unrecorded) continue;
+      if (expired(*st)) {
+        // Destroyed since (its handle may be another stream's): its last work is waited for instead (null event).
+        recycle_event(std::move(record.event), st->device);
+      } else {
+        try {
+          record_on(*record.event, *st);  // the stream's work so far: the work before the free, and more
+        } catch (...) {                   // tried again at the next call; the block stays pending meanwhile
+          continue;
+        }
+      }
+      record.unrecorded = false;
+      --unrecorded_;
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::process_events() {
+  if (unrecorded_ != 0) record_deferred();
   for (std::size_t i = 0; i < pending_streams_.size();) {
     stream_state* st = pending_streams_[i];
     while (!st->pending.empty() && record_complete(*st, st->pending.front())) {
@@ -799,19 +860,20 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
       }
       if (!dead_streams_.empty()) retire_finished();
     }
-    b = find_free(st, size, small);
-    if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
-    if (b == nullptr) {
-      // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
-      // nor invalidate a capture in global mode that another thread has underway.
-      detail::relaxed_capture_mode relaxed(device_.is_cuda());
-      b = allocate_slow(lock, st, bytes, size, small);
-    }
-    if (b->seg->expandable) {
-      detail::relaxed_capture_mode relaxed(device_.is_cuda());
-      b = back_with_pages(lock, st, b, bytes, size, small);
-    }
-    take(b, st, size, bytes);
+    do {  // again only when a gpukit capture began between find_free and take (take)
+      b = find_free(st, size, small);
+      if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
+      if (b == nullptr) {
+        // The upstream's cudaMalloc (and cudaFree) for this stream, which is not captured, must be neither refused
+        // nor invalidate a capture in global mode that another thread has underway.
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = allocate_slow(lock, st, bytes, size, small);
+      }
+      if (b->seg->expandable) {
+        detail::relaxed_capture_mode relaxed(device_.is_cuda());
+        b = back_with_pages(lock, st, b, bytes, size, small);
+      }
+    } while (!take(b, st, size, bytes));
   }
   try {
     map_.insert(b->address, b);
@@ -1356,17 +1418,23 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
     if (block* b = index->find(size, accept)) return b;
   }
   if (!options_.cross_stream_reuse) return nullptr;
+  // Another stream's block with a fence makes this stream wait for it (take): on the legacy stream, not while a
+  // gpukit capture is underway.
+  const bool no_waits = needs_capture_hold(st.stream) && detail::gpukit_capture_underway();
+  auto accept_elsewhere = [&accept, no_waits](const block* candidate) {
+    return accept(candidate) && !(no_waits && candidate->fence);
+  };
   for (const auto& other : streams_) {
     if (other.get() == &st || other->dead) continue;  // a destroyed stream's blocks wait for its last work
     if (const auto& index = other->pools[pool]; index && !index->empty()) {
-      if (block* b = index->find(size, accept)) return b;
+      if (block* b = index->find(size, accept_elsewhere)) return b;
     }
   }
   return nullptr;
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take(block* b, stream_state& st, std::size_t size,
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, stream_state& st, std::size_t size,
                                                                       std::size_t requested) {
   const std::size_t remainder = b->size - size;
   const bool split = should_split(b, size, remainder);
@@ -1374,13 +1442,24 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   unindex_free(b);
   std::unique_ptr<event_type> fence = std::move(b->fence);
   if (b->owner != &st && fence) {
+    bool refused = false;
     try {
-      ops_.wait(*fence, st.stream);  // the new stream waits for the old one's work, on the device
+      const detail::capture_hold hold(needs_capture_hold(st.stream));  // until the wait is enqueued
+      refused = hold.refused();
+      if (!refused) ops_.wait(*fence, st.stream);  // the new stream waits for the old one's work, on the device
     } catch (...) {
       b->fence = std::move(fence);
       index_free(b);
       if (rest != nullptr) recycle(rest);
       throw;
+    }
+    if (refused) {
+      // A wait on the legacy stream would invalidate the gpukit capture begun since find_free looked: left as it
+      // was, for a search that passes over fenced blocks.
+      b->fence = std::move(fence);
+      index_free(b);
+      if (rest != nullptr) recycle(rest);
+      return false;
     }
   }
   if (split) {
@@ -1412,6 +1491,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   count(st_active, b->small, 1);
   count(st_active_bytes, b->small, as_delta(b->size));
   count(st_requested_bytes, b->small, as_delta(requested));
+  return true;
 }
 
 template <class Upstream, class StreamOps>
@@ -1423,7 +1503,21 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(block* b, bool owner_busy,
                                                                                 bool user_free) {
   std::unique_ptr<event_type> fence;
-  std::vector<std::pair<stream_state*, std::unique_ptr<event_type>>> uses;
+  struct use {
+    stream_state* stream;
+    std::unique_ptr<event_type> event;  // null: the stream was destroyed, its last work is waited for
+    bool unrecorded;                    // pending_record::unrecorded
+  };
+  std::vector<use> uses;
+  // Events on the legacy default stream are recorded under a capture hold; while a gpukit capture is underway they
+  // are recorded after it (record_deferred), and the block stays pending until then.
+  bool hold_needed = false;
+  if constexpr (detail::has_capture_hold_query<StreamOps>::value) {
+    if (owner_busy && !b->owner->dead) hold_needed = needs_capture_hold(b->owner->stream);
+    for (const stream_state* user : b->recorded) hold_needed = hold_needed || needs_capture_hold(user->stream);
+  }
+  detail::capture_hold hold(hold_needed);  // until the events are recorded
+  const auto deferred = [&](const stream_state& st) { return hold.refused() && needs_capture_hold(st.stream); };
   try {
     if constexpr (tracks_lifetimes) {
       // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other
@@ -1438,30 +1532,31 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
     // A stream destroyed since the caller asked whether it was busy takes no event (its handle may be another
     // stream's by now): its blocks wait for its last work (retire) instead.
     if (owner_busy && !b->owner->dead) {
-      fence = acquire_event(device_);
-      ops_.record(*fence, b->owner->stream);
+      if (deferred(*b->owner)) {
+        // No fence: the owner's work is waited for as a user's is, and the block stays pending until then.
+        uses.push_back(use{b->owner, acquire_event(device_), true});
+      } else {
+        fence = acquire_event(device_);
+        ops_.record(*fence, b->owner->stream);
+      }
     }
     for (stream_state* user : b->recorded) {
       if (expired(*user)) {
         // Destroyed since: no event can be recorded on it; its last work is waited for instead (null event).
-        if (!finished(*user)) uses.emplace_back(user, nullptr);
+        if (!finished(*user)) uses.push_back(use{user, nullptr, false});
         continue;
       }
-      uses.emplace_back(user, acquire_event(user->device));
-      if (user->device == device_) {
-        ops_.record(*uses.back().second, user->stream);
-      } else {
-        device_guard guard(user->device);  // a peer device's event, recorded with that device current
-        ops_.record(*uses.back().second, user->stream);
-      }
+      uses.push_back(use{user, acquire_event(user->device), deferred(*user)});
+      if (!uses.back().unrecorded) record_on(*uses.back().event, *user);
     }
     if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
   } catch (...) {
     recycle_event(std::move(fence), device_);
-    for (auto& use : uses) recycle_event(std::move(use.second), use.first->device);
+    for (auto& u : uses) recycle_event(std::move(u.event), u.stream->device);
     map_.restore(b->address, b);  // still allocated (cannot throw: no growth)
     throw;
   }
+  hold.release();
   if (fence) {
     b->fence = std::move(fence);
     b->fence_sequence = ++fence_counter_;
@@ -1482,13 +1577,14 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
   b->state = block_state::pending;  // keeps `requested` for the history's free_completed
   b->pending_events = static_cast<std::uint32_t>(uses.size());
   pending_total_ += uses.size();
-  for (auto& use : uses) {
-    stream_state* user = use.first;
+  for (auto& u : uses) {
+    stream_state* user = u.stream;
     if (user->pending.empty() &&
         std::find(pending_streams_.begin(), pending_streams_.end(), user) == pending_streams_.end()) {
       pending_streams_.push_back(user);
     }
-    user->pending.push_back(pending_record{std::move(use.second), b});
+    user->pending.push_back(pending_record{std::move(u.event), b, u.unrecorded});
+    if (u.unrecorded) ++unrecorded_;
   }
 }
 
@@ -2016,16 +2112,31 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_pendin
     gpukit::device device;
     tracker_type tracker;  // for a null event: the destroyed stream whose last work is awaited
   };
+  if (unrecorded_ != 0) record_deferred();
   std::vector<waiting> records;
-  for (stream_state* st : pending_streams_) {
-    for (auto& record : st->pending) {
+  records.reserve(pending_total_);  // before anything moves: nothing below allocates
+  for (std::size_t i = 0; i < pending_streams_.size();) {
+    stream_state* st = pending_streams_[i];
+    // Records a gpukit capture still keeps from being recorded stay pending, in order; the others are waited for.
+    auto kept = st->pending.begin();
+    for (auto it = st->pending.begin(); it != st->pending.end(); ++it) {
+      if (it->unrecorded) {
+        if (kept != it) *kept = std::move(*it);
+        ++kept;
+        continue;
+      }
       tracker_type tracker{};
-      if (!record.event) tracker = st->tracker;
-      records.push_back(waiting{std::move(record), st->device, std::move(tracker)});
+      if (!it->event) tracker = st->tracker;
+      records.push_back(waiting{std::move(*it), st->device, std::move(tracker)});
     }
-    st->pending.clear();
+    st->pending.erase(kept, st->pending.end());
+    if (st->pending.empty()) {
+      pending_streams_[i] = pending_streams_.back();
+      pending_streams_.pop_back();
+    } else {
+      ++i;
+    }
   }
-  pending_streams_.clear();
   if (records.empty()) return;
   lock.unlock();
   for (auto& w : records) {

@@ -25,6 +25,12 @@
 ///
 ///     bool capturing(const stream_type&) const;                  // being captured into a CUDA graph
 ///
+/// Optional (without it no stream needs one): whether recording or waiting on a stream is work that a gpukit capture
+/// begun meanwhile would not survive (the legacy default stream), so that it is done under a detail::capture_hold,
+/// and deferred while a gpukit capture is underway:
+///
+///     bool needs_capture_hold(const stream_type&) const noexcept;
+///
 /// Optional, all or none (without them every stream is assumed to outlive the memory it is used with):
 ///
 ///     using tracker_type = ...;                                  // copyable; kept while the allocator knows a stream
@@ -97,17 +103,7 @@ class capture_hold {
  public:
   /// Holds captures off if `needed` (some stream the caller will use is the legacy one) and none is underway.
   explicit capture_hold(bool needed) noexcept {
-    if (!needed) return;
-    std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
-    // Both sides use sequentially consistent operations, so that of this increment then load and the capture's
-    // increment then load (wait_for_capture_holds), one at least sees the other's increment.
-    holds.fetch_add(1, std::memory_order_seq_cst);
-    if (mode_independent::gpukit_captures_underway().load(std::memory_order_seq_cst) == 0) {
-      held_ = true;
-      return;
-    }
-    holds.fetch_sub(1, std::memory_order_release);
-    refused_ = true;
+    if (needed) take();
   }
   ~capture_hold() { release(); }
   capture_hold(const capture_hold&) = delete;
@@ -126,8 +122,29 @@ class capture_hold {
     held_ = false;
     mode_independent::capture_holds().fetch_sub(1, std::memory_order_release);  // after the enqueueing
   }
+  /// After release() (a host wait), before more work that may use the legacy stream if `needed`: holds captures off
+  /// again, or is refused (refused() and refuses() say so) if a gpukit capture began meanwhile. True when the work
+  /// may go on: held, or not needed.
+  bool retake(bool needed) noexcept {
+    if (held_ || !needed) return true;
+    take();
+    return held_;
+  }
 
  private:
+  void take() noexcept {
+    std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
+    // Both sides use sequentially consistent operations, so that of this increment then load and the capture's
+    // increment then load (wait_for_capture_holds), one at least sees the other's increment.
+    holds.fetch_add(1, std::memory_order_seq_cst);
+    refused_ = mode_independent::gpukit_captures_underway().load(std::memory_order_seq_cst) != 0;
+    if (!refused_) {
+      held_ = true;
+      return;
+    }
+    holds.fetch_sub(1, std::memory_order_release);
+  }
+
   bool held_ = false;
   bool refused_ = false;
 };
@@ -188,6 +205,18 @@ struct has_capture_query<
     Ops, std::void_t<decltype(std::declval<const Ops&>().capturing(std::declval<const typename Ops::stream_type&>()))>>
     : std::true_type {};
 
+/// Whether a StreamOps policy says which streams need a capture hold (the member is optional).
+template <class Ops, class = void>
+struct has_capture_hold_query : std::false_type {};
+template <class Ops>
+struct has_capture_hold_query<Ops, std::void_t<decltype(std::declval<const Ops&>().needs_capture_hold(
+                                       std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
+
+/// Whether a gpukit capture is underway now (a hint: one may begin at once; only a capture_hold tells for sure).
+inline bool gpukit_capture_underway() noexcept {
+  return mode_independent::gpukit_captures_underway().load(std::memory_order_relaxed) != 0;
+}
+
 }  // namespace detail
 
 /// gpukit's streams and events (CUDA and CPU).
@@ -243,6 +272,11 @@ struct stream_ops {
   /// allocate, free or record on it. No CUDA call for CPU streams; one cudaStreamIsCapturing for CUDA streams.
   /// A destroyed stream (which the allocator still remembers) captures nothing and must not be asked.
   bool capturing(const stream_view& s) const;
+  /// An event recorded on `s`, or a wait enqueued there, is work on the legacy default stream
+  /// (detail::may_use_legacy_stream): the legacy stream itself, or another thread's per-thread stream, which is reached
+  /// through it. Such work would invalidate a gpukit capture of a blocking stream, so it is done under a
+  /// detail::capture_hold. No CUDA call, but for the first lookup of this thread's per-thread stream id.
+  bool needs_capture_hold(const stream_view& s) const noexcept { return detail::may_use_legacy_stream(s); }
 
  private:
   // Out of line, so that capturing() stays small enough to be inlined into the allocators' fast paths.
