@@ -1772,3 +1772,28 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: async_allocator memory allocated and freed in a gpukit capture is the graph's at each launch") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  const std::size_t in_use = gpukit_test::pool_bytes_in_use(cuda0);
+  void* out = a.allocate(4096, s);
+  gpukit::graph g = gpukit::capture(s, [&] {
+    void* scratch = a.allocate(4096, s);  // an allocation node
+    REQUIRE(cudaMemsetAsync(scratch, 7, 4096, s.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(out, scratch, 4096, cudaMemcpyDeviceToDevice, s.cuda_handle()) == cudaSuccess);
+    a.deallocate(scratch);  // a free node
+  });
+  CHECK(a.memory_allocated() == 4096);                            // `out` only
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == in_use + 4096);  // the graph's memory is not the default pool's
+  for (int launch = 0; launch < 3; ++launch) g.launch(s);
+  s.synchronize();
+  std::vector<unsigned char> host(4096, 0);
+  REQUIRE(cudaMemcpy(host.data(), out, 4096, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host[0] == 7);
+  CHECK(host[4095] == 7);
+  a.deallocate(out);
+  s.synchronize();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == in_use);
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudasim::violations().empty());
+}

@@ -52,6 +52,8 @@ struct op {
   std::function<bool()> precheck;  // under the lock, just before running: false = illegal access
   std::function<void()> work;      // runs without the lock
   std::string what;
+  std::uintptr_t allocates = 0;  // captured: captured_op::allocates
+  std::uintptr_t frees = 0;      // captured: captured_op::frees
 };
 
 struct capture_state;
@@ -78,6 +80,9 @@ struct captured_op {
   op_kind kind = op_kind::engine;
   std::function<void()> work;
   std::string what;
+  std::function<bool()> precheck;  // run at each launch, as when enqueued (op::precheck)
+  std::uintptr_t allocates = 0;    // an allocation node: the graph allocation at this address
+  std::uintptr_t frees = 0;        // a free node of the graph allocation at this address
 };
 
 struct capture_state {
@@ -99,6 +104,7 @@ struct event_obj {
 
 struct graph_obj {
   std::vector<captured_op> ops;
+  state_ptr last_launch;  // an executable's launches run in order, whatever their streams
 };
 
 enum class region_kind { device, pinned, registered };
@@ -109,10 +115,13 @@ struct region {
   region_kind kind = region_kind::device;
   int device = 0;
   unsigned flags = 0;
-  bool pooled = false;            // from cudaMallocAsync
-  bool graph_allocation = false;  // cudaMallocAsync during a capture: what a free node of a capture may free
-  bool free_enqueued = false;     // cudaFreeAsync enqueued outside a capture, not run yet
-  bool virtual_range = false;     // cuMemAddressReserve: device memory only where pages are mapped with access
+  bool pooled = false;               // from cudaMallocAsync
+  bool graph_allocation = false;     // cudaMallocAsync during a capture: what a free node of a capture may free
+  bool graph_live = false;           // ... from a launch's allocation node to its free (node, or outside the graph)
+  bool graph_launched = false;       // ... in the host's order: launched, its free not enqueued yet
+  bool graph_free_captured = false;  // ... its free node was captured
+  bool free_enqueued = false;        // cudaFreeAsync enqueued outside a capture, not run yet
+  bool virtual_range = false;        // cuMemAddressReserve: device memory only where pages are mapped with access
 };
 
 /// A physical allocation of cuMemCreate.
@@ -564,7 +573,7 @@ cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
   simulator& s = c.s;
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
-    st->capture->ops.push_back({o->kind, o->work, o->what});
+    st->capture->ops.push_back({o->kind, o->work, o->what, o->precheck, o->allocates, o->frees});
     return cudaSuccess;
   }
   device_state& dev = s.devices[static_cast<std::size_t>(st->device)];
@@ -774,7 +783,7 @@ std::function<bool()> alive_check(void* dst, const void* src, std::size_t n, std
     simulator& s = sim();
     auto dead = [&](const void* p) {
       const region* r = find_region(s, p);
-      return r == nullptr || r->kind != region_kind::device ||
+      return r == nullptr || r->kind != region_kind::device || (r->graph_allocation && !r->graph_live) ||
              reinterpret_cast<std::uintptr_t>(p) + n > r->base + r->size ||
              (r->virtual_range && !pages_accessible(s, reinterpret_cast<std::uintptr_t>(p), n));
     };
@@ -1349,12 +1358,34 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
   if (!g) return c.violation(cudaErrorInvalidResourceHandle, "launch of a destroyed or invalid graph executable");
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  // A graph allocation must be freed before its graph is launched again (CUDA refuses the launch).
+  for (const auto& captured : g->ops) {
+    if (captured.allocates == 0) continue;
+    const auto found = c.s.regions.find(captured.allocates);
+    if (found != c.s.regions.end() && found->second.graph_launched) {
+      return c.violation(cudaErrorInvalidValue,
+                         "a graph launched again while the allocation of its earlier launch is not freed (by a free "
+                         "node, cudaFreeAsync or cudaFree)");
+    }
+  }
+  bool first = true;
   for (const auto& captured : g->ops) {
     auto o = std::make_shared<op>();
     o->kind = captured.kind;
     o->work = captured.work;
+    o->precheck = captured.precheck;
     o->what = captured.what + " (graph)";
+    const bool captured_launch = st->capture != nullptr;  // a node of another graph: runs with that one
+    if (first && !captured_launch && g->last_launch && !g->last_launch->done) o->deps.push_back(g->last_launch);
+    first = false;
+    const state_ptr state = o->state;
     if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+    if (captured_launch) continue;
+    g->last_launch = state;
+    const std::uintptr_t base = captured.allocates != 0 ? captured.allocates : captured.frees;
+    if (base == 0) continue;
+    const auto found = c.s.regions.find(base);
+    if (found != c.s.regions.end()) found->second.graph_launched = captured.allocates != 0;
   }
   return cudaSuccess;
 }
@@ -1585,7 +1616,9 @@ bool accessible_from(int device, const void* address) {
     return page != s.vmm_pages.end() && (page->second.access >> device & 1u) != 0;
   }
   if (r->device == device) return true;
-  if (r->pooled) return (s.devices[static_cast<std::size_t>(r->device)].pool_peers >> device & 1u) != 0;
+  if (r->pooled || r->graph_allocation) {
+    return (s.devices[static_cast<std::size_t>(r->device)].pool_peers >> device & 1u) != 0;
+  }
   return s.peer_enabled.count({device, r->device}) != 0;
 }
 
@@ -1979,6 +2012,14 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
   if (again->second.free_enqueued) {
     return c.violation(cudaErrorInvalidValue, "cudaFree of memory whose cudaFreeAsync is enqueued already");
   }
+  if (again->second.graph_allocation) {  // its graph's address: the next launch allocates it again
+    if (!again->second.graph_live) {
+      return c.violation(cudaErrorInvalidValue, "cudaFree of a graph allocation that is not live");
+    }
+    again->second.graph_live = false;
+    again->second.graph_launched = false;
+    return cudaSuccess;
+  }
   device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
   if (again->second.pooled) {
     dev.pool_used -= round_up(again->second.size, 512);  // back to the pool, which keeps it
@@ -2112,6 +2153,45 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t k
   return cudaSuccess;
 }
 
+/// cudaMallocAsync during a capture: an allocation node. Its address is fixed when captured (CUDA reserves it for the
+/// graph) and its memory is live from each launch's allocation node until its free (a free node, or cudaFreeAsync or
+/// cudaFree after the launch); a launch before the previous one's allocation is freed is refused, as CUDA refuses it.
+/// The memory comes from the device's graph memory pool, which is not the default pool: the default pool's figures do
+/// not count it, and the simulator does not model that pool's size or give its memory (or address) back. Peers
+/// reach it as they reach the default pool's memory.
+static cudaError_t graph_allocation(call& c, const stream_ptr& st, void** p, std::size_t size) {
+  if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+  const device_state& dev = c.s.devices[static_cast<std::size_t>(st->device)];
+  const std::size_t rounded = round_up(size, 512);
+  if (rounded < size || rounded > dev.config.total_memory) return c.result(cudaErrorMemoryAllocation);
+  void* memory = allocate_host_memory(rounded);
+  if (memory == nullptr) return c.result(cudaErrorMemoryAllocation);
+  const auto base = reinterpret_cast<std::uintptr_t>(memory);
+  auto o = std::make_shared<op>();
+  o->what = c.function + " (allocation node)";
+  o->allocates = base;
+  o->precheck = [base] {
+    simulator& s = sim();
+    const auto found = s.regions.find(base);
+    if (found == s.regions.end()) return false;
+    found->second.graph_live = true;
+    return true;
+  };
+  if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) {
+    std::free(memory);
+    return e;
+  }
+  region r;
+  r.base = base;
+  r.size = size;
+  r.kind = region_kind::device;
+  r.device = st->device;
+  r.graph_allocation = true;
+  c.s.regions[r.base] = r;
+  *p = memory;
+  return cudaSuccess;
+}
+
 /// cudaMallocAsync, or cudaMallocFromPoolAsync when `pool` is given (the default pool of the stream's device only).
 static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool_t pool, cudaStream_t stream) {
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
@@ -2139,6 +2219,7 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
     *p = nullptr;
     return cudaSuccess;
   }
+  if (st->capture != nullptr) return graph_allocation(c, st, p, size);
   const std::size_t rounded = round_up(size, 512);
   // This stream's pending frees serve first, then what the pool keeps; the rest it reserves from the device.
   const auto mine = dev.pool_pending.find(st.get());
@@ -2157,7 +2238,6 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   r.kind = region_kind::device;
   r.device = st->device;
   r.pooled = true;
-  r.graph_allocation = st->capture != nullptr;
   c.s.regions[r.base] = r;
   if (from_pending != 0) {
     mine->second -= from_pending;  // the free, when it runs, releases only what is still pending
@@ -2211,12 +2291,36 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   // at the graph's launch, and leaves the live bytes then.
   const std::size_t rounded = round_up(it->second.size, 512);
   const bool pending = it->second.pooled && st->capture == nullptr;
-  if (pending) {
-    device_state& dev = c.s.devices[static_cast<std::size_t>(it->second.device)];
-    dev.pool_used -= rounded;
-    dev.pool_pending[st.get()] += rounded;
-    dev.pool_pending_total += rounded;
-    it->second.free_enqueued = true;
+  if (it->second.graph_allocation) {
+    // A free node (captured), or the free of a launch's allocation outside the graph: the memory stays the graph's.
+    if (st->capture != nullptr && it->second.graph_free_captured) {
+      return c.violation(cudaErrorInvalidValue, "a second free node of the same graph allocation");
+    }
+    auto o = std::make_shared<op>();
+    o->what = c.function;
+    if (st->capture != nullptr) o->frees = it->first;
+    o->precheck = [p] {
+      simulator& s = sim();
+      const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
+      if (found == s.regions.end()) return false;
+      found->second.free_enqueued = false;
+      if (!found->second.graph_live) {
+        record_violation(s, "cudaFreeAsync", cudaErrorInvalidValue,
+                         "the free of a graph allocation that is not live (its graph was not launched, or it was "
+                         "freed already)");
+        return false;
+      }
+      found->second.graph_live = false;
+      return true;
+    };
+    if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+    if (st->capture != nullptr) {
+      it->second.graph_free_captured = true;
+    } else {
+      it->second.free_enqueued = true;
+      it->second.graph_launched = false;
+    }
+    return cudaSuccess;
   }
   // Freed when the stream reaches this point (the precheck runs under the machine's lock).
   auto o = std::make_shared<op>();
@@ -2246,7 +2350,15 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
     return true;
   };
   o->work = [p] { std::free(p); };
-  return enqueue(c, st, std::move(o));
+  if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
+  if (pending) {  // after the enqueue, which may be refused (its precheck cannot run before this call returns)
+    device_state& dev = c.s.devices[static_cast<std::size_t>(it->second.device)];
+    dev.pool_used -= rounded;
+    dev.pool_pending[st.get()] += rounded;
+    dev.pool_pending_total += rounded;
+    it->second.free_enqueued = true;
+  }
+  return cudaSuccess;
 }
 
 // --- host memory ---
@@ -2597,6 +2709,13 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecUpdate(cudaGraphExec_t exec, cuda
   if (!same) {
     info->result = cudaGraphExecUpdateErrorTopologyChanged;
     return c.result(cudaErrorGraphExecUpdateFailure);
+  }
+  // Memory nodes cannot change: an executable's allocations keep their addresses.
+  for (std::size_t i = 0; i < e->ops.size(); ++i) {
+    if (e->ops[i].allocates != g->ops[i].allocates || e->ops[i].frees != g->ops[i].frees) {
+      info->result = cudaGraphExecUpdateErrorNotSupported;
+      return c.result(cudaErrorGraphExecUpdateFailure);
+    }
   }
   e->ops = g->ops;
   info->result = cudaGraphExecUpdateSuccess;

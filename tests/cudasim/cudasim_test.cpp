@@ -355,6 +355,73 @@ TEST_CASE("cudasim: during a capture cudaFreeAsync frees only memory that a capt
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: a graph allocation is live from each launch's allocation node to its free") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  std::vector<unsigned char> host(4096, 0);
+  SUBCASE("freed in the graph: launched again and again, the same address each time") {
+    void* out = nullptr;
+    REQUIRE(cudaMalloc(&out, 4096) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    void* inside = nullptr;
+    REQUIRE(cudaMallocAsync(&inside, 4096, s) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(inside, 7, 4096, s) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(out, inside, 4096, cudaMemcpyDeviceToDevice, s) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(inside, s) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    for (int launch = 0; launch < 3; ++launch) CHECK(cudaGraphLaunch(exec, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudaMemcpy(host.data(), out, 4096, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(host[0] == 7);
+    CHECK(host[4095] == 7);
+    CHECK(cudasim::violations().empty());
+    // Outside a launch the memory is not live: work that uses it fails as after any free.
+    CHECK(cudaMemsetAsync(inside, 1, 4096, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress);
+    CHECK(has_violation(cudasim::take_violations(), cudaErrorIllegalAddress));
+    cudasim::clear_faults();  // the sticky error
+    (void)cudaGetLastError();
+    CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+    CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(cudaFree(out) == cudaSuccess);
+  }
+  SUBCASE("freed after the launch: a launch while it is live is refused") {
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    void* kept = nullptr;
+    REQUIRE(cudaMallocAsync(&kept, 4096, s) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    CHECK(cudaGraphLaunch(exec, s) == cudaSuccess);
+    CHECK(cudaMemsetAsync(kept, 1, 4096, s) == cudaSuccess);  // live after the launch
+    CHECK(cudaFreeAsync(kept, s) == cudaSuccess);             // freed outside the graph
+    CHECK(cudaGraphLaunch(exec, s) == cudaSuccess);           // so it may be launched again
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudasim::violations().empty());
+    CHECK(cudaGraphLaunch(exec, s) == cudaErrorInvalidValue);  // not freed since: refused
+    (void)cudaGetLastError();
+    const auto v = cudasim::take_violations();
+    REQUIRE(v.size() == 1);
+    CHECK(v.front().message.find("launched again while the allocation of its earlier launch is not freed") !=
+          std::string::npos);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudaFree(kept) == cudaSuccess);            // cudaFree frees it as well
+    CHECK(cudaGraphLaunch(exec, s) == cudaSuccess);  // and the graph may be launched again
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudaFree(kept) == cudaSuccess);
+    CHECK(cudaFree(kept) == cudaErrorInvalidValue);
+    CHECK(!cudasim::take_violations().empty());
+    (void)cudaGetLastError();
+    CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+    CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: cudaMallocAsync on the legacy stream invalidates a capture of a blocking stream") {
   cudaStream_t blocking = nullptr;
   REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);  // synchronizes with the legacy stream
