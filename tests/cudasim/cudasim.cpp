@@ -45,15 +45,22 @@ using state_ptr = std::shared_ptr<op_state>;
 
 enum class op_kind { engine, host };
 
-struct op {
+/// What an operation does: what a capture records, and each launch of its graph enqueues again.
+struct captured_op {
   op_kind kind = op_kind::engine;
-  state_ptr state = std::make_shared<op_state>();
-  std::vector<state_ptr> deps;     // must complete before this op starts (event waits, legacy barriers)
   std::function<bool()> precheck;  // under the lock, just before running: false = illegal access
   std::function<void()> work;      // runs without the lock
   std::string what;
-  std::uintptr_t allocates = 0;  // captured: captured_op::allocates
-  std::uintptr_t frees = 0;      // captured: captured_op::frees
+  std::uintptr_t allocates = 0;  // an allocation node: the graph allocation at this address
+  std::uintptr_t frees = 0;      // a free node of the graph allocation at this address
+};
+
+/// An operation enqueued on a stream.
+struct op : captured_op {
+  op() = default;
+  explicit op(const captured_op& recorded) : captured_op(recorded) {}
+  state_ptr state = std::make_shared<op_state>();
+  std::vector<state_ptr> deps;  // must complete before this op starts (event waits, legacy barriers)
 };
 
 struct capture_state;
@@ -75,15 +82,6 @@ struct stream_obj {
   bool blocking() const { return kind != stream_kind::legacy && (flags & cudaStreamNonBlocking) == 0; }
 };
 using stream_ptr = std::shared_ptr<stream_obj>;
-
-struct captured_op {
-  op_kind kind = op_kind::engine;
-  std::function<void()> work;
-  std::string what;
-  std::function<bool()> precheck;  // run at each launch, as when enqueued (op::precheck)
-  std::uintptr_t allocates = 0;    // an allocation node: the graph allocation at this address
-  std::uintptr_t frees = 0;        // a free node of the graph allocation at this address
-};
 
 struct capture_state {
   unsigned long long id = 0;
@@ -573,7 +571,7 @@ cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
   simulator& s = c.s;
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
-    st->capture->ops.push_back({o->kind, o->work, o->what, o->precheck, o->allocates, o->frees});
+    st->capture->ops.push_back(*o);  // what it does, without its state in this stream
     return cudaSuccess;
   }
   device_state& dev = s.devices[static_cast<std::size_t>(st->device)];
@@ -1370,11 +1368,8 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
   }
   bool first = true;
   for (const auto& captured : g->ops) {
-    auto o = std::make_shared<op>();
-    o->kind = captured.kind;
-    o->work = captured.work;
-    o->precheck = captured.precheck;
-    o->what = captured.what + " (graph)";
+    auto o = std::make_shared<op>(captured);
+    o->what += " (graph)";
     const bool captured_launch = st->capture != nullptr;  // a node of another graph: runs with that one
     if (first && !captured_launch && g->last_launch && !g->last_launch->done) o->deps.push_back(g->last_launch);
     first = false;

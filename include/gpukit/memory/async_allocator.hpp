@@ -677,9 +677,7 @@ class async_allocator final : public device_allocator {
   /// is told to wait for the captures (unless `may_wait` is false: then it is freed all the same). Failures are
   /// reported through gpukit::warn (the memory is lost).
   [[nodiscard]] free_result free_after_device(void* p, std::size_t bytes, bool may_wait = true) noexcept {
-    if (may_wait && mode_independent::gpukit_captures_underway().load(std::memory_order_seq_cst) != 0) {
-      return free_result::wait_for_captures;
-    }
+    if (may_wait && detail::gpukit_capture_underway()) return free_result::wait_for_captures;
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // for cudaFreeAsync (cudaDeviceSynchronize is refused all the same)

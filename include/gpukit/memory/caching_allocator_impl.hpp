@@ -1442,23 +1442,24 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   unindex_free(b);
   std::unique_ptr<event_type> fence = std::move(b->fence);
   if (b->owner != &st && fence) {
+    const auto put_back = [&] {  // as it was found
+      b->fence = std::move(fence);
+      index_free(b);
+      if (rest != nullptr) recycle(rest);
+    };
     bool refused = false;
     try {
       const detail::capture_hold hold(needs_capture_hold(st.stream));  // until the wait is enqueued
       refused = hold.refused();
       if (!refused) ops_.wait(*fence, st.stream);  // the new stream waits for the old one's work, on the device
     } catch (...) {
-      b->fence = std::move(fence);
-      index_free(b);
-      if (rest != nullptr) recycle(rest);
+      put_back();
       throw;
     }
     if (refused) {
       // A wait on the legacy stream would invalidate the gpukit capture begun since find_free looked: left as it
       // was, for a search that passes over fenced blocks.
-      b->fence = std::move(fence);
-      index_free(b);
-      if (rest != nullptr) recycle(rest);
+      put_back();
       return false;
     }
   }
