@@ -1797,3 +1797,87 @@ TEST_CASE("capture: async_allocator memory allocated and freed in a gpukit captu
   CHECK(a.deferred_frees() == 0);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a free another thread deferred waits while this thread captures the per-thread stream it names") {
+  // Another thread frees memory of this thread's per-thread stream while this thread captures that stream: legacy
+  // work from there, so deferred. This thread's calls during the capture must not make that free into the graph
+  // (a free node of memory the graph did not allocate, which CUDA refuses).
+  gpukit::async_allocator a(cuda0);
+  const gpukit::stream_view mine(cuda0, cudaStreamPerThread);
+  const gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(4096, mine);
+  std::size_t deferred_during = 0;
+  gpukit::graph g = gpukit::capture(mine, [&] {
+    std::thread([&] { a.deallocate(p); }).join();
+    REQUIRE(a.deferred_frees() == 1);
+    void* scratch = a.allocate(4096, mine);  // an allocation node
+    a.deallocate(scratch);                   // a free node
+    deferred_during = a.deferred_frees();
+  });
+  CHECK(deferred_during == 1);
+  g.launch(mine);
+  a.deallocate(a.allocate(4096, mine));  // the capture is over: the deferred free is made first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a deferred free retried during a capture elsewhere goes back to waiting when its free fails") {
+  // Made by this thread (its own per-thread stream is no legacy work here) while another thread captures in global
+  // mode; its cudaFreeAsync fails, and the fallback, after the device's work, would wait for the whole device: the
+  // free waits for the capture to end instead.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream s(cuda0);
+  const gpukit::stream_view mine(cuda0, cudaStreamPerThread);
+  const gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(4096, mine);
+  {
+    capture_elsewhere other(blocking, gpukit::capture_mode::global);
+    std::thread([&] { a.deallocate(p); }).join();  // deferred: this thread's stream is legacy work from there
+    REQUIRE(a.deferred_frees() == 1);
+    cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);  // the deferred free, made here
+    const std::size_t synchronizations = cudasim::calls("cudaDeviceSynchronize");
+    void* q = a.allocate(4096, s);
+    CHECK(a.deferred_frees() == 1);  // waits again, rather than after a device-wide wait
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == synchronizations);
+    a.deallocate(q);  // tried again, on this thread's stream: made now
+    CHECK(a.deferred_frees() == 0);
+    CHECK(other.finish() == "");
+  }
+  CHECK(warnings.contains("cudaFreeAsync of 4.00 KiB on its stream failed"));
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an async_allocator out-of-memory retry during a capture elsewhere does not wait for the device") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::stream own(cuda0);
+  capture_elsewhere other(blocking, gpukit::capture_mode::global);
+  cudasim::fail_call("cudaMallocAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocAsync", 2, cudaErrorMemoryAllocation);
+  const std::size_t synchronizations = cudasim::calls("cudaDeviceSynchronize");
+  void* p = a.allocate(4096, own);  // the third try succeeds
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == synchronizations);
+  CHECK(a.stats().num_alloc_retries == 2);
+  CHECK(other.finish() == "");
+  a.deallocate(p);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a caching allocator destroyed while another thread captures in global mode leaves it intact") {
+  // Its cudaFree and host waits are refused in global mode while any thread captures: it relaxes its mode for them.
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  auto a = std::make_unique<gpukit::caching_allocator>(cuda0);
+  a->deallocate(a->allocate(8 << 20, s));  // cached: its segment goes back at destruction
+  const std::size_t frees = cudasim::calls("cudaFree");
+  {
+    capture_elsewhere during(blocking, gpukit::capture_mode::global);
+    a.reset();
+    CHECK(during.finish() == "");
+  }
+  CHECK(cudasim::calls("cudaFree") == frees + 1);
+  CHECK(cudasim::violations().empty());
+}

@@ -103,6 +103,12 @@ struct event_obj {
 struct graph_obj {
   std::vector<captured_op> ops;
   state_ptr last_launch;  // an executable's launches run in order, whatever their streams
+  // A graph with memory nodes: its executable, while it lives (CUDA allows one at a time, since each allocation node
+  // keeps one address).
+  std::weak_ptr<graph_obj> executable;
+  bool has_memory_nodes() const {
+    return std::any_of(ops.begin(), ops.end(), [](const captured_op& o) { return o.allocates != 0 || o.frees != 0; });
+  }
 };
 
 enum class region_kind { device, pinned, registered };
@@ -2673,7 +2679,16 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t* exec, cu
   auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
   if (exec == nullptr || !g) return c.violation(cudaErrorInvalidValue, "instantiate of an invalid graph");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
-  *exec = reinterpret_cast<cudaGraphExec_t>(c.s.execs.add(std::make_shared<graph_obj>(*g)));
+  const bool memory_nodes = g->has_memory_nodes();
+  if (memory_nodes && !g->executable.expired()) {
+    return c.violation(cudaErrorInvalidValue,
+                       "a second executable of a graph with memory allocation or free nodes (CUDA allows one at a "
+                       "time: destroy the first with cudaGraphExecDestroy)");
+  }
+  auto executable = std::make_shared<graph_obj>(*g);
+  executable->executable.reset();
+  if (memory_nodes) g->executable = executable;
+  *exec = reinterpret_cast<cudaGraphExec_t>(c.s.execs.add(std::move(executable)));
   return cudaSuccess;
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {

@@ -422,6 +422,62 @@ TEST_CASE("cudasim: a graph allocation is live from each launch's allocation nod
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: a graph with memory nodes has one executable at a time, a graph without them any number") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  void* out = nullptr;
+  REQUIRE(cudaMalloc(&out, 4096) == cudaSuccess);
+  const auto capture = [&](bool memory_nodes) {
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    if (memory_nodes) {
+      void* inside = nullptr;
+      REQUIRE(cudaMallocAsync(&inside, 4096, s) == cudaSuccess);
+      REQUIRE(cudaMemsetAsync(inside, 3, 4096, s) == cudaSuccess);
+      REQUIRE(cudaMemcpyAsync(out, inside, 4096, cudaMemcpyDeviceToDevice, s) == cudaSuccess);
+      REQUIRE(cudaFreeAsync(inside, s) == cudaSuccess);
+    } else {
+      REQUIRE(cudaMemsetAsync(out, 3, 4096, s) == cudaSuccess);
+    }
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    return graph;
+  };
+  SUBCASE("with memory nodes: a second executable is refused until the first is destroyed") {
+    cudaGraph_t graph = capture(true);
+    cudaGraphExec_t first = nullptr;
+    cudaGraphExec_t second = nullptr;
+    REQUIRE(cudaGraphInstantiate(&first, graph, 0) == cudaSuccess);
+    CHECK(cudaGraphInstantiate(&second, graph, 0) == cudaErrorInvalidValue);
+    (void)cudaGetLastError();
+    const auto v = cudasim::take_violations();
+    REQUIRE(v.size() == 1);
+    CHECK(v.front().message.find("a second executable of a graph with memory allocation or free nodes") !=
+          std::string::npos);
+    CHECK(cudaGraphLaunch(first, s) == cudaSuccess);  // the first is unharmed
+    CHECK(cudaGraphExecDestroy(first) == cudaSuccess);
+    REQUIRE(cudaGraphInstantiate(&second, graph, 0) == cudaSuccess);  // one at a time
+    CHECK(cudaGraphLaunch(second, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudaGraphExecDestroy(second) == cudaSuccess);
+    CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  SUBCASE("without: as many executables as asked, each launched") {
+    cudaGraph_t graph = capture(false);
+    cudaGraphExec_t execs[2] = {nullptr, nullptr};
+    for (cudaGraphExec_t& e : execs) REQUIRE(cudaGraphInstantiate(&e, graph, 0) == cudaSuccess);
+    for (cudaGraphExec_t e : execs) CHECK(cudaGraphLaunch(e, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    for (cudaGraphExec_t e : execs) CHECK(cudaGraphExecDestroy(e) == cudaSuccess);
+    CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  std::vector<unsigned char> host(4096, 0);
+  CHECK(cudaMemcpy(host.data(), out, 4096, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host[4095] == 3);
+  CHECK(cudaFree(out) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("cudasim: cudaMallocAsync on the legacy stream invalidates a capture of a blocking stream") {
   cudaStream_t blocking = nullptr;
   REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);  // synchronizes with the legacy stream

@@ -5,6 +5,10 @@
 // test_gpu_graph_sim.
 #include "support.hpp"
 
+#ifdef GPUKIT_TEST_ON_CUDASIM
+#include "cudasim/cudasim.hpp"
+#endif
+
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/default_allocator.hpp>
@@ -17,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -473,4 +478,33 @@ TEST_CASE("gpu: a graph pool released while another thread captures a blocking s
   if (captured != nullptr) GPUKIT_CUDA_TRY(cudaGraphDestroy(captured));
   GPUKIT_CUDA_TRY(cudaStreamDestroy(blocking));
   s.synchronize();
+}
+
+TEST_CASE("gpu: a graph with allocation nodes has one executable at a time, which gpukit::capture makes") {
+  // CUDA refuses a second executable of a graph with memory nodes while the first lives (the simulator too, as a
+  // violation); gpukit::capture instantiates each graph once, and the graph relaunches as often as asked.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(16, s);
+  gpukit::graph g = gpukit::capture(s, [&] {
+    void* scratch = a.allocate(out.size_bytes(), s);  // an allocation node
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(scratch, 5, out.size_bytes(), s.cuda_handle()));
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(out.data(), scratch, out.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+    a.deallocate(scratch);  // a free node
+  });
+  const gpukit::device_guard guard(d);
+  cudaGraphExec_t second = nullptr;
+  const cudaError_t refused = cudaGraphInstantiate(&second, g.native_graph(), 0);
+  (void)cudaGetLastError();
+  std::printf("a second cudaGraphInstantiate of a graph with memory nodes returned %s\n", cudaGetErrorName(refused));
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::take_violations().size() == 1);
+#endif
+  CHECK(refused != cudaSuccess);
+  if (refused == cudaSuccess) GPUKIT_CUDA_TRY(cudaGraphExecDestroy(second));
+  for (int launch = 0; launch < 3; ++launch) g.launch(s);  // the first is unharmed
+  CHECK(read(out, s) == std::vector<int>(16, 0x05050505));
+  CHECK(a.memory_allocated() == 0);  // the scratch memory is the graph's, freed in it
 }

@@ -776,3 +776,62 @@ TEST_CASE("an event a gpukit capture kept from being recorded on a stream destro
   CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::free);
   CHECK(check_invariants(a.snapshot(), {}, 512) == "");
 }
+
+namespace {
+/// An upstream over a borrowed address space whose free, like a stream-ordered one's, does not wait for the device:
+/// what the space still lends once the allocator is gone shows which segments were given back.
+struct borrowed_space_upstream {
+  explicit borrowed_space_upstream(gpukit::address_space_upstream* borrowed) : space(borrowed) {}
+  void* allocate(std::size_t bytes) { return space->allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) noexcept { space->deallocate(p, bytes); }
+  gpukit::upstream_memory_info memory_info() const { return space->memory_info(); }
+  bool synchronizes_on_free() const noexcept { return false; }
+  gpukit::address_space_upstream* space;
+};
+}  // namespace
+
+TEST_CASE("an allocator destroyed while a capture keeps a legacy-stream event unrecorded keeps only that segment") {
+  gpukit::address_space_upstream space(GiB);
+  fake_world world;
+  const captured_warnings warnings;
+  std::size_t segment_bytes = 0;
+  {
+    std::optional<capture_underway> capture;  // outlives the allocator
+    gpukit::basic_caching_allocator<borrowed_space_upstream, legacy_stream_ops> a(
+        gpukit::device::cpu(), gpukit::allocator_options::pytorch(), &space);
+    a.stream_operations().world = &world;
+    const fake_stream s{world.add_stream()};
+    const fake_stream legacy{world.add_stream()};
+    a.stream_operations().legacy = legacy.id;
+    void* used = a.allocate(12 * MiB, s);  // each in a segment of its own (above the 10 MiB of shared segments)
+    void* cached = a.allocate(12 * MiB, s);
+    void* live = a.allocate(12 * MiB, s);
+    CHECK(a.stats().segment.all().current == 3);
+    segment_bytes = a.memory_reserved() / 3;
+    a.record_stream(used, legacy);
+    world.enqueue(legacy.id);
+    a.deallocate(cached);
+    capture.emplace();
+    a.deallocate(used);  // its event on the legacy stream cannot be recorded during the capture
+    CHECK(states_of(a.snapshot(), used, nullptr)[0] == gpukit::block_state::pending);
+    CHECK(live != nullptr);  // left live: released with a warning
+  }
+  CHECK(space.memory_info().free_bytes == GiB - segment_bytes);  // the other two segments went back
+  CHECK(warnings.contains("1 live allocation(s)"));
+  CHECK(
+      warnings.contains("keeps 1 event(s) on the legacy default stream from being recorded; 1 segment(s) (12.00 MiB)"));
+  CHECK(world.waits.empty());  // nothing waited on the legacy stream
+
+  // An upstream whose free waits for the device takes the memory back all the same, and nothing is said of it.
+  const captured_warnings quiet;
+  {
+    std::optional<capture_underway> capture;
+    legacy_fixture f(false);
+    void* p = f.a.allocate(12 * MiB, f.s);
+    f.a.record_stream(p, f.legacy);
+    capture.emplace();
+    f.a.deallocate(p);
+    CHECK(states_of(f.a.snapshot(), p, nullptr)[0] == gpukit::block_state::pending);
+  }
+  CHECK_FALSE(quiet.contains("not given back"));
+}

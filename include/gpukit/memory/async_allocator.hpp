@@ -243,9 +243,10 @@ class async_allocator final : public device_allocator {
   /// cudaMallocAsync of `bytes` on `stream` (usable there at once; elsewhere after synchronizing with it; on the
   /// legacy default stream while a gpukit capture runs, on the device's upstream allocation stream and waited for on
   /// the host, since cudaMallocAsync on the legacy stream would invalidate a capture of a blocking stream). On
-  /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized, trimmed
-  /// and retried once more (each retry decides again whether the legacy stream may be used: a capture may have
-  /// begun during the waits), then out_of_memory_error (after the observers) with the numbers.
+  /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized (not while a
+  /// gpukit capture is underway), trimmed and retried once more (each retry decides again whether the legacy stream
+  /// may be used: a capture may have begun during the waits), then out_of_memory_error (after the observers) with
+  /// the numbers.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
@@ -283,7 +284,9 @@ class async_allocator final : public device_allocator {
         std::lock_guard<std::mutex> lock(mutex_);
         ++retries_;
       }
-      if (retry == 1) {
+      // cudaDeviceSynchronize invalidates a capture in any mode: during a gpukit capture the pool is trimmed again
+      // without it (the memory freed on streams since is all that can come back).
+      if (retry == 1 && !detail::gpukit_capture_underway()) {
         GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
@@ -417,7 +420,8 @@ class async_allocator final : public device_allocator {
     // A free that waited on the host (a failed ordering) and found a capture begun meanwhile waits for it to end
     // too; if it cannot (no memory), it is made anyway, as before deferral existed (its orderings again, then the
     // free, without a hold).
-    if (free_on_streams(p, a, on, hold) == free_result::done || defer(p, a, on)) return;
+    // A refused hold here means the free involves a captured stream (or one that could not be asked): made now.
+    if (free_on_streams(p, a, on, hold, !hold.refused()) == free_result::done || defer(p, a, on)) return;
     hold.release();
     (void)free_on_streams(p, a, on, hold, false);
   }
@@ -454,16 +458,17 @@ class async_allocator final : public device_allocator {
 
   /// What freeing `a` on `on` would meet now: the legacy default stream while a gpukit capture is underway (`hold`
   /// refuses it), on `on` itself or to order after a recorded stream; and, only then (an ordinary free asks CUDA
-  /// nothing), a stream being captured. May throw (a stream's id or capture status unknown).
+  /// nothing) or when `always_ask`, a stream being captured. May throw (a stream's id or capture status unknown).
   struct capture_state {
     bool legacy_refused = false;
     bool captured = false;
   };
-  capture_state capture_state_of(const allocation& a, const stream_view& on, const detail::capture_hold& hold) const {
+  capture_state capture_state_of(const allocation& a, const stream_view& on, const detail::capture_hold& hold,
+                                 bool always_ask = false) const {
     capture_state state;
     for_each_stream(a, on,
                     [&](const stream_view& s) { state.legacy_refused = state.legacy_refused || hold.refuses(s); });
-    if (!state.legacy_refused) return state;
+    if (!state.legacy_refused && !always_ask) return state;
     device_guard guard(device_);
     for_each_stream(a, on, [&](const stream_view& s) {
       // The legacy stream, or another thread's per-thread one, is not gpukit's to capture (and cannot be asked).
@@ -500,7 +505,9 @@ class async_allocator final : public device_allocator {
         const auto next = std::next(it);
         bool wait = false;
         try {
-          const capture_state state = capture_state_of(it->a, usable_view_of(it->on), hold);
+          // Captured streams are asked about in any case: a free deferred by another thread may name this thread's
+          // per-thread stream, legacy work there but not here, and this thread may be capturing it.
+          const capture_state state = capture_state_of(it->a, usable_view_of(it->on), hold, true);
           wait = state.legacy_refused || state.captured;
         } catch (...) {  // a stream could not be asked: made once the hold is held, and reported if it fails
         }
@@ -519,7 +526,7 @@ class async_allocator final : public device_allocator {
       // The hold is let go once a free is enqueued, or to wait on the host: taken again for the next one; if a
       // capture began meanwhile, a free that needs the legacy stream waits for the next call.
       if (!hold.retake(may_use_legacy_stream(d.a, on)) ||
-          free_on_streams(d.p, d.a, on, hold) == free_result::wait_for_captures) {
+          free_on_streams(d.p, d.a, on, hold, true) == free_result::wait_for_captures) {
         if (on_destroyed) d.a.users.pop_back();  // as deferred, to be made again
         again.splice(again.end(), due, due.begin());
         continue;
@@ -558,12 +565,11 @@ class async_allocator final : public device_allocator {
   /// happens after the device's work (free_after_device): the memory is never leaked for a failed ordering. `hold`
   /// (taken when the free was decided) is released before any host wait or warning: a capture waiting for it may be
   /// what the host waits for. After a host wait it is taken again; if a gpukit capture began meanwhile, the free
-  /// stops there and says it must wait for the captures. It goes on instead when `may_wait` is false, or when `hold`
-  /// was refused from the start (a free that involves a captured stream, or one that could not be asked: made now,
-  /// since made after the capture it would precede the graph's work).
+  /// stops there and says it must wait for the captures, if `may_defer`. It goes on instead when `may_defer` is false:
+  /// a last resort, or a free that involves a captured stream (made now, since made after the capture it would
+  /// precede the graph's work). The caller says which: `hold` may have been refused for another free.
   [[nodiscard]] free_result free_on_streams(void* p, const allocation& a, const stream_view& on,
-                                            detail::capture_hold& hold, bool may_wait = true) noexcept {
-    const bool may_defer = may_wait && !hold.refused();
+                                            detail::capture_hold& hold, bool may_defer) noexcept {
     const bool may_use_legacy = may_use_legacy_stream(a, on);
     // After a host wait: whether the rest may be enqueued now.
     const auto resume = [&] { return hold.retake(may_use_legacy) || !may_defer; };

@@ -42,6 +42,9 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_allocator() {
+  // cudaFree and the host waits below are refused in global mode while any thread captures, invalidating that
+  // capture; relaxed, they are not (as in empty_cache).
+  const detail::relaxed_capture_mode relaxed(device_.is_cuda());
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   const std::size_t live = user_current(st_allocation);  // blocks in front caches are not live
   if (live > 0) {
@@ -52,17 +55,22 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   if (unrecorded_ != 0) record_deferred();
   // Blocks whose event on the legacy stream a gpukit capture underway keeps from being recorded: nothing can wait for
   // that stream's work now without invalidating the capture. An upstream whose free waits for the device (cudaFree)
-  // still takes their memory back; another cannot, so the segments are left to it unreleased, and that is said.
-  const bool keep_segments = unrecorded_ != 0 && !upstream_.synchronizes_on_free();
-  if (keep_segments) {
-    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed while a CUDA graph capture keeps " +
-         std::to_string(unrecorded_) + " event(s) on the legacy default stream from being recorded; its " +
-         detail::format_bytes(current(stats_.reserved_bytes)) +
-         " of segments are not given back to the upstream, since that stream may still use them");
-  }
+  // still takes their memory back; another cannot, so their segments (only those) are left to it unreleased, and
+  // that is said.
+  const bool keep_unrecorded = unrecorded_ != 0 && !upstream_.synchronizes_on_free();
+  std::size_t kept_segments = 0;
+  std::size_t kept_bytes = 0;
   for (auto& st : streams_) {
     for (auto& record : st->pending) {
-      if (record.unrecorded) continue;  // see keep_segments
+      if (record.unrecorded) {
+        segment* seg = record.b->seg;
+        if (keep_unrecorded && !seg->left_to_upstream) {
+          seg->left_to_upstream = true;
+          ++kept_segments;
+          kept_bytes += seg->mapped();
+        }
+        continue;
+      }
       if (record.event) {
         synchronize_quietly(*record.event);
       } else {
@@ -71,16 +79,23 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
     }
     st->pending.clear();
   }
+  if (keep_unrecorded) {
+    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed while a CUDA graph capture keeps " +
+         std::to_string(unrecorded_) + " event(s) on the legacy default stream from being recorded; " +
+         std::to_string(kept_segments) + " segment(s) (" + detail::format_bytes(kept_bytes) +
+         ") are not given back to the upstream, since that stream may still use them");
+  }
   if (!upstream_.synchronizes_on_free()) {
     for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
   }
-  if (keep_segments) return;
   shared_unmap_wait unmap_wait;
   for (segment* seg = segments_; seg != nullptr;) {
-    for (block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->fence) synchronize_quietly(*b->fence);
+    if (!seg->left_to_upstream) {
+      for (block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->fence) synchronize_quietly(*b->fence);
+      }
+      return_segment(seg, {}, unmap_wait);
     }
-    return_segment(seg, {}, unmap_wait);
     segment* next = seg->next_segment;
     delete seg;
     seg = next;
