@@ -926,6 +926,23 @@ TEST_CASE("capture: another thread's per-thread default stream is refused, and n
   REQUIRE(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
 }
 
+TEST_CASE("capture: a graph launched on another thread's per-thread default stream is refused, launching nothing") {
+  // cudaStreamPerThread names the calling thread's own stream: the launch would be unordered with the other's work.
+  gpukit::stream s(cuda0);
+  gpukit::device_buffer<int> out(16, s);
+  gpukit::graph g = gpukit::capture(
+      s, [&] { REQUIRE(cudaMemsetAsync(out.data(), 1, out.size_bytes(), s.cuda_handle()) == cudaSuccess); });
+  gpukit::stream_view elsewhere;
+  std::thread([&] { elsewhere = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz");
+  const std::string message = invalid_argument_message([&] { g.launch(elsewhere); });
+  CHECK(message.find("per-thread default stream of another thread") != std::string::npos);
+  CHECK(cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz") == launches);
+  g.launch(gpukit::stream_view(cuda0, cudaStreamPerThread));  // this thread's own is launched on
+  CHECK(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool orders a consumer that frees on its own stream, or is captured at the free") {
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);

@@ -69,7 +69,8 @@ class graph {
   ~graph() { destroy(); }
 
   /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
-  /// stream of another device, or, for a graph with a pool, a stream being captured (the outer graph could run after
+  /// stream of another device, another thread's per-thread default stream, or, for a graph with a pool, a stream
+  /// being captured (the outer graph could run after
   /// the pool's memory went back: capture that work into the pool's graph instead); cuda_error if the launch fails.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
@@ -77,6 +78,12 @@ class graph {
       throw invalid_argument_error("gpukit::graph::launch: a stream of " +
                                    (s.is_cpu() ? std::string("cpu") : s.device().to_string()) + " for a graph of " +
                                    device_.to_string());
+    }
+    if (detail::is_other_threads_stream(s)) {
+      throw invalid_argument_error(
+          "gpukit::graph::launch: the per-thread default stream of another thread (a view resolved there) cannot be "
+          "named from this one: cudaStreamPerThread is the calling thread's own (launch from that thread; nothing "
+          "was launched)");
     }
     device_guard guard(device_);
     if (pool_ && detail::capture_status(s) != cudaStreamCaptureStatusNone) {

@@ -520,9 +520,8 @@ class async_allocator final : public device_allocator {
     std::list<deferred_free> again;  // refused once a capture began meanwhile
     while (!due.empty()) {
       deferred_free& d = due.front();
-      const bool on_destroyed = d.on.destroyed();  // read once: it may change at any time
-      const stream_view on = usable_view(d.on, on_destroyed);
-      if (on_destroyed) d.a.users.push_back(d.on);  // capacity reserved when deferred: cannot throw
+      bool on_destroyed = false;
+      const stream_view on = prepare(d, on_destroyed);
       // The hold is let go once a free is enqueued, or to wait on the host: taken again for the next one; if a
       // capture began meanwhile, a free that needs the legacy stream waits for the next call.
       if (!hold.retake(may_use_legacy_stream(d.a, on)) ||
@@ -545,14 +544,21 @@ class async_allocator final : public device_allocator {
     } catch (...) {  // the lock failed (never seen): made now rather than lost, as before deferral existed
       for (deferred_free& d : frees) {
         detail::capture_hold none(false);
-        const bool on_destroyed = d.on.destroyed();
-        if (on_destroyed) d.a.users.push_back(d.on);  // capacity reserved when deferred: cannot throw
-        (void)free_on_streams(d.p, d.a, usable_view(d.on, on_destroyed), none, false);
+        bool on_destroyed = false;
+        (void)free_on_streams(d.p, d.a, prepare(d, on_destroyed), none, false);
       }
       frees.clear();
     }
   }
 
+  /// The stream the deferred free `d` is made on now: its own, or, once that is destroyed (`on_destroyed`), this
+  /// thread's per-thread stream after the destroyed one's last work, which then joins the users (in the room reserved
+  /// when deferred: cannot throw; taken out again by pop_back if the free waits once more).
+  stream_view prepare(deferred_free& d, bool& on_destroyed) const noexcept {
+    on_destroyed = d.on.destroyed();  // read once: it may change at any time
+    if (on_destroyed) d.a.users.push_back(d.on);
+    return usable_view(d.on, on_destroyed);
+  }
   /// The stream a free is made on instead of `s`: `s` itself, or this thread's per-thread stream once `s` is
   /// destroyed (its handle may name another stream now; the caller waits for its final event).
   stream_view usable_view_of(const kept_stream& s) const noexcept { return usable_view(s, s.destroyed()); }
