@@ -173,6 +173,50 @@ TEST_CASE("sim prefetcher: a release whose event cannot be recorded waits for th
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("sim prefetcher: next() in a capture for a buffer released during it is refused, not a wait forever") {
+  // A thread that captures releases batch 0 of another thread's per-thread consumer: its event could go only on the
+  // legacy default stream, so the producer records it once the capture ends, before refilling that buffer. Batch 2,
+  // which goes there, cannot arrive while the capture lasts: next() in the capture says so instead of waiting.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit::prefetch_options options;
+  options.depth = 2;
+  options.producer_threads = 1;
+  gpukit::prefetcher<std::uint32_t> loader(
+      mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 6); }, options);
+  auto zero = loader.next();
+  auto one = loader.next();
+  REQUIRE(zero);
+  REQUIRE(one);
+  std::string message;
+  std::string capture_failure;
+  std::thread([&] {
+    gpukit::stream captured(d);
+    try {
+      gpukit::graph g = gpukit::capture(captured, [&] {
+        zero.reset();  // deferred: the event would go on the legacy stream
+        try {
+          (void)loader.next();
+        } catch (const gpukit::invalid_argument_error& e) {
+          message = e.what();
+        }
+      });
+    } catch (const std::exception& e) {
+      capture_failure = e.what();
+    }
+  }).join();
+  CHECK(capture_failure == "");
+  CHECK(message.find("released during a CUDA graph capture") != std::string::npos);
+  one.reset();
+  std::size_t rest = 0;  // after the capture the loader goes on, from batch 2
+  while (auto batch = loader.next()) {
+    CHECK(batch->index() == 2 + rest);
+    ++rest;
+  }
+  CHECK(rest == 4);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("sim prefetcher: a per-thread default consumer stream is the constructing thread's, wherever batches go") {
   // cudaStreamPerThread names the calling thread's own stream: a batch taken or released on another thread must still
   // order the constructing thread's stream (through the legacy default stream), not the other thread's.

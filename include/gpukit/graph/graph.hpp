@@ -212,9 +212,13 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   struct counted_capture {
     counted_capture() noexcept {
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
+      ++mode_independent::gpukit_captures_on_this_thread();
       detail::wait_for_capture_holds();
     }
-    ~counted_capture() { mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel); }
+    ~counted_capture() {
+      --mode_independent::gpukit_captures_on_this_thread();
+      mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
+    }
     counted_capture(const counted_capture&) = delete;
     counted_capture& operator=(const counted_capture&) = delete;
   } counted;

@@ -46,6 +46,13 @@ GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_captures_underway() noexc
   return count;
 }
 
+/// gpukit::capture calls underway on the calling thread (the work they capture runs on it): what waits for the
+/// captures to end cannot be waited for on this thread.
+GPUKIT_EXPORT inline int& gpukit_captures_on_this_thread() noexcept {
+  thread_local int count = 0;
+  return count;
+}
+
 /// Threads enqueueing work that a gpukit capture begun meanwhile would break (detail::capture_hold), counted while
 /// they do: gpukit::capture begins a capture only once this is zero.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& capture_holds() noexcept {

@@ -325,7 +325,10 @@ class prefetcher {
   /// consumer's next() rethrows it, like any producer exception. Throws invalid_argument_error, taking nothing,
   /// while the consumer stream is being captured into a CUDA graph. While a gpukit capture is underway, a consumer
   /// this thread can order only through the legacy default stream (that stream, or the constructing thread's
-  /// per-thread one from another thread) would break the capture: the copy is then waited for on the host.
+  /// per-thread one from another thread) would break the capture: the copy is then waited for on the host. Throws
+  /// invalid_argument_error, taking nothing, inside this thread's gpukit::capture when the batch's buffer was
+  /// released during a capture and is not refilled yet: it is refilled only once the captures end, so the wait would
+  /// never end (a capture in another thread that waits for this one cannot be seen: do not take batches there).
   std::optional<batch> next() {
     state& st = *state_;
     if (detail::capture_status(st.consumer) != cudaStreamCaptureStatusNone) {
@@ -350,6 +353,15 @@ class prefetcher {
                                    ", which is still held (depth " + std::to_string(depth) + "); release it first");
     }
     const auto arrived = [&] { return (sl.ready && sl.index == index) || st.end <= index; };
+    if (!arrived() && sl.consumed_deferred && mode_independent::gpukit_captures_on_this_thread() != 0) {
+      // The producer refills the buffer once the captures end (batch::release), and this thread's cannot end while
+      // it waits here.
+      throw invalid_argument_error("gpukit::prefetcher::next: batch " + std::to_string(index) +
+                                   " goes into the buffer of batch " + std::to_string(index - depth) +
+                                   ", released during a CUDA graph capture, which is refilled only once the "
+                                   "captures end; this thread is capturing (gpukit::capture): take it after the "
+                                   "capture");
+    }
     if (!arrived()) {
       const auto start = clock::now();
       st.cv.wait(lock, arrived);
