@@ -70,8 +70,8 @@ class graph {
 
   /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
   /// stream of another device, another thread's per-thread default stream, or, for a graph with a pool, a stream
-  /// being captured (the outer graph could run after
-  /// the pool's memory went back: capture that work into the pool's graph instead); cuda_error if the launch fails.
+  /// being captured (the outer graph could run after the pool's memory went back: capture that work into the pool's
+  /// graph instead); cuda_error if the launch fails.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
