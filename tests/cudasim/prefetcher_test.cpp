@@ -32,6 +32,14 @@ std::size_t fill(std::size_t index, gpukit::span<std::uint32_t> out, std::size_t
   return n;
 }
 
+/// Two device buffers and one producer thread: batch i goes into buffer i % 2, after batch i - 2 is released.
+gpukit::prefetch_options two_buffers() {
+  gpukit::prefetch_options options;
+  options.depth = 2;
+  options.producer_threads = 1;
+  return options;
+}
+
 /// Runs a loader of `batches` batches on `consumer`; each batch's first and last elements are copied back into
 /// `probe` (2 × batches elements) on the consumer stream (device work, no host function). Returns the number of
 /// wrong or missing batches.
@@ -179,9 +187,7 @@ TEST_CASE("sim prefetcher: next() in a capture for a buffer released during it i
   // which goes there, cannot arrive while the capture lasts: next() in the capture says so instead of waiting.
   const auto d = gpukit::device::cuda(0);
   const gpukit::stream_view mine(d, cudaStreamPerThread);
-  gpukit::prefetch_options options;
-  options.depth = 2;
-  options.producer_threads = 1;
+  const gpukit::prefetch_options options = two_buffers();
   gpukit::prefetcher<std::uint32_t> loader(
       mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 6); }, options);
   auto zero = loader.next();
@@ -224,9 +230,7 @@ TEST_CASE("sim prefetcher: a per-thread default consumer stream is the construct
   const gpukit::stream_view mine(d, cudaStreamPerThread);
   gpukit_test::gate copies;   // holds the copy stream
   gpukit_test::gate produce;  // holds the producer before batch 1
-  gpukit::prefetch_options options;
-  options.depth = 2;
-  options.producer_threads = 1;
+  const gpukit::prefetch_options options = two_buffers();
   gpukit::prefetcher<std::uint32_t> loader(
       mine, 200,
       [&](std::size_t i, gpukit::span<std::uint32_t> out) {
@@ -269,9 +273,7 @@ TEST_CASE("sim prefetcher: another thread takes and releases a batch of a per-th
   // capture has ended, before the buffer is refilled (not skipped, which would let the refill overwrite the batch).
   const auto d = gpukit::device::cuda(0);
   const gpukit::stream_view mine(d, cudaStreamPerThread);
-  gpukit::prefetch_options options;
-  options.depth = 2;
-  options.producer_threads = 1;
+  const gpukit::prefetch_options options = two_buffers();
   gpukit::prefetcher<std::uint32_t> loader(
       mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); }, options);
   gpukit_test::gate held;
