@@ -29,8 +29,9 @@ constexpr const char* child_variable = "CUDASIM_CASE_CHILD";
 bool is_query(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    const std::string option = arg.substr(0, arg.find('='));  // not its value: a filter may contain "count"
     for (const char* word : {"list", "count", "help", "version"}) {
-      if (arg.find(word) != std::string::npos) return true;
+      if (option.find(word) != std::string::npos) return true;
     }
     for (const char* flag : {"-c", "-h", "-?", "-v", "-ltc", "-lts", "-lr"}) {
       if (arg == flag) return true;
