@@ -242,6 +242,7 @@ thread_local int t_current = -1;  // -1: the thread never chose a device (cudaGe
 thread_local bool t_in_host_function = false;
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local cudaStreamCaptureMode t_capture_mode = cudaStreamCaptureModeGlobal;
+thread_local int t_call_depth = 0;  // simulated calls in progress on this thread (cudasim::inside_call)
 
 bool is_sticky(cudaError_t e) {
   switch (e) {
@@ -372,6 +373,14 @@ std::unique_lock<std::mutex> lock_for_call(simulator& s, const char* function) {
   return std::unique_lock<std::mutex>(s.mutex);
 }
 
+/// Counts a simulated call in progress on this thread, before anything of the call allocates.
+struct call_depth {
+  call_depth() noexcept { ++t_call_depth; }
+  ~call_depth() { --t_call_depth; }
+  call_depth(const call_depth&) = delete;
+  call_depth& operator=(const call_depth&) = delete;
+};
+
 struct call {
   explicit call(const char* name) : s(sim()), lock(lock_for_call(s, name)), function(name) {
     initialize_locked(s);
@@ -401,6 +410,7 @@ struct call {
     return result(e);
   }
 
+  call_depth depth;  // first: counted before the members below allocate
   simulator& s;
   std::unique_lock<std::mutex> lock;
   std::string function;
@@ -1655,6 +1665,8 @@ void unload(cudaError_t result) {
   std::lock_guard<std::mutex> lock(sim().mutex);
   sim().unloaded = result;
 }
+
+bool inside_call() noexcept { return t_call_depth != 0; }
 
 std::size_t calls(const std::string& function) {
   std::lock_guard<std::mutex> lock(sim().mutex);

@@ -112,6 +112,10 @@ CUDASIM_API void clear_faults();
 /// violation; the control functions here keep working. clear_faults() undoes it.
 CUDASIM_API void unload(cudaError_t result = cudaErrorCudartUnloading);
 
+/// Whether this thread is inside a simulated CUDA call: a test that makes the host heap fail counts only the
+/// allocations of the code under test, not the simulator's.
+CUDASIM_API bool inside_call() noexcept;
+
 /// How many times `function` was called (successful or not).
 CUDASIM_API std::size_t calls(const std::string& function);
 /// Device memory in use on `device` (allocations plus active contexts).

@@ -10,6 +10,7 @@
 // call) over host memory, where a block reused or released while a held stream still writes to it is a
 // heap-use-after-free under AddressSanitizer.
 #include "memory/allocator_support.hpp"
+#include "failing_heap.hpp"
 #include "support.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
@@ -21,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,7 +38,7 @@ struct injected_fault : std::runtime_error {
 
 /// Which layer fails, how, and at which of its calls. One plan per run; the layers count their calls in it.
 struct fault_plan {
-  enum class layer { upstream, events };
+  enum class layer { upstream, events, host_heap };
   enum class mode {
     throws,              // the call throws (a CUDA error other than out of memory, a broken event)
     out_of_memory,       // the upstream returns nullptr (its documented out of memory) once
@@ -56,6 +58,24 @@ struct fault_plan {
     ++injected;
     return true;
   }
+};
+
+/// The plan whose host_heap layer operator new consults: set on the test's thread while an allocator call runs (the
+/// fake world is single-threaded, so the N-th allocation is the same one in every run).
+thread_local fault_plan* heap_plan = nullptr;
+
+bool heap_fails_now() { return heap_plan != nullptr && heap_plan->should_fail(fault_plan::layer::host_heap); }
+
+/// Arms the host heap's failure for one allocator call, when the plan targets it.
+class heap_armed {
+ public:
+  explicit heap_armed(fault_plan& plan) noexcept {
+    gpukit_test::heap_fails = heap_fails_now;
+    if (plan.target == fault_plan::layer::host_heap) heap_plan = &plan;
+  }
+  heap_armed(const heap_armed&) = delete;
+  heap_armed& operator=(const heap_armed&) = delete;
+  ~heap_armed() { heap_plan = nullptr; }
 };
 
 /// A capacity-limited fake address space whose allocate() fails as the plan says.
@@ -164,6 +184,7 @@ class run {
     a_.stream_operations().world = &world_;
     a_.stream_operations().plan = &plan;
     for (auto& s : s_) s = fake_stream{world_.add_stream()};
+    live_.reserve(64);  // the steps' own bookkeeping never allocates while the host heap may fail
   }
   run(const run&) = delete;
   run& operator=(const run&) = delete;
@@ -190,6 +211,14 @@ class run {
     world_.enqueue(s_[1].id);
     const std::uint64_t z2 = alloc(0, 30 * MiB);  // with cross-stream reuse: stream 1's block, waited for
     free(w);
+    // Many frees pending on one busy stream: its queue of pending events grows past its first node.
+    world_.enqueue(s_[1].id);
+    std::uint64_t batch[24] = {};
+    for (std::uint64_t& p : batch) {
+      p = alloc(0, 1000);
+      record(p, 1);
+    }
+    for (std::uint64_t p : batch) free(p);
     step("empty_cache", [&] { a_.empty_cache(); });
     world_.complete_all();
     const std::uint64_t big = alloc(0, 900 * MiB);  // more than the upstream has left: out of memory
@@ -252,8 +281,10 @@ class run {
     // Only two things may be reported: a free after the allocation's stream was destroyed (the scenario does that on
     // purpose) and an injected failure of a wait on a release path (which cannot throw).
     for (const std::string& m : warnings_.messages()) {
+      const bool heap_failure =
+          plan_.target == fault_plan::layer::host_heap && m.find("bad_alloc") != std::string::npos;
       if (m.find("was destroyed while the allocation was live") == std::string::npos &&
-          m.find("failed: injected failure of") == std::string::npos) {
+          m.find("failed: injected failure of") == std::string::npos && !heap_failure) {
         note("an unexpected warning: " + m);
       }
     }
@@ -287,8 +318,12 @@ class run {
   template <class Step>
   void step(const char* name, Step&& body) {
     try {
+      const heap_armed armed(plan_);
       body();
     } catch (const injected_fault&) {
+      ++counts_.surfaced;
+    } catch (const std::bad_alloc&) {
+      if (plan_.target != fault_plan::layer::host_heap) note(std::string(name) + " threw std::bad_alloc");
       ++counts_.surfaced;
     } catch (const gpukit::out_of_memory_error& e) {
       ++counts_.out_of_memory;
@@ -641,6 +676,12 @@ TEST_CASE("fault injection: the event layer fails at its N-th call, for every N"
   report("event layer throws", t);
   CHECK(t.surfaced > 0);
   CHECK(t.warnings > 0);  // waits on release paths report their failure instead of throwing
+}
+
+TEST_CASE("fault injection: the host heap fails at the N-th allocation inside an allocator call, for every N") {
+  const tally t = inject_everywhere(fault_plan::layer::host_heap, fault_plan::mode::throws, 1);
+  report("host heap throws std::bad_alloc", t);
+  CHECK(t.surfaced > 0);
 }
 
 TEST_CASE("fault injection: gpukit's CPU streams and events fail at their N-th call, for every N") {

@@ -5,6 +5,7 @@ foreach(entry
     "test_fault_pinned_pool;pinned_pool_faults_test.cpp;CPU"
     "test_fault_allocator;allocator_faults_test.cpp;CPU"
     "test_fault_cuda;cuda_faults_test.cpp;GPU"
+    "test_fault_heap;heap_faults_test.cpp;CPU"
     "test_misuse;misuse_test.cpp;CPU"
     "test_stress;stress_test.cpp;CPU")
   list(GET entry 0 name)

@@ -5,6 +5,8 @@
 
 #include <gpukit/memory/detail/stream_registry.hpp>
 
+#include "failing_heap.hpp"
+
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -17,12 +19,15 @@ namespace {
 // that the compiler keeps the stores that arm it.
 std::atomic<int> allocations_left{-1};
 
-void* counted_allocation(std::size_t bytes) {
-  if (allocations_left.load() == 0) throw std::bad_alloc();
+bool allocation_fails() {
+  if (allocations_left.load() == 0) return true;
   if (allocations_left.load() > 0) --allocations_left;
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
+  return false;
 }
+[[maybe_unused]] const bool installed = [] {
+  gpukit_test::heap_fails = allocation_fails;
+  return true;
+}();
 
 struct state {
   state(std::uintptr_t k, int v) : key(k), value(v) {}
@@ -45,30 +50,6 @@ void check_lookups(const registry& r, std::uintptr_t missing) {
 }
 
 }  // namespace
-
-// Every non-aligned form, so that each pair ends in malloc and free whatever a sanitizer's runtime defines.
-void* operator new(std::size_t bytes) { return counted_allocation(bytes); }
-void* operator new[](std::size_t bytes) { return counted_allocation(bytes); }
-void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
-  try {
-    return counted_allocation(bytes);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
-  try {
-    return counted_allocation(bytes);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 TEST_CASE("stream registry: lookups scan the keys up to the threshold, then use the index, and find every state") {
   registry r;

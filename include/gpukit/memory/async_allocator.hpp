@@ -257,7 +257,9 @@ class async_allocator final : public device_allocator {
       over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
     }
     if (over_limit) throw_out_of_memory(bytes, true);
-    kept_stream allocating = kept_stream::of(stream);  // before the allocation: may look the stream's id up, and throw
+    // Before the allocation, as it may throw (it looks the stream's id up, and allocates): once the memory is had,
+    // recording it cannot fail.
+    live_map::node_type record = new_record(bytes, kept_stream::of(stream));
     // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
     // (as every legacy-stream call measured on an H200 does). While a gpukit capture runs, the memory comes from the
     // device's upstream allocation stream instead, waited for on the host, so that it is usable on any stream at once.
@@ -308,8 +310,9 @@ class async_allocator final : public device_allocator {
         throw;
       }
     }
+    record.key() = reinterpret_cast<std::uintptr_t>(p);
     std::lock_guard<std::mutex> lock(mutex_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, std::move(allocating), {}});
+    live_.insert(std::move(record));
     add(allocations_, 1);
     add(allocated_bytes_, static_cast<std::int64_t>(bytes));
     ++device_allocs_;
@@ -347,6 +350,13 @@ class async_allocator final : public device_allocator {
     kept_stream stream;              // allocated on (and by default freed on) this stream
     std::vector<kept_stream> users;  // record_stream
   };
+  using live_map = std::map<std::uintptr_t, allocation>;
+  /// The record of an allocation not made yet, in a map node of its own: inserting the node cannot fail.
+  static live_map::node_type new_record(std::size_t bytes, kept_stream stream) {
+    live_map one;
+    one.emplace(0, allocation{bytes, std::move(stream), {}});
+    return one.extract(one.begin());
+  }
   /// A free that waits until the legacy default stream may be used (deferred_frees()).
   struct deferred_free {
     deferred_free(void* freed, allocation&& of, kept_stream&& freed_on) noexcept
@@ -403,6 +413,8 @@ class async_allocator final : public device_allocator {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it == live_.end()) throw_not_owned(p, "deallocate");
+      // Room for the allocation stream and the stream freeing it (below, and defer), while the free may still fail.
+      it->second.users.reserve(it->second.users.size() + 2);
       a = std::move(it->second);
       live_.erase(it);
       add(allocations_, -1);
@@ -757,7 +769,7 @@ class async_allocator final : public device_allocator {
   gpukit::device device_;
   cudaMemPool_t pool_ = nullptr;
   mutable std::mutex mutex_;
-  std::map<std::uintptr_t, allocation> live_;
+  live_map live_;
   std::list<deferred_free> deferred_;      // guarded by mutex_; a list: frees move in and out without allocating
   std::atomic<bool> has_deferred_{false};  // !deferred_.empty(), read without the lock
   stat allocations_, allocated_bytes_;

@@ -829,6 +829,7 @@ class basic_caching_allocator {
 
   void recycle(block* b) noexcept;
 
+  /// The free-block index of `b`'s stream and pool, made when it has none (the only step that allocates).
   index_type& index_of(block* b);
 
   static bool is_split(const block* b) noexcept;

@@ -607,7 +607,9 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::finished(const 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_expirations() {
   if constexpr (tracks_lifetimes) {
-    seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
+    const auto expirations = ops_.expirations();  // before the scan: a destruction during it is seen next time
+    dead_streams_.reserve(dead_streams_.size() + streams_.size());  // the scan below cannot fail midway
+    seen_expirations_ = expirations;
     for (const auto& st : streams_) {
       if (st->dead || !ops_.expired(st->tracker)) continue;
       dead_streams_.push_back(st.get());
@@ -1453,7 +1455,19 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
                                                                       std::size_t requested) {
   const std::size_t remainder = b->size - size;
   const bool split = should_split(b, size, remainder);
-  block* rest = split ? new_block() : nullptr;  // the only step that can fail before anything changes
+  block* rest = split ? new_block() : nullptr;  // the steps that can fail, before anything changes
+  if (b->owner != &st) {
+    // Its free goes to this stream's index: made now, so that the free does not allocate.
+    auto& pool = st.pools[b->small ? 1 : 0];
+    if (!pool) {
+      try {
+        pool = std::make_unique<index_type>();
+      } catch (...) {
+        if (rest != nullptr) recycle(rest);
+        throw;
+      }
+    }
+  }
   unindex_free(b);
   std::unique_ptr<event_type> fence = std::move(b->fence);
   if (b->owner != &st && fence) {
@@ -1523,8 +1537,10 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
     stream_state* stream;
     std::unique_ptr<event_type> event;  // null: the stream was destroyed, its last work is waited for
     bool unrecorded;                    // pending_record::unrecorded
+    bool first = false;                 // the stream had no pending event before this one
   };
   std::vector<use> uses;
+  std::size_t queued = 0;  // uses whose record is in their stream's queue
   // Events on the legacy default stream are recorded under a capture hold; while a gpukit capture is underway they
   // are recorded after it (record_deferred), and the block stays pending until then.
   bool hold_needed = false;
@@ -1566,7 +1582,20 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
       if (!uses.back().unrecorded) record_on(*uses.back().event, *user);
     }
     if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
+    // Last, as they may allocate (a queue's new node): a record without its event first, so that a failure leaves
+    // the event here. One use per stream.
+    for (; queued < uses.size(); ++queued) {
+      use& u = uses[queued];
+      u.first = u.stream->pending.empty();
+      u.stream->pending.push_back(pending_record{nullptr, b, u.unrecorded});
+      u.stream->pending.back().event = std::move(u.event);
+    }
   } catch (...) {
+    while (queued != 0) {
+      use& u = uses[--queued];
+      u.event = std::move(u.stream->pending.back().event);
+      u.stream->pending.pop_back();
+    }
     recycle_event(std::move(fence), device_);
     for (auto& u : uses) recycle_event(std::move(u.event), u.stream->device);
     map_.restore(b->address, b);  // still allocated (cannot throw: no growth)
@@ -1593,13 +1622,10 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
   b->state = block_state::pending;  // keeps `requested` for the history's free_completed
   b->pending_events = static_cast<std::uint32_t>(uses.size());
   pending_total_ += uses.size();
-  for (auto& u : uses) {
-    stream_state* user = u.stream;
-    if (user->pending.empty() &&
-        std::find(pending_streams_.begin(), pending_streams_.end(), user) == pending_streams_.end()) {
-      pending_streams_.push_back(user);
+  for (const use& u : uses) {
+    if (u.first && std::find(pending_streams_.begin(), pending_streams_.end(), u.stream) == pending_streams_.end()) {
+      pending_streams_.push_back(u.stream);  // reserved above: cannot throw
     }
-    user->pending.push_back(pending_record{std::move(u.event), b, u.unrecorded});
     if (u.unrecorded) ++unrecorded_;
   }
 }
@@ -1720,7 +1746,13 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
       recycle(b);
       throw;
     }
-    void* p = upstream_.reserve(range);
+    void* p = nullptr;
+    try {
+      p = upstream_.reserve(range);  // a driver error throws
+    } catch (...) {
+      recycle(b);
+      throw;
+    }
     if (p == nullptr) {
       recycle(b);
       return nullptr;
@@ -2187,7 +2219,13 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_segments(
     std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims, bool unforced) {
   if (victims.empty()) return 0;
+  // Everything that allocates comes before the first change: the loop that unlinks the segments cannot fail.
   std::vector<std::unique_ptr<event_type>> fences;
+  std::size_t fence_count = 0;
+  for (const segment* seg : victims) {
+    for (const block* b = seg->first; b != nullptr; b = b->next) fence_count += b->fence ? 1 : 0;
+  }
+  fences.reserve(fence_count);
   std::vector<ordered_release> ordered(victims.size());
   std::size_t released = 0;
   std::size_t frees = 0;

@@ -119,7 +119,6 @@ class graph_pool final : public device_allocator {
         std::lock_guard<std::mutex> lock(mutex_);
         const auto address = reinterpret_cast<std::uintptr_t>(chunk);
         if (!chunks_.empty() && chunks_.back().address == address) chunks_.pop_back();
-        if (free_.count(address) != 0) erase_free(address);  // inserted before the index threw
       }
       backing_->deallocate(chunk);
       throw;
@@ -333,10 +332,13 @@ class graph_pool final : public device_allocator {
       throw_out_of_memory(bytes, size);
     }
     const auto [block_size, address] = fit;
-    const free_block taken = free_.at(address);
-    erase_free(address);
-    if (block_size > size) insert_free(address + size, block_size - size, taken.chunk, taken.stream);
-    live_.emplace(address, live_block{size, bytes, taken.chunk, id, false, {}});
+    const auto taken = free_.find(address);
+    live_.emplace(address, live_block{size, bytes, taken->second.chunk, id, false, {}});  // the one step that allocates
+    if (block_size > size) {
+      (void)rekey_free(taken, address + size, block_size - size, taken->second.stream);  // the rest, in its nodes
+    } else {
+      erase_free(address);
+    }
     allocated_ += size;
     peak_allocated_ = std::max(peak_allocated_, allocated_);
     ++allocations_;
@@ -432,33 +434,58 @@ class graph_pool final : public device_allocator {
     return {std::get<1>(*it), std::get<2>(*it)};
   }
 
+  using free_map = std::map<std::uintptr_t, free_block>;
+
+  /// Adds a free block. Strong guarantee: throws std::bad_alloc having added nothing.
   void insert_free(std::uintptr_t address, std::size_t size, std::size_t chunk, std::uint64_t stream) {
-    free_.emplace(address, free_block{size, chunk, stream});
-    by_size_.emplace(stream, size, address);
+    const auto it = free_.emplace(address, free_block{size, chunk, stream}).first;
+    try {
+      by_size_.emplace(stream, size, address);
+    } catch (...) {
+      free_.erase(it);
+      throw;
+    }
   }
-  void erase_free(std::uintptr_t address) {
+  void erase_free(std::uintptr_t address) noexcept {
     const auto it = free_.find(address);
     by_size_.erase({it->second.stream, it->second.size, address});
     free_.erase(it);
   }
-  /// Inserts a freed block, merged with free neighbours of the same chunk that the same streams may reuse.
+  /// Gives the free block at `it` another address, size and reuser in its own nodes (no allocation); returns where
+  /// it is now.
+  free_map::iterator rekey_free(free_map::iterator it, std::uintptr_t address, std::size_t size,
+                                std::uint64_t stream) noexcept {
+    auto index = by_size_.extract({it->second.stream, it->second.size, it->first});
+    auto node = free_.extract(it);
+    node.key() = address;
+    node.mapped().size = size;
+    node.mapped().stream = stream;
+    index.value() = {stream, size, address};
+    by_size_.insert(std::move(index));
+    return free_.insert(std::move(node)).position;
+  }
+  /// Inserts a freed block, merged with free neighbours of the same chunk that the same streams may reuse (in a
+  /// neighbour's nodes). Strong guarantee: throws std::bad_alloc, having changed nothing, only when nothing merges.
   void insert_free_coalesced(std::uintptr_t address, std::size_t size, std::size_t chunk, std::uint64_t stream) {
+    const auto joins = [&](free_map::const_iterator it) {
+      return it != free_.end() && it->second.chunk == chunk && it->second.stream == stream;
+    };
     const auto next = free_.find(address + size);
-    if (next != free_.end() && next->second.chunk == chunk && next->second.stream == stream) {
-      size += next->second.size;
-      erase_free(next->first);
-    }
     const auto after = free_.lower_bound(address);
-    if (after != free_.begin()) {
-      const auto previous = std::prev(after);
-      if (previous->second.chunk == chunk && previous->second.stream == stream &&
-          previous->first + previous->second.size == address) {
-        address = previous->first;
-        size += previous->second.size;
-        erase_free(previous->first);
-      }
+    const auto previous = after != free_.begin() ? std::prev(after) : free_.end();
+    const bool join_next = joins(next);
+    const bool join_previous = joins(previous) && previous->first + previous->second.size == address;
+    if (!join_next && !join_previous) {
+      insert_free(address, size, chunk, stream);
+      return;
     }
-    insert_free(address, size, chunk, stream);
+    if (join_next) size += next->second.size;
+    if (join_previous) {
+      if (join_next) erase_free(next->first);
+      (void)rekey_free(previous, previous->first, previous->second.size + size, stream);
+    } else {
+      (void)rekey_free(next, address, size, stream);
+    }
   }
 
   /// Frees the live block at `p` (freed on `*stream`, or on its own stream when null); see do_deallocate. The uses
@@ -481,11 +508,12 @@ class graph_pool final : public device_allocator {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(address);
       if (it == live_.end()) throw_not_owned(p);  // freed by another thread meanwhile: a double free
-      const live_block b = std::move(it->second);
+      const live_block& b = it->second;
       const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
-      live_.erase(it);
-      allocated_ -= b.size;
+      // First, as it may fail (no memory for a block of its own): the block is then still allocated.
       insert_free_coalesced(address, b.size, b.chunk, captures_ == 0 ? any_stream : shared ? after_captures : b.stream);
+      allocated_ -= b.size;
+      live_.erase(it);
       last = orphaned_ && live_.empty();
     }
     if (last) delete this;  // the pool's graphs went first: its last allocation ends it
@@ -592,13 +620,17 @@ class graph_pool final : public device_allocator {
 
   /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
   void free_for_any_stream() noexcept {
-    try {
-      std::vector<std::pair<std::uintptr_t, free_block>> blocks(free_.begin(), free_.end());
-      free_.clear();
-      by_size_.clear();
-      for (const auto& [address, block] : blocks) insert_free_coalesced(address, block.size, block.chunk, any_stream);
-    } catch (...) {
-      // No memory to rebuild the index: the blocks not yet reinserted are lost to the pool until it ends.
+    // In address order, each block merged into the one before it when they touch (in their own nodes: no
+    // allocation).
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      it = rekey_free(it, it->first, it->second.size, any_stream);
+      if (it == free_.begin()) continue;
+      const auto previous = std::prev(it);
+      if (previous->second.chunk == it->second.chunk && previous->first + previous->second.size == it->first) {
+        const std::size_t size = previous->second.size + it->second.size;
+        erase_free(it->first);
+        it = rekey_free(previous, previous->first, size, any_stream);
+      }
     }
   }
 

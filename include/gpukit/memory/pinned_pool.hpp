@@ -324,6 +324,8 @@ class basic_pinned_pool {
   /// Whether one of `b`'s streams may use the legacy default stream (detail::may_use_legacy_stream).
   static bool needs_capture_hold(const block& b) noexcept;
 
+  /// Room for `b`'s markers and its place among the pending blocks (the steps of make_pending_locked that allocate).
+  void reserve_pending_locked(block& b);
   /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
   /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams
   /// and the error propagates.

@@ -202,16 +202,20 @@ class address_space_upstream {
   std::size_t allocations_ = 0;
   std::size_t device_waits_ = 0;
   int forced_failures_ = 0;
-  std::map<std::uintptr_t, std::size_t> free_ranges_;  // start -> size, coalesced
-  std::map<std::uintptr_t, std::size_t> sizes_;        // start -> aligned size of each range handed out
+  // start -> size. A range moves between these maps as a node, so that giving one back never allocates.
+  using range_map = std::map<std::uintptr_t, std::size_t>;
+  range_map free_ranges_;  // coalesced
+  range_map sizes_;        // each range handed out (its aligned size)
   std::size_t page_size_ = std::size_t{2} << 20;
-  std::map<std::uintptr_t, std::size_t> reservations_;  // start -> size of each reserved range
-  std::set<std::uintptr_t> mapped_;                     // mapped pages
+  range_map reservations_;           // each reserved range
+  std::set<std::uintptr_t> mapped_;  // mapped pages
 
-  /// A free address range of `bytes` aligned to `alignment` (0 when none), taken out of free_ranges_.
-  std::uintptr_t take_range(std::size_t bytes, std::size_t alignment);
-  /// Puts [start, start + size) back into free_ranges_, joined with its free neighbours.
-  void give_range(std::uintptr_t start, std::size_t size);
+  /// A free address range of `bytes` aligned to `alignment` (an empty node when none), taken out of free_ranges_.
+  /// Strong guarantee: throws std::bad_alloc, having changed nothing, when a node for it or its remainder cannot
+  /// be made.
+  range_map::node_type take_range(std::size_t bytes, std::size_t alignment);
+  /// Puts a range back into free_ranges_, joined with its free neighbours (no allocation).
+  void give_range(range_map::node_type range) noexcept;
   std::uintptr_t check_pages(void* address, std::size_t bytes, const char* operation) const;
 };
 
@@ -428,12 +432,13 @@ GPUKIT_INLINE void* address_space_upstream::allocate(std::size_t bytes) {
   }
   const std::size_t size = (bytes + alignment_ - 1) & ~(alignment_ - 1);
   if (bytes == 0 || size < bytes || size > capacity_ || used_ > capacity_ - size) return nullptr;
-  const std::uintptr_t start = take_range(size, alignment_);
-  if (start == 0) return nullptr;
+  range_map::node_type range = take_range(size, alignment_);
+  if (range.empty()) return nullptr;
+  const std::uintptr_t start = range.key();
   used_ += size;
   if (used_ > peak_) peak_ = used_;
   ++allocations_;
-  sizes_.emplace(start, size);
+  sizes_.insert(std::move(range));
   return reinterpret_cast<void*>(start);
 }
 
@@ -450,9 +455,8 @@ GPUKIT_INLINE void address_space_upstream::deallocate(void* p, std::size_t bytes
     warn("gpukit::address_space_upstream: deallocate of " + std::to_string(bytes) + " bytes for a range of " +
          std::to_string(size) + " bytes");
   }
-  sizes_.erase(found);
   used_ -= size;
-  give_range(start, size);
+  give_range(sizes_.extract(found));
 }
 
 GPUKIT_INLINE upstream_memory_info address_space_upstream::memory_info() const {
@@ -470,9 +474,10 @@ GPUKIT_INLINE std::size_t address_space_upstream::page_size() const noexcept { r
 
 GPUKIT_INLINE void* address_space_upstream::reserve(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t start = take_range(bytes, page_size_);
-  if (start == 0) return nullptr;
-  reservations_.emplace(start, bytes);
+  range_map::node_type range = take_range(bytes, page_size_);
+  if (range.empty()) return nullptr;
+  const std::uintptr_t start = range.key();
+  reservations_.insert(std::move(range));
   return reinterpret_cast<void*>(start);
 }
 
@@ -487,7 +492,13 @@ GPUKIT_INLINE bool address_space_upstream::map(void* address, std::size_t bytes)
     return false;
   }
   if (bytes > capacity_ || used_ > capacity_ - bytes) return false;
-  for (std::uintptr_t at = start; at < start + bytes; at += page_size_) mapped_.insert(at);
+  std::uintptr_t at = start;
+  try {
+    for (; at < start + bytes; at += page_size_) mapped_.insert(at);
+  } catch (...) {
+    for (std::uintptr_t page = start; page < at; page += page_size_) mapped_.erase(page);
+    throw;
+  }
   used_ += bytes;
   if (used_ > peak_) peak_ = used_;
   ++allocations_;
@@ -541,8 +552,7 @@ GPUKIT_INLINE void address_space_upstream::unreserve(void* address, std::size_t 
     used_ -= page_size_;
     it = mapped_.erase(it);
   }
-  reservations_.erase(found);
-  give_range(start, bytes);
+  give_range(reservations_.extract(found));
 }
 
 GPUKIT_INLINE std::size_t address_space_upstream::mapped() const {
@@ -591,27 +601,39 @@ GPUKIT_INLINE std::size_t address_space_upstream::allocations() const {
   return allocations_;
 }
 
-GPUKIT_INLINE std::uintptr_t address_space_upstream::take_range(std::size_t bytes, std::size_t alignment) {
+GPUKIT_INLINE auto address_space_upstream::take_range(std::size_t bytes, std::size_t alignment)
+    -> range_map::node_type {
+  // A node that is in no map yet: the only step here that allocates.
+  const auto new_node = [](std::uintptr_t start, std::size_t size) {
+    range_map one;
+    one.emplace(start, size);
+    return one.extract(one.begin());
+  };
   for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
     const std::uintptr_t start = (it->first + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1);
     const std::uintptr_t end = it->first + it->second;
     if (start > end || end - start < bytes) continue;
-    const std::uintptr_t range_start = it->first;
-    const std::size_t range_size = it->second;
-    free_ranges_.erase(it);
-    if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
-    if (start + bytes < range_start + range_size) {
-      free_ranges_.emplace(start + bytes, range_start + range_size - start - bytes);
+    const std::size_t before = start - it->first;
+    const std::size_t after = end - start - bytes;
+    // The free range's node keeps what lies before the range taken, or is the range taken when nothing does.
+    range_map::node_type rest = after != 0 ? new_node(start + bytes, after) : range_map::node_type();
+    range_map::node_type taken = before != 0 ? new_node(start, bytes) : free_ranges_.extract(it);
+    if (before != 0) {
+      it->second = before;
+    } else {
+      taken.mapped() = bytes;
     }
-    return start;
+    if (!rest.empty()) free_ranges_.insert(std::move(rest));
+    return taken;
   }
-  return 0;
+  return {};
 }
 
-GPUKIT_INLINE void address_space_upstream::give_range(std::uintptr_t start, std::size_t size) {
-  std::uintptr_t begin = start;
-  auto next = free_ranges_.lower_bound(start);
-  if (next != free_ranges_.end() && next->first == start + size) {
+GPUKIT_INLINE void address_space_upstream::give_range(range_map::node_type range) noexcept {
+  std::uintptr_t begin = range.key();
+  std::size_t size = range.mapped();
+  auto next = free_ranges_.lower_bound(begin);
+  if (next != free_ranges_.end() && next->first == begin + size) {
     size += next->second;
     next = free_ranges_.erase(next);
   }
@@ -623,7 +645,9 @@ GPUKIT_INLINE void address_space_upstream::give_range(std::uintptr_t start, std:
       free_ranges_.erase(previous);
     }
   }
-  free_ranges_.emplace(begin, size);
+  range.key() = begin;
+  range.mapped() = size;
+  free_ranges_.insert(std::move(range));
 }
 
 GPUKIT_INLINE std::uintptr_t address_space_upstream::check_pages(void* address, std::size_t bytes,

@@ -139,6 +139,7 @@ GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::release_idle() {
   std::vector<std::shared_ptr<ring>> idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    idle.reserve(rings_.size());  // first: a ring retired must leave the list (acquire would find it for ever)
     for (std::size_t i = 0; i < rings_.size();) {
       if (try_retire_locked(*rings_[i])) {
         idle.push_back(std::move(rings_[i]));
@@ -223,6 +224,8 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
         }
       }
       if (!r) {
+        // Made first: running out of memory here must not follow the release of other rings.
+        auto fresh = std::make_shared<ring>(key, options_.slots, options_.download_slots);
         if (rings_.size() >= options_.max_rings) {
           std::vector<std::shared_ptr<ring>> by_age(rings_);
           std::sort(by_age.begin(), by_age.end(), [](const std::shared_ptr<ring>& a, const std::shared_ptr<ring>& b) {
@@ -236,8 +239,8 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
               std::remove_if(rings_.begin(), rings_.end(), [](const std::shared_ptr<ring>& x) { return x->retired; }),
               rings_.end());
         }
-        r = std::make_shared<ring>(key, options_.slots, options_.download_slots);
-        rings_.push_back(r);
+        rings_.push_back(fresh);  // no allocation when rings were released; else nothing changed yet
+        r = std::move(fresh);
         created = true;
       }
       r->last_used = ++tick_;

@@ -1,0 +1,233 @@
+// Host memory running out inside gpukit's CUDA-side engines (graph_pool, async_allocator), on the simulator: this
+// executable replaces operator new so that the N-th allocation of a call under test throws std::bad_alloc, for every
+// N. A call that fails must change
+// nothing (an allocation is not made, a free leaves the block allocated, to be freed again), and the engine must stay
+// whole: every byte accounted for, free blocks merged again once everything is freed.
+#include <gpukit/gpukit.hpp>
+#include <gpukit/graph/graph.hpp>
+#include <gpukit/memory/async_allocator.hpp>
+#include <gpukit/memory/graph_pool.hpp>
+
+#include "cudasim.hpp"
+#include "failing_heap.hpp"
+#include "support.hpp"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+using gpukit_test::heap_run;
+
+/// The simulator's own allocations are not counted: the real runtime does not allocate with operator new, nor throw.
+bool simulated_call() { return cudasim::inside_call(); }
+
+/// "" when the pool's blocks tile each chunk, its allocated blocks are exactly `live` and its statistics agree.
+std::string pool_problem(const gpukit::graph_pool& pool, const std::vector<void*>& live) {
+  const gpukit::allocator_snapshot snap = pool.snapshot();
+  std::size_t allocated = 0;
+  std::size_t allocated_blocks = 0;
+  for (const gpukit::segment_info& seg : snap.segments) {
+    std::uintptr_t at = seg.address;
+    for (const gpukit::block_info& b : seg.blocks) {
+      if (b.address != at) return "the blocks of a chunk leave a gap or overlap at " + std::to_string(at - seg.address);
+      at += b.size;
+      if (b.state == gpukit::block_state::allocated) {
+        allocated += b.size;
+        ++allocated_blocks;
+        bool held = false;
+        for (void* p : live) held = held || reinterpret_cast<std::uintptr_t>(p) == b.address;
+        if (!held) return "an allocated block nobody holds";
+      }
+    }
+    if (at != seg.address + seg.size) return "the blocks of a chunk do not cover it";
+  }
+  if (allocated_blocks != live.size()) return "an allocation held is not an allocated block";
+  if (allocated != pool.memory_allocated()) return "memory_allocated() differs from the allocated blocks";
+  return "";
+}
+
+void forget(std::vector<void*>& live, void* p) {
+  for (auto it = live.begin(); it != live.end(); ++it) {
+    if (*it == p) {
+      live.erase(it);
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("heap faults: a graph pool whose host allocation fails at its N-th, for every N, changes nothing") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  long runs = 0;
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    auto pool = gpukit::graph_pool::create(d, MiB);
+    heap_run run(n, simulated_call);
+    std::vector<void*>& live = run.held();
+    std::string problem;
+    const auto check = [&](const char* after) {
+      const std::string p = pool_problem(*pool, live);
+      if (problem.empty() && !p.empty()) problem = std::string("after ") + after + ": " + p;
+    };
+    const auto allocate = [&](std::size_t bytes) {
+      void* p = nullptr;
+      if (run.armed([&] { p = pool->allocate(bytes, s); })) live.push_back(p);
+      check("allocate");
+      return p;
+    };
+    const auto release = [&](void* p) {
+      if (p == nullptr) return;
+      if (run.armed([&] { pool->deallocate(p); })) forget(live, p);  // a failed free leaves it allocated
+      check("deallocate");
+    };
+    // Outside a capture: holes, a split, merges on both sides.
+    void* a = allocate(1000);
+    void* b = allocate(5000);
+    void* c = allocate(300);
+    void* e = allocate(70000);
+    release(b);
+    void* f = allocate(2000);  // from b's hole: the rest stays free
+    release(a);
+    release(c);
+    release(f);
+    void* g = allocate(9000);
+    release(e);
+    // In a capture: blocks kept for the capturing stream, merged again for any stream once it ends.
+    void* output = nullptr;
+    gpukit::graph graph = gpukit::capture(
+        s,
+        [&] {
+          void* x = allocate(4096);
+          void* y = allocate(512);
+          release(x);
+          output = allocate(4096);
+          release(y);
+        },
+        pool);
+    check("the capture");
+    release(g);
+    release(output);
+    // Whatever failed is freed now, with nothing armed: the reserve is whole again.
+    while (!live.empty()) {
+      pool->deallocate(live.back());
+      live.pop_back();
+    }
+    check("freeing everything");
+    const gpukit::allocator_snapshot snap = pool->snapshot();
+    REQUIRE(snap.segments.size() == 1);
+    INFO("fault at host allocation " << n);
+    CHECK(problem == "");
+    CHECK(run.unexpected() == "");
+    CHECK(snap.segments[0].blocks.size() == 1);  // merged again
+    CHECK(pool->memory_allocated() == 0);
+    void* whole = pool->allocate(MiB, s);  // the whole reserve in one block
+    pool->deallocate(whole);
+    failures += run.failures();
+    if (run.seen() < n) break;  // fewer allocations than n: every one has failed once
+    ++runs;
+  }
+  MESSAGE("graph pool: " << runs << " runs, " << failures << " calls failed with std::bad_alloc");
+  CHECK(runs > 5);
+  CHECK(failures >= runs);
+}
+
+TEST_CASE("heap faults: an async_allocator whose host allocation fails at its N-th, for every N, loses nothing") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::stream other(d);
+  cudaMemPool_t pool = nullptr;
+  GPUKIT_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, 0));
+  const auto pool_used = [pool] {
+    cuuint64_t used = 0;
+    GPUKIT_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    return static_cast<std::size_t>(used);
+  };
+  const std::size_t used_before = pool_used();
+  long runs = 0;
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    std::size_t live_bytes = 0;
+    std::string problem;
+    heap_run run(n, simulated_call);
+    {
+      gpukit::async_allocator a(d);
+      std::vector<void*>& live = run.held();
+      std::vector<std::size_t> sizes;
+      sizes.reserve(64);
+      const auto check = [&](const char* after) {
+        if (problem.empty() && a.memory_allocated() != live_bytes) {
+          problem = std::string("after ") + after + ": memory_allocated() differs from the allocations held";
+        }
+        for (void* p : live) {
+          if (problem.empty() && !a.owns(p)) problem = std::string("after ") + after + ": an allocation held is lost";
+        }
+      };
+      const auto allocate = [&](std::size_t bytes) {
+        void* p = nullptr;
+        if (run.armed([&] { p = a.allocate(bytes, s); })) {
+          live.push_back(p);
+          sizes.push_back(bytes);
+          live_bytes += bytes;
+        }
+        check("allocate");
+        return p;
+      };
+      const auto release = [&](void* p, const gpukit::stream* on) {
+        if (p == nullptr) return;
+        const bool done = run.armed([&] {
+          if (on != nullptr) {
+            a.deallocate(p, *on);
+          } else {
+            a.deallocate(p);
+          }
+        });
+        if (done) {  // a failed free leaves it allocated
+          for (std::size_t i = 0; i < live.size(); ++i) {
+            if (live[i] != p) continue;
+            live_bytes -= sizes[i];
+            live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+            sizes.erase(sizes.begin() + static_cast<std::ptrdiff_t>(i));
+            break;
+          }
+        }
+        check("deallocate");
+      };
+      void* x = allocate(1000);
+      void* y = allocate(5000);
+      void* z = allocate(70000);
+      if (y != nullptr) run.armed([&] { a.record_stream(y, other); });
+      check("record_stream");
+      release(x, &other);   // after the allocation stream's work too
+      release(y, nullptr);  // after other's work
+      void* w = allocate(3000);
+      release(z, &s);
+      release(w, nullptr);
+      // Whatever failed is freed now, with nothing armed.
+      while (!live.empty()) {
+        a.deallocate(live.back());
+        live_bytes -= sizes.back();
+        live.pop_back();
+        sizes.pop_back();
+      }
+      check("freeing everything");
+      s.synchronize();
+      other.synchronize();
+    }
+    INFO("fault at host allocation " << n);
+    CHECK(problem == "");
+    CHECK(run.unexpected() == "");
+    CHECK(pool_used() == used_before);  // every cudaMallocAsync was freed
+    failures += run.failures();
+    if (run.seen() < n) break;
+    ++runs;
+  }
+  MESSAGE("async_allocator: " << runs << " runs, " << failures << " calls failed with std::bad_alloc");
+  CHECK(runs > 5);
+  CHECK(failures >= runs);
+}

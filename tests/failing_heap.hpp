@@ -1,0 +1,110 @@
+// A host heap that fails on demand: included by one translation unit of a test executable, it replaces the global
+// operator new and delete there, and every allocation asks gpukit_test::heap_fails() (when set) whether to throw
+// std::bad_alloc. Tests of host out-of-memory paths set it to fail the N-th allocation of the call under test.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace gpukit_test {
+
+/// Asked before each allocation, on the allocating thread: true makes it throw std::bad_alloc. Null: never.
+inline std::atomic<bool (*)()> heap_fails{nullptr};
+
+inline void* heap_allocate(std::size_t bytes) {
+  if (bool (*fails)() = heap_fails.load(std::memory_order_relaxed); fails != nullptr && fails()) {
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+
+/// One run of a scenario whose calls fail at the host allocation `fail_at` counted from the run's start: only the
+/// arming thread's allocations inside armed() count, less those `ignored` says true for (a simulator's own).
+class heap_run {
+ public:
+  explicit heap_run(long fail_at, bool (*ignored)() = nullptr) : fail_at_(fail_at) {
+    seen_ = 0;
+    ignored_.store(ignored, std::memory_order_relaxed);
+    heap_fails.store(&counted_failure, std::memory_order_relaxed);
+    held_.reserve(64);  // the test's own bookkeeping never allocates while armed
+  }
+  heap_run(const heap_run&) = delete;
+  heap_run& operator=(const heap_run&) = delete;
+
+  /// Runs `call` with the heap armed: true when it returned, false when it threw std::bad_alloc (another exception is
+  /// kept for unexpected()).
+  template <class Call>
+  bool armed(Call&& call) {
+    left_ = seen_ < fail_at_ ? fail_at_ - 1 - seen_ : -1;
+    bool done = false;
+    try {
+      call();
+      done = true;
+    } catch (const std::bad_alloc&) {
+      ++failures_;
+    } catch (const std::exception& e) {
+      if (unexpected_.empty()) unexpected_ = e.what();
+    }
+    left_ = -1;
+    return done;
+  }
+  /// Allocations the armed calls made: when fewer than fail_at, every allocation of the scenario has failed once.
+  long seen() const noexcept { return seen_; }
+  int failures() const noexcept { return failures_; }
+  /// The first exception other than std::bad_alloc ("" when none).
+  const std::string& unexpected() const noexcept { return unexpected_; }
+  /// What the test holds (room for 64 reserved).
+  std::vector<void*>& held() noexcept { return held_; }
+
+ private:
+  static bool counted_failure() {
+    if (left_ < 0) return false;
+    if (bool (*ignored)() = ignored_.load(std::memory_order_relaxed); ignored != nullptr && ignored()) return false;
+    ++seen_;
+    if (left_ == 0) {
+      left_ = -1;  // one failure per run: what a handler does next may allocate
+      return true;
+    }
+    --left_;
+    return false;
+  }
+  static inline thread_local long left_ = -1;
+  static inline thread_local long seen_ = 0;
+  static inline std::atomic<bool (*)()> ignored_{nullptr};
+  long fail_at_;
+  int failures_ = 0;
+  std::string unexpected_;
+  std::vector<void*> held_;
+};
+
+}  // namespace gpukit_test
+
+// Every non-aligned form, so that each pair ends in malloc and free whatever a sanitizer's runtime defines.
+void* operator new(std::size_t bytes) { return gpukit_test::heap_allocate(bytes); }
+void* operator new[](std::size_t bytes) { return gpukit_test::heap_allocate(bytes); }
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return gpukit_test::heap_allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return gpukit_test::heap_allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
