@@ -47,8 +47,10 @@ class heap_run {
       call();
       done = true;
     } catch (const std::bad_alloc&) {
+      left_ = -1;
       ++failures_;
     } catch (const std::exception& e) {
+      left_ = -1;  // before the copy below allocates
       if (unexpected_.empty()) unexpected_ = e.what();
     }
     left_ = -1;
@@ -83,9 +85,20 @@ class heap_run {
   std::vector<void*> held_;
 };
 
+/// The over-aligned forms (alignas above the default, e.g. cache-line-aligned blocks), under the same rule.
+inline void* heap_allocate_aligned(std::size_t bytes, std::align_val_t alignment) {
+  if (bool (*fails)() = heap_fails.load(std::memory_order_relaxed); fails != nullptr && fails()) {
+    throw std::bad_alloc();
+  }
+  const auto align = static_cast<std::size_t>(alignment);
+  const std::size_t size = bytes == 0 ? align : (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple
+  if (void* p = std::aligned_alloc(align, size)) return p;
+  throw std::bad_alloc();
+}
+
 }  // namespace gpukit_test
 
-// Every non-aligned form, so that each pair ends in malloc and free whatever a sanitizer's runtime defines.
+// Every form, so that each pair ends in malloc (or aligned_alloc) and free whatever a sanitizer's runtime defines.
 void* operator new(std::size_t bytes) { return gpukit_test::heap_allocate(bytes); }
 void* operator new[](std::size_t bytes) { return gpukit_test::heap_allocate(bytes); }
 void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
@@ -108,3 +121,29 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  return gpukit_test::heap_allocate_aligned(bytes, alignment);
+}
+void* operator new[](std::size_t bytes, std::align_val_t alignment) {
+  return gpukit_test::heap_allocate_aligned(bytes, alignment);
+}
+void* operator new(std::size_t bytes, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  try {
+    return gpukit_test::heap_allocate_aligned(bytes, alignment);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  try {
+    return gpukit_test::heap_allocate_aligned(bytes, alignment);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }

@@ -913,6 +913,7 @@ CUcontext context_handle(int d) {
 }
 
 CUresult CUDAAPI sim_cuCtxGetCurrent(CUcontext* ctx) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   ++sim().call_counts["cuCtxGetCurrent"];
   *ctx = t_current >= 0 ? context_handle(t_current) : nullptr;
@@ -920,6 +921,7 @@ CUresult CUDAAPI sim_cuCtxGetCurrent(CUcontext* ctx) {
 }
 
 CUresult CUDAAPI sim_cuCtxGetDevice(CUdevice* device) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   ++sim().call_counts["cuCtxGetDevice"];
   if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
@@ -928,6 +930,7 @@ CUresult CUDAAPI sim_cuCtxGetDevice(CUdevice* device) {
 }
 
 CUresult CUDAAPI sim_cuDeviceGet(CUdevice* device, int ordinal) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   initialize_locked(s);
@@ -937,6 +940,7 @@ CUresult CUDAAPI sim_cuDeviceGet(CUdevice* device, int ordinal) {
 }
 
 CUresult CUDAAPI sim_cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   initialize_locked(s);
@@ -961,6 +965,7 @@ CUresult vmm_check_prop(simulator& s, const CUmemAllocationProp* prop) {
 }
 
 CUresult CUDAAPI sim_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice dev) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   initialize_locked(s);
@@ -977,6 +982,7 @@ CUresult CUDAAPI sim_cuDeviceGetAttribute(int* value, CUdevice_attribute attribu
 
 CUresult CUDAAPI sim_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                                    CUmemAllocationGranularity_flags) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   initialize_locked(s);
@@ -989,6 +995,7 @@ CUresult CUDAAPI sim_cuMemGetAllocationGranularity(size_t* granularity, const CU
 
 CUresult CUDAAPI sim_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                          unsigned long long flags) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemAddressReserve"); fault != CUDA_SUCCESS) return fault;
@@ -1016,6 +1023,7 @@ CUresult CUDAAPI sim_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t a
 }
 
 CUresult CUDAAPI sim_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   ++s.call_counts["cuMemAddressFree"];
@@ -1033,6 +1041,7 @@ CUresult CUDAAPI sim_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI sim_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
                                  unsigned long long flags) {
+  const call_depth depth;
   run_due_action(sim(), "cuMemCreate");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
@@ -1058,6 +1067,7 @@ void vmm_collect(simulator& s, unsigned long long h) {
 }
 
 CUresult CUDAAPI sim_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   ++s.call_counts["cuMemRelease"];
@@ -1070,6 +1080,7 @@ CUresult CUDAAPI sim_cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                               unsigned long long flags) {
+  const call_depth depth;
   run_due_action(sim(), "cuMemMap");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
@@ -1097,6 +1108,7 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
 /// than the memory's own must be able to reach it (cudaDeviceCanAccessPeer); peer access need not be enabled, as
 /// virtual memory's access is its own.
 CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  const call_depth depth;
   run_due_action(sim(), "cuMemSetAccess");
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
@@ -1138,6 +1150,7 @@ CUresult CUDAAPI sim_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcc
 }
 
 CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   if (CUresult fault = due_driver_fault(s, "cuMemUnmap"); fault != CUDA_SUCCESS) return fault;
@@ -1740,6 +1753,7 @@ CUDASIM_API const char* CUDARTAPI cudaGetErrorName(cudaError_t error) { return e
 CUDASIM_API const char* CUDARTAPI cudaGetErrorString(cudaError_t error) { return error_string(error); }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetLastError(void) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   ++sim().call_counts["cudaGetLastError"];
   if (sim().unloaded != cudaSuccess) return sim().unloaded;
@@ -1748,6 +1762,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetLastError(void) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaPeekAtLastError(void) {
+  const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   ++sim().call_counts["cudaPeekAtLastError"];
   if (sim().unloaded != cudaSuccess) return sim().unloaded;
@@ -1757,12 +1772,14 @@ CUDASIM_API cudaError_t CUDARTAPI cudaPeekAtLastError(void) {
 // --- versions and entry points ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDriverGetVersion(int* version) {
+  const call_depth depth;
   if (version == nullptr) return cudaErrorInvalidValue;
   *version = CUDART_VERSION;
   return cudaSuccess;
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaRuntimeGetVersion(int* version) {
+  const call_depth depth;
   if (version == nullptr) return cudaErrorInvalidValue;
   *version = CUDART_VERSION;
   return cudaSuccess;
@@ -1770,24 +1787,28 @@ CUDASIM_API cudaError_t CUDARTAPI cudaRuntimeGetVersion(int* version) {
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPoint(const char* symbol, void** function, unsigned long long,
                                                           enum cudaDriverEntryPointQueryResult* status) {
+  const call_depth depth;
   return get_entry_point(symbol, function, status);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int,
                                                                    unsigned long long,
                                                                    enum cudaDriverEntryPointQueryResult* status) {
+  const call_depth depth;
   return get_entry_point(symbol, function, status);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(const char* symbol, void** function,
                                                                         unsigned int, unsigned long long,
                                                                         enum cudaDriverEntryPointQueryResult* status) {
+  const call_depth depth;
   return get_entry_point(symbol, function, status);
 }
 
 // --- devices ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceCount(int* count) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGetDeviceCount");
   if (count == nullptr) return c.result(cudaErrorInvalidValue);
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
@@ -1796,6 +1817,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceCount(int* count) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDevice(int* device) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGetDevice");
   if (device == nullptr) return c.result(cudaErrorInvalidValue);
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
@@ -1804,6 +1826,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDevice(int* device) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaSetDevice(int device) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaSetDevice");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
@@ -1814,6 +1837,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaSetDevice(int device) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGetDeviceProperties");
   if (prop == nullptr) return c.result(cudaErrorInvalidValue);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
@@ -1845,6 +1869,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceProperties(struct cudaDeviceProp*
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceGetAttribute");
   if (value == nullptr) return c.result(cudaErrorInvalidValue);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
@@ -1912,6 +1937,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDe
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceGetStreamPriorityRange");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   // The *current* device's range, and its context is initialised.
@@ -1923,6 +1949,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, i
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemGetInfo");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   const int d = context_device(c);
@@ -1933,6 +1960,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* tot
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
@@ -1945,6 +1973,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
 // --- peer access (one context per device here, so access is a property of the device pair) ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceCanAccessPeer");
   if (can == nullptr) return c.result(cudaErrorInvalidValue);
   if (!valid_device(c.s, device) || !valid_device(c.s, peer)) return c.result(cudaErrorInvalidDevice);
@@ -1953,6 +1982,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceCanAccessPeer(int* can, int device, 
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceEnablePeerAccess");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (flags != 0) return c.result(cudaErrorInvalidValue);
@@ -1966,6 +1996,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peer, unsigned 
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceDisablePeerAccess(int peer) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceDisablePeerAccess");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   const int d = context_device(c);
@@ -1977,6 +2008,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceDisablePeerAccess(int peer) {
 // --- device memory ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMalloc");
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
@@ -2005,6 +2037,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaFree");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
@@ -2048,6 +2081,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
 // ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaDeviceGetDefaultMemPool");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
@@ -2056,6 +2090,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetDefaultMemPool(cudaMemPool_t* poo
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemPoolSetAttribute");
   if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
   const int device = pool_device(c.s, pool);
@@ -2082,6 +2117,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAttribute(cudaMemPool_t pool, en
 
 /// Reserved memory is what the pool holds, used what is live; the high-water marks can be reset to 0.
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void* value) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemPoolGetAttribute");
   if (pool == nullptr || value == nullptr) return c.result(cudaErrorInvalidValue);
   const int device = pool_device(c.s, pool);
@@ -2113,6 +2149,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAttribute(cudaMemPool_t pool, en
 /// enabled with cudaDeviceEnablePeerAccess does not cover it).
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAccess(cudaMemPool_t pool, const struct cudaMemAccessDesc* descs,
                                                        size_t count) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemPoolSetAccess");
   if (pool == nullptr || (descs == nullptr && count != 0)) return c.result(cudaErrorInvalidValue);
   const int device = pool_device(c.s, pool);
@@ -2143,6 +2180,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolSetAccess(cudaMemPool_t pool, const
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* flags, cudaMemPool_t pool,
                                                        struct cudaMemLocation* location) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemPoolGetAccess");
   if (flags == nullptr || pool == nullptr || location == nullptr || location->type != cudaMemLocationTypeDevice ||
       !valid_device(c.s, location->id)) {
@@ -2157,6 +2195,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolGetAccess(enum cudaMemAccessFlags* 
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemPoolTrimTo");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
   const int device = pool_device(c.s, pool);
@@ -2267,18 +2306,21 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMallocAsync");
   return malloc_async(c, p, size, nullptr, stream);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMallocFromPoolAsync(void** p, size_t size, cudaMemPool_t pool,
                                                           cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMallocFromPoolAsync");
   if (pool == nullptr) return c.result(cudaErrorInvalidValue);
   return malloc_async(c, p, size, pool, stream);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaFreeAsync");
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, stream, false, st); e != cudaSuccess) return e;
@@ -2399,16 +2441,19 @@ static cudaError_t host_alloc(call& c, void** p, std::size_t size, unsigned flag
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaHostAlloc(void** p, size_t size, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaHostAlloc");
   return host_alloc(c, p, size, flags);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t size) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMallocHost");
   return host_alloc(c, p, size, 0);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaFreeHost(void* p) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaFreeHost");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   require_current_context(c);  // runs in the current context: a thread without one initialises device 0's
@@ -2430,6 +2475,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeHost(void* p) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaHostRegister");
   if (p == nullptr || size == 0) return c.result(cudaErrorInvalidValue);
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
@@ -2453,6 +2499,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigne
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaHostUnregister(void* p) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaHostUnregister");
   require_current_context(c);  // as cudaFreeHost
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
@@ -2465,6 +2512,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostUnregister(void* p) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaHostGetDevicePointer(void** device_pointer, void* host, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaHostGetDevicePointer");
   if (device_pointer == nullptr || flags != 0) return c.result(cudaErrorInvalidValue);
   const region* r = find_region(c.s, host);
@@ -2475,6 +2523,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostGetDevicePointer(void** device_pointer
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, const void* p) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaPointerGetAttributes");
   if (attributes == nullptr) return c.result(cudaErrorInvalidValue);
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
@@ -2501,43 +2550,51 @@ CUDASIM_API cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAtt
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind,
                                                   cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemcpyAsync");
   return memcpy_async(c, dst, src, n, kind, stream, false, false);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind,
                                                        cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemcpyAsync_ptsz");
   return memcpy_async(c, dst, src, n, kind, stream, true, false);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemcpy");
   return memcpy_async(c, dst, src, n, kind, nullptr, false, true);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpy_ptds(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemcpy_ptds");
   return memcpy_async(c, dst, src, n, kind, nullptr, true, true);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                                       size_t n, cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemcpyPeerAsync");
   return memcpy_peer_async(c, dst, dst_device, src, src_device, n, stream);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemsetAsync");
   return memset_async(c, p, value, n, stream, false, false);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemsetAsync_ptsz(void* p, int value, size_t n, cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemsetAsync_ptsz");
   return memset_async(c, p, value, n, stream, true, false);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaMemset(void* p, int value, size_t n) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaMemset");
   return memset_async(c, p, value, n, nullptr, false, true);
 }
@@ -2557,21 +2614,25 @@ static cudaError_t stream_create(call& c, cudaStream_t* out, unsigned flags, int
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreate(cudaStream_t* out) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaStreamCreate");
   return stream_create(c, out, cudaStreamDefault, 0);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t* out, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaStreamCreateWithFlags");
   return stream_create(c, out, flags, 0);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamCreateWithPriority(cudaStream_t* out, unsigned int flags, int priority) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaStreamCreateWithPriority");
   return stream_create(c, out, flags, priority);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaStreamDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(stream);
   if (h <= 2) return c.violation(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of a default stream");
@@ -2590,79 +2651,102 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream) {
+  const call_depth depth;
   return stream_synchronize(stream, false, "cudaStreamSynchronize");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamSynchronize_ptsz(cudaStream_t stream) {
+  const call_depth depth;
   return stream_synchronize(stream, true, "cudaStreamSynchronize_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamQuery(cudaStream_t stream) {
+  const call_depth depth;
   return stream_query(stream, false, "cudaStreamQuery");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamQuery_ptsz(cudaStream_t stream) {
+  const call_depth depth;
   return stream_query(stream, true, "cudaStreamQuery_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
+  const call_depth depth;
   return launch_host_func(stream, fn, data, false, "cudaLaunchHostFunc");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaLaunchHostFunc_ptsz(cudaStream_t stream, cudaHostFn_t fn, void* data) {
+  const call_depth depth;
   return launch_host_func(stream, fn, data, true, "cudaLaunchHostFunc_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetId(cudaStream_t stream, unsigned long long* id) {
+  const call_depth depth;
   return stream_field(stream, id, false, "cudaStreamGetId", id_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetId_ptsz(cudaStream_t stream, unsigned long long* id) {
+  const call_depth depth;
   return stream_field(stream, id, true, "cudaStreamGetId_ptsz", id_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice(cudaStream_t stream, int* device) {
+  const call_depth depth;
   return stream_field(stream, device, false, "cudaStreamGetDevice", device_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice_ptsz(cudaStream_t stream, int* device) {
+  const call_depth depth;
   return stream_field(stream, device, true, "cudaStreamGetDevice_ptsz", device_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority(cudaStream_t stream, int* priority) {
+  const call_depth depth;
   return stream_field(stream, priority, false, "cudaStreamGetPriority", priority_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority_ptsz(cudaStream_t stream, int* priority) {
+  const call_depth depth;
   return stream_field(stream, priority, true, "cudaStreamGetPriority_ptsz", priority_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags(cudaStream_t stream, unsigned int* flags) {
+  const call_depth depth;
   return stream_field(stream, flags, false, "cudaStreamGetFlags", flags_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags_ptsz(cudaStream_t stream, unsigned int* flags) {
+  const call_depth depth;
   return stream_field(stream, flags, true, "cudaStreamGetFlags_ptsz", flags_of);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  const call_depth depth;
   return stream_wait_event(stream, event, false, "cudaStreamWaitEvent");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  const call_depth depth;
   return stream_wait_event(stream, event, true, "cudaStreamWaitEvent_ptsz");
 }
 
 // --- capture and graphs ---
 
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  const call_depth depth;
   return stream_begin_capture(stream, mode, false, "cudaStreamBeginCapture");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  const call_depth depth;
   return stream_begin_capture(stream, mode, true, "cudaStreamBeginCapture_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  const call_depth depth;
   return stream_end_capture(stream, graph, false, "cudaStreamEndCapture");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t* graph) {
+  const call_depth depth;
   return stream_end_capture(stream, graph, true, "cudaStreamEndCapture_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+  const call_depth depth;
   return stream_is_capturing(stream, status, nullptr, false, "cudaStreamIsCapturing");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamIsCapturing_ptsz(cudaStream_t stream,
                                                              enum cudaStreamCaptureStatus* status) {
+  const call_depth depth;
   return stream_is_capturing(stream, status, nullptr, true, "cudaStreamIsCapturing_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo(cudaStream_t stream, enum cudaStreamCaptureStatus* status,
                                                            unsigned long long* id, cudaGraph_t* graph,
                                                            const cudaGraphNode_t** dependencies,
                                                            const cudaGraphEdgeData** edges, size_t* count) {
+  const call_depth depth;
   if (graph != nullptr) *graph = nullptr;
   if (dependencies != nullptr) *dependencies = nullptr;
   if (edges != nullptr) *edges = nullptr;
@@ -2674,6 +2758,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo_ptsz(cudaStream_t str
                                                                 unsigned long long* id, cudaGraph_t* graph,
                                                                 const cudaGraphNode_t** dependencies,
                                                                 const cudaGraphEdgeData** edges, size_t* count) {
+  const call_depth depth;
   if (graph != nullptr) *graph = nullptr;
   if (dependencies != nullptr) *dependencies = nullptr;
   if (edges != nullptr) *edges = nullptr;
@@ -2681,12 +2766,14 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetCaptureInfo_ptsz(cudaStream_t str
   return stream_is_capturing(stream, status, id, true, "cudaStreamGetCaptureInfo_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* mode) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaThreadExchangeStreamCaptureMode");
   if (mode == nullptr) return c.result(cudaErrorInvalidValue);
   std::swap(*mode, t_capture_mode);
   return cudaSuccess;
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGraphInstantiate");
   auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
   if (exec == nullptr || !g) return c.violation(cudaErrorInvalidValue, "instantiate of an invalid graph");
@@ -2704,12 +2791,15 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t* exec, cu
   return cudaSuccess;
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  const call_depth depth;
   return graph_launch(exec, stream, false, "cudaGraphLaunch");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphLaunch_ptsz(cudaGraphExec_t exec, cudaStream_t stream) {
+  const call_depth depth;
   return graph_launch(exec, stream, true, "cudaGraphLaunch_ptsz");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphDestroy(cudaGraph_t graph) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGraphDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(graph);
   if (!c.s.graphs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph");
@@ -2720,6 +2810,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphDestroy(cudaGraph_t graph) {
 /// runtime's finer rules (node types and parameters that may change) are not modelled.
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph,
                                                       cudaGraphExecUpdateResultInfo* info) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGraphExecUpdate");
   auto e = c.s.execs.find(reinterpret_cast<std::uintptr_t>(exec));
   auto g = c.s.graphs.find(reinterpret_cast<std::uintptr_t>(graph));
@@ -2744,6 +2835,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecUpdate(cudaGraphExec_t exec, cuda
   return cudaSuccess;
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaGraphExecDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(exec);
   if (!c.s.execs.find(h)) return c.violation(cudaErrorInvalidValue, "destroy of an invalid graph executable");
@@ -2768,16 +2860,19 @@ static cudaError_t event_create(call& c, cudaEvent_t* out, unsigned flags) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventCreate(cudaEvent_t* out) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventCreate");
   return event_create(c, out, cudaEventDefault);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t* out, unsigned int flags) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventCreateWithFlags");
   return event_create(c, out, flags);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventDestroy");
   const auto h = reinterpret_cast<std::uintptr_t>(event);
   if (!c.s.events.find(h)) {
@@ -2790,13 +2885,16 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  const call_depth depth;
   return event_record(event, stream, false, "cudaEventRecord");
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaEventRecord_ptsz(cudaEvent_t event, cudaStream_t stream) {
+  const call_depth depth;
   return event_record(event, stream, true, "cudaEventRecord_ptsz");
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventQuery");
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "query of a destroyed or invalid event");
@@ -2807,6 +2905,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventSynchronize");
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "synchronize of a destroyed or invalid event");
@@ -2819,6 +2918,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaEventElapsedTime");
   auto a = c.s.events.find(reinterpret_cast<std::uintptr_t>(start));
   auto b = c.s.events.find(reinterpret_cast<std::uintptr_t>(end));
@@ -2832,6 +2932,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t st
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t event) {
+  const call_depth depth;
   CUDASIM_ENTER("cudaIpcGetEventHandle");
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(event));
   if (handle == nullptr || !ev) return c.violation(cudaErrorInvalidResourceHandle, "IPC handle of an invalid event");

@@ -211,7 +211,8 @@ class run {
     world_.enqueue(s_[1].id);
     const std::uint64_t z2 = alloc(0, 30 * MiB);  // with cross-stream reuse: stream 1's block, waited for
     free(w);
-    // Many frees pending on one busy stream: its queue of pending events grows past its first node.
+    // Many frees pending on one busy stream: its queue of pending events grows past its first node (21 records in
+    // libstdc++'s std::deque).
     world_.enqueue(s_[1].id);
     std::uint64_t batch[24] = {};
     for (std::uint64_t& p : batch) {

@@ -11,6 +11,7 @@
 #include "failing_heap.hpp"
 #include "support.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -29,100 +30,103 @@ constexpr std::size_t KiB = 1024;
 
 gpukit::pinned_pool make_pool() { return gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu)); }
 
-/// The pool's events, whose own allocations never fail here: an event that cannot be recorded takes its block out
-/// of use (documented, and covered by pinned_pool_faults_test), which this test tells from a lost block.
-struct quiet_sync : gpukit::pinned_pool_sync {
-  static inline thread_local int depth = 0;
-  struct inside {
-    inside() noexcept { ++depth; }
-    ~inside() { --depth; }
-    inside(const inside&) = delete;
-    inside& operator=(const inside&) = delete;
-  };
-  static bool in_call() noexcept { return depth != 0; }
+/// The CPU pinned upstream, keeping a list of the blocks out (room reserved by the test), so that the test can free
+/// those the pool takes out of use: it leaks them on purpose (a device may still read them).
+struct tracked_upstream {
+  gpukit::pinned_upstream host{gpukit::device::kind::cpu};
+  std::vector<std::pair<void*, std::size_t>>* out = nullptr;
 
-  marker record(gpukit::stream_view s) {
-    const inside scope;
-    return pinned_pool_sync::record(s);
+  void* allocate(std::size_t bytes) {
+    void* p = host.allocate(bytes);
+    out->emplace_back(p, bytes);
+    return p;
   }
-  bool ready(const marker& m) {
-    const inside scope;
-    return pinned_pool_sync::ready(m);
-  }
-  void wait(const marker& m) {
-    const inside scope;
-    pinned_pool_sync::wait(m);
-  }
-  void recycle(marker&& m) noexcept {
-    const inside scope;
-    pinned_pool_sync::recycle(std::move(m));
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    host.deallocate(p, bytes);
+    out->erase(std::find(out->begin(), out->end(), std::make_pair(p, bytes)));
   }
 };
-using quiet_pool = gpukit::basic_pinned_pool<gpukit::pinned_upstream, quiet_sync>;
+using tracked_pool = gpukit::basic_pinned_pool<tracked_upstream, gpukit::pinned_pool_sync>;
 
 }  // namespace
 
-TEST_CASE("heap faults: a pinned pool whose host allocation fails at its N-th, for every N, loses no block") {
+TEST_CASE("heap faults: a pinned pool whose host allocation fails at its N-th, for every N, keeps its books") {
   gpukit::stream s0(cpu);
   gpukit::stream s1(cpu);
   long runs = 0;
   int failures = 0;
+  std::size_t losses = 0;
   for (long n = 1;; ++n) {
-    heap_run run(n, quiet_sync::in_call);
-    quiet_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
-    std::vector<void*>& held = run.held();
-    const auto allocate = [&](std::size_t bytes) {
-      void* p = nullptr;
-      if (run.armed([&] { p = pool.allocate(bytes); })) held.push_back(p);
-      return p;
-    };
-    const auto release = [&](void* p, const gpukit::stream* on) {
-      if (p == nullptr) return;
-      const bool done = run.armed([&] {
-        if (on != nullptr) {
-          pool.deallocate(p, *on);
-        } else {
-          pool.deallocate(p);
-        }
-      });
-      for (auto it = held.begin(); done && it != held.end(); ++it) {
-        if (*it == p) {
-          held.erase(it);
-          break;
-        }
+    std::vector<std::pair<void*, std::size_t>> out;
+    out.reserve(64);
+    heap_run run(n);
+    {
+      tracked_pool pool{tracked_upstream{gpukit::pinned_upstream(gpukit::device::kind::cpu), &out}};
+      std::vector<void*>& held = run.held();
+      // The streams' work done first, so that each run makes the same allocations.
+      const auto settled = [&] {
+        s0.synchronize();
+        s1.synchronize();
+      };
+      const auto allocate = [&](std::size_t bytes) {
+        void* p = nullptr;
+        settled();
+        if (run.armed([&] { p = pool.allocate(bytes); })) held.push_back(p);
+        return p;
+      };
+      // A free that fails leaves its block allocated, or takes it out of use (no memory to keep its events).
+      const auto release = [&](void* p, const gpukit::stream* on) {
+        if (p == nullptr) return;
+        settled();
+        const std::size_t lost_before = pool.stats().lost_blocks;
+        const bool done = run.armed([&] {
+          if (on != nullptr) {
+            pool.deallocate(p, *on);
+          } else {
+            pool.deallocate(p);
+          }
+        });
+        const bool lost = pool.stats().lost_blocks > lost_before;
+        losses += lost ? 1 : 0;
+        if (done || lost) held.erase(std::find(held.begin(), held.end(), p));
+      };
+      void* a = allocate(64 * KiB);
+      void* b = allocate(KiB);
+      void* c = allocate(256 * KiB);
+      if (b != nullptr) run.armed([&] { pool.record_stream(b, s1); });
+      release(a, &s0);      // waits for s0's work
+      release(b, nullptr);  // waits for s1's work
+      void* d = allocate(64 * KiB);
+      release(c, &s1);
+      release(d, &s0);
+      // Whatever failed is freed now, with nothing armed; then every block is free again.
+      while (!held.empty()) {
+        pool.deallocate(held.back());
+        held.pop_back();
       }
-    };
-    void* a = allocate(64 * KiB);
-    void* b = allocate(KiB);
-    void* c = allocate(256 * KiB);
-    if (b != nullptr) run.armed([&] { pool.record_stream(b, s1); });
-    release(a, &s0);      // waits for s0's work
-    release(b, nullptr);  // waits for s1's work
-    void* d = allocate(64 * KiB);
-    release(c, &s1);
-    release(d, &s0);
-    // Whatever failed is freed now, with nothing armed; then every block is free again.
-    while (!held.empty()) {
-      pool.deallocate(held.back());
-      held.pop_back();
+      settled();
+      (void)pool.empty_cache();
+      const gpukit::pinned_pool_stats st = pool.stats();
+      INFO("fault at host allocation " << n);
+      CHECK(run.unexpected() == "");
+      CHECK(st.active_blocks == 0);
+      CHECK(st.free_blocks == 0);
+      CHECK(st.pending_blocks == 0);
+      std::size_t out_bytes = 0;
+      for (const auto& block : out) out_bytes += block.second;
+      CHECK(out.size() == st.lost_blocks);  // every other block went back to the upstream
+      CHECK(st.reserved_bytes == out_bytes);
+      CHECK(st.upstream_allocations == st.upstream_frees + st.lost_blocks);
     }
-    s0.synchronize();
-    s1.synchronize();
-    (void)pool.empty_cache();
-    const gpukit::pinned_pool_stats st = pool.stats();
-    INFO("fault at host allocation " << n);
-    CHECK(run.unexpected() == "");
-    CHECK(st.lost_blocks == 0);  // a free that failed left its block allocated: freed above
-    CHECK(st.active_blocks == 0);
-    CHECK(st.reserved_bytes == 0);
-    CHECK(st.upstream_allocations == st.upstream_frees);
+    for (const auto& [p, bytes] : out) gpukit::pinned_upstream(gpukit::device::kind::cpu).deallocate(p, bytes);
     failures += run.failures();
     if (run.seen() < n) break;
     ++runs;
   }
-  MESSAGE("pinned pool: " << runs << " runs, " << failures << " calls failed with std::bad_alloc");
+  MESSAGE("pinned pool: " << runs << " runs, " << failures << " calls failed with std::bad_alloc, " << losses
+                          << " blocks taken out of use");
   CHECK(runs > 5);
-  CHECK(failures >= runs);
+  CHECK(failures > 0);  // some failures are absorbed (a cache trimmed later), the books checked all the same
 }
 
 TEST_CASE(

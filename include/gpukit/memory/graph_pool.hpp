@@ -111,15 +111,16 @@ class graph_pool final : public device_allocator {
       register_live();
       std::lock_guard<std::mutex> lock(mutex_);
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(chunk), bytes});
-      insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, any_stream);
+      try {
+        insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, any_stream);
+      } catch (...) {
+        // Forgotten under the same lock (another reserve may push next): inside the reserve of a live pool, its free
+        // below would be routed back to this pool.
+        chunks_.pop_back();
+        throw;
+      }
       reserved_ += bytes;
     } catch (...) {
-      {
-        // Forget the chunk first: inside the reserve of a live pool, its free would be routed back to this pool.
-        std::lock_guard<std::mutex> lock(mutex_);
-        const auto address = reinterpret_cast<std::uintptr_t>(chunk);
-        if (!chunks_.empty() && chunks_.back().address == address) chunks_.pop_back();
-      }
       backing_->deallocate(chunk);
       throw;
     }

@@ -86,7 +86,7 @@ struct pinned_pool_stats {
   std::size_t active_blocks = 0;               ///< blocks handed out
   std::size_t free_blocks = 0;                 ///< blocks ready to serve a request
   std::size_t pending_blocks = 0;              ///< freed blocks whose events have not completed
-  std::size_t lost_blocks = 0;                 ///< blocks taken out of use because an event could not be recorded
+  std::size_t lost_blocks = 0;                 ///< blocks taken out of use: their events could not be recorded or kept
   std::uint64_t allocations = 0;               ///< successful allocate() calls with a non-zero size
   std::uint64_t cache_hits = 0;                ///< of those, served from a cached block (no pinning)
   std::uint64_t upstream_allocations = 0;      ///< blocks obtained from the upstream (pinnings)
@@ -217,8 +217,9 @@ class basic_pinned_pool {
   /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each
   /// recorded stream now and the block waits for them. Null does nothing. Throws invalid_argument_error for a pointer
   /// not handed out by this pool, or freed twice, and, changing nothing, while a recorded stream is being captured
-  /// into a CUDA graph. If recording an event fails, the block is taken out of use (it may still be read by the
-  /// device) and the error is rethrown, unless the runtime is torn down (process exit: nothing is left to protect).
+  /// into a CUDA graph. If recording an event fails, or there is no host memory to keep the events, the block is taken
+  /// out of use (it may still be read by the device) and the error is rethrown, unless the runtime is torn down
+  /// (process exit: nothing is left to protect).
   void deallocate(void* p);
 
   /// deallocate(p) for destructors (pooled_pinned_buffer's): a block whose recorded stream is being captured is not
@@ -324,8 +325,6 @@ class basic_pinned_pool {
   /// Whether one of `b`'s streams may use the legacy default stream (detail::may_use_legacy_stream).
   static bool needs_capture_hold(const block& b) noexcept;
 
-  /// Room for `b`'s markers and its place among the pending blocks (the steps of make_pending_locked that allocate).
-  void reserve_pending_locked(block& b);
   /// Records an event on each of `b`'s streams and makes it pending (pending_bytes_ is the caller's). Room comes
   /// first, so that nothing can fail once the events are recorded; if recording fails, the block keeps its streams
   /// and the error propagates.

@@ -308,7 +308,6 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
     on_deactivate_locked(b);
     on_reusable_locked(b);
   } else {
-    reserve_pending_locked(b);  // no memory for the records: the block stays allocated, the free may be retried
     try {
       make_pending_locked(p, b);
     } catch (const error& e) {
@@ -344,14 +343,9 @@ GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::needs_capture_hold(const b
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::reserve_pending_locked(block& b) {
+GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::make_pending_locked(void* p, block& b) {
   if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
   b.markers.reserve(b.markers.size() + b.streams.size());
-}
-
-template <class Upstream, class Sync>
-GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::make_pending_locked(void* p, block& b) {
-  reserve_pending_locked(b);
   for (const auto& s : b.streams) {
     b.markers.push_back(sync_.record(s));
     ++stats_.events_recorded;
