@@ -16,10 +16,15 @@ namespace gpukit_test {
 /// Asked before each allocation, on the allocating thread: true makes it throw std::bad_alloc. Null: never.
 inline std::atomic<bool (*)()> heap_fails{nullptr};
 
-inline void* heap_allocate(std::size_t bytes) {
+/// Throws std::bad_alloc when heap_fails says so.
+inline void fail_if_asked() {
   if (bool (*fails)() = heap_fails.load(std::memory_order_relaxed); fails != nullptr && fails()) {
     throw std::bad_alloc();
   }
+}
+
+inline void* heap_allocate(std::size_t bytes) {
+  fail_if_asked();
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
@@ -87,9 +92,7 @@ class heap_run {
 
 /// The over-aligned forms (alignas above the default, e.g. cache-line-aligned blocks), under the same rule.
 inline void* heap_allocate_aligned(std::size_t bytes, std::align_val_t alignment) {
-  if (bool (*fails)() = heap_fails.load(std::memory_order_relaxed); fails != nullptr && fails()) {
-    throw std::bad_alloc();
-  }
+  fail_if_asked();
   const auto align = static_cast<std::size_t>(alignment);
   const std::size_t size = bytes == 0 ? align : (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple
   if (void* p = std::aligned_alloc(align, size)) return p;

@@ -25,6 +25,7 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/detail/map_node.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -259,7 +260,8 @@ class async_allocator final : public device_allocator {
     if (over_limit) throw_out_of_memory(bytes, true);
     // Before the allocation, as it may throw (it looks the stream's id up, and allocates): once the memory is had,
     // recording it cannot fail.
-    live_map::node_type record = new_record(bytes, kept_stream::of(stream));
+    live_map::node_type record =
+        detail::detached_node<live_map>(std::uintptr_t{0}, allocation{bytes, kept_stream::of(stream), {}});
     // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
     // (as every legacy-stream call measured on an H200 does). While a gpukit capture runs, the memory comes from the
     // device's upstream allocation stream instead, waited for on the host, so that it is usable on any stream at once.
@@ -351,12 +353,6 @@ class async_allocator final : public device_allocator {
     std::vector<kept_stream> users;  // record_stream
   };
   using live_map = std::map<std::uintptr_t, allocation>;
-  /// The record of an allocation not made yet, in a map node of its own: inserting the node cannot fail.
-  static live_map::node_type new_record(std::size_t bytes, kept_stream stream) {
-    live_map one;
-    one.emplace(0, allocation{bytes, std::move(stream), {}});
-    return one.extract(one.begin());
-  }
   /// A free that waits until the legacy default stream may be used (deferred_frees()).
   struct deferred_free {
     deferred_free(void* freed, allocation&& of, kept_stream&& freed_on) noexcept

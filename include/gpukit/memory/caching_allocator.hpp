@@ -829,7 +829,9 @@ class basic_caching_allocator {
 
   void recycle(block* b) noexcept;
 
-  /// The free-block index of `b`'s stream and pool, made when it has none (the only step that allocates).
+  /// The free-block index of `st`'s small or large pool, made when it has none (the only step that allocates).
+  index_type& index_in(stream_state& st, bool small);
+  /// index_in(*b->owner, b->small).
   index_type& index_of(block* b);
 
   static bool is_split(const block* b) noexcept;

@@ -1326,10 +1326,15 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::recycle(block* 
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::index_of(block* b) -> index_type& {
-  auto& pool = b->owner->pools[b->small ? 1 : 0];
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::index_in(stream_state& st, bool small) -> index_type& {
+  auto& pool = st.pools[small ? 1 : 0];
   if (!pool) pool = std::make_unique<index_type>();
   return *pool;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::index_of(block* b) -> index_type& {
+  return index_in(*b->owner, b->small);
 }
 
 template <class Upstream, class StreamOps>
@@ -1457,15 +1462,11 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   const bool split = should_split(b, size, remainder);
   block* rest = split ? new_block() : nullptr;  // the steps that can fail, before anything changes
   if (b->owner != &st) {
-    // Its free goes to this stream's index: made now, so that the free does not allocate.
-    auto& pool = st.pools[b->small ? 1 : 0];
-    if (!pool) {
-      try {
-        pool = std::make_unique<index_type>();
-      } catch (...) {
-        if (rest != nullptr) recycle(rest);
-        throw;
-      }
+    try {
+      (void)index_in(st, b->small);  // its free goes to this stream's index: made now, so that the free cannot fail
+    } catch (...) {
+      if (rest != nullptr) recycle(rest);
+      throw;
     }
   }
   unindex_free(b);

@@ -45,6 +45,7 @@
 #include <gpukit/detail/sizes.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/map_node.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -603,21 +604,18 @@ GPUKIT_INLINE std::size_t address_space_upstream::allocations() const {
 
 GPUKIT_INLINE auto address_space_upstream::take_range(std::size_t bytes, std::size_t alignment)
     -> range_map::node_type {
-  // A node that is in no map yet: the only step here that allocates.
-  const auto new_node = [](std::uintptr_t start, std::size_t size) {
-    range_map one;
-    one.emplace(start, size);
-    return one.extract(one.begin());
-  };
   for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
     const std::uintptr_t start = (it->first + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1);
     const std::uintptr_t end = it->first + it->second;
     if (start > end || end - start < bytes) continue;
     const std::size_t before = start - it->first;
     const std::size_t after = end - start - bytes;
-    // The free range's node keeps what lies before the range taken, or is the range taken when nothing does.
-    range_map::node_type rest = after != 0 ? new_node(start + bytes, after) : range_map::node_type();
-    range_map::node_type taken = before != 0 ? new_node(start, bytes) : free_ranges_.extract(it);
+    // The free range's node keeps what lies before the range taken, or is the range taken when nothing does. New
+    // nodes are the only steps that allocate, and come first.
+    range_map::node_type rest =
+        after != 0 ? detail::detached_node<range_map>(start + bytes, after) : range_map::node_type();
+    range_map::node_type taken =
+        before != 0 ? detail::detached_node<range_map>(start, bytes) : free_ranges_.extract(it);
     if (before != 0) {
       it->second = before;
     } else {
