@@ -90,6 +90,23 @@ class heap_run {
   std::vector<void*> held_;
 };
 
+/// Host memory exhausted for the constructing thread while this lives: every allocation it makes throws
+/// std::bad_alloc, those of the handlers that catch one included. Other threads allocate as usual.
+class exhausted_heap {
+ public:
+  exhausted_heap() {
+    exhausted_ = true;
+    heap_fails.store(&fails_here, std::memory_order_relaxed);
+  }
+  ~exhausted_heap() { exhausted_ = false; }
+  exhausted_heap(const exhausted_heap&) = delete;
+  exhausted_heap& operator=(const exhausted_heap&) = delete;
+
+ private:
+  static bool fails_here() { return exhausted_; }
+  static inline thread_local bool exhausted_ = false;
+};
+
 /// The over-aligned forms (alignas above the default, e.g. cache-line-aligned blocks), under the same rule.
 inline void* heap_allocate_aligned(std::size_t bytes, std::align_val_t alignment) {
   fail_if_asked();

@@ -307,14 +307,20 @@ GPUKIT_INLINE void throw_cuda_error(cudaError_t result, std::string_view call, i
 
 GPUKIT_INLINE void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept {
   if (result == cudaSuccess) return;
-  if (is_teardown_result(result)) {
-    (void)cudaGetLastError();
-    return;
-  }
+  (void)cudaGetLastError();
+  if (is_teardown_result(result)) return;
   try {
-    (void)cudaGetLastError();
     warn(cuda_failure_message(result, call, device));
-  } catch (...) {
+  } catch (...) {  // std::bad_alloc: the essentials, formatted on the stack
+    char text[256];
+    const int call_length = static_cast<int>(call.size() < 128 ? call.size() : 128);
+    const int length = device >= 0
+                           ? std::snprintf(text, sizeof text, "%.*s failed on cuda:%d: %s (%s)", call_length,
+                                           call.data(), device, cudaGetErrorString(result), cudaGetErrorName(result))
+                           : std::snprintf(text, sizeof text, "%.*s failed: %s (%s)", call_length, call.data(),
+                                           cudaGetErrorString(result), cudaGetErrorName(result));
+    const std::size_t written = length < 0 ? 0 : static_cast<std::size_t>(length);
+    warn(std::string_view(text, written < sizeof text ? written : sizeof text - 1));
   }
 }
 

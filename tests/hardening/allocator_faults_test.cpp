@@ -14,6 +14,7 @@
 #include "support.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/event.hpp>
@@ -22,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -699,4 +701,71 @@ TEST_CASE("fault injection: host memory with a capacity fails at its N-th call, 
   report("host upstream out of memory once", oom);
   CHECK(throws.surfaced > 0);
   CHECK(oom.surfaced == 0);
+}
+
+namespace {
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+}  // namespace
+
+TEST_CASE(
+    "host heap: a snapshot that fails at its N-th host allocation, for every N, leaves no anchor in the history") {
+  // memory_picture anchors its levels at the history's last snapshot event: one without a snapshot would shift
+  // every level of a picture drawn from the snapshot before it.
+  fake_world world;
+  fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
+  a.stream_operations().world = &world;
+  const fake_stream s{world.add_stream()};
+  auto history = std::make_shared<gpukit::memory_history>(1000);
+  a.set_memory_history(history);
+  void* p = a.allocate(MiB, s);
+  void* q = a.allocate(3 * KiB, s);
+  int failures = 0;
+  long n = 1;
+  for (;; ++n) {
+    INFO("fault at host allocation " << n);
+    const std::size_t before = history->recorded();
+    heap_run run(n);
+    const bool done = run.armed([&] { (void)a.snapshot(); });
+    CHECK(run.unexpected() == "");
+    CHECK(history->recorded() == before + (done ? 1 : 0));
+    failures += done ? 0 : 1;
+    if (run.seen() < n) break;
+  }
+  MESSAGE("snapshot: " << n - 1 << " host allocations, each failed once");
+  CHECK(failures > 1);
+  a.deallocate(p);
+  a.deallocate(q);
+}
+
+TEST_CASE(
+    "host heap: a request that fails at its N-th host allocation, for every N, while abandoned streams' cache "
+    "waits to be released, leaves it to the next request") {
+  long n = 1;
+  int failures = 0;
+  for (;; ++n) {
+    INFO("fault at host allocation " << n);
+    fake_world world;
+    fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
+    a.stream_operations().world = &world;
+    // 64 streams each cache a small segment and are not used again: the next stream's registration sweeps, finds
+    // them abandoned, and its request releases their segments before growing.
+    for (int i = 0; i < 64; ++i) {
+      const fake_stream s{world.add_stream()};
+      a.deallocate(a.allocate(64 * KiB, s));
+    }
+    REQUIRE(a.stats().num_device_free == 0);
+    heap_run run(n);
+    const fake_stream next{world.add_stream()};
+    void* p = nullptr;
+    const bool done = run.armed([&] { p = a.allocate(64 * KiB, next); });
+    CHECK(run.unexpected() == "");
+    failures += done ? 0 : 1;
+    if (!done) p = a.allocate(64 * KiB, next);  // the next request
+    CHECK(a.stats().num_device_free_unforced >= 64);
+    a.deallocate(p);
+    CHECK(check_invariants(a.snapshot(), {}, a.options().rounding) == "");
+    if (run.seen() < n) break;
+  }
+  MESSAGE("request releasing abandoned streams' cache: " << n - 1 << " host allocations, each failed once");
+  CHECK(failures > 1);
 }

@@ -7,11 +7,14 @@
 #include <gpukit/transfer/staging.hpp>
 #include <gpukit/memory/pinned_pool_impl.hpp>
 #include <gpukit/transfer/staging_impl.hpp>
+#include <gpukit/detail/warning_text.hpp>
+#include <gpukit/warning.hpp>
 
 #include "failing_heap.hpp"
 #include "support.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -20,7 +23,22 @@
 #include <utility>
 #include <vector>
 
+// Blocks a pool takes out of use are leaked on purpose (a device may still read them); where a test cannot free them
+// itself (the engine and the buffers hold a gpukit::pinned_pool), LeakSanitizer is told to ignore that thread's
+// allocations for the test's length.
+#if defined(__SANITIZE_ADDRESS__)
+#define GPUKIT_TEST_LEAK_CHECKED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(leak_sanitizer)
+#define GPUKIT_TEST_LEAK_CHECKED 1
+#endif
+#endif
+#ifdef GPUKIT_TEST_LEAK_CHECKED
+#include <sanitizer/lsan_interface.h>
+#endif
+
 using namespace std::chrono_literals;
+using gpukit_test::exhausted_heap;
 using gpukit_test::heap_run;
 
 namespace {
@@ -47,6 +65,37 @@ struct tracked_upstream {
   }
 };
 using tracked_pool = gpukit::basic_pinned_pool<tracked_upstream, gpukit::pinned_pool_sync>;
+
+struct lost_blocks_not_reported {
+#ifdef GPUKIT_TEST_LEAK_CHECKED
+  lost_blocks_not_reported() { __lsan_disable(); }
+  ~lost_blocks_not_reported() { __lsan_enable(); }
+#else
+  lost_blocks_not_reported() {}   // NOLINT(modernize-use-equals-default): user-provided, so it is not "unused"
+  ~lost_blocks_not_reported() {}  // NOLINT(modernize-use-equals-default)
+#endif
+  lost_blocks_not_reported(const lost_blocks_not_reported&) = delete;
+  lost_blocks_not_reported& operator=(const lost_blocks_not_reported&) = delete;
+};
+
+/// Keeps the last warning in a fixed buffer: the handler allocates nothing, so it works with the heap exhausted.
+struct last_warning {
+  static inline std::array<char, 1024> text{};
+  static inline std::size_t length = 0;
+  static inline int count = 0;
+  static void keep(std::string_view message) noexcept {
+    length = message.copy(text.data(), text.size());
+    ++count;
+  }
+  static std::string_view get() { return {text.data(), length}; }
+};
+
+/// Installs last_warning as the handler while it lives (installing allocates: do it before exhausting the heap).
+struct warnings_kept {
+  warnings_kept() : previous(gpukit::set_warning_handler(&last_warning::keep)) { last_warning::count = 0; }
+  ~warnings_kept() { (void)gpukit::set_warning_handler(std::move(previous)); }
+  gpukit::warning_handler previous;
+};
 
 }  // namespace
 
@@ -179,4 +228,103 @@ TEST_CASE(
   MESSAGE("staging engine: " << runs << " runs, " << failures << " release_idle calls threw std::bad_alloc");
   CHECK(runs > 1);
   CHECK(failures >= 1);  // the list of released rings; the pool's failures leave their ring in use, unreported
+}
+
+TEST_CASE(
+    "heap faults: a staging slot that grows while host allocation N fails, for every N, keeps its block or loses "
+    "it to the pool, never drops it") {
+  const lost_blocks_not_reported lost_blocks;  // the pool keeps a block whose event it could not record out of use
+  gpukit::staging_options options;
+  options.chunk_bytes = 64 * KiB;
+  options.min_chunk_bytes = 16 * KiB;
+  options.slots = 2;
+  options.threads = 1;
+  gpukit::stream s(cpu);
+  std::vector<unsigned char> small(8 * KiB);
+  std::vector<unsigned char> big(100 * KiB);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<unsigned char>(i * 7);
+  long runs = 0;
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    INFO("fault at host allocation " << n);
+    gpukit::pinned_pool pool = make_pool();
+    heap_run run(n);
+    {
+      gpukit::staging_engine engine(pool, options);
+      std::vector<unsigned char> device_side(big.size());
+      std::vector<unsigned char> host_side(big.size());
+      // Slots of 8 KiB in both directions, which the transfers below grow to 64 KiB (in to_device while the slot is
+      // idle; in to_host behind the slot's event on the stream).
+      engine.to_device(device_side.data(), small.data(), small.size(), s);
+      engine.to_host(host_side.data(), small.data(), small.size(), s);
+      s.synchronize();
+      run.armed([&] { engine.to_device(device_side.data(), big.data(), big.size(), s); });
+      run.armed([&] { engine.to_host(host_side.data(), big.data(), big.size(), s); });
+      s.synchronize();
+      CHECK(run.unexpected() == "");
+      // The engine goes on, at the new size.
+      engine.to_device(device_side.data(), big.data(), big.size(), s);
+      engine.to_host(host_side.data(), device_side.data(), big.size(), s);
+      s.synchronize();
+      CHECK(host_side == big);
+    }
+    // A slot that dropped a block the pool refused would leave it allocated, held by nobody.
+    CHECK(pool.stats().active_blocks == 0);
+    failures += run.failures();
+    if (run.seen() < n) break;
+    ++runs;
+  }
+  MESSAGE("staging engine, growing slots: " << runs << " runs, " << failures << " calls threw std::bad_alloc");
+  CHECK(runs > 5);
+  CHECK(failures > 0);
+}
+
+TEST_CASE("heap faults: a warning built with no host memory left is delivered, cut short on the stack") {
+  const warnings_kept kept;
+  const std::string long_part(700, 'x');
+  {
+    const exhausted_heap exhausted;
+    gpukit::detail::warn_parts("gpukit test: ", gpukit::detail::bytes_part{3 * 1024 * 1024, true}, " after ", -12,
+                               " tries: ", "short");
+  }
+  REQUIRE(last_warning::count == 1);
+  CHECK(last_warning::get() == "gpukit test: 3.00 MiB (3145728 bytes) after -12 tries: short");
+  {
+    const exhausted_heap exhausted;
+    gpukit::detail::warn_parts("gpukit test: ", long_part, "; the end");
+  }
+  REQUIRE(last_warning::count == 2);
+  const std::string_view marker = " [cut short: out of host memory]";
+  CHECK(last_warning::get().size() == gpukit::detail::warning_fallback_capacity);
+  CHECK(last_warning::get().substr(0, 20) == "gpukit test: xxxxxxx");
+  CHECK(last_warning::get().substr(last_warning::get().size() - marker.size()) == marker);
+  // With memory, the same parts are joined whole.
+  gpukit::detail::warn_parts("gpukit test: ", long_part, "; the end");
+  CHECK(last_warning::get().size() == 13 + long_part.size() + 9);
+  {
+    const exhausted_heap exhausted;
+    gpukit::detail::report_cuda_failure(cudaErrorInvalidValue, "cudaFree(p)", 3);
+  }
+  REQUIRE(last_warning::count == 4);
+  CHECK(last_warning::get().substr(0, 39) == "cudaFree(p) failed on cuda:3: invalid a");
+  CHECK(last_warning::get().find("(cudaErrorInvalidValue)") != std::string_view::npos);
+}
+
+TEST_CASE("heap faults: a pooled pinned buffer destroyed with no host memory left warns instead of terminating") {
+  const lost_blocks_not_reported lost_blocks;  // the pool cannot keep the block's event: it takes the block out of use
+  const warnings_kept kept;
+  gpukit::stream s(cpu);
+  gpukit::pinned_pool pool = make_pool();
+  gpukit::pooled_pinned_buffer<int> buffer(256, pool);
+  buffer.record_stream(s);
+  {
+    const exhausted_heap exhausted;
+    // The free needs room for an event: std::bad_alloc, and the warning about it cannot be built on the heap.
+    buffer.reset();
+  }
+  CHECK(buffer.data() == nullptr);
+  REQUIRE(last_warning::count == 1);
+  CHECK(last_warning::get().substr(0, 56) == "gpukit::pooled_pinned_buffer: returning the block failed");
+  CHECK(pool.stats().active_blocks == 0);
+  CHECK(pool.stats().lost_blocks == 1);
 }

@@ -17,6 +17,10 @@ namespace detail {
 /// Human-readable bytes with binary units: "512 B", "1.50 KiB", "16.69 GiB". Exact below 1 KiB.
 GPUKIT_INLINE std::string format_bytes(std::size_t bytes);
 
+/// format_bytes() written into `text` without allocating (for messages built where std::bad_alloc must not
+/// escape); returns the length. 32 characters always suffice.
+GPUKIT_INLINE std::size_t format_bytes_into(char (&text)[32], std::size_t bytes) noexcept;
+
 /// Bytes with the exact count alongside: "1.50 GiB (1610612736 bytes)".
 GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes);
 
@@ -27,18 +31,26 @@ GPUKIT_END_NAMESPACE
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-GPUKIT_INLINE std::string format_bytes(std::size_t bytes) {
+GPUKIT_INLINE std::size_t format_bytes_into(char (&text)[32], std::size_t bytes) noexcept {
   static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  if (bytes < 1024) return std::to_string(bytes) + " B";
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024.0 && unit < 5) {
-    value /= 1024.0;
-    ++unit;
+  int length = 0;
+  if (bytes < 1024) {
+    length = std::snprintf(text, sizeof text, "%zu B", bytes);
+  } else {
+    double value = static_cast<double>(bytes);
+    int unit = 0;
+    while (value >= 1024.0 && unit < 5) {
+      value /= 1024.0;
+      ++unit;
+    }
+    length = std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
   }
+  return length < 0 ? 0 : static_cast<std::size_t>(length);
+}
+
+GPUKIT_INLINE std::string format_bytes(std::size_t bytes) {
   char text[32];
-  std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
-  return text;
+  return std::string(text, format_bytes_into(text, bytes));
 }
 
 GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes) {

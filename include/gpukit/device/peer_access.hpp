@@ -12,6 +12,7 @@
 /// creates the primary contexts of its two devices only.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/detail/peer_registry.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/nvml.hpp>
@@ -216,8 +217,8 @@ inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>
                                        const char* what) noexcept {
   if (failure.first == cudaSuccess || is_teardown_result(failure.first)) return;
   try {
-    warn("gpukit::peer_access(" + describe_peer_pair(from, to) + "): " + failure.second + " failed (" +
-         cudaGetErrorName(failure.first) + ") " + what);
+    warn_parts("gpukit::peer_access(", from, " -> ", to, "): ", failure.second, " failed (",
+               cudaGetErrorName(failure.first), ") ", what);
   } catch (...) {
   }
 }

@@ -17,6 +17,7 @@
 /// make unsafe calls (cudaMalloc) meanwhile, capture_mode::global forbids them everywhere, as CUDA defines.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
@@ -163,9 +164,9 @@ class graph {
         detail::report_cuda_failure(cudaGraphDestroy(graph_), "cudaGraphDestroy", device_.ordinal());
     } catch (const error& e) {  // at process exit (the runtime gone) the graph went with it
       if (!detail::is_teardown_result(e.cuda_result()))
-        warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
+        detail::warn_parts("gpukit::graph: could not make its device current to destroy it: ", e.what());
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::graph: could not make its device current to destroy it: ") + e.what());
+      detail::warn_parts("gpukit::graph: could not make its device current to destroy it: ", e.what());
     }
     exec_ = nullptr;
     graph_ = nullptr;

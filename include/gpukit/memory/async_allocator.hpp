@@ -20,6 +20,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
@@ -86,17 +87,16 @@ class async_allocator final : public device_allocator {
       waiting = deferred_.size();
     }
     if (waiting != 0) {
-      warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(waiting) +
-           " free(s) waiting for a CUDA graph capture to end; that memory stays in the pool, unfreed");
+      detail::warn_parts("gpukit: the async allocator of ", device_, " is destroyed with ", waiting,
+                         " free(s) waiting for a CUDA graph capture to end; that memory stays in the pool, unfreed");
     }
     if (live.empty()) return;
-    warn("gpukit: the async allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live.size()) +
-         " live allocation(s); they are freed now, so any later use of them is invalid");
+    detail::warn_parts("gpukit: the async allocator of ", device_, " is destroyed with ", live.size(),
+                       " live allocation(s); they are freed now, so any later use of them is invalid");
     for (const auto& entry : live) {
       if (free_after_device(reinterpret_cast<void*>(entry.first), entry.second.bytes) == free_result::done) continue;
-      warn("gpukit: the async allocator of " + device_.to_string() + " leaves " +
-           detail::format_bytes(entry.second.bytes) +
-           " unfreed: its free needs the legacy default stream while a CUDA graph capture is underway");
+      detail::warn_parts("gpukit: the async allocator of ", device_, " leaves ", detail::bytes_part{entry.second.bytes},
+                         " unfreed: its free needs the legacy default stream while a CUDA graph capture is underway");
     }
   }
 
@@ -638,8 +638,9 @@ class async_allocator final : public device_allocator {
       (void)cudaGetLastError();
       if (detail::is_teardown_result(freed)) return free_result::done;
       if (captured()) GPUKIT_CUDA_TRY_DESCRIBED(freed, "cudaFreeAsync", device_.ordinal());
-      warn("gpukit::async_allocator: cudaFreeAsync of " + detail::format_bytes(a.bytes) + " on its stream failed (" +
-           cudaGetErrorName(freed) + "); freeing it after the device's work instead");
+      detail::warn_parts("gpukit::async_allocator: cudaFreeAsync of ", detail::bytes_part{a.bytes},
+                         " on its stream failed (", cudaGetErrorName(freed),
+                         "); freeing it after the device's work instead");
     } catch (const std::exception& e) {
       hold.release();
       if (const auto* ge = dynamic_cast<const error*>(&e);
@@ -647,12 +648,12 @@ class async_allocator final : public device_allocator {
         return free_result::done;
       }
       if (capturing) {  // synchronizing now would invalidate the capture
-        warn(std::string("gpukit::async_allocator: freeing ") + detail::format_bytes(a.bytes) +
-             " during a CUDA graph capture failed: " + e.what() + "; the memory is lost to the pool");
+        detail::warn_parts("gpukit::async_allocator: freeing ", detail::bytes_part{a.bytes},
+                           " during a CUDA graph capture failed: ", e.what(), "; the memory is lost to the pool");
         return free_result::done;
       }
-      warn(std::string("gpukit::async_allocator: ordering the free of ") + detail::format_bytes(a.bytes) +
-           " failed: " + e.what() + "; freeing it after the device's work instead");
+      detail::warn_parts("gpukit::async_allocator: ordering the free of ", detail::bytes_part{a.bytes},
+                         " failed: ", e.what(), "; freeing it after the device's work instead");
     }
     return free_after_device(p, a.bytes, may_defer);
   }
@@ -709,14 +710,14 @@ class async_allocator final : public device_allocator {
       }
       if (result == cudaSuccess || detail::is_teardown_result(result)) return free_result::done;
       (void)cudaGetLastError();
-      warn("gpukit::async_allocator: " + detail::format_bytes(bytes) + " could not be freed (" +
-           cudaGetErrorName(result) + "); the memory is lost to the pool");
+      detail::warn_parts("gpukit::async_allocator: ", detail::bytes_part{bytes}, " could not be freed (",
+                         cudaGetErrorName(result), "); the memory is lost to the pool");
     } catch (const std::exception& e) {
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
         return free_result::done;
       }
-      warn(std::string("gpukit::async_allocator: ") + detail::format_bytes(bytes) + " could not be freed: " + e.what());
+      detail::warn_parts("gpukit::async_allocator: ", detail::bytes_part{bytes}, " could not be freed: ", e.what());
     }
     return free_result::done;
   }

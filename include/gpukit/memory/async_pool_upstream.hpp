@@ -22,6 +22,7 @@
 /// segment is usable on every stream at once.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
@@ -69,9 +70,9 @@ class async_pool_upstream {
       detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
                                   device_.ordinal());
     } catch (const error& e) {
-      if (!detail::is_teardown_result(e.cuda_result())) warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+      if (!detail::is_teardown_result(e.cuda_result())) detail::warn_parts("gpukit::async_pool_upstream: ", e.what());
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::async_pool_upstream: ") + e.what());
+      detail::warn_parts("gpukit::async_pool_upstream: ", e.what());
     }
   }
 
@@ -123,9 +124,9 @@ class async_pool_upstream {
                                   device_.ordinal());
     } catch (const error& e) {
       if (detail::is_teardown_result(e.cuda_result())) return;
-      warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
+      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::async_pool_upstream: could not return a segment to the pool: ") + e.what());
+      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
     }
   }
 

@@ -8,6 +8,7 @@
 /// (GPUKIT_SEPARATE_COMPILATION) it does not: translation units call the instantiation gpukit::compiled holds, and
 /// include this file only to instantiate basic_caching_allocator with template arguments of their own.
 
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/memory/caching_allocator.hpp>
 
 #include <bitset>
@@ -35,8 +36,8 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   fronts_used_ =
       front_cache_large_.load(std::memory_order_relaxed) || watch_contention_ ? front_slot_count : front_slots_per_pool;
   if (options_.expandable_segments && !has_vm) {
-    warn("gpukit: expandable segments were asked for the caching allocator of " + d.to_string() +
-         ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
+    detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", d,
+                       ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
   }
 }
 
@@ -48,9 +49,9 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   const std::size_t live = user_current(st_allocation);  // blocks in front caches are not live
   if (live > 0) {
-    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed with " + std::to_string(live) +
-         " live allocation(s) (" + detail::format_bytes(user_current(st_allocated_bytes)) +
-         "); their memory is released now, so any later use of it is invalid");
+    detail::warn_parts("gpukit: the caching allocator of ", device_, " is destroyed with ", live,
+                       " live allocation(s) (", detail::bytes_part{user_current(st_allocated_bytes)},
+                       "); their memory is released now, so any later use of it is invalid");
   }
   if (unrecorded_ != 0) record_deferred();
   // Blocks whose event on the legacy stream a gpukit capture underway keeps from being recorded: nothing can wait for
@@ -80,10 +81,10 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
     st->pending.clear();
   }
   if (keep_unrecorded) {
-    warn("gpukit: the caching allocator of " + device_.to_string() + " is destroyed while a CUDA graph capture keeps " +
-         std::to_string(unrecorded_) + " event(s) on the legacy default stream from being recorded; " +
-         std::to_string(kept_segments) + " segment(s) (" + detail::format_bytes(kept_bytes) +
-         ") are not given back to the upstream, since that stream may still use them");
+    detail::warn_parts("gpukit: the caching allocator of ", device_, " is destroyed while a CUDA graph capture keeps ",
+                       unrecorded_, " event(s) on the legacy default stream from being recorded; ", kept_segments,
+                       " segment(s) (", detail::bytes_part{kept_bytes},
+                       ") are not given back to the upstream, since that stream may still use them");
   }
   if (!upstream_.synchronizes_on_free()) {
     for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
@@ -258,10 +259,12 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE allocator_snapshot basic_caching_allocator<Upstream, StreamOps>::snapshot() const {
   std::lock_guard<detail::spin_mutex> lock(mutex_);
   fronts_lock all(*this);  // blocks do not enter or leave the front caches meanwhile
+  allocator_snapshot taken = detail::caching_diagnostics::snapshot(*this);
   // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
-  // allocations being returned on other threads), which is where memory_picture anchors its levels.
+  // allocations being returned on other threads), which is where memory_picture anchors its levels. After the
+  // snapshot is built: one that fails (std::bad_alloc) leaves no anchor behind.
   if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
-  return detail::caching_diagnostics::snapshot(*this);
+  return taken;
 }
 
 template <class Upstream, class StreamOps>
@@ -567,7 +570,6 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_abandoned(
     std::unique_lock<detail::spin_mutex>& lock) {
   if (!may_have_abandoned_) return 0;
-  may_have_abandoned_ = false;
   std::vector<segment*> victims;
   for (segment* seg : free_segments()) {
     bool abandoned = true;
@@ -576,7 +578,15 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
     }
     if (abandoned) victims.push_back(seg);
   }
-  return release_segments(lock, victims, true);
+  // Cleared after the scan (which may throw) and before the release, which unlocks (a sweep meanwhile sets it
+  // again); set again if the release throws (std::bad_alloc, before it changes anything): the next request looks.
+  may_have_abandoned_ = false;
+  try {
+    return release_segments(lock, victims, true);
+  } catch (...) {
+    if (lock.owns_lock()) may_have_abandoned_ = true;
+    throw;
+  }
 }
 
 template <class Upstream, class StreamOps>
@@ -681,7 +691,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_finished_q
     try {
       ops_.wait_finished(tracker);
     } catch (const std::exception& ex) {
-      warn(std::string("gpukit: waiting for the work of a destroyed stream failed: ") + ex.what());
+      detail::warn_parts("gpukit: waiting for the work of a destroyed stream failed: ", ex.what());
     } catch (...) {
       warn("gpukit: waiting for the work of a destroyed stream failed");
     }
@@ -741,7 +751,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::synchronize_qui
   try {
     ops_.synchronize(e);
   } catch (const std::exception& ex) {
-    warn(std::string("gpukit: waiting for an event of the caching allocator failed: ") + ex.what());
+    detail::warn_parts("gpukit: waiting for an event of the caching allocator failed: ", ex.what());
   } catch (...) {
     warn("gpukit: waiting for an event of the caching allocator failed");
   }
@@ -1718,8 +1728,9 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     if constexpr (detail::has_virtual_memory_query<Upstream>::value) {
       if (!upstream_.virtual_memory_supported()) {
         vm_refused_ = true;
-        warn("gpukit: expandable segments were asked for the caching allocator of " + device_.to_string() +
-             ", but the device (or its driver) has no virtual memory management: ordinary segments are used");
+        detail::warn_parts(
+            "gpukit: expandable segments were asked for the caching allocator of ", device_,
+            ", but the device (or its driver) has no virtual memory management: ordinary segments are used");
         return nullptr;
       }
     }
@@ -2049,8 +2060,8 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
       } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
         try {
-          warn("gpukit: the caching allocator of " + device_.to_string() + " keeps an expandable segment of " +
-               std::to_string(seg->size) + " bytes reserved: its pages could not be unmapped");
+          detail::warn_parts("gpukit: the caching allocator of ", device_, " keeps an expandable segment of ",
+                             seg->size, " bytes reserved: its pages could not be unmapped");
         } catch (...) {  // no memory for the message
         }
       }

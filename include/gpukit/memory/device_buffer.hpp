@@ -21,6 +21,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/sizes.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/default_allocator.hpp>
@@ -205,9 +206,9 @@ GPUKIT_INLINE void deallocate_quietly(device_resource* allocator, void* p, const
   try {
     allocator->deallocate(p);
   } catch (const std::exception& e) {
-    warn(std::string("gpukit: freeing a ") + owner + " failed: " + e.what());
+    warn_parts("gpukit: freeing a ", owner, " failed: ", e.what());
   } catch (...) {
-    warn(std::string("gpukit: freeing a ") + owner + " failed");
+    warn_parts("gpukit: freeing a ", owner, " failed");
   }
 }
 }  // namespace detail

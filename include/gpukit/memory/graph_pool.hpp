@@ -24,6 +24,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
@@ -535,8 +536,8 @@ class graph_pool final : public device_allocator {
     try {
       record_use(detail::kept_stream::of(s), use_kind::freeing);
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::graph_pool: could not tell the stream a block is freed on (") + e.what() +
-           "); the block may be reused before that stream's work is done");
+      detail::warn_parts("gpukit::graph_pool: could not tell the stream a block is freed on (", e.what(),
+                         "); the block may be reused before that stream's work is done");
     }
   }
 
@@ -566,14 +567,14 @@ class graph_pool final : public device_allocator {
       uses_.insert_or_assign(use.view.id(), std::move(done));
       has_uses_.store(true, std::memory_order_release);
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::graph_pool: could not record the work of a stream that used a freed block (") +
-           e.what() + "); waiting for it on the host");
+      detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
+                         e.what(), "); waiting for it on the host");
       try {
         // Neither a destroyed stream nor another thread's per-thread stream can be named from here.
         if (!use.destroyed() && use.handle_here() == use.view.cuda_handle()) use.view.synchronize();
       } catch (const std::exception& again) {
-        warn(std::string("gpukit::graph_pool: could not wait for it either (") + again.what() +
-             "); the block may be reused before that work is done");
+        detail::warn_parts("gpukit::graph_pool: could not wait for it either (", again.what(),
+                           "); the block may be reused before that work is done");
       } catch (...) {
       }
     } catch (...) {
@@ -609,8 +610,8 @@ class graph_pool final : public device_allocator {
         }
       } catch (const std::exception& e) {
         try {
-          warn(std::string("gpukit::graph_pool: could not record the work of a stream that used a freed block (") +
-               e.what() + "); the block may be reused before that work is done");
+          detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
+                             e.what(), "); the block may be reused before that work is done");
         } catch (...) {  // no memory for the message
         }
       } catch (...) {
@@ -732,7 +733,7 @@ class graph_pool final : public device_allocator {
         }
       } catch (const std::exception& ex) {
         try {
-          warn(std::string("gpukit::graph_pool: returning ") + detail::format_bytes(c.size) + " failed: " + ex.what());
+          detail::warn_parts("gpukit::graph_pool: returning ", detail::bytes_part{c.size}, " failed: ", ex.what());
         } catch (...) {  // no memory for the message
         }
       }
@@ -786,8 +787,8 @@ class graph_pool final : public device_allocator {
   /// Reports a reserve kept for good (some launch of the pool's graphs could not be ordered); never throws.
   void report_kept_reserve() const noexcept {
     try {
-      warn("gpukit::graph_pool: keeps its reserve of " + detail::format_bytes(reserved_) + " on " +
-           device_.to_string() + ": a launch of its graphs could not be waited for");
+      detail::warn_parts("gpukit::graph_pool: keeps its reserve of ", detail::bytes_part{reserved_}, " on ", device_,
+                         ": a launch of its graphs could not be waited for");
     } catch (...) {
     }
   }
@@ -803,7 +804,7 @@ class graph_pool final : public device_allocator {
   static void report(const char* what, const std::exception& ex) noexcept {
     if (torn_down_by(ex)) return;
     try {
-      warn(std::string("gpukit::graph_pool: ") + what + ex.what());
+      detail::warn_parts("gpukit::graph_pool: ", what, ex.what());
     } catch (...) {
     }
   }

@@ -8,6 +8,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
 
 #include <algorithm>
@@ -144,9 +145,9 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
     try {
       (*observer)(info);
     } catch (const std::exception& e) {
-      warn("gpukit: an out-of-memory observer of " + device + " threw: " + e.what());
+      warn_parts("gpukit: an out-of-memory observer of ", device, " threw: ", e.what());
     } catch (...) {
-      warn("gpukit: an out-of-memory observer of " + device + " threw a non-standard exception");
+      warn_parts("gpukit: an out-of-memory observer of ", device, " threw a non-standard exception");
     }
   }
 }

@@ -31,6 +31,7 @@
 #include <gpukit/detail/sizes.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/detail/event_pool.hpp>
@@ -259,6 +260,11 @@ class basic_pinned_pool {
 
   /// The usable size of a block handed out by this pool (its size class). Throws invalid_argument_error otherwise.
   std::size_t block_size(const void* p);
+
+  /// Whether `p` is a block this pool handed out and has not taken back: false once it is deallocated or lost. After
+  /// a deallocate that threw, it tells the caller whether the block is still theirs (a refused deallocate) or gone
+  /// (an event that could not be recorded).
+  [[nodiscard]] bool is_allocated(const void* p);
 
   /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones). If
   /// polling a pending block's event throws, the new cap is in force and applied to the free blocks all the same,
@@ -508,7 +514,7 @@ class pooled_pinned_buffer {
       try {
         pool_->deallocate_after_captures(data_);  // a destructor: waits for a capture instead of failing
       } catch (const std::exception& e) {
-        warn(std::string("gpukit::pooled_pinned_buffer: returning the block failed: ") + e.what());
+        detail::warn_parts("gpukit::pooled_pinned_buffer: returning the block failed: ", e.what());
       } catch (...) {
         warn("gpukit::pooled_pinned_buffer: returning the block failed: an unknown exception");
       }

@@ -8,6 +8,7 @@
 /// it does not: translation units call the instantiation gpukit::compiled holds, and include this file only to
 /// instantiate basic_pinned_pool with template arguments of their own.
 
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -27,12 +28,16 @@ template <class Upstream, class Sync>
 GPUKIT_INLINE basic_pinned_pool<Upstream, Sync>::~basic_pinned_pool() {
   if (!deferred_.empty()) (void)process_deferred_locked();  // no other thread may use a pool being destroyed
   report_deferred_losses();
-  std::size_t leaked = 0;
+  std::size_t allocated = 0;
+  std::size_t lost = 0;
+  std::size_t waiting = 0;  // freed during a capture still underway
   std::size_t leaked_bytes = 0;
   for (auto& entry : blocks_) {
     block& b = entry.second;
     if (b.state == block_state::active || b.state == block_state::lost || b.state == block_state::deferred) {
-      ++leaked;
+      allocated += b.state == block_state::active ? 1 : 0;
+      lost += b.state == block_state::lost ? 1 : 0;
+      waiting += b.state == block_state::deferred ? 1 : 0;
       leaked_bytes += b.size;
       continue;
     }
@@ -53,12 +58,11 @@ GPUKIT_INLINE basic_pinned_pool<Upstream, Sync>::~basic_pinned_pool() {
     }
     upstream_.deallocate(entry.first, b.size);
   }
-  if (leaked != 0) {
-    warn("gpukit::pinned_pool destroyed with " + std::to_string(leaked) + " block(s) (" +
-         detail::format_bytes(leaked_bytes) + ") still allocated" +
-         (deferred_.empty() ? std::string()
-                            : ", " + std::to_string(deferred_.size()) + " of them freed but waiting for a capture") +
-         "; they are not freed");
+  if (const std::size_t leaked = allocated + lost + waiting; leaked != 0) {
+    detail::warn_parts("gpukit::pinned_pool destroyed with ", leaked, " block(s) (", detail::bytes_part{leaked_bytes},
+                       ") it does not free: ", allocated, " still allocated, ", lost,
+                       " lost (freed, but no event could be recorded for them), ", waiting,
+                       " freed but waiting for a capture");
   }
 }
 
@@ -240,6 +244,13 @@ GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::block_size(const vo
 }
 
 template <class Upstream, class Sync>
+GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::is_allocated(const void* p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = blocks_.find(const_cast<void*>(p));
+  return it != blocks_.end() && it->second.state == block_state::active;
+}
+
+template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::set_max_cached_bytes(std::size_t bytes) {
   release_list releases(*this);  // declared first: releases after the lock is dropped
   std::lock_guard<std::mutex> lock(mutex_);
@@ -403,19 +414,11 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::report_deferred_losses() n
     losses = std::exchange(deferred_losses_, 0);
     last = std::exchange(deferred_loss_, nullptr);
   }
-  try {
-    std::string reason = "an unknown exception";
-    try {
-      std::rethrow_exception(last);
-    } catch (const std::exception& e) {
-      reason = e.what();
-    } catch (...) {
-    }
-    warn("gpukit::pinned_pool: " + std::to_string(losses) +
-         " block(s) freed while a stream could not take an event are lost (the last because: " + reason + ")");
-  } catch (...) {
-    // Out of memory for the message: the blocks stay counted in stats().lost_blocks.
-  }
+  detail::with_message_of(last, [&](const char* reason) noexcept {
+    detail::warn_parts("gpukit::pinned_pool: ", losses,
+                       " block(s) freed while a stream could not take an event are lost (the last because: ", reason,
+                       ")");
+  });
 }
 
 template <class Upstream, class Sync>

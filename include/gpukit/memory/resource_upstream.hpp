@@ -32,6 +32,7 @@
 #include <gpukit/memory/memory_resource.hpp>  // first: it sets up CCCL's concepts (see its file comment)
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
@@ -137,8 +138,8 @@ class resource_upstream {
       resource_.deallocate(p, bytes, upstream_alignment);
 #endif
     } catch (const std::exception& e) {
-      warn(std::string("gpukit::resource_upstream: could not return a segment of ") + std::to_string(bytes) +
-           " bytes to its resource: " + e.what());
+      detail::warn_parts("gpukit::resource_upstream: could not return a segment of ", bytes,
+                         " bytes to its resource: ", e.what());
     } catch (...) {
       warn("gpukit::resource_upstream: could not return a segment to its resource (a non-standard exception)");
     }

@@ -43,6 +43,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/sizes.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/map_node.hpp>
@@ -453,8 +454,8 @@ GPUKIT_INLINE void address_space_upstream::deallocate(void* p, std::size_t bytes
   }
   const std::size_t size = found->second;
   if (((bytes + alignment_ - 1) & ~(alignment_ - 1)) != size) {
-    warn("gpukit::address_space_upstream: deallocate of " + std::to_string(bytes) + " bytes for a range of " +
-         std::to_string(size) + " bytes");
+    detail::warn_parts("gpukit::address_space_upstream: deallocate of ", bytes, " bytes for a range of ", size,
+                       " bytes");
   }
   used_ -= size;
   give_range(sizes_.extract(found));
@@ -673,12 +674,12 @@ GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* wha
   } catch (const error& e) {
     if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
     try {
-      warn(std::string("gpukit: could not wait for ") + d.to_string() + " before " + what + ": " + e.what());
+      warn_parts("gpukit: could not wait for ", d, " before ", what, ": ", e.what());
     } catch (...) {  // no memory for the message
     }
   } catch (const std::exception& e) {
     try {
-      warn(std::string("gpukit: could not wait for the device before ") + what + ": " + e.what());
+      warn_parts("gpukit: could not wait for the device before ", what, ": ", e.what());
     } catch (...) {  // no memory for the message
     }
   }
@@ -721,9 +722,9 @@ GPUKIT_INLINE void cuda_upstream::deallocate(void* p, std::size_t /*bytes*/) noe
     detail::report_cuda_failure(cudaFree(p), "cudaFree (returning a cached segment)", device_.ordinal());
   } catch (const error& e) {
     if (detail::is_teardown_result(e.cuda_result())) return;  // process exit: the segment went with the runtime
-    warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
+    detail::warn_parts("gpukit::cuda_upstream: could not make the device current to free a segment: ", e.what());
   } catch (const std::exception& e) {
-    warn(std::string("gpukit::cuda_upstream: could not make the device current to free a segment: ") + e.what());
+    detail::warn_parts("gpukit::cuda_upstream: could not make the device current to free a segment: ", e.what());
   }
 }
 
@@ -857,17 +858,17 @@ GPUKIT_INLINE bool cuda_upstream::unmap_after_wait(void* address, std::size_t by
       } else if (detail::is_teardown_result(r)) {
         return true;  // the driver is gone, and the pages with it
       } else {
-        warn("gpukit::cuda_upstream: cuMemUnmap failed (CUresult " + std::to_string(r) + ") on " + device_.to_string() +
-             ": the page stays mapped, for the next map() of it or the range's release");
+        detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed (CUresult ", static_cast<int>(r), ") on ", device_,
+                           ": the page stays mapped, for the next map() of it or the range's release");
       }
     }
     return true;
   } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone (and the pages with it)
     if (detail::is_teardown_result(e.cuda_result())) return true;
-    warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+    detail::warn_parts("gpukit::cuda_upstream: could not unmap pages: ", e.what());
     return false;
   } catch (const std::exception& e) {  // no memory for the registry or a message: nothing was unmapped
-    warn(std::string("gpukit::cuda_upstream: could not unmap pages: ") + e.what());
+    detail::warn_parts("gpukit::cuda_upstream: could not unmap pages: ", e.what());
     return false;
   }
 }
@@ -879,18 +880,18 @@ GPUKIT_INLINE void cuda_upstream::unreserve(void* address, std::size_t bytes) no
     const CUresult leftover = unmap_leftover_pages(start, start + bytes);
     if (detail::is_teardown_result(leftover)) return;
     if (leftover != CUDA_SUCCESS) {
-      warn("gpukit::cuda_upstream: an address range of " + std::to_string(bytes) + " bytes on " + device_.to_string() +
-           " stays reserved: a page of it could not be unmapped");
+      detail::warn_parts("gpukit::cuda_upstream: an address range of ", bytes, " bytes on ", device_,
+                         " stays reserved: a page of it could not be unmapped");
       return;
     }
     const CUresult r = detail::driver().mem_address_free(start, bytes);
     if (r != CUDA_SUCCESS && !detail::is_teardown_result(r))
-      warn("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult " + std::to_string(r) + ")");
+      detail::warn_parts("gpukit::cuda_upstream: cuMemAddressFree failed (CUresult ", static_cast<int>(r), ")");
   } catch (const error& e) {
     if (!detail::is_teardown_result(e.cuda_result()))
-      warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
+      detail::warn_parts("gpukit::cuda_upstream: could not free an address range: ", e.what());
   } catch (const std::exception& e) {
-    warn(std::string("gpukit::cuda_upstream: could not free an address range: ") + e.what());
+    detail::warn_parts("gpukit::cuda_upstream: could not free an address range: ", e.what());
   }
 }
 
@@ -917,7 +918,7 @@ GPUKIT_INLINE CUresult cuda_upstream::unmap_leftover_pages(CUdeviceptr start, CU
     } else if (detail::is_teardown_result(r)) {
       return r;
     } else {
-      warn("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult " + std::to_string(r) + ")");
+      detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult ", static_cast<int>(r), ")");
       failed = r;
     }
   }
@@ -955,8 +956,9 @@ GPUKIT_INLINE void cuda_upstream::record_mapped(CUdeviceptr start, CUdeviceptr e
   if (changes.empty()) return;
   const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
   if (r != CUDA_SUCCESS) {
-    warn("gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult " +
-         std::to_string(r) + ")");
+    detail::warn_parts(
+        "gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult ",
+        static_cast<int>(r), ")");
   }
 }
 
@@ -1048,7 +1050,7 @@ GPUKIT_INLINE void device_upstream::unreserve(void* address, std::size_t bytes) 
 
 GPUKIT_INLINE void device_upstream::warn_no_virtual_memory(const char* call) noexcept {
   try {
-    warn(std::string("gpukit::device_upstream::") + call + ": the CPU device has no virtual memory (nothing done)");
+    detail::warn_parts("gpukit::device_upstream::", call, ": the CPU device has no virtual memory (nothing done)");
   } catch (...) {  // no memory for the message
   }
 }

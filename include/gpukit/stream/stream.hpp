@@ -14,6 +14,7 @@
 /// completes (cudaStreamDestroy semantics); a CPU stream's destructor waits for its work to finish.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/error.hpp>
@@ -443,10 +444,10 @@ GPUKIT_INLINE void stream_life::expire(cudaStream_t handle, bool remembered) noe
       report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
     } catch (const error& ex) {
       if (!is_teardown_result(ex.cuda_result())) {
-        warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+        warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
       }
     } catch (const std::exception& ex) {
-      warn(std::string("gpukit: recording the final event of a destroyed stream failed: ") + ex.what());
+      warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
     }
   }
   // The count first: an allocator that sees expired() may have read the count before it changed, and then learns

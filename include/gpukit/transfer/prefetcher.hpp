@@ -36,6 +36,7 @@
 /// and the pinned memory held. Works unchanged on the CPU device.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/device_buffer.hpp>
@@ -242,8 +243,8 @@ class prefetcher {
         }
       } catch (const std::exception& e) {
         // Without the event the copy stream would not wait, and the next copy could overwrite what the consumer reads.
-        warn(std::string("gpukit::prefetcher: releasing a batch failed (") + e.what() +
-             "); waiting for the consumer's work on the host");
+        detail::warn_parts("gpukit::prefetcher: releasing a batch failed (", e.what(),
+                           "); waiting for the consumer's work on the host");
         try {
           if (detail::is_other_threads_stream(consumer)) {
             detail::cuda_backend::synchronize_device(consumer.device().ordinal(),
@@ -252,7 +253,7 @@ class prefetcher {
             consumer.synchronize();
           }
         } catch (const std::exception& again) {
-          warn(std::string("gpukit::prefetcher: waiting for the consumer failed too: ") + again.what());
+          detail::warn_parts("gpukit::prefetcher: waiting for the consumer failed too: ", again.what());
         }
       }
       {

@@ -48,6 +48,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
@@ -189,6 +190,11 @@ class basic_staging_engine {
  private:
   struct slot {
     explicit slot(device d) : done(d) {}
+    void forget_block() noexcept {  // the block is no longer the slot's (given back, or lost)
+      ptr = nullptr;
+      capacity = 0;
+      used = false;
+    }
     void* ptr = nullptr;
     std::size_t capacity = 0;
     bool used = false;  // `done` has been recorded
@@ -310,6 +316,10 @@ class basic_staging_engine {
   // The background thread's wait: polling with sleeps, since a CUDA event's synchronize spins a core for as long as
   // the stream is held.
   static void poll_until_ready(const event& e);
+
+  // Gives the slot's block back to the pool, with an event on `*s` unless it is null; the slot is empty afterwards.
+  // If the pool throws, the slot keeps the block when the pool refused it and is empty when the pool lost it.
+  void give_slot_block_back(slot& sl, const stream_view* s);
 
   // A slot whose previous use has completed: replace its block with a bigger one if needed. The old block goes first,
   // so the slots never hold more than their bound. Calling threads only (never the background thread).

@@ -275,9 +275,7 @@ GPUKIT_INLINE bool basic_staging_engine<Copier>::try_retire_locked(ring& r) {
     dispose_orphans(r);
     for (lane* ln : {&r.up, &r.down}) {
       for (auto& sl : ln->slots) {
-        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
-        sl.ptr = nullptr;
-        sl.capacity = 0;
+        if (sl.ptr != nullptr) give_slot_block_back(sl, nullptr);
       }
     }
     r.side.reset();
@@ -336,10 +334,25 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::poll_until_ready(const event& e
 }
 
 template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::give_slot_block_back(slot& sl, const stream_view* s) {
+  try {
+    if (s != nullptr) {
+      pool_->deallocate(sl.ptr, *s);
+    } else {
+      pool_->deallocate(sl.ptr);
+    }
+  } catch (...) {
+    // Refused, the block is still the slot's; lost (no event could be recorded), it is gone.
+    if (!pool_->is_allocated(sl.ptr)) sl.forget_block();
+    throw;
+  }
+  sl.forget_block();
+}
+
+template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::size_t bytes) {
   if (sl.capacity >= bytes) return;
-  if (sl.ptr != nullptr) pool_->deallocate(std::exchange(sl.ptr, nullptr));
-  sl.capacity = 0;
+  if (sl.ptr != nullptr) give_slot_block_back(sl, nullptr);
   sl.ptr = pool_->allocate(bytes);
   sl.capacity = bytes;
 }
@@ -347,16 +360,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::s
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::grow_slot_stream_ordered(slot& sl, std::size_t bytes, stream_view s) {
   if (sl.capacity >= bytes) return;
-  if (sl.ptr != nullptr) {
-    void* old = std::exchange(sl.ptr, nullptr);
-    sl.capacity = 0;
-    if (sl.used) {
-      sl.used = false;
-      pool_->deallocate(old, s);
-    } else {
-      pool_->deallocate(old);
-    }
-  }
+  if (sl.ptr != nullptr) give_slot_block_back(sl, sl.used ? &s : nullptr);
   sl.ptr = pool_->allocate(bytes);
   sl.capacity = bytes;
 }
@@ -374,9 +378,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::record_done(slot& sl, stream_vi
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_view s) noexcept {
-  void* p = std::exchange(sl.ptr, nullptr);
-  sl.capacity = 0;
-  sl.used = false;
+  void* p = sl.ptr;
+  sl.forget_block();
   if (p == nullptr) return;
   try {
     pool_->deallocate(p, s);
@@ -392,10 +395,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_upload_slots(ring& r, stre
     if (sl.capacity >= bytes) continue;
     if (sl.ptr != nullptr) {
       if (sl.used && !sl.done.ready()) sl.done.wait(s);
-      void* old = std::exchange(sl.ptr, nullptr);
-      sl.capacity = 0;
-      sl.used = false;
-      pool_->deallocate(old, s);
+      give_slot_block_back(sl, &s);
     }
     sl.ptr = pool_->allocate(bytes);
     sl.capacity = bytes;
@@ -490,7 +490,7 @@ template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::stage_in_background(ring& r, job& j) noexcept {
   lane& ln = r.up;
   std::uint64_t chunks = 0;
-  std::string failure;
+  std::exception_ptr failure;  // copying it cannot throw, unlike a message (this is noexcept)
   try {
     const stream_view side = r.side->view();
     j.after.wait(side);  // after the stream's work before the hand-over
@@ -513,29 +513,29 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::stage_in_background(ring& r, jo
       offset += length;
       ++chunks;
     }
-  } catch (const std::exception& e) {
-    failure = e.what();
   } catch (...) {
-    failure = "an unknown exception";
+    failure = std::current_exception();
   }
   try {
     // The stream's later work goes on once the copies enqueued so far have completed.
     j.after.record(r.side->view());
     poll_until_ready(j.after);
-  } catch (const std::exception& e) {
-    if (failure.empty()) failure = e.what();
+  } catch (...) {
+    if (!failure) failure = std::current_exception();
   }
   j.data.reset();
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
     stats_.chunks += chunks;
-    if (!failure.empty()) ++stats_.background_failures;
+    if (failure) ++stats_.background_failures;
   }
-  if (!failure.empty()) {
-    warn("gpukit::staging_engine: staging the last " + detail::format_bytes_exact(j.bytes) + " of a transfer to " +
-         r.dev.to_string() + " in the background (its stream did not free a slot within the patience) failed after " +
-         std::to_string(chunks) + " chunk(s): " + failure + "; the destination is incomplete");
-  }
+  if (!failure) return;
+  detail::with_message_of(failure, [&](const char* reason) noexcept {
+    detail::warn_parts("gpukit::staging_engine: staging the last ", detail::bytes_part{j.bytes, true},
+                       " of a transfer to ", r.dev,
+                       " in the background (its stream did not free a slot within the patience) failed after ", chunks,
+                       " chunk(s): ", reason, "; the destination is incomplete");
+  });
 }
 
 template <class Copier>

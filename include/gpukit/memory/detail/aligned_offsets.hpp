@@ -12,6 +12,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/sizes.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
 
 #include <algorithm>
@@ -44,9 +45,9 @@ void free_reporting_errors(const char* who, FreeMemory&& free_memory) noexcept {
   try {
     free_memory();
   } catch (const std::exception& e) {
-    warn(std::string(who) + ": " + e.what());
+    warn_parts(who, ": ", e.what());
   } catch (...) {
-    warn(std::string(who) + ": an unknown exception");
+    warn_parts(who, ": an unknown exception");
   }
 }
 
@@ -76,8 +77,8 @@ class aligned_offsets {
       try {
         add(p, block);
       } catch (...) {
-        warn("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at " +
-             std::to_string(reinterpret_cast<std::uintptr_t>(p)) + " can no longer be freed");
+        warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
+                   reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
       }
       throw;
     }

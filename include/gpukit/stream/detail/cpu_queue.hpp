@@ -10,6 +10,7 @@
 /// through the CPU backend (cpu_backend.hpp).
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
 
 #include <atomic>
@@ -59,7 +60,7 @@ void call_reporting_exceptions(F& function) noexcept {
   try {
     function();
   } catch (const std::exception& e) {
-    warn(std::string("a host function enqueued on a stream threw, and was abandoned: ") + e.what());
+    warn_parts("a host function enqueued on a stream threw, and was abandoned: ", e.what());
   } catch (...) {
     warn("a host function enqueued on a stream threw a non-standard exception, and was abandoned");
   }
