@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -327,4 +328,39 @@ TEST_CASE("heap faults: a pooled pinned buffer destroyed with no host memory lef
   CHECK(last_warning::get().substr(0, 56) == "gpukit::pooled_pinned_buffer: returning the block failed");
   CHECK(pool.stats().active_blocks == 0);
   CHECK(pool.stats().lost_blocks == 1);
+}
+
+TEST_CASE(
+    "heap faults: host functions a host function enqueues on the CPU default stream run once each, with their "
+    "captures, when host allocation N fails, for every N") {
+  // They wait in a per-thread queue until the enclosing one returns; a queue out of memory runs one nested instead,
+  // which must still hold what it captured.
+  const gpukit::stream_view s = gpukit::stream_view::default_stream(cpu);
+  constexpr int nested = 100;  // more than a std::deque node holds
+  long n = 1;
+  int failures = 0;
+  for (;; ++n) {
+    INFO("fault at host allocation " << n);
+    std::vector<int> ran;
+    ran.reserve(nested);  // the test's own pushes never allocate
+    const auto payload = std::make_shared<int>(7);
+    heap_run run(n);
+    const bool done = run.armed([&] {
+      s.enqueue_host([&] {
+        for (int i = 0; i < nested; ++i) {
+          s.enqueue_host([&ran, payload, i] { ran.push_back(*payload - 7 + i); });
+        }
+      });
+    });
+    failures += done ? 0 : 1;
+    CHECK(run.unexpected() == "");
+    std::sort(ran.begin(), ran.end());
+    std::vector<int> expected(nested);
+    for (int i = 0; i < nested; ++i) expected[static_cast<std::size_t>(i)] = i;
+    CHECK(ran == expected);  // a host function never throws out of the stream: nested or deferred, each ran
+    if (run.seen() < n) break;
+  }
+  MESSAGE("nested host functions: " << n - 1 << " host allocations, each failed once");
+  CHECK(n > nested);
+  CHECK(failures == 0);  // the failures are absorbed: the host function runs nested
 }

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -25,6 +26,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
@@ -70,7 +72,10 @@ void call_reporting_exceptions(F& function) noexcept {
 /// trampoline), and the host functions enqueued inline from inside it, which run after it returns.
 struct inline_host_functions {
   bool running = false;
-  std::deque<host_task> deferred;
+  // Those from `next` on wait to run, in order. A vector, not a deque: it allocates nothing until a host function is
+  // deferred (a deque allocates when made, here inside a noexcept function) and reuses its room afterwards.
+  std::vector<host_task> deferred;
+  std::size_t next = 0;
 };
 GPUKIT_EXPORT GPUKIT_INLINE inline_host_functions& inline_host_functions_of_this_thread();
 
@@ -87,10 +92,15 @@ void run_host_function(F& function) noexcept {
   inline_host_functions& state = inline_host_functions_of_this_thread();
   if (state.running) {
     if constexpr (std::is_move_constructible<F>::value) {
+      // Room first, then the task: whichever allocation fails (std::bad_alloc), `function` has not been moved from.
+      bool room = false;
       try {
-        state.deferred.emplace_back(host_task(std::move(function)));
+        state.deferred.emplace_back();
+        room = true;
+        state.deferred.back() = host_task(std::move(function));
         return;
       } catch (...) {
+        if (room) state.deferred.pop_back();
         // Out of memory for the deferred task: run it nested, as before (it is not lost).
       }
     }
@@ -99,11 +109,16 @@ void run_host_function(F& function) noexcept {
   }
   state.running = true;
   call_reporting_exceptions(function);
-  while (!state.deferred.empty()) {
-    host_task next = std::move(state.deferred.front());
-    state.deferred.pop_front();
-    call_reporting_exceptions(next);
+  while (state.next < state.deferred.size()) {
+    host_task task = std::move(state.deferred[state.next++]);
+    call_reporting_exceptions(task);
+    if (state.next >= 1024 && 2 * state.next >= state.deferred.size()) {  // a long chain: drop what has run
+      state.deferred.erase(state.deferred.begin(), state.deferred.begin() + static_cast<std::ptrdiff_t>(state.next));
+      state.next = 0;
+    }
   }
+  state.deferred.clear();  // keeps its room for the next time
+  state.next = 0;
   state.running = false;
 }
 
