@@ -30,11 +30,13 @@ inline void* heap_allocate(std::size_t bytes) {
 }
 
 /// One run of a scenario whose calls fail at the host allocation `fail_at` counted from the run's start: only the
-/// arming thread's allocations inside armed() count, less those `ignored` says true for (a simulator's own).
+/// arming thread's allocations inside armed() count, less those `ignored` says true for (a simulator's own). With a
+/// `burst` above 1, that many allocations in a row fail from there (a handler's too): a double fault.
 class heap_run {
  public:
-  explicit heap_run(long fail_at, bool (*ignored)() = nullptr) : fail_at_(fail_at) {
+  explicit heap_run(long fail_at, bool (*ignored)() = nullptr, int burst = 1) : fail_at_(fail_at) {
     seen_ = 0;
+    burst_ = burst;
     ignored_.store(ignored, std::memory_order_relaxed);
     heap_fails.store(&counted_failure, std::memory_order_relaxed);
     held_.reserve(64);  // the test's own bookkeeping never allocates while armed
@@ -75,7 +77,7 @@ class heap_run {
     if (bool (*ignored)() = ignored_.load(std::memory_order_relaxed); ignored != nullptr && ignored()) return false;
     ++seen_;
     if (left_ == 0) {
-      left_ = -1;  // one failure per run: what a handler does next may allocate
+      if (--burst_ <= 0) left_ = -1;  // one failure (or burst) per run: what a handler does next may allocate
       return true;
     }
     --left_;
@@ -83,6 +85,7 @@ class heap_run {
   }
   static inline thread_local long left_ = -1;
   static inline thread_local long seen_ = 0;
+  static inline thread_local int burst_ = 1;
   static inline std::atomic<bool (*)()> ignored_{nullptr};
   long fail_at_;
   int failures_ = 0;

@@ -181,6 +181,36 @@ TEST_CASE("sim prefetcher: a release whose event cannot be recorded waits for th
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("sim prefetcher: a consumer wait that cannot be enqueued takes nothing: the next call hands out that batch") {
+  // Handing the batch out before the wait was enqueued lost it on failure: the batch was released unseen and the
+  // next call returned the one after it.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream consumer(d);
+  std::atomic<bool> batch_0_ready{false};
+  std::atomic<bool> go_on{false};
+  gpukit::prefetcher<std::uint32_t> loader(
+      consumer, 200,
+      [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+        // One producer thread: it asks for batch 1 once batch 0's copy and events are enqueued, and makes no CUDA
+        // call until the test lets it go on.
+        if (i == 1) {
+          batch_0_ready = true;
+          while (!go_on) std::this_thread::yield();
+        }
+        return fill(i, out, 3);
+      },
+      two_buffers());
+  while (!batch_0_ready) std::this_thread::yield();
+  cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorUnknown);  // the consumer's wait for batch 0's copy
+  CHECK_THROWS_AS(loader.next(), gpukit::cuda_error);
+  cudasim::clear_faults();
+  go_on = true;
+  CHECK(loader.stats().batches_handed_out == 0);
+  gpukit::pinned_buffer<std::uint32_t> probe(6, d);
+  CHECK(consume_and_check(loader, consumer, probe, 3) == 0);  // batches 0, 1, 2 in order, with their contents
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("sim prefetcher: next() in a capture for a buffer released during it is refused, not a wait forever") {
   // A thread that captures releases batch 0 of another thread's per-thread consumer: its event could go only on the
   // legacy default stream, so the producer records it once the capture ends, before refilling that buffer. Batch 2,

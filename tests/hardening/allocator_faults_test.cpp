@@ -703,10 +703,6 @@ TEST_CASE("fault injection: host memory with a capacity fails at its N-th call, 
   CHECK(oom.surfaced == 0);
 }
 
-namespace {
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-}  // namespace
-
 TEST_CASE(
     "host heap: a snapshot that fails at its N-th host allocation, for every N, leaves no anchor in the history") {
   // memory_picture anchors its levels at the history's last snapshot event: one without a snapshot would shift

@@ -49,6 +49,16 @@ constexpr std::size_t KiB = 1024;
 
 gpukit::pinned_pool make_pool() { return gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu)); }
 
+/// A staging engine with two slots per direction of `chunk` bytes (down to 16 KiB) and one copy thread.
+gpukit::staging_options two_slots(std::size_t chunk) {
+  gpukit::staging_options options;
+  options.chunk_bytes = chunk;
+  options.min_chunk_bytes = 16 * KiB;
+  options.slots = 2;
+  options.threads = 1;
+  return options;
+}
+
 /// The CPU pinned upstream, keeping a list of the blocks out (room reserved by the test), so that the test can free
 /// those the pool takes out of use: it leaks them on purpose (a device may still read them).
 struct tracked_upstream {
@@ -181,11 +191,7 @@ TEST_CASE("heap faults: a pinned pool whose host allocation fails at its N-th, f
 
 TEST_CASE(
     "heap faults: the staging engine's release_idle failing at its N-th host allocation leaves every stream served") {
-  gpukit::staging_options options;
-  options.chunk_bytes = 64 * KiB;
-  options.min_chunk_bytes = 16 * KiB;
-  options.slots = 2;
-  options.threads = 1;
+  const gpukit::staging_options options = two_slots(64 * KiB);
   gpukit::stream streams[3] = {gpukit::stream(cpu), gpukit::stream(cpu), gpukit::stream(cpu)};
   const std::vector<unsigned char> source(100 * KiB, 0x5a);
   long runs = 0;
@@ -235,11 +241,7 @@ TEST_CASE(
     "heap faults: a staging slot that grows while host allocation N fails, for every N, keeps its block or loses "
     "it to the pool, never drops it") {
   const lost_blocks_not_reported lost_blocks;  // the pool keeps a block whose event it could not record out of use
-  gpukit::staging_options options;
-  options.chunk_bytes = 64 * KiB;
-  options.min_chunk_bytes = 16 * KiB;
-  options.slots = 2;
-  options.threads = 1;
+  const gpukit::staging_options options = two_slots(64 * KiB);
   gpukit::stream s(cpu);
   std::vector<unsigned char> small(8 * KiB);
   std::vector<unsigned char> big(100 * KiB);
@@ -276,6 +278,48 @@ TEST_CASE(
     ++runs;
   }
   MESSAGE("staging engine, growing slots: " << runs << " runs, " << failures << " calls threw std::bad_alloc");
+  CHECK(runs > 5);
+  CHECK(failures > 0);
+}
+
+TEST_CASE(
+    "heap faults: staging transfers when host allocations N and N+1 both fail, for every N, keep every block a "
+    "slot or the pool accounts for") {
+  // A double fault: a slot's completion event cannot be recorded (the first failure), then the pool cannot take the
+  // block back (the second). The slot then keeps its block once the stream has been waited for; dropping it left it
+  // allocated in the pool, held by nobody.
+  const lost_blocks_not_reported lost_blocks;  // the pool keeps a block whose event it could not record out of use
+  const gpukit::staging_options options = two_slots(16 * KiB);
+  gpukit::stream s(cpu);
+  std::vector<unsigned char> data(64 * KiB);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 13);
+  long runs = 0;
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    INFO("faults at host allocations " << n << " and " << n + 1);
+    gpukit::pinned_pool pool = make_pool();
+    heap_run run(n, nullptr, 2);
+    {
+      gpukit::staging_engine engine(pool, options);
+      std::vector<unsigned char> device_side(data.size());
+      std::vector<unsigned char> host_side(data.size());
+      engine.to_device(device_side.data(), data.data(), data.size(), s);  // the slots at their size, then faults
+      s.synchronize();
+      run.armed([&] { engine.to_device(device_side.data(), data.data(), data.size(), s); });
+      run.armed([&] { engine.to_host(host_side.data(), data.data(), data.size(), s); });
+      s.synchronize();
+      CHECK(run.unexpected() == "");
+      engine.to_device(device_side.data(), data.data(), data.size(), s);  // the engine goes on
+      engine.to_host(host_side.data(), device_side.data(), data.size(), s);
+      s.synchronize();
+      CHECK(host_side == data);
+    }
+    CHECK(pool.stats().active_blocks == 0);
+    failures += run.failures();
+    if (run.seen() < n) break;
+    ++runs;
+  }
+  MESSAGE("staging engine, double faults: " << runs << " runs, " << failures << " calls threw std::bad_alloc");
   CHECK(runs > 5);
   CHECK(failures > 0);
 }
@@ -328,6 +372,24 @@ TEST_CASE("heap faults: a pooled pinned buffer destroyed with no host memory lef
   CHECK(last_warning::get().substr(0, 56) == "gpukit::pooled_pinned_buffer: returning the block failed");
   CHECK(pool.stats().active_blocks == 0);
   CHECK(pool.stats().lost_blocks == 1);
+}
+
+TEST_CASE("heap faults: a pooled pinned buffer whose block the pool refuses with no host memory left says so") {
+  const warnings_kept kept;
+  gpukit::pinned_pool pool = make_pool();
+  gpukit::pooled_pinned_buffer<int> buffer(256, pool);
+  void* block = buffer.data();
+  {
+    const exhausted_heap exhausted;
+    buffer.reset();  // no stream to wait for: the block would go to the free lists, which have no room for it
+  }
+  CHECK(buffer.data() == nullptr);
+  REQUIRE(last_warning::count == 1);
+  CHECK(last_warning::get().find("the block stays allocated in the pool, unused, until the pool is destroyed") !=
+        std::string::npos);
+  CHECK(pool.is_allocated(block));
+  pool.deallocate(block);  // the test gives it back, so that the pool is destroyed whole
+  CHECK(pool.stats().active_blocks == 0);
 }
 
 TEST_CASE(

@@ -17,8 +17,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-
 /// An allocator over 4 GiB of fake address space with two fake CPU streams and one fake stream of cuda:1. Most
 /// cases test the mechanics with PyTorch's constants (whose boundaries are the familiar ones); the cases named
 /// "gpukit defaults" test what gpukit's defaults add.

@@ -18,7 +18,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
 constexpr std::size_t page = 2 * MiB;
 
 gpukit::allocator_options expandable(gpukit::allocator_options o = {}) {

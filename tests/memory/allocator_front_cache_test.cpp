@@ -27,7 +27,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
 using host_allocator = gpukit::basic_caching_allocator<gpukit::host_upstream>;
 
 gpukit::allocator_options with_front(bool on, gpukit::allocator_options o = {}) {

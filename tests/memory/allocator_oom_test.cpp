@@ -17,8 +17,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-
 /// PyTorch's constants unless given: the retry sequence is easiest to follow without release-before-growth.
 struct fixture {
   explicit fixture(std::size_t capacity, gpukit::allocator_options options = gpukit::allocator_options::pytorch())

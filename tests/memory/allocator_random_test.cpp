@@ -18,8 +18,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-
 // Steps between two full invariant checks (a snapshot of every block): each step in the plain build; every 8th
 // under the sanitizers, which would otherwise spend minutes instrumenting the checker rather than the allocator
 // (the operations are the same, and the final check after everything is freed still runs).

@@ -18,8 +18,6 @@ using namespace gpukit_test;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-
 struct upstream_calls {
   std::int64_t allocs = 0, frees = 0, unforced = 0;
 };

@@ -138,6 +138,9 @@ struct fake_stream_ops {
   std::uint64_t expirations() const noexcept { return world->destructions; }
 };
 
+/// The caching allocator on a simulated address space, its streams and events fake_stream_ops's.
+using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
+
 /// Sums recomputed from a snapshot, per pool (0 all, 1 small, 2 large).
 struct recomputed {
   std::array<std::int64_t, 3> allocation{}, segment{}, active{}, inactive_split{}, allocated_bytes{}, reserved_bytes{},

@@ -31,8 +31,6 @@ using gpukit::memory_action;
 
 namespace {
 
-using fake_allocator = gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops>;
-
 std::size_t count_of(const std::vector<gpukit::memory_event>& events, memory_action a) {
   return static_cast<std::size_t>(
       std::count_if(events.begin(), events.end(), [a](const gpukit::memory_event& e) { return e.action == a; }));

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -469,4 +470,51 @@ TEST_CASE("a moved-from or released batch is empty: no data, size 0, no index, a
   CHECK(moved.size() == 0);
   moved.release();  // twice is harmless
   s.synchronize();
+}
+
+TEST_CASE("misuse: next() from two threads at once is refused for the second, which takes nothing") {
+  // Both would wait for the same batch, and the one that did not get it would wait until the end of the data.
+  gpukit::stream s(cpu);
+  std::mutex m;
+  std::condition_variable cv;
+  int refused = 0;
+  gpukit::prefetcher<std::uint32_t> loader(
+      s, 3000,
+      [&](std::size_t i, gpukit::span<std::uint32_t> out) {
+        if (i == 0) {  // batch 0 is produced only once one of the two calls has been refused
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [&] { return refused > 0; });
+        }
+        return fill(i, out, 3);
+      },
+      gpukit::prefetch_options{2});
+  std::vector<std::size_t> taken;  // the index each call got (batch::no_index: refused)
+  std::vector<std::string> errors;
+  const auto take = [&] {
+    try {
+      auto batch = loader.next();
+      std::lock_guard<std::mutex> lock(m);
+      taken.push_back(batch ? batch->index() : gpukit::prefetcher<std::uint32_t>::batch::no_index);
+    } catch (const gpukit::invalid_argument_error& e) {
+      {
+        std::lock_guard<std::mutex> lock(m);
+        errors.emplace_back(e.what());
+        ++refused;
+      }
+      cv.notify_all();
+    }
+  };
+  std::thread first(take);
+  std::thread second(take);
+  first.join();
+  second.join();
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].find("called while another thread's next() is underway (batch 0)") != std::string::npos);
+  REQUIRE(taken.size() == 1);
+  CHECK(taken[0] == 0);
+  for (std::size_t expected = 1; expected <= 3; ++expected) {  // the refused call took nothing: then 1, 2, the end
+    auto batch = loader.next();
+    CHECK(batch.has_value() == (expected < 3));
+    if (batch) CHECK(batch->index() == expected);
+  }
 }

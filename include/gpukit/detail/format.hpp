@@ -24,6 +24,10 @@ GPUKIT_INLINE std::size_t format_bytes_into(char (&text)[32], std::size_t bytes)
 /// Bytes with the exact count alongside: "1.50 GiB (1610612736 bytes)".
 GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes);
 
+/// format_bytes_exact() written into `text` without allocating; returns the length. 48 characters always suffice
+/// (the longest: "16384.00 PiB (18446744073709551615 bytes)").
+GPUKIT_INLINE std::size_t format_bytes_exact_into(char (&text)[48], std::size_t bytes) noexcept;
+
 }  // namespace detail
 GPUKIT_END_NAMESPACE
 
@@ -54,8 +58,17 @@ GPUKIT_INLINE std::string format_bytes(std::size_t bytes) {
 }
 
 GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes) {
-  if (bytes < 1024) return format_bytes(bytes);
-  return format_bytes(bytes) + " (" + std::to_string(bytes) + " bytes)";
+  char text[48];
+  return std::string(text, format_bytes_exact_into(text, bytes));
+}
+
+GPUKIT_INLINE std::size_t format_bytes_exact_into(char (&text)[48], std::size_t bytes) noexcept {
+  char rounded[32];
+  const std::size_t length = format_bytes_into(rounded, bytes);
+  const int written =
+      bytes < 1024 ? std::snprintf(text, sizeof text, "%.*s", static_cast<int>(length), rounded)
+                   : std::snprintf(text, sizeof text, "%.*s (%zu bytes)", static_cast<int>(length), rounded, bytes);
+  return written < 0 ? 0 : static_cast<std::size_t>(written);
 }
 
 }  // namespace detail

@@ -40,28 +40,26 @@ class warning_part {
                                                 !std::is_same_v<Integer, char>,
                                             int> = 0>
   explicit warning_part(Integer value) noexcept {
-    const int length = std::is_signed_v<Integer>
-                           ? std::snprintf(written_, sizeof written_, "%lld", static_cast<long long>(value))
-                           : std::snprintf(written_, sizeof written_, "%llu", static_cast<unsigned long long>(value));
-    text_ = std::string_view(written_, length < 0 ? 0 : static_cast<std::size_t>(length));
+    keep(std::is_signed_v<Integer>
+             ? std::snprintf(written_, sizeof written_, "%lld", static_cast<long long>(value))
+             : std::snprintf(written_, sizeof written_, "%llu", static_cast<unsigned long long>(value)));
   }
   /// A gpukit::device (anything with is_cuda() and ordinal()), written as device::to_string() writes it: "cpu" or
   /// "cuda:N" (this header cannot include device.hpp, which includes it).
   template <class Device, class = decltype(std::declval<const Device&>().is_cuda()),
             class = decltype(std::declval<const Device&>().ordinal())>
   explicit warning_part(const Device& d) noexcept {
-    const int length = d.is_cuda() ? std::snprintf(written_, sizeof written_, "cuda:%d", static_cast<int>(d.ordinal()))
-                                   : std::snprintf(written_, sizeof written_, "cpu");
-    text_ = std::string_view(written_, length < 0 ? 0 : static_cast<std::size_t>(length));
+    keep(d.is_cuda() ? std::snprintf(written_, sizeof written_, "cuda:%d", static_cast<int>(d.ordinal()))
+                     : std::snprintf(written_, sizeof written_, "cpu"));
   }
   explicit warning_part(bytes_part count) noexcept {
+    if (count.exact) {
+      text_ = std::string_view(written_, format_bytes_exact_into(written_, count.bytes));
+      return;
+    }
     char rounded[32];
     const std::size_t length = format_bytes_into(rounded, count.bytes);
-    const int written = count.exact && count.bytes >= 1024
-                            ? std::snprintf(written_, sizeof written_, "%.*s (%zu bytes)", static_cast<int>(length),
-                                            rounded, count.bytes)
-                            : std::snprintf(written_, sizeof written_, "%.*s", static_cast<int>(length), rounded);
-    text_ = std::string_view(written_, written < 0 ? 0 : static_cast<std::size_t>(written));
+    keep(std::snprintf(written_, sizeof written_, "%.*s", static_cast<int>(length), rounded));
   }
   warning_part(const warning_part&) = delete;
   warning_part& operator=(const warning_part&) = delete;
@@ -69,6 +67,10 @@ class warning_part {
   std::string_view text() const noexcept { return text_; }
 
  private:
+  void keep(int written) noexcept {  // what std::snprintf wrote into written_: the text
+    text_ = std::string_view(written_, written < 0 ? 0 : static_cast<std::size_t>(written));
+  }
+
   char written_[48] = {};  // the longest: "16384.00 PiB (18446744073709551615 bytes)"
   std::string_view text_;
 };

@@ -264,7 +264,7 @@ inline void acquire_peer_access(device from, device to) {
 /// `to`'s memory any more, as for cudaDeviceDisablePeerAccess.
 inline void release_peer_access(device from, device to) noexcept {
   cudaError_t result = cudaSuccess;
-  std::string call;
+  const char* call = "";  // not a std::string: assigned in a handler, where std::bad_alloc would terminate
   {
     auto& registry = mode_independent::peer_access_holders_v2();
     std::lock_guard<std::mutex> lock(registry.mutex);
@@ -295,7 +295,8 @@ inline void release_peer_access(device from, device to) noexcept {
   }
   if (result == cudaSuccess) return;
   try {
-    report_cuda_failure(result, call + "(" + describe_peer_pair(from, to) + ") in ~peer_access", from.ordinal());
+    report_cuda_failure(result, std::string(call) + "(" + describe_peer_pair(from, to) + ") in ~peer_access",
+                        from.ordinal());
   } catch (...) {
   }
 }

@@ -2059,11 +2059,8 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
       if (all_unmapped) {
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
       } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
-        try {
-          detail::warn_parts("gpukit: the caching allocator of ", device_, " keeps an expandable segment of ",
-                             seg->size, " bytes reserved: its pages could not be unmapped");
-        } catch (...) {  // no memory for the message
-        }
+        detail::warn_parts("gpukit: the caching allocator of ", device_, " keeps an expandable segment of ", seg->size,
+                           " bytes reserved: its pages could not be unmapped");
       }
       return;
     }

@@ -31,6 +31,7 @@
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/detail/capture_pools.hpp>
+#include <gpukit/memory/detail/map_node.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
@@ -49,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <string>
@@ -592,28 +594,41 @@ class graph_pool final : public device_allocator {
   }
 
   /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
-  /// A use that fails is reported and dropped, so that it does not fail every later launch.
+  /// Where the event cannot be kept (out of host memory), the host waits for it. A use that fails is reported and
+  /// dropped, so that it does not fail every later launch.
   void record_deferred_uses() noexcept {
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
-        const detail::capture_hold hold(!use.destroyed() && detail::may_use_legacy_stream(use.view));
+        detail::capture_hold hold(!use.destroyed() && detail::may_use_legacy_stream(use.view));
         if (use.destroyed()) {
           use.life->wait_finished();
         } else if (unrecordable_now(use, hold)) {
           ++it;  // still captured: its earlier work is recorded at a later launch
           continue;
-        } else {
+        } else if (const auto found = uses_.find(use.view.id()); found != uses_.end()) {
           event done(device_);
           detail::record_from_any_thread(done, use.view);
-          uses_.insert_or_assign(use.view.id(), std::move(done));
+          found->second = std::move(done);
+        } else {
+          decltype(uses_)::node_type room;  // made before the record: keeping its event then cannot fail
+          try {
+            room = detail::detached_node<decltype(uses_)>(use.view.id(), event(device_));
+          } catch (const std::bad_alloc&) {
+          }
+          if (room) {
+            detail::record_from_any_thread(room.mapped(), use.view);
+            uses_.insert(std::move(room));
+          } else {
+            event done(device_);
+            detail::record_from_any_thread(done, use.view);
+            hold.release();  // a capture may begin while the host waits
+            done.synchronize();
+          }
         }
       } catch (const std::exception& e) {
-        try {
-          detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
-                             e.what(), "); the block may be reused before that work is done");
-        } catch (...) {  // no memory for the message
-        }
+        detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
+                           e.what(), "); the block may be reused before that work is done");
       } catch (...) {
       }
       it = deferred_uses_.erase(it);
@@ -732,10 +747,7 @@ class graph_pool final : public device_allocator {
           backing_->deallocate(reinterpret_cast<void*>(c.address));
         }
       } catch (const std::exception& ex) {
-        try {
-          detail::warn_parts("gpukit::graph_pool: returning ", detail::bytes_part{c.size}, " failed: ", ex.what());
-        } catch (...) {  // no memory for the message
-        }
+        detail::warn_parts("gpukit::graph_pool: returning ", detail::bytes_part{c.size}, " failed: ", ex.what());
       }
     }
   }
@@ -800,13 +812,10 @@ class graph_pool final : public device_allocator {
   }
 
   /// Reports a failure of the release through gpukit::warn, except a teardown's (torn_down_by: nothing is left to
-  /// release then); never throws (no memory for the message: not reported).
+  /// release then); never throws.
   static void report(const char* what, const std::exception& ex) noexcept {
     if (torn_down_by(ex)) return;
-    try {
-      detail::warn_parts("gpukit::graph_pool: ", what, ex.what());
-    } catch (...) {
-    }
+    detail::warn_parts("gpukit::graph_pool: ", what, ex.what());
   }
 
   [[noreturn]] void throw_not_owned(const void* p) const {

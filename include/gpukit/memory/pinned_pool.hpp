@@ -514,9 +514,10 @@ class pooled_pinned_buffer {
       try {
         pool_->deallocate_after_captures(data_);  // a destructor: waits for a capture instead of failing
       } catch (const std::exception& e) {
-        detail::warn_parts("gpukit::pooled_pinned_buffer: returning the block failed: ", e.what());
+        detail::warn_parts("gpukit::pooled_pinned_buffer: returning the block failed: ", e.what(), fate_of_refused());
       } catch (...) {
-        warn("gpukit::pooled_pinned_buffer: returning the block failed: an unknown exception");
+        detail::warn_parts("gpukit::pooled_pinned_buffer: returning the block failed: an unknown exception",
+                           fate_of_refused());
       }
     }
     data_ = nullptr;
@@ -556,6 +557,15 @@ class pooled_pinned_buffer {
   pool_type* pool() const noexcept { return pool_; }
 
  private:
+  // After a failed return: what a refused block (the pool counts it allocated still) becomes, for the warning.
+  const char* fate_of_refused() const noexcept {
+    bool allocated = false;
+    try {
+      allocated = pool_->is_allocated(data_);
+    } catch (...) {
+    }
+    return allocated ? "; the block stays allocated in the pool, unused, until the pool is destroyed" : "";
+  }
   pool_type* pool_ = nullptr;
   T* data_ = nullptr;
   std::size_t size_ = 0;

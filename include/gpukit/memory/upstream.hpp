@@ -673,15 +673,9 @@ GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* wha
     report_cuda_failure(waited, std::string("cudaDeviceSynchronize (before ") + what + ")", d.ordinal());
   } catch (const error& e) {
     if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
-    try {
-      warn_parts("gpukit: could not wait for ", d, " before ", what, ": ", e.what());
-    } catch (...) {  // no memory for the message
-    }
+    warn_parts("gpukit: could not wait for ", d, " before ", what, ": ", e.what());
   } catch (const std::exception& e) {
-    try {
-      warn_parts("gpukit: could not wait for the device before ", what, ": ", e.what());
-    } catch (...) {  // no memory for the message
-    }
+    warn_parts("gpukit: could not wait for the device before ", what, ": ", e.what());
   }
   return release_wait::failed;
 }
@@ -1049,10 +1043,7 @@ GPUKIT_INLINE void device_upstream::unreserve(void* address, std::size_t bytes) 
 }
 
 GPUKIT_INLINE void device_upstream::warn_no_virtual_memory(const char* call) noexcept {
-  try {
-    detail::warn_parts("gpukit::device_upstream::", call, ": the CPU device has no virtual memory (nothing done)");
-  } catch (...) {  // no memory for the message
-  }
+  detail::warn_parts("gpukit::device_upstream::", call, ": the CPU device has no virtual memory (nothing done)");
 }
 
 GPUKIT_END_NAMESPACE

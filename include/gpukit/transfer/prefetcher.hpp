@@ -178,6 +178,7 @@ class prefetcher {
     std::size_t end = no_end;    // the first index that is not a batch (the producer returned 0 or failed)
     std::exception_ptr failure;  // why batch `end` failed, if it did
     std::size_t held = 0;
+    bool taking = false;  // a next() is waiting for its batch or enqueueing the wait for its copy
     bool stopping = false;
     std::vector<std::thread::id> producer_ids;  // filled by the threads before they call the producer
     prefetch_stats stats;
@@ -330,6 +331,9 @@ class prefetcher {
   /// invalid_argument_error, taking nothing, inside this thread's gpukit::capture when the batch's buffer was
   /// released during a capture and is not refilled yet: it is refilled only once the captures end, so the wait would
   /// never end (a capture in another thread that waits for this one cannot be seen: do not take batches there).
+  /// Batches go to one consumer at a time: a call while another thread's is underway throws invalid_argument_error,
+  /// taking nothing. If the consumer's wait for the copy cannot be enqueued (a CUDA error, thrown as cuda_error),
+  /// nothing is taken either: the next call hands out the same batch.
   std::optional<batch> next() {
     state& st = *state_;
     if (detail::capture_status(st.consumer) != cudaStreamCaptureStatusNone) {
@@ -344,6 +348,12 @@ class prefetcher {
           "gpukit::prefetcher::next: called from the producer callback, on one of the prefetcher's own threads; it "
           "would wait forever for the batch being produced (batch " +
           std::to_string(st.next_to_hand) + ")");
+    }
+    if (st.taking) {
+      // Both calls would wait for the same index, and the one that does not get it would wait until the end.
+      throw invalid_argument_error(
+          "gpukit::prefetcher::next: called while another thread's next() is underway (batch " +
+          std::to_string(st.next_to_hand) + "); batches go to one consumer at a time, in index order");
     }
     const std::size_t index = st.next_to_hand;
     const std::size_t depth = st.slots.size();
@@ -364,14 +374,34 @@ class prefetcher {
                                    "capture");
     }
     if (!arrived()) {
+      st.taking = true;  // until the wait ends: no lock is held meanwhile
       const auto start = clock::now();
       st.cv.wait(lock, arrived);
       st.stats.consumer_wait += clock::now() - start;
+      st.taking = false;
     }
     if (!(sl.ready && sl.index == index)) {
       if (st.failure) std::rethrow_exception(st.failure);
       return std::nullopt;
     }
+    // The batch stays ready (the producer leaves a ready buffer alone) until the consumer's wait for its copy is
+    // enqueued: if that fails, the next call hands out the same batch instead of skipping it.
+    st.taking = true;
+    lock.unlock();
+    try {
+      const detail::capture_hold hold(detail::may_use_legacy_stream(st.consumer));  // until the wait is enqueued
+      if (hold.refuses(st.consumer)) {
+        sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
+      } else {
+        detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
+      }
+    } catch (...) {
+      lock.lock();
+      st.taking = false;
+      throw;
+    }
+    lock.lock();
+    st.taking = false;
     sl.ready = false;
     sl.held = true;
     ++st.held;
@@ -379,12 +409,6 @@ class prefetcher {
     ++st.stats.batches_handed_out;
     lock.unlock();
     batch b(state_, &sl);
-    const detail::capture_hold hold(detail::may_use_legacy_stream(st.consumer));  // until the wait is enqueued
-    if (hold.refuses(st.consumer)) {
-      sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
-    } else {
-      detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
-    }
     return std::optional<batch>(std::move(b));
   }
 

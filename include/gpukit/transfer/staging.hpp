@@ -317,8 +317,9 @@ class basic_staging_engine {
   // the stream is held.
   static void poll_until_ready(const event& e);
 
-  // Gives the slot's block back to the pool, with an event on `*s` unless it is null; the slot is empty afterwards.
-  // If the pool throws, the slot keeps the block when the pool refused it and is empty when the pool lost it.
+  // Gives the slot's block (if any) back to the pool, with an event on `*s` unless it is null; the slot is empty
+  // afterwards. If the pool throws, the slot keeps the block when the pool refused it and is empty when the pool
+  // lost it.
   void give_slot_block_back(slot& sl, const stream_view* s);
 
   // A slot whose previous use has completed: replace its block with a bigger one if needed. The old block goes first,
@@ -335,7 +336,8 @@ class basic_staging_engine {
 
   // Takes a slot whose block may be in use by work its event does not capture out of the ring: the block goes back
   // to the pool with an event recorded now on `s`, which does capture it; if even that fails, the pool keeps the
-  // block out of use for good. The slot is empty afterwards and gets a new block when next used.
+  // block out of use for good. The slot is empty afterwards and gets a new block when next used. If the pool refuses
+  // the block (out of host memory), the slot keeps it once `s` has been waited for on the host.
   void abandon_slot(slot& sl, stream_view s) noexcept;
 
   // hand_over, with the upload lane locked and the background idle: gives every upload slot at least `bytes` (the
@@ -347,8 +349,12 @@ class basic_staging_engine {
 
   // Gives the blocks the background thread orphaned back to the pool, each with an event on the side stream (which
   // captures the copy that may still read it; if recording fails, the pool keeps the block out of use for good). For a
-  // caller holding the upload lane while the background is idle.
+  // caller holding the upload lane while the background is idle. Blocks the pool refuses (out of host memory) stay
+  // orphans, for the next call.
   void dispose_orphans(ring& r) noexcept;
+
+  // The pool still counts `p` allocated (it refused to take it back, rather than losing it); false if it cannot say.
+  bool still_allocated(const void* p) noexcept;
 
   bool background_idle(ring& r);
 

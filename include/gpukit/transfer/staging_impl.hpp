@@ -273,9 +273,10 @@ GPUKIT_INLINE bool basic_staging_engine<Copier>::try_retire_locked(ring& r) {
       }
     }
     dispose_orphans(r);
+    if (!r.orphans.empty()) return false;  // the pool refused some (out of host memory): the ring keeps them
     for (lane* ln : {&r.up, &r.down}) {
       for (auto& sl : ln->slots) {
-        if (sl.ptr != nullptr) give_slot_block_back(sl, nullptr);
+        give_slot_block_back(sl, nullptr);
       }
     }
     r.side.reset();
@@ -335,6 +336,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::poll_until_ready(const event& e
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::give_slot_block_back(slot& sl, const stream_view* s) {
+  if (sl.ptr == nullptr) return;
   try {
     if (s != nullptr) {
       pool_->deallocate(sl.ptr, *s);
@@ -352,7 +354,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::give_slot_block_back(slot& sl, 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::size_t bytes) {
   if (sl.capacity >= bytes) return;
-  if (sl.ptr != nullptr) give_slot_block_back(sl, nullptr);
+  give_slot_block_back(sl, nullptr);
   sl.ptr = pool_->allocate(bytes);
   sl.capacity = bytes;
 }
@@ -360,7 +362,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::s
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::grow_slot_stream_ordered(slot& sl, std::size_t bytes, stream_view s) {
   if (sl.capacity >= bytes) return;
-  if (sl.ptr != nullptr) give_slot_block_back(sl, sl.used ? &s : nullptr);
+  give_slot_block_back(sl, sl.used ? &s : nullptr);
   sl.ptr = pool_->allocate(bytes);
   sl.capacity = bytes;
 }
@@ -378,14 +380,32 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::record_done(slot& sl, stream_vi
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_view s) noexcept {
-  void* p = sl.ptr;
-  sl.forget_block();
-  if (p == nullptr) return;
+  if (sl.ptr == nullptr) return;
   try {
-    pool_->deallocate(p, s);
+    pool_->deallocate(sl.ptr, s);
+    sl.forget_block();
+    return;
   } catch (...) {
-    // The pool marks the block lost when it cannot record its event.
   }
+  if (!still_allocated(sl.ptr)) {  // lost: the pool keeps it out of use
+    sl.forget_block();
+    return;
+  }
+  // Refused (out of host memory): the block is still the slot's. Once `s` has finished with it, it is idle.
+  try {
+    s.synchronize();
+    sl.used = false;
+    return;
+  } catch (const std::exception& e) {
+    detail::warn_parts("gpukit::staging_engine: a staging block of ", detail::bytes_part{sl.capacity, false},
+                       " could be neither given back to the pinned pool nor waited for (", e.what(),
+                       "); it stays allocated, unused, until the pool is destroyed");
+  } catch (...) {
+    warn(
+        "gpukit::staging_engine: a staging block could be neither given back to the pinned pool nor waited for; it "
+        "stays allocated, unused, until the pool is destroyed");
+  }
+  sl.forget_block();
 }
 
 template <class Copier>
@@ -404,14 +424,25 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_upload_slots(ring& r, stre
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::dispose_orphans(ring& r) noexcept {
+  std::size_t kept = 0;  // blocks the pool refused (out of host memory): given back at a later call
   for (void* p : r.orphans) {
     try {
       pool_->deallocate(p, r.side->view());
+      continue;
     } catch (...) {
-      // The pool marks the block lost when it cannot record its event.
     }
+    if (still_allocated(p)) r.orphans[kept++] = p;  // else lost: the pool keeps it out of use
   }
-  r.orphans.clear();
+  r.orphans.resize(kept);
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::still_allocated(const void* p) noexcept {
+  try {
+    return pool_->is_allocated(p);
+  } catch (...) {
+    return false;  // the pool's lock failed: nothing more can be done with the block
+  }
 }
 
 template <class Copier>
