@@ -31,7 +31,8 @@ inline void* heap_allocate(std::size_t bytes) {
 
 /// One run of a scenario whose calls fail at the host allocation `fail_at` counted from the run's start: only the
 /// arming thread's allocations inside armed() count, less those `ignored` says true for (a simulator's own). With a
-/// `burst` above 1, that many allocations in a row fail from there (a handler's too): a double fault.
+/// `burst` above 1, that many allocations in a row fail from there (a handler's too): a double fault. A burst ends
+/// with the armed() call whose std::bad_alloc it raised; it never carries over into the next armed() call.
 class heap_run {
  public:
   explicit heap_run(long fail_at, bool (*ignored)() = nullptr, int burst = 1) : fail_at_(fail_at) {

@@ -1026,7 +1026,7 @@ CUresult CUDAAPI sim_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemAddressFree"];
+  if (CUresult fault = due_driver_fault(s, "cuMemAddressFree"); fault != CUDA_SUCCESS) return fault;  // counts it
   const auto it = s.regions.find(static_cast<std::uintptr_t>(ptr));
   if (it == s.regions.end() || !it->second.virtual_range || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
   const auto mapped = s.vmm_pages.lower_bound(static_cast<std::uintptr_t>(ptr));

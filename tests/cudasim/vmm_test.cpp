@@ -363,3 +363,22 @@ TEST_CASE("vmm: a range whose leftover page still cannot be unmapped stays reser
   CHECK(cudasim::device_memory_used(0) == used_before + 2 * MiB);  // leaked, and said so
   CHECK(cudasim::take_violations().empty());
 }
+
+TEST_CASE("vmm: a range cuMemAddressFree refuses is reported, and the allocator reserves anew") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  a.deallocate(a.allocate(2 * MiB, s));
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cuMemAddressFree", 1, cudaErrorUnknown);
+  a.empty_cache();  // the pages go back; the address range cannot
+  CHECK(warnings.contains("cuMemAddressFree failed (CUresult "));
+  CHECK(a.memory_reserved() == 0);  // no memory: only address space is kept
+  CHECK(cudasim::calls("cuMemUnmap") >= 1);
+  const std::size_t reserves = cudasim::calls("cuMemAddressReserve");
+  void* p = a.allocate(2 * MiB, s);  // a new range: the refused one is not the allocator's any more
+  CHECK(cudasim::calls("cuMemAddressReserve") == reserves + 1);
+  a.deallocate(p);
+  a.empty_cache();
+  CHECK(cudasim::take_violations().empty());
+}

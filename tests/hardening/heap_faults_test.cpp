@@ -324,6 +324,70 @@ TEST_CASE(
   CHECK(failures > 0);
 }
 
+TEST_CASE(
+    "heap faults: a staging block refused after a failed record on a held stream is reported after the patience, "
+    "not waited for") {
+  // to_device never waits for its stream longer than the patience: the stream may wait for this very thread.
+  const lost_blocks_not_reported lost_blocks;  // a block the pool refused stays allocated in it, reported
+  gpukit::staging_options options = two_slots(16 * KiB);
+  options.patience = std::chrono::milliseconds(5);
+  std::vector<unsigned char> data(32 * KiB, 0x3c);  // two chunks: one per slot, no slot waited for
+  long runs = 0;
+  int reported = 0;
+  for (long n = 1;; ++n) {
+    INFO("faults at host allocations " << n << " and " << n + 1);
+    gpukit::pinned_pool pool = make_pool();
+    gpukit::stream s(cpu);
+    heap_run run(n, nullptr, 2);
+    bool was_reported = false;
+    {
+      gpukit::staging_engine engine(pool, options);
+      std::vector<unsigned char> device_side(data.size());
+      gpukit_test::gate held;
+      held.hold(s);
+      const warnings_kept kept;
+      // A watchdog opens the gate if to_device waits for the held stream (then the check fails).
+      CHECK_FALSE(held.opened_to_return(
+          [&] { run.armed([&] { engine.to_device(device_side.data(), data.data(), data.size(), s); }); },
+          std::chrono::seconds(30)));
+      was_reported = last_warning::count > 0 && last_warning::get().find(
+                                                    "nor waited for (its stream did not finish "
+                                                    "within the patience)") != std::string::npos;
+      held.open();
+      s.synchronize();
+      CHECK(run.unexpected() == "");
+    }
+    CHECK(pool.stats().active_blocks == (was_reported ? 1U : 0U));  // only the reported block stays allocated
+    reported += was_reported ? 1 : 0;
+    if (run.seen() < n) break;
+    ++runs;
+  }
+  MESSAGE("staging engine, double faults on a held stream: " << runs << " runs, " << reported << " reported");
+  CHECK(reported >= 1);
+}
+
+TEST_CASE("heap faults: a staging engine destroyed with no host memory left reports the blocks the pool refused") {
+  const lost_blocks_not_reported lost_blocks;  // the refused blocks stay allocated in the pool, reported
+  gpukit::pinned_pool pool = make_pool();
+  gpukit::stream s(cpu);
+  auto engine = std::make_unique<gpukit::staging_engine>(pool, two_slots(16 * KiB));
+  std::vector<unsigned char> data(32 * KiB, 0x5a);
+  std::vector<unsigned char> device_side(data.size());
+  engine->to_device(device_side.data(), data.data(), data.size(), s);
+  s.synchronize();
+  const std::size_t blocks = pool.stats().active_blocks;
+  REQUIRE(blocks >= 2);  // both upload slots hold one
+  const warnings_kept kept;
+  {
+    const exhausted_heap exhausted;
+    engine.reset();  // each slot's block would go to the free lists, which have no room for it
+  }
+  CHECK(last_warning::count == static_cast<int>(blocks));  // one warning per block, and no other
+  CHECK(last_warning::get().find("destroyed with a staging block the pinned pool refused to take back") !=
+        std::string::npos);
+  CHECK(pool.stats().active_blocks == blocks);  // each refused, none dropped
+}
+
 TEST_CASE("heap faults: a warning built with no host memory left is delivered, cut short on the stack") {
   const warnings_kept kept;
   const std::string long_part(700, 'x');

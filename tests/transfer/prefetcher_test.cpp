@@ -483,7 +483,9 @@ TEST_CASE("misuse: next() from two threads at once is refused for the second, wh
       [&](std::size_t i, gpukit::span<std::uint32_t> out) {
         if (i == 0) {  // batch 0 is produced only once one of the two calls has been refused
           std::unique_lock<std::mutex> lock(m);
-          cv.wait(lock, [&] { return refused > 0; });
+          // A watchdog, not a measurement: without the refusal both calls would wait for ever, and the checks below
+          // fail instead.
+          cv.wait_for(lock, 30s, [&] { return refused > 0; });
         }
         return fill(i, out, 3);
       },

@@ -258,7 +258,7 @@ class graph_pool final : public device_allocator {
     if (!has_uses_.load(std::memory_order_acquire)) return;
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    record_deferred_uses();
+    record_deferred_uses(&s);
     const std::uint64_t id = s.id();
     for (auto it = uses_.begin(); it != uses_.end();) {
       if (detail::cuda_backend::query_event(it->second.cuda_handle()) == cudaSuccess) {
@@ -594,9 +594,10 @@ class graph_pool final : public device_allocator {
   }
 
   /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
-  /// Where the event cannot be kept (out of host memory), the host waits for it. A use that fails is reported and
-  /// dropped, so that it does not fail every later launch.
-  void record_deferred_uses() noexcept {
+  /// Where the event cannot be kept (out of host memory), `wait_on` (the launch's stream, or the release's) waits for
+  /// it on the device at once and the use stays deferred; without `wait_on`, or when that wait fails, the host waits.
+  /// A use that fails is reported and dropped, so that it does not fail every later launch.
+  void record_deferred_uses(const stream_view* wait_on) noexcept {
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
@@ -620,8 +621,22 @@ class graph_pool final : public device_allocator {
             detail::record_from_any_thread(room.mapped(), use.view);
             uses_.insert(std::move(room));
           } else {
+            // No room to keep the event: `wait_on` waits for it now, and the use stays deferred, recorded again at
+            // each launch until there is room (later launches must wait for it too).
             event done(device_);
             detail::record_from_any_thread(done, use.view);
+            if (wait_on != nullptr) {
+              bool waited = true;
+              try {
+                if (wait_on->id() != use.view.id()) done.wait(*wait_on);  // its own work is ordered by the stream
+              } catch (const std::exception&) {
+                waited = false;
+              }
+              if (waited) {
+                ++it;
+                continue;
+              }
+            }
             hold.release();  // a capture may begin while the host waits
             done.synchronize();
           }
@@ -706,9 +721,6 @@ class graph_pool final : public device_allocator {
         registry.live_count.fetch_sub(1, std::memory_order_relaxed);
       }
     }
-    // Uses still deferred cannot be ordered now: their stream is captured (its work belongs to that capture) or the
-    // legacy default stream during a gpukit capture.
-    record_deferred_uses();
     if (unordered_launch_) {  // a launch that neither took its event nor could be waited for may still run
       report_kept_reserve();  // the reserve cannot go back
       for (auto& [id, e] : launches_) {
@@ -721,6 +733,14 @@ class graph_pool final : public device_allocator {
     }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);
+    // Uses still deferred after this cannot be ordered now: their stream is captured (its work belongs to that
+    // capture) or the legacy default stream during a gpukit capture.
+    if (order) {
+      const stream_view order_view = order->view();
+      record_deferred_uses(&order_view);
+    } else if (!torn_down) {
+      record_deferred_uses(nullptr);
+    }
     for (auto& [id, e] : launches_) {
       (void)id;
       if (torn_down) break;
@@ -755,7 +775,7 @@ class graph_pool final : public device_allocator {
   /// The private stream the release orders the reserve's return by: none when there is nothing to wait for, or when
   /// it cannot be created (reported; the host waits then). `torn_down` is set when the runtime is gone (process exit).
   std::optional<stream> release_order_stream(bool& torn_down) noexcept {
-    if (launches_.empty() && uses_.empty()) return std::nullopt;
+    if (launches_.empty() && uses_.empty() && deferred_uses_.empty()) return std::nullopt;
     try {
       return std::optional<stream>(std::in_place, device_);  // non-blocking: not ordered with the legacy stream
     } catch (const std::exception& ex) {

@@ -52,6 +52,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/detail/cpu_backend.hpp>
 #include <gpukit/stream/detail/cuda_backend.hpp>
 #include <gpukit/stream/event.hpp>
@@ -310,8 +311,16 @@ class basic_staging_engine {
 
   void drain_and_free_locked(ring& r) noexcept;
 
+  // At the engine's destruction: gives back block `p`, whose work is done if `idle`; one the pool refuses (or one
+  // not `idle`) stays allocated in the pool, reported.
+  void give_back_at_teardown(void* p, bool idle) noexcept;
+
   // Polls `e` until it completes or the deadline passes. Spins briefly (a DMA of a chunk takes ~150 µs), then sleeps.
   static bool wait_until(const event& e, std::chrono::steady_clock::time_point deadline);
+  // The same for all of `s`'s work so far.
+  static bool wait_until_idle(stream_view s, std::chrono::steady_clock::time_point deadline);
+  template <class Ready>
+  static bool poll_until(Ready&& ready, std::chrono::steady_clock::time_point deadline);
 
   // The background thread's wait: polling with sleeps, since a CUDA event's synchronize spins a core for as long as
   // the stream is held.
@@ -337,7 +346,8 @@ class basic_staging_engine {
   // Takes a slot whose block may be in use by work its event does not capture out of the ring: the block goes back
   // to the pool with an event recorded now on `s`, which does capture it; if even that fails, the pool keeps the
   // block out of use for good. The slot is empty afterwards and gets a new block when next used. If the pool refuses
-  // the block (out of host memory), the slot keeps it once `s` has been waited for on the host.
+  // the block (out of host memory), the slot keeps it if `s` finishes within the patience (polled; a captured stream
+  // is not waited for); otherwise the block stays allocated in the pool, reported.
   void abandon_slot(slot& sl, stream_view s) noexcept;
 
   // hand_over, with the upload lane locked and the background idle: gives every upload slot at least `bytes` (the

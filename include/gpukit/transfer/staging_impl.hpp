@@ -290,30 +290,74 @@ GPUKIT_INLINE bool basic_staging_engine<Copier>::try_retire_locked(ring& r) {
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::drain_and_free_locked(ring& r) noexcept {
   dispose_orphans(r);
+  if (!r.orphans.empty()) {
+    // Refused by the pool (out of host memory): once the side stream's copies from them are done, they go back
+    // without an event.
+    bool copies_done = false;
+    try {
+      if (r.side) r.side->synchronize();
+      copies_done = true;
+    } catch (const error& e) {
+      copies_done = detail::is_teardown_result(e.cuda_result());
+    } catch (...) {
+    }
+    for (void* p : r.orphans) give_back_at_teardown(p, copies_done);
+    r.orphans.clear();
+  }
   for (lane* ln : {&r.up, &r.down}) {
     for (auto& sl : ln->slots) {
+      bool idle = true;
       try {
         if (sl.used) sl.done.synchronize();
+      } catch (const error& e) {
+        idle = detail::is_teardown_result(e.cuda_result());  // at process exit the device's work went with it
       } catch (...) {
+        idle = false;
       }
-      try {
-        if (sl.ptr != nullptr) pool_->deallocate(sl.ptr);
-      } catch (...) {
-      }
-      sl.ptr = nullptr;
-      sl.capacity = 0;
+      if (sl.ptr != nullptr) give_back_at_teardown(sl.ptr, idle);
+      sl.forget_block();
     }
   }
   r.side.reset();
 }
 
 template <class Copier>
+GPUKIT_INLINE void basic_staging_engine<Copier>::give_back_at_teardown(void* p, bool idle) noexcept {
+  if (idle) {
+    try {
+      pool_->deallocate(p);
+      return;
+    } catch (...) {
+    }
+  }
+  if (still_allocated(p)) {
+    warn(idle ? "gpukit::staging_engine: destroyed with a staging block the pinned pool refused to take back (out of "
+                "host memory); it stays allocated, unused, until the pool is destroyed"
+              : "gpukit::staging_engine: destroyed with a staging block whose copies could not be waited for; it "
+                "stays allocated, unused, until the pool is destroyed");
+  }
+}
+
+template <class Copier>
 GPUKIT_INLINE bool basic_staging_engine<Copier>::wait_until(const event& e,
                                                             std::chrono::steady_clock::time_point deadline) {
+  return poll_until([&] { return e.ready(); }, deadline);
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::wait_until_idle(stream_view s,
+                                                                 std::chrono::steady_clock::time_point deadline) {
+  return poll_until([&] { return s.ready(); }, deadline);
+}
+
+template <class Copier>
+template <class Ready>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::poll_until(Ready&& ready,
+                                                            std::chrono::steady_clock::time_point deadline) {
   for (int spin = 0;; ++spin) {
-    if (e.ready()) return true;
+    if (ready()) return true;
     const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) return e.ready();
+    if (now >= deadline) return ready();
     if (spin < 64) {
       std::this_thread::yield();
     } else {
@@ -345,7 +389,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::give_slot_block_back(slot& sl, 
     }
   } catch (...) {
     // Refused, the block is still the slot's; lost (no event could be recorded), it is gone.
-    if (!pool_->is_allocated(sl.ptr)) sl.forget_block();
+    if (!still_allocated(sl.ptr)) sl.forget_block();
     throw;
   }
   sl.forget_block();
@@ -391,19 +435,26 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_v
     sl.forget_block();
     return;
   }
-  // Refused (out of host memory): the block is still the slot's. Once `s` has finished with it, it is idle.
-  try {
-    s.synchronize();
-    sl.used = false;
-    return;
-  } catch (const std::exception& e) {
+  // Refused (out of host memory): the block is still the slot's, idle once `s` has finished with it. That is polled
+  // for at most the patience (the stream may wait for this very thread), never on a captured stream.
+  const auto report = [&](const char* why) noexcept {
     detail::warn_parts("gpukit::staging_engine: a staging block of ", detail::bytes_part{sl.capacity, false},
-                       " could be neither given back to the pinned pool nor waited for (", e.what(),
+                       " could be neither given back to the pinned pool (out of host memory) nor waited for (", why,
                        "); it stays allocated, unused, until the pool is destroyed");
+  };
+  try {
+    if (detail::capture_status(s) != cudaStreamCaptureStatusNone) {
+      report("its stream is being captured");
+    } else if (wait_until_idle(s, std::chrono::steady_clock::now() + options_.patience)) {
+      sl.used = false;
+      return;
+    } else {
+      report("its stream did not finish within the patience");
+    }
+  } catch (const std::exception& e) {  // reported inside the handler: e.what() dies with it
+    report(e.what());
   } catch (...) {
-    warn(
-        "gpukit::staging_engine: a staging block could be neither given back to the pinned pool nor waited for; it "
-        "stays allocated, unused, until the pool is destroyed");
+    report("an unknown exception");
   }
   sl.forget_block();
 }
