@@ -216,11 +216,8 @@ inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, 
 inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>& failure, device from, device to,
                                        const char* what) noexcept {
   if (failure.first == cudaSuccess || is_teardown_result(failure.first)) return;
-  try {
-    warn_parts("gpukit::peer_access(", from, " -> ", to, "): ", failure.second, " failed (",
-               cudaGetErrorName(failure.first), ") ", what);
-  } catch (...) {
-  }
+  warn_parts("gpukit::peer_access(", from, " -> ", to, "): ", failure.second, " failed (",
+             cudaGetErrorName(failure.first), ") ", what);
 }
 
 /// Takes one hold on from -> to, enabling it if it is the first: peer access (cudaDeviceEnablePeerAccess, whose

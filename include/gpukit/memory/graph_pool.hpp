@@ -818,11 +818,8 @@ class graph_pool final : public device_allocator {
 
   /// Reports a reserve kept for good (some launch of the pool's graphs could not be ordered); never throws.
   void report_kept_reserve() const noexcept {
-    try {
-      detail::warn_parts("gpukit::graph_pool: keeps its reserve of ", detail::bytes_part{reserved_}, " on ", device_,
-                         ": a launch of its graphs could not be waited for");
-    } catch (...) {
-    }
+    detail::warn_parts("gpukit::graph_pool: keeps its reserve of ", detail::bytes_part{reserved_}, " on ", device_,
+                       ": a launch of its graphs could not be waited for");
   }
 
   /// True for the error of a runtime torn down at process exit (detail::is_teardown_result).

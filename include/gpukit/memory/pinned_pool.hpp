@@ -263,8 +263,8 @@ class basic_pinned_pool {
 
   /// Whether `p` is a block this pool handed out and has not taken back: false once it is deallocated or lost. After
   /// a deallocate that threw, it tells the caller whether the block is still theirs (a refused deallocate) or gone
-  /// (an event that could not be recorded).
-  [[nodiscard]] bool is_allocated(const void* p);
+  /// (an event that could not be recorded). Never throws: false if the pool's lock cannot be taken.
+  [[nodiscard]] bool is_allocated(const void* p) noexcept;
 
   /// Changes the cap; blocks above it are released now (free ones) or when their events complete (pending ones). If
   /// polling a pending block's event throws, the new cap is in force and applied to the free blocks all the same,
@@ -559,12 +559,8 @@ class pooled_pinned_buffer {
  private:
   // After a failed return: what a refused block (the pool counts it allocated still) becomes, for the warning.
   const char* fate_of_refused() const noexcept {
-    bool allocated = false;
-    try {
-      allocated = pool_->is_allocated(data_);
-    } catch (...) {
-    }
-    return allocated ? "; the block stays allocated in the pool, unused, until the pool is destroyed" : "";
+    return pool_->is_allocated(data_) ? "; the block stays allocated in the pool, unused, until the pool is destroyed"
+                                      : "";
   }
   pool_type* pool_ = nullptr;
   T* data_ = nullptr;

@@ -244,10 +244,14 @@ GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::block_size(const vo
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::is_allocated(const void* p) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto it = blocks_.find(const_cast<void*>(p));
-  return it != blocks_.end() && it->second.state == block_state::active;
+GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::is_allocated(const void* p) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = blocks_.find(const_cast<void*>(p));
+    return it != blocks_.end() && it->second.state == block_state::active;
+  } catch (...) {
+    return false;  // the lock failed: nothing more can be done with the block
+  }
 }
 
 template <class Upstream, class Sync>

@@ -317,8 +317,7 @@ class basic_staging_engine {
 
   // Polls `e` until it completes or the deadline passes. Spins briefly (a DMA of a chunk takes ~150 µs), then sleeps.
   static bool wait_until(const event& e, std::chrono::steady_clock::time_point deadline);
-  // The same for all of `s`'s work so far.
-  static bool wait_until_idle(stream_view s, std::chrono::steady_clock::time_point deadline);
+  // Polls `ready()` the same way.
   template <class Ready>
   static bool poll_until(Ready&& ready, std::chrono::steady_clock::time_point deadline);
 
@@ -362,9 +361,6 @@ class basic_staging_engine {
   // caller holding the upload lane while the background is idle. Blocks the pool refuses (out of host memory) stay
   // orphans, for the next call.
   void dispose_orphans(ring& r) noexcept;
-
-  // The pool still counts `p` allocated (it refused to take it back, rather than losing it); false if it cannot say.
-  bool still_allocated(const void* p) noexcept;
 
   bool background_idle(ring& r);
 

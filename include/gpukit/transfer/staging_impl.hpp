@@ -330,7 +330,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::give_back_at_teardown(void* p, 
     } catch (...) {
     }
   }
-  if (still_allocated(p)) {
+  if (pool_->is_allocated(p)) {
     warn(idle ? "gpukit::staging_engine: destroyed with a staging block the pinned pool refused to take back (out of "
                 "host memory); it stays allocated, unused, until the pool is destroyed"
               : "gpukit::staging_engine: destroyed with a staging block whose copies could not be waited for; it "
@@ -342,12 +342,6 @@ template <class Copier>
 GPUKIT_INLINE bool basic_staging_engine<Copier>::wait_until(const event& e,
                                                             std::chrono::steady_clock::time_point deadline) {
   return poll_until([&] { return e.ready(); }, deadline);
-}
-
-template <class Copier>
-GPUKIT_INLINE bool basic_staging_engine<Copier>::wait_until_idle(stream_view s,
-                                                                 std::chrono::steady_clock::time_point deadline) {
-  return poll_until([&] { return s.ready(); }, deadline);
 }
 
 template <class Copier>
@@ -389,7 +383,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::give_slot_block_back(slot& sl, 
     }
   } catch (...) {
     // Refused, the block is still the slot's; lost (no event could be recorded), it is gone.
-    if (!still_allocated(sl.ptr)) sl.forget_block();
+    if (!pool_->is_allocated(sl.ptr)) sl.forget_block();
     throw;
   }
   sl.forget_block();
@@ -424,17 +418,12 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::record_done(slot& sl, stream_vi
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_view s) noexcept {
-  if (sl.ptr == nullptr) return;
   try {
-    pool_->deallocate(sl.ptr, s);
-    sl.forget_block();
+    give_slot_block_back(sl, &s);
     return;
   } catch (...) {
   }
-  if (!still_allocated(sl.ptr)) {  // lost: the pool keeps it out of use
-    sl.forget_block();
-    return;
-  }
+  if (sl.ptr == nullptr) return;  // lost: the pool keeps it out of use
   // Refused (out of host memory): the block is still the slot's, idle once `s` has finished with it. That is polled
   // for at most the patience (the stream may wait for this very thread), never on a captured stream.
   const auto report = [&](const char* why) noexcept {
@@ -445,7 +434,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::abandon_slot(slot& sl, stream_v
   try {
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) {
       report("its stream is being captured");
-    } else if (wait_until_idle(s, std::chrono::steady_clock::now() + options_.patience)) {
+    } else if (poll_until([&] { return s.ready(); }, std::chrono::steady_clock::now() + options_.patience)) {
       sl.used = false;
       return;
     } else {
@@ -482,18 +471,9 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::dispose_orphans(ring& r) noexce
       continue;
     } catch (...) {
     }
-    if (still_allocated(p)) r.orphans[kept++] = p;  // else lost: the pool keeps it out of use
+    if (pool_->is_allocated(p)) r.orphans[kept++] = p;  // else lost: the pool keeps it out of use
   }
   r.orphans.resize(kept);
-}
-
-template <class Copier>
-GPUKIT_INLINE bool basic_staging_engine<Copier>::still_allocated(const void* p) noexcept {
-  try {
-    return pool_->is_allocated(p);
-  } catch (...) {
-    return false;  // the pool's lock failed: nothing more can be done with the block
-  }
 }
 
 template <class Copier>
