@@ -39,11 +39,16 @@ class heap_run {
     seen_ = 0;
     burst_ = burst;
     ignored_.store(ignored, std::memory_order_relaxed);
+    at_failure_.store(nullptr, std::memory_order_relaxed);
     heap_fails.store(&counted_failure, std::memory_order_relaxed);
     held_.reserve(64);  // the test's own bookkeeping never allocates while armed
   }
   heap_run(const heap_run&) = delete;
   heap_run& operator=(const heap_run&) = delete;
+
+  /// Has `hook` run once, on the arming thread, just before the first injected failure: something that happens at that
+  /// very moment (another thread destroying a stream). It must not allocate.
+  void at_failure(void (*hook)()) noexcept { at_failure_.store(hook, std::memory_order_relaxed); }
 
   /// Runs `call` with the heap armed: true when it returned, false when it threw std::bad_alloc (another exception is
   /// kept for unexpected()).
@@ -78,6 +83,7 @@ class heap_run {
     if (bool (*ignored)() = ignored_.load(std::memory_order_relaxed); ignored != nullptr && ignored()) return false;
     ++seen_;
     if (left_ == 0) {
+      if (void (*hook)() = at_failure_.exchange(nullptr, std::memory_order_relaxed); hook != nullptr) hook();
       if (--burst_ <= 0) left_ = -1;  // one failure (or burst) per run: what a handler does next may allocate
       return true;
     }
@@ -88,6 +94,7 @@ class heap_run {
   static inline thread_local long seen_ = 0;
   static inline thread_local int burst_ = 1;
   static inline std::atomic<bool (*)()> ignored_{nullptr};
+  static inline std::atomic<void (*)()> at_failure_{nullptr};
   long fail_at_;
   int failures_ = 0;
   std::string unexpected_;

@@ -216,32 +216,44 @@ TEST_CASE("capture: freeing a block whose stream is capturing throws and the blo
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("capture: async_allocator never waits on the host for a free that fails during a capture") {
+TEST_CASE(
+    "capture: async_allocator never waits on the host for a free that fails during a capture, and frees nothing") {
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   void* p = pool.allocate(4096, s);
   void* q = pool.allocate(4096, s);
   pool.record_stream(q, other);
-  gpukit_test::captured_warnings warnings;
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   const std::size_t stream_waits = cudasim::calls("cudaStreamSynchronize");
+  const auto failure = [](auto&& call) {
+    try {
+      call();
+    } catch (const gpukit::cuda_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no cuda_error");
+  };
   {
     capture c(s);
-    // A synchronization now would invalidate the capture: the memory is lost to the pool instead, with a warning.
+    // A synchronization now would invalidate the capture: the free fails instead, and the memory stays allocated.
     cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
-    pool.deallocate(p);
-    CHECK(warnings.contains("during a CUDA graph capture failed"));
-    CHECK(warnings.contains("cudaFreeAsync"));
+    const std::string freeing = failure([&] { pool.deallocate(p); });
+    CHECK(freeing.find("during a CUDA graph capture failed: cudaFreeAsync") != std::string::npos);
+    CHECK(freeing.find("Nothing was freed: the memory is still allocated") != std::string::npos);
+    CHECK(pool.owns(p));
     // The same when the free cannot be ordered after a recorded stream's work (no host wait for that stream).
     cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidValue);
-    pool.deallocate(q);
-    CHECK(warnings.contains("ordering a free after a recorded stream"));
+    CHECK(failure([&] { pool.deallocate(q); }).find("ordering a free after a recorded stream") != std::string::npos);
+    CHECK(pool.owns(q));
+    CHECK(pool.memory_allocated() == 8192);
     CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
     CHECK(cudasim::calls("cudaStreamSynchronize") == stream_waits);
     REQUIRE(c.end() == cudaSuccess);  // still valid
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
+  pool.deallocate(p);  // after the capture, as usual
+  pool.deallocate(q);
   CHECK(pool.memory_allocated() == 0);
   void* again = pool.allocate(4096, s);  // usable afterwards
   pool.deallocate(again);
@@ -250,7 +262,7 @@ TEST_CASE("capture: async_allocator never waits on the host for a free that fail
   cudasim::clear_faults();
 }
 
-TEST_CASE("capture: async_allocator frees in a capture only what the capture allocated and says what it lost") {
+TEST_CASE("capture: async_allocator frees in a capture only what the capture allocated, and keeps the rest live") {
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);
   void* before = pool.allocate(4096, s);
@@ -259,44 +271,120 @@ TEST_CASE("capture: async_allocator frees in a capture only what the capture all
     capture c(s);
     void* inside = pool.allocate(4096, s);  // a graph allocation
     pool.deallocate(inside);                // a free node
-    CHECK(warnings.messages().empty());
-    // A free node may free only a graph allocation: CUDA refuses this one, and the memory is lost to the pool.
-    pool.deallocate(before);
-    CHECK(warnings.contains("during a CUDA graph capture failed"));
-    CHECK(warnings.contains("cudaErrorInvalidValue"));
+    // A free node may free only a graph allocation: CUDA refuses this one, and the memory stays allocated.
+    try {
+      pool.deallocate(before);
+      FAIL("a free CUDA refuses in a capture must throw");
+    } catch (const gpukit::cuda_error& e) {
+      CHECK(e.cuda_result() == cudaErrorInvalidValue);
+      CHECK(std::string(e.what()).find("may free only memory allocated in a capture") != std::string::npos);
+    }
+    CHECK(pool.owns(before));
+    CHECK(pool.memory_allocated() == 4096);
     REQUIRE(c.end() == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
+  CHECK(warnings.messages().empty());
   const auto refused = cudasim::take_violations();  // on purpose
   REQUIRE(refused.size() == 1);
   CHECK(refused.front().message.find("not allocated in a capture") != std::string::npos);
+  pool.deallocate(before);  // after the capture
   CHECK(pool.memory_allocated() == 0);
   void* again = pool.allocate(4096, s);  // usable afterwards
   pool.deallocate(again);
   s.synchronize();
 }
 
-TEST_CASE("capture: async_allocator asks whether a stream is captured only when a free fails") {
+TEST_CASE("capture: async_allocator asks whether a stream is captured only for recorded streams and failed frees") {
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   const std::size_t before = capture_queries();
   for (int i = 0; i < 10; ++i) pool.deallocate(pool.allocate(4096, s));
+  CHECK(capture_queries() == before);  // an ordinary free asks nothing
   void* shared = pool.allocate(4096, s);
   pool.record_stream(shared, other);
-  pool.deallocate(shared);  // ordered after `other` on the device: still no query
-  CHECK(capture_queries() == before);
+  pool.deallocate(shared);  // ordered after `other` on the device: one query, whether `other` is captured
+  CHECK(capture_queries() == before + 1);
   // A free that fails outside a capture asks (both streams), then waits on the host as before.
   gpukit_test::captured_warnings warnings;
   void* p = pool.allocate(4096, s);
   pool.record_stream(p, other);
   cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
   pool.deallocate(p);
-  CHECK(capture_queries() == before + 2);
+  CHECK(capture_queries() == before + 4);
   CHECK(warnings.contains("freeing it after the device's work instead"));
   CHECK(pool.memory_allocated() == 0);
   s.synchronize();
   cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator refuses a free ordered after a captured stream on a stream that is not captured") {
+  // The ordering after the other stream (an event recorded there, waited for by the freeing stream) would pull the
+  // freeing stream into the capture: the free, and all later work on that stream, would go into the graph. The other
+  // stream is one record_stream named, or the allocation stream when the memory is freed on another.
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream captured(cuda0);
+  void* p = pool.allocate(4096, s);
+  pool.record_stream(p, captured);
+  void* q = pool.allocate(4096, captured);
+  const std::size_t allocated = pool.memory_allocated();
+  const auto stats = pool.stats();
+  {
+    capture c(captured);
+    const std::string message = invalid_argument_message([&] { pool.deallocate(p); });
+    INFO(message);
+    CHECK(message.find("would join that capture") != std::string::npos);
+    CHECK(message.find("which the free must be ordered after") != std::string::npos);
+    CHECK(message.find("The memory is still allocated") != std::string::npos);
+    CHECK(invalid_argument_message([&] { pool.deallocate(q, s); }).find("would join that capture") !=
+          std::string::npos);
+    CHECK(pool.owns(q));
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+    CHECK(cudaStreamIsCapturing(s.cuda_handle(), &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusNone);  // not joined
+    CHECK(pool.owns(p));
+    CHECK(pool.memory_allocated() == allocated);
+    CHECK(pool.stats().allocation.all().current == stats.allocation.all().current);
+    CHECK(pool.stats().allocation.all().freed == stats.allocation.all().freed);
+    CHECK(pool.stats().num_device_free == stats.num_device_free);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  pool.deallocate(p);  // after the capture: as usual
+  pool.deallocate(q, s);
+  CHECK(pool.memory_allocated() == 0);
+  s.synchronize();
+  captured.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator orders a graph allocation's free after a recorded stream of the same capture") {
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream forked(cuda0);
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
+  REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
+  {
+    capture c(s);
+    void* p = pool.allocate(4096, s);  // a graph allocation
+    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0) == cudaSuccess);  // `forked` joins the capture
+    REQUIRE(cudaMemsetAsync(p, 0, 4096, forked.cuda_handle()) == cudaSuccess);
+    pool.record_stream(p, forked);
+    pool.deallocate(p);  // both captured: an ordering inside the graph, then the free node
+    REQUIRE(cudaEventRecord(join, forked.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(pool.memory_allocated() == 0);
+  CHECK(cudaEventDestroy(fork) == cudaSuccess);
+  CHECK(cudaEventDestroy(join) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
 
@@ -1298,9 +1386,13 @@ TEST_CASE("capture: an async_allocator free on a captured stream is never deferr
                                     CHECK(a.deferred_frees() == 0);
                                   }),
                   gpukit::cuda_error);
-  CHECK(warnings.contains("during a CUDA graph capture failed"));
+  CHECK(warnings.messages().empty());               // said by the exception
   CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
   CHECK(a.deferred_frees() == 0);
+  CHECK(a.owns(p));  // nothing was freed: freed after the capture
+  a.deallocate(p);
+  CHECK(a.memory_allocated() == 0);
+  cudasim::drain_all();
 }
 
 // The gate between gpukit's captures and work on the legacy default stream (detail::capture_hold): deciding that the
@@ -1640,7 +1732,7 @@ TEST_CASE(
   gpukit::stream blocking = blocking_stream();
   const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
   std::optional<capture_elsewhere> other;
-  cudasim::fail_call("cudaMallocAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
   cudasim::before_call("cudaMemPoolTrimTo", 1, [&] { other.emplace(blocking); });  // the first retry trims first
   const std::size_t syncs = cudasim::calls("cudaStreamSynchronize");
   void* p = a.allocate(4096, legacy);
@@ -1693,9 +1785,12 @@ TEST_CASE("capture: a free on a captured stream that waited on the host for a de
                                   }),
                   gpukit::cuda_error);
   CHECK(cudasim::calls("cudaEventSynchronize") == waits + 1);
-  CHECK(warnings.contains("during a CUDA graph capture failed"));
+  CHECK(warnings.messages().empty());               // said by the exception
   CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
   CHECK(a.deferred_frees() == 0);
+  CHECK(a.owns(p));  // nothing was freed: freed after the capture
+  a.deallocate(p);
+  CHECK(a.memory_allocated() == 0);
   cudasim::drain_all();
 }
 
@@ -1867,13 +1962,33 @@ TEST_CASE("capture: a deferred free retried during a capture elsewhere goes back
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: an async_allocator out-of-memory retry for a request captured raw does not wait for the device") {
+  // The request is an allocation node of a capture gpukit did not begin: cudaDeviceSynchronize would invalidate it.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  {
+    capture c(s);
+    cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+    cudasim::fail_call("cudaMallocFromPoolAsync", 2, cudaErrorMemoryAllocation);
+    const std::size_t synchronizations = cudasim::calls("cudaDeviceSynchronize");
+    void* p = a.allocate(4096, s);  // the third try succeeds
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == synchronizations);
+    CHECK(a.stats().num_alloc_retries == 2);
+    a.deallocate(p);                  // a free node
+    REQUIRE(c.end() == cudaSuccess);  // still valid
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(a.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator out-of-memory retry during a capture elsewhere does not wait for the device") {
   gpukit::async_allocator a(cuda0);
   gpukit::stream blocking = blocking_stream();
   gpukit::stream own(cuda0);
   capture_elsewhere other(blocking, gpukit::capture_mode::global);
-  cudasim::fail_call("cudaMallocAsync", 1, cudaErrorMemoryAllocation);
-  cudasim::fail_call("cudaMallocAsync", 2, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  cudasim::fail_call("cudaMallocFromPoolAsync", 2, cudaErrorMemoryAllocation);
   const std::size_t synchronizations = cudasim::calls("cudaDeviceSynchronize");
   void* p = a.allocate(4096, own);  // the third try succeeds
   CHECK(cudasim::calls("cudaDeviceSynchronize") == synchronizations);

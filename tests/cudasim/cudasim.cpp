@@ -1070,7 +1070,7 @@ CUresult CUDAAPI sim_cuMemRelease(CUmemGenericAllocationHandle handle) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuMemRelease"];
+  if (CUresult fault = due_driver_fault(s, "cuMemRelease"); fault != CUDA_SUCCESS) return fault;  // counts it
   const auto it = s.vmm_allocations.find(handle);
   if (it == s.vmm_allocations.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
   it->second.released = true;

@@ -1,8 +1,8 @@
-// Host memory running out inside gpukit's CUDA-side engines (graph_pool, async_allocator), on the simulator: this
-// executable replaces operator new so that the N-th allocation of a call under test throws std::bad_alloc, for every
-// N. A call that fails must change
-// nothing (an allocation is not made, a free leaves the block allocated, to be freed again), and the engine must stay
-// whole: every byte accounted for, free blocks merged again once everything is freed.
+// Host memory running out inside gpukit's CUDA-side engines (graph_pool, async_allocator, the staging engine), on the
+// simulator: this executable replaces operator new so that the N-th allocation of a call under test throws
+// std::bad_alloc, for every N. A call that fails must change nothing (an allocation is not made, a free leaves the
+// block allocated, to be freed again), and the engine must stay whole: every byte accounted for, free blocks merged
+// again once everything is freed.
 #include <gpukit/gpukit.hpp>
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
@@ -12,6 +12,7 @@
 #include "failing_heap.hpp"
 #include "support.hpp"
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -300,5 +301,73 @@ TEST_CASE(
   }
   MESSAGE("graph launch after a captured free: " << runs << " runs, " << failures << " launches threw std::bad_alloc");
   CHECK(runs >= 1);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "heap faults: a staging block orphaned by a failed background record, which the pool refuses with no host memory "
+    "left, stays with the engine until the pool takes it") {
+  // The background thread cannot give a slot's block back to the pool (it makes no pool call): when the slot's event
+  // cannot be recorded, the block waits in the ring for a caller. A caller with no host memory left cannot give it
+  // back either; dropping it then would leave it allocated in the pool, held by nobody.
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_options options;
+  options.chunk_bytes = 256 * 1024;
+  options.min_chunk_bytes = 64 * 1024;
+  options.slots = 2;
+  options.patience = std::chrono::milliseconds(10);
+  gpukit::staging_engine engine(pool, options);
+  std::vector<unsigned char> small(512 * 1024);  // two chunks: one per slot
+  std::vector<unsigned char> large(2 * MiB);     // past the patience behind the held stream: the background stages it
+  for (std::size_t i = 0; i < large.size(); ++i) large[i] = static_cast<unsigned char>(i * 7 + 1);
+  void* device_side = nullptr;
+  REQUIRE(cudaMalloc(&device_side, large.size()) == cudaSuccess);
+  gpukit::stream s(d);
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit_test::gate held;
+    held.hold(s);
+    engine.to_device(device_side, small.data(), small.size(), s);
+    engine.to_device(device_side, large.data(), large.size(), s);  // handed over whole
+    REQUIRE(engine.stats().overflows == 1);
+    // The next record is the background thread's, of the first slot it fills (it waits for the gate first).
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidValue);
+    held.open();
+    s.synchronize();
+  }
+  CHECK(engine.stats().background_failures == 1);
+  CHECK(warnings.contains("the destination is incomplete"));
+  REQUIRE(pool.stats().active_blocks == 2);  // the other slot's block and the orphan
+
+  {
+    heap_run no_memory(1, simulated_call, 1 << 20);  // every host allocation of gpukit fails inside armed()
+    CHECK_FALSE(no_memory.armed([&] { engine.to_device(device_side, small.data(), small.size(), s); }));
+    CHECK(no_memory.unexpected() == "");
+  }
+  CHECK(pool.stats().active_blocks == 2);  // refused, kept: none dropped
+  {
+    // A new run (a burst ends with its armed() call); the list of released rings gets its room (the first
+    // allocation), the pool none: the ring is not released while it holds a block the pool refused.
+    heap_run no_memory(2, simulated_call, 1 << 20);
+    std::size_t released = 99;
+    CHECK(no_memory.armed([&] { released = engine.release_idle(); }));
+    CHECK(released == 0);
+    CHECK(no_memory.failures() == 0);
+    CHECK(no_memory.seen() >= 2);  // the pool was asked
+    CHECK(no_memory.unexpected() == "");
+  }
+  CHECK(pool.stats().active_blocks == 2);
+
+  // With memory again the orphan goes back and the slot gets a new block: the engine works as before.
+  std::vector<unsigned char> back(large.size());
+  engine.to_device(device_side, large.data(), large.size(), s);
+  engine.to_host(back.data(), device_side, back.size(), s);
+  s.synchronize();
+  CHECK(back == large);
+  CHECK(engine.release_idle() == 1);
+  CHECK(pool.stats().active_blocks == 0);
+  CHECK(pool.stats().lost_blocks == 0);
+  CHECK(cudaFree(device_side) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }

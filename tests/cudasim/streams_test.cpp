@@ -13,6 +13,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/warning.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cuda_runtime_api.h>
@@ -29,6 +30,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -1118,4 +1120,89 @@ TEST_CASE(
   a.empty_cache();
   cudasim::drain_all();
   CHECK(st->bytes_out() == 0);
+}
+
+TEST_CASE(
+    "streams: async_allocator allocates for another thread's per-thread stream on the legacy stream, not on this "
+    "thread's") {
+  // cudaStreamPerThread names the calling thread's stream. Allocated there, the request could take memory whose free
+  // is still pending on this thread's per-thread stream, with the other thread's stream not ordered after that work.
+  gate g;
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream_view theirs;
+  std::thread([&] { theirs = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  const gpukit::stream_view mine = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved();
+  open_at_exit at_exit({&g});
+  const std::size_t by_pool = cudasim::calls("cudaMallocFromPoolAsync");
+  const std::size_t by_device = cudasim::calls("cudaMallocAsync");
+  void* p = pool.allocate(4096, mine);
+  g.hold(mine);
+  pool.deallocate(p);  // pending on this thread's per-thread stream, behind the gate
+  const std::size_t used = cudasim::device_memory_used(0);
+  void* q = pool.allocate(4096, theirs);
+  // New memory: the pool reuses a pending free only on the stream it is pending on (the simulator's pool, as CUDA's
+  // without event dependencies), and the request was made on the legacy stream, not on this thread's per-thread one.
+  CHECK(cudasim::device_memory_used(0) == used + 4096);
+  // From the allocator's pool by name, not the device's current pool (which another library may have set).
+  CHECK(cudasim::calls("cudaMallocFromPoolAsync") == by_pool + 2);
+  CHECK(cudasim::calls("cudaMallocAsync") == by_device);
+  g.open();
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  pool.deallocate(q);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(pool.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: async_allocator's limit holds for a request made while another is being allocated") {
+  // The first request's bytes count against the limit from its check on: a second one made before the first has its
+  // memory (another thread, made deterministic) sees them.
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  constexpr std::size_t limit = 1 << 20;
+  pool.set_reserved_limit(limit);
+  bool refused = false;
+  void* q = nullptr;
+  cudasim::before_call("cudaMallocFromPoolAsync", 1, [&] {
+    try {
+      q = pool.allocate(limit, s);
+    } catch (const gpukit::out_of_memory_error& e) {
+      refused = std::string(e.what()).find("being allocated by other requests") != std::string::npos;
+    }
+  });
+  void* p = pool.allocate(limit, s);
+  CHECK(refused);
+  CHECK(q == nullptr);
+  CHECK(pool.memory_allocated() == limit);
+  pool.deallocate(p);
+  // A request that fails gives its bytes back: the limit is whole again.
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorInvalidValue);
+  CHECK_THROWS_AS((void)pool.allocate(limit, s), gpukit::error);
+  pool.deallocate(pool.allocate(limit, s));
+  s.synchronize();
+  CHECK(pool.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: async_allocator reads its pool without its lock, so a warning handler may ask for statistics") {
+  // The pool's attributes are read under a device guard, whose restoring cudaSetDevice may fail and warn: a handler
+  // that asks the allocator for its statistics then must not find the allocator's lock held (it would wait for ever).
+  gpukit::async_allocator pool(cuda0);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);  // a context on cuda:1: the guard restores it
+  int warnings = 0;
+  std::size_t limit_seen = 0;
+  const gpukit::warning_handler previous = gpukit::set_warning_handler([&](std::string_view) {
+    ++warnings;
+    limit_seen = pool.stats().reserved_limit;
+    (void)pool.snapshot();
+  });
+  cudasim::fail_call("cudaSetDevice", 2, cudaErrorInvalidValue);  // the first guard's restoring call
+  const gpukit::allocator_stats stats = pool.stats();
+  (void)gpukit::set_warning_handler(previous);
+  CHECK(warnings == 1);
+  CHECK(limit_seen == stats.reserved_limit);
+  cudasim::clear_faults();
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
 }

@@ -382,3 +382,29 @@ TEST_CASE("vmm: a range cuMemAddressFree refuses is reported, and the allocator 
   a.empty_cache();
   CHECK(cudasim::take_violations().empty());
 }
+
+TEST_CASE("vmm: a page handle cuMemRelease refuses is an error naming it, the page is unmapped, the allocator usable") {
+  // The mapping would keep the page's memory until its unmap; a handle the driver will not release keeps it for good
+  // (the simulator keeps it as the driver would). The page goes at once and the request fails clearly: the driver
+  // call and the device are named (a warning here would run under the allocator's lock, which handlers may need).
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  cudasim::fail_call("cuMemRelease", 1, cudaErrorUnknown);
+  try {
+    (void)a.allocate(2 * MiB, s);  // one page
+    FAIL("the failure was not reported");
+  } catch (const gpukit::cuda_error& e) {
+    CHECK(std::string(e.what()).find("cuMemRelease failed on cuda:0") != std::string::npos);
+    CHECK(e.device() == 0);
+  }
+  CHECK(a.memory_allocated() == 0);
+  void* p = a.allocate(2 * MiB, s);  // usable afterwards, on a page mapped anew
+  CHECK(cudaMemsetAsync(p, 1, 2 * MiB, s.cuda_handle()) == cudaSuccess);
+  a.deallocate(p, s);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::device_memory_used(0) == used_before + 2 * MiB);  // the handle never released
+  CHECK(cudasim::take_violations().empty());
+}

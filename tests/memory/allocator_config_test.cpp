@@ -70,16 +70,29 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(pytorch.reserved_limit == GiB);
   CHECK(gpukit::parse_allocator_config("reserved_limit:none", pytorch).reserved_limit ==
         gpukit::allocator_options::unlimited);
+  CHECK(gpukit::parse_allocator_config("max_split_size:none").max_split_size == gpukit::allocator_options::unlimited);
+  // PyTorch's booleans, and a configuration file's line breaks around entries.
+  CHECK(gpukit::parse_allocator_config("expandable_segments:True").expandable_segments);
+  CHECK_FALSE(gpukit::parse_allocator_config("release_before_grow:False", o).release_before_grow);
+  const auto from_file = gpukit::parse_allocator_config("reserved_limit:40GiB,\r\n  max_split_size_mb:64\n");
+  CHECK(from_file.reserved_limit == std::size_t{40} << 30);
+  CHECK(from_file.max_split_size == 64 * MiB);
+  CHECK(gpukit::parse_allocator_config("\n\t").medium_size == defaults.medium_size);
   CHECK(gpukit::parse_allocator_config("release_before_grow:false", o).reserved_limit == o.reserved_limit);
 }
 
 TEST_CASE("allocator configuration: bad input is refused naming the entry, before anything is used") {
   CHECK(contains(refusal("max_split_size_mb:abc"), "entry \"max_split_size_mb:abc\": expected a whole number"));
   CHECK(contains(refusal("max_split_size_mb:256MiB"), "expected a whole number"));
-  CHECK(contains(refusal("reserved_limit:40 GiBs"), "expected a size such as 40GiB, or none"));
+  CHECK(contains(refusal("reserved_limit:40 GiBs"), "expected a size such as 512, 64MiB or 40GiB, or none"));
   CHECK(contains(refusal("reserved_limit:-1"), "expected a size"));
-  CHECK(contains(refusal("reserved_limit:99999999999999999999"), "expected a size"));  // overflows
-  CHECK(contains(refusal("reserved_limit:20000000TiB"), "expected a size"));           // overflows with its unit
+  // Overflows: said so, with the largest size.
+  CHECK(contains(refusal("reserved_limit:99999999999999999999"), "too large: sizes go up to 18446744073709551615"));
+  CHECK(contains(refusal("reserved_limit:20000000TiB"), "too large"));  // with its unit
+  CHECK(contains(refusal("rounding:99999999999999999999999KiB"), "too large"));
+  CHECK(contains(refusal("max_split_size_mb:17592186044416"), "too large: at most 17592186044415 (MiB)"));
+  CHECK(contains(refusal("medium_segment_growth:99999999999999999999"), "too large"));
+  CHECK(contains(refusal("rounding:none"), "expected a size such as 512, 64MiB or 2GiB"));  // not a limit
   CHECK(contains(refusal("rounding:1.5KiB"), "expected a size"));
   CHECK(contains(refusal("garbage_collection_threshold:0.6"), "unknown key \"garbage_collection_threshold\""));
   CHECK(contains(refusal("release_before_grow:yes"), "expected true or false"));
@@ -90,6 +103,10 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:512,,medium_size:64MiB"), "empty entry"));
   CHECK(contains(refusal("rounding:512,"), "empty entry"));
   CHECK(contains(refusal("rounding:512,rounding:1024"), "\"rounding\" is set twice"));
+  // One setting under its two names (PyTorch's in MiB) is given twice too, whichever comes first.
+  CHECK(contains(refusal("max_split_size:512MiB,max_split_size_mb:128"),
+                 "entry \"max_split_size_mb:128\": \"max_split_size_mb\" sets what \"max_split_size\" set already"));
+  CHECK(contains(refusal("max_split_size_mb:128, max_split_size:none"), "set already (max_split_size)"));
   CHECK(contains(refusal("preset:tensorflow"), "preset must be gpukit or pytorch"));
   CHECK(gpukit::parse_allocator_config("expandable_segments:true").expandable_segments);
   CHECK(contains(refusal("expandable_segments:maybe"), "expandable_segments"));

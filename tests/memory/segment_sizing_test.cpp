@@ -48,6 +48,17 @@ TEST_CASE("shared segments hold a whole number of requests and grow with the foo
   allocator_options huge;
   huge.medium_size = max / 2;
   CHECK(sizing::medium_segment_cap(huge) == max / (2 * MiB) * (2 * MiB));
+  // Shared segments near the largest size saturate too: never 0, never below the request (a segment of 0 bytes was
+  // handed out as the request's, with a free remainder that had wrapped to about 2^64).
+  allocator_options wide;
+  wide.medium_segment_size = max / (2 * MiB) * (2 * MiB) - MiB;  // a multiple of 512, 2^64 - 2^20 - ...
+  const std::size_t request = MiB + 512;
+  const std::size_t seg = sizing::preferred(wide, request, false, 0);
+  CHECK(seg >= request);
+  CHECK(seg % (2 * MiB) == 0);
+  CHECK(seg > max - 4 * MiB);    // as many requests as round up without overflow
+  huge.medium_size = max - 511;  // every request shares segments; one near the largest size cannot be rounded
+  CHECK(sizing::preferred(huge, max - 1023, false, 0) == max - 1023);  // the request itself, as minimal() gives it
 }
 
 TEST_CASE("when memory is short: the smallest segments that hold a request, and the room under a limit") {

@@ -8,10 +8,12 @@
 ///
 ///     GPUKIT_ALLOC_CONF="reserved_limit:40GiB,max_split_size_mb:256,release_before_grow:true"
 ///
-/// Entries are `key:value`, separated by commas; spaces around keys and values are ignored. Sizes are a whole
-/// number with an optional unit (B, KiB, MiB, GiB, TiB; KB/MB/GB/TB are read as the binary units too), or `none`
-/// where a limit may be absent. Booleans are true/false (or 1/0). Parsing is strict: an unknown key, a repeated
-/// key, a malformed value or an inconsistent result throws invalid_argument_error naming the entry.
+/// Entries are `key:value`, separated by commas; white space around keys and values (line breaks included) is
+/// ignored. Sizes are a whole number with an optional unit (B, KiB, MiB, GiB, TiB; KB/MB/GB/TB are read as the
+/// binary units too), or `none` where a limit may be absent (reserved_limit, max_split_size). Booleans are
+/// true/false (PyTorch's True/False, or 1/0). Parsing is strict: an unknown key, a setting given twice (under
+/// either of its names), a malformed or too large value, or an inconsistent result throws invalid_argument_error
+/// naming the entry.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
@@ -30,8 +32,11 @@ namespace detail {
 
 GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept;
 
-/// A size in bytes: digits, then an optional unit. Returns false for anything else, or on overflow.
-GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept;
+/// What parse_config_size found.
+enum class config_size_result { ok, malformed, too_large };
+
+/// A size in bytes: digits, then an optional unit.
+GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::size_t& bytes) noexcept;
 
 }  // namespace detail
 
@@ -40,7 +45,7 @@ GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) 
 ///   wherever it appears;
 /// - sizes: `rounding`, `small_size`, `small_segment_size`, `medium_size`, `medium_segment_size`,
 ///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
-///   `max_oversize_waste`; `reserved_limit` (or `none`);
+///   `max_oversize_waste` (`max_split_size` may be `none`); `reserved_limit` (or `none`);
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
 /// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `expandable_segments`;
 /// - `front_cache_large`: `true` (from the start), `when_contended` (the default:
@@ -60,21 +65,23 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return s;
+  constexpr std::string_view white = " \t\n\r\v\f";  // a configuration file's line breaks too
+  const std::size_t first = s.find_first_not_of(white);
+  if (first == std::string_view::npos) return {};
+  return s.substr(first, s.find_last_not_of(white) - first + 1);
 }
 
-GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
+GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
   std::size_t digits = 0;
   std::size_t value = 0;
+  bool overflow = false;
   while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') {
     const auto d = static_cast<std::size_t>(text[digits] - '0');
-    if (value > (std::numeric_limits<std::size_t>::max() - d) / 10) return false;
-    value = value * 10 + d;
+    overflow = overflow || value > (std::numeric_limits<std::size_t>::max() - d) / 10;
+    if (!overflow) value = value * 10 + d;
     ++digits;
   }
-  if (digits == 0) return false;
+  if (digits == 0) return config_size_result::malformed;
   const std::string_view unit = trim_spaces(text.substr(digits));
   struct named_unit {
     const char* name;
@@ -84,11 +91,11 @@ GPUKIT_INLINE bool parse_config_size(std::string_view text, std::size_t& bytes) 
                                          {"MB", 20}, {"GiB", 30}, {"GB", 30},  {"TiB", 40}, {"TB", 40}};
   for (const named_unit& u : units) {
     if (unit != u.name) continue;
-    if (u.shift != 0 && value > (std::numeric_limits<std::size_t>::max() >> u.shift)) return false;
+    if (overflow || value > (std::numeric_limits<std::size_t>::max() >> u.shift)) return config_size_result::too_large;
     bytes = value << u.shift;
-    return true;
+    return config_size_result::ok;
   }
-  return false;
+  return config_size_result::malformed;
 }
 }  // namespace detail
 
@@ -102,6 +109,10 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
     std::string_view text, key, value;
   };
   std::vector<entry_text> entries;
+  // max_split_size_mb is PyTorch's name for max_split_size: one setting, which may be given once.
+  const auto setting = [](std::string_view key) {
+    return key == "max_split_size_mb" ? std::string_view("max_split_size") : key;
+  };
   if (!detail::trim_spaces(config).empty()) {
     std::size_t start = 0;
     for (;;) {
@@ -114,7 +125,11 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       const entry_text e{text, detail::trim_spaces(text.substr(0, colon)), detail::trim_spaces(text.substr(colon + 1))};
       if (e.value.empty()) fail(text, "no value");
       for (const entry_text& earlier : entries) {
-        if (earlier.key == e.key) fail(text, "\"" + std::string(e.key) + "\" is set twice");
+        if (setting(earlier.key) == setting(e.key)) {
+          fail(text, earlier.key == e.key ? "\"" + std::string(e.key) + "\" is set twice"
+                                          : "\"" + std::string(e.key) + "\" sets what \"" + std::string(earlier.key) +
+                                                "\" set already (" + std::string(setting(e.key)) + ")");
+        }
       }
       entries.push_back(e);
       if (comma == std::string_view::npos) break;
@@ -149,16 +164,33 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
                                        {"max_split_size", &allocator_options::max_split_size},
                                        {"max_oversize_waste", &allocator_options::max_oversize_waste}};
   auto parse_bool = [&](const entry_text& e, const char* expected = "expected true or false") {
-    if (e.value == "true" || e.value == "1") return true;
-    if (e.value == "false" || e.value == "0") return false;
+    if (e.value == "true" || e.value == "True" || e.value == "1") return true;  // True, False: PyTorch's spelling
+    if (e.value == "false" || e.value == "False" || e.value == "0") return false;
     fail(e.text, expected);
     return false;
   };
+  constexpr std::size_t largest = std::numeric_limits<std::size_t>::max();
+  // A size, or `none` (allocator_options::unlimited) where `none_allowed`.
+  auto parse_size = [&](const entry_text& e, bool none_allowed) {
+    if (none_allowed && e.value == "none") return allocator_options::unlimited;
+    std::size_t bytes = 0;
+    const detail::config_size_result r = detail::parse_config_size(e.value, bytes);
+    if (r == detail::config_size_result::too_large) {
+      fail(e.text, "too large: sizes go up to " + std::to_string(largest) + " bytes" +
+                       (none_allowed ? " (none: no limit)" : ""));
+    } else if (r != detail::config_size_result::ok) {
+      fail(e.text, none_allowed ? "expected a size such as 512, 64MiB or 40GiB, or none"
+                                : "expected a size such as 512, 64MiB or 2GiB");
+    }
+    return bytes;
+  };
   auto parse_count = [&](const entry_text& e) {
     std::size_t n = 0;
-    if (e.value.find_first_not_of("0123456789") != std::string_view::npos || !detail::parse_config_size(e.value, n)) {
-      fail(e.text, "expected a whole number");
-    }
+    const detail::config_size_result r = e.value.find_first_not_of("0123456789") != std::string_view::npos
+                                             ? detail::config_size_result::malformed
+                                             : detail::parse_config_size(e.value, n);
+    if (r == detail::config_size_result::too_large) fail(e.text, "too large");
+    if (r != detail::config_size_result::ok) fail(e.text, "expected a whole number");
     return n;
   };
   for (const entry_text& e : entries) {
@@ -167,23 +199,14 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
     for (const size_key& k : sizes) {
       if (e.key != k.name) continue;
       known = true;
-      std::size_t bytes = 0;
-      if (!detail::parse_config_size(e.value, bytes)) fail(e.text, "expected a size such as 512, 64MiB or 2GiB");
-      o.*k.member = bytes;
+      o.*k.member = parse_size(e, k.member == &allocator_options::max_split_size);
     }
     if (known) continue;
     if (e.key == "reserved_limit") {
-      std::size_t bytes = 0;
-      if (e.value == "none") {
-        o.reserved_limit = allocator_options::unlimited;
-      } else if (detail::parse_config_size(e.value, bytes)) {
-        o.reserved_limit = bytes;
-      } else {
-        fail(e.text, "expected a size such as 40GiB, or none");
-      }
+      o.reserved_limit = parse_size(e, true);
     } else if (e.key == "max_split_size_mb") {
       const std::size_t mib = parse_count(e);
-      if (mib > (std::numeric_limits<std::size_t>::max() >> 20)) fail(e.text, "too large");
+      if (mib > (largest >> 20)) fail(e.text, "too large: at most " + std::to_string(largest >> 20) + " (MiB)");
       o.max_split_size = mib << 20;
     } else if (e.key == "medium_segment_growth") {
       o.medium_segment_growth = parse_count(e);

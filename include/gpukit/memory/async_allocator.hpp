@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <iterator>
 #include <limits>
 #include <list>
@@ -105,19 +106,9 @@ class async_allocator final : public device_allocator {
   /// Allocation counts and bytes as gpukit keeps them; reserved bytes as the pool reports them (current and high
   /// water mark; the pool's memory, shared with its other users).
   allocator_stats stats() const override {
-    allocator_stats s;
+    const pool_reading pool = read_pool();  // CUDA calls (a guard that may warn): not under the lock
     std::lock_guard<std::mutex> lock(mutex_);
-    for (pool_stats* p : {&s.allocation, &s.active}) p->pools[0] = allocations_;
-    for (pool_stats* p : {&s.allocated_bytes, &s.active_bytes, &s.requested_bytes}) p->pools[0] = allocated_bytes_;
-    const std::int64_t reserved = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent));
-    s.reserved_bytes.pools[0].current = reserved;
-    s.reserved_bytes.pools[0].peak = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemHigh));
-    s.num_alloc_retries = retries_;
-    s.num_ooms = ooms_;
-    s.num_device_alloc = device_allocs_;
-    s.num_device_free = device_frees_;
-    s.reserved_limit = limit_;
-    return s;
+    return stats_locked(pool);
   }
   /// The pool's free memory is not visible: reported as reserved minus allocated, in one block.
   free_space_info free_space() const override {
@@ -133,8 +124,9 @@ class async_allocator final : public device_allocator {
   allocator_snapshot snapshot() const override {
     allocator_snapshot snap;
     snap.device = device_;
-    snap.stats = stats();
-    std::lock_guard<std::mutex> lock(mutex_);
+    const pool_reading pool = read_pool();
+    std::lock_guard<std::mutex> lock(mutex_);  // the statistics and the allocations of one moment
+    snap.stats = stats_locked(pool);
     for (const auto& [address, a] : live_) {
       segment_info seg;
       seg.address = address;
@@ -252,12 +244,27 @@ class async_allocator final : public device_allocator {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
     free_deferred();
+    // The bytes count against the limit from the check on, so that requests made meanwhile by other threads see
+    // them (counted as allocated once the memory is had; given back if it is not).
     bool over_limit = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      over_limit = bytes > limit_ || static_cast<std::size_t>(allocated_bytes_.current) > limit_ - bytes;
+      const std::size_t counted = static_cast<std::size_t>(allocated_bytes_.current) + in_flight_bytes_;
+      over_limit = bytes > limit_ || counted > limit_ - bytes;
+      if (!over_limit) in_flight_bytes_ += bytes;
     }
     if (over_limit) throw_out_of_memory(bytes, true);
+    struct in_flight {
+      async_allocator& self;
+      std::size_t bytes;  // 0 once given back or counted as allocated
+      void give_back() noexcept {
+        if (bytes == 0) return;
+        std::lock_guard<std::mutex> lock(self.mutex_);
+        self.in_flight_bytes_ -= bytes;
+        bytes = 0;
+      }
+      ~in_flight() { give_back(); }
+    } reserved{*this, bytes};
     // Before the allocation, as it may throw (it looks the stream's id up, and allocates): once the memory is had,
     // recording it cannot fail.
     live_map::node_type record =
@@ -268,7 +275,9 @@ class async_allocator final : public device_allocator {
     const bool may_use_legacy = detail::may_use_legacy_stream(stream);
     detail::capture_hold hold(may_use_legacy);  // until the allocation is enqueued
     bool off_legacy = false;
-    cudaStream_t handle = stream.cuda_handle();
+    // Another thread's per-thread default stream cannot be named here (cudaStreamPerThread is this thread's): the
+    // legacy default stream, which waits for it, stands in, as it does for frees.
+    cudaStream_t handle = record.mapped().stream.handle_here();
     const auto choose_stream = [&] {
       if (off_legacy || !hold.refuses(stream)) return;
       off_legacy = true;
@@ -280,7 +289,9 @@ class async_allocator final : public device_allocator {
     // thread captures, and invalidate that capture; relaxed, they are not. Captured, it is a node either way.
     const detail::relaxed_capture_mode relaxed;
     void* p = nullptr;
-    cudaError_t result = cudaMallocAsync(&p, bytes, handle);
+    // From pool_ by name: cudaMallocAsync takes the device's current pool, which another library may have set
+    // (cudaDeviceSetMemPool), while the threshold, trims and statistics here are pool_'s.
+    cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, handle);
     hold.release();  // the retries below wait for the device, and observers run on failure
     for (int retry = 0; result == cudaErrorMemoryAllocation && retry < 2; ++retry) {
       (void)cudaGetLastError();
@@ -288,22 +299,24 @@ class async_allocator final : public device_allocator {
         std::lock_guard<std::mutex> lock(mutex_);
         ++retries_;
       }
-      // cudaDeviceSynchronize invalidates a capture in any mode: during a gpukit capture the pool is trimmed again
-      // without it (the memory freed on streams since is all that can come back).
-      if (retry == 1 && !detail::gpukit_capture_underway()) {
+      // cudaDeviceSynchronize invalidates a capture in any mode: during a gpukit capture, or when this request is
+      // captured (an allocation node, in a capture begun with the raw runtime), the pool is trimmed again without it
+      // (the memory freed on streams since is all that can come back).
+      if (retry == 1 && !detail::gpukit_capture_underway() && !captured_or_unknown(stream)) {
         GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());
       (void)hold.retake(may_use_legacy);
       choose_stream();
-      result = cudaMallocAsync(&p, bytes, handle);
+      result = cudaMallocFromPoolAsync(&p, bytes, pool_, handle);
       hold.release();
     }
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
+      reserved.give_back();  // before the observers run, which may allocate
       throw_out_of_memory(bytes, false);
     }
-    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocAsync(" + std::to_string(bytes) + ")", device_.ordinal());
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMallocFromPoolAsync(" + std::to_string(bytes) + ")", device_.ordinal());
     if (off_legacy) {
       try {
         detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::allocations);
@@ -315,6 +328,8 @@ class async_allocator final : public device_allocator {
     record.key() = reinterpret_cast<std::uintptr_t>(p);
     std::lock_guard<std::mutex> lock(mutex_);
     live_.insert(std::move(record));
+    in_flight_bytes_ -= bytes;
+    reserved.bytes = 0;
     add(allocations_, 1);
     add(allocated_bytes_, static_cast<std::int64_t>(bytes));
     ++device_allocs_;
@@ -323,7 +338,9 @@ class async_allocator final : public device_allocator {
 
   /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
-  /// does not own; nullptr is ignored.
+  /// does not own, or when a recorded stream is being captured and the freeing stream is not (the free would join the
+  /// capture); cuda_error when the free fails during a capture (CUDA frees there only memory allocated in a capture).
+  /// Either way nothing was freed: the allocation is still live. nullptr is ignored.
   void do_deallocate(void* p) override { deallocate_on(p, nullptr); }
   /// The same, in the order of `stream` (memory last used there).
   void do_deallocate(void* p, stream_view stream) override {
@@ -363,7 +380,8 @@ class async_allocator final : public device_allocator {
   };
   /// Whether a free was made (or failed for good, reported), or must wait for the gpukit captures to end: a capture
   /// began while it waited on the host, and the rest of its work would use the legacy stream.
-  enum class free_result { done, wait_for_captures };
+  /// refused_in_capture: it failed during a capture and freed nothing (only where the caller asked for that).
+  enum class free_result { done, wait_for_captures, refused_in_capture };
 
   static void add(stat& s, std::int64_t delta) noexcept {
     s.current += delta;
@@ -383,6 +401,30 @@ class async_allocator final : public device_allocator {
     }
   }
 
+  /// The pool's reserved bytes, current and high-water mark (CUDA calls: read before the lock is taken).
+  struct pool_reading {
+    std::int64_t reserved = 0;
+    std::int64_t reserved_high = 0;
+  };
+  pool_reading read_pool() const noexcept {
+    return {static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent)),
+            static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemHigh))};
+  }
+  /// stats(), with mutex_ held.
+  allocator_stats stats_locked(const pool_reading& pool) const {
+    allocator_stats s;
+    for (pool_stats* p : {&s.allocation, &s.active}) p->pools[0] = allocations_;
+    for (pool_stats* p : {&s.allocated_bytes, &s.active_bytes, &s.requested_bytes}) p->pools[0] = allocated_bytes_;
+    s.reserved_bytes.pools[0].current = pool.reserved;
+    s.reserved_bytes.pools[0].peak = pool.reserved_high;
+    s.num_alloc_retries = retries_;
+    s.num_ooms = ooms_;
+    s.num_device_alloc = device_allocs_;
+    s.num_device_free = device_frees_;
+    s.reserved_limit = limit_;
+    return s;
+  }
+
   /// A pool attribute in bytes; 0 where the driver cannot say.
   std::size_t pool_attribute(cudaMemPoolAttr attribute) const noexcept {
     try {
@@ -398,41 +440,136 @@ class async_allocator final : public device_allocator {
     }
   }
 
+  /// Whether `s` is being captured, or cannot be asked (then no device-wide wait is risked). Asked on rare paths only.
+  static bool captured_or_unknown(const stream_view& s) noexcept {
+    try {
+      return detail::capture_status(s) != cudaStreamCaptureStatusNone;
+    } catch (...) {
+      return true;
+    }
+  }
+
   void check_device(const stream_view& stream, const char* operation) const {
     detail::require_stream_of(stream, device_, "gpukit::async_allocator", operation);
   }
 
   void deallocate_on(void* p, const stream_view* stream) {
     if (p == nullptr) return;
-    allocation a;
+    // Out of the map and counted freed while the free is decided (a second free of `p` finds nothing); a refused
+    // free puts it back (put_back).
+    live_map::node_type taken;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it == live_.end()) throw_not_owned(p, "deallocate");
       // Room for the allocation stream and the stream freeing it (below, and defer), while the free may still fail.
       it->second.users.reserve(it->second.users.size() + 2);
-      a = std::move(it->second);
-      live_.erase(it);
+      taken = live_.extract(it);
       add(allocations_, -1);
-      add(allocated_bytes_, -static_cast<std::int64_t>(a.bytes));
+      add(allocated_bytes_, -static_cast<std::int64_t>(taken.mapped().bytes));
       ++device_frees_;
     }
+    allocation& a = taken.mapped();  // moved out only by defer()
     // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
     // stream now): then this thread's per-thread default stream frees it, after that work.
     const bool stream_destroyed = a.stream.destroyed();  // read once: it may change at any time
-    if (stream != nullptr || stream_destroyed) a.users.push_back(a.stream);
     const stream_view on = stream != nullptr ? *stream : usable_view(a.stream, stream_destroyed);
+    const bool also_allocation_stream = stream != nullptr || stream_destroyed;
+    if (also_allocation_stream) a.users.push_back(a.stream);  // room reserved above
+    const auto keep_live = [&] {
+      if (also_allocation_stream) a.users.pop_back();
+      put_back(std::move(taken));
+    };
+    if (const stream_view* captured = capture_joined(a, on)) {
+      const stream_view user = *captured;
+      keep_live();
+      throw_joins_capture(p, user, on);
+    }
     free_deferred();  // the earlier frees first, and not under this one's hold (they may wait on the host)
     detail::capture_hold hold(may_use_legacy_stream(a, on));  // until the free is enqueued
     if (must_wait_for_captures(a, on, hold) && defer(p, a, on)) return;
+    // A free that fails during a capture frees nothing: the allocation is put back, and the caller told.
+    std::exception_ptr refusal;
+    const auto refused = [&](free_result r) {
+      if (r != free_result::refused_in_capture) return false;
+      keep_live();
+      throw_refused_in_capture(p, refusal);
+    };
     // A free that waited on the host (a failed ordering) and found a capture begun meanwhile waits for it to end
     // too; if it cannot (no memory), it is made anyway, as before deferral existed (its orderings again, then the
     // free, without a hold).
     // A refused hold here means the free involves a captured stream (or one that could not be asked): made now.
-    if (free_on_streams(p, a, on, hold, !hold.refused()) == free_result::done || defer(p, a, on)) return;
+    const free_result first = free_on_streams(p, a, on, hold, !hold.refused(), &refusal);
+    if (first == free_result::done || (!refused(first) && defer(p, a, on))) return;
     hold.release();
-    (void)free_on_streams(p, a, on, hold, false);
+    (void)refused(free_on_streams(p, a, on, hold, false, &refusal));
   }
+  /// Undoes deallocate_on's bookkeeping for a free it refused: the allocation is live again. Another thread's
+  /// allocation meanwhile may have raised a peak (kept at least the current value) or reset the cumulative counts
+  /// (kept at least 0). (The limit is not held for the bytes meanwhile: such a request may pass it.)
+  void put_back(live_map::node_type taken) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto bytes = static_cast<std::int64_t>(taken.mapped().bytes);
+    live_.insert(std::move(taken));  // a node: allocates nothing
+    for (auto [s, delta] : {std::pair<stat*, std::int64_t>{&allocations_, 1}, {&allocated_bytes_, bytes}}) {
+      s->current += delta;
+      s->peak = std::max(s->peak, s->current);
+      s->freed = std::max<std::int64_t>(0, s->freed - delta);
+    }
+    device_frees_ = std::max<std::int64_t>(0, device_frees_ - 1);
+  }
+  /// A stream the free must be ordered after (record_stream's, or the allocation stream when freed on another) that
+  /// is being captured while `on` is not, if any: the ordering (an event recorded there, waited for on `on`) would
+  /// pull `on` into that capture, and the free and all later work on `on` would go into the graph. Asks CUDA only
+  /// for those streams other than `on` (one query each: an ordinary free asks nothing); a stream that cannot be
+  /// asked is taken as not captured (the free goes on as before).
+  const stream_view* capture_joined(const allocation& a, const stream_view& on) const noexcept {
+    try {
+      const auto capturing = [](const stream_view& s) {  // the legacy stream, or another thread's, cannot be asked
+        return !detail::uses_legacy_stream(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone;
+      };
+      for (const kept_stream& user : a.users) {
+        if (user.view == on || user.destroyed() || !capturing(user.view)) continue;
+        return capturing(on) ? nullptr : &user.view;  // both captured: an ordering inside the graph
+      }
+    } catch (...) {
+    }
+    return nullptr;
+  }
+  [[noreturn]] void throw_refused_in_capture(const void* p, const std::exception_ptr& failure) const {
+    std::string reason = "an unknown exception";
+    cudaError_t result = cudaErrorStreamCaptureUnsupported;
+    try {
+      if (failure) std::rethrow_exception(failure);
+    } catch (const error& e) {
+      reason = e.what();
+      result = e.cuda_result();
+    } catch (const std::exception& e) {
+      reason = e.what();
+    } catch (...) {
+    }
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    throw cuda_error(std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() +
+                         " during a CUDA graph capture failed: " + reason +
+                         ". Nothing was freed: the memory is still allocated (a free in a capture may free only memory "
+                         "allocated in a capture); free it after the capture ends, and after the graph's last launch "
+                         "if the graph uses it",
+                     result, "gpukit::async_allocator::deallocate", device_.ordinal());
+  }
+  [[noreturn]] void throw_joins_capture(const void* p, const stream_view& user, const stream_view& on) const {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    throw invalid_argument_error(
+        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + ": " +
+            detail::describe_stream(user.native_handle(), user.device()) +
+            ", which the free must be ordered after, is being captured into a CUDA graph, and the free on " +
+            detail::describe_stream(on.native_handle(), on.device()) +
+            " (not captured) would join that capture; free it after the capture ends, or on a stream of the "
+            "capture. The memory is still allocated",
+        cudaErrorStreamCaptureUnjoined, "gpukit::async_allocator", device_.ordinal());
+  }
+
   /// Puts the free of `p` (`a` on `on`) among the deferred frees (or, should the lock fail, makes it now); false (`a`
   /// untouched) when there is no memory for that or `on` cannot be looked up.
   bool defer(void* p, allocation& a, const stream_view& on) noexcept {
@@ -583,7 +720,8 @@ class async_allocator final : public device_allocator {
   /// a last resort, or a free that involves a captured stream (made now, since made after the capture it would
   /// precede the graph's work). The caller says which: `hold` may have been refused for another free.
   [[nodiscard]] free_result free_on_streams(void* p, const allocation& a, const stream_view& on,
-                                            detail::capture_hold& hold, bool may_defer) noexcept {
+                                            detail::capture_hold& hold, bool may_defer,
+                                            std::exception_ptr* refusal = nullptr) noexcept {
     const bool may_use_legacy = may_use_legacy_stream(a, on);
     // After a host wait: whether the rest may be enqueued now.
     const auto resume = [&] { return hold.retake(may_use_legacy) || !may_defer; };
@@ -646,6 +784,10 @@ class async_allocator final : public device_allocator {
       if (const auto* ge = dynamic_cast<const error*>(&e);
           ge != nullptr && detail::is_teardown_result(ge->cuda_result())) {
         return free_result::done;
+      }
+      if (capturing && refusal != nullptr) {  // nothing was freed: the caller keeps the allocation
+        *refusal = std::current_exception();
+        return free_result::refused_in_capture;
       }
       if (capturing) {  // synchronizing now would invalidate the capture
         detail::warn_parts("gpukit::async_allocator: freeing ", detail::bytes_part{a.bytes},
@@ -734,13 +876,15 @@ class async_allocator final : public device_allocator {
 
   [[noreturn]] void throw_out_of_memory(std::size_t bytes, bool limit_hit) {
     out_of_memory_info info;
+    info.reserved = pool_attribute(cudaMemPoolAttrReservedMemCurrent);  // a CUDA call: not under the lock
+    std::size_t in_flight = 0;  // other requests' bytes, counted against the limit before they are allocated
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++ooms_;
       info.device = device_.ordinal();
       info.requested = info.rounded = info.segment_bytes = bytes;
       info.allocated = static_cast<std::size_t>(allocated_bytes_.current);
-      info.reserved = pool_attribute(cudaMemPoolAttrReservedMemCurrent);
+      in_flight = in_flight_bytes_;
       info.reserved_limit = limit_;
       info.limit_hit = limit_hit;
     }
@@ -756,8 +900,9 @@ class async_allocator final : public device_allocator {
                    (info.device_memory_known
                         ? format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free"
                         : std::string("total and free memory unknown")) +
-                   ". This allocator: " + format_bytes(info.allocated) + " allocated; the pool holds " +
-                   format_bytes(info.reserved) + ".";
+                   ". This allocator: " + format_bytes(info.allocated) + " allocated" +
+                   (in_flight != 0 ? " (and " + format_bytes(in_flight) + " being allocated by other requests)" : "") +
+                   "; the pool holds " + format_bytes(info.reserved) + ".";
     observers_.notify(info, device_.to_string());
     throw out_of_memory_error(info.message, limit_hit ? cudaSuccess : cudaErrorMemoryAllocation,
                               "gpukit::async_allocator::allocate(" + std::to_string(bytes) + ")", device_.ordinal());
@@ -772,6 +917,7 @@ class async_allocator final : public device_allocator {
   stat allocations_, allocated_bytes_;
   std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;
   std::size_t limit_ = std::numeric_limits<std::size_t>::max();
+  std::size_t in_flight_bytes_ = 0;  // requests past the limit check, not yet allocated (guarded by mutex_)
   detail::out_of_memory_observers observers_;
 };
 

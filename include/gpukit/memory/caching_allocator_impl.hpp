@@ -537,7 +537,12 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::register_stream
   stream_type kept = s;
   if constexpr (detail::has_stream_resolve<StreamOps>::value) kept = ops_.resolve(s);
   tracker_type tracker{};
-  if constexpr (tracks_lifetimes) tracker = ops_.track(s);
+  if constexpr (tracks_lifetimes) {
+    tracker = ops_.track(s);
+    // Room to list every registered stream as dead, made now: noting a destruction (free_allocated,
+    // note_expirations) must not allocate, as it runs on error paths (a free undoing a failed allocate).
+    if (dead_streams_.capacity() <= streams_.size()) dead_streams_.reserve(2 * streams_.size() + 8);
+  }
   return &streams_.add(key, key, kept, d, std::move(tracker));
 }
 
@@ -617,12 +622,10 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::finished(const 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_expirations() {
   if constexpr (tracks_lifetimes) {
-    const auto expirations = ops_.expirations();  // before the scan: a destruction during it is seen next time
-    dead_streams_.reserve(dead_streams_.size() + streams_.size());  // the scan below cannot fail midway
-    seen_expirations_ = expirations;
+    seen_expirations_ = ops_.expirations();  // before the scan: a destruction during it is seen next time
     for (const auto& st : streams_) {
       if (st->dead || !ops_.expired(st->tracker)) continue;
-      dead_streams_.push_back(st.get());
+      dead_streams_.push_back(st.get());  // cannot throw: room for every registered stream (register_stream)
       st->dead = true;
       slots_to_release_ = true;
     }
@@ -1567,7 +1570,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
       // stream may take its blocks before its last work completes.
       stream_state* owner = b->owner;
       if (!owner->dead && expired(*owner)) {
-        dead_streams_.push_back(owner);
+        dead_streams_.push_back(owner);  // cannot throw (register_stream made the room)
         owner->dead = true;
         slots_to_release_ = true;  // not here: this may run under the slot locks (flush_bin)
       }

@@ -810,10 +810,18 @@ GPUKIT_INLINE bool cuda_upstream::map(void* address, std::size_t bytes) {
       break;
     }
     r = api.mem_map(page, granule, 0, handle, 0);
-    (void)api.mem_release(handle);  // the mapping keeps the memory
+    const CUresult released = api.mem_release(handle);  // the mapping keeps the memory until it is unmapped
     if (r != CUDA_SUCCESS) {
       failed_call = "cuMemMap";
       device_full = r == CUDA_ERROR_OUT_OF_MEMORY;  // e.g. no memory left for the page tables
+      break;
+    }
+    if (released != CUDA_SUCCESS) {
+      // A handle the driver will not release would keep its memory after the unmap, for good: the page goes now,
+      // and the caller gets the error (its memory stays allocated on the device; nothing more can be done).
+      (void)api.mem_unmap(page, granule);
+      r = released;
+      failed_call = "cuMemRelease";
       break;
     }
     r = api.mem_set_access(page, granule, access.data(), access.size());

@@ -38,6 +38,13 @@ constexpr std::size_t medium_segment_cap(const allocator_options& o) noexcept {
   return cap / o.large_segment_rounding * o.large_segment_rounding;
 }
 
+/// The smallest segment that holds a rounded request: a small segment, or the request rounded to
+/// large_segment_rounding. Tried when the preferred segment cannot be had.
+constexpr std::size_t minimal(const allocator_options& o, std::size_t size, bool small) noexcept {
+  if (small) return o.small_segment_size;
+  return std::max(size, round_up(size, o.large_segment_rounding));  // the request itself if rounding overflows
+}
+
 /// The segment a rounded request of `size` gets on a cache miss, sized for the footprint (`reserved` bytes held
 /// now): a small segment; a shared segment that grows with the footprint and holds a whole number of such
 /// requests; or the request's own segment from medium_size on.
@@ -53,14 +60,11 @@ constexpr std::size_t preferred(const allocator_options& o, std::size_t size, bo
   // when that makes the rounding to g exact (5 MiB requests: 20 MiB segments, not 26).
   std::size_t count = std::max<std::size_t>(seg / size, 1);
   if (count > 1 && (count * size) % g != 0 && ((count - 1) * size) % g == 0) --count;
-  return round_up(count * size, g);
-}
-
-/// The smallest segment that holds a rounded request: a small segment, or the request rounded to
-/// large_segment_rounding. Tried when the preferred segment cannot be had.
-constexpr std::size_t minimal(const allocator_options& o, std::size_t size, bool small) noexcept {
-  if (small) return o.small_segment_size;
-  return std::max(size, round_up(size, o.large_segment_rounding));  // the request itself if rounding overflows
+  // Segment sizes near the largest size_t (a huge medium_segment_size or medium_size) saturate, never wrap: as many
+  // requests as round up without overflow, or minimal() (which keeps a request it cannot round).
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  if (count * size > max - (g - 1)) count = (max - (g - 1)) / size;
+  return count == 0 ? minimal(o, size, small) : round_up(count * size, g);
 }
 
 /// For a shared (medium) segment: the fewest such requests, up to 4, whose total is a multiple of
