@@ -338,9 +338,10 @@ class async_allocator final : public device_allocator {
 
   /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
-  /// does not own, or when a recorded stream is being captured and the freeing stream is not (the free would join the
-  /// capture); cuda_error when the free fails during a capture (CUDA frees there only memory allocated in a capture).
-  /// Either way nothing was freed: the allocation is still live. nullptr is ignored.
+  /// does not own, or when a stream the free must be ordered after (a recorded one, or the allocation stream when
+  /// freed on another) is being captured and the freeing stream is not (the free would join the capture); cuda_error
+  /// when the free fails during a capture (CUDA frees there only memory allocated in a capture). Either way nothing
+  /// was freed: the allocation is still live. nullptr is ignored.
   void do_deallocate(void* p) override { deallocate_on(p, nullptr); }
   /// The same, in the order of `stream` (memory last used there).
   void do_deallocate(void* p, stream_view stream) override {
