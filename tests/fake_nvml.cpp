@@ -4,7 +4,8 @@
 //
 // FAKE_NVML_MACHINE=cudasim (read by nvmlInit_v2) swaps the two GPUs for the simulated CUDA runtime's default pair
 // (found by PCI bus id 0000:18:00.0 and 0000:28:00.0), so gpu_monitor is tested on the simulator's devices.
-// fake_nvml_set() changes a figure at run time; fake_nvml_calls() counts sampling calls.
+// fake_nvml_set() changes a figure at run time; fake_nvml_calls() counts sampling calls; fake_nvml_initialised() the
+// nvmlInit_v2 calls not yet shut down.
 #include <gpukit/device/nvml.hpp>  // for gpukit::nvml::gpu_memory: signatures must match gpukit's declarations
 
 #include <unistd.h>
@@ -91,11 +92,12 @@ bool same_bus(const char* a, const char* b) {
 extern "C" {
 int nvmlInit_v2() {
   choose_machine();
-  initialised = 1;
+  ++initialised;  // counted, as NVML counts them: the last nvmlShutdown shuts down
   return 0;
 }
 int nvmlShutdown() {
-  initialised = 0;
+  if (initialised == 0) return 1;  // NVML_ERROR_UNINITIALIZED
+  --initialised;
   return 0;
 }
 const char* nvmlErrorString(int) { return "fake error"; }
@@ -166,6 +168,7 @@ void fake_nvml_set(unsigned index, const char* field, long long value) {
   if (std::strcmp(field, "lost") == 0) g.lost = value != 0;
 }
 long fake_nvml_calls() { return sampling_calls.load(); }
+int fake_nvml_initialised() { return initialised; }
 
 #if !defined(FAKE_NVML_MINIMAL)
 int nvmlDeviceGetTemperature(void* device, int sensor, unsigned* celsius) {

@@ -4,6 +4,11 @@
 #include "fake_nvml_control.hpp"
 #include "support.hpp"
 
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+
 namespace {
 gpukit::device_properties described(const char* uuid, const char* pci_bus_id) {
   gpukit::device_properties p;
@@ -77,11 +82,28 @@ TEST_CASE("a missing or foreign library leaves NVML unavailable, with the reason
   CHECK(foreign.status().find("lacks nvmlInit_v2") != std::string::npos);
 }
 
-TEST_CASE("the process-wide instance honours GPUKIT_NVML_LIBRARY") {
+namespace {
+bool instance_used = false;
+// Registered before main, so before the instance exists: exit runs it after the instance's destruction, were the
+// instance destroyed. A monitor thread still sampling then would call into an unloaded library.
+const int instance_check_at_exit = std::atexit([] {
+  if (!instance_used) return;
+  void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_LAZY | RTLD_NOLOAD);
+  auto* initialised = fake == nullptr ? nullptr : reinterpret_cast<int (*)()>(dlsym(fake, "fake_nvml_initialised"));
+  if (initialised == nullptr || initialised() == 0) {
+    std::fputs("nvml::instance() was shut down at exit, before threads that may still use it\n", stderr);
+    std::_Exit(1);
+  }
+});
+}  // namespace
+
+TEST_CASE("the process-wide instance honours GPUKIT_NVML_LIBRARY and stays loaded until the process ends") {
   // The instance is created on first use; this test is the first user in this executable.
   gpukit_test::scoped_env path("GPUKIT_NVML_LIBRARY", std::string(GPUKIT_FAKE_NVML_PATH));
   CHECK(gpukit::nvml::instance().available());
   CHECK(&gpukit::nvml::instance() == &gpukit::nvml::instance());
+  CHECK(instance_check_at_exit == 0);
+  instance_used = true;
 }
 
 TEST_CASE("a sample has every figure the fake NVML reports, this process's memory found past the first guess") {

@@ -294,6 +294,45 @@ TEST_CASE("contexts: enumerating devices, reading properties and selecting creat
   CHECK(cudasim::context_creations(1) == 0);
 }
 
+TEST_CASE("contexts: a context probe for free memory reads only the device the environment chose") {
+  // Without NVML, allow_context_probe reads free memory with cudaMemGetInfo (a context each): when GPUKIT_DEVICE or
+  // the local rank decides, only that device's figure matters.
+  gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
+  gpukit::selection_policy policy;
+  policy.min_free_bytes = std::size_t{1} << 20;
+  policy.allow_context_probe = true;
+  {
+    gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+    gpukit_test::scoped_env rank("LOCAL_RANK", std::string("1"));
+    cudasim::allow_contexts_only_on({1});
+    const gpukit::device_selection s = gpukit::select_device(policy);
+    CHECK(s.device == gpukit::device::cuda(1));
+    CHECK(cudasim::context_creations(0) == 0);
+    CHECK(cudasim::context_creations(1) == 1);
+  }
+  {
+    gpukit_test::scoped_env override_device("GPUKIT_DEVICE", std::string("cuda:1"));
+    gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+    CHECK(gpukit::select_device(policy).device == gpukit::device::cuda(1));
+    CHECK(cudasim::context_creations(0) == 0);
+  }
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  cudasim::allow_contexts_only_on({0, 1});
+  const gpukit::device_selection s = gpukit::select_device(policy);  // the policy decides: every device is read
+  CHECK(s.candidates.size() == 2);
+  CHECK(cudasim::context_creations(0) == 1);
+}
+
+TEST_CASE("contexts: CUDA_VISIBLE_DEVICES naming no installed GPU is named in the CPU fallback's reason") {
+  gpukit_test::scoped_env visible("CUDA_VISIBLE_DEVICES", std::string("16"));  // read when the runtime starts
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  const gpukit::device_selection s = gpukit::select_device();
+  CHECK(s.device.is_cpu());
+  CHECK(s.reason.find("no CUDA-capable GPU among those CUDA_VISIBLE_DEVICES=\"16\" names") != std::string::npos);
+}
+
 TEST_CASE("contexts: stream priority ranges are per device") {
   cudasim::machine_config machine = cudasim::default_machine(2);
   machine.devices[1].priority_greatest = -3;

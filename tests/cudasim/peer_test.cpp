@@ -109,9 +109,12 @@ TEST_CASE("peer: a topology with pairs that cannot access each other") {
   }
   CHECK(text.find("cuda:0 -> cuda:2") != std::string::npos);
   CHECK(text.find("cudaErrorPeerAccessUnsupported") != std::string::npos);
+  CHECK(text.find("cuda:0 cannot access the memory of cuda:2 directly") != std::string::npos);
   CHECK(cudaPeekAtLastError() == cudaSuccess);
   CHECK_FALSE(cudasim::peer_access_enabled(0, 2));
-  CHECK(cudasim::context_creations(2) == 0);  // enabling stopped before the peer's context was needed
+  CHECK(cudasim::calls("cudaDeviceEnablePeerAccess") == 0);  // asked first: no context made for nothing
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::context_creations(2) == 0);
   // The failed attempt is not remembered as a hold: a later pair that works is enabled normally.
   cudasim::allow_contexts_only_on({0, 1});
   {
@@ -294,9 +297,11 @@ TEST_CASE("peer: an ordinal that is not visible is an invalid_argument_error nam
         std::string::npos);
   CHECK(exception_text([&] { gpukit::peer_access p(cuda0, cuda7); }).find("cuda:0 -> cuda:7") != std::string::npos);
   CHECK_THROWS_AS(gpukit::peer_access(cuda7, cuda0), gpukit::invalid_argument_error);
+  CHECK(exception_text([&] { gpukit::peer_access p(cuda7, cuda0); }).find("cuda:7 -> cuda:0") != std::string::npos);
   CHECK(exception_text([&] { gpukit::peer_access p(cuda7, cuda7); }).find("cuda:7 is not visible (2 CUDA devices)") !=
         std::string::npos);
   CHECK(cudaPeekAtLastError() == cudaSuccess);
+  CHECK(cudasim::context_creations(0) == 0);  // refused before any context was made
   CHECK(cudasim::context_creations(1) == 0);
 }
 
@@ -447,6 +452,19 @@ TEST_CASE("peer: a failure to grant the pool's memory is a warning naming the ca
   }
   const std::size_t set_access = cudasim::calls("cudaMemPoolSetAccess");
   CHECK(set_access == 1);  // the failed grant only: nothing gpukit did not grant is taken back
+  CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
+}
+
+TEST_CASE("peer: a device without memory pools is skipped, its refusal not left as the thread's last error") {
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaDeviceGetDefaultMemPool", 1, cudaErrorNotSupported);
+  {
+    gpukit::peer_access access(cuda1, cuda0);
+    CHECK(cudasim::peer_access_enabled(1, 0));
+    CHECK(cudaGetLastError() == cudaSuccess);  // a user's next error check must not see gpukit's probe
+    CHECK(warnings.messages().empty());
+  }
+  CHECK(cudasim::calls("cudaMemPoolSetAccess") == 0);
   CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
 }
 

@@ -77,3 +77,18 @@ TEST_CASE("per-thread mode: a capture of handle 0 ends when the work throws, and
   gpukit::device_buffer<int> after(16, per_thread);  // outside a capture: the default allocator's
   CHECK_FALSE(pool->owns(after.data()));
 }
+
+TEST_CASE("per-thread mode: a capture of handle 0 ends on its own device when the work made another one current") {
+  // Handle 0 names the per-thread stream of whichever device is current: ending it on cuda:1 would leave cuda:0's
+  // stream capturing for good.
+  const gpukit::device d = gpukit::device::cuda(0);
+  const gpukit::stream_view per_thread(d, nullptr);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  gpukit::graph g = gpukit::capture(per_thread, [&] { GPUKIT_CUDA_TRY(cudaSetDevice(1)); });
+  CHECK(gpukit::detail::capture_status(per_thread) == cudaStreamCaptureStatusNone);
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);  // the device current before the capture, as after any gpukit call
+  g.launch(per_thread);
+  per_thread.synchronize();
+}

@@ -707,10 +707,9 @@ TEST_CASE(
     "host heap: a snapshot that fails at its N-th host allocation, for every N, leaves no anchor in the history") {
   // memory_picture anchors its levels at the history's last snapshot event: one without a snapshot would shift
   // every level of a picture drawn from the snapshot before it.
-  fake_world world;
-  fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
-  a.stream_operations().world = &world;
-  const fake_stream s{world.add_stream()};
+  fake_setup setup;
+  fake_allocator& a = setup.a;
+  const fake_stream s = setup.add_stream();
   auto history = std::make_shared<gpukit::memory_history>(1000);
   a.set_memory_history(history);
   void* p = a.allocate(MiB, s);
@@ -740,18 +739,17 @@ TEST_CASE(
   int failures = 0;
   for (;; ++n) {
     INFO("fault at host allocation " << n);
-    fake_world world;
-    fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
-    a.stream_operations().world = &world;
+    fake_setup setup;
+    fake_allocator& a = setup.a;
     // 64 streams each cache a small segment and are not used again: the next stream's registration sweeps, finds
     // them abandoned, and its request releases their segments before growing.
     for (int i = 0; i < 64; ++i) {
-      const fake_stream s{world.add_stream()};
+      const fake_stream s = setup.add_stream();
       a.deallocate(a.allocate(64 * KiB, s));
     }
     REQUIRE(a.stats().num_device_free == 0);
     heap_run run(n);
-    const fake_stream next{world.add_stream()};
+    const fake_stream next = setup.add_stream();
     void* p = nullptr;
     const bool done = run.armed([&] { p = a.allocate(64 * KiB, next); });
     CHECK(run.unexpected() == "");
@@ -782,10 +780,10 @@ TEST_CASE(
   int failures = 0;
   for (;; ++n) {
     INFO("fault at host allocation " << n);
-    fake_world world;
-    fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
-    a.stream_operations().world = &world;
-    const fake_stream s{world.add_stream()};
+    fake_setup setup;
+    fake_allocator& a = setup.a;
+    fake_world& world = setup.world;
+    const fake_stream s = setup.add_stream();
     doomed_world = &world;
     doomed_stream = s.id;
     captured_warnings warnings;  // the block of a destroyed stream, freed
@@ -798,7 +796,7 @@ TEST_CASE(
     CHECK(world.streams[0].destroyed == (run.seen() >= n));
     CHECK(check_invariants(a.snapshot(), {}, a.options().rounding, true, true, false) == "");
     if (done) a.deallocate(p);
-    const fake_stream next{world.add_stream()};
+    const fake_stream next = setup.add_stream();
     a.deallocate(a.allocate(MiB, next));
     world.complete_all();
     a.empty_cache();

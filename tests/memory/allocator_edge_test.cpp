@@ -20,19 +20,12 @@ namespace {
 /// An allocator over 4 GiB of fake address space with two fake CPU streams and one fake stream of cuda:1. Most
 /// cases test the mechanics with PyTorch's constants (whose boundaries are the familiar ones); the cases named
 /// "gpukit defaults" test what gpukit's defaults add.
-struct fixture {
-  explicit fixture(gpukit::allocator_options options = gpukit::allocator_options::pytorch())
-      : a(gpukit::device::cpu(), options, 4 * GiB) {
-    a.stream_operations().world = &world;
-    s0 = fake_stream{world.add_stream()};
-    s1 = fake_stream{world.add_stream()};
-    other_device = fake_stream{world.add_stream(gpukit::device::cuda(1))};
-  }
+struct fixture : fake_setup {
+  explicit fixture(const gpukit::allocator_options& options = gpukit::allocator_options::pytorch())
+      : fake_setup(options, 4 * GiB) {}
   ~fixture() {
     for (const auto& l : live) a.deallocate(reinterpret_cast<void*>(l.address));
   }
-  fixture(const fixture&) = delete;
-  fixture& operator=(const fixture&) = delete;
   std::uintptr_t alloc(std::size_t bytes, fake_stream s) {
     void* p = a.allocate(bytes, s);
     live.push_back({reinterpret_cast<std::uintptr_t>(p), bytes});
@@ -58,9 +51,9 @@ struct fixture {
     return snapshot.segments.front();
   }
 
-  fake_world world;
-  fake_allocator a;
-  fake_stream s0, s1, other_device;
+  fake_stream s0 = add_stream();
+  fake_stream s1 = add_stream();
+  fake_stream other_device{world.add_stream(gpukit::device::cuda(1))};
   std::vector<live_allocation> live;
   gpukit::allocator_snapshot snapshot;
 };

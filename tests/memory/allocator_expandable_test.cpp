@@ -25,21 +25,16 @@ gpukit::allocator_options expandable(gpukit::allocator_options o = {}) {
   return o;
 }
 
-struct setup {
-  explicit setup(gpukit::allocator_options o = expandable(), std::size_t capacity = 1 * GiB)
-      : a(gpukit::device::cpu(), o, capacity) {
-    a.stream_operations().world = &world;
-    s0 = fake_stream{world.add_stream()};
-    s1 = fake_stream{world.add_stream()};
-  }
+struct setup : fake_setup {
+  explicit setup(const gpukit::allocator_options& o = expandable(), std::size_t capacity = 1 * GiB)
+      : fake_setup(o, capacity) {}
   std::string invariants(const std::vector<void*>& live = {}) {
     std::vector<live_allocation> l;
     for (void* p : live) l.push_back({reinterpret_cast<std::uintptr_t>(p), a.allocation_size(p)});
     return check_invariants(a.snapshot(), l, a.options().rounding);
   }
-  fake_world world;
-  fake_allocator a;
-  fake_stream s0, s1;
+  fake_stream s0 = add_stream();
+  fake_stream s1 = add_stream();
 };
 
 }  // namespace

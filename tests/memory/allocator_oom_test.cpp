@@ -18,19 +18,15 @@ using namespace gpukit_test;
 namespace {
 
 /// PyTorch's constants unless given: the retry sequence is easiest to follow without release-before-growth.
-struct fixture {
-  explicit fixture(std::size_t capacity, gpukit::allocator_options options = gpukit::allocator_options::pytorch())
-      : a(gpukit::device::cpu(), options, capacity) {
-    a.stream_operations().world = &world;
-    s0 = fake_stream{world.add_stream()};
-    s1 = fake_stream{world.add_stream()};
-  }
+struct fixture : fake_setup {
+  explicit fixture(std::size_t capacity,
+                   const gpukit::allocator_options& options = gpukit::allocator_options::pytorch())
+      : fake_setup(options, capacity) {}
   void* alloc(std::size_t bytes, fake_stream s) { return a.allocate(bytes, s); }
   void* alloc(std::size_t bytes) { return alloc(bytes, s0); }
 
-  fake_world world;
-  fake_allocator a;
-  fake_stream s0, s1;
+  fake_stream s0 = add_stream();
+  fake_stream s1 = add_stream();
 };
 
 std::string oom_message(fixture& f, std::size_t bytes) {

@@ -30,10 +30,9 @@ upstream_calls calls_of(const fake_allocator& a) {
 /// allocation is freed first. Returns the upstream calls after the first tenth (warm-up) of the allocations.
 upstream_calls churn(const gpukit::allocator_options& options, std::size_t max_size, std::size_t live_bytes,
                      int count) {
-  fake_world world;
-  fake_allocator a(gpukit::device::cpu(), options, 64 * GiB);
-  a.stream_operations().world = &world;
-  const fake_stream s{world.add_stream()};
+  fake_setup setup(options);
+  fake_allocator& a = setup.a;
+  const fake_stream s = setup.add_stream();
   std::mt19937_64 rng(2024);
   std::uniform_int_distribution<std::size_t> size(KiB, max_size);
   std::deque<std::pair<void*, std::size_t>> live;
@@ -58,11 +57,10 @@ upstream_calls churn(const gpukit::allocator_options& options, std::size_t max_s
 /// An inference server: 3 streams, each request allocates a few buffers of varied sizes on its stream (input,
 /// activations, output), its work runs, and it frees them. Returns the upstream calls after the first 300 requests.
 upstream_calls server(const gpukit::allocator_options& options, int requests) {
-  fake_world world;
-  fake_allocator a(gpukit::device::cpu(), options, 64 * GiB);
-  a.stream_operations().world = &world;
-  const fake_stream streams[] = {fake_stream{world.add_stream()}, fake_stream{world.add_stream()},
-                                 fake_stream{world.add_stream()}};
+  fake_setup setup(options);
+  fake_allocator& a = setup.a;
+  fake_world& world = setup.world;
+  const fake_stream streams[] = {setup.add_stream(), setup.add_stream(), setup.add_stream()};
   std::mt19937_64 rng(7);
   std::uniform_int_distribution<std::size_t> input(4 * KiB, 2 * MiB), activation(MiB, 48 * MiB), output(KiB, 256 * KiB);
   std::vector<void*> held;
@@ -114,13 +112,12 @@ TEST_CASE("steady state: release_before_grow trades upstream frees for footprint
 
 TEST_CASE("steady state: under stream churn, the cache of abandoned streams is released before the footprint grows") {
   // Streams the allocator cannot see destroyed (raw handles; fake streams here): each of 1000 allocates once.
-  fake_world world;
-  fake_allocator a(gpukit::device::cpu(), gpukit::allocator_options{}, 64 * GiB);
-  a.stream_operations().world = &world;
-  const fake_stream busy{world.add_stream()};  // allocates all along: never abandoned
+  fake_setup setup;
+  fake_allocator& a = setup.a;
+  const fake_stream busy = setup.add_stream();  // allocates all along: never abandoned
   void* kept = a.allocate(MiB, busy);
   for (int i = 0; i < 1000; ++i) {
-    const fake_stream s{world.add_stream()};
+    const fake_stream s = setup.add_stream();
     a.deallocate(a.allocate(64 * KiB, s));
     a.deallocate(a.allocate(64 * KiB, busy));
   }

@@ -288,4 +288,19 @@ constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 
+/// A fake allocator on the CPU device wired to a world of its own: where most allocator tests start. The world is
+/// declared first so that it outlives the allocator, whose destruction still asks it about streams.
+struct fake_setup {
+  explicit fake_setup(const gpukit::allocator_options& options = {}, std::size_t capacity = 64 * GiB)
+      : a(gpukit::device::cpu(), options, capacity) {
+    a.stream_operations().world = &world;
+  }
+  fake_setup(const fake_setup&) = delete;
+  fake_setup& operator=(const fake_setup&) = delete;
+  fake_stream add_stream() { return fake_stream{world.add_stream()}; }
+
+  fake_world world;
+  fake_allocator a;
+};
+
 }  // namespace gpukit_test

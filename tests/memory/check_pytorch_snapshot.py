@@ -28,6 +28,8 @@ def main():
                           ("segment_pool_id", tuple), ("is_expandable", bool), ("frames", list), ("blocks", list)):
             if not isinstance(seg.get(key), kind):
                 fail("segment key %s is %r" % (key, seg.get(key)))
+        if not 0 <= seg["stream"] < 2 ** 63:
+            fail("segment stream %#x does not fit the viewer's 8-byte integers" % seg["stream"])
         if seg["segment_type"] not in ("small", "large"):
             fail("segment_type %r" % seg["segment_type"])
         address = seg["address"]
@@ -70,6 +72,8 @@ def main():
         for key in (address_key, "size", "stream", "time_us"):
             if not isinstance(entry.get(key), int):
                 fail("trace entry key %s is %r" % (key, entry.get(key)))
+        if not 0 <= entry["stream"] < 2 ** 63:
+            fail("trace entry stream %#x does not fit the viewer's 8-byte integers" % entry["stream"])
         if not isinstance(entry["frames"], list):
             fail("trace entry frames")
         if entry["time_us"] < last_time:

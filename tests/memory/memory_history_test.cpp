@@ -53,16 +53,11 @@ std::size_t replayed_peak(const std::vector<gpukit::memory_event>& events) {
   return peak;
 }
 
-struct world_and_allocator {
-  explicit world_and_allocator(gpukit::allocator_options options = {}, std::size_t capacity = 64 * GiB)
-      : a(gpukit::device::cpu(), options, capacity) {
-    a.stream_operations().world = &world;
-    s1 = fake_stream{world.add_stream()};
-    s2 = fake_stream{world.add_stream()};
-  }
-  fake_world world;
-  fake_allocator a;
-  fake_stream s1, s2;
+/// The shared setup with two streams.
+struct world_and_allocator : fake_setup {
+  using fake_setup::fake_setup;
+  fake_stream s1 = add_stream();
+  fake_stream s2 = add_stream();
 };
 
 }  // namespace
@@ -215,6 +210,11 @@ TEST_CASE("history: out of memory, snapshots, and the pages of expandable segmen
                                 [](const gpukit::memory_event& e) { return e.action == memory_action::oom; });
   REQUIRE(oom != events.end());
   CHECK(oom->size == 200 * MiB);
+  // RMM's replay benchmark refuses any action but allocate and free: failure rows only when asked for.
+  CHECK(gpukit::rmm_log_csv(*history).find("allocate failure") == std::string::npos);
+  char failure_row[64];
+  std::snprintf(failure_row, sizeof failure_row, ",allocate failure,0x0,%zu,", 200 * MiB);
+  CHECK(gpukit::rmm_log_csv(*history, gpukit::rmm_failure_rows::include).find(failure_row) != std::string::npos);
   std::size_t mapped = 0, unmapped = 0;
   for (const auto& e : events) {
     if (e.action == memory_action::segment_map) mapped += e.size;
@@ -266,7 +266,11 @@ TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
     ++rows;
     CHECK(std::count(line.begin(), line.end(), ',') == 5);
     CHECK((line.find(",allocate,0x") != std::string::npos || line.find(",free,0x") != std::string::npos));
-    CHECK(line.find(':') != std::string::npos);  // HH:MM:SS:us
+    const std::size_t time_at = line.find(',') + 1;  // HH:MM:SS:microseconds
+    const std::string time = line.substr(time_at, line.find(',', time_at) - time_at);
+    CHECK(time.size() == 15);
+    CHECK(std::count(time.begin(), time.end(), ':') == 3);
+    CHECK(time.find_first_not_of("0123456789:") == std::string::npos);
   }
   CHECK(rows == 4);  // 3 allocations, 1 free
   char kept_row[64];
@@ -296,6 +300,8 @@ TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
 
 TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and has what the memory viewer reads") {
   world_and_allocator w;
+  // A CPU stream's key has its top bit set; the viewer reads integers of at most 8 bytes.
+  w.world.streams[static_cast<std::size_t>(w.s2.id)].key = (std::uintptr_t{1} << 63) | 0x1234;
   auto history = std::make_shared<gpukit::memory_history>();
   w.a.set_memory_history(history);
   std::vector<void*> live;
@@ -314,8 +320,16 @@ TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and 
                               std::to_string(history->events().size()) + " 5 layer.0";
   CHECK(std::system(command.c_str()) == 0);
   std::remove(path.c_str());
-  CHECK_THROWS_AS(gpukit::dump_pytorch_snapshot("/nonexistent-dir/x.pickle", snapshot, *history),
-                  gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::dump_pytorch_snapshot("/nonexistent-dir/x.pickle", snapshot, *history),
+                       "gpukit::dump_pytorch_snapshot: cannot open /nonexistent-dir/x.pickle for writing: No such file "
+                       "or directory",
+                       gpukit::invalid_argument_error);
+  if (std::FILE* full = std::fopen("/dev/full", "wb")) {  // every write fails: ENOSPC
+    std::fclose(full);
+    CHECK_THROWS_WITH_AS(gpukit::dump_pytorch_snapshot("/dev/full", snapshot, *history),
+                         doctest::Contains("bytes to /dev/full failed: No space left on device"),
+                         gpukit::invalid_argument_error);
+  }
   for (std::size_t i : {0, 2, 3, 5, 6}) w.a.deallocate(live[i]);
 }
 

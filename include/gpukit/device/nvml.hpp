@@ -170,7 +170,7 @@ class library {
 };
 
 /// The process-wide NVML, loaded on first use (never at static-initialisation time) from GPUKIT_NVML_LIBRARY or
-/// "libnvidia-ml.so.1".
+/// "libnvidia-ml.so.1". Never unloaded, so queries stay valid until the process ends, from any thread.
 GPUKIT_EXPORT GPUKIT_INLINE const library& instance();
 
 }  // namespace nvml
@@ -441,11 +441,13 @@ GPUKIT_INLINE void* library::find(const device_properties& p) const {
 }
 
 GPUKIT_INLINE const library& instance() {
-  static const library nvml_library([] {
+  // Never destroyed: a gpu_monitor still sampling at exit (one owned by a static, or never deleted) would call into
+  // a library its destruction had unloaded. The driver cleans up after the process as it does after a crash.
+  static const library* const nvml_library = new library([] {
     const char* override_path = std::getenv("GPUKIT_NVML_LIBRARY");
     return (override_path != nullptr && *override_path != '\0') ? override_path : "libnvidia-ml.so.1";
   }());
-  return nvml_library;
+  return *nvml_library;
 }
 
 }  // namespace nvml

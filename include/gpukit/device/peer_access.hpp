@@ -192,7 +192,10 @@ inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, 
   };
   cudaMemPool_t pool = nullptr;
   cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
-  if (result == cudaErrorNotSupported) return failed(cudaSuccess, "");  // no pools: nothing to grant
+  if (result == cudaErrorNotSupported) {  // no pools: nothing to grant, and the refusal is not the caller's error
+    (void)failed(result, "");
+    return {cudaSuccess, {}};
+  }
   if (result != cudaSuccess) return failed(result, "cudaDeviceGetDefaultMemPool");
   cudaMemLocation location{};
   location.type = cudaMemLocationTypeDevice;
@@ -232,6 +235,16 @@ inline void acquire_peer_access(device from, device to) {
   if (found != registry.pairs.end()) {
     ++found->second.holders;
     return;
+  }
+  // Asked first: it creates no context, and a pair that cannot be peers gets one message (CUDA's documented
+  // cudaErrorInvalidDevice would read as a bad ordinal), with no context made on `from` for nothing.
+  if (!can_access_peer(from, to)) {
+    throw cuda_error("gpukit::peer_access(" + describe_peer_pair(from, to) + "): " + from.to_string() +
+                         " cannot access the memory of " + to.to_string() +
+                         " directly (cudaDeviceCanAccessPeer says no; cudaErrorPeerAccessUnsupported): no NVLink or "
+                         "PCIe peer path (see query_peer_matrix); copies between them still work, through the host",
+                     cudaErrorPeerAccessUnsupported, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")",
+                     from.ordinal(), __FILE__, __LINE__);
   }
   mode_independent::peer_access_entry entry{1, true, false};
   device_guard guard(from);  // access is enabled from the current device's context
@@ -313,6 +326,10 @@ inline void release_peer_access(device from, device to) noexcept {
 /// the first peer_access enables access (cudaDeviceEnablePeerAccess with `from` current, restoring the thread's
 /// device afterwards), the last one destroyed disables it. Access that was already enabled outside gpukit is used as
 /// it is and left enabled. Thread-safe. Movable, not copyable.
+///
+/// Access lives in the primary context of `from` (gpukit's contexts; a context the user made current with the driver
+/// API gets it instead, as for cudaDeviceEnablePeerAccess). cudaDeviceReset of either device ends it while the
+/// object still holds it: destroy peer_access objects before a reset.
 ///
 /// The constructor creates the primary contexts of `from` and `to` (the driver needs both) and no other. from == to
 /// is a no-op (active() is false). Throws invalid_argument_error for a CPU device or an ordinal that is not visible,

@@ -20,7 +20,8 @@
 ///  4. the CPU — unless the policy requires a GPU, then no_device_error listing every device and why it was rejected.
 /// Free memory and utilisation come from NVML, which creates no CUDA context. Without NVML, free memory is unknown:
 /// min_free_bytes and most_free_memory use total memory instead (said in the reason), unless
-/// allow_context_probe is set, which permits cudaMemGetInfo on each candidate (creating its context, ~300 MB each);
+/// allow_context_probe is set, which permits cudaMemGetInfo on each candidate (creating its context, ~300 MB each;
+/// only on the device GPUKIT_DEVICE or the local rank chooses, when they do);
 /// least_utilized falls back to the first eligible device.
 
 #include <gpukit/detail/config.hpp>
@@ -122,6 +123,9 @@ GPUKIT_INLINE std::string describe_gpu_list(const system_snapshot& system);
 
 /// GPUKIT_DEVICE: "cpu", "cuda", "cuda:N" or a GPU UUID (or unique prefix) among the visible devices.
 GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snapshot& system);
+/// The ordinal GPUKIT_DEVICE or the local rank will choose (INT_MAX: the CPU, or a value that will be refused), or
+/// -1 when the policy decides; the context probe reads only the device chosen.
+GPUKIT_INLINE int device_the_environment_chooses(const selection_policy& policy, const system_snapshot& system);
 
 /// The launcher's local rank: decimal digits (any number of them, leading zeros included) for a value in
 /// [0, INT_MAX], whitespace around ignored. Throws invalid_argument_error naming the variable and value otherwise.
@@ -289,6 +293,22 @@ GPUKIT_INLINE std::vector<candidate_verdict> judge_candidates(const selection_po
   return candidates;
 }
 
+GPUKIT_INLINE int device_the_environment_chooses(const selection_policy& policy, const system_snapshot& system) {
+  if (!policy.use_environment) return -1;
+  try {
+    if (system.gpukit_device && !trim_whitespace(*system.gpukit_device).empty()) {
+      const device d = resolve_override(*system.gpukit_device, system);
+      return d.is_cuda() ? d.ordinal() : std::numeric_limits<int>::max();  // the CPU: no GPU's figure matters
+    }
+    if (system.local_rank && !system.gpus.empty()) {
+      return parse_local_rank(system) % static_cast<int>(system.gpus.size());
+    }
+  } catch (const error&) {  // a bad value: select_device reports it; no GPU's figure matters meanwhile
+    return std::numeric_limits<int>::max();
+  }
+  return -1;
+}
+
 GPUKIT_INLINE bool select_by_override(const selection_policy& policy, const system_snapshot& system,
                                       device_selection& selection) {
   if (!policy.use_environment || !system.gpukit_device || trim_whitespace(*system.gpukit_device).empty()) {
@@ -418,6 +438,11 @@ GPUKIT_INLINE std::string describe_no_gpu() {
     case cudaErrorNoDevice: {
       const auto visible = visible_devices_in_effect();
       if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
+      if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
+        return "the driver reports no CUDA-capable GPU among those " +
+               detail::describe_environment_variable("CUDA_VISIBLE_DEVICES") +
+               " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
+      }
       return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
     }
     case cudaSuccess:
@@ -466,12 +491,16 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
         g.free_memory_source = "NVML";
       }
     }
-    if (need_free && !g.free_memory && policy.allow_context_probe) {
-      g.free_memory = query_memory_info(d).free_bytes;
-      g.free_memory_source = "cudaMemGetInfo";
-    }
     if (need_utilization && nvml_library != nullptr) g.utilization_percent = nvml_library->utilization_percent(p);
     system.gpus.push_back(std::move(g));
+  }
+  if (need_free && policy.allow_context_probe) {
+    const int only = detail::device_the_environment_chooses(policy, system);
+    for (gpu_snapshot& g : system.gpus) {
+      if (g.free_memory || (only >= 0 && g.device.ordinal() != only)) continue;
+      g.free_memory = query_memory_info(g.device).free_bytes;  // creates the device's context
+      g.free_memory_source = "cudaMemGetInfo";
+    }
   }
   return system;
 }

@@ -133,7 +133,9 @@ GPUKIT_INLINE bool check_visible_devices_unchanged();
 
 /// Interprets the CUDA_VISIBLE_DEVICES that CUDA uses in this process (the value at initialisation), checked
 /// against `installed` when given. Initialises CUDA if nothing has yet (cudaGetDeviceCount), so that the value read
-/// here is the one CUDA reads: a later change is in effect for neither.
+/// here is the one CUDA reads: a later change is in effect for neither. The value is recorded when gpukit first
+/// touches CUDA: if the program initialised CUDA itself and changed the variable before that, the value here is the
+/// changed one, not CUDA's.
 GPUKIT_INLINE visible_devices visible_devices_in_effect(const installed_gpus& installed = {});
 
 GPUKIT_END_NAMESPACE

@@ -12,9 +12,11 @@
 ///     }, pool);
 ///     for (int i = 0; i < steps; ++i) step.launch(s);
 ///
-/// A capture without a pool refuses gpukit allocations on the captured streams (caching_allocator.hpp says why).
-/// The capture mode is the calling thread's business: capture_mode::thread_local_ (the default) lets other threads
-/// make unsafe calls (cudaMalloc) meanwhile, capture_mode::global forbids them everywhere, as CUDA defines.
+/// A capture without a pool refuses the caching allocators' allocations on the captured streams
+/// (caching_allocator.hpp says why); async_allocator's become graph memory nodes. The capture mode is the calling
+/// thread's business: capture_mode::thread_local_ (the default) lets other threads make unsafe calls (cudaMalloc)
+/// meanwhile; capture_mode::global refuses them in every thread whose own mode is global (gpukit's own such calls run
+/// relaxed), as CUDA defines.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
@@ -179,6 +181,24 @@ class graph {
   std::shared_ptr<graph_pool> pool_;
 };
 
+namespace detail {
+
+/// What an end-of-capture failure means, for its message.
+inline const char* why_capture_failed(cudaError_t result) noexcept {
+  switch (result) {
+    case cudaErrorStreamCaptureInvalidated:
+      return "the capture was invalidated, e.g. by an unsafe call while it ran";
+    case cudaErrorStreamCaptureUnjoined:
+      return "a stream forked into the capture was not joined back to the captured stream";
+    case cudaErrorStreamCaptureWrongThread:
+      return "the capture was begun on another thread";
+    default:
+      return "the capture could not be ended";
+  }
+}
+
+}  // namespace detail
+
 /// Captures the work `work()` enqueues on `s` (and on streams it forks into the capture) into a graph and
 /// instantiates it. While it runs, gpukit's caching allocators serve allocations on the captured streams from
 /// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
@@ -228,10 +248,13 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
   struct capture_scope {
     cudaStream_t stream;  // 0 is a capturable stream too: the per-thread default stream in that mode
+    int device;
     graph_pool* pool;
     unsigned long long id;
     bool active = true;
     cudaGraph_t end() noexcept {
+      // 0 and cudaStreamPerThread name the per-thread stream of the current device, which the work may have changed.
+      if (stream == nullptr || stream == cudaStreamPerThread) (void)cudaSetDevice(device);
       cudaGraph_t g = nullptr;
       const cudaError_t result = cudaStreamEndCapture(stream, &g);
       if (pool != nullptr) pool->end_capture(id);
@@ -248,7 +271,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       if (cudaGraph_t g = end()) (void)cudaGraphDestroy(g);
     }
     cudaError_t last_error = cudaSuccess;
-  } scope{handle, nullptr, 0};
+  } scope{handle, d.ordinal(), nullptr, 0};
   if (pool) {
     // The id of the capture just begun on `handle` (never 0 for an active one): the pool serves that capture.
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -264,9 +287,8 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   std::forward<F>(work)();
   cudaGraph_t g = scope.end();
   if (g == nullptr) {
-    GPUKIT_CUDA_TRY_DESCRIBED(scope.last_error == cudaSuccess ? cudaErrorStreamCaptureInvalidated : scope.last_error,
-                              "cudaStreamEndCapture (the capture was invalidated, e.g. by an unsafe call "
-                              "while it ran)",
+    const cudaError_t ended = scope.last_error == cudaSuccess ? cudaErrorStreamCaptureInvalidated : scope.last_error;
+    GPUKIT_CUDA_TRY_DESCRIBED(ended, std::string("cudaStreamEndCapture (") + detail::why_capture_failed(ended) + ")",
                               d.ordinal());
   }
   cudaGraphExec_t exec = nullptr;

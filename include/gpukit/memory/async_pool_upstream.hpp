@@ -4,8 +4,10 @@
 
 /// \file
 /// async_pool_upstream: the caching allocator's segments from a CUDA memory pool (cudaMallocAsync / cudaFreeAsync)
-/// instead of cudaMalloc / cudaFree, so that gpukit's cache sits in front of the same pool as the other libraries of
-/// the process that use it (cuDNN, NCCL, a framework's cudaMallocAsync backend):
+/// instead of cudaMalloc / cudaFree, so that gpukit's cache sits in front of a pool the other libraries of the process
+/// may use too (cuDNN, NCCL, a framework's cudaMallocAsync backend). That is the device's default pool unless a pool
+/// is given: cudaMallocAsync uses the device's current pool (cudaDeviceGetMemPool), which is the default one unless
+/// someone called cudaDeviceSetMemPool; pass that pool to share it.
 ///
 ///     // with <gpukit/memory/caching_allocator_impl.hpp> included (the engine for this upstream; compiled mode)
 ///     gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(gpukit::device::cuda(0));
@@ -44,11 +46,11 @@ GPUKIT_BEGIN_NAMESPACE
 /// allocator builds it in place).
 class async_pool_upstream {
  public:
-  /// Segments from `pool` (a pool of device `d`), or from the device's default pool (cudaDeviceGetDefaultMemPool) when
-  /// it is null. The pool's
-  /// release threshold becomes `release_threshold` bytes at the first allocation (the maximum: keep everything, as
-  /// gpukit's cache does; this changes the pool for its other users too). Makes no CUDA call; throws
-  /// invalid_argument_error for the CPU.
+  /// Segments from `pool`, or from the device's default pool (cudaDeviceGetDefaultMemPool) when it is null. `pool`
+  /// must be a pool of device `d` (not checked: CUDA serves a pool of another device on `d`'s streams, and the
+  /// allocator would count its memory as `d`'s). The pool's release threshold becomes `release_threshold` bytes at
+  /// the first allocation (the maximum: keep everything, as gpukit's cache does; this changes the pool for its other
+  /// users too). Makes no CUDA call; throws invalid_argument_error for the CPU.
   explicit async_pool_upstream(gpukit::device d,
                                std::size_t release_threshold = std::numeric_limits<std::size_t>::max(),
                                cudaMemPool_t pool = nullptr)
@@ -61,8 +63,8 @@ class async_pool_upstream {
   async_pool_upstream(const async_pool_upstream&) = delete;
   async_pool_upstream& operator=(const async_pool_upstream&) = delete;
 
-  /// Destroys the private streams (their work, frees in stream order included, still runs). Segments still out are
-  /// the caching allocator's to give back first.
+  /// Destroys the private stream (its work still runs; frees in stream order run on gpukit's shared release stream,
+  /// which stays). Segments still out are the caching allocator's to give back first.
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;
     try {
@@ -114,7 +116,10 @@ class async_pool_upstream {
 
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the segment), then cudaFreeAsync
   /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit); when
-  /// the wait fails the segment is kept (leaked) rather than handed back while the device may still use it.
+  /// the wait fails the segment is kept (leaked) rather than handed back while the device may still use it. The
+  /// wait (cudaDeviceSynchronize) is refused while another thread captures in global mode, even in relaxed mode, and
+  /// invalidates that capture: the caching allocator takes this path only for segments it cannot order by events
+  /// (used on raw stream handles, or when recording failed), and refuses empty_cache and trim inside a capture.
   void deallocate(void* p, std::size_t /*bytes*/) noexcept {
     if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
     try {

@@ -10,7 +10,7 @@
 ///   pickle that PyTorch's memory viewer (pytorch.org/memory_viz) opens. A memory_tag shows as the single frame of
 ///   an event or block.
 /// - rmm_log_csv: RMM's logging_resource_adaptor format (Thread,Time,Action,Pointer,Size,Stream), which RMM's
-///   replay benchmark reads.
+///   replay benchmark and gpukit_replay read.
 /// - history_json: every event and the snapshot's segments, for scripts.
 /// - live_allocations / leak_report: allocations the history saw made and not freed, grouped by tag and size;
 ///   report_leaks_at_exit prints the report when the process exits, if anything is still allocated.
@@ -25,10 +25,12 @@
 #include <gpukit/memory/memory_history.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <map>
 #include <memory>
@@ -183,6 +185,10 @@ inline std::string json_string(std::string_view s) {
   return r + "\"";
 }
 
+/// A stream key as the viewer can read it: CPU streams' keys carry the top bit (cpu_stream_id_bit), which would make
+/// a 9-byte integer, and the memory viewer's unpickler reads at most 8. CUDA streams' keys are addresses, below it.
+inline std::uint64_t pytorch_stream(std::uint64_t key) noexcept { return key & ~(std::uint64_t{1} << 63); }
+
 inline const char* pytorch_block_state(block_state s) noexcept {
   switch (s) {
     case block_state::allocated:
@@ -194,12 +200,19 @@ inline const char* pytorch_block_state(block_state s) noexcept {
   }
 }
 
+/// Writes `bytes` to `path`; throws invalid_argument_error naming the path and the system's reason (errno).
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) throw invalid_argument_error(std::string(who) + ": cannot open " + path + " for writing");
+  if (f == nullptr) {
+    throw invalid_argument_error(std::string(who) + ": cannot open " + path + " for writing: " + std::strerror(errno));
+  }
   const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!written || !closed) throw invalid_argument_error(std::string(who) + ": writing " + path + " failed");
+  const int write_errno = errno;
+  const bool closed = std::fclose(f) == 0;  // a full disk may show only here
+  if (!written || !closed) {
+    throw invalid_argument_error(std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path +
+                                 " failed: " + std::strerror(written ? errno : write_errno));
+  }
 }
 
 }  // namespace detail
@@ -251,7 +264,7 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
     w.entry("allocated_size", allocated);
     w.entry("active_size", active);
     w.entry("requested_size", requested);
-    w.entry("stream", blocks.empty() ? 0 : blocks.front().stream);
+    w.entry("stream", blocks.empty() ? 0 : detail::pytorch_stream(blocks.front().stream));
     w.entry("segment_type", seg.small_pool ? "small" : "large");
     w.key("segment_pool_id");
     w.pair(0, 0);
@@ -294,7 +307,7 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
           w.entry("addr", e.address);
         }
         w.entry("size", e.size);
-        w.entry("stream", e.stream);
+        w.entry("stream", detail::pytorch_stream(e.stream));
         w.key("time_us");
         const std::int64_t us = history.unix_time_us(e);
         w.integer(us < 0 ? 0 : static_cast<std::uint64_t>(us));
@@ -309,22 +322,31 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
   return w.finish();
 }
 
-/// Writes pytorch_snapshot_pickle to `path` (throws invalid_argument_error when it cannot).
+/// Writes pytorch_snapshot_pickle to `path` (throws invalid_argument_error naming the system's reason when it
+/// cannot).
 inline void dump_pytorch_snapshot(const std::string& path, const allocator_snapshot& snapshot,
                                   const memory_history& history) {
   detail::write_file(path, pytorch_snapshot_pickle(snapshot, history), "gpukit::dump_pytorch_snapshot");
 }
 
+/// Whether rmm_log_csv writes a row for each out-of-memory failure.
+enum class rmm_failure_rows {
+  omit,     ///< none: RMM's replay benchmark accepts only "allocate" and "free" rows
+  include,  ///< "allocate failure" rows, as RMM's logging_resource_adaptor writes them (gpukit_replay counts them)
+};
+
 /// The allocations and frees of the history in RMM's log format: "Thread,Time,Action,Pointer,Size,Stream", one row
-/// per alloc ("allocate"), free_requested ("free") and oom ("allocate failure", pointer 0x0); Time is the UTC time
-/// of day as HH:MM:SS:microseconds, Stream the allocator's stream key in decimal.
-inline std::string rmm_log_csv(const memory_history& history) {
+/// per alloc ("allocate") and free_requested ("free"), and with rmm_failure_rows::include one per oom ("allocate
+/// failure", pointer 0x0); Time is the UTC time of day as HH:MM:SS:microseconds, Stream the allocator's stream key
+/// in decimal.
+inline std::string rmm_log_csv(const memory_history& history, rmm_failure_rows failures = rmm_failure_rows::omit) {
+  const bool with_failures = failures == rmm_failure_rows::include;
   std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
   for (const memory_event& e : history.events()) {
-    const char* action = e.action == memory_action::alloc            ? "allocate"
-                         : e.action == memory_action::free_requested ? "free"
-                         : e.action == memory_action::oom            ? "allocate failure"
-                                                                     : nullptr;
+    const char* action = e.action == memory_action::alloc                  ? "allocate"
+                         : e.action == memory_action::free_requested       ? "free"
+                         : e.action == memory_action::oom && with_failures ? "allocate failure"
+                                                                           : nullptr;
     if (action == nullptr) continue;
     const std::int64_t us = history.unix_time_us(e);
     const std::int64_t of_day = ((us % 86400000000LL) + 86400000000LL) % 86400000000LL;
