@@ -31,6 +31,7 @@ struct fake_gpu {
   unsigned nvlinks_to_peer = 2;      // of those, the first n end at the other GPU; the rest at an NVSwitch
   int common_ancestor = 40;          // nvmlGpuTopologyLevel_t between the two GPUs (40: the same NUMA node)
   bool lost = false;                 // fallen off the bus: handle lookups no longer find it
+  unsigned long long driver_reserved = 512ull << 20;  // in `used` as the v1 query reports it; apart in v2's
 };
 const fake_gpu installed_gpus[2] = {
     {"GPU-11111111-2222-3333-4444-555555555555", "00000000:1A:00.0", 80ull << 30, 60ull << 30, 20ull << 30, 35},
@@ -57,7 +58,10 @@ void choose_machine() {
       "GPU-0000c0da-0000-0000-0000-000000000000", "00000000:18:00.0", 80ull << 30, 70ull << 30, 10ull << 30, 12};
   gpus[1] = fake_gpu{"GPU-0001c0da-0000-0000-0000-000000000000", "00000000:28:00.0", 80ull << 30, 80ull << 30, 0, 0};
   gpus[1].self_bytes = -1;
-  for (auto& g : gpus) g.nvlinks_active = 0;  // a PCIe pair: the link comes from the common ancestor
+  for (auto& g : gpus) {
+    g.nvlinks_active = 0;   // a PCIe pair: the link comes from the common ancestor
+    g.driver_reserved = 0;  // round figures for the monitor's lines
+  }
   gpus[0].common_ancestor = gpus[1].common_ancestor = 30;
   gpus[1].clock_limits = 0x4 | 0x40;  // power cap and hardware thermal slowdown
 }
@@ -145,6 +149,21 @@ int nvmlDeviceGetMemoryInfo(void* device, gpukit::nvml::gpu_memory* memory) {
   memory->used = g->used;
   return 0;
 }
+#if !defined(FAKE_NVML_MINIMAL)
+struct fake_memory_v2 {
+  unsigned version;
+  unsigned long long total, reserved, free, used;
+};
+int nvmlDeviceGetMemoryInfo_v2(void* device, fake_memory_v2* memory) {
+  if (memory->version != 0x02000028u) return 25;  // NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+  const auto* g = static_cast<fake_gpu*>(device);
+  memory->total = g->total;
+  memory->reserved = g->driver_reserved < g->used ? g->driver_reserved : g->used;
+  memory->free = g->free;
+  memory->used = g->used - memory->reserved;
+  return 0;
+}
+#endif
 int nvmlDeviceGetUtilizationRates(void* device, void* rates) {
   const auto* g = static_cast<fake_gpu*>(device);
   if (g->utilization < 0) return 3;  // NVML_ERROR_NOT_SUPPORTED

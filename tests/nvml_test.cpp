@@ -111,7 +111,9 @@ TEST_CASE("a sample has every figure the fake NVML reports, this process's memor
   const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
   REQUIRE(sample);
   REQUIRE(sample->memory);
-  CHECK(sample->memory->used == (20ull << 30));
+  CHECK(sample->memory->used == (20ull << 30) - (512ull << 20));  // the v2 query: without the driver's reserve
+  CHECK(sample->memory->free == (60ull << 30));
+  CHECK(sample->memory->total == (80ull << 30));
   CHECK(sample->gpu_utilization_percent == 35u);
   CHECK(sample->memory_utilization_percent == 5u);
   CHECK(sample->temperature_c == 41u);
@@ -162,7 +164,8 @@ TEST_CASE("an NVML without the optional entry points still loads, and samples wh
   REQUIRE(nvml.available());
   const auto sample = nvml.sample(described("GPU-11111111-2222-3333-4444-555555555555", ""));
   REQUIRE(sample);
-  CHECK(sample->memory.has_value());
+  REQUIRE(sample->memory.has_value());
+  CHECK(sample->memory->used == (20ull << 30));  // the v1 query of a driver without v2: the reserve counted in
   CHECK(sample->gpu_utilization_percent == 35u);
   CHECK_FALSE(sample->temperature_c.has_value());
   CHECK_FALSE(sample->power_w.has_value());

@@ -2013,3 +2013,27 @@ TEST_CASE("capture: a caching allocator destroyed while another thread captures 
   CHECK(cudasim::calls("cudaFree") == frees + 1);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a stream forked into the capture and not joined back fails it, and the error says so") {
+  gpukit::stream s(cuda0);
+  gpukit::stream side(cuda0);
+  gpukit::event forked(cuda0);
+  std::string text;
+  try {
+    (void)gpukit::capture(s, [&] {
+      forked.record(s);
+      forked.wait(side);  // side joins the capture, and is never joined back into s
+    });
+    FAIL("an unjoined fork ends the capture with an error");
+  } catch (const gpukit::cuda_error& e) {
+    text = e.what();
+    CHECK(e.cuda_result() == cudaErrorStreamCaptureUnjoined);
+  }
+  CHECK(text.find("a stream forked into the capture was not joined back to the captured stream") != std::string::npos);
+  CHECK(cudasim::take_violations().size() == 1);  // on purpose
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  // Both streams left the ended capture.
+  CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
+  CHECK(gpukit::detail::capture_status(side) == cudaStreamCaptureStatusNone);
+  side.synchronize();
+}

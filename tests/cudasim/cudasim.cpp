@@ -91,13 +91,37 @@ struct capture_state {
   bool active = true;
   stream_ptr origin;
   std::vector<captured_op> ops;
+  // Each stream in the capture: how many steps (work, waits) it has taken, and where it was last joined: a stream
+  // waited for an event recorded on it after its last step. cudaStreamEndCapture requires every stream forked into
+  // the capture to be joined back, directly or through others, into the origin (else cudaErrorStreamCaptureUnjoined).
+  struct member {
+    std::size_t steps = 0;
+    const stream_obj* joined_into = nullptr;
+    std::size_t joined_after = 0;  // this stream's steps when it was joined
+    std::size_t joined_at = 0;     // the joining stream's steps once it had waited
+  };
+  std::map<const stream_obj*, member> members;
+  /// True when `st` (a member) reaches the origin through joins made after its last step.
+  bool joined(const stream_obj* st, int depth = 0) const {
+    if (st == origin.get()) return true;
+    const auto m = members.find(st);
+    if (m == members.end() || m->second.joined_into == nullptr || m->second.joined_after != m->second.steps)
+      return false;
+    const stream_obj* into = m->second.joined_into;
+    if (into == origin.get()) return true;
+    const auto next = members.find(into);
+    return depth < 64 && next != members.end() && next->second.joined_after >= m->second.joined_at &&
+           joined(into, depth + 1);
+  }
 };
 
 struct event_obj {
   int device = 0;
   unsigned flags = 0;
-  state_ptr last;                          // null: never recorded
-  std::shared_ptr<capture_state> capture;  // recorded inside this capture (until recorded again outside)
+  state_ptr last;                           // null: never recorded
+  std::shared_ptr<capture_state> capture;   // recorded inside this capture (until recorded again outside)
+  const stream_obj* captured_on = nullptr;  // inside a capture: the stream, and its steps then
+  std::size_t captured_after = 0;
 };
 
 struct graph_obj {
@@ -588,6 +612,7 @@ cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
     st->capture->ops.push_back(*o);  // what it does, without its state in this stream
+    ++st->capture->members[st.get()].steps;
     return cudaSuccess;
   }
   device_state& dev = s.devices[static_cast<std::size_t>(st->device)];
@@ -1276,6 +1301,8 @@ cudaError_t event_record(cudaEvent_t e, cudaStream_t h, bool ptsz, const char* n
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
     ev->capture = st->capture;
+    ev->captured_on = st.get();
+    ev->captured_after = st->capture->members[st.get()].steps;
     ev->last.reset();
     return cudaSuccess;
   }
@@ -1299,6 +1326,17 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
     if (!ev->capture->active)
       return c.violation(cudaErrorStreamCaptureIsolation, "wait for an event of an ended capture");
     if (!st->capture) st->capture = ev->capture;  // the stream joins the capture (fork)
+    auto& cap = *ev->capture;
+    auto& waiter = cap.members[st.get()];
+    ++waiter.steps;
+    if (ev->captured_on != st.get()) {
+      auto& source = cap.members[ev->captured_on];
+      if (source.steps == ev->captured_after) {  // the event is the source's latest step: the source is joined here
+        source.joined_into = st.get();
+        source.joined_after = source.steps;
+        source.joined_at = waiter.steps;
+      }
+    }
     return cudaSuccess;
   }
   if (st->capture) {
@@ -1347,6 +1385,8 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   auto cap = st->capture;
   if (!cap) return c.violation(cudaErrorIllegalState, "cudaStreamEndCapture on a stream that is not capturing");
   if (cap->origin != st) return c.violation(cudaErrorStreamCaptureUnmatched, "the capture began on another stream");
+  const bool unjoined = !cap->invalidated && std::any_of(cap->members.begin(), cap->members.end(),
+                                                         [&](const auto& m) { return !cap->joined(m.first); });
   for (auto& dev : c.s.devices) {
     for (auto& other : dev.streams) {
       if (other->capture == cap) other->capture.reset();
@@ -1356,6 +1396,11 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   auto& list = c.s.captures;
   list.erase(std::remove(list.begin(), list.end(), cap), list.end());
   if (cap->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+  if (unjoined) {
+    return c.violation(cudaErrorStreamCaptureUnjoined,
+                       "a stream forked into the capture (it waited for an event recorded in it) was not joined back "
+                       "into the origin stream after its last work");
+  }
   auto g = std::make_shared<graph_obj>();
   g->ops = cap->ops;
   *graph = reinterpret_cast<cudaGraph_t>(c.s.graphs.add(g));
@@ -1460,6 +1505,7 @@ const char* error_name(cudaError_t e) {
     CUDASIM_NAME(cudaErrorStreamCaptureInvalidated)
     CUDASIM_NAME(cudaErrorGraphExecUpdateFailure)
     CUDASIM_NAME(cudaErrorStreamCaptureUnmatched)
+    CUDASIM_NAME(cudaErrorStreamCaptureUnjoined)
     CUDASIM_NAME(cudaErrorStreamCaptureIsolation)
     CUDASIM_NAME(cudaErrorStreamCaptureImplicit)
     CUDASIM_NAME(cudaErrorCapturedEvent)

@@ -880,3 +880,69 @@ TEST_CASE("cudasim: a configured topology decides which pairs can be peers") {
   CHECK(cudasim::context_creations(0) == 0);
   CHECK(cudasim::violations().empty());  // a runtime answer, not a broken rule
 }
+
+TEST_CASE("cudasim: every stream forked into a capture must be joined back into the origin after its last work") {
+  cudaStream_t s = nullptr, side = nullptr, third = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&third, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t fork = nullptr, join = nullptr, relay = nullptr;
+  for (cudaEvent_t* e : {&fork, &join, &relay})
+    REQUIRE(cudaEventCreateWithFlags(e, cudaEventDisableTiming) == cudaSuccess);
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 16) == cudaSuccess);
+  std::atomic<int> ran{0};
+  cudaGraph_t graph = nullptr;
+  const auto begin_and_fork = [&](cudaStream_t into) {
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, s) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(into, fork, 0) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(d, 1, 16, into) == cudaSuccess);
+  };
+
+  // Forked and joined: the graph runs the side's work.
+  begin_and_fork(side);
+  REQUIRE(cudaEventRecord(join, side) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s, join, 0) == cudaSuccess);
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  // Joined through a third stream, itself joined after it waited.
+  begin_and_fork(side);
+  REQUIRE(cudaEventRecord(join, side) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(third, join, 0) == cudaSuccess);
+  REQUIRE(cudaEventRecord(relay, third) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s, relay, 0) == cudaSuccess);
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudasim::take_violations().empty());
+
+  // Never joined.
+  begin_and_fork(side);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureUnjoined);
+  CHECK(graph == nullptr);
+  // Joined, then more work on the side.
+  begin_and_fork(side);
+  REQUIRE(cudaEventRecord(join, side) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s, join, 0) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(side, set_flag, &ran) == cudaSuccess);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureUnjoined);
+  // Joined through a third stream whose event was recorded before it waited.
+  begin_and_fork(side);
+  REQUIRE(cudaStreamWaitEvent(third, fork, 0) == cudaSuccess);
+  REQUIRE(cudaEventRecord(join, side) == cudaSuccess);
+  REQUIRE(cudaEventRecord(relay, third) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(third, join, 0) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s, relay, 0) == cudaSuccess);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureUnjoined);
+  const auto v = cudasim::take_violations();
+  CHECK(v.size() == 3);
+  CHECK(has_violation(v, cudaErrorStreamCaptureUnjoined));
+  (void)cudaGetLastError();
+  // Every stream left the ended captures: they take ordinary work again.
+  REQUIRE(cudaLaunchHostFunc(side, set_flag, &ran) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(side) == cudaSuccess);
+  CHECK(ran.load() == 1);
+  CHECK(cudaFree(d) == cudaSuccess);
+  for (cudaEvent_t e : {fork, join, relay}) CHECK(cudaEventDestroy(e) == cudaSuccess);
+  for (cudaStream_t st : {s, side, third}) CHECK(cudaStreamDestroy(st) == cudaSuccess);
+}

@@ -313,11 +313,14 @@ TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and 
   w.a.deallocate(live[1]);
   w.a.deallocate(live[4]);
   const auto snapshot = w.a.snapshot();
+  const std::size_t at_snapshot = history->events().size();  // its snapshot event included
+  // After the snapshot: not in it, so not in the trace the viewer replays backwards from it.
+  void* later = w.a.allocate(8 * MiB, w.s1);
   const std::string path = "gpukit_history_test_snapshot.pickle";
   gpukit::dump_pytorch_snapshot(path, snapshot, *history);
   const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
-                              std::to_string(snapshot.segments.size()) + " " +
-                              std::to_string(history->events().size()) + " 5 layer.0";
+                              std::to_string(snapshot.segments.size()) + " " + std::to_string(at_snapshot) +
+                              " 5 layer.0";
   CHECK(std::system(command.c_str()) == 0);
   std::remove(path.c_str());
   CHECK_THROWS_WITH_AS(gpukit::dump_pytorch_snapshot("/nonexistent-dir/x.pickle", snapshot, *history),
@@ -331,6 +334,7 @@ TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and 
                          gpukit::invalid_argument_error);
   }
   for (std::size_t i : {0, 2, 3, 5, 6}) w.a.deallocate(live[i]);
+  w.a.deallocate(later);
 }
 
 TEST_CASE("history exports: pickle integers, strings that are not UTF-8, and large addresses") {

@@ -34,7 +34,8 @@ namespace nvml {
 struct gpu_memory {
   unsigned long long total = 0;  ///< installed memory
   unsigned long long free = 0;   ///< memory not allocated by any process
-  unsigned long long used = 0;   ///< memory allocated, by every process and the driver
+  unsigned long long used = 0;   ///< memory allocated by processes, as nvidia-smi shows it (drivers before 510,
+                                 ///< without NVML's v2 query, count the memory the driver reserves in as well)
 };
 
 /// Why clocks are held below their maximum: a bit mask of NVML's clocks event (formerly "throttle") reasons.
@@ -140,6 +141,9 @@ class library {
   std::string describe(int result) const;
 
   void* find(const device_properties& p) const;
+  /// nvmlDeviceGetMemoryInfo_v2 where the driver has it (used without the memory the driver reserves, as nvidia-smi
+  /// shows it), else the v1 query (used with it). Returns NVML's result.
+  int read_memory(void* dev, gpu_memory& m) const;
 
   void* handle_ = nullptr;
   bool initialised_ = false;
@@ -155,6 +159,7 @@ class library {
   int (*by_pci_)(const char*, void**) = nullptr;
   int (*uuid_)(void*, char*, unsigned) = nullptr;
   int (*memory_)(void*, gpu_memory*) = nullptr;                 // nvmlMemory_t (v1): total, free, used
+  int (*memory_v2_)(void*, void*) = nullptr;                    // nvmlMemory_v2_t: version, total, reserved, free, used
   int (*utilization_)(void*, void*) = nullptr;                  // nvmlUtilization_t: gpu, memory
   int (*temperature_)(void*, int, unsigned*) = nullptr;         // sensor 0: the GPU, degrees C
   int (*power_)(void*, unsigned*) = nullptr;                    // milliwatts
@@ -234,6 +239,7 @@ GPUKIT_INLINE library::library(const char* path) {
   bind_optional(nvlink_remote_pci_, "nvmlDeviceGetNvLinkRemotePciInfo_v2");
   // _v2 first: its entry is 24 bytes on every driver, while the _v3 of drivers 535.43 to 535.86 writes 32-byte
   // entries (an extra field). Entries are read at 24 bytes into room for 32 (process_memory), so neither overflows.
+  bind_optional(memory_v2_, "nvmlDeviceGetMemoryInfo_v2");
   if (!bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v2"))
     bind_optional(processes_, "nvmlDeviceGetComputeRunningProcesses_v3");
   const int result = init_();
@@ -254,11 +260,27 @@ GPUKIT_INLINE bool library::available() const noexcept { return initialised_; }
 
 GPUKIT_INLINE const std::string& library::status() const noexcept { return status_; }
 
+GPUKIT_INLINE int library::read_memory(void* dev, gpu_memory& m) const {
+  if (memory_v2_ != nullptr) {
+    struct {
+      unsigned version;
+      unsigned long long total, reserved, free, used;
+    } v2{};
+    static_assert(sizeof v2 == 40, "nvmlMemory_v2_t");
+    v2.version = sizeof v2 | (2u << 24);  // nvmlMemory_v2: 0x02000028
+    if (memory_v2_(dev, &v2) == 0) {
+      m = gpu_memory{v2.total, v2.free, v2.used};
+      return 0;
+    }
+  }
+  return memory_(dev, &m);
+}
+
 GPUKIT_INLINE std::optional<gpu_memory> library::memory(const device_properties& p) const {
   void* dev = find(p);
   if (dev == nullptr) return std::nullopt;
   gpu_memory m;
-  if (memory_(dev, &m) != 0) return std::nullopt;
+  if (read_memory(dev, m) != 0) return std::nullopt;
   return m;
 }
 
@@ -280,7 +302,7 @@ GPUKIT_INLINE std::optional<gpu_sample> library::sample(const device_properties&
   if (dev == nullptr) return std::nullopt;
   gpu_sample s;
   gpu_memory m;
-  if (memory_(dev, &m) == 0) s.memory = m;
+  if (read_memory(dev, m) == 0) s.memory = m;
   struct {
     unsigned gpu;
     unsigned memory;

@@ -294,7 +294,8 @@ class basic_caching_allocator {
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops recording.
   /// While no history is set, the cost is one acquire load (a plain load on x86) and a branch per call. A history once
-  /// set is kept alive until the allocator is destroyed (a call on another thread may still be recording into it).
+  /// set is kept alive until the allocator is destroyed (a call on another thread may still be recording into it), so
+  /// setting a new history per step grows without bound: reuse one, clear()ing it.
   void set_memory_history(std::shared_ptr<memory_history> history);
   /// The history being recorded into, or null.
   std::shared_ptr<memory_history> history() const;

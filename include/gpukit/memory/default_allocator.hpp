@@ -177,7 +177,10 @@ void set_reserved_memory_limit(std::size_t bytes, device d) {
   default_allocator(d).set_reserved_limit(bytes);
 }
 /// Starts recording what `d`'s default allocator does into a new history of at most `max_entries` events (like
-/// torch.cuda.memory._record_memory_history) and returns it; stop_memory_history(d) stops.
+/// torch.cuda.memory._record_memory_history) and returns it; stop_memory_history(d) stops. The allocator keeps every
+/// history it was given alive for as long as it lives (the process, for a default allocator: a call on another
+/// thread may still be recording into one): to record step after step, keep one history and clear() it rather than
+/// making a new one each time.
 template <int Deferred = 0>
 std::shared_ptr<memory_history> record_memory_history(device d, std::size_t max_entries = 100000) {
   auto history = std::make_shared<memory_history>(max_entries);

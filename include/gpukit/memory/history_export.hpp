@@ -219,9 +219,15 @@ inline void write_file(const std::string& path, const std::string& bytes, const 
 
 /// The snapshot and history as the pickle torch.cuda.memory._dump_snapshot() writes (see the file comment).
 /// `device_traces` has one list per device up to the snapshot's; the history goes to the snapshot's device (the
-/// CPU device counts as 0).
+/// CPU device counts as 0). The trace ends at the history's last `snapshot` event, which the allocator records when
+/// `snapshot` is taken with the history attached: the viewer replays the trace backwards from the snapshot's state,
+/// so events after it (other threads' meanwhile, or later work) would undo blocks the snapshot does not hold. Take
+/// the snapshot last; a history without a snapshot event is written whole.
 inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, const memory_history& history) {
-  const std::vector<memory_event> events = history.events();
+  std::vector<memory_event> events = history.events();
+  const auto last_snapshot = std::find_if(events.rbegin(), events.rend(),
+                                          [](const memory_event& e) { return e.action == memory_action::snapshot; });
+  if (last_snapshot != events.rend()) events.erase(last_snapshot.base(), events.end());  // keeps the snapshot event
   const auto tags = detail::live_tags(events);
   const std::uint64_t device = snapshot.device.is_cuda() ? static_cast<std::uint64_t>(snapshot.device.ordinal()) : 0;
   detail::pickle_writer w;
