@@ -2037,3 +2037,52 @@ TEST_CASE("capture: a stream forked into the capture and not joined back fails i
   CHECK(gpukit::detail::capture_status(side) == cudaStreamCaptureStatusNone);
   side.synchronize();
 }
+
+TEST_CASE(
+    "capture: async_pool_upstream gives back a segment it cannot order by events once gpukit's captures end, "
+    "leaving them intact") {
+  // Its fallback waits for the whole device (cudaDeviceSynchronize), which a capture refuses in relaxed mode too, and
+  // which invalidates it: the segment is held by the upstream until no gpukit capture runs.
+  gpukit::stream s(cuda0);
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> over_pool(cuda0);
+  cudaStream_t raw = nullptr;  // a raw handle: no event orders the segment's release after its work
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  const gpukit::stream_view raw_view(cuda0, raw);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  std::string failure;
+  std::size_t segment = 0;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        std::thread([&] {
+          try {
+            void* p = over_pool.allocate(std::size_t{4} << 20, raw_view);
+            segment = over_pool.memory_reserved();
+            over_pool.deallocate(p);
+            over_pool.empty_cache();
+          } catch (const std::exception& e) {
+            failure = e.what();
+          }
+        }).join();
+      },
+      nullptr, gpukit::capture_mode::global);
+  CHECK(failure == "");
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  CHECK(over_pool.memory_reserved() == 0);
+  cudaMemPool_t pool = over_pool.engine().upstream().pool();
+  REQUIRE(pool != nullptr);
+  cuuint64_t used = 0;
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
+  CHECK(segment > 0);
+  CHECK(used == segment);  // held back, not lost
+  g.launch(s);
+  s.synchronize();
+  // The next segment given back, outside a capture, takes the held one with it.
+  over_pool.deallocate(over_pool.allocate(std::size_t{4} << 20, raw_view));
+  over_pool.empty_cache();
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the frees are enqueued on the upstream's stream
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
+  CHECK(used == 0);
+  CHECK(cudasim::violations().empty());
+  CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+}

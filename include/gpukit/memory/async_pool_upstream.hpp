@@ -67,6 +67,7 @@ class async_pool_upstream {
   /// which stays). Segments still out are the caching allocator's to give back first.
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;
+    if (!held_.empty() && !capture_underway()) give_back(nullptr, held_);
     try {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
@@ -118,15 +119,38 @@ class async_pool_upstream {
   /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit); when
   /// the wait fails the segment is kept (leaked) rather than handed back while the device may still use it. The
   /// wait (cudaDeviceSynchronize) is refused while another thread captures in global mode, even in relaxed mode, and
-  /// invalidates that capture: the caching allocator takes this path only for segments it cannot order by events
-  /// (used on raw stream handles, or when recording failed), and refuses empty_cache and trim inside a capture.
+  /// invalidates that capture: while a gpukit capture runs (gpukit::capture, on any thread) the segment is held
+  /// back, and given back with the next one after the captures end (or at destruction). A capture begun with the
+  /// raw runtime cannot be seen. The caching allocator takes this path only for segments it cannot order by events
+  /// (used on raw stream handles, or when recording failed).
   void deallocate(void* p, std::size_t /*bytes*/) noexcept {
+    std::vector<void*> held;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (capture_underway()) {
+        held_.push_back(p);  // given back with the next segment after the captures end
+        return;
+      }
+      held.swap(held_);
+    } catch (...) {  // no room to hold it back: given back now
+    }
+    give_back(p, held);
+  }
+
+  /// Gives the segment `p` (if not null) and `held` back to the pool after the device's work.
+  void give_back(void* p, const std::vector<void*>& held) noexcept {
     if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // as in allocate
-      detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
-                                  device_.ordinal());
+      for (void* q : held) {
+        detail::report_cuda_failure(cudaFreeAsync(q, stream_), "cudaFreeAsync (returning a segment to the pool)",
+                                    device_.ordinal());
+      }
+      if (p != nullptr) {
+        detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
+                                    device_.ordinal());
+      }
     } catch (const error& e) {
       if (detail::is_teardown_result(e.cuda_result())) return;
       detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
@@ -191,6 +215,11 @@ class async_pool_upstream {
   }
 
  private:
+  /// Whether a gpukit capture runs now, on any thread (one beginning right after is not seen).
+  static bool capture_underway() noexcept {
+    return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+  }
+
   /// The private stream, created with the pool's settings at the first call (a failure is thrown, and the next call
   /// tries again).
   cudaStream_t private_stream() {
@@ -209,9 +238,10 @@ class async_pool_upstream {
   }
 
   gpukit::device device_;
-  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set
+  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set, and held_
   cudaMemPool_t pool_ = nullptr;   // the pool segments come from
   cudaStream_t stream_ = nullptr;  // where allocations (and frees after a device-wide wait) are enqueued
+  std::vector<void*> held_;        // segments given back during a gpukit capture, not yet freed (guarded by mutex_)
   std::size_t release_threshold_;
 };
 
