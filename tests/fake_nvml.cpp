@@ -32,6 +32,7 @@ struct fake_gpu {
   int common_ancestor = 40;          // nvmlGpuTopologyLevel_t between the two GPUs (40: the same NUMA node)
   bool lost = false;                 // fallen off the bus: handle lookups no longer find it
   unsigned long long driver_reserved = 512ull << 20;  // in `used` as the v1 query reports it; apart in v2's
+  bool memory_v2 = true;                              // false: the v2 query says NVML_ERROR_NOT_SUPPORTED
 };
 const fake_gpu installed_gpus[2] = {
     {"GPU-11111111-2222-3333-4444-555555555555", "00000000:1A:00.0", 80ull << 30, 60ull << 30, 20ull << 30, 35},
@@ -157,6 +158,7 @@ struct fake_memory_v2 {
 int nvmlDeviceGetMemoryInfo_v2(void* device, fake_memory_v2* memory) {
   if (memory->version != 0x02000028u) return 25;  // NVML_ERROR_ARGUMENT_VERSION_MISMATCH
   const auto* g = static_cast<fake_gpu*>(device);
+  if (!g->memory_v2) return 3;  // NVML_ERROR_NOT_SUPPORTED
   memory->total = g->total;
   memory->reserved = g->driver_reserved < g->used ? g->driver_reserved : g->used;
   memory->free = g->free;
@@ -185,6 +187,7 @@ void fake_nvml_set(unsigned index, const char* field, long long value) {
   if (std::strcmp(field, "nvlinks_to_peer") == 0) g.nvlinks_to_peer = static_cast<unsigned>(value);
   if (std::strcmp(field, "common_ancestor") == 0) g.common_ancestor = static_cast<int>(value);
   if (std::strcmp(field, "lost") == 0) g.lost = value != 0;
+  if (std::strcmp(field, "memory_v2") == 0) g.memory_v2 = value != 0;
 }
 long fake_nvml_calls() { return sampling_calls.load(); }
 int fake_nvml_initialised() { return initialised; }

@@ -84,13 +84,14 @@ TEST_CASE("a missing or foreign library leaves NVML unavailable, with the reason
 
 namespace {
 bool instance_used = false;
+int inits_with_instance = 0;  // the fake's open nvmlInit_v2 calls once the instance was made
 // Registered before main, so before the instance exists: exit runs it after the instance's destruction, were the
 // instance destroyed. A monitor thread still sampling then would call into an unloaded library.
 const int instance_check_at_exit = std::atexit([] {
   if (!instance_used) return;
   void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_LAZY | RTLD_NOLOAD);
   auto* initialised = fake == nullptr ? nullptr : reinterpret_cast<int (*)()>(dlsym(fake, "fake_nvml_initialised"));
-  if (initialised == nullptr || initialised() == 0) {
+  if (initialised == nullptr || initialised() < inits_with_instance) {
     std::fputs("nvml::instance() was shut down at exit, before threads that may still use it\n", stderr);
     std::_Exit(1);
   }
@@ -103,6 +104,12 @@ TEST_CASE("the process-wide instance honours GPUKIT_NVML_LIBRARY and stays loade
   CHECK(gpukit::nvml::instance().available());
   CHECK(&gpukit::nvml::instance() == &gpukit::nvml::instance());
   CHECK(instance_check_at_exit == 0);
+  void* fake = dlopen(GPUKIT_FAKE_NVML_PATH, RTLD_LAZY | RTLD_NOLOAD);
+  REQUIRE(fake != nullptr);
+  auto* initialised = reinterpret_cast<int (*)()>(dlsym(fake, "fake_nvml_initialised"));
+  const bool found = initialised != nullptr;
+  REQUIRE(found);
+  inits_with_instance = initialised();  // at exit: not fewer (the instance's init not shut down)
   instance_used = true;
 }
 
@@ -114,6 +121,11 @@ TEST_CASE("a sample has every figure the fake NVML reports, this process's memor
   CHECK(sample->memory->used == (20ull << 30) - (512ull << 20));  // the v2 query: without the driver's reserve
   CHECK(sample->memory->free == (60ull << 30));
   CHECK(sample->memory->total == (80ull << 30));
+  set_fake(0, "memory_v2", 0);  // a driver whose v2 query refuses (NVML_ERROR_NOT_SUPPORTED): the v1 figures
+  const auto v1 = nvml.memory(described("GPU-11111111-2222-3333-4444-555555555555", ""));
+  REQUIRE(v1);
+  CHECK(v1->used == (20ull << 30));
+  CHECK(v1->free == (60ull << 30));
   CHECK(sample->gpu_utilization_percent == 35u);
   CHECK(sample->memory_utilization_percent == 5u);
   CHECK(sample->temperature_c == 41u);

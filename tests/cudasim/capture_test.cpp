@@ -2018,11 +2018,14 @@ TEST_CASE("capture: a stream forked into the capture and not joined back fails i
   gpukit::stream s(cuda0);
   gpukit::stream side(cuda0);
   gpukit::event forked(cuda0);
+  void* memory = nullptr;
+  REQUIRE(cudaMalloc(&memory, 64) == cudaSuccess);
   std::string text;
   try {
     (void)gpukit::capture(s, [&] {
       forked.record(s);
-      forked.wait(side);  // side joins the capture, and is never joined back into s
+      forked.wait(side);  // side joins the capture, works, and is never joined back into s
+      GPUKIT_CUDA_TRY(cudaMemsetAsync(memory, 0, 64, side.cuda_handle()));
     });
     FAIL("an unjoined fork ends the capture with an error");
   } catch (const gpukit::cuda_error& e) {
@@ -2036,6 +2039,7 @@ TEST_CASE("capture: a stream forked into the capture and not joined back fails i
   CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);
   CHECK(gpukit::detail::capture_status(side) == cudaStreamCaptureStatusNone);
   side.synchronize();
+  CHECK(cudaFree(memory) == cudaSuccess);
 }
 
 TEST_CASE(

@@ -91,27 +91,38 @@ struct capture_state {
   bool active = true;
   stream_ptr origin;
   std::vector<captured_op> ops;
-  // Each stream in the capture: how many steps (work, waits) it has taken, and where it was last joined: a stream
-  // waited for an event recorded on it after its last step. cudaStreamEndCapture requires every stream forked into
-  // the capture to be joined back, directly or through others, into the origin (else cudaErrorStreamCaptureUnjoined).
+  // Each stream in the capture: its work (captured operations) and steps (work and waits, for order), and where it
+  // was last joined: a stream waited for an event recorded on it after its last work. cudaStreamEndCapture requires
+  // every stream forked into the capture with work of its own to be joined back, directly or through others, into
+  // the origin (else cudaErrorStreamCaptureUnjoined). Not measured on a GPU: whether a fork without work, or a wait
+  // after the join, also counts as unjoined; both are accepted here.
   struct member {
+    std::size_t work = 0;
     std::size_t steps = 0;
     const stream_obj* joined_into = nullptr;
-    std::size_t joined_after = 0;  // this stream's steps when it was joined
-    std::size_t joined_at = 0;     // the joining stream's steps once it had waited
+    std::size_t joined_after_work = 0;   // this stream's work when the joining event was recorded
+    std::size_t joined_after_steps = 0;  // and its steps
+    std::size_t joined_at = 0;           // the joining stream's steps once it had waited
   };
   std::map<const stream_obj*, member> members;
-  /// True when `st` (a member) reaches the origin through joins made after its last step.
+  /// True when `st` (a member) reaches the origin through joins made after its last work; a stream that relays a
+  /// join must have been joined itself after it waited.
   bool joined(const stream_obj* st, int depth = 0) const {
     if (st == origin.get()) return true;
     const auto m = members.find(st);
-    if (m == members.end() || m->second.joined_into == nullptr || m->second.joined_after != m->second.steps)
+    if (m == members.end() || m->second.joined_into == nullptr || m->second.joined_after_work != m->second.work) {
       return false;
+    }
     const stream_obj* into = m->second.joined_into;
     if (into == origin.get()) return true;
     const auto next = members.find(into);
-    return depth < 64 && next != members.end() && next->second.joined_after >= m->second.joined_at &&
+    return depth < 64 && next != members.end() && next->second.joined_after_steps >= m->second.joined_at &&
            joined(into, depth + 1);
+  }
+  /// Whether a stream with work of its own is not joined back.
+  bool unjoined() const {
+    return std::any_of(members.begin(), members.end(),
+                       [&](const auto& m) { return m.second.work != 0 && !joined(m.first); });
   }
 };
 
@@ -120,8 +131,9 @@ struct event_obj {
   unsigned flags = 0;
   state_ptr last;                           // null: never recorded
   std::shared_ptr<capture_state> capture;   // recorded inside this capture (until recorded again outside)
-  const stream_obj* captured_on = nullptr;  // inside a capture: the stream, and its steps then
-  std::size_t captured_after = 0;
+  const stream_obj* captured_on = nullptr;  // inside a capture: the stream, and its work and steps then
+  std::size_t captured_after_work = 0;
+  std::size_t captured_after_steps = 0;
 };
 
 struct graph_obj {
@@ -612,7 +624,9 @@ cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
     st->capture->ops.push_back(*o);  // what it does, without its state in this stream
-    ++st->capture->members[st.get()].steps;
+    auto& m = st->capture->members[st.get()];
+    ++m.work;
+    ++m.steps;
     return cudaSuccess;
   }
   device_state& dev = s.devices[static_cast<std::size_t>(st->device)];
@@ -1301,8 +1315,10 @@ cudaError_t event_record(cudaEvent_t e, cudaStream_t h, bool ptsz, const char* n
   if (st->capture) {
     if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
     ev->capture = st->capture;
+    const auto& m = st->capture->members[st.get()];
     ev->captured_on = st.get();
-    ev->captured_after = st->capture->members[st.get()].steps;
+    ev->captured_after_work = m.work;
+    ev->captured_after_steps = m.steps;
     ev->last.reset();
     return cudaSuccess;
   }
@@ -1325,15 +1341,20 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
   if (ev->capture) {
     if (!ev->capture->active)
       return c.violation(cudaErrorStreamCaptureIsolation, "wait for an event of an ended capture");
+    if (st->capture && st->capture != ev->capture) {
+      st->capture->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureMerge, "a stream of one capture waits for an event of another");
+    }
     if (!st->capture) st->capture = ev->capture;  // the stream joins the capture (fork)
     auto& cap = *ev->capture;
     auto& waiter = cap.members[st.get()];
     ++waiter.steps;
     if (ev->captured_on != st.get()) {
       auto& source = cap.members[ev->captured_on];
-      if (source.steps == ev->captured_after) {  // the event is the source's latest step: the source is joined here
+      if (source.work == ev->captured_after_work) {  // the event follows the source's last work: joined here
         source.joined_into = st.get();
-        source.joined_after = source.steps;
+        source.joined_after_work = ev->captured_after_work;
+        source.joined_after_steps = ev->captured_after_steps;
         source.joined_at = waiter.steps;
       }
     }
@@ -1385,8 +1406,7 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   auto cap = st->capture;
   if (!cap) return c.violation(cudaErrorIllegalState, "cudaStreamEndCapture on a stream that is not capturing");
   if (cap->origin != st) return c.violation(cudaErrorStreamCaptureUnmatched, "the capture began on another stream");
-  const bool unjoined = !cap->invalidated && std::any_of(cap->members.begin(), cap->members.end(),
-                                                         [&](const auto& m) { return !cap->joined(m.first); });
+  const bool unjoined = !cap->invalidated && cap->unjoined();
   for (auto& dev : c.s.devices) {
     for (auto& other : dev.streams) {
       if (other->capture == cap) other->capture.reset();
@@ -1506,6 +1526,7 @@ const char* error_name(cudaError_t e) {
     CUDASIM_NAME(cudaErrorGraphExecUpdateFailure)
     CUDASIM_NAME(cudaErrorStreamCaptureUnmatched)
     CUDASIM_NAME(cudaErrorStreamCaptureUnjoined)
+    CUDASIM_NAME(cudaErrorStreamCaptureMerge)
     CUDASIM_NAME(cudaErrorStreamCaptureIsolation)
     CUDASIM_NAME(cudaErrorStreamCaptureImplicit)
     CUDASIM_NAME(cudaErrorCapturedEvent)

@@ -914,6 +914,20 @@ TEST_CASE("cudasim: every stream forked into a capture must be joined back into 
   REQUIRE(cudaStreamWaitEvent(s, relay, 0) == cudaSuccess);
   REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
   CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  // Accepted, not measured on a GPU: a fork without work of its own, and a wait after the join.
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaEventRecord(fork, s) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(side, fork, 0) == cudaSuccess);
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  begin_and_fork(side);
+  REQUIRE(cudaEventRecord(join, side) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s, join, 0) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d, 2, 16, s) == cudaSuccess);
+  REQUIRE(cudaEventRecord(fork, s) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(side, fork, 0) == cudaSuccess);
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
   CHECK(cudasim::take_violations().empty());
 
   // Never joined.
@@ -934,9 +948,18 @@ TEST_CASE("cudasim: every stream forked into a capture must be joined back into 
   REQUIRE(cudaStreamWaitEvent(third, join, 0) == cudaSuccess);
   REQUIRE(cudaStreamWaitEvent(s, relay, 0) == cudaSuccess);
   CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureUnjoined);
+  // A stream of one capture waiting for an event of another would merge them.
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(third, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaEventRecord(relay, third) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(s, relay, 0) == cudaErrorStreamCaptureMerge);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureInvalidated);
+  REQUIRE(cudaStreamEndCapture(third, &graph) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
   const auto v = cudasim::take_violations();
-  CHECK(v.size() == 3);
+  CHECK(v.size() == 4);
   CHECK(has_violation(v, cudaErrorStreamCaptureUnjoined));
+  CHECK(has_violation(v, cudaErrorStreamCaptureMerge));
   (void)cudaGetLastError();
   // Every stream left the ended captures: they take ordinary work again.
   REQUIRE(cudaLaunchHostFunc(side, set_flag, &ran) == cudaSuccess);

@@ -662,6 +662,12 @@ TEST_CASE("history picture: the largest free block with pages unmapped as a run,
   const std::vector<memory_event> overlap = {event(memory_action::segment_map, base + 200, 200),
                                              event(memory_action::alloc, base, 400)};
   CHECK(gpukit::detail::largest_free_levels(overlap, snapshot, {0, 1}) == std::vector<std::int64_t>{400, 0});
+  // The snapshot's run merges pages that were there before the history began with one the history mapped at its
+  // start: those before count, though the run starts at the history's page.
+  snapshot.segments[0].mapped_ranges = {{base, 400}};
+  const std::vector<memory_event> grown = {event(memory_action::segment_map, base, 100),
+                                           event(memory_action::alloc, base + 100, 100)};
+  CHECK(gpukit::detail::largest_free_levels(grown, snapshot, {0, 1}) == std::vector<std::int64_t>{400, 200});
   // An allocation that starts before a range and runs into it (ranges known only from their frees).
   const std::vector<memory_event> straddle = {event(memory_action::alloc, base + 50, 100),
                                               event(memory_action::segment_free, base + 100, 200),

@@ -193,7 +193,7 @@ inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, 
   cudaMemPool_t pool = nullptr;
   cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
   if (result == cudaErrorNotSupported) {  // no pools: nothing to grant, and the refusal is not the caller's error
-    (void)failed(result, "");
+    if (cudaPeekAtLastError() == cudaErrorNotSupported) (void)cudaGetLastError();
     return {cudaSuccess, {}};
   }
   if (result != cudaSuccess) return failed(result, "cudaDeviceGetDefaultMemPool");
@@ -241,8 +241,9 @@ inline void acquire_peer_access(device from, device to) {
   if (!can_access_peer(from, to)) {
     throw cuda_error("gpukit::peer_access(" + describe_peer_pair(from, to) + "): " + from.to_string() +
                          " cannot access the memory of " + to.to_string() +
-                         " directly (cudaDeviceCanAccessPeer says no; cudaErrorPeerAccessUnsupported): no NVLink or "
-                         "PCIe peer path (see query_peer_matrix); copies between them still work, through the host",
+                         " directly (cudaDeviceCanAccessPeer says no; cudaErrorPeerAccessUnsupported): the driver "
+                         "reports no peer path (see query_peer_matrix); copies between them still work, through the "
+                         "host",
                      cudaErrorPeerAccessUnsupported, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")",
                      from.ordinal(), __FILE__, __LINE__);
   }
@@ -333,7 +334,8 @@ inline void release_peer_access(device from, device to) noexcept {
 ///
 /// The constructor creates the primary contexts of `from` and `to` (the driver needs both) and no other. from == to
 /// is a no-op (active() is false). Throws invalid_argument_error for a CPU device or an ordinal that is not visible,
-/// and the gpukit error of the failed call naming both devices when the pair cannot be peers (see can_access_peer).
+/// cuda_error (cudaErrorPeerAccessUnsupported) naming both devices when the pair cannot be peers (can_access_peer is
+/// false), before any context is made, and the gpukit error of a call that fails.
 /// The destructor never throws: a failure is a warning (gpukit::warn), and at process exit, when the runtime is
 /// unloading, nothing is done or reported.
 class peer_access {

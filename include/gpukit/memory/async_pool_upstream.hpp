@@ -67,7 +67,14 @@ class async_pool_upstream {
   /// which stays). Segments still out are the caching allocator's to give back first.
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;
-    if (!held_.empty() && !capture_underway()) give_back(nullptr, held_);
+    if (!held_.empty()) {
+      if (capture_underway()) {  // its device-wide wait would invalidate the capture: left to the pool
+        detail::warn_parts("gpukit::async_pool_upstream: destroyed during a gpukit capture with ", held_.size(),
+                           " segment(s) held back from the pool since an earlier capture; they stay allocated");
+      } else {
+        give_back(nullptr, held_);
+      }
+    }
     try {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",
@@ -95,6 +102,7 @@ class async_pool_upstream {
     cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
+      give_back_held();  // segments held back during a capture, if none runs now
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
       // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
@@ -135,28 +143,6 @@ class async_pool_upstream {
     } catch (...) {  // no room to hold it back: given back now
     }
     give_back(p, held);
-  }
-
-  /// Gives the segment `p` (if not null) and `held` back to the pool after the device's work.
-  void give_back(void* p, const std::vector<void*>& held) noexcept {
-    if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
-    try {
-      device_guard guard(device_);
-      const detail::relaxed_capture_mode relaxed;  // as in allocate
-      for (void* q : held) {
-        detail::report_cuda_failure(cudaFreeAsync(q, stream_), "cudaFreeAsync (returning a segment to the pool)",
-                                    device_.ordinal());
-      }
-      if (p != nullptr) {
-        detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
-                                    device_.ordinal());
-      }
-    } catch (const error& e) {
-      if (detail::is_teardown_result(e.cuda_result())) return;
-      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
-    } catch (const std::exception& e) {
-      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
-    }
   }
 
   /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:
@@ -215,6 +201,41 @@ class async_pool_upstream {
   }
 
  private:
+  /// Gives the segment `p` (if not null) and `held` back to the pool after the device's work.
+  void give_back(void* p, const std::vector<void*>& held) noexcept {
+    if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
+    try {
+      device_guard guard(device_);
+      const detail::relaxed_capture_mode relaxed;  // as in allocate
+      for (void* q : held) {
+        detail::report_cuda_failure(cudaFreeAsync(q, stream_), "cudaFreeAsync (returning a segment to the pool)",
+                                    device_.ordinal());
+      }
+      if (p != nullptr) {
+        detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
+                                    device_.ordinal());
+      }
+    } catch (const error& e) {
+      if (detail::is_teardown_result(e.cuda_result())) return;
+      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
+    } catch (const std::exception& e) {
+      detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
+    }
+  }
+
+  /// Gives back the segments held during a capture, unless one runs now.
+  void give_back_held() noexcept {
+    std::vector<void*> held;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_.empty() || capture_underway()) return;
+      held.swap(held_);
+    } catch (...) {
+      return;
+    }
+    give_back(nullptr, held);
+  }
+
   /// Whether a gpukit capture runs now, on any thread (one beginning right after is not seen).
   static bool capture_underway() noexcept {
     return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;

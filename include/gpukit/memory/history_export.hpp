@@ -30,13 +30,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -186,7 +186,8 @@ inline std::string json_string(std::string_view s) {
 }
 
 /// A stream key as the viewer can read it: CPU streams' keys carry the top bit (cpu_stream_id_bit), which would make
-/// a 9-byte integer, and the memory viewer's unpickler reads at most 8. CUDA streams' keys are addresses, below it.
+/// a 9-byte integer, and the memory viewer's unpickler reads at most 8. CUDA streams' keys (cudaStreamGetId numbers)
+/// are far below it.
 inline std::uint64_t pytorch_stream(std::uint64_t key) noexcept { return key & ~(std::uint64_t{1} << 63); }
 
 inline const char* pytorch_block_state(block_state s) noexcept {
@@ -204,14 +205,17 @@ inline const char* pytorch_block_state(block_state s) noexcept {
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) {
-    throw invalid_argument_error(std::string(who) + ": cannot open " + path + " for writing: " + std::strerror(errno));
+    const int reason = errno;
+    throw invalid_argument_error(std::string(who) + ": cannot open " + path +
+                                 " for writing: " + std::generic_category().message(reason));
   }
   const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const int write_errno = errno;
+  const int write_reason = errno;
   const bool closed = std::fclose(f) == 0;  // a full disk may show only here
+  const int reason = written ? errno : write_reason;
   if (!written || !closed) {
     throw invalid_argument_error(std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path +
-                                 " failed: " + std::strerror(written ? errno : write_errno));
+                                 " failed: " + std::generic_category().message(reason));
   }
 }
 
@@ -222,7 +226,9 @@ inline void write_file(const std::string& path, const std::string& bytes, const 
 /// CPU device counts as 0). The trace ends at the history's last `snapshot` event, which the allocator records when
 /// `snapshot` is taken with the history attached: the viewer replays the trace backwards from the snapshot's state,
 /// so events after it (other threads' meanwhile, or later work) would undo blocks the snapshot does not hold. Take
-/// the snapshot last; a history without a snapshot event is written whole.
+/// the snapshot last, with the history still attached (after stop_memory_history no snapshot event is recorded, and
+/// an earlier one would cut the trace short); a history without a snapshot event (none taken, or dropped from a full
+/// ring) is written whole.
 inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, const memory_history& history) {
   std::vector<memory_event> events = history.events();
   const auto last_snapshot = std::find_if(events.rbegin(), events.rend(),

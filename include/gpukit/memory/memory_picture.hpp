@@ -156,6 +156,22 @@ inline bool covered(const std::map<std::uintptr_t, std::size_t>& ranges, std::ui
   return address < r->first + r->second;
 }
 
+/// Adds to `ranges` the parts of [begin, end) that no interval of `touched` (start -> size) covers.
+inline void add_untouched(std::map<std::uintptr_t, std::size_t>& ranges,
+                          const std::map<std::uintptr_t, std::size_t>& touched, std::uintptr_t begin,
+                          std::uintptr_t end) {
+  std::uintptr_t at = begin;
+  auto t = touched.upper_bound(begin);
+  if (t != touched.begin()) --t;  // one that starts before may reach in
+  for (; t != touched.end() && t->first < end; ++t) {
+    const std::uintptr_t t_end = t->first + t->second;
+    if (t_end <= at) continue;
+    if (t->first > at) ranges[at] = t->first - at;
+    at = t_end;
+  }
+  if (at < end) ranges[at] = end - at;
+}
+
 /// The largest free block after event i, for each i in `at` (increasing): the largest run of reserved address space
 /// (segments, or the mapped ranges of expandable ones, adjacent ones merged) that no live allocation covers. An
 /// allocation occupies its requested bytes from its alloc until its free_completed (its rounding is not known to the
@@ -167,17 +183,23 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
   std::map<std::uintptr_t, std::size_t> ranges;  // reserved address ranges by start
   std::map<std::uintptr_t, std::size_t> live;    // live allocations by address
   std::unordered_set<std::uintptr_t> range_touched, alloc_touched;
-  std::map<std::uintptr_t, std::size_t> made;  // ranges the history made, while they last
-  for (const memory_event& e : events) {       // what the history frees without having made it existed before it began
+  std::map<std::uintptr_t, std::size_t> pages_touched;  // what the history mapped or unmapped, by start
+  std::map<std::uintptr_t, std::size_t> made;           // ranges the history made, while they last
+  for (const memory_event& e : events) {  // what the history frees without having made it existed before it began
     switch (e.action) {
       case memory_action::segment_alloc:
       case memory_action::segment_map:
         range_touched.insert(e.address);
+        if (e.action == memory_action::segment_map) pages_touched[e.address] = e.size;
         made[e.address] = e.size;
         break;
       case memory_action::segment_free:
       case memory_action::segment_unmap:
         range_touched.insert(e.address);
+        if (e.action == memory_action::segment_unmap) {
+          std::size_t& touched = pages_touched[e.address];
+          touched = std::max(touched, e.size);
+        }
         if (covered(made, e.address)) {
           remove_address_range(made, e.address, e.size);
         } else {
@@ -197,9 +219,9 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
   }
   for (const segment_info& seg : snapshot.segments) {  // untouched by the history: there throughout
     if (seg.expandable) {
-      for (const auto& r : seg.mapped_ranges) {
-        if (range_touched.count(r.first) == 0) ranges[r.first] = r.second;
-      }
+      // A mapped range is a run of pages, merged: the pages the history never mapped or unmapped were there
+      // throughout (those it touched first are counted from their events above).
+      for (const auto& r : seg.mapped_ranges) add_untouched(ranges, pages_touched, r.first, r.first + r.second);
     } else if (range_touched.count(seg.address) == 0) {
       ranges[seg.address] = seg.size;
     }
