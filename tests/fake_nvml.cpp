@@ -155,7 +155,9 @@ struct fake_memory_v2 {
   unsigned version;
   unsigned long long total, reserved, free, used;
 };
-int nvmlDeviceGetMemoryInfo_v2(void* device, fake_memory_v2* memory) {
+// void* as gpukit declares it: a call through another function type is undefined (UBSan's function check).
+int nvmlDeviceGetMemoryInfo_v2(void* device, void* out) {
+  auto* memory = static_cast<fake_memory_v2*>(out);
   if (memory->version != 0x02000028u) return 25;  // NVML_ERROR_ARGUMENT_VERSION_MISMATCH
   const auto* g = static_cast<fake_gpu*>(device);
   if (!g->memory_v2) return 3;  // NVML_ERROR_NOT_SUPPORTED
