@@ -108,6 +108,21 @@ TEST_CASE("without free-memory telemetry, total memory stands in and the reason 
   CHECK(selection.candidates[1].note == "free memory unknown; compared total memory");
 }
 
+TEST_CASE("most_free_memory ranks devices whose free memory is known above those whose free memory is not") {
+  // NVML answered for some devices only: a device's total memory says nothing of what others use there.
+  auto s = three_gpus();
+  s.gpus[1].free_memory.reset();  // 80 GiB in total, free unknown
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  const auto selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(2));  // 30 GiB free, known
+  CHECK(selection.reason.find("the most free memory (30.00 GiB, from NVML)") != std::string::npos);
+  CHECK(selection.reason.find("free memory of cuda:1 unknown, so not compared") != std::string::npos);
+  s.gpus[2].free_memory.reset();
+  s.gpus[0].free_memory.reset();  // none known: total memory decides
+  CHECK(gpukit::select_device(policy, s).device == gpukit::device::cuda(1));
+}
+
 TEST_CASE("GPUKIT_DEVICE overrides everything") {
   gpukit::selection_policy policy;
   policy.prefer = gpukit::device_preference::most_free_memory;

@@ -2090,3 +2090,37 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
   CHECK(cudaStreamDestroy(raw) == cudaSuccess);
 }
+
+TEST_CASE("capture: async_pool_upstream out of memory gives back the segments it held back during a capture") {
+  gpukit::stream s(cuda0);
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> over_pool(cuda0);
+  cudaStream_t raw = nullptr;  // a raw handle: no event orders the segment's release after its work
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  const gpukit::stream_view raw_view(cuda0, raw);
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        std::thread([&] {
+          over_pool.deallocate(over_pool.allocate(std::size_t{4} << 20, raw_view));
+          over_pool.empty_cache();
+        }).join();
+      },
+      nullptr, gpukit::capture_mode::global);
+  cudaMemPool_t pool = over_pool.engine().upstream().pool();
+  REQUIRE(pool != nullptr);
+  cuuint64_t used = 0;
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
+  const cuuint64_t segment = used;
+  CHECK(segment > 0);  // held back
+  // The pool refuses once: the upstream gives the held segment back, trims the pool and asks again.
+  cudasim::fail_call("cudaMallocFromPoolAsync", 1, cudaErrorMemoryAllocation);
+  void* p = over_pool.allocate(std::size_t{4} << 20, raw_view);
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
+  CHECK(used == segment);  // the new segment alone
+  over_pool.deallocate(p);
+  g.launch(s);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+  cudasim::clear_faults();
+  CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+}

@@ -10,6 +10,7 @@
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/device/properties.hpp>
+#include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -1120,6 +1121,86 @@ TEST_CASE(
   a.empty_cache();
   cudasim::drain_all();
   CHECK(st->bytes_out() == 0);
+}
+
+namespace {
+/// Allocates a segment of `a` for a raw stream handle (no event orders its release after its work, so it goes back
+/// through the upstream's device-wide wait) and gives it back, on another thread during a global gpukit capture of a
+/// stream of the device. The failure's message, if any.
+template <class Allocator>
+std::string release_unordered_segment_during_a_capture(Allocator& a, cudaStream_t raw) {
+  gpukit::stream s(cuda0);
+  std::string failure;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        std::thread([&] {
+          try {
+            a.deallocate(a.allocate(block_bytes, gpukit::stream_view(cuda0, raw)));
+            a.empty_cache();
+          } catch (const std::exception& e) {
+            failure = e.what();
+          }
+        }).join();
+      },
+      nullptr, gpukit::capture_mode::global);
+  g.launch(s);  // the capture is intact
+  s.synchronize();
+  return failure;
+}
+}  // namespace
+
+TEST_CASE(
+    "streams: resource_upstream holds back a segment it cannot order by events while a gpukit capture runs, and gives "
+    "it back with the next one after") {
+  // Its fallback waits for the whole device (cudaDeviceSynchronize), which a capture refuses in relaxed mode too, and
+  // which invalidates it.
+  gpukit::caching_allocator inner(cuda0);
+  const cudaStream_t raw = create_raw_stream(cuda0);
+  {
+    gpukit::caching_device_allocator<gpukit::resource_upstream<gpukit::device_memory_resource>> outer(
+        cuda0, {}, gpukit::device_memory_resource(inner), cuda0);
+    const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+    CHECK(release_unordered_segment_during_a_capture(outer, raw) == "");
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+    CHECK(outer.memory_reserved() == 0);
+    const std::size_t held = inner.memory_allocated();
+    CHECK(held > 0);  // held back, not lost
+    // The next segment given back, outside a capture, takes the held one with it.
+    outer.deallocate(outer.allocate(block_bytes, gpukit::stream_view(cuda0, raw)));
+    outer.empty_cache();
+    CHECK(inner.memory_allocated() == 0);
+    // Held at destruction: given back then.
+    CHECK(release_unordered_segment_during_a_capture(outer, raw) == "");
+    CHECK(inner.memory_allocated() == held);
+  }
+  CHECK(inner.memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+  destroy_raw_stream(raw);
+}
+
+TEST_CASE(
+    "streams: resource_upstream out of memory gives back the segments it held back during a capture and asks again") {
+  auto st = std::make_shared<queued_free_resource::state>(std::size_t{2} << 20);  // one 2 MiB segment at a time
+  const cudaStream_t raw = create_raw_stream(cuda0);
+  {
+    gpukit::caching_device_allocator<queued_upstream> a(cuda0, {}, queued_free_resource(st), cuda0);
+    CHECK(release_unordered_segment_during_a_capture(a, raw) == "");
+    CHECK(a.memory_reserved() == 0);
+    REQUIRE(st->bytes_out() == std::size_t{2} << 20);  // held back: the resource has no room
+    void* q = nullptr;
+    try {
+      q = a.allocate(block_bytes, gpukit::stream_view(cuda0, raw));
+    } catch (const gpukit::out_of_memory_error& e) {
+      MESSAGE(e.what());
+    }
+    CHECK(q != nullptr);
+    CHECK(a.stats().num_ooms == 0);
+    CHECK(st->bytes_out() == std::size_t{2} << 20);  // the new segment alone
+    a.deallocate(q);
+  }
+  CHECK(st->bytes_out() == 0);
+  destroy_raw_stream(raw);
 }
 
 TEST_CASE(

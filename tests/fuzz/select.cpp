@@ -255,7 +255,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (policy.prefer == gpukit::device_preference::first) {
           GPUKIT_FUZZ_CHECK(&g == chosen || &g > chosen, where + " (not the first eligible)");
         } else if (policy.prefer == gpukit::device_preference::most_free_memory) {
-          GPUKIT_FUZZ_CHECK(usable(g) <= usable(*chosen), where + " (not the most memory)");
+          // A device whose free memory is known ranks above one whose free memory is not.
+          GPUKIT_FUZZ_CHECK(!g.free_memory || chosen->free_memory, where + " (free memory unknown chosen)");
+          GPUKIT_FUZZ_CHECK(
+              g.free_memory.has_value() != chosen->free_memory.has_value() || usable(g) <= usable(*chosen),
+              where + " (not the most memory)");
         } else if (chosen->utilization_percent && g.utilization_percent) {
           GPUKIT_FUZZ_CHECK(*g.utilization_percent >= *chosen->utilization_percent, where + " (not the least used)");
         }

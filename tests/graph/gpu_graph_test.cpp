@@ -121,7 +121,7 @@ TEST_CASE("gpu: several graphs share a pool, and a graph is updated in place fro
   gpukit::stream s(d);
   gpukit::device_buffer<int> out(64, s);
   auto pool = gpukit::graph_pool::create(d, MiB);
-  auto fill = [&](int byte) {
+  auto fill = [&](int byte, const std::shared_ptr<gpukit::graph_pool>& from) {
     return gpukit::capture(
         s,
         [&] {
@@ -130,25 +130,34 @@ TEST_CASE("gpu: several graphs share a pool, and a graph is updated in place fro
           GPUKIT_CUDA_TRY(
               cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
         },
-        pool);
+        from);
   };
-  gpukit::graph a = fill(3);
-  gpukit::graph b = fill(4);
+  gpukit::graph a = fill(3, pool);
+  gpukit::graph b = fill(4, pool);
   a.launch(s);
   CHECK(read(out, s) == std::vector<int>(64, 0x03030303));
   b.launch(s);
   CHECK(read(out, s) == std::vector<int>(64, 0x04040404));
-  gpukit::graph recaptured = fill(5);
+  gpukit::graph recaptured = fill(5, pool);
   CHECK(a.update(recaptured));  // same topology: updated in place
   CHECK_FALSE(recaptured);
   a.launch(s);
   CHECK(read(out, s) == std::vector<int>(64, 0x05050505));
+  // Recaptured from another pool: the graph now uses that pool's memory, so it keeps that pool.
+  auto other_pool = gpukit::graph_pool::create(d, MiB);
+  gpukit::graph from_other_pool = fill(7, other_pool);
+  CHECK(a.update(from_other_pool));
+  CHECK((a.pool() == other_pool));
+  a.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x07070707));
   gpukit::graph different =
       gpukit::capture(s, [&] { GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), 6, out.size_bytes(), s.cuda_handle())); });
-  CHECK_FALSE(a.update(different));  // another topology: refused, nothing changed
+  cudaGraphExecUpdateResult why_not = cudaGraphExecUpdateSuccess;
+  CHECK_FALSE(a.update(different, &why_not));  // another topology: refused, nothing changed
+  CHECK(why_not == cudaGraphExecUpdateErrorTopologyChanged);
   CHECK(different);
   a.launch(s);
-  CHECK(read(out, s) == std::vector<int>(64, 0x05050505));
+  CHECK(read(out, s) == std::vector<int>(64, 0x07070707));
 }
 
 TEST_CASE("gpu: graph misuse is a clear error and leaves the capture, the pool and the allocators usable") {

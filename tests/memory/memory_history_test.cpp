@@ -234,6 +234,12 @@ TEST_CASE("history: the ring keeps the latest max_entries events, oldest first, 
   CHECK(h.recorded() == 10);
   CHECK(h.dropped() == 6);
   CHECK(h.max_entries() == 4);
+  const gpukit::memory_history_contents contents = h.contents();
+  CHECK(contents.recorded == 10);
+  CHECK(contents.dropped == 6);
+  REQUIRE(contents.events.size() == 4);
+  CHECK(contents.events.front().address == 7);
+  CHECK(contents.events.back().address == 10);
   h.clear();
   CHECK(h.events().empty());
   CHECK(h.dropped() == 0);
@@ -384,10 +390,12 @@ TEST_CASE("history: threads allocating on their own streams while another reads 
       for (void* p : live) a.deallocate(p);
     });
   }
+  std::size_t inconsistent = 0;  // contents whose counts do not describe their events
   std::thread reader([&] {
     int switches = 0;
     while (!done.load()) {
-      (void)first->events();
+      const gpukit::memory_history_contents c = first->contents();
+      if (c.recorded - c.dropped != c.events.size()) ++inconsistent;
       (void)a.history();
       a.set_memory_history(++switches % 2 ? second : first);
       std::this_thread::yield();
@@ -414,6 +422,7 @@ TEST_CASE("history: threads allocating on their own streams while another reads 
   int unbalanced = 0;
   for (const auto& b : balance) unbalanced += b.second != 0 ? 1 : 0;
   CHECK(unbalanced == 0);
+  CHECK(inconsistent == 0);
   CHECK(first->recorded() + second->recorded() >= 2 * 2 * 4000);  // an alloc and a free each, at least
   CHECK(a.memory_allocated() == 0);
 }

@@ -19,7 +19,8 @@
 ///     preference (first, most free memory, least utilised);
 ///  4. the CPU — unless the policy requires a GPU, then no_device_error listing every device and why it was rejected.
 /// Free memory and utilisation come from NVML, which creates no CUDA context. Without NVML, free memory is unknown:
-/// min_free_bytes and most_free_memory use total memory instead (said in the reason), unless
+/// min_free_bytes and most_free_memory use total memory instead (said in the reason; where only some devices' free
+/// memory is known, most_free_memory ranks those first), unless
 /// allow_context_probe is set, which permits cudaMemGetInfo on each candidate (creating its context, ~300 MB each;
 /// only on the device GPUKIT_DEVICE or the local rank chooses, when they do);
 /// least_utilized falls back to the first eligible device.
@@ -116,6 +117,10 @@ GPUKIT_INLINE std::string capability_text(int cc);
 /// Memory the policy may count on: free memory when known, else total memory.
 GPUKIT_INLINE std::size_t usable_memory(const gpu_snapshot& g);
 
+/// For most_free_memory: whether `a` ranks above `b`. A device whose free memory is known ranks above one whose free
+/// memory is not (its total memory says nothing of what others use there); otherwise the more usable memory.
+GPUKIT_INLINE bool ranks_above_by_memory(const gpu_snapshot& a, const gpu_snapshot& b);
+
 /// Empty when `g` meets the policy's requirements, else the reasons it does not.
 GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy);
 
@@ -197,6 +202,11 @@ GPUKIT_INLINE std::string capability_text(int cc) { return std::to_string(cc / 1
 
 GPUKIT_INLINE std::size_t usable_memory(const gpu_snapshot& g) {
   return g.free_memory ? *g.free_memory : g.total_memory;
+}
+
+GPUKIT_INLINE bool ranks_above_by_memory(const gpu_snapshot& a, const gpu_snapshot& b) {
+  if (a.free_memory.has_value() != b.free_memory.has_value()) return a.free_memory.has_value();
+  return usable_memory(a) > usable_memory(b);
 }
 
 GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
@@ -365,7 +375,7 @@ GPUKIT_INLINE bool select_by_policy(const selection_policy& policy, const system
       case device_preference::first:
         break;
       case device_preference::most_free_memory:
-        if (usable_memory(g) > usable_memory(*best)) best = &g;
+        if (ranks_above_by_memory(g, *best)) best = &g;
         break;
       case device_preference::least_utilized:
         if (g.utilization_percent &&
@@ -382,12 +392,26 @@ GPUKIT_INLINE bool select_by_policy(const selection_policy& policy, const system
     case device_preference::first:
       selection.reason = "the first visible device that meets the policy";
       break;
-    case device_preference::most_free_memory:
-      selection.reason = best->free_memory ? "the most free memory (" + format_bytes(*best->free_memory) + ", from " +
-                                                 best->free_memory_source + ")"
-                                           : "the most total memory (" + format_bytes(best->total_memory) +
-                                                 "; free memory unknown: " + system.telemetry + ")";
+    case device_preference::most_free_memory: {
+      if (!best->free_memory) {
+        selection.reason = "the most total memory (" + format_bytes(best->total_memory) +
+                           "; free memory unknown: " + system.telemetry + ")";
+        break;
+      }
+      selection.reason =
+          "the most free memory (" + format_bytes(*best->free_memory) + ", from " + best->free_memory_source + ")";
+      std::string unknown;  // eligible devices left out of the comparison
+      for (std::size_t i = 0; i < system.gpus.size(); ++i) {
+        if (selection.candidates[i].eligible && !system.gpus[i].free_memory) {
+          unknown += (unknown.empty() ? "" : ", ") + system.gpus[i].device.to_string();
+        }
+      }
+      if (!unknown.empty()) {
+        selection.reason += "; free memory of " + unknown +
+                            " unknown, so not compared (allow_context_probe reads it with cudaMemGetInfo)";
+      }
       break;
+    }
     case device_preference::least_utilized:
       selection.reason = best->utilization_percent
                              ? "the least utilised (" + std::to_string(*best->utilization_percent) + "% busy)"

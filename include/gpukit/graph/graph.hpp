@@ -74,7 +74,9 @@ class graph {
   /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
   /// stream of another device, another thread's per-thread default stream, or, for a graph with a pool, a stream
   /// being captured (the outer graph could run after the pool's memory went back: capture that work into the pool's
-  /// graph instead); cuda_error if the launch fails.
+  /// graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming "cudaEventRecord
+  /// (after a graph launch)" means the graph was launched but the pool could not record when it ends (the host then
+  /// waited for `s`): do not launch it again to make up for it.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
@@ -106,9 +108,10 @@ class graph {
   }
 
   /// Replaces this graph's work by `recaptured`'s where CUDA can update the executable graph in place
-  /// (cudaGraphExecUpdate: same topology, new parameters); returns false, changing nothing, where it cannot.
-  /// `recaptured` is left empty on success.
-  bool update(graph& recaptured) {
+  /// (cudaGraphExecUpdate: same topology, new parameters); returns false, changing nothing, where it cannot, and then
+  /// sets `*why_not` (if given) to CUDA's reason (cudaGraphExecUpdateErrorTopologyChanged, ...NodeTypeChanged,
+  /// ...ParametersChanged, ...). `recaptured` is left empty on success.
+  bool update(graph& recaptured, cudaGraphExecUpdateResult* why_not = nullptr) {
     if (&recaptured == this) {
       throw invalid_argument_error(
           "gpukit::graph::update: a graph cannot be updated from itself (it would be emptied)");
@@ -129,6 +132,7 @@ class graph {
     }
     if (result == cudaErrorGraphExecUpdateFailure) {
       (void)cudaGetLastError();
+      if (why_not != nullptr) *why_not = info.result;
       return false;
     }
     GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaGraphExecUpdate", device_.ordinal());

@@ -27,6 +27,7 @@
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/capture_held_segments.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/event.hpp>
@@ -67,12 +68,12 @@ class async_pool_upstream {
   /// which stays). Segments still out are the caching allocator's to give back first.
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;
-    if (!held_.empty()) {
-      if (capture_underway()) {  // its device-wide wait would invalidate the capture: left to the pool
-        detail::warn_parts("gpukit::async_pool_upstream: destroyed during a gpukit capture with ", held_.size(),
+    if (const std::vector<detail::held_segment> held = held_.take_all(); !held.empty()) {
+      if (detail::capture_held_segments::capture_underway()) {  // a device-wide wait would invalidate the capture
+        detail::warn_parts("gpukit::async_pool_upstream: destroyed during a gpukit capture with ", held.size(),
                            " segment(s) held back from the pool since an earlier capture; they stay allocated");
       } else {
-        give_back(nullptr, held_);
+        give_back(nullptr, held);
       }
     }
     try {
@@ -102,7 +103,7 @@ class async_pool_upstream {
     cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      give_back_held();  // segments held back during a capture, if none runs now
+      give_back(nullptr, held_.take_unless_capturing());  // segments held back during a capture, if none runs now
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
       // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
@@ -131,17 +132,9 @@ class async_pool_upstream {
   /// back, and given back with the next one after the captures end (or at destruction). A capture begun with the
   /// raw runtime cannot be seen. The caching allocator takes this path only for segments it cannot order by events
   /// (used on raw stream handles, or when recording failed).
-  void deallocate(void* p, std::size_t /*bytes*/) noexcept {
-    std::vector<void*> held;
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (capture_underway()) {
-        held_.push_back(p);  // given back with the next segment after the captures end
-        return;
-      }
-      held.swap(held_);
-    } catch (...) {  // no room to hold it back: given back now
-    }
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    std::vector<detail::held_segment> held;
+    if (held_.hold_or_take({p, bytes}, held)) return;  // given back with the next segment after the captures end
     give_back(p, held);
   }
 
@@ -202,14 +195,15 @@ class async_pool_upstream {
 
  private:
   /// Gives the segment `p` (if not null) and `held` back to the pool after the device's work.
-  void give_back(void* p, const std::vector<void*>& held) noexcept {
+  void give_back(void* p, const std::vector<detail::held_segment>& held) noexcept {
+    if (p == nullptr && held.empty()) return;
     if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // as in allocate
-      for (void* q : held) {
-        detail::report_cuda_failure(cudaFreeAsync(q, stream_), "cudaFreeAsync (returning a segment to the pool)",
-                                    device_.ordinal());
+      for (const detail::held_segment& segment : held) {
+        detail::report_cuda_failure(cudaFreeAsync(segment.pointer, stream_),
+                                    "cudaFreeAsync (returning a segment to the pool)", device_.ordinal());
       }
       if (p != nullptr) {
         detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
@@ -221,24 +215,6 @@ class async_pool_upstream {
     } catch (const std::exception& e) {
       detail::warn_parts("gpukit::async_pool_upstream: could not return a segment to the pool: ", e.what());
     }
-  }
-
-  /// Gives back the segments held during a capture, unless one runs now.
-  void give_back_held() noexcept {
-    std::vector<void*> held;
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (held_.empty() || capture_underway()) return;
-      held.swap(held_);
-    } catch (...) {
-      return;
-    }
-    give_back(nullptr, held);
-  }
-
-  /// Whether a gpukit capture runs now, on any thread (one beginning right after is not seen).
-  static bool capture_underway() noexcept {
-    return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
   }
 
   /// The private stream, created with the pool's settings at the first call (a failure is thrown, and the next call
@@ -259,10 +235,10 @@ class async_pool_upstream {
   }
 
   gpukit::device device_;
-  mutable std::mutex mutex_;       // guards pool_ and stream_ while they are set, and held_
-  cudaMemPool_t pool_ = nullptr;   // the pool segments come from
-  cudaStream_t stream_ = nullptr;  // where allocations (and frees after a device-wide wait) are enqueued
-  std::vector<void*> held_;        // segments given back during a gpukit capture, not yet freed (guarded by mutex_)
+  mutable std::mutex mutex_;            // guards pool_ and stream_ while they are set
+  cudaMemPool_t pool_ = nullptr;        // the pool segments come from
+  cudaStream_t stream_ = nullptr;       // where allocations (and frees after a device-wide wait) are enqueued
+  detail::capture_held_segments held_;  // segments given back during a gpukit capture, not yet freed
   std::size_t release_threshold_;
 };
 

@@ -376,11 +376,11 @@ inline std::string rmm_log_csv(const memory_history& history, rmm_failure_rows f
 /// The history (and, when given, a snapshot's segments) as JSON: {"recorded", "dropped", "events": [{"action",
 /// "address", "size", "stream", "time_us", "thread", "tag"}, ...], "segments": [...]}.
 inline std::string history_json(const memory_history& history, const allocator_snapshot* snapshot = nullptr) {
-  const std::vector<memory_event> events = history.events();
-  std::string out = "{\"recorded\":" + std::to_string(history.recorded()) +
-                    ",\"dropped\":" + std::to_string(history.dropped()) + ",\"events\":[";
+  const memory_history_contents contents = history.contents();
+  std::string out = "{\"recorded\":" + std::to_string(contents.recorded) +
+                    ",\"dropped\":" + std::to_string(contents.dropped) + ",\"events\":[";
   bool first = true;
-  for (const memory_event& e : events) {
+  for (const memory_event& e : contents.events) {
     out += first ? "" : ",";
     first = false;
     out += "{\"action\":\"" + std::string(memory_action_name(e.action)) +
@@ -422,11 +422,11 @@ struct live_allocation_group {
   std::size_t bytes = 0;  ///< size × count
 };
 
-/// The history's allocations not freed by its end, grouped by tag and size, largest total first. Allocations made
-/// before the history began, or whose alloc event the ring dropped, are not seen.
-inline std::vector<live_allocation_group> live_allocations(const memory_history& history) {
+namespace detail {
+/// live_allocations of these events.
+inline std::vector<live_allocation_group> live_allocations_of(const std::vector<memory_event>& events) {
   std::unordered_map<std::uintptr_t, std::pair<std::uint32_t, std::size_t>> live;  // address -> (tag, size)
-  for (const memory_event& e : history.events()) {
+  for (const memory_event& e : events) {
     if (e.action == memory_action::alloc) live[e.address] = {e.tag, e.size};
     if (e.action == memory_action::free_requested) live.erase(e.address);
   }
@@ -441,10 +441,18 @@ inline std::vector<live_allocation_group> live_allocations(const memory_history&
   });
   return groups;
 }
+}  // namespace detail
+
+/// The history's allocations not freed by its end, grouped by tag and size, largest total first. Allocations made
+/// before the history began, or whose alloc event the ring dropped, are not seen.
+inline std::vector<live_allocation_group> live_allocations(const memory_history& history) {
+  return detail::live_allocations_of(history.events());
+}
 
 /// live_allocations as a table: one line per group, then the total.
 inline std::string leak_report(const memory_history& history) {
-  const auto groups = live_allocations(history);
+  const memory_history_contents contents = history.contents();
+  const auto groups = detail::live_allocations_of(contents.events);
   std::size_t total = 0, count = 0;
   std::string out;
   for (const live_allocation_group& g : groups) {
@@ -458,7 +466,7 @@ inline std::string leak_report(const memory_history& history) {
   }
   std::string head =
       "live allocations seen by the history: " + std::to_string(count) + " (" + std::to_string(total) + " B)";
-  if (history.dropped() != 0) head += "; " + std::to_string(history.dropped()) + " older events were dropped";
+  if (contents.dropped != 0) head += "; " + std::to_string(contents.dropped) + " older events were dropped";
   return head + "\n" + out;
 }
 

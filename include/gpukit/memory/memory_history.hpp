@@ -100,6 +100,13 @@ class memory_tag {
   std::uint32_t previous_;
 };
 
+/// A history's events with the counts that describe them, read at one moment (recorded - dropped == events.size()).
+struct memory_history_contents {
+  std::vector<memory_event> events;  ///< the events held, oldest first
+  std::size_t recorded = 0;          ///< events recorded since construction (or clear())
+  std::size_t dropped = 0;           ///< events recorded and no longer held
+};
+
 /// A bounded history of allocator events (see the file comment). Thread-safe; record() never throws.
 class memory_history {
  public:
@@ -115,6 +122,9 @@ class memory_history {
 
   /// The events held, oldest first.
   std::vector<memory_event> events() const;
+  /// The events held and the counts, under one lock: while others record, separate calls to events(), recorded()
+  /// and dropped() may each see a different moment.
+  memory_history_contents contents() const;
 
   /// Events recorded since construction (or clear()), including those the ring no longer holds.
   std::size_t recorded() const;
@@ -272,12 +282,16 @@ GPUKIT_INLINE void memory_history::record(memory_action action, std::uintptr_t a
   ++dropped_;
 }
 
-GPUKIT_INLINE std::vector<memory_event> memory_history::events() const {
+GPUKIT_INLINE std::vector<memory_event> memory_history::events() const { return contents().events; }
+
+GPUKIT_INLINE memory_history_contents memory_history::contents() const {
+  memory_history_contents out;
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<memory_event> out;
-  out.reserve(ring_.size());
-  out.insert(out.end(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
-  out.insert(out.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
+  out.events.reserve(ring_.size());
+  out.events.insert(out.events.end(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
+  out.events.insert(out.events.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
+  out.recorded = recorded_;
+  out.dropped = dropped_;
   return out;
 }
 

@@ -286,7 +286,8 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   using detail::fixed;
   using detail::format_bytes;
   using detail::html_escape;
-  const std::vector<memory_event> events = history.events();
+  const memory_history_contents contents = history.contents();
+  const std::vector<memory_event>& events = contents.events;
   const detail::memory_levels levels = detail::levels_of(events, snapshot);
   const auto tags = detail::live_tags(events);  // of the allocations live at the end
 
@@ -306,7 +307,7 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
          "), reserved " + format_bytes(static_cast<std::size_t>(snapshot.stats.reserved_bytes.all().current)) +
          " (peak " + format_bytes(static_cast<std::size_t>(snapshot.stats.reserved_bytes.all().peak)) + "), " +
          std::to_string(snapshot.segments.size()) + " segments, " + std::to_string(events.size()) + " events" +
-         (history.dropped() != 0 ? " (" + std::to_string(history.dropped()) + " older ones dropped)" : "") + "</p>\n";
+         (contents.dropped != 0 ? " (" + std::to_string(contents.dropped) + " older ones dropped)" : "") + "</p>\n";
 
   // The timeline: x is the event index, y the bytes.
   const double width = 900, height = 220, left = 70, top = 10;

@@ -25,7 +25,10 @@
 /// records on the streams that may still use the segment, so nothing waits on the host. Otherwise (a synchronous
 /// resource, the CPU, or where the caching allocator cannot tell the order) a segment goes back after the device's
 /// work, as cudaFree does (queued kernels may still use it). Releases happen only under pressure or when asked, so
-/// neither is on a hot path.
+/// neither is on a hot path. That device-wide wait (cudaDeviceSynchronize) is refused while another thread captures
+/// in global mode, even in relaxed mode, and invalidates that capture: while a gpukit capture runs (gpukit::capture,
+/// on any thread) such a segment is held back, and given back with the next one after the captures end, before the
+/// resource is asked again when it refuses, or at destruction.
 ///
 /// Needs CCCL on the include path, as memory_resource.hpp does. Not included by gpukit.hpp.
 
@@ -35,6 +38,7 @@
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/capture_held_segments.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/event.hpp>
@@ -80,7 +84,8 @@ bool is_out_of_memory_status(const CudaError& error) noexcept {
 }  // namespace detail
 
 /// The caching allocator's upstream over a CCCL memory resource (see the file comment). Thread-safe if the
-/// resource is.
+/// resource is. Copyable and movable as the resource is; not assignable (the segments it holds back during a capture
+/// belong to its resource). A copy holds none of the segments the original holds back.
 template <class Resource>
 class resource_upstream {
 #if CCCL_VERSION >= 3001000
@@ -103,46 +108,59 @@ class resource_upstream {
   /// device `d`: the device whose free memory memory_info() reports (the CPU: unknown) and whose work a release waits
   /// for. Makes no CUDA call.
   resource_upstream(Resource resource, gpukit::device d) : resource_(std::move(resource)), device_(d) {}
+  /// A copy over a copy of the resource, holding none of the segments `other` holds back.
+  resource_upstream(const resource_upstream& other) = default;
+  /// Takes over `other`'s resource and the segments it holds back.
+  resource_upstream(resource_upstream&& other) = default;
+  resource_upstream& operator=(const resource_upstream&) = delete;
+  resource_upstream& operator=(resource_upstream&&) = delete;
+
+  /// Gives back the segments held back during a capture (after the device's work), or, while a gpukit capture still
+  /// runs, warns that they stay allocated.
+  ~resource_upstream() {
+    const std::vector<detail::held_segment> held = held_.take_all();
+    if (held.empty()) return;
+    if (detail::capture_held_segments::capture_underway()) {  // a device-wide wait would invalidate the capture
+      detail::warn_parts("gpukit::resource_upstream: destroyed during a gpukit capture with ", held.size(),
+                         " segment(s) held back from its resource since an earlier capture; they stay allocated");
+      return;
+    }
+    give_back(held);
+  }
 
   /// `bytes` from the resource at upstream_alignment; nullptr when it refuses for lack of memory (see the file
-  /// comment), after the segments given back in stream order were waited for (their memory reaches the resource
-  /// once their streams' work is done) and the resource asked once more; other failures throw.
+  /// comment), after the segments held back during a capture were given back and the segments given back in stream
+  /// order were waited for (their memory reaches the resource once their streams' work is done), and the resource
+  /// asked once more; other failures throw.
   [[nodiscard]] void* allocate(std::size_t bytes) {
     if constexpr (stream_ordered) {
       if (device_.is_cuda()) {
         device_guard guard(device_);  // the stream calls below must not touch another device's context
         void* p = allocate_once(bytes);
-        // Only when this upstream queued releases since it last waited: a refusal otherwise is final, and asking
-        // again would run the resource's own out-of-memory handling twice.
-        if (p == nullptr && releases_queued_->exchange(false)) {
+        if (p != nullptr) return p;
+        // Asked again only when this upstream gave something back since it last waited: a refusal otherwise is
+        // final, and asking again would run the resource's own out-of-memory handling twice.
+        const bool gave_back_held = give_back(held_.take_unless_capturing());
+        if (releases_queued_->exchange(false)) {
           detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
-          p = allocate_once(bytes);
+        } else if (!gave_back_held) {
+          return nullptr;
         }
-        return p;
+        return allocate_once(bytes);
       }
     }
-    return allocate_once(bytes);
+    void* p = allocate_once(bytes);
+    if (p == nullptr && give_back(held_.take_unless_capturing())) p = allocate_once(bytes);
+    return p;
   }
 
-  /// Gives a segment back: on a CUDA device after the device's work (cudaDeviceSynchronize), as cudaFree does.
-  /// Failures are reported through gpukit::warn, the segment then kept rather than handed back while in use.
+  /// Gives a segment back: on a CUDA device after the device's work (cudaDeviceSynchronize), as cudaFree does, or,
+  /// while a gpukit capture runs, later (see the file comment). Failures are reported through gpukit::warn, the
+  /// segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
-    try {
-      if (device_.is_cuda() &&
-          !detail::device_idle_before_release(device_, "returning a segment to a cuda::mr resource")) {
-        return;  // kept (leaked) rather than handed back while the device may still use it
-      }
-#if CCCL_VERSION >= 3001000
-      resource_.deallocate_sync(p, bytes, upstream_alignment);
-#else
-      resource_.deallocate(p, bytes, upstream_alignment);
-#endif
-    } catch (const std::exception& e) {
-      detail::warn_parts("gpukit::resource_upstream: could not return a segment of ", bytes,
-                         " bytes to its resource: ", e.what());
-    } catch (...) {
-      warn("gpukit::resource_upstream: could not return a segment to its resource (a non-standard exception)");
-    }
+    std::vector<detail::held_segment> held;
+    if (device_.is_cuda() && held_.hold_or_take({p, bytes}, held)) return;  // the wait would break the capture
+    give_back(held, {p, bytes});
   }
 
   /// Gives segment `p` back in stream order (a stream-ordered resource only): gpukit's release stream of the device
@@ -230,6 +248,36 @@ class resource_upstream {
     return p;
   }
 
+  /// Gives `held` and `extra` (if not null) back to the resource, on a CUDA device after the device's work. False
+  /// when there was nothing to give back or the wait failed (the segments are then kept: the device may still use
+  /// them).
+  bool give_back(const std::vector<detail::held_segment>& held, detail::held_segment extra = {}) noexcept {
+    if (held.empty() && extra.pointer == nullptr) return false;
+    if (device_.is_cuda() &&
+        !detail::device_idle_before_release(device_, "returning a segment to a cuda::mr resource")) {
+      return false;  // kept (leaked) rather than handed back while the device may still use it
+    }
+    for (const detail::held_segment& segment : held) deallocate_now(segment);
+    if (extra.pointer != nullptr) deallocate_now(extra);
+    return true;
+  }
+
+  /// The resource's synchronous deallocate; a failure is reported through gpukit::warn.
+  void deallocate_now(detail::held_segment segment) noexcept {
+    try {
+#if CCCL_VERSION >= 3001000
+      resource_.deallocate_sync(segment.pointer, segment.bytes, upstream_alignment);
+#else
+      resource_.deallocate(segment.pointer, segment.bytes, upstream_alignment);
+#endif
+    } catch (const std::exception& e) {
+      detail::warn_parts("gpukit::resource_upstream: could not return a segment of ", segment.bytes,
+                         " bytes to its resource: ", e.what());
+    } catch (...) {
+      warn("gpukit::resource_upstream: could not return a segment to its resource (a non-standard exception)");
+    }
+  }
+
   /// Whether `e` is CCCL's cuda::cuda_error for cudaErrorMemoryAllocation.
   static bool is_cccl_out_of_memory(const std::exception& e) noexcept {
     const auto* error = dynamic_cast<const ::cuda::cuda_error*>(&e);
@@ -238,6 +286,7 @@ class resource_upstream {
 
   Resource resource_;
   gpukit::device device_;
+  detail::capture_held_segments held_;  // segments given back during a gpukit capture, not yet freed
   // Set when a release was queued in stream order, cleared when allocate waits for the queue. Shared by copies.
   std::shared_ptr<std::atomic<bool>> releases_queued_ = std::make_shared<std::atomic<bool>>(false);
 };

@@ -1,0 +1,92 @@
+// gpukit — header-only CUDA device and memory management.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// detail::capture_held_segments: the segments an upstream holds back while a gpukit capture runs. An upstream whose
+/// fallback release waits for the whole device (cudaDeviceSynchronize) cannot run it then: the wait is refused while
+/// another thread captures in global mode, even in relaxed mode, and invalidates that capture. Such an upstream holds
+/// the segment here instead and gives it back with the next one after the captures end. Used by async_pool_upstream
+/// and resource_upstream.
+
+#include <gpukit/detail/config.hpp>
+#include <gpukit/stream/stream.hpp>  // mode_independent::gpukit_captures_underway
+
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+GPUKIT_BEGIN_NAMESPACE
+namespace detail {
+
+/// A segment held back: its address and size, as the upstream's deallocate got them.
+struct held_segment {
+  void* pointer = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// The segments an upstream holds back during gpukit captures (see the file comment). Thread-safe. A copy holds
+/// nothing (the segments stay with the upstream that holds them); a move takes them along.
+class capture_held_segments {
+ public:
+  capture_held_segments() = default;
+  capture_held_segments(const capture_held_segments&) noexcept {}
+  capture_held_segments(capture_held_segments&& other) noexcept {
+    std::lock_guard<std::mutex> lock(other.mutex_);
+    held_.swap(other.held_);
+  }
+  capture_held_segments& operator=(const capture_held_segments&) = delete;
+  capture_held_segments& operator=(capture_held_segments&&) = delete;
+
+  /// Whether a gpukit capture runs now, on any thread (one beginning right after is not seen; a capture begun with the
+  /// raw runtime never is).
+  static bool capture_underway() noexcept {
+    return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+  }
+
+  /// Holds `segment` back if a gpukit capture runs now (true). Otherwise (false) the caller gives it back now, with
+  /// the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
+  bool hold_or_take(held_segment segment, std::vector<held_segment>& give_back) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (capture_underway()) {
+        held_.push_back(segment);
+        return true;
+      }
+      held_.swap(give_back);
+    } catch (...) {  // no lock or no room: given back now
+    }
+    return false;
+  }
+
+  /// The segments held, to give back now; none while a capture runs.
+  std::vector<held_segment> take_unless_capturing() noexcept {
+    std::vector<held_segment> taken;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!capture_underway()) held_.swap(taken);
+    } catch (...) {
+    }
+    return taken;
+  }
+
+  /// All the segments held, whether a capture runs or not (for the owner's destructor).
+  std::vector<held_segment> take_all() noexcept {
+    std::vector<held_segment> taken;
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_.swap(taken);
+    } catch (...) {
+    }
+    return taken;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<held_segment> held_;
+};
+
+}  // namespace detail
+GPUKIT_END_NAMESPACE
