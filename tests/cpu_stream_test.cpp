@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -418,7 +421,26 @@ TEST_CASE("exclusive leases from many threads never exceed the capacity nor shar
   CHECK(pool.exclusive_available() <= 3);
 }
 
-TEST_CASE("the process-wide pool of a device is one object") {
+namespace {
+bool pool_used = false;
+// Registered before main, so before the pools' registry exists: exit runs it after the registry's destruction, were
+// the registry destroyed (a use after free, which AddressSanitizer reports), as code at exit may use the pools.
+const int pool_use_at_exit = std::atexit([] {
+  if (!pool_used) return;
+  gpukit::stream_view s = gpukit::default_stream_pool(gpukit::device::cpu()).next();
+  int ran = 0;
+  s.enqueue_host([&ran] { ran = 1; });
+  s.synchronize();
+  if (ran != 1) {
+    std::fputs("a stream of the default pool did not run its work at exit\n", stderr);
+    std::_Exit(1);
+  }
+});
+}  // namespace
+
+TEST_CASE("the process-wide pool of a device is one object, usable at exit") {
+  CHECK(pool_use_at_exit == 0);
+  pool_used = true;
   auto& p1 = gpukit::default_stream_pool(cpu);
   auto& p2 = gpukit::default_stream_pool(cpu);
   auto& high = gpukit::default_stream_pool(cpu, gpukit::stream_priority::high);
@@ -448,6 +470,41 @@ TEST_CASE("the current stream is per thread and the guard restores it") {
   gpukit::set_current_stream(t);
   CHECK(gpukit::current_stream(cpu) == t.view());
   gpukit::set_current_stream(default_cpu);
+}
+
+TEST_CASE("a current stream destroyed while current is refused, held or not, and a guard restores past one") {
+  const auto default_cpu = gpukit::stream_view::default_stream(cpu);
+  {
+    auto s = std::make_unique<gpukit::stream>(cpu);
+    gpukit::set_current_stream(*s);
+    std::shared_ptr<const gpukit::detail::stream_life> held = s->view().lifetime();  // as an allocator holds it
+    s.reset();
+    CHECK_THROWS_WITH_AS((void)gpukit::current_stream(cpu), doctest::Contains("destroyed while current"),
+                         gpukit::invalid_argument_error);
+    held.reset();  // the record gone too
+    CHECK_THROWS_AS((void)gpukit::current_stream(cpu), gpukit::invalid_argument_error);
+    gpukit::set_current_stream(default_cpu);
+    CHECK(gpukit::current_stream(cpu) == default_cpu);
+  }
+  {
+    // The stream current before a guard is destroyed during its scope: the guard restores the entry without using
+    // the stream, and current_stream() then says it is gone.
+    auto before = std::make_unique<gpukit::stream>(cpu);
+    gpukit::set_current_stream(*before);
+    gpukit::stream during(cpu);
+    {
+      gpukit::stream_guard guard(during);
+      before.reset();
+      CHECK(gpukit::current_stream(cpu) == during.view());
+    }
+    CHECK_THROWS_AS((void)gpukit::current_stream(cpu), gpukit::invalid_argument_error);
+    gpukit::set_current_stream(default_cpu);
+  }
+  {
+    gpukit::stream s(cpu);
+    { gpukit::stream_guard guard(s); }  // nothing was set before: the default stream again
+    CHECK(gpukit::current_stream(cpu) == default_cpu);
+  }
 }
 
 TEST_CASE("events and streams used from many threads stay consistent") {

@@ -462,6 +462,7 @@ TEST_CASE("capture: staged copies, to_device and to_host throw on a capturing st
   std::copy(host.begin(), host.end(), pinned.data());
   gpukit::device_buffer<float> y(host.size(), s);
   std::vector<float> back(host.size());
+  gpukit::pooled_pinned_buffer<float> pooled(host.size(), cuda0);
   const std::size_t host_allocs = cudasim::calls("cudaHostAlloc");
   const std::size_t records = cudasim::calls("cudaEventRecord");
   {
@@ -475,11 +476,14 @@ TEST_CASE("capture: staged copies, to_device and to_host throw on a capturing st
     // One cudaMemcpyAsync each: legal in a capture, they become the graph's copy nodes.
     gpukit::copy_async(x, pinned, s);
     gpukit::copy_async(y, x, s);
+    gpukit::copy_async(pooled, y, s);  // captured too; the pool is not asked to record a capturing stream
+    CHECK(cudasim::calls("cudaEventRecord") == records);
     REQUIRE(c.end() == cudaSuccess);
     cudaGraphExec_t exec = nullptr;
     REQUIRE(cudaGraphInstantiate(&exec, c.graph(), 0) == cudaSuccess);
     REQUIRE(cudaGraphLaunch(exec, s.cuda_handle()) == cudaSuccess);
     CHECK(gpukit::to_host(y, s) == host);
+    CHECK(std::equal(host.begin(), host.end(), pooled.data()));
     CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
@@ -2123,4 +2127,19 @@ TEST_CASE("capture: async_pool_upstream out of memory gives back the segments it
   CHECK(cudasim::violations().empty());
   cudasim::clear_faults();
   CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+}
+
+TEST_CASE("capture: a host function enqueued on a captured stream is refused: the graph would call a freed callable") {
+  // gpukit frees the callable after its first call; a graph calls its host nodes at every launch.
+  gpukit::stream s(cuda0);
+  int calls = 0;
+  const std::size_t host_functions = cudasim::calls("cudaLaunchHostFunc");
+  CHECK_THROWS_WITH_AS(gpukit::capture(s, [&] { s.enqueue_host([&calls] { ++calls; }); }),
+                       doctest::Contains("enqueue_host: the stream is being captured"), gpukit::invalid_argument_error);
+  CHECK(cudasim::calls("cudaLaunchHostFunc") == host_functions);
+  CHECK(gpukit::detail::capture_status(s) == cudaStreamCaptureStatusNone);  // the capture was ended and discarded
+  s.enqueue_host([&calls] { ++calls; });                                    // outside a capture, as before
+  s.synchronize();
+  CHECK(calls == 1);
+  CHECK(cudasim::violations().empty());
 }

@@ -512,3 +512,21 @@ TEST_CASE(
   gpukit::copy_async(b, a);                            // outside a capture: copied, ordered on both current streams
   CHECK(gpukit::to_host(b, s1) == host);
 }
+
+TEST_CASE("peer: a copy across devices on the current streams that its checks refuse enqueues nothing") {
+  // The checks run before the two events that order the current streams: a refused copy leaves neither stream
+  // waiting for the other.
+  cudasim::allow_contexts_only_on({0, 1});
+  gpukit::stream s0(cuda0);
+  gpukit::stream s1(cuda1);
+  gpukit::device_buffer<int> a(256, s0);
+  const gpukit::stream_guard current0(s0);
+  const gpukit::stream_guard current1(s1);
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  const std::string text =
+      exception_text([&] { gpukit::copy_async(gpukit::device_span<int>(nullptr, 256, cuda1), a); });
+  CHECK(text.find("is a null pointer") != std::string::npos);
+  CHECK(cudasim::calls("cudaEventRecord") == records);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+}

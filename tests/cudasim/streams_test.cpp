@@ -1235,6 +1235,62 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE(
+    "streams: another thread's per-thread default stream cannot be synchronized, queried, recorded or waited on from "
+    "this one, and nothing is enqueued") {
+  // cudaStreamPerThread names the calling thread's own stream: the call would act on this thread's stream instead.
+  gpukit::stream_view theirs;
+  std::thread([&] { theirs = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  CHECK(theirs.is_other_threads_stream());
+  const gpukit::stream_view mine = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved();
+  CHECK_FALSE(mine.is_other_threads_stream());
+  CHECK_FALSE(gpukit::stream_view(cuda0, cudaStreamPerThread).is_other_threads_stream());
+  gpukit::event e(cuda0);
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  const std::size_t host_functions = cudasim::calls("cudaLaunchHostFunc");
+  const std::size_t syncs = cudasim::calls("cudaStreamSynchronize");
+  auto refused = [](auto call) {
+    try {
+      call();
+    } catch (const gpukit::invalid_argument_error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  for (const std::string& message : {refused([&] { theirs.synchronize(); }), refused([&] { (void)theirs.ready(); }),
+                                     refused([&] { theirs.enqueue_host([] {}); }), refused([&] { e.record(theirs); }),
+                                     refused([&] { e.wait(theirs); })}) {
+    INFO(message);
+    CHECK(message.find("the per-thread default stream of another thread") != std::string::npos);
+  }
+  CHECK(cudasim::calls("cudaEventRecord") == records);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+  CHECK(cudasim::calls("cudaLaunchHostFunc") == host_functions);
+  CHECK(cudasim::calls("cudaStreamSynchronize") == syncs);
+  // This thread's own, resolved or not, works.
+  e.record(mine);
+  e.wait(mine);
+  mine.enqueue_host([] {});
+  mine.synchronize();
+  CHECK(mine.ready());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: elapsed_time of a CUDA event never recorded is invalid_argument_error, as on the CPU") {
+  gpukit::stream s(cuda0);
+  gpukit::event_options timed;
+  timed.timing = true;
+  gpukit::event a(cuda0, timed);
+  gpukit::event b(cuda0, timed);
+  a.record(s);
+  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(a, b), doctest::Contains("an event was never recorded"),
+                       gpukit::invalid_argument_error);
+  b.record(s);
+  CHECK(gpukit::elapsed_time(a, b).count() >= 0.0);
+  CHECK(cudaGetLastError() == cudaSuccess);  // the refusal is not left as the thread's last error
+}
+
 TEST_CASE("streams: async_allocator's limit holds for a request made while another is being allocated") {
   // The first request's bytes count against the limit from its check on: a second one made before the first has its
   // memory (another thread, made deterministic) sees them.

@@ -4,6 +4,7 @@
 // and the engine must go on: every block back at the end, every stream served.
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/parallel_copy.hpp>
 #include <gpukit/transfer/staging.hpp>
 #include <gpukit/memory/pinned_pool_impl.hpp>
 #include <gpukit/transfer/staging_impl.hpp>
@@ -489,4 +490,28 @@ TEST_CASE(
   MESSAGE("nested host functions: " << n - 1 << " host allocations, each failed once");
   CHECK(n > nested);
   CHECK(failures == 0);  // the failures are absorbed: the host function runs nested
+}
+
+TEST_CASE("heap faults: parallel_copy throws only before it hands out parts, and otherwise completes the copy") {
+  // A copy that threw after queueing tickets for its helpers would return while they still write the destination.
+  // Each run fails one host allocation of 40 copies (the job, a ticket's queue node, a helper thread): only the
+  // job's, the call's first allocation, may throw, and every other copy completes.
+  std::vector<unsigned char> source(256 * KiB);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<unsigned char>(i * 7 + 1);
+  bool every_allocation_failed = false;
+  for (long n = 1; !every_allocation_failed; ++n) {
+    INFO("fault at host allocation " << n);
+    heap_run run(n);
+    for (int copy = 0; copy < 40; ++copy) {
+      std::vector<unsigned char> destination(source.size(), 0);
+      const long before = run.seen();
+      if (run.armed([&] { gpukit::parallel_copy(destination.data(), source.data(), source.size(), 4); })) {
+        CHECK(destination == source);
+      } else {
+        CHECK(run.seen() - before == 1);  // the job itself: nothing was handed out
+      }
+    }
+    CHECK(run.unexpected() == "");
+    every_allocation_failed = run.seen() < n;
+  }
 }

@@ -76,6 +76,8 @@ TEST_CASE("device_buffer moves, reset() and empty buffers") {
   CHECK(a.size() == 0);
   CHECK(a.allocator() == nullptr);
   CHECK(a.device() == cpu);
+  CHECK(a.stream() == gpukit::stream_view{});  // the moved-from buffer keeps no stream
+  CHECK(b.stream() == s.view());
   gpukit::device_buffer<int> c(50, s, own.a);
   c = std::move(b);  // frees c's memory, takes b's
   CHECK(c.data() == data);
@@ -83,11 +85,14 @@ TEST_CASE("device_buffer moves, reset() and empty buffers") {
   c.reset();
   CHECK(c.empty());
   CHECK(c.data() == nullptr);
+  CHECK(c.allocator() == nullptr);  // empty, as documented: no allocator, no stream
+  CHECK(c.stream() == gpukit::stream_view{});
   CHECK(own.a.memory_allocated() == 0);
   c.reset();  // resetting an empty buffer is fine
   gpukit::device_buffer<int> zero(0, s, own.a);
   CHECK(zero.empty());
   CHECK(zero.data() == nullptr);
+  CHECK(zero.allocator() == &own.a);                     // a zero-size buffer keeps its allocator (and its device)
   CHECK(own.a.stats().allocation.all().allocated == 2);  // the zero-size buffer allocated nothing
   gpukit::device_buffer<int> def;
   CHECK(def.empty());

@@ -169,6 +169,42 @@ TEST_CASE("pinned memory takes one copy, pageable memory is staged") {
   CHECK(std::equal(pageable.begin(), pageable.end(), pinned.begin()));
 }
 
+TEST_CASE("a pooled pinned buffer may be destroyed right after copy_async: its block waits for the copy") {
+  // As PyTorch records its pinned blocks' uses: copy_async records the stream on the buffer's block.
+  auto pool = gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu));
+  gpukit::stream s(cpu);
+  gate g;
+  gpukit::device_buffer<std::uint32_t> d(4000, s);
+  gpukit::device_buffer<std::uint32_t> from_device(4000, s);
+  gpukit::copy_async(from_device, iota(4000, 7), s);
+  s.synchronize();
+  g.hold(s);
+  const void* first = nullptr;
+  {
+    gpukit::pooled_pinned_buffer<std::uint32_t> h(4000, pool);
+    const auto values = iota(4000, 11);
+    std::copy(values.begin(), values.end(), h.begin());
+    first = h.data();
+    gpukit::copy_async(d, h, s);  // host to device, from the block
+  }
+  const void* second = nullptr;
+  {
+    gpukit::pooled_pinned_buffer<std::uint32_t> out(4000, pool);
+    CHECK(static_cast<const void*>(out.data()) != first);  // the first block waits for its copy
+    second = out.data();
+    gpukit::copy_async(out, from_device, s);  // device to host, into the block
+  }
+  gpukit::pooled_pinned_buffer<std::uint32_t> next(4000, pool);
+  CHECK(static_cast<const void*>(next.data()) != first);
+  CHECK(static_cast<const void*>(next.data()) != second);
+  std::fill(next.begin(), next.end(), 0u);  // would overwrite a block a queued copy still reads or writes
+  g.open();
+  s.synchronize();
+  std::vector<std::uint32_t> back(4000);
+  gpukit::copy_async(back, d, s);
+  CHECK(back == iota(4000, 11));
+}
+
 TEST_CASE("a pageable copy's source may be freed when copy_async returns, a pinned one must outlive the copy") {
   gpukit::stream s(cpu);
   gate g;

@@ -86,11 +86,12 @@ class device_allocation {
   bool empty() const noexcept;
   /// True when there is memory (get() != nullptr).
   explicit operator bool() const noexcept;
-  /// The device the memory is on (the CPU for an empty allocation).
+  /// The device the memory is on: its allocator's (the CPU when default-constructed, moved from or reset).
   gpukit::device device() const noexcept;
-  /// The stream the memory was allocated on and is freed on.
+  /// The stream the memory was allocated on and is freed on (the default view once moved from or reset).
   stream_view stream() const noexcept;
-  /// The allocator it came from, or nullptr when empty.
+  /// The allocator it came from, or nullptr when default-constructed, moved from or reset (a zero-byte allocation
+  /// keeps its allocator).
   device_resource* allocator() const noexcept;
 
   /// Frees the memory now (in the stream's order) and leaves the allocation empty, also when the free throws (a
@@ -180,7 +181,7 @@ class device_buffer {
   gpukit::device device() const noexcept { return memory_.device(); }
   /// The stream the memory was allocated on and is freed on.
   stream_view stream() const noexcept { return memory_.stream(); }
-  /// The allocator the memory came from, or nullptr for a default-constructed or moved-from buffer.
+  /// The allocator the memory came from, or nullptr for a default-constructed, moved-from or reset buffer.
   device_resource* allocator() const noexcept { return memory_.allocator(); }
   /// The memory as raw bytes (the buffer still owns it).
   const device_allocation& allocation() const noexcept { return memory_; }
@@ -226,7 +227,7 @@ GPUKIT_INLINE device_allocation::device_allocation(std::size_t bytes, std::size_
 
 GPUKIT_INLINE device_allocation::device_allocation(device_allocation&& other) noexcept
     : allocator_(std::exchange(other.allocator_, nullptr)),
-      stream_(other.stream_),
+      stream_(std::exchange(other.stream_, stream_view{})),
       pointer_(std::exchange(other.pointer_, nullptr)),
       size_(std::exchange(other.size_, 0)) {}
 
@@ -234,7 +235,7 @@ GPUKIT_INLINE device_allocation& device_allocation::operator=(device_allocation&
   if (this != &other) {
     free_quietly();
     allocator_ = std::exchange(other.allocator_, nullptr);
-    stream_ = other.stream_;
+    stream_ = std::exchange(other.stream_, stream_view{});
     pointer_ = std::exchange(other.pointer_, nullptr);
     size_ = std::exchange(other.size_, 0);
   }
@@ -261,8 +262,10 @@ GPUKIT_INLINE device_resource* device_allocation::allocator() const noexcept { r
 
 GPUKIT_INLINE void device_allocation::reset() {
   void* p = std::exchange(pointer_, nullptr);
+  device_resource* allocator = std::exchange(allocator_, nullptr);
+  stream_ = stream_view{};
   size_ = 0;
-  if (p != nullptr) allocator_->deallocate(p);
+  if (p != nullptr) allocator->deallocate(p);
 }
 
 GPUKIT_INLINE void device_allocation::record_stream(stream_view s) {
@@ -272,6 +275,8 @@ GPUKIT_INLINE void device_allocation::record_stream(stream_view s) {
 GPUKIT_INLINE void device_allocation::free_quietly(const char* owner) noexcept {
   if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
   pointer_ = nullptr;
+  allocator_ = nullptr;
+  stream_ = stream_view{};
   size_ = 0;
 }
 

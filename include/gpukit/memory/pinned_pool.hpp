@@ -460,8 +460,9 @@ void reset_accumulated_host_memory_stats(device d) {
 }
 
 /// A typed, move-only block from a pinned pool: the pool's counterpart of pinned_buffer, cheap to create after
-/// warm-up. Its destructor gives the block back stream-ordered: call record_stream(s) for every stream whose copies
-/// use it, and the block is reused only after that work completes (so it may be destroyed right after enqueueing).
+/// warm-up. Its destructor gives the block back stream-ordered: record_stream(s) for every stream whose work uses it
+/// (gpukit::copy_async does so for its copies), and the block is reused only after that work completes (so it may be
+/// destroyed right after enqueueing).
 template <class T>
 class pooled_pinned_buffer {
   static_assert(std::is_trivially_copyable<T>::value && std::is_trivially_destructible<T>::value,
@@ -504,7 +505,8 @@ class pooled_pinned_buffer {
   ~pooled_pinned_buffer() { reset(); }
 
   /// Copies on `s` use this buffer: its block is reused only after `s`'s work up to the buffer's release completes.
-  void record_stream(stream_view s) {
+  /// gpukit::copy_async calls it for the copies it enqueues directly from or into this buffer.
+  void record_stream(stream_view s) const {
     if (data_ != nullptr) pool_->record_stream(data_, s);
   }
 

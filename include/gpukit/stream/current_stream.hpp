@@ -11,21 +11,33 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
-struct current_stream_entry;
+/// A device's current stream on one thread, with the record of the gpukit::stream it was made from (if any), so that
+/// its destruction is noticed.
+struct current_stream_entry {
+  gpukit::device device;
+  stream_view stream;
+  std::weak_ptr<const stream_life> life;
+  bool has_life = false;  // made from a gpukit::stream (life was set)
+};
 /// This thread's current streams, one entry per device that has one set (a handful at most).
 GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>& current_streams();
 }  // namespace detail
 
-/// The calling thread's current stream of `d`: the last one set, else the device's default stream.
+/// The calling thread's current stream of `d`: the last one set, else the device's default stream. Throws
+/// invalid_argument_error if the gpukit::stream set was destroyed since (a stream must outlive its time as the
+/// current one; set another, or use a stream_guard, whose scope ends first).
 GPUKIT_INLINE stream_view current_stream(device d);
 
-/// Makes `s` the calling thread's current stream of its device.
+/// Makes `s` the calling thread's current stream of its device. `s` must stay alive while it is current:
+/// current_stream() refuses a gpukit::stream destroyed since.
 GPUKIT_INLINE void set_current_stream(stream_view s);
 
 /// RAII: for its scope, makes `s` the current stream of its device and that device the current CUDA device (for a
@@ -42,7 +54,7 @@ class stream_guard {
  private:
   device_guard device_guard_;  // first: restored last
   device device_;
-  stream_view previous_;
+  std::optional<detail::current_stream_entry> previous_;  // none: the default stream was current
 };
 
 GPUKIT_END_NAMESPACE
@@ -51,45 +63,64 @@ GPUKIT_END_NAMESPACE
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-struct current_stream_entry {
-  gpukit::device device;
-  stream_view stream;
-};
-
 GPUKIT_INLINE std::vector<current_stream_entry>& current_streams() {
   thread_local std::vector<current_stream_entry> streams;
   return streams;
 }
+
+/// This thread's entry for `d`, or nullptr.
+inline current_stream_entry* current_stream_entry_of(gpukit::device d) noexcept {
+  for (auto& entry : current_streams()) {
+    if (entry.device == d) return &entry;
+  }
+  return nullptr;
+}
 }  // namespace detail
 
 GPUKIT_INLINE stream_view current_stream(device d) {
-  for (const auto& entry : detail::current_streams()) {
-    if (entry.device == d) return entry.stream;
+  const detail::current_stream_entry* entry = detail::current_stream_entry_of(d);
+  if (entry == nullptr) return stream_view::default_stream(d);
+  // The record outlives the stream only while someone holds it (an allocator, which may let go on another thread):
+  // held for the look.
+  if (entry->has_life && [&] {
+        const std::shared_ptr<const detail::stream_life> life = entry->life.lock();
+        return life == nullptr || life->expired();
+      }()) {
+    throw invalid_argument_error("gpukit::current_stream: the current stream of " + d.to_string() +
+                                 " on this thread was destroyed while current (set_current_stream keeps a view: "
+                                 "set another stream first, or use a stream_guard)");
   }
-  return stream_view::default_stream(d);
+  return entry->stream;
 }
 
 GPUKIT_INLINE void set_current_stream(stream_view s) {
   const device d = s.device();
-  for (auto& entry : detail::current_streams()) {
-    if (entry.device == d) {
-      entry.stream = s;
-      return;
-    }
+  std::shared_ptr<const detail::stream_life> life = s.lifetime();
+  const bool has_life = life != nullptr;
+  if (detail::current_stream_entry* entry = detail::current_stream_entry_of(d)) {
+    *entry = {d, s, life, has_life};
+    return;
   }
-  detail::current_streams().push_back({d, s});
+  detail::current_streams().push_back({d, s, life, has_life});
 }
 
-GPUKIT_INLINE stream_guard::stream_guard(stream_view s)
-    : device_guard_(s.device()), device_(s.device()), previous_(current_stream(device_)) {
+GPUKIT_INLINE stream_guard::stream_guard(stream_view s) : device_guard_(s.device()), device_(s.device()) {
+  if (const detail::current_stream_entry* entry = detail::current_stream_entry_of(device_)) previous_ = *entry;
   set_current_stream(s);
 }
 
 GPUKIT_INLINE stream_guard::~stream_guard() {
-  try {
-    set_current_stream(previous_);
-  } catch (...) {
-    // set_current_stream can only fail allocating a new entry, and ours already exists.
+  // The entry the constructor made or found is restored as it was, with no lookup of the previous stream (which
+  // may have been destroyed meanwhile: current_stream() then says so): nothing here can fail.
+  std::vector<detail::current_stream_entry>& entries = detail::current_streams();
+  for (auto it = entries.begin(); it != entries.end(); ++it) {
+    if (it->device != device_) continue;
+    if (previous_) {
+      *it = std::move(*previous_);
+    } else {
+      entries.erase(it);
+    }
+    return;
   }
 }
 

@@ -202,6 +202,11 @@ class stream_view {
   /// stream, whose work other threads can then only order after through the legacy default stream).
   stream_view resolved() const;
 
+  /// True for another thread's per-thread default stream: a view of cudaStreamPerThread resolved() on another thread.
+  /// The handle names the calling thread's own stream, so this one cannot be named from here: gpukit's calls on it
+  /// (synchronize, ready, enqueue_host, event::record and event::wait) throw invalid_argument_error.
+  bool is_other_threads_stream() const;
+
   /// The record of the gpukit::stream this view was made from, which outlives it: whether it was destroyed and
   /// whether its last work completed (nullptr for raw handles, borrowed wrapped handles and default streams). Call it
   /// while the stream exists, like every use of a view.
@@ -221,9 +226,14 @@ class stream_view {
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
   /// (cudaLaunchHostFunc on CUDA). It must not call CUDA or synchronize this stream. An exception escaping it is
-  /// reported through gpukit::warn. The callable is moved to the heap until it runs. An empty callable (a null
-  /// function pointer, an empty std::function) throws invalid_argument_error at once. On the CPU default stream,
-  /// which runs work at once, a host function enqueued from inside a running one runs after it returns.
+  /// reported through gpukit::warn. The callable is moved to the heap until it runs, and destroyed right after, on
+  /// the thread that ran it (on a GPU, CUDA's host-function thread): what it owns must not call CUDA when destroyed
+  /// either (a gpukit::event, buffer or stream captured by value would; keep those alive elsewhere, or use
+  /// record_stream). An empty callable (a null function pointer, an empty std::function) throws
+  /// invalid_argument_error at once, and so does a stream being captured: a graph calls its host functions at every
+  /// launch, and the callable is freed after its first call (add a host node with cudaLaunchHostFunc and data that
+  /// outlives the graph instead). On the CPU default stream, which runs work at once, a host function enqueued from
+  /// inside a running one runs after it returns.
   template <class F>
   void enqueue_host(F&& function) const {
     using callable = std::decay_t<F>;
@@ -231,6 +241,8 @@ class stream_view {
       if (!function) throw invalid_argument_error("gpukit::stream_view::enqueue_host: the function is empty");
     }
     if (is_cpu()) return detail::cpu_backend::enqueue_host(cpu_, std::forward<F>(function));
+    refuse_other_threads_stream("stream_view::enqueue_host");
+    refuse_host_function_in_capture();
     auto owned = std::make_unique<callable>(std::forward<F>(function));
     const cudaHostFn_t trampoline = [](void* data) {
       std::unique_ptr<callable> f(static_cast<callable*>(data));
@@ -268,6 +280,10 @@ class stream_view {
   stream_view(gpukit::device d, cudaStream_t handle, detail::cpu_queue* queue, detail::stream_life* life) noexcept;
 
   static bool is_special(cudaStream_t h) noexcept;
+  // Throws invalid_argument_error naming `operation` for another thread's per-thread default stream.
+  void refuse_other_threads_stream(const char* operation) const;
+  // Throws invalid_argument_error for a host function enqueued on a stream being captured (see enqueue_host).
+  void refuse_host_function_in_capture() const;
   // What handle 0 means in this translation unit's default-stream mode.
   static cudaStream_t canonical(cudaStream_t h) noexcept;
 
@@ -515,13 +531,41 @@ GPUKIT_INLINE std::shared_ptr<const detail::stream_life> stream_view::lifetime()
 
 GPUKIT_INLINE bool stream_view::destroyed() const noexcept { return life_ != nullptr && life_->expired(); }
 
+GPUKIT_INLINE bool stream_view::is_other_threads_stream() const {
+  return is_per_thread() && id() != detail::default_stream_id(device().ordinal(), true);
+}
+
+GPUKIT_INLINE void stream_view::refuse_other_threads_stream(const char* operation) const {
+  if (id_ == 0 || !is_per_thread()) return;  // not resolved: the calling thread's own
+  if (!is_other_threads_stream()) return;
+  throw invalid_argument_error(std::string("gpukit::") + operation +
+                               ": the per-thread default stream of another thread (a view resolved there) cannot be "
+                               "named from this one: cudaStreamPerThread is the calling thread's own (call it from "
+                               "that thread; nothing was done)");
+}
+
+GPUKIT_INLINE void stream_view::refuse_host_function_in_capture() const {
+  if (is_default() && !is_per_thread()) return;  // CUDA never captures the legacy default stream
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) != cudaSuccess) return;  // the launch says
+  if (status == cudaStreamCaptureStatusNone) return;
+  throw invalid_argument_error(
+      std::string("gpukit::stream_view::enqueue_host: the stream is being captured") +
+      (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") +
+      ": a graph calls its host functions at every launch, and gpukit frees the callable after its first call "
+      "(enqueue it outside the capture, or add a host node with cudaLaunchHostFunc and data that outlives the graph; "
+      "nothing was enqueued)");
+}
+
 GPUKIT_INLINE void stream_view::synchronize() const {
   if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
+  refuse_other_threads_stream("stream_view::synchronize");
   detail::cuda_backend::synchronize(cuda_target());
 }
 
 GPUKIT_INLINE bool stream_view::ready() const {
   if (is_cpu()) return detail::cpu_backend::ready(cpu_);
+  refuse_other_threads_stream("stream_view::ready");
   return detail::cuda_backend::ready(cuda_target());
 }
 

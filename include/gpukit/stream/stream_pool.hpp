@@ -128,8 +128,8 @@ GPUKIT_EXPORT GPUKIT_INLINE default_stream_pool_registry& default_stream_pools()
 }  // namespace detail
 
 /// The process-wide pool of `d` for a priority class, created on first use with stream_pool::default_size
-/// non-blocking streams (high: the device's greatest priority) and as many exclusive ones. Thread-safe; lives until
-/// the process exits.
+/// non-blocking streams (high: the device's greatest priority) and as many exclusive ones. Thread-safe; never
+/// destroyed, so that it serves code that runs at exit (its streams go with the process).
 GPUKIT_INLINE stream_pool& default_stream_pool(gpukit::device d, stream_priority priority = stream_priority::normal);
 
 GPUKIT_END_NAMESPACE
@@ -265,8 +265,10 @@ struct default_stream_pool_registry {
 };
 
 GPUKIT_INLINE default_stream_pool_registry& default_stream_pools() {
-  static default_stream_pool_registry registry;
-  return registry;
+  // Never destroyed: leases and at-exit code may use the pools after static destruction began, and destroying the
+  // streams then would be CUDA calls at exit.
+  static auto* registry = new default_stream_pool_registry();
+  return *registry;
 }
 }  // namespace detail
 

@@ -107,15 +107,16 @@ struct default_engine {
   device_copier copier() const noexcept;  // what the default engines use
 };
 
-/// Checks and dispatches a copy (see the file comment).
+/// Checks and dispatches a copy (see the file comment). True when it enqueued one DMA on `s` that reads or writes
+/// the host side when `s` gets to it (false: nothing to copy, or staged).
 template <class EngineFor>
-void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
+bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
                 EngineFor engine_for) {
   if (dst.count != src.count) {
     copy_misuse("size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
                 describe_side("the source", src, element_size) + " differ");
   }
-  if (dst.count == 0) return;
+  if (dst.count == 0) return false;
   const gpukit::device sd = s.device();
   const bool host_pinned = check_copy(dst, src, element_size, sd);
   const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
@@ -128,13 +129,33 @@ void copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
                                      : to_device ? copy_direction::host_to_device
                                                  : copy_direction::device_to_host;
     engine_for.copier()(out, src.data, bytes, direction, s);
-    return;
+    return !d2d;
   }
   auto& engine = engine_for(sd);  // pageable memory only
   if (to_device) {
     engine.to_device(out, src.data, bytes, s);
   } else {
     engine.to_host(out, src.data, bytes, s);
+  }
+  return false;
+}
+
+/// After a copy enqueued on `s` that uses `x`'s memory when `s` gets to it: a pooled pinned buffer's block goes back
+/// to its pool only after that copy (record_stream, as PyTorch records its pinned blocks' uses), so that it can be
+/// destroyed right after the call. Not in a capture (the graph's copy uses the memory at each launch: the buffer must
+/// outlive the graph; the pool refuses a capturing stream). If the stream cannot be recorded, the copy is waited for.
+template <class X>
+void keep_block_for_copy(const X& x, const stream_view& s) {
+  if constexpr (is_pooled_pinned_buffer<std::remove_cv_t<X>>::value) {
+    if (!s.is_cpu() && capture_status(s) != cudaStreamCaptureStatusNone) return;
+    try {
+      x.record_stream(s);
+    } catch (...) {
+      s.synchronize();  // the copy done, the block may go back whenever (throws if even that fails)
+    }
+  } else {
+    (void)x;
+    (void)s;
   }
 }
 
@@ -153,8 +174,15 @@ memory_location location_of(const X& x, memory_location viewed, const stream_vie
   }
 }
 
-template <class Dst, class Src, class EngineFor>
-void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_for) {
+/// The two sides of a copy on `s`, as copy_bytes takes them.
+struct copy_sides {
+  copy_side dst;
+  copy_side src;
+  std::size_t element_size = 0;
+};
+
+template <class Dst, class Src>
+copy_sides sides_of(Dst& dst_arg, Src& src_arg, const stream_view& s) {
   auto dst = located_view(dst_arg);
   auto src = located_view(src_arg);
   using dst_type = decltype(dst);
@@ -172,7 +200,16 @@ void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_fo
   copy_side r{src.data(), src.size(), location_of(src_arg, src_type::location, s), {}, location_is_known<Src>::value};
   if constexpr (dst_type::location == memory_location::device) d.dev = dst.device();
   if constexpr (src_type::location == memory_location::device) r.dev = src.device();
-  copy_bytes(d, r, sizeof(dst_element), s, engine_for);
+  return {d, r, sizeof(dst_element)};
+}
+
+template <class Dst, class Src, class EngineFor>
+void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_for) {
+  const copy_sides sides = sides_of(dst_arg, src_arg, s);
+  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for)) {
+    keep_block_for_copy(dst_arg, s);
+    keep_block_for_copy(src_arg, s);
+  }
 }
 
 }  // namespace detail
@@ -210,6 +247,9 @@ void copy_async(Dst&& dst, Src&& src) {
       detail::refuse_capture(current, current.device(), "gpukit::copy_async (across devices, on the current streams)",
                              detail::capture_advice_cross_device);
     }
+    // The copy's own checks, before the events tie the two streams together.
+    const detail::copy_sides sides = detail::sides_of(dst, src, s);
+    (void)detail::check_copy(sides.dst, sides.src, sides.element_size, s.device());
     event destination_ready(to.device());
     destination_ready.record(destination_stream);
     destination_ready.wait(s);

@@ -84,7 +84,10 @@ class copy_workers {
 
   static void run_parts(job& j);
 
-  void post(const std::shared_ptr<job>& j, unsigned helpers);
+  /// Queues up to `helpers` tickets for `j` and starts helper threads for them. Never throws: a ticket or thread it
+  /// has no memory for is a part the caller copies itself (a throw would leave queued tickets copying after the
+  /// caller returned).
+  void post(const std::shared_ptr<job>& j, unsigned helpers) noexcept;
 
   void serve();
 
@@ -174,10 +177,13 @@ GPUKIT_INLINE void copy_workers::run_parts(job& j) {
   }
 }
 
-GPUKIT_INLINE void copy_workers::post(const std::shared_ptr<job>& j, unsigned helpers) {
-  {
+GPUKIT_INLINE void copy_workers::post(const std::shared_ptr<job>& j, unsigned helpers) noexcept {
+  try {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (unsigned i = 0; i < helpers; ++i) queue_.push_back(j);
+    try {
+      for (unsigned i = 0; i < helpers; ++i) queue_.push_back(j);
+    } catch (...) {  // no memory for more tickets: the tickets queued are served, the caller takes the rest
+    }
     // One thread per outstanding ticket, up to the limit; idle threads are reused.
     while (threads_.size() < max_helpers && threads_.size() < busy_ + queue_.size()) {
       try {
@@ -186,6 +192,8 @@ GPUKIT_INLINE void copy_workers::post(const std::shared_ptr<job>& j, unsigned he
         break;  // cannot start a thread: the caller takes the parts itself
       }
     }
+  } catch (...) {  // the lock refused: nothing queued, the caller copies every part
+    return;
   }
   cv_.notify_all();
 }

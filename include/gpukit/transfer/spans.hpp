@@ -259,6 +259,11 @@ template <class T>
 struct is_pinned_container<pooled_pinned_buffer<T>> : std::true_type {};
 
 template <class X>
+struct is_pooled_pinned_buffer : std::false_type {};
+template <class T>
+struct is_pooled_pinned_buffer<pooled_pinned_buffer<T>> : std::true_type {};
+
+template <class X>
 struct is_host_container : std::false_type {};
 template <class T, class A>
 struct is_host_container<std::vector<T, A>> : std::true_type {};

@@ -379,7 +379,15 @@ GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int ev
 
 GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
   float ms = 0.0f;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime", ordinal);
+  const cudaError_t result = cudaEventElapsedTime(&ms, start, end);
+  if (result == cudaErrorInvalidResourceHandle) {  // gpukit's timing events: one was never recorded
+    (void)cudaGetLastError();
+    throw invalid_argument_error(
+        "gpukit::elapsed_time: an event was never recorded (cudaEventElapsedTime returned "
+        "cudaErrorInvalidResourceHandle on cuda:" +
+        std::to_string(ordinal) + ")");
+  }
+  GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaEventElapsedTime", ordinal);
   return ms;
 }
 
