@@ -507,6 +507,25 @@ TEST_CASE("a current stream destroyed while current is refused, held or not, and
   }
 }
 
+TEST_CASE("a CPU stream destroyed by its own host function runs the rest of its work, and its worker ends") {
+  // The task holding the last reference destroys the stream on the stream's own worker thread, which cannot join
+  // itself (std::terminate before): the queue runs the tasks queued after that one itself.
+  auto s = std::make_shared<gpukit::stream>(cpu);
+  const std::weak_ptr<gpukit::stream> watch = s;
+  gate g;
+  g.hold(*s);
+  std::promise<int> later;
+  std::future<int> later_ran = later.get_future();
+  int order = 0;
+  s->enqueue_host([keep = s] {});  // the stream's last reference, once the test lets go of its own
+  s->enqueue_host([&later, &order] { later.set_value(++order); });
+  s.reset();
+  CHECK_FALSE(watch.expired());  // kept by its own task
+  g.open();
+  CHECK(later_ran.get() == 1);  // ran, after the task that destroyed the stream
+  CHECK(watch.expired());
+}
+
 TEST_CASE("events and streams used from many threads stay consistent") {
   gpukit::stream a(cpu);
   gpukit::stream b(cpu);

@@ -10,7 +10,10 @@
 ///
 /// The CPU-device story: registering for the CPU device is a no-op (registered() is false): the CPU has nothing to
 /// pin, and the same code runs without a GPU. While registered, gpukit's copies detect the memory as pinned and use
-/// one DMA instead of staging it.
+/// one DMA instead of staging it, which changes when the memory may be touched again: a copy_async from or into
+/// pageable memory returns with the source reusable or the destination written, one from or into registered memory
+/// returns at once, and the memory is read or written when the stream gets to the copy (synchronize the stream, or
+/// an event recorded after it, before reusing or reading it).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>

@@ -53,7 +53,9 @@ struct is_device_buffer_like<X,
     : std::is_same<std::decay_t<decltype(std::declval<X&>().device())>, gpukit::device> {};
 }  // namespace detail
 
-/// Host memory: pageable (std::vector, new[], a memory-mapped file) or pinned.
+/// Host memory: pageable (std::vector, new[], a memory-mapped file) or pinned. Copies ask CUDA which: memory that is
+/// page-locked (a host_registration covers it) takes one asynchronous DMA, used when the stream gets to it, where
+/// pageable memory is staged and done with when copy_async returns.
 template <class T>
 class host_span {
  public:
@@ -270,8 +272,9 @@ struct is_host_container<std::vector<T, A>> : std::true_type {};
 template <class T, std::size_t N>
 struct is_host_container<std::array<T, N>> : std::true_type {};
 
-/// Whether gpukit allocated X's memory itself (pinned buffers, device buffers), so the type fixes where it is and
-/// copies need not ask CUDA; spans and host containers are checked (a vector may be registered, a span may lie).
+/// Whether the type fixes where X's memory is (gpukit's pinned buffers, and device buffers: any type with data(),
+/// size(), device() and stream(), a user's own included), so copies need not ask CUDA; spans and host containers are
+/// checked (a vector may be registered, a span may lie).
 template <class X>
 struct location_is_known : std::integral_constant<bool, is_pinned_container<std::remove_cv_t<X>>::value ||
                                                             is_device_buffer_like<std::remove_cv_t<X>>::value> {};

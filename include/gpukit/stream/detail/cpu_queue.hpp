@@ -148,7 +148,8 @@ class cpu_queue {
   cpu_queue();
 
   /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
-  /// waits for that work.
+  /// waits for that work. Destroyed by one of its own tasks (one that held the last reference to its stream), it
+  /// runs the tasks queued after that one itself, and the worker ends once the task returns.
   ~cpu_queue();
 
   cpu_queue(const cpu_queue&) = delete;
@@ -172,17 +173,22 @@ class cpu_queue {
   std::uint64_t pending() const;
 
  private:
-  void serve();
+  /// What the worker uses: shared with it, so that it outlives a queue destroyed by one of its own tasks.
+  struct state {
+    mutable std::mutex mutex;
+    std::condition_variable work_cv;
+    std::condition_variable idle_cv;
+    std::deque<host_task> tasks;
+    // Written under mutex; atomic so idle() can read them without it.
+    std::atomic<std::uint64_t> enqueued{0};
+    std::atomic<std::uint64_t> finished{0};
+    bool stopping = false;
+  };
 
-  mutable std::mutex mutex_;
-  std::condition_variable work_cv_;
-  std::condition_variable idle_cv_;
-  std::deque<host_task> tasks_;
-  // Written under mutex_; atomic so idle() can read them without it.
-  std::atomic<std::uint64_t> enqueued_{0};
-  std::atomic<std::uint64_t> finished_{0};
-  bool stopping_ = false;
-  std::thread worker_;  // last: started after every other member is initialised
+  static void serve(const std::shared_ptr<state>& st);
+
+  std::shared_ptr<state> state_ = std::make_shared<state>();
+  std::thread worker_;  // last: started after the state is made
 };
 
 }  // namespace detail
@@ -229,24 +235,45 @@ GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_marker::completed() {
   return marker;
 }
 
-GPUKIT_INLINE cpu_queue::cpu_queue() : worker_([this] { serve(); }) {}
+GPUKIT_INLINE cpu_queue::cpu_queue() : worker_([st = state_] { serve(st); }) {}
 
 GPUKIT_INLINE cpu_queue::~cpu_queue() {
+  state& st = *state_;
+  const bool from_own_task = std::this_thread::get_id() == worker_.get_id();
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(st.mutex);
+    st.stopping = true;
   }
-  work_cv_.notify_one();
-  if (worker_.joinable()) worker_.join();
+  st.work_cv.notify_one();
+  if (!from_own_task) {
+    if (worker_.joinable()) worker_.join();
+    return;
+  }
+  // Destroyed by the task the worker runs now (a join would wait for itself): the tasks queued after it run here,
+  // in order, as the worker would have run them; the worker then finds nothing left and ends.
+  std::unique_lock<std::mutex> lock(st.mutex);
+  while (!st.tasks.empty()) {
+    host_task task = std::move(st.tasks.front());
+    st.tasks.pop_front();
+    lock.unlock();
+    call_reporting_exceptions(task);
+    task = host_task();
+    lock.lock();
+    st.finished.fetch_add(1, std::memory_order_release);
+    st.idle_cv.notify_all();
+  }
+  lock.unlock();
+  worker_.detach();
 }
 
 GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
+  state& st = *state_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
-    enqueued_.fetch_add(1, std::memory_order_release);
+    std::lock_guard<std::mutex> lock(st.mutex);
+    st.tasks.push_back(std::move(task));
+    st.enqueued.fetch_add(1, std::memory_order_release);
   }
-  work_cv_.notify_one();
+  st.work_cv.notify_one();
 }
 
 GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_queue::record() {
@@ -260,34 +287,36 @@ GPUKIT_INLINE void cpu_queue::synchronize() {
     throw invalid_argument_error(
         "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
   }
-  std::unique_lock<std::mutex> lock(mutex_);
-  const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
-  idle_cv_.wait(lock, [&] { return finished_.load(std::memory_order_relaxed) >= target; });
+  state& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mutex);
+  const std::uint64_t target = st.enqueued.load(std::memory_order_relaxed);
+  st.idle_cv.wait(lock, [&] { return st.finished.load(std::memory_order_relaxed) >= target; });
 }
 
 GPUKIT_INLINE bool cpu_queue::idle() const noexcept {
-  const std::uint64_t finished = finished_.load(std::memory_order_acquire);
-  return finished == enqueued_.load(std::memory_order_acquire);
+  const std::uint64_t finished = state_->finished.load(std::memory_order_acquire);
+  return finished == state_->enqueued.load(std::memory_order_acquire);
 }
 
 GPUKIT_INLINE std::uint64_t cpu_queue::pending() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return enqueued_.load(std::memory_order_relaxed) - finished_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->enqueued.load(std::memory_order_relaxed) - state_->finished.load(std::memory_order_relaxed);
 }
 
-GPUKIT_INLINE void cpu_queue::serve() {
-  std::unique_lock<std::mutex> lock(mutex_);
+GPUKIT_INLINE void cpu_queue::serve(const std::shared_ptr<state>& shared) {
+  state& st = *shared;
+  std::unique_lock<std::mutex> lock(st.mutex);
   for (;;) {
-    work_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-    if (tasks_.empty()) return;  // stopping, and drained
-    host_task task = std::move(tasks_.front());
-    tasks_.pop_front();
+    st.work_cv.wait(lock, [&st] { return st.stopping || !st.tasks.empty(); });
+    if (st.tasks.empty()) return;  // stopping, and drained
+    host_task task = std::move(st.tasks.front());
+    st.tasks.pop_front();
     lock.unlock();
     call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
-    task = host_task();               // release what the task owns before it counts as finished
+    task = host_task();               // release what the task owns before it counts as finished (may end the queue)
     lock.lock();
-    finished_.fetch_add(1, std::memory_order_release);
-    idle_cv_.notify_all();
+    st.finished.fetch_add(1, std::memory_order_release);
+    st.idle_cv.notify_all();
   }
 }
 
