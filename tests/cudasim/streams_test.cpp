@@ -14,11 +14,13 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/transfer/copy.hpp>
 #include <gpukit/warning.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -1274,6 +1276,32 @@ TEST_CASE(
   mine.enqueue_host([] {});
   mine.synchronize();
   CHECK(mine.ready());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: copy_async does not record a raw stream handle on a pooled pinned buffer's block") {
+  // A raw handle may be destroyed (and its handle reused) before the buffer goes: the caller orders the buffer's
+  // release itself there, as before. A gpukit stream is recorded.
+  captured_warnings warnings;
+  gpukit::pinned_pool pool(gpukit::pinned_upstream(gpukit::device::kind::cuda));
+  gpukit::stream s(cuda0);
+  gpukit::device_buffer<int> d(1000, s);
+  const cudaStream_t raw = create_raw_stream(cuda0);
+  const void* first = nullptr;
+  {
+    gpukit::pooled_pinned_buffer<int> h(1000, pool);
+    std::fill(h.begin(), h.end(), 5);
+    first = h.data();
+    gpukit::copy_async(d, h, gpukit::stream_view(cuda0, raw));
+    REQUIRE(cudaStreamSynchronize(raw) == cudaSuccess);
+    destroy_raw_stream(raw);  // before the buffer goes
+  }
+  CHECK(warnings.messages().empty());
+  gpukit::pooled_pinned_buffer<int> again(1000, pool);
+  CHECK(static_cast<const void*>(again.data()) == first);  // free at once: nothing recorded on the dead handle
+  gpukit::copy_async(again, d, s);                         // a gpukit stream: recorded
+  s.synchronize();
+  CHECK(again[999] == 5);
   CHECK(cudasim::violations().empty());
 }
 

@@ -76,7 +76,7 @@ TEST_CASE("device_buffer moves, reset() and empty buffers") {
   CHECK(a.size() == 0);
   CHECK(a.allocator() == nullptr);
   CHECK(a.device() == cpu);
-  CHECK(a.stream() == gpukit::stream_view{});  // the moved-from buffer keeps no stream
+  CHECK(a.stream() == gpukit::stream_view::default_stream(cpu));  // the moved-from buffer keeps no stream
   CHECK(b.stream() == s.view());
   gpukit::device_buffer<int> c(50, s, own.a);
   c = std::move(b);  // frees c's memory, takes b's
@@ -86,7 +86,7 @@ TEST_CASE("device_buffer moves, reset() and empty buffers") {
   CHECK(c.empty());
   CHECK(c.data() == nullptr);
   CHECK(c.allocator() == nullptr);  // empty, as documented: no allocator, no stream
-  CHECK(c.stream() == gpukit::stream_view{});
+  CHECK(c.stream() == gpukit::stream_view::default_stream(cpu));
   CHECK(own.a.memory_allocated() == 0);
   c.reset();  // resetting an empty buffer is fine
   gpukit::device_buffer<int> zero(0, s, own.a);

@@ -6,10 +6,12 @@
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pmr.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <memory_resource>
 #include <type_traits>
 #include <vector>
@@ -56,6 +58,23 @@ TEST_CASE("a resource of one's own backs buffers, over-aligned memory and std::p
     CHECK(arena.live() == 1);
   }
   CHECK(arena.live() == 0);
+}
+
+TEST_CASE("a pmr container outliving the current stream it was allocated on is freed, on the allocation's stream") {
+  // current_stream() refuses a stream destroyed while current; the pmr resource then frees on the stream the
+  // memory was allocated on (which the allocator keeps), instead of leaking it.
+  gpukit_test::arena_resource arena;
+  gpukit_test::captured_warnings warnings;
+  gpukit::device_pmr_resource pmr(arena);  // no stream: the current one
+  auto s = std::make_unique<gpukit::stream>(cpu);
+  gpukit::set_current_stream(*s);
+  {
+    std::pmr::vector<int> v(1000, 3, &pmr);
+    s.reset();
+  }
+  CHECK(arena.live() == 0);
+  CHECK(warnings.messages().empty());
+  gpukit::set_current_stream(gpukit::stream_view::default_stream(cpu));
 }
 
 TEST_CASE("bad input through a resource of one's own is a clear error, and nothing leaks") {

@@ -396,6 +396,18 @@ TEST_CASE("history: threads allocating on their own streams while another reads 
     while (!done.load()) {
       const gpukit::memory_history_contents c = first->contents();
       if (c.recorded - c.dropped != c.events.size()) ++inconsistent;
+      if (switches % 16 == 0) {  // the JSON export's counts describe its events too
+        const std::string json = gpukit::history_json(*first);
+        const auto number_after = [&json](const std::string& key) {
+          return std::stoull(json.substr(json.find(key) + key.size()));
+        };
+        std::size_t events = 0;
+        for (std::size_t at = json.find("{\"action\":"); at != std::string::npos;
+             at = json.find("{\"action\":", at + 1)) {
+          ++events;
+        }
+        if (number_after("\"recorded\":") - number_after("\"dropped\":") != events) ++inconsistent;
+      }
       (void)a.history();
       a.set_memory_history(++switches % 2 ? second : first);
       std::this_thread::yield();

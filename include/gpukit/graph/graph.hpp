@@ -76,7 +76,8 @@ class graph {
   /// being captured (the outer graph could run after the pool's memory went back: capture that work into the pool's
   /// graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming "cudaEventRecord
   /// (after a graph launch)" means the graph was launched but the pool could not record when it ends (the host then
-  /// waited for `s`): do not launch it again to make up for it.
+  /// waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch it again to
+  /// make up for it.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
@@ -220,7 +221,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
   const gpukit::device d = s.device();
-  if (s.is_per_thread() && s.id() != detail::default_stream_id(d.ordinal(), true)) {
+  if (s.is_other_threads_stream()) {
     throw invalid_argument_error(
         "gpukit::capture: the per-thread default stream of another thread (a view resolved there) cannot be captured "
         "from this one: cudaStreamPerThread names the calling thread's own");

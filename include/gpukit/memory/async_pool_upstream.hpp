@@ -68,14 +68,7 @@ class async_pool_upstream {
   /// which stays). Segments still out are the caching allocator's to give back first.
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;
-    if (const std::vector<detail::held_segment> held = held_.take_all(); !held.empty()) {
-      if (detail::capture_held_segments::capture_underway()) {  // a device-wide wait would invalidate the capture
-        detail::warn_parts("gpukit::async_pool_upstream: destroyed during a gpukit capture with ", held.size(),
-                           " segment(s) held back from the pool since an earlier capture; they stay allocated");
-      } else {
-        give_back(nullptr, held);
-      }
-    }
+    give_back(nullptr, held_.take_at_destruction("gpukit::async_pool_upstream"));
     try {
       device_guard guard(device_);
       detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)",

@@ -88,7 +88,8 @@ class device_allocation {
   explicit operator bool() const noexcept;
   /// The device the memory is on: its allocator's (the CPU when default-constructed, moved from or reset).
   gpukit::device device() const noexcept;
-  /// The stream the memory was allocated on and is freed on (the default view once moved from or reset).
+  /// The stream the memory was allocated on and is freed on (the CPU's default stream when default-constructed, moved
+  /// from or reset, as device() is the CPU then).
   stream_view stream() const noexcept;
   /// The allocator it came from, or nullptr when default-constructed, moved from or reset (a zero-byte allocation
   /// keeps its allocator).
@@ -109,7 +110,7 @@ class device_allocation {
   void free_quietly(const char* owner = "device_allocation") noexcept;
 
   device_resource* allocator_ = nullptr;
-  stream_view stream_{};
+  stream_view stream_ = stream_view::default_stream(gpukit::device::cpu());
   void* pointer_ = nullptr;
   std::size_t size_ = 0;
 };
@@ -179,7 +180,8 @@ class device_buffer {
   gpukit::span<const T> span() const noexcept { return {data(), size()}; }
   /// The device the memory is on (the CPU for a default-constructed or moved-from buffer).
   gpukit::device device() const noexcept { return memory_.device(); }
-  /// The stream the memory was allocated on and is freed on.
+  /// The stream the memory was allocated on and is freed on (the CPU's default stream when empty but for a zero-size
+  /// buffer, as device() is the CPU then).
   stream_view stream() const noexcept { return memory_.stream(); }
   /// The allocator the memory came from, or nullptr for a default-constructed, moved-from or reset buffer.
   device_resource* allocator() const noexcept { return memory_.allocator(); }
@@ -227,7 +229,7 @@ GPUKIT_INLINE device_allocation::device_allocation(std::size_t bytes, std::size_
 
 GPUKIT_INLINE device_allocation::device_allocation(device_allocation&& other) noexcept
     : allocator_(std::exchange(other.allocator_, nullptr)),
-      stream_(std::exchange(other.stream_, stream_view{})),
+      stream_(std::exchange(other.stream_, stream_view::default_stream(gpukit::device::cpu()))),
       pointer_(std::exchange(other.pointer_, nullptr)),
       size_(std::exchange(other.size_, 0)) {}
 
@@ -235,7 +237,7 @@ GPUKIT_INLINE device_allocation& device_allocation::operator=(device_allocation&
   if (this != &other) {
     free_quietly();
     allocator_ = std::exchange(other.allocator_, nullptr);
-    stream_ = std::exchange(other.stream_, stream_view{});
+    stream_ = std::exchange(other.stream_, stream_view::default_stream(gpukit::device::cpu()));
     pointer_ = std::exchange(other.pointer_, nullptr);
     size_ = std::exchange(other.size_, 0);
   }
@@ -263,7 +265,7 @@ GPUKIT_INLINE device_resource* device_allocation::allocator() const noexcept { r
 GPUKIT_INLINE void device_allocation::reset() {
   void* p = std::exchange(pointer_, nullptr);
   device_resource* allocator = std::exchange(allocator_, nullptr);
-  stream_ = stream_view{};
+  stream_ = stream_view::default_stream(gpukit::device::cpu());
   size_ = 0;
   if (p != nullptr) allocator->deallocate(p);
 }
@@ -276,7 +278,7 @@ GPUKIT_INLINE void device_allocation::free_quietly(const char* owner) noexcept {
   if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
   pointer_ = nullptr;
   allocator_ = nullptr;
-  stream_ = stream_view{};
+  stream_ = stream_view::default_stream(gpukit::device::cpu());
   size_ = 0;
 }
 

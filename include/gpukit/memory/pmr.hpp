@@ -87,8 +87,18 @@ class device_pmr_resource final : public std::pmr::memory_resource {
   }
   /// std::pmr's deallocate throws nothing: a refused free is reported through gpukit::warn.
   void do_deallocate(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) override {
-    detail::free_reporting_errors("gpukit::device_pmr_resource::deallocate",
-                                  [&] { allocator_->deallocate(p, stream()); });
+    detail::free_reporting_errors("gpukit::device_pmr_resource::deallocate", [&] {
+      std::optional<stream_view> on = stream_;
+      if (!on) {
+        try {
+          on = current_stream(allocator_->device());
+        } catch (const invalid_argument_error&) {  // the current stream was destroyed: freed on the allocation's
+          allocator_->deallocate(p);
+          return;
+        }
+      }
+      allocator_->deallocate(p, *on);
+    });
   }
   /// Equal to any device_pmr_resource of the same allocator (memory is freed in its streams' order either way).
   bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override {

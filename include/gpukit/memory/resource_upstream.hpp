@@ -28,7 +28,8 @@
 /// neither is on a hot path. That device-wide wait (cudaDeviceSynchronize) is refused while another thread captures
 /// in global mode, even in relaxed mode, and invalidates that capture: while a gpukit capture runs (gpukit::capture,
 /// on any thread) such a segment is held back, and given back with the next one after the captures end, before the
-/// resource is asked again when it refuses, or at destruction.
+/// resource is asked again when it refuses, or at destruction. A capture that begins between that look and the wait
+/// is not seen (nor one begun with the raw runtime), and the wait then invalidates it.
 ///
 /// Needs CCCL on the include path, as memory_resource.hpp does. Not included by gpukit.hpp.
 
@@ -117,16 +118,7 @@ class resource_upstream {
 
   /// Gives back the segments held back during a capture (after the device's work), or, while a gpukit capture still
   /// runs, warns that they stay allocated.
-  ~resource_upstream() {
-    const std::vector<detail::held_segment> held = held_.take_all();
-    if (held.empty()) return;
-    if (detail::capture_held_segments::capture_underway()) {  // a device-wide wait would invalidate the capture
-      detail::warn_parts("gpukit::resource_upstream: destroyed during a gpukit capture with ", held.size(),
-                         " segment(s) held back from its resource since an earlier capture; they stay allocated");
-      return;
-    }
-    give_back(held);
-  }
+  ~resource_upstream() { give_back(held_.take_at_destruction("gpukit::resource_upstream")); }
 
   /// `bytes` from the resource at upstream_alignment; nullptr when it refuses for lack of memory (see the file
   /// comment), after the segments held back during a capture were given back and the segments given back in stream

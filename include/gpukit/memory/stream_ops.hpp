@@ -298,9 +298,7 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
     return cudaStreamCaptureStatusNone;
   }
   // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
-  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
-    return cudaStreamCaptureStatusNone;
-  }
+  if (s.is_other_threads_stream()) return cudaStreamCaptureStatusNone;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t result = cuda_backend::stream_capture_status(s.cuda_target(), status);
   if (result == cudaSuccess) return status;
@@ -309,9 +307,7 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
 }
 
-GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s) {
-  return s.is_per_thread() && s.id() != default_stream_id(s.device().ordinal(), true);
-}
+GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s) { return s.is_other_threads_stream(); }
 
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
   if (s.is_cpu()) return false;
@@ -446,7 +442,7 @@ GPUKIT_INLINE void stream_ops::synchronize(const event& e) const {
   }
 }
 
-GPUKIT_INLINE void stream_ops::wait(const event& e, const stream_view& s) const { e.wait(s); }
+GPUKIT_INLINE void stream_ops::wait(const event& e, const stream_view& s) const { detail::wait_from_any_thread(e, s); }
 
 GPUKIT_INLINE bool stream_ops::may_have_pending_work(const stream_view& s) const {
   if (s.is_cpu()) return s.cpu_queue() != nullptr && !s.cpu_queue()->idle();

@@ -11,6 +11,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -25,7 +26,8 @@ struct current_stream_entry {
   gpukit::device device;
   stream_view stream;
   std::weak_ptr<const stream_life> life;
-  bool has_life = false;  // made from a gpukit::stream (life was set)
+  bool has_life = false;          // made from a gpukit::stream (life was set)
+  std::uint64_t expirations = 0;  // stream_expirations() when the stream was last seen alive
 };
 /// This thread's current streams, one entry per device that has one set (a handful at most).
 GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>& current_streams();
@@ -78,30 +80,34 @@ inline current_stream_entry* current_stream_entry_of(gpukit::device d) noexcept 
 }  // namespace detail
 
 GPUKIT_INLINE stream_view current_stream(device d) {
-  const detail::current_stream_entry* entry = detail::current_stream_entry_of(d);
+  detail::current_stream_entry* entry = detail::current_stream_entry_of(d);
   if (entry == nullptr) return stream_view::default_stream(d);
-  // The record outlives the stream only while someone holds it (an allocator, which may let go on another thread):
-  // held for the look.
-  if (entry->has_life && [&] {
-        const std::shared_ptr<const detail::stream_life> life = entry->life.lock();
-        return life == nullptr || life->expired();
-      }()) {
+  if (!entry->has_life) return entry->stream;
+  // A destroyed stream's record is gone unless someone else holds it, and then its destruction counted in
+  // stream_expirations(): while neither says so (two loads), the stream is alive. Otherwise the record is held for
+  // the look (its holder, an allocator, may let go on another thread).
+  const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
+  if (!entry->life.expired() && expirations == entry->expirations) return entry->stream;
+  const std::shared_ptr<const detail::stream_life> life = entry->life.lock();
+  if (life == nullptr || life->expired()) {
     throw invalid_argument_error("gpukit::current_stream: the current stream of " + d.to_string() +
                                  " on this thread was destroyed while current (set_current_stream keeps a view: "
                                  "set another stream first, or use a stream_guard)");
   }
+  entry->expirations = expirations;  // alive after those: no need to look again until another goes
   return entry->stream;
 }
 
 GPUKIT_INLINE void set_current_stream(stream_view s) {
   const device d = s.device();
+  const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
   std::shared_ptr<const detail::stream_life> life = s.lifetime();
   const bool has_life = life != nullptr;
   if (detail::current_stream_entry* entry = detail::current_stream_entry_of(d)) {
-    *entry = {d, s, life, has_life};
+    *entry = {d, s, life, has_life, expirations};
     return;
   }
-  detail::current_streams().push_back({d, s, life, has_life});
+  detail::current_streams().push_back({d, s, life, has_life, expirations});
 }
 
 GPUKIT_INLINE stream_guard::stream_guard(stream_view s) : device_guard_(s.device()), device_(s.device()) {

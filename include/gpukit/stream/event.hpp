@@ -103,8 +103,6 @@ class event {
 
  private:
   void check_valid(const char* what) const;
-  // Throws invalid_argument_error for `operation` on another thread's per-thread default stream.
-  [[noreturn]] static void throw_other_threads_stream(const char* operation);
 
   void take(event& other) noexcept;
 
@@ -190,7 +188,7 @@ GPUKIT_INLINE void event::record(stream_view s) {
                                  " but the stream to " + stream_device.to_string());
   }
   if (cpu_) return cpu_->record(s.cpu_queue());
-  if (s.is_other_threads_stream()) throw_other_threads_stream("record");
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("event::record");
   detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
 }
 
@@ -218,7 +216,7 @@ GPUKIT_INLINE void event::wait(stream_view s) const {
     throw invalid_argument_error("gpukit::event::wait: a CPU stream cannot wait for an event of " +
                                  device_.to_string() + "; synchronize() the event instead");
   }
-  if (s.is_other_threads_stream()) throw_other_threads_stream("wait");
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("event::wait");
   detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
 }
 
@@ -246,13 +244,6 @@ GPUKIT_INLINE cudaIpcEventHandle_t event::ipc_handle() const {
 
 GPUKIT_INLINE void event::check_valid(const char* what) const {
   if (!valid_) throw invalid_argument_error(std::string("gpukit::event::") + what + ": use of a moved-from event");
-}
-
-GPUKIT_INLINE void event::throw_other_threads_stream(const char* operation) {
-  throw invalid_argument_error(std::string("gpukit::event::") + operation +
-                               ": the per-thread default stream of another thread (a view resolved there) cannot be "
-                               "named from this one: cudaStreamPerThread is the calling thread's own (call it from "
-                               "that thread; nothing was done)");
 }
 
 GPUKIT_INLINE void event::take(event& other) noexcept {

@@ -96,6 +96,9 @@ GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_cpu_stream_id() noexcept;
 /// of that device, looked up once per thread and device (the ids never change) with the device current.
 GPUKIT_EXPORT GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread);
 
+/// Throws invalid_argument_error for `operation` on another thread's per-thread default stream (a view resolved there).
+[[noreturn]] GPUKIT_INLINE void throw_other_threads_stream(const char* operation);
+
 /// What outlives a gpukit::stream for those that remember it (allocators, pinned pools): its id, whether it was
 /// destroyed, and whether the work enqueued before that has completed. A CUDA stream destroyed while remembered
 /// records a final event first (cudaStreamDestroy returns while work is pending, and the handle goes to the next
@@ -204,7 +207,9 @@ class stream_view {
 
   /// True for another thread's per-thread default stream: a view of cudaStreamPerThread resolved() on another thread.
   /// The handle names the calling thread's own stream, so this one cannot be named from here: gpukit's calls on it
-  /// (synchronize, ready, enqueue_host, event::record and event::wait) throw invalid_argument_error.
+  /// (synchronize, ready, enqueue_host, event::record, event::wait, a copy_async enqueued on it) throw
+  /// invalid_argument_error. A view that was not resolved is always the calling thread's own (false, at no cost);
+  /// for a resolved one, the first call on a thread looks this thread's stream id up (cudaStreamGetId).
   bool is_other_threads_stream() const;
 
   /// The record of the gpukit::stream this view was made from, which outlives it: whether it was destroyed and
@@ -532,16 +537,21 @@ GPUKIT_INLINE std::shared_ptr<const detail::stream_life> stream_view::lifetime()
 GPUKIT_INLINE bool stream_view::destroyed() const noexcept { return life_ != nullptr && life_->expired(); }
 
 GPUKIT_INLINE bool stream_view::is_other_threads_stream() const {
-  return is_per_thread() && id() != detail::default_stream_id(device().ordinal(), true);
+  if (!is_per_thread() || id_ == 0) return false;  // not resolved: the calling thread's own
+  return id_ != detail::default_stream_id(device().ordinal(), true);
 }
 
-GPUKIT_INLINE void stream_view::refuse_other_threads_stream(const char* operation) const {
-  if (id_ == 0 || !is_per_thread()) return;  // not resolved: the calling thread's own
-  if (!is_other_threads_stream()) return;
+namespace detail {
+GPUKIT_INLINE void throw_other_threads_stream(const char* operation) {
   throw invalid_argument_error(std::string("gpukit::") + operation +
                                ": the per-thread default stream of another thread (a view resolved there) cannot be "
                                "named from this one: cudaStreamPerThread is the calling thread's own (call it from "
                                "that thread; nothing was done)");
+}
+}  // namespace detail
+
+GPUKIT_INLINE void stream_view::refuse_other_threads_stream(const char* operation) const {
+  if (is_other_threads_stream()) detail::throw_other_threads_stream(operation);
 }
 
 GPUKIT_INLINE void stream_view::refuse_host_function_in_capture() const {

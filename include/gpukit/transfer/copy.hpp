@@ -107,18 +107,13 @@ struct default_engine {
   device_copier copier() const noexcept;  // what the default engines use
 };
 
-/// Checks and dispatches a copy (see the file comment). True when it enqueued one DMA on `s` that reads or writes
-/// the host side when `s` gets to it (false: nothing to copy, or staged).
+/// Dispatches a copy that check_copy accepted (`host_pinned`: its answer). True when it enqueued one DMA on `s` that
+/// reads or writes the host side when `s` gets to it (false: staged, or device to device).
 template <class EngineFor>
-bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
-                EngineFor engine_for) {
-  if (dst.count != src.count) {
-    copy_misuse("size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
-                describe_side("the source", src, element_size) + " differ");
-  }
-  if (dst.count == 0) return false;
+bool dispatch_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
+                   EngineFor engine_for, bool host_pinned) {
   const gpukit::device sd = s.device();
-  const bool host_pinned = check_copy(dst, src, element_size, sd);
+  if (s.is_other_threads_stream()) throw_other_threads_stream("copy_async");
   const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
   if (!d2d && !host_pinned) refuse_capture(s, sd, "gpukit::copy_async", capture_advice_staging);
   const std::size_t bytes = dst.count * element_size;
@@ -140,13 +135,29 @@ bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   return false;
 }
 
+/// Checks and dispatches a copy (see the file comment); returns what dispatch_copy returns (false: nothing to copy).
+template <class EngineFor>
+bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
+                EngineFor engine_for) {
+  if (dst.count != src.count) {
+    copy_misuse("size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
+                describe_side("the source", src, element_size) + " differ");
+  }
+  if (dst.count == 0) return false;
+  const bool host_pinned = check_copy(dst, src, element_size, s.device());
+  return dispatch_copy(dst, src, element_size, s, engine_for, host_pinned);
+}
+
 /// After a copy enqueued on `s` that uses `x`'s memory when `s` gets to it: a pooled pinned buffer's block goes back
 /// to its pool only after that copy (record_stream, as PyTorch records its pinned blocks' uses), so that it can be
-/// destroyed right after the call. Not in a capture (the graph's copy uses the memory at each launch: the buffer must
-/// outlive the graph; the pool refuses a capturing stream). If the stream cannot be recorded, the copy is waited for.
+/// destroyed right after the call. Only for gpukit's streams and the default streams: a raw handle may be destroyed
+/// and its handle reused before the buffer goes (record_stream yourself where it outlives the buffer). Not in a
+/// capture (the graph's copy uses the memory at each launch: the buffer must outlive the graph; the pool refuses a
+/// capturing stream). If the stream cannot be recorded, the copy is waited for.
 template <class X>
 void keep_block_for_copy(const X& x, const stream_view& s) {
   if constexpr (is_pooled_pinned_buffer<std::remove_cv_t<X>>::value) {
+    if (!s.is_default() && s.lifetime() == nullptr) return;  // a raw handle
     if (!s.is_cpu() && capture_status(s) != cudaStreamCaptureStatusNone) return;
     try {
       x.record_stream(s);
@@ -253,7 +264,7 @@ void copy_async(Dst&& dst, Src&& src) {
     event destination_ready(to.device());
     destination_ready.record(destination_stream);
     destination_ready.wait(s);
-    copy_async(dst, src, s);
+    (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::default_engine{}, false);
     event copied(from.device());
     copied.record(s);
     copied.wait(destination_stream);

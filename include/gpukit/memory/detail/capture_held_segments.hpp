@@ -10,12 +10,12 @@
 /// and resource_upstream.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/stream/stream.hpp>  // mode_independent::gpukit_captures_underway
 
 #include <atomic>
 #include <cstddef>
 #include <mutex>
-#include <utility>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -33,7 +33,7 @@ class capture_held_segments {
  public:
   capture_held_segments() = default;
   capture_held_segments(const capture_held_segments&) noexcept {}
-  capture_held_segments(capture_held_segments&& other) noexcept {
+  capture_held_segments(capture_held_segments&& other) {
     std::lock_guard<std::mutex> lock(other.mutex_);
     held_.swap(other.held_);
   }
@@ -72,15 +72,19 @@ class capture_held_segments {
     return taken;
   }
 
-  /// All the segments held, whether a capture runs or not (for the owner's destructor).
-  std::vector<held_segment> take_all() noexcept {
+  /// For the owner's destructor: the segments held, to give back now; none while a capture runs, when `owner`'s
+  /// warning says that they stay allocated (a device-wide wait would invalidate the capture).
+  std::vector<held_segment> take_at_destruction(const char* owner) noexcept {
     std::vector<held_segment> taken;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
       held_.swap(taken);
     } catch (...) {
     }
-    return taken;
+    if (taken.empty() || !capture_underway()) return taken;
+    warn_parts(owner, ": destroyed during a gpukit capture with ", taken.size(),
+               " segment(s) held back since an earlier capture; they stay allocated");
+    return {};
   }
 
  private:
