@@ -1283,7 +1283,7 @@ TEST_CASE("streams: copy_async does not record a raw stream handle on a pooled p
   // A raw handle may be destroyed (and its handle reused) before the buffer goes: the caller orders the buffer's
   // release itself there, as before. A gpukit stream is recorded.
   captured_warnings warnings;
-  gpukit::pinned_pool pool(gpukit::pinned_upstream(gpukit::device::kind::cuda));
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
   gpukit::stream s(cuda0);
   gpukit::device_buffer<int> d(1000, s);
   const cudaStream_t raw = create_raw_stream(cuda0);
