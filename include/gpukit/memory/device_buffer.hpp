@@ -108,9 +108,11 @@ class device_allocation {
 
   /// Frees from a destructor or move assignment: errors are reported through gpukit::warn, naming `owner`.
   void free_quietly(const char* owner = "device_allocation") noexcept;
+  /// The stream of an empty allocation: the CPU's default stream, as its device is the CPU.
+  static stream_view no_stream() noexcept { return stream_view::default_stream(gpukit::device::cpu()); }
 
   device_resource* allocator_ = nullptr;
-  stream_view stream_ = stream_view::default_stream(gpukit::device::cpu());
+  stream_view stream_ = no_stream();
   void* pointer_ = nullptr;
   std::size_t size_ = 0;
 };
@@ -229,7 +231,7 @@ GPUKIT_INLINE device_allocation::device_allocation(std::size_t bytes, std::size_
 
 GPUKIT_INLINE device_allocation::device_allocation(device_allocation&& other) noexcept
     : allocator_(std::exchange(other.allocator_, nullptr)),
-      stream_(std::exchange(other.stream_, stream_view::default_stream(gpukit::device::cpu()))),
+      stream_(std::exchange(other.stream_, no_stream())),
       pointer_(std::exchange(other.pointer_, nullptr)),
       size_(std::exchange(other.size_, 0)) {}
 
@@ -237,7 +239,7 @@ GPUKIT_INLINE device_allocation& device_allocation::operator=(device_allocation&
   if (this != &other) {
     free_quietly();
     allocator_ = std::exchange(other.allocator_, nullptr);
-    stream_ = std::exchange(other.stream_, stream_view::default_stream(gpukit::device::cpu()));
+    stream_ = std::exchange(other.stream_, no_stream());
     pointer_ = std::exchange(other.pointer_, nullptr);
     size_ = std::exchange(other.size_, 0);
   }
@@ -265,7 +267,7 @@ GPUKIT_INLINE device_resource* device_allocation::allocator() const noexcept { r
 GPUKIT_INLINE void device_allocation::reset() {
   void* p = std::exchange(pointer_, nullptr);
   device_resource* allocator = std::exchange(allocator_, nullptr);
-  stream_ = stream_view::default_stream(gpukit::device::cpu());
+  stream_ = no_stream();
   size_ = 0;
   if (p != nullptr) allocator->deallocate(p);
 }
@@ -278,7 +280,7 @@ GPUKIT_INLINE void device_allocation::free_quietly(const char* owner) noexcept {
   if (pointer_ != nullptr) detail::deallocate_quietly(allocator_, pointer_, owner);
   pointer_ = nullptr;
   allocator_ = nullptr;
-  stream_ = stream_view::default_stream(gpukit::device::cpu());
+  stream_ = no_stream();
   size_ = 0;
 }
 

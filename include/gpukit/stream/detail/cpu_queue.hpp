@@ -186,6 +186,8 @@ class cpu_queue {
   };
 
   static void serve(const std::shared_ptr<state>& st);
+  /// Runs the next task, if any, with `lock` (on st.mutex) held on entry and exit: false when there was none.
+  static bool run_next(state& st, std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<state> state_ = std::make_shared<state>();
   std::thread worker_;  // last: started after the state is made
@@ -251,18 +253,11 @@ GPUKIT_INLINE cpu_queue::~cpu_queue() {
   }
   // Destroyed by the task the worker runs now (a join would wait for itself): the tasks queued after it run here,
   // in order, as the worker would have run them; the worker then finds nothing left and ends.
-  std::unique_lock<std::mutex> lock(st.mutex);
-  while (!st.tasks.empty()) {
-    host_task task = std::move(st.tasks.front());
-    st.tasks.pop_front();
-    lock.unlock();
-    call_reporting_exceptions(task);
-    task = host_task();
-    lock.lock();
-    st.finished.fetch_add(1, std::memory_order_release);
-    st.idle_cv.notify_all();
+  {
+    std::unique_lock<std::mutex> lock(st.mutex);
+    while (run_next(st, lock)) {
+    }
   }
-  lock.unlock();
   worker_.detach();
 }
 
@@ -308,16 +303,21 @@ GPUKIT_INLINE void cpu_queue::serve(const std::shared_ptr<state>& shared) {
   std::unique_lock<std::mutex> lock(st.mutex);
   for (;;) {
     st.work_cv.wait(lock, [&st] { return st.stopping || !st.tasks.empty(); });
-    if (st.tasks.empty()) return;  // stopping, and drained
-    host_task task = std::move(st.tasks.front());
-    st.tasks.pop_front();
-    lock.unlock();
-    call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
-    task = host_task();               // release what the task owns before it counts as finished (may end the queue)
-    lock.lock();
-    st.finished.fetch_add(1, std::memory_order_release);
-    st.idle_cv.notify_all();
+    if (!run_next(st, lock)) return;  // stopping, and drained
   }
+}
+
+GPUKIT_INLINE bool cpu_queue::run_next(state& st, std::unique_lock<std::mutex>& lock) {
+  if (st.tasks.empty()) return false;
+  host_task task = std::move(st.tasks.front());
+  st.tasks.pop_front();
+  lock.unlock();
+  call_reporting_exceptions(task);  // not inline: the CPU default stream runs at once inside a queue task
+  task = host_task();               // release what the task owns before it counts as finished (may end the queue)
+  lock.lock();
+  st.finished.fetch_add(1, std::memory_order_release);
+  st.idle_cv.notify_all();
+  return true;
 }
 
 }  // namespace detail
