@@ -471,6 +471,14 @@ TEST_CASE("capture: staged copies, to_device and to_host throw on a capturing st
     check_capture_message(invalid_argument_message([&] { gpukit::copy_async(back, x, s); }), "copy_async", s);
     check_capture_message(invalid_argument_message([&] { (void)gpukit::to_device(host, s); }), "to_device", s);
     check_capture_message(invalid_argument_message([&] { (void)gpukit::to_host(x, s); }), "to_host", s);
+    // The engine's own calls too: a graph would replay whatever the slots hold at launch.
+    gpukit::staging_engine& engine = gpukit::default_staging_engine(cuda0);
+    check_capture_message(
+        invalid_argument_message([&] { engine.to_device(x.data(), host.data(), host.size() * sizeof(float), s); }),
+        "staging_engine::to_device", s);
+    check_capture_message(
+        invalid_argument_message([&] { engine.to_host(back.data(), x.data(), host.size() * sizeof(float), s); }),
+        "staging_engine::to_host", s);
     CHECK(cudasim::calls("cudaHostAlloc") == host_allocs);
     CHECK(cudasim::calls("cudaEventRecord") == records);
     // One cudaMemcpyAsync each: legal in a capture, they become the graph's copy nodes.

@@ -222,6 +222,45 @@ TEST_CASE("sim staging: the rest of a transfer staged in the background on cuda:
   cudasim::allow_contexts_only_on({});
 }
 
+TEST_CASE("sim staging: slots grown while the stream is held leave the pool over its cap instead of cudaFreeHost") {
+  // A grown slot's old block goes back to the pool; over max_cached_bytes the pool would release cached blocks with
+  // cudaFreeHost, which waits for all the device's work: the held stream's too, whose gate opens only after to_device
+  // returns. The cap waits for the pool's next call outside the engine.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  pool.set_max_cached_bytes(0);
+  auto options = small_options();
+  options.patience = 10ms;
+  gpukit::staging_engine engine(pool, options);
+  const auto small = pattern(1 * MiB, 8);       // 256 KiB slots
+  const auto large = pattern(12 * MiB + 9, 9);  // 1 MiB chunks: each idle slot grows
+  device_memory for_small(small.size());
+  device_memory for_large(large.size());
+  gpukit::stream s(d);
+  engine.to_device(for_small.p, small.data(), small.size(), s);
+  s.synchronize();  // every slot idle
+  gpukit_test::gate g;
+  watchdog dog(g, 10s);  // a regression fails instead of hanging
+  g.hold(s);
+  const std::size_t frees = cudasim::calls("cudaFreeHost");
+  engine.to_device(for_large.p, large.data(), large.size(), s);
+  CHECK(cudasim::calls("cudaFreeHost") == frees);
+  const gpukit::pinned_pool_stats over = pool.stats();
+  CHECK(over.reserved_bytes > over.allocated_bytes);  // the old blocks, cached over the cap of 0
+  g.open();
+  s.synchronize();
+  dog.finish();
+  CHECK_FALSE(dog.opened_gate());  // to_device returned while the stream was held
+  void* p = pool.allocate(4096);
+  pool.deallocate(p);  // outside the engine: the cap applies
+  const gpukit::pinned_pool_stats after = pool.stats();
+  CHECK(after.reserved_bytes - after.allocated_bytes - after.pending_bytes <= pool.options().max_cached_bytes);
+  CHECK(cudasim::calls("cudaFreeHost") > frees);
+  std::vector<unsigned char> back(large.size(), 0);
+  engine.to_host(back.data(), for_large.p, back.size(), s);
+  CHECK(back == large);
+}
+
 TEST_CASE("sim staging: the background thread makes no pinned-pool call, so it never waits for its own host function") {
   // The host function H that holds the stream's later work waits for the background thread. cudaFreeHost (and so any
   // pinned-pool call, which may release cached blocks) waits for the device's work, H included: were the background

@@ -15,6 +15,7 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
+#include <gpukit/transfer/to_device.hpp>
 #include <gpukit/warning.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
@@ -303,6 +304,57 @@ TEST_CASE("streams: a per-thread stream's block freed on another thread is fence
   g.open();
   cudasim::drain_all();
   CHECK(stream_idle(other.cuda_handle()));
+  a.deallocate(q);
+  a.deallocate(keep);
+}
+
+TEST_CASE("streams: a fenced block taken for another thread's per-thread stream is waited for through the legacy one") {
+  // cudaStreamPerThread names the calling thread's own stream: the wait for the old stream's work cannot name the
+  // other thread's stream from here, so it goes to the legacy default stream, whose work that (blocking) stream's
+  // later work waits for.
+  gpukit::allocator_options o = keep_segments();
+  o.cross_stream_reuse = true;  // frees record a fence on the block's stream
+  gate g;
+  gpukit::caching_allocator a(cuda0, o);
+  gpukit::stream s(cuda0);
+  open_at_exit release{&g};  // before the allocator's destruction waits for the device
+  void* keep = a.allocate(block_bytes, s);
+  void* p = a.allocate(block_bytes, s);
+  g.hold(s);  // work on s that still uses p
+  a.deallocate(p);
+  std::atomic<bool> resolved{false}, go{false}, recorded{false}, done{false};
+  gpukit::stream_view theirs;
+  std::optional<gpukit::event> after;
+  std::thread other([&] {
+    theirs = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved();
+    resolved = true;
+    while (!go && !done) std::this_thread::yield();
+    if (go) {
+      after.emplace(cuda0);
+      after->record(theirs);  // that thread's work enqueued after the allocation
+      recorded = true;
+    }
+    while (!done) std::this_thread::yield();  // its per-thread stream lives as long as the thread
+  });
+  struct finish {  // the thread ends whatever happens here
+    std::atomic<bool>& done;
+    std::thread& thread;
+    ~finish() {
+      done = true;
+      thread.join();
+    }
+  } at_end{done, other};
+  while (!resolved) std::this_thread::yield();
+  void* q = a.allocate(block_bytes, theirs);  // from this thread
+  REQUIRE(q == p);                            // taken across streams
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaErrorNotReady);  // the legacy stream waits for s's work
+  go = true;
+  while (!recorded) std::this_thread::yield();
+  CHECK_FALSE(after->ready());  // and so does that thread's later work
+  g.open();
+  cudasim::drain_all();
+  CHECK(after->ready());
   a.deallocate(q);
   a.deallocate(keep);
 }
@@ -1302,6 +1354,28 @@ TEST_CASE("streams: copy_async does not record a raw stream handle on a pooled p
   gpukit::copy_async(again, d, s);                         // a gpukit stream: recorded
   s.synchronize();
   CHECK(again[999] == 5);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: to_device of a temporary pooled pinned buffer waits for its copy only on a raw stream handle") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  auto filled = [&pool](int value) {
+    gpukit::pooled_pinned_buffer<int> h(1000, pool);
+    std::fill(h.begin(), h.end(), value);
+    return h;
+  };
+  gpukit::stream s(cuda0);
+  const cudaStream_t raw = create_raw_stream(cuda0);
+  const std::size_t waits = cudasim::calls("cudaStreamSynchronize");
+  auto on_gpukit_stream = gpukit::to_device(filled(3), s);  // the block is recorded on s: no wait
+  CHECK(cudasim::calls("cudaStreamSynchronize") == waits);
+  {
+    auto on_raw = gpukit::to_device(filled(4), gpukit::stream_view(cuda0, raw));  // nothing recorded: waited for
+    CHECK(cudasim::calls("cudaStreamSynchronize") == waits + 1);
+    CHECK(gpukit::to_host(on_raw, s) == std::vector<int>(1000, 4));
+  }  // freed on `raw`, before it goes
+  CHECK(gpukit::to_host(on_gpukit_stream, s) == std::vector<int>(1000, 3));
+  destroy_raw_stream(raw);
   CHECK(cudasim::violations().empty());
 }
 

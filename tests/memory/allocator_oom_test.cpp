@@ -519,4 +519,22 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   CHECK_FALSE(has(m, "outside this allocator"));
   CHECK_FALSE(has(m, "fragmentation)"));
   CHECK(has(m, "0 B reserved but unallocated"));
+  // More than the device has: said so, not blamed on others (the device is nearly empty).
+  info.allocated = 0;
+  info.reserved = 0;
+  info.device_free = 1000 * MiB;
+  info.requested = info.rounded = 2048 * MiB;
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  CHECK(has(m, "larger than the device's memory"));
+  CHECK_FALSE(has(m, "outside this allocator"));
+  // A free block large enough that the request may not take (another stream's): not fragmentation.
+  info.requested = info.rounded = 20 * MiB;
+  info.reserved = 30 * MiB;
+  info.free_cached = 30 * MiB;
+  info.largest_free_block = 30 * MiB;
+  info.device_free = 10 * MiB;
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  CHECK(has(m, "A cached free block is large enough, but this request may not take it"));
+  CHECK_FALSE(has(m, "fragmentation)"));
+  CHECK_FALSE(has(m, "larger than the device"));
 }

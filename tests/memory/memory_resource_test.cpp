@@ -12,6 +12,8 @@
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/graph/graph.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
@@ -301,6 +303,63 @@ TEST_CASE("gpu: pinned_memory_resource on cuda:0 frees in a stream's order") {
   CHECK(attributes.type == cudaMemoryTypeHost);
   resource.deallocate(s, p, 1 << 20, 1 << 13);
   s.synchronize();
+}
+
+TEST_CASE("gpu: pinned_memory_resource orders its frees on the current stream, another device's stream, a capture") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda, {}, d.ordinal())};
+  gpukit::pinned_memory_resource resource(pool, d);
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream s(d);
+  {
+    // deallocate_sync: after the work so far on the current stream (a copy there may still read the block).
+    gpukit_test::gate g;
+    const gpukit::stream_guard current(s);
+    void* p = resource.allocate_sync(4096);
+    g.hold(s);
+    resource.deallocate_sync(p, 4096);
+    void* q = resource.allocate_sync(4096);
+    CHECK(q != p);  // p waits for s
+    resource.deallocate_sync(q, 4096);
+    g.open();
+    s.synchronize();
+  }
+  if (gpukit::device_count() > 1) {
+    // A stream of cuda:1: the block waits for it (an event of cuda:0 recorded there failed: the block was lost).
+    gpukit::stream other(gpukit::device::cuda(1));
+    gpukit_test::gate g;
+    void* p = resource.allocate(other, 4096, 256);
+    g.hold(other);
+    resource.deallocate(other, p, 4096, 256);
+    void* q = resource.allocate(other, 4096, 256);
+    CHECK(q != p);
+    resource.deallocate(other, q, 4096, 256);
+    g.open();
+    other.synchronize();
+  }
+  {
+    // Freed on a stream being captured (a CCCL buffer destroyed in the capture): waits for the capture to end, then
+    // for the work enqueued on s before it.
+    (void)pool.empty_cache();  // the blocks above: p will be the only free one of its class
+    void* p = resource.allocate(s, 4096, 256);
+    gpukit_test::gate g;
+    g.hold(s);
+    gpukit::graph graph = gpukit::capture(s, [&] { resource.deallocate(s, p, 4096, 256); });
+    const gpukit::pinned_pool_stats after = pool.stats();
+    CHECK(after.active_blocks == 0);
+    CHECK(after.pending_blocks == 1);  // deferred: the old code refused the free and lost the block
+    void* q = resource.allocate(s, 4096, 256);
+    CHECK(q != p);
+    g.open();
+    s.synchronize();
+    void* r = resource.allocate(s, 4096, 256);
+    CHECK(r == p);  // back in the pool once s passed its earlier work
+    resource.deallocate(s, q, 4096, 256);
+    resource.deallocate(s, r, 4096, 256);
+  }
+  CHECK(warnings.messages().empty());
+  CHECK(pool.stats().lost_blocks == 0);
 }
 
 TEST_CASE("gpu: resource_upstream over a cuda::mr resource of cuda:0 gives segments back after the device's work") {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -441,6 +442,50 @@ TEST_CASE("to_device and to_host: a buffer holding a copy, and a vector once the
   CHECK(gpukit::to_host(gpukit::device_span<const std::uint32_t>(from_pinned.data(), 3, cpu), s) ==
         std::vector<std::uint32_t>{4, 5, 6});
   CHECK(gpukit::to_host(gpukit::to_device(std::vector<std::uint32_t>{}, s)).empty());
+}
+
+TEST_CASE("to_device of a std::array, a pinned_buffer and a temporary pooled_pinned_buffer") {
+  auto pool = gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu));
+  gpukit::stream s(cpu);
+  gate g;
+  g.hold(s);
+  const std::array<std::uint32_t, 3> array{7, 8, 9};
+  auto from_array = gpukit::to_device(array, s);
+  gpukit::pinned_buffer<std::uint32_t> pinned(2, cpu);
+  pinned[0] = 1;
+  pinned[1] = 2;
+  auto from_pinned = gpukit::to_device(pinned, s);
+  const void* pooled_block = nullptr;
+  auto make_pooled = [&] {
+    gpukit::pooled_pinned_buffer<std::uint32_t> h(4000, pool);
+    const auto values = iota(4000, 3);
+    std::copy(values.begin(), values.end(), h.begin());
+    pooled_block = h.data();
+    return h;
+  };
+  auto from_pooled = gpukit::to_device(make_pooled(), s);  // the temporary is gone before the copy runs
+  gpukit::pooled_pinned_buffer<std::uint32_t> next(4000, pool);
+  CHECK(static_cast<const void*>(next.data()) != pooled_block);  // the block waits for the copy
+  std::fill(next.begin(), next.end(), 0u);
+  auto from_current = gpukit::to_device(array, cpu);  // on the current stream (the CPU's default)
+  std::atomic<bool> returned{false};
+  std::optional<gpukit::device_buffer<std::uint32_t>> from_temporary;
+  std::thread caller([&] {
+    gpukit::pinned_buffer<std::uint32_t> temporary(3, cpu);
+    std::fill(temporary.begin(), temporary.end(), 5u);
+    from_temporary.emplace(gpukit::to_device(std::move(temporary), s));  // freed when to_device returns
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(returned);  // waits for its copy (the gate holds it)
+  g.open();
+  caller.join();
+  CHECK(gpukit::to_host(*from_temporary) == std::vector<std::uint32_t>{5, 5, 5});
+  CHECK(gpukit::to_host(from_array) == std::vector<std::uint32_t>{7, 8, 9});
+  CHECK(gpukit::to_host(from_pinned) == std::vector<std::uint32_t>{1, 2});
+  CHECK(gpukit::to_host(from_pooled) == iota(4000, 3));
+  CHECK(gpukit::to_host(from_current) == std::vector<std::uint32_t>{7, 8, 9});
+  CHECK(from_array.stream() == gpukit::stream_view(s));
 }
 
 TEST_CASE("bad input: an element count whose byte size overflows size_t") {

@@ -85,12 +85,7 @@ class graph {
                                    (s.is_cpu() ? std::string("cpu") : s.device().to_string()) + " for a graph of " +
                                    device_.to_string());
     }
-    if (detail::is_other_threads_stream(s)) {
-      throw invalid_argument_error(
-          "gpukit::graph::launch: the per-thread default stream of another thread (a view resolved there) cannot be "
-          "named from this one: cudaStreamPerThread is the calling thread's own (launch from that thread; nothing "
-          "was launched)");
-    }
+    if (s.is_other_threads_stream()) detail::throw_other_threads_stream("graph::launch");
     device_guard guard(device_);
     if (pool_ && detail::capture_status(s) != cudaStreamCaptureStatusNone) {
       throw invalid_argument_error(
@@ -221,11 +216,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
   const gpukit::device d = s.device();
-  if (s.is_other_threads_stream()) {
-    throw invalid_argument_error(
-        "gpukit::capture: the per-thread default stream of another thread (a view resolved there) cannot be captured "
-        "from this one: cudaStreamPerThread names the calling thread's own");
-  }
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("capture");
   if (pool && pool->device() != d) {
     throw invalid_argument_error("gpukit::capture: a graph pool of " + pool->device().to_string() +
                                  " for a stream of " + d.to_string());

@@ -152,7 +152,7 @@ class async_allocator final : public device_allocator {
   /// runtime, cannot be seen, and is invalidated: trim outside captures. (A detail::capture_hold cannot keep captures
   /// off through the wait: the device's work may wait for the very thread that is beginning a capture.)
   std::size_t trim(std::size_t target_reserved) override {
-    if (mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0) {
+    if (detail::gpukit_capture_underway()) {
       throw invalid_argument_error("gpukit::async_allocator::trim on " + device_.to_string() +
                                        ": a CUDA graph capture is underway, and the device-wide wait would invalidate "
                                        "it; trim (or empty_cache) after the capture",

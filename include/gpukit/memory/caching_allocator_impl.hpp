@@ -2298,8 +2298,7 @@ GPUKIT_INLINE free_space_info basic_caching_allocator<Upstream, StreamOps>::free
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::checks_captures() const noexcept {
-  return options_.capture_check == capture_checks::every_call ||
-         mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+  return options_.capture_check == capture_checks::every_call || detail::gpukit_capture_underway();
 }
 
 template <class Upstream, class StreamOps>

@@ -80,12 +80,13 @@ device_allocator& default_allocator(device d) {
 #endif
 }
 
-/// Makes `allocator` the default of `d` and returns the previous one (nullptr if none was created yet). Buffers
-/// allocated from the previous allocator still free into it, so keep it alive until they are gone. Passing nullptr
-/// makes the next use create a fresh caching_allocator. Throws invalid_argument_error if `allocator` serves another
-/// device.
-GPUKIT_INLINE std::shared_ptr<device_allocator> set_default_allocator(device d,
-                                                                      std::shared_ptr<device_allocator> allocator);
+/// Makes `allocator` the default of `d` and returns the previous one (nullptr if none was created yet). Buffers,
+/// resources and thrust allocators made from the previous allocator still use it, so keep it alive until they are
+/// gone (and until no other thread may still be using it as the default): dropping the result destroys it. Passing
+/// nullptr makes the next use create a fresh caching_allocator. Throws invalid_argument_error if `allocator` serves
+/// another device.
+[[nodiscard]] GPUKIT_INLINE std::shared_ptr<device_allocator> set_default_allocator(
+    device d, std::shared_ptr<device_allocator> allocator);
 
 /// Sets the options the default allocator of `d` is created with (e.g. from a configuration file), in place of
 /// those of GPUKIT_ALLOC_CONF (which the others are created with; see allocator_config.hpp). Takes effect only if

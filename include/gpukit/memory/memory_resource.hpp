@@ -50,6 +50,14 @@
 GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
+/// A resource's stream as a view: a default stream is the resource's device's (its handle does not say which
+/// device); any other handle's device is asked of CUDA, so a stream of another device is refused by an allocator, and
+/// a pinned block waits for the stream on its own device.
+inline stream_view view_of(::cuda::stream_ref stream, gpukit::device resource_device) {
+  const cudaStream_t handle = stream.get();
+  return is_default_stream_handle(handle) ? stream_view(resource_device, handle) : stream_view(handle);
+}
+
 /// CCCL 3.0's names for a resource's calls (`resource`: allocate/deallocate(bytes, alignment); `async_resource`:
 /// allocate_async/deallocate_async), forwarded to the CCCL 3.1+ names Derived defines (allocate_sync,
 /// deallocate_sync, allocate(stream, ...), deallocate(stream, ...)). Derived says `using` for allocate and
@@ -111,13 +119,13 @@ class device_memory_resource
   }
   /// `bytes` aligned to `alignment`, usable on `stream` at once.
   void* allocate(::cuda::stream_ref stream, std::size_t bytes, std::size_t alignment) {
-    return allocator_->allocate(bytes, alignment, to_view(stream));
+    return allocator_->allocate(bytes, alignment, detail::view_of(stream, device()));
   }
   /// Frees `p` once the work enqueued so far on `stream` (and on the stream it was allocated on) is done. Errors
   /// are reported through gpukit::warn, as for deallocate_sync.
   void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) noexcept {
     detail::free_reporting_errors("gpukit::device_memory_resource::deallocate",
-                                  [&] { allocator_->deallocate(p, to_view(stream)); });
+                                  [&] { allocator_->deallocate(p, detail::view_of(stream, device())); });
   }
 
   /// Equal when both use the same allocator (memory from one may be freed through the other).
@@ -132,21 +140,15 @@ class device_memory_resource
   friend void get_property(const device_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
 
  private:
-  /// The stream as a view: a default stream is this resource's device's (its handle does not say which device);
-  /// any other handle's device is asked of CUDA, so a stream of another device is refused by the allocator.
-  stream_view to_view(::cuda::stream_ref stream) const {
-    const cudaStream_t handle = stream.get();
-    return detail::is_default_stream_handle(handle) ? stream_view(device(), handle) : stream_view(handle);
-  }
-
   device_resource* allocator_;
 };
 
 /// A pinned_pool (by default the process-wide one of a device) as a cuda::mr resource: page-locked host memory,
-/// host- and device-accessible. Synchronous frees return a block at once; stream-ordered ones after the stream's
-/// work so far (pinned_pool::deallocate(p, stream)). Blocks are 256-byte aligned (pages on the CPU); larger
-/// power-of-two alignments cost up to `alignment - 256` extra bytes. On the CPU device the memory is ordinary
-/// page-aligned host memory.
+/// host- and device-accessible. Frees return a block after the work enqueued so far on the stream (the calling
+/// thread's current stream of the resource's device for deallocate_sync), as pinned_pool::deallocate(p, stream) does;
+/// during a capture of that stream, after the capture ends (pinned_pool::deallocate_after_captures). Blocks are
+/// 256-byte aligned (pages on the CPU); larger power-of-two alignments cost up to `alignment - 256` extra bytes. On the
+/// CPU device the memory is ordinary page-aligned host memory.
 class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
  public:
   using cccl_3_0_names::allocate;
@@ -171,10 +173,17 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   void* allocate_sync(std::size_t bytes, std::size_t alignment = natural_alignment) {
     return detail::pinned_allocate_aligned(*pool_, bytes, alignment, "gpukit::pinned_memory_resource::allocate");
   }
-  /// Returns `p` to the pool at once (no work may still use it). Errors are reported through gpukit::warn.
+  /// Returns `p` to the pool once the work enqueued so far on current_stream(device()) is done (a copy from or to
+  /// it there, as PyTorch orders everything). Errors are reported through gpukit::warn.
   void deallocate_sync(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = natural_alignment) noexcept {
-    detail::free_reporting_errors("gpukit::pinned_memory_resource::deallocate",
-                                  [&] { detail::pinned_deallocate_aligned(*pool_, p, nullptr); });
+    detail::free_reporting_errors("gpukit::pinned_memory_resource::deallocate", [&] {
+      stream_view current = stream_view::default_stream(device_);
+      try {
+        current = current_stream(device_);
+      } catch (...) {  // the current stream was destroyed: the default stream's work follows a blocking stream's
+      }
+      detail::pinned_deallocate_aligned(*pool_, p, &current);
+    });
   }
   /// allocate_sync: pinned memory is usable by any stream at once.
   void* allocate(::cuda::stream_ref /*stream*/, std::size_t bytes, std::size_t alignment) {
@@ -183,7 +192,7 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   /// Returns `p` once the work enqueued so far on `stream` is done. Errors are reported through gpukit::warn.
   void deallocate(::cuda::stream_ref stream, void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) noexcept {
     detail::free_reporting_errors("gpukit::pinned_memory_resource::deallocate", [&] {
-      const stream_view view(device_, stream.get());
+      const stream_view view = detail::view_of(stream, device_);
       detail::pinned_deallocate_aligned(*pool_, p, &view);
     });
   }

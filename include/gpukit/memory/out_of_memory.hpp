@@ -105,13 +105,22 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
        (info.reserved_limit == std::numeric_limits<std::size_t>::max() ? std::string("none")
                                                                        : format_bytes(info.reserved_limit)) +
        ".";
+  // What the device holds that this allocator does not (other processes, libraries, the context).
+  const std::size_t elsewhere = info.device_memory_known && info.device_total > info.device_free + info.reserved
+                                    ? info.device_total - info.device_free - info.reserved
+                                    : 0;
   if (info.limit_hit) {
     m += " The reserved limit would be exceeded: raise it (set_reserved_limit / set_memory_fraction) or free memory.";
-  } else if (info.free_cached >= info.rounded) {
+  } else if (info.device_memory_known && info.rounded > info.device_total) {
+    m += " The request is larger than the device's memory.";
+  } else if (info.free_cached >= info.rounded && info.largest_free_block < info.rounded) {
     m += " Enough memory is cached, but in pieces smaller than the request (fragmentation): a smaller "
          "max_split_size or fewer long-lived small allocations among large ones may help.";
-  } else if (info.device_memory_known && info.allocated < info.device_total / 2 &&
-             info.reserved < info.device_total / 2) {
+  } else if (info.largest_free_block >= info.rounded) {
+    m += " A cached free block is large enough, but this request may not take it: a block serves the stream that "
+         "freed it unless cross_stream_reuse is on, small and large requests have pools of their own, and "
+         "max_split_size keeps large blocks whole.";
+  } else if (elsewhere >= info.device_total / 2) {
     m += " Most of the device is used outside this allocator (other processes or libraries).";
   }
   return m;

@@ -69,7 +69,9 @@ GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t class
 struct pinned_pool_options {
   /// Free and pending blocks kept above this are released to the upstream, oldest first. Pinned memory cannot be
   /// paged out, so an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a prefetcher's
-  /// batches. SIZE_MAX disables the cap.
+  /// batches. SIZE_MAX disables the cap. Blocks given back by a staging engine's to_device/to_host stay cached over
+  /// the cap until the pool's next deallocate or set_max_cached_bytes made elsewhere: cudaFreeHost waits for all the
+  /// device's work, which may wait for the copying thread.
   std::size_t max_cached_bytes = std::size_t{2} << 30;
   /// Size classes per power of two above 4 KiB (a power of two; 1 = PyTorch-style power-of-two rounding).
   std::size_t classes_per_doubling = 8;
@@ -107,6 +109,24 @@ struct has_page_locked : std::false_type {};
 template <class Upstream>
 struct has_page_locked<Upstream, std::void_t<decltype(std::declval<const Upstream&>().page_locked())>>
     : std::true_type {};
+
+/// Calls on this thread that must not wait for the device (the staging engine's to_device and to_host, whose stream
+/// may be held by work that waits for the caller): while not zero, pinned pools leave their cache over
+/// max_cached_bytes instead of releasing blocks (cudaFreeHost waits for all the device's work); the next call made
+/// outside applies the cap.
+GPUKIT_EXPORT inline int& pinned_cap_deferrals_on_this_thread() noexcept {
+  thread_local int count = 0;
+  return count;
+}
+
+/// Defers pinned pools' cap on this thread for its lifetime (see pinned_cap_deferrals_on_this_thread).
+class defer_pinned_cap {
+ public:
+  defer_pinned_cap() noexcept { ++pinned_cap_deferrals_on_this_thread(); }
+  defer_pinned_cap(const defer_pinned_cap&) = delete;
+  defer_pinned_cap& operator=(const defer_pinned_cap&) = delete;
+  ~defer_pinned_cap() { --pinned_cap_deferrals_on_this_thread(); }
+};
 
 /// The process-wide pool of events that pinned pools and staging engines share (defined with the functions, so the
 /// compiled mode parses none of it), so recording "this block is free once s gets here" does not create and destroy a
@@ -232,6 +252,10 @@ class basic_pinned_pool {
   /// pool destroyed while the block waits leaks it and says so.
   void deallocate_after_captures(void* p);
 
+  /// record_stream(p, s) then deallocate_after_captures(p): a stream-ordered free that cannot be refused (a
+  /// noexcept adaptor's, such as pinned_memory_resource's), for `s` being captured too.
+  void deallocate_after_captures(void* p, stream_view s);
+
   /// record_stream(p, s) then deallocate(p): the usual way to free a block a copy on `s` uses. One capture query
   /// for `s` (record_stream and deallocate would each ask), and one lock.
   void deallocate(void* p, stream_view s);
@@ -271,8 +295,9 @@ class basic_pinned_pool {
   /// and the error is rethrown.
   void set_max_cached_bytes(std::size_t bytes);
 
-  /// The options in force (max_cached_bytes as last set by set_max_cached_bytes).
-  const pinned_pool_options& options() const noexcept;
+  /// A copy of the options in force (max_cached_bytes as last set by set_max_cached_bytes, which another thread may
+  /// call meanwhile).
+  pinned_pool_options options() const;
   /// Whether the memory is really page-locked (false for the CPU device's upstream).
   bool page_locked() const noexcept;
   /// The upstream memory comes from and goes back to.
@@ -398,7 +423,7 @@ class basic_pinned_pool {
   Upstream upstream_;
   Sync sync_;
   pinned_pool_options options_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;                                  // options() const takes it too
   std::unordered_map<void*, block> blocks_;                   // every reserved block
   std::unordered_map<std::size_t, std::vector<void*>> free_;  // free blocks by size class (LIFO: warm memory)
   std::vector<void*> pending_;                                // freed, waiting for events

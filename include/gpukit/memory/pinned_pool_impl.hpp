@@ -139,6 +139,13 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_after_captures(
 }
 
 template <class Upstream, class Sync>
+GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_after_captures(void* p, stream_view s) {
+  if (p == nullptr) return;
+  s = s.resolved();  // as record_stream binds it
+  deallocate_recorded(p, &s, true);
+}
+
+template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate(void* p, stream_view s) {
   if (p == nullptr) return;
   refuse_if_captured(s, "deallocate");
@@ -264,7 +271,8 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::set_max_cached_bytes(std::
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE const pinned_pool_options& basic_pinned_pool<Upstream, Sync>::options() const noexcept {
+GPUKIT_INLINE pinned_pool_options basic_pinned_pool<Upstream, Sync>::options() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   return options_;
 }
 
@@ -563,6 +571,7 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::release_free_block_locked(
 
 template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::enforce_cap_locked(block_list& releases) noexcept {
+  if (detail::pinned_cap_deferrals_on_this_thread() != 0) return;  // a later call applies it
   while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes && free_count_ > 0) {
     std::vector<void*>* oldest_list = nullptr;
     std::size_t oldest_index = 0;

@@ -79,10 +79,6 @@ namespace detail {
 /// is torn down (process exit) captures nothing. Other failures throw the matching gpukit exception.
 GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s);
 
-/// True for another thread's per-thread default stream (a view resolved there), which calls from this thread cannot
-/// name: cudaStreamPerThread is the caller's own.
-GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s);
-
 /// True when an event recorded on `s`, or a wait enqueued there, from this thread goes to the legacy default stream:
 /// `s` is it, or another thread's per-thread default stream, for which it stands in (record_from_any_thread). Work on
 /// the legacy stream while a blocking stream of its device is captured invalidates that capture
@@ -212,11 +208,6 @@ template <class Ops>
 struct has_capture_hold_query<Ops, std::void_t<decltype(std::declval<const Ops&>().needs_capture_hold(
                                        std::declval<const typename Ops::stream_type&>()))>> : std::true_type {};
 
-/// Whether a gpukit capture is underway now (a hint: one may begin at once; only a capture_hold tells for sure).
-inline bool gpukit_capture_underway() noexcept {
-  return mode_independent::gpukit_captures_underway().load(std::memory_order_relaxed) != 0;
-}
-
 }  // namespace detail
 
 /// gpukit's streams and events (CUDA and CPU).
@@ -307,13 +298,11 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
 }
 
-GPUKIT_INLINE bool is_other_threads_stream(const stream_view& s) { return s.is_other_threads_stream(); }
-
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
   if (s.is_cpu()) return false;
   const cudaStream_t handle = s.native_handle();
   return handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode()) ||
-         is_other_threads_stream(s);
+         s.is_other_threads_stream();
 }
 
 GPUKIT_INLINE bool may_use_legacy_stream(const stream_view& s) noexcept {
@@ -343,12 +332,12 @@ GPUKIT_INLINE kept_stream kept_stream::of(const stream_view& s) {
 GPUKIT_INLINE bool kept_stream::destroyed() const noexcept { return life != nullptr && life->expired(); }
 
 GPUKIT_INLINE cudaStream_t kept_stream::handle_here() const {
-  if (is_other_threads_stream(view)) return cudaStreamLegacy;
+  if (view.is_other_threads_stream()) return cudaStreamLegacy;
   return view.cuda_handle();
 }
 
 GPUKIT_INLINE void record_from_any_thread(event& e, const stream_view& s) {
-  if (is_other_threads_stream(s)) {
+  if (s.is_other_threads_stream()) {
     e.record(stream_view(e.device(), cudaStreamLegacy));
     return;
   }
@@ -356,7 +345,7 @@ GPUKIT_INLINE void record_from_any_thread(event& e, const stream_view& s) {
 }
 
 GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s) {
-  if (is_other_threads_stream(s)) {
+  if (s.is_other_threads_stream()) {
     e.wait(stream_view(s.device(), cudaStreamLegacy));
     return;
   }

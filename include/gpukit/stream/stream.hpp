@@ -78,6 +78,12 @@ struct may_be_empty<std::function<Signature>> : std::true_type {};
 class stream;
 
 namespace detail {
+/// Whether a gpukit capture runs now, on any thread: a hint (one may begin at once, and a capture begun with the raw
+/// runtime is never seen; only a capture_hold tells for sure).
+inline bool gpukit_capture_underway() noexcept {
+  return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
+}
+
 /// True for cuda::stream_ref once <gpukit/stream/stream_ref.hpp> is included (which needs the toolkit's CCCL). A
 /// trait rather than a direct mention keeps this header free of CCCL and identical in every translation unit.
 template <class T>

@@ -77,17 +77,6 @@ GPUKIT_INLINE std::string describe_side(const char* role, const copy_side& side,
 /// page-locked (so one DMA suffices).
 GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd);
 
-/// Throws invalid_argument_error naming `operation` when `s` (of device `sd`) is being captured into a CUDA graph
-/// (stream_ops.hpp): staging uses pinned slots, events and host functions that a graph cannot replay.
-GPUKIT_INLINE void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation,
-                                  std::string_view advice);
-
-/// What to do instead of staging in a capture.
-inline constexpr std::string_view capture_advice_staging =
-    "pageable host memory is staged through pinned slots and events, which a graph cannot replay; during a capture "
-    "copy between pinned memory (pinned_buffer) and device memory, which is captured as one copy node (nothing was "
-    "enqueued)";
-
 /// What to do instead of a cross-device copy on the current streams in a capture.
 inline constexpr std::string_view capture_advice_cross_device =
     "it orders the two devices' current streams with events, which would tie a captured stream to work outside its "
@@ -148,6 +137,10 @@ bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   return dispatch_copy(dst, src, element_size, s, engine_for, host_pinned);
 }
 
+/// Whether a copy on `s` records `s` on a pooled pinned buffer's block (keep_block_for_copy): a gpukit stream or a
+/// default stream, not a raw handle, which may be destroyed and its handle reused before the buffer goes.
+inline bool records_block_use(const stream_view& s) noexcept { return s.is_default() || s.lifetime() != nullptr; }
+
 /// After a copy enqueued on `s` that uses `x`'s memory when `s` gets to it: a pooled pinned buffer's block goes back
 /// to its pool only after that copy (record_stream, as PyTorch records its pinned blocks' uses), so that it can be
 /// destroyed right after the call. Only for gpukit's streams and the default streams: a raw handle may be destroyed
@@ -157,7 +150,7 @@ bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
 template <class X>
 void keep_block_for_copy(const X& x, const stream_view& s) {
   if constexpr (is_pooled_pinned_buffer<std::remove_cv_t<X>>::value) {
-    if (!s.is_default() && s.lifetime() == nullptr) return;  // a raw handle
+    if (!records_block_use(s)) return;
     if (!s.is_cpu() && capture_status(s) != cudaStreamCaptureStatusNone) return;
     try {
       x.record_stream(s);
@@ -392,12 +385,6 @@ GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::s
     }
   }
   return host_pinned;
-}
-
-GPUKIT_INLINE void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation,
-                                  std::string_view advice) {
-  if (capture_status(s) == cudaStreamCaptureStatusNone) return;
-  throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
 }
 
 GPUKIT_INLINE staging_engine& default_engine::operator()(gpukit::device d) const { return default_staging_engine(d); }

@@ -247,7 +247,7 @@ class prefetcher {
         detail::warn_parts("gpukit::prefetcher: releasing a batch failed (", e.what(),
                            "); waiting for the consumer's work on the host");
         try {
-          if (detail::is_other_threads_stream(consumer)) {
+          if (consumer.is_other_threads_stream()) {
             detail::cuda_backend::synchronize_device(consumer.device().ordinal(),
                                                      "cudaDeviceSynchronize (releasing a batch)");
           } else {

@@ -73,11 +73,27 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
+
+namespace detail {
+/// Throws invalid_argument_error naming `operation` when `s` (of device `sd`) is being captured into a CUDA graph
+/// (stream_ops.hpp), with `advice`: what to do instead.
+inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view operation, std::string_view advice) {
+  if (capture_status(s) == cudaStreamCaptureStatusNone) return;
+  throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
+}
+
+/// What to do instead of staging in a capture.
+inline constexpr std::string_view capture_advice_staging =
+    "pageable host memory is staged through pinned slots and events, which a graph cannot replay; during a capture "
+    "copy between pinned memory (pinned_buffer) and device memory, which is captured as one copy node (nothing was "
+    "enqueued)";
+}  // namespace detail
 
 /// The direction of a copy, for the device copy step (and for instrumented steps in tests).
 enum class copy_direction : unsigned char { host_to_device, device_to_host, device_to_device };
@@ -159,12 +175,14 @@ class basic_staging_engine {
   /// Copies `bytes` of pageable host memory at `src` to device memory at `dst`, in the order of stream `s`. When it
   /// returns the source has been read in full (reuse it at once); the destination is written in stream order. Waits
   /// for the stream's slots at most `patience`, then hands the rest over (see the file comment). If it throws, the
-  /// chunks already enqueued may still be written to the destination in stream order.
+  /// chunks already enqueued may still be written to the destination in stream order. Throws invalid_argument_error,
+  /// enqueueing nothing, while `s` is being captured (a graph cannot replay staging).
   void to_device(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, and
   /// returns once `dst` holds the data: it waits for the stream's earlier work, as CUDA's cudaMemcpyAsync into
   /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be.
+  /// Throws invalid_argument_error, enqueueing nothing, while `s` is being captured.
   void to_host(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Returns the slots of rings whose work has completed to the pool and forgets those rings (e.g. after a phase that
@@ -176,7 +194,7 @@ class basic_staging_engine {
 
   /// The most pinned memory the engine holds for one stream, whatever the transfers and the stream's backlog: its
   /// upload and download rings, (slots + download_slots) blocks of chunk_bytes rounded up to the pool's size class.
-  std::size_t max_pinned_bytes_per_stream() const noexcept;
+  std::size_t max_pinned_bytes_per_stream() const;
 
   /// A copy of the counters.
   staging_stats stats() const;

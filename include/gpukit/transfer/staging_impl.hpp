@@ -44,6 +44,8 @@ template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void* src, std::size_t bytes,
                                                            stream_view s) {
   if (bytes == 0) return;
+  detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_device", detail::capture_advice_staging);
+  const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
   lane_lease lease = acquire(s, &ring::up);
   ring& r = *lease.r;
   lane& ln = r.up;
@@ -100,6 +102,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* src, std::size_t bytes, stream_view s) {
   if (bytes == 0) return;
+  detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_host", detail::capture_advice_staging);
+  const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
   lane_lease lease = acquire(s, &ring::down);
   lane& ln = lease.r->down;
   const std::size_t chunk = chunk_for(bytes);
@@ -164,7 +168,7 @@ GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::chunk_for(std::size_t by
 }
 
 template <class Copier>
-GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::max_pinned_bytes_per_stream() const noexcept {
+GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::max_pinned_bytes_per_stream() const {
   return (options_.slots + options_.download_slots) *
          pinned_size_class(options_.chunk_bytes, pool_->options().classes_per_doubling);
 }

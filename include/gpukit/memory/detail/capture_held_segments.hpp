@@ -11,7 +11,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
-#include <gpukit/stream/stream.hpp>  // mode_independent::gpukit_captures_underway
+#include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway
 
 #include <atomic>
 #include <cstddef>
@@ -40,18 +40,12 @@ class capture_held_segments {
   capture_held_segments& operator=(const capture_held_segments&) = delete;
   capture_held_segments& operator=(capture_held_segments&&) = delete;
 
-  /// Whether a gpukit capture runs now, on any thread (one beginning right after is not seen; a capture begun with the
-  /// raw runtime never is).
-  static bool capture_underway() noexcept {
-    return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
-  }
-
   /// Holds `segment` back if a gpukit capture runs now (true). Otherwise (false) the caller gives it back now, with
   /// the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
   bool hold_or_take(held_segment segment, std::vector<held_segment>& give_back) noexcept {
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (capture_underway()) {
+      if (gpukit_capture_underway()) {
         held_.push_back(segment);
         return true;
       }
@@ -66,7 +60,7 @@ class capture_held_segments {
     std::vector<held_segment> taken;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!capture_underway()) held_.swap(taken);
+      if (!gpukit_capture_underway()) held_.swap(taken);
     } catch (...) {
     }
     return taken;
@@ -81,7 +75,7 @@ class capture_held_segments {
       held_.swap(taken);
     } catch (...) {
     }
-    if (taken.empty() || !capture_underway()) return taken;
+    if (taken.empty() || !gpukit_capture_underway()) return taken;
     warn_parts(owner, ": destroyed during a gpukit capture with ", taken.size(),
                " segment(s) held back since an earlier capture; they stay allocated");
     return {};

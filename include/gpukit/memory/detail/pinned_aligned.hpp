@@ -29,13 +29,14 @@ inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::
       [&pool](void* block) { pool.deallocate(block); });
 }
 
-/// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`.
+/// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`. Never
+/// refused for a captured stream (the adaptors' frees are noexcept): the block then waits for the capture to end.
 inline void pinned_deallocate_aligned(pinned_pool& pool, void* p, const stream_view* stream) {
   over_aligned_addresses().free_with(p, [&pool, stream](void* block) {
     if (stream != nullptr) {
-      pool.deallocate(block, *stream);  // refused while `stream` is captured: made later, it would precede the graph
+      pool.deallocate_after_captures(block, *stream);
     } else {
-      pool.deallocate_after_captures(block);  // a free without a stream cannot be refused (a destructor's)
+      pool.deallocate_after_captures(block);
     }
   });
 }
