@@ -180,6 +180,11 @@ TEST_CASE("bad GPUKIT_DEVICE values throw clear errors") {
   s = no_gpus();
   CHECK(message_for("cuda:0") ==
         "GPUKIT_DEVICE=\"cuda:0\" asks for a GPU, but none is usable: no NVIDIA driver is loaded");
+  // A UUID asks for a GPU too: the same error, with the reason, not "matches no visible device".
+  CHECK(message_for("GPU-1234") ==
+        "GPUKIT_DEVICE=\"GPU-1234\" asks for a GPU, but none is usable: no NVIDIA driver is loaded");
+  s.gpukit_device = "GPU-1234";
+  CHECK_THROWS_AS(gpukit::select_device(policy, s), gpukit::no_device_error);
   policy.require_gpu = true;
   s = three_gpus();
   CHECK(message_for("cpu") == "GPUKIT_DEVICE=\"cpu\" selects the CPU, but the policy requires a GPU");
@@ -244,6 +249,36 @@ TEST_CASE("on this machine without a driver: the CPU, or an error that says why"
                        gpukit::no_device_error);
   gpukit_test::scoped_env override_cpu("GPUKIT_DEVICE", std::string("cpu"));
   CHECK(gpukit::select_device().source == decided_by::environment_override);
+}
+
+TEST_CASE("a device that cannot be used is rejected with why, beside any other reason") {
+  gpukit::selection_policy policy;
+  policy.min_compute_capability = 85;
+  auto s = three_gpus();
+  s.gpus[1].unusable = "its memory could not be queried: busy";
+  const auto selection = gpukit::select_device(policy, s);
+  CHECK(selection.device == gpukit::device::cuda(2));
+  CHECK(selection.candidates[0].note.find("compute capability 8.0 is below") != std::string::npos);
+  CHECK_FALSE(selection.candidates[1].eligible);
+  CHECK(selection.candidates[1].note == "its memory could not be queried: busy");
+  s.gpus[0].unusable = "prohibited";
+  const auto again = gpukit::select_device(policy, s);
+  CHECK(again.candidates[0].note.find("prohibited; compute capability 8.0 is below") == 0);
+}
+
+TEST_CASE("a blank launcher variable is not a rank: the next one set decides") {
+  // `export LOCAL_RANK=$SLURM_LOCALID` outside Slurm leaves LOCAL_RANK empty, as GPUKIT_DEVICE blank is unset.
+  gpukit_test::scoped_env blank("LOCAL_RANK", std::string("  "));
+  gpukit_test::scoped_env no_rank2("OMPI_COMM_WORLD_LOCAL_RANK", std::nullopt);
+  gpukit_test::scoped_env rank("SLURM_LOCALID", std::string("1"));
+  gpukit::system_snapshot s = gpukit::take_system_snapshot({});
+  CHECK(s.local_rank_variable == "SLURM_LOCALID");
+  CHECK(s.local_rank == std::optional<std::string>("1"));
+  gpukit_test::scoped_env no_rank3("SLURM_LOCALID", std::string(""));
+  gpukit_test::scoped_env no_rank4("MPI_LOCALRANKID", std::nullopt);
+  s = gpukit::take_system_snapshot({});
+  CHECK(s.local_rank_variable.empty());
+  CHECK_FALSE(s.local_rank.has_value());
 }
 
 TEST_CASE("a hand-made snapshot whose gpus are not cuda:0, cuda:1, ... in order is rejected clearly") {

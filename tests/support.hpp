@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -187,6 +188,43 @@ class captured_warnings {
  private:
   mutable std::mutex mutex_;
   std::vector<std::string> messages_;
+  gpukit::warning_handler previous_;
+};
+
+/// For a scope, records at each gpukit warning whether `mutex` was free then, asked from another thread (the warning's
+/// thread may hold it): gpukit raises warnings outside its locks, so a handler may call gpukit. Warnings go on to the
+/// handler installed before.
+template <class Mutex>
+class lock_at_warnings {
+ public:
+  explicit lock_at_warnings(Mutex& mutex) : watched_(mutex) {
+    previous_ = gpukit::set_warning_handler([this](std::string_view message) {
+      const bool free = std::async(std::launch::async, [this] {
+                          const bool locked = watched_.try_lock();
+                          if (locked) watched_.unlock();
+                          return locked;
+                        }).get();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        free_.push_back(free);
+      }
+      if (previous_) previous_(message);
+    });
+  }
+  lock_at_warnings(const lock_at_warnings&) = delete;
+  lock_at_warnings& operator=(const lock_at_warnings&) = delete;
+  ~lock_at_warnings() { gpukit::set_warning_handler(previous_); }
+
+  /// For each warning so far, whether the mutex was free.
+  std::vector<bool> free_at_each() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return free_;
+  }
+
+ private:
+  Mutex& watched_;
+  mutable std::mutex mutex_;
+  std::vector<bool> free_;
   gpukit::warning_handler previous_;
 };
 

@@ -998,6 +998,124 @@ TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cann
   CHECK(gpukit::memory_allocated(cuda0) == std::size_t{1} << 20);  // still the pool's, for good
 }
 
+TEST_CASE("capture: a graph pool's reserve, another stream's block the pool's stream waits for, is written after") {
+  // The backing allocator hands the pool's private stream a block the default stream still writes, with a wait for
+  // that work on the private stream (cross-stream reuse); a graph launched on another (non-blocking) stream must run
+  // after that wait too, or the old write lands on the graph's data.
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  gpukit::allocator_options options;
+  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while the gate holds work back
+  options.cross_stream_reuse = true;
+  gpukit::caching_allocator backing(cuda0, options);
+  const auto legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit_test::gate held;
+  void* old = backing.allocate(reserve_bytes, legacy);
+  held.hold(legacy);
+  REQUIRE(cudaMemsetAsync(old, 0xAB, reserve_bytes, cudaStreamLegacy) == cudaSuccess);  // behind the gate
+  backing.deallocate(old);  // cached for the default stream; another stream may take it after a wait for its work
+  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes, &backing);
+  void* block = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<unsigned char> tmp(reserve_bytes, s);
+        block = tmp.data();
+        REQUIRE(cudaMemsetAsync(tmp.data(), 0x11, tmp.size_bytes(), s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  REQUIRE(block == old);  // the reserve is the default stream's block
+  REQUIRE(cudaStreamQuery(s.cuda_handle()) == cudaSuccess);
+  g.launch(s);
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // the launch waits for the held work
+  held.open();
+  s.synchronize();
+  unsigned char first = 0;
+  REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(first == 0x11);  // the graph's write came last
+}
+
+TEST_CASE("capture: a graph pool released while a stream that used its memory is captured keeps its reserve") {
+  // That stream's work before its capture can neither take an event nor be waited for: nothing could order the
+  // reserve's reuse after it, so the reserve stays allocated, with a warning, rather than be reused under it.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream consumer(cuda0);
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes);
+  void* out = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s, [&] { out = allocator.allocate(1024, s); }, pool);
+  g.launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  held.hold(consumer);
+  REQUIRE(cudaMemsetAsync(out, 1, 1024, consumer.cuda_handle()) == cudaSuccess);  // behind the gate
+  allocator.record_stream(out, consumer);
+  g = gpukit::graph();
+  pool.reset();  // the output keeps the pool alive
+  REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  gpukit_test::captured_warnings warnings;
+  allocator.deallocate(out);  // the last allocation: the pool goes, while `consumer` is captured
+  CHECK(warnings.contains("keeps its reserve"));
+  CHECK(warnings.contains("is being captured"));
+  CHECK(gpukit::memory_allocated(cuda0) == reserve_bytes);  // still allocated, for good
+  cudaGraph_t unused = nullptr;
+  REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  held.open();
+  consumer.synchronize();
+}
+
+TEST_CASE("capture: a graph pool's statistics have the peaks and totals the caching allocator's have") {
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes);
+  gpukit::stream s(cuda0);
+  void* a = pool->allocate(1000, s);
+  void* b = pool->allocate(3000, s);
+  void* c = pool->allocate(512, s);
+  pool->deallocate(b);
+  gpukit::allocator_stats st = pool->stats();
+  CHECK(st.allocation.all().current == 2);
+  CHECK(st.allocation.all().peak == 3);
+  CHECK(st.allocation.all().allocated == 3);
+  CHECK(st.allocation.all().freed == 1);
+  CHECK(st.active.all().peak == 3);
+  CHECK(st.requested_bytes.all().current == 1512);
+  CHECK(st.requested_bytes.all().peak == 4512);
+  CHECK(st.allocated_bytes.all().allocated - st.allocated_bytes.all().freed == st.allocated_bytes.all().current);
+  CHECK(static_cast<std::size_t>(st.allocated_bytes.all().current) == pool->memory_allocated());
+  CHECK(st.segment.all().current == 1);
+  CHECK(st.segment.all().allocated == 1);
+  CHECK(static_cast<std::size_t>(st.reserved_bytes.all().peak) == reserve_bytes);
+  pool->reset_peak_stats();
+  pool->reset_accumulated_stats();
+  st = pool->stats();
+  CHECK(st.allocation.all().peak == 2);
+  CHECK(st.allocation.all().allocated == 0);
+  CHECK(st.allocation.all().freed == 0);
+  CHECK(static_cast<std::size_t>(st.reserved_bytes.all().peak) == reserve_bytes);
+  CHECK(pool->max_memory_allocated() == pool->memory_allocated());
+  pool->deallocate(a);
+  pool->deallocate(c);
+  CHECK(pool->stats().allocation.all().freed == 2);
+}
+
+TEST_CASE("capture: the graph's instantiation is not counted as a capture by other threads") {
+  // Allocators refuse or defer work while a gpukit capture is underway; the capture has ended when the graph is
+  // instantiated, which may take long.
+  gpukit::stream s(cuda0);
+  gpukit::device_buffer<int> out(16, s);
+  std::optional<bool> counted_while_instantiating;
+  cudasim::before_call("cudaGraphInstantiate", 1,
+                       [&] { counted_while_instantiating = gpukit::detail::gpukit_capture_underway(); });
+  gpukit::graph g = gpukit::capture(
+      s, [&] { REQUIRE(cudaMemsetAsync(out.data(), 1, out.size_bytes(), s.cuda_handle()) == cudaSuccess); });
+  REQUIRE(counted_while_instantiating.has_value());
+  CHECK_FALSE(*counted_while_instantiating);
+  CHECK_FALSE(gpukit::detail::gpukit_capture_underway());
+}
+
 TEST_CASE("capture: another thread's per-thread default stream is refused, and nothing is captured") {
   gpukit::stream_view elsewhere;
   std::thread([&] { elsewhere = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();

@@ -190,6 +190,17 @@ TEST_CASE("contexts: a host registration made on a fresh thread") {
   });
 }
 
+TEST_CASE("contexts: a portable host registration for a device that does not exist is refused") {
+  // Portable memory is registered in whatever context is current: CUDA would not see the bad ordinal.
+  gpukit::stream s(gpukit::device::cuda(0));  // a context is current on this thread
+  std::vector<float> mine(4096);
+  gpukit::registration_flags portable;
+  portable.portable = true;
+  CHECK_THROWS_WITH_AS(
+      gpukit::host_registration(mine.data(), mine.size() * sizeof(float), gpukit::device::cuda(7), portable),
+      doctest::Contains("gpukit::host_registration: cuda:7 is not visible ("), gpukit::invalid_argument_error);
+}
+
 TEST_CASE("contexts: a pointer query on a fresh thread") {
   on_fresh_thread_while_cuda1_is_used([](gpukit::device, float* x) {
     const auto info = gpukit::detail::query_pointer(x);
@@ -322,6 +333,41 @@ TEST_CASE("contexts: a context probe for free memory reads only the device the e
   const gpukit::device_selection s = gpukit::select_device(policy);  // the policy decides: every device is read
   CHECK(s.candidates.size() == 2);
   CHECK(cudasim::context_creations(0) == 1);
+}
+
+TEST_CASE("contexts: a context probe skips devices below the compute capability, and a failed probe rejects one") {
+  // A probe creates a context (hundreds of MiB) on the device it reads: not on one the policy rejects anyway. A device
+  // whose probe fails (prohibited compute mode, say) is rejected with the reason; the others are still chosen from.
+  cudasim::machine_config machine = cudasim::default_machine(2);
+  machine.devices[0].major = 6;
+  machine.devices[0].minor = 1;
+  try {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  policy.allow_context_probe = true;
+  policy.min_compute_capability = 80;
+  cudasim::allow_contexts_only_on({1});
+  gpukit::device_selection s = gpukit::select_device(policy);
+  CHECK(s.device == gpukit::device::cuda(1));
+  CHECK(cudasim::context_creations(0) == 0);
+  // The probe of cuda:0 fails: it is rejected, saying why, and cuda:1 is chosen.
+  cudasim::allow_contexts_only_on({});
+  policy.min_compute_capability = 0;
+  cudasim::fail_call("cudaMemGetInfo", 1, cudaErrorDevicesUnavailable);
+  s = gpukit::select_device(policy);
+  CHECK(s.device == gpukit::device::cuda(1));
+  REQUIRE(s.candidates.size() == 2);
+  CHECK_FALSE(s.candidates[0].eligible);
+  CHECK(s.candidates[0].note.find("its memory could not be queried") != std::string::npos);
+  CHECK(s.candidates[0].note.find("cudaErrorDevicesUnavailable") != std::string::npos);
 }
 
 TEST_CASE("contexts: CUDA_VISIBLE_DEVICES naming no installed GPU is named in the CPU fallback's reason") {

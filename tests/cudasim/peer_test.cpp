@@ -455,6 +455,16 @@ TEST_CASE("peer: a failure to grant the pool's memory is a warning naming the ca
   CHECK_FALSE(cudasim::peer_access_enabled(1, 0));
 }
 
+TEST_CASE("peer: warnings about the grants are raised outside the process-wide peer registry's lock") {
+  // A warning handler may free memory or take a peer_access itself, which take that lock.
+  gpukit_test::lock_at_warnings registry(gpukit::mode_independent::peer_access_holders_v2().mutex);
+  cudasim::fail_call("cudaMemPoolSetAccess", 1, cudaErrorInvalidValue);  // the grant
+  { gpukit::peer_access refused(cuda1, cuda0); }
+  cudasim::fail_call("cudaMemPoolSetAccess", 2, cudaErrorInvalidValue);  // the grant succeeds, the take-back fails
+  { gpukit::peer_access taken_back(cuda1, cuda0); }
+  CHECK(registry.free_at_each() == std::vector<bool>{true, true});
+}
+
 TEST_CASE("peer: a device without memory pools is skipped, its refusal not left as the thread's last error") {
   gpukit_test::captured_warnings warnings;
   cudasim::fail_call("cudaDeviceGetDefaultMemPool", 1, cudaErrorNotSupported);

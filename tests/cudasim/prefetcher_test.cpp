@@ -338,3 +338,29 @@ TEST_CASE("sim prefetcher: another thread takes and releases a batch of a per-th
   CHECK(rest == 1);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("sim prefetcher: a legacy default consumer stream stays the constructing device's, on any thread") {
+  // stream_view{} names the legacy default stream of the device current where it is used: the loader binds it to its
+  // device, so a thread whose current device is cuda:0 takes and releases batches on cuda:1's, touching no cuda:0.
+  cudasim::allow_contexts_only_on({1});
+  {
+    const auto d = gpukit::device::cuda(1);
+    std::optional<gpukit::prefetcher<std::uint32_t>> loader;
+    {
+      const gpukit::device_guard guard(d);
+      loader.emplace(
+          gpukit::stream_view{}, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 6); },
+          two_buffers());
+    }
+    CHECK(loader->consumer_stream().device() == d);
+    gpukit_test::captured_warnings warnings;
+    std::vector<std::size_t> indices;
+    std::thread([&] {
+      while (auto batch = loader->next()) indices.push_back(batch->index());  // each released on this thread
+    }).join();
+    CHECK(indices == std::vector<std::size_t>{0, 1, 2, 3, 4, 5});
+    CHECK(warnings.messages().empty());
+  }
+  CHECK(cudasim::context_creations(0) == 0);
+  cudasim::allow_contexts_only_on({});
+}

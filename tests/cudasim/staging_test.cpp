@@ -97,6 +97,18 @@ gpukit::staging_options small_options() {
   o.slots = 4;
   return o;
 }
+
+/// An engine with small slots and a short patience over a pool that caches nothing (a cap of 0: a freed block goes to
+/// cudaFreeHost at once), for what the engine must not wait for while its stream is held.
+struct engine_over_uncached_pool {
+  engine_over_uncached_pool() { pool.set_max_cached_bytes(0); }
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine{pool, [] {
+                                  auto o = small_options();
+                                  o.patience = 10ms;
+                                  return o;
+                                }()};
+};
 }  // namespace
 
 TEST_CASE("sim staging: a new stream that gets a destroyed stream's handle gets its own ring, not the dead one's") {
@@ -227,11 +239,9 @@ TEST_CASE("sim staging: slots grown while the stream is held leave the pool over
   // cudaFreeHost, which waits for all the device's work: the held stream's too, whose gate opens only after to_device
   // returns. The cap waits for the pool's next call outside the engine.
   const auto d = gpukit::device::cuda(0);
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
-  pool.set_max_cached_bytes(0);
-  auto options = small_options();
-  options.patience = 10ms;
-  gpukit::staging_engine engine(pool, options);
+  engine_over_uncached_pool fixture;
+  auto& pool = fixture.pool;
+  auto& engine = fixture.engine;
   const auto small = pattern(1 * MiB, 8);       // 256 KiB slots
   const auto large = pattern(12 * MiB + 9, 9);  // 1 MiB chunks: each idle slot grows
   device_memory for_small(small.size());
@@ -267,11 +277,9 @@ TEST_CASE("sim staging: the background thread makes no pinned-pool call, so it n
   // thread to grow its slots through the pool, it would wait for H, which waits for it. A cap of 0 makes every freed
   // block go back to cudaFreeHost at once.
   const auto d = gpukit::device::cuda(0);
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
-  pool.set_max_cached_bytes(0);
-  auto options = small_options();
-  options.patience = 10ms;
-  gpukit::staging_engine engine(pool, options);
+  engine_over_uncached_pool fixture;
+  auto& pool = fixture.pool;
+  auto& engine = fixture.engine;
   const auto small = pattern(1 * MiB, 6);       // 4 chunks of 256 KiB: fills the ring with 256 KiB slots
   const auto large = pattern(12 * MiB + 7, 7);  // 1 MiB chunks: past the patience, staged in the background
   device_memory for_small(small.size());
@@ -307,11 +315,9 @@ TEST_CASE("sim staging: a transfer queued behind a busy background thread is sta
   // chunks: neither the caller (whose lane it is not) nor the background thread (which would wait for its own host
   // functions) may grow them, so the rest goes through them at their size.
   const auto d = gpukit::device::cuda(0);
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
-  pool.set_max_cached_bytes(0);
-  auto options = small_options();
-  options.patience = 10ms;
-  gpukit::staging_engine engine(pool, options);
+  engine_over_uncached_pool fixture;
+  auto& pool = fixture.pool;
+  auto& engine = fixture.engine;
   const auto first = pattern(1 * MiB, 8);        // 256 KiB chunks: the ring's slots
   const auto second = pattern(1 * MiB, 9);       // 256 KiB chunks too: past the patience, handed over
   const auto third = pattern(12 * MiB + 3, 10);  // 1 MiB chunks, queued behind the background thread

@@ -515,6 +515,31 @@ TEST_CASE("streams: async_allocator frees after the work of recorded streams, wa
   CHECK(a.max_memory_reserved() == held);
 }
 
+TEST_CASE("streams: async_allocator lists a stream recorded many times once, and never the allocation's own") {
+  // A long-lived buffer recorded on each use: its free waits for each stream once, not once per record_stream.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  void* p = a.allocate(block_bytes, s);
+  for (int i = 0; i < 100; ++i) {
+    a.record_stream(p, other);
+    a.record_stream(p, s);
+  }
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  a.deallocate(p);  // on s, after other's work
+  CHECK(cudasim::calls("cudaEventRecord") == records + 1);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits + 1);
+  // Freed on another stream: after the allocation stream's work, once.
+  void* q = a.allocate(block_bytes, s);
+  for (int i = 0; i < 100; ++i) a.record_stream(q, s);
+  const std::size_t records_q = cudasim::calls("cudaEventRecord");
+  a.deallocate(q, other);
+  CHECK(cudasim::calls("cudaEventRecord") == records_q + 1);
+  cudasim::drain_all();
+  CHECK(a.memory_allocated() == 0);
+}
+
 TEST_CASE("streams: async_allocator frees per-thread stream memory from another thread after that stream's work") {
   // cudaStreamPerThread names the calling thread's own stream: freed from another thread, memory allocated on this
   // thread's per-thread stream must wait for this thread's work, not for the freeing thread's stream.

@@ -666,6 +666,15 @@ TEST_CASE("history picture: the largest free block with pages unmapped as a run,
   };
   CHECK(gpukit::detail::largest_free_levels(pages, gpukit::allocator_snapshot{}, {3, 4, 5}) ==
         std::vector<std::int64_t>{400, 300, 0});
+  // A run that mixes a page the history mapped with one that was there before it began: both count from the start.
+  const std::vector<memory_event> mixed = {event(memory_action::segment_map, base, 100),
+                                           event(memory_action::segment_unmap, base, 200)};
+  CHECK(gpukit::detail::largest_free_levels(mixed, gpukit::allocator_snapshot{}, {0, 1}) ==
+        std::vector<std::int64_t>{200, 0});
+  const std::vector<memory_event> older_first = {event(memory_action::segment_map, base + 100, 100),
+                                                 event(memory_action::segment_unmap, base, 200)};
+  CHECK(gpukit::detail::largest_free_levels(older_first, gpukit::allocator_snapshot{}, {0, 1}) ==
+        std::vector<std::int64_t>{200, 0});
   // An unmap of the middle of a range leaves both ends.
   const std::vector<memory_event> middle = {event(memory_action::segment_map, base, 1000),
                                             event(memory_action::segment_unmap, base + 100, 500)};

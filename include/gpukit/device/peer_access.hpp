@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -228,8 +229,12 @@ inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>
 /// virtual-memory pages or the default pool is a warning (kernels on `from` touching that memory would fault), and
 /// the cudaMalloc memory stays reachable.
 inline void acquire_peer_access(device from, device to) {
+  using failure = std::pair<cudaError_t, std::string>;
+  failure pages{cudaSuccess, {}};
+  failure pool{cudaSuccess, {}};
+  std::optional<device_guard> guard;  // outlives the lock: warnings (the guard's too) are raised outside it
   auto& registry = mode_independent::peer_access_holders_v2();
-  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::unique_lock<std::mutex> lock(registry.mutex);
   const auto key = std::make_pair(from.ordinal(), to.ordinal());
   const auto found = registry.pairs.find(key);
   if (found != registry.pairs.end()) {
@@ -248,7 +253,7 @@ inline void acquire_peer_access(device from, device to) {
                      from.ordinal(), __FILE__, __LINE__);
   }
   mode_independent::peer_access_entry entry{1, true, false};
-  device_guard guard(from);  // access is enabled from the current device's context
+  guard.emplace(from);  // access is enabled from the current device's context
   const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
   if (result == cudaErrorPeerAccessAlreadyEnabled) {
     // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
@@ -261,10 +266,11 @@ inline void acquire_peer_access(device from, device to) {
   auto& held = registry.pairs.emplace(key, entry).first->second;  // before the grants: pages mapped from now on
   ++registry.generation;                                          // include `from`
   try {
-    warn_memory_access_failure(set_mapped_pages_access(registry, from, to, true), from, to,
-                               "while granting access to gpukit's virtual-memory pages");
-    warn_memory_access_failure(set_default_pool_access(from, to, true, held.pool_granted_by_gpukit), from, to,
-                               "while granting access to the default memory pool");
+    pages = set_mapped_pages_access(registry, from, to, true);
+    pool = set_default_pool_access(from, to, true, held.pool_granted_by_gpukit);
+    lock.unlock();  // the warning handler runs outside any gpukit lock
+    warn_memory_access_failure(pages, from, to, "while granting access to gpukit's virtual-memory pages");
+    warn_memory_access_failure(pool, from, to, "while granting access to the default memory pool");
   } catch (...) {  // no memory for a message: the grants are best effort, the hold stands
   }
 }
@@ -276,6 +282,9 @@ inline void acquire_peer_access(device from, device to) {
 inline void release_peer_access(device from, device to) noexcept {
   cudaError_t result = cudaSuccess;
   const char* call = "";  // not a std::string: assigned in a handler, where std::bad_alloc would terminate
+  std::pair<cudaError_t, std::string> pages{cudaSuccess, {}};
+  std::pair<cudaError_t, std::string> pool{cudaSuccess, {}};
+  std::optional<device_guard> guard;  // outlives the lock: warnings (the guard's too) are raised outside it
   {
     auto& registry = mode_independent::peer_access_holders_v2();
     std::lock_guard<std::mutex> lock(registry.mutex);
@@ -285,13 +294,11 @@ inline void release_peer_access(device from, device to) noexcept {
     registry.pairs.erase(found);
     ++registry.generation;
     try {
-      device_guard guard(from);
-      warn_memory_access_failure(set_mapped_pages_access(registry, from, to, false), from, to,
-                                 "while taking back access to gpukit's virtual-memory pages");
+      guard.emplace(from);
+      pages = set_mapped_pages_access(registry, from, to, false);
       if (entry.pool_granted_by_gpukit) {
         bool unused = false;
-        warn_memory_access_failure(set_default_pool_access(from, to, false, unused), from, to,
-                                   "while taking back access to the default memory pool");
+        pool = set_default_pool_access(from, to, false, unused);
       }
       if (entry.enabled_by_gpukit) {
         result = cudaDeviceDisablePeerAccess(to.ordinal());
@@ -303,6 +310,11 @@ inline void release_peer_access(device from, device to) noexcept {
     } catch (...) {
       result = cudaErrorUnknown;
     }
+  }
+  try {  // the warning handler runs outside any gpukit lock
+    warn_memory_access_failure(pages, from, to, "while taking back access to gpukit's virtual-memory pages");
+    warn_memory_access_failure(pool, from, to, "while taking back access to the default memory pool");
+  } catch (...) {
   }
   if (result == cudaSuccess) return;
   try {

@@ -70,6 +70,7 @@ struct gpu_snapshot {
   std::optional<std::size_t> free_memory;       ///< bytes free, if read (else policies count total memory)
   std::string free_memory_source;               ///< "NVML", "cudaMemGetInfo" or empty
   std::optional<unsigned> utilization_percent;  ///< NVML GPU utilisation, when read
+  std::string unusable;                         ///< why the device cannot be used (its probe failed), or empty
 };
 
 /// Everything selection depends on, gathered once. take_system_snapshot() reads it from the machine; tests and
@@ -210,10 +211,11 @@ GPUKIT_INLINE bool ranks_above_by_memory(const gpu_snapshot& a, const gpu_snapsh
 }
 
 GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
-  std::string why;
+  std::string why = g.unusable;
   if (g.compute_capability < policy.min_compute_capability) {
-    why = "compute capability " + capability_text(g.compute_capability) + " is below the required " +
-          capability_text(policy.min_compute_capability);
+    if (!why.empty()) why += "; ";
+    why += "compute capability " + capability_text(g.compute_capability) + " is below the required " +
+           capability_text(policy.min_compute_capability);
   }
   if (policy.min_free_bytes > 0 && usable_memory(g) < policy.min_free_bytes) {
     if (!why.empty()) why += "; ";
@@ -230,7 +232,12 @@ GPUKIT_INLINE std::string describe_gpu_list(const system_snapshot& system) {
 GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snapshot& system) {
   const std::string text(trim_whitespace(raw));
   const std::string what = "GPUKIT_DEVICE=\"" + raw + "\"";
+  const auto refuse_without_gpus = [&] {
+    if (system.gpus.empty())
+      throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
+  };
   if (starts_with(text, "GPU-")) {
+    refuse_without_gpus();
     std::vector<device> matches;
     for (const auto& g : system.gpus) {
       if (starts_with(g.uuid, text)) matches.push_back(g.device);
@@ -251,9 +258,7 @@ GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snaps
   } catch (const invalid_argument_error&) {
     // "cuda:" and digits that do not fit an int: a well-formed request for a device that cannot exist.
     if (starts_with(text, "cuda:") && parse_decimal_saturating(std::string_view(text).substr(5))) {
-      if (system.gpus.empty()) {
-        throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
-      }
+      refuse_without_gpus();
       throw invalid_argument_error(what + " names an ordinal beyond every device, but only " +
                                    describe_gpu_list(system) + " (" +
                                    describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
@@ -262,9 +267,7 @@ GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snaps
                                  " is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
   }
   if (d.is_cuda() && d.ordinal() >= static_cast<int>(system.gpus.size())) {
-    if (system.gpus.empty()) {
-      throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
-    }
+    refuse_without_gpus();
     throw invalid_argument_error(what + " names " + d.to_string() + ", but only " + describe_gpu_list(system) + " (" +
                                  describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
   }
@@ -482,7 +485,8 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
   system_snapshot system;
   if (const char* value = std::getenv("GPUKIT_DEVICE")) system.gpukit_device = value;
   for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
-    if (const char* value = std::getenv(name)) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && !detail::trim_whitespace(value).empty()) {  // blank, as for GPUKIT_DEVICE: not set
       system.local_rank_variable = name;
       system.local_rank = value;
       break;
@@ -522,8 +526,14 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
     const int only = detail::device_the_environment_chooses(policy, system);
     for (gpu_snapshot& g : system.gpus) {
       if (g.free_memory || (only >= 0 && g.device.ordinal() != only)) continue;
-      g.free_memory = query_memory_info(g.device).free_bytes;  // creates the device's context
-      g.free_memory_source = "cudaMemGetInfo";
+      // Not a device the policy rejects anyway: the probe creates a context, which holds memory.
+      if (g.compute_capability < policy.min_compute_capability) continue;
+      try {
+        g.free_memory = query_memory_info(g.device).free_bytes;  // creates the device's context
+        g.free_memory_source = "cudaMemGetInfo";
+      } catch (const error& e) {  // e.g. a device in prohibited or busy exclusive compute mode: the others may do
+        g.unusable = std::string("its memory could not be queried: ") + e.what();
+      }
     }
   }
   return system;

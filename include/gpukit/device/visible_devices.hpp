@@ -21,10 +21,10 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -124,7 +124,7 @@ GPUKIT_INLINE std::string visible_devices_changed_message();
 
 namespace detail {
 /// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library.
-GPUKIT_EXPORT GPUKIT_INLINE std::once_flag& visible_devices_warned();
+GPUKIT_EXPORT GPUKIT_INLINE std::atomic<bool>& visible_devices_warned() noexcept;
 }  // namespace detail
 
 /// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
@@ -360,8 +360,8 @@ GPUKIT_INLINE std::string visible_devices_changed_message() {
 }
 namespace detail {
 
-GPUKIT_INLINE std::once_flag& visible_devices_warned() {
-  static std::once_flag warned;
+GPUKIT_INLINE std::atomic<bool>& visible_devices_warned() noexcept {
+  static std::atomic<bool> warned{false};
   return warned;
 }
 }  // namespace detail
@@ -369,7 +369,8 @@ GPUKIT_INLINE std::once_flag& visible_devices_warned() {
 GPUKIT_INLINE bool check_visible_devices_unchanged() {
   const std::string message = visible_devices_changed_message();
   if (message.empty()) return true;
-  std::call_once(detail::visible_devices_warned(), [&] { warn(message); });
+  // Not under std::call_once: a handler that checks again (select_device, say) would wait for itself.
+  if (!detail::visible_devices_warned().exchange(true)) warn(message);
   return false;
 }
 

@@ -31,6 +31,7 @@
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -224,8 +225,9 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   device_guard guard(d);
   const cudaStream_t handle = s.cuda_handle();
   // Counted from before the capture begins until after it ends (allocators in capture_checks::gpukit_captures
-  // mode look only while a capture is counted); destroyed after `scope` below, which ends the capture. Work already
-  // being put on the legacy stream under a detail::capture_hold is waited for: it would invalidate the capture.
+  // mode look only while a capture is counted), not during the instantiation (other threads' allocators would refuse
+  // or defer work for no capture); outlives `scope` below, which ends the capture. Work already being put on the
+  // legacy stream under a detail::capture_hold is waited for: it would invalidate the capture.
   struct counted_capture {
     counted_capture() noexcept {
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
@@ -238,7 +240,9 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
     }
     counted_capture(const counted_capture&) = delete;
     counted_capture& operator=(const counted_capture&) = delete;
-  } counted;
+  };
+  std::optional<counted_capture> counted;
+  counted.emplace();
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
                             "cudaStreamBeginCapture", d.ordinal());
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
@@ -282,6 +286,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   }
   std::forward<F>(work)();
   cudaGraph_t g = scope.end();
+  counted.reset();
   if (g == nullptr) {
     const cudaError_t ended = scope.last_error == cudaSuccess ? cudaErrorStreamCaptureInvalidated : scope.last_error;
     GPUKIT_CUDA_TRY_DESCRIBED(ended, std::string("cudaStreamEndCapture (") + detail::why_capture_failed(ended) + ")",

@@ -349,13 +349,22 @@ class async_allocator final : public device_allocator {
     deallocate_on(p, &stream);
   }
 
-  /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then.
+  /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then. A stream already listed
+  /// (or the allocation's own) is listed once: the free waits for its work up to then anyway.
   void do_record_stream(void* p, stream_view stream) override {
     check_device(stream, "record_stream");
+    kept_stream use = kept_stream::of(stream);
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p, "record_stream");
-    it->second.users.push_back(kept_stream::of(stream));
+    allocation& a = it->second;
+    // Compared without a CUDA call: a gpukit stream by its record, a per-thread one by the id resolved with it.
+    const auto same = [&use](const kept_stream& k) {
+      return k.life == use.life && k.view.native_handle() == use.view.native_handle() &&
+             (!k.view.is_per_thread() || k.view.id() == use.view.id());
+    };
+    if (same(a.stream) || std::any_of(a.users.begin(), a.users.end(), same)) return;
+    a.users.push_back(std::move(use));
   }
 
   bool do_owns(const void* p) const noexcept override {

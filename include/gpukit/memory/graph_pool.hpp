@@ -91,15 +91,18 @@ class graph_pool final : public device_allocator {
   graph_pool& operator=(const graph_pool&) = delete;
   ~graph_pool() override { release_reserve(); }
 
-  /// Adds `bytes` (rounded up to the alignment) to the reserve. Throws invalid_argument_error during a capture the
-  /// pool serves (it would allocate inside the capture: reserve before it), out_of_memory_error from the backing
-  /// allocator.
+  /// Adds `bytes` (rounded up to the alignment) to the reserve, taken from the backing allocator on a private stream
+  /// of the pool (created at the first reserve), which is never captured: the pool's graphs, on whatever stream they
+  /// are launched, run after what the backing allocator made that stream wait for (another stream's earlier work
+  /// with the memory). Throws invalid_argument_error during a capture the pool serves (it would allocate inside the
+  /// capture: reserve before it), out_of_memory_error from the backing allocator.
   void reserve(std::size_t bytes) {
     if (bytes == 0) return;
     if (bytes > std::numeric_limits<std::size_t>::max() - (alignment - 1)) {
       throw invalid_argument_error("gpukit::graph_pool::reserve: " + std::to_string(bytes) + " bytes overflow");
     }
     bytes = round(bytes);
+    stream_view on;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (captures_ != 0) {
@@ -108,11 +111,19 @@ class graph_pool final : public device_allocator {
                                      " during a capture the pool serves: reserve before the capture (allocating "
                                      "device memory inside a capture is prohibited)");
       }
+      if (!reserve_stream_) reserve_stream_.emplace(device_);
+      on = reserve_stream_->view();
     }
-    void* chunk = backing_->allocate(bytes, stream_view::default_stream(device_));
+    event ready(device_);  // made before the chunk: nothing to undo if it fails
+    void* chunk = backing_->allocate(bytes, on);
     try {
+      // The chunk is ready for the work `on` gets next (the backing allocator may have made `on` wait for another
+      // stream's work with it first): the pool's launches, on whatever stream, wait for this event.
+      ready.record(on);
       register_live();
       std::lock_guard<std::mutex> lock(mutex_);
+      uses_.insert_or_assign(on.id(), std::move(ready));
+      has_uses_.store(true, std::memory_order_release);
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(chunk), bytes});
       try {
         insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, any_stream);
@@ -123,6 +134,8 @@ class graph_pool final : public device_allocator {
         throw;
       }
       reserved_ += bytes;
+      detail::add_to_stat(segments_, 1);
+      detail::add_to_stat(reserved_bytes_, static_cast<std::int64_t>(bytes));
     } catch (...) {
       backing_->deallocate(chunk);
       throw;
@@ -133,16 +146,12 @@ class graph_pool final : public device_allocator {
 
   allocator_stats stats() const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    allocator_stats s;
-    s.allocation.pools[0].current = s.active.pools[0].current = static_cast<std::int64_t>(live_.size());
-    s.allocation.pools[0].allocated = static_cast<std::int64_t>(allocations_);
-    s.allocated_bytes.pools[0].current = s.active_bytes.pools[0].current = static_cast<std::int64_t>(allocated_);
-    s.allocated_bytes.pools[0].peak = static_cast<std::int64_t>(peak_allocated_);
-    std::int64_t requested = 0;
-    for (const auto& entry : live_) requested += static_cast<std::int64_t>(entry.second.requested);
-    s.requested_bytes.pools[0].current = requested;
-    s.reserved_bytes.pools[0].current = s.reserved_bytes.pools[0].peak = static_cast<std::int64_t>(reserved_);
-    s.segment.pools[0].current = static_cast<std::int64_t>(chunks_.size());
+    allocator_stats s;  // one pool (the small/large split does not apply); a block is active while allocated
+    s.allocation.pools[0] = s.active.pools[0] = allocations_;
+    s.allocated_bytes.pools[0] = s.active_bytes.pools[0] = allocated_bytes_;
+    s.requested_bytes.pools[0] = requested_bytes_;
+    s.reserved_bytes.pools[0] = reserved_bytes_;
+    s.segment.pools[0] = segments_;
     s.num_ooms = ooms_;
     return s;
   }
@@ -188,15 +197,19 @@ class graph_pool final : public device_allocator {
   /// The reserve stays until the pool ends: its graphs may be launched again.
   void empty_cache() override {}
   std::size_t trim(std::size_t) override { return memory_reserved(); }
-  /// Sets the peak of allocated bytes to the bytes allocated now (the reserve's peak is its size and stays).
+  /// Sets each peak to the value now (the reserve's is its size, which only grows).
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    peak_allocated_ = allocated_;
+    for (stat* each : {&allocations_, &allocated_bytes_, &requested_bytes_, &segments_, &reserved_bytes_}) {
+      each->peak = each->current;
+    }
   }
-  /// Zeroes the counts of allocations and of out-of-memory failures.
+  /// Zeroes the totals allocated and freed, and the count of out-of-memory failures.
   void reset_accumulated_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    allocations_ = 0;
+    for (stat* each : {&allocations_, &allocated_bytes_, &requested_bytes_, &segments_, &reserved_bytes_}) {
+      each->allocated = each->freed = 0;
+    }
     ooms_ = 0;
   }
   /// A pool's size is its reserve: refused.
@@ -212,14 +225,14 @@ class graph_pool final : public device_allocator {
   bool remove_out_of_memory_observer(std::uint64_t id) override { return observers_.remove(id); }
 
   std::size_t memory_allocated() const noexcept override {
-    return locked([this] { return allocated_; });
+    return locked([this] { return static_cast<std::size_t>(allocated_bytes_.current); });
   }
   std::size_t memory_reserved() const noexcept override {
     return locked([this] { return reserved_; });
   }
   /// The most bytes allocated from the reserve at once since the pool was created or reset_peak_stats() was called.
   std::size_t max_memory_allocated() const noexcept override {
-    return locked([this] { return peak_allocated_; });
+    return locked([this] { return static_cast<std::size_t>(allocated_bytes_.peak); });
   }
   /// The reserve's size: it only grows while the pool lives, so its peak is its size.
   std::size_t max_memory_reserved() const noexcept override { return memory_reserved(); }
@@ -343,9 +356,9 @@ class graph_pool final : public device_allocator {
     } else {
       erase_free(address);
     }
-    allocated_ += size;
-    peak_allocated_ = std::max(peak_allocated_, allocated_);
-    ++allocations_;
+    detail::add_to_stat(allocations_, 1);
+    detail::add_to_stat(allocated_bytes_, static_cast<std::int64_t>(size));
+    detail::add_to_stat(requested_bytes_, static_cast<std::int64_t>(bytes));
     return reinterpret_cast<void*>(address);
   }
 
@@ -516,7 +529,9 @@ class graph_pool final : public device_allocator {
       const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
       // First, as it may fail (no memory for a block of its own): the block is then still allocated.
       insert_free_coalesced(address, b.size, b.chunk, captures_ == 0 ? any_stream : shared ? after_captures : b.stream);
-      allocated_ -= b.size;
+      detail::add_to_stat(allocations_, -1);
+      detail::add_to_stat(allocated_bytes_, -static_cast<std::int64_t>(b.size));
+      detail::add_to_stat(requested_bytes_, -static_cast<std::int64_t>(b.requested));
       live_.erase(it);
       last = orphaned_ && live_.empty();
     }
@@ -596,8 +611,10 @@ class graph_pool final : public device_allocator {
   /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
   /// Where the event cannot be kept (out of host memory), `wait_on` (the launch's stream, or the release's) waits for
   /// it on the device at once and the use stays deferred; without `wait_on`, or when that wait fails, the host waits.
-  /// A use that fails is reported and dropped, so that it does not fail every later launch.
-  void record_deferred_uses(const stream_view* wait_on) noexcept {
+  /// A use that fails is reported and dropped, so that it does not fail every later launch. Returns whether a use
+  /// is left that nothing waits for (its stream still cannot take an event).
+  bool record_deferred_uses(const stream_view* wait_on) noexcept {
+    bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
@@ -605,6 +622,7 @@ class graph_pool final : public device_allocator {
         if (use.destroyed()) {
           use.life->wait_finished();
         } else if (unrecordable_now(use, hold)) {
+          unordered = true;
           ++it;  // still captured: its earlier work is recorded at a later launch
           continue;
         } else if (const auto found = uses_.find(use.view.id()); found != uses_.end()) {
@@ -648,6 +666,7 @@ class graph_pool final : public device_allocator {
       }
       it = deferred_uses_.erase(it);
     }
+    return unordered;
   }
 
   /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
@@ -706,10 +725,12 @@ class graph_pool final : public device_allocator {
   /// Returns the reserve to the backing allocator, ordered on the device after the work of the graphs' launches and
   /// of the streams that used its memory: a private stream waits for their events, and the reserve is freed after
   /// that stream's work. The host never waits for them (a launch held back by a host function this thread would
-  /// release later must not deadlock the release), and the pool itself makes no wait on the legacy default stream,
-  /// where the reserve came from (refused while another thread captures a blocking stream; what the backing
-  /// allocator does with its own streams is its rule). Where the private stream cannot be had or cannot wait, the
-  /// host waits instead (in relaxed capture mode); at process exit nothing is left to order.
+  /// release later must not deadlock the release), and the pool itself makes no wait on the legacy default stream
+  /// (refused while another thread captures a blocking stream; what the backing allocator does with its own streams
+  /// is its rule). Where the private stream cannot be had or cannot wait, the host waits instead (in relaxed capture
+  /// mode); at process exit nothing is left to order. Where some work cannot
+  /// be ordered at all (a launch that could not be waited for, or a stream that used the memory and is captured at
+  /// the release), the reserve is kept for good, with a warning: better lost than reused under that work.
   void release_reserve() noexcept {
     {
       auto& registry = detail::capture_pools();
@@ -722,24 +743,25 @@ class graph_pool final : public device_allocator {
       }
     }
     if (unordered_launch_) {  // a launch that neither took its event nor could be waited for may still run
-      report_kept_reserve();  // the reserve cannot go back
-      for (auto& [id, e] : launches_) {
-        (void)id;
-        (void)cudaEventDestroy(e);  // legal while pending
-      }
-      (void)cudaGetLastError();
-      launches_.clear();
+      keep_reserve("a launch of its graphs could not be waited for");
       return;
     }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);
-    // Uses still deferred after this cannot be ordered now: their stream is captured (its work belongs to that
-    // capture) or the legacy default stream during a gpukit capture.
+    bool unordered = false;
     if (order) {
       const stream_view order_view = order->view();
-      record_deferred_uses(&order_view);
+      unordered = record_deferred_uses(&order_view);
     } else if (!torn_down) {
-      record_deferred_uses(nullptr);
+      unordered = record_deferred_uses(nullptr);
+    }
+    if (unordered) {
+      // Their stream is captured (its earlier work cannot take an event, nor be waited for) or is the legacy default
+      // stream during a gpukit capture: nothing can order the reserve's reuse after their work.
+      keep_reserve(
+          "a stream that used its memory is being captured (or is the legacy default stream while a gpukit "
+          "capture runs), so its work cannot be ordered before the memory's reuse");
+      return;
     }
     for (auto& [id, e] : launches_) {
       (void)id;
@@ -775,6 +797,9 @@ class graph_pool final : public device_allocator {
   /// The private stream the release orders the reserve's return by: none when there is nothing to wait for, or when
   /// it cannot be created (reported; the host waits then). `torn_down` is set when the runtime is gone (process exit).
   std::optional<stream> release_order_stream(bool& torn_down) noexcept {
+    for (auto it = uses_.begin(); it != uses_.end();) {  // completed: nothing to order (the reserve's, usually)
+      it = detail::cuda_backend::query_event(it->second.cuda_handle()) == cudaSuccess ? uses_.erase(it) : std::next(it);
+    }
     if (launches_.empty() && uses_.empty() && deferred_uses_.empty()) return std::nullopt;
     try {
       return std::optional<stream>(std::in_place, device_);  // non-blocking: not ordered with the legacy stream
@@ -816,10 +841,17 @@ class graph_pool final : public device_allocator {
     }
   }
 
-  /// Reports a reserve kept for good (some launch of the pool's graphs could not be ordered); never throws.
-  void report_kept_reserve() const noexcept {
+  /// Keeps the reserve from the backing allocator for good, saying `why` through gpukit::warn, and drops the launch
+  /// events (legal while pending).
+  void keep_reserve(const char* why) noexcept {
     detail::warn_parts("gpukit::graph_pool: keeps its reserve of ", detail::bytes_part{reserved_}, " on ", device_,
-                       ": a launch of its graphs could not be waited for");
+                       ": ", why);
+    for (auto& [id, e] : launches_) {
+      (void)id;
+      (void)cudaEventDestroy(e);
+    }
+    (void)cudaGetLastError();
+    launches_.clear();
   }
 
   /// True for the error of a runtime torn down at process exit (detail::is_teardown_result).
@@ -851,7 +883,7 @@ class graph_pool final : public device_allocator {
       info.device = device_.ordinal();
       info.requested = bytes;
       info.rounded = info.segment_bytes = size;
-      info.allocated = allocated_;
+      info.allocated = static_cast<std::size_t>(allocated_bytes_.current);
       info.reserved = reserved_;
       for (const auto& entry : free_) {
         info.free_cached += entry.second.size;
@@ -881,10 +913,12 @@ class graph_pool final : public device_allocator {
   std::map<std::uintptr_t, live_block> live_;
   std::map<unsigned long long, cudaEvent_t> launches_;  // stream id -> the event after its latest launch
   std::map<unsigned long long, event> uses_;  // stream id -> the event after its work at its latest free (record_use)
+  std::optional<stream> reserve_stream_;      // the reserve is taken on it; destroyed after the reserve goes back
   std::vector<detail::kept_stream> deferred_uses_;  // uses whose stream was captured at the free (record_use)
   std::atomic<bool> has_uses_{false};               // uses_ or deferred_uses_ is not empty (read without the lock)
-  std::size_t reserved_ = 0, allocated_ = 0, peak_allocated_ = 0;
-  std::int64_t allocations_ = 0, ooms_ = 0;
+  std::size_t reserved_ = 0;
+  stat allocations_, allocated_bytes_, requested_bytes_, segments_, reserved_bytes_;  // stats(), as PyTorch keeps them
+  std::int64_t ooms_ = 0;
   int captures_ = 0;
   bool orphaned_ = false;
   bool unordered_launch_ = false;  // a launch could be neither recorded nor waited for: the reserve is kept

@@ -148,14 +148,6 @@ inline void remove_address_range(std::map<std::uintptr_t, std::size_t>& ranges, 
   }
 }
 
-/// Whether `address` lies in one of `ranges`.
-inline bool covered(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_t address) {
-  auto r = ranges.upper_bound(address);
-  if (r == ranges.begin()) return false;
-  --r;
-  return address < r->first + r->second;
-}
-
 /// Adds to `ranges` the parts of [begin, end) that no interval of `touched` (start -> size) covers.
 inline void add_untouched(std::map<std::uintptr_t, std::size_t>& ranges,
                           const std::map<std::uintptr_t, std::size_t>& touched, std::uintptr_t begin,
@@ -200,11 +192,9 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
           std::size_t& touched = pages_touched[e.address];
           touched = std::max(touched, e.size);
         }
-        if (covered(made, e.address)) {
-          remove_address_range(made, e.address, e.size);
-        } else {
-          ranges[e.address] = e.size;
-        }
+        // What of it the history did not make was there before it began (a run may mix both).
+        add_untouched(ranges, made, e.address, e.address + e.size);
+        remove_address_range(made, e.address, e.size);
         break;
       case memory_action::alloc:
         alloc_touched.insert(e.address);

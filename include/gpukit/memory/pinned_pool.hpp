@@ -112,8 +112,8 @@ struct has_page_locked<Upstream, std::void_t<decltype(std::declval<const Upstrea
 
 /// Calls on this thread that must not wait for the device (the staging engine's to_device and to_host, whose stream
 /// may be held by work that waits for the caller): while not zero, pinned pools leave their cache over
-/// max_cached_bytes instead of releasing blocks (cudaFreeHost waits for all the device's work); the next call made
-/// outside applies the cap.
+/// max_cached_bytes instead of releasing blocks (cudaFreeHost waits for all the device's work); the pool's next
+/// free, or a poll that makes blocks reusable, on a thread where it is zero applies the cap.
 GPUKIT_EXPORT inline int& pinned_cap_deferrals_on_this_thread() noexcept {
   thread_local int count = 0;
   return count;
@@ -342,12 +342,13 @@ class basic_pinned_pool {
   // after its life is in `finals`.
   static void forget_destroyed_streams_locked(block& b);
 
-  /// deallocate(p), with `also` (bound, and known not to be captured) recorded first when it is not null. A recorded
-  /// stream that is being captured is refused, changing nothing, unless `defer_captured`. A block that a recorded
+  /// deallocate(p), with `caller`'s stream (bound as record_stream binds it) recorded first when it is not null. A
+  /// recorded stream that is being captured, the caller's included, is refused, changing nothing, unless
+  /// `defer_captured`. A block that a recorded
   /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture: see
   /// detail::capture_hold) is deferred: off the users' books, counted as pending, and given its events once every
   /// recorded stream can take one (process_deferred_locked).
-  void deallocate_recorded(void* p, const stream_view* also, bool defer_captured);
+  void deallocate_recorded(void* p, const stream_view* caller, bool defer_captured);
 
   /// Whether each of `b`'s streams can take an event now: `hold` (taken where one uses the legacy default stream:
   /// needs_capture_hold) refuses none, and, when `ask_captures`, none is being captured (otherwise the caller refused

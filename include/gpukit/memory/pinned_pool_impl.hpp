@@ -140,16 +140,11 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_after_captures(
 
 template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_after_captures(void* p, stream_view s) {
-  if (p == nullptr) return;
-  s = s.resolved();  // as record_stream binds it
   deallocate_recorded(p, &s, true);
 }
 
 template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate(void* p, stream_view s) {
-  if (p == nullptr) return;
-  refuse_if_captured(s, "deallocate");
-  s = s.resolved();  // as record_stream binds it
   deallocate_recorded(p, &s, false);
 }
 
@@ -304,9 +299,16 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::forget_destroyed_streams_l
 }
 
 template <class Upstream, class Sync>
-GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* p, const stream_view* also,
+GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* p, const stream_view* caller,
                                                                           bool defer_captured) {
   if (p == nullptr) return;
+  stream_view bound;
+  const stream_view* also = nullptr;
+  if (caller != nullptr) {
+    if (!defer_captured) refuse_if_captured(*caller, "deallocate");
+    bound = caller->resolved();  // as record_stream binds it
+    also = &bound;
+  }
   release_list releases(*this);  // declared first: releases after the lock is dropped
   std::lock_guard<std::mutex> lock(mutex_);
   block& b = active_block_locked(p, "deallocate");

@@ -848,21 +848,30 @@ GPUKIT_INLINE bool cuda_upstream::wait_before_unmap() noexcept {
 GPUKIT_INLINE bool cuda_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
   try {
     device_guard guard(device_);
-    auto& registry = mode_independent::peer_access_holders_v2();
-    std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
-    auto& mapped = registry.mapped_pages[device_.ordinal()];
-    const std::size_t granule = page_bytes();
-    const auto start = reinterpret_cast<CUdeviceptr>(address);
-    for (CUdeviceptr page = start; page < start + bytes; page += granule) {
-      const CUresult r = detail::driver().mem_unmap(page, granule);
-      if (r == CUDA_SUCCESS) {
-        mapped.erase(static_cast<std::uintptr_t>(page));
-      } else if (detail::is_teardown_result(r)) {
-        return true;  // the driver is gone, and the pages with it
-      } else {
-        detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed (CUresult ", static_cast<int>(r), ") on ", device_,
-                           ": the page stays mapped, for the next map() of it or the range's release");
+    CUresult refused = CUDA_SUCCESS;  // the first failure, warned about after the lock (handlers run outside it)
+    std::size_t kept = 0;
+    {
+      auto& registry = mode_independent::peer_access_holders_v2();
+      std::lock_guard<std::mutex> lock(registry.mutex);  // a grant never meets a page being unmapped
+      auto& mapped = registry.mapped_pages[device_.ordinal()];
+      const std::size_t granule = page_bytes();
+      const auto start = reinterpret_cast<CUdeviceptr>(address);
+      for (CUdeviceptr page = start; page < start + bytes; page += granule) {
+        const CUresult r = detail::driver().mem_unmap(page, granule);
+        if (r == CUDA_SUCCESS) {
+          mapped.erase(static_cast<std::uintptr_t>(page));
+        } else if (detail::is_teardown_result(r)) {
+          return true;  // the driver is gone, and the pages with it
+        } else {
+          if (refused == CUDA_SUCCESS) refused = r;
+          ++kept;
+        }
       }
+    }
+    if (refused != CUDA_SUCCESS) {
+      detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed (CUresult ", static_cast<int>(refused), ") on ",
+                         device_, ": ", kept, kept == 1 ? " page stays" : " pages stay",
+                         " mapped, for the next map() of it or the range's release");
     }
     return true;
   } catch (const error& e) {  // the guard: nothing was unmapped, unless the runtime is gone (and the pages with it)
@@ -910,19 +919,23 @@ GPUKIT_INLINE std::set<CUdeviceptr> cuda_upstream::recorded_pages(
 }
 
 GPUKIT_INLINE CUresult cuda_upstream::unmap_leftover_pages(CUdeviceptr start, CUdeviceptr end) {
-  auto& registry = mode_independent::peer_access_holders_v2();
-  std::lock_guard<std::mutex> lock(registry.mutex);
   CUresult failed = CUDA_SUCCESS;
-  for (CUdeviceptr page : recorded_pages(registry, start, end)) {
-    const CUresult r = detail::driver().mem_unmap(page, page_bytes());
-    if (r == CUDA_SUCCESS) {
-      registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
-    } else if (detail::is_teardown_result(r)) {
-      return r;
-    } else {
-      detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult ", static_cast<int>(r), ")");
-      failed = r;
+  {
+    auto& registry = mode_independent::peer_access_holders_v2();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    for (CUdeviceptr page : recorded_pages(registry, start, end)) {
+      const CUresult r = detail::driver().mem_unmap(page, page_bytes());
+      if (r == CUDA_SUCCESS) {
+        registry.mapped_pages[device_.ordinal()].erase(static_cast<std::uintptr_t>(page));
+      } else if (detail::is_teardown_result(r)) {
+        return r;
+      } else {
+        failed = r;
+      }
     }
+  }
+  if (failed != CUDA_SUCCESS) {  // after the lock: warning handlers run outside gpukit's locks
+    detail::warn_parts("gpukit::cuda_upstream: cuMemUnmap failed again (CUresult ", static_cast<int>(failed), ")");
   }
   return failed;
 }
@@ -931,7 +944,7 @@ GPUKIT_INLINE void cuda_upstream::record_mapped(CUdeviceptr start, CUdeviceptr e
                                                 std::uint64_t generation) {
   if (end == start) return;
   auto& registry = mode_independent::peer_access_holders_v2();
-  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::unique_lock<std::mutex> lock(registry.mutex);
   const std::size_t granule = page_bytes();
   try {
     auto& mapped = registry.mapped_pages[device_.ordinal()];
@@ -957,6 +970,7 @@ GPUKIT_INLINE void cuda_upstream::record_mapped(CUdeviceptr start, CUdeviceptr e
   }
   if (changes.empty()) return;
   const CUresult r = detail::driver().mem_set_access(start, end - start, changes.data(), changes.size());
+  lock.unlock();  // warning handlers run outside gpukit's locks
   if (r != CUDA_SUCCESS) {
     detail::warn_parts(
         "gpukit::cuda_upstream: cuMemSetAccess for peers that changed while pages were mapped failed (CUresult ",

@@ -149,7 +149,7 @@ class prefetcher {
 
   struct state {
     state(stream_view consumer_stream, std::size_t capacity_, producer produce_, const prefetch_options& options)
-        : consumer(consumer_stream.is_per_thread() ? consumer_stream.resolved() : consumer_stream),
+        : consumer(consumer_stream.resolved()),  // a default stream of this device, from any thread
           dev(consumer_stream.device()),
           copy_stream(dev),
           capacity(capacity_),
@@ -161,7 +161,7 @@ class prefetcher {
         slots.push_back(std::make_unique<slot>(dev, capacity, copy_stream.view(), consumer, i));
       }
     }
-    stream_view consumer;  // a per-thread default stream: the constructing thread's (resolved), wherever it is used
+    stream_view consumer;  // resolved: a default stream is the constructing thread's, of `dev`, wherever it is used
     device dev;
     stream copy_stream;  // declared before the buffers: destroyed after them, so their blocks are freed on it
     std::size_t capacity;

@@ -266,11 +266,14 @@ template <class T>
 struct is_pooled_pinned_buffer<pooled_pinned_buffer<T>> : std::true_type {};
 
 template <class X>
-struct is_host_container : std::false_type {};
+struct is_std_array : std::false_type {};
+template <class T, std::size_t N>
+struct is_std_array<std::array<T, N>> : std::true_type {};
+
+template <class X>
+struct is_host_container : is_std_array<X> {};
 template <class T, class A>
 struct is_host_container<std::vector<T, A>> : std::true_type {};
-template <class T, std::size_t N>
-struct is_host_container<std::array<T, N>> : std::true_type {};
 
 /// Whether the type fixes where X's memory is (gpukit's pinned buffers, and device buffers: any type with data(),
 /// size(), device() and stream(), a user's own included), so copies need not ask CUDA; spans and host containers are

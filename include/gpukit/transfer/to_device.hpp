@@ -19,7 +19,6 @@
 #include <gpukit/transfer/pointer_query.hpp>
 #include <gpukit/transfer/spans.hpp>
 
-#include <array>
 #include <cstddef>
 #include <memory>
 #include <string_view>
@@ -84,13 +83,6 @@ device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view 
   return buffer;
 }
 
-namespace detail {
-template <class X>
-struct is_std_array : std::false_type {};
-template <class T, std::size_t N>
-struct is_std_array<std::array<T, N>> : std::true_type {};
-}  // namespace detail
-
 /// to_device of a pinned_buffer or pooled_pinned_buffer (one DMA, or staged when its memory is not page-locked), or of
 /// a std::array (as a host_span). A pooled buffer's block is kept from the pool until `s` has passed the copy (on a
 /// gpukit or default stream; see copy_async), so the buffer may be released at once; a temporary pinned_buffer, or a
@@ -100,11 +92,11 @@ struct is_std_array<std::array<T, N>> : std::true_type {};
 template <class Container, class = std::enable_if_t<detail::is_pinned_container<std::decay_t<Container>>::value ||
                                                     detail::is_std_array<std::decay_t<Container>>::value>>
 auto to_device(Container&& src, stream_view s)
-    -> device_buffer<std::remove_const_t<typename decltype(detail::located_view(src))::element_type>> {
-  detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
-  device_buffer<std::remove_const_t<typename decltype(detail::located_view(src))::element_type>> buffer(src.size(), s);
-  copy_async(buffer, src, s);
+    -> device_buffer<std::remove_const_t<typename std::decay_t<Container>::value_type>> {
   using container = std::decay_t<Container>;
+  detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
+  device_buffer<std::remove_const_t<typename container::value_type>> buffer(src.size(), s);
+  copy_async(buffer, src, s);
   if constexpr (!std::is_lvalue_reference<Container>::value && detail::is_pinned_container<container>::value) {
     // Read by DMA after this returns (pageable memory under a pinned type was staged, so read already), and freed
     // at the end of the caller's expression: a pooled block is kept for the copy where the stream can be recorded.
