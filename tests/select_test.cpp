@@ -261,9 +261,17 @@ TEST_CASE("a device that cannot be used is rejected with why, beside any other r
   CHECK(selection.candidates[0].note.find("compute capability 8.0 is below") != std::string::npos);
   CHECK_FALSE(selection.candidates[1].eligible);
   CHECK(selection.candidates[1].note == "its memory could not be queried: busy");
-  s.gpus[0].unusable = "prohibited";
+  s.gpus[0].unusable = "unreachable";
   const auto again = gpukit::select_device(policy, s);
-  CHECK(again.candidates[0].note.find("prohibited; compute capability 8.0 is below") == 0);
+  CHECK(again.candidates[0].note.find("unreachable; compute capability 8.0 is below") == 0);
+  // A device in prohibited compute mode is refused, whatever else it offers.
+  s = three_gpus();
+  s.gpus[1].compute_mode = cudaComputeModeProhibited;
+  policy.min_compute_capability = 0;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  const auto drained = gpukit::select_device(policy, s);
+  CHECK(drained.device == gpukit::device::cuda(2));  // cuda:1 has the most free memory, but may not be used
+  CHECK(drained.candidates[1].note.find("compute mode is prohibited") != std::string::npos);
 }
 
 TEST_CASE("a blank launcher variable is not a rank: the next one set decides") {

@@ -915,6 +915,7 @@ TEST_CASE("capture: a graph pool whose release cannot create its stream waits fo
   auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
   gpukit::graph g = graph_with_temporary(s, pool);
   g.launch(s);
+  s.synchronize();  // the reserve's event has completed (the launch waited for it): the release drops it
   const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
   const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
   gpukit_test::captured_warnings warnings;
@@ -998,14 +999,13 @@ TEST_CASE("capture: a graph pool keeps its reserve when an unordered launch cann
   CHECK(gpukit::memory_allocated(cuda0) == std::size_t{1} << 20);  // still the pool's, for good
 }
 
-TEST_CASE("capture: a graph pool's reserve, another stream's block the pool's stream waits for, is written after") {
-  // The backing allocator hands the pool's private stream a block the default stream still writes, with a wait for
-  // that work on the private stream (cross-stream reuse); a graph launched on another (non-blocking) stream must run
-  // after that wait too, or the old write lands on the graph's data.
+TEST_CASE("capture: a graph pool's reserve, a block the default stream still writes, is written by the pool after") {
+  // The backing allocator hands the default stream a block that stream still writes (reused on its stream at once);
+  // a graph launched on another (non-blocking) stream, or a direct allocation there, must run after that work, or
+  // the old write lands on the pool's data.
   constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
   gpukit::allocator_options options;
   options.release_before_grow = false;  // no cudaFree (a device-wide wait) while the gate holds work back
-  options.cross_stream_reuse = true;
   gpukit::caching_allocator backing(cuda0, options);
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
   gpukit::stream s(cuda0);
@@ -1013,26 +1013,34 @@ TEST_CASE("capture: a graph pool's reserve, another stream's block the pool's st
   void* old = backing.allocate(reserve_bytes, legacy);
   held.hold(legacy);
   REQUIRE(cudaMemsetAsync(old, 0xAB, reserve_bytes, cudaStreamLegacy) == cudaSuccess);  // behind the gate
-  backing.deallocate(old);  // cached for the default stream; another stream may take it after a wait for its work
+  backing.deallocate(old);  // cached for the default stream, which reuses it at once
   auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes, &backing);
   void* block = nullptr;
-  gpukit::graph g = gpukit::capture(
-      s,
-      [&] {
-        gpukit::device_buffer<unsigned char> tmp(reserve_bytes, s);
-        block = tmp.data();
-        REQUIRE(cudaMemsetAsync(tmp.data(), 0x11, tmp.size_bytes(), s.cuda_handle()) == cudaSuccess);
-      },
-      pool);
-  REQUIRE(block == old);  // the reserve is the default stream's block
-  REQUIRE(cudaStreamQuery(s.cuda_handle()) == cudaSuccess);
-  g.launch(s);
-  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // the launch waits for the held work
+  std::optional<gpukit::graph> g;
+  SUBCASE("a graph launched on another stream") {
+    g = gpukit::capture(
+        s,
+        [&] {
+          gpukit::device_buffer<unsigned char> tmp(reserve_bytes, s);
+          block = tmp.data();
+          REQUIRE(cudaMemsetAsync(tmp.data(), 0x11, tmp.size_bytes(), s.cuda_handle()) == cudaSuccess);
+        },
+        pool);
+    REQUIRE(cudaStreamQuery(s.cuda_handle()) == cudaSuccess);
+    g->launch(s);
+  }
+  SUBCASE("a direct allocation on another stream") {
+    block = pool->allocate(reserve_bytes, s);
+    REQUIRE(cudaMemsetAsync(block, 0x11, reserve_bytes, s.cuda_handle()) == cudaSuccess);
+  }
+  REQUIRE(block == old);                                         // the reserve is the default stream's block
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // the write waits for the held work
   held.open();
   s.synchronize();
   unsigned char first = 0;
   REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
-  CHECK(first == 0x11);  // the graph's write came last
+  CHECK(first == 0x11);  // the pool's write came last
+  if (!g) pool->deallocate(block);
 }
 
 TEST_CASE("capture: a graph pool released while a stream that used its memory is captured keeps its reserve") {
@@ -1099,6 +1107,31 @@ TEST_CASE("capture: a graph pool's statistics have the peaks and totals the cach
   pool->deallocate(a);
   pool->deallocate(c);
   CHECK(pool->stats().allocation.all().freed == 2);
+}
+
+TEST_CASE("capture: a graph pool drops the launch events of streams whose launches have completed") {
+  // A server that launches on a new stream per request must not keep an event per stream for the pool's life.
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = graph_with_temporary(s, pool);
+  const std::size_t created = cudasim::calls("cudaEventCreateWithFlags");
+  const std::size_t destroyed = cudasim::calls("cudaEventDestroy");
+  for (int i = 0; i < 100; ++i) {
+    cudaStream_t raw = nullptr;  // its handle is the previous one's (the simulator reuses them), its id a new one
+    REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+    g.launch(raw);
+    REQUIRE(cudaStreamSynchronize(raw) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
+  }
+  const std::size_t made = cudasim::calls("cudaEventCreateWithFlags") - created;
+  const std::size_t dropped = cudasim::calls("cudaEventDestroy") - destroyed;
+  CHECK(made == 100);           // one per stream
+  CHECK(made - dropped <= 16);  // the completed ones are dropped as the list grows
+  s.synchronize();
+  g.launch(s);  // the pool still orders and records its launches
+  g = gpukit::graph();
+  pool.reset();
+  s.synchronize();
 }
 
 TEST_CASE("capture: the graph's instantiation is not counted as a capture by other threads") {

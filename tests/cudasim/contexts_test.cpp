@@ -370,6 +370,33 @@ TEST_CASE("contexts: a context probe skips devices below the compute capability,
   CHECK(s.candidates[0].note.find("cudaErrorDevicesUnavailable") != std::string::npos);
 }
 
+TEST_CASE("contexts: a device in prohibited compute mode is rejected, and not probed") {
+  // An administrator drained cuda:0 (nvidia-smi -c PROHIBITED): no context may be created there.
+  cudasim::machine_config machine = cudasim::default_machine(2);
+  machine.devices[0].compute_mode = cudaComputeModeProhibited;
+  try {
+    cudasim::configure(machine);
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return;
+  }
+  gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  cudasim::allow_contexts_only_on({1});
+  gpukit::selection_policy policy;  // first eligible
+  gpukit::device_selection s = gpukit::select_device(policy);
+  CHECK(s.device == gpukit::device::cuda(1));
+  REQUIRE(s.candidates.size() == 2);
+  CHECK(s.candidates[0].note.find("compute mode is prohibited") != std::string::npos);
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  policy.allow_context_probe = true;
+  s = gpukit::select_device(policy);
+  CHECK(s.device == gpukit::device::cuda(1));
+  CHECK(cudasim::context_creations(0) == 0);
+  cudasim::allow_contexts_only_on({});
+}
+
 TEST_CASE("contexts: CUDA_VISIBLE_DEVICES naming no installed GPU is named in the CPU fallback's reason") {
   gpukit_test::scoped_env visible("CUDA_VISIBLE_DEVICES", std::string("16"));  // read when the runtime starts
   gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);

@@ -1949,7 +1949,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDe
       *value = d.memory_clock_rate_khz;
       break;
     case cudaDevAttrComputeMode:
-      *value = cudaComputeModeDefault;
+      *value = d.compute_mode;
       break;
     case cudaDevAttrMemoryPoolsSupported:
       *value = 1;

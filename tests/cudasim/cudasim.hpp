@@ -39,6 +39,8 @@ struct device_config {
   int memory_clock_rate_khz = 2619000;
   int memory_bus_width_bits = 5120;
   bool virtual_memory = true;  ///< cudaDevAttrVirtualMemoryManagementSupported (cuMemCreate and friends)
+  /// cudaDevAttrComputeMode, a cudaComputeMode value (the simulator does not refuse contexts on a prohibited device).
+  int compute_mode = cudaComputeModeDefault;
 };
 
 /// The simulated machine. Default: two devices; environment CUDASIM_DEVICES=N (0..8) changes the count.

@@ -209,7 +209,7 @@ TEST_CASE("bad device lists are refused by name") {
                        gpukit::invalid_argument_error);
   gpukit::gpu_monitor_options missing;
   missing.devices = {gpukit::device::cuda(5)};
-  CHECK_THROWS_AS(gpukit::gpu_monitor(missing, nvml.library), gpukit::error);
+  CHECK_THROWS_AS(gpukit::gpu_monitor(missing, nvml.library), gpukit::invalid_argument_error);  // as documented
 }
 
 TEST_CASE("status line and table format any samples, unknown figures shown as -") {

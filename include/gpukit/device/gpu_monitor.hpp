@@ -61,8 +61,8 @@ class gpu_monitor {
  public:
   /// Resolves the devices (cudaGetDeviceProperties: no context is created) and, where NVML is available and knows
   /// at least one of them (by UUID or PCI bus id), starts sampling. `nvml` must outlive the monitor. Throws
-  /// invalid_argument_error for a CPU device or a repeated device in options.devices, cuda_error for an ordinal that
-  /// does not exist.
+  /// invalid_argument_error for a CPU device, a repeated device or an ordinal that is not visible in options.devices,
+  /// no_device_error for a CUDA device without a driver.
   explicit gpu_monitor(gpu_monitor_options options = {}, const nvml::library& nvml = nvml::instance())
       : options_(std::move(options)), nvml_(nvml) {
     options_.history_length = std::max<std::size_t>(options_.history_length, 1);

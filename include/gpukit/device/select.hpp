@@ -33,6 +33,8 @@
 #include <gpukit/device/visible_devices.hpp>
 #include <gpukit/error.hpp>
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdlib>
 #include <limits>
@@ -67,6 +69,7 @@ struct gpu_snapshot {
   std::string uuid;                             ///< "GPU-...", as device_properties::uuid
   std::size_t total_memory = 0;                 ///< bytes of global memory
   int compute_capability = 0;                   ///< major*10+minor
+  int compute_mode = 0;                         ///< device_properties::compute_mode (2: prohibited, refused)
   std::optional<std::size_t> free_memory;       ///< bytes free, if read (else policies count total memory)
   std::string free_memory_source;               ///< "NVML", "cudaMemGetInfo" or empty
   std::optional<unsigned> utilization_percent;  ///< NVML GPU utilisation, when read
@@ -212,6 +215,10 @@ GPUKIT_INLINE bool ranks_above_by_memory(const gpu_snapshot& a, const gpu_snapsh
 
 GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
   std::string why = g.unusable;
+  if (g.compute_mode == cudaComputeModeProhibited) {
+    if (!why.empty()) why += "; ";
+    why += "its compute mode is prohibited: no process may use it (nvidia-smi -c)";
+  }
   if (g.compute_capability < policy.min_compute_capability) {
     if (!why.empty()) why += "; ";
     why += "compute capability " + capability_text(g.compute_capability) + " is below the required " +
@@ -513,6 +520,7 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
     g.uuid = p.uuid;
     g.total_memory = p.total_memory;
     g.compute_capability = p.compute_capability_major * 10 + p.compute_capability_minor;
+    g.compute_mode = p.compute_mode;
     if (need_free && nvml_library != nullptr) {
       if (auto m = nvml_library->memory(p)) {
         g.free_memory = static_cast<std::size_t>(m->free);
@@ -527,7 +535,9 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
     for (gpu_snapshot& g : system.gpus) {
       if (g.free_memory || (only >= 0 && g.device.ordinal() != only)) continue;
       // Not a device the policy rejects anyway: the probe creates a context, which holds memory.
-      if (g.compute_capability < policy.min_compute_capability) continue;
+      if (g.compute_capability < policy.min_compute_capability || g.compute_mode == cudaComputeModeProhibited) {
+        continue;
+      }
       try {
         g.free_memory = query_memory_info(g.device).free_bytes;  // creates the device's context
         g.free_memory_source = "cudaMemGetInfo";

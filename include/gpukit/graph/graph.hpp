@@ -95,13 +95,20 @@ class graph {
           ": the outer graph could run after the pool's memory is released (capture the work into one graph "
           "instead; nothing was launched)");
     }
-    cudaEvent_t launched = nullptr;  // recorded after the launch, for the pool's release
-    if (pool_) {
-      launched = pool_->prepare_launch(s);
-      pool_->order_launch(s);
+    if (!pool_) {
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
+      return;
     }
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
-    if (pool_) pool_->note_launch(s, launched);  // throws if it cannot be recorded (the release then waits for all)
+    const stream_view on = s.resolved();  // its id looked up once: the pool's calls below then make no lookup
+    const cudaEvent_t launched = pool_->prepare_launch(on);  // recorded after the launch, for the pool's release
+    try {
+      pool_->order_launch(on);
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, on.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
+    } catch (...) {
+      pool_->abandon_launch(on);
+      throw;
+    }
+    pool_->note_launch(on, launched);  // throws if it cannot be recorded (the release then waits for all)
   }
 
   /// Replaces this graph's work by `recaptured`'s where CUDA can update the executable graph in place

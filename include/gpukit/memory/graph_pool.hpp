@@ -69,8 +69,8 @@ class graph_pool final : public device_allocator {
   static constexpr std::size_t alignment = 256;
 
   /// A pool of CUDA device `d` reserving `reserve_bytes` now from `backing` (d's default allocator unless given;
-  /// it must outlive the pool), on the device's legacy default stream. Throws invalid_argument_error for the CPU or
-  /// a backing allocator of another device, out_of_memory_error if the reserve cannot be had. (`Deferred`, never
+  /// it must outlive the pool), on the device's default stream (see reserve). Throws invalid_argument_error for the
+  /// CPU or a backing allocator of another device, out_of_memory_error if the reserve cannot be had. (`Deferred`, never
   /// given: see default_allocator.)
   template <int Deferred = 0>
   static std::shared_ptr<graph_pool> create(gpukit::device d, std::size_t reserve_bytes,
@@ -91,38 +91,53 @@ class graph_pool final : public device_allocator {
   graph_pool& operator=(const graph_pool&) = delete;
   ~graph_pool() override { release_reserve(); }
 
-  /// Adds `bytes` (rounded up to the alignment) to the reserve, taken from the backing allocator on a private stream
-  /// of the pool (created at the first reserve), which is never captured: the pool's graphs, on whatever stream they
-  /// are launched, run after what the backing allocator made that stream wait for (another stream's earlier work
-  /// with the memory). Throws invalid_argument_error during a capture the pool serves (it would allocate inside the
-  /// capture: reserve before it), out_of_memory_error from the backing allocator.
+  /// Adds `bytes` (rounded up to the alignment) to the reserve, taken from the backing allocator on the device's
+  /// default stream, whose work may still use that memory (the caching allocator reuses a block on its stream at
+  /// once): the pool's graphs, on whatever stream they are launched, and its direct allocations run after the
+  /// default stream's work so far (an event; for the legacy stream, recorded on a private blocking stream, which CUDA
+  /// orders after it, as an event on the legacy stream itself would be refused while another thread captures a
+  /// blocking stream). Throws invalid_argument_error during a capture the pool serves (it would allocate inside the
+  /// capture: reserve before it), out_of_memory_error from the backing allocator, cuda_error when the stream or its
+  /// event cannot be created.
   void reserve(std::size_t bytes) {
     if (bytes == 0) return;
     if (bytes > std::numeric_limits<std::size_t>::max() - (alignment - 1)) {
       throw invalid_argument_error("gpukit::graph_pool::reserve: " + std::to_string(bytes) + " bytes overflow");
     }
     bytes = round(bytes);
-    stream_view on;
+    const auto refuse_in_capture = [&] {
+      if (captures_ == 0) return;
+      throw invalid_argument_error("gpukit::graph_pool::reserve(" + std::to_string(bytes) + ") on " +
+                                   device_.to_string() +
+                                   " during a capture the pool serves: reserve before the capture (allocating "
+                                   "device memory inside a capture is prohibited)");
+    };
+    const stream_view home = stream_view::default_stream(device_).resolved();
+    const bool legacy = detail::uses_legacy_stream(home);
+    std::optional<stream> made;  // created outside the lock (its device guard may warn); destroyed after it
+    stream_view mark = home;     // where the event is recorded
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (captures_ != 0) {
-        throw invalid_argument_error("gpukit::graph_pool::reserve(" + std::to_string(bytes) + ") on " +
-                                     device_.to_string() +
-                                     " during a capture the pool serves: reserve before the capture (allocating "
-                                     "device memory inside a capture is prohibited)");
+      std::unique_lock<std::mutex> lock(mutex_);
+      refuse_in_capture();
+      if (legacy && !marker_stream_) {
+        lock.unlock();
+        stream_options blocking;  // ordered after the legacy stream's earlier work
+        blocking.non_blocking = false;
+        made.emplace(device_, blocking);
+        lock.lock();
+        refuse_in_capture();
+        if (!marker_stream_) marker_stream_ = std::move(made);  // else another reserve made one first
       }
-      if (!reserve_stream_) reserve_stream_.emplace(device_);
-      on = reserve_stream_->view();
+      if (legacy) mark = marker_stream_->view();
     }
     event ready(device_);  // made before the chunk: nothing to undo if it fails
-    void* chunk = backing_->allocate(bytes, on);
+    void* chunk = backing_->allocate(bytes, home);
     try {
-      // The chunk is ready for the work `on` gets next (the backing allocator may have made `on` wait for another
-      // stream's work with it first): the pool's launches, on whatever stream, wait for this event.
-      ready.record(on);
       register_live();
       std::lock_guard<std::mutex> lock(mutex_);
-      uses_.insert_or_assign(on.id(), std::move(ready));
+      // Recorded under the lock, so that the event kept is the latest: it covers every chunk in the reserve.
+      ready.record(mark);
+      uses_.insert_or_assign(mark.id(), std::move(ready));
       has_uses_.store(true, std::memory_order_release);
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(chunk), bytes});
       try {
@@ -264,9 +279,10 @@ class graph_pool final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--captures_ == 0) free_for_any_stream();
   }
-  /// A graph of the pool is about to be launched on `s`: its work waits on the device for the work that streams
-  /// outside the captures did with pool blocks freed since (record_stream), as the graph may write them again. Not
-  /// for a launch into a capture (a captured stream cannot wait for an event recorded outside it).
+  /// A graph of the pool is about to be launched on `s` (or a block handed to `s` outside the pool's captures): its
+  /// work waits on the device for the reserve's readiness and for the work that streams outside the captures did with
+  /// pool blocks freed since (record_stream), as the graph may write them again. Not for a launch into a capture (a
+  /// captured stream cannot wait for an event recorded outside it).
   void order_launch(const stream_view& s) {
     if (!has_uses_.load(std::memory_order_acquire)) return;
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
@@ -290,18 +306,28 @@ class graph_pool final : public device_allocator {
     const unsigned long long id = s.id();
     std::lock_guard<std::mutex> lock(mutex_);
     const auto found = launches_.find(id);
-    if (found != launches_.end()) return found->second;
+    if (found != launches_.end()) {
+      ++found->second.preparing;
+      return found->second.event;
+    }
     device_guard guard(device_);
+    if (launches_.size() >= prune_launches_at_) drop_completed_launches_locked();
     cudaEvent_t e = nullptr;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
                               device_.ordinal());
     try {
-      launches_.emplace(id, e);
+      launches_.emplace(id, launch_event{e, 1});
     } catch (...) {
       (void)cudaEventDestroy(e);
       throw;
     }
     return e;
+  }
+  /// A launch prepare_launch was called for did not happen (it threw first). `s` is resolved (its id known).
+  void abandon_launch(const stream_view& s) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = launches_.find(s.id());
+    if (found != launches_.end() && found->second.preparing > 0) --found->second.preparing;
   }
   /// A graph of the pool was launched on `s`: records `e` (from prepare_launch), so that the reserve goes back only
   /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the host
@@ -310,6 +336,8 @@ class graph_pool final : public device_allocator {
   /// relaxed mode too). The error propagates.
   void note_launch(const stream_view& s, cudaEvent_t e) {
     std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = launches_.find(s.id());
+    if (found != launches_.end() && found->second.preparing > 0) --found->second.preparing;
     try {
       device_guard guard(device_);
       GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
@@ -341,6 +369,17 @@ class graph_pool final : public device_allocator {
     }
     const std::size_t size = round(bytes);
     const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
+    if (has_uses_.load(std::memory_order_acquire)) {
+      bool in_capture = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        in_capture = captures_ != 0;
+      }
+      // Outside the pool's captures, a direct allocation: ready on `stream` as a launch's memory is. In a capture,
+      // no CUDA call (the graph's launches are ordered instead). Not on the legacy default stream, where the reserve
+      // was taken (and a wait would be refused while another thread captures).
+      if (!in_capture && !detail::may_use_legacy_stream(stream)) order_launch(stream);
+    }
     std::unique_lock<std::mutex> lock(mutex_);
     // Best fit among the blocks this stream freed and those free for any stream.
     const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
@@ -763,13 +802,13 @@ class graph_pool final : public device_allocator {
           "capture runs), so its work cannot be ordered before the memory's reuse");
       return;
     }
-    for (auto& [id, e] : launches_) {
+    for (auto& [id, launch] : launches_) {
       (void)id;
       if (torn_down) break;
       try {
         device_guard guard(device_);
-        wait_before_release(order, e);
-        detail::report_cuda_failure(cudaEventDestroy(e), "cudaEventDestroy", device_.ordinal());
+        wait_before_release(order, launch.event);
+        detail::report_cuda_failure(cudaEventDestroy(launch.event), "cudaEventDestroy", device_.ordinal());
       } catch (const std::exception& ex) {
         if (torn_down_by(ex)) break;
         report("could not make its device current to release it: ", ex);
@@ -841,14 +880,29 @@ class graph_pool final : public device_allocator {
     }
   }
 
+  /// Drops the launch events that have completed and that no launch holds (mutex_ held, the device current): a
+  /// stream launched on once would otherwise keep its event for the pool's life. The next prune waits until the
+  /// list has doubled, so that a launch costs O(1) amortized.
+  void drop_completed_launches_locked() noexcept {
+    for (auto it = launches_.begin(); it != launches_.end();) {
+      if (it->second.preparing == 0 && detail::cuda_backend::query_event(it->second.event) == cudaSuccess) {
+        (void)cudaEventDestroy(it->second.event);
+        it = launches_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    prune_launches_at_ = std::max<std::size_t>(16, 2 * launches_.size());
+  }
+
   /// Keeps the reserve from the backing allocator for good, saying `why` through gpukit::warn, and drops the launch
   /// events (legal while pending).
   void keep_reserve(const char* why) noexcept {
     detail::warn_parts("gpukit::graph_pool: keeps its reserve of ", detail::bytes_part{reserved_}, " on ", device_,
                        ": ", why);
-    for (auto& [id, e] : launches_) {
+    for (auto& [id, launch] : launches_) {
       (void)id;
-      (void)cudaEventDestroy(e);
+      (void)cudaEventDestroy(launch.event);
     }
     (void)cudaGetLastError();
     launches_.clear();
@@ -911,9 +965,16 @@ class graph_pool final : public device_allocator {
   // Best fit per reuser (a stream id, any_stream, after_captures): smallest size, then lowest address.
   std::set<std::tuple<std::uint64_t, std::size_t, std::uintptr_t>> by_size_;
   std::map<std::uintptr_t, live_block> live_;
-  std::map<unsigned long long, cudaEvent_t> launches_;  // stream id -> the event after its latest launch
+  /// The event after a stream's latest launch; `preparing`: launches between prepare_launch and note_launch, which
+  /// hold the event (not dropped meanwhile).
+  struct launch_event {
+    cudaEvent_t event;
+    unsigned preparing;
+  };
+  std::map<unsigned long long, launch_event> launches_;  // by stream id
+  std::size_t prune_launches_at_ = 16;                   // launches_'s size at which completed events are dropped
   std::map<unsigned long long, event> uses_;  // stream id -> the event after its work at its latest free (record_use)
-  std::optional<stream> reserve_stream_;      // the reserve is taken on it; destroyed after the reserve goes back
+  std::optional<stream> marker_stream_;       // blocking: marks the legacy stream's work before the reserve (reserve)
   std::vector<detail::kept_stream> deferred_uses_;  // uses whose stream was captured at the free (record_use)
   std::atomic<bool> has_uses_{false};               // uses_ or deferred_uses_ is not empty (read without the lock)
   std::size_t reserved_ = 0;
