@@ -2,6 +2,7 @@
 // (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree), which
 // gpukit gets from cudaGetDriverEntryPoint. The simulator enforces their rules: access only to mapped pages with
 // access granted, no double mapping, no range freed with pages mapped, physical memory counted against the device.
+#include <gpukit/device/detail/peer_registry.hpp>  // the registry lock_at_warnings watches (compiled mode too)
 #include <gpukit/gpukit.hpp>
 
 #include "cudasim.hpp"
