@@ -1033,6 +1033,17 @@ TEST_CASE("capture: a graph pool's reserve, a block the default stream still wri
     block = pool->allocate(reserve_bytes, s);
     REQUIRE(cudaMemsetAsync(block, 0x11, reserve_bytes, s.cuda_handle()) == cudaSuccess);
   }
+  SUBCASE("a direct allocation on another stream while the pool serves a capture of a third") {
+    gpukit::stream captured(cuda0);
+    g = gpukit::capture(
+        captured,
+        [&] {
+          block = pool->allocate(reserve_bytes, s);  // `s` is not captured: it waits for the reserve all the same
+          REQUIRE(cudaMemsetAsync(block, 0x11, reserve_bytes, s.cuda_handle()) == cudaSuccess);
+        },
+        pool);
+    pool->deallocate(block);  // a direct allocation, freed as one (the graph above is empty)
+  }
   REQUIRE(block == old);                                         // the reserve is the default stream's block
   CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // the write waits for the held work
   held.open();
@@ -1041,6 +1052,83 @@ TEST_CASE("capture: a graph pool's reserve, a block the default stream still wri
   REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(first == 0x11);  // the pool's write came last
   if (!g) pool->deallocate(block);
+}
+
+TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer recorded after its capture") {
+  // The consumer was captured at the free: its earlier work is recorded once it can take an event, by the next launch
+  // or direct allocation. A direct allocation waits for it on the device, never on the host: a destroyed consumer's
+  // work (only the host could wait for it) is left to the pool's launches and release.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  std::optional<gpukit::stream> consumer(std::in_place, cuda0);
+  constexpr std::size_t bytes = 4096;
+  auto pool = gpukit::graph_pool::create(cuda0, bytes);  // one block: a direct allocation gets the output's
+  void* out = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s, [&] { out = allocator.allocate(bytes, s); }, pool);
+  g.launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  held.hold(*consumer);
+  REQUIRE(cudaMemsetAsync(out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
+  allocator.record_stream(out, *consumer);
+  REQUIRE(cudaStreamBeginCapture(consumer->cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  allocator.deallocate(out);  // deferred: `consumer` cannot take an event now
+  cudaGraph_t unused = nullptr;
+  REQUIRE(cudaStreamEndCapture(consumer->cuda_handle(), &unused) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  void* block = nullptr;
+  SUBCASE("the consumer's stream lives: the allocation's stream waits for it on the device") {
+    block = pool->allocate(bytes, other);
+    REQUIRE(block == out);
+    REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);
+    CHECK(cudaStreamQuery(other.cuda_handle()) == cudaErrorNotReady);  // held back with the consumer's write
+    held.open();
+    other.synchronize();
+    unsigned char first = 0;
+    REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(first == 2);  // the new owner's write came last
+  }
+  SUBCASE("the consumer's stream is destroyed: the allocation does not wait for its work on the host") {
+    consumer.reset();
+    CHECK_FALSE(held.opened_to_return([&] { block = pool->allocate(bytes, other); }));
+    held.open();
+  }
+  pool->deallocate(block);
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph pool released during a gpukit capture orders a use by the legacy stream, keeping nothing") {
+  // The legacy stream cannot take an event while a gpukit capture runs; its earlier work is marked on the pool's
+  // blocking stream, which CUDA orders after it, rather than keeping the reserve for good.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream c(cuda0);
+  const auto legacy = gpukit::stream_view::default_stream(cuda0);
+  const std::size_t before = gpukit::memory_allocated(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  void* out = nullptr;
+  std::optional<gpukit::graph> g(gpukit::capture(
+      s, [&] { out = allocator.allocate(4096, s); }, pool));
+  g->launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  held.hold(legacy);
+  REQUIRE(cudaMemsetAsync(out, 1, 4096, cudaStreamLegacy) == cudaSuccess);  // behind the gate
+  allocator.record_stream(out, legacy);
+  g.reset();
+  pool.reset();  // the output keeps the pool alive
+  gpukit_test::captured_warnings warnings;
+  gpukit::graph unrelated = gpukit::capture(c, [&] {
+    allocator.deallocate(out);  // the last allocation: the pool is released during this capture
+  });
+  CHECK_FALSE(warnings.contains("keeps its reserve"));
+  CHECK(gpukit::memory_allocated(cuda0) == before);  // the reserve went back
+  held.open();
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
 }
 
 TEST_CASE("capture: a graph pool released while a stream that used its memory is captured keeps its reserve") {

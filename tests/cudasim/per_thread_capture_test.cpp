@@ -92,3 +92,20 @@ TEST_CASE("per-thread mode: a capture of handle 0 ends on its own device when th
   g.launch(per_thread);
   per_thread.synchronize();
 }
+
+TEST_CASE("per-thread mode: a graph pool refuses to reserve while this thread's default stream is captured") {
+  // The reserve is taken on this thread's per-thread stream: inside its capture, which allocation is prohibited in.
+  const gpukit::device d = gpukit::device::cuda(0);
+  const gpukit::stream_view per_thread(d, nullptr);
+  auto pool = gpukit::graph_pool::create(d, std::size_t{1} << 20);
+  gpukit::graph g = gpukit::capture(per_thread, [&] {
+    CHECK_THROWS_WITH_AS(pool->reserve(std::size_t{1} << 20), doctest::Contains("default stream is being captured"),
+                         gpukit::invalid_argument_error);
+  });
+  CHECK(pool->memory_reserved() == std::size_t{1} << 20);
+  g.launch(per_thread);  // the capture was left intact
+  per_thread.synchronize();
+  CHECK_NOTHROW(pool->reserve(std::size_t{1} << 20));
+  CHECK(pool->memory_reserved() == std::size_t{2} << 20);
+  CHECK(cudasim::violations().empty());
+}

@@ -161,12 +161,15 @@ inline cudaError_t runtime_error_of(CUresult r) noexcept {
   }
 }
 
+/// A failed CUDA call: its result (cudaSuccess: none failed) and its name.
+using access_failure = std::pair<cudaError_t, std::string>;
+
 /// Sets `from`'s access (read/write, or none) to the pages of virtual memory gpukit mapped on `to`, one
 /// cuMemSetAccess per run of contiguous pages; goes on past a failure. Returns the first failure. The caller holds
 /// the registry's mutex.
-inline std::pair<cudaError_t, std::string> set_mapped_pages_access(mode_independent::peer_access_registry& registry,
-                                                                   device from, device to, bool grant) {
-  std::pair<cudaError_t, std::string> first{cudaSuccess, {}};
+inline access_failure set_mapped_pages_access(mode_independent::peer_access_registry& registry, device from, device to,
+                                              bool grant) {
+  access_failure first{cudaSuccess, {}};
   const auto pages = registry.mapped_pages.find(to.ordinal());
   if (pages == registry.mapped_pages.end()) return first;
   const CUmemAccessDesc access = device_access_desc(from.ordinal(), grant);
@@ -185,11 +188,11 @@ inline std::pair<cudaError_t, std::string> set_mapped_pages_access(mode_independ
 /// Sets `from`'s access to `to`'s default memory pool (cudaMemPoolSetAccess). Granting reports in `changed` whether
 /// the access was not there before (so that only what gpukit granted is taken back). A device without memory pools
 /// is skipped. Returns the failure, if any, with the call that failed.
-inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, device to, bool grant, bool& changed) {
+inline access_failure set_default_pool_access(device from, device to, bool grant, bool& changed) {
   changed = false;
   auto failed = [](cudaError_t result, const char* call) {
     if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
-    return std::pair<cudaError_t, std::string>{result, call};
+    return access_failure{result, call};
   };
   cudaMemPool_t pool = nullptr;
   cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
@@ -217,7 +220,7 @@ inline std::pair<cudaError_t, std::string> set_default_pool_access(device from, 
 }
 
 /// Reports a failure to grant or take back access to memory that peer access does not cover (nothing at exit).
-inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>& failure, device from, device to,
+inline void warn_memory_access_failure(const access_failure& failure, device from, device to,
                                        const char* what) noexcept {
   if (failure.first == cudaSuccess || is_teardown_result(failure.first)) return;
   warn_parts("gpukit::peer_access(", from, " -> ", to, "): ", failure.second, " failed (",
@@ -229,9 +232,8 @@ inline void warn_memory_access_failure(const std::pair<cudaError_t, std::string>
 /// virtual-memory pages or the default pool is a warning (kernels on `from` touching that memory would fault), and
 /// the cudaMalloc memory stays reachable.
 inline void acquire_peer_access(device from, device to) {
-  using failure = std::pair<cudaError_t, std::string>;
-  failure pages{cudaSuccess, {}};
-  failure pool{cudaSuccess, {}};
+  access_failure pages{cudaSuccess, {}};
+  access_failure pool{cudaSuccess, {}};
   std::optional<device_guard> guard;  // outlives the lock: warnings (the guard's too) are raised outside it
   auto& registry = mode_independent::peer_access_holders_v2();
   std::unique_lock<std::mutex> lock(registry.mutex);
@@ -282,8 +284,8 @@ inline void acquire_peer_access(device from, device to) {
 inline void release_peer_access(device from, device to) noexcept {
   cudaError_t result = cudaSuccess;
   const char* call = "";  // not a std::string: assigned in a handler, where std::bad_alloc would terminate
-  std::pair<cudaError_t, std::string> pages{cudaSuccess, {}};
-  std::pair<cudaError_t, std::string> pool{cudaSuccess, {}};
+  access_failure pages{cudaSuccess, {}};
+  access_failure pool{cudaSuccess, {}};
   std::optional<device_guard> guard;  // outlives the lock: warnings (the guard's too) are raised outside it
   {
     auto& registry = mode_independent::peer_access_holders_v2();

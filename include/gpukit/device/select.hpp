@@ -215,19 +215,17 @@ GPUKIT_INLINE bool ranks_above_by_memory(const gpu_snapshot& a, const gpu_snapsh
 
 GPUKIT_INLINE std::string rejection_reason(const gpu_snapshot& g, const selection_policy& policy) {
   std::string why = g.unusable;
+  const auto add = [&why](const std::string& reason) { why += (why.empty() ? "" : "; ") + reason; };
   if (g.compute_mode == cudaComputeModeProhibited) {
-    if (!why.empty()) why += "; ";
-    why += "its compute mode is prohibited: no process may use it (nvidia-smi -c)";
+    add("its compute mode is prohibited: no process may use it (nvidia-smi -c)");
   }
   if (g.compute_capability < policy.min_compute_capability) {
-    if (!why.empty()) why += "; ";
-    why += "compute capability " + capability_text(g.compute_capability) + " is below the required " +
-           capability_text(policy.min_compute_capability);
+    add("compute capability " + capability_text(g.compute_capability) + " is below the required " +
+        capability_text(policy.min_compute_capability));
   }
   if (policy.min_free_bytes > 0 && usable_memory(g) < policy.min_free_bytes) {
-    if (!why.empty()) why += "; ";
-    why += (g.free_memory ? "free memory " : "total memory (free unknown) ") + format_bytes(usable_memory(g)) +
-           " is below the required " + format_bytes(policy.min_free_bytes);
+    add((g.free_memory ? "free memory " : "total memory (free unknown) ") + format_bytes(usable_memory(g)) +
+        " is below the required " + format_bytes(policy.min_free_bytes));
   }
   return why;
 }

@@ -16,9 +16,9 @@
 /// on such a stream: a consumer of a graph's output) are ordered at its free by an event, which later launches of
 /// the pool's graphs wait for on the device. The reserve goes back to the backing allocator once the pool's graphs and
 /// every allocation from it are gone, ordered on the device after the work of the graphs' launches and of those
-/// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) are not ordered after
-/// its graphs: allocate from it in captures. Several graphs may share a pool (launched in the order they were captured,
-/// as with PyTorch's shared graph pools).
+/// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) wait for the reserve and
+/// for those streams, not for its graphs' launches: allocate from it in captures. Several graphs may share a pool
+/// (launched in the order they were captured, as with PyTorch's shared graph pools).
 ///
 ///     auto pool = gpukit::graph_pool::create(d, 64 << 20);   // reserve 64 MiB now, before capturing
 
@@ -41,10 +41,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -96,9 +98,9 @@ class graph_pool final : public device_allocator {
   /// once): the pool's graphs, on whatever stream they are launched, and its direct allocations run after the
   /// default stream's work so far (an event; for the legacy stream, recorded on a private blocking stream, which CUDA
   /// orders after it, as an event on the legacy stream itself would be refused while another thread captures a
-  /// blocking stream). Throws invalid_argument_error during a capture the pool serves (it would allocate inside the
-  /// capture: reserve before it), out_of_memory_error from the backing allocator, cuda_error when the stream or its
-  /// event cannot be created.
+  /// blocking stream). Throws invalid_argument_error during a capture the pool serves, or one of this thread's
+  /// per-thread default stream (it would allocate inside the capture: reserve before it), out_of_memory_error from the
+  /// backing allocator, cuda_error when the stream or its event cannot be created.
   void reserve(std::size_t bytes) {
     if (bytes == 0) return;
     if (bytes > std::numeric_limits<std::size_t>::max() - (alignment - 1)) {
@@ -114,6 +116,12 @@ class graph_pool final : public device_allocator {
     };
     const stream_view home = stream_view::default_stream(device_).resolved();
     const bool legacy = detail::uses_legacy_stream(home);
+    if (!legacy && detail::capture_status(home) != cudaStreamCaptureStatusNone) {  // this thread's per-thread stream
+      throw invalid_argument_error("gpukit::graph_pool::reserve(" + std::to_string(bytes) + ") on " +
+                                   device_.to_string() +
+                                   " while this thread's default stream is being captured: reserve before the "
+                                   "capture (the reserve would be allocated inside it)");
+    }
     std::optional<stream> made;  // created outside the lock (its device guard may warn); destroyed after it
     stream_view mark = home;     // where the event is recorded
     {
@@ -134,6 +142,7 @@ class graph_pool final : public device_allocator {
     void* chunk = backing_->allocate(bytes, home);
     try {
       register_live();
+      device_guard on_device(device_);  // before the lock: the record's own guard then changes nothing (nor warns)
       std::lock_guard<std::mutex> lock(mutex_);
       // Recorded under the lock, so that the event kept is the latest: it covers every chunk in the reserve.
       ready.record(mark);
@@ -215,16 +224,12 @@ class graph_pool final : public device_allocator {
   /// Sets each peak to the value now (the reserve's is its size, which only grows).
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (stat* each : {&allocations_, &allocated_bytes_, &requested_bytes_, &segments_, &reserved_bytes_}) {
-      each->peak = each->current;
-    }
+    for (stat* each : all_stats()) each->peak = each->current;
   }
   /// Zeroes the totals allocated and freed, and the count of out-of-memory failures.
   void reset_accumulated_stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (stat* each : {&allocations_, &allocated_bytes_, &requested_bytes_, &segments_, &reserved_bytes_}) {
-      each->allocated = each->freed = 0;
-    }
+    for (stat* each : all_stats()) each->allocated = each->freed = 0;
     ooms_ = 0;
   }
   /// A pool's size is its reserve: refused.
@@ -288,16 +293,7 @@ class graph_pool final : public device_allocator {
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
     std::lock_guard<std::mutex> lock(mutex_);
     record_deferred_uses(&s);
-    const std::uint64_t id = s.id();
-    for (auto it = uses_.begin(); it != uses_.end();) {
-      if (detail::cuda_backend::query_event(it->second.cuda_handle()) == cudaSuccess) {
-        it = uses_.erase(it);  // done: nothing to wait for, now or later
-        continue;
-      }
-      if (it->first != id) it->second.wait(s);  // its own work is ordered by the stream
-      ++it;
-    }
-    has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
+    wait_for_uses_locked(s);
   }
   /// A graph of the pool is about to be launched on `s`: returns the event note_launch records after it (created
   /// once per stream), so that once the graph runs only the record itself can fail. Throws before anything is
@@ -326,30 +322,36 @@ class graph_pool final : public device_allocator {
   /// A launch prepare_launch was called for did not happen (it threw first). `s` is resolved (its id known).
   void abandon_launch(const stream_view& s) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = launches_.find(s.id());
-    if (found != launches_.end() && found->second.preparing > 0) --found->second.preparing;
+    end_preparing_locked(s.id());
   }
   /// A graph of the pool was launched on `s`: records `e` (from prepare_launch), so that the reserve goes back only
   /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the host
   /// waits for `s` now, so that no launch is left unordered; if even that fails, the pool keeps its reserve at its
   /// release (a device-wide wait would do, but cudaDeviceSynchronize invalidates any capture another thread runs, in
-  /// relaxed mode too). The error propagates.
+  /// relaxed mode too). The error propagates. Neither the record nor the wait is under the pool's lock; the launch
+  /// stops holding `e` only after its record (a record by another launch on `s` covers this one's as well).
   void note_launch(const stream_view& s, cudaEvent_t e) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = launches_.find(s.id());
-    if (found != launches_.end() && found->second.preparing > 0) --found->second.preparing;
+    const std::uint64_t id = s.id();
+    std::exception_ptr failed;
+    bool unordered = false;
     try {
       device_guard guard(device_);
       GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
                                 device_.ordinal());
     } catch (...) {
+      failed = std::current_exception();
       try {
         s.synchronize();  // relaxed: legal while another thread captures
       } catch (...) {
-        unordered_launch_ = true;
+        unordered = true;
       }
-      throw;
     }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      end_preparing_locked(id);
+      if (unordered) unordered_launch_ = true;
+    }
+    if (failed) std::rethrow_exception(failed);
   }
 
  private:
@@ -369,18 +371,21 @@ class graph_pool final : public device_allocator {
     }
     const std::size_t size = round(bytes);
     const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
-    if (has_uses_.load(std::memory_order_acquire)) {
-      bool in_capture = false;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        in_capture = captures_ != 0;
-      }
-      // Outside the pool's captures, a direct allocation: ready on `stream` as a launch's memory is. In a capture,
-      // no CUDA call (the graph's launches are ordered instead). Not on the legacy default stream, where the reserve
-      // was taken (and a wait would be refused while another thread captures).
-      if (!in_capture && !detail::may_use_legacy_stream(stream)) order_launch(stream);
-    }
     std::unique_lock<std::mutex> lock(mutex_);
+    // A direct allocation on a stream not being captured: ready there as a launch's memory is (in a capture, the
+    // graph's launches are ordered instead), waiting under the lock it takes its block under (a reserve made meanwhile
+    // is covered). Not on the legacy default stream, where the reserve was taken (and a wait would be refused while
+    // another thread captures). Whether the stream can wait is asked outside the lock, and only when there are uses.
+    if (has_uses_.load(std::memory_order_relaxed)) {
+      lock.unlock();
+      const bool can_wait =
+          !detail::may_use_legacy_stream(stream) && detail::capture_status(stream) == cudaStreamCaptureStatusNone;
+      lock.lock();
+      if (can_wait) {
+        (void)record_deferred_uses(&stream, /*host_waits=*/false);  // a destroyed stream is left to the launches
+        wait_for_uses_locked(stream);
+      }
+    }
     // Best fit among the blocks this stream freed and those free for any stream.
     const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
     if (fit.size == no_fit) {
@@ -597,6 +602,32 @@ class graph_pool final : public device_allocator {
     }
   }
 
+  /// The pool's statistics, for the resets.
+  std::array<stat*, 5> all_stats() noexcept {
+    return {&allocations_, &allocated_bytes_, &requested_bytes_, &segments_, &reserved_bytes_};
+  }
+
+  /// A launch on the stream of id `id` no longer holds that stream's launch event (mutex_ held).
+  void end_preparing_locked(std::uint64_t id) noexcept {
+    const auto found = launches_.find(id);
+    if (found != launches_.end() && found->second.preparing > 0) --found->second.preparing;
+  }
+
+  /// Makes `s` wait on the device for the recorded uses that have not completed (its own work is ordered by the
+  /// stream), dropping those that have (mutex_ held; `s` not captured).
+  void wait_for_uses_locked(const stream_view& s) {
+    const std::uint64_t id = s.id();
+    for (auto it = uses_.begin(); it != uses_.end();) {
+      if (detail::cuda_backend::query_event(it->second.cuda_handle()) == cudaSuccess) {
+        it = uses_.erase(it);  // done: nothing to wait for, now or later
+        continue;
+      }
+      if (it->first != id) it->second.wait(s);
+      ++it;
+    }
+    has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
+  }
+
   /// At the free of a block `use` used outside a capture: an event after that stream's work so far, which the pool's
   /// later launches and its release wait for (one per stream, re-recorded: a later record covers the earlier work).
   /// A destroyed stream's last work is waited for on the host. A captured stream cannot take the event now: the
@@ -648,25 +679,36 @@ class graph_pool final : public device_allocator {
   }
 
   /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
-  /// Where the event cannot be kept (out of host memory), `wait_on` (the launch's stream, or the release's) waits for
-  /// it on the device at once and the use stays deferred; without `wait_on`, or when that wait fails, the host waits.
-  /// A use that fails is reported and dropped, so that it does not fail every later launch. Returns whether a use
-  /// is left that nothing waits for (its stream still cannot take an event).
-  bool record_deferred_uses(const stream_view* wait_on) noexcept {
+  /// The legacy default stream, refused while a gpukit capture runs, is marked on the private blocking stream (when
+  /// the pool has one), which CUDA orders after its earlier work. Where the event cannot be kept (out of host memory),
+  /// `wait_on` (the launch's stream, or the release's) waits for it on the device at once and the use stays deferred;
+  /// without `wait_on`, or when that wait fails, the host waits. A destroyed stream's work is waited for on the host,
+  /// or, without `host_waits` (a direct allocation), left deferred. A use that fails is reported and dropped, so that
+  /// it does not fail every later launch. Returns whether a use is left that nothing waits for (its stream still
+  /// cannot take an event).
+  bool record_deferred_uses(const stream_view* wait_on, bool host_waits = true) noexcept {
     bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
       try {
-        detail::capture_hold hold(!use.destroyed() && detail::may_use_legacy_stream(use.view));
-        if (use.destroyed()) {
+        const bool destroyed = use.destroyed();
+        detail::capture_hold hold(!destroyed && detail::may_use_legacy_stream(use.view));
+        // Not another thread's per-thread stream: the blocking stream is ordered after the legacy stream's work only.
+        const bool through_marker = !destroyed && marker_stream_ && !use.view.is_per_thread() && hold.refuses(use.view);
+        const stream_view on = through_marker ? marker_stream_->view() : use.view;  // where its event is recorded
+        if (destroyed) {
+          if (!host_waits) {
+            ++it;
+            continue;
+          }
           use.life->wait_finished();
-        } else if (unrecordable_now(use, hold)) {
+        } else if (!through_marker && unrecordable_now(use, hold)) {
           unordered = true;
           ++it;  // still captured: its earlier work is recorded at a later launch
           continue;
         } else if (const auto found = uses_.find(use.view.id()); found != uses_.end()) {
           event done(device_);
-          detail::record_from_any_thread(done, use.view);
+          detail::record_from_any_thread(done, on);
           found->second = std::move(done);
         } else {
           decltype(uses_)::node_type room;  // made before the record: keeping its event then cannot fail
@@ -675,13 +717,13 @@ class graph_pool final : public device_allocator {
           } catch (const std::bad_alloc&) {
           }
           if (room) {
-            detail::record_from_any_thread(room.mapped(), use.view);
+            detail::record_from_any_thread(room.mapped(), on);
             uses_.insert(std::move(room));
           } else {
             // No room to keep the event: `wait_on` waits for it now, and the use stays deferred, recorded again at
             // each launch until there is room (later launches must wait for it too).
             event done(device_);
-            detail::record_from_any_thread(done, use.view);
+            detail::record_from_any_thread(done, on);
             if (wait_on != nullptr) {
               bool waited = true;
               try {
@@ -767,9 +809,9 @@ class graph_pool final : public device_allocator {
   /// release later must not deadlock the release), and the pool itself makes no wait on the legacy default stream
   /// (refused while another thread captures a blocking stream; what the backing allocator does with its own streams
   /// is its rule). Where the private stream cannot be had or cannot wait, the host waits instead (in relaxed capture
-  /// mode); at process exit nothing is left to order. Where some work cannot
-  /// be ordered at all (a launch that could not be waited for, or a stream that used the memory and is captured at
-  /// the release), the reserve is kept for good, with a warning: better lost than reused under that work.
+  /// mode); at process exit nothing is left to order. Where some work cannot be ordered at all (a launch that could
+  /// not be waited for, or a stream that used the memory and is captured at the release), the reserve is kept for
+  /// good, with a warning: better lost than reused under that work.
   void release_reserve() noexcept {
     {
       auto& registry = detail::capture_pools();
@@ -787,6 +829,7 @@ class graph_pool final : public device_allocator {
     }
     bool torn_down = false;  // process exit: the runtime went, and the reserve with it
     std::optional<stream> order = release_order_stream(torn_down);
+    if (!torn_down) make_marker_for_legacy_uses();
     bool unordered = false;
     if (order) {
       const stream_view order_view = order->view();
@@ -830,6 +873,23 @@ class graph_pool final : public device_allocator {
       } catch (const std::exception& ex) {
         detail::warn_parts("gpukit::graph_pool: returning ", detail::bytes_part{c.size}, " failed: ", ex.what());
       }
+    }
+  }
+
+  /// At the release, a private blocking stream to mark the deferred uses of the legacy default stream on (it may be
+  /// refused while a gpukit capture runs: record_deferred_uses), where the reserve did not make one. Never throws: a
+  /// failure is reported, and the reserve is kept if such a use is left unordered.
+  void make_marker_for_legacy_uses() noexcept {
+    const bool legacy_use = std::any_of(deferred_uses_.begin(), deferred_uses_.end(), [](const detail::kept_stream& u) {
+      return !u.destroyed() && !u.view.is_per_thread() && detail::may_use_legacy_stream(u.view);
+    });
+    if (!legacy_use || marker_stream_) return;
+    try {
+      stream_options blocking;
+      blocking.non_blocking = false;
+      marker_stream_.emplace(device_, blocking);
+    } catch (const std::exception& ex) {
+      report("could not create a stream to order the legacy default stream's work by: ", ex);
     }
   }
 

@@ -201,21 +201,23 @@ inline const char* pytorch_block_state(block_state s) noexcept {
   }
 }
 
-/// Writes `bytes` to `path`; throws invalid_argument_error naming the path and the system's reason (errno).
+/// Writes `bytes` to `path`; throws std::system_error with the system's reason (errno, generic category), its text
+/// naming the path. An I/O failure (a full disk, a missing directory) is not a bad argument: code() says which.
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) {
     const int reason = errno;
-    throw invalid_argument_error(std::string(who) + ": cannot open " + path +
-                                 " for writing: " + std::generic_category().message(reason));
+    throw std::system_error(reason, std::generic_category(),
+                            std::string(who) + ": cannot open " + path + " for writing");
   }
   const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   const int write_reason = errno;
   const bool closed = std::fclose(f) == 0;  // a full disk may show only here
   const int reason = written ? errno : write_reason;
   if (!written || !closed) {
-    throw invalid_argument_error(std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path +
-                                 " failed: " + std::generic_category().message(reason));
+    throw std::system_error(
+        reason, std::generic_category(),
+        std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path + " failed");
   }
 }
 
@@ -334,8 +336,8 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
   return w.finish();
 }
 
-/// Writes pytorch_snapshot_pickle to `path` (throws invalid_argument_error naming the system's reason when it
-/// cannot).
+/// Writes pytorch_snapshot_pickle to `path`. Throws std::system_error when it cannot (code(): the system's reason,
+/// e.g. std::errc::no_space_on_device; what(): the path and that reason).
 inline void dump_pytorch_snapshot(const std::string& path, const allocator_snapshot& snapshot,
                                   const memory_history& history) {
   detail::write_file(path, pytorch_snapshot_pickle(snapshot, history), "gpukit::dump_pytorch_snapshot");
