@@ -192,6 +192,21 @@ TEST_CASE("a changed CUDA_VISIBLE_DEVICES is reported once, and the value at ini
   CHECK(warnings.contains("CUDA reads it only once"));
   const auto in_effect = gpukit::visible_devices_in_effect();
   CHECK(in_effect.value == (at_init.set ? at_init.value : std::string()));
+  // A CUDA error names the value CUDA read, and the one set since.
+  const std::string read =
+      at_init.set ? "CUDA_VISIBLE_DEVICES=\"" + at_init.value + "\"" : "CUDA_VISIBLE_DEVICES unset";
+  const std::string message = gpukit::detail::cuda_failure_message(cudaErrorInvalidDevice, "cudaSetDevice", 3);
+  CHECK(message.find(read + " when CUDA read it (\"" + changed + "\" now, which CUDA does not read again)") !=
+        std::string::npos);
+}
+
+TEST_CASE("a CUDA error names CUDA_VISIBLE_DEVICES as CUDA read it, alone while it is unchanged") {
+  const auto& at_init = gpukit::detail::cuda_environment_at_init();
+  const std::string message = gpukit::detail::cuda_failure_message(cudaErrorInvalidDevice, "cudaSetDevice", 3);
+  const std::string read =
+      at_init.set ? "CUDA_VISIBLE_DEVICES=\"" + at_init.value + "\"" : "CUDA_VISIBLE_DEVICES unset";
+  CHECK(message.find(read) != std::string::npos);
+  CHECK(message.find("when CUDA read it") == std::string::npos);
 }
 
 TEST_CASE("CUDA_VISIBLE_DEVICES indices are read without clamping and described as written") {

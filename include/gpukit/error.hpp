@@ -4,7 +4,8 @@
 
 /// \file
 /// The error model: one exception hierarchy rooted in gpukit::error (a std::runtime_error) and a macro that turns a
-/// failed CUDA runtime call into an exception whose message a user can act on. The warning channel, used where
+/// failed CUDA runtime call into an exception whose message a user can act on (file output that fails throws
+/// std::system_error instead, with the system's reason). The warning channel, used where
 /// throwing is not allowed, is in warning.hpp. This header is included everywhere, so it pulls in only
 /// `<stdexcept>`, `<string>` and the CUDA runtime's declarations.
 ///
@@ -136,8 +137,25 @@ GPUKIT_INLINE void warn(std::string_view message) noexcept;
 
 namespace detail {
 
-/// `"value"` or `unset` for an environment variable, for messages.
-GPUKIT_INLINE std::string describe_environment_variable(const char* name);
+/// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
+/// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
+struct cuda_environment_snapshot {
+  bool set = false;
+  std::string value;
+};
+
+GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init();
+
+/// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
+/// own initialisation triggered by gpukit.
+GPUKIT_INLINE void note_cuda_use();
+
+/// Whether CUDA_VISIBLE_DEVICES differs now from its value at cuda_environment_at_init (CUDA ignores the change).
+GPUKIT_INLINE bool visible_devices_variable_changed();
+
+/// CUDA_VISIBLE_DEVICES as CUDA read it (cuda_environment_at_init), for messages: `CUDA_VISIBLE_DEVICES="0,1"` or
+/// `CUDA_VISIBLE_DEVICES unset`, followed by the value now where the process changed it since (CUDA ignores that).
+GPUKIT_INLINE std::string describe_visible_devices_variable();
 
 /// One sentence on what a CUDA result usually means, for the results users meet most on misconfigured machines.
 GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept;
@@ -241,11 +259,38 @@ GPUKIT_INLINE void warn(std::string_view message) noexcept {
 }
 namespace detail {
 
-GPUKIT_INLINE std::string describe_environment_variable(const char* name) {
-  const char* value = std::getenv(name);
-  std::string text = name;
-  if (value == nullptr) return text + " unset";
-  return text + "=\"" + value + "\"";
+GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init() {
+  static const cuda_environment_snapshot snapshot = [] {
+    cuda_environment_snapshot s;
+    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
+      s.set = true;
+      s.value = value;
+    }
+    return s;
+  }();
+  return snapshot;
+}
+
+GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
+
+GPUKIT_INLINE bool visible_devices_variable_changed() {
+  const cuda_environment_snapshot& at_init = cuda_environment_at_init();
+  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
+  return now == nullptr ? at_init.set : !at_init.set || at_init.value != now;
+}
+
+GPUKIT_INLINE std::string describe_visible_devices_variable() {
+  const cuda_environment_snapshot& at_init = cuda_environment_at_init();
+  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
+  const auto show = [](bool set, const std::string& value) {
+    return set ? "=\"" + value + "\"" : std::string(" unset");
+  };
+  std::string text = "CUDA_VISIBLE_DEVICES" + show(at_init.set, at_init.value);
+  if (visible_devices_variable_changed()) {
+    text += " when CUDA read it (" + std::string(now == nullptr ? "unset" : "\"" + std::string(now) + "\"") +
+            " now, which CUDA does not read again)";
+  }
+  return text;
 }
 
 GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
@@ -277,7 +322,7 @@ GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_v
   message += "); ";
   message += std::to_string(visible);
   message += visible == 1 ? " device visible; " : " devices visible; ";
-  message += describe_environment_variable("CUDA_VISIBLE_DEVICES");
+  message += describe_visible_devices_variable();
   if (const char* hint = cuda_result_hint(result)) {
     message += "; ";
     message += hint;

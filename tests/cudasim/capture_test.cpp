@@ -1090,10 +1090,17 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
     REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
     CHECK(first == 2);  // the new owner's write came last
   }
-  SUBCASE("the consumer's stream is destroyed: the allocation does not wait for its work on the host") {
+  SUBCASE("the consumer's stream is destroyed: the allocation waits for its final event on the device") {
     consumer.reset();
-    CHECK_FALSE(held.opened_to_return([&] { block = pool->allocate(bytes, other); }));
+    CHECK_FALSE(held.opened_to_return([&] { block = pool->allocate(bytes, other); }));  // not on the host
+    REQUIRE(block == out);
+    REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);
+    CHECK(cudaStreamQuery(other.cuda_handle()) == cudaErrorNotReady);  // held back with the consumer's write
     held.open();
+    other.synchronize();
+    unsigned char first = 0;
+    REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(first == 2);
   }
   pool->deallocate(block);
   cudasim::drain_all();
@@ -1105,10 +1112,12 @@ TEST_CASE("capture: a graph pool released during a gpukit capture orders a use b
   // blocking stream, which CUDA orders after it, rather than keeping the reserve for good.
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
-  gpukit::stream c(cuda0);
+  gpukit::stream c = blocking_stream();  // captured in global mode: the marker's record must leave it intact
+  gpukit::stream later(cuda0);
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
   const std::size_t before = gpukit::memory_allocated(cuda0);
-  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes);
   void* out = nullptr;
   std::optional<gpukit::graph> g(gpukit::capture(
       s, [&] { out = allocator.allocate(4096, s); }, pool));
@@ -1126,8 +1135,72 @@ TEST_CASE("capture: a graph pool released during a gpukit capture orders a use b
   });
   CHECK_FALSE(warnings.contains("keeps its reserve"));
   CHECK(gpukit::memory_allocated(cuda0) == before);  // the reserve went back
+  // Returned in the order of the legacy stream's held work: not reusable by another stream before it.
+  void* again = allocator.allocate(reserve_bytes, later);
+  const bool reused_early = again == out;
+  REQUIRE(cudaMemsetAsync(again, 2, reserve_bytes, later.cuda_handle()) == cudaSuccess);
+  CHECK((!reused_early || cudaStreamQuery(later.cuda_handle()) == cudaErrorNotReady));
   held.open();
   cudasim::drain_all();
+  allocator.deallocate(again, later);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a direct allocation from a graph pool on the legacy stream waits for a consumer, on the device") {
+  // The legacy stream does not wait for non-blocking streams: the pool's blocking stream waits for the consumer's
+  // event, and the legacy stream's later work is ordered after it.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream consumer(cuda0);
+  const auto legacy = gpukit::stream_view::default_stream(cuda0);
+  constexpr std::size_t bytes = 4096;
+  auto pool = gpukit::graph_pool::create(cuda0, bytes);
+  void* out = nullptr;
+  gpukit::graph g = gpukit::capture(
+      s, [&] { out = allocator.allocate(bytes, s); }, pool);
+  g.launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  held.hold(consumer);
+  REQUIRE(cudaMemsetAsync(out, 1, bytes, consumer.cuda_handle()) == cudaSuccess);  // behind the gate
+  allocator.deallocate(out, consumer);  // an event on the consumer, after its write
+  legacy.synchronize();
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaSuccess);  // the legacy stream itself does not wait for `consumer`
+  void* block = pool->allocate(bytes, legacy);
+  REQUIRE(block == out);
+  REQUIRE(cudaMemsetAsync(block, 2, bytes, cudaStreamLegacy) == cudaSuccess);
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaErrorNotReady);  // held back with the consumer's write
+  held.open();
+  legacy.synchronize();
+  unsigned char first = 0;
+  REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(first == 2);
+  pool->deallocate(block);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a direct allocation waits for a reserve made while it asked whether its stream is captured") {
+  // The allocation asks CUDA outside the pool's lock, then waits and takes its block under it: a reserve made in
+  // between (another thread's) is waited for too.
+  constexpr std::size_t small = std::size_t{1} << 20;
+  constexpr std::size_t large = std::size_t{4} << 20;
+  gpukit::allocator_options options;
+  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while the gate holds work back
+  gpukit::caching_allocator backing(cuda0, options);
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, small, &backing);
+  cudasim::drain_all();  // the first reserve's event has completed
+  gpukit_test::gate held;
+  held.hold(gpukit::stream_view::default_stream(cuda0));  // the second reserve is ready only after this
+  cudasim::before_call("cudaStreamIsCapturing", 1, [&] { pool->reserve(large); });
+  void* block = pool->allocate(large, s);  // only the second reserve's chunk holds it
+  CHECK(pool->memory_reserved() == small + large);
+  REQUIRE(cudaMemsetAsync(block, 2, large, s.cuda_handle()) == cudaSuccess);
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // after the second reserve's readiness
+  held.open();
+  s.synchronize();
+  pool->deallocate(block);
+  cudasim::clear_faults();
   CHECK(cudasim::violations().empty());
 }
 
@@ -2388,5 +2461,31 @@ TEST_CASE("capture: a host function enqueued on a captured stream is refused: th
   s.enqueue_host([&calls] { ++calls; });                                    // outside a capture, as before
   s.synchronize();
   CHECK(calls == 1);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: synchronize and ready on a captured stream are refused, leaving the capture intact") {
+  // CUDA refuses both on a captured stream and invalidates the capture: the user would learn of it only at its end.
+  gpukit::stream s(cuda0);
+  void* memory = nullptr;
+  REQUIRE(cudaMalloc(&memory, 4) == cudaSuccess);
+  const std::size_t synchronizes = cudasim::calls("cudaStreamSynchronize");
+  const std::size_t queries = cudasim::calls("cudaStreamQuery");
+  gpukit::graph g = gpukit::capture(s, [&] {
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(memory, 7, 4, s.cuda_handle()));
+    CHECK_THROWS_WITH_AS(s.synchronize(), doctest::Contains("synchronize: the stream is being captured on cuda:0"),
+                         gpukit::invalid_argument_error);
+    CHECK_THROWS_WITH_AS((void)s.view().ready(), doctest::Contains("ready: the stream is being captured"),
+                         gpukit::invalid_argument_error);
+  });
+  CHECK(cudasim::calls("cudaStreamSynchronize") == synchronizes);  // nothing reached CUDA
+  CHECK(cudasim::calls("cudaStreamQuery") == queries);
+  g.launch(s);  // the capture ended intact
+  s.synchronize();
+  CHECK(s.view().ready());
+  unsigned char first = 0;
+  REQUIRE(cudaMemcpy(&first, memory, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(first == 7);
+  REQUIRE(cudaFree(memory) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }

@@ -14,6 +14,7 @@
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
+#include <gpukit/stream/stream_pool.hpp>
 #include <gpukit/transfer/copy.hpp>
 #include <gpukit/transfer/to_device.hpp>
 #include <gpukit/warning.hpp>
@@ -1469,4 +1470,44 @@ TEST_CASE("streams: async_allocator reads its pool without its lock, so a warnin
   cudasim::clear_faults();
   CHECK(cudaSetDevice(0) == cudaSuccess);
   CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: an exclusive stream given back while being captured is not leased again") {
+  // A capture begun on a leased stream and never ended (an exception between begin and end): the next holder would
+  // put its work into a dead graph.
+  gpukit::stream_pool pool(cuda0, 1, {}, 1);
+  captured_warnings warnings;
+  cudaStream_t first = nullptr;
+  {
+    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+    first = lease.view().cuda_handle();
+    REQUIRE(cudaStreamBeginCapture(first, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  }  // given back during the capture
+  CHECK(warnings.contains("was given back while being captured"));
+  CHECK(warnings.contains("its capture was ended and discarded"));
+  CHECK(pool.exclusive_in_use() == 0);
+  CHECK(pool.exclusive_available() == 0);  // destroyed, not kept for the next lease
+  const std::size_t warned = warnings.messages().size();
+  {
+    gpukit::stream_pool::lease next = pool.acquire_exclusive();
+    CHECK(gpukit::detail::capture_status(next.view()) == cudaStreamCaptureStatusNone);
+    next.view().synchronize();
+  }  // an ordinary lease: recycled, with no warning
+  CHECK(pool.exclusive_available() == 1);
+  CHECK(warnings.messages().size() == warned);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a stream destroyed during its capture records no final event in the capture") {
+  // Its final event would be a captured event, which no query ever sees complete: the memory it used would wait for
+  // good. Without one, a wait for its work is a device synchronize.
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  const auto life = s->view().lifetime();  // remembered, as an allocator remembers it
+  REQUIRE(cudaStreamBeginCapture(s->cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  captured_warnings warnings;
+  s.reset();
+  CHECK(life->expired());
+  CHECK(life->final_event() == nullptr);  // none recorded in the capture
+  CHECK_FALSE(life->finished());          // unknown: waited for by a device synchronize once the capture is gone
+  CHECK(warnings.messages().empty());
 }

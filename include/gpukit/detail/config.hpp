@@ -25,6 +25,12 @@
 
 #include <cuda_runtime_api.h>
 
+// CUDA 13's runtime API: cudaStreamGetCaptureInfo with edge data, cudaGetDriverEntryPointByVersion (12.5), the
+// device attributes that replaced the fields CUDA 13 removed from cudaDeviceProp.
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 13000
+#error "gpukit needs the CUDA 13.0 toolkit or newer (cuda_runtime_api.h with CUDART_VERSION >= 13000)"
+#endif
+
 // GPUKIT_SEPARATE_COMPILATION (defined by linking gpukit::compiled) leaves the member functions of the engines out
 // (the caching allocator, the pinned pool, the staging engine: each defines them in its *_impl.hpp, which its header
 // includes only header-only), so a translation unit calls the instantiations gpukit::compiled holds. One that

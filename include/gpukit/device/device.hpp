@@ -92,23 +92,6 @@ class device {
   int ordinal_ = -1;
 };
 
-namespace detail {
-
-/// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
-/// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
-struct cuda_environment_snapshot {
-  bool set = false;
-  std::string value;
-};
-
-GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init();
-
-/// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
-/// own initialisation triggered by gpukit.
-GPUKIT_INLINE void note_cuda_use();
-
-}  // namespace detail
-
 /// The number of CUDA devices visible to this process. Never throws: 0 without a driver (cudaErrorInsufficientDriver),
 /// with only the stub library (cudaErrorStubLibrary), or with no GPU (cudaErrorNoDevice).
 GPUKIT_INLINE int device_count() noexcept;
@@ -301,22 +284,6 @@ GPUKIT_INLINE device device::parse(std::string_view text) {
 GPUKIT_INLINE std::string device::to_string() const {
   return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(ordinal_);
 }
-namespace detail {
-
-GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init() {
-  static const cuda_environment_snapshot snapshot = [] {
-    cuda_environment_snapshot s;
-    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
-      s.set = true;
-      s.value = value;
-    }
-    return s;
-  }();
-  return snapshot;
-}
-
-GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
-}  // namespace detail
 
 GPUKIT_INLINE int device_count() noexcept {
   try {

@@ -265,8 +265,7 @@ GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snaps
     if (starts_with(text, "cuda:") && parse_decimal_saturating(std::string_view(text).substr(5))) {
       refuse_without_gpus();
       throw invalid_argument_error(what + " names an ordinal beyond every device, but only " +
-                                   describe_gpu_list(system) + " (" +
-                                   describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
+                                   describe_gpu_list(system) + " (" + describe_visible_devices_variable() + ")");
     }
     throw invalid_argument_error(what +
                                  " is not a device: expected \"cpu\", \"cuda\", \"cuda:N\" or a GPU UUID (GPU-...)");
@@ -274,7 +273,7 @@ GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snaps
   if (d.is_cuda() && d.ordinal() >= static_cast<int>(system.gpus.size())) {
     refuse_without_gpus();
     throw invalid_argument_error(what + " names " + d.to_string() + ", but only " + describe_gpu_list(system) + " (" +
-                                 describe_environment_variable("CUDA_VISIBLE_DEVICES") + ")");
+                                 describe_visible_devices_variable() + ")");
   }
   return d;
 }
@@ -471,8 +470,7 @@ GPUKIT_INLINE std::string describe_no_gpu() {
       const auto visible = visible_devices_in_effect();
       if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
       if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
-        return "the driver reports no CUDA-capable GPU among those " +
-               detail::describe_environment_variable("CUDA_VISIBLE_DEVICES") +
+        return "the driver reports no CUDA-capable GPU among those " + detail::describe_visible_devices_variable() +
                " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
       }
       return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";

@@ -348,10 +348,9 @@ GPUKIT_INLINE visible_devices parse_visible_devices(const char* value, const ins
 }
 
 GPUKIT_INLINE std::string visible_devices_changed_message() {
+  if (!detail::visible_devices_variable_changed()) return {};
   const auto& at_init = detail::cuda_environment_at_init();
   const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
-  const bool same = (now == nullptr) ? !at_init.set : (at_init.set && at_init.value == now);
-  if (same) return {};
   auto show = [](bool set, const std::string& v) { return set ? "\"" + v + "\"" : std::string("unset"); };
   return "CUDA_VISIBLE_DEVICES is now " + show(now != nullptr, now ? now : "") + " but was " +
          show(at_init.set, at_init.value) +

@@ -6,8 +6,8 @@
 /// graph_pool: the memory of CUDA graphs. Memory a captured graph uses must stay its own for as long as the graph
 /// may be launched, and a capture must not call cudaMalloc (prohibited during capture) nor record events it would
 /// later query. A graph_pool reserves memory before the capture (from a backing device_resource, the device's
-/// default one unless given) and hands it out during the capture with no CUDA call; while a capture with a pool
-/// runs (gpukit::capture, graph/graph.hpp), allocations that gpukit's caching allocators receive for the captured
+/// default one unless given) and hands it out during the capture with no allocating CUDA call; while a capture with a
+/// pool runs (gpukit::capture, graph/graph.hpp), allocations that gpukit's caching allocators receive for the captured
 /// streams come from the pool, and frees of pool memory go back to it, from any allocator. A block freed during a
 /// capture is reused there only by allocations on the stream that freed it: a capture orders each stream's work, not
 /// the work of streams forked into it. Blocks another stream used (record_stream, a free on another stream) wait until
@@ -107,13 +107,6 @@ class graph_pool final : public device_allocator {
       throw invalid_argument_error("gpukit::graph_pool::reserve: " + std::to_string(bytes) + " bytes overflow");
     }
     bytes = round(bytes);
-    const auto refuse_in_capture = [&] {
-      if (captures_ == 0) return;
-      throw invalid_argument_error("gpukit::graph_pool::reserve(" + std::to_string(bytes) + ") on " +
-                                   device_.to_string() +
-                                   " during a capture the pool serves: reserve before the capture (allocating "
-                                   "device memory inside a capture is prohibited)");
-    };
     const stream_view home = stream_view::default_stream(device_).resolved();
     const bool legacy = detail::uses_legacy_stream(home);
     if (!legacy && detail::capture_status(home) != cudaStreamCaptureStatusNone) {  // this thread's per-thread stream
@@ -122,22 +115,16 @@ class graph_pool final : public device_allocator {
                                    " while this thread's default stream is being captured: reserve before the "
                                    "capture (the reserve would be allocated inside it)");
     }
-    std::optional<stream> made;  // created outside the lock (its device guard may warn); destroyed after it
-    stream_view mark = home;     // where the event is recorded
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      refuse_in_capture();
-      if (legacy && !marker_stream_) {
-        lock.unlock();
-        stream_options blocking;  // ordered after the legacy stream's earlier work
-        blocking.non_blocking = false;
-        made.emplace(device_, blocking);
-        lock.lock();
-        refuse_in_capture();
-        if (!marker_stream_) marker_stream_ = std::move(made);  // else another reserve made one first
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (captures_ != 0) {
+        throw invalid_argument_error("gpukit::graph_pool::reserve(" + std::to_string(bytes) + ") on " +
+                                     device_.to_string() +
+                                     " during a capture the pool serves: reserve before the capture (allocating "
+                                     "device memory inside a capture is prohibited)");
       }
-      if (legacy) mark = marker_stream_->view();
     }
+    const stream_view mark = legacy ? marker_stream()->view() : home;  // where the event is recorded
     event ready(device_);  // made before the chunk: nothing to undo if it fails
     void* chunk = backing_->allocate(bytes, home);
     try {
@@ -284,16 +271,21 @@ class graph_pool final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--captures_ == 0) free_for_any_stream();
   }
-  /// A graph of the pool is about to be launched on `s` (or a block handed to `s` outside the pool's captures): its
-  /// work waits on the device for the reserve's readiness and for the work that streams outside the captures did with
-  /// pool blocks freed since (record_stream), as the graph may write them again. Not for a launch into a capture (a
-  /// captured stream cannot wait for an event recorded outside it).
+  /// A graph of the pool is about to be launched on `s`: its work waits on the device for the reserve's readiness and
+  /// for the work that streams outside the captures did with pool blocks freed since (record_stream), as the graph
+  /// may write them again. Not for a launch into a capture (a captured stream cannot wait for an event recorded
+  /// outside it).
   void order_launch(const stream_view& s) {
     if (!has_uses_.load(std::memory_order_acquire)) return;
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    record_deferred_uses(&s);
-    wait_for_uses_locked(s);
+    device_guard on_device(device_);  // before the lock: the waits' own guards then change nothing (nor warn)
+    std::string failures;             // reported after the lock (a warning handler may call into the pool)
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      (void)record_deferred_uses(&s, &failures);
+      wait_for_uses_locked(s);
+    }
+    if (!failures.empty()) warn(failures);
   }
   /// A graph of the pool is about to be launched on `s`: returns the event note_launch records after it (created
   /// once per stream), so that once the graph runs only the record itself can fail. Throws before anything is
@@ -361,7 +353,8 @@ class graph_pool final : public device_allocator {
   std::size_t do_natural_alignment() const noexcept override {
     return std::min<std::size_t>(alignment, backing_->natural_alignment());
   }
-  /// Best fit from the reserve, with no CUDA call (legal inside a capture). Throws out_of_memory_error when the
+  /// Best fit from the reserve, with no allocating CUDA call (legal inside a capture: while the pool has uses to wait
+  /// for, cudaStreamIsCapturing tells whether the stream waits for them). Throws out_of_memory_error when the
   /// reserve has no block that large (after the observers), invalid_argument_error for a stream of another device.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
@@ -370,26 +363,33 @@ class graph_pool final : public device_allocator {
       throw invalid_argument_error("gpukit::graph_pool::allocate: " + std::to_string(bytes) + " bytes overflow");
     }
     const std::size_t size = round(bytes);
-    const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
+    const std::uint64_t id = stream.id();   // before the lock: may look the id up (cudaStreamGetId)
+    std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
+    std::string failures;                   // reported after the lock (a warning handler may call into the pool)
     std::unique_lock<std::mutex> lock(mutex_);
-    // A direct allocation on a stream not being captured: ready there as a launch's memory is (in a capture, the
-    // graph's launches are ordered instead), waiting under the lock it takes its block under (a reserve made meanwhile
-    // is covered). Not on the legacy default stream, where the reserve was taken (and a wait would be refused while
-    // another thread captures). Whether the stream can wait is asked outside the lock, and only when there are uses.
+    // A direct allocation is ready on its stream as a launch's memory is, waiting on the device under the lock it
+    // takes its block under (a reserve made meanwhile is covered). In a capture, no wait: the graph's launches are
+    // ordered instead. The legacy default stream (a wait on it is refused while another thread captures a blocking
+    // stream) waits through the pool's blocking stream, which its later work is ordered after; another thread's
+    // per-thread stream cannot be named, and does not wait. Asked outside the lock, and only when there are uses.
     if (has_uses_.load(std::memory_order_relaxed)) {
       lock.unlock();
+      const bool legacy = detail::may_use_legacy_stream(stream);
       const bool can_wait =
-          !detail::may_use_legacy_stream(stream) && detail::capture_status(stream) == cudaStreamCaptureStatusNone;
+          legacy ? !stream.is_per_thread() : detail::capture_status(stream) == cudaStreamCaptureStatusNone;
+      if (can_wait) on_device.emplace(device_);
       lock.lock();
-      if (can_wait) {
-        (void)record_deferred_uses(&stream, /*host_waits=*/false);  // a destroyed stream is left to the launches
-        wait_for_uses_locked(stream);
+      if (can_wait && (!legacy || marker_stream_)) {
+        const stream_view waiter = legacy ? marker_stream_->view() : stream;
+        (void)record_deferred_uses(&waiter, &failures);
+        wait_for_uses_locked(waiter);
       }
     }
     // Best fit among the blocks this stream freed and those free for any stream.
     const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
     if (fit.size == no_fit) {
       lock.unlock();
+      if (!failures.empty()) warn(failures);
       throw_out_of_memory(bytes, size);
     }
     const auto [block_size, address] = fit;
@@ -403,6 +403,8 @@ class graph_pool final : public device_allocator {
     detail::add_to_stat(allocations_, 1);
     detail::add_to_stat(allocated_bytes_, static_cast<std::int64_t>(size));
     detail::add_to_stat(requested_bytes_, static_cast<std::int64_t>(bytes));
+    lock.unlock();
+    if (!failures.empty()) warn(failures);
     return reinterpret_cast<void*>(address);
   }
 
@@ -642,6 +644,17 @@ class graph_pool final : public device_allocator {
       }
       detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
       const bool legacy = hold.refuses(use.view);
+      if (legacy && !use.view.is_per_thread()) {
+        // The legacy stream, refused while a gpukit capture runs: its work so far is marked on the pool's blocking
+        // stream, which CUDA orders after it.
+        hold.release();
+        event done(device_);
+        done.record(marker_stream()->view());
+        std::lock_guard<std::mutex> lock(mutex_);
+        uses_.insert_or_assign(use.view.id(), std::move(done));
+        has_uses_.store(true, std::memory_order_release);
+        return;
+      }
       if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
         if (!legacy && kind == use_kind::freeing) return;
         defer(use);
@@ -682,11 +695,12 @@ class graph_pool final : public device_allocator {
   /// The legacy default stream, refused while a gpukit capture runs, is marked on the private blocking stream (when
   /// the pool has one), which CUDA orders after its earlier work. Where the event cannot be kept (out of host memory),
   /// `wait_on` (the launch's stream, or the release's) waits for it on the device at once and the use stays deferred;
-  /// without `wait_on`, or when that wait fails, the host waits. A destroyed stream's work is waited for on the host,
-  /// or, without `host_waits` (a direct allocation), left deferred. A use that fails is reported and dropped, so that
-  /// it does not fail every later launch. Returns whether a use is left that nothing waits for (its stream still
-  /// cannot take an event).
-  bool record_deferred_uses(const stream_view* wait_on, bool host_waits = true) noexcept {
+  /// without `wait_on`, or when that wait fails, the host waits. A destroyed stream's last work (its final event) is
+  /// waited for by `wait_on` on the device, the use kept until it completes; on the host where there is no such
+  /// event. A use that fails is reported (appended to `failures` where given, for the caller to warn after its lock)
+  /// and dropped, so that it does not fail every later launch. Returns whether a use is left that nothing waits for
+  /// (its stream still cannot take an event).
+  bool record_deferred_uses(const stream_view* wait_on, std::string* failures = nullptr) noexcept {
     bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
@@ -697,10 +711,16 @@ class graph_pool final : public device_allocator {
         const bool through_marker = !destroyed && marker_stream_ && !use.view.is_per_thread() && hold.refuses(use.view);
         const stream_view on = through_marker ? marker_stream_->view() : use.view;  // where its event is recorded
         if (destroyed) {
-          if (!host_waits) {
-            ++it;
+          const cudaEvent_t last = use.life->final_event();
+          if (last != nullptr && detail::cuda_backend::query_event(last) == cudaSuccess) {
+            it = deferred_uses_.erase(it);  // its work is done
             continue;
           }
+          if (last != nullptr && wait_on != nullptr && waits_on_device(*wait_on, last)) {
+            ++it;  // later launches wait for it too, until it completes
+            continue;
+          }
+          hold.release();
           use.life->wait_finished();
         } else if (!through_marker && unrecordable_now(use, hold)) {
           unordered = true;
@@ -741,13 +761,51 @@ class graph_pool final : public device_allocator {
           }
         }
       } catch (const std::exception& e) {
-        detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
-                           e.what(), "); the block may be reused before that work is done");
+        bool kept = false;  // for the caller to report after its lock; else reported now (without the heap)
+        if (failures != nullptr) {
+          try {
+            *failures += std::string(failures->empty() ? "" : "\n") +
+                         "gpukit::graph_pool: could not record the work of a stream that used a freed block (" +
+                         e.what() + "); the block may be reused before that work is done";
+            kept = true;
+          } catch (...) {
+          }
+        }
+        if (!kept) {
+          detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
+                             e.what(), "); the block may be reused before that work is done");
+        }
       } catch (...) {
       }
       it = deferred_uses_.erase(it);
     }
     return unordered;
+  }
+
+  /// Makes `s` wait on the device for event `e` (of the pool's device); false if that fails.
+  bool waits_on_device(const stream_view& s, cudaEvent_t e) noexcept {
+    try {
+      detail::cuda_backend::wait_event({s.cuda_handle(), device_.ordinal()}, e, device_.ordinal());
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
+  /// The pool's private blocking stream (made on first use, outside the lock): work on it is ordered after the legacy
+  /// default stream's earlier work, and it can take an event while another thread captures. Throws cuda_error if it
+  /// cannot be created.
+  const stream* marker_stream() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (marker_stream_) return &*marker_stream_;
+    }
+    stream_options blocking;
+    blocking.non_blocking = false;
+    std::optional<stream> made(std::in_place, device_, blocking);  // destroyed after the lock if another made one
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!marker_stream_) marker_stream_ = std::move(made);
+    return &*marker_stream_;
   }
 
   /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
@@ -883,11 +941,9 @@ class graph_pool final : public device_allocator {
     const bool legacy_use = std::any_of(deferred_uses_.begin(), deferred_uses_.end(), [](const detail::kept_stream& u) {
       return !u.destroyed() && !u.view.is_per_thread() && detail::may_use_legacy_stream(u.view);
     });
-    if (!legacy_use || marker_stream_) return;
+    if (!legacy_use) return;
     try {
-      stream_options blocking;
-      blocking.non_blocking = false;
-      marker_stream_.emplace(device_, blocking);
+      (void)marker_stream();
     } catch (const std::exception& ex) {
       report("could not create a stream to order the legacy default stream's work by: ", ex);
     }

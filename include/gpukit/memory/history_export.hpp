@@ -213,7 +213,8 @@ inline void write_file(const std::string& path, const std::string& bytes, const 
   const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   const int write_reason = errno;
   const bool closed = std::fclose(f) == 0;  // a full disk may show only here
-  const int reason = written ? errno : write_reason;
+  int reason = written ? errno : write_reason;
+  if (reason == 0) reason = EIO;  // a short write or a failed close that set no errno: still an I/O error
   if (!written || !closed) {
     throw std::system_error(
         reason, std::generic_category(),

@@ -227,12 +227,15 @@ class stream_view {
   /// lifetime() someone holds (allocators do); otherwise a view must not outlive its stream at all.
   bool destroyed() const noexcept;
 
-  /// Blocks until all work enqueued on the stream has completed.
+  /// Blocks until all work enqueued on the stream has completed. Throws invalid_argument_error, waiting for nothing,
+  /// on a stream being captured: CUDA would refuse the wait and invalidate the capture (its work runs when the graph
+  /// is launched).
   void synchronize() const;
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
   /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
-  /// it as the last error (detail::forget_not_ready).
+  /// it as the last error (detail::forget_not_ready). While a gpukit::capture runs, a stream being captured is refused
+  /// (invalid_argument_error) rather than let the query invalidate its capture.
   [[nodiscard]] bool ready() const;
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
@@ -253,7 +256,10 @@ class stream_view {
     }
     if (is_cpu()) return detail::cpu_backend::enqueue_host(cpu_, std::forward<F>(function));
     refuse_other_threads_stream("stream_view::enqueue_host");
-    refuse_host_function_in_capture();
+    refuse_in_capture("stream_view::enqueue_host",
+                      "a graph calls its host functions at every launch, and gpukit frees the callable after its "
+                      "first call (enqueue it outside the capture, or add a host node with cudaLaunchHostFunc and data "
+                      "that outlives the graph; nothing was enqueued)");
     auto owned = std::make_unique<callable>(std::forward<F>(function));
     const cudaHostFn_t trampoline = [](void* data) {
       std::unique_ptr<callable> f(static_cast<callable*>(data));
@@ -293,8 +299,8 @@ class stream_view {
   static bool is_special(cudaStream_t h) noexcept;
   // Throws invalid_argument_error naming `operation` for another thread's per-thread default stream.
   void refuse_other_threads_stream(const char* operation) const;
-  // Throws invalid_argument_error for a host function enqueued on a stream being captured (see enqueue_host).
-  void refuse_host_function_in_capture() const;
+  // Throws invalid_argument_error naming `operation` and saying `why` on a stream being captured.
+  void refuse_in_capture(const char* operation, const char* why) const;
   // What handle 0 means in this translation unit's default-stream mode.
   static cudaStream_t canonical(cudaStream_t h) noexcept;
 
@@ -462,7 +468,18 @@ GPUKIT_INLINE void stream_life::wait_finished() const {
 }
 
 GPUKIT_INLINE void stream_life::expire(cudaStream_t handle, bool remembered) noexcept {
+  // A stream destroyed while captured would record its final event in the capture: an event no query can ever see
+  // complete (cudaErrorCapturedEvent). Without it, its memory waits for a device synchronize (wait_finished).
+  bool captured = false;
   if (handle != nullptr && remembered) {
+    try {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      captured = cuda_backend::stream_capture_status({handle, ordinal_}, status) == cudaSuccess &&
+                 status != cudaStreamCaptureStatusNone;
+    } catch (...) {  // its device could not be made current: the record below reports that
+    }
+  }
+  if (handle != nullptr && remembered && !captured) {
     try {
       cudaError_t result = cudaSuccess;
       final_ = cuda_backend::record_new_event(handle, ordinal_, result);
@@ -560,28 +577,33 @@ GPUKIT_INLINE void stream_view::refuse_other_threads_stream(const char* operatio
   if (is_other_threads_stream()) detail::throw_other_threads_stream(operation);
 }
 
-GPUKIT_INLINE void stream_view::refuse_host_function_in_capture() const {
+GPUKIT_INLINE void stream_view::refuse_in_capture(const char* operation, const char* why) const {
   if (is_default() && !is_per_thread()) return;  // CUDA never captures the legacy default stream
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) != cudaSuccess) return;  // the launch says
+  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) != cudaSuccess) return;  // the call says
   if (status == cudaStreamCaptureStatusNone) return;
   throw invalid_argument_error(
-      std::string("gpukit::stream_view::enqueue_host: the stream is being captured") +
-      (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") +
-      ": a graph calls its host functions at every launch, and gpukit frees the callable after its first call "
-      "(enqueue it outside the capture, or add a host node with cudaLaunchHostFunc and data that outlives the graph; "
-      "nothing was enqueued)");
+      std::string("gpukit::") + operation + ": the stream is being captured on " + device().to_string() +
+      (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") + ": " + why);
 }
 
 GPUKIT_INLINE void stream_view::synchronize() const {
   if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
   refuse_other_threads_stream("stream_view::synchronize");
+  refuse_in_capture("stream_view::synchronize",
+                    "CUDA refuses a wait for captured work and invalidates the capture (that work runs when the graph "
+                    "is launched: synchronize after the launch; nothing was waited for)");
   detail::cuda_backend::synchronize(cuda_target());
 }
 
 GPUKIT_INLINE bool stream_view::ready() const {
   if (is_cpu()) return detail::cpu_backend::ready(cpu_);
   refuse_other_threads_stream("stream_view::ready");
+  if (detail::gpukit_capture_underway()) {  // else one atomic load: ready() is polled
+    refuse_in_capture("stream_view::ready",
+                      "CUDA refuses a query of captured work and invalidates the capture (that work runs when the "
+                      "graph is launched; nothing was asked)");
+  }
   return detail::cuda_backend::ready(cuda_target());
 }
 

@@ -13,12 +13,15 @@
 ///   by default the pool's size) and recycled when leases end. With all of them leased, acquire_exclusive() throws
 ///   invalid_argument_error and try_acquire_exclusive() returns std::nullopt: a pool never hands out more streams
 ///   than it was sized for. The stream may still have work in flight when the lease ends; the next holder's work is
-///   simply ordered after it.
+///   simply ordered after it. A stream given back while it is being captured (cudaStreamBeginCapture without its
+///   end) is not recycled: its capture is ended and discarded where CUDA allows it from this thread, the stream
+///   destroyed, with a warning.
 ///
 /// default_stream_pool(device, priority) gives the process-wide pools, created on first use.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/stream/stream.hpp>
 
@@ -223,6 +226,33 @@ GPUKIT_INLINE std::size_t stream_pool::exclusive_available() const {
   return exclusive_free_.size();
 }
 
+namespace detail {
+/// For a leased stream given back: true if it is being captured (or asking failed), after ending and discarding the
+/// capture where CUDA allows that from this thread, with a warning. Never throws.
+GPUKIT_INLINE bool end_forgotten_capture(const stream& s) noexcept {
+  try {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const int ordinal = s.device().ordinal();
+    if (cuda_backend::stream_capture_status({s.cuda_handle(), ordinal}, status) == cudaSuccess &&
+        status == cudaStreamCaptureStatusNone) {
+      return false;
+    }
+    device_guard guard(s.device());
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s.cuda_handle(), &graph);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    if (ended != cudaSuccess) (void)cudaGetLastError();
+    warn_parts(
+        "gpukit::stream_pool: an exclusive stream of ", s.device(),
+        " was given back while being captured (a capture begun and never ended); it is destroyed, not "
+        "leased again",
+        ended == cudaSuccess ? " (its capture was ended and discarded)" : " (its capture could not be ended here)");
+  } catch (...) {
+  }
+  return true;
+}
+}  // namespace detail
+
 GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -248,6 +278,11 @@ GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& i
 }
 
 GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noexcept {
+  if (device_.is_cuda() && detail::end_forgotten_capture(*s)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --exclusive_in_use_;
+    return;  // `s` is destroyed after the lock: the next lease gets a new stream
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   --exclusive_in_use_;
   try {
