@@ -1472,29 +1472,61 @@ TEST_CASE("streams: async_allocator reads its pool without its lock, so a warnin
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("streams: an exclusive stream given back while being captured is not leased again") {
-  // A capture begun on a leased stream and never ended (an exception between begin and end): the next holder would
-  // put its work into a dead graph.
+TEST_CASE("streams: an exclusive stream given back inside a capture is leased again only once the capture ends") {
+  // CUDA keeps a stream forked into a capture in it until the capture ends, joined back or not: a lease ending inside
+  // the capture's work must not hand it on (the next holder's work would go into the graph), nor end its capture.
   gpukit::stream_pool pool(cuda0, 1, {}, 1);
+  gpukit::stream origin(cuda0);
   captured_warnings warnings;
-  cudaStream_t first = nullptr;
+  void* memory = nullptr;
+  REQUIRE(cudaMalloc(&memory, 64) == cudaSuccess);
+  cudaStream_t leased = nullptr;
+  SUBCASE("forked into gpukit::capture's work and joined back") {
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+    REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
+    gpukit::graph g = gpukit::capture(origin, [&] {
+      {
+        gpukit::stream_pool::lease side = pool.acquire_exclusive();
+        leased = side.view().cuda_handle();
+        GPUKIT_CUDA_TRY(cudaEventRecord(fork, origin.cuda_handle()));
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(leased, fork, 0));
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(memory, 3, 64, leased));
+        GPUKIT_CUDA_TRY(cudaEventRecord(join, leased));
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(origin.cuda_handle(), join, 0));
+      }  // given back inside the capture
+      CHECK(pool.exclusive_in_use() == 0);
+      CHECK_FALSE(pool.try_acquire_exclusive().has_value());  // still in the capture: not leased again
+    });
+    g.launch(origin);  // the capture ended intact
+    origin.synchronize();
+    unsigned char first = 0;
+    REQUIRE(cudaMemcpy(&first, memory, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(first == 3);
+    REQUIRE(cudaEventDestroy(fork) == cudaSuccess);
+    REQUIRE(cudaEventDestroy(join) == cudaSuccess);
+  }
+  SUBCASE("a capture begun on the leased stream and ended after the lease") {
+    {
+      gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+      leased = lease.view().cuda_handle();
+      REQUIRE(cudaStreamBeginCapture(leased, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    }
+    CHECK_FALSE(pool.try_acquire_exclusive().has_value());
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(leased, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  }
   {
-    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
-    first = lease.view().cuda_handle();
-    REQUIRE(cudaStreamBeginCapture(first, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-  }  // given back during the capture
-  CHECK(warnings.contains("was given back while being captured"));
-  CHECK(warnings.contains("its capture was ended and discarded"));
-  CHECK(pool.exclusive_in_use() == 0);
-  CHECK(pool.exclusive_available() == 0);  // destroyed, not kept for the next lease
-  const std::size_t warned = warnings.messages().size();
-  {
-    gpukit::stream_pool::lease next = pool.acquire_exclusive();
+    gpukit::stream_pool::lease next = pool.acquire_exclusive();  // the capture has ended: recycled
+    CHECK(next.view().cuda_handle() == leased);
     CHECK(gpukit::detail::capture_status(next.view()) == cudaStreamCaptureStatusNone);
     next.view().synchronize();
-  }  // an ordinary lease: recycled, with no warning
+  }
   CHECK(pool.exclusive_available() == 1);
-  CHECK(warnings.messages().size() == warned);
+  CHECK(warnings.messages().empty());
+  REQUIRE(cudaFree(memory) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
 

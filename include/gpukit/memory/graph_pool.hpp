@@ -378,8 +378,9 @@ class graph_pool final : public device_allocator {
       const bool can_wait =
           legacy ? !stream.is_per_thread() : detail::capture_status(stream) == cudaStreamCaptureStatusNone;
       if (can_wait) on_device.emplace(device_);
+      if (can_wait && legacy) (void)marker_stream();  // per-thread builds: the reserve made none
       lock.lock();
-      if (can_wait && (!legacy || marker_stream_)) {
+      if (can_wait) {
         const stream_view waiter = legacy ? marker_stream_->view() : stream;
         (void)record_deferred_uses(&waiter, &failures);
         wait_for_uses_locked(waiter);
@@ -639,20 +640,30 @@ class graph_pool final : public device_allocator {
   void record_use(const detail::kept_stream& use, use_kind kind) noexcept {
     try {
       if (use.destroyed()) {
-        use.life->wait_finished();
+        if (use.life->final_event() != nullptr) {
+          defer(use);  // its final event is waited for on the device, by the next launch, allocation or release
+        } else {
+          use.life->wait_finished();
+        }
         return;
       }
       detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
       const bool legacy = hold.refuses(use.view);
       if (legacy && !use.view.is_per_thread()) {
         // The legacy stream, refused while a gpukit capture runs: its work so far is marked on the pool's blocking
-        // stream, which CUDA orders after it.
+        // stream, which CUDA orders after it. If that fails, deferred (a wait for the legacy stream now would
+        // invalidate the capture).
         hold.release();
-        event done(device_);
-        done.record(marker_stream()->view());
-        std::lock_guard<std::mutex> lock(mutex_);
-        uses_.insert_or_assign(use.view.id(), std::move(done));
-        has_uses_.store(true, std::memory_order_release);
+        try {
+          event done(device_);
+          done.record(marker_stream()->view());
+          std::lock_guard<std::mutex> lock(mutex_);
+          uses_.insert_or_assign(use.view.id(), std::move(done));
+          has_uses_.store(true, std::memory_order_release);
+          return;
+        } catch (const std::exception&) {
+        }
+        defer(use);
         return;
       }
       if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
@@ -718,6 +729,13 @@ class graph_pool final : public device_allocator {
           }
           if (last != nullptr && wait_on != nullptr && waits_on_device(*wait_on, last)) {
             ++it;  // later launches wait for it too, until it completes
+            continue;
+          }
+          if (last == nullptr && detail::gpukit_capture_underway()) {
+            // No final event (destroyed while captured): only a device synchronize would do, which invalidates a
+            // capture running now. Left for later; the release keeps the reserve if it is still left then.
+            unordered = true;
+            ++it;
             continue;
           }
           hold.release();

@@ -124,11 +124,12 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   bool expired() const noexcept;
 
   /// After expired(): true once the work enqueued before the destruction has completed (cudaEventQuery of the final
-  /// event; never blocks). Without a final event (its creation failed) the answer stays false.
+  /// event; never blocks). Without a final event (its creation failed, or the stream was destroyed while captured)
+  /// the answer stays false.
   bool finished() const noexcept;
 
-  /// After expired(): the event recorded at the destruction, for device-side waits (nullptr before, or when its
-  /// creation failed). It lives as long as this record.
+  /// After expired(): the event recorded at the destruction, for device-side waits (nullptr before, when its
+  /// creation failed, or when the stream was destroyed while captured). It lives as long as this record.
   cudaEvent_t final_event() const noexcept;
 
   /// After expired(): blocks until that work has completed (the whole device's, without a final event).

@@ -13,9 +13,9 @@
 ///   by default the pool's size) and recycled when leases end. With all of them leased, acquire_exclusive() throws
 ///   invalid_argument_error and try_acquire_exclusive() returns std::nullopt: a pool never hands out more streams
 ///   than it was sized for. The stream may still have work in flight when the lease ends; the next holder's work is
-///   simply ordered after it. A stream given back while it is being captured (cudaStreamBeginCapture without its
-///   end) is not recycled: its capture is ended and discarded where CUDA allows it from this thread, the stream
-///   destroyed, with a warning.
+///   simply ordered after it. A stream given back while it is still part of a capture (forked into one and joined
+///   back, as a lease inside gpukit::capture's work is: CUDA keeps it in the capture until the capture ends) is
+///   leased again only once it no longer is: the next holder's work would go into that graph.
 ///
 /// default_stream_pool(device, priority) gives the process-wide pools, created on first use.
 
@@ -25,6 +25,7 @@
 #include <gpukit/error.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstddef>
@@ -110,6 +111,9 @@ class stream_pool {
   std::unique_ptr<stream> take_exclusive(std::size_t& in_use);
 
   void return_exclusive(std::unique_ptr<stream> s) noexcept;
+  // Moves the streams given back during a capture whose capture has ended since to the free list (not under mutex_:
+  // asks CUDA).
+  void recycle_captured_returns();
 
   gpukit::device device_;
   stream_options options_;
@@ -117,7 +121,8 @@ class stream_pool {
   std::vector<std::unique_ptr<stream>> slots_;
   std::vector<std::unique_ptr<stream>> exclusive_free_;
   std::size_t exclusive_capacity_;
-  std::size_t exclusive_in_use_ = 0;  // leases out; exclusive streams created = this + exclusive_free_.size()
+  std::vector<std::unique_ptr<stream>> exclusive_captured_;  // given back while captured: not leased until it ends
+  std::size_t exclusive_in_use_ = 0;  // leases out; streams created = this + exclusive_free_ + exclusive_captured_
   std::atomic<std::size_t> counter_{0};
 };
 
@@ -191,7 +196,8 @@ GPUKIT_INLINE stream_pool::lease stream_pool::acquire_exclusive() {
   if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
   throw invalid_argument_error(
       "gpukit::stream_pool::acquire_exclusive: all exclusive streams of the " + device_.to_string() +
-          " pool are leased (" + std::to_string(in_use) + " leases out, exclusive capacity " +
+          " pool are leased (" + std::to_string(in_use) +
+          " leases out or given back inside a capture that has not ended, exclusive capacity " +
           std::to_string(exclusive_capacity_) +
           "); end a lease first, use try_acquire_exclusive(), or give the pool a larger exclusive capacity",
       cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
@@ -227,33 +233,20 @@ GPUKIT_INLINE std::size_t stream_pool::exclusive_available() const {
 }
 
 namespace detail {
-/// For a leased stream given back: true if it is being captured (or asking failed), after ending and discarding the
-/// capture where CUDA allows that from this thread, with a warning. Never throws.
-GPUKIT_INLINE bool end_forgotten_capture(const stream& s) noexcept {
+/// Whether exclusive stream `s` is still part of a capture (or whether it is cannot be told). Never throws.
+GPUKIT_INLINE bool still_captured(const stream& s) noexcept {
   try {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    const int ordinal = s.device().ordinal();
-    if (cuda_backend::stream_capture_status({s.cuda_handle(), ordinal}, status) == cudaSuccess &&
-        status == cudaStreamCaptureStatusNone) {
-      return false;
-    }
-    device_guard guard(s.device());
-    cudaGraph_t graph = nullptr;
-    const cudaError_t ended = cudaStreamEndCapture(s.cuda_handle(), &graph);
-    if (graph != nullptr) (void)cudaGraphDestroy(graph);
-    if (ended != cudaSuccess) (void)cudaGetLastError();
-    warn_parts(
-        "gpukit::stream_pool: an exclusive stream of ", s.device(),
-        " was given back while being captured (a capture begun and never ended); it is destroyed, not "
-        "leased again",
-        ended == cudaSuccess ? " (its capture was ended and discarded)" : " (its capture could not be ended here)");
+    return cuda_backend::stream_capture_status({s.cuda_handle(), s.device().ordinal()}, status) != cudaSuccess ||
+           status != cudaStreamCaptureStatusNone;
   } catch (...) {
+    return true;
   }
-  return true;
 }
 }  // namespace detail
 
 GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
+  recycle_captured_returns();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!exclusive_free_.empty()) {
@@ -262,8 +255,8 @@ GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& i
       ++exclusive_in_use_;
       return s;
     }
-    if (exclusive_in_use_ >= exclusive_capacity_) {
-      in_use = exclusive_in_use_;
+    if (exclusive_in_use_ + exclusive_captured_.size() >= exclusive_capacity_) {
+      in_use = exclusive_in_use_ + exclusive_captured_.size();
       return nullptr;
     }
     ++exclusive_in_use_;  // reserves the slot; the stream is created outside the lock
@@ -278,18 +271,31 @@ GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& i
 }
 
 GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noexcept {
-  if (device_.is_cuda() && detail::end_forgotten_capture(*s)) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    --exclusive_in_use_;
-    return;  // `s` is destroyed after the lock: the next lease gets a new stream
-  }
+  const bool captured = device_.is_cuda() && detail::still_captured(*s);
   std::lock_guard<std::mutex> lock(mutex_);
   --exclusive_in_use_;
   try {
-    exclusive_free_.push_back(std::move(s));
+    (captured ? exclusive_captured_ : exclusive_free_).push_back(std::move(s));
   } catch (...) {
-    // Out of memory growing the reserve: the stream is destroyed instead of recycled (created again when needed).
+    // Out of memory growing the list: the stream is destroyed instead of recycled (created again when needed).
   }
+}
+
+GPUKIT_INLINE void stream_pool::recycle_captured_returns() {
+  std::vector<std::unique_ptr<stream>> returned;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exclusive_captured_.empty() || !exclusive_free_.empty()) return;
+    returned.swap(exclusive_captured_);
+  }
+  std::vector<std::unique_ptr<stream>> ended;
+  for (auto& s : returned) {
+    if (!detail::still_captured(*s)) ended.push_back(std::move(s));
+  }
+  returned.erase(std::remove(returned.begin(), returned.end(), nullptr), returned.end());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& s : ended) exclusive_free_.push_back(std::move(s));
+  for (auto& s : returned) exclusive_captured_.push_back(std::move(s));
 }
 namespace detail {
 
