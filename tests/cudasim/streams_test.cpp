@@ -1530,6 +1530,22 @@ TEST_CASE("streams: an exclusive stream given back inside a capture is leased ag
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("streams: an exclusive stream whose capture state cannot be read when given back is destroyed, not leased") {
+  gpukit::stream_pool pool(cuda0, 1, {}, 1);
+  captured_warnings warnings;
+  {
+    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+    cudasim::fail_call("cudaStreamIsCapturing", 1, cudaErrorUnknown);
+  }
+  CHECK(warnings.contains("could not be asked whether they are being captured"));
+  CHECK(pool.exclusive_in_use() == 0);
+  CHECK(pool.exclusive_available() == 0);  // destroyed: its slot is free again
+  gpukit::stream_pool::lease next = pool.acquire_exclusive();
+  CHECK(gpukit::detail::capture_status(next.view()) == cudaStreamCaptureStatusNone);
+  cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a stream destroyed during its capture records no final event in the capture") {
   // Its final event would be a captured event, which no query ever sees complete: the memory it used would wait for
   // good. Without one, a wait for its work is a device synchronize.

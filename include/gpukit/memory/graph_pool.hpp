@@ -633,18 +633,18 @@ class graph_pool final : public device_allocator {
 
   /// At the free of a block `use` used outside a capture: an event after that stream's work so far, which the pool's
   /// later launches and its release wait for (one per stream, re-recorded: a later record covers the earlier work).
-  /// A destroyed stream's last work is waited for on the host. A captured stream cannot take the event now: the
+  /// A destroyed stream's last work is waited for on the device through its final event, by later launches, direct
+  /// allocations and the release (on the host where it has none). A captured stream cannot take the event now: the
   /// freeing stream's work in the capture is the graph's, and a recorded stream's earlier work is recorded once the
-  /// stream can take an event, at a later launch; so is the legacy default stream's while a gpukit capture runs.
-  /// Where no event can be recorded, the host waits for the stream. Called without mutex_; never throws.
+  /// stream can take an event, at a later launch. The legacy default stream, refused while a gpukit capture runs, is
+  /// marked on the pool's blocking stream. Where no event can be recorded, the host waits for the stream. Called
+  /// without mutex_; never throws.
   void record_use(const detail::kept_stream& use, use_kind kind) noexcept {
     try {
       if (use.destroyed()) {
-        if (use.life->final_event() != nullptr) {
-          defer(use);  // its final event is waited for on the device, by the next launch, allocation or release
-        } else {
-          use.life->wait_finished();
-        }
+        // Its final event is waited for on the device by the next launch, allocation or release; without one (it
+        // was destroyed while captured) they decide, since a device synchronize now could invalidate a capture.
+        defer(use);
         return;
       }
       detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
@@ -661,7 +661,11 @@ class graph_pool final : public device_allocator {
           uses_.insert_or_assign(use.view.id(), std::move(done));
           has_uses_.store(true, std::memory_order_release);
           return;
-        } catch (const std::exception&) {
+        } catch (const std::exception& e) {
+          detail::warn_parts(
+              "gpukit::graph_pool: could not mark the legacy default stream's work on the pool's "
+              "stream (",
+              e.what(), "); it is recorded at a later launch instead");
         }
         defer(use);
         return;
@@ -917,8 +921,9 @@ class graph_pool final : public device_allocator {
       // Their stream is captured (its earlier work cannot take an event, nor be waited for) or is the legacy default
       // stream during a gpukit capture: nothing can order the reserve's reuse after their work.
       keep_reserve(
-          "a stream that used its memory is being captured (or is the legacy default stream while a gpukit "
-          "capture runs), so its work cannot be ordered before the memory's reuse");
+          "a stream that used its memory is being captured (or is the legacy default stream while a gpukit capture "
+          "runs, or was destroyed during a capture and a gpukit capture runs now), so its work cannot be ordered "
+          "before the memory's reuse");
       return;
     }
     for (auto& [id, launch] : launches_) {

@@ -15,7 +15,9 @@
 ///   than it was sized for. The stream may still have work in flight when the lease ends; the next holder's work is
 ///   simply ordered after it. A stream given back while it is still part of a capture (forked into one and joined
 ///   back, as a lease inside gpukit::capture's work is: CUDA keeps it in the capture until the capture ends) is
-///   leased again only once it no longer is: the next holder's work would go into that graph.
+///   leased again only once it no longer is: the next holder's work would go into that graph. Until then it counts
+///   against the exclusive capacity (a capture begun on a leased stream and never ended keeps its slot); one whose
+///   capture state cannot be read is destroyed, with a warning. A pool must outlive the captures its leases joined.
 ///
 /// default_stream_pool(device, priority) gives the process-wide pools, created on first use.
 
@@ -102,8 +104,8 @@ class stream_pool {
   std::size_t exclusive_capacity() const noexcept;
   /// Exclusive leases currently out.
   std::size_t exclusive_in_use() const;
-  /// Created exclusive streams waiting in the reserve for the next lease (streams not yet created are not counted:
-  /// up to exclusive_capacity() - exclusive_in_use() leases can be acquired).
+  /// Created exclusive streams waiting in the reserve for the next lease (streams not yet created are not counted,
+  /// nor streams given back inside a capture that has not ended, which also count against the capacity).
   std::size_t exclusive_available() const;
 
  private:
@@ -111,9 +113,9 @@ class stream_pool {
   std::unique_ptr<stream> take_exclusive(std::size_t& in_use);
 
   void return_exclusive(std::unique_ptr<stream> s) noexcept;
-  // Moves the streams given back during a capture whose capture has ended since to the free list (not under mutex_:
-  // asks CUDA).
-  void recycle_captured_returns();
+  // Moves the streams given back during a capture whose capture has ended since to the free list (mutex_ held; asks
+  // CUDA, which does not block); those whose state cannot be read go to `unreadable`, to be destroyed after the lock.
+  void recycle_captured_returns_locked(std::vector<std::unique_ptr<stream>>& unreadable);
 
   gpukit::device device_;
   stream_options options_;
@@ -233,22 +235,42 @@ GPUKIT_INLINE std::size_t stream_pool::exclusive_available() const {
 }
 
 namespace detail {
-/// Whether exclusive stream `s` is still part of a capture (or whether it is cannot be told). Never throws.
-GPUKIT_INLINE bool still_captured(const stream& s) noexcept {
+/// Where an exclusive stream given back stands with captures.
+enum class returned_stream { free, captured, unreadable };
+
+/// Whether exclusive stream `s` is still part of a capture, or whether it is cannot be told. Never throws.
+GPUKIT_INLINE returned_stream returned_stream_state(const stream& s) noexcept {
+  if (!s.device().is_cuda()) return returned_stream::free;
   try {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    return cuda_backend::stream_capture_status({s.cuda_handle(), s.device().ordinal()}, status) != cudaSuccess ||
-           status != cudaStreamCaptureStatusNone;
+    if (cuda_backend::stream_capture_status({s.cuda_handle(), s.device().ordinal()}, status) != cudaSuccess) {
+      return returned_stream::unreadable;
+    }
+    return status == cudaStreamCaptureStatusNone ? returned_stream::free : returned_stream::captured;
   } catch (...) {
-    return true;
+    return returned_stream::unreadable;
   }
+}
+
+/// Warns that exclusive streams whose capture state cannot be read are destroyed rather than leased again.
+GPUKIT_INLINE void warn_unreadable_returns(std::size_t count, gpukit::device d) noexcept {
+  if (count == 0) return;
+  warn_parts("gpukit::stream_pool: ", count, " exclusive stream(s) of ", d,
+             " given back could not be asked whether they are being captured (cudaStreamIsCapturing failed); "
+             "destroyed rather than leased again");
 }
 }  // namespace detail
 
 GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
-  recycle_captured_returns();
+  std::vector<std::unique_ptr<stream>> unreadable;  // destroyed after the lock
+  struct warn_after_lock {
+    std::vector<std::unique_ptr<stream>>& streams;
+    gpukit::device device;
+    ~warn_after_lock() { detail::warn_unreadable_returns(streams.size(), device); }
+  } warn_unreadable{unreadable, device_};
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    recycle_captured_returns_locked(unreadable);
     if (!exclusive_free_.empty()) {
       std::unique_ptr<stream> s = std::move(exclusive_free_.back());
       exclusive_free_.pop_back();
@@ -271,32 +293,33 @@ GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& i
 }
 
 GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noexcept {
-  const bool captured = device_.is_cuda() && detail::still_captured(*s);
+  const detail::returned_stream state = detail::returned_stream_state(*s);
+  if (state == detail::returned_stream::unreadable) detail::warn_unreadable_returns(1, device_);
   std::lock_guard<std::mutex> lock(mutex_);
   --exclusive_in_use_;
+  if (state == detail::returned_stream::unreadable) return;  // `s` is destroyed after the lock
   try {
-    (captured ? exclusive_captured_ : exclusive_free_).push_back(std::move(s));
+    (state == detail::returned_stream::captured ? exclusive_captured_ : exclusive_free_).push_back(std::move(s));
   } catch (...) {
     // Out of memory growing the list: the stream is destroyed instead of recycled (created again when needed).
   }
 }
 
-GPUKIT_INLINE void stream_pool::recycle_captured_returns() {
-  std::vector<std::unique_ptr<stream>> returned;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (exclusive_captured_.empty() || !exclusive_free_.empty()) return;
-    returned.swap(exclusive_captured_);
+GPUKIT_INLINE void stream_pool::recycle_captured_returns_locked(std::vector<std::unique_ptr<stream>>& unreadable) {
+  if (exclusive_captured_.empty() || !exclusive_free_.empty()) return;
+  exclusive_free_.reserve(exclusive_free_.size() + exclusive_captured_.size());  // no throw once streams move
+  unreadable.reserve(exclusive_captured_.size());
+  for (auto it = exclusive_captured_.begin(); it != exclusive_captured_.end();) {
+    const detail::returned_stream state = detail::returned_stream_state(**it);
+    if (state == detail::returned_stream::captured) {
+      ++it;
+      continue;
+    }
+    (state == detail::returned_stream::free ? exclusive_free_ : unreadable).push_back(std::move(*it));
+    it = exclusive_captured_.erase(it);
   }
-  std::vector<std::unique_ptr<stream>> ended;
-  for (auto& s : returned) {
-    if (!detail::still_captured(*s)) ended.push_back(std::move(s));
-  }
-  returned.erase(std::remove(returned.begin(), returned.end(), nullptr), returned.end());
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& s : ended) exclusive_free_.push_back(std::move(s));
-  for (auto& s : returned) exclusive_captured_.push_back(std::move(s));
 }
+
 namespace detail {
 
 /// The process-wide pools of default_stream_pool, by (ordinal, priority).
