@@ -105,7 +105,8 @@ class stream_pool {
   /// Exclusive leases currently out.
   std::size_t exclusive_in_use() const;
   /// Created exclusive streams waiting in the reserve for the next lease (streams not yet created are not counted,
-  /// nor streams given back inside a capture that has not ended, which also count against the capacity).
+  /// nor streams given back inside a capture, which count against the capacity until the next acquire finds their
+  /// capture ended).
   std::size_t exclusive_available() const;
 
  private:
