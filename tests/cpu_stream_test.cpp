@@ -438,6 +438,32 @@ const int pool_use_at_exit = std::atexit([] {
 });
 }  // namespace
 
+namespace {
+// A device no test uses otherwise: its entry stays in this thread's table to the end, with no CUDA call.
+const gpukit::device unused_device = gpukit::device::cuda(7);
+bool current_stream_set = false;
+// Registered before main: exit runs it after this (main) thread's thread_local objects are destroyed. The current
+// streams' table must not be walked then (a use after free, which AddressSanitizer reports): the default stream is
+// current again, and setting one or guarding is ignored.
+const int current_stream_at_exit = std::atexit([] {
+  if (!current_stream_set) return;
+  if (!gpukit::current_stream(unused_device).is_default()) {
+    std::fputs("the current stream at exit is not the default stream\n", stderr);
+    std::_Exit(1);
+  }
+  gpukit::set_current_stream(gpukit::default_stream_pool(gpukit::device::cpu()).next());
+  { gpukit::stream_guard guard(gpukit::default_stream_pool(gpukit::device::cpu()).next()); }
+});
+}  // namespace
+
+TEST_CASE("the current stream is usable at exit, after this thread's table is gone") {
+  CHECK(current_stream_at_exit == 0);
+  current_stream_set = true;
+  const gpukit::stream_view other(unused_device, nullptr);  // a view only: no CUDA call
+  gpukit::set_current_stream(other);                        // left current, to the end
+  CHECK(gpukit::current_stream(unused_device) == other);
+}
+
 TEST_CASE("the process-wide pool of a device is one object, usable at exit") {
   CHECK(pool_use_at_exit == 0);
   pool_used = true;

@@ -54,7 +54,7 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::visible_devices_warned(),
       &gpukit::detail::device_properties_cache(),
       &gpukit::nvml::instance(),
-      &gpukit::detail::current_streams(),
+      gpukit::detail::current_streams(),
       &gpukit::detail::inline_host_functions_of_this_thread(),
       &gpukit::detail::default_stream_pools(),
       &gpukit::default_stream_pool(cpu),

@@ -29,8 +29,10 @@ struct current_stream_entry {
   bool has_life = false;          // made from a gpukit::stream (life was set)
   std::uint64_t expirations = 0;  // stream_expirations() when the stream was last seen alive
 };
-/// This thread's current streams, one entry per device that has one set (a handful at most).
-GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>& current_streams();
+/// This thread's current streams, one entry per device that has one set (a handful at most); nullptr once this
+/// thread's table has been destroyed (code that runs after, at thread or process exit: a static's destructor, an
+/// atexit handler), when the default streams are current again.
+GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>* current_streams() noexcept;
 }  // namespace detail
 
 /// The calling thread's current stream of `d`: the last one set, else the device's default stream. Throws
@@ -65,14 +67,25 @@ GPUKIT_END_NAMESPACE
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-GPUKIT_INLINE std::vector<current_stream_entry>& current_streams() {
-  thread_local std::vector<current_stream_entry> streams;
-  return streams;
+GPUKIT_INLINE std::vector<current_stream_entry>* current_streams() noexcept {
+  // Trivially destructible: still readable after the table's destruction, until the thread ends. (On the main
+  // thread, thread_local objects are destroyed before statics and before earlier atexit handlers run.)
+  thread_local bool torn_down = false;
+  if (torn_down) return nullptr;
+  struct table {
+    bool& torn_down;
+    std::vector<current_stream_entry> entries;
+    ~table() { torn_down = true; }
+  };
+  thread_local table streams{torn_down, {}};
+  return &streams.entries;
 }
 
 /// This thread's entry for `d`, or nullptr.
 inline current_stream_entry* current_stream_entry_of(gpukit::device d) noexcept {
-  for (auto& entry : current_streams()) {
+  std::vector<current_stream_entry>* entries = current_streams();
+  if (entries == nullptr) return nullptr;
+  for (auto& entry : *entries) {
     if (entry.device == d) return &entry;
   }
   return nullptr;
@@ -107,7 +120,9 @@ GPUKIT_INLINE void set_current_stream(stream_view s) {
     *entry = {d, s, life, has_life, expirations};
     return;
   }
-  detail::current_streams().push_back({d, s, life, has_life, expirations});
+  if (std::vector<detail::current_stream_entry>* entries = detail::current_streams()) {
+    entries->push_back({d, s, life, has_life, expirations});
+  }  // else at exit, after this thread's table went: the default streams stay current
 }
 
 GPUKIT_INLINE stream_guard::stream_guard(stream_view s) : device_guard_(s.device()), device_(s.device()) {
@@ -118,7 +133,9 @@ GPUKIT_INLINE stream_guard::stream_guard(stream_view s) : device_guard_(s.device
 GPUKIT_INLINE stream_guard::~stream_guard() {
   // The entry the constructor made or found is restored as it was, with no lookup of the previous stream (which
   // may have been destroyed meanwhile: current_stream() then says so): nothing here can fail.
-  std::vector<detail::current_stream_entry>& entries = detail::current_streams();
+  std::vector<detail::current_stream_entry>* table = detail::current_streams();
+  if (table == nullptr) return;  // at exit, after this thread's table went
+  std::vector<detail::current_stream_entry>& entries = *table;
   for (auto it = entries.begin(); it != entries.end(); ++it) {
     if (it->device != device_) continue;
     if (previous_) {

@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -428,12 +429,13 @@ GPUKIT_INLINE unsigned long long next_cpu_stream_id() noexcept {
 }
 
 GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread) {
-  thread_local std::vector<unsigned long long> cache;  // [2 * ordinal + per_thread]; 0: not looked up yet
+  // [2 * ordinal + per_thread]; 0: not looked up yet. A fixed array (devices beyond it are asked each time): trivially
+  // destructible, so code that runs after this thread's thread_local objects are destroyed (at exit) can use it.
+  thread_local std::array<unsigned long long, 64> cache{};
   const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
   if (slot < cache.size() && cache[slot] != 0) return cache[slot];
   const unsigned long long id = cuda_backend::default_stream_id_now(ordinal, per_thread);
-  if (slot >= cache.size()) cache.resize(slot + 1, 0);
-  cache[slot] = id;
+  if (slot < cache.size()) cache[slot] = id;
   return id;
 }
 
