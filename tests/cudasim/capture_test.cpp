@@ -95,6 +95,23 @@ gpukit::stream blocking_stream() {
   return gpukit::stream(cuda0, options);
 }
 
+/// A graph pool of cuda:0 reserving `reserve_bytes`, and a graph captured on `s` with it whose output (`bytes` from the
+/// default allocator, allocated in the capture and not freed there) comes from the pool; launched once and completed.
+/// The tests then hand the output to a consumer.
+struct launched_output {
+  std::shared_ptr<gpukit::graph_pool> pool;
+  void* out = nullptr;
+  gpukit::graph graph;
+
+  launched_output(gpukit::stream_view s, std::size_t reserve_bytes, std::size_t bytes)
+      : pool(gpukit::graph_pool::create(cuda0, reserve_bytes)) {
+    graph = gpukit::capture(
+        s, [&] { out = gpukit::default_allocator(cuda0).allocate(bytes, s); }, pool);
+    graph.launch(s);
+    s.synchronize();
+  }
+};
+
 /// A graph captured on `s` whose one temporary comes from `pool`.
 gpukit::graph graph_with_temporary(gpukit::stream& s, const std::shared_ptr<gpukit::graph_pool>& pool) {
   return gpukit::capture(
@@ -1063,12 +1080,9 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   gpukit::stream other(cuda0);
   std::optional<gpukit::stream> consumer(std::in_place, cuda0);
   constexpr std::size_t bytes = 4096;
-  auto pool = gpukit::graph_pool::create(cuda0, bytes);  // one block: a direct allocation gets the output's
-  void* out = nullptr;
-  gpukit::graph g = gpukit::capture(
-      s, [&] { out = allocator.allocate(bytes, s); }, pool);
-  g.launch(s);
-  s.synchronize();
+  launched_output output(s, bytes, bytes);  // one block: a direct allocation gets the output's
+  const auto& pool = output.pool;
+  void* const out = output.out;
   gpukit_test::gate held;
   held.hold(*consumer);
   REQUIRE(cudaMemsetAsync(out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
@@ -1107,6 +1121,42 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a direct allocation from a graph pool that throws still reports the uses it could not record") {
+  // The allocation records a deferred use (it fails, and is reported after the pool's lock), then its wait for
+  // another stream's use fails and it throws: the report is not lost with it.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  gpukit::stream consumer(cuda0);
+  gpukit::stream reader(cuda0);
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, 2 * bytes, bytes);
+  void* read = output.pool->allocate(bytes, s);
+  gpukit_test::gate held;
+  held.hold(reader);
+  output.pool->deallocate(read, reader);  // an event on `reader`, behind the gate: the allocation waits for it
+  allocator.record_stream(output.out, consumer);
+  REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  allocator.deallocate(output.out);  // deferred: `consumer` cannot take an event now
+  cudaGraph_t unused = nullptr;
+  REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  {
+    gpukit_test::captured_warnings warnings;
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);      // the deferred use's event
+    cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidResourceHandle);  // the wait for `reader`
+    CHECK_THROWS_AS((void)output.pool->allocate(bytes, other), gpukit::cuda_error);
+    CHECK(warnings.contains("could not record the work of a stream that used a freed block"));
+  }
+  void* block = output.pool->allocate(bytes, other);  // usable afterwards
+  CHECK(block != nullptr);
+  held.open();
+  other.synchronize();
+  output.pool->deallocate(block, other);
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool released during a gpukit capture orders a use by the legacy stream, keeping nothing") {
   // The legacy stream cannot take an event while a gpukit capture runs; its earlier work is marked on the pool's
   // blocking stream, which CUDA orders after it, rather than keeping the reserve for good.
@@ -1116,18 +1166,14 @@ TEST_CASE("capture: a graph pool released during a gpukit capture orders a use b
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
   const std::size_t before = gpukit::memory_allocated(cuda0);
   constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
-  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes);
-  void* out = nullptr;
-  std::optional<gpukit::graph> g(gpukit::capture(
-      s, [&] { out = allocator.allocate(4096, s); }, pool));
-  g->launch(s);
-  s.synchronize();
+  launched_output output(s, reserve_bytes, 4096);
+  void* const out = output.out;
   gpukit_test::gate held;
   held.hold(legacy);
   REQUIRE(cudaMemsetAsync(out, 1, 4096, cudaStreamLegacy) == cudaSuccess);  // behind the gate
   allocator.record_stream(out, legacy);
-  g.reset();
-  pool.reset();  // the output keeps the pool alive
+  output.graph = gpukit::graph();
+  output.pool.reset();  // the output keeps the pool alive
   gpukit_test::captured_warnings warnings;
   gpukit::graph unrelated = gpukit::capture(c, [&] {
     allocator.deallocate(out);  // the last allocation: the pool is released during this capture
@@ -1147,12 +1193,9 @@ TEST_CASE("capture: a direct allocation from a graph pool on the legacy stream w
   gpukit::stream consumer(cuda0);
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
   constexpr std::size_t bytes = 4096;
-  auto pool = gpukit::graph_pool::create(cuda0, bytes);
-  void* out = nullptr;
-  gpukit::graph g = gpukit::capture(
-      s, [&] { out = allocator.allocate(bytes, s); }, pool);
-  g.launch(s);
-  s.synchronize();
+  launched_output output(s, bytes, bytes);
+  const auto& pool = output.pool;
+  void* const out = output.out;
   gpukit_test::gate held;
   held.hold(consumer);
   REQUIRE(cudaMemsetAsync(out, 1, bytes, consumer.cuda_handle()) == cudaSuccess);  // behind the gate
@@ -1204,18 +1247,14 @@ TEST_CASE("capture: a graph pool released while a stream that used its memory is
   gpukit::stream s(cuda0);
   gpukit::stream consumer(cuda0);
   constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
-  auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes);
-  void* out = nullptr;
-  gpukit::graph g = gpukit::capture(
-      s, [&] { out = allocator.allocate(1024, s); }, pool);
-  g.launch(s);
-  s.synchronize();
+  launched_output output(s, reserve_bytes, 1024);
+  void* const out = output.out;
   gpukit_test::gate held;
   held.hold(consumer);
   REQUIRE(cudaMemsetAsync(out, 1, 1024, consumer.cuda_handle()) == cudaSuccess);  // behind the gate
   allocator.record_stream(out, consumer);
-  g = gpukit::graph();
-  pool.reset();  // the output keeps the pool alive
+  output.graph = gpukit::graph();
+  output.pool.reset();  // the output keeps the pool alive
   REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
   gpukit_test::captured_warnings warnings;
   allocator.deallocate(out);  // the last allocation: the pool goes, while `consumer` is captured
@@ -1410,12 +1449,9 @@ TEST_CASE("capture: a graph pool block used by the legacy default stream is free
   // event is recorded at the next launch instead.
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream blocking = blocking_stream();
-  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
-  void* out = nullptr;
-  gpukit::graph first = gpukit::capture(
-      blocking, [&] { out = allocator.allocate(4096, blocking); }, pool);
-  first.launch(blocking);
-  blocking.synchronize();
+  launched_output first(blocking, std::size_t{1} << 20, 4096);
+  const auto& pool = first.pool;
+  void* const out = first.out;
   allocator.record_stream(out, gpukit::stream_view::default_stream(cuda0));
   gpukit::graph second = gpukit::capture(
       blocking,
@@ -1921,6 +1957,49 @@ class capture_elsewhere {
 };
 }  // namespace
 
+/// Frees `output.out` after a consumer stream recorded it whose final event could not be recorded when it was
+/// destroyed (as for one destroyed during its capture): only a device synchronize covers the consumer's work.
+void free_after_consumer_without_final_event(launched_output& output) {
+  auto consumer = std::make_unique<gpukit::stream>(cuda0);
+  gpukit::default_allocator(cuda0).record_stream(output.out, *consumer);
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  consumer.reset();
+  REQUIRE(warnings.contains("final event"));
+  gpukit::default_allocator(cuda0).deallocate(output.out);  // deferred: the consumer is gone
+}
+
+TEST_CASE("capture: a graph pool waits for a stream without a final event outside its lock, once") {
+  // The host wait (a device synchronize) is made after the pool's lock: the pool's other calls go on meanwhile (one
+  // made from the wait itself would deadlock under the lock). Once waited for, the use is dropped.
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, bytes, bytes);
+  free_after_consumer_without_final_event(output);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  std::size_t reserved_during_wait = 0;
+  cudasim::before_call("cudaDeviceSynchronize", 1, [&] { reserved_during_wait = output.pool->memory_reserved(); });
+  void* block = nullptr;
+  SUBCASE("a direct allocation") {
+    block = output.pool->allocate(bytes, other);
+    CHECK(block == output.out);
+  }
+  SUBCASE("a launch") {
+    output.graph.launch(other);
+    other.synchronize();
+    block = output.pool->allocate(bytes, other);
+  }
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  CHECK(reserved_during_wait == bytes);  // answered during the wait
+  output.pool->deallocate(block, other);
+  output.graph.launch(other);  // nothing left to wait for
+  other.synchronize();
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator free that waited on the host waits for a capture begun meanwhile") {
   // Its wait for a recorded stream cannot be enqueued, so the host waits for that stream, letting captures begin; the
   // free itself, on the legacy stream, would invalidate one: it waits for the captures to end instead.
@@ -2276,6 +2355,32 @@ TEST_CASE("capture: a deferred free retried during a capture elsewhere goes back
     CHECK(other.finish() == "");
   }
   CHECK(warnings.contains("cudaFreeAsync of 4.00 KiB on its stream failed"));
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph pool's wait for a stream without a final event skips a capture begun before it") {
+  // Between the pool's lock and its device synchronize, another thread begins a gpukit capture: the synchronize would
+  // invalidate it, so the use is left for a later call, which waits once the capture has ended.
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  gpukit::stream captured(cuda0);
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, 2 * bytes, bytes);
+  void* held = output.pool->allocate(256, other);  // a use of `other` at its free: a query under the lock
+  output.pool->deallocate(held, other);
+  free_after_consumer_without_final_event(output);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  std::optional<capture_elsewhere> elsewhere;
+  cudasim::before_call("cudaEventQuery", 1, [&] { elsewhere.emplace(captured); });  // under the lock
+  void* block = output.pool->allocate(bytes, other);
+  REQUIRE(elsewhere.has_value());
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  CHECK(elsewhere->finish() == "");
+  output.pool->deallocate(block, other);
+  block = output.pool->allocate(bytes, other);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  output.pool->deallocate(block, other);
+  cudasim::drain_all();
   CHECK(cudasim::violations().empty());
 }
 

@@ -279,13 +279,13 @@ class graph_pool final : public device_allocator {
     if (!has_uses_.load(std::memory_order_acquire)) return;
     if (detail::capture_status(s) != cudaStreamCaptureStatusNone) return;
     device_guard on_device(device_);  // before the lock: the waits' own guards then change nothing (nor warn)
-    std::string failures;             // reported after the lock (a warning handler may call into the pool)
+    after_lock later;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      (void)record_deferred_uses(&s, &failures);
+      (void)record_deferred_uses(&s, &later);
       wait_for_uses_locked(s);
     }
-    if (!failures.empty()) warn(failures);
+    finish_host_waits(later);  // before the launch
   }
   /// A graph of the pool is about to be launched on `s`: returns the event note_launch records after it (created
   /// once per stream), so that once the graph runs only the record itself can fail. Throws before anything is
@@ -365,32 +365,40 @@ class graph_pool final : public device_allocator {
     const std::size_t size = round(bytes);
     const std::uint64_t id = stream.id();   // before the lock: may look the id up (cudaStreamGetId)
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
-    std::string failures;                   // reported after the lock (a warning handler may call into the pool)
+    after_lock later;                       // declared before the lock: its warnings go after it, thrown or not
     std::unique_lock<std::mutex> lock(mutex_);
     // A direct allocation is ready on its stream as a launch's memory is, waiting on the device under the lock it
     // takes its block under (a reserve made meanwhile is covered). In a capture, no wait: the graph's launches are
     // ordered instead. The legacy default stream (a wait on it is refused while another thread captures a blocking
     // stream) waits through the pool's blocking stream, which its later work is ordered after; another thread's
-    // per-thread stream cannot be named, and does not wait. Asked outside the lock, and only when there are uses.
+    // per-thread stream cannot be named, and does not wait. Asked outside the lock, and only when there are uses. A
+    // host wait (a destroyed stream's work that the device cannot wait for) is made outside the lock, then the uses
+    // are looked at again.
     if (has_uses_.load(std::memory_order_relaxed)) {
       lock.unlock();
-      const bool legacy = detail::may_use_legacy_stream(stream);
-      const bool can_wait =
-          legacy ? !stream.is_per_thread() : detail::capture_status(stream) == cudaStreamCaptureStatusNone;
+      const bool on_legacy = is_legacy_stream(stream);
+      const bool can_wait = on_legacy || (!detail::may_use_legacy_stream(stream) &&
+                                          detail::capture_status(stream) == cudaStreamCaptureStatusNone);
       if (can_wait) on_device.emplace(device_);
-      if (can_wait && legacy) (void)marker_stream();  // per-thread builds: the reserve made none
+      if (on_legacy) (void)marker_stream();  // per-thread builds: the reserve made none
       lock.lock();
-      if (can_wait) {
-        const stream_view waiter = legacy ? marker_stream_->view() : stream;
-        (void)record_deferred_uses(&waiter, &failures);
+      // A use waited for on the host is dropped, so a later round sees only uses deferred meanwhile; the third waits
+      // under the lock rather than go on.
+      for (int round = 0; can_wait; ++round) {
+        const stream_view waiter = on_legacy ? marker_stream_->view() : stream;
+        (void)record_deferred_uses(&waiter, &later, round < 2);
         wait_for_uses_locked(waiter);
+        if (later.host_waits.empty()) break;
+        lock.unlock();
+        finish_host_waits(later);
+        lock.lock();
       }
     }
     // Best fit among the blocks this stream freed and those free for any stream.
     const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
     if (fit.size == no_fit) {
       lock.unlock();
-      if (!failures.empty()) warn(failures);
+      later.warn_now();
       throw_out_of_memory(bytes, size);
     }
     const auto [block_size, address] = fit;
@@ -404,9 +412,7 @@ class graph_pool final : public device_allocator {
     detail::add_to_stat(allocations_, 1);
     detail::add_to_stat(allocated_bytes_, static_cast<std::int64_t>(size));
     detail::add_to_stat(requested_bytes_, static_cast<std::int64_t>(bytes));
-    lock.unlock();
-    if (!failures.empty()) warn(failures);
-    return reinterpret_cast<void*>(address);
+    return reinterpret_cast<void*>(address);  // `later` warns after the lock
   }
 
   /// Returns `p` to the reserve at once, for the stream it was allocated on while a capture runs (see the file
@@ -648,8 +654,8 @@ class graph_pool final : public device_allocator {
         return;
       }
       detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
-      const bool legacy = hold.refuses(use.view);
-      if (legacy && !use.view.is_per_thread()) {
+      const bool refused = hold.refuses(use.view);
+      if (refused && is_legacy_stream(use.view)) {
         // The legacy stream, refused while a gpukit capture runs: its work so far is marked on the pool's blocking
         // stream, which CUDA orders after it. If that fails, deferred (a wait for the legacy stream now would
         // invalidate the capture).
@@ -670,8 +676,8 @@ class graph_pool final : public device_allocator {
         defer(use);
         return;
       }
-      if (legacy || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
-        if (!legacy && kind == use_kind::freeing) return;
+      if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
+        if (!refused && kind == use_kind::freeing) return;
         defer(use);
         return;
       }
@@ -706,16 +712,84 @@ class graph_pool final : public device_allocator {
     has_uses_.store(true, std::memory_order_release);
   }
 
-  /// Records the deferred uses whose streams can take an event now (mutex_ held; outside a capture of the caller).
-  /// The legacy default stream, refused while a gpukit capture runs, is marked on the private blocking stream (when
-  /// the pool has one), which CUDA orders after its earlier work. Where the event cannot be kept (out of host memory),
-  /// `wait_on` (the launch's stream, or the release's) waits for it on the device at once and the use stays deferred;
-  /// without `wait_on`, or when that wait fails, the host waits. A destroyed stream's last work (its final event) is
-  /// waited for by `wait_on` on the device, the use kept until it completes; on the host where there is no such
-  /// event. A use that fails is reported (appended to `failures` where given, for the caller to warn after its lock)
-  /// and dropped, so that it does not fail every later launch. Returns whether a use is left that nothing waits for
-  /// (its stream still cannot take an event).
-  bool record_deferred_uses(const stream_view* wait_on, std::string* failures = nullptr) noexcept {
+  /// What a step under mutex_ leaves for after it: warnings (a warning handler may call into the pool), and host
+  /// waits for destroyed streams' last work (under the lock they would stall every other call on the pool). Warns on
+  /// destruction what is still unsaid, so that an exception loses nothing.
+  struct after_lock {
+    std::string failures;  // one warning per line
+    std::vector<std::shared_ptr<const detail::stream_life>> host_waits;
+
+    after_lock() = default;
+    after_lock(const after_lock&) = delete;
+    after_lock& operator=(const after_lock&) = delete;
+    ~after_lock() { warn_now(); }
+    /// Says the failures through gpukit::warn (not under mutex_); never throws.
+    void warn_now() noexcept {
+      if (failures.empty()) return;
+      try {
+        warn(failures);
+      } catch (...) {
+      }
+      failures.clear();
+    }
+  };
+
+  /// Waits on the host for the destroyed streams' work that record_deferred_uses left in `later` (without mutex_),
+  /// then drops their uses; then warns. A stream destroyed during a capture has no final event: only a device
+  /// synchronize covers its work, which would invalidate a capture running now, so while a gpukit capture runs its
+  /// use stays deferred (the release keeps the reserve if it is still left then). A capture begun with the raw
+  /// runtime cannot be seen: see the README's graph-pool limits. Never throws: a failed wait is reported and its use
+  /// dropped (so that it does not fail every later call).
+  void finish_host_waits(after_lock& later) noexcept {
+    for (const std::shared_ptr<const detail::stream_life>& life : later.host_waits) {
+      if (life->final_event() == nullptr && detail::gpukit_capture_underway()) continue;
+      try {
+        life->wait_finished();
+      } catch (const std::exception& e) {
+        note_failure(later, e);
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      deferred_uses_.erase(std::remove_if(deferred_uses_.begin(), deferred_uses_.end(),
+                                          [&](const detail::kept_stream& u) { return u.life == life; }),
+                           deferred_uses_.end());
+      has_uses_.store(!uses_.empty() || !deferred_uses_.empty(), std::memory_order_release);
+    }
+    later.host_waits.clear();
+    later.warn_now();
+  }
+
+  /// Adds the failure to record a use's work to `later` (said after the lock); said now (without the heap) where
+  /// even that fails.
+  static void note_failure(after_lock& later, const std::exception& e) noexcept {
+    try {
+      later.failures += std::string(later.failures.empty() ? "" : "\n") +
+                        "gpukit::graph_pool: could not record the work of a stream that used a freed block (" +
+                        e.what() + "); the block may be reused before that work is done";
+    } catch (...) {
+      detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
+                         e.what(), "); the block may be reused before that work is done");
+    }
+  }
+
+  /// Whether `s` is (or may be) the legacy default stream itself, whose earlier work the pool's blocking stream is
+  /// ordered after; not another thread's per-thread default stream, which the legacy stream stands in for when
+  /// recording (uses_legacy_stream) but whose work the blocking stream does not wait for.
+  static bool is_legacy_stream(const stream_view& s) noexcept {
+    return !s.is_per_thread() && detail::may_use_legacy_stream(s);
+  }
+
+  /// Records the deferred uses whose streams can take an event now (mutex_ held, outside a capture of the caller;
+  /// or, at the release, no lock and `later` null). The legacy default stream, refused while a gpukit capture runs,
+  /// is marked on the private blocking stream (when the pool has one), which CUDA orders after its earlier work.
+  /// Where the event cannot be kept (out of host memory), `wait_on` (the launch's stream, or the release's) waits for
+  /// it on the device at once and the use stays deferred; without `wait_on`, or when that wait fails, the host waits.
+  /// A destroyed stream's last work (its final event) is waited for by `wait_on` on the device, the use kept until it
+  /// completes; where the device cannot wait for it, the host waits: after the lock (finish_host_waits) when the
+  /// stream is put in `later` (`defer_host_waits`), else now. A use that fails is reported (in `later`, for the
+  /// caller to warn after its lock; without `later`, now) and dropped, so that it does not fail every later launch.
+  /// Returns whether a use is left that nothing waits for (its stream still cannot take an event).
+  bool record_deferred_uses(const stream_view* wait_on, after_lock* later = nullptr,
+                            bool defer_host_waits = true) noexcept {
     bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
@@ -723,7 +797,8 @@ class graph_pool final : public device_allocator {
         const bool destroyed = use.destroyed();
         detail::capture_hold hold(!destroyed && detail::may_use_legacy_stream(use.view));
         // Not another thread's per-thread stream: the blocking stream is ordered after the legacy stream's work only.
-        const bool through_marker = !destroyed && marker_stream_ && !use.view.is_per_thread() && hold.refuses(use.view);
+        const bool through_marker =
+            !destroyed && marker_stream_ && hold.refuses(use.view) && is_legacy_stream(use.view);
         const stream_view on = through_marker ? marker_stream_->view() : use.view;  // where its event is recorded
         if (destroyed) {
           const cudaEvent_t last = use.life->final_event();
@@ -743,6 +818,10 @@ class graph_pool final : public device_allocator {
             continue;
           }
           hold.release();
+          if (later != nullptr && defer_host_waits && put_host_wait(*later, use.life)) {
+            ++it;  // dropped once waited for
+            continue;
+          }
           use.life->wait_finished();
         } else if (!through_marker && unrecordable_now(use, hold)) {
           unordered = true;
@@ -783,17 +862,9 @@ class graph_pool final : public device_allocator {
           }
         }
       } catch (const std::exception& e) {
-        bool kept = false;  // for the caller to report after its lock; else reported now (without the heap)
-        if (failures != nullptr) {
-          try {
-            *failures += std::string(failures->empty() ? "" : "\n") +
-                         "gpukit::graph_pool: could not record the work of a stream that used a freed block (" +
-                         e.what() + "); the block may be reused before that work is done";
-            kept = true;
-          } catch (...) {
-          }
-        }
-        if (!kept) {
+        if (later != nullptr) {
+          note_failure(*later, e);
+        } else {
           detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
                              e.what(), "); the block may be reused before that work is done");
         }
@@ -802,6 +873,18 @@ class graph_pool final : public device_allocator {
       it = deferred_uses_.erase(it);
     }
     return unordered;
+  }
+
+  /// Puts `life` in `later`'s host waits once; false if there is no room (the caller waits now).
+  static bool put_host_wait(after_lock& later, const std::shared_ptr<const detail::stream_life>& life) noexcept {
+    try {
+      if (std::find(later.host_waits.begin(), later.host_waits.end(), life) == later.host_waits.end()) {
+        later.host_waits.push_back(life);
+      }
+      return true;
+    } catch (...) {
+      return false;
+    }
   }
 
   /// Makes `s` wait on the device for event `e` (of the pool's device); false if that fails.
@@ -962,7 +1045,7 @@ class graph_pool final : public device_allocator {
   /// failure is reported, and the reserve is kept if such a use is left unordered.
   void make_marker_for_legacy_uses() noexcept {
     const bool legacy_use = std::any_of(deferred_uses_.begin(), deferred_uses_.end(), [](const detail::kept_stream& u) {
-      return !u.destroyed() && !u.view.is_per_thread() && detail::may_use_legacy_stream(u.view);
+      return !u.destroyed() && is_legacy_stream(u.view);
     });
     if (!legacy_use) return;
     try {
