@@ -29,6 +29,35 @@
 #include <string_view>
 #include <utility>
 
+// Outside the per-mode namespace (detail/config.hpp): CUDA reads CUDA_VISIBLE_DEVICES once per process, so code built
+// in either default-stream mode must compare against the same snapshot.
+namespace gpukit {
+namespace mode_independent {
+
+/// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
+/// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
+struct cuda_environment_snapshot {
+  bool set = false;
+  std::string value;
+};
+
+/// The process's snapshot, taken at the first call (exported: one per process). The name carries the layout's
+/// version, as upstream_streams_v1's does.
+GPUKIT_EXPORT inline const cuda_environment_snapshot& cuda_environment_at_init_v1() {
+  static const cuda_environment_snapshot snapshot = [] {
+    cuda_environment_snapshot s;
+    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
+      s.set = true;
+      s.value = value;
+    }
+    return s;
+  }();
+  return snapshot;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
 GPUKIT_BEGIN_NAMESPACE
 
 /// What kind of failure an error reports; every gpukit exception has exactly one.
@@ -137,14 +166,12 @@ GPUKIT_INLINE void warn(std::string_view message) noexcept;
 
 namespace detail {
 
-/// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
-/// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
-struct cuda_environment_snapshot {
-  bool set = false;
-  std::string value;
-};
+using mode_independent::cuda_environment_snapshot;
 
-GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init();
+/// mode_independent::cuda_environment_at_init_v1: one snapshot for both default-stream modes.
+inline const cuda_environment_snapshot& cuda_environment_at_init() {
+  return mode_independent::cuda_environment_at_init_v1();
+}
 
 /// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
 /// own initialisation triggered by gpukit.
@@ -258,18 +285,6 @@ GPUKIT_INLINE void warn(std::string_view message) noexcept {
   detail::warning_sink_slot().load(std::memory_order_acquire)(message);
 }
 namespace detail {
-
-GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init() {
-  static const cuda_environment_snapshot snapshot = [] {
-    cuda_environment_snapshot s;
-    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
-      s.set = true;
-      s.value = value;
-    }
-    return s;
-  }();
-  return snapshot;
-}
 
 GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
 

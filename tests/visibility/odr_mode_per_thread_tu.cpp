@@ -18,3 +18,4 @@ const void* odr_mode_per_thread_tu_peer_access_holders_v2() {
   return &gpukit::mode_independent::peer_access_holders_v2();
 }
 const void* odr_mode_per_thread_tu_capture_holds() { return &gpukit::mode_independent::capture_holds(); }
+const void* odr_mode_per_thread_tu_cuda_environment() { return &gpukit::detail::cuda_environment_at_init(); }

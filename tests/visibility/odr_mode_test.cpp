@@ -16,6 +16,7 @@ const void* odr_mode_per_thread_tu_default_allocators();
 std::string odr_mode_per_thread_tu_device_text();
 const void* odr_mode_per_thread_tu_peer_access_holders_v2();
 const void* odr_mode_per_thread_tu_capture_holds();
+const void* odr_mode_per_thread_tu_cuda_environment();
 
 namespace {
 mode_function this_tu_mode_function() { return &gpukit::detail::per_thread_default_stream_mode; }
@@ -37,6 +38,9 @@ TEST_CASE("translation units in the two default-stream modes each get their own 
         static_cast<const void*>(&gpukit::mode_independent::peer_access_holders_v2()));
   // And the gate of gpukit's captures: a capture begun in one mode waits for work on the legacy stream in the other.
   CHECK(odr_mode_per_thread_tu_capture_holds() == static_cast<const void*>(&gpukit::mode_independent::capture_holds()));
+  // And CUDA_VISIBLE_DEVICES as CUDA read it (once per process), which both modes' error messages name.
+  CHECK(odr_mode_per_thread_tu_cuda_environment() ==
+        static_cast<const void*>(&gpukit::detail::cuda_environment_at_init()));
   // Both copies work.
   CHECK(odr_mode_per_thread_tu_device_text() == gpukit::device::cuda(2).to_string());
 }
