@@ -371,3 +371,29 @@ TEST_CASE(
   CHECK(cudaFree(device_side) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("heap faults: an exclusive acquire at capacity while a stream given back stays captured allocates nothing") {
+  // The stream waits in the pool until its capture ends; each acquire asks again, under the pool's lock, where an
+  // allocation would fail every acquire while host memory is short (and cost a heap call each time).
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream_pool pool(d, 1, {}, 1);
+  cudaStream_t leased = nullptr;
+  {
+    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+    leased = lease.view().cuda_handle();
+    REQUIRE(cudaStreamBeginCapture(leased, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  }
+  bool leased_again = true;
+  {
+    heap_run run(1, simulated_call);  // the first allocation fails
+    CHECK(run.armed([&] { leased_again = pool.try_acquire_exclusive().has_value(); }));
+    CHECK(run.seen() == 0);
+    CHECK(run.unexpected() == "");
+  }
+  CHECK_FALSE(leased_again);  // still captured: not leased
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(leased, &graph) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(pool.acquire_exclusive().view().cuda_handle() == leased);  // recycled once its capture ended
+  CHECK(cudasim::violations().empty());
+}

@@ -1530,6 +1530,33 @@ TEST_CASE("streams: an exclusive stream given back inside a capture is leased ag
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE(
+    "streams: an exclusive stream parked in a capture whose state cannot be read later is destroyed, not leased") {
+  // Given back inside a capture, it waits in the pool; the next acquire asks again, and when that fails destroys it
+  // (with a warning) rather than lease a stream that may still be in the capture. Its slot is free again.
+  gpukit::stream_pool pool(cuda0, 1, {}, 1);
+  captured_warnings warnings;
+  cudaStream_t leased = nullptr;
+  {
+    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+    leased = lease.view().cuda_handle();
+    REQUIRE(cudaStreamBeginCapture(leased, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  }
+  CHECK(pool.exclusive_available() == 0);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(leased, &graph) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(warnings.messages().empty());
+  cudasim::fail_call("cudaStreamIsCapturing", 1, cudaErrorUnknown);  // the acquire's question about the parked one
+  gpukit::stream_pool::lease next = pool.acquire_exclusive();        // a new stream, in the freed slot
+  CHECK(warnings.contains("could not be asked whether they are being captured"));
+  CHECK(pool.exclusive_in_use() == 1);
+  CHECK(gpukit::detail::capture_status(next.view()) == cudaStreamCaptureStatusNone);
+  CHECK_FALSE(pool.try_acquire_exclusive().has_value());  // the capacity is one: the destroyed stream left no lease
+  cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: an exclusive stream whose capture state cannot be read when given back is destroyed, not leased") {
   gpukit::stream_pool pool(cuda0, 1, {}, 1);
   captured_warnings warnings;

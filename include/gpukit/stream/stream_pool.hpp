@@ -263,27 +263,25 @@ GPUKIT_INLINE void warn_unreadable_returns(std::size_t count, gpukit::device d) 
 }  // namespace detail
 
 GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
-  std::vector<std::unique_ptr<stream>> unreadable;  // destroyed after the lock
-  struct warn_after_lock {
-    std::vector<std::unique_ptr<stream>>& streams;
-    gpukit::device device;
-    ~warn_after_lock() { detail::warn_unreadable_returns(streams.size(), device); }
-  } warn_unreadable{unreadable, device_};
+  std::vector<std::unique_ptr<stream>> unreadable;  // destroyed after the lock, with a warning
+  std::unique_ptr<stream> recycled;
+  bool create = false;  // a slot reserved for a stream created outside the lock
   {
     std::lock_guard<std::mutex> lock(mutex_);
     recycle_captured_returns_locked(unreadable);
     if (!exclusive_free_.empty()) {
-      std::unique_ptr<stream> s = std::move(exclusive_free_.back());
+      recycled = std::move(exclusive_free_.back());
       exclusive_free_.pop_back();
       ++exclusive_in_use_;
-      return s;
-    }
-    if (exclusive_in_use_ + exclusive_captured_.size() >= exclusive_capacity_) {
+    } else if (exclusive_in_use_ + exclusive_captured_.size() >= exclusive_capacity_) {
       in_use = exclusive_in_use_ + exclusive_captured_.size();
-      return nullptr;
+    } else {
+      ++exclusive_in_use_;
+      create = true;
     }
-    ++exclusive_in_use_;  // reserves the slot; the stream is created outside the lock
   }
+  detail::warn_unreadable_returns(unreadable.size(), device_);
+  if (!create) return recycled;  // nullptr at capacity
   try {
     return std::make_unique<stream>(device_, options_);
   } catch (...) {
@@ -308,15 +306,20 @@ GPUKIT_INLINE void stream_pool::return_exclusive(std::unique_ptr<stream> s) noex
 
 GPUKIT_INLINE void stream_pool::recycle_captured_returns_locked(std::vector<std::unique_ptr<stream>>& unreadable) {
   if (exclusive_captured_.empty() || !exclusive_free_.empty()) return;
-  exclusive_free_.reserve(exclusive_free_.size() + exclusive_captured_.size());  // no throw once streams move
-  unreadable.reserve(exclusive_captured_.size());
+  // Nothing is allocated while the streams stay captured. A stream that cannot be moved (out of memory growing a
+  // list; the strong guarantee leaves it intact) stays for the next acquire.
   for (auto it = exclusive_captured_.begin(); it != exclusive_captured_.end();) {
     const detail::returned_stream state = detail::returned_stream_state(**it);
     if (state == detail::returned_stream::captured) {
       ++it;
       continue;
     }
-    (state == detail::returned_stream::free ? exclusive_free_ : unreadable).push_back(std::move(*it));
+    try {
+      (state == detail::returned_stream::free ? exclusive_free_ : unreadable).push_back(std::move(*it));
+    } catch (...) {
+      ++it;
+      continue;
+    }
     it = exclusive_captured_.erase(it);
   }
 }
