@@ -1073,8 +1073,8 @@ TEST_CASE("capture: a graph pool's reserve, a block the default stream still wri
 
 TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer recorded after its capture") {
   // The consumer was captured at the free: its earlier work is recorded once it can take an event, by the next launch
-  // or direct allocation. A direct allocation waits for it on the device, never on the host: a destroyed consumer's
-  // work (only the host could wait for it) is left to the pool's launches and release.
+  // or direct allocation. A direct allocation waits for it on the device, a destroyed consumer's through its final
+  // event (the host waits only where there is none: see the tests of a stream without a final event).
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
@@ -1957,6 +1957,7 @@ class capture_elsewhere {
 };
 }  // namespace
 
+namespace {
 /// Frees `output.out` after a consumer stream recorded it whose final event could not be recorded when it was
 /// destroyed (as for one destroyed during its capture): only a device synchronize covers the consumer's work.
 void free_after_consumer_without_final_event(launched_output& output) {
@@ -1968,18 +1969,27 @@ void free_after_consumer_without_final_event(launched_output& output) {
   REQUIRE(warnings.contains("final event"));
   gpukit::default_allocator(cuda0).deallocate(output.out);  // deferred: the consumer is gone
 }
+}  // namespace
 
 TEST_CASE("capture: a graph pool waits for a stream without a final event outside its lock, once") {
   // The host wait (a device synchronize) is made after the pool's lock: the pool's other calls go on meanwhile (one
-  // made from the wait itself would deadlock under the lock). Once waited for, the use is dropped.
+  // made by another thread during the wait answers; under the lock it would wait until the watchdog gives up). Once
+  // waited for, the use is dropped.
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   constexpr std::size_t bytes = 4096;
   launched_output output(s, bytes, bytes);
   free_after_consumer_without_final_event(output);
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
-  std::size_t reserved_during_wait = 0;
-  cudasim::before_call("cudaDeviceSynchronize", 1, [&] { reserved_during_wait = output.pool->memory_reserved(); });
+  std::atomic<std::size_t> reserved_seen{0};
+  bool answered_during_wait = false;
+  std::thread asker;
+  cudasim::before_call("cudaDeviceSynchronize", 1, [&] {
+    asker = std::thread([&] { reserved_seen = output.pool->memory_reserved(); });
+    const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(30);  // a watchdog, not a timing
+    while (reserved_seen.load() == 0 && std::chrono::steady_clock::now() < limit) std::this_thread::yield();
+    answered_during_wait = reserved_seen.load() != 0;
+  });
   void* block = nullptr;
   SUBCASE("a direct allocation") {
     block = output.pool->allocate(bytes, other);
@@ -1990,8 +2000,10 @@ TEST_CASE("capture: a graph pool waits for a stream without a final event outsid
     other.synchronize();
     block = output.pool->allocate(bytes, other);
   }
+  if (asker.joinable()) asker.join();
   CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
-  CHECK(reserved_during_wait == bytes);  // answered during the wait
+  CHECK(answered_during_wait);
+  CHECK(reserved_seen.load() == bytes);
   output.pool->deallocate(block, other);
   output.graph.launch(other);  // nothing left to wait for
   other.synchronize();

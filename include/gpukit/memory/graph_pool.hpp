@@ -382,16 +382,17 @@ class graph_pool final : public device_allocator {
       if (can_wait) on_device.emplace(device_);
       if (on_legacy) (void)marker_stream();  // per-thread builds: the reserve made none
       lock.lock();
-      // A use waited for on the host is dropped, so a later round sees only uses deferred meanwhile; the third waits
-      // under the lock rather than go on.
-      for (int round = 0; can_wait; ++round) {
+      // A use waited for on the host is dropped, so each round sees only uses deferred meanwhile; a round that waits
+      // for none (a gpukit capture began) ends the rounds, leaving those uses as a capture running at the start would.
+      while (can_wait) {
         const stream_view waiter = on_legacy ? marker_stream_->view() : stream;
-        (void)record_deferred_uses(&waiter, &later, round < 2);
+        (void)record_deferred_uses(&waiter, &later);
         wait_for_uses_locked(waiter);
         if (later.host_waits.empty()) break;
         lock.unlock();
-        finish_host_waits(later);
+        const std::size_t waited = finish_host_waits(later);
         lock.lock();
+        if (waited == 0) break;
       }
     }
     // Best fit among the blocks this stream freed and those free for any stream.
@@ -735,19 +736,25 @@ class graph_pool final : public device_allocator {
   };
 
   /// Waits on the host for the destroyed streams' work that record_deferred_uses left in `later` (without mutex_),
-  /// then drops their uses; then warns. A stream destroyed during a capture has no final event: only a device
-  /// synchronize covers its work, which would invalidate a capture running now, so while a gpukit capture runs its
-  /// use stays deferred (the release keeps the reserve if it is still left then). A capture begun with the raw
-  /// runtime cannot be seen: see the README's graph-pool limits. Never throws: a failed wait is reported and its use
-  /// dropped (so that it does not fail every later call).
-  void finish_host_waits(after_lock& later) noexcept {
+  /// then drops their uses; then warns. Returns how many were waited for (or failed). A stream destroyed during a
+  /// capture has no final event: only a device synchronize covers its work, which would invalidate a capture running
+  /// now, so while a gpukit capture runs (asked again here: a capture beginning between this check and the
+  /// synchronize is not seen, nor one begun with the raw runtime) its use stays deferred (the release keeps the
+  /// reserve if it is still left then). Never throws: a failed wait is reported and its use dropped (so that it does
+  /// not fail every later call).
+  std::size_t finish_host_waits(after_lock& later) noexcept {
+    std::size_t waited = 0;
     for (const std::shared_ptr<const detail::stream_life>& life : later.host_waits) {
       if (life->final_event() == nullptr && detail::gpukit_capture_underway()) continue;
       try {
         life->wait_finished();
       } catch (const std::exception& e) {
-        note_failure(later, e);
+        note_failure(later, "could not wait for the work of a destroyed stream that used a freed block (", e.what());
+      } catch (...) {
+        note_failure(later, "could not wait for the work of a destroyed stream that used a freed block (",
+                     "unknown exception");
       }
+      ++waited;
       std::lock_guard<std::mutex> lock(mutex_);
       deferred_uses_.erase(std::remove_if(deferred_uses_.begin(), deferred_uses_.end(),
                                           [&](const detail::kept_stream& u) { return u.life == life; }),
@@ -756,18 +763,18 @@ class graph_pool final : public device_allocator {
     }
     later.host_waits.clear();
     later.warn_now();
+    return waited;
   }
 
-  /// Adds the failure to record a use's work to `later` (said after the lock); said now (without the heap) where
-  /// even that fails.
-  static void note_failure(after_lock& later, const std::exception& e) noexcept {
+  /// Adds "gpukit::graph_pool: <what><why>); the block may be reused before that work is done" to `later` (said
+  /// after the lock); said now (without the heap) where even that fails.
+  static void note_failure(after_lock& later, const char* what, const char* why) noexcept {
+    constexpr const char* prefix = "gpukit::graph_pool: ";
+    constexpr const char* consequence = "); the block may be reused before that work is done";
     try {
-      later.failures += std::string(later.failures.empty() ? "" : "\n") +
-                        "gpukit::graph_pool: could not record the work of a stream that used a freed block (" +
-                        e.what() + "); the block may be reused before that work is done";
+      later.failures += std::string(later.failures.empty() ? "" : "\n") + prefix + what + why + consequence;
     } catch (...) {
-      detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
-                         e.what(), "); the block may be reused before that work is done");
+      detail::warn_parts(prefix, what, why, consequence);
     }
   }
 
@@ -785,11 +792,10 @@ class graph_pool final : public device_allocator {
   /// it on the device at once and the use stays deferred; without `wait_on`, or when that wait fails, the host waits.
   /// A destroyed stream's last work (its final event) is waited for by `wait_on` on the device, the use kept until it
   /// completes; where the device cannot wait for it, the host waits: after the lock (finish_host_waits) when the
-  /// stream is put in `later` (`defer_host_waits`), else now. A use that fails is reported (in `later`, for the
+  /// stream can be put in `later`, else now. A use that fails is reported (in `later`, for the
   /// caller to warn after its lock; without `later`, now) and dropped, so that it does not fail every later launch.
   /// Returns whether a use is left that nothing waits for (its stream still cannot take an event).
-  bool record_deferred_uses(const stream_view* wait_on, after_lock* later = nullptr,
-                            bool defer_host_waits = true) noexcept {
+  bool record_deferred_uses(const stream_view* wait_on, after_lock* later = nullptr) noexcept {
     bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
@@ -818,7 +824,7 @@ class graph_pool final : public device_allocator {
             continue;
           }
           hold.release();
-          if (later != nullptr && defer_host_waits && put_host_wait(*later, use.life)) {
+          if (later != nullptr && put_host_wait(*later, use.life)) {
             ++it;  // dropped once waited for
             continue;
           }
@@ -863,7 +869,7 @@ class graph_pool final : public device_allocator {
         }
       } catch (const std::exception& e) {
         if (later != nullptr) {
-          note_failure(*later, e);
+          note_failure(*later, "could not record the work of a stream that used a freed block (", e.what());
         } else {
           detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
                              e.what(), "); the block may be reused before that work is done");
