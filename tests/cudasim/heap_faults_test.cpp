@@ -3,6 +3,7 @@
 // std::bad_alloc, for every N. A call that fails must change nothing (an allocation is not made, a free leaves the
 // block allocated, to be freed again), and the engine must stay whole: every byte accounted for, free blocks merged
 // again once everything is freed.
+#include <gpukit/device/peer_access.hpp>
 #include <gpukit/gpukit.hpp>
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
@@ -395,5 +396,27 @@ TEST_CASE("heap faults: an exclusive acquire at capacity while a stream given ba
   REQUIRE(cudaStreamEndCapture(leased, &graph) == cudaSuccess);
   REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
   CHECK(pool.acquire_exclusive().view().cuda_handle() == leased);  // recycled once its capture ended
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("heap faults: a peer_access whose hold cannot be recorded leaves peer access disabled") {
+  // Access enabled but not recorded would never be disabled: a later hold would find it enabled "outside gpukit" and
+  // leave it enabled after its release.
+  const gpukit::device d0 = gpukit::device::cuda(0);
+  const gpukit::device d1 = gpukit::device::cuda(1);
+  { gpukit::peer_access warm_up(d0, d1); }  // the first use's one-time allocations, outside the run
+  {
+    heap_run run(1, simulated_call);  // the first allocation fails: the registry's record of the pair
+    CHECK_FALSE(run.armed([&] { gpukit::peer_access access(d0, d1); }));
+    CHECK(run.unexpected() == "");
+  }
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);  // it was left disabled
+  CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+  {
+    gpukit::peer_access access(d0, d1);  // enabled by gpukit again, and disabled by its release
+  }
+  CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+  CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }

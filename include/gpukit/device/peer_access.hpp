@@ -254,19 +254,27 @@ inline void acquire_peer_access(device from, device to) {
                      cudaErrorPeerAccessUnsupported, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")",
                      from.ordinal(), __FILE__, __LINE__);
   }
-  mode_independent::peer_access_entry entry{1, true, false};
-  guard.emplace(from);  // access is enabled from the current device's context
-  const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
-  if (result == cudaErrorPeerAccessAlreadyEnabled) {
-    // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
-    if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
-    entry.enabled_by_gpukit = false;
-  } else if (result != cudaSuccess) {
-    throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
-                     __FILE__, __LINE__);
+  // Recorded before access is enabled, with no holder yet (invisible: the lock is held until it has one), so that
+  // running out of memory cannot leave access enabled and unrecorded, which no release would then disable.
+  const auto slot = registry.pairs.emplace(key, mode_independent::peer_access_entry{0, true, false}).first;
+  try {
+    guard.emplace(from);  // access is enabled from the current device's context
+    const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
+    if (result == cudaErrorPeerAccessAlreadyEnabled) {
+      // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
+      if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+      slot->second.enabled_by_gpukit = false;
+    } else if (result != cudaSuccess) {
+      throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),
+                       __FILE__, __LINE__);
+    }
+  } catch (...) {
+    registry.pairs.erase(slot);
+    throw;
   }
-  auto& held = registry.pairs.emplace(key, entry).first->second;  // before the grants: pages mapped from now on
-  ++registry.generation;                                          // include `from`
+  mode_independent::peer_access_entry& held = slot->second;
+  held.holders = 1;
+  ++registry.generation;  // before the grants: pages mapped from now on include `from`
   try {
     pages = set_mapped_pages_access(registry, from, to, true);
     pool = set_default_pool_access(from, to, true, held.pool_granted_by_gpukit);
