@@ -8,7 +8,6 @@
 #include "support.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -341,12 +340,7 @@ TEST_CASE("contexts: a context probe skips devices below the compute capability,
   cudasim::machine_config machine = cudasim::default_machine(2);
   machine.devices[0].major = 6;
   machine.devices[0].minor = 1;
-  try {
-    cudasim::configure(machine);
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return;
-  }
+  if (!cudasim::configure_or_skip(machine)) return;
   gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
   gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
   gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
@@ -374,12 +368,7 @@ TEST_CASE("contexts: a device in prohibited compute mode is rejected, and not pr
   // An administrator drained cuda:0 (nvidia-smi -c PROHIBITED): no context may be created there.
   cudasim::machine_config machine = cudasim::default_machine(2);
   machine.devices[0].compute_mode = cudaComputeModeProhibited;
-  try {
-    cudasim::configure(machine);
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return;
-  }
+  if (!cudasim::configure_or_skip(machine)) return;
   gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
   gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
   gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
@@ -409,12 +398,7 @@ TEST_CASE("contexts: CUDA_VISIBLE_DEVICES naming no installed GPU is named in th
 TEST_CASE("contexts: stream priority ranges are per device") {
   cudasim::machine_config machine = cudasim::default_machine(2);
   machine.devices[1].priority_greatest = -3;
-  try {
-    cudasim::configure(machine);
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return;
-  }
+  if (!cudasim::configure_or_skip(machine)) return;
   cudasim::allow_contexts_only_on({1});
   const auto d0 = gpukit::device::cuda(0);
   const auto d1 = gpukit::device::cuda(1);

@@ -9,7 +9,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -65,6 +67,21 @@ CUDASIM_API machine_config default_machine(int count);
 /// CUDA_VISIBLE_DEVICES, once); afterwards it throws std::logic_error. A malformed peer_access matrix throws
 /// std::invalid_argument.
 CUDASIM_API void configure(const machine_config& machine);
+
+/// For a test that needs another machine than the default: configures `machine` and returns true, or, when an
+/// earlier test of the process initialised the runtime, prints the marker that makes the test Skipped and returns
+/// false. A malformed machine still throws std::invalid_argument.
+inline bool configure_or_skip(const machine_config& machine) {
+  try {
+    configure(machine);
+    return true;
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const std::logic_error&) {
+    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
+    return false;
+  }
+}
 
 /// The physical indices CUDA_VISIBLE_DEVICES=`value` makes visible, in ordinal order, on `machine` — the
 /// simulator's own implementation of the runtime's rules (unset: pass nullptr).

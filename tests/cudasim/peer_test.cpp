@@ -12,7 +12,6 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <cstdio>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -27,17 +26,6 @@ namespace {
 
 const gpukit::device cuda0 = gpukit::device::cuda(0);
 const gpukit::device cuda1 = gpukit::device::cuda(1);
-
-/// Configures `machine`, or says why the test is skipped (the runtime was initialised by an earlier test).
-bool configure_machine(const cudasim::machine_config& machine) {
-  try {
-    cudasim::configure(machine);
-    return true;
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return false;
-  }
-}
 
 /// Four devices: 0 and 1 are peers both ways, 2 and 3 are peers both ways, no pair across.
 cudasim::machine_config two_islands() {
@@ -79,7 +67,7 @@ TEST_CASE("peer: every pair of the default machine can be peers, and asking crea
 }
 
 TEST_CASE("peer: a topology with pairs that cannot access each other") {
-  if (!configure_machine(two_islands())) return;
+  if (!cudasim::configure_or_skip(two_islands())) return;
   cudasim::allow_contexts_only_on({0});
   const gpukit::peer_matrix m = gpukit::query_peer_matrix();
   REQUIRE(m.size() == 4);
@@ -127,7 +115,7 @@ TEST_CASE("peer: a topology with pairs that cannot access each other") {
 
 TEST_CASE("peer: ordinals follow CUDA_VISIBLE_DEVICES in the topology") {
   gpukit_test::scoped_env visible("CUDA_VISIBLE_DEVICES", std::string("2,0,1"));
-  if (!configure_machine(two_islands())) return;
+  if (!cudasim::configure_or_skip(two_islands())) return;
   const gpukit::peer_matrix m = gpukit::query_peer_matrix();
   REQUIRE(m.size() == 3);  // cuda:0 is physical 2, whose peer (3) is not visible
   const std::vector<std::vector<bool>> expected{{false, false, false}, {false, false, true}, {false, true, false}};
@@ -135,7 +123,7 @@ TEST_CASE("peer: ordinals follow CUDA_VISIBLE_DEVICES in the topology") {
 }
 
 TEST_CASE("peer: holds are counted: the first enables, the last disables, and only the two devices get contexts") {
-  if (!configure_machine(cudasim::default_machine(4))) return;
+  if (!cudasim::configure_or_skip(cudasim::default_machine(4))) return;
   cudasim::allow_contexts_only_on({1, 2});
   const gpukit::device cuda2 = gpukit::device::cuda(2);
   {

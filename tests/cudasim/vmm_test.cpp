@@ -10,7 +10,6 @@
 
 #include <cuda.h>
 
-#include <cstdio>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -111,12 +110,7 @@ TEST_CASE("vmm: out of device memory while mapping pages is an out_of_memory_err
   cudasim::machine_config machine = cudasim::default_machine(1);
   machine.devices[0].total_memory = 64 * MiB;
   machine.context_bytes = 16 * MiB;
-  try {
-    cudasim::configure(machine);
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return;
-  }
+  if (!cudasim::configure_or_skip(machine)) return;
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   {
@@ -143,12 +137,7 @@ TEST_CASE("vmm: out of device memory while mapping pages is an out_of_memory_err
 TEST_CASE("vmm: a device without virtual memory management falls back to cudaMalloc segments, with a warning") {
   cudasim::machine_config machine = cudasim::default_machine(1);
   machine.devices[0].virtual_memory = false;
-  try {
-    cudasim::configure(machine);
-  } catch (const std::logic_error&) {
-    std::printf("GPUKIT_TEST_SKIPPED: the simulated runtime was initialised by an earlier test in this process\n");
-    return;
-  }
+  if (!cudasim::configure_or_skip(machine)) return;
   std::vector<std::string> warnings;
   const auto previous = gpukit::set_warning_handler([&](std::string_view m) { warnings.emplace_back(m); });
   {
