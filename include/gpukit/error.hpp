@@ -37,22 +37,25 @@ namespace mode_independent {
 /// The CUDA_VISIBLE_DEVICES value in effect when gpukit first touched CUDA in this process. CUDA reads the
 /// variable once, at initialisation, so later changes have no effect; diagnostics compare against this.
 struct cuda_environment_snapshot {
-  bool set = false;
-  std::string value;
+  bool set = false;   ///< whether the variable was set
+  std::string value;  ///< its value (empty when unset)
 };
 
-/// The process's snapshot, taken at the first call (exported: one per process). The name carries the layout's
-/// version, as upstream_streams_v1's does.
+/// CUDA_VISIBLE_DEVICES now.
+inline cuda_environment_snapshot read_cuda_environment() {
+  cuda_environment_snapshot now;
+  if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    now.set = true;
+    now.value = value;
+  }
+  return now;
+}
+
+/// The process's snapshot, taken at the first call (exported: one per process). Never destroyed: error messages
+/// built by other statics' destructors read it. The name carries the layout's version, as upstream_streams_v1's does.
 GPUKIT_EXPORT inline const cuda_environment_snapshot& cuda_environment_at_init_v1() {
-  static const cuda_environment_snapshot snapshot = [] {
-    cuda_environment_snapshot s;
-    if (const char* value = std::getenv("CUDA_VISIBLE_DEVICES")) {
-      s.set = true;
-      s.value = value;
-    }
-    return s;
-  }();
-  return snapshot;
+  static const auto* snapshot = new cuda_environment_snapshot(read_cuda_environment());
+  return *snapshot;
 }
 
 }  // namespace mode_independent
@@ -180,6 +183,9 @@ GPUKIT_INLINE void note_cuda_use();
 /// Whether CUDA_VISIBLE_DEVICES differs now from its value at cuda_environment_at_init (CUDA ignores the change).
 GPUKIT_INLINE bool visible_devices_variable_changed();
 
+/// A value of CUDA_VISIBLE_DEVICES for messages: `"0,1"` (quoted) or `unset`.
+GPUKIT_INLINE std::string show_variable_value(const cuda_environment_snapshot& v);
+
 /// CUDA_VISIBLE_DEVICES as CUDA read it (cuda_environment_at_init), for messages: `CUDA_VISIBLE_DEVICES="0,1"` or
 /// `CUDA_VISIBLE_DEVICES unset`, followed by the value now where the process changed it since (CUDA ignores that).
 GPUKIT_INLINE std::string describe_visible_devices_variable();
@@ -290,19 +296,19 @@ GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
 
 GPUKIT_INLINE bool visible_devices_variable_changed() {
   const cuda_environment_snapshot& at_init = cuda_environment_at_init();
-  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
-  return now == nullptr ? at_init.set : !at_init.set || at_init.value != now;
+  const cuda_environment_snapshot now = mode_independent::read_cuda_environment();
+  return now.set != at_init.set || now.value != at_init.value;
+}
+
+GPUKIT_INLINE std::string show_variable_value(const cuda_environment_snapshot& v) {
+  return v.set ? "\"" + v.value + "\"" : std::string("unset");
 }
 
 GPUKIT_INLINE std::string describe_visible_devices_variable() {
   const cuda_environment_snapshot& at_init = cuda_environment_at_init();
-  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
-  const auto show = [](bool set, const std::string& value) {
-    return set ? "=\"" + value + "\"" : std::string(" unset");
-  };
-  std::string text = "CUDA_VISIBLE_DEVICES" + show(at_init.set, at_init.value);
+  std::string text = "CUDA_VISIBLE_DEVICES" + (at_init.set ? "=" + show_variable_value(at_init) : " unset");
   if (visible_devices_variable_changed()) {
-    text += " when CUDA read it (" + std::string(now == nullptr ? "unset" : "\"" + std::string(now) + "\"") +
+    text += " when CUDA read it (" + show_variable_value(mode_independent::read_cuda_environment()) +
             " now, which CUDA does not read again)";
   }
   return text;

@@ -1982,13 +1982,24 @@ TEST_CASE("capture: a graph pool waits for a stream without a final event outsid
   free_after_consumer_without_final_event(output);
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   std::atomic<std::size_t> reserved_seen{0};
+  std::atomic<bool> answered{false};
   bool answered_during_wait = false;
   std::thread asker;
+  struct joined_at_exit {  // on every path, a throw included: the hook and the thread use this scope's locals
+    std::thread& thread;
+    ~joined_at_exit() {
+      cudasim::clear_faults();
+      if (thread.joinable()) thread.join();
+    }
+  } join_asker{asker};
   cudasim::before_call("cudaDeviceSynchronize", 1, [&] {
-    asker = std::thread([&] { reserved_seen = output.pool->memory_reserved(); });
+    asker = std::thread([&] {
+      reserved_seen = output.pool->memory_reserved();
+      answered = true;
+    });
     const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(30);  // a watchdog, not a timing
-    while (reserved_seen.load() == 0 && std::chrono::steady_clock::now() < limit) std::this_thread::yield();
-    answered_during_wait = reserved_seen.load() != 0;
+    while (!answered.load() && std::chrono::steady_clock::now() < limit) std::this_thread::yield();
+    answered_during_wait = answered.load();
   });
   void* block = nullptr;
   SUBCASE("a direct allocation") {

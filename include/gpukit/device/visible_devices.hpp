@@ -349,11 +349,8 @@ GPUKIT_INLINE visible_devices parse_visible_devices(const char* value, const ins
 
 GPUKIT_INLINE std::string visible_devices_changed_message() {
   if (!detail::visible_devices_variable_changed()) return {};
-  const auto& at_init = detail::cuda_environment_at_init();
-  const char* now = std::getenv("CUDA_VISIBLE_DEVICES");
-  auto show = [](bool set, const std::string& v) { return set ? "\"" + v + "\"" : std::string("unset"); };
-  return "CUDA_VISIBLE_DEVICES is now " + show(now != nullptr, now ? now : "") + " but was " +
-         show(at_init.set, at_init.value) +
+  return "CUDA_VISIBLE_DEVICES is now " + detail::show_variable_value(mode_independent::read_cuda_environment()) +
+         " but was " + detail::show_variable_value(detail::cuda_environment_at_init()) +
          " when CUDA was initialised in this process; CUDA reads it only once, so the earlier value is in effect. "
          "Set it before the process starts (or before the first CUDA call).";
 }

@@ -281,6 +281,7 @@ GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& i
     }
   }
   detail::warn_unreadable_returns(unreadable.size(), device_);
+  unreadable.clear();            // destroyed before one is created in their place: never over capacity
   if (!create) return recycled;  // nullptr at capacity
   try {
     return std::make_unique<stream>(device_, options_);
