@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 static_assert(std::is_base_of<std::runtime_error, gpukit::error>::value, "rooted in std::runtime_error");
 static_assert(std::is_nothrow_copy_constructible<gpukit::error>::value, "exceptions copy without throwing");
@@ -73,6 +74,23 @@ TEST_CASE("no-driver errors say what is wrong in words") {
   CHECK(what.find("cudaErrorInsufficientDriver") != std::string::npos);
   CHECK(what.find("CUDA_VISIBLE_DEVICES unset") != std::string::npos);
   CHECK(what.find("no NVIDIA driver is loaded") != std::string::npos);
+}
+
+TEST_CASE("stream-capture errors say which rule was broken") {
+  const std::pair<cudaError_t, const char*> expected[] = {
+      {cudaErrorCapturedEvent, "last recorded inside a stream capture"},
+      {cudaErrorStreamCaptureUnsupported, "not permitted while a stream capture is underway"},
+      {cudaErrorStreamCaptureImplicit, "legacy default stream would join the capture"},
+      {cudaErrorStreamCaptureInvalidated, "must still be ended"},
+      {cudaErrorStreamCaptureUnjoined, "was not joined back"},
+      {cudaErrorStreamCaptureWrongThread, "ended by the thread that began it"},
+  };
+  for (const auto& [result, words] : expected) {
+    const std::string what = thrown_by<gpukit::error>(result, "cudaEventSynchronize", 0).what();
+    INFO(what);
+    CHECK(what.find(cudaGetErrorName(result)) != std::string::npos);
+    CHECK(what.find(words) != std::string::npos);
+  }
 }
 
 TEST_CASE("GPUKIT_CUDA_TRY throws on failure and evaluates the description only then") {

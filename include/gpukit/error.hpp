@@ -325,6 +325,24 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
       return "no CUDA-capable GPU is visible (check CUDA_VISIBLE_DEVICES)";
     case cudaErrorInvalidDevice:
       return "the ordinal is not below the number of visible devices";
+    // Stream capture: what the error names rarely says which rule the program broke.
+    case cudaErrorCapturedEvent:
+      return "the event was last recorded inside a stream capture, where it belongs to the graph being built: the "
+             "host cannot query or wait for it (record it after the graph's launch instead)";
+    case cudaErrorStreamCaptureUnsupported:
+      return "the call is not permitted while a stream capture is underway (a capture in global mode, on any "
+             "thread, counts): make it before or after the capture";
+    case cudaErrorStreamCaptureImplicit:
+      return "work on the legacy default stream would join the capture of a blocking stream of its device: capture "
+             "non-blocking streams (gpukit::stream's default), or keep the default stream idle meanwhile";
+    case cudaErrorStreamCaptureInvalidated:
+      return "an earlier call that CUDA does not permit during capture invalidated it; the capture must still be "
+             "ended (cudaStreamEndCapture) before the stream can be used again";
+    case cudaErrorStreamCaptureUnjoined:
+      return "a stream forked into the capture (it waited for an event recorded there) was not joined back into the "
+             "stream that began it before the capture ended";
+    case cudaErrorStreamCaptureWrongThread:
+      return "a capture in global or thread-local mode must be ended by the thread that began it";
     default:
       return nullptr;
   }
