@@ -17,6 +17,7 @@
 #include <gpukit/device/properties.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -51,7 +53,8 @@ struct gpu_monitor_options {
   /// Read the PCIe throughput counters (NVML takes about 20 ms per counter per device to sample them).
   bool read_pcie = true;
   /// Called on the sampling thread after each round with the monitor and the round's samples (one per device NVML
-  /// found). It may call any member of the monitor, but must not destroy it (the destructor waits for this thread).
+  /// found). It may call any member of the monitor, and may destroy it as its last step (a server shutting its
+  /// monitoring down from a sample): the thread then ends without touching the monitor, or this callable, again.
   /// Exceptions are caught and reported through status().
   std::function<void(const class gpu_monitor&, const std::vector<device_sample>&)> on_sample;
 };
@@ -105,14 +108,21 @@ class gpu_monitor {
   gpu_monitor& operator=(const gpu_monitor&) = delete;
 
   /// Stops the sampling thread: waits for a round in progress (about 40 ms per device with PCIe counters) and for an
-  /// on_sample call in progress.
+  /// on_sample call in progress. Called from on_sample (the sampling thread itself), it cannot wait for that thread:
+  /// the thread is told to end as soon as on_sample returns, and is detached.
   ~gpu_monitor() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
     }
     wake_.notify_all();
-    if (sampler_.joinable()) sampler_.join();
+    if (!sampler_.joinable()) return;
+    if (sampler_.get_id() == std::this_thread::get_id()) {
+      destroyed_by_callback_->store(true, std::memory_order_release);
+      sampler_.detach();
+      return;
+    }
+    sampler_.join();
   }
 
   /// NVML is available and the monitor samples (or can sample) at least one device.
@@ -299,10 +309,14 @@ class gpu_monitor {
   }
 
   void run() noexcept {
+    // Outlives the monitor: on_sample may destroy it, after which nothing of it may be touched.
+    const std::shared_ptr<std::atomic<bool>> destroyed = destroyed_by_callback_;
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_) {
       lock.unlock();
       const char* stage = "sampling failed";
+      bool failed = false;
+      std::string error;
       try {
         std::vector<device_sample> round;
         {
@@ -312,13 +326,15 @@ class gpu_monitor {
         stage = "on_sample threw";
         if (options_.on_sample) options_.on_sample(*this, round);
       } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> error_lock(mutex_);
-        last_error_ = std::string(stage) + ": " + e.what();
+        failed = true;
+        error = e.what();
       } catch (...) {
-        std::lock_guard<std::mutex> error_lock(mutex_);
-        last_error_ = std::string(stage) + ": an unknown exception";
+        failed = true;
+        error = "an unknown exception";
       }
+      if (destroyed->load(std::memory_order_acquire)) return;  // by on_sample: `this` is gone
       lock.lock();
+      if (failed) last_error_ = std::string(stage) + ": " + error;
       wake_.wait_for(lock, options_.period, [this] { return stopping_; });
     }
   }
@@ -334,6 +350,8 @@ class gpu_monitor {
   std::string last_error_;
   std::uint64_t rounds_ = 0;
   bool stopping_ = false;
+  // Set by a destructor that on_sample called: the sampling thread must then leave the monitor alone.
+  std::shared_ptr<std::atomic<bool>> destroyed_by_callback_ = std::make_shared<std::atomic<bool>>(false);
   std::thread sampler_;  // last: starts after every member it uses exists
 };
 
