@@ -1586,3 +1586,18 @@ TEST_CASE("streams: a stream destroyed during its capture records no final event
   CHECK_FALSE(life->finished());          // unknown: waited for by a device synchronize once the capture is gone
   CHECK(warnings.messages().empty());
 }
+
+TEST_CASE("streams: a failed capture-state query names the stream and its device") {
+  gpukit::stream s(cuda0);
+  cudasim::fail_call("cudaStreamIsCapturing", 1, cudaErrorUnknown);
+  try {
+    (void)gpukit::detail::capture_status(s.view());
+    FAIL("no exception");
+  } catch (const gpukit::cuda_error& e) {
+    const std::string what = e.what();
+    CHECK(e.device() == 0);
+    CHECK(what.find(gpukit::detail::describe_stream(s.cuda_handle(), cuda0)) != std::string::npos);
+    CHECK(what.find("cudaStreamIsCapturing(") == 0);
+  }
+  CHECK(cudasim::violations().empty());
+}

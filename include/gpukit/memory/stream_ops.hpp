@@ -295,7 +295,8 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   if (result == cudaSuccess) return status;
   if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
   if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
-  throw_cuda_error(result, "cudaStreamIsCapturing", -1, __FILE__, __LINE__);
+  throw_cuda_error(result, "cudaStreamIsCapturing(" + describe_stream(handle, s.device()) + ")", s.device().ordinal(),
+                   __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
