@@ -80,8 +80,9 @@ TEST_CASE("stream-capture errors say which rule was broken") {
   const std::pair<cudaError_t, const char*> expected[] = {
       {cudaErrorCapturedEvent, "last recorded inside a stream capture"},
       {cudaErrorStreamCaptureUnsupported, "not permitted while a stream capture is underway"},
+      {cudaErrorStreamCaptureUnsupported, "legacy default stream was to be captured"},
       {cudaErrorStreamCaptureImplicit, "legacy default stream would join the capture"},
-      {cudaErrorStreamCaptureInvalidated, "must still be ended"},
+      {cudaErrorStreamCaptureInvalidated, "an earlier error during the capture"},
       {cudaErrorStreamCaptureUnjoined, "was not joined back"},
       {cudaErrorStreamCaptureWrongThread, "ended by the thread that began it"},
   };

@@ -330,14 +330,16 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
       return "the event was last recorded inside a stream capture, where it belongs to the graph being built: the "
              "host cannot query or wait for it (record it after the graph's launch instead)";
     case cudaErrorStreamCaptureUnsupported:
-      return "the call is not permitted while a stream capture is underway (a capture in global mode, on any "
-             "thread, counts): make it before or after the capture";
+      return "the call is not permitted while a stream capture is underway (a synchronize or query of the captured "
+             "stream, or a device-wide wait, in any mode; other unsafe calls while a capture in global mode runs on "
+             "any thread), or the legacy default stream was to be captured, which CUDA never allows: make the call "
+             "before or after the capture";
     case cudaErrorStreamCaptureImplicit:
       return "work on the legacy default stream would join the capture of a blocking stream of its device: capture "
              "non-blocking streams (gpukit::stream's default), or keep the default stream idle meanwhile";
     case cudaErrorStreamCaptureInvalidated:
-      return "an earlier call that CUDA does not permit during capture invalidated it; the capture must still be "
-             "ended (cudaStreamEndCapture) before the stream can be used again";
+      return "an earlier error during the capture (often a call not permitted while capturing) invalidated it; "
+             "cudaStreamEndCapture ends it, returning this error and no graph, and the stream is usable again";
     case cudaErrorStreamCaptureUnjoined:
       return "a stream forked into the capture (it waited for an event recorded there) was not joined back into the "
              "stream that began it before the capture ended";

@@ -414,7 +414,13 @@ TEST_CASE("heap faults: a peer_access whose hold cannot be recorded leaves peer 
   CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);  // it was left disabled
   CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
   {
-    gpukit::peer_access access(d0, d1);  // enabled by gpukit again, and disabled by its release
+    gpukit_test::captured_warnings warnings;
+    {
+      gpukit::peer_access access(d0, d1);  // enabled by gpukit again (no record of the failed hold left)...
+      CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorPeerAccessAlreadyEnabled);
+      (void)cudaGetLastError();
+    }  // ...and disabled by its release
+    CHECK(warnings.messages().empty());
   }
   CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
   CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);

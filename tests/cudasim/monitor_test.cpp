@@ -130,31 +130,26 @@ TEST_CASE("the background thread samples at its period, calls on_sample, and sto
   CHECK(callbacks == after_destruction);
 }
 
-namespace {
-// Set by an on_sample that destroyed its monitor: at namespace scope, since the callable (its captures) went with it.
-std::atomic<bool> monitor_destroyed_by_callback{false};
-}  // namespace
-
-TEST_CASE("on_sample may destroy its monitor as its last step, and the sampling thread then leaves it alone") {
+TEST_CASE("on_sample may destroy its monitor, and the sampling thread then leaves it alone") {
   // A server shutting monitoring down from a sample: the destructor cannot wait for its own thread (std::thread::join
   // would throw inside it, terminating the process), and the thread must not touch the monitor once on_sample returns.
   cudasim_nvml nvml;
   std::unique_ptr<gpukit::gpu_monitor> monitor;
+  std::atomic<bool> destroyed{false};
   std::mutex made;  // on_sample waits until `monitor` holds the monitor
   gpukit::gpu_monitor_options options;
   options.period = std::chrono::milliseconds(1);
   options.read_pcie = false;
-  options.on_sample = [&monitor, &made](const gpukit::gpu_monitor&, const std::vector<gpukit::device_sample>&) {
-    std::unique_ptr<gpukit::gpu_monitor>* const holder = &monitor;
+  options.on_sample = [&](const gpukit::gpu_monitor&, const std::vector<gpukit::device_sample>&) {
     { const std::lock_guard<std::mutex> wait_until_held(made); }
-    holder->reset();                       // the last step that uses the monitor or a capture
-    monitor_destroyed_by_callback = true;  // not a capture
+    monitor.reset();
+    destroyed = true;  // the callable's captures outlive the monitor
   };
   {
     const std::lock_guard<std::mutex> hold(made);
     monitor = std::make_unique<gpukit::gpu_monitor>(options, nvml.library);
   }
-  REQUIRE(eventually([] { return monitor_destroyed_by_callback.load(); }));
+  REQUIRE(eventually([&] { return destroyed.load(); }));
   CHECK(monitor == nullptr);
 }
 

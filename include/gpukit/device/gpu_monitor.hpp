@@ -53,9 +53,9 @@ struct gpu_monitor_options {
   /// Read the PCIe throughput counters (NVML takes about 20 ms per counter per device to sample them).
   bool read_pcie = true;
   /// Called on the sampling thread after each round with the monitor and the round's samples (one per device NVML
-  /// found). It may call any member of the monitor, and may destroy it as its last step (a server shutting its
-  /// monitoring down from a sample): the thread then ends without touching the monitor, or this callable, again.
-  /// Exceptions are caught and reported through status().
+  /// found). It may call any member of the monitor, and may destroy it once the constructor has returned (a server
+  /// shutting its monitoring down from a sample): the callable itself lives on until it returns, and the thread then
+  /// ends without touching the monitor. Exceptions are caught and reported through status().
   std::function<void(const class gpu_monitor&, const std::vector<device_sample>&)> on_sample;
 };
 
@@ -101,7 +101,11 @@ class gpu_monitor {
     if (known < watched_.size()) status_ += " (" + std::to_string(watched_.size() - known) + " unknown to NVML)";
     constexpr std::chrono::milliseconds a_year = std::chrono::hours(24 * 365);
     options_.period = std::min(options_.period, a_year);  // wait_for with a huge period would overflow
-    if (options_.period.count() > 0) sampler_ = std::thread([this] { run(); });
+    if (options_.period.count() > 0) {
+      shared_ = std::make_shared<sampler_shared>();
+      shared_->on_sample = std::move(options_.on_sample);
+      sampler_ = std::thread([this] { run(); });
+    }
   }
 
   gpu_monitor(const gpu_monitor&) = delete;
@@ -118,7 +122,7 @@ class gpu_monitor {
     wake_.notify_all();
     if (!sampler_.joinable()) return;
     if (sampler_.get_id() == std::this_thread::get_id()) {
-      destroyed_by_callback_->store(true, std::memory_order_release);
+      shared_->monitor_destroyed.store(true, std::memory_order_release);
       sampler_.detach();
       return;
     }
@@ -310,7 +314,7 @@ class gpu_monitor {
 
   void run() noexcept {
     // Outlives the monitor: on_sample may destroy it, after which nothing of it may be touched.
-    const std::shared_ptr<std::atomic<bool>> destroyed = destroyed_by_callback_;
+    const std::shared_ptr<sampler_shared> shared = shared_;
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_) {
       lock.unlock();
@@ -324,17 +328,25 @@ class gpu_monitor {
           round = sample_round();
         }
         stage = "on_sample threw";
-        if (options_.on_sample) options_.on_sample(*this, round);
+        if (shared->on_sample) shared->on_sample(*this, round);
       } catch (const std::exception& e) {
         failed = true;
-        error = e.what();
+        try {
+          error = e.what();
+        } catch (...) {  // no memory for the text: the failure is still noted
+        }
       } catch (...) {
         failed = true;
-        error = "an unknown exception";
+        error = "an unknown exception";  // fits the short-string buffer: no allocation
       }
-      if (destroyed->load(std::memory_order_acquire)) return;  // by on_sample: `this` is gone
+      if (shared->monitor_destroyed.load(std::memory_order_acquire)) return;  // by on_sample: `this` is gone
       lock.lock();
-      if (failed) last_error_ = std::string(stage) + ": " + error;
+      if (failed) {
+        try {
+          last_error_ = std::string(stage) + ": " + error;
+        } catch (...) {  // no memory: the previous error stays
+        }
+      }
       wake_.wait_for(lock, options_.period, [this] { return stopping_; });
     }
   }
@@ -350,9 +362,13 @@ class gpu_monitor {
   std::string last_error_;
   std::uint64_t rounds_ = 0;
   bool stopping_ = false;
-  // Set by a destructor that on_sample called: the sampling thread must then leave the monitor alone.
-  std::shared_ptr<std::atomic<bool>> destroyed_by_callback_ = std::make_shared<std::atomic<bool>>(false);
-  std::thread sampler_;  // last: starts after every member it uses exists
+  /// What the sampling thread keeps beyond the monitor's life: on_sample may destroy the monitor.
+  struct sampler_shared {
+    std::atomic<bool> monitor_destroyed{false};  // by on_sample: the thread must leave the monitor alone
+    decltype(gpu_monitor_options::on_sample) on_sample;
+  };
+  std::shared_ptr<sampler_shared> shared_;  // set when the thread starts
+  std::thread sampler_;                     // last: starts after every member it uses exists
 };
 
 GPUKIT_END_NAMESPACE
