@@ -53,10 +53,14 @@ inline cuda_environment_snapshot read_cuda_environment() {
 
 /// The process's snapshot, taken at the first call (exported: one per process). Never destroyed: error messages
 /// built by other statics' destructors read it. The name carries the layout's version, as upstream_streams_v1's does.
-GPUKIT_EXPORT inline const cuda_environment_snapshot& cuda_environment_at_init_v1() {
+GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init_v1();
+
+#if GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
+GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init_v1() {
   static const auto* snapshot = new cuda_environment_snapshot(read_cuda_environment());
   return *snapshot;
 }
+#endif  // GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
 
 }  // namespace mode_independent
 }  // namespace gpukit
@@ -331,9 +335,9 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
              "host cannot query or wait for it (record it after the graph's launch instead)";
     case cudaErrorStreamCaptureUnsupported:
       return "the call is not permitted while a stream capture is underway (a synchronize or query of the captured "
-             "stream, or a device-wide wait, in any mode; other unsafe calls while a capture in global mode runs on "
-             "any thread), or the legacy default stream was to be captured, which CUDA never allows: make the call "
-             "before or after the capture";
+             "stream, or a device-wide wait, in any mode; other unsafe calls from any thread during a capture in "
+             "global mode, from the capturing thread in thread-local mode), or the legacy default stream was to be "
+             "captured, which CUDA never allows: make the call before or after the capture";
     case cudaErrorStreamCaptureImplicit:
       return "work on the legacy default stream would join the capture of a blocking stream of its device: capture "
              "non-blocking streams (gpukit::stream's default), or keep the default stream idle meanwhile";

@@ -1599,5 +1599,16 @@ TEST_CASE("streams: a failed capture-state query names the stream and its device
     CHECK(what.find(gpukit::detail::describe_stream(s.cuda_handle(), cuda0)) != std::string::npos);
     CHECK(what.find("cudaStreamIsCapturing(") == 0);
   }
+  // A raw handle's device is not asked for (that lookup would likely fail too, hiding this error).
+  const std::size_t lookups = cudasim::calls("cudaStreamGetDevice");
+  cudasim::fail_call("cudaStreamIsCapturing", 1, cudaErrorUnknown);
+  try {
+    (void)gpukit::detail::capture_status(gpukit::stream_view(s.cuda_handle()));
+    FAIL("no exception");
+  } catch (const gpukit::cuda_error& e) {
+    CHECK(std::string(e.what()).find("cudaStreamIsCapturing(stream 0x") == 0);
+    CHECK(e.cuda_result() == cudaErrorUnknown);
+  }
+  CHECK(cudasim::calls("cudaStreamGetDevice") == lookups);
   CHECK(cudasim::violations().empty());
 }

@@ -337,7 +337,10 @@ class gpu_monitor {
         }
       } catch (...) {
         failed = true;
-        error = "an unknown exception";  // fits the short-string buffer: no allocation
+        try {
+          error = "an unknown exception";
+        } catch (...) {
+        }
       }
       if (shared->monitor_destroyed.load(std::memory_order_acquire)) return;  // by on_sample: `this` is gone
       lock.lock();

@@ -382,17 +382,19 @@ class graph_pool final : public device_allocator {
       if (can_wait) on_device.emplace(device_);
       if (on_legacy) (void)marker_stream();  // per-thread builds: the reserve made none
       lock.lock();
-      // A use waited for on the host is dropped, so each round sees only uses deferred meanwhile; a round that waits
-      // for none (a gpukit capture began) ends the rounds, leaving those uses as a capture running at the start would.
+      // A use waited for on the host is dropped, so each round sees only uses deferred meanwhile. After a round that
+      // waited for none (a gpukit capture began), one more looks at what came while the lock was let go, then the
+      // rounds end, leaving the skipped uses as a capture running at the start would. The last step under the lock
+      // before the block is taken is always the wait for the uses.
+      bool stalled = false;
       while (can_wait) {
         const stream_view waiter = on_legacy ? marker_stream_->view() : stream;
         (void)record_deferred_uses(&waiter, &later);
         wait_for_uses_locked(waiter);
-        if (later.host_waits.empty()) break;
+        if (later.host_waits.empty() || stalled) break;
         lock.unlock();
-        const std::size_t waited = finish_host_waits(later);
+        stalled = finish_host_waits(later) == 0;
         lock.lock();
-        if (waited == 0) break;
       }
     }
     // Best fit among the blocks this stream freed and those free for any stream.

@@ -291,12 +291,22 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
   if (s.is_other_threads_stream()) return cudaStreamCaptureStatusNone;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t result = cuda_backend::stream_capture_status(s.cuda_target(), status);
+  const cuda_stream_target target = s.cuda_target();
+  const cudaError_t result = cuda_backend::stream_capture_status(target, status);
   if (result == cudaSuccess) return status;
   if (is_teardown_result(result)) return cudaStreamCaptureStatusNone;
   if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
-  throw_cuda_error(result, "cudaStreamIsCapturing(" + describe_stream(handle, s.device()) + ")", s.device().ordinal(),
-                   __FILE__, __LINE__);
+  // The ordinal known without asking CUDA (a raw handle's device lookup would likely fail as this call did).
+  const int ordinal = target.ordinal;
+  std::string stream;
+  if (ordinal >= 0) {
+    stream = describe_stream(handle, gpukit::device::cuda(ordinal));
+  } else {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", static_cast<const void*>(handle));
+    stream = std::string("stream ") + text;
+  }
+  throw_cuda_error(result, "cudaStreamIsCapturing(" + stream + ")", ordinal, __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
