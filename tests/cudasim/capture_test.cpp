@@ -1157,6 +1157,29 @@ TEST_CASE("capture: a direct allocation from a graph pool that throws still repo
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a graph pool released with a use it cannot record says so at once") {
+  // At the release no lock is held and no caller warns later: the failure is said as it happens.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream consumer(cuda0);
+  gpukit_test::captured_warnings warnings;
+  {
+    launched_output output(s, 8192, 4096);
+    allocator.record_stream(output.out, consumer);
+    REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    allocator.deallocate(output.out);  // deferred: `consumer` cannot take an event now
+    cudaGraph_t unused = nullptr;
+    REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);  // the deferred use's event
+  }                                                                            // the graph, then the pool: the release
+  CHECK(warnings.contains("gpukit::graph_pool: could not record the work of a stream that used a freed block ("));
+  CHECK(warnings.contains("the block may be reused before that work is done"));
+  cudasim::clear_faults();
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool released during a gpukit capture orders a use by the legacy stream, keeping nothing") {
   // The legacy stream cannot take an event while a gpukit capture runs; its earlier work is marked on the pool's
   // blocking stream, which CUDA orders after it, rather than keeping the reserve for good.

@@ -71,11 +71,13 @@ class worker {
 
 /// What a call may use, made before the capture; whatever the call did not consume is released after it.
 struct objects {
-  cudaStream_t other = nullptr;  // a non-blocking stream, not captured
-  cudaEvent_t event = nullptr;   // recorded on `other` and complete
-  void* device = nullptr;        // cudaMalloc
-  void* pooled = nullptr;        // cudaMallocAsync on `other`
-  void* pinned = nullptr;        // cudaMallocHost
+  cudaStream_t other = nullptr;     // a non-blocking stream, not captured
+  cudaStream_t blocking = nullptr;  // a blocking stream, not captured
+  cudaStream_t captured = nullptr;  // the stream being captured (set once the capture began)
+  cudaEvent_t event = nullptr;      // recorded on `other` and complete
+  void* device = nullptr;           // cudaMalloc
+  void* pooled = nullptr;           // cudaMallocAsync on `other`
+  void* pinned = nullptr;           // cudaMallocHost
   std::vector<char> pageable = std::vector<char>(buffer_bytes);
   std::vector<char> registered = std::vector<char>(buffer_bytes);  // cudaHostRegister'ed
   cudaGraph_t graph = nullptr;
@@ -86,6 +88,8 @@ struct objects {
   void* made_pinned = nullptr;
   cudaStream_t made_stream = nullptr;
   cudaEvent_t made_event = nullptr;
+  cudaEvent_t fork = nullptr;  // the forked-and-joined probe's events, destroyed once the capture ended
+  cudaEvent_t join = nullptr;
   cudaGraphExec_t made_exec = nullptr;
   bool made_registration = false;
   bool unregistered = false;
@@ -100,6 +104,7 @@ cudaError_t forget_on_success(cudaError_t result, T*& p) {
 
 void make(objects& o) {
   GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&o.other, cudaStreamNonBlocking));
+  GPUKIT_CUDA_TRY(cudaStreamCreate(&o.blocking));
   GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&o.event, cudaEventDisableTiming));
   GPUKIT_CUDA_TRY(cudaMalloc(&o.device, buffer_bytes));
   GPUKIT_CUDA_TRY(cudaMallocAsync(&o.pooled, buffer_bytes, o.other));
@@ -127,9 +132,12 @@ void release(objects& o) {
   if (o.made_device != nullptr) (void)cudaFree(o.made_device);
   if (o.device != nullptr) (void)cudaFree(o.device);
   if (o.made_event != nullptr) (void)cudaEventDestroy(o.made_event);
+  if (o.fork != nullptr) (void)cudaEventDestroy(o.fork);
+  if (o.join != nullptr) (void)cudaEventDestroy(o.join);
   if (o.event != nullptr) (void)cudaEventDestroy(o.event);
   if (o.made_stream != nullptr) (void)cudaStreamDestroy(o.made_stream);
   if (o.other != nullptr) (void)cudaStreamDestroy(o.other);
+  if (o.blocking != nullptr) (void)cudaStreamDestroy(o.blocking);
   (void)cudaDeviceSynchronize();
   (void)cudaGetLastError();
 }
@@ -280,6 +288,40 @@ std::vector<probe> probes() {
     {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
     {"cudaGraphDestroy", self, false, ok, [](objects& o) {
       return forget_on_success(cudaGraphDestroy(o.graph), o.graph); }},
+    // Blocking streams synchronize with the legacy default stream, not with each other: work on one that is not
+    // captured does not join a captured one (gpukit records and waits on such streams during captures).
+    {"cudaEventRecord (another blocking stream)", other, true, ok, [](objects& o) {
+      return cudaEventRecord(o.event, o.blocking); }},
+    {"cudaStreamWaitEvent (another blocking stream)", other, true, ok, [](objects& o) {
+      return cudaStreamWaitEvent(o.blocking, o.event, 0); }},
+    // The legacy default stream's own wait and query (stream_view::synchronize and ready on it, relaxed): a wait
+    // covers the blocking streams' work, the captured one's included, so the simulator refuses it during a blocking
+    // capture (an implicit join); a query it permits. Not yet measured on a GPU.
+    {"cudaStreamSynchronize (legacy default stream)", relaxed, false, ok, [](objects&) {
+      return cudaStreamSynchronize(cudaStreamLegacy); }},
+    {"cudaStreamSynchronize (legacy default stream)", relaxed, true, no, [](objects&) {
+      return cudaStreamSynchronize(cudaStreamLegacy); }},
+    {"cudaStreamQuery (legacy default stream)", relaxed, true, ok, [](objects&) {
+      const cudaError_t e = cudaStreamQuery(cudaStreamLegacy);
+      return e == cudaErrorNotReady ? cudaSuccess : e; }},
+    // A stream forked into the capture and joined back stays part of it until the capture ends (the simulator's
+    // rule; gpukit asks cudaStreamIsCapturing before recording on a stream): this probe succeeds only if it reads
+    // cudaStreamCaptureStatusActive.
+    {"cudaStreamIsCapturing (forked and joined)", self, false, ok, [](objects& o) {
+      cudaError_t e = cudaEventCreateWithFlags(&o.fork, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&o.join, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventRecord(o.fork, o.captured);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(o.other, o.fork, 0);
+      if (e == cudaSuccess) e = cudaMemsetAsync(o.device, 3, buffer_bytes, o.other);
+      if (e == cudaSuccess) e = cudaEventRecord(o.join, o.other);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(o.captured, o.join, 0);
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (e == cudaSuccess) e = cudaStreamIsCapturing(o.other, &status);
+      if (e == cudaSuccess && status != cudaStreamCaptureStatusActive) {
+        std::printf("  (the forked and joined stream's status: %d)\n", static_cast<int>(status));
+        e = cudaErrorIllegalState;  // not the status expected
+      }
+      return e; }},
   };
   // clang-format on
 }
@@ -301,6 +343,7 @@ observation observe(const probe& p, worker& other_thread) {
   }
   GPUKIT_CUDA_TRY(cudaStreamBeginCapture(captured, cudaStreamCaptureModeGlobal));
   GPUKIT_CUDA_TRY(cudaMemsetAsync(o.device, 2, buffer_bytes, captured));
+  o.captured = captured;
   observation seen;
   const auto make_call = [&] {
     const bool relax = p.from == caller::other_thread_relaxed || p.from == caller::capturing_thread_relaxed;
@@ -337,7 +380,7 @@ TEST_CASE("gpu: the calls a capture in global mode permits, from another thread 
   for (const probe& p : probes()) {
     const observation seen = observe(p, other_thread);
     const bool permitted = seen.returned == cudaSuccess && !seen.capture_invalidated;
-    std::printf("  %-44s from %-30s %s capture: returned %-36s capture %s\n", p.call, name_of(p.from),
+    std::printf("  %-46s from %-30s %s capture: returned %-36s capture %s\n", p.call, name_of(p.from),
                 p.blocking_capture ? "blocking " : "non-blocking", cudaGetErrorName(seen.returned),
                 seen.capture_invalidated ? "INVALIDATED" : "intact");
     const std::string what = std::string(p.call) + " from " + name_of(p.from) +

@@ -751,9 +751,9 @@ class graph_pool final : public device_allocator {
       try {
         life->wait_finished();
       } catch (const std::exception& e) {
-        note_failure(later, "could not wait for the work of a destroyed stream that used a freed block (", e.what());
+        note_failure(&later, "could not wait for the work of a destroyed stream that used a freed block (", e.what());
       } catch (...) {
-        note_failure(later, "could not wait for the work of a destroyed stream that used a freed block (",
+        note_failure(&later, "could not wait for the work of a destroyed stream that used a freed block (",
                      "unknown exception");
       }
       ++waited;
@@ -769,15 +769,18 @@ class graph_pool final : public device_allocator {
   }
 
   /// Adds "gpukit::graph_pool: <what><why>); the block may be reused before that work is done" to `later` (said
-  /// after the lock); said now (without the heap) where even that fails.
-  static void note_failure(after_lock& later, const char* what, const char* why) noexcept {
+  /// after the lock); said now (without the heap) when there is no `later` or even that fails.
+  static void note_failure(after_lock* later, const char* what, const char* why) noexcept {
     constexpr const char* prefix = "gpukit::graph_pool: ";
     constexpr const char* consequence = "); the block may be reused before that work is done";
     try {
-      later.failures += std::string(later.failures.empty() ? "" : "\n") + prefix + what + why + consequence;
+      if (later != nullptr) {
+        later->failures += std::string(later->failures.empty() ? "" : "\n") + prefix + what + why + consequence;
+        return;
+      }
     } catch (...) {
-      detail::warn_parts(prefix, what, why, consequence);
     }
+    detail::warn_parts(prefix, what, why, consequence);
   }
 
   /// Whether `s` is (or may be) the legacy default stream itself, whose earlier work the pool's blocking stream is
@@ -870,13 +873,9 @@ class graph_pool final : public device_allocator {
           }
         }
       } catch (const std::exception& e) {
-        if (later != nullptr) {
-          note_failure(*later, "could not record the work of a stream that used a freed block (", e.what());
-        } else {
-          detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
-                             e.what(), "); the block may be reused before that work is done");
-        }
+        note_failure(later, "could not record the work of a stream that used a freed block (", e.what());
       } catch (...) {
+        note_failure(later, "could not record the work of a stream that used a freed block (", "unknown exception");
       }
       it = deferred_uses_.erase(it);
     }

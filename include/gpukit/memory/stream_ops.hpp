@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -179,8 +180,8 @@ GPUKIT_INLINE void record_from_any_thread(event& e, const stream_view& s);
 /// legacy default stream (as record_from_any_thread), whose work the later work of blocking streams waits for.
 GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s);
 
-/// "stream 0x7f3a5c000b20 of cuda:0", for messages.
-GPUKIT_INLINE std::string describe_stream(const void* handle, gpukit::device d);
+/// "stream 0x7f3a5c000b20 of cuda:0", for messages; without the device where it is not known.
+GPUKIT_INLINE std::string describe_stream(const void* handle, std::optional<gpukit::device> d);
 
 /// Throws the invalid_argument_error for `operation` on `stream` (described) while it is captured.
 [[noreturn]] GPUKIT_INLINE void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,
@@ -298,15 +299,9 @@ GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   if (result == cudaErrorStreamCaptureImplicit) return cudaStreamCaptureStatusActive;  // unusable until it ends
   // The ordinal known without asking CUDA (a raw handle's device lookup would likely fail as this call did).
   const int ordinal = target.ordinal;
-  std::string stream;
-  if (ordinal >= 0) {
-    stream = describe_stream(handle, gpukit::device::cuda(ordinal));
-  } else {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", static_cast<const void*>(handle));
-    stream = std::string("stream ") + text;
-  }
-  throw_cuda_error(result, "cudaStreamIsCapturing(" + stream + ")", ordinal, __FILE__, __LINE__);
+  const std::optional<gpukit::device> d =
+      ordinal >= 0 ? std::optional<gpukit::device>(gpukit::device::cuda(ordinal)) : std::nullopt;
+  throw_cuda_error(result, "cudaStreamIsCapturing(" + describe_stream(handle, d) + ")", ordinal, __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE bool uses_legacy_stream(const stream_view& s) {
@@ -363,10 +358,12 @@ GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s) {
   e.wait(s);
 }
 
-GPUKIT_INLINE std::string describe_stream(const void* handle, gpukit::device d) {
+GPUKIT_INLINE std::string describe_stream(const void* handle, std::optional<gpukit::device> d) {
   char text[32];
   std::snprintf(text, sizeof text, "%p", handle);
-  return std::string("stream ") + text + " of " + d.to_string();
+  std::string described = std::string("stream ") + text;
+  if (d) described += " of " + d->to_string();
+  return described;
 }
 
 GPUKIT_INLINE void throw_captured(std::string_view operation, const std::string& stream, gpukit::device d,

@@ -380,12 +380,15 @@ GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int ev
 GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
   float ms = 0.0f;
   const cudaError_t result = cudaEventElapsedTime(&ms, start, end);
-  if (result == cudaErrorInvalidResourceHandle) {  // gpukit's timing events: one was never recorded
+  if (result == cudaErrorInvalidResourceHandle) {
+    // gpukit's timing events are valid handles unless the context went (cudaDeviceReset): most likely, one was never
+    // recorded.
     (void)cudaGetLastError();
     throw invalid_argument_error(
-        "gpukit::elapsed_time: an event was never recorded (cudaEventElapsedTime returned "
-        "cudaErrorInvalidResourceHandle on cuda:" +
-        std::to_string(ordinal) + ")");
+        "gpukit::elapsed_time: an event was never recorded, or its handle is no longer valid (cudaDeviceReset "
+        "destroys every event of the device): cudaEventElapsedTime returned cudaErrorInvalidResourceHandle on cuda:" +
+            std::to_string(ordinal),
+        cudaErrorInvalidResourceHandle, "cudaEventElapsedTime", ordinal);
   }
   GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaEventElapsedTime", ordinal);
   return ms;
