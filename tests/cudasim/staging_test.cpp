@@ -379,3 +379,82 @@ TEST_CASE("sim staging: to_device of a temporary pinned vector waits for the cop
   CHECK(cudasim::calls("cudaStreamSynchronize") == before);
   CHECK(gpukit::to_host(from_lvalue, s) == values);
 }
+
+TEST_CASE("sim staging: a slot that cannot grow while the stream is held fails at once instead of emptying the cache") {
+  // Out of host memory, a pinned pool empties its cache and retries: cudaFreeHost waits for all the device's work,
+  // the held stream's too, whose gate opens only after to_device returns. Inside a transfer the pool throws instead.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  auto options = small_options();
+  options.patience = 10ms;
+  gpukit::staging_engine engine(pool, options);
+  const auto small = pattern(1 * MiB, 10);       // 256 KiB slots
+  const auto large = pattern(12 * MiB + 5, 11);  // 1 MiB chunks: the first idle slot grows
+  device_memory for_small(small.size());
+  device_memory for_large(large.size());
+  gpukit::stream s(d);
+  engine.to_device(for_small.p, small.data(), small.size(), s);
+  s.synchronize();                          // every slot idle
+  pool.deallocate(pool.allocate(4 * MiB));  // a cached block, which emptying the cache would free
+  gpukit_test::gate g;
+  watchdog dog(g, 10s);  // a regression fails instead of hanging
+  g.hold(s);
+  const std::size_t frees = cudasim::calls("cudaFreeHost");
+  cudasim::fail_call("cudaHostAlloc", 1, cudaErrorMemoryAllocation);
+  try {
+    engine.to_device(for_large.p, large.data(), large.size(), s);
+    FAIL("no exception");
+  } catch (const gpukit::out_of_memory_error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("was not emptied: this call is part of a staging transfer") != std::string::npos);
+    CHECK(what.find("upstream: ") != std::string::npos);
+  }
+  CHECK(cudasim::calls("cudaFreeHost") == frees);
+  CHECK(pool.stats().oom_retries == 0);
+  g.open();
+  s.synchronize();
+  dog.finish();
+  CHECK_FALSE(dog.opened_gate());  // to_device returned while the stream was held
+  // Usable afterwards; outside a transfer the pool empties its cache and retries as before.
+  engine.to_device(for_large.p, large.data(), large.size(), s);
+  std::vector<unsigned char> back(large.size(), 0);
+  engine.to_host(back.data(), for_large.p, back.size(), s);
+  CHECK(back == large);
+  cudasim::fail_call("cudaHostAlloc", 1, cudaErrorMemoryAllocation);
+  void* p = pool.allocate(8 * MiB);
+  CHECK(p != nullptr);
+  CHECK(pool.stats().oom_retries == 1);
+  pool.deallocate(p);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim staging: another thread's per-thread default stream is refused before anything is enqueued") {
+  // cudaStreamPerThread names the calling thread's own stream: a copy enqueued with another thread's view would run
+  // on this thread's stream, unordered with the work it was meant to follow.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine(pool, small_options());
+  const auto data = pattern(64 * 1024, 12);
+  device_memory dst(data.size());
+  device_memory src(data.size());
+  gpukit::stream_view theirs;
+  std::thread([&] { theirs = gpukit::stream_view(d, cudaStreamPerThread).resolved(); }).join();
+  REQUIRE(theirs.is_other_threads_stream());
+  const std::size_t copies = cudasim::calls("cudaMemcpyAsync") + cudasim::calls("cudaMemcpyAsync_ptsz");
+  const std::size_t peer_copies = cudasim::calls("cudaMemcpyPeerAsync") + cudasim::calls("cudaMemcpyPeerAsync_ptsz");
+  std::vector<unsigned char> back(data.size(), 0);
+  const auto refused = doctest::Contains("per-thread default stream of another thread");
+  CHECK_THROWS_WITH_AS(engine.to_device(dst.p, data.data(), data.size(), theirs), refused,
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(engine.to_host(back.data(), dst.p, back.size(), theirs), refused,
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::copy_peer_async(dst.p, d, src.p, d, data.size(), theirs), refused,
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(
+      gpukit::device_copier{}(dst.p, data.data(), data.size(), gpukit::copy_direction::host_to_device, theirs), refused,
+      gpukit::invalid_argument_error);
+  CHECK(cudasim::calls("cudaMemcpyAsync") + cudasim::calls("cudaMemcpyAsync_ptsz") == copies);
+  CHECK(cudasim::calls("cudaMemcpyPeerAsync") + cudasim::calls("cudaMemcpyPeerAsync_ptsz") == peer_copies);
+  CHECK(cudasim::violations().empty());
+}

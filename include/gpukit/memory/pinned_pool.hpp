@@ -225,7 +225,9 @@ class basic_pinned_pool {
 
   /// A block of at least `bytes` (its size class), served from the cache when a block of that class is free, else
   /// from the upstream. Returns nullptr for 0. If the upstream is out of memory the cache is emptied and the request
-  /// retried once before out_of_memory_error is thrown.
+  /// retried once before out_of_memory_error is thrown; not on a thread that must not wait for the device (inside a
+  /// staging transfer, detail::defer_pinned_cap: emptying calls cudaFreeHost, which waits for all the device's work,
+  /// and the transfer's stream may be waiting for that thread), which gets out_of_memory_error at once.
   [[nodiscard]] void* allocate(std::size_t bytes);
 
   /// Declares that work on `s` uses block `p`: when it is deallocated, an event is recorded on `s` and the block is
@@ -420,6 +422,11 @@ class basic_pinned_pool {
   void add_pinning_time(std::chrono::steady_clock::duration spent, bool succeeded);
 
   void* upstream_allocate_with_retry(std::size_t size, std::size_t requested);
+
+  // The out_of_memory_error for a block of class `size` (`requested` bytes asked for) that `upstream` refused, the
+  // cache `emptied` first or not.
+  [[noreturn]] void throw_exhausted(std::size_t size, std::size_t requested, bool emptied,
+                                    const out_of_memory_error& upstream);
 
   Upstream upstream_;
   Sync sync_;

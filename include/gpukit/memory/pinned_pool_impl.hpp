@@ -646,9 +646,13 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::add_pinning_time(std::chro
 template <class Upstream, class Sync>
 GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::upstream_allocate_with_retry(std::size_t size,
                                                                                     std::size_t requested) {
+  // Emptying the cache calls cudaFreeHost, which waits for all the device's work: not on a thread whose calls must
+  // not wait (a staging transfer, whose stream may be held until it returns; a deadlock otherwise).
+  const bool may_empty = detail::pinned_cap_deferrals_on_this_thread() == 0;
   try {
     return upstream_allocate_timed(size);
-  } catch (const out_of_memory_error&) {
+  } catch (const out_of_memory_error& e) {
+    if (!may_empty) throw_exhausted(size, requested, false, e);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++stats_.oom_retries;
@@ -658,19 +662,34 @@ GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::upstream_allocate_with_re
   try {
     return upstream_allocate_timed(size);
   } catch (const out_of_memory_error& e) {
-    std::size_t allocated = 0;
-    std::size_t pending = 0;
-    {
-      // The counters as they are: polling events here could replace this error with another.
-      std::lock_guard<std::mutex> lock(mutex_);
-      allocated = stats_.allocated_bytes;
-      pending = pending_bytes_;
-    }
-    throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
-                              " (size class " + detail::format_bytes_exact(size) + ") even after emptying the cache; " +
-                              detail::format_bytes(allocated) + " allocated, " + detail::format_bytes(pending) +
-                              " waiting for streams; upstream: " + e.what());
+    throw_exhausted(size, requested, true, e);
   }
+}
+
+template <class Upstream, class Sync>
+GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::throw_exhausted(std::size_t size, std::size_t requested,
+                                                                      bool emptied,
+                                                                      const out_of_memory_error& upstream) {
+  std::size_t allocated = 0;
+  std::size_t pending = 0;
+  std::size_t cached = 0;
+  {
+    // The counters as they are: polling events here could replace this error with another.
+    std::lock_guard<std::mutex> lock(mutex_);
+    allocated = stats_.allocated_bytes;
+    pending = pending_bytes_;
+    cached = stats_.reserved_bytes - stats_.allocated_bytes - pending_bytes_ - lost_bytes_;
+  }
+  const std::string cache =
+      emptied ? std::string(" even after emptying the cache")
+              : "; the cache (" + detail::format_bytes(cached) +
+                    ") was not emptied: this call is part of a staging transfer, which must not wait for the device "
+                    "(cudaFreeHost waits for all its work, the transfer's stream included), so call empty_cache() "
+                    "from a thread that waits for nothing, or lower max_cached_bytes";
+  throw out_of_memory_error("gpukit::pinned_pool: cannot allocate " + detail::format_bytes_exact(requested) +
+                            " (size class " + detail::format_bytes_exact(size) + ")" + cache + "; " +
+                            detail::format_bytes(allocated) + " allocated, " + detail::format_bytes(pending) +
+                            " waiting for streams; upstream: " + upstream.what());
 }
 
 #if GPUKIT_DETAIL_EXTERN_TEMPLATES  // compiled once into gpukit::compiled (see detail/config.hpp)

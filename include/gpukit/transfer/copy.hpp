@@ -280,8 +280,9 @@ void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier
 /// (of any CUDA device), with cudaMemcpyPeerAsync: raw bytes with both devices named, for memory gpukit does not
 /// track (copy_async does the same for device spans and buffers, with its checks). Works whether or not peer access
 /// is enabled (<gpukit/device/peer_access.hpp>); without it the driver goes through the host. Both sides are ready
-/// once the stream passed the copy. Throws invalid_argument_error for a CPU device or stream, or a null pointer with
-/// a non-zero size; the gpukit error of the failed call otherwise. Zero bytes: a no-op.
+/// once the stream passed the copy. Throws invalid_argument_error for a CPU device or stream, another thread's
+/// per-thread default stream, or a null pointer with a non-zero size; the gpukit error of the failed call otherwise.
+/// Zero bytes: a no-op.
 GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
                                    std::size_t bytes, stream_view s);
 
@@ -403,6 +404,7 @@ GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const v
     throw invalid_argument_error("gpukit::copy_peer_async(" + src_device.to_string() + " -> " + dst_device.to_string() +
                                  "): null pointer");
   }
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("copy_peer_async");
   detail::note_cuda_use();
   detail::cuda_backend::copy_peer_async(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes, s.cuda_target());
 }

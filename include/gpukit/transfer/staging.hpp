@@ -100,7 +100,8 @@ enum class copy_direction : unsigned char { host_to_device, device_to_host, devi
 
 /// The default device copy step: one cudaMemcpyAsync (cudaMemcpyDefault) on a CUDA stream; a memcpy enqueued on a CPU
 /// stream (run at once on the CPU's synchronous default stream), so CPU copies are asynchronous and ordered like a
-/// GPU's. Throws like any gpukit CUDA call.
+/// GPU's. Throws like any gpukit CUDA call, and invalid_argument_error for another thread's per-thread default stream
+/// (cudaStreamPerThread would name this thread's).
 ///
 /// A device copy step is any callable `(void* dst, const void* src, std::size_t bytes, copy_direction, stream_view)`
 /// that enqueues the copy on the stream, or throws having enqueued nothing.
@@ -176,13 +177,16 @@ class basic_staging_engine {
   /// returns the source has been read in full (reuse it at once); the destination is written in stream order. Waits
   /// for the stream's slots at most `patience`, then hands the rest over (see the file comment). If it throws, the
   /// chunks already enqueued may still be written to the destination in stream order. Throws invalid_argument_error,
-  /// enqueueing nothing, while `s` is being captured (a graph cannot replay staging).
+  /// enqueueing nothing, while `s` is being captured (a graph cannot replay staging) or for another thread's
+  /// per-thread default stream. Out of host memory for a slot, it throws out_of_memory_error without emptying the
+  /// pinned pool's cache (that would wait for the device's work, which may be waiting for this call).
   void to_device(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, and
   /// returns once `dst` holds the data: it waits for the stream's earlier work, as CUDA's cudaMemcpyAsync into
   /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be.
-  /// Throws invalid_argument_error, enqueueing nothing, while `s` is being captured.
+  /// Throws invalid_argument_error, enqueueing nothing, while `s` is being captured or for another thread's per-thread
+  /// default stream; out_of_memory_error as to_device.
   void to_host(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Returns the slots of rings whose work has completed to the pool and forgets those rings (e.g. after a phase that
@@ -436,6 +440,7 @@ GPUKIT_BEGIN_NAMESPACE
 GPUKIT_INLINE void device_copier::operator()(void* dst, const void* src, std::size_t bytes,
                                              copy_direction /*direction*/, stream_view s) const {
   if (s.is_cpu()) return detail::cpu_backend::copy_async(dst, src, bytes, s.cpu_queue());
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("device_copier");
   detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
 }
 

@@ -44,6 +44,7 @@ template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void* src, std::size_t bytes,
                                                            stream_view s) {
   if (bytes == 0) return;
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_device");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_device", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
   lane_lease lease = acquire(s, &ring::up);
@@ -102,6 +103,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* src, std::size_t bytes, stream_view s) {
   if (bytes == 0) return;
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_host");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_host", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
   lane_lease lease = acquire(s, &ring::down);
