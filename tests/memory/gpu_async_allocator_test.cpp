@@ -128,7 +128,15 @@ TEST_CASE("gpu: async_allocator out of memory and its limit: observers, the numb
   CHECK(a.stats().num_alloc_retries == 2);
   a.set_reserved_limit(MiB);
   void* p = a.allocate(MiB / 2, s);
-  CHECK_THROWS_AS((void)a.allocate(MiB, s), gpukit::out_of_memory_error);
+  try {
+    (void)a.allocate(MiB, s);
+    FAIL("the limit was not applied");
+  } catch (const gpukit::out_of_memory_error& e) {
+    INFO(e.what());
+    CHECK(contains(e.what(), "refused: this allocator's limit of 1.00 MiB would be exceeded"));
+    CHECK_FALSE(contains(e.what(), "cudaMallocAsync of"));  // none was made
+    CHECK(e.cuda_result() == cudaSuccess);
+  }
   REQUIRE(seen.size() == 2);
   CHECK(seen.back().limit_hit);
   CHECK(seen.back().reserved_limit == MiB);

@@ -903,16 +903,20 @@ class async_allocator final : public device_allocator {
     info.device_free = device_memory.free_bytes;
     info.device_total = device_memory.total_bytes;
     using detail::format_bytes;
-    info.message = "gpukit: out of memory on " + device_.to_string() + ": cudaMallocAsync of " +
-                   detail::format_bytes_exact(bytes) + " failed" +
-                   (limit_hit ? " (the limit of " + format_bytes(info.reserved_limit) + " would be exceeded)" : "") +
-                   ". Device: " +
-                   (info.device_memory_known
-                        ? format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free"
-                        : std::string("total and free memory unknown")) +
-                   ". This allocator: " + format_bytes(info.allocated) + " allocated" +
-                   (in_flight != 0 ? " (and " + format_bytes(in_flight) + " being allocated by other requests)" : "") +
-                   "; the pool holds " + format_bytes(info.reserved) + ".";
+    // A request the allocator's own limit refused made no CUDA call: the message must not send the user looking for
+    // exhausted device memory.
+    info.message =
+        "gpukit: out of memory on " + device_.to_string() + ": " +
+        (limit_hit ? "an allocation of " + detail::format_bytes_exact(bytes) + " refused: this allocator's limit of " +
+                         format_bytes(info.reserved_limit) + " would be exceeded (no cudaMallocAsync was made)"
+                   : "cudaMallocAsync of " + detail::format_bytes_exact(bytes) + " failed") +
+        ". Device: " +
+        (info.device_memory_known
+             ? format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free"
+             : std::string("total and free memory unknown")) +
+        ". This allocator: " + format_bytes(info.allocated) + " allocated" +
+        (in_flight != 0 ? " (and " + format_bytes(in_flight) + " being allocated by other requests)" : "") +
+        "; the pool holds " + format_bytes(info.reserved) + ".";
     observers_.notify(info, device_.to_string());
     throw out_of_memory_error(info.message, limit_hit ? cudaSuccess : cudaErrorMemoryAllocation,
                               "gpukit::async_allocator::allocate(" + std::to_string(bytes) + ")", device_.ordinal());

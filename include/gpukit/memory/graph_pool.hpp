@@ -8,7 +8,8 @@
 /// later query. A graph_pool reserves memory before the capture (from a backing device_resource, the device's
 /// default one unless given) and hands it out during the capture with no allocating CUDA call; while a capture with a
 /// pool runs (gpukit::capture, graph/graph.hpp), allocations that gpukit's caching allocators receive for the captured
-/// streams come from the pool, and frees of pool memory go back to it, from any allocator. A block freed during a
+/// streams come from the pool, and frees of pool memory go back to it, from any of those allocators (async_allocator
+/// makes graph memory nodes in a capture instead, and does not take pool memory back). A block freed during a
 /// capture is reused there only by allocations on the stream that freed it: a capture orders each stream's work, not
 /// the work of streams forked into it. Blocks another stream used (record_stream, a free on another stream) wait until
 /// the pool's captures have ended; blocks freed outside a capture serve any stream of later captures (the graphs, run
