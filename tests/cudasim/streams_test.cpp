@@ -1621,3 +1621,33 @@ TEST_CASE("streams: a failed capture-state query names the stream and its device
   CHECK(cudasim::calls("cudaStreamGetDevice") == lookups);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("streams: a pinned block whose stream is destroyed and its handle reused during the free's record waits") {
+  // Another thread destroys the stream between the pool's look at it and its event record, and a new stream gets the
+  // handle (LIFO here): the record then orders only the new stream's work. The old one's final event still holds the
+  // block until the work it used has run.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  const gpukit::stream_view used = s->view();
+  const cudaStream_t handle = s->cuda_handle();
+  gpukit_test::gate g;
+  g.hold(*s);  // the work that uses the block
+  void* p = pool.allocate(4096);
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    s.reset();
+    successor.emplace(cuda0);
+  });
+  pool.deallocate(p, used);
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  void* q = pool.allocate(4096);
+  CHECK(q != p);  // not handed out while the old stream's work may still use it
+  g.open();
+  cudasim::drain_all();
+  pool.deallocate(q);
+  void* again = pool.allocate(4096);
+  CHECK((again == p || again == q));  // reusable once that work has run
+  pool.deallocate(again);
+  CHECK(cudasim::violations().empty());
+}

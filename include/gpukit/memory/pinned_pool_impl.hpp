@@ -371,9 +371,15 @@ template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::make_pending_locked(void* p, block& b) {
   if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
   b.markers.reserve(b.markers.size() + b.streams.size());
+  b.finals.reserve(b.finals.size() + b.lives.size());
   for (const auto& s : b.streams) {
     b.markers.push_back(sync_.record(s));
     ++stats_.events_recorded;
+  }
+  // A stream another thread destroyed meanwhile (its handle may be a new stream's by the record, which then orders
+  // only that one's work): its final event covers its own work, as the caching allocator checks after its records.
+  for (const auto& life : b.lives) {
+    if (life && life->expired()) b.finals.push_back(life);  // room reserved above
   }
   b.streams.clear();
   b.lives.clear();
