@@ -112,6 +112,18 @@ struct launched_output {
   }
 };
 
+/// Frees `out`, which `consumer` read (record_stream), while `consumer` is captured: the consumer cannot take an event
+/// then, so its use is deferred, and recorded by the pool's next launch, direct allocation or release.
+void free_while_consumer_captured(void* out, gpukit::stream_view consumer) {
+  auto& allocator = gpukit::default_allocator(cuda0);
+  allocator.record_stream(out, consumer);
+  REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  allocator.deallocate(out);
+  cudaGraph_t unused = nullptr;
+  REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+}
+
 /// A graph captured on `s` whose one temporary comes from `pool`.
 gpukit::graph graph_with_temporary(gpukit::stream& s, const std::shared_ptr<gpukit::graph_pool>& pool) {
   return gpukit::capture(
@@ -1075,7 +1087,6 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   // The consumer was captured at the free: its earlier work is recorded once it can take an event, by the next launch
   // or direct allocation. A direct allocation waits for it on the device, a destroyed consumer's through its final
   // event (the host waits only where there is none: see the tests of a stream without a final event).
-  auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   std::optional<gpukit::stream> consumer(std::in_place, cuda0);
@@ -1086,12 +1097,7 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   gpukit_test::gate held;
   held.hold(*consumer);
   REQUIRE(cudaMemsetAsync(out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
-  allocator.record_stream(out, *consumer);
-  REQUIRE(cudaStreamBeginCapture(consumer->cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-  allocator.deallocate(out);  // deferred: `consumer` cannot take an event now
-  cudaGraph_t unused = nullptr;
-  REQUIRE(cudaStreamEndCapture(consumer->cuda_handle(), &unused) == cudaSuccess);
-  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  free_while_consumer_captured(out, *consumer);  // deferred: `consumer` cannot take an event now
   void* block = nullptr;
   SUBCASE("the consumer's stream lives: the allocation's stream waits for it on the device") {
     block = pool->allocate(bytes, other);
@@ -1121,10 +1127,46 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a graph pool orders a consumer destroyed and its handle reused while its use is recorded") {
+  // Another thread destroys the consumer between the pool's look at it and its event record, and a new stream gets
+  // the handle (LIFO here): the record then orders only the new stream's work. The old one's final event still orders
+  // the block's next owner after the consumer's write.
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  auto consumer = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = consumer->cuda_handle();
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, bytes, bytes);  // one block: a direct allocation gets the output's
+  gpukit_test::gate held;
+  held.hold(*consumer);
+  REQUIRE(cudaMemsetAsync(output.out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
+  allocator.record_stream(output.out, *consumer);
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    consumer.reset();
+    successor.emplace(cuda0);
+  });
+  allocator.deallocate(output.out);
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  void* block = output.pool->allocate(bytes, other);
+  REQUIRE(block == output.out);
+  REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);
+  held.open();
+  other.synchronize();
+  cudasim::drain_all();
+  unsigned char first = 0;
+  REQUIRE(cudaMemcpy(&first, block, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(first == 2);  // the new owner's write came last
+  output.pool->deallocate(block);
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a direct allocation from a graph pool that throws still reports the uses it could not record") {
   // The allocation records a deferred use (it fails, and is reported after the pool's lock), then its wait for
   // another stream's use fails and it throws: the report is not lost with it.
-  auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   gpukit::stream consumer(cuda0);
@@ -1135,12 +1177,7 @@ TEST_CASE("capture: a direct allocation from a graph pool that throws still repo
   gpukit_test::gate held;
   held.hold(reader);
   output.pool->deallocate(read, reader);  // an event on `reader`, behind the gate: the allocation waits for it
-  allocator.record_stream(output.out, consumer);
-  REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-  allocator.deallocate(output.out);  // deferred: `consumer` cannot take an event now
-  cudaGraph_t unused = nullptr;
-  REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
-  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  free_while_consumer_captured(output.out, consumer);  // deferred: `consumer` cannot take an event now
   {
     gpukit_test::captured_warnings warnings;
     cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);      // the deferred use's event
@@ -1159,18 +1196,12 @@ TEST_CASE("capture: a direct allocation from a graph pool that throws still repo
 
 TEST_CASE("capture: a graph pool released with a use it cannot record says so at once") {
   // At the release no lock is held and no caller warns later: the failure is said as it happens.
-  auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream consumer(cuda0);
   gpukit_test::captured_warnings warnings;
   {
     launched_output output(s, 8192, 4096);
-    allocator.record_stream(output.out, consumer);
-    REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-    allocator.deallocate(output.out);  // deferred: `consumer` cannot take an event now
-    cudaGraph_t unused = nullptr;
-    REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
-    REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+    free_while_consumer_captured(output.out, consumer);  // deferred: `consumer` cannot take an event now
     cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);  // the deferred use's event
   }                                                                            // the graph, then the pool: the release
   CHECK(warnings.contains("gpukit::graph_pool: could not record the work of a stream that used a freed block ("));
@@ -1444,12 +1475,7 @@ TEST_CASE("capture: a graph pool orders a consumer that frees on its own stream,
     allocator.deallocate(out, consumer);  // an event on `consumer`, after its copy
   }
   SUBCASE("recorded, and freed while the consumer is being captured") {
-    allocator.record_stream(out, consumer);
-    REQUIRE(cudaStreamBeginCapture(consumer.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-    allocator.deallocate(out);  // `consumer` cannot take an event now: recorded at the next launch
-    cudaGraph_t unused = nullptr;
-    REQUIRE(cudaStreamEndCapture(consumer.cuda_handle(), &unused) == cudaSuccess);
-    REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+    free_while_consumer_captured(out, consumer);  // `consumer` cannot take an event now: recorded at the next launch
   }
   void* reused = nullptr;
   gpukit::graph second = producer(reused, 3);

@@ -601,6 +601,75 @@ TEST_CASE("streams: async_allocator frees a destroyed stream's memory after its 
   new_work.open();
 }
 
+TEST_CASE("streams: async_allocator orders a free after a recorded stream destroyed and its handle reused meanwhile") {
+  // Another thread destroys the recorded stream between the free's look at it and its event record, and a new stream
+  // gets the handle (LIFO here): the record then orders only the new stream's work. The old one's final event still
+  // holds the free until the work that used the memory has run.
+  gate old_work;
+  open_at_exit at_exit{&old_work};
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  auto user = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = user->cuda_handle();
+  void* p = a.allocate(block_bytes, s);
+  a.record_stream(p, *user);
+  old_work.hold(*user);  // its work, which could still read p
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    user.reset();
+    successor.emplace(cuda0);
+  });
+  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize");
+  a.deallocate(p);  // on s, after the recorded stream's work
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  CHECK(cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize") == host_waits);
+  CHECK(a.memory_allocated() == 0);
+  CHECK_FALSE(stream_idle(s.cuda_handle()));  // the free waits for the old stream's held work
+  old_work.open();
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: async_allocator frees on this thread's stream when its stream is destroyed after the free's look") {
+  // Another thread destroys the allocation stream after the free saw it alive, and a new stream gets the handle (LIFO
+  // here): a free enqueued on the handle would follow only the new stream's work. Under the stream's lock the free
+  // sees the destruction, and this thread's per-thread stream frees after the old stream's final event instead.
+  gate old_work;
+  open_at_exit at_exit{&old_work};
+  gpukit::async_allocator a(cuda0);
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = s->cuda_handle();
+  // The cudaGetDevice calls of a free: the last is its device guard, before it takes the stream's lock.
+  std::size_t lookups = 0;
+  for (int warm_up = 0; warm_up < 2; ++warm_up) {
+    void* warm = a.allocate(block_bytes, *s);
+    const std::size_t before = cudasim::calls("cudaGetDevice");
+    a.deallocate(warm);
+    lookups = cudasim::calls("cudaGetDevice") - before;
+  }
+  REQUIRE(lookups >= 1);
+  cudasim::drain_all();
+  void* p = a.allocate(block_bytes, *s);
+  old_work.hold(*s);  // its work, which could still read p
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaGetDevice", static_cast<int>(lookups), [&] {
+    s.reset();
+    successor.emplace(cuda0);
+  });
+  a.deallocate(p);
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(cudaStreamSynchronize(successor->cuda_handle()) == cudaSuccess);  // the new stream got nothing to wait for
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >= block_bytes);            // not freed while the old work is held
+  old_work.open();
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: async_allocator waits on the host for a destroyed stream whose final event it cannot wait for") {
   gate old_work;
   open_at_exit at_exit{&old_work};

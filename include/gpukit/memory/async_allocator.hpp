@@ -740,10 +740,11 @@ class async_allocator final : public device_allocator {
     // an ordinary free makes no cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a
     // failure invalidated still answers "captured" (cudaStreamCaptureStatusInvalidated).
     bool asked = false;
+    stream_view free_view = on;  // the stream freed on: `on`, or this thread's once `on` was destroyed
     auto captured = [&] {
       if (!asked) {
         asked = true;
-        capturing = detail::capture_status(on) != cudaStreamCaptureStatusNone;
+        capturing = detail::capture_status(free_view) != cudaStreamCaptureStatusNone;
         for (const kept_stream& user : a.users) {  // a destroyed stream's handle may name another stream now
           if (!user.destroyed())
             capturing = capturing || detail::capture_status(user.view) != cudaStreamCaptureStatusNone;
@@ -756,10 +757,35 @@ class async_allocator final : public device_allocator {
       // cudaFreeAsync on a stream that is not captured, and the host waits, are refused in global mode while any
       // thread captures (and invalidate that capture); relaxed, they are not.
       const detail::relaxed_capture_mode relaxed;
-      const cudaStream_t free_stream = kept_stream::of(on).handle_here();
+      // `on` is kept from destruction (its ~stream waits) while work is enqueued on its handle: another thread could
+      // destroy it after the caller's look, and a new stream get the handle. It is let go for host waits. Once
+      // destroyed, this thread's per-thread stream frees instead, after `on`'s final event (which follows what was
+      // enqueued on it so far).
+      const kept_stream kept_on = kept_stream::of(on);
+      std::unique_lock<std::mutex> on_alive;
+      cudaStream_t free_stream = nullptr;
+      bool on_gone = false;
+      // Called first and after each host wait: false when the free must wait for the captures.
+      const auto keep_free_stream = [&] {
+        if (!on_gone) {
+          if (kept_on.life != nullptr) on_alive = kept_on.life->keep_alive();
+          if (!kept_on.destroyed()) {
+            free_stream = kept_on.handle_here();
+          } else {
+            on_alive = {};
+            on_gone = true;
+            asked = false;
+            free_view = stream_view(device_, cudaStreamPerThread);
+            free_stream = cudaStreamPerThread;
+            (void)wait_for_destroyed(free_stream, *kept_on.life, captured, hold, on_alive);
+          }
+        }
+        return resume();
+      };
+      if (!keep_free_stream()) return free_result::wait_for_captures;
       for (const kept_stream& user : a.users) {
         if (user.destroyed()) {
-          if (!wait_for_destroyed(free_stream, *user.life, captured, hold) && !resume()) {
+          if (!wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) && !keep_free_stream()) {
             return free_result::wait_for_captures;
           }
           continue;
@@ -767,20 +793,30 @@ class async_allocator final : public device_allocator {
         const cudaStream_t user_stream = user.handle_here();
         if (user_stream == free_stream) continue;
         const cudaError_t ordered = order_after(free_stream, user_stream);
-        if (ordered == cudaSuccess) continue;
+        if (ordered == cudaSuccess) {
+          // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then ordered
+          // only that one's work): its final event covers its own work.
+          if (user.destroyed() && !wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) &&
+              !keep_free_stream()) {
+            return free_result::wait_for_captures;
+          }
+          continue;
+        }
         (void)cudaGetLastError();
         if (captured()) {
           GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         }
         hold.release();
+        on_alive = {};
         if (cudaStreamSynchronize(user_stream) != cudaSuccess) {
           (void)cudaGetLastError();
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
                                     device_.ordinal());
         }
-        if (!resume()) return free_result::wait_for_captures;
+        if (!keep_free_stream()) return free_result::wait_for_captures;
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
+      on_alive = {};
       hold.release();
       if (freed == cudaSuccess) return free_result::done;
       (void)cudaGetLastError();
@@ -813,10 +849,10 @@ class async_allocator final : public device_allocator {
   /// `free_stream` waits for the work a destroyed stream had enqueued before its destruction: on the device for its
   /// final event; on the host where that wait cannot be enqueued, or during a capture (a captured stream cannot wait
   /// for an event recorded outside the capture, and a host wait for one is legal in relaxed mode). False when the
-  /// host waited (`hold` released for it).
+  /// host waited (`hold` and `free_stream_alive` let go for it).
   template <class Captured>
   bool wait_for_destroyed(cudaStream_t free_stream, const detail::stream_life& life, Captured& captured,
-                          detail::capture_hold& hold) const {
+                          detail::capture_hold& hold, std::unique_lock<std::mutex>& free_stream_alive) const {
     if (life.finished()) return true;
     const cudaEvent_t last = life.final_event();
     if (last == nullptr && captured()) {  // only a device-wide wait would do, which would invalidate the capture
@@ -828,6 +864,7 @@ class async_allocator final : public device_allocator {
       (void)cudaGetLastError();
     }
     hold.release();  // a host wait (see free_on_streams)
+    free_stream_alive = {};
     life.wait_finished();
     return false;
   }

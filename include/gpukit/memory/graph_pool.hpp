@@ -688,6 +688,12 @@ class graph_pool final : public device_allocator {
       event done(device_);
       detail::record_from_any_thread(done, use.view);
       hold.release();  // before the lock, under which launches wait on the host
+      if (use.destroyed()) {
+        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then ordered
+        // only that one's work): its final event is waited for, as any destroyed stream's.
+        defer(use);
+        return;
+      }
       std::lock_guard<std::mutex> lock(mutex_);
       uses_.insert_or_assign(use.view.id(), std::move(done));
       has_uses_.store(true, std::memory_order_release);
@@ -873,6 +879,9 @@ class graph_pool final : public device_allocator {
             done.synchronize();
           }
         }
+        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record: looked at again, as
+        // a destroyed stream (its final event).
+        if (!destroyed && use.destroyed()) continue;
       } catch (const std::exception& e) {
         note_failure(later, "could not record the work of a stream that used a freed block (", e.what());
       } catch (...) {

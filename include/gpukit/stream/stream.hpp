@@ -27,8 +27,10 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -141,9 +143,16 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   /// announcing (stream_expirations). Never throws.
   void expire(cudaStream_t handle, bool remembered) noexcept;
 
+  /// Keeps the stream from being destroyed while held: its ~stream (expire) waits. For a caller that enqueues work on
+  /// the stream's handle after seeing !expired() (an allocator's free): otherwise another thread could destroy the
+  /// stream in between, and a new stream get its handle and that work. Held only while enqueueing: let go before a
+  /// host wait, a lock or a user callback.
+  std::unique_lock<std::mutex> keep_alive() const;
+
  private:
   unsigned long long id_;
   int ordinal_;
+  mutable std::mutex in_use_;    // held by keep_alive(), and by expire() before the destruction
   cudaEvent_t final_ = nullptr;  // written before expired_ is set, read after it is seen
   std::atomic<bool> expired_{false};
 };
@@ -353,7 +362,9 @@ class stream {
   stream(const stream&) = delete;
   stream& operator=(const stream&) = delete;
   /// Destroys an owned stream (see the file comment for pending work). Never throws: a failure goes to gpukit::warn,
-  /// except the results of a runtime torn down at process exit (detail::is_teardown_result), which are expected.
+  /// except the results of a runtime torn down at process exit (detail::is_teardown_result), which are expected. An
+  /// allocator's free that another thread is enqueueing on the stream is let finish first (async_allocator), so that
+  /// it cannot land on a new stream given this one's handle.
   ~stream();
 
   /// A non-owning view. Throws invalid_argument_error if this stream was moved from.
@@ -470,7 +481,18 @@ GPUKIT_INLINE void stream_life::wait_finished() const {
   cuda_backend::synchronize_device(ordinal_, "cudaDeviceSynchronize (a destroyed stream's work)");
 }
 
+GPUKIT_INLINE std::unique_lock<std::mutex> stream_life::keep_alive() const {
+  return std::unique_lock<std::mutex>(in_use_);
+}
+
 GPUKIT_INLINE void stream_life::expire(cudaStream_t handle, bool remembered) noexcept {
+  // Not while a caller enqueues work on the handle (keep_alive): the final event follows that work, and a caller
+  // that locks later sees expired(). Warnings come after the lock: a warning handler may free memory on this stream.
+  std::unique_lock<std::mutex> no_work_underway(in_use_, std::defer_lock);
+  try {
+    no_work_underway.lock();
+  } catch (...) {  // never seen: destroyed at once
+  }
   // A stream destroyed while captured would record its final event in the capture: an event no query can ever see
   // complete (cudaErrorCapturedEvent). Without it, its memory waits for a device synchronize (wait_finished).
   bool captured = false;
@@ -482,25 +504,34 @@ GPUKIT_INLINE void stream_life::expire(cudaStream_t handle, bool remembered) noe
     } catch (...) {  // its device could not be made current: the record below reports that
     }
   }
+  cudaError_t result = cudaSuccess;
+  std::exception_ptr failure;
   if (handle != nullptr && remembered && !captured) {
     try {
-      cudaError_t result = cudaSuccess;
-      final_ = cuda_backend::record_new_event(handle, ordinal_, result);
       // Without it, memory the stream used is reused only after the device was synchronized (wait_finished) or
       // released to it (cudaFree synchronizes).
-      report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
-    } catch (const error& ex) {
-      if (!is_teardown_result(ex.cuda_result())) {
-        warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
-      }
-    } catch (const std::exception& ex) {
-      warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
+      final_ = cuda_backend::record_new_event(handle, ordinal_, result);
+    } catch (...) {
+      failure = std::current_exception();
     }
   }
   // The count first: an allocator that sees expired() may have read the count before it changed, and then learns
   // of the destruction only through expired() on its free path (it marks the stream dead there).
   if (remembered) stream_expirations().fetch_add(1, std::memory_order_relaxed);  // else no one has to look
   expired_.store(true, std::memory_order_release);
+  if (no_work_underway.owns_lock()) no_work_underway.unlock();
+  report_cuda_failure(result, "recording a destroyed stream's final event (in ~stream)", ordinal_);
+  if (!failure) return;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const error& ex) {
+    if (!is_teardown_result(ex.cuda_result())) {
+      warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
+    }
+  } catch (const std::exception& ex) {
+    warn_parts("gpukit: recording the final event of a destroyed stream failed: ", ex.what());
+  } catch (...) {
+  }
 }
 }  // namespace detail
 
