@@ -355,7 +355,7 @@ TEST_CASE("an engine destroyed with transfers still queued behind a held stream 
   CHECK(pool.stats().allocated_bytes == 0);
 }
 
-TEST_CASE("a failure while staging the rest of a transfer in the background is reported, and the ring recovers") {
+TEST_CASE("a failure while staging in the background is reported with its cause, and the ring recovers") {
   auto pool = make_pool();
   auto options = small_options(64 * KiB, 2);
   options.patience = 10ms;
@@ -366,11 +366,25 @@ TEST_CASE("a failure while staging the rest of a transfer in the background is r
   g.hold(s);
   const auto data = patterned(6 * 64 * KiB, 46);
   std::vector<unsigned char> device(data.size(), 0);
-  engine.to_device(device.data(), data.data(), data.size(), s);
-  REQUIRE(engine.copier().calls().size() == 2);  // the ring's two slots
-  engine.copier().shared->fail_at = 3;           // the second chunk staged in the background
-  g.open();
-  s.synchronize();  // the stream is released even though the rest could not be staged
+  engine.to_device(device.data(), data.data(), data.size(), s);  // the ring's two slots, then the rest handed over
+  REQUIRE(engine.copier().calls().size() == 2);
+  SUBCASE("the rest of a transfer its stream did not take within the patience") {
+    engine.copier().shared->fail_at = 3;  // the second chunk staged in the background
+    g.open();
+    s.synchronize();  // the stream is released even though the rest could not be staged
+    CHECK(warnings.contains("the rest of a transfer that its stream did not take within the patience"));
+  }
+  SUBCASE("a transfer queued behind that rest at once, not out of patience") {
+    const auto queued = patterned(64 * KiB, 49);
+    std::vector<unsigned char> other(queued.size(), 0);
+    engine.to_device(other.data(), queued.data(), queued.size(), s);
+    engine.copier().shared->fail_at = 6;  // after the first transfer's four chunks in the background: the queued one's
+    g.open();
+    s.synchronize();
+    CHECK(device == data);
+    CHECK(warnings.contains("a transfer queued behind the rest of an earlier one"));
+    CHECK_FALSE(warnings.contains("within the patience"));
+  }
   CHECK(warnings.contains("gpukit::staging_engine"));
   CHECK(warnings.contains("injected failure"));
   CHECK(engine.stats().background_failures == 1);

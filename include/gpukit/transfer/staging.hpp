@@ -256,17 +256,18 @@ class basic_staging_engine {
 
   // The rest of a transfer, in heap memory, waiting for a background thread.
   struct job {
-    job(device d, char* destination, std::size_t n, std::size_t chunk_size)
+    job(device d, char* destination, std::size_t n, std::size_t chunk_size, bool behind_earlier)
         : dst(destination),
           data(new (std::nothrow) char[n]),
           bytes(n),
           chunk(chunk_size),
+          queued(behind_earlier),
           after(detail::acquire_recycled_event(d)),
           done(std::make_shared<completion>()) {
       if (!data) {
         throw out_of_memory_error("gpukit::staging_engine::to_device: cannot allocate " +
-                                  detail::format_bytes_exact(n) + " of host memory for the rest of a transfer to " +
-                                  d.to_string() + " that its stream did not take within the patience");
+                                  detail::format_bytes_exact(n) + " of host memory for " + why() + " (to " +
+                                  d.to_string() + ")");
       }
     }
     job(const job&) = delete;
@@ -277,7 +278,14 @@ class basic_staging_engine {
     std::unique_ptr<char[]> data;
     std::size_t bytes;
     std::size_t chunk;
+    bool queued;  // handed over at once, behind an earlier transfer's rest (not out of patience)
     event after;  // the stream's work before the hand-over; then the end of the side stream's copies
+
+    // Why it is staged in the background, for messages.
+    const char* why() const noexcept {
+      return queued ? "a transfer queued behind the rest of an earlier one still staged in the background"
+                    : "the rest of a transfer that its stream did not take within the patience";
+    }
     std::shared_ptr<completion> done;
   };
 
@@ -389,7 +397,8 @@ class basic_staging_engine {
   // to_device out of patience (or queued behind such a transfer), with the upload lane locked: the rest goes into
   // heap memory and to the ring's background thread; one host function holds the stream's later work until it has
   // landed.
-  void hand_over(ring& r, stream_view s, char* dst, const char* src, std::size_t bytes, std::size_t chunk);
+  void hand_over(ring& r, stream_view s, char* dst, const char* src, std::size_t bytes, std::size_t chunk,
+                 bool behind_earlier);
 
   void start_background(ring& r, std::shared_ptr<job> j);
 

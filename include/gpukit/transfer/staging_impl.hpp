@@ -59,7 +59,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
   auto* out = static_cast<char*>(dst);
   const auto* in = static_cast<const char*>(src);
   if (!background_idle(r)) {
-    hand_over(r, s, out, in, bytes, chunk);  // behind the rest of an earlier transfer: the data lands in call order
+    // Behind the rest of an earlier transfer: the data lands in call order.
+    hand_over(r, s, out, in, bytes, chunk, true);
   } else {
     dispose_orphans(r);
     const auto deadline = std::chrono::steady_clock::now() + options_.patience;
@@ -72,7 +73,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
         const bool freed = wait_until(sl.done, deadline);
         waited += std::chrono::steady_clock::now() - start;
         if (!freed) {
-          hand_over(r, s, out + offset, in + offset, bytes - offset, chunk);
+          hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
           break;
         }
       }
@@ -490,11 +491,11 @@ GPUKIT_INLINE bool basic_staging_engine<Copier>::background_idle(ring& r) {
 
 template <class Copier>
 GPUKIT_INLINE void basic_staging_engine<Copier>::hand_over(ring& r, stream_view s, char* dst, const char* src,
-                                                           std::size_t bytes, std::size_t chunk) {
+                                                           std::size_t bytes, std::size_t chunk, bool behind_earlier) {
   // Every pool call happens here, before the host function exists: the background thread makes none. A busy
   // background thread owns the slots; it stages this transfer through them at the size they have.
   if (background_idle(r)) grow_upload_slots(r, s, chunk);
-  auto j = std::make_shared<job>(r.dev, dst, bytes, chunk);
+  auto j = std::make_shared<job>(r.dev, dst, bytes, chunk, behind_earlier);
   parallel_copy(j->data.get(), src, bytes, threads_for(bytes));
   if (!r.side) r.side = std::make_unique<stream>(r.dev);
   j->after.record(s);
@@ -599,10 +600,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::stage_in_background(ring& r, jo
   }
   if (!failure) return;
   detail::with_message_of(failure, [&](const char* reason) noexcept {
-    detail::warn_parts("gpukit::staging_engine: staging the last ", detail::bytes_part{j.bytes, true},
-                       " of a transfer to ", r.dev,
-                       " in the background (its stream did not free a slot within the patience) failed after ", chunks,
-                       " chunk(s): ", reason, "; the destination is incomplete");
+    detail::warn_parts("gpukit::staging_engine: staging ", j.why(), " (", detail::bytes_part{j.bytes, true}, " to ",
+                       r.dev, ") failed after ", chunks, " chunk(s): ", reason, "; the destination is incomplete");
   });
 }
 
