@@ -1663,6 +1663,42 @@ TEST_CASE("streams: a stream destroyed during its capture records no final event
   CHECK(warnings.messages().empty());
 }
 
+TEST_CASE("streams: a pinned block whose stream left no final event is released by empty_cache") {
+  // No query can tell when the stream's work is done (its final event's record failed here; a stream destroyed while
+  // captured has none either): the block would stay pending for good. empty_cache synchronizes the device for it
+  // (not during a gpukit capture) and releases it.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  const auto life = s->view().lifetime();
+  void* p = pool.allocate(block_bytes);
+  pool.record_stream(p, *s);
+  {
+    captured_warnings warnings;
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+    s.reset();
+    REQUIRE(warnings.contains("final event"));
+  }
+  REQUIRE(life->final_event() == nullptr);
+  pool.deallocate(p);
+  CHECK(pool.stats().pending_blocks == 1);
+  CHECK_FALSE(life->finished());
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  SUBCASE("during a gpukit capture the block waits") {
+    gpukit::stream c(cuda0);
+    std::size_t released = 0;
+    gpukit::graph g = gpukit::capture(c, [&] { released = pool.empty_cache(); });
+    CHECK(released == 0);
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+    CHECK(pool.stats().pending_blocks == 1);
+  }
+  CHECK(pool.empty_cache() >= block_bytes);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + 1);
+  CHECK(life->finished());  // known once the device was synchronized after the destruction
+  CHECK(pool.stats().pending_blocks == 0);
+  CHECK(pool.stats().reserved_bytes == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a failed capture-state query names the stream and its device") {
   gpukit::stream s(cuda0);
   cudasim::fail_call("cudaStreamIsCapturing", 1, cudaErrorUnknown);

@@ -265,7 +265,11 @@ class basic_pinned_pool {
   /// Releases every free block to the upstream (pending blocks stay until their events complete and go at a later
   /// call). Returns the bytes released, those of pending blocks promoted and trimmed to the cap by this call
   /// included. Use it before handing pinned memory back to the system. If polling a pending block's event throws,
-  /// the free blocks are released all the same and then the error is rethrown.
+  /// the free blocks are released all the same and then the error is rethrown. A pending block whose recorded stream
+  /// was destroyed without a final event (while captured, or its record failed) could otherwise wait for good: for
+  /// it this call synchronizes the device (cudaDeviceSynchronize, without the pool's lock) and releases it, unless a
+  /// gpukit capture is underway (the synchronize would invalidate it) or the call is made inside a staging transfer
+  /// (the device's work may wait for this thread).
   std::size_t empty_cache();
 
   /// The counters, after promoting pending blocks whose events have completed (a failed event query propagates).
@@ -370,6 +374,10 @@ class basic_pinned_pool {
   /// reported after the lock is dropped (report_deferred_losses); std::bad_alloc leaves the rest deferred, for the
   /// next call.
   bool process_deferred_locked() noexcept;
+
+  /// empty_cache's first step: waits (without the lock) for the destroyed streams without a final event that pending
+  /// blocks wait for, by a device synchronize each (stream_life::wait_finished); see empty_cache for when it does not.
+  void wait_for_streams_without_final_event();
 
   /// Reports, through gpukit::warn and without the lock (a handler may call the pool), the deferred blocks
   /// process_deferred_locked lost since the last report.

@@ -150,15 +150,20 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate(void* p, stream
 
 template <class Upstream, class Sync>
 GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::empty_cache() {
+  std::exception_ptr poll_failure;
+  try {
+    wait_for_streams_without_final_event();
+  } catch (...) {  // those blocks stay pending; the free ones are released all the same
+    poll_failure = std::current_exception();
+  }
   release_list releases(*this);  // declared first: releases after the lock is dropped
   std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::exception_ptr poll_failure;
     try {
       process_pending_locked(releases.blocks);
     } catch (...) {
-      poll_failure = std::current_exception();
+      if (!poll_failure) poll_failure = std::current_exception();
     }
     for (auto& entry : free_) {
       while (!entry.second.empty()) {
@@ -169,6 +174,24 @@ GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::empty_cache() {
     for (const auto& r : releases.blocks) bytes += r.second;
   }
   return bytes;
+}
+
+template <class Upstream, class Sync>
+GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::wait_for_streams_without_final_event() {
+  if (detail::gpukit_capture_underway() || detail::pinned_cap_deferrals_on_this_thread() != 0) return;
+  std::vector<std::shared_ptr<const detail::stream_life>> lives;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (void* p : pending_) {
+      for (const auto& life : blocks_.at(p).finals) {
+        if (life->final_event() == nullptr && !life->finished() &&
+            std::find(lives.begin(), lives.end(), life) == lives.end()) {
+          lives.push_back(life);
+        }
+      }
+    }
+  }
+  for (const auto& life : lives) life->wait_finished();
 }
 
 template <class Upstream, class Sync>

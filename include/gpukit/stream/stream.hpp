@@ -128,14 +128,15 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
 
   /// After expired(): true once the work enqueued before the destruction has completed (cudaEventQuery of the final
   /// event; never blocks). Without a final event (its creation failed, or the stream was destroyed while captured)
-  /// the answer stays false.
+  /// the answer stays false until wait_finished() has synchronized the device.
   bool finished() const noexcept;
 
   /// After expired(): the event recorded at the destruction, for device-side waits (nullptr before, when its
   /// creation failed, or when the stream was destroyed while captured). It lives as long as this record.
   cudaEvent_t final_event() const noexcept;
 
-  /// After expired(): blocks until that work has completed (the whole device's, without a final event).
+  /// After expired(): blocks until that work has completed (the whole device's, without a final event: a device
+  /// synchronize, after which finished() is true).
   void wait_finished() const;
 
   /// Called by ~stream just before cudaStreamDestroy of `handle` (nullptr for a CPU stream, whose work is done).
@@ -155,6 +156,7 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   mutable std::mutex in_use_;    // held by keep_alive(), and by expire() before the destruction
   cudaEvent_t final_ = nullptr;  // written before expired_ is set, read after it is seen
   std::atomic<bool> expired_{false};
+  mutable std::atomic<bool> synchronized_{false};  // without final_: a device synchronize began after the expiry
 };
 }  // namespace detail
 
@@ -467,7 +469,8 @@ GPUKIT_INLINE bool stream_life::expired() const noexcept { return expired_.load(
 GPUKIT_INLINE bool stream_life::finished() const noexcept {
   if (!expired()) return false;
   if (ordinal_ < 0) return true;
-  return final_ != nullptr && cuda_backend::query_event(final_) == cudaSuccess;
+  if (final_ == nullptr) return synchronized_.load(std::memory_order_acquire);
+  return cuda_backend::query_event(final_) == cudaSuccess;
 }
 
 GPUKIT_INLINE cudaEvent_t stream_life::final_event() const noexcept { return expired() ? final_ : nullptr; }
@@ -479,6 +482,7 @@ GPUKIT_INLINE void stream_life::wait_finished() const {
     return;
   }
   cuda_backend::synchronize_device(ordinal_, "cudaDeviceSynchronize (a destroyed stream's work)");
+  synchronized_.store(true, std::memory_order_release);
 }
 
 GPUKIT_INLINE std::unique_lock<std::mutex> stream_life::keep_alive() const {
