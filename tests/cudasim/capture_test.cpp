@@ -1143,13 +1143,19 @@ TEST_CASE("capture: a graph pool orders a consumer destroyed and its handle reus
   REQUIRE(cudaMemsetAsync(output.out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
   allocator.record_stream(output.out, *consumer);
   std::optional<gpukit::stream> successor;
+  bool record_fails = false;
+  SUBCASE("the record is made on the new stream") {}
+  SUBCASE("the record on the new stream fails") { record_fails = true; }
   cudasim::before_call("cudaEventRecord", 1, [&] {
     consumer.reset();
     successor.emplace(cuda0);
+    if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   });
+  gpukit_test::captured_warnings warnings;
   allocator.deallocate(output.out);
   REQUIRE(successor.has_value());
   REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  CHECK(warnings.messages().empty());           // a failed record there is no failure to report
   void* block = output.pool->allocate(bytes, other);
   REQUIRE(block == output.out);
   REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);

@@ -109,6 +109,44 @@ TEST_CASE("streams: a new raw stream that receives a destroyed stream's handle d
   destroy_raw_stream(second);
 }
 
+TEST_CASE("streams: a block recorded on a stream destroyed and its handle reused during its free waits for its work") {
+  // Another thread destroys the recorded stream between the allocator's look at it and its event record, and a new
+  // stream gets the handle (LIFO here): the record then orders only the new stream's work. The block waits for the
+  // old stream's final event instead.
+  gate g;
+  gpukit::caching_allocator a(cuda0, keep_segments());
+  open_at_exit release{&g};
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  auto user = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = user->cuda_handle();
+  void* p = a.allocate(block_bytes, s);
+  a.record_stream(p, *user);
+  g.hold(*user);  // its work, which could still read p
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    user.reset();
+    successor.emplace(cuda0);
+  });
+  a.deallocate(p);
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  void* q = a.allocate(block_bytes, other);
+  CHECK(q != p);  // not while the old stream's work may still read it
+  void* r = a.allocate(block_bytes, s);
+  CHECK(r != p);  // nor on its own stream
+  g.open();
+  cudasim::drain_all();
+  a.deallocate(q);
+  a.deallocate(r);
+  void* first = a.allocate(block_bytes, s);
+  void* second = a.allocate(block_bytes, s);
+  CHECK((first == p || second == p));  // reusable once that work has run
+  a.deallocate(first);
+  a.deallocate(second);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a gpukit stream with a destroyed stream's handle does not get its blocks before its work is done") {
   gate g;
   gpukit::caching_allocator a(cuda0, keep_segments());
@@ -615,14 +653,20 @@ TEST_CASE("streams: async_allocator orders a free after a recorded stream destro
   a.record_stream(p, *user);
   old_work.hold(*user);  // its work, which could still read p
   std::optional<gpukit::stream> successor;
+  bool record_fails = false;
+  SUBCASE("the record is made on the new stream") {}
+  SUBCASE("the record on the new stream fails") { record_fails = true; }
   cudasim::before_call("cudaEventRecord", 1, [&] {
     user.reset();
     successor.emplace(cuda0);
+    if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   });
   const std::size_t host_waits = cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize");
   a.deallocate(p);  // on s, after the recorded stream's work
   REQUIRE(successor.has_value());
   REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  // No host wait (not even for the new stream, once the record failed): the old stream's final event is waited for on
+  // the device.
   CHECK(cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize") == host_waits);
   CHECK(a.memory_allocated() == 0);
   CHECK_FALSE(stream_idle(s.cuda_handle()));  // the free waits for the old stream's held work

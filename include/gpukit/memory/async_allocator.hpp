@@ -774,7 +774,8 @@ class async_allocator final : public device_allocator {
           } else {
             on_alive = {};
             on_gone = true;
-            asked = false;
+            asked = false;  // asked again, about this thread's stream
+            capturing = false;
             free_view = stream_view(device_, cudaStreamPerThread);
             free_stream = cudaStreamPerThread;
             (void)wait_for_destroyed(free_stream, *kept_on.life, captured, hold, on_alive);
@@ -792,17 +793,22 @@ class async_allocator final : public device_allocator {
         }
         const cudaStream_t user_stream = user.handle_here();
         if (user_stream == free_stream) continue;
+        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record or the synchronize
+        // below (which then waited only for that one's work): its final event covers its own work.
+        const auto wait_if_destroyed = [&] {
+          return !user.destroyed() || wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) ||
+                 keep_free_stream();
+        };
         const cudaError_t ordered = order_after(free_stream, user_stream);
         if (ordered == cudaSuccess) {
-          // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then ordered
-          // only that one's work): its final event covers its own work.
-          if (user.destroyed() && !wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) &&
-              !keep_free_stream()) {
-            return free_result::wait_for_captures;
-          }
+          if (!wait_if_destroyed()) return free_result::wait_for_captures;
           continue;
         }
         (void)cudaGetLastError();
+        if (user.destroyed()) {  // the record may have failed on the handle's new owner (of another device)
+          if (!wait_if_destroyed()) return free_result::wait_for_captures;
+          continue;
+        }
         if (captured()) {
           GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         }
@@ -813,7 +819,7 @@ class async_allocator final : public device_allocator {
           GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
                                     device_.ordinal());
         }
-        if (!keep_free_stream()) return free_result::wait_for_captures;
+        if (!keep_free_stream() || !wait_if_destroyed()) return free_result::wait_for_captures;
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
       on_alive = {};

@@ -820,6 +820,8 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_deferred
         } catch (...) {                   // tried again at the next call; the block stays pending meanwhile
           continue;
         }
+        // Destroyed by another thread meanwhile (its handle perhaps a new stream's by the record): as above.
+        if (expired(*st)) recycle_event(std::move(record.event), st->device);
       }
       record.unrecorded = false;
       --unrecorded_;
@@ -1593,7 +1595,12 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
         continue;
       }
       uses.push_back(use{user, acquire_event(user->device), deferred(*user)});
-      if (!uses.back().unrecorded) record_on(*uses.back().event, *user);
+      if (!uses.back().unrecorded) {
+        record_on(*uses.back().event, *user);
+        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then ordered
+        // only that one's work): its last work is waited for instead, as above.
+        if (expired(*user)) recycle_event(std::move(uses.back().event), user->device);
+      }
     }
     if (!uses.empty()) pending_streams_.reserve(pending_streams_.size() + uses.size());
     // Last, as they may allocate (a queue's new node): a record without its event first, so that a failure leaves

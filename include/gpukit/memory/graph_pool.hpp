@@ -681,7 +681,8 @@ class graph_pool final : public device_allocator {
         return;
       }
       if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
-        if (!refused && kind == use_kind::freeing) return;
+        // (A stream destroyed meanwhile, its handle perhaps a captured stream's now, is deferred: its final event.)
+        if (!refused && kind == use_kind::freeing && !use.destroyed()) return;
         defer(use);
         return;
       }
@@ -698,6 +699,13 @@ class graph_pool final : public device_allocator {
       uses_.insert_or_assign(use.view.id(), std::move(done));
       has_uses_.store(true, std::memory_order_release);
     } catch (const std::exception& e) {
+      try {
+        if (use.destroyed()) {  // meanwhile: the record may have failed on its handle's new owner
+          defer(use);
+          return;
+        }
+      } catch (...) {
+      }
       detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
                          e.what(), "); waiting for it on the host");
       try {
@@ -811,8 +819,17 @@ class graph_pool final : public device_allocator {
     bool unordered = false;
     for (auto it = deferred_uses_.begin(); it != deferred_uses_.end();) {
       const detail::kept_stream& use = *it;
+      bool destroyed = false;
+      // Destroyed by another thread since `destroyed` was read, its handle perhaps a new stream's by a record below
+      // (which then ordered only that one's work, or failed): its event is dropped, and the use looked at again as a
+      // destroyed stream's (its final event).
+      const auto destroyed_meanwhile = [&] {
+        if (destroyed || !use.destroyed()) return false;
+        uses_.erase(use.view.id());
+        return true;
+      };
       try {
-        const bool destroyed = use.destroyed();
+        destroyed = use.destroyed();
         detail::capture_hold hold(!destroyed && detail::may_use_legacy_stream(use.view));
         // Not another thread's per-thread stream: the blocking stream is ordered after the legacy stream's work only.
         const bool through_marker =
@@ -879,12 +896,12 @@ class graph_pool final : public device_allocator {
             done.synchronize();
           }
         }
-        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record: looked at again, as
-        // a destroyed stream (its final event).
-        if (!destroyed && use.destroyed()) continue;
+        if (destroyed_meanwhile()) continue;
       } catch (const std::exception& e) {
+        if (destroyed_meanwhile()) continue;
         note_failure(later, "could not record the work of a stream that used a freed block (", e.what());
       } catch (...) {
+        if (destroyed_meanwhile()) continue;
         note_failure(later, "could not record the work of a stream that used a freed block (", "unknown exception");
       }
       it = deferred_uses_.erase(it);

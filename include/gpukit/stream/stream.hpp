@@ -141,7 +141,8 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
 
   /// Called by ~stream just before cudaStreamDestroy of `handle` (nullptr for a CPU stream, whose work is done).
   /// `remembered`: someone else holds this record, so a final event is worth recording and the destruction worth
-  /// announcing (stream_expirations). Never throws.
+  /// announcing (stream_expirations). Never throws. Waits while keep_alive() is held; a failure to record the final
+  /// event is reported once the stream counts as destroyed (expired()) and nothing is held.
   void expire(cudaStream_t handle, bool remembered) noexcept;
 
   /// Keeps the stream from being destroyed while held: its ~stream (expire) waits. For a caller that enqueues work on
