@@ -347,6 +347,39 @@ TEST_CASE("streams: a per-thread stream's block freed on another thread is fence
   a.deallocate(keep);
 }
 
+TEST_CASE(
+    "streams: a fenced block whose stream is destroyed and its handle reused during the free waits for its work") {
+  // Another thread destroys the block's stream between the allocator's look at it and the fence's record, and a new
+  // stream gets the handle (LIFO here): the fence then covers only the new stream's work. The stream counts as
+  // destroyed from then on, so no other stream takes its blocks before its last work is done. (Here the next
+  // allocation would notice the destruction anyway, through the expiration count; the free's own check covers an
+  // allocator that read the count before it changed, which no hook can arrange.)
+  gpukit::allocator_options o = keep_segments();
+  o.cross_stream_reuse = true;  // frees record a fence on the block's stream
+  gate g;
+  gpukit::caching_allocator a(cuda0, o);
+  open_at_exit release{&g};
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = owner->cuda_handle();
+  void* p = a.allocate(block_bytes, *owner);
+  g.hold(*owner);  // its work, which still uses p
+  std::optional<gpukit::stream> successor;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    owner.reset();
+    successor.emplace(cuda0);
+  });
+  a.deallocate(p);
+  REQUIRE(successor.has_value());
+  REQUIRE(successor->cuda_handle() == handle);  // the fence went to the new stream
+  gpukit::stream other(cuda0);
+  void* q = a.allocate(block_bytes, other);
+  CHECK(q != p);
+  g.open();
+  cudasim::drain_all();
+  a.deallocate(q);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a fenced block taken for another thread's per-thread stream is waited for through the legacy one") {
   // cudaStreamPerThread names the calling thread's own stream: the wait for the old stream's work cannot name the
   // other thread's stream from here, so it goes to the legacy default stream, whose work that (blocking) stream's

@@ -1566,17 +1566,19 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
   }
   detail::capture_hold hold(hold_needed);  // until the events are recorded
   const auto deferred = [&](const stream_state& st) { return hold.refused() && needs_capture_hold(st.stream); };
-  try {
+  // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other stream may
+  // take its blocks before its last work completes.
+  const auto note_if_dead = [&](stream_state* owner) noexcept {
     if constexpr (tracks_lifetimes) {
-      // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other
-      // stream may take its blocks before its last work completes.
-      stream_state* owner = b->owner;
       if (!owner->dead && expired(*owner)) {
         dead_streams_.push_back(owner);  // cannot throw (register_stream made the room)
         owner->dead = true;
         slots_to_release_ = true;  // not here: this may run under the slot locks (flush_bin)
       }
     }
+  };
+  try {
+    note_if_dead(b->owner);
     // A stream destroyed since the caller asked whether it was busy takes no event (its handle may be another
     // stream's by now): its blocks wait for its last work (retire) instead.
     if (owner_busy && !b->owner->dead) {
@@ -1586,6 +1588,9 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
       } else {
         fence = acquire_event(device_);
         ops_.record(*fence, b->owner->stream);
+        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (the fence then
+        // orders only that one's work): dead from now on, as above.
+        note_if_dead(b->owner);
       }
     }
     for (stream_state* user : b->recorded) {

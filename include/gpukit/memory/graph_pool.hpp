@@ -762,9 +762,10 @@ class graph_pool final : public device_allocator {
   std::size_t finish_host_waits(after_lock& later) noexcept {
     std::size_t waited = 0;
     for (const std::shared_ptr<const detail::stream_life>& life : later.host_waits) {
-      if (life->final_event() == nullptr && detail::gpukit_capture_underway()) continue;
+      const bool finished = life->finished();  // e.g. the device was synchronized for it since
+      if (!finished && life->final_event() == nullptr && detail::gpukit_capture_underway()) continue;
       try {
-        life->wait_finished();
+        if (!finished) life->wait_finished();
       } catch (const std::exception& e) {
         note_failure(&later, "could not wait for the work of a destroyed stream that used a freed block (", e.what());
       } catch (...) {
@@ -821,13 +822,9 @@ class graph_pool final : public device_allocator {
       const detail::kept_stream& use = *it;
       bool destroyed = false;
       // Destroyed by another thread since `destroyed` was read, its handle perhaps a new stream's by a record below
-      // (which then ordered only that one's work, or failed): its event is dropped, and the use looked at again as a
-      // destroyed stream's (its final event).
-      const auto destroyed_meanwhile = [&] {
-        if (destroyed || !use.destroyed()) return false;
-        uses_.erase(use.view.id());
-        return true;
-      };
+      // (which then ordered only that one's work, or failed): that event is not kept (an earlier one of the stream
+      // stays), and the use is looked at again as a destroyed stream's (its final event).
+      const auto destroyed_meanwhile = [&] { return !destroyed && use.destroyed(); };
       try {
         destroyed = use.destroyed();
         detail::capture_hold hold(!destroyed && detail::may_use_legacy_stream(use.view));
@@ -836,11 +833,11 @@ class graph_pool final : public device_allocator {
             !destroyed && marker_stream_ && hold.refuses(use.view) && is_legacy_stream(use.view);
         const stream_view on = through_marker ? marker_stream_->view() : use.view;  // where its event is recorded
         if (destroyed) {
-          const cudaEvent_t last = use.life->final_event();
-          if (last != nullptr && detail::cuda_backend::query_event(last) == cudaSuccess) {
-            it = deferred_uses_.erase(it);  // its work is done
+          if (use.life->finished()) {  // its final event has completed, or the device was synchronized since
+            it = deferred_uses_.erase(it);
             continue;
           }
+          const cudaEvent_t last = use.life->final_event();
           if (last != nullptr && wait_on != nullptr && waits_on_device(*wait_on, last)) {
             ++it;  // later launches wait for it too, until it completes
             continue;
@@ -865,6 +862,7 @@ class graph_pool final : public device_allocator {
         } else if (const auto found = uses_.find(use.view.id()); found != uses_.end()) {
           event done(device_);
           detail::record_from_any_thread(done, on);
+          if (destroyed_meanwhile()) continue;
           found->second = std::move(done);
         } else {
           decltype(uses_)::node_type room;  // made before the record: keeping its event then cannot fail
@@ -874,12 +872,14 @@ class graph_pool final : public device_allocator {
           }
           if (room) {
             detail::record_from_any_thread(room.mapped(), on);
+            if (destroyed_meanwhile()) continue;
             uses_.insert(std::move(room));
           } else {
             // No room to keep the event: `wait_on` waits for it now, and the use stays deferred, recorded again at
             // each launch until there is room (later launches must wait for it too).
             event done(device_);
             detail::record_from_any_thread(done, on);
+            if (destroyed_meanwhile()) continue;
             if (wait_on != nullptr) {
               bool waited = true;
               try {
@@ -896,7 +896,6 @@ class graph_pool final : public device_allocator {
             done.synchronize();
           }
         }
-        if (destroyed_meanwhile()) continue;
       } catch (const std::exception& e) {
         if (destroyed_meanwhile()) continue;
         note_failure(later, "could not record the work of a stream that used a freed block (", e.what());

@@ -269,7 +269,8 @@ class basic_pinned_pool {
   /// was destroyed without a final event (while captured, or its record failed) could otherwise wait for good: for
   /// it this call synchronizes the device (cudaDeviceSynchronize, without the pool's lock) and releases it, unless a
   /// gpukit capture is underway (the synchronize would invalidate it) or the call is made inside a staging transfer
-  /// (the device's work may wait for this thread).
+  /// (the device's work may wait for this thread). A capture begun with the raw runtime on another thread is not
+  /// seen: do not call it then. (An allocation's out-of-memory retry empties the cache without that synchronize.)
   std::size_t empty_cache();
 
   /// The counters, after promoting pending blocks whose events have completed (a failed event query propagates).
@@ -378,6 +379,10 @@ class basic_pinned_pool {
   /// empty_cache's first step: waits (without the lock) for the destroyed streams without a final event that pending
   /// blocks wait for, by a device synchronize each (stream_life::wait_finished); see empty_cache for when it does not.
   void wait_for_streams_without_final_event();
+
+  /// empty_cache's second step, and all of an out-of-memory retry's: promotes the pending blocks whose events have
+  /// completed, releases every free block, then rethrows `failure` (or a failed event query) if any.
+  std::size_t release_cached(std::exception_ptr failure);
 
   /// Reports, through gpukit::warn and without the lock (a handler may call the pool), the deferred blocks
   /// process_deferred_locked lost since the last report.

@@ -150,12 +150,19 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate(void* p, stream
 
 template <class Upstream, class Sync>
 GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::empty_cache() {
-  std::exception_ptr poll_failure;
+  std::exception_ptr wait_failure;
   try {
     wait_for_streams_without_final_event();
-  } catch (...) {  // those blocks stay pending; the free ones are released all the same
-    poll_failure = std::current_exception();
+  } catch (const error& e) {  // those blocks stay pending; the free ones are released all the same
+    if (!detail::is_teardown_result(e.cuda_result())) wait_failure = std::current_exception();
+  } catch (...) {
+    wait_failure = std::current_exception();
   }
+  return release_cached(wait_failure);
+}
+
+template <class Upstream, class Sync>
+GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::release_cached(std::exception_ptr failure) {
   release_list releases(*this);  // declared first: releases after the lock is dropped
   std::size_t bytes = 0;
   {
@@ -163,14 +170,14 @@ GPUKIT_INLINE std::size_t basic_pinned_pool<Upstream, Sync>::empty_cache() {
     try {
       process_pending_locked(releases.blocks);
     } catch (...) {
-      if (!poll_failure) poll_failure = std::current_exception();
+      if (!failure) failure = std::current_exception();
     }
     for (auto& entry : free_) {
       while (!entry.second.empty()) {
         release_free_block_locked(entry.second, entry.second.size() - 1, releases.blocks);
       }
     }
-    if (poll_failure) std::rethrow_exception(poll_failure);
+    if (failure) std::rethrow_exception(failure);
     for (const auto& r : releases.blocks) bytes += r.second;
   }
   return bytes;
@@ -191,7 +198,12 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::wait_for_streams_without_f
       }
     }
   }
-  for (const auto& life : lives) life->wait_finished();
+  for (const auto& life : lives) {
+    // Asked again before each: a capture begun since would be invalidated (one begun between this check and the
+    // synchronize is not seen, nor one begun with the raw runtime).
+    if (detail::gpukit_capture_underway()) return;
+    life->wait_finished();
+  }
 }
 
 template <class Upstream, class Sync>
@@ -686,7 +698,7 @@ GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::upstream_allocate_with_re
       std::lock_guard<std::mutex> lock(mutex_);
       ++stats_.oom_retries;
     }
-    empty_cache();
+    release_cached(nullptr);  // no device synchronize here, unlike empty_cache(): this is an allocation
   }
   try {
     return upstream_allocate_timed(size);
