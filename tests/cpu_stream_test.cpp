@@ -192,7 +192,10 @@ TEST_CASE("event timing misuse is reported") {
   gpukit::event untimed(cpu);
   gpukit::event timed(cpu, {true, false, false});
   gpukit::event timed2(cpu, {true, false, false});
-  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(untimed, timed), doctest::Contains("event_options::timing"),
+  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(untimed, timed),
+                       doctest::Contains("the start event was not created with event_options::timing"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::elapsed_time(timed, untimed), doctest::Contains("the end event was not"),
                        gpukit::invalid_argument_error);
   CHECK_THROWS_WITH_AS(gpukit::elapsed_time(timed, timed2), doctest::Contains("must have been recorded"),
                        gpukit::invalid_argument_error);

@@ -11,6 +11,7 @@
 #include <gpukit/memory/device_buffer.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/graph/graph.hpp>
+#include <gpukit/stream/current_stream.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -1831,5 +1832,76 @@ TEST_CASE("streams: a pinned block whose stream is destroyed and its handle reus
   void* again = pool.allocate(4096);
   CHECK((again == p || again == q));  // reusable once that work has run
   pool.deallocate(again);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: another thread's per-thread stream cannot be made current, and a timer on one times its own") {
+  // cudaStreamPerThread names the calling thread's own stream: a view resolved on another thread cannot be named here.
+  gpukit::stream_view theirs;
+  std::thread([&] { theirs = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  REQUIRE(theirs.is_other_threads_stream());
+  gpukit::stream s(cuda0);
+  gpukit::set_current_stream(s);
+  CHECK_THROWS_AS(gpukit::set_current_stream(theirs), gpukit::invalid_argument_error);
+  CHECK_THROWS_AS((void)gpukit::stream_guard(theirs), gpukit::invalid_argument_error);
+  CHECK(gpukit::current_stream(cuda0).native_handle() == s.cuda_handle());  // unchanged
+  gpukit::set_current_stream(gpukit::stream_view::default_stream(cuda0));
+  // A timer made on this thread's per-thread stream keeps that stream: stopped on another thread, it is refused
+  // rather than timing that thread's own stream.
+  gpukit::stream_timer timer(gpukit::stream_view(cuda0, cudaStreamPerThread));
+  bool refused = false;
+  std::thread([&] {
+    try {
+      timer.stop();
+    } catch (const gpukit::invalid_argument_error&) {
+      refused = true;
+    }
+  }).join();
+  CHECK(refused);
+  CHECK(timer.elapsed().count() >= 0.0);  // stopped here instead
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: event errors name the event's flags, and a cross-device wait both devices") {
+  cudasim::fail_call("cudaEventCreateWithFlags", 1, cudaErrorInvalidValue);
+  try {
+    gpukit::event e(cuda0);
+    FAIL("no exception");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("cudaEventCreateWithFlags(cudaEventDisableTiming)") != std::string::npos);
+  }
+  gpukit::stream s0(cuda0);
+  gpukit::stream s1(cuda1);
+  gpukit::event done(cuda0);
+  done.record(s0);
+  cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidValue);
+  try {
+    done.wait(s1);
+    FAIL("no exception");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("cudaStreamWaitEvent (a stream of cuda:1, an event of cuda:0)") !=
+          std::string::npos);
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a stream pool destroyed while a stream given back to it is captured leaves that capture intact") {
+  captured_warnings warnings;
+  cudaStream_t handle = nullptr;
+  {
+    gpukit::stream_pool pool(cuda0, 1, {}, 1);
+    gpukit::stream_pool::lease lease = pool.acquire_exclusive();
+    handle = lease.view().cuda_handle();
+    REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    {
+      gpukit::stream_pool::lease ended = std::move(lease);
+    }  // given back while captured: kept from the next lease until the capture ends
+    CHECK(pool.exclusive_in_use() == 0);
+  }  // the pool goes first
+  CHECK(warnings.contains("still being captured: left undestroyed"));
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);  // the capture was not broken
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);  // the handle was left to the program
   CHECK(cudasim::violations().empty());
 }

@@ -41,7 +41,8 @@ GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>* current_streams()
 GPUKIT_INLINE stream_view current_stream(device d);
 
 /// Makes `s` the calling thread's current stream of its device. `s` must stay alive while it is current:
-/// current_stream() refuses a gpukit::stream destroyed since.
+/// current_stream() refuses a gpukit::stream destroyed since. Throws invalid_argument_error, changing nothing, for
+/// another thread's per-thread default stream (stream_view::is_other_threads_stream): this thread cannot name it.
 GPUKIT_INLINE void set_current_stream(stream_view s);
 
 /// RAII: for its scope, makes `s` the current stream of its device and that device the current CUDA device (for a
@@ -49,7 +50,7 @@ GPUKIT_INLINE void set_current_stream(stream_view s);
 class stream_guard {
  public:
   /// Makes `s` and its device current until the guard is destroyed. Throws if the device cannot be found or made
-  /// current.
+  /// current, or, as set_current_stream, for another thread's per-thread default stream.
   explicit stream_guard(stream_view s);
   stream_guard(const stream_guard&) = delete;
   stream_guard& operator=(const stream_guard&) = delete;
@@ -112,6 +113,7 @@ GPUKIT_INLINE stream_view current_stream(device d) {
 }
 
 GPUKIT_INLINE void set_current_stream(stream_view s) {
+  if (s.is_other_threads_stream()) detail::throw_other_threads_stream("set_current_stream");
   const device d = s.device();
   const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
   std::shared_ptr<const detail::stream_life> life = s.lifetime();

@@ -89,7 +89,11 @@ class event {
     start.check_valid("elapsed_time");
     end.check_valid("elapsed_time");
     if (!start.options_.timing || !end.options_.timing) {
-      throw invalid_argument_error("gpukit::elapsed_time: both events must be created with event_options::timing");
+      const char* which = !start.options_.timing
+                              ? (!end.options_.timing ? "neither event was" : "the start event was not")
+                              : "the end event was not";
+      throw invalid_argument_error(std::string("gpukit::elapsed_time: ") + which +
+                                   " created with event_options::timing (both must be)");
     }
     if (start.device_ != end.device_) {
       throw invalid_argument_error("gpukit::elapsed_time: the events belong to different devices (" +
@@ -127,7 +131,10 @@ milliseconds elapsed_time(const event& start, const event& end);
 ///     std::printf("%.3f ms\n", timer.elapsed().count());
 class stream_timer {
  public:
-  /// Creates two timing events on `s`'s device and records the start on `s`. The stream must outlive the timer.
+  /// Creates two timing events on `s`'s device and records the start on `s`. The stream must outlive the timer. The
+  /// view is resolved (stream_view::resolved): a timer on the calling thread's per-thread default stream times that
+  /// stream even when stopped from another thread, which is refused (invalid_argument_error) since that thread
+  /// cannot name it.
   explicit stream_timer(stream_view s);
 
   /// Marks the end of the region (again, if called twice: the later call wins).
@@ -263,7 +270,7 @@ GPUKIT_INLINE void event::destroy() noexcept {
 }
 
 GPUKIT_INLINE stream_timer::stream_timer(stream_view s)
-    : stream_(s),
+    : stream_(s.resolved()),
       start_(s.device(), event_options{true, false, false}),
       end_(s.device(), event_options{true, false, false}) {
   start_.record(stream_);

@@ -7,7 +7,11 @@
 ///
 /// - next(): round-robin over `size()` streams created lazily, one per slot on first use. The pool is shared:
 ///   the (size+1)-th call returns the first stream again, so two users may get the same stream (aliasing). That is
-///   always correct, only less concurrent; with the default 32 streams it matches PyTorch's pool.
+///   correct for ordinary work, only less concurrent; with the default 32 streams it matches PyTorch's pool. Never
+///   capture a stream from next(): another user's work on it would go into the graph (and a synchronize of it
+///   would invalidate the capture); capture a stream from acquire_exclusive() instead.
+/// - A process that mixes code built with per-thread default streams and code built without has a set of default
+///   pools (and of current streams, stream/current_stream.hpp) for each of the two builds.
 /// - acquire_exclusive(): a stream nobody else gets from this pool until its lease ends. Exclusive streams are
 ///   separate from the shared ones, created lazily up to the pool's exclusive capacity (a constructor argument,
 ///   by default the pool's size) and recycled when leases end. With all of them leased, acquire_exclusive() throws
@@ -57,6 +61,11 @@ class stream_pool {
 
   stream_pool(const stream_pool&) = delete;
   stream_pool& operator=(const stream_pool&) = delete;
+  /// Destroys the streams (their pending work still runs, as with cudaStreamDestroy). Every lease must have ended:
+  /// one still out is reported through gpukit::warn (its end would give its stream back to a destroyed pool). A stream
+  /// given back while its capture runs is not destroyed, which would break that capture: it is left to CUDA, with a
+  /// warning.
+  ~stream_pool();
 
   /// The next shared stream, round-robin.
   stream_view next();
@@ -322,6 +331,27 @@ GPUKIT_INLINE void stream_pool::recycle_captured_returns_locked(std::vector<std:
       continue;
     }
     it = exclusive_captured_.erase(it);
+  }
+}
+
+GPUKIT_INLINE stream_pool::~stream_pool() {
+  if (exclusive_in_use_ != 0) {
+    detail::warn_parts("gpukit::stream_pool of ", device_, " destroyed with ", exclusive_in_use_,
+                       " exclusive lease(s) still out: each lease must end before its pool");
+  }
+  std::size_t left = 0;
+  for (std::unique_ptr<stream>& s : exclusive_captured_) {
+    if (detail::returned_stream_state(*s) != detail::returned_stream::captured) continue;
+    try {
+      (void)s->release();  // the handle is given up, not destroyed
+      ++left;
+    } catch (...) {
+    }
+  }
+  if (left != 0) {
+    detail::warn_parts("gpukit::stream_pool of ", device_, " destroyed while ", left,
+                       " stream(s) given back to it are still being captured: left undestroyed (destroying a captured "
+                       "stream breaks its capture); the pool must outlive the captures its leases joined");
   }
 }
 

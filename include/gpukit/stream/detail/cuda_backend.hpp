@@ -24,8 +24,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
@@ -323,11 +325,25 @@ GPUKIT_INLINE void copy_peer_async(void* dst, int dst_ordinal, const void* src, 
                             dst_ordinal);
 }
 
+/// "cudaEventDisableTiming | cudaEventInterprocess", for messages (unknown bits as a number).
+GPUKIT_INLINE std::string event_flag_names(unsigned flags) {
+  std::string names;
+  for (const auto& [bit, name] : {std::pair<unsigned, const char*>{cudaEventBlockingSync, "cudaEventBlockingSync"},
+                                  {cudaEventDisableTiming, "cudaEventDisableTiming"},
+                                  {cudaEventInterprocess, "cudaEventInterprocess"}}) {
+    if ((flags & bit) == 0) continue;
+    names += (names.empty() ? "" : " | ") + std::string(name);
+    flags &= ~bit;
+  }
+  if (flags != 0) names += (names.empty() ? "" : " | ") + std::to_string(flags);
+  return names.empty() ? "cudaEventDefault" : names;
+}
+
 GPUKIT_INLINE cudaEvent_t create_event(int ordinal, unsigned flags) {
   device_guard guard(device::cuda(ordinal));
   cudaEvent_t handle = nullptr;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaEventCreateWithFlags(&handle, flags),
-                            "cudaEventCreateWithFlags(" + std::to_string(flags) + ")", ordinal);
+                            "cudaEventCreateWithFlags(" + event_flag_names(flags) + ")", ordinal);
   return handle;
 }
 
@@ -374,7 +390,12 @@ GPUKIT_INLINE void synchronize_event(cudaEvent_t e, int ordinal, const char* cal
 GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int event_ordinal) {
   std::optional<device_guard> guard;
   enter_stream_context(s, guard);
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.handle, e, 0), "cudaStreamWaitEvent", event_ordinal);
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamWaitEvent(s.handle, e, 0),
+                            s.ordinal >= 0 && s.ordinal != event_ordinal
+                                ? "cudaStreamWaitEvent (a stream of cuda:" + std::to_string(s.ordinal) +
+                                      ", an event of cuda:" + std::to_string(event_ordinal) + ")"
+                                : std::string("cudaStreamWaitEvent"),
+                            event_ordinal);
 }
 
 GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
