@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <exception>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -97,21 +98,26 @@ class scoped_env {
   std::optional<std::string> previous_;
 };
 
-/// A gate host tasks wait on, to hold a stream's work back while a test looks at the state in between.
+/// A gate host tasks wait on, to hold a stream's work back while a test looks at the state in between. Destroyed
+/// unopened (a failed REQUIRE, an exception), it opens: the held work must not wait for good, since on a GPU every
+/// host function waits behind it and the test's teardown waits for the device (a hang, not a failure). Its state
+/// is shared with the held host functions, which may run after it is gone.
 class gate {
  public:
+  gate() = default;
+  gate(const gate&) = delete;
+  gate& operator=(const gate&) = delete;
+  ~gate() { open(); }
+
   void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->open = true;
+    state_->cv.notify_all();
   }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-  }
+  void wait() { wait_for(*state_); }
   /// Enqueues a wait for this gate on `s`: everything enqueued after it is held until open().
   void hold(gpukit::stream_view s) {
-    s.enqueue_host([this] { wait(); });
+    s.enqueue_host([state = state_] { wait_for(*state); });
   }
   /// Runs call() while the gate is closed. If it has not returned after `limit`, a watchdog opens the gate, so that a
   /// call that waits for the held work (a regression) returns and the test fails instead of hanging. True when the
@@ -155,9 +161,16 @@ class gate {
   }
 
  private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool open_ = false;
+  struct shared_state {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool open = false;
+  };
+  static void wait_for(shared_state& st) {
+    std::unique_lock<std::mutex> lock(st.mutex);
+    st.cv.wait(lock, [&] { return st.open; });
+  }
+  std::shared_ptr<shared_state> state_ = std::make_shared<shared_state>();
 };
 
 /// Captures gpukit warnings for a scope (the handler is process-wide: do not nest across threads).

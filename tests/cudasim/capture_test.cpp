@@ -761,12 +761,127 @@ TEST_CASE("capture: the legacy default stream is never asked while a blocking st
     capture c(blocking);
     // cudaStreamIsCapturing(legacy) would fail with cudaErrorStreamCaptureImplicit; the legacy stream cannot be
     // captured, so gpukit does not ask.
+    const std::size_t asked = cudasim::calls("cudaStreamIsCapturing");
     void* p = allocator.allocate(4096, legacy);
     CHECK(p != nullptr);
+    CHECK(cudasim::calls("cudaStreamIsCapturing") == asked);
     REQUIRE(c.end() == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
     allocator.deallocate(p);
   }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: the legacy default stream's ready() and synchronize() refuse to join a blocking capture") {
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const auto refused = [](const auto& call, const char* what) {
+    try {
+      call();
+      FAIL("not refused");
+    } catch (const gpukit::invalid_argument_error& e) {
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+      CHECK(std::string(e.what()).find("cudaErrorStreamCaptureImplicit") != std::string::npos);
+    }
+  };
+  SUBCASE("a capture begun with the raw runtime (CUDA says so, and the capture stays intact)") {
+    capture c(blocking, cudaStreamCaptureModeRelaxed);
+    refused([&] { (void)legacy.ready(); }, "a blocking stream of cuda:0 is being captured");
+    refused([&] { legacy.synchronize(); }, "a blocking stream of cuda:0 is being captured");
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  SUBCASE("a gpukit capture, from its own work and from another thread") {
+    std::string other_thread;
+    gpukit::graph g = gpukit::capture(blocking, [&] {
+      refused([&] { (void)legacy.ready(); }, "a gpukit capture of a blocking stream is underway");
+      refused([&] { legacy.synchronize(); }, "a gpukit capture of a blocking stream is underway");
+      std::thread([&] {
+        try {
+          (void)legacy.ready();
+        } catch (const gpukit::invalid_argument_error& e) {
+          other_thread = e.what();
+        }
+      }).join();
+    });
+    CHECK(other_thread.find("a gpukit capture of a blocking stream is underway") != std::string::npos);
+    g.launch(blocking);
+    blocking.synchronize();
+  }
+  // After the capture, and during a capture of a non-blocking stream, both work.
+  CHECK(legacy.ready());
+  legacy.synchronize();
+  gpukit::stream non_blocking(cuda0);
+  gpukit::graph g = gpukit::capture(non_blocking, [&] {
+    CHECK(legacy.ready());
+    legacy.synchronize();
+  });
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: the legacy stream's wait and a stream whose flags cannot be read, when CUDA fails") {
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  SUBCASE("the wait's event record fails: a CUDA error naming it, no event left") {
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidValue);
+    try {
+      legacy.synchronize();
+      FAIL("no error");
+    } catch (const std::exception& e) {  // invalid_argument_error for cudaErrorInvalidValue
+      CHECK(std::string(e.what()).find("cudaEventRecord (the legacy default stream's end)") != std::string::npos);
+    }
+  }
+  SUBCASE("the wait fails: a CUDA error naming it, the event destroyed") {
+    cudasim::fail_call("cudaEventSynchronize", 1, cudaErrorInvalidValue);
+    const std::size_t destroyed = cudasim::calls("cudaEventDestroy");
+    try {
+      legacy.synchronize();
+      FAIL("no error");
+    } catch (const std::exception& e) {  // invalid_argument_error for cudaErrorInvalidValue
+      CHECK(std::string(e.what()).find("cudaEventSynchronize (the legacy default stream)") != std::string::npos);
+    }
+    CHECK(cudasim::calls("cudaEventDestroy") == destroyed + 1);
+  }
+  SUBCASE("a captured stream whose flags cannot be read counts as blocking") {
+    gpukit::stream non_blocking(cuda0);
+    cudasim::fail_call("cudaStreamGetFlags", 1, cudaErrorUnknown);
+    bool refused = false;
+    gpukit::graph g = gpukit::capture(non_blocking, [&] {
+      try {
+        (void)legacy.ready();
+      } catch (const gpukit::invalid_argument_error&) {
+        refused = true;
+      }
+    });
+    CHECK(refused);
+  }
+  cudasim::clear_faults();
+  legacy.synchronize();  // usable afterwards
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a gpukit capture of a blocking stream waits for a query of the legacy stream to be made") {
+  // The other thread's capture is asked for while this thread's query is inside CUDA (before the simulator answers
+  // it): it must not begin until the query returns, or the query would invalidate it.
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  std::thread capturer;
+  std::atomic<bool> captured{false};
+  cudasim::before_call("cudaStreamQuery", 1, [&] {
+    capturer = std::thread([&] {
+      try {
+        gpukit::graph g = gpukit::capture(blocking, [] {});
+        captured = true;
+      } catch (const std::exception& e) {
+        MESSAGE(e.what());  // the capture was invalidated
+      }
+    });
+    // Time for a capture that does not wait to begin (the race this test would lose without the hold).
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK_FALSE(captured.load());
+  });
+  CHECK(legacy.ready());
+  capturer.join();
+  CHECK(captured.load());
   CHECK(cudasim::violations().empty());
 }
 

@@ -294,16 +294,29 @@ std::vector<probe> probes() {
       return cudaEventRecord(o.event, o.blocking); }},
     {"cudaStreamWaitEvent (another blocking stream)", other, true, ok, [](objects& o) {
       return cudaStreamWaitEvent(o.blocking, o.event, 0); }},
-    // The legacy default stream's own wait and query (stream_view::synchronize and ready on it, relaxed): a wait
-    // covers the blocking streams' work, the captured one's included, so the simulator refuses it during a blocking
-    // capture (an implicit join); a query it permits. Not yet measured on a GPU.
+    // The legacy default stream's own wait and query (stream_view::synchronize and ready on it, relaxed): both cover
+    // the blocking streams' work, the captured one's included, so both are refused during a blocking capture (an
+    // implicit join; measured on an H200, 2026-12-04, which corrected the simulator's query).
     {"cudaStreamSynchronize (legacy default stream)", relaxed, false, ok, [](objects&) {
       return cudaStreamSynchronize(cudaStreamLegacy); }},
     {"cudaStreamSynchronize (legacy default stream)", relaxed, true, no, [](objects&) {
       return cudaStreamSynchronize(cudaStreamLegacy); }},
-    {"cudaStreamQuery (legacy default stream)", relaxed, true, ok, [](objects&) {
+    {"cudaStreamQuery (legacy default stream)", relaxed, false, ok, [](objects&) {
       const cudaError_t e = cudaStreamQuery(cudaStreamLegacy);
       return e == cudaErrorNotReady ? cudaSuccess : e; }},
+    {"cudaStreamQuery (legacy default stream)", relaxed, true, no, [](objects&) {
+      const cudaError_t e = cudaStreamQuery(cudaStreamLegacy);
+      return e == cudaErrorNotReady ? cudaSuccess : e; }},
+    // How gpukit asks before using the legacy stream: the header says this answers cudaErrorStreamCaptureImplicit
+    // during a blocking capture and leaves the capture intact. This probe succeeds only if it does.
+    {"cudaStreamIsCapturing (legacy default stream)", other, true, ok, [](objects&) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      const cudaError_t e = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+      if (e == cudaSuccess) std::printf("  (the legacy stream's status: %d)\n", static_cast<int>(status));
+      return e == cudaErrorStreamCaptureImplicit ? cudaSuccess : (e == cudaSuccess ? cudaErrorIllegalState : e); }},
+    {"cudaStreamIsCapturing (legacy default stream)", other, false, ok, [](objects&) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      return cudaStreamIsCapturing(cudaStreamLegacy, &status); }},
     // A stream forked into the capture and joined back stays part of it until the capture ends (the simulator's
     // rule; gpukit asks cudaStreamIsCapturing before recording on a stream): this probe succeeds only if it reads
     // cudaStreamCaptureStatusActive.
@@ -400,4 +413,47 @@ TEST_CASE("gpu: the calls a capture in global mode permits, from another thread 
 #endif
   }
   std::fflush(stdout);
+}
+
+TEST_CASE("gpu: capturing, instantiating and launching do not wait for a host function that holds the stream") {
+  // gpukit::capture may run while earlier work on its stream waits (a host function, or a stream it waits for).
+  // The simulator makes none of these calls wait; each runs under a watchdog that opens the gate after 10 s, so a
+  // call that does wait on a GPU fails its check instead of hanging, and the output names it.
+  GPUKIT_REQUIRE_GPU();
+  GPUKIT_CUDA_TRY(cudaSetDevice(0));
+  cudaStream_t s = nullptr;
+  GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  void* buffer = nullptr;
+  GPUKIT_CUDA_TRY(cudaMalloc(&buffer, buffer_bytes));
+  std::printf("capture calls behind a held stream (%s):\n", on_simulator() ? "simulated runtime" : "real runtime");
+  for (const bool empty : {true, false}) {
+    gate g;
+    g.hold(gpukit::stream_view(s));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    const auto step = [&](const char* what, const std::function<cudaError_t()>& call) {
+      cudaError_t result = cudaSuccess;
+      const bool waited = g.opened_to_return([&] { result = call(); }, std::chrono::seconds(10));
+      std::printf("  %-34s (%s graph): returned %-28s %s\n", what, empty ? "empty" : "a memset",
+                  cudaGetErrorName(result), waited ? "WAITED for the held stream" : "at once");
+      INFO(what << (empty ? " (empty graph)" : " (a memset)"));
+      CHECK(result == cudaSuccess);
+      CHECK_FALSE(waited);
+    };
+    step("cudaStreamBeginCapture", [&] { return cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal); });
+    if (!empty) step("cudaMemsetAsync (captured)", [&] { return cudaMemsetAsync(buffer, 1, buffer_bytes, s); });
+    step("cudaStreamEndCapture", [&] { return cudaStreamEndCapture(s, &graph); });
+    step("cudaGraphInstantiate", [&] { return cudaGraphInstantiate(&exec, graph, 0); });
+    step("cudaGraphLaunch (behind the gate)", [&] { return cudaGraphLaunch(exec, s); });
+    g.open();
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    if (exec != nullptr) CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  std::fflush(stdout);
+  CHECK(cudaFree(buffer) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::violations().empty());
+#endif
 }

@@ -318,10 +318,13 @@ TEST_CASE("gpu: pinned_memory_resource orders its frees on the current stream, a
     const gpukit::stream_guard current(s);
     void* p = resource.allocate_sync(4096);
     g.hold(s);
-    resource.deallocate_sync(p, 4096);
-    void* q = resource.allocate_sync(4096);
-    CHECK(q != p);  // p waits for s
-    resource.deallocate_sync(q, 4096);
+    // Under a watchdog: on a GPU, a call that waits for s would wait for good (a timeout that says nothing).
+    CHECK_FALSE(g.opened_to_return([&] {
+      resource.deallocate_sync(p, 4096);
+      void* q = resource.allocate_sync(4096);
+      CHECK(q != p);  // p waits for s
+      resource.deallocate_sync(q, 4096);
+    }));
     g.open();
     s.synchronize();
   }
@@ -340,17 +343,25 @@ TEST_CASE("gpu: pinned_memory_resource orders its frees on the current stream, a
   }
   {
     // Freed on a stream being captured (a CCCL buffer destroyed in the capture): waits for the capture to end, then
-    // for the work enqueued on s before it.
+    // for the work enqueued on s before it. A raw capture: gpukit::capture also instantiates the graph, which CUDA
+    // may not do while a host function holds the stream (tests/graph/gpu_capture_rules_test.cpp asks).
     (void)pool.empty_cache();  // the blocks above: p will be the only free one of its class
     void* p = resource.allocate(s, 4096, 256);
+    void* q = nullptr;
     gpukit_test::gate g;
     g.hold(s);
-    gpukit::graph graph = gpukit::capture(s, [&] { resource.deallocate(s, p, 4096, 256); });
-    const gpukit::pinned_pool_stats after = pool.stats();
-    CHECK(after.active_blocks == 0);
-    CHECK(after.pending_blocks == 1);  // deferred: the old code refused the free and lost the block
-    void* q = resource.allocate(s, 4096, 256);
-    CHECK(q != p);
+    CHECK_FALSE(g.opened_to_return([&] {
+      REQUIRE(cudaStreamBeginCapture(s.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+      resource.deallocate(s, p, 4096, 256);
+      cudaGraph_t graph = nullptr;
+      REQUIRE(cudaStreamEndCapture(s.cuda_handle(), &graph) == cudaSuccess);
+      CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+      const gpukit::pinned_pool_stats after = pool.stats();
+      CHECK(after.active_blocks == 0);
+      CHECK(after.pending_blocks == 1);  // deferred: the old code refused the free and lost the block
+      q = resource.allocate(s, 4096, 256);
+      CHECK(q != p);
+    }));
     g.open();
     s.synchronize();
     void* r = resource.allocate(s, 4096, 256);

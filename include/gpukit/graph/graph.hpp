@@ -236,20 +236,29 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   // or defer work for no capture); outlives `scope` below, which ends the capture. Work already being put on the
   // legacy stream under a detail::capture_hold is waited for: it would invalidate the capture.
   struct counted_capture {
-    counted_capture() noexcept {
+    explicit counted_capture(bool blocking_stream) noexcept : blocking(blocking_stream) {
+      // The blocking count first: a query of the legacy stream that sees its hold refused sees this too.
+      if (blocking) mode_independent::gpukit_blocking_captures_underway().fetch_add(1, std::memory_order_seq_cst);
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
       ++mode_independent::gpukit_captures_on_this_thread();
       detail::wait_for_capture_holds();
     }
-    ~counted_capture() {
+    ~counted_capture() { end(); }
+    void end() noexcept {
+      if (!counting) return;
+      counting = false;
       --mode_independent::gpukit_captures_on_this_thread();
       mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
+      if (blocking) mode_independent::gpukit_blocking_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
     }
+    bool blocking;
+    bool counting = true;
     counted_capture(const counted_capture&) = delete;
     counted_capture& operator=(const counted_capture&) = delete;
   };
-  std::optional<counted_capture> counted;
-  counted.emplace();
+  // The per-thread default stream synchronizes with the legacy one, as a stream created without
+  // cudaStreamNonBlocking does.
+  counted_capture counted(s.is_default() || detail::cuda_backend::may_block_on_legacy_stream(handle));
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
                             "cudaStreamBeginCapture", d.ordinal());
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
@@ -293,7 +302,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   }
   std::forward<F>(work)();
   cudaGraph_t g = scope.end();
-  counted.reset();
+  counted.end();
   if (g == nullptr) {
     const cudaError_t ended = scope.last_error == cudaSuccess ? cudaErrorStreamCaptureInvalidated : scope.last_error;
     GPUKIT_CUDA_TRY_DESCRIBED(ended, std::string("cudaStreamEndCapture (") + detail::why_capture_failed(ended) + ")",

@@ -271,8 +271,8 @@ GPUKIT_INLINE void event::destroy() noexcept {
 
 GPUKIT_INLINE stream_timer::stream_timer(stream_view s)
     : stream_(s.resolved()),
-      start_(s.device(), event_options{true, false, false}),
-      end_(s.device(), event_options{true, false, false}) {
+      start_(stream_.device(), event_options{true, false, false}),
+      end_(stream_.device(), event_options{true, false, false}) {
   start_.record(stream_);
 }
 

@@ -57,6 +57,15 @@ GPUKIT_EXPORT inline int& gpukit_captures_on_this_thread() noexcept {
   return count;
 }
 
+/// Of gpukit_captures_underway, the captures of a blocking stream (one that synchronizes with the legacy default
+/// stream: created without cudaStreamNonBlocking, or a per-thread default stream). A query of or a wait for the
+/// legacy default stream would join such a capture implicitly, and invalidate it. Counted before the capture counts
+/// itself in gpukit_captures_underway, and uncounted after.
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_underway() noexcept {
+  static std::atomic<std::int64_t> count{0};
+  return count;
+}
+
 /// Threads enqueueing work that a gpukit capture begun meanwhile would break (detail::capture_hold), counted while
 /// they do: gpukit::capture begins a capture only once this is zero.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& capture_holds() noexcept {
@@ -81,6 +90,7 @@ struct may_be_empty<std::function<Signature>> : std::true_type {};
 class stream;
 
 namespace detail {
+class legacy_stream_hold;
 /// Whether a gpukit capture runs now, on any thread: a hint (one may begin at once, and a capture begun with the raw
 /// runtime is never seen; only a capture_hold tells for sure).
 inline bool gpukit_capture_underway() noexcept {
@@ -243,13 +253,16 @@ class stream_view {
 
   /// Blocks until all work enqueued on the stream has completed. Throws invalid_argument_error, waiting for nothing,
   /// on a stream being captured: CUDA would refuse the wait and invalidate the capture (its work runs when the graph
-  /// is launched).
+  /// is launched). On the legacy default stream, which synchronizes with every blocking stream, it throws as well
+  /// while a blocking stream is captured (a gpukit capture of one on any device, or a raw capture of one of its
+  /// device): the wait would join that capture. There it waits for an event recorded on the stream.
   void synchronize() const;
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
   /// program stays pending: cudaErrorNotReady is a status, not an error, and is cleared only if the runtime recorded
   /// it as the last error (detail::forget_not_ready). While a gpukit::capture runs, a stream being captured is refused
-  /// (invalid_argument_error) rather than let the query invalidate its capture.
+  /// (invalid_argument_error) rather than let the query invalidate its capture; so is the legacy default stream while
+  /// a blocking stream is captured, as for synchronize().
   [[nodiscard]] bool ready() const;
 
   /// Enqueues a host function that runs once the work before it has completed, and delays the work after it
@@ -315,6 +328,12 @@ class stream_view {
   void refuse_other_threads_stream(const char* operation) const;
   // Throws invalid_argument_error naming `operation` and saying `why` on a stream being captured.
   void refuse_in_capture(const char* operation, const char* why) const;
+  // For the legacy default stream, under `hold`, which keeps gpukit captures from beginning: throws
+  // invalid_argument_error naming `operation` if a blocking stream is being captured, which a query of or a wait for
+  // the legacy stream would join implicitly, and invalidate.
+  void refuse_implicit_join(const char* operation, const detail::legacy_stream_hold& hold) const;
+  // synchronize() for the legacy default stream: an event recorded under such a hold, then waited for.
+  void synchronize_legacy() const;
   // What handle 0 means in this translation unit's default-stream mode.
   static cudaStream_t canonical(cudaStream_t h) noexcept;
 
@@ -626,9 +645,76 @@ GPUKIT_INLINE void stream_view::refuse_in_capture(const char* operation, const c
       (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") + ": " + why);
 }
 
+namespace detail {
+/// Held around a query of, or an event record on, the legacy default stream: gpukit::capture waits for it before
+/// beginning a capture (the protocol of capture_hold in memory/stream_ops.hpp). Always taken, since it is released
+/// at once: never held through a wait.
+class legacy_stream_hold {
+ public:
+  legacy_stream_hold() noexcept {
+    // Sequentially consistent, as capture_hold: a capture either sees this hold and waits, or counted itself as
+    // blocking before the load below.
+    mode_independent::capture_holds().fetch_add(1, std::memory_order_seq_cst);
+    blocking_capture_counted_ =
+        mode_independent::gpukit_blocking_captures_underway().load(std::memory_order_seq_cst) != 0;
+  }
+  ~legacy_stream_hold() { mode_independent::capture_holds().fetch_sub(1, std::memory_order_release); }
+  legacy_stream_hold(const legacy_stream_hold&) = delete;
+  legacy_stream_hold& operator=(const legacy_stream_hold&) = delete;
+
+  /// True when a gpukit capture of a blocking stream (on any device) had begun, or was about to.
+  bool blocking_capture_counted() const noexcept { return blocking_capture_counted_; }
+
+ private:
+  bool blocking_capture_counted_ = false;
+};
+}  // namespace detail
+
+GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
+                                                     const detail::legacy_stream_hold& hold) const {
+  const auto refuse = [&](const std::string& what) {
+    throw invalid_argument_error(std::string("gpukit::") + operation + ": " + what +
+                                 ": the legacy default stream synchronizes with every blocking stream, so CUDA would "
+                                 "join the capture implicitly and invalidate it (cudaErrorStreamCaptureImplicit; "
+                                 "nothing was done). Wait for the capture to end, or use a non-blocking stream");
+  };
+  if (hold.blocking_capture_counted()) {
+    refuse("a gpukit capture of a blocking stream is underway (on some device, in some thread)");
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  // The header documents this answer, which leaves the capture intact; a capture begun with the raw runtime counts.
+  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) == cudaErrorStreamCaptureImplicit) {
+    refuse("a blocking stream of " + device().to_string() + " is being captured");
+  }
+}
+
+GPUKIT_INLINE void stream_view::synchronize_legacy() const {
+  const int ordinal = device().ordinal();
+  cudaEvent_t marker = nullptr;
+  cudaError_t result = cudaSuccess;
+  {
+    // The record is work on the legacy stream: made under the hold, so no gpukit capture begins before it. The wait
+    // is not: a capture may begin during it, and an event's wait joins no capture.
+    const detail::legacy_stream_hold hold;
+    refuse_implicit_join("stream_view::synchronize", hold);
+    marker = detail::cuda_backend::record_new_event(cuda_, ordinal, result);
+  }
+  if (marker == nullptr) {
+    detail::throw_cuda_error(result, "cudaEventRecord (the legacy default stream's end)", ordinal, __FILE__, __LINE__);
+  }
+  try {
+    detail::cuda_backend::synchronize_event(marker, ordinal, "cudaEventSynchronize (the legacy default stream)");
+  } catch (...) {
+    detail::cuda_backend::destroy_event(marker, ordinal, "stream_view::synchronize");
+    throw;
+  }
+  detail::cuda_backend::destroy_event(marker, ordinal, "stream_view::synchronize");
+}
+
 GPUKIT_INLINE void stream_view::synchronize() const {
   if (is_cpu()) return detail::cpu_backend::synchronize(cpu_);
   refuse_other_threads_stream("stream_view::synchronize");
+  if (is_default() && !is_per_thread()) return synchronize_legacy();
   refuse_in_capture("stream_view::synchronize",
                     "CUDA refuses a wait for captured work and invalidates the capture (that work runs when the graph "
                     "is launched: synchronize after the launch; nothing was waited for)");
@@ -638,6 +724,11 @@ GPUKIT_INLINE void stream_view::synchronize() const {
 GPUKIT_INLINE bool stream_view::ready() const {
   if (is_cpu()) return detail::cpu_backend::ready(cpu_);
   refuse_other_threads_stream("stream_view::ready");
+  if (is_default() && !is_per_thread()) {
+    const detail::legacy_stream_hold hold;  // until the query is made
+    refuse_implicit_join("stream_view::ready", hold);
+    return detail::cuda_backend::ready(cuda_target());
+  }
   if (detail::gpukit_capture_underway()) {  // else one atomic load: ready() is polled
     refuse_in_capture("stream_view::ready",
                       "CUDA refuses a query of captured work and invalidates the capture (that work runs when the "

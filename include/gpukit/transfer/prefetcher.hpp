@@ -556,7 +556,9 @@ class prefetcher {
         throw invalid_argument_error("gpukit::prefetcher: the producer wrote " + std::to_string(count) +
                                      " elements into a batch of " + std::to_string(st.capacity));
       }
-      std::optional<detail::capture_hold> hold;  // for a deferred release's event, on the legacy stream
+      // For a deferred release's event, on the legacy stream. Not an std::optional: GCC 13 at -O3 warns
+      // (maybe-uninitialized) through its engaged flag.
+      detail::capture_hold hold(false);
       {
         std::unique_lock<std::mutex> lock(st.mutex);
         if (count == 0) {
@@ -578,12 +580,13 @@ class prefetcher {
           const auto start = clock::now();
           auto backoff = std::chrono::microseconds(20);
           // Held from the check until the event is recorded (below), so that no capture begins in between.
-          hold.emplace(detail::may_use_legacy_stream(st.consumer));
-          while (!st.stopping && index < st.end && hold->refuses(st.consumer)) {
-            hold.reset();  // never held while waiting: a capture waits for the holds
+          const bool needed = detail::may_use_legacy_stream(st.consumer);
+          hold.retake(needed);
+          while (!st.stopping && index < st.end && hold.refuses(st.consumer)) {
+            hold.release();  // never held while waiting: a capture waits for the holds
             st.cv.wait_for(lock, backoff);
             backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
-            hold.emplace(detail::may_use_legacy_stream(st.consumer));
+            hold.retake(needed);
           }
           st.stats.producer_wait_for_release += clock::now() - start;
           sl.consumed_deferred = false;
@@ -595,7 +598,7 @@ class prefetcher {
         }
       }
       if (record_consumed) detail::record_from_any_thread(sl.consumed, st.consumer);
-      hold.reset();
+      hold.release();
       sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
       copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(buffer.host.data(), count),
                  st.copy_stream.view());

@@ -274,18 +274,18 @@ class basic_staging_engine {
     job& operator=(const job&) = delete;
     ~job() { detail::give_recycled_event(std::move(after)); }
 
+    // Why it is staged in the background, for messages.
+    const char* why() const noexcept {
+      return queued ? "a transfer queued behind the rest of an earlier one still staged in the background"
+                    : "the rest of a transfer that its stream did not take within the patience";
+    }
+
     char* dst;
     std::unique_ptr<char[]> data;
     std::size_t bytes;
     std::size_t chunk;
     bool queued;  // handed over at once, behind an earlier transfer's rest (not out of patience)
     event after;  // the stream's work before the hand-over; then the end of the side stream's copies
-
-    // Why it is staged in the background, for messages.
-    const char* why() const noexcept {
-      return queued ? "a transfer queued behind the rest of an earlier one still staged in the background"
-                    : "the rest of a transfer that its stream did not take within the patience";
-    }
     std::shared_ptr<completion> done;
   };
 

@@ -94,6 +94,10 @@ GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thr
 /// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
 GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority);
 
+/// Whether created stream `s` synchronizes with the legacy default stream (it lacks cudaStreamNonBlocking); true
+/// where cudaStreamGetFlags fails, for callers that must assume the worst.
+GPUKIT_INLINE bool may_block_on_legacy_stream(cudaStream_t s) noexcept;
+
 /// cudaStreamDestroy; a failure goes to gpukit::warn (destructors never throw).
 GPUKIT_INLINE void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept;
 
@@ -246,6 +250,15 @@ GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thr
                             per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
                             ordinal);
   return id;
+}
+
+GPUKIT_INLINE bool may_block_on_legacy_stream(cudaStream_t s) noexcept {
+  unsigned flags = 0;
+  if (cudaStreamGetFlags(s, &flags) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return (flags & cudaStreamNonBlocking) == 0;
 }
 
 GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority) {
