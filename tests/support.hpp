@@ -114,7 +114,10 @@ class gate {
     state_->open = true;
     state_->cv.notify_all();
   }
-  void wait() { wait_for(*state_); }
+  void wait() {
+    const std::shared_ptr<shared_state> state = state_;  // the gate may be destroyed meanwhile
+    wait_for(*state);
+  }
   /// Enqueues a wait for this gate on `s`: everything enqueued after it is held until open().
   void hold(gpukit::stream_view s) {
     s.enqueue_host([state = state_] { wait_for(*state); });

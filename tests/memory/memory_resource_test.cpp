@@ -352,10 +352,21 @@ TEST_CASE("gpu: pinned_memory_resource orders its frees on the current stream, a
     g.hold(s);
     CHECK_FALSE(g.opened_to_return([&] {
       REQUIRE(cudaStreamBeginCapture(s.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+      struct end_capture {  // also if the free throws, so that s is not left captured
+        cudaStream_t stream;
+        cudaError_t end() {
+          cudaGraph_t graph = nullptr;
+          const cudaError_t result = cudaStreamEndCapture(stream, &graph);
+          stream = nullptr;
+          if (graph != nullptr) (void)cudaGraphDestroy(graph);
+          return result;
+        }
+        ~end_capture() {
+          if (stream != nullptr) (void)end();
+        }
+      } capture{s.cuda_handle()};
       resource.deallocate(s, p, 4096, 256);
-      cudaGraph_t graph = nullptr;
-      REQUIRE(cudaStreamEndCapture(s.cuda_handle(), &graph) == cudaSuccess);
-      CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+      REQUIRE(capture.end() == cudaSuccess);
       const gpukit::pinned_pool_stats after = pool.stats();
       CHECK(after.active_blocks == 0);
       CHECK(after.pending_blocks == 1);  // deferred: the old code refused the free and lost the block

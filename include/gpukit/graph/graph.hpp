@@ -236,12 +236,17 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   // or defer work for no capture); outlives `scope` below, which ends the capture. Work already being put on the
   // legacy stream under a detail::capture_hold is waited for: it would invalidate the capture.
   struct counted_capture {
-    explicit counted_capture(bool blocking_stream) noexcept : blocking(blocking_stream) {
-      // The blocking count first: a query of the legacy stream that sees its hold refused sees this too.
-      if (blocking) mode_independent::gpukit_blocking_captures_underway().fetch_add(1, std::memory_order_seq_cst);
+    counted_capture(int device_ordinal, bool blocking_stream) noexcept
+        : ordinal(device_ordinal), blocking(blocking_stream) {
+      // A blocking stream is counted apart first, then waits for the legacy-stream queries and records being made
+      // (stream_view::ready and synchronize on it): they would join the capture. Later ones see the count and refuse.
+      if (blocking) {
+        mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_add(1, std::memory_order_seq_cst);
+      }
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
       ++mode_independent::gpukit_captures_on_this_thread();
       detail::wait_for_capture_holds();
+      if (blocking) detail::wait_for_legacy_stream_holds(ordinal);
     }
     ~counted_capture() { end(); }
     void end() noexcept {
@@ -249,8 +254,11 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       counting = false;
       --mode_independent::gpukit_captures_on_this_thread();
       mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
-      if (blocking) mode_independent::gpukit_blocking_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
+      if (blocking) {
+        mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_sub(1, std::memory_order_acq_rel);
+      }
     }
+    int ordinal;
     bool blocking;
     bool counting = true;
     counted_capture(const counted_capture&) = delete;
@@ -258,7 +266,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
   };
   // The per-thread default stream synchronizes with the legacy one, as a stream created without
   // cudaStreamNonBlocking does.
-  counted_capture counted(s.is_default() || detail::cuda_backend::may_block_on_legacy_stream(handle));
+  counted_capture counted(d.ordinal(), s.is_default() || detail::cuda_backend::may_block_on_legacy_stream(handle));
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
                             "cudaStreamBeginCapture", d.ordinal());
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.

@@ -151,6 +151,12 @@ class capture_hold {
 /// see the count and refuse, so the wait ends once the holders have enqueued their work.
 GPUKIT_INLINE void wait_for_capture_holds() noexcept;
 
+/// Called by gpukit::capture of a blocking stream of device `ordinal`, once counted
+/// (gpukit_blocking_captures_underway), before the capture begins: waits for the legacy_stream_holds taken before (a
+/// query of the device's legacy stream, or an event record on it, being made). Later ones are refused, so the wait
+/// ends.
+GPUKIT_INLINE void wait_for_legacy_stream_holds(int ordinal) noexcept;
+
 /// A stream an engine keeps to order a later free, maybe from another thread and after the stream was destroyed: a
 /// gpukit::stream is kept with its record (whether it was destroyed, and the event of its last work), since its
 /// handle goes to the next stream created; a per-thread default stream with the calling thread's stream id
@@ -325,6 +331,17 @@ GPUKIT_INLINE void wait_for_capture_holds() noexcept {
     // Holds last as long as an event record or a wait enqueued.
     if (round < 64) {
       std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+GPUKIT_INLINE void wait_for_legacy_stream_holds(int ordinal) noexcept {
+  const std::atomic<std::int64_t>& holds = mode_independent::legacy_stream_holds(ordinal);
+  for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
+    if (round < 64) {
+      std::this_thread::yield();  // a hold lasts one query or one event record
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }

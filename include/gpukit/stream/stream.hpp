@@ -57,13 +57,23 @@ GPUKIT_EXPORT inline int& gpukit_captures_on_this_thread() noexcept {
   return count;
 }
 
-/// Of gpukit_captures_underway, the captures of a blocking stream (one that synchronizes with the legacy default
-/// stream: created without cudaStreamNonBlocking, or a per-thread default stream). A query of or a wait for the
-/// legacy default stream would join such a capture implicitly, and invalidate it. Counted before the capture counts
-/// itself in gpukit_captures_underway, and uncounted after.
-GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_underway() noexcept {
-  static std::atomic<std::int64_t> count{0};
-  return count;
+/// Device ordinals with counters of their own below; higher ones share the last (conservative).
+constexpr int per_device_counters = 64;
+
+/// Of gpukit_captures_underway, those of a blocking stream of device `ordinal` (one that synchronizes with the legacy
+/// default stream: created without cudaStreamNonBlocking, or a per-thread default stream). A query of or a wait for
+/// that device's legacy stream would join such a capture implicitly, and invalidate it. Counted before the capture
+/// waits for legacy_stream_holds, and uncounted after it ends.
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_underway(int ordinal) noexcept {
+  static std::atomic<std::int64_t> counts[per_device_counters];  // static: zero before any use
+  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
+}
+
+/// Queries of, and event records on, device `ordinal`'s legacy default stream being made (detail::legacy_stream_hold):
+/// a gpukit capture of a blocking stream of the device begins only once this is zero.
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& legacy_stream_holds(int ordinal) noexcept {
+  static std::atomic<std::int64_t> counts[per_device_counters];
+  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
 }
 
 /// Threads enqueueing work that a gpukit capture begun meanwhile would break (detail::capture_hold), counted while
@@ -646,28 +656,35 @@ GPUKIT_INLINE void stream_view::refuse_in_capture(const char* operation, const c
 }
 
 namespace detail {
-/// Held around a query of, or an event record on, the legacy default stream: gpukit::capture waits for it before
-/// beginning a capture (the protocol of capture_hold in memory/stream_ops.hpp). Always taken, since it is released
-/// at once: never held through a wait.
+/// Held around a query of, or an event record on, device `ordinal`'s legacy default stream, unless refused: a gpukit
+/// capture of a blocking stream of the device then waits before it begins (wait_for_legacy_stream_holds). Refused
+/// while such a capture is counted, so that polling threads cannot keep one from beginning: their holds drain.
+/// Never held through a wait.
 class legacy_stream_hold {
  public:
-  legacy_stream_hold() noexcept {
-    // Sequentially consistent, as capture_hold: a capture either sees this hold and waits, or counted itself as
-    // blocking before the load below.
-    mode_independent::capture_holds().fetch_add(1, std::memory_order_seq_cst);
-    blocking_capture_counted_ =
-        mode_independent::gpukit_blocking_captures_underway().load(std::memory_order_seq_cst) != 0;
+  explicit legacy_stream_hold(int ordinal) noexcept : ordinal_(ordinal) {
+    // Sequentially consistent on both sides (this increment then load, the capture's increment then load): either
+    // the capture sees this hold and waits, or this sees the capture and is refused.
+    mode_independent::legacy_stream_holds(ordinal_).fetch_add(1, std::memory_order_seq_cst);
+    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) == 0) return;
+    refused_ = true;
+    mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
   }
-  ~legacy_stream_hold() { mode_independent::capture_holds().fetch_sub(1, std::memory_order_release); }
+  ~legacy_stream_hold() {
+    // Release: the query or record made under the hold happens before the capture that waited for it begins.
+    if (!refused_) mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
+  }
   legacy_stream_hold(const legacy_stream_hold&) = delete;
   legacy_stream_hold& operator=(const legacy_stream_hold&) = delete;
 
-  /// True when a gpukit capture of a blocking stream (on any device) had begun, or was about to.
-  bool blocking_capture_counted() const noexcept { return blocking_capture_counted_; }
+  /// True when a gpukit capture of a blocking stream of the device had begun, or was about to: nothing is held.
+  bool refused() const noexcept { return refused_; }
 
  private:
-  bool blocking_capture_counted_ = false;
+  int ordinal_;
+  bool refused_ = false;
 };
+
 }  // namespace detail
 
 GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
@@ -678,9 +695,7 @@ GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
                                  "join the capture implicitly and invalidate it (cudaErrorStreamCaptureImplicit; "
                                  "nothing was done). Wait for the capture to end, or use a non-blocking stream");
   };
-  if (hold.blocking_capture_counted()) {
-    refuse("a gpukit capture of a blocking stream is underway (on some device, in some thread)");
-  }
+  if (hold.refused()) refuse("a gpukit capture of a blocking stream of " + device().to_string() + " is underway");
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   // The header documents this answer, which leaves the capture intact; a capture begun with the raw runtime counts.
   if (detail::cuda_backend::stream_capture_status(cuda_target(), status) == cudaErrorStreamCaptureImplicit) {
@@ -690,25 +705,20 @@ GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
 
 GPUKIT_INLINE void stream_view::synchronize_legacy() const {
   const int ordinal = device().ordinal();
-  cudaEvent_t marker = nullptr;
-  cudaError_t result = cudaSuccess;
+  struct marker_event {
+    cudaEvent_t handle;
+    int ordinal;
+    ~marker_event() { detail::cuda_backend::destroy_event(handle, ordinal, "stream_view::synchronize"); }
+  };
+  const marker_event marker{detail::cuda_backend::create_event(ordinal, cudaEventDisableTiming), ordinal};
   {
     // The record is work on the legacy stream: made under the hold, so no gpukit capture begins before it. The wait
     // is not: a capture may begin during it, and an event's wait joins no capture.
-    const detail::legacy_stream_hold hold;
+    const detail::legacy_stream_hold hold(ordinal);
     refuse_implicit_join("stream_view::synchronize", hold);
-    marker = detail::cuda_backend::record_new_event(cuda_, ordinal, result);
+    detail::cuda_backend::record_event(marker.handle, ordinal, cuda_);
   }
-  if (marker == nullptr) {
-    detail::throw_cuda_error(result, "cudaEventRecord (the legacy default stream's end)", ordinal, __FILE__, __LINE__);
-  }
-  try {
-    detail::cuda_backend::synchronize_event(marker, ordinal, "cudaEventSynchronize (the legacy default stream)");
-  } catch (...) {
-    detail::cuda_backend::destroy_event(marker, ordinal, "stream_view::synchronize");
-    throw;
-  }
-  detail::cuda_backend::destroy_event(marker, ordinal, "stream_view::synchronize");
+  detail::cuda_backend::synchronize_event(marker.handle, ordinal, "cudaEventSynchronize (the legacy default stream)");
 }
 
 GPUKIT_INLINE void stream_view::synchronize() const {
@@ -725,7 +735,7 @@ GPUKIT_INLINE bool stream_view::ready() const {
   if (is_cpu()) return detail::cpu_backend::ready(cpu_);
   refuse_other_threads_stream("stream_view::ready");
   if (is_default() && !is_per_thread()) {
-    const detail::legacy_stream_hold hold;  // until the query is made
+    const detail::legacy_stream_hold hold(device().ordinal());  // until the query is made
     refuse_implicit_join("stream_view::ready", hold);
     return detail::cuda_backend::ready(cuda_target());
   }

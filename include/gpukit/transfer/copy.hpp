@@ -48,12 +48,15 @@
 #include <gpukit/transfer/spans.hpp>
 #include <gpukit/transfer/staging.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -141,6 +144,25 @@ bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
 /// default stream, not a raw handle, which may be destroyed and its handle reused before the buffer goes.
 inline bool records_block_use(const stream_view& s) noexcept { return s.is_default() || s.lifetime() != nullptr; }
 
+/// Waits for `s` before the caller frees memory a copy enqueued on it still reads. On the legacy default stream a
+/// wait is refused while a blocking stream of its device is captured (stream_view::synchronize): a capture that began
+/// after the copy was enqueued (in another thread: on this one the copy itself would have been refused) is waited
+/// out, polling, rather than let the memory go under the copy. Within this thread's own gpukit capture it throws.
+inline void synchronize_before_freeing(const stream_view& s) {
+  if (s.is_cpu() || !s.is_default() || s.is_per_thread()) return s.synchronize();
+  auto backoff = std::chrono::microseconds(50);
+  for (;;) {
+    try {
+      s.synchronize();
+      return;
+    } catch (const invalid_argument_error&) {
+      if (mode_independent::gpukit_captures_on_this_thread() != 0) throw;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(10));
+  }
+}
+
 /// After a copy enqueued on `s` that uses `x`'s memory when `s` gets to it: a pooled pinned buffer's block goes back
 /// to its pool only after that copy (record_stream, as PyTorch records its pinned blocks' uses), so that it can be
 /// destroyed right after the call. Only for gpukit's streams and the default streams: a raw handle may be destroyed
@@ -155,7 +177,7 @@ void keep_block_for_copy(const X& x, const stream_view& s) {
     try {
       x.record_stream(s);
     } catch (...) {
-      s.synchronize();  // the copy done, the block may go back whenever (throws if even that fails)
+      synchronize_before_freeing(s);  // the copy done, the block may go back whenever (throws if even that fails)
     }
   } else {
     (void)x;

@@ -68,7 +68,9 @@ device_buffer<T> to_device(std::vector<T, A>&& src, stream_view s) {
   if constexpr (!std::is_same_v<A, std::allocator<T>>) {  // std::allocator's memory is pageable
     if (!src.empty()) {
       const detail::pointer_kind kind = detail::query_pointer(src.data()).kind;
-      if (kind == detail::pointer_kind::pinned || kind == detail::pointer_kind::managed) s.synchronize();
+      if (kind == detail::pointer_kind::pinned || kind == detail::pointer_kind::managed) {
+        detail::synchronize_before_freeing(s);
+      }
     }
   }
   return buffer;
@@ -102,7 +104,7 @@ auto to_device(Container&& src, stream_view s)
     // at the end of the caller's expression: a pooled block is kept for the copy where the stream can be recorded.
     const bool read_later = src.size() != 0 && (src.page_locked() || s.device().is_cpu());
     if (read_later && !(detail::is_pooled_pinned_buffer<container>::value && detail::records_block_use(s))) {
-      s.synchronize();
+      detail::synchronize_before_freeing(s);
     }
   }
   return buffer;
