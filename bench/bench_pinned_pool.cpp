@@ -3,6 +3,8 @@
 // With a CUDA device it also compares the CUDA pool's pair with cudaHostAlloc/cudaFreeHost.
 #include <gpukit/gpukit.hpp>
 
+#include "run_status.hpp"
+
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -96,7 +98,7 @@ class ratio_reporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const auto& r : runs) {
-      if (!r.error_occurred) ns_[r.benchmark_name()] = r.GetAdjustedRealTime();
+      if (!gpukit_bench::run_failed(r)) ns_[r.benchmark_name()] = r.GetAdjustedRealTime();
     }
     ConsoleReporter::ReportRuns(runs);
   }

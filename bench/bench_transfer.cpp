@@ -10,6 +10,8 @@
 #include <gpukit/gpukit.hpp>
 #include <gpukit/transfer/staging_impl.hpp>
 
+#include "run_status.hpp"
+
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -250,7 +252,7 @@ class ratio_reporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const auto& r : runs) {
       auto it = r.counters.find("bytes_per_second");
-      if (!r.error_occurred && it != r.counters.end()) rate_[r.benchmark_name()] = it->second.value;
+      if (!gpukit_bench::run_failed(r) && it != r.counters.end()) rate_[r.benchmark_name()] = it->second.value;
     }
     ConsoleReporter::ReportRuns(runs);
   }

@@ -5,6 +5,8 @@
 // The console reporter, keeping every counter of every run for the tables a benchmark prints after its runs
 // (bench_allocator, bench_trace_replay): a run's median when it is repeated, else its last repetition.
 
+#include "run_status.hpp"
+
 #include <benchmark/benchmark.h>
 
 #include <map>
@@ -19,8 +21,8 @@ class figure_reporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
       const std::string key = run.run_name.str();
-      if (run.error_occurred) {
-        errors_.push_back(key + ": " + run.error_message);
+      if (run_failed(run)) {
+        errors_.push_back(key + ": " + run_message(run));
         continue;
       }
       const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";

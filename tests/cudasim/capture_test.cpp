@@ -900,6 +900,43 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a wait before freeing a copy's source waits out a blocking capture begun after the copy") {
+  // to_device of a temporary pinned vector waits for its copy on the legacy stream before the vector goes; a capture
+  // of a blocking stream begun in between (another thread) refuses that wait, and the memory must not go meanwhile.
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const std::size_t created = cudasim::calls("cudaEventCreateWithFlags");
+  std::thread capturer;
+  std::string capture_failure;
+  std::atomic<bool> waited{false};
+  cudasim::before_call("cudaEventCreateWithFlags", 1, [&] {  // the wait's first event
+    std::atomic<bool> begun{false};
+    capturer = std::thread([&] {
+      try {
+        gpukit::graph g = gpukit::capture(blocking, [&] {
+          begun = true;
+          // Until the wait was refused at least once (each try makes an event).
+          while (cudasim::calls("cudaEventCreateWithFlags") < created + 2 && !waited) std::this_thread::yield();
+        });
+      } catch (const std::exception& e) {
+        capture_failure = e.what();
+      }
+    });
+    while (!begun) std::this_thread::yield();
+  });
+  CHECK_NOTHROW(gpukit::detail::synchronize_before_freeing(legacy));  // waited for the capture to end
+  waited = true;
+  capturer.join();
+  CHECK(capture_failure == "");
+  CHECK(cudasim::calls("cudaEventCreateWithFlags") >= created + 2);
+  SUBCASE("within this thread's own capture it throws rather than wait for itself") {
+    gpukit::graph g = gpukit::capture(blocking, [&] {
+      CHECK_THROWS_AS(gpukit::detail::synchronize_before_freeing(legacy), gpukit::invalid_argument_error);
+    });
+  }
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: with capture_checks::gpukit_captures a pair asks CUDA nothing, unless gpukit::capture runs") {
   gpukit::allocator_options fast;
   fast.capture_check = gpukit::capture_checks::gpukit_captures;
