@@ -14,6 +14,7 @@
 #include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
+#include "handle_reuse.hpp"
 #include "support.hpp"
 
 #include <cuda_runtime_api.h>
@@ -1302,27 +1303,22 @@ TEST_CASE("capture: a graph pool orders a consumer destroyed and its handle reus
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   auto consumer = std::make_unique<gpukit::stream>(cuda0);
-  const cudaStream_t handle = consumer->cuda_handle();
   constexpr std::size_t bytes = 4096;
   launched_output output(s, bytes, bytes);  // one block: a direct allocation gets the output's
   gpukit_test::gate held;
   held.hold(*consumer);
   REQUIRE(cudaMemsetAsync(output.out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
   allocator.record_stream(output.out, *consumer);
-  std::optional<gpukit::stream> successor;
   bool record_fails = false;
   SUBCASE("the record is made on the new stream") {}
   SUBCASE("the record on the new stream fails") { record_fails = true; }
-  cudasim::before_call("cudaEventRecord", 1, [&] {
-    consumer.reset();
-    successor.emplace(cuda0);
+  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, consumer, [&] {
     if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   });
   gpukit_test::captured_warnings warnings;
   allocator.deallocate(output.out);
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
-  CHECK(warnings.messages().empty());           // a failed record there is no failure to report
+  (void)reuse.successor();             // the record went to the new stream
+  CHECK(warnings.messages().empty());  // a failed record there is no failure to report
   void* block = output.pool->allocate(bytes, other);
   REQUIRE(block == output.out);
   REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);

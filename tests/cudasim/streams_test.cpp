@@ -2,6 +2,7 @@
 // stream's handle at the next cudaStreamCreate, gives each host thread its own cudaStreamPerThread, and keeps the
 // per-thread last error as CUDA does).
 #include "cudasim.hpp"
+#include "handle_reuse.hpp"
 #include "support.hpp"
 
 #include <gpukit/memory/async_allocator.hpp>
@@ -120,18 +121,12 @@ TEST_CASE("streams: a block recorded on a stream destroyed and its handle reused
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   auto user = std::make_unique<gpukit::stream>(cuda0);
-  const cudaStream_t handle = user->cuda_handle();
   void* p = a.allocate(block_bytes, s);
   a.record_stream(p, *user);
   g.hold(*user);  // its work, which could still read p
-  std::optional<gpukit::stream> successor;
-  cudasim::before_call("cudaEventRecord", 1, [&] {
-    user.reset();
-    successor.emplace(cuda0);
-  });
+  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, user);
   a.deallocate(p);
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  (void)reuse.successor();  // the record went to the new stream
   void* q = a.allocate(block_bytes, other);
   CHECK(q != p);  // not while the old stream's work may still read it
   void* r = a.allocate(block_bytes, s);
@@ -361,17 +356,11 @@ TEST_CASE(
   gpukit::caching_allocator a(cuda0, o);
   open_at_exit release{&g};
   auto owner = std::make_unique<gpukit::stream>(cuda0);
-  const cudaStream_t handle = owner->cuda_handle();
   void* p = a.allocate(block_bytes, *owner);
   g.hold(*owner);  // its work, which still uses p
-  std::optional<gpukit::stream> successor;
-  cudasim::before_call("cudaEventRecord", 1, [&] {
-    owner.reset();
-    successor.emplace(cuda0);
-  });
+  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, owner);
   a.deallocate(p);
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);  // the fence went to the new stream
+  (void)reuse.successor();  // the fence went to the new stream
   gpukit::stream other(cuda0);
   void* q = a.allocate(block_bytes, other);
   CHECK(q != p);
@@ -682,23 +671,18 @@ TEST_CASE("streams: async_allocator orders a free after a recorded stream destro
   gpukit::async_allocator a(cuda0);
   gpukit::stream s(cuda0);
   auto user = std::make_unique<gpukit::stream>(cuda0);
-  const cudaStream_t handle = user->cuda_handle();
   void* p = a.allocate(block_bytes, s);
   a.record_stream(p, *user);
   old_work.hold(*user);  // its work, which could still read p
-  std::optional<gpukit::stream> successor;
   bool record_fails = false;
   SUBCASE("the record is made on the new stream") {}
   SUBCASE("the record on the new stream fails") { record_fails = true; }
-  cudasim::before_call("cudaEventRecord", 1, [&] {
-    user.reset();
-    successor.emplace(cuda0);
+  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, user, [&] {
     if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
   });
   const std::size_t host_waits = cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize");
-  a.deallocate(p);  // on s, after the recorded stream's work
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  a.deallocate(p);          // on s, after the recorded stream's work
+  (void)reuse.successor();  // the record went to the new stream
   // No host wait (not even for the new stream, once the record failed): the old stream's final event is waited for on
   // the device.
   CHECK(cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize") == host_waits);
@@ -718,7 +702,6 @@ TEST_CASE("streams: async_allocator frees on this thread's stream when its strea
   open_at_exit at_exit{&old_work};
   gpukit::async_allocator a(cuda0);
   auto s = std::make_unique<gpukit::stream>(cuda0);
-  const cudaStream_t handle = s->cuda_handle();
   // The cudaGetDevice calls of a free: the last is its device guard, before it takes the stream's lock.
   std::size_t lookups = 0;
   for (int warm_up = 0; warm_up < 2; ++warm_up) {
@@ -731,17 +714,12 @@ TEST_CASE("streams: async_allocator frees on this thread's stream when its strea
   cudasim::drain_all();
   void* p = a.allocate(block_bytes, *s);
   old_work.hold(*s);  // its work, which could still read p
-  std::optional<gpukit::stream> successor;
-  cudasim::before_call("cudaGetDevice", static_cast<int>(lookups), [&] {
-    s.reset();
-    successor.emplace(cuda0);
-  });
+  gpukit_test::handle_reuse_at reuse("cudaGetDevice", static_cast<int>(lookups), s);
   a.deallocate(p);
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);
+  gpukit::stream& successor = reuse.successor();
   CHECK(a.memory_allocated() == 0);
-  CHECK(cudaStreamSynchronize(successor->cuda_handle()) == cudaSuccess);  // the new stream got nothing to wait for
-  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >= block_bytes);            // not freed while the old work is held
+  CHECK(cudaStreamSynchronize(successor.cuda_handle()) == cudaSuccess);  // the new stream got nothing to wait for
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >= block_bytes);           // not freed while the old work is held
   old_work.open();
   cudasim::drain_all();
   CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
@@ -1812,18 +1790,12 @@ TEST_CASE("streams: a pinned block whose stream is destroyed and its handle reus
   gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
   auto s = std::make_unique<gpukit::stream>(cuda0);
   const gpukit::stream_view used = s->view();
-  const cudaStream_t handle = s->cuda_handle();
   gpukit_test::gate g;
   g.hold(*s);  // the work that uses the block
   void* p = pool.allocate(4096);
-  std::optional<gpukit::stream> successor;
-  cudasim::before_call("cudaEventRecord", 1, [&] {
-    s.reset();
-    successor.emplace(cuda0);
-  });
+  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, s);
   pool.deallocate(p, used);
-  REQUIRE(successor.has_value());
-  REQUIRE(successor->cuda_handle() == handle);  // the record went to the new stream
+  (void)reuse.successor();  // the record went to the new stream
   void* q = pool.allocate(4096);
   CHECK(q != p);  // not handed out while the old stream's work may still use it
   g.open();
