@@ -888,7 +888,11 @@ TEST_CASE(
     });
     // Once the capture is counted, time for one that does not wait to begin (the race this test would lose
     // without the hold: two calls away).
-    while (gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0) std::this_thread::yield();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0) {
+      if (std::chrono::steady_clock::now() > deadline) FAIL("the capture was never counted");
+      std::this_thread::yield();
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     CHECK(cudasim::calls("cudaStreamBeginCapture") == begun);
     // A query asked for now, while the capture waits, is refused rather than held: queries in a loop cannot keep
@@ -896,7 +900,7 @@ TEST_CASE(
     CHECK_THROWS_AS((void)legacy.ready(), gpukit::invalid_argument_error);
   });
   CHECK(legacy.ready());
-  capturer.join();
+  if (capturer.joinable()) capturer.join();
   CHECK(captured.load());
   CHECK(cudasim::violations().empty());
 }
@@ -906,35 +910,55 @@ TEST_CASE("capture: a wait before freeing a copy's source waits out a blocking c
   // of a blocking stream begun in between (another thread) refuses that wait, and the memory must not go meanwhile.
   const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
   gpukit::stream blocking = blocking_stream();
-  const std::size_t created = cudasim::calls("cudaEventCreateWithFlags");
-  std::thread capturer;
-  std::string capture_failure;
-  std::atomic<bool> waited{false};
-  cudasim::before_call("cudaEventCreateWithFlags", 1, [&] {  // the wait's first event
-    std::atomic<bool> begun{false};
-    capturer = std::thread([&] {
-      try {
-        gpukit::graph g = gpukit::capture(blocking, [&] {
+  gpukit::stream non_blocking(cuda0);
+  const auto until = [](const auto& done) {  // a regression fails instead of hanging
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!done()) {
+      if (std::chrono::steady_clock::now() > deadline) FAIL("waited 20 s");
+      std::this_thread::yield();
+    }
+  };
+  const auto wait_out_another_threads_capture = [&] {
+    const std::size_t created = cudasim::calls("cudaEventCreateWithFlags");
+    std::thread capturer;
+    std::string capture_failure;
+    std::atomic<bool> waited{false};
+    cudasim::before_call("cudaEventCreateWithFlags", 1, [&] {  // the wait's first event
+      std::atomic<bool> begun{false};
+      capturer = std::thread([&] {
+        try {
+          gpukit::graph g = gpukit::capture(blocking, [&] {
+            begun = true;
+            // Until the wait was refused at least once (each try makes an event).
+            while (cudasim::calls("cudaEventCreateWithFlags") < created + 2 && !waited) std::this_thread::yield();
+          });
+        } catch (const std::exception& e) {
+          capture_failure = e.what();
           begun = true;
-          // Until the wait was refused at least once (each try makes an event).
-          while (cudasim::calls("cudaEventCreateWithFlags") < created + 2 && !waited) std::this_thread::yield();
-        });
-      } catch (const std::exception& e) {
-        capture_failure = e.what();
-      }
+        }
+      });
+      until([&] { return begun.load(); });
     });
-    while (!begun) std::this_thread::yield();
-  });
-  CHECK_NOTHROW(gpukit::detail::synchronize_before_freeing(legacy));  // waited for the capture to end
-  waited = true;
-  capturer.join();
-  CHECK(capture_failure == "");
-  CHECK(cudasim::calls("cudaEventCreateWithFlags") >= created + 2);
-  SUBCASE("within this thread's own capture it throws rather than wait for itself") {
+    CHECK_NOTHROW(gpukit::detail::synchronize_before_freeing(legacy));  // waited for the capture to end
+    waited = true;
+    if (capturer.joinable()) capturer.join();
+    CHECK(capture_failure == "");
+    CHECK(cudasim::calls("cudaEventCreateWithFlags") >= created + 2);
+  };
+  SUBCASE("from a thread capturing nothing") { wait_out_another_threads_capture(); }
+  SUBCASE("from a thread capturing a non-blocking stream") {
+    gpukit::graph g = gpukit::capture(non_blocking, wait_out_another_threads_capture);
+  }
+  SUBCASE("within this thread's own capture of a blocking stream it throws rather than wait for itself") {
     gpukit::graph g = gpukit::capture(blocking, [&] {
       CHECK_THROWS_AS(gpukit::detail::synchronize_before_freeing(legacy), gpukit::invalid_argument_error);
     });
   }
+  SUBCASE("a CUDA failure is thrown, not retried") {
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidValue);  // an invalid_argument_error too
+    CHECK_THROWS_AS(gpukit::detail::synchronize_before_freeing(legacy), gpukit::invalid_argument_error);
+  }
+  cudasim::clear_faults();
   CHECK(cudasim::violations().empty());
 }
 

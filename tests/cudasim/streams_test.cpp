@@ -17,6 +17,7 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/stream/stream_pool.hpp>
+#include <gpukit/stream/stream_ref.hpp>
 #include <gpukit/transfer/copy.hpp>
 #include <gpukit/transfer/to_device.hpp>
 #include <gpukit/warning.hpp>
@@ -1876,4 +1877,33 @@ TEST_CASE("streams: a stream pool destroyed while a stream given back to it is c
   CHECK(cudaGraphDestroy(graph) == cudaSuccess);
   CHECK(cudaStreamDestroy(handle) == cudaSuccess);  // the handle was left to the program
   CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a default stream becomes a cuda::stream_ref only where its handle names it") {
+  // A stream_ref holds only the handle, and a default stream's handle names the current device's stream of the
+  // calling thread: cuda:1's default stream, converted while cuda:0 is current, would have been cuda:0's.
+  const gpukit::device cuda1 = gpukit::device::cuda(1);
+  const gpukit::stream_view theirs_default = gpukit::stream_view::default_stream(cuda1);
+  const gpukit::device_guard on_cuda0(cuda0);
+  try {
+    const ::cuda::stream_ref ref = theirs_default;
+    (void)ref;
+    FAIL("converted");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(std::string(e.what()).find("the default stream of cuda:1 while cuda:0 is current") != std::string::npos);
+  }
+  CHECK_THROWS_AS((void)gpukit::to_stream_ref(theirs_default), gpukit::invalid_argument_error);
+  {
+    const gpukit::device_guard on_cuda1(cuda1);
+    const ::cuda::stream_ref ref = theirs_default;
+    CHECK(ref.get() == theirs_default.cuda_handle());
+  }
+  // Another thread's per-thread stream, resolved there, is refused too; created streams convert anywhere.
+  gpukit::stream_view other_thread;
+  std::thread([&] { other_thread = gpukit::stream_view(cuda0, cudaStreamPerThread).resolved(); }).join();
+  CHECK_THROWS_AS((void)gpukit::to_stream_ref(other_thread), gpukit::invalid_argument_error);
+  gpukit::stream created(cuda1);
+  const ::cuda::stream_ref ref = created;
+  CHECK(ref.get() == created.cuda_handle());
+  CHECK(gpukit::to_stream_ref(created.view()).get() == created.cuda_handle());
 }

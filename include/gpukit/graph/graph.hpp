@@ -242,6 +242,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       // (stream_view::ready and synchronize on it): they would join the capture. Later ones see the count and refuse.
       if (blocking) {
         mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_add(1, std::memory_order_seq_cst);
+        ++mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
       }
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
       ++mode_independent::gpukit_captures_on_this_thread();
@@ -255,6 +256,7 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       --mode_independent::gpukit_captures_on_this_thread();
       mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
       if (blocking) {
+        --mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
         mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_sub(1, std::memory_order_acq_rel);
       }
     }

@@ -58,7 +58,7 @@ GPUKIT_EXPORT inline int& gpukit_captures_on_this_thread() noexcept {
 }
 
 /// Device ordinals with counters of their own below; higher ones share the last (conservative).
-constexpr int per_device_counters = 64;
+inline constexpr int per_device_counters = 64;
 
 /// Of gpukit_captures_underway, those of a blocking stream of device `ordinal` (one that synchronizes with the legacy
 /// default stream: created without cudaStreamNonBlocking, or a per-thread default stream). A query of or a wait for
@@ -66,6 +66,13 @@ constexpr int per_device_counters = 64;
 /// waits for legacy_stream_holds, and uncounted after it ends.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_underway(int ordinal) noexcept {
   static std::atomic<std::int64_t> counts[per_device_counters];  // static: zero before any use
+  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
+}
+
+/// Of gpukit_blocking_captures_underway(ordinal), those on the calling thread: a wait there for the captures to end
+/// would wait for itself.
+GPUKIT_EXPORT inline int& gpukit_blocking_captures_on_this_thread(int ordinal) noexcept {
+  thread_local int counts[per_device_counters] = {};
   return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
 }
 
@@ -202,10 +209,12 @@ class stream_view {
   template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
   stream_view(StreamRef ref) noexcept : cuda_(ref.get()) {}  // NOLINT(google-explicit-constructor)
 
-  /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream.
+  /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream,
+  /// and for a default stream of a device other than the current one, or of another thread: a stream_ref holds only
+  /// the handle, and a default stream's handle names the calling thread's stream of the current device.
   template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
   operator StreamRef() const {  // NOLINT(google-explicit-constructor)
-    return StreamRef(cuda_handle());
+    return StreamRef(stream_ref_handle());
   }
 
   /// A raw CUDA stream handle of a known device (for cudaStreamLegacy and cudaStreamPerThread: that device's).
@@ -336,6 +345,8 @@ class stream_view {
   static bool is_special(cudaStream_t h) noexcept;
   // Throws invalid_argument_error naming `operation` for another thread's per-thread default stream.
   void refuse_other_threads_stream(const char* operation) const;
+  // The handle for a cuda::stream_ref, which cannot name a default stream of another device or thread.
+  cudaStream_t stream_ref_handle() const;
   // Throws invalid_argument_error naming `operation` and saying `why` on a stream being captured.
   void refuse_in_capture(const char* operation, const char* why) const;
   // For the legacy default stream, under `hold`, which keeps gpukit captures from beginning: throws
@@ -403,10 +414,11 @@ class stream {
   stream_view view() const;
   /// Same as view(); implicit so that a stream can be passed where a stream_view is expected.
   operator stream_view() const;  // NOLINT(google-explicit-constructor)
-  /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>). Throws invalid_argument_error for a CPU stream.
+  /// To cuda::stream_ref (include <gpukit/stream/stream_ref.hpp>; see stream_view's conversion). Throws
+  /// invalid_argument_error for a CPU stream.
   template <class StreamRef, std::enable_if_t<detail::is_cuda_stream_ref<StreamRef>::value, int> = 0>
   operator StreamRef() const {  // NOLINT(google-explicit-constructor)
-    return StreamRef(cuda_handle());
+    return StreamRef(view().stream_ref_handle());
   }
 
   /// The device the stream belongs to. Throws invalid_argument_error if this stream was moved from.
@@ -601,6 +613,23 @@ GPUKIT_INLINE cudaStream_t stream_view::cuda_handle() const {
   return cuda_;
 }
 
+GPUKIT_INLINE cudaStream_t stream_view::stream_ref_handle() const {
+  const cudaStream_t handle = cuda_handle();
+  if (!is_default()) return handle;
+  refuse_other_threads_stream("stream_view (to cuda::stream_ref)");
+  if (device_known_) {
+    const gpukit::device current = current_device();
+    if (current != device_) {
+      throw invalid_argument_error("gpukit::stream_view (to cuda::stream_ref): the default stream of " +
+                                   device_.to_string() + " while " + current.to_string() +
+                                   " is current: a cuda::stream_ref of a default stream names the current device's "
+                                   "(make " +
+                                   device_.to_string() + " current first, with a device_guard)");
+    }
+  }
+  return handle;
+}
+
 GPUKIT_INLINE cudaStream_t stream_view::native_handle() const noexcept { return cuda_; }
 
 GPUKIT_INLINE detail::cpu_queue* stream_view::cpu_queue() const noexcept { return cpu_; }
@@ -663,6 +692,11 @@ namespace detail {
 class legacy_stream_hold {
  public:
   explicit legacy_stream_hold(int ordinal) noexcept : ordinal_(ordinal) {
+    // A capture already counted: refused without touching the holds, which it waits to see at zero.
+    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) != 0) {
+      refused_ = true;
+      return;
+    }
     // Sequentially consistent on both sides (this increment then load, the capture's increment then load): either
     // the capture sees this hold and waits, or this sees the capture and is refused.
     mode_independent::legacy_stream_holds(ordinal_).fetch_add(1, std::memory_order_seq_cst);

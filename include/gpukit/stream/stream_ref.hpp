@@ -21,7 +21,11 @@ template <>
 struct is_cuda_stream_ref<::cuda::stream_ref> : std::true_type {};
 }  // namespace detail
 
-/// The cuda::stream_ref of a CUDA stream. Throws invalid_argument_error for a CPU stream.
-inline ::cuda::stream_ref to_stream_ref(stream_view s) { return ::cuda::stream_ref(s.cuda_handle()); }
+/// The cuda::stream_ref of a CUDA stream. Throws invalid_argument_error for a CPU stream, and for a default stream of
+/// a device other than the current one, or of another thread (see stream_view's conversion).
+inline ::cuda::stream_ref to_stream_ref(stream_view s) {
+  const ::cuda::stream_ref ref = s;
+  return ref;
+}
 
 GPUKIT_END_NAMESPACE

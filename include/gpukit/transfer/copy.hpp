@@ -147,7 +147,8 @@ inline bool records_block_use(const stream_view& s) noexcept { return s.is_defau
 /// Waits for `s` before the caller frees memory a copy enqueued on it still reads. On the legacy default stream a
 /// wait is refused while a blocking stream of its device is captured (stream_view::synchronize): a capture that began
 /// after the copy was enqueued (in another thread: on this one the copy itself would have been refused) is waited
-/// out, polling, rather than let the memory go under the copy. Within this thread's own gpukit capture it throws.
+/// out, polling, however long it lasts, rather than let the memory go under the copy. Throws for a gpukit capture of
+/// such a stream on this thread (it would wait for itself), and for every other error.
 inline void synchronize_before_freeing(const stream_view& s) {
   if (s.is_cpu() || !s.is_default() || s.is_per_thread()) return s.synchronize();
   auto backoff = std::chrono::microseconds(50);
@@ -155,8 +156,9 @@ inline void synchronize_before_freeing(const stream_view& s) {
     try {
       s.synchronize();
       return;
-    } catch (const invalid_argument_error&) {
-      if (mode_independent::gpukit_captures_on_this_thread() != 0) throw;
+    } catch (const invalid_argument_error& e) {
+      const bool refused = e.cuda_result() == cudaSuccess;  // the refusal; a CUDA failure carries its result
+      if (!refused || mode_independent::gpukit_blocking_captures_on_this_thread(s.device().ordinal()) != 0) throw;
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(10));
