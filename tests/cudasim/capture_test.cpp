@@ -1889,6 +1889,39 @@ TEST_CASE("capture: async_allocator frees through the legacy stream after a bloc
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: an async_allocator free whose ordering failed does not wait for the legacy stream in a capture") {
+  // The free of memory the legacy stream used cannot enqueue its ordering (the record fails), so it waits for that
+  // stream on the host. A blocking stream is being captured meanwhile (with the raw runtime, which no hold sees):
+  // that wait would join the capture and invalidate it. The free waits for the capture to end instead.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  const gpukit::stream_view legacy(cuda0, cudaStreamLegacy);
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, s);
+  a.record_stream(p, legacy);
+  gpukit_test::gate g;
+  g.hold(legacy);                                   // the legacy stream's work, which could still read p
+  cudasim::before_call("cudaEventRecord", 1, [&] {  // the ordering's record on the legacy stream
+    REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidValue);
+  });
+  a.deallocate(p, s);
+  CHECK(a.deferred_frees() == 1);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);  // intact
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  void* q = a.allocate(4096, s);  // the capture is over: the waiting free is made first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >= (1 << 20));  // after the legacy stream's held work
+  g.open();
+  a.deallocate(q, s);
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: async_allocator allocates for the legacy stream during a gpukit capture without touching it") {
   // cudaMallocAsync on the legacy stream would invalidate the capture of a blocking stream: the memory comes from the
   // device's upstream allocation stream, waited for on the host, and its free waits for the capture to end.

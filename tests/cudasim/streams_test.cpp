@@ -1882,7 +1882,6 @@ TEST_CASE("streams: a stream pool destroyed while a stream given back to it is c
 TEST_CASE("streams: a default stream becomes a cuda::stream_ref only where its handle names it") {
   // A stream_ref holds only the handle, and a default stream's handle names the current device's stream of the
   // calling thread: cuda:1's default stream, converted while cuda:0 is current, would have been cuda:0's.
-  const gpukit::device cuda1 = gpukit::device::cuda(1);
   const gpukit::stream_view theirs_default = gpukit::stream_view::default_stream(cuda1);
   const gpukit::device_guard on_cuda0(cuda0);
   try {

@@ -10,7 +10,8 @@
 # reachable, stage the last two here with tests/gpu/stage_deps.sh and carry .gpudeps along (found automatically).
 # Environment: GPUKIT_GPU_BUILD (build directory, default build-gpu), GPUKIT_GPU_REPORT (report path),
 # GPUKIT_GPU_BENCH_MIN_TIME (seconds per benchmark, default 0.2), GPUKIT_JOBS, GPUKIT_GPU_STEP_TIMEOUT (seconds each
-# test, example or benchmark may run before it counts as hung, default 120: a lent machine's time is short).
+# test, example or benchmark may run before it counts as hung, default 120: a lent machine's time is short; the
+# stacks of a test or example still running 15 s before that go into the report).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -85,6 +86,38 @@ run "Configure (Release, real CUDA runtime for the gpu label)" cmake -S "$root" 
 # Ninja goes on past a failed target (-k 0): whatever did build still runs, and the report names what did not.
 run "Build" cmake --build "$build" -j "$jobs" --target "gpu_checks$suffix" -- -k 0
 
+# A test or example that runs so long it will be counted as hung: its threads' stacks, taken before it is killed, so
+# that a hang on a lent machine says where it waits (gdb, or the toolkit's cuda-gdb; otherwise each thread's wait
+# channel). Not the benchmarks: attaching would skew their times.
+stacks="$build/hung-stacks.txt"
+stacks_after=$((step_timeout > 20 ? step_timeout - 15 : step_timeout / 2))
+: >"$stacks"
+sample_hung_steps() {
+  local seen=" " pid age debugger
+  debugger=$(command -v gdb || command -v cuda-gdb || true)
+  while sleep 5; do
+    for pid in $(pgrep -f -- "$build/(tests|examples)/"); do
+      case "$seen" in *" $pid "*) continue ;; esac
+      age=$(ps -o etimes= -p "$pid" 2>/dev/null | tr -d ' ')
+      if [ -z "$age" ] || [ "$age" -lt "$stacks_after" ]; then continue; fi
+      seen="$seen$pid "
+      {
+        echo "### pid $pid, running for ${age} s: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"
+        if [ -n "$debugger" ]; then
+          timeout 60 "$debugger" -batch -p "$pid" -ex "thread apply all bt" 2>&1 | grep -v '^\[New LWP' | tail -n 400
+        else
+          for task in /proc/"$pid"/task/*; do
+            echo "thread $(basename "$task") ($(cat "$task/comm" 2>/dev/null)): waits in $(cat "$task/wchan" 2>/dev/null)"
+          done
+        fi
+      } >>"$stacks" 2>&1
+    done
+  done
+}
+sample_hung_steps &
+sampler=$!
+trap 'kill "$sampler" 2>/dev/null' EXIT  # never left behind, whatever ends the script
+
 run "GPU tests (ctest -L $label)" ctest --test-dir "$build" -L "$label" --output-on-failure -j 1
 # A GPU test skips with GPUKIT_TEST_SKIPPED when no device is usable (a failure here), and with
 # GPUKIT_TEST_NOT_APPLICABLE when it cannot apply to this machine (two devices needed, simulator only): listed only.
@@ -108,6 +141,14 @@ for bench in bench_allocator bench_trace_replay bench_pinned_pool bench_transfer
   [ -x "$build/bench/$bench$suffix" ] &&
     run "Benchmark $bench" timeout "$step_timeout" "$build/bench/$bench$suffix" --benchmark_min_time="$min_time"
 done
+
+kill "$sampler" 2>/dev/null
+wait "$sampler" 2>/dev/null
+if [ -s "$stacks" ]; then
+  section "Stacks of steps that ran past $stacks_after s"
+  { echo "\`\`\`text"; cat "$stacks"; echo "\`\`\`"; } >>"$report"
+  echo "tests/gpu/run.sh: stacks of steps that seemed hung are in the report" | tee -a "$log"
+fi
 
 section "Summary"
 echo "status: $([ "$status" -eq 0 ] && echo 'every step passed' || echo 'SOME STEPS FAILED (see above)')" >>"$report"

@@ -814,11 +814,7 @@ class async_allocator final : public device_allocator {
         }
         hold.release();
         on_alive = {};
-        if (cudaStreamSynchronize(user_stream) != cudaSuccess) {
-          (void)cudaGetLastError();
-          GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)",
-                                    device_.ordinal());
-        }
+        if (!wait_on_host(user_stream, may_defer)) return free_result::wait_for_captures;
         if (!keep_free_stream() || !wait_if_destroyed()) return free_result::wait_for_captures;
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
@@ -850,6 +846,28 @@ class async_allocator final : public device_allocator {
                          " failed: ", e.what(), "; freeing it after the device's work instead");
     }
     return free_after_device(p, a.bytes, may_defer);
+  }
+
+  /// The host waits for stream `s` of this device, whose ordering failed; the whole device's work where that wait
+  /// fails. The legacy stream's wait is refused while a blocking stream of the device is captured, by gpukit or with
+  /// the raw runtime (stream_view::synchronize: it would join and invalidate that capture): false then, when the free
+  /// `may_defer` (it waits for the captures to end); a last resort waits on the stream anyway, as before.
+  bool wait_on_host(cudaStream_t s, bool may_defer) const {
+    const stream_view view(device_, s);
+    if (may_defer && view.is_default() && !view.is_per_thread()) {
+      try {
+        view.synchronize();
+        return true;
+      } catch (const invalid_argument_error& e) {
+        if (e.cuda_result() == cudaSuccess) return false;  // refused; a CUDA failure: the device-wide wait below
+      } catch (const error&) {
+      }
+    } else if (cudaStreamSynchronize(s) == cudaSuccess) {
+      return true;
+    }
+    (void)cudaGetLastError();
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (ordering a free)", device_.ordinal());
+    return true;
   }
 
   /// `free_stream` waits for the work a destroyed stream had enqueued before its destruction: on the device for its

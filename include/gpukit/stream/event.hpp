@@ -54,7 +54,10 @@ class event {
   ~event();
 
   /// Captures the work enqueued on `s` so far. `s` must belong to this event's device (invalid_argument_error
-  /// otherwise, naming both devices).
+  /// otherwise, naming both devices). On a stream being captured into a CUDA graph the record becomes part of the
+  /// capture: that is how captured work forks to another stream (which then waits for the event) and joins back.
+  /// Such an event has completed only inside the graph: ready() and synchronize() then fail with
+  /// cudaErrorCapturedEvent until it is recorded again outside a capture. Record timing events outside captures.
   void record(stream_view s);
 
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A

@@ -272,9 +272,9 @@ class stream_view {
 
   /// Blocks until all work enqueued on the stream has completed. Throws invalid_argument_error, waiting for nothing,
   /// on a stream being captured: CUDA would refuse the wait and invalidate the capture (its work runs when the graph
-  /// is launched). On the legacy default stream, which synchronizes with every blocking stream, it throws as well
-  /// while a blocking stream is captured (a gpukit capture of one on any device, or a raw capture of one of its
-  /// device): the wait would join that capture. There it waits for an event recorded on the stream.
+  /// is launched). On the legacy default stream, which synchronizes with every blocking stream of its device, it
+  /// throws as well while one of them is captured (by gpukit::capture, or with the raw runtime): the wait would join
+  /// that capture. There it waits for an event recorded on the stream.
   void synchronize() const;
 
   /// True when all work enqueued on the stream has completed (cudaStreamQuery). A pending CUDA error of the
