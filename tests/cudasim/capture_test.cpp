@@ -88,6 +88,16 @@ void on_another_thread_during_global_capture(
   CHECK(cudasim::violations().empty());
 }
 
+/// Yields until `done()`, for at most 20 s (`what` then fails the test): a regression fails instead of hanging.
+template <class Done>
+void yield_until(const Done& done, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) FAIL(what);
+    std::this_thread::yield();
+  }
+}
+
 /// A stream of cuda:0 that synchronizes with the legacy default stream: while it is captured, CUDA refuses work on
 /// the legacy stream (and invalidates the capture).
 gpukit::stream blocking_stream() {
@@ -888,11 +898,8 @@ TEST_CASE(
     });
     // Once the capture is counted, time for one that does not wait to begin (the race this test would lose
     // without the hold: two calls away).
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0) {
-      if (std::chrono::steady_clock::now() > deadline) FAIL("the capture was never counted");
-      std::this_thread::yield();
-    }
+    yield_until([] { return gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() != 0; },
+                "the capture was never counted");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     CHECK(cudasim::calls("cudaStreamBeginCapture") == begun);
     // A query asked for now, while the capture waits, is refused rather than held: queries in a loop cannot keep
@@ -911,13 +918,6 @@ TEST_CASE("capture: a wait before freeing a copy's source waits out a blocking c
   const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
   gpukit::stream blocking = blocking_stream();
   gpukit::stream non_blocking(cuda0);
-  const auto until = [](const auto& done) {  // a regression fails instead of hanging
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!done()) {
-      if (std::chrono::steady_clock::now() > deadline) FAIL("waited 20 s");
-      std::this_thread::yield();
-    }
-  };
   const auto wait_out_another_threads_capture = [&] {
     const std::size_t created = cudasim::calls("cudaEventCreateWithFlags");
     std::thread capturer;
@@ -937,7 +937,7 @@ TEST_CASE("capture: a wait before freeing a copy's source waits out a blocking c
           begun = true;
         }
       });
-      until([&] { return begun.load(); });
+      yield_until([&] { return begun.load(); }, "the capture never began");
     });
     CHECK_NOTHROW(gpukit::detail::synchronize_before_freeing(legacy));  // waited for the capture to end
     waited = true;

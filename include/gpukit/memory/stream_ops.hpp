@@ -325,10 +325,10 @@ GPUKIT_INLINE bool may_use_legacy_stream(const stream_view& s) noexcept {
   }
 }
 
-GPUKIT_INLINE void wait_for_capture_holds() noexcept {
-  const std::atomic<std::int64_t>& holds = mode_independent::capture_holds();
+/// Waits until `holds` is zero. Holds are short (an event record, a wait enqueued, a query): yields first, then
+/// sleeps.
+inline void wait_for_no_holds(const std::atomic<std::int64_t>& holds) noexcept {
   for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
-    // Holds last as long as an event record or a wait enqueued.
     if (round < 64) {
       std::this_thread::yield();
     } else {
@@ -337,15 +337,10 @@ GPUKIT_INLINE void wait_for_capture_holds() noexcept {
   }
 }
 
+GPUKIT_INLINE void wait_for_capture_holds() noexcept { wait_for_no_holds(mode_independent::capture_holds()); }
+
 GPUKIT_INLINE void wait_for_legacy_stream_holds(int ordinal) noexcept {
-  const std::atomic<std::int64_t>& holds = mode_independent::legacy_stream_holds(ordinal);
-  for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
-    if (round < 64) {
-      std::this_thread::yield();  // a hold lasts one query or one event record
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
+  wait_for_no_holds(mode_independent::legacy_stream_holds(ordinal));
 }
 
 GPUKIT_INLINE kept_stream kept_stream::of(const stream_view& s) {

@@ -59,6 +59,10 @@ GPUKIT_EXPORT inline int& gpukit_captures_on_this_thread() noexcept {
 
 /// Device ordinals with counters of their own below; higher ones share the last (conservative).
 inline constexpr int per_device_counters = 64;
+/// The counter of device `ordinal` among per_device_counters.
+constexpr int counter_of(int ordinal) noexcept {
+  return ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal;
+}
 
 /// Of gpukit_captures_underway, those of a blocking stream of device `ordinal` (one that synchronizes with the legacy
 /// default stream: created without cudaStreamNonBlocking, or a per-thread default stream). A query of or a wait for
@@ -66,21 +70,21 @@ inline constexpr int per_device_counters = 64;
 /// waits for legacy_stream_holds, and uncounted after it ends.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_underway(int ordinal) noexcept {
   static std::atomic<std::int64_t> counts[per_device_counters];  // static: zero before any use
-  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
+  return counts[counter_of(ordinal)];
 }
 
 /// Of gpukit_blocking_captures_underway(ordinal), those on the calling thread: a wait there for the captures to end
 /// would wait for itself.
 GPUKIT_EXPORT inline int& gpukit_blocking_captures_on_this_thread(int ordinal) noexcept {
   thread_local int counts[per_device_counters] = {};
-  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
+  return counts[counter_of(ordinal)];
 }
 
 /// Queries of, and event records on, device `ordinal`'s legacy default stream being made (detail::legacy_stream_hold):
 /// a gpukit capture of a blocking stream of the device begins only once this is zero.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& legacy_stream_holds(int ordinal) noexcept {
   static std::atomic<std::int64_t> counts[per_device_counters];
-  return counts[ordinal < 0 || ordinal >= per_device_counters ? per_device_counters - 1 : ordinal];
+  return counts[counter_of(ordinal)];
 }
 
 /// Threads enqueueing work that a gpukit capture begun meanwhile would break (detail::capture_hold), counted while
