@@ -968,6 +968,58 @@ CUresult CUDAAPI sim_cuCtxGetDevice(CUdevice* device) {
   return CUDA_SUCCESS;
 }
 
+/// cuCtxGetDevice as CUDA 13.0 has it: the device of a given context (a context handle names its device here).
+CUresult CUDAAPI sim_cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
+  const call_depth depth;
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuCtxGetDevice_v2"];
+  if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (ctx == nullptr) {
+    if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *device = t_current;
+    return CUDA_SUCCESS;
+  }
+  const auto offset = reinterpret_cast<std::uintptr_t>(ctx) - reinterpret_cast<std::uintptr_t>(context_handle(0));
+  const auto d = static_cast<int>(offset / 0x1000u);
+  if (offset % 0x1000u != 0 || !valid_device(s, d) || !s.devices[static_cast<std::size_t>(d)].context) {
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  *device = d;
+  return CUDA_SUCCESS;
+}
+
+/// cuStreamGetCtx: the context of a created stream (a default stream: the current one). Unlike cudaStreamGetDevice,
+/// permitted while the stream is captured (measured on an H200).
+CUresult CUDAAPI sim_cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
+  const call_depth depth;
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  simulator& s = sim();
+  ++s.call_counts["cuStreamGetCtx"];
+  if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  const auto h = reinterpret_cast<std::uintptr_t>(stream);
+  if (h == 0 || h == 1 || h == 2) {
+    if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *ctx = context_handle(t_current);
+    return CUDA_SUCCESS;
+  }
+  const stream_ptr st = s.streams.find(h);
+  if (!st) {
+    record_violation(
+        s, "cuStreamGetCtx", cudaErrorInvalidResourceHandle,
+        (s.streams.was_issued(h) ? "use of a destroyed stream " : "use of an invalid stream handle ") + hex(h));
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  *ctx = context_handle(st->device);
+  return CUDA_SUCCESS;
+}
+
+/// cuStreamGetCtx as CUDA 12.5 has it: with the green context, none here.
+CUresult CUDAAPI sim_cuStreamGetCtx_v2(CUstream stream, CUcontext* ctx, CUgreenCtx* green) {
+  if (green != nullptr) *green = nullptr;
+  return sim_cuStreamGetCtx(stream, ctx);
+}
+
 CUresult CUDAAPI sim_cuDeviceGet(CUdevice* device, int ordinal) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
@@ -1219,10 +1271,19 @@ CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   return CUDA_SUCCESS;
 }
 
-void* driver_function(const char* symbol) {
+/// The entry point of `symbol` in the form CUDA `version` has it (13000 for cudaGetDriverEntryPoint, as this
+/// runtime's).
+void* driver_function(const char* symbol, unsigned version) {
   const std::string name(symbol);
   if (name == "cuCtxGetCurrent") return reinterpret_cast<void*>(&sim_cuCtxGetCurrent);
-  if (name == "cuCtxGetDevice") return reinterpret_cast<void*>(&sim_cuCtxGetDevice);
+  if (name == "cuCtxGetDevice") {
+    return version >= 13000 ? reinterpret_cast<void*>(&sim_cuCtxGetDevice_v2)
+                            : reinterpret_cast<void*>(&sim_cuCtxGetDevice);
+  }
+  if (name == "cuStreamGetCtx") {
+    return version >= 12050 ? reinterpret_cast<void*>(&sim_cuStreamGetCtx_v2)
+                            : reinterpret_cast<void*>(&sim_cuStreamGetCtx);
+  }
   if (name == "cuDeviceGet") return reinterpret_cast<void*>(&sim_cuDeviceGet);
   if (name == "cuDevicePrimaryCtxGetState") return reinterpret_cast<void*>(&sim_cuDevicePrimaryCtxGetState);
   if (name == "cuDeviceGetAttribute") return reinterpret_cast<void*>(&sim_cuDeviceGetAttribute);
@@ -1237,10 +1298,11 @@ void* driver_function(const char* symbol) {
   return nullptr;
 }
 
-cudaError_t get_entry_point(const char* symbol, void** function, cudaDriverEntryPointQueryResult* status) {
+cudaError_t get_entry_point(const char* symbol, void** function, unsigned version,
+                            cudaDriverEntryPointQueryResult* status) {
   CUDASIM_ENTER("cudaGetDriverEntryPoint");
   if (symbol == nullptr || function == nullptr) return c.result(cudaErrorInvalidValue);
-  *function = driver_function(symbol);
+  *function = driver_function(symbol, version);
   if (status != nullptr) *status = *function ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
@@ -1486,13 +1548,25 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
   return cudaSuccess;
 }
 
+/// Whether a question about a stream may be asked while the stream is being captured. Measured on an H200 (driver
+/// 580, 2026-12-04): cudaStreamGetId, cudaStreamGetDevice and cudaStreamGetFlags of a captured stream fail with
+/// cudaErrorStreamCaptureUnsupported and invalidate the capture, in every capture mode (relaxed too), blocking or
+/// not; cudaStreamGetPriority and cudaStreamIsCapturing do not (tests/graph/gpu_capture_rules_test.cpp).
+enum class during_capture { permitted, prohibited };
+
 /// cudaStreamGetId/GetDevice/GetPriority/GetFlags: one field of the stream a handle names (no context is needed).
 template <class T, class Field>
-cudaError_t stream_field(cudaStream_t h, T* out, bool ptsz, const char* name, Field field) {
+cudaError_t stream_field(cudaStream_t h, T* out, bool ptsz, const char* name, Field field,
+                         during_capture rule = during_capture::prohibited) {
   CUDASIM_ENTER(name);
   if (out == nullptr) return c.result(cudaErrorInvalidValue);
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, h, ptsz, st, false); e != cudaSuccess) return e;
+  if (rule == during_capture::prohibited && st->capture) {
+    st->capture->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureUnsupported,
+                       std::string("asking ") + name + " of a stream that is being captured");
+  }
   *out = static_cast<T>(field(*st));
   return cudaSuccess;
 }
@@ -1862,21 +1936,21 @@ CUDASIM_API cudaError_t CUDARTAPI cudaRuntimeGetVersion(int* version) {
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPoint(const char* symbol, void** function, unsigned long long,
                                                           enum cudaDriverEntryPointQueryResult* status) {
   const call_depth depth;
-  return get_entry_point(symbol, function, status);
+  return get_entry_point(symbol, function, 13000, status);
 }
 
-CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int,
-                                                                   unsigned long long,
+CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function,
+                                                                   unsigned int version, unsigned long long,
                                                                    enum cudaDriverEntryPointQueryResult* status) {
   const call_depth depth;
-  return get_entry_point(symbol, function, status);
+  return get_entry_point(symbol, function, version, status);
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(const char* symbol, void** function,
-                                                                        unsigned int, unsigned long long,
+                                                                        unsigned int version, unsigned long long,
                                                                         enum cudaDriverEntryPointQueryResult* status) {
   const call_depth depth;
-  return get_entry_point(symbol, function, status);
+  return get_entry_point(symbol, function, version, status);
 }
 
 // --- devices ---
@@ -2766,11 +2840,11 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetDevice_ptsz(cudaStream_t stream, 
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority(cudaStream_t stream, int* priority) {
   const call_depth depth;
-  return stream_field(stream, priority, false, "cudaStreamGetPriority", priority_of);
+  return stream_field(stream, priority, false, "cudaStreamGetPriority", priority_of, during_capture::permitted);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetPriority_ptsz(cudaStream_t stream, int* priority) {
   const call_depth depth;
-  return stream_field(stream, priority, true, "cudaStreamGetPriority_ptsz", priority_of);
+  return stream_field(stream, priority, true, "cudaStreamGetPriority_ptsz", priority_of, during_capture::permitted);
 }
 CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags(cudaStream_t stream, unsigned int* flags) {
   const call_depth depth;

@@ -10,6 +10,7 @@
 #include "cudasim/cudasim.hpp"
 #endif
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <condition_variable>
@@ -286,6 +287,17 @@ std::vector<probe> probes() {
     {"cudaEventRecord (legacy default stream)", other, true, no, [](objects& o) {
       return cudaEventRecord(o.event, cudaStreamLegacy); }},
     {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
+    // The ids gpukit looks up (stream_view::id): of a stream not captured, and of the legacy stream (cached per
+    // thread) while a blocking stream is captured.
+    {"cudaStreamGetId (another stream)", self, false, ok, [](objects& o) {
+      unsigned long long id = 0;
+      return cudaStreamGetId(o.other, &id); }},
+    {"cudaStreamGetId (legacy default stream)", self, true, ok, [](objects&) {
+      unsigned long long id = 0;
+      return cudaStreamGetId(cudaStreamLegacy, &id); }},
+    {"cudaStreamGetId (legacy default stream)", other, true, ok, [](objects&) {
+      unsigned long long id = 0;
+      return cudaStreamGetId(cudaStreamLegacy, &id); }},
     {"cudaGraphDestroy", self, false, ok, [](objects& o) {
       return forget_on_success(cudaGraphDestroy(o.graph), o.graph); }},
     // Blocking streams synchronize with the legacy default stream, not with each other: work on one that is not
@@ -456,4 +468,156 @@ TEST_CASE("gpu: capturing, instantiating and launching do not wait for a host fu
 #ifdef GPUKIT_TEST_ON_CUDASIM
   CHECK(cudasim::violations().empty());
 #endif
+}
+
+namespace {
+
+/// A question about a stream, asked of the stream being captured: what gpukit may ask of a raw handle (its device,
+/// its id, its flags) to name it, in a free made during the capture (pinned_memory_resource::deallocate).
+struct stream_question {
+  const char* call;
+  rule expected;
+  std::function<cudaError_t(cudaStream_t)> ask;  // empty where the driver lacks the entry point
+};
+
+/// A driver function of the stream, through the runtime's entry point (gpukit never links libcuda), or null.
+template <class Function>
+Function* driver_function(const char* symbol, unsigned version) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &function, version, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function*>(function);
+}
+
+std::vector<stream_question> stream_questions() {
+  using get_ctx = CUresult CUDAAPI(CUstream, CUcontext*);
+  using get_device = CUresult CUDAAPI(CUstream, CUdevice*);
+  get_ctx* const stream_get_ctx = driver_function<get_ctx>("cuStreamGetCtx", 12000);
+  get_device* const stream_get_device = driver_function<get_device>("cuStreamGetDevice", 12080);
+  // clang-format off
+  std::vector<stream_question> questions = {
+    {"cudaStreamGetDevice", rule::prohibited, [](cudaStream_t s) {
+      int ordinal = -1;
+      return cudaStreamGetDevice(s, &ordinal); }},
+    {"cudaStreamGetId", rule::prohibited, [](cudaStream_t s) {
+      unsigned long long id = 0;
+      return cudaStreamGetId(s, &id); }},
+    {"cudaStreamGetFlags", rule::prohibited, [](cudaStream_t s) {
+      unsigned flags = 0;
+      return cudaStreamGetFlags(s, &flags); }},
+    {"cudaStreamGetPriority", rule::permitted, [](cudaStream_t s) {
+      int priority = 0;
+      return cudaStreamGetPriority(s, &priority); }},
+    {"cudaStreamIsCapturing", rule::permitted, [](cudaStream_t s) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      return cudaStreamIsCapturing(s, &status); }},
+  };
+  // clang-format on
+  questions.push_back({"cuStreamGetCtx", rule::permitted, nullptr});
+  if (stream_get_ctx != nullptr) {
+    questions.back().ask = [stream_get_ctx](cudaStream_t s) {
+      CUcontext context = nullptr;
+      return stream_get_ctx(s, &context) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+    };
+  }
+  // What gpukit asks of a raw handle during a capture instead of cudaStreamGetDevice (cuda_backend::stream_device).
+  using ctx_get_device = CUresult CUDAAPI(CUdevice*, CUcontext);
+  ctx_get_device* const context_device = driver_function<ctx_get_device>("cuCtxGetDevice", 13000);
+  questions.push_back({"cuStreamGetCtx+cuCtxGetDevice", rule::permitted, nullptr});
+  if (stream_get_ctx != nullptr && context_device != nullptr) {
+    questions.back().ask = [stream_get_ctx, context_device](cudaStream_t s) {
+      CUcontext context = nullptr;
+      CUdevice device = -1;
+      if (stream_get_ctx(s, &context) != CUDA_SUCCESS || context_device(&device, context) != CUDA_SUCCESS) {
+        return cudaErrorUnknown;
+      }
+      return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+    };
+  }
+  questions.push_back({"cuStreamGetDevice", rule::prohibited, nullptr});
+  if (stream_get_device != nullptr) {
+    questions.back().ask = [stream_get_device](cudaStream_t s) {
+      CUdevice device = 0;
+      return stream_get_device(s, &device) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+    };
+  }
+  return questions;
+}
+
+const char* name_of(cudaStreamCaptureMode mode) {
+  switch (mode) {
+    case cudaStreamCaptureModeGlobal:
+      return "global";
+    case cudaStreamCaptureModeThreadLocal:
+      return "thread-local";
+    case cudaStreamCaptureModeRelaxed:
+      return "relaxed";
+  }
+  return "?";
+}
+
+}  // namespace
+
+TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the capture; its priority does not") {
+  // Measured on an H200 (driver 580, 2026-12-04): a pinned_memory_resource free during a capture, which asked the raw
+  // handle its device and id, invalidated a thread-local capture (the simulator then permitted both questions). Each
+  // question is asked of a stream being captured, in every mode, of blocking and non-blocking streams, with and
+  // without earlier work held on the stream; the capture's state is printed and compared with the table above,
+  // which the simulator enforces. The driver's questions (cuStreamGetCtx, cuStreamGetDevice) are asked only where
+  // the driver has them (not on the simulator).
+  GPUKIT_REQUIRE_GPU();
+  GPUKIT_CUDA_TRY(cudaSetDevice(0));
+  std::printf("questions to a captured stream (%s):\n", on_simulator() ? "simulated runtime" : "real runtime");
+  for (const stream_question& q : stream_questions()) {
+    if (!q.ask) {
+      std::printf("  %-30s not asked: the driver lacks it\n", q.call);
+      continue;
+    }
+    for (const cudaStreamCaptureMode mode :
+         {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+      for (const bool blocking : {false, true}) {
+        for (const bool held : {false, true}) {
+          cudaStream_t s = nullptr;
+          GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, blocking ? cudaStreamDefault : cudaStreamNonBlocking));
+          gate g;
+          if (held) g.hold(gpukit::stream_view(s));
+          GPUKIT_CUDA_TRY(cudaStreamBeginCapture(s, mode));
+          const cudaError_t returned = q.ask(s);
+          (void)cudaGetLastError();
+          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+          GPUKIT_CUDA_TRY(cudaStreamIsCapturing(s, &status));
+          cudaGraph_t graph = nullptr;
+          const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+          if (graph != nullptr) (void)cudaGraphDestroy(graph);
+          (void)cudaGetLastError();
+          g.open();
+          CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+          CHECK(cudaStreamDestroy(s) == cudaSuccess);
+          const bool intact = status == cudaStreamCaptureStatusActive && ended == cudaSuccess;
+          std::printf("  %-30s %-12s %-12s %-9s returned %-30s capture %s\n", q.call, name_of(mode),
+                      blocking ? "blocking" : "non-blocking", held ? "held" : "idle", cudaGetErrorName(returned),
+                      intact ? "intact" : "INVALIDATED");
+          const std::string what = std::string(q.call) + " in a " + name_of(mode) + " capture of a " +
+                                   (blocking ? "blocking" : "non-blocking") + (held ? " held" : " idle") +
+                                   " stream: returned " + cudaGetErrorName(returned);
+          INFO(what);
+          if (q.expected == rule::permitted) {
+            CHECK(returned == cudaSuccess);
+            CHECK(intact);
+          } else {
+            CHECK(returned != cudaSuccess);
+            CHECK_FALSE(intact);
+          }
+#ifdef GPUKIT_TEST_ON_CUDASIM
+          CHECK(cudasim::take_violations().size() == (q.expected == rule::prohibited ? 1u : 0u));
+#endif
+        }
+      }
+    }
+  }
+  std::fflush(stdout);
 }

@@ -380,6 +380,30 @@ TEST_CASE("gpu: pinned_memory_resource orders its frees on the current stream, a
     resource.deallocate(s, q, 4096, 256);
     resource.deallocate(s, r, 4096, 256);
   }
+  {
+    // The same on a stream gpukit did not create: its device and id are not asked of CUDA during the capture (the
+    // questions would invalidate it, as on an H200); the block waits for the capture, then for the stream.
+    cudaStream_t raw = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+    void* p = resource.allocate(::cuda::stream_ref(raw), 4096, 256);
+    gpukit_test::gate g;
+    g.hold(gpukit::stream_view(raw));
+    CHECK_FALSE(g.opened_to_return([&] {
+      REQUIRE(cudaStreamBeginCapture(raw, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+      resource.deallocate(::cuda::stream_ref(raw), p, 4096, 256);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(raw, &graph);
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      CHECK(ended == cudaSuccess);
+      CHECK(pool.stats().pending_blocks == 1);
+    }));
+    g.open();
+    CHECK(cudaStreamSynchronize(raw) == cudaSuccess);
+    (void)pool.stats();  // records the block's event on `raw`, the capture being over
+    CHECK(cudaStreamSynchronize(raw) == cudaSuccess);
+    CHECK(pool.stats().pending_blocks == 0);
+    CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+  }
   CHECK(warnings.messages().empty());
   CHECK(pool.stats().lost_blocks == 0);
 }

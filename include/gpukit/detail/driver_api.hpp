@@ -33,6 +33,12 @@ struct driver_api {
   /// cuDevicePrimaryCtxGetState: whether the device's primary context is active.
   CUresult(CUDAAPI* primary_ctx_get_state)(CUdevice device, unsigned* flags, int* active) = nullptr;
 
+  /// cuStreamGetCtx (CUDA 9.2's form): the context a stream belongs to. Unlike cudaStreamGetDevice, it may be asked
+  /// of a stream being captured (cudaStreamGetDevice, GetId and GetFlags invalidate the capture; measured on an H200).
+  CUresult(CUDAAPI* stream_get_ctx)(CUstream stream, CUcontext* context) = nullptr;
+  /// cuCtxGetDevice (CUDA 13.0's form, of a given context): with stream_get_ctx, the device of a stream.
+  CUresult(CUDAAPI* ctx_get_device)(CUdevice* device, CUcontext context) = nullptr;
+
   /// cuDeviceGetAttribute (for CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, which the runtime lacks).
   CUresult(CUDAAPI* device_get_attribute)(int* value, CUdevice_attribute attribute, CUdevice device) = nullptr;
 
@@ -102,11 +108,10 @@ GPUKIT_INLINE driver_api load_driver_api() noexcept {
     (void)cudaGetLastError();
     return api;
   }
-  auto load = [](const char* symbol, auto& function) {
+  auto load = [](const char* symbol, auto& function, unsigned version = driver_api_version) {
     void* address = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion(symbol, &address, driver_api_version, cudaEnableDefault, &status) !=
-        cudaSuccess) {
+    if (cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &status) != cudaSuccess) {
       (void)cudaGetLastError();
       return;
     }
@@ -117,6 +122,8 @@ GPUKIT_INLINE driver_api load_driver_api() noexcept {
   load("cuCtxGetCurrent", api.ctx_get_current);
   load("cuDeviceGet", api.device_get);
   load("cuDevicePrimaryCtxGetState", api.primary_ctx_get_state);
+  load("cuStreamGetCtx", api.stream_get_ctx);
+  load("cuCtxGetDevice", api.ctx_get_device, 13000);  // the form that takes a context
   load("cuDeviceGetAttribute", api.device_get_attribute);
   load("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
   load("cuMemAddressReserve", api.mem_address_reserve);

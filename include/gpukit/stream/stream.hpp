@@ -369,7 +369,7 @@ class stream_view {
   }
   GPUKIT_DETAIL_NOINLINE unsigned long long lookup_id() const {
     if (is_special(cuda_)) return detail::default_stream_id(device().ordinal(), is_per_thread());
-    return detail::cuda_backend::stream_id(cuda_, known_ordinal());
+    return detail::cuda_backend::stream_id_of(cuda_, known_ordinal());
   }
 
   gpukit::device device_{};
@@ -814,7 +814,9 @@ GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_
   cuda_ = detail::cuda_backend::create_stream(d.ordinal(), options.non_blocking, priority_);
   // The id (unique for the life of the program, unlike the handle) is looked up once, so views carry it.
   try {
-    life_ = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(cuda_, d.ordinal()), d.ordinal());
+    const unsigned long long id = detail::cuda_backend::stream_id(cuda_, d.ordinal());
+    life_ = std::make_shared<detail::stream_life>(id, d.ordinal());
+    detail::cuda_backend::remember_created_stream(cuda_, {d.ordinal(), id, !options.non_blocking});
   } catch (...) {
     detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
                                          "cudaStreamDestroy (a stream whose id could not be read)");
@@ -841,8 +843,14 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
     }
     priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
     if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
-      life = std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id(handle, d.ordinal()), d.ordinal());
+      life =
+          std::make_shared<detail::stream_life>(detail::cuda_backend::stream_id_of(handle, d.ordinal()), d.ordinal());
     }
+  }
+  // Owned from here on: known by its handle until destroyed (a borrowed one may be destroyed behind our back).
+  if (take_ownership) {
+    detail::cuda_backend::remember_created_stream(
+        handle, {d.ordinal(), life->id(), detail::cuda_backend::may_block_on_legacy_stream(handle)});
   }
   stream wrapped(d, handle, take_ownership, priority);
   wrapped.life_ = std::move(life);
@@ -917,6 +925,7 @@ GPUKIT_INLINE void stream::take(stream& other) noexcept {
 GPUKIT_INLINE void stream::destroy() noexcept {
   if (owns_ && cuda_ != nullptr) {
     if (life_) life_->expire(cuda_, life_.use_count() > 1);
+    detail::cuda_backend::forget_created_stream(cuda_);  // first: the handle may be a new stream's at once
     detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");
   }
   cuda_ = nullptr;

@@ -23,10 +23,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -76,9 +80,48 @@ namespace cuda_backend {
 
 // --- streams ---
 
+// CUDA must not be asked about a stream while it is captured: cudaStreamGetDevice, cudaStreamGetId and
+// cudaStreamGetFlags of a stream being captured fail and invalidate the capture, in every capture mode (measured on an
+// H200, driver 580; cudaStreamGetPriority, cudaStreamIsCapturing and cuStreamGetCtx do not). A raw handle can reach
+// gpukit during a capture (a cuda::stream_ref given to a memory resource), so the lookups below ask those questions
+// only of a stream known not to be captured.
+
+/// What gpukit knows of a stream a gpukit::stream owns, for as long as it owns it (its handle cannot name another
+/// stream meanwhile): raw handles are looked up here before CUDA is asked.
+struct created_stream {
+  int ordinal = -1;
+  unsigned long long id = 0;
+  bool blocking = false;  // created without cudaStreamNonBlocking
+};
+
+/// Records a stream a gpukit::stream created or took over. Throws std::bad_alloc.
+GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream known);
+/// Forgets it, before it is destroyed.
+GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept;
+/// What was recorded for `handle` while a gpukit::stream owns it.
+GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t handle) noexcept;
+
+/// The id gpukit gives a raw handle (no gpukit::stream owns it) while it is captured, when CUDA cannot be asked: the
+/// handle's value with this bit set (CUDA's ids count up from small numbers, CPU streams' carry cpu_stream_id_bit).
+/// The handle names one stream for the whole capture (a captured stream cannot be destroyed).
+constexpr unsigned long long captured_handle_id_bit = 1ull << 62;
+/// With captured_handle_id_bit, the id of a per-thread default stream first named while captured: a number of
+/// gpukit's (next_captured_default_stream_id), kept for that thread and device, where no handle is unique.
+constexpr unsigned long long captured_default_stream_id_bit = 1ull << 61;
+GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_captured_default_stream_id() noexcept;
+
 /// The ordinal of the device stream `handle` belongs to (a default stream: the current device's); a failure names
-/// device `described` (-1: none).
+/// device `described` (-1: none). A stream a gpukit::stream owns is looked up in memory; another is asked of the
+/// driver (cuStreamGetCtx and cuCtxGetDevice, which a capture permits), else with cudaStreamGetDevice.
 GPUKIT_INLINE int stream_device(cudaStream_t handle, int described = -1);
+
+/// Whether stream `handle` (not a default stream; of device `ordinal`, -1: not known) is being captured, or cannot
+/// be asked (true then: the caller must not ask the questions a capture refuses). Never throws.
+GPUKIT_INLINE bool captured_or_unknown(cudaStream_t handle, int ordinal) noexcept;
+
+/// The id of stream `handle` (not a default stream) for gpukit's views: a gpukit::stream's, else cudaStreamGetId,
+/// else, while the stream is captured, the handle with captured_handle_id_bit.
+GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal);
 
 /// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
 /// context current and a stream that is not a default one this costs one cuCtxGetCurrent and no runtime call.
@@ -88,14 +131,15 @@ GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::option
 GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal);
 
 /// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
-/// that device current.
+/// that device current; for the per-thread one while it is captured, next_captured_default_stream_id().
 GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread);
 
 /// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
 GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority);
 
 /// Whether created stream `s` synchronizes with the legacy default stream (it lacks cudaStreamNonBlocking); true
-/// where cudaStreamGetFlags fails, for callers that must assume the worst.
+/// where that cannot be asked (the stream is captured) or cudaStreamGetFlags fails, for callers that must assume the
+/// worst.
 GPUKIT_INLINE bool may_block_on_legacy_stream(cudaStream_t s) noexcept;
 
 /// cudaStreamDestroy; a failure goes to gpukit::warn (destructors never throw).
@@ -218,14 +262,77 @@ GPUKIT_INLINE host_memory_release_scope::host_memory_release_scope(int ordinal) 
 namespace detail {
 namespace cuda_backend {
 
+/// The streams gpukit::stream objects own, in this process. Never destroyed: streams may be destroyed during exit.
+struct created_streams {
+  std::mutex mutex;
+  std::unordered_map<cudaStream_t, created_stream> streams;
+};
+
+GPUKIT_EXPORT GPUKIT_INLINE created_streams& created_streams_registry() noexcept {
+  static auto* registry = new created_streams;
+  return *registry;
+}
+
+GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream known) {
+  created_streams& registry = created_streams_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.streams[handle] = known;
+}
+
+GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept {
+  created_streams& registry = created_streams_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.streams.erase(handle);
+}
+
+GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t handle) noexcept {
+  created_streams& registry = created_streams_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto found = registry.streams.find(handle);
+  if (found == registry.streams.end()) return std::nullopt;
+  return found->second;
+}
+
 GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
   int ordinal = 0;
   if (is_default_stream_handle(handle)) {
     GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDevice(&ordinal), "cudaGetDevice(&ordinal)", described);
-  } else {
-    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", described);
+    return ordinal;
   }
+  if (const std::optional<created_stream> known = find_created_stream(handle)) return known->ordinal;
+  const driver_api& api = driver();
+  if (api.stream_get_ctx != nullptr && api.ctx_get_device != nullptr) {
+    CUcontext context = nullptr;
+    CUdevice device = -1;
+    // A CUdevice is the ordinal of the device among the visible ones (what cuDeviceGet maps an ordinal to).
+    if (api.stream_get_ctx(reinterpret_cast<CUstream>(handle), &context) == CUDA_SUCCESS &&
+        api.ctx_get_device(&device, context) == CUDA_SUCCESS && device >= 0) {
+      return static_cast<int>(device);
+    }
+  }
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", described);
   return ordinal;
+}
+
+GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_captured_default_stream_id() noexcept {
+  static std::atomic<unsigned long long> next{1};
+  return captured_handle_id_bit | captured_default_stream_id_bit | next.fetch_add(1, std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE bool captured_or_unknown(cudaStream_t handle, int ordinal) noexcept {
+  try {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    return stream_capture_status({handle, ordinal}, status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
+  } catch (...) {
+    (void)cudaGetLastError();
+    return true;
+  }
+}
+
+GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal) {
+  if (const std::optional<created_stream> known = find_created_stream(handle)) return known->id;
+  if (captured_or_unknown(handle, ordinal)) return captured_handle_id_bit | reinterpret_cast<std::uintptr_t>(handle);
+  return stream_id(handle, ordinal);
 }
 
 GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
@@ -245,6 +352,14 @@ GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal) {
 
 GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
   device_guard guard(device::cuda(ordinal));
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (per_thread &&
+      (cudaStreamIsCapturing(cudaStreamPerThread, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone)) {
+    // Being captured: CUDA would refuse the id and invalidate the capture. One of gpukit's own (the caller keeps it
+    // for this thread and device), unique in the process.
+    (void)cudaGetLastError();
+    return next_captured_default_stream_id();
+  }
   unsigned long long id = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
                             per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
@@ -253,6 +368,8 @@ GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thr
 }
 
 GPUKIT_INLINE bool may_block_on_legacy_stream(cudaStream_t s) noexcept {
+  if (const std::optional<created_stream> known = find_created_stream(s)) return known->blocking;
+  if (captured_or_unknown(s, -1)) return true;
   unsigned flags = 0;
   if (cudaStreamGetFlags(s, &flags) != cudaSuccess) {
     (void)cudaGetLastError();
