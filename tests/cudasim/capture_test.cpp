@@ -768,6 +768,7 @@ TEST_CASE("capture: the legacy default stream is never asked while a blocking st
   gpukit::caching_allocator allocator(cuda0);
   gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
   const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  (void)legacy.id();  // its id, looked up once per process (during a capture too: tests/cudasim/streams_test.cpp)
   {
     capture c(blocking);
     // cudaStreamIsCapturing(legacy) would fail with cudaErrorStreamCaptureImplicit; the legacy stream cannot be
@@ -861,17 +862,22 @@ TEST_CASE("capture: the legacy stream's wait and a stream whose flags cannot be 
     CHECK(cudasim::calls("cudaEventDestroy") == destroyed + 1);
   }
   SUBCASE("a captured stream whose flags cannot be read counts as blocking") {
-    gpukit::stream non_blocking(cuda0);
+    // A stream gpukit did not create (a gpukit::stream's flags are known without asking).
+    cudaStream_t non_blocking = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&non_blocking, cudaStreamNonBlocking) == cudaSuccess);
     cudasim::fail_call("cudaStreamGetFlags", 1, cudaErrorUnknown);
     bool refused = false;
-    gpukit::graph g = gpukit::capture(non_blocking, [&] {
-      try {
-        (void)legacy.ready();
-      } catch (const gpukit::invalid_argument_error&) {
-        refused = true;
-      }
-    });
+    {
+      gpukit::graph g = gpukit::capture(gpukit::stream_view(non_blocking), [&] {
+        try {
+          (void)legacy.ready();
+        } catch (const gpukit::invalid_argument_error&) {
+          refused = true;
+        }
+      });
+    }
     CHECK(refused);
+    CHECK(cudaStreamDestroy(non_blocking) == cudaSuccess);
   }
   cudasim::clear_faults();
   legacy.synchronize();  // usable afterwards

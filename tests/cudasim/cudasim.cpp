@@ -973,7 +973,8 @@ CUresult CUDAAPI sim_cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuCtxGetDevice_v2"];
+  initialize_locked(s);
+  if (CUresult fault = due_driver_fault(s, "cuCtxGetDevice_v2"); fault != CUDA_SUCCESS) return fault;
   if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (ctx == nullptr) {
     if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
@@ -995,7 +996,12 @@ CUresult CUDAAPI sim_cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
-  ++s.call_counts["cuStreamGetCtx"];
+  initialize_locked(s);
+  if (CUresult fault = due_driver_fault(s, "cuStreamGetCtx"); fault != CUDA_SUCCESS) return fault;
+  if (t_in_host_function) {
+    record_violation(s, "cuStreamGetCtx", cudaErrorNotPermitted, "CUDA call from inside a host function");
+    return CUDA_ERROR_NOT_PERMITTED;
+  }
   if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
   const auto h = reinterpret_cast<std::uintptr_t>(stream);
   if (h == 0 || h == 1 || h == 2) {

@@ -211,12 +211,18 @@ TEST_CASE("streams: stream identity costs no CUDA call per allocation for gpukit
   }
   CHECK(cudasim::calls("cudaStreamGetId") == ids);
   CHECK(cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaGetDevice") == devices);
-  // A raw handle is looked up on each call (cudaStreamGetId): a gpukit::stream avoids that.
-  const gpukit::stream_view raw(cuda0, s.cuda_handle());
-  a.deallocate(a.allocate(block_bytes, raw));
-  CHECK(cudasim::calls("cudaStreamGetId") == ids + 1);
+  // The raw handle of a gpukit::stream is found in gpukit's table of live streams: no CUDA call either.
+  a.deallocate(a.allocate(block_bytes, gpukit::stream_view(cuda0, s.cuda_handle())));
+  CHECK(cudasim::calls("cudaStreamGetId") == ids);
+  // Another raw handle is looked up on each call (cudaStreamGetId): a gpukit::stream avoids that.
+  const cudaStream_t foreign = create_raw_stream(cuda0);
+  a.deallocate(a.allocate(block_bytes, gpukit::stream_view(cuda0, foreign)));  // first seen: registered
+  const std::size_t foreign_ids = cudasim::calls("cudaStreamGetId");
+  a.deallocate(a.allocate(block_bytes, gpukit::stream_view(cuda0, foreign)));
+  CHECK(cudasim::calls("cudaStreamGetId") == foreign_ids + 1);
   a.deallocate(keep_s);
   a.deallocate(keep_legacy);
+  CHECK(cudaStreamDestroy(foreign) == cudaSuccess);
 }
 
 // --- (11) a buffer that outlives its stream ---
@@ -1905,4 +1911,151 @@ TEST_CASE("streams: a default stream becomes a cuda::stream_ref only where its h
   const ::cuda::stream_ref ref = created;
   CHECK(ref.get() == created.cuda_handle());
   CHECK(gpukit::to_stream_ref(created.view()).get() == created.cuda_handle());
+}
+
+// CUDA refuses cudaStreamGetDevice, cudaStreamGetId and cudaStreamGetFlags of a stream being captured, and invalidates
+// the capture (measured on an H200; the simulator refuses them too): a raw handle named during a capture (a
+// cuda::stream_ref given to a memory resource) must be looked up without them.
+TEST_CASE("streams: a raw handle of a gpukit::stream is named during its capture without asking CUDA") {
+  gpukit::stream s(cuda1);  // not the current device: its device must not come from cudaGetDevice
+  const cudaStream_t handle = s.cuda_handle();
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  const std::size_t asked =
+      cudasim::calls("cudaStreamGetId") + cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaStreamGetFlags");
+  const gpukit::stream_view raw(handle);
+  CHECK(raw.device() == cuda1);
+  CHECK(raw.id() == s.view().id());
+  CHECK(raw == s.view());
+  CHECK(raw.resolved().id() == s.view().id());
+  CHECK(cudasim::calls("cudaStreamGetId") + cudasim::calls("cudaStreamGetDevice") +
+            cudasim::calls("cudaStreamGetFlags") ==
+        asked);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a stream gpukit did not create gets an id of gpukit's while captured, and its own outside") {
+  const cudaStream_t handle = create_raw_stream(cuda1);
+  unsigned long long cuda_id = 0;
+  REQUIRE(cudaStreamGetId(handle, &cuda_id) == cudaSuccess);
+  CHECK(gpukit::stream_view(handle).id() == cuda_id);
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  const gpukit::stream_view raw(handle);
+  CHECK(raw.device() == cuda1);  // from the driver (cuStreamGetCtx, cuCtxGetDevice)
+  const unsigned long long captured_id = raw.id();
+  CHECK(captured_id != cuda_id);
+  CHECK((captured_id & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+  CHECK(captured_id == gpukit::stream_view(handle).id());  // the same for the whole capture
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(gpukit::stream_view(handle).id() == cuda_id);
+  // A later capture of the same handle (which a new stream may have by then) gets another id.
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  const unsigned long long next_capture_id = gpukit::stream_view(handle).id();
+  CHECK(next_capture_id != captured_id);
+  CHECK(next_capture_id != cuda_id);
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "streams: without the driver's answer, a raw stream's device is asked of the runtime, never during its capture") {
+  const cudaStream_t handle = create_raw_stream(cuda1);
+  const gpukit::device_guard current(cuda0);
+  cudasim::fail_call("cuStreamGetCtx", 1, cudaErrorUnknown);
+  CHECK(gpukit::stream_view(handle).device() == cuda1);  // from cudaStreamGetDevice
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  cudasim::fail_call("cuStreamGetCtx", 1, cudaErrorUnknown);
+  try {
+    (void)gpukit::stream_view(handle).device();
+    FAIL("no error");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(std::string(e.what()).find("being captured") != std::string::npos);
+  }
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);  // intact: cudaStreamGetDevice was not asked
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  cudasim::clear_faults();
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a released stream leaves gpukit's table of live streams, so its handle's next stream is its own") {
+  gpukit::stream s(cuda0);
+  const unsigned long long old_id = s.view().id();
+  const cudaStream_t handle = s.release();
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  const cudaStream_t reused = create_raw_stream(cuda0);
+  REQUIRE(reused == handle);
+  CHECK(gpukit::stream_view(reused).id() != old_id);
+  CHECK(cudaStreamDestroy(reused) == cudaSuccess);
+}
+
+TEST_CASE("streams: a handle of a destroyed gpukit::stream is looked up anew, not in the table of live streams") {
+  auto doomed = std::make_unique<gpukit::stream>(cuda0);
+  const cudaStream_t handle = doomed->cuda_handle();
+  const unsigned long long old_id = doomed->view().id();
+  doomed.reset();
+  const cudaStream_t reused = create_raw_stream(cuda0);  // the simulator hands the handle out again
+  REQUIRE(reused == handle);
+  unsigned long long new_id = 0;
+  REQUIRE(cudaStreamGetId(reused, &new_id) == cudaSuccess);
+  CHECK(new_id != old_id);
+  CHECK(gpukit::stream_view(reused).id() == new_id);
+  CHECK(cudaStreamDestroy(reused) == cudaSuccess);
+}
+
+TEST_CASE("streams: the per-thread default stream named first during its capture keeps one id on its thread") {
+  std::thread([] {
+    const gpukit::device_guard current(cuda0);
+    REQUIRE(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    const unsigned long long during = gpukit::stream_view(cudaStreamPerThread).id();  // no cudaStreamGetId
+    CHECK((during & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+    CHECK_FALSE(gpukit::stream_view(cudaStreamPerThread).resolved().is_other_threads_stream());
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(cudaStreamPerThread, &graph) == cudaSuccess);
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(gpukit::stream_view(cudaStreamPerThread).id() == during);  // kept for this thread and device
+    CHECK(cudasim::violations().empty());
+  }).join();
+}
+
+TEST_CASE("streams: the legacy stream's id first needed during a blocking capture is gpukit's, for the process") {
+  // The id is kept for the process: each test case runs in a process of its own (tests/cudasim/sim_main.cpp), so
+  // no earlier test has looked it up (CUDASIM_IN_PROCESS, which runs them in one, would fail this test).
+  gpukit::stream blocking(cuda1, gpukit::stream_options{false, 0});
+  const gpukit::device_guard current(cuda1);
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  const unsigned long long during = gpukit::stream_view::default_stream(cuda1).id();  // no cudaStreamGetId
+  CHECK((during & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  unsigned long long on_other_thread = 0;
+  std::thread([&] { on_other_thread = gpukit::stream_view::default_stream(cuda1).id(); }).join();
+  CHECK(on_other_thread == during);  // one id for the legacy stream in the whole process
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: gpukit::capture of a raw handle already captured refuses without invalidating that capture") {
+  const cudaStream_t handle = create_raw_stream(cuda0);
+  const gpukit::device_guard current(cuda0);
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK_THROWS_AS(gpukit::capture(gpukit::stream_view(handle), [] {}), gpukit::error);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CHECK(cudaStreamIsCapturing(handle, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusActive);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  for (const cudasim::violation& v : cudasim::take_violations()) {
+    INFO(v.call << ": " << v.message);
+    CHECK(v.call == "cudaStreamBeginCapture");  // refused; no question asked of the captured stream
+  }
 }

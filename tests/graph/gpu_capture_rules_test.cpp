@@ -287,8 +287,9 @@ std::vector<probe> probes() {
     {"cudaEventRecord (legacy default stream)", other, true, no, [](objects& o) {
       return cudaEventRecord(o.event, cudaStreamLegacy); }},
     {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
-    // The ids gpukit looks up (stream_view::id): of a stream not captured, and of the legacy stream (cached per
-    // thread) while a blocking stream is captured.
+    // The ids gpukit looks up (stream_view::id): of a stream not captured, and of the legacy stream while a blocking
+    // stream is captured (gpukit asks it once per process, not then: it would fall back to an id of its own if
+    // refused, so these rows only tell whether the simulator's answer is CUDA's).
     {"cudaStreamGetId (another stream)", self, false, ok, [](objects& o) {
       unsigned long long id = 0;
       return cudaStreamGetId(o.other, &id); }},
@@ -562,13 +563,13 @@ const char* name_of(cudaStreamCaptureMode mode) {
 
 }  // namespace
 
-TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the capture; its priority does not") {
+TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the capture, its priority does not") {
   // Measured on an H200 (driver 580, 2026-12-04): a pinned_memory_resource free during a capture, which asked the raw
   // handle its device and id, invalidated a thread-local capture (the simulator then permitted both questions). Each
   // question is asked of a stream being captured, in every mode, of blocking and non-blocking streams, with and
   // without earlier work held on the stream; the capture's state is printed and compared with the table above,
-  // which the simulator enforces. The driver's questions (cuStreamGetCtx, cuStreamGetDevice) are asked only where
-  // the driver has them (not on the simulator).
+  // which the simulator enforces. The driver's questions are asked where the driver has them (the simulator has
+  // cuStreamGetCtx and cuCtxGetDevice, not cuStreamGetDevice).
   GPUKIT_REQUIRE_GPU();
   GPUKIT_CUDA_TRY(cudaSetDevice(0));
   std::printf("questions to a captured stream (%s):\n", on_simulator() ? "simulated runtime" : "real runtime");

@@ -60,8 +60,9 @@ struct driver_api {
   bool has_virtual_memory() const noexcept;
 };
 
-/// The ABI version requested from the driver: these functions have not changed since CUDA 7, and a driver that runs
-/// this runtime provides CUDA 12.0's.
+/// The ABI version requested from the driver: these functions have not changed since CUDA 7 (cuStreamGetCtx since
+/// 9.2; cuCtxGetDevice is asked in its CUDA 13.0 form, which names the context), and a driver that runs this runtime
+/// provides CUDA 12.0's.
 inline constexpr unsigned driver_api_version = 12000;
 
 /// Looks up the entry points (see driver()). Never throws.
@@ -122,7 +123,7 @@ GPUKIT_INLINE driver_api load_driver_api() noexcept {
   load("cuCtxGetCurrent", api.ctx_get_current);
   load("cuDeviceGet", api.device_get);
   load("cuDevicePrimaryCtxGetState", api.primary_ctx_get_state);
-  load("cuStreamGetCtx", api.stream_get_ctx);
+  load("cuStreamGetCtx", api.stream_get_ctx, 12000);  // 12.0: the two-argument form (12.5 added a third)
   load("cuCtxGetDevice", api.ctx_get_device, 13000);  // the form that takes a context
   load("cuDeviceGetAttribute", api.device_get_attribute);
   load("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);

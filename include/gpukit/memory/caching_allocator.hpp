@@ -535,7 +535,7 @@ class basic_caching_allocator {
   /// raise, even when its key equals that of a stream seen before (keys are the stream ops' business; a CUDA default
   /// stream must not pass for the CPU's). Naming the wrong device needs no CUDA call (a CPU allocator on a machine
   /// without a driver still says "wrong device"). For a view that knows its device (every gpukit stream and
-  /// default_stream(d)) this costs nothing; a raw cudaStream_t costs one cudaStreamGetDevice.
+  /// default_stream(d)) this costs nothing; a raw cudaStream_t costs a lookup (stream_view::device()).
   stream_state& stream_for(const stream_type& s, bool other_devices = false);
 
   [[noreturn]] void throw_wrong_device(gpukit::device d) const;

@@ -229,9 +229,10 @@ struct stream_ops {
 
   /// stream_view::id(): cudaStreamGetId, never the handle, which CUDA gives to the next stream created once a stream
   /// is destroyed (RMM #649). Views of gpukit streams carry it and default streams' ids are cached per thread: no CUDA
-  /// call then; a raw cudaStream_t costs one cudaStreamGetId. For cudaStreamPerThread, the calling thread's stream.
+  /// call then; a raw cudaStream_t is looked up (stream_view::id()). For cudaStreamPerThread, the calling thread's
+  /// stream.
   std::uintptr_t key(const stream_view& s) const;
-  /// The stream's device (stream_view::device(): a cudaStreamGetDevice for a raw handle, else no CUDA call).
+  /// The stream's device (stream_view::device(): looked up for a raw handle, else no CUDA call).
   gpukit::device device_of(const stream_view& s) const;
   /// The view with its device and id bound (stream_view::resolved()): the allocator uses it later from any thread.
   stream_view resolve(const stream_view& s) const;

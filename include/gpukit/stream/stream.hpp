@@ -228,8 +228,9 @@ class stream_view {
   /// or for the CPU a stream that runs each task synchronously on the calling thread.
   static stream_view default_stream(gpukit::device d) noexcept;
 
-  /// The device the stream belongs to. For a view made from a raw handle this asks CUDA (cudaStreamGetDevice; for a
-  /// default stream, cudaGetDevice).
+  /// The device the stream belongs to. For a view made from a raw handle this looks it up: a handle a gpukit::stream
+  /// owns in memory, another with the driver (cuStreamGetCtx, cuCtxGetDevice: a capture of the stream permits them,
+  /// where cudaStreamGetDevice would invalidate it), a default stream with cudaGetDevice.
   gpukit::device device() const;
 
   /// True for streams of the CPU device.
@@ -249,7 +250,10 @@ class stream_view {
 
   /// A number no other stream has, even after this one is destroyed (its handle may be reused at once):
   /// cudaStreamGetId for CUDA streams, a number of gpukit's for CPU streams. Views of a gpukit::stream carry it, and
-  /// default streams' ids are cached per thread, so those cost no CUDA call; a raw handle costs one cudaStreamGetId.
+  /// default streams' ids are cached per thread, so those cost no CUDA call; a raw handle a gpukit::stream owns is
+  /// looked up in memory, another costs a cudaStreamGetCaptureInfo and a cudaStreamGetId. CUDA refuses the id of a
+  /// stream being captured (and invalidates the capture): such a raw handle gets one of gpukit's for the rest of the
+  /// capture, and a per-thread default stream first named during its capture one for the thread.
   /// For cudaStreamPerThread, the calling thread's stream's id (or the id recorded by resolved()).
   unsigned long long id() const;
 
@@ -398,8 +402,8 @@ class stream {
 
   /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it, and allocators
   /// that remember it learn of its destruction as for a stream created here. Throws invalid_argument_error, naming
-  /// both devices, when the handle belongs to another device (cudaStreamGetDevice), and for an owned default stream
-  /// (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed); nothing is taken over then.
+  /// both devices, when the handle belongs to another device (as stream_view::device() finds it), and for an owned
+  /// default stream (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed); nothing is taken over then.
   static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership);
 
   /// Takes over `other`'s stream; `other` becomes moved-from.
@@ -839,7 +843,7 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
     const int ordinal = detail::cuda_backend::stream_device(handle, d.ordinal());
     if (ordinal != d.ordinal()) {
       throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
-                                   " (cudaStreamGetDevice), not to " + d.to_string() + " as given");
+                                   " (its device), not to " + d.to_string() + " as given");
     }
     priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
     if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
@@ -897,6 +901,7 @@ GPUKIT_INLINE cudaStream_t stream::release() {
   check_valid("release");
   if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
   cudaStream_t handle = cuda_;
+  if (owns_) detail::cuda_backend::forget_created_stream(handle);  // the caller may destroy it, and CUDA reuse it
   cuda_ = nullptr;
   owns_ = false;
   valid_ = false;

@@ -23,15 +23,51 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <atomic>
 #include <cstddef>
-#include <cstdint>
 #include <initializer_list>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
+
+// What gpukit knows of streams, one table per process, outside the per-mode namespace (detail/config.hpp): a stream
+// a gpukit::stream of either default-stream mode owns is the same stream to the other, and gpukit's own stream ids
+// must not repeat across the modes.
+namespace gpukit {
+namespace mode_independent {
+
+/// A stream a gpukit::stream owns, as gpukit knows it.
+struct created_stream {
+  int ordinal = -1;
+  unsigned long long id = 0;
+  bool blocking = false;  ///< created without cudaStreamNonBlocking
+};
+
+/// The streams gpukit::stream objects own (their handles cannot name another stream meanwhile), the ids gpukit gave
+/// raw handles named while captured, and the legacy default streams' ids.
+struct stream_table {
+  std::shared_mutex mutex;  ///< guards the two maps
+  std::unordered_map<cudaStream_t, created_stream> created;
+  /// A raw handle named during a capture: that capture's id (cudaStreamGetCaptureInfo) and the id gpukit gave it.
+  std::unordered_map<cudaStream_t, std::pair<unsigned long long, unsigned long long>> captured;
+  /// The ids gpukit gives streams CUDA will not tell it, counted from 1.
+  std::atomic<unsigned long long> next_own_id{1};
+  /// cudaStreamGetId of each device's legacy default stream (the same on every thread), 0 until known.
+  std::array<std::atomic<unsigned long long>, 64> legacy_ids{};
+};
+
+/// The process's stream_table (exported: one per process). Never destroyed: streams may be destroyed during exit.
+GPUKIT_EXPORT inline stream_table& stream_table_v1() {
+  static auto* table = new stream_table;
+  return *table;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
@@ -43,6 +79,10 @@ GPUKIT_INLINE bool is_default_stream_handle(cudaStream_t h) noexcept;
 /// After a query answered cudaErrorNotReady (a status, not an error): clears the thread's last error only if the
 /// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
 GPUKIT_INLINE void forget_not_ready() noexcept;
+
+/// Forgets the failure `result` of a call gpukit made for itself, if it is the pending error: a CUDA error the
+/// program had pending stays.
+GPUKIT_INLINE void forget_failure(cudaError_t result) noexcept;
 
 /// A CUDA stream as runtime calls on it need it: its handle and, when known, its device's ordinal (-1: not known,
 /// looked up where needed).
@@ -86,29 +126,22 @@ namespace cuda_backend {
 // gpukit during a capture (a cuda::stream_ref given to a memory resource), so the lookups below ask those questions
 // only of a stream known not to be captured.
 
-/// What gpukit knows of a stream a gpukit::stream owns, for as long as it owns it (its handle cannot name another
-/// stream meanwhile): raw handles are looked up here before CUDA is asked.
-struct created_stream {
-  int ordinal = -1;
-  unsigned long long id = 0;
-  bool blocking = false;  // created without cudaStreamNonBlocking
-};
+using mode_independent::created_stream;
 
 /// Records a stream a gpukit::stream created or took over. Throws std::bad_alloc.
 GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream known);
-/// Forgets it, before it is destroyed.
+/// Forgets it, before it is destroyed or released.
 GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept;
 /// What was recorded for `handle` while a gpukit::stream owns it.
 GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t handle) noexcept;
 
-/// The id gpukit gives a raw handle (no gpukit::stream owns it) while it is captured, when CUDA cannot be asked: the
-/// handle's value with this bit set (CUDA's ids count up from small numbers, CPU streams' carry cpu_stream_id_bit).
-/// The handle names one stream for the whole capture (a captured stream cannot be destroyed).
-constexpr unsigned long long captured_handle_id_bit = 1ull << 62;
-/// With captured_handle_id_bit, the id of a per-thread default stream first named while captured: a number of
-/// gpukit's (next_captured_default_stream_id), kept for that thread and device, where no handle is unique.
-constexpr unsigned long long captured_default_stream_id_bit = 1ull << 61;
-GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_captured_default_stream_id() noexcept;
+/// Marks the ids gpukit gives streams CUDA will not tell it the id of: a raw handle being captured (one per
+/// capture), a per-thread default stream first named while captured (kept for the thread), a legacy default stream
+/// first named while a blocking stream is captured (kept for the process). CUDA's ids count up from small numbers,
+/// and CPU streams' carry cpu_stream_id_bit.
+constexpr unsigned long long own_stream_id_bit = 1ull << 62;
+/// A new id with own_stream_id_bit, unique in the process.
+GPUKIT_INLINE unsigned long long next_own_stream_id() noexcept;
 
 /// The ordinal of the device stream `handle` belongs to (a default stream: the current device's); a failure names
 /// device `described` (-1: none). A stream a gpukit::stream owns is looked up in memory; another is asked of the
@@ -119,8 +152,9 @@ GPUKIT_INLINE int stream_device(cudaStream_t handle, int described = -1);
 /// be asked (true then: the caller must not ask the questions a capture refuses). Never throws.
 GPUKIT_INLINE bool captured_or_unknown(cudaStream_t handle, int ordinal) noexcept;
 
-/// The id of stream `handle` (not a default stream) for gpukit's views: a gpukit::stream's, else cudaStreamGetId,
-/// else, while the stream is captured, the handle with captured_handle_id_bit.
+/// The id of stream `handle` (not a default stream) for gpukit's views: a gpukit::stream's; else, when
+/// cudaStreamGetCaptureInfo says it is not captured, cudaStreamGetId's; else one of gpukit's, the same for the rest
+/// of that capture (a captured stream cannot be destroyed, so its handle names it until the capture ends).
 GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal);
 
 /// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
@@ -131,7 +165,8 @@ GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::option
 GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal);
 
 /// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
-/// that device current; for the per-thread one while it is captured, next_captured_default_stream_id().
+/// that device current; one of gpukit's (next_own_stream_id) where CUDA cannot be asked: the per-thread one while
+/// it is captured, the legacy one while a blocking stream is. The legacy one's is kept for the process.
 GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread);
 
 /// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
@@ -224,6 +259,10 @@ GPUKIT_INLINE void forget_not_ready() noexcept {
   if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
 }
 
+GPUKIT_INLINE void forget_failure(cudaError_t result) noexcept {
+  if (result != cudaSuccess && cudaPeekAtLastError() == result) (void)cudaGetLastError();
+}
+
 GPUKIT_INLINE relaxed_capture_mode::relaxed_capture_mode(bool active) noexcept {
   if (!active) return;
   if (cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess) {
@@ -262,35 +301,28 @@ GPUKIT_INLINE host_memory_release_scope::host_memory_release_scope(int ordinal) 
 namespace detail {
 namespace cuda_backend {
 
-/// The streams gpukit::stream objects own, in this process. Never destroyed: streams may be destroyed during exit.
-struct created_streams {
-  std::mutex mutex;
-  std::unordered_map<cudaStream_t, created_stream> streams;
-};
-
-GPUKIT_EXPORT GPUKIT_INLINE created_streams& created_streams_registry() noexcept {
-  static auto* registry = new created_streams;
-  return *registry;
-}
-
 GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream known) {
-  created_streams& registry = created_streams_registry();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  registry.streams[handle] = known;
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::unique_lock<std::shared_mutex> lock(table.mutex);
+  table.created[handle] = known;
 }
 
 GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept {
-  created_streams& registry = created_streams_registry();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  registry.streams.erase(handle);
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::unique_lock<std::shared_mutex> lock(table.mutex);
+  table.created.erase(handle);
 }
 
 GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t handle) noexcept {
-  created_streams& registry = created_streams_registry();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  const auto found = registry.streams.find(handle);
-  if (found == registry.streams.end()) return std::nullopt;
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::shared_lock<std::shared_mutex> lock(table.mutex);
+  const auto found = table.created.find(handle);
+  if (found == table.created.end()) return std::nullopt;
   return found->second;
+}
+
+GPUKIT_INLINE unsigned long long next_own_stream_id() noexcept {
+  return own_stream_id_bit | mode_independent::stream_table_v1().next_own_id.fetch_add(1, std::memory_order_relaxed);
 }
 
 GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
@@ -310,13 +342,22 @@ GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
       return static_cast<int>(device);
     }
   }
+  // Without the driver's answer: cudaStreamGetDevice, unless the stream is captured (it would invalidate that).
+  // Asked in the current context (with none, the runtime would make cuda:0's; a capturing thread has one).
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (thread_context_state() != 0) {
+    const cudaError_t asked = cudaStreamIsCapturing(handle, &status);
+    if (asked != cudaSuccess) {
+      forget_failure(asked);  // cudaStreamGetDevice below says what is wrong with the handle
+    } else if (status != cudaStreamCaptureStatusNone) {
+      throw invalid_argument_error(
+          "gpukit: the device of a stream being captured cannot be asked of CUDA (cudaStreamGetDevice would "
+          "invalidate the capture) and the driver did not tell it (cuStreamGetCtx, cuCtxGetDevice): name the stream "
+          "with its device (stream_view(device, handle)) or through a gpukit::stream");
+    }
+  }
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", described);
   return ordinal;
-}
-
-GPUKIT_EXPORT GPUKIT_INLINE unsigned long long next_captured_default_stream_id() noexcept {
-  static std::atomic<unsigned long long> next{1};
-  return captured_handle_id_bit | captured_default_stream_id_bit | next.fetch_add(1, std::memory_order_relaxed);
 }
 
 GPUKIT_INLINE bool captured_or_unknown(cudaStream_t handle, int ordinal) noexcept {
@@ -324,15 +365,26 @@ GPUKIT_INLINE bool captured_or_unknown(cudaStream_t handle, int ordinal) noexcep
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     return stream_capture_status({handle, ordinal}, status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
   } catch (...) {
-    (void)cudaGetLastError();
     return true;
   }
 }
 
 GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal) {
   if (const std::optional<created_stream> known = find_created_stream(handle)) return known->id;
-  if (captured_or_unknown(handle, ordinal)) return captured_handle_id_bit | reinterpret_cast<std::uintptr_t>(handle);
-  return stream_id(handle, ordinal);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long capture = 0;
+  {
+    std::optional<device_guard> guard;
+    enter_stream_context({handle, ordinal}, guard);
+    GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetCaptureInfo(handle, &status, &capture, nullptr, nullptr, nullptr, nullptr),
+                              "cudaStreamGetCaptureInfo", ordinal);
+  }
+  if (status == cudaStreamCaptureStatusNone) return stream_id(handle, ordinal);
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::unique_lock<std::shared_mutex> lock(table.mutex);
+  auto& named = table.captured[handle];  // one entry per handle: bounded by the streams alive at once
+  if (named.second == 0 || named.first != capture) named = {capture, next_own_stream_id()};
+  return named.second;
 }
 
 GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
@@ -350,21 +402,48 @@ GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal) {
   return id;
 }
 
+/// Keeps `id` as the legacy stream's in `*kept` unless another thread kept one first (then that one), and returns
+/// the one kept; `id` when there is nowhere to keep it (a device beyond the table).
+inline unsigned long long keep_legacy_stream_id(std::atomic<unsigned long long>* kept, unsigned long long id) noexcept {
+  if (kept == nullptr) return id;
+  unsigned long long expected = 0;
+  return kept->compare_exchange_strong(expected, id) ? id : expected;
+}
+
 GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
   device_guard guard(device::cuda(ordinal));
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (per_thread &&
-      (cudaStreamIsCapturing(cudaStreamPerThread, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone)) {
-    // Being captured: CUDA would refuse the id and invalidate the capture. One of gpukit's own (the caller keeps it
-    // for this thread and device), unique in the process.
-    (void)cudaGetLastError();
-    return next_captured_default_stream_id();
+  if (per_thread) {
+    const cudaError_t asked = cudaStreamIsCapturing(cudaStreamPerThread, &status);
+    forget_failure(asked);  // cudaStreamGetId below says what is wrong
+    // Being captured: CUDA would refuse the id and invalidate the capture. One of gpukit's (the caller keeps it for
+    // this thread and device).
+    if (asked == cudaSuccess && status != cudaStreamCaptureStatusNone) return next_own_stream_id();
+  }
+  // The legacy stream's id, the same on every thread, is kept for the process: asked once, and not while a blocking
+  // stream of the device is captured (cudaStreamIsCapturing of the legacy stream then answers
+  // cudaErrorStreamCaptureImplicit; whether cudaStreamGetId would join the capture is not measured yet, so a capture
+  // error from it, should one begin in between, also gives one of gpukit's).
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::atomic<unsigned long long>* kept = nullptr;
+  if (!per_thread) {
+    if (static_cast<std::size_t>(ordinal) < table.legacy_ids.size()) {
+      kept = &table.legacy_ids[static_cast<std::size_t>(ordinal)];
+      if (const unsigned long long known = kept->load()) return known;
+    }
+    const cudaError_t asked = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+    forget_failure(asked);  // another failure: cudaStreamGetId below says what is wrong
+    if (asked == cudaErrorStreamCaptureImplicit) return keep_legacy_stream_id(kept, next_own_stream_id());
   }
   unsigned long long id = 0;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id),
-                            per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)",
-                            ordinal);
-  return id;
+  const cudaError_t result = cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id);
+  if (!per_thread && (result == cudaErrorStreamCaptureImplicit || result == cudaErrorStreamCaptureUnsupported)) {
+    forget_failure(result);
+    return keep_legacy_stream_id(kept, next_own_stream_id());
+  }
+  GPUKIT_CUDA_TRY_DESCRIBED(
+      result, per_thread ? "cudaStreamGetId(cudaStreamPerThread)" : "cudaStreamGetId(cudaStreamLegacy)", ordinal);
+  return per_thread ? id : keep_legacy_stream_id(kept, id);
 }
 
 GPUKIT_INLINE bool may_block_on_legacy_stream(cudaStream_t s) noexcept {
