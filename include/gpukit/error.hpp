@@ -213,6 +213,12 @@ constexpr bool is_teardown_result(cudaError_t result) noexcept {
   return result == cudaErrorCudartUnloading || result == cudaErrorContextIsDestroyed;
 }
 
+/// Forgets the failure `result` of a call gpukit made for itself (a probe, or a status such as cudaErrorNotReady),
+/// if the runtime recorded it as the last error: a CUDA error the program had pending stays.
+inline void forget_failure(cudaError_t result) noexcept {
+  if (result != cudaSuccess && cudaPeekAtLastError() == result) (void)cudaGetLastError();
+}
+
 /// For destructors and other places that must not throw: reports a failed CUDA call as a warning. Teardown results
 /// (is_teardown_result: destructors running after main returned) are not reported.
 GPUKIT_INLINE void report_cuda_failure(cudaError_t result, std::string_view call, int device) noexcept;

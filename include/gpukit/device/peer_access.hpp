@@ -191,13 +191,13 @@ inline access_failure set_mapped_pages_access(mode_independent::peer_access_regi
 inline access_failure set_default_pool_access(device from, device to, bool grant, bool& changed) {
   changed = false;
   auto failed = [](cudaError_t result, const char* call) {
-    if (cudaPeekAtLastError() == result) (void)cudaGetLastError();
+    forget_failure(result);
     return access_failure{result, call};
   };
   cudaMemPool_t pool = nullptr;
   cudaError_t result = cudaDeviceGetDefaultMemPool(&pool, to.ordinal());
   if (result == cudaErrorNotSupported) {  // no pools: nothing to grant, and the refusal is not the caller's error
-    if (cudaPeekAtLastError() == cudaErrorNotSupported) (void)cudaGetLastError();
+    forget_failure(cudaErrorNotSupported);
     return {cudaSuccess, {}};
   }
   if (result != cudaSuccess) return failed(result, "cudaDeviceGetDefaultMemPool");
@@ -262,7 +262,7 @@ inline void acquire_peer_access(device from, device to) {
     const cudaError_t result = cudaDeviceEnablePeerAccess(to.ordinal(), 0);
     if (result == cudaErrorPeerAccessAlreadyEnabled) {
       // Enabled outside gpukit: not ours to disable. The runtime recorded the result as the last error.
-      if (cudaPeekAtLastError() == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+      forget_failure(cudaErrorPeerAccessAlreadyEnabled);
       slot->second.enabled_by_gpukit = false;
     } else if (result != cudaSuccess) {
       throw_cuda_error(result, "cudaDeviceEnablePeerAccess(" + describe_peer_pair(from, to) + ")", from.ordinal(),

@@ -80,10 +80,6 @@ GPUKIT_INLINE bool is_default_stream_handle(cudaStream_t h) noexcept;
 /// runtime recorded that status there, so it never surfaces later while an error the program had pending stays.
 GPUKIT_INLINE void forget_not_ready() noexcept;
 
-/// Forgets the failure `result` of a call gpukit made for itself, if it is the pending error: a CUDA error the
-/// program had pending stays.
-GPUKIT_INLINE void forget_failure(cudaError_t result) noexcept;
-
 /// A CUDA stream as runtime calls on it need it: its handle and, when known, its device's ordinal (-1: not known,
 /// looked up where needed).
 struct cuda_stream_target {
@@ -255,13 +251,7 @@ GPUKIT_INLINE bool is_default_stream_handle(cudaStream_t h) noexcept {
   return h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread;
 }
 
-GPUKIT_INLINE void forget_not_ready() noexcept {
-  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
-}
-
-GPUKIT_INLINE void forget_failure(cudaError_t result) noexcept {
-  if (result != cudaSuccess && cudaPeekAtLastError() == result) (void)cudaGetLastError();
-}
+GPUKIT_INLINE void forget_not_ready() noexcept { forget_failure(cudaErrorNotReady); }
 
 GPUKIT_INLINE relaxed_capture_mode::relaxed_capture_mode(bool active) noexcept {
   if (!active) return;
