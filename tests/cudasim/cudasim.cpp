@@ -1006,6 +1006,14 @@ CUresult CUDAAPI sim_cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
   const auto h = reinterpret_cast<std::uintptr_t>(stream);
   if (h == 0 || h == 1 || h == 2) {
     if (t_current < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (h != 2) {  // the legacy stream: as the runtime's questions, it would join a blocking capture (an H200)
+      if (auto cap = capture_on_device(s, t_current)) {
+        cap->invalidated = true;
+        record_violation(s, "cuStreamGetCtx", cudaErrorStreamCaptureImplicit,
+                         "asking the legacy stream's context during a blocking capture");
+        return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+      }
+    }
     *ctx = context_handle(t_current);
     return CUDA_SUCCESS;
   }
@@ -1557,7 +1565,9 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
 /// Whether a question about a stream may be asked while the stream is being captured. Measured on an H200 (driver
 /// 580, 2026-12-04): cudaStreamGetId, cudaStreamGetDevice and cudaStreamGetFlags of a captured stream fail with
 /// cudaErrorStreamCaptureUnsupported and invalidate the capture, in every capture mode (relaxed too), blocking or
-/// not; cudaStreamGetPriority and cudaStreamIsCapturing do not (tests/graph/gpu_capture_rules_test.cpp).
+/// not; cudaStreamGetPriority and cudaStreamIsCapturing do not (tests/graph/gpu_capture_rules_test.cpp). Asked of the
+/// legacy stream while a blocking stream of its device is captured, all four fail with
+/// cudaErrorStreamCaptureImplicit and invalidate that capture (the legacy stream would join it), in every mode.
 enum class during_capture { permitted, prohibited };
 
 /// cudaStreamGetId/GetDevice/GetPriority/GetFlags: one field of the stream a handle names (no context is needed).
@@ -1572,6 +1582,13 @@ cudaError_t stream_field(cudaStream_t h, T* out, bool ptsz, const char* name, Fi
     st->capture->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported,
                        std::string("asking ") + name + " of a stream that is being captured");
+  }
+  if (st->kind == stream_kind::legacy) {
+    if (auto cap = capture_on_device(c.s, st->device)) {  // any field, the priority too (measured on an H200)
+      cap->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureImplicit,
+                         std::string("asking ") + name + " of the legacy stream during a blocking capture");
+    }
   }
   *out = static_cast<T>(field(*st));
   return cudaSuccess;

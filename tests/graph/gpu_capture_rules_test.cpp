@@ -288,15 +288,15 @@ std::vector<probe> probes() {
       return cudaEventRecord(o.event, cudaStreamLegacy); }},
     {"cudaGraphLaunch (another stream)", self, false, ok, [](objects& o) { return cudaGraphLaunch(o.exec, o.other); }},
     // The ids gpukit looks up (stream_view::id): of a stream not captured, and of the legacy stream while a blocking
-    // stream is captured (gpukit asks it once per process, not then: it would fall back to an id of its own if
-    // refused, so these rows only tell whether the simulator's answer is CUDA's).
+    // stream is captured, which joins the capture and fails (an H200, 2026-12-04): gpukit asks the legacy stream's
+    // id once per process, never during a blocking capture.
     {"cudaStreamGetId (another stream)", self, false, ok, [](objects& o) {
       unsigned long long id = 0;
       return cudaStreamGetId(o.other, &id); }},
-    {"cudaStreamGetId (legacy default stream)", self, true, ok, [](objects&) {
+    {"cudaStreamGetId (legacy default stream)", self, true, no, [](objects&) {
       unsigned long long id = 0;
       return cudaStreamGetId(cudaStreamLegacy, &id); }},
-    {"cudaStreamGetId (legacy default stream)", other, true, ok, [](objects&) {
+    {"cudaStreamGetId (legacy default stream)", other, true, no, [](objects&) {
       unsigned long long id = 0;
       return cudaStreamGetId(cudaStreamLegacy, &id); }},
     {"cudaGraphDestroy", self, false, ok, [](objects& o) {
@@ -617,6 +617,78 @@ TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the
           CHECK(cudasim::take_violations().size() == (q.expected == rule::prohibited ? 1u : 0u));
 #endif
         }
+      }
+    }
+  }
+  std::fflush(stdout);
+}
+
+namespace {
+
+/// What a question asked of the legacy default stream returns while another stream of its device is captured.
+struct legacy_answer {
+  bool refused;  // returns cudaErrorStreamCaptureImplicit (the driver's CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+  bool intact;   // the capture survives the question
+};
+
+/// The answers measured on an H200 (driver 580, 2026-12-04) during a blocking capture, which the legacy stream would
+/// join: every question fails and invalidates the capture, the priority and the driver's cuStreamGetCtx too, except
+/// cudaStreamIsCapturing (the header's documented refusal, which leaves it intact). During a non-blocking capture
+/// every question is answered and the capture stays intact.
+legacy_answer legacy_answer_in_blocking_capture(const std::string& call) {
+  if (call == "cudaStreamIsCapturing") return {true, true};
+  return {true, false};
+}
+
+}  // namespace
+
+TEST_CASE(
+    "gpu: asking the legacy default stream anything but its capture status joins a blocking capture, which fails") {
+  // Measured on an H200 (driver 580, 2026-12-04): cudaStreamGetId(cudaStreamLegacy) while a blocking stream was
+  // captured returned cudaErrorStreamCaptureImplicit and invalidated the capture (the simulator had permitted it); so
+  // did every other question of the legacy stream this test asks. gpukit asks the legacy stream's id once per
+  // process and never during a blocking capture (cudaStreamIsCapturing first), nor its device, flags or priority
+  // (default handles name the current device and are never wrapped). Each question above is asked of the legacy
+  // stream, in every mode, while a blocking or a non-blocking stream of the device is captured.
+  GPUKIT_REQUIRE_GPU();
+  GPUKIT_CUDA_TRY(cudaSetDevice(0));
+  std::printf("questions to the legacy stream during a capture (%s):\n",
+              on_simulator() ? "simulated runtime" : "real runtime");
+  for (const stream_question& q : stream_questions()) {
+    if (!q.ask) {
+      std::printf("  %-30s not asked: the driver lacks it\n", q.call);
+      continue;
+    }
+    for (const cudaStreamCaptureMode mode :
+         {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+      for (const bool blocking : {false, true}) {
+        cudaStream_t s = nullptr;
+        GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, blocking ? cudaStreamDefault : cudaStreamNonBlocking));
+        GPUKIT_CUDA_TRY(cudaStreamBeginCapture(s, mode));
+        const cudaError_t returned = q.ask(cudaStreamLegacy);
+        (void)cudaGetLastError();
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        GPUKIT_CUDA_TRY(cudaStreamIsCapturing(s, &status));
+        cudaGraph_t graph = nullptr;
+        const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+        if (graph != nullptr) (void)cudaGraphDestroy(graph);
+        (void)cudaGetLastError();
+        CHECK(cudaStreamDestroy(s) == cudaSuccess);
+        const bool intact = status == cudaStreamCaptureStatusActive && ended == cudaSuccess;
+        std::printf("  %-30s %-12s %-12s returned %-30s capture %s\n", q.call, name_of(mode),
+                    blocking ? "blocking" : "non-blocking", cudaGetErrorName(returned),
+                    intact ? "intact" : "INVALIDATED");
+        const std::string what = std::string(q.call) + " of the legacy stream in a " + name_of(mode) +
+                                 " capture of a " + (blocking ? "blocking" : "non-blocking") + " stream: returned " +
+                                 cudaGetErrorName(returned);
+        INFO(what);
+        const legacy_answer expected =
+            blocking ? legacy_answer_in_blocking_capture(q.call) : legacy_answer{false, true};
+        CHECK((returned != cudaSuccess) == expected.refused);
+        CHECK(intact == expected.intact);
+#ifdef GPUKIT_TEST_ON_CUDASIM
+        CHECK(cudasim::take_violations().size() == (expected.intact ? 0u : 1u));
+#endif
       }
     }
   }

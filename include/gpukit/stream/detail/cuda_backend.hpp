@@ -412,8 +412,9 @@ GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thr
   }
   // The legacy stream's id, the same on every thread, is kept for the process: asked once, and not while a blocking
   // stream of the device is captured (cudaStreamIsCapturing of the legacy stream then answers
-  // cudaErrorStreamCaptureImplicit; whether cudaStreamGetId would join the capture is not measured yet, so a capture
-  // error from it, should one begin in between, also gives one of gpukit's).
+  // cudaErrorStreamCaptureImplicit; cudaStreamGetId would join the capture and invalidate it, as measured on an H200).
+  // A capture begun between the two calls is invalidated by the id's question: that capture's end reports it, and
+  // the id is one of gpukit's.
   mode_independent::stream_table& table = mode_independent::stream_table_v1();
   std::atomic<unsigned long long>* kept = nullptr;
   if (!per_thread) {
