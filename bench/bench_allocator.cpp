@@ -665,11 +665,18 @@ void print_ratios(const collecting_reporter& r) {
     std::printf("  %-9s 2 threads: %-30s 1 thread: %s\n", gpukit::detail::format_bytes(size).c_str(), scaling.c_str(),
                 against_malloc.c_str());
     // The 16-core GPU machine's target: 8 threads >= 5x one thread's throughput (beyond a 2-core machine's reach).
+    // Each of the 8 threads frees on a CPU queue stream of its own, and each free asks that queue whether it is idle;
+    // one thread on the CPU default stream (BM_gpukit/1) asks nothing. So the target is judged against one thread on
+    // a stream of its own (BM_gpukit_cpu_queue, the same path), and the default stream's figure is printed beside it.
     const double eight = r.ns(name("BM_gpukit", 8));
-    if (eight > 0) {
+    const double one_queue = r.ns("BM_gpukit_cpu_queue/" + std::to_string(size) + "/1/0/manual_time");
+    if (eight > 0 && one_queue > 0) {
       const unsigned cores = std::thread::hardware_concurrency();
-      std::printf("  %-9s 8 threads: %.2fx the throughput of 1 thread (target >= 5x with 16 hardware threads: %s)\n",
-                  "", one / eight, cores >= 16 ? (one / eight >= 5.0 ? "met" : "missed") : "not applicable here");
+      std::printf(
+          "  %-9s 8 threads: %.2fx the throughput of 1 thread on a stream of its own (target >= 5x with 16 hardware "
+          "threads: %s); %.2fx that of 1 thread on the default stream\n",
+          "", one_queue / eight, cores >= 16 ? (one_queue / eight >= 5.0 ? "met" : "missed") : "not applicable here",
+          one / eight);
     }
     const double loop = r.ns("BM_gpukit_loop/" + std::to_string(size) + "/real_time");
     const double malloc_loop = r.ns("BM_malloc_loop/" + std::to_string(size) + "/real_time");

@@ -2042,6 +2042,27 @@ TEST_CASE("streams: the legacy stream's id first needed during a blocking captur
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("streams: a blocking capture begun just before the legacy stream's id is asked gives gpukit's id, for good") {
+  // The legacy stream is not captured when gpukit checks (cudaStreamIsCapturing), but another thread begins a blocking
+  // capture before the id's question, which joins that capture and fails (as on an H200). That capture is lost (its
+  // end says so); the id is one of gpukit's, kept for the process, and the failure is not left as the last error.
+  gpukit::stream blocking(cuda1, gpukit::stream_options{false, 0});
+  const gpukit::device_guard current(cuda1);
+  cudasim::before_call("cudaStreamGetId", 1, [&] {
+    REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  });
+  const unsigned long long id = gpukit::stream_view::default_stream(cuda1).id();
+  CHECK((id & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(cudasim::take_violations().size() == 1);  // the id's question, refused
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(graph == nullptr);
+  (void)cudaGetLastError();
+  CHECK(gpukit::stream_view::default_stream(cuda1).id() == id);  // not asked again
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: gpukit::capture of a raw handle already captured refuses without invalidating that capture") {
   const cudaStream_t handle = create_raw_stream(cuda0);
   const gpukit::device_guard current(cuda0);
