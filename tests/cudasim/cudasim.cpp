@@ -1091,7 +1091,7 @@ CUresult CUDAAPI sim_cuMemGetAllocationGranularity(size_t* granularity, const CU
   std::lock_guard<std::mutex> lock(sim().mutex);
   simulator& s = sim();
   initialize_locked(s);
-  ++s.call_counts["cuMemGetAllocationGranularity"];
+  if (CUresult fault = due_driver_fault(s, "cuMemGetAllocationGranularity"); fault != CUDA_SUCCESS) return fault;
   if (granularity == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (CUresult r = vmm_check_prop(s, prop); r != CUDA_SUCCESS) return r;
   *granularity = vmm_granularity;

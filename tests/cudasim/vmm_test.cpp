@@ -157,6 +157,29 @@ TEST_CASE("vmm: a device without virtual memory management falls back to cudaMal
   CHECK(warnings.front().find("no virtual memory management") != std::string::npos);
 }
 
+TEST_CASE("vmm: a page granularity the driver refuses falls back to cudaMalloc segments, with a warning") {
+  cudasim::fail_call("cuMemGetAllocationGranularity", 1, cudaErrorNotSupported);
+  gpukit_test::captured_warnings warnings;
+  {
+    const gpukit::device d = gpukit::device::cuda(0);
+    gpukit::stream s(d);
+    gpukit::caching_allocator a(d, expandable());
+    void* p = a.allocate(4 * MiB, s);
+    void* q = a.allocate(40 * MiB, s);
+    CHECK(cudasim::calls("cuMemGetAllocationGranularity") == 1);  // asked once, the answer kept
+    CHECK_FALSE(a.snapshot().segments.front().expandable);
+    CHECK(cudasim::calls("cuMemAddressReserve") == 0);
+    a.deallocate(p);
+    a.deallocate(q);
+    a.empty_cache();  // the segments go back: nothing leaks
+    CHECK(a.memory_reserved() == 0);
+  }
+  CHECK(warnings.messages().size() == 1);  // once, not per allocation
+  CHECK(warnings.contains("no virtual memory management gpukit can use"));
+  CHECK(warnings.contains("cuda:0"));
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges freed with pages mapped") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::device_guard guard(d);

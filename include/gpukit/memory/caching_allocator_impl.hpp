@@ -1745,7 +1745,8 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
         vm_refused_ = true;
         detail::warn_parts(
             "gpukit: expandable segments were asked for the caching allocator of ", device_,
-            ", but the device (or its driver) has no virtual memory management: ordinary segments are used");
+            ", but the device (or its driver) has no virtual memory management gpukit can use (the driver's entry "
+            "points, the device's attribute, or its page granularity refused): ordinary segments are used");
         return nullptr;
       }
     }
