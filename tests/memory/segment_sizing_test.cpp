@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <limits>
+#include <string>
 
 namespace sizing = gpukit::detail::segment_sizing;
 using gpukit::allocator_options;
@@ -86,4 +87,36 @@ TEST_CASE("blocks split past their pool's threshold, and blocks of huge dedicate
   CHECK(sizing::should_split(o, false, false, 2 * MiB, 1 * MiB + 512));
   CHECK(sizing::should_split(o, false, true, 100 * MiB, 10 * MiB));  // dedicated, below max_split_size
   CHECK_FALSE(sizing::should_split(o, false, true, 300 * MiB, 10 * MiB));
+}
+
+TEST_CASE("growth does not oscillate: a request's shared segment never shrinks as the footprint grows") {
+  // Issue 9: segment sizes follow reserved / 8, trimmed to whole requests and rounded; as the footprint grows the
+  // size for one request size may only stay or grow (it would otherwise alternate between sizes as segments are
+  // added), and it always holds the request.
+  for (const allocator_options& o : {allocator_options{}, allocator_options::pytorch()}) {
+    std::size_t grew = 0;  // steps where a size grew: gpukit's grow with the footprint, PyTorch's constants do not
+    for (std::size_t request = 512; request <= 80 * MiB; request = request * 3 / 2 + 512) {
+      const std::size_t rounded = sizing::rounded_request(o, request);
+      const bool small = rounded <= o.small_size;
+      std::size_t previous = 0;
+      for (std::size_t reserved = 0; reserved <= std::size_t{16} << 30; reserved += 7 * MiB + 512) {
+        const std::size_t size = sizing::preferred(o, rounded, small, reserved);
+        if (size < previous || size < rounded) {
+          const std::string what = "request " + std::to_string(rounded) + " B at " + std::to_string(reserved) +
+                                   " B reserved: " + std::to_string(size) + " B after " + std::to_string(previous);
+          INFO(what);
+          CHECK(size >= previous);
+          CHECK(size >= rounded);
+          break;
+        }
+        if (previous != 0 && size > previous) ++grew;
+        previous = size;
+      }
+    }
+    if (o.medium_segment_growth != 0) {
+      CHECK(grew > 0);
+    } else {
+      CHECK(grew == 0);
+    }
+  }
 }
