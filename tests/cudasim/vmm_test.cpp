@@ -180,6 +180,41 @@ TEST_CASE("vmm: a page granularity the driver refuses falls back to cudaMalloc s
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("vmm: expandable segments required where the device has none, or refuses its granularity, are refused") {
+  cudasim::machine_config machine = cudasim::default_machine(2);
+  machine.devices[1].virtual_memory = false;
+  if (!cudasim::configure_or_skip(machine)) return;
+  gpukit::allocator_options o = expandable();
+  o.expandable_segments_required = true;
+  gpukit_test::captured_warnings warnings;
+  auto refusal = [&](int ordinal) {
+    std::string message = "constructed";
+    try {
+      gpukit::caching_allocator a(gpukit::device::cuda(ordinal), o);
+    } catch (const gpukit::no_device_error& e) {
+      message = e.what();
+      CHECK(e.device() == ordinal);
+    }
+    return message;
+  };
+  const std::string without = refusal(1);
+  INFO(without);
+  CHECK(without.find("expandable segments are required for the caching allocator of cuda:1") != std::string::npos);
+  CHECK(without.find("no virtual memory management gpukit can use") != std::string::npos);
+  cudasim::fail_call("cuMemGetAllocationGranularity", 1, cudaErrorNotSupported);
+  CHECK(refusal(0).find("of cuda:0") != std::string::npos);
+  CHECK(refusal(0) == "constructed");  // asked anew by a new allocator: the device has it
+  {
+    gpukit::caching_allocator a(gpukit::device::cuda(0), o);
+    gpukit::stream s(gpukit::device::cuda(0));
+    void* p = a.allocate(4 * MiB, s);
+    CHECK(a.snapshot().segments.front().expandable);
+    a.deallocate(p);
+  }
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges freed with pages mapped") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::device_guard guard(d);

@@ -109,7 +109,11 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("max_split_size_mb:128, max_split_size:none"), "set already (max_split_size)"));
   CHECK(contains(refusal("preset:tensorflow"), "preset must be gpukit or pytorch"));
   CHECK(gpukit::parse_allocator_config("expandable_segments:true").expandable_segments);
-  CHECK(contains(refusal("expandable_segments:maybe"), "expandable_segments"));
+  CHECK_FALSE(gpukit::parse_allocator_config("expandable_segments:true").expandable_segments_required);
+  const gpukit::allocator_options required = gpukit::parse_allocator_config("expandable_segments:required");
+  CHECK(required.expandable_segments);
+  CHECK(required.expandable_segments_required);
+  CHECK(contains(refusal("expandable_segments:maybe"), "expected true, false or required"));
   CHECK(contains(refusal("capture_check:never"),
                  "entry \"capture_check:never\": capture_check must be every_call or "
                  "gpukit_captures"));

@@ -159,6 +159,37 @@ TEST_CASE("expandable segments: an upstream without virtual memory falls back to
   CHECK(warnings.front().find("no virtual memory") != std::string::npos);
 }
 
+TEST_CASE("expandable segments required: an upstream without virtual memory is refused at construction") {
+  gpukit::allocator_options o = expandable();
+  o.expandable_segments_required = true;
+  gpukit_test::captured_warnings warnings;
+  std::string message = "constructed";
+  try {
+    gpukit::basic_caching_allocator<gpukit::host_upstream> a(gpukit::device::cpu(), o);
+  } catch (const gpukit::invalid_argument_error& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("expandable segments are required for the caching allocator of cpu") != std::string::npos);
+  CHECK(message.find("no virtual memory") != std::string::npos);
+  CHECK(warnings.messages().empty());  // refused, not warned about
+  // Where the upstream has virtual memory, required changes nothing.
+  setup f(o);
+  void* p = f.a.allocate(4096, f.s0);
+  CHECK(f.a.snapshot().segments.front().expandable);
+  f.a.deallocate(p);
+  // Required without the option itself is inconsistent.
+  gpukit::allocator_options alone;
+  alone.expandable_segments_required = true;
+  std::string refusal = "accepted";
+  try {
+    alone.validate();
+  } catch (const gpukit::invalid_argument_error& e) {
+    refusal = e.what();
+  }
+  CHECK(refusal.find("expandable_segments_required needs expandable_segments") != std::string::npos);
+}
+
 TEST_CASE("address_space_upstream: virtual memory misuse is refused clearly") {
   gpukit::address_space_upstream u(64 * MiB);
   void* r = u.reserve(8 * MiB);

@@ -47,7 +47,9 @@ GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::s
 ///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
 ///   `max_oversize_waste` (`max_split_size` may be `none`); `reserved_limit` (or `none`);
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
-/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`, `expandable_segments`;
+/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`;
+/// - `expandable_segments`: `true`, `false` or `required` (allocator_options::expandable_segments_required: the
+///   allocator refuses to be made where they cannot be had);
 /// - `front_cache_large`: `true` (from the start), `when_contended` (the default:
 ///   allocator_options::front_cache_large_when_contended) or `false` (never);
 /// - `capture_check`: `every_call` or `gpukit_captures` (capture_checks);
@@ -222,7 +224,10 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       o.front_cache_large = !contended && parse_bool(e, "expected true, false or when_contended");
       o.front_cache_large_when_contended = contended;
     } else if (e.key == "expandable_segments") {
-      o.expandable_segments = parse_bool(e);
+      // required: as true, and the allocator refuses to be made where they cannot be had.
+      const bool required = e.value == "required";
+      o.expandable_segments = required || parse_bool(e, "expected true, false or required");
+      o.expandable_segments_required = required;
     } else if (e.key == "capture_check") {
       if (e.value == "every_call") {
         o.capture_check = capture_checks::every_call;

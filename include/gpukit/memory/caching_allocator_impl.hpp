@@ -36,8 +36,20 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   fronts_used_ =
       front_cache_large_.load(std::memory_order_relaxed) || watch_contention_ ? front_slot_count : front_slots_per_pool;
   if (options_.expandable_segments && !has_vm) {
+    if (options_.expandable_segments_required) {
+      throw invalid_argument_error("gpukit: expandable segments are required for the caching allocator of " +
+                                   d.to_string() + ", but its upstream has no virtual memory (reserve/map/unmap)");
+    }
     detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", d,
                        ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
+  }
+  if constexpr (has_vm && detail::has_virtual_memory_query<Upstream>::value) {
+    if (options_.expandable_segments_required && !upstream_.virtual_memory_supported()) {
+      throw no_device_error("gpukit: expandable segments are required for the caching allocator of " + d.to_string() +
+                                ", but the device (or its driver) has no virtual memory management gpukit can use (the "
+                                "driver's entry points, the device's attribute, or its page granularity refused)",
+                            cudaSuccess, {}, d.is_cuda() ? d.ordinal() : -1);
+    }
   }
 }
 
