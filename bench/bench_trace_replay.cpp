@@ -1,6 +1,6 @@
-// Allocation traces replayed on a CUDA device, to choose the default of expandable segments (issue 9, section 3:
-// off by default until measured on a GPU) and to compare gpukit with the driver's pool where users choose between
-// them. Two traces from alloc_traces.hpp:
+// Allocation traces replayed on a CUDA device, which chose the default of expandable segments (issue 9, section 3:
+// off, from the H200 runs of 2026-12-04; README, "Expandable segments") and compare gpukit with the driver's pool
+// where users choose between them. Two traces from alloc_traces.hpp:
 // - training: bench_fragmentation's "L12 h768 s<=1024 b8" family (6 steps, a different sequence length each step),
 //   one stream; its warm-up is the first step;
 // - server: bench_fragmentation's inference server (3000 requests round robin over 3 streams, 2 to 5 buffers of
@@ -310,8 +310,8 @@ void print_table(const gpukit_bench::figure_reporter& r, const std::string& devi
   std::printf(
       "\nExpandable segments are off by default: on an H200 (README, \"Expandable segments\") they kept 2.0-3.1x "
       "less reserved memory on these traces but cost 1.2-3.2x per operation after the warm-up and 7-14x per release, "
-      "while the capacity a job needs differs by 1-10%% (the default gives cached segments back and retries before "
-      "failing)%s\n",
+      "while the capacity a job needs differs by 1-6%% on average, 10%% on the worst seed (the default gives cached "
+      "segments back and retries before failing)%s\n",
       device_name.find("cudasim") != std::string::npos ? "; these are the simulator's times, not a GPU's" : "");
   for (const std::string& e : r.errors()) std::printf("failed: %s\n", e.c_str());
 }

@@ -991,7 +991,9 @@ CUresult CUDAAPI sim_cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
 }
 
 /// cuStreamGetCtx: the context of a created stream (a default stream: the current one). Unlike cudaStreamGetDevice,
-/// permitted while the stream is captured (measured on an H200).
+/// permitted while the stream is captured (measured on an H200). Of the legacy stream while a blocking stream of
+/// the device is captured it fails and invalidates that capture (measured); the error code is assumed
+/// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, the runtime's 906): the measuring test mapped every driver failure to one.
 CUresult CUDAAPI sim_cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
   const call_depth depth;
   std::lock_guard<std::mutex> lock(sim().mutex);

@@ -2044,8 +2044,9 @@ TEST_CASE("streams: the legacy stream's id first needed during a blocking captur
 
 TEST_CASE("streams: a blocking capture begun just before the legacy stream's id is asked gives gpukit's id, for good") {
   // The legacy stream is not captured when gpukit checks (cudaStreamIsCapturing), but another thread begins a blocking
-  // capture before the id's question, which joins that capture and fails (as on an H200). That capture is lost (its
-  // end says so); the id is one of gpukit's, kept for the process, and the failure is not left as the last error.
+  // capture with the raw runtime before the id's question, which joins that capture and fails (as on an H200). That
+  // capture is lost (its end says so); the id is one of gpukit's, kept for the process, and the failure is not left
+  // as the last error. Needs a process of its own, as the test before (no earlier lookup of the legacy stream's id).
   gpukit::stream blocking(cuda1, gpukit::stream_options{false, 0});
   const gpukit::device_guard current(cuda1);
   cudasim::before_call("cudaStreamGetId", 1, [&] {
@@ -2060,6 +2061,26 @@ TEST_CASE("streams: a blocking capture begun just before the legacy stream's id 
   CHECK(graph == nullptr);
   (void)cudaGetLastError();
   CHECK(gpukit::stream_view::default_stream(cuda1).id() == id);  // not asked again
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: during a gpukit capture of a blocking stream the legacy stream's id is gpukit's, asked of no one") {
+  // gpukit's own captures are counted: the id is not asked of CUDA while one of a blocking stream of the device runs
+  // (the question would join it), nor can one begin between the capture check and the question. Needs a process of
+  // its own (no earlier lookup of the legacy stream's id).
+  gpukit::stream blocking(cuda1, gpukit::stream_options{false, 0});
+  unsigned long long during = 0;
+  std::size_t questions = 0;
+  gpukit::graph g = gpukit::capture(blocking.view(), [&] {
+    const std::size_t before = cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetId");
+    during = gpukit::stream_view::default_stream(cuda1).id();
+    questions = cudasim::calls("cudaStreamIsCapturing") + cudasim::calls("cudaStreamGetId") - before;
+  });
+  CHECK(questions == 0);
+  CHECK((during & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+  std::thread([&] { CHECK(gpukit::stream_view::default_stream(cuda1).id() == during); }).join();  // for the process
+  g.launch(blocking.view());
+  blocking.synchronize();
   CHECK(cudasim::violations().empty());
 }
 

@@ -215,6 +215,32 @@ TEST_CASE("vmm: expandable segments required where the device has none, or refus
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("vmm: expandable segments required: a range that cannot be reserved is out of memory, not a fallback") {
+  gpukit::allocator_options o = expandable();
+  o.expandable_segments_required = true;
+  gpukit_test::captured_warnings warnings;
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, o);
+  cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorMemoryAllocation);
+  std::string message = "allocated";
+  try {
+    a.deallocate(a.allocate(4 * MiB, s));
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("expandable segments are required for the caching allocator of cuda:0") != std::string::npos);
+  CHECK(message.find("could not be reserved") != std::string::npos);
+  CHECK(cudasim::calls("cudaMalloc") == 0);  // no ordinary segment instead
+  CHECK(a.memory_reserved() == 0);
+  void* p = a.allocate(4 * MiB, s);  // usable afterwards: the next range is reserved
+  CHECK(a.snapshot().segments.front().expandable);
+  a.deallocate(p);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges freed with pages mapped") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::device_guard guard(d);

@@ -494,6 +494,14 @@ Function* driver_function(const char* symbol, unsigned version) {
   return reinterpret_cast<Function*>(function);
 }
 
+/// A driver function's result as the table prints it: cudaErrorUnknown for any failure, whose CUresult is printed
+/// (the simulator assumes CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, 906, for the legacy stream's questions).
+cudaError_t driver_answer(const char* call, CUresult result) {
+  if (result == CUDA_SUCCESS) return cudaSuccess;
+  std::printf("    (%s: CUresult %d)\n", call, static_cast<int>(result));
+  return cudaErrorUnknown;
+}
+
 std::vector<stream_question> stream_questions() {
   using get_ctx = CUresult CUDAAPI(CUstream, CUcontext*);
   using get_device = CUresult CUDAAPI(CUstream, CUdevice*);
@@ -522,7 +530,7 @@ std::vector<stream_question> stream_questions() {
   if (stream_get_ctx != nullptr) {
     questions.back().ask = [stream_get_ctx](cudaStream_t s) {
       CUcontext context = nullptr;
-      return stream_get_ctx(s, &context) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+      return driver_answer("cuStreamGetCtx", stream_get_ctx(s, &context));
     };
   }
   // What gpukit asks of a raw handle during a capture instead of cudaStreamGetDevice (cuda_backend::stream_device).
@@ -533,8 +541,10 @@ std::vector<stream_question> stream_questions() {
     questions.back().ask = [stream_get_ctx, context_device](cudaStream_t s) {
       CUcontext context = nullptr;
       CUdevice device = -1;
-      if (stream_get_ctx(s, &context) != CUDA_SUCCESS || context_device(&device, context) != CUDA_SUCCESS) {
-        return cudaErrorUnknown;
+      if (const cudaError_t e = driver_answer("cuStreamGetCtx", stream_get_ctx(s, &context)); e != cudaSuccess)
+        return e;
+      if (const cudaError_t e = driver_answer("cuCtxGetDevice", context_device(&device, context)); e != cudaSuccess) {
+        return e;
       }
       return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
     };
@@ -543,7 +553,7 @@ std::vector<stream_question> stream_questions() {
   if (stream_get_device != nullptr) {
     questions.back().ask = [stream_get_device](cudaStream_t s) {
       CUdevice device = 0;
-      return stream_get_device(s, &device) == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+      return driver_answer("cuStreamGetDevice", stream_get_device(s, &device));
     };
   }
   return questions;

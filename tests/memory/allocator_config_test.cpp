@@ -124,6 +124,26 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("medium_size:2000000"), "medium_size must be a multiple of the rounding"));
 }
 
+TEST_CASE(
+    "GPUKIT_ALLOC_CONF's expandable segments are the GPUs': the CPU's default allocator neither warns nor refuses") {
+  // Runs before the test below sets the CPU's options in code (which would win over the environment).
+  const gpukit::device cpu = gpukit::device::cpu();
+  // Expandable segments configure the GPUs' default allocators (as PYTORCH_CUDA_ALLOC_CONF does): the CPU's, over
+  // host memory, has none, so it neither warns nor refuses to be made when they are required.
+  gpukit_test::captured_warnings warnings;
+  ::setenv("GPUKIT_ALLOC_CONF", "expandable_segments:required,reserved_limit:64MiB", 1);
+  (void)gpukit::set_default_allocator(cpu, nullptr);
+  auto& host = dynamic_cast<gpukit::caching_allocator&>(gpukit::default_allocator(cpu)).engine();
+  CHECK(host.options().reserved_limit == 64 * MiB);  // the rest applies
+  CHECK_FALSE(host.options().expandable_segments);
+  CHECK_FALSE(host.options().expandable_segments_required);
+  gpukit::default_allocator(cpu).deallocate(
+      gpukit::default_allocator(cpu).allocate(4096, gpukit::stream_view::default_stream(cpu)));
+  CHECK(warnings.messages().empty());
+  ::unsetenv("GPUKIT_ALLOC_CONF");
+  (void)gpukit::set_default_allocator(cpu, nullptr);
+}
+
 TEST_CASE("GPUKIT_ALLOC_CONF configures the default allocators, code-set options win, bad text is a clear error") {
   const gpukit::device cpu = gpukit::device::cpu();
   ::setenv("GPUKIT_ALLOC_CONF", "reserved_limit:96MiB,release_before_grow:true", 1);

@@ -98,7 +98,8 @@ struct allocator_options {
   /// expandable_segments): free space never fragments across segments, so a job needs less memory. Needs an upstream
   /// with virtual memory (address_space_upstream models it); with another, a warning says so and ordinary segments
   /// are used (or, with expandable_segments_required, the constructor throws). Off by default: on an H200 the pages'
-  /// mapping cost 1.2-3.2x per operation while the live set grows, for 1-6 % less minimum capacity (README).
+  /// mapping cost 1.2-3.2x per operation after the warm-up, for 1-6 % less minimum capacity on average (10 % on the
+  /// worst seed; README, "Expandable segments").
   bool expandable_segments = false;
   /// When allocate, free and record_stream ask whether a stream is being captured (capture_checks). empty_cache and
   /// trim ask in either mode. Added after the others (as is the next), so that options written in order still compile.
@@ -110,8 +111,10 @@ struct allocator_options {
   /// Needs front_cache; off: large blocks are cached in front only with front_cache_large.
   bool front_cache_large_when_contended = true;
   /// With expandable_segments: where they cannot be had, the allocator's constructor throws instead of warning and
-  /// using ordinary segments: invalid_argument_error for an upstream without virtual memory (host_upstream),
-  /// no_device_error for a device or driver without virtual memory management. For jobs sized on the assumption.
+  /// using ordinary segments: invalid_argument_error for an upstream without virtual memory (host_upstream, the CPU),
+  /// no_device_error for a device or driver without virtual memory management; a range that cannot be sized or
+  /// reserved when a stream first grows is an error too (no_device_error, out_of_memory_error), not a fallback. For
+  /// jobs sized on the assumption. GPUKIT_ALLOC_CONF's expandable segments do not apply to the CPU's default allocator.
   bool expandable_segments_required = false;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.

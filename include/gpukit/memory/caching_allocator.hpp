@@ -185,7 +185,9 @@ class basic_caching_allocator {
   using event_type = typename StreamOps::event_type;    ///< the events the allocator records to wait for streams
 
   /// An allocator for device `d` whose upstream is built from `upstream_args` (or from `d` when none are given and
-  /// the upstream takes a device, like device_upstream). Makes no CUDA call.
+  /// the upstream takes a device, like device_upstream). Makes no CUDA call, except with
+  /// allocator_options::expandable_segments_required: it then asks whether the device has virtual memory, and throws
+  /// invalid_argument_error (an upstream without it) or no_device_error (a device or driver without it).
   template <class... UpstreamArgs>
   explicit basic_caching_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args);
 

@@ -45,10 +45,13 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   }
   if constexpr (has_vm && detail::has_virtual_memory_query<Upstream>::value) {
     if (options_.expandable_segments_required && !upstream_.virtual_memory_supported()) {
-      throw no_device_error("gpukit: expandable segments are required for the caching allocator of " + d.to_string() +
-                                ", but the device (or its driver) has no virtual memory management gpukit can use (the "
-                                "driver's entry points, the device's attribute, or its page granularity refused)",
-                            cudaSuccess, {}, d.is_cuda() ? d.ordinal() : -1);
+      const std::string asked =
+          "gpukit: expandable segments are required for the caching allocator of " + d.to_string();
+      if (!d.is_cuda()) throw invalid_argument_error(asked + ", but its upstream has no virtual memory on this device");
+      throw no_device_error(asked +
+                                ", but the device (or its driver) has no virtual memory management gpukit can use "
+                                "(the driver's entry points, the device's attribute, or its page granularity refused)",
+                            cudaSuccess, {}, d.ordinal());
     }
   }
 }
@@ -1768,7 +1771,16 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
       info = upstream_.memory_info();
     } catch (...) {
     }
-    if (!info.known || info.total_bytes == 0 || page == 0) return nullptr;
+    if (!info.known || info.total_bytes == 0 || page == 0) {
+      if (options_.expandable_segments_required) {
+        throw no_device_error("gpukit: expandable segments are required for the caching allocator of " +
+                                  device_.to_string() +
+                                  ", but the size of its memory (or its page) is unknown: no "
+                                  "address range could be sized",
+                              cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+      }
+      return nullptr;
+    }
     // Four times the device's memory (at most 4 TiB): holes left by freed blocks use address space too, and
     // address space is plentiful (2^47 bytes and more on GPUs).
     const std::size_t limit = std::size_t{1} << 42;
@@ -1795,6 +1807,12 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     }
     if (p == nullptr) {
       recycle(b);
+      if (options_.expandable_segments_required) {
+        throw out_of_memory_error("gpukit: expandable segments are required for the caching allocator of " +
+                                      device_.to_string() + ", but a virtual address range of " +
+                                      detail::format_bytes(range) + " could not be reserved",
+                                  cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+      }
       return nullptr;
     }
     seg->expandable = true;

@@ -216,8 +216,14 @@ device_allocator& create_default_allocator(device d) {
   auto& owner = registry.owners[d];
   if (!owner) {
     const auto configured = registry.options.find(d);
-    owner = std::make_shared<caching_allocator>(
-        d, configured != registry.options.end() ? configured->second : allocator_options_from_environment());
+    allocator_options o =
+        configured != registry.options.end() ? configured->second : allocator_options_from_environment();
+    if (configured == registry.options.end() && !d.is_cuda()) {
+      // GPUKIT_ALLOC_CONF's expandable segments are the GPUs' (as PYTORCH_CUDA_ALLOC_CONF's): host memory has none.
+      o.expandable_segments = false;
+      o.expandable_segments_required = false;
+    }
+    owner = std::make_shared<caching_allocator>(d, o);
   }
   publish_default_allocator(registry, d, owner.get());
   return *owner;

@@ -103,7 +103,8 @@ class caching_device_allocator final : public device_allocator {
   /// The caching engine behind this allocator, with gpukit's streams and events.
   using engine_type = basic_caching_allocator<Upstream, stream_ops>;
 
-  /// An allocator of device `d`; the upstream is built from `upstream_args`. Makes no CUDA call.
+  /// An allocator of device `d`; the upstream is built from `upstream_args`. Makes no CUDA call, except with
+  /// allocator_options::expandable_segments_required (see basic_caching_allocator's constructor).
   template <class... UpstreamArgs>
   explicit caching_device_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args)
       : engine_(d, options, std::forward<UpstreamArgs>(upstream_args)...) {}

@@ -111,7 +111,40 @@ struct may_be_empty<std::function<Signature>> : std::true_type {};
 class stream;
 
 namespace detail {
-class legacy_stream_hold;
+/// Held around a query of, or an event record on, device `ordinal`'s legacy default stream, unless refused: a gpukit
+/// capture of a blocking stream of the device then waits before it begins (wait_for_legacy_stream_holds). Refused
+/// while such a capture is counted, so that polling threads cannot keep one from beginning: their holds drain.
+/// Never held through a wait. Also held around the legacy stream's id question (default_stream_id).
+class legacy_stream_hold {
+ public:
+  explicit legacy_stream_hold(int ordinal) noexcept : ordinal_(ordinal) {
+    // A capture already counted: refused without touching the holds, which it waits to see at zero.
+    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) != 0) {
+      refused_ = true;
+      return;
+    }
+    // Sequentially consistent on both sides (this increment then load, the capture's increment then load): either
+    // the capture sees this hold and waits, or this sees the capture and is refused.
+    mode_independent::legacy_stream_holds(ordinal_).fetch_add(1, std::memory_order_seq_cst);
+    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) == 0) return;
+    refused_ = true;
+    mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
+  }
+  ~legacy_stream_hold() {
+    // Release: the query or record made under the hold happens before the capture that waited for it begins.
+    if (!refused_) mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
+  }
+  legacy_stream_hold(const legacy_stream_hold&) = delete;
+  legacy_stream_hold& operator=(const legacy_stream_hold&) = delete;
+
+  /// True when a gpukit capture of a blocking stream of the device had begun, or was about to: nothing is held.
+  bool refused() const noexcept { return refused_; }
+
+ private:
+  int ordinal_;
+  bool refused_ = false;
+};
+
 /// Whether a gpukit capture runs now, on any thread: a hint (one may begin at once, and a capture begun with the raw
 /// runtime is never seen; only a capture_hold tells for sure).
 inline bool gpukit_capture_underway() noexcept {
@@ -497,7 +530,16 @@ GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread)
   thread_local std::array<unsigned long long, 64> cache{};
   const std::size_t slot = 2 * static_cast<std::size_t>(ordinal) + (per_thread ? 1 : 0);
   if (slot < cache.size() && cache[slot] != 0) return cache[slot];
-  const unsigned long long id = cuda_backend::default_stream_id_now(ordinal, per_thread);
+  unsigned long long id = 0;
+  if (per_thread) {
+    id = cuda_backend::default_stream_id_now(ordinal, true);
+  } else {
+    // The legacy stream's id question would join a blocking capture: no gpukit capture of a blocking stream of the
+    // device begins between default_stream_id_now's check and its question, and while one is underway it is not
+    // asked (the id is gpukit's, kept for the process).
+    const legacy_stream_hold hold(ordinal);
+    id = cuda_backend::default_stream_id_now(ordinal, false, hold.refused());
+  }
   if (slot < cache.size()) cache[slot] = id;
   return id;
 }
@@ -691,43 +733,6 @@ GPUKIT_INLINE void stream_view::refuse_in_capture(const char* operation, const c
       std::string("gpukit::") + operation + ": the stream is being captured on " + device().to_string() +
       (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") + ": " + why);
 }
-
-namespace detail {
-/// Held around a query of, or an event record on, device `ordinal`'s legacy default stream, unless refused: a gpukit
-/// capture of a blocking stream of the device then waits before it begins (wait_for_legacy_stream_holds). Refused
-/// while such a capture is counted, so that polling threads cannot keep one from beginning: their holds drain.
-/// Never held through a wait.
-class legacy_stream_hold {
- public:
-  explicit legacy_stream_hold(int ordinal) noexcept : ordinal_(ordinal) {
-    // A capture already counted: refused without touching the holds, which it waits to see at zero.
-    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) != 0) {
-      refused_ = true;
-      return;
-    }
-    // Sequentially consistent on both sides (this increment then load, the capture's increment then load): either
-    // the capture sees this hold and waits, or this sees the capture and is refused.
-    mode_independent::legacy_stream_holds(ordinal_).fetch_add(1, std::memory_order_seq_cst);
-    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) == 0) return;
-    refused_ = true;
-    mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
-  }
-  ~legacy_stream_hold() {
-    // Release: the query or record made under the hold happens before the capture that waited for it begins.
-    if (!refused_) mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
-  }
-  legacy_stream_hold(const legacy_stream_hold&) = delete;
-  legacy_stream_hold& operator=(const legacy_stream_hold&) = delete;
-
-  /// True when a gpukit capture of a blocking stream of the device had begun, or was about to: nothing is held.
-  bool refused() const noexcept { return refused_; }
-
- private:
-  int ordinal_;
-  bool refused_ = false;
-};
-
-}  // namespace detail
 
 GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
                                                      const detail::legacy_stream_hold& hold) const {

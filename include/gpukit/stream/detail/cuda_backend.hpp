@@ -162,8 +162,11 @@ GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal);
 
 /// cudaStreamGetId of device `ordinal`'s legacy default stream, or of the calling thread's per-thread one, with
 /// that device current; one of gpukit's (next_own_stream_id) where CUDA cannot be asked: the per-thread one while
-/// it is captured, the legacy one while a blocking stream is. The legacy one's is kept for the process.
-GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread);
+/// it is captured, the legacy one while a blocking stream is (`blocking_capture_counted`: a gpukit capture of a
+/// blocking stream of the device is known to be underway, so CUDA is not asked). The legacy one's is kept for the
+/// process.
+GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread,
+                                                       bool blocking_capture_counted = false);
 
 /// A new stream of device `ordinal` (cudaStreamCreateWithPriority), its priority already clamped.
 GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int priority);
@@ -400,21 +403,12 @@ inline unsigned long long keep_legacy_stream_id(std::atomic<unsigned long long>*
   return kept->compare_exchange_strong(expected, id) ? id : expected;
 }
 
-GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread) {
-  device_guard guard(device::cuda(ordinal));
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (per_thread) {
-    const cudaError_t asked = cudaStreamIsCapturing(cudaStreamPerThread, &status);
-    forget_failure(asked);  // cudaStreamGetId below says what is wrong
-    // Being captured: CUDA would refuse the id and invalidate the capture. One of gpukit's (the caller keeps it for
-    // this thread and device).
-    if (asked == cudaSuccess && status != cudaStreamCaptureStatusNone) return next_own_stream_id();
-  }
+GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thread, bool blocking_capture_counted) {
   // The legacy stream's id, the same on every thread, is kept for the process: asked once, and not while a blocking
   // stream of the device is captured (cudaStreamIsCapturing of the legacy stream then answers
   // cudaErrorStreamCaptureImplicit; cudaStreamGetId would join the capture and invalidate it, as measured on an H200).
-  // A capture begun between the two calls is invalidated by the id's question: that capture's end reports it, and
-  // the id is one of gpukit's.
+  // A gpukit capture cannot begin between the two calls (default_stream_id holds it off); one begun there with the
+  // raw runtime is invalidated by the id's question: that capture's end reports it, and the id is one of gpukit's.
   mode_independent::stream_table& table = mode_independent::stream_table_v1();
   std::atomic<unsigned long long>* kept = nullptr;
   if (!per_thread) {
@@ -422,10 +416,16 @@ GPUKIT_INLINE unsigned long long default_stream_id_now(int ordinal, bool per_thr
       kept = &table.legacy_ids[static_cast<std::size_t>(ordinal)];
       if (const unsigned long long known = kept->load()) return known;
     }
-    const cudaError_t asked = cudaStreamIsCapturing(cudaStreamLegacy, &status);
-    forget_failure(asked);  // another failure: cudaStreamGetId below says what is wrong
-    if (asked == cudaErrorStreamCaptureImplicit) return keep_legacy_stream_id(kept, next_own_stream_id());
+    if (blocking_capture_counted) return keep_legacy_stream_id(kept, next_own_stream_id());  // no CUDA call
   }
+  device_guard guard(device::cuda(ordinal));
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t asked = cudaStreamIsCapturing(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &status);
+  forget_failure(asked);  // another failure: cudaStreamGetId below says what is wrong
+  // The per-thread stream being captured: CUDA would refuse the id and invalidate the capture. One of gpukit's (the
+  // caller keeps it for this thread and device).
+  if (per_thread && asked == cudaSuccess && status != cudaStreamCaptureStatusNone) return next_own_stream_id();
+  if (!per_thread && asked == cudaErrorStreamCaptureImplicit) return keep_legacy_stream_id(kept, next_own_stream_id());
   unsigned long long id = 0;
   const cudaError_t result = cudaStreamGetId(per_thread ? cudaStreamPerThread : cudaStreamLegacy, &id);
   if (!per_thread && (result == cudaErrorStreamCaptureImplicit || result == cudaErrorStreamCaptureUnsupported)) {
