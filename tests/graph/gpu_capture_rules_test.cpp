@@ -571,6 +571,26 @@ const char* name_of(cudaStreamCaptureMode mode) {
   return "?";
 }
 
+/// What asking `q` of `asked` did while `s` was captured in `mode`: the answer, and whether the capture survived
+/// (still active afterwards, and ended with a graph). The capture is begun and ended here; the last error is cleared.
+struct capture_answer {
+  cudaError_t returned;
+  bool intact;
+};
+capture_answer ask_during_capture(const stream_question& q, cudaStream_t s, cudaStream_t asked,
+                                  cudaStreamCaptureMode mode) {
+  GPUKIT_CUDA_TRY(cudaStreamBeginCapture(s, mode));
+  const cudaError_t returned = q.ask(asked);
+  (void)cudaGetLastError();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  GPUKIT_CUDA_TRY(cudaStreamIsCapturing(s, &status));
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+  return {returned, status == cudaStreamCaptureStatusActive && ended == cudaSuccess};
+}
+
 }  // namespace
 
 TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the capture, its priority does not") {
@@ -596,19 +616,10 @@ TEST_CASE("gpu: asking a captured stream its device, id or flags invalidates the
           GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, blocking ? cudaStreamDefault : cudaStreamNonBlocking));
           gate g;
           if (held) g.hold(gpukit::stream_view(s));
-          GPUKIT_CUDA_TRY(cudaStreamBeginCapture(s, mode));
-          const cudaError_t returned = q.ask(s);
-          (void)cudaGetLastError();
-          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-          GPUKIT_CUDA_TRY(cudaStreamIsCapturing(s, &status));
-          cudaGraph_t graph = nullptr;
-          const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-          if (graph != nullptr) (void)cudaGraphDestroy(graph);
-          (void)cudaGetLastError();
+          const auto [returned, intact] = ask_during_capture(q, s, s, mode);
           g.open();
           CHECK(cudaStreamSynchronize(s) == cudaSuccess);
           CHECK(cudaStreamDestroy(s) == cudaSuccess);
-          const bool intact = status == cudaStreamCaptureStatusActive && ended == cudaSuccess;
           std::printf("  %-30s %-12s %-12s %-9s returned %-30s capture %s\n", q.call, name_of(mode),
                       blocking ? "blocking" : "non-blocking", held ? "held" : "idle", cudaGetErrorName(returned),
                       intact ? "intact" : "INVALIDATED");
@@ -674,17 +685,8 @@ TEST_CASE(
       for (const bool blocking : {false, true}) {
         cudaStream_t s = nullptr;
         GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, blocking ? cudaStreamDefault : cudaStreamNonBlocking));
-        GPUKIT_CUDA_TRY(cudaStreamBeginCapture(s, mode));
-        const cudaError_t returned = q.ask(cudaStreamLegacy);
-        (void)cudaGetLastError();
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        GPUKIT_CUDA_TRY(cudaStreamIsCapturing(s, &status));
-        cudaGraph_t graph = nullptr;
-        const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-        if (graph != nullptr) (void)cudaGraphDestroy(graph);
-        (void)cudaGetLastError();
+        const auto [returned, intact] = ask_during_capture(q, s, cudaStreamLegacy, mode);
         CHECK(cudaStreamDestroy(s) == cudaSuccess);
-        const bool intact = status == cudaStreamCaptureStatusActive && ended == cudaSuccess;
         std::printf("  %-30s %-12s %-12s returned %-30s capture %s\n", q.call, name_of(mode),
                     blocking ? "blocking" : "non-blocking", cudaGetErrorName(returned),
                     intact ? "intact" : "INVALIDATED");

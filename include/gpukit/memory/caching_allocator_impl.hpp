@@ -15,6 +15,16 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
+namespace detail {
+/// Why a device's upstream offers no virtual memory, as the warning and the expandable_segments_required error say.
+inline constexpr const char* no_device_virtual_memory =
+    ", but the device (or its driver) has no virtual memory management gpukit can use (the driver's entry points, the "
+    "device's attribute, or its page granularity refused)";
+/// How the errors of expandable_segments_required begin: the device's name follows.
+inline constexpr const char* expandable_segments_required_for =
+    "gpukit: expandable segments are required for the caching allocator of ";
+}  // namespace detail
+
 // The constructor is a member template (upstream arguments): gpukit::compiled instantiates it for no arguments.
 template <class Upstream, class StreamOps>
 template <class... UpstreamArgs>
@@ -37,21 +47,17 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
       front_cache_large_.load(std::memory_order_relaxed) || watch_contention_ ? front_slot_count : front_slots_per_pool;
   if (options_.expandable_segments && !has_vm) {
     if (options_.expandable_segments_required) {
-      throw invalid_argument_error("gpukit: expandable segments are required for the caching allocator of " +
-                                   d.to_string() + ", but its upstream has no virtual memory (reserve/map/unmap)");
+      throw invalid_argument_error(detail::expandable_segments_required_for + d.to_string() +
+                                   ", but its upstream has no virtual memory (reserve/map/unmap)");
     }
     detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", d,
                        ", but its upstream has no virtual memory (reserve/map/unmap): ordinary segments are used");
   }
   if constexpr (has_vm && detail::has_virtual_memory_query<Upstream>::value) {
     if (options_.expandable_segments_required && !upstream_.virtual_memory_supported()) {
-      const std::string asked =
-          "gpukit: expandable segments are required for the caching allocator of " + d.to_string();
+      const std::string asked = detail::expandable_segments_required_for + d.to_string();
       if (!d.is_cuda()) throw invalid_argument_error(asked + ", but its upstream has no virtual memory on this device");
-      throw no_device_error(asked +
-                                ", but the device (or its driver) has no virtual memory management gpukit can use "
-                                "(the driver's entry points, the device's attribute, or its page granularity refused)",
-                            cudaSuccess, {}, d.ordinal());
+      throw no_device_error(asked + detail::no_device_virtual_memory, cudaSuccess, {}, d.ordinal());
     }
   }
 }
@@ -1758,10 +1764,8 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     if constexpr (detail::has_virtual_memory_query<Upstream>::value) {
       if (!upstream_.virtual_memory_supported()) {
         vm_refused_ = true;
-        detail::warn_parts(
-            "gpukit: expandable segments were asked for the caching allocator of ", device_,
-            ", but the device (or its driver) has no virtual memory management gpukit can use (the driver's entry "
-            "points, the device's attribute, or its page granularity refused): ordinary segments are used");
+        detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", device_,
+                           detail::no_device_virtual_memory, ": ordinary segments are used");
         return nullptr;
       }
     }
@@ -1773,8 +1777,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     }
     if (!info.known || info.total_bytes == 0 || page == 0) {
       if (options_.expandable_segments_required) {
-        throw no_device_error("gpukit: expandable segments are required for the caching allocator of " +
-                                  device_.to_string() +
+        throw no_device_error(detail::expandable_segments_required_for + device_.to_string() +
                                   ", but the size of its memory (or its page) is unknown: no "
                                   "address range could be sized",
                               cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
@@ -1808,9 +1811,9 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     if (p == nullptr) {
       recycle(b);
       if (options_.expandable_segments_required) {
-        throw out_of_memory_error("gpukit: expandable segments are required for the caching allocator of " +
-                                      device_.to_string() + ", but a virtual address range of " +
-                                      detail::format_bytes(range) + " could not be reserved",
+        throw out_of_memory_error(detail::expandable_segments_required_for + device_.to_string() +
+                                      ", but a virtual address range of " + detail::format_bytes(range) +
+                                      " could not be reserved",
                                   cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
       }
       return nullptr;
