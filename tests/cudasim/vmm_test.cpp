@@ -215,7 +215,7 @@ TEST_CASE("vmm: expandable segments required where the device has none, or refus
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("vmm: expandable segments required: a range that cannot be reserved is out of memory, not a fallback") {
+TEST_CASE("vmm: expandable segments required: a range that cannot be reserved or sized is an error, not a fallback") {
   gpukit::allocator_options o = expandable();
   o.expandable_segments_required = true;
   gpukit_test::captured_warnings warnings;
@@ -234,6 +234,18 @@ TEST_CASE("vmm: expandable segments required: a range that cannot be reserved is
   CHECK(message.find("could not be reserved") != std::string::npos);
   CHECK(cudasim::calls("cudaMalloc") == 0);  // no ordinary segment instead
   CHECK(a.memory_reserved() == 0);
+  // The device's memory size unknown (cudaMemGetInfo failed): no range can be sized, which is an error too.
+  cudasim::fail_call("cudaMemGetInfo", 1, cudaErrorUnknown);
+  message = "allocated";
+  try {
+    a.deallocate(a.allocate(4 * MiB, s));
+  } catch (const gpukit::no_device_error& e) {
+    message = e.what();
+    CHECK(e.device() == 0);
+  }
+  CHECK(message.find("the size of its memory (or its page) is unknown") != std::string::npos);
+  CHECK(cudasim::calls("cudaMalloc") == 0);
+  (void)cudaGetLastError();
   void* p = a.allocate(4 * MiB, s);  // usable afterwards: the next range is reserved
   CHECK(a.snapshot().segments.front().expandable);
   a.deallocate(p);
