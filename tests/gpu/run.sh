@@ -72,6 +72,9 @@ run() {
   echo
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
   echo "- host: $(uname -srm), $(nproc) cores"
+  # Whether the cores are physical or hardware threads of fewer cores decides what thread scaling can reach.
+  command -v lscpu >/dev/null &&
+    echo "- CPU: $(lscpu | sed -n 's/^\(Model name\|Socket(s)\|Core(s) per socket\|Thread(s) per core\): *\(.*\)/\1: \2/p' | paste -sd ';' - | sed 's/;/; /g')"
   echo "- CUDA toolkit: $("$CUDAToolkit_ROOT/bin/nvcc" --version 2>/dev/null | tail -n1)"
   echo "- command: GPUKIT_GPU_RUNTIME=$runtime bash tests/gpu/run.sh"
 } >"$report"
@@ -141,6 +144,12 @@ for bench in bench_allocator bench_trace_replay bench_pinned_pool bench_transfer
   [ -x "$build/bench/$bench$suffix" ] &&
     run "Benchmark $bench" timeout "$step_timeout" "$build/bench/$bench$suffix" --benchmark_min_time="$min_time"
 done
+# Thread scaling again with each thread pinned to a physical core of its own: beside the run above, it tells the
+# allocator's scaling apart from where the scheduler put the threads (hardware threads of one core share its units).
+[ -x "$build/bench/bench_allocator$suffix" ] &&
+  run "Benchmark bench_allocator, thread scaling with pinned threads" env GPUKIT_BENCH_PIN_THREADS=1 timeout \
+    "$step_timeout" "$build/bench/bench_allocator$suffix" --benchmark_min_time="$min_time" \
+    --benchmark_filter='^BM_(gpukit|malloc)/(256|65536)/[1-8]/0/|^BM_gpukit_cpu_queue/(256|65536)/'
 
 kill "$sampler" 2>/dev/null
 wait "$sampler" 2>/dev/null
