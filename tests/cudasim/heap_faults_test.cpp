@@ -373,6 +373,31 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("heap faults: the stream table, first needed by a lookup that must not throw, is made without allocating") {
+  // find_created_stream and forget_created_stream are noexcept and may be the process's first use of the table (a
+  // raw handle named before gpukit made any stream of its own). Were the table allocated there, a host allocation
+  // failing at that moment would end the program (std::terminate) instead of being an answer.
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreate(&raw) == cudaSuccess);  // made by the user, so gpukit's table has not been needed yet
+  bool known = true;
+  {
+    heap_run run(1, simulated_call);  // the first allocation of the lookups would fail
+    CHECK(run.armed([&] {
+      known = gpukit::detail::cuda_backend::find_created_stream(raw).has_value();
+      gpukit::detail::cuda_backend::forget_created_stream(raw);
+    }));
+    CHECK(run.seen() == 0);
+    CHECK(run.unexpected() == "");
+  }
+  CHECK_FALSE(known);
+  {  // and the table works: a stream gpukit makes is found, then forgotten when it goes
+    gpukit::stream s(gpukit::device::cuda(0));
+    CHECK(gpukit::detail::cuda_backend::find_created_stream(s.view().cuda_handle()).has_value());
+  }
+  REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("heap faults: an exclusive acquire at capacity while a stream given back stays captured allocates nothing") {
   // The stream waits in the pool until its capture ends; each acquire asks again, under the pool's lock, where an
   // allocation would fail every acquire while host memory is short (and cost a heap call each time).

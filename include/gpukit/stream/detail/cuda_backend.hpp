@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -61,8 +62,11 @@ struct stream_table {
 };
 
 /// The process's stream_table (exported: one per process). Never destroyed: streams may be destroyed during exit.
-GPUKIT_EXPORT inline stream_table& stream_table_v1() {
-  static auto* table = new stream_table;
+/// Made in static storage, without allocating, so that the noexcept lookups, which may be the first to ask for it,
+/// cannot fail (none of its members' default constructors allocates or throws).
+GPUKIT_EXPORT inline stream_table& stream_table_v1() noexcept {
+  alignas(stream_table) static unsigned char storage[sizeof(stream_table)];
+  static stream_table* const table = ::new (static_cast<void*>(storage)) stream_table;
   return *table;
 }
 
