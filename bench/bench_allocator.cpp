@@ -115,15 +115,17 @@ std::vector<int> one_cpu_per_core(int& logical) {
 /// the allocator does with one core per thread, not where the scheduler put the threads. Thread 0 is the benchmark's
 /// own, so its single-thread baselines run on core 0 too.
 struct thread_placement {
-  int logical = 0;        // CPUs the process may use (set by one_cpu_per_core, so declared first)
-  std::vector<int> cpus;  // one per physical core
-  bool pin = false;
+  int logical = 0;         // CPUs the process may use (set by one_cpu_per_core, so declared first)
+  std::vector<int> cpus;   // one per physical core
+  bool requested = false;  // GPUKIT_BENCH_PIN_THREADS=1
+  bool pin = false;        // requested, and the topology could be read
 #if defined(__linux__)
   cpu_set_t allowed;  // the process's CPUs, given back to a thread that is not to be pinned
 #endif
   thread_placement() : cpus(one_cpu_per_core(logical)) {
     const char* env = std::getenv("GPUKIT_BENCH_PIN_THREADS");
-    pin = env != nullptr && std::string(env) == "1" && !cpus.empty();
+    requested = env != nullptr && std::string(env) == "1";
+    pin = requested && !cpus.empty();
 #if defined(__linux__)
     CPU_ZERO(&allowed);
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) pin = false;
@@ -134,7 +136,7 @@ struct thread_placement {
 #if defined(__linux__)
     if (!pin) return;
     if (threads > static_cast<int>(cpus.size())) {
-      (void)pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed);
+      release();
       return;
     }
     cpu_set_t one;
@@ -146,11 +148,25 @@ struct thread_placement {
     (void)threads;
 #endif
   }
+  /// Lets the calling thread run on any of the process's CPUs again (a team's own thread, once the team is done, so
+  /// that threads the other benchmarks start are not all made on its core).
+  void release() const {
+#if defined(__linux__)
+    if (pin) (void)pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed);
+#endif
+  }
   std::string describe() const {
     std::string text = std::to_string(logical) + " hardware threads";
     if (!cpus.empty()) text += " on " + std::to_string(cpus.size()) + " physical cores";
-    text += pin ? "; threads pinned one per physical core (GPUKIT_BENCH_PIN_THREADS=1)"
-                : "; threads not pinned (GPUKIT_BENCH_PIN_THREADS=1 pins them one per physical core)";
+    if (pin) {
+      text +=
+          "; the throughput runs' threads pinned one per physical core (GPUKIT_BENCH_PIN_THREADS=1; not with more "
+          "threads than cores)";
+    } else if (requested) {
+      text += "; threads NOT pinned: GPUKIT_BENCH_PIN_THREADS=1 asked, but the CPU topology could not be read";
+    } else {
+      text += "; threads not pinned (GPUKIT_BENCH_PIN_THREADS=1 pins them one per physical core)";
+    }
     return text;
   }
 };
@@ -183,6 +199,7 @@ class team {
     }
     start_.notify_all();
     for (auto& w : workers_) w.join();
+    placement().release();
   }
   /// Runs body(t) on every thread once; returns the wall time in seconds.
   double round() {

@@ -390,10 +390,13 @@ TEST_CASE("heap faults: the stream table, first needed by a lookup that must not
     CHECK(run.unexpected() == "");
   }
   CHECK_FALSE(known);
+  cudaStream_t made = nullptr;
   {  // and the table works: a stream gpukit makes is found, then forgotten when it goes
     gpukit::stream s(gpukit::device::cuda(0));
-    CHECK(gpukit::detail::cuda_backend::find_created_stream(s.view().cuda_handle()).has_value());
+    made = s.view().cuda_handle();
+    CHECK(gpukit::detail::cuda_backend::find_created_stream(made).has_value());
   }
+  CHECK_FALSE(gpukit::detail::cuda_backend::find_created_stream(made).has_value());
   REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
