@@ -58,7 +58,9 @@ run() {
   local title="$1"; shift
   echo "::: $title" | tee -a "$log"
   section "$title"
-  printf '```text\n$ %s\n' "$*" >>"$report"
+  printf '```text\n$' >>"$report"
+  printf ' %q' "$@" >>"$report"  # quoted: the line can be pasted into a shell
+  printf '\n' >>"$report"
   local rc
   last_output=$("$@" 2>&1); rc=$?
   printf '%s\n' "$last_output" | tee -a "$log" >>"$report"
@@ -74,7 +76,7 @@ run() {
   echo "- host: $(uname -srm), $(nproc) cores"
   # Whether the cores are physical or hardware threads of fewer cores decides what thread scaling can reach.
   command -v lscpu >/dev/null &&
-    echo "- CPU: $(lscpu | sed -n 's/^\(Model name\|Socket(s)\|Core(s) per socket\|Thread(s) per core\): *\(.*\)/\1: \2/p' | paste -sd ';' - | sed 's/;/; /g')"
+    echo "- CPU: $(LC_ALL=C lscpu | sed -n 's/^\(Model name\|Socket(s)\|Core(s) per socket\|Thread(s) per core\): *\(.*\)/\1: \2/p' | paste -sd ';' - | sed 's/;/; /g')"
   echo "- CUDA toolkit: $("$CUDAToolkit_ROOT/bin/nvcc" --version 2>/dev/null | tail -n1)"
   echo "- command: GPUKIT_GPU_RUNTIME=$runtime bash tests/gpu/run.sh"
 } >"$report"
