@@ -86,16 +86,11 @@ std::vector<void*> populate(Allocate&& allocate, Free&& free, std::uint64_t seed
   return live;
 }
 
-/// The CPUs this process may run on, one per physical core (the first hardware thread of each, in CPU order), from
-/// sysfs; empty where that cannot be read. `logical` gets how many CPUs the process may use.
-std::vector<int> one_cpu_per_core(int& logical) {
-  std::vector<int> cpus;
-  logical = static_cast<int>(std::thread::hardware_concurrency());
 #if defined(__linux__)
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return cpus;
-  logical = CPU_COUNT(&allowed);
+/// One CPU of `allowed` per physical core (the first hardware thread of each, in CPU order), from sysfs; empty where
+/// that cannot be read.
+std::vector<int> one_cpu_per_core(const cpu_set_t& allowed) {
+  std::vector<int> cpus;
   std::set<std::pair<int, int>> cores;  // (package, core) already given a CPU
   for (int id = 0; id < CPU_SETSIZE; ++id) {
     if (!CPU_ISSET(id, &allowed)) continue;
@@ -106,30 +101,33 @@ std::vector<int> one_cpu_per_core(int& logical) {
     if (package < 0 || core < 0) return {};
     if (cores.insert({package, core}).second) cpus.push_back(id);
   }
-#endif
   return cpus;
 }
+#endif
 
 /// Whether the threads of the throughput runs are pinned, thread t to the t-th physical core
 /// (GPUKIT_BENCH_PIN_THREADS=1), so that no two share a core's hardware threads: the scaling figures then say what
 /// the allocator does with one core per thread, not where the scheduler put the threads. Thread 0 is the benchmark's
 /// own, so its single-thread baselines run on core 0 too.
 struct thread_placement {
-  int logical = 0;         // CPUs the process may use (set by one_cpu_per_core, so declared first)
-  std::vector<int> cpus;   // one per physical core
-  bool requested = false;  // GPUKIT_BENCH_PIN_THREADS=1
-  bool pin = false;        // requested, and the topology could be read
+  int logical = static_cast<int>(std::thread::hardware_concurrency());  // CPUs the process may use
+  std::vector<int> cpus;                                                // one per physical core
+  bool requested = false;                                               // GPUKIT_BENCH_PIN_THREADS=1
+  bool pin = false;                                                     // requested, and the topology could be read
 #if defined(__linux__)
   cpu_set_t allowed;  // the process's CPUs, given back to a thread that is not to be pinned
 #endif
-  thread_placement() : cpus(one_cpu_per_core(logical)) {
+  thread_placement() {
     const char* env = std::getenv("GPUKIT_BENCH_PIN_THREADS");
     requested = env != nullptr && std::string(env) == "1";
-    pin = requested && !cpus.empty();
 #if defined(__linux__)
     CPU_ZERO(&allowed);
-    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) pin = false;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+      logical = CPU_COUNT(&allowed);
+      cpus = one_cpu_per_core(allowed);
+    }
 #endif
+    pin = requested && !cpus.empty();
   }
   /// Pins the calling thread as thread `t` of `threads`; with more threads than cores, lets it run anywhere.
   void place(int t, int threads) const {

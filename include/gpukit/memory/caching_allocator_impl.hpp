@@ -1780,7 +1780,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
         throw no_device_error(detail::expandable_segments_required_for + device_.to_string() +
                                   ", but the size of its memory (or its page) is unknown: no "
                                   "address range could be sized",
-                              cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+                              cudaSuccess, {}, device_ordinal());
       }
       return nullptr;
     }
@@ -1814,7 +1814,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
         throw out_of_memory_error(detail::expandable_segments_required_for + device_.to_string() +
                                       ", but a virtual address range of " + detail::format_bytes(range) +
                                       " could not be reserved",
-                                  cudaSuccess, {}, device_.is_cuda() ? device_.ordinal() : -1);
+                                  cudaSuccess, {}, device_ordinal());
       }
       return nullptr;
     }

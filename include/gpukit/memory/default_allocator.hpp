@@ -216,12 +216,16 @@ device_allocator& create_default_allocator(device d) {
   auto& owner = registry.owners[d];
   if (!owner) {
     const auto configured = registry.options.find(d);
-    allocator_options o =
-        configured != registry.options.end() ? configured->second : allocator_options_from_environment();
-    if (configured == registry.options.end() && !d.is_cuda()) {
-      // GPUKIT_ALLOC_CONF's expandable segments are the GPUs' (as PYTORCH_CUDA_ALLOC_CONF's): host memory has none.
-      o.expandable_segments = false;
-      o.expandable_segments_required = false;
+    allocator_options o;
+    if (configured != registry.options.end()) {
+      o = configured->second;
+    } else {
+      o = allocator_options_from_environment();
+      if (!d.is_cuda()) {
+        // GPUKIT_ALLOC_CONF's expandable segments are the GPUs' (as PYTORCH_CUDA_ALLOC_CONF's): host memory has none.
+        o.expandable_segments = false;
+        o.expandable_segments_required = false;
+      }
     }
     owner = std::make_shared<caching_allocator>(d, o);
   }
