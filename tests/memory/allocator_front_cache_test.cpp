@@ -389,6 +389,58 @@ TEST_CASE("front cache: a stream whose blocks are all out keeps its slot while i
   CHECK(f.a.memory_allocated() == 0);
 }
 
+TEST_CASE(
+    "front cache: a stream whose home slot another stream owns hits in the slot past it, as the owner in its own") {
+  // front_take and front_give try the stream's home slot first and search past it out of line: two streams whose
+  // keys hash to one home slot exercise both ways, and each must find its own blocks and never the other's.
+  setup f(with_front(true));
+  const std::uintptr_t owner_key = 1;
+  std::uintptr_t guest_key = owner_key + 1;
+  const auto home = [](std::uintptr_t k) {
+    return gpukit::detail::front_home(k, gpukit::detail::front_slots_per_pool);
+  };
+  while (home(guest_key) != home(owner_key)) ++guest_key;
+  const fake_stream owner{f.world.add_stream()};
+  const fake_stream guest{f.world.add_stream()};
+  f.world.streams[static_cast<std::size_t>(owner.id)].key = owner_key;
+  f.world.streams[static_cast<std::size_t>(guest.id)].key = guest_key;
+  // First blocks first: each stream's first request grows the heap, and growing takes cached blocks back.
+  void* p = f.a.allocate(3000, owner);
+  void* q = f.a.allocate(3000, guest);
+  void* other_size = f.a.allocate(6000, owner);
+  f.a.deallocate(p);  // the owner's home slot
+  f.a.deallocate(q);  // its home slot is the owner's: the next one
+  CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  CHECK(state_of(f.a, q) == gpukit::block_state::cached);
+  for (int round = 0; round < 3; ++round) {
+    CHECK(f.a.allocate(3000, guest) == q);  // a hit past the home slot
+    CHECK(f.a.allocate(3000, owner) == p);  // a hit in the home slot
+    f.a.deallocate(q);
+    f.a.deallocate(p);
+    CHECK(state_of(f.a, q) == gpukit::block_state::cached);
+    CHECK(state_of(f.a, p) == gpukit::block_state::cached);
+  }
+  // The owner's slot holds no block of a size: the search goes past the guest's slot to the heap, not to q.
+  f.a.deallocate(other_size);
+  CHECK(state_of(f.a, other_size) == gpukit::block_state::cached);
+  void* larger = f.a.allocate(9000, owner);
+  CHECK(larger != q);
+  CHECK(state_of(f.a, q) == gpukit::block_state::cached);
+  // Its slot empties: the owner's next requests miss there (and keep the slot), and still never get q.
+  CHECK(f.a.allocate(3000, owner) == p);
+  CHECK(f.a.allocate(6000, owner) == other_size);
+  void* miss = f.a.allocate(3000, owner);
+  CHECK(miss != q);
+  CHECK(state_of(f.a, q) == gpukit::block_state::cached);
+  CHECK(f.a.allocate(3000, guest) == q);
+  const std::int64_t held = f.a.stats().allocation.pools[0].current;
+  CHECK(held == 5);  // p, other_size, larger, miss, q
+  for (void* x : {p, other_size, larger, miss, q}) f.a.deallocate(x);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  f.a.empty_cache();
+  CHECK(f.a.memory_allocated() == 0);
+}
+
 TEST_CASE("front cache: a stream keyed 0 owns its slot like any other, and its blocks never reach another stream") {
   // Key 0 is a valid stream key (stream_ops.hpp): stream ops keyed by handle give it to the null stream. Its slot
   // must not look unowned, or the next stream to look for a slot would move in on top of its cached block.

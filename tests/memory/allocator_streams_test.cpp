@@ -335,8 +335,8 @@ TEST_CASE("a free racing its busy stream's destruction records no event on the d
   void* p = a.allocate(4096, doomed);
   world.enqueue(doomed.id, 2);
   // The first question (whether the owner was destroyed) is answered "alive"; the stream is destroyed right after
-  // the second (whether it is busy), which is answered "alive" too.
-  world.after_expired_query = [&] { world.after_expired_query = [&] { world.destroy(doomed.id); }; };
+  // the second (whether it is busy), which is answered "busy".
+  world.after_pending_query = [&] { world.destroy(doomed.id); };
   const captured_warnings warnings;
   CHECK_NOTHROW(a.deallocate(p));  // recording on the destroyed stream threw here
   CHECK(world.streams[static_cast<std::size_t>(doomed.id)].destroyed);

@@ -48,6 +48,8 @@ struct fake_world {
   // Run once, the next time the allocator asks whether a stream was destroyed, after reading the answer: a test
   // makes something happen between a check and what the allocator does with it (a destruction racing a free).
   std::function<void()> after_expired_query;
+  // The same, the next time it asks whether a stream may still have work (may_have_pending_work).
+  std::function<void()> after_pending_query;
 
   int add_stream(gpukit::device d = gpukit::device::cpu()) {
     streams.push_back(stream_state{0, 0, d, false, std::nullopt});
@@ -112,7 +114,13 @@ struct fake_stream_ops {
   }
   bool may_have_pending_work(const fake_stream& s) const {
     const auto& st = world->streams[static_cast<std::size_t>(s.id)];
-    return st.completed < st.enqueued;
+    const bool pending = st.completed < st.enqueued;
+    if (world->after_pending_query) {
+      const std::function<void()> hook = std::move(world->after_pending_query);
+      world->after_pending_query = nullptr;
+      hook();
+    }
+    return pending;
   }
 
   // Lifetimes: every fake stream is tracked, like a gpukit::stream (world.destroy).

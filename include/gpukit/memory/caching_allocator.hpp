@@ -750,6 +750,9 @@ class basic_caching_allocator {
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
   /// in the pointer map; nullptr when there is none (the heap then serves the request).
   GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large);
+  /// front_take from the `first`-th probe on.
+  GPUKIT_DETAIL_NOINLINE block* front_take_probing(std::uintptr_t key, std::size_t size, std::size_t requested,
+                                                   bool large, std::size_t first);
 
   /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow);
@@ -768,6 +771,8 @@ class basic_caching_allocator {
   /// it first. Throws only when a stale bin's blocks cannot go back to the heap (see flush_bin): `b` is still
   /// allocated then.
   GPUKIT_DETAIL_FLATTEN front_result front_give(block* b);
+  /// front_give's search of the slots, from the home slot on.
+  GPUKIT_DETAIL_NOINLINE front_result front_give_probing(block* b);
 
   /// front_give's work once it holds the lock of stream `b->owner`'s own slot.
   GPUKIT_DETAIL_FLATTEN front_result front_give_to(front_slot_type& slot, std::unique_lock<detail::spin_mutex>& lock,
@@ -868,12 +873,14 @@ class basic_caching_allocator {
   /// gpukit capture began since find_free looked: the caller searches again (find_free passes such blocks over then).
   [[nodiscard]] bool take(block* b, stream_state& st, std::size_t size, std::size_t requested);
 
+  /// Whether the stream that owns `b` may still have work using it (false lets a free skip the event); never when it
+  /// was destroyed (`owner_gone`: owner_expired(b), which the caller has read once for both uses).
+  bool owner_may_be_busy(const block* b, bool owner_gone) const;
+
   /// Frees an allocated block that is no longer in the pointer map. Events are recorded before any state changes,
   /// so if recording throws the block is put back as it was and the exception propagates.
   /// A destroyed stream gets no more events (its handle may be another stream's by now): its blocks wait for its
   /// final work instead (retire).
-  bool owner_may_be_busy(const block* b) const;
-
   /// `owner_busy` says whether the owner stream may still have work using the block (asked before the lock is
   /// taken: on a CPU stream the question takes the queue's own lock).
   /// `user_free`: the user freed it (recorded in the history); false for blocks the heap takes back from a front

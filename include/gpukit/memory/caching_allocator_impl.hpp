@@ -151,7 +151,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
   // broken context, no memory for the message), the allocation stays live and the program can still free it.
   refuse_free_if_captured(b);
   const bool expired_owner = owner_expired(b);
-  const bool busy = owner_may_be_busy(b);
+  const bool busy = owner_may_be_busy(b, expired_owner);
   // Reusable at once on its own stream: a small block (a large one too once front_cache_large_ is on) is cached in
   // front for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
   // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
@@ -176,8 +176,9 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
     if (b == nullptr) throw_not_owned_locked(p, "deallocate");
     refuse_if_captured(b->owner->stream, "deallocate");
     note_stream_use(b, st);  // may throw (memory): the block is still allocated then
-    const bool busy = owner_may_be_busy(b);
-    if (owner_expired(b)) report = expired_owner_message(b);  // may throw (memory): still allocated, still mapped
+    const bool expired_owner = owner_expired(b);
+    const bool busy = owner_may_be_busy(b, expired_owner);
+    if (expired_owner) report = expired_owner_message(b);  // may throw (memory): still allocated, still mapped
     if (map_.erase(reinterpret_cast<std::uintptr_t>(p)) != b) throw_not_owned_locked(p, "deallocate");
     free_allocated(b, busy);  // puts the block back in the map if it throws
   }
@@ -1073,7 +1074,30 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_take(std::uintptr_t key, std::size_t size,
                                                                             std::size_t requested, bool large)
     -> block* {
-  for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
+  // The stream's home slot here, the other probes out of line: most streams own their home slot, and a hit there
+  // then pays for no loop (with front_give's the same way, a 256 B pair went from 499 instructions to 444).
+  front_slot_type& home = front_slot_at(key, 0, large);
+  if (owner_of(home).load(std::memory_order_relaxed) != key || home.blocks.load(std::memory_order_relaxed) == 0) {
+    return front_take_probing(key, size, requested, large, 0);  // notes the miss if the home slot is its own
+  }
+  std::unique_lock<detail::spin_mutex> lock(home.mutex);
+  if (home.blocks.load(std::memory_order_relaxed) != 0 && owner_of(home).load(std::memory_order_relaxed) == key) {
+    ++home.tick;
+    if (auto* bin = home.find(size)) {
+      if (home.may_leave(*bin->top, requested)) return take_cached(home, *bin, requested, false);
+      lock.unlock();
+      return front_take_slow(key, size, requested, large);
+    }
+  }
+  lock.unlock();
+  return front_take_probing(key, size, requested, large, 1);
+}
+
+template <class Upstream, class StreamOps>
+auto basic_caching_allocator<Upstream, StreamOps>::front_take_probing(std::uintptr_t key, std::size_t size,
+                                                                      std::size_t requested, bool large,
+                                                                      std::size_t first) -> block* {
+  for (std::size_t probe = first; probe < front_slots_per_pool; ++probe) {
     front_slot_type& slot = front_slot_at(key, probe, large);
     const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
     if (owner == front_slot_type::unowned) return nullptr;  // hints: a miss only costs the heap's path
@@ -1151,8 +1175,20 @@ auto basic_caching_allocator<Upstream, StreamOps>::front_take_slow(std::uintptr_
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_give(block* b) -> front_result {
   const std::uintptr_t key = b->owner->key;
+  if (key == front_slot_type::unowned) return front_result::no_room;  // no stream has it (see front_slot::unowned)
+  // The stream's home slot here, the search out of line (see front_take).
+  front_slot_type& home = front_slot_at(key, 0, !b->small);
+  if (owner_of(home).load(std::memory_order_relaxed) == key) {
+    std::unique_lock<detail::spin_mutex> lock(home.mutex);
+    if (owner_of(home).load(std::memory_order_relaxed) == key) return front_give_to(home, lock, b);
+  }
+  return front_give_probing(b);
+}
+
+template <class Upstream, class StreamOps>
+auto basic_caching_allocator<Upstream, StreamOps>::front_give_probing(block* b) -> front_result {
+  const std::uintptr_t key = b->owner->key;
   constexpr std::uintptr_t unowned = front_slot_type::unowned;
-  if (key == unowned) return front_result::no_room;  // no stream has it (see front_slot::unowned)
   const bool large = !b->small;
   // Pass 0: the stream's own slot (before the first slot never owned); pass 1: a slot never owned; pass 2 (all
   // slots owned by other streams): one whose owner went idle, among the first few, so that with more busy streams
@@ -1562,8 +1598,9 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owner_may_be_busy(const block* b) const {
-  return needs_fence_ && !owner_expired(b) && ops_.may_have_pending_work(b->owner->stream);
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owner_may_be_busy(const block* b,
+                                                                                   bool owner_gone) const {
+  return !owner_gone && needs_fence_ && ops_.may_have_pending_work(b->owner->stream);
 }
 
 template <class Upstream, class StreamOps>
