@@ -779,6 +779,37 @@ TEST_CASE("streams: async_allocator frees even when the ordering after a recorde
   CHECK(a.memory_allocated() == 0);
 }
 
+TEST_CASE(
+    "streams: async_allocator waits for the device when neither the ordering nor the host's wait for a stream works") {
+  // The last resort of a free ordered after a recorded stream: the device-side wait fails, then so does the host's
+  // wait for that stream (cudaStreamSynchronize; for the legacy stream, stream_view::synchronize's event, which
+  // throws): the host waits for the whole device, and the memory is freed, not leaked.
+  for (const bool legacy : {false, true}) {
+    CAPTURE(legacy);
+    gpukit::async_allocator a(cuda0);
+    gpukit::stream s(cuda0);
+    gpukit::stream other(cuda0);
+    void* p = a.allocate(block_bytes, s);
+    a.record_stream(p, legacy ? gpukit::stream_view(cuda0, cudaStreamLegacy) : other.view());
+    const char* host_wait = legacy ? "cudaEventSynchronize" : "cudaStreamSynchronize";
+    const std::size_t host_waits = cudasim::calls(host_wait);
+    const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+    const std::size_t frees = cudasim::calls("cudaFreeAsync");
+    cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorUnknown);
+    cudasim::fail_call(host_wait, 1, cudaErrorUnknown);
+    captured_warnings warnings;
+    CHECK_NOTHROW(a.deallocate(p));
+    CHECK(cudasim::calls(host_wait) == host_waits + 1);
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+    CHECK(cudasim::calls("cudaFreeAsync") == frees + 1);  // then freed on its stream
+    CHECK(a.memory_allocated() == 0);
+    cudasim::drain_all();
+    CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+    CHECK(cudaGetLastError() == cudaSuccess);  // the failures were cleared
+    CHECK(cudasim::violations().empty());
+  }
+}
+
 TEST_CASE("streams: async_allocator frees after the device's work when cudaFreeAsync on the stream fails") {
   gpukit::async_allocator a(cuda0);
   gpukit::stream s(cuda0);

@@ -420,22 +420,23 @@ TEST_CASE(
     CHECK(state_of(f.a, q) == gpukit::block_state::cached);
     CHECK(state_of(f.a, p) == gpukit::block_state::cached);
   }
-  // The owner's slot holds no block of a size: the search goes past the guest's slot to the heap, not to q.
+  // The owner's slot holds no block of a size (its 3000 B bin is empty, a 6000 B block keeps the slot from being
+  // empty): the search goes on past the home slot, over the guest's slot, to the heap, and never to q.
+  CHECK(f.a.allocate(3000, owner) == p);
   f.a.deallocate(other_size);
   CHECK(state_of(f.a, other_size) == gpukit::block_state::cached);
-  void* larger = f.a.allocate(9000, owner);
-  CHECK(larger != q);
+  void* second = f.a.allocate(3000, owner);
+  CHECK(second != q);
   CHECK(state_of(f.a, q) == gpukit::block_state::cached);
-  // Its slot empties: the owner's next requests miss there (and keep the slot), and still never get q.
-  CHECK(f.a.allocate(3000, owner) == p);
+  // The owner's slot empties: its next request misses there (and keeps the slot), and still never gets q.
   CHECK(f.a.allocate(6000, owner) == other_size);
   void* miss = f.a.allocate(3000, owner);
   CHECK(miss != q);
   CHECK(state_of(f.a, q) == gpukit::block_state::cached);
   CHECK(f.a.allocate(3000, guest) == q);
   const std::int64_t held = f.a.stats().allocation.pools[0].current;
-  CHECK(held == 5);  // p, other_size, larger, miss, q
-  for (void* x : {p, other_size, larger, miss, q}) f.a.deallocate(x);
+  CHECK(held == 5);  // p, second, other_size, miss, q
+  for (void* x : {p, second, other_size, miss, q}) f.a.deallocate(x);
   CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
   f.a.empty_cache();
   CHECK(f.a.memory_allocated() == 0);

@@ -324,32 +324,39 @@ TEST_CASE("cross-stream reuse with the fake: the taker waits for the fence, the 
 }
 
 TEST_CASE("a free racing its busy stream's destruction records no event on the destroyed stream") {
-  // deallocate asks whether the stream is busy before it takes the lock. Destroyed in between, the stream must not
-  // be recorded on (a destroyed CUDA stream's handle may already be another stream's): the block waits for the
-  // stream's last work instead, and no other stream takes it before that work has completed.
-  cross_stream_setup f;
-  fake_world& world = f.world;
-  const fake_stream doomed = f.s0;
-  const fake_stream other = f.s1;
-  auto& a = f.a;
-  void* p = a.allocate(4096, doomed);
-  world.enqueue(doomed.id, 2);
-  // The first question (whether the owner was destroyed) is answered "alive"; the stream is destroyed right after
-  // the second (whether it is busy), which is answered "busy".
-  world.after_pending_query = [&] { world.destroy(doomed.id); };
-  const captured_warnings warnings;
-  CHECK_NOTHROW(a.deallocate(p));  // recording on the destroyed stream threw here
-  CHECK(world.streams[static_cast<std::size_t>(doomed.id)].destroyed);
-  CHECK(warnings.contains("was destroyed while the allocation was live"));
-  void* q = a.allocate(4096, other);
-  CHECK(q != p);  // the destroyed stream's work has not completed
-  a.deallocate(q);
-  CHECK(check_invariants(a.snapshot(), {}, 512) == "");
-  world.complete(doomed.id);
-  a.empty_cache();  // the block is free once that work has completed: every segment goes back
-  CHECK(a.memory_reserved() == 0);
+  // deallocate asks whether the stream was destroyed, then whether it is busy, before it takes the lock. Destroyed
+  // after either question, the stream must not be recorded on (a destroyed CUDA stream's handle may already be
+  // another stream's): the block waits for the stream's last work instead, and no other stream takes it before that
+  // work has completed.
+  for (const bool after_busy_question : {false, true}) {
+    CAPTURE(after_busy_question);
+    cross_stream_setup f;
+    fake_world& world = f.world;
+    const fake_stream doomed = f.s0;
+    const fake_stream other = f.s1;
+    auto& a = f.a;
+    void* p = a.allocate(4096, doomed);
+    world.enqueue(doomed.id, 2);
+    // The first question is answered "alive"; the stream is destroyed right after it, or right after the second,
+    // which is answered "busy".
+    if (after_busy_question) {
+      world.after_pending_query = [&] { world.destroy(doomed.id); };
+    } else {
+      world.after_expired_query = [&] { world.destroy(doomed.id); };
+    }
+    const captured_warnings warnings;
+    CHECK_NOTHROW(a.deallocate(p));  // recording on the destroyed stream threw here
+    CHECK(world.streams[static_cast<std::size_t>(doomed.id)].destroyed);
+    CHECK(warnings.contains("was destroyed while the allocation was live"));
+    void* q = a.allocate(4096, other);
+    CHECK(q != p);  // the destroyed stream's work has not completed
+    a.deallocate(q);
+    CHECK(check_invariants(a.snapshot(), {}, 512) == "");
+    world.complete(doomed.id);
+    a.empty_cache();  // the block is free once that work has completed: every segment goes back
+    CHECK(a.memory_reserved() == 0);
+  }
 }
-
 TEST_CASE("a destroyed CPU stream's cached blocks go to no stream, and the allocator forgets the stream") {
   host_allocator a(cpu);
   void* x = nullptr;
