@@ -35,6 +35,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -337,6 +338,22 @@ void BM_gpukit_slot_homes(benchmark::State& state) {
     void* p = a.allocate(256, streams[static_cast<std::size_t>(t)]);
     benchmark::DoNotOptimize(p);
     a.deallocate(p);
+  });
+}
+
+/// Two threads, each writing a counter of its own, `range(0)` bytes apart: 8 (one cache line), 64 (the two lines of one
+/// 128-byte aligned pair) or 128 (two pairs). Whether this machine makes neighbouring lines contend (Intel's L2
+/// spatial prefetcher fetches lines in 128-byte pairs) says whether gpukit's 128-byte spacing of the data each thread
+/// writes on the fast path (detail::false_sharing_range: front slots, blocks) matters here; not gpukit code.
+void BM_line_pair_writes(benchmark::State& state) {
+  const auto apart = static_cast<std::size_t>(state.range(0)) / sizeof(std::uint64_t);
+  struct alignas(256) counters {
+    std::array<std::atomic<std::uint64_t>, 32> value{};
+  };
+  const auto area = std::make_unique<counters>();
+  run_rounds(state, 2, [&](int t) {
+    std::atomic<std::uint64_t>& c = area->value[static_cast<std::size_t>(t) * apart];
+    c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   });
 }
 
@@ -811,6 +828,20 @@ void print_ratios(const collecting_reporter& r) {
         threads, colliding, spread, colliding / spread);
   }
   {
+    const auto writes = [&](int apart) {
+      return r.ns("BM_line_pair_writes/" + std::to_string(apart) + "/manual_time");
+    };
+    if (writes(8) > 0 && writes(64) > 0 && writes(128) > 0) {
+      std::printf(
+          "  2 threads each writing its own counter (ns per write, both together): %.1f ns 8 B apart (one line), %.1f "
+          "ns 64 B apart (one "
+          "128-byte pair), %.1f ns 128 B apart: neighbouring lines %s here (%.2fx; gpukit keeps each thread's front "
+          "slot and blocks 128 B apart)\n",
+          writes(8), writes(64), writes(128), writes(64) > 1.2 * writes(128) ? "contend" : "do not contend",
+          writes(64) / writes(128));
+    }
+  }
+  {
     const std::size_t size = sizes[2];
     auto name = [&](const char* bm, int threads) {
       return std::string(bm) + "/" + std::to_string(size) + "/" + std::to_string(threads) + "/0/manual_time";
@@ -930,6 +961,9 @@ int main(int argc, char** argv) {
           ->Args({threads, colliding})
           ->UseManualTime();
     }
+  }
+  for (std::int64_t apart : {8, 64, 128}) {
+    benchmark::RegisterBenchmark("BM_line_pair_writes", BM_line_pair_writes)->Arg(apart)->UseManualTime();
   }
   single(benchmark::RegisterBenchmark("BM_gpukit_device_buffer", BM_gpukit_device_buffer));
   single(benchmark::RegisterBenchmark("BM_gpukit_history", BM_gpukit_history));

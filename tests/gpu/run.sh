@@ -151,7 +151,7 @@ done
 [ -x "$build/bench/bench_allocator$suffix" ] &&
   run "Benchmark bench_allocator, thread scaling with pinned threads" env GPUKIT_BENCH_PIN_THREADS=1 timeout \
     "$step_timeout" "$build/bench/bench_allocator$suffix" --benchmark_min_time="$min_time" \
-    --benchmark_filter='^BM_(gpukit|malloc)/(256|65536)/[1-8]/0/|^BM_gpukit_cpu_queue/(256|65536)/'
+    --benchmark_filter='^BM_(gpukit|malloc)/(256|65536)/[1-8]/0/|^BM_gpukit_cpu_queue/(256|65536)/|^BM_line_pair_writes/'
 
 kill "$sampler" 2>/dev/null
 wait "$sampler" 2>/dev/null

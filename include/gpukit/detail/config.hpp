@@ -25,6 +25,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
+
 // CUDA 13's runtime API: cudaStreamGetCaptureInfo with edge data, cudaGetDriverEntryPointByVersion (12.5), the
 // device attributes that replaced the fields CUDA 13 removed from cudaDeviceProp.
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 13000
@@ -121,6 +123,13 @@ namespace detail {
 /// Whether this translation unit uses CUDA's per-thread default stream (see the file comment). Each mode has its
 /// own copy of this function, as of every gpukit function.
 constexpr bool per_thread_default_stream_mode() noexcept { return GPUKIT_DETAIL_PER_THREAD_DEFAULT_STREAM != 0; }
+
+/// How far apart data written by different threads on a hot path is kept (alignas): 128 bytes, two cache lines. On
+/// Intel processors since Sandy Bridge the L2 spatial prefetcher fetches lines in 128-byte aligned pairs, so two cores
+/// writing the two lines of one pair take it from each other as if they shared a line (Intel's optimization manual;
+/// folly and crossbeam pad to 128 bytes on x86-64 and AArch64 for this reason). With 64, whether two threads' front
+/// slots or blocks shared a pair depended on where the allocator happened to be placed.
+constexpr std::size_t false_sharing_range = 128;
 
 /// `T`, named so that the name depends on `Dependent` (a template's parameter, or a value computed from one): a
 /// template that uses an engine through it instantiates the engine's class when it is instantiated itself, not where

@@ -343,8 +343,9 @@ class basic_caching_allocator {
     }
   }
 
-  // A cache line (or two) of its own: threads freeing and taking blocks in front caches do not share lines.
-  struct alignas(64) block {
+  // Lines of its own (detail::false_sharing_range): threads freeing and taking blocks in front caches do not share
+  // lines, nor pairs of lines.
+  struct alignas(detail::false_sharing_range) block {
     std::uintptr_t address = 0;
     std::size_t size = 0;
     std::size_t requested = 0;

@@ -71,7 +71,7 @@ constexpr std::uintptr_t front_unowned = ~std::uintptr_t{0};
 /// An entry is written under its slot's lock, only when it changes, and read without it to find a stream's slot.
 /// Never `unowned` again once set.
 template <std::size_t Count>
-struct alignas(64) front_owners {
+struct alignas(false_sharing_range) front_owners {
   std::array<std::atomic<std::uintptr_t>, Count> key;
   front_owners() noexcept {
     for (auto& k : key) k.store(front_unowned, std::memory_order_relaxed);
@@ -83,7 +83,7 @@ struct alignas(64) front_owners {
 /// Counts change under the slot's lock and are read without it (relaxed atomics: plain stores, no locked
 /// instruction, so the fast path pays no more than the lock).
 template <class Block>
-struct alignas(64) front_slot {
+struct alignas(false_sharing_range) front_slot {
   static constexpr std::size_t bin_count = 8;    // distinct sizes cached per stream
   static constexpr std::uint32_t bin_depth = 8;  // blocks cached per size
   // A bin unused for this many of the slot's operations (takes and frees, hits or not) is stale: a new size may

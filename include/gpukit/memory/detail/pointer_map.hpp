@@ -153,7 +153,7 @@ class sharded_pointer_map {
     std::size_t size;
     std::unique_ptr<entry[]> entries;
   };
-  struct alignas(64) shard {
+  struct alignas(false_sharing_range) shard {
     mutable spin_mutex mutex;                // held by writers
     std::atomic<std::uint32_t> sequence{0};  // odd while a writer changes the current table
     std::atomic<table*> current{nullptr};
