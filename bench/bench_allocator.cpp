@@ -837,7 +837,11 @@ void print_ratios(const collecting_reporter& r) {
           "ns 64 B apart (one "
           "128-byte pair), %.1f ns 128 B apart: neighbouring lines %s here (%.2fx; gpukit keeps each thread's front "
           "slot and blocks 128 B apart)\n",
-          writes(8), writes(64), writes(128), writes(64) > 1.2 * writes(128) ? "contend" : "do not contend",
+          writes(8), writes(64), writes(128),
+          writes(8) <= 1.2 * writes(128)
+              ? "cannot be told apart (one line did not contend either: threads on one core?)"
+          : writes(64) > 1.2 * writes(128) ? "contend"
+                                           : "do not contend",
           writes(64) / writes(128));
     }
   }

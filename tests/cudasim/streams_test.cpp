@@ -806,7 +806,9 @@ TEST_CASE(
     cudasim::drain_all();
     CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
     CHECK(cudaGetLastError() == cudaSuccess);  // the failures were cleared
+    CHECK(warnings.messages().empty());
     CHECK(cudasim::violations().empty());
+    cudasim::clear_faults();  // if a check above failed before both fired, the next tests must not meet them
   }
 }
 

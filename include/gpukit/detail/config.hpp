@@ -126,9 +126,8 @@ constexpr bool per_thread_default_stream_mode() noexcept { return GPUKIT_DETAIL_
 
 /// How far apart data written by different threads on a hot path is kept (alignas): 128 bytes, two cache lines. On
 /// Intel processors since Sandy Bridge the L2 spatial prefetcher fetches lines in 128-byte aligned pairs, so two cores
-/// writing the two lines of one pair take it from each other as if they shared a line (Intel's optimization manual;
-/// folly and crossbeam pad to 128 bytes on x86-64 and AArch64 for this reason). With 64, whether two threads' front
-/// slots or blocks shared a pair depended on where the allocator happened to be placed.
+/// writing the two lines of one pair can take it from each other (Intel's optimization manual; folly and crossbeam
+/// pad to 128 bytes on x86-64 for this reason). bench_allocator's BM_line_pair_writes measures it on its machine.
 constexpr std::size_t false_sharing_range = 128;
 
 /// `T`, named so that the name depends on `Dependent` (a template's parameter, or a value computed from one): a
