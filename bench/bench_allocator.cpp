@@ -832,12 +832,13 @@ void print_ratios(const collecting_reporter& r) {
       return r.ns("BM_line_pair_writes/" + std::to_string(apart) + "/manual_time");
     };
     if (writes(8) > 0 && writes(64) > 0 && writes(128) > 0) {
-      const char* verdict = writes(8) <= 1.2 * writes(128)   ? "cannot be told apart (one line did not contend either)"
-                            : writes(64) > 1.2 * writes(128) ? "contend"
-                                                             : "do not contend";
+      const char* verdict = writes(8) <= 1.2 * writes(128)
+                                ? "cannot be told apart here (one line did not contend either)"
+                            : writes(64) > 1.2 * writes(128) ? "contend here"
+                                                             : "do not contend here";
       std::printf(
           "  2 threads each writing its own counter (ns per write, both together): %.1f ns 8 B apart (one line),\n"
-          "  %.1f ns 64 B apart (one 128-byte pair), %.1f ns 128 B apart: neighbouring lines %s here (%.2fx;\n"
+          "  %.1f ns 64 B apart (one 128-byte pair), %.1f ns 128 B apart: neighbouring lines %s (%.2fx;\n"
           "  gpukit keeps each thread's front slot and blocks 128 B apart)\n",
           writes(8), writes(64), writes(128), verdict, writes(64) / writes(128));
     }
