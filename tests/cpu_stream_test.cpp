@@ -1,5 +1,6 @@
 // Streams and events of the CPU device: a real in-order asynchronous queue, events that complete when the work
 // before them has, cross-stream waits, timing, pools, the current-stream guard and misuse.
+#include <gpukit/memory/stream_ops.hpp>
 #include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -596,6 +597,26 @@ TEST_CASE("stream ids: unique per stream, carried by its views and moves, and a 
   CHECK(life->finished());  // a CPU stream's destructor waits for its work
   gpukit::stream c(cpu);
   CHECK(c.view().id() != id);  // ids are never reused, even if the queue's address is
+}
+
+TEST_CASE("a destroyed CPU stream's queue stays readable while its record is kept, for a free racing the destruction") {
+  // An allocator remembers a stream by its record (lifetime()) and a view. A free on another thread looks at the
+  // record (alive), then asks the view whether the queue is idle: destroyed in between, the stream must leave the
+  // queue there to answer. It was freed with the stream, and the question read freed memory (ASan: use after free).
+  auto s = std::make_unique<gpukit::stream>(cpu);
+  const gpukit::stream_view view = s->view();
+  const auto life = view.lifetime();
+  REQUIRE(static_cast<bool>(life));
+  std::atomic<bool> ran{false};
+  s->enqueue_host([&ran] { ran = true; });
+  s.reset();  // waits for that work, then ends the queue's worker
+  CHECK(ran.load());
+  CHECK(life->expired());
+  REQUIRE(view.cpu_queue() != nullptr);
+  CHECK(view.cpu_queue()->idle());
+  CHECK(view.cpu_queue()->pending() == 0);
+  gpukit::stream_ops ops;
+  CHECK_FALSE(ops.may_have_pending_work(view));  // what the allocator asks
 }
 
 namespace {

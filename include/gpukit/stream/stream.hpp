@@ -178,7 +178,10 @@ GPUKIT_EXPORT GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bo
 /// stream created, so afterwards nothing else can tell); a CPU stream waits for its work when destroyed.
 class stream_life : public std::enable_shared_from_this<stream_life> {
  public:
-  stream_life(unsigned long long id, int ordinal) noexcept;
+  /// `held` lives as long as this record: a CPU stream's queue, which the views of the stream point to, so that one
+  /// who remembers the stream may still ask whether it is idle after it was destroyed (an allocator's free racing
+  /// the destruction, between its look at expired() and its question).
+  stream_life(unsigned long long id, int ordinal, std::shared_ptr<const void> held = nullptr) noexcept;
   stream_life(const stream_life&) = delete;
   stream_life& operator=(const stream_life&) = delete;
   ~stream_life();
@@ -218,6 +221,7 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
  private:
   unsigned long long id_;
   int ordinal_;
+  std::shared_ptr<const void> held_;
   mutable std::mutex in_use_;    // held by keep_alive(), and by expire() before the destruction
   cudaEvent_t final_ = nullptr;  // written before expired_ is set, read after it is seen
   std::atomic<bool> expired_{false};
@@ -501,7 +505,7 @@ class stream {
 
   gpukit::device device_{};
   cudaStream_t cuda_ = nullptr;
-  std::unique_ptr<detail::cpu_queue> cpu_;
+  std::shared_ptr<detail::cpu_queue> cpu_;     // also kept by life_ (see stream_life's constructor)
   std::shared_ptr<detail::stream_life> life_;  // null for borrowed (wrapped, not owned) handles
   int priority_ = 0;
   bool owns_ = false;
@@ -544,7 +548,8 @@ GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread)
   return id;
 }
 
-GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal) noexcept : id_(id), ordinal_(ordinal) {}
+GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal, std::shared_ptr<const void> held) noexcept
+    : id_(id), ordinal_(ordinal), held_(std::move(held)) {}
 
 GPUKIT_INLINE stream_life::~stream_life() {
   if (final_ != nullptr) {
@@ -815,8 +820,8 @@ GPUKIT_INLINE int stream_view::known_ordinal() const noexcept { return device_kn
 
 GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_(d), owns_(true), valid_(true) {
   if (d.is_cpu()) {
-    life_ = std::make_shared<detail::stream_life>(detail::next_cpu_stream_id(), -1);
-    cpu_ = std::make_unique<detail::cpu_queue>();
+    cpu_ = std::make_shared<detail::cpu_queue>();
+    life_ = std::make_shared<detail::stream_life>(detail::next_cpu_stream_id(), -1, cpu_);
     return;
   }
   priority_ = stream_priority_range(d).clamp(options.priority);  // asked once per device
@@ -940,8 +945,9 @@ GPUKIT_INLINE void stream::destroy() noexcept {
   }
   cuda_ = nullptr;
   if (cpu_) {
-    cpu_.reset();  // waits for the queue's pending work, then joins its worker
+    cpu_->stop();  // waits for the queue's pending work, then joins its worker
     if (life_) life_->expire(nullptr, life_.use_count() > 1);
+    cpu_.reset();  // the queue itself lives on with life_ while someone remembers the stream
   }
   life_.reset();
   owns_ = false;

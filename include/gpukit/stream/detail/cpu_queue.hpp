@@ -147,13 +147,17 @@ class cpu_queue {
  public:
   cpu_queue();
 
-  /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
-  /// waits for that work. Destroyed by one of its own tasks (one that held the last reference to its stream), it
-  /// runs the tasks queued after that one itself, and the worker ends once the task returns.
+  /// stop(), if it was not called before.
   ~cpu_queue();
 
   cpu_queue(const cpu_queue&) = delete;
   cpu_queue& operator=(const cpu_queue&) = delete;
+
+  /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
+  /// waits for that work. Called by one of its own tasks (one that held the last reference to its stream), it runs
+  /// the tasks queued after that one itself, and the worker ends once the task returns. The queue stays readable
+  /// (idle(), pending()) afterwards; tasks enqueued then never run. Once only: later calls do nothing.
+  void stop() noexcept;
 
   /// Appends a task; it runs after every task enqueued before it.
   void enqueue(host_task task);
@@ -190,7 +194,8 @@ class cpu_queue {
   static bool run_next(state& st, std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<state> state_ = std::make_shared<state>();
-  std::thread worker_;  // last: started after the state is made
+  bool stopped_ = false;  // stop() ran (it is called by the stream's owner, then by the destructor)
+  std::thread worker_;    // last: started after the state is made
 };
 
 }  // namespace detail
@@ -239,7 +244,10 @@ GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_marker::completed() {
 
 GPUKIT_INLINE cpu_queue::cpu_queue() : worker_([st = state_] { serve(st); }) {}
 
-GPUKIT_INLINE cpu_queue::~cpu_queue() {
+GPUKIT_INLINE cpu_queue::~cpu_queue() { stop(); }
+
+GPUKIT_INLINE void cpu_queue::stop() noexcept {
+  if (std::exchange(stopped_, true)) return;
   state& st = *state_;
   const bool from_own_task = std::this_thread::get_id() == worker_.get_id();
   {
@@ -251,7 +259,7 @@ GPUKIT_INLINE cpu_queue::~cpu_queue() {
     if (worker_.joinable()) worker_.join();
     return;
   }
-  // Destroyed by the task the worker runs now (a join would wait for itself): the tasks queued after it run here,
+  // Stopped by the task the worker runs now (a join would wait for itself): the tasks queued after it run here,
   // in order, as the worker would have run them; the worker then finds nothing left and ends.
   {
     std::unique_lock<std::mutex> lock(st.mutex);
