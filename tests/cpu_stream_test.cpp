@@ -617,6 +617,19 @@ TEST_CASE("a destroyed CPU stream's queue stays readable while its record is kep
   CHECK(view.cpu_queue()->pending() == 0);
   gpukit::stream_ops ops;
   CHECK_FALSE(ops.may_have_pending_work(view));  // what the allocator asks
+  // What such a free may do next, having seen the stream alive: record an event there (a fence), which another
+  // stream may then wait for. All the stream's work has run, so it completes at once, rather than never (the queue's
+  // worker is gone): a task enqueued now runs on the enqueuing thread.
+  gpukit::event fence(cpu);
+  fence.record(view);
+  CHECK(fence.ready());
+  gpukit::stream other(cpu);
+  fence.wait(other);
+  other.synchronize();  // hung here when the record was left in the stopped queue
+  bool ran_here = false;
+  view.enqueue_host([&ran_here] { ran_here = true; });
+  CHECK(ran_here);
+  CHECK(view.cpu_queue()->idle());
 }
 
 namespace {

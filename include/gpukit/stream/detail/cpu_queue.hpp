@@ -155,11 +155,13 @@ class cpu_queue {
 
   /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
   /// waits for that work. Called by one of its own tasks (one that held the last reference to its stream), it runs
-  /// the tasks queued after that one itself, and the worker ends once the task returns. The queue stays readable
-  /// (idle(), pending()) afterwards; tasks enqueued then never run. Once only: later calls do nothing.
+  /// the tasks queued after that one itself, and the worker ends once the task returns. The queue stays usable: once
+  /// the worker has ended, a task enqueued runs at once on the enqueuing thread (all earlier work is done), so an
+  /// event recorded on a destroyed stream by one who still holds its record completes. Later calls do nothing.
   void stop() noexcept;
 
-  /// Appends a task; it runs after every task enqueued before it.
+  /// Appends a task; it runs after every task enqueued before it (on the enqueuing thread, once stop() has ended
+  /// the worker).
   void enqueue(host_task task);
 
   /// Appends a marker that completes when the tasks enqueued so far have finished.
@@ -187,11 +189,16 @@ class cpu_queue {
     std::atomic<std::uint64_t> enqueued{0};
     std::atomic<std::uint64_t> finished{0};
     bool stopping = false;
+    bool closed = false;    // the worker has ended: enqueue runs tasks itself
+    bool draining = false;  // a thread runs the tasks of a closed queue (one at a time, in order)
   };
 
   static void serve(const std::shared_ptr<state>& st);
   /// Runs the next task, if any, with `lock` (on st.mutex) held on entry and exit: false when there was none.
   static bool run_next(state& st, std::unique_lock<std::mutex>& lock);
+  /// After the worker ended: runs the queued tasks on this thread, unless another thread is already doing so (it
+  /// runs them in order, these included). `lock` on st.mutex is held on entry and exit.
+  static void run_closed(state& st, std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<state> state_ = std::make_shared<state>();
   bool stopped_ = false;  // stop() ran (it is called by the stream's owner, then by the destructor)
@@ -271,11 +278,14 @@ GPUKIT_INLINE void cpu_queue::stop() noexcept {
 
 GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
   state& st = *state_;
-  {
-    std::lock_guard<std::mutex> lock(st.mutex);
-    st.tasks.push_back(std::move(task));
-    st.enqueued.fetch_add(1, std::memory_order_release);
+  std::unique_lock<std::mutex> lock(st.mutex);
+  st.tasks.push_back(std::move(task));
+  st.enqueued.fetch_add(1, std::memory_order_release);
+  if (st.closed) {  // the stream was destroyed and its worker ended (stop): no one else would run it
+    run_closed(st, lock);
+    return;
   }
+  lock.unlock();
   st.work_cv.notify_one();
 }
 
@@ -311,7 +321,10 @@ GPUKIT_INLINE void cpu_queue::serve(const std::shared_ptr<state>& shared) {
   std::unique_lock<std::mutex> lock(st.mutex);
   for (;;) {
     st.work_cv.wait(lock, [&st] { return st.stopping || !st.tasks.empty(); });
-    if (!run_next(st, lock)) return;  // stopping, and drained
+    if (!run_next(st, lock)) {  // stopping, and drained: later tasks run where they are enqueued
+      st.closed = true;
+      return;
+    }
   }
 }
 
@@ -326,6 +339,14 @@ GPUKIT_INLINE bool cpu_queue::run_next(state& st, std::unique_lock<std::mutex>& 
   st.finished.fetch_add(1, std::memory_order_release);
   st.idle_cv.notify_all();
   return true;
+}
+
+GPUKIT_INLINE void cpu_queue::run_closed(state& st, std::unique_lock<std::mutex>& lock) {
+  if (st.draining) return;
+  st.draining = true;
+  while (run_next(st, lock)) {
+  }
+  st.draining = false;
 }
 
 }  // namespace detail
