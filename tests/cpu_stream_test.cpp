@@ -618,17 +618,15 @@ TEST_CASE("a destroyed CPU stream's queue stays readable while its record is kep
   gpukit::stream_ops ops;
   CHECK_FALSE(ops.may_have_pending_work(view));  // what the allocator asks
   // What such a free may do next, having seen the stream alive: record an event there (a fence), which another
-  // stream may then wait for. All the stream's work has run, so it completes at once, rather than never (the queue's
-  // worker is gone): a task enqueued now runs on the enqueuing thread.
+  // stream may then wait for. All the stream's work has run, so it is complete at once, rather than never (the
+  // queue's worker is gone). Other work is refused: nothing would run it.
   gpukit::event fence(cpu);
   fence.record(view);
   CHECK(fence.ready());
   gpukit::stream other(cpu);
   fence.wait(other);
   other.synchronize();  // hung here when the record was left in the stopped queue
-  bool ran_here = false;
-  view.enqueue_host([&ran_here] { ran_here = true; });
-  CHECK(ran_here);
+  CHECK_THROWS_AS(view.enqueue_host([] {}), gpukit::invalid_argument_error);
   CHECK(view.cpu_queue()->idle());
 }
 

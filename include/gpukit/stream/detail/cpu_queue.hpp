@@ -155,16 +155,18 @@ class cpu_queue {
 
   /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
   /// waits for that work. Called by one of its own tasks (one that held the last reference to its stream), it runs
-  /// the tasks queued after that one itself, and the worker ends once the task returns. The queue stays usable: once
-  /// the worker has ended, a task enqueued runs at once on the enqueuing thread (all earlier work is done), so an
-  /// event recorded on a destroyed stream by one who still holds its record completes. Later calls do nothing.
+  /// the tasks queued after that one itself, and the worker ends once the task returns. Later calls do nothing.
+  /// Once the worker has ended the queue answers idle(), and record() gives a marker already complete (all the work
+  /// has run): one who still holds the destroyed stream's record (an allocator's free that saw it alive) may ask.
+  /// Other work is refused then (enqueue).
   void stop() noexcept;
 
-  /// Appends a task; it runs after every task enqueued before it (on the enqueuing thread, once stop() has ended
-  /// the worker).
+  /// Appends a task; it runs after every task enqueued before it. Throws invalid_argument_error once the worker has
+  /// ended (stop(): its stream was destroyed), since nothing would run it.
   void enqueue(host_task task);
 
-  /// Appends a marker that completes when the tasks enqueued so far have finished.
+  /// Appends a marker that completes when the tasks enqueued so far have finished; once the worker has ended, a
+  /// marker already complete.
   std::shared_ptr<cpu_marker> record();
 
   /// Blocks until every task enqueued before the call has finished. Calling it from one of this queue's own tasks
@@ -189,16 +191,14 @@ class cpu_queue {
     std::atomic<std::uint64_t> enqueued{0};
     std::atomic<std::uint64_t> finished{0};
     bool stopping = false;
-    bool closed = false;    // the worker has ended: enqueue runs tasks itself
-    bool draining = false;  // a thread runs the tasks of a closed queue (one at a time, in order)
+    bool closed = false;  // the worker has ended (stopping, and drained): nothing runs tasks any more
   };
 
   static void serve(const std::shared_ptr<state>& st);
   /// Runs the next task, if any, with `lock` (on st.mutex) held on entry and exit: false when there was none.
   static bool run_next(state& st, std::unique_lock<std::mutex>& lock);
-  /// After the worker ended: runs the queued tasks on this thread, unless another thread is already doing so (it
-  /// runs them in order, these included). `lock` on st.mutex is held on entry and exit.
-  static void run_closed(state& st, std::unique_lock<std::mutex>& lock);
+  /// Appends `task`, or leaves it and returns false once the worker has ended.
+  bool try_enqueue(host_task& task);
 
   std::shared_ptr<state> state_ = std::make_shared<state>();
   bool stopped_ = false;  // stop() ran (it is called by the stream's owner, then by the destructor)
@@ -276,22 +276,28 @@ GPUKIT_INLINE void cpu_queue::stop() noexcept {
   worker_.detach();
 }
 
-GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
+GPUKIT_INLINE bool cpu_queue::try_enqueue(host_task& task) {
   state& st = *state_;
-  std::unique_lock<std::mutex> lock(st.mutex);
-  st.tasks.push_back(std::move(task));
-  st.enqueued.fetch_add(1, std::memory_order_release);
-  if (st.closed) {  // the stream was destroyed and its worker ended (stop): no one else would run it
-    run_closed(st, lock);
-    return;
+  {
+    std::lock_guard<std::mutex> lock(st.mutex);
+    if (st.closed) return false;
+    st.tasks.push_back(std::move(task));
+    st.enqueued.fetch_add(1, std::memory_order_release);
   }
-  lock.unlock();
   st.work_cv.notify_one();
+  return true;
+}
+
+GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
+  if (!try_enqueue(task)) {
+    throw invalid_argument_error("gpukit: work enqueued on a destroyed CPU stream (nothing would run it)");
+  }
 }
 
 GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_queue::record() {
   auto marker = std::make_shared<cpu_marker>();
-  enqueue([marker] { marker->complete(); });
+  host_task completes([marker] { marker->complete(); });
+  if (!try_enqueue(completes)) marker->complete();  // the worker ended: every task has run
   return marker;
 }
 
@@ -321,7 +327,7 @@ GPUKIT_INLINE void cpu_queue::serve(const std::shared_ptr<state>& shared) {
   std::unique_lock<std::mutex> lock(st.mutex);
   for (;;) {
     st.work_cv.wait(lock, [&st] { return st.stopping || !st.tasks.empty(); });
-    if (!run_next(st, lock)) {  // stopping, and drained: later tasks run where they are enqueued
+    if (!run_next(st, lock)) {  // stopping, and drained
       st.closed = true;
       return;
     }
@@ -339,14 +345,6 @@ GPUKIT_INLINE bool cpu_queue::run_next(state& st, std::unique_lock<std::mutex>& 
   st.finished.fetch_add(1, std::memory_order_release);
   st.idle_cv.notify_all();
   return true;
-}
-
-GPUKIT_INLINE void cpu_queue::run_closed(state& st, std::unique_lock<std::mutex>& lock) {
-  if (st.draining) return;
-  st.draining = true;
-  while (run_next(st, lock)) {
-  }
-  st.draining = false;
 }
 
 }  // namespace detail
