@@ -945,7 +945,7 @@ GPUKIT_INLINE void stream::destroy() noexcept {
   }
   cuda_ = nullptr;
   if (cpu_) {
-    cpu_->stop();  // waits for the queue's pending work, then joins its worker
+    cpu_->stop();  // runs the queue's pending work, then ends its worker (detached if this is one of its tasks)
     if (life_) life_->expire(nullptr, life_.use_count() > 1);
     cpu_.reset();  // the queue itself lives on with life_ while someone remembers the stream
   }

@@ -155,7 +155,8 @@ class cpu_queue {
 
   /// Runs every task still queued, then stops the worker: destroying a stream with pending work is defined and
   /// waits for that work. Called by one of its own tasks (one that held the last reference to its stream), it runs
-  /// the tasks queued after that one itself, and the worker ends once the task returns. Later calls do nothing.
+  /// the tasks queued after that one itself, and the worker ends once the task returns (after any task enqueued
+  /// meanwhile). Later calls do nothing.
   /// Once the worker has ended the queue answers idle(), and record() gives a marker already complete (all the work
   /// has run): one who still holds the destroyed stream's record (an allocator's free that saw it alive) may ask.
   /// Other work is refused then (enqueue).
@@ -173,8 +174,8 @@ class cpu_queue {
   /// would wait forever, so that throws invalid_argument_error.
   void synchronize();
 
-  /// True when every enqueued task has finished. Lock-free (allocators ask on every free): reading `finished_`
-  /// before `enqueued_` makes a true answer exact, because finished_ only grows.
+  /// True when every enqueued task has finished. Lock-free (allocators ask on every free): reading `finished`
+  /// before `enqueued` makes a true answer exact, because `finished` only grows.
   bool idle() const noexcept;
 
   /// Tasks enqueued but not finished.
