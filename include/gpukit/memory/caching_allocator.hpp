@@ -751,9 +751,18 @@ class basic_caching_allocator {
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
   /// in the pointer map; nullptr when there is none (the heap then serves the request).
   GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large);
-  /// front_take from the `first`-th probe on.
+  /// front_take's search of the slots past the home slot.
   GPUKIT_DETAIL_NOINLINE block* front_take_probing(std::uintptr_t key, std::size_t size, std::size_t requested,
-                                                   bool large, std::size_t first);
+                                                   bool large);
+
+  /// What front_take found in one slot: the block it took (or nullptr), and whether the next slot may hold one.
+  struct probe_outcome {
+    block* taken;
+    bool search_on;
+  };
+  /// front_take's work in one slot of its search: takes a block of `size` there if the slot is stream `key`'s.
+  probe_outcome front_take_at(front_slot_type& slot, std::uintptr_t key, std::size_t size, std::size_t requested,
+                              bool large);
 
   /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow);
