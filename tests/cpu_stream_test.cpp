@@ -630,6 +630,44 @@ TEST_CASE("a destroyed CPU stream's queue stays readable while its record is kep
   CHECK(view.cpu_queue()->idle());
 }
 
+TEST_CASE("a CPU stream's queue can be synchronized through a kept record while and after its stream is destroyed") {
+  // A view whose record is kept (lifetime()) synchronized on one thread while another destroys the stream. The wait
+  // read the worker's thread handle while the destruction joined it, a data race that TSan cannot see (the join's
+  // write is inside libstdc++); the wait now reads an id kept apart. After the destruction, a thread that may have been given the
+  // ended worker's id (ids are reused: the loop makes that likely) is not taken for one of the queue's own tasks.
+  for (int round = 0; round < 10; ++round) {
+    auto s = std::make_unique<gpukit::stream>(cpu);
+    const gpukit::stream_view view = s->view();
+    const auto life = view.lifetime();
+    std::atomic<int> ran{0};
+    for (int i = 0; i < 4; ++i) {
+      s->enqueue_host([&ran] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));  // keeps the destruction joining a while
+        ++ran;
+      });
+    }
+    std::atomic<bool> destroyed{false};
+    std::thread waiter([&] {
+      while (!destroyed.load()) view.cpu_queue()->synchronize();
+    });
+    s.reset();
+    bool refused = false;
+    std::thread([&] {  // made right after the worker ended, so likely given its id
+      try {
+        view.cpu_queue()->synchronize();  // the queue closed: nothing left to wait for
+      } catch (const gpukit::invalid_argument_error&) {
+        refused = true;
+      }
+    }).join();
+    destroyed = true;
+    waiter.join();
+    CHECK_FALSE(refused);
+    CHECK(ran.load() == 4);
+    CHECK(life->expired());
+    CHECK(view.cpu_queue()->idle());
+  }
+}
+
 namespace {
 /// A host function that enqueues the next link of the chain on the CPU default stream from inside itself.
 struct nested_chain {

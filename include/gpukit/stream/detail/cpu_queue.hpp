@@ -203,7 +203,10 @@ class cpu_queue {
 
   std::shared_ptr<state> state_ = std::make_shared<state>();
   bool stopped_ = false;  // stop() ran (it is called by the stream's owner, then by the destructor)
-  std::thread worker_;    // last: started after the state is made
+  std::thread worker_;    // started after the state is made
+  // The worker's id, never written again: synchronize() may run on another thread while stop() joins or detaches
+  // worker_ (a free that saw the stream alive, racing its destruction), so it must not read worker_.
+  const std::thread::id worker_id_ = worker_.get_id();
 };
 
 }  // namespace detail
@@ -257,7 +260,7 @@ GPUKIT_INLINE cpu_queue::~cpu_queue() { stop(); }
 GPUKIT_INLINE void cpu_queue::stop() noexcept {
   if (std::exchange(stopped_, true)) return;
   state& st = *state_;
-  const bool from_own_task = std::this_thread::get_id() == worker_.get_id();
+  const bool from_own_task = std::this_thread::get_id() == worker_id_;
   {
     std::lock_guard<std::mutex> lock(st.mutex);
     st.stopping = true;
@@ -303,12 +306,15 @@ GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_queue::record() {
 }
 
 GPUKIT_INLINE void cpu_queue::synchronize() {
-  if (std::this_thread::get_id() == worker_.get_id()) {
+  state& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mutex);
+  // Once the worker has ended its id may be another thread's (ids of ended threads are reused), and nothing is left
+  // to wait for.
+  if (!st.closed && std::this_thread::get_id() == worker_id_) {
+    lock.unlock();
     throw invalid_argument_error(
         "gpukit: a CPU stream was synchronized from one of its own host functions, which would wait forever");
   }
-  state& st = *state_;
-  std::unique_lock<std::mutex> lock(st.mutex);
   const std::uint64_t target = st.enqueued.load(std::memory_order_relaxed);
   st.idle_cv.wait(lock, [&] { return st.finished.load(std::memory_order_relaxed) >= target; });
 }
