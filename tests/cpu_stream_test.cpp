@@ -633,8 +633,9 @@ TEST_CASE("a destroyed CPU stream's queue stays readable while its record is kep
 TEST_CASE("a CPU stream's queue can be synchronized through a kept record while and after its stream is destroyed") {
   // A view whose record is kept (lifetime()) synchronized on one thread while another destroys the stream. The wait
   // read the worker's thread handle while the destruction joined it, a data race that TSan cannot see (the join's
-  // write is inside libstdc++); the wait now reads an id kept apart. After the destruction, a thread that may have been given the
-  // ended worker's id (ids are reused: the loop makes that likely) is not taken for one of the queue's own tasks.
+  // write is inside libstdc++); the wait now reads an id kept apart. After the destruction, a thread that may have been
+  // given the ended worker's id (ids are reused: the loop makes that likely) is not taken for one of the queue's own
+  // tasks.
   for (int round = 0; round < 10; ++round) {
     auto s = std::make_unique<gpukit::stream>(cpu);
     const gpukit::stream_view view = s->view();
@@ -658,7 +659,8 @@ TEST_CASE("a CPU stream's queue can be synchronized through a kept record while 
       } catch (const gpukit::invalid_argument_error&) {
         refused = true;
       }
-    }).join();
+    })
+        .join();
     destroyed = true;
     waiter.join();
     CHECK_FALSE(refused);
