@@ -8,9 +8,14 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace gpukit_test;
@@ -431,6 +436,97 @@ TEST_CASE("an out-of-memory observer sees the reserved limit when the limit refu
   CHECK_THROWS_AS(f.alloc(40 * MiB), gpukit::out_of_memory_error);
   CHECK(limit_hit);
   CHECK(limit == 32 * MiB);
+}
+
+TEST_CASE("an out-of-memory observer removed is not called again, and its calls on other threads end first") {
+  fixture f(64 * MiB);
+  void* held = f.alloc(40 * MiB);
+
+  // Removed by an earlier observer of the same error: the later one is not called (it was, from a copied list).
+  int later_calls = 0;
+  std::uint64_t later = 0;
+  bool removed_later = false;
+  const auto first = f.a.add_out_of_memory_observer(
+      [&](const gpukit::out_of_memory_info&) { removed_later = f.a.remove_out_of_memory_observer(later); });
+  later = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) { ++later_calls; });
+  CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);
+  CHECK(removed_later);
+  CHECK(later_calls == 0);
+  CHECK(f.a.remove_out_of_memory_observer(first));
+
+  // An object whose destructor removes the observer that uses it, while another thread's error is calling that
+  // observer: remove returns once the call has ended, so the object may go (it was read after its destruction).
+  struct counter {
+    std::atomic<int> calls{0};
+  };
+  auto state = std::make_unique<counter>();
+  std::atomic<bool> inside{false};
+  std::atomic<bool> release{false};
+  std::atomic<bool> removed{false};
+  const auto blocking = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    inside = true;
+    while (!release.load()) std::this_thread::yield();
+  });
+  counter* raw = state.get();
+  const auto user = f.a.add_out_of_memory_observer([raw, &removed](const gpukit::out_of_memory_info&) {
+    CHECK_FALSE(removed.load());  // not called once removed
+    ++raw->calls;
+  });
+  std::thread failing([&] { CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error); });
+  while (!inside.load()) std::this_thread::yield();  // the other thread has copied the list and is in `blocking`
+  std::thread remover([&] {
+    CHECK(f.a.remove_out_of_memory_observer(user));
+    removed = true;
+    state.reset();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  release = true;
+  failing.join();
+  remover.join();
+  CHECK(removed.load());
+  CHECK(f.a.remove_out_of_memory_observer(blocking));
+
+  // Its call under way when it is removed: remove waits for it to end (while `user2` runs, remove has not returned).
+  std::atomic<bool> in_user2{false};
+  std::atomic<bool> user2_done{false};
+  std::atomic<bool> remove_returned_early{false};
+  const auto user2 = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    in_user2 = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    user2_done = true;
+  });
+  std::thread failing2([&] { CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error); });
+  while (!in_user2.load()) std::this_thread::yield();
+  CHECK(f.a.remove_out_of_memory_observer(user2));
+  remove_returned_early = !user2_done.load();
+  failing2.join();
+  CHECK_FALSE(remove_returned_early.load());
+  f.a.deallocate(held);
+}
+
+TEST_CASE("an out-of-memory observer whose own allocation fails gets the error, not another call of itself") {
+  fixture f(64 * MiB);
+  void* held = f.alloc(40 * MiB);
+  int calls = 0;
+  bool own_error = false;
+  std::uint64_t removing = 0;
+  const auto id = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    ++calls;
+    try {
+      f.alloc(30 * MiB);  // fails too: recursed until the stack overflowed
+    } catch (const gpukit::out_of_memory_error&) {
+      own_error = true;
+    }
+    CHECK(f.a.remove_out_of_memory_observer(removing));  // one removing itself does not wait for itself
+  });
+  removing = id;
+  CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);
+  CHECK(calls == 1);
+  CHECK(own_error);
+  CHECK(f.a.stats().num_ooms == 2);
+  CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);  // removed: called no more
+  CHECK(calls == 1);
+  f.a.deallocate(held);
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include <gpukit/error.hpp>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -50,24 +51,40 @@ using out_of_memory_observer = std::function<void(const out_of_memory_info&)>;
 
 namespace detail {
 
-/// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
-/// use the allocator and add or remove observers.
 /// The message of a caching allocator's out_of_memory_error, from its numbers (`info`, whose `message` is ignored):
 /// what was asked and what it needs (a new segment, or more pages of an expandable one with `pages`), the device's
 /// memory, this allocator's, and the likely cause with what to do about it.
 GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
                                                 bool pages);
 
+/// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
+/// use the allocator and add or remove observers.
 class out_of_memory_observers {
  public:
   std::uint64_t add(out_of_memory_observer observer);
+  /// Once it returns true the observer is not called again and no call of it is under way, except calls on this
+  /// thread (an observer removing itself, or one that the caller is inside).
   bool remove(std::uint64_t id);
-  /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`.
+  /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
+  /// thread already inside an observer: an observer whose own allocation fails gets the error, not another call of
+  /// itself (which would recurse without end).
   void notify(const out_of_memory_info& info, const std::string& device) const noexcept;
 
  private:
+  /// One observer, with the calls of it under way, so that remove() can wait for them.
+  struct entry {
+    explicit entry(out_of_memory_observer f) : observer(std::move(f)) {}
+    const out_of_memory_observer observer;
+    std::mutex mutex;
+    std::condition_variable calls_ended;
+    std::size_t calls = 0;  // under way, on every thread
+    bool removed = false;
+  };
+  /// The entries this thread is calling, innermost last.
+  static std::vector<const entry*>& calling_on_this_thread() noexcept;
+
   mutable std::mutex mutex_;
-  std::vector<std::pair<std::uint64_t, std::shared_ptr<const out_of_memory_observer>>> observers_;
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<entry>>> observers_;
   std::uint64_t last_id_ = 0;
 };
 
@@ -128,36 +145,70 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
 
 GPUKIT_INLINE std::uint64_t out_of_memory_observers::add(out_of_memory_observer observer) {
   if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
+  auto made = std::make_shared<entry>(std::move(observer));
   std::lock_guard<std::mutex> lock(mutex_);
-  observers_.emplace_back(++last_id_, std::make_shared<const out_of_memory_observer>(std::move(observer)));
+  observers_.emplace_back(++last_id_, std::move(made));
   return last_id_;
 }
 
 GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
-  if (it == observers_.end()) return false;
-  observers_.erase(it);
+  std::shared_ptr<entry> removed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = std::find_if(observers_.begin(), observers_.end(), [id](const auto& o) { return o.first == id; });
+    if (it == observers_.end()) return false;
+    removed = std::move(it->second);
+    observers_.erase(it);
+  }
+  // notify() may have copied the entry before the erase: it checks `removed` before each call. Calls already under
+  // way on other threads are waited for, so that what the observer uses may be destroyed once this returns (the
+  // usual pattern: an object's destructor removes the observer that captured it). Those on this thread cannot be.
+  const std::vector<const entry*>& own = calling_on_this_thread();
+  const auto own_calls = static_cast<std::size_t>(std::count(own.begin(), own.end(), removed.get()));
+  std::unique_lock<std::mutex> lock(removed->mutex);
+  removed->removed = true;
+  removed->calls_ended.wait(lock, [&] { return removed->calls == own_calls; });
   return true;
+}
+
+GPUKIT_INLINE std::vector<const out_of_memory_observers::entry*>&
+out_of_memory_observers::calling_on_this_thread() noexcept {
+  thread_local std::vector<const entry*> calling;
+  return calling;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
-  std::vector<std::shared_ptr<const out_of_memory_observer>> observers;
+  std::vector<const entry*>& calling = calling_on_this_thread();
+  if (!calling.empty()) return;  // an observer's own out-of-memory error
+  std::vector<std::shared_ptr<entry>> observers;
   try {
+    calling.reserve(1);  // the push_back below cannot fail then
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& o : observers_) observers.push_back(o.second);
   } catch (...) {
     return;  // no memory to copy the list: the error about to be thrown says why
   }
   for (const auto& observer : observers) {
+    {
+      std::lock_guard<std::mutex> lock(observer->mutex);
+      if (observer->removed) continue;
+      ++observer->calls;
+    }
+    calling.push_back(observer.get());
     try {
-      (*observer)(info);
+      observer->observer(info);
     } catch (const std::exception& e) {
       warn_parts("gpukit: an out-of-memory observer of ", device, " threw: ", e.what());
     } catch (...) {
       warn_parts("gpukit: an out-of-memory observer of ", device, " threw a non-standard exception");
     }
+    calling.pop_back();
+    {
+      std::lock_guard<std::mutex> lock(observer->mutex);
+      --observer->calls;
+    }
+    observer->calls_ended.notify_all();
   }
 }
 
