@@ -9,6 +9,7 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
@@ -109,7 +110,15 @@ TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out 
   }
   CHECK(message.find("pages of 2.00 MiB mapped into its expandable segment") != std::string::npos);
   CHECK(message.find("reserved limit would be exceeded") != std::string::npos);
-  CHECK(f.a.memory_reserved() <= 10 * MiB);
+  CHECK(message.find("1.00 MiB mapped but unallocated") != std::string::npos);  // the last page's tail
+  CHECK(f.a.memory_reserved() == 10 * MiB);
+  CHECK(f.invariants({a}) == "");
+  // A request whose pages fit only in part maps none of them (the limit is checked for all first): 3 of the 4 pages
+  // of 8 MiB were mapped before, and kept after the error.
+  f.a.set_reserved_limit(16 * MiB);
+  CHECK_THROWS_AS((void)f.a.allocate(8 * MiB, f.s0), gpukit::out_of_memory_error);
+  CHECK(f.a.memory_reserved() == 10 * MiB);
+  CHECK(f.a.upstream().used() == 10 * MiB);
   CHECK(f.invariants({a}) == "");
   f.a.deallocate(a);
   void* again = f.a.allocate(3 * MiB, f.s0);  // usable after the error
@@ -119,7 +128,13 @@ TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out 
 TEST_CASE("expandable segments: the upstream refusing a page is out of memory, and nothing leaks") {
   setup f(expandable(), 8 * MiB);
   void* a = f.a.allocate(4 * MiB, f.s0);
+  const std::uint64_t maps_before = f.a.stats().num_device_alloc;
   CHECK_THROWS_AS((void)f.a.allocate(6 * MiB, f.s0), gpukit::out_of_memory_error);
+  // The pages mapped for the failed request went back, as PyTorch's expandable segments do (they stayed: the whole
+  // device held after a failed request).
+  CHECK(f.a.memory_reserved() == 4 * MiB);
+  CHECK(f.a.upstream().used() == 4 * MiB);
+  CHECK(f.a.stats().num_device_alloc == maps_before);  // counted only when the request got all its pages
   CHECK(f.invariants({a}) == "");
   f.a.upstream().fail_next(1);  // a transient refusal: the retry after releasing the cache succeeds
   void* b = f.a.allocate(2 * MiB, f.s0);

@@ -920,8 +920,12 @@ class basic_caching_allocator {
   block* grow_expandable(stream_state& st, std::size_t size, bool small);
 
   /// Maps the unmapped pages under the first `size` bytes of free block `b` of an expandable segment. False when
-  /// the reserved limit (`limit_hit`) or the upstream refuses a page; the pages mapped so far stay (cached memory).
+  /// the reserved limit (`limit_hit`) or the upstream refuses a page; nothing stays mapped then.
   bool map_pages(block* b, std::size_t size, bool& limit_hit);
+  /// Counts page `i` of `seg` as mapped (statistics, history).
+  void note_mapped(segment* seg, std::size_t i) noexcept;
+  /// Unmaps `n` pages of `seg` (indices `pages`) that map_pages mapped for a request it then failed.
+  void unmap_unused(segment* seg, const std::size_t* pages, std::size_t n) noexcept;
 
   /// Makes free block `b` of an expandable segment usable for `size` bytes: maps its pages, and under pressure
   /// releases cached memory (free pages included) and looks again, like allocate_slow. Returns the block to take.

@@ -1866,28 +1866,55 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::map_pages(block
     segment* seg = b->seg;
     const std::size_t page = seg->pages.page_size();
     const auto touched = seg->pages.touched_by(b->address - seg->address, size);
+    std::vector<std::size_t> missing;
     for (std::size_t i = touched.first; i < touched.end; ++i) {
-      if (seg->pages.is_mapped(i)) continue;
-      if (!within_limit(page)) {
-        limit_hit = true;
-        return false;
-      }
-      limit_hit = false;
-      if (!upstream_.map(reinterpret_cast<void*>(seg->address + i * page), page)) return false;
-      if (memory_history* h = history_.load(std::memory_order_acquire)) {
-        h->record(memory_action::segment_map, seg->address + i * page, page, 0);
-      }
-      seg->pages.set_mapped(i);
-      count(st_reserved_bytes, seg->small, as_delta(page));
-      stats_.num_device_alloc.increment();
-      high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
+      if (!seg->pages.is_mapped(i)) missing.push_back(i);
     }
+    limit_hit = !within_limit(missing.size() * page);  // all or none: a refused request leaves nothing mapped
+    if (limit_hit) return false;
+    std::size_t mapped = 0;
+    try {
+      while (mapped < missing.size() &&
+             upstream_.map(reinterpret_cast<void*>(seg->address + missing[mapped] * page), page)) {
+        ++mapped;
+      }
+    } catch (...) {
+      unmap_unused(seg, missing.data(), mapped);
+      throw;
+    }
+    if (mapped < missing.size()) {  // the device is out of memory: the pages of this request go back, as PyTorch's
+      unmap_unused(seg, missing.data(), mapped);  // expandable segments do
+      return false;
+    }
+    for (const std::size_t i : missing) note_mapped(seg, i);
     return true;
   } else {
     (void)b;
     (void)size;
     (void)limit_hit;
     return true;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_mapped(segment* seg, std::size_t i) noexcept {
+  const std::size_t page = seg->pages.page_size();
+  if (memory_history* h = history_.load(std::memory_order_acquire)) {
+    h->record(memory_action::segment_map, seg->address + i * page, page, 0);
+  }
+  seg->pages.set_mapped(i);
+  count(st_reserved_bytes, seg->small, as_delta(page));
+  stats_.num_device_alloc.increment();
+  high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::unmap_unused(segment* seg, const std::size_t* pages,
+                                                                              std::size_t n) noexcept {
+  const std::size_t page = seg->pages.page_size();
+  for (std::size_t k = 0; k < n; ++k) {
+    // No work has used these pages: nothing to wait for. One the upstream keeps mapped is cached memory.
+    if (!upstream_unmap(seg->address + pages[k] * page, page, true)) note_mapped(seg, pages[k]);
   }
 }
 
