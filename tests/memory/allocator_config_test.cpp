@@ -7,12 +7,13 @@
 
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 using namespace gpukit_test;
 
 namespace {
 
-std::string refusal(const char* config) {
+std::string refusal(std::string_view config) {
   try {
     (void)gpukit::parse_allocator_config(config);
   } catch (const gpukit::invalid_argument_error& e) {
@@ -122,6 +123,18 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:1000"), "inconsistent options"));
   CHECK(contains(refusal("rounding:1000"), "rounding must be a power of two"));
   CHECK(contains(refusal("medium_size:2000000"), "medium_size must be a multiple of the rounding"));
+  // Large blocks cached in front without a front cache were ignored silently.
+  CHECK(contains(refusal("front_cache:false,front_cache_large:true"), "front_cache_large needs front_cache"));
+  CHECK_FALSE(gpukit::parse_allocator_config("front_cache:false").front_cache);  // contended alone is no error
+  // The unknown-key message lists every key.
+  CHECK(contains(refusal("growth:2"), "medium_segment_growth"));
+  // Bytes a terminal would hide or cut the message at are shown: a no-break space after a valid entry, a NUL.
+  CHECK(contains(refusal("reserved_limit:1GiB\xc2\xa0"), "entry \"reserved_limit:1GiB\\xc2\\xa0\""));
+  const std::string_view with_nul(
+      "rounding:5\0"
+      "12",
+      13);
+  CHECK(contains(refusal(with_nul), "\"rounding:5\\x0012\""));
 }
 
 TEST_CASE(

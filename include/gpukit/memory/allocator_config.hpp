@@ -32,6 +32,10 @@ namespace detail {
 
 GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept;
 
+/// `s` for an error message: bytes outside printable ASCII as \xHH, so that one a terminal would hide (a
+/// no-break space, a NUL) shows where it is.
+GPUKIT_INLINE std::string printable(std::string_view s);
+
 /// What parse_config_size found.
 enum class config_size_result { ok, malformed, too_large };
 
@@ -73,6 +77,21 @@ GPUKIT_INLINE std::string_view trim_spaces(std::string_view s) noexcept {
   return s.substr(first, s.find_last_not_of(white) - first + 1);
 }
 
+GPUKIT_INLINE std::string printable(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (const char c : s) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out += c;
+    } else {
+      constexpr char hex[] = "0123456789abcdef";
+      out += {'\\', 'x', hex[byte >> 4], hex[byte & 0xf]};
+    }
+  }
+  return out;
+}
+
 GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::size_t& bytes) noexcept {
   std::size_t digits = 0;
   std::size_t value = 0;
@@ -104,8 +123,8 @@ GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::s
 GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, allocator_options base,
                                                        std::string_view source) {
   auto fail = [&](std::string_view entry, const std::string& why) -> void {
-    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + std::string(config) + "\": entry \"" +
-                                 std::string(entry) + "\": " + why);
+    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + detail::printable(config) + "\": entry \"" +
+                                 detail::printable(entry) + "\": " + why);
   };
   struct entry_text {
     std::string_view text, key, value;
@@ -237,17 +256,16 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
         fail(e.text, "capture_check must be every_call or gpukit_captures");
       }
     } else {
-      fail(e.text,
-           "unknown key \"" + std::string(e.key) +
-               "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
-               "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, and the "
-               "size options of allocator_options)");
+      fail(e.text, "unknown key \"" + std::string(e.key) +
+                       "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
+                       "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, "
+                       "medium_segment_growth, and the size options of allocator_options)");
     }
   }
   try {
     o.validate();
   } catch (const invalid_argument_error& e) {
-    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + std::string(config) +
+    throw invalid_argument_error("gpukit: " + std::string(source) + " \"" + detail::printable(config) +
                                  "\" gives inconsistent options: " + e.what());
   }
   return o;

@@ -91,7 +91,8 @@ struct allocator_options {
   /// 8 MiB pairs: 2 threads reach 1.8x one thread's throughput, against 0.3x without, and one thread's pair is 2x
   /// faster). Off by default: a cached large block does not coalesce with its neighbours until the heap takes it
   /// back, which raised the memory single-threaded training traces need by up to 12 % (bench_fragmentation, minimum
-  /// capacity); front_cache_large_when_contended (on by default) turns it on once threads contend. Needs front_cache.
+  /// capacity); front_cache_large_when_contended (on by default) turns it on once threads contend. Needs front_cache
+  /// (validate() refuses it without).
   bool front_cache_large = false;
   /// Back each stream's small and large pools with one reserved virtual address range, into which the upstream's
   /// pages (2 MiB on current GPUs) are mapped as blocks are taken and unmapped when memory is released (PyTorch's
@@ -170,6 +171,7 @@ GPUKIT_INLINE void allocator_options::validate() const {
   if (expandable_segments_required && !expandable_segments) {
     fail("expandable_segments_required needs expandable_segments");
   }
+  if (front_cache_large && !front_cache) fail("front_cache_large needs front_cache (it would be ignored)");
 }
 
 GPUKIT_END_NAMESPACE
