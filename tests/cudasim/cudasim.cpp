@@ -198,6 +198,7 @@ struct device_state {
   std::size_t pool_used_high = 0;
   std::uint64_t pool_release_threshold = 0;
   std::uint64_t pool_peers = 0;  // bit d: cudaMemPoolSetAccess granted visible ordinal d the default pool's memory
+  std::map<std::size_t, std::vector<void*>> pool_freed_blocks;  // by rounded size, with reuse_pool_addresses
   stream_ptr legacy;
   std::vector<stream_ptr> streams;  // every stream with work or a live handle, legacy and per-thread ones included
   bool workers = false;
@@ -241,6 +242,7 @@ struct handle_table {
 
 struct simulator {
   std::mutex mutex;
+  bool reuse_pool_addresses = false;  // see cudasim::reuse_pool_addresses
   std::condition_variable changed;
   bool initialized = false;
   bool configured = false;
@@ -1874,6 +1876,11 @@ int live_streams(int device) {
   return n;
 }
 
+void reuse_pool_addresses(bool on) {
+  std::lock_guard<std::mutex> lock(sim().mutex);
+  sim().reuse_pool_addresses = on;
+}
+
 void drain_all() {
   simulator& s = sim();
   std::unique_lock<std::mutex> lock(s.mutex);
@@ -2455,7 +2462,14 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
   if (rounded < size || growth > dev.config.total_memory - std::min(dev.used, dev.config.total_memory)) {
     return c.result(cudaErrorMemoryAllocation);
   }
-  void* memory = allocate_host_memory(rounded);
+  void* memory = nullptr;
+  if (auto freed = dev.pool_freed_blocks.find(rounded);
+      freed != dev.pool_freed_blocks.end() && !freed->second.empty()) {
+    memory = freed->second.back();
+    freed->second.pop_back();
+  } else {
+    memory = allocate_host_memory(rounded);
+  }
   if (memory == nullptr) return c.result(cudaErrorMemoryAllocation);
   region r;
   r.base = reinterpret_cast<std::uintptr_t>(memory);
@@ -2553,7 +2567,8 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   // Freed when the stream reaches this point (the precheck runs under the machine's lock).
   auto o = std::make_shared<op>();
   o->what = c.function;
-  o->precheck = [p, pending, rounded, on = st.get(), device = it->second.device] {
+  auto kept = std::make_shared<bool>(false);  // by the pool, for reuse_pool_addresses
+  o->precheck = [p, pending, rounded, kept, on = st.get(), device = it->second.device] {
     simulator& s = sim();
     device_state& dev = s.devices[static_cast<std::size_t>(device)];
     if (pending) {  // first: the stream's pending bytes go even if the region went another way meanwhile
@@ -2574,10 +2589,16 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
         dev.used -= rounded;
       }
     }
+    if (s.reuse_pool_addresses && found->second.pooled) {
+      dev.pool_freed_blocks[rounded].push_back(p);
+      *kept = true;
+    }
     s.regions.erase(found);
     return true;
   };
-  o->work = [p] { std::free(p); };
+  o->work = [p, kept] {
+    if (!*kept) std::free(p);
+  };
   if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
   if (pending) {  // after the enqueue, which may be refused (its precheck cannot run before this call returns)
     device_state& dev = c.s.devices[static_cast<std::size_t>(it->second.device)];

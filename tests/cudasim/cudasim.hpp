@@ -143,5 +143,9 @@ CUDASIM_API std::size_t device_memory_used(int device);
 CUDASIM_API int live_streams(int device);
 /// Waits until every stream of every device is idle (a test helper: never blocks on work that cannot progress).
 CUDASIM_API void drain_all();
+/// From now on (`on`), a cudaMallocAsync served by a default pool returns, if it can, the address of that pool's most
+/// recently freed block of the same rounded size, as a real pool may; off (the default), every allocation gets a new
+/// address.
+CUDASIM_API void reuse_pool_addresses(bool on);
 
 }  // namespace cudasim

@@ -79,6 +79,41 @@ class open_at_exit {
   std::vector<gate*> gates_;
 };
 
+/// Before the `nth` next call of `function`, another thread destroys `doomed` (its handle is not reused); the call
+/// goes on once that is done, or after 200 ms if the destruction is held off (a stream kept alive: a
+/// stream_life::keep_alive). Joins that thread when it ends.
+class destroyed_by_another_thread {
+ public:
+  destroyed_by_another_thread(const std::string& function, int nth, std::unique_ptr<gpukit::stream>& doomed) {
+    cudasim::before_call(function, nth, [this, &doomed] {
+      destroyer_ = std::thread([this, &doomed] {
+        doomed.reset();
+        destroyed_ = true;
+      });
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      while (!destroyed_ && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      destroyed_during_call_ = destroyed_.load();
+      ran_ = true;
+    });
+  }
+  destroyed_by_another_thread(const destroyed_by_another_thread&) = delete;
+  destroyed_by_another_thread& operator=(const destroyed_by_another_thread&) = delete;
+  ~destroyed_by_another_thread() { join(); }
+
+  void join() {
+    if (destroyer_.joinable()) destroyer_.join();
+  }
+  bool ran() const { return ran_; }
+  /// Whether the stream was destroyed before the call was made.
+  bool destroyed_during_call() const { return destroyed_during_call_; }
+
+ private:
+  std::thread destroyer_;
+  std::atomic<bool> destroyed_{false};
+  bool destroyed_during_call_ = false;
+  bool ran_ = false;
+};
+
 /// Options that never release cached segments on the allocation path: cudaFree waits for the device's work, and the
 /// tests hold that work back with a gate.
 gpukit::allocator_options keep_segments() {
@@ -662,17 +697,30 @@ TEST_CASE("streams: async_allocator frees a destroyed stream's memory after its 
   old_work.open();
   // Both frees run after A's work without B's: waiting for them must not need B's gate opened.
   CHECK_FALSE(new_work.opened_to_return([&] {
-    CHECK(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+    gpukit::detail::synchronize_upstream_stream(cuda0, gpukit::detail::upstream_stream_use::releases);
     CHECK(cudaStreamSynchronize(s.cuda_handle()) == cudaSuccess);
     CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
   }));
   new_work.open();
 }
 
-TEST_CASE("streams: async_allocator orders a free after a recorded stream destroyed and its handle reused meanwhile") {
-  // Another thread destroys the recorded stream between the free's look at it and its event record, and a new stream
-  // gets the handle (LIFO here): the record then orders only the new stream's work. The old one's final event still
-  // holds the free until the work that used the memory has run.
+TEST_CASE("streams: async_allocator keeps a recorded stream from destruction while its free uses the handle") {
+  // Another thread destroys the recorded stream while the free asks whether it is captured or records its event
+  // there: on a destroyed handle (undefined in CUDA, perhaps a new stream's; the simulator reports the use) the record
+  // would order nothing. The destruction waits until the free is done with the handle instead.
+  struct point {
+    const char* call;
+    int nth;
+    bool ordering_fails;
+  };
+  point at{"cudaEventRecord", 1, false};
+  SUBCASE("its event record") {}
+  SUBCASE("the question whether it is captured") { at = {"cudaStreamIsCapturing", 1, false}; }
+  SUBCASE("that question after the ordering failed") {
+    // Asked about s (2), then the recorded stream (3); then the host waits for it.
+    at = {"cudaStreamIsCapturing", 3, true};
+  }
+  CAPTURE(at.call);
   gate old_work;
   open_at_exit at_exit{&old_work};
   gpukit::async_allocator a(cuda0);
@@ -680,31 +728,80 @@ TEST_CASE("streams: async_allocator orders a free after a recorded stream destro
   auto user = std::make_unique<gpukit::stream>(cuda0);
   void* p = a.allocate(block_bytes, s);
   a.record_stream(p, *user);
-  old_work.hold(*user);  // its work, which could still read p
-  bool record_fails = false;
-  SUBCASE("the record is made on the new stream") {}
-  SUBCASE("the record on the new stream fails") { record_fails = true; }
-  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, user, [&] {
-    if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
-  });
-  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize");
-  a.deallocate(p);          // on s, after the recorded stream's work
-  (void)reuse.successor();  // the record went to the new stream
-  // No host wait (not even for the new stream, once the record failed): the old stream's final event is waited for on
-  // the device.
-  CHECK(cudasim::calls("cudaEventSynchronize") + cudasim::calls("cudaStreamSynchronize") == host_waits);
+  if (!at.ordering_fails) old_work.hold(*user);  // its work, which could still read p (a host wait would not end)
+  if (at.ordering_fails) cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorUnknown);
+  destroyed_by_another_thread destroyer(at.call, at.nth, user);
+  a.deallocate(p);
+  CHECK(destroyer.ran());
+  CHECK_FALSE(destroyer.destroyed_during_call());  // held off until the free was done with the handle
+  destroyer.join();
   CHECK(a.memory_allocated() == 0);
-  CHECK_FALSE(stream_idle(s.cuda_handle()));  // the free waits for the old stream's held work
+  if (!at.ordering_fails) {
+    CHECK_FALSE(stream_idle(s.cuda_handle()));  // the free waits for the recorded stream's held work
+    old_work.open();
+  }
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+  cudasim::clear_faults();
+}
+
+TEST_CASE("streams: async_allocator frees a destroyed stream's memory outside this thread's capture") {
+  // The allocation stream destroyed, the free is made on the device's release stream after its final event: on this
+  // thread's per-thread stream, being captured, cudaFreeAsync would join the capture and be refused (memory
+  // allocated outside it), and an unrelated free would fail.
+  gate old_work;
+  open_at_exit at_exit{&old_work};
+  gpukit::async_allocator a(cuda0);
+  void* p = nullptr;
+  {
+    gpukit::stream A(cuda0);
+    old_work.hold(A);  // its work, which could still read p
+    p = a.allocate(block_bytes, A);
+  }
+  gpukit::device_guard guard(cuda0);
+  REQUIRE(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK_NOTHROW(a.deallocate(p));
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(cudaStreamPerThread, &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK_FALSE(a.owns(p));
+  CHECK(a.memory_allocated() == 0);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) >= block_bytes);  // not freed while A's work is held
   old_work.open();
   cudasim::drain_all();
   CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("streams: async_allocator frees on this thread's stream when its stream is destroyed after the free's look") {
+TEST_CASE("streams: async_allocator drops the record of memory freed behind its back when the pool hands it out") {
+  // cudaFreeAsync of an allocator's pointer by someone else: the pool may give the address to the next request, and
+  // the new allocation, not the stale record, is what the allocator must hold and count.
+  cudasim::reuse_pool_addresses(true);
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  captured_warnings warnings;
+  void* p = a.allocate(block_bytes, s);
+  REQUIRE(cudaFreeAsync(p, s.cuda_handle()) == cudaSuccess);
+  s.synchronize();
+  void* q = a.allocate(block_bytes, s);
+  REQUIRE(q == p);  // the pool reuses the address
+  CHECK(warnings.contains("freed without this allocator"));
+  CHECK(a.memory_allocated() == block_bytes);  // the stale record's bytes are no longer counted
+  CHECK(a.stats().allocation.all().current == 1);
+  a.deallocate(q);
+  CHECK(a.memory_allocated() == 0);
+  CHECK_FALSE(a.owns(q));
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+  cudasim::reuse_pool_addresses(false);
+}
+
+TEST_CASE("streams: async_allocator frees on the release stream when its stream is destroyed after the free's look") {
   // Another thread destroys the allocation stream after the free saw it alive, and a new stream gets the handle (LIFO
   // here): a free enqueued on the handle would follow only the new stream's work. Under the stream's lock the free
-  // sees the destruction, and this thread's per-thread stream frees after the old stream's final event instead.
+  // sees the destruction, and the device's release stream frees after the old stream's final event instead.
   gate old_work;
   open_at_exit at_exit{&old_work};
   gpukit::async_allocator a(cuda0);

@@ -58,6 +58,26 @@ TEST_CASE("gpu: async_allocator allocates on a stream, data round-trips, statist
   s.synchronize();
 }
 
+TEST_CASE("gpu: async_allocator's free space leaves out memory other users of the shared pool hold") {
+  // The default pool is shared: another library's live memory in it is not free, though not this allocator's.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  constexpr std::size_t theirs_bytes = std::size_t{64} << 20;
+  void* theirs = nullptr;  // another user of the pool
+  GPUKIT_CUDA_TRY(cudaMallocFromPoolAsync(&theirs, theirs_bytes, a.pool(), s.cuda_handle()));
+  void* mine = a.allocate(4096, s);
+  const gpukit::free_space_info f = a.free_space();
+  const std::size_t reserved = a.memory_reserved();
+  CHECK(reserved >= theirs_bytes + 4096);
+  CHECK(f.free_bytes + theirs_bytes + 4096 <= reserved);
+  CHECK(f.largest_free_block == f.free_bytes);
+  a.deallocate(mine);
+  GPUKIT_CUDA_TRY(cudaFreeAsync(theirs, s.cuda_handle()));
+  s.synchronize();
+}
+
 TEST_CASE("gpu: async_allocator's release threshold decides what the pool keeps at a synchronization") {
   // CUDA's default threshold (0) gives freed memory back at every synchronization, so the next allocation goes to
   // the driver again; gpukit's default keeps it, and trim gives it back. The pool is the process's: only relations.

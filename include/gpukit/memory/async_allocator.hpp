@@ -110,11 +110,13 @@ class async_allocator final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_locked(pool);
   }
-  /// The pool's free memory is not visible: reported as reserved minus allocated, in one block.
+  /// The pool's reserved memory not in use (cudaMemPoolAttrUsedMemCurrent counts every user's live memory, the pool
+  /// being shared: this allocator's is only part of it), reported as one block (the pool's layout is the driver's).
   free_space_info free_space() const override {
-    const allocator_stats s = stats();
+    const auto reserved = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent));
+    const auto used = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrUsedMemCurrent));
     free_space_info f;
-    const std::int64_t free_bytes = s.reserved_bytes.all().current - s.allocated_bytes.all().current;
+    const std::int64_t free_bytes = reserved - used;
     f.free_bytes = free_bytes > 0 ? static_cast<std::size_t>(free_bytes) : 0;
     f.free_blocks = f.free_bytes > 0 ? 1 : 0;
     f.largest_free_block = f.free_bytes;
@@ -326,13 +328,31 @@ class async_allocator final : public device_allocator {
       }
     }
     record.key() = reinterpret_cast<std::uintptr_t>(p);
-    std::lock_guard<std::mutex> lock(mutex_);
-    live_.insert(std::move(record));
-    in_flight_bytes_ -= bytes;
-    reserved.bytes = 0;
-    add(allocations_, 1);
-    add(allocated_bytes_, static_cast<std::int64_t>(bytes));
-    ++device_allocs_;
+    live_map::insert_return_type inserted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      inserted = live_.insert(std::move(record));
+      if (!inserted.inserted) {
+        // The pool handed out an address still recorded as live: that memory was freed behind this allocator's back
+        // (cudaFreeAsync of one of its pointers). The new allocation is the real one; the stale record goes, freed.
+        std::swap(inserted.position->second, inserted.node.mapped());
+        add(allocations_, -1);
+        add(allocated_bytes_, -static_cast<std::int64_t>(inserted.node.mapped().bytes));
+      }
+      in_flight_bytes_ -= bytes;
+      reserved.bytes = 0;
+      add(allocations_, 1);
+      add(allocated_bytes_, static_cast<std::int64_t>(bytes));
+      ++device_allocs_;
+    }
+    if (!inserted.inserted) {  // outside the lock: a warning handler may use the allocator
+      char text[32];
+      std::snprintf(text, sizeof text, "%p", p);
+      detail::warn_parts("gpukit::async_allocator: cudaMallocAsync returned ", text, ", still a live allocation of ",
+                         detail::bytes_part{inserted.node.mapped().bytes},
+                         " here: it was freed without this allocator (cudaFreeAsync on its pointer?); that record is "
+                         "dropped, and the memory is the new allocation's");
+    }
     return p;
   }
 
@@ -459,6 +479,16 @@ class async_allocator final : public device_allocator {
     }
   }
 
+  /// Whether `s` (whose record is `life`, or nullptr) is being captured, asked while it is kept from destruction:
+  /// another thread could destroy it after a look at destroyed(), and its handle name a new stream. A destroyed
+  /// stream captures nothing. Takes its keep_alive: never called while another stream's is held (two threads with
+  /// their streams swapped would deadlock).
+  static bool captured_while_kept(const stream_view& s, const detail::stream_life* life) {
+    std::unique_lock<std::mutex> alive;
+    if (life != nullptr) alive = life->keep_alive();
+    return !(life != nullptr && life->expired()) && detail::capture_status(s) != cudaStreamCaptureStatusNone;
+  }
+
   void check_device(const stream_view& stream, const char* operation) const {
     detail::require_stream_of(stream, device_, "gpukit::async_allocator", operation);
   }
@@ -481,7 +511,7 @@ class async_allocator final : public device_allocator {
     }
     allocation& a = taken.mapped();  // moved out only by defer()
     // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
-    // stream now): then this thread's per-thread default stream frees it, after that work.
+    // stream now): then the device's upstream release stream frees it, after that work (stand_in_stream).
     const bool stream_destroyed = a.stream.destroyed();  // read once: it may change at any time
     const stream_view on = stream != nullptr ? *stream : usable_view(a.stream, stream_destroyed);
     const bool also_allocation_stream = stream != nullptr || stream_destroyed;
@@ -535,12 +565,13 @@ class async_allocator final : public device_allocator {
   /// asked is taken as not captured (the free goes on as before).
   const stream_view* capture_joined(const allocation& a, const stream_view& on) const noexcept {
     try {
-      const auto capturing = [](const stream_view& s) {  // the legacy stream, or another thread's, cannot be asked
-        return !detail::uses_legacy_stream(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone;
+      const auto capturing = [](const stream_view& s, const detail::stream_life* life) {
+        // The legacy stream, or another thread's, cannot be asked.
+        return !detail::uses_legacy_stream(s) && captured_while_kept(s, life);
       };
       for (const kept_stream& user : a.users) {
-        if (user.view == on || user.destroyed() || !capturing(user.view)) continue;
-        return capturing(on) ? nullptr : &user.view;  // both captured: an ordering inside the graph
+        if (user.view == on || !capturing(user.view, user.life.get())) continue;
+        return capturing(on, on.lifetime().get()) ? nullptr : &user.view;  // both captured: an ordering in the graph
       }
     } catch (...) {
     }
@@ -625,11 +656,12 @@ class async_allocator final : public device_allocator {
                     [&](const stream_view& s) { state.legacy_refused = state.legacy_refused || hold.refuses(s); });
     if (!state.legacy_refused && !always_ask) return state;
     device_guard guard(device_);
-    for_each_stream(a, on, [&](const stream_view& s) {
+    const auto ask = [&](const stream_view& s, const detail::stream_life* life) {
       // The legacy stream, or another thread's per-thread one, is not gpukit's to capture (and cannot be asked).
-      if (!detail::uses_legacy_stream(s) && detail::capture_status(s) != cudaStreamCaptureStatusNone)
-        state.captured = true;
-    });
+      if (!detail::uses_legacy_stream(s) && captured_while_kept(s, life)) state.captured = true;
+    };
+    ask(on, on.lifetime().get());
+    for (const kept_stream& user : a.users) ask(user.view, user.life.get());
     return state;
   }
   /// A free that needs the legacy stream during a gpukit capture waits until the captures end, unless a stream it
@@ -648,8 +680,8 @@ class async_allocator final : public device_allocator {
 
   /// Makes the frees deallocate deferred whose streams can be used again (no gpukit capture underway, none of them
   /// captured); the others keep waiting. Cheap when none waits (one atomic load), so every allocate and deallocate
-  /// calls it. A free whose stream was destroyed meanwhile waits for that stream's last work and runs on this
-  /// thread's per-thread stream, as deallocate does for a destroyed allocation stream.
+  /// calls it. A free whose stream was destroyed meanwhile waits for that stream's last work and runs on the device's
+  /// release stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
     detail::capture_hold hold(true);  // until the due frees are enqueued: most use the legacy stream
@@ -706,19 +738,29 @@ class async_allocator final : public device_allocator {
     }
   }
 
-  /// The stream the deferred free `d` is made on now: its own, or, once that is destroyed (`on_destroyed`), this
-  /// thread's per-thread stream after the destroyed one's last work, which then joins the users (in the room reserved
+  /// The stream the deferred free `d` is made on now: its own, or, once that is destroyed (`on_destroyed`), the
+  /// device's release stream after the destroyed one's last work, which then joins the users (in the room reserved
   /// when deferred: cannot throw; taken out again by pop_back if the free waits once more).
   stream_view prepare(deferred_free& d, bool& on_destroyed) const noexcept {
     on_destroyed = d.on.destroyed();  // read once: it may change at any time
     if (on_destroyed) d.a.users.push_back(d.on);
     return usable_view(d.on, on_destroyed);
   }
-  /// The stream a free is made on instead of `s`: `s` itself, or this thread's per-thread stream once `s` is
-  /// destroyed (its handle may name another stream now; the caller waits for its final event).
+  /// The stream a free is made on instead of `s`: `s` itself, or stand_in_stream() once `s` is destroyed (its handle
+  /// may name another stream now; the caller waits for its final event).
   stream_view usable_view_of(const kept_stream& s) const noexcept { return usable_view(s, s.destroyed()); }
   stream_view usable_view(const kept_stream& s, bool destroyed) const noexcept {
-    return destroyed ? stream_view(device_, cudaStreamPerThread) : s.view;
+    return destroyed ? stand_in_stream() : s.view;
+  }
+  /// Where a free whose stream was destroyed is made: the device's upstream release stream, never captured by gpukit
+  /// (this thread's per-thread stream may be, and the free would join that capture and fail); this thread's
+  /// per-thread stream if the release stream cannot be created.
+  stream_view stand_in_stream() const noexcept {
+    try {
+      return stream_view(device_, detail::upstream_stream(device_, detail::upstream_stream_use::releases));
+    } catch (...) {
+      return stream_view(device_, cudaStreamPerThread);
+    }
   }
 
   /// cudaFreeAsync of `p` on `on`, after the work of the streams that recorded it (device-side waits). Where a wait
@@ -740,82 +782,116 @@ class async_allocator final : public device_allocator {
     // an ordinary free makes no cudaStreamIsCapturing call (each costs about 100 ns on an H100 host). A capture a
     // failure invalidated still answers "captured" (cudaStreamCaptureStatusInvalidated).
     bool asked = false;
-    stream_view free_view = on;  // the stream freed on: `on`, or this thread's once `on` was destroyed
-    auto captured = [&] {
-      if (!asked) {
-        asked = true;
-        capturing = detail::capture_status(free_view) != cudaStreamCaptureStatusNone;
-        for (const kept_stream& user : a.users) {  // a destroyed stream's handle may name another stream now
-          if (!user.destroyed())
-            capturing = capturing || detail::capture_status(user.view) != cudaStreamCaptureStatusNone;
-        }
-      }
-      return capturing;
-    };
     try {
       device_guard guard(device_);
       // cudaFreeAsync on a stream that is not captured, and the host waits, are refused in global mode while any
       // thread captures (and invalidate that capture); relaxed, they are not.
       const detail::relaxed_capture_mode relaxed;
       // `on` is kept from destruction (its ~stream waits) while work is enqueued on its handle: another thread could
-      // destroy it after the caller's look, and a new stream get the handle. It is let go for host waits. Once
-      // destroyed, this thread's per-thread stream frees instead, after `on`'s final event (which follows what was
-      // enqueued on it so far).
+      // destroy it after the caller's look, and a new stream get the handle. It is let go for host waits, and while a
+      // recorded stream is kept (one stream at a time: two frees with their roles swapped would deadlock). Once
+      // destroyed, the device's upstream release stream frees instead (gpukit never captures it; this thread's
+      // per-thread stream may be captured), after `on`'s final event (which follows what was enqueued on it so far).
       const kept_stream kept_on = kept_stream::of(on);
       std::unique_lock<std::mutex> on_alive;
       cudaStream_t free_stream = nullptr;
+      stream_view free_view = on;  // the stream freed on
       bool on_gone = false;
-      // Called first and after each host wait: false when the free must wait for the captures.
+      // Each stream asked while kept (captured_while_kept): first called while no stream is kept (or only `on`,
+      // whose keep is then used; another's would risk the deadlock above).
+      const auto captured = [&] {
+        if (!asked) {
+          asked = true;
+          if (on_gone) {
+            capturing = detail::capture_status(free_view) != cudaStreamCaptureStatusNone;
+          } else if (on_alive.owns_lock()) {
+            capturing = !kept_on.destroyed() && detail::capture_status(free_view) != cudaStreamCaptureStatusNone;
+          } else {
+            capturing = captured_while_kept(free_view, kept_on.life.get());
+          }
+          for (const kept_stream& user : a.users) {
+            const bool held = on_alive.owns_lock() && user.life == kept_on.life;
+            capturing = capturing ||
+                        (held ? !user.destroyed() && detail::capture_status(user.view) != cudaStreamCaptureStatusNone
+                              : captured_while_kept(user.view, user.life.get()));
+          }
+        }
+        return capturing;
+      };
+      // Called first and after `on` was let go: false when the free must wait for the captures.
       const auto keep_free_stream = [&] {
         if (!on_gone) {
-          if (kept_on.life != nullptr) on_alive = kept_on.life->keep_alive();
+          if (kept_on.life != nullptr && !on_alive.owns_lock()) on_alive = kept_on.life->keep_alive();
           if (!kept_on.destroyed()) {
             free_stream = kept_on.handle_here();
           } else {
             on_alive = {};
             on_gone = true;
-            asked = false;  // asked again, about this thread's stream
+            asked = false;  // asked again, about the release stream
             capturing = false;
-            free_view = stream_view(device_, cudaStreamPerThread);
-            free_stream = cudaStreamPerThread;
+            free_view = stand_in_stream();
+            free_stream = free_view.cuda_handle();
             (void)wait_for_destroyed(free_stream, *kept_on.life, captured, hold, on_alive);
           }
         }
         return resume();
       };
       if (!keep_free_stream()) return free_result::wait_for_captures;
+      // Each recorded stream is kept while it is looked at and its event recorded (its handle may be a new stream's
+      // once it is destroyed), `on` only while the event is waited for there.
+      const auto keep = [](const kept_stream& s) {
+        return s.life != nullptr ? s.life->keep_alive() : std::unique_lock<std::mutex>();
+      };
+      struct new_event {
+        cudaEvent_t e = nullptr;
+        ~new_event() {
+          if (e != nullptr) (void)cudaEventDestroy(e);  // CUDA releases it once the wait is done
+        }
+      };
       for (const kept_stream& user : a.users) {
-        if (user.destroyed()) {
+        // `on` itself: its work precedes the free (and if it was destroyed, its final event was waited for above).
+        if (user.life == kept_on.life && user.view.native_handle() == kept_on.view.native_handle() &&
+            (!user.view.is_per_thread() || user.view.id() == kept_on.view.id())) {
+          continue;
+        }
+        if (user.life == nullptr && user.handle_here() == free_stream) continue;  // a default stream, the freeing one
+        if (user.life != nullptr) on_alive = {};
+        new_event done;
+        cudaError_t ordered = cudaSuccess;
+        bool gone = false;
+        {
+          const std::unique_lock<std::mutex> user_alive = keep(user);
+          gone = user.destroyed();
+          if (!gone) ordered = record_new_event(user.handle_here(), done.e);
+        }
+        if (gone) (void)captured();  // wait_for_destroyed asks: before `on` is kept (captured() keeps each stream)
+        if (!keep_free_stream()) return free_result::wait_for_captures;
+        if (gone) {
           if (!wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) && !keep_free_stream()) {
             return free_result::wait_for_captures;
           }
           continue;
         }
-        const cudaStream_t user_stream = user.handle_here();
-        if (user_stream == free_stream) continue;
-        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record or the synchronize
-        // below (which then waited only for that one's work): its final event covers its own work.
-        const auto wait_if_destroyed = [&] {
-          return !user.destroyed() || wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) ||
-                 keep_free_stream();
-        };
-        const cudaError_t ordered = order_after(free_stream, user_stream);
         if (ordered == cudaSuccess) {
-          if (!wait_if_destroyed()) return free_result::wait_for_captures;
-          continue;
+          ordered = cudaStreamWaitEvent(free_stream, done.e, 0);
+          if (ordered == cudaSuccess) continue;
         }
         (void)cudaGetLastError();
-        if (user.destroyed()) {  // the record may have failed on the handle's new owner (of another device)
-          if (!wait_if_destroyed()) return free_result::wait_for_captures;
-          continue;
-        }
+        on_alive = {};  // before captured(), which keeps each stream it asks
         if (captured()) {
           GPUKIT_CUDA_TRY_DESCRIBED(ordered, "ordering a free after a recorded stream", device_.ordinal());
         }
         hold.release();
-        on_alive = {};
-        if (!wait_on_host(user_stream, may_defer)) return free_result::wait_for_captures;
-        if (!keep_free_stream() || !wait_if_destroyed()) return free_result::wait_for_captures;
+        {
+          // Kept through the host wait, which its destruction then waits for (the same work).
+          const std::unique_lock<std::mutex> user_alive = keep(user);
+          gone = user.destroyed();
+          if (!gone && !wait_on_host(user.handle_here(), may_defer)) return free_result::wait_for_captures;
+        }
+        if (!keep_free_stream()) return free_result::wait_for_captures;
+        if (gone && !wait_for_destroyed(free_stream, *user.life, captured, hold, on_alive) && !keep_free_stream()) {
+          return free_result::wait_for_captures;
+        }
       }
       const cudaError_t freed = cudaFreeAsync(p, free_stream);
       on_alive = {};
@@ -893,15 +969,18 @@ class async_allocator final : public device_allocator {
     return false;
   }
 
-  /// `free_stream` waits on the device for the work `user` has enqueued so far (an event, destroyed at once: CUDA
-  /// releases it once the wait is done).
-  cudaError_t order_after(cudaStream_t free_stream, cudaStream_t user) const noexcept {
-    cudaEvent_t e = nullptr;
+  /// A new event recorded on `s`, for a wait on another stream. On failure none is left.
+  static cudaError_t record_new_event(cudaStream_t s, cudaEvent_t& e) noexcept {
     cudaError_t result = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    if (result != cudaSuccess) return result;
-    result = cudaEventRecord(e, user);
-    if (result == cudaSuccess) result = cudaStreamWaitEvent(free_stream, e, 0);
-    (void)cudaEventDestroy(e);
+    if (result != cudaSuccess) {
+      e = nullptr;
+      return result;
+    }
+    result = cudaEventRecord(e, s);
+    if (result != cudaSuccess) {
+      (void)cudaEventDestroy(e);
+      e = nullptr;
+    }
     return result;
   }
 
