@@ -18,13 +18,17 @@
 #include "support.hpp"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <memory_resource>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
@@ -202,7 +206,20 @@ allocator_state state_of(const gpukit::device_allocator& a) {
           cudasim::calls("cudaEventRecord")};
 }
 
+/// Run once, on the thread that made it, right after the next cudaEventRecord returns (cudasim::before_call runs
+/// only before a call): what another thread does between a record and what follows it, made deterministic.
+std::atomic<std::function<void()>*> after_next_event_record{nullptr};
+
 }  // namespace
+
+// Interposes the simulator's cudaEventRecord for after_next_event_record (gpukit is header-only: its calls bind here).
+extern "C" cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  using record_function = cudaError_t (*)(cudaEvent_t, cudaStream_t);
+  static const auto real = reinterpret_cast<record_function>(dlsym(RTLD_NEXT, "cudaEventRecord"));
+  const cudaError_t result = real(event, stream);
+  if (std::function<void()>* action = after_next_event_record.exchange(nullptr)) (*action)();
+  return result;
+}
 
 TEST_CASE("capture: allocating on a capturing stream throws, for a cache hit and a miss, and changes nothing") {
   gpukit::caching_allocator allocator(cuda0);
@@ -1713,6 +1730,244 @@ TEST_CASE("capture: a graph pool block used by the legacy default stream is free
   second.launch(blocking);  // records the legacy stream's work now, and waits for it unless already done
   CHECK(cudasim::calls("cudaStreamWaitEvent") <= waits + 1);
   blocking.synchronize();
+}
+
+namespace {
+
+/// The first int at device address `p`.
+int first_int_at(const void* p) {
+  int value = 0;
+  REQUIRE(cudaMemcpy(&value, p, sizeof value, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return value;
+}
+
+}  // namespace
+
+TEST_CASE("capture: a graph pool block freed without a stream is reused by the pool's graphs after its stream's work") {
+  // deallocate(p) frees in the order of the stream p was allocated on (device_buffer's destructor frees so): a graph
+  // of the pool that reuses the block waits on the device for that stream's work up to the free.
+  constexpr std::size_t bytes = 4096;
+  gpukit::stream s(cuda0);
+  gpukit::stream y(cuda0);
+  gpukit::device_buffer<int> seen(bytes / sizeof(int), s);
+  auto pool = gpukit::graph_pool::create(cuda0, bytes);
+  cudasim::drain_all();  // the reserve's event has completed: only y's work is waited for
+  gpukit_test::gate held;
+  void* block = nullptr;
+  gpukit::graph producer;
+  SUBCASE("a direct allocation from the pool") {
+    block = pool->allocate(bytes, y);
+    REQUIRE(cudaMemsetAsync(block, 2, bytes, y.cuda_handle()) == cudaSuccess);
+    held.hold(y);
+    REQUIRE(cudaMemcpyAsync(seen.data(), block, bytes, cudaMemcpyDeviceToDevice, y.cuda_handle()) == cudaSuccess);
+    pool->deallocate(block);
+  }
+  SUBCASE("a graph's output, a device_buffer destroyed after its stream read it") {
+    std::unique_ptr<gpukit::device_buffer<int>> out;
+    producer = gpukit::capture(
+        y,
+        [&] {
+          out = std::make_unique<gpukit::device_buffer<int>>(bytes / sizeof(int), y);
+          REQUIRE(cudaMemsetAsync(out->data(), 2, bytes, y.cuda_handle()) == cudaSuccess);
+        },
+        pool);
+    block = out->data();
+    producer.launch(y);
+    held.hold(y);
+    REQUIRE(cudaMemcpyAsync(seen.data(), block, bytes, cudaMemcpyDeviceToDevice, y.cuda_handle()) == cudaSuccess);
+    out.reset();  // deallocate(p): in y's order
+  }
+  void* reused = nullptr;
+  gpukit::graph second = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(bytes / sizeof(int), s);
+        reused = tmp.data();
+        REQUIRE(cudaMemsetAsync(tmp.data(), 3, bytes, s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  CHECK(reused == block);
+  const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+  second.launch(s);
+  CHECK(cudasim::calls("cudaStreamWaitEvent") == waits + 1);  // for y's work up to the free, on the device
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);
+  held.open();
+  s.synchronize();
+  y.synchronize();
+  CHECK(first_int_at(seen.data()) == 0x02020202);  // y read its own data, not the second graph's
+}
+
+TEST_CASE("capture: a graph pool's last block freed without a stream returns the reserve after its stream's work") {
+  constexpr std::size_t n = 1024;
+  constexpr std::size_t reserve_bytes = std::size_t{1} << 20;
+  gpukit::stream s(cuda0);
+  gpukit::device_buffer<int> seen(n, s);
+  gpukit::allocator_options options;
+  options.release_before_grow = false;                // no cudaFree (a device-wide wait) while a gate holds work back
+  gpukit::caching_allocator backing(cuda0, options);  // the reserve's, and nothing else's
+  std::unique_ptr<gpukit::device_buffer<int>> out;
+  {
+    auto pool = gpukit::graph_pool::create(cuda0, reserve_bytes, &backing);
+    gpukit::graph producer = gpukit::capture(
+        s,
+        [&] {
+          out = std::make_unique<gpukit::device_buffer<int>>(n, s);
+          REQUIRE(cudaMemsetAsync(out->data(), 2, out->size_bytes(), s.cuda_handle()) == cudaSuccess);
+        },
+        pool);
+    producer.launch(s);
+    s.synchronize();
+  }                                 // the graph and the last handle are gone: the output keeps the pool
+  void* const block = out->data();  // the pool's first block: where its reserve starts
+  gpukit_test::gate held;
+  held.hold(s);
+  REQUIRE(cudaMemcpyAsync(seen.data(), out->data(), out->size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()) ==
+          cudaSuccess);
+  CHECK_FALSE(held.opened_to_return([&] { out.reset(); }));     // the last block: the reserve goes back, unwaited
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the release's unheld work runs meanwhile
+  const auto legacy = gpukit::stream_view::default_stream(cuda0);
+  void* other = backing.allocate(reserve_bytes, legacy);
+  const auto reserve_at = reinterpret_cast<std::uintptr_t>(block);
+  const auto other_at = reinterpret_cast<std::uintptr_t>(other);
+  CHECK((other_at + reserve_bytes <= reserve_at || other_at >= reserve_at + reserve_bytes));  // s's copy is held
+  held.open();
+  s.synchronize();
+  CHECK(first_int_at(seen.data()) == 0x02020202);
+  {
+    const gpukit::device_guard guard(cuda0);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the release's own stream too
+  }
+  void* again = backing.allocate(reserve_bytes, legacy);
+  CHECK(again == block);  // s's copy has run: the reserve is reusable
+  backing.deallocate(again);
+  backing.deallocate(other);
+}
+
+TEST_CASE("capture: a graph pool keeps a stream's latest event when two threads free blocks that stream used") {
+  // Each free records an event on x, then keeps it as x's. Another thread's free on x, between this one's record and
+  // its keeping, records a newer event: the pool must keep that one, or its next launch skips x's work in between.
+  constexpr std::size_t bytes = 4096;
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream x(cuda0);
+  gpukit::device_buffer<int> seen(bytes / sizeof(int), s);
+  auto pool = gpukit::graph_pool::create(cuda0, 2 * bytes);
+  void* first_block = nullptr;
+  void* second_block = nullptr;
+  gpukit::graph first = gpukit::capture(
+      s,
+      [&] {
+        first_block = allocator.allocate(bytes, s);
+        second_block = allocator.allocate(bytes, s);
+        REQUIRE(cudaMemsetAsync(first_block, 2, bytes, s.cuda_handle()) == cudaSuccess);
+        REQUIRE(cudaMemsetAsync(second_block, 2, bytes, s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  first.launch(s);
+  s.synchronize();
+  gpukit_test::gate held;
+  std::thread other;
+  std::string other_failure;
+  std::mutex m;
+  std::condition_variable changed;
+  bool other_done = false;
+  std::function<void()> between = [&] {
+    // Right after this thread's record on x: x reads the second block (held), and another thread frees that block on
+    // x. The pool keeps that thread waiting for the lock this thread records and keeps its event under; waited for
+    // here up to 300 ms (without the lock, it finishes at once; a slower finish only weakens the check).
+    held.hold(x);
+    CHECK(cudaMemcpyAsync(seen.data(), second_block, bytes, cudaMemcpyDeviceToDevice, x.cuda_handle()) == cudaSuccess);
+    other = std::thread([&] {
+      try {
+        allocator.deallocate(second_block, x);
+      } catch (const std::exception& e) {
+        other_failure = e.what();
+      }
+      std::lock_guard<std::mutex> lock(m);
+      other_done = true;
+      changed.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(m);
+    changed.wait_for(lock, std::chrono::milliseconds(300), [&] { return other_done; });
+  };
+  after_next_event_record.store(&between);
+  allocator.deallocate(first_block, x);
+  after_next_event_record.store(nullptr);
+  REQUIRE(other.joinable());  // the free recorded an event on x
+  other.join();
+  CHECK(other_failure == "");
+  void* reused = nullptr;
+  gpukit::graph second = gpukit::capture(
+      s,
+      [&] {
+        reused = allocator.allocate(2 * bytes, s);
+        REQUIRE(cudaMemsetAsync(reused, 3, 2 * bytes, s.cuda_handle()) == cudaSuccess);
+        allocator.deallocate(reused, s);
+      },
+      pool);
+  CHECK(reused == first_block);  // both blocks, merged
+  second.launch(s);
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // waits for x's copy
+  held.open();
+  s.synchronize();
+  x.synchronize();
+  CHECK(first_int_at(seen.data()) == 0x02020202);
+}
+
+TEST_CASE("capture: a graph pool block freed or recorded in a capture the pool does not serve is refused and kept") {
+  // That capture's graph would use the block at each launch, but it holds no reference to the pool, which would hand
+  // the block out again at once: refused, as the caching allocator refuses a free of its own block in a capture.
+  constexpr std::size_t bytes = 4096;
+  auto& allocator = gpukit::default_allocator(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream w(cuda0);
+  gpukit::device_buffer<int> seen(bytes / sizeof(int), w);
+  auto pool = gpukit::graph_pool::create(cuda0, bytes);
+  void* block = nullptr;
+  gpukit::graph producer = gpukit::capture(
+      s, [&] { block = allocator.allocate(bytes, s); }, pool);
+  producer.launch(s);
+  s.synchronize();
+  // In a capture of `on`, which reads the block: each call throws, and the block stays allocated.
+  const auto refused_on = [&](gpukit::stream_view on, bool free_on_stream) {
+    REQUIRE(cudaMemcpyAsync(seen.data(), block, bytes, cudaMemcpyDeviceToDevice, on.cuda_handle()) == cudaSuccess);
+    check_capture_message(invalid_argument_message([&] { allocator.record_stream(block, on); }), "record_stream", on);
+    const std::string message = invalid_argument_message([&] {
+      if (free_on_stream) {
+        allocator.deallocate(block, on);
+      } else {
+        allocator.deallocate(block);  // on the stream it was allocated on: `on`
+      }
+    });
+    check_capture_message(message, "deallocate", on);
+    CHECK(message.find("does not serve") != std::string::npos);
+    CHECK(pool->owns(block));
+    CHECK(pool->memory_allocated() == bytes);
+  };
+  SUBCASE("gpukit::capture without a pool") {
+    gpukit::graph g = gpukit::capture(w, [&] { refused_on(w, true); });
+  }
+  SUBCASE("gpukit::capture with another pool") {
+    auto other = gpukit::graph_pool::create(cuda0, bytes);
+    gpukit::graph g = gpukit::capture(
+        w, [&] { refused_on(w, true); }, other);
+  }
+  SUBCASE("a raw capture") {
+    capture c(w, cudaStreamCaptureModeThreadLocal);
+    refused_on(w, true);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  SUBCASE("a raw capture of the stream it was allocated on, freed without a stream") {
+    capture c(s, cudaStreamCaptureModeThreadLocal);
+    refused_on(s, false);
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(pool->owns(block));
+  allocator.deallocate(block, s);  // after the capture: freed
+  CHECK(pool->memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
 }
 
 TEST_CASE("capture: a pooled pinned buffer destroyed while its recorded stream is captured waits for the capture") {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -68,6 +69,12 @@ TEST_CASE("heap faults: a graph pool whose host allocation fails at its N-th, fo
   gpukit::stream s(d);
   long runs = 0;
   int failures = 0;
+  // A free (on its stream, or without one: on the allocation's) whose event after that stream's work cannot be kept
+  // waits for the stream on the host instead, and says so: a fault handled, no call fails. Counted without the heap.
+  int host_waits = 0;
+  const gpukit::warning_handler previous = gpukit::set_warning_handler([&host_waits](std::string_view message) {
+    if (message.find("waiting for it on the host") != std::string_view::npos) ++host_waits;
+  });
   for (long n = 1;; ++n) {
     auto pool = gpukit::graph_pool::create(d, MiB);
     heap_run run(n, simulated_call);
@@ -134,9 +141,11 @@ TEST_CASE("heap faults: a graph pool whose host allocation fails at its N-th, fo
     if (run.seen() < n) break;  // fewer allocations than n: every one has failed once
     ++runs;
   }
-  MESSAGE("graph pool: " << runs << " runs, " << failures << " calls failed with std::bad_alloc");
+  gpukit::set_warning_handler(previous);
+  MESSAGE("graph pool: " << runs << " runs, " << failures << " calls failed with std::bad_alloc, " << host_waits
+                         << " frees waited on the host");
   CHECK(runs > 5);
-  CHECK(failures >= runs);
+  CHECK(failures + host_waits >= runs);
 }
 
 TEST_CASE("heap faults: an async_allocator whose host allocation fails at its N-th, for every N, loses nothing") {

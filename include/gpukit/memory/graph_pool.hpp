@@ -15,7 +15,9 @@
 /// the pool's captures have ended; blocks freed outside a capture serve any stream of later captures (the graphs, run
 /// in the order they were captured, order them). Streams outside a capture that use a block (record_stream, or a free
 /// on such a stream: a consumer of a graph's output) are ordered at its free by an event, which later launches of
-/// the pool's graphs wait for on the device. The reserve goes back to the backing allocator once the pool's graphs and
+/// the pool's graphs wait for on the device; a free without a stream is made on the stream the block was allocated on.
+/// A free or record_stream on a stream captured by a capture the pool does not serve is refused (that graph would use
+/// the block at each launch). The reserve goes back to the backing allocator once the pool's graphs and
 /// every allocation from it are gone, ordered on the device after the work of the graphs' launches and of those
 /// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) wait for the reserve and
 /// for those streams, not for its graphs' launches: allocate from it in captures. Several graphs may share a pool
@@ -364,7 +366,8 @@ class graph_pool final : public device_allocator {
       throw invalid_argument_error("gpukit::graph_pool::allocate: " + std::to_string(bytes) + " bytes overflow");
     }
     const std::size_t size = round(bytes);
-    const std::uint64_t id = stream.id();   // before the lock: may look the id up (cudaStreamGetId)
+    const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
+    detail::kept_stream allocated_on = detail::kept_stream::of(stream);  // a free without a stream is ordered on it
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
     after_lock later;                       // declared before the lock: its warnings go after it, thrown or not
     std::unique_lock<std::mutex> lock(mutex_);
@@ -407,7 +410,8 @@ class graph_pool final : public device_allocator {
     }
     const auto [block_size, address] = fit;
     const auto taken = free_.find(address);
-    live_.emplace(address, live_block{size, bytes, taken->second.chunk, id, false, {}});  // the one step that allocates
+    // The one step that allocates.
+    live_.emplace(address, live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on)});
     if (block_size > size) {
       (void)rekey_free(taken, address + size, block_size - size, taken->second.stream);  // the rest, in its nodes
     } else {
@@ -420,10 +424,13 @@ class graph_pool final : public device_allocator {
   }
 
   /// Returns `p` to the reserve at once, for the stream it was allocated on while a capture runs (see the file
-  /// comment). Throws invalid_argument_error for a pointer the pool did not hand out (a double free among them);
-  /// nullptr is ignored.
+  /// comment), freed on that stream: outside a capture, its work so far is waited for before the block's reuse
+  /// (launches of the pool's graphs) and the reserve's release. Throws invalid_argument_error for a pointer the pool
+  /// did not hand out (a double free among them), or while that stream is captured by a capture the pool does not
+  /// serve (the block stays allocated); nullptr is ignored.
   void do_deallocate(void* p) override { free_block_of(p, nullptr); }
   /// The same, freed on `stream`: another stream than the allocation's makes the block wait for the captures' end.
+  /// Refused as above while `stream` is captured by a capture the pool does not serve.
   void do_deallocate(void* p, stream_view stream) override {
     check_stream(stream, "deallocate");
     free_block_of(p, &stream);
@@ -431,12 +438,12 @@ class graph_pool final : public device_allocator {
   /// `stream` uses `p`. In a capture, another stream than the allocation's: once freed, the block waits for the
   /// pool's captures to end. Outside a capture: its free records an event on `stream` (or, should `stream` be
   /// captured then, once it no longer is), which later launches of the pool's graphs and the release of the reserve
-  /// wait for.
+  /// wait for. Throws invalid_argument_error while `stream` is captured by a capture the pool does not serve.
   void do_record_stream(void* p, stream_view stream) override {
     check_stream(stream, "record_stream");
     const std::uint64_t id = stream.id();
-    const bool captured = detail::capture_status(stream) != cudaStreamCaptureStatusNone;
-    detail::kept_stream use = captured ? detail::kept_stream{} : detail::kept_stream::of(stream);
+    detail::kept_stream use = detail::kept_stream::of(stream);
+    const bool captured = refuse_foreign_capture(use, "gpukit::graph_pool::record_stream");
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p);
@@ -469,6 +476,7 @@ class graph_pool final : public device_allocator {
     std::uint64_t stream;                   // the id of the stream it was allocated on
     bool shared;                            // another stream used it (record_stream) or freed it
     std::vector<detail::kept_stream> uses;  // streams outside a capture that used it (record_stream)
+    detail::kept_stream allocated_on;       // the stream it was allocated on: a free without a stream is made on it
   };
   /// A candidate block: its size (no_fit: none), then its address.
   struct fit_result {
@@ -563,20 +571,27 @@ class graph_pool final : public device_allocator {
   }
 
   /// Frees the live block at `p` (freed on `*stream`, or on its own stream when null); see do_deallocate. The uses
-  /// outside captures are recorded first, without the lock (CUDA calls), then the block is freed.
+  /// outside captures are recorded first, without the lock (CUDA calls), then the block is freed. Refused, before
+  /// anything changes, on a stream captured by a capture the pool does not serve (refuse_foreign_capture).
   void free_block_of(void* p, const stream_view* stream) {
     if (p == nullptr) return;
     const std::uint64_t freeing_stream = stream != nullptr ? stream->id() : after_captures;
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     std::vector<detail::kept_stream> uses;
+    detail::kept_stream freeing_on;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(address);
       if (it == live_.end()) throw_not_owned(p);
       uses = it->second.uses;
+      // Without a stream, the free is made on the allocation's ("in the order of the stream it was allocated on"):
+      // its work so far is waited for before the block's reuse, as a consumer's that frees on its own stream is.
+      if (stream == nullptr) freeing_on = it->second.allocated_on;
     }
+    if (stream != nullptr) freeing_on = detail::kept_stream::of(*stream);
+    const bool captured = refuse_foreign_capture(freeing_on, "gpukit::graph_pool::deallocate");
     for (const detail::kept_stream& use : uses) record_use(use, use_kind::recorded);
-    if (stream != nullptr) record_freeing_stream(*stream);
+    if (!captured) record_freeing_stream(freeing_on);  // a captured stream's work there is the graph's
     bool last = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -606,13 +621,28 @@ class graph_pool final : public device_allocator {
   enum class use_kind { recorded, freeing };
 
   /// The stream a block is freed on uses it too (a consumer freeing what it read). Never throws.
-  void record_freeing_stream(const stream_view& s) noexcept {
-    try {
-      record_use(detail::kept_stream::of(s), use_kind::freeing);
-    } catch (const std::exception& e) {
-      detail::warn_parts("gpukit::graph_pool: could not tell the stream a block is freed on (", e.what(),
-                         "); the block may be reused before that stream's work is done");
+  void record_freeing_stream(const detail::kept_stream& s) noexcept { record_use(s, use_kind::freeing); }
+
+  /// Whether `s` (a block is freed on it, or recorded as using it) is being captured, by a capture this pool serves
+  /// (an invalidated capture counts as one). Throws invalid_argument_error, before anything changes, for a capture
+  /// the pool does not serve (a raw one, one without a pool or with another): that graph would use the block at each
+  /// launch, with no reference to the pool, which would hand the block out again at once. A destroyed stream is not
+  /// asked (its handle may be a new stream's).
+  bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation) const {
+    if (s.destroyed() || detail::capture_status(s.view) == cudaStreamCaptureStatusNone) return false;
+    const unsigned long long id = detail::capture_id(s.view);  // 0: not active (invalidated)
+    if (id == 0) return true;
+    {
+      auto& registry = detail::capture_pools();
+      std::lock_guard<std::mutex> lock(registry.mutex);  // never under mutex_ (register_live)
+      const auto it = registry.capturing.find(id);
+      if (it != registry.capturing.end() && it->second == this) return true;
     }
+    detail::throw_captured(operation, detail::describe_stream(s.view.native_handle(), device_), device_,
+                           "a capture this graph pool does not serve: the graph would use the pool's block at each "
+                           "launch, but the pool would hand it out again at once. Free it after that graph's last "
+                           "launch, or capture with gpukit::capture(stream, work, pool) of this pool (nothing was "
+                           "freed or recorded, and the capture is intact)");
   }
 
   /// The pool's statistics, for the resets.
@@ -657,47 +687,55 @@ class graph_pool final : public device_allocator {
         defer(use);
         return;
       }
-      detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
-      const bool refused = hold.refuses(use.view);
-      if (refused && is_legacy_stream(use.view)) {
-        // The legacy stream, refused while a gpukit capture runs: its work so far is marked on the pool's blocking
-        // stream, which CUDA orders after it. If that fails, deferred (a wait for the legacy stream now would
-        // invalidate the capture).
-        hold.release();
-        try {
+      {
+        device_guard on_device(device_);  // before the lock: the record's own guard then changes nothing (nor warns)
+        // Recorded under the lock, so that the event kept for a stream is its latest (two threads freeing blocks one
+        // stream used would otherwise keep the older event). The lock comes before the hold, which is never held
+        // while waiting for it (a host wait may be made under it).
+        std::lock_guard<std::mutex> lock(mutex_);
+        detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
+        const bool refused = hold.refuses(use.view);
+        if (!refused || !is_legacy_stream(use.view)) {
+          if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
+            // (A stream destroyed meanwhile, its handle perhaps a captured stream's now, is deferred: its final
+            // event.)
+            if (!refused && kind == use_kind::freeing && !use.destroyed()) return;
+            defer_locked(use);
+            return;
+          }
           event done(device_);
-          done.record(marker_stream()->view());
-          std::lock_guard<std::mutex> lock(mutex_);
+          detail::record_from_any_thread(done, use.view);
+          hold.release();
+          if (use.destroyed()) {
+            // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then
+            // ordered only that one's work): its final event is waited for, as any destroyed stream's.
+            defer_locked(use);
+            return;
+          }
           uses_.insert_or_assign(use.view.id(), std::move(done));
           has_uses_.store(true, std::memory_order_release);
           return;
-        } catch (const std::exception& e) {
-          detail::warn_parts(
-              "gpukit::graph_pool: could not mark the legacy default stream's work on the pool's "
-              "stream (",
-              e.what(), "); it is recorded at a later launch instead");
         }
-        defer(use);
-        return;
       }
-      if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
-        // (A stream destroyed meanwhile, its handle perhaps a captured stream's now, is deferred: its final event.)
-        if (!refused && kind == use_kind::freeing && !use.destroyed()) return;
-        defer(use);
+      // The legacy stream, refused while a gpukit capture runs: its work so far is marked on the pool's blocking
+      // stream, which CUDA orders after it. If that fails, deferred (a wait for the legacy stream now would
+      // invalidate the capture).
+      try {
+        const stream& marker = *marker_stream();  // made outside the lock
+        device_guard on_device(device_);
+        std::lock_guard<std::mutex> lock(mutex_);
+        event done(device_);
+        done.record(marker.view());  // under the lock, as above
+        uses_.insert_or_assign(use.view.id(), std::move(done));
+        has_uses_.store(true, std::memory_order_release);
         return;
+      } catch (const std::exception& e) {
+        detail::warn_parts(
+            "gpukit::graph_pool: could not mark the legacy default stream's work on the pool's "
+            "stream (",
+            e.what(), "); it is recorded at a later launch instead");
       }
-      event done(device_);
-      detail::record_from_any_thread(done, use.view);
-      hold.release();  // before the lock, under which launches wait on the host
-      if (use.destroyed()) {
-        // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then ordered
-        // only that one's work): its final event is waited for, as any destroyed stream's.
-        defer(use);
-        return;
-      }
-      std::lock_guard<std::mutex> lock(mutex_);
-      uses_.insert_or_assign(use.view.id(), std::move(done));
-      has_uses_.store(true, std::memory_order_release);
+      defer(use);
     } catch (const std::exception& e) {
       try {
         if (use.destroyed()) {  // meanwhile: the record may have failed on its handle's new owner
@@ -723,6 +761,10 @@ class graph_pool final : public device_allocator {
   /// Keeps `use` for a later launch (one entry per stream: a later record covers the earlier work).
   void defer(const detail::kept_stream& use) {
     std::lock_guard<std::mutex> lock(mutex_);
+    defer_locked(use);
+  }
+  /// The same, mutex_ held.
+  void defer_locked(const detail::kept_stream& use) {
     const std::uint64_t id = use.view.id();
     const bool listed = std::any_of(deferred_uses_.begin(), deferred_uses_.end(),
                                     [id](const detail::kept_stream& u) { return u.view.id() == id; });
