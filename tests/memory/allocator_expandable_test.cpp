@@ -120,6 +120,17 @@ TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out 
   CHECK(f.a.memory_reserved() == 10 * MiB);
   CHECK(f.a.upstream().used() == 10 * MiB);
   CHECK(f.invariants({a}) == "");
+  // A limit lowered below what is in use: a request that mapped pages already hold serves from them still.
+  void* c = f.a.allocate(4 * MiB, f.s0);  // 2 more pages, in the large pool (no front cache)
+  CHECK(f.a.memory_reserved() == 14 * MiB);
+  f.a.set_reserved_limit(4 * MiB);
+  f.a.deallocate(c);
+  void* c_again = f.a.allocate(4 * MiB, f.s0);  // was out of memory: its pages unmapped, then refused by the limit
+  CHECK(c_again == c);
+  CHECK(f.a.memory_reserved() == 14 * MiB);
+  CHECK(f.a.stats().num_ooms == 2);
+  f.a.deallocate(c_again);
+  f.a.set_reserved_limit(16 * MiB);
   f.a.deallocate(a);
   void* again = f.a.allocate(3 * MiB, f.s0);  // usable after the error
   f.a.deallocate(again);

@@ -1870,6 +1870,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::map_pages(block
     for (std::size_t i = touched.first; i < touched.end; ++i) {
       if (!seg->pages.is_mapped(i)) missing.push_back(i);
     }
+    if (missing.empty()) return true;  // cached memory: no limit to check (reserved may be above a lowered one)
     limit_hit = !within_limit(missing.size() * page);  // all or none: a refused request leaves nothing mapped
     if (limit_hit) return false;
     std::size_t mapped = 0;
