@@ -526,6 +526,51 @@ TEST_CASE("an out-of-memory observer whose own allocation fails gets the error, 
   CHECK(f.a.stats().num_ooms == 2);
   CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);  // removed: called no more
   CHECK(calls == 1);
+
+  // Another allocator's error inside an observer still reaches that allocator's observers.
+  fixture other(8 * MiB);
+  int other_calls = 0;
+  other.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) { ++other_calls; });
+  const auto bridge = f.a.add_out_of_memory_observer(
+      [&](const gpukit::out_of_memory_info&) { CHECK_THROWS_AS(other.alloc(16 * MiB), gpukit::out_of_memory_error); });
+  CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);
+  CHECK(other_calls == 1);
+  CHECK(f.a.remove_out_of_memory_observer(bridge));
+  f.a.deallocate(held);
+}
+
+TEST_CASE("two out-of-memory observers removing each other from two threads do not wait for each other") {
+  // From inside an observer, removal does not wait for the removed observer's calls: here each would wait for the
+  // other's (a deadlock: the test hung).
+  fixture f(64 * MiB);
+  void* held = f.alloc(40 * MiB);
+  std::atomic<std::thread::id> first_thread{};
+  std::atomic<bool> in_x{false};
+  std::atomic<bool> in_y{false};
+  std::uint64_t x = 0;
+  std::uint64_t y = 0;
+  x = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    if (std::this_thread::get_id() != first_thread.load()) return;
+    in_x = true;
+    while (!in_y.load()) std::this_thread::yield();
+    CHECK(f.a.remove_out_of_memory_observer(y));
+  });
+  y = f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    if (std::this_thread::get_id() == first_thread.load()) return;
+    in_y = true;
+    while (!in_x.load()) std::this_thread::yield();
+    CHECK(f.a.remove_out_of_memory_observer(x));
+  });
+  std::thread one([&] {
+    first_thread = std::this_thread::get_id();
+    CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error);
+  });
+  while (first_thread.load() == std::thread::id()) std::this_thread::yield();
+  std::thread two([&] { CHECK_THROWS_AS(f.alloc(30 * MiB), gpukit::out_of_memory_error); });
+  one.join();
+  two.join();
+  CHECK_FALSE(f.a.remove_out_of_memory_observer(x));
+  CHECK_FALSE(f.a.remove_out_of_memory_observer(y));
   f.a.deallocate(held);
 }
 

@@ -62,12 +62,13 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
 class out_of_memory_observers {
  public:
   std::uint64_t add(out_of_memory_observer observer);
-  /// Once it returns true the observer is not called again and no call of it is under way, except calls on this
-  /// thread (an observer removing itself, or one that the caller is inside).
+  /// Once it returns true the observer is not called again, and, when called outside any observer, no call of it
+  /// is under way on another thread. From inside an observer it does not wait (two observers removing each other on
+  /// two threads would wait for each other).
   bool remove(std::uint64_t id);
   /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
-  /// thread already inside an observer: an observer whose own allocation fails gets the error, not another call of
-  /// itself (which would recurse without end).
+  /// thread already inside one of these observers: an observer whose own allocation from this allocator fails gets
+  /// the error, not another call of itself (which would recurse without end). Other allocators' observers are called.
   void notify(const out_of_memory_info& info, const std::string& device) const noexcept;
 
  private:
@@ -80,8 +81,9 @@ class out_of_memory_observers {
     std::size_t calls = 0;  // under way, on every thread
     bool removed = false;
   };
-  /// The entries this thread is calling, innermost last.
-  static std::vector<const entry*>& calling_on_this_thread() noexcept;
+  /// The entries this thread is calling (with their registries), innermost last.
+  using call = std::pair<const out_of_memory_observers*, const entry*>;
+  static std::vector<call>& calling_on_this_thread() noexcept;
 
   mutable std::mutex mutex_;
   std::vector<std::pair<std::uint64_t, std::shared_ptr<entry>>> observers_;
@@ -162,28 +164,27 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   }
   // notify() may have copied the entry before the erase: it checks `removed` before each call. Calls already under
   // way on other threads are waited for, so that what the observer uses may be destroyed once this returns (the
-  // usual pattern: an object's destructor removes the observer that captured it). Those on this thread cannot be.
-  const std::vector<const entry*>& own = calling_on_this_thread();
-  const auto own_calls = static_cast<std::size_t>(std::count(own.begin(), own.end(), removed.get()));
+  // usual pattern: an object's destructor removes the observer that captured it). Not from inside an observer: its
+  // own call cannot end first, and another thread's observer removing this one would wait for it in turn.
   std::unique_lock<std::mutex> lock(removed->mutex);
   removed->removed = true;
-  removed->calls_ended.wait(lock, [&] { return removed->calls == own_calls; });
+  if (calling_on_this_thread().empty()) removed->calls_ended.wait(lock, [&] { return removed->calls == 0; });
   return true;
 }
 
-GPUKIT_INLINE std::vector<const out_of_memory_observers::entry*>&
-out_of_memory_observers::calling_on_this_thread() noexcept {
-  thread_local std::vector<const entry*> calling;
+GPUKIT_INLINE std::vector<out_of_memory_observers::call>& out_of_memory_observers::calling_on_this_thread() noexcept {
+  thread_local std::vector<call> calling;
   return calling;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
-  std::vector<const entry*>& calling = calling_on_this_thread();
-  if (!calling.empty()) return;  // an observer's own out-of-memory error
+  std::vector<call>& calling = calling_on_this_thread();
+  const auto inside_this = [this](const call& c) { return c.first == this; };
+  if (std::any_of(calling.begin(), calling.end(), inside_this)) return;  // an observer's own out-of-memory error
   std::vector<std::shared_ptr<entry>> observers;
   try {
-    calling.reserve(1);  // the push_back below cannot fail then
+    calling.reserve(calling.size() + 1);  // the push_back below cannot fail then
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& o : observers_) observers.push_back(o.second);
   } catch (...) {
@@ -195,7 +196,7 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
       if (observer->removed) continue;
       ++observer->calls;
     }
-    calling.push_back(observer.get());
+    calling.emplace_back(this, observer.get());
     try {
       observer->observer(info);
     } catch (const std::exception& e) {
