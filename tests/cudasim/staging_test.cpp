@@ -458,3 +458,49 @@ TEST_CASE("sim staging: another thread's per-thread default stream is refused be
   CHECK(cudasim::calls("cudaMemcpyPeerAsync") + cudasim::calls("cudaMemcpyPeerAsync_ptsz") == peer_copies);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("staging: release_idle gives blocks back outside the engine's lock, so transfers on other streams go on") {
+  // Over the pool's cap the blocks of a retired ring go to cudaFreeHost, which waits for all the device's work, here
+  // a stream held until after a transfer on another stream: that transfer must not wait for the engine's lock.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  pool.set_max_cached_bytes(0);
+  gpukit::staging_options o;
+  o.chunk_bytes = 1 * MiB;
+  o.min_chunk_bytes = 256 * 1024;
+  o.patience = 10ms;
+  gpukit::staging_engine engine(pool, o);
+  const auto host = pattern(1 * MiB, 7);
+  device_memory dm(host.size());
+  gpukit::stream held(d);
+  gpukit::stream idle(d);
+  gpukit::stream other(d);
+  gpukit_test::gate g;
+  engine.to_device(dm.p, host.data(), host.size(), idle);
+  idle.synchronize();  // its ring is idle: release_idle retires it
+  g.hold(held);
+  std::atomic<bool> freeing{false};
+  std::atomic<bool> released{false};
+  cudasim::before_call("cudaFreeHost", 1, [&] { freeing = true; });
+  std::size_t rings_released = 0;
+  std::thread releaser([&] {
+    rings_released = engine.release_idle();  // cudaFreeHost waits for `held`
+    released = true;
+  });
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!freeing && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  REQUIRE(freeing.load());
+  const bool opened = g.opened_to_return(
+      [&] {
+        engine.to_device(dm.p, host.data(), host.size(), other);
+        other.synchronize();
+      },
+      std::chrono::seconds(3));
+  CHECK_FALSE(opened);  // else the transfer waited for release_idle's cudaFreeHost, behind `held`
+  CHECK_FALSE(released.load());
+  g.open();
+  releaser.join();
+  CHECK(rings_released == 1);
+  held.synchronize();
+  CHECK(cudasim::violations().empty());
+}

@@ -1920,30 +1920,6 @@ TEST_CASE("streams: a failed capture-state query names the stream and its device
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("streams: a pinned block whose stream is destroyed and its handle reused during the free's record waits") {
-  // Another thread destroys the stream between the pool's look at it and its event record, and a new stream gets the
-  // handle (LIFO here): the record then orders only the new stream's work. The old one's final event still holds the
-  // block until the work it used has run.
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
-  auto s = std::make_unique<gpukit::stream>(cuda0);
-  const gpukit::stream_view used = s->view();
-  gpukit_test::gate g;
-  g.hold(*s);  // the work that uses the block
-  void* p = pool.allocate(4096);
-  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, s);
-  pool.deallocate(p, used);
-  (void)reuse.successor();  // the record went to the new stream
-  void* q = pool.allocate(4096);
-  CHECK(q != p);  // not handed out while the old stream's work may still use it
-  g.open();
-  cudasim::drain_all();
-  pool.deallocate(q);
-  void* again = pool.allocate(4096);
-  CHECK((again == p || again == q));  // reusable once that work has run
-  pool.deallocate(again);
-  CHECK(cudasim::violations().empty());
-}
-
 TEST_CASE("streams: another thread's per-thread stream cannot be made current, and a timer on one times its own") {
   // cudaStreamPerThread names the calling thread's own stream: a view resolved on another thread cannot be named here.
   gpukit::stream_view theirs;
@@ -2230,4 +2206,51 @@ TEST_CASE("streams: gpukit::capture of a raw handle already captured refuses wit
     INFO(v.call << ": " << v.message);
     CHECK(v.call == "cudaStreamBeginCapture");  // refused; no question asked of the captured stream
   }
+}
+
+TEST_CASE("streams: a pinned pool keeps a recorded stream from destruction while its free uses the handle") {
+  // Another thread destroys the recorded stream while the pool asks whether it is captured or records its event
+  // there: on the destroyed handle the call fails (the block was lost, or stayed allocated for good). The destruction
+  // waits until the pool is done with the handle instead, and the block waits for the stream's work.
+  struct point {
+    const char* call;
+    bool after_captures;  // deallocate_after_captures (~pooled_pinned_buffer) rather than deallocate
+  };
+  point at{"cudaEventRecord", false};
+  SUBCASE("deallocate: its event record") {}
+  SUBCASE("deallocate: the question whether it is captured") { at = {"cudaStreamIsCapturing", false}; }
+  SUBCASE("deallocate_after_captures: its event record") { at = {"cudaEventRecord", true}; }
+  SUBCASE("deallocate_after_captures: the question whether it is captured") { at = {"cudaStreamIsCapturing", true}; }
+  CAPTURE(at.call);
+  CAPTURE(at.after_captures);
+  gate g;
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  open_at_exit at_exit{&g};
+  g.hold(*s);  // the work that uses the block
+  void* p = pool.allocate(4096);
+  pool.record_stream(p, *s);
+  destroyed_by_another_thread destroyer(at.call, 1, s);
+  if (at.after_captures) {
+    CHECK_NOTHROW(pool.deallocate_after_captures(p));
+  } else {
+    CHECK_NOTHROW(pool.deallocate(p));
+  }
+  CHECK(destroyer.ran());
+  CHECK_FALSE(destroyer.destroyed_during_call());  // held off until the pool was done with the handle
+  destroyer.join();
+  CHECK_FALSE(pool.is_allocated(p));
+  gpukit::pinned_pool_stats st = pool.stats();
+  CHECK(st.lost_blocks == 0);
+  CHECK(st.active_blocks == 0);
+  CHECK(st.pending_blocks == 1);  // until the destroyed stream's held work has run
+  void* q = pool.allocate(4096);
+  CHECK(q != p);
+  g.open();
+  cudasim::drain_all();
+  pool.deallocate(q);
+  st = pool.stats();
+  CHECK(st.pending_blocks == 0);
+  CHECK(st.free_blocks == 2);
+  CHECK(cudasim::violations().empty());
 }

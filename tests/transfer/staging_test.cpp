@@ -502,3 +502,25 @@ TEST_CASE("concurrency: threads with their own streams and threads sharing one, 
   CHECK(failures.load() == 0);
   CHECK(engine.stats().to_device_calls == 100);
 }
+
+TEST_CASE("a slot's capacity is its block's size class: a slightly larger chunk reuses the block") {
+  // 4.25 MiB in 4 chunks of 1088 KiB (size class 1152 KiB), then 4.5 MiB in chunks of 1152 KiB: the blocks fit.
+  constexpr std::size_t MiB = 1024 * KiB;
+  auto pool = make_pool();
+  gpukit::staging_options o = small_options(2 * MiB, 4);
+  o.min_chunk_bytes = MiB;
+  engine_type engine(pool, o);
+  gpukit::stream s(cpu);
+  REQUIRE(engine.chunk_for(4456448) == 1114112);
+  REQUIRE(engine.chunk_for(4718592) == 1179648);
+  REQUIRE(gpukit::pinned_size_class(1114112) == 1179648);
+  round_trip(engine, s, 4456448, 0, 0, 1);
+  const gpukit::pinned_pool_stats before = pool.stats();
+  for (unsigned i = 0; i < 3; ++i) {
+    round_trip(engine, s, 4718592, 0, 0, 2 + i);
+    round_trip(engine, s, 4456448, 0, 0, 5 + i);
+  }
+  const gpukit::pinned_pool_stats after = pool.stats();
+  CHECK(after.allocations == before.allocations);
+  CHECK(after.upstream_allocations == before.upstream_allocations);
+}

@@ -13,6 +13,18 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
+namespace detail {
+/// Whether recorded stream `s` (its record `life`, or nullptr) is being captured, asked while it is kept from
+/// destruction: destroyed after a look at expired(), its handle is invalid or a new stream's. A destroyed stream
+/// captures nothing. Takes its keep_alive: never while another stream's is held (two threads with their streams
+/// swapped would deadlock). `inline`, not GPUKIT_INLINE: this file is compiled in more than one place.
+inline bool pinned_captured_while_kept(const stream_view& s, const stream_life* life) {
+  std::unique_lock<std::mutex> alive;
+  if (life != nullptr) alive = life->keep_alive();
+  return !(life != nullptr && life->expired()) && capture_status(s) != cudaStreamCaptureStatusNone;
+}
+}  // namespace detail
+
 template <class Upstream, class Sync>
 GPUKIT_INLINE basic_pinned_pool<Upstream, Sync>::basic_pinned_pool(Upstream upstream, pinned_pool_options options,
                                                                    Sync sync)
@@ -351,7 +363,11 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
     // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
     for (std::size_t i = 0; i < b.streams.size(); ++i) {
       if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
-      if (!b.lives[i] || !b.lives[i]->expired()) refuse_if_captured(b.streams[i], "deallocate");
+      if (detail::pinned_captured_while_kept(b.streams[i], b.lives[i].get())) {
+        detail::throw_captured("gpukit::pinned_pool::deallocate",
+                               detail::describe_stream(b.streams[i].native_handle(), b.streams[i].device()),
+                               b.streams[i].device(), detail::capture_advice_allocator);
+      }
     }
   }
   if (also != nullptr) record_stream_locked(b, *also);
@@ -389,9 +405,9 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
 template <class Upstream, class Sync>
 GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block& b, bool ask_captures,
                                                                      const detail::capture_hold& hold) {
-  for (const auto& s : b.streams) {
-    if (hold.refuses(s)) return false;
-    if (ask_captures && detail::capture_status(s) != cudaStreamCaptureStatusNone) return false;
+  for (std::size_t i = 0; i < b.streams.size(); ++i) {
+    if (hold.refuses(b.streams[i])) return false;
+    if (ask_captures && detail::pinned_captured_while_kept(b.streams[i], b.lives[i].get())) return false;
   }
   return true;
 }
@@ -407,14 +423,18 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::make_pending_locked(void* 
   if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(16, 2 * pending_.size()));
   b.markers.reserve(b.markers.size() + b.streams.size());
   b.finals.reserve(b.finals.size() + b.lives.size());
-  for (const auto& s : b.streams) {
-    b.markers.push_back(sync_.record(s));
+  for (std::size_t i = 0; i < b.streams.size(); ++i) {
+    // Kept from destruction by another thread while its handle is used (invalid then, or a new stream's); one at a
+    // time, so two threads cannot deadlock. Destroyed meanwhile, its final event covers its work instead.
+    const detail::stream_life* life = b.lives[i].get();
+    std::unique_lock<std::mutex> alive;
+    if (life != nullptr) alive = life->keep_alive();
+    if (life != nullptr && life->expired()) {
+      b.finals.push_back(b.lives[i]);  // room reserved above
+      continue;
+    }
+    b.markers.push_back(sync_.record(b.streams[i]));
     ++stats_.events_recorded;
-  }
-  // A stream another thread destroyed meanwhile (its handle may be a new stream's by the record, which then orders
-  // only that one's work): its final event covers its own work, as the caching allocator checks after its records.
-  for (const auto& life : b.lives) {
-    if (life && life->expired()) b.finals.push_back(life);  // room reserved above
   }
   b.streams.clear();
   b.lives.clear();

@@ -336,8 +336,13 @@ class basic_staging_engine {
   lane_lease acquire(stream_view s, lane ring::*which);
 
   // Under mutex_: retires the ring if no call holds it, no transfer waits for its background thread and all its
-  // work has completed, returning its slots to the pool.
+  // work has completed. Its blocks stay: the caller gives them back with give_back_retired once mutex_ is let go.
   bool try_retire_locked(ring& r);
+
+  // A ring try_retire_locked retired (out of rings_): gives its slots' and orphaned blocks back to the pool. Not
+  // under mutex_: the pool may call cudaFreeHost, which waits for all the device's work. If the pool refuses some
+  // (out of host memory), the ring keeps them and is listed again: false.
+  bool give_back_retired(const std::shared_ptr<ring>& r) noexcept;
 
   void drain_and_free_locked(ring& r) noexcept;
 

@@ -156,9 +156,11 @@ GPUKIT_INLINE std::size_t basic_staging_engine<Copier>::release_idle() {
       }
     }
   }
+  std::size_t released = 0;
+  for (const auto& r : idle) released += give_back_retired(r) ? 1 : 0;  // unlocked: see try_retire_locked
   std::lock_guard<std::mutex> lock(stats_mutex_);
-  stats_.rings_released += idle.size();
-  return idle.size();
+  stats_.rings_released += released;
+  return released;
 }
 
 template <class Copier>
@@ -221,6 +223,7 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
   for (;;) {
     std::shared_ptr<ring> r;
     std::size_t retired = 0;
+    std::vector<std::shared_ptr<ring>> released;  // given back once mutex_ is let go
     bool created = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -234,13 +237,17 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
         // Made first: running out of memory here must not follow the release of other rings.
         auto fresh = std::make_shared<ring>(key, options_.slots, options_.download_slots);
         if (rings_.size() >= options_.max_rings) {
+          released.reserve(rings_.size());
           std::vector<std::shared_ptr<ring>> by_age(rings_);
           std::sort(by_age.begin(), by_age.end(), [](const std::shared_ptr<ring>& a, const std::shared_ptr<ring>& b) {
             return a->last_used < b->last_used;
           });
           for (auto& candidate : by_age) {
             if (rings_.size() - retired < options_.max_rings) break;
-            if (try_retire_locked(*candidate)) ++retired;
+            if (try_retire_locked(*candidate)) {
+              ++retired;
+              released.push_back(candidate);  // capacity reserved above
+            }
           }
           rings_.erase(
               std::remove_if(rings_.begin(), rings_.end(), [](const std::shared_ptr<ring>& x) { return x->retired; }),
@@ -252,6 +259,7 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
       }
       r->last_used = ++tick_;
     }
+    for (const auto& x : released) retired -= give_back_retired(x) ? 0 : 1;
     if (created || retired != 0) {
       std::lock_guard<std::mutex> lock(stats_mutex_);
       stats_.rings_created += created ? 1 : 0;
@@ -279,19 +287,59 @@ GPUKIT_INLINE bool basic_staging_engine<Copier>::try_retire_locked(ring& r) {
         if (sl.used && !sl.done.ready()) return false;
       }
     }
-    dispose_orphans(r);
-    if (!r.orphans.empty()) return false;  // the pool refused some (out of host memory): the ring keeps them
-    for (lane* ln : {&r.up, &r.down}) {
-      for (auto& sl : ln->slots) {
-        give_slot_block_back(sl, nullptr);
-      }
-    }
-    r.side.reset();
+    // Its blocks go back in give_back_retired, after mutex_: over the pool's cap, cudaFreeHost waits for all the
+    // device's work, and every transfer would wait for mutex_ meanwhile.
     r.retired = true;
     return true;
   } catch (...) {
     return false;  // a failing event query: keep the ring
   }
+}
+
+template <class Copier>
+GPUKIT_INLINE bool basic_staging_engine<Copier>::give_back_retired(const std::shared_ptr<ring>& r) noexcept {
+  // Uncontended: a caller that finds the ring retired looks again.
+  std::lock_guard<std::mutex> up(r->up.mutex);
+  std::lock_guard<std::mutex> down(r->down.mutex);
+  dispose_orphans(*r);
+  bool kept = !r->orphans.empty();
+  for (lane* ln : {&r->up, &r->down}) {
+    for (auto& sl : ln->slots) {
+      try {
+        give_slot_block_back(sl, nullptr);  // idle: seen at the retirement
+      } catch (...) {
+        kept = kept || sl.ptr != nullptr;  // refused (out of host memory): still the slot's; else lost
+      }
+    }
+  }
+  if (!kept) {
+    r->side.reset();
+    return true;
+  }
+  // The pool refused some blocks: the ring keeps them and is listed again, for a later release or the destruction.
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);  // after the lanes: no one waits for a lane while holding mutex_
+    rings_.push_back(r);
+    r->retired = false;
+    return false;
+  } catch (...) {
+  }
+  // Not even that: as at the engine's destruction, without waiting (this may run inside a transfer).
+  bool copies_done = false;
+  try {
+    copies_done = !r->side || r->side->view().ready();
+  } catch (...) {
+  }
+  for (void* p : r->orphans) give_back_at_teardown(p, copies_done);
+  r->orphans.clear();
+  for (lane* ln : {&r->up, &r->down}) {
+    for (auto& sl : ln->slots) {
+      if (sl.ptr != nullptr) give_back_at_teardown(sl.ptr, true);
+      sl.forget_block();
+    }
+  }
+  r->side.reset();
+  return true;
 }
 
 template <class Copier>
@@ -401,7 +449,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_idle_slot(slot& sl, std::s
   if (sl.capacity >= bytes) return;
   give_slot_block_back(sl, nullptr);
   sl.ptr = pool_->allocate(bytes);
-  sl.capacity = bytes;
+  sl.capacity = pool_->block_size(sl.ptr);  // its size class: a later, slightly larger chunk may fit
 }
 
 template <class Copier>
@@ -409,7 +457,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_slot_stream_ordered(slot& 
   if (sl.capacity >= bytes) return;
   give_slot_block_back(sl, sl.used ? &s : nullptr);
   sl.ptr = pool_->allocate(bytes);
-  sl.capacity = bytes;
+  sl.capacity = pool_->block_size(sl.ptr);  // its size class, as above
 }
 
 template <class Copier>
@@ -465,7 +513,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::grow_upload_slots(ring& r, stre
       give_slot_block_back(sl, &s);
     }
     sl.ptr = pool_->allocate(bytes);
-    sl.capacity = bytes;
+    sl.capacity = pool_->block_size(sl.ptr);  // its size class, as above
   }
 }
 
