@@ -1342,10 +1342,10 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("capture: a graph pool orders a consumer destroyed and its handle reused while its use is recorded") {
-  // Another thread destroys the consumer between the pool's look at it and its event record, and a new stream gets
-  // the handle (LIFO here): the record then orders only the new stream's work. The old one's final event still orders
-  // the block's next owner after the consumer's write.
+TEST_CASE("capture: a graph pool orders a consumer another thread destroys while its use is recorded") {
+  // Another thread destroys the consumer as the pool records its event there: the destruction waits until the record
+  // is made (the handle could be invalid, or a new stream's, after it). The block's next owner is ordered after the
+  // consumer's write by that event.
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
@@ -1356,16 +1356,22 @@ TEST_CASE("capture: a graph pool orders a consumer destroyed and its handle reus
   held.hold(*consumer);
   REQUIRE(cudaMemsetAsync(output.out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
   allocator.record_stream(output.out, *consumer);
-  bool record_fails = false;
-  SUBCASE("the record is made on the new stream") {}
-  SUBCASE("the record on the new stream fails") { record_fails = true; }
-  gpukit_test::handle_reuse_at reuse("cudaEventRecord", 1, consumer, [&] {
-    if (record_fails) cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+  std::thread destroyer;
+  std::atomic<bool> destroyed{false};
+  bool destroyed_before_record = false;
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    destroyer = std::thread([&] {
+      consumer.reset();
+      destroyed = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // time to destroy it, were it not kept
+    destroyed_before_record = destroyed.load();
   });
   gpukit_test::captured_warnings warnings;
   allocator.deallocate(output.out);
-  (void)reuse.successor();             // the record went to the new stream
-  CHECK(warnings.messages().empty());  // a failed record there is no failure to report
+  destroyer.join();
+  CHECK_FALSE(destroyed_before_record);
+  CHECK(warnings.messages().empty());
   void* block = output.pool->allocate(bytes, other);
   REQUIRE(block == output.out);
   REQUIRE(cudaMemsetAsync(block, 2, bytes, other.cuda_handle()) == cudaSuccess);

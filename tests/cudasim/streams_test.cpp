@@ -2254,3 +2254,28 @@ TEST_CASE("streams: a pinned pool keeps a recorded stream from destruction while
   CHECK(st.free_blocks == 2);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("streams: a graph pool keeps the allocation's stream from destruction while a free without one asks it") {
+  // A free without a stream is made on the allocation's (device_buffer's destructor frees so): the pool asks whether
+  // that stream is captured, then records its event there. Another thread destroying the stream in between left the
+  // question on a destroyed handle; the destruction waits until the pool is done with it instead.
+  const char* call = "cudaStreamIsCapturing";
+  SUBCASE("the question whether it is captured") {}
+  SUBCASE("its event record") { call = "cudaEventRecord"; }
+  CAPTURE(call);
+  gate g;
+  auto pool = gpukit::graph_pool::create(cuda0, 1 << 20);
+  auto s = std::make_unique<gpukit::stream>(cuda0);
+  open_at_exit at_exit{&g};
+  void* p = pool->allocate(4096, *s);
+  g.hold(*s);  // the work that uses the block
+  destroyed_by_another_thread destroyer(call, 1, s);
+  CHECK_NOTHROW(pool->deallocate(p));
+  CHECK(destroyer.ran());
+  CHECK_FALSE(destroyer.destroyed_during_call());  // held off until the pool was done with the handle
+  destroyer.join();
+  g.open();
+  cudasim::drain_all();
+  CHECK(pool->memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}

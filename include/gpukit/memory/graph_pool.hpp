@@ -443,7 +443,7 @@ class graph_pool final : public device_allocator {
     check_stream(stream, "record_stream");
     const std::uint64_t id = stream.id();
     detail::kept_stream use = detail::kept_stream::of(stream);
-    const bool captured = refuse_foreign_capture(use, "gpukit::graph_pool::record_stream");
+    const bool captured = refuse_foreign_capture(use, "gpukit::graph_pool::record_stream", false);
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p);
@@ -589,7 +589,7 @@ class graph_pool final : public device_allocator {
       if (stream == nullptr) freeing_on = it->second.allocated_on;
     }
     if (stream != nullptr) freeing_on = detail::kept_stream::of(*stream);
-    const bool captured = refuse_foreign_capture(freeing_on, "gpukit::graph_pool::deallocate");
+    const bool captured = refuse_foreign_capture(freeing_on, "gpukit::graph_pool::deallocate", stream == nullptr);
     for (const detail::kept_stream& use : uses) record_use(use, use_kind::recorded);
     if (!captured) record_freeing_stream(freeing_on);  // a captured stream's work there is the graph's
     bool last = false;
@@ -626,11 +626,25 @@ class graph_pool final : public device_allocator {
   /// Whether `s` (a block is freed on it, or recorded as using it) is being captured, by a capture this pool serves
   /// (an invalidated capture counts as one). Throws invalid_argument_error, before anything changes, for a capture
   /// the pool does not serve (a raw one, one without a pool or with another): that graph would use the block at each
-  /// launch, with no reference to the pool, which would hand the block out again at once. A destroyed stream is not
-  /// asked (its handle may be a new stream's).
-  bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation) const {
-    if (s.destroyed() || detail::capture_status(s.view) == cudaStreamCaptureStatusNone) return false;
-    const unsigned long long id = detail::capture_id(s.view);  // 0: not active (invalidated)
+  /// launch, with no reference to the pool, which would hand the block out again at once. Asked while `s` is kept
+  /// from destruction (another thread's would leave its handle invalid, or a new stream's); a destroyed stream is not
+  /// asked. `allocation_stream` (a free without a stream): a failed question is taken as "not captured", so the free
+  /// goes on (a raw handle destroyed before it; the event record then fails and is dealt with as any).
+  bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation, bool allocation_stream) const {
+    unsigned long long id = 0;
+    {
+      std::unique_lock<std::mutex> alive;
+      if (s.life != nullptr) alive = s.life->keep_alive();
+      if (s.destroyed()) return false;
+      try {
+        if (detail::capture_status(s.view) == cudaStreamCaptureStatusNone) return false;
+        id = detail::capture_id(s.view);  // 0: not active (invalidated, or ended since the question above)
+        if (id == 0 && detail::capture_status(s.view) == cudaStreamCaptureStatusNone) return false;
+      } catch (const error&) {
+        if (allocation_stream) return false;
+        throw;
+      }
+    }
     if (id == 0) return true;
     {
       auto& registry = detail::capture_pools();
@@ -693,25 +707,25 @@ class graph_pool final : public device_allocator {
         // stream used would otherwise keep the older event). The lock comes before the hold, which is never held
         // while waiting for it (a host wait may be made under it).
         std::lock_guard<std::mutex> lock(mutex_);
+        // Kept from destruction by another thread while its handle is used (invalid then, or a new stream's); one
+        // destroyed first is deferred: its final event.
+        std::unique_lock<std::mutex> alive;
+        if (use.life != nullptr) alive = use.life->keep_alive();
+        if (use.destroyed()) {
+          defer_locked(use);
+          return;
+        }
         detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
         const bool refused = hold.refuses(use.view);
         if (!refused || !is_legacy_stream(use.view)) {
           if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
-            // (A stream destroyed meanwhile, its handle perhaps a captured stream's now, is deferred: its final
-            // event.)
-            if (!refused && kind == use_kind::freeing && !use.destroyed()) return;
+            if (!refused && kind == use_kind::freeing) return;
             defer_locked(use);
             return;
           }
           event done(device_);
           detail::record_from_any_thread(done, use.view);
           hold.release();
-          if (use.destroyed()) {
-            // Destroyed by another thread meanwhile, its handle perhaps a new stream's by the record (which then
-            // ordered only that one's work): its final event is waited for, as any destroyed stream's.
-            defer_locked(use);
-            return;
-          }
           uses_.insert_or_assign(use.view.id(), std::move(done));
           has_uses_.store(true, std::memory_order_release);
           return;
