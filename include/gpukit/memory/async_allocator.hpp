@@ -479,16 +479,6 @@ class async_allocator final : public device_allocator {
     }
   }
 
-  /// Whether `s` (whose record is `life`, or nullptr) is being captured, asked while it is kept from destruction:
-  /// another thread could destroy it after a look at destroyed(), and its handle name a new stream. A destroyed
-  /// stream captures nothing. Takes its keep_alive: never called while another stream's is held (two threads with
-  /// their streams swapped would deadlock).
-  static bool captured_while_kept(const stream_view& s, const detail::stream_life* life) {
-    std::unique_lock<std::mutex> alive;
-    if (life != nullptr) alive = life->keep_alive();
-    return !(life != nullptr && life->expired()) && detail::capture_status(s) != cudaStreamCaptureStatusNone;
-  }
-
   void check_device(const stream_view& stream, const char* operation) const {
     detail::require_stream_of(stream, device_, "gpukit::async_allocator", operation);
   }
@@ -567,7 +557,7 @@ class async_allocator final : public device_allocator {
     try {
       const auto capturing = [](const stream_view& s, const detail::stream_life* life) {
         // The legacy stream, or another thread's, cannot be asked.
-        return !detail::uses_legacy_stream(s) && captured_while_kept(s, life);
+        return !detail::uses_legacy_stream(s) && detail::captured_while_kept(s, life);
       };
       for (const kept_stream& user : a.users) {
         if (user.view == on || !capturing(user.view, user.life.get())) continue;
@@ -658,7 +648,7 @@ class async_allocator final : public device_allocator {
     device_guard guard(device_);
     const auto ask = [&](const stream_view& s, const detail::stream_life* life) {
       // The legacy stream, or another thread's per-thread one, is not gpukit's to capture (and cannot be asked).
-      if (!detail::uses_legacy_stream(s) && captured_while_kept(s, life)) state.captured = true;
+      if (!detail::uses_legacy_stream(s) && detail::captured_while_kept(s, life)) state.captured = true;
     };
     ask(on, on.lifetime().get());
     for (const kept_stream& user : a.users) ask(user.view, user.life.get());
@@ -807,13 +797,13 @@ class async_allocator final : public device_allocator {
           } else if (on_alive.owns_lock()) {
             capturing = !kept_on.destroyed() && detail::capture_status(free_view) != cudaStreamCaptureStatusNone;
           } else {
-            capturing = captured_while_kept(free_view, kept_on.life.get());
+            capturing = detail::captured_while_kept(free_view, kept_on.life.get());
           }
           for (const kept_stream& user : a.users) {
             const bool held = on_alive.owns_lock() && user.life == kept_on.life;
             capturing = capturing ||
                         (held ? !user.destroyed() && detail::capture_status(user.view) != cudaStreamCaptureStatusNone
-                              : captured_while_kept(user.view, user.life.get()));
+                              : detail::captured_while_kept(user.view, user.life.get()));
           }
         }
         return capturing;

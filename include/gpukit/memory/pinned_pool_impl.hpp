@@ -13,18 +13,6 @@
 
 GPUKIT_BEGIN_NAMESPACE
 
-namespace detail {
-/// Whether recorded stream `s` (its record `life`, or nullptr) is being captured, asked while it is kept from
-/// destruction: destroyed after a look at expired(), its handle is invalid or a new stream's. A destroyed stream
-/// captures nothing. Takes its keep_alive: never while another stream's is held (two threads with their streams
-/// swapped would deadlock). `inline`, not GPUKIT_INLINE: this file is compiled in more than one place.
-inline bool pinned_captured_while_kept(const stream_view& s, const stream_life* life) {
-  std::unique_lock<std::mutex> alive;
-  if (life != nullptr) alive = life->keep_alive();
-  return !(life != nullptr && life->expired()) && capture_status(s) != cudaStreamCaptureStatusNone;
-}
-}  // namespace detail
-
 template <class Upstream, class Sync>
 GPUKIT_INLINE basic_pinned_pool<Upstream, Sync>::basic_pinned_pool(Upstream upstream, pinned_pool_options options,
                                                                    Sync sync)
@@ -363,7 +351,7 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::deallocate_recorded(void* 
     // Before anything changes; a destroyed stream (its handle maybe another's now) captures nothing.
     for (std::size_t i = 0; i < b.streams.size(); ++i) {
       if (also != nullptr && b.streams[i] == *also) continue;  // the caller asked
-      if (detail::pinned_captured_while_kept(b.streams[i], b.lives[i].get())) {
+      if (detail::captured_while_kept(b.streams[i], b.lives[i].get())) {
         detail::throw_captured("gpukit::pinned_pool::deallocate",
                                detail::describe_stream(b.streams[i].native_handle(), b.streams[i].device()),
                                b.streams[i].device(), detail::capture_advice_allocator);
@@ -407,7 +395,7 @@ GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block
                                                                      const detail::capture_hold& hold) {
   for (std::size_t i = 0; i < b.streams.size(); ++i) {
     if (hold.refuses(b.streams[i])) return false;
-    if (ask_captures && detail::pinned_captured_while_kept(b.streams[i], b.lives[i].get())) return false;
+    if (ask_captures && detail::captured_while_kept(b.streams[i], b.lives[i].get())) return false;
   }
   return true;
 }

@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -79,6 +80,12 @@ namespace detail {
 /// about it while a blocking stream of its device is captured fails (cudaErrorStreamCaptureImplicit). A runtime that
 /// is torn down (process exit) captures nothing. Other failures throw the matching gpukit exception.
 GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s);
+
+/// Whether `s` (whose record is `life`, or nullptr) is being captured, asked while it is kept from destruction
+/// (stream_life::keep_alive): another thread could destroy it after a look at expired(), and its handle be invalid
+/// or a new stream's. A destroyed stream captures nothing. Never call it while another stream is kept: two threads
+/// with their streams swapped would deadlock.
+GPUKIT_INLINE bool captured_while_kept(const stream_view& s, const stream_life* life);
 
 /// True when an event recorded on `s`, or a wait enqueued there, from this thread goes to the legacy default stream:
 /// `s` is it, or another thread's per-thread default stream, for which it stands in (record_from_any_thread). Work on
@@ -289,6 +296,12 @@ GPUKIT_END_NAMESPACE
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
+
+GPUKIT_INLINE bool captured_while_kept(const stream_view& s, const stream_life* life) {
+  std::unique_lock<std::mutex> alive;
+  if (life != nullptr) alive = life->keep_alive();
+  return !(life != nullptr && life->expired()) && capture_status(s) != cudaStreamCaptureStatusNone;
+}
 
 GPUKIT_INLINE cudaStreamCaptureStatus capture_status(const stream_view& s) {
   if (s.is_cpu()) return cudaStreamCaptureStatusNone;
