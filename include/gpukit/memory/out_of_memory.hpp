@@ -81,9 +81,8 @@ class out_of_memory_observers {
     std::size_t calls = 0;  // under way, on every thread
     bool removed = false;
   };
-  /// The entries this thread is calling (with their registries), innermost last.
-  using call = std::pair<const out_of_memory_observers*, const entry*>;
-  static std::vector<call>& calling_on_this_thread() noexcept;
+  /// The registries whose observers this thread is calling, innermost last.
+  static std::vector<const out_of_memory_observers*>& calling_on_this_thread() noexcept;
 
   mutable std::mutex mutex_;
   std::vector<std::pair<std::uint64_t, std::shared_ptr<entry>>> observers_;
@@ -172,16 +171,15 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   return true;
 }
 
-GPUKIT_INLINE std::vector<out_of_memory_observers::call>& out_of_memory_observers::calling_on_this_thread() noexcept {
-  thread_local std::vector<call> calling;
+GPUKIT_INLINE std::vector<const out_of_memory_observers*>& out_of_memory_observers::calling_on_this_thread() noexcept {
+  thread_local std::vector<const out_of_memory_observers*> calling;
   return calling;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
-  std::vector<call>& calling = calling_on_this_thread();
-  const auto inside_this = [this](const call& c) { return c.first == this; };
-  if (std::any_of(calling.begin(), calling.end(), inside_this)) return;  // an observer's own out-of-memory error
+  std::vector<const out_of_memory_observers*>& calling = calling_on_this_thread();
+  if (std::find(calling.begin(), calling.end(), this) != calling.end()) return;  // an observer's own error
   std::vector<std::shared_ptr<entry>> observers;
   try {
     calling.reserve(calling.size() + 1);  // the push_back below cannot fail then
@@ -196,7 +194,7 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
       if (observer->removed) continue;
       ++observer->calls;
     }
-    calling.emplace_back(this, observer.get());
+    calling.push_back(this);
     try {
       observer->observer(info);
     } catch (const std::exception& e) {
