@@ -2156,6 +2156,32 @@ TEST_CASE("capture: async_allocator frees through the legacy stream after a bloc
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: async_allocator asks about a deferred free's streams without holding its lock") {
+  // Asking whether a stream is captured keeps it from destruction, which another free may keep through a host wait
+  // (a failed ordering): the allocator's other calls must not wait behind that. Made visible here by calling the
+  // allocator from inside the question (with the lock held, that deadlocked).
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  void* p = a.allocate(1 << 20, s);
+  a.record_stream(p, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  gpukit::graph g = gpukit::capture(blocking, [&] { a.deallocate(p, s); });  // its ordering needs the legacy stream
+  REQUIRE(a.deferred_frees() == 1);
+  std::size_t counted_while_asked = 0;
+  const std::size_t asked_before = cudasim::calls("cudaStreamIsCapturing");
+  cudasim::before_call("cudaStreamIsCapturing", 1, [&] { counted_while_asked = a.deferred_frees(); });
+  void* q = a.allocate(4096, s);  // the capture is over: the waiting free is made first, after asking about `s`
+  CHECK(cudasim::calls("cudaStreamIsCapturing") > asked_before);
+  CHECK(counted_while_asked == 1);  // still counted while it is asked about
+  CHECK(a.deferred_frees() == 0);
+  a.deallocate(q, s);
+  g.launch(blocking);
+  blocking.synchronize();
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator free whose ordering failed does not wait for the legacy stream in a capture") {
   // The free of memory the legacy stream used cannot enqueue its ordering (the record fails), so it waits for that
   // stream on the host. A blocking stream is being captured meanwhile (with the raw runtime, which no hold sees):

@@ -227,7 +227,7 @@ class async_allocator final : public device_allocator {
   std::size_t deferred_frees() const noexcept {
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      return deferred_.size();
+      return deferred_.size() + being_asked_;
     } catch (...) {
       return 0;
     }
@@ -674,26 +674,43 @@ class async_allocator final : public device_allocator {
   /// release stream, as deallocate does for a destroyed allocation stream.
   void free_deferred() noexcept {
     if (!has_deferred_.load(std::memory_order_acquire)) return;
-    detail::capture_hold hold(true);  // until the due frees are enqueued: most use the legacy stream
-    std::list<deferred_free> due;
+    // Taken out under the lock, asked about outside it and without a capture hold: asking whether a stream is
+    // captured keeps it from destruction, which another free may keep through a host wait (free_on_streams), and
+    // neither the lock (every call of this allocator) nor a hold (gpukit::capture) may wait for that.
+    std::list<deferred_free> asked;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (auto it = deferred_.begin(); it != deferred_.end();) {
+      asked.splice(asked.end(), deferred_);
+      being_asked_ += asked.size();
+      has_deferred_.store(false, std::memory_order_release);
+    } catch (...) {  // the lock failed: they wait for the next call
+      return;
+    }
+    const std::size_t count = asked.size();
+    std::list<deferred_free> due;
+    // Moves the frees of `asked` that may be made now (given `hold`) to `due`. Captured streams are asked about in
+    // any case: a free deferred by another thread may name this thread's per-thread stream, legacy work there but
+    // not here, and this thread may be capturing it.
+    const auto sort_out = [&](const detail::capture_hold& hold) {
+      for (auto it = asked.begin(); it != asked.end();) {
         const auto next = std::next(it);
         bool wait = false;
         try {
-          // Captured streams are asked about in any case: a free deferred by another thread may name this thread's
-          // per-thread stream, legacy work there but not here, and this thread may be capturing it.
           const capture_state state = capture_state_of(it->a, usable_view_of(it->on), hold, true);
           wait = state.legacy_refused || state.captured;
         } catch (...) {  // a stream could not be asked: made once the hold is held, and reported if it fails
         }
-        if (!wait) due.splice(due.end(), deferred_, it);
+        if (!wait) due.splice(due.end(), asked, it);
         it = next;
       }
-      has_deferred_.store(!deferred_.empty(), std::memory_order_release);
-    } catch (...) {  // the lock failed: they wait for the next call
+    };
+    sort_out(detail::capture_hold(false));
+    detail::capture_hold hold(true);  // until the due frees are enqueued: most use the legacy stream
+    if (hold.refused()) {  // a gpukit capture began after they were asked about: asked again (nothing is held)
+      asked.splice(asked.end(), due);
+      sort_out(hold);
     }
+    requeue(asked, true, count);     // those that wait, before those deferred meanwhile
     std::list<deferred_free> again;  // refused once a capture began meanwhile
     while (!due.empty()) {
       deferred_free& d = due.front();
@@ -713,11 +730,12 @@ class async_allocator final : public device_allocator {
   }
   /// Moves the frees of `frees` (all) among the deferred ones, before the others if `oldest` (they were deferred
   /// first): no allocation.
-  void requeue(std::list<deferred_free>& frees, bool oldest) noexcept {
+  void requeue(std::list<deferred_free>& frees, bool oldest, std::size_t asked = 0) noexcept {
     try {
       std::lock_guard<std::mutex> lock(mutex_);
+      being_asked_ -= asked;
       deferred_.splice(oldest ? deferred_.begin() : deferred_.end(), frees);
-      has_deferred_.store(true, std::memory_order_release);
+      has_deferred_.store(!deferred_.empty(), std::memory_order_release);
     } catch (...) {  // the lock failed (never seen): made now rather than lost, as before deferral existed
       for (deferred_free& d : frees) {
         detail::capture_hold none(false);
@@ -1058,6 +1076,7 @@ class async_allocator final : public device_allocator {
   live_map live_;
   std::list<deferred_free> deferred_;      // guarded by mutex_; a list: frees move in and out without allocating
   std::atomic<bool> has_deferred_{false};  // !deferred_.empty(), read without the lock
+  std::size_t being_asked_ = 0;            // deferred frees free_deferred took out to ask about (guarded by mutex_)
   stat allocations_, allocated_bytes_;
   std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;
   std::size_t limit_ = std::numeric_limits<std::size_t>::max();
