@@ -729,7 +729,7 @@ class async_allocator final : public device_allocator {
     if (!again.empty()) requeue(again, true);
   }
   /// Moves the frees of `frees` (all) among the deferred ones, before the others if `oldest` (they were deferred
-  /// first): no allocation.
+  /// first): no allocation. `asked`: how many frees free_deferred took out to ask about are now back or made.
   void requeue(std::list<deferred_free>& frees, bool oldest, std::size_t asked = 0) noexcept {
     try {
       std::lock_guard<std::mutex> lock(mutex_);
