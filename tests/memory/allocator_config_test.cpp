@@ -123,6 +123,20 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:1000"), "inconsistent options"));
   CHECK(contains(refusal("rounding:1000"), "rounding must be a power of two"));
   CHECK(contains(refusal("medium_size:2000000"), "medium_size must be a multiple of the rounding"));
+  // Each reason gives the figures it compared.
+  CHECK(contains(refusal("rounding:1000"), "(it is 1000)"));
+  CHECK(contains(refusal("large_segment_rounding:256"), "(it is 256, the rounding 512)"));
+  CHECK(contains(refusal("small_size:4MiB"), "(it is 4194304, small_segment_size 2097152)"));
+  CHECK(contains(refusal("medium_segment_size:1000000"), "medium_segment_size 1000000 is not"));
+  CHECK(contains(refusal("small_segment_size:3000000"), "small_segment_size 3000000 is not"));
+  CHECK(contains(refusal("medium_size:512KiB"), "(it is 524288, small_size 1048576)"));
+  CHECK(
+      contains(refusal("medium_segment_growth:0,medium_segment_size:16MiB"), "(it is 16777216, medium_size 67108864)"));
+  CHECK(contains(refusal("max_split_size:256"), "(it is 256, the rounding 512)"));
+  // The nearest multiple above the largest size does not exist: only the one below is suggested.
+  const std::string largest = refusal("medium_size:18446744073709551615");
+  CHECK(contains(largest, "use 18446744073709551104"));
+  CHECK_FALSE(contains(largest, " or "));
   // Large blocks cached in front without a front cache were ignored silently.
   CHECK(contains(refusal("front_cache:false,front_cache_large:true"), "front_cache_large needs front_cache"));
   CHECK_FALSE(gpukit::parse_allocator_config("front_cache:false").front_cache);  // contended alone is no error

@@ -624,7 +624,7 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   info.largest_free_block = 4 * MiB;
   auto has = [](const std::string& m, const char* text) { return m.find(text) != std::string::npos; };
   // Enough is cached, in pieces: fragmentation, with its value.
-  std::string m = gpukit::detail::out_of_memory_message(info, "cuda:1", false);
+  std::string m = gpukit::detail::out_of_memory_message(info, "cuda:1", 0);
   CHECK(has(m, "gpukit: out of memory on cuda:1: tried to allocate 5.00 MiB (5242780 bytes), rounded to"));
   CHECK(has(m, "which needs a new segment of 20.00 MiB"));
   CHECK(has(m, "Device: total and free memory unknown."));
@@ -636,8 +636,8 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   // The limit refused: that advice, whatever else holds.
   info.limit_hit = true;
   info.reserved_limit = 80 * MiB;
-  m = gpukit::detail::out_of_memory_message(info, "cuda:1", true);
-  CHECK(has(m, "more pages of 20.00 MiB mapped into its expandable segment"));
+  m = gpukit::detail::out_of_memory_message(info, "cuda:1", 2 * MiB);  // the 20 MiB missing, in pages of 2 MiB
+  CHECK(has(m, "needs 20.00 MiB more mapped into its expandable segment (10 pages of 2.00 MiB)"));
   CHECK(has(m, "20.00 MiB mapped but unallocated"));
   CHECK(has(m, "reserved limit 80.00 MiB."));
   CHECK(has(m, "The reserved limit would be exceeded"));
@@ -649,14 +649,14 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   info.device_memory_known = true;
   info.device_total = 1024 * MiB;
   info.device_free = 2 * MiB;
-  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", 0);
   CHECK(has(m, "Device: 1.00 GiB total, 2.00 MiB free."));
   CHECK(has(m, "fragmentation 0.00"));
   CHECK(has(m, "Most of the device is used outside this allocator"));
   // This allocator holds most of it: no advice it could not back up.
   info.allocated = 900 * MiB;
   info.reserved = 900 * MiB;
-  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", 0);
   CHECK_FALSE(has(m, "outside this allocator"));
   CHECK_FALSE(has(m, "fragmentation)"));
   CHECK(has(m, "0 B reserved but unallocated"));
@@ -665,7 +665,7 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   info.reserved = 0;
   info.device_free = 1000 * MiB;
   info.requested = info.rounded = 2048 * MiB;
-  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", 0);
   CHECK(has(m, "larger than the device's memory"));
   CHECK_FALSE(has(m, "outside this allocator"));
   // A free block large enough that the request may not take (another stream's): not fragmentation.
@@ -674,7 +674,7 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   info.free_cached = 30 * MiB;
   info.largest_free_block = 30 * MiB;
   info.device_free = 10 * MiB;
-  m = gpukit::detail::out_of_memory_message(info, "cuda:0", false);
+  m = gpukit::detail::out_of_memory_message(info, "cuda:0", 0);
   CHECK(has(m, "A cached free block is large enough, but this request may not take it"));
   CHECK_FALSE(has(m, "fragmentation)"));
   CHECK_FALSE(has(m, "larger than the device"));

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <utility>
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -148,26 +149,43 @@ GPUKIT_INLINE allocator_options allocator_options::pytorch() {
 
 GPUKIT_INLINE void allocator_options::validate() const {
   auto fail = [](const std::string& what) { throw invalid_argument_error("gpukit::allocator_options: " + what); };
-  if (!detail::is_power_of_two(rounding) || rounding < 16) fail("rounding must be a power of two of at least 16 bytes");
+  const auto n = [](std::size_t bytes) { return std::to_string(bytes); };  // exact: the figures a user typed
+  if (!detail::is_power_of_two(rounding) || rounding < 16) {
+    fail("rounding must be a power of two of at least 16 bytes (it is " + n(rounding) + ")");
+  }
   if (!detail::is_power_of_two(large_segment_rounding) || large_segment_rounding < rounding) {
-    fail("large_segment_rounding must be a power of two and at least the rounding");
+    fail("large_segment_rounding must be a power of two and at least the rounding (it is " + n(large_segment_rounding) +
+         ", the rounding " + n(rounding) + ")");
   }
-  if (small_size == 0 || small_size > small_segment_size) fail("small_size must be in [1, small_segment_size]");
-  if (small_segment_size % rounding != 0 || medium_segment_size % rounding != 0) {
-    fail("segment sizes must be multiples of the rounding");
+  if (small_size == 0 || small_size > small_segment_size) {
+    fail("small_size must be in [1, small_segment_size] (it is " + n(small_size) + ", small_segment_size " +
+         n(small_segment_size) + ")");
   }
-  if (medium_size < small_size) fail("medium_size must be at least small_size");
+  for (const auto& [name, size] : {std::pair<const char*, std::size_t>{"small_segment_size", small_segment_size},
+                                   {"medium_segment_size", medium_segment_size}}) {
+    if (size % rounding != 0) {
+      fail(std::string("segment sizes must be multiples of the rounding (") + n(rounding) + " bytes): " + name + " " +
+           n(size) + " is not");
+    }
+  }
+  if (medium_size < small_size) {
+    fail("medium_size must be at least small_size (it is " + n(medium_size) + ", small_size " + n(small_size) + ")");
+  }
   if (medium_size % rounding != 0) {
     // Requests are rounded before they are compared with it, and it bounds segment sizes (4 x medium_size).
     const std::size_t below = medium_size / rounding * rounding;
-    fail("medium_size must be a multiple of the rounding (" + std::to_string(rounding) +
-         " bytes): " + std::to_string(medium_size) + " is not; use " + std::to_string(below) + " or " +
-         std::to_string(below + rounding));
+    const bool above_fits = below <= std::numeric_limits<std::size_t>::max() - rounding;
+    fail("medium_size must be a multiple of the rounding (" + n(rounding) + " bytes): " + n(medium_size) +
+         " is not; use " + n(below) + (above_fits ? " or " + n(below + rounding) : std::string()));
   }
   if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
-    fail("medium_segment_size must be at least medium_size (or set medium_segment_growth)");
+    fail("medium_segment_size must be at least medium_size, or set medium_segment_growth (it is " +
+         n(medium_segment_size) + ", medium_size " + n(medium_size) + ")");
   }
-  if (max_split_size < rounding) fail("max_split_size must be at least the rounding");
+  if (max_split_size < rounding) {
+    fail("max_split_size must be at least the rounding (it is " + n(max_split_size) + ", the rounding " + n(rounding) +
+         ")");
+  }
   if (expandable_segments_required && !expandable_segments) {
     fail("expandable_segments_required needs expandable_segments");
   }

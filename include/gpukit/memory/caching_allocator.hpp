@@ -1056,7 +1056,7 @@ class basic_caching_allocator {
 
   [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested,
                                         std::size_t size, std::size_t segment_bytes, bool limit_hit,
-                                        bool pages = false);
+                                        std::size_t page_bytes = 0);
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const;
 

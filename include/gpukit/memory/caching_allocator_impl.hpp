@@ -1942,7 +1942,9 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages
     if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
     if (!b->seg->expandable || map_pages(b, size, limit_hit)) return b;
   }
-  throw_out_of_memory(lock, requested, size, b->seg->pages.page_size(), limit_hit, true);
+  const detail::page_map& pages = b->seg->pages;  // what the request still lacks, in pages
+  const std::size_t missing = pages.unmapped_count(pages.touched_by(b->address - b->seg->address, size));
+  throw_out_of_memory(lock, requested, size, missing * pages.page_size(), limit_hit, pages.page_size());
 }
 
 template <class Upstream, class StreamOps>
@@ -2454,7 +2456,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_stream_ca
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_memory(
     std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size, std::size_t segment_bytes,
-    bool limit_hit, bool pages) {
+    bool limit_hit, std::size_t page_bytes) {
   stats_.num_ooms.increment();
   const free_space_info f = free_space_locked();
   std::size_t allocated = 0;
@@ -2473,7 +2475,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_me
   out_of_memory_info facts{
       device_ordinal(),     requested, size,      segment_bytes, allocated,        reserved,        f.free_bytes,
       f.largest_free_block, limit,     limit_hit, info.known,    info.total_bytes, info.free_bytes, {}};
-  facts.message = detail::out_of_memory_message(facts, device_.to_string(), pages);
+  facts.message = detail::out_of_memory_message(facts, device_.to_string(), page_bytes);
   if (memory_history* h = history_.load(std::memory_order_acquire)) {
     h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
   }

@@ -30,10 +30,11 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// What an out-of-memory observer is told, just before an allocator throws out_of_memory_error.
 struct out_of_memory_info {
-  int device = -1;                     ///< the CUDA ordinal, or -1 for the CPU
-  std::size_t requested = 0;           ///< the bytes asked for
-  std::size_t rounded = 0;             ///< the request rounded as the allocator serves it
-  std::size_t segment_bytes = 0;       ///< the last segment size asked of the upstream for it
+  int device = -1;            ///< the CUDA ordinal, or -1 for the CPU
+  std::size_t requested = 0;  ///< the bytes asked for
+  std::size_t rounded = 0;    ///< the request rounded as the allocator serves it
+  /// the last segment size asked of the upstream for it; with expandable segments, the bytes of the pages it lacked
+  std::size_t segment_bytes = 0;
   std::size_t allocated = 0;           ///< bytes allocated by this allocator
   std::size_t reserved = 0;            ///< bytes this allocator holds from the upstream
   std::size_t free_cached = 0;         ///< reserved bytes in free blocks (after releasing what could be released)
@@ -52,10 +53,11 @@ using out_of_memory_observer = std::function<void(const out_of_memory_info&)>;
 namespace detail {
 
 /// The message of a caching allocator's out_of_memory_error, from its numbers (`info`, whose `message` is ignored):
-/// what was asked and what it needs (a new segment, or more pages of an expandable one with `pages`), the device's
-/// memory, this allocator's, and the likely cause with what to do about it.
+/// what was asked and what it needs (a new segment, or, where `page_bytes` is not 0, pages of that size mapped into
+/// an expandable segment: info.segment_bytes of them), the device's memory, this allocator's, and the likely cause
+/// with what to do about it.
 GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
-                                                bool pages);
+                                                std::size_t page_bytes);
 
 /// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
 /// use the allocator and add or remove observers.
@@ -98,11 +100,15 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
-                                                bool pages) {
+                                                std::size_t page_bytes) {
+  const bool pages = page_bytes != 0;
+  const std::size_t page_count = pages ? info.segment_bytes / page_bytes : 0;
   std::string m = "gpukit: out of memory on " + std::string(device_name) + ": tried to allocate " +
                   format_bytes_exact(info.requested) + ", rounded to " + format_bytes_exact(info.rounded) +
                   ", which needs " +
-                  (pages ? "more pages of " + format_bytes(info.segment_bytes) + " mapped into its expandable segment"
+                  (pages ? format_bytes(info.segment_bytes) + " more mapped into its expandable segment (" +
+                               std::to_string(page_count) + (page_count == 1 ? " page" : " pages") + " of " +
+                               format_bytes(page_bytes) + ")"
                          : "a new segment of " + format_bytes(info.segment_bytes)) +
                   ". ";
   if (info.device_memory_known) {
