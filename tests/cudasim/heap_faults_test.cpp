@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -379,6 +380,45 @@ TEST_CASE(
   CHECK(pool.stats().active_blocks == 0);
   CHECK(pool.stats().lost_blocks == 0);
   CHECK(cudaFree(device_side) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("heap faults: a pinned block the pool has no room to keep is unpinned outside the pool's lock, for every N") {
+  // cudaFreeHost waits for all the device's work: under the lock, every pool call of every thread waited with it.
+  // Another thread reads the pool's statistics from inside that cudaFreeHost (it deadlocked when the lock was held).
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  long runs = 0;
+  int failures = 0;
+  int unpinned_on_failure = 0;
+  for (long n = 1;; ++n) {
+    INFO("fault at host allocation " << n);
+    const std::size_t frees_before = cudasim::calls("cudaFreeHost");
+    std::size_t reserved_seen = 1;
+    cudasim::before_call("cudaFreeHost", 1,
+                         [&] { std::thread([&] { reserved_seen = pool.stats().reserved_bytes; }).join(); });
+    void* p = nullptr;
+    heap_run run(n, simulated_call);
+    const bool done = run.armed([&] { p = pool.allocate(3000); });
+    cudasim::clear_faults();  // the action, if no cudaFreeHost ran
+    CHECK(run.unexpected() == "");
+    if (done) {
+      CHECK(cudasim::calls("cudaFreeHost") == frees_before);
+      pool.deallocate(p);
+      pool.empty_cache();
+    } else if (cudasim::calls("cudaFreeHost") != frees_before) {
+      ++unpinned_on_failure;
+      CHECK(reserved_seen == 0);  // read while it was being unpinned: never counted as reserved
+    }
+    CHECK(pool.stats().reserved_bytes == 0);
+    CHECK(pool.stats().active_blocks == 0);
+    failures += run.failures();
+    if (run.seen() < n) break;
+    ++runs;
+  }
+  MESSAGE("pinned_pool allocate: " << runs << " runs, " << failures << " failed with std::bad_alloc, "
+                                   << unpinned_on_failure << " unpinned its block");
+  CHECK(unpinned_on_failure >= 1);
+  CHECK(pool.stats().upstream_frees == pool.stats().upstream_allocations);
   CHECK(cudasim::violations().empty());
 }
 

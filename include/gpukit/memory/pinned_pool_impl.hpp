@@ -95,8 +95,8 @@ GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::allocate(std::size_t byte
   }
   if (hit != nullptr) return hit;
   void* p = upstream_allocate_with_retry(size, bytes);
-  std::lock_guard<std::mutex> lock(mutex_);
   try {
+    std::lock_guard<std::mutex> lock(mutex_);
     block b;
     b.size = size;
     b.requested = bytes;
@@ -107,13 +107,17 @@ GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::allocate(std::size_t byte
     detail::add_to_stat(host_stats_.segment, 1);
     detail::add_to_stat(host_stats_.reserved_bytes, static_cast<std::int64_t>(size));
     on_activate_locked(inserted.first->second);
-  } catch (...) {
+  } catch (...) {  // no room to keep it: given back outside the lock, since cudaFreeHost waits for the device's work
     const auto start = std::chrono::steady_clock::now();
     upstream_.deallocate(p, size);
     const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    ++stats_.upstream_frees;  // its allocation was counted
-    stats_.unpinning_time += spent;
-    detail::add_to_stat(host_stats_.host_free_time, spent);
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++stats_.upstream_frees;  // its allocation was counted
+      stats_.unpinning_time += spent;
+      detail::add_to_stat(host_stats_.host_free_time, spent);
+    } catch (...) {  // the lock failed (never seen): left out of the counts
+    }
     throw;
   }
   return p;
