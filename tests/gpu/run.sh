@@ -137,6 +137,12 @@ not_applicable=$(grep -c "GPUKIT_TEST_NOT_APPLICABLE" "$test_log" 2>/dev/null)
   printf '%s GPU tests do not apply to this machine (GPUKIT_TEST_NOT_APPLICABLE):\n%s\n' "$not_applicable" \
     "$(grep -o "GPUKIT_TEST_NOT_APPLICABLE: .*" "$test_log" | sort | uniq -c)" | tee -a "$log" >>"$report"
 
+# What the runtime makes visible for each CUDA_VISIBLE_DEVICES value of the table, beside gpukit's reading: the
+# rows where gpukit and the simulator read a value differently are settled here.
+[ -x "$build/tests/test_gpu_visible_devices$suffix" ] &&
+  run "CUDA_VISIBLE_DEVICES: the runtime's reading and gpukit's" timeout "$step_timeout" \
+    "$build/tests/test_gpu_visible_devices$suffix"
+
 cd "$build" || exit 1
 for example in device_query memory_stats memory_history tenant_budgets bandwidth_test prefetch_pipeline \
     train_input_pipeline graph_replay inference_server inference_server_cuda stream_timing; do
