@@ -200,6 +200,22 @@ TEST_CASE("contexts: a portable host registration for a device that does not exi
       doctest::Contains("gpukit::host_registration: cuda:7 is not visible ("), gpukit::invalid_argument_error);
 }
 
+TEST_CASE("contexts: a pinned_buffer for a device that does not exist is refused, portable or not") {
+  // Portable memory is allocated in whatever context is current: CUDA would not see the bad ordinal, and the buffer
+  // would fail only later (device_pointer(), a copy for that device).
+  gpukit::stream s(gpukit::device::cuda(0));  // a context is current on this thread
+  const std::size_t allocations = cudasim::calls("cudaHostAlloc");
+  for (const bool portable : {true, false}) {
+    gpukit::pinned_flags flags;
+    flags.portable = portable;
+    CHECK_THROWS_WITH_AS(gpukit::pinned_buffer<float>(1000, gpukit::device::cuda(7), flags),
+                         "gpukit::pinned_buffer: cuda:7 is not visible (2 CUDA devices)",
+                         gpukit::invalid_argument_error);
+  }
+  CHECK(cudasim::calls("cudaHostAlloc") == allocations);                    // nothing pinned
+  CHECK(gpukit::pinned_buffer<float>(0, gpukit::device::cuda(7)).empty());  // nothing to allocate: no check
+}
+
 TEST_CASE("contexts: a pointer query on a fresh thread") {
   on_fresh_thread_while_cuda1_is_used([](gpukit::device, float* x) {
     const auto info = gpukit::detail::query_pointer(x);

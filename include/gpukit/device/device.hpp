@@ -145,6 +145,11 @@ inline constexpr int no_context_anywhere = -1;
 /// is expected), else no_context_anywhere. Creates nothing itself; never throws.
 GPUKIT_INLINE int device_with_context(int preferred, bool allow_new = true) noexcept;
 
+/// Throws invalid_argument_error, naming `who`, for a CUDA device whose ordinal is not visible: calls that any context
+/// serves (portable pinned memory) would not refuse it themselves. Does nothing when no device is visible (the call
+/// itself then says why, as no_device_error).
+GPUKIT_INLINE void require_visible(device d, const char* who);
+
 /// RAII for a call that needs a context: with `any_context` (the call is served by any context, e.g. portable pinned
 /// memory) makes device_with_context(ordinal) current, else `ordinal` itself (device_guard). Nothing changes when
 /// the current context serves. See device_guard for what is restored.
@@ -341,6 +346,14 @@ GPUKIT_INLINE int device_with_context(int preferred, bool allow_new) noexcept {
     if (ordinal != preferred && primary_context_state(ordinal) == 1) return ordinal;
   }
   return allow_new && preferred >= 0 ? preferred : no_context_anywhere;
+}
+
+GPUKIT_INLINE void require_visible(device d, const char* who) {
+  if (!d.is_cuda()) return;
+  if (const int visible = device_count(); visible > 0 && d.ordinal() >= visible) {
+    throw invalid_argument_error(std::string(who) + ": " + d.to_string() + " is not visible (" +
+                                 std::to_string(visible) + " CUDA devices)");
+  }
 }
 
 GPUKIT_INLINE context_scope::context_scope(int ordinal, bool any_context)

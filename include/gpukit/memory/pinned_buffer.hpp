@@ -86,8 +86,8 @@ class pinned_buffer {
   pinned_buffer() noexcept = default;
 
   /// `count` uninitialised elements for transfers with device `d`: cudaHostAlloc'd with `flags` for a CUDA device,
-  /// plain page-aligned host memory for the CPU. A count of 0 allocates nothing. Throws out_of_memory_error, or
-  /// no_device_error for a CUDA device without a driver.
+  /// plain page-aligned host memory for the CPU. A count of 0 allocates nothing. Throws out_of_memory_error,
+  /// invalid_argument_error for a CUDA device that is not visible, or no_device_error without a driver.
   ///
   /// Page-locked memory belongs to the context current during cudaHostAlloc, and a thread that never chose a device
   /// would get a new context on cuda:0. Portable memory is pinned (and, under unified addressing, mapped) for every
@@ -103,6 +103,7 @@ class pinned_buffer {
       return;
     }
     detail::note_cuda_use();
+    detail::require_visible(d, "gpukit::pinned_buffer");  // portable memory may be allocated in any context
     detail::context_scope scope(d.ordinal(), flags.portable);
     data_ = static_cast<T*>(detail::cuda_host_alloc(bytes, flags, d.ordinal()));
     page_locked_ = true;

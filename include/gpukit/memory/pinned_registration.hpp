@@ -130,12 +130,7 @@ GPUKIT_INLINE host_registration::host_registration(void* data, std::size_t bytes
   }
   if (bytes == 0 || d.is_cpu()) return;
   detail::note_cuda_use();
-  // A portable registration may use any context, so CUDA would not refuse an ordinal that does not exist (none
-  // visible: the call below says why, as no_device_error).
-  if (const int visible = device_count(); visible > 0 && d.ordinal() >= visible) {
-    throw invalid_argument_error("gpukit::host_registration: " + d.to_string() + " is not visible (" +
-                                 std::to_string(visible) + " CUDA devices)");
-  }
+  detail::require_visible(d, "gpukit::host_registration");  // a portable registration may use any context
   detail::context_scope scope(d.ordinal(), flags.portable);
   const detail::relaxed_capture_mode relaxed;  // another thread's global capture neither refuses nor loses it
   GPUKIT_CUDA_TRY_DESCRIBED(
