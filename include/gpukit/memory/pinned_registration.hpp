@@ -5,8 +5,8 @@
 /// \file
 /// host_registration: page-locks memory the program already owns (cudaHostRegister) for the life of the object and
 /// unlocks it after (cudaHostUnregister). Use it when the data lives in memory you do not allocate (a memory-mapped
-/// file, a framework's tensor) and is copied often enough to repay the registration (as slow as cudaHostAlloc, about
-/// 1 ms per MiB).
+/// file, a framework's tensor) and is copied often enough to repay the registration (its cost grows with the size,
+/// as cudaHostAlloc's does: 30 ms for 64 MiB with its free on an H200 host).
 ///
 /// The CPU-device story: registering for the CPU device is a no-op (registered() is false): the CPU has nothing to
 /// pin, and the same code runs without a GPU. While registered, gpukit's copies detect the memory as pinned and use

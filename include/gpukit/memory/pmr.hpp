@@ -9,7 +9,8 @@
 ///     std::pmr::vector<float> staging(1 << 20, &pinned);              // a host vector the GPU copies at full speed
 ///
 /// - pinned_pmr_resource: page-locked host memory from a pinned_pool; any standard container or pool resource may
-///   use it. Frees return the block at once (no device work may still use it).
+///   use it. A free returns the block to the pool, which serves it again after the events of the streams recorded
+///   for it (pool().record_stream) and once captures that used it end.
 /// - device_pmr_resource: device memory from a device_resource (any device_allocator among them), ordered on a stream.
 /// **Device-only**: the host must
 ///   not touch it, so hand it only to code that passes the bytes to the device, never to a container or to
