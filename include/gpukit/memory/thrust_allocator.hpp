@@ -14,7 +14,11 @@
 /// stream had enqueued by the free. Thrust's own kernels (a vector's construction and resize fills, algorithms
 /// without an execution policy) run on the default stream: give algorithms the allocator's stream through an
 /// execution policy, and before using freshly filled elements on a non-blocking stream (or in code built with
-/// per-thread default streams) synchronize the default stream. The stream and
+/// per-thread default streams) synchronize the default stream. The other way round too: memory handed out may have
+/// been freed on the allocator's stream by work still running there, which a fill on the default stream does not
+/// wait for if the allocator's stream is non-blocking (gpukit::stream's default) or with per-thread default streams:
+/// synchronize the allocator's stream before a vector's filling constructor or resize. (The allocator cannot order
+/// the fill itself: Thrust asks it for algorithms' temporary memory too, possibly during a capture.) The stream and
 /// the allocator must outlive the containers. Needs Thrust (the toolkit's CCCL, which gpukit's CMake targets bring);
 /// not included by gpukit.hpp.
 
