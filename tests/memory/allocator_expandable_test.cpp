@@ -76,6 +76,64 @@ TEST_CASE("expandable segments: pages are mapped as blocks need them, in one ran
   CHECK(f.a.stats().num_device_free == f.a.stats().num_device_alloc);  // one unmap per mapped page
 }
 
+TEST_CASE("expandable segments: free blocks are not inactive split (non-releasable): empty_cache unmaps their pages") {
+  setup f;
+  void* a = f.a.allocate(5 * MiB, f.s0);  // the range's free rest is one free block of nearly 4 GiB
+  void* small = f.a.allocate(1000, f.s0);
+  void* cached = f.a.allocate(1000, f.s0);
+  f.a.deallocate(cached);  // in the front cache: not inactive split either
+  const gpukit::allocator_stats s = f.a.stats();
+  // As PyTorch, which leaves expandable segments out (counted, the ranges' free rests made 8 GiB beside 8 MiB).
+  CHECK(s.inactive_split.all().current == 0);
+  CHECK(s.inactive_split_bytes.all().current == 0);
+  CHECK(s.inactive_split_bytes.all().current <= s.reserved_bytes.all().current);
+  const std::string summary = f.a.memory_summary();
+  const std::size_t at = summary.find("Non-releasable memory");
+  REQUIRE(at != std::string::npos);
+  const std::string row = summary.substr(at, summary.find('\n', at) - at);
+  CHECK_MESSAGE(row.find("GiB") == std::string::npos, row);
+  CHECK(f.invariants({a, small}) == "");  // recompute() leaves expandable segments out too
+  for (void* p : {a, small}) f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.stats().inactive_split_bytes.all().allocated == 0);
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: the largest free block is the mapped run at a free block's start") {
+  setup f(expandable(), 12 * MiB);
+  // Pages of 2 MiB: x on pages 0-1, y on 1-4, z on 4-5; all large requests, in one range.
+  void* x = f.a.allocate(2 * MiB + 512 * KiB, f.s0);
+  void* y = f.a.allocate(7 * MiB + 256 * KiB, f.s0);
+  void* z = f.a.allocate(1 * MiB + 256 * KiB, f.s0);
+  CHECK(f.a.memory_reserved() == 12 * MiB);
+  f.a.deallocate(y);
+  f.a.empty_cache();  // unmaps pages 2 and 3, wholly inside y's hole
+  CHECK(f.a.memory_reserved() == 8 * MiB);
+  void* w = f.a.allocate(4 * MiB, f.s1);  // another stream's range takes the rest of the device
+  CHECK(f.a.upstream().used() == 12 * MiB);
+  // Mapped and free: 1.5 MiB at the hole's start (page 1), 1.75 MiB at its end (page 4), 1 MiB after z (page 5).
+  // A request takes the hole from its start: only the first piece serves one without mapping (the pieces' sum,
+  // 3.25 MiB, or the longest, 1.75 MiB, would need page 2).
+  const gpukit::free_space_info fs = f.a.free_space();
+  CHECK(fs.free_bytes == 4 * MiB + 256 * KiB);
+  CHECK(fs.free_blocks == 2);
+  CHECK(fs.largest_free_block == 1 * MiB + 512 * KiB);
+  void* v = f.a.allocate(fs.largest_free_block, f.s0);
+  CHECK(v == y);
+  f.a.deallocate(v);
+  std::string message;
+  try {
+    (void)f.a.allocate(fs.largest_free_block + 512, f.s0);
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("largest free block 1.50 MiB") != std::string::npos, message);
+  CHECK(f.invariants({x, z, w}) == "");
+  for (void* p : {x, z, w}) f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
 TEST_CASE("expandable segments: under pressure, the pages of a freed hole are unmapped for a larger request") {
   setup f(expandable(), 30 * MiB);
   void* a = f.a.allocate(8 * MiB, f.s0);

@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace gpukit_test;
@@ -853,6 +854,34 @@ TEST_CASE("front cache: the heap takes cached blocks back before it grows") {
   CHECK(f.a.stats().num_ooms == 0);
   f.a.deallocate(whole);
   CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+}
+
+TEST_CASE("front cache: cached pieces going back to the heap leave the inactive-split totals >= 0, never lower") {
+  for (const bool reset : {false, true}) {
+    CAPTURE(reset);
+    setup f(with_front(true));
+    const fake_stream s0 = f.streams[0];
+    void* a = f.a.allocate(512, s0);
+    void* b = f.a.allocate(512, s0);
+    f.a.deallocate(b);  // both cached: with the segment's free rest, 3 inactive split pieces
+    f.a.deallocate(a);
+    const gpukit::allocator_stats before = f.a.stats();
+    CHECK(before.inactive_split.all().current == 3);
+    if (reset) f.a.reset_accumulated_stats();
+    f.a.empty_cache();  // the heap takes them back, merges them and releases the segment
+    const gpukit::allocator_stats after = f.a.stats();
+    for (const auto& [was, now] : {std::pair(before.inactive_split, after.inactive_split),
+                                   std::pair(before.inactive_split_bytes, after.inactive_split_bytes)}) {
+      for (std::size_t p = 0; p < 3; ++p) {
+        CAPTURE(p);
+        const gpukit::stat& x = now.pools[p];
+        CHECK(x.current == 0);
+        CHECK(x.allocated >= (reset ? 0 : was.pools[p].allocated));  // was -1 after a reset; went back without
+        CHECK(x.freed >= (reset ? 0 : was.pools[p].freed));
+        CHECK(x.allocated - x.freed == x.current - (reset ? was.pools[p].current : 0));
+      }
+    }
+  }
 }
 
 TEST_CASE("front cache: freeing a cached pointer again is a double free, and the allocator stays usable") {

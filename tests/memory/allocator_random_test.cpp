@@ -9,6 +9,9 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -280,5 +283,93 @@ void run_with_stream_churn(const scenario& sc, std::uint64_t seed, int steps) {
 TEST_CASE("randomized sequences with streams destroyed and replaced keep every invariant") {
   for (const auto& sc : scenarios()) {
     for (std::uint64_t seed : {1u, 2u, 3u}) run_with_stream_churn(sc, seed, 3000);
+  }
+}
+
+namespace {
+
+/// Every statistic read after every step of a single-threaded sequence: each peak is the largest value read since
+/// its reset, each pair of totals moves with its value, and no total is negative or goes back.
+struct total_tracker {
+  static constexpr std::size_t count = 9;
+  std::array<std::array<gpukit::stat, 3>, count> last{};
+  std::array<std::array<std::int64_t, 3>, count> max{}, base{};  // base: the value at the last reset of the totals
+  static std::array<const gpukit::pool_stats*, count> of(const gpukit::allocator_stats& s) {
+    return {&s.allocation,      &s.segment,        &s.active,       &s.inactive_split,
+            &s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
+            &s.requested_bytes};
+  }
+  void reset(const gpukit::allocator_stats& s, bool peaks, bool totals) {
+    for (std::size_t k = 0; k < count; ++k) {
+      for (std::size_t p = 0; p < 3; ++p) {
+        const gpukit::stat& x = of(s)[k]->pools[p];
+        if (peaks) max[k][p] = x.current;
+        if (totals) base[k][p] = x.current;
+        last[k][p] = x;
+      }
+    }
+  }
+  std::string step(const gpukit::allocator_stats& s) {
+    for (std::size_t k = 0; k < count; ++k) {
+      for (std::size_t p = 0; p < 3; ++p) {
+        const gpukit::stat& x = of(s)[k]->pools[p];
+        const std::string where = "statistic " + std::to_string(k) + " pool " + std::to_string(p) + ": ";
+        max[k][p] = std::max(max[k][p], x.current);
+        if (x.peak != max[k][p])
+          return where + "peak " + std::to_string(x.peak) + ", seen " + std::to_string(max[k][p]);
+        if (x.allocated - x.freed != x.current - base[k][p]) return where + "totals do not move with the value";
+        if (x.allocated < last[k][p].allocated || x.freed < last[k][p].freed) return where + "a total went back";
+        if (x.allocated < 0 || x.freed < 0) return where + "negative total";
+        last[k][p] = x;
+      }
+    }
+    return "";
+  }
+};
+
+}  // namespace
+
+TEST_CASE("randomized sequences with resets, flushes and trims keep every peak and total consistent") {
+  // Front caches off, small, small and large; expandable segments.
+  for (int mode = 0; mode < 4; ++mode) {
+    for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+      gpukit::allocator_options o;
+      o.front_cache = mode != 0;
+      o.front_cache_large = mode == 2;
+      o.expandable_segments = mode == 3;
+      fake_setup f(o, 4 * GiB);
+      const fake_stream streams[] = {f.add_stream(), f.add_stream(), f.add_stream()};
+      std::mt19937_64 rng(seed);
+      std::vector<void*> held;
+      total_tracker t;
+      const std::size_t sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 1 * MiB, 3 * MiB, 24 * MiB};
+      std::string problem;
+      int step = 0;
+      for (; step < 3000 && problem.empty(); ++step) {
+        const auto r = rng() % 1000;
+        if (r < 5) {
+          f.a.reset_peak_stats();
+          t.reset(f.a.stats(), true, false);
+        } else if (r < 10) {
+          f.a.reset_accumulated_stats();
+          t.reset(f.a.stats(), false, true);
+        } else if (r < 15) {
+          f.a.empty_cache();
+        } else if (r < 20) {
+          (void)f.a.trim(f.a.memory_reserved() / 2);
+        } else if (held.empty() || (held.size() < 150 && r < 560)) {
+          held.push_back(f.a.allocate(sizes[rng() % 8] - (rng() % 2) * 100, streams[rng() % 3]));
+        } else {
+          const std::size_t i = rng() % held.size();
+          f.a.deallocate(held[i]);
+          held[i] = held.back();
+          held.pop_back();
+        }
+        problem = t.step(f.a.stats());
+      }
+      INFO("mode " << mode << ", seed " << seed << ", step " << step);
+      CHECK(problem == "");
+      for (void* p : held) f.a.deallocate(p);
+    }
   }
 }

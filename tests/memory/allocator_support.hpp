@@ -159,7 +159,7 @@ inline recomputed recompute(const gpukit::allocator_snapshot& s) {
   recomputed r;
   for (const auto& seg : s.segments) {
     const std::size_t pools[2] = {0, seg.small_pool ? std::size_t{1} : std::size_t{2}};
-    const bool split = seg.blocks.size() > 1;
+    const bool split = seg.blocks.size() > 1 && !seg.expandable;  // an expandable one's free pages are releasable
     for (std::size_t p : pools) {
       r.segment[p] += 1;
       r.reserved_bytes[p] += static_cast<std::int64_t>(seg.mapped);

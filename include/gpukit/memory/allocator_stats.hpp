@@ -13,7 +13,8 @@
 /// - requested: the bytes users asked for (before rounding);
 /// - active: allocated, plus freed blocks that wait for other streams' work (record_stream) before reuse;
 /// - reserved: segments obtained from the upstream (cudaMalloc), i.e. what other processes cannot use;
-/// - inactive_split: free blocks that are pieces of a split segment (cached, but not releasable on their own);
+/// - inactive_split: free blocks that are pieces of a split segment (cached, but not releasable on their own); not
+///   those of expandable segments, whose free pages are released (as in PyTorch);
 /// - segment / allocation counts; each with current, peak, total allocated, total freed.
 
 #include <gpukit/detail/config.hpp>

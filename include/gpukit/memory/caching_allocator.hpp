@@ -365,7 +365,7 @@ class basic_caching_allocator {
     std::uint64_t free_since = 0;  // free_clock_ when it last went back to the heap (the latest of merged blocks)
     block_state state = block_state::free;
     bool small = false;
-    bool taken_split = false;  // a piece of a split segment when allocated (cannot change until it is free)
+    bool taken_split = false;  // counts_as_split when allocated (cannot change until it is free)
     // In a front cache: allocated to the heap (and in the pointer map), free to the user. Written under the slot's
     // lock; read without it by a free, which is ordered after the allocation that cleared it.
     std::atomic<bool> in_front{false};
@@ -855,7 +855,9 @@ class basic_caching_allocator {
   /// index_in(*b->owner, b->small).
   index_type& index_of(block* b);
 
-  static bool is_split(const block* b) noexcept;
+  /// Whether free block `b` counts as inactive split (PyTorch's non-releasable memory): a piece of a split segment,
+  /// not of an expandable one, whose free pages empty_cache unmaps (PyTorch leaves those out too).
+  static bool counts_as_split(const block* b) noexcept;
   /// Whether the memory of block `b` may go back to the upstream now: it is free, and not held for a destroyed stream's
   /// last work (`quarantine`: an upstream that does not wait for the device on a free).
   static bool releasable(const block* b, bool quarantine) noexcept;

@@ -1401,8 +1401,8 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::index_of(block*
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::is_split(const block* b) noexcept {
-  return b->prev != nullptr || b->next != nullptr;
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::counts_as_split(const block* b) noexcept {
+  return (b->prev != nullptr || b->next != nullptr) && !b->seg->expandable;
 }
 
 template <class Upstream, class StreamOps>
@@ -1413,7 +1413,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::releasable(cons
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::index_free(block* b) {
   index_of(b).insert(b);
-  if (is_split(b)) {
+  if (counts_as_split(b)) {
     count(st_inactive_split, b->small, 1);
     count(st_inactive_split_bytes, b->small, as_delta(b->size));
   }
@@ -1422,7 +1422,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::index_free(bloc
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::unindex_free(block* b) noexcept {
   b->owner->pools[b->small ? 1 : 0]->remove(b);
-  if (is_split(b)) {
+  if (counts_as_split(b)) {
     count(st_inactive_split, b->small, -1);
     count(st_inactive_split_bytes, b->small, -as_delta(b->size));
   }
@@ -1579,7 +1579,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   ++st.in_use;
   b->state = block_state::allocated;
   b->requested = requested;
-  b->taken_split = is_split(b);
+  b->taken_split = counts_as_split(b);
   count(st_allocation, b->small, 1);
   count(st_allocated_bytes, b->small, as_delta(b->size));
   count(st_active, b->small, 1);

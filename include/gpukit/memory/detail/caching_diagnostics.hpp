@@ -77,7 +77,11 @@ struct caching_diagnostics {
         if (backed == 0) continue;
         f.free_bytes += backed;
         ++f.free_blocks;
-        f.largest_free_block = std::max(f.largest_free_block, backed);
+        // A request takes a block from its start: in an expandable segment only the mapped run there serves one
+        // without the upstream (pages mapped past an unmapped one do not).
+        const std::size_t usable =
+            seg->expandable ? seg->pages.mapped_prefix(b->address - seg->address, b->size) : backed;
+        f.largest_free_block = std::max(f.largest_free_block, usable);
       }
     }
     return f;

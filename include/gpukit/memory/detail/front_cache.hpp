@@ -237,8 +237,10 @@ struct alignas(false_sharing_range) front_slot {
       bump(held, fq_split_bytes, -size);
     }
   }
-  /// The heap takes `b` back (flush): exactly what enter() did is undone. The value moves back to the heap, and the
-  /// totals forget the change, which the heap counts again.
+  /// The heap takes `b` back (flush): the value moves back to the heap. The totals forget the allocation's changes,
+  /// which the heap's free counts again; the inactive-split rise stays counted (reset_totals may have zeroed it, and
+  /// the heap's merge may not count it again): the hand-back is a fall here and the heap's re-index a rise, so no
+  /// total goes negative or backwards.
   void unwind(const Block& b) noexcept {
     const std::int64_t size = to_signed(b.size);
     bump(held, fq_blocks, -1);
@@ -247,8 +249,6 @@ struct alignas(false_sharing_range) front_slot {
     if (b.taken_split) {
       bump(held, fq_split_blocks, -1);
       bump(held, fq_split_bytes, -size);
-      bump(raised, fq_split_blocks, -1);
-      bump(raised, fq_split_bytes, -size);
     }
   }
   /// Zeroes the totals (the caller holds the lock).

@@ -84,6 +84,16 @@ class page_map {
     return backed;
   }
 
+  /// The bytes of [offset, offset + bytes) from `offset` on that lie on mapped pages, up to the first page that is not:
+  /// what a block there can hand out without mapping (blocks are taken from their start).
+  [[nodiscard]] std::size_t mapped_prefix(std::size_t offset, std::size_t bytes) const noexcept {
+    if (mapped_pages_ == 0) return 0;
+    const std::size_t end = offset + bytes;
+    std::size_t i = offset / page_size_;
+    while (i < mapped_.size() && i * page_size_ < end && mapped_[i]) ++i;
+    return i * page_size_ <= offset ? 0 : std::min(end, i * page_size_) - offset;
+  }
+
   /// Records page `page` as mapped.
   void set_mapped(std::size_t page) noexcept {
     if (mapped_[page]) return;
