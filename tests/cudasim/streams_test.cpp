@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -2278,4 +2279,169 @@ TEST_CASE("streams: a graph pool keeps the allocation's stream from destruction 
   cudasim::drain_all();
   CHECK(pool->memory_allocated() == 0);
   CHECK(cudasim::violations().empty());
+}
+
+// --- ownership of wrapped handles, leases that outlive their pool, errors on raw handles, use at exit ---
+
+TEST_CASE("streams: wrap refuses to own a handle a gpukit::stream owns already, naming the handle and its device") {
+  // Two owners would both destroy the handle: the second time perhaps after CUDA gave it to a new stream.
+  gpukit::stream owner(cuda1);
+  const cudaStream_t handle = owner.cuda_handle();
+  cudaStream_t raw = create_raw_stream(cuda1);
+  gpukit::stream adopted = gpukit::stream::wrap(raw, cuda1, true);
+  for (const cudaStream_t owned : {handle, raw}) {
+    try {
+      (void)gpukit::stream::wrap(owned, cuda1, true);
+      FAIL("no exception");
+    } catch (const gpukit::invalid_argument_error& e) {
+      const std::string what = e.what();
+      CHECK(what.find(gpukit::detail::describe_stream(owned, cuda1)) != std::string::npos);
+      CHECK(what.find("owned by a gpukit::stream already") != std::string::npos);
+      CHECK(e.device() == 1);
+    }
+    CHECK_NOTHROW(gpukit::stream::wrap(owned, cuda1, false));  // borrowing it is fine
+  }
+  CHECK(owner.owns_handle());
+  CHECK(gpukit::detail::cuda_backend::find_created_stream(handle).has_value());
+  CHECK(stream_idle(handle));
+  CHECK(stream_idle(raw));
+  CHECK(cudasim::violations().empty());  // nothing destroyed twice
+}
+
+TEST_CASE("streams: a lease that outlives its pool destroys its stream when it ends, and the pool warns") {
+  captured_warnings warnings;
+  auto pool = std::make_unique<gpukit::stream_pool>(cuda0, 1, gpukit::stream_options{}, 2);
+  std::optional<gpukit::stream_pool::lease> late = pool->acquire_exclusive();
+  { gpukit::stream_pool::lease ended = pool->acquire_exclusive(); }  // recycled: a stream the pool holds
+  const std::shared_ptr<const gpukit::detail::stream_life> life = late->view().lifetime();
+  REQUIRE(life.get() != nullptr);
+  pool.reset();
+  CHECK(warnings.contains("destroyed with 1 exclusive lease(s) still out"));
+  CHECK_FALSE(life->expired());
+  late->view().synchronize();                           // still usable until the lease ends
+  gpukit::stream_pool::lease moved = std::move(*late);  // and movable
+  late.reset();                                         // the moved-from lease: nothing to end
+  CHECK_FALSE(life->expired());
+  { gpukit::stream_pool::lease ended = std::move(moved); }  // destroyed, with no pool to give it back to
+  CHECK(life->expired());
+  CHECK(warnings.messages().size() == 1);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a lease that outlives its pool while its stream is captured leaves that capture intact") {
+  captured_warnings warnings;
+  auto pool = std::make_unique<gpukit::stream_pool>(cuda0, 1, gpukit::stream_options{}, 1);
+  std::optional<gpukit::stream_pool::lease> late = pool->acquire_exclusive();
+  const cudaStream_t handle = late->view().cuda_handle();
+  pool.reset();
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  late.reset();
+  CHECK(warnings.contains("ended after its pool while its stream is still being captured: left undestroyed"));
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);  // the capture was not broken
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);  // the handle was left to the program
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a failed call on a raw stream handle names the handle, and its device where gpukit knows it") {
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);  // a context is current: a raw handle's device is not looked up
+  const cudaStream_t raw = create_raw_stream(cuda1);
+  const gpukit::stream_view view(raw);
+  const std::string unknown_device = gpukit::detail::describe_stream(raw, std::nullopt);
+  const std::size_t lookups = cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cuStreamGetCtx");
+  cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorUnknown);
+  try {
+    view.synchronize();
+    FAIL("no exception");
+  } catch (const gpukit::cuda_error& e) {
+    CHECK(std::string(e.what()).find("cudaStreamSynchronize(" + unknown_device + ") failed: ") == 0);
+    CHECK(e.device() == -1);
+  }
+  cudasim::fail_call("cudaLaunchHostFunc", 1, cudaErrorUnknown);
+  try {
+    view.enqueue_host([] {});
+    FAIL("no exception");
+  } catch (const gpukit::cuda_error& e) {
+    CHECK(std::string(e.what()).find("cudaLaunchHostFunc(" + unknown_device + ") failed: ") == 0);
+  }
+  // Not asked of CUDA on the failure path (a handle a call refused would likely fail that lookup too).
+  CHECK(cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cuStreamGetCtx") == lookups);
+  // On a thread without a context the device was looked up to enter it (ready() asks nothing before): named.
+  std::thread([&] {
+    cudasim::fail_call("cudaStreamQuery", 1, cudaErrorUnknown);
+    try {
+      (void)view.ready();
+      FAIL("no exception");
+    } catch (const gpukit::cuda_error& e) {
+      const std::string expected =
+          "cudaStreamQuery(" + gpukit::detail::describe_stream(raw, cuda1) + ") failed on cuda:1: ";
+      CHECK(std::string(e.what()).find(expected) == 0);
+      CHECK(e.device() == 1);
+    }
+  }).join();
+  // A gpukit::stream's handle: its device is known without asking.
+  gpukit::stream owned(cuda1);
+  cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorUnknown);
+  try {
+    gpukit::stream_view(owned.cuda_handle()).synchronize();
+    FAIL("no exception");
+  } catch (const gpukit::cuda_error& e) {
+    const std::string expected =
+        "cudaStreamSynchronize(" + gpukit::detail::describe_stream(owned.cuda_handle(), cuda1) + ") failed on cuda:1";
+    CHECK(std::string(e.what()).find(expected) == 0);
+    CHECK(e.device() == 1);
+  }
+  destroy_raw_stream(raw);
+  CHECK(cudasim::violations().empty());
+}
+
+namespace {
+// The at-exit child below: what main saw, for its atexit handler to compare with.
+const gpukit::device_properties* properties_in_main = nullptr;
+gpukit::priority_range range_in_main;
+
+/// Run at exit, after the statics constructed in main were destroyed: reads what properties() and
+/// stream_priority_range() cached in main, and makes their first entries for cuda:1 through a default pool's first
+/// stream. Were the caches destroyed, that is a use after free (AddressSanitizer reports it; without it, the cached
+/// entries read back wrong or the heap is corrupted).
+void use_device_state_at_exit() {
+  try {
+    const bool same_properties = &gpukit::properties(cuda0) == properties_in_main;
+    const gpukit::priority_range range = gpukit::stream_priority_range(cuda0);
+    const bool same_range = range.least == range_in_main.least && range.greatest == range_in_main.greatest;
+    const bool named = !gpukit::properties(cuda1).name.empty();
+    gpukit::stream_view pooled = gpukit::default_stream_pool(cuda1).next();
+    pooled.synchronize();
+    gpukit::stream s(cuda0);
+    s.synchronize();
+    if (!same_properties || !same_range || !named) {
+      std::fprintf(stderr, "at exit: properties %s, priority range %s, cuda:1's name %s\n",
+                   same_properties ? "same" : "differ", same_range ? "same" : "differs", named ? "read" : "empty");
+      std::_Exit(1);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "at exit: %s\n", e.what());
+    std::_Exit(1);
+  }
+}
+}  // namespace
+
+// Run only as the child of the test below (GPUKIT_STREAMS_AT_EXIT set); skipped, so ctest does not list it.
+TEST_CASE("streams: at-exit child" * doctest::skip()) {
+  if (std::getenv("GPUKIT_STREAMS_AT_EXIT") == nullptr) return;
+  // Registered before the caches are made: exit runs the handler after their destruction, were they destroyed.
+  REQUIRE(std::atexit(use_device_state_at_exit) == 0);
+  properties_in_main = &gpukit::properties(cuda0);
+  range_in_main = gpukit::stream_priority_range(cuda0);
+  gpukit::stream s(cuda0);  // the first stream: constructs the priority-range cache
+  s.synchronize();
+}
+
+TEST_CASE("streams: properties, priority ranges and default pools serve code that runs at exit") {
+  const gpukit_test::child_result child =
+      gpukit_test::run_test_case_in_child("GPUKIT_STREAMS_AT_EXIT=1", "streams: at-exit child");
+  CHECK(child.status == 0);
+  CHECK(child.stderr_text.empty());
+  if (!child.stderr_text.empty()) MESSAGE(child.stderr_text);
 }

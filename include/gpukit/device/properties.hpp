@@ -73,7 +73,7 @@ GPUKIT_INLINE int device_attribute(cudaDeviceAttr attribute, int ordinal, const 
 
 GPUKIT_INLINE device_properties query_properties(device d);
 
-/// The process-wide cache of properties(), indexed by ordinal.
+/// The process-wide cache of properties(), indexed by ordinal (exported: one per process; never destroyed).
 struct properties_cache;
 GPUKIT_EXPORT GPUKIT_INLINE properties_cache& device_properties_cache();
 
@@ -95,7 +95,8 @@ struct priority_range {
 
 namespace detail {
 
-/// The process-wide cache of stream_priority_range(), indexed by ordinal.
+/// The process-wide cache of stream_priority_range(), indexed by ordinal (exported: one per process; never
+/// destroyed).
 struct priority_range_cache;
 GPUKIT_EXPORT GPUKIT_INLINE priority_range_cache& stream_priority_ranges();
 
@@ -210,8 +211,9 @@ GPUKIT_INLINE device_properties query_properties(device d) {
 }
 
 GPUKIT_INLINE properties_cache& device_properties_cache() {
-  static properties_cache cache;
-  return cache;
+  // Never destroyed: code that runs at exit (an atexit handler, a static's destructor) may still ask.
+  static auto* cache = new properties_cache();
+  return *cache;
 }
 }  // namespace detail
 
@@ -237,8 +239,9 @@ GPUKIT_INLINE const device_properties& properties(device d) {
 namespace detail {
 
 GPUKIT_INLINE priority_range_cache& stream_priority_ranges() {
-  static priority_range_cache cache;
-  return cache;
+  // Never destroyed: streams are created at exit too (the default stream pools serve code that runs then).
+  static auto* cache = new priority_range_cache();
+  return *cache;
 }
 }  // namespace detail
 

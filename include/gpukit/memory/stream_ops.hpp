@@ -53,7 +53,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -385,9 +384,8 @@ GPUKIT_INLINE void wait_from_any_thread(const event& e, const stream_view& s) {
 }
 
 GPUKIT_INLINE std::string describe_stream(const void* handle, std::optional<gpukit::device> d) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%p", handle);
-  std::string described = std::string("stream ") + text;
+  std::string described =
+      cuda_backend::describe_stream_handle(static_cast<cudaStream_t>(const_cast<void*>(handle)), -1);
   if (d) described += " of " + d->to_string();
   return described;
 }

@@ -440,7 +440,9 @@ class stream {
   /// Wraps an existing CUDA stream of device `d`. With `take_ownership`, the wrapper destroys it, and allocators
   /// that remember it learn of its destruction as for a stream created here. Throws invalid_argument_error, naming
   /// both devices, when the handle belongs to another device (as stream_view::device() finds it), and for an owned
-  /// default stream (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed); nothing is taken over then.
+  /// default stream (0, cudaStreamLegacy, cudaStreamPerThread: CUDA's, never destroyed), and, naming the handle and
+  /// its device, for an owned handle another gpukit::stream owns (two owners would both destroy it, the second time
+  /// perhaps another stream given the handle since); nothing is taken over then. Borrowing such a handle is fine.
   static stream wrap(cudaStream_t handle, gpukit::device d, bool take_ownership);
 
   /// Takes over `other`'s stream; `other` becomes moved-from.
@@ -838,6 +840,17 @@ GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_
   }
 }
 
+namespace detail {
+/// stream::wrap's refusal to own stream `handle` of device `ordinal`, which a gpukit::stream owns already.
+[[noreturn]] GPUKIT_INLINE void throw_owned_already(cudaStream_t handle, int ordinal) {
+  throw invalid_argument_error("gpukit::stream::wrap: " + cuda_backend::describe_stream_handle(handle, ordinal) +
+                                   " is owned by a gpukit::stream already (created or wrapped with ownership): a "
+                                   "second owner would destroy it again, perhaps after CUDA gave the handle to a new "
+                                   "stream; wrap it without ownership, or release() it from its owner first",
+                               cudaSuccess, {}, ordinal);
+}
+}  // namespace detail
+
 GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool take_ownership) {
   if (!d.is_cuda()) throw invalid_argument_error("gpukit::stream::wrap: a CUDA handle needs a CUDA device");
   // The special handles (legacy, per-thread) mean "of the current device": they have no device of their own.
@@ -855,6 +868,10 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
       throw invalid_argument_error("gpukit::stream::wrap: the stream belongs to cuda:" + std::to_string(ordinal) +
                                    " (its device), not to " + d.to_string() + " as given");
     }
+    // Owned by another gpukit::stream: refused before more is asked (checked again when recorded below).
+    if (take_ownership && detail::cuda_backend::find_created_stream(handle)) {
+      detail::throw_owned_already(handle, ordinal);
+    }
     priority = detail::cuda_backend::stream_priority(handle, d.ordinal());
     if (take_ownership) {  // its destruction is ours to announce (a borrowed handle lives on elsewhere)
       life =
@@ -862,9 +879,10 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
     }
   }
   // Owned from here on: known by its handle until destroyed (a borrowed one may be destroyed behind our back).
-  if (take_ownership) {
-    detail::cuda_backend::remember_created_stream(
-        handle, {d.ordinal(), life->id(), detail::cuda_backend::may_block_on_legacy_stream(handle)});
+  if (take_ownership &&
+      !detail::cuda_backend::remember_adopted_stream(
+          handle, {d.ordinal(), life->id(), detail::cuda_backend::may_block_on_legacy_stream(handle)})) {
+    detail::throw_owned_already(handle, d.ordinal());  // another thread wrapped it meanwhile
   }
   stream wrapped(d, handle, take_ownership, priority);
   wrapped.life_ = std::move(life);

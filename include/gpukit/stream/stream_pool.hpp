@@ -62,14 +62,23 @@ class stream_pool {
   stream_pool(const stream_pool&) = delete;
   stream_pool& operator=(const stream_pool&) = delete;
   /// Destroys the streams (their pending work still runs, as with cudaStreamDestroy). Every lease must have ended:
-  /// one still out is reported through gpukit::warn (its end would give its stream back to a destroyed pool). A stream
-  /// given back while its capture runs is not destroyed, which would break that capture: it is left to CUDA, with a
-  /// warning.
+  /// one still out is reported through gpukit::warn, and destroys its stream when it ends (unless that stream is then
+  /// part of a capture: left to CUDA, with a warning). A stream given back while its capture runs is not destroyed,
+  /// which would break that capture: it is left to CUDA, with a warning.
   ~stream_pool();
 
   /// The next shared stream, round-robin.
   stream_view next();
 
+ private:
+  // What the leases know of their pool: the pool until its destructor detaches them. Held while a lease gives its
+  // stream back and while the pool detaches, so that a lease never gives back to a destroyed pool.
+  struct lease_link {
+    std::mutex mutex;
+    stream_pool* pool = nullptr;
+  };
+
+ public:
   /// Exclusive use of a stream for the lifetime of the lease (move-only).
   class lease {
    public:
@@ -88,15 +97,16 @@ class stream_pool {
 
    private:
     friend class stream_pool;
-    lease(stream_pool* pool, std::unique_ptr<stream> s) noexcept;
+    lease(std::shared_ptr<lease_link> link, std::unique_ptr<stream> s) noexcept;
     void give_back() noexcept;
-    stream_pool* pool_ = nullptr;
+    std::shared_ptr<lease_link> link_;  // null once moved from or ended
     std::unique_ptr<stream> stream_;
   };
 
   /// A stream for exclusive use: recycled from ended leases, or created while fewer than exclusive_capacity()
   /// exist. Throws invalid_argument_error, naming the device, the capacity and the leases out, when all are leased
-  /// (see try_acquire_exclusive). The pool must outlive the lease.
+  /// (see try_acquire_exclusive). The pool must outlive the lease (a lease that ends later is warned about when the
+  /// pool goes, and destroys its stream).
   lease acquire_exclusive();
 
   /// Like acquire_exclusive(), but std::nullopt when all exclusive streams are leased. Still throws if creating a
@@ -136,6 +146,7 @@ class stream_pool {
   std::vector<std::unique_ptr<stream>> exclusive_captured_;  // given back while captured: not leased until it ends
   std::size_t exclusive_in_use_ = 0;  // leases out; streams created = this + exclusive_free_ + exclusive_captured_
   std::atomic<std::size_t> counter_{0};
+  std::shared_ptr<lease_link> link_;  // shared with the leases out
 };
 
 /// Priority classes of the process-wide pools.
@@ -162,8 +173,10 @@ GPUKIT_INLINE stream_pool::stream_pool(gpukit::device d, std::size_t size, strea
     : device_(d),
       options_(options),
       slots_(size),
-      exclusive_capacity_(exclusive_capacity == same_as_size ? size : exclusive_capacity) {
+      exclusive_capacity_(exclusive_capacity == same_as_size ? size : exclusive_capacity),
+      link_(std::make_shared<lease_link>()) {
   if (size == 0) throw invalid_argument_error("gpukit::stream_pool: the size must be at least 1");
+  link_->pool = this;
 }
 
 GPUKIT_INLINE stream_view stream_pool::next() {
@@ -175,12 +188,12 @@ GPUKIT_INLINE stream_view stream_pool::next() {
 }
 
 GPUKIT_INLINE stream_pool::lease::lease(lease&& other) noexcept
-    : pool_(std::exchange(other.pool_, nullptr)), stream_(std::move(other.stream_)) {}
+    : link_(std::move(other.link_)), stream_(std::move(other.stream_)) {}
 
 GPUKIT_INLINE stream_pool::lease& stream_pool::lease::operator=(lease&& other) noexcept {
   if (this != &other) {
     give_back();
-    pool_ = std::exchange(other.pool_, nullptr);
+    link_ = std::move(other.link_);
     stream_ = std::move(other.stream_);
   }
   return *this;
@@ -195,17 +208,12 @@ GPUKIT_INLINE stream_view stream_pool::lease::view() const {
 
 GPUKIT_INLINE stream_pool::lease::operator stream_view() const { return view(); }
 
-GPUKIT_INLINE stream_pool::lease::lease(stream_pool* pool, std::unique_ptr<stream> s) noexcept
-    : pool_(pool), stream_(std::move(s)) {}
-
-GPUKIT_INLINE void stream_pool::lease::give_back() noexcept {
-  if (pool_ != nullptr && stream_) pool_->return_exclusive(std::move(stream_));
-  pool_ = nullptr;
-}
+GPUKIT_INLINE stream_pool::lease::lease(std::shared_ptr<lease_link> link, std::unique_ptr<stream> s) noexcept
+    : link_(std::move(link)), stream_(std::move(s)) {}
 
 GPUKIT_INLINE stream_pool::lease stream_pool::acquire_exclusive() {
   std::size_t in_use = 0;
-  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(link_, std::move(s));
   throw invalid_argument_error(
       "gpukit::stream_pool::acquire_exclusive: all exclusive streams of the " + device_.to_string() +
           " pool are leased (" + std::to_string(in_use) +
@@ -217,7 +225,7 @@ GPUKIT_INLINE stream_pool::lease stream_pool::acquire_exclusive() {
 
 GPUKIT_INLINE std::optional<stream_pool::lease> stream_pool::try_acquire_exclusive() {
   std::size_t in_use = 0;
-  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(this, std::move(s));
+  if (std::unique_ptr<stream> s = take_exclusive(in_use)) return lease(link_, std::move(s));
   return std::nullopt;
 }
 
@@ -270,6 +278,28 @@ GPUKIT_INLINE void warn_unreadable_returns(std::size_t count, gpukit::device d) 
              "destroyed rather than leased again");
 }
 }  // namespace detail
+
+GPUKIT_INLINE void stream_pool::lease::give_back() noexcept {
+  if (!link_) return;
+  if (stream_) {
+    const std::lock_guard<std::mutex> lock(link_->mutex);
+    if (link_->pool != nullptr) link_->pool->return_exclusive(std::move(stream_));
+  }
+  link_.reset();
+  if (!stream_) return;
+  // The pool was destroyed first (and warned): the stream is destroyed, unless a capture still holds it.
+  if (detail::returned_stream_state(*stream_) == detail::returned_stream::captured) {
+    const gpukit::device d = stream_->device();
+    try {
+      (void)stream_->release();  // the handle is given up, not destroyed
+    } catch (...) {
+    }
+    detail::warn_parts("gpukit::stream_pool::lease of ", d,
+                       " ended after its pool while its stream is still being captured: left undestroyed (destroying "
+                       "a captured stream breaks its capture)");
+  }
+  stream_.reset();
+}
 
 GPUKIT_INLINE std::unique_ptr<stream> stream_pool::take_exclusive(std::size_t& in_use) {
   std::vector<std::unique_ptr<stream>> unreadable;  // destroyed after the lock, with a warning
@@ -335,9 +365,14 @@ GPUKIT_INLINE void stream_pool::recycle_captured_returns_locked(std::vector<std:
 }
 
 GPUKIT_INLINE stream_pool::~stream_pool() {
+  {
+    const std::lock_guard<std::mutex> lock(link_->mutex);  // waits for the give-backs underway
+    link_->pool = nullptr;
+  }
   if (exclusive_in_use_ != 0) {
     detail::warn_parts("gpukit::stream_pool of ", device_, " destroyed with ", exclusive_in_use_,
-                       " exclusive lease(s) still out: each lease must end before its pool");
+                       " exclusive lease(s) still out: each lease must end before its pool (one that ends later "
+                       "destroys its stream)");
   }
   std::size_t left = 0;
   for (std::unique_ptr<stream>& s : exclusive_captured_) {

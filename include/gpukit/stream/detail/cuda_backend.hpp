@@ -26,6 +26,7 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdio>
 #include <initializer_list>
 #include <mutex>
 #include <new>
@@ -130,6 +131,9 @@ using mode_independent::created_stream;
 
 /// Records a stream a gpukit::stream created or took over. Throws std::bad_alloc.
 GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream known);
+/// Records a stream a gpukit::stream takes over (stream::wrap), unless one owns it already: then false, and what was
+/// recorded stays (two owners would both destroy it). Throws std::bad_alloc.
+GPUKIT_INLINE bool remember_adopted_stream(cudaStream_t handle, created_stream known);
 /// Forgets it, before it is destroyed or released.
 GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept;
 /// What was recorded for `handle` while a gpukit::stream owns it.
@@ -142,6 +146,9 @@ GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t han
 constexpr unsigned long long own_stream_id_bit = 1ull << 62;
 /// A new id with own_stream_id_bit, unique in the process.
 GPUKIT_INLINE unsigned long long next_own_stream_id() noexcept;
+
+/// "stream 0x1234", or with a device (`ordinal` >= 0) "stream 0x1234 of cuda:1": a stream as messages name it.
+GPUKIT_INLINE std::string describe_stream_handle(cudaStream_t handle, int ordinal);
 
 /// The ordinal of the device stream `handle` belongs to (a default stream: the current device's); a failure names
 /// device `described` (-1: none). A stream a gpukit::stream owns is looked up in memory; another is asked of the
@@ -159,7 +166,15 @@ GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal);
 
 /// Makes, in `guard`, the device current that a runtime call on stream `s` needs (see the file comment). With a
 /// context current and a stream that is not a default one this costs one cuCtxGetCurrent and no runtime call.
-GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard);
+/// Returns the ordinal of the stream's device where it was known or looked up (-1: neither).
+GPUKIT_INLINE int enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard);
+
+/// Throws the error of `call` on stream `s`, failed with `result`, naming the stream and its device: `s`'s, else
+/// `entered` (what enter_stream_context returned), else the one a gpukit::stream that owns the handle knows. CUDA
+/// is not asked: a lookup of a handle a call just refused would likely fail too, and hide this error.
+[[noreturn]] GPUKIT_INLINE void throw_stream_call_error(cudaError_t result, const char* call,
+                                                        const cuda_stream_target& s, int entered, const char* file,
+                                                        int line);
 
 /// cudaStreamGetId of a stream that is not a default stream.
 GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal);
@@ -304,6 +319,12 @@ GPUKIT_INLINE void remember_created_stream(cudaStream_t handle, created_stream k
   table.created[handle] = known;
 }
 
+GPUKIT_INLINE bool remember_adopted_stream(cudaStream_t handle, created_stream known) {
+  mode_independent::stream_table& table = mode_independent::stream_table_v1();
+  std::unique_lock<std::shared_mutex> lock(table.mutex);
+  return table.created.try_emplace(handle, known).second;
+}
+
 GPUKIT_INLINE void forget_created_stream(cudaStream_t handle) noexcept {
   mode_independent::stream_table& table = mode_independent::stream_table_v1();
   std::unique_lock<std::shared_mutex> lock(table.mutex);
@@ -320,6 +341,14 @@ GPUKIT_INLINE std::optional<created_stream> find_created_stream(cudaStream_t han
 
 GPUKIT_INLINE unsigned long long next_own_stream_id() noexcept {
   return own_stream_id_bit | mode_independent::stream_table_v1().next_own_id.fetch_add(1, std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE std::string describe_stream_handle(cudaStream_t handle, int ordinal) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%p", static_cast<void*>(handle));
+  std::string described = std::string("stream ") + text;
+  if (ordinal >= 0) described += " of cuda:" + std::to_string(ordinal);
+  return described;
 }
 
 GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
@@ -353,7 +382,8 @@ GPUKIT_INLINE int stream_device(cudaStream_t handle, int described) {
           "with its device (stream_view(device, handle)) or through a gpukit::stream");
     }
   }
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal), "cudaStreamGetDevice", described);
+  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetDevice(handle, &ordinal),
+                            "cudaStreamGetDevice(" + describe_stream_handle(handle, -1) + ")", described);
   return ordinal;
 }
 
@@ -384,13 +414,25 @@ GPUKIT_INLINE unsigned long long stream_id_of(cudaStream_t handle, int ordinal) 
   return named.second;
 }
 
-GPUKIT_INLINE void enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
+GPUKIT_INLINE int enter_stream_context(const cuda_stream_target& s, std::optional<device_guard>& guard) {
   if (is_default_stream_handle(s.handle)) {
     if (s.ordinal >= 0) guard.emplace(device::cuda(s.ordinal));
-    return;
+    return s.ordinal;
   }
-  if (thread_context_state() != 0) return;
-  guard.emplace(device::cuda(s.ordinal >= 0 ? s.ordinal : stream_device(s.handle)));
+  if (thread_context_state() != 0) return s.ordinal;
+  const int ordinal = s.ordinal >= 0 ? s.ordinal : stream_device(s.handle);
+  guard.emplace(device::cuda(ordinal));
+  return ordinal;
+}
+
+GPUKIT_INLINE void throw_stream_call_error(cudaError_t result, const char* call, const cuda_stream_target& s,
+                                           int entered, const char* file, int line) {
+  int ordinal = s.ordinal >= 0 ? s.ordinal : entered;
+  if (ordinal < 0 && !is_default_stream_handle(s.handle)) {
+    if (const std::optional<created_stream> known = find_created_stream(s.handle)) ordinal = known->ordinal;
+  }
+  throw_cuda_error(result, std::string(call) + "(" + describe_stream_handle(s.handle, ordinal) + ")", ordinal, file,
+                   line);
 }
 
 GPUKIT_INLINE unsigned long long stream_id(cudaStream_t handle, int ordinal) {
@@ -476,16 +518,17 @@ GPUKIT_INLINE int stream_priority(cudaStream_t handle, int ordinal) {
 
 GPUKIT_INLINE void synchronize(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
-  enter_stream_context(s, guard);
+  const int entered = enter_stream_context(s, guard);
   // A wait for a stream that is not captured is refused in global mode while any thread captures, and invalidates
   // that capture (measured on an H200); relaxed, it is not. On a captured stream it is refused either way.
   const relaxed_capture_mode relaxed;
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s.handle), "cudaStreamSynchronize", s.ordinal);
+  const cudaError_t result = cudaStreamSynchronize(s.handle);
+  if (result != cudaSuccess) throw_stream_call_error(result, "cudaStreamSynchronize", s, entered, __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE bool ready(const cuda_stream_target& s) {
   std::optional<device_guard> guard;
-  enter_stream_context(s, guard);
+  const int entered = enter_stream_context(s, guard);
   const relaxed_capture_mode relaxed;  // as synchronize
   const cudaError_t result = cudaStreamQuery(s.handle);
   if (result == cudaSuccess) return true;
@@ -493,13 +536,14 @@ GPUKIT_INLINE bool ready(const cuda_stream_target& s) {
     forget_not_ready();
     return false;
   }
-  throw_cuda_error(result, "cudaStreamQuery", s.ordinal, __FILE__, __LINE__);
+  throw_stream_call_error(result, "cudaStreamQuery", s, entered, __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE void launch_host_function(const cuda_stream_target& s, cudaHostFn_t function, void* data) {
   std::optional<device_guard> guard;
-  enter_stream_context(s, guard);
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaLaunchHostFunc(s.handle, function, data), "cudaLaunchHostFunc", s.ordinal);
+  const int entered = enter_stream_context(s, guard);
+  const cudaError_t result = cudaLaunchHostFunc(s.handle, function, data);
+  if (result != cudaSuccess) throw_stream_call_error(result, "cudaLaunchHostFunc", s, entered, __FILE__, __LINE__);
 }
 
 GPUKIT_INLINE cudaError_t stream_capture_status(const cuda_stream_target& s, cudaStreamCaptureStatus& status) {
