@@ -8,6 +8,7 @@
 #include "cudasim.hpp"
 #include "support.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -503,4 +505,221 @@ TEST_CASE("staging: release_idle gives blocks back outside the engine's lock, so
   CHECK(rings_released == 1);
   held.synchronize();
   CHECK(cudasim::violations().empty());
+}
+
+namespace {
+/// Runs `call` on another thread while `g` holds its stream, then `meanwhile` here, then opens the gate. True when
+/// the call returned before the gate opened, i.e. did not wait for the held copy (a wait: cudaStreamSynchronize, or
+/// cudaEventSynchronize for the legacy default stream).
+template <class Call, class Meanwhile>
+bool returned_while_held(gpukit_test::gate& g, Call call, Meanwhile meanwhile) {
+  std::atomic<bool> returned{false};
+  const auto waits = [] { return cudasim::calls("cudaStreamSynchronize") + cudasim::calls("cudaEventSynchronize"); };
+  const std::size_t before = waits();
+  std::thread caller([&] {
+    call();
+    returned = true;
+  });
+  while (!returned && waits() == before) std::this_thread::yield();
+  const bool early = returned;
+  meanwhile();
+  g.open();
+  caller.join();
+  return early;
+}
+}  // namespace
+
+TEST_CASE("sim staging: copy_async of a temporary page-locked vector waits for the copy before the storage goes back") {
+  // As to_device: one DMA reads (or writes) the temporary's storage when the stream gets to it, and the storage goes
+  // back to the pinned pool at the end of the caller's expression, where the next pinned allocation gets it.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pmr_resource pinned(d);
+  const auto values = pattern(4096, 5);
+  gpukit::stream s(d);
+  gpukit::device_buffer<unsigned char> dst(values.size(), s);
+  {
+    gpukit_test::gate g;
+    g.hold(s);
+    const bool early = returned_while_held(
+        g, [&] { gpukit::copy_async(dst, std::pmr::vector<unsigned char>(values.begin(), values.end(), &pinned), s); },
+        [&] { std::pmr::vector<unsigned char> next(values.size(), 0xEE, &pinned); });  // the block, were it freed
+    CHECK_FALSE(early);
+    CHECK(gpukit::to_host(dst, s) == values);
+  }
+  {  // a temporary destination: the DMA must not write into the next allocation
+    gpukit_test::gate g;
+    g.hold(s);
+    std::optional<std::pmr::vector<unsigned char>> next;
+    const bool early = returned_while_held(
+        g, [&] { gpukit::copy_async(std::pmr::vector<unsigned char>(values.size(), 0, &pinned), dst, s); },
+        [&] { next.emplace(values.size(), 0xEE, &pinned); });
+    CHECK_FALSE(early);
+    s.synchronize();
+    CHECK(std::count(next->begin(), next->end(), 0xEE) == static_cast<std::ptrdiff_t>(values.size()));
+  }
+  {  // on the current stream (copy_async without one), as a temporary std::vector with a pinned allocator would
+    gpukit::device_buffer<unsigned char> on_default(values.size(), d);
+    const gpukit::stream_view legacy = gpukit::current_stream(d);
+    gpukit_test::gate g;
+    g.hold(legacy);
+    const bool early = returned_while_held(
+        g,
+        [&] { gpukit::copy_async(on_default, std::pmr::vector<unsigned char>(values.begin(), values.end(), &pinned)); },
+        [&] { std::pmr::vector<unsigned char> next(values.size(), 0xEE, &pinned); });
+    CHECK_FALSE(early);
+    CHECK(gpukit::to_host(on_default, legacy) == values);
+  }
+  // An lvalue stays the caller's to keep alive, and pageable storage is read before copy_async returns: no wait.
+  std::pmr::vector<unsigned char> kept(values.begin(), values.end(), &pinned);
+  const std::size_t before = cudasim::calls("cudaStreamSynchronize");
+  gpukit::copy_async(dst, kept, s);
+  gpukit::copy_async(dst, std::vector<unsigned char>(values), s);
+  CHECK(cudasim::calls("cudaStreamSynchronize") == before);
+  CHECK(gpukit::to_host(dst, s) == values);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim staging: copy_async of a temporary pooled pinned buffer on a raw stream handle waits for the copy") {
+  // The block is kept from the pool for the copy only on streams it can record (gpukit's and the default streams):
+  // on a raw handle, which may be destroyed and reused first, the copy is waited for instead.
+  const auto d = gpukit::device::cuda(0);
+  const auto values = pattern(4096, 9);
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  const gpukit::stream_view s(d, raw);
+  gpukit::device_buffer<unsigned char> dst(values.size(), d);
+  auto make = [&] {
+    gpukit::pooled_pinned_buffer<unsigned char> b(values.size(), gpukit::default_pinned_pool(d));
+    std::memcpy(b.data(), values.data(), values.size());
+    return b;
+  };
+  auto next = [&] {
+    gpukit::pooled_pinned_buffer<unsigned char> b(values.size(), gpukit::default_pinned_pool(d));
+    std::memset(b.data(), 0xEE, values.size());  // the block, were it back in the pool
+  };
+  {
+    gpukit_test::gate g;
+    g.hold(s);
+    CHECK_FALSE(returned_while_held(
+        g, [&] { gpukit::copy_async(dst, make(), s); }, next));
+    CHECK(gpukit::to_host(dst, s) == values);
+  }
+  {  // with an engine of one's own
+    gpukit::staging_engine engine(gpukit::default_pinned_pool(d));
+    gpukit_test::gate g;
+    g.hold(s);
+    CHECK_FALSE(returned_while_held(
+        g, [&] { gpukit::copy_async(dst, make(), s, engine); }, next));
+    CHECK(gpukit::to_host(dst, s) == values);
+  }
+  // On a gpukit stream the block is kept for the copy instead: no wait.
+  gpukit::stream own(d);
+  gpukit_test::gate g;
+  g.hold(own);
+  const std::size_t before = cudasim::calls("cudaStreamSynchronize");
+  gpukit::copy_async(dst, make(), own);
+  next();
+  CHECK(cudasim::calls("cudaStreamSynchronize") == before);
+  g.open();
+  CHECK(gpukit::to_host(dst, own) == values);
+  CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim staging: a temporary page-locked source on a captured stream is refused before anything is enqueued") {
+  // The graph's copy would read the storage at each launch, long after the temporary went; waiting is no option in
+  // a capture.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pmr_resource pinned(d);
+  const auto values = pattern(4096, 3);
+  gpukit::stream s(d);
+  gpukit::device_buffer<unsigned char> dst(values.size(), s);
+  gpukit::pinned_buffer<unsigned char> kept(values.size(), d);
+  s.synchronize();
+  const std::size_t copies = cudasim::calls("cudaMemcpyAsync");
+  REQUIRE(cudaStreamBeginCapture(s.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  std::string what;
+  try {
+    gpukit::copy_async(dst, std::pmr::vector<unsigned char>(values.begin(), values.end(), &pinned), s);
+  } catch (const gpukit::invalid_argument_error& e) {
+    what = e.what();
+  }
+  const std::size_t refused_copies = cudasim::calls("cudaMemcpyAsync");
+  gpukit::copy_async(dst, kept, s);  // memory the caller keeps: a copy node, as before
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(s.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  INFO(what);
+  CHECK(what.find("gpukit::copy_async") != std::string::npos);
+  CHECK(what.find("temporary") != std::string::npos);
+  CHECK(refused_copies == copies);
+  CHECK(cudasim::calls("cudaMemcpyAsync") == copies + 1);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim staging: host memory that is page-locked only at its start is staged, not read by a later DMA") {
+  // CUDA classifies a pointer, not a range: a span starting inside a host registration and running past its end is
+  // pinned at its first byte and pageable at its last. One DMA would read the pageable tail when the stream gets to it.
+  const auto d = gpukit::device::cuda(0);
+  const auto values = pattern(8192, 4);
+  std::vector<unsigned char> host(values);
+  gpukit::host_registration registered(host.data(), 4096, d);  // the first half
+  REQUIRE(gpukit::detail::query_pointer(host.data() + 2048).kind == gpukit::detail::pointer_kind::pinned);
+  REQUIRE(gpukit::detail::query_pointer(host.data() + 6143).kind == gpukit::detail::pointer_kind::pageable);
+  gpukit::stream s(d);
+  gpukit::device_buffer<unsigned char> dst(4096, s);
+  gpukit::staging_engine& engine = gpukit::default_staging_engine(d);
+  const auto staged_before = engine.stats().to_device_calls;
+  {
+    gpukit_test::gate g;
+    g.hold(s);
+    gpukit::copy_async(dst, gpukit::host_span<const unsigned char>(host.data() + 2048, 4096), s);
+    std::fill(host.begin() + 4096, host.end(), 0xEE);  // pageable: reusable once copy_async returned
+    g.open();
+  }
+  const std::vector<unsigned char> expected(values.begin() + 2048, values.begin() + 6144);
+  CHECK(gpukit::to_host(dst, s) == expected);
+  CHECK(engine.stats().to_device_calls == staged_before + 1);
+  // A pinned_span is a promise CUDA can check here: its pageable tail makes it staged too.
+  std::copy(values.begin(), values.end(), host.begin());
+  gpukit::copy_async(dst, gpukit::pinned_span<const unsigned char>(host.data() + 2048, 4096), s);
+  CHECK(engine.stats().to_device_calls == staged_before + 2);
+  // Into such memory: staged, so the data is there when copy_async returns.
+  const auto fetched_before = engine.stats().to_host_calls;
+  std::fill(host.begin(), host.end(), 0);
+  gpukit::copy_async(gpukit::host_span<unsigned char>(host.data() + 2048, 4096), dst, s);
+  CHECK(engine.stats().to_host_calls == fetched_before + 1);
+  CHECK(std::equal(expected.begin(), expected.end(), host.begin() + 2048));
+  // Wholly inside the registration: one DMA, as before.
+  gpukit::copy_async(dst, gpukit::host_span<const unsigned char>(host.data(), 4096), s);
+  CHECK(engine.stats().to_device_calls == staged_before + 2);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("sim staging: errors of to_device and to_host name the call made") {
+  const auto d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<float> x(1000, s);
+  const auto message = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const gpukit::invalid_argument_error& e) {
+      return e.what();
+    }
+    return "(no invalid_argument_error)";
+  };
+  const std::string to_device = message([&] { (void)gpukit::to_device(gpukit::host_span<float>(x.data(), 1000), s); });
+  CHECK(to_device.rfind("gpukit::to_device: ", 0) == 0);
+  CHECK(to_device.find("where host memory is expected") != std::string::npos);
+  std::vector<float> host(1000);
+  const std::string to_host =
+      message([&] { (void)gpukit::to_host(gpukit::device_span<float>(host.data(), 1000, d), s); });
+  CHECK(to_host.rfind("gpukit::to_host: ", 0) == 0);
+  CHECK(to_host.find("where device memory is expected") != std::string::npos);
+  gpukit::device_buffer<float> y(1000, s);
+  const std::string copy = message([&] { gpukit::copy_async(gpukit::host_span<float>(x.data(), 1000), y, s); });
+  CHECK(copy.rfind("gpukit::copy_async: ", 0) == 0);
+  CHECK(copy.find("where host memory is expected") != std::string::npos);
+  s.synchronize();
 }

@@ -583,3 +583,64 @@ TEST_CASE("copies ask CUDA where memory is only when the type does not say: span
   s.synchronize();
   CHECK(std::equal(pinned.begin(), pinned.end(), host.begin()));
 }
+
+TEST_CASE("a temporary pinned buffer: copy_async waits for its copy, which reads or writes it after the call") {
+  // Freed at the end of the caller's expression, while the stream has yet to run the copy: waited for, as to_device
+  // does. An lvalue stays the caller's to keep alive.
+  auto pool = gpukit::pinned_pool(gpukit::pinned_upstream(gpukit::device::kind::cpu));
+  engine_type engine(pool, small_options());
+  gpukit::stream s(cpu);
+  gpukit::device_buffer<std::uint32_t> d(4000, s);
+  auto make = [] {
+    gpukit::pinned_buffer<std::uint32_t> b(4000, cpu);
+    const auto values = iota(4000, 21);
+    std::copy(values.begin(), values.end(), b.begin());
+    return b;
+  };
+  {
+    gate g;
+    g.hold(s);
+    CHECK(g.opened_to_return([&] { gpukit::copy_async(d, make(), s); }, std::chrono::seconds(1)));
+    g.open();  // (without the wait: let the copy go)
+    CHECK(gpukit::to_host(d, s) == iota(4000, 21));
+  }
+  {
+    gate g;
+    g.hold(s);
+    CHECK(g.opened_to_return([&] { gpukit::copy_async(gpukit::pinned_buffer<std::uint32_t>(4000, cpu), d, s); },
+                             std::chrono::seconds(1)));
+  }
+  {
+    gate g;
+    g.hold(s);
+    CHECK(g.opened_to_return([&] { gpukit::copy_async(d, make(), s, engine); }, std::chrono::seconds(1)));
+    g.open();
+    CHECK(engine.copier().calls().size() == 1);  // one copy, from the temporary
+    CHECK(gpukit::to_host(d, s) == iota(4000, 21));
+  }
+  gpukit::pinned_buffer<std::uint32_t> kept = make();
+  gate g;
+  g.hold(s);
+  CHECK_FALSE(g.opened_to_return([&] { gpukit::copy_async(d, kept, s); }, std::chrono::seconds(5)));
+  CHECK_FALSE(g.opened_to_return([&] { gpukit::copy_async(d, iota(4000, 21), s); }, std::chrono::seconds(5)));
+  g.open();
+  CHECK(gpukit::to_host(d, s) == iota(4000, 21));
+}
+
+TEST_CASE("bad input through to_device and to_host: the error names the call made") {
+  gpukit::stream s(cpu);
+  std::vector<int> device_memory(10);
+  std::vector<int> host(10);
+  fake_pointer_kinds fake(device_memory.data(), 40, gpukit::detail::pointer_kind::device, 0);
+  const std::string to_device = invalid_argument_message(
+      [&] { (void)gpukit::to_device(gpukit::host_span<const int>(device_memory.data(), 10), s); });
+  CHECK(to_device.rfind("gpukit::to_device: the source (host memory, 10 elements of 4 bytes) is device memory", 0) ==
+        0);
+  const std::string to_host = invalid_argument_message(
+      [&] { (void)gpukit::to_host(gpukit::device_span<int>(device_memory.data(), 10, cpu), s); });
+  CHECK(to_host.rfind("gpukit::to_host: the source (memory of cpu, 10 elements of 4 bytes) is CUDA device memory", 0) ==
+        0);
+  const std::string copy = invalid_argument_message(
+      [&] { gpukit::copy_async(host, gpukit::device_span<int>(device_memory.data(), 10, cpu), s); });
+  CHECK(copy.rfind("gpukit::copy_async: ", 0) == 0);
+}

@@ -13,13 +13,18 @@
 /// | device → pinned host   | one DMA                                 | destination: once the stream passed it   |
 /// | device → pageable host | staged; the calling thread copies out   | destination: **when copy_async returns** |
 /// | device → device        | one DMA (peer copy across devices)      | both: once the stream passed it          |
+/// | temporary pinned ↔ dev | one DMA, waited for (see below)         | **when copy_async returns**              |
 ///
 /// "The stream passed the copy" means: after stream.synchronize(), or once an event recorded on the stream after
 /// the call has completed; later work on the same stream sees the data. Device memory must stay valid until then in
-/// every case. A copy into pageable memory waits for the stream's earlier work and returns with the data, as CUDA's
-/// own cudaMemcpyAsync into pageable memory does (see <gpukit/transfer/staging.hpp>). On the CPU device the same
-/// table holds: "device" memory is host memory, copies are memcpy enqueued on the CPU stream (asynchronous and
-/// ordered like on a GPU), and pageable memory is staged the same way.
+/// every case. A temporary (an rvalue vector, std::array, pinned_buffer or pooled_pinned_buffer) is freed at the end
+/// of the caller's expression, so where one DMA reads or writes its page-locked memory, copy_async waits for the copy
+/// before returning, as to_device does; a pooled_pinned_buffer's block is kept for the copy instead where the stream
+/// can be recorded (see below). On a stream being captured such a temporary is refused. A copy into pageable memory
+/// waits for the stream's earlier work and returns with the data, as CUDA's own cudaMemcpyAsync into pageable memory
+/// does (see <gpukit/transfer/staging.hpp>). On the CPU device the same table holds: "device" memory is host memory,
+/// copies are memcpy enqueued on the CPU stream (asynchronous and ordered like on a GPU), and pageable memory is staged
+/// the same way.
 ///
 /// Checks, before anything is enqueued (each throws invalid_argument_error; nothing is left in a ring):
 /// - sizes differ (element counts; element types must match at compile time);
@@ -31,9 +36,12 @@
 ///   and CPU and CUDA memory never mix);
 /// - a device pointer where host memory is expected, or host memory where device memory is expected, as
 ///   cudaPointerGetAttributes reports. Without a usable CUDA device no pointer can be device memory, so this check
-///   accepts every pointer (see <gpukit/transfer/pointer_query.hpp>).
+///   accepts every pointer (see <gpukit/transfer/pointer_query.hpp>). Host memory is taken as page-locked (one DMA)
+///   only when CUDA says so of both its first and its last byte: a range that runs out of a host_registration is
+///   staged.
 /// - the stream is being captured into a CUDA graph and the copy would be staged (pageable host memory): pinned and
-///   device memory copies are one cudaMemcpyAsync each, which a capture records as a copy node.
+///   device memory copies are one cudaMemcpyAsync each, which a capture records as a copy node; or the page-locked
+///   host side is a temporary, which the graph would read at each launch long after it was freed.
 /// A size of zero is a no-op: nothing is checked or enqueued.
 
 #include <gpukit/detail/config.hpp>
@@ -74,11 +82,14 @@ struct copy_side {
 
 GPUKIT_INLINE std::string describe_side(const char* role, const copy_side& side, std::size_t element_size);
 
-[[noreturn]] GPUKIT_INLINE void copy_misuse(const std::string& what);
+/// Throws invalid_argument_error "gpukit::<operation>: <what>"; `operation` is the call the user made (copy_async,
+/// to_device, to_host).
+[[noreturn]] GPUKIT_INLINE void copy_misuse(const char* operation, const std::string& what);
 
-/// The runtime checks of copy_async (see the file comment); returns whether host memory on the host side is
-/// page-locked (so one DMA suffices).
-GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd);
+/// The runtime checks of copy_async (see the file comment), named `operation` in errors; returns whether host memory
+/// on the host side is page-locked (so one DMA suffices).
+GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd,
+                              const char* operation);
 
 /// What to do instead of a cross-device copy on the current streams in a capture.
 inline constexpr std::string_view capture_advice_cross_device =
@@ -103,11 +114,11 @@ struct default_engine {
 /// reads or writes the host side when `s` gets to it (false: staged, or device to device).
 template <class EngineFor>
 bool dispatch_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
-                   EngineFor engine_for, bool host_pinned) {
+                   EngineFor engine_for, bool host_pinned, const char* operation) {
   const gpukit::device sd = s.device();
-  if (s.is_other_threads_stream()) throw_other_threads_stream("copy_async");
+  if (s.is_other_threads_stream()) throw_other_threads_stream(operation);
   const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
-  if (!d2d && !host_pinned) refuse_capture(s, sd, "gpukit::copy_async", capture_advice_staging);
+  if (!d2d && !host_pinned) refuse_capture(s, sd, std::string("gpukit::") + operation, capture_advice_staging);
   const std::size_t bytes = dst.count * element_size;
   void* out = const_cast<void*>(dst.data);
   const bool to_device = dst.location == memory_location::device;
@@ -127,17 +138,27 @@ bool dispatch_copy(const copy_side& dst, const copy_side& src, std::size_t eleme
   return false;
 }
 
+/// What to do instead of a temporary's page-locked memory in a capture.
+inline constexpr std::string_view capture_advice_temporary =
+    "the page-locked host side is a temporary, freed at the end of the expression, and the graph's copy node would "
+    "read or write it at each launch; copy from or into pinned memory that outlives the graph (nothing was enqueued)";
+
 /// Checks and dispatches a copy (see the file comment); returns what dispatch_copy returns (false: nothing to copy).
+/// `temporary_host`: the host side is memory a temporary owns, which one DMA may not use after the call (refused in
+/// a capture; the caller waits otherwise).
 template <class EngineFor>
 bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
-                EngineFor engine_for) {
+                EngineFor engine_for, const char* operation, bool temporary_host) {
   if (dst.count != src.count) {
-    copy_misuse("size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
-                describe_side("the source", src, element_size) + " differ");
+    copy_misuse(operation, "size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
+                               describe_side("the source", src, element_size) + " differ");
   }
   if (dst.count == 0) return false;
-  const bool host_pinned = check_copy(dst, src, element_size, s.device());
-  return dispatch_copy(dst, src, element_size, s, engine_for, host_pinned);
+  const bool host_pinned = check_copy(dst, src, element_size, s.device(), operation);
+  if (host_pinned && temporary_host) {
+    refuse_capture(s, s.device(), std::string("gpukit::") + operation, capture_advice_temporary);
+  }
+  return dispatch_copy(dst, src, element_size, s, engine_for, host_pinned, operation);
 }
 
 /// Whether a copy on `s` records `s` on a pooled pinned buffer's block (keep_block_for_copy): a gpukit stream or a
@@ -170,22 +191,36 @@ inline void synchronize_before_freeing(const stream_view& s) {
 /// destroyed right after the call. Only for gpukit's streams and the default streams: a raw handle may be destroyed
 /// and its handle reused before the buffer goes (record_stream yourself where it outlives the buffer). Not in a
 /// capture (the graph's copy uses the memory at each launch: the buffer must outlive the graph; the pool refuses a
-/// capturing stream). If the stream cannot be recorded, the copy is waited for.
+/// capturing stream). If the stream cannot be recorded, the copy is waited for. True when the block is kept for (or
+/// was waited for) the copy, so that the buffer may go at once.
 template <class X>
-void keep_block_for_copy(const X& x, const stream_view& s) {
+bool keep_block_for_copy(const X& x, const stream_view& s) {
   if constexpr (is_pooled_pinned_buffer<std::remove_cv_t<X>>::value) {
-    if (!records_block_use(s)) return;
-    if (!s.is_cpu() && capture_status(s) != cudaStreamCaptureStatusNone) return;
+    if (!records_block_use(s)) return false;
+    if (!s.is_cpu() && capture_status(s) != cudaStreamCaptureStatusNone) return false;
     try {
       x.record_stream(s);
     } catch (...) {
       synchronize_before_freeing(s);  // the copy done, the block may go back whenever (throws if even that fails)
     }
+    return true;
   } else {
     (void)x;
     (void)s;
+    return false;
   }
 }
+
+/// Whether X, as an rvalue, owns host memory that goes at the end of the caller's expression (spans own nothing;
+/// device buffers free stream-ordered).
+template <class X>
+struct owns_host_memory : std::integral_constant<bool, is_pinned_container<std::remove_cv_t<X>>::value ||
+                                                           is_host_container<std::remove_cv_t<X>>::value> {};
+
+/// Whether an argument of forwarded type Arg is a temporary owning host memory.
+template <class Arg>
+inline constexpr bool is_temporary_host_memory =
+    !std::is_lvalue_reference<Arg>::value && owns_host_memory<std::remove_reference_t<Arg>>::value;
 
 /// Where `x`'s memory is for a copy on `s`: where its located view says, except that on a CUDA stream a pinned
 /// container whose memory is not page-locked (one of the CPU device, or of a pool without page-locked memory) is
@@ -231,12 +266,19 @@ copy_sides sides_of(Dst& dst_arg, Src& src_arg, const stream_view& s) {
   return {d, r, sizeof(dst_element)};
 }
 
+/// copy_async(dst, src, s) as `operation` (the call the user made, for errors). A temporary whose page-locked memory
+/// one DMA uses is waited for before it goes (see the file comment).
 template <class Dst, class Src, class EngineFor>
-void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_for) {
+void copy_located(Dst&& dst_arg, Src&& src_arg, stream_view s, EngineFor engine_for,
+                  const char* operation = "copy_async") {
+  constexpr bool temporary_dst = is_temporary_host_memory<Dst>;
+  constexpr bool temporary_src = is_temporary_host_memory<Src>;
   const copy_sides sides = sides_of(dst_arg, src_arg, s);
-  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for)) {
-    keep_block_for_copy(dst_arg, s);
-    keep_block_for_copy(src_arg, s);
+  // Only the host side can be a temporary owning host memory: a host-to-host copy does not compile.
+  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src)) {
+    const bool dst_kept = keep_block_for_copy(dst_arg, s);
+    const bool src_kept = keep_block_for_copy(src_arg, s);
+    if ((temporary_dst && !dst_kept) || (temporary_src && !src_kept)) synchronize_before_freeing(s);
   }
 }
 
@@ -245,10 +287,11 @@ void copy_located(Dst& dst_arg, Src& src_arg, stream_view s, EngineFor engine_fo
 /// Copies `src` to `dst` in the order of stream `s`: host to device, device to host or device to device (see the
 /// file comment for which memory may be reused when, and for the checks). Each side is a located span, a
 /// std::vector / std::array (host), a pinned_buffer / pooled_pinned_buffer (pinned) or a device buffer. Pageable
-/// host memory goes through default_staging_engine(stream's device).
+/// host memory goes through default_staging_engine(stream's device). A temporary side whose page-locked memory one
+/// DMA uses is waited for before this returns (all three forms; see the file comment).
 template <class Dst, class Src>
 void copy_async(Dst&& dst, Src&& src, stream_view s) {
-  detail::copy_located(dst, src, s, detail::default_engine{});
+  detail::copy_located(std::forward<Dst>(dst), std::forward<Src>(src), s, detail::default_engine{});
 }
 
 /// As copy_async(dst, src, s) on the calling thread's current stream (current_stream(d): the default stream unless a
@@ -265,7 +308,7 @@ void copy_async(Dst&& dst, Src&& src) {
   if constexpr (from_device && to_device) {
     const stream_view s = current_stream(from.device());
     if (to.device() == from.device() || to.size() != from.size() || to.size() == 0) {
-      copy_async(dst, src, s);  // copy_async checks (and throws for) mismatched sizes
+      copy_async(std::forward<Dst>(dst), std::forward<Src>(src), s);  // checks (and throws for) mismatched sizes
       return;
     }
     const stream_view destination_stream = current_stream(to.device());
@@ -277,19 +320,20 @@ void copy_async(Dst&& dst, Src&& src) {
     }
     // The copy's own checks, before the events tie the two streams together.
     const detail::copy_sides sides = detail::sides_of(dst, src, s);
-    (void)detail::check_copy(sides.dst, sides.src, sides.element_size, s.device());
+    (void)detail::check_copy(sides.dst, sides.src, sides.element_size, s.device(), "copy_async");
     event destination_ready(to.device());
     destination_ready.record(destination_stream);
     destination_ready.wait(s);
-    (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::default_engine{}, false);
+    (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::default_engine{}, false,
+                                "copy_async");
     event copied(from.device());
     copied.record(s);
     copied.wait(destination_stream);
   } else if constexpr (from_device) {
-    copy_async(dst, src, current_stream(from.device()));
+    copy_async(std::forward<Dst>(dst), std::forward<Src>(src), current_stream(from.device()));
   } else {
     static_assert(to_device, "gpukit::copy_async: both sides are host memory; use std::copy");
-    copy_async(dst, src, current_stream(to.device()));
+    copy_async(std::forward<Dst>(dst), std::forward<Src>(src), current_stream(to.device()));
   }
 }
 
@@ -297,7 +341,8 @@ void copy_async(Dst&& dst, Src&& src) {
 /// then performs every copy, staged or direct).
 template <class Dst, class Src, class Copier>
 void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier>& engine) {
-  detail::copy_located(dst, src, s, detail::fixed_engine<basic_staging_engine<Copier>>{&engine});
+  detail::copy_located(std::forward<Dst>(dst), std::forward<Src>(src), s,
+                       detail::fixed_engine<basic_staging_engine<Copier>>{&engine});
 }
 
 /// Copies `bytes` bytes from device memory of `src_device` to device memory of `dst_device` in the order of stream `s`
@@ -334,47 +379,55 @@ GPUKIT_INLINE std::string describe_side(const char* role, const copy_side& side,
   return text;
 }
 
-GPUKIT_INLINE void copy_misuse(const std::string& what) { throw invalid_argument_error("gpukit::copy_async: " + what); }
+GPUKIT_INLINE void copy_misuse(const char* operation, const std::string& what) {
+  throw invalid_argument_error(std::string("gpukit::") + operation + ": " + what);
+}
 
-GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd) {
+GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::size_t element_size, gpukit::device sd,
+                              const char* operation) {
   // A span is only a pointer and a count: a count whose byte size does not fit size_t would wrap to a small copy.
   if (dst.count > std::numeric_limits<std::size_t>::max() / element_size) {
-    copy_misuse(std::to_string(dst.count) + " elements of " + std::to_string(element_size) +
-                " bytes: the byte count overflows size_t (at most " +
-                std::to_string(std::numeric_limits<std::size_t>::max() / element_size) + " elements)");
+    copy_misuse(operation, std::to_string(dst.count) + " elements of " + std::to_string(element_size) +
+                               " bytes: the byte count overflows size_t (at most " +
+                               std::to_string(std::numeric_limits<std::size_t>::max() / element_size) + " elements)");
   }
   const std::size_t bytes = dst.count * element_size;
-  if (dst.data == nullptr) copy_misuse(describe_side("the destination", dst, element_size) + " is a null pointer");
-  if (src.data == nullptr) copy_misuse(describe_side("the source", src, element_size) + " is a null pointer");
+  if (dst.data == nullptr) {
+    copy_misuse(operation, describe_side("the destination", dst, element_size) + " is a null pointer");
+  }
+  if (src.data == nullptr) {
+    copy_misuse(operation, describe_side("the source", src, element_size) + " is a null pointer");
+  }
   for (const copy_side* side : {&dst, &src}) {
     const auto begin = reinterpret_cast<std::uintptr_t>(side->data);
     if (bytes - 1 > std::numeric_limits<std::uintptr_t>::max() - begin) {
-      copy_misuse(describe_side(side == &dst ? "the destination" : "the source", *side, element_size) +
-                  " runs past the end of the address space (" + std::to_string(bytes) + " bytes at " +
-                  std::to_string(begin) + ")");
+      copy_misuse(operation, describe_side(side == &dst ? "the destination" : "the source", *side, element_size) +
+                                 " runs past the end of the address space (" + std::to_string(bytes) + " bytes at " +
+                                 std::to_string(begin) + ")");
     }
   }
   const auto d0 = reinterpret_cast<std::uintptr_t>(dst.data);
   const auto s0 = reinterpret_cast<std::uintptr_t>(src.data);
   if (d0 < s0 + bytes && s0 < d0 + bytes) {
-    copy_misuse("the source and destination ranges overlap (" + std::to_string(bytes) + " bytes at " +
-                std::to_string(s0) + " and " + std::to_string(d0) + ")");
+    copy_misuse(operation, "the source and destination ranges overlap (" + std::to_string(bytes) + " bytes at " +
+                               std::to_string(s0) + " and " + std::to_string(d0) + ")");
   }
   const bool d2d = dst.location == memory_location::device && src.location == memory_location::device;
   for (const copy_side* side : {&dst, &src}) {
     if (side->location != memory_location::device) continue;
     const char* role = side == &dst ? "the destination" : "the source";
     if (side->dev.is_cpu() != sd.is_cpu()) {
-      copy_misuse(describe_side(role, *side, element_size) + " cannot be copied on a stream of " + sd.to_string());
+      copy_misuse(operation,
+                  describe_side(role, *side, element_size) + " cannot be copied on a stream of " + sd.to_string());
     }
     if (!d2d && side->dev != sd) {
-      copy_misuse(describe_side(role, *side, element_size) + " belongs to another device than the stream (" +
-                  sd.to_string() + ")");
+      copy_misuse(operation, describe_side(role, *side, element_size) + " belongs to another device than the stream (" +
+                                 sd.to_string() + ")");
     }
   }
   if (d2d && dst.dev != sd && src.dev != sd) {
-    copy_misuse("neither side of a device-to-device copy (" + dst.dev.to_string() + ", " + src.dev.to_string() +
-                ") is on the stream's device " + sd.to_string());
+    copy_misuse(operation, "neither side of a device-to-device copy (" + dst.dev.to_string() + ", " +
+                               src.dev.to_string() + ") is on the stream's device " + sd.to_string());
   }
   bool host_pinned = false;
   for (const copy_side* side : {&dst, &src}) {
@@ -387,26 +440,37 @@ GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::s
     if (side->location == memory_location::device) {
       if (info.kind == pointer_kind::device) {
         if (side->dev.is_cpu()) {
-          copy_misuse(describe_side(role, *side, element_size) +
-                      " is CUDA device memory of cuda:" + std::to_string(info.device) + ", not host memory");
+          copy_misuse(operation, describe_side(role, *side, element_size) + " is CUDA device memory of cuda:" +
+                                     std::to_string(info.device) + ", not host memory");
         }
         if (info.device != side->dev.ordinal()) {
-          copy_misuse(describe_side(role, *side, element_size) +
-                      " is really memory of cuda:" + std::to_string(info.device));
+          copy_misuse(operation, describe_side(role, *side, element_size) +
+                                     " is really memory of cuda:" + std::to_string(info.device));
         }
       } else if (sd.is_cuda() && (info.kind == pointer_kind::pageable || info.kind == pointer_kind::pinned)) {
-        copy_misuse(describe_side(role, *side, element_size) + " is host memory where device memory is expected");
+        copy_misuse(operation,
+                    describe_side(role, *side, element_size) + " is host memory where device memory is expected");
       }
     } else {
       if (info.kind == pointer_kind::device) {
-        copy_misuse(describe_side(role, *side, element_size) +
-                    " is device memory of cuda:" + std::to_string(info.device) + " where host memory is expected");
+        copy_misuse(operation, describe_side(role, *side, element_size) + " is device memory of cuda:" +
+                                   std::to_string(info.device) + " where host memory is expected");
       }
       // On a CUDA stream a span said to be pinned is trusted only where CUDA cannot tell: memory CUDA calls pageable
       // is staged. (CPU streams model pinned memory by type.)
       const bool said_pinned = side->location == memory_location::pinned;
-      host_pinned = info.kind == pointer_kind::pinned || info.kind == pointer_kind::managed ||
-                    (said_pinned && (sd.is_cpu() || info.kind != pointer_kind::pageable));
+      if (said_pinned && sd.is_cpu()) {
+        host_pinned = true;
+        continue;
+      }
+      const auto page_locked = [said_pinned](const pointer_info& i) {
+        return i.kind == pointer_kind::pinned || i.kind == pointer_kind::managed ||
+               (said_pinned && i.kind != pointer_kind::pageable);
+      };
+      // CUDA classifies a pointer, not a range: one that runs out of a host_registration is page-locked at its
+      // start only, and one DMA would read or write its pageable tail after the call. Such a range is staged.
+      host_pinned = page_locked(info) &&
+                    (bytes == 1 || page_locked(query_pointer(static_cast<const char*>(side->data) + (bytes - 1))));
     }
   }
   return host_pinned;

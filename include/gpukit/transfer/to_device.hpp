@@ -16,11 +16,9 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/copy.hpp>
-#include <gpukit/transfer/pointer_query.hpp>
 #include <gpukit/transfer/spans.hpp>
 
 #include <cstddef>
-#include <memory>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -42,7 +40,7 @@ template <class T>
 device_buffer<std::remove_const_t<T>> to_device(host_span<T> src, stream_view s) {
   detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
   device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
-  copy_async(buffer, host_span<const T>(src), s);
+  detail::copy_located(buffer, host_span<const T>(src), s, detail::default_engine{}, "to_device");
   return buffer;
 }
 
@@ -61,18 +59,13 @@ device_buffer<T> to_device(const std::vector<T, A>& src, stream_view s) {
 
 /// to_device of a temporary vector. Page-locked storage is read by DMA after this returns, and is freed (a pinned
 /// pool may hand it out again at once) at the end of the caller's expression: for such storage the copy is waited
-/// for (stream_view::synchronize) before returning. Pageable storage is read before the call returns anyway.
+/// for (stream_view::synchronize) before returning, as copy_async does for any temporary. Pageable storage is read
+/// before the call returns anyway.
 template <class T, class A>
 device_buffer<T> to_device(std::vector<T, A>&& src, stream_view s) {
-  device_buffer<T> buffer = to_device(host_span<const T>(src), s);
-  if constexpr (!std::is_same_v<A, std::allocator<T>>) {  // std::allocator's memory is pageable
-    if (!src.empty()) {
-      const detail::pointer_kind kind = detail::query_pointer(src.data()).kind;
-      if (kind == detail::pointer_kind::pinned || kind == detail::pointer_kind::managed) {
-        detail::synchronize_before_freeing(s);
-      }
-    }
-  }
+  detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
+  device_buffer<T> buffer(src.size(), s);
+  detail::copy_located(buffer, std::move(src), s, detail::default_engine{}, "to_device");
   return buffer;
 }
 
@@ -81,7 +74,7 @@ template <class T>
 device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view s) {
   detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
   device_buffer<std::remove_const_t<T>> buffer(src.size(), s);
-  copy_async(buffer, pinned_span<const T>(src), s);
+  detail::copy_located(buffer, pinned_span<const T>(src), s, detail::default_engine{}, "to_device");
   return buffer;
 }
 
@@ -89,8 +82,8 @@ device_buffer<std::remove_const_t<T>> to_device(pinned_span<T> src, stream_view 
 /// a std::array (as a host_span). A pooled buffer's block is kept from the pool until `s` has passed the copy (on a
 /// gpukit or default stream; see copy_async), so the buffer may be released at once; a temporary pinned_buffer, or a
 /// temporary pooled one on a raw stream handle, is freed at the end of the caller's expression, so its copy is waited
-/// for (stream_view::synchronize) before returning; a pinned_buffer the caller keeps must stay valid until `s` has
-/// passed the copy.
+/// for (stream_view::synchronize) before returning, as copy_async does; a pinned_buffer the caller keeps must stay
+/// valid until `s` has passed the copy.
 template <class Container, class = std::enable_if_t<detail::is_pinned_container<std::decay_t<Container>>::value ||
                                                     detail::is_std_array<std::decay_t<Container>>::value>>
 auto to_device(Container&& src, stream_view s)
@@ -98,15 +91,7 @@ auto to_device(Container&& src, stream_view s)
   using container = std::decay_t<Container>;
   detail::refuse_capture(s, s.device(), "gpukit::to_device", detail::capture_advice_to_device);
   device_buffer<std::remove_const_t<typename container::value_type>> buffer(src.size(), s);
-  copy_async(buffer, src, s);
-  if constexpr (!std::is_lvalue_reference<Container>::value && detail::is_pinned_container<container>::value) {
-    // Read by DMA after this returns (pageable memory under a pinned type was staged, so read already), and freed
-    // at the end of the caller's expression: a pooled block is kept for the copy where the stream can be recorded.
-    const bool read_later = src.size() != 0 && (src.page_locked() || s.device().is_cpu());
-    if (read_later && !(detail::is_pooled_pinned_buffer<container>::value && detail::records_block_use(s))) {
-      detail::synchronize_before_freeing(s);
-    }
-  }
+  detail::copy_located(buffer, std::forward<Container>(src), s, detail::default_engine{}, "to_device");
   return buffer;
 }
 
@@ -126,7 +111,7 @@ std::vector<std::remove_const_t<T>> to_host(device_span<T> src, stream_view s) {
   detail::refuse_capture(s, s.device(), "gpukit::to_host",
                          "it waits on the host for the copy, which a capture does not run; call it after "
                          "cudaStreamEndCapture (nothing was enqueued)");
-  copy_async(out, device_span<const T>(src), s);
+  detail::copy_located(out, device_span<const T>(src), s, detail::default_engine{}, "to_host");
   event done(s.device());
   done.record(s);
   done.synchronize();
