@@ -38,7 +38,7 @@
 ///   cudaPointerGetAttributes reports. Without a usable CUDA device no pointer can be device memory, so this check
 ///   accepts every pointer (see <gpukit/transfer/pointer_query.hpp>). Host memory is taken as page-locked (one DMA)
 ///   only when CUDA says so of both its first and its last byte: a range that runs out of a host_registration is
-///   staged.
+///   staged (one page-locked at both ends but not in the middle, two registrations with a gap, is not detected).
 /// - the stream is being captured into a CUDA graph and the copy would be staged (pageable host memory): pinned and
 ///   device memory copies are one cudaMemcpyAsync each, which a capture records as a copy node; or the page-locked
 ///   host side is a temporary, which the graph would read at each launch long after it was freed.
