@@ -85,6 +85,9 @@ TEST_CASE("stream-capture errors say which rule was broken") {
       {cudaErrorStreamCaptureInvalidated, "an earlier error during the capture"},
       {cudaErrorStreamCaptureUnjoined, "was not joined back"},
       {cudaErrorStreamCaptureWrongThread, "ended by the thread that began it"},
+      {cudaErrorStreamCaptureIsolation, "last recorded in a capture that has ended"},
+      {cudaErrorStreamCaptureIsolation, "waited for an event recorded outside the capture"},
+      {cudaErrorStreamCaptureMerge, "two captures cannot be merged"},
   };
   for (const auto& [result, words] : expected) {
     const std::string what = thrown_by<gpukit::error>(result, "cudaEventSynchronize", 0).what();

@@ -341,8 +341,8 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
              "host cannot query or wait for it (record it after the graph's launch instead)";
     case cudaErrorStreamCaptureUnsupported:
       return "the call is not permitted while a stream capture is underway (a synchronize or query of the captured "
-             "stream, or a device-wide wait, in any mode; other unsafe calls from any thread during a capture in "
-             "global mode, from the capturing thread in thread-local mode), or the legacy default stream was to be "
+             "stream, or a device-wide wait, in any mode; other unsafe calls from the capturing thread and, during a "
+             "capture in global mode, from threads whose own mode is global), or the legacy default stream was to be "
              "captured, which CUDA never allows: make the call before or after the capture";
     case cudaErrorStreamCaptureImplicit:
       return "work on the legacy default stream would join the capture of a blocking stream of its device: capture "
@@ -355,6 +355,12 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
              "stream that began it before the capture ended";
     case cudaErrorStreamCaptureWrongThread:
       return "a capture in global or thread-local mode must be ended by the thread that began it";
+    case cudaErrorStreamCaptureIsolation:
+      return "a wait crossed a capture's boundary: a stream being captured waited for an event recorded outside the "
+             "capture, or a stream waited for an event last recorded in a capture that has ended (it belongs to that "
+             "graph: record it again outside a capture)";
+    case cudaErrorStreamCaptureMerge:
+      return "a stream of one capture waited for an event recorded in another capture: two captures cannot be merged";
     default:
       return nullptr;
   }

@@ -3178,3 +3178,185 @@ TEST_CASE("capture: synchronize and ready on a captured stream are refused, leav
   REQUIRE(cudaFree(memory) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a fork into a blocking stream waits for a legacy-stream query being made, and refuses later ones") {
+  // A capture of a non-blocking stream forked (event::wait) into a blocking stream is joined by any work on the legacy
+  // stream from then on: the fork must wait for another thread's query of the legacy stream already inside CUDA (it
+  // would invalidate the capture), and later queries are refused, as for a capture of a blocking stream.
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream s(cuda0);  // non-blocking
+  gpukit::stream b = blocking_stream();
+  gpukit::event fork(cuda0);
+  gpukit::event join(cuda0);
+  std::atomic<bool> querying{false};
+  std::size_t waits_at_query = 0;
+  std::string poll_failure;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    // The poller's query is made (its hold taken, its checks passed) once the fork is counted.
+    cudasim::before_call("cudaStreamQuery", 1, [&] {
+      querying = true;
+      yield_until([] { return gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() != 0; },
+                  "the fork was never counted");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // time for a fork that does not wait
+      waits_at_query = cudasim::calls("cudaStreamWaitEvent");
+    });
+    std::thread poller([&] {
+      try {
+        (void)legacy.ready();
+      } catch (const std::exception& e) {
+        poll_failure = e.what();
+      }
+    });
+    yield_until([&] { return querying.load(); }, "the query was never made");
+    const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+    fork.record(s);
+    fork.wait(b);  // after the query
+    poller.join();
+    CHECK(waits_at_query == waits);
+    CHECK(gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 1);
+    CHECK(gpukit::mode_independent::gpukit_blocking_captures_on_this_thread(0) == 1);
+    const std::size_t queries = cudasim::calls("cudaStreamQuery");
+    std::thread([&] {
+      CHECK_THROWS_WITH_AS((void)legacy.ready(), doctest::Contains("a gpukit capture of a blocking stream"),
+                           gpukit::invalid_argument_error);
+    }).join();
+    CHECK(cudasim::calls("cudaStreamQuery") == queries);  // refused, not asked
+    join.record(b);
+    join.wait(s);
+  });
+  CHECK(poll_failure == "");
+  CHECK(gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0);
+  CHECK(gpukit::mode_independent::gpukit_blocking_captures_on_this_thread(0) == 0);
+  g.launch(s);
+  s.synchronize();
+  CHECK(legacy.ready());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE(
+    "capture: event::record and event::wait on the legacy stream are refused while a blocking stream is captured") {
+  // As stream_view::synchronize and ready on it: the work would join the capture and invalidate it.
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::event e(cuda0);
+  e.record(blocking);
+  blocking.synchronize();
+  const auto from_another_thread = [&] {
+    const std::size_t records = cudasim::calls("cudaEventRecord");
+    const std::size_t waits = cudasim::calls("cudaStreamWaitEvent");
+    std::thread([&] {
+      CHECK_THROWS_WITH_AS(e.record(legacy), doctest::Contains("gpukit::event::record: a "),
+                           gpukit::invalid_argument_error);
+      CHECK_THROWS_WITH_AS(e.wait(legacy), doctest::Contains("gpukit::event::wait: a "),
+                           gpukit::invalid_argument_error);
+      CHECK_THROWS_AS(gpukit::stream_timer{legacy}, gpukit::invalid_argument_error);
+    }).join();
+    CHECK(cudasim::calls("cudaEventRecord") == records);  // nothing done
+    CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+  };
+  SUBCASE("by gpukit::capture") { gpukit::graph g = gpukit::capture(blocking, from_another_thread); }
+  SUBCASE("begun with the raw runtime") {
+    capture raw(blocking);
+    from_another_thread();
+    REQUIRE(raw.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(raw.graph()) == cudaSuccess);
+  }
+  e.record(legacy);  // afterwards, as before
+  e.wait(legacy);
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a thread in thread-local mode makes unsafe calls during another thread's global capture") {
+  // cudaStreamCaptureModeThreadLocal: "concurrent capture sequences in other threads are ignored"; the thread's own
+  // capture still prohibits them.
+  gpukit::stream s(cuda0);
+  gpukit::stream own(cuda0);
+  cudaError_t allocated = cudaErrorUnknown;
+  cudaError_t freed = cudaErrorUnknown;
+  cudaError_t during_own = cudaSuccess;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        std::thread([&] {
+          cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+          REQUIRE(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess);
+          void* p = nullptr;
+          allocated = cudaMalloc(&p, 256);
+          if (allocated == cudaSuccess) freed = cudaFree(p);
+          capture mine(own, cudaStreamCaptureModeThreadLocal);
+          during_own = cudaMalloc(&p, 256);
+          CHECK(mine.end() == cudaErrorStreamCaptureInvalidated);
+        }).join();
+      },
+      nullptr, gpukit::capture_mode::global);
+  CHECK(allocated == cudaSuccess);
+  CHECK(freed == cudaSuccess);
+  CHECK(during_own == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudasim::take_violations().size() == 1);  // on purpose: the cudaMalloc during its own capture
+  g.launch(s);                                    // the global capture is intact
+  s.synchronize();
+}
+
+TEST_CASE("capture: a stream_timer on a stream being captured is refused, leaving the capture intact") {
+  // Its events would be the graph's: elapsed() could never read them (cudaErrorCapturedEvent).
+  gpukit::stream s(cuda0);
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  std::optional<gpukit::stream_timer> timer;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    CHECK_THROWS_WITH_AS(timer.emplace(s),
+                         doctest::Contains("gpukit::stream_timer: the stream is being captured on cuda:0"),
+                         gpukit::invalid_argument_error);
+  });
+  CHECK(cudasim::calls("cudaEventRecord") == records);
+  CHECK_FALSE(timer.has_value());
+  gpukit::stream_timer outside(s);  // started outside, stopped inside: refused as well
+  gpukit::graph h = gpukit::capture(s, [&] {
+    CHECK_THROWS_WITH_AS(outside.stop(), doctest::Contains("gpukit::stream_timer::stop: the stream is being captured"),
+                         gpukit::invalid_argument_error);
+  });
+  g.launch(s);
+  h.launch(s);
+  CHECK(outside.elapsed().count() >= 0.0f);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a stream already being captured is refused with a message that says so, naming the mode") {
+  gpukit::stream s(cuda0);
+  gpukit::stream side(cuda0);
+  std::string text;
+  const auto refused = [&](gpukit::stream_view v, gpukit::capture_mode mode) {
+    try {
+      (void)gpukit::capture(
+          v, [] {}, nullptr, mode);
+      FAIL("a stream being captured cannot be captured again");
+    } catch (const gpukit::cuda_error& e) {
+      CHECK(e.cuda_result() == cudaErrorIllegalState);
+      text = e.what();
+    }
+    const std::vector<cudasim::violation> broken = cudasim::take_violations();  // on purpose
+    REQUIRE(broken.size() == 1);
+    CHECK(broken[0].call == "cudaStreamBeginCapture");
+  };
+  SUBCASE("begun elsewhere") {
+    capture raw(s);
+    refused(s, gpukit::capture_mode::thread_local_);
+    CHECK(text.find("cudaStreamBeginCapture(cudaStreamCaptureModeThreadLocal) (the stream is already being captured") !=
+          std::string::npos);
+    REQUIRE(raw.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(raw.graph()) == cudaSuccess);
+  }
+  SUBCASE("forked into another capture") {
+    gpukit::event fork(cuda0);
+    gpukit::graph g = gpukit::capture(s, [&] {
+      fork.record(s);
+      fork.wait(side);
+      refused(side, gpukit::capture_mode::global);
+    });
+    CHECK(text.find("cudaStreamBeginCapture(cudaStreamCaptureModeGlobal) (the stream is already being captured") !=
+          std::string::npos);
+    CHECK(text.find("forked into another capture") != std::string::npos);
+  }
+  CHECK(text.find("cudaErrorIllegalState") != std::string::npos);
+  CHECK(cudasim::violations().empty());
+}

@@ -719,8 +719,10 @@ bool stream_idle(const simulator& s, const stream_obj& st) {
   return !st.tail || st.tail->done;
 }
 
-/// Potentially unsafe calls are prohibited while a capture in global mode is underway in any thread, or one in
-/// thread-local mode in this thread, unless this thread relaxed its mode. Which calls are unsafe was measured on an
+/// Potentially unsafe calls are prohibited while this thread's own capture (begun in global or thread-local mode) is
+/// underway, or another thread's begun in global mode while this thread's mode is global; a thread in thread-local
+/// mode ignores other threads' captures, one in relaxed mode every capture (cuda_runtime_api.h,
+/// cudaThreadExchangeStreamCaptureMode). Which calls are unsafe was measured on an
 /// H200 (tests/graph/gpu_capture_rules_test.cpp, bench/results/gpu-20261129-2214-H200-capture-rules.md): allocating
 /// and freeing (cudaMalloc/Free, cudaMallocHost/FreeHost, cudaHostRegister/Unregister, and cudaMallocAsync/FreeAsync
 /// on a stream that is not captured), cudaMemPoolTrimTo, cudaGraphInstantiate and cudaGraphExecDestroy, and every wait
@@ -729,8 +731,10 @@ bool stream_idle(const simulator& s, const stream_obj& st) {
 std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool even_relaxed = false) {
   if (t_capture_mode == cudaStreamCaptureModeRelaxed && !even_relaxed) return nullptr;
   for (const auto& cap : s.captures) {
-    if (cap->mode == cudaStreamCaptureModeGlobal) return cap;
-    if (cap->mode == cudaStreamCaptureModeThreadLocal && cap->thread == std::this_thread::get_id()) return cap;
+    if (cap->mode != cudaStreamCaptureModeRelaxed && cap->thread == std::this_thread::get_id()) return cap;
+    // cudaDeviceSynchronize (`even_relaxed`) counts as in global mode whatever this thread's mode.
+    const bool thread_global = t_capture_mode == cudaStreamCaptureModeGlobal || even_relaxed;
+    if (cap->mode == cudaStreamCaptureModeGlobal && thread_global) return cap;
   }
   return nullptr;
 }

@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <thread>
 
 static_assert(gpukit::detail::per_thread_default_stream_mode(), "this file must be compiled in per-thread mode");
 
@@ -107,5 +109,38 @@ TEST_CASE("per-thread mode: a graph pool refuses to reserve while this thread's 
   per_thread.synchronize();
   CHECK_NOTHROW(pool->reserve(std::size_t{1} << 20));
   CHECK(pool->memory_reserved() == std::size_t{2} << 20);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("per-thread mode: a capture forked into handle 0 counts as blocking until it ends") {
+  // The per-thread stream synchronizes with the legacy one: once a capture of a non-blocking stream forks into it,
+  // gpukit's calls on the legacy stream are refused (CUDA would join them to the capture), and allowed again after.
+  const gpukit::device d = gpukit::device::cuda(0);
+  const gpukit::stream_view per_thread(d, nullptr);
+  const gpukit::stream_view legacy(d, cudaStreamLegacy);
+  gpukit::stream s(d);  // non-blocking
+  gpukit::event fork(d);
+  gpukit::event join(d);
+  std::string refused;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    CHECK(gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0);
+    fork.record(s);
+    fork.wait(per_thread);
+    CHECK(gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 1);
+    std::thread([&] {
+      try {
+        (void)legacy.ready();
+      } catch (const gpukit::invalid_argument_error& e) {
+        refused = e.what();
+      }
+    }).join();
+    join.record(per_thread);
+    join.wait(s);
+  });
+  CHECK(refused.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
+  CHECK(gpukit::mode_independent::gpukit_blocking_captures_underway(0).load() == 0);
+  CHECK(legacy.ready());
+  g.launch(s);
+  s.synchronize();
   CHECK(cudasim::violations().empty());
 }

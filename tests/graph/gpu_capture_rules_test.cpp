@@ -146,7 +146,13 @@ void release(objects& o) {
 void CUDART_CB nothing(void*) {}
 
 /// Where the call is made from, and in which mode.
-enum class caller { other_thread, other_thread_relaxed, capturing_thread, capturing_thread_relaxed };
+enum class caller {
+  other_thread,
+  other_thread_relaxed,
+  other_thread_thread_local,  // its mode cudaStreamCaptureModeThreadLocal: other threads' captures are ignored
+  capturing_thread,
+  capturing_thread_relaxed
+};
 
 /// What CUDA does with the call while the capture runs.
 enum class rule {
@@ -168,6 +174,8 @@ const char* name_of(caller c) {
       return "another thread";
     case caller::other_thread_relaxed:
       return "another thread, relaxed";
+    case caller::other_thread_thread_local:
+      return "another thread, thread-local";
     case caller::capturing_thread:
       return "the capturing thread";
     case caller::capturing_thread_relaxed:
@@ -179,6 +187,7 @@ const char* name_of(caller c) {
 std::vector<probe> probes() {
   const auto other = caller::other_thread;
   const auto relaxed = caller::other_thread_relaxed;
+  const auto thread_local_mode = caller::other_thread_thread_local;
   const auto self = caller::capturing_thread;
   const auto self_relaxed = caller::capturing_thread_relaxed;
   const auto ok = rule::permitted;
@@ -274,6 +283,11 @@ std::vector<probe> probes() {
       const cudaError_t e = cudaHostUnregister(o.registered.data());
       o.unregistered = e == cudaSuccess;
       return e; }},
+    // A thread in thread-local mode ignores other threads' captures (cuda_runtime_api.h,
+    // cudaThreadExchangeStreamCaptureMode); a device-wide wait is assumed refused as in relaxed mode. Not measured yet.
+    {"cudaMalloc", thread_local_mode, false, ok, [](objects& o) { return cudaMalloc(&o.made_device, buffer_bytes); }},
+    {"cudaEventQuery", thread_local_mode, false, ok, [](objects& o) { return cudaEventQuery(o.event); }},
+    {"cudaDeviceSynchronize", thread_local_mode, false, no, [](objects&) { return cudaDeviceSynchronize(); }},
     {"cudaMemcpy (device to pageable host)", other, false, ok, [](objects& o) {
       return cudaMemcpy(o.pageable.data(), o.device, buffer_bytes, cudaMemcpyDeviceToHost); }},
     {"cudaPointerGetAttributes", other, false, ok, [](objects& o) {
@@ -373,13 +387,15 @@ observation observe(const probe& p, worker& other_thread) {
   observation seen;
   const auto make_call = [&] {
     const bool relax = p.from == caller::other_thread_relaxed || p.from == caller::capturing_thread_relaxed;
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (relax) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+    const bool own_mode = relax || p.from == caller::other_thread_thread_local;
+    cudaStreamCaptureMode mode = relax ? cudaStreamCaptureModeRelaxed : cudaStreamCaptureModeThreadLocal;
+    if (own_mode) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
     seen.returned = p.make_call(o);
-    if (relax) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+    if (own_mode) GPUKIT_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
     (void)cudaGetLastError();
   };
-  if (p.from == caller::other_thread || p.from == caller::other_thread_relaxed) {
+  if (p.from == caller::other_thread || p.from == caller::other_thread_relaxed ||
+      p.from == caller::other_thread_thread_local) {
     other_thread.run(make_call);
   } else {
     make_call();

@@ -25,6 +25,7 @@
 #include <gpukit/memory/detail/capture_pools.hpp>
 #include <gpukit/memory/graph_pool.hpp>
 #include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
@@ -39,12 +40,14 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// How a capture treats unsafe calls (cudaMalloc, synchronization) from other threads (cudaStreamCaptureMode).
 enum class capture_mode {
-  global = cudaStreamCaptureModeGlobal,              ///< refused in every thread that has not relaxed its mode
+  global = cudaStreamCaptureModeGlobal,              ///< refused in every thread whose own mode is global
   thread_local_ = cudaStreamCaptureModeThreadLocal,  ///< refused in the capturing thread only
   relaxed = cudaStreamCaptureModeRelaxed,            ///< not refused (the caller takes care)
 };
 
 /// An instantiated CUDA graph (cudaGraph_t and cudaGraphExec_t), move-only, with the pool its memory came from.
+/// Not thread-safe: calls on one graph (launch, update, destruction) must not run at once from several threads, since
+/// CUDA requires the calls on one graph or executable graph to be serialized.
 class graph {
  public:
   /// An empty graph: launch() and update() throw invalid_argument_error until a captured graph is assigned.
@@ -191,6 +194,19 @@ class graph {
 
 namespace detail {
 
+/// The name of a capture mode, for messages.
+inline const char* capture_mode_name(capture_mode mode) noexcept {
+  switch (mode) {
+    case capture_mode::global:
+      return "cudaStreamCaptureModeGlobal";
+    case capture_mode::thread_local_:
+      return "cudaStreamCaptureModeThreadLocal";
+    case capture_mode::relaxed:
+      return "cudaStreamCaptureModeRelaxed";
+  }
+  return "an unknown cudaStreamCaptureMode";
+}
+
 /// What an end-of-capture failure means, for its message.
 inline const char* why_capture_failed(cudaError_t result) noexcept {
   switch (result) {
@@ -212,7 +228,10 @@ inline const char* why_capture_failed(cudaError_t result) noexcept {
 /// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
 /// through. Throws invalid_argument_error for a CPU stream or the legacy default stream (0 outside the per-thread
 /// default stream mode), or a pool of another device; cuda_error when CUDA refuses the capture (for instance one
-/// invalidated by an unsafe call).
+/// invalidated by an unsafe call, or a stream already being captured, which its message says). While a capture of
+/// a stream that synchronizes with the legacy default stream runs (created without non_blocking, a per-thread default
+/// stream, or one such stream it forked into with event::wait), gpukit's calls on that device's legacy stream are
+/// refused (invalid_argument_error): CUDA would join them to the capture and invalidate it.
 template <class F>
 graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
               capture_mode mode = capture_mode::thread_local_) {
@@ -247,30 +266,55 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       mode_independent::gpukit_captures_underway().fetch_add(1, std::memory_order_seq_cst);
       ++mode_independent::gpukit_captures_on_this_thread();
       detail::wait_for_capture_holds();
-      if (blocking) detail::wait_for_legacy_stream_holds(ordinal);
+      if (blocking) {
+        // Only now: event records on the legacy stream made under a capture hold, which was just waited for, go
+        // ahead (detail::legacy_stream_hold for event work); later ones are refused.
+        mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_add(1, std::memory_order_seq_cst);
+        detail::wait_for_legacy_stream_holds(ordinal);
+      }
     }
     ~counted_capture() { end(); }
+    // Once the capture has begun: event::wait counts its forks into blocking streams (detail::count_blocking_fork).
+    void track(unsigned long long capture_id) {
+      detail::register_gpukit_capture(capture_id);
+      id = capture_id;
+    }
     void end() noexcept {
       if (!counting) return;
       counting = false;
+      if (id != 0) detail::forget_gpukit_capture(id);
       --mode_independent::gpukit_captures_on_this_thread();
       mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
       if (blocking) {
         --mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
+        mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_sub(1, std::memory_order_acq_rel);
         mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_sub(1, std::memory_order_acq_rel);
       }
     }
     int ordinal;
     bool blocking;
     bool counting = true;
+    unsigned long long id = 0;  // tracked: the capture's
     counted_capture(const counted_capture&) = delete;
     counted_capture& operator=(const counted_capture&) = delete;
   };
   // The per-thread default stream synchronizes with the legacy one, as a stream created without
   // cudaStreamNonBlocking does.
   counted_capture counted(d.ordinal(), s.is_default() || detail::cuda_backend::may_block_on_legacy_stream(handle));
-  GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode)),
-                            "cudaStreamBeginCapture", d.ordinal());
+  const cudaError_t begun = cudaStreamBeginCapture(handle, static_cast<cudaStreamCaptureMode>(mode));
+  if (begun != cudaSuccess) {
+    // CUDA says only cudaErrorIllegalState for a stream that takes part in a capture already.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const bool captured = detail::cuda_backend::stream_capture_status({handle, d.ordinal()}, status) == cudaSuccess &&
+                          status != cudaStreamCaptureStatusNone;
+    GPUKIT_CUDA_TRY_DESCRIBED(begun,
+                              std::string("cudaStreamBeginCapture(") + detail::capture_mode_name(mode) + ")" +
+                                  (captured ? " (the stream is already being captured: a capture was begun on it "
+                                              "elsewhere, or it was forked into another capture by waiting for an "
+                                              "event recorded there)"
+                                            : ""),
+                              d.ordinal());
+  }
   // Ends the capture however what follows ends; the graph it yields is destroyed unless kept.
   struct capture_scope {
     cudaStream_t stream;  // 0 is a capturable stream too: the per-thread default stream in that mode
@@ -298,8 +342,9 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
     }
     cudaError_t last_error = cudaSuccess;
   } scope{handle, d.ordinal(), nullptr, 0};
-  if (pool) {
-    // The id of the capture just begun on `handle` (never 0 for an active one): the pool serves that capture.
+  {
+    // The id of the capture just begun on `handle` (never 0 for an active one): its forks are counted under it, and
+    // the pool serves it.
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetCaptureInfo(handle, &status, &scope.id, nullptr, nullptr, nullptr, nullptr),
                               "cudaStreamGetCaptureInfo", d.ordinal());
@@ -307,6 +352,9 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       GPUKIT_CUDA_TRY_DESCRIBED(cudaErrorStreamCaptureInvalidated, "cudaStreamGetCaptureInfo (the capture just begun)",
                                 d.ordinal());
     }
+    counted.track(scope.id);
+  }
+  if (pool) {
     pool->begin_capture(scope.id);
     scope.pool = pool.get();
   }

@@ -338,18 +338,6 @@ GPUKIT_INLINE bool may_use_legacy_stream(const stream_view& s) noexcept {
   }
 }
 
-/// Waits until `holds` is zero. Holds are short (an event record, a wait enqueued, a query): yields first, then
-/// sleeps.
-inline void wait_for_no_holds(const std::atomic<std::int64_t>& holds) noexcept {
-  for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
-    if (round < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-}
-
 GPUKIT_INLINE void wait_for_capture_holds() noexcept { wait_for_no_holds(mode_independent::capture_holds()); }
 
 GPUKIT_INLINE void wait_for_legacy_stream_holds(int ordinal) noexcept {

@@ -20,10 +20,48 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
+
+// Outside the per-mode namespace (detail/config.hpp), as stream.hpp's counters: a capture begun in code built in one
+// default-stream mode may be forked by events of code built in the other.
+namespace gpukit {
+namespace mode_independent {
+
+/// The gpukit::capture calls underway, by capture id (cudaStreamGetCaptureInfo), with the devices into whose blocking
+/// streams each was forked by event::wait: a capture of a non-blocking stream forked into a blocking one is joined by
+/// any work on the legacy default stream of that stream's device, so that device counts in
+/// gpukit_blocking_captures_underway until the capture ends, as for a capture of a blocking stream.
+struct gpukit_capture_table {
+  struct entry {
+    unsigned long long capture;  ///< the capture's id
+    int ordinal;                 ///< -1: the capture itself; else a device counted for a fork into it
+    std::thread::id thread;      ///< the capturing thread (whose gpukit_blocking_captures_on_this_thread a fork
+                                 ///< made there also counts in)
+  };
+  std::mutex mutex;  ///< guards entries
+  std::vector<entry> entries;
+};
+
+/// The process's gpukit_capture_table (exported: one per process). Never destroyed, like stream_table_v1.
+GPUKIT_EXPORT inline gpukit_capture_table& gpukit_capture_table_v1() noexcept {
+  alignas(gpukit_capture_table) static unsigned char storage[sizeof(gpukit_capture_table)];
+  static gpukit_capture_table* const table = ::new (static_cast<void*>(storage)) gpukit_capture_table;
+  return *table;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -36,6 +74,22 @@ struct event_options {
 
 /// Milliseconds, as CUDA reports elapsed time between events.
 using milliseconds = std::chrono::duration<float, std::milli>;
+
+namespace detail {
+/// Called by gpukit::capture once capture `id` has begun on the calling thread, so that event::wait can count its
+/// forks into blocking streams (count_blocking_fork). Throws std::bad_alloc.
+GPUKIT_INLINE void register_gpukit_capture(unsigned long long id);
+
+/// Called by gpukit::capture once capture `id` has ended: uncounts the devices its forks counted.
+GPUKIT_INLINE void forget_gpukit_capture(unsigned long long id) noexcept;
+
+/// Before `s` waits for an event recorded in capture `capture` (a fork, unless `s` takes part already): if that is a
+/// gpukit capture and `s` synchronizes with the legacy default stream, counts s's device as having a blocking capture
+/// (once per capture and device) and waits for the legacy-stream holds taken before, as gpukit::capture does for a
+/// blocking stream: a query of or a record on that legacy stream would join the capture and invalidate it.
+GPUKIT_INLINE void count_blocking_fork(unsigned long long capture, const stream_view& s);
+
+}  // namespace detail
 
 /// An owning, move-only event. A moved-from event throws invalid_argument_error on use.
 class event {
@@ -58,6 +112,8 @@ class event {
   /// capture: that is how captured work forks to another stream (which then waits for the event) and joins back.
   /// Such an event has completed only inside the graph: ready() and synchronize() then fail with
   /// cudaErrorCapturedEvent until it is recorded again outside a capture. Record timing events outside captures.
+  /// On the legacy default stream it throws invalid_argument_error, recording nothing, while a blocking stream of its
+  /// device is captured (the record would join that capture and invalidate it), as stream_view::synchronize does.
   void record(stream_view s);
 
   /// True when the work captured by the most recent record() has completed (or the event was never recorded). A
@@ -70,7 +126,16 @@ class event {
 
   /// Makes all work enqueued on `s` after this call wait until the captured work has completed, without blocking
   /// the host (cudaStreamWaitEvent). `s` may belong to another CUDA device; a CPU event can only be waited for by
-  /// CPU streams (and a CUDA event only by CUDA streams).
+  /// CPU streams (and a CUDA event only by CUDA streams). On the legacy default stream it throws as record() does.
+  ///
+  /// Captures: while a capture runs, a stream outside it that waits for an event last recorded in it joins it (a
+  /// fork; join it back before the capture ends). Once that capture has ended the event belongs to its graph: a
+  /// wait fails with cudaErrorStreamCaptureIsolation until the event is recorded again outside a capture, and so
+  /// does a wait by a stream being captured for an event recorded outside its capture (which is invalidated). A fork
+  /// of a gpukit::capture into a stream that synchronizes with the legacy default stream (created without
+  /// non_blocking, or a per-thread default stream) makes the capture a blocking one from then on: gpukit's calls on
+  /// that device's legacy stream are refused until it ends, as for a capture of such a stream. A fork made with
+  /// cudaStreamWaitEvent directly, or of a capture begun without gpukit::capture, is not seen.
   void wait(stream_view s) const;
 
   /// The device the event belongs to. Throws invalid_argument_error if this event was moved from.
@@ -119,6 +184,9 @@ class event {
   event_options options_{};
   cudaEvent_t cuda_ = nullptr;
   std::unique_ptr<detail::cpu_backend::event_state> cpu_;
+  // The capture the last record() was made in (its id; 0: none, or no gpukit capture was underway): wait() counts a
+  // fork of it into a blocking stream. Atomic: one thread may record while another waits.
+  std::atomic<unsigned long long> capture_{0};
   bool valid_ = false;
 };
 
@@ -137,10 +205,12 @@ class stream_timer {
   /// Creates two timing events on `s`'s device and records the start on `s`. The stream must outlive the timer. The
   /// view is resolved (stream_view::resolved): a timer on the calling thread's per-thread default stream times that
   /// stream even when stopped from another thread, which is refused (invalid_argument_error) since that thread
-  /// cannot name it.
+  /// cannot name it. A stream being captured is refused too (invalid_argument_error): events recorded in a capture
+  /// belong to the graph, and elapsed() could never read them (time the graph's launch instead).
   explicit stream_timer(stream_view s);
 
-  /// Marks the end of the region (again, if called twice: the later call wins).
+  /// Marks the end of the region (again, if called twice: the later call wins). Refused, as at construction, while
+  /// the stream is being captured.
   void stop();
 
   /// Stops the timer if needed, waits for the region to finish, and returns its duration.
@@ -199,7 +269,23 @@ GPUKIT_INLINE void event::record(stream_view s) {
   }
   if (cpu_) return cpu_->record(s.cpu_queue());
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("event::record");
+  if (s.is_default() && !s.is_per_thread()) {
+    // Under the hold, as stream_view::synchronize's record: no gpukit capture of a blocking stream begins meanwhile.
+    const detail::legacy_stream_hold hold(device_.ordinal(), true);
+    detail::refuse_legacy_stream_join("event::record", s, hold.refused());
+    detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
+    capture_.store(0, std::memory_order_relaxed);  // CUDA never captures the legacy stream
+    return;
+  }
   detail::cuda_backend::record_event(cuda_, device_.ordinal(), s.native_handle());
+  unsigned long long capture = 0;
+  if (detail::gpukit_capture_underway()) {  // else one atomic load: only a gpukit capture's forks are counted
+    try {
+      capture = detail::capture_id(s);
+    } catch (const std::exception&) {  // recorded: a fork of it then goes uncounted, as a raw capture's
+    }
+  }
+  capture_.store(capture, std::memory_order_relaxed);
 }
 
 GPUKIT_INLINE bool event::ready() const {
@@ -227,6 +313,14 @@ GPUKIT_INLINE void event::wait(stream_view s) const {
                                  device_.to_string() + "; synchronize() the event instead");
   }
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("event::wait");
+  if (s.is_default() && !s.is_per_thread()) {
+    const detail::legacy_stream_hold hold(s.device().ordinal(), true);  // as record()
+    detail::refuse_legacy_stream_join("event::wait", s, hold.refused());
+    detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
+    return;
+  }
+  const unsigned long long capture = capture_.load(std::memory_order_relaxed);
+  if (capture != 0) detail::count_blocking_fork(capture, s);  // before the wait that forks
   detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
 }
 
@@ -261,6 +355,7 @@ GPUKIT_INLINE void event::take(event& other) noexcept {
   options_ = other.options_;
   cuda_ = std::exchange(other.cuda_, nullptr);
   cpu_ = std::move(other.cpu_);
+  capture_.store(other.capture_.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
   valid_ = std::exchange(other.valid_, false);
 }
 
@@ -272,14 +367,23 @@ GPUKIT_INLINE void event::destroy() noexcept {
   cpu_.reset();
 }
 
+namespace detail {
+/// Why stream_timer refuses a stream being captured.
+inline constexpr const char* timer_in_capture =
+    "events recorded in a capture belong to the graph, and the host can never read their times (elapsed() would fail "
+    "with cudaErrorCapturedEvent): time the graph's launch instead (nothing was recorded)";
+}  // namespace detail
+
 GPUKIT_INLINE stream_timer::stream_timer(stream_view s)
     : stream_(s.resolved()),
       start_(stream_.device(), event_options{true, false, false}),
       end_(stream_.device(), event_options{true, false, false}) {
+  if (!stream_.is_cpu()) detail::refuse_captured_stream("stream_timer", stream_, detail::timer_in_capture);
   start_.record(stream_);
 }
 
 GPUKIT_INLINE void stream_timer::stop() {
+  if (!stream_.is_cpu()) detail::refuse_captured_stream("stream_timer::stop", stream_, detail::timer_in_capture);
   end_.record(stream_);
   stopped_ = true;
 }
@@ -288,6 +392,68 @@ GPUKIT_INLINE milliseconds stream_timer::elapsed() {
   if (!stopped_) stop();
   return elapsed_time(start_, end_);
 }
+
+namespace detail {
+
+GPUKIT_INLINE void register_gpukit_capture(unsigned long long id) {
+  mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
+  const std::lock_guard<std::mutex> lock(table.mutex);
+  table.entries.push_back({id, -1, std::this_thread::get_id()});
+}
+
+GPUKIT_INLINE void forget_gpukit_capture(unsigned long long id) noexcept {
+  mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
+  std::unique_lock<std::mutex> lock(table.mutex, std::defer_lock);
+  try {
+    lock.lock();
+  } catch (...) {  // never seen; the entries stay (their counts refuse legacy-stream work: safe, not fatal)
+    return;
+  }
+  auto& entries = table.entries;
+  for (std::size_t i = 0; i < entries.size();) {
+    const mode_independent::gpukit_capture_table::entry e = entries[i];
+    if (e.capture != id) {
+      ++i;
+      continue;
+    }
+    if (e.ordinal >= 0) {
+      // Called on the capturing thread (gpukit::capture's), whose count a fork made there raised.
+      if (e.thread == std::this_thread::get_id())
+        --mode_independent::gpukit_blocking_captures_on_this_thread(e.ordinal);
+      mode_independent::gpukit_blocking_captures_begun(e.ordinal).fetch_sub(1, std::memory_order_acq_rel);
+      mode_independent::gpukit_blocking_captures_underway(e.ordinal).fetch_sub(1, std::memory_order_acq_rel);
+    }
+    entries[i] = entries.back();
+    entries.pop_back();
+  }
+}
+
+GPUKIT_INLINE void count_blocking_fork(unsigned long long capture, const stream_view& s) {
+  if (!gpukit_capture_underway()) return;
+  if (!s.is_per_thread() && !cuda_backend::may_block_on_legacy_stream(s.native_handle())) return;
+  const int ordinal = s.device().ordinal();
+  {
+    mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
+    const std::lock_guard<std::mutex> lock(table.mutex);
+    const mode_independent::gpukit_capture_table::entry* begun = nullptr;
+    for (const auto& e : table.entries) {
+      if (e.capture != capture) continue;
+      if (e.ordinal == ordinal) return;  // counted by an earlier fork, which waited for the holds
+      if (e.ordinal < 0) begun = &e;
+    }
+    if (begun == nullptr) return;  // not a gpukit capture, or it ended
+    const bool capturing_thread = begun->thread == std::this_thread::get_id();
+    table.entries.push_back({capture, ordinal, capturing_thread ? std::this_thread::get_id() : std::thread::id()});
+    // Sequentially consistent, as gpukit::capture's counts: either a hold sees them, or this the hold. The capture
+    // has begun: no capture hold to wait for.
+    mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_add(1, std::memory_order_seq_cst);
+    mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_add(1, std::memory_order_seq_cst);
+    if (capturing_thread) ++mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
+  }
+  wait_for_no_holds(mode_independent::legacy_stream_holds(ordinal));  // the holds taken before
+}
+
+}  // namespace detail
 
 GPUKIT_END_NAMESPACE
 #endif  // GPUKIT_DETAIL_DEFINITIONS

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -33,6 +34,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -80,6 +82,15 @@ GPUKIT_EXPORT inline int& gpukit_blocking_captures_on_this_thread(int ordinal) n
   return counts[counter_of(ordinal)];
 }
 
+/// Of gpukit_blocking_captures_underway(ordinal), those past their wait for the capture holds (begun, or about to
+/// begin: they wait for the legacy_stream_holds next), with the forks event::wait counted. event::record and
+/// event::wait on the device's legacy stream are refused only once this is not zero: work enqueued under a
+/// capture_hold (which a counted capture waits for before it is counted here) must not be refused.
+GPUKIT_EXPORT inline std::atomic<std::int64_t>& gpukit_blocking_captures_begun(int ordinal) noexcept {
+  static std::atomic<std::int64_t> counts[per_device_counters];  // static: zero before any use
+  return counts[counter_of(ordinal)];
+}
+
 /// Queries of, and event records on, device `ordinal`'s legacy default stream being made (detail::legacy_stream_hold):
 /// a gpukit capture of a blocking stream of the device begins only once this is zero.
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& legacy_stream_holds(int ordinal) noexcept {
@@ -114,19 +125,25 @@ namespace detail {
 /// Held around a query of, or an event record on, device `ordinal`'s legacy default stream, unless refused: a gpukit
 /// capture of a blocking stream of the device then waits before it begins (wait_for_legacy_stream_holds). Refused
 /// while such a capture is counted, so that polling threads cannot keep one from beginning: their holds drain.
-/// Never held through a wait. Also held around the legacy stream's id question (default_stream_id).
+/// Never held through a wait. Also held around the legacy stream's id question (default_stream_id). Event records and
+/// waits of gpukit::event on the legacy stream (`event_work`) are refused only once such a capture has waited for the
+/// capture holds (gpukit_blocking_captures_begun): an allocator's record made under a capture_hold, which the capture
+/// waits for first, must go ahead.
 class legacy_stream_hold {
  public:
-  explicit legacy_stream_hold(int ordinal) noexcept : ordinal_(ordinal) {
+  explicit legacy_stream_hold(int ordinal, bool event_work = false) noexcept
+      : ordinal_(ordinal),
+        captures_(event_work ? mode_independent::gpukit_blocking_captures_begun(ordinal)
+                             : mode_independent::gpukit_blocking_captures_underway(ordinal)) {
     // A capture already counted: refused without touching the holds, which it waits to see at zero.
-    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) != 0) {
+    if (captures_.load(std::memory_order_seq_cst) != 0) {
       refused_ = true;
       return;
     }
     // Sequentially consistent on both sides (this increment then load, the capture's increment then load): either
     // the capture sees this hold and waits, or this sees the capture and is refused.
     mode_independent::legacy_stream_holds(ordinal_).fetch_add(1, std::memory_order_seq_cst);
-    if (mode_independent::gpukit_blocking_captures_underway(ordinal_).load(std::memory_order_seq_cst) == 0) return;
+    if (captures_.load(std::memory_order_seq_cst) == 0) return;
     refused_ = true;
     mode_independent::legacy_stream_holds(ordinal_).fetch_sub(1, std::memory_order_release);
   }
@@ -142,8 +159,21 @@ class legacy_stream_hold {
 
  private:
   int ordinal_;
+  const std::atomic<std::int64_t>& captures_;  // the count that refuses this hold
   bool refused_ = false;
 };
+
+/// Waits until `holds` is zero. Holds are short (an event record, a wait enqueued, a query): yields first, then
+/// sleeps.
+inline void wait_for_no_holds(const std::atomic<std::int64_t>& holds) noexcept {
+  for (int round = 0; holds.load(std::memory_order_seq_cst) != 0; ++round) {
+    if (round < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
 
 /// Whether a gpukit capture runs now, on any thread: a hint (one may begin at once, and a capture begun with the raw
 /// runtime is never seen; only a capture_hold tells for sure).
@@ -429,6 +459,20 @@ struct stream_options {
   /// [-5, 0]); pass a very negative value for "highest". Ignored on the CPU.
   int priority = 0;
 };
+
+namespace detail {
+/// For work on the legacy default stream `legacy`, under a hold (`refused`: the hold's refused()): throws
+/// invalid_argument_error naming `operation` if a blocking stream of its device is being captured, as
+/// stream_view::synchronize does.
+GPUKIT_INLINE void refuse_legacy_stream_join(const char* operation, const stream_view& legacy, bool refused);
+
+/// Throws invalid_argument_error naming `operation` and saying `why` if `s` (a CUDA stream) is being captured.
+GPUKIT_INLINE void refuse_captured_stream(const char* operation, const stream_view& s, const char* why);
+
+/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream). Handle 0
+/// is the per-thread default stream in that mode, which can be captured (as in capture_status).
+GPUKIT_INLINE unsigned long long capture_id(const stream_view& s);
+}  // namespace detail
 
 /// An owning stream: creates a CUDA stream (or a CPU queue) and destroys it. Move-only; a moved-from stream throws
 /// invalid_argument_error on use.
@@ -732,30 +776,57 @@ GPUKIT_INLINE void stream_view::refuse_other_threads_stream(const char* operatio
 }
 
 GPUKIT_INLINE void stream_view::refuse_in_capture(const char* operation, const char* why) const {
-  if (is_default() && !is_per_thread()) return;  // CUDA never captures the legacy default stream
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) != cudaSuccess) return;  // the call says
-  if (status == cudaStreamCaptureStatusNone) return;
-  throw invalid_argument_error(
-      std::string("gpukit::") + operation + ": the stream is being captured on " + device().to_string() +
-      (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") + ": " + why);
+  detail::refuse_captured_stream(operation, *this, why);
 }
 
 GPUKIT_INLINE void stream_view::refuse_implicit_join(const char* operation,
                                                      const detail::legacy_stream_hold& hold) const {
+  detail::refuse_legacy_stream_join(operation, *this, hold.refused());
+}
+
+namespace detail {
+GPUKIT_INLINE void refuse_legacy_stream_join(const char* operation, const stream_view& legacy, bool refused) {
   const auto refuse = [&](const std::string& what) {
     throw invalid_argument_error(std::string("gpukit::") + operation + ": " + what +
                                  ": the legacy default stream synchronizes with every blocking stream, so CUDA would "
                                  "join the capture implicitly and invalidate it (cudaErrorStreamCaptureImplicit; "
                                  "nothing was done). Wait for the capture to end, or use a non-blocking stream");
   };
-  if (hold.refused()) refuse("a gpukit capture of a blocking stream of " + device().to_string() + " is underway");
+  if (refused) refuse("a gpukit capture of a blocking stream of " + legacy.device().to_string() + " is underway");
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   // The header documents this answer, which leaves the capture intact; a capture begun with the raw runtime counts.
-  if (detail::cuda_backend::stream_capture_status(cuda_target(), status) == cudaErrorStreamCaptureImplicit) {
-    refuse("a blocking stream of " + device().to_string() + " is being captured");
+  if (cuda_backend::stream_capture_status(legacy.cuda_target(), status) == cudaErrorStreamCaptureImplicit) {
+    refuse("a blocking stream of " + legacy.device().to_string() + " is being captured");
   }
 }
+
+GPUKIT_INLINE void refuse_captured_stream(const char* operation, const stream_view& s, const char* why) {
+  if (s.is_default() && !s.is_per_thread()) return;  // CUDA never captures the legacy default stream
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cuda_backend::stream_capture_status(s.cuda_target(), status) != cudaSuccess) return;  // the call says
+  if (status == cudaStreamCaptureStatusNone) return;
+  throw invalid_argument_error(
+      std::string("gpukit::") + operation + ": the stream is being captured on " + s.device().to_string() +
+      (status == cudaStreamCaptureStatusInvalidated ? " (the capture is invalidated already)" : "") + ": " + why);
+}
+
+GPUKIT_INLINE unsigned long long capture_id(const stream_view& s) {
+  if (s.is_cpu()) return 0;
+  const cudaStream_t handle = s.native_handle();
+  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) return 0;
+  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
+  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
+    return 0;
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  device_guard guard(s.device());
+  GPUKIT_CUDA_TRY_DESCRIBED(
+      cudaStreamGetCaptureInfo(s.native_handle(), &status, &id, nullptr, nullptr, nullptr, nullptr),
+      "cudaStreamGetCaptureInfo", s.device().ordinal());
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+}  // namespace detail
 
 GPUKIT_INLINE void stream_view::synchronize_legacy() const {
   const int ordinal = device().ordinal();

@@ -46,10 +46,6 @@ GPUKIT_EXPORT GPUKIT_INLINE capture_pool_registry& capture_pools();
 /// True while any graph pool exists (the caching allocators then look further).
 GPUKIT_INLINE bool any_capture_pool() noexcept;
 
-/// The id of the capture `s` takes part in, or 0 (not captured, a CPU stream, the legacy default stream). Handle 0
-/// is the per-thread default stream in that mode, which can be captured (as in capture_status).
-GPUKIT_INLINE unsigned long long capture_id(const stream_view& s);
-
 /// The pool serving the capture `s` takes part in, or nullptr.
 GPUKIT_INLINE device_allocator* pool_for_capture(const stream_view& s);
 
@@ -68,23 +64,6 @@ GPUKIT_INLINE capture_pool_registry& capture_pools() {
 
 GPUKIT_INLINE bool any_capture_pool() noexcept {
   return capture_pools().live_count.load(std::memory_order_relaxed) != 0;
-}
-
-GPUKIT_INLINE unsigned long long capture_id(const stream_view& s) {
-  if (s.is_cpu()) return 0;
-  const cudaStream_t handle = s.native_handle();
-  if (handle == cudaStreamLegacy || (handle == nullptr && !per_thread_default_stream_mode())) return 0;
-  // cudaStreamPerThread names the caller's own stream: another thread's (a view resolved there) cannot be asked.
-  if ((handle == nullptr || handle == cudaStreamPerThread) && s.id() != default_stream_id(s.device().ordinal(), true)) {
-    return 0;
-  }
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  unsigned long long id = 0;
-  device_guard guard(s.device());
-  GPUKIT_CUDA_TRY_DESCRIBED(
-      cudaStreamGetCaptureInfo(s.native_handle(), &status, &id, nullptr, nullptr, nullptr, nullptr),
-      "cudaStreamGetCaptureInfo", s.device().ordinal());
-  return status == cudaStreamCaptureStatusActive ? id : 0;
 }
 
 GPUKIT_INLINE device_allocator* pool_for_capture(const stream_view& s) {
