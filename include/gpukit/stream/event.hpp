@@ -43,14 +43,15 @@ namespace mode_independent {
 /// any work on the legacy default stream of that stream's device, so that device counts in
 /// gpukit_blocking_captures_underway until the capture ends, as for a capture of a blocking stream.
 struct gpukit_capture_table {
+  /// A capture underway (ordinal -1), or a device counted for one of its forks.
   struct entry {
     unsigned long long capture;  ///< the capture's id
     int ordinal;                 ///< -1: the capture itself; else a device counted for a fork into it
     std::thread::id thread;      ///< the capturing thread (whose gpukit_blocking_captures_on_this_thread a fork
                                  ///< made there also counts in)
   };
-  std::mutex mutex;  ///< guards entries
-  std::vector<entry> entries;
+  std::mutex mutex;            ///< guards entries
+  std::vector<entry> entries;  ///< the captures underway and their counted forks
 };
 
 /// The process's gpukit_capture_table (exported: one per process). Never destroyed, like stream_table_v1.
