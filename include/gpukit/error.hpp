@@ -341,8 +341,10 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
              "host cannot query or wait for it (record it after the graph's launch instead)";
     case cudaErrorStreamCaptureUnsupported:
       return "the call is not permitted while a stream capture is underway (a synchronize or query of the captured "
-             "stream, or a device-wide wait, in any mode; other unsafe calls from the capturing thread and, during a "
-             "capture in global mode, from threads whose own mode is global), or the legacy default stream was to be "
+             "stream, or a device-wide wait, in any mode; other unsafe calls from the capturing thread unless it or "
+             "the "
+             "capture is relaxed and, during a capture in global mode, from threads whose own mode is global), or the "
+             "legacy default stream was to be "
              "captured, which CUDA never allows: make the call before or after the capture";
     case cudaErrorStreamCaptureImplicit:
       return "work on the legacy default stream would join the capture of a blocking stream of its device: capture "

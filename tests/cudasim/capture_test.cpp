@@ -3179,6 +3179,32 @@ TEST_CASE("capture: synchronize and ready on a captured stream are refused, leav
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a wait by a raw stream already in the capture is no fork, and leaves the legacy stream usable") {
+  // A raw stream's flags cannot be asked while it is captured, so it looks blocking: counted as a fork, it kept
+  // every other thread's legacy-stream calls refused until the capture ended, although CUDA would not join them.
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  const gpukit::stream_view s(cuda0, raw);
+  gpukit::event e(cuda0);
+  std::string refusal;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    e.record(s);
+    e.wait(s);  // the origin stream itself: already in the capture
+    std::thread([&] {
+      try {
+        (void)gpukit::stream_view(cuda0, cudaStreamLegacy).ready();
+      } catch (const gpukit::invalid_argument_error& ex) {
+        refusal = ex.what();
+      }
+    }).join();
+  });
+  CHECK(refusal == "");
+  g.launch(s);
+  s.synchronize();
+  CHECK(cudaStreamDestroy(raw) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a fork into a blocking stream waits for a legacy-stream query being made, and refuses later ones") {
   // A capture of a non-blocking stream forked (event::wait) into a blocking stream is joined by any work on the legacy
   // stream from then on: the fork must wait for another thread's query of the legacy stream already inside CUDA (it

@@ -40,7 +40,9 @@ GPUKIT_BEGIN_NAMESPACE
 
 /// How a capture treats unsafe calls (cudaMalloc, synchronization) from other threads (cudaStreamCaptureMode).
 enum class capture_mode {
-  global = cudaStreamCaptureModeGlobal,              ///< refused in every thread whose own mode is global
+  /// refused in the capturing thread (unless it or the capture is relaxed) and in other threads whose own mode is
+  /// global
+  global = cudaStreamCaptureModeGlobal,
   thread_local_ = cudaStreamCaptureModeThreadLocal,  ///< refused in the capturing thread only
   relaxed = cudaStreamCaptureModeRelaxed,            ///< not refused (the caller takes care)
 };

@@ -131,7 +131,8 @@ class event {
   ///
   /// Captures: while a capture runs, a stream outside it that waits for an event last recorded in it joins it (a
   /// fork; join it back before the capture ends). Once that capture has ended the event belongs to its graph: a
-  /// wait fails with cudaErrorStreamCaptureIsolation until the event is recorded again outside a capture, and so
+  /// wait fails with cudaErrorStreamCaptureIsolation (the simulator's model, not yet measured on a GPU) until the
+  /// event is recorded again outside a capture, and so
   /// does a wait by a stream being captured for an event recorded outside its capture (which is invalidated). A fork
   /// of a gpukit::capture into a stream that synchronizes with the legacy default stream (created without
   /// non_blocking, or a per-thread default stream) makes the capture a blocking one from then on: gpukit's calls on
@@ -384,6 +385,8 @@ GPUKIT_INLINE stream_timer::stream_timer(stream_view s)
 }
 
 GPUKIT_INLINE void stream_timer::stop() {
+  // First: another thread's per-thread stream cannot be asked about (the question would name this thread's own).
+  if (stream_.is_other_threads_stream()) detail::throw_other_threads_stream("stream_timer::stop");
   if (!stream_.is_cpu()) detail::refuse_captured_stream("stream_timer::stop", stream_, detail::timer_in_capture);
   end_.record(stream_);
   stopped_ = true;
@@ -432,26 +435,37 @@ GPUKIT_INLINE void forget_gpukit_capture(unsigned long long id) noexcept {
 GPUKIT_INLINE void count_blocking_fork(unsigned long long capture, const stream_view& s) {
   if (!gpukit_capture_underway()) return;
   if (!s.is_per_thread() && !cuda_backend::may_block_on_legacy_stream(s.native_handle())) return;
+  try {
+    // Already in this capture (a join back, a second wait): no fork. A raw stream being captured counts as blocking
+    // above, since its flags cannot be asked then, and would keep the legacy stream refused for nothing.
+    if (capture_id(s) == capture) return;
+  } catch (const std::exception&) {  // cannot tell: counted, which refuses more than needed, never less
+  }
   const int ordinal = s.device().ordinal();
   {
     mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
     const std::lock_guard<std::mutex> lock(table.mutex);
     const mode_independent::gpukit_capture_table::entry* begun = nullptr;
+    bool counted = false;  // by an earlier fork, whose wait below may still be under way
     for (const auto& e : table.entries) {
       if (e.capture != capture) continue;
-      if (e.ordinal == ordinal) return;  // counted by an earlier fork, which waited for the holds
+      if (e.ordinal == ordinal) counted = true;
       if (e.ordinal < 0) begun = &e;
     }
     if (begun == nullptr) return;  // not a gpukit capture, or it ended
-    const bool capturing_thread = begun->thread == std::this_thread::get_id();
-    table.entries.push_back({capture, ordinal, capturing_thread ? std::this_thread::get_id() : std::thread::id()});
-    // Sequentially consistent, as gpukit::capture's counts: either a hold sees them, or this the hold. The capture
-    // has begun: no capture hold to wait for.
-    mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_add(1, std::memory_order_seq_cst);
-    mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_add(1, std::memory_order_seq_cst);
-    if (capturing_thread) ++mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
+    if (!counted) {
+      const bool capturing_thread = begun->thread == std::this_thread::get_id();
+      table.entries.push_back({capture, ordinal, capturing_thread ? std::this_thread::get_id() : std::thread::id()});
+      // Sequentially consistent, as gpukit::capture's counts: either a hold sees them, or this the hold. The capture
+      // has begun: no capture hold to wait for.
+      mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_add(1, std::memory_order_seq_cst);
+      mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_add(1, std::memory_order_seq_cst);
+      if (capturing_thread) ++mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
+    }
   }
-  wait_for_no_holds(mode_independent::legacy_stream_holds(ordinal));  // the holds taken before
+  // The holds taken before the count (this fork's or an earlier one's): a query already inside CUDA would join the
+  // fork. Every fork waits, since the first may still be waiting.
+  wait_for_no_holds(mode_independent::legacy_stream_holds(ordinal));
 }
 
 }  // namespace detail
