@@ -88,10 +88,9 @@ class page_map {
   /// what a block there can hand out without mapping (blocks are taken from their start).
   [[nodiscard]] std::size_t mapped_prefix(std::size_t offset, std::size_t bytes) const noexcept {
     if (mapped_pages_ == 0) return 0;
-    const std::size_t end = offset + bytes;
-    std::size_t i = offset / page_size_;
-    while (i < mapped_.size() && i * page_size_ < end && mapped_[i]) ++i;
-    return i * page_size_ <= offset ? 0 : std::min(end, i * page_size_) - offset;
+    const page_range pages = touched_by(offset, bytes);
+    const std::size_t run = mapped_run(pages.first, pages.end);
+    return run == 0 ? 0 : std::min(offset + bytes, (pages.first + run) * page_size_) - offset;
   }
 
   /// Records page `page` as mapped.
