@@ -176,6 +176,38 @@ class gate {
   std::shared_ptr<shared_state> state_ = std::make_shared<shared_state>();
 };
 
+/// Runs calls on threads of their own and waits a bounded time for each. A call that would wait for a lock its
+/// caller holds (a regression) then fails a check instead of hanging the test. A late call finishes once the caller
+/// lets go, and the destructor joins it: declare the object after everything the calls touch, outside the region
+/// that holds the lock.
+class bounded_calls {
+ public:
+  bounded_calls() = default;
+  bounded_calls(const bounded_calls&) = delete;
+  bounded_calls& operator=(const bounded_calls&) = delete;
+  ~bounded_calls() {
+    for (std::thread& t : late_) t.join();
+  }
+
+  /// True when call() returned within `limit`.
+  template <class Call>
+  bool returned_within(Call call, std::chrono::seconds limit = std::chrono::seconds(20)) {
+    std::packaged_task<void()> task(std::move(call));
+    std::future<void> returned = task.get_future();
+    std::thread worker(std::move(task));
+    if (returned.wait_for(limit) == std::future_status::ready) {
+      worker.join();
+      returned.get();  // its exception, if any
+      return true;
+    }
+    late_.push_back(std::move(worker));
+    return false;
+  }
+
+ private:
+  std::vector<std::thread> late_;
+};
+
 /// Captures gpukit warnings for a scope (the handler is process-wide: do not nest across threads).
 class captured_warnings {
  public:

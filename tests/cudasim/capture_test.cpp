@@ -2168,10 +2168,15 @@ TEST_CASE("capture: async_allocator asks about a deferred free's streams without
   gpukit::graph g = gpukit::capture(blocking, [&] { a.deallocate(p, s); });  // its ordering needs the legacy stream
   REQUIRE(a.deferred_frees() == 1);
   std::size_t counted_while_asked = 0;
+  bool answered_while_asked = false;
+  gpukit_test::bounded_calls probe;  // with the lock held, its call waited until the allocation returned
   const std::size_t asked_before = cudasim::calls("cudaStreamIsCapturing");
-  cudasim::before_call("cudaStreamIsCapturing", 1, [&] { counted_while_asked = a.deferred_frees(); });
+  cudasim::before_call("cudaStreamIsCapturing", 1, [&] {
+    answered_while_asked = probe.returned_within([&] { counted_while_asked = a.deferred_frees(); });
+  });
   void* q = a.allocate(4096, s);  // the capture is over: the waiting free is made first, after asking about `s`
   CHECK(cudasim::calls("cudaStreamIsCapturing") > asked_before);
+  CHECK(answered_while_asked);
   CHECK(counted_while_asked == 1);  // still counted while it is asked about
   CHECK(a.deferred_frees() == 0);
   a.deallocate(q, s);

@@ -394,8 +394,11 @@ TEST_CASE("heap faults: a pinned block the pool has no room to keep is unpinned 
     INFO("fault at host allocation " << n);
     const std::size_t frees_before = cudasim::calls("cudaFreeHost");
     std::size_t reserved_seen = 1;
-    cudasim::before_call("cudaFreeHost", 1,
-                         [&] { std::thread([&] { reserved_seen = pool.stats().reserved_bytes; }).join(); });
+    bool answered_while_unpinning = true;
+    gpukit_test::bounded_calls probe;  // with the lock held, its call waited until allocate() returned
+    cudasim::before_call("cudaFreeHost", 1, [&] {
+      answered_while_unpinning = probe.returned_within([&] { reserved_seen = pool.stats().reserved_bytes; });
+    });
     void* p = nullptr;
     heap_run run(n, simulated_call);
     const bool done = run.armed([&] { p = pool.allocate(3000); });
@@ -407,6 +410,7 @@ TEST_CASE("heap faults: a pinned block the pool has no room to keep is unpinned 
       pool.empty_cache();
     } else if (cudasim::calls("cudaFreeHost") != frees_before) {
       ++unpinned_on_failure;
+      CHECK(answered_while_unpinning);
       CHECK(reserved_seen == 0);  // read while it was being unpinned: never counted as reserved
     }
     CHECK(pool.stats().reserved_bytes == 0);
