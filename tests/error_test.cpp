@@ -55,8 +55,9 @@ TEST_CASE("a CUDA error carries the call, result, device and location") {
   CHECK(what.find("(cudaErrorLaunchFailure)") != std::string::npos);
 }
 
-TEST_CASE("the message names the call, the error, the visible devices and CUDA_VISIBLE_DEVICES") {
-  gpukit_test::scoped_env env("CUDA_VISIBLE_DEVICES", std::string("1"));
+// CUDA reads CUDA_VISIBLE_DEVICES once, and the message shows the value of the process's first CUDA use (the other
+// test cases, run in the same process, come first): this check runs in a child started with the variable set.
+TEST_CASE("error: visible-devices message child" * doctest::skip()) {
   int visible = 0;
   if (cudaGetDeviceCount(&visible) != cudaSuccess) visible = 0;
   (void)cudaGetLastError();
@@ -65,6 +66,13 @@ TEST_CASE("the message names the call, the error, the visible devices and CUDA_V
                                      std::to_string(visible) + (visible == 1 ? " device" : " devices") +
                                      " visible; CUDA_VISIBLE_DEVICES=\"1\"";
   CHECK(std::string(e.what()).find(expected_start) == 0);
+}
+
+TEST_CASE("the message names the call, the error, the visible devices and CUDA_VISIBLE_DEVICES") {
+  const gpukit_test::child_result child =
+      gpukit_test::run_test_case_in_child("CUDA_VISIBLE_DEVICES=1", "error: visible-devices message child");
+  CHECK(child.status == 0);
+  if (child.status != 0) MESSAGE(child.stderr_text);
 }
 
 TEST_CASE("no-driver errors say what is wrong in words") {
