@@ -1433,6 +1433,30 @@ TEST_CASE("capture: a graph pool released with a use it cannot record says so at
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a graph pool's host wait for a use it could not record keeps the stream from destruction") {
+  // The event after a recorded stream's use fails, so the free waits for that stream on the host. Another thread
+  // destroying the stream meanwhile waits for that wait: its handle, freed, could be a new stream's.
+  gpukit::stream s(cuda0);
+  auto user = std::make_unique<gpukit::stream>(cuda0);
+  launched_output output(s, 8192, 4096);
+  auto& allocator = gpukit::default_allocator(cuda0);
+  allocator.record_stream(output.out, *user);
+  gpukit_test::captured_warnings warnings;
+  bool destroyed_during_wait = false;
+  gpukit_test::bounded_calls destroyer;  // joined first: `user` is destroyed by then
+  cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);  // the recorded use's event
+  cudasim::before_call("cudaStreamSynchronize", 1, [&] {
+    destroyed_during_wait = destroyer.returned_within([&] { user.reset(); }, std::chrono::seconds(2));
+  });
+  allocator.deallocate(output.out);
+  CHECK(warnings.contains("waiting for it on the host"));
+  CHECK_FALSE(destroyed_during_wait);
+  cudasim::clear_faults();
+  s.synchronize();
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool released during a gpukit capture orders a use by the legacy stream, keeping nothing") {
   // The legacy stream cannot take an event while a gpukit capture runs; its earlier work is marked on the pool's
   // blocking stream, which CUDA orders after it, rather than keeping the reserve for good.

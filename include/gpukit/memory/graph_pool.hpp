@@ -761,7 +761,10 @@ class graph_pool final : public device_allocator {
       detail::warn_parts("gpukit::graph_pool: could not record the work of a stream that used a freed block (",
                          e.what(), "); waiting for it on the host");
       try {
-        // Neither a destroyed stream nor another thread's per-thread stream can be named from here.
+        // Kept from destruction by another thread while waited for (its handle could be a new stream's). Neither a
+        // destroyed stream nor another thread's per-thread stream can be named from here.
+        std::unique_lock<std::mutex> alive;
+        if (use.life != nullptr) alive = use.life->keep_alive();
         if (!use.destroyed() && use.handle_here() == use.view.cuda_handle()) use.view.synchronize();
       } catch (const std::exception& again) {
         detail::warn_parts("gpukit::graph_pool: could not wait for it either (", again.what(),
