@@ -103,6 +103,7 @@ TEST_CASE("sizes that overflow when rounded are rejected with invalid_argument_e
 TEST_CASE("requests are rounded to the rounding and routed by the pool boundaries") {
   fixture f;  // PyTorch's constants: 512 B rounding, small <= 1 MiB from 2 MiB segments, < 10 MiB from 20 MiB
   const auto& o = f.a.options();
+  CHECK(f.a.rounded_size(0) == 0);  // allocate(0) takes nothing; once said to overflow
   CHECK(f.a.rounded_size(1) == 512);
   CHECK(f.a.rounded_size(512) == 512);
   CHECK(f.a.rounded_size(513) == 1024);
@@ -251,6 +252,32 @@ TEST_CASE("max_split_size: huge blocks are not split and smaller requests do not
   CHECK(f.invariants() == "");
 }
 
+TEST_CASE("max_split_size: a fitting block past a class of huge blocks is found before growing (gpukit defaults)") {
+  // The 150 MiB block, kept whole for large requests, is the next class above a 30 MiB request; the shared segment's
+  // 190 MiB remainder lies in a later class. The search once stopped at the refused class and made a new segment (or,
+  // with no room left, gave the cached 150 MiB segment back to make one).
+  for (const std::size_t capacity : {4 * GiB, 350 * MiB}) {
+    CAPTURE(capacity);
+    auto o = gpukit::allocator_options{};
+    o.max_split_size = 128 * MiB;
+    o.medium_segment_size = 200 * MiB;
+    o.medium_segment_growth = 0;
+    fake_setup f(o, capacity);
+    const fake_stream s = f.add_stream();
+    void* huge = f.a.allocate(150 * MiB, s);  // a segment of its own, never split
+    void* x = f.a.allocate(10 * MiB, s);      // a 200 MiB shared segment
+    f.a.deallocate(huge);
+    const auto before = f.a.stats();
+    void* y = f.a.allocate(30 * MiB, s);
+    const auto after = f.a.stats();
+    CHECK(after.num_device_alloc == before.num_device_alloc);
+    CHECK(after.num_device_free == before.num_device_free);
+    CHECK(reinterpret_cast<std::uintptr_t>(y) == reinterpret_cast<std::uintptr_t>(x) + 10 * MiB);
+    f.a.deallocate(y);
+    f.a.deallocate(x);
+  }
+}
+
 TEST_CASE("blocks are reused at once on their own stream and never on another one") {
   fixture f;
   const auto p = f.alloc(4096, f.s0);
@@ -323,6 +350,24 @@ TEST_CASE("misuse: double free, foreign and interior pointers, wrong device") {
   CHECK(f.a.owns(reinterpret_cast<void*>(keep)));  // the failed free on the wrong device changed nothing
   CHECK(message_of([&] { f.a.record_stream(reinterpret_cast<void*>(keep), f.other_device); }).find("wrong device") !=
         std::string::npos);
+  // A freed block merges with a free neighbour: a second free of it lies inside that block, and is still a double free
+  // (once said to be an interior pointer), in the heap's small pool and with gpukit's front caches.
+  for (const std::size_t bytes : {std::size_t{4096}, 4 * MiB}) {
+    CAPTURE(bytes);
+    gpukit::allocator_options o;  // gpukit defaults; small blocks merge in the heap, not in their front cache
+    o.front_cache = bytes > o.small_size;
+    fake_setup g(o);
+    const fake_stream s = g.add_stream();
+    void* first = g.a.allocate(bytes, s);
+    void* second = g.a.allocate(bytes, s);
+    void* kept = g.a.allocate(bytes, s);
+    g.a.deallocate(first);
+    g.a.deallocate(second);
+    const std::string again = message_of([&] { g.a.deallocate(second); });
+    CHECK(again.find("bytes into a free block of") != std::string::npos);
+    CHECK(again.find("double free") != std::string::npos);
+    g.a.deallocate(kept);
+  }
   CHECK(f.invariants() == "");
   f.free(keep);
   f.a.empty_cache();

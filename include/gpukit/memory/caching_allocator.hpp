@@ -320,7 +320,7 @@ class basic_caching_allocator {
   /// How many streams the allocator keeps state for (diagnostics and tests).
   std::size_t stream_count() const;
 
-  /// The rounded size a request of `bytes` is served with (throws invalid_argument_error on overflow).
+  /// The rounded size a request of `bytes` is served with: 0 for 0 (throws invalid_argument_error on overflow).
   std::size_t rounded_size(std::size_t bytes) const;
   /// The segment size a rounded request `size` would get from the upstream on a cache miss.
   std::size_t segment_size_for(std::size_t size) const;

@@ -410,6 +410,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::stream_c
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::rounded_size(std::size_t bytes) const {
+  if (bytes == 0) return 0;  // allocate(0) takes nothing (rounded_request's 0 means an overflow)
   return round_request(bytes);
 }
 

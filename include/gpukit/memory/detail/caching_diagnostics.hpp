@@ -110,15 +110,18 @@ struct caching_diagnostics {
     if (containing == nullptr) {
       m += "the pointer was not allocated by this allocator (another device's allocator, cudaMalloc, or freed and "
            "already returned to the device)";
-    } else if (containing->address != address) {
-      m += "the pointer points " + std::to_string(address - containing->address) + " bytes into a block of " +
-           std::to_string(containing->size) + " bytes; pass the pointer the allocation returned";
-    } else if (containing->in_front.load(std::memory_order_relaxed)) {
+    } else if (containing->state == block_state::allocated && !containing->in_front.load(std::memory_order_relaxed)) {
+      if (containing->address != address) {
+        m += "the pointer points " + std::to_string(address - containing->address) + " bytes into a block of " +
+             std::to_string(containing->size) + " bytes; pass the pointer the allocation returned";
+      } else {
+        m += "the allocation is being freed by another thread at the same time";
+      }
+    } else if (containing->address == address) {
       m += "the pointer was already freed (double free)";
-    } else if (containing->state == block_state::allocated) {
-      m += "the allocation is being freed by another thread at the same time";
-    } else {
-      m += "the pointer was already freed (double free)";
+    } else {  // a freed block merges with its free neighbours: the pointer now lies inside one
+      m += "the pointer lies " + std::to_string(address - containing->address) + " bytes into a free block of " +
+           std::to_string(containing->size) + " bytes: it was already freed (double free) or is stale";
     }
     return m;
   }

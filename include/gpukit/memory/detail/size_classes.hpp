@@ -10,8 +10,9 @@
 ///
 /// find() returns the best fit among a bounded number of blocks of the request's own class, else the best of a few
 /// blocks of the next non-empty class (any of which fits), and only then scans the rest of the request's own
-/// class (this last step runs only when the cache has nothing else to offer, i.e. just before the allocator would
-/// ask the upstream for a new segment, which costs far more).
+/// class, then, if every block seen was refused, the larger classes in order (these last steps run only when the
+/// cache has nothing else to offer, i.e. just before the allocator would ask the upstream for a new segment, which
+/// costs far more).
 ///
 /// Block must have members `std::size_t size`, `std::uintptr_t address`, `Block* free_prev`, `Block* free_next`.
 
@@ -82,14 +83,22 @@ class size_class_index {
     if (best != nullptr) return best;
     Block* const rest_of_own = b;
     const unsigned next = next_nonempty_class(own + 1);
+    Block* rest_of_next = nullptr;
     if (next != no_class) {
       seen = 0;
-      for (Block* c = heads_[next]; c != nullptr && seen < probes; c = c->free_next, ++seen) {
-        consider(best, c, size, accept);
-      }
+      Block* c = heads_[next];
+      for (; c != nullptr && seen < probes; c = c->free_next, ++seen) consider(best, c, size, accept);
       if (best != nullptr) return best;
+      rest_of_next = c;
     }
     for (b = rest_of_own; b != nullptr; b = b->free_next) consider(best, b, size, accept);
+    if (best != nullptr || next == no_class) return best;
+    // Every block seen was refused (blocks kept whole for large requests, fenced ones during a capture): the larger
+    // classes in order, each whole, rather than a new segment while a fitting block is cached.
+    for (Block* c = rest_of_next; c != nullptr; c = c->free_next) consider(best, c, size, accept);
+    for (unsigned k = next_nonempty_class(next + 1); best == nullptr && k != no_class; k = next_nonempty_class(k + 1)) {
+      for (Block* c = heads_[k]; c != nullptr; c = c->free_next) consider(best, c, size, accept);
+    }
     return best;
   }
 
