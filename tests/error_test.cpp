@@ -152,6 +152,13 @@ TEST_CASE("failures in destructors are reported, except while the runtime unload
   CHECK(warnings.contains("cudaEventDestroy (in ~event) failed on cuda:1"));
 }
 
+TEST_CASE("a driver upgraded without a reboot is named as the cause") {
+  const std::string what =
+      thrown_by<gpukit::cuda_error>(cudaErrorSystemDriverMismatch, "cudaGetDeviceCount", -1).what();
+  CHECK(what.find("(cudaErrorSystemDriverMismatch)") != std::string::npos);
+  CHECK(what.find("driver upgrade without a reboot") != std::string::npos);
+}
+
 TEST_CASE("a warning handler that warns again is not re-entered and does not deadlock") {
   std::vector<std::string> received;
   auto previous = gpukit::set_warning_handler([&](std::string_view message) {

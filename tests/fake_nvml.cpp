@@ -4,8 +4,8 @@
 //
 // FAKE_NVML_MACHINE=cudasim (read by nvmlInit_v2) swaps the two GPUs for the simulated CUDA runtime's default pair
 // (found by PCI bus id 0000:18:00.0 and 0000:28:00.0), so gpu_monitor is tested on the simulator's devices.
-// fake_nvml_set() changes a figure at run time; fake_nvml_calls() counts sampling calls; fake_nvml_initialised() the
-// nvmlInit_v2 calls not yet shut down.
+// fake_nvml_set() changes a figure at run time (mig_mode: the GPU's current MIG mode, read by nvmlDeviceGetMigMode);
+// fake_nvml_calls() counts sampling calls; fake_nvml_initialised() the nvmlInit_v2 calls not yet shut down.
 #include <gpukit/device/nvml.hpp>  // for gpukit::nvml::gpu_memory: signatures must match gpukit's declarations
 
 #include <unistd.h>
@@ -33,6 +33,7 @@ struct fake_gpu {
   bool lost = false;                 // fallen off the bus: handle lookups no longer find it
   unsigned long long driver_reserved = 512ull << 20;  // in `used` as the v1 query reports it; apart in v2's
   bool memory_v2 = true;                              // false: the v2 query says NVML_ERROR_NOT_SUPPORTED
+  int mig_mode = 0;  // current MIG mode (1: enabled); -1: nvmlDeviceGetMigMode says NVML_ERROR_NOT_SUPPORTED
 };
 const fake_gpu installed_gpus[2] = {
     {"GPU-11111111-2222-3333-4444-555555555555", "00000000:1A:00.0", 80ull << 30, 60ull << 30, 20ull << 30, 35},
@@ -190,6 +191,7 @@ void fake_nvml_set(unsigned index, const char* field, long long value) {
   if (std::strcmp(field, "common_ancestor") == 0) g.common_ancestor = static_cast<int>(value);
   if (std::strcmp(field, "lost") == 0) g.lost = value != 0;
   if (std::strcmp(field, "memory_v2") == 0) g.memory_v2 = value != 0;
+  if (std::strcmp(field, "mig_mode") == 0) g.mig_mode = static_cast<int>(value);
 }
 long fake_nvml_calls() { return sampling_calls.load(); }
 int fake_nvml_initialised() { return initialised; }
@@ -280,6 +282,12 @@ int nvmlDeviceGetComputeRunningProcesses_v3(void* device, unsigned* count, void*
   if (driver != nullptr && std::strcmp(driver, "535") == 0)
     return list_processes<process_info_535>(device, count, list);
   return list_processes<process_info>(device, count, list);
+}
+int nvmlDeviceGetMigMode(void* device, unsigned* current, unsigned* pending) {
+  const auto* g = static_cast<fake_gpu*>(device);
+  if (g->mig_mode < 0) return 3;  // NVML_ERROR_NOT_SUPPORTED: a GPU without MIG
+  *current = *pending = static_cast<unsigned>(g->mig_mode);
+  return 0;
 }
 int nvmlDeviceGetTopologyCommonAncestor(void* a, void* b, int* level) {
   if (a == b) return 2;

@@ -66,6 +66,23 @@ TEST_CASE("a MIG instance is found by its MIG UUID, not as its parent GPU by PCI
   CHECK(by_mig->total == (10ull << 30));
 }
 
+TEST_CASE("a MIG instance NVML does not find by its MIG UUID is unknown, not its parent GPU found by PCI bus id") {
+  const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
+  // An instance whose MIG UUID lookup fails (a driver that does not take MIG- UUIDs): only its parent's bus id is
+  // left, and the parent's 60 GiB free are not the instance's.
+  const auto instance = described("GPU-0badc0de-2345-5678-9abc-def012345678", "0000:1a:00.0");
+  set_fake(0, "mig_mode", 1);
+  CHECK_FALSE(nvml.memory(instance).has_value());
+  CHECK_FALSE(nvml.utilization_percent(instance).has_value());
+  CHECK_FALSE(nvml.knows(instance));
+  CHECK(nvml.memory(described("GPU-abcdef01-2345-5678-9abc-def012345678", "0000:1a:00.0")));  // by MIG UUID still
+  set_fake(0, "mig_mode", -1);  // a GPU without MIG (NVML_ERROR_NOT_SUPPORTED): the bus id names the device
+  REQUIRE(nvml.memory(instance));
+  CHECK(nvml.memory(instance)->free == (60ull << 30));
+  set_fake(0, "mig_mode", 0);  // MIG disabled: the same
+  CHECK(nvml.knows(instance));
+}
+
 TEST_CASE("unsupported NVML queries are unknown, not errors") {
   const gpukit::nvml::library nvml(GPUKIT_FAKE_NVML_PATH);
   CHECK_FALSE(nvml.utilization_percent(described("GPU-99999999-8888-7777-6666-555555555555", "")).has_value());

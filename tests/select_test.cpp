@@ -93,6 +93,43 @@ TEST_CASE("no eligible device: CPU fallback, or an error listing every rejection
   }
 }
 
+TEST_CASE("a snapshot whose CUDA failed to initialise: the CPU with a warning, or an error carrying the result") {
+  gpukit::system_snapshot s;
+  s.device_count_result = cudaErrorSystemDriverMismatch;
+  s.no_gpu_reason = gpukit::detail::describe_device_count(s.device_count_result, 0);
+  CHECK(s.no_gpu_reason.find("CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount returned "
+                             "cudaErrorSystemDriverMismatch (803): ") == 0);
+  CHECK(s.no_gpu_reason.find("driver upgrade without a reboot") != std::string::npos);
+  gpukit::selection_policy policy;
+  policy.use_environment = false;
+  {
+    gpukit_test::captured_warnings warnings;
+    const auto selection = gpukit::select_device(policy, s);
+    CHECK(selection.device == gpukit::device::cpu());
+    CHECK(selection.reason == s.no_gpu_reason + "; using the CPU");
+    REQUIRE(warnings.messages().size() == 1);
+    CHECK(warnings.messages()[0] ==
+          "select_device: " + s.no_gpu_reason + "; using the CPU (selection_policy::require_gpu makes this an error)");
+  }
+  policy.require_gpu = true;
+  try {
+    (void)gpukit::select_device(policy, s);
+    FAIL("no error");
+  } catch (const gpukit::no_device_error& e) {
+    CHECK(std::string(e.what()) == "select_device: a GPU is required, but " + s.no_gpu_reason);
+    CHECK(e.cuda_result() == cudaErrorSystemDriverMismatch);
+    CHECK(e.call() == "cudaGetDeviceCount");
+  }
+  // No driver, the stub library, no GPU: nothing is broken, so no warning.
+  policy.require_gpu = false;
+  gpukit_test::captured_warnings warnings;
+  for (const cudaError_t none : {cudaErrorInsufficientDriver, cudaErrorStubLibrary, cudaErrorNoDevice, cudaSuccess}) {
+    s.device_count_result = none;
+    CHECK(gpukit::select_device(policy, s).device == gpukit::device::cpu());
+  }
+  CHECK(warnings.messages().empty());
+}
+
 TEST_CASE("without free-memory telemetry, total memory stands in and the reason says so") {
   auto s = three_gpus();
   for (auto& g : s.gpus) g.free_memory.reset();

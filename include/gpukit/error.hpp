@@ -197,7 +197,8 @@ GPUKIT_INLINE std::string describe_visible_devices_variable();
 /// One sentence on what a CUDA result usually means, for the results users meet most on misconfigured machines.
 GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept;
 
-/// "<call> failed[ on cuda:N]: <description> (<name>); <k> device(s) visible; CUDA_VISIBLE_DEVICES=...; <hint>"
+/// "<call> failed[ on cuda:N]: <description> (<name>); <k> device(s) visible; CUDA_VISIBLE_DEVICES=...; <hint>".
+/// Counting the devices leaves no CUDA error behind (without a driver that count fails too).
 GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device);
 
 /// Throws the gpukit exception that corresponds to a failed CUDA call (see the table at the top of this file).
@@ -333,6 +334,9 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
       return "the toolkit's stub libcuda.so is on the library path instead of the driver's";
     case cudaErrorNoDevice:
       return "no CUDA-capable GPU is visible (check CUDA_VISIBLE_DEVICES)";
+    case cudaErrorSystemDriverMismatch:
+      return "the NVIDIA kernel module and its user-space driver library differ in version, usually after a driver "
+             "upgrade without a reboot: reboot (or reload the nvidia kernel module)";
     case cudaErrorInvalidDevice:
       return "the ordinal is not below the number of visible devices";
     // Stream capture: what the error names rarely says which rule the program broke.
@@ -370,7 +374,13 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
 
 GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device) {
   int visible = 0;  // stays 0 without a driver: out-parameters are not written on error
-  if (cudaGetDeviceCount(&visible) != cudaSuccess) visible = 0;
+  const cudaError_t counted = cudaGetDeviceCount(&visible);
+  if (counted != cudaSuccess) {
+    visible = 0;
+    // The count is only for the text: its failure (35 without a driver) must not become the program's last error,
+    // which throw_cuda_error and report_cuda_failure have just cleared.
+    forget_failure(counted);
+  }
   std::string message(call);
   message += " failed";
   if (device >= 0) message += " on cuda:" + std::to_string(device);

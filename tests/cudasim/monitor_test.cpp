@@ -1,7 +1,9 @@
 // gpu_monitor on the simulator's two devices, read through the fake NVML in its cudasim mode (tests/fake_nvml.cpp):
 // devices mapped to NVML by PCI bus id (the fake does not know the simulator's UUIDs), samples, history, the
-// background thread, the status line and table, and that monitoring creates no CUDA context.
+// background thread, the status line and table, and that monitoring creates no CUDA context. Also select_device's
+// view of the simulated machine: CUDA failing to initialise, and NVML telemetry that knows none of the devices.
 #include <gpukit/device/gpu_monitor.hpp>
+#include <gpukit/device/select.hpp>
 
 #include "cudasim.hpp"
 #include "fake_nvml_control.hpp"
@@ -244,4 +246,112 @@ TEST_CASE("status line and table format any samples, unknown figures shown as -"
   CHECK(contains(table, "| cuda:3 | Some GPU | -    | -"));
   CHECK(table.front() == '+');
   CHECK(table.back() == '\n');
+}
+
+namespace {
+// select_device as on a machine where only the policy decides.
+struct policy_decides {
+  gpukit_test::scoped_env no_override{"GPUKIT_DEVICE", std::nullopt};
+  gpukit_test::scoped_env no_rank1{"LOCAL_RANK", std::nullopt};
+  gpukit_test::scoped_env no_rank2{"OMPI_COMM_WORLD_LOCAL_RANK", std::nullopt};
+  gpukit_test::scoped_env no_rank3{"SLURM_LOCALID", std::nullopt};
+  gpukit_test::scoped_env no_rank4{"MPI_LOCALRANKID", std::nullopt};
+};
+}  // namespace
+
+TEST_CASE("select: CUDA failing to initialise falls back to the CPU with a warning, or throws with require_gpu") {
+  policy_decides environment;
+  // 803: a driver upgraded without a reboot; then other failures that are not "no GPU".
+  for (const cudaError_t failure : {cudaErrorSystemDriverMismatch, cudaErrorInitializationError, cudaErrorUnknown,
+                                    cudaErrorCompatNotSupportedOnDevice, cudaErrorOperatingSystem}) {
+    CAPTURE(failure);
+    const std::string named =
+        std::string(cudaGetErrorName(failure)) + " (" + std::to_string(static_cast<int>(failure)) + ")";
+    {
+      gpukit_test::captured_warnings warnings;
+      cudasim::fail_call("cudaGetDeviceCount", 1, failure);
+      const gpukit::device_selection s = gpukit::select_device();
+      CHECK(s.device.is_cpu());
+      CHECK(s.source == gpukit::device_selection::decided_by::cpu_fallback);
+      CHECK(s.reason.find("CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount returned " + named) == 0);
+      REQUIRE(warnings.messages().size() == 1);
+      CHECK(
+          warnings.contains("select_device: CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount "
+                            "returned " +
+                            named));
+      CHECK(warnings.contains("; using the CPU (selection_policy::require_gpu makes this an error)"));
+      if (failure == cudaErrorSystemDriverMismatch) CHECK(warnings.contains("driver upgrade without a reboot"));
+    }
+    gpukit::selection_policy require;
+    require.require_gpu = true;
+    cudasim::fail_call("cudaGetDeviceCount", 1, failure);
+    try {
+      (void)gpukit::select_device(require);
+      FAIL("a required GPU behind a CUDA that failed to initialise was not an error");
+    } catch (const gpukit::no_device_error& e) {
+      CHECK(std::string(e.what()).find("select_device: a GPU is required, but CUDA failed to initialise") == 0);
+      CHECK(e.cuda_result() == failure);
+      CHECK(e.call() == "cudaGetDeviceCount");
+    }
+    CHECK(cudaPeekAtLastError() == cudaSuccess);  // the failure was gpukit's question, not the program's
+  }
+  // No driver is no GPU, not a broken one: the CPU without a warning.
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaGetDeviceCount", 1, cudaErrorInsufficientDriver);
+  CHECK(gpukit::select_device().device.is_cpu());
+  CHECK(warnings.messages().empty());
+  CHECK(gpukit::select_device().device == gpukit::device::cuda(0));
+}
+
+TEST_CASE("select: the devices and the reason come from one answer of cudaGetDeviceCount") {
+  policy_decides environment;
+  gpukit_test::captured_warnings warnings;
+  // A failure that a second question would not see: the reason still describes it.
+  cudasim::fail_call("cudaGetDeviceCount", 1, cudaErrorUnknown);
+  const std::size_t before = cudasim::calls("cudaGetDeviceCount");
+  gpukit::device_selection s = gpukit::select_device();
+  CHECK(cudasim::calls("cudaGetDeviceCount") == before + 1);
+  CHECK(s.device.is_cpu());
+  CHECK(s.reason.find("cudaGetDeviceCount returned cudaErrorUnknown (999)") != std::string::npos);
+  CHECK(warnings.messages().size() == 1);
+  // Two devices at the first question, a failure at any later one: both devices are still there.
+  cudasim::fail_call("cudaGetDeviceCount", 2, cudaErrorUnknown);
+  const gpukit::system_snapshot system = gpukit::take_system_snapshot();
+  CHECK(system.gpus.size() == 2);
+  CHECK(system.device_count_result == cudaSuccess);
+  cudasim::clear_faults();
+}
+
+TEST_CASE("select: NVML that knows none of the devices is named as the reason their figures are unknown") {
+  policy_decides environment;
+  // The fake's default machine: other UUIDs and PCI bus ids than the simulator's devices.
+  gpukit_test::scoped_env machine("FAKE_NVML_MACHINE", std::nullopt);
+  gpukit_test::scoped_env library("GPUKIT_NVML_LIBRARY", std::string(GPUKIT_FAKE_NVML_PATH));
+  REQUIRE(gpukit::nvml::instance().available());  // this process's first use: loaded from the fake
+  const std::string none =
+      "NVML knows none of the 2 visible devices (looked up by UUID and PCI bus id; NVML loaded from " +
+      std::string(GPUKIT_FAKE_NVML_PATH) + ")";
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  gpukit::device_selection s = gpukit::select_device(policy);
+  CHECK(s.reason == "the most total memory (80.00 GiB; free memory unknown: " + none + ")");
+  policy.prefer = gpukit::device_preference::least_utilized;
+  s = gpukit::select_device(policy);
+  CHECK(s.reason == "the first eligible device (utilisation unknown: " + none + ")");
+  CHECK(gpukit::take_system_snapshot(policy).telemetry == none);
+}
+
+TEST_CASE("errors: building a failure's message leaves no CUDA error behind, though its device count fails") {
+  (void)cudaGetLastError();
+  // The message counts the visible devices: that count fails (as it does without a driver), after the failure
+  // being reported was cleared.
+  cudasim::fail_call("cudaGetDeviceCount", 1, cudaErrorInsufficientDriver);
+  CHECK_THROWS_AS(gpukit::detail::throw_cuda_error(cudaErrorInvalidValue, "cudaMemset", 0, __FILE__, __LINE__),
+                  gpukit::invalid_argument_error);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaGetDeviceCount", 1, cudaErrorInsufficientDriver);
+  gpukit::detail::report_cuda_failure(cudaErrorInvalidResourceHandle, "cudaEventDestroy (in ~event)", 1);
+  CHECK(warnings.messages().size() == 1);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
 }

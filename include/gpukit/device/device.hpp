@@ -92,8 +92,11 @@ class device {
   int ordinal_ = -1;
 };
 
-/// The number of CUDA devices visible to this process. Never throws: 0 without a driver (cudaErrorInsufficientDriver),
-/// with only the stub library (cudaErrorStubLibrary), or with no GPU (cudaErrorNoDevice).
+/// The number of CUDA devices visible to this process. Never throws: 0 whenever cudaGetDeviceCount fails, whatever
+/// the reason: no driver (cudaErrorInsufficientDriver), only the stub library (cudaErrorStubLibrary), no GPU
+/// (cudaErrorNoDevice), but also an installed CUDA that fails to initialise (e.g. cudaErrorSystemDriverMismatch after
+/// a driver upgrade without a reboot, cudaErrorInitializationError), where GPUs may be present. describe_no_gpu()
+/// (select.hpp) says which; select_device() warns about the last kind before it falls back to the CPU.
 GPUKIT_INLINE int device_count() noexcept;
 
 /// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU.

@@ -7,7 +7,8 @@
 /// declarations (the toolkit ships no nvml.h, and linking NVML would make it a hard dependency). NVML reads free
 /// memory and utilisation without creating a CUDA context. NVML ignores CUDA_VISIBLE_DEVICES and its indices are
 /// not CUDA ordinals, so gpukit maps a CUDA device to NVML by its full UUID (as `GPU-<uuid>`, then, for a MIG
-/// instance, as `MIG-<uuid>`), then by PCI bus id; never by index.
+/// instance, as `MIG-<uuid>`), then by PCI bus id; never by index. A PCI bus id naming a GPU in MIG mode is no match
+/// (it names the parent of the instance CUDA sees), so such an instance is unknown rather than the whole GPU.
 ///
 /// The environment variable GPUKIT_NVML_LIBRARY overrides the library path (tests load a fake NVML this way).
 
@@ -172,6 +173,7 @@ class library {
   int (*p2p_status_)(void*, void*, int, int*) = nullptr;        // caps index, nvmlGpuP2PStatus_t (0: OK)
   int (*nvlink_state_)(void*, unsigned, int*) = nullptr;        // link, nvmlEnableState_t
   int (*nvlink_remote_pci_)(void*, unsigned, void*) = nullptr;  // link, nvmlPciInfo_t
+  int (*mig_mode_)(void*, unsigned*, unsigned*) = nullptr;      // current, pending (1: NVML_DEVICE_MIG_ENABLE)
 };
 
 /// The process-wide NVML, loaded on first use (never at static-initialisation time) from GPUKIT_NVML_LIBRARY or
@@ -237,6 +239,7 @@ GPUKIT_INLINE library::library(const char* path) {
   bind_optional(p2p_status_, "nvmlDeviceGetP2PStatus");
   bind_optional(nvlink_state_, "nvmlDeviceGetNvLinkState");
   bind_optional(nvlink_remote_pci_, "nvmlDeviceGetNvLinkRemotePciInfo_v2");
+  bind_optional(mig_mode_, "nvmlDeviceGetMigMode");  // without it, a PCI bus id match is taken as before
   // _v2 first: its entry is 24 bytes on every driver, while the _v3 of drivers 535.43 to 535.86 writes 32-byte
   // entries (an extra field). Entries are read at 24 bytes into room for 32 (process_memory), so neither overflows.
   bind_optional(memory_v2_, "nvmlDeviceGetMemoryInfo_v2");
@@ -458,8 +461,13 @@ GPUKIT_INLINE void* library::find(const device_properties& p) const {
     if (by_uuid_(mig.c_str(), &dev) == 0) return dev;
   }
   // NVML writes an 8-digit domain, CUDA a 4-digit one; NVML parses the text numerically, so both forms work.
-  if (!p.pci_bus_id.empty() && by_pci_(p.pci_bus_id.c_str(), &dev) == 0) return dev;
-  return nullptr;
+  if (p.pci_bus_id.empty() || by_pci_(p.pci_bus_id.c_str(), &dev) != 0) return nullptr;
+  // CUDA sees a GPU with MIG enabled only as its MIG instances: this device is one NVML did not find by its MIG
+  // UUID, and the whole GPU's memory and utilisation are not its own.
+  constexpr unsigned mig_enabled = 1;  // NVML_DEVICE_MIG_ENABLE
+  unsigned current = 0, pending = 0;
+  if (mig_mode_ && mig_mode_(dev, &current, &pending) == 0 && current == mig_enabled) return nullptr;
+  return dev;
 }
 
 GPUKIT_INLINE const library& instance() {

@@ -18,6 +18,11 @@
 ///  3. the policy: devices meeting its requirements (minimum compute capability, minimum free memory), ranked by its
 ///     preference (first, most free memory, least utilised);
 ///  4. the CPU — unless the policy requires a GPU, then no_device_error listing every device and why it was rejected.
+///     A CUDA that is installed but fails to initialise (cudaGetDeviceCount fails with anything but
+///     cudaErrorInsufficientDriver, cudaErrorStubLibrary or cudaErrorNoDevice: e.g. cudaErrorSystemDriverMismatch
+///     after a driver upgrade without a reboot) leaves no GPU usable: the CPU is used, as PyTorch's is_available()
+///     does, but with a warning (gpukit::warn) naming the failure, so a broken GPU node is not silently a CPU one;
+///     with require_gpu it is a no_device_error carrying the CUDA result.
 /// Free memory and utilisation come from NVML, which creates no CUDA context. Without NVML, free memory is unknown:
 /// min_free_bytes and most_free_memory use total memory instead (said in the reason; where only some devices' free
 /// memory is known, most_free_memory ranks those first), unless
@@ -86,6 +91,10 @@ struct system_snapshot {
   std::optional<std::string> gpukit_device;  ///< GPUKIT_DEVICE, if set
   std::string local_rank_variable;           ///< the launcher variable that was set, if any
   std::optional<std::string> local_rank;     ///< its value
+  /// What cudaGetDeviceCount returned. A failure other than "no GPU" (cudaErrorInsufficientDriver,
+  /// cudaErrorStubLibrary, cudaErrorNoDevice) means CUDA failed to initialise: select_device warns before it falls
+  /// back to the CPU, and a required GPU's error carries it.
+  cudaError_t device_count_result = cudaSuccess;
 };
 
 /// The verdict on one candidate device.
@@ -143,6 +152,21 @@ GPUKIT_INLINE int parse_local_rank(const system_snapshot& system);
 /// Throws invalid_argument_error unless gpus[i].device is cuda:i for every i (selection indexes by ordinal).
 GPUKIT_INLINE void check_snapshot(const system_snapshot& system);
 
+/// Whether cudaGetDeviceCount's `result` says CUDA is there but failed to initialise, rather than that there is no
+/// GPU to use (cudaSuccess, no driver, the stub library, no device).
+constexpr bool is_cuda_initialisation_failure(cudaError_t result) noexcept {
+  return result != cudaSuccess && result != cudaErrorInsufficientDriver && result != cudaErrorStubLibrary &&
+         result != cudaErrorNoDevice;
+}
+
+/// For is_cuda_initialisation_failure: "CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount returned
+/// <name> (<number>): <description>[; <hint>]".
+GPUKIT_INLINE std::string describe_cuda_initialisation_failure(cudaError_t result);
+
+/// describe_no_gpu for one answer of cudaGetDeviceCount (`result`, and `count` when it succeeded); empty when that
+/// answer names a device.
+GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count);
+
 }  // namespace detail
 
 namespace detail {
@@ -163,23 +187,28 @@ GPUKIT_INLINE bool select_by_local_rank(const selection_policy& policy, const sy
 GPUKIT_INLINE bool select_by_policy(const selection_policy& policy, const system_snapshot& system,
                                     device_selection& selection);
 
-/// Step 4: the CPU, or (a GPU required) an error listing every rejection.
+/// Step 4: the CPU, or (a GPU required) an error listing every rejection. Warns when the CPU is used because CUDA
+/// failed to initialise (system_snapshot::device_count_result).
 GPUKIT_INLINE void select_cpu_fallback(const selection_policy& policy, const system_snapshot& system,
                                        device_selection& selection);
 
 }  // namespace detail
 
-/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Pure: use it to
-/// test or simulate policies. Throws invalid_argument_error for a malformed GPUKIT_DEVICE or local rank, an
-/// override naming no visible device, or a snapshot whose gpus[i] is not cuda:i; no_device_error when a GPU is
-/// required and none qualifies.
+/// Selects a device from a snapshot of the system, following the precedence in this file's comment. Reads nothing
+/// from the machine: use it to test or simulate policies (its one effect: the warning when it falls back to the CPU
+/// because the snapshot's cudaGetDeviceCount failed to initialise CUDA). Throws invalid_argument_error for a
+/// malformed GPUKIT_DEVICE or local rank, an override naming no visible device, or a snapshot whose gpus[i] is not
+/// cuda:i; no_device_error when a GPU is required and none qualifies.
 GPUKIT_INLINE device_selection select_device(const selection_policy& policy, const system_snapshot& system);
 
-/// One plain sentence saying why no CUDA device is usable (for device_count() == 0).
+/// One plain sentence saying why no CUDA device is usable (for device_count() == 0), from one cudaGetDeviceCount:
+/// no driver, the stub library, no GPU (with CUDA_VISIBLE_DEVICES where it hides them), or CUDA failing to
+/// initialise (the error's name and number). Empty when that call finds a device.
 GPUKIT_INLINE std::string describe_no_gpu();
 
 /// Reads what selection needs from the machine and the environment. Free memory and utilisation are read only when
-/// the policy needs them, from NVML (or cudaMemGetInfo if allowed).
+/// the policy needs them, from NVML (or cudaMemGetInfo if allowed). CUDA is asked for the device count once: the
+/// devices and no_gpu_reason describe that one answer.
 GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& policy = {});
 
 /// Selects a device for this process: take_system_snapshot(policy), then select_device(policy, snapshot).
@@ -438,10 +467,51 @@ GPUKIT_INLINE void select_cpu_fallback(const selection_policy& policy, const sys
     for (const auto& c : selection.candidates) why += " " + c.device.to_string() + " (" + c.name + "): " + c.note + ";";
     why.pop_back();
   }
-  if (policy.require_gpu) throw no_device_error("select_device: a GPU is required, but " + why);
+  // Without a device, the count's failure is the cause: carried, so a handler can tell 803 from no driver.
+  const cudaError_t cause = system.gpus.empty() ? system.device_count_result : cudaSuccess;
+  if (policy.require_gpu) {
+    throw no_device_error("select_device: a GPU is required, but " + why, cause,
+                          cause == cudaSuccess ? std::string() : std::string("cudaGetDeviceCount"));
+  }
   selection.device = device::cpu();
   selection.source = device_selection::decided_by::cpu_fallback;
   selection.reason = why + "; using the CPU";
+  // A GPU node whose driver is broken must not pass for a CPU-only machine with nothing but a reason string.
+  if (is_cuda_initialisation_failure(cause)) {
+    warn("select_device: " + describe_cuda_initialisation_failure(cause) +
+         "; using the CPU (selection_policy::require_gpu makes this an error)");
+  }
+}
+
+GPUKIT_INLINE std::string describe_cuda_initialisation_failure(cudaError_t result) {
+  std::string text = std::string("CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount returned ") +
+                     cudaGetErrorName(result) + " (" + std::to_string(static_cast<int>(result)) +
+                     "): " + cudaGetErrorString(result);
+  if (const char* hint = cuda_result_hint(result)) text += std::string("; ") + hint;
+  return text;
+}
+
+GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count) {
+  switch (result) {
+    case cudaErrorInsufficientDriver:
+      return "no NVIDIA driver is loaded (cudaGetDeviceCount returned cudaErrorInsufficientDriver), so no CUDA "
+             "device is usable";
+    case cudaErrorStubLibrary:
+      return "only the toolkit's stub libcuda.so was found, not the driver (cudaErrorStubLibrary)";
+    case cudaErrorNoDevice: {
+      const auto visible = visible_devices_in_effect();
+      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
+      if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
+        return "the driver reports no CUDA-capable GPU among those " + describe_visible_devices_variable() +
+               " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
+      }
+      return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
+    }
+    case cudaSuccess:
+      return count <= 0 ? "no CUDA device is visible" : "";
+    default:
+      return describe_cuda_initialisation_failure(result);
+  }
 }
 }  // namespace detail
 
@@ -457,30 +527,11 @@ GPUKIT_INLINE device_selection select_device(const selection_policy& policy, con
 }
 
 GPUKIT_INLINE std::string describe_no_gpu() {
-  int count = 0;
+  detail::note_cuda_use();
+  int count = 0;  // not written by CUDA on error
   const cudaError_t result = cudaGetDeviceCount(&count);
-  (void)cudaGetLastError();
-  switch (result) {
-    case cudaErrorInsufficientDriver:
-      return "no NVIDIA driver is loaded (cudaGetDeviceCount returned cudaErrorInsufficientDriver), so no CUDA "
-             "device is usable";
-    case cudaErrorStubLibrary:
-      return "only the toolkit's stub libcuda.so was found, not the driver (cudaErrorStubLibrary)";
-    case cudaErrorNoDevice: {
-      const auto visible = visible_devices_in_effect();
-      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
-      if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
-        return "the driver reports no CUDA-capable GPU among those " + detail::describe_visible_devices_variable() +
-               " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
-      }
-      return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
-    }
-    case cudaSuccess:
-      return count == 0 ? "no CUDA device is visible" : "";
-    default:
-      return std::string("CUDA could not be initialised: ") + cudaGetErrorString(result) + " (" +
-             cudaGetErrorName(result) + ")";
-  }
+  detail::forget_failure(result);
+  return detail::describe_device_count(result, count);
 }
 
 GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& policy) {
@@ -495,9 +546,14 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
       break;
     }
   }
-  const int count = device_count();
-  if (count == 0) {
-    system.no_gpu_reason = describe_no_gpu();
+  // One question: a second cudaGetDeviceCount could answer otherwise (a transient failure), and the reason would
+  // then describe another answer than the devices listed.
+  detail::note_cuda_use();
+  int count = 0;  // not written by CUDA on error
+  system.device_count_result = cudaGetDeviceCount(&count);
+  detail::forget_failure(system.device_count_result);
+  if (system.device_count_result != cudaSuccess || count <= 0) {
+    system.no_gpu_reason = detail::describe_device_count(system.device_count_result, count);
     return system;
   }
   const bool need_free = policy.min_free_bytes > 0 || policy.prefer == device_preference::most_free_memory;
@@ -508,7 +564,9 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
     system.telemetry = nvml_library->status();
     if (!nvml_library->available()) nvml_library = nullptr;
   }
-  for (device d : cuda_devices()) {
+  int known_to_nvml = 0;
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    const device d = device::cuda(ordinal);
     const device_properties& p = properties(d);
     gpu_snapshot g;
     g.device = d;
@@ -524,7 +582,13 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
       }
     }
     if (need_utilization && nvml_library != nullptr) g.utilization_percent = nvml_library->utilization_percent(p);
+    if (nvml_library != nullptr && nvml_library->knows(p)) ++known_to_nvml;
     system.gpus.push_back(std::move(g));
+  }
+  if (nvml_library != nullptr && known_to_nvml == 0) {  // "NVML loaded from ..." would not say why nothing came
+    system.telemetry = "NVML knows none of the " + std::to_string(count) +
+                       (count == 1 ? " visible device" : " visible devices") + " (looked up by UUID and PCI bus id; " +
+                       system.telemetry + ")";
   }
   if (need_free && policy.allow_context_probe) {
     const int only = detail::device_the_environment_chooses(policy, system);
