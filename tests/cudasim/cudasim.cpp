@@ -176,6 +176,8 @@ struct vmm_allocation {
 struct vmm_page {
   unsigned long long handle = 0;
   std::uint64_t access = 0;  // bit d: cuMemSetAccess granted read/write to visible ordinal d
+  CUdeviceptr mapping = 0;   // the cuMemMap that mapped it: its address and size (unmapped only whole)
+  std::size_t mapping_size = 0;
 };
 
 struct device_state {
@@ -1211,7 +1213,7 @@ CUresult CUDAAPI sim_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
     }
   }
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
-    s.vmm_pages[static_cast<std::uintptr_t>(page)] = vmm_page{handle, 0};
+    s.vmm_pages[static_cast<std::uintptr_t>(page)] = vmm_page{handle, 0, ptr, size};
   }
   ++a->second.mappings;
   return CUDA_SUCCESS;
@@ -1269,8 +1271,16 @@ CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   if (CUresult fault = due_driver_fault(s, "cuMemUnmap"); fault != CUDA_SUCCESS) return fault;
   if (ptr % vmm_granularity != 0 || size == 0 || size % vmm_granularity != 0) return CUDA_ERROR_INVALID_VALUE;
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
-    if (s.vmm_pages.count(static_cast<std::uintptr_t>(page)) == 0) {
+    const auto it = s.vmm_pages.find(static_cast<std::uintptr_t>(page));
+    if (it == s.vmm_pages.end()) {
       record_violation(s, "cuMemUnmap", cudaErrorInvalidValue, "cuMemUnmap of a page that is not mapped");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    // cuda.h: "cuMemUnmap cannot unmap a sub-range of an address range mapped by cuMemCreate / cuMemMap".
+    if (it->second.mapping < ptr || it->second.mapping + it->second.mapping_size > ptr + size) {
+      record_violation(s, "cuMemUnmap", cudaErrorInvalidValue,
+                       "cuMemUnmap of part of a mapping (" + std::to_string(size) + " of its " +
+                           std::to_string(it->second.mapping_size) + " bytes)");
       return CUDA_ERROR_INVALID_VALUE;
     }
   }
@@ -1280,12 +1290,10 @@ CUresult CUDAAPI sim_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   for (CUdeviceptr page = ptr; page < ptr + size; page += vmm_granularity) {
     const auto it = s.vmm_pages.find(static_cast<std::uintptr_t>(page));
     const unsigned long long h = it->second.handle;
+    const bool mapping_start = it->second.mapping == page;
     s.vmm_pages.erase(it);
-    auto a = s.vmm_allocations.find(h);
-    // One mapping per allocation here (cuMemMap maps a whole allocation): its last page ends the mapping.
-    if (a != s.vmm_allocations.end() &&
-        s.vmm_pages.end() ==
-            std::find_if(s.vmm_pages.begin(), s.vmm_pages.end(), [h](const auto& p) { return p.second.handle == h; })) {
+    // Each mapping ends once (an allocation may be mapped at several addresses; it goes with its last mapping).
+    if (auto a = s.vmm_allocations.find(h); mapping_start && a != s.vmm_allocations.end()) {
       --a->second.mappings;
       vmm_collect(s, h);
     }

@@ -292,6 +292,38 @@ TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges free
   CHECK(cudasim::take_violations().size() == 5);
 }
 
+TEST_CASE("vmm: the simulator unmaps only whole mappings, and frees an allocation mapped twice with its last mapping") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::device_guard guard(d);
+  GPUKIT_CUDA_TRY(cudaFree(nullptr));  // a context
+  const gpukit::detail::driver_api& api = gpukit::detail::driver();
+  REQUIRE(api.has_virtual_memory());
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  CUdeviceptr range = 0;
+  REQUIRE(api.mem_address_reserve(&range, 8 * MiB, 0, 0, 0) == CUDA_SUCCESS);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  CUmemGenericAllocationHandle handle{};
+  REQUIRE(api.mem_create(&handle, 4 * MiB, &prop, 0) == CUDA_SUCCESS);
+  REQUIRE(api.mem_map(range, 4 * MiB, 0, handle, 0) == CUDA_SUCCESS);
+  REQUIRE(api.mem_map(range + 4 * MiB, 4 * MiB, 0, handle, 0) == CUDA_SUCCESS);  // the same memory, twice
+  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);
+  // cuda.h: cuMemUnmap cannot unmap a sub-range of a mapping.
+  CHECK(api.mem_unmap(range, 2 * MiB) == CUDA_ERROR_INVALID_VALUE);
+  const std::vector<cudasim::violation> refused = cudasim::take_violations();
+  REQUIRE(refused.size() == 1);
+  CHECK(refused[0].message.find("cuMemUnmap of part of a mapping") != std::string::npos);
+  CHECK(api.mem_release(handle) == CUDA_SUCCESS);
+  CHECK(api.mem_unmap(range, 4 * MiB) == CUDA_SUCCESS);
+  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);  // still mapped at the second address
+  CHECK(api.mem_unmap(range + 4 * MiB, 4 * MiB) == CUDA_SUCCESS);
+  CHECK(cudasim::device_memory_used(0) == used_before);  // gone with its last mapping
+  CHECK(api.mem_address_free(range, 8 * MiB) == CUDA_SUCCESS);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, and the allocator stays usable") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
