@@ -151,6 +151,27 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal(with_nul), "\"rounding:5\\x0012\""));
 }
 
+TEST_CASE("allocator configuration: settings that would be ignored or leave no usable segment are refused") {
+  // Large blocks cached in front with cross-stream reuse, which turns the front caches off: accepted and ignored.
+  const std::string ignored = refusal("cross_stream_reuse:true,front_cache_large:true");
+  CHECK(contains(ignored, "front_cache_large cannot be used with cross_stream_reuse (it would be ignored)"));
+  CHECK(gpukit::parse_allocator_config("cross_stream_reuse:true").cross_stream_reuse);  // the default front cache
+  CHECK(gpukit::parse_allocator_config("cross_stream_reuse:true,front_cache_large:when_contended").cross_stream_reuse);
+  // A segment rounding above the largest shared segment (4 x medium_size) makes every segment of a request above
+  // small_size at least that large: with 2^63 bytes, every such request was out of memory.
+  CHECK(contains(refusal("large_segment_rounding:9223372036854775808"),
+                 "large_segment_rounding must be at most 4 x medium_size, the largest shared segment (it is "
+                 "9223372036854775808, 4 x medium_size 268435456)"));
+  CHECK(gpukit::parse_allocator_config("large_segment_rounding:256MiB").large_segment_rounding == 256 * MiB);
+  CHECK(contains(refusal("large_segment_rounding:512MiB"), "(it is 536870912, 4 x medium_size 268435456)"));
+  CHECK(contains(refusal("preset:pytorch,large_segment_rounding:64MiB"), "4 x medium_size 41943040)"));
+  gpukit::allocator_options o;
+  o.large_segment_rounding = std::size_t{1} << 63;
+  CHECK_THROWS_AS(o.validate(), gpukit::invalid_argument_error);
+  o.medium_size = std::size_t{1} << 62;  // 4 x medium_size does not fit: saturated, not wrapped
+  CHECK_NOTHROW(o.validate());
+}
+
 TEST_CASE(
     "GPUKIT_ALLOC_CONF's expandable segments are the GPUs': the CPU's default allocator neither warns nor refuses") {
   // Runs before the test below sets the CPU's options in code (which would win over the environment).

@@ -9,6 +9,7 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -274,6 +275,52 @@ TEST_CASE("expandable segments required: an upstream without virtual memory is r
     refusal = e.what();
   }
   CHECK(refusal.find("expandable_segments_required needs expandable_segments") != std::string::npos);
+}
+
+TEST_CASE("expandable segments required: a stream's range that cannot be reserved is an out-of-memory error") {
+  // It was thrown as it was found: no observer called, not counted in num_ooms, the request not named.
+  gpukit::allocator_options o = expandable();
+  o.expandable_segments_required = true;
+  setup f(o, std::size_t{16} << 40);      // 16 TiB: each range is 4 TiB of the 64 TiB address space
+  f.a.upstream().set_page_size(1 * GiB);  // 4096 pages a range: walking 2 Mi pages of 2 MiB took seconds
+  std::vector<gpukit::out_of_memory_info> seen;
+  bool unlocked = false;
+  gpukit_test::bounded_calls bounded;  // after `f`: a late call uses it
+  (void)f.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info& info) {
+    seen.push_back(info);
+    // Called without the allocator's lock: another thread may use the allocator.
+    unlocked = bounded.returned_within([&] { (void)f.a.snapshot(); }, std::chrono::seconds(10));
+  });
+  std::vector<std::pair<void*, fake_stream>> live;
+  std::string what = "no error";
+  std::string call;
+  for (int i = 0; i < 20 && what == "no error"; ++i) {
+    const fake_stream s = f.add_stream();
+    try {
+      live.emplace_back(f.a.allocate(4 * MiB, s), s);  // large pool: a 4 TiB range for each stream
+    } catch (const gpukit::out_of_memory_error& e) {
+      what = e.what();
+      call = std::string(e.call());
+    }
+  }
+  INFO(what);
+  const auto contains = [](const std::string& text, const char* part) { return text.find(part) != std::string::npos; };
+  CHECK(live.size() == 16);
+  CHECK(contains(what,
+                 "gpukit: out of memory on cpu: tried to allocate 4.00 MiB (4194304 bytes), rounded to 4.00 MiB "
+                 "(4194304 bytes), but expandable segments are required and a virtual address range of 4.00 TiB "
+                 "could not be reserved"));
+  CHECK(contains(what, "this allocator holds 64.00 TiB of address space"));
+  CHECK(call == "gpukit::basic_caching_allocator::allocate(4194304)");
+  REQUIRE(seen.size() == 1);
+  CHECK(seen.front().message == what);
+  CHECK(seen.front().rounded == 4 * MiB);
+  CHECK(seen.front().segment_bytes == std::size_t{4} << 40);
+  CHECK(seen.front().allocated == 64 * MiB);
+  CHECK(unlocked);
+  CHECK(f.a.stats().num_ooms == 1);
+  for (auto& [p, s] : live) f.a.deallocate(p);
+  CHECK(f.invariants() == "");
 }
 
 TEST_CASE("address_space_upstream: virtual memory misuse is refused clearly") {

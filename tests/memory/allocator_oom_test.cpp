@@ -4,6 +4,7 @@
 #include "allocator_support.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
@@ -11,6 +12,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -572,6 +575,95 @@ TEST_CASE("two out-of-memory observers removing each other from two threads do n
   CHECK_FALSE(f.a.remove_out_of_memory_observer(x));
   CHECK_FALSE(f.a.remove_out_of_memory_observer(y));
   f.a.deallocate(held);
+}
+
+TEST_CASE("out-of-memory observer ids are unique in the process: a stale id removes no other observer") {
+  // Each allocator counted from 1: after set_default_allocator, the free remove_out_of_memory_observer(id, d) with
+  // the id of an observer of the replaced allocator removed another observer of the new one.
+  fixture one(64 * MiB);
+  fixture two(64 * MiB);
+  const auto of_one = one.a.add_out_of_memory_observer([](const gpukit::out_of_memory_info&) {});
+  const auto of_two = two.a.add_out_of_memory_observer([](const gpukit::out_of_memory_info&) {});
+  CHECK(of_one != of_two);
+  CHECK_FALSE(two.a.remove_out_of_memory_observer(of_one));
+  CHECK(two.a.remove_out_of_memory_observer(of_two));
+  CHECK(one.a.remove_out_of_memory_observer(of_one));
+
+  const gpukit::device cpu = gpukit::device::cpu();
+  const auto s = gpukit::stream_view::default_stream(cpu);
+  gpukit::allocator_options o;
+  o.reserved_limit = 8 * MiB;
+  const auto before = gpukit::set_default_allocator(cpu, std::make_shared<gpukit::caching_allocator>(cpu, o));
+  int first_calls = 0;
+  int second_calls = 0;
+  const auto first = gpukit::add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) { ++first_calls; }, cpu);
+  const auto replaced = gpukit::set_default_allocator(cpu, std::make_shared<gpukit::caching_allocator>(cpu, o));
+  const auto second =
+      gpukit::add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) { ++second_calls; }, cpu);
+  CHECK(first != second);
+  CHECK_FALSE(gpukit::remove_out_of_memory_observer(first, cpu));  // the new default has no such observer
+  CHECK_THROWS_AS((void)gpukit::default_allocator(cpu).allocate(64 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(second_calls == 1);
+  // The first stays with the replaced allocator, and is removed through it.
+  CHECK_THROWS_AS((void)replaced->allocate(64 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(first_calls == 1);
+  CHECK(replaced->remove_out_of_memory_observer(first));
+  CHECK_THROWS_AS((void)replaced->allocate(64 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(first_calls == 1);
+  CHECK(gpukit::remove_out_of_memory_observer(second, cpu));
+  (void)gpukit::set_default_allocator(cpu, before);
+}
+
+namespace {
+/// An allocator whose destructor, run with the objects of static storage after main returns (after the main thread's
+/// thread_local objects are gone), raises an out-of-memory error; its observer allocates in turn (its own error).
+struct oom_at_exit {
+  fixture f{64 * MiB};
+  void* held = f.alloc(40 * MiB);
+  int calls = 0;
+  bool own_error = false;
+  oom_at_exit() {
+    f.a.add_out_of_memory_observer([this](const gpukit::out_of_memory_info&) {
+      ++calls;
+      try {
+        (void)f.alloc(30 * MiB);
+      } catch (const gpukit::out_of_memory_error&) {
+        own_error = true;
+      }
+    });
+  }
+  oom_at_exit(const oom_at_exit&) = delete;
+  oom_at_exit& operator=(const oom_at_exit&) = delete;
+  ~oom_at_exit() {
+    own_error = false;
+    bool refused = false;
+    try {
+      (void)f.alloc(30 * MiB);
+    } catch (const gpukit::out_of_memory_error&) {
+      refused = true;
+    }
+    std::fprintf(stderr, "at exit: refused %d, observer calls %d, own error %d\n", refused ? 1 : 0, calls,
+                 own_error ? 1 : 0);
+    f.a.deallocate(held);
+  }
+};
+}  // namespace
+
+// Run only as the child of the test below (GPUKIT_OOM_AT_EXIT set).
+TEST_CASE("oom: at-exit child" * doctest::skip()) {
+  if (std::getenv("GPUKIT_OOM_AT_EXIT") == nullptr) return;
+  static oom_at_exit at_exit;                                                     // destroyed after main returns
+  CHECK_THROWS_AS((void)at_exit.f.alloc(30 * MiB), gpukit::out_of_memory_error);  // this thread's first observer call
+  CHECK(at_exit.calls == 1);
+}
+
+TEST_CASE("an out-of-memory error raised by a static object's destructor after main returns reaches the observers") {
+  // Which observers a thread was inside was a thread_local std::vector: destroyed on the main thread before the
+  // objects of static storage, whose errors then wrote to its freed memory (AddressSanitizer: heap-use-after-free).
+  const auto child = run_test_case_in_child("GPUKIT_OOM_AT_EXIT=1", "oom: at-exit child");
+  INFO(child.stderr_text);
+  CHECK(child.status == 0);
+  CHECK(contains(child.stderr_text, "at exit: refused 1, observer calls 2, own error 1\n"));
 }
 
 namespace {

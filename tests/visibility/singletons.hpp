@@ -34,6 +34,8 @@ inline constexpr const char* singleton_names[] = {
     "detail::over_aligned_addresses()",
     "mode_independent::gpukit_captures_underway()",
     "mode_independent::capture_holds()",
+    "mode_independent::out_of_memory_observer_ids()",
+    "mode_independent::out_of_memory_observer_calls_v1() (this thread's)",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -71,6 +73,8 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::over_aligned_addresses(),
       &gpukit::mode_independent::gpukit_captures_underway(),
       &gpukit::mode_independent::capture_holds(),
+      &gpukit::mode_independent::out_of_memory_observer_ids(),
+      &gpukit::mode_independent::out_of_memory_observer_calls_v1(),
   }};
 }
 }  // namespace

@@ -3,12 +3,15 @@
 // handler, one pinned pool, ... because the functions that own them are exported (GPUKIT_EXPORT). Without the
 // export each library has its own copies and every check below fails.
 #include "singletons.hpp"
+#include "support.hpp"
 
 #include <gpukit/error.hpp>
 #include <gpukit/warning.hpp>
 
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,6 +20,11 @@ extern "C" gpukit_visibility::singleton_addresses gpukit_visibility_a_singletons
 extern "C" gpukit_visibility::singleton_addresses gpukit_visibility_b_singletons();
 extern "C" void gpukit_visibility_a_warn(const char* message);
 extern "C" void gpukit_visibility_b_warn(const char* message);
+extern "C" gpukit::caching_allocator* gpukit_visibility_a_make_allocator();
+extern "C" void gpukit_visibility_a_destroy_allocator(gpukit::caching_allocator* a);
+extern "C" bool gpukit_visibility_a_out_of_memory(gpukit::caching_allocator* a);
+extern "C" void gpukit_visibility_b_add_self_removing_observer(gpukit::caching_allocator* a, std::atomic<int>* calls,
+                                                               std::atomic<int>* removed);
 
 TEST_CASE("shared libraries built with hidden visibility share gpukit's process-wide objects with the executable") {
   // Libraries first: the objects are created inside one of them, and the executable must still find the same ones.
@@ -40,4 +48,25 @@ TEST_CASE("a warning handler set by the executable receives the warnings of both
   REQUIRE(received.size() == 2);
   CHECK(received[0] == "from a");
   CHECK(received[1] == "from b");
+}
+
+TEST_CASE("an out-of-memory observer of one library removes itself while another library's copy calls it") {
+  // Which observers the thread is inside is one record for the process: library b's removal, from inside the call
+  // that library a's copy makes, knows it is inside it. With a record per library it waited for its own call to end
+  // (a deadlock). The counters live as long as the process, as the allocator does if the call never returns.
+  gpukit::caching_allocator* a = gpukit_visibility_a_make_allocator();
+  static std::atomic<int> calls{0};
+  static std::atomic<int> removed{0};
+  gpukit_visibility_b_add_self_removing_observer(a, &calls, &removed);
+  auto* bounded = new gpukit_test::bounded_calls();
+  auto refused = std::make_shared<std::atomic<bool>>(false);
+  const bool returned = bounded->returned_within([a, refused] { *refused = gpukit_visibility_a_out_of_memory(a); });
+  REQUIRE(returned);  // else the call, and the allocator it uses, are left to the process's exit (not joinable)
+  delete bounded;
+  CHECK(refused->load());
+  CHECK(calls.load() == 1);
+  CHECK(removed.load() == 1);
+  CHECK(gpukit_visibility_a_out_of_memory(a));  // removed: not called again
+  CHECK(calls.load() == 1);
+  gpukit_visibility_a_destroy_allocator(a);
 }

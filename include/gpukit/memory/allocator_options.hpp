@@ -52,7 +52,7 @@ struct allocator_options {
   /// growth starts.
   std::size_t medium_segment_size = 20 * MiB;
   /// A request's own segment (medium_size or more) is rounded up to a multiple of this, and so are shared segments
-  /// that grow (a power of two, at least the rounding).
+  /// that grow (a power of two, at least the rounding and at most 4 × medium_size, the largest shared segment).
   std::size_t large_segment_rounding = 2 * MiB;
   std::size_t small_split_threshold = 0;        ///< a small block is split when the remainder exceeds this
   std::size_t large_split_threshold = 1 * MiB;  ///< a large block is split when the remainder exceeds this
@@ -93,7 +93,7 @@ struct allocator_options {
   /// faster). Off by default: a cached large block does not coalesce with its neighbours until the heap takes it
   /// back, which raised the memory single-threaded training traces need by up to 12 % (bench_fragmentation, minimum
   /// capacity); front_cache_large_when_contended (on by default) turns it on once threads contend. Needs front_cache
-  /// (validate() refuses it without).
+  /// (validate() refuses it without, and with cross_stream_reuse).
   bool front_cache_large = false;
   /// Back each stream's small and large pools with one reserved virtual address range, into which the upstream's
   /// pages (2 MiB on current GPUs) are mapped as blocks are taken and unmapped when memory is released (PyTorch's
@@ -178,6 +178,15 @@ GPUKIT_INLINE void allocator_options::validate() const {
     fail("medium_size must be a multiple of the rounding (" + n(rounding) + " bytes): " + n(medium_size) +
          " is not; use " + n(below) + (above_fits ? " or " + n(below + rounding) : std::string()));
   }
+  // Shared segments grow to at most 4 x medium_size rounded down to large_segment_rounding: a larger rounding makes
+  // that 0, and every segment of a request above small_size at least the rounding (2^63 bytes: none could be had).
+  const std::size_t largest_shared = medium_size > std::numeric_limits<std::size_t>::max() / 4
+                                         ? std::numeric_limits<std::size_t>::max()
+                                         : 4 * medium_size;
+  if (large_segment_rounding > largest_shared) {
+    fail("large_segment_rounding must be at most 4 x medium_size, the largest shared segment (it is " +
+         n(large_segment_rounding) + ", 4 x medium_size " + n(largest_shared) + ")");
+  }
   if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
     fail("medium_segment_size must be at least medium_size, or set medium_segment_growth (it is " +
          n(medium_segment_size) + ", medium_size " + n(medium_size) + ")");
@@ -190,6 +199,10 @@ GPUKIT_INLINE void allocator_options::validate() const {
     fail("expandable_segments_required needs expandable_segments");
   }
   if (front_cache_large && !front_cache) fail("front_cache_large needs front_cache (it would be ignored)");
+  // Blocks cached in front serve their own stream only, so the allocator turns the front caches off there.
+  if (front_cache_large && cross_stream_reuse) {
+    fail("front_cache_large cannot be used with cross_stream_reuse (it would be ignored)");
+  }
 }
 
 GPUKIT_END_NAMESPACE

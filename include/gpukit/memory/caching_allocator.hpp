@@ -97,6 +97,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -918,8 +919,9 @@ class basic_caching_allocator {
 
   /// With expandable segments, the free block of `st`'s expandable segment of the pool that holds `size` bytes,
   /// reserving that segment first if `st` has none (no memory yet: pages are mapped when a block is taken). Null
-  /// when expandable segments are off, the address space is exhausted, or the request exceeds the range.
-  block* grow_expandable(stream_state& st, std::size_t size, bool small);
+  /// when expandable segments are off, the address space is exhausted (`refused_range` then holds the range that
+  /// could not be reserved), or the request exceeds the range.
+  block* grow_expandable(stream_state& st, std::size_t size, bool small, std::size_t& refused_range);
 
   /// Maps the unmapped pages under the first `size` bytes of free block `b` of an expandable segment. False when
   /// the reserved limit (`limit_hit`) or the upstream refuses a page; nothing stays mapped then.
@@ -1058,7 +1060,7 @@ class basic_caching_allocator {
 
   [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested,
                                         std::size_t size, std::size_t segment_bytes, bool limit_hit,
-                                        std::size_t page_bytes = 0);
+                                        std::size_t page_bytes = 0, std::string_view cause = {});
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const;
 

@@ -1787,7 +1787,8 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::link_segment(st
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable(stream_state& st, std::size_t size,
-                                                                                 bool small) -> block* {
+                                                                                 bool small, std::size_t& refused_range)
+    -> block* {
   if constexpr (has_vm) {
     if (!options_.expandable_segments || st.expandable[small ? 1 : 0] != nullptr || vm_refused_) return nullptr;
     if constexpr (detail::has_virtual_memory_query<Upstream>::value) {
@@ -1839,12 +1840,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     }
     if (p == nullptr) {
       recycle(b);
-      if (options_.expandable_segments_required) {
-        throw out_of_memory_error(detail::expandable_segments_required_for + device_.to_string() +
-                                      ", but a virtual address range of " + detail::format_bytes(range) +
-                                      " could not be reserved",
-                                  cudaSuccess, {}, device_ordinal());
-      }
+      refused_range = range;  // allocate_slow says so (with the request and the lock) if ranges are required
       return nullptr;
     }
     seg->expandable = true;
@@ -2183,7 +2179,16 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
     std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size, bool small)
     -> block* {
-  if (block* b = grow_expandable(st, size, small)) return b;
+  std::size_t refused_range = 0;
+  if (block* b = grow_expandable(st, size, small, refused_range)) return b;
+  if (refused_range != 0 && options_.expandable_segments_required) {
+    throw_out_of_memory(
+        lock, requested, size, refused_range, false, 0,
+        "expandable segments are required and a virtual address range of " + detail::format_bytes(refused_range) +
+            " could not be reserved (each stream's small and large pools reserve one; this "
+            "allocator holds " +
+            detail::format_bytes(address_space_.load(std::memory_order_relaxed)) + " of address space)");
+  }
   std::size_t segment_bytes = fitted_segment_size(size, small);
   bool limit_hit = false;
   if (options_.release_before_grow) {
@@ -2457,7 +2462,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_stream_ca
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_memory(
     std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size, std::size_t segment_bytes,
-    bool limit_hit, std::size_t page_bytes) {
+    bool limit_hit, std::size_t page_bytes, std::string_view cause) {
   stats_.num_ooms.increment();
   const free_space_info f = free_space_locked();
   std::size_t allocated = 0;
@@ -2476,7 +2481,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_me
   out_of_memory_info facts{
       device_ordinal(),     requested, size,      segment_bytes, allocated,        reserved,        f.free_bytes,
       f.largest_free_block, limit,     limit_hit, info.known,    info.total_bytes, info.free_bytes, {}};
-  facts.message = detail::out_of_memory_message(facts, device_.to_string(), page_bytes);
+  facts.message = detail::out_of_memory_message(facts, device_.to_string(), page_bytes, cause);
   if (memory_history* h = history_.load(std::memory_order_acquire)) {
     h->record(memory_action::oom, 0, requested, 0, info.known ? info.free_bytes : 0);
   }

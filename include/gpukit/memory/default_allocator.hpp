@@ -82,9 +82,11 @@ device_allocator& default_allocator(device d) {
 
 /// Makes `allocator` the default of `d` and returns the previous one (nullptr if none was created yet). Buffers,
 /// resources and thrust allocators made from the previous allocator still use it, so keep it alive until they are
-/// gone (and until no other thread may still be using it as the default): dropping the result destroys it. Passing
-/// nullptr makes the next use create a fresh caching_allocator. Throws invalid_argument_error if `allocator` serves
-/// another device.
+/// gone (and until no other thread may still be using it as the default): dropping the result destroys it. Its
+/// out-of-memory observers stay with it, called on its own errors: remove them through the result (the free
+/// remove_out_of_memory_observer(id, d) asks the new default, where their ids match nothing), and add them to the
+/// new allocator if they should follow. Passing nullptr makes the next use create a fresh caching_allocator. Throws
+/// invalid_argument_error if `allocator` serves another device.
 [[nodiscard]] GPUKIT_INLINE std::shared_ptr<device_allocator> set_default_allocator(
     device d, std::shared_ptr<device_allocator> allocator);
 

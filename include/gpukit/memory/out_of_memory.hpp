@@ -12,6 +12,7 @@
 #include <gpukit/error.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -25,6 +26,37 @@
 #include <string_view>
 #include <utility>
 #include <vector>
+
+// Outside the per-mode namespace (detail/config.hpp) and exported: one of each per process, whichever shared library
+// or default-stream mode registers or calls an observer.
+namespace gpukit {
+namespace mode_independent {
+
+/// The last out-of-memory observer id handed out in this process. One counter for every allocator, so that an id
+/// names one observer: a stale one (e.g. of a default allocator since replaced) matches no other allocator's.
+GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() noexcept {
+  static std::atomic<std::uint64_t> last{0};
+  return last;
+}
+
+/// An observer call under way on a thread, in the caller's stack frame: the registry calling it and the call it runs
+/// inside (nullptr for the outermost).
+struct out_of_memory_observer_call {
+  const void* registry;
+  const out_of_memory_observer_call* outer;
+};
+
+/// The innermost observer call under way on the calling thread, or nullptr. A pointer, never destroyed: an error
+/// raised by a destructor of static storage, after the thread's objects are gone, still reads it. Exported: an
+/// observer of one shared library that removes itself through another's copy of gpukit is still seen inside its
+/// call (it waited for itself). The name carries the layout's version.
+GPUKIT_EXPORT inline const out_of_memory_observer_call*& out_of_memory_observer_calls_v1() noexcept {
+  thread_local const out_of_memory_observer_call* innermost = nullptr;
+  return innermost;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -55,14 +87,15 @@ namespace detail {
 /// The message of a caching allocator's out_of_memory_error, from its numbers (`info`, whose `message` is ignored):
 /// what was asked and what it needs (a new segment, or, where `page_bytes` is not 0, pages of that size mapped into
 /// an expandable segment: info.segment_bytes of them), the device's memory, this allocator's, and the likely cause
-/// with what to do about it.
+/// with what to do about it. A `cause` given replaces what it needs and the advice: ", but <cause>. ".
 GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
-                                                std::size_t page_bytes);
+                                                std::size_t page_bytes, std::string_view cause = {});
 
 /// The observers of one allocator. Thread-safe; notify() calls them without holding its lock, so an observer may
 /// use the allocator and add or remove observers.
 class out_of_memory_observers {
  public:
+  /// Ids come from one counter for the process (mode_independent::out_of_memory_observer_ids).
   std::uint64_t add(out_of_memory_observer observer);
   /// Once it returns true the observer is not called again, and, when called outside any observer, no call of it
   /// is under way on another thread. From inside an observer it does not wait (two observers removing each other on
@@ -83,12 +116,9 @@ class out_of_memory_observers {
     std::size_t calls = 0;  // under way, on every thread
     bool removed = false;
   };
-  /// The registries whose observers this thread is calling, innermost last.
-  static std::vector<const out_of_memory_observers*>& calling_on_this_thread() noexcept;
 
   mutable std::mutex mutex_;
   std::vector<std::pair<std::uint64_t, std::shared_ptr<entry>>> observers_;
-  std::uint64_t last_id_ = 0;
 };
 
 }  // namespace detail
@@ -100,17 +130,21 @@ GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
 GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, std::string_view device_name,
-                                                std::size_t page_bytes) {
+                                                std::size_t page_bytes, std::string_view cause) {
   const bool pages = page_bytes != 0;
   const std::size_t page_count = pages ? info.segment_bytes / page_bytes : 0;
   std::string m = "gpukit: out of memory on " + std::string(device_name) + ": tried to allocate " +
-                  format_bytes_exact(info.requested) + ", rounded to " + format_bytes_exact(info.rounded) +
-                  ", which needs " +
-                  (pages ? format_bytes(info.segment_bytes) + " more mapped into its expandable segment (" +
-                               std::to_string(page_count) + (page_count == 1 ? " page" : " pages") + " of " +
-                               format_bytes(page_bytes) + ")"
-                         : "a new segment of " + format_bytes(info.segment_bytes)) +
-                  ". ";
+                  format_bytes_exact(info.requested) + ", rounded to " + format_bytes_exact(info.rounded);
+  if (!cause.empty()) {
+    m += ", but " + std::string(cause) + ". ";
+  } else {
+    m += ", which needs " +
+         (pages ? format_bytes(info.segment_bytes) + " more mapped into its expandable segment (" +
+                      std::to_string(page_count) + (page_count == 1 ? " page" : " pages") + " of " +
+                      format_bytes(page_bytes) + ")"
+                : "a new segment of " + format_bytes(info.segment_bytes)) +
+         ". ";
+  }
   if (info.device_memory_known) {
     m += "Device: " + format_bytes(info.device_total) + " total, " + format_bytes(info.device_free) + " free. ";
   } else {
@@ -133,7 +167,8 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
   const std::size_t elsewhere = info.device_memory_known && info.device_total > info.device_free + info.reserved
                                     ? info.device_total - info.device_free - info.reserved
                                     : 0;
-  if (info.limit_hit) {
+  if (!cause.empty()) {  // the cause says what failed: no other advice
+  } else if (info.limit_hit) {
     m += " The reserved limit would be exceeded: raise it (set_reserved_limit / set_memory_fraction) or free memory.";
   } else if (info.device_memory_known && info.rounded > info.device_total) {
     m += " The request is larger than the device's memory.";
@@ -153,9 +188,10 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
 GPUKIT_INLINE std::uint64_t out_of_memory_observers::add(out_of_memory_observer observer) {
   if (!observer) throw invalid_argument_error("gpukit: add_out_of_memory_observer needs a callable, not an empty one");
   auto made = std::make_shared<entry>(std::move(observer));
+  const std::uint64_t id = mode_independent::out_of_memory_observer_ids().fetch_add(1, std::memory_order_relaxed) + 1;
   std::lock_guard<std::mutex> lock(mutex_);
-  observers_.emplace_back(++last_id_, std::move(made));
-  return last_id_;
+  observers_.emplace_back(id, std::move(made));
+  return id;
 }
 
 GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
@@ -173,22 +209,21 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   // own call cannot end first, and another thread's observer removing this one would wait for it in turn.
   std::unique_lock<std::mutex> lock(removed->mutex);
   removed->removed = true;
-  if (calling_on_this_thread().empty()) removed->calls_ended.wait(lock, [&] { return removed->calls == 0; });
+  if (mode_independent::out_of_memory_observer_calls_v1() == nullptr) {
+    removed->calls_ended.wait(lock, [&] { return removed->calls == 0; });
+  }
   return true;
-}
-
-GPUKIT_INLINE std::vector<const out_of_memory_observers*>& out_of_memory_observers::calling_on_this_thread() noexcept {
-  thread_local std::vector<const out_of_memory_observers*> calling;
-  return calling;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
-  std::vector<const out_of_memory_observers*>& calling = calling_on_this_thread();
-  if (std::find(calling.begin(), calling.end(), this) != calling.end()) return;  // an observer's own error
+  using mode_independent::out_of_memory_observer_call;
+  const out_of_memory_observer_call*& innermost = mode_independent::out_of_memory_observer_calls_v1();
+  for (const out_of_memory_observer_call* c = innermost; c != nullptr; c = c->outer) {
+    if (c->registry == this) return;  // an observer's own error
+  }
   std::vector<std::shared_ptr<entry>> observers;
   try {
-    calling.reserve(calling.size() + 1);  // the push_back below cannot fail then
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& o : observers_) observers.push_back(o.second);
   } catch (...) {
@@ -200,7 +235,8 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
       if (observer->removed) continue;
       ++observer->calls;
     }
-    calling.push_back(this);
+    const out_of_memory_observer_call call{this, innermost};
+    innermost = &call;
     try {
       observer->observer(info);
     } catch (const std::exception& e) {
@@ -208,7 +244,7 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
     } catch (...) {
       warn_parts("gpukit: an out-of-memory observer of ", device, " threw a non-standard exception");
     }
-    calling.pop_back();
+    innermost = call.outer;
     {
       std::lock_guard<std::mutex> lock(observer->mutex);
       --observer->calls;
