@@ -1689,6 +1689,24 @@ TEST_CASE("streams: elapsed_time of a CUDA event never recorded is invalid_argum
   CHECK(cudaGetLastError() == cudaSuccess);  // the refusal is not left as the thread's last error
 }
 
+TEST_CASE("streams: a caching allocator's reserved limit lowered during a segment's cudaMalloc is kept") {
+  // Another thread (made deterministic) lowers the limit while the upstream call runs without the lock: the new
+  // segment, over the limit now, goes back rather than being kept for good.
+  gpukit::caching_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  cudasim::before_call("cudaMalloc", 1, [&] { a.set_reserved_limit(64 * MiB); });
+  const std::size_t frees = cudasim::calls("cudaFree");
+  CHECK_THROWS_AS((void)a.allocate(200 * MiB, s), gpukit::out_of_memory_error);
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::calls("cudaFree") == frees + 1);  // the segment that came too late
+  void* p = a.allocate(32 * MiB, s);               // within the limit
+  CHECK(a.memory_reserved() <= 64 * MiB);
+  a.deallocate(p, s);
+  a.empty_cache();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: async_allocator's limit holds for a request made while another is being allocated") {
   // The first request's bytes count against the limit from its check on: a second one made before the first has its
   // memory (another thread, made deterministic) sees them.

@@ -231,8 +231,10 @@ TEST_CASE("vmm: expandable segments required: a range that cannot be reserved or
     message = e.what();
   }
   INFO(message);
-  CHECK(message.find("expandable segments are required for the caching allocator of cuda:0") != std::string::npos);
+  CHECK(message.find("gpukit: out of memory on cuda:0: tried to allocate 4.00 MiB") == 0);
+  CHECK(message.find("but expandable segments are required and a virtual address range of") != std::string::npos);
   CHECK(message.find("could not be reserved") != std::string::npos);
+  CHECK(a.stats().num_ooms == 1);
   CHECK(cudasim::calls("cudaMalloc") == 0);  // no ordinary segment instead
   CHECK(a.memory_reserved() == 0);
   // The device's memory size unknown (cudaMemGetInfo failed): no range can be sized, which is an error too.
@@ -357,12 +359,22 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
     void* q = a.allocate(6 * MiB, s);  // usable afterwards
     a.deallocate(q);
   }
-  // A refused reservation: ordinary segments serve the request.
+  // A refused reservation: ordinary segments serve the request, and the later ones (said once).
   a.deallocate(p);
   a.empty_cache();
+  gpukit_test::captured_warnings warnings;
+  const std::size_t reserves_before = cudasim::calls("cuMemAddressReserve");
   cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorUnknown);
   void* r = a.allocate(4 * MiB, s);
   CHECK_FALSE(a.snapshot().segments.front().expandable);
+  gpukit::stream other(d);
+  void* t = a.allocate(4 * MiB, other);
+  CHECK(cudasim::calls("cuMemAddressReserve") == reserves_before + 1);  // not tried again for `other`
+  REQUIRE(warnings.messages().size() == 1);
+  CHECK(
+      warnings.contains("could not be reserved (this allocator holds 0 B of address space): ordinary segments are "
+                        "used from now on"));
+  a.deallocate(t);
   a.deallocate(r);
   a.empty_cache();
   CHECK(cudasim::device_memory_used(0) == used_before);  // no page, handle or segment leaked

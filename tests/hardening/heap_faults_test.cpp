@@ -12,6 +12,7 @@
 #include <gpukit/warning.hpp>
 
 #include "failing_heap.hpp"
+#include "memory/allocator_support.hpp"
 #include "support.hpp"
 
 #include <algorithm>
@@ -378,6 +379,73 @@ TEST_CASE(
   }
   MESSAGE("staging engine, double faults on a held stream: " << runs << " runs, " << reported << " reported");
   CHECK(reported >= 1);
+}
+
+TEST_CASE(
+    "heap faults: an allocation whose pointer map cannot grow at host allocation N, for every N, gives its block "
+    "back fenced") {
+  // A block freed on s0 while s0's work still used it, taken again on s0 (no wait needed: its fence is dropped); the
+  // pointer map's insert then fails (its shard grows). Given back unfenced, another stream took it without waiting
+  // for that work. The shard is filled to its load factor first: the map's hash (MurmurHash3's finalizer), top 6 bits.
+  const auto shard_of = [](const void* p) {
+    std::uint64_t h = reinterpret_cast<std::uintptr_t>(p);
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return static_cast<unsigned>(h >> 58);
+  };
+  long runs = 0;
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    INFO("fault at host allocation " << n);
+    gpukit::allocator_options o;
+    o.cross_stream_reuse = true;
+    gpukit_test::fake_setup f(o);
+    const gpukit_test::fake_stream s0 = f.add_stream();
+    const gpukit_test::fake_stream s1 = f.add_stream();
+    const gpukit_test::fake_stream s2 = f.add_stream();
+    void* p = f.a.allocate(1000, s0);
+    void* q = f.a.allocate(1000, s0);  // p's block stays whole when taken again
+    f.world.enqueue(s0.id);            // s0's work uses p
+    f.a.deallocate(p);                 // fenced
+    std::vector<void*> filling;
+    std::vector<void*> others;
+    for (unsigned in_shard = shard_of(q) == shard_of(p) ? 1 : 0; in_shard < 16;) {  // 16 of a 32-entry table
+      void* x = f.a.allocate(3000, s2);
+      (shard_of(x) == shard_of(p) ? filling : others).push_back(x);
+      if (shard_of(x) == shard_of(p)) ++in_shard;
+    }
+    for (void* x : others) f.a.deallocate(x);
+    bool taken_on_s0 = false;
+    {
+      heap_run run(n);
+      taken_on_s0 = run.armed([&] { f.a.deallocate(f.a.allocate(1000, s0), s0); });
+      CHECK(run.unexpected() == "");
+      failures += run.failures();
+      if (run.seen() < n) {
+        for (void* x : filling) f.a.deallocate(x);
+        f.a.deallocate(q);
+        f.world.complete_all();
+        break;
+      }
+    }
+    ++runs;
+    if (!taken_on_s0) {
+      const std::size_t waits = f.world.waits.size();
+      void* r = f.a.allocate(1000, s1);  // s0's work has not completed
+      CHECK(r == p);
+      CHECK(f.world.waits.size() == waits + 1);  // for s0's work
+      f.a.deallocate(r);
+    }
+    for (void* x : filling) f.a.deallocate(x);
+    f.a.deallocate(q);
+    f.world.complete_all();
+    CHECK(f.a.memory_allocated() == 0);
+  }
+  MESSAGE("caching allocator, pointer map growth: " << runs << " runs, " << failures << " threw std::bad_alloc");
+  CHECK(failures > 0);
 }
 
 TEST_CASE("heap faults: a staging engine destroyed with no host memory left reports the blocks the pool refused") {

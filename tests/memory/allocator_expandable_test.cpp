@@ -323,6 +323,30 @@ TEST_CASE("expandable segments required: a stream's range that cannot be reserve
   CHECK(f.invariants() == "");
 }
 
+TEST_CASE("expandable segments: a range that cannot be reserved means ordinary segments from then on, said once") {
+  // Not required: the allocator falls back, with a warning, instead of trying (and failing) to reserve again at
+  // every growth and leaving streams with both kinds of segment unannounced.
+  setup f(expandable(), 768 * GiB);       // each range is 3 TiB: 21 of them in the 64 TiB address space
+  f.a.upstream().set_page_size(1 * GiB);  // 3072 pages a range: walking pages of 2 MiB took seconds
+  gpukit_test::captured_warnings warnings;
+  std::vector<std::pair<void*, fake_stream>> live;
+  for (int i = 0; i < 24; ++i) {
+    const fake_stream s = f.add_stream();
+    live.emplace_back(f.a.allocate(4 * MiB, s), s);  // large pool: a range for each stream while there is room
+  }
+  std::size_t expandable_segments = 0;
+  std::size_t ordinary_segments = 0;
+  for (const auto& seg : f.a.snapshot().segments) ++(seg.expandable ? expandable_segments : ordinary_segments);
+  CHECK(expandable_segments == 21);
+  CHECK(ordinary_segments == 3);  // the other 3 streams' 4 MiB, in ordinary segments
+  REQUIRE(warnings.messages().size() == 1);
+  CHECK(
+      warnings.contains("a virtual address range of 3.00 TiB could not be reserved (this allocator holds "
+                        "63.00 TiB of address space): ordinary segments are used from now on"));
+  for (auto& [p, s] : live) f.a.deallocate(p);
+  CHECK(f.invariants() == "");
+}
+
 TEST_CASE("address_space_upstream: virtual memory misuse is refused clearly") {
   gpukit::address_space_upstream u(64 * MiB);
   void* r = u.reserve(8 * MiB);

@@ -1076,7 +1076,7 @@ class basic_caching_allocator {
   // (never off) under the device lock once watch_contention_ sees threads wait for it on large blocks.
   std::atomic<bool> front_cache_large_{false};
   bool watch_contention_ = false;
-  bool vm_refused_ = false;  // the device has no virtual memory: expandable segments are not tried again
+  bool vm_refused_ = false;  // no virtual memory, or no range could be sized or reserved: not tried again
 
   mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
   using map_type = detail::sharded_pointer_map<block>;

@@ -934,7 +934,14 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
     map_.insert(b->address, b);
   } catch (...) {
     std::lock_guard<detail::spin_mutex> lock(mutex_);
-    free_allocated(b, false, false);  // never handed out: nothing can use it
+    // Never handed out, but its stream's earlier work may still use the memory (take() dropped the fence of a block
+    // reused on its own stream): fenced again, so that another stream cannot take it without waiting.
+    bool busy = true;
+    try {
+      busy = owner_may_be_busy(b, owner_expired(b));
+    } catch (...) {  // asking failed: assumed busy
+    }
+    free_allocated(b, busy, false);
     throw;
   }
   if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, b);
@@ -1738,6 +1745,13 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow(std::uniqu
   lock.lock();
   in_flight_ -= segment_bytes;
   if (p == nullptr) return nullptr;
+  if (!within_limit(segment_bytes)) {  // lowered meanwhile (set_reserved_limit from another thread): kept no more
+    lock.unlock();
+    upstream_.deallocate(p, segment_bytes);
+    lock.lock();
+    limit_hit = true;
+    return nullptr;
+  }
   std::unique_ptr<segment> seg;
   block* b = nullptr;
   try {
@@ -1812,6 +1826,10 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
                                   "address range could be sized",
                               cudaSuccess, {}, device_ordinal());
       }
+      vm_refused_ = true;  // once, rather than asked again at every growth
+      detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", device_,
+                         ", but the size of its memory (or its page) is unknown, so no address range could be sized: "
+                         "ordinary segments are used");
       return nullptr;
     }
     // Four times the device's memory (at most 4 TiB): holes left by freed blocks use address space too, and
@@ -1841,6 +1859,15 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
     if (p == nullptr) {
       recycle(b);
       refused_range = range;  // allocate_slow says so (with the request and the lock) if ranges are required
+      if (!options_.expandable_segments_required) {
+        // Once, rather than a reservation tried at every growth and streams left with both kinds of segment.
+        vm_refused_ = true;
+        detail::warn_parts("gpukit: expandable segments were asked for the caching allocator of ", device_,
+                           ", but a virtual address range of ", detail::bytes_part{range},
+                           " could not be reserved (this allocator holds ",
+                           detail::bytes_part{address_space_.load(std::memory_order_relaxed)},
+                           " of address space): ordinary segments are used from now on");
+      }
       return nullptr;
     }
     seg->expandable = true;
