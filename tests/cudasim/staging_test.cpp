@@ -1,8 +1,15 @@
 // The staging engine on the simulated runtime, where what a GPU leaves to chance is fixed: a destroyed stream's
 // handle is handed to the next stream created (LIFO), and the host functions of all streams of a device run one at a
 // time on one thread. Staged copies must not mistake a new stream for a dead one, must not keep rings of dead
-// streams, and must not depend on host functions (which another stream's host function can hold back).
+// streams, and must not depend on host functions (which another stream's host function can hold back). Also: a CUDA
+// failure partway through a staged copy names the chunk and what may still land; copies on the legacy default stream
+// are refused while another thread captures a blocking stream; and (here for its fault injection) resource_upstream
+// keeps a failed wait's error when the cleanup free fails too.
+#include <gpukit/memory/memory_resource.hpp>  // first: it sets up CCCL's concepts (see its file comment)
+#include <gpukit/memory/resource_upstream.hpp>
+
 #include <gpukit/gpukit.hpp>
+#include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
@@ -722,4 +729,186 @@ TEST_CASE("sim staging: errors of to_device and to_host name the call made") {
   CHECK(copy.rfind("gpukit::copy_async: ", 0) == 0);
   CHECK(copy.find("where host memory is expected") != std::string::npos);
   s.synchronize();
+}
+
+TEST_CASE("sim staging: a CUDA failure partway through a staged copy names the call, the chunk and what may land") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_options o;
+  o.chunk_bytes = MiB;
+  o.min_chunk_bytes = MiB / 4;
+  o.slots = 4;
+  o.download_slots = 2;
+  gpukit::staging_engine engine(pool, o);
+  gpukit::stream s(gpukit::device::cuda(0));
+  REQUIRE(engine.chunk_for(6 * MiB) == MiB);
+  device_memory d(6 * MiB);
+  const auto source = pattern(6 * MiB, 1);
+  // The third chunk's DMA fails (cudaErrorInvalidValue: invalid_argument_error, as the bare failure is).
+  cudasim::fail_call("cudaMemcpyAsync", 3, cudaErrorInvalidValue);
+  std::string up;
+  try {
+    engine.to_device(d.p, source.data(), source.size(), s);
+    FAIL("to_device did not throw");
+  } catch (const gpukit::invalid_argument_error& e) {
+    up = e.what();
+    CHECK(e.cuda_result() == cudaErrorInvalidValue);
+    CHECK(e.device() == 0);
+    CHECK(e.call().find("cudaMemcpyAsync") != std::string_view::npos);
+  }
+  INFO(up);
+  CHECK(up.rfind("gpukit::staging_engine::to_device: the chunk of 1.00 MiB (1048576 bytes) at byte offset 2097152 of a "
+                 "6.00 MiB (6291456 bytes) transfer to cuda:0 failed: cudaMemcpyAsync(1048576 bytes) failed on cuda:0",
+                 0) == 0);
+  CHECK(up.find("; its first 2097152 bytes were enqueued before and may still be written to the destination") !=
+        std::string::npos);
+  cudasim::clear_faults();
+  s.synchronize();
+  // Device to host: chunks 0 and 1 copied out, then the DMA of chunk 3 fails (cudaErrorUnknown: cuda_error).
+  engine.to_device(d.p, source.data(), source.size(), s);
+  std::vector<unsigned char> back(source.size(), 0);
+  cudasim::fail_call("cudaMemcpyAsync", 4, cudaErrorUnknown);
+  std::string down;
+  try {
+    engine.to_host(back.data(), d.p, back.size(), s);
+    FAIL("to_host did not throw");
+  } catch (const gpukit::cuda_error& e) {
+    down = e.what();
+    CHECK(e.cuda_result() == cudaErrorUnknown);
+    CHECK(e.code() == gpukit::errc::cuda);
+  }
+  INFO(down);
+  CHECK(down.rfind("gpukit::staging_engine::to_host: the chunk of 1.00 MiB (1048576 bytes) at byte offset 3145728 of a "
+                   "6.00 MiB (6291456 bytes) transfer from cuda:0 failed: cudaMemcpyAsync(1048576 bytes) failed",
+                   0) == 0);
+  CHECK(down.find("; the first 2097152 bytes of the destination were written; nothing more will be") !=
+        std::string::npos);
+  CHECK(std::equal(back.begin(), back.begin() + 2 * MiB, source.begin()));
+  cudasim::clear_faults();
+  (void)cudasim::take_violations();
+  // The rings work afterwards.
+  std::fill(back.begin(), back.end(), 0);
+  engine.to_host(back.data(), d.p, back.size(), s);
+  CHECK(back == source);
+  s.synchronize();
+}
+
+namespace {
+gpukit::stream blocking_stream(gpukit::device d) {
+  gpukit::stream_options options;
+  options.non_blocking = false;
+  return gpukit::stream(d, options);
+}
+}  // namespace
+
+TEST_CASE(
+    "sim staging: copies on the legacy default stream are refused while another thread captures a blocking stream") {
+  // CUDA never captures the legacy stream (capture_status says none), but work on it joins a capture of any blocking
+  // stream of its device and invalidates it (906, then 901 at the end). A copy there must be refused instead, under the
+  // guard event::record and stream_view::synchronize take on that stream.
+  const gpukit::device d = gpukit::device::cuda(0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(d);
+  gpukit::stream blocking = blocking_stream(d);
+  device_memory memory(MiB);
+  gpukit::device_span<unsigned char> dst(static_cast<unsigned char*>(memory.p), MiB, d);
+  const std::vector<unsigned char> pageable(MiB, 7);
+  gpukit::pinned_buffer<unsigned char> pinned(MiB, d);
+  const auto copy_during_capture = [&](auto&& source) {
+    std::string refusal;
+    std::string capture_error;
+    bool returned = true;
+    {
+      gpukit_test::bounded_calls calls;  // a copy that waited for the capture to end would wait for this thread
+      try {
+        gpukit::graph g = gpukit::capture(blocking, [&] {
+          returned = calls.returned_within([&] {
+            try {
+              gpukit::copy_async(dst, source, legacy);
+            } catch (const gpukit::invalid_argument_error& e) {
+              refusal = e.what();
+            }
+          });
+        });
+      } catch (const std::exception& e) {
+        capture_error = e.what();
+      }
+    }
+    CHECK(returned);
+    INFO("refusal: " << refusal);
+    CHECK(capture_error.empty());  // the capture was not invalidated
+    CHECK(refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
+    CHECK(refusal.find("cudaMemcpyAsync on the legacy default stream") != std::string::npos);
+    CHECK(cudasim::take_violations().empty());
+  };
+  SUBCASE("staged (pageable source)") { copy_during_capture(pageable); }
+  SUBCASE("one DMA (pinned source)") { copy_during_capture(pinned); }
+  // After the capture the legacy stream copies again.
+  gpukit::copy_async(dst, pageable, legacy);
+  legacy.synchronize();
+  std::vector<unsigned char> back(MiB, 0);
+  REQUIRE(cudaMemcpy(back.data(), memory.p, MiB, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(back == pageable);
+}
+
+namespace {
+/// A stream-ordered cuda::mr resource (both of CCCL's shapes) over cudaMallocAsync whose stream-ordered free refuses
+/// (throws), keeping the pointer for the test to free.
+struct refusing_free_resource {
+  std::shared_ptr<std::vector<void*>> refused = std::make_shared<std::vector<void*>>();
+  void* allocate_on(cudaStream_t s, std::size_t bytes) {
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, s) != cudaSuccess) throw std::bad_alloc();
+    return p;
+  }
+  void refuse(void* p) {
+    refused->push_back(p);
+    throw std::runtime_error("refusing_free_resource: free refused");
+  }
+  void* allocate_sync(std::size_t bytes, std::size_t) { return allocate_on(nullptr, bytes); }
+  void deallocate_sync(void* p, std::size_t, std::size_t) noexcept { (void)cudaFree(p); }
+#if CCCL_VERSION >= 3001000
+  void* allocate(::cuda::stream_ref s, std::size_t bytes, std::size_t) { return allocate_on(s.get(), bytes); }
+  void deallocate(::cuda::stream_ref, void* p, std::size_t, std::size_t) { refuse(p); }
+#else
+  void* allocate(std::size_t bytes, std::size_t alignment) { return allocate_sync(bytes, alignment); }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept { deallocate_sync(p, bytes, alignment); }
+  void* allocate_async(std::size_t bytes, std::size_t, ::cuda::stream_ref s) { return allocate_on(s.get(), bytes); }
+  void deallocate_async(void* p, std::size_t, std::size_t, ::cuda::stream_ref) { refuse(p); }
+#endif
+  bool operator==(const refusing_free_resource& other) const noexcept { return refused == other.refused; }
+  bool operator!=(const refusing_free_resource& other) const noexcept { return refused != other.refused; }
+  friend void get_property(const refusing_free_resource&, ::cuda::mr::device_accessible) noexcept {}
+};
+static_assert(gpukit::resource_upstream<refusing_free_resource>::stream_ordered, "stream-ordered");
+}  // namespace
+
+TEST_CASE("resource_upstream: a failed wait for an allocation is thrown even when giving the segment back fails too") {
+  // The wait for a stream-ordered allocation fails; the segment's free in the handler throws as well. That second
+  // exception must not replace the first (the caller would see the resource's complaint, not CUDA's failure).
+  const gpukit::device d = gpukit::device::cuda(0);
+  refusing_free_resource resource;
+  gpukit::resource_upstream<refusing_free_resource> upstream(resource, d);
+  gpukit_test::captured_warnings warnings;
+  cudasim::fail_call("cudaStreamSynchronize", 1, cudaErrorUnknown);
+  std::string thrown;
+  bool gpukit_error = false;
+  cudaError_t result = cudaSuccess;
+  try {
+    (void)upstream.allocate(MiB);
+    FAIL("allocate did not throw");
+  } catch (const gpukit::error& e) {
+    gpukit_error = true;
+    result = e.cuda_result();
+    thrown = e.what();
+  } catch (const std::exception& e) {
+    thrown = e.what();
+  }
+  cudasim::clear_faults();
+  INFO(thrown);
+  CHECK(gpukit_error);
+  CHECK(result == cudaErrorUnknown);
+  CHECK(thrown.find("cudaStreamSynchronize (upstream allocations)") != std::string::npos);
+  CHECK(warnings.contains("could not be given back to its resource either (refusing_free_resource: free refused)"));
+  REQUIRE(resource.refused->size() == 1);
+  REQUIRE(cudaFree(resource.refused->front()) == cudaSuccess);  // the test's: the resource kept it
+  (void)cudasim::take_violations();
 }

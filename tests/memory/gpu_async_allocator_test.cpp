@@ -1,6 +1,7 @@
 // GPU tests of async_allocator, cudaMallocAsync behind device_allocator (label gpu; on the simulator as *_sim):
 // normal use with data through the memory, statistics, record_stream ordering, out of memory with observers, bad
-// input; and the caching allocator over async_pool_upstream (segments from the same pool). Skipped with
+// input; and the caching allocator over async_pool_upstream (segments from the same pool; the pool's release
+// threshold and what is left in the pool once the upstream is gone). Skipped with
 // GPUKIT_TEST_SKIPPED without a GPU.
 #include "allocator_support.hpp"
 #include "release_order_check.hpp"
@@ -15,6 +16,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -236,4 +239,89 @@ TEST_CASE(
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(d);
   check_release_in_stream_order(a, d);
+}
+
+TEST_CASE(
+    "gpu: async_pool_upstream raises only CUDA's default release threshold, and when destroyed trims the pool and "
+    "puts the default back") {
+  // A pool at CUDA's default (0) would hand every segment given back to the driver at the next synchronization, so
+  // the upstream raises it; a threshold someone set is theirs. Destroyed, the upstream must leave neither the raised
+  // threshold nor the memory it used reserved in the pool (cudaMalloc could not use it).
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  cudaMemPool_t pool = nullptr;
+  GPUKIT_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, d.ordinal()));
+  const auto threshold = [&] {
+    cuuint64_t value = 0;
+    GPUKIT_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &value));
+    return value;
+  };
+  const auto set_threshold = [&](cuuint64_t value) {
+    GPUKIT_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &value));
+  };
+  const auto reserved = [&] {
+    cuuint64_t value = 0;
+    GPUKIT_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &value));
+    return value;
+  };
+  const cuuint64_t found = threshold();  // put back at the end: the pool is the process's
+  constexpr std::size_t bytes = std::size_t{64} << 20;
+  constexpr cuuint64_t keep_all = std::numeric_limits<std::size_t>::max();
+  using allocator = gpukit::caching_device_allocator<gpukit::async_pool_upstream>;
+  const auto use = [&](allocator& a) {
+    void* p = a.allocate(bytes, s);
+    a.deallocate(p);
+    s.synchronize();
+  };
+  SUBCASE("CUDA's default is raised while the upstream lives; afterwards it is back and the memory is trimmed") {
+    set_threshold(0);
+    GPUKIT_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
+    cuuint64_t kept = 0;
+    {
+      allocator a(d);
+      use(a);
+      CHECK(threshold() == keep_all);
+      a.empty_cache();
+      GPUKIT_CUDA_TRY(cudaDeviceSynchronize());  // the frees in stream order, and a synchronization point
+      kept = reserved();
+      CHECK(kept >= bytes);  // given back to the pool, which keeps it
+    }
+    CHECK(threshold() == 0);
+    CHECK(reserved() + bytes <= kept);  // trimmed: back to the driver
+  }
+  SUBCASE("a threshold set by the user (async_allocator(d, 1 GiB)) is left alone, during and after") {
+    constexpr std::size_t GiB = std::size_t{1} << 30;
+    gpukit::async_allocator keep_1_gib(d, GiB);
+    REQUIRE(threshold() == GiB);
+    {
+      allocator a(d);
+      use(a);
+      CHECK(threshold() == GiB);
+    }
+    CHECK(threshold() == GiB);
+  }
+  SUBCASE("two upstreams over the pool: the threshold stays raised until the last one goes") {
+    set_threshold(0);
+    auto first = std::make_unique<allocator>(d);
+    use(*first);
+    {
+      allocator second(d);
+      use(second);
+      CHECK(threshold() == keep_all);
+      first.reset();
+      CHECK(threshold() == keep_all);  // `second` still counts on it
+    }
+    CHECK(threshold() == 0);
+  }
+  SUBCASE("a threshold changed while the upstream lives is the user's: not put back") {
+    set_threshold(0);
+    {
+      allocator a(d);
+      use(a);
+      set_threshold(std::size_t{256} << 20);
+    }
+    CHECK(threshold() == (std::size_t{256} << 20));
+  }
+  set_threshold(found);
 }

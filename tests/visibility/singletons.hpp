@@ -4,6 +4,7 @@
 
 #include <gpukit/gpukit.hpp>
 #include <gpukit/device/peer_access.hpp>
+#include <gpukit/memory/async_pool_upstream.hpp>
 
 #include <cstddef>
 
@@ -36,6 +37,14 @@ inline constexpr const char* singleton_names[] = {
     "mode_independent::capture_holds()",
     "mode_independent::out_of_memory_observer_ids()",
     "mode_independent::out_of_memory_observer_calls_v1() (this thread's)",
+    "mode_independent::gpukit_captures_on_this_thread() (this thread's)",
+    "mode_independent::gpukit_blocking_captures_underway(0)",
+    "mode_independent::gpukit_blocking_captures_on_this_thread(0) (this thread's)",
+    "mode_independent::gpukit_blocking_captures_begun(0)",
+    "mode_independent::legacy_stream_holds(0)",
+    "mode_independent::gpukit_capture_table_v1()",
+    "detail::stream_expirations()",
+    "mode_independent::raised_pool_thresholds_v1()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -75,6 +84,14 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::mode_independent::capture_holds(),
       &gpukit::mode_independent::out_of_memory_observer_ids(),
       &gpukit::mode_independent::out_of_memory_observer_calls_v1(),
+      &gpukit::mode_independent::gpukit_captures_on_this_thread(),
+      &gpukit::mode_independent::gpukit_blocking_captures_underway(0),
+      &gpukit::mode_independent::gpukit_blocking_captures_on_this_thread(0),
+      &gpukit::mode_independent::gpukit_blocking_captures_begun(0),
+      &gpukit::mode_independent::legacy_stream_holds(0),
+      &gpukit::mode_independent::gpukit_capture_table_v1(),
+      &gpukit::detail::stream_expirations(),
+      &gpukit::mode_independent::raised_pool_thresholds_v1(),
   }};
 }
 }  // namespace

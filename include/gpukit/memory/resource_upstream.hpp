@@ -219,7 +219,9 @@ class resource_upstream {
 
   /// A stream-ordered resource's allocation on gpukit's allocation stream of the device, waited for on the host: a
   /// segment must be usable on every stream at once (upstream.hpp), which a resource's "synchronous" call need not
-  /// promise (gpukit's device_memory_resource orders it on the current stream).
+  /// promise (gpukit's device_memory_resource orders it on the current stream). If the wait fails, the segment goes
+  /// back in the stream's order and the wait's error is thrown; should that free fail too, it is reported through
+  /// gpukit::warn (the segment may be lost), never thrown over the wait's error.
   void* allocate_ready(std::size_t bytes) {
     const ::cuda::stream_ref on(detail::upstream_stream(device_, detail::upstream_stream_use::allocations));
 #if CCCL_VERSION >= 3001000
@@ -230,14 +232,31 @@ class resource_upstream {
     try {
       detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::allocations);
     } catch (...) {
+      deallocate_after_failed_wait(on, p, bytes);
+      throw;
+    }
+    return p;
+  }
+
+  /// allocate_ready's cleanup, inside the handler of the wait's error: a free that throws would replace that error
+  /// (and leave the segment to nobody), so its failure is reported instead.
+  void deallocate_after_failed_wait(::cuda::stream_ref on, void* p, std::size_t bytes) noexcept {
+    const auto report = [&](const char* why) noexcept {
+      detail::warn_parts("gpukit::resource_upstream: a segment of ", detail::bytes_part{bytes, true}, " on ", device_,
+                         " whose allocation could not be waited for could not be given back to its resource either (",
+                         why, "); it may be lost");
+    };
+    try {
 #if CCCL_VERSION >= 3001000
       resource_.deallocate(on, p, bytes, upstream_alignment);
 #else
       resource_.deallocate_async(p, bytes, upstream_alignment, on);
 #endif
-      throw;
+    } catch (const std::exception& e) {
+      report(e.what());
+    } catch (...) {
+      report("a non-standard exception");
     }
-    return p;
   }
 
   /// Gives `held` and `extra` (if not null) back to the resource, on a CUDA device after the device's work. False

@@ -17,8 +17,10 @@
 /// out itself while the DMAs of the next chunks run. No host function is involved: CUDA may run the host functions of
 /// all streams of a device one at a time, so a copy that needed one could wait behind any other stream's.
 ///
-/// **Never a deadlock.** to_device waits for its stream's slots at most `patience` (20 ms by default) per call. If the
-/// stream has not released a slot by then — it may be held by work that only a later host action releases (a host
+/// **Never a deadlock.** When to_device finds the stream's next slot still busy, it waits for that slot at most
+/// `patience` (20 ms by default). Each slot wait gets the whole patience (it is not a deadline for the call), so a
+/// long transfer whose DMAs merely run slower than the host copies stays on the slots however long it takes. If no
+/// slot has come free for `patience` — the stream may be held by work that only a later host action releases (a host
 /// function waiting on a gate, an event not yet recorded) — the rest of the transfer is copied into ordinary heap
 /// memory and the call returns. A gpukit thread (one per such stream, while it has such work) then stages the rest
 /// through the same ring, on a side stream that starts after the stream's earlier work (an event), as the slots come
@@ -72,6 +74,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -88,6 +91,16 @@ inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view op
   throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
 }
 
+/// Rethrows `e`, met by the staging engine's `operation` ("to_device" or "to_host") on the chunk of `length` bytes at
+/// `offset` of a `total`-byte transfer on device `d`, as the same gpukit exception type with the same CUDA result,
+/// call, device, file and line; the message adds where the transfer stopped and what of it may still land: `done`
+/// is the bytes enqueued before the failure (to_device: they may still be written) or the bytes of the destination
+/// written (to_host: nothing more will be). Called inside the handler of `e`: out of host memory for the message,
+/// `e` is rethrown as it was.
+[[noreturn]] GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d,
+                                                    std::size_t offset, std::size_t length, std::size_t total,
+                                                    std::size_t done);
+
 /// What to do instead of staging in a capture.
 inline constexpr std::string_view capture_advice_staging =
     "pageable host memory is staged through pinned slots and events, which a graph cannot replay; during a capture "
@@ -101,7 +114,9 @@ enum class copy_direction : unsigned char { host_to_device, device_to_host, devi
 /// The default device copy step: one cudaMemcpyAsync (cudaMemcpyDefault) on a CUDA stream; a memcpy enqueued on a CPU
 /// stream (run at once on the CPU's synchronous default stream), so CPU copies are asynchronous and ordered like a
 /// GPU's. Throws like any gpukit CUDA call, and invalid_argument_error for another thread's per-thread default stream
-/// (cudaStreamPerThread would name this thread's).
+/// (cudaStreamPerThread would name this thread's) and, on the legacy default stream, while a gpukit capture of a
+/// blocking stream of its device is underway (the copy would join that capture and invalidate it; the same guard as
+/// event::record and stream_view::synchronize).
 ///
 /// A device copy step is any callable `(void* dst, const void* src, std::size_t bytes, copy_direction, stream_view)`
 /// that enqueues the copy on the stream, or throws having enqueued nothing.
@@ -127,8 +142,10 @@ struct staging_options {
   /// A chunk gets one thread per this many bytes, up to `threads` (8 for an 8 MiB chunk): waking a helper costs
   /// ~10 µs, copying 1 MiB ~50–100 µs.
   std::size_t bytes_per_thread = std::size_t{1} << 20;
-  /// How long to_device waits, in total per call, for slots the stream has not released before handing the rest of
-  /// the transfer to the stream's background thread (see the file comment).
+  /// How long to_device waits for one slot the stream has not released before handing the rest of the transfer to
+  /// the stream's background thread (see the file comment). Each slot wait gets its own patience: the rest is handed
+  /// over only when no slot has come free for this long, never because the call as a whole ran longer (a transfer
+  /// of many chunks that waits for slow DMAs stays on the slots). A stream held back hands over after one patience.
   std::chrono::microseconds patience{20000};
   /// Rings kept for distinct streams: when a ring is created while this many exist, idle ones are released (least
   /// recently used first).
@@ -175,18 +192,21 @@ class basic_staging_engine {
 
   /// Copies `bytes` of pageable host memory at `src` to device memory at `dst`, in the order of stream `s`. When it
   /// returns the source has been read in full (reuse it at once); the destination is written in stream order. Waits
-  /// for the stream's slots at most `patience`, then hands the rest over (see the file comment). If it throws, the
-  /// chunks already enqueued may still be written to the destination in stream order. Throws invalid_argument_error,
-  /// enqueueing nothing, while `s` is being captured (a graph cannot replay staging) or for another thread's
-  /// per-thread default stream. Out of host memory for a slot, it throws out_of_memory_error without emptying the
-  /// pinned pool's cache (that would wait for the device's work, which may be waiting for this call).
+  /// at most `patience` for each busy slot, then hands the rest over (see the file comment). If it throws, the
+  /// chunks already enqueued may still be written to the destination in stream order; a gpukit exception met while
+  /// staging a chunk is rethrown as the same type (same cuda_result()), its message naming the chunk's offset and
+  /// size. Throws invalid_argument_error, enqueueing nothing, while `s` is being captured (a graph cannot replay
+  /// staging) or for another thread's per-thread default stream. Out of host memory for a slot, it throws
+  /// out_of_memory_error without emptying the pinned pool's cache (that would wait for the device's work, which may
+  /// be waiting for this call).
   void to_device(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, and
   /// returns once `dst` holds the data: it waits for the stream's earlier work, as CUDA's cudaMemcpyAsync into
-  /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be.
-  /// Throws invalid_argument_error, enqueueing nothing, while `s` is being captured or for another thread's per-thread
-  /// default stream; out_of_memory_error as to_device.
+  /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be; a
+  /// gpukit exception met while staging a chunk is rethrown as the same type, naming the chunk and how much of the
+  /// destination was written. Throws invalid_argument_error, enqueueing nothing, while `s` is being captured or for
+  /// another thread's per-thread default stream; out_of_memory_error as to_device.
   void to_host(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Returns the slots of rings whose work has completed to the pool and forgets those rings (e.g. after a phase that
@@ -451,11 +471,69 @@ GPUKIT_END_NAMESPACE
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
 
+namespace detail {
+/// Throws an `Exception` like `e` (its CUDA result, call, device, file and line) with `message`; inside the handler of
+/// `e`, which is rethrown as it was should the new exception not fit in host memory.
+template <class Exception>
+[[noreturn]] void throw_like(const error& e, const std::string& message) {
+  std::optional<Exception> adorned;
+  try {
+    adorned.emplace(message, e.cuda_result(), std::string(e.call()), e.device(), e.file(), e.line());
+  } catch (...) {
+  }
+  if (!adorned) throw;
+  throw *adorned;  // copying a gpukit exception never throws
+}
+
+GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d, std::size_t offset,
+                                       std::size_t length, std::size_t total, std::size_t done) {
+  const bool upload = operation != "to_host";
+  std::string message;
+  try {
+    message = "gpukit::staging_engine::" + std::string(operation) + ": the chunk of " + format_bytes_exact(length) +
+              " at byte offset " + std::to_string(offset) + " of a " + format_bytes_exact(total) + " transfer " +
+              (upload ? "to " : "from ") + d.to_string() + " failed: " + e.what() + "; ";
+    if (!upload) {
+      message += "the first " + std::to_string(done) + " bytes of the destination were written; nothing more will be";
+    } else if (done == 0) {
+      message += "nothing of this transfer was enqueued";
+    } else {
+      message += "its first " + std::to_string(done) +
+                 " bytes were enqueued before and may still be written to the destination, in stream order";
+    }
+  } catch (...) {
+    message.clear();
+  }
+  if (message.empty()) throw;  // out of host memory: `e` as it was, rather than std::bad_alloc
+  switch (e.code()) {
+    case errc::no_device:
+      throw_like<no_device_error>(e, message);
+    case errc::out_of_memory:
+      throw_like<out_of_memory_error>(e, message);
+    case errc::invalid_argument:
+      throw_like<invalid_argument_error>(e, message);
+    case errc::cuda:
+      break;
+  }
+  throw_like<cuda_error>(e, message);
+}
+}  // namespace detail
+
 GPUKIT_INLINE void device_copier::operator()(void* dst, const void* src, std::size_t bytes,
                                              copy_direction /*direction*/, stream_view s) const {
   if (s.is_cpu()) return detail::cpu_backend::copy_async(dst, src, bytes, s.cpu_queue());
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("device_copier");
-  detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
+  const int ordinal = s.device().ordinal();
+  if (s.is_default() && !s.is_per_thread()) {
+    // A copy on the legacy stream joins a gpukit capture of a blocking stream begun meanwhile and invalidates it:
+    // enqueued under the hold that capture waits for, or refused (capture_status cannot tell: CUDA never captures
+    // the legacy stream itself).
+    const detail::legacy_stream_hold hold(ordinal);
+    detail::refuse_legacy_stream_join("device_copier (cudaMemcpyAsync on the legacy default stream)", s,
+                                      hold.refused());
+    return detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), ordinal);
+  }
+  detail::cuda_backend::copy_async(dst, src, bytes, s.native_handle(), ordinal);
 }
 
 GPUKIT_INLINE staging_engine& default_staging_engine(device d) {

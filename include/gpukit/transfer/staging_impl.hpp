@@ -63,30 +63,36 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
     hand_over(r, s, out, in, bytes, chunk, true);
   } else {
     dispose_orphans(r);
-    const auto deadline = std::chrono::steady_clock::now() + options_.patience;
     while (offset < bytes) {
       const std::size_t length = std::min(chunk, bytes - offset);
       slot& sl = ln.slots[ln.next];
-      if (sl.used && !sl.done.ready()) {
-        ++waits;
-        const auto start = std::chrono::steady_clock::now();
-        const bool freed = wait_until(sl.done, deadline);
-        waited += std::chrono::steady_clock::now() - start;
-        if (!freed) {
-          hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
-          break;
+      bool copy_enqueued = false;
+      try {
+        if (sl.used && !sl.done.ready()) {
+          ++waits;
+          // Each wait gets the whole patience: only a slot that stays busy that long means the stream is held (a
+          // deadline for the call would hand over any long transfer whose DMAs are merely slower than the host).
+          const auto start = std::chrono::steady_clock::now();
+          const bool freed = wait_until(sl.done, start + options_.patience);
+          waited += std::chrono::steady_clock::now() - start;
+          if (!freed) break;
         }
+        grow_idle_slot(sl, chunk);
+        const auto copy_start = std::chrono::steady_clock::now();
+        parallel_copy(sl.ptr, in + offset, length, threads_for(length), options_.streaming_stores);
+        copying += std::chrono::steady_clock::now() - copy_start;
+        copier_(out + offset, sl.ptr, length, copy_direction::host_to_device, s);
+        copy_enqueued = true;
+        record_done(sl, s);
+      } catch (const error& e) {
+        detail::throw_chunk_failure(e, "to_device", r.dev, offset, length, bytes,
+                                    offset + (copy_enqueued ? length : 0));
       }
-      grow_idle_slot(sl, chunk);
-      const auto copy_start = std::chrono::steady_clock::now();
-      parallel_copy(sl.ptr, in + offset, length, threads_for(length), options_.streaming_stores);
-      copying += std::chrono::steady_clock::now() - copy_start;
-      copier_(out + offset, sl.ptr, length, copy_direction::host_to_device, s);
-      record_done(sl, s);
       ln.next = (ln.next + 1) % ln.slots.size();
       offset += length;
       ++chunks;
     }
+    if (offset < bytes) hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
   }
   std::lock_guard<std::mutex> lock(stats_mutex_);
   ++stats_.to_device_calls;
@@ -125,14 +131,23 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
     record_done(sl, s);
   };
   std::size_t enqueued = 0;
-  for (; enqueued < std::min(depth, count); ++enqueued) enqueue(enqueued);
-  for (std::size_t k = 0; k < count; ++k) {
-    slot& sl = ln.slots[(first + k) % depth];
-    const std::size_t offset = k * chunk;
-    const std::size_t length = std::min(chunk, bytes - offset);
-    sl.done.synchronize();
-    parallel_copy(out + offset, sl.ptr, length, threads_for(length));
-    if (enqueued < count) enqueue(enqueued++);
+  std::size_t written = 0;  // bytes of the destination copied out of the slots
+  std::size_t failing = 0;  // the chunk being enqueued or copied out, for an error's message
+  try {
+    for (; enqueued < std::min(depth, count); ++enqueued) enqueue(failing = enqueued);
+    for (std::size_t k = 0; k < count; ++k) {
+      slot& sl = ln.slots[(first + k) % depth];
+      const std::size_t offset = k * chunk;
+      const std::size_t length = std::min(chunk, bytes - offset);
+      failing = k;
+      sl.done.synchronize();
+      parallel_copy(out + offset, sl.ptr, length, threads_for(length));
+      written += length;
+      if (enqueued < count) enqueue(failing = enqueued++);
+    }
+  } catch (const error& e) {
+    const std::size_t offset = failing * chunk;
+    detail::throw_chunk_failure(e, "to_host", lease.r->dev, offset, std::min(chunk, bytes - offset), bytes, written);
   }
   ln.next = (first + count) % depth;
   std::lock_guard<std::mutex> lock(stats_mutex_);
