@@ -13,6 +13,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -54,16 +55,19 @@ TEST_CASE("vmm: a caching allocator with expandable segments maps device pages o
   gpukit::device_buffer<int> again(host.size(), s, a);  // reuses the mapped pages
   CHECK(cudasim::calls("cuMemMap") == 6);
   again = gpukit::device_buffer<int>();
+  const std::size_t event_waits = cudasim::calls("cudaEventSynchronize");
   a.empty_cache();
   CHECK(a.memory_reserved() == 0);
   CHECK(cudasim::calls("cuMemUnmap") == 6);
-  CHECK(cudasim::calls("cudaDeviceSynchronize") == 1);  // once for the run of 6 pages, as one cudaFree would
+  // Once for the run of 6 pages: for an event on the stream that used them, not for the whole device.
+  CHECK(cudasim::calls("cudaEventSynchronize") == event_waits + 1);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == 0);
   CHECK(cudasim::calls("cuMemAddressFree") == 1);
   CHECK(cudasim::device_memory_used(0) == used_before);
   CHECK(cudasim::calls("cudaMalloc") == 0);
 }
 
-TEST_CASE("vmm: empty_cache waits for the device without the allocator's lock and keeps pages freed meanwhile") {
+TEST_CASE("vmm: empty_cache waits for the pages' stream without the allocator's lock and keeps pages freed meanwhile") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   gpukit::allocator_options o = expandable();
@@ -74,18 +78,20 @@ TEST_CASE("vmm: empty_cache waits for the device without the allocator's lock an
   void* late = a.allocate(4 * MiB, s);   // pages 4-5
   a.deallocate(first);
   void* during = nullptr;
-  const std::size_t waits = cudasim::calls("cudaDeviceSynchronize");
+  const std::size_t waits = cudasim::calls("cudaEventSynchronize");
   const std::size_t unmaps = cudasim::calls("cuMemUnmap");
-  // Another thread's calls while the device is waited for, made deterministic: with the lock held they would never
+  // Another thread's calls while the stream is waited for, made deterministic: with the lock held they would never
   // return. `late` is freed after the wait began (on a GPU, work queued then could outlast it), so its pages stay;
   // `during` is in use.
-  cudasim::before_call("cudaDeviceSynchronize", 1, [&] {
+  cudasim::before_call("cudaEventSynchronize", 1, [&] {
     GPUKIT_CUDA_TRY(cudaMemsetAsync(late, 0, 4 * MiB, s.cuda_handle()));
     a.deallocate(late);
     during = a.allocate(2 * MiB, s);  // the first half of first's free block: page 0
   });
-  a.empty_cache();
-  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 1);
+  gpukit_test::bounded_calls bounded;  // a wait made with the lock held would never return
+  CHECK(bounded.returned_within([&] { a.empty_cache(); }));
+  CHECK(cudasim::calls("cudaEventSynchronize") == waits + 1);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == 0);
   CHECK(during == first);
   CHECK(cudasim::calls("cuMemUnmap") == unmaps + 1);  // page 1 only: free since before the wait
   CHECK(a.memory_reserved() == 10 * MiB);
@@ -100,7 +106,7 @@ TEST_CASE("vmm: empty_cache waits for the device without the allocator's lock an
   a.deallocate(keep);
   const std::size_t range_frees = cudasim::calls("cuMemAddressFree");
   a.empty_cache();  // the whole range: one wait for its two runs of pages (0, and 2-3)
-  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 3);
+  CHECK(cudasim::calls("cudaEventSynchronize") == waits + 3);
   CHECK(cudasim::calls("cuMemUnmap") == unmaps + 6);
   CHECK(cudasim::calls("cuMemAddressFree") == range_frees + 1);
   CHECK(a.memory_reserved() == 0);
@@ -381,7 +387,7 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
   CHECK(a.memory_reserved() == 0);
 }
 
-TEST_CASE("vmm: pages stay mapped and in use when the device cannot be waited for before unmapping them") {
+TEST_CASE("vmm: pages stay mapped and in use when their stream cannot be waited for before unmapping them") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   gpukit::caching_allocator a(d, expandable());
@@ -393,9 +399,9 @@ TEST_CASE("vmm: pages stay mapped and in use when the device cannot be waited fo
   {
     // trim: the free block's pages are kept, and the allocator learns they are still mapped.
     gpukit_test::captured_warnings warnings;
-    cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+    cudasim::fail_call("cudaEventSynchronize", 1, cudaErrorUnknown);
     CHECK(a.trim(4 * MiB) == 8 * MiB);
-    CHECK(warnings.contains("cudaDeviceSynchronize (before unmapping pages)"));
+    CHECK(warnings.contains("cudaEventSynchronize (before unmapping pages)"));
     CHECK(warnings.contains("cuda:0"));
   }
   CHECK(cudasim::calls("cuMemUnmap") == unmaps);
@@ -417,25 +423,39 @@ TEST_CASE("vmm: pages stay mapped and in use when the device cannot be waited fo
   CHECK(cudasim::take_violations().empty());
 }
 
-TEST_CASE("vmm: a segment whose pages cannot be unmapped on empty_cache is kept reserved, with a warning") {
+TEST_CASE("vmm: a free segment whose pages cannot be unmapped on empty_cache stays reserved and counted until later") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   gpukit::caching_allocator a(d, expandable());
   const std::size_t used_before = cudasim::device_memory_used(0);
-  a.deallocate(a.allocate(4 * MiB, s));
+  void* p = a.allocate(4 * MiB, s);
+  a.deallocate(p);
   const std::size_t frees = cudasim::calls("cuMemAddressFree");
-  gpukit_test::captured_warnings warnings;
-  const std::size_t waits = cudasim::calls("cudaDeviceSynchronize");
-  cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
-  a.empty_cache();
-  CHECK(cudasim::calls("cudaDeviceSynchronize") == waits + 1);  // one wait for the segment's run of pages
-  CHECK(warnings.contains("keeps an expandable segment"));
+  const std::size_t waits = cudasim::calls("cudaEventSynchronize");
+  {
+    gpukit_test::captured_warnings warnings;
+    // Whichever wait the allocator makes fails once (the other stays armed: cleared below).
+    cudasim::fail_call("cudaEventSynchronize", 1, cudaErrorUnknown);
+    cudasim::fail_call("cudaDeviceSynchronize", 1, cudaErrorUnknown);
+    a.empty_cache();
+    CHECK(warnings.contains("before unmapping pages"));
+  }
+  cudasim::clear_faults();
+  CHECK(cudasim::calls("cudaEventSynchronize") == waits + 1);  // one wait for the segment's run of pages
   CHECK(cudasim::calls("cuMemAddressFree") == frees);  // never freed with pages mapped (the simulator would object)
-  CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);  // leaked, as after a failed cudaFree
-  CHECK(cudasim::take_violations().empty());
-  a.deallocate(a.allocate(4 * MiB, s));  // the allocator stays usable: a new segment
-  a.empty_cache();
   CHECK(cudasim::device_memory_used(0) == used_before + 4 * MiB);
+  // Still the allocator's, counted and usable (it was unlinked: 4 MiB mapped for good, memory_reserved() 0).
+  CHECK(a.memory_reserved() == 4 * MiB);
+  CHECK(a.snapshot().segments.size() == 1);
+  void* again = a.allocate(4 * MiB, s);
+  CHECK(again == p);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(again, 0, 4 * MiB, s.cuda_handle()));
+  a.deallocate(again);
+  a.empty_cache();  // a release that can wait: pages and range go
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::calls("cuMemAddressFree") == frees + 1);
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::take_violations().empty());
 }
 
 TEST_CASE("vmm: a page that cuMemUnmap refuses stays mapped: mapping it again keeps it, and the release unmaps it") {
@@ -543,4 +563,126 @@ TEST_CASE("vmm: a page handle cuMemRelease refuses is an error naming it, the pa
   CHECK(a.memory_reserved() == 0);
   CHECK(cudasim::device_memory_used(0) == used_before + 2 * MiB);  // the handle never released
   CHECK(cudasim::take_violations().empty());
+}
+
+namespace {
+
+/// Begins a capture in global mode on a new non-blocking stream (one memset of `scratch` in it).
+cudaStream_t begin_global_capture(void* scratch) {
+  cudaStream_t cs = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(scratch, 0, MiB, cs) == cudaSuccess);
+  return cs;
+}
+
+/// Ends the capture begun on `cs` and destroys the stream; the result of cudaStreamEndCapture.
+cudaError_t end_capture(cudaStream_t cs) {
+  cudaGraph_t g = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(cs, &g);
+  if (g != nullptr) cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+  cudaStreamDestroy(cs);
+  return end;
+}
+
+}  // namespace
+
+TEST_CASE("vmm: a release beside another thread's capture waits for the pages' stream, and the capture survives") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  void* scratch = nullptr;
+  REQUIRE(cudaMalloc(&scratch, MiB) == cudaSuccess);
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  void* live = a.allocate(4 * MiB, s);
+  a.deallocate(a.allocate(4 * MiB, s));  // free pages beside a live block
+  gpukit::stream other(d);
+  a.deallocate(a.allocate(8 * MiB, other));  // a whole free range
+  // The legacy default stream's too: an event there leaves a capture of a non-blocking stream intact.
+  a.deallocate(a.allocate(2 * MiB, gpukit::stream_view::default_stream(d)));
+  const cudaStream_t cs = begin_global_capture(scratch);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  std::thread([&] { a.empty_cache(); }).join();  // an unrelated thread trims the cache meanwhile
+  // A device-wide wait fails during the capture (900, relaxed mode too) and invalidates it; cudaFree does not.
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  CHECK(a.memory_reserved() == 4 * MiB);
+  CHECK(end_capture(cs) == cudaSuccess);  // it was cudaErrorStreamCaptureInvalidated
+  std::thread([&] { a.set_reserved_limit(2 * MiB); }).join();
+  a.deallocate(live);
+  a.set_reserved_limit(gpukit::allocator_options::unlimited);
+  a.empty_cache();
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::take_violations().empty());
+  cudaFree(scratch);
+}
+
+TEST_CASE("vmm: free pages of a stream being captured are waited for by no release: they stay mapped until later") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream captured(d);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  void* scratch = nullptr;
+  REQUIRE(cudaMalloc(&scratch, MiB) == cudaSuccess);
+  const std::size_t used_before = cudasim::device_memory_used(0);
+  a.deallocate(a.allocate(8 * MiB, captured));  // its range: all free
+  a.deallocate(a.allocate(4 * MiB, s));
+  REQUIRE(cudaStreamBeginCapture(captured.cuda_handle(), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(scratch, 0, MiB, captured.cuda_handle()) == cudaSuccess);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  // From another thread, and from the capturing one: the captured stream holds no live allocation, so neither
+  // empty_cache is refused; an event recorded on it would be the graph's, and the device's wait fails (900) and
+  // invalidates the capture.
+  std::thread([&] { a.empty_cache(); }).join();
+  CHECK(a.memory_reserved() == 8 * MiB);  // s's pages went
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 8 * MiB);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  cudaGraph_t g = nullptr;
+  CHECK(cudaStreamEndCapture(captured.cuda_handle(), &g) == cudaSuccess);  // it was cudaErrorStreamCaptureInvalidated
+  if (g != nullptr) cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+  a.empty_cache();  // the capture has ended: its pages go now
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::device_memory_used(0) == used_before);
+  CHECK(cudasim::take_violations().empty());
+  cudaFree(scratch);
+}
+
+TEST_CASE("vmm: an allocation does not wait for a captured stream's free pages: out of memory, capture intact") {
+  cudasim::machine_config machine = cudasim::default_machine(1);
+  machine.devices[0].total_memory = 64 * MiB;
+  machine.context_bytes = 16 * MiB;
+  if (!cudasim::configure_or_skip(machine)) return;
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream captured(d);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  void* scratch = nullptr;
+  REQUIRE(cudaMalloc(&scratch, MiB) == cudaSuccess);
+  a.deallocate(a.allocate(32 * MiB, captured));  // cached, mapped: what an allocation on s would need
+  REQUIRE(cudaStreamBeginCapture(captured.cuda_handle(), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(scratch, 0, MiB, captured.cuda_handle()) == cudaSuccess);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  bool out_of_memory = false;
+  std::thread([&] {
+    try {
+      a.deallocate(a.allocate(32 * MiB, s));
+    } catch (const gpukit::out_of_memory_error&) {
+      out_of_memory = true;
+    }
+  }).join();
+  CHECK(out_of_memory);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  CHECK(a.memory_reserved() == 32 * MiB);
+  cudaGraph_t g = nullptr;
+  CHECK(cudaStreamEndCapture(captured.cuda_handle(), &g) == cudaSuccess);  // it was cudaErrorStreamCaptureInvalidated
+  if (g != nullptr) cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+  void* p = a.allocate(32 * MiB, s);  // the capture has ended: the captured stream's pages go for it
+  a.deallocate(p);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::take_violations().empty());
+  cudaFree(scratch);
 }

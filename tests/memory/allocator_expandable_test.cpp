@@ -9,12 +9,23 @@
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
+#include <gpukit/stream/event.hpp>
+#include <gpukit/stream/stream.hpp>
+
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 using namespace gpukit_test;
 
@@ -502,15 +513,51 @@ TEST_CASE("expandable segments: the ranges of several streams going back in one 
   CHECK(f.a.upstream().device_waits() == 1);
   CHECK(f.a.snapshot().segments.empty());
   CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: a range whose wait failed stays reserved and counted, and the next release frees it") {
+  waiting_setup f;
   void* d = f.a.allocate(4 * MiB, f.s0);
   f.a.deallocate(d);
   f.a.upstream().fail_wait = true;
-  gpukit_test::captured_warnings warnings;
-  f.a.empty_cache();  // the wait fails: the range keeps its pages and stays reserved (leaked, as after a failed
-                      // cudaFree)
-  CHECK(warnings.contains("keeps an expandable segment of"));
+  {
+    gpukit_test::captured_warnings warnings;
+    f.a.empty_cache();  // the wait fails: the range keeps its pages, and stays the allocator's (it was unlinked
+                        // first, its pages mapped for good and counted nowhere: memory_reserved() said 0)
+    CHECK_FALSE(warnings.contains("keeps an expandable segment of"));
+  }
   CHECK(f.a.upstream().used() == 2 * page);
+  CHECK(f.a.memory_reserved() == 2 * page);
+  CHECK(f.a.snapshot().segments.size() == 1);
+  CHECK(f.a.stats().expandable_address_space == 4 * GiB);
+  CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
+  void* again = f.a.allocate(4 * MiB, f.s0);  // its pages serve again
+  CHECK(again == d);
+  CHECK(f.a.stats().num_device_alloc == 2);
+  f.a.deallocate(again);
+  f.a.upstream().fail_wait = false;
+  f.a.empty_cache();  // a release that can wait: the pages and the range go
+  CHECK(f.a.upstream().used() == 0);
   CHECK(f.a.memory_reserved() == 0);
+  CHECK(f.a.snapshot().segments.empty());
+  CHECK(f.a.stats().expandable_address_space == 0);
+}
+
+TEST_CASE("expandable segments: one release waits once for the ranges it gives back and the free pages of others") {
+  waiting_setup f;
+  const fake_stream s1{f.world.add_stream()};
+  f.a.deallocate(f.a.allocate(4 * MiB, f.s0));  // s0's range: all free, given back whole
+  void* live = f.a.allocate(4 * MiB, s1);
+  f.a.deallocate(f.a.allocate(4 * MiB, s1));  // s1's range: 2 free pages beside a live block
+  CHECK(f.a.memory_reserved() == 6 * page);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().device_waits() == 1);  // it was 2: one for the ranges, another for the free pages
+  CHECK(f.a.memory_reserved() == 2 * page);
+  CHECK(f.a.snapshot().segments.size() == 1);
+  f.a.deallocate(live);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().device_waits() == 2);
+  CHECK(f.a.upstream().used() == 0);
 }
 
 TEST_CASE("expandable segments: no device wait without a free page to unmap, and a failed wait unmaps nothing") {
@@ -535,6 +582,302 @@ TEST_CASE("expandable segments: no device wait without a free page to unmap, and
   f.a.deallocate(again);
   CHECK(f.a.trim(0) == 2 * page);  // a's pages; keep's stay
   CHECK(f.a.upstream().device_waits() == 1);
+  f.a.deallocate(keep);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+namespace {
+// address_space_upstream that waits for the allocator's events before pages are unmapped (wait_before_unmap(after)),
+// as cuda_upstream does with cudaEventSynchronize: which streams a release waits for, and that no other work is.
+struct event_waiting_upstream : gpukit::address_space_upstream {
+  using address_space_upstream::address_space_upstream;
+  using address_space_upstream::wait_before_unmap;  // the whole device's (counted in device_waits())
+  bool wait_before_unmap(const std::vector<const fake_event*>& after) noexcept {
+    ++event_waits;
+    if (during_wait) std::exchange(during_wait, nullptr)();
+    if (fail_wait) return false;
+    for (const fake_event* e : after) {
+      waited.push_back(e->stream);
+      auto& s = world->streams[static_cast<std::size_t>(e->stream)];
+      s.completed = std::max(s.completed, e->point);
+    }
+    return true;
+  }
+  fake_world* world = nullptr;
+  std::function<void()> during_wait;
+  bool fail_wait = false;
+  int event_waits = 0;
+  std::vector<int> waited;  // the stream of each event waited for, in order
+};
+using event_waiting_allocator = gpukit::basic_caching_allocator<event_waiting_upstream, fake_stream_ops>;
+
+struct event_waiting_setup {
+  explicit event_waiting_setup(std::size_t capacity = 1 * GiB)
+      : a(gpukit::device::cpu(), waiting_setup::no_front_cache(), capacity) {
+    a.stream_operations().world = &world;
+    a.upstream().world = &world;
+    raw = add_stream();
+  }
+  fake_stream add_stream() { return fake_stream{world.add_stream()}; }
+  const fake_world::stream_state& stream(const fake_stream& s) const {
+    return world.streams[static_cast<std::size_t>(s.id)];
+  }
+  fake_world world;
+  event_waiting_allocator a;
+  // Stream 0: its tracker (fake_stream_ops::track, the id) is 0, which the allocator takes for a stream it does not
+  // track, as a raw cudaStream_t: it may have been destroyed and its handle reused, so no event is recorded on it.
+  fake_stream raw;
+};
+}  // namespace
+
+TEST_CASE("expandable segments: a release waits for the streams that own the free pages, not for the whole device") {
+  event_waiting_setup f;
+  const fake_stream s0 = f.add_stream();
+  const fake_stream s1 = f.add_stream();
+  const fake_stream other = f.add_stream();
+  f.a.deallocate(f.a.allocate(4 * MiB, s0));  // s0's range: all free, given back whole
+  void* live = f.a.allocate(4 * MiB, s1);
+  f.a.deallocate(f.a.allocate(4 * MiB, s1));  // s1's range: 2 free pages beside a live block
+  f.world.enqueue(s0.id);                     // work that may still use the pages
+  f.world.enqueue(s1.id);
+  f.world.enqueue(other.id);  // another stream's (a capture, say): a device-wide wait would take it in too
+  f.a.empty_cache();
+  // It waited for the device (cudaDeviceSynchronize), which invalidates another thread's capture in global mode.
+  CHECK(f.a.upstream().device_waits() == 0);
+  CHECK(f.a.upstream().event_waits == 1);  // one wait, for both streams
+  std::vector<int> waited = f.a.upstream().waited;
+  std::sort(waited.begin(), waited.end());
+  CHECK(waited == std::vector<int>{s0.id, s1.id});
+  CHECK(f.stream(s0).completed == 1);
+  CHECK(f.stream(s1).completed == 1);
+  CHECK(f.stream(other).completed == 0);
+  CHECK(f.a.memory_reserved() == 2 * page);
+  CHECK(f.a.snapshot().segments.size() == 1);
+  f.a.deallocate(live);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().event_waits == 2);
+  CHECK(f.a.upstream().device_waits() == 0);
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: the wait for the owners' events releases the lock, and pages freed during it stay") {
+  event_waiting_setup f;
+  const fake_stream s0 = f.add_stream();
+  void* a = f.a.allocate(4 * MiB, s0);     // pages 0-1
+  void* keep = f.a.allocate(4 * MiB, s0);  // pages 2-3
+  void* b = f.a.allocate(4 * MiB, s0);     // pages 4-5
+  f.a.deallocate(a);
+  f.a.upstream().during_wait = [&] {
+    // With the lock held, this would never return: b is freed after the event was recorded, with work queued since.
+    f.world.enqueue(s0.id);
+    f.a.deallocate(b);
+  };
+  gpukit_test::bounded_calls bounded;  // after `f`: a late call uses it
+  CHECK(bounded.returned_within([&] { f.a.empty_cache(); }));
+  CHECK(f.a.upstream().event_waits == 1);
+  CHECK(f.a.upstream().device_waits() == 0);
+  CHECK(f.a.memory_reserved() == 4 * page);               // a's pages went; keep's and b's stay
+  CHECK(f.stream(s0).completed < f.stream(s0).enqueued);  // the work queued during the wait was not waited for
+  f.a.empty_cache();                                      // b's pages now, after that work
+  CHECK(f.stream(s0).completed == f.stream(s0).enqueued);
+  CHECK(f.a.memory_reserved() == 2 * page);
+  f.a.deallocate(keep);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: an allocation unmaps a destroyed stream's free pages after its last work only") {
+  event_waiting_setup f(8 * MiB);
+  const fake_stream s0 = f.add_stream();
+  const fake_stream s1 = f.add_stream();
+  f.a.deallocate(f.a.allocate(8 * MiB, s0));  // the whole device, cached in s0's range
+  f.world.enqueue(s0.id);                     // still running when s0 is destroyed
+  f.world.destroy(s0.id);
+  void* p = f.a.allocate(8 * MiB, s1);  // out of pages: s0's go first, after its last work (wait_finished)
+  CHECK(f.stream(s0).completed == f.stream(s0).enqueued);
+  CHECK(f.a.upstream().device_waits() == 0);  // it waited for the whole device
+  CHECK(f.a.upstream().event_waits == 0);     // nothing recorded on a destroyed stream
+  CHECK(f.a.memory_reserved() == 8 * MiB);
+  CHECK(f.a.snapshot().segments.size() == 1);
+  f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: the free pages of a stream the allocator does not track wait for the whole device") {
+  event_waiting_setup f;
+  const fake_stream s1 = f.add_stream();
+  f.a.deallocate(f.a.allocate(4 * MiB, f.raw));
+  f.a.deallocate(f.a.allocate(4 * MiB, s1));
+  f.a.empty_cache();
+  CHECK(f.a.upstream().device_waits() == 1);  // one wait, which covers s1 too
+  CHECK(f.a.upstream().event_waits == 0);
+  CHECK(f.a.upstream().used() == 0);
+}
+
+#if defined(__linux__)
+namespace {
+
+/// Expandable segments over real host memory whose wait before unmapping is for the allocator's events
+/// (wait_before_unmap(after), as cuda_upstream's cudaEventSynchronize): reserve is an inaccessible mapping
+/// (PROT_NONE), map makes pages readable and writable, unmap discards them and makes them inaccessible again, so
+/// stream work that touches a page after it was unmapped faults at once (and one mapped again reads zeros).
+class host_event_upstream {
+ public:
+  static constexpr std::size_t capacity = 1024 * MiB;
+  [[nodiscard]] void* allocate(std::size_t /*bytes*/) { return nullptr; }  // expandable segments only
+  void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
+  gpukit::upstream_memory_info memory_info() const {
+    gpukit::upstream_memory_info info;
+    info.known = true;
+    info.total_bytes = capacity;
+    info.free_bytes = capacity - mapped_.load();
+    return info;
+  }
+  bool synchronizes_on_free() const noexcept { return true; }
+  std::size_t page_size() const noexcept { return 64 * KiB; }
+  void* reserve(std::size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  bool map(void* address, std::size_t bytes) {
+    if (mapped_.fetch_add(bytes) + bytes > capacity) {
+      mapped_.fetch_sub(bytes);
+      return false;
+    }
+    return mprotect(address, bytes, PROT_READ | PROT_WRITE) == 0;
+  }
+  bool unmap(void* address, std::size_t bytes) noexcept {
+    return wait_before_unmap() && unmap_after_wait(address, bytes);
+  }
+  bool wait_before_unmap() noexcept {  // the whole device's: every stream's work so far
+    if (streams != nullptr) {
+      for (const auto& s : *streams) s->synchronize();
+    }
+    device_waits_.fetch_add(1);
+    return true;
+  }
+  bool wait_before_unmap(const std::vector<const gpukit::event*>& after) noexcept {
+    for (const gpukit::event* e : after) e->synchronize();
+    event_waits_.fetch_add(1);
+    return true;
+  }
+  bool unmap_after_wait(void* address, std::size_t bytes) noexcept {
+    (void)madvise(address, bytes, MADV_DONTNEED);
+    (void)mprotect(address, bytes, PROT_NONE);
+    mapped_.fetch_sub(bytes);
+    return true;
+  }
+  void unreserve(void* address, std::size_t bytes) noexcept { (void)munmap(address, bytes); }
+
+  std::vector<std::unique_ptr<gpukit::stream>>* streams = nullptr;  // set while they exist
+  std::size_t mapped() const { return mapped_.load(); }
+  std::size_t device_waits() const { return device_waits_.load(); }
+  std::size_t event_waits() const { return event_waits_.load(); }
+
+ private:
+  std::atomic<std::size_t> mapped_{0};
+  std::atomic<std::size_t> device_waits_{0};
+  std::atomic<std::size_t> event_waits_{0};
+};
+
+}  // namespace
+
+TEST_CASE("expandable segments over host pages: releases that wait for the owners' events never unmap a page in use") {
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  gpukit::basic_caching_allocator<host_event_upstream, gpukit::stream_ops> a(cpu, o);
+  constexpr int threads = 4;
+  std::atomic<int> corrupted{0};
+  {
+    std::vector<std::unique_ptr<gpukit::stream>> streams;
+    for (int i = 0; i < threads; ++i) streams.push_back(std::make_unique<gpukit::stream>(cpu));
+    a.upstream().streams = &streams;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 11);
+        const gpukit::stream_view s = streams[static_cast<std::size_t>(t)]->view();
+        struct live_block {
+          unsigned char* p;
+          std::size_t bytes;
+          std::uint64_t tag;
+        };
+        std::vector<live_block> mine;
+        std::uint64_t counter = 0;
+        for (int i = 0; i < 1500; ++i) {
+          const unsigned r = static_cast<unsigned>(rng() % 100);
+          if (r < 50 && mine.size() < 6) {
+            const std::size_t bytes = 64 * KiB + rng() % (1 * MiB);
+            live_block b{static_cast<unsigned char*>(a.allocate(bytes, s)), bytes,
+                         (static_cast<std::uint64_t>(t) << 48) | ++counter};
+            // Stream work uses the block later than the host: it writes, lags, then checks.
+            s.enqueue_host([b] {
+              std::memcpy(b.p, &b.tag, 8);
+              std::memcpy(b.p + b.bytes - 8, &b.tag, 8);
+              std::this_thread::sleep_for(std::chrono::microseconds(20));
+            });
+            mine.push_back(b);
+          } else if (r < 95 && !mine.empty()) {
+            const live_block b = mine.back();
+            mine.pop_back();
+            s.enqueue_host([b, &corrupted] {
+              std::uint64_t head = 0;
+              std::uint64_t tail = 0;
+              std::memcpy(&head, b.p, 8);
+              std::memcpy(&tail, b.p + b.bytes - 8, 8);
+              if (head != b.tag || tail != b.tag) corrupted.fetch_add(1);
+            });
+            a.deallocate(b.p);  // in stream order: the check above may still run when a release comes
+          } else {
+            if (r % 2 == 0) {
+              a.empty_cache();
+            } else {
+              (void)a.trim(a.memory_reserved() / 2);
+            }
+          }
+        }
+        for (const live_block& b : mine) a.deallocate(b.p);
+      });
+    }
+    for (auto& t : pool) t.join();
+    for (auto& s : streams) s->synchronize();
+    a.upstream().streams = nullptr;
+  }
+  CHECK(corrupted.load() == 0);
+  CHECK(a.upstream().event_waits() > 0);  // releases unmapped pages while the others worked
+  CHECK(a.upstream().device_waits() == 0);
+  CHECK(a.memory_allocated() == 0);
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(a.upstream().mapped() == 0);
+  MESSAGE(a.stats().allocation.all().allocated << " allocations, " << a.upstream().event_waits()
+                                               << " waits for the owners' events before unmapping");
+}
+#endif
+
+TEST_CASE("expandable segments: a page between free blocks of two streams (cross-stream reuse) is unmapped too") {
+  gpukit::allocator_options o = expandable();
+  o.cross_stream_reuse = true;
+  o.front_cache = false;
+  setup f(o);
+  void* a1 = f.a.allocate(3 * MiB, f.s0);
+  void* a2 = f.a.allocate(3 * MiB, f.s0);
+  void* keep = f.a.allocate(2 * MiB, f.s0);  // pages: a1 0-1, a2 1-2, keep 3
+  f.a.deallocate(a1);
+  f.a.deallocate(a2);
+  void* b = f.a.allocate(3 * MiB, f.s1);  // s0's free block, split: [0, 3 MiB) is s1's from now on
+  REQUIRE(b == a1);
+  f.a.deallocate(b);  // two free blocks of different streams, not merged, share page 1
+  f.a.empty_cache();
+  CHECK(f.a.memory_reserved() == page);  // page 1 stayed mapped: lying wholly in neither free block
+  CHECK(f.a.upstream().mapped() == page);
+  CHECK(f.invariants({keep}) == "");
+  void* again = f.a.allocate(5 * MiB, f.s1);  // maps them again
+  CHECK(f.invariants({keep, again}) == "");
+  f.a.deallocate(again);
   f.a.deallocate(keep);
   f.a.empty_cache();
   CHECK(f.a.upstream().used() == 0);

@@ -149,6 +149,16 @@ struct has_unmap_after_wait<U, std::void_t<decltype(bool{std::declval<U&>().wait
                                            decltype(bool{std::declval<U&>().unmap_after_wait(nullptr, std::size_t{})})>>
     : std::true_type {};
 
+/// ... and that can wait for given events instead of the whole device before unmapping (wait_before_unmap(after),
+/// upstream.hpp): the allocator then waits only for the streams that may still use the pages.
+template <class U, class Event, class = void>
+struct has_unmap_wait_for_events : std::false_type {};
+template <class U, class Event>
+struct has_unmap_wait_for_events<
+    U, Event,
+    std::void_t<decltype(bool{std::declval<U&>().wait_before_unmap(std::declval<const std::vector<const Event*>&>())})>>
+    : std::true_type {};
+
 /// Upstreams that can give a segment back once events complete, without a wait on the host (upstream.hpp).
 template <class U, class Event, class = void>
 struct has_ordered_release : std::false_type {};
@@ -939,16 +949,65 @@ class basic_caching_allocator {
   /// Whether the first `size` bytes of free block `b` of an expandable segment have a page not mapped yet.
   bool needs_pages(const block* b, std::size_t size) const noexcept;
 
-  /// Unmaps the pages of expandable segments that lie wholly in free blocks, until reserved memory is at most
-  /// `target` (0: all); returns the bytes unmapped. Work enqueued before a block's free may still use its pages, so
-  /// the device is waited for first. An upstream with wait_before_unmap waits once: with `wait_unlocked`, with the
-  /// lock released (threads allocate meanwhile), and then only blocks free since before the wait (free_since) lose
-  /// pages; else with the lock held (an allocation that needs every free page: a block freed during an unlocked wait
-  /// would keep the pages of the free neighbours it merges with). Any other upstream waits in each unmap, locked.
-  std::size_t unmap_free_pages(std::unique_lock<detail::spin_mutex>& lock, std::size_t target, bool wait_unlocked);
+  /// The wait before pages of expandable segments are unmapped (wait_for_unmap), shared by everything one release
+  /// unmaps: which blocks' pages it lets go (covers).
+  struct unmap_wait {
+    bool every_stream = false;  // the whole device was waited for (the upstream's wait_before_unmap())
+    std::uint64_t horizon = 0;  // free_clock_ at the wait: a block freed since may have work the wait did not cover
+    std::vector<const stream_state*> streams;  // streams whose work queued before the wait has completed
+  };
+
+  /// Waits for the work that may still use mapped pages of expandable segments, with the lock released when
+  /// `unlocked` (threads allocate meanwhile; only blocks free since before the wait then lose pages). Which pages:
+  /// those of the free blocks of every expandable segment (`ranges` null), or those of every block of `ranges`. A free
+  /// block's pages are used only by work its owner stream queued before now (other streams' uses were waited for
+  /// before it became free), so over an upstream that waits for events (wait_before_unmap(after)) the wait is for an
+  /// event recorded now on each owner stream, as PyTorch's expandable segments synchronize their stream, and another
+  /// thread's capture survives it; a destroyed owner's last work is waited for (wait_finished); blocks of no stream
+  /// need no wait. The whole device is waited for (the upstream's wait_before_unmap()) only for an owner that cannot
+  /// be recorded on (a raw handle: it may have been destroyed and its handle reused) or an upstream that waits no
+  /// other way. Never for a stream being captured (the event would be the graph's), nor the device while one is
+  /// (the wait would fail and invalidate the capture): their blocks keep their pages until a later release. An
+  /// upstream whose unmap waits by itself is not waited for here. Never throws: what could not be waited for is not
+  /// covered. `w` says what the wait covers.
+  void wait_for_unmap(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
+                      unmap_wait& w) noexcept;
+
+  /// Whether `w` covers block `b`: its pages may be unmapped (the work of its owner, and of the streams recorded for
+  /// it, was waited for, or needs none).
+  bool covers(const unmap_wait& w, const block* b) const noexcept;
+
+  /// Whether an event recorded on `st` now follows all work of the stream that may use its blocks: a stream known to
+  /// be alive (tracked and not destroyed) or a default stream; not a raw handle (it may have been destroyed, and its
+  /// handle be another stream's).
+  bool recordable(const stream_state& st) const noexcept;
+
+  /// Whether `st` is being captured (true where that cannot be told).
+  bool captured_now(const stream_state& st) const noexcept;
+
+  /// Unmaps (lock held) the pages of expandable segments that lie wholly in free blocks `w` covers (free_pages_of),
+  /// until reserved memory is at most `target` (0: all); returns the bytes unmapped.
+  std::size_t unmap_free_pages(std::size_t target, const unmap_wait& w);
 
   /// Whether a free block of an expandable segment holds a whole mapped page (one unmap_free_pages could take).
   bool has_unmappable_pages() const noexcept;
+
+  /// The pages of free block `b` of expandable segment `seg` that nothing else uses: those wholly inside it, and a
+  /// page it shares at either end with other blocks that are all free too (`quarantine`: releasable) and, with `w`,
+  /// covered by it.
+  detail::page_map::page_range free_pages_of(const segment* seg, const block* b, const unmap_wait* w,
+                                             bool quarantine) const noexcept;
+
+  /// Whether a release of `victims` (completely free segments) and of free pages has pages to unmap.
+  bool has_pages_to_release(const std::vector<segment*>& victims) const noexcept;
+
+  /// Unmaps (lock held), in place, every mapped page of the expandable segments among `victims` whose blocks `w`
+  /// covers, before they are unlinked: one it does not cover wholly, or whose pages the upstream kept mapped, is
+  /// dropped from `victims` and stays linked and counted, its pages unmapped at a later release (unlinked, it would
+  /// hold its memory and range for good, counted nowhere). With `recheck` (the lock was released since `victims` were
+  /// chosen), also drops those no longer completely free segments (taken, or released by another thread), before
+  /// anything of them is read. Returns the bytes unmapped.
+  std::size_t unmap_victims(std::vector<segment*>& victims, const unmap_wait& w, bool recheck);
 
   /// Unmaps the run of mapped pages of `seg` that starts at page `i` (and ends at `end` at most) in one upstream call
   /// (`waited`: the device was waited for after the pages' last use, so unmap_after_wait; else unmap, which on CUDA
@@ -994,25 +1053,22 @@ class basic_caching_allocator {
   /// not possible or the upstream refused (nothing was done: the caller deallocates, which waits).
   bool deallocate_in_order(const segment* seg, const ordered_release& ordered) noexcept;
 
-  /// The device wait before unmapping that the expandable ranges of one release share (wait_before_unmap): asked
-  /// once, for all of them, since none of them is in the heap any more.
-  struct shared_unmap_wait {
-    bool asked = false;
-    bool idle = false;
-  };
-
   /// Returns a segment's memory to the upstream (lock released): in stream order when `ordered` allows it, else
-  /// cudaFree (or the upstream's deallocate), or unmap and unreserve after `wait`.
-  void return_segment(segment* seg, const ordered_release& ordered, shared_unmap_wait& wait) noexcept;
+  /// cudaFree (or the upstream's deallocate); an expandable one's range is unreserved, its pages unmapped already
+  /// (unmap_victims; one that kept pages mapped, which only the destructor gives here, keeps its range, with a
+  /// warning).
+  void return_segment(segment* seg, const ordered_release& ordered) noexcept;
 
   block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
                        std::size_t size, bool small);
 
   /// Returns completely free segments to the upstream (largest first, until reserved <= target; all when target
-  /// is 0). With `wait_pending`, first waits on the host for every pending event, so blocks held back by other
-  /// streams become free too. Returns the bytes released. The lock is released while waiting and freeing; with
-  /// `wait_unlocked` (the users' releases), also while the device is waited for before pages are unmapped
-  /// (unmap_free_pages).
+  /// is 0), then unmaps free pages of expandable segments until reserved <= target. With `wait_pending`, first waits
+  /// on the host for every pending event, so blocks held back by other streams become free too. Returns the bytes
+  /// released. Pages are unmapped after one wait (wait_for_unmap) for the ranges and the free pages together. The lock
+  /// is released while waiting and freeing; with `wait_unlocked` (the users' releases), also during that wait, else
+  /// (an allocation that needs every free page: a block freed during an unlocked wait would keep the pages of the
+  /// free neighbours it merges with) the free pages are unmapped before the lock is first released.
   std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target,
                              bool wait_unlocked = false);
 
@@ -1029,10 +1085,12 @@ class basic_caching_allocator {
   std::vector<segment*> free_segments() const;
 
   /// Unlinks completely free segments and returns them to the upstream, after waiting for their fences (lock
-  /// released meanwhile). `unforced`: memory was available (counted in num_device_free_unforced). Returns the bytes
+  /// released meanwhile). `unforced`: memory was available (counted in num_device_free_unforced). The pages of
+  /// expandable ones are unmapped first, while they are linked (unmap_victims): after `waited` (release_cached's wait,
+  /// whose unmap_victims ran), else after a wait of its own for them (wait_for_unmap, unlocked). Returns the bytes
   /// released.
   std::size_t release_segments(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims,
-                               bool unforced = false);
+                               bool unforced = false, const unmap_wait* waited = nullptr);
 
   /// The bytes of block `b` (of an expandable segment) that lie on mapped pages.
   std::size_t mapped_bytes_of(const block* b) const noexcept;

@@ -110,13 +110,28 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   if (!upstream_.synchronizes_on_free()) {
     for (stream_state* st : dead_streams_) wait_finished_quietly(st->tracker);  // their blocks had no fence
   }
-  shared_unmap_wait unmap_wait;
+  if constexpr (has_vm) {
+    // The pages of expandable segments go first, in place, after one wait for the streams that may use them (the
+    // device's only where a stream is unknown); a range whose pages could not be unmapped keeps them, with a warning.
+    try {
+      std::vector<segment*> ranges;
+      for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+        if (seg->expandable && !seg->left_to_upstream && seg->mapped() != 0) ranges.push_back(seg);
+      }
+      if (!ranges.empty()) {
+        unmap_wait wait;
+        wait_for_unmap(lock, &ranges, false, wait);
+        (void)unmap_victims(ranges, wait, false);
+      }
+    } catch (...) {  // no memory for the list: the ranges with pages mapped are kept (return_segment warns)
+    }
+  }
   for (segment* seg = segments_; seg != nullptr;) {
     if (!seg->left_to_upstream) {
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (b->fence) synchronize_quietly(*b->fence);
       }
-      return_segment(seg, {}, unmap_wait);
+      return_segment(seg, {});
     }
     segment* next = seg->next_segment;
     delete seg;
@@ -1979,25 +1994,212 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::needs_pages(con
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_free_pages(
-    std::unique_lock<detail::spin_mutex>& lock, std::size_t target, bool wait_unlocked) {
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::recordable(const stream_state& st) const noexcept {
+  if constexpr (tracks_lifetimes) {
+    if (st.tracker) return true;  // a tracked stream (the caller checked that it is not destroyed)
+    if constexpr (std::is_same<stream_type, stream_view>::value) {
+      return st.stream.is_default();  // CUDA's legacy or per-thread stream (or the CPU's): never destroyed
+    } else {
+      return false;
+    }
+  } else {
+    (void)st;
+    return true;  // streams outlive the memory they are used with
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::captured_now(const stream_state& st) const noexcept {
+  if constexpr (detail::has_capture_query<StreamOps>::value) {
+    try {
+      return ops_.capturing(st.stream);
+    } catch (...) {
+      return true;  // cannot be told: not waited for
+    }
+  } else {
+    (void)st;
+    return false;
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
+    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
+    unmap_wait& w) noexcept {
+  w.every_stream = false;
+  w.streams.clear();
+  w.horizon = free_clock_;  // under the lock, with every event below recorded before it is released
+  if constexpr (has_vm && detail::has_unmap_after_wait<Upstream>::value) {
+    constexpr bool per_stream = detail::has_unmap_wait_for_events<Upstream, event_type>::value;
+    struct owner_wait {
+      stream_state* st;
+      tracker_type tracker;  // a destroyed stream: its last work is waited for (wait_finished)
+      std::unique_ptr<event_type> event;
+      bool dead;
+    };
+    std::vector<owner_wait> waits;
+    std::vector<const event_type*> events;
+    // The runtime was torn down (process exit): no work runs any more, so every page may go (as the upstream's own
+    // waits answer then).
+    bool torn_down = false;
+    const auto teardown = [](const error& e) noexcept { return detail::is_teardown_result(e.cuda_result()); };
+    try {
+      // The streams whose work may use the pages: each block's owner (and, for a live block at destruction, the
+      // streams recorded for it).
+      std::vector<stream_state*> owners;
+      const auto add = [&](stream_state* st) {
+        if (st == unowned_.get() || st->retired) return;  // no work of any stream can still use its blocks
+        if (std::find(owners.begin(), owners.end(), st) == owners.end()) owners.push_back(st);
+      };
+      const bool quarantine = !upstream_.synchronizes_on_free();
+      const auto consider = [&](segment* seg, bool every_block) {
+        if (!seg->expandable || seg->mapped() == 0) return;
+        for (block* b = seg->first; b != nullptr; b = b->next) {
+          if (!every_block && !releasable(b, quarantine)) continue;
+          if (!seg->pages.any_mapped(seg->pages.touched_by(b->address - seg->address, b->size))) continue;
+          add(b->owner);
+          for (stream_state* user : b->recorded) add(user);
+        }
+      };
+      if (ranges != nullptr) {
+        for (segment* seg : *ranges) consider(seg, true);
+      } else {
+        for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) consider(seg, false);
+      }
+      bool device = false;    // an owner that only a wait for the whole device reaches
+      bool captured = false;  // an owner being captured: nothing may wait for it, nor for the device
+      waits.reserve(owners.size());
+      for (stream_state* st : owners) {
+        if (expired(*st)) {
+          waits.push_back(owner_wait{st, st->tracker, nullptr, true});
+        } else if (!recordable(*st)) {
+          device = true;  // a raw handle is not asked whether it is captured: it may have been destroyed
+        } else if (captured_now(*st)) {
+          captured = true;
+        } else if (!per_stream) {
+          device = true;
+        } else {
+          waits.push_back(owner_wait{st, tracker_type{}, nullptr, false});
+        }
+      }
+      if (device && !captured) {
+        waits.clear();  // the device's wait covers every stream
+        if (unlocked) lock.unlock();
+        const bool idle = upstream_.wait_before_unmap();  // reported by the upstream when it fails
+        if (unlocked) lock.lock();
+        w.every_stream = idle;
+        return;
+      }
+      events.reserve(waits.size());
+      w.streams.reserve(waits.size());
+      for (owner_wait& x : waits) {
+        if (x.dead) continue;
+        try {
+          // The legacy default stream: under a capture hold, as every record there (refused while a gpukit capture
+          // is underway, which an event there would invalidate: not waited for then).
+          const detail::capture_hold hold(needs_capture_hold(x.st->stream));
+          if (hold.refused()) {
+            x.st = nullptr;
+            continue;
+          }
+          x.event = acquire_event(x.st->device);
+          record_on(*x.event, *x.st);  // refuses a captured stream
+        } catch (const error& e) {
+          torn_down = torn_down || teardown(e);
+          recycle_event(std::move(x.event), x.st->device);
+          x.st = nullptr;
+          continue;
+        } catch (...) {
+          recycle_event(std::move(x.event), x.st->device);
+          x.st = nullptr;
+          continue;
+        }
+        if (expired(*x.st)) {
+          // Destroyed by another thread meanwhile (its handle perhaps a new stream's by the record): its last work.
+          recycle_event(std::move(x.event), x.st->device);
+          x.tracker = x.st->tracker;
+          x.dead = true;
+        } else if (captured_now(*x.st)) {  // captured since it was asked: the event may be the graph's
+          recycle_event(std::move(x.event), x.st->device);
+          x.st = nullptr;
+        } else {
+          events.push_back(x.event.get());
+        }
+      }
+    } catch (...) {  // no memory: nothing is waited for, nothing covered
+      for (owner_wait& x : waits) {
+        if (x.event) recycle_event(std::move(x.event), x.st->device);
+      }
+      return;
+    }
+    if (torn_down) {
+      for (owner_wait& x : waits) {
+        if (x.event) recycle_event(std::move(x.event), x.st->device);
+      }
+      w.every_stream = true;
+      return;
+    }
+    if (unlocked) lock.unlock();
+    bool events_done = true;
+    if constexpr (per_stream) {
+      if (!events.empty()) events_done = upstream_.wait_before_unmap(events);  // reported by the upstream
+    }
+    for (owner_wait& x : waits) {
+      if (x.st == nullptr || !x.dead) continue;
+      if constexpr (tracks_lifetimes) {
+        try {
+          ops_.wait_finished(x.tracker);
+        } catch (const error& e) {
+          if (!teardown(e)) {
+            detail::warn_parts("gpukit: waiting for the work of a destroyed stream before unmapping pages failed: ",
+                               e.what());
+            x.st = nullptr;
+          }
+        } catch (const std::exception& e) {
+          detail::warn_parts("gpukit: waiting for the work of a destroyed stream before unmapping pages failed: ",
+                             e.what());
+          x.st = nullptr;
+        } catch (...) {
+          warn("gpukit: waiting for the work of a destroyed stream before unmapping pages failed");
+          x.st = nullptr;
+        }
+      }
+    }
+    if (unlocked) lock.lock();
+    for (owner_wait& x : waits) {
+      if (x.st == nullptr) continue;
+      if (x.dead || events_done) w.streams.push_back(x.st);  // reserved above: cannot throw
+      if (x.event) recycle_event(std::move(x.event), x.st->device);
+    }
+  } else {
+    // Its unmap waits by itself, each time, under the lock: every page free by then may go.
+    (void)lock;
+    (void)ranges;
+    (void)unlocked;
+    w.every_stream = true;
+    w.horizon = std::numeric_limits<std::uint64_t>::max();
+  }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::covers(const unmap_wait& w,
+                                                                        const block* b) const noexcept {
+  if (b->free_since > w.horizon) return false;  // freed since: its stream may have queued work after the wait
+  if (w.every_stream) return true;
+  const auto waited = [&](const stream_state* st) {
+    return st == unowned_.get() || st->retired || std::find(w.streams.begin(), w.streams.end(), st) != w.streams.end();
+  };
+  if (!waited(b->owner)) return false;
+  return std::all_of(b->recorded.begin(), b->recorded.end(), waited);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_free_pages(std::size_t target,
+                                                                                         const unmap_wait& w) {
   if constexpr (has_vm) {
     const auto target_met = [&] { return target != 0 && current(stats_.reserved_bytes) <= target; };
-    if (!options_.expandable_segments || target_met() || !has_unmappable_pages()) return 0;
-    // Blocks freed after `horizon` may have work the wait below did not cover: their pages stay.
-    std::uint64_t horizon = std::numeric_limits<std::uint64_t>::max();
+    if (!options_.expandable_segments || target_met()) return 0;
     constexpr bool waits_apart = detail::has_unmap_after_wait<Upstream>::value;
-    if constexpr (waits_apart) {
-      if (wait_unlocked) {
-        horizon = free_clock_;
-        lock.unlock();  // a device synchronization can take long: threads allocate and free meanwhile
-      }
-      const bool idle = upstream_.wait_before_unmap();
-      if (wait_unlocked) lock.lock();
-      if (!idle) return 0;  // reported by the upstream; the pages stay mapped
-    } else {
-      (void)wait_unlocked;
-    }
     const bool quarantine = !upstream_.synchronizes_on_free();
     std::size_t unmapped = 0;
     for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
@@ -2005,15 +2207,15 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
       const std::size_t page = seg->pages.page_size();
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (target_met()) return unmapped;
-        if (!releasable(b, quarantine) || b->free_since > horizon) continue;
-        const auto inside = seg->pages.inside(b->address - seg->address, b->size);
+        if (!releasable(b, quarantine) || !covers(w, b)) continue;
+        const auto inside = free_pages_of(seg, b, &w, quarantine);
         for (std::size_t i = inside.first; i < inside.end;) {
           if (!seg->pages.is_mapped(i)) {
             ++i;
             continue;
           }
           if (b->fence) {
-            synchronize_quietly(*b->fence);  // after the device wait (waits_apart), completed already
+            synchronize_quietly(*b->fence);  // after the wait (waits_apart), completed already
             recycle_event(std::move(b->fence), device_);
           }
           const std::size_t run = unmap_run(seg, i, inside.end, waits_apart);
@@ -2026,9 +2228,8 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
     }
     return unmapped;
   } else {
-    (void)lock;
     (void)target;
-    (void)wait_unlocked;
+    (void)w;
     return 0;
   }
 }
@@ -2040,10 +2241,82 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_unmappable_
     if (!seg->expandable || seg->mapped() == 0) continue;
     for (const block* b = seg->first; b != nullptr; b = b->next) {
       if (!releasable(b, quarantine)) continue;
-      if (seg->pages.any_mapped(seg->pages.inside(b->address - seg->address, b->size))) return true;
+      if (seg->pages.any_mapped(free_pages_of(seg, b, nullptr, quarantine))) return true;
     }
   }
   return false;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE detail::page_map::page_range basic_caching_allocator<Upstream, StreamOps>::free_pages_of(
+    const segment* seg, const block* b, const unmap_wait* w, bool quarantine) const noexcept {
+  const detail::page_map& pages = seg->pages;
+  const std::size_t page = pages.page_size();
+  const std::size_t offset = b->address - seg->address;
+  const detail::page_map::page_range touched = pages.touched_by(offset, b->size);
+  const detail::page_map::page_range inside = pages.inside(offset, b->size);
+  // Whether every other block on page `i` is free too (and covered by `w`): blocks of different streams are not
+  // merged (cross_stream_reuse), so a page between two free ones lies wholly in neither.
+  const auto shared_page_free = [&](std::size_t i) {
+    const std::uintptr_t start = seg->address + i * page;
+    const auto gone = [&](const block* n) { return releasable(n, quarantine) && (w == nullptr || covers(*w, n)); };
+    for (const block* n = b->prev; n != nullptr && n->address + n->size > start; n = n->prev) {
+      if (!gone(n)) return false;
+    }
+    for (const block* n = b->next; n != nullptr && n->address < start + page; n = n->next) {
+      if (!gone(n)) return false;
+    }
+    return true;
+  };
+  const std::size_t last = touched.end - 1;
+  detail::page_map::page_range free_pages = inside;
+  if (touched.first < inside.first && shared_page_free(touched.first)) free_pages.first = touched.first;
+  if (last >= inside.end && shared_page_free(last)) free_pages.end = last + 1;
+  return free_pages;
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_pages_to_release(
+    const std::vector<segment*>& victims) const noexcept {
+  if (!has_vm || !options_.expandable_segments) return false;
+  const bool ranges = std::any_of(victims.begin(), victims.end(),
+                                  [](const segment* seg) { return seg->expandable && seg->mapped() != 0; });
+  return ranges || has_unmappable_pages();
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_victims(std::vector<segment*>& victims,
+                                                                                      const unmap_wait& w,
+                                                                                      bool recheck) {
+  std::vector<segment*> free_now;
+  if (recheck) free_now = free_segments();
+  constexpr bool waits_apart = detail::has_unmap_after_wait<Upstream>::value;
+  std::size_t unmapped = 0;
+  auto kept = victims.begin();
+  for (segment* seg : victims) {
+    // Compared before anything of it is read: one released by another thread meanwhile is gone.
+    if (recheck && std::find(free_now.begin(), free_now.end(), seg) == free_now.end()) continue;
+    if (has_vm && seg->expandable && seg->mapped() != 0) {
+      bool all = true;
+      for (const block* b = seg->first; b != nullptr && all; b = b->next) all = covers(w, b);
+      const std::size_t page = seg->pages.page_size();
+      for (std::size_t i = 0; all && i < seg->pages.page_count();) {
+        if (!seg->pages.is_mapped(i)) {
+          ++i;
+          continue;
+        }
+        const std::size_t run = unmap_run(seg, i, seg->pages.page_count(), waits_apart);
+        all = run != 0;  // the upstream kept them mapped (its unmap could not wait)
+        unmapped += run * page;
+        count(st_reserved_bytes, seg->small, -as_delta(run * page));
+        i += run;
+      }
+      if (!all) continue;  // stays linked and counted: a later release unmaps its pages
+    }
+    *kept++ = seg;
+  }
+  victims.erase(kept, victims.end());
+  return unmapped;
 }
 
 template <class Upstream, class StreamOps>
@@ -2161,35 +2434,14 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::deallocate_in_o
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(segment* seg,
-                                                                                const ordered_release& ordered,
-                                                                                shared_unmap_wait& wait) noexcept {
-  (void)wait;  // only an expandable range over an upstream that waits apart uses it
-  memory_history* const h = history_.load(std::memory_order_acquire);
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
+    segment* seg, const ordered_release& ordered) noexcept {
   if constexpr (has_vm) {
     if (seg->expandable) {
-      bool all_unmapped = true;
-      bool waited = false;
-      if constexpr (detail::has_unmap_after_wait<Upstream>::value) {
-        // One wait for the whole range, not one per run of pages (nor per range of one release): it is off the heap,
-        // so nothing new can use it.
-        if (seg->mapped() != 0) {
-          if (!wait.asked) {
-            wait.asked = true;
-            wait.idle = upstream_.wait_before_unmap();
-          }
-          all_unmapped = waited = wait.idle;
-        }
-      }
-      if (all_unmapped) {
-        for_each_mapped_run(*seg, [&](std::uintptr_t address, std::size_t bytes) {
-          if (h != nullptr) h->record(memory_action::segment_unmap, address, bytes, 0);
-          all_unmapped = all_unmapped && upstream_unmap(address, bytes, waited);
-        });
-      }
-      if (all_unmapped) {
+      // Its pages were unmapped while it was linked (unmap_victims), so nothing is waited for here.
+      if (seg->mapped() == 0) {
         upstream_.unreserve(reinterpret_cast<void*>(seg->address), seg->size);
-      } else {  // pages the device may still use stay mapped: the range is kept (leaked), as after a failed cudaFree
+      } else {  // the destructor's only: pages the device may still use stay mapped, and the range is kept (leaked)
         detail::warn_parts("gpukit: the caching allocator of ", device_, " keeps an expandable segment of ", seg->size,
                            " bytes reserved: its pages could not be unmapped");
       }
@@ -2198,7 +2450,9 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
   }
   // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
   // thread's new segment, whose segment_alloc must come after this.
-  if (h != nullptr) h->record(memory_action::segment_free, seg->address, seg->size, 0);
+  if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
+    h->record(memory_action::segment_free, seg->address, seg->size, 0);
+  }
   if (!deallocate_in_order(seg, ordered)) upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
 }
 
@@ -2265,17 +2519,30 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
     wait_for_pending_events(lock);
     wait_for_dead_streams(lock);
   }
-  std::vector<segment*> victims = free_segments();
-  if (target != 0) {
-    std::sort(victims.begin(), victims.end(),
-              [](const segment* a, const segment* b) { return a->mapped() > b->mapped(); });
-    std::size_t reserved = current(stats_.reserved_bytes);
-    std::size_t keep = 0;
-    while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped();
-    victims.resize(keep);
-  }
-  const std::size_t released = release_segments(lock, victims);
-  return released + unmap_free_pages(lock, target, wait_unlocked);
+  const auto choose = [&] {
+    std::vector<segment*> victims = free_segments();
+    if (target != 0) {
+      std::sort(victims.begin(), victims.end(),
+                [](const segment* a, const segment* b) { return a->mapped() > b->mapped(); });
+      std::size_t reserved = current(stats_.reserved_bytes);
+      std::size_t keep = 0;
+      while (keep < victims.size() && reserved > target) reserved -= victims[keep++]->mapped();
+      victims.resize(keep);
+    }
+    return victims;
+  };
+  std::vector<segment*> victims = choose();
+  const bool target_met = target != 0 && current(stats_.reserved_bytes) <= target;
+  if (target_met || !has_pages_to_release(victims)) return release_segments(lock, victims);
+  // One wait for the ranges given back whole and the free pages of the others, then their pages go in place.
+  unmap_wait wait;
+  wait_for_unmap(lock, nullptr, wait_unlocked, wait);
+  if (wait_unlocked) victims = choose();  // threads allocated and freed meanwhile
+  std::size_t released = unmap_victims(victims, wait, false);
+  if (!wait_unlocked) released += unmap_free_pages(target, wait);  // before release_segments releases the lock
+  released += release_segments(lock, victims, false, &wait);
+  if (wait_unlocked) released += unmap_free_pages(target, wait);
+  return released;
 }
 
 template <class Upstream, class StreamOps>
@@ -2366,8 +2633,28 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::free_segments()
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_segments(
-    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims, bool unforced) {
-  if (victims.empty()) return 0;
+    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& chosen, bool unforced,
+    const unmap_wait* waited) {
+  if (chosen.empty()) return 0;
+  std::size_t unmapped = 0;  // pages of expandable victims, unmapped before they are unlinked
+  std::vector<segment*> victims(chosen);
+  if constexpr (has_vm) {
+    const bool pages = std::any_of(victims.begin(), victims.end(),
+                                   [](const segment* seg) { return seg->expandable && seg->mapped() != 0; });
+    if (waited == nullptr && pages) {  // release_for_growth, release_abandoned
+      std::size_t page = 0;
+      for (const segment* seg : victims) page = seg->expandable ? seg->pages.page_size() : page;
+      unmap_wait wait;
+      wait_for_unmap(lock, &victims, true, wait);
+      unmapped = unmap_victims(victims, wait, true);
+      if (unforced) {
+        for (std::size_t i = 0; i < unmapped / page; ++i) stats_.num_device_free_unforced.increment();
+      }
+      if (victims.empty()) return unmapped;
+    }
+  } else {
+    (void)waited;
+  }
   // Everything that allocates comes before the first change: the loop that unlinks the segments cannot fail.
   std::vector<std::unique_ptr<event_type>> fences;
   std::size_t fence_count = 0;
@@ -2405,9 +2692,8 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   }
   lock.unlock();
   for (const auto& fence : fences) synchronize_quietly(*fence);
-  shared_unmap_wait unmap_wait;
   for (std::size_t i = 0; i < victims.size(); ++i) {
-    return_segment(victims[i], ordered[i], unmap_wait);
+    return_segment(victims[i], ordered[i]);
     delete victims[i];
   }
   lock.lock();
@@ -2419,7 +2705,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
     stats_.num_device_free.increment();
     if (unforced) stats_.num_device_free_unforced.increment();
   }
-  return released;
+  return released + unmapped;
 }
 
 template <class Upstream, class StreamOps>

@@ -20,8 +20,14 @@
 ///     bool unmap_after_wait(void* address, std::size_t bytes) noexcept;  // unmap, without the wait
 ///
 /// so that the caching allocator waits without its lock held (threads allocate meanwhile, instead of queuing behind
-/// a device synchronization), then unmaps only pages free since before the wait. An upstream that can free in stream
-/// order may also have
+/// a device synchronization), then unmaps only pages free since before the wait. Such an upstream may also have
+///
+///     bool wait_before_unmap(const std::vector<const event*>& after) noexcept;  // false: failed
+///
+/// which waits only for the events in `after` (the caching allocator records one on each stream that may still use
+/// the pages): another thread's capture survives that wait, where a device synchronization invalidates it. The
+/// allocator falls back to wait_before_unmap() where it knows no such stream (a raw stream handle). An upstream that
+/// can free in stream order may also have
 ///
 ///     bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept;
 ///
@@ -47,6 +53,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/detail/map_node.hpp>
+#include <gpukit/stream/event.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -234,6 +241,14 @@ GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* wha
 
 /// wait_before_release, true when the device is idle (the memory may go back now).
 GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept;
+
+/// Waits for the work the events in `after` (of CUDA device `d`) captured, not for the whole device, before memory
+/// that only that work may still use goes back: cudaEventSynchronize of each, in relaxed capture mode, so that another
+/// thread's capture (in global mode, of a stream that is not waited for) neither refuses the wait nor is invalidated
+/// by it, as cudaDeviceSynchronize would be. A failure is reported as by wait_before_release, as
+/// "cudaEventSynchronize (before <what>)"; idle here means that work has completed.
+GPUKIT_INLINE release_wait wait_for_events_before_release(gpukit::device d, const std::vector<const event*>& after,
+                                                          const char* what) noexcept;
 }  // namespace detail
 
 /// cudaMalloc / cudaFree on one CUDA device, with that device made current around each call.
@@ -287,6 +302,12 @@ class cuda_upstream {
   /// The wait of unmap() alone (cudaDeviceSynchronize on this device): true when the device is idle, or the runtime
   /// torn down; false, reported through gpukit::warn, when it could not be waited for.
   bool wait_before_unmap() noexcept;
+  /// The wait before unmapping pages that only the work the events in `after` captured may still use (the caching
+  /// allocator records one on each stream that owns a free block on them): cudaEventSynchronize of each, in relaxed
+  /// capture mode (detail::wait_for_events_before_release), so that another thread's capture survives it. True when
+  /// that work has completed, or the runtime is torn down; false, reported through gpukit::warn, when it could not be
+  /// waited for.
+  bool wait_before_unmap(const std::vector<const event*>& after) noexcept;
   /// unmap() without its wait: the caller waited (wait_before_unmap()) after the pages' last use.
   bool unmap_after_wait(void* address, std::size_t bytes) noexcept;
   /// cuMemAddressFree, after unmapping the range's pages that an earlier unmap() could not; failures are reported
@@ -351,6 +372,8 @@ class device_upstream {
   bool unmap(void* address, std::size_t bytes) noexcept;
   /// cuda_upstream::wait_before_unmap(); false, warned about, on the CPU.
   bool wait_before_unmap() noexcept;
+  /// cuda_upstream::wait_before_unmap(after); false, warned about, on the CPU.
+  bool wait_before_unmap(const std::vector<const event*>& after) noexcept;
   /// cuda_upstream::unmap_after_wait(); false, warned about, on the CPU.
   bool unmap_after_wait(void* address, std::size_t bytes) noexcept;
   /// Gives a range reserve() returned back (cuda_upstream::unreserve()); failures, and a call on the CPU, are warned
@@ -683,6 +706,27 @@ GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* wha
 GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
   return wait_before_release(d, what) == release_wait::idle;
 }
+
+GPUKIT_INLINE release_wait wait_for_events_before_release(gpukit::device d, const std::vector<const event*>& after,
+                                                          const char* what) noexcept {
+  try {
+    const relaxed_capture_mode relaxed;  // the events were recorded outside any capture
+    for (const event* e : after) {
+      const cudaError_t waited = cudaEventSynchronize(e->cuda_handle());
+      if (waited == cudaSuccess) continue;
+      if (is_teardown_result(waited)) return release_wait::torn_down;
+      report_cuda_failure(waited, std::string("cudaEventSynchronize (before ") + what + ")", d.ordinal());
+      return release_wait::failed;
+    }
+    return release_wait::idle;
+  } catch (const error& e) {
+    if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
+    warn_parts("gpukit: could not wait for the streams of ", d, " before ", what, ": ", e.what());
+  } catch (const std::exception& e) {
+    warn_parts("gpukit: could not wait for the streams before ", what, ": ", e.what());
+  }
+  return release_wait::failed;
+}
 }  // namespace detail
 
 GPUKIT_INLINE cuda_upstream::cuda_upstream(gpukit::device d) : device_(d) {
@@ -843,6 +887,10 @@ GPUKIT_INLINE bool cuda_upstream::unmap(void* address, std::size_t bytes) noexce
 
 GPUKIT_INLINE bool cuda_upstream::wait_before_unmap() noexcept {
   return detail::wait_before_release(device_, "unmapping pages") != detail::release_wait::failed;
+}
+
+GPUKIT_INLINE bool cuda_upstream::wait_before_unmap(const std::vector<const event*>& after) noexcept {
+  return detail::wait_for_events_before_release(device_, after, "unmapping pages") != detail::release_wait::failed;
 }
 
 GPUKIT_INLINE bool cuda_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
@@ -1049,6 +1097,14 @@ GPUKIT_INLINE bool device_upstream::wait_before_unmap() noexcept {
     return false;
   }
   return cuda_->wait_before_unmap();
+}
+
+GPUKIT_INLINE bool device_upstream::wait_before_unmap(const std::vector<const event*>& after) noexcept {
+  if (!cuda_) {
+    warn_no_virtual_memory("wait_before_unmap");
+    return false;
+  }
+  return cuda_->wait_before_unmap(after);
 }
 
 GPUKIT_INLINE bool device_upstream::unmap_after_wait(void* address, std::size_t bytes) noexcept {
