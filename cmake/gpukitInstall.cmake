@@ -69,11 +69,16 @@ configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/gpukitConfig.cmake.in"
   "${gpukit_package_dir}/gpukitConfig.cmake"
   INSTALL_DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}")
 # The headers serve every architecture (ARCH_INDEPENDENT skips the pointer-size check; gpukit::compiled, an optional
-# component, is of the machine that built it). While the major version is 0, SameMajorVersion accepts any installed
-# 0.y with y >= the requested minor.
+# component, is of the machine that built it). While the major version is 0 a minor version may break the API
+# (version.hpp), so only the same 0.y is compatible (SameMinorVersion); from 1.0 on, the same major version.
+if(gpukit_VERSION_MAJOR EQUAL 0)
+  set(gpukit_version_compatibility SameMinorVersion)
+else()
+  set(gpukit_version_compatibility SameMajorVersion)
+endif()
 write_basic_package_version_file("${gpukit_package_dir}/gpukitConfigVersion.cmake"
   VERSION "${gpukit_VERSION}"
-  COMPATIBILITY SameMajorVersion
+  COMPATIBILITY ${gpukit_version_compatibility}
   ARCH_INDEPENDENT)
 install(FILES "${gpukit_package_dir}/gpukitConfig.cmake" "${gpukit_package_dir}/gpukitConfigVersion.cmake"
   DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}"

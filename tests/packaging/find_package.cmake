@@ -31,10 +31,16 @@ packaging_build("build the compiled-mode consumer" "${WORK_DIR}/build-compiled")
 packaging_executable(program "${WORK_DIR}/bin-compiled" consumer)
 packaging_run_consumer("run the compiled-mode consumer" "${program}")
 
-# The version file (SameMajorVersion): a newer minor or another major than the installed one must be refused.
+# The version file: a newer minor or another major than the installed one must be refused, and while the major
+# version is 0 (a minor version may break the API) an older minor too (SameMinorVersion).
 math(EXPR next_major "${VERSION_MAJOR} + 1")
 math(EXPR next_minor "${VERSION_MINOR} + 1")
-foreach(requested "${next_major}.0" "${VERSION_MAJOR}.${next_minor}")
+set(refused "${next_major}.0" "${VERSION_MAJOR}.${next_minor}")
+if(VERSION_MAJOR EQUAL 0 AND VERSION_MINOR GREATER 0)
+  math(EXPR previous_minor "${VERSION_MINOR} - 1")
+  list(APPEND refused "0.${previous_minor}")
+endif()
+foreach(requested IN LISTS refused)
   packaging_configure("find_package(gpukit ${requested} CONFIG REQUIRED) is refused (gpukit ${VERSION} installed)"
     "${consumer}" "${WORK_DIR}/build-${requested}" EXPECT_FAILURE OUTPUT_VARIABLE out
     ARGS "-DCMAKE_PREFIX_PATH=${prefix}" "-DGPUKIT_CONSUMER_VERSION=${requested}")

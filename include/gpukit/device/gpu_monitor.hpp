@@ -90,7 +90,7 @@ class gpu_monitor {
       return;
     }
     std::size_t known = 0;
-    for (const auto& w : watched_) known += nvml_.knows(w.properties) ? 1 : 0;
+    for (const auto& w : watched_) known += nvml_.knows(w.properties) ? std::size_t{1} : std::size_t{0};
     if (known == 0) {
       status_ = "GPU monitor inactive: NVML knows none of the " + std::to_string(watched_.size()) +
                 " device(s) (looked up by UUID and PCI bus id)";

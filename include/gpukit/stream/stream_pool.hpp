@@ -236,7 +236,7 @@ GPUKIT_INLINE std::size_t stream_pool::size() const noexcept { return slots_.siz
 GPUKIT_INLINE std::size_t stream_pool::created() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t n = 0;
-  for (const auto& slot : slots_) n += slot ? 1 : 0;
+  for (const auto& slot : slots_) n += slot ? std::size_t{1} : std::size_t{0};
   return n;
 }
 

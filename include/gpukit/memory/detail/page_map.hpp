@@ -57,7 +57,7 @@ class page_map {
   /// How many pages of `pages` are not mapped.
   [[nodiscard]] std::size_t unmapped_count(page_range pages) const noexcept {
     std::size_t n = 0;
-    for (std::size_t i = pages.first; i < pages.end; ++i) n += mapped_[i] ? 0 : 1;
+    for (std::size_t i = pages.first; i < pages.end; ++i) n += mapped_[i] ? std::size_t{0} : std::size_t{1};
     return n;
   }
   /// Whether a page of `pages` is mapped.
