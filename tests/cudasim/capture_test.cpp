@@ -3322,6 +3322,33 @@ TEST_CASE(
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: event::wait on the legacy stream for an event recorded in a capture underway is refused") {
+  // CUDA never captures the legacy default stream: it cannot join a capture of a non-blocking stream as a fork. The
+  // wait went to CUDA (which the simulator let the legacy stream join; CUDA refuses it and the capture fails).
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream s(cuda0);  // non-blocking
+  gpukit::event e(cuda0);
+  std::size_t waits = 0;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    e.record(s);
+    waits = cudasim::calls("cudaStreamWaitEvent");
+    const std::string message = invalid_argument_message([&] { e.wait(legacy); });
+    INFO(message);
+    CHECK(message.find("gpukit::event::wait: the legacy default stream of cuda:0") != std::string::npos);
+    CHECK(message.find("recorded in a capture still underway") != std::string::npos);
+    CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);  // nothing enqueued
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REQUIRE(cudaStreamIsCapturing(cudaStreamLegacy, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusNone);
+  });
+  g.launch(s);  // the capture is intact
+  s.synchronize();
+  e.record(s);  // recorded again outside the capture: the legacy stream may wait for it
+  e.wait(legacy);
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a thread in thread-local mode makes unsafe calls during another thread's global capture") {
   // cudaStreamCaptureModeThreadLocal: "concurrent capture sequences in other threads are ignored"; the thread's own
   // capture still prohibits them.
@@ -3413,5 +3440,42 @@ TEST_CASE("capture: a stream already being captured is refused with a message th
     CHECK(text.find("forked into another capture") != std::string::npos);
   }
   CHECK(text.find("cudaErrorIllegalState") != std::string::npos);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a host function on the legacy stream is refused while another thread captures a blocking stream") {
+  // Work on the legacy stream joins a capture of any blocking stream of its device, which CUDA then invalidates (906,
+  // then 901 at the end): enqueue_host there is refused instead, under the hold event::record and synchronize take.
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  std::string refusal;
+  std::string capture_error;
+  bool returned = false;
+  {
+    gpukit_test::bounded_calls calls;  // an enqueue that waited for the capture to end would wait for this thread
+    try {
+      gpukit::graph g = gpukit::capture(blocking, [&] {
+        returned = calls.returned_within([&] {
+          try {
+            legacy.enqueue_host([] {});
+          } catch (const gpukit::invalid_argument_error& e) {
+            refusal = e.what();
+          }
+        });
+      });
+    } catch (const std::exception& e) {
+      capture_error = e.what();
+    }
+  }
+  CHECK(returned);
+  INFO("refusal: " << refusal);
+  CHECK(capture_error.empty());  // the capture was not invalidated
+  CHECK(refusal.find("stream_view::enqueue_host") != std::string::npos);
+  CHECK(refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
+  // After the capture the legacy stream takes host functions again.
+  bool ran = false;
+  legacy.enqueue_host([&] { ran = true; });
+  legacy.synchronize();
+  CHECK(ran);
   CHECK(cudasim::violations().empty());
 }

@@ -45,14 +45,18 @@ using state_ptr = std::shared_ptr<op_state>;
 
 enum class op_kind { engine, host };
 
+struct event_obj;
+
 /// What an operation does: what a capture records, and each launch of its graph enqueues again.
 struct captured_op {
   op_kind kind = op_kind::engine;
   std::function<bool()> precheck;  // under the lock, just before running: false = illegal access
   std::function<void()> work;      // runs without the lock
   std::string what;
-  std::uintptr_t allocates = 0;  // an allocation node: the graph allocation at this address
-  std::uintptr_t frees = 0;      // a free node of the graph allocation at this address
+  std::uintptr_t allocates = 0;              // an allocation node: the graph allocation at this address
+  std::uintptr_t frees = 0;                  // a free node of the graph allocation at this address
+  std::shared_ptr<event_obj> external_wait;  // an event wait node (cudaEventWaitExternal): each launch waits for
+                                             // the event's record as it stands then
 };
 
 /// An operation enqueued on a stream.
@@ -270,6 +274,7 @@ struct simulator {
   unsigned long long next_capture_id = 1;
   std::map<std::pair<std::thread::id, int>, stream_ptr> per_thread;
   std::vector<std::shared_ptr<capture_state>> captures;  // active ones
+  std::size_t checked_ops_running = 0;  // ops past their alive_check, running outside the lock (copies, memsets)
 };
 
 // Never destroyed: worker threads, host functions and static destructors of the program may call in at exit.
@@ -680,6 +685,8 @@ void worker_loop(int device, op_kind kind) {
     st->queue.pop_front();
     st->running = true;
     const bool legal = !o->precheck || o->precheck();
+    const bool checked = legal && o->precheck && o->work;
+    if (checked) ++s.checked_ops_running;
     lock.unlock();
     if (legal && o->work) {
       t_in_host_function = kind == op_kind::host;
@@ -687,6 +694,7 @@ void worker_loop(int device, op_kind kind) {
       t_in_host_function = false;
     }
     lock.lock();
+    if (checked) --s.checked_ops_running;
     o->state->done = true;
     o->state->completed_at = clock_type::now();
     st->running = false;
@@ -706,6 +714,12 @@ void wait_for(call& c, const std::vector<state_ptr>& states) {
     }
     return true;
   });
+}
+
+/// Waits (releasing the lock) until no copy or memset that passed its alive_check is running: memory freed without
+/// waiting for the device's work (cudaFree of cudaMallocAsync memory) is never freed under the simulator's memcpy.
+void wait_for_running_copies(call& c) {
+  c.s.changed.wait(c.lock, [&] { return c.s.checked_ops_running == 0; });
 }
 
 std::vector<state_ptr> device_tails(simulator& s, int d) {
@@ -729,7 +743,10 @@ bool stream_idle(const simulator& s, const stream_obj& st) {
 /// and freeing (cudaMalloc/Free, cudaMallocHost/FreeHost, cudaHostRegister/Unregister, and cudaMallocAsync/FreeAsync
 /// on a stream that is not captured), cudaMemPoolTrimTo, cudaGraphInstantiate and cudaGraphExecDestroy, and every wait
 /// or query (cudaDeviceSynchronize, cudaStreamSynchronize/Query, cudaEventSynchronize/Query). cudaDeviceSynchronize
-/// stays prohibited in relaxed mode too (`even_relaxed`).
+/// stays prohibited in relaxed mode too (`even_relaxed`, measured for global captures). The programming guide calls
+/// a device synchronization invalid while any stream of the device is captured, whatever the capture's mode; for
+/// captures in thread-local or relaxed mode the simulator still follows the modes' rules (unmeasured: the README's
+/// assumptions, and test_gpu_capture_rules prints what a GPU does).
 std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool even_relaxed = false) {
   if (t_capture_mode == cudaStreamCaptureModeRelaxed && !even_relaxed) return nullptr;
   for (const auto& cap : s.captures) {
@@ -1429,8 +1446,9 @@ cudaError_t event_record(cudaEvent_t e, cudaStream_t h, bool ptsz, const char* n
   return cudaSuccess;
 }
 
-cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const char* name) {
+cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, unsigned flags, bool ptsz, const char* name) {
   CUDASIM_ENTER(name);
+  if ((flags & ~unsigned{cudaEventWaitExternal}) != 0) return c.result(cudaErrorInvalidValue);  // undefined bits
   auto ev = c.s.events.find(reinterpret_cast<std::uintptr_t>(e));
   if (!ev) return c.violation(cudaErrorInvalidResourceHandle, "wait for a destroyed or invalid event");
   stream_ptr st;
@@ -1442,6 +1460,23 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
     if (st->capture && st->capture != ev->capture) {
       st->capture->invalidated = true;
       return c.violation(cudaErrorStreamCaptureMerge, "a stream of one capture waits for an event of another");
+    }
+    if (st->kind == stream_kind::legacy) {
+      // CUDA never captures the legacy stream (cudaStreamBeginCapture: "Capture may not be initiated if stream is
+      // cudaStreamLegacy"; cudaStreamIsCapturing: "The legacy stream is not supported for stream capture"), so it
+      // cannot join one as a fork. During a blocking capture the wait is legacy-stream work, refused as any (906).
+      // Otherwise the simulator's model, not measured (tests/graph/gpu_capture_rules_test.cpp prints the real code):
+      // refused with cudaErrorStreamCaptureUnsupported, invalidating the capture, as other misuse of a capture.
+      if (auto cap = capture_on_device(c.s, st->device)) {
+        cap->invalidated = true;
+        return c.violation(cudaErrorStreamCaptureImplicit,
+                           "a wait on the legacy default stream while a blocking stream of its device is captured");
+      }
+      ev->capture->invalidated = true;
+      return c.violation(cudaErrorStreamCaptureUnsupported,
+                         "the legacy default stream waits for an event recorded in a capture (the legacy stream "
+                         "cannot join a capture; capture " +
+                             std::to_string(ev->capture->id) + " is invalidated)");
     }
     if (!st->capture) st->capture = ev->capture;  // the stream joins the capture (fork)
     auto& cap = *ev->capture;
@@ -1457,6 +1492,14 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, bool ptsz, const ch
       }
     }
     return cudaSuccess;
+  }
+  if (st->capture && (flags & cudaEventWaitExternal) != 0) {
+    // An event wait node: "Event is captured in the graph as an external event node" (driver_types.h); each launch
+    // of the graph waits for the event's most recent record at that launch.
+    auto o = std::make_shared<op>();
+    o->what = std::string(name) + " (external event)";
+    o->external_wait = ev;
+    return enqueue(c, st, std::move(o));
   }
   if (st->capture) {
     st->capture->invalidated = true;
@@ -1504,6 +1547,12 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   auto cap = st->capture;
   if (!cap) return c.violation(cudaErrorIllegalState, "cudaStreamEndCapture on a stream that is not capturing");
   if (cap->origin != st) return c.violation(cudaErrorStreamCaptureUnmatched, "the capture began on another stream");
+  // cudaStreamBeginCapture's header: "If mode is not cudaStreamCaptureModeRelaxed, cudaStreamEndCapture must be
+  // called on this stream from the same thread." The capture goes on, to be ended by its thread (not measured).
+  if (cap->mode != cudaStreamCaptureModeRelaxed && cap->thread != std::this_thread::get_id()) {
+    return c.violation(cudaErrorStreamCaptureWrongThread,
+                       "cudaStreamEndCapture from another thread than the one that began the capture (not relaxed)");
+  }
   const bool unjoined = !cap->invalidated && cap->unjoined();
   for (auto& dev : c.s.devices) {
     for (auto& other : dev.streams) {
@@ -1565,6 +1614,10 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
     o->what += " (graph)";
     const bool captured_launch = st->capture != nullptr;  // a node of another graph: runs with that one
     if (first && !captured_launch && g->last_launch && !g->last_launch->done) o->deps.push_back(g->last_launch);
+    if (!captured_launch && captured.external_wait && captured.external_wait->last &&
+        !captured.external_wait->last->done) {
+      o->deps.push_back(captured.external_wait->last);
+    }
     first = false;
     const state_ptr state = o->state;
     if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
@@ -2155,6 +2208,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  // Any capture on the device, whatever its mode (the programming guide), besides the thread's mode's rules.
   if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
   wait_for(c, device_tails(c.s, d));
@@ -2243,8 +2297,17 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
                                                   ", which cudaMalloc did not return (or was freed already)");
   }
   const int d = it->second.device;
-  // cudaFree waits for the device's work: memory still in use by queued work is not freed under it.
-  wait_for(c, device_tails(c.s, d));
+  if (it->second.pooled || it->second.graph_allocation) {
+    // cudaFree's header: "This API will not perform any implicit synchronization when the pointer was allocated with
+    // cudaMallocAsync or cudaMallocFromPoolAsync. Callers must ensure that all accesses to these pointer have
+    // completed before invoking cudaFree." Work queued that touches it later is an illegal address (alive_check).
+    // Only a copy already running (past its check, outside the lock) is waited for, so that the simulator never
+    // frees host memory under its own memcpy.
+    wait_for_running_copies(c);
+  } else {
+    // cudaFree waits for the device's work: memory still in use by queued work is not freed under it.
+    wait_for(c, device_tails(c.s, d));
+  }
   const auto again = c.s.regions.find(reinterpret_cast<std::uintptr_t>(p));
   if (again == c.s.regions.end()) return c.violation(cudaErrorInvalidValue, "double cudaFree");
   if (again->second.free_enqueued) {
@@ -2626,6 +2689,10 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
 
 static cudaError_t host_alloc(call& c, void** p, std::size_t size, unsigned flags) {
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
+  // Bits cudaHostAlloc does not define (cudaHostAllocPortable, Mapped, WriteCombined are all it has).
+  if ((flags & ~unsigned{cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined}) != 0) {
+    return c.result(cudaErrorInvalidValue);
+  }
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int d = context_device(c);  // pinned memory belongs to the current device's context
@@ -2684,6 +2751,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigne
   const call_depth depth;
   CUDASIM_ENTER("cudaHostRegister");
   if (p == nullptr || size == 0) return c.result(cudaErrorInvalidValue);
+  constexpr unsigned defined_flags =
+      cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory | cudaHostRegisterReadOnly;
+  if ((flags & ~defined_flags) != 0) return c.result(cudaErrorInvalidValue);  // bits cudaHostRegister does not define
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int d = context_device(c);
@@ -2912,13 +2982,13 @@ CUDASIM_API cudaError_t CUDARTAPI cudaStreamGetFlags_ptsz(cudaStream_t stream, u
   const call_depth depth;
   return stream_field(stream, flags, true, "cudaStreamGetFlags_ptsz", flags_of);
 }
-CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   const call_depth depth;
-  return stream_wait_event(stream, event, false, "cudaStreamWaitEvent");
+  return stream_wait_event(stream, event, flags, false, "cudaStreamWaitEvent");
 }
-CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+CUDASIM_API cudaError_t CUDARTAPI cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   const call_depth depth;
-  return stream_wait_event(stream, event, true, "cudaStreamWaitEvent_ptsz");
+  return stream_wait_event(stream, event, flags, true, "cudaStreamWaitEvent_ptsz");
 }
 
 // --- capture and graphs ---

@@ -966,3 +966,173 @@ TEST_CASE("cudasim: every stream forked into a capture must be joined back into 
   for (cudaEvent_t e : {fork, join, relay}) CHECK(cudaEventDestroy(e) == cudaSuccess);
   for (cudaStream_t st : {s, side, third}) CHECK(cudaStreamDestroy(st) == cudaSuccess);
 }
+
+TEST_CASE("cudasim: the legacy stream never joins a capture: its wait for an event recorded in one is refused") {
+  // CUDA never captures the legacy stream (cudaStreamBeginCapture, cudaStreamIsCapturing); the simulator let it join
+  // a capture as a fork, and then captured its work.
+  cudaStream_t s = nullptr;
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  cudaEvent_t e = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaStreamCaptureStatus status{};
+
+  // A capture of a non-blocking stream: refused (the simulator's code, 900) and the capture is invalidated.
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(cudaStreamLegacy, e, 0) == cudaErrorStreamCaptureUnsupported);
+  REQUIRE(cudaStreamIsCapturing(cudaStreamLegacy, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusNone);  // the legacy stream did not join
+  REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusInvalidated);
+  CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(graph == nullptr);
+  auto v = cudasim::take_violations();
+  CHECK(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorStreamCaptureUnsupported));
+
+  // A capture of a blocking stream, in thread-local mode: legacy-stream work, refused as any (906).
+  REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  REQUIRE(cudaEventRecord(e, blocking) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(cudaStreamLegacy, e, 0) == cudaErrorStreamCaptureImplicit);
+  CHECK(cudaStreamEndCapture(blocking, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(graph == nullptr);
+  v = cudasim::take_violations();
+  CHECK(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorStreamCaptureImplicit));
+  (void)cudaGetLastError();
+
+  // Afterwards the legacy stream records, waits and is synchronized as before.
+  REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(cudaStreamLegacy, e, 0) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);
+  CHECK(cudaEventDestroy(e) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: cudaFree of cudaMallocAsync memory does not wait for the device's work, which then faults") {
+  // cudaFree's header: no implicit synchronization for cudaMallocAsync memory; callers must ensure that all accesses
+  // have completed. The simulator waited, which hid a missing wait. The gate opens by itself after 5 s, so that a
+  // cudaFree that waits fails the check instead of hanging.
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  void* p = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 4096, s) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  gate g;
+  REQUIRE(cudaLaunchHostFunc(s, gate::wait, &g) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(p, 1, 4096, s) == cudaSuccess);  // runs after the gate opens
+  std::atomic<bool> freed{false};
+  std::thread opener([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!freed.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    g.open = true;
+  });
+  const cudaError_t result = cudaFree(p);
+  const bool gate_was_open = g.open.load();  // false: cudaFree returned without waiting for the memset
+  freed = true;
+  opener.join();
+  CHECK(result == cudaSuccess);
+  CHECK_FALSE(gate_was_open);
+  // The memset ran after the memory was freed: an illegal address, sticky.
+  CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress);
+  const auto v = cudasim::take_violations();
+  CHECK(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorIllegalAddress));
+  cudasim::clear_faults();
+  (void)cudaGetLastError();
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: a capture not begun in relaxed mode is ended only by the thread that began it") {
+  // cudaStreamBeginCapture: "If mode is not cudaStreamCaptureModeRelaxed, cudaStreamEndCapture must be called on this
+  // stream from the same thread" (cudaErrorStreamCaptureWrongThread); the capture goes on.
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 16) == cudaSuccess);
+  for (const cudaStreamCaptureMode mode :
+       {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+    INFO("capture mode " << static_cast<int>(mode));
+    REQUIRE(cudaStreamBeginCapture(s, mode) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(d, 1, 16, s) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaError_t elsewhere = cudaErrorUnknown;
+    std::thread([&] {
+      REQUIRE(cudaSetDevice(0) == cudaSuccess);
+      elsewhere = cudaStreamEndCapture(s, &graph);
+    }).join();
+    if (mode == cudaStreamCaptureModeRelaxed) {
+      CHECK(elsewhere == cudaSuccess);
+      CHECK(graph != nullptr);
+    } else {
+      CHECK(elsewhere == cudaErrorStreamCaptureWrongThread);
+      CHECK(graph == nullptr);
+      cudaStreamCaptureStatus status{};
+      REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+      CHECK(status == cudaStreamCaptureStatusActive);
+      CHECK(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+      const auto v = cudasim::take_violations();
+      CHECK(v.size() == 1);
+      CHECK(has_violation(v, cudaErrorStreamCaptureWrongThread));
+    }
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  (void)cudaGetLastError();
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: undefined flag bits are refused, and an external event wait is a node of the graph") {
+  std::vector<char> pageable(1 << 16);
+  CHECK(cudaHostRegister(pageable.data(), pageable.size(), 0x80) == cudaErrorInvalidValue);
+  void* h = nullptr;
+  const cudaError_t allocated = cudaHostAlloc(&h, 4096, 0x40);
+  CHECK(allocated == cudaErrorInvalidValue);
+  if (allocated == cudaSuccess) CHECK(cudaFreeHost(h) == cudaSuccess);
+  cudaStream_t s = nullptr;
+  cudaStream_t other = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t e = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(s, e, 0x10) == cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+  CHECK(cudaStreamWaitEvent(s, e, cudaEventWaitExternal) == cudaSuccess);  // outside a capture: an ordinary wait
+
+  // cudaEventWaitExternal: "Event is captured in the graph as an external event node"; each launch waits for the
+  // event's record as it stands at that launch.
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 16) == cudaSuccess);
+  REQUIRE(cudaMemset(d, 0, 16) == cudaSuccess);
+  REQUIRE(cudaEventRecord(e, other) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  CHECK(cudaStreamWaitEvent(s, e, cudaEventWaitExternal) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d, 7, 16, s) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  gate g;
+  REQUIRE(cudaLaunchHostFunc(other, gate::wait, &g) == cudaSuccess);
+  CHECK(cudaEventRecord(e, other) == cudaSuccess);  // after the gate (CHECK: the gate opens below whatever happens)
+  CHECK(cudaGraphLaunch(exec, s) == cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(cudaStreamQuery(s) == cudaErrorNotReady);  // the launch waits for the event
+  g.open = true;
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  char back[16] = {};
+  REQUIRE(cudaMemcpy(back, d, 16, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(back[0] == 7);
+  CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+  CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaEventDestroy(e) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudaStreamDestroy(other) == cudaSuccess);
+}

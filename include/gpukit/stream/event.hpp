@@ -90,6 +90,9 @@ GPUKIT_INLINE void forget_gpukit_capture(unsigned long long id) noexcept;
 /// blocking stream: a query of or a record on that legacy stream would join the capture and invalidate it.
 GPUKIT_INLINE void count_blocking_fork(unsigned long long capture, const stream_view& s);
 
+/// Whether capture `id` is a gpukit::capture still underway (registered and not yet forgotten).
+GPUKIT_INLINE bool gpukit_capture_active(unsigned long long id);
+
 }  // namespace detail
 
 /// An owning, move-only event. A moved-from event throws invalid_argument_error on use.
@@ -127,7 +130,11 @@ class event {
 
   /// Makes all work enqueued on `s` after this call wait until the captured work has completed, without blocking
   /// the host (cudaStreamWaitEvent). `s` may belong to another CUDA device; a CPU event can only be waited for by
-  /// CPU streams (and a CUDA event only by CUDA streams). On the legacy default stream it throws as record() does.
+  /// CPU streams (and a CUDA event only by CUDA streams). On the legacy default stream it throws as record() does,
+  /// and also (invalid_argument_error, waiting for nothing) when the event was last recorded in a gpukit::capture
+  /// still underway: CUDA never captures the legacy stream, so it cannot join the capture as a fork (the wait would
+  /// fail and invalidate the capture). An event recorded in a capture begun without gpukit::capture is not known:
+  /// CUDA refuses that wait (gpukit throws its cuda_error).
   ///
   /// Captures: while a capture runs, a stream outside it that waits for an event last recorded in it joins it (a
   /// fork; join it back before the capture ends). Once that capture has ended the event belongs to its graph: a
@@ -316,6 +323,16 @@ GPUKIT_INLINE void event::wait(stream_view s) const {
   }
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("event::wait");
   if (s.is_default() && !s.is_per_thread()) {
+    const unsigned long long recorded_in = capture_.load(std::memory_order_relaxed);
+    if (recorded_in != 0 && detail::gpukit_capture_active(recorded_in)) {
+      throw invalid_argument_error(
+          "gpukit::event::wait: the legacy default stream of " + s.device().to_string() +
+          " cannot wait for an event last recorded in a capture still underway (capture " +
+          std::to_string(recorded_in) +
+          "): CUDA never captures the legacy default stream, so it cannot join the capture as a fork, and the wait "
+          "would invalidate it (nothing was done). Wait on another stream, which joins the capture, or record the "
+          "event again outside a capture");
+    }
     const detail::legacy_stream_hold hold(s.device().ordinal(), true);  // as record()
     detail::refuse_legacy_stream_join("event::wait", s, hold.refused());
     detail::cuda_backend::wait_event(s.cuda_target(), cuda_, device_.ordinal());
@@ -403,6 +420,15 @@ GPUKIT_INLINE void register_gpukit_capture(unsigned long long id) {
   mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
   const std::lock_guard<std::mutex> lock(table.mutex);
   table.entries.push_back({id, -1, std::this_thread::get_id()});
+}
+
+GPUKIT_INLINE bool gpukit_capture_active(unsigned long long id) {
+  mode_independent::gpukit_capture_table& table = mode_independent::gpukit_capture_table_v1();
+  const std::lock_guard<std::mutex> lock(table.mutex);
+  for (const auto& e : table.entries) {
+    if (e.capture == id && e.ordinal < 0) return true;
+  }
+  return false;
 }
 
 GPUKIT_INLINE void forget_gpukit_capture(unsigned long long id) noexcept {

@@ -386,6 +386,13 @@ class stream_view {
       std::unique_ptr<callable> f(static_cast<callable*>(data));
       detail::run_host_function(*f);
     };
+    // On the legacy stream, work another thread's gpukit capture of a blocking stream would join (and CUDA then
+    // invalidates): refused, under the hold that keeps such a capture from beginning before the launch.
+    std::optional<detail::legacy_stream_hold> hold;
+    if (is_default() && !is_per_thread()) {
+      hold.emplace(device().ordinal());
+      refuse_implicit_join("stream_view::enqueue_host", *hold);
+    }
     detail::cuda_backend::launch_host_function(cuda_target(), trampoline, owned.get());
     (void)owned.release();  // now owned by the trampoline
   }
