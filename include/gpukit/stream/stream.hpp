@@ -367,8 +367,10 @@ class stream_view {
   /// record_stream). An empty callable (a null function pointer, an empty std::function) throws
   /// invalid_argument_error at once, and so does a stream being captured: a graph calls its host functions at every
   /// launch, and the callable is freed after its first call (add a host node with cudaLaunchHostFunc and data that
-  /// outlives the graph instead). On the CPU default stream, which runs work at once, a host function enqueued from
-  /// inside a running one runs after it returns.
+  /// outlives the graph instead). On the legacy default stream it is refused (invalid_argument_error) while another
+  /// thread's gpukit capture of a blocking stream of its device runs, as event::record is: it would join that capture
+  /// and invalidate it. On the CPU default stream, which runs work at once, a host function enqueued from inside a
+  /// running one runs after it returns.
   template <class F>
   void enqueue_host(F&& function) const {
     using callable = std::decay_t<F>;
