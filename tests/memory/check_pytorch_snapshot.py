@@ -2,8 +2,19 @@
 (MemoryViz.js / torch.cuda._memory_viz) reads: segments with their blocks, device_traces with their entries.
 
 usage: check_pytorch_snapshot.py FILE SEGMENTS EVENTS ALLOCATED_BLOCKS TAG
-Prints what it found; exits 1 with a message on the first mismatch."""
+Prints what it found; exits 1 with a message on the first mismatch.
+
+Beyond the keys, what the viewer needs of them:
+- every APPENDS and SETITEMS of the pickle holds at most 1000 items (as Python's pickle writes them): MemoryViz.js's
+  unpickler pushes a batch as function arguments, which overflows JavaScript's stack for big ones;
+- every trace entry has a frame, and so has every allocated block, or block whose free waits for other streams
+  (active_pending_free), whose alloc the trace holds (an empty list makes the viewer say the block was allocated
+  before the history was recorded); a block whose alloc the trace does not hold has none;
+- such a pending block keeps its requested_size;
+- an expandable segment's mapped ranges have the stream of the segment_map and segment_unmap events that touch them:
+  replaying the trace backwards, the viewer merges a range with its neighbours only when their streams are equal."""
 import pickle
+import pickletools
 import sys
 
 
@@ -12,10 +23,42 @@ def fail(message):
     sys.exit(1)
 
 
+def check_batches(data, limit=1000):
+    """Fails if an APPENDS or SETITEMS takes more than `limit` items off the unpickler's stack (since its MARK)."""
+    mark = object()
+    stack = []
+    largest = 0
+    for op, _, pos in pickletools.genops(data):
+        before, after = op.stack_before, op.stack_after
+        if pickletools.markobject in before:  # [..., markobject, stackslice]: everything down to the last MARK
+            values = 0
+            while stack and stack[-1] is not mark:
+                stack.pop()
+                values += 1
+            if not stack:
+                fail("%s at byte %d without a MARK" % (op.name, pos))
+            stack.pop()
+            items = values // 2 if op.name == "SETITEMS" else values
+            if op.name in ("APPENDS", "SETITEMS"):
+                largest = max(largest, items)
+                if items > limit:
+                    fail("%s at byte %d takes %d items at once (at most %d: the viewer pushes them as arguments)"
+                         % (op.name, pos, items, limit))
+            below = before[:before.index(pickletools.markobject)]
+        else:
+            below = before
+        if below:
+            del stack[-len(below):]
+        stack.extend(mark if x is pickletools.markobject else None for x in after)
+    return largest
+
+
 def main():
     path, segments, events, allocated_blocks, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     with open(path, "rb") as f:
-        snapshot = pickle.load(f)
+        data = f.read()
+    largest_batch = check_batches(data)
+    snapshot = pickle.loads(data)
     if not isinstance(snapshot, dict) or set(snapshot) != {"segments", "device_traces"}:
         fail("the top level is not a dict of segments and device_traces: %r" % type(snapshot))
     if len(snapshot["segments"]) != segments:
@@ -62,6 +105,29 @@ def main():
     trace = traces[-1]
     if len(trace) != events:
         fail("%d trace entries, expected %d" % (len(trace), events))
+    allocated_in_trace = {entry["addr"] for entry in trace if entry.get("action") == "alloc"}
+    for seg in snapshot["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] not in ("active_allocated", "active_pending_free"):
+                continue
+            if block["address"] in allocated_in_trace:
+                if not block["frames"]:
+                    fail("the %s block at %#x has no frame though the trace holds its alloc"
+                         % (block["state"], block["address"]))
+                if block["requested_size"] <= 0:
+                    fail("the %s block at %#x has requested_size %d"
+                         % (block["state"], block["address"], block["requested_size"]))
+            elif block["frames"]:
+                fail("the block at %#x has frames though the trace does not hold its alloc" % block["address"])
+    for entry in trace:
+        if entry.get("action") not in ("segment_map", "segment_unmap"):
+            continue
+        begin, end = entry["addr"], entry["addr"] + entry["size"]
+        for seg in snapshot["segments"]:
+            touches = seg["address"] <= end and begin <= seg["address"] + seg["total_size"]
+            if seg["is_expandable"] and touches and seg["stream"] != entry["stream"]:
+                fail("the mapped range at %#x has stream %#x, the %s at %#x next to it stream %#x: the viewer keeps "
+                     "them apart" % (seg["address"], seg["stream"], entry["action"], begin, entry["stream"]))
     actions = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
                "segment_unmap", "snapshot", "oom"}
     last_time = 0
@@ -74,13 +140,18 @@ def main():
                 fail("trace entry key %s is %r" % (key, entry.get(key)))
         if not 0 <= entry["stream"] < 2 ** 63:
             fail("trace entry stream %#x does not fit the viewer's 8-byte integers" % entry["stream"])
-        if not isinstance(entry["frames"], list):
-            fail("trace entry frames")
+        if not isinstance(entry["frames"], list) or not entry["frames"]:
+            fail("trace entry %r has no frame (the viewer says it happened before the history was recorded)"
+                 % entry["action"])
+        for frame in entry["frames"]:
+            if not (isinstance(frame.get("name"), str) and isinstance(frame.get("filename"), str)
+                    and isinstance(frame.get("line"), int)):
+                fail("trace entry frame %r" % frame)
         if entry["time_us"] < last_time:
             fail("time_us goes back")
         last_time = entry["time_us"]
-    print("check_pytorch_snapshot: %d segments, %d allocated blocks, %d trace entries: the viewer's keys are there"
-          % (len(snapshot["segments"]), seen_allocated, len(trace)))
+    print("check_pytorch_snapshot: %d segments, %d allocated blocks, %d trace entries, batches of at most %d items: "
+          "the viewer's keys are there" % (len(snapshot["segments"]), seen_allocated, len(trace), largest_batch))
 
 
 main()

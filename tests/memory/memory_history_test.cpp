@@ -741,3 +741,281 @@ TEST_CASE("history exports: a long tag keeps its group's figures in the leak rep
   w.a.deallocate(long_tagged);
   w.a.deallocate(short_tagged);
 }
+
+namespace {
+/// Runs check_pytorch_snapshot.py on the pickle of `snapshot` and `history` (written to `path`, then removed).
+bool python_reads_pickle(const std::string& path, const gpukit::allocator_snapshot& snapshot,
+                         const gpukit::memory_history& history, std::size_t segments, std::size_t events,
+                         std::size_t allocated, const std::string& tag) {
+  gpukit::dump_pytorch_snapshot(path, snapshot, history);
+  const std::string command = std::string("python3 \"") + GPUKIT_TEST_PICKLE_CHECK + "\" " + path + " " +
+                              std::to_string(segments) + " " + std::to_string(events) + " " +
+                              std::to_string(allocated) + " " + tag;
+  const bool ok = std::system(command.c_str()) == 0;
+  std::remove(path.c_str());
+  return ok;
+}
+
+/// Runs check_memory_picture.py on `html` (written to `path`, then removed) with these arguments after the path.
+bool python_reads_picture(const std::string& path, const std::string& html, const std::string& args) {
+  std::ofstream(path, std::ios::binary) << html;
+  const bool ok =
+      std::system((std::string("python3 \"") + GPUKIT_TEST_PICTURE_CHECK + "\" " + path + " " + args).c_str()) == 0;
+  std::remove(path.c_str());
+  return ok;
+}
+
+std::size_t segment_rows(const gpukit::allocator_snapshot& snapshot) {
+  std::size_t rows = 0;
+  for (const auto& seg : snapshot.segments) rows += seg.expandable ? seg.mapped_ranges.size() : 1;
+  return rows;
+}
+}  // namespace
+
+TEST_CASE("history exports: lists of more than 1000 items are pickled in batches of 1000, as the viewer reads them") {
+  // MemoryViz.js's unpickler pushes an APPENDS batch as function arguments: one of some 130,000 items overflows
+  // Node's stack (found by review). The check walks the pickle's opcodes and refuses a batch of more than 1000.
+  const std::uintptr_t base = 0x10000000;
+  const std::size_t blocks = 2000, block = 512;
+  gpukit::memory_history history(100000);
+  gpukit::allocator_snapshot snapshot;
+  snapshot.device = gpukit::device::cpu();
+  gpukit::segment_info seg;  // 2000 blocks, the odd ones allocated at the snapshot
+  seg.address = base;
+  seg.size = seg.mapped = blocks * block;
+  history.record(memory_action::segment_alloc, base, seg.size, 0);
+  {
+    gpukit::memory_tag tag("batched");
+    for (std::size_t i = 0; i < blocks; ++i) {
+      const std::uintptr_t address = base + i * block;
+      history.record(memory_action::alloc, address, 500, 7);
+      gpukit::block_info b;
+      b.address = address;
+      b.size = block;
+      b.stream = 7;
+      if (i % 2 == 0) {
+        history.record(memory_action::free_requested, address, 500, 7);
+        history.record(memory_action::free_completed, address, 500, 7);
+      } else {
+        b.state = gpukit::block_state::allocated;
+        b.requested = 500;
+      }
+      seg.blocks.push_back(b);
+    }
+  }
+  snapshot.segments.push_back(seg);
+  for (std::size_t k = 0; k < 1200; ++k) {  // and 1200 more segments, idle, from before the history
+    gpukit::segment_info idle;
+    idle.address = 0x40000000 + k * 4096;
+    idle.size = idle.mapped = 4096;
+    gpukit::block_info free_block;
+    free_block.address = idle.address;
+    free_block.size = idle.size;
+    idle.blocks.push_back(free_block);
+    snapshot.segments.push_back(idle);
+  }
+  history.record(memory_action::snapshot, 0, 0, 0);
+  const std::size_t events = history.events().size();
+  REQUIRE(events == 1 + blocks + blocks + 1);
+  CHECK(python_reads_pickle("gpukit_history_test_batches.pickle", snapshot, history, 1201, events, blocks / 2,
+                            "batched"));
+}
+
+TEST_CASE("history picture: an expandable segment is drawn as its mapped ranges, and the scale is theirs") {
+  // Found by review: the page drew the whole reserved range (four times the device's memory) as one free block, and
+  // scaled every bar against it.
+  gpukit::allocator_options options;
+  options.expandable_segments = true;
+  world_and_allocator w(options, 8 * GiB);
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  std::vector<void*> live = {w.a.allocate(3 * MiB, w.s1), w.a.allocate(100, w.s1), w.a.allocate(5 * MiB, w.s2)};
+  w.a.deallocate(live[2]);
+  w.a.empty_cache();  // unmaps s2's pages
+  live[2] = w.a.allocate(MiB, w.s1);
+  const auto snapshot = w.a.snapshot();
+  std::size_t blocks = 0, allocated = 0;
+  for (const auto& seg : snapshot.segments) {
+    REQUIRE(seg.expandable);
+    CHECK(seg.size > 4 * seg.mapped);
+    for (const auto& r : seg.mapped_ranges) {
+      for (const auto& b : seg.blocks) {
+        if (std::max(b.address, r.first) < std::min(b.address + b.size, r.first + r.second)) {
+          ++blocks;
+          allocated += b.state == gpukit::block_state::allocated ? 1 : 0;
+        }
+      }
+    }
+  }
+  CHECK(allocated == 3);
+  const std::string html = gpukit::memory_picture_html(snapshot, *history);
+  CHECK(html.find(" of " + gpukit::detail::format_bytes(snapshot.segments.back().size)) != std::string::npos);
+  CHECK(python_reads_picture("gpukit_history_test_expandable_picture.html", html,
+                             std::to_string(segment_rows(snapshot)) + " " + std::to_string(blocks) + " " +
+                                 std::to_string(allocated) + " --mapped " + std::to_string(w.a.memory_reserved())));
+  for (void* p : live) w.a.deallocate(p);
+}
+
+TEST_CASE("history exports: a block whose free waits for another stream keeps its request and tag") {
+  // PyTorch's active_pending_free blocks keep requested_size and their frames until the free completes (found by
+  // review: exported with 0 and no frame).
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* keep = nullptr;
+  void* p = nullptr;
+  {
+    gpukit::memory_tag tag("waiting");
+    keep = w.a.allocate(3000, w.s1);
+    p = w.a.allocate(5000, w.s1);
+  }
+  w.a.record_stream(p, w.s2);
+  w.world.enqueue(w.s2.id);  // s2 still works on p
+  w.a.deallocate(p);
+  const auto snapshot = w.a.snapshot();
+  std::size_t pending = 0;
+  for (const auto& seg : snapshot.segments) {
+    for (const auto& b : seg.blocks) pending += b.state == gpukit::block_state::pending ? 1 : 0;
+  }
+  REQUIRE(pending == 1);
+  CHECK(python_reads_pickle("gpukit_history_test_pending.pickle", snapshot, *history, snapshot.segments.size(),
+                            history->events().size(), 1, "waiting"));
+  const std::string html = gpukit::memory_picture_html(snapshot, *history);
+  CHECK(html.find(", pending (5000 B requested), stream ") != std::string::npos);
+  CHECK(html.find(", pending (5000 B requested), stream " + std::to_string(w.a.stream_operations().key(w.s1)) +
+                  ", tag waiting</title>") != std::string::npos);
+  // Its level is no longer allocated (its free_requested is in the history).
+  const auto levels = gpukit::detail::levels_of(history->events(), snapshot);
+  CHECK(levels.allocated.back() == 3000);
+  w.world.complete(w.s2.id);
+  w.a.deallocate(keep);
+}
+
+TEST_CASE("history exports: untagged events and allocations carry a frame; allocations older than the history none") {
+  // An empty frame list makes the viewer say "allocated before _record_memory_history was enabled" (found by
+  // review: every untagged event and block said so).
+  world_and_allocator w;
+  void* before = w.a.allocate(2000, w.s1);  // before the history: no frame is right
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* untagged = w.a.allocate(3000, w.s1);
+  void* tagged = nullptr;
+  {
+    gpukit::memory_tag tag("named");
+    tagged = w.a.allocate(4000, w.s2);
+  }
+  w.a.deallocate(w.a.allocate(500, w.s2));
+  const auto snapshot = w.a.snapshot();
+  const std::string pickle = gpukit::pytorch_snapshot_pickle(snapshot, *history);
+  CHECK(pickle.find("(untagged)") != std::string::npos);
+  CHECK(python_reads_pickle("gpukit_history_test_untagged.pickle", snapshot, *history, snapshot.segments.size(),
+                            history->events().size(), 3, "named"));
+  w.a.deallocate(before);
+  w.a.deallocate(untagged);
+  w.a.deallocate(tagged);
+}
+
+TEST_CASE("history exports: an expandable segment's mapped ranges have the stream of their map and unmap events") {
+  // The viewer, replaying the trace backwards, merges a re-mapped range with its neighbours only when their streams
+  // are equal (found by review: the ranges took their first block's stream, the events 0, so segments looked split).
+  gpukit::allocator_options options;
+  options.expandable_segments = true;
+  world_and_allocator w(options, 1 * GiB);
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  std::vector<void*> live;
+  {
+    gpukit::memory_tag tag("pages");
+    for (std::size_t i = 0; i < 4; ++i) live.push_back(w.a.allocate(3 * MiB, w.s1));
+    w.a.deallocate(live[3]);
+    live.pop_back();
+    w.a.empty_cache();  // unmaps the last allocation's pages, next to the others
+    live.push_back(w.a.allocate(2 * MiB, w.s1));
+  }
+  const auto snapshot = w.a.snapshot();
+  const auto events = history->events();
+  CHECK(count_of(events, memory_action::segment_unmap) >= 1);
+  CHECK(python_reads_pickle("gpukit_history_test_streams.pickle", snapshot, *history, segment_rows(snapshot),
+                            events.size(), 4, "pages"));
+  for (void* p : live) w.a.deallocate(p);
+}
+
+TEST_CASE("history picture: text is UTF-8 without the control characters HTML forbids") {
+  using gpukit::detail::html_escape;
+  CHECK(html_escape(std::string("a\x01\x7f<b\0c\td\n", 11)) == "a&lt;bc\td\n");
+  CHECK(html_escape("ok\xff \xc3") == "ok? ?");  // not UTF-8: '?', as in the JSON and pickle
+  CHECK(html_escape("c1\xc2\x85|\xc2\xa0|\xc3\xa9") == "c1|\xc2\xa0|\xc3\xa9");  // C1 dropped; no-break space, e-acute
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* p = nullptr;
+  {
+    gpukit::memory_tag tag(std::string("bad\xff\xfe \x01\x1f\x7f\xc2\x9f tag\0", 15));
+    p = w.a.allocate(1000, w.s1);
+  }
+  const auto snapshot = w.a.snapshot();
+  const std::string html = gpukit::memory_picture_html(snapshot, *history, "title \xed\xa0\x80\x02");
+  CHECK(html.find("tag bad?? ") != std::string::npos);
+  CHECK(python_reads_picture("gpukit_history_test_escaping.html", html, "1 2 1"));
+  w.a.deallocate(p);
+}
+
+TEST_CASE("history exports: the trace ends at the snapshot's own event, whatever was recorded after it") {
+  // Found by review: the trace was cut at the history's last snapshot event, so another thread's later snapshot()
+  // left events in it that the snapshot does not reflect, and a dropped one cut nothing, silently.
+  const std::uintptr_t base = 0x10000000;
+  gpukit::memory_history history(100);
+  gpukit::allocator_snapshot snapshot;
+  gpukit::segment_info seg;
+  seg.address = base;
+  seg.size = seg.mapped = 4096;
+  gpukit::block_info held;
+  held.address = base;
+  held.size = 1024;
+  held.requested = 1000;
+  held.state = gpukit::block_state::allocated;
+  gpukit::block_info rest;
+  rest.address = base + 1024;
+  rest.size = 3072;
+  seg.blocks = {held, rest};
+  snapshot.segments = {seg};
+  {
+    gpukit::memory_tag tag("mine");
+    history.record(memory_action::segment_alloc, base, 4096, 0);
+    history.record(memory_action::alloc, base, 1000, 0);
+  }
+  snapshot.history_position = history.record_snapshot();  // what the allocator's snapshot() stores
+  CHECK(snapshot.history_position.history_id == history.id());
+  CHECK(snapshot.history_position.recorded == 3);
+  history.record(memory_action::alloc, base + 1024, 1000, 0);  // another thread, after the snapshot
+  history.record(memory_action::snapshot, 0, 0, 0);            // and its own snapshot
+  CHECK(python_reads_pickle("gpukit_history_test_position.pickle", snapshot, history, 1, 3, 1, "mine"));
+  // The picture anchors its levels there too.
+  const gpukit::memory_history_contents contents = history.contents();
+  const auto place = gpukit::detail::find_snapshot_event(snapshot, contents);
+  REQUIRE(place.kind == gpukit::detail::snapshot_event_place::held);
+  CHECK(place.index == 2);
+  const auto levels = gpukit::detail::levels_of(contents.events, snapshot, place);
+  CHECK(levels.allocated[2] == 1000);
+  CHECK(levels.allocated[3] == 2000);
+
+  // When the ring no longer holds it: a clear error with the numbers, not a trace cut in the wrong place.
+  for (std::uintptr_t i = 0; i < 100; ++i) history.record(memory_action::alloc, base + 2048, 1, 0);
+  std::string message;
+  try {
+    (void)gpukit::pytorch_snapshot_pickle(snapshot, history);
+  } catch (const gpukit::invalid_argument_error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("gpukit::pytorch_snapshot_pickle: the history no longer holds the snapshot's event (event 3; of "
+                     "105 events recorded, the first 5 were dropped)") == 0);
+  // A position from before a clear() is not this history's: the trace ends at its last snapshot event, as with none.
+  history.clear();
+  CHECK(history.id() != snapshot.history_position.history_id);
+  history.record(memory_action::alloc, base, 1000, 0);
+  history.record(memory_action::snapshot, 0, 0, 0);
+  history.record(memory_action::free_requested, base, 1000, 0);
+  CHECK(gpukit::detail::find_snapshot_event(snapshot, history.contents()).kind ==
+        gpukit::detail::snapshot_event_place::unknown);
+  CHECK_NOTHROW((void)gpukit::pytorch_snapshot_pickle(snapshot, history));
+}

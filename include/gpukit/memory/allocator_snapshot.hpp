@@ -10,6 +10,7 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
+#include <gpukit/memory/memory_history.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +56,39 @@ struct allocator_snapshot {
   std::vector<segment_info> segments;   ///< every segment, sorted by address
   allocator_stats stats;                ///< the statistics at the moment of the snapshot
   std::size_t pointer_map_entries = 0;  ///< allocations the pointer map knows (equals allocated blocks when quiet)
+  /// The `snapshot` event the allocator recorded for this snapshot in the history attached then
+  /// (memory_history::record_snapshot); history_id 0 when none was attached. The exports end the history's trace
+  /// at exactly this event.
+  memory_history_position history_position;
 };
+
+namespace detail {
+
+/// Where `snapshot`'s own `snapshot` event is among a history's `contents` (memory_history::contents()).
+struct snapshot_event_place {
+  enum kind_type {
+    unknown,  ///< the snapshot was taken with no history attached, with another one, or before a clear()
+    held,     ///< contents.events[index] is the event
+    dropped,  ///< the history recorded it but holds it no longer (the ring dropped it) or never could (no memory)
+  } kind = unknown;
+  std::size_t index = 0;
+};
+
+inline snapshot_event_place find_snapshot_event(const allocator_snapshot& snapshot,
+                                                const memory_history_contents& contents) noexcept {
+  const memory_history_position& p = snapshot.history_position;
+  snapshot_event_place place;
+  if (p.history_id == 0 || p.history_id != contents.history_id || p.recorded > contents.recorded) return place;
+  if (p.recorded <= contents.dropped) {
+    place.kind = snapshot_event_place::dropped;
+    return place;
+  }
+  place.index = p.recorded - contents.dropped - 1;
+  place.kind = contents.events[place.index].action == memory_action::snapshot ? snapshot_event_place::held
+                                                                              : snapshot_event_place::unknown;
+  return place;
+}
+
+}  // namespace detail
 
 GPUKIT_END_NAMESPACE

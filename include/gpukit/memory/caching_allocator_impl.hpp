@@ -300,7 +300,7 @@ GPUKIT_INLINE allocator_snapshot basic_caching_allocator<Upstream, StreamOps>::s
   // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
   // allocations being returned on other threads), which is where memory_picture anchors its levels. After the
   // snapshot is built: one that fails (std::bad_alloc) leaves no anchor behind.
-  if (memory_history* h = history_.load(std::memory_order_acquire)) h->record(memory_action::snapshot, 0, 0, 0);
+  if (memory_history* h = history_.load(std::memory_order_acquire)) taken.history_position = h->record_snapshot();
   return taken;
 }
 

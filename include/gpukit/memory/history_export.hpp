@@ -45,43 +45,43 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 
-/// Writes Python pickle protocol 2: dictionaries, lists, strings, non-negative integers, booleans, pairs.
+/// Writes Python pickle protocol 2: dictionaries, lists, strings, non-negative integers, booleans, pairs. Like
+/// Python's pickle, it appends to a list (APPENDS) and sets a dictionary's items (SETITEMS) in batches of at most
+/// `batch` items: PyTorch's memory viewer (MemoryViz.js) pushes a whole batch as function arguments, which overflows
+/// JavaScript's stack for some hundred thousand of them.
 class pickle_writer {
  public:
+  static constexpr std::size_t batch = 1000;  ///< as Python's pickle (pickle._BATCHSIZE)
+
   pickle_writer() { out_ += "\x80\x02"; }  // PROTO 2
 
-  void begin_dict() { out_ += "}("; }  // EMPTY_DICT, MARK
-  void end_dict() { out_ += 'u'; }     // SETITEMS
-  void begin_list() { out_ += "]("; }  // EMPTY_LIST, MARK
-  void end_list() { out_ += 'e'; }     // APPENDS
+  void begin_dict() { open('}', false); }  // EMPTY_DICT, MARK
+  void end_dict() { close('u'); }          // SETITEMS
+  void begin_list() { open(']', true); }   // EMPTY_LIST, MARK
+  void end_list() { close('e'); }          // APPENDS
 
   /// A str (BINUNICODE); bytes that are not UTF-8 become '?'.
   void text(std::string_view s) {
     const std::string valid = utf8_or_question_marks(s);
+    item();
     out_ += 'X';
     put_le(valid.size(), 4);
     out_ += valid;
   }
   /// An int: BININT up to 2^31 - 1, else LONG1 (little-endian two's complement).
   void integer(std::uint64_t v) {
-    if (v <= 0x7fffffffu) {
-      out_ += 'J';
-      put_le(v, 4);
-      return;
-    }
-    std::size_t n = 0;
-    for (std::uint64_t x = v; x != 0; x >>= 8) ++n;
-    const bool top_bit = ((v >> (8 * (n - 1))) & 0x80u) != 0;  // would read as negative: add a zero byte
-    out_ += '\x8a';
-    out_ += static_cast<char>(n + (top_bit ? 1 : 0));
-    put_le(v, n);
-    if (top_bit) out_ += '\0';
+    item();
+    put_integer(v);
   }
-  void boolean(bool b) { out_ += b ? '\x88' : '\x89'; }
+  void boolean(bool b) {
+    item();
+    out_ += b ? '\x88' : '\x89';
+  }
   /// A tuple of two ints (TUPLE2).
   void pair(std::uint64_t a, std::uint64_t b) {
-    integer(a);
-    integer(b);
+    item();
+    put_integer(a);
+    put_integer(b);
     out_ += '\x86';
   }
   void key(std::string_view k) { text(k); }
@@ -147,10 +147,49 @@ class pickle_writer {
   }
 
  private:
+  struct open_container {
+    bool list;
+    std::size_t values;  // written since the last MARK (a dictionary's keys and values both count)
+  };
+  // Before each value: one that would make the open batch longer than `batch` items ends it and starts another.
+  void item() {
+    if (open_.empty()) return;
+    open_container& c = open_.back();
+    if (c.values == (c.list ? batch : 2 * batch)) {  // a dictionary's batch ends before a key, never inside an item
+      out_ += c.list ? "e(" : "u(";                  // APPENDS / SETITEMS, MARK
+      c.values = 0;
+    }
+    ++c.values;
+  }
+  void open(char empty, bool list) {
+    item();
+    out_ += empty;
+    out_ += '(';
+    open_.push_back(open_container{list, 0});
+  }
+  void close(char op) {
+    out_ += op;
+    open_.pop_back();
+  }
+  void put_integer(std::uint64_t v) {
+    if (v <= 0x7fffffffu) {
+      out_ += 'J';
+      put_le(v, 4);
+      return;
+    }
+    std::size_t n = 0;
+    for (std::uint64_t x = v; x != 0; x >>= 8) ++n;
+    const bool top_bit = ((v >> (8 * (n - 1))) & 0x80u) != 0;  // would read as negative: add a zero byte
+    out_ += '\x8a';
+    out_ += static_cast<char>(n + (top_bit ? 1 : 0));
+    put_le(v, n);
+    if (top_bit) out_ += '\0';
+  }
   void put_le(std::uint64_t v, std::size_t bytes) {
     for (std::size_t i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xffu);
   }
   std::string out_;
+  std::vector<open_container> open_;
 };
 
 inline std::string json_string(std::string_view s) {
@@ -226,31 +265,63 @@ inline void write_file(const std::string& path, const std::string& bytes, const 
 
 /// The snapshot and history as the pickle torch.cuda.memory._dump_snapshot() writes (see the file comment).
 /// `device_traces` has one list per device up to the snapshot's; the history goes to the snapshot's device (the
-/// CPU device counts as 0). The trace ends at the history's last `snapshot` event, which the allocator records when
-/// `snapshot` is taken with the history attached: the viewer replays the trace backwards from the snapshot's state,
-/// so events after it (other threads' meanwhile, or later work) would undo blocks the snapshot does not hold. Take
-/// the snapshot last, with the history still attached (after stop_memory_history no snapshot event is recorded, and
-/// an earlier one would cut the trace short); a history without a snapshot event (none taken, or dropped from a full
-/// ring) is written whole.
+/// CPU device counts as 0). The viewer replays the trace backwards from the snapshot's state, so the trace ends at
+/// the snapshot's own `snapshot` event, which the allocator records when the snapshot is taken with the history
+/// attached (allocator_snapshot::history_position): events after it (other threads' meanwhile, later work, later
+/// snapshots) would undo blocks the snapshot does not hold. Throws invalid_argument_error when the history no longer
+/// holds that event (its ring dropped it: more than max_entries events were recorded after the snapshot). A
+/// snapshot taken with no history attached, another one, or before the history's clear() carries no position in it:
+/// the trace then ends at the history's last `snapshot` event, or is the whole history when it holds none. Take the
+/// snapshot last, with the history still attached.
+///
+/// An event's frames are one frame naming its memory_tag ("(untagged)" when it has none); an allocated block's, or
+/// one whose free waits for other streams, the same from its alloc event, and none when the trace does not hold
+/// that (the viewer then says it was allocated before the history began). The pages an expandable segment maps and
+/// unmaps, and the mapped ranges it is shown as, have stream 0: the viewer merges adjacent ranges of one stream.
 inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, const memory_history& history) {
-  std::vector<memory_event> events = history.events();
-  const auto last_snapshot = std::find_if(events.rbegin(), events.rend(),
-                                          [](const memory_event& e) { return e.action == memory_action::snapshot; });
-  if (last_snapshot != events.rend()) events.erase(last_snapshot.base(), events.end());  // keeps the snapshot event
-  const auto tags = detail::live_tags(events);
+  memory_history_contents contents = history.contents();
+  std::vector<memory_event>& events = contents.events;
+  const detail::snapshot_event_place place = detail::find_snapshot_event(snapshot, contents);
+  if (place.kind == detail::snapshot_event_place::dropped) {
+    throw invalid_argument_error(
+        "gpukit::pytorch_snapshot_pickle: the history no longer holds the snapshot's event (event " +
+        std::to_string(snapshot.history_position.recorded) + "; of " + std::to_string(contents.recorded) +
+        " events recorded, the first " + std::to_string(contents.dropped) +
+        " were dropped): its ring is too small for what was recorded after the snapshot (give the history more "
+        "max_entries, or take the snapshot just before the export)");
+  }
+  if (place.kind == detail::snapshot_event_place::held) {
+    events.erase(events.begin() + static_cast<std::ptrdiff_t>(place.index) + 1, events.end());
+  } else {
+    const auto last_snapshot = std::find_if(events.rbegin(), events.rend(),
+                                            [](const memory_event& e) { return e.action == memory_action::snapshot; });
+    if (last_snapshot != events.rend()) events.erase(last_snapshot.base(), events.end());  // keeps the snapshot event
+  }
+  const auto active = detail::active_allocations(events);  // allocated or pending at the snapshot
   const std::uint64_t device = snapshot.device.is_cuda() ? static_cast<std::uint64_t>(snapshot.device.ordinal()) : 0;
   detail::pickle_writer w;
-  const auto frames = [&w](std::uint32_t tag) {
+  const auto frames = [&w](bool known, std::uint32_t tag) {
     w.key("frames");
     w.begin_list();
-    if (tag != 0) {  // the tag as the one frame the viewer shows
+    if (known) {  // the tag as the one frame the viewer shows
       w.begin_dict();
-      w.entry("filename", "gpukit::memory_tag");
+      w.entry("filename", tag != 0 ? "gpukit::memory_tag" : "gpukit");
       w.entry("line", std::uint64_t{0});
-      w.entry("name", memory_tag_name(tag));
+      w.entry("name", tag != 0 ? memory_tag_name(tag) : std::string("(untagged)"));
       w.end_dict();
     }
     w.end_list();
+  };
+  // The bytes requested and the tag of an allocated block or one waiting for other streams, from its alloc event.
+  const auto traced = [&active](const block_info& b) -> const detail::traced_allocation* {
+    if (b.state != block_state::allocated && b.state != block_state::pending) return nullptr;
+    const auto found = active.find(b.address);
+    return found == active.end() ? nullptr : &found->second;
+  };
+  const auto requested_of = [&traced](const block_info& b) -> std::uint64_t {
+    if (b.requested != 0 || b.state != block_state::pending) return b.requested;
+    const detail::traced_allocation* t = traced(b);  // a snapshot may not keep a pending block's request
+    return t != nullptr ? t->requested : 0;
   };
   w.begin_dict();
   w.key("segments");
@@ -264,27 +335,31 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
       block_info clipped = b;
       clipped.address = from;
       clipped.size = to - from;
+      clipped.requested = requested_of(b);
       blocks.push_back(clipped);
     }
-    std::uint64_t allocated = 0, active = 0, requested = 0;
+    std::uint64_t allocated = 0, active_bytes = 0, requested = 0;
     for (const block_info& b : blocks) {
       if (b.state == block_state::allocated) allocated += b.size;
-      if (b.state == block_state::allocated || b.state == block_state::pending) active += b.size;
-      requested += b.requested;
+      if (b.state == block_state::allocated || b.state == block_state::pending) {
+        active_bytes += b.size;
+        requested += b.requested;
+      }
     }
     w.begin_dict();
     w.entry("device", device);
     w.entry("address", begin);
     w.entry("total_size", end - begin);
     w.entry("allocated_size", allocated);
-    w.entry("active_size", active);
+    w.entry("active_size", active_bytes);
     w.entry("requested_size", requested);
-    w.entry("stream", blocks.empty() ? 0 : detail::pytorch_stream(blocks.front().stream));
+    // An expandable segment's ranges: the stream of its segment_map and segment_unmap events (below).
+    w.entry("stream", seg.expandable || blocks.empty() ? 0 : detail::pytorch_stream(blocks.front().stream));
     w.entry("segment_type", seg.small_pool ? "small" : "large");
     w.key("segment_pool_id");
     w.pair(0, 0);
     w.entry_bool("is_expandable", seg.expandable);
-    frames(0);
+    frames(false, 0);
     w.key("blocks");
     w.begin_list();
     for (const block_info& b : blocks) {
@@ -293,8 +368,8 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
       w.entry("size", b.size);
       w.entry("requested_size", b.requested);
       w.entry("state", detail::pytorch_block_state(b.state));
-      const auto tag = b.state == block_state::allocated ? tags.find(b.address) : tags.end();
-      frames(tag == tags.end() ? 0 : tag->second);
+      const detail::traced_allocation* t = traced(b);
+      frames(t != nullptr, t != nullptr ? t->tag : 0);
       w.end_dict();
     }
     w.end_list();
@@ -322,11 +397,12 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
           w.entry("addr", e.address);
         }
         w.entry("size", e.size);
-        w.entry("stream", detail::pytorch_stream(e.stream));
+        const bool pages = e.action == memory_action::segment_map || e.action == memory_action::segment_unmap;
+        w.entry("stream", pages ? 0 : detail::pytorch_stream(e.stream));
         w.key("time_us");
         const std::int64_t us = history.unix_time_us(e);
         w.integer(us < 0 ? 0 : static_cast<std::uint64_t>(us));
-        frames(e.tag);
+        frames(true, e.tag);
         w.end_dict();
       }
     }

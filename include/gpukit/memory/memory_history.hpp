@@ -21,6 +21,7 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -75,8 +76,19 @@ GPUKIT_EXPORT GPUKIT_INLINE std::uint32_t& current_memory_tag() noexcept;
 
 GPUKIT_INLINE std::uint64_t this_thread_number() noexcept;
 
-/// The tag of the allocation at each address still live after `events` (memory_history::events()).
-GPUKIT_INLINE std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events);
+/// A new history id (memory_history::id): 1, 2, ... in the process.
+GPUKIT_EXPORT GPUKIT_INLINE std::uint64_t new_memory_history_id() noexcept;
+
+/// An allocation the history saw made: its tag and the bytes requested.
+struct traced_allocation {
+  std::uint32_t tag = 0;
+  std::size_t requested = 0;
+};
+
+/// The allocations whose alloc `events` (memory_history::events()) hold and whose memory is not reusable at their
+/// end (no free_completed yet: allocated, or freed and waiting for other streams), by address.
+GPUKIT_INLINE std::unordered_map<std::uintptr_t, traced_allocation> active_allocations(
+    const std::vector<memory_event>& events);
 
 }  // namespace detail
 
@@ -105,6 +117,15 @@ struct memory_history_contents {
   std::vector<memory_event> events;  ///< the events held, oldest first
   std::size_t recorded = 0;          ///< events recorded since construction (or clear())
   std::size_t dropped = 0;           ///< events recorded and no longer held
+  std::uint64_t history_id = 0;      ///< the history's id (memory_history::id) when read
+};
+
+/// Where one event stands in a history: the history's id and the number of events it had recorded, that one
+/// included (events are numbered 1, 2, ... from construction or clear(); the held ones are dropped + 1 to recorded).
+/// allocator_snapshot::history_position says where a snapshot's own `snapshot` event is.
+struct memory_history_position {
+  std::uint64_t history_id = 0;  ///< memory_history::id of the history; 0: none (no history was attached)
+  std::size_t recorded = 0;      ///< the event's number
 };
 
 /// A bounded history of allocator events (see the file comment). Thread-safe; record() never throws.
@@ -119,6 +140,10 @@ class memory_history {
   /// Appends an event stamped with the time, the calling thread and its memory_tag (the allocator calls this).
   void record(memory_action action, std::uintptr_t address, std::size_t size, std::uintptr_t stream,
               std::size_t device_free = 0) noexcept;
+  /// Records a `snapshot` event (as record) and says where it stands: the allocator stores it in the snapshot it
+  /// takes (allocator_snapshot::history_position), so that exports end the trace at exactly that event. Its
+  /// `recorded` is 0 when the event could not be held (no memory for it).
+  memory_history_position record_snapshot() noexcept;
 
   /// The events held, oldest first.
   std::vector<memory_event> events() const;
@@ -135,14 +160,21 @@ class memory_history {
   /// its growth (until clear()).
   std::size_t max_entries() const;
 
-  /// Forgets every event.
+  /// Forgets every event; the history gets a new id.
   void clear();
+
+  /// A number for this history, unique in the process and renewed by clear(): positions (memory_history_position)
+  /// taken before a clear() or in another history do not match it.
+  std::uint64_t id() const;
 
   /// An event's time as microseconds since the Unix epoch (the system clock at construction, plus the steady time
   /// since then), as PyTorch's time_us.
   std::int64_t unix_time_us(const memory_event& e) const noexcept;
 
  private:
+  memory_history_position append(memory_action action, std::uintptr_t address, std::size_t size, std::uintptr_t stream,
+                                 std::size_t device_free) noexcept;
+
   mutable std::mutex mutex_;
   std::vector<memory_event> ring_;
   std::size_t next_ = 0;  // the oldest event once the ring is full
@@ -150,6 +182,7 @@ class memory_history {
   std::size_t requested_entries_ = 0;
   std::size_t recorded_ = 0;
   std::size_t dropped_ = 0;
+  std::uint64_t id_ = 0;
   std::chrono::steady_clock::time_point steady_origin_;
   std::chrono::system_clock::time_point system_origin_;
 };
@@ -201,18 +234,24 @@ GPUKIT_INLINE std::uint32_t& current_memory_tag() noexcept {
   return id;
 }
 
+GPUKIT_INLINE std::uint64_t new_memory_history_id() noexcept {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
 GPUKIT_INLINE std::uint64_t this_thread_number() noexcept {
   thread_local const std::uint64_t number = std::hash<std::thread::id>()(std::this_thread::get_id());
   return number;
 }
 
-GPUKIT_INLINE std::unordered_map<std::uintptr_t, std::uint32_t> live_tags(const std::vector<memory_event>& events) {
-  std::unordered_map<std::uintptr_t, std::uint32_t> tags;
+GPUKIT_INLINE std::unordered_map<std::uintptr_t, traced_allocation> active_allocations(
+    const std::vector<memory_event>& events) {
+  std::unordered_map<std::uintptr_t, traced_allocation> active;
   for (const memory_event& e : events) {
-    if (e.action == memory_action::alloc) tags[e.address] = e.tag;
-    if (e.action == memory_action::free_requested) tags.erase(e.address);
+    if (e.action == memory_action::alloc) active[e.address] = traced_allocation{e.tag, e.size};
+    if (e.action == memory_action::free_completed) active.erase(e.address);
   }
-  return tags;
+  return active;
 }
 }  // namespace detail
 
@@ -241,7 +280,9 @@ GPUKIT_INLINE memory_tag::memory_tag(std::string_view name) : previous_(detail::
 GPUKIT_INLINE memory_tag::~memory_tag() { detail::current_memory_tag() = previous_; }
 
 GPUKIT_INLINE memory_history::memory_history(std::size_t max_entries)
-    : steady_origin_(std::chrono::steady_clock::now()), system_origin_(std::chrono::system_clock::now()) {
+    : id_(detail::new_memory_history_id()),
+      steady_origin_(std::chrono::steady_clock::now()),
+      system_origin_(std::chrono::system_clock::now()) {
   if (max_entries == 0) throw invalid_argument_error("gpukit::memory_history: max_entries must be positive");
   ring_.reserve(max_entries < 4096 ? max_entries : 4096);
   max_entries_ = max_entries;
@@ -250,6 +291,16 @@ GPUKIT_INLINE memory_history::memory_history(std::size_t max_entries)
 
 GPUKIT_INLINE void memory_history::record(memory_action action, std::uintptr_t address, std::size_t size,
                                           std::uintptr_t stream, std::size_t device_free) noexcept {
+  (void)append(action, address, size, stream, device_free);
+}
+
+GPUKIT_INLINE memory_history_position memory_history::record_snapshot() noexcept {
+  return append(memory_action::snapshot, 0, 0, 0, 0);
+}
+
+GPUKIT_INLINE memory_history_position memory_history::append(memory_action action, std::uintptr_t address,
+                                                             std::size_t size, std::uintptr_t stream,
+                                                             std::size_t device_free) noexcept {
   memory_event e;
   e.action = action;
   e.address = address;
@@ -264,14 +315,20 @@ GPUKIT_INLINE void memory_history::record(memory_action action, std::uintptr_t a
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   if (ring_.size() < max_entries_) {
     try {
-      ring_.push_back(e);  // grows up to max_entries (reserved in steps, not all at once)
+      // Grows up to max_entries, reserved in steps (not all at once), never past it: the vector's own growth
+      // would double past max_entries.
+      const std::size_t capacity = ring_.capacity();
+      if (ring_.size() == capacity) {
+        ring_.reserve(capacity > max_entries_ / 2 ? max_entries_ : capacity == 0 ? 1 : 2 * capacity);
+      }
+      ring_.push_back(e);
       ++recorded_;
-      return;
+      return memory_history_position{id_, recorded_};
     } catch (...) {
       if (ring_.empty()) {  // no memory for even one event: this one is lost, and counted as recorded and dropped
         ++recorded_;
         ++dropped_;
-        return;
+        return memory_history_position{id_, 0};
       }
       max_entries_ = ring_.size();  // out of memory: keep the ring at the size it has
     }
@@ -280,6 +337,7 @@ GPUKIT_INLINE void memory_history::record(memory_action action, std::uintptr_t a
   next_ = (next_ + 1) % ring_.size();
   ++recorded_;
   ++dropped_;
+  return memory_history_position{id_, recorded_};
 }
 
 GPUKIT_INLINE std::vector<memory_event> memory_history::events() const { return contents().events; }
@@ -292,6 +350,7 @@ GPUKIT_INLINE memory_history_contents memory_history::contents() const {
   out.events.insert(out.events.end(), ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_));
   out.recorded = recorded_;
   out.dropped = dropped_;
+  out.history_id = id_;
   return out;
 }
 
@@ -317,6 +376,12 @@ GPUKIT_INLINE void memory_history::clear() {
   max_entries_ = requested_entries_;  // undoes a shrink after an allocation failure
   recorded_ = 0;
   dropped_ = 0;
+  id_ = detail::new_memory_history_id();  // positions taken before no longer match
+}
+
+GPUKIT_INLINE std::uint64_t memory_history::id() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return id_;
 }
 
 GPUKIT_INLINE std::int64_t memory_history::unix_time_us(const memory_event& e) const noexcept {

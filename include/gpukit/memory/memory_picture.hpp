@@ -5,17 +5,20 @@
 /// \file
 /// memory_picture_html: a snapshot and a memory_history as one self-contained HTML page (inline SVG, no script, no
 /// network): a timeline of allocated against reserved bytes and the largest free block over the history, and every
-/// segment as a bar whose blocks are coloured by state (allocated, waiting for other streams, free); hovering a block
-/// shows its address, size, requested bytes, stream and tag.
+/// segment as a bar (an expandable one as a bar per mapped range) whose blocks are coloured by state (allocated,
+/// waiting for other streams, free); hovering a block shows its address, size, requested bytes, stream and tag.
 ///
 ///     std::ofstream("memory.html") << gpukit::memory_picture_html(allocator.snapshot(), *history);
 ///
-/// Elements carry classes for tools and tests: `segment` (one per segment, with data-address and data-size), `block`
-/// (one per block, with data-state) and the polylines `allocated`, `reserved` and `largest_free`.
+/// Elements carry classes for tools and tests: `segment` (one per segment, with data-address and data-size; an
+/// expandable segment has one per mapped range, with data-segment and data-reserved: the segment's address and
+/// reserved bytes), `block` (one per block, or per part of a block in a mapped range, with data-state) and the
+/// polylines `allocated`, `reserved` and `largest_free`.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
+#include <gpukit/memory/history_export.hpp>
 #include <gpukit/memory/memory_history.hpp>
 
 #include <algorithm>
@@ -34,9 +37,20 @@ GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
 
+/// `s` as HTML text or a quoted attribute's value: valid UTF-8 (bytes that are not become '?', as in the JSON and
+/// pickle exports), without the control characters HTML does not allow in a document (C0 but tab, line feed and
+/// carriage return; DEL; C1), and with & < > " escaped.
 inline std::string html_escape(std::string_view s) {
+  const std::string valid = pickle_writer::utf8_or_question_marks(s);
   std::string r;
-  for (const char c : s) {
+  for (std::size_t i = 0; i < valid.size(); ++i) {
+    const char c = valid[i];
+    const auto byte = static_cast<unsigned char>(c);
+    if ((byte < 0x20 && c != '\t' && c != '\n' && c != '\r') || byte == 0x7f) continue;
+    if (byte == 0xc2 && i + 1 < valid.size() && static_cast<unsigned char>(valid[i + 1]) < 0xa0) {  // U+0080-U+009F
+      ++i;
+      continue;
+    }
     switch (c) {
       case '&':
         r += "&amp;";
@@ -64,9 +78,10 @@ inline std::string fixed(double v) {
 }
 
 /// Allocated (requested) and reserved bytes after each event. The history may begin after the allocator did, so the
-/// levels are anchored on the snapshot: its totals hold just after the history's last `snapshot` event (recorded
-/// under the allocator's lock), or after the last event when it holds none; the levels before are walked back
-/// through the events, those after forward.
+/// levels are anchored on the snapshot: its totals hold just after its own `snapshot` event (recorded under the
+/// allocator's lock; allocator_snapshot::history_position), or, when the history does not hold that, after its last
+/// `snapshot` event, or after the last event when it holds none; the levels before are walked back through the
+/// events, those after forward.
 struct memory_levels {
   std::vector<std::int64_t> allocated, reserved;
 };
@@ -93,21 +108,30 @@ inline void level_change(const memory_event& e, std::int64_t& allocated, std::in
   }
 }
 
-inline memory_levels levels_of(const std::vector<memory_event>& events, const allocator_snapshot& snapshot) {
+/// `place`: where the snapshot's own event is among `events` (find_snapshot_event), when known; else the levels are
+/// anchored at the last `snapshot` event.
+inline memory_levels levels_of(const std::vector<memory_event>& events, const allocator_snapshot& snapshot,
+                               const snapshot_event_place& place = {}) {
   std::int64_t allocated = 0, reserved = 0;
   for (const segment_info& seg : snapshot.segments) {
     reserved += static_cast<std::int64_t>(seg.mapped);
-    for (const block_info& b : seg.blocks) allocated += static_cast<std::int64_t>(b.requested);
+    for (const block_info& b : seg.blocks) {  // a pending block's free_requested is already in the events
+      if (b.state == block_state::allocated) allocated += static_cast<std::int64_t>(b.requested);
+    }
   }
   memory_levels l;
   l.allocated.resize(events.size());
   l.reserved.resize(events.size());
   if (events.empty()) return l;
   std::size_t anchor = events.size() - 1;  // the totals hold just after this event
-  for (std::size_t i = events.size(); i-- > 0;) {
-    if (events[i].action == memory_action::snapshot) {
-      anchor = i;
-      break;
+  if (place.kind == snapshot_event_place::held && place.index < events.size()) {
+    anchor = place.index;
+  } else {
+    for (std::size_t i = events.size(); i-- > 0;) {
+      if (events[i].action == memory_action::snapshot) {
+        anchor = i;
+        break;
+      }
     }
   }
   std::int64_t a = allocated, r = reserved;
@@ -278,8 +302,9 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   using detail::html_escape;
   const memory_history_contents contents = history.contents();
   const std::vector<memory_event>& events = contents.events;
-  const detail::memory_levels levels = detail::levels_of(events, snapshot);
-  const auto tags = detail::live_tags(events);  // of the allocations live at the end
+  const detail::memory_levels levels =
+      detail::levels_of(events, snapshot, detail::find_snapshot_event(snapshot, contents));
+  const auto active = detail::active_allocations(events);  // tags and requests of allocations not yet reusable
 
   std::string out;
   out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +
@@ -335,46 +360,91 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   }
   out += "</svg>\n";
 
-  // The segments: one bar each, as wide as its share of the largest segment.
+  // The segments: one bar each, as wide as its share of the largest. An expandable segment is its mapped ranges,
+  // a bar each (as PyTorch's viewer shows it): its reserved range is address space, mostly unmapped.
+  struct bar {
+    const segment_info* seg;
+    std::uintptr_t begin, end;
+  };
+  std::vector<bar> bars;
+  bool any_expandable = false;
+  for (const segment_info& seg : snapshot.segments) {
+    if (!seg.expandable) {
+      bars.push_back(bar{&seg, seg.address, seg.address + seg.size});
+      continue;
+    }
+    any_expandable = true;
+    for (const auto& r : seg.mapped_ranges) bars.push_back(bar{&seg, r.first, r.first + r.second});
+  }
   std::size_t largest = 1;
-  for (const segment_info& seg : snapshot.segments) largest = std::max(largest, seg.size);
+  for (const bar& b : bars) largest = std::max(largest, static_cast<std::size_t>(b.end - b.begin));
   const double row = 18;
+  const double bar_left = any_expandable ? 150 : left;  // room for "mapped of reserved" labels
+  const double bar_width = left + width - bar_left;
   out +=
       "<h2>Segments and their blocks (blue: allocated, orange: waiting for other streams, green: cached for "
-      "its stream, grey: free)</h2>\n<svg class=\"segments\" width=\"" +
-      fixed(left + width + 10) + "\" height=\"" + fixed(row * static_cast<double>(snapshot.segments.size()) + 10) +
-      "\">\n";
-  for (std::size_t s = 0; s < snapshot.segments.size(); ++s) {
-    const segment_info& seg = snapshot.segments[s];
+      "its stream, grey: free)";
+  if (any_expandable)
+    out += "; an expandable segment: a bar per mapped range, labelled with its bytes of the reserved range";
+  out += "</h2>\n<svg class=\"segments\" width=\"" + fixed(left + width + 10) + "\" height=\"" +
+         fixed(row * static_cast<double>(bars.size()) + 10) + "\">\n";
+  const auto hex = [](std::uintptr_t a) {
+    char text[32];
+    std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(a));
+    return std::string(text);
+  };
+  for (std::size_t s = 0; s < bars.size(); ++s) {
+    const segment_info& seg = *bars[s].seg;
+    const std::uintptr_t begin = bars[s].begin, end = bars[s].end;
+    const std::size_t size = end - begin;
     const double y = 4 + row * static_cast<double>(s);
-    const double scale = width / static_cast<double>(largest);
-    char address[32];
-    std::snprintf(address, sizeof address, "0x%llx", static_cast<unsigned long long>(seg.address));
-    out += "<text class=\"label\" x=\"2\" y=\"" + fixed(y + 12) + "\">" + format_bytes(seg.size) + "</text>\n";
+    const double scale = bar_width / static_cast<double>(largest);
+    const std::string label =
+        seg.expandable ? format_bytes(size) + " of " + format_bytes(seg.size) : format_bytes(size);
+    out += "<text class=\"label\" x=\"2\" y=\"" + fixed(y + 12) + "\">" + label + "</text>\n";
     out += "<g class=\"segment-row\">";
     for (const block_info& b : seg.blocks) {
+      const std::uintptr_t from = std::max(b.address, begin), to = std::min(b.address + b.size, end);
+      if (from >= to) continue;  // an expandable segment's block outside this range (unmapped, or another range)
       const char* state = b.state == block_state::allocated ? "allocated"
                           : b.state == block_state::pending ? "pending"
                           : b.state == block_state::cached  ? "cached"
                                                             : "free";
-      const auto tag = b.state == block_state::allocated ? tags.find(b.address) : tags.end();
-      char block_address[32];
-      std::snprintf(block_address, sizeof block_address, "0x%llx", static_cast<unsigned long long>(b.address));
-      const double x = left + scale * static_cast<double>(b.address - seg.address);
-      const double w = std::max(0.5, scale * static_cast<double>(b.size));
+      const bool in_use = b.state == block_state::allocated || b.state == block_state::pending;
+      const auto traced = in_use ? active.find(b.address) : active.end();
+      const double x = bar_left + scale * static_cast<double>(from - begin);
+      const double w = std::max(0.5, scale * static_cast<double>(to - from));
       out += "<rect class=\"block " + std::string(state) + "\" data-state=\"" + state + "\" x=\"" + fixed(x) +
-             "\" y=\"" + fixed(y) + "\" width=\"" + fixed(w) + "\" height=\"" + fixed(row - 4) + "\"><title>" +
-             block_address + ": " + format_bytes(b.size) + ", " + state;
-      if (b.state == block_state::allocated) out += " (" + std::to_string(b.requested) + " B requested)";
+             "\" y=\"" + fixed(y) + "\" width=\"" + fixed(w) + "\" height=\"" + fixed(row - 4) + "\"><title>";
+      if (to - from == b.size) {
+        out += hex(b.address) + ": " + format_bytes(b.size) + ", " + state;
+      } else {  // the part of the block in this mapped range
+        out += hex(from) + ": " + format_bytes(to - from) + " mapped of a block of " + format_bytes(b.size) + " at " +
+               hex(b.address) + ", " + state;
+      }
+      const std::size_t requested = b.requested != 0         ? b.requested
+                                    : traced != active.end() ? traced->second.requested
+                                                             : 0;
+      if (in_use && requested != 0) out += " (" + std::to_string(requested) + " B requested)";
       out += ", stream " + std::to_string(b.stream);
-      if (tag != tags.end() && tag->second != 0) out += ", tag " + html_escape(memory_tag_name(tag->second));
+      if (traced != active.end() && traced->second.tag != 0) {
+        out += ", tag " + html_escape(memory_tag_name(traced->second.tag));
+      }
       out += "</title></rect>";
     }
-    out += "<rect class=\"segment\" data-address=\"" + std::string(address) + "\" data-size=\"" +
-           std::to_string(seg.size) + "\" x=\"" + fixed(left) + "\" y=\"" + fixed(y) + "\" width=\"" +
-           fixed(std::max(0.5, scale * static_cast<double>(seg.size))) + "\" height=\"" + fixed(row - 4) +
-           "\"><title>segment " + address + ": " + format_bytes(seg.size) + (seg.expandable ? ", expandable" : "") +
-           (seg.small_pool ? ", small pool" : ", large pool") + "</title></rect></g>\n";
+    out += "<rect class=\"segment\" data-address=\"" + hex(begin) + "\" data-size=\"" + std::to_string(size) + "\"";
+    if (seg.expandable) {
+      out += " data-segment=\"" + hex(seg.address) + "\" data-reserved=\"" + std::to_string(seg.size) + "\"";
+    }
+    out += " x=\"" + fixed(bar_left) + "\" y=\"" + fixed(y) + "\" width=\"" +
+           fixed(std::max(0.5, scale * static_cast<double>(size))) + "\" height=\"" + fixed(row - 4) + "\"><title>";
+    if (seg.expandable) {
+      out += "expandable segment " + hex(seg.address) + ": mapped range " + hex(begin) + ", " + format_bytes(size) +
+             "; " + format_bytes(seg.mapped) + " mapped of " + format_bytes(seg.size) + " reserved";
+    } else {
+      out += "segment " + hex(begin) + ": " + format_bytes(size);
+    }
+    out += std::string(seg.small_pool ? ", small pool" : ", large pool") + "</title></rect></g>\n";
   }
   out += "</svg>\n</body></html>\n";
   return out;
