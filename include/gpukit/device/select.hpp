@@ -32,6 +32,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
+#include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/device/nvml.hpp>
 #include <gpukit/device/properties.hpp>
@@ -478,8 +479,8 @@ GPUKIT_INLINE void select_cpu_fallback(const selection_policy& policy, const sys
   selection.reason = why + "; using the CPU";
   // A GPU node whose driver is broken must not pass for a CPU-only machine with nothing but a reason string.
   if (is_cuda_initialisation_failure(cause)) {
-    warn("select_device: " + describe_cuda_initialisation_failure(cause) +
-         "; using the CPU (selection_policy::require_gpu makes this an error)");
+    warn_parts("select_device: ", describe_cuda_initialisation_failure(cause),
+               "; using the CPU (selection_policy::require_gpu makes this an error)");
   }
 }
 

@@ -61,13 +61,14 @@ namespace mode_independent {
 /// The pools whose release threshold a gpukit async_pool_upstream raised from CUDA's default (0), with the upstreams
 /// alive that count on it: the last one puts the default back.
 struct raised_pool_thresholds {
+  /// One pool whose threshold was raised.
   struct entry {
-    cudaMemPool_t pool;
+    cudaMemPool_t pool;    ///< the pool
     std::size_t users;     ///< live upstreams over the pool that count on the raise
     cuuint64_t raised_to;  ///< what it was set to (a different value at the end: someone else changed it since)
   };
-  std::mutex mutex;  ///< guards entries
-  std::vector<entry> entries;
+  std::mutex mutex;            ///< guards entries
+  std::vector<entry> entries;  ///< one per raised pool
 };
 /// The process's raised_pool_thresholds (exported: one per process). Never destroyed: upstreams may be destroyed by
 /// other statics' destructors.

@@ -42,8 +42,8 @@ GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() no
 /// An observer call under way on a thread, in the caller's stack frame: the registry calling it and the call it runs
 /// inside (nullptr for the outermost).
 struct out_of_memory_observer_call {
-  const void* registry;
-  const out_of_memory_observer_call* outer;
+  const void* registry;                      ///< the out_of_memory_observers calling
+  const out_of_memory_observer_call* outer;  ///< the call this one runs inside, or nullptr
 };
 
 /// The innermost observer call under way on the calling thread, or nullptr. A pointer, never destroyed: an error
