@@ -15,6 +15,7 @@
 
 #include "cudasim.hpp"
 #include "handle_reuse.hpp"
+#include "call_during_capture.hpp"
 #include "support.hpp"
 
 #include <cuda_runtime_api.h>
@@ -3448,30 +3449,13 @@ TEST_CASE("capture: a host function on the legacy stream is refused while anothe
   // then 901 at the end): enqueue_host there is refused instead, under the hold event::record and synchronize take.
   const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
   gpukit::stream blocking = blocking_stream();
-  std::string refusal;
-  std::string capture_error;
-  bool returned = false;
-  {
-    gpukit_test::bounded_calls calls;  // an enqueue that waited for the capture to end would wait for this thread
-    try {
-      gpukit::graph g = gpukit::capture(blocking, [&] {
-        returned = calls.returned_within([&] {
-          try {
-            legacy.enqueue_host([] {});
-          } catch (const gpukit::invalid_argument_error& e) {
-            refusal = e.what();
-          }
-        });
-      });
-    } catch (const std::exception& e) {
-      capture_error = e.what();
-    }
-  }
-  CHECK(returned);
-  INFO("refusal: " << refusal);
-  CHECK(capture_error.empty());  // the capture was not invalidated
-  CHECK(refusal.find("stream_view::enqueue_host") != std::string::npos);
-  CHECK(refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
+  const gpukit_test::call_in_capture seen =
+      gpukit_test::call_during_capture(blocking, [&] { legacy.enqueue_host([] {}); });
+  CHECK(seen.returned);
+  INFO("refusal: " << seen.refusal);
+  CHECK(seen.capture_error.empty());  // the capture was not invalidated
+  CHECK(seen.refusal.find("stream_view::enqueue_host") != std::string::npos);
+  CHECK(seen.refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
   // After the capture the legacy stream takes host functions again.
   bool ran = false;
   legacy.enqueue_host([&] { ran = true; });

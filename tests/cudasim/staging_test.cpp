@@ -13,6 +13,7 @@
 #include <gpukit/memory/pmr.hpp>
 
 #include "cudasim.hpp"
+#include "call_during_capture.hpp"
 #include "support.hpp"
 
 #include <algorithm>
@@ -813,30 +814,13 @@ TEST_CASE(
   const std::vector<unsigned char> pageable(MiB, 7);
   gpukit::pinned_buffer<unsigned char> pinned(MiB, d);
   const auto copy_during_capture = [&](auto&& source) {
-    std::string refusal;
-    std::string capture_error;
-    bool returned = true;
-    {
-      gpukit_test::bounded_calls calls;  // a copy that waited for the capture to end would wait for this thread
-      try {
-        gpukit::graph g = gpukit::capture(blocking, [&] {
-          returned = calls.returned_within([&] {
-            try {
-              gpukit::copy_async(dst, source, legacy);
-            } catch (const gpukit::invalid_argument_error& e) {
-              refusal = e.what();
-            }
-          });
-        });
-      } catch (const std::exception& e) {
-        capture_error = e.what();
-      }
-    }
-    CHECK(returned);
-    INFO("refusal: " << refusal);
-    CHECK(capture_error.empty());  // the capture was not invalidated
-    CHECK(refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
-    CHECK(refusal.find("cudaMemcpyAsync on the legacy default stream") != std::string::npos);
+    const gpukit_test::call_in_capture seen =
+        gpukit_test::call_during_capture(blocking, [&] { gpukit::copy_async(dst, source, legacy); });
+    CHECK(seen.returned);
+    INFO("refusal: " << seen.refusal);
+    CHECK(seen.capture_error.empty());  // the capture was not invalidated
+    CHECK(seen.refusal.find("a gpukit capture of a blocking stream of cuda:0 is underway") != std::string::npos);
+    CHECK(seen.refusal.find("cudaMemcpyAsync on the legacy default stream") != std::string::npos);
     CHECK(cudasim::take_violations().empty());
   };
   SUBCASE("staged (pageable source)") { copy_during_capture(pageable); }

@@ -2,6 +2,7 @@
 // operator new (failing_heap.hpp) so that the N-th allocation of a call under test throws std::bad_alloc, for every
 // N. A call that fails must change nothing the caller can see (a free leaves its block allocated, to be freed again)
 // and the engine must go on: every block back at the end, every stream served.
+#include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/parallel_copy.hpp>
@@ -386,15 +387,9 @@ TEST_CASE(
     "back fenced") {
   // A block freed on s0 while s0's work still used it, taken again on s0 (no wait needed: its fence is dropped); the
   // pointer map's insert then fails (its shard grows). Given back unfenced, another stream took it without waiting
-  // for that work. The shard is filled to its load factor first: the map's hash (MurmurHash3's finalizer), top 6 bits.
+  // for that work. The shard is filled to its load factor first.
   const auto shard_of = [](const void* p) {
-    std::uint64_t h = reinterpret_cast<std::uintptr_t>(p);
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ULL;
-    h ^= h >> 33;
-    return static_cast<unsigned>(h >> 58);
+    return gpukit::detail::sharded_pointer_map<void>::shard_of(reinterpret_cast<std::uintptr_t>(p));
   };
   long runs = 0;
   int failures = 0;

@@ -20,7 +20,7 @@
 #include <vector>
 
 #if defined(__linux__)
-#include <sys/mman.h>
+#include "host_vm_upstream.hpp"
 #endif
 
 using namespace gpukit_test;
@@ -213,69 +213,7 @@ TEST_CASE("concurrent allocations under a tight reserved limit: OOMs are clean a
 }
 
 #if defined(__linux__)
-namespace {
-
-/// Expandable segments over real host memory: reserve is an inaccessible mapping (PROT_NONE), map makes pages
-/// readable and writable, unmap discards them and makes them inaccessible again, so stream work that touches a page
-/// after it was unmapped faults at once. The wait before unmapping is the test's: all of its streams' work so far.
-class host_vm_upstream {
- public:
-  static constexpr std::size_t capacity = 1024 * MiB;
-  [[nodiscard]] void* allocate(std::size_t bytes) {  // ordinary segments (not used with expandable segments)
-    wait_for_streams();
-    return std::malloc(bytes);
-  }
-  void deallocate(void* p, std::size_t /*bytes*/) noexcept { std::free(p); }
-  gpukit::upstream_memory_info memory_info() const {
-    gpukit::upstream_memory_info info;
-    info.known = true;
-    info.total_bytes = capacity;
-    info.free_bytes = capacity - mapped_.load();
-    return info;
-  }
-  bool synchronizes_on_free() const noexcept { return true; }
-  std::size_t page_size() const noexcept { return 64 * KiB; }
-  void* reserve(std::size_t bytes) {
-    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    return p == MAP_FAILED ? nullptr : p;
-  }
-  bool map(void* address, std::size_t bytes) {
-    if (mapped_.fetch_add(bytes) + bytes > capacity) {
-      mapped_.fetch_sub(bytes);
-      return false;
-    }
-    return mprotect(address, bytes, PROT_READ | PROT_WRITE) == 0;
-  }
-  bool unmap(void* address, std::size_t bytes) noexcept {
-    return wait_before_unmap() && unmap_after_wait(address, bytes);
-  }
-  bool wait_before_unmap() noexcept {
-    wait_for_streams();
-    waits_.fetch_add(1);
-    return true;
-  }
-  bool unmap_after_wait(void* address, std::size_t bytes) noexcept {
-    (void)madvise(address, bytes, MADV_DONTNEED);
-    (void)mprotect(address, bytes, PROT_NONE);
-    mapped_.fetch_sub(bytes);
-    return true;
-  }
-  void unreserve(void* address, std::size_t bytes) noexcept { (void)munmap(address, bytes); }
-
-  std::vector<std::unique_ptr<gpukit::stream>>* streams = nullptr;  // set before the first allocation
-  std::size_t mapped() const { return mapped_.load(); }
-  std::size_t waits() const { return waits_.load(); }
-
- private:
-  void wait_for_streams() noexcept {
-    if (streams == nullptr) return;  // the streams are gone: so is their work
-    for (const auto& s : *streams) s->synchronize();
-  }
-  std::atomic<std::size_t> mapped_{0};
-  std::atomic<std::size_t> waits_{0};
-};
-
-}  // namespace
+using gpukit_test::host_vm_upstream;
 
 TEST_CASE("concurrent use of expandable segments over host pages: releases never unmap a page in use") {
   gpukit::allocator_options o;
@@ -288,7 +226,7 @@ TEST_CASE("concurrent use of expandable segments over host pages: releases never
     run_workers(a, shared, 2000);
     CHECK(shared.corrupted.load() == 0);
     CHECK(shared.ooms.load() == 0);
-    CHECK(a.engine().upstream().waits() > 0);  // empty_cache unmapped pages while the others worked
+    CHECK(a.engine().upstream().device_waits() > 0);  // empty_cache unmapped pages while the others worked
     CHECK(a.memory_allocated() == 0);
     CHECK(check_invariants(a.snapshot(), {}, 512) == "");
     a.empty_cache();
@@ -296,7 +234,7 @@ TEST_CASE("concurrent use of expandable segments over host pages: releases never
     CHECK(a.engine().upstream().mapped() == 0);
     a.engine().upstream().streams = nullptr;
   }
-  MESSAGE(a.stats().allocation.all().allocated << " allocations, " << a.engine().upstream().waits()
+  MESSAGE(a.stats().allocation.all().allocated << " allocations, " << a.engine().upstream().device_waits()
                                                << " waits before unmapping");
 }
 #endif

@@ -24,7 +24,7 @@
 #include <vector>
 
 #if defined(__linux__)
-#include <sys/mman.h>
+#include "host_vm_upstream.hpp"
 #endif
 
 using namespace gpukit_test;
@@ -717,72 +717,6 @@ TEST_CASE("expandable segments: the free pages of a stream the allocator does no
 }
 
 #if defined(__linux__)
-namespace {
-
-/// Expandable segments over real host memory whose wait before unmapping is for the allocator's events
-/// (wait_before_unmap(after), as cuda_upstream's cudaEventSynchronize): reserve is an inaccessible mapping
-/// (PROT_NONE), map makes pages readable and writable, unmap discards them and makes them inaccessible again, so
-/// stream work that touches a page after it was unmapped faults at once (and one mapped again reads zeros).
-class host_event_upstream {
- public:
-  static constexpr std::size_t capacity = 1024 * MiB;
-  [[nodiscard]] void* allocate(std::size_t /*bytes*/) { return nullptr; }  // expandable segments only
-  void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
-  gpukit::upstream_memory_info memory_info() const {
-    gpukit::upstream_memory_info info;
-    info.known = true;
-    info.total_bytes = capacity;
-    info.free_bytes = capacity - mapped_.load();
-    return info;
-  }
-  bool synchronizes_on_free() const noexcept { return true; }
-  std::size_t page_size() const noexcept { return 64 * KiB; }
-  void* reserve(std::size_t bytes) {
-    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    return p == MAP_FAILED ? nullptr : p;
-  }
-  bool map(void* address, std::size_t bytes) {
-    if (mapped_.fetch_add(bytes) + bytes > capacity) {
-      mapped_.fetch_sub(bytes);
-      return false;
-    }
-    return mprotect(address, bytes, PROT_READ | PROT_WRITE) == 0;
-  }
-  bool unmap(void* address, std::size_t bytes) noexcept {
-    return wait_before_unmap() && unmap_after_wait(address, bytes);
-  }
-  bool wait_before_unmap() noexcept {  // the whole device's: every stream's work so far
-    if (streams != nullptr) {
-      for (const auto& s : *streams) s->synchronize();
-    }
-    device_waits_.fetch_add(1);
-    return true;
-  }
-  bool wait_before_unmap(const std::vector<const gpukit::event*>& after) noexcept {
-    for (const gpukit::event* e : after) e->synchronize();
-    event_waits_.fetch_add(1);
-    return true;
-  }
-  bool unmap_after_wait(void* address, std::size_t bytes) noexcept {
-    (void)madvise(address, bytes, MADV_DONTNEED);
-    (void)mprotect(address, bytes, PROT_NONE);
-    mapped_.fetch_sub(bytes);
-    return true;
-  }
-  void unreserve(void* address, std::size_t bytes) noexcept { (void)munmap(address, bytes); }
-
-  std::vector<std::unique_ptr<gpukit::stream>>* streams = nullptr;  // set while they exist
-  std::size_t mapped() const { return mapped_.load(); }
-  std::size_t device_waits() const { return device_waits_.load(); }
-  std::size_t event_waits() const { return event_waits_.load(); }
-
- private:
-  std::atomic<std::size_t> mapped_{0};
-  std::atomic<std::size_t> device_waits_{0};
-  std::atomic<std::size_t> event_waits_{0};
-};
-
-}  // namespace
 
 TEST_CASE("expandable segments over host pages: releases that wait for the owners' events never unmap a page in use") {
   const gpukit::device cpu = gpukit::device::cpu();

@@ -31,6 +31,9 @@ class sharded_pointer_map {
  public:
   static constexpr std::size_t shard_count = 64;
 
+  /// The shard that holds `key` (tests fill one shard to make it grow).
+  static std::size_t shard_of(std::uintptr_t key) noexcept { return static_cast<std::size_t>(hash(key) >> 58); }
+
   /// Adds key → value. The key must be non-zero and absent. May throw std::bad_alloc when a shard grows.
   void insert(std::uintptr_t key, Value* value) {
     const std::uint64_t h = hash(key);
