@@ -365,6 +365,17 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
     void* q = a.allocate(6 * MiB, s);  // usable afterwards
     a.deallocate(q);
   }
+  // The driver's result is carried as the runtime error it stands for (it was always cudaErrorUnknown), so a caller
+  // can tell a destroyed context from another failure.
+  a.empty_cache();
+  cudasim::fail_call("cuMemMap", 1, cudaErrorContextIsDestroyed);
+  try {
+    (void)a.allocate(6 * MiB, s);
+    FAIL("the failure was not reported");
+  } catch (const gpukit::cuda_error& e) {
+    CHECK(e.cuda_result() == cudaErrorContextIsDestroyed);
+    CHECK(std::string(e.what()).find("(CUresult 709)") != std::string::npos);
+  }
   // A refused reservation: ordinary segments serve the request, and the later ones (said once).
   a.deallocate(p);
   a.empty_cache();

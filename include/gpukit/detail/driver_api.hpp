@@ -23,6 +23,26 @@
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
+/// The runtime error a driver result stands for, as far as callers act on it (teardown is not reported).
+inline cudaError_t runtime_error_of(CUresult r) noexcept {
+  switch (r) {
+    case CUDA_SUCCESS:
+      return cudaSuccess;
+    case CUDA_ERROR_DEINITIALIZED:
+      return cudaErrorCudartUnloading;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+      return cudaErrorContextIsDestroyed;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      return cudaErrorMemoryAllocation;
+    case CUDA_ERROR_INVALID_VALUE:
+      return cudaErrorInvalidValue;
+    case CUDA_ERROR_INVALID_DEVICE:
+      return cudaErrorInvalidDevice;
+    default:
+      return cudaErrorUnknown;
+  }
+}
+
 /// The driver entry points gpukit uses, or null where unavailable. Declared with cuda.h's exact types: calling
 /// through a pointer of another function type is undefined (UBSan's -fsanitize=function reports it).
 struct driver_api {

@@ -141,26 +141,6 @@ inline peer_matrix query_peer_matrix(const nvml::library& nvml = nvml::instance(
 
 namespace detail {
 
-/// The runtime error a driver result stands for, as far as callers act on it (teardown is not reported).
-inline cudaError_t runtime_error_of(CUresult r) noexcept {
-  switch (r) {
-    case CUDA_SUCCESS:
-      return cudaSuccess;
-    case CUDA_ERROR_DEINITIALIZED:
-      return cudaErrorCudartUnloading;
-    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
-      return cudaErrorContextIsDestroyed;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      return cudaErrorMemoryAllocation;
-    case CUDA_ERROR_INVALID_VALUE:
-      return cudaErrorInvalidValue;
-    case CUDA_ERROR_INVALID_DEVICE:
-      return cudaErrorInvalidDevice;
-    default:
-      return cudaErrorUnknown;
-  }
-}
-
 /// A failed CUDA call: its result (cudaSuccess: none failed) and its name.
 using access_failure = std::pair<cudaError_t, std::string>;
 

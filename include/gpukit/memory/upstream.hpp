@@ -1037,7 +1037,7 @@ GPUKIT_INLINE CUmemAllocationProp cuda_upstream::allocation_properties() const n
 GPUKIT_INLINE void cuda_upstream::throw_driver_failure(const char* call, CUresult r) const {
   throw cuda_error("gpukit: " + std::string(call) + " failed on " + device_.to_string() + " (CUresult " +
                        std::to_string(r) + ") while mapping pages of an expandable segment",
-                   cudaErrorUnknown, call, device_.ordinal());
+                   detail::runtime_error_of(r), call, device_.ordinal());
 }
 
 GPUKIT_INLINE std::size_t cuda_upstream::page_bytes() const noexcept {
