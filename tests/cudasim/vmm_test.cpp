@@ -5,6 +5,7 @@
 #include <gpukit/device/detail/peer_registry.hpp>  // the registry lock_at_warnings watches (compiled mode too)
 #include <gpukit/gpukit.hpp>
 
+#include "call_during_capture.hpp"
 #include "cudasim.hpp"
 #include "support.hpp"
 
@@ -626,6 +627,29 @@ TEST_CASE("vmm: a release beside another thread's capture waits for the pages' s
   CHECK(cudasim::device_memory_used(0) == used_before);
   CHECK(cudasim::take_violations().empty());
   cudaFree(scratch);
+}
+
+TEST_CASE("vmm: a raw stream's free pages are not released by a device-wide wait while a gpukit capture runs") {
+  // A raw cudaStream_t may have been destroyed, so its pages are waited for with the whole device; during another
+  // thread's gpukit::capture that wait would invalidate the capture (900, relaxed mode too): the pages stay instead.
+  const gpukit::device d = gpukit::device::cuda(0);
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  gpukit::caching_allocator a(d, expandable());
+  a.deallocate(a.allocate(4 * MiB, gpukit::stream_view(d, raw)));
+  const std::size_t reserved = a.memory_reserved();
+  REQUIRE(reserved == 4 * MiB);
+  gpukit::stream captured(d);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  const gpukit_test::call_in_capture seen = gpukit_test::call_during_capture(captured, [&] { a.empty_cache(); });
+  CHECK(seen.returned);
+  CHECK(seen.capture_error.empty());  // the capture was not invalidated
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+  CHECK(a.memory_reserved() == reserved);  // kept for a release after the capture
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
+  CHECK(cudasim::take_violations().empty());
 }
 
 TEST_CASE("vmm: free pages of a stream being captured are waited for by no release: they stay mapped until later") {

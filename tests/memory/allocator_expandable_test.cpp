@@ -718,6 +718,29 @@ TEST_CASE("expandable segments: the free pages of a stream the allocator does no
 
 #if defined(__linux__)
 
+TEST_CASE("expandable segments over host pages: a range whose unmapped part another stream owns is released whole") {
+  // Stream B takes stream A's block (cross-stream reuse) and frees it: the range's one mapped block is B's, its free
+  // rest (no page mapped) A's. The allocator's destructor waited for B's work only; A's block needs no wait, and once
+  // counted as not waited for it kept the whole range (and its pages) reserved, with a warning.
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  o.cross_stream_reuse = true;
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit::basic_caching_allocator<host_event_upstream, gpukit::stream_ops> a(cpu, o);
+    gpukit::stream first(cpu);
+    gpukit::stream second(cpu);
+    void* p = a.allocate(4 * MiB, first.view());
+    a.deallocate(p);
+    void* q = a.allocate(4 * MiB, second.view());
+    REQUIRE(q == p);  // taken from `first`'s range
+    a.deallocate(q);
+    CHECK(a.upstream().mapped() == 4 * MiB);
+  }  // the streams, then the allocator
+  CHECK(warnings.messages().empty());
+}
+
 TEST_CASE("expandable segments over host pages: releases that wait for the owners' events never unmap a page in use") {
   const gpukit::device cpu = gpukit::device::cpu();
   gpukit::allocator_options o = expandable();

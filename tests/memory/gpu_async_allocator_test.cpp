@@ -241,12 +241,10 @@ TEST_CASE(
   check_release_in_stream_order(a, d);
 }
 
-TEST_CASE(
-    "gpu: async_pool_upstream raises only CUDA's default release threshold, and when destroyed trims the pool and "
-    "puts the default back") {
+TEST_CASE("gpu: async_pool_upstream raises only CUDA's default release threshold, and when destroyed trims the pool") {
   // A pool at CUDA's default (0) would hand every segment given back to the driver at the next synchronization, so
-  // the upstream raises it; a threshold someone set is theirs. Destroyed, the upstream must leave neither the raised
-  // threshold nor the memory it used reserved in the pool (cudaMalloc could not use it).
+  // the upstream raises it; a threshold someone set is theirs. Destroyed, the upstream must not leave the memory it
+  // gave back reserved in the pool (cudaMalloc could not use it).
   GPUKIT_REQUIRE_GPU();
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
@@ -274,7 +272,7 @@ TEST_CASE(
     a.deallocate(p);
     s.synchronize();
   };
-  SUBCASE("CUDA's default is raised while the upstream lives; afterwards it is back and the memory is trimmed") {
+  SUBCASE("CUDA's default is raised; when the upstream is destroyed the memory is trimmed") {
     set_threshold(0);
     GPUKIT_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
     cuuint64_t kept = 0;
@@ -287,7 +285,6 @@ TEST_CASE(
       kept = reserved();
       CHECK(kept >= bytes);  // given back to the pool, which keeps it
     }
-    CHECK(threshold() == 0);
     CHECK(reserved() + bytes <= kept);  // trimmed: back to the driver
   }
   SUBCASE("a threshold set by the user (async_allocator(d, 1 GiB)) is left alone, during and after") {
@@ -301,27 +298,47 @@ TEST_CASE(
     }
     CHECK(threshold() == GiB);
   }
-  SUBCASE("two upstreams over the pool: the threshold stays raised until the last one goes") {
+  SUBCASE("a threshold raised by one upstream is not raised again, nor put back, by the next") {
     set_threshold(0);
-    auto first = std::make_unique<allocator>(d);
-    use(*first);
+    {
+      allocator first(d);
+      use(first);
+    }
+    CHECK(threshold() == keep_all);  // stays: async_allocator and other users may count on it
+    set_threshold(std::size_t{256} << 20);
     {
       allocator second(d);
       use(second);
-      CHECK(threshold() == keep_all);
-      first.reset();
-      CHECK(threshold() == keep_all);  // `second` still counts on it
-    }
-    CHECK(threshold() == 0);
-  }
-  SUBCASE("a threshold changed while the upstream lives is the user's: not put back") {
-    set_threshold(0);
-    {
-      allocator a(d);
-      use(a);
-      set_threshold(std::size_t{256} << 20);
+      CHECK(threshold() == (std::size_t{256} << 20));
     }
     CHECK(threshold() == (std::size_t{256} << 20));
   }
   set_threshold(found);
+}
+
+TEST_CASE("gpu: an async_pool_upstream's destructor does not wait for another upstream's release held on the host") {
+  // Frees in stream order run on gpukit's shared release stream, behind waits for the streams that used the memory.
+  // A destructor that waited for that stream waited for another upstream's release, whose stream a host function may
+  // hold until this thread goes on: a deadlock. It waits for its own stream only.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::async_pool_upstream b(d);
+  auto a = std::make_unique<gpukit::async_pool_upstream>(d);
+  void* pa = a->allocate(std::size_t{1} << 20);
+  a->deallocate(pa, std::size_t{1} << 20);
+  void* pb = b.allocate(std::size_t{1} << 20);
+  gpukit_test::gate held;
+  held.hold(s);  // `s` stays busy until this thread opens the gate
+  gpukit::event used(d);
+  used.record(s);
+  REQUIRE(b.deallocate_after(pb, std::size_t{1} << 20, {&used}));  // queued on the release stream behind `used`
+  bool destroyed = false;
+  {
+    gpukit_test::bounded_calls calls;
+    destroyed = calls.returned_within([&] { a.reset(); });
+    held.open();
+  }
+  CHECK(destroyed);
+  s.synchronize();
 }

@@ -4,7 +4,6 @@
 
 #include <gpukit/gpukit.hpp>
 #include <gpukit/device/peer_access.hpp>
-#include <gpukit/memory/async_pool_upstream.hpp>
 
 #include <cstddef>
 
@@ -44,7 +43,6 @@ inline constexpr const char* singleton_names[] = {
     "mode_independent::legacy_stream_holds(0)",
     "mode_independent::gpukit_capture_table_v1()",
     "detail::stream_expirations()",
-    "mode_independent::raised_pool_thresholds_v1()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -91,7 +89,6 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::mode_independent::legacy_stream_holds(0),
       &gpukit::mode_independent::gpukit_capture_table_v1(),
       &gpukit::detail::stream_expirations(),
-      &gpukit::mode_independent::raised_pool_thresholds_v1(),
   }};
 }
 }  // namespace

@@ -27,13 +27,13 @@
 /// synchronization (this upstream synchronizes at each allocation), which would make every segment given back a
 /// driver allocation again. So at the first allocation, a pool whose threshold is still 0 gets the constructor's (by
 /// default the maximum: keep everything, as gpukit's cache does). A threshold someone set (another library,
-/// gpukit::async_allocator(d, 1 GiB), cudaMemPoolSetAttribute) is theirs and is left alone. While several gpukit
-/// upstreams share a pool, the threshold the first one raised stays until the last of them is destroyed, which puts
-/// back 0 unless the threshold was changed meanwhile. Memory the pool keeps is not free for cudaMalloc (nor for
-/// another pool) until the pool trims it (cudaMemPoolTrimTo on pool()) or this upstream is destroyed: every upstream,
-/// when destroyed, waits for the frees it queued and trims the pool (cudaMemPoolTrimTo(pool, 0)), so that the memory
-/// it used goes back to the driver; that also returns the unused memory other users of the pool keep cached (they get
-/// it from the driver again).
+/// gpukit::async_allocator(d, 1 GiB), cudaMemPoolSetAttribute) is theirs and is left alone. The threshold stays as
+/// raised: gpukit's async_allocator and other users may count on it (putting CUDA's 0 back could not tell them
+/// apart). Memory the pool keeps is not free for cudaMalloc (nor for another pool) until the pool trims it
+/// (cudaMemPoolTrimTo on pool()) or this upstream is destroyed: an upstream, when destroyed, trims the pool
+/// (cudaMemPoolTrimTo(pool, 0)), so that the memory it gave back goes back to the driver, except frees still queued
+/// in stream order then; that also returns the unused memory other users of the pool keep cached (they get it from
+/// the driver again).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
@@ -53,33 +53,6 @@
 #include <string>
 #include <vector>
 
-// One registry per process, outside the per-mode namespace (detail/config.hpp): upstreams of both default-stream
-// modes share the device's default pool.
-namespace gpukit {
-namespace mode_independent {
-
-/// The pools whose release threshold a gpukit async_pool_upstream raised from CUDA's default (0), with the upstreams
-/// alive that count on it: the last one puts the default back.
-struct raised_pool_thresholds {
-  /// One pool whose threshold was raised.
-  struct entry {
-    cudaMemPool_t pool;    ///< the pool
-    std::size_t users;     ///< live upstreams over the pool that count on the raise
-    cuuint64_t raised_to;  ///< what it was set to (a different value at the end: someone else changed it since)
-  };
-  std::mutex mutex;            ///< guards entries
-  std::vector<entry> entries;  ///< one per raised pool
-};
-/// The process's raised_pool_thresholds (exported: one per process). Never destroyed: upstreams may be destroyed by
-/// other statics' destructors.
-GPUKIT_EXPORT inline raised_pool_thresholds& raised_pool_thresholds_v1() {
-  static auto* registry = new raised_pool_thresholds;
-  return *registry;
-}
-
-}  // namespace mode_independent
-}  // namespace gpukit
-
 GPUKIT_BEGIN_NAMESPACE
 
 /// Segments from a CUDA memory pool (see the file comment). Thread-safe; not copyable or movable (the caching
@@ -90,8 +63,8 @@ class async_pool_upstream {
   /// must be a pool of device `d` (not checked: CUDA serves a pool of another device on `d`'s streams, and the
   /// allocator would count its memory as `d`'s). At the first allocation, if the pool's release threshold is still
   /// CUDA's default (0), it becomes `release_threshold` bytes (the maximum: keep everything, as gpukit's cache does;
-  /// this changes the pool for its other users too, until this upstream is destroyed); a threshold already set is left
-  /// as it is (see the file comment). Makes no CUDA call; throws invalid_argument_error for the CPU.
+  /// this changes the pool for its other users too); a threshold already set is left as it is (see the file
+  /// comment). Makes no CUDA call; throws invalid_argument_error for the CPU.
   explicit async_pool_upstream(gpukit::device d,
                                std::size_t release_threshold = std::numeric_limits<std::size_t>::max(),
                                cudaMemPool_t pool = nullptr)
@@ -104,36 +77,25 @@ class async_pool_upstream {
   async_pool_upstream(const async_pool_upstream&) = delete;
   async_pool_upstream& operator=(const async_pool_upstream&) = delete;
 
-  /// Waits for the frees it queued (on its private stream and on gpukit's shared release stream, which may wait for
-  /// other upstreams' releases too), trims the pool (cudaMemPoolTrimTo(pool, 0)), puts the release threshold it
-  /// raised back to 0 once no other gpukit upstream counts on it, and destroys the private stream. Failures are
-  /// reported through gpukit::warn (none at process exit). Segments still out are the caching allocator's to give
-  /// back first; those held back by a gpukit capture still underway stay allocated in the pool (reported).
+  /// Waits for the work of its private stream (allocations, and frees made after a device-wide wait), trims the pool
+  /// (cudaMemPoolTrimTo(pool, 0): the memory it gave back that the pool keeps goes back to the driver) and destroys
+  /// the stream. Frees still queued on gpukit's shared release stream are not waited for (that stream may wait for
+  /// other upstreams' streams, which a host function may hold): their memory stays in the pool, up to its threshold,
+  /// which stays as raised. Failures are reported through gpukit::warn (none at process exit). Segments still out are
+  /// the caching allocator's to give back first; those held back by a gpukit capture still underway stay allocated in
+  /// the pool (reported).
   ~async_pool_upstream() {
-    if (stream_ == nullptr && !raised_threshold_) return;  // never allocated: the pool was not touched
+    if (stream_ == nullptr) return;  // never allocated
     give_back(nullptr, held_.take_at_destruction("gpukit::async_pool_upstream"));
     try {
       device_guard guard(device_);
-      const detail::relaxed_capture_mode relaxed;  // as in allocate: these waits and the trim join no capture
+      const detail::relaxed_capture_mode relaxed;  // as in allocate: this wait and the trim join no capture
       const int ordinal = device_.ordinal();
-      if (stream_ != nullptr) {
-        // The pool trims only memory already freed: first the frees of this stream and of the release stream.
-        detail::report_cuda_failure(cudaStreamSynchronize(stream_),
-                                    "cudaStreamSynchronize (async_pool_upstream, before trimming the pool)", ordinal);
-        try {
-          detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
-        } catch (const error& e) {
-          if (!detail::is_teardown_result(e.cuda_result())) {
-            detail::warn_parts("gpukit::async_pool_upstream: ", e.what());
-          }
-        }
-      }
-      if (raised_threshold_) lower_threshold();
-      if (stream_ != nullptr) {
-        detail::report_cuda_failure(cudaMemPoolTrimTo(pool_, 0),
-                                    "cudaMemPoolTrimTo(0) (async_pool_upstream, at its destruction)", ordinal);
-        detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)", ordinal);
-      }
+      detail::report_cuda_failure(cudaStreamSynchronize(stream_),
+                                  "cudaStreamSynchronize (async_pool_upstream, before trimming the pool)", ordinal);
+      detail::report_cuda_failure(cudaMemPoolTrimTo(pool_, 0),
+                                  "cudaMemPoolTrimTo(0) (async_pool_upstream, at its destruction)", ordinal);
+      detail::report_cuda_failure(cudaStreamDestroy(stream_), "cudaStreamDestroy (async_pool_upstream)", ordinal);
     } catch (const error& e) {
       if (!detail::is_teardown_result(e.cuda_result())) detail::warn_parts("gpukit::async_pool_upstream: ", e.what());
     } catch (const std::exception& e) {
@@ -290,53 +252,17 @@ class async_pool_upstream {
   }
 
   /// Under mutex_, at the first allocation: raises the pool's release threshold to release_threshold_ if it is still
-  /// CUDA's default (0), or counts this upstream in where another gpukit upstream raised it and still lives. A
-  /// threshold someone else set is theirs: left alone.
+  /// CUDA's default (0). A threshold someone set is theirs: left alone.
   void raise_threshold_locked() {
-    mode_independent::raised_pool_thresholds& raised = mode_independent::raised_pool_thresholds_v1();
-    std::lock_guard<std::mutex> lock(raised.mutex);
-    for (mode_independent::raised_pool_thresholds::entry& e : raised.entries) {
-      if (e.pool != pool_) continue;
-      ++e.users;
-      raised_threshold_ = true;
-      return;
-    }
     cuuint64_t current = 0;
     GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &current),
                               "cudaMemPoolGetAttribute(cudaMemPoolAttrReleaseThreshold)", device_.ordinal());
     if (current != 0 || release_threshold_ == 0) return;  // set by someone (or nothing to raise): left as it is
-    raised.entries.reserve(raised.entries.size() + 1);    // first: nothing may fail once the pool is changed
     cuuint64_t threshold = release_threshold_;
     GPUKIT_CUDA_TRY_DESCRIBED(
         cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
         "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold, " + std::to_string(threshold) + ")",
         device_.ordinal());
-    raised.entries.push_back({pool_, 1, threshold});
-    raised_threshold_ = true;
-  }
-
-  /// At destruction: uncounts this upstream from the pool's raised threshold; the last one puts back CUDA's default
-  /// (0), unless someone changed the threshold since it was raised (theirs then stays). Failures are reported.
-  void lower_threshold() noexcept {
-    mode_independent::raised_pool_thresholds& raised = mode_independent::raised_pool_thresholds_v1();
-    std::lock_guard<std::mutex> lock(raised.mutex);
-    for (std::size_t i = 0; i < raised.entries.size(); ++i) {
-      mode_independent::raised_pool_thresholds::entry& e = raised.entries[i];
-      if (e.pool != pool_) continue;
-      if (--e.users != 0) return;
-      const cuuint64_t raised_to = e.raised_to;
-      raised.entries.erase(raised.entries.begin() + static_cast<std::ptrdiff_t>(i));
-      cuuint64_t current = 0;
-      const cudaError_t read = cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &current);
-      detail::report_cuda_failure(read, "cudaMemPoolGetAttribute(cudaMemPoolAttrReleaseThreshold)", device_.ordinal());
-      if (read != cudaSuccess || current != raised_to) return;
-      cuuint64_t cuda_default = 0;
-      detail::report_cuda_failure(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &cuda_default),
-                                  "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold, 0) (putting back CUDA's "
-                                  "default at the destruction of async_pool_upstream)",
-                                  device_.ordinal());
-      return;
-    }
   }
 
   gpukit::device device_;
@@ -346,7 +272,6 @@ class async_pool_upstream {
   detail::capture_held_segments held_;  // segments given back during a gpukit capture, not yet freed
   std::size_t release_threshold_;
   bool threshold_decided_ = false;  // the first allocation looked at the pool's threshold (under mutex_)
-  bool raised_threshold_ = false;   // this upstream counts in raised_pool_thresholds_v1 (under mutex_)
 };
 
 GPUKIT_END_NAMESPACE

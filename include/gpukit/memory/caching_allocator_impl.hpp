@@ -2036,6 +2036,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
       tracker_type tracker;  // a destroyed stream: its last work is waited for (wait_finished)
       std::unique_ptr<event_type> event;
       bool dead;
+      gpukit::device device;  // st's, read under the lock: `st` may be pruned while the lock is released for the wait
     };
     std::vector<owner_wait> waits;
     std::vector<const event_type*> events;
@@ -2066,12 +2067,14 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
       } else {
         for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) consider(seg, false);
       }
-      bool device = false;    // an owner that only a wait for the whole device reaches
-      bool captured = false;  // an owner being captured: nothing may wait for it, nor for the device
+      bool device = false;  // an owner that only a wait for the whole device reaches
+      // An owner being captured: nothing may wait for it, nor for the device (nor may the device be waited for while a
+      // gpukit capture runs on another thread: cudaDeviceSynchronize would invalidate it).
+      bool captured = false;
       waits.reserve(owners.size());
       for (stream_state* st : owners) {
         if (expired(*st)) {
-          waits.push_back(owner_wait{st, st->tracker, nullptr, true});
+          waits.push_back(owner_wait{st, st->tracker, nullptr, true, st->device});
         } else if (!recordable(*st)) {
           device = true;  // a raw handle is not asked whether it is captured: it may have been destroyed
         } else if (captured_now(*st)) {
@@ -2079,9 +2082,10 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
         } else if (!per_stream) {
           device = true;
         } else {
-          waits.push_back(owner_wait{st, tracker_type{}, nullptr, false});
+          waits.push_back(owner_wait{st, tracker_type{}, nullptr, false, st->device});
         }
       }
+      if (device && device_.is_cuda() && detail::gpukit_capture_underway()) captured = true;
       if (device && !captured) {
         waits.clear();  // the device's wait covers every stream
         if (unlocked) lock.unlock();
@@ -2102,25 +2106,25 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
             x.st = nullptr;
             continue;
           }
-          x.event = acquire_event(x.st->device);
+          x.event = acquire_event(x.device);
           record_on(*x.event, *x.st);  // refuses a captured stream
         } catch (const error& e) {
           torn_down = torn_down || teardown(e);
-          recycle_event(std::move(x.event), x.st->device);
+          recycle_event(std::move(x.event), x.device);
           x.st = nullptr;
           continue;
         } catch (...) {
-          recycle_event(std::move(x.event), x.st->device);
+          recycle_event(std::move(x.event), x.device);
           x.st = nullptr;
           continue;
         }
         if (expired(*x.st)) {
           // Destroyed by another thread meanwhile (its handle perhaps a new stream's by the record): its last work.
-          recycle_event(std::move(x.event), x.st->device);
+          recycle_event(std::move(x.event), x.device);
           x.tracker = x.st->tracker;
           x.dead = true;
         } else if (captured_now(*x.st)) {  // captured since it was asked: the event may be the graph's
-          recycle_event(std::move(x.event), x.st->device);
+          recycle_event(std::move(x.event), x.device);
           x.st = nullptr;
         } else {
           events.push_back(x.event.get());
@@ -2128,13 +2132,13 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
       }
     } catch (...) {  // no memory: nothing is waited for, nothing covered
       for (owner_wait& x : waits) {
-        if (x.event) recycle_event(std::move(x.event), x.st->device);
+        if (x.event) recycle_event(std::move(x.event), x.device);
       }
       return;
     }
     if (torn_down) {
       for (owner_wait& x : waits) {
-        if (x.event) recycle_event(std::move(x.event), x.st->device);
+        if (x.event) recycle_event(std::move(x.event), x.device);
       }
       w.every_stream = true;
       return;
@@ -2169,7 +2173,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
     for (owner_wait& x : waits) {
       if (x.st == nullptr) continue;
       if (x.dead || events_done) w.streams.push_back(x.st);  // reserved above: cannot throw
-      if (x.event) recycle_event(std::move(x.event), x.st->device);
+      if (x.event) recycle_event(std::move(x.event), x.device);
     }
   } else {
     // Its unmap waits by itself, each time, under the lock: every page free by then may go.
@@ -2298,7 +2302,11 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_vi
     if (recheck && std::find(free_now.begin(), free_now.end(), seg) == free_now.end()) continue;
     if (has_vm && seg->expandable && seg->mapped() != 0) {
       bool all = true;
-      for (const block* b = seg->first; b != nullptr && all; b = b->next) all = covers(w, b);
+      for (const block* b = seg->first; b != nullptr && all; b = b->next) {
+        // A block on no mapped page has no memory work could use: its stream was not waited for (wait_for_unmap).
+        if (!seg->pages.any_mapped(seg->pages.touched_by(b->address - seg->address, b->size))) continue;
+        all = covers(w, b);
+      }
       const std::size_t page = seg->pages.page_size();
       for (std::size_t i = 0; all && i < seg->pages.page_count();) {
         if (!seg->pages.is_mapped(i)) {

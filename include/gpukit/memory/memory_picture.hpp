@@ -302,9 +302,14 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   using detail::html_escape;
   const memory_history_contents contents = history.contents();
   const std::vector<memory_event>& events = contents.events;
-  const detail::memory_levels levels =
-      detail::levels_of(events, snapshot, detail::find_snapshot_event(snapshot, contents));
-  const auto active = detail::active_allocations(events);  // tags and requests of allocations not yet reusable
+  const detail::snapshot_event_place place = detail::find_snapshot_event(snapshot, contents);
+  const detail::memory_levels levels = detail::levels_of(events, snapshot, place);
+  // Tags and requests of the snapshot's allocations not yet reusable: from the events up to its own, where the history
+  // holds it (a block freed after the snapshot, and its address taken again, is not the snapshot's block).
+  const auto active = place.kind == detail::snapshot_event_place::held && place.index < events.size()
+                          ? detail::active_allocations(std::vector<memory_event>(
+                                events.begin(), events.begin() + static_cast<std::ptrdiff_t>(place.index) + 1))
+                          : detail::active_allocations(events);
 
   std::string out;
   out += "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +

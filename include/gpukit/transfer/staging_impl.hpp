@@ -92,7 +92,13 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
       offset += length;
       ++chunks;
     }
-    if (offset < bytes) hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
+    if (offset < bytes) {
+      try {
+        hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
+      } catch (const error& e) {  // the first `offset` bytes are enqueued: said, as for a chunk's failure
+        detail::throw_chunk_failure(e, "to_device", r.dev, offset, bytes - offset, bytes, offset);
+      }
+    }
   }
   std::lock_guard<std::mutex> lock(stats_mutex_);
   ++stats_.to_device_calls;
