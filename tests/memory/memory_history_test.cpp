@@ -891,7 +891,7 @@ TEST_CASE("history exports: a block whose free waits for another stream keeps it
   w.a.deallocate(keep);
 }
 
-TEST_CASE("history exports: untagged events and allocations carry a frame; allocations older than the history none") {
+TEST_CASE("history exports: untagged events and allocations carry a frame, allocations older than the history none") {
   // An empty frame list makes the viewer say "allocated before _record_memory_history was enabled" (found by
   // review: every untagged event and block said so).
   world_and_allocator w;

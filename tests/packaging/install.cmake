@@ -82,12 +82,12 @@ endif()
 
 # --- gpukitConfig.cmake creates CUDA::cudart and Threads::Threads before loading the targets ---
 file(READ "${PREFIX}/${cmakedir}/gpukitConfig.cmake" config)
-string(FIND "${config}" "find_dependency(CUDAToolkit)" at_cuda)
+string(FIND "${config}" "find_dependency(CUDAToolkit 13.0)" at_cuda)  # the toolkit gpukit needs
 string(FIND "${config}" "find_dependency(Threads)" at_threads)
 string(FIND "${config}" "gpukitTargets.cmake\")" at_targets)
 if(at_cuda EQUAL -1 OR at_threads EQUAL -1 OR at_targets EQUAL -1 OR at_cuda GREATER at_targets
    OR at_threads GREATER at_targets)
-  packaging_fail("gpukitConfig.cmake must call find_dependency(CUDAToolkit) and find_dependency(Threads) before it "
+  packaging_fail("gpukitConfig.cmake must call find_dependency(CUDAToolkit 13.0) and find_dependency(Threads) before it "
                  "includes gpukitTargets.cmake:\n${config}")
 endif()
 
