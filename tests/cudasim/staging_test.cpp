@@ -833,7 +833,9 @@ TEST_CASE(
   CHECK(back == pageable);
 }
 
-namespace {
+// A named namespace: the hidden friend get_property of a class in an unnamed one has internal linkage, and clang
+// reports it unused (-Wunused-function), though CCCL's property query finds it.
+namespace staging_test_resources {
 /// A stream-ordered cuda::mr resource (both of CCCL's shapes) over cudaMallocAsync whose stream-ordered free refuses
 /// (throws), keeping the pointer for the test to free.
 struct refusing_free_resource {
@@ -862,8 +864,9 @@ struct refusing_free_resource {
   bool operator!=(const refusing_free_resource& other) const noexcept { return refused != other.refused; }
   friend void get_property(const refusing_free_resource&, ::cuda::mr::device_accessible) noexcept {}
 };
+}  // namespace staging_test_resources
+using staging_test_resources::refusing_free_resource;
 static_assert(gpukit::resource_upstream<refusing_free_resource>::stream_ordered, "stream-ordered");
-}  // namespace
 
 TEST_CASE("resource_upstream: a failed wait for an allocation is thrown even when giving the segment back fails too") {
   // The wait for a stream-ordered allocation fails; the segment's free in the handler throws as well. That second

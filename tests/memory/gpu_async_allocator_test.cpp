@@ -288,7 +288,6 @@ TEST_CASE("gpu: async_pool_upstream raises only CUDA's default release threshold
     CHECK(reserved() + bytes <= kept);  // trimmed: back to the driver
   }
   SUBCASE("a threshold set by the user (async_allocator(d, 1 GiB)) is left alone, during and after") {
-    constexpr std::size_t GiB = std::size_t{1} << 30;
     gpukit::async_allocator keep_1_gib(d, GiB);
     REQUIRE(threshold() == GiB);
     {
