@@ -7,6 +7,7 @@
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/transfer/parallel_copy.hpp>
 #include <gpukit/transfer/staging.hpp>
+#include <gpukit/memory/caching_allocator_impl.hpp>  // an engine over the tests' fake streams
 #include <gpukit/memory/pinned_pool_impl.hpp>
 #include <gpukit/transfer/staging_impl.hpp>
 #include <gpukit/detail/warning_text.hpp>
