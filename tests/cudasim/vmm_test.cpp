@@ -27,6 +27,15 @@ gpukit::allocator_options expandable() {
   return o;
 }
 
+/// cuMemCreate's properties for memory of visible device `ordinal`, as gpukit's pages have.
+CUmemAllocationProp device_memory(int ordinal) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = ordinal;
+  return prop;
+}
+
 }  // namespace
 
 TEST_CASE("vmm: a caching allocator with expandable segments maps device pages on demand and unmaps them") {
@@ -271,10 +280,7 @@ TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges free
   REQUIRE(api.has_virtual_memory());
   CUdeviceptr range = 0;
   REQUIRE(api.mem_address_reserve(&range, 8 * MiB, 0, 0, 0) == CUDA_SUCCESS);
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
+  const CUmemAllocationProp prop = device_memory(0);
   CUmemGenericAllocationHandle handle{};
   REQUIRE(api.mem_create(&handle, 2 * MiB, &prop, 0) == CUDA_SUCCESS);
   REQUIRE(api.mem_map(range, 2 * MiB, 0, handle, 0) == CUDA_SUCCESS);
@@ -310,10 +316,7 @@ TEST_CASE("vmm: the simulator unmaps only whole mappings, and frees an allocatio
   const std::size_t used_before = cudasim::device_memory_used(0);
   CUdeviceptr range = 0;
   REQUIRE(api.mem_address_reserve(&range, 8 * MiB, 0, 0, 0) == CUDA_SUCCESS);
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
+  const CUmemAllocationProp prop = device_memory(0);
   CUmemGenericAllocationHandle handle{};
   REQUIRE(api.mem_create(&handle, 4 * MiB, &prop, 0) == CUDA_SUCCESS);
   REQUIRE(api.mem_map(range, 4 * MiB, 0, handle, 0) == CUDA_SUCCESS);

@@ -164,6 +164,15 @@ constexpr bool is_cuda_initialisation_failure(cudaError_t result) noexcept {
 /// <name> (<number>): <description>[; <hint>]".
 GPUKIT_INLINE std::string describe_cuda_initialisation_failure(cudaError_t result);
 
+/// One answer of cudaGetDeviceCount: its result, and the count (0 unless it succeeded).
+struct device_count_answer {
+  cudaError_t result = cudaSuccess;
+  int count = 0;
+};
+
+/// Asks cudaGetDeviceCount once; its failure is not left as the thread's last error.
+GPUKIT_INLINE device_count_answer ask_device_count();
+
 /// describe_no_gpu for one answer of cudaGetDeviceCount (`result`, and `count` when it succeeded); empty when that
 /// answer names a device.
 GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count);
@@ -492,6 +501,14 @@ GPUKIT_INLINE std::string describe_cuda_initialisation_failure(cudaError_t resul
   return text;
 }
 
+GPUKIT_INLINE device_count_answer ask_device_count() {
+  note_cuda_use();
+  device_count_answer asked;  // count: not written by CUDA on error
+  asked.result = cudaGetDeviceCount(&asked.count);
+  forget_failure(asked.result);
+  return asked;
+}
+
 GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count) {
   switch (result) {
     case cudaErrorInsufficientDriver:
@@ -528,11 +545,8 @@ GPUKIT_INLINE device_selection select_device(const selection_policy& policy, con
 }
 
 GPUKIT_INLINE std::string describe_no_gpu() {
-  detail::note_cuda_use();
-  int count = 0;  // not written by CUDA on error
-  const cudaError_t result = cudaGetDeviceCount(&count);
-  detail::forget_failure(result);
-  return detail::describe_device_count(result, count);
+  const detail::device_count_answer asked = detail::ask_device_count();
+  return detail::describe_device_count(asked.result, asked.count);
 }
 
 GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& policy) {
@@ -549,10 +563,9 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
   }
   // One question: a second cudaGetDeviceCount could answer otherwise (a transient failure), and the reason would
   // then describe another answer than the devices listed.
-  detail::note_cuda_use();
-  int count = 0;  // not written by CUDA on error
-  system.device_count_result = cudaGetDeviceCount(&count);
-  detail::forget_failure(system.device_count_result);
+  const detail::device_count_answer asked = detail::ask_device_count();
+  const int count = asked.count;
+  system.device_count_result = asked.result;
   if (system.device_count_result != cudaSuccess || count <= 0) {
     system.no_gpu_reason = detail::describe_device_count(system.device_count_result, count);
     return system;

@@ -242,10 +242,7 @@ class async_pool_upstream {
       GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceGetDefaultMemPool(&pool_, device_.ordinal()), "cudaDeviceGetDefaultMemPool",
                                 device_.ordinal());
     }
-    if (!threshold_decided_) {
-      raise_threshold_locked();
-      threshold_decided_ = true;  // once: a retry after a failed stream creation must not count this upstream twice
-    }
+    raise_threshold_locked();  // again on a retry after a failed stream creation: it finds its own raise then
     GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                               "cudaStreamCreateWithFlags (async_pool_upstream)", device_.ordinal());
     return stream_;
@@ -271,7 +268,6 @@ class async_pool_upstream {
   cudaStream_t stream_ = nullptr;       // where allocations (and frees after a device-wide wait) are enqueued
   detail::capture_held_segments held_;  // segments given back during a gpukit capture, not yet freed
   std::size_t release_threshold_;
-  bool threshold_decided_ = false;  // the first allocation looked at the pool's threshold (under mutex_)
 };
 
 GPUKIT_END_NAMESPACE

@@ -992,6 +992,11 @@ class basic_caching_allocator {
   /// Whether a free block of an expandable segment holds a whole mapped page (one unmap_free_pages could take).
   bool has_unmappable_pages() const noexcept;
 
+  /// Whether block `b` of expandable segment `seg` lies on a mapped page: only such a block's stream has work that may
+  /// use pages to unmap. wait_for_unmap waits for exactly those streams, and unmap_victims requires exactly those
+  /// blocks to be covered.
+  static bool on_mapped_page(const segment* seg, const block* b) noexcept;
+
   /// The pages of free block `b` of expandable segment `seg` that nothing else uses: those wholly inside it, and a
   /// page it shares at either end with other blocks that are all free too (`quarantine`: releasable) and, with `w`,
   /// covered by it.

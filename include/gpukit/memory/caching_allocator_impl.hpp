@@ -2057,7 +2057,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
         if (!seg->expandable || seg->mapped() == 0) return;
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (!every_block && !releasable(b, quarantine)) continue;
-          if (!seg->pages.any_mapped(seg->pages.touched_by(b->address - seg->address, b->size))) continue;
+          if (!on_mapped_page(seg, b)) continue;
           add(b->owner);
           for (stream_state* user : b->recorded) add(user);
         }
@@ -2252,6 +2252,12 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_unmappable_
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::on_mapped_page(const segment* seg,
+                                                                                const block* b) noexcept {
+  return seg->pages.any_mapped(seg->pages.touched_by(b->address - seg->address, b->size));
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE detail::page_map::page_range basic_caching_allocator<Upstream, StreamOps>::free_pages_of(
     const segment* seg, const block* b, const unmap_wait* w, bool quarantine) const noexcept {
   const detail::page_map& pages = seg->pages;
@@ -2303,9 +2309,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_vi
     if (has_vm && seg->expandable && seg->mapped() != 0) {
       bool all = true;
       for (const block* b = seg->first; b != nullptr && all; b = b->next) {
-        // A block on no mapped page has no memory work could use: its stream was not waited for (wait_for_unmap).
-        if (!seg->pages.any_mapped(seg->pages.touched_by(b->address - seg->address, b->size))) continue;
-        all = covers(w, b);
+        if (on_mapped_page(seg, b)) all = covers(w, b);  // the others' streams were not waited for, nor need be
       }
       const std::size_t page = seg->pages.page_size();
       for (std::size_t i = 0; all && i < seg->pages.page_count();) {
