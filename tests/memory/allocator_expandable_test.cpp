@@ -69,12 +69,12 @@ TEST_CASE("expandable segments: pages are mapped as blocks need them, in one ran
   REQUIRE(snapshot.segments.size() == 3);
   for (const auto& seg : snapshot.segments) {
     CHECK(seg.expandable);
-    CHECK(seg.size == 4 * GiB);  // four times the address space the upstream has memory
+    CHECK(seg.size == GiB + GiB / 8);  // the upstream's memory and an eighth, of address space
     CHECK(seg.mapped < seg.size);
   }
   CHECK(f.invariants({a, b, small, other}) == "");
-  CHECK(f.a.stats().expandable_address_space == 3 * 4 * GiB);
-  CHECK(f.a.memory_summary().find("14.00 MiB mapped in 12.00 GiB of address space") != std::string::npos);
+  CHECK(f.a.stats().expandable_address_space == 3 * (GiB + GiB / 8));
+  CHECK(f.a.memory_summary().find("14.00 MiB mapped in 3.38 GiB of address space") != std::string::npos);
   const gpukit::free_space_info free = f.a.free_space();
   CHECK(free.free_bytes == 7 * page - (10 * MiB + 1024 + 1 * MiB + 512));  // mapped but unallocated, not the ranges
   for (void* p : {a, b, small, other}) f.a.deallocate(p);
@@ -125,7 +125,9 @@ TEST_CASE("expandable segments: the largest free block is the mapped run at a fr
   CHECK(f.a.upstream().used() == 12 * MiB);
   // Mapped and free: 1.5 MiB at the hole's start (page 1), 1.75 MiB at its end (page 4), 1 MiB after z (page 5).
   // A request takes the hole from its start: only the first piece serves one without mapping (the pieces' sum,
-  // 3.25 MiB, or the longest, 1.75 MiB, would need page 2).
+  // 3.25 MiB, or the longest, 1.75 MiB, would need page 2). Best fit prefers the range's end after z (3 MiB of
+  // its 14 MiB = 12 MiB and an eighth, rounded to pages), which needs page 6: the device is full, so the hole's
+  // mapped start serves instead of an out-of-memory error.
   const gpukit::free_space_info fs = f.a.free_space();
   CHECK(fs.free_bytes == 4 * MiB + 256 * KiB);
   CHECK(fs.free_blocks == 2);
@@ -337,23 +339,23 @@ TEST_CASE("expandable segments required: a stream's range that cannot be reserve
 TEST_CASE("expandable segments: a range that cannot be reserved means ordinary segments from then on, said once") {
   // Not required: the allocator falls back, with a warning, instead of trying (and failing) to reserve again at
   // every growth and leaving streams with both kinds of segment unannounced.
-  setup f(expandable(), 768 * GiB);       // each range is 3 TiB: 21 of them in the 64 TiB address space
+  setup f(expandable(), 768 * GiB);       // each range is 864 GiB: 75 of them in the 64 TiB address space
   f.a.upstream().set_page_size(1 * GiB);  // 3072 pages a range: walking pages of 2 MiB took seconds
   gpukit_test::captured_warnings warnings;
   std::vector<std::pair<void*, fake_stream>> live;
-  for (int i = 0; i < 24; ++i) {
+  for (int i = 0; i < 80; ++i) {
     const fake_stream s = f.add_stream();
     live.emplace_back(f.a.allocate(4 * MiB, s), s);  // large pool: a range for each stream while there is room
   }
   std::size_t expandable_segments = 0;
   std::size_t ordinary_segments = 0;
   for (const auto& seg : f.a.snapshot().segments) ++(seg.expandable ? expandable_segments : ordinary_segments);
-  CHECK(expandable_segments == 21);
-  CHECK(ordinary_segments == 3);  // the other 3 streams' 4 MiB, in ordinary segments
+  CHECK(expandable_segments == 75);
+  CHECK(ordinary_segments == 5);  // the other 5 streams' 4 MiB, in ordinary segments
   REQUIRE(warnings.messages().size() == 1);
   CHECK(
-      warnings.contains("a virtual address range of 3.00 TiB could not be reserved (this allocator holds "
-                        "63.00 TiB of address space): ordinary segments are used from now on"));
+      warnings.contains("a virtual address range of 864.00 GiB could not be reserved (this allocator holds "
+                        "63.28 TiB of address space): ordinary segments are used from now on"));
   for (auto& [p, s] : live) f.a.deallocate(p);
   CHECK(f.invariants() == "");
 }
@@ -529,7 +531,7 @@ TEST_CASE("expandable segments: a range whose wait failed stays reserved and cou
   CHECK(f.a.upstream().used() == 2 * page);
   CHECK(f.a.memory_reserved() == 2 * page);
   CHECK(f.a.snapshot().segments.size() == 1);
-  CHECK(f.a.stats().expandable_address_space == 4 * GiB);
+  CHECK(f.a.stats().expandable_address_space == GiB + GiB / 8);
   CHECK(check_invariants(f.a.snapshot(), {}, f.a.options().rounding) == "");
   void* again = f.a.allocate(4 * MiB, f.s0);  // its pages serve again
   CHECK(again == d);

@@ -892,7 +892,9 @@ class basic_caching_allocator {
   /// may itself border a free block of b's stream, hence the loops (two steps at most each way).
   void insert_free(block* b);
 
-  block* find_free(stream_state& st, std::size_t size, bool small);
+  /// Best fit for `size` bytes among the free blocks `st` may take (its own, those of destroyed streams, others' with
+  /// cross_stream_reuse); with `mapped_only`, only blocks of expandable segments whose first `size` bytes are mapped.
+  block* find_free(stream_state& st, std::size_t size, bool small, bool mapped_only = false);
 
   /// Turns free block `b` (in a pool) into an allocation of `size` bytes on `st`, splitting off the remainder. False
   /// (nothing changed) when `st` would have to wait for another stream's fence on the legacy default stream and a

@@ -1509,11 +1509,12 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(blo
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(stream_state& st, std::size_t size,
-                                                                           bool small) -> block* {
+                                                                           bool small, bool mapped_only) -> block* {
   const std::size_t max_split = options_.max_split_size;
   const std::size_t max_waste = options_.max_oversize_waste;
   // max_split_size concerns segments made for one large request; shared segments are always split.
-  auto accept = [size, max_split, max_waste](const block* candidate) {
+  auto accept = [this, size, max_split, max_waste, mapped_only](const block* candidate) {
+    if (mapped_only) return candidate->seg->expandable && !needs_pages(candidate, size);
     if (!candidate->seg->dedicated) return true;
     return size < max_split ? candidate->size < max_split : candidate->size - size <= max_waste;
   };
@@ -1847,11 +1848,12 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
                          "ordinary segments are used");
       return nullptr;
     }
-    // Four times the device's memory (at most 4 TiB): holes left by freed blocks use address space too, and
-    // address space is plentiful (2^47 bytes and more on GPUs).
+    // The device's memory and an eighth, as PyTorch (at most 4 TiB): holes left by freed blocks use address space
+    // too, but best fit keeps them few (bench_fragmentation's minimum capacities are those of ranges four times as
+    // large), and every stream's two ranges share the process's address space (2^47 bytes).
     const std::size_t limit = std::size_t{1} << 42;
-    const std::size_t total = std::min(info.total_bytes, limit / 4);
-    const std::size_t range = (4 * total + page - 1) / page * page;
+    const std::size_t total = std::min(info.total_bytes, limit / 9 * 8);
+    const std::size_t range = (total + total / 8 + page - 1) / page * page;
     if (range < size) return nullptr;
     auto seg = std::make_unique<segment>();
     block* b = new_block();
@@ -1981,6 +1983,9 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages
     if (b == nullptr) b = allocate_slow(lock, st, requested, size, small);
     if (!b->seg->expandable || map_pages(b, size, limit_hit)) return b;
   }
+  // Best fit chose a block that needs pages the device cannot back, where another free block may hold the request
+  // in mapped pages already (a hole's mapped start, when a range's unmapped end fits more tightly).
+  if (block* mapped = find_free(st, size, small, true)) return mapped;
   const detail::page_map& pages = b->seg->pages;  // what the request still lacks, in pages
   const std::size_t missing = pages.unmapped_count(pages.touched_by(b->address - b->seg->address, size));
   throw_out_of_memory(lock, requested, size, missing * pages.page_size(), limit_hit, pages.page_size());
