@@ -33,7 +33,7 @@ endfunction()
 # Simulator-only tests of gpukit's CUDA layer (they use the control interface in cudasim.hpp: contexts, violations,
 # fault injection), one file per topic: tests/cudasim/<topic>_test.cpp -> test_sim_<topic>.
 function(gpukit_add_sim_topic_tests)
-  foreach(topic contexts streams capture staging errors vmm prefetcher peer heap_faults)
+  foreach(topic contexts streams capture staging errors vmm prefetcher peer heap_faults upstreams)
     if(EXISTS "${PROJECT_SOURCE_DIR}/tests/cudasim/${topic}_test.cpp")
       gpukit_add_sim_test(test_sim_${topic} SOURCES "${PROJECT_SOURCE_DIR}/tests/cudasim/${topic}_test.cpp")
     endif()

@@ -262,7 +262,9 @@ class cuda_upstream {
   cuda_upstream& operator=(const cuda_upstream& other) noexcept;
 
   /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
-  /// failure (no driver, invalid device) throws the matching gpukit exception.
+  /// failure (no driver, invalid device) throws the matching gpukit exception. Before giving up, what the device's
+  /// default memory pool keeps unused goes back to the driver (cudaMemPoolTrimTo(pool, 0): memory that
+  /// cudaMallocAsync's users freed and keep up to a release threshold) and cudaMalloc is tried once more.
   [[nodiscard]] void* allocate(std::size_t bytes);
 
   /// cudaFree, which waits for all work of the device; a failure is reported through gpukit::warn.
@@ -742,13 +744,44 @@ GPUKIT_INLINE cuda_upstream& cuda_upstream::operator=(const cuda_upstream& other
   return *this;
 }
 
+namespace detail {
+/// Gives back to the driver what the default memory pool of the current device `d` keeps unused
+/// (cudaMemPoolTrimTo(pool, 0)): freed memory cudaMallocAsync's users keep up to their release threshold
+/// (async_allocator, async_pool_upstream, other libraries) that cudaMalloc cannot have. True when the pool's
+/// reserved memory shrank. Never throws; leaves no error behind.
+GPUKIT_INLINE bool trim_default_pool(const gpukit::device& d) noexcept {
+  cudaMemPool_t pool = nullptr;
+  cuuint64_t reserved = 0;
+  cuuint64_t used = 0;
+  if (cudaDeviceGetDefaultMemPool(&pool, d.ordinal()) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) != cudaSuccess) {
+    (void)cudaGetLastError();  // a device without memory pools: nothing kept there
+    return false;
+  }
+  if (reserved <= used) return false;
+  cuuint64_t after = reserved;
+  if (cudaMemPoolTrimTo(pool, 0) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &after) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return after < reserved;
+}
+}  // namespace detail
+
 GPUKIT_INLINE void* cuda_upstream::allocate(std::size_t bytes) {
   device_guard guard(device_);
   void* p = nullptr;
-  const cudaError_t result = cudaMalloc(&p, bytes);
+  cudaError_t result = cudaMalloc(&p, bytes);
   if (result == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return nullptr;
+    if (!detail::trim_default_pool(device_)) return nullptr;
+    result = cudaMalloc(&p, bytes);
+    if (result == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
   }
   GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMalloc(" + std::to_string(bytes) + ")", device_.ordinal());
   return p;
