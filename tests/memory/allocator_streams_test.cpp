@@ -271,7 +271,7 @@ TEST_CASE("record_stream with several streams: the block returns only when all o
   heap_only.front_cache = false;  // y, freed on s0, would be kept in front for the last request
   gpukit::basic_caching_allocator<gpukit::address_space_upstream, fake_stream_ops> a(cpu, heap_only, GiB);
   a.stream_operations().world = &world;
-  void* x = a.allocate(4096, s0);
+  void* x = a.allocate(4000, s0);
   world.enqueue(s1.id);
   world.enqueue(s2.id);
   a.record_stream(x, s1);
@@ -283,6 +283,7 @@ TEST_CASE("record_stream with several streams: the block returns only when all o
   REQUIRE(snapshot.segments.size() == 1);
   CHECK(snapshot.segments[0].blocks[0].state == gpukit::block_state::pending);
   CHECK(snapshot.segments[0].blocks[0].pending_events == 2);
+  CHECK(snapshot.segments[0].blocks[0].requested == 4000);  // still the user's until its streams are done
   world.complete(s1.id);
   void* y = a.allocate(4096, s0);
   CHECK(y != x);

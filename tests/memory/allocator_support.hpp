@@ -226,10 +226,11 @@ inline std::string check_invariants(const gpukit::allocator_snapshot& s, const s
       const auto& b = seg.blocks[j];
       if (b.address != at) fail("blocks do not tile their segment (gap or overlap)");
       if (b.size == 0 || b.size % rounding != 0) fail("block size is not a positive multiple of the rounding");
-      if (b.state == block_state::allocated && (b.requested == 0 || b.requested > b.size)) {
-        fail("allocated block's requested size is not in [1, size]");
+      const bool in_use = b.state == block_state::allocated || b.state == block_state::pending;
+      if (in_use && (b.requested == 0 || b.requested > b.size)) {
+        fail("an allocated or pending block's requested size is not in [1, size]");
       }
-      if (b.state != block_state::allocated && b.requested != 0) fail("a free block keeps a requested size");
+      if (!in_use && b.requested != 0) fail("a free block keeps a requested size");
       if ((b.state == block_state::pending) != (b.pending_events > 0)) fail("pending state and event count disagree");
       if (j > 0) {
         const auto& a = seg.blocks[j - 1];

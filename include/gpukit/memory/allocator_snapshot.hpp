@@ -32,7 +32,7 @@ enum class block_state : unsigned char {
 struct block_info {
   std::uintptr_t address = 0;             ///< where the block starts
   std::size_t size = 0;                   ///< bytes the block spans (rounded)
-  std::size_t requested = 0;              ///< bytes the user asked for; 0 unless allocated
+  std::size_t requested = 0;              ///< bytes the user asked for; 0 unless allocated or pending
   block_state state = block_state::free;  ///< what the block is doing
   std::uintptr_t stream = 0;              ///< the stream the block belongs to (the stream ops' key)
   std::uint32_t pending_events = 0;       ///< events still awaited (pending blocks)

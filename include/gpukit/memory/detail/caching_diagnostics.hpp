@@ -48,7 +48,8 @@ struct caching_diagnostics {
         bi.address = b->address;
         bi.size = b->size;
         const bool cached = b->in_front.load(std::memory_order_relaxed);
-        bi.requested = (cached || b->state != block_state::allocated) ? 0 : b->requested;
+        const bool in_use = b->state == block_state::allocated || b->state == block_state::pending;
+        bi.requested = (cached || !in_use) ? 0 : b->requested;
         bi.state = cached ? block_state::cached : b->state;
         bi.stream = b->owner->key;
         bi.pending_events = b->pending_events;
