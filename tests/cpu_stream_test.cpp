@@ -727,3 +727,38 @@ TEST_CASE("inside a CPU stream's host function, the CPU default stream still run
   s.synchronize();
   CHECK(ran_before_return.load());
 }
+
+TEST_CASE("a CPU event waited for in a host function of the stream it is later recorded on is refused, no deadlock") {
+  for (const bool on_default_stream : {false, true}) {
+    CAPTURE(on_default_stream);
+    auto s = std::make_unique<gpukit::stream>(cpu);
+    auto e = std::make_unique<gpukit::event>(cpu);
+    auto recorded = std::make_shared<std::promise<void>>();
+    auto answer = std::make_shared<std::promise<std::string>>();
+    std::future<std::string> answered = answer->get_future();
+    s->enqueue_host([go = recorded->get_future().share(), answer, waited = e.get(), on_default_stream] {
+      go.wait();  // until e is recorded after this task
+      try {
+        if (on_default_stream) {
+          waited->wait(gpukit::stream_view::default_stream(cpu));
+        } else {
+          waited->synchronize();
+        }
+        answer->set_value("returned");
+      } catch (const gpukit::invalid_argument_error& error) {
+        answer->set_value(error.what());
+      }
+    });
+    e->record(*s);
+    recorded->set_value();
+    if (answered.wait_for(10s) != std::future_status::ready) {
+      FAIL_CHECK("the wait never returned");
+      (void)s.release();  // leaked: destroying it would join the stuck worker
+      (void)e.release();
+      continue;
+    }
+    CHECK(answered.get().find("a CPU event was waited for") != std::string::npos);
+    s->synchronize();
+    CHECK(e->ready());
+  }
+}

@@ -1966,6 +1966,79 @@ TEST_CASE("streams: another thread's per-thread stream cannot be made current, a
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("streams: a default stream made current without its device stays that device's when another is current") {
+  cudasim::allow_contexts_only_on({0, 1});
+  for (cudaStream_t special : {cudaStreamLegacy, cudaStreamPerThread}) {
+    CAPTURE(special == cudaStreamPerThread);
+    {
+      const gpukit::device_guard on1(cuda1);
+      gpukit::set_current_stream(gpukit::stream_view(special));  // no device, as from a cuda::stream_ref
+    }
+    {
+      const gpukit::device_guard on0(cuda0);
+      const gpukit::stream_view s = gpukit::current_stream(cuda1);
+      CHECK(s.device() == cuda1);
+      CHECK(s.is_per_thread() == (special == cudaStreamPerThread));
+      const gpukit::device_buffer<float> b(16, cuda1);  // on the current stream of cuda:1
+      CHECK(b.device() == cuda1);
+    }
+    {
+      const gpukit::device_guard on1(cuda1);
+      const gpukit::stream_guard current{gpukit::stream_view(special)};
+      const gpukit::device_guard on0(cuda0);  // code inside the guard's scope switches devices
+      CHECK(gpukit::current_stream(cuda1).device() == cuda1);
+      CHECK(gpukit::current_stream(cuda0).device() == cuda0);
+    }
+    CHECK(gpukit::current_stream(cuda1).device() == cuda1);  // restored as stored
+    gpukit::set_current_stream(gpukit::stream_view::default_stream(cuda1));
+  }
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: elapsed_time and destroying events and streams on a thread with no context enter their device") {
+  // With no context current, the runtime would run these calls in a new context of cuda:0 (the simulator creates
+  // none for them: tests/cudasim/README.md), so the test looks at the thread's context at each call.
+  cudasim::allow_contexts_only_on({1});
+  auto s = std::make_unique<gpukit::stream>(cuda1);
+  gpukit::event_options timed;
+  timed.timing = true;
+  auto a = std::make_unique<gpukit::event>(cuda1, timed);
+  auto b = std::make_unique<gpukit::event>(cuda1, timed);
+  a->record(*s);
+  b->record(*s);
+  s->synchronize();
+  struct seen {
+    int context_state = -2;  // not called
+    int device = -1;
+  };
+  seen elapsed, event_destroyed, stream_destroyed;
+  const auto look = [](seen& at) {
+    return [&at] {
+      at.context_state = gpukit::detail::thread_context_state();
+      if (cudaGetDevice(&at.device) != cudaSuccess) at.device = -1;
+    };
+  };
+  int context_at_start = -2;
+  std::thread([&] {  // a fresh thread: no context current
+    context_at_start = gpukit::detail::thread_context_state();
+    cudasim::before_call("cudaEventElapsedTime", 1, look(elapsed));
+    cudasim::before_call("cudaEventDestroy", 1, look(event_destroyed));
+    cudasim::before_call("cudaStreamDestroy", 1, look(stream_destroyed));
+    (void)gpukit::elapsed_time(*a, *b);
+    a.reset();
+    b.reset();
+    s.reset();
+  })
+      .join();
+  CHECK(context_at_start == 0);
+  for (const seen* at : {&elapsed, &event_destroyed, &stream_destroyed}) {
+    CHECK(at->context_state == 1);
+    CHECK(at->device == 1);
+  }
+  CHECK(cudasim::context_creations(0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: event errors name the event's flags, and a cross-device wait both devices") {
   cudasim::fail_call("cudaEventCreateWithFlags", 1, cudaErrorInvalidValue);
   try {

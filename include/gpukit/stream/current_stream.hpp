@@ -40,9 +40,11 @@ GPUKIT_EXPORT GPUKIT_INLINE std::vector<current_stream_entry>* current_streams()
 /// current one; set another, or use a stream_guard, whose scope ends first).
 GPUKIT_INLINE stream_view current_stream(device d);
 
-/// Makes `s` the calling thread's current stream of its device. `s` must stay alive while it is current:
-/// current_stream() refuses a gpukit::stream destroyed since. Throws invalid_argument_error, changing nothing, for
-/// another thread's per-thread default stream (stream_view::is_other_threads_stream): this thread cannot name it.
+/// Makes `s` the calling thread's current stream of its device (a default stream's view made without a device, such
+/// as stream_view{} or a cuda::stream_ref's, is taken as the current device's and keeps naming it). `s` must stay
+/// alive while it is current: current_stream() refuses a gpukit::stream destroyed since. Throws
+/// invalid_argument_error, changing nothing, for another thread's per-thread default stream
+/// (stream_view::is_other_threads_stream): this thread cannot name it.
 GPUKIT_INLINE void set_current_stream(stream_view s);
 
 /// RAII: for its scope, makes `s` the current stream of its device and that device the current CUDA device (for a
@@ -115,15 +117,23 @@ GPUKIT_INLINE stream_view current_stream(device d) {
 GPUKIT_INLINE void set_current_stream(stream_view s) {
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("set_current_stream");
   const device d = s.device();
+  // A default-stream view made without a device means the current device's when used: stored with `d`, the one it
+  // is filed under, so that it keeps naming d's stream whichever device is current later. (A view that knows its
+  // device compares equal to this one and is kept as it is, with its id.)
+  stream_view stored = s;
+  if (s.is_default() && !s.is_cpu()) {
+    const stream_view of_d(d, s.native_handle());
+    if (of_d != s) stored = of_d;
+  }
   const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
   std::shared_ptr<const detail::stream_life> life = s.lifetime();
   const bool has_life = life != nullptr;
   if (detail::current_stream_entry* entry = detail::current_stream_entry_of(d)) {
-    *entry = {d, s, life, has_life, expirations};
+    *entry = {d, stored, life, has_life, expirations};
     return;
   }
   if (std::vector<detail::current_stream_entry>* entries = detail::current_streams()) {
-    entries->push_back({d, s, life, has_life, expirations});
+    entries->push_back({d, stored, life, has_life, expirations});
   }  // else at exit, after this thread's table went: the default streams stay current
 }
 

@@ -59,10 +59,11 @@ class event_state {
   void record(cpu_queue* queue);
   /// Whether the captured work has completed. Never blocks.
   bool ready() const;
-  /// Blocks until the captured work has completed.
+  /// Blocks until the captured work has completed. From a task of the stream recorded on, which that work includes,
+  /// throws invalid_argument_error instead of waiting forever (cpu_marker::wait).
   void synchronize() const;
   /// Makes the work enqueued on the stream after this call wait for the captured work: a task that waits, or on the
-  /// default stream (the calling thread) a wait now.
+  /// default stream (the calling thread) a wait now, refused as synchronize() is.
   void wait(cpu_queue* queue) const;
   /// The time between the completions of `start`'s and `end`'s latest records, once both are complete. Throws
   /// invalid_argument_error when either was never recorded.

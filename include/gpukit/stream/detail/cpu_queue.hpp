@@ -125,10 +125,13 @@ void run_host_function(F& function) noexcept {
 /// Completion of one recorded point in a CPU queue: done once every task enqueued before it has finished.
 class cpu_marker {
  public:
+  /// A marker that the thread `worker` completes (its queue's worker; none for one completed at once).
+  explicit cpu_marker(std::thread::id worker = {}) noexcept : worker_(worker) {}
   /// Marks completion and wakes waiters; records the completion time for event timing.
   void complete() noexcept;
   bool done() const noexcept;
-  /// Blocks the calling thread until the marker completes.
+  /// Blocks the calling thread until the marker completes. Called from a task of the queue the marker was recorded on
+  /// (before the marker: it would wait forever), throws invalid_argument_error instead, as cpu_queue::synchronize does.
   void wait() const;
   /// When the marker completed; meaningful once done().
   std::chrono::steady_clock::time_point completed_at() const;
@@ -140,6 +143,7 @@ class cpu_marker {
   mutable std::condition_variable cv_;
   std::atomic<bool> done_{false};
   std::chrono::steady_clock::time_point completed_at_{};
+  const std::thread::id worker_;
 };
 
 /// An in-order queue of host tasks run by one worker thread. Thread-safe: any number of threads may enqueue.
@@ -238,6 +242,12 @@ GPUKIT_INLINE bool cpu_marker::done() const noexcept { return done_.load(std::me
 
 GPUKIT_INLINE void cpu_marker::wait() const {
   if (done()) return;
+  // Not done: the worker has not run the marker yet, so it is alive and no other thread has its id.
+  if (std::this_thread::get_id() == worker_) {
+    throw invalid_argument_error(
+        "gpukit: a CPU event was waited for (event::synchronize, elapsed_time, or event::wait on the CPU default "
+        "stream) from a host function of the CPU stream it was later recorded on, which would wait forever");
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [this] { return done(); });
 }
@@ -299,7 +309,7 @@ GPUKIT_INLINE void cpu_queue::enqueue(host_task task) {
 }
 
 GPUKIT_INLINE std::shared_ptr<cpu_marker> cpu_queue::record() {
-  auto marker = std::make_shared<cpu_marker>();
+  auto marker = std::make_shared<cpu_marker>(worker_id_);
   host_task completes([marker] { marker->complete(); });
   if (!try_enqueue(completes)) marker->complete();  // the worker ended: every task has run
   return marker;

@@ -506,7 +506,20 @@ GPUKIT_INLINE cudaStream_t create_stream(int ordinal, bool non_blocking, int pri
   return handle;
 }
 
+/// Makes cuda:`ordinal` current in `guard` when no context is current: on such a thread the runtime would first create
+/// cuda:0's for the call (PyTorch guards cudaEventDestroy and cudaEventElapsedTime for this). A failure to make it
+/// current is left to the call itself.
+inline void enter_device_without_context(int ordinal, std::optional<device_guard>& guard) noexcept {
+  if (ordinal < 0 || thread_context_state() != 0) return;
+  try {
+    guard.emplace(device::cuda(ordinal));
+  } catch (...) {  // e.g. at exit: the call reports what matters
+  }
+}
+
 GPUKIT_INLINE void destroy_stream(cudaStream_t handle, int ordinal, const char* where) noexcept {
+  std::optional<device_guard> guard;
+  enter_device_without_context(ordinal, guard);
   report_cuda_failure(cudaStreamDestroy(handle), where, ordinal);
 }
 
@@ -596,6 +609,8 @@ GPUKIT_INLINE cudaEvent_t create_event(int ordinal, unsigned flags) {
 }
 
 GPUKIT_INLINE void destroy_event(cudaEvent_t handle, int ordinal, const char* where) noexcept {
+  std::optional<device_guard> guard;
+  enter_device_without_context(ordinal, guard);
   report_cuda_failure(cudaEventDestroy(handle), where, ordinal);
 }
 
@@ -647,6 +662,8 @@ GPUKIT_INLINE void wait_event(const cuda_stream_target& s, cudaEvent_t e, int ev
 }
 
 GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) {
+  std::optional<device_guard> guard;  // as in destroy_event, but a failure to enter the device is thrown
+  if (ordinal >= 0 && thread_context_state() == 0) guard.emplace(device::cuda(ordinal));
   float ms = 0.0f;
   const cudaError_t result = cudaEventElapsedTime(&ms, start, end);
   if (result == cudaErrorInvalidResourceHandle) {
