@@ -15,6 +15,7 @@
 #include "cudasim.hpp"
 #include "call_during_capture.hpp"
 #include "support.hpp"
+#include "failing_heap.hpp"  // replaces operator new here: tests of host out-of-memory paths
 
 #include <algorithm>
 #include <atomic>
@@ -437,6 +438,96 @@ TEST_CASE("sim staging: a slot that cannot grow while the stream is held fails a
   CHECK(pool.stats().oom_retries == 1);
   pool.deallocate(p);
   CHECK(cudasim::violations().empty());
+}
+
+namespace {
+thread_local bool fail_after_pinning = false;  // set just before cudaHostAlloc, on the calling thread
+bool fails_after_pinning() {  // the first allocation after cudaHostAlloc (the old code's map entry) fails
+  if (!fail_after_pinning || cudasim::inside_call()) return false;
+  fail_after_pinning = false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("sim pinned pool: inside a transfer a block is never unpinned for want of host memory after cudaHostAlloc") {
+  // The staging engine defers the pool's releases while it copies: cudaFreeHost waits for all the device's work,
+  // which may wait for this thread. allocate's bookkeeping must come before pinning, so nothing fails after it.
+  const auto d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::stream s(d);
+  gpukit_test::gate g;
+  g.hold(s);  // work that waits for this thread
+  const std::size_t frees = cudasim::calls("cudaFreeHost");
+  void* p = nullptr;
+  bool threw = false;
+  const bool opened = g.opened_to_return(
+      [&] {
+        const gpukit::detail::defer_pinned_cap inside_transfer;  // what to_device and to_host set
+        cudasim::before_call("cudaHostAlloc", 1, [] { fail_after_pinning = true; });
+        gpukit_test::heap_fails.store(&fails_after_pinning);
+        try {
+          p = pool.allocate(MiB);
+        } catch (const std::bad_alloc&) {
+          threw = true;
+        }
+        const bool armed = fail_after_pinning;  // still armed: nothing allocated after pinning
+        fail_after_pinning = false;
+        gpukit_test::heap_fails.store(nullptr);
+        CHECK(armed);
+      },
+      3s);
+  CHECK_FALSE(opened);  // it did not wait for the held stream
+  CHECK_FALSE(threw);
+  CHECK(cudasim::calls("cudaFreeHost") == frees);
+  const gpukit::pinned_pool_stats st = pool.stats();
+  CHECK(st.upstream_allocations == 1);
+  CHECK(st.upstream_frees == 0);
+  CHECK(st.reserved_bytes == MiB);
+  CHECK(st.allocated_bytes == MiB);
+  const gpukit::host_allocator_stats h = pool.memory_stats();
+  CHECK(h.host_alloc_time.count == 1);
+  CHECK(h.num_host_alloc == 1);
+  g.open();
+  s.synchronize();
+  if (p != nullptr) pool.deallocate(p);
+}
+
+TEST_CASE("sim pinned pool: default_pinned_pool refuses an invisible ordinal before the process-wide pool exists") {
+  // Created with the first ordinal asked for (its context when none exists yet): a bad one would break every later
+  // request, valid ones too.
+  REQUIRE(gpukit::device_count() == 2);
+  std::string what = "no error";
+  try {
+    gpukit::pooled_pinned_buffer<float> bad(16, gpukit::device::cuda(5));
+  } catch (const gpukit::invalid_argument_error& e) {
+    what = e.what();
+  } catch (const std::exception& e) {
+    what = std::string("other exception: ") + e.what();
+  }
+  INFO(what);
+  CHECK(what.find("gpukit::default_pinned_pool: cuda:5 is not visible (2 CUDA devices)") != std::string::npos);
+  std::string later = "no error";
+  try {
+    gpukit::pooled_pinned_buffer<float> good(16, gpukit::device::cuda(0));
+    CHECK(good.page_locked());
+  } catch (const std::exception& e) {
+    later = e.what();
+  }
+  CHECK(later == "no error");
+}
+
+TEST_CASE("sim pinned memory: registering a range twice names the flags and says the range is already page-locked") {
+  std::vector<unsigned char> pageable(8192);
+  gpukit::host_registration first(pageable.data(), pageable.size(), gpukit::device::cuda(0));
+  std::string what;
+  try {
+    gpukit::host_registration again(pageable.data(), 4096, gpukit::device::cuda(0));
+  } catch (const gpukit::cuda_error& e) {
+    what = e.what();
+  }
+  INFO(what);
+  CHECK(what.find("cudaHostRegister(4096 bytes, cudaHostRegisterPortable; ") != std::string::npos);
+  CHECK(what.find("already page-locked by another registration or pinned allocation") != std::string::npos);
 }
 
 TEST_CASE("sim staging: another thread's per-thread default stream is refused before anything is enqueued") {

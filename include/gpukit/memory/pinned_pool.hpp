@@ -18,7 +18,8 @@
 ///   large request wastes less than 12.5% (PyTorch's pinned allocator rounds to a power of two: 129.5 MiB costs
 ///   256 MiB; here it costs 144 MiB). Requests up to 4 KiB round to a power of two (minimum 512 B). Blocks are
 ///   never split: a request is served by a cached block of exactly its class.
-/// - A cap on cached bytes (free and pending blocks): above it, the oldest free blocks go back to the upstream.
+/// - A cap on cached bytes (free and pending blocks): above it, the oldest free blocks go back to the upstream (see
+///   max_cached_bytes for what happens while pending blocks alone exceed it).
 /// - Statistics (allocated / reserved current and peak, counts, time spent pinning) and empty_cache(); the same
 ///   figures in the caching allocator's vocabulary, as torch.cuda.host_memory_stats() gives them (memory_stats(),
 ///   host_memory_stats_map()).
@@ -68,11 +69,15 @@ GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t class
 
 /// How a pinned pool behaves.
 struct pinned_pool_options {
-  /// Free and pending blocks kept above this are released to the upstream, oldest first. Pinned memory cannot be
-  /// paged out, so an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a prefetcher's
-  /// batches. SIZE_MAX disables the cap. Blocks given back by a staging engine's to_device/to_host stay cached over
-  /// the cap until the pool's next deallocate or set_max_cached_bytes made elsewhere: cudaFreeHost waits for all the
-  /// device's work, which may wait for the copying thread.
+  /// Free and pending blocks kept above this are released to the upstream, oldest free block first. Pinned memory
+  /// cannot be paged out, so an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a
+  /// prefetcher's batches. SIZE_MAX disables the cap. Pending blocks (freed, waiting for their streams: pending_bytes)
+  /// count but cannot be released: while they alone exceed the cap, every block that becomes free is released at
+  /// once, each a cudaFreeHost that waits for all the device's work (the work they wait for included), and every
+  /// allocation pins again. Keep the cap above the bytes a pipeline leaves waiting for its streams. Blocks given back
+  /// by a staging engine's to_device/to_host stay cached over the cap until the pool's next deallocate or
+  /// set_max_cached_bytes made elsewhere: cudaFreeHost waits for all the device's work, which may wait for the copying
+  /// thread.
   std::size_t max_cached_bytes = std::size_t{2} << 30;
   /// Size classes per power of two above 4 KiB (a power of two; 1 = PyTorch-style power-of-two rounding).
   std::size_t classes_per_doubling = 8;
@@ -451,6 +456,7 @@ class basic_pinned_pool {
   std::vector<void*> pending_;                                // freed, waiting for events
   std::vector<void*> deferred_;                               // freed, waiting until their streams can take events
   std::size_t deferred_losses_ = 0;                           // deferred blocks lost, not yet reported
+  std::size_t pinnings_in_flight_ = 0;                        // allocate() calls between reserve and insert
   std::exception_ptr deferred_loss_;                          // why the last of them was lost
   std::size_t pending_bytes_ = 0;
   std::size_t free_count_ = 0;
@@ -468,7 +474,8 @@ using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 /// The process-wide pinned pool for a device kind: one for all CUDA devices (its memory is portable: pinned for every
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
-/// process.
+/// process. The first call for a CUDA device throws invalid_argument_error if it is not visible, and creates no pool
+/// (the pool pins in that device's context while no context exists).
 GPUKIT_EXPORT GPUKIT_INLINE pinned_pool& default_pinned_pool(device d);
 
 /// A pinned pool's memory_stats() as torch.cuda.host_memory_stats() returns them: a flat map, sorted by key, from
@@ -507,9 +514,12 @@ void reset_accumulated_host_memory_stats(device d) {
 }
 
 /// A typed, move-only block from a pinned pool: the pool's counterpart of pinned_buffer, cheap to create after
-/// warm-up. Its destructor gives the block back stream-ordered: record_stream(s) for every stream whose work uses it
-/// (gpukit::copy_async does so for its copies), and the block is reused only after that work completes (so it may be
-/// destroyed right after enqueueing).
+/// warm-up. Its destructor gives the block back stream-ordered: record_stream(s) for every stream whose work uses it,
+/// and the block is reused only after that work completes (so it may be destroyed right after enqueueing).
+/// gpukit::copy_async records its copy's stream only when it is a gpukit::stream or a default stream. On a raw
+/// cudaStream_t it records nothing (the handle may be destroyed and reused before the buffer goes): call
+/// record_stream(s) yourself, with the handle alive until the buffer goes, or synchronize before the buffer goes;
+/// otherwise the next buffer may get the block while the copy still reads or writes it.
 template <class T>
 class pooled_pinned_buffer {
   static_assert(std::is_trivially_copyable<T>::value && std::is_trivially_destructible<T>::value,
@@ -552,7 +562,9 @@ class pooled_pinned_buffer {
   ~pooled_pinned_buffer() { reset(); }
 
   /// Copies on `s` use this buffer: its block is reused only after `s`'s work up to the buffer's release completes.
-  /// gpukit::copy_async calls it for the copies it enqueues directly from or into this buffer.
+  /// gpukit::copy_async calls it for the copies it enqueues directly from or into this buffer on a gpukit::stream or
+  /// a default stream, not on a raw cudaStream_t: call it yourself there (the handle must still exist when the
+  /// buffer goes).
   void record_stream(stream_view s) const {
     if (data_ != nullptr) pool_->record_stream(data_, s);
   }
@@ -744,8 +756,12 @@ GPUKIT_INLINE pinned_pool& default_pinned_pool(device d) {
     static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
     return *cpu_pool;
   }
-  // Pinned in a context that exists; the device first asked for if none does yet.
-  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
+  // Pinned in a context that exists; the device first asked for if none does yet, so that device must be visible
+  // (checked once: a throw leaves the pool to be made by the next call).
+  static pinned_pool* cuda_pool = [d] {
+    detail::require_visible(d, "gpukit::default_pinned_pool");
+    return new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
+  }();
   return *cuda_pool;
 }
 

@@ -94,32 +94,52 @@ GPUKIT_INLINE void* basic_pinned_pool<Upstream, Sync>::allocate(std::size_t byte
     }
   }
   if (hit != nullptr) return hit;
-  void* p = upstream_allocate_with_retry(size, bytes);
-  try {
+  // The block's map entry is made and room for it reserved before pinning: once pinned, nothing may fail, since
+  // unpinning (cudaFreeHost) waits for the device, which may wait for this thread (staging: defer_pinned_cap).
+  typename decltype(blocks_)::node_type node;
+  {
+    decltype(blocks_) one;
+    one.emplace(nullptr, block{});
+    node = one.extract(one.begin());
+  }
+  {
     std::lock_guard<std::mutex> lock(mutex_);
-    block b;
-    b.size = size;
-    b.requested = bytes;
-    b.state = block_state::active;
-    auto inserted = blocks_.emplace(p, std::move(b));
-    stats_.reserved_bytes += size;
-    if (stats_.reserved_bytes > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = stats_.reserved_bytes;
-    detail::add_to_stat(host_stats_.segment, 1);
-    detail::add_to_stat(host_stats_.reserved_bytes, static_cast<std::int64_t>(size));
-    on_activate_locked(inserted.first->second);
-  } catch (...) {  // no room to keep it: given back outside the lock, since cudaFreeHost waits for the device's work
-    const auto start = std::chrono::steady_clock::now();
-    upstream_.deallocate(p, size);
-    const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++stats_.upstream_frees;  // its allocation was counted
-      stats_.unpinning_time += spent;
-      detail::add_to_stat(host_stats_.host_free_time, spent);
-    } catch (...) {  // the lock failed (never seen): left out of the counts
+    blocks_.reserve(blocks_.size() + pinnings_in_flight_ + 1);  // covers every pinning underway, this one included
+    ++pinnings_in_flight_;
+  }
+  void* p = nullptr;
+  try {
+    p = upstream_allocate_with_retry(size, bytes);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);  // if it throws, the reserve stays larger than needed: harmless
+    --pinnings_in_flight_;
+    throw;
+  }
+  node.key() = p;
+  block& b = node.mapped();
+  b.size = size;
+  b.requested = bytes;
+  b.state = block_state::active;
+  std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+  try {
+    lock.lock();
+  } catch (...) {  // never seen; not unpinned where the device must not be waited for: leaked, said
+    if (detail::pinned_cap_deferrals_on_this_thread() != 0) {
+      detail::warn_parts("gpukit::pinned_pool: the pool's lock failed after pinning ", detail::bytes_part{size},
+                         " inside a staging transfer: the block is leaked (cudaFreeHost would wait for the device)");
+    } else {
+      upstream_.deallocate(p, size);
     }
     throw;
   }
+  --pinnings_in_flight_;
+  // No allocation: the node exists and the buckets are reserved (no rehash below the reserved count).
+  auto inserted = blocks_.insert(std::move(node));
+  stats_.reserved_bytes += size;
+  if (stats_.reserved_bytes > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = stats_.reserved_bytes;
+  detail::add_to_stat(host_stats_.segment, 1);
+  detail::add_to_stat(host_stats_.reserved_bytes, static_cast<std::int64_t>(size));
+  on_activate_locked(inserted.position->second);
   return p;
 }
 

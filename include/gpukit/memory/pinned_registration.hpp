@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -121,6 +122,21 @@ GPUKIT_INLINE unsigned registration_flags::cuda_flags() const noexcept {
   return f;
 }
 
+namespace detail {
+/// The flags by name, for errors ("cudaHostRegisterPortable|cudaHostRegisterMapped").
+GPUKIT_INLINE std::string registration_flags_text(const registration_flags& f) {
+  std::string text;
+  for (const auto& named :
+       {std::make_pair(f.portable, "cudaHostRegisterPortable"), std::make_pair(f.mapped, "cudaHostRegisterMapped"),
+        std::make_pair(f.read_only, "cudaHostRegisterReadOnly")}) {
+    if (!named.first) continue;
+    if (!text.empty()) text += '|';
+    text += named.second;
+  }
+  return text.empty() ? std::string("cudaHostRegisterDefault") : text;
+}
+}  // namespace detail
+
 GPUKIT_INLINE host_registration::host_registration(void* data, std::size_t bytes, gpukit::device d,
                                                    registration_flags flags)
     : data_(data), bytes_(bytes), device_(d) {
@@ -133,10 +149,15 @@ GPUKIT_INLINE host_registration::host_registration(void* data, std::size_t bytes
   detail::require_visible(d, "gpukit::host_registration");  // a portable registration may use any context
   detail::context_scope scope(d.ordinal(), flags.portable);
   const detail::relaxed_capture_mode relaxed;  // another thread's global capture neither refuses nor loses it
-  GPUKIT_CUDA_TRY_DESCRIBED(
-      cudaHostRegister(data, bytes, flags.cuda_flags()),
-      "cudaHostRegister(" + std::to_string(bytes) + " bytes, flags " + std::to_string(flags.cuda_flags()) + ")",
-      d.ordinal());
+  const cudaError_t result = cudaHostRegister(data, bytes, flags.cuda_flags());
+  if (result != cudaSuccess) {
+    std::string call =
+        "cudaHostRegister(" + std::to_string(bytes) + " bytes, " + detail::registration_flags_text(flags);
+    if (result == cudaErrorHostMemoryAlreadyRegistered) {
+      call += "; the range, or a page it shares, is already page-locked by another registration or pinned allocation";
+    }
+    detail::throw_cuda_error(result, call + ")", d.ordinal(), __FILE__, __LINE__);
+  }
   registered_ = true;
 }
 
