@@ -1,4 +1,6 @@
 // The error model: exception types, messages a user can act on, warnings.
+#include <gpukit/detail/driver_api.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/warning.hpp>
 
@@ -40,6 +42,14 @@ TEST_CASE("CUDA results map to distinct exception types") {
   CHECK(thrown_by<gpukit::invalid_argument_error>(cudaErrorInvalidDevice, "x", 0).code() ==
         gpukit::errc::invalid_argument);
   CHECK(thrown_by<gpukit::cuda_error>(cudaErrorLaunchFailure, "x", 0).code() == gpukit::errc::cuda);
+}
+
+TEST_CASE("a CUDA that fails to initialise is no_device_error, as device_count() and select_device() take it") {
+  for (const cudaError_t result : {cudaErrorInitializationError, cudaErrorSystemNotReady, cudaErrorSystemDriverMismatch,
+                                   cudaErrorCompatNotSupportedOnDevice}) {
+    CAPTURE(result);
+    CHECK(thrown_by<gpukit::no_device_error>(result, "cudaGetDevice", -1).cuda_result() == result);
+  }
 }
 
 TEST_CASE("a CUDA error carries the call, result, device and location") {
@@ -154,9 +164,46 @@ TEST_CASE("failures in destructors are reported, except while the runtime unload
 
 TEST_CASE("a driver upgraded without a reboot is named as the cause") {
   const std::string what =
-      thrown_by<gpukit::cuda_error>(cudaErrorSystemDriverMismatch, "cudaGetDeviceCount", -1).what();
+      thrown_by<gpukit::no_device_error>(cudaErrorSystemDriverMismatch, "cudaGetDeviceCount", -1).what();
   CHECK(what.find("(cudaErrorSystemDriverMismatch)") != std::string::npos);
   CHECK(what.find("driver upgrade without a reboot") != std::string::npos);
+}
+
+TEST_CASE("too many peers is explained with what to do about it") {
+  const std::string what = thrown_by<gpukit::cuda_error>(cudaErrorTooManyPeers, "cudaDeviceEnablePeerAccess", 0).what();
+  CHECK(what.find("(cudaErrorTooManyPeers)") != std::string::npos);
+  CHECK(what.find("release peer_access objects no longer needed") != std::string::npos);
+}
+
+TEST_CASE("a driver result keeps its number where the runtime has it, so a sticky error stays recognisable") {
+  CHECK(gpukit::detail::runtime_error_of(CUDA_SUCCESS) == cudaSuccess);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_DEINITIALIZED) == cudaErrorCudartUnloading);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_OUT_OF_MEMORY) == cudaErrorMemoryAllocation);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_INVALID_CONTEXT) == cudaErrorDeviceUninitialized);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_ILLEGAL_STATE) == cudaErrorIllegalState);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_ILLEGAL_ADDRESS) == cudaErrorIllegalAddress);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_TOO_MANY_PEERS) == cudaErrorTooManyPeers);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_LAUNCH_FAILED) == cudaErrorLaunchFailure);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_NOT_PERMITTED) == cudaErrorNotPermitted);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_NOT_SUPPORTED) == cudaErrorNotSupported);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH) == cudaErrorSystemDriverMismatch);
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) == cudaErrorStreamCaptureInvalidated);
+  // Driver results the runtime has no value for.
+  CHECK(gpukit::detail::runtime_error_of(CUDA_ERROR_CONTEXT_ALREADY_CURRENT) == cudaErrorUnknown);
+  CHECK(gpukit::detail::runtime_error_of(static_cast<CUresult>(916)) == cudaErrorUnknown);
+  CHECK(gpukit::detail::runtime_error_of(static_cast<CUresult>(1000)) == cudaErrorUnknown);
+}
+
+TEST_CASE("format_bytes chooses the unit after rounding") {
+  using gpukit::detail::format_bytes;
+  CHECK(format_bytes(1023) == "1023 B");
+  CHECK(format_bytes(1024) == "1.00 KiB");
+  CHECK(format_bytes(1048570) == "1023.99 KiB");  // 1023.994 KiB
+  CHECK(format_bytes((std::size_t{1} << 20) - 1) == "1.00 MiB");
+  CHECK(format_bytes((std::size_t{1} << 30) - 1) == "1.00 GiB");
+  CHECK(format_bytes(std::size_t{3} << 29) == "1.50 GiB");
+  CHECK(format_bytes(~std::size_t{0}) == "16384.00 PiB");  // no unit past PiB
+  CHECK(gpukit::detail::format_bytes_exact((std::size_t{1} << 20) - 1) == "1.00 MiB (1048575 bytes)");
 }
 
 TEST_CASE("a warning handler that warns again is not re-entered and does not deadlock") {

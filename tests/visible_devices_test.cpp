@@ -3,6 +3,7 @@
 
 #include "support.hpp"
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -198,6 +199,20 @@ TEST_CASE("a changed CUDA_VISIBLE_DEVICES is reported once, and the value at ini
   const std::string message = gpukit::detail::cuda_failure_message(cudaErrorInvalidDevice, "cudaSetDevice", 3);
   CHECK(message.find(read + " when CUDA read it (\"" + changed + "\" now, which CUDA does not read again)") !=
         std::string::npos);
+}
+
+TEST_CASE("a changed CUDA_VISIBLE_DEVICES is reported once for both default-stream modes") {
+  // The flag is outside the per-mode namespace: code built in the other mode (nvcc --default-stream per-thread) that
+  // warned has set the very flag this mode reads, and this mode warns no more.
+  std::atomic<bool>& warned = gpukit::mode_independent::visible_devices_warned_v1();
+  CHECK(&gpukit::detail::visible_devices_warned() == &warned);
+  const bool before = warned.exchange(true);  // as the other mode's check_visible_devices_unchanged leaves it
+  const auto& at_init = gpukit::detail::cuda_environment_at_init();
+  gpukit_test::scoped_env env("CUDA_VISIBLE_DEVICES", at_init.set ? at_init.value + ",6" : std::string("4"));
+  gpukit_test::captured_warnings warnings;
+  CHECK_FALSE(gpukit::check_visible_devices_unchanged());
+  CHECK(warnings.messages().empty());
+  warned.store(before);
 }
 
 TEST_CASE("a CUDA error names CUDA_VISIBLE_DEVICES as CUDA read it, alone while it is unchanged") {

@@ -13,6 +13,9 @@
 /// |--------------------------------------------------------------|------------------------|
 /// | cudaErrorInsufficientDriver (35), cudaErrorStubLibrary (34)  | no_device_error        |
 /// | cudaErrorNoDevice (100), cudaErrorDevicesUnavailable (46)    | no_device_error        |
+/// | cudaErrorInitializationError (3), cudaErrorSystemNotReady    | no_device_error        |
+/// | (802), cudaErrorSystemDriverMismatch (803),                  |                        |
+/// | cudaErrorCompatNotSupportedOnDevice (804): CUDA cannot start |                        |
 /// | cudaErrorMemoryAllocation (2)                                | out_of_memory_error    |
 /// | cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)      | invalid_argument_error |
 /// | anything else                                                | cuda_error             |
@@ -339,6 +342,9 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
              "upgrade without a reboot: reboot (or reload the nvidia kernel module)";
     case cudaErrorInvalidDevice:
       return "the ordinal is not below the number of visible devices";
+    case cudaErrorTooManyPeers:
+      return "a device can have peer access enabled to at most about 8 others (over PCIe): release peer_access "
+             "objects no longer needed, or copy device to device with copy_async, which needs no peer access";
     // Stream capture: what the error names rarely says which rule the program broke.
     case cudaErrorCapturedEvent:
       return "the event was last recorded inside a stream capture, where it belongs to the graph being built: the "
@@ -408,6 +414,11 @@ GPUKIT_INLINE void throw_cuda_error(cudaError_t result, std::string_view call, i
     case cudaErrorStubLibrary:
     case cudaErrorNoDevice:
     case cudaErrorDevicesUnavailable:
+    // CUDA failed to initialise: no GPU is usable, as device_count() (0) and select_device() (the CPU) take it.
+    case cudaErrorInitializationError:
+    case cudaErrorSystemNotReady:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
       throw no_device_error(message, result, std::move(call_text), device, file, line);
     case cudaErrorMemoryAllocation:
       throw out_of_memory_error(message, result, std::move(call_text), device, file, line);

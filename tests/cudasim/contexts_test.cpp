@@ -151,6 +151,24 @@ TEST_CASE("contexts: a device guard on a thread that never chose a device restor
   CHECK(cudasim::context_creations(1) == 1);
 }
 
+TEST_CASE("contexts: a CUDA that fails to initialise is no_device_error for current_device, guards and properties") {
+  // On such a machine every call fails so (803: a driver upgraded without a reboot); device_count() says 0.
+  for (const cudaError_t failure : {cudaErrorSystemDriverMismatch, cudaErrorInitializationError,
+                                    cudaErrorCompatNotSupportedOnDevice, cudaErrorSystemNotReady}) {
+    CAPTURE(failure);
+    cudasim::fail_call("cudaGetDevice", 1, failure);
+    CHECK_THROWS_AS((void)gpukit::current_device(), gpukit::no_device_error);
+    cudasim::fail_call("cudaGetDevice", 1, failure);
+    CHECK_THROWS_AS((void)gpukit::device_guard(gpukit::device::cuda(1)), gpukit::no_device_error);
+    cudasim::fail_call("cudaGetDeviceProperties", 1, failure);
+    CHECK_THROWS_AS((void)gpukit::properties(gpukit::device::cuda(0)), gpukit::no_device_error);
+    cudasim::fail_call("cudaDeviceGetStreamPriorityRange", 1, failure);
+    CHECK_THROWS_AS((void)gpukit::stream_priority_range(gpukit::device::cuda(1)), gpukit::no_device_error);
+    cudasim::clear_faults();
+    CHECK(cudaPeekAtLastError() == cudaSuccess);
+  }
+}
+
 namespace {
 /// Runs `f` as the first CUDA work of a new thread (whose current device is 0, without a context), while cuda:1 is
 /// the only device with a context; then checks that none was created on cuda:0.

@@ -23,24 +23,20 @@
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
 
-/// The runtime error a driver result stands for, as far as callers act on it (teardown is not reported).
+/// The runtime error a driver result stands for. The runtime's enum gives every result it shares with the driver the
+/// driver's number (cuda.h vs driver_types.h, CUDA 13: 700 illegal address, 719 launch failure, 800, 801, 401, ...;
+/// CUDA_ERROR_DEINITIALIZED, 4, is cudaErrorCudartUnloading), so those keep their number and a caller can tell a
+/// sticky error; the few driver results without a runtime counterpart (202, 916, newer ones) are cudaErrorUnknown.
 inline cudaError_t runtime_error_of(CUresult r) noexcept {
-  switch (r) {
-    case CUDA_SUCCESS:
-      return cudaSuccess;
-    case CUDA_ERROR_DEINITIALIZED:
-      return cudaErrorCudartUnloading;
-    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
-      return cudaErrorContextIsDestroyed;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      return cudaErrorMemoryAllocation;
-    case CUDA_ERROR_INVALID_VALUE:
-      return cudaErrorInvalidValue;
-    case CUDA_ERROR_INVALID_DEVICE:
-      return cudaErrorInvalidDevice;
-    default:
-      return cudaErrorUnknown;
+  // The values both enums define, as closed ranges (CUDA 13.0).
+  static constexpr int shared[][2] = {{0, 8},     {34, 34},   {36, 36},   {46, 46},   {100, 102},
+                                      {200, 201}, {205, 226}, {300, 304}, {400, 402}, {500, 500},
+                                      {600, 600}, {700, 705}, {708, 721}, {800, 812}, {900, 915}};
+  const int value = static_cast<int>(r);
+  for (const auto& range : shared) {
+    if (value >= range[0] && value <= range[1]) return static_cast<cudaError_t>(value);
   }
+  return cudaErrorUnknown;
 }
 
 /// The driver entry points gpukit uses, or null where unavailable. Declared with cuda.h's exact types: calling

@@ -47,6 +47,11 @@ GPUKIT_INLINE std::size_t format_bytes_into(char (&text)[32], std::size_t bytes)
       value /= 1024.0;
       ++unit;
     }
+    // "%.2f" rounds 1023.995 and above up to "1024.00": take the next unit then (1 MiB - 1 B is "1.00 MiB").
+    if (value >= 1023.995 && unit < 5) {
+      value /= 1024.0;
+      ++unit;
+    }
     length = std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
   }
   return length < 0 ? 0 : static_cast<std::size_t>(length);

@@ -99,7 +99,8 @@ class device {
 /// (select.hpp) says which; select_device() warns about the last kind before it falls back to the CPU.
 GPUKIT_INLINE int device_count() noexcept;
 
-/// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU.
+/// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU (no driver, no
+/// GPU, or a CUDA that fails to initialise, such as cudaErrorSystemDriverMismatch: error.hpp's table).
 GPUKIT_INLINE device current_device();
 
 /// Makes `d` the calling thread's current CUDA device (cudaSetDevice). Does nothing for the CPU.
@@ -119,7 +120,7 @@ GPUKIT_INLINE void set_current_device(device d);
 class device_guard {
  public:
   /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
-  /// driver.
+  /// usable driver (as current_device()).
   explicit device_guard(device d);
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;

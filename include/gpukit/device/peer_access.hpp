@@ -330,9 +330,11 @@ inline void release_peer_access(device from, device to) noexcept {
 /// device afterwards), the last one destroyed disables it. Access that was already enabled outside gpukit is used as
 /// it is and left enabled. Thread-safe. Movable, not copyable.
 ///
-/// Access lives in the primary context of `from` (gpukit's contexts; a context the user made current with the driver
-/// API gets it instead, as for cudaDeviceEnablePeerAccess). cudaDeviceReset of either device ends it while the
-/// object still holds it: destroy peer_access objects before a reset.
+/// Access lives in the primary context of `from`, or in a context of `from` itself that the user made current with
+/// the driver API (no switch is made then). A driver-API context of another device is not kept: the constructor and
+/// destructor make `from` current with cudaSetDevice, which binds its primary context, and leave the thread in a
+/// primary context, not in the user's one. cudaDeviceReset of either device ends access while the object still
+/// holds it: destroy peer_access objects before a reset.
 ///
 /// The constructor creates the primary contexts of `from` and `to` (the driver needs both) and no other. from == to
 /// is a no-op (active() is false). Throws invalid_argument_error for a CPU device or an ordinal that is not visible,

@@ -80,7 +80,8 @@ GPUKIT_EXPORT GPUKIT_INLINE properties_cache& device_properties_cache();
 }  // namespace detail
 
 /// The properties of a CUDA device, read once and cached for the life of the process (thread-safe).
-/// Throws invalid_argument_error for the CPU or an ordinal that is not visible, no_device_error without a driver.
+/// Throws invalid_argument_error for the CPU or an ordinal that is not visible, no_device_error without a usable
+/// driver (as current_device()).
 GPUKIT_INLINE const device_properties& properties(device d);
 
 /// The stream priorities a device supports. Lower numbers run first, so `greatest` <= `least` (e.g. -5 and 0).
@@ -106,7 +107,7 @@ GPUKIT_EXPORT GPUKIT_INLINE priority_range_cache& stream_priority_ranges();
 /// cudaDeviceGetStreamPriorityRange answers for the *current* device and creates its context, so this makes `d`
 /// current for the call (device_guard): ask only about a device you are about to create streams on. properties()
 /// and select_device() never ask. Throws invalid_argument_error for an ordinal that is not visible, no_device_error
-/// without a driver.
+/// without a usable driver (as current_device()).
 GPUKIT_INLINE priority_range stream_priority_range(device d);
 
 /// Free and total device memory in bytes, as cudaMemGetInfo reports it.

@@ -30,6 +30,21 @@
 #include <string_view>
 #include <vector>
 
+// Outside the per-mode namespace (detail/config.hpp), as the snapshot it compares against (error.hpp): CUDA reads
+// CUDA_VISIBLE_DEVICES once per process, so code built in either default-stream mode warns once between them.
+namespace gpukit {
+namespace mode_independent {
+
+/// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library or
+/// default-stream mode (exported). The name carries the layout's version, as cuda_environment_at_init_v1's does.
+GPUKIT_EXPORT inline std::atomic<bool>& visible_devices_warned_v1() noexcept {
+  static std::atomic<bool> warned{false};
+  return warned;
+}
+
+}  // namespace mode_independent
+}  // namespace gpukit
+
 GPUKIT_BEGIN_NAMESPACE
 
 /// The physical GPUs installed, regardless of CUDA_VISIBLE_DEVICES, where known (NVML reports them).
@@ -123,8 +138,8 @@ GPUKIT_INLINE visible_devices parse_visible_devices(const char* value, const ins
 GPUKIT_INLINE std::string visible_devices_changed_message();
 
 namespace detail {
-/// Whether check_visible_devices_unchanged has warned: once per process, not once per shared library.
-GPUKIT_EXPORT GPUKIT_INLINE std::atomic<bool>& visible_devices_warned() noexcept;
+/// mode_independent::visible_devices_warned_v1: one flag for both default-stream modes.
+inline std::atomic<bool>& visible_devices_warned() noexcept { return mode_independent::visible_devices_warned_v1(); }
 }  // namespace detail
 
 /// Warns once per process (through gpukit::warn) if CUDA_VISIBLE_DEVICES changed after CUDA was initialised.
@@ -354,14 +369,6 @@ GPUKIT_INLINE std::string visible_devices_changed_message() {
          " when CUDA was initialised in this process; CUDA reads it only once, so the earlier value is in effect. "
          "Set it before the process starts (or before the first CUDA call).";
 }
-namespace detail {
-
-GPUKIT_INLINE std::atomic<bool>& visible_devices_warned() noexcept {
-  static std::atomic<bool> warned{false};
-  return warned;
-}
-}  // namespace detail
-
 GPUKIT_INLINE bool check_visible_devices_unchanged() {
   const std::string message = visible_devices_changed_message();
   if (message.empty()) return true;
