@@ -1688,6 +1688,67 @@ TEST_CASE("capture: a graph launched on another thread's per-thread default stre
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a graph launched on the legacy stream during another thread's blocking capture is refused") {
+  // CUDA would join the launch to the capture and invalidate it (cudaErrorStreamCaptureImplicit).
+  gpukit::stream other(cuda0);
+  gpukit::device_buffer<int> out(16, other);
+  const auto fill = [&] {
+    REQUIRE(cudaMemsetAsync(out.data(), 1, out.size_bytes(), other.cuda_handle()) == cudaSuccess);
+  };
+  gpukit::graph plain = gpukit::capture(other, fill);
+  gpukit::graph pooled = gpukit::capture(other, fill, gpukit::graph_pool::create(cuda0, 1 << 20));
+  other.synchronize();
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit::device_buffer<int> x(16, blocking);
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz");
+  std::string plain_message, pooled_message;
+  gpukit::graph captured = gpukit::capture(blocking, [&] {
+    REQUIRE(cudaMemsetAsync(x.data(), 2, x.size_bytes(), blocking.cuda_handle()) == cudaSuccess);
+    // No doctest assertion off the main thread: what each launch did is kept.
+    std::thread([&] {
+      const auto outcome = [&](const gpukit::graph& g) -> std::string {
+        try {
+          g.launch(legacy);
+          return "launched";
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      };
+      plain_message = outcome(plain);
+      pooled_message = outcome(pooled);
+    }).join();
+  });
+  for (const std::string& message : {plain_message, pooled_message}) {
+    CHECK(message.find("graph::launch: a gpukit capture of a blocking stream of cuda:0 is underway") !=
+          std::string::npos);
+  }
+  CHECK(cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz") == launches);
+  // Outside the capture both launch on the legacy stream.
+  plain.launch(legacy);
+  pooled.launch(legacy);
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: an allocator of another device is refused a captured stream served by a graph pool") {
+  // Outside a capture the call is refused (wrong device): in one it must not hand out cuda:1's pool memory as cuda:0's.
+  const gpukit::device cuda1 = gpukit::device::cuda(1);
+  gpukit::stream s1(cuda1);
+  auto pool = gpukit::graph_pool::create(cuda1, 1 << 20);
+  std::string message;
+  gpukit::graph g = gpukit::capture(
+      s1,
+      [&] {
+        message = invalid_argument_message(
+            [&] { gpukit::device_buffer<float> tmp(64, s1, gpukit::default_allocator(cuda0)); });
+      },
+      pool);
+  CHECK(message.find("a stream of cuda:1 was passed to the allocator of cuda:0 (wrong device)") != std::string::npos);
+  CHECK(pool->memory_allocated() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a graph pool orders a consumer that frees on its own stream, or is captured at the free") {
   auto& allocator = gpukit::default_allocator(cuda0);
   gpukit::stream s(cuda0);

@@ -517,3 +517,27 @@ TEST_CASE("gpu: a graph with allocation nodes has one executable at a time, whic
   CHECK(read(out, s) == std::vector<int>(16, 0x05050505));
   CHECK(a.memory_allocated() == 0);  // the scratch memory is the graph's, freed in it
 }
+
+TEST_CASE("gpu: a graph relaunched while its previous launch's allocation is unfreed says why it fails") {
+  // CUDA says only cudaErrorInvalidValue: the graph's async_allocator memory kept past the capture is allocated again
+  // at each launch, and must be freed after each.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  void* out = nullptr;
+  gpukit::graph g = gpukit::capture(s, [&] { out = a.allocate(256, s); });
+  g.launch(s);
+  try {
+    g.launch(s);
+    FAIL("a launch with the previous launch's allocation unfreed was accepted");
+  } catch (const gpukit::error& e) {
+    CHECK(e.cuda_result() == cudaErrorInvalidValue);
+    CHECK(std::string(e.what()).find("an allocation of its previous launch is not freed yet") != std::string::npos);
+  }
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  (void)cudasim::take_violations();  // the refused launch
+#endif
+  a.deallocate(out, s);  // the first launch's output, freed after it
+  s.synchronize();
+}

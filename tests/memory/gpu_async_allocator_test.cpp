@@ -11,6 +11,7 @@
 #include <gpukit/memory/async_pool_upstream.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 #include <gpukit/memory/caching_allocator_impl.hpp>
 
@@ -194,6 +195,38 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
     gpukit::stream elsewhere(gpukit::device::cuda(1));
     CHECK_THROWS_AS((void)a.allocate(16, elsewhere), gpukit::invalid_argument_error);
   }
+  s.synchronize();
+}
+
+TEST_CASE("gpu: async_allocator's record_stream and deallocate with a peer's stream say both devices and the way") {
+  GPUKIT_REQUIRE_GPU();
+  if (gpukit::device_count() < 2) return;  // needs a peer
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  gpukit::stream peer(gpukit::device::cuda(1));
+  void* p = a.allocate(256, s);
+  for (const char* operation : {"record_stream", "deallocate"}) {
+    try {
+      if (std::string(operation) == "record_stream") {
+        a.record_stream(p, peer);
+      } else {
+        a.deallocate(p, peer);
+      }
+      FAIL("a peer's stream was accepted");
+    } catch (const gpukit::invalid_argument_error& e) {
+      CHECK(contains(e.what(),
+                     std::string("async_allocator::") + operation + ": a stream of cuda:1 for memory of cuda:0"));
+      CHECK(contains(e.what(), "event::wait"));
+    }
+  }
+  // Nothing was done: the memory is live and freed in the documented way.
+  CHECK(a.owns(p));
+  gpukit::event used(peer.device());
+  used.record(peer);
+  used.wait(s);
+  a.deallocate(p, s);
+  CHECK(a.memory_allocated() == 0);
   s.synchronize();
 }
 

@@ -1,6 +1,6 @@
 // gpukit memory as CCCL memory resources (memory_resource.hpp): conformance to the cuda::mr concepts of the CCCL
 // this file is compiled against (the toolkit's 3.0, and a newer one where CI installed it: both shapes), use
-// through resource_ref, alignment, equality; on the CPU device, and on cuda:0 where a GPU (or the simulator) is.
+// through resource_ref, alignment, equality, on cuda:0 where a GPU (or the simulator) is; the CPU device is refused.
 #include <gpukit/memory/memory_resource.hpp>
 #include <gpukit/memory/resource_upstream.hpp>
 
@@ -103,17 +103,42 @@ void exercise_device_resource(gpukit::device_allocator& a, gpukit::stream_view s
 }
 }  // namespace
 
-TEST_CASE("device_memory_resource: a cuda::mr resource over a device_allocator, on the CPU device") {
-  gpukit::caching_allocator a(gpukit::device::cpu());
+TEST_CASE("device_memory_resource and pinned_memory_resource refuse the CPU device, whose memory is host memory") {
+  // Their types say cuda::mr::device_accessible: a kernel must not be handed the CPU device's malloc'd memory.
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::caching_allocator a(cpu);
+  gpukit_test::arena_resource arena;  // a resource of one's own, of the CPU device
+  const auto refused = [](const auto& make, const char* what) {
+    try {
+      make();
+      FAIL("not refused");
+    } catch (const gpukit::invalid_argument_error& e) {
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+  };
+  refused([&] { (void)gpukit::device_memory_resource(cpu); }, "device_memory_resource: the CPU device");
+  refused([&] { (void)gpukit::device_memory_resource(a); }, "device_memory_resource: the CPU device");
+  refused([&] { (void)gpukit::device_memory_resource(arena); }, "device_memory_resource: the CPU device");
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
+  refused([&] { (void)gpukit::pinned_memory_resource(cpu); }, "pinned_memory_resource: the CPU device");
+  refused([&] { (void)gpukit::pinned_memory_resource(pool, cpu); }, "pinned_memory_resource: the CPU device");
+  // A CPU pool is not page-locked, whatever device orders its frees (refused before any CUDA call).
+  refused([&] { (void)gpukit::pinned_memory_resource(pool, gpukit::device::cuda(0)); }, "not page-locked");
+  CHECK(pool.stats().active_blocks == 0);
+}
+
+TEST_CASE("gpu: device_memory_resource on cuda:0: CPU streams, alignment, zero bytes and refused frees") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator a(d);
   gpukit::device_memory_resource resource(a);
   CHECK(&resource.allocator() == &a);
-  CHECK(resource.device() == gpukit::device::cpu());
+  CHECK(resource.device() == d);
   gpukit::stream s(gpukit::device::cpu());
   // A CPU stream has no cuda::stream_ref: stream-ordered calls take CUDA streams, synchronous ones work.
   CHECK_THROWS_AS((void)allocate_on(resource, gpukit::to_stream_ref(s), 100, 256), gpukit::invalid_argument_error);
   void* p = allocate_sync(resource, 5000, 1 << 12);
   CHECK(aligned_to(p, 1 << 12));
-  std::memset(p, 1, 5000);
   CHECK(a.memory_allocated() >= 5000);
   deallocate_sync(resource, p, 5000, 1 << 12);
   CHECK(a.memory_allocated() == 0);
@@ -126,16 +151,46 @@ TEST_CASE("device_memory_resource: a cuda::mr resource over a device_allocator, 
   CHECK(warnings.contains("device_memory_resource::deallocate"));
 }
 
-TEST_CASE("device_memory_resource over a resource of one's own (a device_resource without statistics)") {
-  gpukit_test::arena_resource arena;
-  gpukit::device_memory_resource resource(arena);
-  CHECK(&resource.allocator() == &arena);
+namespace {
+/// A device_resource of one's own on cuda:0 (no statistics, no control): the five functions, over an allocator.
+class forwarding_resource final : public gpukit::device_resource {
+ public:
+  explicit forwarding_resource(gpukit::device_resource& to) : to_(to) {}
+  [[nodiscard]] gpukit::device device() const noexcept override { return to_.device(); }
+  std::size_t live = 0;
+
+ private:
+  void* do_allocate(std::size_t bytes, gpukit::stream_view stream) override {
+    void* p = to_.allocate(bytes, stream);
+    if (p != nullptr) ++live;
+    return p;
+  }
+  void do_deallocate(void* p) override {
+    to_.deallocate(p);
+    --live;
+  }
+  void do_deallocate(void* p, gpukit::stream_view stream) override {
+    to_.deallocate(p, stream);
+    --live;
+  }
+  void do_record_stream(void* p, gpukit::stream_view stream) override { to_.record_stream(p, stream); }
+  bool do_owns(const void* p) const noexcept override { return to_.owns(p); }
+  gpukit::device_resource& to_;
+};
+}  // namespace
+
+TEST_CASE("gpu: device_memory_resource over a resource of one's own (a device_resource without statistics)") {
+  GPUKIT_REQUIRE_GPU();
+  gpukit::caching_allocator a(gpukit::device::cuda(0));
+  forwarding_resource own(a);
+  gpukit::device_memory_resource resource(own);
+  CHECK(&resource.allocator() == &own);
   void* p = allocate_sync(resource, 5000, 1 << 12);
   CHECK(aligned_to(p, 1 << 12));
-  CHECK(arena.live() == 1);
+  CHECK(own.live == 1);
   deallocate_sync(resource, p, 5000, 1 << 12);
-  CHECK(arena.live() == 0);
-  CHECK(gpukit::device_memory_resource(arena) == resource);
+  CHECK(own.live == 0);
+  CHECK(gpukit::device_memory_resource(own) == resource);
 }
 
 namespace {
@@ -171,14 +226,15 @@ static_assert(!gpukit::detail::has_ordered_release<gpukit::resource_upstream<fai
               "");
 }  // namespace
 
-TEST_CASE("resource_upstream: a caching allocator in front of a cuda::mr resource (CPU device)") {
+TEST_CASE("gpu: resource_upstream: a caching allocator in front of a cuda::mr resource") {
+  GPUKIT_REQUIRE_GPU();
   using gpukit::allocator_options;
-  const gpukit::device cpu = gpukit::device::cpu();
-  gpukit::caching_allocator inner(cpu);
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator inner(d);
   using upstream = gpukit::resource_upstream<gpukit::device_memory_resource>;
-  gpukit::caching_device_allocator<upstream> outer(cpu, {}, gpukit::device_memory_resource(inner), cpu);
+  gpukit::caching_device_allocator<upstream> outer(d, {}, gpukit::device_memory_resource(inner), d);
   CHECK(&outer.engine().upstream().resource().allocator() == &inner);
-  gpukit::stream s(cpu);
+  gpukit::stream s(d);
   void* p = outer.allocate(1000, s);
   CHECK(outer.memory_reserved() == allocator_options{}.small_segment_size);  // one segment from the resource
   CHECK(inner.memory_allocated() == outer.memory_reserved());
@@ -204,7 +260,12 @@ TEST_CASE("resource_upstream: a caching allocator in front of a cuda::mr resourc
   CHECK(inner.memory_allocated() == 0);  // every cached segment went back before the error
   inner.set_reserved_limit(allocator_options::unlimited);
   outer.deallocate(outer.allocate(40 * MiB, s));  // usable afterwards
+  s.synchronize();
+}
 
+TEST_CASE("resource_upstream: a cuda::mr resource that refuses (CPU device)") {
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::stream s(cpu);
   std::vector<failing_resource::mode> refusals{failing_resource::mode::bad_alloc};
 #if CCCL_VERSION < 3001000
   // From CCCL 3.1 on, making a cuda::cuda_error asks the driver for the error's name: not without a driver.
@@ -223,25 +284,26 @@ TEST_CASE("resource_upstream: a caching allocator in front of a cuda::mr resourc
   CHECK(broken.memory_reserved() == 0);
 }
 
-TEST_CASE("cuda::mr resources compare equal when they share an allocator or pool") {
-  gpukit::caching_allocator a(gpukit::device::cpu());
-  gpukit::caching_allocator b(gpukit::device::cpu());
+TEST_CASE("gpu: cuda::mr resources compare equal when they share an allocator or pool") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator a(d);
+  gpukit::caching_allocator b(d);
   CHECK(gpukit::device_memory_resource(a) == gpukit::device_memory_resource(a));
   CHECK(gpukit::device_memory_resource(a) != gpukit::device_memory_resource(b));
-  CHECK(gpukit::device_memory_resource(gpukit::device::cpu()) ==
-        gpukit::device_memory_resource(gpukit::default_allocator(gpukit::device::cpu())));
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
-  gpukit::pinned_pool other{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
-  CHECK(gpukit::pinned_memory_resource(pool, gpukit::device::cpu()) ==
-        gpukit::pinned_memory_resource(pool, gpukit::device::cpu()));
-  CHECK(gpukit::pinned_memory_resource(pool, gpukit::device::cpu()) !=
-        gpukit::pinned_memory_resource(other, gpukit::device::cpu()));
+  CHECK(gpukit::device_memory_resource(d) == gpukit::device_memory_resource(gpukit::default_allocator(d)));
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda, {}, d.ordinal())};
+  gpukit::pinned_pool other{gpukit::pinned_upstream(gpukit::device::kind::cuda, {}, d.ordinal())};
+  CHECK(gpukit::pinned_memory_resource(pool, d) == gpukit::pinned_memory_resource(pool, d));
+  CHECK(gpukit::pinned_memory_resource(pool, d) != gpukit::pinned_memory_resource(other, d));
 }
 
-TEST_CASE("pinned_memory_resource: host- and device-accessible memory from a pinned pool, any alignment") {
-  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cpu)};
-  gpukit::pinned_memory_resource resource(pool, gpukit::device::cpu());
-  CHECK(resource.device() == gpukit::device::cpu());
+TEST_CASE("gpu: pinned_memory_resource: host- and device-accessible memory from a pinned pool, any alignment") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda, {}, d.ordinal())};
+  gpukit::pinned_memory_resource resource(pool, d);
+  CHECK(resource.device() == d);
   sync_ref<mr::host_accessible, mr::device_accessible> ref{resource};
 #if CCCL_VERSION >= 3001000
   void* p = ref.allocate_sync(10000, 64);
@@ -250,7 +312,7 @@ TEST_CASE("pinned_memory_resource: host- and device-accessible memory from a pin
   void* p = ref.allocate(10000, 64);
   void* q = ref.allocate(100, 1 << 16);
 #endif
-  CHECK(aligned_to(p, 4096));  // pinned blocks are pages
+  CHECK(aligned_to(p, 64));
   CHECK(aligned_to(q, 1 << 16));
   std::memset(q, 2, 100);
   CHECK(pool.stats().active_blocks == 2);

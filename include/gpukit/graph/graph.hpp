@@ -13,10 +13,13 @@
 ///     for (int i = 0; i < steps; ++i) step.launch(s);
 ///
 /// A capture without a pool refuses the caching allocators' allocations on the captured streams
-/// (caching_allocator.hpp says why); async_allocator's become graph memory nodes. The capture mode is the calling
-/// thread's business: capture_mode::thread_local_ (the default) lets other threads make unsafe calls (cudaMalloc)
-/// meanwhile; capture_mode::global refuses them in every thread whose own mode is global (gpukit's own such calls run
-/// relaxed), as CUDA defines.
+/// (caching_allocator.hpp says why); async_allocator's become graph memory nodes. Such memory is the graph's: each
+/// launch allocates it again at the same address, and a launch fails (cudaErrorInvalidValue) while the previous
+/// launch's is unfreed. Free it in the capture (a free node), or after each launch with cudaFreeAsync; async_allocator
+/// tracks only the pointer the capture returned, freed once. For an output kept past the capture, use a graph_pool. The
+/// capture mode is the calling thread's business: capture_mode::thread_local_ (the default) lets other threads make
+/// unsafe calls (cudaMalloc) meanwhile; capture_mode::global refuses them in every thread whose own mode is global
+/// (gpukit's own such calls run relaxed), as CUDA defines.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
@@ -78,12 +81,13 @@ class graph {
   ~graph() { destroy(); }
 
   /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
-  /// stream of another device, another thread's per-thread default stream, or, for a graph with a pool, a stream
-  /// being captured (the outer graph could run after the pool's memory went back: capture that work into the pool's
-  /// graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming "cudaEventRecord
-  /// (after a graph launch)" means the graph was launched but the pool could not record when it ends (the host then
-  /// waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch it again to
-  /// make up for it.
+  /// stream of another device, another thread's per-thread default stream, the legacy default stream while a gpukit
+  /// capture of a blocking stream of the device runs (as stream_view::enqueue_host), or, for a graph with a pool, a
+  /// stream being captured (the outer graph could run after the pool's memory went back: capture that work into the
+  /// pool's graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming
+  /// "cudaEventRecord (after a graph launch)" means the graph was launched but the pool could not record when it ends
+  /// (the host then waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch
+  /// it again to make up for it.
   void launch(stream_view s) const {
     if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
     if (s.is_cpu() || s.device() != device_) {
@@ -93,6 +97,13 @@ class graph {
     }
     if (s.is_other_threads_stream()) detail::throw_other_threads_stream("graph::launch");
     device_guard guard(device_);
+    // On the legacy stream, CUDA would join another thread's gpukit capture of a blocking stream and invalidate it:
+    // refused, under the hold that keeps such a capture from beginning until the launch (and its record) is enqueued.
+    std::optional<detail::legacy_stream_hold> hold;
+    if (s.is_default() && !s.is_per_thread()) {
+      hold.emplace(device_.ordinal());
+      detail::refuse_legacy_stream_join("graph::launch", s, hold->refused());
+    }
     if (pool_ && detail::capture_status(s) != cudaStreamCaptureStatusNone) {
       throw invalid_argument_error(
           "gpukit::graph::launch: a graph with a graph pool launched into a stream being captured on " +
@@ -100,15 +111,18 @@ class graph {
           ": the outer graph could run after the pool's memory is released (capture the work into one graph "
           "instead; nothing was launched)");
     }
+    cudaError_t result = cudaSuccess;
     if (!pool_) {
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, s.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
+      GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, s.cuda_handle()), launch_failed(result),
+                                device_.ordinal());
       return;
     }
     const stream_view on = s.resolved();  // its id looked up once: the pool's calls below then make no lookup
     const cudaEvent_t launched = pool_->prepare_launch(on);  // recorded after the launch, for the pool's release
     try {
       pool_->order_launch(on);
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaGraphLaunch(exec_, on.cuda_handle()), "cudaGraphLaunch", device_.ordinal());
+      GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, on.cuda_handle()), launch_failed(result),
+                                device_.ordinal());
     } catch (...) {
       pool_->abandon_launch(on);
       throw;
@@ -167,6 +181,14 @@ class graph {
   const std::shared_ptr<graph_pool>& pool() const noexcept { return pool_; }
 
  private:
+  /// What a failed cudaGraphLaunch names; CUDA says only cudaErrorInvalidValue for an unfreed graph allocation.
+  static std::string launch_failed(cudaError_t result) {
+    if (result != cudaErrorInvalidValue) return "cudaGraphLaunch";
+    return "cudaGraphLaunch (if the graph allocates memory, e.g. async_allocator in its capture: an allocation of its "
+           "previous launch is not freed yet; free it in the capture or after each launch, or capture with a "
+           "graph_pool)";
+  }
+
   void destroy() noexcept {
     if (exec_ == nullptr && graph_ == nullptr) return;
     try {

@@ -16,7 +16,9 @@
 /// The pool's release threshold (cudaMemPoolAttrReleaseThreshold) is how much freed memory the pool keeps at a
 /// synchronization point; CUDA's default, 0, returns it all, which makes every step after a synchronization pay for
 /// new memory (300-400 ms stalls re-allocating 16 GB were reported). The constructor sets it on the device's default
-/// pool, which other users of that pool then share.
+/// pool, which other users of that pool then share. record_stream and deallocate(p, s) take only streams of the
+/// allocator's device (the caching allocator takes other devices' too): for a peer's use, order a stream of this
+/// device after it with event::record + event::wait and pass that stream.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -365,14 +367,14 @@ class async_allocator final : public device_allocator {
   void do_deallocate(void* p) override { deallocate_on(p, nullptr); }
   /// The same, in the order of `stream` (memory last used there).
   void do_deallocate(void* p, stream_view stream) override {
-    check_device(stream, "deallocate");
+    check_user_device(stream, "deallocate");
     deallocate_on(p, &stream);
   }
 
   /// `stream` also uses `p`: its free waits for the work `stream` has enqueued by then. A stream already listed
   /// (or the allocation's own) is listed once: the free waits for its work up to then anyway.
   void do_record_stream(void* p, stream_view stream) override {
-    check_device(stream, "record_stream");
+    check_user_device(stream, "record_stream");
     kept_stream use = kept_stream::of(stream);
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
@@ -481,6 +483,18 @@ class async_allocator final : public device_allocator {
 
   void check_device(const stream_view& stream, const char* operation) const {
     detail::require_stream_of(stream, device_, "gpukit::async_allocator", operation);
+  }
+  /// record_stream and deallocate(p, s): unlike the caching allocator, no other device's stream (its events would
+  /// be recorded and waited for across devices); the message says how to order the free instead.
+  void check_user_device(const stream_view& stream, const char* operation) const {
+    if (stream.is_cpu() || stream.device() == device_) return;
+    throw invalid_argument_error("gpukit::async_allocator::" + std::string(operation) + ": a stream of " +
+                                     stream.device().to_string() + " for memory of " + device_.to_string() +
+                                     ": async_allocator takes only streams of its own device here (nothing was "
+                                     "done). Record an event on that stream (event::record), wait for it on a "
+                                     "stream of " +
+                                     device_.to_string() + " (event::wait), and pass that stream",
+                                 cudaSuccess, "gpukit::async_allocator", device_.ordinal());
   }
 
   void deallocate_on(void* p, const stream_view* stream) {

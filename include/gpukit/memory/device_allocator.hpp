@@ -147,6 +147,8 @@ class caching_device_allocator final : public device_allocator {
     if (detail::any_capture_pool() && bytes != 0) {
       // At this allocator's natural alignment, which callers (over-aligned requests among them) rely on.
       if (device_allocator* pool = detail::pool_for_capture(stream)) {
+        // A stream of another device is refused, as outside a capture: its pool's memory is not this device's.
+        detail::require_stream_of(stream, device(), "gpukit::caching_allocator", "allocate");
         return pool->allocate(bytes, do_natural_alignment(), stream);
       }
     }

@@ -46,9 +46,12 @@ class device_resource {
   /// Frees `p` in the order of the stream it was allocated on. Throws invalid_argument_error for a pointer this
   /// allocator does not own (including a double free); nullptr is ignored.
   void deallocate(void* p);
-  /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream).
+  /// Frees `p` after the work enqueued so far on `stream` too (memory last used on another stream). Whether
+  /// `stream` may be another CUDA device's is the implementation's: the caching allocator accepts it (peer use),
+  /// async_allocator refuses it (invalid_argument_error; order a stream of its device after it with event::wait).
   void deallocate(void* p, stream_view stream);
-  /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free.
+  /// `stream` also uses `p`: on free, the block is reused only after that stream's work up to the free. Another
+  /// device's stream: as for deallocate(p, stream).
   void record_stream(void* p, stream_view stream);
   /// True when `p` is the start of a live allocation of this allocator (for an over-aligned one, the address
   /// allocate returned).

@@ -35,6 +35,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/device/device.hpp>
+#include <gpukit/error.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/detail/pinned_aligned.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -85,18 +86,23 @@ class cccl_3_0_names {
 
 /// A device_resource (by default the per-device default allocator) as a cuda::mr resource: device-accessible,
 /// stream-ordered, with statistics and caching from the allocator. Alignments above the allocator's natural one
-/// (256 bytes) are honoured by device_resource::allocate. On the CPU device the memory is host memory.
+/// (256 bytes) are honoured by device_resource::allocate. CUDA devices only: the CPU device's memory is ordinary host
+/// memory, which the type's cuda::mr::device_accessible would misstate, so it is refused (invalid_argument_error).
 class device_memory_resource
     : public detail::cccl_3_0_names<device_memory_resource, device_resource::default_alignment> {
  public:
   using cccl_3_0_names::allocate;
   using cccl_3_0_names::deallocate;
 
-  /// The default allocator of `d` (default_allocator(d); `Deferred`, never given, is explained there).
+  /// The default allocator of `d` (default_allocator(d); `Deferred`, never given, is explained there). Throws
+  /// invalid_argument_error for the CPU device.
   template <int Deferred = 0>
-  explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(d)) {}
-  /// `allocator`, which must outlive this resource and its copies.
-  explicit device_memory_resource(device_resource& allocator) noexcept : allocator_(&allocator) {}
+  explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(cuda_only(d))) {}
+  /// `allocator`, which must outlive this resource and its copies. Throws invalid_argument_error for an allocator of
+  /// the CPU device.
+  explicit device_memory_resource(device_resource& allocator) : allocator_(&allocator) {
+    (void)cuda_only(allocator.device());
+  }
 
   /// The allocator behind this resource.
   device_resource& allocator() const noexcept { return *allocator_; }
@@ -140,6 +146,15 @@ class device_memory_resource
   friend void get_property(const device_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
 
  private:
+  static gpukit::device cuda_only(gpukit::device d) {
+    if (d.is_cpu()) {
+      throw invalid_argument_error(
+          "gpukit::device_memory_resource: the CPU device's memory is ordinary host memory, not device-accessible as "
+          "cuda::mr::device_accessible says (use a CUDA device's allocator)");
+    }
+    return d;
+  }
+
   device_resource* allocator_;
 };
 
@@ -147,8 +162,9 @@ class device_memory_resource
 /// host- and device-accessible. Frees return a block after the work enqueued so far on the stream (the calling
 /// thread's current stream of the resource's device for deallocate_sync), as pinned_pool::deallocate(p, stream) does;
 /// during a capture of that stream, after the capture ends (pinned_pool::deallocate_after_captures). Blocks are
-/// 256-byte aligned (pages on the CPU); larger power-of-two alignments cost up to `alignment - 256` extra bytes. On the
-/// CPU device the memory is ordinary page-aligned host memory.
+/// 256-byte aligned; larger power-of-two alignments cost up to `alignment - 256` extra bytes. CUDA devices and
+/// page-locked pools only: the CPU device's pool holds ordinary host memory, which the type's
+/// cuda::mr::device_accessible would misstate, so it is refused (invalid_argument_error).
 class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resource, detail::pinned_natural_alignment> {
  public:
   using cccl_3_0_names::allocate;
@@ -157,10 +173,17 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   /// The alignment of every pinned block.
   static constexpr std::size_t natural_alignment = detail::pinned_natural_alignment;
 
-  /// default_pinned_pool(d).
-  explicit pinned_memory_resource(gpukit::device d) : pool_(&default_pinned_pool(d)), device_(d) {}
-  /// `pool`, which must outlive this resource and its copies; stream-ordered calls name streams of device `d`.
-  pinned_memory_resource(pinned_pool& pool, gpukit::device d) noexcept : pool_(&pool), device_(d) {}
+  /// default_pinned_pool(d). Throws invalid_argument_error for the CPU device.
+  explicit pinned_memory_resource(gpukit::device d) : pinned_memory_resource(default_pinned_pool(cuda_only(d)), d) {}
+  /// `pool`, which must outlive this resource and its copies; stream-ordered calls name streams of device `d`. Throws
+  /// invalid_argument_error for the CPU device or a pool that is not page-locked (pinned_upstream of the CPU).
+  pinned_memory_resource(pinned_pool& pool, gpukit::device d) : pool_(&pool), device_(cuda_only(d)) {
+    if (!pool.page_locked()) {
+      throw invalid_argument_error(
+          "gpukit::pinned_memory_resource: the pool's memory is not page-locked (a CPU pool), so not "
+          "device-accessible as cuda::mr::device_accessible says");
+    }
+  }
 
   /// The pool behind this resource.
   pinned_pool& pool() const noexcept { return *pool_; }
@@ -211,6 +234,15 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::host_accessible) noexcept {}
 
  private:
+  static gpukit::device cuda_only(gpukit::device d) {
+    if (d.is_cpu()) {
+      throw invalid_argument_error(
+          "gpukit::pinned_memory_resource: the CPU device's pool holds ordinary host memory, not device-accessible as "
+          "cuda::mr::device_accessible says (use a CUDA device)");
+    }
+    return d;
+  }
+
   pinned_pool* pool_;
   gpukit::device device_;
 };
