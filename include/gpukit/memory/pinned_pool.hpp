@@ -18,8 +18,8 @@
 ///   large request wastes less than 12.5% (PyTorch's pinned allocator rounds to a power of two: 129.5 MiB costs
 ///   256 MiB; here it costs 144 MiB). Requests up to 4 KiB round to a power of two (minimum 512 B). Blocks are
 ///   never split: a request is served by a cached block of exactly its class.
-/// - A cap on cached bytes (free and pending blocks): above it, the oldest free blocks go back to the upstream (see
-///   max_cached_bytes for what happens while pending blocks alone exceed it).
+/// - A cap on cached free bytes: above it, the oldest free blocks go back to the upstream (blocks still pending on
+///   their streams do not count).
 /// - Statistics (allocated / reserved current and peak, counts, time spent pinning) and empty_cache(); the same
 ///   figures in the caching allocator's vocabulary, as torch.cuda.host_memory_stats() gives them (memory_stats(),
 ///   host_memory_stats_map()).
@@ -69,13 +69,12 @@ GPUKIT_INLINE std::size_t pinned_size_class(std::size_t bytes, std::size_t class
 
 /// How a pinned pool behaves.
 struct pinned_pool_options {
-  /// Free and pending blocks kept above this are released to the upstream, oldest free block first. Pinned memory
-  /// cannot be paged out, so an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a
-  /// prefetcher's batches. SIZE_MAX disables the cap. Pending blocks (freed, waiting for their streams: pending_bytes)
-  /// count but cannot be released: while they alone exceed the cap, every block that becomes free is released at
-  /// once, each a cudaFreeHost that waits for all the device's work (the work they wait for included), and every
-  /// allocation pins again. Keep the cap above the bytes a pipeline leaves waiting for its streams. Blocks given back
-  /// by a staging engine's to_device/to_host stay cached over the cap until the pool's next deallocate or
+  /// Free blocks kept above this are released to the upstream, oldest first. Pinned memory cannot be paged out, so
+  /// an unbounded cache starves the host; 2 GiB holds a staging ring per stream plus a prefetcher's batches. SIZE_MAX
+  /// disables the cap. Pending blocks (freed, waiting for their streams: pending_bytes) do not count: their streams'
+  /// work still uses them, and counting them made every free unpin (a cudaFreeHost that waits for the whole device)
+  /// and every allocation pin again while they alone exceeded the cap. A block is capped once it becomes free. Blocks
+  /// given back by a staging engine's to_device/to_host stay cached over the cap until the pool's next deallocate or
   /// set_max_cached_bytes made elsewhere: cudaFreeHost waits for all the device's work, which may wait for the copying
   /// thread.
   std::size_t max_cached_bytes = std::size_t{2} << 30;

@@ -647,7 +647,9 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::release_free_block_locked(
 template <class Upstream, class Sync>
 GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::enforce_cap_locked(block_list& releases) noexcept {
   if (detail::pinned_cap_deferrals_on_this_thread() != 0) return;  // a later call applies it
-  while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ > options_.max_cached_bytes && free_count_ > 0) {
+  // Free blocks only: pending ones are still in use by their streams' work and cannot go back yet.
+  while (stats_.reserved_bytes - stats_.allocated_bytes - lost_bytes_ - pending_bytes_ > options_.max_cached_bytes &&
+         free_count_ > 0) {
     std::vector<void*>* oldest_list = nullptr;
     std::size_t oldest_index = 0;
     std::uint64_t oldest_tick = std::numeric_limits<std::uint64_t>::max();
