@@ -169,6 +169,12 @@ TEST_CASE("a driver upgraded without a reboot is named as the cause") {
   CHECK(what.find("driver upgrade without a reboot") != std::string::npos);
 }
 
+TEST_CASE("an initialisation error names the fork that usually causes it") {
+  const std::string what =
+      thrown_by<gpukit::no_device_error>(cudaErrorInitializationError, "cudaGetDeviceCount", -1).what();
+  CHECK(what.find("forked after its parent used CUDA") != std::string::npos);
+}
+
 TEST_CASE("too many peers is explained with what to do about it") {
   const std::string what = thrown_by<gpukit::cuda_error>(cudaErrorTooManyPeers, "cudaDeviceEnablePeerAccess", 0).what();
   CHECK(what.find("(cudaErrorTooManyPeers)") != std::string::npos);

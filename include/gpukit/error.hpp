@@ -340,6 +340,10 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
     case cudaErrorSystemDriverMismatch:
       return "the NVIDIA kernel module and its user-space driver library differ in version, usually after a driver "
              "upgrade without a reboot: reboot (or reload the nvidia kernel module)";
+    case cudaErrorInitializationError:
+      return "CUDA could not start: in a process forked after its parent used CUDA, CUDA is unusable (start workers "
+             "with spawn, or make the parent's first CUDA call after the fork); otherwise check the driver "
+             "(nvidia-smi)";
     case cudaErrorInvalidDevice:
       return "the ordinal is not below the number of visible devices";
     case cudaErrorTooManyPeers:

@@ -190,6 +190,18 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
     CHECK(contains(e.what(), "not a live allocation of this allocator"));
   }
   CHECK_THROWS_AS(a.record_stream(p, s), gpukit::invalid_argument_error);
+  // A CPU stream for record_stream or a stream-ordered free: refused, the allocation still live and freeable.
+  void* q = a.allocate(256, s);
+  gpukit::stream cpu_queue(gpukit::device::cpu());
+  for (const gpukit::stream_view cpu_stream : {gpukit::stream_view(cpu_queue),
+                                               gpukit::stream_view::default_stream(gpukit::device::cpu())}) {
+    CHECK_THROWS_WITH_AS(a.record_stream(q, cpu_stream), doctest::Contains("wrong device"),
+                         gpukit::invalid_argument_error);
+    CHECK_THROWS_WITH_AS(a.deallocate(q, cpu_stream), doctest::Contains("wrong device"),
+                         gpukit::invalid_argument_error);
+    CHECK(a.owns(q));
+  }
+  a.deallocate(q);
   CHECK_THROWS_AS(a.add_out_of_memory_observer(nullptr), gpukit::invalid_argument_error);
   if (gpukit::device_count() > 1) {
     gpukit::stream elsewhere(gpukit::device::cuda(1));

@@ -487,7 +487,8 @@ class async_allocator final : public device_allocator {
   /// record_stream and deallocate(p, s): unlike the caching allocator, no other device's stream (its events would
   /// be recorded and waited for across devices); the message says how to order the free instead.
   void check_user_device(const stream_view& stream, const char* operation) const {
-    if (stream.is_cpu() || stream.device() == device_) return;
+    if (stream.is_cpu()) check_device(stream, operation);  // a CPU stream: refused as everywhere ("wrong device")
+    if (stream.device() == device_) return;
     throw invalid_argument_error("gpukit::async_allocator::" + std::string(operation) + ": a stream of " +
                                      stream.device().to_string() + " for memory of " + device_.to_string() +
                                      ": async_allocator takes only streams of its own device here (nothing was "
