@@ -50,23 +50,64 @@ struct pool_holds_memory : small_device {
 
 }  // namespace
 
-TEST_CASE("upstreams: cudaMalloc out of memory gets what the default pool keeps unused, and tries once more") {
+TEST_CASE("upstreams: release_unused_elsewhere gives back what the default pool keeps unused, for cudaMalloc") {
   pool_holds_memory f;
   if (!f.configured) return;
   gpukit::cuda_upstream up(f.d);
-  void* p = up.allocate(32 * MiB);  // 48 MiB usable, 40 of them kept by the pool
-  CHECK(p != nullptr);
+  CHECK(up.allocate(32 * MiB) == nullptr);  // 48 MiB usable, 40 of them kept by the pool
+  CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 40 * MiB);  // allocate alone leaves it
+  CHECK(up.release_unused_elsewhere());
   CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 0);
+  void* p = up.allocate(32 * MiB);
+  CHECK(p != nullptr);
+  CHECK_FALSE(up.release_unused_elsewhere());  // nothing left to give
   CHECK(cudaGetLastError() == cudaSuccess);
   if (p != nullptr) up.deallocate(p, 32 * MiB);
 }
 
-TEST_CASE("upstreams: the caching allocator over cudaMalloc is not out of memory while the default pool keeps it") {
+TEST_CASE("upstreams: the caching allocator is not out of memory while the default pool keeps memory unused") {
   pool_holds_memory f;
   if (!f.configured) return;
   gpukit::caching_allocator a(f.d);
   void* p = a.allocate(30 * MiB, f.s);
   CHECK(a.stats().num_ooms == 0);
+  CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 0);
+  a.deallocate(p);
+  a.empty_cache();
+}
+
+TEST_CASE("upstreams: with expandable segments too, the pages come from what the default pool keeps unused") {
+  pool_holds_memory f;
+  if (!f.configured) return;
+  gpukit::allocator_options o;
+  o.expandable_segments = true;
+  o.expandable_segments_required = true;
+  gpukit::caching_allocator a(f.d, o);
+  void* p = a.allocate(30 * MiB, f.s);  // 15 pages of 2 MiB, from cuMemCreate
+  CHECK(a.stats().num_ooms == 0);
+  CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 0);
+  a.deallocate(p);
+  a.empty_cache();
+}
+
+TEST_CASE("upstreams: the allocator gives back its own cache before it takes what another user's pool keeps") {
+  small_device machine;
+  if (!machine.configured) return;
+  gpukit::stream s{gpukit::device::cuda(0)};
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
+  cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
+  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
+  void* kept = nullptr;
+  REQUIRE(cudaMallocAsync(&kept, 16 * MiB, s.cuda_handle()) == cudaSuccess);  // another user's cache: 16 MiB
+  REQUIRE(cudaFreeAsync(kept, s.cuda_handle()) == cudaSuccess);
+  s.synchronize();
+  gpukit::caching_allocator a(gpukit::device::cuda(0));
+  a.deallocate(a.allocate(20 * MiB, s));  // cached: 32 of the 48 usable MiB are held, 16 by each
+  REQUIRE(a.memory_reserved() >= 20 * MiB);
+  void* p = a.allocate(26 * MiB, s);  // fits once the allocator's own cache goes back
+  CHECK(a.stats().num_ooms == 0);
+  CHECK(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == 16 * MiB);  // the pool's cache was not needed
   a.deallocate(p);
   a.empty_cache();
 }
@@ -78,7 +119,8 @@ TEST_CASE("upstreams: memory the pool has handed out is not taken, and out of me
   REQUIRE(cudaMallocAsync(&live, 40 * MiB, f.s.cuda_handle()) == cudaSuccess);  // the pool's 40 MiB, in use again
   f.s.synchronize();
   gpukit::cuda_upstream up(f.d);
-  CHECK(up.allocate(32 * MiB) == nullptr);  // 8 MiB left: nothing the pool keeps unused could help
+  CHECK_FALSE(up.release_unused_elsewhere());  // nothing the pool keeps is unused
+  CHECK(up.allocate(32 * MiB) == nullptr);
   CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 40 * MiB);
   CHECK(cudaGetLastError() == cudaSuccess);
   REQUIRE(cudaFreeAsync(live, f.s.cuda_handle()) == cudaSuccess);

@@ -336,6 +336,44 @@ TEST_CASE("expandable segments required: a stream's range that cannot be reserve
   CHECK(f.invariants() == "");
 }
 
+TEST_CASE("expandable segments: a request that no longer fits in its stream's range takes an ordinary segment") {
+  // A range is the device's memory and an eighth: its address space can run out while memory is free, when freed
+  // holes are too small for a request. The request then takes an ordinary segment, with expandable segments
+  // required too (what is required is that ranges be reserved; this one was).
+  for (const bool required : {false, true}) {
+    CAPTURE(required);
+    gpukit::allocator_options o = expandable();
+    o.expandable_segments_required = required;
+    setup f(o, 64 * MiB);  // a range of 72 MiB
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) blocks.push_back(f.a.allocate(8 * MiB, f.s0));  // [0, 64 MiB) of the range
+    for (int i = 0; i < 8; i += 2) f.a.deallocate(blocks[static_cast<std::size_t>(i)]);
+    f.a.empty_cache();  // holes of 8 MiB, unmapped: 32 MiB mapped, 8 MiB of address space left at the end
+    CHECK(f.a.memory_reserved() == 32 * MiB);
+    void* p = f.a.allocate(12 * MiB, f.s0);
+    CHECK(f.a.stats().num_ooms == 0);
+    const auto snapshot = f.a.snapshot();
+    std::size_t expandable_segments = 0;
+    bool in_ordinary = false;
+    for (const auto& seg : snapshot.segments) {
+      if (seg.expandable) {
+        ++expandable_segments;
+      } else {
+        in_ordinary = in_ordinary || (reinterpret_cast<std::uintptr_t>(p) >= seg.address &&
+                                      reinterpret_cast<std::uintptr_t>(p) < seg.address + seg.size);
+      }
+    }
+    CHECK(expandable_segments == 1);
+    CHECK(in_ordinary);
+    std::vector<void*> live = {p};
+    for (int i = 1; i < 8; i += 2) live.push_back(blocks[static_cast<std::size_t>(i)]);
+    CHECK(f.invariants(live) == "");
+    for (void* q : live) f.a.deallocate(q);
+    f.a.empty_cache();
+    CHECK(f.a.upstream().used() == 0);
+  }
+}
+
 TEST_CASE("expandable segments: a range that cannot be reserved means ordinary segments from then on, said once") {
   // Not required: the allocator falls back, with a warning, instead of trying (and failing) to reserve again at
   // every growth and leaving streams with both kinds of segment unannounced.

@@ -175,6 +175,14 @@ template <class U>
 struct has_virtual_memory_query<U, std::void_t<decltype(std::declval<const U&>().virtual_memory_supported())>>
     : std::true_type {};
 
+/// Upstreams that can make the device give back memory held outside the allocator (cuda_upstream: the default memory
+/// pool's unused memory), the last resort before out of memory.
+template <class U, class = void>
+struct has_release_elsewhere : std::false_type {};
+template <class U>
+struct has_release_elsewhere<U, std::void_t<decltype(std::declval<U&>().release_unused_elsewhere())>> : std::true_type {
+};
+
 /// Whether a StreamOps policy describes streams for messages (`describe`).
 template <class Ops, class = void>
 struct has_stream_describe : std::false_type {};
@@ -938,6 +946,9 @@ class basic_caching_allocator {
   /// Maps the unmapped pages under the first `size` bytes of free block `b` of an expandable segment. False when
   /// the reserved limit (`limit_hit`) or the upstream refuses a page; nothing stays mapped then.
   bool map_pages(block* b, std::size_t size, bool& limit_hit);
+  /// The last resort once the cache is given back: the upstream's release_unused_elsewhere(), with the lock released.
+  /// False (nothing asked) when the upstream has none or our own limit refused (`limit_hit`).
+  bool release_elsewhere(std::unique_lock<detail::spin_mutex>& lock, bool limit_hit);
   /// Counts page `i` of `seg` as mapped (statistics, history).
   void note_mapped(segment* seg, std::size_t i) noexcept;
   /// Unmaps `n` pages of `seg` (indices `pages`) that map_pages mapped for a request it then failed.

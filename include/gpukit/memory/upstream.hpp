@@ -262,10 +262,13 @@ class cuda_upstream {
   cuda_upstream& operator=(const cuda_upstream& other) noexcept;
 
   /// cudaMalloc; nullptr for cudaErrorMemoryAllocation (the allocator retries after freeing its cache); any other
-  /// failure (no driver, invalid device) throws the matching gpukit exception. Before giving up, what the device's
-  /// default memory pool keeps unused goes back to the driver (cudaMemPoolTrimTo(pool, 0): memory that
-  /// cudaMallocAsync's users freed and keep up to a release threshold) and cudaMalloc is tried once more.
+  /// failure (no driver, invalid device) throws the matching gpukit exception.
   [[nodiscard]] void* allocate(std::size_t bytes);
+  /// The caching allocator's last resort, once its own cache is given back and the device is still full: what the
+  /// device's default memory pool keeps unused goes back to the driver (cudaMemPoolTrimTo(pool, 0): memory that
+  /// cudaMallocAsync's users, such as async_allocator or another library, freed and keep up to a release threshold).
+  /// True when the pool gave some back. Never throws.
+  bool release_unused_elsewhere() noexcept;
 
   /// cudaFree, which waits for all work of the device; a failure is reported through gpukit::warn.
   void deallocate(void* p, std::size_t /*bytes*/) noexcept;
@@ -353,6 +356,8 @@ class device_upstream {
   [[nodiscard]] void* allocate(std::size_t bytes);
   /// Returns a segment; `bytes` must be the size it was allocated with. On CUDA, cudaFree waits for the device.
   void deallocate(void* p, std::size_t bytes) noexcept;
+  /// cuda_upstream::release_unused_elsewhere() on a CUDA device; false on the CPU.
+  bool release_unused_elsewhere() noexcept;
   /// The CUDA device's free and total memory (cudaMemGetInfo), or the host's physical memory for the CPU.
   upstream_memory_info memory_info() const;
   /// True on CUDA devices (cudaFree waits for the device); false on the CPU, whose memory is freed at once.
@@ -773,18 +778,22 @@ GPUKIT_INLINE bool trim_default_pool(const gpukit::device& d) noexcept {
 GPUKIT_INLINE void* cuda_upstream::allocate(std::size_t bytes) {
   device_guard guard(device_);
   void* p = nullptr;
-  cudaError_t result = cudaMalloc(&p, bytes);
+  const cudaError_t result = cudaMalloc(&p, bytes);
   if (result == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    if (!detail::trim_default_pool(device_)) return nullptr;
-    result = cudaMalloc(&p, bytes);
-    if (result == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
+    return nullptr;
   }
   GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaMalloc(" + std::to_string(bytes) + ")", device_.ordinal());
   return p;
+}
+
+GPUKIT_INLINE bool cuda_upstream::release_unused_elsewhere() noexcept {
+  try {
+    device_guard guard(device_);
+    return detail::trim_default_pool(device_);
+  } catch (...) {  // the device cannot be made current: nothing was given back
+    return false;
+  }
 }
 
 GPUKIT_INLINE void cuda_upstream::deallocate(void* p, std::size_t /*bytes*/) noexcept {
@@ -1083,6 +1092,10 @@ GPUKIT_INLINE device_upstream::device_upstream(gpukit::device d) : device_(d) {
 
 GPUKIT_INLINE void* device_upstream::allocate(std::size_t bytes) {
   return cuda_ ? cuda_->allocate(bytes) : host_.allocate(bytes);
+}
+
+GPUKIT_INLINE bool device_upstream::release_unused_elsewhere() noexcept {
+  return cuda_ ? cuda_->release_unused_elsewhere() : false;
 }
 
 GPUKIT_INLINE void device_upstream::deallocate(void* p, std::size_t bytes) noexcept {
