@@ -116,7 +116,10 @@ GPUKIT_INLINE void set_current_device(device d);
 /// context in every process that uses only another GPU. A thread that had no context current gets cudaGetDevice's
 /// device back only if that device's primary context is active (else it keeps `d` current), and nothing is restored
 /// onto a device whose primary context is no longer active. The driver is asked through
-/// cudaGetDriverEntryPointByVersion (detail/driver_api.hpp).
+/// cudaGetDriverEntryPointByVersion (detail/driver_api.hpp). Devices, not contexts, are restored: a context the thread
+/// made current with the driver API (cuCtxCreate, a green context, a video codec's) is replaced, when the guard
+/// switches devices, by the primary contexts of `d` and then of its own device. Keep such a context current around
+/// gpukit calls with cuCtxSetCurrent, or make them on another thread.
 class device_guard {
  public:
   /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
