@@ -193,8 +193,8 @@ TEST_CASE("gpu: async_allocator refuses the CPU, other devices' streams, and poi
   // A CPU stream for record_stream or a stream-ordered free: refused, the allocation still live and freeable.
   void* q = a.allocate(256, s);
   gpukit::stream cpu_queue(gpukit::device::cpu());
-  for (const gpukit::stream_view cpu_stream : {gpukit::stream_view(cpu_queue),
-                                               gpukit::stream_view::default_stream(gpukit::device::cpu())}) {
+  for (const gpukit::stream_view cpu_stream :
+       {gpukit::stream_view(cpu_queue), gpukit::stream_view::default_stream(gpukit::device::cpu())}) {
     CHECK_THROWS_WITH_AS(a.record_stream(q, cpu_stream), doctest::Contains("wrong device"),
                          gpukit::invalid_argument_error);
     CHECK_THROWS_WITH_AS(a.deallocate(q, cpu_stream), doctest::Contains("wrong device"),
