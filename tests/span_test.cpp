@@ -5,6 +5,7 @@
 
 #include <array>
 #include <string>
+#include <type_traits>
 #include <vector>
 #if __cplusplus >= 202002L && __has_include(<span>)
 #include <span>
@@ -44,4 +45,22 @@ TEST_CASE("span views containers, arrays and pointer ranges") {
   gpukit::span<int> back = standard;
   CHECK(back.data() == v.data());
 #endif
+}
+
+namespace {
+struct span_base {
+  int a;
+};
+struct span_derived : span_base {
+  int b;
+};
+}  // namespace
+
+TEST_CASE("span of a base class refuses containers and spans of a derived class, as std::span does") {
+  // Derived* converts to Base*, but a span<Base> over Derived objects would stride by sizeof(Base).
+  CHECK_FALSE(std::is_constructible<gpukit::span<span_base>, std::vector<span_derived>&>::value);
+  CHECK_FALSE(std::is_constructible<gpukit::span<span_base>, gpukit::span<span_derived>&>::value);
+  CHECK_FALSE(std::is_constructible<gpukit::span<const span_base>, const std::vector<span_derived>&>::value);
+  CHECK(std::is_constructible<gpukit::span<const span_derived>, std::vector<span_derived>&>::value);
+  CHECK(std::is_constructible<gpukit::span<const int>, gpukit::span<int>&>::value);
 }

@@ -53,8 +53,11 @@ class span {
   constexpr span(const span<U>& other) noexcept : data_(other.data()), size_(other.size()) {}  // NOLINT
   /// From a contiguous container with data() and size() (std::vector, std::array, std::string, std::span ...).
   template <class Container,
-            class = std::enable_if_t<!std::is_same<std::remove_cv_t<std::remove_reference_t<Container>>, span>::value &&
-                                     std::is_convertible<decltype(std::declval<Container&>().data()), T*>::value>,
+            class = std::enable_if_t<
+                !std::is_same<std::remove_cv_t<std::remove_reference_t<Container>>, span>::value &&
+                // As std::span: qualification conversions only (no Derived → Base)
+                std::is_convertible<std::remove_pointer_t<decltype(std::declval<Container&>().data())> (*)[],
+                                    T (*)[]>::value>,
             class = decltype(std::declval<Container&>().size())>
   constexpr span(Container&& c) noexcept : data_(c.data()), size_(c.size()) {}  // NOLINT(google-explicit-constructor)
   /// From a C array.

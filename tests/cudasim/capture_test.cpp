@@ -3524,3 +3524,60 @@ TEST_CASE("capture: a host function on the legacy stream is refused while anothe
   CHECK(ran);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a temporary device buffer copied on another stream than its own is not freed under the copy") {
+  // The temporary frees in its own stream's order at the end of the expression; the copy on `b` is still held.
+  gpukit::stream a(cuda0);
+  gpukit::stream b(cuda0);
+  cudasim::reuse_pool_addresses(true);
+  const std::size_t n = 1 << 16;
+  const auto filled = [&] {
+    gpukit::device_buffer<int> d(n, a);
+    gpukit::copy_async(d, std::vector<int>(n, 7), a);
+    return d;
+  };
+  const auto overwrite_freed_block = [&] {  // a new allocation on `a` may get the freed block
+    a.synchronize();
+    gpukit::device_buffer<int> other(n, a);
+    gpukit::copy_async(other, std::vector<int>(n, 0), a);
+    a.synchronize();
+  };
+  gpukit::pinned_buffer<int> out(n, cuda0);
+  gpukit::device_buffer<int> d2d(n, b);
+  {
+    gpukit_test::gate g;
+    g.hold(b);
+    gpukit::copy_async(out, filled(), b);  // one DMA into pinned memory
+    gpukit::copy_async(d2d, filled(), b);  // device to device
+    overwrite_freed_block();
+    g.open();
+    b.synchronize();
+  }
+  cudasim::reuse_pool_addresses(false);
+  CHECK(out.data()[0] == 7);
+  CHECK(out.data()[n - 1] == 7);
+  CHECK(gpukit::to_host(d2d, b) == std::vector<int>(n, 7));
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a temporary device buffer is refused on a capturing stream, nothing enqueued") {
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  gpukit::device_buffer<int> x(256, s);
+  gpukit::device_buffer<int> tmp(256, other);
+  gpukit::pinned_buffer<int> pinned(256, cuda0);
+  const std::size_t copies = cudasim::calls("cudaMemcpyAsync");
+  {
+    capture c(s);
+    const std::string d2d = invalid_argument_message([&] { gpukit::copy_async(x, std::move(tmp), s); });
+    check_capture_message(d2d, "copy_async", s);
+    CHECK(d2d.find("temporary device buffer") != std::string::npos);
+    check_capture_message(invalid_argument_message([&] { gpukit::copy_async(pinned, std::move(tmp), s); }),
+                          "copy_async", s);
+    CHECK(cudasim::calls("cudaMemcpyAsync") == copies);
+    gpukit::copy_async(pinned, tmp, s);  // an lvalue outlives the graph: captured
+    REQUIRE(c.end() == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+}

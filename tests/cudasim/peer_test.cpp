@@ -4,16 +4,21 @@
 // than the default two devices configure it and are Skipped when an earlier test of the process initialised CUDA.
 #include <gpukit/gpukit.hpp>
 #include <gpukit/device/peer_access.hpp>
+#include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
 
+#include "call_during_capture.hpp"
 #include "cudasim.hpp"
 #include "support.hpp"
 
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <optional>
@@ -527,4 +532,123 @@ TEST_CASE("peer: a copy across devices on the current streams that its checks re
   CHECK(text.find("is a null pointer") != std::string::npos);
   CHECK(cudasim::calls("cudaEventRecord") == records);
   CHECK(cudasim::calls("cudaStreamWaitEvent") == waits);
+}
+
+TEST_CASE(
+    "peer: copy_peer_async on the legacy stream is refused during another thread's capture, errors name its device") {
+  cudasim::allow_contexts_only_on({0, 1});
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit::stream_options o;
+  o.non_blocking = false;
+  gpukit::stream blocking(cuda0, o);
+  gpukit::stream s0(cuda0);
+  gpukit::stream s1(cuda1);
+  gpukit::device_buffer<int> a(1024, s0);
+  gpukit::device_buffer<int> b(1024, s1);
+  s1.synchronize();
+  const std::size_t bytes = a.size() * sizeof(int);
+  const gpukit_test::call_in_capture seen = gpukit_test::call_during_capture(
+      blocking, [&] { gpukit::copy_peer_async(b.data(), cuda1, a.data(), cuda0, bytes, legacy); });
+  CHECK(seen.returned);
+  INFO("refusal: " << seen.refusal);
+  INFO("capture error: " << seen.capture_error);
+  CHECK(seen.capture_error.empty());  // the capture stays valid
+  CHECK(seen.refusal.find("copy_peer_async") != std::string::npos);
+  CHECK(cudasim::take_violations().empty());
+  // Outside a capture it is enqueued on the legacy stream.
+  gpukit::copy_peer_async(b.data(), cuda1, a.data(), cuda0, bytes, legacy);
+  legacy.synchronize();
+  // The call runs on the stream's device (cuda:0 here), which a failure names.
+  cudasim::fail_call("cudaMemcpyPeerAsync", 1, cudaErrorInvalidValue);
+  const std::string text =
+      exception_text([&] { gpukit::copy_peer_async(b.data(), cuda1, a.data(), cuda0, bytes, s0); });
+  INFO(text);
+  CHECK(text.find("failed on cuda:0") != std::string::npos);
+  CHECK(text.find("cuda:1:") == std::string::npos);
+  cudasim::drain_all();
+}
+
+TEST_CASE(
+    "peer: a cross-device copy on the legacy streams is not refused after it ran when a capture begins meanwhile") {
+  // Another thread begins a gpukit capture of a blocking cuda:1 stream between the copy and its last event wait on
+  // cuda:1's legacy stream. The capture must wait for the whole sequence, not refuse its last step.
+  cudasim::allow_contexts_only_on({0, 1});
+  gpukit::device_buffer<int> src(1024, gpukit::stream_view::default_stream(cuda0));
+  gpukit::device_buffer<int> dst(1024, gpukit::stream_view::default_stream(cuda1));
+  gpukit::copy_async(src, std::vector<int>(1024, 1));
+  gpukit::copy_async(dst, std::vector<int>(1024, 0));
+  gpukit::stream_options o;
+  o.non_blocking = false;
+  gpukit::stream blocking1(cuda1, o);
+  std::mutex m;
+  std::condition_variable cv;
+  bool started = false;
+  bool finish = false;
+  std::string capture_error;
+  std::thread capturer;
+  cudasim::before_call("cudaEventRecord", 2, [&] {  // the record after the copy
+    capturer = std::thread([&] {
+      try {
+        gpukit::graph g = gpukit::capture(blocking1, [&] {
+          std::unique_lock<std::mutex> lock(m);
+          started = true;
+          cv.notify_all();
+          cv.wait_for(lock, std::chrono::seconds(20), [&] { return finish; });
+        });
+      } catch (const std::exception& e) {
+        capture_error = e.what();
+      }
+    });
+    // Bounded: with the holds kept, the capture waits for this copy_async to return.
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait_for(lock, std::chrono::seconds(2), [&] { return started; });
+  });
+  std::string refusal;
+  try {
+    gpukit::copy_async(dst, src);  // the current streams: the legacy streams of cuda:1 and cuda:0
+  } catch (const gpukit::invalid_argument_error& e) {
+    refusal = e.what();
+  }
+  {
+    std::lock_guard<std::mutex> lock(m);
+    finish = true;
+  }
+  cv.notify_all();
+  if (capturer.joinable()) capturer.join();
+  cudasim::clear_faults();
+  cudasim::drain_all();
+  INFO("refusal: " << refusal);
+  INFO("capture error: " << capture_error);
+  CHECK(refusal.empty());
+  CHECK(capture_error.empty());
+  CHECK(gpukit::to_host(dst, gpukit::stream_view::default_stream(cuda1)) == std::vector<int>(1024, 1));
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE("peer: a temporary device buffer copied across devices on the current streams is not freed under the copy") {
+  // The temporary frees on its own stream `a`, not on the copy's (cuda:0's legacy stream, held here).
+  cudasim::allow_contexts_only_on({0, 1});
+  gpukit::stream a(cuda0);
+  cudasim::reuse_pool_addresses(true);
+  const std::size_t n = 1 << 16;
+  gpukit::device_buffer<int> dst(n, gpukit::stream_view::default_stream(cuda1));
+  const auto filled = [&] {
+    gpukit::device_buffer<int> d(n, a);
+    gpukit::copy_async(d, std::vector<int>(n, 7), a);
+    return d;
+  };
+  {
+    gpukit_test::gate g;
+    g.hold(gpukit::stream_view::default_stream(cuda0));
+    gpukit::copy_async(dst, filled());
+    a.synchronize();
+    gpukit::device_buffer<int> other(n, a);  // may get the freed block
+    gpukit::copy_async(other, std::vector<int>(n, 0), a);
+    a.synchronize();
+    g.open();
+    cudasim::drain_all();
+  }
+  cudasim::reuse_pool_addresses(false);
+  CHECK(gpukit::to_host(dst, gpukit::stream_view::default_stream(cuda1)) == std::vector<int>(n, 7));
+  CHECK(cudasim::take_violations().empty());
 }

@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 using gpukit_test::gate;
@@ -643,4 +644,26 @@ TEST_CASE("bad input through to_device and to_host: the error names the call mad
   const std::string copy = invalid_argument_message(
       [&] { gpukit::copy_async(host, gpukit::device_span<int>(device_memory.data(), 10, cpu), s); });
   CHECK(copy.rfind("gpukit::copy_async: ", 0) == 0);
+}
+
+namespace {
+struct copy_base {
+  int a;
+};
+struct copy_derived : copy_base {
+  int b;
+};
+/// A duck-typed device buffer of copy_derived.
+struct derived_buffer {
+  copy_derived* data() { return nullptr; }
+  std::size_t size() { return 0; }
+  gpukit::device device() { return gpukit::device::cpu(); }
+  gpukit::stream_view stream() { return gpukit::stream_view::default_stream(gpukit::device::cpu()); }
+};
+}  // namespace
+
+TEST_CASE("device_span of a base class refuses a buffer of a derived class, as std::span does") {
+  CHECK_FALSE(std::is_constructible<gpukit::device_span<copy_base>, derived_buffer&>::value);
+  CHECK(std::is_constructible<gpukit::device_span<const copy_derived>, derived_buffer&>::value);
+  CHECK(std::is_constructible<gpukit::device_span<const int>, gpukit::device_buffer<int>&>::value);
 }

@@ -24,6 +24,13 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
 using namespace std::chrono_literals;
 using gpukit_test::gate;
 using gpukit_test::patterned;
@@ -567,3 +574,46 @@ TEST_CASE("a slot's capacity is its block's size class: a slightly larger chunk 
   CHECK(after.allocations == before.allocations);
   CHECK(after.upstream_allocations == before.upstream_allocations);
 }
+
+#if defined(__linux__)
+namespace {
+/// Threads of the calling process (/proc/self/task).
+int thread_count() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+}  // namespace
+
+TEST_CASE("parallel_copy in a child of fork() starts helpers of its own and copies") {
+  std::vector<char> a(1 << 20);
+  std::vector<char> b(a.size(), 0);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<char>(i * 7);
+  for (int i = 0; i < 20; ++i) gpukit::parallel_copy(b.data(), a.data(), a.size(), 8);  // the parent's helpers
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // only async-signal-safe calls besides gpukit's: exit status 0 when helpers ran
+    std::fill(b.begin(), b.end(), 0);
+    for (int i = 0; i < 200; ++i) gpukit::parallel_copy(b.data(), a.data(), a.size(), 8);
+    const bool helpers = thread_count() > 1;  // the inherited pool's threads do not exist here
+    _exit(b == a ? (helpers ? 0 : 2) : 3);
+  }
+  // Bounded: a child that deadlocks on the parent's lock state is killed.
+  int status = 0;
+  pid_t waited = 0;
+  for (int i = 0; i < 600 && waited == 0; ++i) {
+    waited = waitpid(pid, &status, WNOHANG);
+    if (waited == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (waited == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    FAIL("the child did not finish within 60 s");
+  }
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // 2: no helper started in the child, 3: wrong data
+}
+#endif

@@ -20,11 +20,12 @@
 /// every case. A temporary (an rvalue vector, std::array, pinned_buffer or pooled_pinned_buffer) is freed at the end
 /// of the caller's expression, so where one DMA reads or writes its page-locked memory, copy_async waits for the copy
 /// before returning, as to_device does; a pooled_pinned_buffer's block is kept for the copy instead where the stream
-/// can be recorded (see below). On a stream being captured such a temporary is refused. A copy into pageable memory
-/// waits for the stream's earlier work and returns with the data, as CUDA's own cudaMemcpyAsync into pageable memory
-/// does (see <gpukit/transfer/staging.hpp>). On the CPU device the same table holds: "device" memory is host memory,
-/// copies are memcpy enqueued on the CPU stream (asynchronous and ordered like on a GPU), and pageable memory is staged
-/// the same way.
+/// can be recorded (see below). A temporary device buffer frees in its own stream's order: copied on another stream,
+/// its memory is kept for the copy (record_stream) or the copy waited for. On a stream being captured such
+/// temporaries are refused. A copy into pageable memory waits for the stream's earlier work and returns with the
+/// data, as CUDA's own cudaMemcpyAsync into pageable memory does (see <gpukit/transfer/staging.hpp>). On the CPU
+/// device the same table holds: "device" memory is host memory, copies are memcpy enqueued on the CPU stream
+/// (asynchronous and ordered like on a GPU), and pageable memory is staged the same way.
 ///
 /// Checks, before anything is enqueued (each throws invalid_argument_error; nothing is left in a ring):
 /// - sizes differ (element counts; element types must match at compile time);
@@ -62,6 +63,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -110,6 +112,54 @@ struct default_engine {
   device_copier copier() const noexcept;  // what the default engines use
 };
 
+/// The legacy default streams among two streams of different devices, held (legacy_stream_hold) from construction to
+/// destruction, so that no gpukit capture of a blocking stream of their devices begins meanwhile; a hold refused throws
+/// at construction (nothing done). Work on a held stream is then enqueued without taking the hold again, which a
+/// capture waiting for this one would refuse.
+class legacy_holds {
+ public:
+  legacy_holds(const stream_view& a, const stream_view& b) {
+    const stream_view streams[2] = {a, b};
+    for (int i = 0; i < 2; ++i) {
+      if (!is_legacy(streams[i])) continue;
+      holds_[i].emplace(streams[i].device().ordinal());
+      refuse_legacy_stream_join("copy_async (across devices, on the legacy default stream)", streams[i],
+                                holds_[i]->refused());
+      held_[i] = streams[i];
+    }
+  }
+  legacy_holds(const legacy_holds&) = delete;
+  legacy_holds& operator=(const legacy_holds&) = delete;
+
+  bool holds(const stream_view& s) const noexcept {
+    return (holds_[0] && held_[0] == s) || (holds_[1] && held_[1] == s);
+  }
+  void record(event& e, const stream_view& s) const {
+    if (!holds(s)) return e.record(s);
+    cuda_backend::record_event(e.cuda_handle(), s.device().ordinal(), s.native_handle());
+  }
+  void wait(const event& e, const stream_view& s) const {
+    if (!holds(s)) return e.wait(s);
+    cuda_backend::wait_event(s.cuda_target(), e.cuda_handle(), e.device().ordinal());
+  }
+
+ private:
+  static bool is_legacy(const stream_view& s) noexcept { return !s.is_cpu() && s.is_default() && !s.is_per_thread(); }
+  std::optional<legacy_stream_hold> holds_[2];
+  stream_view held_[2];
+};
+
+/// device_copier's copy on a legacy stream that legacy_holds holds (engines: never used, device to device only).
+struct held_legacy_engine {
+  struct copier_type {
+    void operator()(void* dst, const void* src, std::size_t bytes, copy_direction, stream_view s) const {
+      cuda_backend::copy_async(dst, src, bytes, s.native_handle(), s.device().ordinal());
+    }
+  };
+  staging_engine& operator()(gpukit::device d) const;
+  copier_type copier() const noexcept { return {}; }
+};
+
 /// Dispatches a copy that check_copy accepted (`host_pinned`: its answer). True when it enqueued one DMA on `s` that
 /// reads or writes the host side when `s` gets to it (false: staged, or device to device).
 template <class EngineFor>
@@ -143,12 +193,18 @@ inline constexpr std::string_view capture_advice_temporary =
     "the page-locked host side is a temporary, freed at the end of the expression, and the graph's copy node would "
     "read or write it at each launch; copy from or into pinned memory that outlives the graph (nothing was enqueued)";
 
+/// What to do instead of a temporary device buffer in a capture.
+inline constexpr std::string_view capture_advice_temporary_device =
+    "a side is a temporary device buffer, freed at the end of the expression, and the graph's copy node would read "
+    "or write it at each launch; copy from or into a buffer that outlives the graph (nothing was enqueued)";
+
 /// Checks and dispatches a copy (see the file comment); returns what dispatch_copy returns (false: nothing to copy).
 /// `temporary_host`: the host side is memory a temporary owns, which one DMA may not use after the call (refused in
-/// a capture; the caller waits otherwise).
+/// a capture; the caller waits otherwise). `temporary_device`: a side is a temporary device buffer (refused in a
+/// capture; the caller keeps its memory for the copy otherwise).
 template <class EngineFor>
 bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
-                EngineFor engine_for, const char* operation, bool temporary_host) {
+                EngineFor engine_for, const char* operation, bool temporary_host, bool temporary_device = false) {
   if (dst.count != src.count) {
     copy_misuse(operation, "size mismatch: " + describe_side("the destination", dst, element_size) + " and " +
                                describe_side("the source", src, element_size) + " differ");
@@ -157,6 +213,9 @@ bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_
   const bool host_pinned = check_copy(dst, src, element_size, s.device(), operation);
   if (host_pinned && temporary_host) {
     refuse_capture(s, s.device(), std::string("gpukit::") + operation, capture_advice_temporary);
+  }
+  if (temporary_device) {
+    refuse_capture(s, s.device(), std::string("gpukit::") + operation, capture_advice_temporary_device);
   }
   return dispatch_copy(dst, src, element_size, s, engine_for, host_pinned, operation);
 }
@@ -212,7 +271,7 @@ bool keep_block_for_copy(const X& x, const stream_view& s) {
 }
 
 /// Whether X, as an rvalue, owns host memory that goes at the end of the caller's expression (spans own nothing;
-/// device buffers free stream-ordered).
+/// device buffers free in their own stream's order: is_temporary_device_buffer).
 template <class X>
 struct owns_host_memory : std::integral_constant<bool, is_pinned_container<std::remove_cv_t<X>>::value ||
                                                            is_host_container<std::remove_cv_t<X>>::value> {};
@@ -221,6 +280,36 @@ struct owns_host_memory : std::integral_constant<bool, is_pinned_container<std::
 template <class Arg>
 inline constexpr bool is_temporary_host_memory =
     !std::is_lvalue_reference<Arg>::value && owns_host_memory<std::remove_reference_t<Arg>>::value;
+
+/// Whether an argument of forwarded type Arg is a temporary device buffer.
+template <class Arg>
+inline constexpr bool is_temporary_device_buffer =
+    !std::is_lvalue_reference<Arg>::value &&
+    is_device_buffer_like<std::remove_cv_t<std::remove_reference_t<Arg>>>::value;
+
+template <class X, class = void>
+struct has_record_stream : std::false_type {};
+template <class X>
+struct has_record_stream<X, std::void_t<decltype(std::declval<X&>().record_stream(std::declval<stream_view>()))>>
+    : std::true_type {};
+
+/// After a copy enqueued on `s` that uses temporary device buffer `x`: `x` frees in the order of its own stream at
+/// the end of the caller's expression, so where that is not `s` its block is kept for the copy (record_stream), or
+/// the copy is waited for.
+template <class X>
+void keep_device_buffer_for_copy(X& x, const stream_view& s) {
+  if constexpr (std::is_convertible<decltype(x.stream()), stream_view>::value) {
+    if (stream_view(x.stream()) == s) return;
+  }
+  if constexpr (has_record_stream<X>::value) {
+    try {
+      x.record_stream(s);
+      return;
+    } catch (...) {  // waited for instead
+    }
+  }
+  synchronize_before_freeing(s);
+}
 
 /// Where `x`'s memory is for a copy on `s`: where its located view says, except that on a CUDA stream a pinned
 /// container whose memory is not page-locked (one of the CPU device, or of a pool without page-locked memory) is
@@ -273,12 +362,20 @@ void copy_located(Dst&& dst_arg, Src&& src_arg, stream_view s, EngineFor engine_
                   const char* operation = "copy_async") {
   constexpr bool temporary_dst = is_temporary_host_memory<Dst>;
   constexpr bool temporary_src = is_temporary_host_memory<Src>;
+  constexpr bool device_dst = is_temporary_device_buffer<Dst>;
+  constexpr bool device_src = is_temporary_device_buffer<Src>;
   const copy_sides sides = sides_of(dst_arg, src_arg, s);
   // Only the host side can be a temporary owning host memory: a host-to-host copy does not compile.
-  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src)) {
+  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src,
+                 device_dst || device_src)) {
     const bool dst_kept = keep_block_for_copy(dst_arg, s);
     const bool src_kept = keep_block_for_copy(src_arg, s);
     if ((temporary_dst && !dst_kept) || (temporary_src && !src_kept)) synchronize_before_freeing(s);
+  }
+  // Device to device and staged copies return false above but may still use a temporary device buffer on `s`.
+  if (sides.dst.count != 0) {
+    if constexpr (device_dst) keep_device_buffer_for_copy(dst_arg, s);
+    if constexpr (device_src) keep_device_buffer_for_copy(src_arg, s);
   }
 }
 
@@ -321,14 +418,27 @@ void copy_async(Dst&& dst, Src&& src) {
     // The copy's own checks, before the events tie the two streams together.
     const detail::copy_sides sides = detail::sides_of(dst, src, s);
     (void)detail::check_copy(sides.dst, sides.src, sides.element_size, s.device(), "copy_async");
-    event destination_ready(to.device());
-    destination_ready.record(destination_stream);
-    destination_ready.wait(s);
-    (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::default_engine{}, false,
-                                "copy_async");
-    event copied(from.device());
-    copied.record(s);
-    copied.wait(destination_stream);
+    // A legacy stream's hold is taken once for the whole sequence, or refused before anything is enqueued: taken step
+    // by step, a capture begun in between would refuse the last wait after the copy ran.
+    {
+      const detail::legacy_holds held(s, destination_stream);
+      event destination_ready(to.device());
+      held.record(destination_ready, destination_stream);
+      held.wait(destination_ready, s);
+      if (held.holds(s)) {
+        (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::held_legacy_engine{}, false,
+                                    "copy_async");
+      } else {
+        (void)detail::dispatch_copy(sides.dst, sides.src, sides.element_size, s, detail::default_engine{}, false,
+                                    "copy_async");
+      }
+      event copied(from.device());
+      held.record(copied, s);
+      held.wait(copied, destination_stream);
+    }
+    // After the holds: a wait for the copy here must not hold back a capture it would wait for.
+    if constexpr (detail::is_temporary_device_buffer<Dst>) detail::keep_device_buffer_for_copy(dst, s);
+    if constexpr (detail::is_temporary_device_buffer<Src>) detail::keep_device_buffer_for_copy(src, s);
   } else if constexpr (from_device) {
     copy_async(std::forward<Dst>(dst), std::forward<Src>(src), current_stream(from.device()));
   } else {
@@ -350,8 +460,9 @@ void copy_async(Dst&& dst, Src&& src, stream_view s, basic_staging_engine<Copier
 /// track (copy_async does the same for device spans and buffers, with its checks). Works whether or not peer access
 /// is enabled (<gpukit/device/peer_access.hpp>); without it the driver goes through the host. Both sides are ready
 /// once the stream passed the copy. Throws invalid_argument_error for a CPU device or stream, another thread's
-/// per-thread default stream, or a null pointer with a non-zero size; the gpukit error of the failed call otherwise.
-/// Zero bytes: a no-op.
+/// per-thread default stream, or a null pointer with a non-zero size, and on the legacy default stream while a
+/// capture of a blocking stream of its device is underway (as device_copier); the gpukit error of the failed call,
+/// naming the stream's device, otherwise. Zero bytes: a no-op.
 GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
                                    std::size_t bytes, stream_view s);
 
@@ -479,6 +590,10 @@ GPUKIT_INLINE bool check_copy(const copy_side& dst, const copy_side& src, std::s
 GPUKIT_INLINE staging_engine& default_engine::operator()(gpukit::device d) const { return default_staging_engine(d); }
 
 GPUKIT_INLINE device_copier default_engine::copier() const noexcept { return {}; }
+
+GPUKIT_INLINE staging_engine& held_legacy_engine::operator()(gpukit::device d) const {
+  return default_staging_engine(d);
+}
 }  // namespace detail
 
 GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const void* src, gpukit::device src_device,
@@ -494,6 +609,14 @@ GPUKIT_INLINE void copy_peer_async(void* dst, gpukit::device dst_device, const v
   }
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("copy_peer_async");
   detail::note_cuda_use();
+  if (s.is_default() && !s.is_per_thread()) {
+    // As device_copier: on the legacy stream the copy would join a gpukit capture of a blocking stream begun meanwhile.
+    const detail::legacy_stream_hold hold(s.device().ordinal());
+    detail::refuse_legacy_stream_join("copy_peer_async (cudaMemcpyPeerAsync on the legacy default stream)", s,
+                                      hold.refused());
+    return detail::cuda_backend::copy_peer_async(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes,
+                                                 s.cuda_target());
+  }
   detail::cuda_backend::copy_peer_async(dst, dst_device.ordinal(), src, src_device.ordinal(), bytes, s.cuda_target());
 }
 

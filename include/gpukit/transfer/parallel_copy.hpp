@@ -23,6 +23,10 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if !defined(_WIN32)
+#include <unistd.h>  // getpid
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -93,6 +97,15 @@ class copy_workers {
 
   copy_workers() = default;
 
+  static long current_pid() noexcept {
+#if defined(_WIN32)
+    return 0;  // no fork()
+#else
+    return static_cast<long>(::getpid());
+#endif
+  }
+
+  const long pid_ = current_pid();  // the process that created this pool
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<job>> queue_;
@@ -139,8 +152,19 @@ GPUKIT_INLINE void copy_part(void* dst, const void* src, std::size_t bytes, bool
 }
 
 GPUKIT_INLINE copy_workers& copy_workers::instance() {
-  static copy_workers* workers = new copy_workers();  // leaked on purpose: see the class comment
-  return *workers;
+  // Leaked on purpose: see the class comment. A child of fork() inherits a pool whose threads it does not have and
+  // whose mutex a helper may have held at the fork: it gets a pool of its own, the old one left untouched.
+  static std::atomic<copy_workers*> workers{nullptr};
+  const long pid = current_pid();
+  copy_workers* w = workers.load(std::memory_order_acquire);
+  while (w == nullptr || w->pid_ != pid) {
+    auto* fresh = new copy_workers();
+    if (workers.compare_exchange_strong(w, fresh, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      return *fresh;
+    }
+    delete fresh;  // another thread installed one (no thread started yet)
+  }
+  return *w;
 }
 
 GPUKIT_INLINE void copy_workers::copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming) {

@@ -208,8 +208,9 @@ class device_span {
   device_span(gpukit::span<T> s, gpukit::device d) noexcept : data_(s.data()), size_(s.size()), device_(d) {}
   /// From a device buffer (gpukit::device_buffer<T> or anything with data(), size(), device() and stream()).
   template <class Buffer, class = std::enable_if_t<detail::is_device_buffer_like<Buffer>::value>,
-            class = std::enable_if_t<std::is_convertible<decltype(std::declval<Buffer&>().data()), T*>::value>>
-  device_span(Buffer& b) : data_(b.data()), size_(b.size()), device_(b.device()) {}  // NOLINT: implicit
+            class = std::enable_if_t<detail::is_element_convertible<
+                std::remove_pointer_t<decltype(std::declval<Buffer&>().data())>, T>::value>>  // not Derived → Base
+  device_span(Buffer& b) : data_(b.data()), size_(b.size()), device_(b.device()) {}           // NOLINT: implicit
   /// device_span<T> → device_span<const T>.
   template <class U, class = std::enable_if_t<detail::is_element_convertible<U, T>::value>>
   device_span(const device_span<U>& s) noexcept  // NOLINT: implicit

@@ -583,7 +583,7 @@ GPUKIT_INLINE void copy_peer_async(void* dst, int dst_ordinal, const void* src, 
   GPUKIT_CUDA_TRY_DESCRIBED(cudaMemcpyPeerAsync(dst, dst_ordinal, src, src_ordinal, bytes, handle),
                             "cudaMemcpyPeerAsync(" + std::to_string(bytes) + " bytes, cuda:" +
                                 std::to_string(src_ordinal) + " -> cuda:" + std::to_string(dst_ordinal) + ")",
-                            dst_ordinal);
+                            s.ordinal >= 0 ? s.ordinal : dst_ordinal);  // where the call ran: the stream's device
 }
 
 /// "cudaEventDisableTiming | cudaEventInterprocess", for messages (unknown bits as a number).
