@@ -3560,6 +3560,31 @@ TEST_CASE("capture: a temporary device buffer copied on another stream than its 
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a temporary device buffer of the captured stream itself is copied in the capture") {
+  // Allocated from the capture's graph pool on `s`, copied and freed on `s`: the graph frees it after the copy, at
+  // every launch (a temporary of another stream is refused: the next case).
+  gpukit::stream s(cuda0);
+  gpukit::device_buffer<int> x(256, s);
+  gpukit::copy_async(x, std::vector<int>(256, 7), s);
+  s.synchronize();
+  const auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  std::string failure;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        try {
+          gpukit::copy_async(x, gpukit::device_buffer<int>(256, s), s);
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+      },
+      pool);
+  CHECK(failure == "");
+  g.launch(s);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a temporary device buffer is refused on a capturing stream, nothing enqueued") {
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);

@@ -112,6 +112,26 @@ TEST_CASE("upstreams: the allocator gives back its own cache before it takes wha
   a.empty_cache();
 }
 
+TEST_CASE("upstreams: a smaller segment that fits is made before another user's pool is asked to give back") {
+  small_device machine;
+  if (!machine.configured) return;
+  gpukit::stream s{gpukit::device::cuda(0)};
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
+  cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
+  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
+  void* kept = nullptr;
+  REQUIRE(cudaMallocAsync(&kept, 38 * MiB, s.cuda_handle()) == cudaSuccess);  // 10 of the 48 usable MiB left
+  REQUIRE(cudaFreeAsync(kept, s.cuda_handle()) == cudaSuccess);
+  s.synchronize();
+  gpukit::caching_allocator a(gpukit::device::cuda(0));
+  void* p = a.allocate(6 * MiB, s);  // its shared segment (20 MiB) does not fit; one of 6 MiB does
+  CHECK(a.memory_reserved() < 10 * MiB);
+  CHECK(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == 38 * MiB);
+  a.deallocate(p);
+  a.empty_cache();
+}
+
 TEST_CASE("upstreams: memory the pool has handed out is not taken, and out of memory stays nullptr, no error left") {
   pool_holds_memory f;
   if (!f.configured) return;

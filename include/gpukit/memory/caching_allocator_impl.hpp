@@ -2537,21 +2537,25 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
   release_cached(lock, true, 0);
   stats_.num_alloc_retries.increment();
   if (block* b = find_free(st, size, small)) return b;
-  segment_bytes = fitted_segment_size(size, small);
-  if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
-  // Memory held outside the allocator (another user's memory pool), only now that our own cache went back; tried
-  // again even when this call freed nothing, since another thread's may just have.
+  // The segment sized for the footprint, then, as it may not fit where the request does, the smallest ones that hold
+  // it: first a few such requests with nothing lost to rounding (two of 5 MiB: 10 MiB), then the request alone.
+  const auto grow_fitted_or_smaller = [&]() -> block* {
+    segment_bytes = fitted_segment_size(size, small);
+    if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    for (const std::size_t smaller : {detail::segment_sizing::unrounded(options_, size, small),
+                                      detail::segment_sizing::minimal(options_, size, small)}) {
+      if (smaller >= segment_bytes) continue;
+      segment_bytes = smaller;
+      if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    }
+    return nullptr;
+  };
+  if (block* b = grow_fitted_or_smaller()) return b;
+  // Last resort: memory held outside the allocator (another user's memory pool), only once nothing of ours fits;
+  // tried again even when this call freed nothing, since another thread's may just have.
   if (release_elsewhere(lock, limit_hit)) {
     if (block* b = find_free(st, size, small)) return b;
-    if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
-  }
-  // A shared segment sized for the footprint may not fit where the request does: the smallest ones that hold it,
-  // first a few such requests with nothing lost to rounding (two of 5 MiB: 10 MiB), then the request alone.
-  for (const std::size_t smaller : {detail::segment_sizing::unrounded(options_, size, small),
-                                    detail::segment_sizing::minimal(options_, size, small)}) {
-    if (smaller >= segment_bytes) continue;
-    segment_bytes = smaller;
-    if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    if (block* b = grow_fitted_or_smaller()) return b;
   }
   throw_out_of_memory(lock, requested, size, segment_bytes, limit_hit);
 }

@@ -21,8 +21,9 @@
 /// of the caller's expression, so where one DMA reads or writes its page-locked memory, copy_async waits for the copy
 /// before returning, as to_device does; a pooled_pinned_buffer's block is kept for the copy instead where the stream
 /// can be recorded (see below). A temporary device buffer frees in its own stream's order: copied on another stream,
-/// its memory is kept for the copy (record_stream) or the copy waited for. On a stream being captured such
-/// temporaries are refused. A copy into pageable memory waits for the stream's earlier work and returns with the
+/// its memory is kept for the copy (record_stream) or the copy waited for, and on a stream being captured it is
+/// refused (one of the captured stream itself frees in order after the copy). On a stream being captured a temporary
+/// owning host memory is refused. A copy into pageable memory waits for the stream's earlier work and returns with the
 /// data, as CUDA's own cudaMemcpyAsync into pageable memory does (see <gpukit/transfer/staging.hpp>). On the CPU
 /// device the same table holds: "device" memory is host memory, copies are memcpy enqueued on the CPU stream
 /// (asynchronous and ordered like on a GPU), and pageable memory is staged the same way.
@@ -200,8 +201,8 @@ inline constexpr std::string_view capture_advice_temporary_device =
 
 /// Checks and dispatches a copy (see the file comment); returns what dispatch_copy returns (false: nothing to copy).
 /// `temporary_host`: the host side is memory a temporary owns, which one DMA may not use after the call (refused in
-/// a capture; the caller waits otherwise). `temporary_device`: a side is a temporary device buffer (refused in a
-/// capture; the caller keeps its memory for the copy otherwise).
+/// a capture; the caller waits otherwise). `temporary_device`: a side is a temporary device buffer of another stream
+/// than `s` (refused in a capture; the caller keeps its memory for the copy otherwise).
 template <class EngineFor>
 bool copy_bytes(const copy_side& dst, const copy_side& src, std::size_t element_size, stream_view s,
                 EngineFor engine_for, const char* operation, bool temporary_host, bool temporary_device = false) {
@@ -293,14 +294,23 @@ template <class X>
 struct has_record_stream<X, std::void_t<decltype(std::declval<X&>().record_stream(std::declval<stream_view>()))>>
     : std::true_type {};
 
-/// After a copy enqueued on `s` that uses temporary device buffer `x`: `x` frees in the order of its own stream at
-/// the end of the caller's expression, so where that is not `s` its block is kept for the copy (record_stream), or
-/// the copy is waited for.
+/// Whether device buffer `x` frees in the order of stream `s` (its own stream), where work enqueued on `s` before
+/// the free is safe from it.
 template <class X>
-void keep_device_buffer_for_copy(X& x, const stream_view& s) {
+bool frees_in_order_of(const X& x, const stream_view& s) {
   if constexpr (std::is_convertible<decltype(x.stream()), stream_view>::value) {
-    if (stream_view(x.stream()) == s) return;
+    return stream_view(x.stream()) == s;
+  } else {
+    return false;
   }
+}
+
+/// After a copy enqueued on `s` that uses temporary device buffer `x`: `x` frees in the order of its own stream at
+/// the end of the caller's expression, so where that is neither `s` nor `ordered` (a stream that waits for the copy)
+/// its block is kept for the copy (record_stream), or the copy is waited for.
+template <class X>
+void keep_device_buffer_for_copy(X& x, const stream_view& s, const stream_view* ordered = nullptr) {
+  if (frees_in_order_of(x, s) || (ordered != nullptr && frees_in_order_of(x, *ordered))) return;
   if constexpr (has_record_stream<X>::value) {
     try {
       x.record_stream(s);
@@ -364,10 +374,15 @@ void copy_located(Dst&& dst_arg, Src&& src_arg, stream_view s, EngineFor engine_
   constexpr bool temporary_src = is_temporary_host_memory<Src>;
   constexpr bool device_dst = is_temporary_device_buffer<Dst>;
   constexpr bool device_src = is_temporary_device_buffer<Src>;
+  // A temporary device buffer of another stream is freed outside the copy's order: refused in a capture. One of `s`
+  // frees in order after the copy, in a capture too (a graph pool's, say: allocated, copied and freed in the graph).
+  bool device_elsewhere = false;
+  if constexpr (device_dst) device_elsewhere = device_elsewhere || !frees_in_order_of(dst_arg, s);
+  if constexpr (device_src) device_elsewhere = device_elsewhere || !frees_in_order_of(src_arg, s);
   const copy_sides sides = sides_of(dst_arg, src_arg, s);
   // Only the host side can be a temporary owning host memory: a host-to-host copy does not compile.
   if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src,
-                 device_dst || device_src)) {
+                 device_elsewhere)) {
     const bool dst_kept = keep_block_for_copy(dst_arg, s);
     const bool src_kept = keep_block_for_copy(src_arg, s);
     if ((temporary_dst && !dst_kept) || (temporary_src && !src_kept)) synchronize_before_freeing(s);
@@ -436,8 +451,11 @@ void copy_async(Dst&& dst, Src&& src) {
       held.record(copied, s);
       held.wait(copied, destination_stream);
     }
-    // After the holds: a wait for the copy here must not hold back a capture it would wait for.
-    if constexpr (detail::is_temporary_device_buffer<Dst>) detail::keep_device_buffer_for_copy(dst, s);
+    // After the holds: a wait for the copy here must not hold back a capture it would wait for. The destination
+    // stream waits for the copy: a buffer freed in its order needs nothing.
+    if constexpr (detail::is_temporary_device_buffer<Dst>) {
+      detail::keep_device_buffer_for_copy(dst, s, &destination_stream);
+    }
     if constexpr (detail::is_temporary_device_buffer<Src>) detail::keep_device_buffer_for_copy(src, s);
   } else if constexpr (from_device) {
     copy_async(std::forward<Dst>(dst), std::forward<Src>(src), current_stream(from.device()));
