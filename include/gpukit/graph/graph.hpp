@@ -307,13 +307,16 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
       if (!counting) return;
       counting = false;
       if (id != 0) detail::forget_gpukit_capture(id);
-      --mode_independent::gpukit_captures_on_this_thread();
-      mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
+      // In the reverse order of the constructor's counts: a capture_hold granted once the capture is uncounted
+      // (gpukit_captures_underway) must find it no longer begun, else the event records under that hold were refused
+      // (a pinned block was lost in test_sim_capture's "pinned blocks freed after the legacy stream" race).
       if (blocking) {
         --mode_independent::gpukit_blocking_captures_on_this_thread(ordinal);
         mode_independent::gpukit_blocking_captures_begun(ordinal).fetch_sub(1, std::memory_order_acq_rel);
         mode_independent::gpukit_blocking_captures_underway(ordinal).fetch_sub(1, std::memory_order_acq_rel);
       }
+      --mode_independent::gpukit_captures_on_this_thread();
+      mode_independent::gpukit_captures_underway().fetch_sub(1, std::memory_order_acq_rel);
     }
     int ordinal;
     bool blocking;
