@@ -590,15 +590,15 @@ int thread_count() {
 }  // namespace
 
 TEST_CASE("parallel_copy in a child of fork() starts helpers of its own and copies") {
-#if defined(__SANITIZE_THREAD__)
-  constexpr bool thread_sanitizer = true;
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  constexpr bool sanitizer = true;
 #elif defined(__has_feature)
-  constexpr bool thread_sanitizer = __has_feature(thread_sanitizer);
+  constexpr bool sanitizer = __has_feature(thread_sanitizer) || __has_feature(address_sanitizer);
 #else
-  constexpr bool thread_sanitizer = false;
+  constexpr bool sanitizer = false;
 #endif
-  if (thread_sanitizer) {  // it kills a child of a multi-threaded process that starts threads
-    std::printf("GPUKIT_TEST_NOT_APPLICABLE: ThreadSanitizer does not support threads started after fork()\n");
+  if (sanitizer) {  // ThreadSanitizer kills such a child; AddressSanitizer's runtime may deadlock in it (seen in CI)
+    std::printf("GPUKIT_TEST_NOT_APPLICABLE: the sanitizers do not support threads started after a threaded fork()\n");
     return;
   }
   std::vector<char> a(1 << 20);
