@@ -5,6 +5,7 @@
 #include "cudasim.hpp"
 #include "support.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -30,18 +31,18 @@ struct small_device {
 };
 
 /// Its default pool keeps everything freed (the release threshold of async_allocator(d, limit) or of another
-/// library), and holds 40 MiB freed by cudaFreeAsync and synchronized.
+/// library), and holds `kept` bytes (40 MiB unless told) freed by cudaFreeAsync and synchronized.
 struct pool_holds_memory : small_device {
-  pool_holds_memory() {
+  explicit pool_holds_memory(std::size_t kept = 40 * MiB) {
     if (!configured) return;
     REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
     cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
     REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
     void* p = nullptr;
-    REQUIRE(cudaMallocAsync(&p, 40 * MiB, s.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaMallocAsync(&p, kept, s.cuda_handle()) == cudaSuccess);
     REQUIRE(cudaFreeAsync(p, s.cuda_handle()) == cudaSuccess);
     s.synchronize();
-    REQUIRE(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == 40 * MiB);
+    REQUIRE(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == kept);
   }
   gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s{gpukit::device::cuda(0)};
@@ -91,43 +92,25 @@ TEST_CASE("upstreams: with expandable segments too, the pages come from what the
 }
 
 TEST_CASE("upstreams: the allocator gives back its own cache before it takes what another user's pool keeps") {
-  small_device machine;
-  if (!machine.configured) return;
-  gpukit::stream s{gpukit::device::cuda(0)};
-  cudaMemPool_t pool = nullptr;
-  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
-  cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
-  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
-  void* kept = nullptr;
-  REQUIRE(cudaMallocAsync(&kept, 16 * MiB, s.cuda_handle()) == cudaSuccess);  // another user's cache: 16 MiB
-  REQUIRE(cudaFreeAsync(kept, s.cuda_handle()) == cudaSuccess);
-  s.synchronize();
-  gpukit::caching_allocator a(gpukit::device::cuda(0));
-  a.deallocate(a.allocate(20 * MiB, s));  // cached: 32 of the 48 usable MiB are held, 16 by each
+  pool_holds_memory f(16 * MiB);  // another user's cache: 16 MiB
+  if (!f.configured) return;
+  gpukit::caching_allocator a(f.d);
+  a.deallocate(a.allocate(20 * MiB, f.s));  // cached: 32 of the 48 usable MiB are held, 16 by each
   REQUIRE(a.memory_reserved() >= 20 * MiB);
-  void* p = a.allocate(26 * MiB, s);  // fits once the allocator's own cache goes back
+  void* p = a.allocate(26 * MiB, f.s);  // fits once the allocator's own cache goes back
   CHECK(a.stats().num_ooms == 0);
-  CHECK(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == 16 * MiB);  // the pool's cache was not needed
+  CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 16 * MiB);  // the pool's cache was not needed
   a.deallocate(p);
   a.empty_cache();
 }
 
 TEST_CASE("upstreams: a smaller segment that fits is made before another user's pool is asked to give back") {
-  small_device machine;
-  if (!machine.configured) return;
-  gpukit::stream s{gpukit::device::cuda(0)};
-  cudaMemPool_t pool = nullptr;
-  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
-  cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
-  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
-  void* kept = nullptr;
-  REQUIRE(cudaMallocAsync(&kept, 38 * MiB, s.cuda_handle()) == cudaSuccess);  // 10 of the 48 usable MiB left
-  REQUIRE(cudaFreeAsync(kept, s.cuda_handle()) == cudaSuccess);
-  s.synchronize();
-  gpukit::caching_allocator a(gpukit::device::cuda(0));
-  void* p = a.allocate(6 * MiB, s);  // its shared segment (20 MiB) does not fit; one of 6 MiB does
+  pool_holds_memory f(38 * MiB);  // 10 of the 48 usable MiB left
+  if (!f.configured) return;
+  gpukit::caching_allocator a(f.d);
+  void* p = a.allocate(6 * MiB, f.s);  // its shared segment (20 MiB) does not fit; one of 6 MiB does
   CHECK(a.memory_reserved() < 10 * MiB);
-  CHECK(pool_figure(pool, cudaMemPoolAttrReservedMemCurrent) == 38 * MiB);
+  CHECK(pool_figure(f.pool, cudaMemPoolAttrReservedMemCurrent) == 38 * MiB);
   a.deallocate(p);
   a.empty_cache();
 }
