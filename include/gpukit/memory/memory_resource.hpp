@@ -47,10 +47,22 @@
 #include <cuda/stream_ref>
 
 #include <cstddef>
+#include <string>
 
 GPUKIT_BEGIN_NAMESPACE
 
 namespace detail {
+/// `d`, or invalid_argument_error naming `resource` when `d` is the CPU device: its memory is ordinary host memory,
+/// which the resource's cuda::mr::device_accessible property would misstate.
+inline gpukit::device cuda_only(gpukit::device d, const char* resource) {
+  if (d.is_cpu()) {
+    throw invalid_argument_error(std::string("gpukit::") + resource +
+                                 ": the CPU device's memory is ordinary host memory, not device-accessible as "
+                                 "cuda::mr::device_accessible says (use a CUDA device)");
+  }
+  return d;
+}
+
 /// A resource's stream as a view: a default stream is the resource's device's (its handle does not say which
 /// device); any other handle's device is asked of CUDA, so a stream of another device is refused by an allocator, and
 /// a pinned block waits for the stream on its own device.
@@ -97,11 +109,12 @@ class device_memory_resource
   /// The default allocator of `d` (default_allocator(d); `Deferred`, never given, is explained there). Throws
   /// invalid_argument_error for the CPU device.
   template <int Deferred = 0>
-  explicit device_memory_resource(gpukit::device d) : allocator_(&default_allocator(cuda_only(d))) {}
+  explicit device_memory_resource(gpukit::device d)
+      : allocator_(&default_allocator(detail::cuda_only(d, "device_memory_resource"))) {}
   /// `allocator`, which must outlive this resource and its copies. Throws invalid_argument_error for an allocator of
   /// the CPU device.
   explicit device_memory_resource(device_resource& allocator) : allocator_(&allocator) {
-    (void)cuda_only(allocator.device());
+    (void)detail::cuda_only(allocator.device(), "device_memory_resource");
   }
 
   /// The allocator behind this resource.
@@ -146,15 +159,6 @@ class device_memory_resource
   friend void get_property(const device_memory_resource& /*resource*/, ::cuda::mr::device_accessible) noexcept {}
 
  private:
-  static gpukit::device cuda_only(gpukit::device d) {
-    if (d.is_cpu()) {
-      throw invalid_argument_error(
-          "gpukit::device_memory_resource: the CPU device's memory is ordinary host memory, not device-accessible as "
-          "cuda::mr::device_accessible says (use a CUDA device's allocator)");
-    }
-    return d;
-  }
-
   device_resource* allocator_;
 };
 
@@ -174,10 +178,12 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   static constexpr std::size_t natural_alignment = detail::pinned_natural_alignment;
 
   /// default_pinned_pool(d). Throws invalid_argument_error for the CPU device.
-  explicit pinned_memory_resource(gpukit::device d) : pinned_memory_resource(default_pinned_pool(cuda_only(d)), d) {}
+  explicit pinned_memory_resource(gpukit::device d)
+      : pinned_memory_resource(default_pinned_pool(detail::cuda_only(d, "pinned_memory_resource")), d) {}
   /// `pool`, which must outlive this resource and its copies; stream-ordered calls name streams of device `d`. Throws
   /// invalid_argument_error for the CPU device or a pool that is not page-locked (pinned_upstream of the CPU).
-  pinned_memory_resource(pinned_pool& pool, gpukit::device d) : pool_(&pool), device_(cuda_only(d)) {
+  pinned_memory_resource(pinned_pool& pool, gpukit::device d)
+      : pool_(&pool), device_(detail::cuda_only(d, "pinned_memory_resource")) {
     if (!pool.page_locked()) {
       throw invalid_argument_error(
           "gpukit::pinned_memory_resource: the pool's memory is not page-locked (a CPU pool), so not "
@@ -234,15 +240,6 @@ class pinned_memory_resource : public detail::cccl_3_0_names<pinned_memory_resou
   friend void get_property(const pinned_memory_resource& /*resource*/, ::cuda::mr::host_accessible) noexcept {}
 
  private:
-  static gpukit::device cuda_only(gpukit::device d) {
-    if (d.is_cpu()) {
-      throw invalid_argument_error(
-          "gpukit::pinned_memory_resource: the CPU device's pool holds ordinary host memory, not device-accessible as "
-          "cuda::mr::device_accessible says (use a CUDA device)");
-    }
-    return d;
-  }
-
   pinned_pool* pool_;
   gpukit::device device_;
 };
