@@ -4,7 +4,8 @@
 #                                install without a CUDA toolkit gives the same CMake package
 #   packaging.find_package       find_package(gpukit CONFIG REQUIRED) on a moved copy of that prefix; version checks
 #   packaging.pkg_config         pkg-config --cflags --libs gpukit, on a moved copy of that prefix
-#   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit
+#   packaging.add_subdirectory   add_subdirectory(gpukit) in a parent that exports a target linking gpukit::gpukit;
+#                                a parent's hidden visibility preset and unity builds leave gpukit::compiled alone
 #   packaging.fetchcontent       FetchContent of this checkout
 #   packaging.conan              conan create packaging/conan (and its test_package), in a private CONAN_HOME; refused
 #                                configurations; a PkgConfigDeps consumer
