@@ -885,6 +885,81 @@ TEST_CASE("sim staging: a CUDA failure partway through a staged copy names the c
 }
 
 namespace {
+bool simulated_call() { return cudasim::inside_call(); }  // the real runtime does not allocate with operator new
+}  // namespace
+
+TEST_CASE("sim staging: host memory running out partway through a staged copy names the chunk and what may land") {
+  // A std::bad_alloc stays a std::bad_alloc (what callers catch), but says which chunk of which transfer failed and
+  // what of it may still land, as a CUDA failure does.
+  gpukit::staging_options o;
+  o.chunk_bytes = MiB;
+  o.min_chunk_bytes = MiB / 4;
+  o.slots = 4;
+  o.download_slots = 2;
+  o.threads = 1;  // one copy thread: every allocation of a transfer is the caller's
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  device_memory dev(6 * MiB);
+  const auto source = pattern(6 * MiB, 3);
+  std::vector<unsigned char> back(source.size());
+  const auto each_failure = [&](bool upload) {
+    std::vector<std::string> messages;
+    for (long n = 1;; ++n) {
+      gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+      gpukit::staging_engine engine(pool, o);
+      if (!upload) engine.to_device(dev.p, source.data(), source.size(), s);
+      gpukit_test::heap_run run(n, simulated_call);
+      run.armed([&] {
+        try {
+          if (upload) {
+            engine.to_device(dev.p, source.data(), source.size(), s);
+          } else {
+            engine.to_host(back.data(), dev.p, back.size(), s);
+          }
+        } catch (const std::bad_alloc& e) {
+          messages.emplace_back(e.what());  // past the failure: the heap works again
+          throw;
+        }
+      });
+      CHECK(run.unexpected() == "");
+      s.synchronize();
+      if (run.seen() < n) break;
+    }
+    return messages;
+  };
+  const std::string up_head = "gpukit::staging_engine::to_device: the chunk of ";
+  const std::vector<std::string> up = each_failure(true);
+  REQUIRE_FALSE(up.empty());
+  bool later_chunk = false;
+  for (const std::string& m : up) {
+    INFO(m);
+    CHECK(m.rfind(up_head, 0) == 0);
+    CHECK(m.find(" of a 6.00 MiB (6291456 bytes) transfer to cuda:0 failed: out of host memory (std::bad_alloc); ") !=
+          std::string::npos);
+    later_chunk = later_chunk || m.find("at byte offset 0 ") == std::string::npos;
+  }
+  // A chunk past the first: the chunks before it were enqueued and may still land.
+  CHECK(later_chunk);
+  CHECK(std::any_of(up.begin(), up.end(), [&](const std::string& m) {
+    return m.rfind(up_head + "1.00 MiB (1048576 bytes) at byte offset 2097152 of a ", 0) == 0 &&
+           m.find(
+               "; its first 2097152 bytes were enqueued before and may still be written to the destination, in "
+               "stream order") != std::string::npos;
+  }));
+  const std::vector<std::string> down = each_failure(false);
+  REQUIRE_FALSE(down.empty());
+  for (const std::string& m : down) {
+    INFO(m);
+    CHECK(m.rfind("gpukit::staging_engine::to_host: the chunk of ", 0) == 0);
+    CHECK(m.find(" transfer from cuda:0 failed: out of host memory (std::bad_alloc); the first ") != std::string::npos);
+    CHECK(m.find(" bytes of the destination were written; nothing more will be") != std::string::npos);
+  }
+  MESSAGE("staged copies out of host memory: " << up.size() << " to_device and " << down.size()
+                                               << " to_host calls threw std::bad_alloc");
+  CHECK(cudasim::violations().empty());
+}
+
+namespace {
 gpukit::stream blocking_stream(gpukit::device d) {
   gpukit::stream_options options;
   options.non_blocking = false;

@@ -68,6 +68,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -100,6 +101,51 @@ inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view op
 [[noreturn]] GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d,
                                                     std::size_t offset, std::size_t length, std::size_t total,
                                                     std::size_t done);
+
+/// The std::bad_alloc of a staging transfer that ran out of host memory: still a std::bad_alloc (what callers and the
+/// fault-injection tests catch), its what() naming the call, the chunk, the transfer and what of it may still land, as
+/// throw_chunk_failure's messages do. The text lives in the exception itself: the heap has just run out.
+class staging_bad_alloc : public std::bad_alloc {
+ public:
+  /// `reason`: the what() of the std::bad_alloc met; the rest as throw_chunk_failure's arguments.
+  staging_bad_alloc(const char* reason, std::string_view operation, gpukit::device d, std::size_t offset,
+                    std::size_t length, std::size_t total, std::size_t done) noexcept {
+    const bool upload = operation != "to_host";
+    char chunk[48];
+    char whole[48];
+    (void)format_bytes_exact_into(chunk, length);
+    (void)format_bytes_exact_into(whole, total);
+    char where[16];
+    if (d.is_cuda()) {
+      std::snprintf(where, sizeof where, "cuda:%d", static_cast<int>(d.ordinal()));
+    } else {
+      std::snprintf(where, sizeof where, "cpu");
+    }
+    const int head = std::snprintf(
+        message_, sizeof message_,
+        "gpukit::staging_engine::%.*s: the chunk of %s at byte offset %zu of a %s transfer %s %s failed: out of host "
+        "memory (%s); ",
+        static_cast<int>(operation.size()), operation.data(), chunk, offset, whole, upload ? "to" : "from", where,
+        reason != nullptr ? reason : "std::bad_alloc");
+    if (head < 0 || static_cast<std::size_t>(head) >= sizeof message_) return;  // cut short: still terminated
+    char* tail = message_ + head;
+    const std::size_t room = sizeof message_ - static_cast<std::size_t>(head);
+    if (!upload) {
+      std::snprintf(tail, room, "the first %zu bytes of the destination were written; nothing more will be", done);
+    } else if (done == 0) {
+      std::snprintf(tail, room, "nothing of this transfer was enqueued");
+    } else {
+      std::snprintf(tail, room,
+                    "its first %zu bytes were enqueued before and may still be written to the destination, in stream "
+                    "order",
+                    done);
+    }
+  }
+  const char* what() const noexcept override { return message_; }
+
+ private:
+  char message_[512] = {};
+};
 
 /// What to do instead of staging in a capture.
 inline constexpr std::string_view capture_advice_staging =
@@ -198,7 +244,8 @@ class basic_staging_engine {
   /// size. Throws invalid_argument_error, enqueueing nothing, while `s` is being captured (a graph cannot replay
   /// staging) or for another thread's per-thread default stream. Out of host memory for a slot, it throws
   /// out_of_memory_error without emptying the pinned pool's cache (that would wait for the device's work, which may
-  /// be waiting for this call).
+  /// be waiting for this call). Out of host memory elsewhere (the heap), it throws a std::bad_alloc whose what()
+  /// names the chunk, its offset and size, and what may still land.
   void to_device(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Copies `bytes` of device memory at `src` to pageable host memory at `dst`, in the order of stream `s`, and
@@ -206,7 +253,7 @@ class basic_staging_engine {
   /// pageable memory does. If it throws, part of the destination may have been written, and nothing more will be; a
   /// gpukit exception met while staging a chunk is rethrown as the same type, naming the chunk and how much of the
   /// destination was written. Throws invalid_argument_error, enqueueing nothing, while `s` is being captured or for
-  /// another thread's per-thread default stream; out_of_memory_error as to_device.
+  /// another thread's per-thread default stream; out_of_memory_error and std::bad_alloc as to_device.
   void to_host(void* dst, const void* src, std::size_t bytes, stream_view s);
 
   /// Returns the slots of rings whose work has completed to the pool and forgets those rings (e.g. after a phase that
@@ -354,6 +401,10 @@ class basic_staging_engine {
   // One lane of stream `s`'s ring, locked. Creates the ring on first use, first releasing idle rings (least recently
   // used first) while there are max_rings or more.
   lane_lease acquire(stream_view s, lane ring::*which);
+  // acquire for a transfer of `bytes` in chunks of `chunk`: out of host memory, a staging_bad_alloc naming the
+  // transfer's first chunk.
+  lane_lease acquire_for(stream_view s, lane ring::*which, std::string_view operation, std::size_t chunk,
+                         std::size_t bytes);
 
   // Under mutex_: retires the ring if no call holds it, no transfer waits for its background thread and all its
   // work has completed. Its blocks stay: the caller gives them back with give_back_retired once mutex_ is let go.

@@ -47,10 +47,10 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_device");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_device", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
-  lane_lease lease = acquire(s, &ring::up);
+  const std::size_t chunk = chunk_for(bytes);
+  lane_lease lease = acquire_for(s, &ring::up, "to_device", chunk, bytes);
   ring& r = *lease.r;
   lane& ln = r.up;
-  const std::size_t chunk = chunk_for(bytes);
   std::chrono::steady_clock::duration waited{};
   std::chrono::steady_clock::duration copying{};
   std::uint64_t waits = 0;
@@ -60,7 +60,11 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
   const auto* in = static_cast<const char*>(src);
   if (!background_idle(r)) {
     // Behind the rest of an earlier transfer: the data lands in call order.
-    hand_over(r, s, out, in, bytes, chunk, true);
+    try {
+      hand_over(r, s, out, in, bytes, chunk, true);
+    } catch (const std::bad_alloc& e) {
+      throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, 0, bytes, bytes, 0);
+    }
   } else {
     dispose_orphans(r);
     while (offset < bytes) {
@@ -87,6 +91,9 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
       } catch (const error& e) {
         detail::throw_chunk_failure(e, "to_device", r.dev, offset, length, bytes,
                                     offset + (copy_enqueued ? length : 0));
+      } catch (const std::bad_alloc& e) {
+        throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, length, bytes,
+                                        offset + (copy_enqueued ? length : 0));
       }
       ln.next = (ln.next + 1) % ln.slots.size();
       offset += length;
@@ -97,6 +104,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
         hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
       } catch (const error& e) {  // the first `offset` bytes are enqueued: said, as for a chunk's failure
         detail::throw_chunk_failure(e, "to_device", r.dev, offset, bytes - offset, bytes, offset);
+      } catch (const std::bad_alloc& e) {
+        throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, bytes - offset, bytes, offset);
       }
     }
   }
@@ -119,9 +128,9 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_host");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_host", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
-  lane_lease lease = acquire(s, &ring::down);
-  lane& ln = lease.r->down;
   const std::size_t chunk = chunk_for(bytes);
+  lane_lease lease = acquire_for(s, &ring::down, "to_host", chunk, bytes);
+  lane& ln = lease.r->down;
   const std::size_t count = (bytes + chunk - 1) / chunk;
   const std::size_t depth = ln.slots.size();
   const std::size_t first = ln.next;
@@ -154,6 +163,10 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
   } catch (const error& e) {
     const std::size_t offset = failing * chunk;
     detail::throw_chunk_failure(e, "to_host", lease.r->dev, offset, std::min(chunk, bytes - offset), bytes, written);
+  } catch (const std::bad_alloc& e) {
+    const std::size_t offset = failing * chunk;
+    throw detail::staging_bad_alloc(e.what(), "to_host", lease.r->dev, offset, std::min(chunk, bytes - offset), bytes,
+                                    written);
   }
   ln.next = (first + count) % depth;
   std::lock_guard<std::mutex> lock(stats_mutex_);
@@ -289,6 +302,17 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
     std::unique_lock<std::mutex> lane_lock(((*r).*which).mutex);
     if (r->retired) continue;  // released between the lookup and the lock: look again
     return lane_lease{std::move(r), std::move(lane_lock)};
+  }
+}
+
+template <class Copier>
+GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire_for(stream_view s, lane ring::*which,
+                                                             std::string_view operation, std::size_t chunk,
+                                                             std::size_t bytes) -> lane_lease {
+  try {
+    return acquire(s, which);
+  } catch (const std::bad_alloc& e) {  // making the stream's ring: nothing is enqueued yet
+    throw detail::staging_bad_alloc(e.what(), operation, s.device(), 0, std::min(chunk, bytes), bytes, 0);
   }
 }
 
