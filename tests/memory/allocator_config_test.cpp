@@ -151,6 +151,20 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal(with_nul), "\"rounding:5\\x0012\""));
 }
 
+TEST_CASE("allocator configuration: among thousands of entries a setting given twice is named as among a few") {
+  // Unknown keys are refused only once every entry has been read, so the entries checked for a repeat are not bounded
+  // by the known keys: the check is linear in them, and says the same as with a few entries.
+  std::string many;
+  for (int i = 0; i < 20000; ++i) many += "key" + std::to_string(i) + ":1,";
+  CHECK(contains(refusal(many + "max_split_size:512MiB"), "unknown key \"key0\""));
+  CHECK(contains(refusal(many + "key19999:2"), "entry \"key19999:2\": \"key19999\" is set twice"));
+  CHECK(contains(refusal(many + "max_split_size:512MiB," + many + "max_split_size_mb:128"),
+                 "entry \"key0:1\": \"key0\" is set twice"));
+  CHECK(contains(refusal("max_split_size:512MiB," + many + "max_split_size_mb:128"),
+                 "entry \"max_split_size_mb:128\": \"max_split_size_mb\" sets what \"max_split_size\" set already "
+                 "(max_split_size)"));
+}
+
 TEST_CASE("allocator configuration: settings that would be ignored or leave no usable segment are refused") {
   // Large blocks cached in front with cross-stream reuse, which turns the front caches off: accepted and ignored.
   const std::string ignored = refusal("cross_stream_reuse:true,front_cache_large:true");

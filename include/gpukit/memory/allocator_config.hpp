@@ -24,6 +24,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -134,6 +135,9 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
   const auto setting = [](std::string_view key) {
     return key == "max_split_size_mb" ? std::string_view("max_split_size") : key;
   };
+  // Each setting's key as given, to find one given twice in linear time: unknown keys are refused only after every
+  // entry has been read, so the entries are not bounded by the number of known keys.
+  std::unordered_map<std::string_view, std::string_view> keys_by_setting;
   if (!detail::trim_spaces(config).empty()) {
     std::size_t start = 0;
     for (;;) {
@@ -145,12 +149,12 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       if (colon == std::string_view::npos) fail(text, "expected key:value");
       const entry_text e{text, detail::trim_spaces(text.substr(0, colon)), detail::trim_spaces(text.substr(colon + 1))};
       if (e.value.empty()) fail(text, "no value");
-      for (const entry_text& earlier : entries) {
-        if (setting(earlier.key) == setting(e.key)) {
-          fail(text, earlier.key == e.key ? "\"" + std::string(e.key) + "\" is set twice"
-                                          : "\"" + std::string(e.key) + "\" sets what \"" + std::string(earlier.key) +
-                                                "\" set already (" + std::string(setting(e.key)) + ")");
-        }
+      const auto given = keys_by_setting.emplace(setting(e.key), e.key);
+      if (!given.second) {
+        const std::string_view earlier_key = given.first->second;
+        fail(text, earlier_key == e.key ? "\"" + std::string(e.key) + "\" is set twice"
+                                        : "\"" + std::string(e.key) + "\" sets what \"" + std::string(earlier_key) +
+                                              "\" set already (" + std::string(setting(e.key)) + ")");
       }
       entries.push_back(e);
       if (comma == std::string_view::npos) break;
