@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,11 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 using namespace gpukit_test;
 using gpukit::memory_action;
@@ -356,6 +362,90 @@ TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and 
   }
   for (std::size_t i : {0, 2, 3, 5, 6}) w.a.deallocate(live[i]);
   w.a.deallocate(later);
+}
+
+namespace {
+/// The file size limit the child below writes under: less than the smallest pickle.
+constexpr rlim_t write_limit = 16;
+
+std::optional<std::string> file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+}  // namespace
+
+// Run only as the child of the test below (GPUKIT_HISTORY_WRITE_PATHS set, "existing:absent"): dumps to both with
+// files limited to write_limit bytes (RLIMIT_FSIZE, SIGXFSZ ignored), so that each write fails with EFBIG.
+TEST_CASE("history exports: writes under a file size limit child" * doctest::skip()) {
+  const char* paths = std::getenv("GPUKIT_HISTORY_WRITE_PATHS");
+  if (paths == nullptr) return;
+  const std::string both(paths);
+  const gpukit::memory_history history;
+  const gpukit::allocator_snapshot snapshot{};
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit limit{};
+  REQUIRE(getrlimit(RLIMIT_FSIZE, &limit) == 0);
+  const rlim_t soft = limit.rlim_cur;
+  limit.rlim_cur = write_limit;  // the soft limit only: it is raised again below
+  REQUIRE(setrlimit(RLIMIT_FSIZE, &limit) == 0);
+  for (const std::string& path : {both.substr(0, both.find(':')), both.substr(both.find(':') + 1)}) {
+    INFO(path);
+    try {
+      gpukit::dump_pytorch_snapshot(path, snapshot, history);
+      FAIL("the write did not fail");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == std::errc::file_too_large);
+    }
+  }
+  limit.rlim_cur = soft;
+  CHECK(setrlimit(RLIMIT_FSIZE, &limit) == 0);
+}
+
+TEST_CASE("history exports: a failed write leaves the regular file that was there, or none, and no temporary") {
+  const gpukit::memory_history history;
+  const gpukit::allocator_snapshot snapshot{};
+  const std::string pickle = gpukit::pytorch_snapshot_pickle(snapshot, history);
+  REQUIRE(pickle.size() > 2 * write_limit);
+  const std::string prefix = "gpukit_history_test_write_" + std::to_string(getpid());
+  const std::string existing = prefix + "_existing.pickle";
+  const std::string absent = prefix + "_absent.pickle";
+  std::remove(absent.c_str());
+  std::ofstream(existing, std::ios::binary) << "old";
+  const child_result child = run_test_case_in_child("GPUKIT_HISTORY_WRITE_PATHS=" + existing + ":" + absent,
+                                                    "history exports: writes under a file size limit child");
+  CHECK(child.status == 0);
+  if (child.status != 0) MESSAGE(child.stderr_text);
+  // Written in place, each would hold the pickle's first write_limit bytes.
+  CHECK(file_text(existing) == std::optional<std::string>("old"));
+  CHECK_FALSE(file_text(absent).has_value());
+  std::remove(absent.c_str());  // should it be there
+  // The temporaries beside them were removed.
+  int leftovers = 0;
+  if (DIR* here = opendir(".")) {
+    while (const dirent* entry = readdir(here)) {
+      leftovers += std::string(entry->d_name).rfind(prefix, 0) == 0 && std::string(entry->d_name) != existing;
+    }
+    closedir(here);
+  }
+  CHECK(leftovers == 0);
+  // Without a failure the file is replaced whole, keeping its permissions.
+  REQUIRE(chmod(existing.c_str(), 0640) == 0);
+  gpukit::dump_pytorch_snapshot(existing, snapshot, history);
+  CHECK(file_text(existing) == std::optional<std::string>(pickle));
+  struct stat after {};
+  REQUIRE(stat(existing.c_str(), &after) == 0);
+  CHECK((after.st_mode & 07777) == 0640);
+  std::remove(existing.c_str());
+  // A device is written in place, never replaced by a regular file (as root a rename could replace /dev/full).
+  struct stat full {};
+  if (lstat("/dev/full", &full) == 0 && S_ISCHR(full.st_mode)) {
+    CHECK_THROWS_AS(gpukit::dump_pytorch_snapshot("/dev/full", snapshot, history), std::system_error);
+    REQUIRE(lstat("/dev/full", &full) == 0);
+    CHECK(S_ISCHR(full.st_mode));
+  }
 }
 
 TEST_CASE("history exports: pickle integers, strings that are not UTF-8, and large addresses") {

@@ -25,6 +25,7 @@
 #include <gpukit/memory/memory_history.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +41,12 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -240,25 +247,76 @@ inline const char* pytorch_block_state(block_state s) noexcept {
   }
 }
 
+/// Writes `bytes` through `f` and closes it (with `sync`, flushed to the disk first: a full disk may show only there).
+/// Returns 0, or the system's reason for the first failure (EIO when it set none).
+inline int write_and_close(std::FILE* f, const std::string& bytes, bool sync) noexcept {
+  errno = 0;
+  bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+#if defined(__unix__) || defined(__APPLE__)
+  if (written && sync) written = std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+#else
+  (void)sync;
+#endif
+  const int write_reason = errno;
+  const bool closed = std::fclose(f) == 0;  // a full disk may show only here
+  if (written && closed) return 0;
+  const int reason = written ? errno : write_reason;
+  return reason == 0 ? EIO : reason;  // a short write or a failed close that set no errno: still an I/O error
+}
+
 /// Writes `bytes` to `path`; throws std::system_error with the system's reason (errno, generic category), its text
 /// naming the path. An I/O failure (a full disk, a missing directory) is not a bad argument: code() says which.
+/// A regular file, or a path where nothing is, is written to a new file beside it that then replaces it, so a failed
+/// write leaves the old file (or none), not a truncated one. Anything else (a device such as /dev/full, a FIFO, a
+/// symbolic link) is written in place, as is a file in a directory where no new file can be made.
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
+  const auto fail = [&](int reason) {
+    throw std::system_error(
+        reason, std::generic_category(),
+        std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path + " failed");
+  };
+#if defined(__unix__) || defined(__APPLE__)
+  struct ::stat now {};
+  const bool exists = ::lstat(path.c_str(), &now) == 0;
+  // A read-only file is refused as before (a rename would replace it).
+  const bool replaceable = exists ? S_ISREG(now.st_mode) && ::access(path.c_str(), W_OK) == 0 : errno == ENOENT;
+  if (replaceable) {
+    static std::atomic<unsigned> made{0};
+    std::string temporary;
+    int fd = -1;
+    for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
+      temporary = path + ".gpukit-" + std::to_string(::getpid()) + "-" + std::to_string(made.fetch_add(1)) + ".tmp";
+      // 0666 less the umask, as fopen would create `path`; an existing file's permissions are copied below.
+      fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd >= 0) {
+      if (exists) (void)::fchmod(fd, now.st_mode & 07777);
+      std::FILE* f = ::fdopen(fd, "wb");
+      if (f == nullptr) {
+        const int reason = errno;
+        ::close(fd);
+        ::unlink(temporary.c_str());
+        fail(reason);
+      }
+      int reason = write_and_close(f, bytes, true);
+      if (reason == 0 && std::rename(temporary.c_str(), path.c_str()) != 0) reason = errno == 0 ? EIO : errno;
+      if (reason != 0) {
+        ::unlink(temporary.c_str());
+        fail(reason);
+      }
+      return;
+    }
+    // No new file in that directory (a missing one, or one not writable): in place, which says why if it fails.
+  }
+#endif
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) {
     const int reason = errno;
     throw std::system_error(reason, std::generic_category(),
                             std::string(who) + ": cannot open " + path + " for writing");
   }
-  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const int write_reason = errno;
-  const bool closed = std::fclose(f) == 0;  // a full disk may show only here
-  int reason = written ? errno : write_reason;
-  if (reason == 0) reason = EIO;  // a short write or a failed close that set no errno: still an I/O error
-  if (!written || !closed) {
-    throw std::system_error(
-        reason, std::generic_category(),
-        std::string(who) + ": writing " + std::to_string(bytes.size()) + " bytes to " + path + " failed");
-  }
+  if (const int reason = write_and_close(f, bytes, false); reason != 0) fail(reason);
 }
 
 }  // namespace detail
@@ -414,7 +472,9 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
 }
 
 /// Writes pytorch_snapshot_pickle to `path`. Throws std::system_error when it cannot (code(): the system's reason,
-/// e.g. std::errc::no_space_on_device; what(): the path and that reason).
+/// e.g. std::errc::no_space_on_device; what(): the path and that reason). A failed write leaves a regular file at
+/// `path` as it was, or no file where there was none: the pickle goes to a new file beside it, which then replaces
+/// it. A device or a FIFO (e.g. /dev/stdout) is written in place.
 inline void dump_pytorch_snapshot(const std::string& path, const allocator_snapshot& snapshot,
                                   const memory_history& history) {
   detail::write_file(path, pytorch_snapshot_pickle(snapshot, history), "gpukit::dump_pytorch_snapshot");
