@@ -1,12 +1,17 @@
 // GPU tests of async_allocator, cudaMallocAsync behind device_allocator (label gpu; on the simulator as *_sim):
 // normal use with data through the memory, statistics, record_stream ordering, out of memory with observers, bad
 // input; and the caching allocator over async_pool_upstream (segments from the same pool; the pool's release
-// threshold and what is left in the pool once the upstream is gone). Skipped with
-// GPUKIT_TEST_SKIPPED without a GPU.
+// threshold and what is left in the pool once the upstream is gone); graph allocations (made in a capture: left out
+// of the statistics, and not freed outside the capture while it runs). Skipped with GPUKIT_TEST_SKIPPED without a GPU.
 #include "allocator_support.hpp"
 #include "release_order_check.hpp"
 #include "support.hpp"
 
+#ifdef GPUKIT_TEST_ON_CUDASIM
+#include "cudasim/cudasim.hpp"
+#endif
+
+#include <gpukit/graph/graph.hpp>
 #include <gpukit/memory/async_allocator.hpp>
 #include <gpukit/memory/async_pool_upstream.hpp>
 #include <gpukit/memory/device_allocator.hpp>
@@ -17,9 +22,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <exception>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -27,6 +34,19 @@ using namespace gpukit_test;
 
 namespace {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+/// What `f` threw: "invalid_argument_error: " and its message, "other: " and another exception's, or "none".
+template <class F>
+std::string thrown_by(F&& f) {
+  try {
+    f();
+  } catch (const gpukit::invalid_argument_error& e) {
+    return std::string("invalid_argument_error: ") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("other: ") + e.what();
+  }
+  return "none";
+}
 }  // namespace
 
 TEST_CASE("gpu: async_allocator allocates on a stream, data round-trips, statistics count it") {
@@ -385,4 +405,109 @@ TEST_CASE("gpu: an async_pool_upstream's destructor does not wait for another up
   }
   CHECK(destroyed);
   s.synchronize();
+}
+
+TEST_CASE("gpu: async_allocator's statistics and limit leave out graph allocations, which are their graphs' memory") {
+  // A request in a capture is an allocation node: its memory comes from the graph memory pool at each launch, not
+  // from the default pool the statistics and the limit are about, during the capture or after it.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  gpukit::stream s(d);
+  constexpr std::size_t scratch_bytes = std::size_t{1} << 20;
+  constexpr std::size_t kept_bytes = 16384;
+  void* before = a.allocate(4096, s);
+  a.set_reserved_limit(8192);  // below either graph allocation
+  void* kept = nullptr;
+  std::size_t allocated_during = 0;
+  gpukit::async_allocator::graph_allocation_totals during;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    void* scratch = a.allocate(scratch_bytes, s);  // freed in the graph
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(scratch, 1, scratch_bytes, s.cuda_handle()));
+    kept = a.allocate(kept_bytes, s);  // kept past the capture
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(kept, 2, kept_bytes, s.cuda_handle()));
+    allocated_during = a.memory_allocated();
+    during = a.graph_allocations();
+    a.deallocate(scratch);  // a free node
+  });
+  CHECK(allocated_during == 4096);
+  CHECK(during.count == 2);
+  CHECK(during.bytes == scratch_bytes + kept_bytes);
+  CHECK(a.owns(kept));
+  CHECK(a.memory_allocated() == 4096);
+  CHECK(a.max_memory_allocated() == 4096);
+  const gpukit::allocator_stats stats = a.stats();
+  CHECK(stats.allocation.all().current == 1);
+  CHECK(stats.allocation.all().allocated == 1);
+  CHECK(stats.allocation.all().freed == 0);
+  CHECK(stats.allocated_bytes.all().peak == 4096);
+  CHECK(stats.num_device_alloc == 1);
+  CHECK(stats.num_device_free == 0);
+  const gpukit::allocator_snapshot snap = a.snapshot();
+  CHECK(snap.segments.size() == 1);
+  CHECK(snap.pointer_map_entries == 1);
+  CHECK(a.graph_allocations().count == 1);
+  CHECK(a.graph_allocations().bytes == kept_bytes);
+  g.launch(s);
+  a.deallocate(kept, s);  // after the launch, ordered after it
+  CHECK(a.graph_allocations().count == 0);
+  CHECK(a.graph_allocations().bytes == 0);
+  CHECK(a.stats().num_device_free == 0);
+  a.deallocate(before);
+  CHECK(a.memory_allocated() == 0);
+  CHECK(a.stats().allocation.all().freed == 1);
+  s.synchronize();
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::violations().empty());
+#endif
+}
+
+TEST_CASE("gpu: async_allocator refuses to free a graph allocation outside its capture while that capture runs") {
+  // Its graph does not exist yet, so it has not been launched: CUDA lets a graph allocation be freed outside its graph
+  // only after a launch. Refused on a stream of no capture, on a stream of another capture (whose ordering after the
+  // allocation stream would invalidate that capture), and from another thread whose free would wait for the capture
+  // to end (this thread's per-thread stream is captured); the memory stays allocated, and the captures intact.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::async_allocator a(d);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit::stream other(d);
+  gpukit::stream inner(d);
+  void* target = a.allocate(256, other);  // what the inner capture writes
+  void* kept = nullptr;
+  std::string outside, in_other_capture, other_thread;
+  bool owned = false;
+  gpukit::graph inner_graph;
+  gpukit::graph g = gpukit::capture(mine, [&] {
+    kept = a.allocate(4096, mine);
+    outside = thrown_by([&] { a.deallocate(kept, other); });
+    inner_graph = gpukit::capture(inner, [&] {
+      in_other_capture = thrown_by([&] { a.deallocate(kept, inner); });
+      GPUKIT_CUDA_TRY(cudaMemsetAsync(target, 0, 256, inner.cuda_handle()));
+    });
+    std::thread([&] { other_thread = thrown_by([&] { a.deallocate(kept); }); }).join();
+    owned = a.owns(kept);
+  });
+  INFO(outside);
+  INFO(in_other_capture);
+  INFO(other_thread);
+  for (const std::string* message : {&outside, &in_other_capture, &other_thread}) {
+    CHECK(contains(*message, "invalid_argument_error: "));
+    CHECK(contains(*message, "allocated during CUDA graph capture"));
+    CHECK(contains(*message, "the graph cannot have been launched yet"));
+    CHECK(contains(*message, "The memory is still allocated"));
+  }
+  CHECK(owned);
+  CHECK(a.deferred_frees() == 0);
+  CHECK(a.graph_allocations().count == 1);
+  g.launch(mine);
+  a.deallocate(kept, mine);  // after the launch, ordered after it
+  inner_graph.launch(inner);
+  a.deallocate(target, inner);
+  CHECK(a.graph_allocations().count == 0);
+  CHECK(cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess);
+  inner.synchronize();
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::violations().empty());
+#endif
 }

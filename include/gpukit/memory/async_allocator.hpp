@@ -19,6 +19,22 @@
 /// pool, which other users of that pool then share. record_stream and deallocate(p, s) take only streams of the
 /// allocator's device (the caching allocator takes other devices' too): for a peer's use, order a stream of this
 /// device after it with event::record + event::wait and pass that stream.
+///
+/// Graph allocations. A request on a stream being captured becomes an allocation node of the graph (CUDA's graph
+/// memory nodes): its address is fixed at the capture, and its memory, from the device's graph memory pool, not the
+/// default pool, exists from each launch of the graph until its free (a free node, when it is freed in the capture;
+/// otherwise a free after the launch). So the statistics (stats, memory_allocated, max_memory_allocated, snapshot)
+/// leave graph allocations out, and the limit does not count them: they count memory of the pool, as reserved bytes
+/// do (PyTorch's cudaMallocAsync backend reports the pool's used memory likewise; the caching allocators leave
+/// captured memory to graph_pool, whose own statistics count it). graph_allocations() counts those not freed yet.
+/// CUDA lets a graph allocation kept past its capture be freed outside the graph only after a launch of the graph,
+/// ordered after it (on the launching stream, or one that waits for it). A free outside the capture while the
+/// capture is underway is refused (invalid_argument_error). Once it has ended, gpukit cannot tell whether the graph
+/// was launched (launches are the graph's, and may be made with the raw runtime): a free before the first launch,
+/// or of memory of a graph never made or never launched, is not detected (CUDA may refuse it, or free memory not
+/// yet allocated). Allocations are asked whether they are captured only while a gpukit capture (gpukit::capture) is
+/// underway, to spare ordinary allocations that query: those of a capture begun with the raw runtime alone
+/// (cudaStreamBeginCapture) are counted as the pool's, and their frees are not checked.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -32,6 +48,7 @@
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/memory/stream_ops.hpp>
+#include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <cuda_runtime_api.h>
@@ -105,8 +122,8 @@ class async_allocator final : public device_allocator {
 
   gpukit::device device() const noexcept override { return device_; }
 
-  /// Allocation counts and bytes as gpukit keeps them; reserved bytes as the pool reports them (current and high
-  /// water mark; the pool's memory, shared with its other users).
+  /// Allocation counts and bytes as gpukit keeps them (graph allocations left out: see the file comment); reserved
+  /// bytes as the pool reports them (current and high water mark; the pool's memory, shared with its other users).
   allocator_stats stats() const override {
     const pool_reading pool = read_pool();  // CUDA calls (a guard that may warn): not under the lock
     std::lock_guard<std::mutex> lock(mutex_);
@@ -124,7 +141,7 @@ class async_allocator final : public device_allocator {
     f.largest_free_block = f.free_bytes;
     return f;
   }
-  /// One segment per live allocation (the pool's layout is the driver's).
+  /// One segment per live allocation (the pool's layout is the driver's), graph allocations left out.
   allocator_snapshot snapshot() const override {
     allocator_snapshot snap;
     snap.device = device_;
@@ -132,6 +149,7 @@ class async_allocator final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);  // the statistics and the allocations of one moment
     snap.stats = stats_locked(pool);
     for (const auto& [address, a] : live_) {
+      if (a.capture != 0) continue;  // the graph's memory, as in the statistics
       segment_info seg;
       seg.address = address;
       seg.size = a.bytes;
@@ -140,7 +158,7 @@ class async_allocator final : public device_allocator {
                                       reinterpret_cast<std::uintptr_t>(a.stream.view.native_handle()), 0});
       snap.segments.push_back(std::move(seg));
     }
-    snap.pointer_map_entries = live_.size();
+    snap.pointer_map_entries = live_.size() - graph_allocations_.count;
     return snap;
   }
   std::string memory_summary() const override {
@@ -190,8 +208,8 @@ class async_allocator final : public device_allocator {
     for (stat* s : {&allocations_, &allocated_bytes_}) s->allocated = s->freed = 0;
     retries_ = ooms_ = device_allocs_ = device_frees_ = 0;
   }
-  /// Caps the bytes allocated through this allocator (the pool's reserve is the driver's): a request beyond it
-  /// throws out_of_memory_error.
+  /// Caps the bytes allocated through this allocator (the pool's reserve is the driver's; graph allocations are not
+  /// counted): a request beyond it throws out_of_memory_error.
   void set_reserved_limit(std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
     limit_ = bytes;
@@ -211,9 +229,11 @@ class async_allocator final : public device_allocator {
   }
   bool remove_out_of_memory_observer(std::uint64_t id) override { return observers_.remove(id); }
 
+  /// The bytes of live allocations of this allocator from the pool (graph allocations are not: graph_allocations()).
   std::size_t memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::current)); }
   std::size_t memory_reserved() const noexcept override { return pool_attribute(cudaMemPoolAttrReservedMemCurrent); }
-  /// The most bytes allocated through this allocator at once since it was created or reset_peak_stats() was called.
+  /// The most bytes allocated through this allocator at once since it was created or reset_peak_stats() was called
+  /// (graph allocations left out).
   std::size_t max_memory_allocated() const noexcept override { return static_cast<std::size_t>(guarded(&stat::peak)); }
   /// The pool's high water mark of reserved bytes (cudaMemPoolAttrReservedMemHigh, shared with the pool's other
   /// users); 0 where the driver cannot say.
@@ -221,6 +241,22 @@ class async_allocator final : public device_allocator {
 
   /// The memory pool (the device's default pool).
   cudaMemPool_t pool() const noexcept { return pool_; }
+
+  /// Live graph allocations (see the file comment): how many, and their bytes.
+  struct graph_allocation_totals {
+    std::size_t count = 0;
+    std::size_t bytes = 0;
+  };
+  /// The graph allocations this allocator made in gpukit captures and has not freed yet (outputs kept past their
+  /// capture, or a capture still underway): memory of their graphs, which the statistics leave out.
+  graph_allocation_totals graph_allocations() const noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return graph_allocations_;
+    } catch (...) {
+      return {};
+    }
+  }
 
   /// Frees made while a gpukit capture was underway that must wait until the captures end: those ordered through
   /// the legacy default stream (memory of the legacy stream, or of another thread's per-thread default stream, for
@@ -248,10 +284,14 @@ class async_allocator final : public device_allocator {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");
     free_deferred();
+    // A request on a stream being captured is an allocation node (a graph allocation: the graph's memory, not the
+    // pool's), kept out of the statistics and the limit. Asked only while a gpukit capture is underway (one atomic
+    // load otherwise), as an ordinary allocation asks CUDA nothing.
+    const unsigned long long capture = detail::gpukit_capture_underway() ? capture_of(stream) : 0;
     // The bytes count against the limit from the check on, so that requests made meanwhile by other threads see
     // them (counted as allocated once the memory is had; given back if it is not).
     bool over_limit = false;
-    {
+    if (capture == 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       const std::size_t counted = static_cast<std::size_t>(allocated_bytes_.current) + in_flight_bytes_;
       over_limit = bytes > limit_ || counted > limit_ - bytes;
@@ -268,11 +308,11 @@ class async_allocator final : public device_allocator {
         bytes = 0;
       }
       ~in_flight() { give_back(); }
-    } reserved{*this, bytes};
+    } reserved{*this, capture == 0 ? bytes : 0};
     // Before the allocation, as it may throw (it looks the stream's id up, and allocates): once the memory is had,
     // recording it cannot fail.
     live_map::node_type record =
-        detail::detached_node<live_map>(std::uintptr_t{0}, allocation{bytes, kept_stream::of(stream), {}});
+        detail::detached_node<live_map>(std::uintptr_t{0}, allocation{bytes, kept_stream::of(stream), {}, capture});
     // On the legacy default stream it is work there, which invalidates a capture of a blocking stream in any mode
     // (as every legacy-stream call measured on an H200 does). While a gpukit capture runs, the memory comes from the
     // device's upstream allocation stream instead, waited for on the host, so that it is usable on any stream at once.
@@ -338,14 +378,12 @@ class async_allocator final : public device_allocator {
         // The pool handed out an address still recorded as live: that memory was freed behind this allocator's back
         // (cudaFreeAsync of one of its pointers). The new allocation is the real one; the stale record goes, freed.
         std::swap(inserted.position->second, inserted.node.mapped());
-        add(allocations_, -1);
-        add(allocated_bytes_, -static_cast<std::int64_t>(inserted.node.mapped().bytes));
+        count_locked(inserted.node.mapped(), -1);
       }
-      in_flight_bytes_ -= bytes;
+      in_flight_bytes_ -= reserved.bytes;
       reserved.bytes = 0;
-      add(allocations_, 1);
-      add(allocated_bytes_, static_cast<std::int64_t>(bytes));
-      ++device_allocs_;
+      count_locked(inserted.position->second, 1);
+      if (capture == 0) ++device_allocs_;
     }
     if (!inserted.inserted) {  // outside the lock: a warning handler may use the allocator
       char text[32];
@@ -360,7 +398,8 @@ class async_allocator final : public device_allocator {
 
   /// cudaFreeAsync on the stream it was allocated on, after the work recorded streams had enqueued (they make it
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
-  /// does not own, or when a stream the free must be ordered after (a recorded one, or the allocation stream when
+  /// does not own, for a graph allocation freed outside its capture while that capture is underway (see the file
+  /// comment), or when a stream the free must be ordered after (a recorded one, or the allocation stream when
   /// freed on another) is being captured and the freeing stream is not (the free would join the capture); cuda_error
   /// when the free fails during a capture (CUDA frees there only memory allocated in a capture). Either way nothing
   /// was freed: the allocation is still live. nullptr is ignored.
@@ -400,6 +439,7 @@ class async_allocator final : public device_allocator {
     std::size_t bytes;
     kept_stream stream;              // allocated on (and by default freed on) this stream
     std::vector<kept_stream> users;  // record_stream
+    unsigned long long capture = 0;  // a graph allocation: the capture that made it (0: the pool's memory)
   };
   using live_map = std::map<std::uintptr_t, allocation>;
   /// A free that waits until the legacy default stream may be used (deferred_frees()).
@@ -415,6 +455,17 @@ class async_allocator final : public device_allocator {
   /// refused_in_capture: it failed during a capture and freed nothing (only where the caller asked for that).
   enum class free_result { done, wait_for_captures, refused_in_capture };
 
+  /// Counts `a` as allocated (`sign` 1) or freed (-1), with mutex_ held: in the statistics, or apart for a graph
+  /// allocation.
+  void count_locked(const allocation& a, int sign) noexcept {
+    if (a.capture != 0) {
+      graph_allocations_.count = sign > 0 ? graph_allocations_.count + 1 : graph_allocations_.count - 1;
+      graph_allocations_.bytes = sign > 0 ? graph_allocations_.bytes + a.bytes : graph_allocations_.bytes - a.bytes;
+      return;
+    }
+    add(allocations_, sign);
+    add(allocated_bytes_, sign * static_cast<std::int64_t>(a.bytes));
+  }
   static void add(stat& s, std::int64_t delta) noexcept {
     s.current += delta;
     if (delta > 0) {
@@ -472,6 +523,26 @@ class async_allocator final : public device_allocator {
     }
   }
 
+  /// The capture `s` (whose record is `life`, or nullptr) takes part in, asked while it is kept from destruction; 0
+  /// when it is not captured, destroyed, or cannot be asked (another thread's per-thread stream, a failed query).
+  static unsigned long long capture_of(const stream_view& s, const detail::stream_life* life) noexcept {
+    try {
+      std::unique_lock<std::mutex> alive;
+      if (life != nullptr) alive = life->keep_alive();
+      if (life != nullptr && life->expired()) return 0;
+      return detail::capture_id(s);
+    } catch (...) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+  }
+  static unsigned long long capture_of(const stream_view& s) noexcept {
+    try {
+      return capture_of(s, s.lifetime().get());
+    } catch (...) {
+      return 0;
+    }
+  }
   /// Whether `s` is being captured, or cannot be asked (then no device-wide wait is risked). Asked on rare paths only.
   static bool captured_or_unknown(const stream_view& s) noexcept {
     try {
@@ -510,9 +581,8 @@ class async_allocator final : public device_allocator {
       // Room for the allocation stream and the stream freeing it (below, and defer), while the free may still fail.
       it->second.users.reserve(it->second.users.size() + 2);
       taken = live_.extract(it);
-      add(allocations_, -1);
-      add(allocated_bytes_, -static_cast<std::int64_t>(taken.mapped().bytes));
-      ++device_frees_;
+      count_locked(taken.mapped(), -1);
+      if (taken.mapped().capture == 0) ++device_frees_;
     }
     allocation& a = taken.mapped();  // moved out only by defer()
     // The allocation stream's work too, when freed elsewhere or when it was destroyed (its handle may name another
@@ -525,6 +595,10 @@ class async_allocator final : public device_allocator {
       if (also_allocation_stream) a.users.pop_back();
       put_back(std::move(taken));
     };
+    if (a.capture != 0 && freed_outside_capture_underway(a, on)) {
+      keep_live();
+      throw_graph_allocation_freed_outside(p, a, on);
+    }
     if (const stream_view* captured = capture_joined(a, on)) {
       const stream_view user = *captured;
       keep_live();
@@ -555,13 +629,47 @@ class async_allocator final : public device_allocator {
   void put_back(live_map::node_type taken) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto bytes = static_cast<std::int64_t>(taken.mapped().bytes);
+    const bool graph = taken.mapped().capture != 0;
     live_.insert(std::move(taken));  // a node: allocates nothing
+    if (graph) {
+      ++graph_allocations_.count;
+      graph_allocations_.bytes += static_cast<std::size_t>(bytes);
+      return;
+    }
     for (auto [s, delta] : {std::pair<stat*, std::int64_t>{&allocations_, 1}, {&allocated_bytes_, bytes}}) {
       s->current += delta;
       s->peak = std::max(s->peak, s->current);
       s->freed = std::max<std::int64_t>(0, s->freed - delta);
     }
     device_frees_ = std::max<std::int64_t>(0, device_frees_ - 1);
+  }
+  /// Whether the graph allocation `a`, freed on `on`, is freed outside the capture that made it while that capture is
+  /// underway (a gpukit capture not yet ended, or a stream of `a` still in it): its graph does not exist yet, so the
+  /// free could only precede the graph's first launch. Asks CUDA for graph allocations only.
+  bool freed_outside_capture_underway(const allocation& a, const stream_view& on) const noexcept {
+    if (capture_of(on) == a.capture) return false;  // a free node of its own graph
+    try {
+      if (detail::gpukit_capture_active(a.capture)) return true;
+    } catch (...) {  // the registry's lock failed: the streams are asked
+    }
+    if (capture_of(a.stream.view, a.stream.life.get()) == a.capture) return true;
+    return std::any_of(a.users.begin(), a.users.end(),
+                       [&](const kept_stream& user) { return capture_of(user.view, user.life.get()) == a.capture; });
+  }
+  [[noreturn]] void throw_graph_allocation_freed_outside(const void* p, const allocation& a,
+                                                         const stream_view& on) const {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    throw invalid_argument_error(
+        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + ": " +
+            detail::format_bytes_exact(a.bytes) + " allocated during CUDA graph capture " + std::to_string(a.capture) +
+            " (a graph allocation, whose memory exists from each launch of the graph) freed on " +
+            detail::describe_stream(on.native_handle(), on.device()) +
+            ", outside that capture, while it is underway: the graph cannot have been launched yet, and CUDA lets a "
+            "graph allocation be freed outside its graph only after a launch of the graph, ordered after it. Free it "
+            "in the capture (on a stream of it, from the thread that captures a per-thread default stream), or "
+            "after a launch, on the launching stream or one that waits for it. The memory is still allocated",
+        cudaSuccess, "gpukit::async_allocator::deallocate", device_.ordinal());
   }
   /// A stream the free must be ordered after (record_stream's, or the allocation stream when freed on another) that
   /// is being captured while `on` is not, if any: the ordering (an event recorded there, waited for on `on`) would
@@ -1093,6 +1201,7 @@ class async_allocator final : public device_allocator {
   std::atomic<bool> has_deferred_{false};  // !deferred_.empty(), read without the lock
   std::size_t being_asked_ = 0;            // deferred frees free_deferred took out to ask about (guarded by mutex_)
   stat allocations_, allocated_bytes_;
+  graph_allocation_totals graph_allocations_;  // live graph allocations, kept out of the statistics
   std::int64_t retries_ = 0, ooms_ = 0, device_allocs_ = 0, device_frees_ = 0;
   std::size_t limit_ = std::numeric_limits<std::size_t>::max();
   std::size_t in_flight_bytes_ = 0;  // requests past the limit check, not yet allocated (guarded by mutex_)
