@@ -2682,6 +2682,127 @@ TEST_CASE("capture: a graph pool waits for a stream without a final event outsid
   CHECK(cudasim::violations().empty());
 }
 
+namespace {
+/// A gpukit capture of a blocking stream of cuda:0, begun on another thread just before this thread's next call of
+/// `function` (cudasim::before_call: a step of a graph launch, made deterministic) and kept open until finish(), or
+/// ended at once (`end_at_once`). A detail::legacy_stream_hold kept by this thread through that call would hold the
+/// capture up: the hook then gives up after a watchdog's 30 s, and began_in_time() says false instead of a hang.
+class blocking_capture_before {
+ public:
+  blocking_capture_before(const char* function, bool end_at_once) {
+    cudasim::before_call(function, 1, [this, end_at_once] {
+      thread_ = std::thread([this] {
+        try {
+          const gpukit::graph g = gpukit::capture(stream_, [this] {
+            began_ = true;
+            while (!finishing_.load()) std::this_thread::yield();
+          });
+        } catch (const std::exception& e) {
+          failure_ = e.what();
+        }
+        ended_ = true;
+      });
+      const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(30);  // a watchdog, not a timing
+      while (!began_.load() && !ended_.load() && std::chrono::steady_clock::now() < limit) std::this_thread::yield();
+      began_in_time_ = began_.load();
+      if (end_at_once && began_in_time_) (void)finish();  // else joined later: it may wait for this thread's hold
+    });
+  }
+  blocking_capture_before(const blocking_capture_before&) = delete;
+  blocking_capture_before& operator=(const blocking_capture_before&) = delete;
+  ~blocking_capture_before() {
+    cudasim::clear_faults();
+    (void)finish();
+  }
+  bool began_in_time() const { return began_in_time_; }
+  /// Ends the capture; what it threw ("" when it stayed valid).
+  std::string finish() {
+    finishing_ = true;
+    if (thread_.joinable()) thread_.join();
+    return failure_;
+  }
+
+ private:
+  gpukit::stream stream_ = blocking_stream();
+  std::atomic<bool> began_{false};
+  std::atomic<bool> ended_{false};
+  std::atomic<bool> finishing_{false};
+  bool began_in_time_ = false;
+  std::string failure_;
+  std::thread thread_;
+};
+}  // namespace
+
+TEST_CASE("capture: a graph launch on the legacy stream waits for a destroyed stream's work before its hold") {
+  // The launch holds the legacy stream (a gpukit capture of a blocking stream then waits to begin) only to enqueue the
+  // graph and its event. Its pool's host wait (here a device synchronize for a consumer without a final event) comes
+  // before: a capture another thread begins meanwhile begins at once, instead of waiting for the whole wait (or for
+  // ever, were the wait waiting for it).
+  gpukit::stream s(cuda0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, bytes, bytes);
+  free_after_consumer_without_final_event(output);
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  {
+    blocking_capture_before elsewhere("cudaDeviceSynchronize", true);
+    output.graph.launch(legacy);
+    CHECK(elsewhere.began_in_time());
+    CHECK(elsewhere.finish() == "");
+  }
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);  // the wait was made
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph launch on the legacy stream whose event cannot be recorded waits after its hold") {
+  // The launch's record failed: the host waits for the legacy stream, once the hold is let go.
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = graph_with_temporary(s, pool);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  cudasim::drain_all();  // the reserve's event has completed: the launch records no other event first
+  const std::size_t host_waits = cudasim::calls("cudaEventSynchronize");
+  {
+    blocking_capture_before elsewhere("cudaEventSynchronize", true);  // the wait for the legacy stream
+    cudasim::fail_call("cudaEventRecord", 1, cudaErrorInvalidResourceHandle);
+    CHECK_THROWS_WITH_AS(g.launch(legacy), doctest::Contains("after a graph launch"), gpukit::cuda_error);
+    CHECK(elsewhere.began_in_time());
+    CHECK(elsewhere.finish() == "");
+  }
+  CHECK(cudasim::calls("cudaEventSynchronize") == host_waits + 1);
+  gpukit_test::captured_warnings warnings;
+  g = gpukit::graph();
+  pool.reset();
+  CHECK(warnings.messages().empty());
+  CHECK(gpukit::memory_allocated(cuda0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph launch on the legacy stream is refused if a blocking capture begins while it is ordered") {
+  // The refusal is checked again under the hold the launch and its record are enqueued under: a capture begun while
+  // the pool ordered the launch (not under the hold) is not joined.
+  gpukit::stream s(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, std::size_t{1} << 20);
+  gpukit::graph g = graph_with_temporary(s, pool);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  cudasim::drain_all();  // the reserve's event has completed: the ordering asks it (cudaEventQuery) and waits for none
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz");
+  {
+    blocking_capture_before elsewhere("cudaEventQuery", false);
+    CHECK_THROWS_WITH_AS(
+        g.launch(legacy),
+        doctest::Contains("graph::launch: a gpukit capture of a blocking stream of cuda:0 is underway"),
+        gpukit::invalid_argument_error);
+    CHECK(elsewhere.began_in_time());
+    CHECK(elsewhere.finish() == "");  // intact
+  }
+  CHECK(cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz") == launches);
+  g.launch(legacy);  // once it has ended
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator free that waited on the host waits for a capture begun meanwhile") {
   // Its wait for a recorded stream cannot be enqueued, so the host waits for that stream, letting captures begin; the
   // free itself, on the legacy stream, would invalidate one: it waits for the captures to end instead.

@@ -333,6 +333,52 @@ TEST_CASE("gpu: a double free of a pool block is refused, and the reserve stays 
   allocator.deallocate(next);
 }
 
+TEST_CASE("gpu: a graph updated from a capture_for_update is not instantiated twice, and one refused is instantiated") {
+  // cudaGraphExecUpdate needs only the recaptured cudaGraph_t: an instantiation would be made only to be destroyed.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::device_buffer<int> out(64, s);
+  const auto fill = [&](int byte) {
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(out.data(), byte, out.size_bytes(), s.cuda_handle()));
+  };
+  gpukit::graph g = gpukit::capture(s, [&] { fill(1); });
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  const std::size_t instantiations = cudasim::calls("cudaGraphInstantiate");
+#endif
+  gpukit::graph recaptured = gpukit::capture_for_update(s, [&] { fill(2); });
+  CHECK(recaptured.native_graph() != nullptr);
+  CHECK(recaptured.native_exec() == nullptr);
+  CHECK_FALSE(recaptured);
+  CHECK_THROWS_WITH_AS(recaptured.launch(s), doctest::Contains("not instantiated"), gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(recaptured.update(g), doctest::Contains("not instantiated"), gpukit::invalid_argument_error);
+  CHECK(g.update(recaptured));
+  CHECK(recaptured.native_graph() == nullptr);
+  g.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x02020202));
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::calls("cudaGraphInstantiate") == instantiations);  // none for the update
+#endif
+  // Another topology: refused, and instantiated to replace the graph.
+  gpukit::graph different = gpukit::capture_for_update(s, [&] {
+    fill(3);
+    fill(4);
+  });
+  cudaGraphExecUpdateResult why_not = cudaGraphExecUpdateSuccess;
+  CHECK_FALSE(g.update(different, &why_not));
+  CHECK(why_not == cudaGraphExecUpdateErrorTopologyChanged);
+  different.instantiate();
+  REQUIRE(static_cast<bool>(different));
+  different.instantiate();  // once is enough: nothing more
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  CHECK(cudasim::calls("cudaGraphInstantiate") == instantiations + 1);
+#endif
+  g = std::move(different);
+  g.launch(s);
+  CHECK(read(out, s) == std::vector<int>(64, 0x04040404));
+  CHECK_THROWS_WITH_AS(different.instantiate(), doctest::Contains("empty"), gpukit::invalid_argument_error);
+}
+
 TEST_CASE("gpu: a graph updated from itself is refused and still launches") {
   GPUKIT_REQUIRE_GPU();
   const gpukit::device d = gpukit::device::cuda(0);

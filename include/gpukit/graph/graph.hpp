@@ -50,7 +50,8 @@ enum class capture_mode {
   relaxed = cudaStreamCaptureModeRelaxed,            ///< not refused (the caller takes care)
 };
 
-/// An instantiated CUDA graph (cudaGraph_t and cudaGraphExec_t), move-only, with the pool its memory came from.
+/// A CUDA graph (cudaGraph_t) and its executable graph (cudaGraphExec_t; none until instantiate() for one made by
+/// capture_for_update), move-only, with the pool its memory came from.
 /// Not thread-safe: calls on one graph (launch, update, destruction) must not run at once from several threads, since
 /// CUDA requires the calls on one graph or executable graph to be serialized.
 class graph {
@@ -89,7 +90,11 @@ class graph {
   /// (the host then waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch
   /// it again to make up for it.
   void launch(stream_view s) const {
-    if (exec_ == nullptr) throw invalid_argument_error("gpukit::graph::launch: the graph is empty (moved from?)");
+    if (exec_ == nullptr) {
+      throw invalid_argument_error(graph_ != nullptr ? "gpukit::graph::launch: the graph is not instantiated "
+                                                       "(gpukit::capture_for_update: call instantiate() first)"
+                                                     : "gpukit::graph::launch: the graph is empty (moved from?)");
+    }
     if (s.is_cpu() || s.device() != device_) {
       throw invalid_argument_error("gpukit::graph::launch: a stream of " +
                                    (s.is_cpu() ? std::string("cpu") : s.device().to_string()) + " for a graph of " +
@@ -97,50 +102,59 @@ class graph {
     }
     if (s.is_other_threads_stream()) detail::throw_other_threads_stream("graph::launch");
     device_guard guard(device_);
-    // On the legacy stream, CUDA would join another thread's gpukit capture of a blocking stream and invalidate it:
-    // refused, under the hold that keeps such a capture from beginning until the launch (and its record) is enqueued.
     std::optional<detail::legacy_stream_hold> hold;
-    if (s.is_default() && !s.is_per_thread()) {
-      hold.emplace(device_.ordinal());
-      detail::refuse_legacy_stream_join("graph::launch", s, hold->refused());
+    cudaError_t result = cudaSuccess;
+    if (!pool_) {
+      hold_legacy_stream(s, hold);
+      GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, s.cuda_handle()), launch_failed(result),
+                                device_.ordinal());
+      return;
     }
-    if (pool_ && detail::capture_status(s) != cudaStreamCaptureStatusNone) {
+    // Refused before the pool's calls, which then leave nothing behind; held again, as they may wait on the host (for
+    // a destroyed stream's work, for `s` when the record fails) or for the pool's lock, which a host wait may hold.
+    hold_legacy_stream(s, hold);
+    if (detail::capture_status(s) != cudaStreamCaptureStatusNone) {
       throw invalid_argument_error(
           "gpukit::graph::launch: a graph with a graph pool launched into a stream being captured on " +
           device_.to_string() +
           ": the outer graph could run after the pool's memory is released (capture the work into one graph "
           "instead; nothing was launched)");
     }
-    cudaError_t result = cudaSuccess;
-    if (!pool_) {
-      GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, s.cuda_handle()), launch_failed(result),
-                                device_.ordinal());
-      return;
-    }
+    hold.reset();
     const stream_view on = s.resolved();  // its id looked up once: the pool's calls below then make no lookup
     const cudaEvent_t launched = pool_->prepare_launch(on);  // recorded after the launch, for the pool's release
+    cudaError_t recorded = cudaSuccess;
     try {
       pool_->order_launch(on);
+      hold_legacy_stream(s, hold);  // a capture may have begun meanwhile
       GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, on.cuda_handle()), launch_failed(result),
                                 device_.ordinal());
+      recorded = pool_->record_launch(on, launched);
+      hold.reset();
     } catch (...) {
+      hold.reset();
       pool_->abandon_launch(on);
       throw;
     }
-    pool_->note_launch(on, launched);  // throws if it cannot be recorded (the release then waits for all)
+    pool_->note_launch(on, recorded);  // throws if it could not be recorded (the release then waits for all)
   }
 
   /// Replaces this graph's work by `recaptured`'s where CUDA can update the executable graph in place
   /// (cudaGraphExecUpdate: same topology, new parameters); returns false, changing nothing, where it cannot, and then
   /// sets `*why_not` (if given) to CUDA's reason (cudaGraphExecUpdateErrorTopologyChanged, ...NodeTypeChanged,
-  /// ...ParametersChanged, ...). `recaptured` is left empty on success.
+  /// ...ParametersChanged, ...). `recaptured` is left empty on success. Only its cudaGraph_t is used: capture it with
+  /// capture_for_update, which does not instantiate it (instantiate() it if the update is refused, to launch it
+  /// instead).
   bool update(graph& recaptured, cudaGraphExecUpdateResult* why_not = nullptr) {
     if (&recaptured == this) {
       throw invalid_argument_error(
           "gpukit::graph::update: a graph cannot be updated from itself (it would be emptied)");
     }
     if (exec_ == nullptr || recaptured.graph_ == nullptr) {
-      throw invalid_argument_error("gpukit::graph::update: an empty graph (moved from?)");
+      throw invalid_argument_error(exec_ == nullptr && graph_ != nullptr
+                                       ? "gpukit::graph::update: the graph updated is not instantiated (instantiate() "
+                                         "it first)"
+                                       : "gpukit::graph::update: an empty graph (moved from?)");
     }
     if (recaptured.device_ != device_) {
       throw invalid_argument_error("gpukit::graph::update: a graph of " + recaptured.device_.to_string() +
@@ -169,18 +183,46 @@ class graph {
   graph(gpukit::device d, cudaGraph_t g, cudaGraphExec_t e, std::shared_ptr<graph_pool> pool = nullptr) noexcept
       : device_(d), graph_(g), exec_(e), pool_(std::move(pool)) {}
 
-  /// True when the graph can be launched; false when empty (default-constructed or moved from).
+  /// Instantiates a graph made by capture_for_update (cudaGraphInstantiate), so that it can be launched; nothing for
+  /// one that is already. Throws invalid_argument_error for an empty graph, cuda_error if CUDA refuses (the graph is
+  /// left as it was).
+  void instantiate() {
+    if (exec_ != nullptr) return;
+    if (graph_ == nullptr) throw invalid_argument_error("gpukit::graph::instantiate: the graph is empty (moved from?)");
+    device_guard guard(device_);
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t result = cudaSuccess;
+    {
+      // Refused in global mode while any other thread captures, and invalidates that capture (measured on an H200).
+      const detail::relaxed_capture_mode relaxed;
+      result = cudaGraphInstantiate(&exec, graph_, 0);
+    }
+    GPUKIT_CUDA_TRY_DESCRIBED(result, "cudaGraphInstantiate", device_.ordinal());
+    exec_ = exec;
+  }
+
+  /// True when the graph can be launched; false when empty (default-constructed or moved from) or not instantiated.
   explicit operator bool() const noexcept { return exec_ != nullptr; }
   /// The device the graph runs on (the CPU for a default-constructed graph).
   gpukit::device device() const noexcept { return device_; }
   /// The cudaGraph_t, still owned by this object; nullptr when empty.
   cudaGraph_t native_graph() const noexcept { return graph_; }
-  /// The cudaGraphExec_t, still owned by this object; nullptr when empty.
+  /// The cudaGraphExec_t, still owned by this object; nullptr when empty or not instantiated.
   cudaGraphExec_t native_exec() const noexcept { return exec_; }
   /// The pool the graph's allocations came from (nullptr: captured without one).
   const std::shared_ptr<graph_pool>& pool() const noexcept { return pool_; }
 
  private:
+  /// On the legacy stream, CUDA would join another thread's gpukit capture of a blocking stream of the device and
+  /// invalidate it: takes `hold`, which keeps such a capture from beginning until it is let go, and throws
+  /// invalid_argument_error (as stream_view::enqueue_host) if one is underway. Held only to enqueue: never through a
+  /// host wait or a lock, since that capture waits for it. Other streams: nothing.
+  void hold_legacy_stream(const stream_view& s, std::optional<detail::legacy_stream_hold>& hold) const {
+    if (!s.is_default() || s.is_per_thread()) return;
+    hold.emplace(device_.ordinal());
+    detail::refuse_legacy_stream_join("graph::launch", s, hold->refused());
+  }
+
   /// What a failed cudaGraphLaunch names; CUDA says only cudaErrorInvalidValue for an unfreed graph allocation.
   static std::string launch_failed(cudaError_t result) {
     if (result != cudaErrorInvalidValue) return "cudaGraphLaunch";
@@ -245,20 +287,9 @@ inline const char* why_capture_failed(cudaError_t result) noexcept {
   }
 }
 
-}  // namespace detail
-
-/// Captures the work `work()` enqueues on `s` (and on streams it forks into the capture) into a graph and
-/// instantiates it. While it runs, gpukit's caching allocators serve allocations on the captured streams from
-/// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
-/// through. Throws invalid_argument_error for a CPU stream or the legacy default stream (0 outside the per-thread
-/// default stream mode), or a pool of another device; cuda_error when CUDA refuses the capture (for instance one
-/// invalidated by an unsafe call, or a stream already being captured, which its message says). While a capture of
-/// a stream that synchronizes with the legacy default stream runs (created without non_blocking, a per-thread default
-/// stream, or one such stream it forked into with event::wait), gpukit's calls on that device's legacy stream are
-/// refused (invalid_argument_error): CUDA would join them to the capture and invalidate it.
+/// capture and capture_for_update: the graph captured, and instantiated if `instantiate`.
 template <class F>
-graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
-              capture_mode mode = capture_mode::thread_local_) {
+graph capture_graph(stream_view s, F&& work, std::shared_ptr<graph_pool> pool, capture_mode mode, bool instantiate) {
   // CUDA captures created streams and the per-thread default stream (handle 0 in that mode), never the legacy one.
   if (s.is_cpu() || (s.is_default() && !s.is_per_thread())) {
     throw invalid_argument_error(
@@ -393,18 +424,35 @@ graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullpt
     GPUKIT_CUDA_TRY_DESCRIBED(ended, std::string("cudaStreamEndCapture (") + detail::why_capture_failed(ended) + ")",
                               d.ordinal());
   }
-  cudaGraphExec_t exec = nullptr;
-  cudaError_t instantiated = cudaSuccess;
-  {
-    // Refused in global mode while any other thread captures, and invalidates that capture (measured on an H200).
-    const detail::relaxed_capture_mode relaxed;
-    instantiated = cudaGraphInstantiate(&exec, g, 0);
-  }
-  if (instantiated != cudaSuccess) {
-    (void)cudaGraphDestroy(g);
-    GPUKIT_CUDA_TRY_DESCRIBED(instantiated, "cudaGraphInstantiate", d.ordinal());
-  }
-  return graph(d, g, exec, std::move(pool));
+  graph captured(d, g, nullptr, std::move(pool));  // destroys `g` if the instantiation throws
+  if (instantiate) captured.instantiate();
+  return captured;
+}
+
+}  // namespace detail
+
+/// Captures the work `work()` enqueues on `s` (and on streams it forks into the capture) into a graph and
+/// instantiates it. While it runs, gpukit's caching allocators serve allocations on the captured streams from
+/// `pool` (nullptr: refuse them). If `work` throws, the capture is ended and discarded and the exception passes
+/// through. Throws invalid_argument_error for a CPU stream or the legacy default stream (0 outside the per-thread
+/// default stream mode), or a pool of another device; cuda_error when CUDA refuses the capture (for instance one
+/// invalidated by an unsafe call, or a stream already being captured, which its message says). While a capture of
+/// a stream that synchronizes with the legacy default stream runs (created without non_blocking, a per-thread default
+/// stream, or one such stream it forked into with event::wait), gpukit's calls on that device's legacy stream are
+/// refused (invalid_argument_error): CUDA would join them to the capture and invalidate it.
+template <class F>
+graph capture(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
+              capture_mode mode = capture_mode::thread_local_) {
+  return detail::capture_graph(s, std::forward<F>(work), std::move(pool), mode, true);
+}
+
+/// As capture, without instantiating the graph: for graph::update, which needs only the cudaGraph_t, so that an
+/// update that succeeds makes no cudaGraphInstantiate. launch() refuses the graph until instantiate() (say, after an
+/// update that CUDA refused, to launch the new graph instead).
+template <class F>
+graph capture_for_update(stream_view s, F&& work, std::shared_ptr<graph_pool> pool = nullptr,
+                         capture_mode mode = capture_mode::thread_local_) {
+  return detail::capture_graph(s, std::forward<F>(work), std::move(pool), mode, false);
 }
 
 GPUKIT_END_NAMESPACE

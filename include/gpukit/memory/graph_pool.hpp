@@ -319,22 +319,28 @@ class graph_pool final : public device_allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     end_preparing_locked(s.id());
   }
-  /// A graph of the pool was launched on `s`: records `e` (from prepare_launch), so that the reserve goes back only
-  /// after that work (the pool's release waits for each stream's latest launch). If it cannot be recorded, the host
-  /// waits for `s` now, so that no launch is left unordered; if even that fails, the pool keeps its reserve at its
-  /// release (a device-wide wait would do, but cudaDeviceSynchronize invalidates any capture another thread runs, in
-  /// relaxed mode too). The error propagates. Neither the record nor the wait is under the pool's lock; the launch
-  /// stops holding `e` only after its record (a record by another launch on `s` covers this one's as well).
-  void note_launch(const stream_view& s, cudaEvent_t e) {
+  /// A graph of the pool was just launched on `s`, with the pool's device current: records `e` (from prepare_launch)
+  /// after it, so that the reserve goes back only after that work (the pool's release waits for each stream's latest
+  /// launch). Returns CUDA's result, for note_launch. No lock and no host wait: graph::launch records it under the
+  /// legacy stream's hold (detail::legacy_stream_hold), which a wait must not be made under.
+  cudaError_t record_launch(const stream_view& s, cudaEvent_t e) const noexcept {
+    return cudaEventRecord(e, s.cuda_handle());
+  }
+  /// After record_launch on `s` returned `recorded`: if it failed, the host waits for `s` now, so that no launch is
+  /// left unordered; if even that fails, the pool keeps its reserve at its release (a device-wide wait would do, but
+  /// cudaDeviceSynchronize invalidates any capture another thread runs, in relaxed mode too), and the record's error
+  /// propagates. The wait is made outside the pool's lock, and called after the legacy stream's hold; the launch stops
+  /// holding the event only after its record (a record by another launch on `s` covers this one's as well).
+  void note_launch(const stream_view& s, cudaError_t recorded) {
     const std::uint64_t id = s.id();
     std::exception_ptr failed;
     bool unordered = false;
-    try {
-      device_guard guard(device_);
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaEventRecord(e, s.cuda_handle()), "cudaEventRecord (after a graph launch)",
-                                device_.ordinal());
-    } catch (...) {
-      failed = std::current_exception();
+    if (recorded != cudaSuccess) {
+      try {
+        GPUKIT_CUDA_TRY_DESCRIBED(recorded, "cudaEventRecord (after a graph launch)", device_.ordinal());
+      } catch (...) {
+        failed = std::current_exception();
+      }
       try {
         s.synchronize();  // relaxed: legal while another thread captures
       } catch (...) {
