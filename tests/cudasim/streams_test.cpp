@@ -2062,6 +2062,49 @@ TEST_CASE("streams: event errors name the event's flags, and a cross-device wait
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("streams: a view naming a gpukit::stream's handle with another device is refused at once, naming both") {
+  gpukit::stream s1(cuda1);
+  gpukit::stream owned0 = gpukit::stream::wrap(create_raw_stream(cuda0), cuda0, true);  // known to gpukit as well
+  gpukit::event e0(cuda0);
+  const std::size_t records = cudasim::calls("cudaEventRecord");
+  try {
+    const gpukit::stream_view wrong(cuda0, s1.cuda_handle());
+    e0.record(wrong);  // unchecked, CUDA refuses the record here, far from the cause
+    FAIL("no exception");
+  } catch (const std::exception& ex) {
+    const std::string what = ex.what();
+    CHECK(dynamic_cast<const gpukit::invalid_argument_error*>(&ex) != nullptr);
+    CHECK(what.find("gpukit::stream_view: ") != std::string::npos);
+    CHECK(what.find("belongs to cuda:1") != std::string::npos);
+    CHECK(what.find("not to cuda:0 as given") != std::string::npos);
+  }
+  CHECK(cudasim::calls("cudaEventRecord") == records);  // refused before any record
+  CHECK_THROWS_WITH_AS(gpukit::stream_view(cuda1, owned0.cuda_handle()), doctest::Contains("belongs to cuda:0"),
+                       gpukit::invalid_argument_error);
+  // Named with its own device: accepted, and the check asked CUDA nothing.
+  const std::size_t lookups = cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaGetDevice");
+  const gpukit::stream_view right(cuda1, s1.cuda_handle());
+  CHECK(cudasim::calls("cudaStreamGetDevice") + cudasim::calls("cudaGetDevice") == lookups);
+  CHECK(right == s1.view());
+  gpukit::event e1(cuda1);
+  e1.record(right);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: ipc_handle of a moved-from event names ipc_handle, whatever the event's options") {
+  gpukit::event shared(cuda0, {false, false, true});
+  gpukit::event shared_taker = std::move(shared);
+  CHECK_THROWS_WITH_AS((void)shared.ipc_handle(), "gpukit::event::ipc_handle: use of a moved-from event",  // NOLINT
+                       gpukit::invalid_argument_error);
+  gpukit::event plain(cuda0);
+  gpukit::event plain_taker = std::move(plain);
+  CHECK_THROWS_WITH_AS((void)plain.ipc_handle(), "gpukit::event::ipc_handle: use of a moved-from event",  // NOLINT
+                       gpukit::invalid_argument_error);
+  CHECK_NOTHROW((void)shared_taker.ipc_handle());
+  CHECK_THROWS_WITH_AS((void)plain_taker.ipc_handle(), doctest::Contains("interprocess = true"),
+                       gpukit::invalid_argument_error);
+}
+
 TEST_CASE("streams: a stream pool destroyed while a stream given back to it is captured leaves that capture intact") {
   captured_warnings warnings;
   cudaStream_t handle = nullptr;

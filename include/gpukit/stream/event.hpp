@@ -157,7 +157,8 @@ class event {
   /// The CUDA handle. Throws invalid_argument_error for a CPU event.
   cudaEvent_t cuda_handle() const;
 
-  /// A handle another process can open with cudaIpcOpenEventHandle (interprocess events only).
+  /// A handle another process can open with cudaIpcOpenEventHandle. Throws invalid_argument_error for an event not
+  /// created with interprocess, and for a moved-from one.
   cudaIpcEventHandle_t ipc_handle() const;
 
   /// Time between the completion of `start`'s and `end`'s most recent records. Waits for both to complete. Both
@@ -359,10 +360,11 @@ GPUKIT_INLINE cudaEvent_t event::cuda_handle() const {
 }
 
 GPUKIT_INLINE cudaIpcEventHandle_t event::ipc_handle() const {
+  check_valid("ipc_handle");  // first: a moved-from event keeps its options
   if (!options_.interprocess) {
     throw invalid_argument_error("gpukit::event::ipc_handle: the event was not created with interprocess = true");
   }
-  return detail::cuda_backend::ipc_event_handle(cuda_handle(), device_.ordinal());
+  return detail::cuda_backend::ipc_event_handle(cuda_, device_.ordinal());  // never a CPU event: refused at creation
 }
 
 GPUKIT_INLINE void event::check_valid(const char* what) const {

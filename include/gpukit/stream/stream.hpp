@@ -289,6 +289,9 @@ class stream_view {
   }
 
   /// A raw CUDA stream handle of a known device (for cudaStreamLegacy and cudaStreamPerThread: that device's).
+  /// Throws invalid_argument_error, naming both devices, for the handle of a gpukit::stream (created, or wrapped with
+  /// ownership) of another device: looked up in gpukit's table of its streams, with no CUDA call. The device of a
+  /// handle gpukit does not own is not checked (that would cost driver calls on every view).
   stream_view(gpukit::device d, cudaStream_t handle);
 
   /// The default stream of a device: CUDA's default stream (handle 0: legacy, or per-thread in code built that way),
@@ -695,6 +698,17 @@ GPUKIT_INLINE stream_view::stream_view(gpukit::device d, cudaStream_t handle)
     : device_(d), device_known_(true), cuda_(handle) {
   if (d.is_cpu() && handle != nullptr) {
     throw invalid_argument_error("gpukit::stream_view: a CUDA stream handle cannot belong to the CPU device");
+  }
+  // A wrong device would surface later as a bare failure far from here (cudaEventRecord refuses an event of the
+  // given device on the stream), or go unseen where a call takes any context. Checked here because it is cheap.
+  if (d.is_cpu() || is_special(handle)) return;
+  const std::optional<detail::cuda_backend::created_stream> known = detail::cuda_backend::find_created_stream(handle);
+  if (known && known->ordinal != d.ordinal()) {
+    throw invalid_argument_error("gpukit::stream_view: " + detail::cuda_backend::describe_stream_handle(handle, -1) +
+                                     " belongs to cuda:" + std::to_string(known->ordinal) +
+                                     " (a gpukit::stream of that device owns it), not to " + d.to_string() +
+                                     " as given: name it with its own device, or view it through its gpukit::stream",
+                                 cudaSuccess, {}, d.ordinal());
   }
 }
 
