@@ -21,11 +21,12 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
 #if !defined(_WIN32)
-#include <unistd.h>  // getpid
+#include <pthread.h>  // pthread_atfork
 #endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -67,6 +68,11 @@ class copy_workers {
 
   GPUKIT_EXPORT static copy_workers& instance();
 
+  /// Whether a copy of `bytes` in `parts` pieces is worth helpers; else it is one memcpy on the calling thread.
+  static bool worth_helpers(std::size_t bytes, unsigned parts) noexcept {
+    return parts > 1 && bytes >= 2 * min_part_bytes;
+  }
+
   /// Copies `bytes` from `src` to `dst` (which must not overlap) in `parts` pieces, the caller doing one or more.
   void copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming);
 
@@ -97,15 +103,6 @@ class copy_workers {
 
   copy_workers() = default;
 
-  static long current_pid() noexcept {
-#if defined(_WIN32)
-    return 0;  // no fork()
-#else
-    return static_cast<long>(::getpid());
-#endif
-  }
-
-  const long pid_ = current_pid();  // the process that created this pool
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<job>> queue_;
@@ -153,11 +150,27 @@ GPUKIT_INLINE void copy_part(void* dst, const void* src, std::size_t bytes, bool
 
 GPUKIT_INLINE copy_workers& copy_workers::instance() {
   // Leaked on purpose: see the class comment. A child of fork() inherits a pool whose threads it does not have and
-  // whose mutex a helper may have held at the fork: it gets a pool of its own, the old one left untouched.
+  // whose mutex a helper may have held at the fork: it gets a pool of its own, the old one left untouched. The fork
+  // is seen by a handler that forgets the pool in the child (pthread_atfork, registered before the first pool), so
+  // that a copy costs one atomic load here rather than a getpid system call. A child made without fork() (a raw
+  // clone or fork system call) runs no handler and must not copy in parallel; vfork and posix_spawn children exec.
   static std::atomic<copy_workers*> workers{nullptr};
-  const long pid = current_pid();
   copy_workers* w = workers.load(std::memory_order_acquire);
-  while (w == nullptr || w->pid_ != pid) {
+  if (w != nullptr) return *w;
+#if !defined(_WIN32)
+  // Registered before any pool is installed, so a fork that sees a pool runs the handler. A flag rather than a
+  // static initialized by a call: a fork during such an initialization leaves the child waiting forever on its guard.
+  // Threads that race here may each register a handler (idempotent); a failure (ENOMEM, the only one) is retried.
+  static std::atomic<bool> fork_handler{false};
+  if (!fork_handler.load(std::memory_order_acquire)) {
+    // The child runs it alone, on the thread that forked.
+    if (::pthread_atfork(nullptr, nullptr, [] { workers.store(nullptr, std::memory_order_relaxed); }) != 0) {
+      throw std::bad_alloc();
+    }
+    fork_handler.store(true, std::memory_order_release);
+  }
+#endif
+  while (w == nullptr) {
     auto* fresh = new copy_workers();
     if (workers.compare_exchange_strong(w, fresh, std::memory_order_acq_rel, std::memory_order_acquire)) {
       return *fresh;
@@ -168,7 +181,7 @@ GPUKIT_INLINE copy_workers& copy_workers::instance() {
 }
 
 GPUKIT_INLINE void copy_workers::copy(void* dst, const void* src, std::size_t bytes, unsigned parts, bool streaming) {
-  if (parts <= 1 || bytes < 2 * min_part_bytes) {
+  if (!worth_helpers(bytes, parts)) {
     copy_part(dst, src, bytes, streaming);
     return;
   }
@@ -240,6 +253,8 @@ GPUKIT_INLINE void copy_workers::serve() {
 
 GPUKIT_INLINE void parallel_copy(void* dst, const void* src, std::size_t bytes, unsigned threads, bool streaming) {
   if (bytes == 0) return;
+  // A copy without helpers needs no pool.
+  if (!detail::copy_workers::worth_helpers(bytes, threads)) return detail::copy_part(dst, src, bytes, streaming);
   detail::copy_workers::instance().copy(dst, src, bytes, threads, streaming);
 }
 
