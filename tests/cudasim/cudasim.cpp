@@ -40,6 +40,8 @@ using clock_type = std::chrono::steady_clock;
 struct op_state {
   bool done = false;
   clock_type::time_point completed_at{};
+  unsigned long long stream_id = 0;  // set when enqueued: its stream (cudaStreamGetId's id, never reused)
+  std::uint64_t seq = 0;             // and its place in the machine's order of enqueued work
 };
 using state_ptr = std::shared_ptr<op_state>;
 
@@ -200,6 +202,16 @@ struct device_state {
   std::size_t pool_used = 0;                              // live cudaMallocAsync bytes, as the host sees them
   std::map<const stream_obj*, std::size_t> pool_pending;  // bytes freed on each stream whose frees have not run
   std::size_t pool_pending_total = 0;
+  // Frees that have run but whose completion the host has not observed (by a synchronization, or a query that
+  // answered complete, of their stream or of an event recorded after them there, or a device synchronization): kept,
+  // and reused, but not given back (cudaMemPoolTrimTo's header: such frees "can count as outstanding").
+  struct unobserved_free {
+    unsigned long long stream_id = 0;
+    std::uint64_t seq = 0;  // the free's place in the machine's order (op_state::seq)
+    std::size_t bytes = 0;
+  };
+  std::vector<unobserved_free> pool_unobserved;
+  std::size_t pool_unobserved_total = 0;
   std::size_t pool_reserved_high = 0;
   std::size_t pool_used_high = 0;
   std::uint64_t pool_release_threshold = 0;
@@ -272,6 +284,7 @@ struct simulator {
   cudaError_t unloaded = cudaSuccess;  // cudasim::unload: every call returns it
   unsigned long long next_stream_id = 1;
   unsigned long long next_capture_id = 1;
+  std::uint64_t next_op_seq = 1;  // op_state::seq
   std::map<std::pair<std::thread::id, int>, stream_ptr> per_thread;
   std::vector<std::shared_ptr<capture_state>> captures;  // active ones
   std::size_t checked_ops_running = 0;  // ops past their alive_check, running outside the lock (copies, memsets)
@@ -468,13 +481,40 @@ struct call {
 
 bool valid_device(simulator& s, int d) { return d >= 0 && static_cast<std::size_t>(d) < s.devices.size(); }
 
-/// Gives back the default pool's kept memory above `keep` bytes reserved (never what is live or pending).
+/// Gives back the default pool's kept memory above `keep` bytes reserved (never what is live, pending, or freed
+/// without the host having observed the free complete).
 void pool_release(device_state& dev, std::uint64_t keep) {
-  const std::size_t floor =
-      static_cast<std::size_t>(std::max<std::uint64_t>(keep, dev.pool_used + dev.pool_pending_total));
+  const std::size_t floor = static_cast<std::size_t>(
+      std::max<std::uint64_t>(keep, dev.pool_used + dev.pool_pending_total + dev.pool_unobserved_total));
   if (dev.pool_reserved <= floor) return;
   dev.used -= dev.pool_reserved - floor;
   dev.pool_reserved = floor;
+}
+
+/// Drops the unobserved frees of `dev` that `observed` says the host has now seen complete.
+template <class Predicate>
+void forget_unobserved(device_state& dev, Predicate observed) {
+  auto& list = dev.pool_unobserved;
+  for (auto it = list.begin(); it != list.end();) {
+    if (observed(*it)) {
+      dev.pool_unobserved_total -= it->bytes;
+      it = list.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+/// The host has observed `state` complete (a synchronization, or a query that answered complete): the frees that ran
+/// before it on its stream are no longer outstanding. Only the stream's own order counts, not orders made through
+/// event waits or the legacy stream (CUDA may count those frees as outstanding still).
+void observe(simulator& s, const state_ptr& state) {
+  if (!state || !state->done || state->seq == 0) return;
+  for (auto& dev : s.devices) {
+    forget_unobserved(dev, [&](const device_state::unobserved_free& f) {
+      return f.stream_id == state->stream_id && f.seq <= state->seq;
+    });
+  }
 }
 
 /// A stream, event or device synchronization on `device`: its pool keeps at most its release threshold (more only
@@ -651,6 +691,8 @@ cudaError_t enqueue(call& c, const stream_ptr& st, std::shared_ptr<op> o) {
   } else if (st->blocking() && dev.legacy && dev.legacy->tail && !dev.legacy->tail->done) {
     o->deps.push_back(dev.legacy->tail);
   }
+  o->state->stream_id = st->id;
+  o->state->seq = s.next_op_seq++;
   st->tail = o->state;
   st->queue.push_back(std::move(o));
   start_workers(s, st->device);
@@ -730,9 +772,17 @@ std::vector<state_ptr> device_tails(simulator& s, int d) {
   return tails;
 }
 
-bool stream_idle(const simulator& s, const stream_obj& st) {
-  (void)s;
-  return !st.tail || st.tail->done;
+/// What synchronizing (or querying) `st` waits for: its work, and for the legacy stream the work of every blocking
+/// stream of its device too (an action on the legacy stream first waits on all blocking streams: CUDA's "Stream
+/// synchronization behavior"; its query and synchronize alike join a blocking capture, measured on an H200).
+std::vector<state_ptr> synchronized_states(simulator& s, const stream_obj& st) {
+  std::vector<state_ptr> states{st.tail};
+  if (st.kind == stream_kind::legacy) {
+    for (const auto& other : s.devices[static_cast<std::size_t>(st.device)].streams) {
+      if (other->blocking() && other->tail) states.push_back(other->tail);
+    }
+  }
+  return states;
 }
 
 /// Potentially unsafe calls are prohibited while this thread's own capture (begun in global or thread-local mode) is
@@ -1368,17 +1418,15 @@ cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
     return c.violation(cudaErrorStreamCaptureUnsupported, "synchronizing a stream that is being captured");
   }
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
-  std::vector<state_ptr> wait{st->tail};
   if (st->kind == stream_kind::legacy) {
-    if (capture_on_device(c.s, st->device)) {
-      capture_on_device(c.s, st->device)->invalidated = true;
+    if (auto cap = capture_on_device(c.s, st->device)) {
+      cap->invalidated = true;
       return c.violation(cudaErrorStreamCaptureImplicit, "synchronizing the legacy stream during a capture");
     }
-    for (const auto& other : c.s.devices[static_cast<std::size_t>(st->device)].streams) {
-      if (other->blocking()) wait.push_back(other->tail);
-    }
   }
+  const std::vector<state_ptr> wait = synchronized_states(c.s, *st);
   wait_for(c, wait);
+  for (const auto& w : wait) observe(c.s, w);
   pool_release_at_synchronize(c.s, st->device);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
@@ -1399,7 +1447,14 @@ cudaError_t stream_query(cudaStream_t h, bool ptsz, const char* name) {
       return c.violation(cudaErrorStreamCaptureImplicit, "querying the legacy stream during a blocking capture");
     }
   }
-  return stream_idle(c.s, *st) ? cudaSuccess : cudaErrorNotReady;
+  // Complete when a synchronize would return at once (the header: success is "equivalent to having called
+  // cudaStreamSynchronize()"), the legacy stream's blocking streams included.
+  const std::vector<state_ptr> states = synchronized_states(c.s, *st);
+  if (!std::all_of(states.begin(), states.end(), [](const state_ptr& x) { return !x || x->done; })) {
+    return cudaErrorNotReady;
+  }
+  for (const auto& x : states) observe(c.s, x);
+  return cudaSuccess;
 }
 
 cudaError_t launch_host_func(cudaStream_t h, cudaHostFn_t fn, void* data, bool ptsz, const char* name) {
@@ -2211,7 +2266,10 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   // Any capture on the device, whatever its mode (the programming guide), besides the thread's mode's rules.
   if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
+  const std::uint64_t enqueued_before = c.s.next_op_seq;  // the work this synchronization waits for
   wait_for(c, device_tails(c.s, d));
+  forget_unobserved(c.s.devices[static_cast<std::size_t>(d)],
+                    [&](const device_state::unobserved_free& f) { return f.seq < enqueued_before; });
   pool_release_at_synchronize(c.s, d);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
@@ -2456,7 +2514,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemPoolTrimTo(cudaMemPool_t pool, size_t k
   const int device = pool_device(c.s, pool);
   if (device < 0) return c.violation(cudaErrorInvalidValue, "not a memory pool of this machine");
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
-  pool_release(c.s.devices[static_cast<std::size_t>(device)], keep);  // freed memory whose frees have run
+  pool_release(c.s.devices[static_cast<std::size_t>(device)], keep);  // frees the host has observed complete
   return cudaSuccess;
 }
 
@@ -2558,6 +2616,18 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
     dev.pool_pending_total -= from_pending;
     if (mine->second == 0) dev.pool_pending.erase(mine);
   }
+  // Kept memory serves observed frees first: the unobserved ones it takes are live again (newest first).
+  const std::size_t from_kept = std::min(rest, kept);
+  const std::size_t observed_kept = kept - dev.pool_unobserved_total;
+  std::size_t reused_unobserved = from_kept > observed_kept ? from_kept - observed_kept : 0;
+  while (reused_unobserved != 0) {
+    auto& last = dev.pool_unobserved.back();
+    const std::size_t taken = std::min(last.bytes, reused_unobserved);
+    last.bytes -= taken;
+    dev.pool_unobserved_total -= taken;
+    reused_unobserved -= taken;
+    if (last.bytes == 0) dev.pool_unobserved.pop_back();
+  }
   dev.used += growth;
   dev.pool_reserved += growth;
   dev.pool_used += rounded;
@@ -2643,16 +2713,21 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   auto o = std::make_shared<op>();
   o->what = c.function;
   auto kept = std::make_shared<bool>(false);  // by the pool, for reuse_pool_addresses
-  o->precheck = [p, pending, rounded, kept, on = st.get(), device = it->second.device] {
+  o->precheck = [p, pending, rounded, kept, on = st.get(), device = it->second.device,
+                 state = std::weak_ptr<op_state>(o->state)] {
     simulator& s = sim();
     device_state& dev = s.devices[static_cast<std::size_t>(device)];
     if (pending) {  // first: the stream's pending bytes go even if the region went another way meanwhile
       const auto mine = dev.pool_pending.find(on);
       const std::size_t still = mine == dev.pool_pending.end() ? 0 : std::min(mine->second, rounded);
       if (still != 0) {
-        mine->second -= still;  // kept by the pool from now on (pool_release gives it back)
+        mine->second -= still;  // kept by the pool from now on, given back once the host observed this free
         dev.pool_pending_total -= still;
         if (mine->second == 0) dev.pool_pending.erase(mine);
+        if (const auto self = state.lock()) {
+          dev.pool_unobserved.push_back({self->stream_id, self->seq, still});
+          dev.pool_unobserved_total += still;
+        }
       }
     }
     const auto found = s.regions.find(reinterpret_cast<std::uintptr_t>(p));
@@ -3177,7 +3252,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
   if (ev->capture) return c.violation(cudaErrorCapturedEvent, "cudaEventQuery of an event recorded in a capture");
   // An event recorded outside any capture may be asked about only where the thread's mode permits unsafe calls.
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
-  return !ev->last || ev->last->done ? cudaSuccess : cudaErrorNotReady;
+  if (ev->last && !ev->last->done) return cudaErrorNotReady;
+  observe(c.s, ev->last);
+  return cudaSuccess;
 }
 
 CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
@@ -3189,6 +3266,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int device = ev->device;
   wait_for(c, {ev->last});
+  observe(c.s, ev->last);
   pool_release_at_synchronize(c.s, device);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }

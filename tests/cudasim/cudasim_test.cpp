@@ -226,6 +226,34 @@ TEST_CASE("cudasim: the legacy stream waits for blocking streams, not for non-bl
   CHECK(cudaStreamDestroy(non_blocking) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: querying the legacy stream counts the work of blocking streams, as synchronizing it waits for it") {
+  cudaStream_t blocking = nullptr;
+  cudaStream_t non_blocking = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&blocking, cudaStreamDefault) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&non_blocking, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);  // the legacy stream itself has no work left
+  // A non-blocking stream's work is not the legacy stream's: both answer complete past it.
+  gate g;
+  REQUIRE(cudaLaunchHostFunc(non_blocking, gate::wait, &g) == cudaSuccess);
+  CHECK(cudaStreamQuery(non_blocking) == cudaErrorNotReady);
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaSuccess);
+  CHECK(cudaStreamQuery(nullptr) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);
+  // A blocking stream's work is: the query answers not ready until it completes, as the synchronize waits for it.
+  gate h;
+  REQUIRE(cudaLaunchHostFunc(blocking, gate::wait, &h) == cudaSuccess);
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaErrorNotReady);
+  CHECK(cudaStreamQuery(nullptr) == cudaErrorNotReady);
+  g.open = true;
+  h.open = true;
+  CHECK(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);
+  CHECK(cudaStreamQuery(blocking) == cudaSuccess);
+  CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(non_blocking) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+  CHECK(cudaStreamDestroy(non_blocking) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: host functions of a device share one thread, and a CUDA call inside one is refused") {
   cudaStream_t a = nullptr;
   cudaStream_t b = nullptr;
@@ -585,6 +613,102 @@ TEST_CASE("cudasim: the default pool keeps freed memory up to its release thresh
 
   set(cudaMemPoolAttrReleaseThreshold, previous_threshold);
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("cudasim: cudaMemPoolTrimTo gives back only frees the host has observed complete in their stream's order") {
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);  // the streams' device, whose pool this is
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
+  const auto reserved = [&] {
+    cuuint64_t value = 0;
+    REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &value) == cudaSuccess);
+    return static_cast<std::size_t>(value);
+  };
+  const auto trimmed = [&] {
+    REQUIRE(cudaMemPoolTrimTo(pool, 0) == cudaSuccess);
+    return reserved();
+  };
+  cuuint64_t previous_threshold = 0;
+  REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &previous_threshold) == cudaSuccess);
+  cuuint64_t keep_all = ~cuuint64_t{0};  // synchronizations give nothing back: only the trims do
+  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(trimmed() == 0);  // the tests before freed their pool memory
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  cudaStream_t s = nullptr;
+  cudaStream_t other = nullptr;
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&blocking, cudaStreamDefault) == cudaSuccess);
+  cudaEvent_t before = nullptr;
+  cudaEvent_t after = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&before, cudaEventDisableTiming) == cudaSuccess);
+  REQUIRE(cudaEventCreateWithFlags(&after, cudaEventDisableTiming) == cudaSuccess);
+  void* p = nullptr;
+
+  // Run on the device, but not seen complete by the host: outstanding. Another stream's synchronization does not
+  // see it; its own stream's does.
+  REQUIRE(cudaMallocAsync(&p, 4 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  cudasim::drain_all();
+  CHECK(trimmed() == 4 * MiB);
+  REQUIRE(cudaStreamSynchronize(other) == cudaSuccess);
+  CHECK(trimmed() == 4 * MiB);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(trimmed() == 0);
+
+  // An event recorded before the free does not see it, one recorded after it does (queried complete); a stream
+  // query that answers complete does too, and so does a device synchronization.
+  REQUIRE(cudaMallocAsync(&p, 2 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaEventRecord(before, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  REQUIRE(cudaEventRecord(after, s) == cudaSuccess);
+  cudasim::drain_all();
+  REQUIRE(cudaEventSynchronize(before) == cudaSuccess);
+  CHECK(trimmed() == 2 * MiB);
+  REQUIRE(cudaEventQuery(after) == cudaSuccess);
+  CHECK(trimmed() == 0);
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  cudasim::drain_all();
+  REQUIRE(cudaStreamQuery(s) == cudaSuccess);
+  CHECK(trimmed() == 0);
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  cudasim::drain_all();
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(trimmed() == 0);
+
+  // A completed free serves another stream's allocation, whose own free is then the one to observe.
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+  cudasim::drain_all();
+  const std::size_t device_used = cudasim::device_memory_used(0);
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, other) == cudaSuccess);
+  CHECK(cudasim::device_memory_used(0) == device_used);  // no more memory from the device
+  REQUIRE(cudaFreeAsync(p, other) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(other) == cudaSuccess);
+  CHECK(trimmed() == 0);
+
+  // Synchronizing the legacy stream waits for the blocking streams, and so sees their frees; not a non-blocking one's.
+  void* q = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, blocking) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&q, 2 * MiB, s) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, blocking) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(q, s) == cudaSuccess);
+  cudasim::drain_all();
+  REQUIRE(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);
+  CHECK(trimmed() == 2 * MiB);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(trimmed() == 0);
+
+  REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &previous_threshold) == cudaSuccess);
+  CHECK(cudaEventDestroy(before) == cudaSuccess);
+  CHECK(cudaEventDestroy(after) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudaStreamDestroy(other) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
 }
 
 TEST_CASE("cudasim: pointers are classified, copies are checked against them, and freed memory faults") {
