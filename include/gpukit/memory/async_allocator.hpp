@@ -244,8 +244,8 @@ class async_allocator final : public device_allocator {
 
   /// Live graph allocations (see the file comment): how many, and their bytes.
   struct graph_allocation_totals {
-    std::size_t count = 0;
-    std::size_t bytes = 0;
+    std::size_t count = 0;  ///< live graph allocations
+    std::size_t bytes = 0;  ///< their bytes
   };
   /// The graph allocations this allocator made in gpukit captures and has not freed yet (outputs kept past their
   /// capture, or a capture still underway): memory of their graphs, which the statistics leave out.
