@@ -2803,6 +2803,44 @@ TEST_CASE("capture: a graph launch on the legacy stream is refused if a blocking
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a graph launch on the legacy stream makes no device wait there once a blocking capture began") {
+  // Its pool orders the launch after a destroyed consumer's pending work (a device wait for the consumer's final
+  // event) outside the launch's hold: that wait, on the legacy stream, takes the hold itself, so a capture begun just
+  // before it is not joined (invalidated); the host waits instead, and the launch is refused.
+  gpukit::stream s(cuda0);
+  std::optional<gpukit::stream> consumer(std::in_place, cuda0);
+  constexpr std::size_t bytes = 4096;
+  launched_output output(s, bytes, bytes);
+  gpukit::device_allocator& allocator = gpukit::default_allocator(cuda0);
+  gpukit_test::gate held;
+  held.hold(*consumer);
+  allocator.record_stream(output.out, *consumer);
+  // Freed while the consumer is captured: its use is recorded at a later launch (deferred).
+  REQUIRE(cudaStreamBeginCapture(consumer->cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  allocator.deallocate(output.out);
+  cudaGraph_t unused = nullptr;
+  REQUIRE(cudaStreamEndCapture(consumer->cuda_handle(), &unused) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(unused) == cudaSuccess);
+  consumer.reset();  // its final event is recorded behind the gate
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz");
+  {
+    blocking_capture_before elsewhere("cudaEventQuery", false);             // whether the consumer's work is done
+    cudasim::before_call("cudaEventSynchronize", 1, [&] { held.open(); });  // the host's wait for it
+    CHECK_THROWS_WITH_AS(
+        output.graph.launch(legacy),
+        doctest::Contains("graph::launch: a gpukit capture of a blocking stream of cuda:0 is underway"),
+        gpukit::invalid_argument_error);
+    CHECK(elsewhere.began_in_time());
+    CHECK(elsewhere.finish() == "");  // intact
+  }
+  held.open();
+  CHECK(cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz") == launches);
+  output.graph.launch(legacy);  // once it has ended
+  legacy.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator free that waited on the host waits for a capture begun meanwhile") {
   // Its wait for a recorded stream cannot be enqueued, so the host waits for that stream, letting captures begin; the
   // free itself, on the legacy stream, would invalidate one: it waits for the captures to end instead.

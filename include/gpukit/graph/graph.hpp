@@ -125,7 +125,14 @@ class graph {
     const cudaEvent_t launched = pool_->prepare_launch(on);  // recorded after the launch, for the pool's release
     cudaError_t recorded = cudaSuccess;
     try {
-      pool_->order_launch(on);
+      try {
+        pool_->order_launch(on);
+      } catch (const invalid_argument_error&) {
+        // Its waits on the legacy stream are refused (event::wait's) once a capture began meanwhile: refused as
+        // graph::launch, with the message the launch documents. Any other refusal passes through.
+        hold_legacy_stream(s, hold);
+        throw;
+      }
       hold_legacy_stream(s, hold);  // a capture may have begun meanwhile
       GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, on.cuda_handle()), launch_failed(result),
                                 device_.ordinal());

@@ -985,9 +985,16 @@ class graph_pool final : public device_allocator {
     }
   }
 
-  /// Makes `s` wait on the device for event `e` (of the pool's device); false if that fails.
+  /// Makes `s` wait on the device for event `e` (of the pool's device); false if that fails. On the legacy default
+  /// stream, under its hold, as event::wait: false, enqueueing nothing, while a gpukit capture of a blocking stream of
+  /// the device runs (the wait would join that capture and invalidate it).
   bool waits_on_device(const stream_view& s, cudaEvent_t e) noexcept {
     try {
+      std::optional<detail::legacy_stream_hold> hold;
+      if (is_legacy_stream(s)) {
+        hold.emplace(device_.ordinal(), true);
+        if (hold->refused()) return false;
+      }
       detail::cuda_backend::wait_event({s.cuda_handle(), device_.ordinal()}, e, device_.ordinal());
       return true;
     } catch (...) {
