@@ -33,8 +33,9 @@
 /// was launched (launches are the graph's, and may be made with the raw runtime): a free before the first launch,
 /// or of memory of a graph never made or never launched, is not detected (CUDA may refuse it, or free memory not
 /// yet allocated). Allocations are asked whether they are captured only while a gpukit capture (gpukit::capture) is
-/// underway, to spare ordinary allocations that query: those of a capture begun with the raw runtime alone
-/// (cudaStreamBeginCapture) are counted as the pool's, and their frees are not checked.
+/// underway, to spare ordinary allocations that query: those of a capture begun with the raw runtime
+/// (cudaStreamBeginCapture) are counted as the pool's, and their frees are not checked, unless a gpukit capture runs
+/// at the same time.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>

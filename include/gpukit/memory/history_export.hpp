@@ -266,9 +266,10 @@ inline int write_and_close(std::FILE* f, const std::string& bytes, bool sync) no
 
 /// Writes `bytes` to `path`; throws std::system_error with the system's reason (errno, generic category), its text
 /// naming the path. An I/O failure (a full disk, a missing directory) is not a bad argument: code() says which.
-/// A regular file, or a path where nothing is, is written to a new file beside it that then replaces it, so a failed
-/// write leaves the old file (or none), not a truncated one. Anything else (a device such as /dev/full, a FIFO, a
-/// symbolic link) is written in place, as is a file in a directory where no new file can be made.
+/// A regular file of the caller's with no other name, or a path where nothing is, is written to a new file beside it
+/// that then replaces it, so a failed write leaves the old file (or none), not a truncated one. Anything else (a
+/// device such as /dev/full, a FIFO, a symbolic link, a hard-linked file or another user's) is written in place, as is
+/// a file in a directory where no new file can be made.
 inline void write_file(const std::string& path, const std::string& bytes, const char* who) {
   const auto fail = [&](int reason) {
     throw std::system_error(
@@ -278,8 +279,12 @@ inline void write_file(const std::string& path, const std::string& bytes, const 
 #if defined(__unix__) || defined(__APPLE__)
   struct ::stat now {};
   const bool exists = ::lstat(path.c_str(), &now) == 0;
-  // A read-only file is refused as before (a rename would replace it).
-  const bool replaceable = exists ? S_ISREG(now.st_mode) && ::access(path.c_str(), W_OK) == 0 : errno == ENOENT;
+  // A read-only file is refused as before (a rename would replace it). A file with other names (hard links) or of
+  // another owner is written in place too: a new file would leave the links with the old bytes, change the owner,
+  // or be refused (another user's file in a sticky directory such as /tmp).
+  const bool replaceable = exists ? S_ISREG(now.st_mode) && now.st_nlink == 1 && now.st_uid == ::geteuid() &&
+                                        ::access(path.c_str(), W_OK) == 0
+                                  : errno == ENOENT;
   if (replaceable) {
     static std::atomic<unsigned> made{0};
     std::string temporary;
