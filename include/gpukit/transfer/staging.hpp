@@ -104,7 +104,9 @@ inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view op
 
 /// The std::bad_alloc of a staging transfer that ran out of host memory: still a std::bad_alloc (what callers and the
 /// fault-injection tests catch), its what() naming the call, the chunk, the transfer and what of it may still land, as
-/// throw_chunk_failure's messages do. The text lives in the exception itself: the heap has just run out.
+/// throw_chunk_failure's messages do. The text lives in the exception itself: the heap has just run out. Kept small
+/// (the reason met cut to 64 characters): thrown from the C++ runtime's emergency reserve, which is 512 bytes in
+/// libc++abi, exception header included.
 class staging_bad_alloc : public std::bad_alloc {
  public:
   /// `reason`: the what() of the std::bad_alloc met; the rest as throw_chunk_failure's arguments.
@@ -124,7 +126,7 @@ class staging_bad_alloc : public std::bad_alloc {
     const int head = std::snprintf(
         message_, sizeof message_,
         "gpukit::staging_engine::%.*s: the chunk of %s at byte offset %zu of a %s transfer %s %s failed: out of host "
-        "memory (%s); ",
+        "memory (%.64s); ",
         static_cast<int>(operation.size()), operation.data(), chunk, offset, whole, upload ? "to" : "from", where,
         reason != nullptr ? reason : "std::bad_alloc");
     if (head < 0 || static_cast<std::size_t>(head) >= sizeof message_) return;  // cut short: still terminated
@@ -144,7 +146,7 @@ class staging_bad_alloc : public std::bad_alloc {
   const char* what() const noexcept override { return message_; }
 
  private:
-  char message_[512] = {};
+  char message_[352] = {};
 };
 
 /// What to do instead of staging in a capture.

@@ -309,10 +309,11 @@ template <class Copier>
 GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire_for(stream_view s, lane ring::*which,
                                                              std::string_view operation, std::size_t chunk,
                                                              std::size_t bytes) -> lane_lease {
+  const gpukit::device d = s.device();  // before: asked in the handler, a failure would replace the std::bad_alloc
   try {
     return acquire(s, which);
   } catch (const std::bad_alloc& e) {  // making the stream's ring: nothing is enqueued yet
-    throw detail::staging_bad_alloc(e.what(), operation, s.device(), 0, std::min(chunk, bytes), bytes, 0);
+    throw detail::staging_bad_alloc(e.what(), operation, d, 0, std::min(chunk, bytes), bytes, 0);
   }
 }
 
