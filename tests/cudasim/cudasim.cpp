@@ -209,6 +209,8 @@ struct device_state {
     unsigned long long stream_id = 0;
     std::uint64_t seq = 0;  // the free's place in the machine's order (op_state::seq)
     std::size_t bytes = 0;
+    int stream_device = 0;     // its stream's device (a free may be made on another device's stream)
+    bool on_blocking = false;  // its stream synchronizes with the legacy stream
   };
   std::vector<unobserved_free> pool_unobserved;
   std::size_t pool_unobserved_total = 0;
@@ -513,6 +515,17 @@ void observe(simulator& s, const state_ptr& state) {
   for (auto& dev : s.devices) {
     forget_unobserved(dev, [&](const device_state::unobserved_free& f) {
       return f.stream_id == state->stream_id && f.seq <= state->seq;
+    });
+  }
+}
+
+/// The host has observed all work enqueued before `before` on `device`'s streams (a device synchronization), or on
+/// its blocking streams only (`blocking_only`: the legacy stream's synchronization, or a query that answered
+/// complete), destroyed streams included: the frees made there are no longer outstanding, whichever device's memory.
+void observe_device(simulator& s, int device, std::uint64_t before, bool blocking_only) {
+  for (auto& dev : s.devices) {
+    forget_unobserved(dev, [&](const device_state::unobserved_free& f) {
+      return f.stream_device == device && f.seq < before && (f.on_blocking || !blocking_only);
     });
   }
 }
@@ -1424,9 +1437,13 @@ cudaError_t stream_synchronize(cudaStream_t h, bool ptsz, const char* name) {
       return c.violation(cudaErrorStreamCaptureImplicit, "synchronizing the legacy stream during a capture");
     }
   }
+  const std::uint64_t enqueued_before = c.s.next_op_seq;
   const std::vector<state_ptr> wait = synchronized_states(c.s, *st);
   wait_for(c, wait);
   for (const auto& w : wait) observe(c.s, w);
+  // Blocking streams destroyed and drained before the call are not in `wait`: their work is done, and the legacy
+  // stream's synchronization observes it as that of the others.
+  if (st->kind == stream_kind::legacy) observe_device(c.s, st->device, enqueued_before, true);
   pool_release_at_synchronize(c.s, st->device);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
@@ -1449,11 +1466,13 @@ cudaError_t stream_query(cudaStream_t h, bool ptsz, const char* name) {
   }
   // Complete when a synchronize would return at once (the header: success is "equivalent to having called
   // cudaStreamSynchronize()"), the legacy stream's blocking streams included.
+  const std::uint64_t enqueued_before = c.s.next_op_seq;
   const std::vector<state_ptr> states = synchronized_states(c.s, *st);
   if (!std::all_of(states.begin(), states.end(), [](const state_ptr& x) { return !x || x->done; })) {
     return cudaErrorNotReady;
   }
   for (const auto& x : states) observe(c.s, x);
+  if (st->kind == stream_kind::legacy) observe_device(c.s, st->device, enqueued_before, true);  // as its synchronize
   return cudaSuccess;
 }
 
@@ -2268,8 +2287,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const int d = context_device(c);
   const std::uint64_t enqueued_before = c.s.next_op_seq;  // the work this synchronization waits for
   wait_for(c, device_tails(c.s, d));
-  forget_unobserved(c.s.devices[static_cast<std::size_t>(d)],
-                    [&](const device_state::unobserved_free& f) { return f.seq < enqueued_before; });
+  observe_device(c.s, d, enqueued_before, false);
   pool_release_at_synchronize(c.s, d);
   return c.s.sticky != cudaSuccess ? c.result(c.s.sticky) : cudaSuccess;
 }
@@ -2616,17 +2634,18 @@ static cudaError_t malloc_async(call& c, void** p, std::size_t size, cudaMemPool
     dev.pool_pending_total -= from_pending;
     if (mine->second == 0) dev.pool_pending.erase(mine);
   }
-  // Kept memory serves observed frees first: the unobserved ones it takes are live again (newest first).
+  // Kept memory serves observed frees first: the unobserved ones it takes are live again (oldest first, the strict
+  // choice: the newest, least likely observed, stay outstanding).
   const std::size_t from_kept = std::min(rest, kept);
   const std::size_t observed_kept = kept - dev.pool_unobserved_total;
   std::size_t reused_unobserved = from_kept > observed_kept ? from_kept - observed_kept : 0;
   while (reused_unobserved != 0) {
-    auto& last = dev.pool_unobserved.back();
-    const std::size_t taken = std::min(last.bytes, reused_unobserved);
-    last.bytes -= taken;
+    auto& oldest = dev.pool_unobserved.front();
+    const std::size_t taken = std::min(oldest.bytes, reused_unobserved);
+    oldest.bytes -= taken;
     dev.pool_unobserved_total -= taken;
     reused_unobserved -= taken;
-    if (last.bytes == 0) dev.pool_unobserved.pop_back();
+    if (oldest.bytes == 0) dev.pool_unobserved.erase(dev.pool_unobserved.begin());
   }
   dev.used += growth;
   dev.pool_reserved += growth;
@@ -2725,7 +2744,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
         dev.pool_pending_total -= still;
         if (mine->second == 0) dev.pool_pending.erase(mine);
         if (const auto self = state.lock()) {
-          dev.pool_unobserved.push_back({self->stream_id, self->seq, still});
+          dev.pool_unobserved.push_back({self->stream_id, self->seq, still, on->device, on->blocking()});
           dev.pool_unobserved_total += still;
         }
       }

@@ -703,6 +703,41 @@ TEST_CASE("cudasim: cudaMemPoolTrimTo gives back only frees the host has observe
   REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
   CHECK(trimmed() == 0);
 
+  // A blocking stream destroyed, and drained, before the legacy stream's synchronization: its free is seen as the
+  // others' are (whether the stream was still listed must not decide it).
+  cudaStream_t gone = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&gone, cudaStreamDefault) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&p, 1 * MiB, gone) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, gone) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(gone) == cudaSuccess);
+  cudasim::drain_all();
+  CHECK(trimmed() == 1 * MiB);
+  REQUIRE(cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess);
+  CHECK(trimmed() == 0);
+
+  // Freed on another device's stream: that device's synchronization sees the free, the memory's device's does not.
+  int devices = 0;
+  REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);
+  if (devices >= 2) {
+    cudaStream_t on_1 = nullptr;
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&on_1, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaMallocAsync(&p, 4 * MiB, s) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(p, on_1) == cudaSuccess);
+    cudasim::drain_all();
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // cuda:0's
+    CHECK(trimmed() == 4 * MiB);
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    CHECK(trimmed() == 0);
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaStreamDestroy(on_1) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  }
+
   REQUIRE(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &previous_threshold) == cudaSuccess);
   CHECK(cudaEventDestroy(before) == cudaSuccess);
   CHECK(cudaEventDestroy(after) == cudaSuccess);
