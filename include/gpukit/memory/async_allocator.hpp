@@ -162,9 +162,19 @@ class async_allocator final : public device_allocator {
     snap.pointer_map_entries = live_.size() - graph_allocations_.count;
     return snap;
   }
+  /// The statistics' table, and a row for the live graph allocations (the graphs' memory, which it leaves out).
   std::string memory_summary() const override {
-    return format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(), stats(),
-                                 free_space());
+    std::string summary = format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(),
+                                                stats(), free_space());
+    const graph_allocation_totals graphs = graph_allocations();
+    const std::size_t last_rule = summary.rfind("|=");
+    if (graphs.count == 0 || last_rule == std::string::npos) return summary;
+    char row[200];
+    std::snprintf(
+        row, sizeof row, "| %-36s %-48s |\n", "Graph allocations (not above):",
+        (std::to_string(graphs.count) + " of " + detail::format_bytes(graphs.bytes) + ", their graphs' memory")
+            .c_str());
+    return summary.insert(last_rule, row);
   }
 
   /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)).
