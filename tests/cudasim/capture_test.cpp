@@ -2841,6 +2841,23 @@ TEST_CASE("capture: a graph launch on the legacy stream makes no device wait the
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a stream of stream_pool::next() is refused, one of acquire_exclusive() is captured") {
+  // Users of the pool share next()'s streams: another's work on one would go into the graph.
+  gpukit::stream_pool pool(cuda0, 2);
+  const gpukit::stream_view shared = pool.next();
+  const std::size_t begun = cudasim::calls("cudaStreamBeginCapture");
+  CHECK_THROWS_WITH_AS(gpukit::capture(shared, [] {}),
+                       doctest::Contains("gpukit::capture: a stream of stream_pool::next() on cuda:0"),
+                       gpukit::invalid_argument_error);
+  CHECK(cudasim::calls("cudaStreamBeginCapture") == begun);  // nothing was captured
+  const gpukit::stream_pool::lease own = pool.acquire_exclusive();
+  const gpukit::graph g = gpukit::capture(own.view(), [] {});
+  CHECK(static_cast<bool>(g));
+  gpukit::stream created(cuda0);
+  CHECK(static_cast<bool>(gpukit::capture(created, [] {})));
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator free that waited on the host waits for a capture begun meanwhile") {
   // Its wait for a recorded stream cannot be enqueued, so the host waits for that stream, letting captures begin; the
   // free itself, on the legacy stream, would invalidate one: it waits for the captures to end instead.

@@ -304,6 +304,13 @@ graph capture_graph(stream_view s, F&& work, std::shared_ptr<graph_pool> pool, c
         "be captured, not " +
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
+  if (const auto life = s.lifetime(); life != nullptr && life->shared_by_pool()) {
+    throw invalid_argument_error(
+        "gpukit::capture: a stream of stream_pool::next() on " + s.device().to_string() +
+        ", which other users of the pool share: their work on it would go into the graph, and a synchronize of it "
+        "would invalidate the capture (capture a stream of stream_pool::acquire_exclusive(), or one of your own; "
+        "nothing was captured)");
+  }
   const gpukit::device d = s.device();
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("capture");
   if (pool && pool->device() != d) {

@@ -248,6 +248,12 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   /// host wait, a lock or a user callback.
   std::unique_lock<std::mutex> keep_alive() const;
 
+  /// Marks the stream as one stream_pool::next() hands out, which users of the pool share: gpukit::capture refuses
+  /// it. Set once, when the pool creates it.
+  void mark_shared_by_pool() const noexcept { shared_by_pool_.store(true, std::memory_order_release); }
+  /// Whether mark_shared_by_pool() was called.
+  bool shared_by_pool() const noexcept { return shared_by_pool_.load(std::memory_order_acquire); }
+
  private:
   unsigned long long id_;
   int ordinal_;
@@ -256,6 +262,7 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   cudaEvent_t final_ = nullptr;  // written before expired_ is set, read after it is seen
   std::atomic<bool> expired_{false};
   mutable std::atomic<bool> synchronized_{false};  // without final_: a device synchronize began after the expiry
+  mutable std::atomic<bool> shared_by_pool_{false};
 };
 }  // namespace detail
 

@@ -9,7 +9,8 @@
 ///   the (size+1)-th call returns the first stream again, so two users may get the same stream (aliasing). That is
 ///   correct for ordinary work, only less concurrent; with the default 32 streams it matches PyTorch's pool. Never
 ///   capture a stream from next(): another user's work on it would go into the graph (and a synchronize of it
-///   would invalidate the capture); capture a stream from acquire_exclusive() instead.
+///   would invalidate the capture); capture a stream from acquire_exclusive() instead. gpukit::capture refuses a
+///   stream of next() (invalid_argument_error); a capture begun with the raw runtime is not checked.
 /// - A process that mixes code built with per-thread default streams and code built without has a set of default
 ///   pools (and of current streams, stream/current_stream.hpp) for each of the two builds.
 /// - acquire_exclusive(): a stream nobody else gets from this pool until its lease ends. Exclusive streams are
@@ -183,7 +184,11 @@ GPUKIT_INLINE stream_view stream_pool::next() {
   const std::size_t index = counter_.fetch_add(1, std::memory_order_relaxed) % slots_.size();
   std::lock_guard<std::mutex> lock(mutex_);
   auto& slot = slots_[index];
-  if (!slot) slot = std::make_unique<stream>(device_, options_);
+  if (!slot) {
+    auto created = std::make_unique<stream>(device_, options_);
+    if (const auto life = created->view().lifetime()) life->mark_shared_by_pool();  // gpukit::capture refuses it
+    slot = std::move(created);
+  }
   return slot->view();
 }
 
