@@ -88,7 +88,8 @@ class graph {
   /// pool's graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming
   /// "cudaEventRecord (after a graph launch)" means the graph was launched but the pool could not record when it ends
   /// (the host then waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch
-  /// it again to make up for it.
+  /// it again to make up for it. On the legacy stream, a capture that begins while the pool orders the launch makes
+  /// it refused, after the host has waited for any destroyed stream's work the pool could not order on the device.
   void launch(stream_view s) const {
     if (exec_ == nullptr) {
       throw invalid_argument_error(graph_ != nullptr ? "gpukit::graph::launch: the graph is not instantiated "

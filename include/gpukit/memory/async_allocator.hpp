@@ -171,7 +171,7 @@ class async_allocator final : public device_allocator {
     if (graphs.count == 0 || last_rule == std::string::npos) return summary;
     char row[200];
     std::snprintf(
-        row, sizeof row, "| %-36s %-48s |\n", "Graph allocations (not above):",
+        row, sizeof row, "| %-36s %-48s |\n", "Graph allocs (not counted above):",
         (std::to_string(graphs.count) + " of " + detail::format_bytes(graphs.bytes) + ", their graphs' memory")
             .c_str());
     return summary.insert(last_rule, row);

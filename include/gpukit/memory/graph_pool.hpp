@@ -986,8 +986,9 @@ class graph_pool final : public device_allocator {
   }
 
   /// Makes `s` wait on the device for event `e` (of the pool's device); false if that fails. On the legacy default
-  /// stream, under its hold, as event::wait: false, enqueueing nothing, while a gpukit capture of a blocking stream of
-  /// the device runs (the wait would join that capture and invalidate it).
+  /// stream, under its hold (as event::wait takes one): false, enqueueing nothing, while a gpukit capture of a blocking
+  /// stream of the device runs (the wait would join that capture and invalidate it). A capture begun with the raw
+  /// runtime is not seen: the wait then fails, and the caller waits on the host.
   bool waits_on_device(const stream_view& s, cudaEvent_t e) noexcept {
     try {
       std::optional<detail::legacy_stream_hold> hold;
