@@ -109,9 +109,12 @@ inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view op
 /// libc++abi, exception header included.
 class staging_bad_alloc : public std::bad_alloc {
  public:
+  /// What failed: a chunk, the rest of the transfer from an offset (handed to the background thread), or setting up
+  /// the stream's staging slots (before anything was enqueued).
+  enum class part { chunk, rest, setup };
   /// `reason`: the what() of the std::bad_alloc met; the rest as throw_chunk_failure's arguments.
   staging_bad_alloc(const char* reason, std::string_view operation, gpukit::device d, std::size_t offset,
-                    std::size_t length, std::size_t total, std::size_t done) noexcept {
+                    std::size_t length, std::size_t total, std::size_t done, part failed = part::chunk) noexcept {
     const bool upload = operation != "to_host";
     char chunk[48];
     char whole[48];
@@ -123,12 +126,18 @@ class staging_bad_alloc : public std::bad_alloc {
     } else {
       std::snprintf(where, sizeof where, "cpu");
     }
-    const int head = std::snprintf(
-        message_, sizeof message_,
-        "gpukit::staging_engine::%.*s: the chunk of %s at byte offset %zu of a %s transfer %s %s failed: out of host "
-        "memory (%.64s); ",
-        static_cast<int>(operation.size()), operation.data(), chunk, offset, whole, upload ? "to" : "from", where,
-        reason != nullptr ? reason : "std::bad_alloc");
+    char what[96];
+    if (failed == part::setup) {
+      std::snprintf(what, sizeof what, "setting up the stream's staging slots for");
+    } else {
+      std::snprintf(what, sizeof what, "%s %s at byte offset %zu of",
+                    failed == part::rest ? "the rest," : "the chunk of", chunk, offset);
+    }
+    const int head =
+        std::snprintf(message_, sizeof message_,
+                      "gpukit::staging_engine::%.*s: %s a %s transfer %s %s failed: out of host memory (%.64s); ",
+                      static_cast<int>(operation.size()), operation.data(), what, whole, upload ? "to" : "from", where,
+                      reason != nullptr ? reason : "std::bad_alloc");
     if (head < 0 || static_cast<std::size_t>(head) >= sizeof message_) return;  // cut short: still terminated
     char* tail = message_ + head;
     const std::size_t room = sizeof message_ - static_cast<std::size_t>(head);

@@ -63,7 +63,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
     try {
       hand_over(r, s, out, in, bytes, chunk, true);
     } catch (const std::bad_alloc& e) {
-      throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, 0, bytes, bytes, 0);
+      throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, 0, bytes, bytes, 0,
+                                      detail::staging_bad_alloc::part::rest);
     }
   } else {
     dispose_orphans(r);
@@ -105,7 +106,8 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
       } catch (const error& e) {  // the first `offset` bytes are enqueued: said, as for a chunk's failure
         detail::throw_chunk_failure(e, "to_device", r.dev, offset, bytes - offset, bytes, offset);
       } catch (const std::bad_alloc& e) {
-        throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, bytes - offset, bytes, offset);
+        throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, bytes - offset, bytes, offset,
+                                        detail::staging_bad_alloc::part::rest);
       }
     }
   }
@@ -313,7 +315,8 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire_for(stream_view s, lane
   try {
     return acquire(s, which);
   } catch (const std::bad_alloc& e) {  // making the stream's ring: nothing is enqueued yet
-    throw detail::staging_bad_alloc(e.what(), operation, d, 0, std::min(chunk, bytes), bytes, 0);
+    throw detail::staging_bad_alloc(e.what(), operation, d, 0, std::min(chunk, bytes), bytes, 0,
+                                    detail::staging_bad_alloc::part::setup);
   }
 }
 
