@@ -470,8 +470,13 @@ class async_allocator final : public device_allocator {
   /// allocation.
   void count_locked(const allocation& a, int sign) noexcept {
     if (a.capture != 0) {
-      graph_allocations_.count = sign > 0 ? graph_allocations_.count + 1 : graph_allocations_.count - 1;
-      graph_allocations_.bytes = sign > 0 ? graph_allocations_.bytes + a.bytes : graph_allocations_.bytes - a.bytes;
+      if (sign > 0) {
+        ++graph_allocations_.count;
+        graph_allocations_.bytes += a.bytes;
+      } else {
+        --graph_allocations_.count;
+        graph_allocations_.bytes -= a.bytes;
+      }
       return;
     }
     add(allocations_, sign);
@@ -639,14 +644,12 @@ class async_allocator final : public device_allocator {
   /// (kept at least 0). (The limit is not held for the bytes meanwhile: such a request may pass it.)
   void put_back(live_map::node_type taken) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto bytes = static_cast<std::int64_t>(taken.mapped().bytes);
-    const bool graph = taken.mapped().capture != 0;
-    live_.insert(std::move(taken));  // a node: allocates nothing
-    if (graph) {
-      ++graph_allocations_.count;
-      graph_allocations_.bytes += static_cast<std::size_t>(bytes);
+    const allocation& a = live_.insert(std::move(taken)).position->second;  // a node: allocates nothing
+    if (a.capture != 0) {  // a graph allocation: counted apart, as when it was freed
+      count_locked(a, 1);
       return;
     }
+    const auto bytes = static_cast<std::int64_t>(a.bytes);
     for (auto [s, delta] : {std::pair<stat*, std::int64_t>{&allocations_, 1}, {&allocated_bytes_, bytes}}) {
       s->current += delta;
       s->peak = std::max(s->peak, s->current);
