@@ -412,10 +412,9 @@ class basic_staging_engine {
   // One lane of stream `s`'s ring, locked. Creates the ring on first use, first releasing idle rings (least recently
   // used first) while there are max_rings or more.
   lane_lease acquire(stream_view s, lane ring::*which);
-  // acquire for a transfer of `bytes` in chunks of `chunk`: out of host memory, a staging_bad_alloc naming the
-  // transfer's first chunk.
-  lane_lease acquire_for(stream_view s, lane ring::*which, std::string_view operation, std::size_t chunk,
-                         std::size_t bytes);
+  // acquire for `operation`, a transfer of `bytes`: out of host memory, a staging_bad_alloc saying that setting up
+  // the stream's slots failed, nothing enqueued.
+  lane_lease acquire_for(stream_view s, lane ring::*which, std::string_view operation, std::size_t bytes);
 
   // Under mutex_: retires the ring if no call holds it, no transfer waits for its background thread and all its
   // work has completed. Its blocks stay: the caller gives them back with give_back_retired once mutex_ is let go.

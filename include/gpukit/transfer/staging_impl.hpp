@@ -47,10 +47,10 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_device");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_device", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
-  const std::size_t chunk = chunk_for(bytes);
-  lane_lease lease = acquire_for(s, &ring::up, "to_device", chunk, bytes);
+  lane_lease lease = acquire_for(s, &ring::up, "to_device", bytes);
   ring& r = *lease.r;
   lane& ln = r.up;
+  const std::size_t chunk = chunk_for(bytes);
   std::chrono::steady_clock::duration waited{};
   std::chrono::steady_clock::duration copying{};
   std::uint64_t waits = 0;
@@ -130,9 +130,9 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
   if (s.is_other_threads_stream()) detail::throw_other_threads_stream("staging_engine::to_host");
   detail::refuse_capture(s, s.device(), "gpukit::staging_engine::to_host", detail::capture_advice_staging);
   const detail::defer_pinned_cap no_release_here;  // cudaFreeHost would wait for `s`, which may wait for this thread
-  const std::size_t chunk = chunk_for(bytes);
-  lane_lease lease = acquire_for(s, &ring::down, "to_host", chunk, bytes);
+  lane_lease lease = acquire_for(s, &ring::down, "to_host", bytes);
   lane& ln = lease.r->down;
+  const std::size_t chunk = chunk_for(bytes);
   const std::size_t count = (bytes + chunk - 1) / chunk;
   const std::size_t depth = ln.slots.size();
   const std::size_t first = ln.next;
@@ -309,14 +309,13 @@ GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire(stream_view s, lane rin
 
 template <class Copier>
 GPUKIT_INLINE auto basic_staging_engine<Copier>::acquire_for(stream_view s, lane ring::*which,
-                                                             std::string_view operation, std::size_t chunk,
-                                                             std::size_t bytes) -> lane_lease {
+                                                             std::string_view operation, std::size_t bytes)
+    -> lane_lease {
   const gpukit::device d = s.device();  // before: asked in the handler, a failure would replace the std::bad_alloc
   try {
     return acquire(s, which);
   } catch (const std::bad_alloc& e) {  // making the stream's ring: nothing is enqueued yet
-    throw detail::staging_bad_alloc(e.what(), operation, d, 0, std::min(chunk, bytes), bytes, 0,
-                                    detail::staging_bad_alloc::part::setup);
+    throw detail::staging_bad_alloc(e.what(), operation, d, 0, 0, bytes, 0, detail::staging_bad_alloc::part::setup);
   }
 }
 
