@@ -2924,8 +2924,9 @@ TEST_CASE(
 
 TEST_CASE("capture: an async_allocator free made after the device's work waits for a capture begun meanwhile") {
   // cudaFreeAsync on the freeing stream fails: the free is made on the legacy stream once the device's work is done.
-  // A capture may begin during that wait (in thread-local mode: one in global mode would be invalidated by the
-  // wait), or be underway before it (the free then waits without the device-wide wait).
+  // A capture underway before it makes the free wait without the device-wide wait. One that begins on another thread
+  // during that wait is invalidated by it, in any mode (measured on an H100): gpukit cannot hold captures off through
+  // a host wait (see capture_hold), a known limit (README, "Device-wide waits and other threads' captures").
   gpukit::async_allocator a(cuda0);
   gpukit::stream blocking = blocking_stream();
   gpukit::stream s(cuda0);
@@ -2949,7 +2950,14 @@ TEST_CASE("capture: an async_allocator free made after the device's work waits f
   CHECK(a.deferred_frees() == 1);
   CHECK(cudasim::calls("cudaFreeAsync") == frees + 1);  // the one that failed
   CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs + (during_wait ? 1 : 0));
-  CHECK(other->finish() == "");
+  const std::string ended = other->finish();
+  if (during_wait) {
+    CHECK(ended.find("invalidated") != std::string::npos);
+    const auto v = cudasim::take_violations();
+    CHECK(v.size() == 1);  // the device-wide wait, refused
+  } else {
+    CHECK(ended == "");
+  }
   a.deallocate(a.allocate(4096, s));  // the deferred free first
   CHECK(a.deferred_frees() == 0);
   CHECK(cudaDeviceSynchronize() == cudaSuccess);

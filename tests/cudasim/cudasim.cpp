@@ -95,6 +95,7 @@ struct capture_state {
   std::thread::id thread;
   bool invalidated = false;
   bool active = true;
+  bool ended_from_wrong_thread = false;  // its end was asked from another thread: its own end then fails (401)
   stream_ptr origin;
   std::vector<captured_op> ops;
   // Each stream in the capture: its work (captured operations) and steps (work and waits, for order), and where it
@@ -806,23 +807,21 @@ std::vector<state_ptr> synchronized_states(simulator& s, const stream_obj& st) {
 /// and freeing (cudaMalloc/Free, cudaMallocHost/FreeHost, cudaHostRegister/Unregister, and cudaMallocAsync/FreeAsync
 /// on a stream that is not captured), cudaMemPoolTrimTo, cudaGraphInstantiate and cudaGraphExecDestroy, and every wait
 /// or query (cudaDeviceSynchronize, cudaStreamSynchronize/Query, cudaEventSynchronize/Query). cudaDeviceSynchronize
-/// stays prohibited in relaxed mode too (`even_relaxed`, measured for global captures). The programming guide calls
-/// a device synchronization invalid while any stream of the device is captured, whatever the capture's mode; for
-/// captures in thread-local or relaxed mode the simulator still follows the modes' rules (unmeasured: the README's
-/// assumptions, and test_gpu_capture_rules prints what a GPU does).
-std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool even_relaxed = false) {
-  if (t_capture_mode == cudaStreamCaptureModeRelaxed && !even_relaxed) return nullptr;
+/// stays prohibited in relaxed mode too. A device synchronization (`device_wide`) is refused while any capture runs,
+/// whatever its mode and the calling thread's (the programming guide's rule; measured on an H100 for captures in
+/// global, thread-local and relaxed mode, from the capturing thread and others in every mode).
+std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool device_wide = false) {
+  if (device_wide) return s.captures.empty() ? nullptr : s.captures.front();
+  if (t_capture_mode == cudaStreamCaptureModeRelaxed) return nullptr;
   for (const auto& cap : s.captures) {
     if (cap->mode != cudaStreamCaptureModeRelaxed && cap->thread == std::this_thread::get_id()) return cap;
-    // cudaDeviceSynchronize (`even_relaxed`) counts as in global mode whatever this thread's mode.
-    const bool thread_global = t_capture_mode == cudaStreamCaptureModeGlobal || even_relaxed;
-    if (cap->mode == cudaStreamCaptureModeGlobal && thread_global) return cap;
+    if (cap->mode == cudaStreamCaptureModeGlobal && t_capture_mode == cudaStreamCaptureModeGlobal) return cap;
   }
   return nullptr;
 }
 
-cudaError_t unsafe_during_capture(call& c, bool even_relaxed = false) {
-  if (auto cap = prohibiting_capture(c.s, even_relaxed)) {
+cudaError_t unsafe_during_capture(call& c, bool device_wide = false) {
+  if (auto cap = prohibiting_capture(c.s, device_wide)) {
     cap->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported,
                        c.function + " is not permitted while a stream capture is underway (capture " +
@@ -1539,15 +1538,15 @@ cudaError_t stream_wait_event(cudaStream_t h, cudaEvent_t e, unsigned flags, boo
       // CUDA never captures the legacy stream (cudaStreamBeginCapture: "Capture may not be initiated if stream is
       // cudaStreamLegacy"; cudaStreamIsCapturing: "The legacy stream is not supported for stream capture"), so it
       // cannot join one as a fork. During a blocking capture the wait is legacy-stream work, refused as any (906).
-      // Otherwise the simulator's model, not measured (tests/graph/gpu_capture_rules_test.cpp prints the real code):
-      // refused with cudaErrorStreamCaptureUnsupported, invalidating the capture, as other misuse of a capture.
+      // Otherwise, measured on an H100 (tests/graph/gpu_capture_rules_test.cpp; non-blocking captures in global and
+      // relaxed mode): refused with cudaErrorStreamCaptureImplicit as well, and the capture invalidated.
       if (auto cap = capture_on_device(c.s, st->device)) {
         cap->invalidated = true;
         return c.violation(cudaErrorStreamCaptureImplicit,
                            "a wait on the legacy default stream while a blocking stream of its device is captured");
       }
       ev->capture->invalidated = true;
-      return c.violation(cudaErrorStreamCaptureUnsupported,
+      return c.violation(cudaErrorStreamCaptureImplicit,
                          "the legacy default stream waits for an event recorded in a capture (the legacy stream "
                          "cannot join a capture; capture " +
                              std::to_string(ev->capture->id) + " is invalidated)");
@@ -1622,8 +1621,11 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   if (!cap) return c.violation(cudaErrorIllegalState, "cudaStreamEndCapture on a stream that is not capturing");
   if (cap->origin != st) return c.violation(cudaErrorStreamCaptureUnmatched, "the capture began on another stream");
   // cudaStreamBeginCapture's header: "If mode is not cudaStreamCaptureModeRelaxed, cudaStreamEndCapture must be
-  // called on this stream from the same thread." The capture goes on, to be ended by its thread (not measured).
+  // called on this stream from the same thread." Measured on an H100 (global and thread-local captures): 908, the
+  // capture still reported active and not invalidated, and its own thread's cudaStreamEndCapture then fails with
+  // cudaErrorIllegalState and gives no graph. Whether the stream captures until then is not measured (it does here).
   if (cap->mode != cudaStreamCaptureModeRelaxed && cap->thread != std::this_thread::get_id()) {
+    cap->ended_from_wrong_thread = true;
     return c.violation(cudaErrorStreamCaptureWrongThread,
                        "cudaStreamEndCapture from another thread than the one that began the capture (not relaxed)");
   }
@@ -1637,6 +1639,8 @@ cudaError_t stream_end_capture(cudaStream_t h, cudaGraph_t* graph, bool ptsz, co
   auto& list = c.s.captures;
   list.erase(std::remove(list.begin(), list.end(), cap), list.end());
   if (cap->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+  // The misuse was recorded when the other thread asked; this is its consequence, not a second violation.
+  if (cap->ended_from_wrong_thread) return c.result(cudaErrorIllegalState);
   if (unjoined) {
     return c.violation(cudaErrorStreamCaptureUnjoined,
                        "a stream forked into the capture (it waited for an event recorded in it) was not joined back "
@@ -1892,6 +1896,7 @@ std::vector<int> visible_physical_devices(const char* value, const machine_confi
     int index = -1;
     if (item.rfind("GPU-", 0) == 0) {
       if (entry == 0) uuid_list = true;
+      if (!uuid_list) break;  // an index list ends at a UUID (measured on an H100: `0,GPU-<uuid>` is one device)
       int matches = 0;
       for (int i = 0; i < installed; ++i) {
         if (format_uuid(machine.devices[static_cast<std::size_t>(i)].uuid).rfind(item, 0) == 0) {
@@ -1903,14 +1908,18 @@ std::vector<int> visible_physical_devices(const char* value, const machine_confi
     } else if (item.rfind("MIG-", 0) == 0 || uuid_list) {
       break;  // no MIG instances are simulated; a UUID list ends at its first other entry
     } else {
-      if (item[0] < '0' || item[0] > '9') break;
+      // Read like strtoul (measured on an H100: `+0` and `-0` are device 0); a negated non-zero value wraps to a
+      // huge index, beyond the installed devices.
+      const bool negative = item[0] == '-';
+      if (item[0] == '+' || negative) item.erase(0, 1);
+      if (item.empty() || item[0] < '0' || item[0] > '9') break;
       unsigned long long v = 0;
       for (char ch : item) {
         if (ch < '0' || ch > '9') break;
         v = v * 10 + static_cast<unsigned long long>(ch - '0');
         if (v > 1000000) break;
       }
-      if (v >= static_cast<unsigned long long>(installed)) break;
+      if ((negative && v != 0) || v >= static_cast<unsigned long long>(installed)) break;
       index = static_cast<int>(v);
     }
     if (std::find(out.begin(), out.end(), index) != out.end()) return {};
@@ -2282,7 +2291,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
-  // Any capture on the device, whatever its mode (the programming guide), besides the thread's mode's rules.
+  // Any capture, whatever its mode (the programming guide; measured on an H100).
   if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
   const std::uint64_t enqueued_before = c.s.next_op_seq;  // the work this synchronization waits for

@@ -912,6 +912,14 @@ TEST_CASE("cudasim: CUDA_VISIBLE_DEVICES follows the runtime's rules") {
       {"1gpu2,2ampere", {1, 2}},
       {" 3 , 0 ", {3, 0}},
       {"0,5000000000,1073741824", {0}},
+      // Measured on an H100: a sign is read as strtoul reads it, an index list ends at a UUID, and an index beyond
+      // the installed devices ends the list before a repeat after it.
+      {"+0", {0}},
+      {"-0,2", {0, 2}},
+      {"-2", {}},
+      {"+", {}},
+      {"0,GPU-c0da53", {0}},
+      {"0,9,0", {0}},
       {"GPU-c0da53", {2}},
       {"GPU-c0da53,0", {2}},
       {"GPU-c0da5", {}},  // ambiguous prefix
@@ -1138,10 +1146,10 @@ TEST_CASE("cudasim: the legacy stream never joins a capture: its wait for an eve
   cudaGraph_t graph = nullptr;
   cudaStreamCaptureStatus status{};
 
-  // A capture of a non-blocking stream: refused (the simulator's code, 900) and the capture is invalidated.
+  // A capture of a non-blocking stream: refused with 906 (measured on an H100) and the capture is invalidated.
   REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
   REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
-  CHECK(cudaStreamWaitEvent(cudaStreamLegacy, e, 0) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamWaitEvent(cudaStreamLegacy, e, 0) == cudaErrorStreamCaptureImplicit);
   REQUIRE(cudaStreamIsCapturing(cudaStreamLegacy, &status) == cudaSuccess);
   CHECK(status == cudaStreamCaptureStatusNone);  // the legacy stream did not join
   REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
@@ -1150,7 +1158,7 @@ TEST_CASE("cudasim: the legacy stream never joins a capture: its wait for an eve
   CHECK(graph == nullptr);
   auto v = cudasim::take_violations();
   CHECK(v.size() == 1);
-  CHECK(has_violation(v, cudaErrorStreamCaptureUnsupported));
+  CHECK(has_violation(v, cudaErrorStreamCaptureImplicit));
 
   // A capture of a blocking stream, in thread-local mode: legacy-stream work, refused as any (906).
   REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
@@ -1210,7 +1218,8 @@ TEST_CASE("cudasim: cudaFree of cudaMallocAsync memory does not wait for the dev
 
 TEST_CASE("cudasim: a capture not begun in relaxed mode is ended only by the thread that began it") {
   // cudaStreamBeginCapture: "If mode is not cudaStreamCaptureModeRelaxed, cudaStreamEndCapture must be called on this
-  // stream from the same thread" (cudaErrorStreamCaptureWrongThread); the capture goes on.
+  // stream from the same thread" (cudaErrorStreamCaptureWrongThread). Measured on an H100: the capture is still
+  // reported active, but its own thread's cudaStreamEndCapture then fails with cudaErrorIllegalState (no graph).
   cudaStream_t s = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
   void* d = nullptr;
@@ -1235,7 +1244,10 @@ TEST_CASE("cudasim: a capture not begun in relaxed mode is ended only by the thr
       cudaStreamCaptureStatus status{};
       REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
       CHECK(status == cudaStreamCaptureStatusActive);
-      CHECK(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+      CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorIllegalState);
+      CHECK(graph == nullptr);
+      REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+      CHECK(status == cudaStreamCaptureStatusNone);  // ended: the stream can be captured again
       const auto v = cudasim::take_violations();
       CHECK(v.size() == 1);
       CHECK(has_violation(v, cudaErrorStreamCaptureWrongThread));

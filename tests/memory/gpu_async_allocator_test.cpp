@@ -22,6 +22,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -130,6 +133,61 @@ TEST_CASE("gpu: async_allocator's release threshold decides what the pool keeps 
     CHECK(after + bytes <= with);
   }
   gpukit::async_allocator restore(d);  // gpukit's default for the tests after this one
+}
+
+TEST_CASE("gpu: cudaMemPoolTrimTo keeps a free still pending and gives back one the host has seen complete") {
+  // The simulator's rule for trims and the release threshold (tests/cudasim/README.md): only frees the host has
+  // observed complete (a synchronization or a successful query) go back. A free CUDA may still count as
+  // outstanding, complete on the GPU but not observed, is printed: the simulator keeps it (checked there only).
+  GPUKIT_REQUIRE_GPU();
+  GPUKIT_CUDA_TRY(cudaSetDevice(0));
+  cudaMemPool_t pool = nullptr;
+  GPUKIT_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, 0));
+  cuuint64_t threshold_before = 0;
+  GPUKIT_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold_before));
+  cuuint64_t keep_all = std::numeric_limits<cuuint64_t>::max();
+  GPUKIT_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  const auto reserved = [&] {
+    cuuint64_t value = 0;
+    GPUKIT_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &value));
+    return static_cast<std::size_t>(value);
+  };
+  constexpr std::size_t bytes = std::size_t{64} << 20;
+  cudaStream_t s = nullptr;
+  GPUKIT_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  GPUKIT_CUDA_TRY(cudaDeviceSynchronize());
+  GPUKIT_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
+  const std::size_t base = reserved();
+  void* p = nullptr;
+  GPUKIT_CUDA_TRY(cudaMallocAsync(&p, bytes, s));
+  GPUKIT_CUDA_TRY(cudaStreamSynchronize(s));
+  REQUIRE(reserved() >= base + bytes);
+  std::atomic<bool> free_done{false};
+  {
+    gate g;
+    g.hold(gpukit::stream_view(s));
+    GPUKIT_CUDA_TRY(cudaFreeAsync(p, s));
+    gpukit::stream_view(s).enqueue_host([&free_done] { free_done = true; });
+    cudaError_t trimmed = cudaSuccess;
+    const bool waited = g.opened_to_return([&] { trimmed = cudaMemPoolTrimTo(pool, 0); }, std::chrono::seconds(10));
+    CHECK(trimmed == cudaSuccess);
+    CHECK_FALSE(waited);                // a trim does not wait for pending frees
+    CHECK(reserved() >= base + bytes);  // the pending free is kept
+  }
+  // The gate is open: the free runs, then the host function. Complete on the GPU, not yet observed by the host.
+  while (!free_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  GPUKIT_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
+  const bool unobserved_given_back = reserved() <= base;
+  std::printf("cudaMemPoolTrimTo(0) of a free complete on the GPU that the host has not observed (%s): %s\n",
+              on_simulator() ? "simulated runtime" : "real runtime",
+              unobserved_given_back ? "given back" : "kept, as the simulator's model says");
+  if (on_simulator()) CHECK_FALSE(unobserved_given_back);
+  GPUKIT_CUDA_TRY(cudaStreamSynchronize(s));  // observed
+  GPUKIT_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
+  CHECK(reserved() <= base);
+  GPUKIT_CUDA_TRY(cudaStreamDestroy(s));
+  GPUKIT_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold_before));
 }
 
 TEST_CASE("gpu: async_allocator serves device_buffer and orders a free after recorded streams") {

@@ -307,13 +307,21 @@ GPUKIT_INLINE void parse_uuid_list(const std::vector<std::string_view>& entries,
 GPUKIT_INLINE void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
                                       visible_devices& result) {
   result.form = visible_devices::list_form::ordinals;
-  // First pass like the runtime's reader: stop at the first invalid entry; a repeat empties the set.
+  // Like the runtime's reader: the list ends at the first entry that is not a non-negative integer or, where the
+  // installed count is known, at the first index beyond it; a repeat before that end empties the set. The order
+  // matters for `0,5,0` on fewer than 6 GPUs: one device on an H100 (a repeat after the end is never read), where
+  // PyTorch's reading, which looks for repeats first, says none.
   std::vector<unsigned long long> values;  // as strtoul read them: repeats compare these
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const auto index = read_ordinal_like_strtoul(entries[i]);
     if (!index) {
       result.note = quoted_entry(i, entries[i]) + " is not a non-negative integer, so the list ends before it.";
-      break;
+      return;
+    }
+    if (installed.count >= 0 && *index >= static_cast<unsigned long long>(installed.count)) {
+      result.note = quoted_entry(i, entries[i]) + " is beyond the " + std::to_string(installed.count) +
+                    " installed GPU" + (installed.count == 1 ? "" : "s") + ", so the list ends before it.";
+      return;
     }
     for (unsigned long long earlier : values) {
       if (earlier == *index) {
@@ -323,17 +331,6 @@ GPUKIT_INLINE void parse_ordinal_list(const std::vector<std::string_view>& entri
     }
     values.push_back(*index);
     result.devices.push_back({std::string(entries[i]), index_for_entry(*index), {}});
-  }
-  // Second pass: an index beyond the installed devices ends the list there.
-  if (installed.count < 0) return;
-  for (std::size_t i = 0; i < result.devices.size(); ++i) {
-    if (result.devices[i].index >= installed.count) {
-      std::string why = quoted_entry(i, result.devices[i].entry) + " is beyond the " + std::to_string(installed.count) +
-                        " installed GPU" + (installed.count == 1 ? "" : "s") + ", so the list ends before it.";
-      result.note = result.note.empty() ? why : why + " " + result.note;
-      result.devices.resize(i);
-      return;
-    }
   }
 }
 }  // namespace detail

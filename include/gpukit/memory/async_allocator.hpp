@@ -1140,6 +1140,11 @@ class async_allocator final : public device_allocator {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // for cudaFreeAsync (cudaDeviceSynchronize is refused all the same)
       cudaError_t result = cudaDeviceSynchronize();
+      if (result == cudaErrorStreamCaptureUnsupported && may_wait) {
+        // A capture began meanwhile (the wait invalidated it, in any mode): nothing was freed; try again later.
+        (void)cudaGetLastError();
+        return free_result::wait_for_captures;
+      }
       if (result == cudaSuccess) {
         detail::capture_hold hold(true);
         if (hold.refused() && may_wait) return free_result::wait_for_captures;

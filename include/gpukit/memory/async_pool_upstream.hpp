@@ -119,7 +119,8 @@ class async_pool_upstream {
     cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      give_back(nullptr, held_.take_unless_capturing());  // segments held back during a capture, if none runs now
+      give_back(nullptr,
+                held_.take_unless_capturing(device_));  // segments held back during a capture, if none runs now
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
       // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
@@ -143,14 +144,15 @@ class async_pool_upstream {
   /// Waits for the device's work (as cudaFree does: queued kernels may still use the segment), then cudaFreeAsync
   /// into the pool on the private stream. Failures are reported through gpukit::warn (none at process exit); when
   /// the wait fails the segment is kept (leaked) rather than handed back while the device may still use it. The
-  /// wait (cudaDeviceSynchronize) is refused while another thread captures in global mode, even in relaxed mode, and
-  /// invalidates that capture: while a gpukit capture runs (gpukit::capture, on any thread) the segment is held
-  /// back, and given back with the next one after the captures end (or at destruction). A capture begun with the
-  /// raw runtime cannot be seen. The caching allocator takes this path only for segments it cannot order by events
-  /// (used on raw stream handles, or when recording failed).
+  /// wait (cudaDeviceSynchronize) is refused during any capture, in any mode, and invalidates that capture: while a
+  /// gpukit capture runs (gpukit::capture, on any thread), or a blocking stream of the device is captured (raw
+  /// captures included), the segment is held back, and given back with the next one after the captures end (or at
+  /// destruction). A raw capture of a non-blocking stream cannot be seen. The caching allocator takes this path only
+  /// for segments it cannot order by events (used on raw stream handles, or when recording failed).
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::vector<detail::held_segment> held;
-    if (held_.hold_or_take({p, bytes}, held)) return;  // given back with the next segment after the captures end
+    if (held_.hold_or_take({p, bytes}, held, device_))
+      return;  // given back with the next segment after the captures end
     give_back(p, held);
   }
 

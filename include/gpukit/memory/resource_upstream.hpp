@@ -25,11 +25,12 @@
 /// records on the streams that may still use the segment, so nothing waits on the host. Otherwise (a synchronous
 /// resource, the CPU, or where the caching allocator cannot tell the order) a segment goes back after the device's
 /// work, as cudaFree does (queued kernels may still use it). Releases happen only under pressure or when asked, so
-/// neither is on a hot path. That device-wide wait (cudaDeviceSynchronize) is refused while another thread captures
-/// in global mode, even in relaxed mode, and invalidates that capture: while a gpukit capture runs (gpukit::capture,
-/// on any thread) such a segment is held back, and given back with the next one after the captures end, before the
-/// resource is asked again when it refuses, or at destruction. A capture that begins between that look and the wait
-/// is not seen (nor one begun with the raw runtime), and the wait then invalidates it.
+/// neither is on a hot path. That device-wide wait (cudaDeviceSynchronize) is refused during any capture, in any
+/// mode, and invalidates that capture: while a gpukit capture runs (gpukit::capture, on any thread), or a blocking
+/// stream of the device is captured (raw captures included), such a segment is held back, and given back with the
+/// next one after the captures end, before the resource is asked again when it refuses, or at destruction. A capture
+/// that begins between that look and the wait is not seen (nor a raw capture of a non-blocking stream), and the wait
+/// then invalidates it.
 ///
 /// Needs CCCL on the include path, as memory_resource.hpp does. Not included by gpukit.hpp.
 
@@ -132,7 +133,7 @@ class resource_upstream {
         if (p != nullptr) return p;
         // Asked again only when this upstream gave something back since it last waited: a refusal otherwise is
         // final, and asking again would run the resource's own out-of-memory handling twice.
-        const bool gave_back_held = give_back(held_.take_unless_capturing());
+        const bool gave_back_held = give_back(held_.take_unless_capturing(device_));
         if (releases_queued_->exchange(false)) {
           detail::synchronize_upstream_stream(device_, detail::upstream_stream_use::releases);
         } else if (!gave_back_held) {
@@ -142,7 +143,7 @@ class resource_upstream {
       }
     }
     void* p = allocate_once(bytes);
-    if (p == nullptr && give_back(held_.take_unless_capturing())) p = allocate_once(bytes);
+    if (p == nullptr && give_back(held_.take_unless_capturing(device_))) p = allocate_once(bytes);
     return p;
   }
 
@@ -151,7 +152,7 @@ class resource_upstream {
   /// segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::vector<detail::held_segment> held;
-    if (device_.is_cuda() && held_.hold_or_take({p, bytes}, held)) return;  // the wait would break the capture
+    if (device_.is_cuda() && held_.hold_or_take({p, bytes}, held, device_)) return;  // the wait would break the capture
     give_back(held, {p, bytes});
   }
 

@@ -3,15 +3,20 @@
 #pragma once
 
 /// \file
-/// detail::capture_held_segments: the segments an upstream holds back while a gpukit capture runs. An upstream whose
-/// fallback release waits for the whole device (cudaDeviceSynchronize) cannot run it then: the wait is refused while
-/// another thread captures in global mode, even in relaxed mode, and invalidates that capture. Such an upstream holds
-/// the segment here instead and gives it back with the next one after the captures end. Used by async_pool_upstream
-/// and resource_upstream.
+/// detail::capture_held_segments: the segments an upstream holds back while a capture it can see runs. An upstream
+/// whose fallback release waits for the whole device (cudaDeviceSynchronize) cannot run it then: the wait is refused
+/// during any capture, in any mode and from any thread (measured on an H100), and invalidates that capture. Such an
+/// upstream holds the segment here instead and gives it back with the next one after the captures end. In sight: a
+/// gpukit capture (any thread, any device), and a capture of a blocking stream of the upstream's device, raw ones
+/// included (the legacy stream's capture status says so, leaving the capture intact). A raw capture of a non-blocking
+/// stream cannot be seen. Used by async_pool_upstream and resource_upstream.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
+#include <gpukit/device/device.hpp>  // device_guard
 #include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway
+
+#include <cuda_runtime_api.h>
 
 #include <atomic>
 #include <cstddef>
@@ -40,12 +45,30 @@ class capture_held_segments {
   capture_held_segments& operator=(const capture_held_segments&) = delete;
   capture_held_segments& operator=(capture_held_segments&&) = delete;
 
-  /// Holds `segment` back if a gpukit capture runs now (true). Otherwise (false) the caller gives it back now, with
-  /// the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
-  bool hold_or_take(held_segment segment, std::vector<held_segment>& give_back) noexcept {
+  /// Whether a device-wide wait on `d` would meet a capture in sight (see the file comment). One atomic load, and
+  /// while no gpukit capture runs one cudaStreamIsCapturing of the legacy stream (the release path only).
+  static bool capture_in_sight(gpukit::device d) noexcept {
+    if (gpukit_capture_underway()) return true;
+    if (!d.is_cuda()) return false;
+    try {
+      device_guard guard(d);
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      const cudaError_t result = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+      if (result == cudaSuccess) return false;
+      (void)cudaGetLastError();
+      return result == cudaErrorStreamCaptureImplicit;  // a blocking stream of `d` is captured
+    } catch (...) {
+      return false;  // no context to ask: the wait that follows reports it
+    }
+  }
+
+  /// Holds `segment` back if a capture in sight on `d` runs now (true). Otherwise (false) the caller gives it back
+  /// now, with the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
+  bool hold_or_take(held_segment segment, std::vector<held_segment>& give_back, gpukit::device d) noexcept {
+    const bool capturing = capture_in_sight(d);  // a CUDA call: not under the lock
     try {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (gpukit_capture_underway()) {
+      if (capturing) {
         held_.push_back(segment);
         return true;
       }
@@ -55,12 +78,17 @@ class capture_held_segments {
     return false;
   }
 
-  /// The segments held, to give back now; none while a capture runs.
-  std::vector<held_segment> take_unless_capturing() noexcept {
+  /// The segments held, to give back now; none while a capture in sight on `d` runs.
+  std::vector<held_segment> take_unless_capturing(gpukit::device d) noexcept {
     std::vector<held_segment> taken;
     try {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (held_.empty()) return taken;  // the common case: no CUDA call
+      }
+      if (capture_in_sight(d)) return taken;
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!gpukit_capture_underway()) held_.swap(taken);
+      held_.swap(taken);
     } catch (...) {
     }
     return taken;
