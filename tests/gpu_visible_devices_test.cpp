@@ -103,26 +103,29 @@ TEST_CASE("gpu: CUDA_VISIBLE_DEVICES makes visible what gpukit's reading of it s
   // Every row is checked, on the simulator and on a GPU. The last four were settled by an H100 run (2026-12-05): an
   // index beyond the installed devices ends the list before a repeat after it (PyTorch's reading empties the set),
   // an index list ends at a UUID, and a sign is read as strtoul reads it.
-  std::vector<std::string> rows = {{"0"},
-                                   {n},
-                                   {"0,0"},
-                                   {"-1"},
-                                   {""},
-                                   {"  "},
-                                   {"NoDevFiles"},
-                                   {"0,abc,0"},
-                                   {"0,-1,0"},
-                                   {"0gpu"},
-                                   {" 0 , "},
-                                   {u0},
-                                   {u0.substr(0, 12)},
-                                   {u0 + "," + u0},
-                                   {u0 + ",0"},
-                                   {"GPU-ffffffff-0000"},
-                                   {"0," + n + ",0"},
-                                   {"0," + u0},
-                                   {"+0"},
-                                   {"-0"}};
+  std::vector<std::string> rows = {
+      "0",
+      n,
+      "0,0",
+      "-1",
+      "",
+      "  ",
+      "NoDevFiles",
+      "0,abc,0",
+      "0,-1,0",
+      "0gpu",
+      " 0 , ",
+      u0,
+      u0.substr(0, 12),
+      u0 + "," + u0,
+      u0 + ",0",
+      "GPU-ffffffff-0000",
+      u0 + ",GPU-ffffffff-0000," + u0,  // ends at the unknown UUID before the repeat, as indices do (not measured)
+      "0," + n + ",0",
+      "0," + u0,
+      "+0",
+      "-0",
+  };
   if (installed.count >= 2) {
     const std::string u1 = installed.uuids[1];
     rows.insert(rows.end(), {"1", "1,0", "0,1,0", u1 + "," + u0, "0," + u1});

@@ -807,21 +807,22 @@ std::vector<state_ptr> synchronized_states(simulator& s, const stream_obj& st) {
 /// and freeing (cudaMalloc/Free, cudaMallocHost/FreeHost, cudaHostRegister/Unregister, and cudaMallocAsync/FreeAsync
 /// on a stream that is not captured), cudaMemPoolTrimTo, cudaGraphInstantiate and cudaGraphExecDestroy, and every wait
 /// or query (cudaDeviceSynchronize, cudaStreamSynchronize/Query, cudaEventSynchronize/Query). cudaDeviceSynchronize
-/// stays prohibited in relaxed mode too. A device synchronization (`device_wide`) is refused while any capture runs,
-/// whatever its mode and the calling thread's (the programming guide's rule; measured on an H100 for captures in
-/// global, thread-local and relaxed mode, from the capturing thread and others in every mode).
-std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool device_wide = false) {
-  if (device_wide) return s.captures.empty() ? nullptr : s.captures.front();
-  if (t_capture_mode == cudaStreamCaptureModeRelaxed) return nullptr;
+/// stays prohibited in relaxed mode too (`even_relaxed`), and during any capture of the device's streams whatever
+/// the modes (cudaDeviceSynchronize itself: measured on an H100 for captures in global, thread-local and relaxed
+/// mode, from the capturing thread and others in every mode); other devices' captures follow the modes' rules (not
+/// measured: the H100 had one GPU).
+std::shared_ptr<capture_state> prohibiting_capture(simulator& s, bool even_relaxed = false) {
+  if (t_capture_mode == cudaStreamCaptureModeRelaxed && !even_relaxed) return nullptr;
   for (const auto& cap : s.captures) {
     if (cap->mode != cudaStreamCaptureModeRelaxed && cap->thread == std::this_thread::get_id()) return cap;
-    if (cap->mode == cudaStreamCaptureModeGlobal && t_capture_mode == cudaStreamCaptureModeGlobal) return cap;
+    const bool thread_global = t_capture_mode == cudaStreamCaptureModeGlobal || even_relaxed;
+    if (cap->mode == cudaStreamCaptureModeGlobal && thread_global) return cap;
   }
   return nullptr;
 }
 
-cudaError_t unsafe_during_capture(call& c, bool device_wide = false) {
-  if (auto cap = prohibiting_capture(c.s, device_wide)) {
+cudaError_t unsafe_during_capture(call& c, bool even_relaxed = false) {
+  if (auto cap = prohibiting_capture(c.s, even_relaxed)) {
     cap->invalidated = true;
     return c.violation(cudaErrorStreamCaptureUnsupported,
                        c.function + " is not permitted while a stream capture is underway (capture " +
@@ -2291,9 +2292,21 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
-  // Any capture, whatever its mode (the programming guide; measured on an H100).
-  if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const int d = context_device(c);
+  // Every capture of the device's streams, whatever the modes, is invalidated (the programming guide; measured on an
+  // H100); other devices' captures as the modes say, no mode lifting it.
+  std::string invalidated;
+  for (const auto& cap : c.s.captures) {
+    if (cap->origin->device != d) continue;
+    cap->invalidated = true;
+    invalidated += (invalidated.empty() ? "" : ", ") + std::to_string(cap->id);
+  }
+  if (!invalidated.empty()) {
+    return c.violation(cudaErrorStreamCaptureUnsupported,
+                       "cudaDeviceSynchronize is not permitted while a stream of the device is captured (capture " +
+                           invalidated + " invalidated)");
+  }
+  if (cudaError_t e = unsafe_during_capture(c, true); e != cudaSuccess) return e;
   const std::uint64_t enqueued_before = c.s.next_op_seq;  // the work this synchronization waits for
   wait_for(c, device_tails(c.s, d));
   observe_device(c.s, d, enqueued_before, false);

@@ -1216,6 +1216,52 @@ TEST_CASE("cudasim: cudaFree of cudaMallocAsync memory does not wait for the dev
   CHECK(cudaStreamDestroy(s) == cudaSuccess);
 }
 
+TEST_CASE("cudasim: cudaDeviceSynchronize invalidates every capture of the device's streams, in any mode") {
+  // Measured on an H100 (one GPU): refused with 900 and the capture invalidated in every mode. Another device's
+  // captures follow the modes' rules (not measured): a relaxed one there survives.
+  void* d0 = nullptr;
+  void* d1 = nullptr;
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  REQUIRE(cudaMalloc(&d1, 16) == cudaSuccess);
+  cudaStream_t elsewhere = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&elsewhere, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  REQUIRE(cudaMalloc(&d0, 16) == cudaSuccess);
+  cudaStream_t a = nullptr;
+  cudaStream_t b = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(b, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(elsewhere, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d0, 1, 16, a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d0, 1, 16, b) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(d1, 1, 16, elsewhere) == cudaSuccess);
+  CHECK(cudaDeviceSynchronize() == cudaErrorStreamCaptureUnsupported);
+  (void)cudaGetLastError();
+  cudaStreamCaptureStatus status{};
+  for (cudaStream_t s : {a, b}) {
+    REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusInvalidated);
+  }
+  REQUIRE(cudaStreamIsCapturing(elsewhere, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusActive);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(a, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(cudaStreamEndCapture(b, &graph) == cudaErrorStreamCaptureInvalidated);
+  CHECK(cudaStreamEndCapture(elsewhere, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  (void)cudaGetLastError();
+  const auto v = cudasim::take_violations();
+  CHECK(v.size() == 1);
+  CHECK(has_violation(v, cudaErrorStreamCaptureUnsupported));
+  CHECK(cudaStreamDestroy(a) == cudaSuccess);
+  CHECK(cudaStreamDestroy(b) == cudaSuccess);
+  CHECK(cudaStreamDestroy(elsewhere) == cudaSuccess);
+  CHECK(cudaFree(d0) == cudaSuccess);
+  CHECK(cudaFree(d1) == cudaSuccess);
+}
+
 TEST_CASE("cudasim: a capture not begun in relaxed mode is ended only by the thread that began it") {
   // cudaStreamBeginCapture: "If mode is not cudaStreamCaptureModeRelaxed, cudaStreamEndCapture must be called on this
   // stream from the same thread" (cudaErrorStreamCaptureWrongThread). Measured on an H100: the capture is still

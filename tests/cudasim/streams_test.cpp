@@ -1109,6 +1109,35 @@ TEST_CASE("streams: releasing a default stream's segment in stream order does no
   CHECK(a.memory_reserved() == 0);
 }
 
+TEST_CASE("streams: a segment whose device-wide wait a raw capture refused is held back, not lost") {
+  // A raw capture of a non-blocking stream is out of gpukit's sight: the release's cudaDeviceSynchronize is refused
+  // (and invalidates it, in any mode). The segment is held back and given back after the capture, not leaked.
+  const std::size_t base = gpukit_test::pool_bytes_in_use(cuda0);
+  gpukit::caching_device_allocator<gpukit::async_pool_upstream> a(cuda0);
+  cudaStream_t raw = nullptr;  // a raw handle: its segment goes back after a device-wide wait
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  a.deallocate(a.allocate(std::size_t{8} << 20, gpukit::stream_view(cuda0, raw)));
+  cudasim::drain_all();
+  const std::size_t in_use = gpukit_test::pool_bytes_in_use(cuda0);
+  REQUIRE(in_use >= base + (std::size_t{8} << 20));
+  gpukit::stream captured(cuda0);
+  REQUIRE(cudaStreamBeginCapture(captured.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  gpukit_test::captured_warnings warnings;
+  std::thread([&] { a.empty_cache(); }).join();
+  CHECK(warnings.contains("cudaDeviceSynchronize (before returning a segment to the pool)"));
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(captured.cuda_handle(), &graph) == cudaErrorStreamCaptureInvalidated);
+  (void)cudaGetLastError();
+  CHECK(cudasim::take_violations().size() == 1);           // the refused wait
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == in_use);  // held back
+  a.deallocate(a.allocate(std::size_t{8} << 20, gpukit::stream_view(cuda0, raw)));
+  a.empty_cache();  // the capture has ended: both go back
+  cudasim::drain_all();
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == base);
+  REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
+  CHECK(cudasim::take_violations().empty());
+}
+
 TEST_CASE(
     "streams: a gpukit stream destroyed while the allocator grows, its handle reused: its segment waits for its "
     "work") {

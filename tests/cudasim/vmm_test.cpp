@@ -655,6 +655,45 @@ TEST_CASE("vmm: a raw stream's free pages are not released by a device-wide wait
   CHECK(cudasim::take_violations().empty());
 }
 
+TEST_CASE("vmm: a raw stream's free pages are not released by a device-wide wait during a raw blocking capture") {
+  // cudaDeviceSynchronize invalidates a capture in any mode (measured on an H100). gpukit cannot see a raw capture of
+  // a non-blocking stream, but one of a blocking stream shows in the legacy stream's capture status: the pages stay.
+  const gpukit::device d = gpukit::device::cuda(0);
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) == cudaSuccess);
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  void* scratch = nullptr;
+  REQUIRE(cudaMalloc(&scratch, MiB) == cudaSuccess);
+  for (const cudaStreamCaptureMode mode :
+       {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+    INFO("capture mode " << static_cast<int>(mode));
+    gpukit::caching_allocator a(d, expandable());
+    a.deallocate(a.allocate(4 * MiB, gpukit::stream_view(d, raw)));
+    REQUIRE(a.memory_reserved() == 4 * MiB);
+    REQUIRE(cudaStreamBeginCapture(blocking, mode) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(scratch, 0, MiB, blocking) == cudaSuccess);
+    const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+    std::thread([&] {
+      cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;  // else a global capture refuses its CUDA calls
+      REQUIRE(cudaThreadExchangeStreamCaptureMode(&relaxed) == cudaSuccess);
+      a.empty_cache();
+    }).join();
+    CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
+    CHECK(a.memory_reserved() == 4 * MiB);  // kept for a release after the capture
+    cudaGraph_t g = nullptr;
+    CHECK(cudaStreamEndCapture(blocking, &g) == cudaSuccess);  // it was cudaErrorStreamCaptureInvalidated
+    if (g != nullptr) cudaGraphDestroy(g);
+    (void)cudaGetLastError();
+    a.empty_cache();
+    CHECK(a.memory_reserved() == 0);
+    CHECK(cudasim::take_violations().empty());
+  }
+  cudaFree(scratch);
+  REQUIRE(cudaStreamDestroy(blocking) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(raw) == cudaSuccess);
+}
+
 TEST_CASE("vmm: free pages of a stream being captured are waited for by no release: they stay mapped until later") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream captured(d);

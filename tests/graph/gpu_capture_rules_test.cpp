@@ -415,6 +415,7 @@ struct observation {
   cudaError_t returned = cudaSuccess;
   bool capture_invalidated = false;
   cudaError_t ended = cudaSuccess;  ///< what the capturing thread's cudaStreamEndCapture returned afterwards
+  cudaStreamCaptureStatus after_end = cudaStreamCaptureStatusNone;  ///< the stream's capture status after that
 };
 
 /// Runs `p` during a capture of a fresh stream (the capturing thread is this one) and says what happened.
@@ -453,6 +454,7 @@ observation observe(const probe& p, worker& other_thread) {
   const cudaError_t ended = cudaStreamEndCapture(captured, &graph);
   if (graph != nullptr) (void)cudaGraphDestroy(graph);
   seen.ended = ended;
+  if (cudaStreamIsCapturing(captured, &seen.after_end) != cudaSuccess) seen.after_end = cudaStreamCaptureStatusNone;
   if (!seen.capture_invalidated) {
     INFO("cudaStreamEndCapture after " << std::string(p.call) << " from " << std::string(name_of(p.from))
                                        << " returned " << std::string(cudaGetErrorName(ended)));
@@ -476,7 +478,10 @@ TEST_CASE("gpu: the calls a capture in global mode permits, from another thread 
     std::printf("  %-46s from %-30s %-12s %-12s capture: returned %-36s capture %s\n", p.call, name_of(p.from),
                 p.blocking_capture ? "blocking" : "non-blocking", name_of(p.capture_mode),
                 cudaGetErrorName(seen.returned), seen.capture_invalidated ? "INVALIDATED" : "intact");
-    if (seen.ended != cudaSuccess) std::printf("    then cudaStreamEndCapture: %s\n", cudaGetErrorName(seen.ended));
+    if (seen.ended != cudaSuccess) {
+      std::printf("    then cudaStreamEndCapture: %s; the stream then %s\n", cudaGetErrorName(seen.ended),
+                  seen.after_end == cudaStreamCaptureStatusNone ? "captures no more" : "STILL CAPTURES");
+    }
     std::fflush(stdout);  // each row as it is measured: ctest interleaves it with doctest's failures
     const std::string what = std::string(p.call) + " from " + name_of(p.from) + " (" +
                              (p.blocking_capture ? "blocking " : "") + name_of(p.capture_mode) +

@@ -119,11 +119,12 @@ GPUKIT_INLINE visible_devices& empty_for_repeat(visible_devices& result, std::si
 /// A MIG instance list: CUDA takes the first entry only; nothing to check it against.
 GPUKIT_INLINE void parse_mig_list(const std::vector<std::string_view>& entries, visible_devices& result);
 
-/// A GPU UUID (prefix) list, read as written, then matched against the installed GPUs' UUIDs where known.
+/// A GPU UUID (prefix) list, read in one pass, each entry matched against the installed GPUs' UUIDs where known.
 GPUKIT_INLINE void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
                                    visible_devices& result);
 
-/// An integer list, read like the runtime's strtoul, then checked against the installed count where known.
+/// An integer list, read like the runtime's strtoul in one pass, each index checked against the installed count where
+/// known.
 GPUKIT_INLINE void parse_ordinal_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
                                       visible_devices& result);
 
@@ -257,50 +258,44 @@ GPUKIT_INLINE void parse_mig_list(const std::vector<std::string_view>& entries, 
 GPUKIT_INLINE void parse_uuid_list(const std::vector<std::string_view>& entries, const installed_gpus& installed,
                                    visible_devices& result) {
   result.form = visible_devices::list_form::gpu_uuids;
-  // First pass, as written: the list ends at the first entry that is not a UUID; a repeat empties the set.
+  result.verified = !installed.uuids.empty();
+  // One pass, as the runtime reads it: the list ends at the first entry that is not a UUID or, where the installed
+  // GPUs are known, that matches none of them or several (an ambiguous prefix); a repeat before that end (the same
+  // entry, or two naming the same GPU) empties the set. A repeat after the end is never read, as for indices.
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const std::string_view entry = entries[i];
     if (!starts_with(entry, "GPU-")) {
       result.note =
           quoted_entry(i, entry) + " is not a GPU UUID; a list that starts with UUIDs ends at its first other entry.";
-      break;
+      return;
+    }
+    std::string resolved;
+    if (result.verified) {
+      int matches = 0;
+      for (const auto& uuid : installed.uuids) {
+        if (starts_with(uuid, entry)) {
+          ++matches;
+          resolved = uuid;
+        }
+      }
+      if (matches != 1) {
+        result.note = quoted_entry(i, entry) +
+                      (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
+                      ", so the list ends before it.";
+        return;
+      }
     }
     for (const auto& d : result.devices) {
       if (d.entry == entry) {
         empty_for_repeat(result, i, entry, "a UUID");
         return;
       }
-    }
-    result.devices.push_back({std::string(entry), -1, {}});
-  }
-  result.verified = !installed.uuids.empty();
-  if (!result.verified) return;
-  // Second pass, against the installed GPUs: a prefix must match exactly one; the list ends at the first that does
-  // not, and two entries naming the same GPU empty the set.
-  for (std::size_t i = 0; i < result.devices.size(); ++i) {
-    auto& d = result.devices[i];
-    int matches = 0;
-    for (const auto& uuid : installed.uuids) {
-      if (starts_with(uuid, d.entry)) {
-        ++matches;
-        d.uuid = uuid;
-      }
-    }
-    if (matches != 1) {
-      std::string why = quoted_entry(i, d.entry) +
-                        (matches == 0 ? " matches no installed GPU" : " is a prefix of several installed GPUs' UUIDs") +
-                        ", so the list ends before it.";
-      result.note = result.note.empty() ? why : why + " " + result.note;
-      result.devices.resize(i);
-      return;
-    }
-    for (std::size_t j = 0; j < i; ++j) {
-      if (result.devices[j].uuid == d.uuid) {
-        const std::string entry = d.entry;
+      if (!resolved.empty() && d.uuid == resolved) {
         empty_for_repeat(result, i, entry, "a GPU");
         return;
       }
     }
+    result.devices.push_back({std::string(entry), -1, resolved});
   }
 }
 

@@ -1130,18 +1130,20 @@ class async_allocator final : public device_allocator {
   }
 
   /// Frees `p` without any stream of the program: the device's work is waited for, then cudaFreeAsync on the legacy
-  /// default stream (which always exists), under a capture hold. While a gpukit capture is underway, before the wait
-  /// (cudaDeviceSynchronize would invalidate a capture in global mode) or after it, nothing is freed and the caller
-  /// is told to wait for the captures (unless `may_wait` is false: then it is freed all the same). Failures are
-  /// reported through gpukit::warn (the memory is lost).
+  /// default stream (which always exists), under a capture hold. While a capture is in sight (a gpukit capture, or a
+  /// capture of a blocking stream of the device: detail::capture_in_sight), before the wait (cudaDeviceSynchronize
+  /// would invalidate it, in any mode) or after it, or when the wait was refused by a capture, nothing is freed and
+  /// the caller is told to wait for the captures (unless `may_wait` is false: then it is freed all the same).
+  /// Failures are reported through gpukit::warn (the memory is lost).
   [[nodiscard]] free_result free_after_device(void* p, std::size_t bytes, bool may_wait = true) noexcept {
-    if (may_wait && detail::gpukit_capture_underway()) return free_result::wait_for_captures;
+    if (may_wait && detail::capture_in_sight(device_)) return free_result::wait_for_captures;
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // for cudaFreeAsync (cudaDeviceSynchronize is refused all the same)
       cudaError_t result = cudaDeviceSynchronize();
       if (result == cudaErrorStreamCaptureUnsupported && may_wait) {
-        // A capture began meanwhile (the wait invalidated it, in any mode): nothing was freed; try again later.
+        // Refused by a capture gpukit could not see (a raw one of a non-blocking stream, or one begun since the look
+        // above), which the wait invalidated: nothing was freed; tried again later.
         (void)cudaGetLastError();
         return free_result::wait_for_captures;
       }

@@ -86,7 +86,7 @@ class async_pool_upstream {
   /// the pool (reported).
   ~async_pool_upstream() {
     if (stream_ == nullptr) return;  // never allocated
-    give_back(nullptr, held_.take_at_destruction("gpukit::async_pool_upstream"));
+    give_back(held_.take_at_destruction("gpukit::async_pool_upstream"), "gpukit::async_pool_upstream");
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // as in allocate: this wait and the trim join no capture
@@ -119,8 +119,7 @@ class async_pool_upstream {
     cudaError_t result = cudaMallocFromPoolAsync(&p, bytes, pool_, s);
     if (result == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      give_back(nullptr,
-                held_.take_unless_capturing(device_));  // segments held back during a capture, if none runs now
+      give_back(held_.take_unless_capturing(device_));  // segments held back during a capture, if none runs now
       GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamSynchronize(s), "cudaStreamSynchronize (before trimming the pool)",
                                 device_.ordinal());
       // Segments given back in stream order reach the pool when their streams' work is done: wait for them too.
@@ -151,9 +150,9 @@ class async_pool_upstream {
   /// for segments it cannot order by events (used on raw stream handles, or when recording failed).
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::vector<detail::held_segment> held;
-    if (held_.hold_or_take({p, bytes}, held, device_))
-      return;  // given back with the next segment after the captures end
-    give_back(p, held);
+    if (held_.hold_or_take({p, bytes}, held, device_)) return;  // given back with the next one after the captures
+    held.push_back({p, bytes});
+    give_back(held);
   }
 
   /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:
@@ -212,20 +211,20 @@ class async_pool_upstream {
   }
 
  private:
-  /// Gives the segment `p` (if not null) and `held` back to the pool after the device's work.
-  void give_back(void* p, const std::vector<detail::held_segment>& held) noexcept {
-    if (p == nullptr && held.empty()) return;
-    if (!detail::device_idle_before_release(device_, "returning a segment to the pool")) return;  // kept: in use?
+  /// Gives `segments` back to the pool after the device's work. When the wait meets a capture they are held back
+  /// again (at destruction, `owner` names the upstream in the warning that they stay allocated); when it fails
+  /// otherwise they are kept (leaked) rather than handed back while the device may still use them.
+  void give_back(const std::vector<detail::held_segment>& segments, const char* owner = nullptr) noexcept {
+    if (segments.empty()) return;
+    const detail::release_wait waited = detail::wait_before_release(device_, "returning a segment to the pool");
+    if (waited == detail::release_wait::kept_for_capture) held_.hold_again(segments, owner);
+    if (waited != detail::release_wait::idle) return;
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // as in allocate
-      for (const detail::held_segment& segment : held) {
+      for (const detail::held_segment& segment : segments) {
         detail::report_cuda_failure(cudaFreeAsync(segment.pointer, stream_),
                                     "cudaFreeAsync (returning a segment to the pool)", device_.ordinal());
-      }
-      if (p != nullptr) {
-        detail::report_cuda_failure(cudaFreeAsync(p, stream_), "cudaFreeAsync (returning a segment to the pool)",
-                                    device_.ordinal());
       }
     } catch (const error& e) {
       if (detail::is_teardown_result(e.cuda_result())) return;

@@ -229,18 +229,17 @@ class address_space_upstream {
 };
 
 namespace detail {
-/// How the wait before a release ended: the device is idle; the wait failed (reported); or the runtime is torn
-/// down (process exit: the device's memory went with it, nothing is reported).
-enum class release_wait { idle, failed, torn_down };
+/// How the wait before a release ended: the device is idle; the wait failed (reported); the runtime is torn down
+/// (process exit: the device's memory went with it, nothing is reported); or it was not made, or refused, because a
+/// capture is underway (a device-wide wait would invalidate it, in any mode): the memory may go back after it.
+enum class release_wait { idle, failed, torn_down, kept_for_capture };
 
 /// Waits for all work of CUDA device `d` before memory goes back to where it came from, as cudaFree waits: kernels
 /// queued earlier may still use it. A failure is reported through gpukit::warn (nothing during teardown) as
-/// "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a failed wait (a capture, a
-/// broken context) may not have waited at all.
+/// "cudaDeviceSynchronize (before <what>)"; the caller then keeps the memory, since a failed wait (a broken context)
+/// may not have waited at all. While a capture is in sight (detail::capture_in_sight) no wait is made, nothing is
+/// reported, and the answer is kept_for_capture, as for a wait refused by a capture gpukit could not see (reported).
 GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* what) noexcept;
-
-/// wait_before_release, true when the device is idle (the memory may go back now).
-GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept;
 
 /// Waits for the work the events in `after` (of CUDA device `d`) captured, not for the whole device, before memory
 /// that only that work may still use goes back: cudaEventSynchronize of each, in relaxed capture mode, so that another
@@ -695,12 +694,17 @@ GPUKIT_INLINE std::uintptr_t address_space_upstream::check_pages(void* address, 
 namespace detail {
 
 GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* what) noexcept {
+  // The wait would invalidate a capture in sight, in any mode: the caller keeps the memory and gives it back later.
+  // Not reported: nothing failed.
+  if (capture_in_sight(d)) return release_wait::kept_for_capture;
   try {
     device_guard guard(d);
     const cudaError_t waited = cudaDeviceSynchronize();
     if (waited == cudaSuccess) return release_wait::idle;
     if (is_teardown_result(waited)) return release_wait::torn_down;
+    // Reported (a capture gpukit could not see was invalidated), then kept for later like one in sight.
     report_cuda_failure(waited, std::string("cudaDeviceSynchronize (before ") + what + ")", d.ordinal());
+    if (waited == cudaErrorStreamCaptureUnsupported) return release_wait::kept_for_capture;
   } catch (const error& e) {
     if (is_teardown_result(e.cuda_result())) return release_wait::torn_down;
     warn_parts("gpukit: could not wait for ", d, " before ", what, ": ", e.what());
@@ -708,10 +712,6 @@ GPUKIT_INLINE release_wait wait_before_release(gpukit::device d, const char* wha
     warn_parts("gpukit: could not wait for the device before ", what, ": ", e.what());
   }
   return release_wait::failed;
-}
-
-GPUKIT_INLINE bool device_idle_before_release(gpukit::device d, const char* what) noexcept {
-  return wait_before_release(d, what) == release_wait::idle;
 }
 
 GPUKIT_INLINE release_wait wait_for_events_before_release(gpukit::device d, const std::vector<const event*>& after,
@@ -928,7 +928,8 @@ GPUKIT_INLINE bool cuda_upstream::unmap(void* address, std::size_t bytes) noexce
 }
 
 GPUKIT_INLINE bool cuda_upstream::wait_before_unmap() noexcept {
-  return detail::wait_before_release(device_, "unmapping pages") != detail::release_wait::failed;
+  const detail::release_wait waited = detail::wait_before_release(device_, "unmapping pages");
+  return waited == detail::release_wait::idle || waited == detail::release_wait::torn_down;
 }
 
 GPUKIT_INLINE bool cuda_upstream::wait_before_unmap(const std::vector<const event*>& after) noexcept {

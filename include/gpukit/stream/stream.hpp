@@ -181,6 +181,27 @@ inline bool gpukit_capture_underway() noexcept {
   return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
 }
 
+/// Whether a device-wide wait on `d` (cudaDeviceSynchronize) would meet a capture gpukit can see, which it would
+/// invalidate, in any mode (measured on an H100): a gpukit capture on any thread and device, or a capture of a
+/// blocking stream of `d`, raw ones included (the legacy stream's capture status then answers
+/// cudaErrorStreamCaptureImplicit, leaving the capture intact). A raw capture of a non-blocking stream is not seen.
+/// One atomic load, then one cudaStreamIsCapturing with `d` current: for release paths, not hot ones.
+inline bool capture_in_sight(gpukit::device d) noexcept {
+  if (!d.is_cuda()) return false;
+  if (gpukit_capture_underway()) return true;
+  try {
+    device_guard guard(d);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t result = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+    if (result == cudaSuccess) return false;
+    (void)cudaGetLastError();
+    return result == cudaErrorStreamCaptureImplicit;
+  } catch (...) {
+    (void)cudaGetLastError();  // the guard's failure: the wait that follows says what is wrong
+    return false;
+  }
+}
+
 /// True for cuda::stream_ref once <gpukit/stream/stream_ref.hpp> is included (which needs the toolkit's CCCL). A
 /// trait rather than a direct mention keeps this header free of CCCL and identical in every translation unit.
 template <class T>

@@ -6,17 +6,14 @@
 /// detail::capture_held_segments: the segments an upstream holds back while a capture it can see runs. An upstream
 /// whose fallback release waits for the whole device (cudaDeviceSynchronize) cannot run it then: the wait is refused
 /// during any capture, in any mode and from any thread (measured on an H100), and invalidates that capture. Such an
-/// upstream holds the segment here instead and gives it back with the next one after the captures end. In sight: a
-/// gpukit capture (any thread, any device), and a capture of a blocking stream of the upstream's device, raw ones
-/// included (the legacy stream's capture status says so, leaving the capture intact). A raw capture of a non-blocking
-/// stream cannot be seen. Used by async_pool_upstream and resource_upstream.
+/// upstream holds the segment here instead and gives it back with the next one after the captures end: while a
+/// capture is in sight (detail::capture_in_sight: a gpukit capture, or a capture of a blocking stream of the
+/// upstream's device, raw ones included). Used by async_pool_upstream and resource_upstream.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
-#include <gpukit/device/device.hpp>  // device_guard
-#include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway
-
-#include <cuda_runtime_api.h>
+#include <gpukit/device/device.hpp>
+#include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway, detail::capture_in_sight
 
 #include <atomic>
 #include <cstddef>
@@ -44,23 +41,6 @@ class capture_held_segments {
   }
   capture_held_segments& operator=(const capture_held_segments&) = delete;
   capture_held_segments& operator=(capture_held_segments&&) = delete;
-
-  /// Whether a device-wide wait on `d` would meet a capture in sight (see the file comment). One atomic load, and
-  /// while no gpukit capture runs one cudaStreamIsCapturing of the legacy stream (the release path only).
-  static bool capture_in_sight(gpukit::device d) noexcept {
-    if (gpukit_capture_underway()) return true;
-    if (!d.is_cuda()) return false;
-    try {
-      device_guard guard(d);
-      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-      const cudaError_t result = cudaStreamIsCapturing(cudaStreamLegacy, &status);
-      if (result == cudaSuccess) return false;
-      (void)cudaGetLastError();
-      return result == cudaErrorStreamCaptureImplicit;  // a blocking stream of `d` is captured
-    } catch (...) {
-      return false;  // no context to ask: the wait that follows reports it
-    }
-  }
 
   /// Holds `segment` back if a capture in sight on `d` runs now (true). Otherwise (false) the caller gives it back
   /// now, with the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
@@ -92,6 +72,24 @@ class capture_held_segments {
     } catch (...) {
     }
     return taken;
+  }
+
+  /// Holds `segments` back again: their release's device-wide wait met a capture (release_wait::kept_for_capture).
+  /// Given back with the next segment after it. At the owner's destruction (`owner` not null) nothing can be held:
+  /// the warning says that they stay allocated.
+  void hold_again(const std::vector<held_segment>& segments, const char* owner = nullptr) noexcept {
+    if (segments.empty()) return;
+    if (owner == nullptr) {
+      try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        held_.insert(held_.end(), segments.begin(), segments.end());
+        return;
+      } catch (...) {  // no room: reported below
+      }
+    }
+    warn_parts(owner != nullptr ? owner : "gpukit: an upstream", ": ", segments.size(),
+               " segment(s) could not be given back during a capture (a device-wide wait would invalidate it); they "
+               "stay allocated");
   }
 
   /// For the owner's destructor: the segments held, to give back now; none while a capture runs, when `owner`'s
