@@ -2966,6 +2966,47 @@ TEST_CASE("capture: an async_allocator free made after the device's work waits f
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: an async_allocator free after the device's work waits for a raw capture of a blocking stream") {
+  // The device-wide wait would invalidate the capture (in any mode); a raw capture of a blocking stream shows in the
+  // legacy stream's capture status, so the free is deferred instead, and made after the capture.
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  gpukit_test::captured_warnings warnings;
+  void* p = a.allocate(1 << 20, s);
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  a.deallocate(p);
+  CHECK(a.deferred_frees() == 1);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  a.deallocate(a.allocate(4096, s));  // the deferred free first
+  CHECK(a.deferred_frees() == 0);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(gpukit_test::pool_bytes_in_use(cuda0) == 0);
+  cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator::trim refuses during a raw capture of a blocking stream, which survives") {
+  gpukit::async_allocator a(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream blocking = blocking_stream();
+  a.deallocate(a.allocate(1 << 20, s));
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  const std::size_t syncs = cudasim::calls("cudaDeviceSynchronize");
+  CHECK_THROWS_AS(a.trim(0), gpukit::invalid_argument_error);  // its device-wide wait would invalidate the capture
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == syncs);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(a.trim(0) == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: an async_allocator destroyed with live memory during a capture leaves it unfreed and says so") {
   gpukit::stream blocking = blocking_stream();
   gpukit::stream s(cuda0);

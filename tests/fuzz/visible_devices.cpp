@@ -89,40 +89,32 @@ model_result model(const char* value, int installed_count, const std::vector<std
     r.devices.push_back({entries[0], 0, {}});
     return r;
   }
+  // Read in one pass, as the runtime does (measured on an H100 for indices): the list ends at its first unusable
+  // entry, and a repeat after that end is never read.
   if (begins_with(entries[0], "GPU-")) {
     r.list_form = form::gpu_uuids;
+    r.verified = !uuids.empty();
     for (const auto& e : entries) {
       if (!begins_with(e, "GPU-")) break;  // a UUID list ends at its first other entry
-      for (const auto& d : r.devices) {
-        if (d.entry == e) {
-          r.devices.clear();  // a repeat hides every device
-          r.verified = !uuids.empty();
+      model_device d{e, 0, {}};
+      if (r.verified) {
+        int matches = 0;
+        for (const auto& u : uuids) {
+          if (begins_with(u, e)) {
+            ++matches;
+            d.uuid = u;
+          }
+        }
+        if (matches != 1) break;  // no match or an ambiguous prefix ends the list
+      }
+      for (const auto& earlier : r.devices) {
+        if (earlier.entry == e || (r.verified && earlier.uuid == d.uuid)) {
+          r.devices.clear();  // the same entry, or two prefixes of one GPU: a repeat hides every device
           return r;
         }
       }
-      r.devices.push_back({e, 0, {}});
+      r.devices.push_back(d);
     }
-    r.verified = !uuids.empty();
-    if (!r.verified) return r;
-    std::vector<model_device> resolved;
-    for (auto d : r.devices) {
-      int matches = 0;
-      for (const auto& u : uuids) {
-        if (begins_with(u, d.entry)) {
-          ++matches;
-          d.uuid = u;
-        }
-      }
-      if (matches != 1) break;  // no match or an ambiguous prefix ends the list
-      for (const auto& earlier : resolved) {
-        if (earlier.uuid == d.uuid) {
-          r.devices.clear();  // two prefixes of one GPU: a repeat
-          return r;
-        }
-      }
-      resolved.push_back(d);
-    }
-    r.devices = resolved;
     return r;
   }
   r.list_form = form::ordinals;
@@ -130,6 +122,7 @@ model_result model(const char* value, int installed_count, const std::vector<std
   for (const auto& e : entries) {
     unsigned long long v = 0;
     if (!strtoul_like(e, v)) break;  // the first invalid entry ends the list
+    if (installed_count >= 0 && v >= static_cast<unsigned long long>(installed_count)) break;  // so does one beyond
     for (const auto& d : r.devices) {
       if (d.index == v) {
         r.devices.clear();  // a repeated ordinal hides every device
@@ -137,14 +130,6 @@ model_result model(const char* value, int installed_count, const std::vector<std
       }
     }
     r.devices.push_back({e, v, {}});
-  }
-  if (installed_count >= 0) {  // then an index beyond the installed devices ends the list
-    for (std::size_t i = 0; i < r.devices.size(); ++i) {
-      if (r.devices[i].index >= static_cast<unsigned long long>(installed_count)) {
-        r.devices.resize(i);
-        break;
-      }
-    }
   }
   return r;
 }

@@ -180,12 +180,13 @@ class async_allocator final : public device_allocator {
   /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)).
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
-  /// Throws invalid_argument_error while a gpukit capture runs (gpukit::capture, any thread): cudaDeviceSynchronize
-  /// would invalidate it, in relaxed mode too (measured on an H200). A capture begun meanwhile, or with the raw
-  /// runtime, cannot be seen, and is invalidated: trim outside captures. (A detail::capture_hold cannot keep captures
-  /// off through the wait: the device's work may wait for the very thread that is beginning a capture.)
+  /// Throws invalid_argument_error while a capture is in sight (a gpukit capture on any thread, or a capture of a
+  /// blocking stream of the device, raw ones included: detail::capture_in_sight): cudaDeviceSynchronize would
+  /// invalidate it, in any mode (measured on an H200 and an H100). A capture begun meanwhile, or a raw one of a
+  /// non-blocking stream, cannot be seen, and is invalidated: trim outside captures. (A detail::capture_hold cannot
+  /// keep captures off through the wait: the device's work may wait for the very thread that is beginning a capture.)
   std::size_t trim(std::size_t target_reserved) override {
-    if (detail::gpukit_capture_underway()) {
+    if (detail::capture_in_sight(device_)) {
       throw invalid_argument_error("gpukit::async_allocator::trim on " + device_.to_string() +
                                        ": a CUDA graph capture is underway, and the device-wide wait would invalidate "
                                        "it; trim (or empty_cache) after the capture",
@@ -354,10 +355,11 @@ class async_allocator final : public device_allocator {
         std::lock_guard<std::mutex> lock(mutex_);
         ++retries_;
       }
-      // cudaDeviceSynchronize invalidates a capture in any mode: during a gpukit capture, or when this request is
-      // captured (an allocation node, in a capture begun with the raw runtime), the pool is trimmed again without it
-      // (the memory freed on streams since is all that can come back).
-      if (retry == 1 && !detail::gpukit_capture_underway() && !captured_or_unknown(stream)) {
+      // cudaDeviceSynchronize invalidates a capture in any mode: while one is in sight (a gpukit capture, or a
+      // capture of a blocking stream of the device), or when this request is captured (an allocation node, in a
+      // capture begun with the raw runtime), the pool is trimmed again without it (the memory freed on streams since
+      // is all that can come back).
+      if (retry == 1 && !detail::capture_in_sight(device_) && !captured_or_unknown(stream)) {
         GPUKIT_CUDA_TRY_DESCRIBED(cudaDeviceSynchronize(), "cudaDeviceSynchronize (out of memory)", device_.ordinal());
       }
       GPUKIT_CUDA_TRY_DESCRIBED(cudaMemPoolTrimTo(pool_, 0), "cudaMemPoolTrimTo", device_.ordinal());

@@ -200,6 +200,10 @@ class async_pool_upstream {
     return info;
   }
 
+  /// Gives back the segments held back during a capture, unless one is in sight now (the caching allocator's
+  /// empty_cache and trim call it). No CUDA call when none is held.
+  void release_held() noexcept { give_back(held_.take_unless_capturing(device_)); }
+
   /// deallocate waits for all work of the device, so the allocator need not wait before it.
   bool synchronizes_on_free() const noexcept { return true; }
   /// The CUDA device whose memory this upstream allocates.

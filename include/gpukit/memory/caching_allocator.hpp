@@ -168,6 +168,12 @@ struct has_ordered_release<U, Event,
                                nullptr, std::size_t{}, std::declval<const std::vector<const Event*>&>()))>>
     : std::true_type {};
 
+/// Upstreams that hold segments back while a capture runs (capture_held_segments), and give them back when asked.
+template <class U, class = void>
+struct has_held_release : std::false_type {};
+template <class U>
+struct has_held_release<U, std::void_t<decltype(std::declval<U&>().release_held())>> : std::true_type {};
+
 /// ... which may say at run time that the device has none (device_upstream: the CPU, or an old driver or GPU).
 template <class U, class = void>
 struct has_virtual_memory_query : std::false_type {};

@@ -325,6 +325,9 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::empty_cache() {
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("empty_cache");
   release_cached(lock, true, 0, true);
+  lock.unlock();
+  // Segments the upstream held back during a capture that has ended go back too (not counted as reserved here).
+  if constexpr (detail::has_held_release<Upstream>::value) upstream_.release_held();
 }
 
 template <class Upstream, class StreamOps>
@@ -333,7 +336,10 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("trim");
   release_cached(lock, true, target_reserved, true);
-  return current(stats_.reserved_bytes);
+  const std::size_t reserved = current(stats_.reserved_bytes);
+  lock.unlock();
+  if constexpr (detail::has_held_release<Upstream>::value) upstream_.release_held();  // as in empty_cache
+  return reserved;
 }
 
 template <class Upstream, class StreamOps>
@@ -2112,7 +2118,9 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
           waits.push_back(owner_wait{st, tracker_type{}, nullptr, false, st->device});
         }
       }
-      if (device && device_.is_cuda() && detail::gpukit_capture_underway()) captured = true;
+      // The device-wide wait would invalidate a capture in sight (a gpukit one, or a raw capture of a blocking stream
+      // of the device; in any mode): the raw handles' pages stay, and the other owners' events are waited for.
+      if (device && detail::capture_in_sight(device_)) captured = true;
       if (device && !captured) {
         waits.clear();  // the device's wait covers every stream
         if (unlocked) lock.unlock();

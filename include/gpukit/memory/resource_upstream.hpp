@@ -149,8 +149,14 @@ class resource_upstream {
     return p;
   }
 
+  /// Gives back the segments held back during a capture, unless one is in sight now (the caching allocator's
+  /// empty_cache and trim call it). No CUDA call when none is held.
+  void release_held() noexcept {
+    if (device_.is_cuda()) (void)give_back(held_.take_unless_capturing(device_));
+  }
+
   /// Gives a segment back: on a CUDA device after the device's work (cudaDeviceSynchronize), as cudaFree does, or,
-  /// while a gpukit capture runs, later (see the file comment). Failures are reported through gpukit::warn, the
+  /// while a capture is in sight, later (see the file comment). Failures are reported through gpukit::warn, the
   /// segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::vector<detail::held_segment> held;
