@@ -2296,22 +2296,23 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   // Every capture that holds a stream of the device (its origin or a stream forked into it), whatever the modes, is
   // invalidated (the programming guide; measured on an H100); besides, another device's capture as the modes say, no
   // mode lifting it (not measured).
-  std::string invalidated;
-  const auto invalidate = [&](const std::shared_ptr<capture_state>& cap) {
-    if (cap->invalidated) return;
+  // A capture invalidated already still refuses it until it ends.
+  std::set<const capture_state*> refusing;
+  std::string ids;
+  const auto refuse = [&](const std::shared_ptr<capture_state>& cap) {
     cap->invalidated = true;
-    invalidated += (invalidated.empty() ? "" : ", ") + std::to_string(cap->id);
+    if (refusing.insert(cap.get()).second) ids += (ids.empty() ? "" : ", ") + std::to_string(cap->id);
   };
   for (const auto& cap : c.s.captures) {
     bool of_device = cap->origin->device == d;
     for (const auto& member : cap->members) of_device = of_device || member.first->device == d;
-    if (of_device) invalidate(cap);
+    if (of_device) refuse(cap);
   }
-  if (auto cap = prohibiting_capture(c.s, true)) invalidate(cap);
-  if (!invalidated.empty()) {
-    return c.violation(cudaErrorStreamCaptureUnsupported,
-                       "cudaDeviceSynchronize is not permitted while a stream capture is underway (capture " +
-                           invalidated + " invalidated)");
+  if (auto cap = prohibiting_capture(c.s, true)) refuse(cap);
+  if (!refusing.empty()) {
+    return c.violation(
+        cudaErrorStreamCaptureUnsupported,
+        "cudaDeviceSynchronize is not permitted while a stream capture is underway (capture " + ids + " invalidated)");
   }
   const std::uint64_t enqueued_before = c.s.next_op_seq;  // the work this synchronization waits for
   wait_for(c, device_tails(c.s, d));

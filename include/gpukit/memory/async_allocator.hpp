@@ -177,7 +177,8 @@ class async_allocator final : public device_allocator {
     return summary.insert(last_rule, row);
   }
 
-  /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)).
+  /// Synchronizes the device and returns all of the pool's unused memory (cudaMemPoolTrimTo(0)). Throws as trim()
+  /// does while a capture is in sight.
   void empty_cache() override { trim(0); }
   /// Synchronizes the device and trims the pool's unused memory to `target_reserved` bytes; returns reserved.
   /// Throws invalid_argument_error while a capture is in sight (a gpukit capture on any thread, or a capture of a
@@ -289,9 +290,9 @@ class async_allocator final : public device_allocator {
   /// legacy default stream while a gpukit capture runs, on the device's upstream allocation stream and waited for on
   /// the host, since cudaMallocAsync on the legacy stream would invalidate a capture of a blocking stream). On
   /// cudaErrorMemoryAllocation the pool is trimmed and the request retried, then the device synchronized (not while a
-  /// gpukit capture is underway), trimmed and retried once more (each retry decides again whether the legacy stream
-  /// may be used: a capture may have begun during the waits), then out_of_memory_error (after the observers) with
-  /// the numbers.
+  /// capture is in sight: detail::capture_in_sight), trimmed and retried once more (each retry decides again whether
+  /// the legacy stream may be used: a capture may have begun during the waits), then out_of_memory_error (after the
+  /// observers) with the numbers.
   void* do_allocate(std::size_t bytes, stream_view stream) override {
     if (bytes == 0) return nullptr;
     check_device(stream, "allocate");

@@ -1135,6 +1135,12 @@ class basic_caching_allocator {
   /// empty_cache and trim (lock held): refused while a stream of a live allocation is captured. Only those streams
   /// are asked, since a stream must outlive the memory allocated on it, and only while allocated.
   void refuse_release_if_captured(const char* operation) const;
+  /// Segments the upstream held back during a capture that has ended go back (release_held, for upstreams that hold
+  /// any: has_held_release), before empty_cache, trim and set_reserved_limit take the lock. They are not counted as
+  /// reserved here; a segment held back during this very call waits for a later one.
+  void release_held_segments() noexcept {
+    if constexpr (detail::has_held_release<Upstream>::value) upstream_.release_held();
+  }
 
   [[noreturn]] void throw_stream_captured(const stream_type& s, const char* operation) const;
 

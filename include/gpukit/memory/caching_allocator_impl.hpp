@@ -322,29 +322,26 @@ GPUKIT_INLINE std::string basic_caching_allocator<Upstream, StreamOps>::memory_s
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::empty_cache() {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  release_held_segments();
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("empty_cache");
   release_cached(lock, true, 0, true);
-  lock.unlock();
-  // Segments the upstream held back during a capture that has ended go back too (not counted as reserved here).
-  if constexpr (detail::has_held_release<Upstream>::value) upstream_.release_held();
 }
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std::size_t target_reserved) {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  release_held_segments();
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   refuse_release_if_captured("trim");
   release_cached(lock, true, target_reserved, true);
-  const std::size_t reserved = current(stats_.reserved_bytes);
-  lock.unlock();
-  if constexpr (detail::has_held_release<Upstream>::value) upstream_.release_held();  // as in empty_cache
-  return reserved;
+  return current(stats_.reserved_bytes);
 }
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_reserved_limit(std::size_t bytes) {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
+  release_held_segments();
   std::unique_lock<detail::spin_mutex> lock(mutex_);
   limit_ = bytes;
   limit_atomic_.store(bytes, std::memory_order_relaxed);

@@ -52,7 +52,9 @@ class device_allocator : public device_resource {
   /// A torch.cuda.memory_summary()-style table.
   [[nodiscard]] virtual std::string memory_summary() const = 0;
 
-  /// Returns completely free segments to the device after pending work completes.
+  /// Returns completely free segments to the device after pending work completes. May throw invalid_argument_error
+  /// while a CUDA graph capture is underway whose device-wide wait or stream it would disturb (the implementations
+  /// say when).
   virtual void empty_cache() = 0;
   /// Releases free segments, largest first, until at most `target_reserved` bytes are reserved; returns reserved.
   virtual std::size_t trim(std::size_t target_reserved) = 0;
