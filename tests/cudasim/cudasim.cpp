@@ -2293,10 +2293,9 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   CUDASIM_ENTER("cudaDeviceSynchronize");
   if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
   const int d = context_device(c);
-  // Every capture that holds a stream of the device (its origin or a stream forked into it), whatever the modes, is
-  // invalidated (the programming guide; measured on an H100); besides, another device's capture as the modes say, no
-  // mode lifting it (not measured).
-  // A capture invalidated already still refuses it until it ends.
+  // Every capture that holds a stream of the device (its origin or a stream forked into it), whatever the modes,
+  // refuses it and is invalidated (the programming guide; measured on an H100), one invalidated already too until it
+  // ends; besides, another device's capture as the modes say, no mode lifting it (not measured).
   std::set<const capture_state*> refusing;
   std::string ids;
   const auto refuse = [&](const std::shared_ptr<capture_state>& cap) {

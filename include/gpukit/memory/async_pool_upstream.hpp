@@ -220,9 +220,7 @@ class async_pool_upstream {
   /// otherwise they are kept (leaked) rather than handed back while the device may still use them.
   void give_back(const std::vector<detail::held_segment>& segments, const char* owner = nullptr) noexcept {
     if (segments.empty()) return;
-    const detail::release_wait waited = detail::wait_before_release(device_, "returning a segment to the pool");
-    if (waited == detail::release_wait::kept_for_capture) held_.hold_again(segments, owner);
-    if (waited != detail::release_wait::idle) return;
+    if (!held_.wait_before_giving_back(device_, "returning a segment to the pool", segments, owner)) return;
     try {
       device_guard guard(device_);
       const detail::relaxed_capture_mode relaxed;  // as in allocate

@@ -120,7 +120,7 @@ class resource_upstream {
   /// Gives back the segments held back during a capture (after the device's work), or, while a gpukit capture still
   /// runs, warns that they stay allocated.
   ~resource_upstream() {
-    give_back(held_.take_at_destruction("gpukit::resource_upstream"), {}, "gpukit::resource_upstream");
+    give_back(held_.take_at_destruction("gpukit::resource_upstream"), "gpukit::resource_upstream");
   }
 
   /// `bytes` from the resource at upstream_alignment; nullptr when it refuses for lack of memory (see the file
@@ -161,7 +161,8 @@ class resource_upstream {
   void deallocate(void* p, std::size_t bytes) noexcept {
     std::vector<detail::held_segment> held;
     if (device_.is_cuda() && held_.hold_or_take({p, bytes}, held, device_)) return;  // the wait would break the capture
-    give_back(held, {p, bytes});
+    held.push_back({p, bytes});
+    give_back(held);
   }
 
   /// Gives segment `p` back in stream order (a stream-ordered resource only): gpukit's release stream of the device
@@ -268,25 +269,17 @@ class resource_upstream {
     }
   }
 
-  /// Gives `held` and `extra` (if not null) back to the resource, on a CUDA device after the device's work. False
-  /// when there was nothing to give back or the wait did not end with the device idle: when it met a capture, the
-  /// segments are held back again (at destruction, `owner` names the upstream in the warning that they stay
-  /// allocated); when it failed otherwise, they are kept (leaked), since the device may still use them.
-  bool give_back(const std::vector<detail::held_segment>& held, detail::held_segment extra = {},
-                 const char* owner = nullptr) noexcept {
-    if (held.empty() && extra.pointer == nullptr) return false;
-    if (device_.is_cuda()) {
-      const detail::release_wait waited =
-          detail::wait_before_release(device_, "returning a segment to a cuda::mr resource");
-      if (waited == detail::release_wait::kept_for_capture) {
-        std::vector<detail::held_segment> again = held;
-        if (extra.pointer != nullptr) again.push_back(extra);
-        held_.hold_again(again, owner);
-      }
-      if (waited != detail::release_wait::idle) return false;
+  /// Gives `segments` back to the resource, on a CUDA device after the device's work. False when there was nothing to
+  /// give back or the wait did not end with the device idle: when it met a capture, the segments are held back again
+  /// (at destruction, `owner` names the upstream in the warning that they stay allocated); when it failed otherwise,
+  /// they are kept (leaked), since the device may still use them.
+  bool give_back(const std::vector<detail::held_segment>& segments, const char* owner = nullptr) noexcept {
+    if (segments.empty()) return false;
+    if (device_.is_cuda() &&
+        !held_.wait_before_giving_back(device_, "returning a segment to a cuda::mr resource", segments, owner)) {
+      return false;
     }
-    for (const detail::held_segment& segment : held) deallocate_now(segment);
-    if (extra.pointer != nullptr) deallocate_now(extra);
+    for (const detail::held_segment& segment : segments) deallocate_now(segment);
     return true;
   }
 

@@ -190,12 +190,9 @@ inline bool capture_in_sight(gpukit::device d) noexcept {
   if (!d.is_cuda()) return false;
   if (gpukit_capture_underway()) return true;
   try {
-    device_guard guard(d);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    const cudaError_t result = cudaStreamIsCapturing(cudaStreamLegacy, &status);
-    if (result == cudaSuccess) return false;
-    (void)cudaGetLastError();
-    return result == cudaErrorStreamCaptureImplicit;
+    return cuda_backend::stream_capture_status({cudaStreamLegacy, d.ordinal()}, status) ==
+           cudaErrorStreamCaptureImplicit;
   } catch (...) {
     (void)cudaGetLastError();  // the guard's failure: the wait that follows says what is wrong
     return false;

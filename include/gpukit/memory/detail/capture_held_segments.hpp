@@ -13,7 +13,8 @@
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
-#include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway, detail::capture_in_sight
+#include <gpukit/memory/upstream.hpp>  // detail::wait_before_release
+#include <gpukit/stream/stream.hpp>    // detail::gpukit_capture_underway, detail::capture_in_sight
 
 #include <atomic>
 #include <cstddef>
@@ -90,6 +91,16 @@ class capture_held_segments {
     warn_parts(owner != nullptr ? owner : "gpukit: an upstream", ": ", segments.size(),
                " segment(s) could not be given back during a capture (a device-wide wait would invalidate it); they "
                "stay allocated");
+  }
+
+  /// Waits for `d`'s work before `segments` go back (wait_before_release; `what` names the release): true when they
+  /// may go back now. When the wait meets a capture they are held back again (hold_again, `owner` as there); when it
+  /// fails otherwise they stay allocated (leaked), since the device may still use them.
+  bool wait_before_giving_back(gpukit::device d, const char* what, const std::vector<held_segment>& segments,
+                               const char* owner = nullptr) noexcept {
+    const release_wait waited = wait_before_release(d, what);
+    if (waited == release_wait::kept_for_capture) hold_again(segments, owner);
+    return waited == release_wait::idle;
   }
 
   /// For the owner's destructor: the segments held, to give back now; none while a capture runs, when `owner`'s
