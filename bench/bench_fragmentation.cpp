@@ -11,10 +11,13 @@
 //    after the warm-up (the first training step, the first 10 % of random operations), which a steady workload should
 //    not make;
 // 3. upstream calls per 1000 allocations for churn (one stream, little memory live) and an inference server on
-//    three CPU streams.
+//    three CPU streams;
+// 4. memory pressure: upstream frees over 40 variable-length training steps on a device 1.2, 1.5 and 2 x their peak
+//    (gpukit's defaults, reuse_before_release, expandable segments, the PyTorch model), and the minimum capacity
+//    reuse_before_release needs on every family.
 // `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
 // (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
-// `--no-tables` skips to the benchmarks. The tables take about 10 s in Release and 2 min in Debug (CI's smoke run).
+// `--no-tables` skips to the benchmarks. The tables take about 12 s in Release and 1.5 min in Debug (CI's smoke run).
 #include "alloc_traces.hpp"
 #include "pytorch_allocator_model.hpp"
 
@@ -210,52 +213,43 @@ family_figures measure(const family& f, const variant& v, bool with_min_capacity
   return x;
 }
 
+/// `seeds` traces of one shape, seeds 100, 101, ...
+std::vector<trace> seeded(transformer_shape shape, int seeds) {
+  std::vector<trace> ts;
+  for (int i = 0; i < seeds; ++i) {
+    shape.seed = static_cast<std::uint64_t>(100 + i);
+    ts.push_back(transformer_training(shape));
+  }
+  return ts;
+}
+
+/// A training shape whose sequence length changes every step (drawn from [seq/2, seq]).
+transformer_shape variable_length(int layers, std::size_t hidden, std::size_t seq, std::size_t batch, int steps,
+                                  std::size_t vocab = transformer_shape{}.vocab) {
+  transformer_shape s;
+  s.layers = layers;
+  s.hidden = hidden;
+  s.seq = seq;
+  s.batch = batch;
+  s.steps = steps;
+  s.vocab = vocab;
+  s.variable_seq = true;
+  return s;
+}
+
+/// The two variable-length families whose huge tensors change size every step (also in the pressure table).
+transformer_shape l12_h768_variable() { return variable_length(12, 768, 1024, 8, 6); }
+transformer_shape l6_h512_variable() { return variable_length(6, 512, 512, 4, 6); }
+
 /// Trace families with several seeds each: single traces swing either way with small changes (where exactly the
 /// peak falls is chaotic), so candidates are compared on the mean and the worst case of each family.
 std::vector<family> families(int seeds) {
   std::vector<family> list;
-  auto shapes = [seeds](transformer_shape base) {
-    std::vector<trace> ts;
-    for (int i = 0; i < seeds; ++i) {
-      base.seed = static_cast<std::uint64_t>(100 + i);
-      ts.push_back(transformer_training(base));
-    }
-    return ts;
-  };
-  transformer_shape a;
-  list.push_back({describe(a), shapes(a)});
-  transformer_shape b;
-  b.layers = 12;
-  b.hidden = 768;
-  b.variable_seq = true;
-  b.steps = 6;
-  list.push_back({describe(b), shapes(b)});
-  transformer_shape c;
-  c.layers = 4;
-  c.hidden = 4096;
-  c.seq = 2048;
-  c.batch = 2;
-  c.vocab = 32000;
-  c.variable_seq = true;
-  c.steps = 5;
-  list.push_back({describe(c), shapes(c)});
-  transformer_shape d;
-  d.layers = 6;
-  d.hidden = 512;
-  d.seq = 512;
-  d.batch = 4;
-  d.variable_seq = true;
-  d.steps = 6;
-  list.push_back({describe(d), shapes(d)});
-  transformer_shape e;
-  e.layers = 2;
-  e.hidden = 256;
-  e.seq = 256;
-  e.batch = 2;
-  e.vocab = 8000;
-  e.variable_seq = true;
-  e.steps = 6;
-  list.push_back({describe(e), shapes(e)});
+  for (const transformer_shape& shape :
+       {transformer_shape{}, l12_h768_variable(), variable_length(4, 4096, 2048, 2, 5, 32000), l6_h512_variable(),
+        variable_length(2, 256, 256, 2, 6, 8000)}) {
+    list.push_back({describe(shape), seeded(shape, seeds)});
+  }
   for (std::size_t max_size : {1 * MiB, 64 * MiB}) {
     family f{"random 73/27, sizes <= " + std::to_string(max_size >> 20) + " MiB", {}};
     for (int i = 0; i < seeds; ++i)
@@ -285,6 +279,14 @@ struct allocator_entry {
 gpukit::allocator_options expandable() {
   gpukit::allocator_options o;
   o.expandable_segments = true;
+  return o;
+}
+
+/// gpukit's defaults with allocator_options::reuse_before_release (cached blocks kept whole serve requests, and only
+/// what a new segment needs is given back, before the whole cache is).
+gpukit::allocator_options reuse_before_release() {
+  gpukit::allocator_options o;
+  o.reuse_before_release = true;
   return o;
 }
 
@@ -679,6 +681,66 @@ void print_expandable_target(const std::vector<family>& fs, const figure_table& 
   std::fflush(stdout);
 }
 
+/// Memory pressure: a long training run whose device is somewhat larger than its peak, where what matters is how
+/// often the allocator gives memory back (each cudaFree drains the device) rather than whether the job fits. Two
+/// variable-length families, 40 steps each, on capacities of 1.2, 1.5 and 2 x peak requested: upstream frees after
+/// the first step, mean over the seeds that ran (how many did, of how many, in brackets). Then the minimum capacity
+/// reuse_before_release pays for it, beside the defaults' and the PyTorch model's from table 2.
+void print_pressure_table(int seeds, const std::vector<family>& fs, const figure_table& x, std::size_t gpukit,
+                          std::size_t model) {
+  const std::vector<variant> vs = {engine_variant("gpukit defaults", gpukit::allocator_options{}),
+                                   engine_variant("reuse_before_release", reuse_before_release()),
+                                   engine_variant("expandable segments", expandable()), model_variant("PyTorch model")};
+  const double factors[] = {1.2, 1.5, 2.0};
+  std::printf(
+      "\nMemory pressure: upstream frees after the first of 40 steps on a capacity of 1.2 / 1.5 / 2 x peak requested\n"
+      "(mean over the seeds that ran; [seeds that ran])\n%-34s",
+      "trace family, 40 steps");
+  for (const variant& v : vs) std::printf(" | %-32.32s", v.name.c_str());
+  std::printf("\n");
+  for (transformer_shape s : {l12_h768_variable(), l6_h512_variable()}) {
+    s.steps = 40;
+    const std::vector<trace> traces = seeded(s, seeds);
+    std::printf("%-34.34s", describe(s).c_str());
+    for (const variant& v : vs) {
+      std::string cell;
+      for (const double factor : factors) {
+        double frees = 0;
+        int ran = 0;
+        for (const trace& t : traces) {
+          const run_result r = v.run(t, static_cast<std::size_t>(factor * static_cast<double>(t.peak_requested)));
+          if (!r.completed) continue;
+          frees += static_cast<double>(r.frees_after_warmup);
+          ++ran;
+        }
+        char figure[32];
+        std::snprintf(figure, sizeof figure, "%s%.0f", cell.empty() ? "" : " / ", ran == 0 ? 0.0 : frees / ran);
+        cell += figure;
+        if (ran != seeds) cell += "[" + std::to_string(ran) + "]";
+      }
+      std::printf(" | %-32s", cell.c_str());
+    }
+    std::printf("\n");
+  }
+  const std::vector<family_figures> reuse = evaluate(reuse_before_release(), fs);
+  std::printf(
+      "\nMinimum capacity / peak requested (mean, worst) with reuse_before_release, beside the defaults and the "
+      "PyTorch model\n%-34s | %-13s | %-20s | %-13s\n",
+      "trace family", "defaults", "reuse_before_release", "PyTorch model");
+  std::size_t met = 0;
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    const family_figures& g = x[i][gpukit];
+    const family_figures& m = x[i][model];
+    std::printf("%-34.34s | %5.3f %5.3f   | %5.3f %5.3f          | %5.3f %5.3f\n", fs[i].name.c_str(), g.min_capacity,
+                g.min_capacity_worst, reuse[i].min_capacity, reuse[i].min_capacity_worst, m.min_capacity,
+                m.min_capacity_worst);
+    if (reuse[i].min_capacity <= m.min_capacity && reuse[i].min_capacity_worst <= m.min_capacity_worst) ++met;
+  }
+  std::printf("reuse_before_release: minimum capacity <= the PyTorch model's, mean and worst: %zu of %zu families\n",
+              met, fs.size());
+  std::fflush(stdout);
+}
+
 void BM_fragmentation(benchmark::State& state, const trace* t, variant v) {
   run_result r;
   for (auto _ : state) r = v.run(*t, unlimited_capacity);
@@ -745,6 +807,7 @@ int main(int argc, char** argv) {
     print_targets(fs, x, 0, 2, churn_frees);
     print_expandable_target(fs, x, 5, 2);
     print_large_front_cost(fs, x, 6, 0);
+    print_pressure_table(seeds, fs, x, 0, 2);
     std::printf("\n(tables: %.1f s)\n\n", seconds_since(start));
   }
   for (const auto& f : fs) {

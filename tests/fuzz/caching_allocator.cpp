@@ -94,6 +94,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (setup & 4) options.reserved_limit = static_cast<std::size_t>(in.in_range(1, 512)) * MiB;
   if (setup & 32) options.expandable_segments = true;  // pages of 2 MiB mapped into one range per stream and pool
   if (setup & 64) options.front_cache = false;
+  if (setup & 128) options.reuse_before_release = true;  // split blocks kept whole, then give back what is needed
   const std::size_t capacities[] = {8 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB};
   std::size_t capacity = capacities[(setup >> 3) % 4];
   std::size_t limit = options.reserved_limit;

@@ -89,48 +89,40 @@ model_result model(const char* value, int installed_count, const std::vector<std
     r.devices.push_back({entries[0], 0, {}});
     return r;
   }
-  // Read in one pass, as the runtime does (measured on an H100 for indices): the list ends at its first unusable
-  // entry, and a repeat after that end is never read.
-  if (begins_with(entries[0], "GPU-")) {
-    r.list_form = form::gpu_uuids;
-    r.verified = !uuids.empty();
-    for (const auto& e : entries) {
-      if (!begins_with(e, "GPU-")) break;  // a UUID list ends at its first other entry
-      model_device d{e, 0, {}};
-      if (r.verified) {
-        int matches = 0;
-        for (const auto& u : uuids) {
-          if (begins_with(u, e)) {
-            ++matches;
-            d.uuid = u;
-          }
-        }
-        if (matches != 1) break;  // no match or an ambiguous prefix ends the list
-      }
-      for (const auto& earlier : r.devices) {
-        if (earlier.entry == e || (r.verified && earlier.uuid == d.uuid)) {
-          r.devices.clear();  // the same entry, or two prefixes of one GPU: a repeat hides every device
-          return r;
-        }
-      }
-      r.devices.push_back(d);
-    }
-    return r;
-  }
-  r.list_form = form::ordinals;
-  r.verified = installed_count >= 0;
+  // The runtime reads the list in one pass (measured on an H100 for indices), which this model states in two steps,
+  // differently from the parser's loop: (1) the list is cut at its first unusable entry; (2) the part kept shows
+  // no device when two of its entries name one GPU, else every entry's device. Entries after the cut, repeats
+  // included, play no part.
+  const bool uuid_list = begins_with(entries[0], "GPU-");
+  r.list_form = uuid_list ? form::gpu_uuids : form::ordinals;
+  r.verified = uuid_list ? !uuids.empty() : installed_count >= 0;
+  std::vector<model_device> kept;
   for (const auto& e : entries) {
-    unsigned long long v = 0;
-    if (!strtoul_like(e, v)) break;  // the first invalid entry ends the list
-    if (installed_count >= 0 && v >= static_cast<unsigned long long>(installed_count)) break;  // so does one beyond
-    for (const auto& d : r.devices) {
-      if (d.index == v) {
-        r.devices.clear();  // a repeated ordinal hides every device
-        return r;
+    model_device d{e, 0, {}};
+    if (uuid_list) {
+      if (!begins_with(e, "GPU-")) break;  // a UUID list ends at its first other entry
+      if (r.verified) {
+        std::vector<std::string> matching;
+        for (const auto& u : uuids) {
+          if (begins_with(u, e)) matching.push_back(u);
+        }
+        if (matching.size() != 1) break;  // no match or an ambiguous prefix ends the list
+        d.uuid = matching.front();
       }
+    } else {
+      if (!strtoul_like(e, d.index)) break;  // the first invalid entry ends the list
+      if (installed_count >= 0 && d.index >= static_cast<unsigned long long>(installed_count)) break;
     }
-    r.devices.push_back({e, v, {}});
+    kept.push_back(d);
   }
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      const bool same = uuid_list ? kept[i].entry == kept[j].entry || (r.verified && kept[i].uuid == kept[j].uuid)
+                                  : kept[i].index == kept[j].index;
+      if (same) return r;  // a repeat among the kept entries hides every device
+    }
+  }
+  r.devices = kept;
   return r;
 }
 

@@ -75,6 +75,9 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   // PyTorch's booleans, and a configuration file's line breaks around entries.
   CHECK(gpukit::parse_allocator_config("expandable_segments:True").expandable_segments);
   CHECK_FALSE(gpukit::parse_allocator_config("release_before_grow:False", o).release_before_grow);
+  CHECK(gpukit::parse_allocator_config("reuse_before_release:true").reuse_before_release);
+  CHECK_FALSE(gpukit::parse_allocator_config("reuse_before_release:0").reuse_before_release);
+  CHECK_FALSE(gpukit::allocator_options{}.reuse_before_release);  // off by default (README, "Memory pressure")
   const auto from_file = gpukit::parse_allocator_config("reserved_limit:40GiB,\r\n  max_split_size_mb:64\n");
   CHECK(from_file.reserved_limit == std::size_t{40} << 30);
   CHECK(from_file.max_split_size == 64 * MiB);
@@ -97,6 +100,7 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("rounding:1.5KiB"), "expected a size"));
   CHECK(contains(refusal("garbage_collection_threshold:0.6"), "unknown key \"garbage_collection_threshold\""));
   CHECK(contains(refusal("release_before_grow:yes"), "expected true or false"));
+  CHECK(contains(refusal("reuse_before_release:sometimes"), "expected true or false"));
   CHECK(contains(refusal("front_cache_large:contended"),
                  "entry \"front_cache_large:contended\": expected true, false or when_contended"));
   CHECK(contains(refusal("reserved_limit"), "expected key:value"));

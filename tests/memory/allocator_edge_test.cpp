@@ -21,8 +21,9 @@ namespace {
 /// cases test the mechanics with PyTorch's constants (whose boundaries are the familiar ones); the cases named
 /// "gpukit defaults" test what gpukit's defaults add.
 struct fixture : fake_setup {
-  explicit fixture(const gpukit::allocator_options& options = gpukit::allocator_options::pytorch())
-      : fake_setup(options, 4 * GiB) {}
+  explicit fixture(const gpukit::allocator_options& options = gpukit::allocator_options::pytorch(),
+                   std::size_t capacity = 4 * GiB)
+      : fake_setup(options, capacity) {}
   ~fixture() {
     for (const auto& l : live) a.deallocate(reinterpret_cast<void*>(l.address));
   }
@@ -561,6 +562,98 @@ TEST_CASE("gpukit defaults: huge blocks stay whole for huge requests") {
   CHECK(g.segment_of(mid).size == 100 * MiB);
   CHECK(g.a.stats().num_device_free == 0);  // ...which stays cached for huge requests
   CHECK(g.a.memory_reserved() == 400 * MiB);
+  CHECK(g.invariants() == "");
+}
+
+gpukit::allocator_options reusing_before_release(bool on = true) {
+  gpukit::allocator_options o;
+  o.reuse_before_release = on;
+  return o;
+}
+
+TEST_CASE("reuse_before_release: a block kept whole serves a request the upstream refuses before the cache goes") {
+  for (const bool on : {false, true}) {
+    CAPTURE(on);
+    fixture g(reusing_before_release(on), 600 * MiB);
+    const auto huge = g.alloc(400 * MiB);
+    g.free(huge);
+    const auto b = g.alloc(300 * MiB);  // 100 MiB more than it: kept whole, and 400 + 300 MiB do not fit
+    if (!on) {                          // the defaults give the cached segment back and grow
+      CHECK(g.a.stats().num_device_free == 1);
+      CHECK(g.a.memory_reserved() == 300 * MiB);
+      CHECK(g.invariants() == "");
+      continue;
+    }
+    CHECK(b == huge);  // split instead: no upstream call
+    CHECK(g.a.stats().num_device_free == 0);
+    CHECK(g.a.stats().num_device_alloc == 1);
+    CHECK(g.segment_of(b).blocks.size() == 2);
+    CHECK(g.a.memory_allocated() == 300 * MiB);
+    g.free(b);
+    CHECK(g.segment_of(huge).blocks.size() == 1);  // whole again, so releasable
+    // Where the upstream has room, the rules of max_split_size still hold: a new segment, not the huge block.
+    const auto mid = g.alloc(100 * MiB);
+    CHECK(g.segment_of(mid).size == 100 * MiB);
+    // Where it has none, a request below max_split_size may split the huge block too.
+    const auto more = g.alloc(150 * MiB);
+    CHECK(more == huge);
+    CHECK(g.a.stats().num_device_free == 0);
+    CHECK(g.a.memory_reserved() == 500 * MiB);
+    CHECK(g.invariants() == "");
+  }
+}
+
+TEST_CASE("reuse_before_release: only what the new segment lacks is given back, under the upstream or the limit") {
+  for (const bool on : {false, true}) {
+    for (const bool by_limit : {false, true}) {
+      CAPTURE(on);
+      CAPTURE(by_limit);
+      gpukit::allocator_options o = reusing_before_release(on);
+      if (by_limit) o.reserved_limit = 600 * MiB;
+      fixture g(o, by_limit ? 4 * GiB : 600 * MiB);
+      (void)g.alloc(100 * MiB);  // live
+      const auto x = g.alloc(70 * MiB);
+      const auto y = g.alloc(100 * MiB);
+      const auto w = g.alloc(240 * MiB);
+      g.free(x);
+      g.free(y);
+      g.free(w);                          // 510 MiB reserved, 410 of them cached, none able to hold 300 MiB
+      const auto r = g.alloc(300 * MiB);  // 90 MiB of room: 210 MiB short
+      CHECK(g.a.stats().num_device_free_unforced == 0);  // memory ran out: forced frees
+      if (on) {
+        CHECK(g.a.stats().num_device_free == 1);  // the smallest cached segment that covers 210 MiB
+        CHECK(g.a.memory_reserved() == 100 * MiB + 70 * MiB + 100 * MiB + 300 * MiB);
+        CHECK(g.alloc(100 * MiB) == y);  // the others stay cached
+        CHECK(g.alloc(70 * MiB) == x);
+      } else {
+        CHECK(g.a.stats().num_device_free == 3);  // everything cached
+        CHECK(g.a.memory_reserved() == 100 * MiB + 300 * MiB);
+      }
+      (void)r;
+      CHECK(g.invariants() == "");
+    }
+  }
+}
+
+TEST_CASE("reuse_before_release: a segment made for a huge request is split only when memory is short") {
+  gpukit::allocator_options o = reusing_before_release();
+  o.max_oversize_waste = 0;
+  fixture g(o, 450 * MiB);
+  // A new segment's rounding is no reason to split: 300.5 MiB get 302 MiB, one block, with or without the option.
+  const auto odd = g.alloc(300 * MiB + 512 * KiB);
+  CHECK(g.segment_of(odd).size == 302 * MiB);
+  CHECK(g.segment_of(odd).blocks.size() == 1);
+  const auto other = g.alloc(1 * MiB + 512 * KiB);  // not in the 1.5 MiB the rounding left there
+  CHECK(g.segment_of(other).address != g.segment_of(odd).address);
+  g.free(odd);
+  // A new 200 MiB segment does not fit beside the cached 302 MiB one: the block is split for it instead.
+  const auto taken = g.alloc(200 * MiB);
+  CHECK(taken == odd);
+  CHECK(g.segment_of(taken).blocks.size() == 2);
+  CHECK(g.a.stats().num_device_free == 0);
+  // Its 102 MiB remainder serves a smaller request only when memory is short again; here there is room.
+  const auto mid = g.alloc(90 * MiB);
+  CHECK(g.segment_of(mid).size == 90 * MiB);
   CHECK(g.invariants() == "");
 }
 

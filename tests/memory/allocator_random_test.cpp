@@ -45,6 +45,13 @@ std::vector<scenario> scenarios() {
   tight.max_oversize_waste = 4 * MiB;
   tight.reserved_limit = 200 * MiB;
   list.push_back({"rounding 256, max_split 16 MiB, limit 200 MiB", tight, 400 * MiB});
+  // reuse_before_release needs segments made for one request (medium_size or more) that max_split_size keeps whole.
+  gpukit::allocator_options reuse = tight;
+  reuse.medium_size = 8 * MiB;
+  reuse.reuse_before_release = true;
+  list.push_back({"reuse before release, medium 8 MiB, limit 200 MiB", reuse, 400 * MiB});
+  reuse.reserved_limit = gpukit::allocator_options::unlimited;
+  list.push_back({"reuse before release, medium 8 MiB, 160 MiB upstream", reuse, 160 * MiB});
   gpukit::allocator_options small_segments;
   small_segments.small_size = 64 * KiB;
   small_segments.small_segment_size = 256 * KiB;

@@ -52,7 +52,7 @@ GPUKIT_INLINE config_size_result parse_config_size(std::string_view text, std::s
 ///   `large_segment_rounding`, `small_split_threshold`, `large_split_threshold`, `max_split_size`,
 ///   `max_oversize_waste` (`max_split_size` may be `none`); `reserved_limit` (or `none`);
 /// - numbers: `medium_segment_growth`, `max_split_size_mb` (PyTorch's spelling, in MiB);
-/// - booleans: `release_before_grow`, `cross_stream_reuse`, `front_cache`;
+/// - booleans: `release_before_grow`, `reuse_before_release`, `cross_stream_reuse`, `front_cache`;
 /// - `expandable_segments`: `true`, `false` or `required` (allocator_options::expandable_segments_required: the
 ///   allocator refuses to be made where they cannot be had);
 /// - `front_cache_large`: `true` (from the start), `when_contended` (the default:
@@ -237,6 +237,8 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       o.medium_segment_growth = parse_count(e);
     } else if (e.key == "release_before_grow") {
       o.release_before_grow = parse_bool(e);
+    } else if (e.key == "reuse_before_release") {
+      o.reuse_before_release = parse_bool(e);
     } else if (e.key == "cross_stream_reuse") {
       o.cross_stream_reuse = parse_bool(e);
     } else if (e.key == "front_cache") {
@@ -260,10 +262,11 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
         fail(e.text, "capture_check must be every_call or gpukit_captures");
       }
     } else {
-      fail(e.text, "unknown key \"" + std::string(e.key) +
-                       "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, "
-                       "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, "
-                       "medium_segment_growth, and the size options of allocator_options)");
+      fail(e.text,
+           "unknown key \"" + std::string(e.key) +
+               "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, reuse_before_release, "
+               "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, "
+               "medium_segment_growth, and the size options of allocator_options)");
     }
   }
   try {

@@ -391,6 +391,7 @@ class basic_caching_allocator {
     block_state state = block_state::free;
     bool small = false;
     bool taken_split = false;  // counts_as_split when allocated (cannot change until it is free)
+    bool split_whole = false;  // found by reuse_before_release's search: take() splits it, dedicated or not
     // In a front cache: allocated to the heap (and in the pointer map), free to the user. Written under the slot's
     // lock; read without it by a free, which is ordered after the allocation that cleared it.
     std::atomic<bool> in_front{false};
@@ -906,9 +907,15 @@ class basic_caching_allocator {
   /// may itself border a free block of b's stream, hence the loops (two steps at most each way).
   void insert_free(block* b);
 
+  /// Which free blocks find_free considers.
+  enum class free_search {
+    ordinary,     ///< what max_split_size and max_oversize_waste allow
+    mapped_only,  ///< only blocks of expandable segments whose first `size` bytes are mapped
+    kept_whole,   ///< only blocks those two keep from the request (reuse_before_release), split when taken
+  };
   /// Best fit for `size` bytes among the free blocks `st` may take (its own, those of destroyed streams, others' with
-  /// cross_stream_reuse); with `mapped_only`, only blocks of expandable segments whose first `size` bytes are mapped.
-  block* find_free(stream_state& st, std::size_t size, bool small, bool mapped_only = false);
+  /// cross_stream_reuse), of those `search` considers.
+  block* find_free(stream_state& st, std::size_t size, bool small, free_search search = free_search::ordinary);
 
   /// Turns free block `b` (in a pool) into an allocation of `size` bytes on `st`, splitting off the remainder. False
   /// (nothing changed) when `st` would have to wait for another stream's fence on the legacy default stream and a
@@ -1096,9 +1103,14 @@ class basic_caching_allocator {
   std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target,
                              bool wait_unlocked = false);
 
-  /// For release_before_grow: frees at least `deficit` bytes of completely free segments, disturbing the cache as
-  /// little as possible: the smallest single segment that covers the deficit, else the largest ones until covered.
-  std::size_t release_for_growth(std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit);
+  /// For reuse_before_release: what a new segment of `segment_bytes` lacks, under the reserved limit when it refused
+  /// (`limit_hit`), else beside the upstream's free memory where it knows it (the whole segment where it does not).
+  std::size_t growth_shortfall(std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit);
+
+  /// For release_before_grow (`unforced`: memory was available) and reuse_before_release: frees at least `deficit`
+  /// bytes of completely free segments, disturbing the cache as little as possible: the smallest single segment that
+  /// covers the deficit, else the largest ones until covered.
+  std::size_t release_for_growth(std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit, bool unforced = true);
 
   /// Waits (lock released) for every pending event and returns the blocks they held back to their pools; events not
   /// recorded yet (record_deferred could not: a gpukit capture is underway) stay pending, not waited for.

@@ -530,7 +530,8 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::fitted_s
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::should_split(const block* b, std::size_t size,
                                                                               std::size_t remainder) const noexcept {
-  return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated, size, remainder);
+  return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated && !b->split_whole, size,
+                                              remainder);
 }
 
 template <class Upstream, class StreamOps>
@@ -1512,14 +1513,16 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(blo
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(stream_state& st, std::size_t size,
-                                                                           bool small, bool mapped_only) -> block* {
+                                                                           bool small, free_search search) -> block* {
   const std::size_t max_split = options_.max_split_size;
   const std::size_t max_waste = options_.max_oversize_waste;
   // max_split_size concerns segments made for one large request; shared segments are always split.
-  auto accept = [this, size, max_split, max_waste, mapped_only](const block* candidate) {
-    if (mapped_only) return candidate->seg->expandable && !needs_pages(candidate, size);
-    if (!candidate->seg->dedicated) return true;
-    return size < max_split ? candidate->size < max_split : candidate->size - size <= max_waste;
+  auto accept = [this, size, max_split, max_waste, search](const block* candidate) {
+    if (search == free_search::mapped_only) return candidate->seg->expandable && !needs_pages(candidate, size);
+    // A segment made for a huge request serves smaller ones only through reuse_before_release, also once split.
+    const bool kept_whole = candidate->seg->dedicated &&
+                            (size < max_split ? candidate->seg->size >= max_split : candidate->size - size > max_waste);
+    return kept_whole == (search == free_search::kept_whole);
   };
   const int pool = small ? 1 : 0;
   if (const auto& index = st.pools[pool]; index && !index->empty()) {
@@ -1550,6 +1553,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
                                                                       std::size_t requested) {
   const std::size_t remainder = b->size - size;
   const bool split = should_split(b, size, remainder);
+  b->split_whole = false;
   block* rest = split ? new_block() : nullptr;  // the steps that can fail, before anything changes
   if (b->owner != &st) {
     try {
@@ -1994,7 +1998,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages
   // Best fit chose a block that needs pages the device cannot back, where another free block may hold the request
   // in mapped pages already (a hole's mapped start, when a range's unmapped end fits more tightly). Only now: taken
   // before the releases above, it raised bench_fragmentation's minimum capacities (L24 h1024: 1.006 to 1.007).
-  if (block* mapped = find_free(st, size, small, true)) return mapped;
+  if (block* mapped = find_free(st, size, small, free_search::mapped_only)) return mapped;
   const detail::page_map& pages = b->seg->pages;  // what the request still lacks, in pages
   const std::size_t missing = pages.unmapped_count(pages.touched_by(b->address - b->seg->address, size));
   throw_out_of_memory(lock, requested, size, missing * pages.page_size(), limit_hit, pages.page_size());
@@ -2529,6 +2533,18 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
   if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
   // The upstream (or the limit) refused. Other threads may have freed memory while the lock was released.
   if (block* b = find_free(st, size, small)) return b;
+  if (options_.reuse_before_release && !(has_vm && options_.expandable_segments && !vm_refused_)) {
+    // Memory kept whole serves the request before anything is given back; then only what the segment needs goes.
+    if (block* b = find_free(st, size, small, free_search::kept_whole)) {
+      b->split_whole = true;
+      return b;
+    }
+    while (release_for_growth(lock, growth_shortfall(lock, segment_bytes, limit_hit), false) > 0) {
+      stats_.num_alloc_retries.increment();
+      if (block* b = find_free(st, size, small)) return b;
+      if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+    }
+  }
   // First retry: give back the free segments (waiting only for fences of work that may still use them). The
   // segment is sized again: it grows with reserved memory, which just shrank.
   if (release_cached(lock, false, 0) > 0) {
@@ -2563,6 +2579,27 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
     if (block* b = grow_fitted_or_smaller()) return b;
   }
   throw_out_of_memory(lock, requested, size, segment_bytes, limit_hit);
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_shortfall(
+    std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit) {
+  std::size_t room = 0;
+  if (limit_hit) {
+    const std::size_t taken = current(stats_.reserved_bytes) + in_flight_;
+    room = limit_ > taken ? limit_ - taken : 0;
+  } else {
+    lock.unlock();  // the upstream may ask the driver (cudaMemGetInfo)
+    upstream_memory_info info;
+    try {
+      info = upstream_.memory_info();
+    } catch (...) {  // unknown: the whole segment is short
+    }
+    lock.lock();
+    if (info.known) room = info.free_bytes;
+  }
+  // Room enough and still refused (the device's own fragmentation, another process): the smallest segment goes.
+  return segment_bytes > room ? segment_bytes - room : 1;
 }
 
 template <class Upstream, class StreamOps>
@@ -2601,7 +2638,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_for_growth(
-    std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit) {
+    std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit, bool unforced) {
   std::vector<segment*> candidates = free_segments();
   if (candidates.empty()) return 0;
   std::sort(candidates.begin(), candidates.end(),
@@ -2618,7 +2655,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
       covered += (*it)->mapped();
     }
   }
-  return release_segments(lock, victims, true);
+  return release_segments(lock, victims, unforced);
 }
 
 template <class Upstream, class StreamOps>
