@@ -657,6 +657,20 @@ TEST_CASE("reuse_before_release: a segment made for a huge request is split only
   CHECK(g.invariants() == "");
 }
 
+TEST_CASE("reuse_before_release: the tail a new huge segment's rounding leaves serves small requests only without it") {
+  for (const bool on : {false, true}) {
+    CAPTURE(on);
+    fixture g(reusing_before_release(on));
+    const auto big = g.alloc(254 * MiB + 512 * KiB);  // a segment of 256 MiB: the 1.5 MiB tail is split off
+    CHECK(g.segment_of(big).size == 256 * MiB);
+    const auto tail = g.alloc(1 * MiB + 256 * KiB);
+    // Without the option, as before it: the tail serves it. With it, a segment made for a huge request serves
+    // smaller ones only when memory is short, and here it is not.
+    CHECK((tail == big + 254 * MiB + 512 * KiB) == !on);
+    CHECK(g.invariants() == "");
+  }
+}
+
 // Issue 12, defect 4: keys are the stream ops' business. A stream of another device whose key equals a known
 // stream's (as the CPU's default stream and CUDA's legacy default stream once did) must not pass for it.
 TEST_CASE("a stream of another device is refused even when its key is that of a known stream") {

@@ -1104,7 +1104,8 @@ class basic_caching_allocator {
                              bool wait_unlocked = false);
 
   /// For reuse_before_release: what a new segment of `segment_bytes` lacks, under the reserved limit when it refused
-  /// (`limit_hit`), else beside the upstream's free memory where it knows it (the whole segment where it does not).
+  /// (`limit_hit`), else beside the upstream's free memory where it knows it (the whole segment where it does not);
+  /// 0 when there is room for it.
   std::size_t growth_shortfall(std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit);
 
   /// For release_before_grow (`unforced`: memory was available) and reuse_before_release: frees at least `deficit`

@@ -1410,6 +1410,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::recycle(block* 
   b->free_since = 0;
   b->state = block_state::free;
   b->taken_split = false;
+  b->split_whole = false;
   b->in_front.store(false, std::memory_order_relaxed);
   b->next = spare_blocks_;
   spare_blocks_ = b;
@@ -1517,11 +1518,14 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
   const std::size_t max_split = options_.max_split_size;
   const std::size_t max_waste = options_.max_oversize_waste;
   // max_split_size concerns segments made for one large request; shared segments are always split.
-  auto accept = [this, size, max_split, max_waste, search](const block* candidate) {
+  // With reuse_before_release, a segment made for a huge request serves smaller ones only through it (under
+  // pressure), also once split; without, a block of one that has been split (a new segment's rounding) may.
+  const bool whole_segment = options_.reuse_before_release;
+  auto accept = [this, size, max_split, max_waste, search, whole_segment](const block* candidate) {
     if (search == free_search::mapped_only) return candidate->seg->expandable && !needs_pages(candidate, size);
-    // A segment made for a huge request serves smaller ones only through reuse_before_release, also once split.
-    const bool kept_whole = candidate->seg->dedicated &&
-                            (size < max_split ? candidate->seg->size >= max_split : candidate->size - size > max_waste);
+    const std::size_t kept_size = whole_segment ? candidate->seg->size : candidate->size;
+    const bool kept_whole =
+        candidate->seg->dedicated && (size < max_split ? kept_size >= max_split : candidate->size - size > max_waste);
     return kept_whole == (search == free_search::kept_whole);
   };
   const int pool = small ? 1 : 0;
@@ -2539,10 +2543,15 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
       b->split_whole = true;
       return b;
     }
-    while (release_for_growth(lock, growth_shortfall(lock, segment_bytes, limit_hit), false) > 0) {
+    for (bool short_of_room = true; short_of_room;) {
+      const std::size_t shortfall = growth_shortfall(lock, segment_bytes, limit_hit);
+      if (release_for_growth(lock, shortfall, false) == 0) break;
       stats_.num_alloc_retries.increment();
       if (block* b = find_free(st, size, small)) return b;
       if (block* b = grow(lock, st, size, segment_bytes, small, limit_hit)) return b;
+      // Refused with room enough (the device's own fragmentation, a bounded resource, segments held back during a
+      // capture): the smallest segment once (a shortfall of 0), then everything.
+      short_of_room = shortfall != 0;
     }
   }
   // First retry: give back the free segments (waiting only for fences of work that may still use them). The
@@ -2598,8 +2607,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_s
     lock.lock();
     if (info.known) room = info.free_bytes;
   }
-  // Room enough and still refused (the device's own fragmentation, another process): the smallest segment goes.
-  return segment_bytes > room ? segment_bytes - room : 1;
+  return segment_bytes > room ? segment_bytes - room : 0;
 }
 
 template <class Upstream, class StreamOps>
