@@ -1103,6 +1103,9 @@ class basic_caching_allocator {
   std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target,
                              bool wait_unlocked = false);
 
+  /// The upstream's free and total memory, unknown where asking fails (call without the lock: it may ask the driver).
+  upstream_memory_info memory_info_quietly() const noexcept;
+
   /// For reuse_before_release: what a new segment of `segment_bytes` lacks, under the reserved limit when it refused
   /// (`limit_hit`), else beside the upstream's free memory where it knows it (the whole segment where it does not);
   /// 0 when there is room for it.

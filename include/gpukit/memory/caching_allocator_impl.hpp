@@ -1841,11 +1841,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow_expandable
       }
     }
     const std::size_t page = upstream_.page_size();
-    upstream_memory_info info;
-    try {
-      info = upstream_.memory_info();
-    } catch (...) {
-    }
+    const upstream_memory_info info = memory_info_quietly();
     if (!info.known || info.total_bytes == 0 || page == 0) {
       if (options_.expandable_segments_required) {
         throw no_device_error(detail::expandable_segments_required_for + device_.to_string() +
@@ -2591,6 +2587,15 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE upstream_memory_info basic_caching_allocator<Upstream, StreamOps>::memory_info_quietly() const noexcept {
+  try {
+    return upstream_.memory_info();
+  } catch (...) {
+    return {};  // unknown
+  }
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_shortfall(
     std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit) {
   std::size_t room = 0;
@@ -2599,13 +2604,9 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_s
     room = limit_ > taken ? limit_ - taken : 0;
   } else {
     lock.unlock();  // the upstream may ask the driver (cudaMemGetInfo)
-    upstream_memory_info info;
-    try {
-      info = upstream_.memory_info();
-    } catch (...) {  // unknown: the whole segment is short
-    }
+    const upstream_memory_info info = memory_info_quietly();
     lock.lock();
-    if (info.known) room = info.free_bytes;
+    if (info.known) room = info.free_bytes;  // unknown: the whole segment is short
   }
   return segment_bytes > room ? segment_bytes - room : 0;
 }
@@ -2885,11 +2886,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_me
   const std::size_t reserved = current(stats_.reserved_bytes);
   const std::size_t limit = limit_;
   lock.unlock();
-  upstream_memory_info info;
-  try {
-    info = upstream_.memory_info();
-  } catch (...) {
-  }
+  const upstream_memory_info info = memory_info_quietly();
   out_of_memory_info facts{
       device_ordinal(),     requested, size,      segment_bytes, allocated,        reserved,        f.free_bytes,
       f.largest_free_block, limit,     limit_hit, info.known,    info.total_bytes, info.free_bytes, {}};
