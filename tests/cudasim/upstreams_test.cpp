@@ -129,3 +129,39 @@ TEST_CASE("upstreams: memory the pool has handed out is not taken, and out of me
   REQUIRE(cudaFreeAsync(live, f.s.cuda_handle()) == cudaSuccess);
   f.s.synchronize();
 }
+
+// reuse_before_release on cudaMalloc: the refusal is the device's, and the shortfall comes from cudaMemGetInfo.
+TEST_CASE("upstreams: reuse_before_release splits a kept block, then frees only what cudaMalloc lacks") {
+  small_device f;  // 48 MiB usable
+  if (!f.configured) return;
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::allocator_options o;
+  o.medium_size = 8 * MiB;     // requests of 8 MiB or more get segments of their own...
+  o.max_split_size = 8 * MiB;  // ...kept whole, taken by requests at most 2 MiB smaller
+  o.max_oversize_waste = 2 * MiB;
+  o.reuse_before_release = true;
+  gpukit::caching_allocator a(d, o);
+  void* big = a.allocate(30 * MiB, s);
+  a.deallocate(big);
+  void* split = a.allocate(20 * MiB, s);  // 30 + 20 MiB exceed the device: the cached block is split instead
+  CHECK(split == big);
+  CHECK(a.stats().num_device_free == 0);
+  CHECK(a.stats().num_device_alloc == 1);
+  a.deallocate(split);
+  a.empty_cache();
+  void* live = a.allocate(10 * MiB, s);
+  void* x = a.allocate(12 * MiB, s);
+  void* y = a.allocate(14 * MiB, s);
+  a.deallocate(x);
+  a.deallocate(y);  // 36 MiB reserved: 12 free on the device, 24 MiB needed
+  const std::size_t frees = a.stats().num_device_free;
+  void* r = a.allocate(24 * MiB, s);
+  CHECK(a.stats().num_device_free == frees + 1);  // 12 MiB short: the 12 MiB segment covers it
+  CHECK(a.memory_reserved() == 10 * MiB + 14 * MiB + 24 * MiB);
+  CHECK(a.stats().num_device_free_unforced == 0);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  a.deallocate(r);
+  a.deallocate(live);
+  a.empty_cache();
+}
