@@ -12,9 +12,9 @@
 //    not make;
 // 3. upstream calls per 1000 allocations for churn (one stream, little memory live) and an inference server on
 //    three CPU streams;
-// 4. memory pressure: upstream frees over 40 variable-length training steps on a device 1.2, 1.5 and 2 x their peak
-//    (gpukit's defaults, reuse_before_release, expandable segments, the PyTorch model), and the minimum capacity
-//    reuse_before_release needs on every family.
+// 4. memory pressure: upstream frees over 40 variable-length training steps, and in the three-stream server, on a
+//    device 1.2, 1.5 and 2 x their peak (gpukit's defaults, reuse_before_release, expandable segments, the PyTorch
+//    model), and the minimum capacity reuse_before_release needs on every family.
 // `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
 // (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
 // `--no-tables` skips to the benchmarks. The tables take about 12 s in Release and 1.5 min in Debug (CI's smoke run).
@@ -37,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace gpukit_bench;
@@ -471,14 +472,17 @@ void print_candidate_capacity(const std::vector<family>& fs, const std::vector<v
 // --- churn and the inference server (section 3) ---
 
 struct call_counts {
+  bool completed = true;  // false: an allocation failed (out of memory) and the replay stopped there
   std::size_t allocs = 0, frees = 0, frees_after_warmup = 0;
   std::size_t unforced_frees = 0, sync_all_streams = 0;  // gpukit's statistics (0 for the model)
 };
 
-/// The engine on one gpukit CPU stream per stream of the trace (blocks cached for one stream serve only it).
-call_counts streams_engine(const trace& t, const gpukit::allocator_options& o) {
+/// The engine on one gpukit CPU stream per stream of the trace (blocks cached for one stream serve only it), on an
+/// upstream of `capacity` bytes; stops at the first out-of-memory error.
+call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
+                           std::size_t capacity = unlimited_capacity) {
   const gpukit::device cpu = gpukit::device::cpu();
-  engine a(cpu, o, unlimited_capacity);
+  engine a(cpu, o, capacity);
   std::deque<gpukit::stream> streams;
   for (int s = 0; s < t.streams; ++s) streams.emplace_back(cpu);
   std::vector<void*> pointers(t.ids, nullptr);
@@ -487,7 +491,12 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o) {
     if (i == t.warmup_ops) c.frees_after_warmup = static_cast<std::size_t>(a.stats().num_device_free);
     const trace_op& op = t.ops[i];
     if (op.allocate) {
-      pointers[op.id] = a.allocate(op.bytes, streams[op.stream]);
+      try {
+        pointers[op.id] = a.allocate(op.bytes, streams[op.stream]);
+      } catch (const gpukit::out_of_memory_error&) {
+        c.completed = false;
+        break;
+      }
     } else {
       a.deallocate(pointers[op.id]);
       pointers[op.id] = nullptr;
@@ -498,32 +507,33 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o) {
   c.frees_after_warmup = c.frees - c.frees_after_warmup;
   c.unforced_frees = static_cast<std::size_t>(a.stats().num_device_free_unforced);
   c.sync_all_streams = static_cast<std::size_t>(a.stats().num_sync_all_streams);
-  for (void* p : pointers) a.deallocate(p);
+  for (void* p : pointers) {
+    if (p != nullptr) a.deallocate(p);
+  }
   return c;
 }
 
-/// The PyTorch model, one instance per stream: PyTorch keys free blocks by stream and releases nothing unless
-/// cudaMalloc fails, so with unlimited capacity its streams are independent caches (without record_stream).
-call_counts streams_model(const trace& t) {
-  std::deque<pytorch_allocator_model> models(static_cast<std::size_t>(t.streams));
+/// The PyTorch model with the trace's streams as its stream keys (a block freed on one stream serves only that
+/// stream; a refused cudaMalloc releases every stream's free segments), on `capacity` bytes.
+call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocator_model::unlimited) {
+  pytorch_allocator_model model(capacity);
   std::vector<void*> pointers(t.ids, nullptr);
-  auto frees = [&] {
-    std::size_t n = 0;
-    for (const auto& m : models) n += m.upstream_frees();
-    return n;
-  };
   call_counts c;
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) c.frees_after_warmup = frees();
+    if (i == t.warmup_ops) c.frees_after_warmup = model.upstream_frees();
     const trace_op& op = t.ops[i];
     if (op.allocate) {
-      pointers[op.id] = models[op.stream].allocate(op.bytes);
+      pointers[op.id] = model.allocate(op.bytes, op.stream);
+      if (pointers[op.id] == nullptr) {
+        c.completed = false;
+        break;
+      }
     } else {
-      models[op.stream].deallocate(pointers[op.id]);
+      model.deallocate(pointers[op.id]);
     }
   }
-  for (const auto& m : models) c.allocs += m.upstream_allocs();
-  c.frees = frees();
+  c.allocs = model.upstream_allocs();
+  c.frees = model.upstream_frees();
   c.frees_after_warmup = c.frees - c.frees_after_warmup;
   return c;
 }
@@ -536,7 +546,7 @@ std::size_t print_churn_table() {
                          inference_server(3000, 3, 4 * KiB, 64 * MiB, 1)};
   std::printf(
       "\nUpstream calls: cudaMalloc / cudaFree per 1000 allocations [counts: mallocs, frees, frees after the "
-      "first 10 %%]\n(the PyTorch model: one instance per stream)\n%-48s | %-30s | %-30s | %-30s\n",
+      "first 10 %%]\n(the PyTorch model: free blocks keyed by stream)\n%-48s | %-30s | %-30s | %-30s\n",
       "case", "gpukit defaults", "PyTorch constants", "PyTorch model");
   std::size_t gpukit_frees = 0, unforced = 0, syncs = 0;
   for (const trace& t : cases) {
@@ -681,19 +691,43 @@ void print_expandable_target(const std::vector<family>& fs, const figure_table& 
   std::fflush(stdout);
 }
 
-/// Memory pressure: a long training run whose device is somewhat larger than its peak, where what matters is how
-/// often the allocator gives memory back (each cudaFree drains the device) rather than whether the job fits. Two
-/// variable-length families, 40 steps each, on capacities of 1.2, 1.5 and 2 x peak requested: upstream frees after
-/// the first step, mean over the seeds that ran (how many did, of how many, in brackets). Then the minimum capacity
-/// reuse_before_release pays for it, beside the defaults' and the PyTorch model's from table 2.
+/// One cell of the pressure table: the mean upstream frees after warm-up on capacities of 1.2, 1.5 and 2 x each
+/// trace's peak requested, over the traces that ran ("a / b / c", "[n]" after a figure only n traces gave).
+/// `run(t, capacity)` gives {completed, frees after warm-up}.
+std::string pressure_cell(const std::vector<trace>& traces,
+                          const std::function<std::pair<bool, std::size_t>(const trace&, std::size_t)>& run) {
+  std::string cell;
+  for (const double factor : {1.2, 1.5, 2.0}) {
+    double frees = 0;
+    std::size_t ran = 0;
+    for (const trace& t : traces) {
+      const auto [completed, count] = run(t, static_cast<std::size_t>(factor * static_cast<double>(t.peak_requested)));
+      if (!completed) continue;
+      frees += static_cast<double>(count);
+      ++ran;
+    }
+    char figure[32];
+    std::snprintf(figure, sizeof figure, "%s%.0f", cell.empty() ? "" : " / ",
+                  ran == 0 ? 0.0 : frees / static_cast<double>(ran));
+    cell += figure;
+    if (ran != traces.size()) cell += "[" + std::to_string(ran) + "]";
+  }
+  return cell;
+}
+
+/// Memory pressure: a long training run or a server whose device is somewhat larger than its peak, where what
+/// matters is how often the allocator gives memory back (each cudaFree drains the device) rather than whether the job
+/// fits. Two variable-length families, 40 steps each, and the 3-stream inference server (3000 requests), on
+/// capacities of 1.2, 1.5 and 2 x peak requested: upstream frees after the warm-up (the first step, the first 10 % of
+/// requests), mean over the seeds that ran (how many did, in brackets). Then the minimum capacity reuse_before_release
+/// pays for it, beside the defaults' and the PyTorch model's from table 2.
 void print_pressure_table(int seeds, const std::vector<family>& fs, const figure_table& x, std::size_t gpukit,
                           std::size_t model) {
   const std::vector<variant> vs = {engine_variant("gpukit defaults", gpukit::allocator_options{}),
                                    engine_variant("reuse_before_release", reuse_before_release()),
                                    engine_variant("expandable segments", expandable()), model_variant("PyTorch model")};
-  const double factors[] = {1.2, 1.5, 2.0};
   std::printf(
-      "\nMemory pressure: upstream frees after the first of 40 steps on a capacity of 1.2 / 1.5 / 2 x peak requested\n"
+      "\nMemory pressure: upstream frees after the warm-up on a capacity of 1.2 / 1.5 / 2 x peak requested\n"
       "(mean over the seeds that ran; [seeds that ran])\n%-34s",
       "trace family, 40 steps");
   for (const variant& v : vs) std::printf(" | %-32.32s", v.name.c_str());
@@ -703,25 +737,30 @@ void print_pressure_table(int seeds, const std::vector<family>& fs, const figure
     const std::vector<trace> traces = seeded(s, seeds);
     std::printf("%-34.34s", describe(s).c_str());
     for (const variant& v : vs) {
-      std::string cell;
-      for (const double factor : factors) {
-        double frees = 0;
-        int ran = 0;
-        for (const trace& t : traces) {
-          const run_result r = v.run(t, static_cast<std::size_t>(factor * static_cast<double>(t.peak_requested)));
-          if (!r.completed) continue;
-          frees += static_cast<double>(r.frees_after_warmup);
-          ++ran;
-        }
-        char figure[32];
-        std::snprintf(figure, sizeof figure, "%s%.0f", cell.empty() ? "" : " / ", ran == 0 ? 0.0 : frees / ran);
-        cell += figure;
-        if (ran != seeds) cell += "[" + std::to_string(ran) + "]";
-      }
+      const std::string cell = pressure_cell(traces, [&v](const trace& t, std::size_t capacity) {
+        const run_result r = v.run(t, capacity);
+        return std::make_pair(r.completed, r.frees_after_warmup);
+      });
       std::printf(" | %-32s", cell.c_str());
     }
     std::printf("\n");
   }
+  // The same four on the server's streams: each stream's free blocks serve only that stream, so a stream short of
+  // memory makes the others give theirs back.
+  std::vector<trace> servers;
+  for (int seed = 1; seed <= seeds; ++seed) {
+    servers.push_back(inference_server(3000, 3, 4 * KiB, 64 * MiB, static_cast<std::uint64_t>(seed)));
+  }
+  std::printf("%-34.34s", "inference server, 3 streams");
+  const auto counted = [](const call_counts& c) { return std::make_pair(c.completed, c.frees_after_warmup); };
+  for (const gpukit::allocator_options& o : {gpukit::allocator_options{}, reuse_before_release(), expandable()}) {
+    const std::string cell = pressure_cell(
+        servers, [&](const trace& t, std::size_t capacity) { return counted(streams_engine(t, o, capacity)); });
+    std::printf(" | %-32s", cell.c_str());
+  }
+  const std::string model_cell =
+      pressure_cell(servers, [&](const trace& t, std::size_t capacity) { return counted(streams_model(t, capacity)); });
+  std::printf(" | %-32s\n(the server: 3000 requests, its warm-up the first 10 %%)\n", model_cell.c_str());
   const std::vector<family_figures> reuse = evaluate(reuse_before_release(), fs);
   std::printf(
       "\nMinimum capacity / peak requested (mean, worst) with reuse_before_release, beside the defaults and the "

@@ -13,7 +13,11 @@
 //   cuMemRelease per page);
 // - peak reserved / peak requested.
 // - for gpukit, the upstream allocations after the warm-up (segments, or pages mapped): later steps of the training
-//   trace have longer sequences than the first, so the cache still grows there.
+//   trace have longer sequences than the first, so the cache still grows there; and the upstream frees after it.
+// gpukit also runs with its reserved limit at 1.5x the trace's peak requested, with the defaults and with
+// allocator_options::reuse_before_release: bench_fragmentation counts the defaults' segments given back and regrown
+// under such a limit (its pressure table); these rows give that churn's cost on a GPU, where each cudaFree waits for
+// the device.
 // Beside gpukit's two variants: the driver's stream-ordered allocator on the device's default pool (cudaMallocAsync
 // with its release threshold raised; RMM's cuda_async_memory_resource uses the same allocator with a pool of its
 // own) and cudaMalloc/cudaFree per request (no cache). Every variant replays once untimed first. No kernel runs, so
@@ -66,9 +70,21 @@ const trace& trace_of(trace_kind kind) {
   return kind == training ? training_trace : server_trace;
 }
 
-enum variant : int { segments, expandable, driver_pool, no_cache, variant_count };
+enum variant : int {
+  segments,
+  expandable,
+  driver_pool,
+  no_cache,
+  segments_limited,  // the defaults with reserved_limit at limited_factor x the trace's peak requested
+  reuse_limited,     // the same limit with allocator_options::reuse_before_release
+  variant_count
+};
 const char* const variant_names[variant_count] = {"gpukit, segments (default)", "gpukit, expandable segments",
-                                                  "cudaMallocAsync pool", "cudaMalloc/cudaFree"};
+                                                  "cudaMallocAsync pool",       "cudaMalloc/cudaFree",
+                                                  "gpukit, limit 1.5x",         "gpukit, limit 1.5x, reuse"};
+/// The reserved limit of the limited variants, over the trace's peak requested: a device somewhat larger than the
+/// job, where bench_fragmentation's pressure table finds the defaults giving segments back and regrowing them.
+constexpr double limited_factor = 1.5;
 
 /// What one replay measured.
 struct replay_times {
@@ -77,6 +93,7 @@ struct replay_times {
   double release = 0;
   double peak_reserved = 0;                // bytes; 0 when the variant cannot say
   double later_upstream_allocations = -1;  // after the warm-up; -1 when the variant cannot say
+  double later_upstream_frees = -1;        // after the warm-up (each cudaFree waits for the device); -1 likewise
 };
 
 /// The streams a trace's operations name (trace_op::stream), one gpukit::stream each.
@@ -86,10 +103,8 @@ using stream_list = std::vector<std::unique_ptr<gpukit::stream>>;
 /// upstream_allocations() (-1 where it does not count them).
 class gpukit_variant {
  public:
-  gpukit_variant(const stream_list& streams, bool expandable_segments) : streams_(streams) {
-    gpukit::allocator_options o;
-    o.expandable_segments = expandable_segments;
-    allocator_ = std::make_unique<gpukit::caching_allocator>(gpukit::device::cuda(0), o);
+  gpukit_variant(const stream_list& streams, const gpukit::allocator_options& options) : streams_(streams) {
+    allocator_ = std::make_unique<gpukit::caching_allocator>(gpukit::device::cuda(0), options);
   }
   void* allocate(std::size_t bytes, int stream) { return allocator_->allocate(bytes, streams_[stream]->view()); }
   void deallocate(void* p, int) { allocator_->deallocate(p); }
@@ -97,6 +112,8 @@ class gpukit_variant {
   double peak_reserved() const { return static_cast<double>(allocator_->stats().reserved_bytes.all().peak); }
   /// Segments obtained, or pages mapped for expandable segments.
   double upstream_allocations() const { return static_cast<double>(allocator_->stats().num_device_alloc); }
+  /// Segments given back, or pages unmapped.
+  double upstream_frees() const { return static_cast<double>(allocator_->stats().num_device_free); }
 
  private:
   const stream_list& streams_;
@@ -139,6 +156,7 @@ class driver_pool_variant {
     return static_cast<double>(high);
   }
   double upstream_allocations() const { return -1; }  // the driver's own
+  double upstream_frees() const { return -1; }
 
  private:
   const stream_list& streams_;
@@ -156,6 +174,7 @@ class no_cache_variant {
   void release() {}
   double peak_reserved() const { return 0; }
   double upstream_allocations() const { return -1; }  // one per request
+  double upstream_frees() const { return -1; }
 };
 
 /// Replays trace `t`: its warm-up, then the rest; frees what is still live (untimed), then releases the cache.
@@ -188,8 +207,10 @@ replay_times replay(const trace& t, Variant& v) {
   try {
     r.warmup = run(0, t.warmup_ops);
     const double grown = v.upstream_allocations();
+    const double freed = v.upstream_frees();
     r.later = run(t.warmup_ops, t.ops.size());
     if (grown >= 0) r.later_upstream_allocations = v.upstream_allocations() - grown;
+    if (freed >= 0) r.later_upstream_frees = v.upstream_frees() - freed;
   } catch (...) {
     // A failed call (out of memory) leaves nothing allocated for the variants after it; the first error is reported.
     try {
@@ -209,8 +230,16 @@ replay_times replay(const trace& t, Variant& v) {
 replay_times replay_variant(const trace& t, variant which, const stream_list& streams) {
   switch (which) {
     case segments:
-    case expandable: {
-      gpukit_variant v(streams, which == expandable);
+    case expandable:
+    case segments_limited:
+    case reuse_limited: {
+      gpukit::allocator_options o;
+      o.expandable_segments = which == expandable;
+      if (which == segments_limited || which == reuse_limited) {
+        o.reserved_limit = static_cast<std::size_t>(limited_factor * static_cast<double>(t.peak_requested));
+        o.reuse_before_release = which == reuse_limited;
+      }
+      gpukit_variant v(streams, o);
       return replay(t, v);
     }
     case driver_pool: {
@@ -242,6 +271,7 @@ void BM_trace(benchmark::State& state) {
       sum.release += r.release;
       sum.peak_reserved = std::max(sum.peak_reserved, r.peak_reserved);
       sum.later_upstream_allocations = r.later_upstream_allocations;  // the same each time
+      sum.later_upstream_frees = r.later_upstream_frees;
     }
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
@@ -253,6 +283,7 @@ void BM_trace(benchmark::State& state) {
   if (which != no_cache) state.counters["release_ms"] = 1e3 * sum.release / n;  // it caches nothing
   state.counters["reserved_per_requested"] = sum.peak_reserved / static_cast<double>(t.peak_requested);
   if (sum.later_upstream_allocations >= 0) state.counters["later_upstream_allocs"] = sum.later_upstream_allocations;
+  if (sum.later_upstream_frees >= 0) state.counters["later_upstream_frees"] = sum.later_upstream_frees;
 }
 
 /// Counter `counter` of trace `k` through variant `v`; -1 when it did not run.
@@ -277,8 +308,8 @@ void print_table(const gpukit_bench::figure_reporter& r, const std::string& devi
     std::printf("\n%s: %zu operations (%zu in the warm-up), %d stream%s, peak requested %.0f MiB\n", t.name.c_str(),
                 t.ops.size(), t.warmup_ops, t.streams, t.streams == 1 ? "" : "s",
                 static_cast<double>(t.peak_requested) / (1 << 20));
-    std::printf("%-28s %12s %14s %12s %12s %13s | %s\n", "allocator", "warm-up ms", "after: us/op", "release ms",
-                "reserved/req", "grown after", "ratios (warm-up, after, release)");
+    std::printf("%-28s %12s %14s %12s %12s %13s %13s | %s\n", "allocator", "warm-up ms", "after: us/op", "release ms",
+                "reserved/req", "grown after", "freed after", "ratios (warm-up, after, release)");
     for (int v = 0; v < variant_count; ++v) {
       if (figure(r, k, v, counters[0]) < 0) continue;
       std::printf("%-28s", variant_names[v]);
@@ -290,6 +321,8 @@ void print_table(const gpukit_bench::figure_reporter& r, const std::string& devi
       cell(reserved > 0, reserved, 12, 3);  // 0: the variant cannot say
       const double grown = figure(r, k, v, "later_upstream_allocs");
       cell(grown >= 0, grown, 13, 0);
+      const double freed = figure(r, k, v, "later_upstream_frees");
+      cell(freed >= 0, freed, 13, 0);
       std::printf(" |");
       for (const char* c : counters) {
         const double base = figure(r, k, segments, c);
@@ -305,8 +338,10 @@ void print_table(const gpukit_bench::figure_reporter& r, const std::string& devi
     }
   }
   std::printf(
-      "(grown after: gpukit's upstream allocations after the warm-up, segments or 2 MiB pages; no kernel runs, so each "
-      "wait for the device costs what it costs on an idle GPU)\n");
+      "(grown / freed after: gpukit's upstream allocations and frees after the warm-up, segments or 2 MiB pages; no "
+      "kernel runs, so each wait for the device costs what it costs on an idle GPU; the limit rows cap reserved "
+      "memory at %.1fx the peak requested, as on a device somewhat larger than the job)\n",
+      limited_factor);
   std::printf(
       "\nExpandable segments are off by default: on an H200 (README, \"Expandable segments\") they kept 2.0-3.1x "
       "less reserved memory on these traces but cost 1.2-3.2x per operation after the warm-up and 7-14x per release, "

@@ -7,19 +7,20 @@
 // - requests are rounded up to a multiple of 512 B [round_size, kMinBlockSize];
 // - requests <= 1 MiB use the small pool and 2 MiB segments; larger ones the large pool, with 20 MiB segments below
 //   10 MiB and a segment of their own rounded up to 2 MiB from 10 MiB [get_pool, get_allocation_size];
-// - each pool is a set of free blocks ordered by (size, address); a request takes the first block not smaller than
-//   itself (best fit) [BlockComparatorSize, get_free_block];
+// - each pool is a set of free blocks ordered by (stream, size, address); a request takes the first block of its
+//   stream not smaller than itself (best fit): a block freed on one stream serves only that stream
+//   [BlockComparatorSize, get_free_block];
 // - a block is split, the allocation taking its low part, when the remainder is >= 512 B (small pool) or > 1 MiB
 //   (large pool, and only for requests below max_split_size) [should_split, alloc_found_block];
 // - a freed block merges with its free neighbours of the same segment [free_block, try_merge_blocks];
 // - optional max_split_size (default unlimited, as in PyTorch): a request below it takes no cached block of that
 //   size or more; a request of that size or more takes no block 20 MiB or more larger than itself
-//   [get_free_block]; when the upstream refuses, cached oversize blocks are released first
+//   [get_free_block]; when the upstream refuses, cached oversize blocks of the request's stream are released first
 //   [release_available_cached_blocks];
 // - the slow path: cudaMalloc of the segment; if that fails, release oversize blocks (max_split_size only) and retry;
-//   then release every completely free segment of both pools and retry once; then out of memory
+//   then release every completely free segment of both pools, every stream's, and retry once; then out of memory
 //   [malloc, alloc_block, release_cached_blocks].
-// Left out: streams (one stream: no record_stream, events or per-stream keys), expandable segments, the memory
+// Left out: record_stream and events (a block is free for its stream when freed), expandable segments, the memory
 // fraction and its garbage collection, free-memory callbacks, graph pools, roundup_power2_divisions, the lock.
 // Segments get fresh 2 MiB-aligned addresses from a bump pointer (a driver reuses virtual addresses, which only
 // changes the order of equal-size free blocks).
@@ -67,20 +68,20 @@ class pytorch_allocator_model {
     return (size + round_large - 1) / round_large * round_large;
   }
 
-  /// An address (never to be dereferenced), or nullptr when out of memory.
-  void* allocate(std::size_t bytes) {
+  /// An address (never to be dereferenced) for `stream` (any number naming one), or nullptr when out of memory.
+  void* allocate(std::size_t bytes, int stream = 0) {
     const std::size_t size = round_size(bytes);
     const bool small = size <= small_size;
     pool& p = small ? small_ : large_;
-    block* b = take_free(p, size);
+    block* b = take_free(p, size, stream);
     if (b == nullptr) {
       const std::size_t segment = segment_size(size);
-      b = new_segment(segment, small);
-      if (b == nullptr && release_oversize(p, size)) b = new_segment(segment, small);
+      b = new_segment(segment, small, stream);
+      if (b == nullptr && release_oversize(p, size, stream)) b = new_segment(segment, small, stream);
       if (b == nullptr) {
         release_all();  // PyTorch then always retries (num_alloc_retries)
         ++retries_;
-        b = new_segment(segment, small);
+        b = new_segment(segment, small, stream);
       }
       if (b == nullptr) {
         ++ooms_;
@@ -89,7 +90,7 @@ class pytorch_allocator_model {
     }
     const std::size_t remaining = b->size - size;
     if (small ? remaining >= min_block : (size < max_split_ && remaining > small_size)) {
-      block* rest = new block{b->address + size, remaining, small, false, b, b->next};
+      block* rest = new block{b->address + size, remaining, stream, small, false, b, b->next};
       if (b->next != nullptr) b->next->prev = rest;
       b->next = rest;
       b->size = size;
@@ -146,22 +147,24 @@ class pytorch_allocator_model {
   struct block {
     std::uintptr_t address;
     std::size_t size;
+    int stream;
     bool small;
     bool allocated;
     block* prev;  // neighbours in the segment
     block* next;
   };
-  struct by_size_then_address {
+  struct by_size_then_address {  // within a stream
     bool operator()(const block* a, const block* b) const {
+      if (a->stream != b->stream) return a->stream < b->stream;
       return a->size != b->size ? a->size < b->size : a->address < b->address;
     }
   };
   using pool = std::set<block*, by_size_then_address>;
 
-  block* take_free(pool& p, std::size_t size) {
-    block key{0, size, false, false, nullptr, nullptr};
+  block* take_free(pool& p, std::size_t size, int stream) {
+    block key{0, size, stream, false, false, nullptr, nullptr};
     const auto it = p.lower_bound(&key);
-    if (it == p.end()) return nullptr;
+    if (it == p.end() || (*it)->stream != stream) return nullptr;
     if (size < max_split_ && (*it)->size >= max_split_) return nullptr;            // oversize: kept for big requests
     if (size >= max_split_ && (*it)->size >= size + large_buffer) return nullptr;  // too much waste
     block* b = *it;
@@ -169,12 +172,12 @@ class pytorch_allocator_model {
     return b;
   }
 
-  block* new_segment(std::size_t bytes, bool small) {
+  block* new_segment(std::size_t bytes, bool small, int stream) {
     if (bytes > capacity_ || reserved_ > capacity_ - bytes) return nullptr;
     reserved_ += bytes;
     if (reserved_ > peak_reserved_) peak_reserved_ = reserved_;
     ++upstream_allocs_;
-    block* b = new block{next_address_, bytes, small, false, nullptr, nullptr};
+    block* b = new block{next_address_, bytes, stream, small, false, nullptr, nullptr};
     next_address_ += (bytes + round_large - 1) / round_large * round_large;
     return b;
   }
@@ -186,21 +189,24 @@ class pytorch_allocator_model {
     delete b;
   }
 
-  /// [release_available_cached_blocks] With max_split_size: the smallest cached oversize segment that covers
-  /// max(size, max_split_size), else the largest ones until that much is released.
-  bool release_oversize(pool& p, std::size_t size) {
+  /// [release_available_cached_blocks] With max_split_size: the smallest cached oversize segment of the stream that
+  /// covers max(size, max_split_size), else the stream's largest ones until that much is released.
+  bool release_oversize(pool& p, std::size_t size, int stream) {
     if (max_split_ == unlimited) return false;
-    block key{0, size < max_split_ ? max_split_ : size, false, false, nullptr, nullptr};
+    block key{0, size < max_split_ ? max_split_ : size, stream, false, false, nullptr, nullptr};
     auto it = p.lower_bound(&key);
-    if (it != p.end()) {
+    if (it != p.end() && (*it)->stream == stream) {
       if ((*it)->prev != nullptr || (*it)->next != nullptr) return false;  // PyTorch assumes oversize = whole
       release(p, *it);
       return true;
     }
     std::size_t released = 0;
-    while (released < key.size && !p.empty()) {
-      block* largest = *std::prev(p.end());
-      if (largest->size < max_split_ || largest->prev != nullptr || largest->next != nullptr) break;
+    while (released < key.size && it != p.begin()) {
+      block* largest = *std::prev(it);  // the stream's largest block below the key
+      if (largest->stream != stream || largest->size < max_split_ || largest->prev != nullptr ||
+          largest->next != nullptr) {
+        break;
+      }
       released += largest->size;
       release(p, largest);
     }

@@ -127,6 +127,11 @@ inline void* heap_allocate_aligned(std::size_t bytes, std::align_val_t alignment
   throw std::bad_alloc();
 }
 
+/// Frees what heap_allocate or heap_allocate_aligned returned. Not inlined: GCC's -Wmismatched-new-delete, seeing
+/// free() inlined where the pointer came from operator new (an optimized build), does not know that these
+/// replacements pair them.
+[[gnu::noinline]] inline void heap_release(void* p) noexcept { std::free(p); }
+
 }  // namespace gpukit_test
 
 // Every form, so that each pair ends in malloc (or aligned_alloc) and free whatever a sanitizer's runtime defines.
@@ -146,12 +151,12 @@ void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
     return nullptr;
   }
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p) noexcept { gpukit_test::heap_release(p); }
+void operator delete(void* p, std::size_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p, std::size_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { gpukit_test::heap_release(p); }
 void* operator new(std::size_t bytes, std::align_val_t alignment) {
   return gpukit_test::heap_allocate_aligned(bytes, alignment);
 }
@@ -172,9 +177,9 @@ void* operator new[](std::size_t bytes, std::align_val_t alignment, const std::n
     return nullptr;
   }
 }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { gpukit_test::heap_release(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { gpukit_test::heap_release(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { gpukit_test::heap_release(p); }

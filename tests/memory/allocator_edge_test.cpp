@@ -672,6 +672,33 @@ TEST_CASE("reuse_before_release: the tail a new huge segment's rounding leaves s
   }
 }
 
+TEST_CASE("reuse_before_release: a block kept whole on another stream is split for it after a wait for its fence") {
+  gpukit::allocator_options o = reusing_before_release();
+  o.cross_stream_reuse = true;  // a free records a fence; another stream may take the block, waiting for it
+  fixture g(o, 600 * MiB);
+  const fake_stream t = g.add_stream();
+  const auto huge = g.alloc(400 * MiB);
+  g.world.enqueue(g.s0.id);  // s0's work still uses it when it is freed
+  g.free(huge);
+  const auto b = g.alloc(300 * MiB, t);  // kept whole from 300 MiB, and 400 + 300 MiB do not fit
+  CHECK(b == huge);
+  REQUIRE(g.world.waits.size() == 1);  // t waits for s0's work on the device, not the host
+  CHECK(g.world.waits[0].waiting_stream == t.id);
+  CHECK(g.world.waits[0].event_stream == g.s0.id);
+  CHECK(g.world.synchronizations == 0);
+  CHECK(g.a.stats().num_device_free == 0);
+  CHECK(g.segment_of(b).blocks.size() == 2);
+  (void)g.alloc(200 * MiB, t);  // the device is full
+  // The 100 MiB left stays s0's, with the fence: a third stream taking it under pressure waits for s0 too.
+  const fake_stream u = g.add_stream();
+  const auto rest = g.alloc(100 * MiB, u);
+  CHECK(rest == huge + 300 * MiB);
+  CHECK(g.world.waits.size() == 2);
+  CHECK(g.world.waits[1].event_stream == g.s0.id);
+  CHECK(g.a.stats().num_device_free == 0);
+  CHECK(g.invariants() == "");
+}
+
 // Issue 12, defect 4: keys are the stream ops' business. A stream of another device whose key equals a known
 // stream's (as the CPU's default stream and CUDA's legacy default stream once did) must not pass for it.
 TEST_CASE("a stream of another device is refused even when its key is that of a known stream") {
@@ -872,6 +899,40 @@ TEST_CASE("a stream that needs no capture hold records its events during a gpuki
     a.deallocate(a.allocate(512, s));
     CHECK(states_of(a.snapshot(), p, nullptr)[0] == gpukit::block_state::free);  // its event was recorded at once
   }
+}
+
+TEST_CASE("reuse_before_release: a block kept whole that a capture keeps the legacy stream from waiting for is left") {
+  // As below, with the block found under memory pressure (kept whole by max_split_size and taken for a split): the
+  // take refuses it, and the legacy stream is served by giving cached memory back, without waiting on the device.
+  gpukit::allocator_options o = legacy_fixture::options(true);
+  o.max_split_size = 256 * MiB;
+  o.reuse_before_release = true;
+  fake_world world;
+  legacy_allocator a(gpukit::device::cpu(), o, 600 * MiB);
+  a.stream_operations().world = &world;
+  const fake_stream s{world.add_stream()};
+  const fake_stream legacy{world.add_stream()};
+  a.stream_operations().legacy = legacy.id;
+  void* huge = a.allocate(400 * MiB, s);
+  world.enqueue(s.id);
+  a.deallocate(huge);  // cached on s with a fence, whole
+  std::optional<capture_underway> capture;
+  int queries = 0;
+  // Asked by the first search, the search after the refused growth, the pressure search (which picks the block kept
+  // whole) and the take: the capture begins at the fourth.
+  a.stream_operations().on_query = [&] {
+    if (++queries == 4) capture.emplace();
+  };
+  void* other = a.allocate(300 * MiB, legacy);
+  a.stream_operations().on_query = nullptr;
+  CHECK(capture.has_value());
+  CHECK(queries >= 5);                    // searched again
+  CHECK(world.waits.empty());             // no wait on the legacy stream
+  CHECK(a.stats().num_device_free == 1);  // the cached block went back instead (after its fence, on the host)
+  CHECK(check_invariants(a.snapshot(), {{reinterpret_cast<std::uintptr_t>(other), 300 * MiB}}, 512) == "");
+  capture.reset();
+  a.deallocate(other);
+  world.complete_all();
 }
 
 TEST_CASE("a gpukit capture begun between the search and the take makes the legacy stream search again, not wait") {

@@ -1,7 +1,7 @@
 // The baseline bench_fragmentation compares gpukit with: bench/pytorch_allocator_model.hpp, a model of PyTorch's
 // CUDA caching allocator. Each rule it models is checked on a small hand-made sequence, so the baseline is itself
 // tested: rounding, small/large pools and segment sizes, split thresholds, coalescing, best fit by size then
-// address, release-and-retry at capacity, and max_split_size.
+// address, release-and-retry at capacity, max_split_size, and free blocks keyed by stream.
 #include "pytorch_allocator_model.hpp"
 
 #include <doctest/doctest.h>
@@ -154,4 +154,34 @@ TEST_CASE("PyTorch model: max_split_size keeps oversize blocks whole and release
   waste.deallocate(huge);
   CHECK(address(waste.allocate(40 * MiB)) != address(huge));  // 64 >= 40 + 20 MiB: too wasteful
   CHECK(address(waste.allocate(50 * MiB)) == address(huge));  // 64 < 50 + 20 MiB
+}
+
+TEST_CASE("PyTorch model: a block freed on one stream serves only it; a refusal releases every stream's segments") {
+  model m(40 * MiB);
+  void* on_first = m.allocate(15 * MiB, 1);  // a 16 MiB segment of its own, for stream 1
+  m.deallocate(on_first);
+  void* on_second = m.allocate(15 * MiB, 2);  // stream 2 does not take stream 1's free block
+  CHECK(address(on_second) != address(on_first));
+  CHECK(m.upstream_allocs() == 2);
+  CHECK(address(m.allocate(15 * MiB, 1)) == address(on_first));  // stream 1 takes its own
+  m.deallocate(on_first);
+  m.deallocate(on_second);
+  CHECK(m.reserved() == 32 * MiB);
+  // A third stream's 20 MiB segment does not fit beside both (52 > 40): both streams' free segments go back.
+  CHECK(m.allocate(19 * MiB, 3) != nullptr);
+  CHECK(m.upstream_frees() == 2);
+  CHECK(m.retries() == 1);
+  CHECK(m.reserved() == 20 * MiB);
+
+  // max_split_size releases the requesting stream's oversize block, not another stream's.
+  model limited(64 * MiB, 32 * MiB);
+  void* mine = limited.allocate(40 * MiB, 1);
+  void* theirs = limited.allocate(20 * MiB, 2);
+  limited.deallocate(mine);
+  limited.deallocate(theirs);
+  limited.allocate(1 * MiB, 1);                     // 62 MiB reserved
+  CHECK(limited.allocate(30 * MiB, 1) != nullptr);  // 62 + 30 > 64: stream 1's 40 MiB block goes first, no full flush
+  CHECK(limited.upstream_frees() == 1);
+  CHECK(limited.retries() == 0);
+  CHECK(limited.reserved() == 52 * MiB);  // stream 2's 20 MiB segment stays
 }
