@@ -487,8 +487,9 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
   for (int s = 0; s < t.streams; ++s) streams.emplace_back(cpu);
   std::vector<void*> pointers(t.ids, nullptr);
   call_counts c;
+  std::size_t frees_at_warmup = 0;
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) c.frees_after_warmup = static_cast<std::size_t>(a.stats().num_device_free);
+    if (i == t.warmup_ops) frees_at_warmup = static_cast<std::size_t>(a.stats().num_device_free);
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       try {
@@ -504,7 +505,8 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
   }
   c.allocs = static_cast<std::size_t>(a.stats().num_device_alloc);
   c.frees = static_cast<std::size_t>(a.stats().num_device_free);
-  c.frees_after_warmup = c.frees - c.frees_after_warmup;
+  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = c.frees;        // no warm-up reached: nothing after it
+  if (c.completed) c.frees_after_warmup = c.frees - frees_at_warmup;  // 0 for a replay that ran out of memory
   c.unforced_frees = static_cast<std::size_t>(a.stats().num_device_free_unforced);
   c.sync_all_streams = static_cast<std::size_t>(a.stats().num_sync_all_streams);
   for (void* p : pointers) {
@@ -519,8 +521,9 @@ call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocat
   pytorch_allocator_model model(capacity);
   std::vector<void*> pointers(t.ids, nullptr);
   call_counts c;
+  std::size_t frees_at_warmup = 0;
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) c.frees_after_warmup = model.upstream_frees();
+    if (i == t.warmup_ops) frees_at_warmup = model.upstream_frees();
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       pointers[op.id] = model.allocate(op.bytes, op.stream);
@@ -534,7 +537,8 @@ call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocat
   }
   c.allocs = model.upstream_allocs();
   c.frees = model.upstream_frees();
-  c.frees_after_warmup = c.frees - c.frees_after_warmup;
+  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = c.frees;        // no warm-up reached: nothing after it
+  if (c.completed) c.frees_after_warmup = c.frees - frees_at_warmup;  // 0 for a replay that ran out of memory
   return c;
 }
 
@@ -692,7 +696,8 @@ void print_expandable_target(const std::vector<family>& fs, const figure_table& 
 }
 
 /// One cell of the pressure table: the mean upstream frees after warm-up on capacities of 1.2, 1.5 and 2 x each
-/// trace's peak requested, over the traces that ran ("a / b / c", "[n]" after a figure only n traces gave).
+/// trace's peak requested, over the traces that ran ("a / b / c", "[n]" after a figure only n traces gave, "-[0]"
+/// where none ran).
 /// `run(t, capacity)` gives {completed, frees after warm-up}.
 std::string pressure_cell(const std::vector<trace>& traces,
                           const std::function<std::pair<bool, std::size_t>(const trace&, std::size_t)>& run) {
@@ -706,10 +711,14 @@ std::string pressure_cell(const std::vector<trace>& traces,
       frees += static_cast<double>(count);
       ++ran;
     }
-    char figure[32];
-    std::snprintf(figure, sizeof figure, "%s%.0f", cell.empty() ? "" : " / ",
-                  ran == 0 ? 0.0 : frees / static_cast<double>(ran));
-    cell += figure;
+    if (!cell.empty()) cell += " / ";
+    if (ran == 0) {
+      cell += "-";  // no trace ran
+    } else {
+      char figure[32];
+      std::snprintf(figure, sizeof figure, "%.0f", frees / static_cast<double>(ran));
+      cell += figure;
+    }
     if (ran != traces.size()) cell += "[" + std::to_string(ran) + "]";
   }
   return cell;

@@ -136,7 +136,7 @@ class pytorch_allocator_model {
   std::size_t upstream_calls() const noexcept { return upstream_allocs_ + upstream_frees_; }
   std::size_t retries() const noexcept { return retries_; }
   std::size_t ooms() const noexcept { return ooms_; }
-  /// The free blocks of a pool as (address, size), in the pool's order (size, then address).
+  /// The free blocks of a pool as (address, size), in the pool's order (stream, size, then address).
   std::vector<std::pair<std::uintptr_t, std::size_t>> free_blocks(bool small) const {
     std::vector<std::pair<std::uintptr_t, std::size_t>> list;
     for (const block* b : small ? small_ : large_) list.emplace_back(b->address, b->size);

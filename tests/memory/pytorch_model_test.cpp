@@ -184,4 +184,15 @@ TEST_CASE("PyTorch model: a block freed on one stream serves only it; a refusal 
   CHECK(limited.upstream_frees() == 1);
   CHECK(limited.retries() == 0);
   CHECK(limited.reserved() == 52 * MiB);  // stream 2's 20 MiB segment stays
+
+  // When no single oversize block of the stream covers the request, only the stream's own are released (too few
+  // here), then everything: another stream's oversize block is not taken on the way.
+  model mixed(100 * MiB, 32 * MiB);
+  void* other = mixed.allocate(40 * MiB, 0);
+  void* own = mixed.allocate(36 * MiB, 1);
+  mixed.deallocate(other);
+  mixed.deallocate(own);
+  CHECK(mixed.allocate(50 * MiB, 1) != nullptr);  // 76 + 50 > 100, and stream 1's 36 MiB alone is short of 50
+  CHECK(mixed.retries() == 1);                    // a stream-blind release would have taken stream 0's 40 MiB too
+  CHECK(mixed.upstream_frees() == 2);
 }
