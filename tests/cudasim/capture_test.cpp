@@ -3455,6 +3455,51 @@ TEST_CASE("capture: async_pool_upstream out of memory gives back the segments it
   CHECK(cudaStreamDestroy(raw) == cudaSuccess);
 }
 
+TEST_CASE("capture: segments whose release meets a gpukit capture are held back again, and given back after it") {
+  // The path of resource_upstream and async_pool_upstream when a capture begins between their look at the held
+  // segments and the device-wide wait before giving them back: the wait is not made, the segments are held again
+  // (given back with the next one after the captures end), or at the owner's destruction reported as left allocated.
+  gpukit::stream s(cuda0);
+  void* memory = nullptr;
+  REQUIRE(cudaMalloc(&memory, std::size_t{1} << 20) == cudaSuccess);
+  const gpukit::detail::held_segment segment{memory, std::size_t{1} << 20};
+  gpukit::detail::capture_held_segments held;
+  const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
+  gpukit_test::captured_warnings warnings;
+  bool may_go_back = true;
+  std::size_t taken_during = 1;
+  std::size_t taken_at_destruction = 1;
+  gpukit::graph g = gpukit::capture(s, [&] {
+    may_go_back = held.wait_before_giving_back(cuda0, "a test's release", {segment});
+    taken_during = held.take_unless_capturing(cuda0).size();           // held again, not handed out now
+    taken_at_destruction = held.take_at_destruction("a test").size();  // none: a warning instead
+    held.hold_again({segment});                                        // as before the destruction's look
+  });
+  CHECK_FALSE(may_go_back);
+  CHECK(taken_during == 0);
+  CHECK(taken_at_destruction == 0);
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);  // no wait: it would have invalidated the capture
+  REQUIRE(warnings.messages().size() == 1);
+  CHECK(warnings.messages()[0].find("a test: destroyed during a gpukit capture with 1 segment(s)") !=
+        std::string::npos);
+  const std::vector<gpukit::detail::held_segment> after = held.take_unless_capturing(cuda0);
+  REQUIRE(after.size() == 1);  // once the capture ended
+  CHECK(after[0].pointer == memory);
+  CHECK(after[0].bytes == segment.bytes);
+  CHECK(held.wait_before_giving_back(cuda0, "a test's release", after));  // now the wait is made
+  CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits + 1);
+  // At an owner's destruction nothing can be held again: a warning says the segments stay allocated.
+  held.hold_again(after, "a test's upstream");
+  REQUIRE(warnings.messages().size() == 2);
+  CHECK(warnings.messages()[1].find("a test's upstream: 1 segment(s) could not be given back during a capture") !=
+        std::string::npos);
+  CHECK(held.take_unless_capturing(cuda0).empty());
+  g.launch(s);
+  s.synchronize();
+  CHECK(cudaFree(memory) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a host function enqueued on a captured stream is refused: the graph would call a freed callable") {
   // gpukit frees the callable after its first call; a graph calls its host nodes at every launch.
   gpukit::stream s(cuda0);
