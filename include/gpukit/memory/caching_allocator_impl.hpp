@@ -1540,8 +1540,9 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
   // Another stream's block with a fence makes this stream wait for it (take): on the legacy stream, not while a
   // gpukit capture is underway.
   const bool no_waits = needs_capture_hold(st.stream) && detail::gpukit_capture_underway();
-  auto accept_elsewhere = [&accept, no_waits](const block* candidate) {
-    return accept(candidate) && !(no_waits && candidate->fence);
+  auto accept_elsewhere = [this, &accept, no_waits, size](const block* candidate) {
+    return accept(candidate) && !(no_waits && candidate->fence) &&
+           !(candidate->seg->expandable && needs_pages(candidate, size));
   };
   for (const auto& other : streams_) {
     if (other.get() == &st || other->dead) continue;  // a destroyed stream's blocks wait for its last work
