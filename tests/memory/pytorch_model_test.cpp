@@ -156,7 +156,7 @@ TEST_CASE("PyTorch model: max_split_size keeps oversize blocks whole and release
   CHECK(address(waste.allocate(50 * MiB)) == address(huge));  // 64 < 50 + 20 MiB
 }
 
-TEST_CASE("PyTorch model: a block freed on one stream serves only it; a refusal releases every stream's segments") {
+TEST_CASE("PyTorch model: a block freed on one stream serves only it, and a refusal releases every stream's segments") {
   model m(40 * MiB);
   void* on_first = m.allocate(15 * MiB, 1);  // a 16 MiB segment of its own, for stream 1
   m.deallocate(on_first);
