@@ -908,7 +908,7 @@ TEST_CASE("expandable segments: a page between free blocks of two streams (cross
   CHECK(f.a.memory_reserved() == page);  // page 1 stayed mapped: lying wholly in neither free block
   CHECK(f.a.upstream().mapped() == page);
   CHECK(f.invariants({keep}) == "");
-  void* again = f.a.allocate(5 * MiB, f.s1);  // maps them again
+  void* again = f.a.allocate(5 * MiB, f.s1);  // s0's free rest needs pages: s1 maps pages in a range of its own
   CHECK(f.invariants({keep, again}) == "");
   f.a.deallocate(again);
   f.a.deallocate(keep);

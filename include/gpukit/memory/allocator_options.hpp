@@ -65,9 +65,10 @@ struct allocator_options {
   /// Reserved bytes never exceed this: the allocator frees cache and retries, then reports out of memory.
   std::size_t reserved_limit = unlimited;
   /// Reuse a block cached for another stream (the new stream waits for the free's event on the device) before
-  /// asking the upstream. Costs an event record per free on CUDA streams. With expandable segments, only memory
-  /// already mapped is taken from another stream, never the unmapped part of its range: a stream maps pages in a
-  /// range of its own.
+  /// asking the upstream. Costs an event record per free on CUDA streams. With expandable segments, a stream with a
+  /// range of its own maps pages there; another stream's free memory serves it before its first range, or when
+  /// mapping fails, and only where pages are mapped already (taking the unmapped rest of another stream's range
+  /// interleaved the streams' free blocks, which do not merge).
   bool cross_stream_reuse = false;
   /// Before a new segment would raise reserved memory above its high-water mark, return completely free segments
   /// to the upstream first (the smallest that covers the growth): keeps peak reserved memory low when request
