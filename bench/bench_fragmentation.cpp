@@ -14,7 +14,8 @@
 //    three CPU streams;
 // 4. memory pressure: upstream frees over 40 variable-length training steps, and in the three-stream server, on a
 //    device 1.2, 1.5 and 2 x their peak (gpukit's defaults, reuse_before_release, expandable segments, the PyTorch
-//    model), and the minimum capacity reuse_before_release needs on every family.
+//    model), and the minimum capacity reuse_before_release needs on every family;
+// 5. stream churn: peak reserved on the server with its streams kept, or replaced as a stream-per-request server does.
 // `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
 // (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
 // `--no-tables` skips to the benchmarks. The tables take about 12 s in Release and 1.5 min in Debug (CI's smoke run).
@@ -33,7 +34,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -475,17 +475,22 @@ struct call_counts {
   bool completed = true;  // false: an allocation failed (out of memory) and the replay stopped there
   std::size_t allocs = 0, frees = 0, frees_after_warmup = 0;
   std::size_t unforced_frees = 0, sync_all_streams = 0;  // gpukit's statistics (0 for the model)
+  std::size_t peak_reserved = 0;                         // gpukit's
 };
 
 /// The engine on one gpukit CPU stream per stream of the trace (blocks cached for one stream serve only it), on an
-/// upstream of `capacity` bytes; stops at the first out-of-memory error.
+/// upstream of `capacity` bytes; stops at the first out-of-memory error. With `replace_every` n > 0, a stream is
+/// destroyed and a new one made in its place every n-th time it has no allocation left (a server's stream per
+/// request, or per few).
 call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
-                           std::size_t capacity = unlimited_capacity) {
+                           std::size_t capacity = unlimited_capacity, int replace_every = 0) {
   const gpukit::device cpu = gpukit::device::cpu();
   engine a(cpu, o, capacity);
-  std::deque<gpukit::stream> streams;
-  for (int s = 0; s < t.streams; ++s) streams.emplace_back(cpu);
+  std::vector<std::unique_ptr<gpukit::stream>> streams;
+  for (int s = 0; s < t.streams; ++s) streams.push_back(std::make_unique<gpukit::stream>(cpu));
+  std::vector<int> live_on(static_cast<std::size_t>(t.streams), 0), idle(static_cast<std::size_t>(t.streams), 0);
   std::vector<void*> pointers(t.ids, nullptr);
+  std::vector<int> stream_of(t.ids, 0);
   call_counts c;
   std::size_t frees_at_warmup = 0;
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
@@ -493,16 +498,23 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       try {
-        pointers[op.id] = a.allocate(op.bytes, streams[op.stream]);
+        pointers[op.id] = a.allocate(op.bytes, streams[static_cast<std::size_t>(op.stream)]->view());
       } catch (const gpukit::out_of_memory_error&) {
         c.completed = false;
         break;
       }
+      stream_of[op.id] = op.stream;
+      ++live_on[static_cast<std::size_t>(op.stream)];
     } else {
       a.deallocate(pointers[op.id]);
       pointers[op.id] = nullptr;
+      const auto s = static_cast<std::size_t>(stream_of[op.id]);
+      if (--live_on[s] == 0 && replace_every > 0 && ++idle[s] % replace_every == 0) {
+        streams[s] = std::make_unique<gpukit::stream>(cpu);  // the old one destroyed (its work has completed)
+      }
     }
   }
+  c.peak_reserved = static_cast<std::size_t>(a.stats().reserved_bytes.all().peak);
   c.allocs = static_cast<std::size_t>(a.stats().num_device_alloc);
   c.frees = static_cast<std::size_t>(a.stats().num_device_free);
   if (t.warmup_ops >= t.ops.size()) frees_at_warmup = c.frees;        // no warm-up reached: nothing after it
@@ -789,6 +801,38 @@ void print_pressure_table(int seeds, const std::vector<family>& fs, const figure
   std::fflush(stdout);
 }
 
+/// Stream churn: the 3-stream server with its streams kept, and replaced every 1st / 4th / 16th time one has no
+/// allocation left; peak reserved (MiB, mean and worst over the seeds) with the defaults and with expandable segments.
+/// Replacing streams should cost no more than keeping them: a new stream continues with a destroyed one's memory.
+void print_stream_churn_table(int seeds) {
+  std::vector<trace> servers;
+  for (int seed = 1; seed <= seeds; ++seed) {
+    servers.push_back(inference_server(3000, 3, 4 * KiB, 64 * MiB, static_cast<std::uint64_t>(seed)));
+  }
+  const int replace_every[] = {0, 1, 4, 16};
+  std::printf(
+      "\nStream churn: peak reserved (MiB, mean / worst) on the 3-stream server, streams kept or replaced every n-th "
+      "time one is idle\n%-34s | %-13s | %-13s | %-13s | %-13s\n",
+      "allocator", "kept", "every 1st", "every 4th", "every 16th");
+  const std::pair<const char*, gpukit::allocator_options> rows[] = {{"gpukit defaults", gpukit::allocator_options{}},
+                                                                    {"expandable segments", expandable()}};
+  for (const auto& [name, o] : rows) {
+    std::printf("%-34s", name);
+    for (const int every : replace_every) {
+      double sum = 0, worst = 0;
+      for (const trace& t : servers) {
+        const double peak = static_cast<double>(streams_engine(t, o, unlimited_capacity, every).peak_reserved) /
+                            static_cast<double>(MiB);
+        sum += peak;
+        worst = std::max(worst, peak);
+      }
+      std::printf(" | %5.0f / %5.0f", sum / static_cast<double>(servers.size()), worst);
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
 void BM_fragmentation(benchmark::State& state, const trace* t, variant v) {
   run_result r;
   for (auto _ : state) r = v.run(*t, unlimited_capacity);
@@ -856,6 +900,7 @@ int main(int argc, char** argv) {
     print_expandable_target(fs, x, 5, 2);
     print_large_front_cost(fs, x, 6, 0);
     print_pressure_table(seeds, fs, x, 0, 2);
+    print_stream_churn_table(seeds);
     std::printf("\n(tables: %.1f s)\n\n", seconds_since(start));
   }
   for (const auto& f : fs) {

@@ -80,6 +80,8 @@ enum variant : int {
   reuse_limited,     // the same limit with allocator_options::reuse_before_release
   variant_count
 };
+/// The variants that run under a reserved limit (their names say limited_factor).
+constexpr bool is_limited(variant v) { return v == segments_limited || v == reuse_limited; }
 const char* const variant_names[variant_count] = {"gpukit, segments (default)", "gpukit, expandable segments",
                                                   "cudaMallocAsync pool",       "cudaMalloc/cudaFree",
                                                   "gpukit, limit 1.5x",         "gpukit, limit 1.5x, reuse"};
@@ -239,7 +241,7 @@ replay_times replay_variant(const trace& t, variant which, const stream_list& st
     case reuse_limited: {
       gpukit::allocator_options o;
       o.expandable_segments = which == expandable;
-      if (which == segments_limited || which == reuse_limited) {
+      if (is_limited(which)) {
         o.reserved_limit = static_cast<std::size_t>(limited_factor * static_cast<double>(t.peak_requested));
         o.reuse_before_release = which == reuse_limited;
       }
@@ -278,8 +280,7 @@ void BM_trace(benchmark::State& state) {
       sum.later_upstream_frees = r.later_upstream_frees;
     }
   } catch (const gpukit::out_of_memory_error& e) {
-    const bool limited = which == segments_limited || which == reuse_limited;
-    state.SkipWithError(limited ? (std::string(limited_refusal) + e.what()).c_str() : e.what());
+    state.SkipWithError(is_limited(which) ? (std::string(limited_refusal) + e.what()).c_str() : e.what());
     return;
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());

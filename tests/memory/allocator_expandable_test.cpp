@@ -50,6 +50,15 @@ struct setup : fake_setup {
   fake_stream s1 = add_stream();
 };
 
+/// The start of the expandable range that holds `p` (0: none).
+std::uintptr_t range_of(const fake_allocator& a, const void* p) {
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
+  for (const auto& seg : a.snapshot().segments) {
+    if (seg.expandable && address >= seg.address && address < seg.address + seg.size) return seg.address;
+  }
+  return 0;
+}
+
 }  // namespace
 
 TEST_CASE("expandable segments: pages are mapped as blocks need them, in one range per stream and pool") {
@@ -867,16 +876,7 @@ TEST_CASE(
   setup f(o);
   void* first = f.a.allocate(4 * MiB, f.s0);   // s0's range: 2 pages mapped, the rest of it free and unmapped
   void* second = f.a.allocate(4 * MiB, f.s1);  // s0 has no mapped free memory: s1 maps pages of a range of its own
-  const auto range_of = [&](void* p) {
-    for (const auto& seg : f.a.snapshot().segments) {
-      if (reinterpret_cast<std::uintptr_t>(p) >= seg.address &&
-          reinterpret_cast<std::uintptr_t>(p) < seg.address + seg.size) {
-        return seg.address;
-      }
-    }
-    return std::uintptr_t{0};
-  };
-  CHECK(range_of(first) != range_of(second));
+  CHECK(range_of(f.a, first) != range_of(f.a, second));
   CHECK(f.a.memory_reserved() == 4 * page);
   f.a.deallocate(first);  // mapped and free on s0
   const fake_stream s2 = f.add_stream();
@@ -884,8 +884,8 @@ TEST_CASE(
   CHECK(third == first);
   CHECK(f.a.memory_reserved() == 4 * page);
   void* fourth = f.a.allocate(8 * MiB, s2);  // no mapped free memory holds it: a range of s2's own
-  CHECK(range_of(fourth) != range_of(first));
-  CHECK(range_of(fourth) != range_of(second));
+  CHECK(range_of(f.a, fourth) != range_of(f.a, first));
+  CHECK(range_of(f.a, fourth) != range_of(f.a, second));
   CHECK(f.a.memory_reserved() == 8 * page);
   CHECK(f.invariants({second, third, fourth}) == "");
   for (void* p : {second, third, fourth}) f.a.deallocate(p);
@@ -912,6 +912,67 @@ TEST_CASE("expandable segments: a page between free blocks of two streams (cross
   CHECK(f.invariants({keep, again}) == "");
   f.a.deallocate(again);
   f.a.deallocate(keep);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments with cross-stream reuse: a block taken from another stream's range is not grown there") {
+  // s1 took s0's mapped block and freed it: the block is s1's, in s0's range. Once its pages are unmapped, s1 maps
+  // pages in a range of its own rather than there, between s0's blocks.
+  gpukit::allocator_options o = expandable();
+  o.cross_stream_reuse = true;
+  o.front_cache = false;
+  setup f(o);
+  void* first = f.a.allocate(4 * MiB, f.s0);
+  void* keep = f.a.allocate(2 * MiB, f.s0);  // s0's range stays in use
+  f.a.deallocate(first);
+  void* borrowed = f.a.allocate(4 * MiB, f.s1);  // s1 has no range yet: s0's mapped free block serves it
+  REQUIRE(borrowed == first);
+  f.a.deallocate(borrowed);
+  f.a.empty_cache();  // unmaps the pages of every free block
+  REQUIRE(f.a.memory_reserved() == page);
+  void* again = f.a.allocate(4 * MiB, f.s1);
+  CHECK(range_of(f.a, again) != range_of(f.a, keep));
+  CHECK(f.a.memory_reserved() == 3 * page);
+  CHECK(f.invariants({keep, again}) == "");
+  f.a.deallocate(again);
+  f.a.deallocate(keep);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
+
+TEST_CASE("expandable segments: a stream made after another was destroyed takes over its range and mapped pages") {
+  // A server that makes a stream per request: before, every stream without a range took blocks of a destroyed
+  // stream's range, mapped or not, so the live streams' free blocks interleaved there (they do not merge) and pages
+  // were mapped that none of them could use; peak reserved on the 3-stream server trace with streams replaced went
+  // from 474 MiB (streams kept) to up to 1202 MiB (bench_fragmentation's stream churn row).
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  setup f(o);
+  const fake_stream gone = f.add_stream();
+  void* a1 = f.a.allocate(2 * MiB, gone);
+  void* a2 = f.a.allocate(6 * MiB, gone);
+  f.a.deallocate(a1);
+  f.a.deallocate(a2);        // 4 pages mapped and free in `gone`'s range
+  f.world.destroy(gone.id);  // no work pending: its blocks go to no stream at the next allocation
+  const fake_stream next = f.add_stream();
+  const fake_stream other = f.add_stream();
+  void* b1 = f.a.allocate(2 * MiB, next);  // takes over `gone`'s range, and with it its free blocks
+  CHECK(b1 == a1);
+  void* c1 = f.a.allocate(2 * MiB, other);  // nothing left to any stream: a range of its own
+  CHECK(range_of(f.a, c1) != range_of(f.a, b1));
+  void* b2 = f.a.allocate(6 * MiB, next);  // `gone`'s mapped pages
+  CHECK(range_of(f.a, b2) == range_of(f.a, b1));
+  CHECK(f.a.memory_reserved() == 5 * page);
+  CHECK(f.a.stats().num_device_alloc == 5);  // pages mapped: `gone`'s 4 and `other`'s 1
+  CHECK(f.invariants({b1, c1, b2}) == "");
+  for (void* p : {b1, c1, b2}) f.a.deallocate(p);
+  f.world.destroy(next.id);
+  const fake_stream last = f.add_stream();
+  void* d = f.a.allocate(8 * MiB, last);  // `next`'s range, taken over in turn
+  CHECK(d == a1);
+  CHECK(f.a.memory_reserved() == 5 * page);
+  f.a.deallocate(d);
   f.a.empty_cache();
   CHECK(f.a.upstream().used() == 0);
 }

@@ -405,6 +405,8 @@ class basic_caching_allocator {
     bool expandable = false;        // a virtual range whose pages are mapped on demand (expandable_segments)
     bool left_to_upstream = false;  // at destruction: a capture keeps the legacy stream's use of it unknown
     detail::page_map pages;         // expandable: which pages are mapped
+    // Expandable: the stream whose range it is, the only one that maps pages in it (none once that stream is gone).
+    stream_state* range_of = nullptr;
     /// Bytes backed by memory: the whole segment, or the mapped pages of an expandable one.
     std::size_t mapped() const noexcept { return expandable ? pages.mapped_bytes() : size; }
     block* first = nullptr;
@@ -621,6 +623,13 @@ class basic_caching_allocator {
 
   /// A destroyed stream's work has completed: its free blocks go to no stream, so any stream may take them at once.
   void retire(stream_state* st);
+
+  /// `st` is gone (retired, or its state pruned): its ranges belong to no stream until one without a range takes one.
+  static void disown_ranges(const stream_state& st) noexcept;
+
+  /// `st`, without a range of its own in `range`'s pool, takes over `range` (of a stream gone) and its unowned free
+  /// blocks: a stream created in place of a destroyed one continues where it left off.
+  void take_over(stream_state& st, segment* range) noexcept;
 
   void wait_finished_quietly(const tracker_type& tracker) noexcept;
 
@@ -914,7 +923,8 @@ class basic_caching_allocator {
     kept_whole,   ///< only blocks those two keep from the request (reuse_before_release), split when taken
   };
   /// Best fit for `size` bytes among the free blocks `st` may take (its own, those of destroyed streams, others' with
-  /// cross_stream_reuse), of those `search` considers.
+  /// cross_stream_reuse), of those `search` considers. A block that needs pages must lie in `st`'s range, or in one
+  /// no stream has while `st` has none (which `st` then takes over).
   block* find_free(stream_state& st, std::size_t size, bool small, free_search search = free_search::ordinary);
 
   /// Turns free block `b` (in a pool) into an allocation of `size` bytes on `st`, splitting off the remainder. False
