@@ -81,6 +81,24 @@ struct run_result {
   std::size_t upstream_calls() const { return upstream_allocs + upstream_frees; }
 };
 
+/// Counts upstream frees from a trace's warm-up on: `look(i, frees)` before operation i, `after(frees, completed)` at
+/// the end (0 for a replay that ran out of memory, or that never reached the warm-up).
+class warmup_frees {
+ public:
+  explicit warmup_frees(const trace& t) : warmup_ops_(t.warmup_ops) {}
+  void look(std::size_t i, std::size_t frees) {
+    if (i != warmup_ops_) return;
+    at_warmup_ = frees;
+    reached_ = true;
+  }
+  std::size_t after(std::size_t frees, bool completed) const { return completed && reached_ ? frees - at_warmup_ : 0; }
+
+ private:
+  std::size_t warmup_ops_;
+  std::size_t at_warmup_ = 0;
+  bool reached_ = false;
+};
+
 /// Replays a single-stream trace through `a` (allocate(bytes) gives nullptr when out of memory), stopping at the
 /// first failure; what is still live is freed afterwards, outside the measurement.
 template <class Allocator>
@@ -88,9 +106,9 @@ run_result replay_measured(const trace& t, Allocator& a) {
   std::vector<void*> pointers(t.ids, nullptr);
   std::vector<std::size_t> sizes(t.ids, 0);
   run_result r;
-  std::size_t frees_at_warmup = 0;
+  warmup_frees after_warmup(t);
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) frees_at_warmup = a.upstream_frees();
+    after_warmup.look(i, a.upstream_frees());
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       void* p = a.allocate(op.bytes);
@@ -105,11 +123,10 @@ run_result replay_measured(const trace& t, Allocator& a) {
       pointers[op.id] = nullptr;
     }
   }
-  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = a.upstream_frees();
   r.peak_reserved = a.peak_reserved();
   r.upstream_allocs = a.upstream_allocs();
   r.upstream_frees = a.upstream_frees();
-  r.frees_after_warmup = r.upstream_frees - frees_at_warmup;
+  r.frees_after_warmup = after_warmup.after(r.upstream_frees, r.completed);
   for (std::size_t id = 0; id < t.ids; ++id) {
     if (pointers[id] != nullptr) a.deallocate(pointers[id], sizes[id]);
   }
@@ -492,9 +509,9 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
   std::vector<void*> pointers(t.ids, nullptr);
   std::vector<int> stream_of(t.ids, 0);
   call_counts c;
-  std::size_t frees_at_warmup = 0;
+  warmup_frees after_warmup(t);
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) frees_at_warmup = static_cast<std::size_t>(a.stats().num_device_free);
+    after_warmup.look(i, static_cast<std::size_t>(a.stats().num_device_free));
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       try {
@@ -517,8 +534,7 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
   c.peak_reserved = static_cast<std::size_t>(a.stats().reserved_bytes.all().peak);
   c.allocs = static_cast<std::size_t>(a.stats().num_device_alloc);
   c.frees = static_cast<std::size_t>(a.stats().num_device_free);
-  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = c.frees;        // no warm-up reached: nothing after it
-  if (c.completed) c.frees_after_warmup = c.frees - frees_at_warmup;  // 0 for a replay that ran out of memory
+  c.frees_after_warmup = after_warmup.after(c.frees, c.completed);
   c.unforced_frees = static_cast<std::size_t>(a.stats().num_device_free_unforced);
   c.sync_all_streams = static_cast<std::size_t>(a.stats().num_sync_all_streams);
   for (void* p : pointers) {
@@ -533,9 +549,9 @@ call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocat
   pytorch_allocator_model model(capacity);
   std::vector<void*> pointers(t.ids, nullptr);
   call_counts c;
-  std::size_t frees_at_warmup = 0;
+  warmup_frees after_warmup(t);
   for (std::size_t i = 0; i < t.ops.size(); ++i) {
-    if (i == t.warmup_ops) frees_at_warmup = model.upstream_frees();
+    after_warmup.look(i, model.upstream_frees());
     const trace_op& op = t.ops[i];
     if (op.allocate) {
       pointers[op.id] = model.allocate(op.bytes, op.stream);
@@ -549,8 +565,7 @@ call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocat
   }
   c.allocs = model.upstream_allocs();
   c.frees = model.upstream_frees();
-  if (t.warmup_ops >= t.ops.size()) frees_at_warmup = c.frees;        // no warm-up reached: nothing after it
-  if (c.completed) c.frees_after_warmup = c.frees - frees_at_warmup;  // 0 for a replay that ran out of memory
+  c.frees_after_warmup = after_warmup.after(c.frees, c.completed);
   return c;
 }
 
