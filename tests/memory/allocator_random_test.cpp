@@ -65,6 +65,9 @@ std::vector<scenario> scenarios() {
   gpukit::allocator_options expandable_limited = expandable;
   expandable_limited.reserved_limit = 200 * MiB;
   list.push_back({"expandable segments, limit 200 MiB", expandable_limited, 400 * MiB});
+  gpukit::allocator_options expandable_cross = expandable;  // blocks move between streams' ranges
+  expandable_cross.cross_stream_reuse = true;
+  list.push_back({"expandable segments, cross-stream reuse", expandable_cross, 768 * MiB});
   return list;
 }
 

@@ -628,8 +628,9 @@ class basic_caching_allocator {
   static void disown_ranges(const stream_state& st) noexcept;
 
   /// `st`, without a range of its own in `range`'s pool, takes over `range` (of a stream gone) and its unowned free
-  /// blocks: a stream created in place of a destroyed one continues where it left off.
-  void take_over(stream_state& st, segment* range) noexcept;
+  /// blocks: a stream created in place of a destroyed one continues where it left off. False (nothing changed) when
+  /// `st`'s index cannot be made.
+  bool take_over(stream_state& st, segment* range) noexcept;
 
   void wait_finished_quietly(const tracker_type& tracker) noexcept;
 
@@ -913,8 +914,9 @@ class basic_caching_allocator {
   bool joinable(const block* n, const stream_state* owner) const noexcept;
 
   /// Indexes free block `b` in its stream's pool, joined with its joinable free neighbours. A neighbour of no stream
-  /// may itself border a free block of b's stream, hence the loops (two steps at most each way).
-  void insert_free(block* b);
+  /// may itself border a free block of b's stream, hence the loops (two steps at most each way). Returns the block
+  /// `b` ended in.
+  block* insert_free(block* b);
 
   /// Which free blocks find_free considers.
   enum class free_search {

@@ -740,11 +740,11 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::disown_ranges(c
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take_over(stream_state& st, segment* range) noexcept {
+GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take_over(stream_state& st, segment* range) noexcept {
   try {
     (void)index_in(st, range->small);  // the only step that can fail: then the range stays free for the taking
   } catch (...) {
-    return;
+    return false;
   }
   range->range_of = &st;
   st.expandable[range->small ? 1 : 0] = range;
@@ -755,6 +755,13 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::take_over(strea
     b->owner = &st;
     index_free(b);  // cannot throw: st's index exists
   }
+  // Merged with st's own free blocks beside them (unowned blocks merge only with one another until now).
+  for (block* b = range->first; b != nullptr; b = b->next) {
+    if (b->state != block_state::free || b->owner != &st || !joinable(b->next, &st)) continue;
+    unindex_free(b);
+    b = insert_free(b);
+  }
+  return true;
 }
 
 template <class Upstream, class StreamOps>
@@ -1515,7 +1522,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::joinable(const 
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(block* b) {
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::insert_free(block* b) -> block* {
   stream_state* const owner = b->owner;
   for (block* p = b->prev; joinable(p, owner); p = b->prev) {
     unindex_free(p);
@@ -1538,6 +1545,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::insert_free(blo
     recycle(n);
   }
   index_free(b);
+  return b;
 }
 
 template <class Upstream, class StreamOps>
@@ -1567,8 +1575,10 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
            !needs_pages(candidate, size);
   };
   auto accept_mapping = [&accept, &may_map](const block* candidate) { return accept(candidate) && may_map(candidate); };
-  auto found = [this, &st, pool](block* b) {
-    if (b->seg->expandable && b->seg->range_of == nullptr && st.expandable[pool] == nullptr) take_over(st, b->seg);
+  auto found = [&](block* b) {
+    if (b->seg->expandable && b->seg->range_of == nullptr && st.expandable[pool] == nullptr && take_over(st, b->seg)) {
+      return find_free(st, size, small, search);  // its blocks are st's now, merged (`b` may be gone): once more
+    }
     return b;
   };
   if (const auto& index = st.pools[pool]; index && !index->empty()) {
