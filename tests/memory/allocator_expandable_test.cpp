@@ -1011,3 +1011,28 @@ TEST_CASE("expandable segments: a range taken over merges its free blocks with t
   f.a.empty_cache();
   CHECK(f.a.upstream().used() == 0);
 }
+
+TEST_CASE("expandable segments: a destroyed stream's block freed after its range was taken over joins the new owner") {
+  // Freed after its stream's retirement, a block went to no stream, and blocks of no stream merge only with one
+  // another: between the new owner's free blocks it stayed apart, and a request both held mapped new pages.
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  setup f(o);
+  const fake_stream gone = f.add_stream();
+  void* x = f.a.allocate(2 * MiB, gone);
+  void* y = f.a.allocate(2 * MiB, gone);  // outlives its stream
+  f.a.deallocate(x);
+  f.world.destroy(gone.id);
+  const fake_stream s = f.add_stream();
+  void* sx = f.a.allocate(2 * MiB, s);  // takes over `gone`'s range
+  REQUIRE(sx == x);
+  f.a.deallocate(sx);
+  f.a.deallocate(y);  // `s`'s now, merged with the free blocks around it
+  void* both = f.a.allocate(4 * MiB, s);
+  CHECK(both == x);
+  CHECK(f.a.memory_reserved() == 2 * page);
+  CHECK(f.invariants({both}) == "");
+  f.a.deallocate(both);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}

@@ -621,8 +621,12 @@ class basic_caching_allocator {
   /// Retires the destroyed streams whose last work has completed (polled, never waited for).
   void retire_finished();
 
-  /// A destroyed stream's work has completed: its free blocks go to no stream, so any stream may take them at once.
+  /// A destroyed stream's work has completed: its free blocks go to no stream, so any stream may take them at once
+  /// (those in a range another stream has go to that stream: heir_of).
   void retire(stream_state* st);
+
+  /// Who a free block of a retired stream goes to: the stream whose range holds it, else no stream (any may take it).
+  stream_state* heir_of(const block* b) const noexcept;
 
   /// `st` is gone (retired, or its state pruned): its ranges belong to no stream until one without a range takes one.
   static void disown_ranges(const stream_state& st) noexcept;

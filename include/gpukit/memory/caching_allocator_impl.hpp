@@ -726,7 +726,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::retire(stream_s
     while (block* b = index->find(1, [](const block*) { return true; })) {
       unindex_free(b);
       recycle_event(std::move(b->fence), device_);  // its work is done, fenced work included
-      b->owner = unowned_.get();
+      b->owner = heir_of(b);
       insert_free(b);
     }
   }
@@ -737,6 +737,15 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::disown_ranges(c
   for (segment* range : st.expandable) {
     if (range != nullptr && range->range_of == &st) range->range_of = nullptr;  // the next stream without one takes it
   }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::heir_of(const block* b) const noexcept
+    -> stream_state* {
+  // In a range a stream has, the block merges with that stream's free blocks (its index exists: made with the range,
+  // or when the range was taken over); elsewhere it is any stream's.
+  stream_state* range_owner = b->seg->expandable ? b->seg->range_of : nullptr;
+  return range_owner != nullptr && !range_owner->retired ? range_owner : unowned_.get();
 }
 
 template <class Upstream, class StreamOps>
@@ -1510,7 +1519,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_to_pool(
   --b->owner->in_use;
   if (b->owner->retired) {
     recycle_event(std::move(b->fence), device_);
-    b->owner = unowned_.get();
+    b->owner = heir_of(b);
   }
   insert_free(b);
 }
@@ -1575,8 +1584,10 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
            !needs_pages(candidate, size);
   };
   auto accept_mapping = [&accept, &may_map](const block* candidate) { return accept(candidate) && may_map(candidate); };
+  // (Not in a search for mapped memory, which maps no page; nor for a stream destroyed while the lock was released.)
   auto found = [&](block* b) {
-    if (b->seg->expandable && b->seg->range_of == nullptr && st.expandable[pool] == nullptr && take_over(st, b->seg)) {
+    if (b->seg->expandable && b->seg->range_of == nullptr && st.expandable[pool] == nullptr &&
+        search != free_search::mapped_only && !st.dead && take_over(st, b->seg)) {
       return find_free(st, size, small, search);  // its blocks are st's now, merged (`b` may be gone): once more
     }
     return b;
