@@ -1036,3 +1036,32 @@ TEST_CASE("expandable segments: a destroyed stream's block freed after its range
   f.a.empty_cache();
   CHECK(f.a.upstream().used() == 0);
 }
+
+TEST_CASE("expandable segments: a destroyed stream's free block in another stream's range joins that stream's") {
+  // `t` took and freed a block of `h`'s range (cross-stream reuse). When `t` retires, the block goes to `h`, merging
+  // with `h`'s free block beside it; to no stream, it stayed apart, and `h` mapped pages for what both held.
+  gpukit::allocator_options o = expandable();
+  o.cross_stream_reuse = true;
+  o.front_cache = false;
+  setup f(o);
+  const fake_stream h = f.add_stream();
+  const fake_stream t = f.add_stream();
+  void* h1 = f.a.allocate(2 * MiB, h);
+  void* h2 = f.a.allocate(2 * MiB, h);
+  void* h3 = f.a.allocate(2 * MiB, h);
+  f.a.deallocate(h1);
+  void* t1 = f.a.allocate(2 * MiB, t);  // `t` has no range: `h`'s mapped free block
+  REQUIRE(t1 == h1);
+  f.a.deallocate(t1);  // `t`'s, in `h`'s range
+  f.a.deallocate(h2);  // `h`'s, beside it: blocks of two streams, apart
+  f.world.destroy(t.id);
+  void* other = f.a.allocate(1000, f.s0);  // notices the destruction: `t` retires
+  const std::size_t reserved = f.a.memory_reserved();
+  void* both = f.a.allocate(4 * MiB, h);
+  CHECK(both == h1);
+  CHECK(f.a.memory_reserved() == reserved);
+  CHECK(f.invariants({both, h3, other}) == "");
+  for (void* p : {both, h3, other}) f.a.deallocate(p);
+  f.a.empty_cache();
+  CHECK(f.a.upstream().used() == 0);
+}
