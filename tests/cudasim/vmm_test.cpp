@@ -77,6 +77,57 @@ TEST_CASE("vmm: a caching allocator with expandable segments maps device pages o
   CHECK(cudasim::calls("cudaMalloc") == 0);
 }
 
+TEST_CASE("vmm: a stream made after another was destroyed takes over its range, and unmapping waits for its work") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  gpukit::caching_allocator a(d, o);
+  gpukit_test::gate g;  // after the allocator: destroyed first, it lets held work go before the allocator waits for it
+  const std::size_t reserves = cudasim::calls("cuMemAddressReserve");
+  const std::size_t maps = cudasim::calls("cuMemMap");
+  const std::size_t range_frees = cudasim::calls("cuMemAddressFree");
+  void* p = nullptr;
+  cudaStream_t old_handle = nullptr;
+  {
+    gpukit::stream A(d);
+    old_handle = A.cuda_handle();
+    p = a.allocate(4 * MiB, A);  // pages 0-1 of A's range
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(p, 0, 4 * MiB, A.cuda_handle()));
+    a.deallocate(p);
+  }
+  cudasim::drain_all();  // A's work is done: its range is any stream's without one
+  gpukit::stream B(d);
+  REQUIRE(B.cuda_handle() == old_handle);  // a new stream on the old handle: a new stream to the allocator
+  void* q = a.allocate(4 * MiB, B);
+  CHECK(q == p);  // A's mapped pages, in A's range: no new range, no page mapped
+  CHECK(cudasim::calls("cuMemAddressReserve") == reserves + 1);
+  CHECK(cudasim::calls("cuMemMap") == maps + 2);
+  void* more = a.allocate(4 * MiB, B);  // B maps pages in the range it took over
+  CHECK(cudasim::calls("cuMemAddressReserve") == reserves + 1);
+  CHECK(cudasim::calls("cuMemMap") == maps + 4);
+  gpukit::stream C(d);  // B has the range now: C maps its own
+  void* other = a.allocate(4 * MiB, C);
+  CHECK(cudasim::calls("cuMemAddressReserve") == reserves + 2);
+  a.deallocate(other);
+  // B's work on its blocks is held back; empty_cache must wait for it (an event on B) before unmapping their pages,
+  // or the held memsets would write to unmapped pages (a violation). The gate opens as that wait begins.
+  g.hold(B);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(q, 1, 4 * MiB, B.cuda_handle()));
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(more, 1, 4 * MiB, B.cuda_handle()));
+  a.deallocate(q);
+  a.deallocate(more);
+  const std::size_t waits = cudasim::calls("cudaEventSynchronize");
+  const std::size_t unmaps = cudasim::calls("cuMemUnmap");
+  cudasim::before_call("cudaEventSynchronize", 1, [&] { g.open(); });
+  a.empty_cache();
+  CHECK(cudasim::calls("cudaEventSynchronize") > waits);
+  CHECK(cudasim::calls("cuMemUnmap") == unmaps + 6);  // B's 4 pages, C's 2
+  CHECK(cudasim::calls("cuMemAddressFree") == range_frees + 2);
+  CHECK(a.memory_reserved() == 0);
+  cudasim::drain_all();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: empty_cache waits for the pages' stream without the allocator's lock and keeps pages freed meanwhile") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);

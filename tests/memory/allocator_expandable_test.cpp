@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -38,6 +39,14 @@ gpukit::allocator_options expandable(gpukit::allocator_options o = {}) {
   return o;
 }
 
+/// Expandable segments with every call through the device lock (no front cache), and cross-stream reuse if asked.
+gpukit::allocator_options without_front_cache(bool cross_stream_reuse = false) {
+  gpukit::allocator_options o = expandable();
+  o.front_cache = false;
+  o.cross_stream_reuse = cross_stream_reuse;
+  return o;
+}
+
 struct setup : fake_setup {
   explicit setup(const gpukit::allocator_options& o = expandable(), std::size_t capacity = 1 * GiB)
       : fake_setup(o, capacity) {}
@@ -49,6 +58,15 @@ struct setup : fake_setup {
   fake_stream s0 = add_stream();
   fake_stream s1 = add_stream();
 };
+
+/// Frees `live` through a setup's allocator and empties its cache: true when every page and range went back to the
+/// upstream.
+template <class Setup>
+bool released_all(Setup& f, std::initializer_list<void*> live) {
+  for (void* p : live) f.a.deallocate(p);
+  f.a.empty_cache();
+  return f.a.upstream().used() == 0;
+}
 
 /// The start of the expandable range that holds `p` (0: none).
 std::uintptr_t range_of(const fake_allocator& a, const void* p) {
@@ -152,9 +170,7 @@ TEST_CASE("expandable segments: the largest free block is the mapped run at a fr
   }
   CHECK_MESSAGE(message.find("largest free block 1.50 MiB") != std::string::npos, message);
   CHECK(f.invariants({x, z, w}) == "");
-  for (void* p : {x, z, w}) f.a.deallocate(p);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {x, z, w}));
 }
 
 TEST_CASE("expandable segments: under pressure, the pages of a freed hole are unmapped for a larger request") {
@@ -171,9 +187,7 @@ TEST_CASE("expandable segments: under pressure, the pages of a freed hole are un
   CHECK(f.a.stats().num_ooms == 0);
   CHECK(f.a.stats().num_alloc_retries >= 1);
   CHECK(f.invariants({b, c, d}) == "");
-  for (void* p : {b, c, d}) f.a.deallocate(p);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {b, c, d}));
 }
 
 TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out of memory says so") {
@@ -233,15 +247,11 @@ TEST_CASE("expandable segments: the upstream refusing a page is out of memory, a
   f.a.upstream().fail_next(1);  // a transient refusal: the retry after releasing the cache succeeds
   void* b = f.a.allocate(2 * MiB, f.s0);
   CHECK(f.invariants({a, b}) == "");
-  for (void* p : {a, b}) f.a.deallocate(p);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {a, b}));
 }
 
 TEST_CASE("expandable segments: pages of a block another stream still uses are unmapped only after its work") {
-  gpukit::allocator_options o = expandable();
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache());
   void* a = f.a.allocate(4 * MiB, f.s0);
   f.world.enqueue(f.s1.id);
   f.a.record_stream(a, f.s1);  // s1 reads a
@@ -498,14 +508,9 @@ struct waiting_upstream : gpukit::address_space_upstream {
 using waiting_allocator = gpukit::basic_caching_allocator<waiting_upstream, fake_stream_ops>;
 
 struct waiting_setup {
-  waiting_setup() : a(gpukit::device::cpu(), no_front_cache(), 1 * GiB) {
+  waiting_setup() : a(gpukit::device::cpu(), without_front_cache(), 1 * GiB) {
     a.stream_operations().world = &world;
     s0 = fake_stream{world.add_stream()};
-  }
-  static gpukit::allocator_options no_front_cache() {
-    gpukit::allocator_options o = expandable();
-    o.front_cache = false;  // every call takes the device lock
-    return o;
   }
   fake_world world;
   waiting_allocator a;
@@ -631,9 +636,7 @@ TEST_CASE("expandable segments: no device wait without a free page to unmap, and
   f.a.deallocate(again);
   CHECK(f.a.trim(0) == 2 * page);  // a's pages; keep's stay
   CHECK(f.a.upstream().device_waits() == 1);
-  f.a.deallocate(keep);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {keep}));
 }
 
 namespace {
@@ -663,7 +666,7 @@ using event_waiting_allocator = gpukit::basic_caching_allocator<event_waiting_up
 
 struct event_waiting_setup {
   explicit event_waiting_setup(std::size_t capacity = 1 * GiB)
-      : a(gpukit::device::cpu(), waiting_setup::no_front_cache(), capacity) {
+      : a(gpukit::device::cpu(), without_front_cache(), capacity) {
     a.stream_operations().world = &world;
     a.upstream().world = &world;
     raw = add_stream();
@@ -731,9 +734,7 @@ TEST_CASE("expandable segments: the wait for the owners' events releases the loc
   f.a.empty_cache();                                      // b's pages now, after that work
   CHECK(f.stream(s0).completed == f.stream(s0).enqueued);
   CHECK(f.a.memory_reserved() == 2 * page);
-  f.a.deallocate(keep);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {keep}));
 }
 
 TEST_CASE("expandable segments: an allocation unmaps a destroyed stream's free pages after its last work only") {
@@ -749,9 +750,7 @@ TEST_CASE("expandable segments: an allocation unmaps a destroyed stream's free p
   CHECK(f.a.upstream().event_waits == 0);     // nothing recorded on a destroyed stream
   CHECK(f.a.memory_reserved() == 8 * MiB);
   CHECK(f.a.snapshot().segments.size() == 1);
-  f.a.deallocate(p);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {p}));
 }
 
 TEST_CASE("expandable segments: the free pages of a stream the allocator does not track wait for the whole device") {
@@ -772,9 +771,7 @@ TEST_CASE("expandable segments over host pages: a range whose unmapped part anot
   // rest (no page mapped) A's. The allocator's destructor waited for B's work only; A's block needs no wait, and once
   // counted as not waited for it kept the whole range (and its pages) reserved, with a warning.
   const gpukit::device cpu = gpukit::device::cpu();
-  gpukit::allocator_options o = expandable();
-  o.front_cache = false;
-  o.cross_stream_reuse = true;
+  const gpukit::allocator_options o = without_front_cache(true);
   gpukit_test::captured_warnings warnings;
   {
     gpukit::basic_caching_allocator<host_event_upstream, gpukit::stream_ops> a(cpu, o);
@@ -792,8 +789,7 @@ TEST_CASE("expandable segments over host pages: a range whose unmapped part anot
 
 TEST_CASE("expandable segments over host pages: releases that wait for the owners' events never unmap a page in use") {
   const gpukit::device cpu = gpukit::device::cpu();
-  gpukit::allocator_options o = expandable();
-  o.front_cache = false;
+  const gpukit::allocator_options o = without_front_cache();
   gpukit::basic_caching_allocator<host_event_upstream, gpukit::stream_ops> a(cpu, o);
   constexpr int threads = 4;
   std::atomic<int> corrupted{0};
@@ -870,10 +866,7 @@ TEST_CASE(
   // streams' free blocks interleaved in one range, where blocks of different streams do not merge: on the 3-stream
   // server trace peak reserved went from 474 to 826 MiB, and on a capacity of 2x its peak requested 6093 pages were
   // given back and mapped again (bench_fragmentation, results file cpu-20261206-0330-pressure-server.md).
-  gpukit::allocator_options o = expandable();
-  o.cross_stream_reuse = true;
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache(true));
   void* first = f.a.allocate(4 * MiB, f.s0);   // s0's range: 2 pages mapped, the rest of it free and unmapped
   void* second = f.a.allocate(4 * MiB, f.s1);  // s0 has no mapped free memory: s1 maps pages of a range of its own
   CHECK(range_of(f.a, first) != range_of(f.a, second));
@@ -892,10 +885,7 @@ TEST_CASE(
 }
 
 TEST_CASE("expandable segments: a page between free blocks of two streams (cross-stream reuse) is unmapped too") {
-  gpukit::allocator_options o = expandable();
-  o.cross_stream_reuse = true;
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache(true));
   void* a1 = f.a.allocate(3 * MiB, f.s0);
   void* a2 = f.a.allocate(3 * MiB, f.s0);
   void* keep = f.a.allocate(2 * MiB, f.s0);  // pages: a1 0-1, a2 1-2, keep 3
@@ -910,19 +900,13 @@ TEST_CASE("expandable segments: a page between free blocks of two streams (cross
   CHECK(f.invariants({keep}) == "");
   void* again = f.a.allocate(5 * MiB, f.s1);  // s0's free rest needs pages: s1 maps pages in a range of its own
   CHECK(f.invariants({keep, again}) == "");
-  f.a.deallocate(again);
-  f.a.deallocate(keep);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {again, keep}));
 }
 
 TEST_CASE("expandable segments with cross-stream reuse: a block taken from another stream's range is not grown there") {
   // s1 took s0's mapped block and freed it: the block is s1's, in s0's range. Once its pages are unmapped, s1 maps
   // pages in a range of its own rather than there, between s0's blocks.
-  gpukit::allocator_options o = expandable();
-  o.cross_stream_reuse = true;
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache(true));
   void* first = f.a.allocate(4 * MiB, f.s0);
   void* keep = f.a.allocate(2 * MiB, f.s0);  // s0's range stays in use
   f.a.deallocate(first);
@@ -935,10 +919,7 @@ TEST_CASE("expandable segments with cross-stream reuse: a block taken from anoth
   CHECK(range_of(f.a, again) != range_of(f.a, keep));
   CHECK(f.a.memory_reserved() == 3 * page);
   CHECK(f.invariants({keep, again}) == "");
-  f.a.deallocate(again);
-  f.a.deallocate(keep);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {again, keep}));
 }
 
 TEST_CASE("expandable segments: a stream made after another was destroyed takes over its range and mapped pages") {
@@ -947,9 +928,7 @@ TEST_CASE("expandable segments: a stream made after another was destroyed takes 
   // were mapped that none of them could use; peak reserved on the 3-stream server trace with streams replaced went
   // from 462 MiB (mean of 5 seeds, streams kept) to 1036 MiB with a stream replaced every 4th time it
   // was idle (bench_fragmentation's stream churn table).
-  gpukit::allocator_options o = expandable();
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache());
   const fake_stream gone = f.add_stream();
   void* a1 = f.a.allocate(2 * MiB, gone);
   void* a2 = f.a.allocate(6 * MiB, gone);
@@ -973,19 +952,14 @@ TEST_CASE("expandable segments: a stream made after another was destroyed takes 
   void* d = f.a.allocate(8 * MiB, last);  // `next`'s range, taken over in turn
   CHECK(d == a1);
   CHECK(f.a.memory_reserved() == 5 * page);
-  f.a.deallocate(d);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {d}));
 }
 
 TEST_CASE("expandable segments: a range taken over merges its free blocks with those the new stream had there") {
   // `s` took a block of `gone`'s range (cross-stream reuse) and freed it beside a free block of `gone`: blocks of two
   // streams, not merged. Taken over, they are one stream's and merge, and a request of both sizes fits there with the
   // pages mapped already (found by review: they stayed apart and the request mapped two more pages).
-  gpukit::allocator_options o = expandable();
-  o.cross_stream_reuse = true;
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache(true));
   const fake_stream gone = f.add_stream();
   const fake_stream s = f.add_stream();
   void* x = f.a.allocate(2 * MiB, gone);
@@ -1015,9 +989,7 @@ TEST_CASE("expandable segments: a range taken over merges its free blocks with t
 TEST_CASE("expandable segments: a destroyed stream's block freed after its range was taken over joins the new owner") {
   // Freed after its stream's retirement, a block went to no stream, and blocks of no stream merge only with one
   // another: between the new owner's free blocks it stayed apart, and a request both held mapped new pages.
-  gpukit::allocator_options o = expandable();
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache());
   const fake_stream gone = f.add_stream();
   void* x = f.a.allocate(2 * MiB, gone);
   void* y = f.a.allocate(2 * MiB, gone);  // outlives its stream
@@ -1032,18 +1004,13 @@ TEST_CASE("expandable segments: a destroyed stream's block freed after its range
   CHECK(both == x);
   CHECK(f.a.memory_reserved() == 2 * page);
   CHECK(f.invariants({both}) == "");
-  f.a.deallocate(both);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {both}));
 }
 
 TEST_CASE("expandable segments: a destroyed stream's free block in another stream's range joins that stream's") {
   // `t` took and freed a block of `h`'s range (cross-stream reuse). When `t` retires, the block goes to `h`, merging
   // with `h`'s free block beside it; to no stream, it stayed apart, and `h` mapped pages for what both held.
-  gpukit::allocator_options o = expandable();
-  o.cross_stream_reuse = true;
-  o.front_cache = false;
-  setup f(o);
+  setup f(without_front_cache(true));
   const fake_stream h = f.add_stream();
   const fake_stream t = f.add_stream();
   void* h1 = f.a.allocate(2 * MiB, h);
@@ -1061,7 +1028,5 @@ TEST_CASE("expandable segments: a destroyed stream's free block in another strea
   CHECK(both == h1);
   CHECK(f.a.memory_reserved() == reserved);
   CHECK(f.invariants({both, h3, other}) == "");
-  for (void* p : {both, h3, other}) f.a.deallocate(p);
-  f.a.empty_cache();
-  CHECK(f.a.upstream().used() == 0);
+  CHECK(released_all(f, {both, h3, other}));
 }

@@ -68,7 +68,8 @@ struct allocator_options {
   /// asking the upstream. Costs an event record per free on CUDA streams. With expandable segments, a stream with a
   /// range of its own maps pages there; another stream's free memory serves it before its first range, or when
   /// mapping fails, and only where pages are mapped already (taking the unmapped rest of another stream's range
-  /// interleaved the streams' free blocks, which do not merge).
+  /// interleaved the streams' free blocks, which do not merge). A range whose stream was destroyed is taken over,
+  /// unmapped rest included, by the first stream without a range that finds a free block there.
   bool cross_stream_reuse = false;
   /// Before a new segment would raise reserved memory above its high-water mark, return completely free segments
   /// to the upstream first (the smallest that covers the growth): keeps peak reserved memory low when request

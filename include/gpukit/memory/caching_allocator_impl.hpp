@@ -757,18 +757,15 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take_over(strea
   }
   range->range_of = &st;
   st.expandable[range->small ? 1 : 0] = range;
-  // Its free blocks, mapped or not, as the stream that made it left them (no fence: their work has completed).
+  // Its free blocks, mapped or not, as the stream that made it left them (no fence: their work has completed), merged
+  // with st's own free blocks beside them (until now unowned blocks merged only with one another). insert_free
+  // absorbs free neighbours of either kind, so each run of free blocks becomes one of st's.
   for (block* b = range->first; b != nullptr; b = b->next) {
-    if (b->state != block_state::free || b->owner != unowned_.get()) continue;
+    const bool joins = b->owner == unowned_.get() || (b->owner == &st && joinable(b->next, &st));
+    if (b->state != block_state::free || !joins) continue;
     unindex_free(b);
     b->owner = &st;
-    index_free(b);  // cannot throw: st's index exists
-  }
-  // Merged with st's own free blocks beside them (unowned blocks merge only with one another until now).
-  for (block* b = range->first; b != nullptr; b = b->next) {
-    if (b->state != block_state::free || b->owner != &st || !joinable(b->next, &st)) continue;
-    unindex_free(b);
-    b = insert_free(b);
+    b = insert_free(b);  // cannot throw: st's index exists
   }
   return true;
 }
@@ -1578,16 +1575,18 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::find_free(strea
   // mapping pages in one range interleave their blocks there, and hold pages none of them can use (under stream
   // churn, peak reserved 2.5x that of the same streams kept; bench_fragmentation). Mapped memory serves any stream
   // that may take the block.
-  auto may_map = [this, &st, pool, size](const block* candidate) {
+  // A range no stream has is taken over by the first stream without one that finds a block there (found, below).
+  auto may_take_over = [&st, pool](const segment* seg) {
+    return seg->expandable && seg->range_of == nullptr && st.expandable[pool] == nullptr;
+  };
+  auto may_map = [this, &st, size, &may_take_over](const block* candidate) {
     const segment* seg = candidate->seg;
-    return !seg->expandable || seg->range_of == &st || (seg->range_of == nullptr && st.expandable[pool] == nullptr) ||
-           !needs_pages(candidate, size);
+    return !seg->expandable || seg->range_of == &st || may_take_over(seg) || !needs_pages(candidate, size);
   };
   auto accept_mapping = [&accept, &may_map](const block* candidate) { return accept(candidate) && may_map(candidate); };
   // (Not in a search for mapped memory, which maps no page; nor for a stream destroyed while the lock was released.)
   auto found = [&](block* b) {
-    if (b->seg->expandable && b->seg->range_of == nullptr && st.expandable[pool] == nullptr &&
-        search != free_search::mapped_only && !st.dead && take_over(st, b->seg)) {
+    if (may_take_over(b->seg) && search != free_search::mapped_only && !st.dead && take_over(st, b->seg)) {
       return find_free(st, size, small, search);  // its blocks are st's now, merged (`b` may be gone): once more
     }
     return b;
