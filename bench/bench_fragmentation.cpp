@@ -18,7 +18,8 @@
 // 5. stream churn: peak reserved on the server with its streams kept, or replaced as a stream-per-request server does.
 // `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
 // (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
-// `--no-tables` skips to the benchmarks. The tables take about 12 s in Release and 1.5 min in Debug (CI's smoke run).
+// `--no-tables` skips to the benchmarks. The tables take about 30 s in Release and 10 min in Debug; CI's smoke run
+// (Debug) prints them for one seed (`--seeds 1`, about 2.5 min).
 #include "alloc_traces.hpp"
 #include "pytorch_allocator_model.hpp"
 

@@ -17,7 +17,8 @@
 // gpukit also runs with its reserved limit at 1.5x the trace's peak requested, with the defaults and with
 // allocator_options::reuse_before_release: bench_fragmentation counts the defaults' segments given back and regrown
 // under such a limit (its pressure table); these rows give that churn's cost on a GPU, where each cudaFree waits for
-// the device. Such a row running out of memory under its limit is reported ("did not fit"), not a failed run.
+// the device. Such a row refused by its limit is reported ("did not fit"), not a failed run; the device's memory
+// running out (an out-of-memory observer says which) fails the run, limit or not.
 // Beside gpukit's two variants: the driver's stream-ordered allocator on the device's default pool (cudaMallocAsync
 // with its release threshold raised; RMM's cuda_async_memory_resource uses the same allocator with a pool of its
 // own) and cudaMalloc/cudaFree per request (no cache). Every variant replays once untimed first. No kernel runs, so
@@ -33,6 +34,7 @@
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 #include <gpukit/memory/device_allocator.hpp>
+#include <gpukit/memory/out_of_memory.hpp>
 #include <gpukit/stream/stream.hpp>
 
 #include <benchmark/benchmark.h>
@@ -111,7 +113,11 @@ class gpukit_variant {
  public:
   gpukit_variant(const stream_list& streams, const gpukit::allocator_options& options) : streams_(streams) {
     allocator_ = std::make_unique<gpukit::caching_allocator>(gpukit::device::cuda(0), options);
+    allocator_->add_out_of_memory_observer(
+        [this](const gpukit::out_of_memory_info& info) { last_refusal_by_limit_ = info.limit_hit; });
   }
+  /// Whether the last out-of-memory error was the reserved limit's refusal (not the device's).
+  bool last_refusal_by_limit() const { return last_refusal_by_limit_; }
   void* allocate(std::size_t bytes, int stream) { return allocator_->allocate(bytes, streams_[stream]->view()); }
   void deallocate(void* p, int) { allocator_->deallocate(p); }
   void release() { allocator_->empty_cache(); }
@@ -123,7 +129,13 @@ class gpukit_variant {
 
  private:
   const stream_list& streams_;
+  bool last_refusal_by_limit_ = false;  // before allocator_: its observer writes here until the allocator is gone
   std::unique_ptr<gpukit::caching_allocator> allocator_;
+};
+
+/// A limited variant's replay that the reserved limit refused (the device had the memory).
+struct limit_refusal : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 void check(cudaError_t e, const char* call) {
@@ -246,7 +258,12 @@ replay_times replay_variant(const trace& t, variant which, const stream_list& st
         o.reuse_before_release = which == reuse_limited;
       }
       gpukit_variant v(streams, o);
-      return replay(t, v);
+      try {
+        return replay(t, v);
+      } catch (const gpukit::out_of_memory_error& e) {
+        if (v.last_refusal_by_limit()) throw limit_refusal(e.what());
+        throw;  // the device's memory ran out: a failure, limit or not
+      }
     }
     case driver_pool: {
       driver_pool_variant v(streams);
@@ -279,8 +296,8 @@ void BM_trace(benchmark::State& state) {
       sum.later_upstream_allocations = r.later_upstream_allocations;  // the same each time
       sum.later_upstream_frees = r.later_upstream_frees;
     }
-  } catch (const gpukit::out_of_memory_error& e) {
-    state.SkipWithError(is_limited(which) ? (std::string(limited_refusal) + e.what()).c_str() : e.what());
+  } catch (const limit_refusal& e) {
+    state.SkipWithError((std::string(limited_refusal) + e.what()).c_str());
     return;
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
