@@ -116,6 +116,8 @@ class gpukit_variant {
     allocator_->add_out_of_memory_observer(
         [this](const gpukit::out_of_memory_info& info) { last_refusal_by_limit_ = info.limit_hit; });
   }
+  gpukit_variant(const gpukit_variant&) = delete;  // its allocator's observer holds `this`
+  gpukit_variant& operator=(const gpukit_variant&) = delete;
   /// Whether the last out-of-memory error was the reserved limit's refusal (not the device's).
   bool last_refusal_by_limit() const { return last_refusal_by_limit_; }
   void* allocate(std::size_t bytes, int stream) { return allocator_->allocate(bytes, streams_[stream]->view()); }
