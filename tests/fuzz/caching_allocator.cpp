@@ -1,11 +1,13 @@
 // Fuzz target: the caching allocator engine (include/gpukit/memory/caching_allocator.hpp) over the address-space
-// upstream, driven by operation sequences on real CPU streams held back by gates. After EVERY operation: segments
-// and blocks tile, no two live allocations overlap, the statistics equal a recomputation from the snapshot, the
-// upstream's outstanding bytes equal reserved bytes, memory recorded for a busy stream is not handed out before that
-// stream's work completes, and out of memory is gpukit::out_of_memory_error with the allocator still usable.
+// upstream, driven by operation sequences on real CPU streams held back by gates, destroyed and made anew. After EVERY
+// operation: segments and blocks tile, no two live allocations overlap, the statistics equal a recomputation from the
+// snapshot, the upstream's outstanding bytes equal reserved bytes, memory recorded for a busy stream is not handed out
+// before that stream's work completes, and out of memory is gpukit::out_of_memory_error with the allocator still
+// usable.
 //
 // The allocator waits on the host for pending events in empty_cache, trim, limits and on its out-of-memory path; a
-// gated stream would never finish, so the stream ops open every gate before such a wait (the work "completes").
+// gated stream would never finish, so the stream ops open every gate before such a wait (the work "completes"), and
+// before a stream waits for another's (cross-stream reuse).
 #define DOCTEST_CONFIG_DISABLE  // the shared invariant checker includes doctest; no test runner here
 #include "memory/allocator_support.hpp"
 
@@ -42,6 +44,12 @@ struct gated_stream_ops : gpukit::stream_ops {
     world().complete_all();
     gpukit::stream_ops::wait_finished(t);
   }
+  /// A stream's wait for another's work (cross_stream_reuse) would hold it behind a gate too, and settle() would
+  /// wait for it forever: the held work completes first, as for a host wait.
+  void wait(const gpukit::event& e, const gpukit::stream_view& s) const {
+    world().complete_all();
+    gpukit::stream_ops::wait(e, s);
+  }
 };
 
 using allocator_type = gpukit::basic_caching_allocator<gpukit::address_space_upstream, gated_stream_ops>;
@@ -50,6 +58,7 @@ struct live_block {
   void* p = nullptr;
   std::size_t bytes = 0;
   int stream = 0;
+  std::uint64_t generation = 0;  // of the stream it was allocated on: replaced since, its free warns (misuse)
   std::array<bool, stream_count> recorded{};
 };
 
@@ -94,6 +103,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (setup & 4) options.reserved_limit = static_cast<std::size_t>(in.in_range(1, 512)) * MiB;
   if (setup & 32) options.expandable_segments = true;  // pages of 2 MiB mapped into one range per stream and pool
   if (setup & 64) options.front_cache = false;
+  // Blocks move between streams, also into other streams' ranges of expandable segments (with bit 16, one of the
+  // capacity's: no byte of its own, so that the corpus's inputs read as before).
+  if ((setup & 80) == 80) options.cross_stream_reuse = true;
   if (setup & 128) options.reuse_before_release = true;  // split blocks kept whole, then give back what is needed
   const std::size_t capacities[] = {8 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB};
   std::size_t capacity = capacities[(setup >> 3) % 4];
@@ -101,7 +113,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   std::vector<live_block> live;
   std::vector<fence> fences;
-  std::vector<std::uintptr_t> freed;  // addresses freed and not live again (double-free probes)
+  std::vector<std::uintptr_t> freed;   // addresses freed and not live again (double-free probes)
+  std::size_t frees_after_stream = 0;  // allocations freed after their stream was destroyed: one warning each
   {
     allocator_type a(gpukit::device::cpu(), options, capacity);
     int injected_failures = 0;  // upstream failures still armed (fail_next)
@@ -131,7 +144,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             }
             GPUKIT_FUZZ_CHECK(a.memory_reserved() <= reserved_before || a.memory_reserved() <= limit,
                               what + ": grew reserved memory above the limit");
-            live.push_back({p, bytes, s, {}});
+            live.push_back({p, bytes, s, w.generation[s], {}});
             for (std::size_t i = 0; i < freed.size(); ++i) {
               if (freed[i] == begin) freed.erase(freed.begin() + static_cast<std::ptrdiff_t>(i--));
             }
@@ -166,6 +179,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           live_block b = live[i];
           if (on_stream && s != b.stream) b.recorded[s] = true;
           what += " deallocate block " + std::to_string(i) + (on_stream ? " on stream " + std::to_string(s) : "");
+          if (b.generation != w.generation[b.stream]) ++frees_after_stream;
           if (on_stream) {
             a.deallocate(b.p, *w.streams[s]);
           } else {
@@ -263,7 +277,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           break;
         }
         default:
-          a.reset_peak_stats();
+          if (op & 16) {  // a stream is destroyed once its work completes, and a new one made in its place
+            const int s = static_cast<int>(in.byte() % stream_count);
+            what += " replace stream " + std::to_string(s);
+            w.replace(s);
+            for (auto& b : live) b.recorded[s] = false;  // the new stream has not used them; the old one is done
+          } else {
+            a.reset_peak_stats();
+          }
           break;
       }
 
@@ -279,13 +300,26 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         GPUKIT_FUZZ_CHECK(a.reserved_limit() == limit && a.stats().reserved_limit == limit, what);
       }
     }
-    for (const auto& b : live) a.deallocate(b.p);
+    for (const auto& b : live) {
+      if (b.generation != w.generation[b.stream]) ++frees_after_stream;
+      a.deallocate(b.p);
+    }
     w.complete_all();
     w.settle();
     a.empty_cache();
     GPUKIT_FUZZ_CHECK(a.memory_reserved() == 0 && a.upstream().used() == 0, "everything freed, nothing reserved");
   }
-  GPUKIT_FUZZ_CHECK(warnings.messages().empty(), "unexpected warning: " + warnings.messages().front());
+  const std::vector<std::string> messages = warnings.messages();
+  std::size_t reported = 0;  // the misuse of freeing after the stream's destruction, reported once each
+  for (const std::string& m : messages) {
+    if (m.find("was destroyed while the allocation was live") == std::string::npos) {
+      gpukit_fuzz::fail("unexpected warning: " + m);
+    }
+    ++reported;
+  }
+  GPUKIT_FUZZ_CHECK(reported == frees_after_stream, std::to_string(reported) + " warnings for " +
+                                                        std::to_string(frees_after_stream) +
+                                                        " allocations freed after their stream was destroyed");
   w.complete_all();
   return 0;
 }

@@ -18,6 +18,7 @@ struct gated_streams {
   std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
   std::array<std::unique_ptr<gpukit_test::gate>, stream_count> gates;  // non-null while the stream is held
   std::array<std::uint64_t, stream_count> epoch{};                     // completions so far
+  std::array<std::uint64_t, stream_count> generation{};                // replacements so far
 
   gated_streams() {
     for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
@@ -33,6 +34,12 @@ struct gated_streams {
     streams[i]->synchronize();  // the host function waiting on the gate has returned: the gate may go
     gates[i].reset();
     ++epoch[i];
+  }
+  /// Stream i's work completes and the stream is destroyed; a new one takes its place (a server's stream per request).
+  void replace(int i) {
+    complete(i);
+    streams[i] = std::make_unique<gpukit::stream>(gpukit::device::cpu());
+    ++generation[i];
   }
   void complete_all() {
     for (int i = 0; i < stream_count; ++i) complete(i);
