@@ -45,9 +45,11 @@ struct gated_stream_ops : gpukit::stream_ops {
     gpukit::stream_ops::wait_finished(t);
   }
   /// A stream's wait for another's work (cross_stream_reuse) would hold it behind a gate too, and settle() would
-  /// wait for it forever: the held work completes first, as for a host wait.
+  /// wait for it forever: the streams held complete, in order, until the event has (the others stay held). Streams
+  /// not held have finished (settle), so the order does not depend on timing.
   void wait(const gpukit::event& e, const gpukit::stream_view& s) const {
-    world().complete_all();
+    world().settle();
+    for (int i = 0; i < gpukit_fuzz::stream_count && !e.ready(); ++i) world().complete(i);
     gpukit::stream_ops::wait(e, s);
   }
 };
@@ -67,6 +69,8 @@ struct fence {
   std::uintptr_t begin = 0, end = 0;
   int stream = 0;
   std::uint64_t epoch = 0;
+  int exempt = -1;  // the stream whose own later work is ordered after it (the owner's fence), of this generation
+  std::uint64_t exempt_generation = 0;
 };
 
 std::size_t pick_size(gpukit_fuzz::input& in, std::size_t capacity) {
@@ -139,6 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             const auto begin = reinterpret_cast<std::uintptr_t>(p);
             for (const auto& f : fences) {
               if (w.epoch[f.stream] > f.epoch) continue;
+              if (f.exempt == s && f.exempt_generation == w.generation[s]) continue;
               GPUKIT_FUZZ_CHECK(begin + bytes <= f.begin || f.end <= begin,
                                 what + ": handed out memory a busy recorded stream may still use");
             }
@@ -177,7 +182,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           const bool on_stream = (op % 16) == 4;
           const int s = static_cast<int>(in.byte() % stream_count);
           live_block b = live[i];
-          if (on_stream && s != b.stream) b.recorded[s] = true;
+          if (on_stream && (s != b.stream || b.generation != w.generation[s])) b.recorded[s] = true;
           what += " deallocate block " + std::to_string(i) + (on_stream ? " on stream " + std::to_string(s) : "");
           if (b.generation != w.generation[b.stream]) ++frees_after_stream;
           if (on_stream) {
@@ -189,6 +194,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           for (int k = 0; k < stream_count; ++k) {
             if (b.recorded[k] && w.gates[k]) fences.push_back({begin, begin + b.bytes, k, w.epoch[k]});
           }
+          // With cross-stream reuse another stream may take the block: only after the owner's held work (the engine
+          // records an event at the free and makes the new stream wait for it). Without, the owner alone reuses it
+          // (the upstream's free is taken to wait for the device, which this upstream does not model).
+          const bool owner_held = b.generation == w.generation[b.stream] && w.gates[b.stream];
+          if (options.cross_stream_reuse && owner_held) {
+            fences.push_back({begin, begin + b.bytes, b.stream, w.epoch[b.stream], b.stream, b.generation});
+          }
           freed.push_back(begin);
           live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
           break;
@@ -199,7 +211,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           const int s = static_cast<int>(in.byte() % stream_count);
           what += " record_stream block " + std::to_string(i) + " stream " + std::to_string(s);
           a.record_stream(live[i].p, *w.streams[s]);
-          if (s != live[i].stream) live[i].recorded[s] = true;
+          if (s != live[i].stream || live[i].generation != w.generation[s]) live[i].recorded[s] = true;
           break;
         }
         case 6:
