@@ -14,7 +14,8 @@
 //    three CPU streams;
 // 4. memory pressure: upstream frees over 40 variable-length training steps, and in the three-stream server, on a
 //    device 1.2, 1.5 and 2 x their peak (gpukit's defaults, reuse_before_release, expandable segments, the PyTorch
-//    model), and the minimum capacity reuse_before_release needs on every family;
+//    model), then the operations during which they happened (each a wait for the device on a GPU), and the minimum
+//    capacity reuse_before_release needs on every family;
 // 5. stream churn: peak reserved on the server with its streams kept, or replaced as a stream-per-request server does.
 // `--explore` prints tables 1 and 2 for the candidate constants from which gpukit's defaults were chosen
 // (evaluate() measures any allocator_options on every family). `--seeds N` sets the seeds per family (default 5);
@@ -79,25 +80,36 @@ struct run_result {
   std::size_t upstream_allocs = 0;
   std::size_t upstream_frees = 0;
   std::size_t frees_after_warmup = 0;  // upstream frees from t.warmup_ops on
+  std::size_t releasing_ops = 0;       // operations from t.warmup_ops on that freed upstream memory at least once
   std::size_t upstream_calls() const { return upstream_allocs + upstream_frees; }
 };
 
 /// Counts upstream frees from a trace's warm-up on: `look(i, frees)` before operation i, `after(frees, completed)` at
-/// the end (0 for a replay that ran out of memory, or that never reached the warm-up).
+/// the end (0 for a replay that ran out of memory, or that never reached the warm-up). `releasing_ops` counts the
+/// operations during which they happened: on a GPU each waits for the device at least once (a cudaFree, or the
+/// wait before pages are unmapped), however many segments or pages it gives back.
 class warmup_frees {
  public:
   explicit warmup_frees(const trace& t) : warmup_ops_(t.warmup_ops) {}
   void look(std::size_t i, std::size_t frees) {
+    if (reached_ && frees != before_last_op_) ++releasing_ops_;
+    before_last_op_ = frees;
     if (i != warmup_ops_) return;
     at_warmup_ = frees;
     reached_ = true;
   }
   std::size_t after(std::size_t frees, bool completed) const { return completed && reached_ ? frees - at_warmup_ : 0; }
+  std::size_t releasing_ops(std::size_t frees, bool completed) const {
+    if (!completed || !reached_) return 0;
+    return releasing_ops_ + (frees != before_last_op_ ? 1 : 0);  // the last operation's
+  }
 
  private:
   std::size_t warmup_ops_;
   std::size_t at_warmup_ = 0;
   bool reached_ = false;
+  std::size_t before_last_op_ = 0;  // upstream frees before the last operation looked at
+  std::size_t releasing_ops_ = 0;
 };
 
 /// Replays a single-stream trace through `a` (allocate(bytes) gives nullptr when out of memory), stopping at the
@@ -128,6 +140,7 @@ run_result replay_measured(const trace& t, Allocator& a) {
   r.upstream_allocs = a.upstream_allocs();
   r.upstream_frees = a.upstream_frees();
   r.frees_after_warmup = after_warmup.after(r.upstream_frees, r.completed);
+  r.releasing_ops = after_warmup.releasing_ops(r.upstream_frees, r.completed);
   for (std::size_t id = 0; id < t.ids; ++id) {
     if (pointers[id] != nullptr) a.deallocate(pointers[id], sizes[id]);
   }
@@ -492,6 +505,7 @@ void print_candidate_capacity(const std::vector<family>& fs, const std::vector<v
 struct call_counts {
   bool completed = true;  // false: an allocation failed (out of memory) and the replay stopped there
   std::size_t allocs = 0, frees = 0, frees_after_warmup = 0;
+  std::size_t releasing_ops = 0;  // operations after warm-up that freed upstream memory (see warmup_frees)
   std::size_t unforced_frees = 0, sync_all_streams = 0;  // gpukit's statistics (0 for the model)
   std::size_t peak_reserved = 0;                         // gpukit's
 };
@@ -536,6 +550,7 @@ call_counts streams_engine(const trace& t, const gpukit::allocator_options& o,
   c.allocs = static_cast<std::size_t>(a.stats().num_device_alloc);
   c.frees = static_cast<std::size_t>(a.stats().num_device_free);
   c.frees_after_warmup = after_warmup.after(c.frees, c.completed);
+  c.releasing_ops = after_warmup.releasing_ops(c.frees, c.completed);
   c.unforced_frees = static_cast<std::size_t>(a.stats().num_device_free_unforced);
   c.sync_all_streams = static_cast<std::size_t>(a.stats().num_sync_all_streams);
   for (void* p : pointers) {
@@ -567,6 +582,7 @@ call_counts streams_model(const trace& t, std::size_t capacity = pytorch_allocat
   c.allocs = model.upstream_allocs();
   c.frees = model.upstream_frees();
   c.frees_after_warmup = after_warmup.after(c.frees, c.completed);
+  c.releasing_ops = after_warmup.releasing_ops(c.frees, c.completed);
   return c;
 }
 
@@ -723,64 +739,72 @@ void print_expandable_target(const std::vector<family>& fs, const figure_table& 
   std::fflush(stdout);
 }
 
-/// One cell of the pressure table: the mean upstream frees after warm-up on capacities of 1.2, 1.5 and 2 x each
-/// trace's peak requested, over the traces that ran ("a / b / c", "[n]" after a figure only n traces gave, "-[0]"
-/// where none ran).
-/// `run(t, capacity)` gives {completed, frees after warm-up}.
-std::string pressure_cell(const std::vector<trace>& traces,
-                          const std::function<std::pair<bool, std::size_t>(const trace&, std::size_t)>& run) {
-  std::string cell;
+/// What a replay under pressure counted after its warm-up (see warmup_frees).
+struct pressure_count {
+  bool completed = true;
+  std::size_t frees = 0;          // upstream frees: cudaFree calls, or pages unmapped
+  std::size_t releasing_ops = 0;  // operations that freed at least once: each waits for the device on a GPU
+};
+
+/// One cell of each pressure table: the mean upstream frees and releasing operations after warm-up on capacities of
+/// 1.2, 1.5 and 2 x each trace's peak requested, over the traces that ran ("a / b / c", "[n]" after a figure only n
+/// traces gave, "-[0]" where none ran).
+std::pair<std::string, std::string> pressure_cells(
+    const std::vector<trace>& traces, const std::function<pressure_count(const trace&, std::size_t)>& run) {
+  std::string frees_cell, ops_cell;
   for (const double factor : {1.2, 1.5, 2.0}) {
-    double frees = 0;
+    double frees = 0, ops = 0;
     std::size_t ran = 0;
     for (const trace& t : traces) {
-      const auto [completed, count] = run(t, static_cast<std::size_t>(factor * static_cast<double>(t.peak_requested)));
-      if (!completed) continue;
-      frees += static_cast<double>(count);
+      const pressure_count c = run(t, static_cast<std::size_t>(factor * static_cast<double>(t.peak_requested)));
+      if (!c.completed) continue;
+      frees += static_cast<double>(c.frees);
+      ops += static_cast<double>(c.releasing_ops);
       ++ran;
     }
-    if (!cell.empty()) cell += " / ";
-    if (ran == 0) {
-      cell += "-";  // no trace ran
-    } else {
-      char figure[32];
-      std::snprintf(figure, sizeof figure, "%.0f", frees / static_cast<double>(ran));
-      cell += figure;
+    for (auto [cell, sum] : {std::make_pair(&frees_cell, frees), std::make_pair(&ops_cell, ops)}) {
+      if (!cell->empty()) *cell += " / ";
+      if (ran == 0) {
+        *cell += "-";  // no trace ran
+      } else {
+        char figure[32];
+        std::snprintf(figure, sizeof figure, "%.0f", sum / static_cast<double>(ran));
+        *cell += figure;
+      }
+      if (ran != traces.size()) *cell += "[" + std::to_string(ran) + "]";
     }
-    if (ran != traces.size()) cell += "[" + std::to_string(ran) + "]";
   }
-  return cell;
+  return {frees_cell, ops_cell};
 }
 
 /// Memory pressure: a long training run or a server whose device is somewhat larger than its peak, where what
 /// matters is how often the allocator gives memory back (each cudaFree drains the device) rather than whether the job
 /// fits. Two variable-length families, 40 steps each, and the 3-stream inference server (3000 requests), on
 /// capacities of 1.2, 1.5 and 2 x peak requested: upstream frees after the warm-up (the first step, the first 10 % of
-/// requests), mean over the seeds that ran (how many did, in brackets). Then the minimum capacity reuse_before_release
-/// pays for it, beside the defaults' and the PyTorch model's from table 2.
+/// requests), mean over the seeds that ran (how many did, in brackets), then the operations during which they
+/// happened (the waits for the device: a burst of frees or unmapped pages counts once). Then the minimum capacity
+/// reuse_before_release pays for it, beside the defaults' and the PyTorch model's from table 2.
 void print_pressure_table(int seeds, const std::vector<family>& fs, const figure_table& x, std::size_t gpukit,
                           std::size_t model) {
   const std::vector<variant> vs = {engine_variant("gpukit defaults", gpukit::allocator_options{}),
                                    engine_variant("reuse_before_release", reuse_before_release()),
                                    engine_variant("expandable segments", expandable()), model_variant("PyTorch model")};
-  std::printf(
-      "\nMemory pressure: upstream frees after the warm-up on a capacity of 1.2 / 1.5 / 2 x peak requested\n"
-      "(mean over the seeds that ran; [seeds that ran])\n%-34s",
-      "trace family, 40 steps");
-  for (const variant& v : vs) std::printf(" | %-32.32s", v.name.c_str());
-  std::printf("\n");
+  struct row {
+    std::string name;
+    std::vector<std::pair<std::string, std::string>> cells;  // per variant: frees, releasing operations
+  };
+  std::vector<row> rows;
   for (transformer_shape s : {l12_h768_variable(), l6_h512_variable()}) {
     s.steps = 40;
     const std::vector<trace> traces = seeded(s, seeds);
-    std::printf("%-34.34s", describe(s).c_str());
+    row r{describe(s), {}};
     for (const variant& v : vs) {
-      const std::string cell = pressure_cell(traces, [&v](const trace& t, std::size_t capacity) {
-        const run_result r = v.run(t, capacity);
-        return std::make_pair(r.completed, r.frees_after_warmup);
-      });
-      std::printf(" | %-32s", cell.c_str());
+      r.cells.push_back(pressure_cells(traces, [&v](const trace& t, std::size_t capacity) {
+        const run_result result = v.run(t, capacity);
+        return pressure_count{result.completed, result.frees_after_warmup, result.releasing_ops};
+      }));
     }
-    std::printf("\n");
+    rows.push_back(std::move(r));
   }
   // The same four on the server's streams: each stream's free blocks serve only that stream, so a stream short of
   // memory makes the others give theirs back.
@@ -788,16 +812,32 @@ void print_pressure_table(int seeds, const std::vector<family>& fs, const figure
   for (int seed = 1; seed <= seeds; ++seed) {
     servers.push_back(inference_server(3000, 3, 4 * KiB, 64 * MiB, static_cast<std::uint64_t>(seed)));
   }
-  std::printf("%-34.34s", "inference server, 3 streams");
-  const auto counted = [](const call_counts& c) { return std::make_pair(c.completed, c.frees_after_warmup); };
+  const auto counted = [](const call_counts& c) {
+    return pressure_count{c.completed, c.frees_after_warmup, c.releasing_ops};
+  };
+  row server{"inference server, 3 streams", {}};
   for (const gpukit::allocator_options& o : {gpukit::allocator_options{}, reuse_before_release(), expandable()}) {
-    const std::string cell = pressure_cell(
-        servers, [&](const trace& t, std::size_t capacity) { return counted(streams_engine(t, o, capacity)); });
-    std::printf(" | %-32s", cell.c_str());
+    server.cells.push_back(pressure_cells(
+        servers, [&](const trace& t, std::size_t capacity) { return counted(streams_engine(t, o, capacity)); }));
   }
-  const std::string model_cell =
-      pressure_cell(servers, [&](const trace& t, std::size_t capacity) { return counted(streams_model(t, capacity)); });
-  std::printf(" | %-32s\n(the server: 3000 requests, its warm-up the first 10 %%)\n", model_cell.c_str());
+  server.cells.push_back(pressure_cells(
+      servers, [&](const trace& t, std::size_t capacity) { return counted(streams_model(t, capacity)); }));
+  rows.push_back(std::move(server));
+  for (const bool ops : {false, true}) {
+    std::printf(ops ? "\nMemory pressure: operations that gave memory back after the warm-up (each waits for the "
+                      "device once or more), same runs\n%-34s"
+                    : "\nMemory pressure: upstream frees after the warm-up on a capacity of 1.2 / 1.5 / 2 x peak "
+                      "requested\n(mean over the seeds that ran; [seeds that ran])\n%-34s",
+                "trace family, 40 steps");
+    for (const variant& v : vs) std::printf(" | %-32.32s", v.name.c_str());
+    std::printf("\n");
+    for (const row& r : rows) {
+      std::printf("%-34.34s", r.name.c_str());
+      for (const auto& [frees, releasing] : r.cells) std::printf(" | %-32s", (ops ? releasing : frees).c_str());
+      std::printf("\n");
+    }
+  }
+  std::printf("(the server: 3000 requests, its warm-up the first 10 %%)\n");
   const std::vector<family_figures> reuse = evaluate(reuse_before_release(), fs);
   std::printf(
       "\nMinimum capacity / peak requested (mean, worst) with reuse_before_release, beside the defaults and the "

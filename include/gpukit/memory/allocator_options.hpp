@@ -131,7 +131,9 @@ struct allocator_options {
   /// device. bench_fragmentation's pressure table (README, "Memory pressure") measured 40 variable-length training
   /// steps at 1.2-2x their peak: 82-197 upstream frees with the defaults, 0-3 with this on, 0-14 for PyTorch's
   /// allocator. The minimum capacity rises on 3 of 7 trace families (L12 by 6 %, L4 2 %, L6 2 %; L4 above PyTorch's)
-  /// and falls on 2. No effect with expandable_segments on an upstream with virtual memory (nothing is kept whole).
+  /// and falls on 2. On the 3-stream server it gives back fewer segments but one at a time, so more operations wait
+  /// for the device (87 against the defaults' 57 at 1.5x). No effect with expandable_segments on an upstream with
+  /// virtual memory (nothing is kept whole).
   bool reuse_before_release = false;
 
   /// PyTorch's CUDACachingAllocator constants (as of 2.x): the configuration users compare gpukit with.
