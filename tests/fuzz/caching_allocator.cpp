@@ -7,7 +7,9 @@
 //
 // The allocator waits on the host for pending events in empty_cache, trim, limits and on its out-of-memory path; a
 // gated stream would never finish, so the stream ops open every gate before such a wait (the work "completes"), and
-// before a stream waits for another's (cross-stream reuse).
+// before a stream waits for another's (cross-stream reuse). The upstream's free opens them too, as cudaFree waits for
+// the device. A held stream may be abandoned: the stream ops report it destroyed while its work is still held (a
+// CUDA stream destroyed with work queued), so its memory must wait for that work however it leaves the stream.
 #define DOCTEST_CONFIG_DISABLE  // the shared invariant checker includes doctest; no test runner here
 #include "memory/allocator_support.hpp"
 
@@ -34,8 +36,16 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 using gpukit_fuzz::stream_count;
 using gpukit_fuzz::world;
 
-/// gpukit's stream ops, except that a host wait first lets every held stream finish.
+/// gpukit's stream ops, except that a host wait first lets every held stream finish, and that abandoned streams
+/// (gated_streams::abandon) count as destroyed and unfinished.
 struct gated_stream_ops : gpukit::stream_ops {
+  bool expired(const tracker_type& t) const noexcept {
+    return (t && world().is_zombie(t.get())) || gpukit::stream_ops::expired(t);
+  }
+  bool finished(const tracker_type& t) const {
+    return !(t && world().is_zombie(t.get())) && gpukit::stream_ops::finished(t);
+  }
+  std::uint64_t expirations() const noexcept { return gpukit::stream_ops::expirations() + world().abandoned; }
   void synchronize(const gpukit::event& e) const {
     world().complete_all();
     gpukit::stream_ops::synchronize(e);
@@ -50,11 +60,27 @@ struct gated_stream_ops : gpukit::stream_ops {
   void wait(const gpukit::event& e, const gpukit::stream_view& s) const {
     world().settle();
     for (int i = 0; i < gpukit_fuzz::stream_count && !e.ready(); ++i) world().complete(i);
+    if (!e.ready()) world().complete_zombies();
     gpukit::stream_ops::wait(e, s);
   }
 };
 
-using allocator_type = gpukit::basic_caching_allocator<gpukit::address_space_upstream, gated_stream_ops>;
+/// The address-space upstream, whose free waits for every stream's work first, as cudaFree waits for the device (the
+/// allocator relies on it: synchronizes_on_free()), and whose wait before unmapping waits for it too, as
+/// cuda_upstream's does. Unmapping itself does not wait: the allocator must have waited.
+struct draining_upstream : gpukit::address_space_upstream {
+  using gpukit::address_space_upstream::address_space_upstream;
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    world().complete_all();
+    gpukit::address_space_upstream::deallocate(p, bytes);
+  }
+  bool wait_before_unmap() noexcept {
+    world().complete_all();
+    return gpukit::address_space_upstream::wait_before_unmap();
+  }
+};
+
+using allocator_type = gpukit::basic_caching_allocator<draining_upstream, gated_stream_ops>;
 
 struct live_block {
   void* p = nullptr;
@@ -64,14 +90,27 @@ struct live_block {
   std::array<bool, stream_count> recorded{};
 };
 
-/// Memory freed while a recorded stream was busy: not to be handed out before that stream's epoch passes.
+/// Memory a busy stream may still use: not to be handed out before that stream's epoch passes (or, for a stream
+/// abandoned since, before its work completes).
 struct fence {
   std::uintptr_t begin = 0, end = 0;
   int stream = 0;
+  std::uint64_t generation = 0;  // of the stream at `stream`
   std::uint64_t epoch = 0;
   int exempt = -1;  // the stream whose own later work is ordered after it (the owner's fence), of this generation
   std::uint64_t exempt_generation = 0;
 };
+
+/// Memory [begin, end) used by the work stream k holds now.
+fence fence_of(std::uintptr_t begin, std::uintptr_t end, int k, const gpukit_fuzz::gated_streams& w) {
+  return {begin, end, k, w.generation[k], w.epoch[k]};
+}
+
+/// The work the fence waits for has completed.
+bool passed(const fence& f, const gpukit_fuzz::gated_streams& w) {
+  if (f.generation == w.generation[f.stream]) return w.epoch[f.stream] > f.epoch;
+  return w.completed_since_replaced(f.stream, f.generation, f.epoch);
+}
 
 std::size_t pick_size(gpukit_fuzz::input& in, std::size_t capacity) {
   switch (in.byte() % 8) {
@@ -152,7 +191,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             GPUKIT_FUZZ_CHECK(p != nullptr, what);
             const auto begin = reinterpret_cast<std::uintptr_t>(p);
             for (const auto& f : fences) {
-              if (w.epoch[f.stream] > f.epoch) continue;
+              if (passed(f, w)) continue;
               if (f.exempt == s && f.exempt_generation == w.generation[s]) continue;
               GPUKIT_FUZZ_CHECK(begin + bytes <= f.begin || f.end <= begin,
                                 what + ": handed out memory a busy recorded stream may still use");
@@ -202,14 +241,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           }
           const auto begin = reinterpret_cast<std::uintptr_t>(b.p);
           for (int k = 0; k < stream_count; ++k) {
-            if (b.recorded[k] && w.gates[k]) fences.push_back({begin, begin + b.bytes, k, w.epoch[k]});
+            if (b.recorded[k] && w.gates[k]) fences.push_back(fence_of(begin, begin + b.bytes, k, w));
           }
-          // With cross-stream reuse another stream may take the block: only after the owner's held work (the engine
-          // records an event at the free and makes the new stream wait for it). Without, the owner alone reuses it
-          // (the upstream's free is taken to wait for the device, which this upstream does not model).
-          const bool owner_held = !outlived_its_stream(b, w) && w.gates[b.stream];
-          if (options.cross_stream_reuse && owner_held) {
-            fences.push_back({begin, begin + b.bytes, b.stream, w.epoch[b.stream], b.stream, b.generation});
+          // Another stream may take the block only after the owner's held work: with cross-stream reuse the engine
+          // records an event at the free and makes the new stream wait for it; without, the block goes to another
+          // stream only once the owner is destroyed and its work done, or through the upstream (whose free waits).
+          // The owner itself reuses it at once (its later work is ordered after). An abandoned owner's work was
+          // fenced when it was abandoned.
+          if (!outlived_its_stream(b, w) && w.gates[b.stream]) {
+            fence f = fence_of(begin, begin + b.bytes, b.stream, w);
+            f.exempt = b.stream;
+            f.exempt_generation = b.generation;
+            fences.push_back(f);
           }
           freed.push_back(begin);
           live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
@@ -225,12 +268,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           break;
         }
         case 6:
-        case 7:  // hold a stream back (work that uses its memory is in flight)
-          w.hold(static_cast<int>(in.byte() % stream_count));
+        case 7: {  // hold a stream back (work that uses its memory is in flight)
+          const int s = static_cast<int>(in.byte() % stream_count);
+          what += " hold stream " + std::to_string(s);
+          w.hold(s);
           break;
-        case 8:  // its work completes
-          w.complete(static_cast<int>(in.byte() % stream_count));
+        }
+        case 8: {  // its work completes
+          const int s = static_cast<int>(in.byte() % stream_count);
+          what += " complete stream " + std::to_string(s);
+          w.complete(s);
           break;
+        }
         case 9:
           what += " empty_cache";
           a.empty_cache();
@@ -299,11 +348,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           break;
         }
         default:
-          if (op & 16) {  // a stream is destroyed once its work completes, and a new one made in its place
-            const int s = static_cast<int>(in.byte() % stream_count);
-            what += " replace stream " + std::to_string(s);
-            w.replace(s);
-            for (auto& b : live) b.recorded[s] = false;  // the new stream has not used them; the old one is done
+          if (op & 16) {  // a stream is destroyed (once its work completes, or with it held), a new one in its place
+            const std::uint8_t pick = in.byte();
+            const int s = static_cast<int>(pick % stream_count);
+            // Abandoned with its work held: the memory that work uses (blocks recorded on it, its own live blocks,
+            // the user may free later: a misuse, warned) waits for it. Its free blocks carry its fences already.
+            std::vector<fence> zombie_fences;
+            for (const auto& b : live) {
+              const auto begin = reinterpret_cast<std::uintptr_t>(b.p);
+              if (b.recorded[s] || !is_other_stream(b, s, w))
+                zombie_fences.push_back(fence_of(begin, begin + b.bytes, s, w));
+            }
+            if ((pick & 128) && w.abandon(s)) {
+              what += " abandon held stream " + std::to_string(s);
+              fences.insert(fences.end(), zombie_fences.begin(), zombie_fences.end());
+            } else {
+              what += " replace stream " + std::to_string(s);
+              w.replace(s);
+            }
+            for (auto& b : live) b.recorded[s] = false;  // the new stream has not used them
           } else {
             a.reset_peak_stats();
           }

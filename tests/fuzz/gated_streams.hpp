@@ -1,5 +1,6 @@
 // Three CPU streams shared by every input of a sequence fuzz target, each either idle or held back by a gate, so a
-// target decides when a stream's work completes.
+// target decides when a stream's work completes. A held stream may also be abandoned: destroyed, as the allocator's
+// stream ops are told (see zombie), while its work is still held, as a CUDA stream's work outlives cudaStreamDestroy.
 #pragma once
 
 #include "support.hpp"
@@ -9,16 +10,31 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace gpukit_fuzz {
 
 constexpr int stream_count = 3;
+
+/// A stream abandoned while held: to the allocator (through its stream ops) destroyed, its work unfinished. A CPU
+/// stream's destructor would wait for that work, so the stream itself lives on here until the work completes.
+struct zombie {
+  int index = 0;                 // the slot a new stream took
+  std::uint64_t generation = 0;  // the slot's generation the stream was
+  std::uint64_t epoch = 0;       // the slot's completions when it was abandoned: its work since is held
+  std::unique_ptr<gpukit::stream> stream;
+  std::unique_ptr<gpukit_test::gate> gate;
+  const void* life = nullptr;  // what the allocator tracks the stream by (stream_view::lifetime())
+};
 
 struct gated_streams {
   std::array<std::unique_ptr<gpukit::stream>, stream_count> streams;
   std::array<std::unique_ptr<gpukit_test::gate>, stream_count> gates;  // non-null while the stream is held
   std::array<std::uint64_t, stream_count> epoch{};                     // completions so far
   std::array<std::uint64_t, stream_count> generation{};                // replacements so far
+  std::vector<zombie> zombies;                                         // in the order they were abandoned
+  std::uint64_t abandoned = 0;                                         // zombies made so far (expirations)
+  static constexpr std::size_t max_zombies = 4;                        // each keeps a worker thread
 
   gated_streams() {
     for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
@@ -41,8 +57,42 @@ struct gated_streams {
     streams[i] = std::make_unique<gpukit::stream>(gpukit::device::cpu());
     ++generation[i];
   }
+  /// Stream i, held, is destroyed (as the allocator sees it) with its work still held, and a new stream takes its
+  /// place. False, changing nothing, when it is not held or too many are abandoned already.
+  bool abandon(int i) {
+    if (!gates[i] || zombies.size() >= max_zombies) return false;
+    const void* life = streams[i]->view().lifetime().get();
+    zombies.push_back({i, generation[i], epoch[i], std::move(streams[i]), std::move(gates[i]), life});
+    streams[i] = std::make_unique<gpukit::stream>(gpukit::device::cpu());
+    ++generation[i];
+    ++abandoned;
+    return true;
+  }
+  /// The abandoned streams' work completes, and they are destroyed for real.
+  void complete_zombies() {
+    for (zombie& z : zombies) {
+      z.gate->open();
+      z.stream.reset();  // waits for the host function that waited on the gate
+    }
+    zombies.clear();
+  }
+  bool is_zombie(const void* life) const {
+    for (const zombie& z : zombies) {
+      if (z.life == life) return true;
+    }
+    return false;
+  }
+  /// The work that stream `index` of generation `gen` held at completion count `at` has completed (that stream
+  /// replaced or abandoned since).
+  bool completed_since_replaced(int index, std::uint64_t gen, std::uint64_t at) const {
+    for (const zombie& z : zombies) {
+      if (z.index == index && z.generation == gen) return z.epoch > at;  // held until it completes
+    }
+    return true;  // replaced once its work completed, or abandoned and completed since
+  }
   void complete_all() {
     for (int i = 0; i < stream_count; ++i) complete(i);
+    complete_zombies();
   }
   bool any_held() const { return gates[0] || gates[1] || gates[2]; }
   /// Lets the streams not held finish what they have (events just recorded on them), so that whether a freed block
