@@ -82,14 +82,24 @@ enum variant : int {
   reuse_limited,     // the same limit with allocator_options::reuse_before_release
   variant_count
 };
-/// The variants that run under a reserved limit (their names say limited_factor).
+/// The variants that run under a reserved limit.
 constexpr bool is_limited(variant v) { return v == segments_limited || v == reuse_limited; }
-const char* const variant_names[variant_count] = {"gpukit, segments (default)", "gpukit, expandable segments",
-                                                  "cudaMallocAsync pool",       "cudaMalloc/cudaFree",
-                                                  "gpukit, limit 1.5x",         "gpukit, limit 1.5x, reuse"};
 /// The reserved limit of the limited variants, over the trace's peak requested: a device somewhat larger than the
 /// job, where bench_fragmentation's pressure table finds the defaults giving segments back and regrowing them.
 constexpr double limited_factor = 1.5;
+/// A variant's row name (the limited ones say limited_factor).
+std::string variant_name(variant v) {
+  static const char* const names[variant_count] = {"gpukit, segments (default)",
+                                                   "gpukit, expandable segments",
+                                                   "cudaMallocAsync pool",
+                                                   "cudaMalloc/cudaFree",
+                                                   "gpukit, limit",
+                                                   "gpukit, limit"};
+  if (!is_limited(v)) return names[v];
+  char name[64];
+  std::snprintf(name, sizeof name, "%s %.1fx%s", names[v], limited_factor, v == reuse_limited ? ", reuse" : "");
+  return name;
+}
 /// Begins the message of a limited variant that ran out of memory under its limit: a figure (the trace needs more
 /// than the limit with that allocator), not a failure of the run.
 const char* const limited_refusal = "out of memory under the limit: ";
@@ -343,7 +353,7 @@ void print_table(const gpukit_bench::figure_reporter& r, const std::string& devi
                 "reserved/req", "grown after", "freed after", "ratios (warm-up, after, release)");
     for (int v = 0; v < variant_count; ++v) {
       if (figure(r, k, v, counters[0]) < 0) continue;
-      std::printf("%-28s", variant_names[v]);
+      std::printf("%-28s", variant_name(static_cast<variant>(v)).c_str());
       for (int c = 0; c < 3; ++c) {
         const double value = figure(r, k, v, counters[c]);
         cell(value >= 0, value, widths[c], 3);
