@@ -36,38 +36,46 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 using gpukit_fuzz::stream_count;
 using gpukit_fuzz::world;
 
-/// gpukit's stream ops, except that a host wait first lets every held stream finish, and that abandoned streams
-/// (gated_streams::abandon) count as destroyed and unfinished.
+/// gpukit's stream ops, except that a host wait first lets the stream waited for finish (that stream only: the
+/// others stay held), and that abandoned streams (gated_streams::abandon) count as destroyed. (They count as
+/// unfinished without help: a stream's life says finished only once the stream is destroyed.)
 struct gated_stream_ops : gpukit::stream_ops {
   bool expired(const tracker_type& t) const noexcept {
     return (t && world().is_zombie(t.get())) || gpukit::stream_ops::expired(t);
   }
-  bool finished(const tracker_type& t) const {
-    return !(t && world().is_zombie(t.get())) && gpukit::stream_ops::finished(t);
-  }
   std::uint64_t expirations() const noexcept { return gpukit::stream_ops::expirations() + world().abandoned; }
+  void record(gpukit::event& e, const gpukit::stream_view& s) const {
+    gpukit::stream_ops::record(e, s);
+    world().recorded_on[&e] = s.id();
+  }
   void synchronize(const gpukit::event& e) const {
-    world().complete_all();
+    world().complete_recorder_of(&e);
+    if (!e.ready()) world().complete_all();  // recorded elsewhere (not through these ops)
     gpukit::stream_ops::synchronize(e);
   }
   void wait_finished(const tracker_type& t) const {
-    world().complete_all();
-    gpukit::stream_ops::wait_finished(t);
+    if (t && world().is_zombie(t.get())) world().complete_zombie(world().zombie_of(t.get()));
+    gpukit::stream_ops::wait_finished(t);  // any other destroyed stream's work has completed (a CPU stream's has)
   }
   /// A stream's wait for another's work (cross_stream_reuse) would hold it behind a gate too, and settle() would
-  /// wait for it forever: the streams held complete, in order, until the event has (the others stay held). Streams
-  /// not held have finished (settle), so the order does not depend on timing.
+  /// wait for it forever: the stream that recorded the event completes first (the others stay held). Streams not
+  /// held have finished (settle), so the order does not depend on timing.
   void wait(const gpukit::event& e, const gpukit::stream_view& s) const {
     world().settle();
-    for (int i = 0; i < gpukit_fuzz::stream_count && !e.ready(); ++i) world().complete(i);
-    if (!e.ready()) world().complete_zombies();
+    world().complete_recorder_of(&e);
+    if (!e.ready()) world().complete_all();
     gpukit::stream_ops::wait(e, s);
   }
 };
 
+/// The fences of the input being replayed, which unmapping pages checks (draining_upstream).
+const std::vector<struct fence>* active_fences = nullptr;
+bool overlaps_busy_fence(std::uintptr_t begin, std::uintptr_t end);
+
 /// The address-space upstream, whose free waits for every stream's work first, as cudaFree waits for the device (the
 /// allocator relies on it: synchronizes_on_free()), and whose wait before unmapping waits for it too, as
-/// cuda_upstream's does. Unmapping itself does not wait: the allocator must have waited.
+/// cuda_upstream's does. Unmapping after that wait does not wait: the allocator must have waited for the work that
+/// uses the pages, which is checked here (a GPU would fault).
 struct draining_upstream : gpukit::address_space_upstream {
   using gpukit::address_space_upstream::address_space_upstream;
   void deallocate(void* p, std::size_t bytes) noexcept {
@@ -77,6 +85,11 @@ struct draining_upstream : gpukit::address_space_upstream {
   bool wait_before_unmap() noexcept {
     world().complete_all();
     return gpukit::address_space_upstream::wait_before_unmap();
+  }
+  bool unmap_after_wait(void* address, std::size_t bytes) noexcept {
+    const auto begin = reinterpret_cast<std::uintptr_t>(address);
+    GPUKIT_FUZZ_CHECK(!overlaps_busy_fence(begin, begin + bytes), "unmapped pages a busy stream may still use");
+    return gpukit::address_space_upstream::unmap_after_wait(address, bytes);
   }
 };
 
@@ -109,7 +122,15 @@ fence fence_of(std::uintptr_t begin, std::uintptr_t end, int k, const gpukit_fuz
 /// The work the fence waits for has completed.
 bool passed(const fence& f, const gpukit_fuzz::gated_streams& w) {
   if (f.generation == w.generation[f.stream]) return w.epoch[f.stream] > f.epoch;
-  return w.completed_since_replaced(f.stream, f.generation, f.epoch);
+  return w.work_done(f.stream, f.generation, f.epoch);
+}
+
+bool overlaps_busy_fence(std::uintptr_t begin, std::uintptr_t end) {
+  if (active_fences == nullptr) return false;
+  for (const fence& f : *active_fences) {
+    if (!passed(f, world()) && begin < f.end && f.begin < end) return true;
+  }
+  return false;
 }
 
 std::size_t pick_size(gpukit_fuzz::input& in, std::size_t capacity) {
@@ -148,6 +169,8 @@ bool is_other_stream(const live_block& b, int s, const gpukit_fuzz::gated_stream
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   gpukit_fuzz::input in(data, size);
   gpukit_fuzz::gated_streams& w = world();
+  w.complete_all();  // nothing held or abandoned is left from an input that failed
+  w.recorded_on.clear();
   gpukit_test::captured_warnings warnings;
 
   const std::uint8_t setup = in.byte();
@@ -166,6 +189,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   std::vector<live_block> live;
   std::vector<fence> fences;
+  active_fences = &fences;
   std::vector<std::uintptr_t> freed;   // addresses freed and not live again (double-free probes)
   std::size_t frees_after_stream = 0;  // allocations freed after their stream was destroyed: one warning each
   {
@@ -351,17 +375,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           if (op & 16) {  // a stream is destroyed (once its work completes, or with it held), a new one in its place
             const std::uint8_t pick = in.byte();
             const int s = static_cast<int>(pick % stream_count);
-            // Abandoned with its work held: the memory that work uses (blocks recorded on it, its own live blocks,
-            // the user may free later: a misuse, warned) waits for it. Its free blocks carry its fences already.
-            std::vector<fence> zombie_fences;
-            for (const auto& b : live) {
-              const auto begin = reinterpret_cast<std::uintptr_t>(b.p);
-              if (b.recorded[s] || !is_other_stream(b, s, w))
-                zombie_fences.push_back(fence_of(begin, begin + b.bytes, s, w));
-            }
-            if ((pick & 128) && w.abandon(s)) {
+            if ((pick & 128) && w.can_abandon(s)) {
+              // Abandoned with its work held: the memory that work uses (blocks recorded on it, its own live blocks,
+              // the user may free later: a misuse, warned) waits for it. Its free blocks carry its fences already.
               what += " abandon held stream " + std::to_string(s);
-              fences.insert(fences.end(), zombie_fences.begin(), zombie_fences.end());
+              for (const auto& b : live) {
+                const auto begin = reinterpret_cast<std::uintptr_t>(b.p);
+                if (b.recorded[s] || !is_other_stream(b, s, w))
+                  fences.push_back(fence_of(begin, begin + b.bytes, s, w));
+              }
+              w.abandon(s);
             } else {
               what += " replace stream " + std::to_string(s);
               w.replace(s);
@@ -404,5 +427,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                                                std::to_string(frees_after_stream) +
                                                                " allocations freed after their stream was destroyed");
   w.complete_all();
+  active_fences = nullptr;
   return 0;
 }

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace gpukit_fuzz {
@@ -25,6 +26,7 @@ struct zombie {
   std::unique_ptr<gpukit::stream> stream;
   std::unique_ptr<gpukit_test::gate> gate;
   const void* life = nullptr;  // what the allocator tracks the stream by (stream_view::lifetime())
+  std::uintptr_t id = 0;       // stream_view::id(), which events recorded on it name (recorded_on)
 };
 
 struct gated_streams {
@@ -35,8 +37,12 @@ struct gated_streams {
   std::vector<zombie> zombies;                                         // in the order they were abandoned
   std::uint64_t abandoned = 0;                                         // zombies made so far (expirations)
   static constexpr std::size_t max_zombies = 4;                        // each keeps a worker thread
+  /// The stream (stream_view::id()) each event was last recorded on, so that a wait for an event completes that
+  /// stream only: a wait that completed every stream would let any fence pass.
+  std::unordered_map<const void*, std::uintptr_t> recorded_on;
 
   gated_streams() {
+    zombies.reserve(max_zombies);  // abandon() cannot fail once it has moved a stream out
     for (auto& s : streams) s = std::make_unique<gpukit::stream>(gpukit::device::cpu());
   }
   void hold(int i) {
@@ -57,38 +63,52 @@ struct gated_streams {
     streams[i] = std::make_unique<gpukit::stream>(gpukit::device::cpu());
     ++generation[i];
   }
-  /// Stream i, held, is destroyed (as the allocator sees it) with its work still held, and a new stream takes its
-  /// place. False, changing nothing, when it is not held or too many are abandoned already.
-  bool abandon(int i) {
-    if (!gates[i] || zombies.size() >= max_zombies) return false;
-    const void* life = streams[i]->view().lifetime().get();
-    zombies.push_back({i, generation[i], epoch[i], std::move(streams[i]), std::move(gates[i]), life});
+  /// Stream i may be abandoned: it is held, and fewer than max_zombies are.
+  bool can_abandon(int i) const { return gates[i] && zombies.size() < max_zombies; }
+  /// Stream i (can_abandon) is destroyed, as the allocator sees it, with its work still held, and a new stream takes
+  /// its place.
+  void abandon(int i) {
+    const gpukit::stream_view view = streams[i]->view();
+    zombies.push_back(
+        {i, generation[i], epoch[i], std::move(streams[i]), std::move(gates[i]), view.lifetime().get(), view.id()});
     streams[i] = std::make_unique<gpukit::stream>(gpukit::device::cpu());
     ++generation[i];
     ++abandoned;
+  }
+  /// An abandoned stream's work completes, and it is destroyed for real.
+  void complete_zombie(std::size_t k) {
+    zombies[k].gate->open();
+    zombies[k].stream.reset();  // waits for the host function that waited on the gate
+    zombies.erase(zombies.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+  void complete_zombies() {
+    while (!zombies.empty()) complete_zombie(0);
+  }
+  /// The abandoned stream the allocator tracks by `life` (zombies.size(): none).
+  std::size_t zombie_of(const void* life) const {
+    std::size_t k = 0;
+    while (k < zombies.size() && zombies[k].life != life) ++k;
+    return k;
+  }
+  bool is_zombie(const void* life) const { return zombie_of(life) < zombies.size(); }
+  /// Whether the work stream `index` held at completion count `at`, as generation `gen`, has completed. Asked once the
+  /// slot has a new stream: unless the stream was abandoned with that work held, it completed before it was replaced.
+  bool work_done(int index, std::uint64_t gen, std::uint64_t at) const {
+    for (const zombie& z : zombies) {
+      if (z.index == index && z.generation == gen) return z.epoch > at;  // completed before the abandonment
+    }
     return true;
   }
-  /// The abandoned streams' work completes, and they are destroyed for real.
-  void complete_zombies() {
-    for (zombie& z : zombies) {
-      z.gate->open();
-      z.stream.reset();  // waits for the host function that waited on the gate
+  /// Completes the stream (held, or abandoned) that `event` was last recorded on.
+  void complete_recorder_of(const void* event) {
+    const auto found = recorded_on.find(event);
+    if (found == recorded_on.end()) return;
+    for (int i = 0; i < stream_count; ++i) {
+      if (streams[i]->view().id() == found->second) return complete(i);
     }
-    zombies.clear();
-  }
-  bool is_zombie(const void* life) const {
-    for (const zombie& z : zombies) {
-      if (z.life == life) return true;
+    for (std::size_t k = 0; k < zombies.size(); ++k) {
+      if (zombies[k].id == found->second) return complete_zombie(k);
     }
-    return false;
-  }
-  /// The work that stream `index` of generation `gen` held at completion count `at` has completed (that stream
-  /// replaced or abandoned since).
-  bool completed_since_replaced(int index, std::uint64_t gen, std::uint64_t at) const {
-    for (const zombie& z : zombies) {
-      if (z.index == index && z.generation == gen) return z.epoch > at;  // held until it completes
-    }
-    return true;  // replaced once its work completed, or abandoned and completed since
   }
   void complete_all() {
     for (int i = 0; i < stream_count; ++i) complete(i);

@@ -922,6 +922,34 @@ TEST_CASE("expandable segments with cross-stream reuse: a block taken from anoth
   CHECK(released_all(f, {again, keep}));
 }
 
+TEST_CASE(
+    "expandable segments: a block another stream freed in a range goes back to the range's stream once unmapped") {
+  // s1 took s0's mapped block and freed it: s1's block, in s0's range, which s0 could not use. Once its pages are
+  // unmapped no work can use it: it goes back to s0 and merges there. Kept by s1 (found by the fuzzer: a range shared
+  // by three streams' free blocks, one starting mid-page), s0 mapped pages past it, or a request needed a page more
+  // than its size and failed with a page free on the device.
+  setup f(without_front_cache(true));
+  void* first = f.a.allocate(4 * MiB, f.s0);  // pages 0 and 1 of s0's range
+  void* keep = f.a.allocate(2 * MiB, f.s0);   // page 2
+  f.a.deallocate(first);
+  void* borrowed = f.a.allocate(4 * MiB, f.s1);  // s1 has no range yet: s0's mapped free block serves it
+  REQUIRE(borrowed == first);
+  f.a.deallocate(borrowed);
+  f.a.empty_cache();  // unmaps pages 0 and 1
+  REQUIRE(f.a.memory_reserved() == page);
+  const gpukit::allocator_snapshot snapshot = f.a.snapshot();
+  REQUIRE(snapshot.segments.size() == 1);  // s0's range (s1 has none)
+  const std::vector<gpukit::block_info>& blocks = snapshot.segments[0].blocks;
+  REQUIRE(blocks.size() == 3);  // s0's free block at pages 0 and 1 (was s1's), `keep`, s0's free rest
+  CHECK(blocks[0].stream == blocks[1].stream);
+  CHECK(blocks[0].stream == blocks[2].stream);
+  void* again = f.a.allocate(4 * MiB, f.s0);
+  CHECK(again == first);  // s0's again, where it was (kept by s1: pages 3 and 4, past `keep`)
+  CHECK(f.a.memory_reserved() == 3 * page);
+  CHECK(f.invariants({keep, again}) == "");
+  CHECK(released_all(f, {again, keep}));
+}
+
 TEST_CASE("expandable segments: a stream made after another was destroyed takes over its range and mapped pages") {
   // A server that makes a stream per request: before, every stream without a range took blocks of a destroyed
   // stream's range, mapped or not, so the live streams' free blocks interleaved there (they do not merge) and pages

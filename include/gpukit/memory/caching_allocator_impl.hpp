@@ -2338,6 +2338,29 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_unmapped_to_heirs() noexcept {
+  if constexpr (has_vm) {
+    for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
+      if (!seg->expandable) continue;
+      for (block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->state != block_state::free) continue;
+        stream_state* const heir = heir_of(b);
+        if (b->owner == heir || on_mapped_page(seg, b)) continue;
+        try {
+          (void)index_in(*heir, b->small);  // the only step that can fail: then the block stays where it is
+        } catch (...) {
+          continue;
+        }
+        unindex_free(b);
+        recycle_event(std::move(b->fence), device_);  // its work is done: the pages went after it
+        b->owner = heir;
+        b = insert_free(b);  // cannot throw: the heir's index exists
+      }
+    }
+  }
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::has_unmappable_pages() const noexcept {
   const bool quarantine = !upstream_.synchronizes_on_free();
   for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
@@ -2705,6 +2728,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   if (!wait_unlocked) released += unmap_free_pages(target, wait);  // before release_segments releases the lock
   released += release_segments(lock, victims, false, &wait);
   if (wait_unlocked) released += unmap_free_pages(target, wait);
+  give_unmapped_to_heirs();
   return released;
 }
 
