@@ -950,6 +950,40 @@ TEST_CASE(
   CHECK(released_all(f, {again, keep}));
 }
 
+TEST_CASE("expandable segments: the unmapped end of another stream's free block goes back to the range's stream") {
+  // s1's free block in s0's range lies on a page s1 still uses (mapped) and on one unmapped: the unmapped part goes
+  // back to s0, the rest stays s1's (s1's work may use it). Found by the fuzzer: a range's stream whose free block
+  // began mid-page behind such a block needed two pages for a request of one and failed with a page free.
+  setup f(without_front_cache(true));
+  void* first = f.a.allocate(4 * MiB, f.s0);  // pages 0 and 1 of s0's range
+  void* keep = f.a.allocate(2 * MiB, f.s0);   // page 2
+  f.a.deallocate(first);
+  void* borrowed = f.a.allocate(4 * MiB, f.s1);  // s0's mapped free block serves s1 (no range of its own)
+  REQUIRE(borrowed == first);
+  f.a.deallocate(borrowed);
+  void* used = f.a.allocate(3 * MiB / 2, f.s1);  // from s1's free block: page 0 stays in use
+  REQUIRE(used == first);
+  f.a.empty_cache();  // unmaps page 1 only
+  REQUIRE(f.a.memory_reserved() == 2 * page);
+  const auto at = [&](std::uintptr_t offset) {
+    for (const auto& b : f.a.snapshot().segments.at(0).blocks) {
+      if (b.address == reinterpret_cast<std::uintptr_t>(first) + offset) return b;
+    }
+    return gpukit::block_info{};
+  };
+  const gpukit::block_info s1_rest = at(3 * MiB / 2);
+  const gpukit::block_info s0_part = at(page);
+  CHECK(s1_rest.size == page - 3 * MiB / 2);  // on page 0: s1's
+  CHECK(s0_part.size == page);                // page 1: s0's
+  CHECK(s0_part.stream == at(2 * page).stream);
+  CHECK(s0_part.stream != s1_rest.stream);
+  void* again = f.a.allocate(2 * MiB, f.s0);
+  CHECK(again == static_cast<char*>(first) + page);  // where s1's block was (kept by s1: past `keep`)
+  CHECK(f.a.memory_reserved() == 3 * page);
+  CHECK(f.invariants({used, keep, again}) == "");
+  CHECK(released_all(f, {used, again, keep}));
+}
+
 TEST_CASE("expandable segments: a stream made after another was destroyed takes over its range and mapped pages") {
   // A server that makes a stream per request: before, every stream without a range took blocks of a destroyed
   // stream's range, mapped or not, so the live streams' free blocks interleaved there (they do not merge) and pages

@@ -1030,10 +1030,11 @@ class basic_caching_allocator {
   /// Unmaps (lock held) the pages of expandable segments that lie wholly in free blocks `w` covers (free_pages_of),
   /// until reserved memory is at most `target` (0: all); returns the bytes unmapped.
   std::size_t unmap_free_pages(std::size_t target, const unmap_wait& w);
-  /// (Lock held.) Free blocks of expandable segments whose pages are all unmapped go to their range's heir (heir_of)
-  /// and merge there: no work can still use memory without pages (they were unmapped after waiting for it), while a
-  /// block of another stream left in a range splits its free space, and a request of the range's stream then needs a
-  /// page more than its size (or cannot be placed at all).
+  /// (Lock held.) The parts of free blocks of expandable segments that lie on unmapped pages only (a whole block, or
+  /// its ends before its first and after its last mapped page) go to their range's heir (heir_of) and merge there: no
+  /// work can still use memory without pages (they were unmapped after waiting for it), while a block of another
+  /// stream left in a range splits its free space, and a request of the range's stream then needs a page more than
+  /// its size (or cannot be placed at all).
   void give_unmapped_to_heirs() noexcept;
 
   /// Whether a free block of an expandable segment holds a whole mapped page (one unmap_free_pages could take).
