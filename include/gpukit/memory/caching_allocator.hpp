@@ -1030,12 +1030,12 @@ class basic_caching_allocator {
   /// Unmaps (lock held) the pages of expandable segments that lie wholly in free blocks `w` covers (free_pages_of),
   /// until reserved memory is at most `target` (0: all); returns the bytes unmapped.
   std::size_t unmap_free_pages(std::size_t target, const unmap_wait& w);
-  /// (Lock held.) The parts of free blocks of expandable segments that lie on unmapped pages only (a whole block, or
-  /// its ends before its first and after its last mapped page) go to their range's heir (heir_of) and merge there: no
-  /// work can still use memory without pages (they were unmapped after waiting for it), while a block of another
-  /// stream left in a range splits its free space, and a request of the range's stream then needs a page more than
-  /// its size (or cannot be placed at all).
-  void give_unmapped_to_heirs() noexcept;
+  /// (Lock held, after a release that unmapped pages.) A free block of an expandable segment in a range of another
+  /// stream (or of no stream) goes to that range's heir (heir_of) and merges there once no work can use it: its
+  /// pages are all unmapped (they went after its work), or `w` waited for its work. Left with its stream, it split
+  /// the range's free space, and a request of the range's stream then needed a page more than its size, or failed
+  /// with room for it (found by the fuzzer).
+  void give_to_heirs(const unmap_wait& w) noexcept;
 
   /// Whether a free block of an expandable segment holds a whole mapped page (one unmap_free_pages could take).
   bool has_unmappable_pages() const noexcept;

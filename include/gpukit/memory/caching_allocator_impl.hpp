@@ -2338,84 +2338,32 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_fr
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_unmapped_to_heirs() noexcept {
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_to_heirs(const unmap_wait& w) noexcept {
   if constexpr (has_vm) {
+    // Without a wait of its own before unmapping, the upstream waited in unmap: `w` covers nothing then.
+    constexpr bool waits_apart = detail::has_unmap_after_wait<Upstream>::value;
+    const bool quarantine = !upstream_.synchronizes_on_free();
     for (segment* seg = segments_; seg != nullptr; seg = seg->next_segment) {
       if (!seg->expandable) continue;
-      const detail::page_map& pages = seg->pages;
-      const std::size_t page = pages.page_size();
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state != block_state::free) continue;
         stream_state* const heir = heir_of(b);
         if (b->owner == heir) continue;
-        // The block's parts before its first mapped page and after its last: on unmapped pages only. A block of no
-        // stream goes whole (no work uses it, as when a range is taken over).
-        const detail::page_map::page_range touched = pages.touched_by(b->address - seg->address, b->size);
-        std::size_t first = touched.first;
-        while (first < touched.end && !pages.is_mapped(first)) ++first;
-        std::uintptr_t kept_begin = b->address + b->size;  // none of it on a mapped page: all goes
-        std::uintptr_t kept_end = kept_begin;
-        if (first < touched.end && b->owner != unowned_.get()) {
-          std::size_t last = touched.end - 1;
-          while (!pages.is_mapped(last)) --last;
-          kept_begin = std::max(b->address, seg->address + first * page);
-          kept_end = std::min(b->address + b->size, seg->address + (last + 1) * page);
-        }
-        const bool whole = kept_begin == b->address + b->size;
-        const bool head = !whole && kept_begin > b->address;
-        const bool tail = !whole && kept_end < b->address + b->size;
-        if (!whole && !head && !tail) continue;
-        block* front = nullptr;  // the steps that can fail, before anything changes: then the block stays as it is
-        block* back = nullptr;
+        const bool done = !on_mapped_page(seg, b) || (waits_apart && releasable(b, quarantine) && covers(w, b));
+        if (!done) continue;
         try {
-          (void)index_in(*heir, b->small);
-          if (head) front = new_block();
-          if (tail) back = new_block();
+          (void)index_in(*heir, b->small);  // the only step that can fail: then the block stays where it is
         } catch (...) {
-          if (front != nullptr) recycle(front);
           continue;
         }
         unindex_free(b);
-        if (whole) {
-          recycle_event(std::move(b->fence), device_);  // its work is done: the pages went after it
-          b->owner = heir;
-          b = insert_free(b);  // cannot throw: the heir's index exists
-          continue;
-        }
-        const auto init = [&](block* part, std::uintptr_t address, std::size_t size) {
-          part->address = address;
-          part->size = size;
-          part->seg = seg;
-          part->owner = heir;
-          part->small = b->small;
-          part->state = block_state::free;
-          part->free_since = b->free_since;
-        };
-        if (head) {
-          init(front, b->address, kept_begin - b->address);
-          front->prev = b->prev;
-          front->next = b;
-          if (b->prev != nullptr) {
-            b->prev->next = front;
-          } else {
-            seg->first = front;
-          }
-          b->prev = front;
-        }
-        if (tail) {
-          init(back, kept_end, b->address + b->size - kept_end);
-          back->prev = b;
-          back->next = b->next;
-          if (b->next != nullptr) b->next->prev = back;
-          b->next = back;
-        }
-        b->address = kept_begin;  // the part on mapped pages stays its owner's, with its fence
-        b->size = kept_end - kept_begin;
-        index_free(b);
-        if (head) (void)insert_free(front);  // merges with the heir's block before it (b is not the heir's)
-        if (tail) b = insert_free(back);
+        recycle_event(std::move(b->fence), device_);  // its work is done
+        b->owner = heir;
+        b = insert_free(b);  // cannot throw: the heir's index exists
       }
     }
+  } else {
+    (void)w;
   }
 }
 
@@ -2787,7 +2735,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   if (!wait_unlocked) released += unmap_free_pages(target, wait);  // before release_segments releases the lock
   released += release_segments(lock, victims, false, &wait);
   if (wait_unlocked) released += unmap_free_pages(target, wait);
-  give_unmapped_to_heirs();
+  give_to_heirs(wait);
   return released;
 }
 
