@@ -587,3 +587,175 @@ TEST_CASE("gpu: a graph relaunched while its previous launch's allocation is unf
   a.deallocate(out, s);  // the first launch's output, freed after it
   s.synchronize();
 }
+
+TEST_CASE("gpu: a graph output freed in a later capture of the stream that read it is reused after that read") {
+  // The output of a first graph is read on y outside any capture, then freed inside a capture of y (the capture's
+  // temporary takes its block): y's read is not the second graph's work, so the second graph, launched on another
+  // stream, must wait for it. Found by review: the free in a capture took the freeing stream's work as the graph's.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  constexpr std::size_t bytes = 4096;
+  gpukit::stream s(d);
+  gpukit::stream y(d);
+  gpukit::device_buffer<int> seen(bytes / sizeof(int), s);
+  auto pool = gpukit::graph_pool::create(d, bytes);
+  auto& allocator = gpukit::default_allocator(d);
+  void* out = nullptr;
+  gpukit::graph producer = gpukit::capture(
+      y,
+      [&] {
+        out = allocator.allocate(bytes, y);  // kept past the capture: the graph's output
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, bytes, y.cuda_handle()));
+      },
+      pool);
+  producer.launch(y);
+  y.synchronize();
+  s.synchronize();
+  gate held;
+  held.hold(y);
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(seen.data(), out, bytes, cudaMemcpyDeviceToDevice, y.cuda_handle()));  // held
+  void* const block = out;
+  void* reused = nullptr;
+  gpukit::graph second = gpukit::capture(
+      y,
+      [&] {
+        SUBCASE("freed without a stream, on its allocation's (as device_buffer frees)") { allocator.deallocate(out); }
+        SUBCASE("freed on the stream that read it") { allocator.deallocate(out, y); }
+        gpukit::device_buffer<int> tmp(bytes / sizeof(int), y);
+        reused = tmp.data();
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 3, bytes, y.cuda_handle()));
+      },
+      pool);
+  CHECK(reused == block);
+  second.launch(s);
+  CHECK(cudaStreamQuery(s.cuda_handle()) == cudaErrorNotReady);  // waits for y's held read
+  held.open();
+  y.synchronize();
+  CHECK(read(seen, s) == std::vector<int>(bytes / sizeof(int), 0x02020202));  // the first graph's data
+}
+
+TEST_CASE("gpu: a graph pool's reserve goes back after the read of a stream that freed an output in a capture") {
+  // As above, with the graphs and the pool gone before the read ran: the reserve goes back to the backing allocator
+  // ordered after y's read too, so the backing allocator does not hand it out while the read is held.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  constexpr std::size_t reserve_bytes = MiB;
+  gpukit::stream y(d);
+  gpukit::device_buffer<int> seen(1024, y);
+  gpukit::allocator_options options;
+  options.release_before_grow = false;  // no cudaFree (a device-wide wait) while the gate holds work back
+  gpukit::caching_allocator backing(d, options);
+  void* block = nullptr;
+  gate held;
+  {
+    auto pool = gpukit::graph_pool::create(d, reserve_bytes, &backing);
+    void* out = nullptr;
+    gpukit::graph producer = gpukit::capture(
+        y,
+        [&] {
+          out = backing.allocate(4096, y);
+          GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, 4096, y.cuda_handle()));
+        },
+        pool);
+    block = out;
+    producer.launch(y);
+    y.synchronize();
+    held.hold(y);
+    GPUKIT_CUDA_TRY(cudaMemcpyAsync(seen.data(), out, 4096, cudaMemcpyDeviceToDevice, y.cuda_handle()));
+    gpukit::graph cleanup = gpukit::capture(
+        y, [&] { backing.deallocate(out); }, pool);  // the read is not its work
+  }                                                  // graphs and pool gone, no allocation left: the reserve goes back
+  const auto reserve_at = reinterpret_cast<std::uintptr_t>(block);
+  void* other = backing.allocate(reserve_bytes, gpukit::stream_view::default_stream(d));
+  const auto other_at = reinterpret_cast<std::uintptr_t>(other);
+  CHECK((other_at + reserve_bytes <= reserve_at || other_at >= reserve_at + reserve_bytes));  // y's read is held
+  held.open();
+  y.synchronize();
+  CHECK(read(seen, y) == std::vector<int>(1024, 0x02020202));
+  backing.deallocate(other);
+}
+
+TEST_CASE("gpu: a graph pool's out of memory in a capture says when free blocks are kept for other streams") {
+  // In a capture a block freed on s serves only s: a forked stream's request of its size is refused, and the message
+  // says the block is free but kept (it said: largest free block 4 KiB, reserve more).
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::stream forked(d);
+  auto pool = gpukit::graph_pool::create(d, 4096);
+  auto& allocator = gpukit::default_allocator(d);
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  GPUKIT_CUDA_TRY(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  std::string message;
+  gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        GPUKIT_CUDA_TRY(cudaEventRecord(fork, s.cuda_handle()));  // forked joins the capture
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0));
+        void* p = allocator.allocate(4096, s);
+        allocator.deallocate(p, s);
+        try {
+          allocator.deallocate(allocator.allocate(4096, forked), forked);
+        } catch (const gpukit::out_of_memory_error& e) {
+          message = e.what();
+        }
+        GPUKIT_CUDA_TRY(cudaEventRecord(join, forked.cuda_handle()));
+        GPUKIT_CUDA_TRY(cudaStreamWaitEvent(s.cuda_handle(), join, 0));
+      },
+      pool);
+  GPUKIT_CUDA_TRY(cudaEventDestroy(fork));
+  GPUKIT_CUDA_TRY(cudaEventDestroy(join));
+  INFO(message);
+  CHECK(contains(message,
+                 "largest free block this stream may take 0 B; 4.00 KiB more is free (largest block "
+                 "4.00 KiB) but kept for other streams until the pool's captures end"));
+}
+
+TEST_CASE("gpu: a launch that cannot wait for a captured stream that used a freed pool block says so, once") {
+  // x read a graph's output (record_stream), then x is captured (a raw capture) when the output is freed and a graph
+  // reusing its block is launched: x's read from before its capture cannot be waited for until that capture ends.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  constexpr std::size_t bytes = 4096;
+  gpukit::stream s(d);
+  gpukit::stream x(d);
+  gpukit::stream other(d);
+  gpukit::device_buffer<int> seen(bytes / sizeof(int), s);
+  auto pool = gpukit::graph_pool::create(d, bytes);
+  auto& allocator = gpukit::default_allocator(d);
+  void* out = nullptr;
+  gpukit::graph producer = gpukit::capture(
+      s,
+      [&] {
+        out = allocator.allocate(bytes, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, bytes, s.cuda_handle()));
+      },
+      pool);
+  producer.launch(s);
+  s.synchronize();
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(seen.data(), out, bytes, cudaMemcpyDeviceToDevice, x.cuda_handle()));
+  allocator.record_stream(out, x);
+  x.synchronize();  // the read is done: only what the launch can know is tested
+  GPUKIT_CUDA_TRY(cudaStreamBeginCapture(x.cuda_handle(), cudaStreamCaptureModeThreadLocal));
+  allocator.deallocate(out, s);  // x's use is deferred: x is captured
+  gpukit::graph second = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(bytes / sizeof(int), s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 3, bytes, s.cuda_handle()));
+      },
+      pool);
+  const captured_warnings warnings;
+  second.launch(other);
+  second.launch(other);
+  std::size_t said = 0;
+  for (const std::string& m : warnings.messages()) said += contains(m, "cannot wait for that stream's work") ? 1 : 0;
+  CHECK(said == 1);  // once per pool
+  cudaGraph_t unused = nullptr;
+  GPUKIT_CUDA_TRY(cudaStreamEndCapture(x.cuda_handle(), &unused));
+  GPUKIT_CUDA_TRY(cudaGraphDestroy(unused));
+  second.launch(other);  // x's use is recorded now
+  other.synchronize();
+}

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -524,14 +525,27 @@ TEST_CASE("one upstream contract: a caching allocator's upstream (nullptr when o
 TEST_CASE("misuse: foreign pointers and double frees are invalid_argument_error") {
   auto pool = make_cpu_pool();
   int local = 0;
-  CHECK_THROWS_AS(pool.deallocate(&local), gpukit::invalid_argument_error);
+  const auto address = [](const void* p) {  // as the errors print it
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    return std::string(text);
+  };
+  const std::string foreign = "pinned_pool::deallocate(" + address(&local) + "): not the start of a block";
+  CHECK_THROWS_WITH_AS(pool.deallocate(&local), doctest::Contains(foreign.c_str()), gpukit::invalid_argument_error);
   CHECK_THROWS_AS(pool.record_stream(&local, gpukit::stream_view::default_stream(cpu)), gpukit::invalid_argument_error);
   void* p = pool.allocate(KiB);
+  CHECK_THROWS_WITH_AS(pool.deallocate(static_cast<char*>(p) + 16), doctest::Contains("interior pointer"),
+                       gpukit::invalid_argument_error);
+  const std::size_t block = pool.block_size(p);
   pool.deallocate(p);
   try {
     pool.deallocate(p);
     FAIL("double free accepted");
   } catch (const gpukit::invalid_argument_error& e) {
+    // The pointer and its block's size, to find the culprit by.
+    const std::string expected = "deallocate(" + address(p) + "): its block of " + gpukit::detail::format_bytes(block) +
+                                 " was already deallocated";
+    CHECK(std::string(e.what()).find(expected) != std::string::npos);
     CHECK(std::string(e.what()).find("double free") != std::string::npos);
   }
   CHECK_THROWS_AS(gpukit::pinned_pool(gpukit::pinned_upstream(), gpukit::pinned_pool_options{SIZE_MAX, 3}),

@@ -82,8 +82,8 @@ TEST_CASE("chunking: one chunk up to min_chunk_bytes, then at least `slots` chun
   CHECK(engine.chunk_for(16 * MiB) == 4 * MiB);
   CHECK(engine.chunk_for(32 * MiB) == 8 * MiB);
   CHECK(engine.chunk_for(1024 * MiB) == 8 * MiB);
-  CHECK_THROWS_AS(gpukit::staging_engine(pool, gpukit::staging_options{0, 0, 4, 0, 1, 1ms, 1}),
-                  gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::staging_engine(pool, gpukit::staging_options{0, 0, 4, 0, 1, 1ms, 1}),
+                       doctest::Contains("must be positive (got 0, 4 and 2)"), gpukit::invalid_argument_error);
 }
 
 TEST_CASE(

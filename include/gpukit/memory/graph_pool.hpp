@@ -285,7 +285,20 @@ class graph_pool final : public device_allocator {
     after_lock later;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      (void)record_deferred_uses(&s, &later);
+      if (record_deferred_uses(&s, &later) && !warned_unordered_) {
+        // A stream that used a freed block is captured now: its work from before that capture cannot be waited for
+        // until the capture ends (a later launch does), so this graph may write the block while that work reads it
+        // (found by review). Said rather than refused: the launch is the user's, and the capture may be another
+        // thread's.
+        warned_unordered_ = true;
+        later.failures +=
+            std::string(later.failures.empty() ? "" : "\n") +
+            "gpukit::graph::launch: a stream that used a block of this launch's graph pool, since freed, is being "
+            "captured (or was destroyed while captured): the launch cannot wait for that stream's work from before its "
+            "capture, and the graph may "
+            "overwrite the block while the work still uses it (said once per pool). End that capture before "
+            "launching, or free the block once that work has completed";
+      }
       wait_for_uses_locked(s);
     }
     finish_host_waits(later);  // before the launch
@@ -374,6 +387,7 @@ class graph_pool final : public device_allocator {
     const std::size_t size = round(bytes);
     const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
     detail::kept_stream allocated_on = detail::kept_stream::of(stream);  // a free without a stream is ordered on it
+    const unsigned long long capture = capture_of(stream);
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
     after_lock later;                       // declared before the lock: its warnings go after it, thrown or not
     std::unique_lock<std::mutex> lock(mutex_);
@@ -412,12 +426,13 @@ class graph_pool final : public device_allocator {
     if (fit.size == no_fit) {
       lock.unlock();
       later.warn_now();
-      throw_out_of_memory(bytes, size);
+      throw_out_of_memory(bytes, size, id);
     }
     const auto [block_size, address] = fit;
     const auto taken = free_.find(address);
     // The one step that allocates.
-    live_.emplace(address, live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on)});
+    live_.emplace(address,
+                  live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on), capture});
     if (block_size > size) {
       (void)rekey_free(taken, address + size, block_size - size, taken->second.stream);  // the rest, in its nodes
     } else {
@@ -483,6 +498,7 @@ class graph_pool final : public device_allocator {
     bool shared;                            // another stream used it (record_stream) or freed it
     std::vector<detail::kept_stream> uses;  // streams outside a capture that used it (record_stream)
     detail::kept_stream allocated_on;       // the stream it was allocated on: a free without a stream is made on it
+    unsigned long long capture;             // the id of the capture it was allocated in (0: outside captures)
   };
   /// A candidate block: its size (no_fit: none), then its address.
   struct fit_result {
@@ -585,19 +601,30 @@ class graph_pool final : public device_allocator {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     std::vector<detail::kept_stream> uses;
     detail::kept_stream freeing_on;
+    unsigned long long allocated_in = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(address);
       if (it == live_.end()) throw_not_owned(p);
       uses = it->second.uses;
+      allocated_in = it->second.capture;
       // Without a stream, the free is made on the allocation's ("in the order of the stream it was allocated on"):
       // its work so far is waited for before the block's reuse, as a consumer's that frees on its own stream is.
       if (stream == nullptr) freeing_on = it->second.allocated_on;
     }
     if (stream != nullptr) freeing_on = detail::kept_stream::of(*stream);
-    const bool captured = refuse_foreign_capture(freeing_on, "gpukit::graph_pool::deallocate", stream == nullptr);
+    unsigned long long freed_in = 0;
+    const bool captured =
+        refuse_foreign_capture(freeing_on, "gpukit::graph_pool::deallocate", stream == nullptr, &freed_in);
     for (const detail::kept_stream& use : uses) record_use(use, use_kind::recorded);
-    if (!captured) record_freeing_stream(freeing_on);  // a captured stream's work there is the graph's
+    if (!captured) {
+      record_freeing_stream(freeing_on);
+    } else if (freed_in == 0 || freed_in != allocated_in) {
+      // Freed in a capture other than the one it was allocated in: the stream's work from before this capture (a
+      // copy of an earlier graph's output) is not the graph's, and cannot take an event while the stream is
+      // captured; recorded at the next launch, direct allocation or release, as a recorded stream's.
+      record_use(freeing_on, use_kind::recorded);
+    }  // else the block's every use on the stream is the graph's
     bool last = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -623,6 +650,16 @@ class graph_pool final : public device_allocator {
     return hold.refuses(use.view) || detail::capture_status(use.view) != cudaStreamCaptureStatusNone;
   }
 
+  /// The id of the capture `s` is in, or 0 (none, or the question failed: a free in a capture then takes the
+  /// stream's work as possibly not the graph's, the safe side).
+  static unsigned long long capture_of(const stream_view& s) noexcept {
+    try {
+      return detail::capture_id(s);
+    } catch (...) {
+      return 0;
+    }
+  }
+
   /// How a stream used a block: named by record_stream, or the stream the block is freed on.
   enum class use_kind { recorded, freeing };
 
@@ -635,9 +672,15 @@ class graph_pool final : public device_allocator {
   /// launch, with no reference to the pool, which would hand the block out again at once. Asked while `s` is kept
   /// from destruction (another thread's would leave its handle invalid, or a new stream's); a destroyed stream is not
   /// asked. `allocation_stream` (a free without a stream): a failed question is taken as "not captured", so the free
-  /// goes on (a raw handle destroyed before it; the event record then fails and is dealt with as any).
-  bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation, bool allocation_stream) const {
+  /// goes on (a raw handle destroyed before it; the event record then fails and is dealt with as any). `*capture`
+  /// (if given) is set to the capture's id when `s` is captured (0: invalidated).
+  bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation, bool allocation_stream,
+                              unsigned long long* capture = nullptr) const {
     unsigned long long id = 0;
+    const auto found = [&id, capture] {
+      if (capture != nullptr) *capture = id;
+      return true;
+    };
     {
       std::unique_lock<std::mutex> alive;
       if (s.life != nullptr) alive = s.life->keep_alive();
@@ -651,12 +694,12 @@ class graph_pool final : public device_allocator {
         throw;
       }
     }
-    if (id == 0) return true;
+    if (id == 0) return found();
     {
       auto& registry = detail::capture_pools();
       std::lock_guard<std::mutex> lock(registry.mutex);  // never under mutex_ (register_live)
       const auto it = registry.capturing.find(id);
-      if (it != registry.capturing.end() && it->second == this) return true;
+      if (it != registry.capturing.end() && it->second == this) return found();
     }
     detail::throw_captured(operation, detail::describe_stream(s.view.native_handle(), device_), device_,
                            "a capture this graph pool does not serve: the graph would use the pool's block at each "
@@ -1257,8 +1300,11 @@ class graph_pool final : public device_allocator {
                                  "into the middle of an allocation)");
   }
 
-  [[noreturn]] void throw_out_of_memory(std::size_t bytes, std::size_t size) {
+  /// For a request of `bytes` (`size` rounded) on the stream of id `id` that no free block could serve.
+  [[noreturn]] void throw_out_of_memory(std::size_t bytes, std::size_t size, std::uint64_t id) {
     out_of_memory_info info;
+    std::size_t kept_for_others = 0;  // free, but for other streams until the captures end
+    std::size_t largest_kept = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++ooms_;
@@ -1268,18 +1314,30 @@ class graph_pool final : public device_allocator {
       info.allocated = static_cast<std::size_t>(allocated_bytes_.current);
       info.reserved = reserved_;
       for (const auto& entry : free_) {
-        info.free_cached += entry.second.size;
-        info.largest_free_block = std::max(info.largest_free_block, entry.second.size);
+        const free_block& f = entry.second;
+        info.free_cached += f.size;
+        if (f.stream == id || f.stream == any_stream) {
+          info.largest_free_block = std::max(info.largest_free_block, f.size);
+        } else {
+          kept_for_others += f.size;
+          largest_kept = std::max(largest_kept, f.size);
+        }
       }
       info.reserved_limit = reserved_;
       info.limit_hit = true;
     }
     using detail::format_bytes;
-    info.message = "gpukit: out of memory in the graph pool of " + device_.to_string() + ": tried to allocate " +
-                   detail::format_bytes_exact(bytes) + "; the pool reserves " + format_bytes(info.reserved) + ", " +
-                   format_bytes(info.allocated) + " allocated, largest free block " +
-                   format_bytes(info.largest_free_block) +
-                   ". A capture cannot allocate device memory: reserve more before it (graph_pool::reserve).";
+    info.message =
+        "gpukit: out of memory in the graph pool of " + device_.to_string() + ": tried to allocate " +
+        detail::format_bytes_exact(bytes) + "; the pool reserves " + format_bytes(info.reserved) + ", " +
+        format_bytes(info.allocated) + " allocated, largest free block this stream may take " +
+        format_bytes(info.largest_free_block) +
+        (kept_for_others == 0
+             ? std::string()
+             : "; " + format_bytes(kept_for_others) + " more is free (largest block " + format_bytes(largest_kept) +
+                   ") but kept for other streams until the pool's captures end (a block freed in a capture "
+                   "serves only the stream it was allocated on, or none if another stream used it)") +
+        ". A capture cannot allocate device memory: reserve more before it (graph_pool::reserve).";
     observers_.notify(info, device_.to_string());
     throw out_of_memory_error(info.message, cudaSuccess, "gpukit::graph_pool::allocate(" + std::to_string(bytes) + ")",
                               device_.ordinal());
@@ -1310,6 +1368,7 @@ class graph_pool final : public device_allocator {
   std::int64_t ooms_ = 0;
   int captures_ = 0;
   bool orphaned_ = false;
+  bool warned_unordered_ = false;  // order_launch said once that a launch could not wait for a captured stream
   bool unordered_launch_ = false;  // a launch could be neither recorded nor waited for: the reserve is kept
   bool live_registered_ = false;   // guarded by the registry's mutex
   detail::out_of_memory_observers observers_;

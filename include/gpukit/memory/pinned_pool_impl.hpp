@@ -11,6 +11,8 @@
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 
+#include <cstdio>
+
 GPUKIT_BEGIN_NAMESPACE
 
 template <class Upstream, class Sync>
@@ -543,9 +545,13 @@ template <class Upstream, class Sync>
 GPUKIT_INLINE auto basic_pinned_pool<Upstream, Sync>::active_block_locked(const void* p, const char* who) -> block& {
   auto it = blocks_.find(const_cast<void*>(p));
   if (it == blocks_.end() || it->second.state != block_state::active) {
-    throw invalid_argument_error(std::string("gpukit::pinned_pool::") + who + ": " +
-                                 (it == blocks_.end() ? "the pointer was not allocated by this pool"
-                                                      : "the block was already deallocated (double free)"));
+    char address[32];
+    std::snprintf(address, sizeof address, "%p", p);
+    throw invalid_argument_error(
+        std::string("gpukit::pinned_pool::") + who + "(" + address + "): " +
+        (it == blocks_.end()
+             ? std::string("not the start of a block of this pool (a foreign or interior pointer)")
+             : "its block of " + detail::format_bytes(it->second.size) + " was already deallocated (a double free)"));
   }
   return it->second;
 }

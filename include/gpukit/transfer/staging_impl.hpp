@@ -17,7 +17,10 @@ GPUKIT_INLINE basic_staging_engine<Copier>::basic_staging_engine(pinned_pool& po
                                                                  Copier copier)
     : pool_(&pool), options_(options), copier_(std::move(copier)) {
   if (options_.chunk_bytes == 0 || options_.slots == 0 || options_.download_slots == 0) {
-    throw invalid_argument_error("gpukit::staging_engine: chunk_bytes, slots and download_slots must be positive");
+    throw invalid_argument_error(
+        "gpukit::staging_engine: chunk_bytes, slots and download_slots must be positive (got " +
+        std::to_string(options_.chunk_bytes) + ", " + std::to_string(options_.slots) + " and " +
+        std::to_string(options_.download_slots) + ")");
   }
   if (options_.min_chunk_bytes == 0 || options_.min_chunk_bytes > options_.chunk_bytes) {
     options_.min_chunk_bytes = options_.chunk_bytes;
