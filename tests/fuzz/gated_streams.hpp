@@ -103,9 +103,7 @@ struct gated_streams {
   void complete_recorder_of(const void* event) {
     const auto found = recorded_on.find(event);
     if (found == recorded_on.end()) return;
-    for (int i = 0; i < stream_count; ++i) {
-      if (streams[i]->view().id() == found->second) return complete(i);
-    }
+    if (const int i = index_of_id(found->second); i >= 0) return complete(i);
     for (std::size_t k = 0; k < zombies.size(); ++k) {
       if (zombies[k].id == found->second) return complete_zombie(k);
     }
@@ -122,9 +120,10 @@ struct gated_streams {
       if (!gates[i]) streams[i]->synchronize();
     }
   }
-  int index_of(const gpukit::stream_view& s) const {
+  /// The held stream whose stream_view::id() is `id`, or -1.
+  int index_of_id(std::uintptr_t id) const {
     for (int i = 0; i < stream_count; ++i) {
-      if (streams[i]->view().id() == s.id()) return i;
+      if (streams[i]->view().id() == id) return i;
     }
     return -1;
   }

@@ -628,6 +628,10 @@ class basic_caching_allocator {
   /// Who a free block of a retired stream goes to: the stream whose range holds it, else no stream (any may take it).
   stream_state* heir_of(const block* b) const noexcept;
 
+  /// Free block `b`, whose work has completed, becomes `heir`'s (its fence recycled) and merges with `heir`'s free
+  /// neighbours; returns the merged block. `heir`'s index for `b`'s pool must exist (then nothing can throw).
+  block* give_free_block(block* b, stream_state* heir);
+
   /// `st` is gone (retired, or its state pruned): its ranges belong to no stream until one without a range takes one.
   static void disown_ranges(const stream_state& st) noexcept;
 

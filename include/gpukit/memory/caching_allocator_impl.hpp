@@ -723,13 +723,17 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::retire(stream_s
   disown_ranges(*st);
   for (auto& index : st->pools) {
     if (!index) continue;
-    while (block* b = index->find(1, [](const block*) { return true; })) {
-      unindex_free(b);
-      recycle_event(std::move(b->fence), device_);  // its work is done, fenced work included
-      b->owner = heir_of(b);
-      insert_free(b);
-    }
+    while (block* b = index->find(1, [](const block*) { return true; })) (void)give_free_block(b, heir_of(b));
   }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::give_free_block(block* b, stream_state* heir)
+    -> block* {
+  unindex_free(b);
+  recycle_event(std::move(b->fence), device_);  // its work is done, fenced work included
+  b->owner = heir;
+  return insert_free(b);
 }
 
 template <class Upstream, class StreamOps>
@@ -2356,10 +2360,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_to_heirs(c
         } catch (...) {
           continue;
         }
-        unindex_free(b);
-        recycle_event(std::move(b->fence), device_);  // its work is done
-        b->owner = heir;
-        b = insert_free(b);  // cannot throw: the heir's index exists
+        b = give_free_block(b, heir);  // cannot throw: the heir's index exists
       }
     }
   } else {
