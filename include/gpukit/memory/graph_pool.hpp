@@ -290,14 +290,16 @@ class graph_pool final : public device_allocator {
         // until the capture ends (a later launch does), so this graph may write the block while that work reads it
         // (found by review). Said rather than refused: the launch is the user's, and the capture may be another
         // thread's.
-        warned_unordered_ = true;
-        later.failures +=
-            std::string(later.failures.empty() ? "" : "\n") +
-            "gpukit::graph::launch: a stream that used a block of this launch's graph pool, since freed, is being "
-            "captured (or was destroyed while captured): the launch cannot wait for that stream's work from before its "
-            "capture, and the graph may "
-            "overwrite the block while the work still uses it (said once per pool). End that capture before "
-            "launching, or free the block once that work has completed";
+        try {  // a warning, never a failed launch
+          later.failures +=
+              std::string(later.failures.empty() ? "" : "\n") +
+              "gpukit::graph::launch: a stream that used a block of this launch's graph pool, since freed, is being "
+              "captured (or was destroyed while captured): the launch cannot wait for that stream's work from before "
+              "its capture, and the graph may overwrite the block while the work still uses it (said once per pool). "
+              "End that capture before launching, or free the block once that work has completed";
+          warned_unordered_ = true;
+        } catch (...) {
+        }
       }
       wait_for_uses_locked(s);
     }
@@ -623,7 +625,7 @@ class graph_pool final : public device_allocator {
       // Freed in a capture other than the one it was allocated in: the stream's work from before this capture (a
       // copy of an earlier graph's output) is not the graph's, and cannot take an event while the stream is
       // captured; recorded at the next launch, direct allocation or release, as a recorded stream's.
-      record_use(freeing_on, use_kind::recorded);
+      record_use(freeing_on, use_kind::recorded, freed_in);
     }  // else the block's every use on the stream is the graph's
     bool last = false;
     {
@@ -742,12 +744,12 @@ class graph_pool final : public device_allocator {
   /// stream can take an event, at a later launch. The legacy default stream, refused while a gpukit capture runs, is
   /// marked on the pool's blocking stream. Where no event can be recorded, the host waits for the stream. Called
   /// without mutex_; never throws.
-  void record_use(const detail::kept_stream& use, use_kind kind) noexcept {
+  void record_use(const detail::kept_stream& use, use_kind kind, unsigned long long freed_in = 0) noexcept {
     try {
       if (use.destroyed()) {
         // Its final event is waited for on the device by the next launch, allocation or release; without one (it
         // was destroyed while captured) they decide, since a device synchronize now could invalidate a capture.
-        defer(use);
+        defer(use, freed_in);
         return;
       }
       {
@@ -761,7 +763,7 @@ class graph_pool final : public device_allocator {
         std::unique_lock<std::mutex> alive;
         if (use.life != nullptr) alive = use.life->keep_alive();
         if (use.destroyed()) {
-          defer_locked(use);
+          defer_locked(use, freed_in);
           return;
         }
         detail::capture_hold hold(detail::may_use_legacy_stream(use.view));  // until the event is recorded
@@ -769,7 +771,7 @@ class graph_pool final : public device_allocator {
         if (!refused || !is_legacy_stream(use.view)) {
           if (refused || detail::capture_status(use.view) != cudaStreamCaptureStatusNone) {
             if (!refused && kind == use_kind::freeing) return;
-            defer_locked(use);
+            defer_locked(use, freed_in);
             return;
           }
           event done(device_);
@@ -798,11 +800,11 @@ class graph_pool final : public device_allocator {
             "stream (",
             e.what(), "); it is recorded at a later launch instead");
       }
-      defer(use);
+      defer(use, freed_in);
     } catch (const std::exception& e) {
       try {
         if (use.destroyed()) {  // meanwhile: the record may have failed on its handle's new owner
-          defer(use);
+          defer(use, freed_in);
           return;
         }
       } catch (...) {
@@ -824,17 +826,22 @@ class graph_pool final : public device_allocator {
     }
   }
 
-  /// Keeps `use` for a later launch (one entry per stream: a later record covers the earlier work).
-  void defer(const detail::kept_stream& use) {
+  /// Keeps `use` for a later launch (one entry per stream: a later record covers the earlier work). `freed_in`: the
+  /// capture it was deferred by, a free in that capture of a block from outside it (0: any other reason).
+  void defer(const detail::kept_stream& use, unsigned long long freed_in = 0) {
     std::lock_guard<std::mutex> lock(mutex_);
-    defer_locked(use);
+    defer_locked(use, freed_in);
   }
   /// The same, mutex_ held.
-  void defer_locked(const detail::kept_stream& use) {
+  void defer_locked(const detail::kept_stream& use, unsigned long long freed_in = 0) {
     const std::uint64_t id = use.view.id();
-    const bool listed = std::any_of(deferred_uses_.begin(), deferred_uses_.end(),
-                                    [id](const detail::kept_stream& u) { return u.view.id() == id; });
-    if (!listed) deferred_uses_.push_back(use);
+    const auto listed = std::find_if(deferred_uses_.begin(), deferred_uses_.end(),
+                                     [id](const deferred_use& u) { return u.view.id() == id; });
+    if (listed == deferred_uses_.end()) {
+      deferred_uses_.push_back(deferred_use{use, freed_in});
+    } else if (listed->freed_in != freed_in) {
+      listed->freed_in = 0;  // deferred for more than that capture's free
+    }
     has_uses_.store(true, std::memory_order_release);
   }
 
@@ -964,8 +971,11 @@ class graph_pool final : public device_allocator {
           }
           use.life->wait_finished();
         } else if (!through_marker && unrecordable_now(use, hold)) {
-          unordered = true;
-          ++it;  // still captured: its earlier work is recorded at a later launch
+          // Still captured: its earlier work is recorded at a later launch. Unordered, unless the stream is still in
+          // the pool's capture whose free deferred it: until that capture ends the block serves only that capture's
+          // own allocations (free_for_any_stream), so no launch can reuse it yet.
+          if (it->freed_in == 0 || capture_of(use.view) != it->freed_in) unordered = true;
+          ++it;
           continue;
         } else if (const auto found = uses_.find(use.view.id()); found != uses_.end()) {
           event done(device_);
@@ -1305,6 +1315,7 @@ class graph_pool final : public device_allocator {
     out_of_memory_info info;
     std::size_t kept_for_others = 0;  // free, but for other streams until the captures end
     std::size_t largest_kept = 0;
+    std::size_t largest_usable = 0;  // by this stream
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++ooms_;
@@ -1316,8 +1327,9 @@ class graph_pool final : public device_allocator {
       for (const auto& entry : free_) {
         const free_block& f = entry.second;
         info.free_cached += f.size;
+        info.largest_free_block = std::max(info.largest_free_block, f.size);  // as the caching allocators count it
         if (f.stream == id || f.stream == any_stream) {
-          info.largest_free_block = std::max(info.largest_free_block, f.size);
+          largest_usable = std::max(largest_usable, f.size);
         } else {
           kept_for_others += f.size;
           largest_kept = std::max(largest_kept, f.size);
@@ -1331,7 +1343,7 @@ class graph_pool final : public device_allocator {
         "gpukit: out of memory in the graph pool of " + device_.to_string() + ": tried to allocate " +
         detail::format_bytes_exact(bytes) + "; the pool reserves " + format_bytes(info.reserved) + ", " +
         format_bytes(info.allocated) + " allocated, largest free block this stream may take " +
-        format_bytes(info.largest_free_block) +
+        format_bytes(largest_usable) +
         (kept_for_others == 0
              ? std::string()
              : "; " + format_bytes(kept_for_others) + " more is free (largest block " + format_bytes(largest_kept) +
@@ -1361,8 +1373,12 @@ class graph_pool final : public device_allocator {
   std::size_t prune_launches_at_ = 16;                   // launches_'s size at which completed events are dropped
   std::map<unsigned long long, event> uses_;  // stream id -> the event after its work at its latest free (record_use)
   std::optional<stream> marker_stream_;       // blocking: marks the legacy stream's work before the reserve (reserve)
-  std::vector<detail::kept_stream> deferred_uses_;  // uses whose stream was captured at the free (record_use)
-  std::atomic<bool> has_uses_{false};               // uses_ or deferred_uses_ is not empty (read without the lock)
+  /// A use whose stream was captured at the free (record_use); `freed_in`: see defer.
+  struct deferred_use : detail::kept_stream {
+    unsigned long long freed_in = 0;
+  };
+  std::vector<deferred_use> deferred_uses_;
+  std::atomic<bool> has_uses_{false};  // uses_ or deferred_uses_ is not empty (read without the lock)
   std::size_t reserved_ = 0;
   stat allocations_, allocated_bytes_, requested_bytes_, segments_, reserved_bytes_;  // stats(), as PyTorch keeps them
   std::int64_t ooms_ = 0;
