@@ -300,15 +300,27 @@ TEST_CASE(
     CHECK(freeing.find("during a CUDA graph capture failed: cudaFreeAsync") != std::string::npos);
     CHECK(freeing.find("Nothing was freed: the memory is still allocated") != std::string::npos);
     CHECK(pool.owns(p));
-    // The same when the free cannot be ordered after a recorded stream's work (no host wait for that stream).
+    // The same when the free cannot be ordered after a recorded stream's work (no host wait for that stream): here
+    // `other` is forked into the capture, so that the ordering is the graph's (from a stream outside the capture the
+    // free is refused before anything is enqueued: the next test).
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+    REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(other.cuda_handle(), fork, 0) == cudaSuccess);
     cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidValue);
     CHECK(failure([&] { pool.deallocate(q); }).find("ordering a free after a recorded stream") != std::string::npos);
     CHECK(pool.owns(q));
+    REQUIRE(cudaEventRecord(join, other.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
     CHECK(pool.memory_allocated() == 8192);
     CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
     CHECK(cudasim::calls("cudaStreamSynchronize") == stream_waits);
     REQUIRE(c.end() == cudaSuccess);  // still valid
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+    CHECK(cudaEventDestroy(fork) == cudaSuccess);
+    CHECK(cudaEventDestroy(join) == cudaSuccess);
   }
   pool.deallocate(p);  // after the capture, as usual
   pool.deallocate(q);
@@ -362,20 +374,58 @@ TEST_CASE("capture: async_allocator asks whether a stream is captured only for r
   CHECK(capture_queries() == before);  // an ordinary free asks nothing
   void* shared = pool.allocate(4096, s);
   pool.record_stream(shared, other);
-  pool.deallocate(shared);  // ordered after `other` on the device: one query, whether `other` is captured
-  CHECK(capture_queries() == before + 1);
-  // A free that fails outside a capture asks (both streams), then, before the device-wide wait that frees it, the
-  // legacy stream (whether a blocking stream of the device is captured, which the wait would invalidate).
+  pool.deallocate(shared);  // ordered after `other` on the device: whether `other` is captured, then the freeing stream
+  CHECK(capture_queries() == before + 2);
+  // A free that fails outside a capture asks (both streams, twice), then, before the device-wide wait that frees it,
+  // the legacy stream (whether a blocking stream of the device is captured, which the wait would invalidate).
   gpukit_test::captured_warnings warnings;
   void* p = pool.allocate(4096, s);
   pool.record_stream(p, other);
   cudasim::fail_call("cudaFreeAsync", 1, cudaErrorInvalidValue);
   pool.deallocate(p);
-  CHECK(capture_queries() == before + 5);
+  CHECK(capture_queries() == before + 7);
   CHECK(warnings.contains("freeing it after the device's work instead"));
   CHECK(pool.memory_allocated() == 0);
   s.synchronize();
   cudasim::clear_faults();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: async_allocator refuses, capture intact, a free on a captured stream ordered after one outside") {
+  // The ordering after the other stream (an event recorded outside the capture, waited for in it) is refused by CUDA
+  // and ends the capture; the free would be refused anyway (memory from outside a capture): refused first, with
+  // nothing enqueued (found by review: the capture was lost). The other stream is the allocation stream (a free on
+  // another), a record_stream's, or the legacy stream.
+  gpukit::async_allocator pool(cuda0);
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  void* from_other = pool.allocate(4096, other);
+  void* recorded = pool.allocate(4096, s);
+  pool.record_stream(recorded, other);
+  void* legacy = pool.allocate(4096, gpukit::stream_view::default_stream(cuda0));
+  const std::size_t allocated = pool.memory_allocated();
+  const auto frees = pool.stats().num_device_free;
+  {
+    capture c(s);
+    for (const auto& free :
+         std::vector<std::function<void()>>{[&] { pool.deallocate(from_other, s); }, [&] { pool.deallocate(recorded); },
+                                            [&] { pool.deallocate(legacy, s); }}) {
+      const std::string message = invalid_argument_message(free);
+      INFO(message);
+      CHECK(message.find("cannot wait for work outside its capture") != std::string::npos);
+      CHECK(message.find("The memory is still allocated, and the capture intact") != std::string::npos);
+    }
+    CHECK(pool.memory_allocated() == allocated);
+    CHECK(pool.stats().num_device_free == frees);
+    REQUIRE(c.end() == cudaSuccess);  // intact
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
+  pool.deallocate(from_other, s);  // after the capture: as usual
+  pool.deallocate(recorded);
+  pool.deallocate(legacy, s);
+  CHECK(pool.memory_allocated() == 0);
+  s.synchronize();
   CHECK(cudasim::violations().empty());
 }
 
@@ -2388,19 +2438,18 @@ TEST_CASE("capture: a deferred async_allocator free whose stream is destroyed me
 
 TEST_CASE("capture: an async_allocator free on a captured stream is never deferred past the capture") {
   // Made after the capture, it would run before the graph's work that reads the memory: it fails in the capture,
-  // loudly, as a free that cannot be captured does.
+  // loudly, before anything is enqueued (an ordering after the legacy stream's work would end the capture).
   gpukit::async_allocator a(cuda0);
   gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
-  CHECK_THROWS_AS(gpukit::capture(blocking,
-                                  [&] {
-                                    a.deallocate(p, blocking);  // after the legacy stream's work, which CUDA refuses
-                                    CHECK(a.deferred_frees() == 0);
-                                  }),
-                  gpukit::cuda_error);
-  CHECK(warnings.messages().empty());               // said by the exception
-  CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
+  gpukit::graph g = gpukit::capture(blocking, [&] {
+    CHECK_THROWS_WITH_AS(a.deallocate(p, blocking),  // after the legacy stream's work
+                         doctest::Contains("cannot wait for work outside its capture"), gpukit::invalid_argument_error);
+    CHECK(a.deferred_frees() == 0);
+  });                                         // intact
+  CHECK(warnings.messages().empty());         // said by the exception
+  CHECK(cudasim::take_violations().empty());  // the legacy stream was not named in the capture
   CHECK(a.deferred_frees() == 0);
   CHECK(a.owns(p));  // nothing was freed: freed after the capture
   a.deallocate(p);
@@ -3069,12 +3118,14 @@ TEST_CASE("capture: an allocation for the legacy stream during a capture is free
 }
 
 TEST_CASE("capture: a free on a captured stream that waited on the host for a destroyed stream is still not deferred") {
-  // Made after the capture, it would precede the graph's work: it fails in the capture, as a free there does.
+  // Made after the capture, it would precede the graph's work: it fails in the capture, as a free there does. (The
+  // memory is the captured stream's own: one of the legacy stream would be refused before the host wait, as the
+  // ordering after a stream outside the capture would end it.)
   gpukit::async_allocator a(cuda0);
   gpukit::stream blocking = blocking_stream();
   gpukit_test::captured_warnings warnings;
   gpukit_test::gate g;
-  void* p = a.allocate(1 << 20, gpukit::stream_view(cuda0, cudaStreamLegacy));
+  void* p = a.allocate(1 << 20, blocking);
   {
     gpukit::stream user(cuda0);
     a.record_stream(p, user);
@@ -3084,13 +3135,13 @@ TEST_CASE("capture: a free on a captured stream that waited on the host for a de
   const std::size_t waits = cudasim::calls("cudaEventSynchronize");
   CHECK_THROWS_AS(gpukit::capture(blocking,
                                   [&] {
-                                    a.deallocate(p, blocking);  // after the legacy stream's work: refused in a capture
+                                    a.deallocate(p, blocking);  // memory from outside the capture: refused there
                                     CHECK(a.deferred_frees() == 0);
                                   }),
                   gpukit::cuda_error);
   CHECK(cudasim::calls("cudaEventSynchronize") == waits + 1);
+  CHECK_FALSE(cudasim::take_violations().empty());  // the refused cudaFreeAsync
   CHECK(warnings.messages().empty());               // said by the exception
-  CHECK_FALSE(cudasim::take_violations().empty());  // the legacy stream was named in the capture
   CHECK(a.deferred_frees() == 0);
   CHECK(a.owns(p));  // nothing was freed: freed after the capture
   a.deallocate(p);

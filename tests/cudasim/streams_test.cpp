@@ -718,8 +718,9 @@ TEST_CASE("streams: async_allocator keeps a recorded stream from destruction whi
   SUBCASE("its event record") {}
   SUBCASE("the question whether it is captured") { at = {"cudaStreamIsCapturing", 1, false}; }
   SUBCASE("that question after the ordering failed") {
-    // Asked about s (2), then the recorded stream (3); then the host waits for it.
-    at = {"cudaStreamIsCapturing", 3, true};
+    // Before the free, the recorded stream (1), then s (2), whether either is captured; after the failure, s (3),
+    // then the recorded stream (4); then the host waits for it.
+    at = {"cudaStreamIsCapturing", 4, true};
   }
   CAPTURE(at.call);
   gate old_work;

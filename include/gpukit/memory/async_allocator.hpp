@@ -615,12 +615,16 @@ class async_allocator final : public device_allocator {
       put_back(std::move(taken));
     };
     if (a.capture != 0 && freed_outside_capture_underway(a, on)) {
+      const std::size_t bytes = a.bytes;  // read before a is given back: another thread may free it then
+      const unsigned long long capture = a.capture;
       keep_live();
-      throw_graph_allocation_freed_outside(p, a, on);
+      throw_graph_allocation_freed_outside(p, bytes, capture, on);
     }
-    if (const stream_view* captured = capture_joined(a, on)) {
-      const stream_view user = *captured;
+    bool into_capture = false;
+    if (const stream_view* joined = capture_joined(a, on, into_capture)) {
+      const stream_view user = *joined;
       keep_live();
+      if (into_capture) throw_waits_into_capture(p, user, on);
       throw_joins_capture(p, user, on);
     }
     free_deferred();  // the earlier frees first, and not under this one's hold (they may wait on the host)
@@ -673,13 +677,13 @@ class async_allocator final : public device_allocator {
     return std::any_of(a.users.begin(), a.users.end(),
                        [&](const kept_stream& user) { return capture_of(user.view, user.life.get()) == a.capture; });
   }
-  [[noreturn]] void throw_graph_allocation_freed_outside(const void* p, const allocation& a,
+  [[noreturn]] void throw_graph_allocation_freed_outside(const void* p, std::size_t bytes, unsigned long long capture,
                                                          const stream_view& on) const {
     char text[32];
     std::snprintf(text, sizeof text, "%p", p);
     throw invalid_argument_error(
         std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + ": " +
-            detail::format_bytes_exact(a.bytes) + " allocated during CUDA graph capture " + std::to_string(a.capture) +
+            detail::format_bytes_exact(bytes) + " allocated during CUDA graph capture " + std::to_string(capture) +
             " (a graph allocation, whose memory exists from each launch of the graph) freed on " +
             detail::describe_stream(on.native_handle(), on.device()) +
             ", outside that capture, while it is underway: the graph cannot have been launched yet, and CUDA lets a "
@@ -692,16 +696,32 @@ class async_allocator final : public device_allocator {
   /// is being captured while `on` is not, if any: the ordering (an event recorded there, waited for on `on`) would
   /// pull `on` into that capture, and the free and all later work on `on` would go into the graph. Asks CUDA only
   /// for those streams other than `on` (one query each: an ordinary free asks nothing); a stream that cannot be
-  /// asked is taken as not captured (the free goes on as before).
-  const stream_view* capture_joined(const allocation& a, const stream_view& on) const noexcept {
+  /// asked is taken as not captured (the free goes on as before). Also, with `into_capture` set, a live stream the
+  /// free must be ordered after that is not captured while `on` is: the free would wait in the capture for an event
+  /// recorded outside it, which CUDA refuses (cudaErrorStreamCaptureIsolation) and which ends the capture (found by
+  /// review: the free was refused afterwards, as a free of memory from outside a capture is, but the capture was lost
+  /// with it). `on` is asked only then, once.
+  const stream_view* capture_joined(const allocation& a, const stream_view& on, bool& into_capture) const noexcept {
+    into_capture = false;
     try {
       const auto capturing = [](const stream_view& s, const detail::stream_life* life) {
         // The legacy stream, or another thread's, cannot be asked.
         return !detail::uses_legacy_stream(s) && detail::captured_while_kept(s, life);
       };
+      int on_captured = -1;  // not asked yet
+      const auto on_is_captured = [&] {
+        if (on_captured < 0) on_captured = capturing(on, on.lifetime().get()) ? 1 : 0;
+        return on_captured == 1;
+      };
       for (const kept_stream& user : a.users) {
-        if (user.view == on || !capturing(user.view, user.life.get())) continue;
-        return capturing(on, on.lifetime().get()) ? nullptr : &user.view;  // both captured: an ordering in the graph
+        if (user.view == on) continue;
+        if (capturing(user.view, user.life.get())) {
+          return on_is_captured() ? nullptr : &user.view;  // both captured: an ordering in the graph
+        }
+        if (!user.destroyed() && on_is_captured()) {
+          into_capture = true;
+          return &user.view;
+        }
       }
     } catch (...) {
     }
@@ -727,6 +747,18 @@ class async_allocator final : public device_allocator {
                          "allocated in a capture); free it after the capture ends, and after the graph's last launch "
                          "if the graph uses it",
                      result, "gpukit::async_allocator::deallocate", device_.ordinal());
+  }
+  [[noreturn]] void throw_waits_into_capture(const void* p, const stream_view& user, const stream_view& on) const {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", p);
+    throw invalid_argument_error(
+        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + " on " +
+            detail::describe_stream(on.native_handle(), on.device()) +
+            ", which is being captured into a CUDA graph: the free must be ordered after the work of " +
+            detail::describe_stream(user.native_handle(), user.device()) +
+            " (not captured), and a captured stream cannot wait for work outside its capture (CUDA would end the "
+            "capture). Free it after the capture ends. The memory is still allocated, and the capture intact",
+        cudaErrorStreamCaptureIsolation, "gpukit::async_allocator", device_.ordinal());
   }
   [[noreturn]] void throw_joins_capture(const void* p, const stream_view& user, const stream_view& on) const {
     char text[32];

@@ -572,7 +572,10 @@ class stream {
   }
 
   /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
-  /// the stream then treat it like a raw handle: it must outlive the memory allocated on it.
+  /// the stream then treat it like a raw handle: it must outlive the memory allocated on it. Views made from this
+  /// stream before the call refer to this object's record: use them only while this (moved-from) object lives, and
+  /// make new ones from the handle (stream_view(device, handle)) for later; the same holds for a current stream set
+  /// from it (set_current_stream), which then reads as destroyed (found by review: such a view read freed memory).
   [[nodiscard]] cudaStream_t release();
 
  private:
