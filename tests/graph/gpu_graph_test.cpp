@@ -45,6 +45,20 @@ std::vector<int> read(const gpukit::device_buffer<int>& b, gpukit::stream& s) {
   return host;
 }
 
+/// Captures, with `pool`, a graph whose output (`bytes` from `allocator` on `s`, kept past the capture) is filled
+/// with 0x02 bytes; sets `*out` to it.
+template <class Allocator>
+gpukit::graph capture_producer(gpukit::stream& s, Allocator& allocator, std::size_t bytes,
+                               const std::shared_ptr<gpukit::graph_pool>& pool, void** out) {
+  return gpukit::capture(
+      s,
+      [&] {
+        *out = allocator.allocate(bytes, s);
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(*out, 2, bytes, s.cuda_handle()));
+      },
+      pool);
+}
+
 }  // namespace
 
 TEST_CASE("gpu: a captured step with temporaries from a graph pool replays, with no cudaMalloc in the capture") {
@@ -603,13 +617,7 @@ TEST_CASE("gpu: a graph output freed in a later capture of the stream that read 
   auto pool = gpukit::graph_pool::create(d, bytes);
   auto& allocator = gpukit::default_allocator(d);
   void* out = nullptr;
-  gpukit::graph producer = gpukit::capture(
-      y,
-      [&] {
-        out = allocator.allocate(bytes, y);  // kept past the capture: the graph's output
-        GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, bytes, y.cuda_handle()));
-      },
-      pool);
+  gpukit::graph producer = capture_producer(y, allocator, bytes, pool, &out);
   producer.launch(y);
   y.synchronize();
   s.synchronize();
@@ -652,13 +660,7 @@ TEST_CASE("gpu: a graph pool's reserve goes back after the read of a stream that
   {
     auto pool = gpukit::graph_pool::create(d, reserve_bytes, &backing);
     void* out = nullptr;
-    gpukit::graph producer = gpukit::capture(
-        y,
-        [&] {
-          out = backing.allocate(4096, y);
-          GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, 4096, y.cuda_handle()));
-        },
-        pool);
+    gpukit::graph producer = capture_producer(y, backing, 4096, pool, &out);
     block = out;
     producer.launch(y);
     y.synchronize();
@@ -728,13 +730,7 @@ TEST_CASE("gpu: a launch that cannot wait for a captured stream that used a free
   auto pool = gpukit::graph_pool::create(d, bytes);
   auto& allocator = gpukit::default_allocator(d);
   void* out = nullptr;
-  gpukit::graph producer = gpukit::capture(
-      s,
-      [&] {
-        out = allocator.allocate(bytes, s);
-        GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 2, bytes, s.cuda_handle()));
-      },
-      pool);
+  gpukit::graph producer = capture_producer(s, allocator, bytes, pool, &out);
   producer.launch(s);
   s.synchronize();
   GPUKIT_CUDA_TRY(cudaMemcpyAsync(seen.data(), out, bytes, cudaMemcpyDeviceToDevice, x.cuda_handle()));
