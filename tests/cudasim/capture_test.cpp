@@ -421,6 +421,28 @@ TEST_CASE("capture: async_allocator refuses, capture intact, a free on a capture
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
   CHECK(cudasim::violations().empty());
+  // The outside stream listed after one forked into the capture (review: the check stopped at the first).
+  gpukit::stream forked(cuda0);
+  pool.record_stream(from_other, forked);  // the allocation stream comes after it
+  {
+    capture c(s);
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+    REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0) == cudaSuccess);
+    CHECK(invalid_argument_message([&] {
+            pool.deallocate(from_other, s);
+          }).find("cannot wait for work outside its capture") != std::string::npos);
+    REQUIRE(cudaEventRecord(join, forked.cuda_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
+    REQUIRE(c.end() == cudaSuccess);  // intact
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+    CHECK(cudaEventDestroy(fork) == cudaSuccess);
+    CHECK(cudaEventDestroy(join) == cudaSuccess);
+  }
+  CHECK(cudasim::violations().empty());
   pool.deallocate(from_other, s);  // after the capture: as usual
   pool.deallocate(recorded);
   pool.deallocate(legacy, s);

@@ -414,7 +414,8 @@ class async_allocator final : public device_allocator {
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
   /// does not own, for a graph allocation freed outside its capture while that capture is underway (see the file
   /// comment), or when a stream the free must be ordered after (a recorded one, or the allocation stream when
-  /// freed on another) is being captured and the freeing stream is not (the free would join the capture); cuda_error
+  /// freed on another) is being captured and the freeing stream is not (the free would join the capture), or the
+  /// freeing stream is being captured and such a stream, alive, is not (the wait would end the capture); cuda_error
   /// when the free fails during a capture (CUDA frees there only memory allocated in a capture). Either way nothing
   /// was freed: the allocation is still live. nullptr is ignored.
   void do_deallocate(void* p) override { deallocate_on(p, nullptr); }
@@ -716,7 +717,8 @@ class async_allocator final : public device_allocator {
       for (const kept_stream& user : a.users) {
         if (user.view == on) continue;
         if (capturing(user.view, user.life.get())) {
-          return on_is_captured() ? nullptr : &user.view;  // both captured: an ordering in the graph
+          if (!on_is_captured()) return &user.view;
+          continue;  // both captured: an ordering in the graph; the others may still be outside (found by review)
         }
         if (!user.destroyed() && on_is_captured()) {
           into_capture = true;
@@ -756,8 +758,10 @@ class async_allocator final : public device_allocator {
             detail::describe_stream(on.native_handle(), on.device()) +
             ", which is being captured into a CUDA graph: the free must be ordered after the work of " +
             detail::describe_stream(user.native_handle(), user.device()) +
-            " (not captured), and a captured stream cannot wait for work outside its capture (CUDA would end the "
-            "capture). Free it after the capture ends. The memory is still allocated, and the capture intact",
+            " (not captured, or another thread's per-thread default stream, which cannot be asked), and a captured "
+            "stream cannot wait for work outside its capture (CUDA would end the capture). Free it after the capture "
+            "ends (memory allocated in the capture: after a launch of its graph, ordered after it), or fork that "
+            "stream into the capture first. The memory is still allocated, and the capture intact",
         cudaErrorStreamCaptureIsolation, "gpukit::async_allocator", device_.ordinal());
   }
   [[noreturn]] void throw_joins_capture(const void* p, const stream_view& user, const stream_view& on) const {
