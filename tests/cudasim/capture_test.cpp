@@ -70,6 +70,35 @@ class capture {
   bool ended_ = false;
 };
 
+/// Forks `branch` into the capture of `origin` (an event recorded there, waited for on `branch`), as a multi-stream
+/// capture does; join() joins it back before the capture ends. The events are destroyed with this object.
+class forked_branch {
+ public:
+  forked_branch(gpukit::stream_view origin, gpukit::stream_view branch)
+      : origin_(origin.cuda_handle()), branch_(branch.cuda_handle()) {
+    REQUIRE(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork_, origin_) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(branch_, fork_, 0) == cudaSuccess);
+  }
+  forked_branch(const forked_branch&) = delete;
+  forked_branch& operator=(const forked_branch&) = delete;
+  ~forked_branch() {
+    CHECK(cudaEventDestroy(fork_) == cudaSuccess);
+    CHECK(cudaEventDestroy(join_) == cudaSuccess);
+  }
+  void join() {
+    REQUIRE(cudaEventRecord(join_, branch_) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(origin_, join_, 0) == cudaSuccess);
+  }
+
+ private:
+  cudaStream_t origin_;
+  cudaStream_t branch_;
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t join_ = nullptr;
+};
+
 /// Runs `work` on another thread while `s` is captured in global mode, then `then_here` on this (the capturing) thread,
 /// and checks that `work` threw nothing, that the capture stayed valid, and that the simulator saw no violation.
 template <class F, class G = void (*)()>
@@ -303,24 +332,16 @@ TEST_CASE(
     // The same when the free cannot be ordered after a recorded stream's work (no host wait for that stream): here
     // `other` is forked into the capture, so that the ordering is the graph's (from a stream outside the capture the
     // free is refused before anything is enqueued: the next test).
-    cudaEvent_t fork = nullptr;
-    cudaEvent_t join = nullptr;
-    REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
-    REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
-    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(other.cuda_handle(), fork, 0) == cudaSuccess);
+    forked_branch branch(s, other);
     cudasim::fail_call("cudaStreamWaitEvent", 1, cudaErrorInvalidValue);
     CHECK(failure([&] { pool.deallocate(q); }).find("ordering a free after a recorded stream") != std::string::npos);
     CHECK(pool.owns(q));
-    REQUIRE(cudaEventRecord(join, other.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
+    branch.join();
     CHECK(pool.memory_allocated() == 8192);
     CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);
     CHECK(cudasim::calls("cudaStreamSynchronize") == stream_waits);
     REQUIRE(c.end() == cudaSuccess);  // still valid
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
-    CHECK(cudaEventDestroy(fork) == cudaSuccess);
-    CHECK(cudaEventDestroy(join) == cudaSuccess);
   }
   pool.deallocate(p);  // after the capture, as usual
   pool.deallocate(q);
@@ -426,21 +447,13 @@ TEST_CASE("capture: async_allocator refuses, capture intact, a free on a capture
   pool.record_stream(from_other, forked);  // the allocation stream comes after it
   {
     capture c(s);
-    cudaEvent_t fork = nullptr;
-    cudaEvent_t join = nullptr;
-    REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
-    REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
-    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0) == cudaSuccess);
+    forked_branch branch(s, forked);
     CHECK(invalid_argument_message([&] {
             pool.deallocate(from_other, s);
           }).find("cannot wait for work outside its capture") != std::string::npos);
-    REQUIRE(cudaEventRecord(join, forked.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
+    branch.join();
     REQUIRE(c.end() == cudaSuccess);  // intact
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
-    CHECK(cudaEventDestroy(fork) == cudaSuccess);
-    CHECK(cudaEventDestroy(join) == cudaSuccess);
   }
   CHECK(cudasim::violations().empty());
   pool.deallocate(from_other, s);  // after the capture: as usual
@@ -496,26 +509,18 @@ TEST_CASE("capture: async_allocator orders a graph allocation's free after a rec
   gpukit::async_allocator pool(cuda0);
   gpukit::stream s(cuda0);
   gpukit::stream forked(cuda0);
-  cudaEvent_t fork = nullptr;
-  cudaEvent_t join = nullptr;
-  REQUIRE(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess);
-  REQUIRE(cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess);
   {
     capture c(s);
     void* p = pool.allocate(4096, s);  // a graph allocation
-    REQUIRE(cudaEventRecord(fork, s.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(forked.cuda_handle(), fork, 0) == cudaSuccess);  // `forked` joins the capture
+    forked_branch branch(s, forked);   // `forked` joins the capture
     REQUIRE(cudaMemsetAsync(p, 0, 4096, forked.cuda_handle()) == cudaSuccess);
     pool.record_stream(p, forked);
     pool.deallocate(p);  // both captured: an ordering inside the graph, then the free node
-    REQUIRE(cudaEventRecord(join, forked.cuda_handle()) == cudaSuccess);
-    REQUIRE(cudaStreamWaitEvent(s.cuda_handle(), join, 0) == cudaSuccess);
+    branch.join();
     REQUIRE(c.end() == cudaSuccess);
     CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
   }
   CHECK(pool.memory_allocated() == 0);
-  CHECK(cudaEventDestroy(fork) == cudaSuccess);
-  CHECK(cudaEventDestroy(join) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
 

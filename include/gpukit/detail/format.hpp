@@ -28,6 +28,9 @@ GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes);
 /// (the longest: "16384.00 PiB (18446744073709551615 bytes)").
 GPUKIT_INLINE std::size_t format_bytes_exact_into(char (&text)[48], std::size_t bytes) noexcept;
 
+/// An address as messages write it ("0x7f00c0000000"; printf's %p).
+GPUKIT_INLINE std::string format_pointer(const void* p);
+
 }  // namespace detail
 GPUKIT_END_NAMESPACE
 
@@ -60,6 +63,12 @@ GPUKIT_INLINE std::size_t format_bytes_into(char (&text)[32], std::size_t bytes)
 GPUKIT_INLINE std::string format_bytes(std::size_t bytes) {
   char text[32];
   return std::string(text, format_bytes_into(text, bytes));
+}
+
+GPUKIT_INLINE std::string format_pointer(const void* p) {
+  char text[32];
+  const int length = std::snprintf(text, sizeof text, "%p", p);
+  return std::string(text, length > 0 ? static_cast<std::size_t>(length) : 0);
 }
 
 GPUKIT_INLINE std::string format_bytes_exact(std::size_t bytes) {

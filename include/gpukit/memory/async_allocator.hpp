@@ -400,10 +400,9 @@ class async_allocator final : public device_allocator {
       if (capture == 0) ++device_allocs_;
     }
     if (!inserted.inserted) {  // outside the lock: a warning handler may use the allocator
-      char text[32];
-      std::snprintf(text, sizeof text, "%p", p);
-      detail::warn_parts("gpukit::async_allocator: cudaMallocAsync returned ", text, ", still a live allocation of ",
-                         detail::bytes_part{inserted.node.mapped().bytes},
+      const std::string text = detail::format_pointer(p);
+      detail::warn_parts("gpukit::async_allocator: cudaMallocAsync returned ", text.c_str(),
+                         ", still a live allocation of ", detail::bytes_part{inserted.node.mapped().bytes},
                          " here: it was freed without this allocator (cudaFreeAsync on its pointer?); that record is "
                          "dropped, and the memory is the new allocation's");
     }
@@ -678,13 +677,15 @@ class async_allocator final : public device_allocator {
     return std::any_of(a.users.begin(), a.users.end(),
                        [&](const kept_stream& user) { return capture_of(user.view, user.life.get()) == a.capture; });
   }
+  /// "gpukit: deallocate(<p>) on the async allocator of <device>", which the refusals of a free begin with.
+  std::string deallocate_prefix(const void* p) const {
+    return "gpukit: deallocate(" + detail::format_pointer(p) + ") on the async allocator of " + device_.to_string();
+  }
   [[noreturn]] void throw_graph_allocation_freed_outside(const void* p, std::size_t bytes, unsigned long long capture,
                                                          const stream_view& on) const {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
     throw invalid_argument_error(
-        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + ": " +
-            detail::format_bytes_exact(bytes) + " allocated during CUDA graph capture " + std::to_string(capture) +
+        deallocate_prefix(p) + ": " + detail::format_bytes_exact(bytes) + " allocated during CUDA graph capture " +
+            std::to_string(capture) +
             " (a graph allocation, whose memory exists from each launch of the graph) freed on " +
             detail::describe_stream(on.native_handle(), on.device()) +
             ", outside that capture, while it is underway: the graph cannot have been launched yet, and CUDA lets a "
@@ -741,21 +742,15 @@ class async_allocator final : public device_allocator {
       reason = e.what();
     } catch (...) {
     }
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
-    throw cuda_error(std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() +
-                         " during a CUDA graph capture failed: " + reason +
+    throw cuda_error(deallocate_prefix(p) + " during a CUDA graph capture failed: " + reason +
                          ". Nothing was freed: the memory is still allocated (a free in a capture may free only memory "
                          "allocated in a capture); free it after the capture ends, and after the graph's last launch "
                          "if the graph uses it",
                      result, "gpukit::async_allocator::deallocate", device_.ordinal());
   }
   [[noreturn]] void throw_waits_into_capture(const void* p, const stream_view& user, const stream_view& on) const {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
     throw invalid_argument_error(
-        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + " on " +
-            detail::describe_stream(on.native_handle(), on.device()) +
+        deallocate_prefix(p) + " on " + detail::describe_stream(on.native_handle(), on.device()) +
             ", which is being captured into a CUDA graph: the free must be ordered after the work of " +
             detail::describe_stream(user.native_handle(), user.device()) +
             " (not captured, or another thread's per-thread default stream, which cannot be asked), and a captured "
@@ -765,11 +760,8 @@ class async_allocator final : public device_allocator {
         cudaErrorStreamCaptureIsolation, "gpukit::async_allocator", device_.ordinal());
   }
   [[noreturn]] void throw_joins_capture(const void* p, const stream_view& user, const stream_view& on) const {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
     throw invalid_argument_error(
-        std::string("gpukit: deallocate(") + text + ") on the async allocator of " + device_.to_string() + ": " +
-            detail::describe_stream(user.native_handle(), user.device()) +
+        deallocate_prefix(p) + ": " + detail::describe_stream(user.native_handle(), user.device()) +
             ", which the free must be ordered after, is being captured into a CUDA graph, and the free on " +
             detail::describe_stream(on.native_handle(), on.device()) +
             " (not captured) would join that capture; free it after the capture ends, or on a stream of the "
@@ -1206,10 +1198,8 @@ class async_allocator final : public device_allocator {
   }
 
   [[noreturn]] void throw_not_owned(const void* p, const char* operation) const {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
-    throw invalid_argument_error(std::string("gpukit: ") + operation + "(" + text + ") on the async allocator of " +
-                                     device_.to_string() +
+    throw invalid_argument_error(std::string("gpukit: ") + operation + "(" + detail::format_pointer(p) +
+                                     ") on the async allocator of " + device_.to_string() +
                                      ": not a live allocation of this allocator (a double free, "
                                      "a foreign pointer or one into the middle of an allocation)",
                                  cudaSuccess, "gpukit::async_allocator", device_.ordinal());

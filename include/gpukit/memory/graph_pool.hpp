@@ -48,7 +48,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <iterator>
 #include <limits>
@@ -1303,9 +1302,7 @@ class graph_pool final : public device_allocator {
   }
 
   [[noreturn]] void throw_not_owned(const void* p) const {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
-    throw invalid_argument_error(std::string("gpukit::graph_pool of ") + device_.to_string() + ": " + text +
+    throw invalid_argument_error("gpukit::graph_pool of " + device_.to_string() + ": " + detail::format_pointer(p) +
                                  " is not a live allocation of this pool (a double free, a foreign pointer or one "
                                  "into the middle of an allocation)");
   }

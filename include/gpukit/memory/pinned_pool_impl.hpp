@@ -8,10 +8,9 @@
 /// it does not: translation units call the instantiation gpukit::compiled holds, and include this file only to
 /// instantiate basic_pinned_pool with template arguments of their own.
 
+#include <gpukit/detail/format.hpp>
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
-
-#include <cstdio>
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -545,10 +544,8 @@ template <class Upstream, class Sync>
 GPUKIT_INLINE auto basic_pinned_pool<Upstream, Sync>::active_block_locked(const void* p, const char* who) -> block& {
   auto it = blocks_.find(const_cast<void*>(p));
   if (it == blocks_.end() || it->second.state != block_state::active) {
-    char address[32];
-    std::snprintf(address, sizeof address, "%p", p);
     throw invalid_argument_error(
-        std::string("gpukit::pinned_pool::") + who + "(" + address + "): " +
+        std::string("gpukit::pinned_pool::") + who + "(" + detail::format_pointer(p) + "): " +
         (it == blocks_.end()
              ? std::string("not the start of a block of this pool (a foreign or interior pointer)")
              : "its block of " + detail::format_bytes(it->second.size) + " was already deallocated (a double free)"));

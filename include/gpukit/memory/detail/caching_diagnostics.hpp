@@ -9,6 +9,7 @@
 /// growth policy. basic_caching_allocator befriends caching_diagnostics; `Engine` below is always one of those.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 
@@ -16,7 +17,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -94,9 +94,7 @@ struct caching_diagnostics {
   template <class Engine>
   static std::string not_owned_message(const Engine& e, const void* p, const char* operation) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", p);
-    std::string m = std::string("gpukit: ") + operation + "(" + text + ") on the caching allocator of " +
+    std::string m = std::string("gpukit: ") + operation + "(" + format_pointer(p) + ") on the caching allocator of " +
                     e.device_.to_string() + ": ";
     const std::remove_pointer_t<decltype(e.segments_->first)>* containing = nullptr;
     for (auto* seg = e.segments_; seg != nullptr && containing == nullptr; seg = seg->next_segment) {
@@ -131,11 +129,9 @@ struct caching_diagnostics {
   /// allocations).
   template <class Engine, class Block>
   static std::string expired_owner_message(const Engine& e, const Block* b) {
-    char address[32];
-    std::snprintf(address, sizeof address, "%p", reinterpret_cast<const void*>(b->address));
-    return std::string("gpukit: freeing ") + address + " (" + std::to_string(b->requested) +
-           " bytes) on the caching allocator of " + e.device_.to_string() + ": the stream it was allocated on, " +
-           e.describe(*b->owner) +
+    return "gpukit: freeing " + format_pointer(reinterpret_cast<const void*>(b->address)) + " (" +
+           std::to_string(b->requested) + " bytes) on the caching allocator of " + e.device_.to_string() +
+           ": the stream it was allocated on, " + e.describe(*b->owner) +
            ", was destroyed while the allocation was live (a buffer must be freed before its stream is destroyed); "
            "the memory is reused only after the work that stream had enqueued has completed";
   }

@@ -18,6 +18,7 @@
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/driver_api.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/error.hpp>
 
@@ -26,7 +27,6 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
-#include <cstdio>
 #include <initializer_list>
 #include <mutex>
 #include <new>
@@ -344,9 +344,7 @@ GPUKIT_INLINE unsigned long long next_own_stream_id() noexcept {
 }
 
 GPUKIT_INLINE std::string describe_stream_handle(cudaStream_t handle, int ordinal) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%p", static_cast<void*>(handle));
-  std::string described = std::string("stream ") + text;
+  std::string described = "stream " + format_pointer(static_cast<void*>(handle));
   if (ordinal >= 0) described += " of cuda:" + std::to_string(ordinal);
   return described;
 }
