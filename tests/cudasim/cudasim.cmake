@@ -44,3 +44,9 @@ gpukit_add_sim_topic_tests()
 # Capture in CUDA's per-thread default stream mode (a translation unit of that mode, on the simulator).
 gpukit_add_sim_test(test_sim_per_thread_capture SOURCES "${PROJECT_SOURCE_DIR}/tests/cudasim/per_thread_capture_test.cpp")
 target_compile_definitions(test_sim_per_thread_capture PRIVATE CUDA_API_PER_THREAD_DEFAULT_STREAM)
+
+# Both default-stream modes in one process: what they share (released streams' records), on the simulator.
+gpukit_add_sim_test(test_sim_mixed_modes SOURCES "${PROJECT_SOURCE_DIR}/tests/cudasim/mixed_modes_test.cpp"
+                    "${PROJECT_SOURCE_DIR}/tests/cudasim/mixed_modes_per_thread.cpp")
+set_source_files_properties("${PROJECT_SOURCE_DIR}/tests/cudasim/mixed_modes_per_thread.cpp"
+                            PROPERTIES COMPILE_DEFINITIONS CUDA_API_PER_THREAD_DEFAULT_STREAM)

@@ -15,6 +15,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -508,5 +510,72 @@ TEST_CASE("heap faults: a peer_access whose hold cannot be recorded leaves peer 
   }
   CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
   CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("heap faults: a stream's release() short of host memory changes nothing, for every N") {
+  // The record kept for the views made before the release is the step that may fail (found by review: the record was
+  // moved out first, and lost with the failure: the views dangled, the current stream read as destroyed).
+  const gpukit::device d = gpukit::device::cuda(0);
+  int failures = 0;
+  for (long n = 1;; ++n) {
+    auto s = std::make_unique<gpukit::stream>(d);
+    const gpukit::stream_view before = s->view();
+    const std::weak_ptr<const gpukit::detail::stream_life> record = before.lifetime();
+    gpukit::stream_guard current(*s);
+    cudaStream_t handle = nullptr;
+    bool released = false;
+    long seen = 0;
+    {
+      heap_run run(n, simulated_call);
+      released = run.armed([&] { handle = s->release(); });
+      CHECK(run.unexpected().empty());
+      seen = run.seen();
+    }
+    if (released) {
+      CHECK_FALSE(record.expired());
+      CHECK(gpukit::current_stream(d).native_handle() == handle);
+      CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+      if (seen < n) break;  // no allocation left to fail
+      continue;
+    }
+    ++failures;
+    INFO("host allocation " << n << " failed");
+    CHECK(s->valid());
+    CHECK(s->owns_handle());
+    CHECK_FALSE(record.expired());
+    CHECK(s->view().lifetime().get() == record.lock().get());
+    CHECK(gpukit::current_stream(d).native_handle() == s->cuda_handle());
+  }
+  CHECK(failures > 0);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("heap faults: a lease that outlives its pool leaves its captured stream undestroyed, short of memory too") {
+  // The pool gives up the handle of a stream still being captured (destroying it would break the capture); found by
+  // review: release() may now fail for want of host memory, and the pool then destroyed the stream.
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit_test::captured_warnings warnings;
+  for (long n = 1; n <= 3; ++n) {
+    INFO("host allocation " << n << " fails");
+    auto pool = std::make_unique<gpukit::stream_pool>(d, 1);
+    std::optional<gpukit::stream_pool::lease> lease(pool->acquire_exclusive());
+    const cudaStream_t handle = lease->view().native_handle();
+    REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    pool.reset();  // a lease is still out
+    {
+      heap_run run(n, simulated_call);
+      (void)run.armed([&] { lease.reset(); });
+    }
+    lease.reset();
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    CHECK(cudaStreamIsCapturing(handle, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusActive);
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  }
+  CHECK(warnings.contains("left undestroyed"));
   CHECK(cudasim::violations().empty());
 }

@@ -2267,6 +2267,111 @@ TEST_CASE("streams: a released stream leaves gpukit's table of live streams, so 
   CHECK(cudaStreamDestroy(reused) == cudaSuccess);
 }
 
+TEST_CASE("streams: views and the current stream made before release() outlive the released stream object") {
+  // Found by review: the views pointed at the object's record, freed with it (ASan: heap-use-after-free).
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const gpukit::stream_view before = owner->view();
+  const unsigned long long id = before.id();
+  const std::weak_ptr<const gpukit::detail::stream_life> record = before.lifetime();
+  gpukit::stream_guard current(*owner);
+  const cudaStream_t handle = owner->release();
+  owner.reset();
+  REQUIRE_FALSE(record.expired());  // kept by handle while the stream lives
+  CHECK_FALSE(before.destroyed());
+  CHECK(before.id() == id);
+  before.synchronize();
+  CHECK(gpukit::current_stream(cuda0).native_handle() == handle);
+
+  // Wrapped with ownership again: the same record, so the old views see this owner's destruction.
+  auto again = std::make_unique<gpukit::stream>(gpukit::stream::wrap(handle, cuda0, true));
+  CHECK(again->view().lifetime().get() == record.lock().get());
+  const std::shared_ptr<const gpukit::detail::stream_life> held = record.lock();
+  again.reset();
+  CHECK(held->expired());
+  CHECK(before.destroyed());
+  CHECK_THROWS_AS((void)gpukit::current_stream(cuda0), gpukit::invalid_argument_error);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a released stream wrapped again while captured keeps its record for the views made before") {
+  // While captured, the stream's id is not asked (gpukit gives it one of its own), so its record cannot be matched:
+  // it stays until the new owner destroys the stream (found by review: it was dropped as another stream's, and the
+  // views read freed memory).
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const gpukit::stream_view before = owner->view();
+  const std::weak_ptr<const gpukit::detail::stream_life> record = before.lifetime();
+  gpukit::stream_guard current(*owner);
+  const cudaStream_t handle = owner->release();
+  owner.reset();
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  auto again = std::make_unique<gpukit::stream>(gpukit::stream::wrap(handle, cuda0, true));
+  CHECK_FALSE(record.expired());
+  CHECK_FALSE(before.destroyed());
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(gpukit::current_stream(cuda0).native_handle() == handle);
+  again.reset();  // destroys the stream, and with it the record
+  CHECK(record.expired());
+  CHECK_THROWS_AS((void)gpukit::current_stream(cuda0), gpukit::invalid_argument_error);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: records of one released stream, with ids from before and during a capture, all stay") {
+  // An id given while the stream is captured is gpukit's and compares with no other (found by review: a release during
+  // the capture dropped the earlier release's record, and a wrap after it the record released during the capture,
+  // while the stream lived).
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const gpukit::stream_view first = owner->view();
+  const std::weak_ptr<const gpukit::detail::stream_life> first_record = first.lifetime();
+  const cudaStream_t handle = owner->release();
+  owner.reset();
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  auto during = std::make_unique<gpukit::stream>(gpukit::stream::wrap(handle, cuda0, true));
+  const std::weak_ptr<const gpukit::detail::stream_life> second_record = during->view().lifetime();
+  REQUIRE(during->release() == handle);
+  during.reset();
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK_FALSE(first_record.expired());
+  CHECK_FALSE(second_record.expired());
+  {
+    gpukit::stream after = gpukit::stream::wrap(handle, cuda0, true);  // takes the first record back
+    CHECK(after.view().lifetime().get() == first_record.lock().get());
+    CHECK_FALSE(second_record.expired());
+  }  // destroys the stream: every record of the handle goes
+  CHECK(first_record.expired());
+  CHECK(second_record.expired());
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a released stream's record is dropped when its handle goes to a new stream") {
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const std::weak_ptr<const gpukit::detail::stream_life> record = owner->view().lifetime();
+  const cudaStream_t handle = owner->release();
+  owner.reset();
+  REQUIRE_FALSE(record.expired());
+  CHECK(cudaStreamDestroy(handle) == cudaSuccess);
+  gpukit::stream reused(cuda0);  // the simulator hands the handle out again
+  REQUIRE(reused.cuda_handle() == handle);
+  CHECK(record.expired());
+  CHECK(reused.view().lifetime().get() != nullptr);
+
+  // A released stream destroyed outside gpukit, its handle then wrapped (another stream): a new record.
+  const unsigned long long reused_id = reused.view().id();
+  const std::weak_ptr<const gpukit::detail::stream_life> second = reused.view().lifetime();
+  const cudaStream_t again = reused.release();
+  CHECK(cudaStreamDestroy(again) == cudaSuccess);
+  const cudaStream_t raw = create_raw_stream(cuda0);
+  REQUIRE(raw == again);
+  REQUIRE_FALSE(second.expired());
+  gpukit::stream adopted = gpukit::stream::wrap(raw, cuda0, true);
+  CHECK(second.expired());
+  CHECK(adopted.view().id() != reused_id);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a handle of a destroyed gpukit::stream is looked up anew, not in the table of live streams") {
   auto doomed = std::make_unique<gpukit::stream>(cuda0);
   const cudaStream_t handle = doomed->cuda_handle();

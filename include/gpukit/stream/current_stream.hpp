@@ -107,9 +107,9 @@ GPUKIT_INLINE stream_view current_stream(device d) {
   const std::shared_ptr<const detail::stream_life> life = entry->life.lock();
   if (life == nullptr || life->expired()) {
     throw invalid_argument_error("gpukit::current_stream: the current stream of " + d.to_string() +
-                                 " on this thread was destroyed while current, or released (stream::release) and "
-                                 "its gpukit::stream object destroyed (set_current_stream keeps a view: set another "
-                                 "stream first, or use a stream_guard)");
+                                 " on this thread was destroyed while current (or released with stream::release, "
+                                 "destroyed, and its handle given to a new gpukit::stream); set_current_stream keeps "
+                                 "a view: set another stream first, or use a stream_guard");
   }
   entry->expirations = expirations;  // alive after those: no need to look again until another goes
   return entry->stream;

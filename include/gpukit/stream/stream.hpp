@@ -20,6 +20,7 @@
 #include <gpukit/error.hpp>
 #include <gpukit/stream/detail/cpu_backend.hpp>
 #include <gpukit/stream/detail/cuda_backend.hpp>
+#include <gpukit/version.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -28,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -36,6 +38,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -103,6 +106,31 @@ GPUKIT_EXPORT inline std::atomic<std::int64_t>& legacy_stream_holds(int ordinal)
 GPUKIT_EXPORT inline std::atomic<std::int64_t>& capture_holds() noexcept {
   static std::atomic<std::int64_t> count{0};
   return count;
+}
+
+/// A stream given up by stream::release(): its record (a stream_life of the mode named `mode`, kept type-erased; never
+/// expired, so dropping it makes no CUDA call) and its id.
+struct released_stream {
+  std::shared_ptr<void> life;   ///< the stream_life the views made before the release point at
+  std::array<char, 32> mode{};  ///< GPUKIT_ABI_NAMESPACE of the code that released it (its stream_life's type)
+  unsigned long long id = 0;    ///< cudaStreamGetId of the stream
+};
+
+/// The records of CUDA streams given up by stream::release(), by handle, one per default-stream mode that released
+/// the stream (exported: one per process, shared by the modes as the handles are; never destroyed: streams may be
+/// created and wrapped during exit). The views made before a release point at its record, and the stream lives on
+/// after its gpukit::stream object.
+struct released_stream_table {
+  std::mutex mutex;                                                ///< guards records
+  std::unordered_multimap<cudaStream_t, released_stream> records;  ///< by handle, at most one per mode
+  std::atomic<std::size_t> count{0};  ///< records.size(), read without the lock by stream creation and destruction
+};
+
+/// The process's released_stream_table; made as stream_table_v1 is.
+GPUKIT_EXPORT inline released_stream_table& released_stream_table_v1() noexcept {
+  alignas(released_stream_table) static unsigned char storage[sizeof(released_stream_table)];
+  static released_stream_table* const table = ::new (static_cast<void*>(storage)) released_stream_table;
+  return *table;
 }
 
 }  // namespace mode_independent
@@ -282,6 +310,23 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
   mutable std::atomic<bool> synchronized_{false};  // without final_: a device synchronize began after the expiry
   mutable std::atomic<bool> shared_by_pool_{false};
 };
+
+/// This mode's ABI namespace by name: a released stream's record is taken back only by code of the same mode, whose
+/// stream_life it is (mode_independent::released_stream_table).
+inline constexpr const char* abi_namespace_name = GPUKIT_DETAIL_STRINGIFY(GPUKIT_ABI_NAMESPACE);
+/// Keeps `life`, the record of released stream `handle`, in mode_independent::released_stream_table, and drops the
+/// records of other streams that had the handle (ids that differ; an id of gpukit's, own_stream_id_bit, given while
+/// a stream was captured, compares with none: such a record is kept). A record goes back to a gpukit::stream of this
+/// mode that wraps the same stream with ownership; all are dropped when a gpukit::stream of either mode that owns the
+/// handle is destroyed, or when one is created with it (CUDA reused it: the released stream was destroyed). A
+/// released stream destroyed outside gpukit leaves its records there until then. Throws std::bad_alloc (nothing kept).
+GPUKIT_INLINE void keep_released_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life);
+/// For a stream with id `id` that `handle` names and a gpukit::stream now owns: returns this mode's record of it
+/// (removed from the table), or nullptr; drops the records of other streams that had the handle. Another mode's
+/// record of the same stream stays with that mode's views; records whose id cannot be compared stay.
+GPUKIT_INLINE std::shared_ptr<stream_life> reclaim_released_stream(cudaStream_t handle, unsigned long long id) noexcept;
+/// Drops every record of `handle`: the stream that has it is being destroyed by its gpukit::stream.
+GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept;
 }  // namespace detail
 
 /// A non-owning reference to a stream of some device. It must not outlive the stream it refers to.
@@ -573,9 +618,9 @@ class stream {
 
   /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
   /// the stream then treat it like a raw handle: it must outlive the memory allocated on it. Views made from this
-  /// stream before the call refer to this object's record: use them only while this (moved-from) object lives, and
-  /// make new ones from the handle (stream_view(device, handle)) for later; the same holds for a current stream set
-  /// from it (set_current_stream), which then reads as destroyed (found by review: such a view read freed memory).
+  /// stream before the call, and a current stream set from it (set_current_stream), stay valid while the CUDA
+  /// stream lives: its record is kept by handle, and goes to a gpukit::stream that wraps the handle with ownership
+  /// again (whose destruction they then see). Throws std::bad_alloc (nothing changed) if the record cannot be kept.
   [[nodiscard]] cudaStream_t release();
 
  private:
@@ -632,6 +677,68 @@ GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread)
   }
   if (slot < cache.size()) cache[slot] = id;
   return id;
+}
+
+GPUKIT_INLINE bool made_by_this_mode(const mode_independent::released_stream& record) noexcept {
+  return std::strncmp(record.mode.data(), abi_namespace_name, record.mode.size()) == 0;
+}
+
+/// Whether ids `a` and `b` are known to be of different streams: CUDA's ids are unique for the process, but one of
+/// gpukit's (own_stream_id_bit, given while the stream was captured) may stand for any stream.
+constexpr bool other_stream(unsigned long long a, unsigned long long b) noexcept {
+  return a != b && ((a | b) & cuda_backend::own_stream_id_bit) == 0;
+}
+
+GPUKIT_INLINE void keep_released_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) {
+  mode_independent::released_stream record{life, {}, life->id()};
+  std::memcpy(record.mode.data(), abi_namespace_name,
+              std::min(std::strlen(abi_namespace_name), record.mode.size() - 1));  // the rest stays '\0'
+  mode_independent::released_stream_table& released = mode_independent::released_stream_table_v1();
+  const std::lock_guard<std::mutex> lock(released.mutex);
+  const auto kept = released.records.emplace(handle, std::move(record));  // may throw: nothing changed
+  // Only the records of streams known to be others (gone: this one has the handle) are dropped; a record of this
+  // stream may still be pointed at by views. They are never expired: dropped under the lock, with no CUDA call.
+  const auto range = released.records.equal_range(handle);
+  for (auto it = range.first; it != range.second;) {
+    it = other_stream(it->second.id, kept->second.id) ? released.records.erase(it) : std::next(it);
+  }
+  released.count.store(released.records.size(), std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE std::shared_ptr<stream_life> reclaim_released_stream(cudaStream_t handle,
+                                                                   unsigned long long id) noexcept {
+  mode_independent::released_stream_table& released = mode_independent::released_stream_table_v1();
+  if (released.count.load(std::memory_order_relaxed) == 0) return nullptr;
+  std::shared_ptr<void> taken;
+  try {
+    const std::lock_guard<std::mutex> lock(released.mutex);
+    const auto range = released.records.equal_range(handle);
+    for (auto it = range.first; it != range.second;) {
+      if (other_stream(it->second.id, id)) {
+        it = released.records.erase(it);  // a stream that had the handle before: gone
+      } else if (it->second.id == id && made_by_this_mode(it->second) && taken == nullptr) {
+        taken = std::move(it->second.life);
+        it = released.records.erase(it);
+      } else {
+        ++it;  // another mode's record of this stream (its views'), or one that cannot be compared
+      }
+    }
+    released.count.store(released.records.size(), std::memory_order_relaxed);
+  } catch (...) {  // the lock failed: the records stay
+    return nullptr;
+  }
+  return std::static_pointer_cast<stream_life>(taken);
+}
+
+GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept {
+  mode_independent::released_stream_table& released = mode_independent::released_stream_table_v1();
+  if (released.count.load(std::memory_order_relaxed) == 0) return;
+  try {
+    const std::lock_guard<std::mutex> lock(released.mutex);
+    released.records.erase(handle);
+    released.count.store(released.records.size(), std::memory_order_relaxed);
+  } catch (...) {  // the lock failed: the records stay until the handle's next stream
+  }
 }
 
 GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal, std::shared_ptr<const void> held) noexcept
@@ -955,6 +1062,7 @@ GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_
     const unsigned long long id = detail::cuda_backend::stream_id(cuda_, d.ordinal());
     life_ = std::make_shared<detail::stream_life>(id, d.ordinal());
     detail::cuda_backend::remember_created_stream(cuda_, {d.ordinal(), id, !options.non_blocking});
+    detail::drop_released_streams(cuda_);  // a released stream had this handle: it was destroyed
   } catch (...) {
     detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
                                          "cudaStreamDestroy (a stream whose id could not be read)");
@@ -1006,6 +1114,13 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
           handle, {d.ordinal(), life->id(), detail::cuda_backend::may_block_on_legacy_stream(handle)})) {
     detail::throw_owned_already(handle, d.ordinal());  // another thread wrapped it meanwhile
   }
+  if (take_ownership) {
+    // Released by a gpukit::stream earlier: its record comes back, so the views made before the release see this
+    // owner's destruction.
+    if (std::shared_ptr<detail::stream_life> released = detail::reclaim_released_stream(handle, life->id())) {
+      life = std::move(released);
+    }
+  }
   stream wrapped(d, handle, take_ownership, priority);
   wrapped.life_ = std::move(life);
   return wrapped;
@@ -1051,7 +1166,10 @@ GPUKIT_INLINE cudaStream_t stream::release() {
   check_valid("release");
   if (cpu_) throw invalid_argument_error("gpukit::stream::release: a CPU stream has no handle to release");
   cudaStream_t handle = cuda_;
+  // The record outlives this object: views made before the call point at it (first: it may throw, nothing changed).
+  if (owns_ && life_) detail::keep_released_stream(handle, life_);
   if (owns_) detail::cuda_backend::forget_created_stream(handle);  // the caller may destroy it, and CUDA reuse it
+  life_.reset();
   cuda_ = nullptr;
   owns_ = false;
   valid_ = false;
@@ -1081,6 +1199,7 @@ GPUKIT_INLINE void stream::destroy() noexcept {
   if (owns_ && cuda_ != nullptr) {
     if (life_) life_->expire(cuda_, life_.use_count() > 1);
     detail::cuda_backend::forget_created_stream(cuda_);  // first: the handle may be a new stream's at once
+    detail::drop_released_streams(cuda_);                // another mode's record of it (released there, owned here)
     detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");
   }
   cuda_ = nullptr;

@@ -298,6 +298,7 @@ GPUKIT_INLINE void stream_pool::lease::give_back() noexcept {
     try {
       (void)stream_->release();  // the handle is given up, not destroyed
     } catch (...) {
+      (void)stream_.release();  // out of host memory to keep its record: the object is left instead, undestroyed
     }
     detail::warn_parts("gpukit::stream_pool::lease of ", d,
                        " ended after its pool while its stream is still being captured: left undestroyed (destroying "
@@ -384,9 +385,10 @@ GPUKIT_INLINE stream_pool::~stream_pool() {
     if (detail::returned_stream_state(*s) != detail::returned_stream::captured) continue;
     try {
       (void)s->release();  // the handle is given up, not destroyed
-      ++left;
     } catch (...) {
+      (void)s.release();  // out of host memory to keep its record: the object is left instead, undestroyed
     }
+    ++left;
   }
   if (left != 0) {
     detail::warn_parts("gpukit::stream_pool of ", device_, " destroyed while ", left,
