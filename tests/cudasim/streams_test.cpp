@@ -2346,6 +2346,29 @@ TEST_CASE("streams: records of one released stream, with ids from before and dur
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("streams: the holders of a released stream's record learn of its destruction by a later owner") {
+  // An owner that cannot take the record back (it wrapped the stream while captured) destroys the stream: the record
+  // is dropped and marked destroyed, so an allocator holding it, or a current stream, learns it (found by review: they
+  // went on naming the handle, soon another stream's).
+  auto owner = std::make_unique<gpukit::stream>(cuda0);
+  const std::shared_ptr<const gpukit::detail::stream_life> held = owner->view().lifetime();  // as an allocator does
+  gpukit::stream_guard current(*owner);
+  const cudaStream_t handle = owner->release();
+  owner.reset();
+  REQUIRE(cudaStreamBeginCapture(handle, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  auto again = std::make_unique<gpukit::stream>(gpukit::stream::wrap(handle, cuda0, true));
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(handle, &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK_FALSE(held->expired());
+  const std::uint64_t expirations = gpukit::detail::stream_expirations().load();
+  again.reset();
+  CHECK(held->expired());
+  CHECK(gpukit::detail::stream_expirations().load() > expirations);
+  CHECK_THROWS_AS((void)gpukit::current_stream(cuda0), gpukit::invalid_argument_error);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("streams: a released stream's record is dropped when its handle goes to a new stream") {
   auto owner = std::make_unique<gpukit::stream>(cuda0);
   const std::weak_ptr<const gpukit::detail::stream_life> record = owner->view().lifetime();

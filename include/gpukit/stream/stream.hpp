@@ -114,6 +114,9 @@ struct released_stream {
   std::shared_ptr<void> life;   ///< the stream_life the views made before the release point at
   std::array<char, 32> mode{};  ///< GPUKIT_ABI_NAMESPACE of the code that released it (its stream_life's type)
   unsigned long long id = 0;    ///< cudaStreamGetId of the stream
+  /// Marks `life` destroyed (stream_life::expire, no CUDA call) when the record is dropped: its stream is gone, and
+  /// those who hold the record (allocators, a current stream) learn it. Code of the mode that made the record.
+  void (*expire)(void* life) noexcept = nullptr;
 };
 
 /// The records of CUDA streams given up by stream::release(), by handle, one per default-stream mode that released
@@ -619,8 +622,10 @@ class stream {
   /// Gives up ownership of the CUDA handle and returns it; the stream becomes moved-from. Allocators that remember
   /// the stream then treat it like a raw handle: it must outlive the memory allocated on it. Views made from this
   /// stream before the call, and a current stream set from it (set_current_stream), stay valid while the CUDA
-  /// stream lives: its record is kept by handle, and goes to a gpukit::stream that wraps the handle with ownership
-  /// again (whose destruction they then see). Throws std::bad_alloc (nothing changed) if the record cannot be kept.
+  /// stream lives: its record is kept by handle, and goes to a gpukit::stream of the same default-stream mode that
+  /// wraps the handle with ownership again outside a capture (whose destruction they then see); a gpukit::stream that
+  /// destroys the stream otherwise, or is created with its handle later, marks the record destroyed and drops it.
+  /// Throws std::bad_alloc (nothing changed) if the record cannot be kept.
   [[nodiscard]] cudaStream_t release();
 
  private:
@@ -689,18 +694,29 @@ constexpr bool other_stream(unsigned long long a, unsigned long long b) noexcept
   return a != b && ((a | b) & cuda_backend::own_stream_id_bit) == 0;
 }
 
+/// Erases `at`, the record of a stream that is gone, marking it destroyed first.
+GPUKIT_INLINE auto drop_released_record(mode_independent::released_stream_table& released,
+                                        decltype(released.records)::iterator at) noexcept {
+  if (at->second.expire != nullptr) at->second.expire(at->second.life.get());
+  return released.records.erase(at);
+}
+
+GPUKIT_INLINE void expire_released_record(void* life) noexcept {
+  static_cast<stream_life*>(life)->expire(nullptr, true);
+}
+
 GPUKIT_INLINE void keep_released_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) {
-  mode_independent::released_stream record{life, {}, life->id()};
+  mode_independent::released_stream record{life, {}, life->id(), expire_released_record};
   std::memcpy(record.mode.data(), abi_namespace_name,
               std::min(std::strlen(abi_namespace_name), record.mode.size() - 1));  // the rest stays '\0'
   mode_independent::released_stream_table& released = mode_independent::released_stream_table_v1();
   const std::lock_guard<std::mutex> lock(released.mutex);
   const auto kept = released.records.emplace(handle, std::move(record));  // may throw: nothing changed
   // Only the records of streams known to be others (gone: this one has the handle) are dropped; a record of this
-  // stream may still be pointed at by views. They are never expired: dropped under the lock, with no CUDA call.
+  // stream may still be pointed at by views. Dropped under the lock: expiring a record makes no CUDA call.
   const auto range = released.records.equal_range(handle);
   for (auto it = range.first; it != range.second;) {
-    it = other_stream(it->second.id, kept->second.id) ? released.records.erase(it) : std::next(it);
+    it = other_stream(it->second.id, kept->second.id) ? drop_released_record(released, it) : std::next(it);
   }
   released.count.store(released.records.size(), std::memory_order_relaxed);
 }
@@ -715,7 +731,7 @@ GPUKIT_INLINE std::shared_ptr<stream_life> reclaim_released_stream(cudaStream_t 
     const auto range = released.records.equal_range(handle);
     for (auto it = range.first; it != range.second;) {
       if (other_stream(it->second.id, id)) {
-        it = released.records.erase(it);  // a stream that had the handle before: gone
+        it = drop_released_record(released, it);  // a stream that had the handle before: gone
       } else if (it->second.id == id && made_by_this_mode(it->second) && taken == nullptr) {
         taken = std::move(it->second.life);
         it = released.records.erase(it);
@@ -735,7 +751,7 @@ GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept {
   if (released.count.load(std::memory_order_relaxed) == 0) return;
   try {
     const std::lock_guard<std::mutex> lock(released.mutex);
-    released.records.erase(handle);
+    for (auto [it, end] = released.records.equal_range(handle); it != end;) it = drop_released_record(released, it);
     released.count.store(released.records.size(), std::memory_order_relaxed);
   } catch (...) {  // the lock failed: the records stay until the handle's next stream
   }
