@@ -157,6 +157,10 @@ namespace detail {
 /// The process-wide pools of default_stream_pool, by (ordinal, priority).
 struct default_stream_pool_registry;
 GPUKIT_EXPORT GPUKIT_INLINE default_stream_pool_registry& default_stream_pools();
+/// Keeps `s` for the process, undestroyed: a stream a pool leaves to its capture whose release() ran out of host
+/// memory for its record (its CUDA stream must not be destroyed, and the views made of it stay valid). Held in a
+/// fixed table (exported: one per process), so that it stays reachable; past 64 such streams, the rest are leaked.
+GPUKIT_EXPORT GPUKIT_INLINE void keep_undestroyed(std::unique_ptr<stream> s) noexcept;
 }  // namespace detail
 
 /// The process-wide pool of `d` for a priority class, created on first use with stream_pool::default_size
@@ -168,6 +172,15 @@ GPUKIT_END_NAMESPACE
 
 #if GPUKIT_DETAIL_DEFINITIONS
 GPUKIT_BEGIN_NAMESPACE
+
+GPUKIT_INLINE void detail::keep_undestroyed(std::unique_ptr<stream> s) noexcept {
+  static std::atomic<stream*> kept[64];  // zero before any use; never destroyed
+  stream* const undestroyed = s.release();
+  for (std::atomic<stream*>& slot : kept) {
+    stream* empty = nullptr;
+    if (slot.compare_exchange_strong(empty, undestroyed)) return;
+  }
+}
 
 GPUKIT_INLINE stream_pool::stream_pool(gpukit::device d, std::size_t size, stream_options options,
                                        std::size_t exclusive_capacity)
@@ -298,7 +311,7 @@ GPUKIT_INLINE void stream_pool::lease::give_back() noexcept {
     try {
       (void)stream_->release();  // the handle is given up, not destroyed
     } catch (...) {
-      (void)stream_.release();  // out of host memory to keep its record: the object is left instead, undestroyed
+      detail::keep_undestroyed(std::move(stream_));  // out of host memory to keep its record: the object is kept
     }
     detail::warn_parts("gpukit::stream_pool::lease of ", d,
                        " ended after its pool while its stream is still being captured: left undestroyed (destroying "
@@ -386,7 +399,7 @@ GPUKIT_INLINE stream_pool::~stream_pool() {
     try {
       (void)s->release();  // the handle is given up, not destroyed
     } catch (...) {
-      (void)s.release();  // out of host memory to keep its record: the object is left instead, undestroyed
+      detail::keep_undestroyed(std::move(s));  // out of host memory to keep its record: the object is kept
     }
     ++left;
   }
