@@ -119,13 +119,14 @@ struct released_stream {
   void (*expire)(void* life) noexcept = nullptr;
 };
 
-/// The records of CUDA streams given up by stream::release(), by handle, one per default-stream mode that released
-/// the stream (exported: one per process, shared by the modes as the handles are; never destroyed: streams may be
-/// created and wrapped during exit). The views made before a release point at its record, and the stream lives on
-/// after its gpukit::stream object.
+/// The records of CUDA streams given up by stream::release(), by handle: one per default-stream mode that released
+/// the stream, plus one per release of it made with an id that cannot be compared (detail::keep_released_stream)
+/// (exported: one per process, shared by the modes as the handles are; never destroyed: streams may be created and
+/// wrapped during exit). The views made before a release point at its record, and the stream lives on after its
+/// gpukit::stream object.
 struct released_stream_table {
   std::mutex mutex;                                                ///< guards records
-  std::unordered_multimap<cudaStream_t, released_stream> records;  ///< by handle, at most one per mode
+  std::unordered_multimap<cudaStream_t, released_stream> records;  ///< by handle
   std::atomic<std::size_t> count{0};  ///< records.size(), read without the lock by stream creation and destruction
 };
 
