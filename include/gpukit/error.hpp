@@ -58,10 +58,19 @@ inline cuda_environment_snapshot read_cuda_environment() {
 /// built by other statics' destructors read it. The name carries the layout's version, as upstream_streams_v1's does.
 GPUKIT_EXPORT GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init_v1();
 
+/// Whether the snapshot above was taken (detail::cuda_environment_at_init, when gpukit first uses CUDA). Until then
+/// diagnostics describe the variable as it is now, which CUDA will read if it initialises before it changes: taking
+/// the snapshot for a message (select_device's on a given system_snapshot, say) would fix a value CUDA never read.
+GPUKIT_EXPORT GPUKIT_INLINE std::atomic<bool>& cuda_environment_taken_v1() noexcept;
+
 #if GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
 GPUKIT_INLINE const cuda_environment_snapshot& cuda_environment_at_init_v1() {
   static const auto* snapshot = new cuda_environment_snapshot(read_cuda_environment());
   return *snapshot;
+}
+GPUKIT_INLINE std::atomic<bool>& cuda_environment_taken_v1() noexcept {
+  static std::atomic<bool> taken{false};
+  return taken;
 }
 #endif  // GPUKIT_DETAIL_MODE_INDEPENDENT_DEFINITIONS
 
@@ -178,17 +187,26 @@ namespace detail {
 
 using mode_independent::cuda_environment_snapshot;
 
-/// mode_independent::cuda_environment_at_init_v1: one snapshot for both default-stream modes.
+/// mode_independent::cuda_environment_at_init_v1: one snapshot for both default-stream modes. Taking it marks it taken
+/// (mode_independent::cuda_environment_taken_v1), from which on diagnostics compare against it.
 inline const cuda_environment_snapshot& cuda_environment_at_init() {
-  return mode_independent::cuda_environment_at_init_v1();
+  const cuda_environment_snapshot& snapshot = mode_independent::cuda_environment_at_init_v1();
+  std::atomic<bool>& taken = mode_independent::cuda_environment_taken_v1();
+  if (!taken.load(std::memory_order_relaxed)) taken.store(true, std::memory_order_release);
+  return snapshot;
 }
 
 /// Called by gpukit before its first CUDA call in a code path, so the snapshot above is taken no later than CUDA's
 /// own initialisation triggered by gpukit.
 GPUKIT_INLINE void note_cuda_use();
 
-/// Whether CUDA_VISIBLE_DEVICES differs now from its value at cuda_environment_at_init (CUDA ignores the change).
+/// Whether CUDA_VISIBLE_DEVICES differs now from its value at cuda_environment_at_init (CUDA ignores the change);
+/// false until that snapshot is taken (gpukit has not used CUDA: nothing was read yet).
 GPUKIT_INLINE bool visible_devices_variable_changed();
+
+/// The value of CUDA_VISIBLE_DEVICES that CUDA reads, as far as gpukit can tell: cuda_environment_at_init once taken,
+/// else the value now (without taking the snapshot).
+GPUKIT_INLINE cuda_environment_snapshot visible_devices_variable_in_effect();
 
 /// A value of CUDA_VISIBLE_DEVICES for messages: `"0,1"` (quoted) or `unset`.
 GPUKIT_INLINE std::string show_variable_value(const cuda_environment_snapshot& v);
@@ -309,9 +327,17 @@ namespace detail {
 GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }
 
 GPUKIT_INLINE bool visible_devices_variable_changed() {
+  if (!mode_independent::cuda_environment_taken_v1().load(std::memory_order_acquire)) return false;
   const cuda_environment_snapshot& at_init = cuda_environment_at_init();
   const cuda_environment_snapshot now = mode_independent::read_cuda_environment();
   return now.set != at_init.set || now.value != at_init.value;
+}
+
+GPUKIT_INLINE cuda_environment_snapshot visible_devices_variable_in_effect() {
+  if (!mode_independent::cuda_environment_taken_v1().load(std::memory_order_acquire)) {
+    return mode_independent::read_cuda_environment();
+  }
+  return cuda_environment_at_init();
 }
 
 GPUKIT_INLINE std::string show_variable_value(const cuda_environment_snapshot& v) {
@@ -319,7 +345,7 @@ GPUKIT_INLINE std::string show_variable_value(const cuda_environment_snapshot& v
 }
 
 GPUKIT_INLINE std::string describe_visible_devices_variable() {
-  const cuda_environment_snapshot& at_init = cuda_environment_at_init();
+  const cuda_environment_snapshot at_init = visible_devices_variable_in_effect();
   std::string text = "CUDA_VISIBLE_DEVICES" + (at_init.set ? "=" + show_variable_value(at_init) : " unset");
   if (visible_devices_variable_changed()) {
     text += " when CUDA read it (" + show_variable_value(mode_independent::read_cuda_environment()) +

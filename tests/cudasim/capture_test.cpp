@@ -2173,6 +2173,40 @@ TEST_CASE("capture: a pooled pinned buffer destroyed while its recorded stream i
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a pooled pinned buffer of the legacy stream destroyed during a raw capture waits for it") {
+  // A capture of a blocking stream begun with the raw runtime holds the legacy stream as a gpukit capture does, but no
+  // capture_hold sees it: the event was recorded there at once (906), which invalidated the capture and lost the block.
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(cuda0);
+  gpukit_test::gate g;
+  gpukit_test::captured_warnings warnings;
+  auto buffer = std::make_unique<gpukit::pooled_pinned_buffer<int>>(1000, pool);
+  void* const address = buffer->data();
+  buffer->record_stream(legacy);
+  g.hold(legacy);  // work on the legacy stream, enqueued before the capture, that still uses the buffer
+  const std::uint64_t events_before = pool.stats().events_recorded;
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  std::thread([&] { REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeRelaxed) == cudaSuccess); }).join();
+  buffer.reset();
+  CHECK(pool.stats().pending_blocks == 1);
+  CHECK(pool.stats().events_recorded == events_before);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking, &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+  void* other = pool.allocate(1000 * sizeof(int));  // the capture has ended: the event is recorded now
+  CHECK(pool.stats().events_recorded == events_before + 1);
+  CHECK(other != address);  // the held work still uses it
+  g.open();
+  legacy.synchronize();
+  pool.deallocate(other);
+  CHECK(pool.stats().pending_blocks == 0);
+  CHECK(pool.stats().free_blocks == 2);
+  CHECK(warnings.messages().empty());
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a pinned pmr container destroyed while its recorded stream is captured waits for the capture") {
   // std::pmr's deallocate cannot refuse (a container's destructor calls it): as for pooled_pinned_buffer, the block
   // waits off the books until the stream can take an event, instead of staying allocated with a warning.

@@ -368,6 +368,77 @@ TEST_CASE("contexts: a context probe for free memory reads only the device the e
   CHECK(cudasim::context_creations(0) == 1);
 }
 
+TEST_CASE("contexts: a device guard that switched nothing restores the device that code in its scope switched") {
+  // As PyTorch's guards: the scope's device is the guard's at its end, whoever switched inside (a library, say).
+  const gpukit::device cuda0 = gpukit::device::cuda(0);
+  const gpukit::device cuda1 = gpukit::device::cuda(1);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);  // both primary contexts active
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  {
+    gpukit::device_guard outer(cuda1);  // switches
+    {
+      gpukit::device_guard inner(cuda1);  // cuda:1 is current already: switches nothing
+      REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    }
+    CHECK(gpukit::current_device() == cuda1);
+  }
+  CHECK(gpukit::current_device() == cuda0);
+  gpukit::stream s(cuda0);
+  {
+    gpukit::stream_guard g(s);  // its device guard switches nothing either
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  }
+  CHECK(gpukit::current_device() == cuda0);
+  {
+    gpukit::device_guard unchanged(cuda0);  // nothing switched at all: nothing to restore
+  }
+  CHECK(gpukit::current_device() == cuda0);
+  CHECK(cudasim::context_creations(0) == 1);
+  CHECK(cudasim::context_creations(1) == 1);
+}
+
+TEST_CASE("contexts: a message built before CUDA starts does not fix the CUDA_VISIBLE_DEVICES value CUDA reads") {
+  // select_device on a given system_snapshot reads nothing from the machine; its message named the variable and took
+  // gpukit's snapshot of it, and the program then chose its GPU before its first CUDA call (as launchers do).
+  gpukit_test::scoped_env unset("CUDA_VISIBLE_DEVICES", std::nullopt);
+  gpukit::system_snapshot system;
+  gpukit::gpu_snapshot g;
+  g.device = gpukit::device::cuda(0);
+  g.name = "test";
+  system.gpus.push_back(g);
+  system.gpukit_device = "cuda:3";
+  CHECK_THROWS_WITH_AS(gpukit::select_device(gpukit::selection_policy{}, system),
+                       doctest::Contains("CUDA_VISIBLE_DEVICES unset"), gpukit::invalid_argument_error);
+  CHECK(gpukit::check_visible_devices_unchanged());  // nothing read yet: nothing changed
+  gpukit_test::scoped_env choose("CUDA_VISIBLE_DEVICES", std::string("1"));
+  gpukit_test::captured_warnings warnings;
+  CHECK(gpukit::device_count() == 1);  // CUDA starts now and reads "1"
+  CHECK(gpukit::visible_devices_in_effect().value == "1");
+  CHECK(gpukit::check_visible_devices_unchanged());
+  CHECK(warnings.messages().empty());
+}
+
+TEST_CASE("contexts: a device whose properties cannot be read is rejected with the reason, not a failed selection") {
+  gpukit_test::scoped_env no_nvml("GPUKIT_NVML_LIBRARY", std::string("/nonexistent/libnvidia-ml.so.1"));
+  gpukit_test::scoped_env no_override("GPUKIT_DEVICE", std::nullopt);
+  gpukit_test::scoped_env no_rank("LOCAL_RANK", std::nullopt);
+  cudasim::fail_call("cudaGetDeviceProperties", 1, cudaErrorUnknown);  // cuda:0's (devices are read in order)
+  gpukit::selection_policy policy;
+  policy.prefer = gpukit::device_preference::most_free_memory;
+  policy.allow_context_probe = true;
+  gpukit::device_selection s;
+  CHECK_NOTHROW(s = gpukit::select_device(policy));
+  cudasim::clear_faults();
+  CHECK(s.device == gpukit::device::cuda(1));
+  REQUIRE(s.candidates.size() == 2);
+  CHECK_FALSE(s.candidates[0].eligible);
+  CHECK(s.candidates[0].note.find("its properties could not be read") != std::string::npos);
+  CHECK(s.candidates[0].note.find("cudaErrorUnknown") != std::string::npos);
+  CHECK(cudasim::context_creations(0) == 0);  // not probed either
+}
+
 TEST_CASE("contexts: a context probe skips devices below the compute capability, and a failed probe rejects one") {
   // A probe creates a context (hundreds of MiB) on the device it reads: not on one the policy rejects anyway. A device
   // whose probe fails (prohibited compute mode, say) is rejected with the reason; the others are still chosen from.

@@ -364,3 +364,115 @@ TEST_CASE("sim prefetcher: a legacy default consumer stream stays the constructi
   CHECK(cudasim::context_creations(0) == 0);
   cudasim::allow_contexts_only_on({});
 }
+
+// A capture of a blocking stream begun with the raw runtime (cudaStreamBeginCapture) holds the legacy default stream
+// as a gpukit capture does, but no capture_hold sees it: a release that orders the consumer through the legacy stream
+// (a legacy consumer, or another thread's per-thread stream) asks the legacy stream's capture status (which the
+// header lets one ask without breaking the capture) and leaves the record to the producer, as during a gpukit capture.
+
+TEST_CASE("sim prefetcher: a per-thread consumer's batch released on another thread during a raw capture") {
+  // The record on the legacy stream was refused (906) and the fallback waited for the whole device, which ended the
+  // capture (cudaDeviceSynchronize); the buffer was then refilled under the consumer's work.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit::prefetcher<std::uint32_t> loader(
+      mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); }, two_buffers());
+  gpukit_test::captured_warnings warnings;
+  std::optional<gpukit::prefetcher<std::uint32_t>::batch> batch;
+  std::thread([&] { batch = loader.next(); }).join();
+  REQUIRE(batch);
+  REQUIRE(batch->index() == 0);
+  gpukit_test::gate held;
+  held.hold(mine);  // the consumer's work on batch 0, held back
+  std::uint32_t seen = 0;
+  const std::uint32_t* first = batch->data().data();
+  mine.enqueue_host([&seen, first] { seen = *first; });
+  cudaStream_t blocking = nullptr;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  std::thread([&] { batch.reset(); }).join();  // released during the capture
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking, &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
+  auto one = loader.next();
+  REQUIRE(one);
+  std::this_thread::sleep_for(100ms);         // the producer enqueues batch 2's copy into batch 0's buffer meanwhile
+  CHECK_FALSE(loader.copy_stream().ready());  // it waits for the consumer's work on batch 0
+  held.open();
+  mine.synchronize();
+  CHECK(seen == value(0, 0));  // read batch 0, not batch 2 written over it
+  one.reset();
+  std::size_t rest = 0;
+  while (auto b = loader.next()) ++rest;
+  CHECK(rest == 2);
+  CHECK_FALSE(warnings.contains("failed"));
+}
+
+TEST_CASE("sim prefetcher: a legacy consumer's batch released during a raw capture keeps it, and orders the refill") {
+  // The legacy stream's host wait was refused too, and the refill overwrote the batch under the consumer's work.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(d);
+  gpukit::prefetcher<std::uint32_t> loader(
+      legacy, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); }, two_buffers());
+  gpukit_test::captured_warnings warnings;
+  auto batch = loader.next();
+  REQUIRE(batch);
+  gpukit_test::gate held;
+  held.hold(legacy);
+  std::uint32_t seen = 0;
+  const std::uint32_t* first = batch->data().data();
+  legacy.enqueue_host([&seen, first] { seen = *first; });
+  gpukit::stream blocking(d, gpukit::stream_options{false, 0});
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  batch.reset();  // on the capturing thread
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  auto one = loader.next();
+  REQUIRE(one);
+  std::this_thread::sleep_for(100ms);
+  CHECK_FALSE(loader.copy_stream().ready());  // batch 2's copy into batch 0's buffer waits for the consumer
+  held.open();
+  legacy.synchronize();
+  CHECK(seen == value(0, 0));
+  one.reset();
+  std::size_t rest = 0;
+  while (auto b = loader.next()) ++rest;
+  CHECK(rest == 2);
+  CHECK_FALSE(warnings.contains("failed"));
+}
+
+TEST_CASE("sim prefetcher: a deferred release's record waits for a raw capture to end instead of ending the data") {
+  // Released during a gpukit capture, the record is the producer's; a raw capture of a blocking stream underway when
+  // it records refused it, and every later next() rethrew that refusal, long after the capture had ended.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view mine(d, cudaStreamPerThread);
+  gpukit::prefetcher<std::uint32_t> loader(
+      mine, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 6); }, two_buffers());
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream captured(d);
+  gpukit::stream blocking(d, gpukit::stream_options{false, 0});
+  std::thread([&] {  // relaxed: this thread's later calls are not refused for another thread's capture
+    REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  })
+      .join();
+  {
+    gpukit::graph g = gpukit::capture(captured, [&] {
+      std::thread([&] {
+        auto batch = loader.next();
+        REQUIRE(batch);
+      }).join();  // released during the gpukit capture: deferred to the producer
+    });
+  }
+  std::this_thread::sleep_for(100ms);  // the producer reaches batch 2 (batch 0's buffer) while the raw capture lasts
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  std::size_t rest = 0;
+  CHECK_NOTHROW([&] {
+    while (auto batch = loader.next()) ++rest;
+  }());
+  CHECK(rest == 5);
+  CHECK(cudasim::violations().empty());
+}

@@ -107,6 +107,25 @@ TEST_CASE("bad alignments, overflow and double frees of over-aligned memory are 
   a.deallocate(q);
 }
 
+TEST_CASE("an over-aligned request that does not fit says what was asked, and the block it needed") {
+  // The engine sees only the padded block: its message named 9 MiB for a request of 1 MiB aligned to 8 MiB.
+  gpukit::caching_allocator a(cpu);
+  gpukit::stream s(cpu);
+  a.set_reserved_limit(std::size_t{4} << 20);
+  try {
+    (void)a.allocate(std::size_t{1} << 20, std::size_t{1} << 23, s);
+    FAIL("no error");
+  } catch (const gpukit::out_of_memory_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("(1048576 bytes aligned to 8388608) asked for a block of 9436928 bytes") != std::string::npos);
+    CHECK(what.find("9.00 MiB") != std::string::npos);  // the engine's own account follows
+    CHECK(e.code() == gpukit::errc::out_of_memory);
+  }
+  void* p = a.allocate(100, 4096, s);  // usable afterwards
+  CHECK(aligned_to(p, 4096));
+  a.deallocate(p);
+}
+
 TEST_CASE("a smaller rounding lowers the natural alignment, and larger requests are still honoured") {
   gpukit::allocator_options options;
   options.rounding = 64;

@@ -312,6 +312,23 @@ TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
   w.a.deallocate(leaked);
 }
 
+TEST_CASE("history exports: the leak report writes tags as printable UTF-8") {
+  // It goes to stderr at exit: a tag's line break, escape sequence or invalid byte would garble the terminal or log.
+  world_and_allocator w;
+  auto history = std::make_shared<gpukit::memory_history>();
+  w.a.set_memory_history(history);
+  void* leaked = nullptr;
+  {
+    gpukit::memory_tag tag("caf\xc3\xa9\n\x1b[31m\xff");
+    leaked = w.a.allocate(4096, w.s1);
+  }
+  const std::string report = gpukit::leak_report(*history);
+  CHECK(report.find("caf\xc3\xa9??[31m?") != std::string::npos);  // valid UTF-8 kept, the rest '?'
+  const std::size_t first_line_end = report.find('\n');
+  CHECK(report.find('\n', first_line_end + 1) == report.size() - 1);  // one line per group: no break inside
+  w.a.deallocate(leaked);
+}
+
 TEST_CASE("history exports: the PyTorch snapshot loads with Python's pickle and has what the memory viewer reads") {
   world_and_allocator w;
   // A CPU stream's key has its top bit set; the viewer reads integers of at most 8 bytes.

@@ -151,6 +151,45 @@ TEST_CASE("gpu: device_memory_resource on cuda:0: CPU streams, alignment, zero b
   CHECK(warnings.contains("device_memory_resource::deallocate"));
 }
 
+TEST_CASE("gpu: device_memory_resource's synchronous free is ordered on the current stream, as its allocation") {
+  // Freed under another stream's guard than the allocation's, the block went back in the allocation stream's order
+  // alone, and that stream's next request got it while the current stream's work still used it.
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::caching_allocator a(d);
+  gpukit::device_memory_resource resource(a);
+  gpukit::stream s1(d);
+  gpukit::stream s2(d);
+  void* p = nullptr;
+  {
+    gpukit::stream_guard on(s1);
+    p = allocate_sync(resource, 4096, 256);
+  }
+  gpukit_test::gate held;
+  held.hold(s2);  // stands for a kernel on s2 that still uses p
+  {
+    gpukit::stream_guard on(s2);
+    deallocate_sync(resource, p, 4096, 256);
+  }
+  void* q = nullptr;
+  {
+    gpukit::stream_guard on(s1);
+    q = allocate_sync(resource, 4096, 256);
+  }
+  CHECK(q != p);  // s2's work is pending
+  held.open();
+  s2.synchronize();
+  // Freed on its own stream (the usual case: one current stream), the block is reused there at once, as
+  // deallocate(p) does: the stream-ordered free takes the same path when the stream is the allocation's.
+  {
+    gpukit::stream_guard on(s1);
+    deallocate_sync(resource, q, 4096, 256);
+    CHECK(allocate_sync(resource, 4096, 256) == q);
+    deallocate_sync(resource, q, 4096, 256);
+  }
+  CHECK(a.memory_allocated() == 0);
+}
+
 namespace {
 /// A device_resource of one's own on cuda:0 (no statistics, no control): the five functions, over an allocator.
 class forwarding_resource final : public gpukit::device_resource {

@@ -109,7 +109,9 @@ GPUKIT_INLINE void set_current_device(device d);
 
 /// RAII: makes a device current for the calling thread and restores the previous current device when the scope ends.
 /// For the CPU it changes nothing. It calls cudaSetDevice only when the device differs from the current one, so
-/// nesting is cheap. Not copyable or movable (it restores state of the thread that created it).
+/// nesting is cheap; a guard that switched nothing still restores the device if code in its scope switched it (a
+/// library's cudaSetDevice, say), asking cudaGetDevice once at its end, as PyTorch's guards do. Not copyable or
+/// movable (it restores state of the thread that created it).
 ///
 /// It never creates a context to restore: cudaSetDevice initialises the device's primary context, and cudaGetDevice
 /// says 0 on a thread that never chose a device, so restoring "the previous device" blindly would create cuda:0's
@@ -118,8 +120,9 @@ GPUKIT_INLINE void set_current_device(device d);
 /// onto a device whose primary context is no longer active. The driver is asked through
 /// cudaGetDriverEntryPointByVersion (detail/driver_api.hpp). Devices, not contexts, are restored: a context the thread
 /// made current with the driver API (cuCtxCreate, a green context, a video codec's) is replaced, when the guard
-/// switches devices, by the primary contexts of `d` and then of its own device. Keep such a context current around
-/// gpukit calls with cuCtxSetCurrent, or make them on another thread.
+/// switches devices, by the primary context of `d`, and then by its own device's primary context only where that one
+/// is active (else `d`'s stays current). Keep such a context current around gpukit calls with cuCtxSetCurrent, or make
+/// them on another thread.
 class device_guard {
  public:
   /// Makes `d` current. Throws invalid_argument_error for an ordinal that is not visible, no_device_error without a
@@ -134,6 +137,7 @@ class device_guard {
   int previous_ = 0;
   bool had_context_ = true;
   bool changed_ = false;
+  bool cuda_ = false;  // a CUDA device was made current (a guard of the CPU restores nothing)
 };
 
 namespace detail {
@@ -328,6 +332,7 @@ GPUKIT_INLINE device_guard::device_guard(device d) {
   if (!d.is_cuda()) return;
   detail::note_cuda_use();
   GPUKIT_CUDA_TRY(cudaGetDevice(&previous_));
+  cuda_ = true;
   // 0: no context is current, so cudaGetDevice's answer is a default, which the runtime would initialise.
   had_context_ = detail::thread_context_state() != 0;
   if (previous_ != d.ordinal() || !had_context_) {
@@ -337,7 +342,13 @@ GPUKIT_INLINE device_guard::device_guard(device d) {
 }
 
 GPUKIT_INLINE device_guard::~device_guard() {
-  if (!changed_) return;
+  if (!cuda_) return;
+  if (!changed_) {  // nothing switched at the start: restore only what code in the scope switched
+    int now = previous_;
+    const cudaError_t asked = cudaGetDevice(&now);
+    detail::forget_failure(asked);
+    if (asked != cudaSuccess || now == previous_) return;
+  }
   // Not active (reset meanwhile, or never created for a thread that had no context): restoring would create it.
   const int state = detail::primary_context_state(previous_);
   if (state == 0 || (!had_context_ && state != 1)) return;

@@ -581,9 +581,17 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
   int known_to_nvml = 0;
   for (int ordinal = 0; ordinal < count; ++ordinal) {
     const device d = device::cuda(ordinal);
-    const device_properties& p = properties(d);
     gpu_snapshot g;
     g.device = d;
+    const device_properties* read = nullptr;
+    try {
+      read = &properties(d);
+    } catch (const error& e) {  // one device that cannot answer is rejected with the reason; the others may do
+      g.unusable = std::string("its properties could not be read: ") + e.what();
+      system.gpus.push_back(std::move(g));
+      continue;
+    }
+    const device_properties& p = *read;
     g.name = p.name;
     g.uuid = p.uuid;
     g.total_memory = p.total_memory;
@@ -607,7 +615,7 @@ GPUKIT_INLINE system_snapshot take_system_snapshot(const selection_policy& polic
   if (need_free && policy.allow_context_probe) {
     const int only = detail::device_the_environment_chooses(policy, system);
     for (gpu_snapshot& g : system.gpus) {
-      if (g.free_memory || (only >= 0 && g.device.ordinal() != only)) continue;
+      if (g.free_memory || !g.unusable.empty() || (only >= 0 && g.device.ordinal() != only)) continue;
       // Not a device the policy rejects anyway: the probe creates a context, which holds memory.
       if (g.compute_capability < policy.min_compute_capability || g.compute_mode == cudaComputeModeProhibited) {
         continue;

@@ -12,8 +12,8 @@
 /// ignored. Sizes are a whole number with an optional unit (B, KiB, MiB, GiB, TiB; KB/MB/GB/TB are read as the
 /// binary units too), or `none` where a limit may be absent (reserved_limit, max_split_size). Booleans are
 /// true/false (PyTorch's True/False, or 1/0). Parsing is strict: an unknown key, a setting given twice (under
-/// either of its names), a malformed or too large value, or an inconsistent result throws invalid_argument_error
-/// naming the entry.
+/// either of its names), or a malformed or too large value throws invalid_argument_error naming the entry; options
+/// that are inconsistent together (allocator_options::validate) throw it naming the options and the whole string.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/error.hpp>

@@ -182,6 +182,13 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void* p, const stream_type& stream) {
   if (p == nullptr) return;
+  // On the stream it was allocated on, no other stream's order is needed: deallocate(p), whose front cache may take
+  // it (adaptors free on the current stream, which is usually that one). The owner is fixed while the block is live.
+  if (const block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
+      b != nullptr && ops_.device_of(stream) == device_ && b->owner->key == ops_.key(stream)) {
+    deallocate(p);
+    return;
+  }
   refuse_if_captured(stream, "deallocate");
   std::string report;
   {

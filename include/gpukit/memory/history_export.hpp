@@ -600,7 +600,11 @@ inline std::string leak_report(const memory_history& history) {
   std::size_t total = 0, count = 0;
   std::string out;
   for (const live_allocation_group& g : groups) {
-    std::string tag = g.tag.empty() ? "(untagged)" : g.tag;
+    // Written to a terminal or a log: bytes that are not UTF-8, and control characters, become '?'.
+    std::string tag = g.tag.empty() ? "(untagged)" : detail::pickle_writer::utf8_or_question_marks(g.tag);
+    for (char& c : tag) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    }
     if (tag.size() < 24) tag.resize(24, ' ');
     char figures[96];
     std::snprintf(figures, sizeof figures, " %12zu B x %-8zu = %zu B\n", g.size, g.count, g.bytes);

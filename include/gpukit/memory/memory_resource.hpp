@@ -130,11 +130,23 @@ class device_memory_resource
   void* allocate_sync(std::size_t bytes, std::size_t alignment = device_resource::default_alignment) {
     return allocator_->allocate(bytes, alignment, current_stream(device()));
   }
-  /// Frees memory in the order of the stream it was allocated on. CCCL's references call it noexcept: a refused
-  /// free (a pointer this allocator does not own, a double free) is reported through gpukit::warn.
+  /// Frees `p` once the work enqueued so far on the calling thread's current stream of the device (and on the stream
+  /// it was allocated on) is done, as device_pmr_resource does: the memory may have been used on the current stream
+  /// (a stream_guard's). A current stream destroyed meanwhile leaves the allocation's stream alone. CCCL's references
+  /// call it noexcept: a refused free (a pointer this allocator does not own, a double free) is reported through
+  /// gpukit::warn.
   void deallocate_sync(void* p, std::size_t /*bytes*/,
                        std::size_t /*alignment*/ = device_resource::default_alignment) noexcept {
-    detail::free_reporting_errors("gpukit::device_memory_resource::deallocate", [&] { allocator_->deallocate(p); });
+    detail::free_reporting_errors("gpukit::device_memory_resource::deallocate", [&] {
+      stream_view on;
+      try {
+        on = current_stream(device());
+      } catch (const invalid_argument_error&) {  // the current stream was destroyed: freed on the allocation's
+        allocator_->deallocate(p);
+        return;
+      }
+      allocator_->deallocate(p, on);
+    });
   }
   /// `bytes` aligned to `alignment`, usable on `stream` at once.
   void* allocate(::cuda::stream_ref stream, std::size_t bytes, std::size_t alignment) {

@@ -357,14 +357,15 @@ class basic_pinned_pool {
   /// deallocate(p), with `caller`'s stream (bound as record_stream binds it) recorded first when it is not null. A
   /// recorded stream that is being captured, the caller's included, is refused, changing nothing, unless
   /// `defer_captured`. A block that a recorded
-  /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture: see
-  /// detail::capture_hold) is deferred: off the users' books, counted as pending, and given its events once every
-  /// recorded stream can take one (process_deferred_locked).
+  /// stream cannot take an event for now (captured, or the legacy default stream during a gpukit capture, or during
+  /// any capture of a blocking stream of its device: see detail::capture_hold) is deferred: off the users' books,
+  /// counted as pending, and given its events once every recorded stream can take one (process_deferred_locked).
   void deallocate_recorded(void* p, const stream_view* caller, bool defer_captured);
 
   /// Whether each of `b`'s streams can take an event now: `hold` (taken where one uses the legacy default stream:
-  /// needs_capture_hold) refuses none, and, when `ask_captures`, none is being captured (otherwise the caller refused
-  /// those). The events are recorded while `hold` lives.
+  /// needs_capture_hold) refuses none, no capture of a blocking stream (a raw one too) holds the legacy stream where
+  /// one uses it, and, when `ask_captures`, none is being captured (otherwise the caller refused those). The events
+  /// are recorded while `hold` lives.
   static bool can_record_now(const block& b, bool ask_captures, const detail::capture_hold& hold);
   /// Whether one of `b`'s streams may use the legacy default stream (detail::may_use_legacy_stream).
   static bool needs_capture_hold(const block& b) noexcept;

@@ -213,22 +213,29 @@ inline bool gpukit_capture_underway() noexcept {
   return mode_independent::gpukit_captures_underway().load(std::memory_order_acquire) != 0;
 }
 
-/// Whether a device-wide wait on `d` (cudaDeviceSynchronize) would meet a capture gpukit can see, which it would
-/// invalidate, in any mode (measured on an H100): a gpukit capture on any thread and device, or a capture of a
-/// blocking stream of `d`, raw ones included (the legacy stream's capture status then answers
-/// cudaErrorStreamCaptureImplicit, leaving the capture intact). A raw capture of a non-blocking stream is not seen.
-/// One atomic load, then one cudaStreamIsCapturing with `d` current: for release paths, not hot ones.
-inline bool capture_in_sight(gpukit::device d) noexcept {
+/// Whether a blocking stream of `d` is being captured, raw captures included: the legacy stream's capture status then
+/// answers cudaErrorStreamCaptureImplicit, leaving the capture intact (the header's way to ask first), and work on the
+/// legacy stream would join that capture and invalidate it. One cudaStreamIsCapturing with `d` current; false for the
+/// CPU and where the question fails. A capture may begin right after: only gpukit's can be held off (capture_hold).
+inline bool legacy_stream_captured(gpukit::device d) noexcept {
   if (!d.is_cuda()) return false;
-  if (gpukit_capture_underway()) return true;
   try {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     return cuda_backend::stream_capture_status({cudaStreamLegacy, d.ordinal()}, status) ==
            cudaErrorStreamCaptureImplicit;
   } catch (...) {
-    (void)cudaGetLastError();  // the guard's failure: the wait that follows says what is wrong
+    (void)cudaGetLastError();  // the guard's failure: the call that follows says what is wrong
     return false;
   }
+}
+
+/// Whether a device-wide wait on `d` (cudaDeviceSynchronize) would meet a capture gpukit can see, which it would
+/// invalidate, in any mode (measured on an H100): a gpukit capture on any thread and device, or a capture of a
+/// blocking stream of `d`, raw ones included (legacy_stream_captured). A raw capture of a non-blocking stream is not
+/// seen. One atomic load, then one cudaStreamIsCapturing with `d` current: for release paths, not hot ones.
+inline bool capture_in_sight(gpukit::device d) noexcept {
+  if (!d.is_cuda()) return false;
+  return gpukit_capture_underway() || legacy_stream_captured(d);
 }
 
 /// True for cuda::stream_ref once <gpukit/stream/stream_ref.hpp> is included (which needs the toolkit's CCCL). A

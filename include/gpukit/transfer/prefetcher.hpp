@@ -222,39 +222,50 @@ class prefetcher {
 
     /// Gives the buffer back: the copy stream will wait for the consumer's work enqueued so far before refilling
     /// it, from any thread (a per-thread default consumer stream is the constructing thread's). Recording that event
-    /// is a CUDA call; if it fails, the consumer's work is waited for on the host before the buffer is given back.
-    /// Failures are reported through gpukit::warn.
+    /// is a CUDA call. Where the event goes to the legacy default stream (a legacy or another thread's per-thread
+    /// consumer) while a capture of a blocking stream is underway (gpukit's, or a raw one), or where that record
+    /// fails, the producer records it before it refills this buffer, once no capture is in the way; another consumer
+    /// whose record fails is waited for on the host. Failures are reported through gpukit::warn.
     void release() noexcept {
       if (slot_ == nullptr) return;
       const stream_view& consumer = state_->consumer;
       bool deferred = false;
+      bool via_legacy = true;  // where it cannot be told: no host wait then, which could end a capture
       try {
-        const detail::capture_hold hold(detail::may_use_legacy_stream(consumer));  // until the event is recorded
+        via_legacy = detail::may_use_legacy_stream(consumer);
+        const detail::capture_hold hold(via_legacy);  // until the event is recorded
         if (detail::capture_status(consumer) != cudaStreamCaptureStatusNone) {
           // An event recorded in a capture would pull the copy stream into it (and its waits would fail).
           warn(
               "gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
               "graph; its buffer may be refilled before the captured work runs");
-        } else if (hold.refuses(consumer)) {
-          // Recording on the legacy default stream now would break another thread's capture: the producer records
-          // before it refills this buffer, once no capture is underway (a later record orders at least as much).
+        } else if (hold.refuses(consumer) || (via_legacy && detail::legacy_stream_captured(consumer.device()))) {
+          // Recording on the legacy default stream now would break a capture of a blocking stream (a raw one too,
+          // which no hold keeps off): the producer records before it refills this buffer, once no capture is in the
+          // way (a later record orders at least as much).
           deferred = true;
         } else {
           detail::record_from_any_thread(slot_->consumed, consumer);
         }
       } catch (const std::exception& e) {
         // Without the event the copy stream would not wait, and the next copy could overwrite what the consumer reads.
-        detail::warn_parts("gpukit::prefetcher: releasing a batch failed (", e.what(),
-                           "); waiting for the consumer's work on the host");
-        try {
-          if (consumer.is_other_threads_stream()) {
-            detail::cuda_backend::synchronize_device(consumer.device().ordinal(),
-                                                     "cudaDeviceSynchronize (releasing a batch)");
-          } else {
-            consumer.synchronize();
+        if (via_legacy) {
+          // A capture begun since the question, or a failure the producer's record will meet and report. No host
+          // wait: another thread's per-thread stream is reached only through the device, whose wait would end any
+          // capture on it.
+          deferred = true;
+          if (!detail::capture_in_sight(consumer.device())) {
+            detail::warn_parts("gpukit::prefetcher: releasing a batch failed (", e.what(),
+                               "); the producer records it before refilling the buffer");
           }
-        } catch (const std::exception& again) {
-          detail::warn_parts("gpukit::prefetcher: waiting for the consumer failed too: ", again.what());
+        } else {
+          detail::warn_parts("gpukit::prefetcher: releasing a batch failed (", e.what(),
+                             "); waiting for the consumer's work on the host");
+          try {
+            consumer.synchronize();
+          } catch (const std::exception& again) {
+            detail::warn_parts("gpukit::prefetcher: waiting for the consumer failed too: ", again.what());
+          }
         }
       }
       {
@@ -576,19 +587,8 @@ class prefetcher {
         }
         if (sl.consumed_deferred) {
           // The previous batch was released during a capture, when its event could not be recorded (batch::release):
-          // record it now, once no capture is underway; the consumer's work enqueued since is ordered too.
-          const auto start = clock::now();
-          auto backoff = std::chrono::microseconds(20);
-          // Held from the check until the event is recorded (below), so that no capture begins in between.
-          const bool needed = detail::may_use_legacy_stream(st.consumer);
-          hold.retake(needed);
-          while (!st.stopping && index < st.end && hold.refuses(st.consumer)) {
-            hold.release();  // never held while waiting: a capture waits for the holds
-            st.cv.wait_for(lock, backoff);
-            backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
-            hold.retake(needed);
-          }
-          st.stats.producer_wait_for_release += clock::now() - start;
+          // record it now, once no capture is in the way; the consumer's work enqueued since is ordered too.
+          wait_until_recordable(st, index, lock, hold);
           sl.consumed_deferred = false;
           record_consumed = true;
         }
@@ -597,7 +597,22 @@ class prefetcher {
           return false;
         }
       }
-      if (record_consumed) detail::record_from_any_thread(sl.consumed, st.consumer);
+      while (record_consumed) {
+        try {
+          detail::record_from_any_thread(sl.consumed, st.consumer);
+          break;
+        } catch (const std::exception&) {
+          // A raw capture of a blocking stream begun since the look (no hold keeps those off): wait for it to end,
+          // rather than end the data for a refusal that lasts only as long as that capture.
+          if (!detail::may_use_legacy_stream(st.consumer) || !detail::capture_in_sight(st.consumer.device())) throw;
+        }
+        std::unique_lock<std::mutex> lock(st.mutex);
+        wait_until_recordable(st, index, lock, hold);
+        if (st.stopping || st.end <= index) {
+          buffer.busy = false;
+          return false;
+        }
+      }
       hold.release();
       sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
       copy_async(device_span<T>(sl.dev.data(), count, st.dev), pinned_span<const T>(buffer.host.data(), count),
@@ -621,6 +636,28 @@ class prefetcher {
       end_at(st, index, std::current_exception());
       return false;
     }
+  }
+
+  /// For a deferred release's event (`st.mutex` held by `lock`): waits until an event on the consumer can be recorded
+  /// without breaking a capture, or until the prefetcher stops or the data ends before `index`. Where the event goes
+  /// to the legacy default stream, that is when no gpukit capture is underway (`hold`, held from here until the event
+  /// is recorded, keeps new ones off) and no capture of a blocking stream of its device (a raw one) is.
+  static void wait_until_recordable(state& st, std::size_t index, std::unique_lock<std::mutex>& lock,
+                                    detail::capture_hold& hold) {
+    const auto start = clock::now();
+    auto backoff = std::chrono::microseconds(20);
+    const bool needed = detail::may_use_legacy_stream(st.consumer);
+    const auto in_the_way = [&] {
+      return hold.refuses(st.consumer) || (needed && detail::legacy_stream_captured(st.consumer.device()));
+    };
+    hold.retake(needed);
+    while (!st.stopping && index < st.end && in_the_way()) {
+      hold.release();  // never held while waiting: a capture waits for the holds
+      st.cv.wait_for(lock, backoff);
+      backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
+      hold.retake(needed);
+    }
+    st.stats.producer_wait_for_release += clock::now() - start;
   }
 
   /// The data ends before `index` (called with the lock held): a producer returned 0 there, or failed. The earliest

@@ -111,11 +111,22 @@ GPUKIT_EXPORT GPUKIT_INLINE aligned_offsets& over_aligned_addresses();
 /// `bytes` at an `alignment` boundary above the allocator's `natural` alignment: a block `alignment - natural`
 /// bytes larger from `allocate_block(size)`, whose first `alignment` boundary is returned and, when it is not the
 /// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it).
-/// Should remembering fail, the block goes back through `free_block(block)` and the error propagates.
+/// Should remembering fail, the block goes back through `free_block(block)` and the error propagates. An
+/// out_of_memory_error for the block is thrown again with the caller's request and alignment in front of its message.
 template <class AllocateBlock, class FreeBlock>
 void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_t natural, const char* who,
                             AllocateBlock&& allocate_block, FreeBlock&& free_block) {
-  void* block = allocate_block(over_aligned_request(bytes, alignment, natural, who));
+  const std::size_t request = over_aligned_request(bytes, alignment, natural, who);
+  void* block = nullptr;
+  try {
+    block = allocate_block(request);
+  } catch (const out_of_memory_error& e) {
+    // The allocator's message (and its observers) name the padded block it was asked for: say what the caller asked.
+    throw out_of_memory_error(std::string(who) + "(" + std::to_string(bytes) + " bytes aligned to " +
+                                  std::to_string(alignment) + ") asked for a block of " + std::to_string(request) +
+                                  " bytes, for the alignment: " + e.what(),
+                              e.cuda_result(), std::string(e.call()), e.device(), e.file(), e.line());
+  }
   void* aligned = aligned_offsets::align_up(block, alignment);
   if (aligned == block) return block;
   try {

@@ -679,6 +679,8 @@ GPUKIT_INLINE float elapsed_ms(cudaEvent_t start, cudaEvent_t end, int ordinal) 
 }
 
 GPUKIT_INLINE cudaIpcEventHandle_t ipc_event_handle(cudaEvent_t e, int ordinal) {
+  std::optional<device_guard> guard;
+  enter_device_without_context(ordinal, guard);  // as for cudaEventElapsedTime: not cuda:0's context first
   cudaIpcEventHandle_t handle{};
   GPUKIT_CUDA_TRY_DESCRIBED(cudaIpcGetEventHandle(&handle, e), "cudaIpcGetEventHandle", ordinal);
   return handle;
