@@ -476,3 +476,39 @@ TEST_CASE("sim prefetcher: a deferred release's record waits for a raw capture t
   CHECK(rest == 5);
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE(
+    "sim prefetcher: during a raw capture, a legacy consumer's batches are waited for on the host, never hung on") {
+  // A batch whose buffer's release waits for the capture to end is refused (the capture may be this thread's, which
+  // could not end while next() waits); one already copied is waited for on the host (a wait on the legacy stream
+  // would break the capture), as during a gpukit capture.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(d);
+  gpukit::prefetcher<std::uint32_t> loader(
+      legacy, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 5); }, two_buffers());
+  gpukit_test::captured_warnings warnings;
+  auto zero = loader.next();
+  REQUIRE(zero);
+  gpukit::stream blocking(d, gpukit::stream_options{false, 0});
+  std::thread([&] {
+    REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  }).join();
+  zero.reset();              // deferred: its buffer is batch 2's
+  auto one = loader.next();  // copied before the capture: waited for on the host
+  REQUIRE(one);
+  CHECK(one->index() == 1);
+  CHECK(*one->data().data() == value(1, 0));
+  one.reset();
+  CHECK_THROWS_WITH_AS(loader.next(), doctest::Contains("begun with the raw runtime"), gpukit::invalid_argument_error);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  std::size_t rest = 0;
+  while (auto batch = loader.next()) {
+    CHECK(batch->index() == 2 + rest);
+    ++rest;
+  }
+  CHECK(rest == 3);
+  CHECK(cudasim::violations().empty());
+  CHECK_FALSE(warnings.contains("failed"));
+}

@@ -336,12 +336,14 @@ class prefetcher {
   /// whose buffer the next batch needs, is still held, and if called from the producer callback (it would wait for
   /// the batch that very callback is producing): unless the producer catches it, that error ends the data and the
   /// consumer's next() rethrows it, like any producer exception. Throws invalid_argument_error, taking nothing,
-  /// while the consumer stream is being captured into a CUDA graph. While a gpukit capture is underway, a consumer
-  /// this thread can order only through the legacy default stream (that stream, or the constructing thread's
-  /// per-thread one from another thread) would break the capture: the copy is then waited for on the host. Throws
-  /// invalid_argument_error, taking nothing, inside this thread's gpukit::capture when the batch's buffer was
-  /// released during a capture and is not refilled yet: it is refilled only once the captures end, so the wait would
-  /// never end (a capture in another thread that waits for this one cannot be seen: do not take batches there).
+  /// while the consumer stream is being captured into a CUDA graph. While a gpukit capture, or a raw capture of a
+  /// blocking stream of the device, is underway, a consumer this thread can order only through the legacy default
+  /// stream (that stream, or the constructing thread's per-thread one from another thread) would break the capture:
+  /// the copy is then waited for on the host. Throws invalid_argument_error, taking nothing, when the batch's buffer
+  /// was released during a capture and is not refilled yet, inside this thread's gpukit::capture, or for such a
+  /// consumer while a raw capture of a blocking stream is underway (on any thread: gpukit cannot tell whose): it is
+  /// refilled only once the captures end, so the wait might never end (a gpukit capture in another thread that waits
+  /// for this one cannot be seen: do not take batches there).
   /// Batches go to one consumer at a time: a call while another thread's is underway throws invalid_argument_error,
   /// taking nothing. If the consumer's wait for the copy cannot be enqueued (a CUDA error, thrown as cuda_error),
   /// nothing is taken either: the next call hands out the same batch.
@@ -384,6 +386,17 @@ class prefetcher {
                                    "captures end; this thread is capturing (gpukit::capture): take it after the "
                                    "capture");
     }
+    const bool via_legacy = detail::may_use_legacy_stream(st.consumer);
+    if (!arrived() && sl.consumed_deferred && via_legacy && detail::legacy_stream_captured(st.consumer.device())) {
+      // A capture of a blocking stream begun with the raw runtime keeps the producer from recording the release, and
+      // it may be this thread's, which cannot end while it waits here: refused rather than a wait that may not end.
+      throw invalid_argument_error("gpukit::prefetcher::next: batch " + std::to_string(index) +
+                                   " goes into the buffer of batch " + std::to_string(index - depth) +
+                                   ", whose release is recorded on the legacy default stream only once no capture "
+                                   "of a blocking stream of " +
+                                   st.consumer.device().to_string() +
+                                   " is underway, and one is (begun with the raw runtime): take it after the capture");
+    }
     if (!arrived()) {
       st.taking = true;  // until the wait ends: no lock is held meanwhile
       const auto start = clock::now();
@@ -400,8 +413,8 @@ class prefetcher {
     st.taking = true;
     lock.unlock();
     try {
-      const detail::capture_hold hold(detail::may_use_legacy_stream(st.consumer));  // until the wait is enqueued
-      if (hold.refuses(st.consumer)) {
+      const detail::capture_hold hold(via_legacy);  // until the wait is enqueued
+      if (hold.refuses(st.consumer) || (via_legacy && detail::legacy_stream_captured(st.consumer.device()))) {
         sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
       } else {
         detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
