@@ -2207,6 +2207,37 @@ TEST_CASE("capture: a pooled pinned buffer of the legacy stream destroyed during
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("capture: a free recorded on the legacy stream during a raw capture waits for it, instead of failing") {
+  // Freed on the current stream (the legacy default stream without a guard), memory allocated on another stream
+  // takes an event there: during a raw capture of a blocking stream it was refused, and through an adaptor whose
+  // free cannot throw (device_pmr_resource, device_memory_resource) the block stayed allocated, with a warning.
+  gpukit::caching_allocator a(cuda0);
+  gpukit::device_pmr_resource resource(a);
+  gpukit::stream s(cuda0);
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    gpukit::stream_guard on(s);
+    p = resource.allocate(4096);
+    q = a.allocate(4096, s);
+  }
+  gpukit_test::captured_warnings warnings;
+  gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  resource.deallocate(p, 4096);  // on the current stream: the legacy default stream
+  a.deallocate(q, gpukit::stream_view::default_stream(cuda0));
+  CHECK(a.memory_allocated() == 0);
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);  // intact
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(warnings.messages().empty());
+  s.synchronize();
+  gpukit::stream_view::default_stream(cuda0).synchronize();
+  a.empty_cache();  // the events are recorded now the capture has ended, and the blocks come back
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("capture: a pinned pmr container destroyed while its recorded stream is captured waits for the capture") {
   // std::pmr's deallocate cannot refuse (a container's destructor calls it): as for pooled_pinned_buffer, the block
   // waits off the books until the stream can take an event, instead of staying allocated with a warning.

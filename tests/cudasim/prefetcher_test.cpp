@@ -365,6 +365,19 @@ TEST_CASE("sim prefetcher: a legacy default consumer stream stays the constructi
   cudasim::allow_contexts_only_on({});
 }
 
+namespace {
+/// Whether `s` has work pending within `limit` (polled): the refill a test expects to wait for a held consumer.
+/// (A refill that does not wait completes at once, which the test's check of the consumer's data catches.)
+bool busy_within(const gpukit::stream_view& s, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (s.ready()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+}  // namespace
+
 // A capture of a blocking stream begun with the raw runtime (cudaStreamBeginCapture) holds the legacy default stream
 // as a gpukit capture does, but no capture_hold sees it: a release that orders the consumer through the legacy stream
 // (a legacy consumer, or another thread's per-thread stream) asks the legacy stream's capture status (which the
@@ -397,8 +410,8 @@ TEST_CASE("sim prefetcher: a per-thread consumer's batch released on another thr
   CHECK(cudaStreamDestroy(blocking) == cudaSuccess);
   auto one = loader.next();
   REQUIRE(one);
-  std::this_thread::sleep_for(100ms);         // the producer enqueues batch 2's copy into batch 0's buffer meanwhile
-  CHECK_FALSE(loader.copy_stream().ready());  // it waits for the consumer's work on batch 0
+  // The producer enqueues batch 2's copy into batch 0's buffer, which waits for the consumer's work on batch 0.
+  CHECK(busy_within(loader.copy_stream(), 5s));
   held.open();
   mine.synchronize();
   CHECK(seen == value(0, 0));  // read batch 0, not batch 2 written over it
@@ -431,8 +444,7 @@ TEST_CASE("sim prefetcher: a legacy consumer's batch released during a raw captu
   if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
   auto one = loader.next();
   REQUIRE(one);
-  std::this_thread::sleep_for(100ms);
-  CHECK_FALSE(loader.copy_stream().ready());  // batch 2's copy into batch 0's buffer waits for the consumer
+  CHECK(busy_within(loader.copy_stream(), 5s));  // batch 2's copy into batch 0's buffer waits for the consumer
   held.open();
   legacy.synchronize();
   CHECK(seen == value(0, 0));

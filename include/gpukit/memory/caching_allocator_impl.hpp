@@ -1722,7 +1722,11 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::free_allocated(
     for (const stream_state* user : b->recorded) hold_needed = hold_needed || needs_capture_hold(user->stream);
   }
   detail::capture_hold hold(hold_needed);  // until the events are recorded
-  const auto deferred = [&](const stream_state& st) { return hold.refused() && needs_capture_hold(st.stream); };
+  // Also while a capture of a blocking stream begun with the raw runtime holds the legacy stream (no hold sees it; the
+  // record would be refused, and the free with it): asked only for such streams, on this rare path.
+  const auto deferred = [&](const stream_state& st) {
+    return needs_capture_hold(st.stream) && (hold.refused() || detail::legacy_stream_captured(st.device));
+  };
   // Destroyed, but not yet noted (the expiration count was read before it changed): from now on no other stream may
   // take its blocks before its last work completes.
   const auto note_if_dead = [&](stream_state* owner) noexcept {

@@ -610,14 +610,19 @@ class prefetcher {
           return false;
         }
       }
+      int unexplained = 0;  // refusals with no capture in sight when asked
       while (record_consumed) {
         try {
           detail::record_from_any_thread(sl.consumed, st.consumer);
           break;
         } catch (const std::exception&) {
           // A raw capture of a blocking stream begun since the look (no hold keeps those off): wait for it to end,
-          // rather than end the data for a refusal that lasts only as long as that capture.
-          if (!detail::may_use_legacy_stream(st.consumer) || !detail::capture_in_sight(st.consumer.device())) throw;
+          // rather than end the data for a refusal that lasts only as long as that capture. Once more even when none
+          // is in sight: it may have ended before the question; a second such failure is not a capture's.
+          if (!detail::may_use_legacy_stream(st.consumer) ||
+              (!detail::capture_in_sight(st.consumer.device()) && ++unexplained > 1)) {
+            throw;
+          }
         }
         std::unique_lock<std::mutex> lock(st.mutex);
         wait_until_recordable(st, index, lock, hold);
