@@ -419,13 +419,10 @@ template <class Upstream, class Sync>
 GPUKIT_INLINE bool basic_pinned_pool<Upstream, Sync>::can_record_now(const block& b, bool ask_captures,
                                                                      const detail::capture_hold& hold) {
   for (std::size_t i = 0; i < b.streams.size(); ++i) {
-    if (hold.refuses(b.streams[i])) return false;
+    // A raw capture of a blocking stream counts as a gpukit one: an event recorded on the legacy stream now would
+    // invalidate it (cudaErrorStreamCaptureImplicit). The block waits.
+    if (hold.refuses_or_raw_captured(b.streams[i])) return false;
     if (ask_captures && detail::captured_while_kept(b.streams[i], b.lives[i].get())) return false;
-    // A capture of a blocking stream begun with the raw runtime, which the hold cannot see: an event recorded on the
-    // legacy stream now would invalidate it (cudaErrorStreamCaptureImplicit). The block waits, as for gpukit's.
-    if (detail::may_use_legacy_stream(b.streams[i]) && detail::legacy_stream_captured(b.streams[i].device())) {
-      return false;
-    }
   }
   return true;
 }

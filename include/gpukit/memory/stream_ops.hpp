@@ -115,6 +115,12 @@ class capture_hold {
   /// True when a gpukit capture is underway and `s` uses the legacy stream (uses_legacy_stream): work for `s` must
   /// wait until the captures end, or be refused.
   bool refuses(const stream_view& s) const { return refused_ && uses_legacy_stream(s); }
+  /// refuses(s), or `s` may use the legacy stream while a capture of a blocking stream of its device begun with the
+  /// raw runtime holds it (legacy_stream_captured: one cudaStreamIsCapturing), which no hold keeps off: an event or
+  /// wait for `s` must wait until the capture ends. For paths that can defer such work.
+  bool refuses_or_raw_captured(const stream_view& s) const {
+    return refuses(s) || (may_use_legacy_stream(s) && legacy_stream_captured(s.device()));
+  }
   /// True when the hold was needed and a gpukit capture is underway.
   bool refused() const noexcept { return refused_; }
   /// True while captures wait for this hold (needed, not refused, not released).

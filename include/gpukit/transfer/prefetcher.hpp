@@ -239,7 +239,7 @@ class prefetcher {
           warn(
               "gpukit::prefetcher: a batch was released while its consumer stream is being captured into a CUDA "
               "graph; its buffer may be refilled before the captured work runs");
-        } else if (hold.refuses(consumer) || (via_legacy && detail::legacy_stream_captured(consumer.device()))) {
+        } else if (hold.refuses_or_raw_captured(consumer)) {
           // Recording on the legacy default stream now would break a capture of a blocking stream (a raw one too,
           // which no hold keeps off): the producer records before it refills this buffer, once no capture is in the
           // way (a later record orders at least as much).
@@ -414,7 +414,7 @@ class prefetcher {
     lock.unlock();
     try {
       const detail::capture_hold hold(via_legacy);  // until the wait is enqueued
-      if (hold.refuses(st.consumer) || (via_legacy && detail::legacy_stream_captured(st.consumer.device()))) {
+      if (hold.refuses_or_raw_captured(st.consumer)) {
         sl.copied.synchronize();  // a wait enqueued on the legacy stream would join (and break) the capture
       } else {
         detail::wait_from_any_thread(sl.copied, st.consumer);  // device-side: the consumer's later work runs after it
@@ -665,11 +665,8 @@ class prefetcher {
     const auto start = clock::now();
     auto backoff = std::chrono::microseconds(20);
     const bool needed = detail::may_use_legacy_stream(st.consumer);
-    const auto in_the_way = [&] {
-      return hold.refuses(st.consumer) || (needed && detail::legacy_stream_captured(st.consumer.device()));
-    };
     hold.retake(needed);
-    while (!st.stopping && index < st.end && in_the_way()) {
+    while (!st.stopping && index < st.end && hold.refuses_or_raw_captured(st.consumer)) {
       hold.release();  // never held while waiting: a capture waits for the holds
       st.cv.wait_for(lock, backoff);
       backoff = std::min<std::chrono::microseconds>(backoff * 2, std::chrono::milliseconds(1));
