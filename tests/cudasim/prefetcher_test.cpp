@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -523,4 +524,63 @@ TEST_CASE(
   CHECK(rest == 3);
   CHECK(cudasim::violations().empty());
   CHECK_FALSE(warnings.contains("failed"));
+}
+
+TEST_CASE("sim prefetcher: a deferred record refused by a raw capture begun just before it keeps next() from a wait") {
+  // The producer cleared the buffer's deferral before its record, and a raw capture begun between its look and the
+  // record refused it: next() then saw nothing deferred and waited for the refill, which waits for that capture.
+  const auto d = gpukit::device::cuda(0);
+  const gpukit::stream_view legacy = gpukit::stream_view::default_stream(d);
+  gpukit::prefetcher<std::uint32_t> loader(
+      legacy, 200, [](std::size_t i, gpukit::span<std::uint32_t> out) { return fill(i, out, 4); }, two_buffers());
+  gpukit_test::captured_warnings warnings;
+  auto zero = loader.next();
+  REQUIRE(zero);
+  auto one = loader.next();
+  REQUIRE(one);
+  one.reset();
+  gpukit::stream blocking(d, gpukit::stream_options{false, 0});
+  const auto begin_capture = [&] {
+    REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  };
+  std::thread(begin_capture).join();
+  zero.reset();  // deferred: the producer records it once the capture ends
+  std::atomic<bool> begun_again{false};
+  // The producer's record, its first cudaEventRecord from here on: a capture begins just before it.
+  cudasim::before_call("cudaEventRecord", 1, [&] {
+    begin_capture();
+    begun_again = true;
+  });
+  const auto end_capture = [&] {
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+    if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  };
+  end_capture();
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!begun_again && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  REQUIRE(begun_again);
+  // Batch 2 goes into batch 0's buffer, whose release is still to be recorded: refused, not waited for.
+  auto taken = std::async(std::launch::async, [&] { return loader.next(); });
+  const bool answered = taken.wait_for(2s) == std::future_status::ready;
+  CHECK(answered);
+  {
+    // The refused record invalidated this capture (as any legacy-stream work would): it ends with 901.
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaErrorStreamCaptureInvalidated);
+    CHECK(graph == nullptr);
+    CHECK(cudasim::take_violations().size() == 1);  // that record
+  }
+  if (answered) {
+    CHECK_THROWS_WITH_AS(taken.get(), doctest::Contains("begun with the raw runtime"), gpukit::invalid_argument_error);
+  } else {
+    taken.wait();  // the defect: it waited for the capture's end
+  }
+  std::size_t rest = 0;
+  while (auto batch = loader.next()) {
+    CHECK(batch->index() == 2 + rest);
+    ++rest;
+  }
+  CHECK(rest == 2);
+  CHECK(cudasim::violations().empty());
 }

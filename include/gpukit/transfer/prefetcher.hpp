@@ -601,8 +601,9 @@ class prefetcher {
         if (sl.consumed_deferred) {
           // The previous batch was released during a capture, when its event could not be recorded (batch::release):
           // record it now, once no capture is in the way; the consumer's work enqueued since is ordered too.
+          // The deferral stays set until the record is made: a next() for this buffer meanwhile must still see
+          // that its refill waits for a capture (it refuses rather than waits, the capture may be its thread's).
           wait_until_recordable(st, index, lock, hold);
-          sl.consumed_deferred = false;
           record_consumed = true;
         }
         if (st.stopping || st.end <= index) {  // stopped, or an earlier batch ended the data
@@ -630,6 +631,10 @@ class prefetcher {
           buffer.busy = false;
           return false;
         }
+      }
+      if (record_consumed) {
+        std::lock_guard<std::mutex> lock(st.mutex);
+        sl.consumed_deferred = false;
       }
       hold.release();
       sl.consumed.wait(st.copy_stream.view());  // the consumer is done with the device buffer's last batch
