@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -616,4 +617,26 @@ TEST_CASE("contexts: the caching allocator's deallocate that records an event, a
   o.s.synchronize();
   o.t.synchronize();
   CHECK(cudasim::context_creations(0) == 0);
+}
+
+TEST_CASE("contexts: stream::wrap of a raw stream asks its questions in the stream's context on a fresh thread") {
+  // The simulator does not model these questions as needing a context (not measured); gpukit's rule is that every
+  // stream question on a thread with none enters the stream's own context first, as the runtime would otherwise
+  // create cuda:0's. The priority was asked with no context current.
+  std::vector<std::string> without_context;
+  std::mutex m;
+  for (const char* call : {"cudaStreamGetPriority", "cudaStreamGetFlags", "cudaStreamGetId"}) {
+    cudasim::before_call(call, 1, [&without_context, &m, call] {
+      if (gpukit::detail::thread_context_state() != 0) return;
+      const std::lock_guard<std::mutex> lock(m);
+      without_context.emplace_back(call);
+    });
+  }
+  first_call_on_fresh_thread([](cuda1_objects& o) {
+    gpukit::stream wrapped = gpukit::stream::wrap(o.s.cuda_handle(), gpukit::device::cuda(1), false);
+    CHECK(wrapped.device() == gpukit::device::cuda(1));
+  });
+  cudasim::clear_faults();
+  CHECK(without_context.empty());
+  for (const auto& call : without_context) MESSAGE(call);
 }

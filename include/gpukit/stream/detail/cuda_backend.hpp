@@ -522,6 +522,8 @@ GPUKIT_INLINE void destroy_stream(cudaStream_t handle, int ordinal, const char* 
 }
 
 GPUKIT_INLINE int stream_priority(cudaStream_t handle, int ordinal) {
+  std::optional<device_guard> guard;
+  enter_stream_context({handle, ordinal}, guard);  // as every stream question: no cuda:0 context made on the way
   int priority = 0;
   GPUKIT_CUDA_TRY_DESCRIBED(cudaStreamGetPriority(handle, &priority), "cudaStreamGetPriority", ordinal);
   return priority;
