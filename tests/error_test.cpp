@@ -2,6 +2,7 @@
 #include <gpukit/detail/driver_api.hpp>
 #include <gpukit/detail/format.hpp>
 #include <gpukit/error.hpp>
+#include <gpukit/memory/detail/device_mutex.hpp>
 #include <gpukit/warning.hpp>
 
 #include "support.hpp"
@@ -12,6 +13,8 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <mutex>
+#include <vector>
 
 static_assert(std::is_base_of<std::runtime_error, gpukit::error>::value, "rooted in std::runtime_error");
 static_assert(std::is_nothrow_copy_constructible<gpukit::error>::value, "exceptions copy without throwing");
@@ -264,4 +267,32 @@ TEST_CASE("set_warning_handler returns only once other threads' calls of the old
   warner.join();
   gpukit::set_warning_handler(previous);
   CHECK(finished_when_replaced);
+}
+
+TEST_CASE("warnings raised under the allocator's device lock reach the handler once the last such lock is released") {
+  gpukit::detail::device_mutex outer;
+  gpukit::detail::device_mutex inner;
+  std::vector<std::string> received;
+  std::vector<bool> outer_free;
+  auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    received.emplace_back(message);
+    outer_free.push_back(outer.try_lock());  // the handler may take the lock (say, the allocator's snapshot)
+    if (outer_free.back()) outer.unlock();
+  });
+  {
+    std::lock_guard<gpukit::detail::device_mutex> a(outer);
+    gpukit::warn("first");
+    {
+      std::lock_guard<gpukit::detail::device_mutex> b(inner);
+      gpukit::warn(std::string("second\0with a null", 18));  // any bytes, kept whole
+    }
+    CHECK(received.empty());  // still under `outer`
+    gpukit::warn("");
+  }
+  gpukit::warn("after");
+  gpukit::set_warning_handler(previous);
+  CHECK(received == std::vector<std::string>{"first", std::string("second\0with a null", 18), "", "after"});
+  CHECK(outer_free == std::vector<bool>{true, true, true, true});
+  CHECK(gpukit::detail::warnings_held_on_this_thread().depth == 0);
+  CHECK(gpukit::detail::warnings_held_on_this_thread().pending == nullptr);
 }

@@ -172,6 +172,20 @@ GPUKIT_INLINE void print_warning(std::string_view message) noexcept;
 /// one per process; constant-initialised, so usable at any time, including static destruction.
 using warning_sink = void (*)(std::string_view message) noexcept;
 GPUKIT_EXPORT GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept;
+
+/// The warnings of a thread that holds a lock a warning handler may need (the caching allocator's device lock:
+/// memory/detail/device_mutex.hpp): warn() keeps them while `depth` is not 0 and the last such lock's release delivers
+/// them, so that handlers run outside gpukit's locks, as set_warning_handler promises, and may call gpukit. Trivially
+/// destructible (no thread-exit destructor, so warn() works in any destructor): `pending` lives only while a lock is
+/// held, and is freed when the last one is released.
+struct held_warnings {
+  unsigned depth = 0;              // such locks this thread holds
+  std::string* pending = nullptr;  // each warning: its length (sizeof(std::size_t) bytes), then its text
+};
+/// This thread's; exported, so that every shared library's gpukit sees the same.
+GPUKIT_EXPORT GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexcept;
+/// Delivers (to the sink) and forgets the warnings this thread kept; call once `depth` is 0 again.
+GPUKIT_INLINE void deliver_held_warnings() noexcept;
 }  // namespace detail
 
 /// Reports what cannot be thrown (inside destructors and host callbacks) or is only a diagnostic (e.g.
@@ -320,8 +334,42 @@ GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept {
 }  // namespace detail
 
 GPUKIT_INLINE void warn(std::string_view message) noexcept {
+  detail::held_warnings& held = detail::warnings_held_on_this_thread();
+  if (held.depth != 0) {
+    try {
+      if (held.pending == nullptr) held.pending = new std::string();
+      const std::size_t size = message.size();
+      held.pending->append(reinterpret_cast<const char*>(&size), sizeof size);
+      held.pending->append(message.data(), size);
+      return;
+    } catch (...) {  // no memory to keep it: delivered now, under the lock, rather than lost
+    }
+  }
   detail::warning_sink_slot().load(std::memory_order_acquire)(message);
 }
+namespace detail {
+
+GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexcept {
+  static thread_local held_warnings held;
+  return held;
+}
+
+GPUKIT_INLINE void deliver_held_warnings() noexcept {
+  held_warnings& held = warnings_held_on_this_thread();
+  while (held.pending != nullptr && held.depth == 0) {  // a handler may hold and release such a lock itself
+    std::string* const batch = std::exchange(held.pending, nullptr);
+    const warning_sink sink = warning_sink_slot().load(std::memory_order_acquire);
+    for (std::size_t at = 0; at + sizeof(std::size_t) <= batch->size();) {
+      std::size_t size = 0;
+      batch->copy(reinterpret_cast<char*>(&size), sizeof size, at);
+      at += sizeof size;
+      sink(std::string_view(batch->data() + at, size));
+      at += size;
+    }
+    delete batch;
+  }
+}
+}  // namespace detail
 namespace detail {
 
 GPUKIT_INLINE void note_cuda_use() { (void)cuda_environment_at_init(); }

@@ -3,6 +3,7 @@
 // gpukit gets from cudaGetDriverEntryPoint. The simulator enforces their rules: access only to mapped pages with
 // access granted, no double mapping, no range freed with pages mapped, physical memory counted against the device.
 #include <gpukit/device/detail/peer_registry.hpp>  // the registry lock_at_warnings watches (compiled mode too)
+#include <gpukit/device/peer_access.hpp>
 #include <gpukit/gpukit.hpp>
 
 #include "call_during_capture.hpp"
@@ -11,7 +12,10 @@
 
 #include <cuda.h>
 
+#include <chrono>
+#include <future>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -327,6 +331,35 @@ TEST_CASE("vmm: expandable segments required: a range that cannot be reserved or
   CHECK(cudasim::violations().empty());
 }
 
+TEST_CASE("vmm: a driver failure reserving a range is an error naming it, not a range refused for good") {
+  // Only a range the driver cannot give (out of memory or address space, a size it refuses) falls back or is out of
+  // memory; another failure (say, a sticky error) was taken for one: "could not be reserved", and ordinary segments
+  // for the allocator's life, or an out-of-memory error, with the CUresult lost (helper-173).
+  gpukit_test::captured_warnings warnings;
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorUnknown);
+  std::string message = "allocated";
+  try {
+    a.deallocate(a.allocate(4 * MiB, s));
+  } catch (const gpukit::cuda_error& e) {
+    message = e.what();
+    CHECK(e.cuda_result() == cudaErrorUnknown);
+    CHECK(e.device() == 0);
+  }
+  INFO(message);
+  CHECK(message.find("cuMemAddressReserve of ") != std::string::npos);
+  CHECK(message.find("failed on cuda:0 (CUresult 999)") != std::string::npos);
+  CHECK(cudasim::calls("cudaMalloc") == 0);
+  CHECK(warnings.messages().empty());  // expandable segments were not given up
+  void* p = a.allocate(4 * MiB, s);    // the next growth reserves the range
+  CHECK(a.snapshot().segments.front().expandable);
+  a.deallocate(p);
+  (void)cudaGetLastError();
+  CHECK(cudasim::violations().empty());
+}
+
 TEST_CASE("vmm: the simulator refuses copies into unmapped pages and ranges freed with pages mapped") {
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::device_guard guard(d);
@@ -435,12 +468,13 @@ TEST_CASE("vmm: driver failures while mapping are clear errors, nothing leaks, a
     CHECK(e.cuda_result() == cudaErrorContextIsDestroyed);
     CHECK(std::string(e.what()).find("(CUresult 709)") != std::string::npos);
   }
-  // A refused reservation: ordinary segments serve the request, and the later ones (said once).
+  // A refused reservation (no address space: out of memory): ordinary segments serve the request, and the later
+  // ones (said once).
   a.deallocate(p);
   a.empty_cache();
   gpukit_test::captured_warnings warnings;
   const std::size_t reserves_before = cudasim::calls("cuMemAddressReserve");
-  cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorUnknown);
+  cudasim::fail_call("cuMemAddressReserve", 1, cudaErrorMemoryAllocation);
   void* r = a.allocate(4 * MiB, s);
   CHECK_FALSE(a.snapshot().segments.front().expandable);
   gpukit::stream other(d);
@@ -817,4 +851,77 @@ TEST_CASE("vmm: an allocation does not wait for a captured stream's free pages: 
   CHECK(a.memory_reserved() == 0);
   CHECK(cudasim::take_violations().empty());
   cudaFree(scratch);
+}
+
+// Warnings raised under the allocator's device lock (its upstream's page mapping and unmapping run there) are
+// delivered once the lock is released (device_mutex.hpp): a handler may ask the allocator for a snapshot. It ran with
+// the lock held, and such a handler spun for ever (helper-173).
+namespace {
+/// A warning handler that asks the allocator for its snapshot on another thread and records, per warning, whether
+/// that was answered within a second (kept until the end, so a refused one completes once the lock is free).
+struct snapshot_at_warnings {
+  explicit snapshot_at_warnings(gpukit::caching_allocator& a) : allocator(a) {
+    previous = gpukit::set_warning_handler([this](std::string_view message) {
+      auto answer = std::async(std::launch::async, [this] { (void)allocator.snapshot(); });
+      answered.push_back(answer.wait_for(std::chrono::seconds(1)) == std::future_status::ready);
+      messages.emplace_back(message);
+      pending.push_back(std::move(answer));
+    });
+  }
+  snapshot_at_warnings(const snapshot_at_warnings&) = delete;
+  snapshot_at_warnings& operator=(const snapshot_at_warnings&) = delete;
+  ~snapshot_at_warnings() {
+    (void)gpukit::set_warning_handler(previous);
+    for (auto& p : pending) p.wait();
+  }
+  gpukit::caching_allocator& allocator;
+  gpukit::warning_handler previous;
+  std::vector<bool> answered;
+  std::vector<std::string> messages;
+  std::vector<std::future<void>> pending;
+};
+}  // namespace
+
+TEST_CASE("vmm: the warning of a page cuMemUnmap refuses reaches the handler outside the allocator's lock") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  a.deallocate(a.allocate(4 * MiB, s));
+  s.synchronize();
+  {
+    snapshot_at_warnings probe(a);
+    cudasim::fail_call("cuMemUnmap", 1, cudaErrorUnknown);
+    (void)a.trim(0);
+    REQUIRE(probe.messages.size() == 1);
+    INFO(probe.messages[0]);
+    CHECK(probe.messages[0].find("cuMemUnmap failed") != std::string::npos);
+    CHECK(probe.answered[0]);
+  }
+  a.empty_cache();
+  CHECK(a.memory_reserved() == 0);
+  CHECK(cudasim::take_violations().empty());
+}
+
+TEST_CASE("vmm: the warning of a peer grant that fails while pages are mapped reaches the handler outside the lock") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::caching_allocator a(d, expandable());
+  std::optional<gpukit::peer_access> hold;
+  void* p = nullptr;
+  {
+    snapshot_at_warnings probe(a);
+    // A peer hold taken while the page is being mapped: the grant for it fails (the page's own access is granted).
+    cudasim::before_call("cuMemMap", 1, [&] { hold.emplace(gpukit::device::cuda(1), d); });
+    cudasim::fail_call("cuMemSetAccess", 2, cudaErrorUnknown);
+    p = a.allocate(2 * MiB, s);
+    REQUIRE(probe.messages.size() == 1);
+    INFO(probe.messages[0]);
+    CHECK(probe.messages[0].find("cuMemSetAccess") != std::string::npos);
+    CHECK(probe.answered[0]);
+  }
+  a.deallocate(p, s);
+  s.synchronize();
+  hold.reset();
+  a.empty_cache();
+  CHECK(cudasim::take_violations().empty());
 }

@@ -119,8 +119,10 @@ struct allocator_options {
   /// With expandable_segments: where they cannot be had, the allocator's constructor throws instead of warning and
   /// using ordinary segments: invalid_argument_error for an upstream without virtual memory (host_upstream, the CPU),
   /// no_device_error for a device or driver without virtual memory management; a range that cannot be sized or
-  /// reserved when a stream first grows is an error too (no_device_error, out_of_memory_error), not a fallback. For
-  /// jobs sized on the assumption. GPUKIT_ALLOC_CONF's expandable segments do not apply to the CPU's default allocator.
+  /// reserved when a stream first grows is an error too (no_device_error, out_of_memory_error), not a fallback. A
+  /// request that no longer fits in its stream's range (its freed holes too small) still takes an ordinary segment:
+  /// this requires the ranges, not that every block is in one (README, "Expandable segments"). For jobs sized on the
+  /// assumption. GPUKIT_ALLOC_CONF's expandable segments do not apply to the CPU's default allocator.
   bool expandable_segments_required = false;
   /// When the upstream (or reserved_limit) refuses a new segment: first let the request split a free block that
   /// max_split_size or max_oversize_waste keep from it, then give back only what the new segment lacks (the

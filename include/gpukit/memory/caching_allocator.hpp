@@ -77,6 +77,7 @@
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
+#include <gpukit/memory/detail/device_mutex.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 #include <gpukit/memory/detail/stream_registry.hpp>
 #include <gpukit/memory/memory_history.hpp>
@@ -530,7 +531,7 @@ class basic_caching_allocator {
         }
         if (same) return result;
       }
-      std::lock_guard<detail::spin_mutex> lock(mutex_);
+      std::lock_guard<detail::device_mutex> lock(mutex_);
       fronts_lock all(*this);
       return read();
     }
@@ -597,7 +598,7 @@ class basic_caching_allocator {
   /// Before the footprint grows under stream churn: returns the completely free segments whose blocks all belong to
   /// abandoned streams to the upstream, so memory cached for streams that are gone does not pile up
   /// until the device runs short. Counted as unforced frees; the states, then empty, go at the next sweep.
-  std::size_t release_abandoned(std::unique_lock<detail::spin_mutex>& lock);
+  std::size_t release_abandoned(std::unique_lock<detail::device_mutex>& lock);
 
   // --- stream lifetimes (stream_ops.hpp: gpukit streams are tracked, raw handles are not) ---
 
@@ -643,7 +644,7 @@ class basic_caching_allocator {
   void wait_finished_quietly(const tracker_type& tracker) noexcept;
 
   /// Waits (lock released) until the work of every destroyed stream has completed, and retires them.
-  void wait_for_dead_streams(std::unique_lock<detail::spin_mutex>& lock);
+  void wait_for_dead_streams(std::unique_lock<detail::device_mutex>& lock);
 
   std::string describe(const stream_state& st) const;
 
@@ -691,7 +692,7 @@ class basic_caching_allocator {
 
   /// The device lock for a heap operation. A wait for it is counted (num_lock_waits) before waiting; for a large
   /// block (`large`), watch_contention_ may turn front_cache_large_ on.
-  std::unique_lock<detail::spin_mutex> lock_for_heap(bool large);
+  std::unique_lock<detail::device_mutex> lock_for_heap(bool large);
 
   /// Under the device lock: a large block's heap operation waited for the lock (or not). Turns front_cache_large_
   /// on once 8 of the last 64 such operations waited.
@@ -962,8 +963,8 @@ class basic_caching_allocator {
 
   /// Gets a new segment from the upstream (lock released meanwhile) and returns it as one free block in `st`'s
   /// pool, or nullptr when the limit or the upstream refuses.
-  block* grow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t size, std::size_t segment_bytes,
-              bool small, bool& limit_hit);
+  block* grow(std::unique_lock<detail::device_mutex>& lock, stream_state& st, std::size_t size,
+              std::size_t segment_bytes, bool small, bool& limit_hit);
 
   /// Adds a new segment of `bytes` at `address` to the list, as one free block `b` (whose pool index exists).
   void link_segment(std::unique_ptr<segment> seg, block* b, std::uintptr_t address, std::size_t bytes, bool small);
@@ -981,7 +982,7 @@ class basic_caching_allocator {
   bool map_pages(block* b, std::size_t size, bool& limit_hit);
   /// The last resort once the cache is given back: the upstream's release_unused_elsewhere(), with the lock released.
   /// False (nothing asked) when the upstream has none or our own limit refused (`limit_hit`).
-  bool release_elsewhere(std::unique_lock<detail::spin_mutex>& lock, bool limit_hit);
+  bool release_elsewhere(std::unique_lock<detail::device_mutex>& lock, bool limit_hit);
   /// Counts page `i` of `seg` as mapped (statistics, history).
   void note_mapped(segment* seg, std::size_t i) noexcept;
   /// Unmaps `n` pages of `seg` (indices `pages`) that map_pages mapped for a request it then failed.
@@ -989,8 +990,8 @@ class basic_caching_allocator {
 
   /// Makes free block `b` of an expandable segment usable for `size` bytes: maps its pages, and under pressure
   /// releases cached memory (free pages included) and looks again, like allocate_slow. Returns the block to take.
-  block* back_with_pages(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, block* b, std::size_t requested,
-                         std::size_t size, bool small);
+  block* back_with_pages(std::unique_lock<detail::device_mutex>& lock, stream_state& st, block* b,
+                         std::size_t requested, std::size_t size, bool small);
 
   /// Whether the first `size` bytes of free block `b` of an expandable segment have a page not mapped yet.
   bool needs_pages(const block* b, std::size_t size) const noexcept;
@@ -1016,7 +1017,7 @@ class basic_caching_allocator {
   /// (the wait would fail and invalidate the capture): their blocks keep their pages until a later release. An
   /// upstream whose unmap waits by itself is not waited for here. Never throws: what could not be waited for is not
   /// covered. `w` says what the wait covers.
-  void wait_for_unmap(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
+  void wait_for_unmap(std::unique_lock<detail::device_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
                       unmap_wait& w) noexcept;
 
   /// Whether `w` covers block `b`: its pages may be unmapped (the work of its owner, and of the streams recorded for
@@ -1116,7 +1117,7 @@ class basic_caching_allocator {
   /// warning).
   void return_segment(segment* seg, const ordered_release& ordered) noexcept;
 
-  block* allocate_slow(std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested,
+  block* allocate_slow(std::unique_lock<detail::device_mutex>& lock, stream_state& st, std::size_t requested,
                        std::size_t size, bool small);
 
   /// Returns completely free segments to the upstream (largest first, until reserved <= target; all when target
@@ -1126,7 +1127,7 @@ class basic_caching_allocator {
   /// is released while waiting and freeing; with `wait_unlocked` (the users' releases), also during that wait, else
   /// (an allocation that needs every free page: a block freed during an unlocked wait would keep the pages of the
   /// free neighbours it merges with) the free pages are unmapped before the lock is first released.
-  std::size_t release_cached(std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target,
+  std::size_t release_cached(std::unique_lock<detail::device_mutex>& lock, bool wait_pending, std::size_t target,
                              bool wait_unlocked = false);
 
   /// The upstream's free and total memory, unknown where asking fails (call without the lock: it may ask the driver).
@@ -1135,16 +1136,17 @@ class basic_caching_allocator {
   /// For reuse_before_release: what a new segment of `segment_bytes` lacks, under the reserved limit when it refused
   /// (`limit_hit`), else beside the upstream's free memory where it knows it (the whole segment where it does not);
   /// 0 when there is room for it.
-  std::size_t growth_shortfall(std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit);
+  std::size_t growth_shortfall(std::unique_lock<detail::device_mutex>& lock, std::size_t segment_bytes, bool limit_hit);
 
   /// For release_before_grow (`unforced`: memory was available) and reuse_before_release: frees at least `deficit`
   /// bytes of completely free segments, disturbing the cache as little as possible: the smallest single segment that
   /// covers the deficit, else the largest ones until covered.
-  std::size_t release_for_growth(std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit, bool unforced = true);
+  std::size_t release_for_growth(std::unique_lock<detail::device_mutex>& lock, std::size_t deficit,
+                                 bool unforced = true);
 
   /// Waits (lock released) for every pending event and returns the blocks they held back to their pools; events not
   /// recorded yet (record_deferred could not: a gpukit capture is underway) stay pending, not waited for.
-  void wait_for_pending_events(std::unique_lock<detail::spin_mutex>& lock);
+  void wait_for_pending_events(std::unique_lock<detail::device_mutex>& lock);
 
   /// Segments whose blocks are all free. A block of a destroyed stream whose work may still run has no fence to
   /// wait for: its segment is released only to an upstream whose free synchronizes (cudaFree).
@@ -1155,7 +1157,7 @@ class basic_caching_allocator {
   /// expandable ones are unmapped first, while they are linked (unmap_victims): after `waited` (release_cached's wait,
   /// whose unmap_victims ran), else after a wait of its own for them (wait_for_unmap, unlocked). Returns the bytes
   /// released.
-  std::size_t release_segments(std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& victims,
+  std::size_t release_segments(std::unique_lock<detail::device_mutex>& lock, const std::vector<segment*>& victims,
                                bool unforced = false, const unmap_wait* waited = nullptr);
 
   /// The bytes of block `b` (of an expandable segment) that lie on mapped pages.
@@ -1188,7 +1190,7 @@ class basic_caching_allocator {
 
   // --- errors ---
 
-  [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::spin_mutex>& lock, std::size_t requested,
+  [[noreturn]] void throw_out_of_memory(std::unique_lock<detail::device_mutex>& lock, std::size_t requested,
                                         std::size_t size, std::size_t segment_bytes, bool limit_hit,
                                         std::size_t page_bytes = 0, std::string_view cause = {});
 
@@ -1208,7 +1210,8 @@ class basic_caching_allocator {
   bool watch_contention_ = false;
   bool vm_refused_ = false;  // no virtual memory, or no range could be sized or reserved: not tried again
 
-  mutable detail::spin_mutex mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex)
+  mutable detail::device_mutex
+      mutex_;  // the device lock (spin_mutex.hpp says why not std::mutex; device_mutex.hpp, warnings)
   using map_type = detail::sharded_pointer_map<block>;
   map_type map_;
   all_stats_t stats_;

@@ -67,7 +67,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
   // cudaFree and the host waits below are refused in global mode while any thread captures, invalidating that
   // capture; relaxed, they are not (as in empty_cache).
   const detail::relaxed_capture_mode relaxed(device_.is_cuda());
-  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  std::unique_lock<detail::device_mutex> lock(mutex_);
   const std::size_t live = user_current(st_allocation);  // blocks in front caches are not live
   if (live > 0) {
     detail::warn_parts("gpukit: the caching allocator of ", device_, " is destroyed with ", live,
@@ -192,7 +192,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
   refuse_if_captured(stream, "deallocate");
   std::string report;
   {
-    const std::unique_lock<detail::spin_mutex> lock = lock_for_heap(false);  // its block's pool is not known yet
+    const std::unique_lock<detail::device_mutex> lock = lock_for_heap(false);  // its block's pool is not known yet
     stream_state& st = stream_for(stream, true);  // checks the device before anything changes
     block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr) throw_not_owned_locked(p, "deallocate");
@@ -210,7 +210,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_stream(void* p, const stream_type& stream) {
   refuse_if_captured(stream, "record_stream");
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   stream_state& st = stream_for(stream, true);
   block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
   if (b == nullptr) throw_not_owned_locked(p, "record_stream");
@@ -224,7 +224,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::owns(const void
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::allocation_size(const void* p) const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   const block* b = live_block(reinterpret_cast<std::uintptr_t>(p));
   if (b == nullptr) throw_not_owned_locked(p, "allocation_size");
   return b->requested;
@@ -257,7 +257,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::max_memo
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_peak_stats() noexcept {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   fronts_lock all(*this);
   all_changing changes(*this);
   for (front_slot_type& slot : used_fronts()) {
@@ -277,7 +277,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_peak_stat
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_accumulated_stats() noexcept {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   fronts_lock all(*this);
   all_changing changes(*this);
   for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_accumulated();
@@ -295,13 +295,13 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_accumulat
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE free_space_info basic_caching_allocator<Upstream, StreamOps>::free_space() const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   return free_space_locked();
 }
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE allocator_snapshot basic_caching_allocator<Upstream, StreamOps>::snapshot() const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   fronts_lock all(*this);  // blocks do not enter or leave the front caches meanwhile
   allocator_snapshot taken = detail::caching_diagnostics::snapshot(*this);
   // Recorded under the locks: the history's events before it are exactly those the snapshot reflects (up to
@@ -316,7 +316,7 @@ GPUKIT_INLINE std::string basic_caching_allocator<Upstream, StreamOps>::memory_s
   allocator_stats s;
   free_space_info f;
   {
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    std::lock_guard<detail::device_mutex> lock(mutex_);
     {
       fronts_lock all(*this);
       s = read_stats();
@@ -330,7 +330,7 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::empty_cache() {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
   release_held_segments();
-  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  std::unique_lock<detail::device_mutex> lock(mutex_);
   refuse_release_if_captured("empty_cache");
   release_cached(lock, true, 0, true);
 }
@@ -339,7 +339,7 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std::size_t target_reserved) {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
   release_held_segments();
-  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  std::unique_lock<detail::device_mutex> lock(mutex_);
   refuse_release_if_captured("trim");
   release_cached(lock, true, target_reserved, true);
   return current(stats_.reserved_bytes);
@@ -349,7 +349,7 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_reserved_limit(std::size_t bytes) {
   detail::relaxed_capture_mode relaxed(device_.is_cuda());  // cudaFree during another thread's capture
   release_held_segments();
-  std::unique_lock<detail::spin_mutex> lock(mutex_);
+  std::unique_lock<detail::device_mutex> lock(mutex_);
   limit_ = bytes;
   limit_atomic_.store(bytes, std::memory_order_relaxed);
   if (current(stats_.reserved_bytes) > bytes) release_cached(lock, true, bytes, true);
@@ -382,7 +382,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::remove_out_of_m
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_memory_history(
     std::shared_ptr<memory_history> history) {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   memory_history* const raw = history.get();
   if (history != nullptr && std::find(histories_.begin(), histories_.end(), history) == histories_.end()) {
     histories_.push_back(history);
@@ -393,7 +393,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::set_memory_hist
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::shared_ptr<memory_history> basic_caching_allocator<Upstream, StreamOps>::history() const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   return current_history_;
 }
 
@@ -429,7 +429,7 @@ GPUKIT_INLINE StreamOps& basic_caching_allocator<Upstream, StreamOps>::stream_op
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::stream_count() const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   return streams_.size();
 }
 
@@ -624,7 +624,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::abandoned_state
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_abandoned(
-    std::unique_lock<detail::spin_mutex>& lock) {
+    std::unique_lock<detail::device_mutex>& lock) {
   if (!may_have_abandoned_) return 0;
   std::vector<segment*> victims;
   for (segment* seg : free_segments()) {
@@ -799,7 +799,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_finished_q
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_dead_streams(
-    std::unique_lock<detail::spin_mutex>& lock) {
+    std::unique_lock<detail::device_mutex>& lock) {
   if constexpr (tracks_lifetimes) {
     note_expirations();
     if (dead_streams_.empty()) return;
@@ -960,13 +960,13 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
                                                                        std::size_t size, bool small) {
   block* b;
   {
-    std::unique_lock<detail::spin_mutex> lock = lock_for_heap(!small);
+    std::unique_lock<detail::device_mutex> lock = lock_for_heap(!small);
     stream_state& st = stream_for(stream);
     // The slow paths below release the lock (to grow, to wait); meanwhile another thread's registration of a stream
     // may sweep idle states, which this one is until it holds a block. Unpinned with the lock held (an out-of-memory
     // error leaves unlocked).
     struct pin {
-      pin(stream_state& s, std::unique_lock<detail::spin_mutex>& l) noexcept : st(s), lock(l) { ++st.pins; }
+      pin(stream_state& s, std::unique_lock<detail::device_mutex>& l) noexcept : st(s), lock(l) { ++st.pins; }
       ~pin() {
         if (!lock.owns_lock()) lock.lock();
         --st.pins;
@@ -974,7 +974,7 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
       pin(const pin&) = delete;
       pin& operator=(const pin&) = delete;
       stream_state& st;
-      std::unique_lock<detail::spin_mutex>& lock;
+      std::unique_lock<detail::device_mutex>& lock;
     } pinned(st, lock);
     st.last_sweep = sweeps_;
     if (pending_total_ != 0) process_events();
@@ -1004,7 +1004,7 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
   try {
     map_.insert(b->address, b);
   } catch (...) {
-    std::lock_guard<detail::spin_mutex> lock(mutex_);
+    std::lock_guard<detail::device_mutex> lock(mutex_);
     // Never handed out, but its stream's earlier work may still use the memory (take() dropped the fence of a block
     // reused on its own stream): fenced again, so that another stream cannot take it without waiting.
     bool busy = true;
@@ -1027,15 +1027,15 @@ void basic_caching_allocator<Upstream, StreamOps>::free_to_heap(block* b, bool b
   // Two frees of one pointer: the first to take it out of the map frees it.
   if (map_.erase(b->address) != b) throw_not_owned(p, "deallocate");
   {
-    const std::unique_lock<detail::spin_mutex> lock = lock_for_heap(!b->small);
+    const std::unique_lock<detail::device_mutex> lock = lock_for_heap(!b->small);
     free_allocated(b, busy);
   }
   if (!report.empty()) warn(report);
 }
 
 template <class Upstream, class StreamOps>
-std::unique_lock<detail::spin_mutex> basic_caching_allocator<Upstream, StreamOps>::lock_for_heap(bool large) {
-  std::unique_lock<detail::spin_mutex> lock(mutex_, std::try_to_lock);
+std::unique_lock<detail::device_mutex> basic_caching_allocator<Upstream, StreamOps>::lock_for_heap(bool large) {
+  std::unique_lock<detail::device_mutex> lock(mutex_, std::try_to_lock);
   const bool waited = !lock.owns_lock();
   if (waited) {
     stats_.num_lock_waits.increment_shared();  // before the wait: a test sees a thread waiting
@@ -1229,7 +1229,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::give_cached(fro
 template <class Upstream, class StreamOps>
 auto basic_caching_allocator<Upstream, StreamOps>::front_take_slow(std::uintptr_t key, std::size_t size,
                                                                    std::size_t requested, bool large) -> block* {
-  std::lock_guard<detail::spin_mutex> device_lock(mutex_);
+  std::lock_guard<detail::device_mutex> device_lock(mutex_);
   fronts_lock all(*this);
   for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
     front_slot_type& slot = front_slot_at(key, probe, large);
@@ -1323,7 +1323,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::seen_by_fast_pa
 template <class Upstream, class StreamOps>
 auto basic_caching_allocator<Upstream, StreamOps>::front_give_slow(block* b, front_slot_type& chosen, slot_seen seen)
     -> front_result {
-  std::lock_guard<detail::spin_mutex> device_lock(mutex_);
+  std::lock_guard<detail::device_mutex> device_lock(mutex_);
   fronts_lock all(*this);
   if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
   if (owner_expired(b)) return front_result::no_room;  // as in front_give_to
@@ -1825,7 +1825,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::within_limit(
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow(std::unique_lock<detail::spin_mutex>& lock,
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow(std::unique_lock<detail::device_mutex>& lock,
                                                                       stream_state& st, std::size_t size,
                                                                       std::size_t segment_bytes, bool small,
                                                                       bool& limit_hit) -> block* {
@@ -2047,7 +2047,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::unmap_unused(se
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages(
-    std::unique_lock<detail::spin_mutex>& lock, stream_state& st, block* b, std::size_t requested, std::size_t size,
+    std::unique_lock<detail::device_mutex>& lock, stream_state& st, block* b, std::size_t requested, std::size_t size,
     bool small) -> block* {
   // Mapping pages grows the footprint: as before a new segment, cached large blocks go back to the heap first, so
   // that one of them (coalesced with its free neighbours) can serve the request with pages already mapped; else
@@ -2084,7 +2084,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::back_with_pages
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::release_elsewhere(
-    std::unique_lock<detail::spin_mutex>& lock, bool limit_hit) {
+    std::unique_lock<detail::device_mutex>& lock, bool limit_hit) {
   if constexpr (detail::has_release_elsewhere<Upstream>::value) {
     if (limit_hit) return false;  // our own limit: memory elsewhere would not help
     lock.unlock();
@@ -2136,7 +2136,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::captured_now(co
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_unmap(
-    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
+    std::unique_lock<detail::device_mutex>& lock, const std::vector<segment*>* ranges, bool unlocked,
     unmap_wait& w) noexcept {
   w.every_stream = false;
   w.streams.clear();
@@ -2611,7 +2611,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::allocate_slow(
-    std::unique_lock<detail::spin_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size, bool small)
+    std::unique_lock<detail::device_mutex>& lock, stream_state& st, std::size_t requested, std::size_t size, bool small)
     -> block* {
   std::size_t refused_range = 0;
   if (block* b = grow_expandable(st, size, small, refused_range)) return b;
@@ -2702,7 +2702,7 @@ GPUKIT_INLINE upstream_memory_info basic_caching_allocator<Upstream, StreamOps>:
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_shortfall(
-    std::unique_lock<detail::spin_mutex>& lock, std::size_t segment_bytes, bool limit_hit) {
+    std::unique_lock<detail::device_mutex>& lock, std::size_t segment_bytes, bool limit_hit) {
   std::size_t room = 0;
   if (limit_hit) {
     const std::size_t taken = current(stats_.reserved_bytes) + in_flight_;
@@ -2718,7 +2718,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::growth_s
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_cached(
-    std::unique_lock<detail::spin_mutex>& lock, bool wait_pending, std::size_t target, bool wait_unlocked) {
+    std::unique_lock<detail::device_mutex>& lock, bool wait_pending, std::size_t target, bool wait_unlocked) {
   flush_fronts();
   if (wait_pending) {
     wait_for_pending_events(lock);
@@ -2753,7 +2753,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_for_growth(
-    std::unique_lock<detail::spin_mutex>& lock, std::size_t deficit, bool unforced) {
+    std::unique_lock<detail::device_mutex>& lock, std::size_t deficit, bool unforced) {
   std::vector<segment*> candidates = free_segments();
   if (candidates.empty()) return 0;
   std::sort(candidates.begin(), candidates.end(),
@@ -2775,7 +2775,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::wait_for_pending_events(
-    std::unique_lock<detail::spin_mutex>& lock) {
+    std::unique_lock<detail::device_mutex>& lock) {
   stats_.num_sync_all_streams.increment();
   struct waiting {
     pending_record record;
@@ -2839,7 +2839,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::free_segments()
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_segments(
-    std::unique_lock<detail::spin_mutex>& lock, const std::vector<segment*>& chosen, bool unforced,
+    std::unique_lock<detail::device_mutex>& lock, const std::vector<segment*>& chosen, bool unforced,
     const unmap_wait* waited) {
   if (chosen.empty()) return 0;
   std::size_t unmapped = 0;  // pages of expandable victims, unmapped before they are unlinked
@@ -2980,7 +2980,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_stream_ca
 
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_memory(
-    std::unique_lock<detail::spin_mutex>& lock, std::size_t requested, std::size_t size, std::size_t segment_bytes,
+    std::unique_lock<detail::device_mutex>& lock, std::size_t requested, std::size_t size, std::size_t segment_bytes,
     bool limit_hit, std::size_t page_bytes, std::string_view cause) {
   stats_.num_ooms.increment();
   const free_space_info f = free_space_locked();
@@ -3010,7 +3010,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_out_of_me
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::throw_not_owned(const void* p,
                                                                                  const char* operation) const {
-  std::lock_guard<detail::spin_mutex> lock(mutex_);
+  std::lock_guard<detail::device_mutex> lock(mutex_);
   throw_not_owned_locked(p, operation);
 }
 

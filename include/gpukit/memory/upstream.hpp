@@ -288,7 +288,9 @@ class cuda_upstream {
   bool virtual_memory_supported() const noexcept;
   /// The mapping granularity (2 MiB on current GPUs); 0 when virtual memory is unsupported.
   std::size_t page_size() const noexcept;
-  /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when refused.
+  /// cuMemAddressReserve of `bytes` (a multiple of page_size()); nullptr when the range cannot be had (out of memory
+  /// or address space, or a size the driver refuses); throws gpukit::cuda_error naming the call and its CUresult for
+  /// any other failure (a sticky error, say), which no smaller range would avoid.
   void* reserve(std::size_t bytes);
   /// Backs whole pages of a reservation: cuMemCreate, cuMemMap and cuMemSetAccess (read/write for this device and for
   /// every device holding a gpukit::peer_access to it) per page; each handle is released at once, so the memory goes
@@ -858,7 +860,14 @@ GPUKIT_INLINE void* cuda_upstream::reserve(std::size_t bytes) {
   if (!virtual_memory_supported()) return nullptr;
   device_guard guard(device_);
   CUdeviceptr address = 0;
-  if (detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0) != CUDA_SUCCESS) return nullptr;
+  const CUresult r = detail::driver().mem_address_reserve(&address, bytes, page_bytes(), 0, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY || r == CUDA_ERROR_INVALID_VALUE) return nullptr;  // this range cannot be had
+  if (r != CUDA_SUCCESS) {
+    throw cuda_error("gpukit: cuMemAddressReserve of " + std::to_string(bytes) + " bytes failed on " +
+                         device_.to_string() + " (CUresult " + std::to_string(r) +
+                         ") while reserving the address range of an expandable segment",
+                     detail::runtime_error_of(r), "cuMemAddressReserve", device_.ordinal());
+  }
   return reinterpret_cast<void*>(address);
 }
 
