@@ -516,6 +516,19 @@ TEST_CASE("sim pinned pool: default_pinned_pool refuses an invisible ordinal bef
   CHECK(later == "no error");
 }
 
+TEST_CASE("sim pinned pool: default_pinned_pool refuses an invisible ordinal after the process-wide pool exists too") {
+  // Checked only when the pool was made: later, a pooled buffer for cuda:5 was handed out, and host_memory_stats of
+  // cuda:7 gave the pool's figures (helper-175).
+  REQUIRE(gpukit::device_count() == 2);
+  gpukit::pooled_pinned_buffer<float> good(16, gpukit::device::cuda(0));  // the pool exists now
+  CHECK_THROWS_WITH_AS(gpukit::pooled_pinned_buffer<float>(16, gpukit::device::cuda(5)),
+                       doctest::Contains("gpukit::default_pinned_pool: cuda:5 is not visible (2 CUDA devices)"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS((void)gpukit::host_memory_stats(gpukit::device::cuda(7)),
+                       doctest::Contains("cuda:7 is not visible"), gpukit::invalid_argument_error);
+  CHECK(&gpukit::default_pinned_pool(gpukit::device::cuda(1)) == &gpukit::default_pinned_pool(gpukit::device::cuda(0)));
+}
+
 TEST_CASE("sim pinned memory: registering a range twice names the flags and says the range is already page-locked") {
   std::vector<unsigned char> pageable(8192);
   gpukit::host_registration first(pageable.data(), pageable.size(), gpukit::device::cuda(0));

@@ -222,6 +222,15 @@ std::vector<probe> probes() {
     {"cudaFree", relaxed, false, ok, [](objects& o) { return forget_on_success(cudaFree(o.device), o.device); }},
     {"cudaMallocHost", other, false, no, [](objects& o) { return cudaMallocHost(&o.made_pinned, buffer_bytes); }},
     {"cudaFreeHost", other, false, no, [](objects& o) { return forget_on_success(cudaFreeHost(o.pinned), o.pinned); }},
+    // The pinned pool pins, frees and unregisters in relaxed mode beside other threads' captures (assumed from
+    // cudaFree's row; these rows measure it: helper-175).
+    {"cudaMallocHost", relaxed, false, ok, [](objects& o) { return cudaMallocHost(&o.made_pinned, buffer_bytes); }},
+    {"cudaFreeHost", relaxed, false, ok, [](objects& o) {
+      return forget_on_success(cudaFreeHost(o.pinned), o.pinned); }},
+    {"cudaHostUnregister", relaxed, false, ok, [](objects& o) {
+      const cudaError_t e = cudaHostUnregister(o.registered.data());
+      o.unregistered = e == cudaSuccess;
+      return e; }},
     {"cudaHostRegister", other, false, no, [](objects& o) {
       const cudaError_t e = cudaHostRegister(o.pageable.data(), buffer_bytes, cudaHostRegisterDefault);
       o.made_registration = e == cudaSuccess;

@@ -4,6 +4,7 @@
 #include "allocator_support.hpp"
 
 #include <gpukit/memory/caching_allocator.hpp>
+#include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/history_export.hpp>
 #include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/memory_picture.hpp>
@@ -310,6 +311,37 @@ TEST_CASE("history exports: RMM's CSV log, JSON and the leak report") {
   CHECK(gpukit::leak_report(*history).find("live allocations seen by the history: 2 (8192 B)") == 0);
   w.a.deallocate(kept);
   w.a.deallocate(leaked);
+}
+
+TEST_CASE("history exports: every number in history_json is below 2^53, CPU streams' keys included") {
+  // Readers that take JSON numbers as doubles (JavaScript, jq) read them exactly only below 2^53: a CPU stream's key
+  // carries bit 63, and two streams were written as numbers they read as one (helper-175).
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::caching_allocator a(cpu);
+  auto history = std::make_shared<gpukit::memory_history>();
+  a.set_memory_history(history);
+  gpukit::stream s1(cpu);
+  gpukit::stream s2(cpu);
+  void* p = a.allocate(4096, s1);
+  void* q = a.allocate(4096, s2);
+  const auto snapshot = a.snapshot();
+  const std::string json = gpukit::history_json(*history, &snapshot);
+  a.deallocate(p);
+  a.deallocate(q);
+  const std::uint64_t bit63 = std::uint64_t{1} << 63;
+  REQUIRE((s1.view().id() & bit63) != 0);
+  for (const gpukit::stream* s : {&s1, &s2}) {  // each stream by its own number, without the bit
+    CHECK(json.find("\"stream\":" + std::to_string(s->view().id() & ~bit63) + ",") != std::string::npos);
+    CHECK(json.find("\"stream\":" + std::to_string(s->view().id() & ~bit63) + "}") != std::string::npos);  // a block's
+  }
+  std::uint64_t largest = 0;
+  for (std::size_t at = json.find_first_of("0123456789"); at != std::string::npos;) {
+    const std::size_t end = json.find_first_not_of("0123456789", at);
+    const std::string digits = json.substr(at, end - at);
+    largest = std::max<std::uint64_t>(largest, digits.size() > 19 ? ~std::uint64_t{0} : std::stoull(digits));
+    at = end == std::string::npos ? end : json.find_first_of("0123456789", end);
+  }
+  CHECK(largest < (std::uint64_t{1} << 53));
 }
 
 TEST_CASE("history exports: the leak report writes tags as printable UTF-8") {
@@ -1115,6 +1147,15 @@ TEST_CASE("history exports: the trace ends at the snapshot's own event, whatever
     message = e.what();
   }
   CHECK(message.find("gpukit::pytorch_snapshot_pickle: the history no longer holds the snapshot's event (event 3; of "
+                     "105 events recorded, the first 5 were dropped)") == 0);
+  // So is the picture, whose levels are anchored there: it drew them from the end of the trace, below zero.
+  message.clear();
+  try {
+    (void)gpukit::memory_picture_html(snapshot, history);
+  } catch (const gpukit::invalid_argument_error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("gpukit::memory_picture_html: the history no longer holds the snapshot's event (event 3; of "
                      "105 events recorded, the first 5 were dropped)") == 0);
   // A position from before a clear() is not this history's: the trace ends at its last snapshot event, as with none.
   history.clear();

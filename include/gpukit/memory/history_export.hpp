@@ -518,7 +518,10 @@ inline std::string rmm_log_csv(const memory_history& history, rmm_failure_rows f
 }
 
 /// The history (and, when given, a snapshot's segments) as JSON: {"recorded", "dropped", "events": [{"action",
-/// "address", "size", "stream", "time_us", "thread", "tag"}, ...], "segments": [...]}.
+/// "address", "size", "stream", "time_us", "thread", "tag"}, ...], "segments": [...]}. Every number is below 2^53, so
+/// that readers that take JSON numbers as doubles (JavaScript, jq) read them exactly (RFC 8259, section 6): streams
+/// without gpukit's CPU-stream bit, as in the pickle (one history has one device's streams, so they stay distinct),
+/// and thread numbers in their low 53 bits.
 inline std::string history_json(const memory_history& history, const allocator_snapshot* snapshot = nullptr) {
   const memory_history_contents contents = history.contents();
   std::string out = "{\"recorded\":" + std::to_string(contents.recorded) +
@@ -529,8 +532,9 @@ inline std::string history_json(const memory_history& history, const allocator_s
     first = false;
     out += "{\"action\":\"" + std::string(memory_action_name(e.action)) +
            "\",\"address\":" + std::to_string(e.address) + ",\"size\":" + std::to_string(e.size) +
-           ",\"stream\":" + std::to_string(e.stream) + ",\"time_us\":" + std::to_string(history.unix_time_us(e)) +
-           ",\"thread\":" + std::to_string(e.thread);
+           ",\"stream\":" + std::to_string(detail::pytorch_stream(e.stream)) +
+           ",\"time_us\":" + std::to_string(history.unix_time_us(e)) +
+           ",\"thread\":" + std::to_string(e.thread & ((std::uint64_t{1} << 53) - 1));
     if (e.tag != 0) out += ",\"tag\":" + detail::json_string(memory_tag_name(e.tag));
     if (e.action == memory_action::oom) out += ",\"device_free\":" + std::to_string(e.device_free);
     out += "}";
@@ -549,7 +553,8 @@ inline std::string history_json(const memory_history& history, const allocator_s
         out += k == 0 ? "" : ",";
         out += "{\"address\":" + std::to_string(b.address) + ",\"size\":" + std::to_string(b.size) +
                ",\"requested\":" + std::to_string(b.requested) + ",\"state\":\"" +
-               detail::pytorch_block_state(b.state) + "\",\"stream\":" + std::to_string(b.stream) + "}";
+               detail::pytorch_block_state(b.state) +
+               "\",\"stream\":" + std::to_string(detail::pytorch_stream(b.stream)) + "}";
       }
       out += "]}";
     }

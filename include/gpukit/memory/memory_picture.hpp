@@ -294,7 +294,10 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
 
 }  // namespace detail
 
-/// The page (see the file comment). `title` heads it.
+/// The page (see the file comment). `title` heads it. Throws invalid_argument_error when the history no longer holds
+/// the snapshot's own event (its ring dropped it: more than max_entries events were recorded after the snapshot), as
+/// pytorch_snapshot_pickle does: the levels over time are anchored on that event, and the dropped events recorded
+/// after it are lost with it, so no anchor in what is left would be right (the lines went below zero).
 inline std::string memory_picture_html(const allocator_snapshot& snapshot, const memory_history& history,
                                        const std::string& title = "gpukit memory") {
   using detail::fixed;
@@ -303,6 +306,14 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   const memory_history_contents contents = history.contents();
   const std::vector<memory_event>& events = contents.events;
   const detail::snapshot_event_place place = detail::find_snapshot_event(snapshot, contents);
+  if (place.kind == detail::snapshot_event_place::dropped) {
+    throw invalid_argument_error(
+        "gpukit::memory_picture_html: the history no longer holds the snapshot's event (event " +
+        std::to_string(snapshot.history_position.recorded) + "; of " + std::to_string(contents.recorded) +
+        " events recorded, the first " + std::to_string(contents.dropped) +
+        " were dropped): its ring is too small for what was recorded after the snapshot (give the history more "
+        "max_entries, or take the snapshot just before the picture)");
+  }
   const detail::memory_levels levels = detail::levels_of(events, snapshot, place);
   // Tags and requests of the snapshot's allocations not yet reusable: from the events up to its own, where the history
   // holds it (a block freed after the snapshot, and its address taken again, is not the snapshot's block).

@@ -474,8 +474,8 @@ using pinned_pool = basic_pinned_pool<pinned_upstream, pinned_pool_sync>;
 /// The process-wide pinned pool for a device kind: one for all CUDA devices (its memory is portable: pinned for every
 /// device) and one for the CPU device (plain page-aligned memory), created on first use with default options. Never
 /// destroyed, so host callbacks and static destructors may still free into it at exit; the memory goes with the
-/// process. The first call for a CUDA device throws invalid_argument_error if it is not visible, and creates no pool
-/// (the pool pins in that device's context while no context exists).
+/// process. A call for a CUDA device that is not visible throws invalid_argument_error (the first creates no pool: the
+/// pool pins in that device's context while no context exists).
 GPUKIT_EXPORT GPUKIT_INLINE pinned_pool& default_pinned_pool(device d);
 
 /// A pinned pool's memory_stats() as torch.cuda.host_memory_stats() returns them: a flat map, sorted by key, from
@@ -756,12 +756,10 @@ GPUKIT_INLINE pinned_pool& default_pinned_pool(device d) {
     static pinned_pool* cpu_pool = new pinned_pool(pinned_upstream(device::kind::cpu));
     return *cpu_pool;
   }
-  // Pinned in a context that exists; the device first asked for if none does yet, so that device must be visible
-  // (checked once: a throw leaves the pool to be made by the next call).
-  static pinned_pool* cuda_pool = [d] {
-    detail::require_visible(d, "gpukit::default_pinned_pool");
-    return new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
-  }();
+  // Pinned in a context that exists; the device first asked for if none does yet, so that device must be visible.
+  // Checked at every call, not only the first: a device that does not exist is a misuse whenever it is named.
+  detail::require_visible(d, "gpukit::default_pinned_pool");
+  static pinned_pool* cuda_pool = new pinned_pool(pinned_upstream(device::kind::cuda, {}, d.ordinal()));
   return *cuda_pool;
 }
 
