@@ -296,3 +296,26 @@ TEST_CASE("warnings raised under the allocator's device lock reach the handler o
   CHECK(gpukit::detail::warnings_held_on_this_thread().depth == 0);
   CHECK(gpukit::detail::warnings_held_on_this_thread().pending == nullptr);
 }
+
+TEST_CASE("a warning a handler raises under the device lock goes to stderr, not back into the handler") {
+  // Held and delivered after the batch it was raised in, it went back into the handler (no longer marked as
+  // running): a handler that took a snapshot (which warns under the lock) for every warning was called for ever
+  // (helper-177). It is the handler's own, and goes to stderr as any other it raises (warning.hpp).
+  gpukit::detail::device_mutex m;
+  std::vector<std::string> received;
+  auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    received.emplace_back(message);
+    if (received.size() > 50) return;  // the defect: fed its own warnings, one per call
+    const std::lock_guard<gpukit::detail::device_mutex> lock(m);
+    gpukit::warn(std::string(message) + ", raised by its handler");
+  });
+  {
+    const std::lock_guard<gpukit::detail::device_mutex> lock(m);
+    gpukit::warn("A");
+    gpukit::warn("B");
+  }
+  gpukit::warn("C");  // the same handler, called directly: its warning goes to stderr there too
+  gpukit::set_warning_handler(previous);
+  CHECK(received == std::vector<std::string>{"A", "B", "C"});
+  CHECK(gpukit::detail::warnings_held_on_this_thread().pending == nullptr);
+}

@@ -174,18 +174,37 @@ using warning_sink = void (*)(std::string_view message) noexcept;
 GPUKIT_EXPORT GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept;
 
 /// The warnings of a thread that holds a lock a warning handler may need (the caching allocator's device lock:
-/// memory/detail/device_mutex.hpp): warn() keeps them while `depth` is not 0 and the last such lock's release delivers
-/// them, so that handlers run outside gpukit's locks, as set_warning_handler promises, and may call gpukit. Trivially
-/// destructible (no thread-exit destructor, so warn() works in any destructor): `pending` lives only while a lock is
-/// held, and is freed when the last one is released.
+/// memory/detail/device_mutex.hpp; a lock_guard with a hold_warnings declared before it): warn() keeps them while
+/// `depth` is not 0, and the end of the last hold delivers them in the order they were raised, so that handlers run
+/// outside gpukit's locks, as set_warning_handler promises, and may call gpukit (what a handler raises goes to stderr
+/// at once, as warning.hpp says, held or not). Trivially destructible (no
+/// thread-exit destructor, so warn() works in any destructor): `pending` lives only while a hold lasts or its
+/// warnings are being delivered.
 struct held_warnings {
-  unsigned depth = 0;              // such locks this thread holds
+  unsigned depth = 0;              // holds this thread has
+  bool delivering = false;         // deliver_held_warnings is running (the handler's own warnings are not kept)
   std::string* pending = nullptr;  // each warning: its length (sizeof(std::size_t) bytes), then its text
 };
 /// This thread's; exported, so that every shared library's gpukit sees the same.
 GPUKIT_EXPORT GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexcept;
 /// Delivers (to the sink) and forgets the warnings this thread kept; call once `depth` is 0 again.
 GPUKIT_INLINE void deliver_held_warnings() noexcept;
+
+/// Starts and ends a hold (see held_warnings); the end delivers what the last hold kept.
+inline void begin_holding_warnings() noexcept { ++warnings_held_on_this_thread().depth; }
+inline void end_holding_warnings() noexcept {
+  held_warnings& held = warnings_held_on_this_thread();
+  if (--held.depth == 0 && held.pending != nullptr) deliver_held_warnings();
+}
+
+/// RAII hold: declared before a lock_guard, its warnings reach the handler once the lock is released.
+class hold_warnings {
+ public:
+  hold_warnings() noexcept { begin_holding_warnings(); }
+  ~hold_warnings() { end_holding_warnings(); }
+  hold_warnings(const hold_warnings&) = delete;
+  hold_warnings& operator=(const hold_warnings&) = delete;
+};
 }  // namespace detail
 
 /// Reports what cannot be thrown (inside destructors and host callbacks) or is only a diagnostic (e.g.
@@ -335,14 +354,17 @@ GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexcept {
 
 GPUKIT_INLINE void warn(std::string_view message) noexcept {
   detail::held_warnings& held = detail::warnings_held_on_this_thread();
-  if (held.depth != 0) {
+  // Not while held warnings are being delivered: one raised then is the handler's own, which goes to stderr at once
+  // (marked as raised inside the handler) as any other it raises, rather than back into it later.
+  if (held.depth != 0 && !held.delivering) {
     try {
       if (held.pending == nullptr) held.pending = new std::string();
       const std::size_t size = message.size();
+      held.pending->reserve(held.pending->size() + sizeof size + size);  // the record goes in whole, or not at all
       held.pending->append(reinterpret_cast<const char*>(&size), sizeof size);
       held.pending->append(message.data(), size);
       return;
-    } catch (...) {  // no memory to keep it: delivered now, under the lock, rather than lost
+    } catch (...) {  // no memory to keep it: delivered now, under the lock (before those kept), rather than lost
     }
   }
   detail::warning_sink_slot().load(std::memory_order_acquire)(message);
@@ -356,7 +378,11 @@ GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexcept {
 
 GPUKIT_INLINE void deliver_held_warnings() noexcept {
   held_warnings& held = warnings_held_on_this_thread();
-  while (held.pending != nullptr && held.depth == 0) {  // a handler may hold and release such a lock itself
+  // A handler may hold and release such a lock itself: nothing is kept meanwhile (warn), so its release has nothing
+  // to deliver.
+  if (held.delivering) return;
+  held.delivering = true;
+  while (held.pending != nullptr && held.depth == 0) {
     std::string* const batch = std::exchange(held.pending, nullptr);
     const warning_sink sink = warning_sink_slot().load(std::memory_order_acquire);
     for (std::size_t at = 0; at + sizeof(std::size_t) <= batch->size();) {
@@ -368,6 +394,7 @@ GPUKIT_INLINE void deliver_held_warnings() noexcept {
     }
     delete batch;
   }
+  held.delivering = false;
 }
 }  // namespace detail
 namespace detail {

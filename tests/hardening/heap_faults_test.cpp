@@ -2,6 +2,7 @@
 // operator new (failing_heap.hpp) so that the N-th allocation of a call under test throws std::bad_alloc, for every
 // N. A call that fails must change nothing the caller can see (a free leaves its block allocated, to be freed again)
 // and the engine must go on: every block back at the end, every stream served.
+#include <gpukit/memory/detail/device_mutex.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/stream/stream.hpp>
@@ -591,4 +592,45 @@ TEST_CASE("heap faults: parallel_copy throws only before it hands out parts, and
     CHECK(run.unexpected() == "");
     every_allocation_failed = run.seen() < n;
   }
+}
+
+TEST_CASE("heap faults: a warning held under the device lock that cannot be kept is delivered once and whole") {
+  // The record's length went in and its text did not: the warning was delivered at once, then again at the release as
+  // its length's bytes followed by what lay past them in the heap (helper-176).
+  gpukit::detail::device_mutex m;
+  struct seen {
+    std::size_t size;
+    char first;
+    bool whole;
+  };
+  std::vector<seen> received;
+  received.reserve(16);  // the handler allocates nothing
+  const auto previous = gpukit::set_warning_handler([&received](std::string_view message) {
+    const bool whole = message.find_first_not_of(message.empty() ? ' ' : message[0]) == std::string_view::npos;
+    received.push_back({message.size(), message.empty() ? ' ' : message[0], whole});
+  });
+  const std::string a(5, 'a'), b(600, 'b'), c(40, 'c');
+  long n = 1;
+  for (;; ++n) {
+    CAPTURE(n);
+    received.clear();
+    heap_run run(n);
+    (void)run.armed([&] {
+      const std::lock_guard<gpukit::detail::device_mutex> lock(m);
+      gpukit::warn(a);
+      gpukit::warn(b);
+      gpukit::warn(c);
+    });
+    REQUIRE(received.size() == 3);
+    for (const std::string* sent : {&a, &b, &c}) {
+      const auto count = std::count_if(received.begin(), received.end(), [&](const seen& s) {
+        return s.size == sent->size() && s.first == (*sent)[0] && s.whole;
+      });
+      CHECK(count == 1);
+    }
+    CHECK(gpukit::detail::warnings_held_on_this_thread().pending == nullptr);
+    if (run.seen() < n) break;  // every allocation of the scenario has failed once
+  }
+  CHECK(n > 2);
+  gpukit::set_warning_handler(previous);
 }

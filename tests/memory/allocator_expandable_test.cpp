@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <initializer_list>
 #include <memory>
 #include <random>
@@ -1111,4 +1112,28 @@ TEST_CASE("expandable segments: a destroyed stream's free block in another strea
   CHECK(f.a.memory_reserved() == reserved);
   CHECK(f.invariants({both, h3, other}) == "");
   CHECK(released_all(f, {both, h3, other}));
+}
+
+TEST_CASE("expandable segments: address_space_upstream's warnings reach a handler outside its own lock") {
+  // They were raised with its mutex held: a handler that asked it anything (its use, say) waited for ever
+  // (helper-176). Asked on another thread, given a second: with the mutex held, it would not answer.
+  gpukit::address_space_upstream upstream(std::size_t{1} << 30);
+  std::vector<std::string> received;
+  std::vector<bool> answered;
+  std::vector<std::future<std::size_t>> pending;
+  auto previous = gpukit::set_warning_handler([&](std::string_view message) {
+    received.emplace_back(message);
+    pending.push_back(std::async(std::launch::async, [&upstream] { return upstream.used(); }));
+    answered.push_back(pending.back().wait_for(std::chrono::seconds(1)) == std::future_status::ready);
+  });
+  const auto base = gpukit::address_space_upstream::base_address;
+  upstream.deallocate(reinterpret_cast<void*>(base + 4096), 4096);       // not handed out
+  CHECK_FALSE(upstream.unmap(reinterpret_cast<void*>(base + 1), 4096));  // not a page
+  upstream.unreserve(reinterpret_cast<void*>(base), 4096);               // not reserved
+  gpukit::set_warning_handler(previous);
+  REQUIRE(received.size() == 3);
+  CHECK(received[0].find("deallocate of an address it did not hand out") != std::string::npos);
+  CHECK(received[2].find("unreserve of a range it did not reserve") != std::string::npos);
+  CHECK(answered == std::vector<bool>{true, true, true});
+  for (auto& p : pending) CHECK(p.get() == 0);
 }

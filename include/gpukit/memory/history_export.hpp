@@ -231,6 +231,20 @@ inline std::string json_string(std::string_view s) {
   return r + "\"";
 }
 
+/// Throws the invalid_argument_error of `who` (an export, or the picture) when `place` says the history's ring dropped
+/// the snapshot's own event, on which `what` is anchored: no trace cut elsewhere would be right.
+inline void refuse_dropped_snapshot_event(const char* who, const char* what, const snapshot_event_place& place,
+                                          const allocator_snapshot& snapshot, const memory_history_contents& contents) {
+  if (place.kind != snapshot_event_place::dropped) return;
+  throw invalid_argument_error(std::string(who) + ": the history no longer holds the snapshot's event (event " +
+                               std::to_string(snapshot.history_position.recorded) + "; of " +
+                               std::to_string(contents.recorded) + " events recorded, the first " +
+                               std::to_string(contents.dropped) +
+                               " were dropped): its ring is too small for what was recorded after the snapshot (give "
+                               "the history more max_entries, or take the snapshot just before " +
+                               what + ")");
+}
+
 /// A stream key as the viewer can read it: CPU streams' keys carry the top bit (cpu_stream_id_bit), which would make
 /// a 9-byte integer, and the memory viewer's unpickler reads at most 8. CUDA streams' keys (cudaStreamGetId numbers)
 /// are far below it.
@@ -345,14 +359,7 @@ inline std::string pytorch_snapshot_pickle(const allocator_snapshot& snapshot, c
   memory_history_contents contents = history.contents();
   std::vector<memory_event>& events = contents.events;
   const detail::snapshot_event_place place = detail::find_snapshot_event(snapshot, contents);
-  if (place.kind == detail::snapshot_event_place::dropped) {
-    throw invalid_argument_error(
-        "gpukit::pytorch_snapshot_pickle: the history no longer holds the snapshot's event (event " +
-        std::to_string(snapshot.history_position.recorded) + "; of " + std::to_string(contents.recorded) +
-        " events recorded, the first " + std::to_string(contents.dropped) +
-        " were dropped): its ring is too small for what was recorded after the snapshot (give the history more "
-        "max_entries, or take the snapshot just before the export)");
-  }
+  detail::refuse_dropped_snapshot_event("gpukit::pytorch_snapshot_pickle", "the export", place, snapshot, contents);
   if (place.kind == detail::snapshot_event_place::held) {
     events.erase(events.begin() + static_cast<std::ptrdiff_t>(place.index) + 1, events.end());
   } else {

@@ -306,14 +306,7 @@ inline std::string memory_picture_html(const allocator_snapshot& snapshot, const
   const memory_history_contents contents = history.contents();
   const std::vector<memory_event>& events = contents.events;
   const detail::snapshot_event_place place = detail::find_snapshot_event(snapshot, contents);
-  if (place.kind == detail::snapshot_event_place::dropped) {
-    throw invalid_argument_error(
-        "gpukit::memory_picture_html: the history no longer holds the snapshot's event (event " +
-        std::to_string(snapshot.history_position.recorded) + "; of " + std::to_string(contents.recorded) +
-        " events recorded, the first " + std::to_string(contents.dropped) +
-        " were dropped): its ring is too small for what was recorded after the snapshot (give the history more "
-        "max_entries, or take the snapshot just before the picture)");
-  }
+  detail::refuse_dropped_snapshot_event("gpukit::memory_picture_html", "the picture", place, snapshot, contents);
   const detail::memory_levels levels = detail::levels_of(events, snapshot, place);
   // Tags and requests of the snapshot's allocations not yet reusable: from the events up to its own, where the history
   // holds it (a block freed after the snapshot, and its address taken again, is not the snapshot's block).

@@ -476,6 +476,7 @@ GPUKIT_INLINE void* address_space_upstream::allocate(std::size_t bytes) {
 }
 
 GPUKIT_INLINE void address_space_upstream::deallocate(void* p, std::size_t bytes) noexcept {
+  const detail::hold_warnings held;  // delivered after the lock: a handler may ask this upstream
   std::lock_guard<std::mutex> lock(mutex_);
   const auto start = reinterpret_cast<std::uintptr_t>(p);
   const auto found = sizes_.find(start);
@@ -539,6 +540,7 @@ GPUKIT_INLINE bool address_space_upstream::map(void* address, std::size_t bytes)
 }
 
 GPUKIT_INLINE bool address_space_upstream::unmap(void* address, std::size_t bytes) noexcept {
+  const detail::hold_warnings held;  // delivered after the lock: a handler may ask this upstream
   std::lock_guard<std::mutex> lock(mutex_);
   std::uintptr_t start = 0;
   try {
@@ -573,6 +575,7 @@ GPUKIT_INLINE std::size_t address_space_upstream::device_waits() const {
 }
 
 GPUKIT_INLINE void address_space_upstream::unreserve(void* address, std::size_t bytes) noexcept {
+  const detail::hold_warnings held;  // delivered after the lock: a handler may ask this upstream
   std::lock_guard<std::mutex> lock(mutex_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   const auto found = reservations_.find(start);

@@ -18,24 +18,28 @@ namespace detail {
 
 class device_mutex {
  public:
-  void lock() noexcept {
+  GPUKIT_DETAIL_ALWAYS_INLINE void lock() noexcept {
     mutex_.lock();
-    ++warnings_held_on_this_thread().depth;
+    hold();
   }
-  bool try_lock() noexcept {
+  GPUKIT_DETAIL_ALWAYS_INLINE bool try_lock() noexcept {
     if (!mutex_.try_lock()) return false;
-    ++warnings_held_on_this_thread().depth;
+    hold();
     return true;
   }
-  void unlock() noexcept {
-    held_warnings& held = warnings_held_on_this_thread();
-    --held.depth;
+  GPUKIT_DETAIL_ALWAYS_INLINE void unlock() noexcept {
+    held_warnings& held = *holder_;  // read while the lock is held: the holder's, without a second thread-local look
     mutex_.unlock();
-    if (held.depth == 0 && held.pending != nullptr) deliver_held_warnings();
+    if (--held.depth == 0 && held.pending != nullptr) deliver_held_warnings();  // after the release: a handler may lock
   }
 
  private:
+  GPUKIT_DETAIL_ALWAYS_INLINE void hold() noexcept {
+    holder_ = &warnings_held_on_this_thread();
+    ++holder_->depth;
+  }
   spin_mutex mutex_;
+  held_warnings* holder_ = nullptr;  // the holding thread's (written and read under the lock)
 };
 
 }  // namespace detail
