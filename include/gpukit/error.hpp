@@ -177,9 +177,8 @@ GPUKIT_EXPORT GPUKIT_INLINE std::atomic<warning_sink>& warning_sink_slot() noexc
 /// memory/detail/device_mutex.hpp; a lock_guard with a hold_warnings declared before it): warn() keeps them while
 /// `depth` is not 0, and the end of the last hold delivers them in the order they were raised, so that handlers run
 /// outside gpukit's locks, as set_warning_handler promises, and may call gpukit (what a handler raises goes to stderr
-/// at once, as warning.hpp says, held or not). Trivially destructible (no
-/// thread-exit destructor, so warn() works in any destructor): `pending` lives only while a hold lasts or its
-/// warnings are being delivered.
+/// at once, as warning.hpp says, held or not). Trivially destructible (no thread-exit destructor, so warn() works in
+/// any destructor): `pending` lives only while a hold lasts or its warnings are being delivered.
 struct held_warnings {
   unsigned depth = 0;              // holds this thread has
   bool delivering = false;         // deliver_held_warnings is running (the handler's own warnings are not kept)
@@ -190,20 +189,21 @@ GPUKIT_EXPORT GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexce
 /// Delivers (to the sink) and forgets the warnings this thread kept; call once `depth` is 0 again.
 GPUKIT_INLINE void deliver_held_warnings() noexcept;
 
-/// Starts and ends a hold (see held_warnings); the end delivers what the last hold kept.
-inline void begin_holding_warnings() noexcept { ++warnings_held_on_this_thread().depth; }
-inline void end_holding_warnings() noexcept {
-  held_warnings& held = warnings_held_on_this_thread();
+/// Ends one hold of `held` (the calling thread's); the end of the last delivers what the holds kept.
+inline void end_hold(held_warnings& held) noexcept {
   if (--held.depth == 0 && held.pending != nullptr) deliver_held_warnings();
 }
 
 /// RAII hold: declared before a lock_guard, its warnings reach the handler once the lock is released.
 class hold_warnings {
  public:
-  hold_warnings() noexcept { begin_holding_warnings(); }
-  ~hold_warnings() { end_holding_warnings(); }
+  hold_warnings() noexcept : held_(warnings_held_on_this_thread()) { ++held_.depth; }
+  ~hold_warnings() { end_hold(held_); }
   hold_warnings(const hold_warnings&) = delete;
   hold_warnings& operator=(const hold_warnings&) = delete;
+
+ private:
+  held_warnings& held_;
 };
 }  // namespace detail
 
@@ -378,23 +378,21 @@ GPUKIT_INLINE held_warnings& warnings_held_on_this_thread() noexcept {
 
 GPUKIT_INLINE void deliver_held_warnings() noexcept {
   held_warnings& held = warnings_held_on_this_thread();
-  // A handler may hold and release such a lock itself: nothing is kept meanwhile (warn), so its release has nothing
-  // to deliver.
-  if (held.delivering) return;
+  std::string* const batch = std::exchange(held.pending, nullptr);
+  if (batch == nullptr) return;
+  // Nothing is kept while the handler runs (warn): a lock it takes and releases has nothing to deliver, and the batch
+  // is complete.
   held.delivering = true;
-  while (held.pending != nullptr && held.depth == 0) {
-    std::string* const batch = std::exchange(held.pending, nullptr);
-    const warning_sink sink = warning_sink_slot().load(std::memory_order_acquire);
-    for (std::size_t at = 0; at + sizeof(std::size_t) <= batch->size();) {
-      std::size_t size = 0;
-      batch->copy(reinterpret_cast<char*>(&size), sizeof size, at);
-      at += sizeof size;
-      sink(std::string_view(batch->data() + at, size));
-      at += size;
-    }
-    delete batch;
+  const warning_sink sink = warning_sink_slot().load(std::memory_order_acquire);
+  for (std::size_t at = 0; at + sizeof(std::size_t) <= batch->size();) {
+    std::size_t size = 0;
+    batch->copy(reinterpret_cast<char*>(&size), sizeof size, at);
+    at += sizeof size;
+    sink(std::string_view(batch->data() + at, size));
+    at += size;
   }
   held.delivering = false;
+  delete batch;
 }
 }  // namespace detail
 namespace detail {

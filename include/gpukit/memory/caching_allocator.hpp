@@ -71,13 +71,13 @@
 #include <gpukit/memory/allocator_snapshot.hpp>
 #include <gpukit/memory/allocator_stats.hpp>
 #include <gpukit/memory/detail/caching_diagnostics.hpp>
+#include <gpukit/memory/detail/device_mutex.hpp>
 #include <gpukit/memory/detail/event_pool.hpp>
 #include <gpukit/memory/detail/front_cache.hpp>
 #include <gpukit/memory/detail/page_map.hpp>
 #include <gpukit/memory/detail/pointer_map.hpp>
 #include <gpukit/memory/detail/segment_sizing.hpp>
 #include <gpukit/memory/detail/size_classes.hpp>
-#include <gpukit/memory/detail/device_mutex.hpp>
 #include <gpukit/memory/detail/spin_mutex.hpp>
 #include <gpukit/memory/detail/stream_registry.hpp>
 #include <gpukit/memory/memory_history.hpp>

@@ -30,7 +30,7 @@ class device_mutex {
   GPUKIT_DETAIL_ALWAYS_INLINE void unlock() noexcept {
     held_warnings& held = *holder_;  // read while the lock is held: the holder's, without a second thread-local look
     mutex_.unlock();
-    if (--held.depth == 0 && held.pending != nullptr) deliver_held_warnings();  // after the release: a handler may lock
+    end_hold(held);  // after the release: a handler may take the lock
   }
 
  private:
