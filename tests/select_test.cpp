@@ -120,6 +120,21 @@ TEST_CASE("a snapshot whose CUDA failed to initialise: the CPU with a warning, o
     CHECK(e.cuda_result() == cudaErrorSystemDriverMismatch);
     CHECK(e.call() == "cudaGetDeviceCount");
   }
+  // A GPU asked for through GPUKIT_DEVICE (an ordinal, any GPU, a UUID) carries the same result.
+  for (const char* asked : {"cuda:0", "cuda", "GPU-0123"}) {
+    CAPTURE(asked);
+    gpukit::system_snapshot with_override = s;
+    with_override.gpukit_device = asked;
+    gpukit::selection_policy from_environment;
+    try {
+      (void)gpukit::select_device(from_environment, with_override);
+      FAIL("no error");
+    } catch (const gpukit::no_device_error& e) {
+      CHECK(std::string(e.what()).find("asks for a GPU, but none is usable: " + s.no_gpu_reason) != std::string::npos);
+      CHECK(e.cuda_result() == cudaErrorSystemDriverMismatch);
+      CHECK(e.call() == "cudaGetDeviceCount");
+    }
+  }
   // No driver, the stub library, no GPU: nothing is broken, so no warning.
   policy.require_gpu = false;
   gpukit_test::captured_warnings warnings;

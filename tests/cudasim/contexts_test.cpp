@@ -8,6 +8,7 @@
 #include "support.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -233,6 +234,23 @@ TEST_CASE("contexts: a pinned_buffer for a device that does not exist is refused
   }
   CHECK(cudasim::calls("cudaHostAlloc") == allocations);                    // nothing pinned
   CHECK(gpukit::pinned_buffer<float>(0, gpukit::device::cuda(7)).empty());  // nothing to allocate: no check
+}
+
+TEST_CASE("contexts: the default allocator of a device that does not exist is refused, whatever its ordinal") {
+  // Its statistics would read 0 and its limits apply nowhere; an ordinal past the fast slots (up to INT_MAX, which
+  // device::cuda accepts) is looked up without overflow.
+  for (const int ordinal : {7, 64, 65, INT_MAX}) {
+    const gpukit::device d = gpukit::device::cuda(ordinal);
+    CAPTURE(ordinal);
+    CHECK_THROWS_WITH_AS((void)gpukit::default_allocator(d),
+                         ("gpukit::default_allocator: " + d.to_string() + " is not visible (2 CUDA devices)").c_str(),
+                         gpukit::invalid_argument_error);
+    CHECK_THROWS_AS((void)gpukit::memory_allocated(d), gpukit::invalid_argument_error);
+    CHECK_THROWS_AS(gpukit::set_reserved_memory_limit(std::size_t{1} << 30, d), gpukit::invalid_argument_error);
+    CHECK_THROWS_AS(gpukit::empty_cache(d), gpukit::invalid_argument_error);
+    CHECK(!gpukit::set_default_allocator(d, nullptr));  // nothing to replace, nothing published
+  }
+  CHECK(gpukit::memory_allocated(gpukit::device::cuda(1)) == 0);  // a visible one is served
 }
 
 TEST_CASE("contexts: a pointer query on a fresh thread") {

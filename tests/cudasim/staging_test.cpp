@@ -573,7 +573,8 @@ TEST_CASE("sim staging: another thread's per-thread default stream is refused be
   CHECK(cudasim::violations().empty());
 }
 
-TEST_CASE("staging: release_idle gives blocks back outside the engine's lock, so transfers on other streams go on") {
+TEST_CASE(
+    "sim staging: release_idle gives blocks back outside the engine's lock, so transfers on other streams go on") {
   // Over the pool's cap the blocks of a retired ring go to cudaFreeHost, which waits for all the device's work, here
   // a stream held until after a transfer on another stream: that transfer must not wait for the engine's lock.
   const auto d = gpukit::device::cuda(0);
@@ -1086,6 +1087,302 @@ TEST_CASE("resource_upstream: a failed wait for an allocation is thrown even whe
   CHECK(result == cudaErrorUnknown);
   CHECK(thrown.find("cudaStreamSynchronize (upstream allocations)") != std::string::npos);
   CHECK(warnings.contains("could not be given back to its resource either (refusing_free_resource: free refused)"));
+  REQUIRE(resource.refused->size() == 1);
+  REQUIRE(cudaFree(resource.refused->front()) == cudaSuccess);  // the test's: the resource kept it
+  (void)cudasim::take_violations();
+}
+
+// A staged copy that fails part-way (reviewer 178): what it enqueued still runs, so what it uses stays alive; what
+// it did is counted; the message names what failed.
+namespace {
+/// A user's device buffer (data, size, device, stream: gpukit's duck type) freed in its own stream's order, as
+/// device_buffer is: cudaMallocAsync / cudaFreeAsync on stream `s`.
+struct own_stream_device_buffer {
+  own_stream_device_buffer(std::size_t n, gpukit::stream_view s) : bytes(n), owner(s) {
+    REQUIRE(cudaMallocAsync(reinterpret_cast<void**>(&p), n, s.native_handle()) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s.native_handle()) == cudaSuccess);
+  }
+  own_stream_device_buffer(own_stream_device_buffer&& o) noexcept : p(o.p), bytes(o.bytes), owner(o.owner) {
+    o.p = nullptr;
+  }
+  own_stream_device_buffer(const own_stream_device_buffer&) = delete;
+  own_stream_device_buffer& operator=(const own_stream_device_buffer&) = delete;
+  own_stream_device_buffer& operator=(own_stream_device_buffer&&) = delete;
+  ~own_stream_device_buffer() {
+    if (p != nullptr) (void)cudaFreeAsync(p, owner.native_handle());  // in the order of its own stream
+  }
+  unsigned char* data() const { return p; }
+  std::size_t size() const { return bytes; }
+  gpukit::device device() const { return gpukit::device::cuda(0); }
+  gpukit::stream_view stream() const { return owner; }
+
+  unsigned char* p = nullptr;
+  std::size_t bytes;
+  gpukit::stream_view owner;
+};
+
+gpukit::staging_options four_chunks() {
+  gpukit::staging_options o;
+  o.chunk_bytes = MiB;
+  o.min_chunk_bytes = MiB / 4;
+  o.slots = 4;
+  o.download_slots = 2;
+  return o;
+}
+
+std::size_t illegal_address_violations() {
+  std::size_t n = 0;
+  for (const auto& v : cudasim::take_violations()) {
+    MESSAGE("violation: " << v.call << " -> " << static_cast<int>(v.error) << ": " << v.message);
+    if (v.error == cudaErrorIllegalAddress) ++n;
+  }
+  return n;
+}
+}  // namespace
+
+// When a staged copy throws part-way, the chunks already enqueued on `s` still read or write a temporary device
+// buffer of another stream, which is freed in that stream's order at the end of the caller's expression: it is kept
+// for them (record_stream, or a wait).
+TEST_CASE("sim staging: a staged copy_async that fails part-way keeps a temporary device destination for its chunks") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine(pool, four_chunks());
+  gpukit::stream s(gpukit::device::cuda(0));
+  gpukit::stream owner(gpukit::device::cuda(0));  // the buffer's own stream, not the copy's
+  const auto source = pattern(4 * MiB, 1);
+  REQUIRE(engine.chunk_for(source.size()) == MiB);
+  gpukit_test::gate g;
+  g.hold(s);  // the copy's chunks wait behind the gate
+  // Once the third DMA fails, a wait for `s` (a buffer without record_stream is kept by waiting for the copy's chunks)
+  // opens the gate; without that wait the gate opens only after the buffer's free.
+  cudasim::before_call("cudaMemcpyAsync", 3,
+                       [&] { cudasim::before_call("cudaStreamSynchronize", 1, [&] { g.open(); }); });
+  cudasim::fail_call("cudaMemcpyAsync", 3, cudaErrorInvalidValue);  // the third chunk's DMA fails
+  bool threw = false;
+  try {
+    gpukit::copy_async(own_stream_device_buffer(source.size(), owner), source, s.view(), engine);
+  } catch (const gpukit::error& e) {
+    threw = true;
+    MESSAGE(std::string(e.what()));  // "its first 2097152 bytes were enqueued before and may still be written"
+  }
+  REQUIRE(threw);
+  cudasim::clear_faults();
+  owner.synchronize();  // the buffer's free has run
+  g.open();             // unless the copy waited: the two chunks enqueued before the failure would write freed memory
+  try {
+    s.synchronize();
+  } catch (const std::exception& e) {
+    MESSAGE("s.synchronize: " << std::string(e.what()));
+  }
+  const std::size_t violations = illegal_address_violations();
+  cudasim::clear_faults();
+  CHECK(violations == 0);
+}
+
+TEST_CASE(
+    "sim staging: a staged copy_async into pageable memory that fails part-way keeps a temporary device source "
+    "for the DMA still in flight") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine(pool, four_chunks());
+  gpukit::stream s(gpukit::device::cuda(0));
+  gpukit::stream owner(gpukit::device::cuda(0));
+  std::vector<unsigned char> back(4 * MiB, 0);
+  gpukit_test::gate g;
+  // Chunk 0's DMA runs; chunk 1's is held behind the gate; chunk 2's fails to enqueue, so to_host throws while chunk
+  // 1's DMA still has to read the source.
+  cudasim::before_call("cudaMemcpyAsync", 2, [&] { g.hold(s); });
+  // Once the third DMA fails, a wait for `s` (a buffer without record_stream is kept by waiting for the copy's chunks)
+  // opens the gate; without that wait the gate opens only after the buffer's free.
+  cudasim::before_call("cudaMemcpyAsync", 3,
+                       [&] { cudasim::before_call("cudaStreamSynchronize", 1, [&] { g.open(); }); });
+  cudasim::fail_call("cudaMemcpyAsync", 3, cudaErrorInvalidValue);
+  bool threw = false;
+  try {
+    gpukit::copy_async(back, own_stream_device_buffer(back.size(), owner), s.view(), engine);
+  } catch (const gpukit::error& e) {
+    threw = true;
+    MESSAGE(std::string(e.what()));
+  }
+  REQUIRE(threw);
+  cudasim::clear_faults();
+  owner.synchronize();  // the source's free has run
+  g.open();
+  try {
+    s.synchronize();
+  } catch (const std::exception& e) {
+    MESSAGE("s.synchronize: " << std::string(e.what()));
+  }
+  const std::size_t violations = illegal_address_violations();
+  cudasim::clear_faults();
+  CHECK(violations == 0);
+}
+
+// The same with gpukit's own device_buffer (caching allocator): were its block back in its stream's cache under the
+// enqueued chunks, the next buffer of that stream would get it, and the late chunks would overwrite its data.
+TEST_CASE(
+    "sim staging: the late chunks of a staged copy_async that failed part-way do not overwrite the next buffer of the "
+    "temporary destination's stream") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine(pool, four_chunks());
+  gpukit::stream s(gpukit::device::cuda(0));
+  gpukit::stream owner(gpukit::device::cuda(0));
+  const auto old_data = pattern(4 * MiB, 1);
+  const auto new_data = pattern(4 * MiB, 7);
+  REQUIRE(old_data != new_data);
+  gpukit_test::gate g;
+  g.hold(s);
+  cudasim::fail_call("cudaMemcpyAsync", 3, cudaErrorInvalidValue);
+  CHECK_THROWS(gpukit::copy_async(gpukit::device_buffer<unsigned char>(old_data.size(), owner.view()), old_data,
+                                  s.view(), engine));
+  cudasim::clear_faults();
+  (void)cudasim::take_violations();  // the injected failure
+  // Another buffer of the owner's stream, written and complete before the held stream goes on.
+  gpukit::device_buffer<unsigned char> next(new_data.size(), owner.view());
+  gpukit::copy_async(next, new_data, owner.view());
+  owner.synchronize();
+  g.open();
+  s.synchronize();
+  const std::vector<unsigned char> seen = gpukit::to_host(next, owner.view());
+  CHECK(seen == new_data);
+  std::size_t overwritten = 0;
+  for (std::size_t i = 0; i < seen.size(); ++i) overwritten += seen[i] == new_data[i] ? 0 : 1;
+  MESSAGE(overwritten << " bytes of the next buffer were overwritten by the failed copy's late chunks");
+}
+
+TEST_CASE("sim staging: the statistics count the chunks of a transfer that failed part-way") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_engine engine(pool, four_chunks());
+  gpukit::stream s(gpukit::device::cuda(0));
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 4 * MiB) == cudaSuccess);
+  const auto source = pattern(4 * MiB, 2);
+  cudasim::fail_call("cudaMemcpyAsync", 3, cudaErrorInvalidValue);
+  CHECK_THROWS_AS(engine.to_device(d, source.data(), source.size(), s), gpukit::invalid_argument_error);
+  cudasim::clear_faults();
+  (void)cudasim::take_violations();
+  s.synchronize();
+  const gpukit::staging_stats st = engine.stats();
+  CHECK(st.chunks == 2);  // two chunks were copied into slots and their DMAs enqueued
+  CHECK(st.host_copy_time.count() > 0);
+  (void)cudaFree(d);
+}
+
+// A failure while handing the rest of a transfer to the background thread names the rest, as staging_bad_alloc does.
+TEST_CASE("sim staging: a failed hand-over of the rest of a transfer is called the rest, not a chunk") {
+  gpukit::pinned_pool pool{gpukit::pinned_upstream(gpukit::device::kind::cuda)};
+  gpukit::staging_options o = four_chunks();
+  o.patience = 10ms;
+  gpukit::staging_engine engine(pool, o);
+  gpukit::stream s(gpukit::device::cuda(0));
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 6 * MiB) == cudaSuccess);
+  const auto source = pattern(6 * MiB, 3);
+  REQUIRE(engine.chunk_for(source.size()) == MiB);
+  gpukit_test::gate g;
+  g.hold(s);  // the four slots stay busy: the last 2 MiB are handed over
+  cudasim::fail_call("cudaLaunchHostFunc", 1, cudaErrorUnknown);
+  std::string what;
+  try {
+    engine.to_device(d, source.data(), source.size(), s);
+  } catch (const gpukit::error& e) {
+    what = e.what();
+  }
+  cudasim::clear_faults();
+  (void)cudasim::take_violations();
+  g.open();
+  s.synchronize();
+  INFO(what);
+  REQUIRE_FALSE(what.empty());
+  CHECK(what.find("the chunk of 2.00 MiB") == std::string::npos);  // chunks are 1 MiB; 2 MiB is the rest
+  CHECK(what.find("the rest") != std::string::npos);
+  (void)cudaFree(d);
+}
+
+// Across devices on the current streams: the copy is enqueued on the source device's stream, and the destination's
+// stream waits for it. When that last wait fails, a temporary destination freed in another stream's order is kept
+// for the copy (its block would serve that stream's next buffer under the copy).
+TEST_CASE("sim staging: a copy across devices whose last wait fails keeps a temporary destination for the copy") {
+  const gpukit::device cuda0 = gpukit::device::cuda(0);
+  const gpukit::device cuda1 = gpukit::device::cuda(1);
+  gpukit::stream owner(cuda1);  // the destination's own stream: not the current stream of cuda:1
+  const auto old_data = pattern(MiB, 4);
+  const auto new_data = pattern(MiB, 8);
+  REQUIRE(old_data != new_data);
+  gpukit::device_buffer<unsigned char> source(old_data.size(), cuda0);
+  gpukit::copy_async(source, old_data);
+  gpukit::stream_view::default_stream(cuda0).synchronize();
+  gpukit_test::gate g;
+  g.hold(gpukit::stream_view::default_stream(cuda0));  // the copy waits behind the gate on cuda:0's current stream
+  cudasim::fail_call("cudaStreamWaitEvent", 2, cudaErrorInvalidValue);  // cuda:1's wait for the copy
+  CHECK_THROWS(gpukit::copy_async(gpukit::device_buffer<unsigned char>(old_data.size(), owner.view()), source));
+  cudasim::clear_faults();
+  (void)cudasim::take_violations();  // the injected failure
+  gpukit::device_buffer<unsigned char> next(new_data.size(), owner.view());
+  gpukit::copy_async(next, new_data, owner.view());
+  owner.synchronize();
+  g.open();
+  gpukit::stream_view::default_stream(cuda0).synchronize();
+  CHECK(gpukit::to_host(next, owner.view()) == new_data);
+}
+
+// Reviewer 180: the pinned adaptors' over-aligned addresses and resource_upstream's frees.
+TEST_CASE("sim staging: pool().record_stream orders the reuse of an over-aligned pinned_pmr_resource allocation") {
+  // pmr.hpp: a freed block is served again after the events of the streams recorded for it (pool().record_stream).
+  // An over-aligned address lies inside its block, found through the over-aligned address table.
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::pinned_pmr_resource pinned(d);
+  gpukit::stream s(d);
+  std::size_t alignment = std::size_t{1} << 16;
+  void* p = nullptr;
+  for (; alignment <= (std::size_t{1} << 22); alignment <<= 1) {  // one whose block does not start at the address
+    p = pinned.allocate(4096, alignment);
+    if (gpukit::detail::over_aligned_addresses().block_of(p) != p) break;
+    pinned.deallocate(p, 4096, alignment);
+    p = nullptr;
+  }
+  REQUIRE(p != nullptr);
+  device_memory dev(4096);
+  gpukit_test::gate g;
+  g.hold(s);
+  REQUIRE(cudaMemcpyAsync(p, dev.p, 4096, cudaMemcpyDeviceToHost, s.cuda_handle()) == cudaSuccess);
+  CHECK_NOTHROW(pinned.pool().record_stream(p, s));
+  pinned.deallocate(p, 4096, alignment);
+  void* again = pinned.allocate(4096, alignment);  // the copy into p has not run: its block is not served again
+  CHECK(gpukit::detail::over_aligned_addresses().block_of(again) !=
+        gpukit::detail::over_aligned_addresses().block_of(p));
+  g.open();
+  s.synchronize();
+  pinned.deallocate(again, 4096, alignment);
+}
+
+TEST_CASE("resource_upstream: a segment given back while host memory runs out is returned to its resource") {
+  // deallocate is noexcept and lists the segment with those held back during a capture: with no room for the list,
+  // the segment is given back alone (before, std::bad_alloc escaped it: std::terminate).
+  const gpukit::device d = gpukit::device::cuda(0);
+  refusing_free_resource resource;
+  gpukit::resource_upstream<refusing_free_resource> upstream(resource, d);
+  for (long n = 1;; ++n) {
+    void* p = upstream.allocate(MiB);
+    const std::size_t frees = cudasim::calls("cudaFree");
+    gpukit_test::heap_run run(n, simulated_call);
+    CHECK(run.armed([&] { upstream.deallocate(p, MiB); }));
+    CHECK(cudasim::calls("cudaFree") == frees + 1);  // returned to the resource (its synchronous free)
+    if (run.seen() < n) break;
+  }
+  CHECK(resource.refused->empty());
+}
+
+TEST_CASE("resource_upstream: a free the resource refuses keeps the program's pending CUDA error") {
+  // deallocate_after forgets only what its own call left: an error the program has not read yet stays.
+  const gpukit::device d = gpukit::device::cuda(0);
+  refusing_free_resource resource;
+  gpukit::resource_upstream<refusing_free_resource> upstream(resource, d);
+  void* p = upstream.allocate(MiB);
+  int count = 0;
+  REQUIRE(cudaGetDeviceCount(&count) == cudaSuccess);
+  REQUIRE(cudaSetDevice(count + 5) == cudaErrorInvalidDevice);  // the program's own, not read yet
+  CHECK_FALSE(upstream.deallocate_after(p, MiB, {}));           // the resource refuses the free
+  CHECK(cudaPeekAtLastError() == cudaErrorInvalidDevice);
+  (void)cudaGetLastError();
   REQUIRE(resource.refused->size() == 1);
   REQUIRE(cudaFree(resource.refused->front()) == cudaSuccess);  // the test's: the resource kept it
   (void)cudasim::take_violations();

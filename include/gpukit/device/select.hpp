@@ -277,8 +277,11 @@ GPUKIT_INLINE device resolve_override(const std::string& raw, const system_snaps
   const std::string text(trim_whitespace(raw));
   const std::string what = "GPUKIT_DEVICE=\"" + raw + "\"";
   const auto refuse_without_gpus = [&] {
-    if (system.gpus.empty())
-      throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason);
+    if (system.gpus.empty()) {  // the count's failure carried, as select_cpu_fallback does (803 or no driver)
+      const cudaError_t cause = system.device_count_result;
+      throw no_device_error(what + " asks for a GPU, but none is usable: " + system.no_gpu_reason, cause,
+                            cause == cudaSuccess ? std::string() : std::string("cudaGetDeviceCount"));
+    }
   };
   if (starts_with(text, "GPU-")) {
     refuse_without_gpus();

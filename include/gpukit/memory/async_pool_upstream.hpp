@@ -42,6 +42,7 @@
 #include <gpukit/memory/detail/capture_held_segments.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/span.hpp>
 #include <gpukit/stream/event.hpp>
 
 #include <cuda_runtime_api.h>
@@ -149,9 +150,16 @@ class async_pool_upstream {
   /// destruction). A raw capture of a non-blocking stream cannot be seen. The caching allocator takes this path only
   /// for segments it cannot order by events (used on raw stream handles, or when recording failed).
   void deallocate(void* p, std::size_t bytes) noexcept {
+    const detail::held_segment segment{p, bytes};
     std::vector<detail::held_segment> held;
-    if (held_.hold_or_take({p, bytes}, held, device_)) return;  // given back with the next one after the captures
-    held.push_back({p, bytes});
+    if (held_.hold_or_take(segment, held, device_)) return;  // given back with the next one after the captures
+    try {
+      held.push_back(segment);
+    } catch (...) {  // no room to list it with the segments held back: those first, then it alone
+      give_back(held);
+      give_back({&segment, 1});
+      return;
+    }
     give_back(held);
   }
 
@@ -218,7 +226,7 @@ class async_pool_upstream {
   /// Gives `segments` back to the pool after the device's work. When the wait meets a capture they are held back
   /// again (at destruction, `owner` names the upstream in the warning that they stay allocated); when it fails
   /// otherwise they are kept (leaked) rather than handed back while the device may still use them.
-  void give_back(const std::vector<detail::held_segment>& segments, const char* owner = nullptr) noexcept {
+  void give_back(span<const detail::held_segment> segments, const char* owner = nullptr) noexcept {
     if (segments.empty()) return;
     if (!held_.wait_before_giving_back(device_, "returning a segment to the pool", segments, owner)) return;
     try {

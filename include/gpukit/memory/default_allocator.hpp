@@ -69,7 +69,8 @@ GPUKIT_INLINE device_allocator& create_default_allocator_compiled(device d);
 }  // namespace detail
 
 /// The default allocator of `d` (a caching_allocator unless replaced), created on first use. Called as
-/// `default_allocator(d)`; `Deferred` only defers compiling the engine (see the top of this header).
+/// `default_allocator(d)`; `Deferred` only defers compiling the engine (see the top of this header). Throws
+/// invalid_argument_error for a GPU that is not visible (so do the free functions below that use it).
 template <int Deferred = 0>
 device_allocator& default_allocator(device d) {
   if (device_allocator* a = detail::existing_default_allocator(d)) return *a;
@@ -215,6 +216,9 @@ template <int Deferred>
 device_allocator& create_default_allocator(device d) {
   auto& registry = default_allocators();
   std::lock_guard<std::mutex> lock(registry.mutex);
+  // A GPU that is not visible is refused before anything is made for it: its statistics would read 0 and its limits
+  // apply nowhere (torch.cuda.memory_allocated(5) on two GPUs raises too).
+  detail::require_visible(d, "gpukit::default_allocator");
   auto& owner = registry.owners[d];
   if (!owner) {
     const auto configured = registry.options.find(d);
@@ -244,7 +248,13 @@ GPUKIT_INLINE default_allocator_registry& default_allocators() {
   return *registry;
 }
 
-GPUKIT_INLINE int default_allocator_slot(device d) noexcept { return d.is_cpu() ? 0 : d.ordinal() + 1; }
+/// The fast slot of `d`: 0 for the CPU, ordinal + 1 for a GPU, fast_slots (none) for ordinals past them (up to
+/// INT_MAX, which device::cuda accepts: no `ordinal + 1` overflow).
+GPUKIT_INLINE int default_allocator_slot(device d) noexcept {
+  if (d.is_cpu()) return 0;
+  return d.ordinal() < default_allocator_registry::fast_slots - 1 ? d.ordinal() + 1
+                                                                  : default_allocator_registry::fast_slots;
+}
 
 GPUKIT_INLINE device_allocator* existing_default_allocator(device d) noexcept {
   const int slot = default_allocator_slot(d);

@@ -238,8 +238,9 @@ class basic_pinned_pool {
   /// Declares that work on `s` uses block `p`: when it is deallocated, an event is recorded on `s` and the block is
   /// reused only after it completes. Call it for every stream a copy from or to the block was issued on. A raw
   /// cudaStream_t must still exist when the block is deallocated; a gpukit::stream may be destroyed before (the block
-  /// then waits for its last work). Throws invalid_argument_error for a pointer this pool did not hand out (or one
-  /// already freed).
+  /// then waits for its last work). `p` may also be an address the resource adaptors served over-aligned inside a
+  /// block (pinned_pmr_resource, pinned_memory_resource). Throws invalid_argument_error for a pointer this pool did
+  /// not hand out (or one already freed).
   void record_stream(const void* p, stream_view s);
 
   /// Gives block `p` back. With no recorded stream it is free at once; otherwise one event is recorded on each

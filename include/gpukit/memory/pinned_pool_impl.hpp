@@ -10,6 +10,7 @@
 
 #include <gpukit/detail/format.hpp>
 #include <gpukit/detail/warning_text.hpp>
+#include <gpukit/memory/detail/aligned_offsets.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 
 GPUKIT_BEGIN_NAMESPACE
@@ -149,8 +150,10 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::record_stream(const void* 
   refuse_if_captured(s, "record_stream");
   // Bound now (device and id): cudaStreamPerThread, or a view of the current device, means this thread's stream.
   s = s.resolved();
+  // An address served over-aligned (pinned_pmr_resource, pinned_memory_resource) lies inside its block.
+  const void* start = detail::over_aligned_addresses().block_of(p);
   std::lock_guard<std::mutex> lock(mutex_);
-  record_stream_locked(active_block_locked(p, "record_stream"), s);
+  record_stream_locked(active_block_locked(start, "record_stream"), s);
 }
 
 template <class Upstream, class Sync>

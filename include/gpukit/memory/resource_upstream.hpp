@@ -43,6 +43,7 @@
 #include <gpukit/memory/detail/capture_held_segments.hpp>
 #include <gpukit/memory/detail/upstream_stream.hpp>
 #include <gpukit/memory/upstream.hpp>
+#include <gpukit/span.hpp>
 #include <gpukit/stream/event.hpp>
 
 #include <cuda/memory_resource>
@@ -159,9 +160,16 @@ class resource_upstream {
   /// while a capture is in sight, later (see the file comment). Failures are reported through gpukit::warn, the
   /// segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
+    const detail::held_segment segment{p, bytes};
     std::vector<detail::held_segment> held;
-    if (device_.is_cuda() && held_.hold_or_take({p, bytes}, held, device_)) return;  // the wait would break the capture
-    held.push_back({p, bytes});
+    if (device_.is_cuda() && held_.hold_or_take(segment, held, device_)) return;  // the wait would break the capture
+    try {
+      held.push_back(segment);
+    } catch (...) {  // no room to list it with the segments held back: those first, then it alone
+      give_back(held);
+      give_back({&segment, 1});
+      return;
+    }
     give_back(held);
   }
 
@@ -173,6 +181,7 @@ class resource_upstream {
   template <bool Ordered = stream_ordered, std::enable_if_t<Ordered, int> = 0>
   bool deallocate_after(void* p, std::size_t bytes, const std::vector<const event*>& after) noexcept {
     if (!device_.is_cuda()) return false;
+    const cudaError_t pending = cudaPeekAtLastError();  // the program's own error, not to be cleared below
     try {
       device_guard guard(device_);
       const ::cuda::stream_ref releases(detail::release_stream_after(device_, after));
@@ -184,7 +193,7 @@ class resource_upstream {
       releases_queued_->store(true);
       return true;
     } catch (...) {  // no release stream, a wait refused, or the resource refused the free
-      (void)cudaGetLastError();
+      if (pending == cudaSuccess) (void)cudaGetLastError();  // a failure of this call's (the resource's own CUDA call)
       return false;
     }
   }
@@ -273,7 +282,7 @@ class resource_upstream {
   /// give back or the wait did not end with the device idle: when it met a capture, the segments are held back again
   /// (at destruction, `owner` names the upstream in the warning that they stay allocated); when it failed otherwise,
   /// they are kept (leaked), since the device may still use them.
-  bool give_back(const std::vector<detail::held_segment>& segments, const char* owner = nullptr) noexcept {
+  bool give_back(span<const detail::held_segment> segments, const char* owner = nullptr) noexcept {
     if (segments.empty()) return false;
     if (device_.is_cuda() &&
         !held_.wait_before_giving_back(device_, "returning a segment to a cuda::mr resource", segments, owner)) {

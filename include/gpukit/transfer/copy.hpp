@@ -321,6 +321,16 @@ void keep_device_buffer_for_copy(X& x, const stream_view& s, const stream_view* 
   synchronize_before_freeing(s);
 }
 
+/// keep_device_buffer_for_copy for a copy that failed part-way, while its error is on its way to the caller: a
+/// failure here (neither recorded nor waited for: the device is lost) leaves that first error to be reported.
+template <class X>
+void keep_device_buffer_after_failure(X& x, const stream_view& s) noexcept {
+  try {
+    keep_device_buffer_for_copy(x, s);
+  } catch (...) {
+  }
+}
+
 /// Where `x`'s memory is for a copy on `s`: where its located view says, except that on a CUDA stream a pinned
 /// container whose memory is not page-locked (one of the CPU device, or of a pool without page-locked memory) is
 /// pageable host memory. (CPU streams model pinned memory by type.)
@@ -380,12 +390,22 @@ void copy_located(Dst&& dst_arg, Src&& src_arg, stream_view s, EngineFor engine_
   if constexpr (device_dst) device_elsewhere = device_elsewhere || !frees_in_order_of(dst_arg, s);
   if constexpr (device_src) device_elsewhere = device_elsewhere || !frees_in_order_of(src_arg, s);
   const copy_sides sides = sides_of(dst_arg, src_arg, s);
-  // Only the host side can be a temporary owning host memory: a host-to-host copy does not compile.
-  if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src,
-                 device_elsewhere)) {
-    const bool dst_kept = keep_block_for_copy(dst_arg, s);
-    const bool src_kept = keep_block_for_copy(src_arg, s);
-    if ((temporary_dst && !dst_kept) || (temporary_src && !src_kept)) synchronize_before_freeing(s);
+  try {
+    // Only the host side can be a temporary owning host memory: a host-to-host copy does not compile.
+    if (copy_bytes(sides.dst, sides.src, sides.element_size, s, engine_for, operation, temporary_dst || temporary_src,
+                   device_elsewhere)) {
+      const bool dst_kept = keep_block_for_copy(dst_arg, s);
+      const bool src_kept = keep_block_for_copy(src_arg, s);
+      if ((temporary_dst && !dst_kept) || (temporary_src && !src_kept)) synchronize_before_freeing(s);
+    }
+  } catch (...) {
+    // A staged copy that failed part-way leaves its earlier chunks enqueued on `s`: a temporary device buffer of
+    // another stream is kept for them too (freed now, the next buffer of its stream would take their writes).
+    if (sides.dst.count != 0) {
+      if constexpr (device_dst) keep_device_buffer_after_failure(dst_arg, s);
+      if constexpr (device_src) keep_device_buffer_after_failure(src_arg, s);
+    }
+    throw;
   }
   // Device to device and staged copies return false above but may still use a temporary device buffer on `s`.
   if (sides.dst.count != 0) {
@@ -435,7 +455,7 @@ void copy_async(Dst&& dst, Src&& src) {
     (void)detail::check_copy(sides.dst, sides.src, sides.element_size, s.device(), "copy_async");
     // A legacy stream's hold is taken once for the whole sequence, or refused before anything is enqueued: taken step
     // by step, a capture begun in between would refuse the last wait after the copy ran.
-    {
+    try {
       const detail::legacy_holds held(s, destination_stream);
       event destination_ready(to.device());
       held.record(destination_ready, destination_stream);
@@ -450,6 +470,12 @@ void copy_async(Dst&& dst, Src&& src) {
       event copied(from.device());
       held.record(copied, s);
       held.wait(copied, destination_stream);
+    } catch (...) {
+      // The copy may be enqueued on `s` without the destination stream waiting for it: a temporary buffer is kept
+      // for `s`, whichever stream frees it.
+      if constexpr (detail::is_temporary_device_buffer<Dst>) detail::keep_device_buffer_after_failure(dst, s);
+      if constexpr (detail::is_temporary_device_buffer<Src>) detail::keep_device_buffer_after_failure(src, s);
+      throw;
     }
     // After the holds: a wait for the copy here must not hold back a capture it would wait for. The destination
     // stream waits for the copy: a buffer freed in its order needs nothing.

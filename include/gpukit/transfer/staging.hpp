@@ -92,16 +92,6 @@ inline void refuse_capture(stream_view s, gpukit::device sd, std::string_view op
   throw_captured(operation, describe_stream(s.native_handle(), sd), sd, advice);
 }
 
-/// Rethrows `e`, met by the staging engine's `operation` ("to_device" or "to_host") on the chunk of `length` bytes at
-/// `offset` of a `total`-byte transfer on device `d`, as the same gpukit exception type with the same CUDA result,
-/// call, device, file and line; the message adds where the transfer stopped and what of it may still land: `done`
-/// is the bytes enqueued before the failure (to_device: they may still be written) or the bytes of the destination
-/// written (to_host: nothing more will be). Called inside the handler of `e`: out of host memory for the message,
-/// `e` is rethrown as it was.
-[[noreturn]] GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d,
-                                                    std::size_t offset, std::size_t length, std::size_t total,
-                                                    std::size_t done);
-
 /// The std::bad_alloc of a staging transfer that ran out of host memory: still a std::bad_alloc (what callers and the
 /// fault-injection tests catch), its what() naming the call, the chunk, the transfer and what of it may still land, as
 /// throw_chunk_failure's messages do. The text lives in the exception itself: the heap has just run out. Kept small
@@ -157,6 +147,17 @@ class staging_bad_alloc : public std::bad_alloc {
  private:
   char message_[352] = {};
 };
+
+/// Rethrows `e`, met by the staging engine's `operation` ("to_device" or "to_host") on the chunk of `length` bytes at
+/// `offset` of a `total`-byte transfer on device `d` (or on `failed`: the rest of it from `offset`, handed to the
+/// background thread), as the same gpukit exception type with the same CUDA result, call, device, file and line; the
+/// message adds where the transfer stopped and what of it may still land: `done` is the bytes enqueued before the
+/// failure (to_device: they may still be written) or the bytes of the destination written (to_host: nothing more
+/// will be). Called inside the handler of `e`: out of host memory for the message, `e` is rethrown as it was.
+[[noreturn]] GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d,
+                                                    std::size_t offset, std::size_t length, std::size_t total,
+                                                    std::size_t done,
+                                                    staging_bad_alloc::part failed = staging_bad_alloc::part::chunk);
 
 /// What to do instead of staging in a capture.
 inline constexpr std::string_view capture_advice_staging =
@@ -547,11 +548,13 @@ template <class Exception>
 }
 
 GPUKIT_INLINE void throw_chunk_failure(const error& e, std::string_view operation, gpukit::device d, std::size_t offset,
-                                       std::size_t length, std::size_t total, std::size_t done) {
+                                       std::size_t length, std::size_t total, std::size_t done,
+                                       staging_bad_alloc::part failed) {
   const bool upload = operation != "to_host";
   std::string message;
   try {
-    message = "gpukit::staging_engine::" + std::string(operation) + ": the chunk of " + format_bytes_exact(length) +
+    message = "gpukit::staging_engine::" + std::string(operation) + ": " +
+              (failed == staging_bad_alloc::part::rest ? "the rest, " : "the chunk of ") + format_bytes_exact(length) +
               " at byte offset " + std::to_string(offset) + " of a " + format_bytes_exact(total) + " transfer " +
               (upload ? "to " : "from ") + d.to_string() + " failed: " + e.what() + "; ";
     if (!upload) {

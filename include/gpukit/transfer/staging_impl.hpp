@@ -61,6 +61,17 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
   std::size_t offset = 0;
   auto* out = static_cast<char*>(dst);
   const auto* in = static_cast<const char*>(src);
+  // A transfer that fails part-way counts what it did (chunks went through slots) before its error goes on.
+  auto count_work = [&]() noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.chunks += chunks;
+      stats_.slot_waits += waits;
+      stats_.wait_time += std::chrono::duration_cast<std::chrono::nanoseconds>(waited);
+      stats_.host_copy_time += std::chrono::duration_cast<std::chrono::nanoseconds>(copying);
+    } catch (...) {  // a mutex that cannot be locked: the counts are lost, not the transfer's error
+    }
+  };
   if (!background_idle(r)) {
     // Behind the rest of an earlier transfer: the data lands in call order.
     try {
@@ -93,9 +104,11 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
         copy_enqueued = true;
         record_done(sl, s);
       } catch (const error& e) {
+        count_work();
         detail::throw_chunk_failure(e, "to_device", r.dev, offset, length, bytes,
                                     offset + (copy_enqueued ? length : 0));
       } catch (const std::bad_alloc& e) {
+        count_work();
         throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, length, bytes,
                                         offset + (copy_enqueued ? length : 0));
       }
@@ -107,20 +120,20 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_device(void* dst, const void
       try {
         hand_over(r, s, out + offset, in + offset, bytes - offset, chunk, false);
       } catch (const error& e) {  // the first `offset` bytes are enqueued: said, as for a chunk's failure
-        detail::throw_chunk_failure(e, "to_device", r.dev, offset, bytes - offset, bytes, offset);
+        count_work();
+        detail::throw_chunk_failure(e, "to_device", r.dev, offset, bytes - offset, bytes, offset,
+                                    detail::staging_bad_alloc::part::rest);
       } catch (const std::bad_alloc& e) {
+        count_work();
         throw detail::staging_bad_alloc(e.what(), "to_device", r.dev, offset, bytes - offset, bytes, offset,
                                         detail::staging_bad_alloc::part::rest);
       }
     }
   }
+  count_work();
   std::lock_guard<std::mutex> lock(stats_mutex_);
   ++stats_.to_device_calls;
-  stats_.chunks += chunks;
   stats_.bytes += bytes;
-  stats_.slot_waits += waits;
-  stats_.wait_time += std::chrono::duration_cast<std::chrono::nanoseconds>(waited);
-  stats_.host_copy_time += std::chrono::duration_cast<std::chrono::nanoseconds>(copying);
   if (offset < bytes) {
     ++stats_.overflows;
     stats_.overflow_bytes += bytes - offset;
@@ -141,6 +154,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
   const std::size_t first = ln.next;
   auto* out = static_cast<char*>(dst);
   const auto* in = static_cast<const char*>(src);
+  std::size_t staged = 0;  // chunks whose copies were enqueued
   // Chunk k goes through slot (first + k) % depth; the DMAs of up to `depth` chunks run ahead of the host copies.
   // A slot's previous use was this stream's DMA into it and this thread's copy out of it, so stream order suffices.
   auto enqueue = [&](std::size_t k) {
@@ -149,6 +163,15 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
     grow_slot_stream_ordered(sl, chunk, s);
     copier_(sl.ptr, in + offset, std::min(chunk, bytes - offset), copy_direction::device_to_host, s);
     record_done(sl, s);
+    ++staged;
+  };
+  // A transfer that fails part-way counts the chunks whose copies it enqueued (they went through slots).
+  auto count_chunks = [&]() noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.chunks += staged;
+    } catch (...) {  // a mutex that cannot be locked: the count is lost, not the transfer's error
+    }
   };
   std::size_t enqueued = 0;
   std::size_t written = 0;  // bytes of the destination copied out of the slots
@@ -166,9 +189,11 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
       if (enqueued < count) enqueue(failing = enqueued++);
     }
   } catch (const error& e) {
+    count_chunks();
     const std::size_t offset = failing * chunk;
     detail::throw_chunk_failure(e, "to_host", lease.r->dev, offset, std::min(chunk, bytes - offset), bytes, written);
   } catch (const std::bad_alloc& e) {
+    count_chunks();
     const std::size_t offset = failing * chunk;
     throw detail::staging_bad_alloc(e.what(), "to_host", lease.r->dev, offset, std::min(chunk, bytes - offset), bytes,
                                     written);
@@ -176,7 +201,7 @@ GPUKIT_INLINE void basic_staging_engine<Copier>::to_host(void* dst, const void* 
   ln.next = (first + count) % depth;
   std::lock_guard<std::mutex> lock(stats_mutex_);
   ++stats_.to_host_calls;
-  stats_.chunks += count;
+  stats_.chunks += staged;
   stats_.bytes += bytes;
 }
 

@@ -14,7 +14,8 @@
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/device/device.hpp>
 #include <gpukit/memory/upstream.hpp>  // detail::wait_before_release
-#include <gpukit/stream/stream.hpp>    // detail::gpukit_capture_underway, detail::capture_in_sight
+#include <gpukit/span.hpp>
+#include <gpukit/stream/stream.hpp>  // detail::gpukit_capture_underway, detail::capture_in_sight
 
 #include <atomic>
 #include <cstddef>
@@ -78,7 +79,7 @@ class capture_held_segments {
   /// Holds `segments` back again: their release's device-wide wait met a capture (release_wait::kept_for_capture).
   /// Given back with the next segment after it. At the owner's destruction (`owner` not null) nothing can be held:
   /// the warning says that they stay allocated.
-  void hold_again(const std::vector<held_segment>& segments, const char* owner = nullptr) noexcept {
+  void hold_again(span<const held_segment> segments, const char* owner = nullptr) noexcept {
     if (segments.empty()) return;
     if (owner == nullptr) {
       try {
@@ -96,7 +97,7 @@ class capture_held_segments {
   /// Waits for `d`'s work before `segments` go back (wait_before_release; `what` names the release): true when they
   /// may go back now. When the wait meets a capture they are held back again (hold_again, `owner` as there); when it
   /// fails otherwise they stay allocated (leaked), since the device may still use them.
-  bool wait_before_giving_back(gpukit::device d, const char* what, const std::vector<held_segment>& segments,
+  bool wait_before_giving_back(gpukit::device d, const char* what, span<const held_segment> segments,
                                const char* owner = nullptr) noexcept {
     const release_wait waited = wait_before_release(d, what);
     if (waited == release_wait::kept_for_capture) hold_again(segments, owner);
