@@ -3610,8 +3610,9 @@ TEST_CASE("capture: segments whose release meets a gpukit capture are held back 
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   gpukit_test::captured_warnings warnings;
   bool may_go_back = true;
-  gpukit::graph g =
-      gpukit::capture(s, [&] { may_go_back = held.wait_before_giving_back(cuda0, "a test's release", {segment}); });
+  gpukit::graph g = gpukit::capture(s, [&] {
+    may_go_back = held.wait_before_giving_back(cuda0, "a test's release", {&segment, 1});
+  });
   CHECK_FALSE(may_go_back);
   CHECK(cudasim::calls("cudaDeviceSynchronize") == device_waits);  // no wait: it would have invalidated the capture
   const std::vector<gpukit::detail::held_segment> after = held.take_unless_capturing(cuda0);

@@ -1387,3 +1387,84 @@ TEST_CASE("resource_upstream: a free the resource refuses keeps the program's pe
   REQUIRE(cudaFree(resource.refused->front()) == cudaSuccess);  // the test's: the resource kept it
   (void)cudasim::take_violations();
 }
+
+// Reviewer 181: a copy refused before anything was enqueued (the legacy stream while a blocking stream is captured)
+// throws at once; keeping its temporary device buffer must not wait for the capture (for ever, if it is the
+// caller's own). Each capture is ended by a watchdog after 5 s at the latest, so that a regression fails, not hangs.
+TEST_CASE("sim staging: a refused copy_async with a temporary device buffer throws during this thread's raw capture") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream owner(d);
+  own_stream_device_buffer buffer(MiB, owner.view());
+  gpukit::stream captured(d, gpukit::stream_options{false, 0});  // blocking
+  std::vector<unsigned char> back(MiB, 0);
+  REQUIRE(cudaStreamBeginCapture(captured.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  std::mutex m;
+  std::condition_variable cv;
+  bool returned = false;
+  bool ended_by_watchdog = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(m);
+    if (cv.wait_for(lock, std::chrono::seconds(5), [&] { return returned; })) return;
+    ended_by_watchdog = true;
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(captured.cuda_handle(), &graph);  // relaxed: another thread may end it
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  });
+  CHECK_THROWS_AS(gpukit::copy_async(back, std::move(buffer), gpukit::stream_view::default_stream(d)),
+                  gpukit::invalid_argument_error);
+  {
+    std::lock_guard<std::mutex> lock(m);
+    returned = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  CHECK_FALSE(ended_by_watchdog);
+  if (!ended_by_watchdog) {
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(captured.cuda_handle(), &graph) == cudaSuccess);
+    (void)cudaGraphDestroy(graph);
+  }
+  owner.synchronize();
+  (void)cudasim::take_violations();
+}
+
+TEST_CASE(
+    "sim staging: a refused copy_async with a temporary device buffer does not wait for another thread's capture") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream owner(d);
+  own_stream_device_buffer buffer(MiB, owner.view());
+  gpukit::stream captured(d, gpukit::stream_options{false, 0});  // blocking
+  std::vector<unsigned char> back(MiB, 0);
+  std::mutex m;
+  std::condition_variable cv;
+  bool begun = false;
+  bool released = false;
+  bool ended_by_watchdog = false;
+  std::thread capturer([&] {
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(captured.cuda_handle(), cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    std::unique_lock<std::mutex> lock(m);
+    begun = true;
+    cv.notify_all();
+    ended_by_watchdog = !cv.wait_for(lock, std::chrono::seconds(5), [&] { return released; });
+    lock.unlock();
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(captured.cuda_handle(), &graph);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  });
+  {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return begun; });
+  }
+  CHECK_THROWS_AS(gpukit::copy_async(back, std::move(buffer), gpukit::stream_view::default_stream(d)),
+                  gpukit::invalid_argument_error);
+  {
+    std::lock_guard<std::mutex> lock(m);
+    released = true;  // the capture was still underway when copy_async returned, unless the watchdog ended it
+  }
+  cv.notify_all();
+  capturer.join();
+  CHECK_FALSE(ended_by_watchdog);
+  owner.synchronize();
+  (void)cudasim::take_violations();
+}

@@ -193,7 +193,9 @@ class resource_upstream {
       releases_queued_->store(true);
       return true;
     } catch (...) {  // no release stream, a wait refused, or the resource refused the free
-      if (pending == cudaSuccess) (void)cudaGetLastError();  // a failure of this call's (the resource's own CUDA call)
+      // A failure of this call's (the resource's own CUDA call) is forgotten, unless the program had one pending:
+      // CUDA keeps one last error, which a failing call there has already replaced (as any failing call would).
+      if (pending == cudaSuccess) (void)cudaGetLastError();
       return false;
     }
   }

@@ -321,12 +321,22 @@ void keep_device_buffer_for_copy(X& x, const stream_view& s, const stream_view* 
   synchronize_before_freeing(s);
 }
 
-/// keep_device_buffer_for_copy for a copy that failed part-way, while its error is on its way to the caller: a
-/// failure here (neither recorded nor waited for: the device is lost) leaves that first error to be reported.
+/// keep_device_buffer_for_copy for a copy that failed, perhaps part-way, while its error is on its way to the
+/// caller: recorded for `s`, else waited for, but never while a capture refuses the wait (the failure may be that very
+/// refusal, made before anything was enqueued; synchronize_before_freeing would wait for the capture to end, for
+/// ever if it is the caller's). A failure here leaves the copy's error to be reported.
 template <class X>
 void keep_device_buffer_after_failure(X& x, const stream_view& s) noexcept {
+  if (frees_in_order_of(x, s)) return;
+  if constexpr (has_record_stream<X>::value) {
+    try {
+      x.record_stream(s);
+      return;
+    } catch (...) {  // waited for instead
+    }
+  }
   try {
-    keep_device_buffer_for_copy(x, s);
+    s.synchronize();
   } catch (...) {
   }
 }
