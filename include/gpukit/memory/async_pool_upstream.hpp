@@ -150,17 +150,9 @@ class async_pool_upstream {
   /// destruction). A raw capture of a non-blocking stream cannot be seen. The caching allocator takes this path only
   /// for segments it cannot order by events (used on raw stream handles, or when recording failed).
   void deallocate(void* p, std::size_t bytes) noexcept {
-    const detail::held_segment segment{p, bytes};
-    std::vector<detail::held_segment> held;
-    if (held_.hold_or_take(segment, held, device_)) return;  // given back with the next one after the captures
-    try {
-      held.push_back(segment);
-    } catch (...) {  // no room to list it with the segments held back: those first, then it alone
-      give_back(held);
-      give_back({&segment, 1});
-      return;
-    }
-    give_back(held);
+    // Held back during a capture, given back with the next one after the captures.
+    held_.hold_or_give_back({p, bytes}, device_, true,
+                            [this](span<const detail::held_segment> segments) { give_back(segments); });
   }
 
   /// Gives segment `p` back to the pool once the events in `after` have completed, without waiting on the host:

@@ -160,17 +160,9 @@ class resource_upstream {
   /// while a capture is in sight, later (see the file comment). Failures are reported through gpukit::warn, the
   /// segment then kept rather than handed back while in use.
   void deallocate(void* p, std::size_t bytes) noexcept {
-    const detail::held_segment segment{p, bytes};
-    std::vector<detail::held_segment> held;
-    if (device_.is_cuda() && held_.hold_or_take(segment, held, device_)) return;  // the wait would break the capture
-    try {
-      held.push_back(segment);
-    } catch (...) {  // no room to list it with the segments held back: those first, then it alone
-      give_back(held);
-      give_back({&segment, 1});
-      return;
-    }
-    give_back(held);
+    // Held back while a capture is in sight (the wait would break it); the CPU has none.
+    held_.hold_or_give_back({p, bytes}, device_, device_.is_cuda(),
+                            [this](span<const detail::held_segment> segments) { (void)give_back(segments); });
   }
 
   /// Gives segment `p` back in stream order (a stream-ordered resource only): gpukit's release stream of the device

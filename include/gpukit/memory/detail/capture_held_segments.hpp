@@ -44,20 +44,33 @@ class capture_held_segments {
   capture_held_segments& operator=(const capture_held_segments&) = delete;
   capture_held_segments& operator=(capture_held_segments&&) = delete;
 
-  /// Holds `segment` back if a capture in sight on `d` runs now (true). Otherwise (false) the caller gives it back
-  /// now, with the segments held so far, which are moved into `give_back`. With no memory to hold it, false too.
-  bool hold_or_take(held_segment segment, std::vector<held_segment>& give_back, gpukit::device d) noexcept {
-    const bool capturing = capture_in_sight(d);  // a CUDA call: not under the lock
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (capturing) {
-        held_.push_back(segment);
-        return true;
+  /// An upstream's free of `segment`: held back if a capture in sight on `d` runs now (never when `may_hold` is
+  /// false: the CPU), else given back now through `give_back` (called with a span of segments) together with the
+  /// segments held so far. With no memory to hold it, given back too; with none to list them together, the held ones
+  /// first, then it alone.
+  template <class GiveBack>
+  void hold_or_give_back(held_segment segment, gpukit::device d, bool may_hold, GiveBack&& give_back) noexcept {
+    std::vector<held_segment> taken;
+    if (may_hold) {
+      const bool capturing = capture_in_sight(d);  // a CUDA call: not under the lock
+      try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (capturing) {
+          held_.push_back(segment);
+          return;
+        }
+        held_.swap(taken);
+      } catch (...) {  // no lock or no room: given back now
       }
-      held_.swap(give_back);
-    } catch (...) {  // no lock or no room: given back now
     }
-    return false;
+    try {
+      taken.push_back(segment);
+    } catch (...) {
+      give_back(span<const held_segment>(taken));
+      give_back(span<const held_segment>(&segment, 1));
+      return;
+    }
+    give_back(span<const held_segment>(taken));
   }
 
   /// The segments held, to give back now; none while a capture in sight on `d` runs.
