@@ -218,13 +218,15 @@ void serve(gpukit::device d, request_queue& queue, memory_admission& admission, 
       gpukit::device_buffer<float> input(r->elements, s);
       gpukit::device_buffer<float> output(r->elements, s);
       gpukit::pooled_pinned_buffer<float> host_out(r->elements, d);
+      // Before the copies: if one throws, the buffers go back to their pool only after the work already enqueued
+      // on `s` (an upload that still reads host_in) has completed.
+      host_in.record_stream(s);
+      host_out.record_stream(s);
       gpukit::copy_async(gpukit::device_span<float>(input.data(), r->elements, d),
                          gpukit::pinned_span<const float>(host_in.data(), r->elements), s);
       run_model(d, output.data(), input.data(), r->elements, s);
       gpukit::copy_async(gpukit::pinned_span<float>(host_out.data(), r->elements),
                          gpukit::device_span<const float>(output.data(), r->elements, d), s);
-      host_in.record_stream(s);
-      host_out.record_stream(s);
       done_event.record(s);
       done_event.synchronize();
       bool right = true;

@@ -460,6 +460,42 @@ const int current_stream_at_exit = std::atexit([] {
 });
 }  // namespace
 
+namespace {
+bool inline_chain_used = false;
+// Registered before main: exit runs it after this (main) thread's thread_local objects are destroyed. A host function
+// enqueued inline from inside another on the CPU default stream must still run after it, in order, without touching
+// the thread's destroyed deferral state (a use after free, which AddressSanitizer reports: helper-187).
+const int inline_chain_at_exit = std::atexit([] {
+  if (!inline_chain_used) return;
+  const gpukit::stream_view s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  std::string order;
+  s.enqueue_host([&] {
+    s.enqueue_host([&] {
+      s.enqueue_host([&] { order += 'c'; });
+      order += 'b';
+    });
+    order += 'a';
+  });
+  s.enqueue_host([&] { order += 'd'; });
+  if (order != "abcd") {
+    std::fprintf(stderr, "host functions at exit ran as \"%s\", not \"abcd\"\n", order.c_str());
+    std::_Exit(1);
+  }
+});
+}  // namespace
+
+TEST_CASE("host functions enqueued inline from inside another run after it at exit, after the state is gone") {
+  CHECK(inline_chain_at_exit == 0);
+  inline_chain_used = true;
+  const gpukit::stream_view s = gpukit::stream_view::default_stream(gpukit::device::cpu());
+  std::string order;
+  s.enqueue_host([&] {  // makes this thread's state now, so that it is destroyed before the handler runs
+    s.enqueue_host([&] { order += 'b'; });
+    order += 'a';
+  });
+  CHECK(order == "ab");
+}
+
 TEST_CASE("the current stream is usable at exit, after this thread's table is gone") {
   CHECK(current_stream_at_exit == 0);
   current_stream_set = true;

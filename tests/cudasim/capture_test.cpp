@@ -2992,11 +2992,19 @@ TEST_CASE("capture: a stream of stream_pool::next() is refused, one of acquire_e
                        doctest::Contains("gpukit::capture: a stream of stream_pool::next() on cuda:0"),
                        gpukit::invalid_argument_error);
   CHECK(cudasim::calls("cudaStreamBeginCapture") == begun);  // nothing was captured
+  // Named by its raw handle, or by a view made from it, it is the same stream: refused too.
+  CHECK_THROWS_WITH_AS(gpukit::capture(shared.cuda_handle(), [] {}), doctest::Contains("stream_pool::next()"),
+                       gpukit::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(gpukit::capture(gpukit::stream_view(cuda0, shared.cuda_handle()), [] {}),
+                       doctest::Contains("stream_pool::next()"), gpukit::invalid_argument_error);
+  CHECK(cudasim::calls("cudaStreamBeginCapture") == begun);
   const gpukit::stream_pool::lease own = pool.acquire_exclusive();
   const gpukit::graph g = gpukit::capture(own.view(), [] {});
   CHECK(static_cast<bool>(g));
+  CHECK(static_cast<bool>(gpukit::capture(own.view().cuda_handle(), [] {})));  // by its handle too
   gpukit::stream created(cuda0);
   CHECK(static_cast<bool>(gpukit::capture(created, [] {})));
+  CHECK(static_cast<bool>(gpukit::capture(gpukit::stream_view(cuda0, created.cuda_handle()), [] {})));
   CHECK(cudasim::violations().empty());
 }
 

@@ -10,6 +10,8 @@
 #include <gpukit/memory/resource_upstream.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/device_buffer.hpp>
+#include <gpukit/memory/history_export.hpp>
+#include <gpukit/memory/memory_history.hpp>
 #include <gpukit/device/properties.hpp>
 #include <gpukit/graph/graph.hpp>
 #include <gpukit/stream/current_stream.hpp>
@@ -1993,6 +1995,63 @@ TEST_CASE("streams: another thread's per-thread stream cannot be made current, a
   }).join();
   CHECK(refusal.rfind("gpukit::stream_timer::stop", 0) == 0);  // refused as another thread's stream, asking nothing
   CHECK(timer.elapsed().count() >= 0.0);                       // stopped here instead
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: history_json writes an id of gpukit's (the legacy stream named during a capture) below 2^53") {
+  // gpukit's own ids carry bit 62 (own_stream_id_bit): written as they are, JSON readers that take numbers as doubles
+  // read 2^62 + 1 and 2^62 + 2 as one stream (helper-184). Bit 62 moves to bit 52, above any cudaStreamGetId.
+  static_assert(gpukit::detail::cuda_backend::own_stream_id_bit == std::uint64_t{1} << 62, "json_stream's bit");
+  gpukit::stream blocking(cuda0, gpukit::stream_options{false, 0});
+  const gpukit::device_guard current(cuda0);
+  REQUIRE(cudaStreamBeginCapture(blocking.cuda_handle(), cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  const unsigned long long during = gpukit::stream_view::default_stream(cuda0).id();  // gpukit's, for the process
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(blocking.cuda_handle(), &graph) == cudaSuccess);
+  if (graph != nullptr) CHECK(cudaGraphDestroy(graph) == cudaSuccess);
+  REQUIRE((during & gpukit::detail::cuda_backend::own_stream_id_bit) != 0);
+  gpukit::caching_allocator a(cuda0);
+  auto history = std::make_shared<gpukit::memory_history>();
+  a.set_memory_history(history);
+  void* p = a.allocate(4096, gpukit::stream_view::default_stream(cuda0));
+  const std::string json = gpukit::history_json(*history);
+  a.deallocate(p);
+  const std::uint64_t written = (during & ((std::uint64_t{1} << 52) - 1)) | (std::uint64_t{1} << 52);
+  CHECK(json.find("\"stream\":" + std::to_string(written) + ",") != std::string::npos);
+  CHECK(json.find(std::to_string(during)) == std::string::npos);
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("streams: a gpukit::stream made current through its raw handle is refused once destroyed") {
+  // The view made from the handle carries no record; the owner's is found by the handle, so current_stream notices
+  // the destruction rather than handing out the handle, which CUDA gives the next stream created.
+  std::optional<gpukit::stream> s(std::in_place, cuda0);
+  const cudaStream_t handle = s->cuda_handle();
+  gpukit::set_current_stream(gpukit::stream_view(cuda0, handle));
+  CHECK(gpukit::current_stream(cuda0).native_handle() == handle);
+  s.reset();
+  const gpukit::stream next(cuda0);
+  REQUIRE(next.cuda_handle() == handle);  // the simulator reuses the handle at once, as the driver may
+  CHECK_THROWS_WITH_AS((void)gpukit::current_stream(cuda0), doctest::Contains("destroyed while current"),
+                       gpukit::invalid_argument_error);
+  // Released: the stream lives on with its caller, and stays current.
+  gpukit::stream owned(cuda0);
+  const cudaStream_t released_handle = owned.cuda_handle();
+  gpukit::set_current_stream(released_handle);
+  const cudaStream_t given = owned.release();
+  CHECK(gpukit::current_stream(cuda0).native_handle() == given);
+  // Wrapped with ownership again, then destroyed: refused.
+  std::optional<gpukit::stream> wrapped(gpukit::stream::wrap(given, cuda0, true));
+  CHECK(gpukit::current_stream(cuda0).native_handle() == released_handle);
+  wrapped.reset();
+  CHECK_THROWS_AS((void)gpukit::current_stream(cuda0), gpukit::invalid_argument_error);
+  // A borrowed handle (no gpukit::stream owns it) is kept as it is, as before.
+  cudaStream_t raw = nullptr;
+  REQUIRE(cudaStreamCreate(&raw) == cudaSuccess);
+  gpukit::set_current_stream(gpukit::stream_view(cuda0, raw));
+  CHECK(gpukit::current_stream(cuda0).native_handle() == raw);
+  gpukit::set_current_stream(gpukit::stream_view::default_stream(cuda0));
+  CHECK(cudaStreamDestroy(raw) == cudaSuccess);
   CHECK(cudasim::violations().empty());
 }
 

@@ -403,6 +403,31 @@ TEST_CASE("inconsistent options are rejected") {
   CHECK_FALSE(rejected([](gpukit::allocator_options& o) { o = gpukit::allocator_options::pytorch(); }));
 }
 
+TEST_CASE("trim to a target already met waits for no stream and keeps the front caches") {
+  // A program that trims to its budget every step must not drain its streams each time (helper-185).
+  fake_setup f;
+  const fake_stream s0 = f.add_stream();
+  const fake_stream s1 = f.add_stream();
+  void* p = f.a.allocate(4 * MiB, s0);
+  f.a.record_stream(p, s1);
+  f.world.enqueue(s1.id);  // s1 still uses p
+  f.a.deallocate(p);       // pending on s1's event
+  void* cached = f.a.allocate(256, s0);
+  f.a.deallocate(cached);  // cached in s0's front slot
+  const std::size_t reserved = f.a.memory_reserved();
+  const auto before = f.a.stats();
+  const int host_waits = f.world.synchronizations;
+  CHECK(f.a.trim(reserved + GiB) == reserved);
+  CHECK(f.a.trim(reserved) == reserved);
+  CHECK(f.world.synchronizations == host_waits);  // s1's work was not waited for
+  CHECK(f.a.stats().num_sync_all_streams == before.num_sync_all_streams);
+  CHECK(f.a.stats().active.all().current == 1);  // the pending block is still pending
+  CHECK(f.a.allocate(256, s0) == cached);        // served from the front cache, which was not flushed
+  f.a.deallocate(cached);
+  CHECK(f.a.trim(reserved - 1) < reserved);  // below: released as before (the pending block waited for)
+  CHECK(f.world.synchronizations > host_waits);
+}
+
 TEST_CASE("empty_cache releases only completely free segments, and trim releases the largest first") {
   fixture f;
   const auto small = f.alloc(1000);       // small segment, stays in use

@@ -344,6 +344,27 @@ TEST_CASE("history exports: every number in history_json is below 2^53, CPU stre
   CHECK(largest < (std::uint64_t{1} << 53));
 }
 
+TEST_CASE("history exports: a block of no stream is written as null in history_json, and read back by the replay") {
+  // Free blocks go to no stream once their stream is destroyed and its work is done: the allocator's key for it is
+  // ~0, which JSON readers that take numbers as doubles would read as 2^64 (helper-184).
+  const gpukit::device cpu = gpukit::device::cpu();
+  gpukit::caching_allocator a(cpu);
+  auto history = std::make_shared<gpukit::memory_history>();
+  a.set_memory_history(history);
+  gpukit::stream kept(cpu);
+  {
+    gpukit::stream gone(cpu);
+    a.deallocate(a.allocate(4 << 20, gone));
+    gone.synchronize();
+  }
+  void* q = a.allocate(256, kept);  // notices the destruction: the free block has no stream now
+  const auto snapshot = a.snapshot();
+  const std::string json = gpukit::history_json(*history, &snapshot);
+  a.deallocate(q);
+  CHECK(json.find("\"state\":\"inactive\",\"stream\":null}") != std::string::npos);
+  CHECK(json.find("\"stream\":" + std::to_string(~std::uint64_t{0} >> 1)) == std::string::npos);
+}
+
 TEST_CASE("history exports: the leak report writes tags as printable UTF-8") {
   // It goes to stderr at exit: a tag's line break, escape sequence or invalid byte would garble the terminal or log.
   world_and_allocator w;

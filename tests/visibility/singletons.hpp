@@ -20,7 +20,8 @@ inline constexpr const char* singleton_names[] = {
     "detail::device_properties_cache()",
     "nvml::instance()",
     "detail::current_streams() (this thread's)",
-    "detail::inline_host_functions_of_this_thread() (this thread's)",
+    "detail::inline_host_functions_state() (this thread's)",
+    "detail::inline_host_functions_after_teardown() (this thread's)",
     "detail::default_stream_pools()",
     "default_stream_pool(cpu)",
     "detail::default_allocators()",
@@ -45,6 +46,9 @@ inline constexpr const char* singleton_names[] = {
     "mode_independent::legacy_stream_holds(0)",
     "mode_independent::gpukit_capture_table_v1()",
     "detail::stream_expirations()",
+    "mode_independent::stream_table_v1()",
+    "mode_independent::released_stream_table_v1()",
+    "mode_independent::owned_stream_records_v1()",
 };
 inline constexpr std::size_t singleton_count = sizeof(singleton_names) / sizeof(singleton_names[0]);
 
@@ -68,7 +72,8 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::detail::device_properties_cache(),
       &gpukit::nvml::instance(),
       gpukit::detail::current_streams(),
-      &gpukit::detail::inline_host_functions_of_this_thread(),
+      gpukit::detail::inline_host_functions_state(),
+      &gpukit::detail::inline_host_functions_after_teardown(),
       &gpukit::detail::default_stream_pools(),
       &gpukit::default_stream_pool(cpu),
       &gpukit::detail::default_allocators(),
@@ -93,6 +98,9 @@ singleton_addresses collect_singleton_addresses() {
       &gpukit::mode_independent::legacy_stream_holds(0),
       &gpukit::mode_independent::gpukit_capture_table_v1(),
       &gpukit::detail::stream_expirations(),
+      &gpukit::mode_independent::stream_table_v1(),
+      &gpukit::mode_independent::released_stream_table_v1(),
+      &gpukit::mode_independent::owned_stream_records_v1(),
   }};
 }
 }  // namespace

@@ -103,6 +103,10 @@ inline bool json_number(const std::string& object, const char* key, std::uintptr
   const std::string k = std::string("\"") + key + "\":";
   const std::size_t at = object.find(k);
   if (at == std::string::npos) return false;
+  if (object.compare(at + k.size(), 4, "null") == 0) {  // a stream key: a block of no stream
+    out = ~std::uintptr_t{0};
+    return true;
+  }
   out = static_cast<std::uintptr_t>(std::stoull(object.substr(at + k.size())));
   return true;
 }

@@ -305,7 +305,10 @@ graph capture_graph(stream_view s, F&& work, std::shared_ptr<graph_pool> pool, c
         "be captured, not " +
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
-  if (const auto life = s.lifetime(); life != nullptr && life->shared_by_pool()) {
+  // A view made from a raw handle carries no record: the handle's owner, if a gpukit::stream, has one.
+  std::shared_ptr<const detail::stream_life> life = s.lifetime();
+  if (life == nullptr && !s.is_default()) life = detail::owned_stream_life(s.native_handle());
+  if (life != nullptr && life->shared_by_pool()) {
     throw invalid_argument_error(
         "gpukit::capture: a stream of stream_pool::next() on " + s.device().to_string() +
         ", which other users of the pool share: their work on it would go into the graph, and a synchronize of it "

@@ -103,7 +103,8 @@ struct allocator_stats {
   std::int64_t num_device_free = 0;       ///< upstream frees (cudaFree calls)
   /// Upstream frees the allocator chose to make while memory was available: neither under pressure (a refused
   /// upstream allocation, the reserved limit) nor asked for (empty_cache, trim, a lower limit). Each drains the
-  /// device on CUDA; with the default options (release_before_grow off) it stays 0.
+  /// device on CUDA. With the default options (release_before_grow off) only the segments of streams abandoned under
+  /// stream churn (many streams used once and left; README, "Stream churn") are freed so, before the cache grows.
   std::int64_t num_device_free_unforced = 0;
   /// Allocations and frees that reached the heap (the front caches could not serve them) and found the device lock
   /// held by another thread: how much the threads serialize. Reset with the accumulated statistics; memory_summary

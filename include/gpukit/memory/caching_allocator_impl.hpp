@@ -341,6 +341,9 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::trim(std
   release_held_segments();
   std::unique_lock<detail::device_mutex> lock(mutex_);
   refuse_release_if_captured("trim");
+  // At the target already: nothing to release, so no wait for pending work and no flush of the front caches (a
+  // program that trims to its budget every step would otherwise drain its streams each time).
+  if (target_reserved != 0 && current(stats_.reserved_bytes) <= target_reserved) return current(stats_.reserved_bytes);
   release_cached(lock, true, target_reserved, true);
   return current(stats_.reserved_bytes);
 }

@@ -250,6 +250,19 @@ inline void refuse_dropped_snapshot_event(const char* who, const char* what, con
 /// are far below it.
 inline std::uint64_t pytorch_stream(std::uint64_t key) noexcept { return key & ~(std::uint64_t{1} << 63); }
 
+/// A stream key as a JSON value that readers taking numbers as doubles read exactly (below 2^53, RFC 8259 section 6):
+/// null for a block of no stream (the allocator's no_stream_key: its stream was destroyed and its work is done); else
+/// the key without the CPU-stream bit (as pytorch_stream), and with gpukit's own-id bit (bit 62, own_stream_id_bit:
+/// ids gpukit gives streams CUDA would not name during a capture) moved down to bit 52, above any cudaStreamGetId
+/// number, so that such ids stay apart from CUDA's and from one another.
+inline std::string json_stream(std::uint64_t key) {
+  constexpr std::uint64_t no_stream = ~std::uint64_t{0};        // caching_allocator::no_stream_key
+  constexpr std::uint64_t own_id_bit = std::uint64_t{1} << 62;  // cuda_backend::own_stream_id_bit
+  constexpr std::uint64_t below_bit_52 = (std::uint64_t{1} << 52) - 1;
+  if (key == no_stream) return "null";
+  return std::to_string((key & below_bit_52) | ((key & own_id_bit) != 0 ? below_bit_52 + 1 : 0));
+}
+
 inline const char* pytorch_block_state(block_state s) noexcept {
   switch (s) {
     case block_state::allocated:
@@ -527,8 +540,8 @@ inline std::string rmm_log_csv(const memory_history& history, rmm_failure_rows f
 /// The history (and, when given, a snapshot's segments) as JSON: {"recorded", "dropped", "events": [{"action",
 /// "address", "size", "stream", "time_us", "thread", "tag"}, ...], "segments": [...]}. Every number is below 2^53, so
 /// that readers that take JSON numbers as doubles (JavaScript, jq) read them exactly (RFC 8259, section 6): streams
-/// without gpukit's CPU-stream bit, as in the pickle (one history has one device's streams, so they stay distinct),
-/// and thread numbers in their low 53 bits.
+/// as detail::json_stream writes them (null for a block of no stream; one history has one device's streams, so they
+/// stay distinct), and thread numbers in their low 53 bits.
 inline std::string history_json(const memory_history& history, const allocator_snapshot* snapshot = nullptr) {
   const memory_history_contents contents = history.contents();
   std::string out = "{\"recorded\":" + std::to_string(contents.recorded) +
@@ -539,8 +552,7 @@ inline std::string history_json(const memory_history& history, const allocator_s
     first = false;
     out += "{\"action\":\"" + std::string(memory_action_name(e.action)) +
            "\",\"address\":" + std::to_string(e.address) + ",\"size\":" + std::to_string(e.size) +
-           ",\"stream\":" + std::to_string(detail::pytorch_stream(e.stream)) +
-           ",\"time_us\":" + std::to_string(history.unix_time_us(e)) +
+           ",\"stream\":" + detail::json_stream(e.stream) + ",\"time_us\":" + std::to_string(history.unix_time_us(e)) +
            ",\"thread\":" + std::to_string(e.thread & ((std::uint64_t{1} << 53) - 1));
     if (e.tag != 0) out += ",\"tag\":" + detail::json_string(memory_tag_name(e.tag));
     if (e.action == memory_action::oom) out += ",\"device_free\":" + std::to_string(e.device_free);
@@ -560,8 +572,7 @@ inline std::string history_json(const memory_history& history, const allocator_s
         out += k == 0 ? "" : ",";
         out += "{\"address\":" + std::to_string(b.address) + ",\"size\":" + std::to_string(b.size) +
                ",\"requested\":" + std::to_string(b.requested) + ",\"state\":\"" +
-               detail::pytorch_block_state(b.state) +
-               "\",\"stream\":" + std::to_string(detail::pytorch_stream(b.stream)) + "}";
+               detail::pytorch_block_state(b.state) + "\",\"stream\":" + detail::json_stream(b.stream) + "}";
       }
       out += "]}";
     }

@@ -42,7 +42,8 @@ GPUKIT_INLINE stream_view current_stream(device d);
 
 /// Makes `s` the calling thread's current stream of its device (a default stream's view made without a device, such
 /// as stream_view{} or a cuda::stream_ref's, is taken as the current device's and keeps naming it). `s` must stay
-/// alive while it is current: current_stream() refuses a gpukit::stream destroyed since. Throws
+/// alive while it is current: current_stream() refuses a gpukit::stream destroyed since (made current by its view,
+/// or by its raw handle: that handle's owner is looked up). Throws
 /// invalid_argument_error, changing nothing, for another thread's per-thread default stream
 /// (stream_view::is_other_threads_stream): this thread cannot name it.
 GPUKIT_INLINE void set_current_stream(stream_view s);
@@ -128,6 +129,8 @@ GPUKIT_INLINE void set_current_stream(stream_view s) {
   }
   const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
   std::shared_ptr<const detail::stream_life> life = s.lifetime();
+  // A view made from a raw handle carries no record: its owner's, if a gpukit::stream owns it, tells its destruction.
+  if (life == nullptr && !s.is_cpu() && !s.is_default()) life = detail::owned_stream_life(s.native_handle());
   const bool has_life = life != nullptr;
   if (detail::current_stream_entry* entry = detail::current_stream_entry_of(d)) {
     *entry = {d, stored, life, has_life, expirations};

@@ -35,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -134,6 +135,31 @@ struct released_stream_table {
 GPUKIT_EXPORT inline released_stream_table& released_stream_table_v1() noexcept {
   alignas(released_stream_table) static unsigned char storage[sizeof(released_stream_table)];
   static released_stream_table* const table = ::new (static_cast<void*>(storage)) released_stream_table;
+  return *table;
+}
+
+/// The record of a CUDA stream a gpukit::stream owns now: its stream_life (type-erased, of the mode named `mode`),
+/// which the views made from its raw handle have not got.
+struct owned_stream_record {
+  std::weak_ptr<void> life;  ///< the owner's stream_life
+  std::array<char, 32> mode{};  ///< GPUKIT_ABI_NAMESPACE of the owner's code (its stream_life's type)
+};
+
+/// The records of the CUDA streams gpukit::stream objects own, by handle (exported: one per process, shared by the
+/// modes; never destroyed, made as stream_table_v1 is). A view made from a raw handle finds its stream's record
+/// here where it matters: gpukit::capture refuses a pool's shared stream, and current_stream notices the
+/// destruction of a stream made current through its handle. Entered best effort (out of memory: not entered, and
+/// such a view is unknown, as any raw handle's), removed before the stream is destroyed or released.
+struct owned_stream_records {
+  std::shared_mutex mutex;                                          ///< guards by_handle
+  std::unordered_map<cudaStream_t, owned_stream_record> by_handle;  ///< by handle
+  std::atomic<std::size_t> count{0};  ///< by_handle.size(), read without the lock to skip an empty table
+};
+
+/// The process's owned_stream_records; made as stream_table_v1 is.
+GPUKIT_EXPORT inline owned_stream_records& owned_stream_records_v1() noexcept {
+  alignas(owned_stream_records) static unsigned char storage[sizeof(owned_stream_records)];
+  static owned_stream_records* const table = ::new (static_cast<void*>(storage)) owned_stream_records;
   return *table;
 }
 
@@ -325,6 +351,10 @@ class stream_life : public std::enable_shared_from_this<stream_life> {
 /// This mode's ABI namespace by name: a released stream's record is taken back only by code of the same mode, whose
 /// stream_life it is (mode_independent::released_stream_table).
 inline constexpr const char* abi_namespace_name = GPUKIT_DETAIL_STRINGIFY(GPUKIT_ABI_NAMESPACE);
+/// This mode's name as the exported tables keep it with a record (cut to 31 characters, padded with '\0').
+GPUKIT_INLINE std::array<char, 32> this_mode_tag() noexcept;
+/// Whether `tag` (this_mode_tag() of the code that made a record) names this mode.
+GPUKIT_INLINE bool is_this_mode(const std::array<char, 32>& tag) noexcept;
 /// Keeps `life`, the record of released stream `handle`, in mode_independent::released_stream_table, and drops the
 /// records of other streams that had the handle (ids that differ; an id of gpukit's, own_stream_id_bit, given while
 /// a stream was captured, compares with none: such a record is kept). A record goes back to a gpukit::stream of this
@@ -338,6 +368,15 @@ GPUKIT_INLINE void keep_released_stream(cudaStream_t handle, const std::shared_p
 GPUKIT_INLINE std::shared_ptr<stream_life> reclaim_released_stream(cudaStream_t handle, unsigned long long id) noexcept;
 /// Drops every record of `handle`: the stream that has it is being destroyed by its gpukit::stream.
 GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept;
+/// Enters `life`, the record of CUDA stream `handle`, which a gpukit::stream of this mode now owns, in
+/// mode_independent::owned_stream_records (best effort: out of memory, it is not entered).
+GPUKIT_INLINE void enter_owned_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) noexcept;
+/// Removes the record of `handle`: its owner destroys or releases it.
+GPUKIT_INLINE void remove_owned_stream(cudaStream_t handle) noexcept;
+/// The record of the stream that `handle` names, when a gpukit::stream of this mode owns it (else nullptr: no
+/// gpukit::stream owns it, one of the other mode does, or its record could not be entered). For views made from raw
+/// handles, which carry none.
+GPUKIT_INLINE std::shared_ptr<stream_life> owned_stream_life(cudaStream_t handle) noexcept;
 }  // namespace detail
 
 /// A non-owning reference to a stream of some device. It must not outlive the stream it refers to.
@@ -692,8 +731,18 @@ GPUKIT_INLINE unsigned long long default_stream_id(int ordinal, bool per_thread)
   return id;
 }
 
+GPUKIT_INLINE std::array<char, 32> this_mode_tag() noexcept {
+  std::array<char, 32> tag{};  // the rest stays '\0'
+  std::memcpy(tag.data(), abi_namespace_name, std::min(std::strlen(abi_namespace_name), tag.size() - 1));
+  return tag;
+}
+
+GPUKIT_INLINE bool is_this_mode(const std::array<char, 32>& tag) noexcept {
+  return std::strncmp(tag.data(), abi_namespace_name, tag.size()) == 0;
+}
+
 GPUKIT_INLINE bool made_by_this_mode(const mode_independent::released_stream& record) noexcept {
-  return std::strncmp(record.mode.data(), abi_namespace_name, record.mode.size()) == 0;
+  return is_this_mode(record.mode);
 }
 
 /// Whether ids `a` and `b` are known to be of different streams: CUDA's ids are unique for the process, but one of
@@ -714,9 +763,7 @@ GPUKIT_INLINE void expire_released_record(void* life) noexcept {
 }
 
 GPUKIT_INLINE void keep_released_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) {
-  mode_independent::released_stream record{life, {}, life->id(), expire_released_record};
-  std::memcpy(record.mode.data(), abi_namespace_name,
-              std::min(std::strlen(abi_namespace_name), record.mode.size() - 1));  // the rest stays '\0'
+  mode_independent::released_stream record{life, this_mode_tag(), life->id(), expire_released_record};
   mode_independent::released_stream_table& released = mode_independent::released_stream_table_v1();
   const std::lock_guard<std::mutex> lock(released.mutex);
   const auto kept = released.records.emplace(handle, std::move(record));  // may throw: nothing changed
@@ -763,6 +810,43 @@ GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept {
     released.count.store(released.records.size(), std::memory_order_relaxed);
   } catch (...) {  // the lock failed: the records stay until the handle's next stream
   }
+}
+
+GPUKIT_INLINE void enter_owned_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) noexcept {
+  mode_independent::owned_stream_record record{life, this_mode_tag()};
+  mode_independent::owned_stream_records& owned = mode_independent::owned_stream_records_v1();
+  try {
+    const std::unique_lock<std::shared_mutex> lock(owned.mutex);
+    owned.by_handle[handle] = std::move(record);
+    owned.count.store(owned.by_handle.size(), std::memory_order_relaxed);
+  } catch (...) {  // out of memory, or the lock failed: a view made from the handle is not recognised
+  }
+}
+
+GPUKIT_INLINE void remove_owned_stream(cudaStream_t handle) noexcept {
+  mode_independent::owned_stream_records& owned = mode_independent::owned_stream_records_v1();
+  if (owned.count.load(std::memory_order_relaxed) == 0) return;
+  try {
+    const std::unique_lock<std::shared_mutex> lock(owned.mutex);
+    owned.by_handle.erase(handle);
+    owned.count.store(owned.by_handle.size(), std::memory_order_relaxed);
+  } catch (...) {  // the lock failed: the record stays, expired once its stream is destroyed
+  }
+}
+
+GPUKIT_INLINE std::shared_ptr<stream_life> owned_stream_life(cudaStream_t handle) noexcept {
+  mode_independent::owned_stream_records& owned = mode_independent::owned_stream_records_v1();
+  if (owned.count.load(std::memory_order_relaxed) == 0) return nullptr;
+  std::shared_ptr<void> life;
+  try {
+    const std::shared_lock<std::shared_mutex> lock(owned.mutex);
+    const auto found = owned.by_handle.find(handle);
+    if (found == owned.by_handle.end() || !is_this_mode(found->second.mode)) return nullptr;
+    life = found->second.life.lock();
+  } catch (...) {  // the lock failed: not known
+    return nullptr;
+  }
+  return std::static_pointer_cast<stream_life>(life);
 }
 
 GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal, std::shared_ptr<const void> held) noexcept
@@ -1087,6 +1171,7 @@ GPUKIT_INLINE stream::stream(gpukit::device d, stream_options options) : device_
     life_ = std::make_shared<detail::stream_life>(id, d.ordinal());
     detail::cuda_backend::remember_created_stream(cuda_, {d.ordinal(), id, !options.non_blocking});
     detail::drop_released_streams(cuda_);  // a released stream had this handle: it was destroyed
+    detail::enter_owned_stream(cuda_, life_);
   } catch (...) {
     detail::cuda_backend::destroy_stream(std::exchange(cuda_, nullptr), d.ordinal(),
                                          "cudaStreamDestroy (a stream whose id could not be read)");
@@ -1145,6 +1230,7 @@ GPUKIT_INLINE stream stream::wrap(cudaStream_t handle, gpukit::device d, bool ta
       life = std::move(released);
     }
   }
+  if (take_ownership) detail::enter_owned_stream(handle, life);
   stream wrapped(d, handle, take_ownership, priority);
   wrapped.life_ = std::move(life);
   return wrapped;
@@ -1192,6 +1278,7 @@ GPUKIT_INLINE cudaStream_t stream::release() {
   cudaStream_t handle = cuda_;
   // The record outlives this object: views made before the call point at it (first: it may throw, nothing changed).
   if (owns_ && life_) detail::keep_released_stream(handle, life_);
+  if (owns_) detail::remove_owned_stream(handle);
   if (owns_) detail::cuda_backend::forget_created_stream(handle);  // the caller may destroy it, and CUDA reuse it
   life_.reset();
   cuda_ = nullptr;
@@ -1222,6 +1309,7 @@ GPUKIT_INLINE void stream::take(stream& other) noexcept {
 GPUKIT_INLINE void stream::destroy() noexcept {
   if (owns_ && cuda_ != nullptr) {
     if (life_) life_->expire(cuda_, life_.use_count() > 1);
+    detail::remove_owned_stream(cuda_);
     detail::cuda_backend::forget_created_stream(cuda_);  // first: the handle may be a new stream's at once
     detail::drop_released_streams(cuda_);                // another mode's record of it (released there, owned here)
     detail::cuda_backend::destroy_stream(cuda_, device_.ordinal(), "cudaStreamDestroy (in ~stream)");

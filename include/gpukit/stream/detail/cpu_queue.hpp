@@ -77,19 +77,16 @@ struct inline_host_functions {
   std::vector<host_task> deferred;
   std::size_t next = 0;
 };
-GPUKIT_EXPORT GPUKIT_INLINE inline_host_functions& inline_host_functions_of_this_thread();
+/// This thread's inline_host_functions; nullptr once this thread's thread_local objects are destroyed (code that runs
+/// after: at exit, a static's destructor or an atexit handler on the main thread).
+GPUKIT_EXPORT GPUKIT_INLINE inline_host_functions* inline_host_functions_state() noexcept;
+/// After that: the state of the outermost host function running inline on this thread (on its call's stack), or
+/// nullptr. A trivially destructible pointer, usable until the thread ends.
+GPUKIT_EXPORT GPUKIT_INLINE inline_host_functions*& inline_host_functions_after_teardown() noexcept;
 
-/// Runs a host function inline, on the calling thread (the CPU default stream, CUDA host-function trampolines),
-/// reporting an escaping exception through gpukit::warn.
-///
-/// One enqueued from inside another one running inline on this thread does not run nested: it runs after the
-/// enclosing one returns, in enqueue order, before the outermost call returns. That is the stream order (work
-/// enqueued by a host function comes after it), and it runs a chain of host functions that enqueue each other, any
-/// number deep, iteratively instead of exhausting the stack. (A task of a CPU stream's worker is not inline: the CPU
-/// default stream still runs work at once inside it.)
+/// run_host_function with this thread's state.
 template <class F>
-void run_host_function(F& function) noexcept {
-  inline_host_functions& state = inline_host_functions_of_this_thread();
+void run_host_function_in(inline_host_functions& state, F& function) noexcept {
   if (state.running) {
     if constexpr (std::is_move_constructible<F>::value) {
       // Room first, then the task: whichever allocation fails (std::bad_alloc), `function` has not been moved from.
@@ -120,6 +117,26 @@ void run_host_function(F& function) noexcept {
   state.deferred.clear();  // keeps its room for the next time
   state.next = 0;
   state.running = false;
+}
+
+/// Runs a host function inline, on the calling thread (the CPU default stream, CUDA host-function trampolines),
+/// reporting an escaping exception through gpukit::warn.
+///
+/// One enqueued from inside another one running inline on this thread does not run nested: it runs after the
+/// enclosing one returns, in enqueue order, before the outermost call returns. That is the stream order (work
+/// enqueued by a host function comes after it), and it runs a chain of host functions that enqueue each other, any
+/// number deep, iteratively instead of exhausting the stack. (A task of a CPU stream's worker is not inline: the CPU
+/// default stream still runs work at once inside it.)
+template <class F>
+void run_host_function(F& function) noexcept {
+  if (inline_host_functions* state = inline_host_functions_state()) return run_host_function_in(*state, function);
+  // At exit, after this thread's state was destroyed: the outermost call keeps one on its stack for those nested in it.
+  inline_host_functions*& after = inline_host_functions_after_teardown();
+  if (after != nullptr) return run_host_function_in(*after, function);
+  inline_host_functions outermost;
+  after = &outermost;
+  run_host_function_in(outermost, function);
+  after = nullptr;
 }
 
 /// Completion of one recorded point in a CPU queue: done once every task enqueued before it has finished.
@@ -224,8 +241,20 @@ GPUKIT_INLINE void host_task::operator()() { callable_->call(); }
 
 GPUKIT_INLINE host_task::operator bool() const noexcept { return static_cast<bool>(callable_); }
 
-GPUKIT_INLINE inline_host_functions& inline_host_functions_of_this_thread() {
-  thread_local inline_host_functions state;
+GPUKIT_INLINE inline_host_functions* inline_host_functions_state() noexcept {
+  thread_local bool torn_down = false;  // trivially destructible: readable after the state's destruction
+  if (torn_down) return nullptr;
+  struct owner {
+    bool& torn_down;
+    inline_host_functions state;
+    ~owner() { torn_down = true; }
+  };
+  thread_local owner kept{torn_down, {}};
+  return &kept.state;
+}
+
+GPUKIT_INLINE inline_host_functions*& inline_host_functions_after_teardown() noexcept {
+  thread_local inline_host_functions* state = nullptr;
   return state;
 }
 
