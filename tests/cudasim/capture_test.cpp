@@ -157,6 +157,21 @@ struct launched_output {
   }
 };
 
+/// A graph pool of `reserve_bytes`, `bytes` of it allocated directly (outside captures) on `s`, and an empty graph
+/// of the pool (its launches wait for the pool's uses). No graph uses the block, so a direct allocation may get it
+/// again once it is freed (a block a graph used, never: a launch may write it).
+struct direct_output {
+  std::shared_ptr<gpukit::graph_pool> pool;
+  void* out = nullptr;
+  gpukit::graph graph;
+
+  direct_output(gpukit::stream_view s, std::size_t reserve_bytes, std::size_t bytes)
+      : pool(gpukit::graph_pool::create(cuda0, reserve_bytes)), out(pool->allocate(bytes, s)) {
+    graph = gpukit::capture(
+        s, [] {}, pool);
+  }
+};
+
 /// Frees `out`, which `consumer` read (record_stream), while `consumer` is captured: the consumer cannot take an event
 /// then, so its use is deferred, and recorded by the pool's next launch, direct allocation or release.
 void free_while_consumer_captured(void* out, gpukit::stream_view consumer) {
@@ -1385,7 +1400,7 @@ TEST_CASE("capture: a direct allocation from a graph pool waits for a consumer r
   gpukit::stream other(cuda0);
   std::optional<gpukit::stream> consumer(std::in_place, cuda0);
   constexpr std::size_t bytes = 4096;
-  launched_output output(s, bytes, bytes);  // one block: a direct allocation gets the output's
+  direct_output output(s, bytes, bytes);  // one block: the next direct allocation gets it
   const auto& pool = output.pool;
   void* const out = output.out;
   gpukit_test::gate held;
@@ -1430,7 +1445,7 @@ TEST_CASE("capture: a graph pool orders a consumer another thread destroys while
   gpukit::stream other(cuda0);
   auto consumer = std::make_unique<gpukit::stream>(cuda0);
   constexpr std::size_t bytes = 4096;
-  launched_output output(s, bytes, bytes);  // one block: a direct allocation gets the output's
+  direct_output output(s, bytes, bytes);  // one block: the next direct allocation gets it
   gpukit_test::gate held;
   held.hold(*consumer);
   REQUIRE(cudaMemsetAsync(output.out, 1, bytes, consumer->cuda_handle()) == cudaSuccess);  // behind the gate
@@ -1572,7 +1587,7 @@ TEST_CASE("capture: a direct allocation from a graph pool on the legacy stream w
   gpukit::stream consumer(cuda0);
   const auto legacy = gpukit::stream_view::default_stream(cuda0);
   constexpr std::size_t bytes = 4096;
-  launched_output output(s, bytes, bytes);
+  direct_output output(s, bytes, bytes);
   const auto& pool = output.pool;
   void* const out = output.out;
   gpukit_test::gate held;
@@ -2761,7 +2776,8 @@ class capture_elsewhere {
 namespace {
 /// Frees `output.out` after a consumer stream recorded it whose final event could not be recorded when it was
 /// destroyed (as for one destroyed during its capture): only a device synchronize covers the consumer's work.
-void free_after_consumer_without_final_event(launched_output& output) {
+template <class Output>
+void free_after_consumer_without_final_event(Output& output) {
   auto consumer = std::make_unique<gpukit::stream>(cuda0);
   gpukit::default_allocator(cuda0).record_stream(output.out, *consumer);
   gpukit_test::captured_warnings warnings;
@@ -2779,7 +2795,7 @@ TEST_CASE("capture: a graph pool waits for a stream without a final event outsid
   gpukit::stream s(cuda0);
   gpukit::stream other(cuda0);
   constexpr std::size_t bytes = 4096;
-  launched_output output(s, bytes, bytes);
+  direct_output output(s, bytes, bytes);
   free_after_consumer_without_final_event(output);
   const std::size_t device_waits = cudasim::calls("cudaDeviceSynchronize");
   std::atomic<std::size_t> reserved_seen{0};

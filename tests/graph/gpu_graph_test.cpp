@@ -312,9 +312,10 @@ TEST_CASE("gpu: in a capture, a freed pool block is reused only on the stream th
       },
       pool);
   CHECK(pool->memory_allocated() == 0);
-  // After the capture, every block serves any stream of a later capture, merged again into the whole reserve.
-  CHECK(pool->free_space().free_blocks == 1);
-  CHECK(pool->free_space().largest_free_block == 4 * MiB);
+  // After the capture, the blocks it used serve any stream of a later capture, merged again; the rest stays apart
+  // for direct allocations too, and a later capture takes both as one.
+  CHECK(pool->free_space().free_blocks == 2);
+  CHECK(pool->free_space().free_bytes == 4 * MiB);
   g.launch(s);
   s.synchronize();
   GPUKIT_CUDA_TRY(cudaEventDestroy(fork));
@@ -813,4 +814,115 @@ TEST_CASE("gpu: a launch while another thread's capture of the pool frees an ear
   t.join();
   z.synchronize();
   CHECK(warnings.messages().empty());
+}
+
+TEST_CASE("gpu: a direct allocation from a graph pool never gets a block its graph writes at each launch") {
+  GPUKIT_REQUIRE_GPU();
+  // The graph's scratch, freed inside its capture, is written again by every launch, which a direct allocation does
+  // not wait for: direct allocations take only blocks no graph of the pool used (helper-189).
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  gpukit::device_buffer<int> out(256, s);
+  void* scratch = nullptr;
+  const gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        gpukit::device_buffer<int> tmp(256, s);
+        scratch = tmp.data();
+        GPUKIT_CUDA_TRY(cudaMemsetAsync(tmp.data(), 0x11, tmp.size_bytes(), s.cuda_handle()));
+        GPUKIT_CUDA_TRY(
+            cudaMemcpyAsync(out.data(), tmp.data(), tmp.size_bytes(), cudaMemcpyDeviceToDevice, s.cuda_handle()));
+      },
+      pool);
+  g.launch(s);
+  void* mine = pool->allocate(256 * sizeof(int), s);
+  CHECK(mine != scratch);
+  GPUKIT_CUDA_TRY(cudaMemsetAsync(mine, 0x22, 256 * sizeof(int), s.cuda_handle()));
+  g.launch(s);
+  std::vector<int> host(256);
+  GPUKIT_CUDA_TRY(cudaMemcpyAsync(host.data(), mine, 256 * sizeof(int), cudaMemcpyDeviceToHost, s.cuda_handle()));
+  s.synchronize();
+  CHECK(host == std::vector<int>(256, 0x22222222));
+  // Freed outside captures and never used by a graph: direct allocations may take it again.
+  pool->deallocate(mine, s);
+  void* again = pool->allocate(256 * sizeof(int), s);
+  CHECK(again == mine);
+  pool->deallocate(again, s);
+  // Asking for all that is free outside the graph's block: out of memory names the block kept for the graph.
+  std::string message;
+  try {
+    (void)pool->allocate(MiB, s);
+  } catch (const gpukit::out_of_memory_error& e) {
+    message = e.what();
+  }
+  CHECK(contains(message, "used by the pool's graphs"));
+  s.synchronize();
+}
+
+TEST_CASE("gpu: a capture takes a block its pool's graphs used together with the untouched block beside it") {
+  GPUKIT_REQUIRE_GPU();
+  // Direct allocations keep to untouched blocks; a capture may take both kinds, merged when it needs the room.
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  const gpukit::graph first = gpukit::capture(
+      s, [&] { gpukit::device_buffer<char> scratch(MiB / 2, s); }, pool);  // freed in the capture: the graph's
+  void* big = nullptr;
+  const gpukit::graph second = gpukit::capture(
+      s, [&] { big = pool->allocate(3 * MiB / 4, s); }, pool);  // more than either half alone
+  CHECK(big != nullptr);
+  CHECK(pool->memory_allocated() >= 3 * MiB / 4);
+  pool->deallocate(big, s);
+  s.synchronize();
+}
+
+TEST_CASE("gpu: a graph pool refuses an allocation for a capture it does not serve, as it refuses the free") {
+  GPUKIT_REQUIRE_GPU();
+  // That graph would write the block at each launch with no reference to the pool, which would hand it out again
+  // once freed (helper-189).
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto pool = gpukit::graph_pool::create(d, MiB);
+  std::string message;
+  const gpukit::graph g = gpukit::capture(s, [&] {  // no pool
+    try {
+      (void)pool->allocate(1024, s);
+    } catch (const gpukit::invalid_argument_error& e) {
+      message = e.what();
+    }
+  });
+  CHECK(contains(message, "gpukit::graph_pool::allocate"));
+  CHECK(contains(message, "a capture this graph pool does not serve"));
+  CHECK(contains(message, "nothing was allocated"));
+  CHECK(pool->memory_allocated() == 0);
+}
+
+TEST_CASE("gpu: a graph allocation is freed on its launching stream while its capture stream is captured again") {
+  GPUKIT_REQUIRE_GPU();
+  // The training loop: step 1's output, launched on `t`, is freed there while step 2 is captured on `s`. Ordering the
+  // free after `s` would join that capture, and it is not the graph's work (helper-189).
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  gpukit::stream t(d);
+  gpukit::async_allocator allocator(d);
+  void* out = nullptr;
+  const gpukit::graph first = gpukit::capture(s, [&] {
+    out = allocator.allocate(1024, s);
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(out, 1, 1024, s.cuda_handle()));
+  });
+  first.launch(t);
+  std::string refusal;
+  const gpukit::graph second = gpukit::capture(s, [&] {
+    GPUKIT_CUDA_TRY(cudaMemsetAsync(nullptr, 0, 0, s.cuda_handle()));
+    try {
+      allocator.deallocate(out, t);
+      out = nullptr;
+    } catch (const std::exception& e) {
+      refusal = e.what();
+    }
+  });
+  CHECK(refusal == "");
+  if (out != nullptr) allocator.deallocate(out, t);
+  t.synchronize();
 }

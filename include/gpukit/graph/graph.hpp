@@ -305,10 +305,15 @@ graph capture_graph(stream_view s, F&& work, std::shared_ptr<graph_pool> pool, c
         "be captured, not " +
         std::string(s.is_cpu() ? "a CPU stream" : "the legacy default stream"));
   }
-  // A view made from a raw handle carries no record: the handle's owner, if a gpukit::stream, has one.
-  std::shared_ptr<const detail::stream_life> life = s.lifetime();
-  if (life == nullptr && !s.is_default()) life = detail::owned_stream_life(s.native_handle());
-  if (life != nullptr && life->shared_by_pool()) {
+  // A view made from a raw handle carries no record: the handle's owner, if a gpukit::stream (of either mode), has one.
+  bool shared_by_pool = false;
+  if (const auto life = s.lifetime()) {
+    shared_by_pool = life->shared_by_pool();
+  } else if (!s.is_default()) {
+    const detail::stream_owner owner = detail::find_stream_owner(s.native_handle());
+    shared_by_pool = owner.life != nullptr && owner.shared_by_pool(owner.life.get());
+  }
+  if (shared_by_pool) {
     throw invalid_argument_error(
         "gpukit::capture: a stream of stream_pool::next() on " + s.device().to_string() +
         ", which other users of the pool share: their work on it would go into the graph, and a synchronize of it "

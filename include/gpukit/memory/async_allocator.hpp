@@ -608,7 +608,14 @@ class async_allocator final : public device_allocator {
     // stream now): then the device's upstream release stream frees it, after that work (stand_in_stream).
     const bool stream_destroyed = a.stream.destroyed();  // read once: it may change at any time
     const stream_view on = stream != nullptr ? *stream : usable_view(a.stream, stream_destroyed);
-    const bool also_allocation_stream = stream != nullptr || stream_destroyed;
+    bool also_allocation_stream = stream != nullptr || stream_destroyed;
+    // A graph allocation is written by the graph's launches, which a free on the launching stream follows; the capture
+    // stream's later work is not the graph's. It is followed too when it can be, not while that stream is captured
+    // again (the next step's capture, say): ordering the free after it would join that capture (helper-189).
+    if (also_allocation_stream && !stream_destroyed && a.capture != 0 && !detail::uses_legacy_stream(a.stream.view) &&
+        captured_now(a.stream)) {
+      also_allocation_stream = false;
+    }
     if (also_allocation_stream) a.users.push_back(a.stream);  // room reserved above
     const auto keep_live = [&] {
       if (also_allocation_stream) a.users.pop_back();
@@ -703,6 +710,14 @@ class async_allocator final : public device_allocator {
   /// recorded outside it, which CUDA refuses (cudaErrorStreamCaptureIsolation) and which ends the capture (found by
   /// review: the free was refused afterwards, as a free of memory from outside a capture is, but the capture was lost
   /// with it). `on` is asked only then, once.
+  /// Whether `s` is being captured now (false when it cannot be asked).
+  static bool captured_now(const kept_stream& s) noexcept {
+    try {
+      return detail::captured_while_kept(s.view, s.life.get());
+    } catch (...) {
+      return false;
+    }
+  }
   const stream_view* capture_joined(const allocation& a, const stream_view& on, bool& into_capture) const noexcept {
     into_capture = false;
     try {

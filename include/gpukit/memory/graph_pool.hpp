@@ -20,7 +20,8 @@
 /// the block at each launch). The reserve goes back to the backing allocator once the pool's graphs and
 /// every allocation from it are gone, ordered on the device after the work of the graphs' launches and of those
 /// streams (the host does not wait for it). Direct allocations from a pool (outside a capture) wait for the reserve and
-/// for those streams, not for its graphs' launches: allocate from it in captures. Several graphs may share a pool
+/// for those streams, not for its graphs' launches: they take only blocks no graph of the pool used. An allocation
+/// on a stream captured by a capture the pool does not serve is refused. Several graphs may share a pool
 /// (launched in the order they were captured, as with PyTorch's shared graph pools).
 ///
 ///     auto pool = gpukit::graph_pool::create(d, 64 << 20);   // reserve 64 MiB now, before capturing
@@ -139,7 +140,7 @@ class graph_pool final : public device_allocator {
       has_uses_.store(true, std::memory_order_release);
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(chunk), bytes});
       try {
-        insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, any_stream);
+        insert_free(reinterpret_cast<std::uintptr_t>(chunk), bytes, chunks_.size() - 1, untouched);
       } catch (...) {
         // Forgotten under the same lock (another reserve may push next): inside the reserve of a live pool, its free
         // below would be routed back to this pool.
@@ -388,6 +389,11 @@ class graph_pool final : public device_allocator {
     const std::size_t size = round(bytes);
     const std::uint64_t id = stream.id();  // before the lock: may look the id up (cudaStreamGetId)
     detail::kept_stream allocated_on = detail::kept_stream::of(stream);  // a free without a stream is ordered on it
+    // A capture the pool does not serve would write the block at each launch, while the pool hands it out again
+    // once it is freed: refused, as its free and record_stream are.
+    (void)refuse_foreign_capture(allocated_on, "gpukit::graph_pool::allocate", false, nullptr,
+                                 "Allocate from it in a capture it serves, or outside captures (nothing was allocated, "
+                                 "and the capture is intact)");
     const unsigned long long capture = capture_of(stream);
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
     after_lock later;                       // declared before the lock: its warnings go after it, thrown or not
@@ -422,18 +428,26 @@ class graph_pool final : public device_allocator {
         lock.lock();
       }
     }
-    // Best fit among the blocks this stream freed and those free for any stream.
-    const auto fit = std::min(best_fit(id, size), best_fit(any_stream, size));
+    // In a capture: best fit among the blocks this stream freed and those free for any stream. A direct allocation
+    // (outside captures) takes only blocks no graph of the pool used: a launch (not waited for) may write those.
+    auto fit = capture != 0 ? std::min({best_fit(id, size), best_fit(any_stream, size), best_fit(untouched, size)})
+                            : best_fit(untouched, size);
+    if (fit.size == no_fit && capture != 0) {
+      // Untouched blocks beside ones graphs used, merged, may hold it: the capture takes them as any stream's.
+      make_any_stream([](std::uint64_t reuser) { return reuser == untouched; });
+      fit = std::min(best_fit(id, size), best_fit(any_stream, size));
+    }
     if (fit.size == no_fit) {
       lock.unlock();
       later.warn_now();
-      throw_out_of_memory(bytes, size, id);
+      throw_out_of_memory(bytes, size, id, capture != 0);
     }
     const auto [block_size, address] = fit;
     const auto taken = free_.find(address);
     // The one step that allocates.
-    live_.emplace(address,
-                  live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on), capture});
+    live_.emplace(
+        address,
+        live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on), capture, capture != 0});
     if (block_size > size) {
       (void)rekey_free(taken, address + size, block_size - size, taken->second.stream);  // the rest, in its nodes
     } else {
@@ -470,6 +484,7 @@ class graph_pool final : public device_allocator {
     const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) throw_not_owned(p);
     if (id != it->second.stream) it->second.shared = true;
+    if (captured) it->second.in_graph = true;
     std::vector<detail::kept_stream>& uses = it->second.uses;
     const bool listed =
         std::any_of(uses.begin(), uses.end(), [id](const detail::kept_stream& u) { return u.view.id() == id; });
@@ -484,12 +499,16 @@ class graph_pool final : public device_allocator {
   /// captures have ended.
   static constexpr std::uint64_t any_stream = std::numeric_limits<std::uint64_t>::max() - 1;
   static constexpr std::uint64_t after_captures = std::numeric_limits<std::uint64_t>::max();
+  /// Free blocks no graph of the pool used (allocated, recorded or freed in a capture): any allocation may take them,
+  /// and direct allocations (outside captures) only these, since a launch, which they do not wait for, may write the
+  /// others. The reserve starts so; a block a graph used never is again.
+  static constexpr std::uint64_t untouched = std::numeric_limits<std::uint64_t>::max() - 2;
   static constexpr std::size_t no_fit = std::numeric_limits<std::size_t>::max();
 
   struct free_block {
     std::size_t size;
     std::size_t chunk;
-    std::uint64_t stream;  // who may reuse it: a stream id, any_stream or after_captures
+    std::uint64_t stream;  // who may reuse it: a stream id, any_stream, after_captures or untouched
   };
   struct live_block {
     std::size_t size;
@@ -500,6 +519,7 @@ class graph_pool final : public device_allocator {
     std::vector<detail::kept_stream> uses;  // streams outside a capture that used it (record_stream)
     detail::kept_stream allocated_on;       // the stream it was allocated on: a free without a stream is made on it
     unsigned long long capture;             // the id of the capture it was allocated in (0: outside captures)
+    bool in_graph;                          // allocated, recorded (record_stream) or freed in a capture
   };
   /// A candidate block: its size (no_fit: none), then its address.
   struct fit_result {
@@ -633,8 +653,11 @@ class graph_pool final : public device_allocator {
       if (it == live_.end()) throw_not_owned(p);  // freed by another thread meanwhile: a double free
       const live_block& b = it->second;
       const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
+      const std::uint64_t reuser = captures_ != 0           ? (shared ? after_captures : b.stream)
+                                   : b.in_graph || captured ? any_stream
+                                                            : untouched;
       // First, as it may fail (no memory for a block of its own): the block is then still allocated.
-      insert_free_coalesced(address, b.size, b.chunk, captures_ == 0 ? any_stream : shared ? after_captures : b.stream);
+      insert_free_coalesced(address, b.size, b.chunk, reuser);
       detail::add_to_stat(allocations_, -1);
       detail::add_to_stat(allocated_bytes_, -static_cast<std::int64_t>(b.size));
       detail::add_to_stat(requested_bytes_, -static_cast<std::int64_t>(b.requested));
@@ -676,7 +699,7 @@ class graph_pool final : public device_allocator {
   /// goes on (a raw handle destroyed before it; the event record then fails and is dealt with as any). `*capture`
   /// (if given) is set to the capture's id when `s` is captured (0: invalidated).
   bool refuse_foreign_capture(const detail::kept_stream& s, const char* operation, bool allocation_stream,
-                              unsigned long long* capture = nullptr) const {
+                              unsigned long long* capture = nullptr, const char* advice = nullptr) const {
     unsigned long long id = 0;
     const auto found = [&id, capture] {
       if (capture != nullptr) *capture = id;
@@ -703,10 +726,12 @@ class graph_pool final : public device_allocator {
       if (it != registry.capturing.end() && it->second == this) return found();
     }
     detail::throw_captured(operation, detail::describe_stream(s.view.native_handle(), device_), device_,
-                           "a capture this graph pool does not serve: the graph would use the pool's block at each "
-                           "launch, but the pool would hand it out again at once. Free it after that graph's last "
-                           "launch, or capture with gpukit::capture(stream, work, pool) of this pool (nothing was "
-                           "freed or recorded, and the capture is intact)");
+                           std::string("a capture this graph pool does not serve: the graph would use the pool's "
+                                       "block at each launch, but the pool would hand it out again once freed. ") +
+                               (advice != nullptr ? advice
+                                                  : "Free it after that graph's last launch, or capture with "
+                                                    "gpukit::capture(stream, work, pool) of this pool (nothing was "
+                                                    "freed or recorded, and the capture is intact)"));
   }
 
   /// The pool's statistics, for the resets.
@@ -1071,15 +1096,22 @@ class graph_pool final : public device_allocator {
     return &*marker_stream_;
   }
 
-  /// The pool's captures have ended: every free block may serve any stream of later captures (merged again).
+  /// The pool's captures have ended: every free block a graph used may serve any stream of later captures (merged
+  /// again); untouched ones stay so.
   void free_for_any_stream() noexcept {
-    // In address order, each block merged into the one before it when they touch (in their own nodes: no
-    // allocation).
+    make_any_stream([](std::uint64_t reuser) { return reuser != untouched; });
+  }
+
+  /// Lets any stream of a capture reuse the free blocks whose reuser `selected` picks, each merged with the block
+  /// before it when both are any stream's and touch (in their own nodes: no allocation).
+  template <class Selected>
+  void make_any_stream(Selected selected) noexcept {
     for (auto it = free_.begin(); it != free_.end(); ++it) {
-      it = rekey_free(it, it->first, it->second.size, any_stream);
-      if (it == free_.begin()) continue;
+      if (selected(it->second.stream)) it = rekey_free(it, it->first, it->second.size, any_stream);
+      if (it == free_.begin() || it->second.stream != any_stream) continue;
       const auto previous = std::prev(it);
-      if (previous->second.chunk == it->second.chunk && previous->first + previous->second.size == it->first) {
+      if (previous->second.stream == any_stream && previous->second.chunk == it->second.chunk &&
+          previous->first + previous->second.size == it->first) {
         const std::size_t size = previous->second.size + it->second.size;
         erase_free(it->first);
         it = rekey_free(previous, previous->first, size, any_stream);
@@ -1307,8 +1339,9 @@ class graph_pool final : public device_allocator {
                                  "into the middle of an allocation)");
   }
 
-  /// For a request of `bytes` (`size` rounded) on the stream of id `id` that no free block could serve.
-  [[noreturn]] void throw_out_of_memory(std::size_t bytes, std::size_t size, std::uint64_t id) {
+  /// For a request of `bytes` (`size` rounded) on the stream of id `id` (`in_capture`: in a capture the pool serves,
+  /// else a direct allocation) that no free block could serve.
+  [[noreturn]] void throw_out_of_memory(std::size_t bytes, std::size_t size, std::uint64_t id, bool in_capture) {
     out_of_memory_info info;
     std::size_t kept_for_others = 0;  // free, but for other streams until the captures end
     std::size_t largest_kept = 0;
@@ -1325,7 +1358,7 @@ class graph_pool final : public device_allocator {
         const free_block& f = entry.second;
         info.free_cached += f.size;
         info.largest_free_block = std::max(info.largest_free_block, f.size);  // as the caching allocators count it
-        if (f.stream == id || f.stream == any_stream) {
+        if (f.stream == untouched || (in_capture && (f.stream == id || f.stream == any_stream))) {
           largest_usable = std::max(largest_usable, f.size);
         } else {
           kept_for_others += f.size;
@@ -1344,8 +1377,11 @@ class graph_pool final : public device_allocator {
         (kept_for_others == 0
              ? std::string()
              : "; " + format_bytes(kept_for_others) + " more is free (largest block " + format_bytes(largest_kept) +
-                   ") but kept for other streams until the pool's captures end (a block freed in a capture "
-                   "serves only the stream it was allocated on, or none if another stream used it)") +
+                   (in_capture ? ") but kept for other streams until the pool's captures end (a block freed in a "
+                                 "capture serves only the stream it was allocated on, or none if another stream used "
+                                 "it)"
+                               : ") but used by the pool's graphs, which may write it at each launch: it serves "
+                                 "their captures, not direct allocations")) +
         ". A capture cannot allocate device memory: reserve more before it (graph_pool::reserve).";
     observers_.notify(info, device_.to_string());
     throw out_of_memory_error(info.message, cudaSuccess, "gpukit::graph_pool::allocate(" + std::to_string(bytes) + ")",

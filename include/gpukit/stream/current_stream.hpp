@@ -25,8 +25,10 @@ namespace detail {
 struct current_stream_entry {
   gpukit::device device;
   stream_view stream;
-  std::weak_ptr<const stream_life> life;
-  bool has_life = false;          // made from a gpukit::stream (life was set)
+  std::weak_ptr<const void> life;                        // the stream_life of the owner's mode
+  bool (*expired)(const void* life) noexcept = nullptr;  // the owner's mode's stream_life::expired
+  bool has_life = false;                                 // made from a gpukit::stream (life was set)
+  bool foreign = false;           // owned in the other mode, whose destructions stream_expirations() does not count
   std::uint64_t expirations = 0;  // stream_expirations() when the stream was last seen alive
 };
 /// This thread's current streams, one entry per device that has one set (a handful at most); nullptr once this
@@ -104,9 +106,10 @@ GPUKIT_INLINE stream_view current_stream(device d) {
   // stream_expirations(): while neither says so (two loads), the stream is alive. Otherwise the record is held for
   // the look (its holder, an allocator, may let go on another thread).
   const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
-  if (!entry->life.expired() && expirations == entry->expirations) return entry->stream;
-  const std::shared_ptr<const detail::stream_life> life = entry->life.lock();
-  if (life == nullptr || life->expired()) {
+  // A stream of the other mode is looked at every time: its destructions are counted there.
+  if (!entry->foreign && !entry->life.expired() && expirations == entry->expirations) return entry->stream;
+  const std::shared_ptr<const void> life = entry->life.lock();
+  if (life == nullptr || entry->expired(life.get())) {
     throw invalid_argument_error("gpukit::current_stream: the current stream of " + d.to_string() +
                                  " on this thread was destroyed while current (or released with stream::release, "
                                  "destroyed, and its handle given to a new gpukit::stream); set_current_stream keeps "
@@ -128,16 +131,22 @@ GPUKIT_INLINE void set_current_stream(stream_view s) {
     if (of_d != s) stored = of_d;
   }
   const std::uint64_t expirations = detail::stream_expirations().load(std::memory_order_acquire);
-  std::shared_ptr<const detail::stream_life> life = s.lifetime();
-  // A view made from a raw handle carries no record: its owner's, if a gpukit::stream owns it, tells its destruction.
-  if (life == nullptr && !s.is_cpu() && !s.is_default()) life = detail::owned_stream_life(s.native_handle());
-  const bool has_life = life != nullptr;
+  detail::current_stream_entry made{d, stored, s.lifetime(), detail::stream_life_expired, false, false, expirations};
+  if (made.life.expired() && !s.is_cpu() && !s.is_default()) {
+    // A view made from a raw handle carries no record: its owner's (a gpukit::stream of either mode) tells its
+    // destruction.
+    detail::stream_owner owner = detail::find_stream_owner(s.native_handle());
+    made.life = owner.life;
+    made.expired = owner.expired;
+    made.foreign = !owner.this_mode;
+  }
+  made.has_life = !made.life.expired();
   if (detail::current_stream_entry* entry = detail::current_stream_entry_of(d)) {
-    *entry = {d, stored, life, has_life, expirations};
+    *entry = std::move(made);
     return;
   }
   if (std::vector<detail::current_stream_entry>* entries = detail::current_streams()) {
-    entries->push_back({d, stored, life, has_life, expirations});
+    entries->push_back(std::move(made));
   }  // else at exit, after this thread's table went: the default streams stay current
 }
 

@@ -141,8 +141,12 @@ GPUKIT_EXPORT inline released_stream_table& released_stream_table_v1() noexcept 
 /// The record of a CUDA stream a gpukit::stream owns now: its stream_life (type-erased, of the mode named `mode`),
 /// which the views made from its raw handle have not got.
 struct owned_stream_record {
-  std::weak_ptr<void> life;  ///< the owner's stream_life
+  std::weak_ptr<void> life;     ///< the owner's stream_life
   std::array<char, 32> mode{};  ///< GPUKIT_ABI_NAMESPACE of the owner's code (its stream_life's type)
+  /// Code of the owner's mode, so that either mode may ask of `life` (held): whether the stream was destroyed, and
+  /// whether it is a stream of stream_pool::next().
+  bool (*expired)(const void* life) noexcept = nullptr;
+  bool (*shared_by_pool)(const void* life) noexcept = nullptr;  ///< see `expired`
 };
 
 /// The records of the CUDA streams gpukit::stream objects own, by handle (exported: one per process, shared by the
@@ -373,10 +377,20 @@ GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept;
 GPUKIT_INLINE void enter_owned_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) noexcept;
 /// Removes the record of `handle`: its owner destroys or releases it.
 GPUKIT_INLINE void remove_owned_stream(cudaStream_t handle) noexcept;
-/// The record of the stream that `handle` names, when a gpukit::stream of this mode owns it (else nullptr: no
-/// gpukit::stream owns it, one of the other mode does, or its record could not be entered). For views made from raw
-/// handles, which carry none.
-GPUKIT_INLINE std::shared_ptr<stream_life> owned_stream_life(cudaStream_t handle) noexcept;
+/// What a view made from a raw handle learns of the gpukit::stream that owns the handle, of either mode
+/// (mode_independent::owned_stream_records): its record, held, and the owner's mode's questions about it. `life` is
+/// null when none owns it (or its record could not be entered).
+struct stream_owner {
+  std::shared_ptr<const void> life;
+  bool (*expired)(const void* life) noexcept = nullptr;
+  bool (*shared_by_pool)(const void* life) noexcept = nullptr;
+  bool this_mode = false;  ///< `life` is a stream_life of this mode
+};
+/// The owner of stream `handle`, for views made from raw handles, which carry no record.
+GPUKIT_INLINE stream_owner find_stream_owner(cudaStream_t handle) noexcept;
+/// stream_life::expired and shared_by_pool of a record of this mode, as owned_stream_record keeps them.
+GPUKIT_INLINE bool stream_life_expired(const void* life) noexcept;
+GPUKIT_INLINE bool stream_life_shared_by_pool(const void* life) noexcept;
 }  // namespace detail
 
 /// A non-owning reference to a stream of some device. It must not outlive the stream it refers to.
@@ -813,7 +827,7 @@ GPUKIT_INLINE void drop_released_streams(cudaStream_t handle) noexcept {
 }
 
 GPUKIT_INLINE void enter_owned_stream(cudaStream_t handle, const std::shared_ptr<stream_life>& life) noexcept {
-  mode_independent::owned_stream_record record{life, this_mode_tag()};
+  mode_independent::owned_stream_record record{life, this_mode_tag(), stream_life_expired, stream_life_shared_by_pool};
   mode_independent::owned_stream_records& owned = mode_independent::owned_stream_records_v1();
   try {
     const std::unique_lock<std::shared_mutex> lock(owned.mutex);
@@ -834,19 +848,28 @@ GPUKIT_INLINE void remove_owned_stream(cudaStream_t handle) noexcept {
   }
 }
 
-GPUKIT_INLINE std::shared_ptr<stream_life> owned_stream_life(cudaStream_t handle) noexcept {
+GPUKIT_INLINE stream_owner find_stream_owner(cudaStream_t handle) noexcept {
   mode_independent::owned_stream_records& owned = mode_independent::owned_stream_records_v1();
-  if (owned.count.load(std::memory_order_relaxed) == 0) return nullptr;
-  std::shared_ptr<void> life;
+  if (owned.count.load(std::memory_order_relaxed) == 0) return {};
   try {
     const std::shared_lock<std::shared_mutex> lock(owned.mutex);
     const auto found = owned.by_handle.find(handle);
-    if (found == owned.by_handle.end() || !is_this_mode(found->second.mode)) return nullptr;
-    life = found->second.life.lock();
+    if (found == owned.by_handle.end()) return {};
+    const mode_independent::owned_stream_record& record = found->second;
+    std::shared_ptr<const void> life = record.life.lock();
+    if (life == nullptr || record.expired == nullptr || record.shared_by_pool == nullptr) return {};
+    return {std::move(life), record.expired, record.shared_by_pool, is_this_mode(record.mode)};
   } catch (...) {  // the lock failed: not known
-    return nullptr;
+    return {};
   }
-  return std::static_pointer_cast<stream_life>(life);
+}
+
+GPUKIT_INLINE bool stream_life_expired(const void* life) noexcept {
+  return static_cast<const stream_life*>(life)->expired();
+}
+
+GPUKIT_INLINE bool stream_life_shared_by_pool(const void* life) noexcept {
+  return static_cast<const stream_life*>(life)->shared_by_pool();
 }
 
 GPUKIT_INLINE stream_life::stream_life(unsigned long long id, int ordinal, std::shared_ptr<const void> held) noexcept
