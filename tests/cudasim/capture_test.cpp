@@ -4045,3 +4045,89 @@ TEST_CASE("capture: a temporary device buffer is refused on a capturing stream, 
   }
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: a graph pool capture that finds no block leaves the untouched reserve to direct allocations") {
+  // Only a run that holds the request is merged for the capture, and only when one does (helper-190): a failed
+  // request changes nothing.
+  gpukit::stream s(cuda0);
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  auto pool = gpukit::graph_pool::create(cuda0, MiB);
+  bool out_of_memory = false;
+  const gpukit::graph g = gpukit::capture(
+      s,
+      [&] {
+        try {
+          (void)pool->allocate(2 * MiB, s);
+        } catch (const gpukit::out_of_memory_error&) {
+          out_of_memory = true;
+        }
+      },
+      pool);
+  CHECK(out_of_memory);
+  void* p = pool->allocate(4096, s);  // no graph used any of the reserve
+  CHECK(p != nullptr);
+  pool->deallocate(p, s);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a block of a graph pool freed outside captures while one runs stays the direct allocations'") {
+  // No graph used it: freed on a stream outside the pool's capture, it stays untouched (helper-190).
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  auto pool = gpukit::graph_pool::create(cuda0, 4096);
+  void* p = pool->allocate(4096, s);
+  const gpukit::graph g = gpukit::capture(
+      t, [&] { pool->deallocate(p, s); }, pool);  // `s` is not captured
+  void* again = pool->allocate(4096, s);
+  CHECK(again == p);
+  pool->deallocate(again, s);
+  // A graph's output, freed after its launch, is not: every launch writes it again.
+  void* out = nullptr;
+  const gpukit::graph producer = gpukit::capture(
+      s,
+      [&] {
+        out = pool->allocate(4096, s);
+        REQUIRE(cudaMemsetAsync(out, 1, 4096, s.cuda_handle()) == cudaSuccess);
+      },
+      pool);
+  producer.launch(s);
+  pool->deallocate(out, s);
+  CHECK_THROWS_AS((void)pool->allocate(4096, s), gpukit::out_of_memory_error);
+  s.synchronize();
+  CHECK(cudasim::violations().empty());
+}
+
+TEST_CASE("capture: a graph allocation freed on another stream while its launching stream is captured again waits") {
+  // Launched on its capture stream `s`, held there; freed on `t` while `s` is captured again: the free waits for that
+  // capture's end and then follows `s` (the launch that writes it), rather than being made at once (helper-190).
+  gpukit::stream s(cuda0);
+  gpukit::stream t(cuda0);
+  gpukit::async_allocator allocator(cuda0);
+  void* out = nullptr;
+  const gpukit::graph first = gpukit::capture(s, [&] {
+    out = allocator.allocate(1024, s);
+    REQUIRE(cudaMemsetAsync(out, 1, 1024, s.cuda_handle()) == cudaSuccess);
+  });
+  gpukit_test::gate held;
+  held.hold(s);
+  first.launch(s);  // behind the gate: writes `out` later
+  std::string refusal;
+  const std::size_t frees = cudasim::calls("cudaFreeAsync");
+  const gpukit::graph second = gpukit::capture(s, [&] {
+    REQUIRE(cudaMemsetAsync(nullptr, 0, 0, s.cuda_handle()) == cudaSuccess);
+    try {
+      allocator.deallocate(out, t);
+    } catch (const std::exception& e) {
+      refusal = e.what();
+    }
+  });
+  CHECK(refusal == "");
+  CHECK(cudasim::calls("cudaFreeAsync") == frees);      // not made during the capture
+  allocator.deallocate(allocator.allocate(256, t), t);  // a later call makes the deferred free
+  CHECK(cudasim::calls("cudaFreeAsync") > frees);
+  held.open();
+  s.synchronize();
+  t.synchronize();
+  CHECK(cudasim::violations().empty());  // the launch wrote `out` before it was freed
+}

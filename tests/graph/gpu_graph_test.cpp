@@ -901,7 +901,7 @@ TEST_CASE("gpu: a graph pool refuses an allocation for a capture it does not ser
 TEST_CASE("gpu: a graph allocation is freed on its launching stream while its capture stream is captured again") {
   GPUKIT_REQUIRE_GPU();
   // The training loop: step 1's output, launched on `t`, is freed there while step 2 is captured on `s`. Ordering the
-  // free after `s` would join that capture, and it is not the graph's work (helper-189).
+  // free after `s` now would join that capture: it waits for the capture's end instead (helper-189, helper-190).
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   gpukit::stream t(d);

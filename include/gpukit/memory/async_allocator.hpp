@@ -413,7 +413,8 @@ class async_allocator final : public device_allocator {
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
   /// does not own, for a graph allocation freed outside its capture while that capture is underway (see the file
   /// comment), or when a stream the free must be ordered after (a recorded one, or the allocation stream when
-  /// freed on another) is being captured and the freeing stream is not (the free would join the capture), or the
+  /// freed on another) is being captured and the freeing stream is not (the free would join the capture; a graph
+  /// allocation's free then waits for that capture's end instead, and is made at a later call), or the
   /// freeing stream is being captured and such a stream, alive, is not (the wait would end the capture); cuda_error
   /// when the free fails during a capture (CUDA frees there only memory allocated in a capture). Either way nothing
   /// was freed: the allocation is still live. nullptr is ignored.
@@ -608,14 +609,7 @@ class async_allocator final : public device_allocator {
     // stream now): then the device's upstream release stream frees it, after that work (stand_in_stream).
     const bool stream_destroyed = a.stream.destroyed();  // read once: it may change at any time
     const stream_view on = stream != nullptr ? *stream : usable_view(a.stream, stream_destroyed);
-    bool also_allocation_stream = stream != nullptr || stream_destroyed;
-    // A graph allocation is written by the graph's launches, which a free on the launching stream follows; the capture
-    // stream's later work is not the graph's. It is followed too when it can be, not while that stream is captured
-    // again (the next step's capture, say): ordering the free after it would join that capture (helper-189).
-    if (also_allocation_stream && !stream_destroyed && a.capture != 0 && !detail::uses_legacy_stream(a.stream.view) &&
-        captured_now(a.stream)) {
-      also_allocation_stream = false;
-    }
+    const bool also_allocation_stream = stream != nullptr || stream_destroyed;
     if (also_allocation_stream) a.users.push_back(a.stream);  // room reserved above
     const auto keep_live = [&] {
       if (also_allocation_stream) a.users.pop_back();
@@ -629,6 +623,10 @@ class async_allocator final : public device_allocator {
     }
     bool into_capture = false;
     if (const stream_view* joined = capture_joined(a, on, into_capture)) {
+      // A graph's output freed outside captures while its capture stream (or a stream that used it) is captured
+      // again, the next step of a training loop: the free waits until that capture ends, then follows that stream
+      // (a launch of the graph may be queued there). An ordinary allocation is refused, as the caller may wait.
+      if (!into_capture && a.capture != 0 && defer(p, a, on)) return;
       const stream_view user = *joined;
       keep_live();
       if (into_capture) throw_waits_into_capture(p, user, on);
@@ -710,14 +708,6 @@ class async_allocator final : public device_allocator {
   /// recorded outside it, which CUDA refuses (cudaErrorStreamCaptureIsolation) and which ends the capture (found by
   /// review: the free was refused afterwards, as a free of memory from outside a capture is, but the capture was lost
   /// with it). `on` is asked only then, once.
-  /// Whether `s` is being captured now (false when it cannot be asked).
-  static bool captured_now(const kept_stream& s) noexcept {
-    try {
-      return detail::captured_while_kept(s.view, s.life.get());
-    } catch (...) {
-      return false;
-    }
-  }
   const stream_view* capture_joined(const allocation& a, const stream_view& on, bool& into_capture) const noexcept {
     into_capture = false;
     try {

@@ -391,10 +391,12 @@ class graph_pool final : public device_allocator {
     detail::kept_stream allocated_on = detail::kept_stream::of(stream);  // a free without a stream is ordered on it
     // A capture the pool does not serve would write the block at each launch, while the pool hands it out again
     // once it is freed: refused, as its free and record_stream are.
-    (void)refuse_foreign_capture(allocated_on, "gpukit::graph_pool::allocate", false, nullptr,
-                                 "Allocate from it in a capture it serves, or outside captures (nothing was allocated, "
-                                 "and the capture is intact)");
-    const unsigned long long capture = capture_of(stream);
+    // In a capture the pool serves (`capture`: its id, 0 when invalidated), the block is the graph's.
+    unsigned long long capture = 0;
+    const bool in_capture = refuse_foreign_capture(
+        allocated_on, "gpukit::graph_pool::allocate", false, &capture,
+        "Allocate from it in a capture it serves, or outside captures (nothing was allocated, and the capture is "
+        "intact)");
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
     after_lock later;                       // declared before the lock: its warnings go after it, thrown or not
     std::unique_lock<std::mutex> lock(mutex_);
@@ -430,24 +432,21 @@ class graph_pool final : public device_allocator {
     }
     // In a capture: best fit among the blocks this stream freed and those free for any stream. A direct allocation
     // (outside captures) takes only blocks no graph of the pool used: a launch (not waited for) may write those.
-    auto fit = capture != 0 ? std::min({best_fit(id, size), best_fit(any_stream, size), best_fit(untouched, size)})
-                            : best_fit(untouched, size);
-    if (fit.size == no_fit && capture != 0) {
-      // Untouched blocks beside ones graphs used, merged, may hold it: the capture takes them as any stream's.
-      make_any_stream([](std::uint64_t reuser) { return reuser == untouched; });
-      fit = std::min(best_fit(id, size), best_fit(any_stream, size));
-    }
+    auto fit = in_capture ? std::min({best_fit(id, size), best_fit(any_stream, size), best_fit(untouched, size)})
+                          : best_fit(untouched, size);
+    // Untouched blocks and blocks graphs used that touch may hold it together: the capture takes that run as one.
+    if (fit.size == no_fit && in_capture && merge_run_for(size)) fit = best_fit(any_stream, size);
     if (fit.size == no_fit) {
       lock.unlock();
       later.warn_now();
-      throw_out_of_memory(bytes, size, id, capture != 0);
+      throw_out_of_memory(bytes, size, id, in_capture);
     }
     const auto [block_size, address] = fit;
     const auto taken = free_.find(address);
     // The one step that allocates.
     live_.emplace(
         address,
-        live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on), capture, capture != 0});
+        live_block{size, bytes, taken->second.chunk, id, false, {}, std::move(allocated_on), capture, in_capture});
     if (block_size > size) {
       (void)rekey_free(taken, address + size, block_size - size, taken->second.stream);  // the rest, in its nodes
     } else {
@@ -653,9 +652,12 @@ class graph_pool final : public device_allocator {
       if (it == live_.end()) throw_not_owned(p);  // freed by another thread meanwhile: a double free
       const live_block& b = it->second;
       const bool shared = b.shared || (stream != nullptr && freeing_stream != b.stream);
-      const std::uint64_t reuser = captures_ != 0           ? (shared ? after_captures : b.stream)
-                                   : b.in_graph || captured ? any_stream
-                                                            : untouched;
+      // A block no graph used, freed outside captures, stays untouched (later launches and direct allocations wait
+      // for its streams' uses); one a graph used serves only captures: during the pool's captures the stream it was
+      // allocated on (or none, if another used it), then any stream.
+      const std::uint64_t reuser = !b.in_graph && !captured ? untouched
+                                   : captures_ != 0         ? (shared ? after_captures : b.stream)
+                                                            : any_stream;
       // First, as it may fail (no memory for a block of its own): the block is then still allocated.
       insert_free_coalesced(address, b.size, b.chunk, reuser);
       detail::add_to_stat(allocations_, -1);
@@ -1099,16 +1101,12 @@ class graph_pool final : public device_allocator {
   /// The pool's captures have ended: every free block a graph used may serve any stream of later captures (merged
   /// again); untouched ones stay so.
   void free_for_any_stream() noexcept {
-    make_any_stream([](std::uint64_t reuser) { return reuser != untouched; });
-  }
-
-  /// Lets any stream of a capture reuse the free blocks whose reuser `selected` picks, each merged with the block
-  /// before it when both are any stream's and touch (in their own nodes: no allocation).
-  template <class Selected>
-  void make_any_stream(Selected selected) noexcept {
+    // In address order, each block merged into the one before it when they touch (in their own nodes: no
+    // allocation).
     for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (selected(it->second.stream)) it = rekey_free(it, it->first, it->second.size, any_stream);
-      if (it == free_.begin() || it->second.stream != any_stream) continue;
+      if (it->second.stream == untouched) continue;
+      it = rekey_free(it, it->first, it->second.size, any_stream);
+      if (it == free_.begin()) continue;
       const auto previous = std::prev(it);
       if (previous->second.stream == any_stream && previous->second.chunk == it->second.chunk &&
           previous->first + previous->second.size == it->first) {
@@ -1117,6 +1115,40 @@ class graph_pool final : public device_allocator {
         it = rekey_free(previous, previous->first, size, any_stream);
       }
     }
+  }
+
+  /// For a capture that found no block of `size`: merges the smallest run of touching free blocks of one chunk, any
+  /// stream's or untouched, that holds it into one block of any stream's (its untouched part is the graph's now), in
+  /// the blocks' own nodes. False, changing nothing, when no run holds it.
+  bool merge_run_for(std::size_t size) noexcept {
+    const auto joins = [](const free_block& f) { return f.stream == any_stream || f.stream == untouched; };
+    auto best = free_.end();
+    std::size_t best_size = no_fit;
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (!joins(it->second)) {
+        ++it;
+        continue;
+      }
+      const auto first = it;
+      std::size_t run = 0;
+      do {
+        run += it->second.size;
+        ++it;
+      } while (it != free_.end() && joins(it->second) && it->second.chunk == first->second.chunk &&
+               first->first + run == it->first);
+      if (run >= size && run < best_size) {
+        best = first;
+        best_size = run;
+      }
+    }
+    if (best == free_.end()) return false;
+    for (std::size_t merged = best->second.size; merged < best_size;) {
+      const auto next = std::next(best);
+      merged += next->second.size;
+      erase_free(next->first);
+    }
+    (void)rekey_free(best, best->first, best_size, any_stream);
+    return true;
   }
 
   /// Whether `p` lies inside the reserve of `pool` (a graph_pool), freed or not.
