@@ -898,10 +898,11 @@ TEST_CASE("gpu: a graph pool refuses an allocation for a capture it does not ser
   CHECK(pool->memory_allocated() == 0);
 }
 
-TEST_CASE("gpu: a graph allocation is freed on its launching stream while its capture stream is captured again") {
+TEST_CASE("gpu: a graph output freed on its launching stream during the next step's capture is refused, then freed") {
+  // The training loop: step 1's output, launched on `t`, cannot be freed on `t` while step 2 is captured on `s` (the
+  // free follows `s`, and would join that capture): refused, the memory still allocated; freed once the capture has
+  // ended (helper-189, helper-191).
   GPUKIT_REQUIRE_GPU();
-  // The training loop: step 1's output, launched on `t`, is freed there while step 2 is captured on `s`. Ordering the
-  // free after `s` now would join that capture: it waits for the capture's end instead (helper-189, helper-190).
   const gpukit::device d = gpukit::device::cuda(0);
   gpukit::stream s(d);
   gpukit::stream t(d);
@@ -917,12 +918,13 @@ TEST_CASE("gpu: a graph allocation is freed on its launching stream while its ca
     GPUKIT_CUDA_TRY(cudaMemsetAsync(nullptr, 0, 0, s.cuda_handle()));
     try {
       allocator.deallocate(out, t);
-      out = nullptr;
-    } catch (const std::exception& e) {
+    } catch (const gpukit::invalid_argument_error& e) {
       refusal = e.what();
     }
   });
-  CHECK(refusal == "");
-  if (out != nullptr) allocator.deallocate(out, t);
+  CHECK(contains(refusal, "free it after the capture ends"));
+  CHECK(allocator.graph_allocations().count == 1);  // still allocated
+  allocator.deallocate(out, t);
   t.synchronize();
+  CHECK(allocator.graph_allocations().count == 0);
 }

@@ -413,8 +413,7 @@ class async_allocator final : public device_allocator {
   /// wait for an event on the device, never on the host). Throws invalid_argument_error for a pointer this allocator
   /// does not own, for a graph allocation freed outside its capture while that capture is underway (see the file
   /// comment), or when a stream the free must be ordered after (a recorded one, or the allocation stream when
-  /// freed on another) is being captured and the freeing stream is not (the free would join the capture; a graph
-  /// allocation's free then waits for that capture's end instead, and is made at a later call), or the
+  /// freed on another) is being captured and the freeing stream is not (the free would join the capture), or the
   /// freeing stream is being captured and such a stream, alive, is not (the wait would end the capture); cuda_error
   /// when the free fails during a capture (CUDA frees there only memory allocated in a capture). Either way nothing
   /// was freed: the allocation is still live. nullptr is ignored.
@@ -623,10 +622,6 @@ class async_allocator final : public device_allocator {
     }
     bool into_capture = false;
     if (const stream_view* joined = capture_joined(a, on, into_capture)) {
-      // A graph's output freed outside captures while its capture stream (or a stream that used it) is captured
-      // again, the next step of a training loop: the free waits until that capture ends, then follows that stream
-      // (a launch of the graph may be queued there). An ordinary allocation is refused, as the caller may wait.
-      if (!into_capture && a.capture != 0 && defer(p, a, on)) return;
       const stream_view user = *joined;
       keep_live();
       if (into_capture) throw_waits_into_capture(p, user, on);

@@ -1117,28 +1117,34 @@ class graph_pool final : public device_allocator {
     }
   }
 
-  /// For a capture that found no block of `size`: merges the smallest run of touching free blocks of one chunk, any
-  /// stream's or untouched, that holds it into one block of any stream's (its untouched part is the graph's now), in
-  /// the blocks' own nodes. False, changing nothing, when no run holds it.
+  /// For a capture that found no block of `size`: merges the smallest window of touching free blocks of one chunk,
+  /// any stream's or untouched, that holds it into one block of any stream's (its untouched part is the graph's now),
+  /// in the blocks' own nodes. The untouched blocks outside the window stay so. False, changing nothing, when none
+  /// holds it.
   bool merge_run_for(std::size_t size) noexcept {
     const auto joins = [](const free_block& f) { return f.stream == any_stream || f.stream == untouched; };
     auto best = free_.end();
     std::size_t best_size = no_fit;
-    for (auto it = free_.begin(); it != free_.end();) {
-      if (!joins(it->second)) {
-        ++it;
+    auto left = free_.begin();  // the window is [left, right], touching blocks that join, its bytes `window`
+    std::size_t window = 0;
+    for (auto right = free_.begin(); right != free_.end(); ++right) {
+      if (!joins(right->second)) {
+        left = std::next(right);
+        window = 0;
         continue;
       }
-      const auto first = it;
-      std::size_t run = 0;
-      do {
-        run += it->second.size;
-        ++it;
-      } while (it != free_.end() && joins(it->second) && it->second.chunk == first->second.chunk &&
-               first->first + run == it->first);
-      if (run >= size && run < best_size) {
-        best = first;
-        best_size = run;
+      if (right != left) {
+        const auto previous = std::prev(right);
+        if (previous->second.chunk != right->second.chunk || previous->first + previous->second.size != right->first) {
+          left = right;  // a gap: a new run
+          window = 0;
+        }
+      }
+      window += right->second.size;
+      while (left != right && window - left->second.size >= size) window -= (left++)->second.size;
+      if (window >= size && window < best_size) {
+        best = left;
+        best_size = window;
       }
     }
     if (best == free_.end()) return false;
