@@ -391,10 +391,12 @@ class graph_pool final : public device_allocator {
     detail::kept_stream allocated_on = detail::kept_stream::of(stream);  // a free without a stream is ordered on it
     // A capture the pool does not serve would write the block at each launch, while the pool hands it out again
     // once it is freed: refused, as its free and record_stream are.
-    // In a capture the pool serves (`capture`: its id, 0 when invalidated), the block is the graph's.
+    // In a capture the pool serves (`capture`: its id, 0 when invalidated), the block is the graph's. Asked without
+    // keeping the stream from destruction (its record's lock, which the pool's own calls take under the pool's lock):
+    // the caller allocates on it, so it lives through the call.
     unsigned long long capture = 0;
     const bool in_capture = refuse_foreign_capture(
-        allocated_on, "gpukit::graph_pool::allocate", false, &capture,
+        detail::kept_stream{stream, nullptr}, "gpukit::graph_pool::allocate", false, &capture,
         "Allocate from it in a capture it serves, or outside captures (nothing was allocated, and the capture is "
         "intact)");
     std::optional<device_guard> on_device;  // taken before the lock when the allocation waits
