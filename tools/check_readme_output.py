@@ -28,6 +28,8 @@ def main():
         sys.exit(__doc__)
     readme, marker, program = sys.argv[1], sys.argv[2], sys.argv[3:]
     rows = quoted_rows(readme, marker)
+    if not rows:  # a quote that checks nothing would pass whatever the program prints
+        sys.exit(f"check_readme_output: the ```text block after {marker!r} has no table row (a line starting with |)")
     printed = subprocess.run(program, check=True, capture_output=True, text=True).stdout.splitlines()
     missing = [row for row in rows if row not in printed]
     for row in missing:
