@@ -208,7 +208,7 @@ TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out 
   CHECK(message.find("needs 2.00 MiB more mapped into its expandable segment (1 page of 2.00 MiB)") !=
         std::string::npos);
   CHECK(message.find("reserved limit would be exceeded") != std::string::npos);
-  CHECK(message.find("1.00 MiB mapped but unallocated") != std::string::npos);  // the last page's tail
+  CHECK(message.find("1.00 MiB reserved but unallocated") != std::string::npos);  // the last page's tail
   CHECK(f.a.memory_reserved() == 10 * MiB);
   CHECK(f.invariants({a}) == "");
   // A request whose pages fit only in part maps none of them (the limit is checked for all first): 3 of the 4 pages
@@ -1136,4 +1136,29 @@ TEST_CASE("expandable segments: address_space_upstream's warnings reach a handle
   CHECK(received[2].find("unreserve of a range it did not reserve") != std::string::npos);
   CHECK(answered == std::vector<bool>{true, true, true});
   for (auto& p : pending) CHECK(p.get() == 0);
+}
+
+TEST_CASE(
+    "expandable segments: memory_summary and stats count only the ranges' pages as mapped, not ordinary "
+    "segments beside them") {
+  setup f(expandable(), 64 * MiB);  // ranges of 72 MiB: a request they cannot hold gets an ordinary segment
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(f.a.allocate(8 * MiB, f.s0));
+  for (std::size_t i = 0; i < blocks.size(); i += 2) f.a.deallocate(blocks[i]);
+  f.a.empty_cache();                              // 32 MiB left mapped in the range, in holes of 8 MiB
+  void* ordinary = f.a.allocate(12 * MiB, f.s0);  // no hole holds it, nor the range's end: an ordinary segment
+  std::size_t in_ranges = 0;
+  std::size_t in_segments = 0;
+  for (const auto& seg : f.a.snapshot().segments) (seg.expandable ? in_ranges : in_segments) += seg.mapped;
+  REQUIRE(in_segments > 0);
+  CHECK(in_ranges == 32 * MiB);
+  const gpukit::allocator_stats s = f.a.stats();
+  CHECK(s.expandable_mapped_bytes == in_ranges);
+  CHECK(static_cast<std::size_t>(s.reserved_bytes.all().current) == in_ranges + in_segments);
+  CHECK(f.a.memory_summary().find(gpukit::detail::format_bytes(in_ranges) + " mapped in") != std::string::npos);
+  f.a.deallocate(ordinary);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) f.a.deallocate(blocks[i]);
+  f.a.empty_cache();
+  CHECK(f.a.stats().expandable_mapped_bytes == 0);
+  CHECK(f.a.upstream().used() == 0);
 }

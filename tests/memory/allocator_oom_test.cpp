@@ -730,7 +730,7 @@ TEST_CASE("the out-of-memory message names the numbers and the likely cause, whi
   info.reserved_limit = 80 * MiB;
   m = gpukit::detail::out_of_memory_message(info, "cuda:1", 2 * MiB);  // the 20 MiB missing, in pages of 2 MiB
   CHECK(has(m, "needs 20.00 MiB more mapped into its expandable segment (10 pages of 2.00 MiB)"));
-  CHECK(has(m, "20.00 MiB mapped but unallocated"));
+  CHECK(has(m, "20.00 MiB reserved but unallocated"));
   CHECK(has(m, "reserved limit 80.00 MiB."));
   CHECK(has(m, "The reserved limit would be exceeded"));
   CHECK_FALSE(has(m, "fragmentation)"));

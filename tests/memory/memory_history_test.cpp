@@ -830,6 +830,37 @@ TEST_CASE("history picture: the largest free block follows segments, allocations
   CHECK(gpukit::detail::largest_free_levels(brief, gpukit::allocator_snapshot{}, {0}) == std::vector<std::int64_t>{0});
 }
 
+TEST_CASE("history picture: a block cached in front is free whether or not the history saw it freed") {
+  std::int64_t largest[2] = {0, 0};
+  for (const bool history_first : {true, false}) {
+    CAPTURE(history_first);
+    gpukit::allocator_options o;
+    o.front_cache_large = true;
+    fake_setup f(o, 1024 * MiB);
+    const fake_stream s0 = f.add_stream();
+    auto history = std::make_shared<gpukit::memory_history>(1000);
+    if (history_first) f.a.set_memory_history(history);
+    void* keep = f.a.allocate(4 * MiB, s0);
+    void* p = f.a.allocate(4 * MiB, s0);
+    f.a.deallocate(p);  // cached in front for s0
+    if (!history_first) f.a.set_memory_history(history);
+    const gpukit::allocator_snapshot snap = f.a.snapshot();
+    bool cached = false;
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) cached = cached || b.state == gpukit::block_state::cached;
+    }
+    REQUIRE(cached);
+    const std::vector<gpukit::memory_event> events = history->events();
+    REQUIRE(!events.empty());
+    const std::vector<std::int64_t> levels = gpukit::detail::largest_free_levels(events, snap, {events.size() - 1});
+    REQUIRE(levels.size() == 1);
+    largest[history_first ? 0 : 1] = levels[0];
+    f.a.deallocate(keep);
+  }
+  CHECK(largest[0] == largest[1]);
+  CHECK(largest[0] > static_cast<std::int64_t>(4 * MiB));  // the cached block and the rest of its segment
+}
+
 TEST_CASE("history picture: the largest free block with pages unmapped as a run, overlaps and straddling blocks") {
   using gpukit::memory_event;
   const std::uintptr_t base = 0x100000;

@@ -115,6 +115,9 @@ struct allocator_stats {
   bool front_cache_large_on = false;
   /// Address space reserved by expandable segments (not memory: reserved_bytes counts their mapped pages).
   std::size_t expandable_address_space = 0;
+  /// Bytes of the pages mapped in that address space: reserved_bytes less the ordinary segments the allocator may hold
+  /// beside its expandable ones (a request that no stream's range can hold gets one).
+  std::size_t expandable_mapped_bytes = 0;
 
   /// The limit on reserved bytes (std::numeric_limits<std::size_t>::max() when none).
   std::size_t reserved_limit = std::numeric_limits<std::size_t>::max();
@@ -397,7 +400,7 @@ GPUKIT_INLINE std::string format_memory_summary(std::string_view title, const al
   detail::summary_line(out, line);
   if (s.expandable_address_space != 0) {
     std::snprintf(line, sizeof line, "| %-36s %-48s |", "Expandable segments:",
-                  (detail::format_bytes(static_cast<std::size_t>(s.reserved_bytes.all().current)) + " mapped in " +
+                  (detail::format_bytes(s.expandable_mapped_bytes) + " mapped in " +
                    detail::format_bytes(s.expandable_address_space) + " of address space")
                       .c_str());
     detail::summary_line(out, line);

@@ -1116,6 +1116,8 @@ class basic_caching_allocator {
   /// (unmap_victims; one that kept pages mapped, which only the destructor gives here, keeps its range, with a
   /// warning).
   void return_segment(segment* seg, const ordered_release& ordered) noexcept;
+  /// Records the free of an ordinary segment in the memory history (under the lock, where it is unlinked).
+  void record_segment_free(const segment& seg) noexcept;
 
   block* allocate_slow(std::unique_lock<detail::device_mutex>& lock, stream_state& st, std::size_t requested,
                        std::size_t size, bool small);
@@ -1217,7 +1219,8 @@ class basic_caching_allocator {
   all_stats_t stats_;
   std::size_t limit_ = allocator_options::unlimited;  // guarded by mutex_
   std::atomic<std::size_t> limit_atomic_{allocator_options::unlimited};
-  std::atomic<std::size_t> address_space_{0};  // reserved by expandable segments (written under mutex_)
+  std::atomic<std::size_t> address_space_{0};      // reserved by expandable segments (written under mutex_)
+  std::atomic<std::size_t> expandable_mapped_{0};  // bytes of pages mapped in them (written under mutex_)
   std::size_t in_flight_ = 0;   // bytes being allocated from the upstream right now (counted against the limit)
   std::size_t high_water_ = 0;  // most bytes ever reserved (release_before_grow keeps below it when it can)
   detail::out_of_memory_observers observers_;

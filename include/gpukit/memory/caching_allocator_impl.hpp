@@ -131,6 +131,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (b->fence) synchronize_quietly(*b->fence);
       }
+      if (!seg->expandable) record_segment_free(*seg);
       return_segment(seg, {});
     }
     segment* next = seg->next_segment;
@@ -469,6 +470,7 @@ GPUKIT_INLINE allocator_stats basic_caching_allocator<Upstream, StreamOps>::read
   s.front_cache_large_on = front_cache_large_.load(std::memory_order_relaxed);
   s.reserved_limit = limit_atomic_.load(std::memory_order_relaxed);
   s.expandable_address_space = address_space_.load(std::memory_order_relaxed);
+  s.expandable_mapped_bytes = expandable_mapped_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -2033,6 +2035,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_mapped(seg
     h->record(memory_action::segment_map, seg->address + i * page, page, 0);
   }
   seg->pages.set_mapped(i);
+  expandable_mapped_.store(expandable_mapped_.load(std::memory_order_relaxed) + page, std::memory_order_relaxed);
   count(st_reserved_bytes, seg->small, as_delta(page));
   stats_.num_device_alloc.increment();
   high_water_ = std::max(high_water_, current(stats_.reserved_bytes));
@@ -2483,6 +2486,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::unmap_ru
   const std::size_t n = seg->pages.mapped_run(i, end);
   if (n == 0 || !upstream_unmap(seg->address + i * page, n * page, waited)) return 0;
   seg->pages.set_unmapped({i, i + n});
+  expandable_mapped_.store(expandable_mapped_.load(std::memory_order_relaxed) - n * page, std::memory_order_relaxed);
   if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
     h->record(memory_action::segment_unmap, seg->address + i * page, n * page, 0);
   }
@@ -2590,6 +2594,16 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::deallocate_in_o
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_segment_free(const segment& seg) noexcept {
+  // Recorded where the segment leaves the statistics and snapshots (under the lock), so that a snapshot's own event
+  // and its segments agree; and before the upstream call: once freed, the memory may be another thread's new
+  // segment, whose segment_alloc must come after this.
+  if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
+    h->record(memory_action::segment_free, seg.address, seg.size, 0);
+  }
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
     segment* seg, const ordered_release& ordered) noexcept {
   if constexpr (has_vm) {
@@ -2603,11 +2617,6 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_segment(
       }
       return;
     }
-  }
-  // Recorded before the upstream call (this runs without the lock): once freed, the memory may be another
-  // thread's new segment, whose segment_alloc must come after this.
-  if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
-    h->record(memory_action::segment_free, seg->address, seg->size, 0);
   }
   if (!deallocate_in_order(seg, ordered)) upstream_.deallocate(reinterpret_cast<void*>(seg->address), seg->size);
 }
@@ -2893,11 +2902,18 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
     if (seg->expandable) {
       forget_expandable(seg);
       address_space_.store(address_space_.load(std::memory_order_relaxed) - seg->size, std::memory_order_relaxed);
+      expandable_mapped_.store(expandable_mapped_.load(std::memory_order_relaxed) - seg->mapped(),
+                               std::memory_order_relaxed);
     }
+    if (!seg->expandable) record_segment_free(*seg);
     frees += seg->expandable ? seg->mapped() / seg->pages.page_size() : 1;  // an unmap per page, or a cudaFree
     count(st_segment, seg->small, -1);
     count(st_reserved_bytes, seg->small, -as_delta(seg->mapped()));
     released += seg->mapped();
+  }
+  for (std::size_t i = 0; i < frees; ++i) {  // with the reserved bytes: statistics read meanwhile agree
+    stats_.num_device_free.increment();
+    if (unforced) stats_.num_device_free_unforced.increment();
   }
   lock.unlock();
   for (const auto& fence : fences) synchronize_quietly(*fence);
@@ -2909,10 +2925,6 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
   for (auto& fence : fences) recycle_event(std::move(fence), device_);
   for (ordered_release& o : ordered) {
     for (auto& e : o.after) recycle_event(std::move(e), device_);
-  }
-  for (std::size_t i = 0; i < frees; ++i) {
-    stats_.num_device_free.increment();
-    if (unforced) stats_.num_device_free_unforced.increment();
   }
   return released + unmapped;
 }

@@ -160,31 +160,18 @@ class graph_pool final : public device_allocator {
 
   allocator_stats stats() const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    allocator_stats s;  // one pool (the small/large split does not apply); a block is active while allocated
-    s.allocation.pools[0] = s.active.pools[0] = allocations_;
-    s.allocated_bytes.pools[0] = s.active_bytes.pools[0] = allocated_bytes_;
-    s.requested_bytes.pools[0] = requested_bytes_;
-    s.reserved_bytes.pools[0] = reserved_bytes_;
-    s.segment.pools[0] = segments_;
-    s.num_ooms = ooms_;
-    return s;
+    return stats_locked();
   }
   free_space_info free_space() const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    free_space_info f;
-    for (const auto& entry : free_) {
-      f.free_bytes += entry.second.size;
-      ++f.free_blocks;
-      f.largest_free_block = std::max(f.largest_free_block, entry.second.size);
-    }
-    return f;
+    return free_space_locked();
   }
-  /// The reserve's chunks as segments, with their allocated and free blocks.
+  /// The reserve's chunks as segments, with their allocated and free blocks, and the statistics of the same moment.
   allocator_snapshot snapshot() const override {
     allocator_snapshot snap;
     snap.device = device_;
-    snap.stats = stats();
     std::lock_guard<std::mutex> lock(mutex_);
+    snap.stats = stats_locked();
     for (const chunk_info& c : chunks_) {
       segment_info seg;
       seg.address = c.address;
@@ -205,7 +192,14 @@ class graph_pool final : public device_allocator {
     return snap;
   }
   std::string memory_summary() const override {
-    return format_memory_summary("gpukit graph pool, " + device_.to_string(), stats(), free_space());
+    allocator_stats s;
+    free_space_info f;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // one moment for both
+      s = stats_locked();
+      f = free_space_locked();
+    }
+    return format_memory_summary("gpukit graph pool, " + device_.to_string(), s, f);
   }
 
   /// The reserve stays until the pool ends: its graphs may be launched again.
@@ -371,6 +365,27 @@ class graph_pool final : public device_allocator {
   }
 
  private:
+  // The statistics and the free space, mutex_ held.
+  allocator_stats stats_locked() const {
+    allocator_stats s;  // one pool (the small/large split does not apply); a block is active while allocated
+    s.allocation.pools[0] = s.active.pools[0] = allocations_;
+    s.allocated_bytes.pools[0] = s.active_bytes.pools[0] = allocated_bytes_;
+    s.requested_bytes.pools[0] = requested_bytes_;
+    s.reserved_bytes.pools[0] = reserved_bytes_;
+    s.segment.pools[0] = segments_;
+    s.num_ooms = ooms_;
+    return s;
+  }
+  free_space_info free_space_locked() const noexcept {
+    free_space_info f;
+    for (const auto& entry : free_) {
+      f.free_bytes += entry.second.size;
+      ++f.free_blocks;
+      f.largest_free_block = std::max(f.largest_free_block, entry.second.size);
+    }
+    return f;
+  }
+
   // device_allocator's allocate/deallocate/record_stream/owns land here.
   /// Blocks sit at multiples of `alignment` inside reserve chunks, which are as aligned as the backing allocator's
   /// memory.

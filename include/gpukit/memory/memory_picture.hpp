@@ -240,7 +240,9 @@ inline std::vector<std::int64_t> largest_free_levels(const std::vector<memory_ev
       ranges[seg.address] = seg.size;
     }
     for (const block_info& b : seg.blocks) {
-      if (b.state != block_state::free && alloc_touched.count(b.address) == 0) live[b.address] = b.size;
+      // A block cached in front is free (its free_completed is in the history when the history saw it freed).
+      const bool held = b.state == block_state::allocated || b.state == block_state::pending;
+      if (held && alloc_touched.count(b.address) == 0) live[b.address] = b.size;
     }
   }
   auto largest_gap = [&]() {

@@ -157,9 +157,8 @@ GPUKIT_INLINE std::string out_of_memory_message(const out_of_memory_info& info, 
   std::snprintf(fragmentation_text, sizeof fragmentation_text, "%.2f", fragmentation);
   const std::size_t unallocated = info.reserved > info.allocated ? info.reserved - info.allocated : 0;
   m += "This allocator: " + format_bytes(info.allocated) + " allocated, " + format_bytes(unallocated) +
-       (pages ? " mapped" : " reserved") + " but unallocated (largest free block " +
-       format_bytes(info.largest_free_block) + ", fragmentation " + fragmentation_text +
-       " = 1 - largest free block / free), reserved limit " +
+       " reserved but unallocated (largest free block " + format_bytes(info.largest_free_block) + ", fragmentation " +
+       fragmentation_text + " = 1 - largest free block / free), reserved limit " +
        (info.reserved_limit == std::numeric_limits<std::size_t>::max() ? std::string("none")
                                                                        : format_bytes(info.reserved_limit)) +
        ".";
