@@ -4166,3 +4166,118 @@ TEST_CASE("capture: a graph pool capture merges only the blocks its request need
   s.synchronize();
   CHECK(cudasim::violations().empty());
 }
+
+TEST_CASE("capture: cudaGraphLaunch into a stream being captured is refused and invalidates the capture, in any mode") {
+  // CUDA returns cudaErrorStreamCaptureUnsupported (onnxruntime PR #32081, an H200 with CUDA 12.6) and, as for any
+  // operation a capture refuses, invalidates it (the programming guide). A launch into a stream that is not captured
+  // is permitted meanwhile (measured on an H100). The simulator used to capture the launch's nodes instead.
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  gpukit::stream branch(cuda0);
+  gpukit::device_buffer<int> out(16, other);
+  cudaGraphExec_t exec = nullptr;
+  {
+    capture c(other);
+    REQUIRE(cudaMemsetAsync(out.data(), 7, out.size_bytes(), other.cuda_handle()) == cudaSuccess);
+    REQUIRE(c.end() == cudaSuccess);
+    REQUIRE(cudaGraphInstantiate(&exec, c.graph(), 0) == cudaSuccess);
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  for (const cudaStreamCaptureMode mode :
+       {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+    CAPTURE(mode);
+    const std::size_t memsets = cudasim::calls("cudaMemsetAsync");
+    {
+      capture c(s, mode);
+      REQUIRE(cudaMemsetAsync(out.data(), 1, out.size_bytes(), s.cuda_handle()) == cudaSuccess);
+      CHECK(cudaGraphLaunch(exec, other.cuda_handle()) == cudaSuccess);  // another stream: permitted
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      REQUIRE(cudaStreamIsCapturing(s.cuda_handle(), &status) == cudaSuccess);
+      CHECK(status == cudaStreamCaptureStatusActive);
+      CHECK(cudaGraphLaunch(exec, s.cuda_handle()) == cudaErrorStreamCaptureUnsupported);
+      REQUIRE(cudaStreamIsCapturing(s.cuda_handle(), &status) == cudaSuccess);
+      CHECK(status == cudaStreamCaptureStatusInvalidated);
+      CHECK(cudaGetLastError() == cudaErrorStreamCaptureUnsupported);
+      CHECK(cudaGraphLaunch(exec, s.cuda_handle()) == cudaErrorStreamCaptureInvalidated);  // no second violation
+      CHECK(c.end() == cudaErrorStreamCaptureInvalidated);
+      CHECK(c.graph() == nullptr);
+    }
+    (void)cudaGetLastError();
+    const auto refused = cudasim::take_violations();  // on purpose
+    REQUIRE(refused.size() == 1);
+    CHECK(refused.front().call == "cudaGraphLaunch");
+    CHECK(refused.front().error == cudaErrorStreamCaptureUnsupported);
+    CHECK(refused.front().message.find("being captured") != std::string::npos);
+    CHECK(cudasim::calls("cudaMemsetAsync") == memsets + 1);
+  }
+  // A stream forked into the capture is captured too: refused there as well.
+  {
+    capture c(s, cudaStreamCaptureModeRelaxed);
+    forked_branch fork(s, branch);
+    CHECK(cudaGraphLaunch(exec, branch.cuda_handle()) == cudaErrorStreamCaptureUnsupported);
+    CHECK(c.end() == cudaErrorStreamCaptureInvalidated);  // the branch cannot join an invalidated capture
+  }
+  (void)cudaGetLastError();
+  CHECK(cudasim::take_violations().size() == 1);  // on purpose
+  // Outside the capture the graph launches, on the stream the capture had.
+  REQUIRE(cudaGraphLaunch(exec, s.cuda_handle()) == cudaSuccess);
+  CHECK(gpukit::to_host(out, s) == std::vector<int>(16, 0x07070707));
+  CHECK(cudaGraphExecDestroy(exec) == cudaSuccess);
+  other.synchronize();
+}
+
+TEST_CASE(
+    "capture: graph::launch into a stream being captured is refused before CUDA is asked, and the capture goes on") {
+  // Without the check a graph without a pool reached cudaGraphLaunch, which CUDA refuses (900) and which invalidates
+  // the caller's capture; gpukit refuses first, naming the stream and what to do, for graphs with and without a pool.
+  gpukit::stream s(cuda0);
+  gpukit::stream other(cuda0);
+  gpukit::device_buffer<int> out(16, other);
+  const auto fill = [&] {
+    REQUIRE(cudaMemsetAsync(out.data(), 3, out.size_bytes(), other.cuda_handle()) == cudaSuccess);
+  };
+  gpukit::graph plain = gpukit::capture(other, fill);
+  gpukit::graph pooled = gpukit::capture(other, fill, gpukit::graph_pool::create(cuda0, 1 << 20));
+  other.synchronize();
+  const std::size_t launches = cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz");
+  const std::string stream_named = gpukit::detail::describe_stream(s.cuda_handle(), cuda0);
+  for (const cudaStreamCaptureMode mode :
+       {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed}) {
+    CAPTURE(mode);
+    capture c(s, mode);
+    REQUIRE(cudaMemsetAsync(out.data(), 4, out.size_bytes(), s.cuda_handle()) == cudaSuccess);
+    for (const gpukit::graph* g : {&plain, &pooled}) {
+      std::string message;
+      try {
+        g->launch(s);
+        message = "launched";
+      } catch (const gpukit::invalid_argument_error& e) {
+        message = e.what();
+        CHECK(e.call() == "cudaGraphLaunch");
+      }
+      CHECK(message.find("gpukit::graph::launch: " + stream_named + " is being captured") != std::string::npos);
+      CHECK(message.find("cudaErrorStreamCaptureUnsupported") != std::string::npos);
+      CHECK(message.find("before or after the capture") != std::string::npos);
+      CHECK(message.find("the capture goes on") != std::string::npos);
+      CHECK((message.find("graph pool") != std::string::npos) == (g == &pooled));
+    }
+    CHECK(c.end() == cudaSuccess);  // intact
+    CHECK(cudaGraphDestroy(c.graph()) == cudaSuccess);
+  }
+  CHECK(cudasim::calls("cudaGraphLaunch") + cudasim::calls("cudaGraphLaunch_ptsz") == launches);
+  // gpukit::capture's own capture too; afterwards both launch there.
+  std::string inside;
+  gpukit::graph outer = gpukit::capture(s, [&] {
+    try {
+      plain.launch(s);
+    } catch (const gpukit::invalid_argument_error& e) {
+      inside = e.what();
+    }
+  });
+  CHECK(inside.find("is being captured") != std::string::npos);
+  outer.launch(s);
+  plain.launch(s);
+  pooled.launch(s);
+  CHECK(gpukit::to_host(out, s) == std::vector<int>(16, 0x03030303));
+  CHECK(cudasim::violations().empty());
+}

@@ -1677,6 +1677,24 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
   if (!g) return c.violation(cudaErrorInvalidResourceHandle, "launch of a destroyed or invalid graph executable");
   stream_ptr st;
   if (cudaError_t e = resolve_stream(c, h, ptsz, st); e != cudaSuccess) return e;
+  // A graph cannot be launched into a stream that is being captured: CUDA returns cudaErrorStreamCaptureUnsupported
+  // (900), in every capture mode, and, as for any operation a capture refuses, invalidates the capture (the CUDA
+  // programming guide, "Stream Capture": "When an invalid operation is attempted during stream capture, any
+  // associated capture graphs are invalidated"; reported with 900 from cudaGraphLaunch in a caller's capture by
+  // onnxruntime PR #32081, measured on an H200 with CUDA 12.6; Warp's capture_launch documents the failure, and code
+  // that must nest a graph adds a child graph node instead: cudaStreamGetCaptureInfo, cudaGraphAddChildGraphNode,
+  // cudaStreamUpdateCaptureDependencies). No CUDA release up to 13.0 documents capturing a launch as a child graph
+  // node. Nothing is enqueued. A launch into another stream during a capture is permitted (measured on an H100,
+  // bench/results/gpu-20261205-1937-H100.md).
+  if (st->capture) {
+    // A capture invalidated already answers as to any other work (the guide: further use "will return an error").
+    if (st->capture->invalidated) return c.result(cudaErrorStreamCaptureInvalidated);
+    st->capture->invalidated = true;
+    return c.violation(cudaErrorStreamCaptureUnsupported,
+                       "cudaGraphLaunch into a stream that is being captured (capture " +
+                           std::to_string(st->capture->id) +
+                           " is invalidated): add the graph as a child graph node, or launch it outside the capture");
+  }
   // A graph allocation must be freed before its graph is launched again (CUDA refuses the launch).
   for (const auto& captured : g->ops) {
     if (captured.allocates == 0) continue;
@@ -1691,16 +1709,13 @@ cudaError_t graph_launch(cudaGraphExec_t exec, cudaStream_t h, bool ptsz, const 
   for (const auto& captured : g->ops) {
     auto o = std::make_shared<op>(captured);
     o->what += " (graph)";
-    const bool captured_launch = st->capture != nullptr;  // a node of another graph: runs with that one
-    if (first && !captured_launch && g->last_launch && !g->last_launch->done) o->deps.push_back(g->last_launch);
-    if (!captured_launch && captured.external_wait && captured.external_wait->last &&
-        !captured.external_wait->last->done) {
+    if (first && g->last_launch && !g->last_launch->done) o->deps.push_back(g->last_launch);
+    if (captured.external_wait && captured.external_wait->last && !captured.external_wait->last->done) {
       o->deps.push_back(captured.external_wait->last);
     }
     first = false;
     const state_ptr state = o->state;
     if (cudaError_t e = enqueue(c, st, std::move(o)); e != cudaSuccess) return e;
-    if (captured_launch) continue;
     g->last_launch = state;
     const std::uintptr_t base = captured.allocates != 0 ? captured.allocates : captured.frees;
     if (base == 0) continue;

@@ -403,6 +403,13 @@ std::vector<probe> probes() {
     {"cudaDeviceSynchronize", relaxed, false, no, device_synchronize, relaxed_capture},
     {"cudaDeviceSynchronize", self, false, no, device_synchronize, relaxed_capture},
     {"cudaDeviceSynchronize", self_relaxed, false, no, device_synchronize, relaxed_capture},
+    // A graph launched into the captured stream: 900 (onnxruntime PR #32081, an H200, CUDA 12.6), not nested as a
+    // child graph node; that the capture is invalidated, and in every mode, is the programming guide's rule for a
+    // refused operation, not measured yet (graph::launch refuses such a launch itself first).
+    {"cudaGraphLaunch (the captured stream)", self, false, no,
+     [](objects& o) { return cudaGraphLaunch(o.exec, o.captured); }},
+    {"cudaGraphLaunch (the captured stream)", self_relaxed, false, no,
+     [](objects& o) { return cudaGraphLaunch(o.exec, o.captured); }, relaxed_capture},
     // CUDA never captures the legacy default stream (cudaStreamBeginCapture, cudaStreamIsCapturing), so it cannot
     // join a capture by waiting for an event recorded in it. Measured on an H100: cudaErrorStreamCaptureImplicit
     // (906), the capture invalidated, whether the captured stream is blocking or not.

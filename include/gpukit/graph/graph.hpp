@@ -83,13 +83,16 @@ class graph {
 
   /// Launches the graph on `s` (a stream of its device). Throws invalid_argument_error for an empty graph, a
   /// stream of another device, another thread's per-thread default stream, the legacy default stream while a gpukit
-  /// capture of a blocking stream of the device runs (as stream_view::enqueue_host), or, for a graph with a pool, a
-  /// stream being captured (the outer graph could run after the pool's memory went back: capture that work into the
-  /// pool's graph instead); cuda_error if the launch fails. For a graph with a pool, a cuda_error naming
-  /// "cudaEventRecord (after a graph launch)" means the graph was launched but the pool could not record when it ends
-  /// (the host then waited for `s`, or, if even that failed, the pool keeps its reserve when released): do not launch
-  /// it again to make up for it. On the legacy stream, a capture that begins while the pool orders the launch makes
-  /// it refused, after the host has waited for any destroyed stream's work the pool could not order on the device.
+  /// capture of a blocking stream of the device runs (as stream_view::enqueue_host), or a stream being captured:
+  /// CUDA refuses cudaGraphLaunch into a capturing stream (cudaErrorStreamCaptureUnsupported) and invalidates that
+  /// capture, so the launch is refused before it is made and the capture goes on (launch the graph outside the
+  /// capture or on a stream not captured, or capture its work into the outer graph; for a graph with a pool, the
+  /// outer graph could besides run after the pool's memory went back); cuda_error if the launch fails. For a graph with
+  /// a pool, a cuda_error naming "cudaEventRecord (after a graph launch)" means the graph was launched but the pool
+  /// could not record when it ends (the host then waited for `s`, or, if even that failed, the pool keeps its reserve
+  /// when released): do not launch it again to make up for it. On the legacy stream, a capture that begins while the
+  /// pool orders the launch makes it refused, after the host has waited for any destroyed stream's work the pool could
+  /// not order on the device.
   void launch(stream_view s) const {
     if (exec_ == nullptr) {
       throw invalid_argument_error(graph_ != nullptr ? "gpukit::graph::launch: the graph is not instantiated "
@@ -105,22 +108,16 @@ class graph {
     device_guard guard(device_);
     std::optional<detail::legacy_stream_hold> hold;
     cudaError_t result = cudaSuccess;
+    // Refused before any call (the pool's too, which then leave nothing behind), so that the capture stays intact.
+    hold_legacy_stream(s, hold);
+    refuse_captured_stream(s);
     if (!pool_) {
-      hold_legacy_stream(s, hold);
       GPUKIT_CUDA_TRY_DESCRIBED(result = cudaGraphLaunch(exec_, s.cuda_handle()), launch_failed(result),
                                 device_.ordinal());
       return;
     }
-    // Refused before the pool's calls, which then leave nothing behind; held again, as they may wait on the host (for
-    // a destroyed stream's work, for `s` when the record fails) or for the pool's lock, which a host wait may hold.
-    hold_legacy_stream(s, hold);
-    if (detail::capture_status(s) != cudaStreamCaptureStatusNone) {
-      throw invalid_argument_error(
-          "gpukit::graph::launch: a graph with a graph pool launched into a stream being captured on " +
-          device_.to_string() +
-          ": the outer graph could run after the pool's memory is released (capture the work into one graph "
-          "instead; nothing was launched)");
-    }
+    // Held again below, as the pool's calls may wait on the host (for a destroyed stream's work, for `s` when the
+    // record fails) or for the pool's lock, which a host wait may hold.
     hold.reset();
     const stream_view on = s.resolved();  // its id looked up once: the pool's calls below then make no lookup
     const cudaEvent_t launched = pool_->prepare_launch(on);  // recorded after the launch, for the pool's release
@@ -229,6 +226,28 @@ class graph {
     if (!s.is_default() || s.is_per_thread()) return;
     hold.emplace(device_.ordinal());
     detail::refuse_legacy_stream_join("graph::launch", s, hold->refused());
+  }
+
+  /// CUDA refuses cudaGraphLaunch into a stream being captured (cudaErrorStreamCaptureUnsupported, in every capture
+  /// mode) and invalidates that capture: throws invalid_argument_error first, which leaves the capture intact. No CUDA
+  /// release up to 13.0 captures a launch as a child graph node. A capture status that cannot be asked is the
+  /// launch's to report (cudaStreamIsCapturing is permitted on a captured stream and never invalidates it).
+  void refuse_captured_stream(const stream_view& s) const {
+    const cudaStreamCaptureStatus status = detail::capture_status(s);
+    if (status == cudaStreamCaptureStatusNone) return;
+    std::string message =
+        "gpukit::graph::launch: " + detail::describe_stream(s.native_handle(), device_) + " is being captured" +
+        (status == cudaStreamCaptureStatusInvalidated ? " (its capture is invalidated already)" : "") +
+        ": CUDA refuses cudaGraphLaunch into a stream being captured "
+        "(cudaErrorStreamCaptureUnsupported) and would invalidate the capture";
+    if (pool_) {
+      message +=
+          "; for a graph with a graph pool, the outer graph could besides run after the pool's memory is released";
+    }
+    message +=
+        ". Launch the graph before or after the capture, or on a stream not being captured, or capture its work into "
+        "the outer graph instead (nothing was launched; the capture goes on)";
+    throw invalid_argument_error(message, cudaSuccess, "cudaGraphLaunch", device_.ordinal());
   }
 
   /// What a failed cudaGraphLaunch names; CUDA says only cudaErrorInvalidValue for an unfreed graph allocation.
