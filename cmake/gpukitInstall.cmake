@@ -65,6 +65,13 @@ if(TARGET gpukit_compiled)
     COMPONENT gpukit)
 endif()
 
+# Recorded in gpukitConfig.cmake: whether this install has gpukit::compiled (its targets file alone could be an earlier
+# install's, left in the prefix).
+if(TARGET gpukit_compiled)
+  set(GPUKIT_INSTALLS_COMPILED TRUE)
+else()
+  set(GPUKIT_INSTALLS_COMPILED FALSE)
+endif()
 configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/gpukitConfig.cmake.in"
   "${gpukit_package_dir}/gpukitConfig.cmake"
   INSTALL_DESTINATION "${GPUKIT_INSTALL_CMAKEDIR}")

@@ -9,9 +9,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <vector>
 
-int main() {
+static int run() {
   if (gpukit::device_count() == 0) {
     std::puts("graph_replay: no CUDA device here; CUDA graphs need one (nothing to do)");
     return 0;
@@ -53,4 +54,14 @@ int main() {
   std::printf("default allocator: %lld cudaMalloc calls in all\n",
               static_cast<long long>(gpukit::memory_stats(d).num_device_alloc));
   return host[0] == host[3] ? 0 : 1;
+}
+
+// Any gpukit error (a bad GPUKIT_ALLOC_CONF, no memory, a CUDA failure) is printed, and the exit code says it: 1.
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "graph_replay: %s\n", e.what());
+    return 1;
+  }
 }

@@ -300,16 +300,20 @@ int main(int argc, char** argv) {
     std::atomic<bool> finished{false};
     std::thread reporter([&] {
       std::size_t last_done = 0;
-      for (int second = 1; !finished; ++second) {
-        const auto wake = start + std::chrono::seconds(second);
-        while (!finished && clock_type::now() < wake) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        if (finished) break;
-        const std::size_t done = out.done;
-        std::printf("[%2d s] %zu done (%zu/s), queue %zu, admitted %s, allocated %s, reserved %s%s%s\n", second, done,
-                    done - last_done, queue.size(), mib(admission.in_use()).c_str(),
-                    mib(gpukit::memory_allocated(d)).c_str(), mib(gpukit::memory_reserved(d)).c_str(),
-                    monitor && monitor->active() ? " | " : "", monitor ? monitor->status_line().c_str() : "");
-        last_done = done;
+      try {  // an exception leaving a thread would end the process (std::terminate)
+        for (int second = 1; !finished; ++second) {
+          const auto wake = start + std::chrono::seconds(second);
+          while (!finished && clock_type::now() < wake) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          if (finished) break;
+          const std::size_t done = out.done;
+          std::printf("[%2d s] %zu done (%zu/s), queue %zu, admitted %s, allocated %s, reserved %s%s%s\n", second, done,
+                      done - last_done, queue.size(), mib(admission.in_use()).c_str(),
+                      mib(gpukit::memory_allocated(d)).c_str(), mib(gpukit::memory_reserved(d)).c_str(),
+                      monitor && monitor->active() ? " | " : "", monitor ? monitor->status_line().c_str() : "");
+          last_done = done;
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "inference_server: the reporter stopped: %s\n", e.what());
       }
     });
     // The client: requests of 16 to 256 KiB (in, and as much out) at the chosen rate; one larger than the budget.

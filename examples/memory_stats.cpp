@@ -4,9 +4,10 @@
 #include <gpukit/gpukit.hpp>
 
 #include <cstdio>
+#include <exception>
 #include <vector>
 
-int main() {
+static int run() {
   const gpukit::device d = gpukit::device_count() > 0 ? gpukit::device::cuda(0) : gpukit::device::cpu();
   std::printf("allocating on %s\n", d.to_string().c_str());
   gpukit::stream s(d);
@@ -37,4 +38,14 @@ int main() {
   gpukit::set_reserved_memory_limit(gpukit::allocator_options::unlimited, d);
   std::printf("out-of-memory errors so far: %lld\n", static_cast<long long>(gpukit::memory_stats(d).num_ooms));
   return 0;
+}
+
+// Any gpukit error (a bad GPUKIT_ALLOC_CONF, no memory, a CUDA failure) is printed, and the exit code says it: 1.
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "memory_stats: %s\n", e.what());
+    return 1;
+  }
 }

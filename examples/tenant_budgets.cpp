@@ -6,6 +6,7 @@
 #include <gpukit/memory/pmr.hpp>
 
 #include <cstdio>
+#include <exception>
 #include <memory_resource>
 #include <mutex>
 #include <string>
@@ -76,16 +77,24 @@ class budget_resource final : public gpukit::device_resource {
     if (p == nullptr) return;
     std::size_t bytes = 0;
     {
+      // Forgotten before the upstream frees it: once freed, another thread may get `p` back from the cache and
+      // record it here, which a later erase would undo.
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = sizes_.find(p);
       if (it == sizes_.end()) {
         throw gpukit::invalid_argument_error("tenant " + tenant_ + ": freeing memory it did not allocate");
       }
       bytes = it->second;
+      sizes_.erase(it);
     }
-    free();  // throws for a pointer the upstream refuses: nothing was changed here then
+    try {
+      free();
+    } catch (...) {  // the upstream refused the pointer: it stays this tenant's, as it was
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_.emplace(p, bytes);
+      throw;
+    }
     std::lock_guard<std::mutex> lock(mutex_);
-    sizes_.erase(p);
     in_use_ -= bytes;
   }
 
@@ -100,7 +109,7 @@ class budget_resource final : public gpukit::device_resource {
 
 }  // namespace
 
-int main() {
+static int run() {
   const gpukit::device d = gpukit::device_count() > 0 ? gpukit::device::cuda(0) : gpukit::device::cpu();
   constexpr std::size_t MiB = std::size_t{1} << 20;
   gpukit::device_allocator& shared = gpukit::default_allocator(d);
@@ -142,4 +151,14 @@ int main() {
               gpukit::detail::format_bytes(small.in_use()).c_str(),
               gpukit::detail::format_bytes(large.in_use()).c_str(), ok ? "every budget held" : "UNEXPECTED");
   return ok ? 0 : 1;
+}
+
+// Any gpukit error (a bad GPUKIT_ALLOC_CONF, no memory, a CUDA failure) is printed, and the exit code says it: 1.
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tenant_budgets: %s\n", e.what());
+    return 1;
+  }
 }

@@ -14,6 +14,11 @@ packaging_configure("configure gpukit (tests, examples, benchmarks off)" "${SOUR
   ARGS "-DCMAKE_INSTALL_PREFIX=${configured_prefix}" -DGPUKIT_BUILD_TESTS=OFF -DGPUKIT_BUILD_EXAMPLES=OFF
        -DGPUKIT_BUILD_BENCHMARKS=OFF)
 packaging_build("build (gpukit::compiled only: the headers need no build)" "${build}")
+# No build type given: a top-level gpukit builds Release (gpukit::compiled unoptimized would be ~10x slower).
+file(STRINGS "${build}/CMakeCache.txt" build_type REGEX "^CMAKE_BUILD_TYPE:")
+if(NOT build_type MATCHES "=Release$")
+  packaging_fail("configured with no build type, the build type is not Release: ${build_type}")
+endif()
 packaging_run("cmake --install into ${PREFIX}" COMMAND "${CMAKE_COMMAND}" --install "${build}" --prefix "${PREFIX}")
 
 # --- exactly the expected files ---
@@ -28,7 +33,7 @@ list(APPEND expected "${cmakedir}/gpukitConfig.cmake" "${cmakedir}/gpukitConfigV
      "${cmakedir}/gpukitTargets.cmake" "lib/pkgconfig/gpukit.pc" "share/doc/gpukit/LICENSE")
 # gpukit::compiled (the optional compiled mode), built with the toolkit: the library and its export set.
 set(expected_compiled "lib/libgpukit.a" "${cmakedir}/gpukitCompiledTargets.cmake"
-    "${cmakedir}/gpukitCompiledTargets-noconfig.cmake")
+    "${cmakedir}/gpukitCompiledTargets-release.cmake")
 list(APPEND expected ${expected_compiled})
 file(GLOB_RECURSE installed LIST_DIRECTORIES false RELATIVE "${PREFIX}" "${PREFIX}/*")
 set(missing ${expected})
@@ -126,6 +131,8 @@ endif()
 foreach(file IN LISTS expected_no_cuda)
   file(READ "${PREFIX}/${file}" normal)
   file(READ "${no_cuda_prefix}/${file}" no_cuda)
+  # gpukitConfig.cmake records whether the install has gpukit::compiled: the one difference allowed.
+  string(REPLACE "_gpukit_installs_compiled TRUE)" "_gpukit_installs_compiled FALSE)" normal "${normal}")
   if(NOT no_cuda STREQUAL normal)
     packaging_fail("${file} installed without CUDA differs from the normal install's.\nnormal:\n${normal}\n"
                    "without CUDA:\n${no_cuda}")
@@ -142,3 +149,24 @@ packaging_build("build the consumer" "${build}")
 packaging_executable(program "${WORK_DIR}/bin" consumer)
 packaging_run_consumer("run the consumer" "${program}")
 message(STATUS "install tree of gpukit ${VERSION} without CUDA at configure time: ok")
+
+# --- a header-only install over an install with gpukit::compiled does not leave that component findable ---
+# (its targets file stays in the prefix, and its library would not match the new headers).
+set(stale_prefix "${WORK_DIR}/prefix-reinstalled")
+file(REMOVE_RECURSE "${stale_prefix}")
+file(COPY "${PREFIX}/" DESTINATION "${stale_prefix}")
+packaging_run("cmake --install the install without CUDA over a copy of the normal install"
+  COMMAND "${CMAKE_COMMAND}" --install "${WORK_DIR}/build-no-cuda" --prefix "${stale_prefix}")
+set(probe "${WORK_DIR}/compiled-probe")
+file(MAKE_DIRECTORY "${probe}")
+file(WRITE "${probe}/CMakeLists.txt" "cmake_minimum_required(VERSION 3.18)\nproject(probe LANGUAGES CXX)\n"
+  "find_package(gpukit CONFIG REQUIRED OPTIONAL_COMPONENTS compiled)\n"
+  "message(STATUS \"compiled component found: \${gpukit_compiled_FOUND}\")\n")
+foreach(case "${PREFIX};TRUE" "${stale_prefix};FALSE")
+  list(GET case 0 prefix)
+  list(GET case 1 found)
+  packaging_configure("find_package(gpukit OPTIONAL_COMPONENTS compiled) in ${prefix}" "${probe}"
+    "${WORK_DIR}/compiled-probe-build" OUTPUT_VARIABLE out ARGS "-DCMAKE_PREFIX_PATH=${prefix}")
+  packaging_expect_match("the compiled component of ${prefix}" "${out}" "compiled component found: ${found}")
+endforeach()
+message(STATUS "a header-only reinstall leaves no gpukit::compiled to find: ok")

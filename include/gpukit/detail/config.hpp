@@ -33,6 +33,12 @@
 #error "gpukit needs the CUDA 13.0 toolkit or newer (cuda_runtime_api.h with CUDART_VERSION >= 13000)"
 #endif
 
+// C++17, in .cu files too: gpukit::gpukit requires cxx_std_17, which CMake applies to C++ sources only (a CUDA target
+// takes CMAKE_CUDA_STANDARD / CUDA_STANDARD, or nvcc's default).
+#if __cplusplus < 201703L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 201703L)
+#error "gpukit needs C++17 or newer (for a .cu file: nvcc -std=c++17, or CMake's CUDA_STANDARD 17)"
+#endif
+
 // GPUKIT_SEPARATE_COMPILATION (defined by linking gpukit::compiled) leaves the member functions of the engines out
 // (the caching allocator, the pinned pool, the staging engine: each defines them in its *_impl.hpp, which its header
 // includes only header-only), so a translation unit calls the instantiations gpukit::compiled holds. One that
