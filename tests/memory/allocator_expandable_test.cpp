@@ -139,29 +139,6 @@ TEST_CASE("expandable segments: free blocks are not inactive split (non-releasab
   CHECK(f.a.upstream().used() == 0);
 }
 
-TEST_CASE("expandable segments: a small request the front cache misses takes its stream's cached blocks back first") {
-  for (const bool ranges : {true, false}) {
-    CAPTURE(ranges);
-    setup f(ranges ? expandable() : gpukit::allocator_options{});
-    void* a = f.a.allocate(256 * KiB, f.s0);
-    void* b = f.a.allocate(256 * KiB, f.s0);  // after a
-    void* c = f.a.allocate(64 * KiB, f.s0);   // after b
-    f.a.deallocate(a);
-    f.a.deallocate(b);  // both cached in front: to the heap, still allocated
-    std::size_t cached = 0;
-    for (const auto& seg : f.a.snapshot().segments) {
-      for (const auto& block : seg.blocks) cached += block.state == gpukit::block_state::cached ? 1 : 0;
-    }
-    REQUIRE(cached == 2);
-    // Another size: in a stream's expandable range, a and b go back to the heap first and, coalesced, hold it (best
-    // fit); kept cached, it went after c. Ordinary segments keep them cached until the heap grows.
-    void* d = f.a.allocate(512 * KiB, f.s0);
-    CHECK((d == a) == ranges);
-    CHECK(f.invariants({c, d}) == "");
-    CHECK(released_all(f, {c, d}));
-  }
-}
-
 TEST_CASE("expandable segments: the largest free block is the mapped run at a free block's start") {
   setup f(expandable(), 12 * MiB);
   // Pages of 2 MiB: x on pages 0-1, y on 1-4, z on 4-5; all large requests, in one range.

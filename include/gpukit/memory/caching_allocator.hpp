@@ -874,9 +874,6 @@ class basic_caching_allocator {
   /// released. Returns whether there were any. Throws only when freeing a block does (an event could not be
   /// recorded): that block stays cached.
   bool flush_fronts(bool large_only = false);
-  /// Takes the blocks cached in stream `key`'s own front slot of one pool back into the heap (device lock held).
-  /// Returns whether there were any. Throws as flush_fronts.
-  bool flush_front_of(std::uintptr_t key, bool large);
 
   // --- blocks ---
 

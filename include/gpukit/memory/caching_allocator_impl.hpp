@@ -992,13 +992,6 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
       if (!dead_streams_.empty()) retire_finished();
     }
     do {  // again only when a gpukit capture began between find_free and take (take)
-      // In a stream's small expandable range, a request the front cache missed first takes back the stream's
-      // blocks cached there, so that best fit sees them coalesced with their free neighbours: kept apart, the
-      // requests of other sizes were placed around them, and once flushed (at the next release) they left holes
-      // among the blocks placed meanwhile, on pages those keep mapped (bench_fragmentation with expandable segments:
-      // minimum capacity of L6 h512 1.021 to 1.017 worst of ten seeds, L2 h256 1.073 to 1.045; no figure rose).
-      // Ordinary segments keep their blocks cached until the heap grows, as before.
-      if (small && st.expandable[1] != nullptr) (void)flush_front_of(st.key, false);
       b = find_free(st, size, small);
       if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
       if (b == nullptr) {
@@ -1414,32 +1407,6 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_fronts(bo
       any = any || bin.count != 0;
       flush_bin(slot, bin);
     }
-  }
-  return any;
-}
-
-template <class Upstream, class StreamOps>
-GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_front_of(std::uintptr_t key, bool large) {
-  if (!fronts_active_) return false;
-  front_slot_type* own = nullptr;  // the stream's slot: its probe sequence, up to a slot never owned
-  for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
-    front_slot_type& slot = front_slot_at(key, probe, large);
-    const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
-    if (owner == key) {
-      own = &slot;
-      break;
-    }
-    if (owner == front_slot_type::unowned) break;
-  }
-  // Without the slots' locks, a hint: most requests that reach the heap find nothing cached for their stream.
-  if (own == nullptr || own->blocks.load(std::memory_order_relaxed) == 0) return false;
-  fronts_lock all(*this);
-  if (owner_of(*own).load(std::memory_order_relaxed) != key) return false;  // changed hands since
-  deferred_peaks deferred(*this);
-  bool any = false;
-  for (auto& bin : own->bins) {
-    any = any || bin.count != 0;
-    flush_bin(*own, bin);
   }
   return any;
 }
