@@ -239,3 +239,28 @@ TEST_CASE("errors: a warning during static destruction reaches the handler set i
   CHECK(child.stderr_text.rfind(expected, 0) == 0);
   CHECK(child.stderr_text.find('\n') == child.stderr_text.size() - 1);  // that one line, nothing else
 }
+
+TEST_CASE(
+    "errors: a failed cudaHostUnregister names the call that ended the registration, and says the range may "
+    "stay page-locked") {
+  const gpukit::device d = gpukit::device::cuda(0);
+  std::vector<unsigned char> a(std::size_t{1} << 16);
+  std::vector<unsigned char> b(std::size_t{1} << 16);
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit::host_registration reset_one(a.data(), a.size(), d);
+    cudasim::fail_call("cudaHostUnregister", 1, cudaErrorInvalidValue);
+    reset_one.reset();
+    CHECK_FALSE(reset_one.registered());
+    gpukit::host_registration destroyed(b.data(), b.size(), d);
+    cudasim::fail_call("cudaHostUnregister", 1, cudaErrorInvalidValue);
+  }
+  cudasim::clear_faults();
+  const std::vector<std::string> messages = warnings.messages();
+  REQUIRE(messages.size() == 2);
+  CHECK(messages[0].find("cudaHostUnregister (in host_registration::reset; the range may stay page-locked)") !=
+        std::string::npos);
+  CHECK(messages[1].find("cudaHostUnregister (in ~host_registration;") != std::string::npos);
+  for (void* p : {static_cast<void*>(a.data()), static_cast<void*>(b.data())}) (void)cudaHostUnregister(p);
+  (void)cudaGetLastError();
+}

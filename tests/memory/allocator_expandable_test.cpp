@@ -1162,3 +1162,42 @@ TEST_CASE(
   CHECK(f.a.stats().expandable_mapped_bytes == 0);
   CHECK(f.a.upstream().used() == 0);
 }
+
+namespace {
+/// Whether every byte of [p, p + bytes) lies in pages the snapshot shows mapped.
+bool fully_mapped(const fake_allocator& a, const void* p, std::size_t bytes) {
+  const auto start = reinterpret_cast<std::uintptr_t>(p);
+  std::size_t covered = 0;
+  for (const auto& seg : a.snapshot().segments) {
+    for (const auto& r : seg.mapped_ranges) {
+      const std::uintptr_t lo = std::max(start, r.first);
+      const std::uintptr_t hi = std::min(start + bytes, r.first + r.second);
+      if (hi > lo) covered += hi - lo;
+    }
+  }
+  return covered == bytes;
+}
+}  // namespace
+
+TEST_CASE(
+    "expandable segments: a block taken whole for a smaller request is not cached in front, where a request "
+    "of its whole size would get its unmapped tail") {
+  gpukit::allocator_options o = expandable();
+  o.front_cache_large = true;
+  setup f(o);
+  f.a.upstream().set_page_size(64 * KiB);  // pages smaller than the remainder left unsplit (as on host memory)
+  void* first = f.a.allocate(9 * MiB, f.s0);
+  void* fence = f.a.allocate(10 * MiB, f.s0);  // keeps the 9 MiB block apart from the free rest of the range
+  f.a.deallocate(first);
+  f.a.empty_cache();                          // the 9 MiB block goes back to the heap, its pages unmapped
+  void* eight = f.a.allocate(8 * MiB, f.s0);  // takes it whole (a remainder of 1 MiB is not split off)
+  REQUIRE(eight == first);
+  CHECK(fully_mapped(f.a, eight, 8 * MiB));
+  CHECK_FALSE(fully_mapped(f.a, eight, 9 * MiB));  // the pages of its last MiB were not needed
+  f.a.deallocate(eight);
+  void* nine = f.a.allocate(9 * MiB, f.s0);
+  CHECK(nine == first);
+  CHECK(fully_mapped(f.a, nine, 9 * MiB));
+  CHECK(f.invariants({nine, fence}) == "");
+  CHECK(released_all(f, {nine, fence}));
+}

@@ -393,6 +393,10 @@ class basic_caching_allocator {
     bool small = false;
     bool taken_split = false;  // counts_as_split when allocated (cannot change until it is free)
     bool split_whole = false;  // found by reuse_before_release's search: take() splits it, dedicated or not
+    // Taken whole in an expandable segment with pages of its tail unmapped (pages are mapped for the request, and the
+    // remainder was too small to split off): never cached in front, where a request of its whole size would get it
+    // without mapping them (found by review: a fault on the unmapped tail). Written under the lock by take().
+    bool partly_mapped = false;
     // In a front cache: allocated to the heap (and in the pointer map), free to the user. Written under the slot's
     // lock; read without it by a free, which is ordered after the allocation that cleared it.
     std::atomic<bool> in_front{false};

@@ -172,7 +172,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::deallocate(void
   // front for the next request of its size there (it stays in the map, marked). Only when it needs no fence: the stream
   // may be destroyed while the block is cached, and must not be asked (or recorded on) later.
   if (front_cache_ && (b->small || front_cache_large_.load(std::memory_order_relaxed)) && !busy && !expired_owner &&
-      b->recorded.empty()) {
+      b->recorded.empty() && !b->partly_mapped) {
     const front_result r = front_give(b);  // refuses a stream whose destruction was noticed meanwhile
     if (r == front_result::cached) return;
     if (r == front_result::already_free) throw_not_owned(p, "deallocate");
@@ -1693,6 +1693,7 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::take(block* b, 
   b->state = block_state::allocated;
   b->requested = requested;
   b->taken_split = counts_as_split(b);
+  b->partly_mapped = !split && b->seg->expandable && needs_pages(b, b->size);
   count(st_allocation, b->small, 1);
   count(st_allocated_bytes, b->small, as_delta(b->size));
   count(st_active, b->small, 1);

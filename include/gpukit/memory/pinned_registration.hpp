@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -101,7 +102,8 @@ class host_registration {
   }
 
   void take(host_registration& other) noexcept;
-  void unregister() noexcept;
+  /// Ends the registration; a failure is reported through gpukit::warn as made in `caller`.
+  void unregister(const char* caller) noexcept;
 
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
@@ -165,13 +167,13 @@ GPUKIT_INLINE host_registration::host_registration(host_registration&& other) no
 
 GPUKIT_INLINE host_registration& host_registration::operator=(host_registration&& other) noexcept {
   if (this != &other) {
-    unregister();
+    unregister("host_registration's move assignment");
     take(other);
   }
   return *this;
 }
 
-GPUKIT_INLINE host_registration::~host_registration() { unregister(); }
+GPUKIT_INLINE host_registration::~host_registration() { unregister("~host_registration"); }
 
 GPUKIT_INLINE bool host_registration::registered() const noexcept { return registered_; }
 
@@ -182,7 +184,7 @@ GPUKIT_INLINE std::size_t host_registration::size_bytes() const noexcept { retur
 GPUKIT_INLINE gpukit::device host_registration::device() const noexcept { return device_; }
 
 GPUKIT_INLINE void host_registration::reset() noexcept {
-  unregister();
+  unregister("host_registration::reset");
   data_ = nullptr;
   bytes_ = 0;
 }
@@ -194,12 +196,15 @@ GPUKIT_INLINE void host_registration::take(host_registration& other) noexcept {
   registered_ = std::exchange(other.registered_, false);
 }
 
-GPUKIT_INLINE void host_registration::unregister() noexcept {
+GPUKIT_INLINE void host_registration::unregister(const char* caller) noexcept {
   if (!registered_) return;
   registered_ = false;
   const detail::host_memory_release_scope scope(device_.ordinal());
-  detail::report_cuda_failure(cudaHostUnregister(data_), "cudaHostUnregister (in ~host_registration)",
-                              device_.ordinal());
+  const cudaError_t result = cudaHostUnregister(data_);
+  if (result == cudaSuccess) return;
+  char call[160];  // no heap: this runs in destructors
+  std::snprintf(call, sizeof call, "cudaHostUnregister (in %s; the range may stay page-locked)", caller);
+  detail::report_cuda_failure(result, call, device_.ordinal());
 }
 
 GPUKIT_END_NAMESPACE

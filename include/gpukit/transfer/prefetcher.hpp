@@ -319,7 +319,8 @@ class prefetcher {
   }
 
   /// As above, for work on the calling thread's current stream of `d` (current_stream(d): the default stream unless
-  /// a stream_guard says otherwise), taken now. That stream must outlive the prefetcher, as a passed one must.
+  /// a stream_guard says otherwise), taken now. That stream must outlive the prefetcher and its batches, as a passed
+  /// one must.
   prefetcher(gpukit::device d, std::size_t batch_capacity, producer produce, prefetch_options options = {})
       : prefetcher(current_stream(d), batch_capacity, std::move(produce), options) {}
 
@@ -327,7 +328,8 @@ class prefetcher {
   prefetcher& operator=(const prefetcher&) = delete;
 
   /// Stops the producers (after the callbacks in progress, if any, return) and joins their threads. Batches still
-  /// held stay valid until released.
+  /// held stay valid until released; their consumer stream must outlive them too (releasing one records an event on
+  /// it: a destroyed stream's handle may already be another stream's).
   ~prefetcher() { stop(); }
 
   /// The next batch in index order, or nullopt at the end of the data. Blocks the host only until the batch has
