@@ -132,16 +132,7 @@ class async_allocator final : public device_allocator {
   }
   /// The pool's reserved memory not in use (cudaMemPoolAttrUsedMemCurrent counts every user's live memory, the pool
   /// being shared: this allocator's is only part of it), reported as one block (the pool's layout is the driver's).
-  free_space_info free_space() const override {
-    const auto reserved = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent));
-    const auto used = static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrUsedMemCurrent));
-    free_space_info f;
-    const std::int64_t free_bytes = reserved - used;
-    f.free_bytes = free_bytes > 0 ? static_cast<std::size_t>(free_bytes) : 0;
-    f.free_blocks = f.free_bytes > 0 ? 1 : 0;
-    f.largest_free_block = f.free_bytes;
-    return f;
-  }
+  free_space_info free_space() const override { return free_space_of(read_pool()); }
   /// One segment per live allocation (the pool's layout is the driver's), graph allocations left out.
   allocator_snapshot snapshot() const override {
     allocator_snapshot snap;
@@ -164,8 +155,14 @@ class async_allocator final : public device_allocator {
   }
   /// The statistics' table, and a row for the live graph allocations (the graphs' memory, which it leaves out).
   std::string memory_summary() const override {
-    std::string summary = format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(),
-                                                stats(), free_space());
+    const pool_reading pool = read_pool();  // one reading for the table and the free space: they agree
+    allocator_stats s;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      s = stats_locked(pool);
+    }
+    std::string summary = format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(), s,
+                                                free_space_of(pool));
     const graph_allocation_totals graphs = graph_allocations();
     const std::size_t last_rule = summary.rfind("|=");
     if (graphs.count == 0 || last_rule == std::string::npos) return summary;
@@ -503,14 +500,26 @@ class async_allocator final : public device_allocator {
     }
   }
 
-  /// The pool's reserved bytes, current and high-water mark (CUDA calls: read before the lock is taken).
+  /// The pool's reserved bytes, current and high-water mark, and its used bytes (CUDA calls: read before the lock is
+  /// taken).
   struct pool_reading {
     std::int64_t reserved = 0;
     std::int64_t reserved_high = 0;
+    std::int64_t used = 0;
   };
   pool_reading read_pool() const noexcept {
     return {static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemCurrent)),
-            static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemHigh))};
+            static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrReservedMemHigh)),
+            static_cast<std::int64_t>(pool_attribute(cudaMemPoolAttrUsedMemCurrent))};
+  }
+  /// free_space() from one reading of the pool.
+  static free_space_info free_space_of(const pool_reading& pool) noexcept {
+    free_space_info f;
+    const std::int64_t free_bytes = pool.reserved - pool.used;
+    f.free_bytes = free_bytes > 0 ? static_cast<std::size_t>(free_bytes) : 0;
+    f.free_blocks = f.free_bytes > 0 ? 1 : 0;
+    f.largest_free_block = f.free_bytes;
+    return f;
   }
   /// stats(), with mutex_ held.
   allocator_stats stats_locked(const pool_reading& pool) const {

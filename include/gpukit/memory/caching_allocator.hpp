@@ -264,8 +264,9 @@ class basic_caching_allocator {
   // Statistics
   // ---------------------------------------------------------------------------------------------------------------
 
-  /// Every statistic. Each value is one the statistic had (read without a lock; see consistent_read); take
-  /// snapshot() for a set consistent across statistics.
+  /// Every statistic. Each value is one the statistic had (read without a lock; see consistent_read), but the values
+  /// are read one by one: while other threads allocate, a statistic's current, allocated and freed counts (and a
+  /// pool's sum) can disagree by the operations made meanwhile. Take snapshot() for a consistent set.
   allocator_stats stats() const noexcept;
 
   /// Bytes handed out to users (rounded), like torch.cuda.memory_allocated().
@@ -1120,7 +1121,8 @@ class basic_caching_allocator {
   /// (unmap_victims; one that kept pages mapped, which only the destructor gives here, keeps its range, with a
   /// warning).
   void return_segment(segment* seg, const ordered_release& ordered) noexcept;
-  /// Records the free of an ordinary segment in the memory history (under the lock, where it is unlinked).
+  /// Records the free of an ordinary segment in the memory history (under the lock, where it is unlinked); nothing for
+  /// an expandable range (its unmaps were recorded).
   void record_segment_free(const segment& seg) noexcept;
 
   block* allocate_slow(std::unique_lock<detail::device_mutex>& lock, stream_state& st, std::size_t requested,

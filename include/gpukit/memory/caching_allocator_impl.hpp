@@ -131,7 +131,7 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::~basic_caching_alloc
       for (block* b = seg->first; b != nullptr; b = b->next) {
         if (b->fence) synchronize_quietly(*b->fence);
       }
-      if (!seg->expandable) record_segment_free(*seg);
+      record_segment_free(*seg);
       return_segment(seg, {});
     }
     segment* next = seg->next_segment;
@@ -2598,7 +2598,8 @@ template <class Upstream, class StreamOps>
 GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::record_segment_free(const segment& seg) noexcept {
   // Recorded where the segment leaves the statistics and snapshots (under the lock), so that a snapshot's own event
   // and its segments agree; and before the upstream call: once freed, the memory may be another thread's new
-  // segment, whose segment_alloc must come after this.
+  // segment, whose segment_alloc must come after this. An expandable range records its pages' unmaps instead.
+  if (seg.expandable) return;
   if (memory_history* h = history_.load(std::memory_order_acquire); h != nullptr) {
     h->record(memory_action::segment_free, seg.address, seg.size, 0);
   }
@@ -2906,7 +2907,7 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::release_
       expandable_mapped_.store(expandable_mapped_.load(std::memory_order_relaxed) - seg->mapped(),
                                std::memory_order_relaxed);
     }
-    if (!seg->expandable) record_segment_free(*seg);
+    record_segment_free(*seg);
     frees += seg->expandable ? seg->mapped() / seg->pages.page_size() : 1;  // an unmap per page, or a cudaFree
     count(st_segment, seg->small, -1);
     count(st_reserved_bytes, seg->small, -as_delta(seg->mapped()));
