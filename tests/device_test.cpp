@@ -1,5 +1,6 @@
 // The device value type, device_count, the current-device guard and the behaviour without a driver.
 #include <gpukit/device/device.hpp>
+#include <gpukit/device/peer_access.hpp>
 #include <gpukit/device/properties.hpp>
 
 #include "support.hpp"
@@ -102,6 +103,14 @@ TEST_CASE("without a driver: count 0 and clear errors from calls that need a GPU
   CHECK_THROWS_AS(gpukit::properties(gpukit::device::cuda(0)), gpukit::no_device_error);
   CHECK_THROWS_AS(gpukit::query_memory_info(gpukit::device::cuda(0)), gpukit::no_device_error);
   CHECK_THROWS_AS(gpukit::stream_priority_range(gpukit::device::cuda(0)), gpukit::no_device_error);
+  // With itself as with another device: no GPU, not "cuda:0 is not visible (0 CUDA devices)" (helper-202).
+  CHECK_THROWS_AS(gpukit::peer_access(gpukit::device::cuda(0), gpukit::device::cuda(1)), gpukit::no_device_error);
+  try {
+    gpukit::peer_access self(gpukit::device::cuda(0), gpukit::device::cuda(0));
+    FAIL("peer_access of cuda:0 with itself was made without a GPU");
+  } catch (const gpukit::no_device_error& e) {
+    CHECK(e.call() == "cudaGetDeviceCount");
+  }
 }
 
 TEST_CASE("without a driver: no driver entry points, so whether contexts exist is unknown") {

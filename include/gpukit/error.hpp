@@ -17,6 +17,8 @@
 /// | (802), cudaErrorSystemDriverMismatch (803),                  |                        |
 /// | cudaErrorCompatNotSupportedOnDevice (804): CUDA cannot start |                        |
 /// | cudaErrorMemoryAllocation (2)                                | out_of_memory_error    |
+/// | cudaErrorInvalidDevice (101) while cudaGetDeviceCount fails  | no_device_error        |
+/// | with it too: CUDA_VISIBLE_DEVICES named a device twice       |                        |
 /// | cudaErrorInvalidValue (1), cudaErrorInvalidDevice (101)      | invalid_argument_error |
 /// | anything else                                                | cuda_error             |
 
@@ -252,8 +254,10 @@ GPUKIT_INLINE std::string describe_visible_devices_variable();
 GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept;
 
 /// "<call> failed[ on cuda:N]: <description> (<name>); <k> device(s) visible; CUDA_VISIBLE_DEVICES=...; <hint>".
-/// Counting the devices leaves no CUDA error behind (without a driver that count fails too).
-GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device);
+/// Counting the devices leaves no CUDA error behind (without a driver that count fails too); `counted`, when given,
+/// receives what cudaGetDeviceCount returned.
+GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device,
+                                               cudaError_t* counted = nullptr);
 
 /// Throws the gpukit exception that corresponds to a failed CUDA call (see the table at the top of this file).
 /// Also clears CUDA's last-error state so the failure is not reported again by an unrelated call.
@@ -481,14 +485,16 @@ GPUKIT_INLINE const char* cuda_result_hint(cudaError_t result) noexcept {
   }
 }
 
-GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device) {
+GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_view call, int device,
+                                               cudaError_t* counted) {
   int visible = 0;  // stays 0 without a driver: out-parameters are not written on error
-  const cudaError_t counted = cudaGetDeviceCount(&visible);
-  if (counted != cudaSuccess) {
+  const cudaError_t count_result = cudaGetDeviceCount(&visible);
+  if (counted != nullptr) *counted = count_result;
+  if (count_result != cudaSuccess) {
     visible = 0;
     // The count is only for the text: its failure (35 without a driver) must not become the program's last error,
     // which throw_cuda_error and report_cuda_failure have just cleared.
-    forget_failure(counted);
+    forget_failure(count_result);
   }
   std::string message(call);
   message += " failed";
@@ -501,7 +507,10 @@ GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_v
   message += std::to_string(visible);
   message += visible == 1 ? " device visible; " : " devices visible; ";
   message += describe_visible_devices_variable();
-  if (const char* hint = cuda_result_hint(result)) {
+  if (result == cudaErrorInvalidDevice && count_result == cudaErrorInvalidDevice) {
+    // cudaGetDeviceCount takes no ordinal: an H100 answered it so for CUDA_VISIBLE_DEVICES="0,0" (a repeat).
+    message += "; CUDA hides every device, as it does when CUDA_VISIBLE_DEVICES names a device twice";
+  } else if (const char* hint = cuda_result_hint(result)) {
     message += "; ";
     message += hint;
   }
@@ -510,8 +519,12 @@ GPUKIT_INLINE std::string cuda_failure_message(cudaError_t result, std::string_v
 
 GPUKIT_INLINE void throw_cuda_error(cudaError_t result, std::string_view call, int device, const char* file, int line) {
   (void)cudaGetLastError();
-  std::string message = cuda_failure_message(result, call, device);
+  cudaError_t counted = cudaSuccess;
+  std::string message = cuda_failure_message(result, call, device, &counted);
   std::string call_text(call);
+  if (result == cudaErrorInvalidDevice && counted == cudaErrorInvalidDevice) {  // every device hidden: no GPU
+    throw no_device_error(message, result, std::move(call_text), device, file, line);
+  }
   switch (result) {
     case cudaErrorInsufficientDriver:
     case cudaErrorStubLibrary:

@@ -267,6 +267,9 @@ struct simulator {
   std::condition_variable changed;
   bool initialized = false;
   bool configured = false;
+  // What every device call answers when no device is visible: cudaErrorNoDevice, or cudaErrorInvalidDevice when
+  // CUDA_VISIBLE_DEVICES named a device twice (cudaGetDeviceCount on an H100; the other calls assumed to agree).
+  cudaError_t no_devices_result = cudaErrorNoDevice;
   cudasim::machine_config machine;
   std::vector<device_state> devices;  // visible ordinals
   handle_table<stream_obj> streams{0x5100000000};
@@ -348,7 +351,10 @@ void initialize_locked(simulator& s) {
     if (const char* n = std::getenv("CUDASIM_DEVICES")) count = std::max(0, std::min(8, std::atoi(n)));
     s.machine = cudasim::default_machine(count);
   }
-  const auto visible = cudasim::visible_physical_devices(std::getenv("CUDA_VISIBLE_DEVICES"), s.machine);
+  bool emptied_by_repeat = false;
+  const auto visible =
+      cudasim::visible_physical_devices(std::getenv("CUDA_VISIBLE_DEVICES"), s.machine, &emptied_by_repeat);
+  if (emptied_by_repeat) s.no_devices_result = cudaErrorInvalidDevice;
   for (int physical : visible) {
     device_state d;
     d.config = s.machine.devices[static_cast<std::size_t>(physical)];
@@ -661,7 +667,7 @@ cudaError_t resolve_stream(call& c, cudaStream_t handle, bool ptsz, stream_ptr& 
   const auto h = reinterpret_cast<std::uintptr_t>(handle);
   if (h == 0 || h == 1 || h == 2) {
     const int d = needs_context ? context_device(c) : current_ordinal();
-    if (!valid_device(c.s, d)) return c.result(cudaErrorNoDevice);
+    if (!valid_device(c.s, d)) return c.result(c.s.no_devices_result);
     const bool per_thread = h == 2 || (h == 0 && ptsz);
     out = per_thread ? per_thread_stream(c.s, d) : legacy_stream(c.s, d);
     return cudaSuccess;
@@ -1891,7 +1897,8 @@ void configure(const machine_config& machine) {
   s.configured = true;
 }
 
-std::vector<int> visible_physical_devices(const char* value, const machine_config& machine) {
+std::vector<int> visible_physical_devices(const char* value, const machine_config& machine, bool* emptied_by_repeat) {
+  if (emptied_by_repeat != nullptr) *emptied_by_repeat = false;
   const int installed = static_cast<int>(machine.devices.size());
   std::vector<int> out;
   if (value == nullptr) {
@@ -1938,7 +1945,10 @@ std::vector<int> visible_physical_devices(const char* value, const machine_confi
       if ((negative && v != 0) || v >= static_cast<unsigned long long>(installed)) break;
       index = static_cast<int>(v);
     }
-    if (std::find(out.begin(), out.end(), index) != out.end()) return {};
+    if (std::find(out.begin(), out.end(), index) != out.end()) {
+      if (emptied_by_repeat != nullptr) *emptied_by_repeat = true;
+      return {};
+    }
     out.push_back(index);
     if (end == text.size()) break;
   }
@@ -2155,7 +2165,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDeviceCount(int* count) {
   const call_depth depth;
   CUDASIM_ENTER("cudaGetDeviceCount");
   if (count == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   *count = static_cast<int>(c.s.devices.size());
   return cudaSuccess;
 }
@@ -2164,7 +2174,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDevice(int* device) {
   const call_depth depth;
   CUDASIM_ENTER("cudaGetDevice");
   if (device == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   *device = current_ordinal();
   return cudaSuccess;
 }
@@ -2172,7 +2182,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGetDevice(int* device) {
 CUDASIM_API cudaError_t CUDARTAPI cudaSetDevice(int device) {
   const call_depth depth;
   CUDASIM_ENTER("cudaSetDevice");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (!valid_device(c.s, device)) return c.result(cudaErrorInvalidDevice);
   // CUDA 12+: "will also immediately initialize the runtime state on the primary context".
   ensure_context(c, device);
@@ -2283,7 +2293,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDe
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceGetStreamPriorityRange");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   // The *current* device's range, and its context is initialised.
   const int d = context_device(c);
   const cudasim::device_config& config = c.s.devices[static_cast<std::size_t>(d)].config;
@@ -2295,7 +2305,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, i
 CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   const call_depth depth;
   CUDASIM_ENTER("cudaMemGetInfo");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   const int d = context_device(c);
   const device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
   if (free_bytes != nullptr) *free_bytes = dev.config.total_memory - std::min(dev.used, dev.config.total_memory);
@@ -2306,7 +2316,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* tot
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceSynchronize(void) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceSynchronize");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   const int d = context_device(c);
   // Every capture that holds a stream of the device (its origin or a stream forked into it), whatever the modes,
   // refuses it and is invalidated (the programming guide; measured on an H100), one invalidated already too until it
@@ -2349,7 +2359,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceCanAccessPeer(int* can, int device, 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceEnablePeerAccess");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (flags != 0) return c.result(cudaErrorInvalidValue);
   const int d = context_device(c);  // from the current device's context, initialised if missing
   if (!valid_device(c.s, peer)) return c.result(cudaErrorInvalidDevice);
@@ -2363,7 +2373,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peer, unsigned 
 CUDASIM_API cudaError_t CUDARTAPI cudaDeviceDisablePeerAccess(int peer) {
   const call_depth depth;
   CUDASIM_ENTER("cudaDeviceDisablePeerAccess");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   const int d = context_device(c);
   if (!valid_device(c.s, peer) || peer == d) return c.result(cudaErrorInvalidDevice);
   if (c.s.peer_enabled.erase({d, peer}) == 0) return c.result(cudaErrorPeerAccessNotEnabled);
@@ -2376,7 +2386,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
   const call_depth depth;
   CUDASIM_ENTER("cudaMalloc");
   if (p == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int d = context_device(c);
   device_state& dev = c.s.devices[static_cast<std::size_t>(d)];
@@ -2404,7 +2414,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
 CUDASIM_API cudaError_t CUDARTAPI cudaFree(void* p) {
   const call_depth depth;
   CUDASIM_ENTER("cudaFree");
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   if (p == nullptr) {
     context_device(c);  // cudaFree(0) is the classic way to initialise a context
@@ -2830,7 +2840,7 @@ static cudaError_t host_alloc(call& c, void** p, std::size_t size, unsigned flag
   if ((flags & ~unsigned{cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined}) != 0) {
     return c.result(cudaErrorInvalidValue);
   }
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int d = context_device(c);  // pinned memory belongs to the current device's context
   if (size == 0) {
@@ -2891,7 +2901,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaHostRegister(void* p, size_t size, unsigne
   constexpr unsigned defined_flags =
       cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory | cudaHostRegisterReadOnly;
   if ((flags & ~defined_flags) != 0) return c.result(cudaErrorInvalidValue);  // bits cudaHostRegister does not define
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if (cudaError_t e = unsafe_during_capture(c); e != cudaSuccess) return e;
   const int d = context_device(c);
   const auto a = reinterpret_cast<std::uintptr_t>(p);
@@ -2939,7 +2949,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAtt
   const call_depth depth;
   CUDASIM_ENTER("cudaPointerGetAttributes");
   if (attributes == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   context_device(c);  // answered by the current device's context
   *attributes = cudaPointerAttributes{};
   const region* r = find_region(c.s, p);
@@ -3016,7 +3026,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaMemset(void* p, int value, size_t n) {
 
 static cudaError_t stream_create(call& c, cudaStream_t* out, unsigned flags, int priority) {
   if (out == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   const int d = context_device(c);
   const cudasim::device_config& config = c.s.devices[static_cast<std::size_t>(d)].config;
   priority = std::min(std::max(priority, config.priority_greatest), config.priority_least);
@@ -3261,7 +3271,7 @@ CUDASIM_API cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t exec) {
 
 static cudaError_t event_create(call& c, cudaEvent_t* out, unsigned flags) {
   if (out == nullptr) return c.result(cudaErrorInvalidValue);
-  if (c.s.devices.empty()) return c.result(cudaErrorNoDevice);
+  if (c.s.devices.empty()) return c.result(c.s.no_devices_result);
   if ((flags & cudaEventInterprocess) != 0 && (flags & cudaEventDisableTiming) == 0) {
     return c.result(cudaErrorInvalidValue);
   }

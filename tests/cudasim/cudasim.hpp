@@ -84,8 +84,10 @@ inline bool configure_or_skip(const machine_config& machine) {
 }
 
 /// The physical indices CUDA_VISIBLE_DEVICES=`value` makes visible, in ordinal order, on `machine` — the
-/// simulator's own implementation of the runtime's rules (unset: pass nullptr).
-CUDASIM_API std::vector<int> visible_physical_devices(const char* value, const machine_config& machine);
+/// simulator's own implementation of the runtime's rules (unset: pass nullptr). `emptied_by_repeat`, when given, says
+/// whether a device named twice hid every one (the runtime then answers cudaErrorInvalidDevice, not ...NoDevice).
+CUDASIM_API std::vector<int> visible_physical_devices(const char* value, const machine_config& machine,
+                                                      bool* emptied_by_repeat = nullptr);
 
 /// A rule of the CUDA programming model the program broke: the call, the error the runtime returned, and why.
 struct violation {

@@ -930,6 +930,19 @@ TEST_CASE("cudasim: CUDA_VISIBLE_DEVICES follows the runtime's rules") {
     CAPTURE(r.value == nullptr ? "(unset)" : r.value);
     CHECK(cudasim::visible_physical_devices(r.value, m) == r.visible);
   }
+  // A repeat is told apart from the other ways to empty the set: the runtime answers it with another error.
+  for (const char* value : {"0,0", "GPU-c0da53,GPU-c0da53", "1,0,1"}) {
+    CAPTURE(std::string(value));
+    bool repeated = false;
+    CHECK(cudasim::visible_physical_devices(value, m, &repeated).empty());
+    CHECK(repeated);
+  }
+  for (const char* value : {"", "-1", "16", "0,9,0", "GPU-ffff"}) {
+    CAPTURE(std::string(value));
+    bool repeated = true;
+    (void)cudasim::visible_physical_devices(value, m, &repeated);
+    CHECK_FALSE(repeated);
+  }
 }
 
 TEST_CASE("cudasim: work enqueued from a thread without a context initialises cuda:0's, whatever the stream's device") {

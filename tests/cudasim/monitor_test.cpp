@@ -355,3 +355,48 @@ TEST_CASE("errors: building a failure's message leaves no CUDA error behind, tho
   CHECK(warnings.messages().size() == 1);
   CHECK(cudaPeekAtLastError() == cudaSuccess);
 }
+
+// A device named twice hides every device, and cudaGetDeviceCount fails with cudaErrorInvalidDevice (an H100,
+// bench/results/gpu-20261205-1943-H100-questions.md), not cudaErrorNoDevice: a mistake in the variable, named as
+// such, not a CUDA that failed to start (helper-202: it warned "CUDA failed to initialise" with an ordinal's hint).
+TEST_CASE("select: CUDA_VISIBLE_DEVICES naming a device twice is named as the reason, without a warning") {
+  policy_decides environment;
+  gpukit_test::scoped_env twice{"CUDA_VISIBLE_DEVICES", std::string("0,0")};  // before the first CUDA call
+  int count = -1;
+  CHECK(cudaGetDeviceCount(&count) == cudaErrorInvalidDevice);  // the simulator answers as the H100 did
+  CHECK(cudaGetLastError() == cudaErrorInvalidDevice);
+  const std::string why = gpukit::describe_no_gpu();
+  INFO("describe_no_gpu(): " << why);
+  CHECK_FALSE(contains(why, "failed to initialise"));
+  CHECK(contains(why, "CUDA_VISIBLE_DEVICES=\"0,0\""));
+  CHECK(contains(why, "repeats"));
+  gpukit_test::captured_warnings warnings;
+  const gpukit::device_selection s = gpukit::select_device();
+  CHECK(s.device.is_cpu());
+  CHECK(contains(s.reason, "a repeated device makes CUDA hide every device"));
+  CHECK(warnings.messages().empty());
+  // Every device call answers so: no GPU (no_device_error, for a CPU fallback's catch), and the message says why.
+  try {
+    (void)gpukit::current_device();
+    FAIL("cudaGetDevice succeeded with every device hidden");
+  } catch (const gpukit::no_device_error& e) {
+    CHECK(e.cuda_result() == cudaErrorInvalidDevice);
+    CHECK(contains(e.what(), "CUDA hides every device, as it does when CUDA_VISIBLE_DEVICES names a device twice"));
+    CHECK_FALSE(contains(e.what(), "the ordinal is not below"));
+  }
+  CHECK_THROWS_AS((void)gpukit::properties(gpukit::device::cuda(0)), gpukit::no_device_error);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  (void)cudasim::take_violations();
+}
+
+// A wrong ordinal with devices visible stays an invalid argument.
+TEST_CASE("errors: cudaErrorInvalidDevice with devices visible is an invalid argument naming the ordinal") {
+  try {
+    gpukit::set_current_device(gpukit::device::cuda(5));
+    FAIL("cudaSetDevice(5) succeeded on two simulated devices");
+  } catch (const gpukit::invalid_argument_error& e) {
+    CHECK(e.cuda_result() == cudaErrorInvalidDevice);
+    CHECK(contains(e.what(), "the ordinal is not below the number of visible devices"));
+  }
+  (void)cudasim::take_violations();
+}

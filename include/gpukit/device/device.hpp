@@ -101,6 +101,8 @@ GPUKIT_INLINE int device_count() noexcept;
 
 /// The calling thread's current CUDA device. Throws no_device_error without a usable driver or GPU (no driver, no
 /// GPU, or a CUDA that fails to initialise, such as cudaErrorSystemDriverMismatch: error.hpp's table).
+/// cudaErrorUnknown and cudaErrorOperatingSystem are a cuda_error here: a running CUDA reports them too, so only
+/// select_device() and describe_no_gpu(), which read them from cudaGetDeviceCount, call them a failed start.
 GPUKIT_INLINE device current_device();
 
 /// Makes `d` the calling thread's current CUDA device (cudaSetDevice). Does nothing for the CPU.

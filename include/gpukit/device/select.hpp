@@ -154,10 +154,11 @@ GPUKIT_INLINE int parse_local_rank(const system_snapshot& system);
 GPUKIT_INLINE void check_snapshot(const system_snapshot& system);
 
 /// Whether cudaGetDeviceCount's `result` says CUDA is there but failed to initialise, rather than that there is no
-/// GPU to use (cudaSuccess, no driver, the stub library, no device).
+/// GPU to use (cudaSuccess, no driver, the stub library, no device, or cudaErrorInvalidDevice: cudaGetDeviceCount
+/// takes no ordinal, and an H100 answered it for CUDA_VISIBLE_DEVICES naming a device twice, which hides every one).
 constexpr bool is_cuda_initialisation_failure(cudaError_t result) noexcept {
   return result != cudaSuccess && result != cudaErrorInsufficientDriver && result != cudaErrorStubLibrary &&
-         result != cudaErrorNoDevice;
+         result != cudaErrorNoDevice && result != cudaErrorInvalidDevice;
 }
 
 /// For is_cuda_initialisation_failure: "CUDA failed to initialise, so no GPU is usable: cudaGetDeviceCount returned
@@ -527,6 +528,12 @@ GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count) {
                " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
       }
       return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
+    }
+    case cudaErrorInvalidDevice: {  // CUDA_VISIBLE_DEVICES naming a device twice (measured on an H100)
+      const auto visible = visible_devices_in_effect();
+      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
+      return "CUDA hides every device (cudaGetDeviceCount returned cudaErrorInvalidDevice), as it does when " +
+             describe_visible_devices_variable() + " names a device twice";
     }
     case cudaSuccess:
       return count <= 0 ? "no CUDA device is visible" : "";
