@@ -125,6 +125,8 @@ TEST_CASE("gpu: CUDA_VISIBLE_DEVICES makes visible what gpukit's reading of it s
       "0," + u0,
       "+0",
       "-0",
+      "0x1",  // base 10, as gpukit reads it: device 0; base 0 (strtoul's auto-detect) would read 1 (not measured)
+      "00",
   };
   if (installed.count >= 2) {
     const std::string u1 = installed.uuids[1];
