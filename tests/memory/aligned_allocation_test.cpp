@@ -10,6 +10,7 @@
 #include <gpukit/stream/current_stream.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -232,4 +233,69 @@ TEST_CASE("threads allocating and freeing over-aligned memory at once keep every
   for (auto& thread : threads) thread.join();
   CHECK(misaligned.load() == 0);
   CHECK(a.memory_allocated() == 0);
+}
+
+namespace {
+/// An arena as the README describes one: bump allocation in a buffer it is given, released whole when it goes (its
+/// allocations are not freed one by one). Tells its blocks' starts (do_owns).
+class bump_arena final : public gpukit::device_resource {
+ public:
+  explicit bump_arena(unsigned char* buffer) : next_(buffer) {}
+  [[nodiscard]] gpukit::device device() const noexcept override { return cpu; }
+
+ private:
+  void* do_allocate(std::size_t bytes, gpukit::stream_view /*stream*/) override {
+    void* p = next_;
+    next_ += (bytes + 255) / 256 * 256;
+    live_.push_back(p);
+    return p;
+  }
+  void do_deallocate(void* p) override {
+    const auto it = std::find(live_.begin(), live_.end(), p);
+    if (it == live_.end()) throw gpukit::invalid_argument_error("bump_arena: not a live allocation");
+    live_.erase(it);
+  }
+  void do_deallocate(void* p, gpukit::stream_view /*stream*/) override { do_deallocate(p); }
+  void do_record_stream(void* p, gpukit::stream_view /*stream*/) override {
+    if (!do_owns(p)) throw gpukit::invalid_argument_error("bump_arena: not a live allocation");
+  }
+  bool do_owns(const void* p) const noexcept override {
+    return std::find(live_.begin(), live_.end(), p) != live_.end();
+  }
+
+  unsigned char* next_;
+  std::vector<void*> live_;
+};
+}  // namespace
+
+// The table of over-aligned addresses is process-wide, and an arena released whole leaves its entries there. When
+// the memory is reused, a block that starts at such an address is its new owner's, not the old block's: it was
+// redirected there, so that owns() said no, the free was refused, or freed another live block (helper-203).
+TEST_CASE("a block that starts where a released arena's over-aligned address was is its own") {
+  alignas(4096) static unsigned char memory[16 * 1024];
+  gpukit::stream s(cpu);
+  {
+    bump_arena before(memory);
+    (void)before.allocate(256, s);                            // memory + 0
+    REQUIRE(before.allocate(100, 4096, s) == memory + 4096);  // its block at memory + 256
+  }                                                           // released whole
+  bump_arena after(memory);
+  void* a = after.allocate(256, s);   // memory + 0
+  void* b = after.allocate(3840, s);  // memory + 256: the old block's start
+  void* c = after.allocate(100, s);   // memory + 4096: the old over-aligned address
+  REQUIRE(b == memory + 256);
+  REQUIRE(c == memory + 4096);
+  CHECK(after.owns(c));
+  CHECK_NOTHROW(after.record_stream(c, s));
+  CHECK_NOTHROW(after.deallocate(c, s));  // c, not b
+  CHECK(after.owns(b));
+  CHECK_FALSE(after.owns(c));
+  after.deallocate(b);
+  after.deallocate(a);
+  // An over-aligned address in use is still translated: its block is freed.
+  void* d = after.allocate(100, 4096, s);
+  CHECK(d != nullptr);
+  CHECK(after.owns(d));
+  CHECK_NOTHROW(after.deallocate(d));
+  CHECK_FALSE(after.owns(d));
 }

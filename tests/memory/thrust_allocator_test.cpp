@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CPP, "this test touches device memory from the host");
@@ -113,6 +114,59 @@ TEST_CASE("vectors on two streams of one allocator swap and move their storage")
   s1.synchronize();
   s2.synchronize();
   CHECK(allocator.memory_allocated() == 0);
+}
+
+// Thrust moves and swaps a vector's storage without asking whether the allocators are equal: the allocator must go
+// with the memory (propagate_on_container_move_assignment, ..._swap), or the memory is freed through another
+// allocator, which refuses it (leaked), or an arena that cannot tell takes memory that is not its own (helper-203).
+TEST_CASE("vectors of two allocators moved and swapped give their memory back to the allocator it came from") {
+  gpukit::caching_allocator first(gpukit::device::cpu());
+  gpukit::caching_allocator second(gpukit::device::cpu());
+  gpukit_test::arena_resource one;
+  gpukit_test::arena_resource two;
+  gpukit::stream s(gpukit::device::cpu());
+  gpukit_test::captured_warnings warnings;
+  {
+    gpukit_vector<int> a(100, 1, gpukit::thrust_allocator<int>(first, s));
+    gpukit_vector<int> b(200, 2, gpukit::thrust_allocator<int>(second, s));
+    b = std::move(a);
+    CHECK(b.size() == 100);
+    CHECK(&b.get_allocator().allocator() == &first);
+    gpukit_vector<int> c(300, 3, gpukit::thrust_allocator<int>(second, s));
+    b.swap(c);
+    CHECK(b.size() == 300);
+    CHECK(&c.get_allocator().allocator() == &first);
+    gpukit_vector<int> d(100, 1, gpukit::thrust_allocator<int>(one, s));
+    gpukit_vector<int> e(200, 2, gpukit::thrust_allocator<int>(two, s));
+    e = std::move(d);
+  }
+  s.synchronize();
+  CHECK(warnings.messages().empty());
+  CHECK(first.memory_allocated() == 0);
+  CHECK(second.memory_allocated() == 0);
+  CHECK(one.live() == 0);
+  CHECK(two.live() == 0);
+}
+
+namespace {
+template <class A, class B, class = void>
+struct equality_comparable : std::false_type {};
+template <class A, class B>
+struct equality_comparable<A, B, std::void_t<decltype(std::declval<const A&>() == std::declval<const B&>())>>
+    : std::true_type {};
+}  // namespace
+
+// [allocator.requirements]: a == b holds for b of a rebound type (the base class's operator== made it ambiguous).
+TEST_CASE("thrust_allocator compares with its rebound types") {
+  static_assert(equality_comparable<gpukit::thrust_allocator<int>, gpukit::thrust_allocator<float>>::value);
+  gpukit::caching_allocator first(gpukit::device::cpu());
+  gpukit::caching_allocator second(gpukit::device::cpu());
+  gpukit::stream s(gpukit::device::cpu());
+  const gpukit::thrust_allocator<int> ints(first, s);
+  CHECK(ints == gpukit::thrust_allocator<float>(first, s));
+  CHECK(ints != gpukit::thrust_allocator<float>(second, s));
+  CHECK(ints == gpukit::thrust_allocator<int>(first, gpukit::stream_view(s)));
+  CHECK_FALSE(ints != gpukit::thrust_allocator<double>(ints));
 }
 
 TEST_CASE("thrust_allocator reports a bad free through gpukit::warn instead of throwing from a destructor") {

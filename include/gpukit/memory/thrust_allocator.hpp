@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 GPUKIT_BEGIN_NAMESPACE
 
@@ -53,6 +54,13 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   using size_type = std::size_t;
   /// The type of pointer differences.
   using difference_type = std::ptrdiff_t;
+  /// A vector moved into another takes its allocator with its memory, and two swapped vectors swap allocators:
+  /// Thrust hands the storage over in both cases without asking whether the allocators are equal, so memory must go
+  /// back through the allocator that gave it (helper-203: vectors of two default allocators, moved, freed through the
+  /// wrong one, which refused and leaked it). A copy assignment keeps the target's allocator.
+  using propagate_on_container_move_assignment = std::true_type;
+  /// See propagate_on_container_move_assignment.
+  using propagate_on_container_swap = std::true_type;
   /// The allocator for another element type `U`.
   template <class U>
   struct rebind {
@@ -91,17 +99,21 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
   /// The stream allocations and frees are ordered on.
   stream_view stream() const noexcept { return stream_; }
 
-  /// Equal when both use the same allocator: memory from one may be freed through the other (on either stream),
-  /// so vectors on different streams of one allocator swap and move their storage.
-  friend bool operator==(const thrust_allocator& a, const thrust_allocator& b) noexcept {
-    return a.allocator_ == b.allocator_;
-  }
-  /// Not equal when they use different allocators.
-  friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
-
  private:
   device_resource* allocator_;
   stream_view stream_;
 };
+
+/// Equal when both use the same allocator, whatever their element types: memory from one may be freed through the
+/// other (on either stream), so vectors on different streams of one allocator swap and move their storage.
+template <class T, class U>
+bool operator==(const thrust_allocator<T>& a, const thrust_allocator<U>& b) noexcept {
+  return &a.allocator() == &b.allocator();
+}
+/// Not equal when they use different allocators.
+template <class T, class U>
+bool operator!=(const thrust_allocator<T>& a, const thrust_allocator<U>& b) noexcept {
+  return !(a == b);
+}
 
 GPUKIT_END_NAMESPACE

@@ -63,13 +63,43 @@ class aligned_offsets {
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
   void* block_of(const void* p) noexcept;
 
+  /// block_of(p) for an allocator that can tell its own blocks' starts: `p` itself when `starts_block(p)` (noexcept),
+  /// whose entry is then stale and forgotten. An over-aligned address never starts a live block: an entry outlives
+  /// its allocation when the allocation's memory went back without its free (an arena released whole, an allocator
+  /// destroyed with blocks live), and the memory, reused, may start a block there.
+  template <class StartsBlock>
+  void* block_of(const void* p, StartsBlock&& starts_block) noexcept {
+    void* block = block_of(p);
+    if (block == p || !starts_block(p)) return block;
+    erase(p);
+    return const_cast<void*>(p);
+  }
+
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
   /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
   /// refused it and the allocation stays live, so the address is remembered again.
+  /// With `starts_block` (see block_of), an allocator's own block that starts at a stale entry's address is freed.
+  template <class FreeBlock, class StartsBlock>
+  void free_with(void* p, FreeBlock&& free_block, StartsBlock&& starts_block) {
+    void* block = block_of(p, starts_block);
+    if (block == p) return free_block(p);
+    free_over_aligned(p, block, free_block);
+  }
+  /// free_with for an allocator that cannot tell its blocks' starts.
   template <class FreeBlock>
   void free_with(void* p, FreeBlock&& free_block) {
     void* block = block_of(p);
     if (block == p) return free_block(p);
+    free_over_aligned(p, block, free_block);
+  }
+
+  /// Forgets `aligned`; nothing when it is not in the table.
+  void erase(const void* aligned) noexcept;
+
+ private:
+  /// free_with's over-aligned `p` in the block at `block`.
+  template <class FreeBlock>
+  void free_over_aligned(void* p, void* block, FreeBlock& free_block) {
     erase(p);
     try {
       free_block(block);
@@ -84,10 +114,6 @@ class aligned_offsets {
     }
   }
 
-  /// Forgets `aligned`; nothing when it is not in the table.
-  void erase(const void* aligned) noexcept;
-
- private:
   using entry = std::pair<const void*, void*>;
   struct shard {
     std::atomic<std::size_t> size{0};  // read without the lock: a relaxed load when the shard is empty
