@@ -105,7 +105,20 @@ TEST_CASE("bad alignments, overflow and double frees of over-aligned memory are 
   // Still usable afterwards.
   void* q = a.allocate(100, 8192, s);
   CHECK(aligned_to(q, 8192));
+  // Freed through another allocator: refused, and the message names the pointer given, not only the block's start
+  // (an address the caller never saw; helper-203). The allocation stays live and is freed by its own allocator.
+  gpukit::caching_allocator other(cpu);
+  try {
+    other.deallocate(q);
+    FAIL("another allocator freed the over-aligned allocation");
+  } catch (const gpukit::invalid_argument_error& e) {
+    const std::string message = e.what();
+    INFO(message);
+    CHECK(message.find("over-aligned address " + gpukit::detail::format_pointer(q)) != std::string::npos);
+  }
+  CHECK(a.owns(q));
   a.deallocate(q);
+  CHECK(a.memory_allocated() == 0);
 }
 
 TEST_CASE("an over-aligned request that does not fit says what was asked, and the block it needed") {

@@ -11,6 +11,7 @@
 /// shard holds an over-aligned address, otherwise it is one relaxed load.
 
 #include <gpukit/detail/config.hpp>
+#include <gpukit/detail/format.hpp>
 #include <gpukit/detail/sizes.hpp>
 #include <gpukit/detail/warning_text.hpp>
 #include <gpukit/error.hpp>
@@ -110,9 +111,12 @@ class aligned_offsets {
         warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
                    reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
       }
-      throw;
+      rethrow_naming(p, block);
     }
   }
+  /// Throws the current exception again; a refusal (invalid_argument_error), which names the block's start, an
+  /// address the caller never saw, gets the caller's pointer too.
+  [[noreturn]] static void rethrow_naming(const void* p, const void* block);
 
   using entry = std::pair<const void*, void*>;
   struct shard {
@@ -206,6 +210,17 @@ GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block) {
     s.entries.insert(it, {aligned, block});
   }
   s.size.store(s.entries.size(), std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE void aligned_offsets::rethrow_naming(const void* p, const void* block) {
+  try {
+    throw;
+  } catch (const invalid_argument_error& e) {
+    throw invalid_argument_error(std::string(e.what()) + " (" + format_pointer(block) +
+                                     " is the start of the block holding the over-aligned address " +
+                                     format_pointer(p) + " that was freed)",
+                                 e.cuda_result(), std::string(e.call()), e.device(), e.file(), e.line());
+  }
 }
 
 GPUKIT_INLINE void* aligned_offsets::block_of(const void* p) noexcept {
