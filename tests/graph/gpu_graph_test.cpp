@@ -928,3 +928,43 @@ TEST_CASE("gpu: a graph output freed on its launching stream during the next ste
   t.synchronize();
   CHECK(allocator.graph_allocations().count == 0);
 }
+
+// An over-aligned block a graph pool served for the default allocator is owned and freed through that allocator (the
+// process-wide table exists so that any allocator that could free the block can free the address; helper-204 found a
+// first version of a stale-entry purge that broke it).
+TEST_CASE("gpu: an over-aligned graph pool block is owned and freed through the allocator that asked for it") {
+  GPUKIT_REQUIRE_GPU();
+  const gpukit::device d = gpukit::device::cuda(0);
+  gpukit::stream s(d);
+  auto pool = gpukit::graph_pool::create(d, 4 * MiB);
+  gpukit::device_allocator& alloc = gpukit::default_allocator(d);
+  void* first = nullptr;
+  void* inside = nullptr;
+  bool owned = false;
+  bool owned_by_pool_after = false;
+  std::string error;
+  gpukit::graph step = gpukit::capture(
+      s,
+      [&] {
+        first = alloc.allocate(512, s);          // so that the next block does not start at a 4096 boundary
+        inside = alloc.allocate(3000, 4096, s);  // from the pool, inside a larger block
+        owned = alloc.owns(inside);
+        owned_by_pool_after = pool->owns(inside);
+        try {
+          alloc.deallocate(inside);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        alloc.deallocate(first);
+      },
+      pool);
+  INFO("deallocate: " << error);
+  CHECK(reinterpret_cast<std::uintptr_t>(inside) % 4096 == 0);
+  CHECK(owned);
+  CHECK(owned_by_pool_after);
+  CHECK(error.empty());
+  CHECK(pool->memory_allocated() == 0);
+#ifdef GPUKIT_TEST_ON_CUDASIM
+  (void)cudasim::take_violations();
+#endif
+}

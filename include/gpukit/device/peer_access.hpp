@@ -357,7 +357,7 @@ class peer_access {
       detail::note_cuda_use();
       int visible = 0;
       // No driver or no GPU: the error of two devices (no_device_error), not "not visible (0 CUDA devices)".
-      GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDeviceCount(&visible), "cudaGetDeviceCount", from.ordinal());
+      GPUKIT_CUDA_TRY_DESCRIBED(cudaGetDeviceCount(&visible), "cudaGetDeviceCount", -1);
       if (from.ordinal() >= visible) {
         throw invalid_argument_error("gpukit::peer_access(" + detail::describe_peer_pair(from, to) +
                                      "): " + from.to_string() + " is not visible (" + std::to_string(visible) +

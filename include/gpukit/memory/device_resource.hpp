@@ -100,26 +100,20 @@ GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, std::size_t ali
       [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
 }
 
-// An address in the process-wide table of over-aligned addresses that starts one of this resource's blocks is that
-// block's (the entry is stale: see aligned_offsets::block_of); asked only when the table has the address.
 GPUKIT_INLINE void device_resource::deallocate(void* p) {
-  detail::over_aligned_addresses().free_with(
-      p, [this](void* block) { do_deallocate(block); }, [this](const void* q) noexcept { return do_owns(q); });
+  detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
 }
 
 GPUKIT_INLINE void device_resource::deallocate(void* p, stream_view stream) {
-  detail::over_aligned_addresses().free_with(
-      p, [this, stream](void* block) { do_deallocate(block, stream); },
-      [this](const void* q) noexcept { return do_owns(q); });
+  detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
 }
 
 GPUKIT_INLINE void device_resource::record_stream(void* p, stream_view stream) {
-  do_record_stream(detail::over_aligned_addresses().block_of(p, [this](const void* q) noexcept { return do_owns(q); }),
-                   stream);
+  do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
 }
 
 GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
-  return do_owns(detail::over_aligned_addresses().block_of(p, [this](const void* q) noexcept { return do_owns(q); }));
+  return do_owns(detail::over_aligned_addresses().block_of(p));
 }
 
 GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }

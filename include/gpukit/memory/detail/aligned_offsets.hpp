@@ -8,7 +8,10 @@
 /// remembers, for each such address that is not its block's start, the block's start, so that frees and queries
 /// reach the allocator with the pointer it handed out, whichever allocator or adaptor they come through (a graph
 /// pool's memory may be freed through any allocator). Sharded by address: a lookup takes a lock only when its
-/// shard holds an over-aligned address, otherwise it is one relaxed load.
+/// shard holds an over-aligned address, otherwise it is one relaxed load. The table is keyed by address alone (a
+/// resource nested in another's over-aligned block may start a block at the same address), so an entry goes only
+/// with its allocation's free: memory of an over-aligned allocation that goes back without it (an arena released
+/// whole) leaves its address mapped to the old block, and a block that starts there later is mistaken for it.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -64,43 +67,13 @@ class aligned_offsets {
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
   void* block_of(const void* p) noexcept;
 
-  /// block_of(p) for an allocator that can tell its own blocks' starts: `p` itself when `starts_block(p)` (noexcept),
-  /// whose entry is then stale and forgotten. An over-aligned address never starts a live block: an entry outlives
-  /// its allocation when the allocation's memory went back without its free (an arena released whole, an allocator
-  /// destroyed with blocks live), and the memory, reused, may start a block there.
-  template <class StartsBlock>
-  void* block_of(const void* p, StartsBlock&& starts_block) noexcept {
-    void* block = block_of(p);
-    if (block == p || !starts_block(p)) return block;
-    erase(p);
-    return const_cast<void*>(p);
-  }
-
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
   /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
   /// refused it and the allocation stays live, so the address is remembered again.
-  /// With `starts_block` (see block_of), an allocator's own block that starts at a stale entry's address is freed.
-  template <class FreeBlock, class StartsBlock>
-  void free_with(void* p, FreeBlock&& free_block, StartsBlock&& starts_block) {
-    void* block = block_of(p, starts_block);
-    if (block == p) return free_block(p);
-    free_over_aligned(p, block, free_block);
-  }
-  /// free_with for an allocator that cannot tell its blocks' starts.
   template <class FreeBlock>
   void free_with(void* p, FreeBlock&& free_block) {
     void* block = block_of(p);
     if (block == p) return free_block(p);
-    free_over_aligned(p, block, free_block);
-  }
-
-  /// Forgets `aligned`; nothing when it is not in the table.
-  void erase(const void* aligned) noexcept;
-
- private:
-  /// free_with's over-aligned `p` in the block at `block`.
-  template <class FreeBlock>
-  void free_over_aligned(void* p, void* block, FreeBlock& free_block) {
     erase(p);
     try {
       free_block(block);
@@ -114,6 +87,11 @@ class aligned_offsets {
       rethrow_naming(p, block);
     }
   }
+
+  /// Forgets `aligned`; nothing when it is not in the table.
+  void erase(const void* aligned) noexcept;
+
+ private:
   /// Throws the current exception again; a refusal (invalid_argument_error), which names the block's start, an
   /// address the caller never saw, gets the caller's pointer too.
   [[noreturn]] static void rethrow_naming(const void* p, const void* block);
