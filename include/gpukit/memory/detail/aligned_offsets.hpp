@@ -11,7 +11,9 @@
 /// shard holds an over-aligned address, otherwise it is one relaxed load. The table is keyed by address alone (a
 /// resource nested in another's over-aligned block may start a block at the same address), so an entry goes only
 /// with its allocation's free: memory of an over-aligned allocation that goes back without it (an arena released
-/// whole) leaves its address mapped to the old block, and a block that starts there later is mistaken for it.
+/// whole) leaves its address mapped to the old block, and a block that starts there later is mistaken for it; so
+/// is a block that a resource nested in the allocation starts at its address. (Telling those apart by do_owns was
+/// tried and withdrawn: a live entry's address can be owned too, through a graph pool.)
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
