@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <memory_resource>
 #include <string>
 #include <thread>
@@ -280,6 +281,53 @@ class bump_arena final : public gpukit::device_resource {
   std::vector<void*> live_;
 };
 }  // namespace
+
+// A sub-allocator built inside an over-aligned chunk of another resource starts its first block at the chunk's
+// address: that block is the sub-allocator's (it was taken for the chunk's, and its free refused), and the chunk stays
+// its resource's to free (helper-204).
+TEST_CASE("a resource nested in an over-aligned chunk owns and frees the block it starts at the chunk's address") {
+  alignas(4096) static unsigned char memory[32 * 1024];
+  gpukit::stream s(cpu);
+  bump_arena upstream(memory);
+  void* head = upstream.allocate(256, s);          // memory + 0
+  void* chunk = upstream.allocate(8192, 4096, s);  // block at memory + 256, handed out at memory + 4096
+  REQUIRE(chunk == memory + 4096);
+  bump_arena nested(static_cast<unsigned char*>(chunk));
+  void* first = nested.allocate(256, s);
+  REQUIRE(first == chunk);
+  CHECK(nested.owns(first));
+  CHECK_NOTHROW(nested.record_stream(first, s));
+  CHECK_NOTHROW(nested.deallocate(first, s));
+  CHECK_FALSE(nested.owns(first));
+  CHECK(upstream.owns(chunk));
+  CHECK_NOTHROW(upstream.deallocate(chunk));
+  CHECK_FALSE(upstream.owns(chunk));
+  upstream.deallocate(head);
+}
+
+// An arena released whole leaves its over-aligned addresses in the table. When another resource reuses the memory,
+// its block that starts at such an address is its own: owns() said no, the free was refused, or freed another live
+// block (the old over-aligned block's start; helper-203).
+TEST_CASE("memory of an arena released whole, reused by another resource, is that resource's") {
+  alignas(4096) static unsigned char memory[16 * 1024];
+  gpukit::stream s(cpu);
+  auto before = std::make_unique<bump_arena>(memory);
+  (void)before->allocate(256, s);                            // memory + 0
+  REQUIRE(before->allocate(100, 4096, s) == memory + 4096);  // its block at memory + 256
+  bump_arena after(memory);           // alive together with `before`: another resource, at another address
+  before.reset();                     // released whole, its allocations never freed
+  void* a = after.allocate(256, s);   // memory + 0
+  void* b = after.allocate(3840, s);  // memory + 256: the old block's start
+  void* c = after.allocate(100, s);   // memory + 4096: the old over-aligned address
+  REQUIRE(b == memory + 256);
+  REQUIRE(c == memory + 4096);
+  CHECK(after.owns(c));
+  CHECK_NOTHROW(after.record_stream(c, s));
+  CHECK_NOTHROW(after.deallocate(c, s));  // c, not b
+  CHECK(after.owns(b));
+  after.deallocate(b);
+  after.deallocate(a);
+}
 
 // owns() only asks: a resource nested in another's over-aligned allocation (a sub-allocator taking an aligned chunk),
 // whose first block starts at the chunk's address, leaves the chunk's entry alone (helper-204 found a first version

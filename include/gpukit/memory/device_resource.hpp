@@ -97,23 +97,31 @@ GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, std::size_t ali
   if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
   return detail::allocate_over_aligned(
       bytes, alignment, natural, "gpukit::device_resource::allocate",
-      [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
+      [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); }, this);
 }
 
+// An over-aligned address of another resource at which this one has a block of its own is that block's
+// (aligned_offsets::block_for): do_owns is asked only then.
 GPUKIT_INLINE void device_resource::deallocate(void* p) {
-  detail::over_aligned_addresses().free_with(p, [this](void* block) { do_deallocate(block); });
+  detail::over_aligned_addresses().free_with(
+      p, this, [this](const void* q) noexcept { return do_owns(q); }, [this](void* block) { do_deallocate(block); });
 }
 
 GPUKIT_INLINE void device_resource::deallocate(void* p, stream_view stream) {
-  detail::over_aligned_addresses().free_with(p, [this, stream](void* block) { do_deallocate(block, stream); });
+  detail::over_aligned_addresses().free_with(
+      p, this, [this](const void* q) noexcept { return do_owns(q); },
+      [this, stream](void* block) { do_deallocate(block, stream); });
 }
 
 GPUKIT_INLINE void device_resource::record_stream(void* p, stream_view stream) {
-  do_record_stream(detail::over_aligned_addresses().block_of(p), stream);
+  do_record_stream(
+      detail::over_aligned_addresses().block_for(p, this, [this](const void* q) noexcept { return do_owns(q); }),
+      stream);
 }
 
 GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
-  return do_owns(detail::over_aligned_addresses().block_of(p));
+  return do_owns(
+      detail::over_aligned_addresses().block_for(p, this, [this](const void* q) noexcept { return do_owns(q); }));
 }
 
 GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }

@@ -8,12 +8,11 @@
 /// remembers, for each such address that is not its block's start, the block's start, so that frees and queries
 /// reach the allocator with the pointer it handed out, whichever allocator or adaptor they come through (a graph
 /// pool's memory may be freed through any allocator). Sharded by address: a lookup takes a lock only when its
-/// shard holds an over-aligned address, otherwise it is one relaxed load. The table is keyed by address alone (a
-/// resource nested in another's over-aligned block may start a block at the same address), so an entry goes only
-/// with its allocation's free: memory of an over-aligned allocation that goes back without it (an arena released
-/// whole) leaves its address mapped to the old block, and a block that starts there later is mistaken for it; so
-/// is a block that a resource nested in the allocation starts at its address. (Telling those apart by do_owns was
-/// tried and withdrawn: a live entry's address can be owned too, through a graph pool.)
+/// shard holds an over-aligned address, otherwise it is one relaxed load. The table is keyed by address, and an
+/// entry goes only with its allocation's free. A resource nested in an over-aligned allocation may start a block at
+/// its address, and an arena released whole leaves its over-aligned addresses behind, to be reused: each entry
+/// names the resource that handed it out, and another resource that has a block of its own there gets that block
+/// (block_for). The one case left: memory released without its frees and reused by a resource at the same address.
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -63,42 +62,76 @@ class aligned_offsets {
   /// The first `alignment` boundary at or after `block`.
   static void* align_up(void* block, std::size_t alignment) noexcept;
 
-  /// Remembers that `aligned` lies in the block starting at `block` (aligned != block).
-  void add(void* aligned, void* block);
+  /// Remembers that `aligned` lies in the block starting at `block` (aligned != block), handed out by `resource`
+  /// (compared, never used; null where no resource asks: the pinned adaptors).
+  void add(void* aligned, void* block, const void* resource = nullptr);
 
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
   void* block_of(const void* p) noexcept;
+
+  /// block_of(p) as `resource` sees it: an address it handed out over-aligned is its block's; another resource's
+  /// over-aligned address at which `resource` itself has a block (`owns_block_at(p)`, noexcept) is that block's
+  /// start, not the other's (a resource nested in that allocation, or memory reused after an arena was released
+  /// whole); any other is the block's (a graph pool's memory freed through another allocator).
+  template <class OwnsBlockAt>
+  void* block_for(const void* p, const void* resource, OwnsBlockAt&& owns_block_at) noexcept {
+    const found f = find(p);
+    if (f.block == nullptr || (f.resource != resource && owns_block_at(p))) return const_cast<void*>(p);
+    return f.block;
+  }
 
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
   /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
   /// refused it and the allocation stays live, so the address is remembered again.
   template <class FreeBlock>
   void free_with(void* p, FreeBlock&& free_block) {
-    void* block = block_of(p);
-    if (block == p) return free_block(p);
-    erase(p);
-    try {
-      free_block(block);
-    } catch (...) {
-      try {
-        add(p, block);
-      } catch (...) {
-        warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
-                   reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
-      }
-      rethrow_naming(p, block);
-    }
+    free_found(p, find(p), free_block);
+  }
+  /// free_with(p, free_block) as `resource` sees `p` (see block_for).
+  template <class OwnsBlockAt, class FreeBlock>
+  void free_with(void* p, const void* resource, OwnsBlockAt&& owns_block_at, FreeBlock&& free_block) {
+    found f = find(p);
+    if (f.block != nullptr && f.resource != resource && owns_block_at(p)) f = found{};
+    free_found(p, f, free_block);
   }
 
   /// Forgets `aligned`; nothing when it is not in the table.
   void erase(const void* aligned) noexcept;
 
  private:
+  /// An over-aligned address's block and the resource that handed it out (block null: not in the table).
+  struct found {
+    void* block = nullptr;
+    const void* resource = nullptr;
+  };
+  found find(const void* p) noexcept;
+
+  template <class FreeBlock>
+  void free_found(void* p, const found& f, FreeBlock& free_block) {
+    if (f.block == nullptr) return free_block(p);
+    erase(p);
+    try {
+      free_block(f.block);
+    } catch (...) {
+      try {
+        add(p, f.block, f.resource);
+      } catch (...) {
+        warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
+                   reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
+      }
+      rethrow_naming(p, f.block);
+    }
+  }
+
   /// Throws the current exception again; a refusal (invalid_argument_error), which names the block's start, an
   /// address the caller never saw, gets the caller's pointer too.
   [[noreturn]] static void rethrow_naming(const void* p, const void* block);
 
-  using entry = std::pair<const void*, void*>;
+  struct entry {
+    const void* aligned;
+    void* block;
+    const void* resource;
+  };
   struct shard {
     std::atomic<std::size_t> size{0};  // read without the lock: a relaxed load when the shard is empty
     std::mutex mutex;
@@ -120,12 +153,13 @@ GPUKIT_EXPORT GPUKIT_INLINE aligned_offsets& over_aligned_addresses();
 
 /// `bytes` at an `alignment` boundary above the allocator's `natural` alignment: a block `alignment - natural`
 /// bytes larger from `allocate_block(size)`, whose first `alignment` boundary is returned and, when it is not the
-/// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it).
+/// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it) as
+/// handed out by `resource`.
 /// Should remembering fail, the block goes back through `free_block(block)` and the error propagates. An
 /// out_of_memory_error for the block is thrown again with the caller's request and alignment in front of its message.
 template <class AllocateBlock, class FreeBlock>
 void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_t natural, const char* who,
-                            AllocateBlock&& allocate_block, FreeBlock&& free_block) {
+                            AllocateBlock&& allocate_block, FreeBlock&& free_block, const void* resource = nullptr) {
   const std::size_t request = over_aligned_request(bytes, alignment, natural, who);
   void* block = nullptr;
   try {
@@ -140,7 +174,7 @@ void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_
   void* aligned = aligned_offsets::align_up(block, alignment);
   if (aligned == block) return block;
   try {
-    over_aligned_addresses().add(aligned, block);
+    over_aligned_addresses().add(aligned, block, resource);
   } catch (...) {
     try {
       free_block(block);
@@ -180,14 +214,14 @@ GPUKIT_INLINE void* aligned_offsets::align_up(void* block, std::size_t alignment
   return reinterpret_cast<void*>((address + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1));
 }
 
-GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block) {
+GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block, const void* resource) {
   shard& s = shard_of(aligned);
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, aligned);
-  if (it != s.entries.end() && it->first == aligned) {
-    it->second = block;
+  if (it != s.entries.end() && it->aligned == aligned) {
+    *it = entry{aligned, block, resource};
   } else {
-    s.entries.insert(it, {aligned, block});
+    s.entries.insert(it, entry{aligned, block, resource});
   }
   s.size.store(s.entries.size(), std::memory_order_relaxed);
 }
@@ -204,12 +238,18 @@ GPUKIT_INLINE void aligned_offsets::rethrow_naming(const void* p, const void* bl
 }
 
 GPUKIT_INLINE void* aligned_offsets::block_of(const void* p) noexcept {
-  if (p == nullptr) return nullptr;
+  const found f = find(p);
+  return f.block == nullptr ? const_cast<void*>(p) : f.block;
+}
+
+GPUKIT_INLINE aligned_offsets::found aligned_offsets::find(const void* p) noexcept {
+  if (p == nullptr) return {};
   shard& s = shard_of(p);
-  if (s.size.load(std::memory_order_relaxed) == 0) return const_cast<void*>(p);
+  if (s.size.load(std::memory_order_relaxed) == 0) return {};
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, p);
-  return it == s.entries.end() || it->first != p ? const_cast<void*>(p) : it->second;
+  if (it == s.entries.end() || it->aligned != p) return {};
+  return found{it->block, it->resource};
 }
 
 GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
@@ -218,7 +258,7 @@ GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
   if (s.size.load(std::memory_order_relaxed) == 0) return;
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, aligned);
-  if (it != s.entries.end() && it->first == aligned) s.entries.erase(it);
+  if (it != s.entries.end() && it->aligned == aligned) s.entries.erase(it);
   s.size.store(s.entries.size(), std::memory_order_relaxed);
 }
 
@@ -229,7 +269,9 @@ GPUKIT_INLINE aligned_offsets::shard& aligned_offsets::shard_of(const void* p) n
 
 GPUKIT_INLINE std::vector<aligned_offsets::entry>::iterator aligned_offsets::find_in(std::vector<entry>& entries,
                                                                                      const void* p) {
-  const auto below = [](const entry& e, std::uintptr_t key) { return reinterpret_cast<std::uintptr_t>(e.first) < key; };
+  const auto below = [](const entry& e, std::uintptr_t key) {
+    return reinterpret_cast<std::uintptr_t>(e.aligned) < key;
+  };
   return std::lower_bound(entries.begin(), entries.end(), reinterpret_cast<std::uintptr_t>(p), below);
 }
 
