@@ -329,6 +329,28 @@ TEST_CASE("memory of an arena released whole, reused by another resource, is tha
   after.deallocate(a);
 }
 
+// The same with the arena rebuilt over its memory at the same address (on the stack in a loop): its block at the old
+// over-aligned address is its own, whichever object handed that address out (helper-205).
+TEST_CASE("an arena rebuilt at the same address over the same memory owns and frees its own blocks") {
+  alignas(4096) static unsigned char memory[16 * 1024];
+  gpukit::stream s(cpu);
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    bump_arena arena(memory);
+    (void)arena.allocate(256, s);  // memory + 0
+    if (round == 0) {
+      REQUIRE(arena.allocate(100, 4096, s) == memory + 4096);  // never freed: released whole
+      continue;
+    }
+    void* b = arena.allocate(3840, s);  // memory + 256: the old block's start
+    void* c = arena.allocate(100, s);   // memory + 4096: the old over-aligned address
+    REQUIRE(c == memory + 4096);
+    CHECK(arena.owns(c));
+    CHECK_NOTHROW(arena.deallocate(c));
+    CHECK(arena.owns(b));
+  }
+}
+
 // owns() only asks: a resource nested in another's over-aligned allocation (a sub-allocator taking an aligned chunk),
 // whose first block starts at the chunk's address, leaves the chunk's entry alone (helper-204 found a first version
 // of a stale-entry purge that erased it there, so the chunk's free was refused).

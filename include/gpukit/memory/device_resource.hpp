@@ -75,6 +75,8 @@ class device_resource {
   /// Frees after the work enqueued so far on `stream` too.
   virtual void do_deallocate(void* p, stream_view stream) = 0;
   virtual void do_record_stream(void* p, stream_view stream) = 0;
+  /// Exactly: whether a live allocation of this resource starts at `p` (never true for an address inside one:
+  /// over-aligned frees rely on it, see aligned_offsets::block_for).
   virtual bool do_owns(const void* p) const noexcept = 0;
   /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
   [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept;
@@ -97,31 +99,29 @@ GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, std::size_t ali
   if (alignment <= natural || bytes == 0) return do_allocate(bytes, stream);
   return detail::allocate_over_aligned(
       bytes, alignment, natural, "gpukit::device_resource::allocate",
-      [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); }, this);
+      [&](std::size_t size) { return do_allocate(size, stream); }, [&](void* block) { do_deallocate(block); });
 }
 
-// An over-aligned address of another resource at which this one has a block of its own is that block's
-// (aligned_offsets::block_for): do_owns is asked only then.
+// An address in the table of over-aligned addresses at which this resource has a live block of its own is that
+// block's (aligned_offsets::block_for; do_owns is asked only for addresses in the table).
 GPUKIT_INLINE void device_resource::deallocate(void* p) {
   detail::over_aligned_addresses().free_with(
-      p, this, [this](const void* q) noexcept { return do_owns(q); }, [this](void* block) { do_deallocate(block); });
+      p, [this](const void* q) noexcept { return do_owns(q); }, [this](void* block) { do_deallocate(block); });
 }
 
 GPUKIT_INLINE void device_resource::deallocate(void* p, stream_view stream) {
   detail::over_aligned_addresses().free_with(
-      p, this, [this](const void* q) noexcept { return do_owns(q); },
+      p, [this](const void* q) noexcept { return do_owns(q); },
       [this, stream](void* block) { do_deallocate(block, stream); });
 }
 
 GPUKIT_INLINE void device_resource::record_stream(void* p, stream_view stream) {
-  do_record_stream(
-      detail::over_aligned_addresses().block_for(p, this, [this](const void* q) noexcept { return do_owns(q); }),
-      stream);
+  do_record_stream(detail::over_aligned_addresses().block_for(p, [this](const void* q) noexcept { return do_owns(q); }),
+                   stream);
 }
 
 GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
-  return do_owns(
-      detail::over_aligned_addresses().block_for(p, this, [this](const void* q) noexcept { return do_owns(q); }));
+  return do_owns(detail::over_aligned_addresses().block_for(p, [this](const void* q) noexcept { return do_owns(q); }));
 }
 
 GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }

@@ -10,9 +10,11 @@
 /// pool's memory may be freed through any allocator). Sharded by address: a lookup takes a lock only when its
 /// shard holds an over-aligned address, otherwise it is one relaxed load. The table is keyed by address, and an
 /// entry goes only with its allocation's free. A resource nested in an over-aligned allocation may start a block at
-/// its address, and an arena released whole leaves its over-aligned addresses behind, to be reused: each entry
-/// names the resource that handed it out, and another resource that has a block of its own there gets that block
-/// (block_for). The one case left: memory released without its frees and reused by a resource at the same address.
+/// its address, and an arena released whole leaves its over-aligned addresses behind, to be reused: a resource that
+/// has a live block starting at an address in the table gets that block (block_for; an over-aligned address never
+/// starts a live block of the resource that handed it out, since it lies inside one). Left: a double free of such a
+/// block, or a query after its free, is taken for the old allocation while its entry stays (a stale one, or a live
+/// one of the resource the block is nested in: the two cannot be told apart).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -62,22 +64,20 @@ class aligned_offsets {
   /// The first `alignment` boundary at or after `block`.
   static void* align_up(void* block, std::size_t alignment) noexcept;
 
-  /// Remembers that `aligned` lies in the block starting at `block` (aligned != block), handed out by `resource`
-  /// (compared, never used; null where no resource asks: the pinned adaptors).
-  void add(void* aligned, void* block, const void* resource = nullptr);
+  /// Remembers that `aligned` lies in the block starting at `block` (aligned != block).
+  void add(void* aligned, void* block);
 
   /// The block start behind `p`, or `p` itself when it is not an over-aligned address (or is null).
   void* block_of(const void* p) noexcept;
 
-  /// block_of(p) as `resource` sees it: an address it handed out over-aligned is its block's; another resource's
-  /// over-aligned address at which `resource` itself has a block (`owns_block_at(p)`, noexcept) is that block's
-  /// start, not the other's (a resource nested in that allocation, or memory reused after an arena was released
-  /// whole); any other is the block's (a graph pool's memory freed through another allocator).
+  /// block_of(p) for a resource that can tell whether a live block of its own starts at `p` (`owns_block_at(p)`,
+  /// noexcept, asked only when `p` is in the table): then `p` is that block (a resource nested in the over-aligned
+  /// allocation, or memory reused after an arena was released whole), else the block behind it (a graph pool's
+  /// memory freed through another allocator included).
   template <class OwnsBlockAt>
-  void* block_for(const void* p, const void* resource, OwnsBlockAt&& owns_block_at) noexcept {
+  void* block_for(const void* p, OwnsBlockAt&& owns_block_at) noexcept {
     const found f = find(p);
-    if (f.block == nullptr || (f.resource != resource && owns_block_at(p))) return const_cast<void*>(p);
-    return f.block;
+    return f.block == nullptr || owns_block_at(p) ? const_cast<void*>(p) : f.block;
   }
 
   /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
@@ -87,11 +87,11 @@ class aligned_offsets {
   void free_with(void* p, FreeBlock&& free_block) {
     free_found(p, find(p), free_block);
   }
-  /// free_with(p, free_block) as `resource` sees `p` (see block_for).
+  /// free_with(p, free_block) for a resource that can tell its blocks' starts (see block_for).
   template <class OwnsBlockAt, class FreeBlock>
-  void free_with(void* p, const void* resource, OwnsBlockAt&& owns_block_at, FreeBlock&& free_block) {
+  void free_with(void* p, OwnsBlockAt&& owns_block_at, FreeBlock&& free_block) {
     found f = find(p);
-    if (f.block != nullptr && f.resource != resource && owns_block_at(p)) f = found{};
+    if (f.block != nullptr && owns_block_at(p)) f = found{};
     free_found(p, f, free_block);
   }
 
@@ -99,10 +99,9 @@ class aligned_offsets {
   void erase(const void* aligned) noexcept;
 
  private:
-  /// An over-aligned address's block and the resource that handed it out (block null: not in the table).
+  /// An over-aligned address's block (null: not in the table).
   struct found {
     void* block = nullptr;
-    const void* resource = nullptr;
   };
   found find(const void* p) noexcept;
 
@@ -114,7 +113,7 @@ class aligned_offsets {
       free_block(f.block);
     } catch (...) {
       try {
-        add(p, f.block, f.resource);
+        add(p, f.block);
       } catch (...) {
         warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
                    reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
@@ -130,7 +129,6 @@ class aligned_offsets {
   struct entry {
     const void* aligned;
     void* block;
-    const void* resource;
   };
   struct shard {
     std::atomic<std::size_t> size{0};  // read without the lock: a relaxed load when the shard is empty
@@ -153,13 +151,12 @@ GPUKIT_EXPORT GPUKIT_INLINE aligned_offsets& over_aligned_addresses();
 
 /// `bytes` at an `alignment` boundary above the allocator's `natural` alignment: a block `alignment - natural`
 /// bytes larger from `allocate_block(size)`, whose first `alignment` boundary is returned and, when it is not the
-/// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it) as
-/// handed out by `resource`.
+/// block's start, remembered in over_aligned_addresses() (so any allocator that could free the block frees it).
 /// Should remembering fail, the block goes back through `free_block(block)` and the error propagates. An
 /// out_of_memory_error for the block is thrown again with the caller's request and alignment in front of its message.
 template <class AllocateBlock, class FreeBlock>
 void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_t natural, const char* who,
-                            AllocateBlock&& allocate_block, FreeBlock&& free_block, const void* resource = nullptr) {
+                            AllocateBlock&& allocate_block, FreeBlock&& free_block) {
   const std::size_t request = over_aligned_request(bytes, alignment, natural, who);
   void* block = nullptr;
   try {
@@ -174,7 +171,7 @@ void* allocate_over_aligned(std::size_t bytes, std::size_t alignment, std::size_
   void* aligned = aligned_offsets::align_up(block, alignment);
   if (aligned == block) return block;
   try {
-    over_aligned_addresses().add(aligned, block, resource);
+    over_aligned_addresses().add(aligned, block);
   } catch (...) {
     try {
       free_block(block);
@@ -214,14 +211,14 @@ GPUKIT_INLINE void* aligned_offsets::align_up(void* block, std::size_t alignment
   return reinterpret_cast<void*>((address + alignment - 1) & ~(static_cast<std::uintptr_t>(alignment) - 1));
 }
 
-GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block, const void* resource) {
+GPUKIT_INLINE void aligned_offsets::add(void* aligned, void* block) {
   shard& s = shard_of(aligned);
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, aligned);
   if (it != s.entries.end() && it->aligned == aligned) {
-    *it = entry{aligned, block, resource};
+    it->block = block;
   } else {
-    s.entries.insert(it, entry{aligned, block, resource});
+    s.entries.insert(it, entry{aligned, block});
   }
   s.size.store(s.entries.size(), std::memory_order_relaxed);
 }
@@ -249,7 +246,7 @@ GPUKIT_INLINE aligned_offsets::found aligned_offsets::find(const void* p) noexce
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, p);
   if (it == s.entries.end() || it->aligned != p) return {};
-  return found{it->block, it->resource};
+  return found{it->block};
 }
 
 GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
