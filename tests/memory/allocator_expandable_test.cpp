@@ -12,6 +12,7 @@
 #include <gpukit/stream/event.hpp>
 #include <gpukit/stream/stream.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -137,6 +138,237 @@ TEST_CASE("expandable segments: free blocks are not inactive split (non-releasab
   f.a.empty_cache();
   CHECK(f.a.stats().inactive_split_bytes.all().allocated == 0);
   CHECK(f.a.upstream().used() == 0);
+}
+
+// --- A small request that misses its stream's front cache takes the stream's cached blocks back first (expandable
+// ranges only), when that helps: these pin where it does and where it must not (no timing: cached blocks, and
+// which requests the front cache serves).
+
+/// The addresses of the blocks cached in front.
+static std::vector<std::uintptr_t> cached_in_front(const fake_allocator& a) {
+  std::vector<std::uintptr_t> cached;
+  for (const auto& seg : a.snapshot().segments) {
+    for (const auto& block : seg.blocks) {
+      if (block.state == gpukit::block_state::cached) cached.push_back(block.address);
+    }
+  }
+  return cached;
+}
+
+/// Allocates `bytes` on `s` and says whether the front cache served it: the block was cached, and no other left.
+static std::pair<void*, bool> allocate_seen(setup& f, std::size_t bytes, const fake_stream& s) {
+  const std::vector<std::uintptr_t> before = cached_in_front(f.a);
+  void* p = f.a.allocate(bytes, s);
+  const bool was_cached = std::find(before.begin(), before.end(), reinterpret_cast<std::uintptr_t>(p)) != before.end();
+  return {p, was_cached && cached_in_front(f.a).size() + 1 == before.size()};
+}
+
+TEST_CASE("expandable segments: a small request the front cache misses takes its stream's cached blocks back first") {
+  for (const bool ranges : {true, false}) {
+    CAPTURE(ranges);
+    setup f(ranges ? expandable() : gpukit::allocator_options{});
+    void* a = f.a.allocate(256 * KiB, f.s0);
+    void* b = f.a.allocate(256 * KiB, f.s0);  // after a
+    void* c = f.a.allocate(64 * KiB, f.s0);   // after b
+    f.a.deallocate(a);
+    f.a.deallocate(b);  // both cached in front: to the heap, still allocated
+    REQUIRE(cached_in_front(f.a).size() == 2);
+    // Another size: in a stream's expandable range, a and b go back to the heap first and, coalesced, hold it (best
+    // fit); kept cached, it went after c. Ordinary segments keep them cached until the heap grows.
+    void* d = f.a.allocate(512 * KiB, f.s0);
+    CHECK((d == a) == ranges);
+    CHECK(cached_in_front(f.a).size() == (ranges ? 0 : 2));
+    CHECK(f.invariants({c, d}) == "");
+    CHECK(released_all(f, {c, d}));
+  }
+}
+
+TEST_CASE("expandable segments: a stream cycling through up to 8 small sizes keeps serving them from its front cache") {
+  // One block at a time: alloc A, free A, alloc B, free B... Each size's first request misses and takes the others
+  // back; their next requests find their sizes kept in their bins and do not flush again, so from the second round
+  // on every request is served in front (had each miss flushed, every request went through the heap: 50x slower).
+  for (const std::size_t k : {std::size_t{2}, std::size_t{3}, std::size_t{5}, std::size_t{8}}) {
+    CAPTURE(k);
+    setup f;
+    std::vector<std::size_t> sizes;
+    for (std::size_t i = 0; i < k; ++i) sizes.push_back((64 + 32 * i) * KiB);
+    for (int round = 0; round < 2; ++round) {
+      for (const std::size_t size : sizes) f.a.deallocate(f.a.allocate(size, f.s0));
+    }
+    REQUIRE(cached_in_front(f.a).size() == k);
+    std::vector<void*> first(k, nullptr);
+    for (int round = 0; round < 4; ++round) {
+      for (std::size_t i = 0; i < k; ++i) {
+        const auto [p, served] = allocate_seen(f, sizes[i], f.s0);
+        CHECK(served);
+        if (round == 0) first[i] = p;
+        CHECK(p == first[i]);
+        f.a.deallocate(p);
+      }
+    }
+    CHECK(cached_in_front(f.a).size() == k);
+    CHECK(f.invariants({}) == "");
+    CHECK(released_all(f, {}));
+  }
+}
+
+TEST_CASE("expandable segments: a stream cycling through more small sizes than a slot holds keeps 8 of them cached") {
+  // 9 to 12 sizes one block at a time (helper-200's W1/W6): the slot holds 8 sizes; once it does, the misses of the
+  // others find no bin free for them and do not take the 8 back (were they taken back, every request missed).
+  for (const std::size_t k : {std::size_t{9}, std::size_t{12}}) {
+    for (const std::size_t unit : {1 * KiB, 32 * KiB}) {
+      CAPTURE(k);
+      CAPTURE(unit);
+      setup f;
+      const auto size = [&](std::size_t i) { return unit == KiB ? (1 + i) * KiB : (64 + 32 * i) * KiB; };
+      for (int round = 0; round < 4; ++round) {
+        for (std::size_t i = 0; i < k; ++i) f.a.deallocate(f.a.allocate(size(i), f.s0));
+      }
+      std::size_t served_count = 0;
+      for (int round = 0; round < 3; ++round) {
+        for (std::size_t i = 0; i < k; ++i) {
+          const std::size_t cached = cached_in_front(f.a).size();
+          const auto [p, served] = allocate_seen(f, size(i), f.s0);
+          CHECK(cached == 8);  // never taken back
+          served_count += served ? 1 : 0;
+          f.a.deallocate(p);
+        }
+      }
+      CHECK(served_count == 3 * 8);
+      CHECK(f.invariants({}) == "");
+      CHECK(released_all(f, {}));
+    }
+  }
+}
+
+TEST_CASE("expandable segments: a request for a size whose blocks are all out does not take the others back") {
+  // helper-200's F1: 9 blocks of A held (a bin holds 8), then B, C, D, E once each. The 9th A misses (a depth miss:
+  // A has its bin); B..E wait in front for their requests.
+  setup f;
+  const std::size_t A = 128 * KiB;
+  auto iteration = [&](std::size_t* cached_before_b, std::size_t* served_b_to_e) {
+    std::vector<void*> p;
+    for (int k = 0; k < 9; ++k) p.push_back(f.a.allocate(A, f.s0));
+    if (cached_before_b != nullptr) *cached_before_b = cached_in_front(f.a).size();
+    for (int k = 0; k < 4; ++k) {
+      const auto [q, served] = allocate_seen(f, (160 + 32 * k) * KiB, f.s0);
+      if (served_b_to_e != nullptr) *served_b_to_e += served ? 1 : 0;
+      p.push_back(q);
+    }
+    for (void* q : p) f.a.deallocate(q);
+  };
+  for (int i = 0; i < 3; ++i) iteration(nullptr, nullptr);
+  std::size_t cached = 0, served = 0;
+  iteration(&cached, &served);
+  CHECK(cached == 4);
+  CHECK(served == 4);
+  // helper-200's F2: phases of 16 blocks of A, then 16 of B (bins hold 8): each phase's 9th request is a depth miss
+  // and leaves the other size's 8 cached blocks alone.
+  setup g;
+  auto phase = [&](std::size_t size, std::size_t* cached_at_start) {
+    if (cached_at_start != nullptr) *cached_at_start = cached_in_front(g.a).size();
+    std::vector<void*> p;
+    for (int k = 0; k < 16; ++k) p.push_back(g.a.allocate(size, g.s0));
+    for (void* q : p) g.a.deallocate(q);
+  };
+  for (int i = 0; i < 3; ++i) {
+    phase(128 * KiB, nullptr);
+    phase(192 * KiB, nullptr);
+  }
+  std::size_t a_start = 0, b_start = 0;
+  phase(128 * KiB, &a_start);
+  phase(192 * KiB, &b_start);
+  CHECK(a_start == 16);
+  CHECK(b_start == 16);
+  CHECK(released_all(f, {}));
+  CHECK(released_all(g, {}));
+}
+
+TEST_CASE("expandable segments: a new size every iteration beside sizes reused does not take those back each time") {
+  // helper-200's W2: 6 sizes reused every iteration, and one that changes, asked for first or last. Once the slot
+  // holds 8 sizes, the new size's miss finds no bin free for it and takes nothing back. (Asked for first, the new
+  // size's free takes a reused size's emptied bin, as without the flush: the reused sizes then come from the heap.)
+  for (const bool varying_first : {true, false}) {
+    CAPTURE(varying_first);
+    setup f(expandable(), 4 * GiB);
+    std::size_t served = 0;
+    std::size_t kept = 0;
+    for (int i = 0; i < 60; ++i) {
+      std::vector<void*> p;
+      const std::size_t varying = (40 + static_cast<std::size_t>(i % 200)) * KiB + 512;
+      const auto ask_varying = [&] {
+        const std::size_t before = cached_in_front(f.a).size();
+        p.push_back(f.a.allocate(varying, f.s0));
+        kept += i >= 50 && before != 0 && cached_in_front(f.a).size() == before ? 1 : 0;
+      };
+      if (varying_first) ask_varying();
+      for (std::size_t k = 0; k < 6; ++k) {
+        const auto [q, hit] = allocate_seen(f, (256 + 32 * k) * KiB, f.s0);
+        served += i >= 50 && hit ? 1 : 0;
+        p.push_back(q);
+      }
+      if (!varying_first) ask_varying();
+      for (void* q : p) f.a.deallocate(q);
+    }
+    CHECK(kept == 10);
+    if (!varying_first) CHECK(served == 10 * 6);
+    CHECK(f.invariants({}) == "");
+    CHECK(released_all(f, {}));
+  }
+}
+
+TEST_CASE("expandable segments: statistics, peaks and invariants stay exact through the front flushes (random)") {
+  // helper-200's C1: the same random sequence on three streams with the front cache on and off; the users' view of
+  // the statistics is the same, and the snapshot's invariants hold.
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    CAPTURE(seed);
+    gpukit::allocator_options off_options = expandable();
+    off_options.front_cache = false;
+    setup on(expandable(), 4 * GiB);
+    setup off(off_options, 4 * GiB);
+    std::vector<fake_stream> son{on.s0, on.s1, on.add_stream()};
+    std::vector<fake_stream> soff{off.s0, off.s1, off.add_stream()};
+    std::mt19937_64 rng(seed);
+    struct live {
+      void* on;
+      void* off;
+    };
+    std::vector<live> held;
+    const std::size_t sizes[] = {512, 1000, 4096, 70 * KiB, 300 * KiB, 600 * KiB, 1 * MiB - 4096, 11 * KiB};
+    for (int step = 0; step < 4000; ++step) {
+      const bool allocate = held.empty() || (held.size() < 120 && rng() % 100 < 52);
+      if (allocate) {
+        const std::size_t bytes = sizes[rng() % 8] - (rng() % 2 == 0 ? 0 : 100);
+        const std::size_t s = rng() % 3;
+        held.push_back({on.a.allocate(bytes, son[s]), off.a.allocate(bytes, soff[s])});
+      } else {
+        const std::size_t i = rng() % held.size();
+        on.a.deallocate(held[i].on);
+        off.a.deallocate(held[i].off);
+        held[i] = held.back();
+        held.pop_back();
+      }
+      if (step % 97 == 0) {
+        const auto x = on.a.stats();
+        const auto y = off.a.stats();
+        REQUIRE(x.allocation.pools[0].current == y.allocation.pools[0].current);
+        REQUIRE(x.allocation.pools[0].peak == y.allocation.pools[0].peak);
+        REQUIRE(x.requested_bytes.pools[0].current == y.requested_bytes.pools[0].current);
+        REQUIRE(x.requested_bytes.pools[0].peak == y.requested_bytes.pools[0].peak);
+        REQUIRE(x.active.pools[1].allocated == y.active.pools[1].allocated);
+        REQUIRE(x.active.pools[1].freed == y.active.pools[1].freed);
+        std::vector<void*> alive;
+        for (const live& l : held) alive.push_back(l.on);
+        REQUIRE(on.invariants(alive) == "");
+      }
+    }
+    for (const live& l : held) {
+      on.a.deallocate(l.on);
+      off.a.deallocate(l.off);
+    }
+    CHECK(released_all(on, {}));
+    CHECK(released_all(off, {}));
+  }
 }
 
 TEST_CASE("expandable segments: the largest free block is the mapped run at a free block's start") {
