@@ -689,10 +689,8 @@ class basic_caching_allocator {
   // The heap's side of allocate and deallocate, out of line so that the front caches' path stays small.
 
   /// A block of `size` bytes (`bytes` asked) from the heap: found free, or a new one from the upstream.
-  /// `flush_first`: the front cache missed a small request that front_slot::flush_helps says the stream's cached
-  /// blocks should go back to the heap for first (expandable ranges only; flush_front_of).
   GPUKIT_DETAIL_NOINLINE void* allocate_from_heap(const stream_type& stream, std::size_t bytes, std::size_t size,
-                                                  bool small, bool flush_first = false);
+                                                  bool small);
 
   /// Gives live block `b` (the user freed it) back to the heap; `busy`: its stream may still use it.
   GPUKIT_DETAIL_NOINLINE void free_to_heap(block* b, bool busy, bool expired_owner);
@@ -805,25 +803,15 @@ class basic_caching_allocator {
 
   /// A cached block of exactly `size` bytes for the stream `key`, taken for a request of `requested` bytes and put
   /// in the pointer map; nullptr when there is none (the heap then serves the request).
-  /// What front_take found: the block it took (or nullptr), and on a miss in the stream's own slot whether
-  /// flush_front_of should take the slot's blocks back first (small blocks in expandable ranges only:
-  /// flush_small_fronts_). Returned in registers: the hit path stores nothing more.
-  struct take_outcome {
-    block* taken;
-    bool flush_first;
-  };
-  GPUKIT_DETAIL_FLATTEN take_outcome front_take(std::uintptr_t key, std::size_t size, std::size_t requested,
-                                                bool large);
+  GPUKIT_DETAIL_FLATTEN block* front_take(std::uintptr_t key, std::size_t size, std::size_t requested, bool large);
   /// front_take's search of the slots past the home slot.
-  GPUKIT_DETAIL_NOINLINE take_outcome front_take_probing(std::uintptr_t key, std::size_t size, std::size_t requested,
-                                                         bool large);
+  GPUKIT_DETAIL_NOINLINE block* front_take_probing(std::uintptr_t key, std::size_t size, std::size_t requested,
+                                                   bool large);
 
-  /// What front_take found in one slot: the block it took (or nullptr), whether the next slot may hold one, and
-  /// take_outcome's flush_first.
+  /// What front_take found in one slot: the block it took (or nullptr), and whether the next slot may hold one.
   struct probe_outcome {
     block* taken;
     bool search_on;
-    bool flush_first;
   };
   /// front_take's work in one slot of its search: takes a block of `size` there if the slot is stream `key`'s.
   probe_outcome front_take_at(front_slot_type& slot, std::uintptr_t key, std::size_t size, std::size_t requested,
@@ -891,10 +879,6 @@ class basic_caching_allocator {
   /// released. Returns whether there were any. Throws only when freeing a block does (an event could not be
   /// recorded): that block stays cached.
   bool flush_fronts(bool large_only = false);
-  /// Takes the blocks cached in stream `key`'s own front slot of one pool back into the heap (device lock held), for
-  /// a request of `size` that missed them, where front_slot::flush_helps says so (front_take asked it on the miss;
-  /// asked again here, with every lock held). Returns whether there were any. Throws as flush_fronts.
-  bool flush_front_of(std::uintptr_t key, bool large, std::size_t size);
 
   // --- blocks ---
 
@@ -1232,9 +1216,6 @@ class basic_caching_allocator {
   // (never off) under the device lock once watch_contention_ sees threads wait for it on large blocks.
   std::atomic<bool> front_cache_large_{false};
   bool watch_contention_ = false;
-  // Small blocks in expandable ranges: a request the front cache missed may take the stream's cached blocks back
-  // first (front_take's flush_first, flush_front_of). Fixed at construction; ordinary segments never look.
-  bool flush_small_fronts_ = false;
   bool vm_refused_ = false;  // no virtual memory, or no range could be sized or reserved: not tried again
 
   mutable detail::device_mutex

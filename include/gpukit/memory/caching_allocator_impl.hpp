@@ -42,7 +42,6 @@ GPUKIT_INLINE basic_caching_allocator<Upstream, StreamOps>::basic_caching_alloca
   front_cache_ = options_.front_cache && !options_.cross_stream_reuse;
   front_cache_large_.store(front_cache_ && options_.front_cache_large, std::memory_order_relaxed);
   watch_contention_ = front_cache_ && !options_.front_cache_large && options_.front_cache_large_when_contended;
-  flush_small_fronts_ = front_cache_ && options_.expandable_segments;
   // Fixed for the allocator's life: the statistics' readers walk the used slots without a lock.
   fronts_used_ =
       front_cache_large_.load(std::memory_order_relaxed) || watch_contention_ ? front_slot_count : front_slots_per_pool;
@@ -150,12 +149,10 @@ GPUKIT_INLINE void* basic_caching_allocator<Upstream, StreamOps>::allocate(std::
   const bool small = size <= options_.small_size;
   if (front_cache_ && (small || front_cache_large_.load(std::memory_order_relaxed)) &&
       ops_.device_of(stream) == device_) {
-    const take_outcome front = front_take(ops_.key(stream), size, bytes, !small);
-    if (block* cached = front.taken) {
+    if (block* cached = front_take(ops_.key(stream), size, bytes, !small)) {
       if (history_.load(std::memory_order_acquire) != nullptr) note(memory_action::alloc, cached);
       return reinterpret_cast<void*>(cached->address);
     }
-    return allocate_from_heap(stream, bytes, size, small, front.flush_first);
   }
   return allocate_from_heap(stream, bytes, size, small);
 }
@@ -965,7 +962,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::complete_pendin
 
 template <class Upstream, class StreamOps>
 void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const stream_type& stream, std::size_t bytes,
-                                                                       std::size_t size, bool small, bool flush_first) {
+                                                                       std::size_t size, bool small) {
   block* b;
   {
     std::unique_lock<detail::device_mutex> lock = lock_for_heap(!small);
@@ -995,20 +992,6 @@ void* basic_caching_allocator<Upstream, StreamOps>::allocate_from_heap(const str
       if (!dead_streams_.empty()) retire_finished();
     }
     do {  // again only when a gpukit capture began between find_free and take (take)
-      // In a stream's small expandable range, a request the front cache missed first takes back the stream's
-      // blocks cached there, so that best fit sees them coalesced with their free neighbours: kept apart, the
-      // requests of other sizes were placed around them, and once flushed (at the next release) they left holes
-      // among the blocks placed meanwhile, on pages those keep mapped (bench_fragmentation with expandable segments,
-      // minimum capacity, worst of ten seeds: L6 h512 1.021 to 1.018, L2 h256 1.073 to 1.045).
-      // Only for a new size with a bin free for it (front_slot::flush_helps, which front_take asked under the slot's
-      // lock on its miss, so that a request that keeps the blocks pays no more here): not for a size whose blocks are
-      // all out, nor one taken back by an earlier flush, nor when the stream cycles through as many sizes as the
-      // slot holds; a stream alternating sizes, or running phases of one size, then keeps hitting its front cache.
-      // Ordinary segments keep their blocks cached until the heap grows, as before.
-      if (flush_first && small && st.expandable[1] != nullptr) {
-        flush_first = false;  // once: a retry (take refused) finds the slot as this left it
-        (void)flush_front_of(st.key, false, size);
-      }
       b = find_free(st, size, small);
       if (b == nullptr && flush_fronts()) b = find_free(st, size, small);  // cached blocks of other sizes
       if (b == nullptr) {
@@ -1174,25 +1157,21 @@ GPUKIT_INLINE std::atomic<std::uintptr_t>& basic_caching_allocator<Upstream, Str
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_take(std::uintptr_t key, std::size_t size,
                                                                             std::size_t requested, bool large)
-    -> take_outcome {
+    -> block* {
   // The stream's home slot here, the other probes out of line: most streams own their home slot, and a hit there
   // then pays for no loop (with front_give's the same way, a 256 B pair went from 499 instructions to about 440).
   const probe_outcome home = front_take_at(front_slot_at(key, 0, large), key, size, requested, large);
-  if (!home.search_on) return {home.taken, false};
-  if (home.flush_first) return {nullptr, true};  // the stream's own slot missed: no other slot holds its blocks
-  return front_take_probing(key, size, requested, large);
+  return home.search_on ? front_take_probing(key, size, requested, large) : home.taken;
 }
 
 template <class Upstream, class StreamOps>
 auto basic_caching_allocator<Upstream, StreamOps>::front_take_probing(std::uintptr_t key, std::size_t size,
-                                                                      std::size_t requested, bool large)
-    -> take_outcome {
+                                                                      std::size_t requested, bool large) -> block* {
   for (std::size_t probe = 1; probe < front_slots_per_pool; ++probe) {
     const probe_outcome here = front_take_at(front_slot_at(key, probe, large), key, size, requested, large);
-    if (here.flush_first) return {nullptr, true};
-    if (!here.search_on) return {here.taken, false};
+    if (!here.search_on) return here.taken;
   }
-  return {nullptr, false};
+  return nullptr;
 }
 
 template <class Upstream, class StreamOps>
@@ -1202,25 +1181,21 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_take_at(f
     -> probe_outcome {
   const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
   // A slot never owned ends the search (a stream's slots come before it): a miss only costs the heap's path.
-  if (owner != key) return {nullptr, owner != front_slot_type::unowned, false};
+  if (owner != key) return {nullptr, owner != front_slot_type::unowned};
   if (slot.blocks.load(std::memory_order_relaxed) == 0) {
     slot.note_miss();  // in use, though empty: not to be taken over
-    return {nullptr, true, false};
+    return {nullptr, true};
   }
   std::unique_lock<detail::spin_mutex> lock(slot.mutex);  // the reads above were hints
   if (slot.blocks.load(std::memory_order_relaxed) == 0 || owner_of(slot).load(std::memory_order_relaxed) != key) {
-    return {nullptr, true, false};
+    return {nullptr, true};
   }
   ++slot.tick;
   auto* bin = slot.find(size);
-  if (bin == nullptr) {
-    // A miss in the stream's own slot: whether the heap takes its blocks back first (expandable ranges; the
-    // allocator's flush_front_of). Asked here, under the lock this holds anyway; a hit never looks.
-    return {nullptr, true, flush_small_fronts_ && !large && slot.flush_helps(size)};
-  }
-  if (slot.may_leave(*bin->top, requested)) return {take_cached(slot, *bin, requested, false), false, false};
+  if (bin == nullptr) return {nullptr, true};
+  if (slot.may_leave(*bin->top, requested)) return {take_cached(slot, *bin, requested, false), false};
   lock.unlock();
-  return {front_take_slow(key, size, requested, large), false, false};
+  return {front_take_slow(key, size, requested, large), false};
 }
 
 template <class Upstream, class StreamOps>
@@ -1433,35 +1408,6 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_fronts(bo
       flush_bin(slot, bin);
     }
   }
-  return any;
-}
-
-template <class Upstream, class StreamOps>
-GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_front_of(std::uintptr_t key, bool large,
-                                                                                std::size_t size) {
-  if (!fronts_active_) return false;
-  front_slot_type* own = nullptr;  // the stream's slot: its probe sequence, up to a slot never owned
-  for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
-    front_slot_type& slot = front_slot_at(key, probe, large);
-    const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
-    if (owner == key) {
-      own = &slot;
-      break;
-    }
-    if (owner == front_slot_type::unowned) break;
-  }
-  // Without the slots' locks, a hint: the slot may have emptied since front_take looked.
-  if (own == nullptr || own->blocks.load(std::memory_order_relaxed) == 0) return false;
-  fronts_lock all(*this);
-  // Changed hands, or other threads of the stream changed its bins, since front_take decided.
-  if (owner_of(*own).load(std::memory_order_relaxed) != key || !own->flush_helps(size)) return false;
-  deferred_peaks deferred(*this);
-  bool any = false;
-  for (auto& bin : own->bins) {
-    any = any || bin.count != 0;
-    flush_bin(*own, bin);
-  }
-  own->order_after_flush(size);
   return any;
 }
 

@@ -32,7 +32,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
 GPUKIT_BEGIN_NAMESPACE
 namespace detail {
@@ -173,51 +172,6 @@ struct alignas(false_sharing_range) front_slot {
       if (oldest == nullptr || b.last_use < oldest->last_use) oldest = &b;
     }
     return oldest != nullptr && tick - oldest->last_use >= stale_age ? oldest : nullptr;
-  }
-  /// Expandable ranges (the caching allocator's flush_front_of): a bin empty for more than this many of the slot's
-  /// operations is free for a new size. Each of k sizes cycled one block at a time is used every 2 k operations (a
-  /// take and a give): 2 (bin_count + 1) covers a cycle of one more size than there are bins, so a stream cycling
-  /// through 9 to 12 sizes reaches main's state (8 sizes cached, the others from the heap) instead of flushing at
-  /// every request (with 8 they flushed at every request: 1550 against 900 ns a pair without the flush). Longer
-  /// windows cost the flush its gain (measured with an earlier bin order: 20 took L6 h512's minimum capacity to
-  /// 1.0194 worst of ten seeds against 1.0167, 24 or more L2 h256's to 1.06-1.12).
-  static constexpr std::uint64_t flush_idle_ticks = 2 * (bin_count + 1);
-  /// Whether a request of `size` that missed should take the slot's cached blocks back first (the lock held): not
-  /// when a bin keeps that size (its blocks are all out, a depth miss; or the size was taken back by an earlier
-  /// flush and kept its bin, see order_after_flush), and not when no bin is free for it (empty and never used, or
-  /// unused for more than flush_idle_ticks operations): the slot is cycling through as many sizes as it holds.
-  GPUKIT_DETAIL_NOINLINE bool flush_helps(std::size_t size) const noexcept {
-    bool free_bin = false;
-    for (const bin& b : bins) {
-      if (b.size == size) return false;
-      free_bin = free_bin || (b.count == 0 && (b.size == 0 || tick - b.last_use > flush_idle_ticks));
-    }
-    return free_bin;
-  }
-  /// After a flush for a request of `size` (every bin empty, the lock held): `size` gets a bin of its own, first (one
-  /// never used, else the least recently used), for its block once freed; the sizes just taken back keep theirs,
-  /// most recently used first, never-used bins last. room_for then finds the new size's bin instead of taking the
-  /// first empty one, and the sizes taken back keep their bins, which flush_helps sees when they are asked for
-  /// again: a stream alternating sizes flushes once, not at every request; and find meets the sizes in use first.
-  void order_after_flush(std::size_t size) noexcept {
-    bin* own = nullptr;
-    for (bin& b : bins) {
-      if (own == nullptr || (b.size == 0 && own->size != 0) ||
-          (b.size != 0 && own->size != 0 && b.last_use < own->last_use)) {
-        own = &b;
-      }
-    }
-    own->size = size;
-    own->last_use = tick;
-    const auto before = [size](const bin& x, const bin& y) {
-      if ((x.size == size) != (y.size == size)) return x.size == size;
-      if ((x.size == 0) != (y.size == 0)) return y.size == 0;
-      return x.last_use > y.last_use;
-    };
-    // Insertion sort, stable: std::stable_sort may take a buffer from the heap, with every slot's lock held.
-    for (std::size_t i = 1; i < bins.size(); ++i) {
-      for (std::size_t j = i; j > 0 && before(bins[j], bins[j - 1]); --j) std::swap(bins[j], bins[j - 1]);
-    }
   }
   void push(bin& b, Block* block) noexcept {
     b.last_use = tick;
