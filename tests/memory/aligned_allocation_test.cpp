@@ -4,6 +4,7 @@
 #include "support.hpp"
 
 #include <gpukit/memory/default_allocator.hpp>
+#include <gpukit/memory/detail/pinned_aligned.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
 #include <gpukit/memory/pmr.hpp>
@@ -372,4 +373,48 @@ TEST_CASE("asking a resource nested in an over-aligned chunk whether it owns an 
   CHECK_NOTHROW(upstream.deallocate(chunk));
   CHECK_FALSE(upstream.owns(chunk));
   upstream.deallocate(head);
+}
+
+namespace {
+/// A pinned pool's upstream that hands out consecutive pages of a buffer it is given (never given back).
+struct buffer_upstream {
+  unsigned char* next;
+  void* allocate(std::size_t bytes) {
+    void* p = next;
+    next += (bytes + 4095) / 4096 * 4096;
+    return p;
+  }
+  void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
+  bool page_locked() const noexcept { return false; }
+};
+}  // namespace
+
+// The pinned adaptors look addresses up in the same table: a pinned block that starts at an over-aligned address an
+// arena released whole left behind is the pool's block, for record_stream and for the adaptors' free (both were
+// taken for the old allocation's block, and refused; helper-205).
+TEST_CASE("a pinned block starting at an address an arena released whole left behind is the pool's") {
+  alignas(65536) static unsigned char memory[128 * 1024];
+  gpukit::stream s(cpu);
+  const gpukit::stream_view on = s;
+  {
+    bump_arena before(memory);
+    (void)before.allocate(256, s);                            // memory + 0
+    REQUIRE(before.allocate(100, 4096, s) == memory + 4096);  // its block at memory + 256; released whole
+  }
+  gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096});
+  void* p = gpukit::detail::pinned_allocate_aligned(pool, 1000, 64, "test");
+  REQUIRE(p == memory + 4096);
+  CHECK(pool.is_allocated(p));
+  CHECK_NOTHROW(pool.record_stream(p, s));
+  CHECK_NOTHROW(gpukit::detail::pinned_deallocate_aligned(pool, p, &on));
+  CHECK_FALSE(pool.is_allocated(p));
+  // The pool's own over-aligned addresses are still found through the table.
+  void* q = gpukit::detail::pinned_allocate_aligned(pool, 1000, 16384, "test");
+  CHECK(reinterpret_cast<std::uintptr_t>(q) % 16384 == 0);
+  REQUIRE(gpukit::detail::over_aligned_addresses().block_of(q) != q);  // the block starts at a page below q
+  CHECK_FALSE(pool.is_allocated(q));
+  CHECK_NOTHROW(pool.record_stream(q, s));
+  CHECK_NOTHROW(gpukit::detail::pinned_deallocate_aligned(pool, q, nullptr));
+  s.synchronize();
+  CHECK(pool.stats().allocated_bytes == 0);
 }

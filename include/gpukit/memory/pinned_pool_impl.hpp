@@ -150,8 +150,10 @@ GPUKIT_INLINE void basic_pinned_pool<Upstream, Sync>::record_stream(const void* 
   refuse_if_captured(s, "record_stream");
   // Bound now (device and id): cudaStreamPerThread, or a view of the current device, means this thread's stream.
   s = s.resolved();
-  // An address served over-aligned (pinned_pmr_resource, pinned_memory_resource) lies inside its block.
-  const void* start = detail::over_aligned_addresses().block_of(p);
+  // An address served over-aligned (pinned_pmr_resource, pinned_memory_resource) lies inside its block, unless a
+  // live block of this pool starts there (a stale entry: see aligned_offsets::block_for).
+  const void* start =
+      detail::over_aligned_addresses().block_for(p, [this](const void* q) noexcept { return is_allocated(q); });
   std::lock_guard<std::mutex> lock(mutex_);
   record_stream_locked(active_block_locked(start, "record_stream"), s);
 }

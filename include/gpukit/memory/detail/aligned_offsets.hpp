@@ -76,51 +76,38 @@ class aligned_offsets {
   /// memory freed through another allocator included).
   template <class OwnsBlockAt>
   void* block_for(const void* p, OwnsBlockAt&& owns_block_at) noexcept {
-    const found f = find(p);
-    return f.block == nullptr || owns_block_at(p) ? const_cast<void*>(p) : f.block;
+    void* block = find(p);
+    return block == nullptr || owns_block_at(p) ? const_cast<void*>(p) : block;
   }
 
-  /// Frees `p` with `free_block(block start)`. The address is forgotten before the block is freed: once free, the
-  /// block, and so the same aligned address, may be handed out again at once. If the free throws, the allocator
-  /// refused it and the allocation stays live, so the address is remembered again.
-  template <class FreeBlock>
-  void free_with(void* p, FreeBlock&& free_block) {
-    free_found(p, find(p), free_block);
-  }
-  /// free_with(p, free_block) for a resource that can tell its blocks' starts (see block_for).
+  /// Frees `p` with `free_block(block start)`, the block start as block_for(p, owns_block_at) tells it. The address
+  /// is forgotten before the block is freed: once free, the block, and so the same aligned address, may be handed
+  /// out again at once. If the free throws, the allocator refused it and the allocation stays live, so the address
+  /// is remembered again.
   template <class OwnsBlockAt, class FreeBlock>
   void free_with(void* p, OwnsBlockAt&& owns_block_at, FreeBlock&& free_block) {
-    found f = find(p);
-    if (f.block != nullptr && owns_block_at(p)) f = found{};
-    free_found(p, f, free_block);
+    void* block = find(p);
+    if (block == nullptr || owns_block_at(p)) return free_block(p);
+    erase(p);
+    try {
+      free_block(block);
+    } catch (...) {
+      try {
+        add(p, block);
+      } catch (...) {
+        warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
+                   reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
+      }
+      rethrow_naming(p, block);
+    }
   }
 
   /// Forgets `aligned`; nothing when it is not in the table.
   void erase(const void* aligned) noexcept;
 
  private:
-  /// An over-aligned address's block (null: not in the table).
-  struct found {
-    void* block = nullptr;
-  };
-  found find(const void* p) noexcept;
-
-  template <class FreeBlock>
-  void free_found(void* p, const found& f, FreeBlock& free_block) {
-    if (f.block == nullptr) return free_block(p);
-    erase(p);
-    try {
-      free_block(f.block);
-    } catch (...) {
-      try {
-        add(p, f.block);
-      } catch (...) {
-        warn_parts("gpukit: out of host memory while a refused free was undone; the over-aligned allocation at ",
-                   reinterpret_cast<std::uintptr_t>(p), " can no longer be freed");
-      }
-      rethrow_naming(p, f.block);
-    }
-  }
+  /// The start of the block behind the over-aligned address `p`; null when `p` is not in the table.
+  void* find(const void* p) noexcept;
 
   /// Throws the current exception again; a refusal (invalid_argument_error), which names the block's start, an
   /// address the caller never saw, gets the caller's pointer too.
@@ -235,18 +222,18 @@ GPUKIT_INLINE void aligned_offsets::rethrow_naming(const void* p, const void* bl
 }
 
 GPUKIT_INLINE void* aligned_offsets::block_of(const void* p) noexcept {
-  const found f = find(p);
-  return f.block == nullptr ? const_cast<void*>(p) : f.block;
+  void* block = find(p);
+  return block == nullptr ? const_cast<void*>(p) : block;
 }
 
-GPUKIT_INLINE aligned_offsets::found aligned_offsets::find(const void* p) noexcept {
-  if (p == nullptr) return {};
+GPUKIT_INLINE void* aligned_offsets::find(const void* p) noexcept {
+  if (p == nullptr) return nullptr;
   shard& s = shard_of(p);
-  if (s.size.load(std::memory_order_relaxed) == 0) return {};
+  if (s.size.load(std::memory_order_relaxed) == 0) return nullptr;
   std::lock_guard<std::mutex> lock(s.mutex);
   const auto it = find_in(s.entries, p);
-  if (it == s.entries.end() || it->aligned != p) return {};
-  return found{it->block};
+  if (it == s.entries.end() || it->aligned != p) return nullptr;
+  return it->block;
 }
 
 GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {

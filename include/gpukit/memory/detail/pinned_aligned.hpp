@@ -21,7 +21,8 @@ namespace detail {
 inline constexpr std::size_t pinned_natural_alignment = 256;
 
 /// `bytes` from `pool` aligned to `alignment` (a power of two; `who` names the caller in errors).
-inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::size_t alignment, const char* who) {
+template <class Pool>
+void* pinned_allocate_aligned(Pool& pool, std::size_t bytes, std::size_t alignment, const char* who) {
   require_power_of_two_alignment(alignment, who);
   if (alignment <= pinned_natural_alignment || bytes == 0) return pool.allocate(bytes);
   return allocate_over_aligned(
@@ -31,8 +32,12 @@ inline void* pinned_allocate_aligned(pinned_pool& pool, std::size_t bytes, std::
 
 /// Gives back what pinned_allocate_aligned returned: at once, or after the work enqueued so far on `*stream`. Never
 /// refused for a captured stream (the adaptors' frees are noexcept): the block then waits for the capture to end.
-inline void pinned_deallocate_aligned(pinned_pool& pool, void* p, const stream_view* stream) {
-  over_aligned_addresses().free_with(p, [&pool, stream](void* block) {
+/// A block of the pool starting at an address in the table of over-aligned addresses is that block (a stale entry:
+/// see aligned_offsets::block_for). A template for the tests' pools; the adaptors pass a pinned_pool.
+template <class Pool>
+void pinned_deallocate_aligned(Pool& pool, void* p, const stream_view* stream) {
+  const auto owns_block_at = [&pool](const void* q) noexcept { return pool.is_allocated(q); };
+  over_aligned_addresses().free_with(p, owns_block_at, [&pool, stream](void* block) {
     if (stream != nullptr) {
       pool.deallocate_after_captures(block, *stream);
     } else {
