@@ -514,27 +514,25 @@ GPUKIT_INLINE device_count_answer ask_device_count() {
 }
 
 GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count) {
+  if (result == cudaErrorNoDevice || result == cudaErrorInvalidDevice) {  // the driver runs and shows no device
+    const auto visible = visible_devices_in_effect();
+    if (!visible.all_visible() && visible.devices.empty()) return visible.describe();  // the variable hides them all
+    if (result == cudaErrorInvalidDevice) {  // CUDA_VISIBLE_DEVICES naming a device twice (measured on an H100)
+      return "CUDA hides every device (cudaGetDeviceCount returned cudaErrorInvalidDevice), as it does when " +
+             describe_visible_devices_variable() + " names a device twice";
+    }
+    if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
+      return "the driver reports no CUDA-capable GPU among those " + describe_visible_devices_variable() +
+             " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
+    }
+    return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
+  }
   switch (result) {
     case cudaErrorInsufficientDriver:
       return "no NVIDIA driver is loaded (cudaGetDeviceCount returned cudaErrorInsufficientDriver), so no CUDA "
              "device is usable";
     case cudaErrorStubLibrary:
       return "only the toolkit's stub libcuda.so was found, not the driver (cudaErrorStubLibrary)";
-    case cudaErrorNoDevice: {
-      const auto visible = visible_devices_in_effect();
-      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
-      if (!visible.all_visible()) {  // entries that look valid but name no installed GPU (an index, a UUID typo)
-        return "the driver reports no CUDA-capable GPU among those " + describe_visible_devices_variable() +
-               " names (cudaErrorNoDevice): check its entries against nvidia-smi -L";
-      }
-      return "the driver reports no CUDA-capable GPU (cudaErrorNoDevice)";
-    }
-    case cudaErrorInvalidDevice: {  // CUDA_VISIBLE_DEVICES naming a device twice (measured on an H100)
-      const auto visible = visible_devices_in_effect();
-      if (!visible.all_visible() && visible.devices.empty()) return visible.describe();
-      return "CUDA hides every device (cudaGetDeviceCount returned cudaErrorInvalidDevice), as it does when " +
-             describe_visible_devices_variable() + " names a device twice";
-    }
     case cudaSuccess:
       return count <= 0 ? "no CUDA device is visible" : "";
     default:

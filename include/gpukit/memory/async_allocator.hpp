@@ -125,11 +125,7 @@ class async_allocator final : public device_allocator {
 
   /// Allocation counts and bytes as gpukit keeps them (graph allocations left out: see the file comment); reserved
   /// bytes as the pool reports them (current and high water mark; the pool's memory, shared with its other users).
-  allocator_stats stats() const override {
-    const pool_reading pool = read_pool();  // CUDA calls (a guard that may warn): not under the lock
-    std::lock_guard<std::mutex> lock(mutex_);
-    return stats_locked(pool);
-  }
+  allocator_stats stats() const override { return stats_of(read_pool()); }
   /// The pool's reserved memory not in use (cudaMemPoolAttrUsedMemCurrent counts every user's live memory, the pool
   /// being shared: this allocator's is only part of it), reported as one block (the pool's layout is the driver's).
   free_space_info free_space() const override { return free_space_of(read_pool()); }
@@ -156,13 +152,8 @@ class async_allocator final : public device_allocator {
   /// The statistics' table, and a row for the live graph allocations (the graphs' memory, which it leaves out).
   std::string memory_summary() const override {
     const pool_reading pool = read_pool();  // one reading for the table and the free space: they agree
-    allocator_stats s;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      s = stats_locked(pool);
-    }
-    std::string summary = format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(), s,
-                                                free_space_of(pool));
+    std::string summary = format_memory_summary("gpukit async allocator (cudaMallocAsync), " + device_.to_string(),
+                                                stats_of(pool), free_space_of(pool));
     const graph_allocation_totals graphs = graph_allocations();
     const std::size_t last_rule = summary.rfind("|=");
     if (graphs.count == 0 || last_rule == std::string::npos) return summary;
@@ -520,6 +511,11 @@ class async_allocator final : public device_allocator {
     f.free_blocks = f.free_bytes > 0 ? 1 : 0;
     f.largest_free_block = f.free_bytes;
     return f;
+  }
+  /// stats() from one reading of the pool (read before: CUDA calls, with a guard that may warn, not under the lock).
+  allocator_stats stats_of(const pool_reading& pool) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_locked(pool);
   }
   /// stats(), with mutex_ held.
   allocator_stats stats_locked(const pool_reading& pool) const {

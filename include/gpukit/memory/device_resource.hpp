@@ -80,6 +80,11 @@ class device_resource {
   virtual bool do_owns(const void* p) const noexcept = 0;
   /// cudaMalloc's guarantee unless an implementation says otherwise (never below min_natural_alignment).
   [[nodiscard]] virtual std::size_t do_natural_alignment() const noexcept;
+
+  /// do_owns as the table of over-aligned addresses asks it (aligned_offsets::block_for).
+  auto owns_block_at() const noexcept {
+    return [this](const void* p) noexcept { return do_owns(p); };
+  }
 };
 
 GPUKIT_END_NAMESPACE
@@ -105,23 +110,20 @@ GPUKIT_INLINE void* device_resource::allocate(std::size_t bytes, std::size_t ali
 // An address in the table of over-aligned addresses at which this resource has a live block of its own is that
 // block's (aligned_offsets::block_for; do_owns is asked only for addresses in the table).
 GPUKIT_INLINE void device_resource::deallocate(void* p) {
-  detail::over_aligned_addresses().free_with(
-      p, [this](const void* q) noexcept { return do_owns(q); }, [this](void* block) { do_deallocate(block); });
+  detail::over_aligned_addresses().free_with(p, owns_block_at(), [this](void* block) { do_deallocate(block); });
 }
 
 GPUKIT_INLINE void device_resource::deallocate(void* p, stream_view stream) {
-  detail::over_aligned_addresses().free_with(
-      p, [this](const void* q) noexcept { return do_owns(q); },
-      [this, stream](void* block) { do_deallocate(block, stream); });
+  detail::over_aligned_addresses().free_with(p, owns_block_at(),
+                                             [this, stream](void* block) { do_deallocate(block, stream); });
 }
 
 GPUKIT_INLINE void device_resource::record_stream(void* p, stream_view stream) {
-  do_record_stream(detail::over_aligned_addresses().block_for(p, [this](const void* q) noexcept { return do_owns(q); }),
-                   stream);
+  do_record_stream(detail::over_aligned_addresses().block_for(p, owns_block_at()), stream);
 }
 
 GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
-  return do_owns(detail::over_aligned_addresses().block_for(p, [this](const void* q) noexcept { return do_owns(q); }));
+  return do_owns(detail::over_aligned_addresses().block_for(p, owns_block_at()));
 }
 
 GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }
