@@ -148,6 +148,9 @@ TEST_CASE("CUDA_VISIBLE_DEVICES rules table") {
     } else {
       CHECK(v.note.find(c.note_contains) != std::string::npos);
     }
+    // The rows whose note names a repeat are those where it empties the set (CUDA then answers 101).
+    CHECK(v.emptied_by_repeat == (std::string(c.note_contains).find("repeat") != std::string::npos));
+    if (v.emptied_by_repeat) CHECK(v.devices.empty());
   }
 }
 
@@ -173,6 +176,8 @@ TEST_CASE("CUDA_VISIBLE_DEVICES without knowledge of the installed GPUs") {
   }
   SUBCASE("rules that need no machine still apply") {
     CHECK(gpukit::parse_visible_devices("0,0").count() == 0);
+    CHECK(gpukit::parse_visible_devices("0,0").emptied_by_repeat);
+    CHECK_FALSE(gpukit::parse_visible_devices("").emptied_by_repeat);
     CHECK(gpukit::parse_visible_devices("2,x,1").count() == 1);
   }
 }

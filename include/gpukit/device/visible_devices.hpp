@@ -78,6 +78,9 @@ struct visible_devices {
   std::string note;       ///< why entries were dropped or the set emptied; empty when every entry counted
   bool verified = false;  ///< the installed GPUs were known, so range and UUID checks were applied
   int installed = -1;     ///< installed GPU count when known
+  /// A repeated entry emptied the set: CUDA then hides every device and answers cudaGetDeviceCount, and every call
+  /// naming a device, with cudaErrorInvalidDevice rather than cudaErrorNoDevice.
+  bool emptied_by_repeat = false;
 
   /// Every installed device is visible (the variable is unset).
   bool all_visible() const noexcept;
@@ -241,6 +244,7 @@ GPUKIT_INLINE std::string quoted_entry(std::size_t position, std::string_view en
 GPUKIT_INLINE visible_devices& empty_for_repeat(visible_devices& result, std::size_t position, std::string_view entry,
                                                 const char* what) {
   result.devices.clear();
+  result.emptied_by_repeat = true;
   result.note = quoted_entry(position, entry) + " repeats " + what +
                 " already listed, and a repeated device makes CUDA hide every device.";
   return result;
