@@ -389,6 +389,23 @@ TEST_CASE("select: CUDA_VISIBLE_DEVICES naming a device twice is named as the re
   (void)cudasim::take_violations();
 }
 
+// Read without the installed GPUs (as describe_no_gpu reads it), "5,5" repeats an entry; CUDA's list ends at index
+// 5, beyond the two devices, before the repeat: no device, cudaErrorNoDevice. The reason is the index, not a repeat
+// (helper-210: it was called a repeat).
+TEST_CASE("select: a repeat after an entry that names no installed GPU is not given as the reason") {
+  gpukit_test::scoped_env beyond{"CUDA_VISIBLE_DEVICES", std::string("5,5")};  // before the first CUDA call
+  int count = -1;
+  CHECK(cudaGetDeviceCount(&count) == cudaErrorNoDevice);
+  (void)cudaGetLastError();
+  CHECK(gpukit::visible_devices_in_effect().emptied_by_repeat);  // unverified: the repeat is read
+  const std::string why = gpukit::describe_no_gpu();
+  INFO("describe_no_gpu(): " << why);
+  CHECK_FALSE(contains(why, "repeat"));
+  CHECK(contains(why, "CUDA_VISIBLE_DEVICES=\"5,5\""));
+  CHECK(contains(why, "nvidia-smi -L"));
+  (void)cudasim::take_violations();
+}
+
 // A wrong ordinal with devices visible stays an invalid argument.
 TEST_CASE("errors: cudaErrorInvalidDevice with devices visible is an invalid argument naming the ordinal") {
   try {

@@ -27,6 +27,7 @@ struct model_result {
   form list_form = form::unset;
   std::vector<model_device> devices;
   bool verified = false;
+  bool emptied_by_repeat = false;
 };
 
 bool is_c_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
@@ -119,7 +120,10 @@ model_result model(const char* value, int installed_count, const std::vector<std
     for (std::size_t j = 0; j < i; ++j) {
       const bool same = uuid_list ? kept[i].entry == kept[j].entry || (r.verified && kept[i].uuid == kept[j].uuid)
                                   : kept[i].index == kept[j].index;
-      if (same) return r;  // a repeat among the kept entries hides every device
+      if (same) {  // a repeat among the kept entries hides every device
+        r.emptied_by_repeat = true;
+        return r;
+      }
     }
   }
   r.devices = kept;
@@ -186,6 +190,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool verified_matters = !(want.list_form == form::gpu_uuids && want.devices.empty());
   if (verified_matters) GPUKIT_FUZZ_CHECK(got.verified == want.verified, where);
   GPUKIT_FUZZ_CHECK(got.installed == installed_count, where);
+  GPUKIT_FUZZ_CHECK(got.emptied_by_repeat == want.emptied_by_repeat, where + " (emptied_by_repeat)");
   GPUKIT_FUZZ_CHECK(got.all_visible() == unset, where);
   if (unset) {
     GPUKIT_FUZZ_CHECK(got.count() == (installed_count < 0 ? std::nullopt : std::optional<int>(installed_count)), where);

@@ -516,7 +516,12 @@ GPUKIT_INLINE device_count_answer ask_device_count() {
 GPUKIT_INLINE std::string describe_device_count(cudaError_t result, int count) {
   if (result == cudaErrorNoDevice || result == cudaErrorInvalidDevice) {  // the driver runs and shows no device
     const auto visible = visible_devices_in_effect();
-    if (!visible.all_visible() && visible.devices.empty()) return visible.describe();  // the variable hides them all
+    // The variable hides them all, for the reason the reading gives: read without the installed GPUs, a repeat after
+    // an entry that names no installed GPU looks like one that empties the set (CUDA's answer tells them apart).
+    if (!visible.all_visible() && visible.devices.empty() &&
+        visible.emptied_by_repeat == (result == cudaErrorInvalidDevice)) {
+      return visible.describe();
+    }
     if (result == cudaErrorInvalidDevice) {  // CUDA_VISIBLE_DEVICES naming a device twice (measured on an H100)
       return "CUDA hides every device (cudaGetDeviceCount returned cudaErrorInvalidDevice), as it does when " +
              describe_visible_devices_variable() + " names a device twice";

@@ -79,7 +79,9 @@ struct visible_devices {
   bool verified = false;  ///< the installed GPUs were known, so range and UUID checks were applied
   int installed = -1;     ///< installed GPU count when known
   /// A repeated entry emptied the set: CUDA then hides every device and answers cudaGetDeviceCount, and every call
-  /// naming a device, with cudaErrorInvalidDevice rather than cudaErrorNoDevice.
+  /// naming a device, with cudaErrorInvalidDevice rather than cudaErrorNoDevice. Exact when `verified`: without the
+  /// installed GPUs, a repeat after an entry that names none (where CUDA's list ends) counts too, and two prefixes of
+  /// one GPU's UUID do not.
   bool emptied_by_repeat = false;
 
   /// Every installed device is visible (the variable is unset).
