@@ -252,10 +252,16 @@ TEST_CASE("threads allocating and freeing over-aligned memory at once keep every
 
 namespace {
 /// An arena as the README describes one: bump allocation in a buffer it is given, released whole when it goes (its
-/// allocations are not freed one by one). Tells its blocks' starts (do_owns).
+/// allocations are not freed one by one). Tells its blocks' starts (do_owns). With `forgets`, its destructor tells
+/// the table of over-aligned addresses that the memory it handed out is taken back.
 class bump_arena final : public gpukit::device_resource {
  public:
-  explicit bump_arena(unsigned char* buffer) : next_(buffer) {}
+  explicit bump_arena(unsigned char* buffer, bool forgets = false) : start_(buffer), next_(buffer), forgets_(forgets) {}
+  bump_arena(const bump_arena&) = delete;
+  bump_arena& operator=(const bump_arena&) = delete;
+  ~bump_arena() override {
+    if (forgets_) forget_over_aligned_addresses(start_, static_cast<std::size_t>(next_ - start_));
+  }
   [[nodiscard]] gpukit::device device() const noexcept override { return cpu; }
 
  private:
@@ -278,7 +284,9 @@ class bump_arena final : public gpukit::device_resource {
     return std::find(live_.begin(), live_.end(), p) != live_.end();
   }
 
+  unsigned char* start_;
   unsigned char* next_;
+  bool forgets_;
   std::vector<void*> live_;
 };
 }  // namespace
@@ -417,4 +425,93 @@ TEST_CASE("a pinned block starting at an address an arena released whole left be
   CHECK_NOTHROW(gpukit::detail::pinned_deallocate_aligned(pool, q, nullptr));
   s.synchronize();
   CHECK(pool.stats().allocated_bytes == 0);
+}
+
+/// Hands out consecutive 256-byte multiples of a buffer it is given (never given back).
+struct fine_buffer_upstream {
+  unsigned char* next;
+  void* allocate(std::size_t bytes) {
+    void* p = next;
+    next += (bytes + 255) / 256 * 256;
+    return p;
+  }
+  void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
+  bool page_locked() const noexcept { return false; }
+};
+
+// An arena released whole without forgetting its addresses leaves entries behind; a pointer freed through the wrong
+// resource then reaches that resource's live block at the entry's block start (helper-210: a pinned block freed
+// through a device arena freed the arena's own block; a device block through a pinned adaptor, a pinned block). An
+// arena that forgets its range when released (device_resource::forget_over_aligned_addresses) leaves none: the
+// wrong resource refuses the pointer.
+TEST_CASE("an arena that forgets its over-aligned addresses when released whole leaves no entry to misdirect a free") {
+  alignas(65536) static unsigned char memory[64 * 1024];
+  gpukit::stream s(cpu);
+  {
+    bump_arena before(memory, true);
+    (void)before.allocate(256, s);                            // memory + 0
+    REQUIRE(before.allocate(100, 4096, s) == memory + 4096);  // its block at memory + 256; released whole
+    REQUIRE(gpukit::detail::over_aligned_addresses().block_of(memory + 4096) == memory + 256);
+  }
+  CHECK(gpukit::detail::over_aligned_addresses().block_of(memory + 4096) == memory + 4096);
+  SUBCASE("a pinned block at the old address, freed through a device arena") {
+    bump_arena after(memory);
+    (void)after.allocate(256, s);      // memory + 0
+    void* b = after.allocate(256, s);  // memory + 256: the old block's start
+    REQUIRE(b == memory + 256);
+    gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096});
+    void* p = gpukit::detail::pinned_allocate_aligned(pool, 1000, 64, "test");
+    REQUIRE(p == memory + 4096);
+    CHECK_FALSE(after.owns(p));
+    CHECK_THROWS_AS(after.deallocate(p), gpukit::invalid_argument_error);
+    CHECK(after.owns(b));
+    gpukit::detail::pinned_deallocate_aligned(pool, p, nullptr);
+    CHECK_FALSE(pool.is_allocated(p));
+  }
+  SUBCASE("a device block at the old address, freed through a pinned adaptor") {
+    gpukit::basic_pinned_pool<fine_buffer_upstream> pool(fine_buffer_upstream{memory + 256});
+    void* pinned = pool.allocate(1000);  // a live pinned block at the old block's start
+    REQUIRE(pinned == memory + 256);
+    bump_arena after(memory + 4096);
+    void* dev = after.allocate(256, s);  // a live device block at the old over-aligned address
+    REQUIRE(dev == memory + 4096);
+    CHECK_THROWS_AS(gpukit::detail::pinned_deallocate_aligned(pool, dev, nullptr), gpukit::invalid_argument_error);
+    CHECK(pool.is_allocated(pinned));
+    CHECK(after.owns(dev));
+    after.deallocate(dev);
+    pool.deallocate(pinned);
+  }
+}
+
+TEST_CASE("forgetting a range of over-aligned addresses forgets those inside it only") {
+  gpukit::detail::aligned_offsets table;
+  alignas(4096) static unsigned char memory[64 * 1024];
+  const std::size_t offsets[] = {0, 512, 4096, 8192, 16384, 32768};
+  for (std::size_t offset : offsets) table.add(memory + offset + 4096, memory + offset);
+  table.erase_range(memory + 4608, 12288 - 4608);          // [memory + 4608, memory + 12288)
+  CHECK(table.block_of(memory + 4096) == memory);          // below the range
+  CHECK(table.block_of(memory + 4608) == memory + 4608);   // its first byte
+  CHECK(table.block_of(memory + 8192) == memory + 8192);   // inside
+  CHECK(table.block_of(memory + 12288) == memory + 8192);  // its end: kept
+  CHECK(table.block_of(memory + 20480) == memory + 16384);
+  table.erase_range(memory + 20480, 0);  // an empty range: nothing
+  CHECK(table.block_of(memory + 20480) == memory + 16384);
+  table.erase_range(memory, SIZE_MAX);  // to the end of the address space
+  CHECK(table.block_of(memory + 20480) == memory + 20480);
+  CHECK(table.block_of(memory + 36864) == memory + 36864);
+}
+
+// An allocator destroyed with allocations live releases their memory (and warns): their over-aligned addresses go
+// with it, so that a block which later starts at one is not taken for them.
+TEST_CASE("an allocator destroyed with over-aligned allocations live forgets their addresses") {
+  gpukit::stream s(cpu);
+  void* p = nullptr;
+  {
+    gpukit_test::captured_warnings warnings;
+    gpukit::caching_allocator a(cpu);
+    (void)a.allocate(512, s);  // moves the next block off a 64 KiB boundary, so the address is shifted
+    p = a.allocate(3000, std::size_t{1} << 16, s);
+    REQUIRE(gpukit::detail::over_aligned_addresses().block_of(p) != p);
+  }
+  CHECK(gpukit::detail::over_aligned_addresses().block_of(p) == p);
 }

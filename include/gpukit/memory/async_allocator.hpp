@@ -115,6 +115,7 @@ class async_allocator final : public device_allocator {
     detail::warn_parts("gpukit: the async allocator of ", device_, " is destroyed with ", live.size(),
                        " live allocation(s); they are freed now, so any later use of them is invalid");
     for (const auto& entry : live) {
+      forget_over_aligned_addresses(reinterpret_cast<const void*>(entry.first), entry.second.bytes);
       if (free_after_device(reinterpret_cast<void*>(entry.first), entry.second.bytes) == free_result::done) continue;
       detail::warn_parts("gpukit: the async allocator of ", device_, " leaves ", detail::bytes_part{entry.second.bytes},
                          " unfreed: its free needs the legacy default stream while a CUDA graph capture is underway");

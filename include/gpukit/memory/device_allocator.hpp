@@ -111,6 +111,20 @@ class caching_device_allocator final : public device_allocator {
   template <class... UpstreamArgs>
   explicit caching_device_allocator(gpukit::device d, allocator_options options = {}, UpstreamArgs&&... upstream_args)
       : engine_(d, options, std::forward<UpstreamArgs>(upstream_args)...) {}
+  caching_device_allocator(const caching_device_allocator&) = delete;
+  caching_device_allocator& operator=(const caching_device_allocator&) = delete;
+  /// The engine releases the memory of allocations still live (and warns): their over-aligned addresses are
+  /// forgotten first, so that a block which later starts at one is not taken for them.
+  ~caching_device_allocator() override {
+    if (engine_.memory_allocated() == 0) return;
+    try {
+      for (const segment_info& seg : engine_.snapshot().segments) {
+        forget_over_aligned_addresses(reinterpret_cast<const void*>(seg.address), seg.size);
+      }
+    } catch (...) {
+      // No memory for the snapshot: the addresses stay (as for a resource that forgets none, documented).
+    }
+  }
 
   gpukit::device device() const noexcept override { return engine_.device(); }
 

@@ -12,9 +12,10 @@
 /// entry goes only with its allocation's free. A resource nested in an over-aligned allocation may start a block at
 /// its address, and an arena released whole leaves its over-aligned addresses behind, to be reused: a resource that
 /// has a live block starting at an address in the table gets that block (block_for; an over-aligned address never
-/// starts a live block of the resource that handed it out, since it lies inside one). Left: a double free of such a
-/// block, or a query after its free, is taken for the old allocation while its entry stays (a stale one, or a live
-/// one of the resource the block is nested in: the two cannot be told apart).
+/// starts a live block of the resource that handed it out, since it lies inside one). A resource that takes its memory
+/// back whole forgets its addresses (erase_range; device_resource::forget_over_aligned_addresses). Left, where it does
+/// not: a double free of such a block, or a query after its free, is taken for the old allocation while its entry
+/// stays (a stale one, or a live one of the resource the block is nested in: the two cannot be told apart).
 
 #include <gpukit/detail/config.hpp>
 #include <gpukit/detail/format.hpp>
@@ -104,6 +105,9 @@ class aligned_offsets {
 
   /// Forgets `aligned`; nothing when it is not in the table.
   void erase(const void* aligned) noexcept;
+
+  /// Forgets every over-aligned address in [begin, begin + bytes): memory taken back whole (an arena's reset).
+  void erase_range(const void* begin, std::size_t bytes) noexcept;
 
  private:
   /// The start of the block behind the over-aligned address `p`; null when `p` is not in the table.
@@ -244,6 +248,18 @@ GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
   const auto it = find_in(s.entries, aligned);
   if (it != s.entries.end() && it->aligned == aligned) s.entries.erase(it);
   s.size.store(s.entries.size(), std::memory_order_relaxed);
+}
+
+GPUKIT_INLINE void aligned_offsets::erase_range(const void* begin, std::size_t bytes) noexcept {
+  const auto first = reinterpret_cast<std::uintptr_t>(begin);
+  const std::uintptr_t room = std::numeric_limits<std::uintptr_t>::max() - first;
+  const void* end = reinterpret_cast<const void*>(bytes > room ? first + room : first + bytes);  // saturated
+  for (shard& s : shards_) {  // a range spans every shard: 64 relaxed loads while they are empty
+    if (s.size.load(std::memory_order_relaxed) == 0) continue;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.entries.erase(find_in(s.entries, begin), find_in(s.entries, end));
+    s.size.store(s.entries.size(), std::memory_order_relaxed);
+  }
 }
 
 GPUKIT_INLINE aligned_offsets::shard& aligned_offsets::shard_of(const void* p) noexcept {
