@@ -384,12 +384,14 @@ TEST_CASE("asking a resource nested in an over-aligned chunk whether it owns an 
 }
 
 namespace {
-/// A pinned pool's upstream that hands out consecutive pages of a buffer it is given (never given back).
+/// A pinned pool's upstream that hands out consecutive pieces of a buffer it is given (never given back), in
+/// multiples of `granularity` bytes.
 struct buffer_upstream {
   unsigned char* next;
+  std::size_t granularity;
   void* allocate(std::size_t bytes) {
     void* p = next;
-    next += (bytes + 4095) / 4096 * 4096;
+    next += (bytes + granularity - 1) / granularity * granularity;
     return p;
   }
   void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
@@ -409,7 +411,7 @@ TEST_CASE("a pinned block starting at an address an arena released whole left be
     (void)before.allocate(256, s);                            // memory + 0
     REQUIRE(before.allocate(100, 4096, s) == memory + 4096);  // its block at memory + 256; released whole
   }
-  gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096});
+  gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096, 4096});
   void* p = gpukit::detail::pinned_allocate_aligned(pool, 1000, 64, "test");
   REQUIRE(p == memory + 4096);
   CHECK(pool.is_allocated(p));
@@ -426,18 +428,6 @@ TEST_CASE("a pinned block starting at an address an arena released whole left be
   s.synchronize();
   CHECK(pool.stats().allocated_bytes == 0);
 }
-
-/// Hands out consecutive 256-byte multiples of a buffer it is given (never given back).
-struct fine_buffer_upstream {
-  unsigned char* next;
-  void* allocate(std::size_t bytes) {
-    void* p = next;
-    next += (bytes + 255) / 256 * 256;
-    return p;
-  }
-  void deallocate(void* /*p*/, std::size_t /*bytes*/) noexcept {}
-  bool page_locked() const noexcept { return false; }
-};
 
 // An arena released whole without forgetting its addresses leaves entries behind; a pointer freed through the wrong
 // resource then reaches that resource's live block at the entry's block start (helper-210: a pinned block freed
@@ -459,7 +449,7 @@ TEST_CASE("an arena that forgets its over-aligned addresses when released whole 
     (void)after.allocate(256, s);      // memory + 0
     void* b = after.allocate(256, s);  // memory + 256: the old block's start
     REQUIRE(b == memory + 256);
-    gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096});
+    gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 4096, 4096});
     void* p = gpukit::detail::pinned_allocate_aligned(pool, 1000, 64, "test");
     REQUIRE(p == memory + 4096);
     CHECK_FALSE(after.owns(p));
@@ -469,7 +459,7 @@ TEST_CASE("an arena that forgets its over-aligned addresses when released whole 
     CHECK_FALSE(pool.is_allocated(p));
   }
   SUBCASE("a device block at the old address, freed through a pinned adaptor") {
-    gpukit::basic_pinned_pool<fine_buffer_upstream> pool(fine_buffer_upstream{memory + 256});
+    gpukit::basic_pinned_pool<buffer_upstream> pool(buffer_upstream{memory + 256, 256});
     void* pinned = pool.allocate(1000);  // a live pinned block at the old block's start
     REQUIRE(pinned == memory + 256);
     bump_arena after(memory + 4096);
