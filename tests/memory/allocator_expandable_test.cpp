@@ -191,6 +191,27 @@ TEST_CASE("expandable segments: under pressure, the pages of a freed hole are un
   CHECK(released_all(f, {b, c, d}));
 }
 
+TEST_CASE("expandable segments: a large block taken from a larger free one leaves its remainder free, mapped") {
+  setup f(expandable(), 6 * MiB);
+  // Pages of 2 MiB: a on pages 0-1, b on 1-2; 6 MiB mapped, the whole device.
+  void* a = f.a.allocate(3 * MiB, f.s0);
+  void* b = f.a.allocate(3 * MiB, f.s0);
+  f.a.deallocate(a);
+  // 2.5 MiB in a's 3 MiB hole: the 0.5 MiB remainder (below large_split_threshold) is a free block of its own, so
+  // that it coalesces with b's hole once b is freed. Kept with c, as ordinary segments keep it, it would leave
+  // 3 MiB of mapped memory after c, and 3.5 MiB would need a page more than the device has.
+  void* c = f.a.allocate(2 * MiB + 512 * KiB, f.s0);
+  CHECK(c == a);
+  CHECK(f.a.allocation_size(c) == 2 * MiB + 512 * KiB);
+  f.a.deallocate(b);
+  void* d = f.a.allocate(3 * MiB + 512 * KiB, f.s0);  // in the mapped pages after c: nothing more to map
+  CHECK(reinterpret_cast<std::uintptr_t>(d) == reinterpret_cast<std::uintptr_t>(c) + 2 * MiB + 512 * KiB);
+  CHECK(f.a.memory_reserved() == 6 * MiB);
+  CHECK(f.a.stats().num_ooms == 0);
+  CHECK(f.invariants({c, d}) == "");
+  CHECK(released_all(f, {c, d}));
+}
+
 TEST_CASE("expandable segments: the reserved limit counts mapped pages, and out of memory says so") {
   gpukit::allocator_options o = expandable();
   o.reserved_limit = 10 * MiB;
@@ -1179,6 +1200,28 @@ bool fully_mapped(const fake_allocator& a, const void* p, std::size_t bytes) {
 }
 }  // namespace
 
+// Large blocks of a range are always split now; a small block is still taken whole below small_split_threshold.
+TEST_CASE("expandable segments: a small block taken whole for a smaller request is not cached in front") {
+  gpukit::allocator_options o = expandable();
+  o.small_split_threshold = 512 * KiB;  // remainders up to 512 KiB stay with the block taken
+  setup f(o);
+  f.a.upstream().set_page_size(64 * KiB);  // pages smaller than the remainder left unsplit (as on host memory)
+  void* first = f.a.allocate(1 * MiB, f.s0);
+  void* fence = f.a.allocate(1 * MiB, f.s0);  // keeps the 1 MiB block apart from the free rest of the range
+  f.a.deallocate(first);
+  f.a.empty_cache();                           // the block goes back to the heap, its pages unmapped
+  void* part = f.a.allocate(640 * KiB, f.s0);  // takes it whole: a remainder of 384 KiB is not split off
+  REQUIRE(part == first);
+  CHECK(fully_mapped(f.a, part, 640 * KiB));
+  CHECK_FALSE(fully_mapped(f.a, part, 1 * MiB));  // the pages of its last 384 KiB were not needed
+  f.a.deallocate(part);
+  void* whole = f.a.allocate(1 * MiB, f.s0);  // the block's whole size: from the heap, its tail mapped now
+  CHECK(whole == first);
+  CHECK(fully_mapped(f.a, whole, 1 * MiB));
+  CHECK(f.invariants({whole, fence}) == "");
+  CHECK(released_all(f, {whole, fence}));
+}
+
 TEST_CASE(
     "expandable segments: a block taken whole for a smaller request is not cached in front, where a request "
     "of its whole size would get its unmapped tail") {
@@ -1190,7 +1233,7 @@ TEST_CASE(
   void* fence = f.a.allocate(10 * MiB, f.s0);  // keeps the 9 MiB block apart from the free rest of the range
   f.a.deallocate(first);
   f.a.empty_cache();                          // the 9 MiB block goes back to the heap, its pages unmapped
-  void* eight = f.a.allocate(8 * MiB, f.s0);  // takes it whole (a remainder of 1 MiB is not split off)
+  void* eight = f.a.allocate(8 * MiB, f.s0);  // its first 8 MiB (large blocks of a range are always split)
   REQUIRE(eight == first);
   CHECK(fully_mapped(f.a, eight, 8 * MiB));
   CHECK_FALSE(fully_mapped(f.a, eight, 9 * MiB));  // the pages of its last MiB were not needed

@@ -87,6 +87,10 @@ TEST_CASE("blocks split past their pool's threshold, and blocks of huge dedicate
   CHECK(sizing::should_split(o, false, false, 2 * MiB, 1 * MiB + 512));
   CHECK(sizing::should_split(o, false, true, 100 * MiB, 10 * MiB));  // dedicated, below max_split_size
   CHECK_FALSE(sizing::should_split(o, false, true, 300 * MiB, 10 * MiB));
+  // Large blocks of expandable ranges: any remainder (PyTorch's expandable segments, likewise).
+  CHECK(sizing::should_split(o, false, false, 2 * MiB, 512, true));
+  CHECK_FALSE(sizing::should_split(o, false, false, 2 * MiB, 0, true));
+  CHECK_FALSE(sizing::should_split(o, false, true, 300 * MiB, 10 * MiB, true));
 }
 
 TEST_CASE("growth does not oscillate: a request's shared segment never shrinks as the footprint grows") {

@@ -54,8 +54,10 @@ struct allocator_options {
   /// A request's own segment (medium_size or more) is rounded up to a multiple of this, and so are shared segments
   /// that grow (a power of two, at least the rounding and at most 4 × medium_size, the largest shared segment).
   std::size_t large_segment_rounding = 2 * MiB;
-  std::size_t small_split_threshold = 0;        ///< a small block is split when the remainder exceeds this
-  std::size_t large_split_threshold = 1 * MiB;  ///< a large block is split when the remainder exceeds this
+  std::size_t small_split_threshold = 0;  ///< a small block is split when the remainder exceeds this
+  /// A large block is split when the remainder exceeds this; in expandable segments, whatever the remainder (as
+  /// PyTorch's: a remainder kept with its block holds mapped pages no neighbour can use until the block is freed).
+  std::size_t large_split_threshold = 1 * MiB;
   /// Blocks of segments made for one request of this size or more are never split, and smaller requests never use
   /// them (PyTorch's max_split_size_mb): huge blocks stay whole for huge requests, so they become completely free
   /// and releasable when the sizes of the huge requests drift.

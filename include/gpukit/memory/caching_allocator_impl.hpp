@@ -542,8 +542,8 @@ GPUKIT_INLINE std::size_t basic_caching_allocator<Upstream, StreamOps>::fitted_s
 template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::should_split(const block* b, std::size_t size,
                                                                               std::size_t remainder) const noexcept {
-  return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated && !b->split_whole, size,
-                                              remainder);
+  return detail::segment_sizing::should_split(options_, b->small, b->seg->dedicated && !b->split_whole, size, remainder,
+                                              b->seg->expandable);
 }
 
 template <class Upstream, class StreamOps>
