@@ -289,6 +289,14 @@ class basic_caching_allocator {
   /// Every segment and block with the statistics, consistent with each other.
   allocator_snapshot snapshot() const;
 
+  /// Calls `f(address, bytes)` (noexcept) for every segment: where it starts and its bytes of address space (of an
+  /// expandable segment, its reserved virtual range). Under the lock; records nothing in the memory history.
+  template <class F>
+  void for_each_segment(F&& f) const {
+    std::lock_guard<detail::device_mutex> lock(mutex_);
+    for (const segment* seg = segments_; seg != nullptr; seg = seg->next_segment) f(seg->address, seg->size);
+  }
+
   /// A table of the statistics like torch.cuda.memory_summary(), with the largest free block and fragmentation.
   std::string memory_summary() const;
 

@@ -117,13 +117,9 @@ class caching_device_allocator final : public device_allocator {
   /// forgotten first, so that a block which later starts at one is not taken for them.
   ~caching_device_allocator() override {
     if (engine_.memory_allocated() == 0) return;
-    try {
-      for (const segment_info& seg : engine_.snapshot().segments) {
-        forget_over_aligned_addresses(reinterpret_cast<const void*>(seg.address), seg.size);
-      }
-    } catch (...) {
-      // No memory for the snapshot: the addresses stay (as for a resource that forgets none, documented).
-    }
+    engine_.for_each_segment([](std::uintptr_t address, std::size_t bytes) noexcept {
+      forget_over_aligned_addresses(reinterpret_cast<const void*>(address), bytes);
+    });
   }
 
   gpukit::device device() const noexcept override { return engine_.device(); }

@@ -62,10 +62,11 @@ class device_resource {
 
  protected:
   /// For a resource that takes memory back whole, with allocations in it never freed (an arena's reset or
-  /// destruction): forgets the over-aligned addresses handed out in [begin, begin + bytes), so that a block which
+  /// destruction): forgets the over-aligned addresses handed out in (begin, begin + bytes), so that a block which
   /// later starts at one of them, this resource's or another's, is not taken for the old allocation (a free of it
   /// through the wrong resource, or a query or a double free after its free, would otherwise reach the old
-  /// allocation's block, another live block by then). Thread-safe; costs a pass over the table.
+  /// allocation's block, another live block by then). `begin` itself is kept: it may be the over-aligned address a
+  /// parent resource handed this memory out at. Thread-safe; costs a pass over the table.
   static void forget_over_aligned_addresses(const void* begin, std::size_t bytes) noexcept;
 
   device_resource() = default;
@@ -136,7 +137,10 @@ GPUKIT_INLINE bool device_resource::owns(const void* p) const noexcept {
 GPUKIT_INLINE std::size_t device_resource::natural_alignment() const noexcept { return do_natural_alignment(); }
 
 GPUKIT_INLINE void device_resource::forget_over_aligned_addresses(const void* begin, std::size_t bytes) noexcept {
-  detail::over_aligned_addresses().erase_range(begin, bytes);
+  try {
+    detail::over_aligned_addresses().erase_range(begin, bytes);
+  } catch (...) {  // the table could not be made (its first use): it holds nothing to forget
+  }
 }
 
 GPUKIT_INLINE std::size_t device_resource::do_natural_alignment() const noexcept { return default_alignment; }

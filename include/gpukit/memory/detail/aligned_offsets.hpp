@@ -106,7 +106,8 @@ class aligned_offsets {
   /// Forgets `aligned`; nothing when it is not in the table.
   void erase(const void* aligned) noexcept;
 
-  /// Forgets every over-aligned address in [begin, begin + bytes): memory taken back whole (an arena's reset).
+  /// Forgets every over-aligned address in (begin, begin + bytes): memory taken back whole (an arena's reset). Its
+  /// first byte is kept: never an address handed out from the memory, it may be the parent's that handed it out.
   void erase_range(const void* begin, std::size_t bytes) noexcept;
 
  private:
@@ -251,13 +252,17 @@ GPUKIT_INLINE void aligned_offsets::erase(const void* aligned) noexcept {
 }
 
 GPUKIT_INLINE void aligned_offsets::erase_range(const void* begin, std::size_t bytes) noexcept {
+  // After the first byte: an address a resource handed out lies strictly inside one of its blocks, while the first
+  // byte may be another resource's over-aligned address (memory a parent handed out over-aligned, kept by it).
   const auto first = reinterpret_cast<std::uintptr_t>(begin);
   const std::uintptr_t room = std::numeric_limits<std::uintptr_t>::max() - first;
+  if (bytes <= 1 || room == 0) return;
+  const void* from = reinterpret_cast<const void*>(first + 1);
   const void* end = reinterpret_cast<const void*>(bytes > room ? first + room : first + bytes);  // saturated
   for (shard& s : shards_) {  // a range spans every shard: 64 relaxed loads while they are empty
     if (s.size.load(std::memory_order_relaxed) == 0) continue;
     std::lock_guard<std::mutex> lock(s.mutex);
-    s.entries.erase(find_in(s.entries, begin), find_in(s.entries, end));
+    s.entries.erase(find_in(s.entries, from), find_in(s.entries, end));
     s.size.store(s.entries.size(), std::memory_order_relaxed);
   }
 }
