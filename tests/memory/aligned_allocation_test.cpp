@@ -497,6 +497,17 @@ TEST_CASE("forgetting a range of over-aligned addresses forgets those inside it 
   CHECK(table.block_of(memory + 36864) == memory + 36864);
 }
 
+namespace {
+/// Allocates 512-byte blocks from `a` until the free memory after them (where a small request lands next) does not
+/// start at a multiple of `alignment`, so that an over-aligned request there is served at a shifted address. Host
+/// segments are only 256-aligned: one block is not always enough.
+std::vector<void*> shift_off_boundary(gpukit::device_resource& a, std::size_t alignment, const gpukit::stream& s) {
+  std::vector<void*> shifts{a.allocate(512, s)};
+  while ((reinterpret_cast<std::uintptr_t>(shifts.back()) + 512) % alignment == 0) shifts.push_back(a.allocate(512, s));
+  return shifts;
+}
+}  // namespace
+
 // An allocator destroyed with allocations live releases their memory (and warns): their over-aligned addresses go
 // with it, so that a block which later starts at one is not taken for them.
 TEST_CASE("an allocator destroyed with over-aligned allocations live forgets their addresses") {
@@ -505,7 +516,7 @@ TEST_CASE("an allocator destroyed with over-aligned allocations live forgets the
   {
     gpukit_test::captured_warnings warnings;
     gpukit::caching_allocator a(cpu);
-    (void)a.allocate(512, s);  // moves the next block off a 64 KiB boundary, so the address is shifted
+    (void)shift_off_boundary(a, std::size_t{1} << 16, s);  // left live too
     p = a.allocate(3000, std::size_t{1} << 16, s);
     REQUIRE(gpukit::detail::over_aligned_addresses().block_of(p) != p);
   }
@@ -518,7 +529,7 @@ TEST_CASE("an allocator destroyed with over-aligned allocations live forgets the
 TEST_CASE("an arena in an over-aligned buffer forgets its range, and the buffer's owner still frees the buffer") {
   gpukit::stream s(cpu);
   gpukit::caching_allocator parent(cpu);
-  void* shift = parent.allocate(512, s);  // the next block is off a 4 KiB boundary
+  const std::vector<void*> shifts = shift_off_boundary(parent, 4096, s);
   auto* buffer = static_cast<unsigned char*>(parent.allocate(64 * 1024, 4096, s));
   REQUIRE(gpukit::detail::over_aligned_addresses().block_of(buffer) != buffer);
   {
@@ -528,7 +539,7 @@ TEST_CASE("an arena in an over-aligned buffer forgets its range, and the buffer'
   CHECK(gpukit::detail::over_aligned_addresses().block_of(buffer) != buffer);
   CHECK(parent.owns(buffer));
   CHECK_NOTHROW(parent.deallocate(buffer));
-  parent.deallocate(shift);
+  for (void* shift : shifts) parent.deallocate(shift);
   CHECK(parent.memory_allocated() == 0);
 }
 
@@ -551,16 +562,25 @@ struct aligned_resource_upstream {
 TEST_CASE("an allocator over over-aligned segments, destroyed with allocations live, gives its segments back") {
   gpukit::stream s(cpu);
   gpukit::caching_allocator parent(cpu);
-  void* shift = parent.allocate(512, s);
+  const std::vector<void*> shifts = shift_off_boundary(parent, 4096, s);
   gpukit_test::captured_warnings warnings;
   {
-    gpukit::caching_device_allocator<aligned_resource_upstream> child(cpu, {}, aligned_resource_upstream{&parent, s});
+    gpukit::allocator_options small;  // the child's segments are small requests of the parent, after the shifts
+    small.small_size = 64 * 1024;
+    small.small_segment_size = 128 * 1024;
+    gpukit::caching_device_allocator<aligned_resource_upstream> child(cpu, small,
+                                                                      aligned_resource_upstream{&parent, s});
     (void)child.allocate(1000, s);  // left live
-    REQUIRE(parent.memory_allocated() > 512);
+    std::size_t shifted = 0;        // segments that start at an over-aligned address of the parent
+    child.engine().for_each_segment([&shifted](std::uintptr_t address, std::size_t /*bytes*/) noexcept {
+      const auto* start = reinterpret_cast<const void*>(address);
+      shifted += gpukit::detail::over_aligned_addresses().block_of(start) != start ? 1 : 0;
+    });
+    REQUIRE(shifted == 1);
   }
   CHECK(warnings.contains("live allocation(s)"));
   CHECK_FALSE(warnings.contains("aligned_resource_upstream"));
-  parent.deallocate(shift);
+  for (void* shift : shifts) parent.deallocate(shift);
   CHECK(parent.memory_allocated() == 0);
 }
 
