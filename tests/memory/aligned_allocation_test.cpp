@@ -3,11 +3,13 @@
 #include "allocator_support.hpp"
 #include "support.hpp"
 
+#include <gpukit/memory/caching_allocator_impl.hpp>
 #include <gpukit/memory/default_allocator.hpp>
 #include <gpukit/memory/detail/pinned_aligned.hpp>
 #include <gpukit/memory/device_allocator.hpp>
 #include <gpukit/memory/memory_history.hpp>
 #include <gpukit/memory/pinned_pool.hpp>
+#include <gpukit/memory/pinned_pool_impl.hpp>  // pools and allocators over the tests' upstreams, in the compiled mode
 #include <gpukit/memory/pmr.hpp>
 #include <gpukit/memory/upstream.hpp>
 #include <gpukit/stream/current_stream.hpp>
