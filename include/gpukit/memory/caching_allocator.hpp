@@ -500,6 +500,31 @@ class basic_caching_allocator {
         return detail::front_quantity_count;
     }
   }
+  /// The counters that follow quantity q in a slot of small blocks (or of large ones): two statistics at most, each
+  /// counted in all pools and in the slot's pool.
+  struct quantity_counters {
+    std::array<std::size_t, 4> k{};
+    std::size_t n = 0;
+    const std::size_t* begin() const noexcept { return k.data(); }
+    const std::size_t* end() const noexcept { return k.data() + n; }
+  };
+  using quantity_table = std::array<std::array<quantity_counters, detail::front_quantity_count>, 2>;
+  static constexpr quantity_table make_quantity_table() noexcept {
+    quantity_table t{};
+    for (std::size_t large = 0; large < 2; ++large) {
+      for (std::size_t k = 0; k < counter_count; ++k) {
+        const std::size_t q = quantity_of(k, large != 0);
+        if (q == detail::front_quantity_count) continue;
+        quantity_counters& c = t[large][q];
+        c.k[c.n++] = k;
+      }
+    }
+    return t;
+  }
+  static constexpr quantity_table quantity_counters_table = make_quantity_table();
+  static const quantity_counters& counters_of(std::size_t q, bool large_slot) noexcept {
+    return quantity_counters_table[large_slot ? 1 : 0][q];
+  }
 
   static constexpr std::size_t stat_count = 9;
   using stat_member = detail::atomic_pool_stats all_stats_t::*;  // an alias: nvcc's generated code then compiles
@@ -728,36 +753,46 @@ class basic_caching_allocator {
   };
   slot_range<front_slot_type> used_fronts() noexcept;
   slot_range<const front_slot_type> used_fronts() const noexcept;
+  /// The slots some stream owns, in the order they were first owned (device lock). A slot never owned holds no
+  /// block and no claim, and only a holder of the device lock gives it an owner (front_give_slow), so the paths that
+  /// hold the device lock lock and rebalance these alone: one slot for one stream, not 32 (when every slot was
+  /// locked and rebalanced, a cycle of 9 sizes on one stream, one of them served by the heap, cost 1.3 us a pair).
+  slot_range<front_slot_type* const> owned_fronts() const noexcept;
+  /// Adds `slot`, never owned before, to owned_fronts (the device lock held, and the slot's lock).
+  void note_owned(front_slot_type& slot) noexcept;
   bool is_large_slot(const front_slot_type& slot) const noexcept;
   /// Slot's part of counter k (the users' view minus the heap's).
   std::int64_t front_value(const front_slot_type& slot, std::size_t k) const noexcept;
 
-  /// Marks every slot in use as changing (every slot lock held): lock-free readers of the statistics retry
-  /// meanwhile, for changes that move values between the heap and the slots or reset peaks.
+  /// Marks every owned slot as changing (their locks held): lock-free readers of the statistics retry meanwhile, for
+  /// changes that move values between the heap and the slots or reset peaks. A slot never owned keeps its zeros.
   class all_changing {
    public:
     explicit all_changing(basic_caching_allocator& a) noexcept {
-      for (std::size_t i = 0; i < a.fronts_used_; ++i) changes_[i].emplace(a.fronts_[i].sequence);
+      std::size_t i = 0;
+      for (front_slot_type* slot : a.owned_fronts()) changes_[i++].emplace(slot->sequence);
     }
 
    private:
     std::array<std::optional<detail::sequence_write>, front_slot_count> changes_;
   };
 
-  /// Holds the lock of every front slot in use (in index order; the device lock, when needed, is taken first).
+  /// Holds the lock of every owned slot, the device lock held (taken first). Only the device lock's holder takes
+  /// more than one slot lock, and a slot gets an owner only under the device lock, so the set cannot grow unseen
+  /// and no order among the slots is needed.
   class fronts_lock {
    public:
-    explicit fronts_lock(const basic_caching_allocator& a) noexcept : slots_(a.used_fronts()) {
-      for (const auto& s : slots_) s.mutex.lock();
+    explicit fronts_lock(const basic_caching_allocator& a) noexcept : slots_(a.owned_fronts()) {
+      for (const front_slot_type* s : slots_) s->mutex.lock();
     }
     fronts_lock(const fronts_lock&) = delete;
     fronts_lock& operator=(const fronts_lock&) = delete;
     ~fronts_lock() {
-      for (const front_slot_type* s = slots_.last; s != slots_.first;) (--s)->mutex.unlock();
+      for (front_slot_type* const* s = slots_.last; s != slots_.first;) (*--s)->mutex.unlock();
     }
 
    private:
-    slot_range<const front_slot_type> slots_;
+    slot_range<front_slot_type* const> slots_;
   };
 
   /// Adds `d` to statistic `id` of the heap (device lock held), keeping its peak that of the users' view. Inlined,
@@ -801,7 +836,7 @@ class basic_caching_allocator {
 
   /// With every lock held, after slot's quantities rose: records the peaks of the counters that rose and resets the
   /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose).
-  void rebalance_risen(const front_slot_type& slot, bool left) noexcept;
+  void rebalance_risen(front_slot_type& slot, bool left) noexcept;
 
   /// The `probe`-th slot for stream `key`'s small blocks (or large ones): linear probing from the key's hash. A
   /// stream's slots come before the first slot never owned in its sequence, as owners are never reset to unowned.
@@ -1268,6 +1303,11 @@ class basic_caching_allocator {
   bool fronts_active_ = false;          // a block was ever cached in front (written with every lock held)
   bool peaks_deferred_ = false;         // flush_fronts is moving blocks: peaks are settled when it ends
   std::array<std::int64_t, counter_count> slack_{};         // peak - heap - claims (device lock)
+  std::array<front_slot_type*, front_slot_count> owned_{};  // owned_fronts(): the first owned_count_ (device lock)
+  std::size_t owned_count_ = 0;
+  // front_take_slow and front_give_slow calls: a fast-path call that took every lock (device lock). Read by tests
+  // (caching_diagnostics::front_slow_paths).
+  std::size_t front_slow_paths_ = 0;
   detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
   std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };

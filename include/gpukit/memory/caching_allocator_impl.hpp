@@ -261,15 +261,15 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_peak_stat
   std::lock_guard<detail::device_mutex> lock(mutex_);
   fronts_lock all(*this);
   all_changing changes(*this);
-  for (front_slot_type& slot : used_fronts()) {
-    for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot.claim[q] = slot.value(q);
+  for (front_slot_type* slot : owned_fronts()) {
+    for (std::size_t q = 0; q < detail::front_quantity_count; ++q) slot->claim[q] = slot->value(q);
   }
   // Each peak is stored once, as the users' value (never the heap's part alone, which readers could see).
   for (std::size_t k = 0; k < counter_count; ++k) {
     detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
     std::int64_t value = g.current.load(std::memory_order_relaxed);
     if (fronts_active_ && fronted(k / 3)) {
-      for (const front_slot_type& slot : used_fronts()) value += front_value(slot, k);
+      for (const front_slot_type* slot : owned_fronts()) value += front_value(*slot, k);
       slack_[k] = 0;
     }
     g.peak.store(value, std::memory_order_release);
@@ -282,9 +282,7 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::reset_accumulat
   fronts_lock all(*this);
   all_changing changes(*this);
   for (std::size_t id = 0; id < stat_count; ++id) stat_ref(id).reset_accumulated();
-  for (front_slot_type& slot : used_fronts()) {
-    slot.reset_totals();
-  }
+  for (front_slot_type* slot : owned_fronts()) slot->reset_totals();
   stats_.num_alloc_retries.reset();
   stats_.num_ooms.reset();
   stats_.num_sync_all_streams.reset();
@@ -697,18 +695,18 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::release_slots_o
   };
   // Slots change hands only under the device lock (front_give_slow), so their owners can be read without theirs.
   bool owned = false;
-  for (const front_slot_type& slot : used_fronts())
-    owned = owned || unreleased(owner_of(slot).load(std::memory_order_relaxed));
+  for (const front_slot_type* slot : owned_fronts())
+    owned = owned || unreleased(owner_of(*slot).load(std::memory_order_relaxed));
   if (owned) {
     fronts_lock all(*this);
     std::optional<deferred_peaks> deferred;  // only when blocks move: it settles every peak
-    for (front_slot_type& slot : used_fronts()) {
-      if (!unreleased(owner_of(slot).load(std::memory_order_relaxed))) continue;
-      slot.owner_gone = true;
-      slot.idle_mark = slot.use();
-      if (slot.blocks.load(std::memory_order_relaxed) == 0) continue;
+    for (front_slot_type* slot : owned_fronts()) {
+      if (!unreleased(owner_of(*slot).load(std::memory_order_relaxed))) continue;
+      slot->owner_gone = true;
+      slot->idle_mark = slot->use();
+      if (slot->blocks.load(std::memory_order_relaxed) == 0) continue;
       if (!deferred) deferred.emplace(*this);
-      for (auto& bin : slot.bins) flush_bin(slot, bin);
+      for (auto& bin : slot->bins) flush_bin(*slot, bin);
     }
   }
   for (stream_state* st : dead_streams_) st->slots_released = true;
@@ -1076,6 +1074,17 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::used_fronts() c
 }
 
 template <class Upstream, class StreamOps>
+GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::owned_fronts() const noexcept
+    -> slot_range<front_slot_type* const> {
+  return {owned_.data(), owned_.data() + owned_count_};
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::note_owned(front_slot_type& slot) noexcept {
+  owned_[owned_count_++] = &slot;  // at most front_slot_count: owners are never reset to unowned
+}
+
+template <class Upstream, class StreamOps>
 GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::is_large_slot(
     const front_slot_type& slot) const noexcept {
   return &slot >= fronts_.data() + front_slots_per_pool;
@@ -1100,23 +1109,29 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance(std::
   detail::atomic_stat& g = stat_ref(k / 3).pools[k % 3];
   std::int64_t claimed = g.current.load(std::memory_order_relaxed) + pending;
   std::int64_t value = claimed;
-  for (front_slot_type& slot : used_fronts()) {  // the slots whose blocks counter k counts (none for segments)
-    const std::size_t q = quantity_of(k, is_large_slot(slot));
+  for (front_slot_type* slot : owned_fronts()) {  // the slots whose blocks counter k counts (none for segments)
+    const std::size_t q = quantity_of(k, is_large_slot(*slot));
     if (q == detail::front_quantity_count) continue;
-    value += slot.value(q);
-    slot.claim[q] = std::max(slot.claim[q], slot.value(q));
-    claimed += slot.claim[q];
+    value += slot->value(q);
+    slot->claim[q] = std::max(slot->claim[q], slot->value(q));
+    claimed += slot->claim[q];
   }
   g.raise_peak(value);
   const std::int64_t peak = g.peak.load(std::memory_order_relaxed);
   std::int64_t excess = claimed - peak;
   for (int round = 0; round < 2 && excess > 0; ++round) {
-    for (front_slot_type& slot : used_fronts()) {
-      const std::size_t q = quantity_of(k, is_large_slot(slot));
-      if (q == detail::front_quantity_count || (&slot == acting) == (round == 0)) continue;
-      const std::int64_t spare = std::min(excess, slot.claim[q] - slot.value(q));
-      slot.claim[q] -= spare;
+    for (front_slot_type* slot : owned_fronts()) {
+      const std::size_t q = quantity_of(k, is_large_slot(*slot));
+      if (q == detail::front_quantity_count || (slot == acting) == (round == 0)) continue;
+      const std::int64_t spare = std::min(excess, slot->claim[q] - slot->value(q));
+      if (spare == 0) continue;
+      slot->claim[q] -= spare;
       excess -= spare;
+      // The claim counts in the other counters of its quantity too: their room grows as much (found here, the
+      // heap's next counter of a pair does not come back for it).
+      for (std::size_t other : counters_of(q, is_large_slot(*slot))) {
+        if (other != k) slack_[other] += spare;
+      }
     }
   }
   slack_[k] = -excess;  // peak - heap - claims, >= 0
@@ -1130,13 +1145,20 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_all()
 }
 
 template <class Upstream, class StreamOps>
-GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_risen(const front_slot_type& slot,
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_risen(front_slot_type& slot,
                                                                                  bool left) noexcept {
-  for (std::size_t k = 0; k < counter_count; ++k) {
-    const std::size_t q = quantity_of(k, is_large_slot(slot));
-    if (q == detail::front_quantity_count) continue;
-    const bool split = q == detail::fq_split_blocks || q == detail::fq_split_bytes;
-    if (split != left) rebalance(k, &slot);
+  // The slot that came here comes back for the same quantities: it also gets the room left under their peaks, so
+  // its next blocks up to the peaks leave and enter on the fast path. Left with the heap, the room came back to the
+  // slot only through here, one block at a time: a cycle of 9 sizes on one stream, one served by the heap, took the
+  // slow path on most of its pairs. A claim counts in every counter of its quantity: it rises by their least room.
+  const bool large = is_large_slot(slot);
+  for (std::size_t q = 0; q < detail::front_quantity_count; ++q) {
+    if ((q == detail::fq_split_blocks || q == detail::fq_split_bytes) == left) continue;
+    for (std::size_t k : counters_of(q, large)) rebalance(k, &slot);
+    std::int64_t room = std::numeric_limits<std::int64_t>::max();
+    for (std::size_t k : counters_of(q, large)) room = std::min(room, slack_[k]);
+    for (std::size_t k : counters_of(q, large)) slack_[k] -= room;
+    slot.claim[q] += room;
   }
 }
 
@@ -1236,6 +1258,7 @@ auto basic_caching_allocator<Upstream, StreamOps>::front_take_slow(std::uintptr_
                                                                    std::size_t requested, bool large) -> block* {
   std::lock_guard<detail::device_mutex> device_lock(mutex_);
   fronts_lock all(*this);
+  ++front_slow_paths_;
   for (std::size_t probe = 0; probe < front_slots_per_pool; ++probe) {
     front_slot_type& slot = front_slot_at(key, probe, large);
     const std::uintptr_t owner = owner_of(slot).load(std::memory_order_relaxed);
@@ -1330,6 +1353,7 @@ auto basic_caching_allocator<Upstream, StreamOps>::front_give_slow(block* b, fro
     -> front_result {
   std::lock_guard<detail::device_mutex> device_lock(mutex_);
   fronts_lock all(*this);
+  ++front_slow_paths_;
   if (b->in_front.load(std::memory_order_relaxed)) return front_result::already_free;
   if (owner_expired(b)) return front_result::no_room;  // as in front_give_to
   if (!fronts_active_) {
@@ -1361,6 +1385,13 @@ auto basic_caching_allocator<Upstream, StreamOps>::front_give_slow(block* b, fro
   if (found == nullptr) found = first_unowned;  // `chosen` when front_give found it never owned
   if (found != nullptr) {
     front_slot_type& slot = *found;
+    // A slot never owned is not among those `all` locked: lock it, and it is owned from here on (rebalance_risen,
+    // in give_cached, must see it). Threads that lock it meanwhile (front_give's pass 1) wait for nothing else.
+    std::unique_lock<detail::spin_mutex> adopted;
+    if (owner_of(slot).load(std::memory_order_relaxed) == unowned) {
+      adopted = std::unique_lock<detail::spin_mutex>(slot.mutex);
+      note_owned(slot);
+    }
     auto* bin = slot.room_for(b->size);
     if (bin == nullptr) {
       bin = slot.stale_bin(b->size);
@@ -1401,11 +1432,11 @@ GPUKIT_INLINE bool basic_caching_allocator<Upstream, StreamOps>::flush_fronts(bo
   bool any = false;
   fronts_lock all(*this);
   deferred_peaks deferred(*this);
-  for (front_slot_type& slot : used_fronts()) {
-    if (slot.blocks.load(std::memory_order_relaxed) == 0 || (large_only && !is_large_slot(slot))) continue;
-    for (auto& bin : slot.bins) {
+  for (front_slot_type* slot : owned_fronts()) {
+    if (slot->blocks.load(std::memory_order_relaxed) == 0 || (large_only && !is_large_slot(*slot))) continue;
+    for (auto& bin : slot->bins) {
       any = any || bin.count != 0;
-      flush_bin(slot, bin);
+      flush_bin(*slot, bin);
     }
   }
   return any;

@@ -66,6 +66,13 @@ struct caching_diagnostics {
     return s;
   }
 
+  /// How often a front-cache call of `e` took every lock (front_take_slow, front_give_slow): with claims that
+  /// follow the slots' use, only when a value passes its peak's room. Read with no call of `e` in flight.
+  template <class Engine>
+  static std::size_t front_slow_paths(const Engine& e) noexcept {
+    return e.front_slow_paths_;
+  }
+
   /// The free memory of `e`: free blocks in the heap and in the front caches, only their mapped pages for expandable
   /// segments (unmapped space is no memory). The device lock and every front slot's lock held.
   template <class Engine>
