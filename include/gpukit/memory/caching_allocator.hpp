@@ -753,7 +753,8 @@ class basic_caching_allocator {
   };
   slot_range<front_slot_type> used_fronts() noexcept;
   slot_range<const front_slot_type> used_fronts() const noexcept;
-  /// The slots some stream owns, in the order they were first owned (device lock). A slot never owned holds no
+  /// The slots some stream has owned (owners change, but never back to none), in the order they were first owned
+  /// (device lock). A slot never owned holds no
   /// block and no claim, and only a holder of the device lock gives it an owner (front_give_slow), so the paths that
   /// hold the device lock lock and rebalance these alone: one slot for one stream, not 32 (when every slot was
   /// locked and rebalanced, a cycle of 9 sizes on one stream, one of them served by the heap, cost 1.3 us a pair).
@@ -827,15 +828,16 @@ class basic_caching_allocator {
 
   /// With the device lock and every slot lock held: records the true value of counter `k` in its peak, lets every
   /// slot keep its current value, and takes back claims (others' before `acting`'s) until peak >= heap + claims.
-  /// Counters that follow one quantity share the slots' claims for it; taking a claim back for one counter only
-  /// leaves more room under the others' peaks.
+  /// Counters that follow one quantity share the slots' claims for it: a claim taken back for counter k is room
+  /// under the others' peaks too, added to their slack_.
   /// `pending`: an increase of the heap's part about to be stored, counted as if it were.
   void rebalance(std::size_t k, const front_slot_type* acting, std::int64_t pending = 0) noexcept;
 
   void rebalance_all() noexcept;
 
-  /// With every lock held, after slot's quantities rose: records the peaks of the counters that rose and resets the
-  /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose).
+  /// With every lock held, after slot's quantities rose: records the peaks of the counters that rose, resets the
+  /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose), and gives
+  /// `slot` the room left under those peaks (taken from slack_).
   void rebalance_risen(front_slot_type& slot, bool left) noexcept;
 
   /// The `probe`-th slot for stream `key`'s small blocks (or large ones): linear probing from the key's hash. A
@@ -1305,9 +1307,11 @@ class basic_caching_allocator {
   std::array<std::int64_t, counter_count> slack_{};         // peak - heap - claims (device lock)
   std::array<front_slot_type*, front_slot_count> owned_{};  // owned_fronts(): the first owned_count_ (device lock)
   std::size_t owned_count_ = 0;
-  // front_take_slow and front_give_slow calls: a fast-path call that took every lock (device lock). Read by tests
-  // (caching_diagnostics::front_slow_paths).
+  // Paths that take every slot lock for the claims (device lock), read by tests (caching_diagnostics): a front
+  // cache's call past its claim (front_take_slow, front_give_slow), and the heap's count past its slack
+  // (raise_peak_with_fronts).
   std::size_t front_slow_paths_ = 0;
+  std::size_t heap_peak_raises_ = 0;
   detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
   std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };

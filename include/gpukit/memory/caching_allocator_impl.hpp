@@ -1100,6 +1100,7 @@ GPUKIT_INLINE std::int64_t basic_caching_allocator<Upstream, StreamOps>::front_v
 template <class Upstream, class StreamOps>
 void basic_caching_allocator<Upstream, StreamOps>::raise_peak_with_fronts(std::size_t k, std::int64_t d) noexcept {
   fronts_lock all(*this);
+  ++heap_peak_raises_;
   rebalance(k, nullptr, d);
 }
 

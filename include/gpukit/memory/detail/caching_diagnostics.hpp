@@ -66,11 +66,16 @@ struct caching_diagnostics {
     return s;
   }
 
-  /// How often a front-cache call of `e` took every lock (front_take_slow, front_give_slow): with claims that
-  /// follow the slots' use, only when a value passes its peak's room. Read with no call of `e` in flight.
+  /// How often a front-cache call of `e` took every lock for the claims (front_take_slow, front_give_slow). Read
+  /// with no call of `e` in flight.
   template <class Engine>
   static std::size_t front_slow_paths(const Engine& e) noexcept {
     return e.front_slow_paths_;
+  }
+  /// How often the heap of `e` took every lock to take room back from the slots' claims (raise_peak_with_fronts).
+  template <class Engine>
+  static std::size_t heap_peak_raises(const Engine& e) noexcept {
+    return e.heap_peak_raises_;
   }
 
   /// The free memory of `e`: free blocks in the heap and in the front caches, only their mapped pages for expandable

@@ -18,7 +18,8 @@
 /// them (`delta`: a cached block is free to the user, allocated to the heap), so a current value is the heap's plus
 /// the slots'. Peaks are exact through claims: a slot may raise a counter on its own only up to its `claim`, and
 /// the allocator keeps peak >= heap + sum of claims, so no value above the peak can arise unseen. Going past a claim
-/// takes the slow path, which sees every slot and the heap at once (all locks) and records the true peak.
+/// takes the slow path, which sees every slot and the heap at once (all locks), records the true peak and gives the
+/// slot the room left under it; the heap takes back only the room its own counts need.
 ///
 /// A slot keeps five quantities, not the 27 counters (9 statistics x all/small/large) they move: the fast path
 /// stores 6 numbers per allocation, where 28 stores made the pair 1.5x slower (the lock's locked instruction waits
