@@ -95,7 +95,15 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("reserved_limit:20000000TiB"), "too large"));  // with its unit
   CHECK(contains(refusal("rounding:99999999999999999999999KiB"), "too large"));
   CHECK(contains(refusal("max_split_size_mb:17592186044416"), "too large: at most 17592186044415 (MiB)"));
-  CHECK(contains(refusal("medium_segment_growth:99999999999999999999"), "too large"));
+  CHECK(contains(refusal("medium_segment_growth:99999999999999999999"), "too large: at most 18446744073709551615"));
+  // Past size_t too, the MiB count's bound is given (it was a bare "too large"; helper-214).
+  CHECK(contains(refusal("max_split_size_mb:99999999999999999999999"), "too large: at most 17592186044415 (MiB)"));
+  // Units: which are accepted, as written.
+  CHECK(contains(refusal("rounding:1kb"), "B, KiB, KB, MiB, MB, GiB, GB, TiB or TB as written here"));
+  // A key is shown escaped, as the entry is: a control byte cannot make it look like a known key (helper-214:
+  // "re\x01served_limit" printed as reserved_limit, and terminal escapes went through).
+  CHECK(contains(refusal("re\x01served_limit:1"), "unknown key \"re\\x01served_limit\""));
+  CHECK(contains(refusal("x\x1b[2J:1,x\x1b[2J:2"), "\"x\\x1b[2J\" is set twice"));
   CHECK(contains(refusal("rounding:none"), "expected a size such as 512, 64MiB or 2GiB"));  // not a limit
   CHECK(contains(refusal("rounding:1.5KiB"), "expected a size"));
   CHECK(contains(refusal("garbage_collection_threshold:0.6"), "unknown key \"garbage_collection_threshold\""));

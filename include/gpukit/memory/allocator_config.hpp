@@ -152,9 +152,10 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       const auto given = keys_by_setting.emplace(setting(e.key), e.key);
       if (!given.second) {
         const std::string_view earlier_key = given.first->second;
-        fail(text, earlier_key == e.key ? "\"" + std::string(e.key) + "\" is set twice"
-                                        : "\"" + std::string(e.key) + "\" sets what \"" + std::string(earlier_key) +
-                                              "\" set already (" + std::string(setting(e.key)) + ")");
+        fail(text, earlier_key == e.key
+                       ? "\"" + detail::printable(e.key) + "\" is set twice"
+                       : "\"" + detail::printable(e.key) + "\" sets what \"" + detail::printable(earlier_key) +
+                             "\" set already (" + std::string(setting(e.key)) + ")");
       }
       entries.push_back(e);
       if (comma == std::string_view::npos) break;
@@ -204,17 +205,21 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       fail(e.text, "too large: sizes go up to " + std::to_string(largest) + " bytes" +
                        (none_allowed ? " (none: no limit)" : ""));
     } else if (r != detail::config_size_result::ok) {
-      fail(e.text, none_allowed ? "expected a size such as 512, 64MiB or 40GiB, or none"
-                                : "expected a size such as 512, 64MiB or 2GiB");
+      fail(e.text, std::string(none_allowed ? "expected a size such as 512, 64MiB or 40GiB, or none"
+                                            : "expected a size such as 512, 64MiB or 2GiB") +
+                       " (digits, then B, KiB, KB, MiB, MB, GiB, GB, TiB or TB as written here: KB is KiB)");
     }
     return bytes;
   };
-  auto parse_count = [&](const entry_text& e) {
+  // A whole number up to `most` (`unit` names what it counts in the message).
+  auto parse_count = [&](const entry_text& e, std::size_t most, const char* unit) {
     std::size_t n = 0;
     const detail::config_size_result r = e.value.find_first_not_of("0123456789") != std::string_view::npos
                                              ? detail::config_size_result::malformed
                                              : detail::parse_config_size(e.value, n);
-    if (r == detail::config_size_result::too_large) fail(e.text, "too large");
+    if (r == detail::config_size_result::too_large || (r == detail::config_size_result::ok && n > most)) {
+      fail(e.text, "too large: at most " + std::to_string(most) + unit);
+    }
     if (r != detail::config_size_result::ok) fail(e.text, "expected a whole number");
     return n;
   };
@@ -230,11 +235,9 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
     if (e.key == "reserved_limit") {
       o.reserved_limit = parse_size(e, true);
     } else if (e.key == "max_split_size_mb") {
-      const std::size_t mib = parse_count(e);
-      if (mib > (largest >> 20)) fail(e.text, "too large: at most " + std::to_string(largest >> 20) + " (MiB)");
-      o.max_split_size = mib << 20;
+      o.max_split_size = parse_count(e, largest >> 20, " (MiB)") << 20;
     } else if (e.key == "medium_segment_growth") {
-      o.medium_segment_growth = parse_count(e);
+      o.medium_segment_growth = parse_count(e, largest, "");
     } else if (e.key == "release_before_grow") {
       o.release_before_grow = parse_bool(e);
     } else if (e.key == "reuse_before_release") {
@@ -263,7 +266,7 @@ GPUKIT_INLINE allocator_options parse_allocator_config(std::string_view config, 
       }
     } else {
       fail(e.text,
-           "unknown key \"" + std::string(e.key) +
+           "unknown key \"" + detail::printable(e.key) +
                "\" (known: preset, reserved_limit, max_split_size_mb, release_before_grow, reuse_before_release, "
                "cross_stream_reuse, front_cache, front_cache_large, expandable_segments, capture_check, "
                "medium_segment_growth, and the size options of allocator_options)");
