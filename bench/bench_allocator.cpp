@@ -507,6 +507,22 @@ void BM_malloc_size_cycle(benchmark::State& state) {
 }
 constexpr std::int64_t size_cycle_counts[] = {8, 9, 12, 32};
 
+/// One thread taking turns on `count` CPU streams of its own, 256 B on each, the pair in the benchmark's loop: at the
+/// allocation peak (one block live), so the room for a take moves between the streams' slots every pair.
+void BM_gpukit_streams_in_turn(benchmark::State& state) {
+  host_engine a(cpu);
+  std::vector<std::unique_ptr<gpukit::stream>> owned;
+  for (std::int64_t i = 0; i < state.range(0); ++i) owned.push_back(std::make_unique<gpukit::stream>(cpu));
+  std::size_t next = 0;
+  run_loop(state, [&] {
+    void* p = a.allocate(256, owned[next]->view());
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+    next = next + 1 == owned.size() ? 0 : next + 1;
+  });
+}
+constexpr std::int64_t streams_in_turn_counts[] = {1, 2, 4};
+
 // Issue 9 (V6): the pages of expandable segments go back only after the device's work, which a release waits for
 // (simulated here: a 200 us sleep, a short device synchronization). gpukit's releases wait apart from unmapping
 // (wait_before_unmap), with the lock released; the baseline is the same engine over an upstream whose unmap waits
@@ -866,6 +882,18 @@ void print_ratios(const collecting_reporter& r) {
         static_cast<long long>(count), with_front, with_front / without, with_front / without <= 1.2 ? "met" : "missed",
         with_front / m);
   }
+  // One thread taking turns on streams at the peak: the slot that needs the room borrows it from another slot
+  // (every pair took the slow path, every lock, before: 2.4-2.5 us a pair). Target: within 2x of one stream.
+  if (const double one = r.ns("BM_gpukit_streams_in_turn/1/real_time"); one > 0) {
+    for (std::int64_t count : streams_in_turn_counts) {
+      if (count == 1) continue;
+      const double turns = r.ns("BM_gpukit_streams_in_turn/" + std::to_string(count) + "/real_time");
+      if (turns <= 0) continue;
+      std::printf(
+          "  256 B     1 thread, %lld streams in turn: %.1f ns a pair, %.2fx one stream's %.1f ns (target <= 2x: %s)\n",
+          static_cast<long long>(count), turns, turns / one, one, turns / one <= 2.0 ? "met" : "missed");
+    }
+  }
   // Streams whose front slots' homes coincide probe past each other's slots: what that costs, same run.
   for (int threads : thread_counts) {
     auto name = [&](int colliding) {
@@ -1042,6 +1070,9 @@ int main(int argc, char** argv) {
         ->Arg(count)
         ->UseRealTime();
     benchmark::RegisterBenchmark("BM_malloc_size_cycle", BM_malloc_size_cycle)->Arg(count)->UseRealTime();
+  }
+  for (std::int64_t count : streams_in_turn_counts) {
+    benchmark::RegisterBenchmark("BM_gpukit_streams_in_turn", BM_gpukit_streams_in_turn)->Arg(count)->UseRealTime();
   }
   threaded(benchmark::RegisterBenchmark("BM_set_best_fit", BM_set_best_fit), true);
   if (gpukit::device_count() > 0) {

@@ -884,6 +884,31 @@ TEST_CASE("front cache: a cycle of more sizes than a slot has bins keeps its cac
   }
 }
 
+TEST_CASE("front cache: one thread taking turns on streams at the peak moves claims between slots, not every lock") {
+  // Each stream's slot holds one cached block and the allocation peak is 1: only one slot at a time can hold the room
+  // for a take. The slot that needs it borrows it from another slot (both locks, the claims' sum unchanged) instead
+  // of taking the slow path (the device lock and every slot lock), which every pair took before.
+  for (const std::size_t streams : {std::size_t{2}, std::size_t{3}}) {
+    CAPTURE(streams);
+    setup on(with_front(true));
+    setup off(with_front(false));
+    using diagnostics = gpukit::detail::caching_diagnostics;
+    constexpr std::size_t pairs = 3000;
+    for (std::size_t i = 0; i < pairs; ++i) {
+      const std::size_t s = i % streams;
+      const std::size_t bytes = i % 7 == 6 ? 3000 : 256;  // a second size now and then: bytes and requested move too
+      on.a.deallocate(on.a.allocate(bytes, on.streams[s]));
+      off.a.deallocate(off.a.allocate(bytes, off.streams[s]));
+      if (i == 100) CHECK(diagnostics::front_slow_paths(on.a) <= 4 * streams);  // each slot's first frees and takes
+    }
+    CHECK(diagnostics::front_slow_paths(on.a) <= 4 * streams);
+    CHECK(user_view(on.a.stats()) == user_view(off.a.stats()));
+    CHECK(on.a.max_memory_allocated() == off.a.max_memory_allocated());
+    CHECK(on.a.stats().allocation.all().peak == 1);
+    CHECK(check_invariants(on.a.snapshot(), {}, on.a.options().rounding) == "");
+  }
+}
+
 TEST_CASE("front cache: the heap takes cached blocks back before it grows") {
   setup f(with_front(true), 2 * MiB);  // one small segment fits, nothing more
   const fake_stream s0 = f.streams[0];

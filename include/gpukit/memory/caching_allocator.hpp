@@ -862,6 +862,12 @@ class basic_caching_allocator {
   probe_outcome front_take_at(front_slot_type& slot, std::uintptr_t key, std::size_t size, std::size_t requested,
                               bool large);
 
+  /// Moves `need` of the claims of other slots of the pool to `slot` (its lock held), from those whose locks are free
+  /// at once and who can spare some; false when they cannot spare it all (the slow path then rebalances). The claims'
+  /// sum stays the same, so no peak needs a look: with one thread taking turns on two streams at the peak, only one
+  /// slot can hold the room for a take, and every pair took the slow path (every lock) to move it.
+  bool borrow_claims(front_slot_type& slot, typename front_slot_type::amounts need) noexcept;
+
   /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow);
 

@@ -1216,9 +1216,29 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_take_at(f
   ++slot.tick;
   auto* bin = slot.find(size);
   if (bin == nullptr) return {nullptr, true};
-  if (slot.may_leave(*bin->top, requested)) return {take_cached(slot, *bin, requested, false), false};
+  if (slot.may_leave(*bin->top, requested) || borrow_claims(slot, slot.shortfall_to_leave(*bin->top, requested))) {
+    return {take_cached(slot, *bin, requested, false), false};
+  }
   lock.unlock();
   return {front_take_slow(key, size, requested, large), false};
+}
+
+template <class Upstream, class StreamOps>
+bool basic_caching_allocator<Upstream, StreamOps>::borrow_claims(front_slot_type& slot,
+                                                                 typename front_slot_type::amounts need) noexcept {
+  // A try_lock only: the caller holds its own slot's lock, and a thread holding every lock may be waiting for it.
+  // The room may be spread over several slots (one holds a block's room, another its bytes'): each gives what it
+  // can; what moved stays moved when the rest is not found (the sum is the same either way).
+  front_slot_type* const pool = fronts_.data() + (is_large_slot(slot) ? front_slots_per_pool : 0);
+  for (std::size_t i = 0; i < front_slots_per_pool; ++i) {
+    front_slot_type& donor = pool[i];
+    if (&donor == &slot || owner_of(donor).load(std::memory_order_relaxed) == front_slot_type::unowned) continue;
+    if (!donor.mutex.try_lock()) continue;
+    const bool met = donor.give_spare(slot, need);
+    donor.mutex.unlock();
+    if (met) return true;
+  }
+  return false;
 }
 
 template <class Upstream, class StreamOps>
@@ -1334,7 +1354,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::front_give_to(
     lock.unlock();
     return front_give_slow(b, slot, seen);  // a bin of sizes no longer used gives way
   }
-  if (!fronts_active_ || !slot.may_enter(*b)) {
+  if (!fronts_active_ || (!slot.may_enter(*b) && !borrow_claims(slot, slot.shortfall_to_enter(*b)))) {
     const slot_seen seen = seen_by_fast_path(slot);
     lock.unlock();
     return front_give_slow(b, slot, seen);
