@@ -543,8 +543,8 @@ TEST_CASE("an out-of-memory observer whose own allocation fails gets the error, 
 }
 
 TEST_CASE("two out-of-memory observers removing each other from two threads do not wait for each other") {
-  // From inside an observer, removal does not wait for the removed observer's calls: here each would wait for the
-  // other's (a deadlock: the test hung).
+  // Each would wait for the other's call (a deadlock: the test hung). The one that looks last sees the other waiting
+  // inside the observer it removes, and does not wait.
   fixture f(64 * MiB);
   void* held = f.alloc(40 * MiB);
   std::atomic<std::thread::id> first_thread{};
@@ -575,6 +575,40 @@ TEST_CASE("two out-of-memory observers removing each other from two threads do n
   CHECK_FALSE(f.a.remove_out_of_memory_observer(x));
   CHECK_FALSE(f.a.remove_out_of_memory_observer(y));
   f.a.deallocate(held);
+}
+
+TEST_CASE("an observer removed from inside another allocator's observer: its call on another thread ends first") {
+  // The usual pattern (an object's destructor removes the observer that uses it), the object destroyed inside an
+  // observer of another allocator: remove() skipped its wait there, and the object went while thread B's call of
+  // the removed observer still used it (helper-214; AddressSanitizer: heap-use-after-free).
+  fixture x(64 * MiB);
+  fixture y(64 * MiB);
+  struct watched {
+    std::atomic<int> calls{0};
+  };
+  auto* object = new watched;
+  std::atomic<bool> in_y_call{false};
+  std::atomic<bool> y_call_done{false};
+  std::atomic<bool> remove_returned_early{false};
+  std::atomic<bool> removed{false};
+  const auto y_observer = y.a.add_out_of_memory_observer([&, object](const gpukit::out_of_memory_info&) {
+    in_y_call = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    ++object->calls;  // still in use: remove() must not have returned
+    y_call_done = true;
+  });
+  const auto x_observer = x.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    while (!in_y_call.load()) std::this_thread::yield();
+    removed = y.a.remove_out_of_memory_observer(y_observer);
+    remove_returned_early = !y_call_done.load();
+    delete object;
+  });
+  std::thread b([&] { CHECK_THROWS_AS(y.alloc(100 * MiB), gpukit::out_of_memory_error); });
+  CHECK_THROWS_AS(x.alloc(100 * MiB), gpukit::out_of_memory_error);
+  b.join();
+  CHECK(removed.load());
+  CHECK_FALSE(remove_returned_early.load());
+  CHECK(x.a.remove_out_of_memory_observer(x_observer));
 }
 
 TEST_CASE("out-of-memory observer ids are unique in the process: a stale id removes no other observer") {

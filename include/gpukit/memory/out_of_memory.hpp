@@ -39,10 +39,13 @@ GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() no
   return last;
 }
 
-/// An observer call under way on a thread, in the caller's stack frame: the registry calling it and the call it runs
-/// inside (nullptr for the outermost).
+/// An observer call under way on a thread, in the caller's stack frame: the registry calling it, the observer, and
+/// the call it runs inside (nullptr for the outermost).
 struct out_of_memory_observer_call {
   const void* registry;                      ///< the out_of_memory_observers calling
+  const void* observer;                      ///< its entry for the observer called
+  /// Threads inside a call of that observer that wait in remove() meanwhile (see out_of_memory_observers::remove).
+  std::atomic<std::size_t>* callers_waiting;
   const out_of_memory_observer_call* outer;  ///< the call this one runs inside, or nullptr
 };
 
@@ -50,7 +53,7 @@ struct out_of_memory_observer_call {
 /// raised by a destructor of static storage, after the thread's objects are gone, still reads it. Exported: an
 /// observer of one shared library that removes itself through another's copy of gpukit is still seen inside its
 /// call (it waited for itself). The name carries the layout's version.
-GPUKIT_EXPORT inline const out_of_memory_observer_call*& out_of_memory_observer_calls_v1() noexcept {
+GPUKIT_EXPORT inline const out_of_memory_observer_call*& out_of_memory_observer_calls_v2() noexcept {
   thread_local const out_of_memory_observer_call* innermost = nullptr;
   return innermost;
 }
@@ -97,9 +100,10 @@ class out_of_memory_observers {
  public:
   /// Ids come from one counter for the process (mode_independent::out_of_memory_observer_ids).
   std::uint64_t add(out_of_memory_observer observer);
-  /// Once it returns true the observer is not called again, and, when called outside any observer, no call of it
-  /// is under way on another thread. From inside an observer it does not wait (two observers removing each other on
-  /// two threads would wait for each other).
+  /// Once it returns true the observer is not called again and no call of it is under way on another thread, with
+  /// one exception that prevents a deadlock: called from inside an observer, it does not wait for a call whose thread
+  /// is itself waiting in remove() from inside that observer (two observers removing each other on two threads).
+  /// Its own calls on this thread (an observer removing itself) are not waited for either.
   bool remove(std::uint64_t id);
   /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
   /// thread already inside one of these observers: an observer whose own allocation from this allocator fails gets
@@ -115,6 +119,7 @@ class out_of_memory_observers {
     std::condition_variable calls_ended;
     std::size_t calls = 0;  // under way, on every thread
     bool removed = false;
+    std::atomic<std::size_t> callers_waiting{0};  // threads inside a call of it, waiting in remove()
   };
 
   mutable std::mutex mutex_;
@@ -204,20 +209,31 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   }
   // notify() may have copied the entry before the erase: it checks `removed` before each call. Calls already under
   // way on other threads are waited for, so that what the observer uses may be destroyed once this returns (the
-  // usual pattern: an object's destructor removes the observer that captured it). Not from inside an observer: its
-  // own call cannot end first, and another thread's observer removing this one would wait for it in turn.
+  // usual pattern: an object's destructor removes the observer that captured it), also from inside another
+  // observer (that object may be destroyed there: it was skipped, and the object went while a call used it).
+  // Calls on this thread cannot end first: they are not waited for. Nor are calls whose thread waits in remove()
+  // from inside the removed observer: the wait could be a cycle (two observers removing each other on two threads).
+  // Each waiter marks the observers it is inside before it looks at the removed one's mark, so of the threads in
+  // any cycle, the last to look sees the mark of the one before it, and does not wait.
+  const mode_independent::out_of_memory_observer_call* const innermost =
+      mode_independent::out_of_memory_observer_calls_v2();
+  std::size_t own_calls = 0;
+  for (auto* c = innermost; c != nullptr; c = c->outer) own_calls += c->observer == removed.get() ? 1 : 0;
   std::unique_lock<std::mutex> lock(removed->mutex);
   removed->removed = true;
-  if (mode_independent::out_of_memory_observer_calls_v1() == nullptr) {
-    removed->calls_ended.wait(lock, [&] { return removed->calls == 0; });
+  if (removed->calls == own_calls) return true;
+  for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_add(1);
+  if (removed->callers_waiting.load() == 0) {
+    removed->calls_ended.wait(lock, [&] { return removed->calls == own_calls; });
   }
+  for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_sub(1);
   return true;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
   using mode_independent::out_of_memory_observer_call;
-  const out_of_memory_observer_call*& innermost = mode_independent::out_of_memory_observer_calls_v1();
+  const out_of_memory_observer_call*& innermost = mode_independent::out_of_memory_observer_calls_v2();
   for (const out_of_memory_observer_call* c = innermost; c != nullptr; c = c->outer) {
     if (c->registry == this) return;  // an observer's own error
   }
@@ -234,7 +250,7 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
       if (observer->removed) continue;
       ++observer->calls;
     }
-    const out_of_memory_observer_call call{this, innermost};
+    const out_of_memory_observer_call call{this, observer.get(), &observer->callers_waiting, innermost};
     innermost = &call;
     try {
       observer->observer(info);
