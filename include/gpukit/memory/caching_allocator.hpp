@@ -778,9 +778,10 @@ class basic_caching_allocator {
     std::array<std::optional<detail::sequence_write>, front_slot_count> changes_;
   };
 
-  /// Holds the lock of every owned slot, the device lock held (taken first). Only the device lock's holder takes
-  /// more than one slot lock, and a slot gets an owner only under the device lock, so the set cannot grow unseen
-  /// and no order among the slots is needed.
+  /// Holds the lock of every owned slot, the device lock held (taken first). Only the device lock's holder waits
+  /// for a slot lock while holding another (a fast path that holds its own slot's lock only try-locks others:
+  /// borrow_claims), and a slot gets an owner only under the device lock, so the set cannot grow unseen and no order
+  /// among the slots is needed.
   class fronts_lock {
    public:
     explicit fronts_lock(const basic_caching_allocator& a) noexcept : slots_(a.owned_fronts()) {

@@ -42,8 +42,8 @@ GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() no
 /// An observer call under way on a thread, in the caller's stack frame: the registry calling it, the observer, and
 /// the call it runs inside (nullptr for the outermost).
 struct out_of_memory_observer_call {
-  const void* registry;                      ///< the out_of_memory_observers calling
-  const void* observer;                      ///< its entry for the observer called
+  const void* registry;  ///< the out_of_memory_observers calling
+  const void* observer;  ///< its entry for the observer called
   /// Threads inside a call of that observer that wait in remove() meanwhile (see out_of_memory_observers::remove).
   std::atomic<std::size_t>* callers_waiting;
   const out_of_memory_observer_call* outer;  ///< the call this one runs inside, or nullptr
