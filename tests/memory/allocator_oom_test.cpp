@@ -611,6 +611,62 @@ TEST_CASE("an observer removed from inside another allocator's observer: its cal
   CHECK(x.a.remove_out_of_memory_observer(x_observer));
 }
 
+TEST_CASE("an observer removing itself waits for its calls on other threads") {
+  // Its own call on this thread cannot end first; another thread's can, and is waited for (its own mark, as a caller
+  // waiting in a removal, made it skip every wait: helper-216).
+  fixture x(64 * MiB);
+  std::atomic<int> inside{0};
+  std::atomic<bool> other_done{false};
+  std::atomic<bool> returned_early{false};
+  std::atomic<std::thread::id> remover{};
+  std::uint64_t self = 0;
+  self = x.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    if (inside.fetch_add(1) == 0) {  // the first call: removes the observer once the second is under way
+      remover = std::this_thread::get_id();
+      while (inside.load() < 2) std::this_thread::yield();
+      CHECK(x.a.remove_out_of_memory_observer(self));
+      returned_early = !other_done.load();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      other_done = true;
+    }
+  });
+  std::thread one([&] { CHECK_THROWS_AS(x.alloc(100 * MiB), gpukit::out_of_memory_error); });
+  std::thread two([&] { CHECK_THROWS_AS(x.alloc(100 * MiB, x.s1), gpukit::out_of_memory_error); });
+  one.join();
+  two.join();
+  CHECK(inside.load() == 2);
+  CHECK_FALSE(returned_early.load());
+}
+
+TEST_CASE("a removal outside any observer waits even while a call of the removed observer waits in a removal") {
+  // No thread outside every observer can be in a wait cycle: it always waits (it returned at once when the call it
+  // removes was itself waiting in a removal, and the object it used was freed under it: helper-216).
+  fixture x(64 * MiB);
+  fixture y(64 * MiB);
+  std::atomic<bool> in_b{false};
+  std::atomic<bool> in_a_removing{false};
+  std::atomic<bool> a_done{false};
+  const auto b = y.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    in_b = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  });
+  const auto a = x.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    while (!in_b.load()) std::this_thread::yield();
+    in_a_removing = true;
+    CHECK(y.a.remove_out_of_memory_observer(b));  // waits for the call of b on the other thread
+    a_done = true;
+  });
+  std::thread t2([&] { CHECK_THROWS_AS(y.alloc(100 * MiB), gpukit::out_of_memory_error); });
+  std::thread t1([&] { CHECK_THROWS_AS(x.alloc(100 * MiB), gpukit::out_of_memory_error); });
+  while (!in_a_removing.load()) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // t1 is waiting in its removal of b
+  CHECK(x.a.remove_out_of_memory_observer(a));
+  CHECK(a_done.load());  // a's call ended before the removal returned
+  t1.join();
+  t2.join();
+}
+
 TEST_CASE("out-of-memory observer ids are unique in the process: a stale id removes no other observer") {
   // Each allocator counted from 1: after set_default_allocator, the free remove_out_of_memory_observer(id, d) with
   // the id of an observer of the replaced allocator removed another observer of the new one.

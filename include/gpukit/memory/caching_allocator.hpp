@@ -327,9 +327,9 @@ class basic_caching_allocator {
   /// is thrown all the same. Returns an id for remove_out_of_memory_observer.
   std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer);
   /// Removes an observer; returns false when no observer has that id. Once it returns, the observer is not called
-  /// again and, when removed outside any observer, its calls on other threads have ended, so what it uses may be
-  /// destroyed (from inside an observer nothing is waited for). An observer whose own allocation from this allocator
-  /// fails gets the error, and the observers are not called for it.
+  /// again and its calls on other threads have ended, so what it uses may be destroyed (the exceptions, which prevent
+  /// deadlocks: detail::out_of_memory_observers::remove). An observer whose own allocation from this allocator fails
+  /// gets the error, and the observers are not called for it.
   bool remove_out_of_memory_observer(std::uint64_t id);
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops recording.

@@ -100,10 +100,10 @@ class out_of_memory_observers {
  public:
   /// Ids come from one counter for the process (mode_independent::out_of_memory_observer_ids).
   std::uint64_t add(out_of_memory_observer observer);
-  /// Once it returns true the observer is not called again and no call of it is under way on another thread, with
-  /// one exception that prevents a deadlock: called from inside an observer, it does not wait for a call whose thread
-  /// is itself waiting in remove() from inside that observer (two observers removing each other on two threads).
-  /// Its own calls on this thread (an observer removing itself) are not waited for either.
+  /// Once it returns true the observer is not called again and no call of it is under way on another thread, except:
+  /// its calls on this thread (an observer removing itself) are not waited for, and, called from inside an
+  /// observer, it waits for none of the removed observer's calls while a thread inside one of them is itself waiting
+  /// in remove() (whatever for): the wait could be a cycle (two observers removing each other on two threads).
   bool remove(std::uint64_t id);
   /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
   /// thread already inside one of these observers: an observer whose own allocation from this allocator fails gets
@@ -211,10 +211,11 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   // way on other threads are waited for, so that what the observer uses may be destroyed once this returns (the
   // usual pattern: an object's destructor removes the observer that captured it), also from inside another
   // observer (that object may be destroyed there: it was skipped, and the object went while a call used it).
-  // Calls on this thread cannot end first: they are not waited for. Nor are calls whose thread waits in remove()
-  // from inside the removed observer: the wait could be a cycle (two observers removing each other on two threads).
-  // Each waiter marks the observers it is inside before it looks at the removed one's mark, so of the threads in
-  // any cycle, the last to look sees the mark of the one before it, and does not wait.
+  // Calls on this thread cannot end first: they are not waited for. From inside an observer, none is waited for
+  // while another thread inside a call of the removed observer waits in remove(): the wait could be a cycle (two
+  // observers removing each other on two threads). Each waiter marks the observers it is inside before it looks at
+  // the removed one's marks, so of the threads in any cycle, the last to look sees the mark of the one before it,
+  // and does not wait.
   const mode_independent::out_of_memory_observer_call* const innermost =
       mode_independent::out_of_memory_observer_calls_v2();
   std::size_t own_calls = 0;
@@ -222,8 +223,10 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   std::unique_lock<std::mutex> lock(removed->mutex);
   removed->removed = true;
   if (removed->calls == own_calls) return true;
+  // Outside any observer this thread cannot be in a cycle: it always waits. Inside, its own marks on the removed
+  // observer (one for each of its calls of it) are not another thread's.
   for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_add(1);
-  if (removed->callers_waiting.load() == 0) {
+  if (innermost == nullptr || removed->callers_waiting.load() == own_calls) {
     removed->calls_ended.wait(lock, [&] { return removed->calls == own_calls; });
   }
   for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_sub(1);
