@@ -219,7 +219,9 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   const mode_independent::out_of_memory_observer_call* const innermost =
       mode_independent::out_of_memory_observer_calls_v2();
   std::size_t own_calls = 0;
-  for (auto* c = innermost; c != nullptr; c = c->outer) own_calls += c->observer == removed.get() ? 1 : 0;
+  for (auto* c = innermost; c != nullptr; c = c->outer) {
+    if (c->observer == removed.get()) ++own_calls;
+  }
   std::unique_lock<std::mutex> lock(removed->mutex);
   removed->removed = true;
   if (removed->calls == own_calls) return true;
