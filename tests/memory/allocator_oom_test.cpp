@@ -667,6 +667,76 @@ TEST_CASE("a removal outside any observer waits even while a call of the removed
   t2.join();
 }
 
+TEST_CASE("a removal inside an observer waits for the calls of threads not waiting in a removal themselves") {
+  // Thread one, inside y, removes x; thread two, inside x, waits in its removal of y (a cycle: neither waits for
+  // the other's call); thread three is inside x too and waits for nothing. Its call is waited for: the mark that
+  // stopped the wait was the observer's, not the thread's, so x's removal returned while three still used x's object
+  // (helper-216's "othercall" case).
+  fixture x(64 * MiB);
+  fixture y(64 * MiB);
+  std::atomic<std::thread::id> remover_of_y{};
+  std::atomic<int> in_x{0};
+  std::atomic<bool> two_removing{false};
+  std::atomic<bool> three_done{false};
+  std::atomic<bool> returned_early{false};
+  std::uint64_t x_observer = 0;
+  std::uint64_t y_observer = 0;
+  x_observer = x.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    ++in_x;
+    if (std::this_thread::get_id() == remover_of_y.load()) {
+      two_removing = true;
+      CHECK(y.a.remove_out_of_memory_observer(y_observer));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      three_done = true;
+    }
+  });
+  y_observer = y.a.add_out_of_memory_observer([&](const gpukit::out_of_memory_info&) {
+    while (in_x.load() < 2 || !two_removing.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // two waits in its removal of y
+    CHECK(x.a.remove_out_of_memory_observer(x_observer));
+    returned_early = !three_done.load();
+  });
+  std::thread one([&] { CHECK_THROWS_AS(y.alloc(100 * MiB), gpukit::out_of_memory_error); });
+  std::thread two([&] {
+    remover_of_y = std::this_thread::get_id();
+    CHECK_THROWS_AS(x.alloc(100 * MiB), gpukit::out_of_memory_error);
+  });
+  while (remover_of_y.load() == std::thread::id()) std::this_thread::yield();
+  std::thread three([&] { CHECK_THROWS_AS(x.alloc(100 * MiB, x.s1), gpukit::out_of_memory_error); });
+  one.join();
+  two.join();
+  three.join();
+  CHECK(in_x.load() == 2);
+  CHECK_FALSE(returned_early.load());
+}
+
+TEST_CASE("observers removing each other in a cycle of 2 to 4 threads all return") {
+  // Thread i, inside observer i, removes observer i + 1 (the last removes the first) while each thread is inside its
+  // own: every removal waits for a thread that waits in a removal, so none may wait.
+  for (std::size_t n = 2; n <= 4; ++n) {
+    std::vector<std::unique_ptr<fixture>> f;
+    for (std::size_t i = 0; i < n; ++i) f.push_back(std::make_unique<fixture>(64 * MiB));
+    std::vector<std::uint64_t> ids(n);
+    std::atomic<std::size_t> inside{0};
+    std::atomic<std::size_t> removed{0};
+    for (std::size_t i = 0; i < n; ++i) {
+      ids[i] = f[i]->a.add_out_of_memory_observer([&, i, n](const gpukit::out_of_memory_info&) {
+        ++inside;
+        while (inside.load() < n) std::this_thread::yield();
+        const std::size_t next = (i + 1) % n;
+        if (f[next]->a.remove_out_of_memory_observer(ids[next])) ++removed;
+      });
+    }
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < n; ++i) {
+      threads.emplace_back([&f, i] { CHECK_THROWS_AS(f[i]->alloc(100 * MiB), gpukit::out_of_memory_error); });
+    }
+    for (std::thread& t : threads) t.join();
+    CHECK(removed.load() == n);
+  }
+}
+
 TEST_CASE("out-of-memory observer ids are unique in the process: a stale id removes no other observer") {
   // Each allocator counted from 1: after set_default_allocator, the free remove_out_of_memory_observer(id, d) with
   // the id of an observer of the replaced allocator removed another observer of the new one.

@@ -39,21 +39,29 @@ GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() no
   return last;
 }
 
-/// An observer call under way on a thread, in the caller's stack frame: the registry calling it, the observer, and
-/// the call it runs inside (nullptr for the outermost).
+/// One observer's calls under way, for removals to wait on. Shared by every copy of gpukit in the process (a
+/// thread inside one copy's observer may remove another's), so its layout is versioned with the accessor below.
+struct out_of_memory_observer_state {
+  std::mutex mutex;
+  std::condition_variable changed;  ///< notified when a call ends or a caller starts waiting in a removal
+  std::size_t calls = 0;            ///< calls under way, on every thread
+  std::size_t callers_waiting = 0;  ///< of those, the calls whose thread waits in a removal meanwhile
+  bool removed = false;             ///< no call starts once set
+};
+
+/// An observer call under way on a thread, in the caller's stack frame: the registry calling it, the observer's
+/// state, and the call it runs inside (nullptr for the outermost).
 struct out_of_memory_observer_call {
-  const void* registry;  ///< the out_of_memory_observers calling
-  const void* observer;  ///< its entry for the observer called
-  /// Threads inside a call of that observer that wait in remove() meanwhile (see out_of_memory_observers::remove).
-  std::atomic<std::size_t>* callers_waiting;
+  const void* registry;                      ///< the out_of_memory_observers calling
+  out_of_memory_observer_state* observer;    ///< the state of the observer called
   const out_of_memory_observer_call* outer;  ///< the call this one runs inside, or nullptr
 };
 
 /// The innermost observer call under way on the calling thread, or nullptr. A pointer, never destroyed: an error
 /// raised by a destructor of static storage, after the thread's objects are gone, still reads it. Exported: an
 /// observer of one shared library that removes itself through another's copy of gpukit is still seen inside its
-/// call (it waited for itself). The name carries the layout's version.
-GPUKIT_EXPORT inline const out_of_memory_observer_call*& out_of_memory_observer_calls_v2() noexcept {
+/// call (it waited for itself). The name carries the version of both structures' layout.
+GPUKIT_EXPORT inline const out_of_memory_observer_call*& out_of_memory_observer_calls_v3() noexcept {
   thread_local const out_of_memory_observer_call* innermost = nullptr;
   return innermost;
 }
@@ -102,8 +110,8 @@ class out_of_memory_observers {
   std::uint64_t add(out_of_memory_observer observer);
   /// Once it returns true the observer is not called again and no call of it is under way on another thread, except:
   /// its calls on this thread (an observer removing itself) are not waited for, and, called from inside an
-  /// observer, it waits for none of the removed observer's calls while a thread inside one of them is itself waiting
-  /// in remove() (whatever for): the wait could be a cycle (two observers removing each other on two threads).
+  /// observer, neither is a call whose thread is itself waiting in remove() (whatever for): the wait could be a cycle
+  /// (two observers removing each other on two threads). Other threads' calls of it are waited for.
   bool remove(std::uint64_t id);
   /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
   /// thread already inside one of these observers: an observer whose own allocation from this allocator fails gets
@@ -115,11 +123,7 @@ class out_of_memory_observers {
   struct entry {
     explicit entry(out_of_memory_observer f) : observer(std::move(f)) {}
     const out_of_memory_observer observer;
-    std::mutex mutex;
-    std::condition_variable calls_ended;
-    std::size_t calls = 0;  // under way, on every thread
-    bool removed = false;
-    std::atomic<std::size_t> callers_waiting{0};  // threads inside a call of it, waiting in remove()
+    mode_independent::out_of_memory_observer_state state;
   };
 
   mutable std::mutex mutex_;
@@ -210,35 +214,51 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   // notify() may have copied the entry before the erase: it checks `removed` before each call. Calls already under
   // way on other threads are waited for, so that what the observer uses may be destroyed once this returns (the
   // usual pattern: an object's destructor removes the observer that captured it), also from inside another
-  // observer (that object may be destroyed there: it was skipped, and the object went while a call used it).
-  // Calls on this thread cannot end first: they are not waited for. From inside an observer, none is waited for
-  // while another thread inside a call of the removed observer waits in remove(): the wait could be a cycle (two
-  // observers removing each other on two threads). Each waiter marks the observers it is inside before it looks at
-  // the removed one's marks, so of the threads in any cycle, the last to look sees the mark of the one before it,
-  // and does not wait.
-  const mode_independent::out_of_memory_observer_call* const innermost =
-      mode_independent::out_of_memory_observer_calls_v2();
+  // observer. Calls on this thread cannot end first: they are not waited for. From inside an observer, neither are
+  // the calls of threads that are themselves waiting in a removal: the wait could be a cycle (two observers removing
+  // each other on two threads). Each waiter marks the calls it is inside before it waits, and a mark wakes the
+  // waiters on that observer: in any cycle, each one's wait ends once the next has marked.
+  using mode_independent::out_of_memory_observer_call;
+  mode_independent::out_of_memory_observer_state& state = removed->state;
+  const out_of_memory_observer_call* const innermost = mode_independent::out_of_memory_observer_calls_v3();
   std::size_t own_calls = 0;
-  for (auto* c = innermost; c != nullptr; c = c->outer) {
-    if (c->observer == removed.get()) ++own_calls;
+  for (const out_of_memory_observer_call* c = innermost; c != nullptr; c = c->outer) {
+    if (c->observer == &state) ++own_calls;
   }
-  std::unique_lock<std::mutex> lock(removed->mutex);
-  removed->removed = true;
-  if (removed->calls == own_calls) return true;
-  // Outside any observer this thread cannot be in a cycle: it always waits. Inside, its own marks on the removed
-  // observer (one for each of its calls of it) are not another thread's.
-  for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_add(1);
-  if (innermost == nullptr || removed->callers_waiting.load() == own_calls) {
-    removed->calls_ended.wait(lock, [&] { return removed->calls == own_calls; });
+  std::unique_lock<std::mutex> lock(state.mutex);
+  state.removed = true;
+  if (state.calls == own_calls) return true;
+  if (innermost == nullptr) {  // outside every observer this thread cannot be in a cycle: it waits for every call
+    state.changed.wait(lock, [&] { return state.calls == 0; });
+    return true;
   }
-  for (auto* c = innermost; c != nullptr; c = c->outer) c->callers_waiting->fetch_sub(1);
+  lock.unlock();  // one observer's lock at a time: the calls this thread is inside may include the removed one
+  auto mark = [innermost](bool waiting) {
+    for (const out_of_memory_observer_call* c = innermost; c != nullptr; c = c->outer) {
+      {
+        const std::lock_guard<std::mutex> guard(c->observer->mutex);
+        if (waiting) {
+          ++c->observer->callers_waiting;
+        } else {
+          --c->observer->callers_waiting;
+        }
+      }
+      if (waiting) c->observer->changed.notify_all();
+    }
+  };
+  mark(true);
+  lock.lock();
+  // Every call left is one whose thread waits in a removal (this thread's own calls among them: it marked them).
+  state.changed.wait(lock, [&] { return state.calls == state.callers_waiting; });
+  lock.unlock();
+  mark(false);
   return true;
 }
 
 GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& info,
                                                    const std::string& device) const noexcept {
   using mode_independent::out_of_memory_observer_call;
-  const out_of_memory_observer_call*& innermost = mode_independent::out_of_memory_observer_calls_v2();
+  const out_of_memory_observer_call*& innermost = mode_independent::out_of_memory_observer_calls_v3();
   for (const out_of_memory_observer_call* c = innermost; c != nullptr; c = c->outer) {
     if (c->registry == this) return;  // an observer's own error
   }
@@ -250,12 +270,13 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
     return;  // no memory to copy the list: the error about to be thrown says why
   }
   for (const auto& observer : observers) {
+    mode_independent::out_of_memory_observer_state& state = observer->state;
     {
-      std::lock_guard<std::mutex> lock(observer->mutex);
-      if (observer->removed) continue;
-      ++observer->calls;
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (state.removed) continue;
+      ++state.calls;
     }
-    const out_of_memory_observer_call call{this, observer.get(), &observer->callers_waiting, innermost};
+    const out_of_memory_observer_call call{this, &state, innermost};
     innermost = &call;
     try {
       observer->observer(info);
@@ -266,10 +287,10 @@ GPUKIT_INLINE void out_of_memory_observers::notify(const out_of_memory_info& inf
     }
     innermost = call.outer;
     {
-      std::lock_guard<std::mutex> lock(observer->mutex);
-      --observer->calls;
+      std::lock_guard<std::mutex> lock(state.mutex);
+      --state.calls;
     }
-    observer->calls_ended.notify_all();
+    state.changed.notify_all();
   }
 }
 
