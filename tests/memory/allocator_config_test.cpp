@@ -81,6 +81,8 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   const auto from_file = gpukit::parse_allocator_config("reserved_limit:40GiB,\r\n  max_split_size_mb:64\n");
   CHECK(from_file.reserved_limit == std::size_t{40} << 30);
   CHECK(from_file.max_split_size == 64 * MiB);
+  // PyTorch's max_split_size_mb:32 keeps blocks of 32 MiB or more whole: below medium_size too.
+  CHECK(gpukit::parse_allocator_config("max_split_size_mb:32").own_segment_size() == 32 * MiB);
   CHECK(gpukit::parse_allocator_config("\n\t").medium_size == defaults.medium_size);
   CHECK(gpukit::parse_allocator_config("release_before_grow:false", o).reserved_limit == o.reserved_limit);
 }

@@ -253,6 +253,28 @@ TEST_CASE("max_split_size: huge blocks are not split and smaller requests do not
   CHECK(f.invariants() == "");
 }
 
+TEST_CASE("max_split_size below medium_size: such requests get segments of their own, kept whole (gpukit defaults)") {
+  // PyTorch's max_split_size_mb:32 keeps a 40 MiB block whole. Under gpukit's defaults a 40 MiB request shared a
+  // segment (medium_size is 64 MiB), which is always split: a 2 MiB request was carved from the cached 40 MiB block
+  // (helper-214), and max_split_size_mb:32 acted as 64.
+  auto o = gpukit::allocator_options{};
+  o.max_split_size = 32 * MiB;
+  CHECK(o.own_segment_size() == 32 * MiB);
+  CHECK(gpukit::allocator_options{}.own_segment_size() == gpukit::allocator_options{}.medium_size);
+  fixture f(o);
+  const auto huge = f.alloc(40 * MiB);
+  CHECK(f.segment_of(huge).size == 40 * MiB);
+  f.free(huge);
+  const auto small = f.alloc(2 * MiB);  // below max_split_size: may not take the 40 MiB block
+  CHECK(f.segment_of(small).address != huge);
+  const auto fits = f.alloc(33 * MiB);  // 7 MiB of waste is within max_oversize_waste (20 MiB): taken whole
+  CHECK(fits == huge);
+  CHECK(f.segment_of(fits).blocks.size() == 1);
+  const auto medium = f.alloc(31 * MiB);  // below max_split_size: a shared segment, as before
+  CHECK(f.segment_of(medium).size != 31 * MiB);
+  CHECK(f.invariants() == "");
+}
+
 TEST_CASE("max_split_size: a fitting block past a class of huge blocks is found before growing (gpukit defaults)") {
   // The 150 MiB block, kept whole for large requests, is the next class above a 30 MiB request; the shared segment's
   // 190 MiB remainder lies in a later class. The search once stopped at the refused class and made a new segment (or,

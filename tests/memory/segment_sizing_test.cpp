@@ -45,6 +45,13 @@ TEST_CASE("shared segments hold a whole number of requests and grow with the foo
   const allocator_options torch = allocator_options::pytorch();
   CHECK(sizing::preferred(torch, 5 * MiB, false, 4096 * MiB) == 20 * MiB);
   CHECK(sizing::preferred(torch, 12 * MiB, false, 0) == 12 * MiB);
+  // A max_split_size below medium_size is where requests get their own segments (a shared one is always split).
+  allocator_options split_32 = o;
+  split_32.max_split_size = 32 * MiB;
+  CHECK(sizing::preferred(split_32, 31 * MiB, false, 800 * MiB) == 62 * MiB);  // shared: 2 requests round exactly
+  CHECK(sizing::preferred(split_32, 32 * MiB, false, 800 * MiB) == 32 * MiB);
+  CHECK(sizing::preferred(o, 32 * MiB, false, 800 * MiB) == 96 * MiB);  // shared under the defaults
+  CHECK(sizing::fitted(split_32, 40 * MiB, false, 0, 0, 41 * MiB) == 40 * MiB);
   // A medium_size so large that 4x overflows saturates instead of wrapping.
   allocator_options huge;
   huge.medium_size = max / 2;
@@ -59,6 +66,7 @@ TEST_CASE("shared segments hold a whole number of requests and grow with the foo
   CHECK(seg % (2 * MiB) == 0);
   CHECK(seg > max - 4 * MiB);    // as many requests as round up without overflow
   huge.medium_size = max - 511;  // every request shares segments; one near the largest size cannot be rounded
+  huge.max_split_size = allocator_options::unlimited;  // (a smaller one would give such requests their own)
   CHECK(sizing::preferred(huge, max - 1023, false, 0) == max - 1023);  // the request itself, as minimal() gives it
 }
 

@@ -46,7 +46,8 @@ struct allocator_options {
   std::size_t small_size = 1 * MiB;          ///< requests up to this are small and come from small segments
   std::size_t small_segment_size = 2 * MiB;  ///< size of a small segment
   /// Larger requests below this share segments of medium_segment_size (or more, see medium_segment_growth);
-  /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding.
+  /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding (from
+  /// max_split_size on where that is smaller: own_segment_size()).
   std::size_t medium_size = 64 * MiB;
   /// Size of the segments shared by requests in (small_size, medium_size); with medium_segment_growth, where their
   /// growth starts.
@@ -60,7 +61,8 @@ struct allocator_options {
   std::size_t large_split_threshold = 1 * MiB;
   /// Blocks of segments made for one request of this size or more are never split, and smaller requests never use
   /// them (PyTorch's max_split_size_mb): huge blocks stay whole for huge requests, so they become completely free
-  /// and releasable when the sizes of the huge requests drift.
+  /// and releasable when the sizes of the huge requests drift. Below medium_size it also lowers the size from which
+  /// a request gets a segment of its own (own_segment_size()), so that such requests' blocks are kept whole there too.
   std::size_t max_split_size = 256 * MiB;
   /// A request of max_split_size or more takes a cached block at most this much larger than itself.
   std::size_t max_oversize_waste = 20 * MiB;
@@ -145,6 +147,13 @@ struct allocator_options {
 
   /// Throws invalid_argument_error naming the first inconsistent setting.
   void validate() const;
+
+  /// The rounded request size from which a large request gets a segment of its own: medium_size, or max_split_size
+  /// where that is smaller (PyTorch's max_split_size_mb:32 keeps 40 MiB blocks whole, which a shared segment would
+  /// not: it is always split).
+  constexpr std::size_t own_segment_size() const noexcept {
+    return max_split_size < medium_size ? max_split_size : medium_size;
+  }
 };
 
 GPUKIT_END_NAMESPACE

@@ -415,7 +415,7 @@ class basic_caching_allocator {
     std::uintptr_t address = 0;
     std::size_t size = 0;  // for an expandable segment, the reserved virtual range
     bool small = false;
-    bool dedicated = false;         // made for one request of medium_size or more (not shared by design)
+    bool dedicated = false;         // made for one request of own_segment_size() or more (not shared by design)
     bool expandable = false;        // a virtual range whose pages are mapped on demand (expandable_segments)
     bool left_to_upstream = false;  // at destruction: a capture keeps the legacy stream's use of it unknown
     detail::page_map pages;         // expandable: which pages are mapped

@@ -1929,7 +1929,7 @@ GPUKIT_INLINE auto basic_caching_allocator<Upstream, StreamOps>::grow(std::uniqu
     lock.lock();
     throw;
   }
-  seg->dedicated = !small && size >= options_.medium_size;
+  seg->dedicated = !small && size >= options_.own_segment_size();
   link_segment(std::move(seg), b, reinterpret_cast<std::uintptr_t>(p), segment_bytes, small);
   count(st_reserved_bytes, small, as_delta(segment_bytes));
   stats_.num_device_alloc.increment();

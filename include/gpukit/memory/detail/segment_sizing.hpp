@@ -26,7 +26,7 @@ constexpr std::size_t rounded_request(const allocator_options& o, std::size_t by
   constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
   if (bytes > max - (o.rounding - 1)) return 0;
   const std::size_t size = (bytes + o.rounding - 1) & ~(o.rounding - 1);
-  if (size > o.small_size && size >= o.medium_size && size > max - (o.large_segment_rounding - 1)) return 0;
+  if (size > o.small_size && size >= o.own_segment_size() && size > max - (o.large_segment_rounding - 1)) return 0;
   return size;
 }
 
@@ -47,12 +47,12 @@ constexpr std::size_t minimal(const allocator_options& o, std::size_t size, bool
 
 /// The segment a rounded request of `size` gets on a cache miss, sized for the footprint (`reserved` bytes held
 /// now): a small segment; a shared segment that grows with the footprint and holds a whole number of such
-/// requests; or the request's own segment from medium_size on.
+/// requests; or the request's own segment from own_segment_size() on.
 constexpr std::size_t preferred(const allocator_options& o, std::size_t size, bool small,
                                 std::size_t reserved) noexcept {
   if (small) return o.small_segment_size;
   const std::size_t g = o.large_segment_rounding;
-  if (size >= o.medium_size) return round_up(size, g);
+  if (size >= o.own_segment_size()) return round_up(size, g);
   std::size_t seg = o.medium_segment_size;
   if (o.medium_segment_growth == 0) return seg;
   seg = std::max(seg, std::min(round_up(reserved / o.medium_segment_growth, g), medium_segment_cap(o)));
@@ -70,7 +70,7 @@ constexpr std::size_t preferred(const allocator_options& o, std::size_t size, bo
 /// For a shared (medium) segment: the fewest such requests, up to 4, whose total is a multiple of
 /// large_segment_rounding, so that none of the segment is lost to rounding; minimal() otherwise.
 constexpr std::size_t unrounded(const allocator_options& o, std::size_t size, bool small) noexcept {
-  if (small || size >= o.medium_size) return minimal(o, size, small);
+  if (small || size >= o.own_segment_size()) return minimal(o, size, small);
   for (std::size_t count = 1; count <= 4; ++count) {
     if (size <= std::numeric_limits<std::size_t>::max() / count && (count * size) % o.large_segment_rounding == 0) {
       return count * size;
@@ -84,7 +84,7 @@ constexpr std::size_t unrounded(const allocator_options& o, std::size_t size, bo
 constexpr std::size_t fitted(const allocator_options& o, std::size_t size, bool small, std::size_t reserved,
                              std::size_t in_flight, std::size_t limit) noexcept {
   const std::size_t wanted = preferred(o, size, small, reserved);
-  if (small || size >= o.medium_size || limit == allocator_options::unlimited) return wanted;
+  if (small || size >= o.own_segment_size() || limit == allocator_options::unlimited) return wanted;
   const std::size_t taken = reserved + in_flight;
   const std::size_t room = limit > taken ? limit - taken : 0;
   if (wanted <= room) return wanted;
