@@ -71,8 +71,9 @@ class device_allocator : public device_resource {
   /// (outside the allocator's lock); returns an id for remove_out_of_memory_observer. Allocators that cannot
   /// report them throw invalid_argument_error.
   virtual std::uint64_t add_out_of_memory_observer(out_of_memory_observer observer);
-  /// Removes an observer; false when none has that id. Once it returns, the observer is not called again and (when
-  /// removed outside any observer) its calls on other threads have ended.
+  /// Removes an observer; false when none has that id. Once it returns, the observer is not called again and its
+  /// calls on other threads have ended, except, when removed inside an observer, those of threads waiting in a
+  /// removal themselves (detail::out_of_memory_observers::remove says why).
   virtual bool remove_out_of_memory_observer(std::uint64_t id);
 
   /// Records this allocator's events into `history` from now on (memory_history.hpp); nullptr stops. Allocators

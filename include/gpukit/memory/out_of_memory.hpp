@@ -110,9 +110,12 @@ class out_of_memory_observers {
   std::uint64_t add(out_of_memory_observer observer);
   /// Once it returns true the observer is not called again and no call of it is under way on another thread, except:
   /// its calls on this thread (an observer removing itself) are not waited for, and, called from inside an
-  /// observer, neither is a call whose thread is itself waiting in remove() (whatever for): the wait could be a cycle
-  /// (two observers removing each other on two threads). Other threads' calls of it are waited for.
-  bool remove(std::uint64_t id);
+  /// observer, neither is a call whose thread is itself waiting in remove() (whatever for) when it looks: the wait
+  /// could be a cycle (two observers removing each other on two threads). Other threads' calls of it are waited for.
+  /// In a cycle every removal returns, once the others have marked their calls or those calls have ended, so an
+  /// observer must not wait, after its removal returns, for another removal of the cycle. noexcept: a lock that
+  /// fails (std::system_error) terminates, as in notify(), rather than leave the marks or the observer half removed.
+  bool remove(std::uint64_t id) noexcept;
   /// Calls each observer; one that throws is reported through gpukit::warn, naming `device`. Does nothing on a
   /// thread already inside one of these observers: an observer whose own allocation from this allocator fails gets
   /// the error, not another call of itself (which would recurse without end). Other allocators' observers are called.
@@ -202,7 +205,7 @@ GPUKIT_INLINE std::uint64_t out_of_memory_observers::add(out_of_memory_observer 
   return id;
 }
 
-GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
+GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) noexcept {
   std::shared_ptr<entry> removed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -217,7 +220,7 @@ GPUKIT_INLINE bool out_of_memory_observers::remove(std::uint64_t id) {
   // observer. Calls on this thread cannot end first: they are not waited for. From inside an observer, neither are
   // the calls of threads that are themselves waiting in a removal: the wait could be a cycle (two observers removing
   // each other on two threads). Each waiter marks the calls it is inside before it waits, and a mark wakes the
-  // waiters on that observer: in any cycle, each one's wait ends once the next has marked.
+  // waiters on that observer: in a cycle, a wait ends once the next thread has marked (or its call has ended).
   using mode_independent::out_of_memory_observer_call;
   mode_independent::out_of_memory_observer_state& state = removed->state;
   const out_of_memory_observer_call* const innermost = mode_independent::out_of_memory_observer_calls_v3();
