@@ -83,6 +83,15 @@ TEST_CASE("allocator configuration: keys, units, spaces and presets") {
   CHECK(from_file.max_split_size == 64 * MiB);
   // PyTorch's max_split_size_mb:32 keeps blocks of 32 MiB or more whole: below medium_size too.
   CHECK(gpukit::parse_allocator_config("max_split_size_mb:32").own_segment_size() == 32 * MiB);
+  // ...and must exceed max_oversize_waste, as PyTorch's must exceed 20 MiB (with 4 MiB, ten 4 MiB requests took
+  // 220 MiB of cached 22 MiB blocks, whole: helper-218).
+  CHECK(contains(refusal("max_split_size_mb:20"),
+                 "max_split_size must be larger than max_oversize_waste (it is "
+                 "20971520, max_oversize_waste 20971520)"));
+  CHECK(gpukit::parse_allocator_config("max_split_size_mb:4,max_oversize_waste:2MiB").own_segment_size() == 4 * MiB);
+  // Shared segments serve requests below max_split_size then: medium_segment_size need not reach medium_size.
+  CHECK(gpukit::parse_allocator_config("preset:pytorch,medium_size:64MiB,max_split_size_mb:16,max_oversize_waste:2MiB")
+            .own_segment_size() == 16 * MiB);
   CHECK(gpukit::parse_allocator_config("\n\t").medium_size == defaults.medium_size);
   CHECK(gpukit::parse_allocator_config("release_before_grow:false", o).reserved_limit == o.reserved_limit);
 }
@@ -144,8 +153,8 @@ TEST_CASE("allocator configuration: bad input is refused naming the entry, befor
   CHECK(contains(refusal("medium_segment_size:1000000"), "medium_segment_size 1000000 is not"));
   CHECK(contains(refusal("small_segment_size:3000000"), "small_segment_size 3000000 is not"));
   CHECK(contains(refusal("medium_size:512KiB"), "(it is 524288, small_size 1048576)"));
-  CHECK(
-      contains(refusal("medium_segment_growth:0,medium_segment_size:16MiB"), "(it is 16777216, medium_size 67108864)"));
+  CHECK(contains(refusal("medium_segment_growth:0,medium_segment_size:16MiB"),
+                 "(it is 16777216, medium_size 67108864, max_split_size 268435456)"));
   CHECK(contains(refusal("max_split_size:256"), "(it is 256, the rounding 512)"));
   // The nearest multiple above the largest size does not exist: only the one below is suggested.
   const std::string largest = refusal("medium_size:18446744073709551615");

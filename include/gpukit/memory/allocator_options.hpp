@@ -49,11 +49,12 @@ struct allocator_options {
   /// requests of this size or more get a segment of their own, rounded up to large_segment_rounding (from
   /// max_split_size on where that is smaller: own_segment_size()).
   std::size_t medium_size = 64 * MiB;
-  /// Size of the segments shared by requests in (small_size, medium_size); with medium_segment_growth, where their
-  /// growth starts.
+  /// Size of the segments shared by requests in (small_size, own_segment_size()); with medium_segment_growth, where
+  /// their growth starts.
   std::size_t medium_segment_size = 20 * MiB;
-  /// A request's own segment (medium_size or more) is rounded up to a multiple of this, and so are shared segments
-  /// that grow (a power of two, at least the rounding and at most 4 × medium_size, the largest shared segment).
+  /// A request's own segment (own_segment_size() or more) is rounded up to a multiple of this, and so are shared
+  /// segments that grow (a power of two, at least the rounding and at most 4 × medium_size, the largest shared
+  /// segment).
   std::size_t large_segment_rounding = 2 * MiB;
   std::size_t small_split_threshold = 0;  ///< a small block is split when the remainder exceeds this
   /// A large block is split when the remainder exceeds this; in expandable segments, whatever the remainder (as
@@ -63,6 +64,9 @@ struct allocator_options {
   /// them (PyTorch's max_split_size_mb): huge blocks stay whole for huge requests, so they become completely free
   /// and releasable when the sizes of the huge requests drift. Below medium_size it also lowers the size from which
   /// a request gets a segment of its own (own_segment_size()), so that such requests' blocks are kept whole there too.
+  /// Blocks of shared segments are split whatever their size: those grow up to 4 x medium_size (PyTorch's 20 MiB
+  /// ones stay below its max_split_size, which must exceed 20 MiB), so where max_split_size is below that, keep them
+  /// under it with medium_segment_growth 0 or a smaller medium_size. Must exceed max_oversize_waste.
   std::size_t max_split_size = 256 * MiB;
   /// A request of max_split_size or more takes a cached block at most this much larger than itself.
   std::size_t max_oversize_waste = 20 * MiB;
@@ -81,7 +85,7 @@ struct allocator_options {
   /// counted in num_device_free_unforced. Off: it brings no measured gain in the memory a job needs (minimum
   /// capacity in bench_fragmentation), because the out-of-memory path releases such segments anyway.
   bool release_before_grow = false;
-  /// When non-zero, segments shared by requests in (small_size, medium_size) grow with the footprint: they are
+  /// When non-zero, segments shared by requests in (small_size, own_segment_size()) grow with the footprint: they are
   /// max(medium_segment_size, reserved / medium_segment_growth) (at most 4 × medium_size), trimmed to a whole
   /// number of the request that makes them and rounded to large_segment_rounding, so big programs make few upstream
   /// calls, small ones keep small segments, and a run of equal requests leaves no unusable tail.
@@ -217,13 +221,23 @@ GPUKIT_INLINE void allocator_options::validate() const {
     fail("large_segment_rounding must be at most 4 x medium_size, the largest shared segment (it is " +
          n(large_segment_rounding) + ", 4 x medium_size " + n(largest_shared) + ")");
   }
-  if (medium_segment_growth == 0 && medium_size > small_size && medium_segment_size < medium_size) {
-    fail("medium_segment_size must be at least medium_size, or set medium_segment_growth (it is " +
-         n(medium_segment_size) + ", medium_size " + n(medium_size) + ")");
+  // Shared segments serve the requests below own_segment_size().
+  if (medium_segment_growth == 0 && own_segment_size() > small_size && medium_segment_size < own_segment_size()) {
+    fail(
+        "medium_segment_size must be at least medium_size (or max_split_size where smaller), or set "
+        "medium_segment_growth (it is " +
+        n(medium_segment_size) + ", medium_size " + n(medium_size) + ", max_split_size " + n(max_split_size) + ")");
   }
   if (max_split_size < rounding) {
     fail("max_split_size must be at least the rounding (it is " + n(max_split_size) + ", the rounding " + n(rounding) +
          ")");
+  }
+  if (max_split_size <= max_oversize_waste) {
+    // Every request from max_split_size on would take cached blocks up to max_oversize_waste larger, whole: with
+    // max_split_size 4 MiB, ten 4 MiB requests held 220 MiB. PyTorch refuses max_split_size_mb of 20 or less alike.
+    fail("max_split_size must be larger than max_oversize_waste (it is " + n(max_split_size) + ", max_oversize_waste " +
+         n(max_oversize_waste) +
+         "): a request of max_split_size or more takes a cached block up to max_oversize_waste larger, whole");
   }
   if (expandable_segments_required && !expandable_segments) {
     fail("expandable_segments_required needs expandable_segments");
