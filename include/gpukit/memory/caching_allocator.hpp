@@ -24,7 +24,7 @@
 /// - Before host memory is returned to its upstream, the allocator waits for work that may still use it (CUDA's
 ///   cudaFree synchronizes the device by itself). For that it records a "fence" event when a block is freed on a
 ///   stream that may still have work pending (a CUDA stream under cross-stream reuse, or a busy CPU queue).
-/// - Footprint (gpukit's defaults, measured in bench_fragmentation): requests up to medium_size share segments that
+/// - Footprint (gpukit's defaults, measured in bench_fragmentation): requests below medium_size share segments that
 ///   grow with the footprint, each a whole number of the request that makes it; huge blocks are kept whole
 ///   (max_split_size). Nothing is returned to the upstream while memory is available (every cudaFree drains the
 ///   device): only under pressure (below), when asked (empty_cache, trim, a lower limit) or with release_before_grow.
@@ -824,7 +824,9 @@ class basic_caching_allocator {
     g.add_current(d);
   }
 
-  /// count_with_fronts' slow path: takes every slot lock and rebalances counter `k` before `d` is added.
+  /// count_with_fronts' slow path: takes back what the slots' claims hold above their values, one slot lock at a
+  /// time, until the heap has room for `d` under counter `k`'s peak; else takes every slot lock and rebalances
+  /// counter `k` before `d` is added.
   GPUKIT_DETAIL_NOINLINE void raise_peak_with_fronts(std::size_t k, std::int64_t d) noexcept;
 
   /// With the device lock and every slot lock held: records the true value of counter `k` in its peak, lets every
@@ -868,6 +870,14 @@ class basic_caching_allocator {
   /// sum stays the same, so no peak needs a look: with one thread taking turns on two streams at the peak, only one
   /// slot can hold the room for a take, and every pair took the slow path (every lock) to move it.
   bool borrow_claims(front_slot_type& slot, typename front_slot_type::amounts need) noexcept;
+
+  /// When borrow_claims could not: with the device lock if it is free at once (a try_lock: `slot`'s lock is held),
+  /// gives `slot` the room under the peaks (slack_) of each quantity it needs, topped up from other slots' spare
+  /// claims whose locks are free. False when `need` is not there (the slow path then records a new peak). A small
+  /// block taken and freed beside a large one (the common step: a small and a large temporary, at the step's peak)
+  /// moved the same room between the slot and the heap (or the large blocks' slot) every step, through the slow
+  /// path and the heap's every-lock path each time.
+  GPUKIT_DETAIL_NOINLINE bool claim_from_heap(front_slot_type& slot, typename front_slot_type::amounts need) noexcept;
 
   /// Hands out the top block of `bin` (the slot's lock held; every lock when `slow`).
   block* take_cached(front_slot_type& slot, typename front_slot_type::bin& bin, std::size_t requested, bool slow);
@@ -1315,8 +1325,8 @@ class basic_caching_allocator {
   std::array<front_slot_type*, front_slot_count> owned_{};  // owned_fronts(): the first owned_count_ (device lock)
   std::size_t owned_count_ = 0;
   // Paths that take every slot lock for the claims (device lock), read by tests (caching_diagnostics): a front
-  // cache's call past its claim (front_take_slow, front_give_slow), and the heap's count past its slack
-  // (raise_peak_with_fronts).
+  // cache's call past its claim (front_take_slow, front_give_slow), and the heap's count past its slack and the
+  // slots' spare claims (raise_peak_with_fronts).
   std::size_t front_slow_paths_ = 0;
   std::size_t heap_peak_raises_ = 0;
   detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
