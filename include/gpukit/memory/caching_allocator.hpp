@@ -828,6 +828,9 @@ class basic_caching_allocator {
   /// time, until the heap has room for `d` under counter `k`'s peak; else takes every slot lock and rebalances
   /// counter `k` before `d` is added.
   GPUKIT_DETAIL_NOINLINE void raise_peak_with_fronts(std::size_t k, std::int64_t d) noexcept;
+  /// raise_peak_with_fronts' first look (device lock held): takes back up to `missing` of the slots' claims for
+  /// counter `k` above their values, one slot lock at a time, into slack_; true when it found all of it.
+  bool take_spare_claims(std::size_t k, std::int64_t missing) noexcept;
 
   /// With the device lock and every slot lock held: records the true value of counter `k` in its peak, lets every
   /// slot keep its current value, and takes back claims (others' before `acting`'s) until peak >= heap + claims.
@@ -1321,7 +1324,11 @@ class basic_caching_allocator {
   std::uint64_t large_waits_seen_ = 0;  // the last 64 large heap operations, a bit set for each wait (device lock)
   bool fronts_active_ = false;          // a block was ever cached in front (written with every lock held)
   bool peaks_deferred_ = false;         // flush_fronts is moving blocks: peaks are settled when it ends
-  std::array<std::int64_t, counter_count> slack_{};         // peak - heap - claims (device lock)
+  std::array<std::int64_t, counter_count> slack_{};  // peak - heap - claims (device lock)
+  // Bit k: the heap's last look for spare claims of counter k found too little; cleared when a slot's claims rise
+  // (device lock; a hint: the every-lock path is right either way).
+  std::uint32_t spare_exhausted_ = 0;
+  static_assert(counter_count <= 32, "one bit a counter");
   std::array<front_slot_type*, front_slot_count> owned_{};  // owned_fronts(): the first owned_count_ (device lock)
   std::size_t owned_count_ = 0;
   // Paths that take every slot lock for the claims (device lock), read by tests (caching_diagnostics): a front
@@ -1329,6 +1336,7 @@ class basic_caching_allocator {
   // slots' spare claims (raise_peak_with_fronts).
   std::size_t front_slow_paths_ = 0;
   std::size_t heap_peak_raises_ = 0;
+  std::size_t heap_spare_looks_ = 0;                        // take_spare_claims' passes over the slots
   detail::front_owners<front_slot_count> front_owners_;     // read by every front-cache call, written rarely
   std::array<front_slot_type, front_slot_count> fronts_{};  // last: the large blocks' slots are cold unless used
 };

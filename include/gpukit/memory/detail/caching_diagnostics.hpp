@@ -77,6 +77,11 @@ struct caching_diagnostics {
   static std::size_t heap_peak_raises(const Engine& e) noexcept {
     return e.heap_peak_raises_;
   }
+  /// How often the heap of `e` looked for spare claims one slot at a time before that (take_spare_claims).
+  template <class Engine>
+  static std::size_t heap_spare_looks(const Engine& e) noexcept {
+    return e.heap_spare_looks_;
+  }
 
   /// The free memory of `e`: free blocks in the heap and in the front caches, only their mapped pages for expandable
   /// segments (unmapped space is no memory). The device lock and every front slot's lock held.
