@@ -42,7 +42,7 @@ GPUKIT_EXPORT inline std::atomic<std::uint64_t>& out_of_memory_observer_ids() no
 /// One observer's calls under way, for removals to wait on. Shared by every copy of gpukit in the process (a
 /// thread inside one copy's observer may remove another's), so its layout is versioned with the accessor below.
 struct out_of_memory_observer_state {
-  std::mutex mutex;
+  std::mutex mutex;                 ///< guards the members below
   std::condition_variable changed;  ///< notified when a call ends or a caller starts waiting in a removal
   std::size_t calls = 0;            ///< calls under way, on every thread
   std::size_t callers_waiting = 0;  ///< of those, the calls whose thread waits in a removal meanwhile
