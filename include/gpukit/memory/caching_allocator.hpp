@@ -845,6 +845,11 @@ class basic_caching_allocator {
   /// claims (a block left: allocation, active and requested rose; one entered: inactive-split rose), and gives
   /// `slot` the room left under those peaks (taken from slack_).
   void rebalance_risen(front_slot_type& slot, bool left) noexcept;
+  /// Moves `amount` of room under the peaks of quantity q's counters (slack_) into `slot`'s claim on q (the device
+  /// lock and the slot's lock held): the heap may find spare claims again (spare_exhausted_ cleared).
+  void grant_claim(front_slot_type& slot, std::size_t q, std::int64_t amount) noexcept;
+  /// The reverse: `amount` of `slot`'s claim on q back into the room of every counter of q (the same locks held).
+  void return_claim(front_slot_type& slot, std::size_t q, std::int64_t amount) noexcept;
 
   /// The `probe`-th slot for stream `key`'s small blocks (or large ones): linear probing from the key's hash. A
   /// stream's slots come before the first slot never owned in its sequence, as owners are never reset to unowned.

@@ -1120,14 +1120,10 @@ bool basic_caching_allocator<Upstream, StreamOps>::take_spare_claims(std::size_t
   for (front_slot_type* slot : owned_fronts()) {
     const std::size_t q = quantity_of(k, is_large_slot(*slot));
     if (q == detail::front_quantity_count) continue;
-    std::int64_t spare = 0;
-    {
-      const std::lock_guard<detail::spin_mutex> lock(slot->mutex);
-      spare = std::min(missing, slot->claim[q] - slot->value(q));
-      if (spare <= 0) continue;
-      slot->claim[q] -= spare;
-    }
-    for (std::size_t other : counters_of(q, is_large_slot(*slot))) slack_[other] += spare;
+    const std::lock_guard<detail::spin_mutex> lock(slot->mutex);
+    const std::int64_t spare = std::min(missing, slot->claim[q] - slot->value(q));
+    if (spare <= 0) continue;
+    return_claim(*slot, q, spare);
     missing -= spare;
     if (missing == 0) return true;
   }
@@ -1183,15 +1179,28 @@ GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::rebalance_risen
   // slot only through here, one block at a time: a cycle of 9 sizes on one stream, one served by the heap, took the
   // slow path on most of its pairs. A claim counts in every counter of its quantity: it rises by their least room.
   const bool large = is_large_slot(slot);
-  spare_exhausted_ = 0;  // the slot's claims rise: the heap may find spare room in them again
   for (std::size_t q = 0; q < detail::front_quantity_count; ++q) {
     if ((q == detail::fq_split_blocks || q == detail::fq_split_bytes) == left) continue;
     for (std::size_t k : counters_of(q, large)) rebalance(k, &slot);
     std::int64_t room = std::numeric_limits<std::int64_t>::max();
     for (std::size_t k : counters_of(q, large)) room = std::min(room, slack_[k]);
-    for (std::size_t k : counters_of(q, large)) slack_[k] -= room;
-    slot.claim[q] += room;
+    grant_claim(slot, q, room);
   }
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::grant_claim(front_slot_type& slot, std::size_t q,
+                                                                             std::int64_t amount) noexcept {
+  for (std::size_t k : counters_of(q, is_large_slot(slot))) slack_[k] -= amount;
+  slot.claim[q] += amount;
+  spare_exhausted_ = 0;  // the slot's claims rise: the heap may find spare room in them again
+}
+
+template <class Upstream, class StreamOps>
+GPUKIT_INLINE void basic_caching_allocator<Upstream, StreamOps>::return_claim(front_slot_type& slot, std::size_t q,
+                                                                              std::int64_t amount) noexcept {
+  slot.claim[q] -= amount;
+  for (std::size_t k : counters_of(q, is_large_slot(slot))) slack_[k] += amount;
 }
 
 template <class Upstream, class StreamOps>
@@ -1299,10 +1308,9 @@ bool basic_caching_allocator<Upstream, StreamOps>::claim_from_heap(front_slot_ty
       for (front_slot_type* other : owned_fronts()) {
         if (other == &slot || (is_large_slot(*other) == large) != same_pool || !other->mutex.try_lock()) continue;
         const std::int64_t spare = std::min(need[q] - std::min(all_room, pool_room), other->claim[q] - other->value(q));
-        if (spare > 0) other->claim[q] -= spare;
+        if (spare > 0) return_claim(*other, q, spare);
         other->mutex.unlock();
         if (spare <= 0) continue;
-        for (std::size_t k : counters_of(q, is_large_slot(*other))) slack_[k] += spare;
         all_room += spare;
         if (same_pool) pool_room += spare;
         if (std::min(all_room, pool_room) >= need[q]) break;
@@ -1314,11 +1322,8 @@ bool basic_caching_allocator<Upstream, StreamOps>::claim_from_heap(front_slot_ty
   // All the room left, as the slow path gives (rebalance_risen): the slot comes back less often, and the heap takes
   // back what it needs one slot lock at a time. (Only the block's need: a cycle of 9 sizes on one stream cost 1239
   // instructions a pair against 864.)
-  spare_exhausted_ = 0;  // the slot's claims rise: the heap may find spare room in them again
   for (std::size_t q = 0; q < detail::front_quantity_count; ++q) {
-    if (need[q] <= 0) continue;
-    for (std::size_t k : counters_of(q, large)) slack_[k] -= given[q];
-    slot.claim[q] += given[q];
+    if (need[q] > 0) grant_claim(slot, q, given[q]);
   }
   return true;
 }
